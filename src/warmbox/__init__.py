@@ -1,0 +1,21 @@
+"""warmbox: self-hosted sandboxes for running untrusted, model-generated code."""
+
+from warmbox.errors import (BackendUnavailable, CommandFailed, ContextError, FilesError, GuestConnectionError,
+                            GuestProtocolError, InvalidArgument, InvalidPath, IsADirectory, NoSpace,
+                            NotADirectory, PathExists, PathNotFound, PathPermissionDenied, RegistryError,
+                            SandboxError, SandboxNotFound, SandboxStartError, SandboxStateError,
+                            SandboxTimeout, WarmboxError)
+from warmbox.models import (CommandResult, EntryInfo, Execution, ExecutionError, Limits, Result, SandboxInfo,
+                            StageTiming, State, TierStatus)
+from warmbox.sdk import AsyncSandbox, CodeContext, Sandbox
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncSandbox", "BackendUnavailable", "CodeContext", "CommandFailed", "CommandResult", "ContextError",
+    "EntryInfo", "Execution", "ExecutionError", "FilesError", "GuestConnectionError", "GuestProtocolError",
+    "InvalidArgument", "InvalidPath", "IsADirectory", "Limits", "NoSpace", "NotADirectory", "PathExists",
+    "PathNotFound", "PathPermissionDenied", "RegistryError", "Result", "Sandbox", "SandboxError",
+    "SandboxInfo", "SandboxNotFound", "SandboxStartError", "SandboxStateError", "SandboxTimeout",
+    "StageTiming", "State", "TierStatus", "WarmboxError", "__version__",
+]

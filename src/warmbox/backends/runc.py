@@ -1,0 +1,388 @@
+"""Tier 2: an OCI container run by ``runc`` — namespaces (user ns included), cgroups, seccomp.
+
+The rootfs is a shared read-only image (minimal /etc, the guest agent under /opt/warmbox,
+mount points) with the host's /usr bind-mounted read-only; each sandbox adds its own
+/workspace, tmpfs /tmp and /home/user, and a private 65536-id user-namespace range. The guest
+agent's listening socket is created on the host and handed to the container as fd 3, so the
+sandbox shares no writable host directory with the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import ClassVar
+
+from warmbox.backends import seccomp
+from warmbox.backends.base import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
+from warmbox.errors import SandboxStartError
+
+GUEST_UID = 1000
+GUEST_GID = 1000
+ID_RANGE = 65536
+HOSTNAME = "sandbox"
+GUEST_LIB = "/opt/warmbox"
+BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/home/user",
+    "LANG": "C.UTF-8",
+}
+MASKED_PATHS = [
+    "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+    "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+]
+READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+_ETC_COPY = [
+    "alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "os-release", "debian_version",
+    "bash.bashrc", "inputrc", "profile", "protocols", "services", "host.conf", "gai.conf",
+    "mime.types", "python3", "python3.11", "ssl/certs/ca-certificates.crt", "ssl/openssl.cnf",
+]
+_GUEST_SOURCES = ("protocol.py", "guest/__init__.py", "guest/agent.py", "guest/kernel.py")
+_AGENT_BOOT = ("import sys; sys.path.insert(0, %r); from warmbox.guest.agent import main; main()" % GUEST_LIB)
+
+
+def _run_quiet(argv: list[str], timeout: float = 10) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def build_image(images_dir: Path) -> Path:
+    """The shared read-only rootfs, built once per content hash (atomic: temp dir + rename)."""
+    pkg = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256(b"warmbox-rootfs-v1")
+    for rel in _GUEST_SOURCES:
+        h.update(rel.encode() + b"\0" + (pkg / rel).read_bytes())
+    final = images_dir / f"base-{h.hexdigest()[:16]}"
+    if final.is_dir():
+        return final
+    images_dir.mkdir(parents=True, exist_ok=True)
+    tmp = images_dir / f".tmp-{os.getpid()}-{time.monotonic_ns()}"
+    tmp.mkdir(mode=0o755)
+    for d in ("usr", "proc", "dev", "sys", "tmp", "workspace", "home/user", "run", "opt", "var", "mnt"):
+        (tmp / d).mkdir(parents=True, exist_ok=True)
+    (tmp / "root").mkdir(mode=0o700)
+    for link in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        host = Path("/") / link
+        if host.is_symlink():
+            os.symlink(os.readlink(host), tmp / link)
+    os.symlink("/tmp", tmp / "var/tmp")
+    etc = tmp / "etc"
+    etc.mkdir()
+    files = {
+        "passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\nuser:x:1000:1000:user:/home/user:/bin/bash\n"
+                  "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+        "group": "root:x:0:\ntty:x:5:\nuser:x:1000:\nnogroup:x:65534:\n",
+        "hostname": HOSTNAME + "\n",
+        "hosts": f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost ip6-localhost\n",
+        "resolv.conf": "# no network in this sandbox\n",
+        "nsswitch.conf": "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\n",
+        "shells": "/bin/sh\n/bin/bash\n",
+        "timezone": "Etc/UTC\n",
+    }
+    for name, text in files.items():
+        (etc / name).write_text(text)
+    os.symlink("/usr/share/zoneinfo/Etc/UTC", etc / "localtime")
+    for rel in _ETC_COPY:
+        src = Path("/etc") / rel
+        if not src.exists():
+            continue
+        dst = etc / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst, symlinks=True)
+        else:
+            shutil.copy2(src.resolve(), dst)
+    lib = tmp / GUEST_LIB.lstrip("/") / "warmbox"
+    (lib / "guest").mkdir(parents=True)
+    (lib / "__init__.py").write_text('"""Guest-side copy: protocol + agent only."""\n')
+    for rel in _GUEST_SOURCES:
+        shutil.copy2(pkg / rel, lib / rel)
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another process won the race; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _cgroup_v2() -> bool:
+    return Path("/sys/fs/cgroup/cgroup.controllers").exists()
+
+
+class RuncBackend:
+    """Tier 2 (``container``): runc with user namespace, seccomp, cgroups, own network ns."""
+
+    tier: ClassVar[str] = "container"
+
+    def __init__(self, home: Path, runc: str | None = None) -> None:
+        self.home = home
+        self.runc = runc or shutil.which("runc") or "runc"
+        self.root = home / "runc"
+        self._image: Path | None = None
+
+    # ---- description
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            tier=self.tier,
+            isolation="Linux namespaces (user, pid, mount, net, ipc, uts, cgroup) + seccomp + cgroups; shared host kernel",
+            memory_snapshot=False, filesystem_snapshot=False, custom_kernel=False,
+            network_modes=("none",), languages=("python", "node", "shell", "c", "git"),
+            start_class="10-100ms",
+        )
+
+    def probe(self) -> Availability:
+        path = shutil.which(self.runc) if not os.path.isabs(self.runc) else self.runc
+        if not path or not os.access(path, os.X_OK):
+            return Availability(False, "runc is not installed (apt-get install runc)")
+        if os.geteuid() != 0:
+            return Availability(False, "needs root (runc with user namespaces and cgroups)")
+        try:
+            if int(Path("/proc/sys/user/max_user_namespaces").read_text()) <= 0:
+                return Availability(False, "user namespaces are disabled (user.max_user_namespaces=0)")
+        except (OSError, ValueError):
+            pass
+        if not _cgroup_v2() and not Path("/sys/fs/cgroup/memory").is_dir():
+            return Availability(False, "no memory cgroup controller mounted")
+        try:
+            out = _run_quiet([path, "--version"]).stdout.split("\n")[0]
+        except (OSError, subprocess.SubprocessError) as e:
+            return Availability(False, f"runc does not run: {e}")
+        return Availability(True, f"{out.strip()}, cgroup {'v2' if _cgroup_v2() else 'v1'}")
+
+    # ---- lifecycle
+
+    def image(self) -> Path:
+        if self._image is None:
+            self._image = build_image(self.home / "images")
+        return self._image
+
+    def config(self, spec: SandboxSpec, rootfs: Path, workspace: Path) -> dict:
+        """The OCI runtime config of one sandbox."""
+        lim = spec.limits
+        env = dict(BASE_ENV)
+        env.update(dict(spec.envs))
+        mib = 1 << 20
+        ns = [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup", "user")]
+        nosuid = ["nosuid", "nodev"]
+        mounts = [
+            {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+            {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {"destination": "/usr", "type": "bind", "source": "/usr", "options": ["bind", "ro", *nosuid]},
+            {"destination": "/workspace", "type": "bind", "source": str(workspace), "options": ["bind", "rw", *nosuid]},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+             "options": [*nosuid, "mode=1777", f"size={lim.tmp_mb}m"]},
+            {"destination": "/home/user", "type": "tmpfs", "source": "tmpfs",
+             "options": [*nosuid, "mode=755", f"uid={GUEST_UID}", f"gid={GUEST_GID}", f"size={lim.tmp_mb}m"]},
+        ]
+        period = 100_000
+        return {
+            "ociVersion": "1.0.2",
+            "process": {
+                "terminal": False,
+                "user": {"uid": GUEST_UID, "gid": GUEST_GID, "additionalGids": []},
+                "args": ["/usr/bin/python3", "-I", "-S", "-c", _AGENT_BOOT],
+                "env": [f"{k}={v}" for k, v in env.items()],
+                "cwd": "/workspace",
+                "capabilities": {k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")},
+                "rlimits": [
+                    {"type": "RLIMIT_NOFILE", "hard": lim.open_files, "soft": lim.open_files},
+                    {"type": "RLIMIT_FSIZE", "hard": lim.file_size_mb * mib, "soft": lim.file_size_mb * mib},
+                    {"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
+                ],
+                "noNewPrivileges": True,
+            },
+            "root": {"path": str(rootfs), "readonly": True},
+            "hostname": HOSTNAME,
+            "mounts": mounts,
+            "linux": {
+                "uidMappings": [{"containerID": 0, "hostID": spec.uid_base, "size": ID_RANGE}],
+                "gidMappings": [{"containerID": 0, "hostID": spec.uid_base, "size": ID_RANGE}],
+                "namespaces": ns,
+                "cgroupsPath": self.cgroup_path(spec.sandbox_id),
+                "resources": {
+                    "devices": [{"allow": False, "access": "rwm"}],
+                    "memory": {"limit": lim.memory_mb * mib, "swap": lim.memory_mb * mib},
+                    "cpu": {"quota": max(1000, int(lim.cpus * period)), "period": period},
+                    "pids": {"limit": lim.pids},
+                },
+                "maskedPaths": MASKED_PATHS,
+                "readonlyPaths": READONLY_PATHS,
+                "seccomp": seccomp.profile(),
+            },
+        }
+
+    @staticmethod
+    def cgroup_path(sandbox_id: str) -> str:
+        return f"/warmbox/{sandbox_id}"
+
+    async def create(self, spec: SandboxSpec) -> BackendHandle:
+        state = Path(spec.state_dir)
+        bundle = state / "bundle"
+        workspace = state / "workspace"
+        bundle.mkdir(parents=True, exist_ok=True)
+        workspace.mkdir(mode=0o700, exist_ok=True)
+        os.chown(workspace, spec.uid_base + GUEST_UID, spec.uid_base + GUEST_GID)
+        config = self.config(spec, self.image(), workspace)
+        tmp = bundle / "config.json.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the sandbox's env
+        with os.fdopen(fd, "w") as f:
+            json.dump(config, f)
+        os.rename(tmp, bundle / "config.json")
+        return BackendHandle(sandbox_id=spec.sandbox_id, tier=self.tier, runtime_id=spec.sandbox_id,
+                             state_dir=str(state), socket_path=str(state / "agent.sock"),
+                             uid_base=spec.uid_base)
+
+    async def start(self, handle: BackendHandle) -> None:
+        state = Path(handle.state_dir)
+        sock_path = handle.socket_path
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            try:
+                os.unlink(sock_path)
+            except FileNotFoundError:
+                pass
+            listener.bind(sock_path)
+            os.chmod(sock_path, 0o600)
+            listener.listen(128)
+            log = state / "agent.log"
+            argv = [self.runc, "--root", str(self.root), "run", "--detach", "--preserve-fds", "1",
+                    "--bundle", str(state / "bundle"), handle.runtime_id]
+            rc = await _spawn_wait(argv, fd3=listener.fileno(), log=log)
+        finally:
+            listener.close()
+        if rc != 0:
+            tail = _tail(state / "agent.log")
+            raise SandboxStartError(f"runc failed to start the sandbox (exit {rc}): {tail}", handle.sandbox_id)
+        # Spare the guest agent from the OOM killer (a userns cannot lower its own score; the
+        # agent resets its children to 0, so user code stays the victim).
+        pid = self._init_pid(handle)
+        if pid is not None:
+            try:
+                Path(f"/proc/{pid}/oom_score_adj").write_text("-1000")
+            except OSError:
+                pass
+
+    async def alive(self, handle: BackendHandle) -> bool:
+        pid = self._init_pid(handle)
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def _init_pid(self, handle: BackendHandle) -> int | None:
+        try:
+            state = json.loads((self.root / handle.runtime_id / "state.json").read_text())
+            return int(state["init_process_pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _cgroup_file(self, controller: str, sandbox_id: str, name: str) -> Path:
+        rel = self.cgroup_path(sandbox_id).lstrip("/")
+        if _cgroup_v2():
+            return Path("/sys/fs/cgroup") / rel / name
+        return Path("/sys/fs/cgroup") / controller / rel / name
+
+    def cgroup_dirs(self, sandbox_id: str) -> list[Path]:
+        """Every cgroup directory this sandbox may own (for leak checks)."""
+        rel = self.cgroup_path(sandbox_id).lstrip("/")
+        if _cgroup_v2():
+            return [Path("/sys/fs/cgroup") / rel]
+        return [d / rel for d in Path("/sys/fs/cgroup").iterdir() if d.is_dir() and not d.is_symlink()]
+
+    async def usage(self, handle: BackendHandle) -> ResourceUsage:
+        sid = handle.sandbox_id
+        oom = mem = cpu = 0
+        try:
+            if _cgroup_v2():
+                for line in self._cgroup_file("", sid, "memory.events").read_text().splitlines():
+                    if line.startswith("oom_kill "):
+                        oom = int(line.split()[1])
+                mem = int(self._cgroup_file("", sid, "memory.current").read_text())
+                for line in self._cgroup_file("", sid, "cpu.stat").read_text().splitlines():
+                    if line.startswith("usage_usec "):
+                        cpu = int(line.split()[1]) * 1000
+            else:
+                for line in self._cgroup_file("memory", sid, "memory.oom_control").read_text().splitlines():
+                    if line.startswith("oom_kill "):
+                        oom = int(line.split()[1])
+                mem = int(self._cgroup_file("memory", sid, "memory.usage_in_bytes").read_text())
+                cpu = int(self._cgroup_file("cpuacct", sid, "cpuacct.usage").read_text())
+        except (OSError, ValueError):
+            pass
+        return ResourceUsage(oom_kills=oom, memory_bytes=mem, cpu_ns=cpu)
+
+    async def destroy(self, handle: BackendHandle) -> None:
+        if (self.root / handle.runtime_id).exists():
+            proc = await asyncio.create_subprocess_exec(
+                self.runc, "--root", str(self.root), "delete", "--force", handle.runtime_id,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+            _, err = await proc.communicate()
+            if proc.returncode != 0 and (self.root / handle.runtime_id).exists():
+                raise SandboxStartError(f"runc delete failed: {err.decode(errors='replace').strip()}",
+                                        handle.sandbox_id)
+        for d in self.cgroup_dirs(handle.sandbox_id):  # runc removes them; be sure
+            if d.is_dir():
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
+        shutil.rmtree(handle.state_dir, ignore_errors=True)
+
+
+def _tail(path: Path, limit: int = 600) -> str:
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError:
+        return "(no log)"
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return " | ".join(lines[-4:])[-limit:] or "(empty log)"
+
+
+async def _spawn_wait(argv: list[str], fd3: int, log: Path) -> int:
+    """posix_spawn ``argv`` with ``fd3`` as its fd 3, stdio to /dev/null + ``log``; await its exit."""
+    high = fcntl.fcntl(fd3, fcntl.F_DUPFD_CLOEXEC, 10)  # never 3 itself: dup2(3, 3) keeps CLOEXEC
+    null = os.open(os.devnull, os.O_RDONLY)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        pid = os.posix_spawn(argv[0] if os.path.isabs(argv[0]) else shutil.which(argv[0]) or argv[0], argv,
+                             dict(os.environ), file_actions=[
+                                 (os.POSIX_SPAWN_DUP2, null, 0), (os.POSIX_SPAWN_DUP2, out, 1),
+                                 (os.POSIX_SPAWN_DUP2, out, 2), (os.POSIX_SPAWN_DUP2, high, 3)])
+    finally:
+        os.close(high)
+        os.close(null)
+        os.close(out)
+    return await _wait_pid(pid)
+
+
+async def _wait_pid(pid: int) -> int:
+    loop = asyncio.get_running_loop()
+    pidfd = os.pidfd_open(pid)
+    done = loop.create_future()
+    loop.add_reader(pidfd, lambda: done.done() or done.set_result(None))
+    try:
+        await done
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+

@@ -1,0 +1,1 @@
+"""Engine: sandbox lifecycle, registry-backed state, timings; no isolation code lives here."""

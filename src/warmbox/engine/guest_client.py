@@ -1,0 +1,132 @@
+"""Host side of the wire protocol: one multiplexed connection to a sandbox's guest agent.
+
+Everything read from the guest is decoded into the closed set of guest->host messages; a
+frame outside it closes the connection with :class:`GuestProtocolError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+
+from warmbox import protocol as p
+from warmbox.errors import GuestConnectionError, GuestProtocolError
+
+_END = object()
+
+
+class GuestClient:
+    """A connection to one guest agent. Requests are concurrent; each gets its own frame stream."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sandbox_id: str) -> None:
+        self._reader = reader
+        self._writer = writer
+        self.sandbox_id = sandbox_id
+        self._ids = itertools.count(1)
+        self._streams: dict[int, asyncio.Queue] = {}
+        self._error: Exception | None = None
+        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    @classmethod
+    async def connect(cls, socket_path: str, sandbox_id: str) -> "GuestClient":
+        try:
+            reader, writer = await asyncio.open_unix_connection(socket_path, limit=p.MAX_FRAME)
+        except OSError as e:
+            raise GuestConnectionError(f"cannot reach the guest agent: {e.strerror or e}", sandbox_id) from None
+        return cls(reader, writer, sandbox_id)
+
+    async def _read_loop(self) -> None:
+        err: Exception
+        try:
+            while True:
+                prefix = await self._reader.readexactly(p.PREFIX_SIZE)
+                hlen, blen = p.split_prefix(prefix)
+                header = await self._reader.readexactly(hlen)
+                body = await self._reader.readexactly(blen) if blen else b""
+                msg = p.decode(header, body, p.GUEST_TO_HOST)
+                q = self._streams.get(msg.id)
+                if q is not None:
+                    q.put_nowait(msg)
+                elif isinstance(msg, p.Failure) and msg.id == 0:
+                    raise GuestProtocolError(f"guest rejected a frame: {msg.message}", self.sandbox_id)
+        except p.ProtocolViolation as e:
+            err = GuestProtocolError(f"guest violated the protocol: {e}", self.sandbox_id)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            err = GuestConnectionError("connection to the guest agent closed", self.sandbox_id)
+        except GuestProtocolError as e:
+            err = e
+        except asyncio.CancelledError:
+            err = GuestConnectionError("client closed", self.sandbox_id)
+        self._error = err
+        for q in self._streams.values():
+            q.put_nowait(_END)
+        self._writer.close()
+
+    async def send(self, msg: p.Message) -> None:
+        if self._error is not None:
+            raise self._error
+        self._writer.write(p.encode(msg))
+        try:
+            await self._writer.drain()
+        except (ConnectionError, OSError):
+            raise GuestConnectionError("connection to the guest agent closed", self.sandbox_id) from None
+
+    @contextlib.asynccontextmanager
+    async def request(self, make) -> AsyncIterator["Stream"]:
+        """Send ``make(id)`` and yield a :class:`Stream` of the guest's answers to it."""
+        rid = next(self._ids)
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = q
+        try:
+            await self.send(make(rid))
+            yield Stream(self, rid, q)
+        finally:
+            self._streams.pop(rid, None)
+
+    async def call(self, make, expect: type[p.Message]) -> p.Message:
+        """One request, one answer of type ``expect`` (a Failure is returned as-is)."""
+        async with self.request(make) as stream:
+            return await stream.next(expect)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(BaseException):
+            await self._task
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None
+
+
+class Stream:
+    """The frames answering one request."""
+
+    def __init__(self, client: GuestClient, rid: int, q: asyncio.Queue) -> None:
+        self.client = client
+        self.id = rid
+        self._q = q
+
+    async def get(self) -> p.Message:
+        item = await self._q.get()
+        if item is _END:
+            self._q.put_nowait(_END)
+            assert self.client._error is not None
+            raise self.client._error
+        return item
+
+    async def next(self, *expect: type[p.Message]) -> p.Message:
+        """Next frame, which must be one of ``expect`` or a Failure."""
+        msg = await self.get()
+        if not isinstance(msg, (p.Failure, *expect)):
+            raise GuestProtocolError(
+                f"guest answered {type(msg).__name__}, expected {'/'.join(e.__name__ for e in expect)}",
+                self.client.sandbox_id)
+        return msg
+
+    async def send(self, msg: p.Message) -> None:
+        await self.client.send(msg)

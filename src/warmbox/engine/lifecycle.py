@@ -1,0 +1,41 @@
+"""The sandbox state machine: every operation named once, with the states it is legal in."""
+
+from __future__ import annotations
+
+import enum
+
+from warmbox.errors import SandboxNotFound, SandboxStateError
+from warmbox.models import State
+
+# creating -> ready <-> running -> destroyed ; any live state -> failed (start error) / destroyed
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.CREATING: frozenset({State.READY, State.FAILED, State.DESTROYED}),
+    State.READY: frozenset({State.RUNNING, State.DESTROYED}),
+    State.RUNNING: frozenset({State.READY, State.DESTROYED}),
+    State.FAILED: frozenset({State.DESTROYED}),
+    State.DESTROYED: frozenset(),
+}
+LIVE = frozenset({State.CREATING, State.READY, State.RUNNING})
+
+
+class Operation(enum.Enum):
+    """Operations on a sandbox and the states each is legal in."""
+
+    EXEC = frozenset({State.READY, State.RUNNING})  # commands.run, run_code, files.*
+    SET_TIMEOUT = frozenset({State.READY, State.RUNNING})
+    DESTROY = frozenset({State.CREATING, State.READY, State.RUNNING, State.FAILED})  # kill
+
+
+def check(op: Operation, state: State, sandbox_id: str) -> None:
+    """Raise a typed error if ``op`` is illegal in ``state``."""
+    if state in op.value:
+        return
+    if state is State.DESTROYED:
+        raise SandboxNotFound(f"sandbox {sandbox_id} was destroyed", sandbox_id)
+    raise SandboxStateError(
+        f"{op.name.lower()} is not allowed on sandbox {sandbox_id} in state {state.value}", sandbox_id)
+
+
+def check_transition(old: State, new: State, sandbox_id: str) -> None:
+    if new not in TRANSITIONS[old]:
+        raise SandboxStateError(f"sandbox {sandbox_id}: illegal transition {old.value} -> {new.value}", sandbox_id)

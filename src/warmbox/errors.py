@@ -1,0 +1,119 @@
+"""Every error warmbox raises. One root, the tree below; foreign errors are translated at the edges.
+
+    WarmboxError
+    ├── InvalidArgument (ValueError)        bad input from the caller; nothing was changed
+    │   └── InvalidPath                     a sandbox path outside the files API's rules
+    ├── BackendUnavailable                  the tier cannot run on this host (``reason`` says why)
+    ├── SandboxError                        something about one sandbox (``sandbox_id``)
+    │   ├── SandboxNotFound                 unknown id, or the sandbox was destroyed
+    │   ├── SandboxStateError               operation illegal in the sandbox's current state
+    │   ├── SandboxStartError               the backend failed to bring the sandbox up
+    │   ├── GuestConnectionError            the guest agent cannot be reached / went away
+    │   ├── GuestProtocolError              the guest sent something outside the protocol
+    │   ├── SandboxTimeout (TimeoutError)   a wait on the sandbox exceeded its bound
+    │   ├── CommandFailed                   ``check=True`` and the command exited non-zero
+    │   ├── FilesError                      a files-API operation failed inside the sandbox
+    │   │   ├── PathNotFound (FileNotFoundError)
+    │   │   ├── PathExists (FileExistsError)
+    │   │   ├── NotADirectory (NotADirectoryError)
+    │   │   ├── IsADirectory (IsADirectoryError)
+    │   │   ├── PathPermissionDenied (PermissionError)
+    │   │   └── NoSpace
+    │   └── ContextError                    a code context is unknown or died
+    └── RegistryError                       the embedded state database failed
+"""
+
+from __future__ import annotations
+
+
+class WarmboxError(Exception):
+    """Root of every warmbox error."""
+
+
+class InvalidArgument(WarmboxError, ValueError):
+    """The caller passed a value warmbox does not accept."""
+
+
+class InvalidPath(InvalidArgument):
+    """A path the files API refuses (empty, NUL byte, '..' component, too long)."""
+
+
+class BackendUnavailable(WarmboxError):
+    """A tier that cannot run on this host; ``reason`` is what ``warmbox doctor`` prints."""
+
+    def __init__(self, tier: str, reason: str) -> None:
+        super().__init__(f"tier {tier!r} is unavailable: {reason}")
+        self.tier = tier
+        self.reason = reason
+
+
+class SandboxError(WarmboxError):
+    def __init__(self, message: str, sandbox_id: str | None = None) -> None:
+        super().__init__(message)
+        self.sandbox_id = sandbox_id
+
+
+class SandboxNotFound(SandboxError):
+    pass
+
+
+class SandboxStateError(SandboxError):
+    pass
+
+
+class SandboxStartError(SandboxError):
+    pass
+
+
+class GuestConnectionError(SandboxError):
+    pass
+
+
+class GuestProtocolError(SandboxError):
+    pass
+
+
+class SandboxTimeout(SandboxError, TimeoutError):
+    pass
+
+
+class CommandFailed(SandboxError):
+    def __init__(self, message: str, sandbox_id: str | None, result: object) -> None:
+        super().__init__(message, sandbox_id)
+        self.result = result
+
+
+class FilesError(SandboxError):
+    pass
+
+
+class PathNotFound(FilesError, FileNotFoundError):
+    pass
+
+
+class PathExists(FilesError, FileExistsError):
+    pass
+
+
+class NotADirectory(FilesError, NotADirectoryError):
+    pass
+
+
+class IsADirectory(FilesError, IsADirectoryError):
+    pass
+
+
+class PathPermissionDenied(FilesError, PermissionError):
+    pass
+
+
+class NoSpace(FilesError):
+    pass
+
+
+class ContextError(SandboxError):
+    pass
+
+
+class RegistryError(WarmboxError):
+    pass

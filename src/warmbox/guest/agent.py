@@ -1,0 +1,686 @@
+"""Guest agent: PID 1 of a sandbox; serves exec, files and code contexts over the wire protocol.
+
+Stdlib-only. It listens on an inherited unix socket (fd 3, passed by the backend) or on a path
+given on the command line (tests). As PID 1 it reaps every orphan; exit statuses of its own
+children are routed to the request that started them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import queue
+import selectors
+import shutil
+import signal
+import socket
+import stat as stat_mod
+import subprocess
+import sys
+import threading
+import time
+
+from warmbox import protocol as p
+
+_GUEST_LIB = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_READ = 64 << 10
+_EXIT_GRACE_S = 0.1  # output still drained after the main process exited
+_KILL_WAIT_S = 5.0
+_CONTEXT_INTERRUPT_GRACE_S = 2.0
+
+_ERRNO = {
+    errno.ENOENT: p.ErrorCode.NOT_FOUND,
+    errno.EEXIST: p.ErrorCode.EXISTS,
+    errno.EISDIR: p.ErrorCode.IS_A_DIRECTORY,
+    errno.ENOTDIR: p.ErrorCode.NOT_A_DIRECTORY,
+    errno.EACCES: p.ErrorCode.PERMISSION_DENIED,
+    errno.EPERM: p.ErrorCode.PERMISSION_DENIED,
+    errno.EROFS: p.ErrorCode.PERMISSION_DENIED,
+    errno.ENOSPC: p.ErrorCode.NO_SPACE,
+    errno.EDQUOT: p.ErrorCode.NO_SPACE,
+    errno.EFBIG: p.ErrorCode.NO_SPACE,
+    errno.ENOTEMPTY: p.ErrorCode.EXISTS,
+}
+
+
+class _Fail(Exception):
+    def __init__(self, code: p.ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _oserror(e: OSError) -> _Fail:
+    code = _ERRNO.get(e.errno or 0, p.ErrorCode.INTERNAL)
+    return _Fail(code, f"{e.strerror or e}: {e.filename}" if e.filename else str(e))
+
+
+# --------------------------------------------------------------------------- reaping
+
+
+class Reaper:
+    """Single owner of waitpid(): reaps every child and orphan, hands statuses to waiters."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._statuses: dict[int, int] = {}
+        self._wakeups: dict[int, int] = {}  # pid -> write end of a pipe poked on exit
+        self._events: dict[int, threading.Event] = {}
+        self._have_children = threading.Event()
+        threading.Thread(target=self._run, name="reaper", daemon=True).start()
+
+    def register(self, pid: int, wakeup_fd: int | None = None) -> threading.Event:
+        with self._lock:
+            ev = self._events.setdefault(pid, threading.Event())
+            if wakeup_fd is not None:
+                self._wakeups[pid] = wakeup_fd
+            if pid in self._statuses:
+                ev.set()
+                if wakeup_fd is not None:
+                    os.write(wakeup_fd, b"x")
+        self._have_children.set()
+        return ev
+
+    def status(self, pid: int) -> int | None:
+        with self._lock:
+            return self._statuses.get(pid)
+
+    def forget(self, pid: int) -> None:
+        with self._lock:
+            self._statuses.pop(pid, None)
+            self._events.pop(pid, None)
+            self._wakeups.pop(pid, None)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                # No children: sleep until register() says one exists. Clearing *after* the
+                # wait means a registration that raced the ECHILD is never missed.
+                self._have_children.wait(1.0)
+                self._have_children.clear()
+                continue
+            except InterruptedError:  # pragma: no cover
+                continue
+            with self._lock:
+                self._statuses[pid] = status
+                ev = self._events.get(pid)
+                if ev is not None:
+                    ev.set()
+                fd = self._wakeups.get(pid)
+                if fd is not None:
+                    try:
+                        os.write(fd, b"x")
+                    except OSError:
+                        pass
+                if len(self._statuses) > 4096:  # orphans nobody waits for: bound the memory
+                    for k in [k for k in self._statuses if k not in self._events][:2048]:
+                        del self._statuses[k]
+
+
+def _proc_table() -> list[tuple[int, int, int, int]]:
+    """(pid, ppid, pgrp, session) for every visible process."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        rest = raw[raw.rfind(b")") + 2:].split()
+        try:
+            out.append((int(name), int(rest[1]), int(rest[2]), int(rest[3])))
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
+def kill_tree(root: int, sig: int = signal.SIGKILL, rounds: int = 8) -> None:
+    """Signal ``root``, its process group and session, and every descendant, until none is left."""
+    me = os.getpid()
+    for _ in range(rounds):
+        try:
+            os.killpg(root, sig)
+        except OSError:
+            pass
+        table = _proc_table()
+        children: dict[int, list[int]] = {}
+        for pid, ppid, _, _ in table:
+            children.setdefault(ppid, []).append(pid)
+        targets = {pid for pid, _, pgrp, sid in table if pgrp == root or sid == root}
+        stack = [root]
+        while stack:
+            cur = stack.pop()
+            targets.add(cur)
+            stack.extend(children.get(cur, ()))
+        targets.discard(me)
+        alive = [t for t in targets if t in {row[0] for row in table}]
+        if not alive:
+            return
+        for t in alive:
+            try:
+                os.kill(t, sig)
+            except OSError:
+                pass
+        if sig != signal.SIGKILL:
+            return
+        time.sleep(0.005)
+
+
+def _child_oom_default(pid: int) -> None:
+    # The agent runs with oom_score_adj -1000 so the OOM killer spares it; its children must
+    # be ordinary victims again.
+    try:
+        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+            f.write("0")
+    except OSError:
+        pass
+
+
+# --------------------------------------------------------------------------- connection
+
+
+class Connection:
+    def __init__(self, agent: "Agent", sock: socket.socket) -> None:
+        self.agent = agent
+        self.sock = sock
+        self._send_lock = threading.Lock()
+        self._inboxes: dict[int, queue.Queue] = {}
+        self._inbox_lock = threading.Lock()
+        self.closed = False
+
+    def send(self, msg: p.Message) -> None:
+        data = p.encode(msg)
+        with self._send_lock:
+            if self.closed:
+                return
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.closed = True
+
+    def inbox(self, rid: int) -> queue.Queue:
+        with self._inbox_lock:
+            return self._inboxes.setdefault(rid, queue.Queue())
+
+    def serve(self) -> None:
+        try:
+            while True:
+                try:
+                    msg = p.recv_message(self.sock, p.HOST_TO_GUEST)
+                except p.ProtocolViolation as e:
+                    self.send(p.Failure(id=0, code=p.ErrorCode.INVALID, message=str(e)))
+                    break
+                except OSError:
+                    break
+                if msg is None:
+                    break
+                if isinstance(msg, (p.StdinData, p.Chunk, p.ChunkEnd)):
+                    self.inbox(msg.id).put(msg)
+                    continue
+                threading.Thread(target=self._handle, args=(msg,), daemon=True).start()
+        finally:
+            self.closed = True
+            with self._inbox_lock:
+                for q in self._inboxes.values():
+                    q.put(None)
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+    def _handle(self, msg: p.Message) -> None:
+        try:
+            handler = _HANDLERS[type(msg)]
+            handler(self.agent, self, msg)
+        except _Fail as e:
+            self.send(p.Failure(id=msg.id, code=e.code, message=str(e)))
+        except OSError as e:
+            f = _oserror(e)
+            self.send(p.Failure(id=msg.id, code=f.code, message=str(f)))
+        except Exception as e:  # a bug in the agent must not kill the connection
+            self.send(p.Failure(id=msg.id, code=p.ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}"))
+        finally:
+            with self._inbox_lock:
+                self._inboxes.pop(msg.id, None)
+
+
+# --------------------------------------------------------------------------- handlers
+
+
+def _ping(agent: "Agent", conn: Connection, msg: p.Ping) -> None:
+    conn.send(p.Pong(id=msg.id, version=p.PROTOCOL_VERSION, pid=os.getpid()))
+
+
+def _exec(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
+    if not msg.argv or any("\0" in a for a in msg.argv):
+        raise _Fail(p.ErrorCode.INVALID, "argv must be a non-empty list without NUL bytes")
+    start = time.monotonic()
+    env = dict(os.environ)
+    env.update(msg.env)
+    cwd = msg.cwd or None
+    if cwd is not None and not os.path.isdir(cwd):
+        raise _Fail(p.ErrorCode.NOT_FOUND, f"working directory {cwd} does not exist")
+    wake_r, wake_w = os.pipe()
+    proc = None
+    try:
+        try:
+            proc = subprocess.Popen(
+                msg.argv, stdin=subprocess.PIPE if msg.stdin else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
+                start_new_session=True, close_fds=True, bufsize=0,
+            )
+        except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
+            code = 127 if isinstance(e, FileNotFoundError) else 126
+            conn.send(p.Stderr(id=msg.id, data=f"{msg.argv[0]}: {e.strerror}\n".encode()))
+            conn.send(p.Exited(id=msg.id, exit_code=code, signal=0, timed_out=False,
+                               truncated=False, duration_ms=(time.monotonic() - start) * 1e3))
+            return
+        _child_oom_default(proc.pid)
+        agent.reaper.register(proc.pid, wake_w)
+        conn.send(p.Started(id=msg.id, pid=proc.pid))
+        if msg.stdin:
+            threading.Thread(target=_feed_stdin, args=(conn.inbox(msg.id), proc.stdin),
+                             daemon=True).start()
+        timed_out, truncated = _pump(conn, msg, proc, wake_r, start)
+        status = agent.reaper.status(proc.pid)
+        if status is None:  # pipes closed, process alive: wait for it (bounded by the deadline)
+            ev = agent.reaper.register(proc.pid)
+            remaining = None if msg.timeout_s <= 0 else max(0.0, start + msg.timeout_s - time.monotonic())
+            if not ev.wait(remaining):
+                timed_out = True
+                kill_tree(proc.pid)
+                ev.wait(_KILL_WAIT_S)
+            status = agent.reaper.status(proc.pid)
+        proc.returncode = 0  # keep Popen from waiting on a pid the reaper already collected
+        sig = 0
+        code = -1
+        if status is not None:
+            if os.WIFSIGNALED(status):
+                sig = os.WTERMSIG(status)
+                code = 128 + sig
+            else:
+                code = os.WEXITSTATUS(status)
+        conn.send(p.Exited(id=msg.id, exit_code=code, signal=sig, timed_out=timed_out,
+                           truncated=truncated, duration_ms=(time.monotonic() - start) * 1e3))
+    finally:
+        if proc is not None:
+            agent.reaper.forget(proc.pid)  # before closing wake_w: the reaper writes to it
+        os.close(wake_r)
+        os.close(wake_w)
+
+
+def _feed_stdin(inbox: queue.Queue, pipe) -> None:
+    try:
+        while True:
+            item = inbox.get()
+            if item is None:
+                break
+            if item.data:
+                pipe.write(item.data)
+            if item.eof:
+                break
+    except OSError:
+        pass
+    finally:
+        try:
+            pipe.close()
+        except OSError:
+            pass
+
+
+def _pump(conn: Connection, msg: p.Exec, proc: subprocess.Popen, wake_r: int, start: float) -> tuple[bool, bool]:
+    """Stream output until both pipes close (or the exit grace ends). Returns (timed_out, truncated)."""
+    sel = selectors.DefaultSelector()
+    kinds = {proc.stdout.fileno(): p.Stdout, proc.stderr.fileno(): p.Stderr}
+    for fd in kinds:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    deadline = start + msg.timeout_s if msg.timeout_s > 0 else None
+    exited_at = None
+    timed_out = truncated = False
+    sent = 0
+    try:
+        while kinds:
+            now = time.monotonic()
+            waits = []
+            if deadline is not None and not timed_out:
+                waits.append(deadline - now)
+            if exited_at is not None:
+                waits.append(exited_at + _EXIT_GRACE_S - now)
+            wait = max(0.0, min(waits)) if waits else None
+            events = sel.select(wait)
+            now = time.monotonic()
+            for key, _ in events:
+                fd = key.fd
+                if fd == wake_r:
+                    os.read(wake_r, 64)
+                    sel.unregister(wake_r)
+                    exited_at = now
+                    continue
+                try:
+                    data = os.read(fd, _READ)
+                except BlockingIOError:
+                    continue
+                if not data:
+                    sel.unregister(fd)
+                    del kinds[fd]
+                    continue
+                room = msg.max_output - sent
+                if len(data) > room:
+                    truncated = True
+                    data = data[:max(room, 0)]
+                if data:
+                    sent += len(data)
+                    conn.send(kinds[fd](id=msg.id, data=data))
+            if deadline is not None and not timed_out and now >= deadline:
+                timed_out = True
+                kill_tree(proc.pid)
+                exited_at = exited_at or now
+            elif exited_at is not None and now >= exited_at + _EXIT_GRACE_S:
+                break
+    finally:
+        sel.close()
+        for f in (proc.stdout, proc.stderr):
+            try:
+                f.close()
+            except OSError:
+                pass
+    return timed_out, truncated
+
+
+def _signal(agent: "Agent", conn: Connection, msg: p.Signal) -> None:
+    if msg.pid <= 1 or not 1 <= msg.signum <= 64:
+        raise _Fail(p.ErrorCode.INVALID, "bad pid or signal number")
+    if not os.path.exists(f"/proc/{msg.pid}"):
+        raise _Fail(p.ErrorCode.NOT_FOUND, f"no process {msg.pid}")
+    kill_tree(msg.pid, msg.signum)
+    conn.send(p.Ok(id=msg.id))
+
+
+def _entry(rid: int, path: str, name: str | None = None) -> p.Entry:
+    st = os.lstat(path)
+    if stat_mod.S_ISLNK(st.st_mode):
+        kind, target = p.FileType.SYMLINK, os.readlink(path)
+    elif stat_mod.S_ISDIR(st.st_mode):
+        kind, target = p.FileType.DIR, ""
+    elif stat_mod.S_ISREG(st.st_mode):
+        kind, target = p.FileType.FILE, ""
+    else:
+        kind, target = p.FileType.OTHER, ""
+    return p.Entry(rid, name=name if name is not None else os.path.basename(path) or "/",
+                   path=path, kind=kind, size=st.st_size, mode=stat_mod.S_IMODE(st.st_mode),
+                   mtime=st.st_mtime, target=target)
+
+
+def _read_file(agent: "Agent", conn: Connection, msg: p.ReadFile) -> None:
+    with open(msg.path, "rb") as f:
+        while True:
+            data = f.read(p.CHUNK)
+            if not data:
+                break
+            conn.send(p.Chunk(id=msg.id, data=data))
+    conn.send(p.ChunkEnd(id=msg.id))
+
+
+def _write_file(agent: "Agent", conn: Connection, msg: p.WriteFile) -> None:
+    inbox = conn.inbox(msg.id)
+    parent = os.path.dirname(msg.path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_APPEND if msg.append else os.O_TRUNC)
+    fd = os.open(msg.path, flags, msg.mode & 0o7777 or 0o644)
+    try:
+        conn.send(p.Ok(id=msg.id))  # ready: the host may now stream chunks
+        while True:
+            item = inbox.get()
+            if item is None:
+                return  # connection gone
+            if isinstance(item, p.ChunkEnd):
+                break
+            view = memoryview(item.data)
+            while view:
+                view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+    conn.send(_entry(msg.id, msg.path))
+
+
+def _list_dir(agent: "Agent", conn: Connection, msg: p.ListDir) -> None:
+    if not os.path.isdir(msg.path):
+        raise _Fail(p.ErrorCode.NOT_A_DIRECTORY if os.path.exists(msg.path) else p.ErrorCode.NOT_FOUND,
+                    f"{msg.path} is not a directory")
+    depth = max(1, min(msg.depth, 32))
+    todo = [(msg.path, 1)]
+    while todo:
+        d, level = todo.pop(0)
+        try:
+            names = sorted(os.listdir(d))
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(d, name)
+            try:
+                entry = _entry(msg.id, path, name)
+            except OSError:
+                continue
+            conn.send(entry)
+            if entry.kind is p.FileType.DIR and level < depth:
+                todo.append((path, level + 1))
+    conn.send(p.Ok(id=msg.id))
+
+
+def _stat(agent: "Agent", conn: Connection, msg: p.Stat) -> None:
+    conn.send(_entry(msg.id, msg.path))
+
+
+def _make_dir(agent: "Agent", conn: Connection, msg: p.MakeDir) -> None:
+    if msg.parents:
+        if os.path.isdir(msg.path):
+            raise _Fail(p.ErrorCode.EXISTS, f"{msg.path} exists")
+        os.makedirs(msg.path)
+    else:
+        os.mkdir(msg.path)
+    conn.send(p.Ok(id=msg.id))
+
+
+def _remove(agent: "Agent", conn: Connection, msg: p.Remove) -> None:
+    st = os.lstat(msg.path)
+    if stat_mod.S_ISDIR(st.st_mode):
+        if msg.recursive:
+            shutil.rmtree(msg.path)
+        else:
+            os.rmdir(msg.path)
+    else:
+        os.unlink(msg.path)
+    conn.send(p.Ok(id=msg.id))
+
+
+# --------------------------------------------------------------------------- code contexts
+
+
+class Context:
+    """A long-lived interpreter process (guest/kernel.py) reached over a socketpair."""
+
+    def __init__(self, agent: "Agent", name: str, language: str, cwd: str, env: dict[str, str]) -> None:
+        if language != "python":
+            raise _Fail(p.ErrorCode.INVALID, f"unsupported context language {language!r} (supported: python)")
+        self.name = name
+        self.lock = threading.Lock()
+        self.agent = agent
+        ours, theirs = socket.socketpair()
+        full_env = dict(os.environ)
+        full_env.update(env)
+        boot = ("import sys; sys.path.insert(0, %r); from warmbox.guest import kernel; "
+                "sys.path.pop(0); kernel.main(%d)" % (_GUEST_LIB, theirs.fileno()))
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-u", "-c", boot], stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd or None,
+                env=full_env, pass_fds=(theirs.fileno(),), start_new_session=True,
+            )
+        finally:
+            theirs.close()
+        _child_oom_default(self.proc.pid)
+        agent.reaper.register(self.proc.pid)
+        self.sock = ours
+
+    @property
+    def alive(self) -> bool:
+        return self.agent.reaper.status(self.proc.pid) is None
+
+    def kill(self) -> None:
+        kill_tree(self.proc.pid)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def run(self, conn: Connection, msg: p.ContextRun) -> None:
+        start = time.monotonic()
+        deadline = start + msg.timeout_s if msg.timeout_s > 0 else None
+        interrupted_at = None
+        self.sock.sendall(p.encode(msg))
+        while True:
+            now = time.monotonic()
+            if deadline is not None:
+                limit = (interrupted_at + _CONTEXT_INTERRUPT_GRACE_S) if interrupted_at else deadline
+                self.sock.settimeout(max(0.0, limit - now))
+            else:
+                self.sock.settimeout(None)
+            try:
+                reply = p.recv_message(self.sock, (p.Stdout, p.Stderr, p.Display, p.CodeDone))
+            except socket.timeout:
+                if interrupted_at is None:
+                    interrupted_at = time.monotonic()
+                    os.kill(self.proc.pid, signal.SIGINT)
+                    continue
+                self.kill()
+                self.agent.drop_context(self.name)
+                conn.send(self._died(msg, start, "the run ignored the interrupt and was killed", True))
+                return
+            except (OSError, p.ProtocolViolation):
+                reply = None
+            if reply is None:
+                self.kill()
+                self.agent.drop_context(self.name)
+                conn.send(self._died(msg, start, "the interpreter process died", interrupted_at is not None))
+                return
+            reply.id = msg.id
+            if isinstance(reply, p.CodeDone):
+                if interrupted_at is not None:
+                    reply.timed_out = True
+                conn.send(reply)
+                return
+            conn.send(reply)
+
+    @staticmethod
+    def _died(msg: p.ContextRun, start: float, why: str, timed_out: bool) -> p.CodeDone:
+        return p.CodeDone(id=msg.id, error_name="ContextDied", error_value=why, traceback="",
+                          timed_out=timed_out, truncated=False, execution_count=0,
+                          duration_ms=(time.monotonic() - start) * 1e3)
+
+
+def _context_create(agent: "Agent", conn: Connection, msg: p.ContextCreate) -> None:
+    ctx = agent.new_context(msg.name, msg.language, msg.cwd, msg.env)
+    conn.send(p.ContextCreated(id=msg.id, context=ctx.name))
+
+
+def _context_run(agent: "Agent", conn: Connection, msg: p.ContextRun) -> None:
+    ctx = agent.get_context(msg.context)
+    with ctx.lock:
+        if not ctx.alive:
+            agent.drop_context(ctx.name)
+            raise _Fail(p.ErrorCode.CONTEXT_DIED, f"context {msg.context} died")
+        ctx.run(conn, msg)
+
+
+def _context_delete(agent: "Agent", conn: Connection, msg: p.ContextDelete) -> None:
+    ctx = agent.get_context(msg.context)
+    agent.drop_context(ctx.name)
+    ctx.kill()
+    conn.send(p.Ok(id=msg.id))
+
+
+_HANDLERS = {
+    p.Ping: _ping, p.Exec: _exec, p.Signal: _signal, p.ReadFile: _read_file,
+    p.WriteFile: _write_file, p.ListDir: _list_dir, p.Stat: _stat, p.MakeDir: _make_dir,
+    p.Remove: _remove, p.ContextCreate: _context_create, p.ContextRun: _context_run,
+    p.ContextDelete: _context_delete,
+}
+
+
+# --------------------------------------------------------------------------- agent
+
+
+class Agent:
+    DEFAULT_CONTEXT = "default"
+
+    def __init__(self, listener: socket.socket) -> None:
+        self.listener = listener
+        self.reaper = Reaper()
+        self._contexts: dict[str, Context] = {}
+        self._ctx_lock = threading.Lock()
+        self._ctx_seq = 0
+
+    def new_context(self, name: str, language: str, cwd: str, env: dict[str, str]) -> Context:
+        with self._ctx_lock:
+            if not name:
+                self._ctx_seq += 1
+                name = f"ctx-{self._ctx_seq}"
+            if name in self._contexts:
+                raise _Fail(p.ErrorCode.EXISTS, f"context {name} exists")
+            if len(self._contexts) >= 64:
+                raise _Fail(p.ErrorCode.INVALID, "too many code contexts (64)")
+            ctx = Context(self, name, language, cwd, env)
+            self._contexts[name] = ctx
+            return ctx
+
+    def get_context(self, name: str) -> Context:
+        with self._ctx_lock:
+            ctx = self._contexts.get(name)
+        if ctx is None and name == self.DEFAULT_CONTEXT:
+            try:
+                return self.new_context(name, "python", os.environ.get("HOME", "/"), {})
+            except _Fail as e:
+                if e.code is not p.ErrorCode.EXISTS:
+                    raise
+                return self.get_context(name)
+        if ctx is None:
+            raise _Fail(p.ErrorCode.CONTEXT_NOT_FOUND, f"no code context {name!r}")
+        return ctx
+
+    def drop_context(self, name: str) -> None:
+        with self._ctx_lock:
+            self._contexts.pop(name, None)
+
+    def serve_forever(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except InterruptedError:  # pragma: no cover
+                continue
+            threading.Thread(target=Connection(self, sock).serve, daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(argv[0])
+        listener.listen(128)
+    else:
+        listener = socket.socket(fileno=3)
+        os.set_inheritable(3, False)
+    if os.getpid() == 1:
+        # PID 1 gets no default signal actions; make the obvious ones end the sandbox.
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(s, lambda *_: os._exit(0))
+    Agent(listener).serve_forever()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,469 @@
+"""The async SDK: ``AsyncSandbox`` with ``commands``, ``files`` and code contexts (E2B's shape).
+
+The sync ``Sandbox`` is derived from this module by :mod:`warmbox.sdk._sync`; nothing here
+is written twice.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import posixpath
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from warmbox import protocol as p
+from warmbox.backends.base import BackendHandle
+from warmbox.engine.engine import DEFAULT_TIMEOUT_S, Engine, validate_envs, validate_timeout
+from warmbox.engine.guest_client import GuestClient
+from warmbox.engine.lifecycle import Operation, check
+from warmbox.errors import (CommandFailed, ContextError, FilesError, GuestProtocolError, InvalidArgument,
+                            InvalidPath, IsADirectory, NoSpace, NotADirectory, PathExists, PathNotFound,
+                            PathPermissionDenied, SandboxError)
+from warmbox.models import (CommandResult, EntryInfo, Execution, ExecutionError, Limits, Result, SandboxInfo,
+                            State)
+
+DEFAULT_COMMAND_TIMEOUT_S = 60.0
+DEFAULT_MAX_OUTPUT = 10 << 20
+WORKDIR = "/workspace"
+_MAX_PATH = 4096
+
+_FILE_ERRORS: dict[p.ErrorCode, type[SandboxError]] = {
+    p.ErrorCode.NOT_FOUND: PathNotFound,
+    p.ErrorCode.EXISTS: PathExists,
+    p.ErrorCode.IS_A_DIRECTORY: IsADirectory,
+    p.ErrorCode.NOT_A_DIRECTORY: NotADirectory,
+    p.ErrorCode.PERMISSION_DENIED: PathPermissionDenied,
+    p.ErrorCode.NO_SPACE: NoSpace,
+}
+_MIME_FIELDS = {
+    "text/plain": "text", "text/html": "html", "text/markdown": "markdown", "image/svg+xml": "svg",
+    "image/png": "png", "image/jpeg": "jpeg", "text/latex": "latex", "application/json": "json",
+}
+
+
+def sandbox_path(path: object) -> str:
+    """Normalise a path for the files API: relative paths are under /workspace; '..' is refused."""
+    if not isinstance(path, str):
+        raise InvalidPath(f"path must be a string, got {type(path).__name__}")
+    if not path or "\0" in path or len(path) > _MAX_PATH:
+        raise InvalidPath(f"path {path[:80]!r} is empty, too long or contains a NUL byte")
+    if ".." in path.split("/"):
+        raise InvalidPath(f"path {path!r} contains a '..' component")
+    return posixpath.normpath(posixpath.join(WORKDIR, path))
+
+
+def _optional_timeout(timeout: float | None, name: str = "timeout") -> float:
+    return 0.0 if timeout is None or timeout == 0 else validate_timeout(timeout, name)
+
+
+def _max_output(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgument(f"max_output must be a positive number of bytes, got {value!r}")
+    return value
+
+
+def _raise_failure(f: p.Failure, sandbox_id: str, what: str) -> None:
+    cls = _FILE_ERRORS.get(f.code)
+    if cls is not None:
+        raise cls(f"{what}: {f.message}", sandbox_id)
+    if f.code in (p.ErrorCode.CONTEXT_NOT_FOUND, p.ErrorCode.CONTEXT_DIED):
+        raise ContextError(f"{what}: {f.message}", sandbox_id)
+    if f.code is p.ErrorCode.INVALID:
+        raise InvalidArgument(f"{what}: {f.message}")
+    raise SandboxError(f"{what}: {f.message}", sandbox_id)
+
+
+def _entry(e: p.Entry) -> EntryInfo:
+    return EntryInfo(name=e.name, path=e.path, type=e.kind.value, size=e.size, mode=e.mode,
+                     modified=e.mtime, symlink_target=e.target or None)
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeContext:
+    """A code interpreter whose state persists between ``run_code`` calls."""
+
+    id: str
+    language: str
+    cwd: str
+
+
+class AsyncSandbox:
+    """A running sandbox. Create with :meth:`create`, reattach by id with :meth:`connect`."""
+
+    _SYNC_ATTRS = ("commands", "files")
+
+    def __init__(self, engine: Engine, info: SandboxInfo, handle: BackendHandle, client: GuestClient,
+                 timings: dict[str, float]) -> None:
+        self._engine = engine
+        self._info = info
+        self._handle = handle
+        self._client = client
+        self._timings = timings
+        self._active = 0
+        self._killed = False
+        self.commands = AsyncCommands(self)
+        self.files = AsyncFiles(self)
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox(id={self.sandbox_id!r}, tier={self.tier!r}, state={self.state.value!r})"
+
+    # ---- construction
+
+    @classmethod
+    async def create(cls, tier: str = "container", *, timeout: float = DEFAULT_TIMEOUT_S,
+                     envs: dict[str, str] | None = None, limits: Limits | None = None,
+                     template: str = "base", home: str | Path | None = None) -> "AsyncSandbox":
+        """Create and start a sandbox.
+
+        tier: "container" (runc); other tiers raise BackendUnavailable until they exist.
+        timeout: seconds the sandbox lives (wall clock) before it is destroyed; see set_timeout.
+        envs: environment of every process in the sandbox, on top of PATH, HOME and LANG only.
+        """
+        engine = Engine.for_home(home)
+        info, handle, client, timings = await engine.create(
+            tier=tier, timeout=timeout, envs=envs, limits=limits, template=template)
+        return cls(engine, info, handle, client, {t.stage: t.duration_ms for t in timings})
+
+    @classmethod
+    async def connect(cls, sandbox_id: str, *, home: str | Path | None = None) -> "AsyncSandbox":
+        """Attach to a live sandbox created by any process."""
+        engine = Engine.for_home(home)
+        info, handle, client = await engine.open(sandbox_id)
+        return cls(engine, info, handle, client, engine.timings(sandbox_id))
+
+    @classmethod
+    async def list(cls, *, home: str | Path | None = None, include_dead: bool = False) -> list[SandboxInfo]:
+        return Engine.for_home(home).list(include_dead)
+
+    # ---- properties
+
+    @property
+    def sandbox_id(self) -> str:
+        return self._info.sandbox_id
+
+    @property
+    def id(self) -> str:
+        return self._info.sandbox_id
+
+    @property
+    def tier(self) -> str:
+        return self._info.tier
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Stage timings of this sandbox's start, ms: allocate, filesystem, runtime, first_command."""
+        return dict(self._timings)
+
+    @property
+    def state(self) -> State:
+        if self._killed:
+            return State.DESTROYED
+        return State.RUNNING if self._active else State.READY
+
+    # ---- lifecycle
+
+    async def get_info(self) -> SandboxInfo:
+        info, _ = self._engine.info(self.sandbox_id)
+        return info
+
+    async def is_running(self) -> bool:
+        if self._killed:
+            return False
+        info, _ = self._engine.info(self.sandbox_id)
+        return info.state in (State.READY, State.RUNNING) and info.expires_at > time.time()
+
+    async def set_timeout(self, timeout: float) -> None:
+        """Let the sandbox live ``timeout`` more seconds from now."""
+        self._engine.set_timeout(self.sandbox_id, timeout)
+
+    async def kill(self) -> bool:
+        """Destroy the sandbox and everything it holds. False if it was already gone."""
+        self._killed = True
+        await self._client.close()
+        return await self._engine.destroy(self.sandbox_id, "killed")
+
+    async def __aenter__(self) -> "AsyncSandbox":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self._killed:
+            await self.kill()
+
+    # ---- plumbing shared by commands/files/code
+
+    def _check_usable(self) -> None:
+        if self._killed:
+            check(Operation.EXEC, State.DESTROYED, self.sandbox_id)
+
+    async def _oom_kills(self) -> int:
+        return (await self._engine.usage(self._handle)).oom_kills
+
+    def _record_first(self, started: float) -> None:
+        if "first_command" not in self._timings:
+            ms = (time.perf_counter() - started) * 1e3
+            self._timings["first_command"] = ms
+            self._engine.registry.add_timing(self.sandbox_id, "first_command", ms)
+
+    # ---- code contexts
+
+    async def create_code_context(self, language: str = "python", *, cwd: str = WORKDIR,
+                                  envs: dict[str, str] | None = None) -> CodeContext:
+        self._check_usable()
+        cwd = sandbox_path(cwd)
+        env = dict(validate_envs(envs))
+        reply = await self._client.call(
+            lambda i: p.ContextCreate(i, name="", language=language, cwd=cwd, env=env), p.ContextCreated)
+        if isinstance(reply, p.Failure):
+            _raise_failure(reply, self.sandbox_id, "create_code_context")
+        return CodeContext(id=reply.context, language=language, cwd=cwd)
+
+    async def remove_code_context(self, context: CodeContext | str) -> None:
+        self._check_usable()
+        name = context.id if isinstance(context, CodeContext) else context
+        reply = await self._client.call(lambda i: p.ContextDelete(i, context=name), p.Ok)
+        if isinstance(reply, p.Failure):
+            _raise_failure(reply, self.sandbox_id, "remove_code_context")
+
+    async def run_code(self, code: str, *, context: CodeContext | str | None = None,
+                       timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S,
+                       on_stdout: Callable[[str], object] | None = None,
+                       on_stderr: Callable[[str], object] | None = None,
+                       max_output: int = DEFAULT_MAX_OUTPUT) -> Execution:
+        """Run Python in a stateful context (the default one unless ``context`` is given).
+
+        The value of the last expression is the main result (``Execution.text``); exceptions
+        come back as ``Execution.error``, never raised. timeout: seconds, wall clock; on expiry
+        the cell is interrupted (state kept), or the context killed if it ignores that.
+        """
+        self._check_usable()
+        if not isinstance(code, str):
+            raise InvalidArgument(f"code must be a string, got {type(code).__name__}")
+        name = "default" if context is None else (context.id if isinstance(context, CodeContext) else context)
+        t = _optional_timeout(timeout)
+        cap = _max_output(max_output)
+        started = time.perf_counter()
+        oom_before = await self._oom_kills()
+        out, err = bytearray(), bytearray()
+        dec_out, dec_err = codecs.getincrementaldecoder("utf-8")("replace"), codecs.getincrementaldecoder("utf-8")("replace")
+        displays: dict[int, dict[str, object]] = {}
+        mains: set[int] = set()
+        self._active += 1
+        try:
+            async with self._client.request(
+                    lambda i: p.ContextRun(i, context=name, code=code, timeout_s=t, max_output=cap)) as stream:
+                while True:
+                    msg = await stream.next(p.Stdout, p.Stderr, p.Display, p.CodeDone)
+                    if isinstance(msg, p.Stdout):
+                        out += msg.data
+                        if on_stdout:
+                            on_stdout(dec_out.decode(msg.data))
+                    elif isinstance(msg, p.Stderr):
+                        err += msg.data
+                        if on_stderr:
+                            on_stderr(dec_err.decode(msg.data))
+                    elif isinstance(msg, p.Display):
+                        field = _MIME_FIELDS.get(msg.mime)
+                        if field is None:
+                            continue
+                        bucket = displays.setdefault(msg.result, {})
+                        bucket[field] = msg.data if field in ("png", "jpeg") else msg.data.decode("utf-8", "replace")
+                        if msg.main:
+                            mains.add(msg.result)
+                    elif isinstance(msg, p.Failure):
+                        _raise_failure(msg, self.sandbox_id, "run_code")
+                    else:
+                        done = msg
+                        break
+        finally:
+            self._active -= 1
+        oom = (await self._oom_kills()) > oom_before
+        self._record_first(started)
+        results = tuple(Result(is_main_result=k in mains, **v) for k, v in sorted(displays.items()))  # type: ignore[arg-type]
+        error = (ExecutionError(done.error_name, done.error_value, done.traceback)
+                 if done.error_name else None)
+        return Execution(results=results, stdout=out.decode("utf-8", "replace"),
+                         stderr=err.decode("utf-8", "replace"), error=error, timed_out=done.timed_out,
+                         truncated=done.truncated, oom_killed=oom, execution_count=done.execution_count,
+                         duration_ms=done.duration_ms)
+
+
+class AsyncCommands:
+    """``sandbox.commands``: run processes inside the sandbox."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sb = sandbox
+
+    async def run(self, cmd: str | list[str], *, envs: dict[str, str] | None = None, cwd: str | None = None,
+                  timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S, stdin: str | bytes | None = None,
+                  on_stdout: Callable[[str], object] | None = None,
+                  on_stderr: Callable[[str], object] | None = None,
+                  max_output: int = DEFAULT_MAX_OUTPUT, check: bool = False) -> CommandResult:
+        """Run ``cmd`` (a shell string for bash, or an argv list) and wait for it.
+
+        timeout: seconds, wall clock (None or 0: no limit); on expiry the whole process tree is
+        killed and ``timed_out`` is set. Output beyond ``max_output`` bytes (stdout+stderr) is
+        dropped and ``truncated`` set. ``check=True`` raises CommandFailed on a non-zero exit.
+        """
+        sb = self._sb
+        sb._check_usable()
+        if isinstance(cmd, str):
+            if not cmd.strip():
+                raise InvalidArgument("cmd must not be empty")
+            argv = ["/bin/bash", "-c", cmd]
+        elif isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd):
+            argv = list(cmd)
+        else:
+            raise InvalidArgument("cmd must be a non-empty string or list of strings")
+        if any("\0" in a for a in argv):
+            raise InvalidArgument("cmd must not contain NUL bytes")
+        env = dict(validate_envs(envs))
+        workdir = sandbox_path(cwd) if cwd is not None else ""
+        t = _optional_timeout(timeout)
+        cap = _max_output(max_output)
+        if stdin is not None and not isinstance(stdin, (str, bytes)):
+            raise InvalidArgument("stdin must be str or bytes")
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        started = time.perf_counter()
+        oom_before = await sb._oom_kills()
+        out, err = bytearray(), bytearray()
+        dec_out, dec_err = codecs.getincrementaldecoder("utf-8")("replace"), codecs.getincrementaldecoder("utf-8")("replace")
+        pid = 0
+        sb._active += 1
+        try:
+            async with sb._client.request(lambda i: p.Exec(
+                    i, argv=argv, env=env, cwd=workdir, timeout_s=t, max_output=cap,
+                    stdin=data is not None)) as stream:
+                if data is not None:
+                    for off in range(0, len(data), p.CHUNK):
+                        await stream.send(p.StdinData(stream.id, data=data[off:off + p.CHUNK], eof=False))
+                    await stream.send(p.StdinData(stream.id, data=b"", eof=True))
+                while True:
+                    msg = await stream.next(p.Started, p.Stdout, p.Stderr, p.Exited)
+                    if isinstance(msg, p.Stdout):
+                        out += msg.data
+                        if on_stdout:
+                            on_stdout(dec_out.decode(msg.data))
+                    elif isinstance(msg, p.Stderr):
+                        err += msg.data
+                        if on_stderr:
+                            on_stderr(dec_err.decode(msg.data))
+                    elif isinstance(msg, p.Started):
+                        pid = msg.pid
+                    elif isinstance(msg, p.Failure):
+                        _raise_failure(msg, sb.sandbox_id, "commands.run")
+                    else:
+                        exited = msg
+                        break
+        finally:
+            sb._active -= 1
+        if len(out) + len(err) > cap:
+            raise GuestProtocolError("guest sent more output than the cap", sb.sandbox_id)
+        oom = (await sb._oom_kills()) > oom_before
+        sb._record_first(started)
+        result = CommandResult(exit_code=exited.exit_code, stdout=out.decode("utf-8", "replace"),
+                               stderr=err.decode("utf-8", "replace"), timed_out=exited.timed_out,
+                               truncated=exited.truncated, oom_killed=oom, signal=exited.signal,
+                               duration_ms=exited.duration_ms, pid=pid)
+        if check and not result.ok:
+            raise CommandFailed(f"command exited with {result.exit_code}", sb.sandbox_id, result)
+        return result
+
+
+class AsyncFiles:
+    """``sandbox.files``: read and write the sandbox's filesystem (as the sandbox's user)."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sb = sandbox
+
+    async def read(self, path: str, *, format: str = "text") -> str | bytes:
+        """Whole file contents; ``format`` "text" (UTF-8) or "bytes"."""
+        self._sb._check_usable()
+        if format not in ("text", "bytes"):
+            raise InvalidArgument(f"format must be 'text' or 'bytes', got {format!r}")
+        path = sandbox_path(path)
+        buf = bytearray()
+        async with self._sb._client.request(lambda i: p.ReadFile(i, path=path)) as stream:
+            while True:
+                msg = await stream.next(p.Chunk, p.ChunkEnd)
+                if isinstance(msg, p.Failure):
+                    _raise_failure(msg, self._sb.sandbox_id, f"read {path}")
+                if isinstance(msg, p.ChunkEnd):
+                    break
+                buf += msg.data
+        return bytes(buf) if format == "bytes" else buf.decode("utf-8", "replace")
+
+    async def write(self, path: str, data: str | bytes, *, mode: int = 0o644, append: bool = False) -> EntryInfo:
+        """Create or replace a file (parent directories are created); returns its entry."""
+        self._sb._check_usable()
+        path = sandbox_path(path)
+        if isinstance(data, str):
+            raw = data.encode()
+        elif isinstance(data, (bytes, bytearray, memoryview)):
+            raw = bytes(data)
+        else:
+            raise InvalidArgument(f"data must be str or bytes, got {type(data).__name__}")
+        async with self._sb._client.request(lambda i: p.WriteFile(i, path=path, mode=mode, append=append)) as stream:
+            ready = await stream.next(p.Ok)
+            if isinstance(ready, p.Failure):
+                _raise_failure(ready, self._sb.sandbox_id, f"write {path}")
+            for off in range(0, len(raw), p.CHUNK):
+                await stream.send(p.Chunk(stream.id, data=raw[off:off + p.CHUNK]))
+            await stream.send(p.ChunkEnd(stream.id))
+            msg = await stream.next(p.Entry)
+            if isinstance(msg, p.Failure):
+                _raise_failure(msg, self._sb.sandbox_id, f"write {path}")
+        return _entry(msg)
+
+    async def list(self, path: str = WORKDIR, *, depth: int = 1) -> list[EntryInfo]:
+        self._sb._check_usable()
+        path = sandbox_path(path)
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise InvalidArgument(f"depth must be an integer >= 1, got {depth!r}")
+        entries = []
+        async with self._sb._client.request(lambda i: p.ListDir(i, path=path, depth=depth)) as stream:
+            while True:
+                msg = await stream.next(p.Entry, p.Ok)
+                if isinstance(msg, p.Failure):
+                    _raise_failure(msg, self._sb.sandbox_id, f"list {path}")
+                if isinstance(msg, p.Ok):
+                    return entries
+                entries.append(_entry(msg))
+
+    async def get_info(self, path: str) -> EntryInfo:
+        self._sb._check_usable()
+        path = sandbox_path(path)
+        msg = await self._sb._client.call(lambda i: p.Stat(i, path=path), p.Entry)
+        if isinstance(msg, p.Failure):
+            _raise_failure(msg, self._sb.sandbox_id, f"stat {path}")
+        return _entry(msg)
+
+    async def exists(self, path: str) -> bool:
+        try:
+            await self.get_info(path)
+        except PathNotFound:
+            return False
+        return True
+
+    async def make_dir(self, path: str) -> bool:
+        """Create a directory and its parents; False if it already existed."""
+        self._sb._check_usable()
+        path = sandbox_path(path)
+        msg = await self._sb._client.call(lambda i: p.MakeDir(i, path=path, parents=True), p.Ok)
+        if isinstance(msg, p.Failure):
+            if msg.code is p.ErrorCode.EXISTS:
+                return False
+            _raise_failure(msg, self._sb.sandbox_id, f"make_dir {path}")
+        return True
+
+    async def remove(self, path: str) -> None:
+        """Remove a file or a directory tree."""
+        self._sb._check_usable()
+        path = sandbox_path(path)
+        msg = await self._sb._client.call(lambda i: p.Remove(i, path=path, recursive=True), p.Ok)
+        if isinstance(msg, p.Failure):
+            _raise_failure(msg, self._sb.sandbox_id, f"remove {path}")
+
+
+__all__ = ["AsyncSandbox", "AsyncCommands", "AsyncFiles", "CodeContext", "FilesError", "sandbox_path"]
