@@ -26,7 +26,7 @@ def canonical_tier(name: object) -> str:
     raise InvalidArgument(f"unknown tier {name!r} (known: {known})")
 
 
-def load(tier: str, home: Path) -> Backend:
+def load(tier: str, runtime: Path) -> Backend:
     """The backend of a canonical tier name, or BackendUnavailable if this build lacks it."""
     target = TIERS[tier][1]
     if target is None:
@@ -34,4 +34,4 @@ def load(tier: str, home: Path) -> Backend:
     module, cls = target.split(":")
     import importlib
 
-    return getattr(importlib.import_module(module), cls)(home)
+    return getattr(importlib.import_module(module), cls)(runtime)

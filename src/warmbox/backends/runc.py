@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -50,14 +49,10 @@ _GUEST_SOURCES = ("protocol.py", "guest/__init__.py", "guest/agent.py", "guest/k
 _AGENT_BOOT = ("import sys; sys.path.insert(0, %r); from warmbox.guest.agent import main; main()" % GUEST_LIB)
 
 
-def _run_quiet(argv: list[str], timeout: float = 10) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-
-
 def build_image(images_dir: Path) -> Path:
     """The shared read-only rootfs, built once per content hash (atomic: temp dir + rename)."""
     pkg = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256(b"warmbox-rootfs-v1")
+    h = hashlib.sha256(b"warmbox-rootfs-v2")
     for rel in _GUEST_SOURCES:
         h.update(rel.encode() + b"\0" + (pkg / rel).read_bytes())
     final = images_dir / f"base-{h.hexdigest()[:16]}"
@@ -68,6 +63,8 @@ def build_image(images_dir: Path) -> Path:
     tmp.mkdir(mode=0o755)
     for d in ("usr", "proc", "dev", "sys", "tmp", "workspace", "home/user", "run", "opt", "var", "mnt"):
         (tmp / d).mkdir(parents=True, exist_ok=True)
+    # runc gives a tmpfs the mode of its mount point, so the mount point carries the final mode
+    os.chmod(tmp / "tmp", 0o1777)
     (tmp / "root").mkdir(mode=0o700)
     for link in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         host = Path("/") / link
@@ -121,10 +118,11 @@ class RuncBackend:
 
     tier: ClassVar[str] = "container"
 
-    def __init__(self, home: Path, runc: str | None = None) -> None:
-        self.home = home
+    def __init__(self, runtime: Path, runc: str | None = None) -> None:
+        """runtime: a root-owned directory every ancestor of which the sandbox uid can traverse."""
+        self.runtime = runtime
         self.runc = runc or shutil.which("runc") or "runc"
-        self.root = home / "runc"
+        self.root = runtime / "runc"
         self._image: Path | None = None
 
     # ---- description
@@ -151,17 +149,13 @@ class RuncBackend:
             pass
         if not _cgroup_v2() and not Path("/sys/fs/cgroup/memory").is_dir():
             return Availability(False, "no memory cgroup controller mounted")
-        try:
-            out = _run_quiet([path, "--version"]).stdout.split("\n")[0]
-        except (OSError, subprocess.SubprocessError) as e:
-            return Availability(False, f"runc does not run: {e}")
-        return Availability(True, f"{out.strip()}, cgroup {'v2' if _cgroup_v2() else 'v1'}")
+        return Availability(True, f"runc at {path}, cgroup {'v2' if _cgroup_v2() else 'v1'}, user namespaces")
 
     # ---- lifecycle
 
     def image(self) -> Path:
         if self._image is None:
-            self._image = build_image(self.home / "images")
+            self._image = build_image(self.runtime / "images")
         return self._image
 
     def config(self, spec: SandboxSpec, rootfs: Path, workspace: Path) -> dict:

@@ -7,6 +7,7 @@ outlive the process that created them, and any process may reap expired ones.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import os
 import re
@@ -38,6 +39,18 @@ def default_home() -> Path:
     return Path("~/.local/share/warmbox").expanduser()
 
 
+def runtime_dir(home: Path) -> Path:
+    """Where sandboxes' filesystems and runtime state live (WARMBOX_RUNTIME_DIR overrides).
+
+    Separate from WARMBOX_HOME because every ancestor of a rootfs or bind-mount source must be
+    traversable by the sandbox's unprivileged host uid, and a home such as /root is not.
+    """
+    env = os.environ.get("WARMBOX_RUNTIME_DIR")
+    if env:
+        return Path(env).expanduser().resolve()
+    return Path("/var/lib/warmbox") / hashlib.sha256(str(home).encode()).hexdigest()[:12]
+
+
 def validate_timeout(timeout: object, name: str = "timeout") -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout):
         raise InvalidArgument(f"{name} must be a number of seconds, got {timeout!r}")
@@ -67,6 +80,9 @@ class Engine:
     def __init__(self, home: Path) -> None:
         self.home = home
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.runtime = runtime_dir(home)
+        self.runtime.mkdir(parents=True, exist_ok=True, mode=0o711)
+        os.chmod(self.runtime, 0o711)  # traversable, not listable
         self.registry = Registry(home / "registry.db")
         self._backends: dict[str, Backend] = {}
 
@@ -82,7 +98,7 @@ class Engine:
         tier = backends.canonical_tier(tier)
         b = self._backends.get(tier)
         if b is None:
-            b = self._backends[tier] = backends.load(tier, self.home)
+            b = self._backends[tier] = backends.load(tier, self.runtime)
         return b
 
     def doctor(self) -> list[TierStatus]:
@@ -116,14 +132,15 @@ class Engine:
         if not avail.available:
             raise BackendUnavailable(tier, avail.reason)
         sandbox_id = "sb-" + secrets.token_hex(6)
-        state_dir = self.home / "sandboxes" / sandbox_id
+        state_dir = self.runtime / "sandboxes" / sandbox_id
         socket_path = str(state_dir / "agent.sock")
         if len(socket_path) > _MAX_SOCKET_PATH:
-            raise InvalidArgument(f"WARMBOX_HOME {self.home} is too long for a unix socket path")
+            raise InvalidArgument(f"runtime dir {self.runtime} is too long for a unix socket path")
         slot = self.registry.allocate(sandbox_id, tier, template, timeout, limits.memory_mb, limits.cpus,
                                       limits.pids, str(state_dir), socket_path)
         info, handle = self.registry.get(sandbox_id)
-        state_dir.mkdir(parents=True, mode=0o711)
+        state_dir.parent.mkdir(mode=0o711, exist_ok=True)
+        state_dir.mkdir(mode=0o711)
         t1 = time.perf_counter()
         client = None
         try:

@@ -138,35 +138,47 @@ def _proc_table() -> list[tuple[int, int, int, int]]:
 
 
 def kill_tree(root: int, sig: int = signal.SIGKILL, rounds: int = 8) -> None:
-    """Signal ``root``, its process group and session, and every descendant, until none is left."""
+    """Signal ``root``, its process group and session, and every descendant.
+
+    For SIGKILL the tree is first frozen with SIGSTOP, round by round, so a process that
+    setsid()s or double-forks cannot escape by being reparented before it is found.
+    """
     me = os.getpid()
+    targets: set[int] = set()
     for _ in range(rounds):
-        try:
-            os.killpg(root, sig)
-        except OSError:
-            pass
         table = _proc_table()
         children: dict[int, list[int]] = {}
         for pid, ppid, _, _ in table:
             children.setdefault(ppid, []).append(pid)
-        targets = {pid for pid, _, pgrp, sid in table if pgrp == root or sid == root}
-        stack = [root]
+        found = {pid for pid, _, pgrp, sid in table if pgrp == root or sid == root}
+        stack = [root, *targets]
         while stack:
             cur = stack.pop()
-            targets.add(cur)
-            stack.extend(children.get(cur, ()))
-        targets.discard(me)
-        alive = [t for t in targets if t in {row[0] for row in table}]
-        if not alive:
-            return
-        for t in alive:
+            if cur not in found:
+                found.add(cur)
+            stack.extend(c for c in children.get(cur, ()) if c not in found)
+        found.discard(me)
+        alive = {row[0] for row in table}
+        new = (found & alive) - targets
+        if not new:
+            break
+        targets |= new
+        if sig != signal.SIGKILL:
+            break
+        for t in new:
             try:
-                os.kill(t, sig)
+                os.kill(t, signal.SIGSTOP)
             except OSError:
                 pass
-        if sig != signal.SIGKILL:
-            return
-        time.sleep(0.005)
+    try:
+        os.killpg(root, sig)
+    except OSError:
+        pass
+    for t in targets:
+        try:
+            os.kill(t, sig)
+        except OSError:
+            pass
 
 
 def _child_oom_default(pid: int) -> None:

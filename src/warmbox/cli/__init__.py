@@ -1,0 +1,1 @@
+"""The warmbox command line."""

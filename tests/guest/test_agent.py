@@ -1,0 +1,165 @@
+"""The real guest agent, outside any sandbox, on a temp socket; the real host client talks to it.
+
+The agent runs from the guest-only copy of the package (protocol + guest) in a bare
+interpreter (-I -S: no site-packages), which proves the guest needs nothing but the stdlib.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from warmbox import protocol as p
+from warmbox.backends.runc import GUEST_LIB, build_image
+from warmbox.engine.guest_client import GuestClient
+
+BARE = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+
+
+@pytest.fixture(scope="module")
+def guest_lib(tmp_path_factory) -> Path:
+    image = build_image(tmp_path_factory.mktemp("images"))
+    return image / GUEST_LIB.lstrip("/")
+
+
+@pytest.fixture()
+def agent(guest_lib: Path, tmp_path: Path):
+    sock = tmp_path / "a.sock"
+    boot = f"import sys; sys.path.insert(0, {str(guest_lib)!r}); from warmbox.guest.agent import main; main()"
+    proc = subprocess.Popen([BARE, "-I", "-S", "-c", boot, str(sock)], cwd=tmp_path)
+    for _ in range(200):
+        if sock.exists():
+            break
+        time.sleep(0.01)
+    yield str(sock)
+    proc.kill()
+    proc.wait()
+
+
+def test_guest_imports_only_stdlib(guest_lib: Path):
+    code = ("import sys; sys.path.insert(0, %r); import warmbox.guest.agent, warmbox.guest.kernel; "
+            "bad = [m for m in sys.modules if m.startswith('warmbox') and m not in "
+            "('warmbox', 'warmbox.protocol', 'warmbox.guest', 'warmbox.guest.agent', 'warmbox.guest.kernel')]; "
+            "print(bad)" % str(guest_lib))
+    out = subprocess.run([BARE, "-I", "-S", "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+async def _exec(c: GuestClient, argv, timeout_s=10.0, max_output=1 << 20, stdin=None):
+    frames = []
+    async with c.request(lambda i: p.Exec(i, argv=argv, env={}, cwd="", timeout_s=timeout_s,
+                                          max_output=max_output, stdin=stdin is not None)) as s:
+        if stdin is not None:
+            await s.send(p.StdinData(s.id, data=stdin, eof=True))
+        while True:
+            m = await s.get()
+            frames.append((time.monotonic(), m))
+            if isinstance(m, (p.Exited, p.Failure)):
+                return frames
+
+
+def test_exec_streams_before_exit_and_reports_status(agent):
+    async def go():
+        c = await GuestClient.connect(agent, "t")
+        frames = await _exec(c, ["sh", "-c", "echo one; sleep 0.5; echo two >&2; exit 7"])
+        await c.close()
+        return frames
+    frames = asyncio.run(go())
+    kinds = [type(m).__name__ for _, m in frames]
+    assert kinds[0] == "Started" and kinds[-1] == "Exited"
+    first_out = next(t for t, m in frames if isinstance(m, p.Stdout))
+    end = frames[-1][0]
+    assert end - first_out > 0.3, "stdout must arrive while the command still runs"
+    ex = frames[-1][1]
+    assert (ex.exit_code, ex.signal, ex.timed_out) == (7, 0, False)
+    assert b"".join(m.data for _, m in frames if isinstance(m, p.Stderr)) == b"two\n"
+
+
+def test_timeout_kills_the_tree_even_after_setsid(agent):
+    async def go():
+        c = await GuestClient.connect(agent, "t")
+        t0 = time.monotonic()
+        frames = await _exec(c, ["sh", "-c", "sleep 1000 & setsid sleep 1001 & sleep 1002; wait"], timeout_s=0.5)
+        took = time.monotonic() - t0
+        await c.close()
+        return frames, took
+    frames, took = asyncio.run(go())
+    ex = frames[-1][1]
+    assert ex.timed_out and ex.signal == 9 and took < 3
+    time.sleep(0.1)
+    leftover = subprocess.run(["pgrep", "-f", "sleep 100[012]"], capture_output=True, text=True).stdout.split()
+    assert leftover == [], f"processes of the timed-out command survived: {leftover}"
+
+
+def test_output_cap_sets_truncated(agent):
+    async def go():
+        c = await GuestClient.connect(agent, "t")
+        frames = await _exec(c, ["sh", "-c", "head -c 5000000 /dev/zero"], max_output=100_000)
+        await c.close()
+        return frames
+    frames = asyncio.run(go())
+    got = sum(len(m.data) for _, m in frames if isinstance(m, p.Stdout))
+    assert got == 100_000 and frames[-1][1].truncated and frames[-1][1].exit_code == 0
+
+
+def test_stdin_and_missing_binary(agent):
+    async def go():
+        c = await GuestClient.connect(agent, "t")
+        a = await _exec(c, ["cat"], stdin=b"hello")
+        b = await _exec(c, ["/nonexistent/bin"])
+        await c.close()
+        return a, b
+    a, b = asyncio.run(go())
+    assert b"".join(m.data for _, m in a if isinstance(m, p.Stdout)) == b"hello"
+    assert b[-1][1].exit_code == 127
+
+
+def test_hostile_host_frame_gets_failure_not_crash(agent):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(agent)
+    s.sendall(b"\x00\x00\x00\x05\x00\x00\x00\x00notjs")
+    reply = p.recv_message(s, p.GUEST_TO_HOST)
+    assert isinstance(reply, p.Failure) and reply.code is p.ErrorCode.INVALID
+    s.close()
+
+    async def still_alive():
+        c = await GuestClient.connect(agent, "t")
+        pong = await c.call(lambda i: p.Ping(i), p.Pong)
+        await c.close()
+        return pong
+    assert isinstance(asyncio.run(still_alive()), p.Pong)
+
+
+def test_code_context_state_errors_and_interrupt(agent):
+    async def run(c, code, timeout=5.0, ctx="default"):
+        out = []
+        async with c.request(lambda i: p.ContextRun(i, context=ctx, code=code, timeout_s=timeout, max_output=1 << 20)) as s:
+            while True:
+                m = await s.get()
+                out.append(m)
+                if isinstance(m, (p.CodeDone, p.Failure)):
+                    return out
+
+    async def go():
+        c = await GuestClient.connect(agent, "t")
+        await run(c, "import math; x = 41")
+        r1 = await run(c, "x + 1")
+        r2 = await run(c, "print('hi'); 1/0")
+        r3 = await run(c, "import time\nwhile True: time.sleep(0.01)", timeout=0.5)
+        r4 = await run(c, "x")  # state survived the interrupt
+        r5 = await run(c, "1", ctx="nope")
+        await c.close()
+        return r1, r2, r3, r4, r5
+    r1, r2, r3, r4, r5 = asyncio.run(go())
+    assert [m.data for m in r1 if isinstance(m, p.Display) and m.mime == "text/plain"] == [b"42"]
+    assert r2[-1].error_name == "ZeroDivisionError" and b"hi" in b"".join(m.data for m in r2 if isinstance(m, p.Stdout))
+    assert r3[-1].timed_out and r3[-1].error_name == "KeyboardInterrupt"
+    assert [m.data for m in r4 if isinstance(m, p.Display)] == [b"41"]
+    assert isinstance(r5[-1], p.Failure) and r5[-1].code is p.ErrorCode.CONTEXT_NOT_FOUND

@@ -1,0 +1,67 @@
+import json
+import struct
+
+import pytest
+
+from warmbox import protocol as p
+
+
+def roundtrip(msg, allowed):
+    raw = p.encode(msg)
+    hlen, blen = p.split_prefix(raw[:8])
+    return p.decode(raw[8:8 + hlen], raw[8 + hlen:], allowed)
+
+
+def frame(header: dict, body: bytes = b""):
+    raw = json.dumps(header).encode()
+    return raw, body
+
+
+def test_roundtrip_every_message_kind():
+    msgs = [
+        p.Exec(1, argv=["a", "b"], env={"K": "V"}, cwd="/w", timeout_s=1.5, max_output=10, stdin=True),
+        p.Chunk(2, data=b"\x00\xff" * 100),
+        p.Entry(3, name="a", path="/a", kind=p.FileType.DIR, size=0, mode=0o755, mtime=1.0, target=""),
+        p.Failure(4, code=p.ErrorCode.NOT_FOUND, message="nope"),
+        p.CodeDone(5, error_name="", error_value="", traceback="", timed_out=False, truncated=False,
+                   execution_count=1, duration_ms=0.5),
+    ]
+    for m in msgs:
+        allowed = p.HOST_TO_GUEST if type(m) in p.HOST_TO_GUEST else p.GUEST_TO_HOST
+        assert roundtrip(m, allowed) == m
+
+
+def test_direction_is_enforced():
+    # a guest may not send host->guest requests (e.g. an Exec) to the host
+    with pytest.raises(p.ProtocolViolation):
+        roundtrip(p.Exec(1, argv=["x"], env={}, cwd="", timeout_s=0, max_output=1, stdin=False), p.GUEST_TO_HOST)
+
+
+@pytest.mark.parametrize("header,body,why", [
+    ({"type": "Nope", "id": 1}, b"", "unexpected message type"),
+    ({"type": "Pong", "id": 1, "version": 1}, b"", "missing"),
+    ({"type": "Pong", "id": 1, "version": 1, "pid": 2, "extra": 0}, b"", "unknown fields"),
+    ({"type": "Pong", "id": 1, "version": "1", "pid": 2}, b"", "must be int"),
+    ({"type": "Pong", "id": -1, "version": 1, "pid": 2}, b"", "id must be"),
+    ({"type": "Pong", "id": 1, "version": True, "pid": 2}, b"", "must be int"),
+    ({"type": "Failure", "id": 1, "code": "rm -rf", "message": ""}, b"", "unknown value"),
+    ({"type": "Ok", "id": 1}, b"body", "carries no body"),
+    ({"type": "__class__", "id": 1}, b"", "unexpected message type"),
+])
+def test_hostile_frames_are_rejected(header, body, why):
+    raw, body = frame(header, body)
+    with pytest.raises(p.ProtocolViolation, match=why):
+        p.decode(raw, body, p.GUEST_TO_HOST)
+
+
+def test_garbage_and_oversize():
+    with pytest.raises(p.ProtocolViolation):
+        p.decode(b"\xff\xfe not json", b"", p.GUEST_TO_HOST)
+    with pytest.raises(p.ProtocolViolation):
+        p.decode(b"[1, 2]", b"", p.GUEST_TO_HOST)
+    with pytest.raises(p.ProtocolViolation, match="too large"):
+        p.split_prefix(struct.pack(">II", p.MAX_HEADER + 1, 0))
+    with pytest.raises(p.ProtocolViolation, match="too large"):
+        p.split_prefix(struct.pack(">II", 10, p.MAX_BODY + 1))
+    with pytest.raises(p.ProtocolViolation, match="too large"):
+        p.encode(p.Chunk(1, data=b"x" * (p.MAX_BODY + 1)))
