@@ -323,7 +323,15 @@ class RuncBackend:
             pass
         return ResourceUsage(oom_kills=oom, memory_bytes=mem, cpu_ns=cpu)
 
+    def _pids(self, sandbox_id: str) -> list[int]:
+        f = self._cgroup_file("pids", sandbox_id, "cgroup.procs")
+        try:
+            return [int(x) for x in f.read_text().split()]
+        except (OSError, ValueError):
+            return []
+
     async def destroy(self, handle: BackendHandle) -> None:
+        pids = self._pids(handle.sandbox_id)
         if (self.root / handle.runtime_id).exists():
             proc = await asyncio.create_subprocess_exec(
                 self.runc, "--root", str(self.root), "delete", "--force", handle.runtime_id,
@@ -332,6 +340,12 @@ class RuncBackend:
             if proc.returncode != 0 and (self.root / handle.runtime_id).exists():
                 raise SandboxStartError(f"runc delete failed: {err.decode(errors='replace').strip()}",
                                         handle.sandbox_id)
+        # runc returns once init is dead; wait (bounded) until every process has fully exited
+        deadline = time.monotonic() + 5
+        while pids and time.monotonic() < deadline:
+            pids = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+            if pids:
+                await asyncio.sleep(0.01)
         for d in self.cgroup_dirs(handle.sandbox_id):  # runc removes them; be sure
             if d.is_dir():
                 try:

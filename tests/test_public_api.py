@@ -1,0 +1,28 @@
+import warmbox
+from warmbox import errors
+
+
+def test_exported_members():
+    assert sorted(warmbox.__all__) == sorted([
+        "AsyncSandbox", "BackendUnavailable", "CodeContext", "CommandFailed", "CommandResult", "ContextError",
+        "EntryInfo", "Execution", "ExecutionError", "FilesError", "GuestConnectionError", "GuestProtocolError",
+        "InvalidArgument", "InvalidPath", "IsADirectory", "Limits", "NoSpace", "NotADirectory", "PathExists",
+        "PathNotFound", "PathPermissionDenied", "RegistryError", "Result", "Sandbox", "SandboxError",
+        "SandboxInfo", "SandboxNotFound", "SandboxStartError", "SandboxStateError", "SandboxTimeout",
+        "StageTiming", "State", "TierStatus", "WarmboxError", "__version__"])
+    for name in warmbox.__all__:
+        assert hasattr(warmbox, name)
+
+
+def test_every_error_is_rooted_and_drawn_in_the_tree():
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, Exception)]
+    for cls in classes:
+        assert issubclass(cls, errors.WarmboxError)
+        assert cls.__name__ in errors.__doc__, f"{cls.__name__} missing from the tree in errors.__doc__"
+
+
+def test_sync_api_is_derived_not_written():
+    from warmbox.sdk import Sandbox, AsyncSandbox
+    for name in ("create", "connect", "kill", "run_code", "set_timeout", "create_code_context"):
+        assert getattr(Sandbox, name).__wrapped__ is getattr(AsyncSandbox, name).__func__ \
+            if isinstance(AsyncSandbox.__dict__.get(name), classmethod) else getattr(Sandbox, name).__wrapped__
