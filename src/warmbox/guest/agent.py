@@ -7,21 +7,22 @@ children are routed to the request that started them.
 
 from __future__ import annotations
 
+import collections
 import errno
 import os
-import queue
-import selectors
-import shutil
-import signal
-import socket
+import select
 import stat as stat_mod
-import subprocess
 import sys
 import threading
 import time
 
+# C modules directly: the pure-Python socket and signal wrappers import enum and selectors.
+import _signal as signal
+import _socket as socket
+
 from warmbox import protocol as p
 
+# Imports are kept to what the boot path needs: every millisecond here is on each cold start.
 _GUEST_LIB = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _READ = 64 << 10
 _EXIT_GRACE_S = 0.1  # output still drained after the main process exited
@@ -41,6 +42,25 @@ _ERRNO = {
     errno.EFBIG: p.ErrorCode.NO_SPACE,
     errno.ENOTEMPTY: p.ErrorCode.EXISTS,
 }
+
+
+class Inbox:
+    """Unbounded FIFO for follow-up frames of one request (queue.Queue without its imports)."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+
+    def put(self, item: object) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify()
+
+    def get(self) -> object:
+        with self._cond:
+            while not self._items:
+                self._cond.wait()
+            return self._items.popleft()
 
 
 class _Fail(Exception):
@@ -199,7 +219,7 @@ class Connection:
         self.agent = agent
         self.sock = sock
         self._send_lock = threading.Lock()
-        self._inboxes: dict[int, queue.Queue] = {}
+        self._inboxes: dict[int, Inbox] = {}
         self._inbox_lock = threading.Lock()
         self.closed = False
 
@@ -213,9 +233,12 @@ class Connection:
             except OSError:
                 self.closed = True
 
-    def inbox(self, rid: int) -> queue.Queue:
+    def inbox(self, rid: int) -> Inbox:
         with self._inbox_lock:
-            return self._inboxes.setdefault(rid, queue.Queue())
+            box = self._inboxes.get(rid)
+            if box is None:
+                box = self._inboxes[rid] = Inbox()
+            return box
 
     def serve(self) -> None:
         try:
@@ -275,38 +298,51 @@ def _exec(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
     cwd = msg.cwd or None
     if cwd is not None and not os.path.isdir(cwd):
         raise _Fail(p.ErrorCode.NOT_FOUND, f"working directory {cwd} does not exist")
+    argv = list(msg.argv)
+    if cwd is not None:  # posix_spawn cannot chdir; coreutils env can, at the cost of one exec
+        argv = ["/usr/bin/env", "-C", cwd, "--", *argv]
     wake_r, wake_w = os.pipe()
-    proc = None
+    pipes = [os.pipe(), os.pipe()]  # stdout, stderr
+    stdin_r, stdin_w = os.pipe() if msg.stdin else (None, None)
+    pid = None
     try:
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) if stdin_r is None else None
+        actions = [
+            (os.POSIX_SPAWN_DUP2, stdin_r if stdin_r is not None else null, 0),
+            (os.POSIX_SPAWN_DUP2, pipes[0][1], 1),
+            (os.POSIX_SPAWN_DUP2, pipes[1][1], 2),
+        ]
         try:
-            proc = subprocess.Popen(
-                msg.argv, stdin=subprocess.PIPE if msg.stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
-                start_new_session=True, close_fds=True, bufsize=0,
-            )
+            exe = argv[0] if "/" in argv[0] else _which(argv[0], env.get("PATH", ""))
+            pid = os.posix_spawn(exe, argv, env, file_actions=actions, setsid=True,
+                                 setsigdef=_DEFAULT_SIGNALS, setsigmask=())
         except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
             code = 127 if isinstance(e, FileNotFoundError) else 126
             conn.send(p.Stderr(id=msg.id, data=f"{msg.argv[0]}: {e.strerror}\n".encode()))
             conn.send(p.Exited(id=msg.id, exit_code=code, signal=0, timed_out=False,
                                truncated=False, duration_ms=(time.monotonic() - start) * 1e3))
             return
-        _child_oom_default(proc.pid)
-        agent.reaper.register(proc.pid, wake_w)
-        conn.send(p.Started(id=msg.id, pid=proc.pid))
-        if msg.stdin:
-            threading.Thread(target=_feed_stdin, args=(conn.inbox(msg.id), proc.stdin),
-                             daemon=True).start()
-        timed_out, truncated = _pump(conn, msg, proc, wake_r, start)
-        status = agent.reaper.status(proc.pid)
+        finally:
+            for fd in (pipes[0][1], pipes[1][1], stdin_r, null):
+                if fd is not None:
+                    os.close(fd)
+            pipes = [pipes[0][0], pipes[1][0]]
+        _child_oom_default(pid)
+        agent.reaper.register(pid, wake_w)
+        conn.send(p.Started(id=msg.id, pid=pid))
+        if stdin_w is not None:
+            threading.Thread(target=_feed_stdin, args=(conn.inbox(msg.id), stdin_w), daemon=True).start()
+            stdin_w = None  # the feeder owns it now
+        timed_out, truncated = _pump(conn, msg, pid, pipes, wake_r, start)
+        status = agent.reaper.status(pid)
         if status is None:  # pipes closed, process alive: wait for it (bounded by the deadline)
-            ev = agent.reaper.register(proc.pid)
+            ev = agent.reaper.register(pid)
             remaining = None if msg.timeout_s <= 0 else max(0.0, start + msg.timeout_s - time.monotonic())
             if not ev.wait(remaining):
                 timed_out = True
-                kill_tree(proc.pid)
+                kill_tree(pid)
                 ev.wait(_KILL_WAIT_S)
-            status = agent.reaper.status(proc.pid)
-        proc.returncode = 0  # keep Popen from waiting on a pid the reaper already collected
+            status = agent.reaper.status(pid)
         sig = 0
         code = -1
         if status is not None:
@@ -318,89 +354,90 @@ def _exec(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
         conn.send(p.Exited(id=msg.id, exit_code=code, signal=sig, timed_out=timed_out,
                            truncated=truncated, duration_ms=(time.monotonic() - start) * 1e3))
     finally:
-        if proc is not None:
-            agent.reaper.forget(proc.pid)  # before closing wake_w: the reaper writes to it
-        os.close(wake_r)
-        os.close(wake_w)
+        if pid is not None:
+            agent.reaper.forget(pid)  # before closing wake_w: the reaper writes to it
+        for fd in (wake_r, wake_w, stdin_w, *[x for x in pipes if isinstance(x, int)]):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
-def _feed_stdin(inbox: queue.Queue, pipe) -> None:
+_DEFAULT_SIGNALS = tuple(s for s in (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
+                                     signal.SIGQUIT, signal.SIGXFSZ) if s is not None)
+
+
+def _which(name: str, path: str) -> str:
+    for d in path.split(":"):
+        cand = os.path.join(d or ".", name)
+        if os.access(cand, os.X_OK) and not os.path.isdir(cand):
+            return cand
+    raise FileNotFoundError(errno.ENOENT, "command not found", name)
+
+
+def _feed_stdin(inbox: Inbox, fd: int) -> None:
     try:
         while True:
             item = inbox.get()
             if item is None:
                 break
-            if item.data:
-                pipe.write(item.data)
+            view = memoryview(item.data)
+            while view:
+                view = view[os.write(fd, view):]
             if item.eof:
                 break
     except OSError:
         pass
     finally:
-        try:
-            pipe.close()
-        except OSError:
-            pass
+        os.close(fd)
 
 
-def _pump(conn: Connection, msg: p.Exec, proc: subprocess.Popen, wake_r: int, start: float) -> tuple[bool, bool]:
+def _pump(conn: Connection, msg: p.Exec, pid: int, pipes: list[int], wake_r: int,
+          start: float) -> tuple[bool, bool]:
     """Stream output until both pipes close (or the exit grace ends). Returns (timed_out, truncated)."""
-    sel = selectors.DefaultSelector()
-    kinds = {proc.stdout.fileno(): p.Stdout, proc.stderr.fileno(): p.Stderr}
-    for fd in kinds:
-        os.set_blocking(fd, False)
-        sel.register(fd, selectors.EVENT_READ)
-    sel.register(wake_r, selectors.EVENT_READ)
+    poller = select.poll()
+    kinds = {pipes[0]: p.Stdout, pipes[1]: p.Stderr}
+    for fd in (*kinds, wake_r):
+        poller.register(fd, select.POLLIN)
     deadline = start + msg.timeout_s if msg.timeout_s > 0 else None
     exited_at = None
     timed_out = truncated = False
     sent = 0
-    try:
-        while kinds:
-            now = time.monotonic()
-            waits = []
-            if deadline is not None and not timed_out:
-                waits.append(deadline - now)
-            if exited_at is not None:
-                waits.append(exited_at + _EXIT_GRACE_S - now)
-            wait = max(0.0, min(waits)) if waits else None
-            events = sel.select(wait)
-            now = time.monotonic()
-            for key, _ in events:
-                fd = key.fd
-                if fd == wake_r:
-                    os.read(wake_r, 64)
-                    sel.unregister(wake_r)
-                    exited_at = now
-                    continue
-                try:
-                    data = os.read(fd, _READ)
-                except BlockingIOError:
-                    continue
-                if not data:
-                    sel.unregister(fd)
-                    del kinds[fd]
-                    continue
-                room = msg.max_output - sent
-                if len(data) > room:
-                    truncated = True
-                    data = data[:max(room, 0)]
-                if data:
-                    sent += len(data)
-                    conn.send(kinds[fd](id=msg.id, data=data))
-            if deadline is not None and not timed_out and now >= deadline:
-                timed_out = True
-                kill_tree(proc.pid)
-                exited_at = exited_at or now
-            elif exited_at is not None and now >= exited_at + _EXIT_GRACE_S:
-                break
-    finally:
-        sel.close()
-        for f in (proc.stdout, proc.stderr):
-            try:
-                f.close()
-            except OSError:
-                pass
+    while kinds:
+        now = time.monotonic()
+        waits = []
+        if deadline is not None and not timed_out:
+            waits.append(deadline - now)
+        if exited_at is not None:
+            waits.append(exited_at + _EXIT_GRACE_S - now)
+        wait_ms = max(0, int(min(waits) * 1000) + 1) if waits else None
+        events = poller.poll(wait_ms)
+        now = time.monotonic()
+        for fd, _ in events:
+            if fd == wake_r:
+                os.read(wake_r, 64)
+                poller.unregister(wake_r)
+                exited_at = now
+                continue
+            data = os.read(fd, _READ)
+            if not data:
+                poller.unregister(fd)
+                del kinds[fd]
+                continue
+            room = msg.max_output - sent
+            if len(data) > room:
+                truncated = True
+                data = data[:max(room, 0)]
+            if data:
+                sent += len(data)
+                conn.send(kinds[fd](id=msg.id, data=data))
+        if deadline is not None and not timed_out and now >= deadline:
+            timed_out = True
+            kill_tree(pid)
+            exited_at = exited_at or now
+        elif exited_at is not None and now >= exited_at + _EXIT_GRACE_S:
+            break
     return timed_out, truncated
 
 
@@ -503,6 +540,8 @@ def _remove(agent: "Agent", conn: Connection, msg: p.Remove) -> None:
     st = os.lstat(msg.path)
     if stat_mod.S_ISDIR(st.st_mode):
         if msg.recursive:
+            import shutil  # only for this rare operation
+
             shutil.rmtree(msg.path)
         else:
             os.rmdir(msg.path)
@@ -528,6 +567,8 @@ class Context:
         full_env.update(env)
         boot = ("import sys; sys.path.insert(0, %r); from warmbox.guest import kernel; "
                 "sys.path.pop(0); kernel.main(%d)" % (_GUEST_LIB, theirs.fileno()))
+        import subprocess  # contexts are not on the cold-start path
+
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-u", "-c", boot], stdin=subprocess.DEVNULL,
@@ -672,7 +713,8 @@ class Agent:
     def serve_forever(self) -> None:
         while True:
             try:
-                sock, _ = self.listener.accept()
+                fd, _ = self.listener._accept()
+                sock = socket.socket(fileno=fd)
             except InterruptedError:  # pragma: no cover
                 continue
             threading.Thread(target=Connection(self, sock).serve, daemon=True).start()
