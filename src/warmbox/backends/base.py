@@ -8,9 +8,11 @@ records the engine persists, so any warmbox process can operate on any sandbox.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Protocol
+from typing import Awaitable, Callable, ClassVar, Protocol, TypeVar
 
 from warmbox.models import Limits
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +80,13 @@ class Backend(Protocol):
         """Build the sandbox's filesystem and runtime configuration (stage ``filesystem``)."""
         ...
 
-    async def start(self, handle: BackendHandle) -> None:
-        """Start the guest agent; returns once it can accept connections (stage ``runtime``)."""
+    async def start(self, handle: BackendHandle, ready: Callable[[], Awaitable[T]]) -> T:
+        """Start the guest agent (stage ``runtime``).
+
+        ``ready`` (typically: connect and ping the agent at ``handle.socket_path``) is run as
+        soon as the socket accepts connections, concurrently with the runtime's own start; its
+        result is returned once both succeeded. A runtime failure wins over ready's error.
+        """
         ...
 
     async def usage(self, handle: BackendHandle) -> ResourceUsage: ...

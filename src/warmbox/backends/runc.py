@@ -19,12 +19,13 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import Awaitable, Callable, ClassVar, TypeVar
 
 from warmbox.backends import seccomp
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
 from warmbox.errors import SandboxStartError
 
+T = TypeVar("T")
 GUEST_UID = 1000
 GUEST_GID = 1000
 ID_RANGE = 65536
@@ -248,7 +249,7 @@ class RuncBackend:
                              state_dir=str(state), socket_path=str(state / "agent.sock"),
                              uid_base=spec.uid_base)
 
-    async def start(self, handle: BackendHandle) -> None:
+    async def start(self, handle: BackendHandle, ready: Callable[[], Awaitable[T]]) -> T:
         state = Path(handle.state_dir)
         sock_path = handle.socket_path
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -260,23 +261,36 @@ class RuncBackend:
             listener.bind(sock_path)
             os.chmod(sock_path, 0o600)
             listener.listen(128)
-            log = state / "agent.log"
             argv = [self.runc, "--root", str(self.root), "run", "--detach", "--preserve-fds", "1",
                     "--bundle", str(state / "bundle"), handle.runtime_id]
-            rc = await _spawn_wait(argv, fd3=listener.fileno(), log=log)
+            pid = _spawn(argv, fd3=listener.fileno(), log=state / "agent.log")
         finally:
-            listener.close()
-        if rc != 0:
-            tail = _tail(state / "agent.log")
-            raise SandboxStartError(f"runc failed to start the sandbox (exit {rc}): {tail}", handle.sandbox_id)
-        # Spare the guest agent from the OOM killer (a userns cannot lower its own score; the
-        # agent resets its children to 0, so user code stays the victim).
-        pid = self._init_pid(handle)
-        if pid is not None:
-            try:
-                Path(f"/proc/{pid}/oom_score_adj").write_text("-1000")
-            except OSError:
-                pass
+            listener.close()  # runc (then the agent) holds the listening socket now
+        # The socket already listens, so ready() (connect + ping) runs while runc is still
+        # finishing: its connection waits in the backlog until the agent accepts it.
+        runc_done = asyncio.ensure_future(_wait_pid(pid))
+        ready_task = asyncio.ensure_future(ready())
+        try:
+            await asyncio.wait({runc_done, ready_task}, return_when=asyncio.FIRST_COMPLETED)
+            rc = await runc_done
+            if rc != 0:
+                tail = _tail(state / "agent.log")
+                raise SandboxStartError(f"runc failed to start the sandbox (exit {rc}): {tail}", handle.sandbox_id)
+            # Spare the guest agent from the OOM killer (a userns cannot lower its own score;
+            # the agent resets its children to 0, so user code stays the victim).
+            init = self._init_pid(handle)
+            if init is not None:
+                try:
+                    Path(f"/proc/{init}/oom_score_adj").write_text("-1000")
+                except OSError:
+                    pass
+            return await ready_task
+        finally:
+            for task in (ready_task, runc_done):
+                if not task.done():
+                    task.cancel()
+                elif not task.cancelled():
+                    task.exception()  # retrieved: a runc failure supersedes ready()'s error
 
     async def alive(self, handle: BackendHandle) -> bool:
         pid = self._init_pid(handle)
@@ -371,8 +385,8 @@ def _tail(path: Path, limit: int = 600) -> str:
     return " | ".join(lines[-4:])[-limit:] or "(empty log)"
 
 
-async def _spawn_wait(argv: list[str], fd3: int, log: Path) -> int:
-    """posix_spawn ``argv`` with ``fd3`` as its fd 3, stdio to /dev/null + ``log``; await its exit."""
+def _spawn(argv: list[str], fd3: int, log: Path) -> int:
+    """posix_spawn ``argv`` with ``fd3`` as its fd 3, stdio to /dev/null + ``log``; returns the pid."""
     high = fcntl.fcntl(fd3, fcntl.F_DUPFD_CLOEXEC, 10)  # never 3 itself: dup2(3, 3) keeps CLOEXEC
     null = os.open(os.devnull, os.O_RDONLY)
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -385,7 +399,7 @@ async def _spawn_wait(argv: list[str], fd3: int, log: Path) -> int:
         os.close(high)
         os.close(null)
         os.close(out)
-    return await _wait_pid(pid)
+    return pid
 
 
 async def _wait_pid(pid: int) -> int:

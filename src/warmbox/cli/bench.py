@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from warmbox.errors import WarmboxError
+
 EMPTY = ["python3", "-c", "print(2+2)"]
 AGENT = ["python3", "-c", (
     "import numpy, pandas\n"
@@ -31,6 +33,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 def _bwrap_argv(cmd: list[str]) -> list[str]:
     argv = ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr",
+            "--ro-bind", "/etc/alternatives", "/etc/alternatives", "--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache",
             "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", "/workspace", "--chdir", "/workspace"]
     for link in ("bin", "sbin", "lib", "lib64"):
         if os.path.islink("/" + link):
@@ -75,7 +78,7 @@ class _RawRunc:
                            capture_output=True)
             shutil.rmtree(d, ignore_errors=True)
         if out.returncode != 0:
-            raise RuntimeError(f"raw runc failed: {out.stderr.strip()[-300:]}")
+            raise WarmboxError(f"raw runc failed: {out.stderr.strip()[-300:]}")
         return ms, out.stdout
 
 
@@ -90,7 +93,7 @@ async def _warmbox(cmd: list[str]) -> tuple[float, str, dict[str, float]]:
     finally:
         await sb.kill()
     if r.exit_code != 0:
-        raise RuntimeError(f"warmbox run failed: {r.stderr[-300:]}")
+        raise WarmboxError(f"warmbox run failed: {r.stderr[-300:]}")
     return ms, r.stdout, sb.timings
 
 
@@ -99,7 +102,7 @@ def _bwrap(cmd: list[str]) -> tuple[float, str]:
     out = subprocess.run(_bwrap_argv(cmd), capture_output=True, text=True, timeout=120)
     ms = (time.perf_counter() - t0) * 1e3
     if out.returncode != 0:
-        raise RuntimeError(f"bwrap failed: {out.stderr.strip()[-300:]}")
+        raise WarmboxError(f"bwrap failed: {out.stderr.strip()[-300:]}")
     return ms, out.stdout
 
 

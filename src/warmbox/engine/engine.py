@@ -148,11 +148,17 @@ class Engine:
                 sandbox_id=sandbox_id, state_dir=str(state_dir), uid_base=handle.uid_base,
                 envs=env_pairs, limits=limits))
             t2 = time.perf_counter()
-            await backend.start(handle)
-            client = await GuestClient.connect(handle.socket_path, sandbox_id)
-            pong = await asyncio.wait_for(client.call(lambda i: p.Ping(i), p.Pong), 30)
-            if not isinstance(pong, p.Pong) or pong.version != p.PROTOCOL_VERSION:
-                raise SandboxStartError(f"guest agent speaks an unexpected protocol: {pong!r}", sandbox_id)
+            ready_handle = handle
+
+            async def ready() -> GuestClient:
+                nonlocal client
+                client = await GuestClient.connect(ready_handle.socket_path, sandbox_id)
+                pong = await asyncio.wait_for(client.call(lambda i: p.Ping(i), p.Pong), 30)
+                if not isinstance(pong, p.Pong) or pong.version != p.PROTOCOL_VERSION:
+                    raise SandboxStartError(f"guest agent speaks an unexpected protocol: {pong!r}", sandbox_id)
+                return client
+
+            client = await backend.start(handle, ready)
             t3 = time.perf_counter()
         except BaseException as e:
             if client is not None:
