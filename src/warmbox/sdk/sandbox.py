@@ -80,6 +80,33 @@ def _entry(e: p.Entry) -> EntryInfo:
                      modified=e.mtime, symlink_target=e.target or None)
 
 
+class _Output:
+    """stdout/stderr of one run: accumulated as bytes, handed to callbacks as decoded text."""
+
+    def __init__(self, on_stdout: Callable[[str], object] | None, on_stderr: Callable[[str], object] | None) -> None:
+        self.out, self.err = bytearray(), bytearray()
+        self._sinks = {p.Stdout: (self.out, on_stdout, codecs.getincrementaldecoder("utf-8")("replace")),
+                       p.Stderr: (self.err, on_stderr, codecs.getincrementaldecoder("utf-8")("replace"))}
+
+    def feed(self, msg: p.Message) -> bool:
+        """Take a Stdout/Stderr frame; False for any other message."""
+        sink = self._sinks.get(type(msg))
+        if sink is None:
+            return False
+        buf, callback, decoder = sink
+        buf += msg.data
+        if callback:
+            callback(decoder.decode(msg.data))
+        return True
+
+    @property
+    def size(self) -> int:
+        return len(self.out) + len(self.err)
+
+    def text(self) -> tuple[str, str]:
+        return self.out.decode("utf-8", "replace"), self.err.decode("utf-8", "replace")
+
+
 @dataclasses.dataclass(frozen=True)
 class CodeContext:
     """A code interpreter whose state persists between ``run_code`` calls."""
@@ -245,8 +272,7 @@ class AsyncSandbox:
         cap = _max_output(max_output)
         started = time.perf_counter()
         oom_before = await self._oom_kills()
-        out, err = bytearray(), bytearray()
-        dec_out, dec_err = codecs.getincrementaldecoder("utf-8")("replace"), codecs.getincrementaldecoder("utf-8")("replace")
+        output = _Output(on_stdout, on_stderr)
         displays: dict[int, dict[str, object]] = {}
         mains: set[int] = set()
         self._active += 1
@@ -255,15 +281,9 @@ class AsyncSandbox:
                     lambda i: p.ContextRun(i, context=name, code=code, timeout_s=t, max_output=cap)) as stream:
                 while True:
                     msg = await stream.next(p.Stdout, p.Stderr, p.Display, p.CodeDone)
-                    if isinstance(msg, p.Stdout):
-                        out += msg.data
-                        if on_stdout:
-                            on_stdout(dec_out.decode(msg.data))
-                    elif isinstance(msg, p.Stderr):
-                        err += msg.data
-                        if on_stderr:
-                            on_stderr(dec_err.decode(msg.data))
-                    elif isinstance(msg, p.Display):
+                    if output.feed(msg):
+                        continue
+                    if isinstance(msg, p.Display):
                         field = _MIME_FIELDS.get(msg.mime)
                         if field is None:
                             continue
@@ -283,8 +303,8 @@ class AsyncSandbox:
         results = tuple(Result(is_main_result=k in mains, **v) for k, v in sorted(displays.items()))  # type: ignore[arg-type]
         error = (ExecutionError(done.error_name, done.error_value, done.traceback)
                  if done.error_name else None)
-        return Execution(results=results, stdout=out.decode("utf-8", "replace"),
-                         stderr=err.decode("utf-8", "replace"), error=error, timed_out=done.timed_out,
+        stdout, stderr = output.text()
+        return Execution(results=results, stdout=stdout, stderr=stderr, error=error, timed_out=done.timed_out,
                          truncated=done.truncated, oom_killed=oom, execution_count=done.execution_count,
                          duration_ms=done.duration_ms)
 
@@ -327,8 +347,7 @@ class AsyncCommands:
         data = stdin.encode() if isinstance(stdin, str) else stdin
         started = time.perf_counter()
         oom_before = await sb._oom_kills()
-        out, err = bytearray(), bytearray()
-        dec_out, dec_err = codecs.getincrementaldecoder("utf-8")("replace"), codecs.getincrementaldecoder("utf-8")("replace")
+        output = _Output(on_stdout, on_stderr)
         pid = 0
         sb._active += 1
         try:
@@ -341,15 +360,9 @@ class AsyncCommands:
                     await stream.send(p.StdinData(stream.id, data=b"", eof=True))
                 while True:
                     msg = await stream.next(p.Started, p.Stdout, p.Stderr, p.Exited)
-                    if isinstance(msg, p.Stdout):
-                        out += msg.data
-                        if on_stdout:
-                            on_stdout(dec_out.decode(msg.data))
-                    elif isinstance(msg, p.Stderr):
-                        err += msg.data
-                        if on_stderr:
-                            on_stderr(dec_err.decode(msg.data))
-                    elif isinstance(msg, p.Started):
+                    if output.feed(msg):
+                        continue
+                    if isinstance(msg, p.Started):
                         pid = msg.pid
                     elif isinstance(msg, p.Failure):
                         _raise_failure(msg, sb.sandbox_id, "commands.run")
@@ -358,12 +371,12 @@ class AsyncCommands:
                         break
         finally:
             sb._active -= 1
-        if len(out) + len(err) > cap:
+        if output.size > cap:
             raise GuestProtocolError("guest sent more output than the cap", sb.sandbox_id)
         oom = (await sb._oom_kills()) > oom_before
         sb._record_first(started)
-        result = CommandResult(exit_code=exited.exit_code, stdout=out.decode("utf-8", "replace"),
-                               stderr=err.decode("utf-8", "replace"), timed_out=exited.timed_out,
+        stdout, stderr = output.text()
+        result = CommandResult(exit_code=exited.exit_code, stdout=stdout, stderr=stderr, timed_out=exited.timed_out,
                                truncated=exited.truncated, oom_killed=oom, signal=exited.signal,
                                duration_ms=exited.duration_ms, pid=pid)
         if check and not result.ok:
