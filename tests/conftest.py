@@ -32,6 +32,7 @@ def home() -> Path:
     old = os.environ.get("WARMBOX_HOME")
     os.environ["WARMBOX_HOME"] = str(path)
     before = set(_cgroup_leftovers())
+    parents_before = {str(d) for d in Path("/sys/fs/cgroup").glob("*/warmbox")}
     yield path
     # every test must have cleaned up after itself; prove it, then remove what is left
     from warmbox.engine.engine import Engine
@@ -46,6 +47,12 @@ def home() -> Path:
     leftovers = set(_cgroup_leftovers()) - before
     sandboxes = [p.name for p in (rt / "sandboxes").iterdir()] if (rt / "sandboxes").is_dir() else []
     _stop_reaper(path)
+    for d in Path("/sys/fs/cgroup").glob("*/warmbox"):  # runc's parent cgroups, if we made them
+        if str(d) not in parents_before:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
     shutil.rmtree(path, ignore_errors=True)
     shutil.rmtree(rt, ignore_errors=True)
     if old is None:

@@ -273,7 +273,7 @@ def encode(msg: Message) -> bytes:
             header[name] = value.value
         else:
             header[name] = value
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw = json.dumps(header, separators=(",", ":")).encode()  # ASCII: lone surrogates survive
     if len(raw) > MAX_HEADER or len(body) > MAX_BODY:
         raise ProtocolViolation(f"{cls.__name__} frame too large ({len(raw)}+{len(body)} bytes)")
     return _PREFIX.pack(len(raw), len(body)) + raw + body

@@ -153,3 +153,18 @@ def test_async_twin(home, runc_ready):
             results = await asyncio.gather(*(sb.commands.run(f"echo {i}") for i in range(10)))
             return [r.stdout.strip() for r in results]
     assert asyncio.run(go()) == [str(i) for i in range(10)]
+
+
+def test_hostile_sized_inputs_are_typed_or_handled(sb):
+    # argv bytes that are not UTF-8 (surrogate-escaped by Python) reach the sandbox intact
+    r = sb.commands.run(["printf", "%s", "caf\udce9"])
+    assert r.exit_code == 0 and r.stdout == "caf\ufffd"
+    # a request beyond the protocol's frame size is a typed error, not a traceback
+    with pytest.raises(InvalidArgument, match="too large"):
+        sb.run_code("x = 1\n" * 300_000)
+    # more output in one write than one frame carries is chunked, not lost
+    e = sb.run_code("print('x' * 5_000_000)")
+    assert e.error is None and len(e.stdout) == 5_000_001
+    e = sb.run_code("raise ValueError('\\udc80' * 10 + 'y' * 200_000)")
+    assert e.error.name == "ValueError" and len(e.error.value) < 70_000
+    assert sb.run_code("1 + 1").text == "2"  # the context survived

@@ -237,6 +237,7 @@ class RuncBackend:
         bundle = state / "bundle"
         workspace = state / "workspace"
         bundle.mkdir(parents=True, exist_ok=True)
+        (state / "run").mkdir(mode=0o700, exist_ok=True)  # the agent socket: root only
         workspace.mkdir(mode=0o700, exist_ok=True)
         os.chown(workspace, spec.uid_base + GUEST_UID, spec.uid_base + GUEST_GID)
         config = self.config(spec, self.image(), workspace)
@@ -246,7 +247,7 @@ class RuncBackend:
             json.dump(config, f)
         os.rename(tmp, bundle / "config.json")
         return BackendHandle(sandbox_id=spec.sandbox_id, tier=self.tier, runtime_id=spec.sandbox_id,
-                             state_dir=str(state), socket_path=str(state / "agent.sock"),
+                             state_dir=str(state), socket_path=str(state / "run" / "agent.sock"),
                              uid_base=spec.uid_base)
 
     async def start(self, handle: BackendHandle, ready: Callable[[], Awaitable[T]]) -> T:
@@ -276,14 +277,6 @@ class RuncBackend:
             if rc != 0:
                 tail = _tail(state / "agent.log")
                 raise SandboxStartError(f"runc failed to start the sandbox (exit {rc}): {tail}", handle.sandbox_id)
-            # Spare the guest agent from the OOM killer (a userns cannot lower its own score;
-            # the agent resets its children to 0, so user code stays the victim).
-            init = self._init_pid(handle)
-            if init is not None:
-                try:
-                    Path(f"/proc/{init}/oom_score_adj").write_text("-1000")
-                except OSError:
-                    pass
             return await ready_task
         finally:
             for task in (ready_task, runc_done):

@@ -26,7 +26,7 @@ ioprio_set io_setup io_submit kill lchown lgetxattr link linkat listen listxattr
 lremovexattr lseek lsetxattr lstat madvise membarrier memfd_create mincore mkdir mkdirat mknod
 mknodat mlock mlock2 mlockall mmap modify_ldt mprotect mq_getsetattr mq_notify mq_open
 mq_timedreceive mq_timedsend mq_unlink mremap msgctl msgget msgrcv msgsnd msync munlock
-munlockall munmap nanosleep newfstatat open openat openat2 pause pidfd_getfd pidfd_open
+munlockall munmap nanosleep newfstatat open openat openat2 pause pidfd_open
 pidfd_send_signal pipe pipe2 pkey_alloc pkey_free pkey_mprotect poll ppoll prctl pread64 preadv
 preadv2 prlimit64 pselect6 pwrite64 pwritev pwritev2 read readahead readlink readlinkat readv
 recvfrom recvmmsg recvmsg remap_file_pages removexattr rename renameat renameat2
@@ -53,7 +53,7 @@ settimeofday stime clock_settime clock_adjtime adjtimex syslog quotactl quotactl
 lookup_dcookie vm86 vm86old open_by_handle_at name_to_handle_at io_uring_setup io_uring_enter
 io_uring_register iopl ioperm ptrace process_vm_readv process_vm_writev kcmp sethostname
 setdomainname fanotify_init mbind set_mempolicy get_mempolicy migrate_pages move_pages
-nfsservctl uselib ustat sysfs _sysctl
+nfsservctl uselib ustat sysfs _sysctl pidfd_getfd
 """.split())
 
 # clone() without any CLONE_NEW* flag: NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET

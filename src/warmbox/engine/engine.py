@@ -133,7 +133,7 @@ class Engine:
             raise BackendUnavailable(tier, avail.reason)
         sandbox_id = "sb-" + secrets.token_hex(6)
         state_dir = self.runtime / "sandboxes" / sandbox_id
-        socket_path = str(state_dir / "agent.sock")
+        socket_path = str(state_dir / "run" / "agent.sock")
         if len(socket_path) > _MAX_SOCKET_PATH:
             raise InvalidArgument(f"runtime dir {self.runtime} is too long for a unix socket path")
         slot = self.registry.allocate(sandbox_id, tier, template, timeout, limits.memory_mb, limits.cpus,
@@ -179,11 +179,12 @@ class Engine:
         return info, handle, client, timings
 
     async def _cleanup_failed(self, sandbox_id: str, handle: BackendHandle, backend: Backend, why: BaseException) -> None:
+        self.registry.set_state(sandbox_id, State.FAILED, f"start failed: {type(why).__name__}")
         try:
             await backend.destroy(handle)
-        finally:
-            self.registry.set_state(sandbox_id, State.FAILED, f"start failed: {type(why).__name__}")
-            self.registry.set_state(sandbox_id, State.DESTROYED, "cleaned up after failed start")
+        except Exception:
+            return  # stays FAILED: keeps its uid range, and the reaper retries the teardown
+        self.registry.set_state(sandbox_id, State.DESTROYED, "cleaned up after failed start")
 
     # ---- lookup
 
@@ -207,6 +208,10 @@ class Engine:
                 raise SandboxNotFound(f"sandbox {sandbox_id} is no longer running", sandbox_id) from None
             raise
         return info, handle, client
+
+    def holding(self) -> list[SandboxInfo]:
+        """Live sandboxes plus failed ones whose teardown is still owed."""
+        return [i for i in self.list(include_dead=True) if i.state in LIVE or i.state is State.FAILED]
 
     def list(self, include_dead: bool = False) -> list[SandboxInfo]:
         return [info for info, _ in self.registry.list(include_dead)]
@@ -242,16 +247,16 @@ class Engine:
         now = time.time()
         reaped = []
         for info, _ in self.registry.list():
-            if info.state in LIVE and info.expires_at <= now:
+            if (info.state in LIVE and info.expires_at <= now) or info.state is State.FAILED:
                 try:
                     if await self.destroy(info.sandbox_id, "timeout expired"):
                         reaped.append(info.sandbox_id)
-                except WarmboxError:
+                except Exception:  # one bad sandbox must not stop the reaper; retried next round
                     continue
         return reaped
 
     def next_expiry(self) -> float | None:
-        live = [i.expires_at for i in self.list()]
+        live = [i.expires_at for i in self.holding()]
         return min(live) if live else None
 
     def ensure_reaper(self) -> None:

@@ -12,7 +12,7 @@ import itertools
 from collections.abc import AsyncIterator
 
 from warmbox import protocol as p
-from warmbox.errors import GuestConnectionError, GuestProtocolError
+from warmbox.errors import GuestConnectionError, GuestProtocolError, InvalidArgument, SandboxTimeout
 
 _END = object()
 
@@ -67,21 +67,30 @@ class GuestClient:
     async def send(self, msg: p.Message) -> None:
         if self._error is not None:
             raise self._error
-        self._writer.write(p.encode(msg))
+        try:
+            frame = p.encode(msg)
+        except p.ProtocolViolation as e:
+            raise InvalidArgument(f"request too large for the sandbox protocol: {e}") from None
+        self._writer.write(frame)
         try:
             await self._writer.drain()
         except (ConnectionError, OSError):
             raise GuestConnectionError("connection to the guest agent closed", self.sandbox_id) from None
 
     @contextlib.asynccontextmanager
-    async def request(self, make) -> AsyncIterator["Stream"]:
-        """Send ``make(id)`` and yield a :class:`Stream` of the guest's answers to it."""
+    async def request(self, make, timeout: float | None = None) -> AsyncIterator["Stream"]:
+        """Send ``make(id)`` and yield a :class:`Stream` of the guest's answers to it.
+
+        timeout: seconds, wall clock, for the whole exchange — the host's own bound, so a
+        guest that never answers cannot hang the caller (SandboxTimeout).
+        """
         rid = next(self._ids)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         try:
             await self.send(make(rid))
-            yield Stream(self, rid, q)
+            yield Stream(self, rid, q, deadline)
         finally:
             self._streams.pop(rid, None)
 
@@ -106,13 +115,22 @@ class GuestClient:
 class Stream:
     """The frames answering one request."""
 
-    def __init__(self, client: GuestClient, rid: int, q: asyncio.Queue) -> None:
+    def __init__(self, client: GuestClient, rid: int, q: asyncio.Queue, deadline: float | None = None) -> None:
         self.client = client
         self.id = rid
         self._q = q
+        self._deadline = deadline
 
     async def get(self) -> p.Message:
-        item = await self._q.get()
+        if self._deadline is None:
+            item = await self._q.get()
+        else:
+            remaining = self._deadline - asyncio.get_running_loop().time()
+            try:
+                item = await asyncio.wait_for(self._q.get(), max(remaining, 0))
+            except asyncio.TimeoutError:
+                raise SandboxTimeout("the guest agent did not finish in time (host-side bound)",
+                                     self.client.sandbox_id) from None
         if item is _END:
             self._q.put_nowait(_END)
             assert self.client._error is not None

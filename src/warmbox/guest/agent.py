@@ -201,16 +201,6 @@ def kill_tree(root: int, sig: int = signal.SIGKILL, rounds: int = 8) -> None:
             pass
 
 
-def _child_oom_default(pid: int) -> None:
-    # The agent runs with oom_score_adj -1000 so the OOM killer spares it; its children must
-    # be ordinary victims again.
-    try:
-        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
-            f.write("0")
-    except OSError:
-        pass
-
-
 # --------------------------------------------------------------------------- connection
 
 
@@ -327,7 +317,6 @@ def _exec(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
                 if fd is not None:
                     os.close(fd)
             pipes = [pipes[0][0], pipes[1][0]]
-        _child_oom_default(pid)
         agent.reaper.register(pid, wake_w)
         conn.send(p.Started(id=msg.id, pid=pid))
         if stdin_w is not None:
@@ -577,7 +566,6 @@ class Context:
             )
         finally:
             theirs.close()
-        _child_oom_default(self.proc.pid)
         agent.reaper.register(self.proc.pid)
         self.sock = ours
 

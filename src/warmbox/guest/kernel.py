@@ -71,7 +71,8 @@ class _Run:
             if not data:
                 return
             self.sent += len(data)
-            self.send(kind(id=self.msg.id, data=data))
+            for off in range(0, len(data), p.CHUNK):
+                self.send(kind(id=self.msg.id, data=data[off:off + p.CHUNK]))
 
     def send(self, msg: p.Message) -> None:
         self.sock.sendall(p.encode(msg))
@@ -100,6 +101,13 @@ class _Run:
             text = f"<unrepresentable {type(value).__name__}: {e}>"
         self.send(p.Display(id=self.msg.id, mime="text/plain", data=text.encode()[: p.MAX_BODY],
                             main=main, result=index))
+
+
+def _bounded(text: str, limit: int = 64 << 10) -> str:
+    """What an error report may carry: at most ``limit`` chars, valid UTF-8."""
+    if len(text) > limit:
+        text = text[:limit] + "... [truncated]"
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _split(code: str, name: str) -> tuple[ast.Module, ast.Expression | None]:
@@ -149,6 +157,7 @@ def main(fd: int) -> None:
                 tb = "".join(traceback.format_list(keep)) + "".join(traceback.format_exception_only(type(e), e))
         finally:
             sys.stdout, sys.stderr = real_out, real_err
+        err_value, tb = _bounded(err_value), _bounded(tb)
         try:
             run.send(p.CodeDone(id=msg.id, error_name=err_name, error_value=err_value, traceback=tb,
                                 timed_out=False, truncated=run.truncated, execution_count=count,

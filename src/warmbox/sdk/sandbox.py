@@ -26,6 +26,8 @@ from warmbox.models import (CommandResult, EntryInfo, Execution, ExecutionError,
 
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
 DEFAULT_MAX_OUTPUT = 10 << 20
+HOST_GRACE_S = 15.0  # the host's bound = the guest's timeout + this (kill and interrupt waits)
+MAX_DISPLAY_BYTES = 64 << 20
 WORKDIR = "/workspace"
 _MAX_PATH = 4096
 
@@ -83,7 +85,10 @@ def _entry(e: p.Entry) -> EntryInfo:
 class _Output:
     """stdout/stderr of one run: accumulated as bytes, handed to callbacks as decoded text."""
 
-    def __init__(self, on_stdout: Callable[[str], object] | None, on_stderr: Callable[[str], object] | None) -> None:
+    def __init__(self, on_stdout: Callable[[str], object] | None, on_stderr: Callable[[str], object] | None,
+                 cap: int, sandbox_id: str) -> None:
+        self.cap = cap
+        self.sandbox_id = sandbox_id
         self.out, self.err = bytearray(), bytearray()
         self._sinks = {p.Stdout: (self.out, on_stdout, codecs.getincrementaldecoder("utf-8")("replace")),
                        p.Stderr: (self.err, on_stderr, codecs.getincrementaldecoder("utf-8")("replace"))}
@@ -95,6 +100,8 @@ class _Output:
             return False
         buf, callback, decoder = sink
         buf += msg.data
+        if self.size > self.cap:  # the guest ignored the cap: it is misbehaving
+            raise GuestProtocolError("guest sent more output than the cap", self.sandbox_id)
         if callback:
             callback(decoder.decode(msg.data))
         return True
@@ -272,18 +279,23 @@ class AsyncSandbox:
         cap = _max_output(max_output)
         started = time.perf_counter()
         oom_before = await self._oom_kills()
-        output = _Output(on_stdout, on_stderr)
+        output = _Output(on_stdout, on_stderr, cap, self.sandbox_id)
         displays: dict[int, dict[str, object]] = {}
+        display_bytes = 0
         mains: set[int] = set()
         self._active += 1
         try:
             async with self._client.request(
-                    lambda i: p.ContextRun(i, context=name, code=code, timeout_s=t, max_output=cap)) as stream:
+                    lambda i: p.ContextRun(i, context=name, code=code, timeout_s=t, max_output=cap),
+                    timeout=t + HOST_GRACE_S if t else None) as stream:
                 while True:
                     msg = await stream.next(p.Stdout, p.Stderr, p.Display, p.CodeDone)
                     if output.feed(msg):
                         continue
                     if isinstance(msg, p.Display):
+                        display_bytes += len(msg.data)
+                        if display_bytes > MAX_DISPLAY_BYTES:
+                            raise GuestProtocolError("guest sent too much rich output", self.sandbox_id)
                         field = _MIME_FIELDS.get(msg.mime)
                         if field is None:
                             continue
@@ -347,13 +359,13 @@ class AsyncCommands:
         data = stdin.encode() if isinstance(stdin, str) else stdin
         started = time.perf_counter()
         oom_before = await sb._oom_kills()
-        output = _Output(on_stdout, on_stderr)
+        output = _Output(on_stdout, on_stderr, cap, sb.sandbox_id)
         pid = 0
         sb._active += 1
         try:
             async with sb._client.request(lambda i: p.Exec(
                     i, argv=argv, env=env, cwd=workdir, timeout_s=t, max_output=cap,
-                    stdin=data is not None)) as stream:
+                    stdin=data is not None), timeout=t + HOST_GRACE_S if t else None) as stream:
                 if data is not None:
                     for off in range(0, len(data), p.CHUNK):
                         await stream.send(p.StdinData(stream.id, data=data[off:off + p.CHUNK], eof=False))
@@ -371,8 +383,6 @@ class AsyncCommands:
                         break
         finally:
             sb._active -= 1
-        if output.size > cap:
-            raise GuestProtocolError("guest sent more output than the cap", sb.sandbox_id)
         oom = (await sb._oom_kills()) > oom_before
         sb._record_first(started)
         stdout, stderr = output.text()

@@ -52,6 +52,7 @@ UID_RANGE = 65536
 MAX_SLOTS = (2**32 - UID_BASE) // UID_RANGE - 1
 
 _LIVE = tuple(s.value for s in LIVE)
+_HOLDING = (*_LIVE, State.FAILED.value)  # states whose uid range is still in use
 
 
 class Registry:
@@ -80,7 +81,7 @@ class Registry:
         now = time.time()
         with self._tx() as db:
             used = {r[0] for r in db.execute(
-                f"SELECT uid_slot FROM sandboxes WHERE state IN ({','.join('?' * len(_LIVE))})", _LIVE)}
+                f"SELECT uid_slot FROM sandboxes WHERE state IN ({','.join('?' * len(_HOLDING))})", _HOLDING)}
             slot = next(i for i in range(MAX_SLOTS + 1) if i not in used)
             db.execute(
                 "INSERT INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
