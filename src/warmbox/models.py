@@ -54,9 +54,6 @@ class State(str, enum.Enum):
     FAILED = "failed"
 
 
-STAGES = ("allocate", "filesystem", "runtime", "first_command")
-
-
 @dataclasses.dataclass(frozen=True)
 class StageTiming:
     """One stage of one sandbox start, in milliseconds."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -86,7 +85,6 @@ def test_uid_ranges_are_private_per_sandbox(home, runc_ready):
 
 
 def test_failed_start_is_cleaned_up_and_typed(home, runc_ready, monkeypatch):
-    from warmbox.backends import runc as runc_mod
     from warmbox.errors import SandboxStartError
 
     engine = Engine.for_home()
@@ -98,4 +96,3 @@ def test_failed_start_is_cleaned_up_and_typed(home, runc_ready, monkeypatch):
     new = [i for i in engine.list(include_dead=True) if i.sandbox_id not in before]
     assert len(new) == 1 and new[0].state is State.DESTROYED
     assert not (engine.runtime / "sandboxes" / new[0].sandbox_id).exists()
-    assert runc_mod  # imported for the monkeypatch target's module

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -117,7 +118,8 @@ def build_image(images_dir: Path) -> Path:
     return final
 
 
-def _cgroup_v2() -> bool:
+@functools.lru_cache(maxsize=1)
+def _cgroup_v2() -> bool:  # read on every command's OOM check: the layout never changes
     return Path("/sys/fs/cgroup/cgroup.controllers").exists()
 
 

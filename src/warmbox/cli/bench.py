@@ -7,7 +7,6 @@ its process, so the ratio isolates what warmbox adds: its guest agent, registry 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil

@@ -136,7 +136,7 @@ class Engine:
         socket_path = str(state_dir / "run" / "agent.sock")
         if len(socket_path) > _MAX_SOCKET_PATH:
             raise InvalidArgument(f"runtime dir {self.runtime} is too long for a unix socket path")
-        slot = self.registry.allocate(sandbox_id, tier, template, timeout, limits.memory_mb, limits.cpus,
+        self.registry.allocate(sandbox_id, tier, template, timeout, limits.memory_mb, limits.cpus,
                                       limits.pids, str(state_dir), socket_path)
         info, handle = self.registry.get(sandbox_id)
         state_dir.parent.mkdir(mode=0o711, exist_ok=True)
@@ -148,11 +148,9 @@ class Engine:
                 sandbox_id=sandbox_id, state_dir=str(state_dir), uid_base=handle.uid_base,
                 envs=env_pairs, limits=limits))
             t2 = time.perf_counter()
-            ready_handle = handle
-
             async def ready() -> GuestClient:
                 nonlocal client
-                client = await GuestClient.connect(ready_handle.socket_path, sandbox_id)
+                client = await GuestClient.connect(handle.socket_path, sandbox_id)
                 pong = await asyncio.wait_for(client.call(lambda i: p.Ping(i), p.Pong), 30)
                 if not isinstance(pong, p.Pong) or pong.version != p.PROTOCOL_VERSION:
                     raise SandboxStartError(f"guest agent speaks an unexpected protocol: {pong!r}", sandbox_id)
