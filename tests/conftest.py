@@ -12,6 +12,30 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# No pool is shared by the tests except ``iso``, whose shape (memory_mb = 500) only the pooled
+# variant of the ``sb`` fixture asks for; pool tests add their own pools with set_config().
+BASE_CONFIG = """
+[daemon]
+idle_exit = 3
+
+[pools.iso]
+template = "base"
+min = 1
+max = 1
+target = 1
+limits = { memory_mb = 500 }
+"""
+POOLED_LIMITS_MB = 500
+
+
+def set_config(home: Path, extra: str = "") -> None:
+    """Rewrite the session's warmbox.toml (base + ``extra``); the daemon picks it up on its next tick."""
+    path = home / "warmbox.toml"
+    old = path.stat().st_mtime_ns if path.exists() else 0
+    path.write_text(BASE_CONFIG + extra)
+    st = path.stat()
+    if st.st_mtime_ns <= old:
+        os.utime(path, ns=(st.st_atime_ns, old + 1000))
 
 
 def _cgroup_leftovers() -> list[str]:
@@ -29,8 +53,10 @@ def home() -> Path:
     """A private WARMBOX_HOME (short path: unix sockets live under it)."""
     path = Path(f"/tmp/wbt-{secrets.token_hex(3)}")
     path.mkdir(mode=0o700)
+    (path / "warmbox.toml").write_text(BASE_CONFIG)
     old = os.environ.get("WARMBOX_HOME")
     os.environ["WARMBOX_HOME"] = str(path)
+    os.environ.pop("WARMBOX_CONFIG", None)
     before = set(_cgroup_leftovers())
     parents_before = {str(d) for d in Path("/sys/fs/cgroup").glob("*/warmbox")}
     yield path
@@ -38,7 +64,10 @@ def home() -> Path:
     from warmbox.engine.engine import Engine
     import asyncio
 
+    from warmbox.cli.pools import down_home
+
     engine = Engine.for_home(path)
+    asyncio.run(down_home(path))  # stops the daemon; it destroys the pooled sandboxes
     live = engine.list()
     for info in live:
         asyncio.run(engine.destroy(info.sandbox_id, "test session teardown"))
@@ -46,7 +75,7 @@ def home() -> Path:
     runc_state = [p.name for p in (rt / "runc").iterdir()] if (rt / "runc").is_dir() else []
     leftovers = set(_cgroup_leftovers()) - before
     sandboxes = [p.name for p in (rt / "sandboxes").iterdir()] if (rt / "sandboxes").is_dir() else []
-    _stop_reaper(path)
+    _stop_daemon(path)
     for d in Path("/sys/fs/cgroup").glob("*/warmbox"):  # runc's parent cgroups, if we made them
         if str(d) not in parents_before:
             try:
@@ -65,7 +94,7 @@ def home() -> Path:
     assert not sandboxes, f"sandbox dirs left: {sandboxes}"
 
 
-def _stop_reaper(path: Path) -> None:
+def _stop_daemon(path: Path) -> None:
     """End the reaper this session's home started (found by its command line, ended by PID)."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -74,7 +103,7 @@ def _stop_reaper(path: Path) -> None:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"warmbox.engine.reaper" in cmd and str(path).encode() in cmd:
+        if b"warmbox.engine.daemon" in cmd and str(path).encode() in cmd:
             try:
                 os.kill(int(proc.name), 15)
             except ProcessLookupError:
@@ -90,12 +119,43 @@ def runc_ready(home: Path) -> None:
         pytest.fail(f"the container tier must run here (scripts/bootstrap installs it): {avail.reason}")
 
 
-@pytest.fixture(scope="module")
-def sb(home: Path, runc_ready: None):
-    """One sandbox shared by the read-only checks of a module."""
+def wait_for(pred, timeout: float = 60.0, what: str = "condition", interval: float = 0.1):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def pooled_sandbox(home: Path, **kw):
+    """A sandbox handed out by the ``iso`` warm pool (waits for the pool to have one)."""
+    from warmbox import Limits, Sandbox
+    from warmbox.engine.engine import Engine
+
+    engine = Engine.for_home(home)
+    engine.ensure_daemon()
+    wait_for(lambda: engine.registry.pool_counts("iso")[0] >= 1, 120, "the iso pool to fill")
+    box = Sandbox.create(limits=Limits(memory_mb=POOLED_LIMITS_MB), **kw)
+    assert box.from_pool, "the iso pool had a ready sandbox but create() did not take it"
+    return box
+
+
+@pytest.fixture(scope="module", params=["cold", "pooled"])
+def sb(request, home: Path, runc_ready: None):
+    """One sandbox shared by the read-only checks of a module: created cold, and from a pool."""
     from warmbox import Sandbox
 
-    with Sandbox.create(timeout=600, envs={"GREETING": "hi"}) as box:
+    if request.param == "cold":
+        box = Sandbox.create(timeout=600, envs={"GREETING": "hi"})
+        assert not box.from_pool
+    else:
+        box = pooled_sandbox(home, timeout=600, envs={"GREETING": "hi"})
+    with box:
         yield box
 
 

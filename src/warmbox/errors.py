@@ -20,7 +20,8 @@
     │   │   ├── PathPermissionDenied (PermissionError)
     │   │   └── NoSpace
     │   └── ContextError                    a code context is unknown or died
-    └── RegistryError                       the embedded state database failed
+    ├── RegistryError                       the embedded state database failed
+    └── ConfigError                         warmbox.toml or a WARMBOX_* override is invalid
 """
 
 from __future__ import annotations
@@ -117,3 +118,7 @@ class ContextError(SandboxError):
 
 class RegistryError(WarmboxError):
     pass
+
+
+class ConfigError(WarmboxError):
+    """Settings that cannot be used; the message names the file (or variable) and the key."""

@@ -48,19 +48,29 @@ class State(str, enum.Enum):
     """Lifecycle states of a sandbox (see engine.lifecycle for the legal operations)."""
 
     CREATING = "creating"
+    POOLED = "pooled"  # warmed up, waiting in a pool; nobody may connect until it is claimed
     READY = "ready"
     RUNNING = "running"
     DESTROYED = "destroyed"
     FAILED = "failed"
 
 
+STAGES = ("allocation", "filesystem", "runtime", "dependencies", "network", "first_command")
+
+
 @dataclasses.dataclass(frozen=True)
 class StageTiming:
-    """One stage of one sandbox start, in milliseconds."""
+    """One stage of one sandbox start, in milliseconds.
+
+    stage: one of STAGES. ``allocation`` is a pool claim on a hit, the registry insert when
+    cold. on_request_path: False for the stages a pool did before anyone asked (a pooled
+    sandbox's filesystem, runtime and dependencies), True for what the caller waited for.
+    """
 
     sandbox_id: str
     stage: str
     duration_ms: float
+    on_request_path: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +97,12 @@ class SandboxInfo:
     cpus: float
     pids: int
     template: str
+    pool: str = ""  # the pool it came from ("" when created cold)
+    claimed_at: float = 0.0  # unix seconds it was handed out of the pool (0 when cold)
+
+    @property
+    def from_pool(self) -> bool:
+        return bool(self.pool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,3 +198,59 @@ class TierStatus:
     tier: str
     available: bool
     reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxMetrics:
+    """Cost of one sandbox for its user (a pooled sandbox's warm-up is the pool's, not here).
+
+    cpu_s: CPU time of every process in the sandbox (cgroup cpuacct), seconds.
+    memory_gib_s: memory in use integrated over time (sampled), GiB x seconds.
+    wall_s: seconds since it was created (or handed out of a pool) until now or its end.
+    busy_s / idle_s: of wall_s, seconds with at least one command or code run in progress / none.
+    memory_bytes / memory_peak_bytes: now (0 once ended) / highest sampled.
+    final: True once the sandbox ended and these numbers are frozen in the registry.
+    """
+
+    sandbox_id: str
+    cpu_s: float
+    memory_gib_s: float
+    wall_s: float
+    busy_s: float
+    idle_s: float
+    memory_bytes: int
+    memory_peak_bytes: int
+    commands: int
+    final: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStatus:
+    """One pool as ``warmbox pool ls`` shows it; costs are what warming its sandboxes took."""
+
+    name: str
+    tier: str
+    template: str
+    min: int
+    max: int
+    target: int
+    ready: int  # pooled sandboxes waiting
+    warming: int  # being created or warmed up now
+    hits: int
+    misses: int
+    warmup_failures: int
+    last_error: str
+    cost_cpu_s: float
+    cost_memory_gib_s: float
+    cost_wall_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolEvent:
+    """Something that happened to a pool: hit, miss, warmed, warmup_failed, retired, resized, scaled."""
+
+    pool: str
+    at: float  # unix seconds
+    kind: str
+    sandbox_id: str
+    detail: str

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import struct
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_HEADER = 1 << 20  # 1 MiB of JSON is far more than any legal header
 MAX_BODY = 4 << 20  # bytes per frame; larger payloads are chunked
 MAX_FRAME = 8 + MAX_HEADER + MAX_BODY
@@ -190,6 +190,22 @@ class ContextDelete(Message):
     FIELDS = "context:str"
 
 
+class Configure(Message):
+    """Adopt a new caller (a pool claim): add ``env`` to every later process and code context.
+
+    reset_counts: execution counts and usage counters restart from zero. Answered by UsageReport
+    (the counters *before* the reset), or Ok inside a code context.
+    """
+
+    FIELDS = "env:dict[str,str] reset_counts:bool"
+
+
+class GetUsage(Message):
+    """Ask for the agent's usage counters; answered by UsageReport."""
+
+    FIELDS = ""
+
+
 class Chunk(Message):
     FIELDS = "data:bytes"
 
@@ -245,6 +261,12 @@ class Display(Message):
     FIELDS = "mime:str data:bytes main:bool result:int"
 
 
+class UsageReport(Message):
+    """busy_ms: time with at least one command or code run in progress; runs: how many started."""
+
+    FIELDS = "busy_ms:float runs:int uptime_ms:float"
+
+
 class CodeDone(Message):
     """End of a code run. ``error_name`` empty means success."""
     FIELDS = "error_name:str error_value:str traceback:str timed_out:bool truncated:bool execution_count:int duration_ms:float"
@@ -252,13 +274,14 @@ class CodeDone(Message):
 
 HOST_TO_GUEST: tuple[type[Message], ...] = (
     Ping, Exec, StdinData, Signal, ReadFile, WriteFile, ListDir, Stat, MakeDir, Remove,
-    ContextCreate, ContextRun, ContextDelete, Chunk, ChunkEnd,
+    ContextCreate, ContextRun, ContextDelete, Configure, GetUsage, Chunk, ChunkEnd,
 )
 GUEST_TO_HOST: tuple[type[Message], ...] = (
     Pong, Started, Stdout, Stderr, Exited, Ok, Failure, Entry, ContextCreated, Display,
-    CodeDone, Chunk, ChunkEnd,
+    CodeDone, UsageReport, Chunk, ChunkEnd,
 )
-# The code-context kernel and the agent exchange ContextRun / Stdout / Stderr / Display / CodeDone.
+# The code-context kernel and the agent exchange ContextRun / Stdout / Stderr / Display / CodeDone,
+# and Configure / Ok.
 
 
 def encode(msg: Message) -> bytes:

@@ -20,7 +20,7 @@ def test_run_json_record(home, runc_ready):
     rec = json.loads(r.stdout)
     assert {"exit_code", "stdout", "stderr", "timed_out", "truncated", "duration_ms", "timings"} <= set(rec)
     assert rec["exit_code"] == 3 and rec["timed_out"] is False
-    assert set(rec["timings"]) >= {"allocate", "filesystem", "runtime"}
+    assert set(rec["timings"]) >= {"allocation", "filesystem", "runtime"}
 
 
 def test_create_exec_ls_kill_across_processes(home, runc_ready):

@@ -21,7 +21,8 @@ def test_the_issue_sample(home, runc_ready):
         assert sb.run_code("x + 1").text == "42"
         sb.files.write("/workspace/a.txt", "data")
         assert sb.files.read("/workspace/a.txt") == "data"
-        assert set(sb.timings) == {"allocate", "filesystem", "runtime", "first_command"}
+        assert set(sb.timings) == {"allocation", "filesystem", "runtime", "dependencies", "first_command"}
+        assert all(t.on_request_path for t in sb.stage_timings) and not sb.from_pool
         assert all(v > 0 for v in sb.timings.values())
 
 

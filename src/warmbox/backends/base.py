@@ -91,6 +91,10 @@ class Backend(Protocol):
 
     async def usage(self, handle: BackendHandle) -> ResourceUsage: ...
 
+    async def oom_kills(self, handle: BackendHandle) -> int:
+        """Just the OOM-kill counter of ``usage`` (read before and after every command: cheap)."""
+        ...
+
     async def alive(self, handle: BackendHandle) -> bool: ...
 
     async def destroy(self, handle: BackendHandle) -> None:

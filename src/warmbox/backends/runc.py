@@ -134,6 +134,7 @@ class RuncBackend:
         self.runc = runc or shutil.which("runc") or "runc"
         self.root = runtime / "runc"
         self._image: Path | None = None
+        self._oom_paths: dict[str, str] = {}
 
     # ---- description
 
@@ -284,6 +285,7 @@ class RuncBackend:
             for task in (ready_task, runc_done):
                 if not task.done():
                     task.cancel()
+                    task.add_done_callback(lambda t: t.cancelled() or t.exception())
                 elif not task.cancelled():
                     task.exception()  # retrieved: a runc failure supersedes ready()'s error
 
@@ -316,6 +318,31 @@ class RuncBackend:
         if _cgroup_v2():
             return [Path("/sys/fs/cgroup") / rel]
         return [d / rel for d in Path("/sys/fs/cgroup").iterdir() if d.is_dir() and not d.is_symlink()]
+
+    async def oom_kills(self, handle: BackendHandle) -> int:
+        """The cgroup's OOM-kill counter; read around every command, so kept to one syscall trio."""
+        path = self._oom_paths.get(handle.sandbox_id)
+        if path is None:
+            name = "memory.events" if _cgroup_v2() else "memory.oom_control"
+            path = self._oom_paths[handle.sandbox_id] = str(self._cgroup_file("memory", handle.sandbox_id, name))
+            if len(self._oom_paths) > 4096:
+                self._oom_paths.clear()
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                data = os.read(fd, 4096)
+            finally:
+                os.close(fd)
+        except OSError:
+            return 0
+        i = data.find(b"oom_kill ")
+        if i < 0:
+            return 0
+        j = data.find(b"\n", i)
+        try:
+            return int(data[i + 9:j if j >= 0 else None])
+        except ValueError:
+            return 0
 
     async def usage(self, handle: BackendHandle) -> ResourceUsage:
         sid = handle.sandbox_id

@@ -1,33 +1,111 @@
-"""``warmbox bench start``: create -> first command, warmbox cold vs raw runc vs raw bwrap.
+"""``warmbox bench start|burst|exec|density`` — every figure measured in the same run, interleaved.
 
-All three run the same command in the same run, interleaved; raw runc uses the very OCI
-config warmbox generates (same user namespace, seccomp, cgroups, mounts) with the command as
-its process, so the ratio isolates what warmbox adds: its guest agent, registry and socket.
+start:   create -> first command for a warm-pool sandbox, a cold warmbox sandbox, raw ``runc run``
+         (the very OCI config warmbox generates — same user namespace, seccomp, cgroups, mounts —
+         with the command as its process) and raw ``bwrap``; for the empty loop and the
+         real-agent command (numpy + pandas, write and describe a 1,000-row CSV).
+         ``warm_pool`` runs the code in the pooled sandbox's already started Python (that is
+         what a warm pool is for); ``warm_pool_exec`` runs the very same ``python3 -c`` process
+         as the cold rows, to show what a fresh interpreter costs on top.
+burst:   N concurrent creates (+ first command) against a pool of N and a smaller one.
+exec:    commands/s for ``true`` in one warm sandbox; empty request round trip vs a raw
+         unix-socket round trip between two processes (the physical floor).
+density: idle warm sandboxes per step until a count or memory bound; memory per sandbox as
+         the cgroup sees it, as private (USS) and proportional (PSS) pages of its processes,
+         and as the host's MemAvailable drop.
+
+The benchmarks run in a private WARMBOX_HOME with their own pools (never the user's), which
+is stopped and removed at the end. Results: a readable table, or JSON with ``--json``.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 import os
+import secrets
 import shutil
+import socket
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from warmbox.errors import WarmboxError
 
 EMPTY = ["python3", "-c", "print(2+2)"]
-AGENT = ["python3", "-c", (
+AGENT_CODE = (
     "import numpy, pandas\n"
     "rng = numpy.random.default_rng(0)\n"
     "pandas.DataFrame(rng.normal(size=(1000, 4)), columns=list('abcd')).to_csv('/tmp/d.csv', index=False)\n"
-    "print(pandas.read_csv('/tmp/d.csv').describe().loc['mean'].round(3).to_dict())")]
+    "print(pandas.read_csv('/tmp/d.csv').describe().loc['mean'].round(3).to_dict())")
+AGENT = ["python3", "-c", AGENT_CODE]
+VARIANTS = {"empty": (EMPTY, "print(2+2)", "base"), "agent": (AGENT, AGENT_CODE, "pydata")}
 
 
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def _stats(v: list[float]) -> dict[str, float]:
+    return {"p50_ms": statistics.median(v), "p95_ms": _pct(v, 0.95), "p99_ms": _pct(v, 0.99),
+            "min_ms": min(v), "n": len(v)}
+
+
+def _progress(total: int, what: str):
+    """A rich progress bar on a terminal (stderr); nothing otherwise."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        transient=True, disable=not sys.stderr.isatty())
+    return progress, total
+
+
+_SAVED_ENV: dict[str, str] = {}
+
+
+def _make_home(pools: dict[str, dict[str, Any]]) -> Path:
+    """A private WARMBOX_HOME whose warmbox.toml declares only ``pools`` (never the user's)."""
+    from warmbox.engine.engine import Engine
+
+    home = Path(f"/tmp/wbbench-{secrets.token_hex(3)}")
+    home.mkdir(mode=0o700)
+    lines = ["[daemon]", "idle_exit = 2", "[pools]"]
+    for name, body in pools.items():
+        lines.append(f"[pools.{name}]")
+        for k, v in body.items():
+            if isinstance(v, dict):
+                v = "{ " + ", ".join(f"{a} = {json.dumps(b)}" for a, b in v.items()) + " }"
+            else:
+                v = json.dumps(v)
+            lines.append(f"{k} = {v}")
+    (home / "warmbox.toml").write_text("\n".join(lines) + "\n")
+    for k in list(os.environ):  # the user's config and overrides are not the benchmark's
+        if k == "WARMBOX_CONFIG" or (k.startswith("WARMBOX_") and "__" in k):
+            _SAVED_ENV[k] = os.environ.pop(k)
+    Engine.for_home(home)
+    return home
+
+
+async def _remove_home(home: Path) -> None:
+    from warmbox.cli.pools import down_home
+    from warmbox.engine.engine import Engine
+
+    engine = Engine.for_home(home)
+    try:
+        await down_home(home)
+        for info in engine.list():
+            await engine.destroy(info.sandbox_id, "benchmark finished")
+    finally:
+        os.environ.update(_SAVED_ENV)
+        shutil.rmtree(home, ignore_errors=True)
+        if not os.environ.get("WARMBOX_RUNTIME_DIR"):
+            shutil.rmtree(engine.runtime, ignore_errors=True)
+        Engine._instances.pop(home, None)
 
 
 def _bwrap_argv(cmd: list[str]) -> list[str]:
@@ -81,19 +159,9 @@ class _RawRunc:
         return ms, out.stdout
 
 
-async def _warmbox(cmd: list[str]) -> tuple[float, str, dict[str, float]]:
-    from warmbox.sdk.sandbox import AsyncSandbox
 
-    t0 = time.perf_counter()
-    sb = await AsyncSandbox.create("container", timeout=120)
-    try:
-        r = await sb.commands.run(cmd, timeout=120)
-        ms = (time.perf_counter() - t0) * 1e3
-    finally:
-        await sb.kill()
-    if r.exit_code != 0:
-        raise WarmboxError(f"warmbox run failed: {r.stderr[-300:]}")
-    return ms, r.stdout, sb.timings
+
+# ---------------------------------------------------------------------------- helpers
 
 
 def _bwrap(cmd: list[str]) -> tuple[float, str]:
@@ -105,57 +173,416 @@ def _bwrap(cmd: list[str]) -> tuple[float, str]:
     return ms, out.stdout
 
 
-async def bench_start(runs: int = 20, as_json: bool = False, variant: str = "both") -> int:
+async def _wait_quiet(engine: Any, pool: str, timeout: float = 300.0) -> None:
+    """Until the pool holds its target and nothing is being warmed (no refill competes for CPU)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        engine.settings()  # a broken config is a typed error now, not a timeout later
+        row = engine.registry.pool_rows().get(pool)
+        ready, warming = engine.registry.pool_counts(pool)
+        if row is not None and ready >= row.target and warming == 0:
+            return
+        if time.monotonic() > deadline:
+            err = row.last_error if row else ""
+            raise WarmboxError(f"pool {pool} did not fill within {timeout:.0f} s ({ready} ready)"
+                               + (f": {err}" if err else ""))
+        await asyncio.sleep(0.05)
+
+
+async def _cold(home: Path, cmd: list[str]) -> tuple[float, str, list]:
+    from warmbox.sdk.sandbox import AsyncSandbox
+
+    t0 = time.perf_counter()
+    sb = await AsyncSandbox.create("container", timeout=120, template="shell", pool=False, home=home)
+    try:
+        r = await sb.commands.run(cmd, timeout=120)
+        ms = (time.perf_counter() - t0) * 1e3
+    finally:
+        await sb.kill()
+    if r.exit_code != 0:
+        raise WarmboxError(f"warmbox run failed: {r.stderr[-300:]}")
+    return ms, r.stdout, sb.stage_timings
+
+
+async def _warm(home: Path, template: str, code: str | None, cmd: list[str] | None) -> tuple[float, str, list, bool]:
+    from warmbox.sdk.sandbox import AsyncSandbox
+
+    t0 = time.perf_counter()
+    sb = await AsyncSandbox.create("container", timeout=120, template=template, home=home)
+    try:
+        if code is not None:
+            r = await sb.run_code(code, timeout=120)
+            ms = (time.perf_counter() - t0) * 1e3
+            if r.error:
+                raise WarmboxError(f"warm run failed: {r.error.name}: {r.error.value}")
+        else:
+            r = await sb.commands.run(cmd, timeout=120)
+            ms = (time.perf_counter() - t0) * 1e3
+            if r.exit_code != 0:
+                raise WarmboxError(f"warm run failed: {r.stderr[-300:]}")
+    finally:
+        await sb.kill()
+    return ms, r.stdout, sb.stage_timings, sb.from_pool
+
+
+def _print_table(title: str, stats: dict[str, dict[str, float]], extra: list[str] = ()) -> None:
+    print(title)
+    for m, s in stats.items():
+        print(f"  {m:<15} p50 {s['p50_ms']:8.2f} ms   p95 {s['p95_ms']:8.2f} ms   p99 {s['p99_ms']:8.2f} ms"
+              f"   min {s['min_ms']:8.2f} ms   (n={s['n']})")
+    for line in extra:
+        print("  " + line)
+
+
+# ---------------------------------------------------------------------------- start
+
+
+async def bench_start(home: Path, runs: int, variant: str) -> dict:
     from warmbox.engine.engine import Engine
 
-    raw = _RawRunc(Engine.for_home().runtime)
+    engine = Engine.for_home(home)
+    raw = _RawRunc(engine.runtime)
     have_bwrap = shutil.which("bwrap") is not None
-    variants = {"empty": EMPTY, "agent": AGENT}
-    chosen = list(variants) if variant == "both" else [variant]
-    report: dict = {"runs": runs, "variants": {}}
-    for name in chosen:
-        cmd = variants[name]
-        # one untimed warm-up of each so page cache and image build are out of the numbers
-        await _warmbox(cmd)
-        raw.run(cmd)
-        if have_bwrap:
-            _bwrap(cmd)
-        samples: dict[str, list[float]] = {"warmbox_cold": [], "raw_runc": [], "raw_bwrap": []}
-        stages: dict[str, list[float]] = {}
-        outputs = set()
-        for i in range(runs):
-            order = ["warmbox_cold", "raw_runc", "raw_bwrap"]
-            order = order[i % 3:] + order[:i % 3]  # rotate so no method always runs first
-            for m in order:
-                if m == "warmbox_cold":
-                    ms, out, timings = await _warmbox(cmd)
-                    for k, v in timings.items():
-                        stages.setdefault(k, []).append(v)
-                elif m == "raw_runc":
-                    ms, out = raw.run(cmd)
-                elif have_bwrap:
-                    ms, out = _bwrap(cmd)
-                else:
-                    continue
-                samples[m].append(ms)
-                outputs.add(out.strip())
-        stats = {m: {"p50_ms": statistics.median(v), "p95_ms": _pct(v, 0.95), "min_ms": min(v), "n": len(v)}
-                 for m, v in samples.items() if v}
-        ratio = {f"warmbox_cold/{m}": stats["warmbox_cold"]["p50_ms"] / stats[m]["p50_ms"]
-                 for m in ("raw_runc", "raw_bwrap") if m in stats}
-        report["variants"][name] = {
-            "command": cmd, "stats": stats, "ratios_p50": ratio,
-            "warmbox_stages_p50_ms": {k: statistics.median(v) for k, v in stages.items()},
-            "distinct_outputs": len(outputs),
-        }
-    if as_json:
+    chosen = list(VARIANTS) if variant == "both" else [variant]
+    report: dict = {"bench": "start", "runs": runs, "variants": {}}
+    methods = ["warm_pool", "warm_pool_exec", "warmbox_cold", "raw_runc"] + (["raw_bwrap"] if have_bwrap else [])
+    progress, _ = _progress(0, "bench start")
+    with progress:
+        for name in chosen:
+            cmd, code, template = VARIANTS[name]
+            pool = f"bench-{template}"
+            task = progress.add_task(name, total=runs * len(methods))
+            engine.ensure_daemon()
+            await _wait_quiet(engine, pool)
+            # one untimed round of each so page cache and the image build are out of the numbers
+            await _cold(home, cmd)
+            raw.run(cmd)
+            if have_bwrap:
+                _bwrap(cmd)
+            samples: dict[str, list[float]] = {m: [] for m in methods}
+            stages: dict[str, dict[str, list[float]]] = {"warm_pool": {}, "warmbox_cold": {}}
+            outputs: set[str] = set()
+            misses = 0
+            for i in range(runs):
+                order = methods[i % len(methods):] + methods[:i % len(methods)]  # rotate the order
+                for m in order:
+                    if m.startswith("warm_pool"):
+                        await _wait_quiet(engine, pool)
+                        ms, out, st, hit = await _warm(home, template, code if m == "warm_pool" else None,
+                                                       None if m == "warm_pool" else cmd)
+                        misses += not hit
+                    elif m == "warmbox_cold":
+                        ms, out, st = await _cold(home, cmd)
+                    elif m == "raw_runc":
+                        ms, out = raw.run(cmd)
+                        st = []
+                    else:
+                        ms, out = _bwrap(cmd)
+                        st = []
+                    if m in stages:
+                        for t in st:
+                            if t.on_request_path:
+                                stages[m].setdefault(t.stage, []).append(t.duration_ms)
+                    samples[m].append(ms)
+                    outputs.add(out.strip())
+                    progress.advance(task)
+            stats = {m: _stats(v) for m, v in samples.items() if v}
+            ratios = {}
+            for a in ("warm_pool", "warmbox_cold"):
+                for b in ("warmbox_cold", "raw_runc", "raw_bwrap"):
+                    if a != b and b in stats:
+                        ratios[f"{a}/{b}"] = stats[a]["p50_ms"] / stats[b]["p50_ms"]
+            report["variants"][name] = {
+                "command": cmd, "warm_pool_code": code, "template": template, "stats": stats,
+                "ratios_p50": ratios, "pool_misses": misses,
+                "stages_on_request_path_p50_ms": {m: {k: statistics.median(v) for k, v in d.items()}
+                                                  for m, d in stages.items()},
+                "distinct_outputs": len(outputs),
+            }
+    return report
+
+
+def _print_start(report: dict) -> None:
+    for name, v in report["variants"].items():
+        extra = [f"ratio {k:<26} {r:6.3f}x" for k, r in v["ratios_p50"].items()]
+        for m, d in v["stages_on_request_path_p50_ms"].items():
+            extra.append(f"{m} stages on the request path, p50 ms: " + ", ".join(f"{k}={x:.2f}" for k, x in d.items()))
+        extra.append(f"pool misses during the run: {v['pool_misses']}; distinct outputs: {v['distinct_outputs']}")
+        _print_table(f"bench start [{name}] {' '.join(v['command'])[:60]!r}  ({report['runs']} interleaved runs each)",
+                     v["stats"], extra)
+
+
+# ---------------------------------------------------------------------------- burst
+
+
+async def bench_burst(home: Path, burst: int, pool_sizes: list[int]) -> dict:
+    from warmbox.engine import pool as pools
+    from warmbox.engine.engine import Engine
+    from warmbox.sdk.sandbox import AsyncSandbox
+
+    engine = Engine.for_home(home)
+    report: dict = {"bench": "burst", "burst": burst, "runs": []}
+    for size in pool_sizes:
+        pools.resize(engine, engine.settings(), "bench-burst", size, min=size, max=size)
+        await _wait_quiet(engine, "bench-burst", timeout=600)
+
+        async def one(t0: float) -> tuple[float, bool, Any]:
+            sb = await AsyncSandbox.create("container", timeout=300, template="base", home=home)
+            r = await sb.run_code("print(2+2)")
+            ms = (time.perf_counter() - t0) * 1e3
+            if r.stdout.strip() != "4":
+                raise WarmboxError(f"burst sandbox answered {r.stdout!r}")
+            return ms, sb.from_pool, sb
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(t0) for _ in range(burst)), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        ok = [r for r in results if not isinstance(r, BaseException)]
+        await asyncio.gather(*(sb.kill() for _, _, sb in ok), return_exceptions=True)
+        pools.resize(engine, engine.settings(), "bench-burst", 0, min=0, max=0)
+        if errors:
+            raise WarmboxError(f"{len(errors)} of {burst} burst creates failed: {errors[0]}")
+        lat = [ms for ms, _, _ in ok]
+        hits = [ms for ms, hit, _ in ok if hit]
+        cold = [ms for ms, hit, _ in ok if not hit]
+        st = _stats(lat)
+        report["runs"].append({"pool": size, "hits": len(hits), "cold": len(cold), "stats": st,
+                               "p99_over_p50": st["p99_ms"] / st["p50_ms"],
+                               "hit_stats": _stats(hits) if hits else None, "cold_stats": _stats(cold) if cold else None})
+        await _wait_quiet(engine, "bench-burst")
+    return report
+
+
+def _print_burst(report: dict) -> None:
+    for r in report["runs"]:
+        s = r["stats"]
+        print(f"bench burst: {report['burst']} concurrent creates + first run_code, pool of {r['pool']} "
+              f"({r['hits']} hits, {r['cold']} cold)")
+        print(f"  all   p50 {s['p50_ms']:8.1f} ms   p99 {s['p99_ms']:8.1f} ms   p99/p50 {r['p99_over_p50']:.2f}")
+        for k in ("hit_stats", "cold_stats"):
+            if r[k]:
+                print(f"  {k[:-6]:<5} p50 {r[k]['p50_ms']:8.1f} ms   p99 {r[k]['p99_ms']:8.1f} ms   (n={r[k]['n']})")
+
+
+# ---------------------------------------------------------------------------- exec
+
+
+def _echo_server(sock: socket.socket) -> None:
+    while True:
+        data = sock.recv(64)
+        if not data:
+            return
+        sock.sendall(data)
+
+
+def _raw_rtt(n: int) -> list[float]:
+    """Round trip of 16 bytes over a unix socket to another process: the physical floor."""
+    a, b = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        a.close()
+        try:
+            _echo_server(b)
+        finally:
+            os._exit(0)
+    b.close()
+    out = []
+    try:
+        for _ in range(n):
+            t = time.perf_counter()
+            a.sendall(b"x" * 16)
+            a.recv(64)
+            out.append((time.perf_counter() - t) * 1e6)
+    finally:
+        a.close()
+        os.waitpid(pid, 0)
+    return out
+
+
+def _blocking_ping_rtt(socket_path: str, n: int) -> list[float]:
+    """Empty request to the guest agent with a plain blocking client (no asyncio on the host)."""
+    from warmbox import protocol as p
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(socket_path)
+    out = []
+    try:
+        for i in range(n):
+            t = time.perf_counter()
+            s.sendall(p.encode(p.Ping(id=i + 1)))
+            msg = p.recv_message(s, (p.Pong,))
+            out.append((time.perf_counter() - t) * 1e6)
+            if not isinstance(msg, p.Pong):
+                raise WarmboxError(f"unexpected reply {msg!r}")
+    finally:
+        s.close()
+    return out
+
+
+async def bench_exec(home: Path, seconds: float) -> dict:
+    from warmbox import protocol as p
+    from warmbox.sdk.sandbox import AsyncSandbox
+
+    sb = await AsyncSandbox.create("container", timeout=300, template="shell", pool=False, home=home)
+    try:
+        await sb.commands.run(["true"])
+        rates = {}
+        for conc in (1, 4):
+            n = 0
+            t0 = time.perf_counter()
+            end = t0 + seconds
+
+            async def worker() -> None:
+                nonlocal n
+                while time.perf_counter() < end:
+                    r = await sb.commands.run(["true"])
+                    if r.exit_code != 0:
+                        raise WarmboxError("`true` failed")
+                    n += 1
+
+            await asyncio.gather(*(worker() for _ in range(conc)))
+            rates[f"concurrency_{conc}"] = n / (time.perf_counter() - t0)
+        pings = []
+        for _ in range(2000):
+            t = time.perf_counter()
+            await sb._client.call(lambda i: p.Ping(i), p.Pong)
+            pings.append((time.perf_counter() - t) * 1e6)
+        blocking = await asyncio.to_thread(_blocking_ping_rtt, sb._handle.socket_path, 2000)
+        raw = await asyncio.to_thread(_raw_rtt, 2000)
+    finally:
+        await sb.kill()
+    us = lambda v: {"p50_us": statistics.median(v), "p99_us": _pct(v, 0.99), "min_us": min(v)}  # noqa: E731
+    return {"bench": "exec", "true_per_second": rates, "ping_sdk_asyncio": us(pings),
+            "ping_blocking_client": us(blocking), "raw_unix_socket_rtt": us(raw),
+            "ratio_ping_sdk/raw": statistics.median(pings) / statistics.median(raw),
+            "ratio_ping_blocking/raw": statistics.median(blocking) / statistics.median(raw)}
+
+
+def _print_exec(r: dict) -> None:
+    print("bench exec: one warm sandbox")
+    for k, v in r["true_per_second"].items():
+        print(f"  `true` commands/s, {k.replace('_', ' ')}: {v:8.0f}")
+    for k in ("ping_sdk_asyncio", "ping_blocking_client", "raw_unix_socket_rtt"):
+        v = r[k]
+        print(f"  {k:<22} p50 {v['p50_us']:8.1f} us   p99 {v['p99_us']:8.1f} us   min {v['min_us']:7.1f} us")
+    print(f"  ratio empty request (SDK) / raw socket round trip: {r['ratio_ping_sdk/raw']:.1f}x; "
+          f"blocking client / raw: {r['ratio_ping_blocking/raw']:.1f}x")
+
+
+# ---------------------------------------------------------------------------- density
+
+
+def _mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _smaps(pid: int) -> tuple[int, int, int]:
+    """(rss, pss, uss) bytes of one process."""
+    rss = pss = uss = 0
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            parts = line.split()
+            if parts[0] == "Rss:":
+                rss = int(parts[1]) * 1024
+            elif parts[0] == "Pss:":
+                pss = int(parts[1]) * 1024
+            elif parts[0] in ("Private_Clean:", "Private_Dirty:"):
+                uss += int(parts[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return rss, pss, uss
+
+
+async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, template: str) -> dict:
+    from warmbox.engine import pool as pools
+    from warmbox.engine.engine import Engine
+
+    engine = Engine.for_home(home)
+    backend = engine.backend("container")
+    name = f"bench-density-{template}"
+    base_avail = _mem_available()
+    steps = []
+    n = 0
+    progress, _ = _progress(0, "bench density")
+    with progress:
+        task = progress.add_task(template, total=maximum)
+        while n < maximum:
+            n = min(maximum, n + step)
+            pools.resize(engine, engine.settings(), name, n, min=n, max=n)
+            await _wait_quiet(engine, name, timeout=900)
+            await asyncio.sleep(1.0)  # let the guests settle to idle
+            ids = engine.registry.pooled(name)
+            cg = rss = pss = uss = 0
+            for sid in ids:
+                _, handle = engine.info(sid)
+                cg += (await backend.usage(handle)).memory_bytes
+                for pid in backend._pids(sid):
+                    r, ps, us = _smaps(pid)
+                    rss, pss, uss = rss + r, pss + ps, uss + us
+            drop = base_avail - _mem_available()
+            k = len(ids)
+            steps.append({"sandboxes": k, "cgroup_mib_per_sandbox": cg / k / 2**20,
+                          "uss_mib_per_sandbox": uss / k / 2**20, "pss_mib_per_sandbox": pss / k / 2**20,
+                          "rss_mib_per_sandbox": rss / k / 2**20, "host_memavailable_drop_mib_per_sandbox": drop / k / 2**20,
+                          "host_processes_per_sandbox": 0})
+            progress.update(task, completed=n)
+            if drop >= bound_gib * 2**30:
+                break
+    pools.resize(engine, engine.settings(), name, 0, min=0, max=0)
+    await _wait_quiet(engine, name)
+    return {"bench": "density", "template": template, "bound_gib": bound_gib, "steps": steps,
+            "note": "runc leaves no host process per sandbox (no shim); host cost is the kernel's"}
+
+
+def _print_density(r: dict) -> None:
+    print(f"bench density: idle warm sandboxes of template {r['template']!r} (bound {r['bound_gib']} GiB)")
+    print(f"  {'N':>5} {'cgroup MiB':>11} {'USS MiB':>8} {'PSS MiB':>8} {'RSS MiB':>8} {'MemAvail drop MiB':>18}  (per sandbox)")
+    for s in r["steps"]:
+        print(f"  {s['sandboxes']:>5} {s['cgroup_mib_per_sandbox']:>11.2f} {s['uss_mib_per_sandbox']:>8.2f} "
+              f"{s['pss_mib_per_sandbox']:>8.2f} {s['rss_mib_per_sandbox']:>8.2f} "
+              f"{s['host_memavailable_drop_mib_per_sandbox']:>18.2f}")
+
+
+# ---------------------------------------------------------------------------- entry
+
+
+POOLS = {
+    "bench-base": {"template": "base", "min": 2, "max": 2, "target": 2, "refill_concurrency": 1},
+    "bench-pydata": {"template": "pydata", "min": 2, "max": 2, "target": 2, "refill_concurrency": 1},
+    "bench-burst": {"template": "base", "min": 0, "max": 0, "target": 0, "refill_concurrency": 2,
+                    "limits": {"memory_mb": 256}},
+    "bench-density-base": {"template": "base", "min": 0, "max": 0, "limits": {"memory_mb": 128}},
+    "bench-density-shell": {"template": "shell", "min": 0, "max": 0, "limits": {"memory_mb": 96}},
+}
+
+
+async def command(args: argparse.Namespace) -> int:
+    wanted = {"start": ("bench-base", "bench-pydata"), "burst": ("bench-burst",), "exec": (),
+              "density": (f"bench-density-{getattr(args, 'template', 'base')}",)}[args.bench]
+    pools = {k: v for k, v in POOLS.items() if k in wanted}
+    home = _make_home(pools)
+    try:
+        if args.bench == "start":
+            report = await bench_start(home, args.runs, args.variant)
+            printer = _print_start
+        elif args.bench == "burst":
+            report = await bench_burst(home, args.burst, args.pools)
+            printer = _print_burst
+        elif args.bench == "exec":
+            report = await bench_exec(home, args.seconds)
+            printer = _print_exec
+        else:
+            if args.template not in ("base", "shell"):
+                raise WarmboxError("bench density --template must be base or shell")
+            report = await bench_density(home, args.max, args.step, args.memory_bound_gib, args.template)
+            printer = _print_density
+    finally:
+        await _remove_home(home)
+    if args.json:
         print(json.dumps(report, indent=2))
     else:
-        for name, v in report["variants"].items():
-            print(f"bench start [{name}] {' '.join(v['command'])[:60]!r}  ({runs} interleaved runs each)")
-            for m, s in v["stats"].items():
-                print(f"  {m:<13} p50 {s['p50_ms']:8.1f} ms   p95 {s['p95_ms']:8.1f} ms   min {s['min_ms']:8.1f} ms")
-            for k, r in v["ratios_p50"].items():
-                print(f"  ratio {k:<24} {r:5.2f}x")
-            print("  warmbox stages p50: " + ", ".join(f"{k}={x:.1f}" for k, x in v["warmbox_stages_p50_ms"].items()))
+        printer(report)
     return 0

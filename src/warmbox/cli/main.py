@@ -5,9 +5,15 @@
     warmbox exec ID [opts] -- CMD...  run in an existing sandbox
     warmbox ls [--all] [--timings]    list sandboxes
     warmbox kill ID...                destroy sandboxes
+    warmbox metrics ID                cpu-s, memory GiB-s, wall/busy/idle seconds of a sandbox
+    warmbox pool ls                   warm pools: target, ready, hits/misses, warm-up cost
+    warmbox pool resize NAME [N]      set a pool's target (and --min/--max); --wait to watch it fill
+    warmbox pool warm [NAME...]       wait (with progress) until pools reach their targets
+    warmbox down                      stop this home's daemon; pooled sandboxes are destroyed
+    warmbox config                    the effective settings (warmbox.toml + WARMBOX_* overrides)
     warmbox doctor                    which tiers this host can run, and why not
     warmbox demo                      a short tour on the embedded defaults
-    warmbox bench start               cold start vs raw runc / bwrap
+    warmbox bench start|burst|exec|density   benchmarks, ratios against raw runc/bwrap
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -43,8 +50,10 @@ def _env_pairs(values: list[str] | None) -> dict[str, str]:
 
 
 def _add_sandbox_opts(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tier", default="container", help="isolation tier (default: container)")
-    p.add_argument("--timeout", type=float, default=300.0, help="sandbox lifetime, seconds (default 300)")
+    p.add_argument("--tier", default=None, help="isolation tier (default: warmbox.toml's, else container)")
+    p.add_argument("--timeout", type=float, default=None, help="sandbox lifetime, seconds (default 300)")
+    p.add_argument("--template", default=None, help="base, pydata, shell or one from warmbox.toml")
+    p.add_argument("--no-pool", action="store_true", help="always create cold, never from a warm pool")
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE", help="environment variable")
     p.add_argument("--memory", type=int, default=Limits.memory_mb, metavar="MB", help="memory limit, MiB")
     p.add_argument("--cpus", type=float, default=Limits.cpus, help="CPU quota in cores")
@@ -76,15 +85,48 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("kill", help="destroy sandboxes")
     p.add_argument("sandbox_ids", nargs="+")
+    p = sub.add_parser("metrics", help="cost of a sandbox so far (or final)")
+    p.add_argument("sandbox_id")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("pool", help="warm pools")
+    psub = p.add_subparsers(dest="pool_command", required=True, parser_class=_Parser)
+    q = psub.add_parser("ls", help="list pools")
+    q.add_argument("--json", action="store_true")
+    q = psub.add_parser("resize", help="set a pool's target size and bounds")
+    q.add_argument("name")
+    q.add_argument("target", type=int, nargs="?")
+    q.add_argument("--min", type=int, default=None)
+    q.add_argument("--max", type=int, default=None)
+    q.add_argument("--wait", action="store_true", help="show progress until the pool reaches its target")
+    q.add_argument("--wait-timeout", type=float, default=600.0, metavar="S")
+    q = psub.add_parser("warm", help="wait until pools reach their targets")
+    q.add_argument("names", nargs="*")
+    q.add_argument("--wait-timeout", type=float, default=600.0, metavar="S")
+    sub.add_parser("down", help="stop the daemon; destroys pooled (not claimed) sandboxes")
+    p = sub.add_parser("config", help="show the effective settings")
+    p.add_argument("--json", action="store_true")
     p = sub.add_parser("doctor", help="which tiers this host can run")
     p.add_argument("--json", action="store_true")
     sub.add_parser("demo", help="a short tour")
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True, parser_class=_Parser)
-    b = bsub.add_parser("start", help="create->first command vs raw runc and bwrap")
+    b = bsub.add_parser("start", help="create->first command: warm pool, cold, raw runc, raw bwrap")
     b.add_argument("--runs", type=int, default=20)
     b.add_argument("--json", action="store_true")
     b.add_argument("--variant", choices=["empty", "agent", "both"], default="both")
+    b = bsub.add_parser("burst", help="N concurrent creates against a pool of N and a smaller pool")
+    b.add_argument("--burst", type=int, default=50)
+    b.add_argument("--pools", type=int, nargs="+", default=[50, 10], metavar="SIZE")
+    b.add_argument("--json", action="store_true")
+    b = bsub.add_parser("exec", help="commands/s for `true` and empty-request round trip")
+    b.add_argument("--seconds", type=float, default=3.0)
+    b.add_argument("--json", action="store_true")
+    b = bsub.add_parser("density", help="idle warm sandboxes and memory per sandbox")
+    b.add_argument("--max", type=int, default=100, help="stop at this many sandboxes")
+    b.add_argument("--step", type=int, default=10)
+    b.add_argument("--memory-bound-gib", type=float, default=4.0, help="stop when they use this much")
+    b.add_argument("--template", default="base")
+    b.add_argument("--json", action="store_true")
     return ap
 
 
@@ -101,10 +143,27 @@ def _limits(args: argparse.Namespace) -> Limits:
     return Limits(memory_mb=args.memory, cpus=args.cpus, pids=args.pids)
 
 
-def _record(result: Any, sandbox_id: str, timings: dict[str, float]) -> dict:
+def _create_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(timeout=args.timeout, envs=_env_pairs(args.env), limits=_limits(args),
+                template=args.template, pool=not args.no_pool)
+
+
+def _timings_json(stages: list) -> list[dict]:
+    return [dataclasses.asdict(t) for t in stages]
+
+
+def _timings_text(stages: list) -> str:
+    """Stages the caller waited for plain; the ones a pool did beforehand in [brackets]."""
+    return " ".join(f"{t.stage}={t.duration_ms:.1f}" if t.on_request_path else f"[{t.stage}={t.duration_ms:.1f}]"
+                    for t in stages)
+
+
+def _record(result: Any, sb: Any) -> dict:
     rec = dataclasses.asdict(result)
-    rec["sandbox_id"] = sandbox_id
-    rec["timings"] = timings
+    rec["sandbox_id"] = sb.sandbox_id
+    rec["from_pool"] = sb.from_pool
+    rec["timings"] = sb.timings
+    rec["stage_timings"] = _timings_json(sb.stage_timings)
     return rec
 
 
@@ -115,7 +174,7 @@ async def _exec_in(sb: Any, args: argparse.Namespace, cmd: list[str]) -> int:
         on_stdout=(lambda s: (sys.stdout.write(s), sys.stdout.flush())) if stream else None,
         on_stderr=(lambda s: (sys.stderr.write(s), sys.stderr.flush())) if stream else None)
     if args.json:
-        print(json.dumps(_record(result, sb.sandbox_id, sb.timings)))
+        print(json.dumps(_record(result, sb)))
     else:
         for flag in ("timed_out", "truncated", "oom_killed"):
             if getattr(result, flag):
@@ -127,18 +186,19 @@ async def _run(args: argparse.Namespace) -> int:
     from warmbox.sdk.sandbox import AsyncSandbox
 
     cmd = _cmd(args)
-    async with await AsyncSandbox.create(args.tier, timeout=args.timeout, envs=_env_pairs(args.env),
-                                         limits=_limits(args)) as sb:
+    async with await AsyncSandbox.create(args.tier, **_create_kwargs(args)) as sb:
         return await _exec_in(sb, args, cmd)
 
 
 async def _create(args: argparse.Namespace) -> int:
     from warmbox.sdk.sandbox import AsyncSandbox
 
-    sb = await AsyncSandbox.create(args.tier, timeout=args.timeout, envs=_env_pairs(args.env), limits=_limits(args))
+    sb = await AsyncSandbox.create(args.tier, **_create_kwargs(args))
     await sb._client.close()
     if args.json:
-        print(json.dumps({"sandbox_id": sb.sandbox_id, "tier": sb.tier, "timings": sb.timings}))
+        print(json.dumps({"sandbox_id": sb.sandbox_id, "tier": sb.tier, "template": sb.template,
+                          "from_pool": sb.from_pool, "timings": sb.timings,
+                          "stage_timings": _timings_json(sb.stage_timings)}))
     else:
         print(sb.sandbox_id)
     return 0
@@ -162,21 +222,55 @@ async def _ls(args: argparse.Namespace) -> int:
     await engine.reap()
     infos = engine.list(include_dead=args.all)
     if args.json:
-        print(json.dumps([{**dataclasses.asdict(i), "state": i.state.value, "timings": engine.timings(i.sandbox_id)}
+        print(json.dumps([{**dataclasses.asdict(i), "state": i.state.value, "from_pool": i.from_pool,
+                           "timings": engine.timings(i.sandbox_id),
+                           "stage_timings": _timings_json(engine.registry.timings(i.sandbox_id))}
                           for i in infos]))
         return 0
     now = time.time()
-    header = f"{'ID':<16} {'TIER':<10} {'STATE':<10} {'AGE':>7} {'EXPIRES':>8} {'MEM':>6} {'CPUS':>5}"
+    header = (f"{'ID':<16} {'TIER':<10} {'TEMPLATE':<9} {'STATE':<10} {'POOL':<8} {'AGE':>7} {'EXPIRES':>8} "
+              f"{'MEM':>6} {'CPUS':>5}")
     if args.timings:
-        header += "  TIMINGS (ms)"
+        header += "  TIMINGS ms ([done by the pool before the request])"
     print(header)
     for i in infos:
-        line = (f"{i.sandbox_id:<16} {i.tier:<10} {i.state.value:<10} {now - i.created_at:>6.0f}s "
-                f"{max(0, i.expires_at - now):>7.0f}s {i.memory_mb:>5}M {i.cpus:>5.2f}")
+        line = (f"{i.sandbox_id:<16} {i.tier:<10} {i.template:<9} {i.state.value:<10} {i.pool or '-':<8} "
+                f"{now - i.created_at:>6.0f}s {max(0, i.expires_at - now):>7.0f}s {i.memory_mb:>5}M {i.cpus:>5.2f}")
         if args.timings:
-            line += "  " + " ".join(f"{k}={v:.1f}" for k, v in engine.timings(i.sandbox_id).items())
+            line += "  " + _timings_text(engine.registry.timings(i.sandbox_id))
         print(line)
     return 0
+
+
+async def _metrics(args: argparse.Namespace) -> int:
+    from warmbox.engine.engine import Engine
+
+    m = await Engine.for_home().metrics(args.sandbox_id)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(m)))
+    else:
+        print(f"{m.sandbox_id}{' (final)' if m.final else ''}: cpu {m.cpu_s:.3f} s, memory {m.memory_gib_s:.4f} GiB-s "
+              f"(now {m.memory_bytes / 2**20:.1f} MiB, peak {m.memory_peak_bytes / 2**20:.1f} MiB), wall {m.wall_s:.1f} s, "
+              f"busy {m.busy_s:.1f} s, idle {m.idle_s:.1f} s, {m.commands} commands")
+    return 0
+
+
+async def _pool(args: argparse.Namespace) -> int:
+    from warmbox.cli import pools
+
+    return await pools.command(args)
+
+
+async def _down(args: argparse.Namespace) -> int:
+    from warmbox.cli import pools
+
+    return await pools.down()
+
+
+async def _config(args: argparse.Namespace) -> int:
+    from warmbox.cli import pools
+
+    return pools.show_config(args.json)
 
 
 async def _kill(args: argparse.Namespace) -> int:
@@ -215,13 +309,13 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 async def _bench(args: argparse.Namespace) -> int:
-    from warmbox.cli.bench import bench_start
+    from warmbox.cli import bench
 
-    return await bench_start(runs=args.runs, as_json=args.json, variant=args.variant)
+    return await bench.command(args)
 
 
-_COMMANDS = {"run": _run, "create": _create, "exec": _exec, "ls": _ls, "kill": _kill, "doctor": _doctor,
-             "demo": _demo, "bench": _bench}
+_COMMANDS = {"run": _run, "create": _create, "exec": _exec, "ls": _ls, "kill": _kill, "metrics": _metrics,
+             "pool": _pool, "down": _down, "config": _config, "doctor": _doctor, "demo": _demo, "bench": _bench}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("warmbox: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug of ours: one line, the traceback only on request
+        if os.environ.get("WARMBOX_DEBUG"):
+            raise
+        print(f"warmbox: internal error: {type(e).__name__}: {e} (WARMBOX_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

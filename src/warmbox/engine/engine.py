@@ -17,13 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-from warmbox import backends, protocol as p
+from warmbox import backends, config, protocol as p
 from warmbox.backends.base import Backend, BackendHandle, ResourceUsage, SandboxSpec
 from warmbox.engine.guest_client import GuestClient
 from warmbox.engine.lifecycle import LIVE, Operation, check
-from warmbox.errors import (BackendUnavailable, GuestConnectionError, InvalidArgument, SandboxNotFound,
-                            SandboxStartError, WarmboxError)
-from warmbox.models import Limits, SandboxInfo, StageTiming, State, TierStatus
+from warmbox.config import PoolConfig, Settings, Template
+from warmbox.errors import (BackendUnavailable, GuestConnectionError, GuestProtocolError, InvalidArgument,
+                            SandboxNotFound, SandboxStartError, WarmboxError)
+from warmbox.models import Limits, SandboxInfo, SandboxMetrics, StageTiming, State, TierStatus
 from warmbox.storage.registry import Registry
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -74,6 +75,63 @@ def validate_envs(envs: object) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def owner_tag(pid: int) -> str:
+    """``pid:starttime`` — names a process uniquely across pid reuse."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return f"{pid}:{int(stat[stat.rindex(b')') + 2:].split()[19])}"
+    except (OSError, ValueError, IndexError):
+        return ""
+
+
+def _owner_alive(owner: str) -> bool:
+    pid, _, _ = owner.partition(":")
+    return pid.isdigit() and owner_tag(int(pid)) == owner
+
+
+WARMUP_TIMEOUT_S = 600.0
+
+
+async def _warm_up(client: GuestClient, tmpl: Template, sandbox_id: str) -> None:
+    """Run a template's warm-up; any failure raises SandboxStartError naming what failed."""
+    for cmd in tmpl.warmup_commands:
+        tail = bytearray()
+        async with client.request(lambda i: p.Exec(i, argv=["/bin/bash", "-c", cmd], env={}, cwd="",
+                                                   timeout_s=WARMUP_TIMEOUT_S, max_output=1 << 20, stdin=False),
+                                  timeout=WARMUP_TIMEOUT_S + 15) as stream:
+            while True:
+                msg = await stream.next(p.Started, p.Stdout, p.Stderr, p.Exited)
+                if isinstance(msg, p.Failure):
+                    raise SandboxStartError(f"template {tmpl.name} warm-up command {cmd!r}: {msg.message}", sandbox_id)
+                if isinstance(msg, (p.Stdout, p.Stderr)):
+                    tail = (tail + msg.data)[-400:]
+                elif isinstance(msg, p.Exited):
+                    break
+        if msg.exit_code != 0 or msg.timed_out:
+            raise SandboxStartError(f"template {tmpl.name} warm-up command {cmd!r} exited {msg.exit_code}"
+                                    f"{' (timed out)' if msg.timed_out else ''}: "
+                                    f"{tail.decode('utf-8', 'replace').strip()}", sandbox_id)
+    if tmpl.warmup_code is None:
+        return
+    async with client.request(lambda i: p.ContextRun(i, context="default", code=tmpl.warmup_code,
+                                                     timeout_s=WARMUP_TIMEOUT_S, max_output=1 << 20),
+                              timeout=WARMUP_TIMEOUT_S + 15) as stream:
+        while True:
+            msg = await stream.next(p.Stdout, p.Stderr, p.Display, p.CodeDone)
+            if isinstance(msg, p.Failure):
+                raise SandboxStartError(f"template {tmpl.name} warm-up: {msg.message}", sandbox_id)
+            if isinstance(msg, p.CodeDone):
+                break
+    if msg.error_name or msg.timed_out:
+        raise SandboxStartError(f"template {tmpl.name} warm-up failed: {msg.error_name}: {msg.error_value}"[:800],
+                                sandbox_id)
+    # the caller's first cell is cell 1, and its counters start at zero
+    reply = await client.call(lambda i: p.Configure(i, env={}, reset_counts=True), p.UsageReport)
+    if isinstance(reply, p.Failure):
+        raise SandboxStartError(f"template {tmpl.name} warm-up: {reply.message}", sandbox_id)
+
+
 class Engine:
     _instances: dict[Path, "Engine"] = {}
 
@@ -85,6 +143,7 @@ class Engine:
         os.chmod(self.runtime, 0o711)  # traversable, not listable
         self.registry = Registry(home / "registry.db")
         self._backends: dict[str, Backend] = {}
+        self.owner = owner_tag(os.getpid())
 
     @classmethod
     def for_home(cls, home: Path | str | None = None) -> "Engine":
@@ -111,22 +170,94 @@ class Engine:
                 out.append(TierStatus(tier, False, e.reason))
         return out
 
+    def settings(self) -> Settings:
+        return config.load(self.home)
+
     # ---- create
 
-    async def create(self, *, tier: str = "container", timeout: float = DEFAULT_TIMEOUT_S,
+    async def create(self, *, tier: str | None = None, timeout: float | None = None,
                      envs: dict[str, str] | None = None, limits: Limits | None = None,
-                     template: str = "base") -> tuple[SandboxInfo, BackendHandle, GuestClient, list[StageTiming]]:
-        """Create and start a sandbox; returns it with a connected guest client and its stage timings."""
+                     template: str | None = None, pool: bool = True,
+                     ) -> tuple[SandboxInfo, BackendHandle, GuestClient, list[StageTiming]]:
+        """A ready sandbox with a connected guest client and its stage timings.
+
+        Taken from a pool of the same (tier, template, limits) when one has a ready sandbox
+        (``pool=False``: never), otherwise created cold, with the template's warm-up run.
+        """
         t0 = time.perf_counter()
-        tier = backends.canonical_tier(tier)
-        timeout = validate_timeout(timeout)
+        settings = self.settings()
+        tier = backends.canonical_tier(settings.defaults.tier if tier is None else tier)
+        timeout = validate_timeout(settings.defaults.timeout_s if timeout is None else timeout)
         env_pairs = validate_envs(envs)
         if limits is None:
             limits = Limits()
         elif not isinstance(limits, Limits):
             raise InvalidArgument(f"limits must be a warmbox.Limits, got {type(limits).__name__}")
-        if template != "base":
-            raise InvalidArgument(f"unknown template {template!r} (available: base)")
+        if template is None:
+            template = settings.defaults.template
+        if not isinstance(template, str):
+            raise InvalidArgument(f"template must be a string, got {type(template).__name__}")
+        tmpl = settings.template(template)
+        if pool:
+            pc = settings.pool_for(tier, template, limits)
+            if pc is not None:
+                got = await self._claim(pc, timeout, env_pairs, t0)
+                if got is not None:
+                    return got
+        info, handle, client, timings = await self._start(tier, tmpl, timeout, env_pairs, limits, "", t0)
+        return info, handle, client, timings
+
+    async def _claim(self, pc: PoolConfig, timeout: float, env_pairs: tuple[tuple[str, str], ...], t0: float,
+                     ) -> tuple[SandboxInfo, BackendHandle, GuestClient, list[StageTiming]] | None:
+        while True:
+            got = self.registry.claim(pc.name, timeout, self.owner)
+            if got is None:
+                return None
+            info, handle = got
+            sid = info.sandbox_id
+            client = None
+            try:
+                # connecting proves the agent lives (its listening socket dies with it); the
+                # warm-up already reset its counters, so only a caller's env needs a round trip
+                client = await GuestClient.connect(handle.socket_path, sid)
+                if env_pairs:
+                    report = await asyncio.wait_for(client.call(
+                        lambda i: p.Configure(i, env=dict(env_pairs), reset_counts=True), p.UsageReport), 10)
+                    if not isinstance(report, p.UsageReport):
+                        raise GuestProtocolError(f"pooled sandbox refused its configuration: {report!r}", sid)
+            except (WarmboxError, OSError, asyncio.TimeoutError) as e:
+                # it died or misbehaves while pooled: never hand it out; take the next one
+                if client is not None:
+                    await client.close()
+                self.registry.pool_event(pc.name, "claim_failed", sid, f"{type(e).__name__}: {e}"[:500])
+                try:
+                    await self.destroy(sid, "pooled sandbox failed its claim check")
+                except WarmboxError:
+                    pass
+                continue
+            except BaseException:
+                if client is not None:
+                    await client.close()
+                await self.destroy(sid, "claim interrupted")
+                raise
+            alloc = StageTiming(sid, "allocation", (time.perf_counter() - t0) * 1e3, True)
+            self.registry.add_timings([alloc])
+            self.ensure_daemon()
+            timings = [t for t in self.registry.timings(sid) if t.stage != "allocation"]
+            return info, handle, client, [alloc, *timings]
+
+    async def create_pooled(self, pc: PoolConfig) -> str:
+        """Create and warm one sandbox for a pool (off any request path); returns its id."""
+        settings = self.settings()
+        info, handle, client, _ = await self._start(
+            backends.canonical_tier(pc.tier), settings.template(pc.template), pc.max_age_s, (), pc.limits,
+            pc.name, time.perf_counter())
+        await client.close()
+        return info.sandbox_id
+
+    async def _start(self, tier: str, tmpl: Template, timeout: float, env_pairs: tuple[tuple[str, str], ...],
+                     limits: Limits, pool: str, t0: float,
+                     ) -> tuple[SandboxInfo, BackendHandle, GuestClient, list[StageTiming]]:
         backend = self.backend(tier)
         avail = backend.probe()
         if not avail.available:
@@ -136,8 +267,10 @@ class Engine:
         socket_path = str(state_dir / "run" / "agent.sock")
         if len(socket_path) > _MAX_SOCKET_PATH:
             raise InvalidArgument(f"runtime dir {self.runtime} is too long for a unix socket path")
-        self.registry.allocate(sandbox_id, tier, template, timeout, limits.memory_mb, limits.cpus,
-                                      limits.pids, str(state_dir), socket_path)
+        self.registry.allocate(sandbox_id, tier, tmpl.name, timeout, limits.memory_mb, limits.cpus,
+                               limits.pids, str(state_dir), socket_path, pool=pool, owner=self.owner)
+        if not pool:
+            self.ensure_daemon()  # from here on, a crash of this process is cleaned up by the daemon
         info, handle = self.registry.get(sandbox_id)
         state_dir.parent.mkdir(mode=0o711, exist_ok=True)
         state_dir.mkdir(mode=0o711)
@@ -148,6 +281,7 @@ class Engine:
                 sandbox_id=sandbox_id, state_dir=str(state_dir), uid_base=handle.uid_base,
                 envs=env_pairs, limits=limits))
             t2 = time.perf_counter()
+
             async def ready() -> GuestClient:
                 nonlocal client
                 client = await GuestClient.connect(handle.socket_path, sandbox_id)
@@ -158,6 +292,14 @@ class Engine:
 
             client = await backend.start(handle, ready)
             t3 = time.perf_counter()
+            await _warm_up(client, tmpl, sandbox_id)
+            t4 = time.perf_counter()
+            if pool:  # the pool pays for the warm-up: take a reading before anyone can claim it
+                u = await backend.usage(handle)
+                if u.oom_kills:
+                    raise SandboxStartError(f"template {tmpl.name} warm-up hit the memory limit "
+                                            f"({limits.memory_mb} MiB): OOM kill", sandbox_id)
+                self.registry.sample([(sandbox_id, u.memory_bytes, u.cpu_ns)])
         except BaseException as e:
             if client is not None:
                 await client.close()
@@ -167,12 +309,17 @@ class Engine:
             if isinstance(e, asyncio.TimeoutError):
                 raise SandboxStartError("guest agent did not answer within 30 s", sandbox_id) from None
             raise SandboxStartError(f"sandbox start failed: {type(e).__name__}: {e}", sandbox_id) from None
-        timings = [StageTiming(sandbox_id, "allocate", (t1 - t0) * 1e3),
-                   StageTiming(sandbox_id, "filesystem", (t2 - t1) * 1e3),
-                   StageTiming(sandbox_id, "runtime", (t3 - t2) * 1e3)]
+        on_path = not pool
+        timings = [StageTiming(sandbox_id, "allocation", (t1 - t0) * 1e3, on_path),
+                   StageTiming(sandbox_id, "filesystem", (t2 - t1) * 1e3, on_path),
+                   StageTiming(sandbox_id, "runtime", (t3 - t2) * 1e3, on_path)]
+        if tmpl.warmup_code is not None or tmpl.warmup_commands:
+            timings.append(StageTiming(sandbox_id, "dependencies", (t4 - t3) * 1e3, on_path))
         self.registry.add_timings(timings)
-        self.registry.set_state(sandbox_id, State.READY, "guest agent answered")
-        self.ensure_reaper()
+        if pool:
+            self.registry.set_state(sandbox_id, State.POOLED, "warmed up for pool " + pool)
+        else:
+            self.registry.set_state(sandbox_id, State.READY, "guest agent answered")
         info, _ = self.registry.get(sandbox_id)
         return info, handle, client, timings
 
@@ -183,6 +330,7 @@ class Engine:
         except Exception:
             return  # stays FAILED: keeps its uid range, and the reaper retries the teardown
         self.registry.set_state(sandbox_id, State.DESTROYED, "cleaned up after failed start")
+        self.registry.finalize(sandbox_id)
 
     # ---- lookup
 
@@ -208,11 +356,11 @@ class Engine:
         return info, handle, client
 
     def holding(self) -> list[SandboxInfo]:
-        """Live sandboxes plus failed ones whose teardown is still owed."""
+        """Live (also pooled) sandboxes plus failed ones whose teardown is still owed."""
         return [i for i in self.list(include_dead=True) if i.state in LIVE or i.state is State.FAILED]
 
-    def list(self, include_dead: bool = False) -> list[SandboxInfo]:
-        return [info for info, _ in self.registry.list(include_dead)]
+    def list(self, include_dead: bool = False, *, include_pooled: bool = False) -> list[SandboxInfo]:
+        return [info for info, _ in self.registry.list(include_dead, include_pooled=include_pooled)]
 
     def timings(self, sandbox_id: str) -> dict[str, float]:
         return {t.stage: t.duration_ms for t in self.registry.timings(sandbox_id)}
@@ -228,6 +376,64 @@ class Engine:
         self.registry.set_expiry(sandbox_id, expires)
         return expires
 
+    # ---- metering
+
+    async def sample(self) -> None:
+        """One memory/cpu reading of every live sandbox, folded into its meter (the daemon's job)."""
+        readings = []
+        for info, handle in self.registry.list(include_pooled=True):
+            if info.state is State.CREATING:
+                continue
+            try:
+                u = await self.backend(info.tier).usage(handle)
+            except (WarmboxError, OSError):
+                continue
+            readings.append((info.sandbox_id, u.memory_bytes, u.cpu_ns))
+        if readings:
+            self.registry.sample(readings)
+
+    async def metrics(self, sandbox_id: str, client: GuestClient | None = None) -> SandboxMetrics:
+        """The user's cost of a sandbox so far (or final, once it ended)."""
+        info, handle = self.info(sandbox_id)
+        if info.state is not State.DESTROYED:
+            check(Operation.METRICS, info.state, sandbox_id)
+            await self._read_meters(info, handle, client)
+        return self._metrics(info)
+
+    async def _read_meters(self, info: SandboxInfo, handle: BackendHandle, client: GuestClient | None) -> None:
+        try:
+            u = await self.backend(info.tier).usage(handle)
+            self.registry.sample([(info.sandbox_id, u.memory_bytes, u.cpu_ns)])
+        except (WarmboxError, OSError):
+            pass
+        if info.state not in (State.READY, State.RUNNING):
+            return
+        own = client is None
+        try:
+            if own:
+                client = await asyncio.wait_for(GuestClient.connect(handle.socket_path, info.sandbox_id), 1)
+            r = await asyncio.wait_for(client.call(lambda i: p.GetUsage(i), p.UsageReport), 2)
+            if isinstance(r, p.UsageReport) and math.isfinite(r.busy_ms) and r.busy_ms >= 0 and r.runs >= 0:
+                self.registry.set_busy(info.sandbox_id, r.busy_ms, r.runs)
+        except (WarmboxError, OSError, asyncio.TimeoutError):
+            pass  # the last known counters stand
+        finally:
+            if own and client is not None:
+                await client.close()
+
+    def _metrics(self, info: SandboxInfo) -> SandboxMetrics:
+        m = self.registry.meter(info.sandbox_id)
+        start = info.claimed_at or info.created_at
+        end = self.registry.ended_at(info.sandbox_id) or time.time()
+        wall = max(0.0, end - start)
+        if m is None:
+            return SandboxMetrics(info.sandbox_id, 0.0, 0.0, wall, 0.0, wall, 0, 0, 0, info.state is State.DESTROYED)
+        busy = min(wall, m.busy_ms / 1e3)
+        return SandboxMetrics(
+            sandbox_id=info.sandbox_id, cpu_s=max(0, m.cpu_ns - m.base_cpu_ns) / 1e9,
+            memory_gib_s=max(0.0, m.gib_s - m.base_gib_s), wall_s=wall, busy_s=busy, idle_s=wall - busy,
+            memory_bytes=m.memory_bytes, memory_peak_bytes=m.peak_bytes, commands=m.commands, final=m.final)
+
     # ---- destroy
 
     async def destroy(self, sandbox_id: str, reason: str = "killed") -> bool:
@@ -236,20 +442,33 @@ class Engine:
         if info.state is State.DESTROYED:
             return False
         check(Operation.DESTROY, info.state, sandbox_id)
+        await self._read_meters(info, handle, None)  # last readings before the cgroup goes
         await self.backend(info.tier).destroy(handle)
         self.registry.set_state(sandbox_id, State.DESTROYED, reason)
+        self.registry.finalize(sandbox_id)
         return True
 
     async def reap(self) -> list[str]:
-        """Destroy every live sandbox whose timeout expired; returns their ids."""
+        """Destroy expired sandboxes, failed teardowns and creations whose creator died."""
         now = time.time()
         reaped = []
-        for info, _ in self.registry.list():
-            if (info.state in LIVE and info.expires_at <= now) or info.state is State.FAILED:
+        orphans = {sid for sid, owner in self.registry.creating_with_owner() if owner and not _owner_alive(owner)}
+        for info, _ in self.registry.list(include_pooled=True):
+            expired = info.state in LIVE and info.expires_at <= now
+            if expired or info.state is State.FAILED or info.sandbox_id in orphans:
+                why = ("creator process died" if info.sandbox_id in orphans else
+                       "pool max_age reached" if info.state is State.POOLED else "timeout expired")
                 try:
-                    if await self.destroy(info.sandbox_id, "timeout expired"):
+                    if await self.destroy(info.sandbox_id, why):
                         reaped.append(info.sandbox_id)
                 except Exception:  # one bad sandbox must not stop the reaper; retried next round
+                    continue
+        for info, _ in self.registry.list(include_dead=True):
+            if info.state is State.FAILED and info.sandbox_id not in reaped:
+                try:
+                    if await self.destroy(info.sandbox_id, "teardown retried"):
+                        reaped.append(info.sandbox_id)
+                except Exception:
                     continue
         return reaped
 
@@ -257,9 +476,9 @@ class Engine:
         live = [i.expires_at for i in self.holding()]
         return min(live) if live else None
 
-    def ensure_reaper(self) -> None:
-        """Start the background reaper for this home unless one runs (it holds an flock)."""
-        lock = self.home / "reaper.lock"
+    def ensure_daemon(self) -> None:
+        """Start this home's daemon (reaper, pools, meters) unless one runs (it holds an flock)."""
+        lock = self.home / "daemon.lock"
         import fcntl
 
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -270,9 +489,9 @@ class Engine:
             return  # a reaper holds it
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
-        with open(self.home / "reaper.log", "ab") as log:
+        with open(self.home / "daemon.log", "ab") as log:
             subprocess.Popen(
-                [sys.executable, "-m", "warmbox.engine.reaper", str(self.home)],
+                [sys.executable, "-m", "warmbox.engine.daemon", str(self.home)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
                 start_new_session=True, close_fds=True,
             )

@@ -7,23 +7,27 @@ import enum
 from warmbox.errors import SandboxNotFound, SandboxStateError
 from warmbox.models import State
 
-# creating -> ready <-> running -> destroyed ; any live state -> failed (start error) / destroyed
+# creating [-> pooled] -> ready <-> running -> destroyed ; creating -> failed (start error).
+# A claimed (ready) sandbox never goes back to pooled: pooled sandboxes are single-use.
 TRANSITIONS: dict[State, frozenset[State]] = {
-    State.CREATING: frozenset({State.READY, State.FAILED, State.DESTROYED}),
+    State.CREATING: frozenset({State.POOLED, State.READY, State.FAILED, State.DESTROYED}),
+    State.POOLED: frozenset({State.READY, State.DESTROYED}),
     State.READY: frozenset({State.RUNNING, State.DESTROYED}),
     State.RUNNING: frozenset({State.READY, State.DESTROYED}),
     State.FAILED: frozenset({State.DESTROYED}),
     State.DESTROYED: frozenset(),
 }
-LIVE = frozenset({State.CREATING, State.READY, State.RUNNING})
+LIVE = frozenset({State.CREATING, State.POOLED, State.READY, State.RUNNING})
 
 
 class Operation(enum.Enum):
     """Operations on a sandbox and the states each is legal in."""
 
-    EXEC = frozenset({State.READY, State.RUNNING})  # commands.run, run_code, files.*
+    EXEC = frozenset({State.READY, State.RUNNING})  # commands.run, run_code, files.*, connect
     SET_TIMEOUT = frozenset({State.READY, State.RUNNING})
-    DESTROY = frozenset({State.CREATING, State.READY, State.RUNNING, State.FAILED})  # kill
+    METRICS = frozenset({State.READY, State.RUNNING, State.DESTROYED})
+    CLAIM = frozenset({State.POOLED})  # hand a pooled sandbox to one caller
+    DESTROY = frozenset({State.CREATING, State.POOLED, State.READY, State.RUNNING, State.FAILED})  # kill
 
 
 def check(op: Operation, state: State, sandbox_id: str) -> None:

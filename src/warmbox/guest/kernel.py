@@ -127,13 +127,24 @@ def main(fd: int) -> None:
     real_out, real_err = sys.stdout, sys.stderr
     while True:
         try:
-            msg = p.recv_message(sock, (p.ContextRun,))
+            msg = p.recv_message(sock, (p.ContextRun, p.Configure))
         except KeyboardInterrupt:  # a late interrupt between cells
             continue
         except (OSError, p.ProtocolViolation):
             return
         if msg is None:
             return
+        if isinstance(msg, p.Configure):
+            import os
+
+            os.environ.update(msg.env)
+            if msg.reset_counts:
+                count = 0
+            try:
+                sock.sendall(p.encode(p.Ok(id=msg.id)))
+            except OSError:
+                return
+            continue
         count += 1
         run = _Run(sock, msg)
         start = time.monotonic()

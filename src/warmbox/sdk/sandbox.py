@@ -15,14 +15,14 @@ from pathlib import Path
 
 from warmbox import protocol as p
 from warmbox.backends.base import BackendHandle
-from warmbox.engine.engine import DEFAULT_TIMEOUT_S, Engine, validate_envs, validate_timeout
+from warmbox.engine.engine import Engine, validate_envs, validate_timeout
 from warmbox.engine.guest_client import GuestClient
 from warmbox.engine.lifecycle import Operation, check
 from warmbox.errors import (CommandFailed, ContextError, FilesError, GuestProtocolError, InvalidArgument,
                             InvalidPath, IsADirectory, NoSpace, NotADirectory, PathExists, PathNotFound,
                             PathPermissionDenied, SandboxError)
 from warmbox.models import (CommandResult, EntryInfo, Execution, ExecutionError, Limits, Result, SandboxInfo,
-                            State)
+                            SandboxMetrics, StageTiming, State)
 
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
 DEFAULT_MAX_OUTPUT = 10 << 20
@@ -129,12 +129,13 @@ class AsyncSandbox:
     _SYNC_ATTRS = ("commands", "files")
 
     def __init__(self, engine: Engine, info: SandboxInfo, handle: BackendHandle, client: GuestClient,
-                 timings: dict[str, float]) -> None:
+                 timings: list[StageTiming]) -> None:
         self._engine = engine
         self._info = info
         self._handle = handle
         self._client = client
-        self._timings = timings
+        self._stages = list(timings)
+        self._backend = engine.backend(info.tier)
         self._active = 0
         self._killed = False
         self.commands = AsyncCommands(self)
@@ -146,26 +147,31 @@ class AsyncSandbox:
     # ---- construction
 
     @classmethod
-    async def create(cls, tier: str = "container", *, timeout: float = DEFAULT_TIMEOUT_S,
+    async def create(cls, tier: str | None = None, *, timeout: float | None = None,
                      envs: dict[str, str] | None = None, limits: Limits | None = None,
-                     template: str = "base", home: str | Path | None = None) -> "AsyncSandbox":
-        """Create and start a sandbox.
+                     template: str | None = None, pool: bool = True,
+                     home: str | Path | None = None) -> "AsyncSandbox":
+        """Create and start a sandbox (defaults for tier, timeout and template: warmbox.toml).
 
         tier: "container" (runc); other tiers raise BackendUnavailable until they exist.
         timeout: seconds the sandbox lives (wall clock) before it is destroyed; see set_timeout.
         envs: environment of every process in the sandbox, on top of PATH, HOME and LANG only.
+        template: "base" (Python context started), "pydata" (numpy/pandas imported), "shell",
+            or one from warmbox.toml; its warm-up has run before the sandbox is returned.
+        pool: take a ready sandbox from a matching warm pool when one is there (``from_pool``);
+            False always creates cold. A pooled sandbox never served anyone before.
         """
         engine = Engine.for_home(home)
         info, handle, client, timings = await engine.create(
-            tier=tier, timeout=timeout, envs=envs, limits=limits, template=template)
-        return cls(engine, info, handle, client, {t.stage: t.duration_ms for t in timings})
+            tier=tier, timeout=timeout, envs=envs, limits=limits, template=template, pool=pool)
+        return cls(engine, info, handle, client, timings)
 
     @classmethod
     async def connect(cls, sandbox_id: str, *, home: str | Path | None = None) -> "AsyncSandbox":
         """Attach to a live sandbox created by any process."""
         engine = Engine.for_home(home)
         info, handle, client = await engine.open(sandbox_id)
-        return cls(engine, info, handle, client, engine.timings(sandbox_id))
+        return cls(engine, info, handle, client, engine.registry.timings(sandbox_id))
 
     @classmethod
     async def list(cls, *, home: str | Path | None = None, include_dead: bool = False) -> list[SandboxInfo]:
@@ -187,8 +193,23 @@ class AsyncSandbox:
 
     @property
     def timings(self) -> dict[str, float]:
-        """Stage timings of this sandbox's start, ms: allocate, filesystem, runtime, first_command."""
-        return dict(self._timings)
+        """Stage timings of this sandbox's start, ms: allocation, filesystem, runtime,
+        dependencies (template warm-up), first_command. See ``stage_timings`` for which of them
+        the caller waited for (a pooled sandbox's were done before it was requested)."""
+        return {t.stage: t.duration_ms for t in self._stages}
+
+    @property
+    def stage_timings(self) -> list[StageTiming]:
+        return list(self._stages)
+
+    @property
+    def from_pool(self) -> bool:
+        """True if this sandbox was handed out ready from a warm pool."""
+        return self._info.from_pool
+
+    @property
+    def template(self) -> str:
+        return self._info.template
 
     @property
     def state(self) -> State:
@@ -207,6 +228,11 @@ class AsyncSandbox:
             return False
         info, _ = self._engine.info(self.sandbox_id)
         return info.state in (State.READY, State.RUNNING) and info.expires_at > time.time()
+
+    async def metrics(self) -> SandboxMetrics:
+        """This sandbox's cost so far: cpu-s, memory GiB-s, wall/busy/idle seconds (final once
+        destroyed). A pooled sandbox's warm-up is accounted to its pool, not here."""
+        return await self._engine.metrics(self.sandbox_id, None if self._killed else self._client)
 
     async def set_timeout(self, timeout: float) -> None:
         """Let the sandbox live ``timeout`` more seconds from now."""
@@ -232,12 +258,12 @@ class AsyncSandbox:
             check(Operation.EXEC, State.DESTROYED, self.sandbox_id)
 
     async def _oom_kills(self) -> int:
-        return (await self._engine.usage(self._handle)).oom_kills
+        return await self._backend.oom_kills(self._handle)
 
     def _record_first(self, started: float) -> None:
-        if "first_command" not in self._timings:
+        if not any(t.stage == "first_command" for t in self._stages):
             ms = (time.perf_counter() - started) * 1e3
-            self._timings["first_command"] = ms
+            self._stages.append(StageTiming(self.sandbox_id, "first_command", ms, True))
             self._engine.registry.add_timing(self.sandbox_id, "first_command", ms)
 
     # ---- code contexts

@@ -5,15 +5,17 @@ It is the source of truth shared by every warmbox process on the host (CLI, SDK,
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import time
 from pathlib import Path
 
 from warmbox.backends.base import BackendHandle
 from warmbox.engine.lifecycle import LIVE, check_transition
-from warmbox.errors import RegistryError, SandboxNotFound
-from warmbox.models import SandboxInfo, StageTiming, State, Transition
+from warmbox.errors import RegistryError, SandboxNotFound, SandboxStateError
+from warmbox.models import PoolEvent, SandboxInfo, StageTiming, State, Transition
 
+SCHEMA_VERSION = 2
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -28,7 +30,11 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     uid_slot    INTEGER NOT NULL,
     runtime_id  TEXT NOT NULL,
     state_dir   TEXT NOT NULL,
-    socket_path TEXT NOT NULL
+    socket_path TEXT NOT NULL,
+    pool        TEXT NOT NULL DEFAULT '',
+    claimed_at  REAL NOT NULL DEFAULT 0,
+    owner       TEXT NOT NULL DEFAULT '',
+    ended_at    REAL NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 CREATE TABLE IF NOT EXISTS transitions (
@@ -43,16 +49,105 @@ CREATE TABLE IF NOT EXISTS timings (
     sandbox_id  TEXT NOT NULL,
     stage       TEXT NOT NULL,
     duration_ms REAL NOT NULL,
+    on_path     INTEGER NOT NULL DEFAULT 1,
     PRIMARY KEY (sandbox_id, stage)
 );
+CREATE TABLE IF NOT EXISTS meters (
+    sandbox_id    TEXT PRIMARY KEY,
+    sampled_at    REAL NOT NULL,
+    memory_bytes  INTEGER NOT NULL DEFAULT 0,
+    peak_bytes    INTEGER NOT NULL DEFAULT 0,
+    gib_s         REAL NOT NULL DEFAULT 0,
+    cpu_ns        INTEGER NOT NULL DEFAULT 0,
+    busy_ms       REAL NOT NULL DEFAULT 0,
+    commands      INTEGER NOT NULL DEFAULT 0,
+    base_cpu_ns   INTEGER NOT NULL DEFAULT 0,
+    base_gib_s    REAL NOT NULL DEFAULT 0,
+    base_busy_ms  REAL NOT NULL DEFAULT 0,
+    base_commands INTEGER NOT NULL DEFAULT 0,
+    final         INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS pool_state (
+    name         TEXT PRIMARY KEY,
+    target       INTEGER NOT NULL,
+    min_override INTEGER,
+    max_override INTEGER,
+    last_error   TEXT NOT NULL DEFAULT '',
+    last_error_at REAL NOT NULL DEFAULT 0,
+    last_demand_at REAL NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS pool_events (
+    pool       TEXT NOT NULL,
+    at         REAL NOT NULL,
+    kind       TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    detail     TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS pool_events_pool ON pool_events(pool, at);
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS pool_costs (
+    pool       TEXT NOT NULL,
+    sandbox_id TEXT PRIMARY KEY,
+    cpu_s      REAL NOT NULL,
+    gib_s      REAL NOT NULL,
+    wall_s     REAL NOT NULL
+);
 """
+_MIGRATE_1_TO_2 = (
+    "ALTER TABLE sandboxes ADD COLUMN pool TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE sandboxes ADD COLUMN claimed_at REAL NOT NULL DEFAULT 0",
+    "ALTER TABLE sandboxes ADD COLUMN owner TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE sandboxes ADD COLUMN ended_at REAL NOT NULL DEFAULT 0",
+    "ALTER TABLE timings ADD COLUMN on_path INTEGER NOT NULL DEFAULT 1",
+)
+_COLUMNS = ("sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
+            "runtime_id, state_dir, socket_path, pool, claimed_at")
 
 UID_BASE = 2_000_000
 UID_RANGE = 65536
 MAX_SLOTS = (2**32 - UID_BASE) // UID_RANGE - 1
+GIB = float(1 << 30)
 
 _LIVE = tuple(s.value for s in LIVE)
 _HOLDING = (*_LIVE, State.FAILED.value)  # states whose uid range is still in use
+_USER = tuple(s.value for s in LIVE if s not in (State.POOLED,))  # what `warmbox ls` shows
+
+
+def _in(values: tuple[str, ...]) -> str:
+    return "(" + ",".join("?" * len(values)) + ")"
+
+
+@dataclasses.dataclass(frozen=True)
+class Meter:
+    """Raw cumulative counters of one sandbox and the baseline taken when it left its pool."""
+
+    sandbox_id: str
+    sampled_at: float
+    memory_bytes: int
+    peak_bytes: int
+    gib_s: float
+    cpu_ns: int
+    busy_ms: float
+    commands: int
+    base_cpu_ns: int
+    base_gib_s: float
+    base_busy_ms: float
+    base_commands: int
+    final: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolRow:
+    name: str
+    target: int
+    min_override: int | None
+    max_override: int | None
+    last_error: str
+    last_error_at: float
+    last_demand_at: float
 
 
 class Registry:
@@ -63,9 +158,30 @@ class Registry:
             self._db = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(SCHEMA)
+            self._migrate()
         except (sqlite3.Error, OSError) as e:
             raise RegistryError(f"cannot open the registry at {path}: {e}") from None
+
+    def _migrate(self) -> None:
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version >= SCHEMA_VERSION:
+            return
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            has_table = self._db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type='table' AND name='sandboxes'").fetchone()
+            cols = {r[1] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
+            if has_table and "pool" not in cols:
+                for stmt in _MIGRATE_1_TO_2:
+                    self._db.execute(stmt)
+            for stmt in SCHEMA.split(";"):
+                if stmt.strip():
+                    self._db.execute(stmt)
+            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
 
     def close(self) -> None:
         self._db.close()
@@ -76,61 +192,132 @@ class Registry:
     # ---- sandboxes
 
     def allocate(self, sandbox_id: str, tier: str, template: str, timeout_s: float, memory_mb: int,
-                 cpus: float, pids: int, state_dir: str, socket_path: str) -> int:
+                 cpus: float, pids: int, state_dir: str, socket_path: str, *, pool: str = "",
+                 owner: str = "") -> int:
         """Insert a sandbox in state ``creating`` with a free uid slot; returns the slot."""
         now = time.time()
         with self._tx() as db:
             used = {r[0] for r in db.execute(
-                f"SELECT uid_slot FROM sandboxes WHERE state IN ({','.join('?' * len(_HOLDING))})", _HOLDING)}
-            slot = next(i for i in range(MAX_SLOTS + 1) if i not in used)
+                f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)}", _HOLDING)}
+            # round robin: a range just released is the last to be handed out again
+            row = db.execute("SELECT value FROM meta WHERE key='last_slot'").fetchone()
+            last = row[0] if row else -1
+            slot = next((i for i in range(last + 1, MAX_SLOTS) if i not in used), None)
+            if slot is None:
+                slot = next(i for i in range(MAX_SLOTS) if i not in used)  # the last slot is the benchmarks'
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('last_slot', ?)", (slot,))
             db.execute(
-                "INSERT INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, memory_mb, "
+                "cpus, pids, uid_slot, runtime_id, state_dir, socket_path, pool, owner) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (sandbox_id, tier, template, State.CREATING.value, now, now + timeout_s, memory_mb,
-                 cpus, pids, slot, sandbox_id, state_dir, socket_path))
+                 cpus, pids, slot, sandbox_id, state_dir, socket_path, pool, owner))
             db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
-                       (sandbox_id, now, "", State.CREATING.value, "create"))
+                       (sandbox_id, now, "", State.CREATING.value, "create" + (f" for pool {pool}" if pool else "")))
+            db.execute("INSERT INTO meters (sandbox_id, sampled_at) VALUES (?,?)", (sandbox_id, now))
         return slot
 
-    def set_state(self, sandbox_id: str, new: State, reason: str) -> State:
-        """Record a transition; returns the previous state. Illegal transitions raise."""
+    def set_state(self, sandbox_id: str, new: State, reason: str, *, expected: State | None = None) -> State:
+        """Record a transition; returns the previous state. Illegal transitions raise.
+
+        expected: only move if the current state is this one (else SandboxStateError).
+        """
         with self._tx() as db:
             row = db.execute("SELECT state FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
             if row is None:
                 raise SandboxNotFound(f"no sandbox {sandbox_id}", sandbox_id)
             old = State(row[0])
+            if expected is not None and old is not expected:
+                raise SandboxStateError(f"sandbox {sandbox_id} is {old.value}, not {expected.value}", sandbox_id)
             if old is new:
                 return old
             check_transition(old, new, sandbox_id)
-            db.execute("UPDATE sandboxes SET state=? WHERE sandbox_id=?", (new.value, sandbox_id))
+            now = time.time()
+            db.execute("UPDATE sandboxes SET state=?, ended_at=? WHERE sandbox_id=?",
+                       (new.value, now if new is State.DESTROYED else 0, sandbox_id))
             db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
-                       (sandbox_id, time.time(), old.value, new.value, reason))
+                       (sandbox_id, now, old.value, new.value, reason))
         return old
 
     def set_expiry(self, sandbox_id: str, expires_at: float) -> None:
         with self._tx() as db:
             db.execute("UPDATE sandboxes SET expires_at=? WHERE sandbox_id=?", (expires_at, sandbox_id))
 
+    def set_owner(self, sandbox_id: str, owner: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE sandboxes SET owner=? WHERE sandbox_id=?", (owner, sandbox_id))
+
+    def owner(self, sandbox_id: str) -> str:
+        row = self._db.execute("SELECT owner FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
+        return row[0] if row else ""
+
+    def claim(self, pool: str, timeout_s: float, owner: str, *, kind: str = "hit",
+              ) -> tuple[SandboxInfo, BackendHandle] | None:
+        """Atomically hand the oldest pooled sandbox of ``pool`` to one caller (state ready).
+
+        None (and, for a user's claim, a recorded miss) if the pool has none. This transaction is
+        the only way out of a pool, so two callers can never receive the same sandbox.
+        kind: "hit" for a user; "retired" when the pool shrinks (the caller destroys it).
+        """
+        now = time.time()
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT sandbox_id FROM sandboxes WHERE pool=? AND state=? AND expires_at>? "
+                "ORDER BY created_at LIMIT 1", (pool, State.POOLED.value, now + 1)).fetchone()
+            if row is None:
+                if kind == "hit":
+                    db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, now, "miss", "", ""))
+                    db.execute("UPDATE pool_state SET last_demand_at=? WHERE name=?", (now, pool))
+                return None
+            sid = row[0]
+            db.execute("UPDATE sandboxes SET state=?, claimed_at=?, expires_at=?, owner=? WHERE sandbox_id=?",
+                       (State.READY.value, now, now + timeout_s, owner, sid))
+            # What it cost so far is the pool's: the last meter reading (an idle pooled sandbox
+            # burns ~no CPU between readings) becomes the user's zero, and the pool is billed.
+            m = db.execute("SELECT cpu_ns, gib_s, busy_ms, commands FROM meters WHERE sandbox_id=?", (sid,)).fetchone()
+            if m is not None:
+                db.execute("UPDATE meters SET base_cpu_ns=?, base_gib_s=?, base_busy_ms=?, base_commands=?, "
+                           "busy_ms=0, commands=0 WHERE sandbox_id=?", (m[0], m[1], m[2], m[3], sid))
+                created = db.execute("SELECT created_at FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()[0]
+                db.execute("INSERT OR REPLACE INTO pool_costs VALUES (?,?,?,?,?)",
+                           (pool, sid, m[0] / 1e9, m[1], max(0.0, now - created)))
+            db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
+                       (sid, now, State.POOLED.value, State.READY.value,
+                        f"claimed from pool {pool}" if kind == "hit" else f"{kind} from pool {pool}"))
+            db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, now, kind, sid, ""))
+            if kind == "hit":
+                db.execute("UPDATE pool_state SET last_demand_at=? WHERE name=?", (now, pool))
+            r = db.execute(f"SELECT {_COLUMNS} FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()
+        return self._row(r)
+
     def get(self, sandbox_id: str) -> tuple[SandboxInfo, BackendHandle]:
-        row = self._db.execute("SELECT * FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
+        row = self._db.execute(f"SELECT {_COLUMNS} FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
         if row is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id}", sandbox_id)
         return self._row(row)
 
-    def list(self, include_dead: bool = False) -> list[tuple[SandboxInfo, BackendHandle]]:
+    def list(self, include_dead: bool = False, *, include_pooled: bool = False) -> list[tuple[SandboxInfo, BackendHandle]]:
         if include_dead:
-            rows = self._db.execute("SELECT * FROM sandboxes ORDER BY created_at").fetchall()
+            rows = self._db.execute(f"SELECT {_COLUMNS} FROM sandboxes ORDER BY created_at").fetchall()
         else:
+            states = _LIVE if include_pooled else _USER
             rows = self._db.execute(
-                f"SELECT * FROM sandboxes WHERE state IN ({','.join('?' * len(_LIVE))}) ORDER BY created_at",
-                _LIVE).fetchall()
+                f"SELECT {_COLUMNS} FROM sandboxes WHERE state IN {_in(states)} ORDER BY created_at",
+                states).fetchall()
         return [self._row(r) for r in rows]
+
+    def creating_with_owner(self) -> list[tuple[str, str]]:
+        rows = self._db.execute("SELECT sandbox_id, owner FROM sandboxes WHERE state=?",
+                                (State.CREATING.value,)).fetchall()
+        return [(r[0], r[1]) for r in rows]
 
     @staticmethod
     def _row(r: tuple) -> tuple[SandboxInfo, BackendHandle]:
         (sid, tier, template, state, created, expires, mem, cpus, pids, slot, runtime_id,
-         state_dir, socket_path) = r
+         state_dir, socket_path, pool, claimed_at) = r
         info = SandboxInfo(sandbox_id=sid, tier=tier, state=State(state), created_at=created,
-                           expires_at=expires, memory_mb=mem, cpus=cpus, pids=pids, template=template)
+                           expires_at=expires, memory_mb=mem, cpus=cpus, pids=pids, template=template,
+                           pool=pool, claimed_at=claimed_at)
         handle = BackendHandle(sandbox_id=sid, tier=tier, runtime_id=runtime_id, state_dir=state_dir,
                                socket_path=socket_path, uid_base=UID_BASE + slot * UID_RANGE)
         return info, handle
@@ -145,18 +332,126 @@ class Registry:
 
     def add_timing(self, sandbox_id: str, stage: str, duration_ms: float) -> None:
         with self._tx() as db:
-            db.execute("INSERT OR IGNORE INTO timings VALUES (?,?,?)", (sandbox_id, stage, duration_ms))
+            db.execute("INSERT OR IGNORE INTO timings VALUES (?,?,?,1)", (sandbox_id, stage, duration_ms))
 
     def add_timings(self, timings: list[StageTiming]) -> None:
         with self._tx() as db:
-            db.executemany("INSERT OR REPLACE INTO timings VALUES (?,?,?)",
-                           [(t.sandbox_id, t.stage, t.duration_ms) for t in timings])
+            db.executemany("INSERT OR REPLACE INTO timings VALUES (?,?,?,?)",
+                           [(t.sandbox_id, t.stage, t.duration_ms, int(t.on_request_path)) for t in timings])
 
     def timings(self, sandbox_id: str) -> list[StageTiming]:
         rows = self._db.execute(
-            "SELECT sandbox_id, stage, duration_ms FROM timings WHERE sandbox_id=? ORDER BY rowid",
+            "SELECT sandbox_id, stage, duration_ms, on_path FROM timings WHERE sandbox_id=? ORDER BY rowid",
             (sandbox_id,)).fetchall()
-        return [StageTiming(*r) for r in rows]
+        return [StageTiming(r[0], r[1], r[2], bool(r[3])) for r in rows]
+
+    # ---- metering
+
+    def sample(self, samples: list[tuple[str, int, int]], now: float | None = None) -> None:
+        """Fold (sandbox_id, memory_bytes, cpu_ns) readings into the meters (memory x time)."""
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            for sid, mem, cpu in samples:
+                row = db.execute("SELECT sampled_at, memory_bytes, final FROM meters WHERE sandbox_id=?",
+                                 (sid,)).fetchone()
+                if row is None or row[2]:
+                    continue
+                dt = max(0.0, now - row[0])
+                # trapezoid between the last reading and this one
+                add = (row[1] + mem) / 2 / GIB * dt
+                db.execute("UPDATE meters SET sampled_at=?, memory_bytes=?, peak_bytes=MAX(peak_bytes, ?), "
+                           "gib_s=gib_s+?, cpu_ns=MAX(cpu_ns, ?) WHERE sandbox_id=?",
+                           (now, mem, mem, add, cpu, sid))
+
+    def set_busy(self, sandbox_id: str, busy_ms: float, commands: int) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE meters SET busy_ms=MAX(busy_ms, ?), commands=MAX(commands, ?) "
+                       "WHERE sandbox_id=? AND final=0", (busy_ms, commands, sandbox_id))
+
+    def finalize(self, sandbox_id: str) -> None:
+        """Freeze the meters of an ended sandbox; an unclaimed pooled one is all the pool's cost."""
+        with self._tx() as db:
+            db.execute("UPDATE meters SET final=1, memory_bytes=0 WHERE sandbox_id=?", (sandbox_id,))
+            row = db.execute("SELECT s.pool, s.claimed_at, s.created_at, s.ended_at, m.cpu_ns, m.gib_s "
+                             "FROM sandboxes s JOIN meters m USING (sandbox_id) WHERE sandbox_id=?",
+                             (sandbox_id,)).fetchone()
+            if row and row[0] and not row[1]:
+                end = row[3] or time.time()
+                db.execute("INSERT OR REPLACE INTO pool_costs VALUES (?,?,?,?,?)",
+                           (row[0], sandbox_id, row[4] / 1e9, row[5], max(0.0, end - row[2])))
+
+    def meter(self, sandbox_id: str) -> Meter | None:
+        row = self._db.execute(
+            "SELECT sandbox_id, sampled_at, memory_bytes, peak_bytes, gib_s, cpu_ns, busy_ms, commands, "
+            "base_cpu_ns, base_gib_s, base_busy_ms, base_commands, final FROM meters WHERE sandbox_id=?",
+            (sandbox_id,)).fetchone()
+        return None if row is None else Meter(*row[:-1], bool(row[-1]))
+
+    def ended_at(self, sandbox_id: str) -> float:
+        row = self._db.execute("SELECT ended_at FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
+        return row[0] if row else 0.0
+
+    # ---- pools
+
+    def pool_rows(self) -> dict[str, PoolRow]:
+        rows = self._db.execute("SELECT name, target, min_override, max_override, last_error, last_error_at, "
+                                "last_demand_at FROM pool_state").fetchall()
+        return {r[0]: PoolRow(*r) for r in rows}
+
+    def ensure_pool(self, name: str, target: int) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR IGNORE INTO pool_state (name, target, last_demand_at) VALUES (?,?,?)",
+                       (name, target, time.time()))
+
+    def set_pool(self, name: str, *, target: int | None = None, min_override: int | None | bool = False,
+                 max_override: int | None | bool = False, error: str | None = None, kind: str = "",
+                 detail: str = "") -> None:
+        """Update a pool's row (False = leave that override unchanged) and log an event if ``kind``."""
+        now = time.time()
+        with self._tx() as db:
+            db.execute("INSERT OR IGNORE INTO pool_state (name, target, last_demand_at) VALUES (?,?,?)",
+                       (name, target or 0, now))
+            if target is not None:
+                db.execute("UPDATE pool_state SET target=? WHERE name=?", (target, name))
+            if min_override is not False:
+                db.execute("UPDATE pool_state SET min_override=? WHERE name=?", (min_override, name))
+            if max_override is not False:
+                db.execute("UPDATE pool_state SET max_override=? WHERE name=?", (max_override, name))
+            if error is not None:
+                db.execute("UPDATE pool_state SET last_error=?, last_error_at=? WHERE name=?", (error, now, name))
+            if kind:
+                db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (name, now, kind, "", detail))
+
+    def pool_event(self, pool: str, kind: str, sandbox_id: str = "", detail: str = "") -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, time.time(), kind, sandbox_id, detail))
+
+    def pool_events(self, pool: str, since: float = 0.0) -> list[PoolEvent]:
+        rows = self._db.execute("SELECT pool, at, kind, sandbox_id, detail FROM pool_events "
+                                "WHERE pool=? AND at>=? ORDER BY rowid", (pool, since)).fetchall()
+        return [PoolEvent(*r) for r in rows]
+
+    def pool_counts(self, pool: str) -> tuple[int, int]:
+        """(pooled and not expiring within a second, being created) sandboxes of a pool."""
+        now = time.time()
+        ready = self._db.execute("SELECT COUNT(*) FROM sandboxes WHERE pool=? AND state=? AND expires_at>?",
+                                 (pool, State.POOLED.value, now + 1)).fetchone()[0]
+        warming = self._db.execute("SELECT COUNT(*) FROM sandboxes WHERE pool=? AND state=?",
+                                   (pool, State.CREATING.value)).fetchone()[0]
+        return ready, warming
+
+    def pooled(self, pool: str) -> list[str]:
+        rows = self._db.execute("SELECT sandbox_id FROM sandboxes WHERE pool=? AND state=? ORDER BY created_at",
+                                (pool, State.POOLED.value)).fetchall()
+        return [r[0] for r in rows]
+
+    def pool_totals(self, pool: str) -> tuple[int, int, int, float, float, float]:
+        """(hits, misses, warm-up failures, cpu_s, GiB-s, wall_s) of a pool so far."""
+        counts = dict(self._db.execute("SELECT kind, COUNT(*) FROM pool_events WHERE pool=? GROUP BY kind",
+                                       (pool,)).fetchall())
+        cost = self._db.execute("SELECT COALESCE(SUM(cpu_s),0), COALESCE(SUM(gib_s),0), COALESCE(SUM(wall_s),0) "
+                                "FROM pool_costs WHERE pool=?", (pool,)).fetchone()
+        return (counts.get("hit", 0), counts.get("miss", 0), counts.get("warmup_failed", 0), *cost)
 
 
 class _Tx:

@@ -1,0 +1,289 @@
+"""Settings: ``warmbox.toml`` plus ``WARMBOX_*`` environment overrides, validated into one typed object.
+
+Where the file is: ``$WARMBOX_CONFIG`` if set, else ``$WARMBOX_HOME/warmbox.toml``; a missing
+file means the built-in defaults below. Environment overrides use ``__`` as the path separator,
+e.g. ``WARMBOX_DEFAULTS__TIMEOUT=60`` or ``WARMBOX_POOLS__DEFAULT__TARGET=4``; values are parsed
+as TOML scalars (``4``, ``0.5``, ``true``, ``"text"``) and fall back to a plain string.
+
+An operator sees everything in one file::
+
+    [defaults]
+    tier = "container"
+    template = "base"
+    timeout = 300
+
+    [templates.pydata]                  # a template = an image + a warm-up
+    warmup_code = "import numpy, pandas"
+    warmup_commands = []
+
+    [pools.pydata]                      # a pool keeps ready sandboxes of one shape
+    template = "pydata"
+    tier = "container"
+    min = 0                             # never below (autoscaling floor)
+    max = 8                             # never above (autoscaling ceiling)
+    target = 2                          # size at start; follows demand between min and max
+    max_age = 3600                      # a pooled sandbox older than this is replaced
+    idle_shrink = 120                   # halve the target after this long without a request
+    limits = { memory_mb = 512, cpus = 1.0 }
+
+Bad settings raise :class:`~warmbox.errors.ConfigError` naming the file and key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from warmbox.errors import ConfigError, InvalidArgument
+from warmbox.models import Limits
+
+# Built-in templates. ``base``'s warm-up starts the Python code context (so a pooled sandbox's
+# first run_code does not pay an interpreter start); ``pydata`` also imports the data stack.
+BUILTIN_TEMPLATES: dict[str, dict[str, Any]] = {
+    "base": {"warmup_code": "", "description": "Python 3 + coreutils; code context started"},
+    "pydata": {"warmup_code": "import numpy, pandas\ntry:\n    import requests\nexcept ImportError:\n    pass",
+               "description": "base + numpy and pandas (and requests when installed) imported"},
+    "shell": {"warmup_code": None, "description": "no code context started (smallest idle footprint)"},
+}
+# Built-in pool, used while the settings declare no [pools] (an empty [pools] table: no pool):
+# empty until there is demand; grows on misses, shrinks back to 0 when idle.
+BUILTIN_POOLS: dict[str, dict[str, Any]] = {
+    "default": {"template": "base", "tier": "container", "min": 0, "max": 4, "target": 0},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Template:
+    """An image plus what to run before the sandbox is handed out.
+
+    warmup_code: Python run in the default code context (None: no context is started).
+    warmup_commands: shell commands run in order; each must exit 0.
+    """
+
+    name: str
+    warmup_code: str | None = ""
+    warmup_commands: tuple[str, ...] = ()
+    description: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    """One pool: ready sandboxes of one (tier, template, limits) shape."""
+
+    name: str
+    template: str = "base"
+    tier: str = "container"
+    min: int = 0
+    max: int = 4
+    target: int = 0
+    max_age_s: float = 3600.0
+    idle_shrink_s: float = 120.0
+    refill_concurrency: int = 2
+    limits: Limits = dataclasses.field(default_factory=Limits)
+
+    def shape(self) -> tuple[str, str, Limits]:
+        return (self.tier, self.template, self.limits)
+
+
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    tier: str = "container"
+    template: str = "base"
+    timeout_s: float = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    source: str  # the file read, or "built-in defaults"
+    defaults: Defaults
+    templates: dict[str, Template]
+    pools: dict[str, PoolConfig]
+    daemon_idle_exit_s: float = 10.0
+
+    def template(self, name: str) -> Template:
+        t = self.templates.get(name)
+        if t is None:
+            raise InvalidArgument(f"unknown template {name!r} (available: {', '.join(sorted(self.templates))})")
+        return t
+
+    def pool_for(self, tier: str, template: str, limits: Limits) -> PoolConfig | None:
+        for pool in self.pools.values():
+            if pool.shape() == (tier, template, limits):
+                return pool
+        return None
+
+
+def config_path(home: Path) -> Path:
+    env = os.environ.get("WARMBOX_CONFIG")
+    return Path(env).expanduser() if env else home / "warmbox.toml"
+
+
+_cache: dict[Path, tuple[tuple[float, int, str], Settings]] = {}
+
+
+def load(home: Path) -> Settings:
+    """The settings for ``home``; re-read when the file or the environment changes."""
+    path = config_path(home)
+    try:
+        st = path.stat()
+        stamp = (st.st_mtime, st.st_size)
+    except FileNotFoundError:
+        stamp = (0.0, -1)
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+    env = "\0".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("WARMBOX_"))
+    key = (stamp[0], stamp[1], env)
+    hit = _cache.get(path)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    raw: dict[str, Any] = {}
+    source = "built-in defaults"
+    if stamp[1] >= 0:
+        try:
+            raw = tomllib.loads(path.read_text())
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read {path}: {e}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        source = str(path)
+    _apply_env(raw, os.environ)
+    settings = parse(raw, source)
+    _cache[path] = (key, settings)
+    return settings
+
+
+def _apply_env(raw: dict[str, Any], environ: os._Environ | dict[str, str]) -> None:
+    for name, value in environ.items():
+        if not name.startswith("WARMBOX_") or "__" not in name:
+            continue
+        parts = [s.lower() for s in name[len("WARMBOX_"):].split("__")]
+        if any(not s for s in parts):
+            continue
+        node = raw
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"environment {name}: {'.'.join(parts[:-1])} is not a table")
+            node = nxt
+        try:
+            node[parts[-1]] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            node[parts[-1]] = value
+
+
+def parse(raw: dict[str, Any], source: str = "<settings>") -> Settings:
+    known = {"defaults", "templates", "pools", "daemon"}
+    for k in raw:
+        if k not in known:
+            raise ConfigError(f"{source}: unknown section [{k}] (known: {', '.join(sorted(known))})")
+    d = _table(raw, "defaults", source)
+    _only(d, {"tier", "template", "timeout"}, "defaults", source)
+    defaults = Defaults(tier=_tier(d.get("tier", "container"), "defaults.tier", source),
+                        template=_str(d.get("template", "base"), "defaults.template", source),
+                        timeout_s=_num(d.get("timeout", 300.0), "defaults.timeout", source, 0, 86400))
+    templates = {n: Template(name=n, **{k: v for k, v in t.items()}) for n, t in BUILTIN_TEMPLATES.items()}
+    for name, t in _table(raw, "templates", source).items():
+        where = f"templates.{name}"
+        t = _as_table(t, where, source)
+        _only(t, {"warmup_code", "warmup_commands", "description"}, where, source)
+        base = BUILTIN_TEMPLATES.get(name, {})
+        code = t.get("warmup_code", base.get("warmup_code", ""))
+        if code is not None and not isinstance(code, str):
+            raise ConfigError(f"{source}: {where}.warmup_code must be a string")
+        cmds = t.get("warmup_commands", [])
+        if not isinstance(cmds, list) or not all(isinstance(c, str) and c.strip() for c in cmds):
+            raise ConfigError(f"{source}: {where}.warmup_commands must be a list of non-empty strings")
+        templates[name] = Template(name=name, warmup_code=code, warmup_commands=tuple(cmds),
+                                   description=_str(t.get("description", base.get("description", "")),
+                                                    f"{where}.description", source))
+    if defaults.template not in templates:
+        raise ConfigError(f"{source}: defaults.template {defaults.template!r} is not a template")
+    # the built-in pool exists only while the settings declare no [pools] at all
+    pools_raw = dict(BUILTIN_POOLS) if "pools" not in raw else {}
+    for name, body in _table(raw, "pools", source).items():
+        pools_raw[name] = dict(_as_table(body, f"pools.{name}", source))
+    pools = {}
+    for name, body in pools_raw.items():
+        where = f"pools.{name}"
+        if not name.replace("-", "").replace("_", "").isalnum() or len(name) > 40:
+            raise ConfigError(f"{source}: pool name {name!r} must be letters, digits, '-' or '_'")
+        _only(body, {"template", "tier", "min", "max", "target", "max_age", "idle_shrink",
+                     "refill_concurrency", "limits"}, where, source)
+        template = _str(body.get("template", "base"), f"{where}.template", source)
+        if template not in templates:
+            raise ConfigError(f"{source}: {where}.template {template!r} is not a template")
+        lo = _int(body.get("min", 0), f"{where}.min", source, 0, 1000)
+        hi = _int(body.get("max", max(lo, 4)), f"{where}.max", source, 0, 1000)
+        if hi < lo:
+            raise ConfigError(f"{source}: {where}: max ({hi}) is below min ({lo})")
+        target = _int(body.get("target", lo), f"{where}.target", source, 0, 1000)
+        limits_raw = _as_table(body.get("limits", {}), f"{where}.limits", source)
+        try:
+            limits = Limits(**limits_raw)
+        except TypeError as e:
+            raise ConfigError(f"{source}: {where}.limits: {e}") from None
+        except InvalidArgument as e:
+            raise ConfigError(f"{source}: {where}.{e}") from None
+        pools[name] = PoolConfig(
+            name=name, template=template, tier=_tier(body.get("tier", "container"), f"{where}.tier", source),
+            min=lo, max=hi, target=min(max(target, lo), hi),
+            max_age_s=_num(body.get("max_age", 3600.0), f"{where}.max_age", source, 1, 7 * 86400),
+            idle_shrink_s=_num(body.get("idle_shrink", 120.0), f"{where}.idle_shrink", source, 1, 7 * 86400),
+            refill_concurrency=_int(body.get("refill_concurrency", 2), f"{where}.refill_concurrency", source, 1, 64),
+            limits=limits)
+    shapes: dict[tuple, str] = {}
+    for pool in pools.values():
+        other = shapes.setdefault(pool.shape(), pool.name)
+        if other != pool.name:
+            raise ConfigError(f"{source}: pools {other} and {pool.name} have the same tier, template and limits")
+    dm = _table(raw, "daemon", source)
+    _only(dm, {"idle_exit"}, "daemon", source)
+    return Settings(source=source, defaults=defaults, templates=templates, pools=pools,
+                    daemon_idle_exit_s=_num(dm.get("idle_exit", 10.0), "daemon.idle_exit", source, 0.1, 86400))
+
+
+def _table(raw: dict, key: str, source: str) -> dict:
+    return _as_table(raw.get(key, {}), key, source)
+
+
+def _as_table(v: object, where: str, source: str) -> dict:
+    if not isinstance(v, dict):
+        raise ConfigError(f"{source}: {where} must be a table")
+    return v
+
+
+def _only(t: dict, allowed: set[str], where: str, source: str) -> None:
+    for k in t:
+        if k not in allowed:
+            raise ConfigError(f"{source}: unknown key {where}.{k} (known: {', '.join(sorted(allowed))})")
+
+
+def _str(v: object, where: str, source: str) -> str:
+    if not isinstance(v, str):
+        raise ConfigError(f"{source}: {where} must be a string, got {v!r}")
+    return v
+
+
+def _tier(v: object, where: str, source: str) -> str:
+    from warmbox.backends import canonical_tier
+
+    try:
+        return canonical_tier(_str(v, where, source))
+    except InvalidArgument as e:
+        raise ConfigError(f"{source}: {where}: {e}") from None
+
+
+def _num(v: object, where: str, source: str, lo: float, hi: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+        raise ConfigError(f"{source}: {where} must be a number in [{lo}, {hi}], got {v!r}")
+    return float(v)
+
+
+def _int(v: object, where: str, source: str, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ConfigError(f"{source}: {where} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v

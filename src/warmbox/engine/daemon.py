@@ -1,0 +1,129 @@
+"""The per-home daemon: reaps expired sandboxes, keeps the warm pools filled, samples meters.
+
+One per WARMBOX_HOME (it holds ``daemon.lock`` and writes its pid to ``daemon.pid``); any
+warmbox process starts it on demand (``Engine.ensure_daemon``). It exits once no sandbox is
+live, no pool wants one, and that lasted ``[daemon] idle_exit`` seconds. SIGTERM (``warmbox
+down``) stops refills, destroys pooled sandboxes and exits; callers' sandboxes stay (they have
+their own timeouts; the next daemon reaps them). A daemon killed with SIGKILL loses nothing: the
+next one adopts the pooled sandboxes and destroys creations whose creator died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+TICK_S = 0.1  # while pools are active
+POLL_S = 1.0
+SAMPLE_S = 1.0
+
+
+def _lock(path: Path) -> int | None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def pid_of(home: Path) -> int | None:
+    """The running daemon's pid for ``home``, or None."""
+    lock = home / "daemon.lock"
+    if not lock.exists():
+        return None
+    fd = _lock(lock)
+    if fd is not None:  # nobody holds it: no daemon
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        return None
+    try:
+        return int((home / "daemon.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+async def run(home: Path) -> None:
+    from warmbox.engine.engine import Engine
+    from warmbox.engine.pool import PoolManager
+    from warmbox.errors import WarmboxError
+
+    lock = home / "daemon.lock"
+    fd = _lock(lock)
+    if fd is None:
+        return
+    (home / "daemon.pid").write_text(str(os.getpid()))
+    engine = Engine(home)
+    pools = PoolManager(engine)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    idle_since: float | None = None
+    last_sample = 0.0
+    last_complaint = ""
+    try:
+        while not stop.is_set():
+            try:
+                settings = engine.settings()
+            except WarmboxError as e:  # a broken config must not stop reaping
+                if str(e) != last_complaint:
+                    last_complaint = str(e)
+                    print(f"warmbox daemon: {e}", file=sys.stderr, flush=True)
+                settings = None
+            await engine.reap()
+            wanted = await pools.tick(settings) if settings is not None else pools.busy
+            now = time.time()
+            if now - last_sample >= SAMPLE_S:
+                last_sample = now
+                await engine.sample()
+            nxt = engine.next_expiry()
+            if nxt is None and not wanted:
+                idle_since = idle_since or now
+                limit = settings.daemon_idle_exit_s if settings is not None else 10.0
+                if now - idle_since >= limit:
+                    # Unlock, then look once more: a creator that found the lock held has already
+                    # registered its sandbox, so it is visible here; otherwise it takes the lock itself.
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    os.close(fd)
+                    fd = None
+                    if engine.next_expiry() is None:
+                        return
+                    fd = _lock(lock)
+                    if fd is None:
+                        return
+                    (home / "daemon.pid").write_text(str(os.getpid()))
+                    idle_since = None
+            else:
+                idle_since = None
+            delay = TICK_S if wanted else POLL_S
+            if nxt is not None:
+                delay = min(delay, max(nxt - now, 0.02))
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+        await pools.drain()
+    finally:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+
+def main() -> None:
+    home = Path(sys.argv[1]) if len(sys.argv) > 1 else None
+    if home is None:
+        from warmbox.engine.engine import default_home
+
+        home = default_home()
+    asyncio.run(run(home))
+
+
+if __name__ == "__main__":
+    main()

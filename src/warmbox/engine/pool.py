@@ -1,0 +1,180 @@
+"""Warm pools: keep N ready sandboxes per (tier, template, limits) shape, refilled in the background.
+
+Who does what:
+- A caller's ``Engine.create`` claims a pooled sandbox in one registry transaction (so two
+  callers never get the same one), reconfigures it for the caller (env, counters) and uses it.
+  The claimed sandbox is the caller's until destroyed; it never returns to a pool.
+- The daemon (engine/daemon.py) runs a :class:`PoolManager`: each tick it compares every pool's
+  ready + warming count with its target and starts refills (at most ``refill_concurrency`` at
+  once per pool), or retires surplus sandboxes. A sandbox becomes ``pooled`` only after its
+  guest answered and its template's warm-up succeeded; a failed warm-up is recorded on the pool
+  (``last_error``, a ``warmup_failed`` event), the sandbox destroyed, and retried with backoff.
+
+Autoscaling between the pool's min and max:
+- every miss (a matching create that found the pool empty) raises the target by one;
+- after ``idle_shrink`` seconds without any request the target halves (not below min).
+``warmbox pool resize`` sets the target (and optionally min/max) by hand; the registry keeps it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from warmbox.config import PoolConfig, Settings
+from warmbox.errors import InvalidArgument, WarmboxError
+from warmbox.models import PoolStatus
+
+if TYPE_CHECKING:
+    from warmbox.engine.engine import Engine
+
+BACKOFF_BASE_S = 0.5
+BACKOFF_MAX_S = 30.0
+
+
+def bounds(pc: PoolConfig, min_override: int | None, max_override: int | None) -> tuple[int, int]:
+    lo = pc.min if min_override is None else min_override
+    hi = pc.max if max_override is None else max_override
+    return lo, max(lo, hi)
+
+
+def status(engine: "Engine", settings: Settings) -> list[PoolStatus]:
+    rows = engine.registry.pool_rows()
+    out = []
+    for pc in settings.pools.values():
+        row = rows.get(pc.name)
+        lo, hi = bounds(pc, row.min_override if row else None, row.max_override if row else None)
+        ready, warming = engine.registry.pool_counts(pc.name)
+        hits, misses, failures, cpu_s, gib_s, wall_s = engine.registry.pool_totals(pc.name)
+        out.append(PoolStatus(name=pc.name, tier=pc.tier, template=pc.template, min=lo, max=hi,
+                              target=row.target if row else pc.target, ready=ready, warming=warming,
+                              hits=hits, misses=misses, warmup_failures=failures,
+                              last_error=row.last_error if row else "", cost_cpu_s=cpu_s,
+                              cost_memory_gib_s=gib_s, cost_wall_s=wall_s))
+    return out
+
+
+def resize(engine: "Engine", settings: Settings, name: str, target: int | None = None,
+           min: int | None = None, max: int | None = None) -> PoolStatus:
+    """Set a pool's target (clamped to its bounds) and/or its min/max; the daemon acts on it."""
+    pc = settings.pools.get(name)
+    if pc is None:
+        raise InvalidArgument(f"no pool {name!r} (pools: {', '.join(sorted(settings.pools)) or 'none'})")
+    for label, v in (("target", target), ("min", min), ("max", max)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1000):
+            raise InvalidArgument(f"{label} must be an integer in [0, 1000], got {v!r}")
+    row = engine.registry.pool_rows().get(name)
+    lo, hi = bounds(pc, min if min is not None else (row.min_override if row else None),
+                    max if max is not None else (row.max_override if row else None))
+    if min is not None and max is not None and max < min:
+        raise InvalidArgument(f"max ({max}) is below min ({min})")
+    current = row.target if row else pc.target
+    new = target if target is not None else current
+    new = sorted((lo, new, hi))[1]
+    engine.registry.set_pool(name, target=new, min_override=min if min is not None else False,
+                             max_override=max if max is not None else False, kind="resized",
+                             detail=f"target={new} min={lo} max={hi}")
+    engine.ensure_daemon()
+    return next(s for s in status(engine, settings) if s.name == name)
+
+
+class PoolManager:
+    """The daemon's half of the pools: refill, retire, autoscale. One per daemon."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+        self.refills: dict[str, set[asyncio.Task]] = {}
+        self.failures: dict[str, int] = {}
+        self.retry_at: dict[str, float] = {}
+        self.seen: dict[str, float] = {}  # last event time looked at, per pool
+
+    @property
+    def busy(self) -> bool:
+        return any(self.refills.values())
+
+    async def tick(self, settings: Settings) -> bool:
+        """One pass over every pool; True while some pool wants sandboxes or refills run."""
+        reg = self.engine.registry
+        rows = reg.pool_rows()
+        wanted = False
+        for pc in settings.pools.values():
+            row = rows.get(pc.name)
+            if row is None:
+                reg.ensure_pool(pc.name, pc.target)
+                row = reg.pool_rows()[pc.name]
+                self.seen[pc.name] = time.time()
+            target = self._autoscale(pc, row)
+            tasks = self.refills.setdefault(pc.name, set())
+            ready, _ = reg.pool_counts(pc.name)
+            if ready > target:
+                await self._retire(pc.name, ready - target, "pool shrank")
+            missing = target - ready - len(tasks)
+            room = pc.refill_concurrency - len(tasks)
+            if missing > 0 and room > 0 and time.time() >= self.retry_at.get(pc.name, 0.0):
+                for _ in range(min(missing, room)):
+                    task = asyncio.ensure_future(self._refill(pc))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            wanted = wanted or target > 0 or bool(tasks)
+        for name in rows:  # pools removed from the config: their sandboxes go
+            if name not in settings.pools and reg.pooled(name):
+                await self._retire(name, len(reg.pooled(name)), "pool no longer configured")
+        return wanted or self.busy
+
+    def _autoscale(self, pc: PoolConfig, row) -> int:
+        reg = self.engine.registry
+        lo, hi = bounds(pc, row.min_override, row.max_override)
+        now = time.time()
+        since = self.seen.get(pc.name, now)
+        events = reg.pool_events(pc.name, since)
+        if events:
+            self.seen[pc.name] = max(e.at for e in events) + 1e-6
+        misses = sum(1 for e in events if e.kind == "miss")
+        target = row.target
+        new = target + misses
+        if not misses and target > lo and now - row.last_demand_at >= pc.idle_shrink_s:
+            new = target // 2
+            reg.set_pool(pc.name, kind="scaled", detail=f"idle {pc.idle_shrink_s:.0f}s: target {target}->{max(lo, new)}")
+            with reg._tx() as db:  # the next halving waits another idle period
+                db.execute("UPDATE pool_state SET last_demand_at=? WHERE name=?", (now, pc.name))
+        new = sorted((lo, new, hi))[1]
+        if new != target:
+            reg.set_pool(pc.name, target=new,
+                         kind="scaled" if misses else "", detail=f"{misses} misses: target {target}->{new}")
+        return new
+
+    async def _refill(self, pc: PoolConfig) -> None:
+        reg = self.engine.registry
+        try:
+            sid = await self.engine.create_pooled(pc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # recorded on the pool, retried with backoff; never handed out
+            why = f"{type(e).__name__}: {e}" if not isinstance(e, WarmboxError) else str(e)
+            n = self.failures[pc.name] = self.failures.get(pc.name, 0) + 1
+            self.retry_at[pc.name] = time.time() + min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (n - 1))
+            reg.set_pool(pc.name, error=why[:1000], kind="warmup_failed", detail=why[:1000])
+            return
+        self.failures.pop(pc.name, None)
+        self.retry_at.pop(pc.name, None)
+        reg.pool_event(pc.name, "warmed", sid)
+
+    async def _retire(self, pool: str, n: int, why: str) -> None:
+        for _ in range(n):
+            got = self.engine.registry.claim(pool, 60.0, self.engine.owner, kind="retired")
+            if got is None:
+                return
+            try:
+                await self.engine.destroy(got[0].sandbox_id, why)
+            except WarmboxError:
+                continue  # FAILED keeps it on the reaper's list
+
+    async def drain(self) -> None:
+        """Stop refilling and destroy every pooled sandbox (daemon shutdown)."""
+        tasks = [t for ts in self.refills.values() for t in ts]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for name in list(self.engine.registry.pool_rows()):
+            await self._retire(name, len(self.engine.registry.pooled(name)), "daemon stopped")
