@@ -180,7 +180,7 @@ async def _wait_quiet(engine: Any, pool: str, timeout: float = 300.0) -> None:
         engine.settings()  # a broken config is a typed error now, not a timeout later
         row = engine.registry.pool_rows().get(pool)
         ready, warming = engine.registry.pool_counts(pool)
-        if row is not None and ready >= row.target and warming == 0:
+        if row is not None and ready == row.target and warming == 0:
             return
         if time.monotonic() > deadline:
             err = row.last_error if row else ""
@@ -552,15 +552,30 @@ def _print_density(r: dict) -> None:
 POOLS = {
     "bench-base": {"template": "base", "min": 2, "max": 2, "target": 2, "refill_concurrency": 1},
     "bench-pydata": {"template": "pydata", "min": 2, "max": 2, "target": 2, "refill_concurrency": 1},
-    "bench-burst": {"template": "base", "min": 0, "max": 0, "target": 0, "refill_concurrency": 2,
-                    "limits": {"memory_mb": 256}},
+    "bench-burst": {"template": "base", "min": 0, "max": 0, "target": 0, "refill_concurrency": 2},
     "bench-density-base": {"template": "base", "min": 0, "max": 0, "limits": {"memory_mb": 128}},
     "bench-density-shell": {"template": "shell", "min": 0, "max": 0, "limits": {"memory_mb": 96}},
 }
 
 
+def _validate(args: argparse.Namespace) -> None:
+    from warmbox.errors import InvalidArgument
+
+    checks = {"start": [("runs", 1, 10000)], "burst": [("burst", 1, 500)], "exec": [("seconds", 0.01, 3600)],
+              "density": [("max", 1, 2000), ("step", 1, 2000), ("memory_bound_gib", 0.01, 1024)]}[args.bench]
+    for name, lo, hi in checks:
+        v = getattr(args, name)
+        if not lo <= v <= hi:
+            raise InvalidArgument(f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {v}")
+    if args.bench == "burst" and (not args.pools or any(not 0 <= n <= 500 for n in args.pools)):
+        raise InvalidArgument("--pools sizes must be in [0, 500]")
+
+
 async def command(args: argparse.Namespace) -> int:
-    wanted = {"start": ("bench-base", "bench-pydata"), "burst": ("bench-burst",), "exec": (),
+    _validate(args)
+    variant = getattr(args, "variant", "both")
+    wanted = {"start": tuple(f"bench-{VARIANTS[v][2]}" for v in VARIANTS if variant in (v, "both")),
+              "burst": ("bench-burst",), "exec": (),
               "density": (f"bench-density-{getattr(args, 'template', 'base')}",)}[args.bench]
     pools = {k: v for k, v in POOLS.items() if k in wanted}
     home = _make_home(pools)

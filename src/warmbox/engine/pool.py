@@ -87,7 +87,6 @@ class PoolManager:
         self.refills: dict[str, set[asyncio.Task]] = {}
         self.failures: dict[str, int] = {}
         self.retry_at: dict[str, float] = {}
-        self.seen: dict[str, float] = {}  # last event time looked at, per pool
 
     @property
     def busy(self) -> bool:
@@ -103,7 +102,6 @@ class PoolManager:
             if row is None:
                 reg.ensure_pool(pc.name, pc.target)
                 row = reg.pool_rows()[pc.name]
-                self.seen[pc.name] = time.time()
             target = self._autoscale(pc, row)
             tasks = self.refills.setdefault(pc.name, set())
             ready, _ = reg.pool_counts(pc.name)
@@ -126,11 +124,10 @@ class PoolManager:
         reg = self.engine.registry
         lo, hi = bounds(pc, row.min_override, row.max_override)
         now = time.time()
-        since = self.seen.get(pc.name, now)
-        events = reg.pool_events(pc.name, since)
-        if events:
-            self.seen[pc.name] = max(e.at for e in events) + 1e-6
-        misses = sum(1 for e in events if e.kind == "miss")
+        # misses since the last look (kept in the registry: a miss that started this daemon counts)
+        misses, newest = reg.unseen_misses(pc.name, row.events_seen)
+        if newest != row.events_seen:
+            reg.set_events_seen(pc.name, newest)
         target = row.target
         new = target + misses
         if not misses and target > lo and now - row.last_demand_at >= pc.idle_shrink_s:

@@ -74,7 +74,8 @@ CREATE TABLE IF NOT EXISTS pool_state (
     max_override INTEGER,
     last_error   TEXT NOT NULL DEFAULT '',
     last_error_at REAL NOT NULL DEFAULT 0,
-    last_demand_at REAL NOT NULL DEFAULT 0
+    last_demand_at REAL NOT NULL DEFAULT 0,
+    events_seen  INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS pool_events (
     pool       TEXT NOT NULL,
@@ -148,6 +149,7 @@ class PoolRow:
     last_error: str
     last_error_at: float
     last_demand_at: float
+    events_seen: int
 
 
 class Registry:
@@ -395,7 +397,7 @@ class Registry:
 
     def pool_rows(self) -> dict[str, PoolRow]:
         rows = self._db.execute("SELECT name, target, min_override, max_override, last_error, last_error_at, "
-                                "last_demand_at FROM pool_state").fetchall()
+                                "last_demand_at, events_seen FROM pool_state").fetchall()
         return {r[0]: PoolRow(*r) for r in rows}
 
     def ensure_pool(self, name: str, target: int) -> None:
@@ -430,6 +432,17 @@ class Registry:
         rows = self._db.execute("SELECT pool, at, kind, sandbox_id, detail FROM pool_events "
                                 "WHERE pool=? AND at>=? ORDER BY rowid", (pool, since)).fetchall()
         return [PoolEvent(*r) for r in rows]
+
+    def unseen_misses(self, pool: str, seen: int) -> tuple[int, int]:
+        """(misses recorded after event ``seen``, newest event id) — for the autoscaler."""
+        row = self._db.execute("SELECT COUNT(*), MAX(rowid) FROM pool_events WHERE pool=? AND rowid>? AND kind='miss'",
+                               (pool, seen)).fetchone()
+        newest = self._db.execute("SELECT COALESCE(MAX(rowid), 0) FROM pool_events").fetchone()[0]
+        return row[0], max(newest, seen)
+
+    def set_events_seen(self, pool: str, seen: int) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE pool_state SET events_seen=? WHERE name=?", (seen, pool))
 
     def pool_counts(self, pool: str) -> tuple[int, int]:
         """(pooled and not expiring within a second, being created) sandboxes of a pool."""

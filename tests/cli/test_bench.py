@@ -1,0 +1,60 @@
+"""The benchmarks run in CI in a short mode: they must keep working and report sane structure.
+
+They assert behaviour (pool hits, outputs, clean-up), never speed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import cli
+
+
+def _bench(*args: str, timeout: float = 600) -> dict:
+    r = cli("bench", *args, "--json", timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not list(Path("/tmp").glob("wbbench-*")), "the benchmark left its home behind"
+    return json.loads(r.stdout)
+
+
+def test_bench_start_short(runc_ready):
+    rep = _bench("start", "--runs", "2", "--variant", "empty")
+    v = rep["variants"]["empty"]
+    assert set(v["stats"]) >= {"warm_pool", "warm_pool_exec", "warmbox_cold", "raw_runc"}
+    assert all(s["n"] == 2 and s["p50_ms"] > 0 for s in v["stats"].values())
+    assert v["pool_misses"] == 0 and v["distinct_outputs"] == 1  # every method printed 4
+    assert set(v["stages_on_request_path_p50_ms"]["warm_pool"]) == {"allocation", "first_command"}
+    assert {"allocation", "filesystem", "runtime", "first_command"} <= set(v["stages_on_request_path_p50_ms"]["warmbox_cold"])
+    assert v["ratios_p50"]["warmbox_cold/raw_runc"] > 0
+
+
+def test_bench_exec_short(runc_ready):
+    rep = _bench("exec", "--seconds", "0.3")
+    assert rep["true_per_second"]["concurrency_1"] > 0 and rep["true_per_second"]["concurrency_4"] > 0
+    assert rep["raw_unix_socket_rtt"]["p50_us"] > 0
+    assert rep["ping_sdk_asyncio"]["p50_us"] > rep["raw_unix_socket_rtt"]["p50_us"]
+
+
+def test_bench_burst_short(runc_ready):
+    rep = _bench("burst", "--burst", "4", "--pools", "4", "2")
+    covered, short = rep["runs"]
+    assert covered["pool"] == 4 and covered["hits"] == 4 and covered["cold"] == 0
+    assert short["pool"] == 2 and short["hits"] + short["cold"] == 4 and short["cold"] >= 1
+    assert covered["p99_over_p50"] >= 1
+
+
+def test_bench_density_short(runc_ready):
+    rep = _bench("density", "--max", "2", "--step", "1")
+    assert [s["sandboxes"] for s in rep["steps"]] == [1, 2]
+    for s in rep["steps"]:
+        assert s["cgroup_mib_per_sandbox"] > 0 and 0 < s["uss_mib_per_sandbox"] <= s["rss_mib_per_sandbox"]
+
+
+@pytest.mark.parametrize("args", [["start", "--runs", "0"], ["burst", "--burst", "0"], ["density", "--step", "0"],
+                                  ["exec", "--seconds", "-1"]])
+def test_bench_bad_arguments_are_typed(args):
+    r = cli("bench", *args)
+    assert r.returncode == 125 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
