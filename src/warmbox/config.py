@@ -117,6 +117,15 @@ class Settings:
         return None
 
 
+def shape_key(tier: str, template: Template, limits: Limits) -> str:
+    """What a pooled sandbox was built to: a claim only takes one of the caller's exact shape."""
+    import hashlib
+
+    raw = repr((tier, template.name, template.warmup_code, template.warmup_commands,
+                dataclasses.astuple(limits)))
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
 def config_path(home: Path) -> Path:
     env = os.environ.get("WARMBOX_CONFIG")
     return Path(env).expanduser() if env else home / "warmbox.toml"
@@ -184,7 +193,7 @@ def parse(raw: dict[str, Any], source: str = "<settings>") -> Settings:
     _only(d, {"tier", "template", "timeout"}, "defaults", source)
     defaults = Defaults(tier=_tier(d.get("tier", "container"), "defaults.tier", source),
                         template=_str(d.get("template", "base"), "defaults.template", source),
-                        timeout_s=_num(d.get("timeout", 300.0), "defaults.timeout", source, 0, 86400))
+                        timeout_s=_num(d.get("timeout", 300.0), "defaults.timeout", source, 1, 86400))
     templates = {n: Template(name=n, **{k: v for k, v in t.items()}) for n, t in BUILTIN_TEMPLATES.items()}
     for name, t in _table(raw, "templates", source).items():
         where = f"templates.{name}"
@@ -231,7 +240,7 @@ def parse(raw: dict[str, Any], source: str = "<settings>") -> Settings:
         pools[name] = PoolConfig(
             name=name, template=template, tier=_tier(body.get("tier", "container"), f"{where}.tier", source),
             min=lo, max=hi, target=min(max(target, lo), hi),
-            max_age_s=_num(body.get("max_age", 3600.0), f"{where}.max_age", source, 1, 7 * 86400),
+            max_age_s=_num(body.get("max_age", 3600.0), f"{where}.max_age", source, 60, 7 * 86400),
             idle_shrink_s=_num(body.get("idle_shrink", 120.0), f"{where}.idle_shrink", source, 1, 7 * 86400),
             refill_concurrency=_int(body.get("refill_concurrency", 2), f"{where}.refill_concurrency", source, 1, 64),
             limits=limits)

@@ -49,6 +49,7 @@ class State(str, enum.Enum):
 
     CREATING = "creating"
     POOLED = "pooled"  # warmed up, waiting in a pool; nobody may connect until it is claimed
+    RETIRING = "retiring"  # leaving its pool unused (shrink, stale shape, shutdown): being destroyed
     READY = "ready"
     RUNNING = "running"
     DESTROYED = "destroyed"

@@ -142,7 +142,8 @@ def test_registry_claim_is_exclusive_under_contention(tmp_path):
     reg = Registry(db)
     for i in range(60):
         sid = f"sb-{i:012x}"
-        reg.allocate(sid, "container", "base", 3600, 512, 1.0, 256, "/nonexistent", "/nonexistent", pool="x")
+        reg.allocate(sid, "container", "base", 3600, 512, 1.0, 256, "/nonexistent", "/nonexistent", pool="x",
+                     shape="s1")
         reg.set_state(sid, State.POOLED, "test")
     got: list[str] = []
     lock = threading.Lock()
@@ -150,7 +151,7 @@ def test_registry_claim_is_exclusive_under_contention(tmp_path):
     def worker() -> None:
         r = Registry(db)  # its own connection, like another process
         while True:
-            c = r.claim("x", 60, "test")
+            c = r.claim("x", "s1", 60, "test")
             if c is None:
                 return
             with lock:
@@ -340,3 +341,31 @@ def test_killed_daemon_leaves_nothing_after_the_next_warmbox_call(tmp_path, runc
 
         shutil.rmtree(engine.runtime, ignore_errors=True)
         shutil.rmtree(h, ignore_errors=True)
+
+
+def test_a_config_change_replaces_pooled_sandboxes_built_to_the_old_one(pools, home):
+    engine = pools
+    shape_pool = """
+[templates.tshape]
+warmup_code = "marker = {n}"
+
+[pools.t-shape]
+template = "tshape"
+min = 1
+max = 1
+target = 1
+limits = {{ memory_mb = 333 }}
+"""
+    try:
+        set_config(home, POOLS + shape_pool.format(n=1))
+        ready(engine, "t-shape")
+        old = engine.registry.pooled("t-shape")
+        set_config(home, POOLS + shape_pool.format(n=2))
+        wait_for(lambda: not set(old) & set(engine.registry.pooled("t-shape")), 60, "the stale sandbox to go")
+        ready(engine, "t-shape")
+        with Sandbox.create(template="tshape", limits=Limits(memory_mb=333)) as sb:
+            assert sb.from_pool and sb.run_code("marker").text == "2"
+        states = [t.to_state for t in engine.registry.transitions(old[0])]
+        assert states == ["creating", "pooled", "retiring", "destroyed"]
+    finally:
+        set_config(home, POOLS)

@@ -68,6 +68,9 @@ async def warm(names: list[str], timeout: float) -> int:
         while True:
             rows = {r.name: r for r in pool.status(engine, engine.settings())}
             done = True
+            missing = [n for n in tasks if n not in rows]
+            if missing:
+                raise WarmboxError(f"pool {missing[0]!r} is no longer configured")
             for n, tid in tasks.items():
                 r = rows[n]
                 note = f"{r.warming} warming" + (f", last error: {r.last_error[:60]}" if r.last_error else "")

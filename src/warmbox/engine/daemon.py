@@ -34,19 +34,19 @@ def _lock(path: Path) -> int | None:
 
 
 def pid_of(home: Path) -> int | None:
-    """The running daemon's pid for ``home``, or None."""
-    lock = home / "daemon.lock"
-    if not lock.exists():
-        return None
-    fd = _lock(lock)
-    if fd is not None:  # nobody holds it: no daemon
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-        return None
+    """The running daemon's pid for ``home``, or None. Never touches the lock (a probe that took
+    it, even briefly, could make a daemon re-locking after its idle check think it lost)."""
     try:
-        return int((home / "daemon.pid").read_text().strip())
+        pid = int((home / "daemon.pid").read_text().strip())
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
     except (OSError, ValueError):
         return None
+    if stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X"):
+        return None
+    if b"warmbox.engine.daemon" in cmd and str(home).encode() in cmd:
+        return pid
+    return None
 
 
 async def run(home: Path) -> None:
@@ -68,36 +68,39 @@ async def run(home: Path) -> None:
     idle_since: float | None = None
     last_sample = 0.0
     last_complaint = ""
+    settings = None
     try:
         while not stop.is_set():
             try:
-                settings = engine.settings()
-            except WarmboxError as e:  # a broken config must not stop reaping
-                if str(e) != last_complaint:
-                    last_complaint = str(e)
-                    print(f"warmbox daemon: {e}", file=sys.stderr, flush=True)
-                settings = None
-            await engine.reap()
-            wanted = await pools.tick(settings) if settings is not None else pools.busy
+                settings, wanted, nxt = await _iteration(engine, pools, last_complaint)
+            except Exception as e:  # a transient registry/IO error must not end the daemon
+                print(f"warmbox daemon: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                await _sleep(stop, 1.0)
+                continue
+            if isinstance(settings, str):
+                last_complaint, settings = settings, None
             now = time.time()
             if now - last_sample >= SAMPLE_S:
                 last_sample = now
-                await engine.sample()
-            nxt = engine.next_expiry()
+                try:
+                    await engine.sample()
+                except Exception as e:
+                    print(f"warmbox daemon: sampling: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             if nxt is None and not wanted:
                 idle_since = idle_since or now
                 limit = settings.daemon_idle_exit_s if settings is not None else 10.0
                 if now - idle_since >= limit:
-                    # Unlock, then look once more: a creator that found the lock held has already
-                    # registered its sandbox, so it is visible here; otherwise it takes the lock itself.
+                    # Unlock, then look once more: a creator (or a resize) that found the lock
+                    # held has already registered its work, so it is visible here; later ones
+                    # find the lock free and start a daemon themselves.
                     fcntl.flock(fd, fcntl.LOCK_UN)
                     os.close(fd)
                     fd = None
-                    if engine.next_expiry() is None:
+                    if engine.next_expiry() is None and not _pools_want(engine):
                         return
                     fd = _lock(lock)
                     if fd is None:
-                        return
+                        return  # another daemon took over
                     (home / "daemon.pid").write_text(str(os.getpid()))
                     idle_since = None
             else:
@@ -105,15 +108,45 @@ async def run(home: Path) -> None:
             delay = TICK_S if wanted else POLL_S
             if nxt is not None:
                 delay = min(delay, max(nxt - now, 0.02))
-            try:
-                await asyncio.wait_for(stop.wait(), delay)
-            except asyncio.TimeoutError:
-                pass
+            await _sleep(stop, delay)
         await pools.drain()
     finally:
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+
+async def _iteration(engine, pools, last_complaint: str):
+    """Reap, then tend the pools. Returns (settings or a new complaint, pools want work, next expiry)."""
+    from warmbox.errors import WarmboxError
+
+    complaint = None
+    try:
+        settings = engine.settings()
+    except WarmboxError as e:  # a broken config must not stop reaping
+        settings = None
+        if str(e) != last_complaint:
+            print(f"warmbox daemon: {e}", file=sys.stderr, flush=True)
+            complaint = str(e)
+    await engine.reap()
+    wanted = await pools.tick(settings) if settings is not None else pools.busy
+    return (complaint if complaint is not None else settings), wanted, engine.next_expiry()
+
+
+def _pools_want(engine) -> bool:
+    try:
+        settings = engine.settings()
+    except Exception:
+        return False
+    rows = engine.registry.pool_rows()
+    return any((rows[n].target if n in rows else pc.target) > 0 for n, pc in settings.pools.items())
+
+
+async def _sleep(stop: asyncio.Event, delay: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), delay)
+    except asyncio.TimeoutError:
+        pass
 
 
 def main() -> None:

@@ -76,11 +76,14 @@ def validate_envs(envs: object) -> tuple[tuple[str, str], ...]:
 
 
 def owner_tag(pid: int) -> str:
-    """``pid:starttime`` — names a process uniquely across pid reuse."""
+    """``pid:starttime`` — names a process uniquely across pid reuse ("" if gone or a zombie)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-        return f"{pid}:{int(stat[stat.rindex(b')') + 2:].split()[19])}"
+        fields = stat[stat.rindex(b")") + 2:].split()
+        if fields[0] in (b"Z", b"X"):
+            return ""
+        return f"{pid}:{int(fields[19])}"
     except (OSError, ValueError, IndexError):
         return ""
 
@@ -91,6 +94,7 @@ def _owner_alive(owner: str) -> bool:
 
 
 WARMUP_TIMEOUT_S = 600.0
+CREATE_DEADLINE_S = WARMUP_TIMEOUT_S + 300.0
 
 
 async def _warm_up(client: GuestClient, tmpl: Template, sandbox_id: str) -> None:
@@ -112,8 +116,16 @@ async def _warm_up(client: GuestClient, tmpl: Template, sandbox_id: str) -> None
             raise SandboxStartError(f"template {tmpl.name} warm-up command {cmd!r} exited {msg.exit_code}"
                                     f"{' (timed out)' if msg.timed_out else ''}: "
                                     f"{tail.decode('utf-8', 'replace').strip()}", sandbox_id)
-    if tmpl.warmup_code is None:
-        return
+    if tmpl.warmup_code is not None:
+        await _warm_up_code(client, tmpl, sandbox_id)
+    if tmpl.warmup_code is not None or tmpl.warmup_commands:
+        # the caller's first cell is cell 1, and its busy/idle counters start at zero
+        reply = await client.call(lambda i: p.Configure(i, env={}, reset_counts=True), p.UsageReport)
+        if isinstance(reply, p.Failure):
+            raise SandboxStartError(f"template {tmpl.name} warm-up: {reply.message}", sandbox_id)
+
+
+async def _warm_up_code(client: GuestClient, tmpl: Template, sandbox_id: str) -> None:
     async with client.request(lambda i: p.ContextRun(i, context="default", code=tmpl.warmup_code,
                                                      timeout_s=WARMUP_TIMEOUT_S, max_output=1 << 20),
                               timeout=WARMUP_TIMEOUT_S + 15) as stream:
@@ -126,10 +138,6 @@ async def _warm_up(client: GuestClient, tmpl: Template, sandbox_id: str) -> None
     if msg.error_name or msg.timed_out:
         raise SandboxStartError(f"template {tmpl.name} warm-up failed: {msg.error_name}: {msg.error_value}"[:800],
                                 sandbox_id)
-    # the caller's first cell is cell 1, and its counters start at zero
-    reply = await client.call(lambda i: p.Configure(i, env={}, reset_counts=True), p.UsageReport)
-    if isinstance(reply, p.Failure):
-        raise SandboxStartError(f"template {tmpl.name} warm-up: {reply.message}", sandbox_id)
 
 
 class Engine:
@@ -201,16 +209,16 @@ class Engine:
         if pool:
             pc = settings.pool_for(tier, template, limits)
             if pc is not None:
-                got = await self._claim(pc, timeout, env_pairs, t0)
+                got = await self._claim(pc, config.shape_key(tier, tmpl, limits), timeout, env_pairs, t0)
                 if got is not None:
                     return got
-        info, handle, client, timings = await self._start(tier, tmpl, timeout, env_pairs, limits, "", t0)
+        info, handle, client, timings = await self._start(tier, tmpl, timeout, env_pairs, limits, "", "", t0)
         return info, handle, client, timings
 
-    async def _claim(self, pc: PoolConfig, timeout: float, env_pairs: tuple[tuple[str, str], ...], t0: float,
-                     ) -> tuple[SandboxInfo, BackendHandle, GuestClient, list[StageTiming]] | None:
+    async def _claim(self, pc: PoolConfig, shape: str, timeout: float, env_pairs: tuple[tuple[str, str], ...],
+                     t0: float) -> tuple[SandboxInfo, BackendHandle, GuestClient, list[StageTiming]] | None:
         while True:
-            got = self.registry.claim(pc.name, timeout, self.owner)
+            got = self.registry.claim(pc.name, shape, timeout, self.owner)
             if got is None:
                 return None
             info, handle = got
@@ -249,14 +257,15 @@ class Engine:
     async def create_pooled(self, pc: PoolConfig) -> str:
         """Create and warm one sandbox for a pool (off any request path); returns its id."""
         settings = self.settings()
+        tier, tmpl = backends.canonical_tier(pc.tier), settings.template(pc.template)
         info, handle, client, _ = await self._start(
-            backends.canonical_tier(pc.tier), settings.template(pc.template), pc.max_age_s, (), pc.limits,
-            pc.name, time.perf_counter())
+            tier, tmpl, pc.max_age_s, (), pc.limits, pc.name, config.shape_key(tier, tmpl, pc.limits),
+            time.perf_counter())
         await client.close()
         return info.sandbox_id
 
     async def _start(self, tier: str, tmpl: Template, timeout: float, env_pairs: tuple[tuple[str, str], ...],
-                     limits: Limits, pool: str, t0: float,
+                     limits: Limits, pool: str, shape: str, t0: float,
                      ) -> tuple[SandboxInfo, BackendHandle, GuestClient, list[StageTiming]]:
         backend = self.backend(tier)
         avail = backend.probe()
@@ -268,7 +277,8 @@ class Engine:
         if len(socket_path) > _MAX_SOCKET_PATH:
             raise InvalidArgument(f"runtime dir {self.runtime} is too long for a unix socket path")
         self.registry.allocate(sandbox_id, tier, tmpl.name, timeout, limits.memory_mb, limits.cpus,
-                               limits.pids, str(state_dir), socket_path, pool=pool, owner=self.owner)
+                               limits.pids, str(state_dir), socket_path, pool=pool, owner=self.owner,
+                               shape=shape)
         if not pool:
             self.ensure_daemon()  # from here on, a crash of this process is cleaned up by the daemon
         info, handle = self.registry.get(sandbox_id)
@@ -315,21 +325,30 @@ class Engine:
                    StageTiming(sandbox_id, "runtime", (t3 - t2) * 1e3, on_path)]
         if tmpl.warmup_code is not None or tmpl.warmup_commands:
             timings.append(StageTiming(sandbox_id, "dependencies", (t4 - t3) * 1e3, on_path))
-        self.registry.add_timings(timings)
-        if pool:
-            self.registry.set_state(sandbox_id, State.POOLED, "warmed up for pool " + pool)
-        else:
-            self.registry.set_state(sandbox_id, State.READY, "guest agent answered")
+        try:
+            self.registry.add_timings(timings)
+            # the lifetime starts now that it is usable, not when its start began
+            self.registry.set_expiry(sandbox_id, time.time() + timeout)
+            if pool:
+                self.registry.set_state(sandbox_id, State.POOLED, "warmed up for pool " + pool,
+                                        expected=State.CREATING)
+            else:
+                self.registry.set_state(sandbox_id, State.READY, "guest agent answered", expected=State.CREATING)
+        except BaseException:
+            await client.close()
+            raise
         info, _ = self.registry.get(sandbox_id)
         return info, handle, client, timings
 
     async def _cleanup_failed(self, sandbox_id: str, handle: BackendHandle, backend: Backend, why: BaseException) -> None:
-        self.registry.set_state(sandbox_id, State.FAILED, f"start failed: {type(why).__name__}")
+        # still ``creating`` (and ours) while we tear down, so no reaper destroys it concurrently
         try:
             await backend.destroy(handle)
         except Exception:
-            return  # stays FAILED: keeps its uid range, and the reaper retries the teardown
-        self.registry.set_state(sandbox_id, State.DESTROYED, "cleaned up after failed start")
+            # FAILED keeps its uid range, and the reaper retries the teardown
+            self.registry.set_state(sandbox_id, State.FAILED, f"start failed: {type(why).__name__}; teardown failed")
+            return
+        self.registry.set_state(sandbox_id, State.DESTROYED, f"start failed: {type(why).__name__}; cleaned up")
         self.registry.finalize(sandbox_id)
 
     # ---- lookup
@@ -454,9 +473,15 @@ class Engine:
         reaped = []
         orphans = {sid for sid, owner in self.registry.creating_with_owner() if owner and not _owner_alive(owner)}
         for info, _ in self.registry.list(include_pooled=True):
-            expired = info.state in LIVE and info.expires_at <= now
+            if info.state in (State.CREATING, State.RETIRING) and info.sandbox_id not in orphans:
+                # its creator lives and will finish or clean up; only a start stuck far beyond
+                # any real one is taken away from it
+                expired = now - info.created_at > CREATE_DEADLINE_S
+            else:
+                expired = info.state in LIVE and info.expires_at <= now
             if expired or info.state is State.FAILED or info.sandbox_id in orphans:
-                why = ("creator process died" if info.sandbox_id in orphans else
+                why = (("retirer process died" if info.state is State.RETIRING else "creator process died")
+                       if info.sandbox_id in orphans else
                        "pool max_age reached" if info.state is State.POOLED else "timeout expired")
                 try:
                     if await self.destroy(info.sandbox_id, why):

@@ -11,13 +11,14 @@ from warmbox.models import State
 # A claimed (ready) sandbox never goes back to pooled: pooled sandboxes are single-use.
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.CREATING: frozenset({State.POOLED, State.READY, State.FAILED, State.DESTROYED}),
-    State.POOLED: frozenset({State.READY, State.DESTROYED}),
+    State.POOLED: frozenset({State.READY, State.RETIRING, State.DESTROYED}),
+    State.RETIRING: frozenset({State.DESTROYED, State.FAILED}),
     State.READY: frozenset({State.RUNNING, State.DESTROYED}),
     State.RUNNING: frozenset({State.READY, State.DESTROYED}),
     State.FAILED: frozenset({State.DESTROYED}),
     State.DESTROYED: frozenset(),
 }
-LIVE = frozenset({State.CREATING, State.POOLED, State.READY, State.RUNNING})
+LIVE = frozenset({State.CREATING, State.POOLED, State.RETIRING, State.READY, State.RUNNING})
 
 
 class Operation(enum.Enum):
@@ -27,7 +28,8 @@ class Operation(enum.Enum):
     SET_TIMEOUT = frozenset({State.READY, State.RUNNING})
     METRICS = frozenset({State.READY, State.RUNNING, State.DESTROYED})
     CLAIM = frozenset({State.POOLED})  # hand a pooled sandbox to one caller
-    DESTROY = frozenset({State.CREATING, State.POOLED, State.READY, State.RUNNING, State.FAILED})  # kill
+    DESTROY = frozenset({State.CREATING, State.POOLED, State.RETIRING, State.READY, State.RUNNING,
+                         State.FAILED})  # kill
 
 
 def check(op: Operation, state: State, sandbox_id: str) -> None:

@@ -22,7 +22,8 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from warmbox.config import PoolConfig, Settings
+from warmbox import backends
+from warmbox.config import PoolConfig, Settings, shape_key
 from warmbox.errors import InvalidArgument, WarmboxError
 from warmbox.models import PoolStatus
 
@@ -45,7 +46,9 @@ def status(engine: "Engine", settings: Settings) -> list[PoolStatus]:
     for pc in settings.pools.values():
         row = rows.get(pc.name)
         lo, hi = bounds(pc, row.min_override if row else None, row.max_override if row else None)
-        ready, warming = engine.registry.pool_counts(pc.name)
+        tier = backends.canonical_tier(pc.tier)
+        ready, warming = engine.registry.pool_counts(pc.name, shape_key(tier, settings.template(pc.template),
+                                                                        pc.limits))
         hits, misses, failures, cpu_s, gib_s, wall_s = engine.registry.pool_totals(pc.name)
         out.append(PoolStatus(name=pc.name, tier=pc.tier, template=pc.template, min=lo, max=hi,
                               target=row.target if row else pc.target, ready=ready, warming=warming,
@@ -65,10 +68,13 @@ def resize(engine: "Engine", settings: Settings, name: str, target: int | None =
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1000):
             raise InvalidArgument(f"{label} must be an integer in [0, 1000], got {v!r}")
     row = engine.registry.pool_rows().get(name)
-    lo, hi = bounds(pc, min if min is not None else (row.min_override if row else None),
-                    max if max is not None else (row.max_override if row else None))
-    if min is not None and max is not None and max < min:
-        raise InvalidArgument(f"max ({max}) is below min ({min})")
+    new_min = min if min is not None else (row.min_override if row else None)
+    new_max = max if max is not None else (row.max_override if row else None)
+    eff_min = pc.min if new_min is None else new_min
+    eff_max = pc.max if new_max is None else new_max
+    if eff_max < eff_min:
+        raise InvalidArgument(f"max ({eff_max}) is below min ({eff_min})")
+    lo, hi = bounds(pc, new_min, new_max)
     current = row.target if row else pc.target
     new = target if target is not None else current
     new = sorted((lo, new, hi))[1]
@@ -99,14 +105,18 @@ class PoolManager:
         wanted = False
         for pc in settings.pools.values():
             row = rows.get(pc.name)
-            if row is None:
-                reg.ensure_pool(pc.name, pc.target)
+            if row is None or row.config_target != pc.target:
+                reg.ensure_pool(pc.name, pc.target)  # new pool, or its configured target changed
                 row = reg.pool_rows()[pc.name]
             target = self._autoscale(pc, row)
+            tier = backends.canonical_tier(pc.tier)
+            shape = shape_key(tier, settings.template(pc.template), pc.limits)
+            stale = reg.retire(pc.name, self.engine.owner, keep_shape=shape)  # built to an old config
+            await self._destroy(stale, "pool config changed")
             tasks = self.refills.setdefault(pc.name, set())
-            ready, _ = reg.pool_counts(pc.name)
+            ready, _ = reg.pool_counts(pc.name, shape)
             if ready > target:
-                await self._retire(pc.name, ready - target, "pool shrank")
+                await self._destroy(reg.retire(pc.name, self.engine.owner, limit=ready - target), "pool shrank")
             missing = target - ready - len(tasks)
             room = pc.refill_concurrency - len(tasks)
             if missing > 0 and room > 0 and time.time() >= self.retry_at.get(pc.name, 0.0):
@@ -116,8 +126,8 @@ class PoolManager:
                     task.add_done_callback(tasks.discard)
             wanted = wanted or target > 0 or bool(tasks)
         for name in rows:  # pools removed from the config: their sandboxes go
-            if name not in settings.pools and reg.pooled(name):
-                await self._retire(name, len(reg.pooled(name)), "pool no longer configured")
+            if name not in settings.pools:
+                await self._destroy(reg.retire(name, self.engine.owner), "pool no longer configured")
         return wanted or self.busy
 
     def _autoscale(self, pc: PoolConfig, row) -> int:
@@ -157,21 +167,18 @@ class PoolManager:
         self.retry_at.pop(pc.name, None)
         reg.pool_event(pc.name, "warmed", sid)
 
-    async def _retire(self, pool: str, n: int, why: str) -> None:
-        for _ in range(n):
-            got = self.engine.registry.claim(pool, 60.0, self.engine.owner, kind="retired")
-            if got is None:
-                return
+    async def _destroy(self, ids: list[str], why: str) -> None:
+        for sid in ids:
             try:
-                await self.engine.destroy(got[0].sandbox_id, why)
+                await self.engine.destroy(sid, why)
             except WarmboxError:
                 continue  # FAILED keeps it on the reaper's list
 
     async def drain(self) -> None:
-        """Stop refilling and destroy every pooled sandbox (daemon shutdown)."""
+        """Stop refilling and destroy every pooled sandbox (daemon shutdown, ``warmbox down``)."""
         tasks = [t for ts in self.refills.values() for t in ts]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for name in list(self.engine.registry.pool_rows()):
-            await self._retire(name, len(self.engine.registry.pooled(name)), "daemon stopped")
+            await self._destroy(self.engine.registry.retire(name, self.engine.owner), "daemon stopped")

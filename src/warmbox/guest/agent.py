@@ -217,13 +217,23 @@ class Workers:
         self.cond = threading.Condition(threading.Lock())
         self.idle = 0
 
-    def submit(self, fn, arg) -> None:
+    def submit(self, fn, arg) -> bool:
+        """Run ``fn(arg)`` on a worker; False (nothing queued) if no thread could be started."""
         with self.cond:
             self.tasks.append((fn, arg))
             if self.idle > len(self.tasks) - 1:
                 self.cond.notify()
-                return
-        threading.Thread(target=self._run, daemon=True).start()
+                return True
+        try:
+            threading.Thread(target=self._run, daemon=True).start()
+        except RuntimeError:  # e.g. the pids cgroup is full (threads count)
+            with self.cond:
+                try:
+                    self.tasks.remove((fn, arg))
+                except ValueError:
+                    return True  # an idle worker took it meanwhile
+            return False
+        return True
 
     def _run(self) -> None:
         while True:
@@ -282,7 +292,10 @@ class Connection:
                 if type(msg) in _INLINE:  # answered at once, no thread hand-off
                     self._handle(msg)
                     continue
-                self.agent.workers.submit(self._handle, msg)
+                if not self.agent.workers.submit(self._handle, msg):
+                    self.send(p.Failure(id=msg.id, code=p.ErrorCode.EXEC_FAILED,
+                                        message="the sandbox's process limit (limits.pids) is reached; "
+                                                "the agent could not start a thread for this request"))
         finally:
             self.closed = True
             with self._inbox_lock:
@@ -689,6 +702,11 @@ class Context:
             reply = p.recv_message(self.sock, (p.Ok,))
         except (OSError, p.ProtocolViolation):
             reply = None
+        finally:
+            try:
+                self.sock.settimeout(None)
+            except OSError:
+                pass
         if reply is None:
             self.kill()
             self.agent.drop_context(self.name)

@@ -34,7 +34,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     pool        TEXT NOT NULL DEFAULT '',
     claimed_at  REAL NOT NULL DEFAULT 0,
     owner       TEXT NOT NULL DEFAULT '',
-    ended_at    REAL NOT NULL DEFAULT 0
+    ended_at    REAL NOT NULL DEFAULT 0,
+    shape       TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 CREATE TABLE IF NOT EXISTS transitions (
@@ -75,7 +76,8 @@ CREATE TABLE IF NOT EXISTS pool_state (
     last_error   TEXT NOT NULL DEFAULT '',
     last_error_at REAL NOT NULL DEFAULT 0,
     last_demand_at REAL NOT NULL DEFAULT 0,
-    events_seen  INTEGER NOT NULL DEFAULT 0
+    events_seen  INTEGER NOT NULL DEFAULT 0,
+    config_target INTEGER
 );
 CREATE TABLE IF NOT EXISTS pool_events (
     pool       TEXT NOT NULL,
@@ -102,6 +104,7 @@ _MIGRATE_1_TO_2 = (
     "ALTER TABLE sandboxes ADD COLUMN claimed_at REAL NOT NULL DEFAULT 0",
     "ALTER TABLE sandboxes ADD COLUMN owner TEXT NOT NULL DEFAULT ''",
     "ALTER TABLE sandboxes ADD COLUMN ended_at REAL NOT NULL DEFAULT 0",
+    "ALTER TABLE sandboxes ADD COLUMN shape TEXT NOT NULL DEFAULT ''",
     "ALTER TABLE timings ADD COLUMN on_path INTEGER NOT NULL DEFAULT 1",
 )
 _COLUMNS = ("sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
@@ -114,7 +117,7 @@ GIB = float(1 << 30)
 
 _LIVE = tuple(s.value for s in LIVE)
 _HOLDING = (*_LIVE, State.FAILED.value)  # states whose uid range is still in use
-_USER = tuple(s.value for s in LIVE if s not in (State.POOLED,))  # what `warmbox ls` shows
+_USER = tuple(s.value for s in LIVE if s not in (State.POOLED, State.RETIRING))  # what `warmbox ls` shows
 
 
 def _in(values: tuple[str, ...]) -> str:
@@ -150,6 +153,7 @@ class PoolRow:
     last_error_at: float
     last_demand_at: float
     events_seen: int
+    config_target: int | None
 
 
 class Registry:
@@ -195,7 +199,7 @@ class Registry:
 
     def allocate(self, sandbox_id: str, tier: str, template: str, timeout_s: float, memory_mb: int,
                  cpus: float, pids: int, state_dir: str, socket_path: str, *, pool: str = "",
-                 owner: str = "") -> int:
+                 owner: str = "", shape: str = "") -> int:
         """Insert a sandbox in state ``creating`` with a free uid slot; returns the slot."""
         now = time.time()
         with self._tx() as db:
@@ -210,10 +214,10 @@ class Registry:
             db.execute("INSERT OR REPLACE INTO meta VALUES ('last_slot', ?)", (slot,))
             db.execute(
                 "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, memory_mb, "
-                "cpus, pids, uid_slot, runtime_id, state_dir, socket_path, pool, owner) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "cpus, pids, uid_slot, runtime_id, state_dir, socket_path, pool, owner, shape) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (sandbox_id, tier, template, State.CREATING.value, now, now + timeout_s, memory_mb,
-                 cpus, pids, slot, sandbox_id, state_dir, socket_path, pool, owner))
+                 cpus, pids, slot, sandbox_id, state_dir, socket_path, pool, owner, shape))
             db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
                        (sandbox_id, now, "", State.CREATING.value, "create" + (f" for pool {pool}" if pool else "")))
             db.execute("INSERT INTO meters (sandbox_id, sampled_at) VALUES (?,?)", (sandbox_id, now))
@@ -253,44 +257,69 @@ class Registry:
         row = self._db.execute("SELECT owner FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
         return row[0] if row else ""
 
-    def claim(self, pool: str, timeout_s: float, owner: str, *, kind: str = "hit",
+    def claim(self, pool: str, shape: str, timeout_s: float, owner: str,
               ) -> tuple[SandboxInfo, BackendHandle] | None:
-        """Atomically hand the oldest pooled sandbox of ``pool`` to one caller (state ready).
+        """Atomically hand the oldest pooled sandbox of ``pool`` built to ``shape`` to one caller.
 
-        None (and, for a user's claim, a recorded miss) if the pool has none. This transaction is
-        the only way out of a pool, so two callers can never receive the same sandbox.
-        kind: "hit" for a user; "retired" when the pool shrinks (the caller destroys it).
+        None (and a recorded miss) if there is none. This transaction is the only way from the
+        pool to a caller, so two callers can never receive the same sandbox.
         """
         now = time.time()
         with self._tx() as db:
             row = db.execute(
-                "SELECT sandbox_id FROM sandboxes WHERE pool=? AND state=? AND expires_at>? "
-                "ORDER BY created_at LIMIT 1", (pool, State.POOLED.value, now + 1)).fetchone()
+                "SELECT sandbox_id FROM sandboxes WHERE pool=? AND shape=? AND state=? AND expires_at>? "
+                "ORDER BY created_at LIMIT 1", (pool, shape, State.POOLED.value, now + 1)).fetchone()
+            db.execute("UPDATE pool_state SET last_demand_at=? WHERE name=?", (now, pool))
             if row is None:
-                if kind == "hit":
-                    db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, now, "miss", "", ""))
-                    db.execute("UPDATE pool_state SET last_demand_at=? WHERE name=?", (now, pool))
+                db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, now, "miss", "", ""))
                 return None
             sid = row[0]
             db.execute("UPDATE sandboxes SET state=?, claimed_at=?, expires_at=?, owner=? WHERE sandbox_id=?",
                        (State.READY.value, now, now + timeout_s, owner, sid))
-            # What it cost so far is the pool's: the last meter reading (an idle pooled sandbox
-            # burns ~no CPU between readings) becomes the user's zero, and the pool is billed.
-            m = db.execute("SELECT cpu_ns, gib_s, busy_ms, commands FROM meters WHERE sandbox_id=?", (sid,)).fetchone()
+            db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
+                       (sid, now, State.POOLED.value, State.READY.value, f"claimed from pool {pool}"))
+            db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, now, "hit", sid, ""))
+            # What it cost so far is the pool's: the meter, brought up to now from its last
+            # reading (an idle pooled sandbox's memory is flat, its CPU ~0), becomes the
+            # user's zero, and the pool is billed for it.
+            m = db.execute("SELECT cpu_ns, gib_s, busy_ms, commands, memory_bytes, sampled_at FROM meters "
+                           "WHERE sandbox_id=?", (sid,)).fetchone()
             if m is not None:
+                gib_s = m[1] + m[4] / GIB * max(0.0, now - m[5])
                 db.execute("UPDATE meters SET base_cpu_ns=?, base_gib_s=?, base_busy_ms=?, base_commands=?, "
-                           "busy_ms=0, commands=0 WHERE sandbox_id=?", (m[0], m[1], m[2], m[3], sid))
+                           "busy_ms=0, commands=0, gib_s=?, sampled_at=? WHERE sandbox_id=?",
+                           (m[0], gib_s, m[2], m[3], gib_s, now, sid))
                 created = db.execute("SELECT created_at FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()[0]
                 db.execute("INSERT OR REPLACE INTO pool_costs VALUES (?,?,?,?,?)",
-                           (pool, sid, m[0] / 1e9, m[1], max(0.0, now - created)))
-            db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
-                       (sid, now, State.POOLED.value, State.READY.value,
-                        f"claimed from pool {pool}" if kind == "hit" else f"{kind} from pool {pool}"))
-            db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, now, kind, sid, ""))
-            if kind == "hit":
-                db.execute("UPDATE pool_state SET last_demand_at=? WHERE name=?", (now, pool))
+                           (pool, sid, m[0] / 1e9, gib_s, max(0.0, now - created)))
             r = db.execute(f"SELECT {_COLUMNS} FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()
         return self._row(r)
+
+    def retire(self, pool: str, owner: str, *, keep_shape: str | None = None, limit: int | None = None) -> list[str]:
+        """Atomically move pooled sandboxes of ``pool`` to ``retiring`` (never connectable again).
+
+        keep_shape: only those built to another shape (stale after a config change).
+        limit: at most this many, oldest first. Returns their ids; the caller destroys them.
+        """
+        now = time.time()
+        with self._tx() as db:
+            q = "SELECT sandbox_id FROM sandboxes WHERE pool=? AND state=?"
+            args: list = [pool, State.POOLED.value]
+            if keep_shape is not None:
+                q += " AND shape<>?"
+                args.append(keep_shape)
+            q += " ORDER BY created_at"
+            if limit is not None:
+                q += " LIMIT ?"
+                args.append(limit)
+            ids = [r[0] for r in db.execute(q, args).fetchall()]
+            for sid in ids:
+                db.execute("UPDATE sandboxes SET state=?, owner=? WHERE sandbox_id=?",
+                           (State.RETIRING.value, owner, sid))
+                db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
+                           (sid, now, State.POOLED.value, State.RETIRING.value, f"retired from pool {pool}"))
+                db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, now, "retired", sid, ""))
+        return ids
 
     def get(self, sandbox_id: str) -> tuple[SandboxInfo, BackendHandle]:
         row = self._db.execute(f"SELECT {_COLUMNS} FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
@@ -309,8 +338,9 @@ class Registry:
         return [self._row(r) for r in rows]
 
     def creating_with_owner(self) -> list[tuple[str, str]]:
-        rows = self._db.execute("SELECT sandbox_id, owner FROM sandboxes WHERE state=?",
-                                (State.CREATING.value,)).fetchall()
+        """Sandboxes some process is creating or retiring right now, with that process's tag."""
+        rows = self._db.execute("SELECT sandbox_id, owner FROM sandboxes WHERE state IN (?,?)",
+                                (State.CREATING.value, State.RETIRING.value)).fetchall()
         return [(r[0], r[1]) for r in rows]
 
     @staticmethod
@@ -397,13 +427,16 @@ class Registry:
 
     def pool_rows(self) -> dict[str, PoolRow]:
         rows = self._db.execute("SELECT name, target, min_override, max_override, last_error, last_error_at, "
-                                "last_demand_at, events_seen FROM pool_state").fetchall()
+                                "last_demand_at, events_seen, config_target FROM pool_state").fetchall()
         return {r[0]: PoolRow(*r) for r in rows}
 
     def ensure_pool(self, name: str, target: int) -> None:
+        """Create the pool's row, or reset its target when the configured target changed."""
         with self._tx() as db:
-            db.execute("INSERT OR IGNORE INTO pool_state (name, target, last_demand_at) VALUES (?,?,?)",
-                       (name, target, time.time()))
+            db.execute("INSERT OR IGNORE INTO pool_state (name, target, last_demand_at, config_target) "
+                       "VALUES (?,?,?,?)", (name, target, time.time(), target))
+            db.execute("UPDATE pool_state SET target=?, config_target=? WHERE name=? AND "
+                       "(config_target IS NULL OR config_target<>?)", (target, target, name, target))
 
     def set_pool(self, name: str, *, target: int | None = None, min_override: int | None | bool = False,
                  max_override: int | None | bool = False, error: str | None = None, kind: str = "",
@@ -444,11 +477,15 @@ class Registry:
         with self._tx() as db:
             db.execute("UPDATE pool_state SET events_seen=? WHERE name=?", (seen, pool))
 
-    def pool_counts(self, pool: str) -> tuple[int, int]:
-        """(pooled and not expiring within a second, being created) sandboxes of a pool."""
+    def pool_counts(self, pool: str, shape: str | None = None) -> tuple[int, int]:
+        """(pooled, of ``shape`` if given, and not expiring within a second; being created)."""
         now = time.time()
-        ready = self._db.execute("SELECT COUNT(*) FROM sandboxes WHERE pool=? AND state=? AND expires_at>?",
-                                 (pool, State.POOLED.value, now + 1)).fetchone()[0]
+        q = "SELECT COUNT(*) FROM sandboxes WHERE pool=? AND state=? AND expires_at>?"
+        args: list = [pool, State.POOLED.value, now + 1]
+        if shape is not None:
+            q += " AND shape=?"
+            args.append(shape)
+        ready = self._db.execute(q, args).fetchone()[0]
         warming = self._db.execute("SELECT COUNT(*) FROM sandboxes WHERE pool=? AND state=?",
                                    (pool, State.CREATING.value)).fetchone()[0]
         return ready, warming
@@ -464,7 +501,8 @@ class Registry:
                                        (pool,)).fetchall())
         cost = self._db.execute("SELECT COALESCE(SUM(cpu_s),0), COALESCE(SUM(gib_s),0), COALESCE(SUM(wall_s),0) "
                                 "FROM pool_costs WHERE pool=?", (pool,)).fetchone()
-        return (counts.get("hit", 0), counts.get("miss", 0), counts.get("warmup_failed", 0), *cost)
+        hits = counts.get("hit", 0) - counts.get("claim_failed", 0)  # a failed claim check took the next one
+        return (hits, counts.get("miss", 0), counts.get("warmup_failed", 0), *cost)
 
 
 class _Tx:
