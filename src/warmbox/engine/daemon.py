@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-TICK_S = 0.1  # while pools are active
+TICK_S = 0.25  # while pools are active
 POLL_S = 1.0
 SAMPLE_S = 1.0
 

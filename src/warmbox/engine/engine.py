@@ -376,7 +376,7 @@ class Engine:
 
     def holding(self) -> list[SandboxInfo]:
         """Live (also pooled) sandboxes plus failed ones whose teardown is still owed."""
-        return [i for i in self.list(include_dead=True) if i.state in LIVE or i.state is State.FAILED]
+        return [info for info, _ in self.registry.holding()]
 
     def list(self, include_dead: bool = False, *, include_pooled: bool = False) -> list[SandboxInfo]:
         return [info for info, _ in self.registry.list(include_dead, include_pooled=include_pooled)]
@@ -488,7 +488,7 @@ class Engine:
                         reaped.append(info.sandbox_id)
                 except Exception:  # one bad sandbox must not stop the reaper; retried next round
                     continue
-        for info, _ in self.registry.list(include_dead=True):
+        for info, _ in self.registry.holding():
             if info.state is State.FAILED and info.sandbox_id not in reaped:
                 try:
                     if await self.destroy(info.sandbox_id, "teardown retried"):

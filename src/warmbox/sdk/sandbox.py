@@ -6,6 +6,7 @@ is written twice.
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import dataclasses
 import posixpath
@@ -20,7 +21,7 @@ from warmbox.engine.guest_client import GuestClient
 from warmbox.engine.lifecycle import Operation, check
 from warmbox.errors import (CommandFailed, ContextError, FilesError, GuestProtocolError, InvalidArgument,
                             InvalidPath, IsADirectory, NoSpace, NotADirectory, PathExists, PathNotFound,
-                            PathPermissionDenied, SandboxError)
+                            PathPermissionDenied, SandboxError, WarmboxError)
 from warmbox.models import (CommandResult, EntryInfo, Execution, ExecutionError, Limits, Result, SandboxInfo,
                             SandboxMetrics, StageTiming, State)
 
@@ -264,7 +265,14 @@ class AsyncSandbox:
         if not any(t.stage == "first_command" for t in self._stages):
             ms = (time.perf_counter() - started) * 1e3
             self._stages.append(StageTiming(self.sandbox_id, "first_command", ms, True))
-            self._engine.registry.add_timing(self.sandbox_id, "first_command", ms)
+            # written right after the caller has its result, not on its path
+            asyncio.get_running_loop().call_soon(self._write_timing, "first_command", ms)
+
+    def _write_timing(self, stage: str, ms: float) -> None:
+        try:
+            self._engine.registry.add_timing(self.sandbox_id, stage, ms)
+        except WarmboxError:
+            pass  # a busy registry must not fail the user's command; the SDK object keeps it
 
     # ---- code contexts
 

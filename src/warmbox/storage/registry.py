@@ -302,6 +302,10 @@ class Registry:
         limit: at most this many, oldest first. Returns their ids; the caller destroys them.
         """
         now = time.time()
+        probe = "SELECT 1 FROM sandboxes WHERE pool=? AND state=?" + (" AND shape<>?" if keep_shape is not None else "")
+        if self._db.execute(probe, (pool, State.POOLED.value, *(() if keep_shape is None else (keep_shape,)))
+                            ).fetchone() is None:
+            return []  # the common case, without a write transaction
         with self._tx() as db:
             q = "SELECT sandbox_id FROM sandboxes WHERE pool=? AND state=?"
             args: list = [pool, State.POOLED.value]
@@ -335,6 +339,12 @@ class Registry:
             rows = self._db.execute(
                 f"SELECT {_COLUMNS} FROM sandboxes WHERE state IN {_in(states)} ORDER BY created_at",
                 states).fetchall()
+        return [self._row(r) for r in rows]
+
+    def holding(self) -> list[tuple[SandboxInfo, BackendHandle]]:
+        """Live sandboxes (pooled too) plus failed ones whose teardown is still owed."""
+        rows = self._db.execute(f"SELECT {_COLUMNS} FROM sandboxes WHERE state IN {_in(_HOLDING)} "
+                                "ORDER BY created_at", _HOLDING).fetchall()
         return [self._row(r) for r in rows]
 
     def creating_with_owner(self) -> list[tuple[str, str]]:
