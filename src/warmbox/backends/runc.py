@@ -373,6 +373,25 @@ class RuncBackend:
         except (OSError, ValueError):
             return []
 
+    def _freeze_and_kill(self, sandbox_id: str, pids: list[int]) -> None:
+        """SIGKILL every process of the sandbox's cgroup (frozen first, so nothing forks meanwhile)."""
+        freezer = None if _cgroup_v2() else self._cgroup_file("freezer", sandbox_id, "freezer.state")
+        try:
+            if freezer is not None and freezer.exists():
+                freezer.write_text("FROZEN")
+        except OSError:
+            freezer = None
+        for pid in set(pids) | set(self._pids(sandbox_id)):
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        try:
+            if freezer is not None:
+                freezer.write_text("THAWED")  # SIGKILL is delivered on thaw
+        except OSError:
+            pass
+
     async def destroy(self, handle: BackendHandle) -> None:
         pids = self._pids(handle.sandbox_id)
         if (self.root / handle.runtime_id).exists():
@@ -383,12 +402,22 @@ class RuncBackend:
             if proc.returncode != 0 and (self.root / handle.runtime_id).exists():
                 raise SandboxStartError(f"runc delete failed: {err.decode(errors='replace').strip()}",
                                         handle.sandbox_id)
-        # runc returns once init is dead; wait (bounded) until every process has fully exited
+        # runc returns once init is dead; wait (bounded) until every process has fully exited.
+        # Whatever is still in the cgroup then (runc's state was lost, or it failed) is killed
+        # here: a sandbox is never reported destroyed while one of its processes runs.
         deadline = time.monotonic() + 5
-        while pids and time.monotonic() < deadline:
-            pids = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
-            if pids:
-                await asyncio.sleep(0.01)
+        killed = False
+        while True:
+            pids = [pid for pid in set(pids) | set(self._pids(handle.sandbox_id)) if os.path.exists(f"/proc/{pid}")]
+            if not pids:
+                break
+            if time.monotonic() > deadline and killed:
+                raise SandboxStartError(f"processes {sorted(pids)[:8]} of the sandbox did not exit", handle.sandbox_id)
+            if time.monotonic() > deadline - 4.5 and not killed:
+                self._freeze_and_kill(handle.sandbox_id, pids)
+                killed = True
+                deadline = time.monotonic() + 5
+            await asyncio.sleep(0.01)
         for d in self.cgroup_dirs(handle.sandbox_id):  # runc removes them; be sure
             if d.is_dir():
                 try:

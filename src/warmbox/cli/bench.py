@@ -95,17 +95,26 @@ async def _remove_home(home: Path) -> None:
     from warmbox.cli.pools import down_home
     from warmbox.engine.engine import Engine
 
+    from warmbox.engine import daemon
+
     engine = Engine.for_home(home)
     try:
-        await down_home(home)
-        for info in engine.list():
+        try:
+            await down_home(home)
+        except WarmboxError:  # a daemon too slow to stop: end it, and destroy its sandboxes here
+            pid = daemon.pid_of(home)
+            if pid is not None:
+                os.kill(pid, 9)
+        for info in engine.list(include_pooled=True) + [i for i in engine.holding() if i.state.value == "failed"]:
             await engine.destroy(info.sandbox_id, "benchmark finished")
     finally:
         os.environ.update(_SAVED_ENV)
+    # only now, with no sandbox left, may their directories go
+    if not engine.holding():
         shutil.rmtree(home, ignore_errors=True)
         if not os.environ.get("WARMBOX_RUNTIME_DIR"):
             shutil.rmtree(engine.runtime, ignore_errors=True)
-        Engine._instances.pop(home, None)
+    Engine._instances.pop(home, None)
 
 
 def _bwrap_argv(cmd: list[str]) -> list[str]:

@@ -106,11 +106,13 @@ async def down_home(home) -> tuple[int | None, list[str]]:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pid = None
-        deadline = time.monotonic() + 120
+        # it destroys its pooled sandboxes first: allow ~1 s each, at least two minutes
+        limit = max(120.0, 1.0 * len(engine.list(include_pooled=True)))
+        deadline = time.monotonic() + limit
         while pid is not None and daemon.pid_of(engine.home) == pid and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if pid is not None and daemon.pid_of(engine.home) == pid:
-            raise WarmboxError(f"the daemon (pid {pid}) did not stop within 120 s")
+            raise WarmboxError(f"the daemon (pid {pid}) did not stop within {limit:.0f} s")
     await engine.reap()
     await PoolManager(engine).drain()
     return pid, [i.sandbox_id for i in engine.list()]

@@ -146,9 +146,7 @@ class Engine:
     def __init__(self, home: Path) -> None:
         self.home = home
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.runtime = runtime_dir(home)
-        self.runtime.mkdir(parents=True, exist_ok=True, mode=0o711)
-        os.chmod(self.runtime, 0o711)  # traversable, not listable
+        self.runtime = runtime_dir(home)  # made when a backend first needs it
         self.registry = Registry(home / "registry.db")
         self._backends: dict[str, Backend] = {}
         self.owner = owner_tag(os.getpid())
@@ -165,6 +163,8 @@ class Engine:
         tier = backends.canonical_tier(tier)
         b = self._backends.get(tier)
         if b is None:
+            self.runtime.mkdir(parents=True, exist_ok=True, mode=0o711)
+            os.chmod(self.runtime, 0o711)  # traversable, not listable
             b = self._backends[tier] = backends.load(tier, self.runtime)
         return b
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 30.0
+DESTROY_CONCURRENCY = 4
 
 
 def bounds(pc: PoolConfig, min_override: int | None, max_override: int | None) -> tuple[int, int]:
@@ -168,11 +169,17 @@ class PoolManager:
         reg.pool_event(pc.name, "warmed", sid)
 
     async def _destroy(self, ids: list[str], why: str) -> None:
-        for sid in ids:
-            try:
-                await self.engine.destroy(sid, why)
-            except WarmboxError:
-                continue  # FAILED keeps it on the reaper's list
+        """Destroy retired sandboxes, a few at a time (each waits on runc and the kernel)."""
+        gate = asyncio.Semaphore(DESTROY_CONCURRENCY)
+
+        async def one(sid: str) -> None:
+            async with gate:
+                try:
+                    await self.engine.destroy(sid, why)
+                except WarmboxError:
+                    pass  # FAILED keeps it on the reaper's list
+
+        await asyncio.gather(*(one(sid) for sid in ids))
 
     async def drain(self) -> None:
         """Stop refilling and destroy every pooled sandbox (daemon shutdown, ``warmbox down``)."""
