@@ -9,7 +9,9 @@ def test_exported_members():
         "InvalidArgument", "InvalidPath", "IsADirectory", "Limits", "NoSpace", "NotADirectory", "PathExists",
         "PathNotFound", "PathPermissionDenied", "RegistryError", "Result", "Sandbox", "SandboxError",
         "SandboxInfo", "SandboxNotFound", "SandboxStartError", "SandboxStateError", "SandboxTimeout",
-        "StageTiming", "State", "TierStatus", "WarmboxError", "__version__"])
+        "StageTiming", "State", "TierStatus", "WarmboxError", "__version__",
+        "ArtifactCorrupt", "ConfigError", "PoolStatus", "SandboxMetrics", "SnapshotRef", "SnapshotUnsupported",
+        "StorageError", "StorageFull"])
     for name in warmbox.__all__:
         assert hasattr(warmbox, name)
 
@@ -23,6 +25,7 @@ def test_every_error_is_rooted_and_drawn_in_the_tree():
 
 def test_sync_api_is_derived_not_written():
     from warmbox.sdk import Sandbox, AsyncSandbox
-    for name in ("create", "connect", "kill", "run_code", "set_timeout", "create_code_context"):
+    for name in ("create", "connect", "kill", "run_code", "set_timeout", "create_code_context", "resume",
+                 "snapshot", "pause", "metrics"):
         assert getattr(Sandbox, name).__wrapped__ is getattr(AsyncSandbox, name).__func__ \
             if isinstance(AsyncSandbox.__dict__.get(name), classmethod) else getattr(Sandbox, name).__wrapped__

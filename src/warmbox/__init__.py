@@ -1,17 +1,20 @@
 """warmbox: self-hosted sandboxes for running untrusted, model-generated code."""
 
-from warmbox.errors import (BackendUnavailable, CommandFailed, ContextError, FilesError, GuestConnectionError,
+from warmbox.errors import (ArtifactCorrupt, BackendUnavailable, CommandFailed, ConfigError, ContextError,
+                            FilesError, GuestConnectionError, SnapshotUnsupported, StorageError, StorageFull,
                             GuestProtocolError, InvalidArgument, InvalidPath, IsADirectory, NoSpace,
                             NotADirectory, PathExists, PathNotFound, PathPermissionDenied, RegistryError,
                             SandboxError, SandboxNotFound, SandboxStartError, SandboxStateError,
                             SandboxTimeout, WarmboxError)
-from warmbox.models import (CommandResult, EntryInfo, Execution, ExecutionError, Limits, Result, SandboxInfo,
-                            StageTiming, State, TierStatus)
+from warmbox.models import (CommandResult, EntryInfo, Execution, ExecutionError, Limits, PoolStatus, Result,
+                            SandboxInfo, SandboxMetrics, SnapshotRef, StageTiming, State, TierStatus)
 from warmbox.sdk import AsyncSandbox, CodeContext, Sandbox
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArtifactCorrupt", "ConfigError", "PoolStatus", "SandboxMetrics", "SnapshotRef", "SnapshotUnsupported",
+    "StorageError", "StorageFull",
     "AsyncSandbox", "BackendUnavailable", "CodeContext", "CommandFailed", "CommandResult", "ContextError",
     "EntryInfo", "Execution", "ExecutionError", "FilesError", "GuestConnectionError", "GuestProtocolError",
     "InvalidArgument", "InvalidPath", "IsADirectory", "Limits", "NoSpace", "NotADirectory", "PathExists",

@@ -21,7 +21,11 @@
     │   │   └── NoSpace
     │   └── ContextError                    a code context is unknown or died
     ├── RegistryError                       the embedded state database failed
-    └── ConfigError                         warmbox.toml or a WARMBOX_* override is invalid
+    ├── ConfigError                         warmbox.toml or a WARMBOX_* override is invalid
+    ├── StorageError                        the object store (snapshot artifacts) failed
+    │   ├── StorageFull                     no space left where artifacts are written
+    │   └── ArtifactCorrupt                 an artifact is missing, truncated or fails its checksum
+    └── SnapshotUnsupported                 the tier cannot take the snapshot asked for (e.g. memory)
 """
 
 from __future__ import annotations
@@ -122,3 +126,19 @@ class RegistryError(WarmboxError):
 
 class ConfigError(WarmboxError):
     """Settings that cannot be used; the message names the file (or variable) and the key."""
+
+
+class StorageError(WarmboxError):
+    """The object store failed; nothing half-written is visible."""
+
+
+class StorageFull(StorageError):
+    pass
+
+
+class ArtifactCorrupt(StorageError):
+    """A snapshot artifact is missing, truncated or does not match its checksum: nothing was restored."""
+
+
+class SnapshotUnsupported(WarmboxError):
+    """The sandbox's tier cannot take this kind of snapshot (``capabilities()`` says what it can)."""

@@ -51,6 +51,7 @@ class State(str, enum.Enum):
     POOLED = "pooled"  # warmed up, waiting in a pool; nobody may connect until it is claimed
     RETIRING = "retiring"  # leaving its pool unused (shrink, stale shape, shutdown): being destroyed
     READY = "ready"
+    PAUSED = "paused"  # snapshotted, every resource released; resume() brings it back
     RUNNING = "running"
     DESTROYED = "destroyed"
     FAILED = "failed"
@@ -255,3 +256,17 @@ class PoolEvent:
     kind: str
     sandbox_id: str
     detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotRef:
+    """A snapshot as the SDK hands it out; pass it (or its id) to resume() or create(from_snapshot=)."""
+
+    snapshot_id: str
+    sandbox_id: str
+    created_at: float
+    tier: str
+    template: str
+    memory: bool  # False: files + code-context state only (the tier cannot snapshot memory)
+    size_bytes: int
+    context_skipped: tuple[str, ...]  # context variables that could not be saved

@@ -142,7 +142,7 @@ class RuncBackend:
         return Capabilities(
             tier=self.tier,
             isolation="Linux namespaces (user, pid, mount, net, ipc, uts, cgroup) + seccomp + cgroups; shared host kernel",
-            memory_snapshot=False, filesystem_snapshot=False, custom_kernel=False,
+            memory_snapshot=False, filesystem_snapshot=True, custom_kernel=False,
             network_modes=("none",), languages=("python", "node", "shell", "c", "git"),
             start_class="10-100ms",
         )

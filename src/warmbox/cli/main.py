@@ -6,6 +6,9 @@
     warmbox ls [--all] [--timings]    list sandboxes
     warmbox kill ID...                destroy sandboxes
     warmbox metrics ID                cpu-s, memory GiB-s, wall/busy/idle seconds of a sandbox
+    warmbox snapshot ID | pause ID    save files + code-context state (pause also releases the sandbox)
+    warmbox resume SNAP|ID            a running sandbox from a snapshot (or a paused sandbox's latest)
+    warmbox snapshots [ls|rm SNAP|gc] list, delete, collect unreferenced artifact blobs
     warmbox pool ls                   warm pools: target, ready, hits/misses, warm-up cost
     warmbox pool resize NAME [N]      set a pool's target (and --min/--max); --wait to watch it fill
     warmbox pool warm [NAME...]       wait (with progress) until pools reach their targets
@@ -87,6 +90,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("sandbox_ids", nargs="+")
     p = sub.add_parser("metrics", help="cost of a sandbox so far (or final)")
     p.add_argument("sandbox_id")
+    p.add_argument("--json", action="store_true")
+    for name, help_ in (("snapshot", "snapshot a sandbox (it keeps running)"),
+                        ("pause", "snapshot a sandbox and release it")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("sandbox_id")
+        p.add_argument("--json", action="store_true")
+    p = sub.add_parser("resume", help="a new running sandbox from a snapshot or paused sandbox")
+    p.add_argument("ref", help="snap-… or the paused sandbox's sb-…")
+    p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE", help="environment variable")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("snapshots", help="list / delete snapshots, collect garbage")
+    p.add_argument("action", nargs="?", choices=["ls", "rm", "gc"], default="ls")
+    p.add_argument("snapshot_ids", nargs="*")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("pool", help="warm pools")
     psub = p.add_subparsers(dest="pool_command", required=True, parser_class=_Parser)
@@ -255,6 +272,63 @@ async def _metrics(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _snapshot(args: argparse.Namespace) -> int:
+    from warmbox.engine import snapshot as snaps
+    from warmbox.engine.engine import Engine
+
+    engine = Engine.for_home()
+    fn = snaps.pause if args.command == "pause" else snaps.snapshot
+    m = await fn(engine, args.sandbox_id, None)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(m)))
+    else:
+        print(m.snapshot_id)
+        print(f"  {m.filesystem_raw_bytes} bytes of files -> {m.filesystem_bytes} stored; memory: {m.memory}; "
+              f"context saved: {m.context_saved}" + (f" (skipped: {', '.join(m.context_skipped)})"
+                                                     if m.context_skipped else ""), file=sys.stderr)
+    return 0
+
+
+async def _resume(args: argparse.Namespace) -> int:
+    from warmbox.sdk.sandbox import AsyncSandbox
+
+    sb = await AsyncSandbox.resume(args.ref, timeout=args.timeout, envs=_env_pairs(args.env))
+    await sb._client.close()
+    if args.json:
+        print(json.dumps({"sandbox_id": sb.sandbox_id, "from_snapshot": sb._engine.registry.parent(sb.sandbox_id),
+                          "timings": sb.timings}))
+    else:
+        print(sb.sandbox_id)
+    return 0
+
+
+async def _snapshots(args: argparse.Namespace) -> int:
+    from warmbox.engine import snapshot as snaps
+    from warmbox.engine.engine import Engine
+
+    engine = Engine.for_home()
+    if args.action == "rm":
+        if not args.snapshot_ids:
+            raise WarmboxError("snapshots rm needs snapshot ids")
+        for sid in args.snapshot_ids:
+            snaps.resolve(engine, sid)  # exists and is one
+            snaps.delete(engine, sid)
+            print(f"{sid} deleted")
+        return 0
+    if args.action == "gc":
+        print(f"{snaps.gc(engine)} unreferenced blobs deleted from {snaps.store_for(engine).describe()}")
+        return 0
+    rows = engine.registry.all_snapshots()
+    if args.json:
+        print(json.dumps([{"snapshot_id": a, "sandbox_id": b, "created_at": c, "size_bytes": d} for a, b, c, d in rows]))
+        return 0
+    print(f"{'SNAPSHOT':<28} {'SANDBOX':<16} {'AGE':>7} {'SIZE':>10}")
+    now = time.time()
+    for a, b, c, d in rows:
+        print(f"{a:<28} {b:<16} {now - c:>6.0f}s {d:>10}")
+    return 0
+
+
 async def _pool(args: argparse.Namespace) -> int:
     from warmbox.cli import pools
 
@@ -315,6 +389,7 @@ async def _bench(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"run": _run, "create": _create, "exec": _exec, "ls": _ls, "kill": _kill, "metrics": _metrics,
+             "snapshot": _snapshot, "pause": _snapshot, "resume": _resume, "snapshots": _snapshots,
              "pool": _pool, "down": _down, "config": _config, "doctor": _doctor, "demo": _demo, "bench": _bench}
 
 

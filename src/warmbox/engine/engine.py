@@ -278,7 +278,8 @@ class Engine:
             raise InvalidArgument(f"runtime dir {self.runtime} is too long for a unix socket path")
         self.registry.allocate(sandbox_id, tier, tmpl.name, timeout, limits.memory_mb, limits.cpus,
                                limits.pids, str(state_dir), socket_path, pool=pool, owner=self.owner,
-                               shape=shape)
+                               shape=shape, file_size_mb=limits.file_size_mb, open_files=limits.open_files,
+                               tmp_mb=limits.tmp_mb)
         if not pool:
             self.ensure_daemon()  # from here on, a crash of this process is cleaned up by the daemon
         info, handle = self.registry.get(sandbox_id)
@@ -461,8 +462,9 @@ class Engine:
         if info.state is State.DESTROYED:
             return False
         check(Operation.DESTROY, info.state, sandbox_id)
-        await self._read_meters(info, handle, None)  # last readings before the cgroup goes
-        await self.backend(info.tier).destroy(handle)
+        if info.state is not State.PAUSED:  # a paused one holds nothing but its snapshot
+            await self._read_meters(info, handle, None)  # last readings before the cgroup goes
+            await self.backend(info.tier).destroy(handle)
         self.registry.set_state(sandbox_id, State.DESTROYED, reason)
         self.registry.finalize(sandbox_id)
         return True

@@ -13,8 +13,9 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.CREATING: frozenset({State.POOLED, State.READY, State.FAILED, State.DESTROYED}),
     State.POOLED: frozenset({State.READY, State.RETIRING, State.DESTROYED}),
     State.RETIRING: frozenset({State.DESTROYED, State.FAILED}),
-    State.READY: frozenset({State.RUNNING, State.DESTROYED}),
-    State.RUNNING: frozenset({State.READY, State.DESTROYED}),
+    State.READY: frozenset({State.RUNNING, State.PAUSED, State.DESTROYED}),
+    State.RUNNING: frozenset({State.READY, State.PAUSED, State.DESTROYED}),
+    State.PAUSED: frozenset({State.DESTROYED}),  # resumed as a new sandbox, or deleted
     State.FAILED: frozenset({State.DESTROYED}),
     State.DESTROYED: frozenset(),
 }
@@ -28,8 +29,10 @@ class Operation(enum.Enum):
     SET_TIMEOUT = frozenset({State.READY, State.RUNNING})
     METRICS = frozenset({State.READY, State.RUNNING, State.DESTROYED})
     CLAIM = frozenset({State.POOLED})  # hand a pooled sandbox to one caller
+    SNAPSHOT = frozenset({State.READY, State.RUNNING})  # snapshot (keeps running) and pause
+    RESUME = frozenset({State.PAUSED})
     DESTROY = frozenset({State.CREATING, State.POOLED, State.RETIRING, State.READY, State.RUNNING,
-                         State.FAILED})  # kill
+                         State.FAILED, State.PAUSED})  # kill (of a paused one: forget it)
 
 
 def check(op: Operation, state: State, sandbox_id: str) -> None:

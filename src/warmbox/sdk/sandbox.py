@@ -16,6 +16,7 @@ from pathlib import Path
 
 from warmbox import protocol as p
 from warmbox.backends.base import BackendHandle
+from warmbox.engine import snapshot as snapshots
 from warmbox.engine.engine import Engine, validate_envs, validate_timeout
 from warmbox.engine.guest_client import GuestClient
 from warmbox.engine.lifecycle import Operation, check
@@ -23,7 +24,7 @@ from warmbox.errors import (CommandFailed, ContextError, FilesError, GuestProtoc
                             InvalidPath, IsADirectory, NoSpace, NotADirectory, PathExists, PathNotFound,
                             PathPermissionDenied, SandboxError, WarmboxError)
 from warmbox.models import (CommandResult, EntryInfo, Execution, ExecutionError, Limits, Result, SandboxInfo,
-                            SandboxMetrics, StageTiming, State)
+                            SandboxMetrics, SnapshotRef, StageTiming, State)
 
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
 DEFAULT_MAX_OUTPUT = 10 << 20
@@ -83,6 +84,20 @@ def _entry(e: p.Entry) -> EntryInfo:
                      modified=e.mtime, symlink_target=e.target or None)
 
 
+def _snapshot_id(ref: object) -> str:
+    if isinstance(ref, SnapshotRef):
+        return ref.snapshot_id
+    if isinstance(ref, str):
+        return ref
+    raise InvalidArgument(f"expected a SnapshotRef or a snapshot/sandbox id, got {type(ref).__name__}")
+
+
+def _ref(m) -> SnapshotRef:
+    return SnapshotRef(snapshot_id=m.snapshot_id, sandbox_id=m.sandbox_id, created_at=m.created_at, tier=m.tier,
+                       template=m.template, memory=m.memory, size_bytes=m.filesystem_bytes,
+                       context_skipped=m.context_skipped)
+
+
 class _Output:
     """stdout/stderr of one run: accumulated as bytes, handed to callbacks as decoded text."""
 
@@ -137,6 +152,7 @@ class AsyncSandbox:
         self._client = client
         self._stages = list(timings)
         self._backend = engine.backend(info.tier)
+        self._env_names: tuple[str, ...] = ()
         self._active = 0
         self._killed = False
         self.commands = AsyncCommands(self)
@@ -151,6 +167,7 @@ class AsyncSandbox:
     async def create(cls, tier: str | None = None, *, timeout: float | None = None,
                      envs: dict[str, str] | None = None, limits: Limits | None = None,
                      template: str | None = None, pool: bool = True,
+                     from_snapshot: "SnapshotRef | str | None" = None,
                      home: str | Path | None = None) -> "AsyncSandbox":
         """Create and start a sandbox (defaults for tier, timeout and template: warmbox.toml).
 
@@ -161,11 +178,41 @@ class AsyncSandbox:
             or one from warmbox.toml; its warm-up has run before the sandbox is returned.
         pool: take a ready sandbox from a matching warm pool when one is there (``from_pool``);
             False always creates cold. A pooled sandbox never served anyone before.
+        from_snapshot: fork a new sandbox from a snapshot (its tier, template and limits; the
+            origin is untouched). Environment values are never stored in snapshots: pass envs.
         """
         engine = Engine.for_home(home)
-        info, handle, client, timings = await engine.create(
-            tier=tier, timeout=timeout, envs=envs, limits=limits, template=template, pool=pool)
-        return cls(engine, info, handle, client, timings)
+        if from_snapshot is not None:
+            if tier is not None or limits is not None or template is not None:
+                raise InvalidArgument("from_snapshot takes its tier, template and limits from the snapshot")
+            m = snapshots.resolve(engine, _snapshot_id(from_snapshot))
+            info, handle, client, timings = await snapshots.restore(engine, m, timeout=timeout, envs=envs, pool=pool)
+        else:
+            info, handle, client, timings = await engine.create(
+                tier=tier, timeout=timeout, envs=envs, limits=limits, template=template, pool=pool)
+        sb = cls(engine, info, handle, client, timings)
+        sb._env_names = tuple(envs or ())
+        return sb
+
+    @classmethod
+    async def resume(cls, snapshot: "SnapshotRef | str", *, timeout: float | None = None,
+                     envs: dict[str, str] | None = None, home: str | Path | None = None) -> "AsyncSandbox":
+        """Bring back a paused sandbox (by its id or a SnapshotRef) as a new running sandbox.
+
+        Files and the default code context's state are restored; on a tier without memory
+        snapshots, processes that ran before the pause are not (they start fresh).
+        """
+        engine = Engine.for_home(home)
+        info, handle, client, timings = await snapshots.resume(engine, _snapshot_id(snapshot),
+                                                               timeout=timeout, envs=envs)
+        sb = cls(engine, info, handle, client, timings)
+        sb._env_names = tuple(envs or ())
+        return sb
+
+    @classmethod
+    async def list_snapshots(cls, *, home: str | Path | None = None) -> list[tuple[str, str, float, int]]:
+        """(snapshot_id, sandbox_id, created_at, size_bytes) of every snapshot in this home."""
+        return Engine.for_home(home).registry.all_snapshots()
 
     @classmethod
     async def connect(cls, sandbox_id: str, *, home: str | Path | None = None) -> "AsyncSandbox":
@@ -234,6 +281,24 @@ class AsyncSandbox:
         """This sandbox's cost so far: cpu-s, memory GiB-s, wall/busy/idle seconds (final once
         destroyed). A pooled sandbox's warm-up is accounted to its pool, not here."""
         return await self._engine.metrics(self.sandbox_id, None if self._killed else self._client)
+
+    async def snapshot(self, *, memory: bool = False) -> SnapshotRef:
+        """Save this sandbox's files and code-context state; it keeps running.
+
+        memory=True asks for process memory too: SnapshotUnsupported on a tier that cannot.
+        """
+        self._check_usable()
+        m = await snapshots.snapshot(self._engine, self.sandbox_id, self._client, memory=memory,
+                                     parent=self._engine.registry.parent(self.sandbox_id), env_names=self._env_names)
+        return _ref(m)
+
+    async def pause(self, *, memory: bool = False) -> SnapshotRef:
+        """Snapshot, then release everything (no process, CPU or memory is left); resume() later."""
+        self._check_usable()
+        m = await snapshots.pause(self._engine, self.sandbox_id, self._client, memory=memory,
+                                  parent=self._engine.registry.parent(self.sandbox_id), env_names=self._env_names)
+        self._killed = True
+        return _ref(m)
 
     async def set_timeout(self, timeout: float) -> None:
         """Let the sandbox live ``timeout`` more seconds from now."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from warmbox.backends.base import BackendHandle
 from warmbox.engine.lifecycle import LIVE, check_transition
 from warmbox.errors import RegistryError, SandboxNotFound, SandboxStateError
-from warmbox.models import PoolEvent, SandboxInfo, StageTiming, State, Transition
+from warmbox.models import Limits, PoolEvent, SandboxInfo, StageTiming, State, Transition
 
 SCHEMA_VERSION = 2
 SCHEMA = """
@@ -35,8 +35,19 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     claimed_at  REAL NOT NULL DEFAULT 0,
     owner       TEXT NOT NULL DEFAULT '',
     ended_at    REAL NOT NULL DEFAULT 0,
-    shape       TEXT NOT NULL DEFAULT ''
+    shape       TEXT NOT NULL DEFAULT '',
+    file_size_mb INTEGER NOT NULL DEFAULT 1024,
+    open_files  INTEGER NOT NULL DEFAULT 1024,
+    tmp_mb      INTEGER NOT NULL DEFAULT 256,
+    parent_snapshot TEXT NOT NULL DEFAULT ''
 );
+CREATE TABLE IF NOT EXISTS snapshots (
+    snapshot_id TEXT PRIMARY KEY,
+    sandbox_id  TEXT NOT NULL,
+    created_at  REAL NOT NULL,
+    size_bytes  INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS snapshots_sandbox ON snapshots(sandbox_id, created_at);
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 CREATE TABLE IF NOT EXISTS transitions (
     sandbox_id TEXT NOT NULL,
@@ -105,6 +116,10 @@ _MIGRATE_1_TO_2 = (
     "ALTER TABLE sandboxes ADD COLUMN owner TEXT NOT NULL DEFAULT ''",
     "ALTER TABLE sandboxes ADD COLUMN ended_at REAL NOT NULL DEFAULT 0",
     "ALTER TABLE sandboxes ADD COLUMN shape TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE sandboxes ADD COLUMN file_size_mb INTEGER NOT NULL DEFAULT 1024",
+    "ALTER TABLE sandboxes ADD COLUMN open_files INTEGER NOT NULL DEFAULT 1024",
+    "ALTER TABLE sandboxes ADD COLUMN tmp_mb INTEGER NOT NULL DEFAULT 256",
+    "ALTER TABLE sandboxes ADD COLUMN parent_snapshot TEXT NOT NULL DEFAULT ''",
     "ALTER TABLE timings ADD COLUMN on_path INTEGER NOT NULL DEFAULT 1",
 )
 _COLUMNS = ("sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
@@ -199,7 +214,8 @@ class Registry:
 
     def allocate(self, sandbox_id: str, tier: str, template: str, timeout_s: float, memory_mb: int,
                  cpus: float, pids: int, state_dir: str, socket_path: str, *, pool: str = "",
-                 owner: str = "", shape: str = "") -> int:
+                 owner: str = "", shape: str = "", file_size_mb: int = 1024, open_files: int = 1024,
+                 tmp_mb: int = 256) -> int:
         """Insert a sandbox in state ``creating`` with a free uid slot; returns the slot."""
         now = time.time()
         with self._tx() as db:
@@ -214,10 +230,11 @@ class Registry:
             db.execute("INSERT OR REPLACE INTO meta VALUES ('last_slot', ?)", (slot,))
             db.execute(
                 "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, memory_mb, "
-                "cpus, pids, uid_slot, runtime_id, state_dir, socket_path, pool, owner, shape) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "cpus, pids, uid_slot, runtime_id, state_dir, socket_path, pool, owner, shape, file_size_mb, "
+                "open_files, tmp_mb) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (sandbox_id, tier, template, State.CREATING.value, now, now + timeout_s, memory_mb,
-                 cpus, pids, slot, sandbox_id, state_dir, socket_path, pool, owner, shape))
+                 cpus, pids, slot, sandbox_id, state_dir, socket_path, pool, owner, shape, file_size_mb,
+                 open_files, tmp_mb))
             db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
                        (sandbox_id, now, "", State.CREATING.value, "create" + (f" for pool {pool}" if pool else "")))
             db.execute("INSERT INTO meters (sandbox_id, sampled_at) VALUES (?,?)", (sandbox_id, now))
@@ -363,6 +380,40 @@ class Registry:
         handle = BackendHandle(sandbox_id=sid, tier=tier, runtime_id=runtime_id, state_dir=state_dir,
                                socket_path=socket_path, uid_base=UID_BASE + slot * UID_RANGE)
         return info, handle
+
+    def limits(self, sandbox_id: str) -> Limits:
+        row = self._db.execute("SELECT memory_mb, cpus, pids, file_size_mb, open_files, tmp_mb FROM sandboxes "
+                               "WHERE sandbox_id=?", (sandbox_id,)).fetchone()
+        if row is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id}", sandbox_id)
+        return Limits(*row)
+
+    # ---- snapshots
+
+    def add_snapshot(self, snapshot_id: str, sandbox_id: str, created_at: float, size: int) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO snapshots VALUES (?,?,?,?)", (snapshot_id, sandbox_id, created_at, size))
+
+    def snapshots_of(self, sandbox_id: str) -> list[str]:
+        rows = self._db.execute("SELECT snapshot_id FROM snapshots WHERE sandbox_id=? ORDER BY created_at",
+                                (sandbox_id,)).fetchall()
+        return [r[0] for r in rows]
+
+    def all_snapshots(self) -> list[tuple[str, str, float, int]]:
+        return [tuple(r) for r in self._db.execute(
+            "SELECT snapshot_id, sandbox_id, created_at, size_bytes FROM snapshots ORDER BY created_at")]
+
+    def remove_snapshot(self, snapshot_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM snapshots WHERE snapshot_id=?", (snapshot_id,))
+
+    def set_parent(self, sandbox_id: str, snapshot_id: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE sandboxes SET parent_snapshot=? WHERE sandbox_id=?", (snapshot_id, sandbox_id))
+
+    def parent(self, sandbox_id: str) -> str:
+        row = self._db.execute("SELECT parent_snapshot FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
+        return row[0] if row else ""
 
     # ---- history
 

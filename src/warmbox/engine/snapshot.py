@@ -1,0 +1,315 @@
+"""Snapshot, pause, resume and fork — the engine's side (artifact format: storage/snapshots.py).
+
+What a snapshot holds depends on the tier's capabilities. A tier without memory snapshots
+(the runc tier on this host: CRIU cannot run on its kernel) snapshots its files — /workspace,
+/tmp and /home/user, streamed as a tar by the guest itself, so the same code serves every
+tier — plus the default code context's picklable globals (modules are re-imported by name);
+the manifest says ``memory: false`` and restore starts fresh processes on the restored files.
+
+Order of a pause, so that a crash at any point loses nothing: write the blob, write the
+manifest (from here the snapshot exists), record it, and only then release the sandbox.
+A process killed before the manifest leaves the sandbox running and an invisible temp file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from warmbox import protocol as p
+from warmbox.engine.guest_client import GuestClient
+from warmbox.engine.lifecycle import Operation, check
+from warmbox.errors import (InvalidArgument, SandboxError, SandboxNotFound, SnapshotUnsupported, StorageError,
+                            StorageFull, WarmboxError)
+from warmbox.models import Limits, State
+from warmbox.storage import snapshots as snaps
+from warmbox.storage.objects import LocalObjectStore, ObjectStore
+
+if TYPE_CHECKING:
+    from warmbox.engine.engine import Engine
+
+STATE_FILE = "/tmp/.warmbox-context.pkl"
+TAR_PATHS = ("workspace", "tmp", "home/user")
+_TIMEOUT_S = 600.0
+
+# Run in the user's default context. Defines nothing that outlives the cell.
+_SAVE = r'''
+def __warmbox_save():
+    import json, pickle, types
+    g = globals()
+    mods, state, skipped = {}, {}, []
+    for k, v in list(g.items()):
+        if k.startswith("__") or k in ("display", "_"):
+            continue
+        if isinstance(v, types.ModuleType):
+            mods[k] = v.__name__
+            continue
+        try:
+            state[k] = pickle.dumps(v, protocol=5)
+        except Exception:
+            skipped.append(k)
+    with open(%r, "wb") as f:
+        pickle.dump({"modules": mods, "state": state}, f, protocol=5)
+    print(json.dumps(sorted(skipped)))
+__warmbox_save()
+del __warmbox_save
+''' % STATE_FILE
+
+_LOAD = r'''
+def __warmbox_load():
+    import importlib, json, os, pickle
+    g = globals()
+    with open(%r, "rb") as f:
+        saved = pickle.load(f)
+    failed = []
+    for k, name in saved["modules"].items():
+        try:
+            g[k] = importlib.import_module(name)
+        except Exception:
+            failed.append(k)
+    for k, blob in saved["state"].items():
+        try:
+            g[k] = pickle.loads(blob)
+        except Exception:
+            failed.append(k)
+    os.unlink(%r)
+    print(json.dumps(sorted(failed)))
+__warmbox_load()
+del __warmbox_load
+''' % (STATE_FILE, STATE_FILE)
+
+
+def store_for(engine: "Engine") -> ObjectStore:
+    """The configured object store (a local directory under WARMBOX_HOME by default)."""
+    url = os.environ.get("WARMBOX_OBJECT_STORE", "")
+    if url.startswith("s3://"):
+        from warmbox.storage.objects import S3ObjectStore
+
+        bucket, _, prefix = url[5:].partition("/")
+        return S3ObjectStore(bucket, prefix, endpoint_url=os.environ.get("WARMBOX_S3_ENDPOINT") or None)
+    if url:
+        return LocalObjectStore(Path(url))
+    return LocalObjectStore(engine.home / "objects")
+
+
+def _workdir(engine: "Engine") -> Path:
+    d = engine.home / "tmp"
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
+async def _run_code(client: GuestClient, code: str, sid: str) -> tuple[str, p.CodeDone]:
+    out = bytearray()
+    async with client.request(lambda i: p.ContextRun(i, context="default", code=code, timeout_s=_TIMEOUT_S,
+                                                     max_output=1 << 20), timeout=_TIMEOUT_S + 15) as stream:
+        while True:
+            msg = await stream.next(p.Stdout, p.Stderr, p.Display, p.CodeDone)
+            if isinstance(msg, p.Failure):
+                raise SandboxError(f"code context: {msg.message}", sid)
+            if isinstance(msg, p.Stdout):
+                out += msg.data
+            if isinstance(msg, p.CodeDone):
+                return out.decode("utf-8", "replace"), msg
+
+
+async def _exec(client: GuestClient, argv: list[str], sid: str, *, sink=None, source: Path | None = None,
+                ) -> tuple[int, str]:
+    """Run argv in the guest: stdout to ``sink(bytes)``, stdin from ``source``; (exit code, stderr tail)."""
+    err = bytearray()
+    async with client.request(lambda i: p.Exec(i, argv=argv, env={}, cwd="", timeout_s=_TIMEOUT_S,
+                                               max_output=1 << 62, stdin=source is not None),
+                              timeout=_TIMEOUT_S + 15) as stream:
+        if source is not None:
+            with open(source, "rb") as f:
+                while chunk := f.read(p.CHUNK):
+                    await stream.send(p.StdinData(stream.id, data=chunk, eof=False))
+            await stream.send(p.StdinData(stream.id, data=b"", eof=True))
+        while True:
+            msg = await stream.next(p.Started, p.Stdout, p.Stderr, p.Exited)
+            if isinstance(msg, p.Failure):
+                raise SandboxError(f"{argv[0]}: {msg.message}", sid)
+            if isinstance(msg, p.Stdout) and sink is not None:
+                sink(msg.data)
+            elif isinstance(msg, p.Stderr):
+                err = (err + msg.data)[-2000:]
+            elif isinstance(msg, p.Exited):
+                return msg.exit_code, err.decode("utf-8", "replace").strip()
+
+
+async def snapshot(engine: "Engine", sandbox_id: str, client: GuestClient | None, *, memory: bool = False,
+                   parent: str = "", env_names: tuple[str, ...] = ()) -> snaps.SnapshotManifest:
+    """Write a snapshot of a running sandbox (it keeps running)."""
+    info, handle = engine.info(sandbox_id)
+    check(Operation.SNAPSHOT, info.state, sandbox_id)
+    caps = engine.backend(info.tier).capabilities()
+    if not caps.filesystem_snapshot:
+        raise SnapshotUnsupported(f"tier {info.tier!r} cannot take snapshots")
+    if memory and not caps.memory_snapshot:
+        raise SnapshotUnsupported(f"tier {info.tier!r} cannot snapshot memory on this host "
+                                  f"(filesystem and code-context state only: memory=False)")
+    store = store_for(engine)
+    work = _workdir(engine)
+    own = client is None
+    if own:
+        client = await GuestClient.connect(handle.socket_path, sandbox_id)
+    fd, raw_name = tempfile.mkstemp(prefix=".snap-", suffix=".tar", dir=work)
+    raw = Path(raw_name)
+    try:
+        text, done = await _run_code(client, _SAVE, sandbox_id)
+        context_saved = not done.error_name
+        skipped: tuple[str, ...] = ()
+        if context_saved:
+            try:
+                skipped = tuple(json.loads(text.strip().splitlines()[-1]))
+            except (ValueError, IndexError):
+                context_saved = False
+        failed_write: list[OSError] = []
+        with os.fdopen(fd, "wb") as out:
+            def sink(data: bytes) -> None:
+                if failed_write:
+                    return
+                try:
+                    out.write(data)
+                except OSError as e:
+                    failed_write.append(e)
+
+            # the contents of each path, not the mount points themselves (their owner/mode is the tier's)
+            listing = " ".join(TAR_PATHS)
+            code, err = await _exec(client, ["/bin/bash", "-c",
+                                             f"cd / && find {listing} -mindepth 1 -print0 | /bin/tar --null "
+                                             "--no-recursion -T - --numeric-owner --warning=no-file-ignored -cpf -"],
+                                    sandbox_id, sink=sink)
+            if not failed_write:
+                try:
+                    out.flush()
+                except OSError as e:
+                    failed_write.append(e)
+        if failed_write:
+            e = failed_write[0]
+            raise (StorageFull if e.errno == 28 else StorageError)(
+                f"writing the snapshot of {sandbox_id}: {e.strerror}") from None
+        if code not in (0, 1):  # 1: a file changed while being read — still a consistent tar
+            raise SandboxError(f"snapshot: tar exited {code}: {err[-300:]}", sandbox_id)
+        await _exec(client, ["/bin/rm", "-f", STATE_FILE], sandbox_id)
+        sha, size, raw_size = snaps.put_blob(store, raw, work)
+        lim = engine.registry.limits(sandbox_id)
+        m = snaps.SnapshotManifest(
+            snapshot_id=snaps.new_snapshot_id(), sandbox_id=sandbox_id, parent=parent, created_at=time.time(),
+            tier=info.tier, template=info.template, memory_mb=lim.memory_mb, cpus=lim.cpus, pids=lim.pids,
+            file_size_mb=lim.file_size_mb, open_files=lim.open_files, tmp_mb=lim.tmp_mb, memory=False,
+            filesystem_sha256=sha, filesystem_bytes=size, filesystem_raw_bytes=raw_size,
+            context_saved=context_saved, context_skipped=skipped, env_names=tuple(sorted(env_names)))
+        snaps.save_manifest(store, m, work)
+        engine.registry.add_snapshot(m.snapshot_id, sandbox_id, m.created_at, size)
+        return m
+    finally:
+        raw.unlink(missing_ok=True)
+        if own:
+            await client.close()
+
+
+async def pause(engine: "Engine", sandbox_id: str, client: GuestClient | None, **kw) -> snaps.SnapshotManifest:
+    """Snapshot, then release every resource; the sandbox is ``paused`` until resumed."""
+    m = await snapshot(engine, sandbox_id, client, **kw)
+    info, handle = engine.info(sandbox_id)
+    if client is not None:
+        await client.close()
+    await engine._read_meters(info, handle, None)
+    await engine.backend(info.tier).destroy(handle)
+    engine.registry.set_state(sandbox_id, State.PAUSED, f"paused to {m.snapshot_id}")
+    engine.registry.finalize(sandbox_id)
+    return m
+
+
+def resolve(engine: "Engine", ref: str) -> snaps.SnapshotManifest:
+    """A snapshot id, or a paused sandbox's id (its latest snapshot) -> its verified manifest."""
+    if not isinstance(ref, str) or not ref:
+        raise InvalidArgument(f"expected a snapshot id or sandbox id, got {ref!r}")
+    if ref.startswith("sb-"):
+        ids = engine.registry.snapshots_of(ref)
+        if not ids:
+            raise SandboxNotFound(f"sandbox {ref} has no snapshot", ref)
+        ref = ids[-1]
+    if not ref.startswith("snap-") or "/" in ref:
+        raise InvalidArgument(f"{ref!r} is not a snapshot id (snap-…) or sandbox id (sb-…)")
+    return snaps.load_manifest(store_for(engine), ref, _workdir(engine))
+
+
+async def restore(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float | None,
+                  envs: dict[str, str] | None, pool: bool = True):
+    """A new running sandbox with the snapshot's files and context state.
+
+    The artifact is fetched and verified first: a corrupt one raises before any sandbox exists.
+    """
+    work = _workdir(engine)
+    fd, raw_name = tempfile.mkstemp(prefix=".restore-", suffix=".tar", dir=work)
+    os.close(fd)
+    raw = Path(raw_name)
+    try:
+        snaps.get_blob(store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, raw, work)
+        limits = Limits(memory_mb=m.memory_mb, cpus=m.cpus, pids=m.pids, file_size_mb=m.file_size_mb,
+                        open_files=m.open_files, tmp_mb=m.tmp_mb)
+        info, handle, client, timings = await engine.create(tier=m.tier, timeout=timeout, envs=envs, limits=limits,
+                                                             template=m.template, pool=pool)
+        try:
+            code, err = await _exec(client, ["/bin/tar", "-C", "/", "--numeric-owner", "--no-overwrite-dir", "-xpf", "-"],
+                                    info.sandbox_id, source=raw)
+            if code != 0:
+                raise SandboxError(f"restoring files: tar exited {code}: {err[-300:]}", info.sandbox_id)
+            if m.context_saved:
+                text, done = await _run_code(client, _LOAD, info.sandbox_id)
+                if done.error_name:
+                    raise SandboxError(f"restoring the code context: {done.error_name}: {done.error_value}",
+                                       info.sandbox_id)
+            engine.registry.set_parent(info.sandbox_id, m.snapshot_id)
+        except BaseException:
+            await client.close()
+            try:
+                await engine.destroy(info.sandbox_id, "restore failed")
+            except WarmboxError:
+                pass
+            raise
+        info, _ = engine.info(info.sandbox_id)
+        return info, handle, client, timings
+    finally:
+        raw.unlink(missing_ok=True)
+
+
+async def resume(engine: "Engine", ref: str, *, timeout: float | None, envs: dict[str, str] | None):
+    m = resolve(engine, ref)
+    origin, _ = engine.info(m.sandbox_id) if _exists(engine, m.sandbox_id) else (None, None)
+    got = await restore(engine, m, timeout=timeout, envs=envs)
+    if origin is not None and origin.state is State.PAUSED:
+        engine.registry.set_state(origin.sandbox_id, State.DESTROYED, f"resumed as {got[0].sandbox_id}")
+    return got
+
+
+def _exists(engine: "Engine", sandbox_id: str) -> bool:
+    try:
+        engine.info(sandbox_id)
+        return True
+    except SandboxNotFound:
+        return False
+
+
+def delete(engine: "Engine", snapshot_id: str) -> None:
+    store = store_for(engine)
+    store.delete(snaps.manifest_key(snapshot_id))
+    engine.registry.remove_snapshot(snapshot_id)
+
+
+def gc(engine: "Engine") -> int:
+    store = store_for(engine)
+    if isinstance(store, LocalObjectStore):
+        store.clean_partial()
+    for f in _workdir(engine).glob(".*"):
+        if time.time() - f.stat().st_mtime > 3600:
+            f.unlink(missing_ok=True)
+    return snaps.gc(store, _workdir(engine))
+
+
+__all__ = ["snapshot", "pause", "resume", "restore", "resolve", "delete", "gc", "store_for"]

@@ -1,0 +1,199 @@
+"""Snapshot artifacts: content-addressed, zstd-compressed blobs plus one typed manifest each.
+
+Layout in the object store:
+    blobs/sha256/<hex>          a compressed blob, named by the SHA-256 of its stored bytes
+    snapshots/<snapshot_id>.json  the manifest, written last: a snapshot exists once it does
+
+Blobs are shared by every snapshot that has the same content (dedup); ``gc`` deletes the ones
+no manifest references. Reading verifies size and checksum before anything is restored, so a
+truncated or corrupted artifact is an ArtifactCorrupt error and never a half-restored sandbox.
+Manifests carry environment variable *names*, never values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from warmbox.errors import ArtifactCorrupt, StorageError, StorageFull
+from warmbox.storage.objects import ObjectStore
+
+FORMAT = 1
+_CHUNK = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotManifest:
+    """Everything needed to restore a snapshot, and nothing secret.
+
+    memory: whether process memory is in the artifact (False: files and serialisable code
+    context state only; restore starts fresh processes on the restored files).
+    context_saved / context_skipped: the default code context's globals were pickled, except
+    these names (unpicklable values: functions and classes defined in cells, open files, ...).
+    """
+
+    snapshot_id: str
+    sandbox_id: str
+    parent: str  # the snapshot the sandbox was restored from ("" if none)
+    created_at: float
+    tier: str
+    template: str
+    memory_mb: int
+    cpus: float
+    pids: int
+    file_size_mb: int
+    open_files: int
+    tmp_mb: int
+    memory: bool
+    filesystem_sha256: str
+    filesystem_bytes: int  # stored (compressed)
+    filesystem_raw_bytes: int
+    context_saved: bool
+    context_skipped: tuple[str, ...]
+    env_names: tuple[str, ...]
+    format: int = FORMAT
+
+    @property
+    def size_bytes(self) -> int:
+        return self.filesystem_bytes
+
+
+def manifest_key(snapshot_id: str) -> str:
+    return f"snapshots/{snapshot_id}.json"
+
+
+def blob_key(sha256: str) -> str:
+    return f"blobs/sha256/{sha256}"
+
+
+def _zstd():
+    try:
+        import zstandard
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise StorageError("snapshots need the zstandard package") from None
+    return zstandard
+
+
+def put_blob(store: ObjectStore, raw: Path, workdir: Path) -> tuple[str, int, int]:
+    """Compress ``raw`` and store it (unless an identical blob exists); (sha256, stored, raw) sizes."""
+    zstd = _zstd()
+    raw_size = raw.stat().st_size
+    fd, tmp_name = tempfile.mkstemp(prefix=".blob-", dir=workdir)
+    tmp = Path(tmp_name)
+    try:
+        h = hashlib.sha256()
+        try:
+            with open(raw, "rb") as src, os.fdopen(fd, "wb") as out:
+                writer = zstd.ZstdCompressor(level=3, threads=-1).stream_writer(out, closefd=False)
+                while chunk := src.read(_CHUNK):
+                    writer.write(chunk)
+                writer.flush(zstd.FLUSH_FRAME)
+                writer.close()
+        except OSError as e:
+            raise (StorageFull if e.errno == 28 else StorageError)(f"compressing a snapshot: {e.strerror}") from None
+        with open(tmp, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+        sha = h.hexdigest()
+        size = tmp.stat().st_size
+        if not store.exists(blob_key(sha)):
+            store.put_file(blob_key(sha), tmp)
+        return sha, size, raw_size
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def get_blob(store: ObjectStore, sha256: str, size: int, raw_size: int, dest: Path, workdir: Path) -> None:
+    """Fetch, verify (size, SHA-256) and decompress a blob into ``dest``; ArtifactCorrupt if anything is off."""
+    zstd = _zstd()
+    fd, tmp_name = tempfile.mkstemp(prefix=".get-", dir=workdir)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        store.get_file(blob_key(sha256), tmp)
+        got = tmp.stat().st_size
+        if got != size:
+            raise ArtifactCorrupt(f"blob {sha256[:12]} is {got} bytes, the manifest says {size} (truncated?)")
+        h = hashlib.sha256()
+        with open(tmp, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+        if h.hexdigest() != sha256:
+            raise ArtifactCorrupt(f"blob {sha256[:12]} fails its checksum")
+        try:
+            with open(tmp, "rb") as src, open(dest, "wb") as out:
+                zstd.ZstdDecompressor().copy_stream(src, out)
+        except zstd.ZstdError as e:
+            raise ArtifactCorrupt(f"blob {sha256[:12]} does not decompress: {e}") from None
+        if dest.stat().st_size != raw_size:
+            raise ArtifactCorrupt(f"blob {sha256[:12]} decompressed to {dest.stat().st_size} bytes, expected {raw_size}")
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_manifest(store: ObjectStore, m: SnapshotManifest, workdir: Path) -> None:
+    body = json.dumps(dataclasses.asdict(m), sort_keys=True).encode()
+    fd, tmp_name = tempfile.mkstemp(prefix=".manifest-", dir=workdir)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(body)
+        store.put_file(manifest_key(m.snapshot_id), Path(tmp_name))
+    finally:
+        Path(tmp_name).unlink(missing_ok=True)
+
+
+def load_manifest(store: ObjectStore, snapshot_id: str, workdir: Path) -> SnapshotManifest:
+    fd, tmp_name = tempfile.mkstemp(prefix=".manifest-", dir=workdir)
+    os.close(fd)
+    try:
+        store.get_file(manifest_key(snapshot_id), Path(tmp_name))
+        try:
+            raw = json.loads(Path(tmp_name).read_bytes())
+            fields = {f.name: f for f in dataclasses.fields(SnapshotManifest)}
+            if not isinstance(raw, dict) or set(raw) != set(fields):
+                raise ValueError("unexpected fields")
+            raw["context_skipped"] = tuple(raw["context_skipped"])
+            raw["env_names"] = tuple(raw["env_names"])
+            m = SnapshotManifest(**raw)
+            if m.format != FORMAT or m.snapshot_id != snapshot_id:
+                raise ValueError("wrong format or id")
+            for name, f in fields.items():
+                want = {"str": str, "int": int, "float": (int, float), "bool": bool}.get(str(f.type))
+                if want is not None and not isinstance(getattr(m, name), want):
+                    raise ValueError(f"{name} has the wrong type")
+        except (ValueError, TypeError, KeyError) as e:
+            raise ArtifactCorrupt(f"snapshot {snapshot_id}: manifest is not valid ({e})") from None
+        return m
+    finally:
+        Path(tmp_name).unlink(missing_ok=True)
+
+
+def list_manifests(store: ObjectStore) -> list[str]:
+    return [k[len("snapshots/"):-len(".json")] for k in store.list("snapshots") if k.endswith(".json")]
+
+
+def gc(store: ObjectStore, workdir: Path) -> int:
+    """Delete blobs no manifest references; returns how many. Unreadable manifests keep theirs."""
+    keep: set[str] = set()
+    for sid in list_manifests(store):
+        try:
+            keep.add(load_manifest(store, sid, workdir).filesystem_sha256)
+        except StorageError:
+            return 0  # never delete on a partial view
+    removed = 0
+    for key in store.list("blobs/sha256"):
+        if key.rsplit("/", 1)[-1] not in keep:
+            store.delete(key)
+            removed += 1
+    return removed
+
+
+def new_snapshot_id() -> str:
+    import secrets
+
+    return f"snap-{time.strftime('%Y%m%d')}-{secrets.token_hex(6)}"
