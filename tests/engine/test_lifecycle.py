@@ -21,8 +21,11 @@ def traces(engine: Engine, sandbox_id: str, init_uid: int) -> dict[str, object]:
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
-                uid = int((p / "status").read_text().split("Uid:")[1].split()[0])
+                status = (p / "status").read_text()
+                uid = int(status.split("Uid:")[1].split()[0])
             except (OSError, IndexError, ValueError):
+                continue
+            if "\nState:\tZ" in status:  # exited, waiting for the host's init to reap it
                 continue
             if uid == init_uid:
                 procs.append(p.name)

@@ -408,7 +408,7 @@ class RuncBackend:
         deadline = time.monotonic() + 5
         killed = False
         while True:
-            pids = [pid for pid in set(pids) | set(self._pids(handle.sandbox_id)) if os.path.exists(f"/proc/{pid}")]
+            pids = [pid for pid in set(pids) | set(self._pids(handle.sandbox_id)) if _running(pid)]
             if not pids:
                 break
             if time.monotonic() > deadline and killed:
@@ -425,6 +425,18 @@ class RuncBackend:
                 except OSError:
                     pass
         shutil.rmtree(handle.state_dir, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie. A sandbox's init is reparented to the host's init
+    when runc exits, and on some hosts that reaps only every second or two: a zombie holds no
+    memory, CPU or open files, so it does not keep a destroy waiting."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")
 
 
 def _tail(path: Path, limit: int = 600) -> str:

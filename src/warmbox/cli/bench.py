@@ -555,12 +555,100 @@ def _print_density(r: dict) -> None:
               f"{s['host_memavailable_drop_mib_per_sandbox']:>18.2f}")
 
 
+# ---------------------------------------------------------------------------- snapshot
+
+
+def _raw_fs_snapshot(workspace: Path, work: Path) -> tuple[float, float, int]:
+    """The floor for a files snapshot: host-side tar + zstd of the same directory, and its untar."""
+    import tarfile
+
+    import zstandard
+
+    out = work / "raw.tar.zst"
+    t0 = time.perf_counter()
+    with open(out, "wb") as f:
+        with zstandard.ZstdCompressor(level=3, threads=-1).stream_writer(f) as z:
+            with tarfile.open(fileobj=z, mode="w|") as tar:
+                tar.add(workspace, arcname=".")
+    save_ms = (time.perf_counter() - t0) * 1e3
+    size = out.stat().st_size
+    dest = work / "raw-restore"
+    dest.mkdir()
+    t0 = time.perf_counter()
+    with open(out, "rb") as f:
+        with zstandard.ZstdDecompressor().stream_reader(f) as z:
+            with tarfile.open(fileobj=z, mode="r|") as tar:
+                tar.extractall(dest, filter="tar")
+    restore_ms = (time.perf_counter() - t0) * 1e3
+    shutil.rmtree(dest)
+    out.unlink()
+    return save_ms, restore_ms, size
+
+
+async def bench_snapshot(home: Path, runs: int, mb: int) -> dict:
+    from warmbox.engine.engine import Engine
+    from warmbox.sdk.sandbox import AsyncSandbox
+
+    engine = Engine.for_home(home)
+    engine.ensure_daemon()
+    await _wait_quiet(engine, "bench-pydata")
+    rows: dict[str, list[float]] = {k: [] for k in ("snapshot_ms", "pause_ms", "resume_first_pool_ms",
+                                                       "resume_first_cold_ms", "raw_tar_zstd_ms", "raw_untar_ms")}
+    sizes = {}
+    work = home / "bench-raw"
+    work.mkdir()
+    for i in range(runs):
+        sb = await AsyncSandbox.create(template="pydata", timeout=600, pool=False, home=home)
+        await sb.commands.run(f"head -c {mb << 20} /dev/urandom > /workspace/data.bin && "
+                              "seq 1 200000 > /workspace/lines.txt")
+        r = await sb.run_code("import pandas\ndf = pandas.DataFrame({'a': range(100000), 'b': range(100000)})")
+        if r.error:
+            raise WarmboxError(f"bench snapshot setup: {r.error.value}")
+        mem = (await engine.usage(sb._handle)).memory_bytes
+        ws = Path(sb._handle.state_dir) / "workspace"
+        raw_save, raw_restore, raw_size = await asyncio.to_thread(_raw_fs_snapshot, ws, work)
+        t0 = time.perf_counter()
+        await sb.snapshot()
+        rows["snapshot_ms"].append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        ref = await sb.pause()
+        rows["pause_ms"].append((time.perf_counter() - t0) * 1e3)
+        rows["raw_tar_zstd_ms"].append(raw_save)
+        rows["raw_untar_ms"].append(raw_restore)
+        sizes = {"artifact_bytes": ref.size_bytes, "raw_tar_zstd_bytes": raw_size, "resident_memory_bytes": mem,
+                 "workspace_random_mib": mb}
+        for key, use_pool in (("resume_first_pool_ms", True), ("resume_first_cold_ms", False)):
+            if use_pool:
+                await _wait_quiet(engine, "bench-pydata")
+            t0 = time.perf_counter()
+            back = await AsyncSandbox.create(from_snapshot=ref, timeout=600, pool=use_pool, home=home)
+            r = await back.run_code("df.shape")
+            rows[key].append((time.perf_counter() - t0) * 1e3)
+            if r.text != "(100000, 2)":
+                raise WarmboxError(f"restored sandbox answered {r.text!r}")
+            await back.kill()
+    stats = {k: _stats(v) for k, v in rows.items()}
+    ratio = lambda a, b: stats[a]["p50_ms"] / stats[b]["p50_ms"]  # noqa: E731
+    return {"bench": "snapshot", "tier": "container", "memory_snapshot": False, "runs": runs, "sizes": sizes,
+            "stats": stats, "ratios_p50": {"snapshot/raw_tar_zstd": ratio("snapshot_ms", "raw_tar_zstd_ms"),
+                                           "resume_first_pool/raw_untar": ratio("resume_first_pool_ms", "raw_untar_ms")},
+            "note": "container tier: files + code-context state (no CRIU on this kernel); pause = snapshot + "
+                    "destroy (the destroy waits until every process of the sandbox has exited)"}
+
+
+def _print_snapshot(r: dict) -> None:
+    _print_table(f"bench snapshot [tier {r['tier']}, memory snapshot: {r['memory_snapshot']}] ({r['runs']} runs)",
+                 {k.removesuffix("_ms"): v for k, v in r["stats"].items()},
+                 [f"sizes: {json.dumps(r['sizes'])}"] + [f"ratio {k}: {v:.2f}x" for k, v in r["ratios_p50"].items()])
+
+
 # ---------------------------------------------------------------------------- entry
 
 
 POOLS = {
     "bench-base": {"template": "base", "min": 2, "max": 2, "target": 2, "refill_concurrency": 1},
-    "bench-pydata": {"template": "pydata", "min": 2, "max": 2, "target": 2, "refill_concurrency": 1},
+    "bench-pydata": {"template": "pydata", "min": 2, "max": 2, "target": 2, "refill_concurrency": 1,
+                     "limits": {"memory_mb": 512}},
     "bench-burst": {"template": "base", "min": 0, "max": 0, "target": 0, "refill_concurrency": 2},
     "bench-density-base": {"template": "base", "min": 0, "max": 0, "limits": {"memory_mb": 128}},
     "bench-density-shell": {"template": "shell", "min": 0, "max": 0, "limits": {"memory_mb": 96}},
@@ -571,6 +659,7 @@ def _validate(args: argparse.Namespace) -> None:
     from warmbox.errors import InvalidArgument
 
     checks = {"start": [("runs", 1, 10000)], "burst": [("burst", 1, 500)], "exec": [("seconds", 0.01, 3600)],
+              "snapshot": [("runs", 1, 1000), ("mb", 0, 4096)],
               "density": [("max", 1, 2000), ("step", 1, 2000), ("memory_bound_gib", 0.01, 1024)]}[args.bench]
     for name, lo, hi in checks:
         v = getattr(args, name)
@@ -584,7 +673,7 @@ async def command(args: argparse.Namespace) -> int:
     _validate(args)
     variant = getattr(args, "variant", "both")
     wanted = {"start": tuple(f"bench-{VARIANTS[v][2]}" for v in VARIANTS if variant in (v, "both")),
-              "burst": ("bench-burst",), "exec": (),
+              "burst": ("bench-burst",), "exec": (), "snapshot": ("bench-pydata",),
               "density": (f"bench-density-{getattr(args, 'template', 'base')}",)}[args.bench]
     pools = {k: v for k, v in POOLS.items() if k in wanted}
     home = _make_home(pools)
@@ -598,6 +687,9 @@ async def command(args: argparse.Namespace) -> int:
         elif args.bench == "exec":
             report = await bench_exec(home, args.seconds)
             printer = _print_exec
+        elif args.bench == "snapshot":
+            report = await bench_snapshot(home, args.runs, args.mb)
+            printer = _print_snapshot
         else:
             if args.template not in ("base", "shell"):
                 raise WarmboxError("bench density --template must be base or shell")
