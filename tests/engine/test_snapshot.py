@@ -125,12 +125,14 @@ def test_corrupt_or_truncated_artifacts_are_typed_and_restore_nothing(home, runc
     assert {i.sandbox_id for i in engine.list(include_dead=True)} == before  # no half-restored sandbox
 
 
-def test_disk_full_during_pause_is_typed_and_the_sandbox_keeps_running(home, runc_ready, tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], check=True)
+@pytest.mark.parametrize("where", ["object store", "host temp dir"])
+def test_disk_full_during_pause_is_typed_and_the_sandbox_keeps_running(home, runc_ready, tmp_path, where):
+    mnt = tmp_path / "tiny" if where == "object store" else home / "tmp"
+    mnt.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mnt)], check=True)
     old = os.environ.get("WARMBOX_OBJECT_STORE")
-    os.environ["WARMBOX_OBJECT_STORE"] = str(mnt)
+    if where == "object store":
+        os.environ["WARMBOX_OBJECT_STORE"] = str(mnt)
     try:
         with Sandbox.create(timeout=60, template="shell") as sb:
             sb.commands.run("head -c 2000000 /dev/urandom > /workspace/big")
@@ -139,6 +141,7 @@ def test_disk_full_during_pause_is_typed_and_the_sandbox_keeps_running(home, run
             assert sb.get_info().state is State.READY
             assert sb.commands.run("stat -c %s /workspace/big").stdout.strip() == "2000000"
             assert not [p for p in mnt.rglob("*") if p.is_file()]  # nothing half-written is left
+            assert sb.commands.run("ls -A /tmp").stdout == ""  # nor the context pickle
     finally:
         if old is None:
             os.environ.pop("WARMBOX_OBJECT_STORE", None)
@@ -208,7 +211,7 @@ def test_snapshot_cli_and_garbage_collection(home, runc_ready):
     assert cli("snapshots", "rm", snap["snapshot_id"]).returncode == 0
     still_used = any(snaps.resolve(engine, s).filesystem_sha256 == snap["filesystem_sha256"]
                      for s, *_ in engine.registry.all_snapshots())
-    assert cli("snapshots", "gc").returncode == 0
+    assert cli("snapshots", "gc", "--now").returncode == 0
     assert store.exists(blob) == still_used
     r = cli("resume", "snap-nope")
     assert r.returncode == 125 and "Traceback" not in r.stderr

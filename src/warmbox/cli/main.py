@@ -104,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("snapshots", help="list / delete snapshots, collect garbage")
     p.add_argument("action", nargs="?", choices=["ls", "rm", "gc"], default="ls")
     p.add_argument("snapshot_ids", nargs="*")
+    p.add_argument("--now", action="store_true", help="gc: no grace period for young blobs")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("pool", help="warm pools")
     psub = p.add_subparsers(dest="pool_command", required=True, parser_class=_Parser)
@@ -315,12 +316,14 @@ async def _snapshots(args: argparse.Namespace) -> int:
         if not args.snapshot_ids:
             raise WarmboxError("snapshots rm needs snapshot ids")
         for sid in args.snapshot_ids:
-            snaps.resolve(engine, sid)  # exists and is one
             snaps.delete(engine, sid)
             print(f"{sid} deleted")
         return 0
     if args.action == "gc":
-        print(f"{snaps.gc(engine)} unreferenced blobs deleted from {snaps.store_for(engine).describe()}")
+        removed, broken = snaps.gc(engine, 0.0 if args.now else None)
+        print(f"{removed} unreferenced blobs deleted from {snaps.store_for(engine).describe()}")
+        for sid in broken:
+            print(f"  unreadable manifest (cannot be restored; `warmbox snapshots rm {sid}`): {sid}")
         return 0
     rows = engine.registry.all_snapshots()
     if args.json:

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 from warmbox import protocol as p
 from warmbox.engine.guest_client import GuestClient
 from warmbox.engine.lifecycle import Operation, check
-from warmbox.errors import (InvalidArgument, SandboxError, SandboxNotFound, SnapshotUnsupported, StorageError,
-                            StorageFull, WarmboxError)
+from warmbox.errors import (InvalidArgument, SandboxError, SandboxNotFound, SandboxStateError, SnapshotUnsupported,
+                            StorageError, StorageFull, WarmboxError)
 from warmbox.models import Limits, State
 from warmbox.storage import snapshots as snaps
 from warmbox.storage.objects import LocalObjectStore, ObjectStore
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from warmbox.engine.engine import Engine
 
 STATE_FILE = "/tmp/.warmbox-context.pkl"
+MAX_SNAPSHOT_BYTES = int(os.environ.get("WARMBOX_SNAPSHOT_MAX_BYTES", str(16 << 30)))  # raw tar, per snapshot
 TAR_PATHS = ("workspace", "tmp", "home/user")
 _TIMEOUT_S = 600.0
 
@@ -117,11 +118,11 @@ async def _run_code(client: GuestClient, code: str, sid: str) -> tuple[str, p.Co
 
 
 async def _exec(client: GuestClient, argv: list[str], sid: str, *, sink=None, source: Path | None = None,
-                ) -> tuple[int, str]:
+                max_output: int = 1 << 20) -> tuple[int, str]:
     """Run argv in the guest: stdout to ``sink(bytes)``, stdin from ``source``; (exit code, stderr tail)."""
     err = bytearray()
     async with client.request(lambda i: p.Exec(i, argv=argv, env={}, cwd="", timeout_s=_TIMEOUT_S,
-                                               max_output=1 << 62, stdin=source is not None),
+                                               max_output=max_output, stdin=source is not None),
                               timeout=_TIMEOUT_S + 15) as stream:
         if source is not None:
             with open(source, "rb") as f:
@@ -156,46 +157,34 @@ async def snapshot(engine: "Engine", sandbox_id: str, client: GuestClient | None
     own = client is None
     if own:
         client = await GuestClient.connect(handle.socket_path, sandbox_id)
-    fd, raw_name = tempfile.mkstemp(prefix=".snap-", suffix=".tar", dir=work)
+    try:
+        fd, raw_name = tempfile.mkstemp(prefix=".snap-", suffix=".tar", dir=work)
+    except OSError as e:
+        if own:
+            await client.close()
+        raise _storage_error(e, f"snapshot of {sandbox_id}") from None
     raw = Path(raw_name)
     try:
         text, done = await _run_code(client, _SAVE, sandbox_id)
         context_saved = not done.error_name
         skipped: tuple[str, ...] = ()
         if context_saved:
-            try:
-                skipped = tuple(json.loads(text.strip().splitlines()[-1]))
-            except (ValueError, IndexError):
-                context_saved = False
-        failed_write: list[OSError] = []
-        with os.fdopen(fd, "wb") as out:
-            def sink(data: bytes) -> None:
-                if failed_write:
-                    return
-                try:
-                    out.write(data)
-                except OSError as e:
-                    failed_write.append(e)
-
-            # the contents of each path, not the mount points themselves (their owner/mode is the tier's)
-            listing = " ".join(TAR_PATHS)
-            code, err = await _exec(client, ["/bin/bash", "-c",
-                                             f"cd / && find {listing} -mindepth 1 -print0 | /bin/tar --null "
-                                             "--no-recursion -T - --numeric-owner --warning=no-file-ignored -cpf -"],
-                                    sandbox_id, sink=sink)
-            if not failed_write:
-                try:
-                    out.flush()
-                except OSError as e:
-                    failed_write.append(e)
-        if failed_write:
-            e = failed_write[0]
-            raise (StorageFull if e.errno == 28 else StorageError)(
-                f"writing the snapshot of {sandbox_id}: {e.strerror}") from None
-        if code not in (0, 1):  # 1: a file changed while being read — still a consistent tar
-            raise SandboxError(f"snapshot: tar exited {code}: {err[-300:]}", sandbox_id)
-        await _exec(client, ["/bin/rm", "-f", STATE_FILE], sandbox_id)
-        sha, size, raw_size = snaps.put_blob(store, raw, work)
+            skipped = _names(text)
+            context_saved = skipped is not None
+            skipped = skipped or ()
+        for attempt in (1, 2):
+            code, err = await _stream_tar(client, fd if attempt == 1 else None, raw, sandbox_id)
+            fd = None
+            if code != 1:
+                break  # 1: a file changed while it was read: once more, then give up
+        if code != 0:
+            raise SandboxError(f"snapshot: tar exited {code}"
+                               + (" (files kept changing while they were read; stop writers and retry)"
+                                  if code == 1 else "") + f": {err[-300:]}", sandbox_id)
+        try:
+            sha, size, raw_size = snaps.put_blob(store, raw, work)
+        except OSError as e:
+            raise _storage_error(e, f"snapshot of {sandbox_id}") from None
         lim = engine.registry.limits(sandbox_id)
         m = snaps.SnapshotManifest(
             snapshot_id=snaps.new_snapshot_id(), sandbox_id=sandbox_id, parent=parent, created_at=time.time(),
@@ -203,13 +192,81 @@ async def snapshot(engine: "Engine", sandbox_id: str, client: GuestClient | None
             file_size_mb=lim.file_size_mb, open_files=lim.open_files, tmp_mb=lim.tmp_mb, memory=False,
             filesystem_sha256=sha, filesystem_bytes=size, filesystem_raw_bytes=raw_size,
             context_saved=context_saved, context_skipped=skipped, env_names=tuple(sorted(env_names)))
-        snaps.save_manifest(store, m, work)
+        try:
+            snaps.save_manifest(store, m, work)
+        except OSError as e:
+            raise _storage_error(e, f"snapshot of {sandbox_id}") from None
+        if not store.exists(snaps.blob_key(sha)):  # a gc raced the write: do not claim a snapshot exists
+            store.delete(snaps.manifest_key(m.snapshot_id))
+            raise StorageError(f"snapshot of {sandbox_id}: its blob vanished while it was written (a concurrent gc?)")
         engine.registry.add_snapshot(m.snapshot_id, sandbox_id, m.created_at, size)
         return m
     finally:
         raw.unlink(missing_ok=True)
+        try:
+            await _exec(client, ["/bin/rm", "-f", STATE_FILE], sandbox_id)  # never leave the pickle behind
+        except WarmboxError:
+            pass
         if own:
             await client.close()
+
+
+def _storage_error(e: OSError, what: str) -> StorageError:
+    if e.errno in (28, 122):  # ENOSPC, EDQUOT
+        return StorageFull(f"{what}: no space left for the artifact ({e.strerror})")
+    return StorageError(f"{what}: {e.strerror or e}")
+
+
+def _names(text: str) -> tuple[str, ...] | None:
+    """The skipped-names line the save snippet printed (user code could have changed print)."""
+    try:
+        v = json.loads(text.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+    if not isinstance(v, list) or len(v) > 10000 or not all(isinstance(x, str) and len(x) < 256 for x in v):
+        return None
+    return tuple(v)
+
+
+async def _stream_tar(client: GuestClient, fd: int | None, raw: Path, sandbox_id: str) -> tuple[int, str]:
+    """tar the snapshot paths in the guest into ``raw``, bounded by MAX_SNAPSHOT_BYTES."""
+    out = os.fdopen(fd, "wb") if fd is not None else open(raw, "wb")
+    failed: list[OSError] = []
+    written = 0
+
+    def sink(data: bytes) -> None:
+        nonlocal written
+        if failed:
+            return
+        written += len(data)
+        if written > MAX_SNAPSHOT_BYTES:
+            failed.append(OSError(27, "snapshot larger than WARMBOX_SNAPSHOT_MAX_BYTES"))
+            return
+        try:
+            out.write(data)
+        except OSError as e:
+            failed.append(e)
+
+    listing = " ".join(TAR_PATHS)
+    try:
+        # the contents of each path, not the mount points themselves (their owner/mode is the tier's)
+        code, err = await _exec(client, ["/bin/bash", "-c",
+                                         f"cd / && find {listing} -mindepth 1 -print0 | /bin/tar --null "
+                                         "--no-recursion -T - --sparse --numeric-owner "
+                                         "--warning=no-file-ignored -cpf -"],
+                                sandbox_id, sink=sink, max_output=MAX_SNAPSHOT_BYTES + 1)
+    finally:
+        try:
+            out.close()
+        except OSError as e:
+            failed.append(e)
+    if failed:
+        e = failed[0]
+        if e.errno == 27:
+            raise StorageError(f"snapshot of {sandbox_id}: more than {MAX_SNAPSHOT_BYTES} bytes of files "
+                               "(WARMBOX_SNAPSHOT_MAX_BYTES)")
+        raise _storage_error(e, f"snapshot of {sandbox_id}")
+    return code, err
 
 
 async def pause(engine: "Engine", sandbox_id: str, client: GuestClient | None, **kw) -> snaps.SnapshotManifest:
@@ -282,9 +339,17 @@ async def restore(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float
 async def resume(engine: "Engine", ref: str, *, timeout: float | None, envs: dict[str, str] | None):
     m = resolve(engine, ref)
     origin, _ = engine.info(m.sandbox_id) if _exists(engine, m.sandbox_id) else (None, None)
+    if ref.startswith("sb-") and (origin is None or origin.state is not State.PAUSED):
+        raise SandboxStateError(f"sandbox {ref} is not paused (resume a snapshot id to fork it)", ref)
     got = await restore(engine, m, timeout=timeout, envs=envs)
     if origin is not None and origin.state is State.PAUSED:
-        engine.registry.set_state(origin.sandbox_id, State.DESTROYED, f"resumed as {got[0].sandbox_id}")
+        try:  # exactly one resume takes over a paused sandbox
+            engine.registry.set_state(origin.sandbox_id, State.DESTROYED, f"resumed as {got[0].sandbox_id}",
+                                      expected=State.PAUSED)
+        except SandboxStateError:
+            await got[2].close()
+            await engine.destroy(got[0].sandbox_id, "lost a concurrent resume")
+            raise
     return got
 
 
@@ -297,19 +362,22 @@ def _exists(engine: "Engine", sandbox_id: str) -> bool:
 
 
 def delete(engine: "Engine", snapshot_id: str) -> None:
+    """Forget a snapshot (its blob goes at the next gc). Works on an unreadable manifest too."""
+    if not isinstance(snapshot_id, str) or not snapshot_id.startswith("snap-") or "/" in snapshot_id:
+        raise InvalidArgument(f"{snapshot_id!r} is not a snapshot id")
     store = store_for(engine)
     store.delete(snaps.manifest_key(snapshot_id))
     engine.registry.remove_snapshot(snapshot_id)
 
 
-def gc(engine: "Engine") -> int:
+def gc(engine: "Engine", grace_s: float | None = None) -> tuple[int, list[str]]:
     store = store_for(engine)
     if isinstance(store, LocalObjectStore):
         store.clean_partial()
     for f in _workdir(engine).glob(".*"):
         if time.time() - f.stat().st_mtime > 3600:
             f.unlink(missing_ok=True)
-    return snaps.gc(store, _workdir(engine))
+    return snaps.gc(store, _workdir(engine), snaps.GC_GRACE_S if grace_s is None else grace_s)
 
 
 __all__ = ["snapshot", "pause", "resume", "restore", "resolve", "delete", "gc", "store_for"]

@@ -43,6 +43,10 @@ class ObjectStore(Protocol):
 
     def list(self, prefix: str) -> list[str]: ...
 
+    def modified(self, key: str) -> float:
+        """Unix time the object was written."""
+        ...
+
     def describe(self) -> str: ...
 
 
@@ -99,6 +103,12 @@ class LocalObjectStore:
             pass
         except OSError as e:
             raise _translate(e, f"deleting {key}") from None
+
+    def modified(self, key: str) -> float:
+        try:
+            return self._path(key).stat().st_mtime
+        except OSError as e:
+            raise _translate(e, f"stat {key}") from None
 
     def list(self, prefix: str) -> list[str]:
         base = self.root
@@ -176,6 +186,12 @@ class S3ObjectStore:
     def delete(self, key: str) -> None:
         try:
             self._s3.delete_object(Bucket=self.bucket, Key=self._k(key))
+        except Exception as e:
+            raise self._err(e, key) from None
+
+    def modified(self, key: str) -> float:
+        try:
+            return self._s3.head_object(Bucket=self.bucket, Key=self._k(key))["LastModified"].timestamp()
         except Exception as e:
             raise self._err(e, key) from None
 

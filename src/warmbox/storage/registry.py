@@ -15,7 +15,7 @@ from warmbox.engine.lifecycle import LIVE, check_transition
 from warmbox.errors import RegistryError, SandboxNotFound, SandboxStateError
 from warmbox.models import Limits, PoolEvent, SandboxInfo, StageTiming, State, Transition
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -110,7 +110,7 @@ CREATE TABLE IF NOT EXISTS pool_costs (
     wall_s     REAL NOT NULL
 );
 """
-_MIGRATE_1_TO_2 = (
+_ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE sandboxes ADD COLUMN pool TEXT NOT NULL DEFAULT ''",
     "ALTER TABLE sandboxes ADD COLUMN claimed_at REAL NOT NULL DEFAULT 0",
     "ALTER TABLE sandboxes ADD COLUMN owner TEXT NOT NULL DEFAULT ''",
@@ -189,12 +189,16 @@ class Registry:
             return
         self._db.execute("BEGIN IMMEDIATE")
         try:
-            has_table = self._db.execute(
-                "SELECT 1 FROM sqlite_master WHERE type='table' AND name='sandboxes'").fetchone()
-            cols = {r[1] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
-            if has_table and "pool" not in cols:
-                for stmt in _MIGRATE_1_TO_2:
+            for stmt in _ADDED_COLUMNS:  # "ALTER TABLE t ADD COLUMN c ..."
+                table, column = stmt.split()[2], stmt.split()[5]
+                cols = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+                if cols and column not in cols:
                     self._db.execute(stmt)
+            for table, column, ddl in (("pool_state", "events_seen", "INTEGER NOT NULL DEFAULT 0"),
+                                       ("pool_state", "config_target", "INTEGER")):
+                cols = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+                if cols and column not in cols:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}")
             for stmt in SCHEMA.split(";"):
                 if stmt.strip():
                     self._db.execute(stmt)
@@ -206,6 +210,13 @@ class Registry:
 
     def close(self) -> None:
         self._db.close()
+
+    def _read(self, sql: str, args: tuple = (), *, many: bool = False):
+        try:
+            cur = self._db.execute(sql, args)
+            return cur.fetchall() if many else cur.fetchone()
+        except sqlite3.Error as e:
+            raise RegistryError(f"registry read failed: {e}") from None
 
     def _tx(self):
         return _Tx(self._db)
@@ -382,8 +393,8 @@ class Registry:
         return info, handle
 
     def limits(self, sandbox_id: str) -> Limits:
-        row = self._db.execute("SELECT memory_mb, cpus, pids, file_size_mb, open_files, tmp_mb FROM sandboxes "
-                               "WHERE sandbox_id=?", (sandbox_id,)).fetchone()
+        row = self._read("SELECT memory_mb, cpus, pids, file_size_mb, open_files, tmp_mb FROM sandboxes "
+                         "WHERE sandbox_id=?", (sandbox_id,))
         if row is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id}", sandbox_id)
         return Limits(*row)
@@ -395,8 +406,8 @@ class Registry:
             db.execute("INSERT INTO snapshots VALUES (?,?,?,?)", (snapshot_id, sandbox_id, created_at, size))
 
     def snapshots_of(self, sandbox_id: str) -> list[str]:
-        rows = self._db.execute("SELECT snapshot_id FROM snapshots WHERE sandbox_id=? ORDER BY created_at",
-                                (sandbox_id,)).fetchall()
+        rows = self._read("SELECT snapshot_id FROM snapshots WHERE sandbox_id=? ORDER BY created_at",
+                          (sandbox_id,), many=True)
         return [r[0] for r in rows]
 
     def all_snapshots(self) -> list[tuple[str, str, float, int]]:

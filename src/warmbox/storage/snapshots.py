@@ -111,7 +111,10 @@ def put_blob(store: ObjectStore, raw: Path, workdir: Path) -> tuple[str, int, in
 def get_blob(store: ObjectStore, sha256: str, size: int, raw_size: int, dest: Path, workdir: Path) -> None:
     """Fetch, verify (size, SHA-256) and decompress a blob into ``dest``; ArtifactCorrupt if anything is off."""
     zstd = _zstd()
-    fd, tmp_name = tempfile.mkstemp(prefix=".get-", dir=workdir)
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=".get-", dir=workdir)
+    except OSError as e:
+        raise StorageError(f"fetching a snapshot: {e.strerror}") from None
     os.close(fd)
     tmp = Path(tmp_name)
     try:
@@ -130,6 +133,8 @@ def get_blob(store: ObjectStore, sha256: str, size: int, raw_size: int, dest: Pa
                 zstd.ZstdDecompressor().copy_stream(src, out)
         except zstd.ZstdError as e:
             raise ArtifactCorrupt(f"blob {sha256[:12]} does not decompress: {e}") from None
+        except OSError as e:
+            raise (StorageFull if e.errno == 28 else StorageError)(f"unpacking a snapshot: {e.strerror}") from None
         if dest.stat().st_size != raw_size:
             raise ArtifactCorrupt(f"blob {sha256[:12]} decompressed to {dest.stat().st_size} bytes, expected {raw_size}")
     finally:
@@ -157,8 +162,10 @@ def load_manifest(store: ObjectStore, snapshot_id: str, workdir: Path) -> Snapsh
             fields = {f.name: f for f in dataclasses.fields(SnapshotManifest)}
             if not isinstance(raw, dict) or set(raw) != set(fields):
                 raise ValueError("unexpected fields")
-            raw["context_skipped"] = tuple(raw["context_skipped"])
-            raw["env_names"] = tuple(raw["env_names"])
+            for k in ("context_skipped", "env_names"):
+                if not isinstance(raw[k], list) or not all(isinstance(x, str) for x in raw[k]):
+                    raise ValueError(f"{k} must be a list of strings")
+                raw[k] = tuple(raw[k])
             m = SnapshotManifest(**raw)
             if m.format != FORMAT or m.snapshot_id != snapshot_id:
                 raise ValueError("wrong format or id")
@@ -177,20 +184,32 @@ def list_manifests(store: ObjectStore) -> list[str]:
     return [k[len("snapshots/"):-len(".json")] for k in store.list("snapshots") if k.endswith(".json")]
 
 
-def gc(store: ObjectStore, workdir: Path) -> int:
-    """Delete blobs no manifest references; returns how many. Unreadable manifests keep theirs."""
+GC_GRACE_S = 3600.0  # a blob younger than this may belong to a snapshot being written
+
+
+def gc(store: ObjectStore, workdir: Path, grace_s: float = GC_GRACE_S) -> tuple[int, list[str]]:
+    """Delete blobs no readable manifest references and older than ``grace_s``.
+
+    Returns (blobs deleted, ids of unreadable manifests: those snapshots cannot be restored
+    and are left for ``snapshots rm``).
+    """
     keep: set[str] = set()
+    broken: list[str] = []
     for sid in list_manifests(store):
         try:
             keep.add(load_manifest(store, sid, workdir).filesystem_sha256)
-        except StorageError:
-            return 0  # never delete on a partial view
+        except ArtifactCorrupt:
+            broken.append(sid)
     removed = 0
+    now = time.time()
     for key in store.list("blobs/sha256"):
-        if key.rsplit("/", 1)[-1] not in keep:
-            store.delete(key)
-            removed += 1
-    return removed
+        if key.rsplit("/", 1)[-1] in keep:
+            continue
+        if now - store.modified(key) < grace_s:
+            continue
+        store.delete(key)
+        removed += 1
+    return removed, broken
 
 
 def new_snapshot_id() -> str:
