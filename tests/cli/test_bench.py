@@ -53,8 +53,15 @@ def test_bench_density_short(runc_ready):
         assert s["cgroup_mib_per_sandbox"] > 0 and 0 < s["uss_mib_per_sandbox"] <= s["rss_mib_per_sandbox"]
 
 
+def test_bench_snapshot_short(runc_ready):
+    rep = _bench("snapshot", "--runs", "1", "--mb", "1")
+    assert rep["memory_snapshot"] is False and rep["sizes"]["artifact_bytes"] > 1 << 20
+    assert all(s["n"] == 1 and s["p50_ms"] > 0 for s in rep["stats"].values())
+    assert set(rep["ratios_p50"]) == {"snapshot/raw_tar_zstd", "resume_first_pool/raw_untar"}
+
+
 @pytest.mark.parametrize("args", [["start", "--runs", "0"], ["burst", "--burst", "0"], ["density", "--step", "0"],
-                                  ["exec", "--seconds", "-1"]])
+                                  ["exec", "--seconds", "-1"], ["snapshot", "--mb", "-1"]])
 def test_bench_bad_arguments_are_typed(args):
     r = cli("bench", *args)
     assert r.returncode == 125 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
