@@ -132,7 +132,8 @@ GIB = float(1 << 30)
 
 _LIVE = tuple(s.value for s in LIVE)
 _HOLDING = (*_LIVE, State.FAILED.value)  # states whose uid range is still in use
-_USER = tuple(s.value for s in LIVE if s not in (State.POOLED, State.RETIRING))  # what `warmbox ls` shows
+# what `warmbox ls` shows: the caller's sandboxes, running or paused (not the pools')
+_USER = (*(s.value for s in LIVE if s not in (State.POOLED, State.RETIRING)), State.PAUSED.value)
 
 
 def _in(values: tuple[str, ...]) -> str:
