@@ -53,4 +53,5 @@ def test_doctor(home):
     r = cli("doctor", "--json")
     rows = {row["tier"]: row for row in json.loads(r.stdout)}
     assert rows["container"]["available"] is True
-    assert rows["gvisor"]["available"] is False and rows["gvisor"]["reason"]
+    assert rows["gvisor"]["available"] is True
+    assert rows["microvm"]["available"] is False and rows["microvm"]["reason"]

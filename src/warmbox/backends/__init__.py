@@ -10,7 +10,7 @@ from warmbox.errors import BackendUnavailable, InvalidArgument
 # tier name -> (aliases, backend module:class); imported lazily so optional tools stay optional
 TIERS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "container": (("container", "runc"), "warmbox.backends.runc:RuncBackend"),
-    "gvisor": (("gvisor", "runsc"), None),
+    "gvisor": (("gvisor", "runsc"), "warmbox.backends.gvisor:GvisorBackend"),
     "microvm": (("microvm", "qemu"), None),
     "isolate": (("isolate", "v8", "wasm"), None),
 }

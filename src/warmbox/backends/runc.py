@@ -53,13 +53,17 @@ _GUEST_SOURCES = ("protocol.py", "guest/__init__.py", "guest/agent.py", "guest/k
 _AGENT_BOOT = ("import sys; sys.path.insert(0, %r); from warmbox.guest.agent import main; main()" % GUEST_LIB)
 
 
-def build_image(images_dir: Path) -> Path:
-    """The shared read-only rootfs, built once per content hash (atomic: temp dir + rename)."""
+def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path:
+    """The shared read-only rootfs, built once per content hash (atomic: temp dir + rename).
+
+    variant/customize: a tier's own flavour of the image (``customize(tmp_root)`` runs last;
+    the variant name and its inputs must be part of ``variant``'s spelling for the hash).
+    """
     pkg = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256(b"warmbox-rootfs-v3")
+    h = hashlib.sha256(b"warmbox-rootfs-v3" + variant.encode())
     for rel in _GUEST_SOURCES:
         h.update(rel.encode() + b"\0" + (pkg / rel).read_bytes())
-    final = images_dir / f"base-{h.hexdigest()[:16]}"
+    final = images_dir / f"{variant.split(':')[0]}-{h.hexdigest()[:16]}"
     if final.is_dir():
         return final
     images_dir.mkdir(parents=True, exist_ok=True)
@@ -111,6 +115,8 @@ def build_image(images_dir: Path) -> Path:
     if os.path.exists(GUEST_PYTHON):
         subprocess.run([GUEST_PYTHON, "-I", "-m", "compileall", "-q", str(lib)], check=True,
                        stdout=subprocess.DEVNULL, timeout=60)
+    if customize is not None:
+        customize(tmp)
     try:
         os.rename(tmp, final)
     except OSError:  # another process won the race; theirs is identical
@@ -402,6 +408,10 @@ class RuncBackend:
             if proc.returncode != 0 and (self.root / handle.runtime_id).exists():
                 raise SandboxStartError(f"runc delete failed: {err.decode(errors='replace').strip()}",
                                         handle.sandbox_id)
+        await self._wait_gone(handle, pids)
+
+    async def _wait_gone(self, handle: BackendHandle, pids: list[int]) -> None:
+        """After the runtime's delete: no process left, cgroups and the state dir removed."""
         # runc returns once init is dead; wait (bounded) until every process has fully exited.
         # Whatever is still in the cgroup then (runc's state was lost, or it failed) is killed
         # here: a sandbox is never reported destroyed while one of its processes runs.

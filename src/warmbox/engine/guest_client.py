@@ -7,6 +7,8 @@ frame outside it closes the connection with :class:`GuestProtocolError`.
 from __future__ import annotations
 
 import asyncio
+import os
+import stat
 import contextlib
 import itertools
 from collections.abc import AsyncIterator
@@ -31,10 +33,22 @@ class GuestClient:
 
     @classmethod
     async def connect(cls, socket_path: str, sandbox_id: str) -> "GuestClient":
+        """Connect to the agent's socket. The last path component may live in a directory the
+        guest can write (gVisor tier): it is opened with O_PATH|O_NOFOLLOW and must be a socket,
+        and the connection goes to that very inode (/proc/self/fd/N), so a symlink or a file the
+        guest swapped in cannot point the host at some other host socket."""
         try:
-            reader, writer = await asyncio.open_unix_connection(socket_path, limit=p.MAX_FRAME)
+            fd = os.open(socket_path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
             raise GuestConnectionError(f"cannot reach the guest agent: {e.strerror or e}", sandbox_id) from None
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                raise GuestConnectionError("the guest agent's socket path is not a socket", sandbox_id)
+            reader, writer = await asyncio.open_unix_connection(f"/proc/self/fd/{fd}", limit=p.MAX_FRAME)
+        except OSError as e:
+            raise GuestConnectionError(f"cannot reach the guest agent: {e.strerror or e}", sandbox_id) from None
+        finally:
+            os.close(fd)
         return cls(reader, writer, sandbox_id)
 
     async def _read_loop(self) -> None:

@@ -1,0 +1,189 @@
+"""Tier 3: the container tier's OCI bundle run by gVisor's ``runsc`` — a user-space kernel.
+
+Same image, namespaces, cgroups, mounts and guest agent as Tier 2; the syscalls of the code
+inside are served by gVisor's Sentry, not the host kernel (``uname`` says 4.4.0, ``dmesg``
+"Starting gVisor..."). Decisions, each forced by this host's runsc (Debian 0.0~20221219):
+- Platform ``ptrace`` by default (the kvm platform hangs under this host's PVM ``/dev/kvm``);
+  ``WARMBOX_RUNSC_PLATFORM`` overrides.
+- No ``--preserve-fds`` in this runsc, so the agent cannot inherit a host listener as on
+  Tier 2. It listens on ``/run/agent.sock`` inside a per-sandbox bind-mounted directory
+  (``--host-uds=create`` makes that a real host socket). The directory belongs to the sandbox
+  user, so the host opens the socket with O_PATH|O_NOFOLLOW and checks it *is* a socket before
+  connecting (a guest-planted symlink cannot redirect the host's connection).
+- This runsc rejects ``AT_NO_AUTOMOUNT`` in statx with EINVAL, which glibc 2.36's coreutils
+  always pass (``ls``/``stat``/``cp`` fail). The image preloads a 10-line shim
+  (gvisor_statx.c, built with the host's gcc) that drops the flag; there are no automounts
+  inside the sandbox, so nothing changes but that the call works.
+- The OCI seccomp profile is not applied (``--oci-seccomp`` in this version cannot express
+  Tier 2's profile): the Sentry itself is the syscall boundary and is seccomp-confined on the
+  host by runsc.
+- ``--network=none``: loopback only, as on Tier 2. (Egress, when it exists, must reach gVisor's
+  netstack through a veth in the sandbox's namespace — the same host-side proxy design.)
+Memory snapshots (``runsc checkpoint``) are not wired yet: capabilities say ``memory_snapshot``
+False; file + code-context snapshots work as on Tier 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Awaitable, Callable, ClassVar, TypeVar
+
+from warmbox.backends import runc as tier2
+from warmbox.backends.base import Availability, BackendHandle, Capabilities, SandboxSpec
+from warmbox.errors import GuestConnectionError, SandboxStartError
+
+T = TypeVar("T")
+SOCKET_DIR = "/run"
+SHIM = "/opt/warmbox/statx_shim.so"
+_SHIM_SOURCE = Path(__file__).with_name("gvisor_statx.c")
+START_TIMEOUT_S = 60.0
+
+
+def _platform() -> str:
+    return os.environ.get("WARMBOX_RUNSC_PLATFORM", "ptrace")
+
+
+class GvisorBackend(tier2.RuncBackend):
+    """Tier 3 (``gvisor``): runsc, ptrace platform, the Tier 2 bundle minus host-kernel syscalls."""
+
+    tier: ClassVar[str] = "gvisor"
+
+    def __init__(self, runtime: Path, runsc: str | None = None) -> None:
+        super().__init__(runtime)
+        self.runsc = runsc or shutil.which("runsc") or "runsc"
+        self.root = runtime / "runsc"
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            tier=self.tier,
+            isolation="gVisor user-space kernel (Sentry, ptrace platform) + gofer for files; Linux namespaces "
+                      "and cgroups around it; the host kernel sees only the Sentry's syscalls",
+            memory_snapshot=False, filesystem_snapshot=True, custom_kernel=False,
+            network_modes=("none",), languages=("python", "node", "shell", "c", "git"),
+            start_class="100ms-1s",
+        )
+
+    def probe(self) -> Availability:
+        path = shutil.which(self.runsc) if not os.path.isabs(self.runsc) else self.runsc
+        if not path or not os.access(path, os.X_OK):
+            return Availability(False, "runsc is not installed (apt-get install runsc)")
+        if os.geteuid() != 0:
+            return Availability(False, "needs root (runsc creates namespaces and cgroups)")
+        if not shutil.which("gcc") and not self._shim_built():
+            return Availability(False, "needs gcc once, to build the statx shim this runsc requires")
+        return Availability(True, f"runsc at {path}, platform {_platform()}")
+
+    # ---- image
+
+    def _shim_built(self) -> bool:
+        return any((d / SHIM.lstrip("/")).exists() for d in (self.runtime / "images").glob("gvisor-*"))
+
+    def image(self) -> Path:
+        if self._image is None:
+            source = _SHIM_SOURCE.read_bytes()
+            import hashlib
+
+            variant = "gvisor:" + hashlib.sha256(source).hexdigest()[:12]
+            self._image = tier2.build_image(self.runtime / "images", variant, self._add_shim)
+        return self._image
+
+    @staticmethod
+    def _add_shim(root: Path) -> None:
+        out = root / SHIM.lstrip("/")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-Wall", "-o", str(out), str(_SHIM_SOURCE)],
+                           capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise SandboxStartError(f"building the statx shim failed: {r.stderr.strip()[-300:]}")
+        os.chmod(out, 0o755)
+        (root / "etc" / "ld.so.preload").write_text(SHIM + "\n")
+
+    # ---- lifecycle
+
+    def config(self, spec: SandboxSpec, rootfs: Path, workspace: Path) -> dict:
+        cfg = super().config(spec, rootfs, workspace)
+        cfg["process"]["args"] = [tier2.GUEST_PYTHON, "-I", "-S", "-c",
+                                  tier2._AGENT_BOOT.replace("main()", f"main([{SOCKET_DIR + '/agent.sock'!r}])")]
+        cfg["mounts"].append({"destination": SOCKET_DIR, "type": "bind",
+                              "source": str(Path(spec.state_dir) / "run"), "options": ["bind", "rw"]})
+        cfg["linux"].pop("seccomp", None)
+        return cfg
+
+    def _global(self) -> list[str]:
+        return [self.runsc, "--root", str(self.root), f"--platform={_platform()}", "--network=none",
+                "--host-uds=create"]
+
+    async def create(self, spec: SandboxSpec) -> BackendHandle:
+        handle = await super().create(spec)
+        run = Path(spec.state_dir) / "run"
+        # the agent (sandbox uid 1000) creates its socket here; no one else may enter
+        os.chown(run, spec.uid_base + tier2.GUEST_UID, spec.uid_base + tier2.GUEST_GID)
+        os.chmod(run, 0o700)
+        return BackendHandle(sandbox_id=handle.sandbox_id, tier=self.tier, runtime_id=handle.runtime_id,
+                             state_dir=handle.state_dir, socket_path=handle.socket_path, uid_base=handle.uid_base)
+
+    async def start(self, handle: BackendHandle, ready: Callable[[], Awaitable[T]]) -> T:
+        state = Path(handle.state_dir)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        log = os.open(state / "agent.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            # stdio to a file: with pipes, the detached sandbox would hold them open forever
+            proc = await asyncio.create_subprocess_exec(
+                *self._global(), "run", "--detach", "--bundle", str(state / "bundle"), handle.runtime_id,
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        finally:
+            os.close(log)
+        rc = await asyncio.wait_for(proc.wait(), START_TIMEOUT_S)
+        if rc != 0:
+            raise SandboxStartError(f"runsc failed to start the sandbox (exit {rc}): {tier2._tail(state / 'agent.log')}",
+                                    handle.sandbox_id)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        sock = Path(handle.socket_path)
+        polls = 0
+        while not sock.exists():  # the agent creates it once its interpreter is up
+            polls += 1
+            if time.monotonic() > deadline or (polls % 100 == 0 and not await self.alive(handle)):
+                raise SandboxStartError(f"the guest agent did not come up under gVisor: "
+                                        f"{tier2._tail(state / 'agent.log')}", handle.sandbox_id)
+            await asyncio.sleep(0.005)
+        for attempt in range(50):  # the socket file exists from bind(); it accepts after listen()
+            try:
+                return await ready()
+            except GuestConnectionError:
+                if attempt == 49:
+                    raise
+                await asyncio.sleep(0.02)
+        raise AssertionError("unreachable")
+
+    def _state(self, handle: BackendHandle) -> dict | None:
+        try:
+            out = subprocess.run([*self._global(), "state", handle.runtime_id], capture_output=True, text=True,
+                                 timeout=10)
+            return json.loads(out.stdout) if out.returncode == 0 else None
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            return None
+
+    async def alive(self, handle: BackendHandle) -> bool:
+        st = await asyncio.to_thread(self._state, handle)
+        pid = (st or {}).get("pid")
+        if not isinstance(pid, int) or pid <= 0 or (st or {}).get("status") == "stopped":
+            return False
+        return tier2._running(pid)
+
+    async def destroy(self, handle: BackendHandle) -> None:
+        pids = self._pids(handle.sandbox_id)
+        if self.root.exists() and any(self.root.glob(f"{handle.runtime_id}*")):
+            proc = await asyncio.create_subprocess_exec(
+                *self._global(), "delete", "--force", handle.runtime_id,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+            _, err = await proc.communicate()
+            if proc.returncode != 0 and await self.alive(handle):
+                raise SandboxStartError(f"runsc delete failed: {err.decode(errors='replace').strip()[-300:]}",
+                                        handle.sandbox_id)
+        await self._wait_gone(handle, pids)
