@@ -200,6 +200,14 @@ class Configure(Message):
     FIELDS = "env:dict[str,str] reset_counts:bool"
 
 
+class Quiesce(Message):
+    """Before a memory checkpoint: the agent answers Ok, then closes its listening socket and every
+    connection (host sockets cannot be checkpointed) and listens again once the host creates a
+    ``resume`` file next to its socket (after the restore). Only for an agent listening on a path."""
+
+    FIELDS = ""
+
+
 class GetUsage(Message):
     """Ask for the agent's usage counters; answered by UsageReport."""
 
@@ -274,7 +282,7 @@ class CodeDone(Message):
 
 HOST_TO_GUEST: tuple[type[Message], ...] = (
     Ping, Exec, StdinData, Signal, ReadFile, WriteFile, ListDir, Stat, MakeDir, Remove,
-    ContextCreate, ContextRun, ContextDelete, Configure, GetUsage, Chunk, ChunkEnd,
+    ContextCreate, ContextRun, ContextDelete, Configure, GetUsage, Quiesce, Chunk, ChunkEnd,
 )
 GUEST_TO_HOST: tuple[type[Message], ...] = (
     Pong, Started, Stdout, Stderr, Exited, Ok, Failure, Entry, ContextCreated, Display,

@@ -124,3 +124,32 @@ def test_the_host_never_follows_a_planted_symlink(tmp_path):
             asyncio.run(GuestClient.connect(str(link), "sb-test"))
     finally:
         srv.close()
+
+
+def test_memory_pause_and_resume_continue_execution(home, runc_ready):
+    """A variable, a background process's counter and an open file all carry on after resume."""
+    engine = Engine.for_home(home)
+    sb = Sandbox.create("gvisor", timeout=120, template="base")
+    sb.run_code("log = open('/tmp/log.txt', 'w')\nlog.write('before\\n')\nlog.flush()\ncounter = 41")
+    sb.commands.run("(i=0; while true; do i=$((i+1)); echo $i > /tmp/bg; sleep 0.05; done) >/dev/null 2>&1 &")
+    time.sleep(0.5)
+    ref = sb.pause(memory=True)
+    assert ref.memory and ref.tier == "gvisor" and ref.size_bytes > 0
+    assert engine.info(sb.sandbox_id)[0].state is State.PAUSED
+    assert not [d for d in engine.backend("gvisor").cgroup_dirs(sb.sandbox_id) if d.exists()]
+    with Sandbox.resume(sb.sandbox_id, timeout=120) as back:
+        assert back.run_code("counter + 1").text == "42"
+        back.run_code("log.write('after\\n'); log.flush()")  # the same open file object
+        assert back.files.read("/tmp/log.txt") == "before\nafter\n"
+        first = int(back.commands.run("cat /tmp/bg").stdout)
+        time.sleep(0.5)
+        assert int(back.commands.run("cat /tmp/bg").stdout) > first  # the loop kept running
+    assert engine.info(sb.sandbox_id)[0].state is State.DESTROYED
+
+
+def test_memory_snapshot_of_a_running_sandbox_is_refused_typed(gv):
+    from warmbox import SnapshotUnsupported
+
+    with pytest.raises(SnapshotUnsupported, match="pause"):
+        gv.snapshot(memory=True)
+    assert gv.commands.run("true").exit_code == 0

@@ -19,8 +19,9 @@ inside are served by gVisor's Sentry, not the host kernel (``uname`` says 4.4.0,
   host by runsc.
 - ``--network=none``: loopback only, as on Tier 2. (Egress, when it exists, must reach gVisor's
   netstack through a veth in the sandbox's namespace — the same host-side proxy design.)
-Memory snapshots (``runsc checkpoint``) are not wired yet: capabilities say ``memory_snapshot``
-False; file + code-context snapshots work as on Tier 2.
+Memory snapshots: ``runsc checkpoint`` (the sandbox exits; processes, memory, /tmp and
+/home/user are in its image) after the agent dropped its host sockets (Quiesce), and ``runsc
+restore`` into a new bundle; /workspace (a host directory) travels beside the image.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class GvisorBackend(tier2.RuncBackend):
             tier=self.tier,
             isolation="gVisor user-space kernel (Sentry, ptrace platform) + gofer for files; Linux namespaces "
                       "and cgroups around it; the host kernel sees only the Sentry's syscalls",
-            memory_snapshot=False, filesystem_snapshot=True, custom_kernel=False,
+            memory_snapshot=True, filesystem_snapshot=True, custom_kernel=False,
             network_modes=("none",), languages=("python", "node", "shell", "c", "git"),
             start_class="100ms-1s",
         )
@@ -143,6 +144,10 @@ class GvisorBackend(tier2.RuncBackend):
         if rc != 0:
             raise SandboxStartError(f"runsc failed to start the sandbox (exit {rc}): {tier2._tail(state / 'agent.log')}",
                                     handle.sandbox_id)
+        return await self._await_agent(handle, ready)
+
+    async def _await_agent(self, handle: BackendHandle, ready: Callable[[], Awaitable[T]]) -> T:
+        state = Path(handle.state_dir)
         deadline = time.monotonic() + START_TIMEOUT_S
         sock = Path(handle.socket_path)
         polls = 0
@@ -160,6 +165,43 @@ class GvisorBackend(tier2.RuncBackend):
                     raise
                 await asyncio.sleep(0.02)
         raise AssertionError("unreachable")
+
+    async def checkpoint(self, handle: BackendHandle, image_dir: Path) -> Path:
+        """Save the sandbox's processes and memory to ``image_dir``; the sandbox exits."""
+        proc = await asyncio.create_subprocess_exec(
+            *self._global(), "checkpoint", f"--image-path={image_dir}", handle.runtime_id,
+            stdin=subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        _, err = await proc.communicate()
+        image = image_dir / "checkpoint.img"
+        if proc.returncode != 0 or not image.is_file():
+            raise SandboxStartError(f"runsc checkpoint failed: {err.decode(errors='replace').strip()[-400:]}",
+                                    handle.sandbox_id)
+        return image
+
+    async def resume_listening(self, handle: BackendHandle) -> None:
+        """Tell a quiesced agent to listen again (the resume file next to its socket)."""
+        run = Path(handle.state_dir) / "run"
+        trigger = run / "resume"
+        trigger.write_text("")
+        os.chown(trigger, handle.uid_base + tier2.GUEST_UID, handle.uid_base + tier2.GUEST_GID)
+
+    async def restore(self, handle: BackendHandle, image_dir: Path, ready: Callable[[], Awaitable[T]]) -> T:
+        """Continue a checkpointed sandbox in this (freshly created) bundle."""
+        state = Path(handle.state_dir)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        log = os.open(state / "agent.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self._global(), "restore", "--detach", f"--image-path={image_dir}", "--bundle", str(state / "bundle"),
+                handle.runtime_id, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        finally:
+            os.close(log)
+        rc = await asyncio.wait_for(proc.wait(), START_TIMEOUT_S)
+        if rc != 0:
+            raise SandboxStartError(f"runsc restore failed (exit {rc}): {tier2._tail(state / 'agent.log')}",
+                                    handle.sandbox_id)
+        await self.resume_listening(handle)
+        return await self._await_agent(handle, ready)
 
     def _state(self, handle: BackendHandle) -> dict | None:
         try:

@@ -152,6 +152,11 @@ async def snapshot(engine: "Engine", sandbox_id: str, client: GuestClient | None
     if memory and not caps.memory_snapshot:
         raise SnapshotUnsupported(f"tier {info.tier!r} cannot snapshot memory on this host "
                                   f"(filesystem and code-context state only: memory=False)")
+    if memory and not _pausing.get(sandbox_id):
+        raise SnapshotUnsupported("a memory snapshot stops the sandbox's runtime: use pause(memory=True), "
+                                  "then resume() or create(from_snapshot=) to continue or fork it")
+    if memory:
+        return await _memory_snapshot(engine, info, handle, client, parent=parent, env_names=env_names)
     store = store_for(engine)
     work = _workdir(engine)
     own = client is None
@@ -269,9 +274,16 @@ async def _stream_tar(client: GuestClient, fd: int | None, raw: Path, sandbox_id
     return code, err
 
 
+_pausing: dict[str, bool] = {}
+
+
 async def pause(engine: "Engine", sandbox_id: str, client: GuestClient | None, **kw) -> snaps.SnapshotManifest:
     """Snapshot, then release every resource; the sandbox is ``paused`` until resumed."""
-    m = await snapshot(engine, sandbox_id, client, **kw)
+    _pausing[sandbox_id] = True
+    try:
+        m = await snapshot(engine, sandbox_id, client, **kw)
+    finally:
+        _pausing.pop(sandbox_id, None)
     info, handle = engine.info(sandbox_id)
     if client is not None:
         await client.close()
@@ -280,6 +292,144 @@ async def pause(engine: "Engine", sandbox_id: str, client: GuestClient | None, *
     engine.registry.set_state(sandbox_id, State.PAUSED, f"paused to {m.snapshot_id}")
     engine.registry.finalize(sandbox_id)
     return m
+
+
+async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient | None, *, parent: str,
+                           env_names: tuple[str, ...]) -> snaps.SnapshotManifest:
+    """Checkpoint processes + memory (the runtime's image) and /workspace beside it.
+
+    The sandbox's runtime exits with the checkpoint; pause() then releases the rest. If the
+    checkpoint fails, the agent is told to listen again and the sandbox keeps running.
+    """
+    import shutil
+    import tarfile
+
+    backend = engine.backend(info.tier)
+    store = store_for(engine)
+    work = _workdir(engine)
+    sid = info.sandbox_id
+    own = client is None
+    if own:
+        client = await GuestClient.connect(handle.socket_path, sid)
+    try:
+        reply = await client.call(lambda i: p.Quiesce(i), p.Ok)
+        if isinstance(reply, p.Failure):
+            raise SandboxError(f"quiesce: {reply.message}", sid)
+    finally:
+        await client.close()
+    image_dir = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=work))
+    fd, raw_name = tempfile.mkstemp(prefix=".ws-", suffix=".tar", dir=work)
+    os.close(fd)
+    raw = Path(raw_name)
+    checkpointed = False
+    try:
+        try:
+            with tarfile.open(raw, "w") as tar:  # host side: symlinks are stored, never followed
+                tar.add(Path(handle.state_dir) / "workspace", arcname=".")
+        except OSError as e:
+            raise _storage_error(e, f"snapshot of {sid}") from None
+        image = await backend.checkpoint(handle, image_dir)
+        checkpointed = True
+        try:
+            fs_sha, fs_size, fs_raw = snaps.put_blob(store, raw, work)
+            mem_sha, mem_size, mem_raw = snaps.put_blob(store, image, work)
+        except OSError as e:
+            raise _storage_error(e, f"snapshot of {sid}") from None
+        lim = engine.registry.limits(sid)
+        m = snaps.SnapshotManifest(
+            snapshot_id=snaps.new_snapshot_id(), sandbox_id=sid, parent=parent, created_at=time.time(),
+            tier=info.tier, template=info.template, memory_mb=lim.memory_mb, cpus=lim.cpus, pids=lim.pids,
+            file_size_mb=lim.file_size_mb, open_files=lim.open_files, tmp_mb=lim.tmp_mb, memory=True,
+            filesystem_sha256=fs_sha, filesystem_bytes=fs_size, filesystem_raw_bytes=fs_raw,
+            context_saved=True, context_skipped=(), env_names=tuple(sorted(env_names)),
+            memory_sha256=mem_sha, memory_bytes=mem_size, memory_raw_bytes=mem_raw)
+        snaps.save_manifest(store, m, work)
+        engine.registry.add_snapshot(m.snapshot_id, sid, m.created_at, m.size_bytes)
+        return m
+    except BaseException:
+        if not checkpointed:  # still running: let the agent listen again
+            try:
+                await backend.resume_listening(handle)
+            except OSError:
+                pass
+        raise
+    finally:
+        raw.unlink(missing_ok=True)
+        shutil.rmtree(image_dir, ignore_errors=True)
+
+
+async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float | None):
+    """A new sandbox continuing a memory snapshot: same processes, memory, /tmp; /workspace restored."""
+    import shutil
+    import tarfile
+
+    from warmbox.backends.base import SandboxSpec
+    from warmbox.models import StageTiming
+
+    work = _workdir(engine)
+    image_dir = Path(tempfile.mkdtemp(prefix=".restore-", dir=work))
+    ws_tar = image_dir / "workspace.tar"
+    t0 = time.perf_counter()
+    try:
+        snaps.get_blob(store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, ws_tar, work)
+        snaps.get_blob(store_for(engine), m.memory_sha256, m.memory_bytes, m.memory_raw_bytes,
+                       image_dir / "checkpoint.img", work)
+        backend = engine.backend(m.tier)
+        limits = Limits(memory_mb=m.memory_mb, cpus=m.cpus, pids=m.pids, file_size_mb=m.file_size_mb,
+                        open_files=m.open_files, tmp_mb=m.tmp_mb)
+        from warmbox.engine.engine import validate_timeout
+        import secrets as _secrets
+
+        timeout_s = validate_timeout(engine.settings().defaults.timeout_s if timeout is None else timeout)
+        sandbox_id = "sb-" + _secrets.token_hex(6)
+        state_dir = engine.runtime / "sandboxes" / sandbox_id
+        socket_path = str(state_dir / "run" / "agent.sock")
+        engine.registry.allocate(sandbox_id, m.tier, m.template, timeout_s, limits.memory_mb, limits.cpus,
+                                 limits.pids, str(state_dir), socket_path, owner=engine.owner,
+                                 file_size_mb=limits.file_size_mb, open_files=limits.open_files, tmp_mb=limits.tmp_mb)
+        engine.ensure_daemon()
+        info, handle = engine.registry.get(sandbox_id)
+        state_dir.parent.mkdir(mode=0o711, exist_ok=True)
+        state_dir.mkdir(mode=0o711)
+        client = None
+        t1 = time.perf_counter()
+        try:
+            handle = await backend.create(SandboxSpec(sandbox_id=sandbox_id, state_dir=str(state_dir),
+                                                      uid_base=handle.uid_base, envs=(), limits=limits))
+            ws = state_dir / "workspace"
+            uid = handle.uid_base + 1000
+            with tarfile.open(ws_tar) as tar:  # "data" filter: no absolute paths, no escapes, no devices
+                tar.extractall(ws, filter="data")
+            for root, dirs, files in os.walk(ws):
+                for n in dirs + files:
+                    os.lchown(os.path.join(root, n), uid, uid)
+            t2 = time.perf_counter()
+
+            async def ready() -> GuestClient:
+                nonlocal client
+                client = await GuestClient.connect(handle.socket_path, sandbox_id)
+                pong = await client.call(lambda i: p.Ping(i), p.Pong)
+                if not isinstance(pong, p.Pong):
+                    raise SandboxError(f"restored agent answered {pong!r}", sandbox_id)
+                return client
+
+            client = await backend.restore(handle, image_dir, ready)
+            t3 = time.perf_counter()
+        except BaseException as e:
+            if client is not None:
+                await client.close()
+            await engine._cleanup_failed(sandbox_id, handle, backend, e)
+            raise
+        timings = [StageTiming(sandbox_id, "allocation", (t1 - t0) * 1e3), StageTiming(sandbox_id, "filesystem", (t2 - t1) * 1e3),
+                   StageTiming(sandbox_id, "runtime", (t3 - t2) * 1e3)]
+        engine.registry.add_timings(timings)
+        engine.registry.set_expiry(sandbox_id, time.time() + timeout_s)
+        engine.registry.set_state(sandbox_id, State.READY, f"restored from {m.snapshot_id}", expected=State.CREATING)
+        engine.registry.set_parent(sandbox_id, m.snapshot_id)
+        info, _ = engine.info(sandbox_id)
+        return info, handle, client, timings
+    finally:
+        shutil.rmtree(image_dir, ignore_errors=True)
 
 
 def resolve(engine: "Engine", ref: str) -> snaps.SnapshotManifest:
@@ -302,6 +452,10 @@ async def restore(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float
 
     The artifact is fetched and verified first: a corrupt one raises before any sandbox exists.
     """
+    if m.memory:
+        if envs:
+            raise InvalidArgument("a memory snapshot continues its processes as they were: envs cannot change")
+        return await _restore_memory(engine, m, timeout=timeout)
     work = _workdir(engine)
     fd, raw_name = tempfile.mkstemp(prefix=".restore-", suffix=".tar", dir=work)
     os.close(fd)

@@ -751,6 +751,13 @@ def _configure(agent: "Agent", conn: Connection, msg: p.Configure) -> None:
     conn.send(report)
 
 
+def _quiesce(agent: "Agent", conn: Connection, msg: p.Quiesce) -> None:
+    if agent.path is None:
+        raise _Fail(p.ErrorCode.INVALID, "this agent listens on an inherited socket: nothing to quiesce")
+    conn.send(p.Ok(id=msg.id))
+    agent.quiesce()
+
+
 def _get_usage(agent: "Agent", conn: Connection, msg: p.GetUsage) -> None:
     conn.send(agent.busy.report(msg.id))
 
@@ -766,7 +773,7 @@ _HANDLERS = {
     p.Ping: _ping, p.Exec: _exec, p.Signal: _signal, p.ReadFile: _read_file,
     p.WriteFile: _write_file, p.ListDir: _list_dir, p.Stat: _stat, p.MakeDir: _make_dir,
     p.Remove: _remove, p.ContextCreate: _context_create, p.ContextRun: _context_run,
-    p.ContextDelete: _context_delete, p.Configure: _configure, p.GetUsage: _get_usage,
+    p.ContextDelete: _context_delete, p.Configure: _configure, p.GetUsage: _get_usage, p.Quiesce: _quiesce,
 }
 _INLINE = frozenset({p.Ping, p.GetUsage, p.Signal})  # never block: handled on the reader thread
 
@@ -815,8 +822,12 @@ class Busy:
 class Agent:
     DEFAULT_CONTEXT = "default"
 
-    def __init__(self, listener: socket.socket) -> None:
+    def __init__(self, listener: socket.socket, path: str | None = None) -> None:
         self.listener = listener
+        self.path = path  # where it listens, when not on an inherited fd
+        self.quiescing = threading.Event()
+        self._conns: set = set()
+        self._conns_lock = threading.Lock()
         self.reaper = Reaper()
         self.busy = Busy()
         self.workers = Workers()
@@ -866,7 +877,50 @@ class Agent:
                 sock = socket.socket(fileno=fd)
             except InterruptedError:  # pragma: no cover
                 continue
-            threading.Thread(target=Connection(self, sock).serve, daemon=True).start()
+            except OSError:
+                if not self.quiescing.is_set():
+                    raise
+                self._await_resume()
+                continue
+            conn = Connection(self, sock)
+            with self._conns_lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: "Connection") -> None:
+        try:
+            conn.serve()
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
+
+    def quiesce(self) -> None:
+        """Drop every host socket (see protocol.Quiesce); serve_forever waits for the resume file."""
+        self.quiescing.set()
+        for sock in [self.listener] + [c.sock for c in list(self._conns)]:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+
+    def _await_resume(self) -> None:
+        trigger = os.path.join(os.path.dirname(self.path), "resume")
+        while not os.path.exists(trigger):
+            time.sleep(0.02)
+        for stale in (self.path, trigger):
+            try:
+                os.unlink(stale)
+            except OSError:
+                pass
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        listener.listen(128)
+        self.listener = listener
+        self.quiescing.clear()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -882,7 +936,7 @@ def main(argv: list[str] | None = None) -> None:
         # PID 1 gets no default signal actions; make the obvious ones end the sandbox.
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(s, lambda *_: os._exit(0))
-    Agent(listener).serve_forever()
+    Agent(listener, argv[0] if argv else None).serve_forever()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -94,7 +94,7 @@ def _snapshot_id(ref: object) -> str:
 
 def _ref(m) -> SnapshotRef:
     return SnapshotRef(snapshot_id=m.snapshot_id, sandbox_id=m.sandbox_id, created_at=m.created_at, tier=m.tier,
-                       template=m.template, memory=m.memory, size_bytes=m.filesystem_bytes,
+                       template=m.template, memory=m.memory, size_bytes=m.size_bytes,
                        context_skipped=m.context_skipped)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from warmbox.errors import ArtifactCorrupt, StorageError, StorageFull
 from warmbox.storage.objects import ObjectStore
 
-FORMAT = 1
+FORMAT = 2
 _CHUNK = 1 << 20
 
 
@@ -31,8 +31,9 @@ _CHUNK = 1 << 20
 class SnapshotManifest:
     """Everything needed to restore a snapshot, and nothing secret.
 
-    memory: whether process memory is in the artifact (False: files and serialisable code
-    context state only; restore starts fresh processes on the restored files).
+    memory: whether process memory is in the artifact (the runtime's checkpoint image, with
+    /tmp and /home/user inside it; the filesystem blob then holds /workspace). False: files and
+    serialisable code-context state only; restore starts fresh processes on the restored files.
     context_saved / context_skipped: the default code context's globals were pickled, except
     these names (unpicklable values: functions and classes defined in cells, open files, ...).
     """
@@ -56,11 +57,14 @@ class SnapshotManifest:
     context_saved: bool
     context_skipped: tuple[str, ...]
     env_names: tuple[str, ...]
+    memory_sha256: str = ""  # the runtime's checkpoint image (memory: true), else ""
+    memory_bytes: int = 0
+    memory_raw_bytes: int = 0
     format: int = FORMAT
 
     @property
     def size_bytes(self) -> int:
-        return self.filesystem_bytes
+        return self.filesystem_bytes + self.memory_bytes
 
 
 def manifest_key(snapshot_id: str) -> str:
@@ -197,7 +201,8 @@ def gc(store: ObjectStore, workdir: Path, grace_s: float = GC_GRACE_S) -> tuple[
     broken: list[str] = []
     for sid in list_manifests(store):
         try:
-            keep.add(load_manifest(store, sid, workdir).filesystem_sha256)
+            m = load_manifest(store, sid, workdir)
+            keep.update(x for x in (m.filesystem_sha256, m.memory_sha256) if x)
         except ArtifactCorrupt:
             broken.append(sid)
     removed = 0
