@@ -60,6 +60,13 @@ def test_bench_snapshot_short(runc_ready):
     assert set(rep["ratios_p50"]) == {"snapshot/raw_tar_zstd", "resume_first_pool/raw_untar"}
 
 
+def test_bench_snapshot_gvisor_short(runc_ready):
+    rep = _bench("snapshot", "--tier", "gvisor", "--runs", "1")
+    assert rep["memory_snapshot"] is True and rep["sizes"]["artifact_bytes"] > 0
+    assert set(rep["stats"]) >= {"pause_ms", "restore_first_ms", "raw_checkpoint_ms", "raw_restore_ms"}
+    assert all(s["p50_ms"] > 0 for s in rep["stats"].values())
+
+
 @pytest.mark.parametrize("args", [["start", "--runs", "0"], ["burst", "--burst", "0"], ["density", "--step", "0"],
                                   ["exec", "--seconds", "-1"], ["snapshot", "--mb", "-1"]])
 def test_bench_bad_arguments_are_typed(args):

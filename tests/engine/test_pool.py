@@ -238,7 +238,7 @@ limits = { memory_mb = 350 }
         engine.ensure_daemon()
         with Sandbox.create(limits=Limits(memory_mb=350), template="shell") as a:
             assert not a.from_pool  # the empty pool missed, and grew
-        wait_for(lambda: engine.registry.pool_rows()["t-auto"].target >= 1, 10, "the pool to grow")
+        wait_for(lambda: engine.registry.pool_rows()["t-auto"].target >= 1, 30, "the pool to grow")
         ready(engine, "t-auto")
         with Sandbox.create(limits=Limits(memory_mb=350), template="shell") as b:
             assert b.from_pool

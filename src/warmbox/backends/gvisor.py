@@ -3,8 +3,8 @@
 Same image, namespaces, cgroups, mounts and guest agent as Tier 2; the syscalls of the code
 inside are served by gVisor's Sentry, not the host kernel (``uname`` says 4.4.0, ``dmesg``
 "Starting gVisor..."). Decisions, each forced by this host's runsc (Debian 0.0~20221219):
-- Platform ``ptrace`` by default (the kvm platform hangs under this host's PVM ``/dev/kvm``);
-  ``WARMBOX_RUNSC_PLATFORM`` overrides.
+- Platform by probing (``_platform``): ptrace unless the host has hardware KVM (the kvm platform
+  hangs under this host's PVM ``/dev/kvm``); ``WARMBOX_RUNSC_PLATFORM`` overrides.
 - No ``--preserve-fds`` in this runsc, so the agent cannot inherit a host listener as on
   Tier 2. It listens on ``/run/agent.sock`` inside a per-sandbox bind-mounted directory
   (``--host-uds=create`` makes that a real host socket). The directory belongs to the sandbox
@@ -47,7 +47,21 @@ START_TIMEOUT_S = 60.0
 
 
 def _platform() -> str:
-    return os.environ.get("WARMBOX_RUNSC_PLATFORM", "ptrace")
+    """``WARMBOX_RUNSC_PLATFORM`` if set; else kvm only on real hardware KVM, ptrace otherwise.
+
+    Probed, not tried: under PVM (``kvm_pvm``, paravirtual nested KVM, as on this host) or
+    without /dev/kvm, runsc's kvm platform hangs instead of failing, so it is never attempted.
+    """
+    forced = os.environ.get("WARMBOX_RUNSC_PLATFORM")
+    if forced:
+        return forced
+    if not os.path.exists("/dev/kvm") or os.path.isdir("/sys/module/kvm_pvm"):
+        return "ptrace"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "ptrace"
+    return "kvm" if (" vmx" in flags or " svm" in flags) else "ptrace"
 
 
 class GvisorBackend(tier2.RuncBackend):
@@ -78,7 +92,9 @@ class GvisorBackend(tier2.RuncBackend):
             return Availability(False, "needs root (runsc creates namespaces and cgroups)")
         if not shutil.which("gcc") and not self._shim_built():
             return Availability(False, "needs gcc once, to build the statx shim this runsc requires")
-        return Availability(True, f"runsc at {path}, platform {_platform()}")
+        why = ("WARMBOX_RUNSC_PLATFORM" if os.environ.get("WARMBOX_RUNSC_PLATFORM") else
+               "hardware KVM" if _platform() == "kvm" else "no hardware KVM (PVM or none): kvm would hang")
+        return Availability(True, f"runsc at {path}, platform {_platform()} ({why})")
 
     # ---- image
 

@@ -636,6 +636,148 @@ async def bench_snapshot(home: Path, runs: int, mb: int) -> dict:
                     "destroy (the destroy waits until every process of the sandbox has exited)"}
 
 
+class _RawRunsc:
+    """The gVisor tier's bundle run by runsc directly: the command as the container's process."""
+
+    def __init__(self, runtime: Path) -> None:
+        from warmbox.backends.gvisor import GvisorBackend
+        from warmbox.storage.registry import MAX_SLOTS, UID_BASE, UID_RANGE
+
+        self.backend = GvisorBackend(runtime)
+        self.dir = runtime / "bench-raw-runsc"
+        self.uid_base = UID_BASE + MAX_SLOTS * UID_RANGE
+        self.n = 0
+
+    def _bundle(self, cmd: list[str]) -> tuple[str, Path]:
+        from warmbox.backends.base import SandboxSpec
+        from warmbox.backends.runc import GUEST_GID, GUEST_UID
+        from warmbox.models import Limits
+
+        self.n += 1
+        cid = f"wbbench-gv-{os.getpid()}-{self.n}"
+        d = self.dir / cid
+        ws = d / "workspace"
+        ws.mkdir(parents=True)
+        (d / "run").mkdir()
+        os.chown(ws, self.uid_base + GUEST_UID, self.uid_base + GUEST_GID)
+        spec = SandboxSpec(sandbox_id=cid, state_dir=str(d), uid_base=self.uid_base, envs=(), limits=Limits())
+        config = self.backend.config(spec, self.backend.image(), ws)
+        config["process"]["args"] = cmd
+        (d / "config.json").write_text(json.dumps(config))
+        return cid, d
+
+    def _run(self, args: list[str], log: Path, timeout: float = 120) -> int:
+        with open(log, "ab") as f:
+            return subprocess.run(self.backend._global() + args, stdin=subprocess.DEVNULL, stdout=f, stderr=f,
+                                  timeout=timeout).returncode
+
+    def run(self, cmd: list[str]) -> tuple[float, str]:
+        cid, d = self._bundle(cmd)
+        t0 = time.perf_counter()
+        try:
+            out = subprocess.run(self.backend._global() + ["run", "--bundle", str(d), cid], capture_output=True,
+                                 text=True, timeout=120, stdin=subprocess.DEVNULL)
+            ms = (time.perf_counter() - t0) * 1e3
+        finally:
+            self._run(["delete", "--force", cid], d / "log")
+            shutil.rmtree(d, ignore_errors=True)
+        if out.returncode != 0:
+            raise WarmboxError(f"raw runsc failed: {out.stderr.strip()[-300:]}")
+        return ms, out.stdout
+
+    def checkpoint_restore(self, code: str) -> tuple[float, float, int]:
+        """A python process that imported pandas: raw checkpoint time, raw restore time, image size."""
+        cid, d = self._bundle(["python3", "-c", code])
+        img = d / "img"
+        img.mkdir()
+        try:
+            if self._run(["run", "--detach", "--bundle", str(d), cid], d / "log") != 0:
+                raise WarmboxError(f"raw runsc run failed: {_tail_log(d / 'log')}")
+            deadline = time.monotonic() + 60
+            while not (d / "workspace" / "ready").exists():
+                if time.monotonic() > deadline:
+                    raise WarmboxError("raw runsc: the process did not get ready")
+                time.sleep(0.02)
+            t0 = time.perf_counter()
+            if self._run(["checkpoint", f"--image-path={img}", cid], d / "log") != 0:
+                raise WarmboxError(f"raw runsc checkpoint failed: {_tail_log(d / 'log')}")
+            ckpt_ms = (time.perf_counter() - t0) * 1e3
+            size = (img / "checkpoint.img").stat().st_size
+            self._run(["delete", "--force", cid], d / "log")
+            (d / "workspace" / "ready").unlink()
+            t0 = time.perf_counter()
+            if self._run(["restore", "--detach", f"--image-path={img}", "--bundle", str(d), cid], d / "log") != 0:
+                raise WarmboxError(f"raw runsc restore failed: {_tail_log(d / 'log')}")
+            while not (d / "workspace" / "ready").exists():  # the restored loop writes it again
+                if time.monotonic() > deadline + 60:
+                    raise WarmboxError("raw runsc: the restored process did not continue")
+                time.sleep(0.005)
+            restore_ms = (time.perf_counter() - t0) * 1e3
+        finally:
+            self._run(["delete", "--force", cid], d / "log")
+            shutil.rmtree(d, ignore_errors=True)
+        return ckpt_ms, restore_ms, size
+
+
+def _tail_log(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace").strip()[-300:]
+    except OSError:
+        return "(no log)"
+
+
+RAW_PANDAS_LOOP = ("import os, time, numpy, pandas\n"
+                   "while True:\n"
+                   "    if not os.path.exists('/workspace/ready'):\n"
+                   "        open('/workspace/ready', 'w').close()\n"
+                   "    time.sleep(0.005)")
+
+
+async def bench_snapshot_gvisor(home: Path, runs: int) -> dict:
+    from warmbox.engine.engine import Engine
+    from warmbox.sdk.sandbox import AsyncSandbox
+
+    engine = Engine.for_home(home)
+    raw = _RawRunsc(engine.runtime)
+    rows: dict[str, list[float]] = {k: [] for k in ("cold_start_first_ms", "pause_ms", "restore_first_ms",
+                                                       "raw_runsc_run_ms", "raw_checkpoint_ms", "raw_restore_ms")}
+    sizes: dict[str, int] = {}
+    for i in range(runs):
+        t0 = time.perf_counter()
+        sb = await AsyncSandbox.create("gvisor", template="pydata", timeout=600, pool=False, home=home)
+        r = await sb.run_code("df = pandas.DataFrame({'a': range(1000)})\nlen(df)")
+        rows["cold_start_first_ms"].append((time.perf_counter() - t0) * 1e3)
+        if r.text != "1000":
+            raise WarmboxError(f"gvisor sandbox answered {r.text!r}")
+        mem = (await engine.usage(sb._handle)).memory_bytes
+        t0 = time.perf_counter()
+        ref = await sb.pause(memory=True)
+        rows["pause_ms"].append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        back = await AsyncSandbox.resume(ref, home=home)
+        r = await back.run_code("len(df)")
+        rows["restore_first_ms"].append((time.perf_counter() - t0) * 1e3)
+        if r.text != "1000":
+            raise WarmboxError(f"restored sandbox answered {r.text!r}")
+        await back.kill()
+        ms, _ = await asyncio.to_thread(raw.run, EMPTY)
+        rows["raw_runsc_run_ms"].append(ms)
+        ck, rs, size = await asyncio.to_thread(raw.checkpoint_restore, RAW_PANDAS_LOOP)
+        rows["raw_checkpoint_ms"].append(ck)
+        rows["raw_restore_ms"].append(rs)
+        sizes = {"artifact_bytes": ref.size_bytes, "resident_memory_bytes": mem, "raw_checkpoint_image_bytes": size}
+    stats = {k: _stats(v) for k, v in rows.items()}
+    ratio = lambda a, b: stats[a]["p50_ms"] / stats[b]["p50_ms"]  # noqa: E731
+    return {"bench": "snapshot", "tier": "gvisor", "memory_snapshot": True, "runs": runs, "sizes": sizes,
+            "stats": stats, "ratios_p50": {"pause/raw_checkpoint": ratio("pause_ms", "raw_checkpoint_ms"),
+                                           "restore_first/raw_restore": ratio("restore_first_ms", "raw_restore_ms"),
+                                           "cold_start_first/restore_first": ratio("cold_start_first_ms",
+                                                                                   "restore_first_ms")},
+            "platform": os.environ.get("WARMBOX_RUNSC_PLATFORM", "ptrace"),
+            "note": "pause = quiesce + host tar of /workspace + runsc checkpoint + compress/store + destroy; "
+                    "raw runsc rows: the same bundle with a plain python process (pandas imported), same run"}
+
+
 def _print_snapshot(r: dict) -> None:
     _print_table(f"bench snapshot [tier {r['tier']}, memory snapshot: {r['memory_snapshot']}] ({r['runs']} runs)",
                  {k.removesuffix("_ms"): v for k, v in r["stats"].items()},
@@ -673,7 +815,8 @@ async def command(args: argparse.Namespace) -> int:
     _validate(args)
     variant = getattr(args, "variant", "both")
     wanted = {"start": tuple(f"bench-{VARIANTS[v][2]}" for v in VARIANTS if variant in (v, "both")),
-              "burst": ("bench-burst",), "exec": (), "snapshot": ("bench-pydata",),
+              "burst": ("bench-burst",), "exec": (),
+              "snapshot": ("bench-pydata",) if getattr(args, "tier", "container") == "container" else (),
               "density": (f"bench-density-{getattr(args, 'template', 'base')}",)}[args.bench]
     pools = {k: v for k, v in POOLS.items() if k in wanted}
     home = _make_home(pools)
@@ -688,7 +831,10 @@ async def command(args: argparse.Namespace) -> int:
             report = await bench_exec(home, args.seconds)
             printer = _print_exec
         elif args.bench == "snapshot":
-            report = await bench_snapshot(home, args.runs, args.mb)
+            if args.tier == "gvisor":
+                report = await bench_snapshot_gvisor(home, args.runs)
+            else:
+                report = await bench_snapshot(home, args.runs, args.mb)
             printer = _print_snapshot
         else:
             if args.template not in ("base", "shell"):

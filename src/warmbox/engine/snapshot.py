@@ -332,7 +332,7 @@ async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient |
         checkpointed = True
         try:
             fs_sha, fs_size, fs_raw = snaps.put_blob(store, raw, work)
-            mem_sha, mem_size, mem_raw = snaps.put_blob(store, image, work)
+            mem_sha, mem_size, mem_raw = snaps.put_blob(store, image, work, level=1)  # big, mostly zeros
         except OSError as e:
             raise _storage_error(e, f"snapshot of {sid}") from None
         lim = engine.registry.limits(sid)

@@ -85,6 +85,22 @@ class LocalObjectStore:
                 pass
             raise _translate(e, f"writing {key}") from None
 
+    def move_file(self, key: str, path: Path) -> None:
+        """put_file by rename when ``path`` is on the store's filesystem (fsync'd first)."""
+        dest = self._path(key)
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(path, dest)
+        except OSError as e:
+            if e.errno == errno.EXDEV:
+                return self.put_file(key, path)
+            raise _translate(e, f"writing {key}") from None
+
     def get_file(self, key: str, dest: Path) -> None:
         try:
             shutil.copyfile(self._path(key), dest)

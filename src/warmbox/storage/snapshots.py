@@ -83,30 +83,48 @@ def _zstd():
     return zstandard
 
 
-def put_blob(store: ObjectStore, raw: Path, workdir: Path) -> tuple[str, int, int]:
+class _HashingFile:
+    """A write-only file that hashes what goes through it (one pass over the compressed bytes)."""
+
+    def __init__(self, f) -> None:
+        self.f = f
+        self.h = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.h.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def put_blob(store: ObjectStore, raw: Path, workdir: Path, level: int = 3) -> tuple[str, int, int]:
     """Compress ``raw`` and store it (unless an identical blob exists); (sha256, stored, raw) sizes."""
     zstd = _zstd()
     raw_size = raw.stat().st_size
     fd, tmp_name = tempfile.mkstemp(prefix=".blob-", dir=workdir)
     tmp = Path(tmp_name)
     try:
-        h = hashlib.sha256()
         try:
             with open(raw, "rb") as src, os.fdopen(fd, "wb") as out:
-                writer = zstd.ZstdCompressor(level=3, threads=-1).stream_writer(out, closefd=False)
+                hashed = _HashingFile(out)
+                writer = zstd.ZstdCompressor(level=level, threads=-1).stream_writer(hashed, closefd=False)
                 while chunk := src.read(_CHUNK):
                     writer.write(chunk)
                 writer.flush(zstd.FLUSH_FRAME)
                 writer.close()
         except OSError as e:
             raise (StorageFull if e.errno == 28 else StorageError)(f"compressing a snapshot: {e.strerror}") from None
-        with open(tmp, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-        sha = h.hexdigest()
-        size = tmp.stat().st_size
+        sha = hashed.h.hexdigest()
+        size = hashed.size
         if not store.exists(blob_key(sha)):
-            store.put_file(blob_key(sha), tmp)
+            move = getattr(store, "move_file", None)
+            if move is not None:
+                move(blob_key(sha), tmp)  # same filesystem: a rename, not a copy
+            else:
+                store.put_file(blob_key(sha), tmp)
         return sha, size, raw_size
     finally:
         tmp.unlink(missing_ok=True)
