@@ -278,14 +278,6 @@ class Registry:
         with self._tx() as db:
             db.execute("UPDATE sandboxes SET expires_at=? WHERE sandbox_id=?", (expires_at, sandbox_id))
 
-    def set_owner(self, sandbox_id: str, owner: str) -> None:
-        with self._tx() as db:
-            db.execute("UPDATE sandboxes SET owner=? WHERE sandbox_id=?", (owner, sandbox_id))
-
-    def owner(self, sandbox_id: str) -> str:
-        row = self._db.execute("SELECT owner FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
-        return row[0] if row else ""
-
     def claim(self, pool: str, shape: str, timeout_s: float, owner: str,
               ) -> tuple[SandboxInfo, BackendHandle] | None:
         """Atomically hand the oldest pooled sandbox of ``pool`` built to ``shape`` to one caller.
