@@ -153,3 +153,35 @@ def test_memory_snapshot_of_a_running_sandbox_is_refused_typed(gv):
     with pytest.raises(SnapshotUnsupported, match="pause"):
         gv.snapshot(memory=True)
     assert gv.commands.run("true").exit_code == 0
+
+
+def test_gvisor_pools_hold_sandboxes_restored_from_a_template_snapshot(home, runc_ready):
+    from tests.conftest import set_config, wait_for
+
+    engine = Engine.for_home(home)
+    set_config(home, """
+[pools.t-gv]
+tier = "gvisor"
+template = "base"
+min = 2
+max = 2
+target = 2
+limits = { memory_mb = 444 }
+""")
+    try:
+        engine.ensure_daemon()
+        wait_for(lambda: engine.registry.pool_counts("t-gv")[0] >= 2, 180, "the gvisor pool to fill")
+        template = {v for k, v in engine.registry._db.execute("SELECT key, value FROM meta_text")
+                    if k.startswith("template:")}
+        assert len(template) == 1  # one checkpoint of the warmed template, restored twice
+        snap = next(iter(template))
+        for sid in engine.registry.pooled("t-gv"):
+            assert [t.reason for t in engine.registry.transitions(sid)][-1] == f"restored from {snap}"
+        with Sandbox.create("gvisor", limits=Limits(memory_mb=444), envs={"WHO": "me"}) as sb:
+            assert sb.from_pool and sb.tier == "gvisor"
+            r = sb.run_code("import os; os.environ['WHO'], 2 + 2")
+            assert r.text == "('me', 4)" and r.execution_count == 1
+            assert sb.commands.run("echo $WHO; uname -r").stdout.split()[0] == "me"
+    finally:
+        set_config(home)
+    wait_for(lambda: not engine.registry.pooled("t-gv"), 60, "the gvisor pool to be retired")

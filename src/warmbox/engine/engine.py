@@ -258,9 +258,17 @@ class Engine:
         """Create and warm one sandbox for a pool (off any request path); returns its id."""
         settings = self.settings()
         tier, tmpl = backends.canonical_tier(pc.tier), settings.template(pc.template)
-        info, handle, client, _ = await self._start(
-            tier, tmpl, pc.max_age_s, (), pc.limits, pc.name, config.shape_key(tier, tmpl, pc.limits),
-            time.perf_counter())
+        shape = config.shape_key(tier, tmpl, pc.limits)
+        if self.backend(tier).capabilities().memory_snapshot:
+            # restore a checkpoint of the warmed template instead of booting and warming again
+            from warmbox.engine import snapshot as snapshots
+
+            m = await snapshots.template_snapshot(self, tier, tmpl, pc.limits, shape)
+            info, _, client, _ = await snapshots._restore_memory(self, m, timeout=pc.max_age_s, pool=pc.name,
+                                                                 shape=shape)
+        else:
+            info, _, client, _ = await self._start(tier, tmpl, pc.max_age_s, (), pc.limits, pc.name, shape,
+                                                   time.perf_counter())
         await client.close()
         return info.sandbox_id
 

@@ -358,8 +358,12 @@ async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient |
         shutil.rmtree(image_dir, ignore_errors=True)
 
 
-async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float | None):
-    """A new sandbox continuing a memory snapshot: same processes, memory, /tmp; /workspace restored."""
+async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float | None,
+                          pool: str = "", shape: str = ""):
+    """A new sandbox continuing a memory snapshot: same processes, memory, /tmp; /workspace restored.
+
+    pool/shape: restore it into a warm pool (state ``pooled``) — a template snapshot's copy.
+    """
     import shutil
     import tarfile
 
@@ -385,9 +389,10 @@ async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeou
         state_dir = engine.runtime / "sandboxes" / sandbox_id
         socket_path = str(state_dir / "run" / "agent.sock")
         engine.registry.allocate(sandbox_id, m.tier, m.template, timeout_s, limits.memory_mb, limits.cpus,
-                                 limits.pids, str(state_dir), socket_path, owner=engine.owner,
+                                 limits.pids, str(state_dir), socket_path, owner=engine.owner, pool=pool, shape=shape,
                                  file_size_mb=limits.file_size_mb, open_files=limits.open_files, tmp_mb=limits.tmp_mb)
-        engine.ensure_daemon()
+        if not pool:
+            engine.ensure_daemon()
         info, handle = engine.registry.get(sandbox_id)
         state_dir.parent.mkdir(mode=0o711, exist_ok=True)
         state_dir.mkdir(mode=0o711)
@@ -420,16 +425,61 @@ async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeou
                 await client.close()
             await engine._cleanup_failed(sandbox_id, handle, backend, e)
             raise
-        timings = [StageTiming(sandbox_id, "allocation", (t1 - t0) * 1e3), StageTiming(sandbox_id, "filesystem", (t2 - t1) * 1e3),
-                   StageTiming(sandbox_id, "runtime", (t3 - t2) * 1e3)]
+        if pool:  # the pool pays for what it took so far: a reading before anyone can claim it
+            u = await backend.usage(handle)
+            engine.registry.sample([(sandbox_id, u.memory_bytes, u.cpu_ns)])
+        on_path = not pool
+        timings = [StageTiming(sandbox_id, "allocation", (t1 - t0) * 1e3, on_path),
+                   StageTiming(sandbox_id, "filesystem", (t2 - t1) * 1e3, on_path),
+                   StageTiming(sandbox_id, "runtime", (t3 - t2) * 1e3, on_path)]
         engine.registry.add_timings(timings)
         engine.registry.set_expiry(sandbox_id, time.time() + timeout_s)
-        engine.registry.set_state(sandbox_id, State.READY, f"restored from {m.snapshot_id}", expected=State.CREATING)
+        engine.registry.set_state(sandbox_id, State.POOLED if pool else State.READY,
+                                  f"restored from {m.snapshot_id}", expected=State.CREATING)
         engine.registry.set_parent(sandbox_id, m.snapshot_id)
         info, _ = engine.info(sandbox_id)
         return info, handle, client, timings
     finally:
         shutil.rmtree(image_dir, ignore_errors=True)
+
+
+async def template_snapshot(engine: "Engine", tier: str, tmpl, limits: Limits, shape: str) -> snaps.SnapshotManifest:
+    """The memory snapshot of a warmed-up template sandbox (made once per shape, then reused).
+
+    Pools of a tier with memory snapshots restore their sandboxes from it instead of booting
+    and warming each one (under gVisor a cold Python + pandas start costs seconds).
+    """
+    import asyncio
+
+    lock = _template_locks.setdefault(shape, asyncio.Lock())
+    async with lock:  # concurrent refills make one template, not one each
+        return await _template_snapshot(engine, tier, tmpl, limits, shape)
+
+
+_template_locks: dict = {}
+
+
+async def _template_snapshot(engine: "Engine", tier: str, tmpl, limits: Limits, shape: str) -> snaps.SnapshotManifest:
+    store = store_for(engine)
+    key = f"template:{shape}"
+    sid = engine.registry.meta_text(key)
+    if sid:
+        try:
+            return snaps.load_manifest(store, sid, _workdir(engine))
+        except StorageError:
+            pass  # gone or damaged: make a new one
+    info, handle, client, _ = await engine._start(tier, tmpl, 3600.0, (), limits, "", "", time.perf_counter())
+    try:
+        m = await pause(engine, info.sandbox_id, client, memory=True)
+    except BaseException:
+        try:
+            await engine.destroy(info.sandbox_id, "template snapshot failed")
+        except WarmboxError:
+            pass
+        raise
+    engine.registry.set_state(info.sandbox_id, State.DESTROYED, f"became template snapshot {m.snapshot_id}")
+    engine.registry.set_meta_text(key, m.snapshot_id)
+    return m
 
 
 def resolve(engine: "Engine", ref: str) -> snaps.SnapshotManifest:

@@ -102,6 +102,10 @@ CREATE TABLE IF NOT EXISTS meta (
     key   TEXT PRIMARY KEY,
     value INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS meta_text (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS pool_costs (
     pool       TEXT NOT NULL,
     sandbox_id TEXT PRIMARY KEY,
@@ -391,6 +395,14 @@ class Registry:
         if row is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id}", sandbox_id)
         return Limits(*row)
+
+    def meta_text(self, key: str) -> str:
+        row = self._read("SELECT value FROM meta_text WHERE key=?", (key,))
+        return row[0] if row else ""
+
+    def set_meta_text(self, key: str, value: str) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO meta_text VALUES (?,?)", (key, value))
 
     # ---- snapshots
 
