@@ -470,8 +470,9 @@ class Engine:
         if info.state is State.DESTROYED:
             return False
         check(Operation.DESTROY, info.state, sandbox_id)
-        if info.state is not State.PAUSED:  # a paused one holds nothing but its snapshot
+        if info.state is not State.PAUSED:
             await self._read_meters(info, handle, None)  # last readings before the cgroup goes
+        if info.state is not State.PAUSED or Path(handle.state_dir).exists():  # paused: leftovers only
             await self.backend(info.tier).destroy(handle)
         self.registry.set_state(sandbox_id, State.DESTROYED, reason)
         self.registry.finalize(sandbox_id)
@@ -498,6 +499,15 @@ class Engine:
                         reaped.append(info.sandbox_id)
                 except Exception:  # one bad sandbox must not stop the reaper; retried next round
                     continue
+        for sid, owner in self.registry.paused_with_owner():  # a pause killed while releasing
+            if owner and not _owner_alive(owner):
+                info, handle = self.registry.get(sid)
+                if Path(handle.state_dir).exists():
+                    try:
+                        await self.backend(info.tier).destroy(handle)
+                        reaped.append(sid)
+                    except Exception:
+                        continue
         for info, _ in self.registry.holding():
             if info.state is State.FAILED and info.sandbox_id not in reaped:
                 try:

@@ -288,9 +288,11 @@ async def pause(engine: "Engine", sandbox_id: str, client: GuestClient | None, *
     if client is not None:
         await client.close()
     await engine._read_meters(info, handle, None)
-    await engine.backend(info.tier).destroy(handle)
-    engine.registry.set_state(sandbox_id, State.PAUSED, f"paused to {m.snapshot_id}")
+    # The snapshot is complete: record the pause first, then release. A process killed in
+    # between leaves a paused sandbox whose leftovers the daemon releases (its pauser is dead).
+    engine.registry.set_state(sandbox_id, State.PAUSED, f"paused to {m.snapshot_id}", owner=engine.owner)
     engine.registry.finalize(sandbox_id)
+    await engine.backend(info.tier).destroy(handle)
     return m
 
 

@@ -256,7 +256,8 @@ class Registry:
             db.execute("INSERT INTO meters (sandbox_id, sampled_at) VALUES (?,?)", (sandbox_id, now))
         return slot
 
-    def set_state(self, sandbox_id: str, new: State, reason: str, *, expected: State | None = None) -> State:
+    def set_state(self, sandbox_id: str, new: State, reason: str, *, expected: State | None = None,
+                  owner: str | None = None) -> State:
         """Record a transition; returns the previous state. Illegal transitions raise.
 
         expected: only move if the current state is this one (else SandboxStateError).
@@ -273,7 +274,9 @@ class Registry:
             check_transition(old, new, sandbox_id)
             now = time.time()
             db.execute("UPDATE sandboxes SET state=?, ended_at=? WHERE sandbox_id=?",
-                       (new.value, now if new is State.DESTROYED else 0, sandbox_id))
+                       (new.value, now if new in (State.DESTROYED, State.PAUSED) else 0, sandbox_id))
+            if owner is not None:
+                db.execute("UPDATE sandboxes SET owner=? WHERE sandbox_id=?", (owner, sandbox_id))
             db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
                        (sandbox_id, now, old.value, new.value, reason))
         return old
@@ -371,6 +374,10 @@ class Registry:
         rows = self._db.execute(f"SELECT {_COLUMNS} FROM sandboxes WHERE state IN {_in(_HOLDING)} "
                                 "ORDER BY created_at", _HOLDING).fetchall()
         return [self._row(r) for r in rows]
+
+    def paused_with_owner(self) -> list[tuple[str, str]]:
+        rows = self._read("SELECT sandbox_id, owner FROM sandboxes WHERE state=?", (State.PAUSED.value,), many=True)
+        return [(r[0], r[1]) for r in rows]
 
     def creating_with_owner(self) -> list[tuple[str, str]]:
         """Sandboxes some process is creating or retiring right now, with that process's tag."""
