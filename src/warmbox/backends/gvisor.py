@@ -147,20 +147,24 @@ class GvisorBackend(tier2.RuncBackend):
 
     async def start(self, handle: BackendHandle, ready: Callable[[], Awaitable[T]]) -> T:
         state = Path(handle.state_dir)
+        await self._detached(handle, "run", ["run", "--detach", "--bundle", str(state / "bundle"), handle.runtime_id])
+        return await self._await_agent(handle, ready)
+
+    async def _detached(self, handle: BackendHandle, what: str, args: list[str]) -> None:
+        """``runsc run|restore --detach``; stdio to the sandbox's log file (with pipes, the
+        detached sandbox would hold them open forever)."""
+        state = Path(handle.state_dir)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         log = os.open(state / "agent.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            # stdio to a file: with pipes, the detached sandbox would hold them open forever
-            proc = await asyncio.create_subprocess_exec(
-                *self._global(), "run", "--detach", "--bundle", str(state / "bundle"), handle.runtime_id,
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            proc = await asyncio.create_subprocess_exec(*self._global(), *args, stdin=subprocess.DEVNULL,
+                                                        stdout=log, stderr=log)
         finally:
             os.close(log)
         rc = await asyncio.wait_for(proc.wait(), START_TIMEOUT_S)
         if rc != 0:
-            raise SandboxStartError(f"runsc failed to start the sandbox (exit {rc}): {tier2._tail(state / 'agent.log')}",
+            raise SandboxStartError(f"runsc {what} failed (exit {rc}): {tier2._tail(state / 'agent.log')}",
                                     handle.sandbox_id)
-        return await self._await_agent(handle, ready)
 
     async def _await_agent(self, handle: BackendHandle, ready: Callable[[], Awaitable[T]]) -> T:
         state = Path(handle.state_dir)
@@ -204,18 +208,8 @@ class GvisorBackend(tier2.RuncBackend):
     async def restore(self, handle: BackendHandle, image_dir: Path, ready: Callable[[], Awaitable[T]]) -> T:
         """Continue a checkpointed sandbox in this (freshly created) bundle."""
         state = Path(handle.state_dir)
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        log = os.open(state / "agent.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *self._global(), "restore", "--detach", f"--image-path={image_dir}", "--bundle", str(state / "bundle"),
-                handle.runtime_id, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        finally:
-            os.close(log)
-        rc = await asyncio.wait_for(proc.wait(), START_TIMEOUT_S)
-        if rc != 0:
-            raise SandboxStartError(f"runsc restore failed (exit {rc}): {tier2._tail(state / 'agent.log')}",
-                                    handle.sandbox_id)
+        await self._detached(handle, "restore", ["restore", "--detach", f"--image-path={image_dir}", "--bundle",
+                                                 str(state / "bundle"), handle.runtime_id])
         await self.resume_listening(handle)
         return await self._await_agent(handle, ready)
 

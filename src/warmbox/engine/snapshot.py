@@ -190,13 +190,8 @@ async def snapshot(engine: "Engine", sandbox_id: str, client: GuestClient | None
             sha, size, raw_size = snaps.put_blob(store, raw, work)
         except OSError as e:
             raise _storage_error(e, f"snapshot of {sandbox_id}") from None
-        lim = engine.registry.limits(sandbox_id)
-        m = snaps.SnapshotManifest(
-            snapshot_id=snaps.new_snapshot_id(), sandbox_id=sandbox_id, parent=parent, created_at=time.time(),
-            tier=info.tier, template=info.template, memory_mb=lim.memory_mb, cpus=lim.cpus, pids=lim.pids,
-            file_size_mb=lim.file_size_mb, open_files=lim.open_files, tmp_mb=lim.tmp_mb, memory=False,
-            filesystem_sha256=sha, filesystem_bytes=size, filesystem_raw_bytes=raw_size,
-            context_saved=context_saved, context_skipped=skipped, env_names=tuple(sorted(env_names)))
+        m = _manifest(engine, info, parent, env_names, (sha, size, raw_size), memory=None,
+                      context_saved=context_saved, context_skipped=skipped)
         try:
             snaps.save_manifest(store, m, work)
         except OSError as e:
@@ -214,6 +209,21 @@ async def snapshot(engine: "Engine", sandbox_id: str, client: GuestClient | None
             pass
         if own:
             await client.close()
+
+
+def _manifest(engine: "Engine", info, parent: str, env_names: tuple[str, ...], files: tuple[str, int, int], *,
+              memory: tuple[str, int, int] | None, context_saved: bool,
+              context_skipped: tuple[str, ...]) -> snaps.SnapshotManifest:
+    """The manifest of a snapshot of ``info``: its shape, the blobs (sha256, stored, raw sizes)."""
+    lim = engine.registry.limits(info.sandbox_id)
+    mem_sha, mem_size, mem_raw = memory or ("", 0, 0)
+    return snaps.SnapshotManifest(
+        snapshot_id=snaps.new_snapshot_id(), sandbox_id=info.sandbox_id, parent=parent, created_at=time.time(),
+        tier=info.tier, template=info.template, memory_mb=lim.memory_mb, cpus=lim.cpus, pids=lim.pids,
+        file_size_mb=lim.file_size_mb, open_files=lim.open_files, tmp_mb=lim.tmp_mb, memory=memory is not None,
+        filesystem_sha256=files[0], filesystem_bytes=files[1], filesystem_raw_bytes=files[2],
+        context_saved=context_saved, context_skipped=context_skipped, env_names=tuple(sorted(env_names)),
+        memory_sha256=mem_sha, memory_bytes=mem_size, memory_raw_bytes=mem_raw)
 
 
 def _storage_error(e: OSError, what: str) -> StorageError:
@@ -337,14 +347,8 @@ async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient |
             mem_sha, mem_size, mem_raw = snaps.put_blob(store, image, work, level=1)  # big, mostly zeros
         except OSError as e:
             raise _storage_error(e, f"snapshot of {sid}") from None
-        lim = engine.registry.limits(sid)
-        m = snaps.SnapshotManifest(
-            snapshot_id=snaps.new_snapshot_id(), sandbox_id=sid, parent=parent, created_at=time.time(),
-            tier=info.tier, template=info.template, memory_mb=lim.memory_mb, cpus=lim.cpus, pids=lim.pids,
-            file_size_mb=lim.file_size_mb, open_files=lim.open_files, tmp_mb=lim.tmp_mb, memory=True,
-            filesystem_sha256=fs_sha, filesystem_bytes=fs_size, filesystem_raw_bytes=fs_raw,
-            context_saved=True, context_skipped=(), env_names=tuple(sorted(env_names)),
-            memory_sha256=mem_sha, memory_bytes=mem_size, memory_raw_bytes=mem_raw)
+        m = _manifest(engine, info, parent, env_names, (fs_sha, fs_size, fs_raw), memory=(mem_sha, mem_size, mem_raw),
+                      context_saved=True, context_skipped=())
         snaps.save_manifest(store, m, work)
         engine.registry.add_snapshot(m.snapshot_id, sid, m.created_at, m.size_bytes)
         return m
