@@ -238,13 +238,16 @@ limits = { memory_mb = 350 }
         engine.ensure_daemon()
         with Sandbox.create(limits=Limits(memory_mb=350), template="shell") as a:
             assert not a.from_pool  # the empty pool missed, and grew
-        wait_for(lambda: engine.registry.pool_rows()["t-auto"].target >= 1, 30, "the pool to grow")
+        def target() -> int:  # the daemon makes the pool's row on its first tick with the new config
+            row = engine.registry.pool_rows().get("t-auto")
+            return row.target if row is not None else -1
+
+        wait_for(lambda: target() >= 1, 30, "the pool to grow")
         ready(engine, "t-auto")
         with Sandbox.create(limits=Limits(memory_mb=350), template="shell") as b:
             assert b.from_pool
         # no demand for idle_shrink seconds: the target halves back to 0 and the sandbox goes
-        wait_for(lambda: engine.registry.pool_rows()["t-auto"].target == 0
-                 and not engine.registry.pooled("t-auto"), 30, "the idle pool to shrink")
+        wait_for(lambda: target() == 0 and not engine.registry.pooled("t-auto"), 30, "the idle pool to shrink")
         kinds = [e.kind for e in engine.registry.pool_events("t-auto")]
         assert "miss" in kinds and "hit" in kinds and "scaled" in kinds
     finally:
