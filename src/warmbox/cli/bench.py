@@ -127,6 +127,21 @@ def _bwrap_argv(cmd: list[str]) -> list[str]:
     return argv + ["--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", *cmd]
 
 
+def _raw_bundle(backend, d: Path, uid_base: int, cmd: list[str]) -> None:
+    """An OCI bundle in ``d`` with the backend's own config for a sandbox, ``cmd`` as its process."""
+    from warmbox.backends.base import SandboxSpec
+    from warmbox.backends.runc import GUEST_GID, GUEST_UID
+    from warmbox.models import Limits
+
+    ws = d / "workspace"
+    ws.mkdir(parents=True)
+    os.chown(ws, uid_base + GUEST_UID, uid_base + GUEST_GID)
+    spec = SandboxSpec(sandbox_id=d.name, state_dir=str(d), uid_base=uid_base, envs=(), limits=Limits())
+    config = backend.config(spec, backend.image(), ws)
+    config["process"]["args"] = cmd
+    (d / "config.json").write_text(json.dumps(config))
+
+
 class _RawRunc:
     """The same OCI config as warmbox's, run in the foreground by runc with ``cmd`` as PID 1."""
 
@@ -140,21 +155,11 @@ class _RawRunc:
         self.n = 0
 
     def run(self, cmd: list[str]) -> tuple[float, str]:
-        from warmbox.backends.base import SandboxSpec
-        from warmbox.backends.runc import GUEST_GID, GUEST_UID
-        from warmbox.models import Limits
-
         self.n += 1
         cid = f"wbbench-{os.getpid()}-{self.n}"
         d = self.dir / cid
-        ws = d / "workspace"
         t0 = time.perf_counter()
-        ws.mkdir(parents=True)
-        os.chown(ws, self.uid_base + GUEST_UID, self.uid_base + GUEST_GID)
-        spec = SandboxSpec(sandbox_id=cid, state_dir=str(d), uid_base=self.uid_base, envs=(), limits=Limits())
-        config = self.backend.config(spec, self.backend.image(), ws)
-        config["process"]["args"] = cmd
-        (d / "config.json").write_text(json.dumps(config))
+        _raw_bundle(self.backend, d, self.uid_base, cmd)
         try:
             out = subprocess.run([self.backend.runc, "--root", str(self.backend.root), "run", "--bundle", str(d), cid],
                                  capture_output=True, text=True, timeout=120)
@@ -649,21 +654,11 @@ class _RawRunsc:
         self.n = 0
 
     def _bundle(self, cmd: list[str]) -> tuple[str, Path]:
-        from warmbox.backends.base import SandboxSpec
-        from warmbox.backends.runc import GUEST_GID, GUEST_UID
-        from warmbox.models import Limits
-
         self.n += 1
         cid = f"wbbench-gv-{os.getpid()}-{self.n}"
         d = self.dir / cid
-        ws = d / "workspace"
-        ws.mkdir(parents=True)
+        _raw_bundle(self.backend, d, self.uid_base, cmd)
         (d / "run").mkdir()
-        os.chown(ws, self.uid_base + GUEST_UID, self.uid_base + GUEST_GID)
-        spec = SandboxSpec(sandbox_id=cid, state_dir=str(d), uid_base=self.uid_base, envs=(), limits=Limits())
-        config = self.backend.config(spec, self.backend.image(), ws)
-        config["process"]["args"] = cmd
-        (d / "config.json").write_text(json.dumps(config))
         return cid, d
 
     def _run(self, args: list[str], log: Path, timeout: float = 120) -> int:
