@@ -34,10 +34,15 @@ def agent(guest_lib: Path, tmp_path: Path):
     sock = tmp_path / "a.sock"
     boot = f"import sys; sys.path.insert(0, {str(guest_lib)!r}); from warmbox.guest.agent import main; main()"
     proc = subprocess.Popen([BARE, "-I", "-S", "-c", boot, str(sock)], cwd=tmp_path)
-    for _ in range(200):
-        if sock.exists():
+    for _ in range(200):  # the path exists from bind(); wait until listen() lets us in
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(str(sock))
             break
-        time.sleep(0.01)
+        except OSError:
+            time.sleep(0.01)
+        finally:
+            probe.close()
     yield str(sock)
     proc.kill()
     proc.wait()
