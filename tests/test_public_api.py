@@ -11,7 +11,7 @@ def test_exported_members():
         "SandboxInfo", "SandboxNotFound", "SandboxStartError", "SandboxStateError", "SandboxTimeout",
         "StageTiming", "State", "TierStatus", "WarmboxError", "__version__",
         "ArtifactCorrupt", "ConfigError", "PoolStatus", "SandboxMetrics", "SnapshotRef", "SnapshotUnsupported",
-        "StorageError", "StorageFull"])
+        "StorageError", "StorageFull", "ApprovalRequest", "NetEvent", "Network", "NetworkError", "Secret"])
     for name in warmbox.__all__:
         assert hasattr(warmbox, name)
 

@@ -97,12 +97,37 @@ class Defaults:
 
 
 @dataclasses.dataclass(frozen=True)
+class NetworkSettings:
+    """Where the egress proxy gets out, and how it asks about unknown destinations."""
+
+    upstream_netns: str = ""  # netns name (/run/netns/NAME) or path the proxy connects from; "" = host's
+    upstream_dns: tuple[str, ...] = ()  # resolvers the proxy asks; () = nameservers of /etc/resolv.conf
+    upstream_ca: str = ""  # CA bundle for upstream TLS of intercepted hosts; "" = system store
+    approval_webhook: str = ""  # POSTed {sandbox_id, host, port, kind}; answers {"decision": ...}
+    approval_timeout_s: float = 30.0  # an egress attempt waits this long for an answer, then: deny
+
+    def resolvers(self) -> list[str]:
+        if self.upstream_dns:
+            return list(self.upstream_dns)
+        out = []
+        try:
+            for line in Path("/etc/resolv.conf").read_text().splitlines():
+                parts = line.split()
+                if len(parts) >= 2 and parts[0] == "nameserver":
+                    out.append(parts[1])
+        except OSError:
+            pass
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     source: str  # the file read, or "built-in defaults"
     defaults: Defaults
     templates: dict[str, Template]
     pools: dict[str, PoolConfig]
     daemon_idle_exit_s: float = 10.0
+    network: NetworkSettings = NetworkSettings()
 
     def template(self, name: str) -> Template:
         t = self.templates.get(name)
@@ -185,7 +210,7 @@ def _apply_env(raw: dict[str, Any], environ: os._Environ | dict[str, str]) -> No
 
 
 def parse(raw: dict[str, Any], source: str = "<settings>") -> Settings:
-    known = {"defaults", "templates", "pools", "daemon"}
+    known = {"defaults", "templates", "pools", "daemon", "network"}
     for k in raw:
         if k not in known:
             raise ConfigError(f"{source}: unknown section [{k}] (known: {', '.join(sorted(known))})")
@@ -252,7 +277,35 @@ def parse(raw: dict[str, Any], source: str = "<settings>") -> Settings:
     dm = _table(raw, "daemon", source)
     _only(dm, {"idle_exit"}, "daemon", source)
     return Settings(source=source, defaults=defaults, templates=templates, pools=pools,
-                    daemon_idle_exit_s=_num(dm.get("idle_exit", 10.0), "daemon.idle_exit", source, 0.1, 86400))
+                    daemon_idle_exit_s=_num(dm.get("idle_exit", 10.0), "daemon.idle_exit", source, 0.1, 86400),
+                    network=_network(_table(raw, "network", source), source))
+
+
+def _network(n: dict, source: str) -> NetworkSettings:
+    import ipaddress
+
+    _only(n, {"upstream_netns", "upstream_dns", "upstream_ca", "approval_webhook", "approval_timeout"},
+          "network", source)
+    dns = n.get("upstream_dns", [])
+    if isinstance(dns, str):
+        dns = [dns]
+    if not isinstance(dns, list):
+        raise ConfigError(f"{source}: network.upstream_dns must be a list of IP addresses")
+    for a in dns:
+        try:
+            ipaddress.ip_address(a)
+        except (ValueError, TypeError):
+            raise ConfigError(f"{source}: network.upstream_dns entry {a!r} is not an IP address") from None
+    hook = _str(n.get("approval_webhook", ""), "network.approval_webhook", source)
+    if hook and not hook.startswith(("http://", "https://")):
+        raise ConfigError(f"{source}: network.approval_webhook must be an http(s) URL, got {hook!r}")
+    ca = _str(n.get("upstream_ca", ""), "network.upstream_ca", source)
+    if ca and not Path(ca).is_file():
+        raise ConfigError(f"{source}: network.upstream_ca {ca!r} is not a file")
+    return NetworkSettings(upstream_netns=_str(n.get("upstream_netns", ""), "network.upstream_netns", source),
+                           upstream_dns=tuple(dns), upstream_ca=ca, approval_webhook=hook,
+                           approval_timeout_s=_num(n.get("approval_timeout", 30.0), "network.approval_timeout",
+                                                   source, 0.1, 600))
 
 
 def _table(raw: dict, key: str, source: str) -> dict:

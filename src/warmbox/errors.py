@@ -22,6 +22,7 @@
     │   └── ContextError                    a code context is unknown or died
     ├── RegistryError                       the embedded state database failed
     ├── ConfigError                         warmbox.toml or a WARMBOX_* override is invalid
+    ├── NetworkError                        egress setup (namespace, link, rules) or the egress proxy failed
     ├── StorageError                        the object store (snapshot artifacts) failed
     │   ├── StorageFull                     no space left where artifacts are written
     │   └── ArtifactCorrupt                 an artifact is missing, truncated or fails its checksum
@@ -142,3 +143,7 @@ class ArtifactCorrupt(StorageError):
 
 class SnapshotUnsupported(WarmboxError):
     """The sandbox's tier cannot take this kind of snapshot (``capabilities()`` says what it can)."""
+
+
+class NetworkError(WarmboxError):
+    """Giving a sandbox its egress link failed, or the egress proxy could not be started or reached."""

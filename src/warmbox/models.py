@@ -270,3 +270,30 @@ class SnapshotRef:
     memory: bool  # False: files + code-context state only (the tier cannot snapshot memory)
     size_bytes: int
     context_skipped: tuple[str, ...]  # context variables that could not be saved
+
+
+@dataclasses.dataclass(frozen=True)
+class NetEvent:
+    """One egress attempt of a sandbox, as the proxy or resolver saw and decided it."""
+
+    sandbox_id: str
+    at: float  # unix seconds
+    kind: str  # "http" (forward proxy), "connect" (HTTPS/CONNECT tunnel), "dns"
+    host: str  # destination name as asked for (or the IP literal)
+    address: str  # the address the proxy resolved and used ("" if none)
+    port: int
+    decision: str  # "allow" | "deny"
+    rule: str  # what decided: "allow:pypi.org", "default-deny", "blocked-address", "approval:deny" ...
+    bytes_up: int = 0  # sandbox -> destination
+    bytes_down: int = 0  # destination -> sandbox
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ApprovalRequest:
+    """An egress attempt outside a sandbox's allowlist waiting for the approval hook."""
+
+    sandbox_id: str
+    host: str
+    port: int
+    kind: str  # "http" | "connect"

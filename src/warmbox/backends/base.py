@@ -24,7 +24,7 @@ class Capabilities:
     memory_snapshot: bool
     filesystem_snapshot: bool
     custom_kernel: bool
-    network_modes: tuple[str, ...]
+    network_modes: tuple[str, ...]  # of "none", "allowlist", "internet"
     languages: tuple[str, ...]
     start_class: str  # order of magnitude of a cold start, e.g. "10-100ms"
 
@@ -96,6 +96,10 @@ class Backend(Protocol):
         ...
 
     async def alive(self, handle: BackendHandle) -> bool: ...
+
+    def netns_path(self, handle: BackendHandle) -> str:
+        """Path of the running sandbox's network namespace (tiers with a network mode besides "none")."""
+        ...
 
     async def destroy(self, handle: BackendHandle) -> None:
         """Stop everything and remove every trace (processes, cgroups, runtime state, dirs).

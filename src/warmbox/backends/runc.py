@@ -44,6 +44,8 @@ MASKED_PATHS = [
     "/sys/devices/virtual/powercap",
 ]
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+from warmbox.network.netns import GATEWAY  # noqa: E402 - the egress resolver's address
+
 _ETC_COPY = [
     "alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "os-release", "debian_version",
     "bash.bashrc", "inputrc", "profile", "protocols", "services", "host.conf", "gai.conf",
@@ -60,7 +62,7 @@ def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path
     the variant name and its inputs must be part of ``variant``'s spelling for the hash).
     """
     pkg = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256(b"warmbox-rootfs-v3" + variant.encode())
+    h = hashlib.sha256(b"warmbox-rootfs-v4" + variant.encode())
     for rel in _GUEST_SOURCES:
         h.update(rel.encode() + b"\0" + (pkg / rel).read_bytes())
     final = images_dir / f"{variant.split(':')[0]}-{h.hexdigest()[:16]}"
@@ -87,7 +89,8 @@ def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path
         "group": "root:x:0:\ntty:x:5:\nuser:x:1000:\nnogroup:x:65534:\n",
         "hostname": HOSTNAME + "\n",
         "hosts": f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost ip6-localhost\n",
-        "resolv.conf": "# no network in this sandbox\n",
+        # the egress resolver; unreachable (no link) unless the sandbox has a network policy
+        "resolv.conf": f"nameserver {GATEWAY}\noptions timeout:1 attempts:2\n",
         "nsswitch.conf": "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\n",
         "shells": "/bin/sh\n/bin/bash\n",
         "timezone": "Etc/UTC\n",
@@ -149,7 +152,7 @@ class RuncBackend:
             tier=self.tier,
             isolation="Linux namespaces (user, pid, mount, net, ipc, uts, cgroup) + seccomp + cgroups; shared host kernel",
             memory_snapshot=False, filesystem_snapshot=True, custom_kernel=False,
-            network_modes=("none",), languages=("python", "node", "shell", "c", "git"),
+            network_modes=("none", "allowlist", "internet"), languages=("python", "node", "shell", "c", "git"),
             start_class="10-100ms",
         )
 
@@ -304,6 +307,15 @@ class RuncBackend:
         except ProcessLookupError:
             return False
         return True
+
+    def netns_path(self, handle: BackendHandle) -> str:
+        """The sandbox's network namespace, to attach an egress link to while it runs."""
+        pid = self._init_pid(handle)
+        if pid is None:
+            from warmbox.errors import SandboxNotFound
+
+            raise SandboxNotFound(f"sandbox {handle.sandbox_id} is not running", handle.sandbox_id)
+        return f"/proc/{pid}/ns/net"
 
     def _init_pid(self, handle: BackendHandle) -> int | None:
         try:

@@ -115,6 +115,13 @@ async def down_home(home) -> tuple[int | None, list[str]]:
             raise WarmboxError(f"the daemon (pid {pid}) did not stop within {limit:.0f} s")
     await engine.reap()
     await PoolManager(engine).drain()
+    if not engine.registry.live_links():  # no sandbox needs egress: the proxy and its netns go
+        from warmbox.engine import egress
+        from warmbox.network import netns
+
+        await egress.stop_proxy(engine.home)
+        if egress.proxy_pid(engine.home) is None:
+            await netns.remove_egress(netns.egress_name(engine.runtime))
     return pid, [i.sandbox_id for i in engine.list()]
 
 

@@ -24,7 +24,9 @@ from warmbox.engine.lifecycle import LIVE, Operation, check
 from warmbox.config import PoolConfig, Settings, Template
 from warmbox.errors import (BackendUnavailable, GuestConnectionError, GuestProtocolError, InvalidArgument,
                             SandboxNotFound, SandboxStartError, WarmboxError)
-from warmbox.models import Limits, SandboxInfo, SandboxMetrics, StageTiming, State, TierStatus
+from warmbox.models import Limits, NetEvent, SandboxInfo, SandboxMetrics, StageTiming, State, TierStatus
+from warmbox.engine import egress
+from warmbox.network.policy import Policy
 from warmbox.storage.registry import Registry
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -185,16 +187,37 @@ class Engine:
 
     async def create(self, *, tier: str | None = None, timeout: float | None = None,
                      envs: dict[str, str] | None = None, limits: Limits | None = None,
-                     template: str | None = None, pool: bool = True,
+                     template: str | None = None, pool: bool = True, network: object = None,
+                     secrets: dict | None = None,
                      ) -> tuple[SandboxInfo, BackendHandle, GuestClient, list[StageTiming]]:
         """A ready sandbox with a connected guest client and its stage timings.
 
         Taken from a pool of the same (tier, template, limits) when one has a ready sandbox
         (``pool=False``: never), otherwise created cold, with the template's warm-up run.
+        A network policy other than "none" links it to the egress proxy (stage ``network``).
         """
         t0 = time.perf_counter()
         settings = self.settings()
         tier = backends.canonical_tier(settings.defaults.tier if tier is None else tier)
+        policy = Policy.of(network)
+        secret_map = egress.validate_secrets(secrets)
+        if secret_map and not policy.enabled:
+            raise InvalidArgument("secrets are only usable with a network policy that allows their hosts")
+        egress.check_tier(self, tier, policy)
+        got = await self._create(tier, timeout, envs, limits, template, pool, t0, settings)
+        if policy.enabled:
+            info, handle, client, timings = got
+            try:
+                timings.append(await egress.attach(self, handle, client, policy, secret_map))
+            except BaseException:
+                await client.close()
+                await self.destroy(info.sandbox_id, "network setup failed")
+                raise
+        return got
+
+    async def _create(self, tier: str, timeout: float | None, envs: dict[str, str] | None, limits: Limits | None,
+                      template: str | None, pool: bool, t0: float, settings: Settings,
+                      ) -> tuple[SandboxInfo, BackendHandle, GuestClient, list[StageTiming]]:
         timeout = validate_timeout(settings.defaults.timeout_s if timeout is None else timeout)
         env_pairs = validate_envs(envs)
         if limits is None:
@@ -404,6 +427,39 @@ class Engine:
         self.registry.set_expiry(sandbox_id, expires)
         return expires
 
+    # ---- network
+
+    async def set_network(self, sandbox_id: str, network: object, client: GuestClient | None = None) -> Policy:
+        """Replace a running sandbox's egress policy; new connections and lookups obey it at once.
+
+        Legal while ready/running. A sandbox without a link gets one (and its proxy env) first.
+        """
+        policy = Policy.of(network)
+        info, handle = self.info(sandbox_id)
+        check(Operation.EXEC, info.state, sandbox_id)
+        egress.check_tier(self, info.tier, policy)
+        if self.registry.link(sandbox_id) is not None:
+            self.registry.set_policy(sandbox_id, policy.to_json())
+        elif policy.enabled:
+            own = client is None
+            if own:
+                _, handle, client = await self.open(sandbox_id)
+            try:
+                await egress.attach(self, handle, client, policy, {})
+            finally:
+                if own:
+                    await client.close()
+        return policy
+
+    def network_policy(self, sandbox_id: str) -> Policy:
+        self.info(sandbox_id)
+        return egress.current_policy(self, sandbox_id)
+
+    def network_log(self, sandbox_id: str) -> list["NetEvent"]:
+        """Every egress attempt of the sandbox (kept after it is destroyed), oldest first."""
+        self.info(sandbox_id)
+        return self.registry.net_events(sandbox_id)
+
     # ---- metering
 
     async def sample(self) -> None:
@@ -474,6 +530,7 @@ class Engine:
             await self._read_meters(info, handle, None)  # last readings before the cgroup goes
         if info.state is not State.PAUSED or Path(handle.state_dir).exists():  # paused: leftovers only
             await self.backend(info.tier).destroy(handle)
+        await egress.release(self, sandbox_id)
         self.registry.set_state(sandbox_id, State.DESTROYED, reason)
         self.registry.finalize(sandbox_id)
         return True

@@ -303,6 +303,9 @@ async def pause(engine: "Engine", sandbox_id: str, client: GuestClient | None, *
     engine.registry.set_state(sandbox_id, State.PAUSED, f"paused to {m.snapshot_id}", owner=engine.owner)
     engine.registry.finalize(sandbox_id)
     await engine.backend(info.tier).destroy(handle)
+    from warmbox.engine import egress
+
+    await egress.release(engine, sandbox_id)  # a resumed sandbox is a new one, with its own policy
     return m
 
 

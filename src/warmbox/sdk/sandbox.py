@@ -23,8 +23,9 @@ from warmbox.engine.lifecycle import Operation, check
 from warmbox.errors import (CommandFailed, ContextError, FilesError, GuestProtocolError, InvalidArgument,
                             InvalidPath, IsADirectory, NoSpace, NotADirectory, PathExists, PathNotFound,
                             PathPermissionDenied, SandboxError, WarmboxError)
-from warmbox.models import (CommandResult, EntryInfo, Execution, ExecutionError, Limits, Result, SandboxInfo,
-                            SandboxMetrics, SnapshotRef, StageTiming, State)
+from warmbox.models import (ApprovalRequest, CommandResult, EntryInfo, Execution, ExecutionError, Limits, NetEvent,
+                            Result, SandboxInfo, SandboxMetrics, SnapshotRef, StageTiming, State)
+from warmbox.network.policy import Network, Secret
 
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
 DEFAULT_MAX_OUTPUT = 10 << 20
@@ -142,7 +143,7 @@ class CodeContext:
 class AsyncSandbox:
     """A running sandbox. Create with :meth:`create`, reattach by id with :meth:`connect`."""
 
-    _SYNC_ATTRS = ("commands", "files")
+    _SYNC_ATTRS = ("commands", "files", "network")
 
     def __init__(self, engine: Engine, info: SandboxInfo, handle: BackendHandle, client: GuestClient,
                  timings: list[StageTiming]) -> None:
@@ -155,8 +156,10 @@ class AsyncSandbox:
         self._env_names: tuple[str, ...] = ()
         self._active = 0
         self._killed = False
+        self._approvals: asyncio.Task | None = None
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
+        self.network = AsyncNetwork(self)
 
     def __repr__(self) -> str:
         return f"AsyncSandbox(id={self.sandbox_id!r}, tier={self.tier!r}, state={self.state.value!r})"
@@ -168,6 +171,8 @@ class AsyncSandbox:
                      envs: dict[str, str] | None = None, limits: Limits | None = None,
                      template: str | None = None, pool: bool = True,
                      from_snapshot: "SnapshotRef | str | None" = None,
+                     network: "str | Network" = "none", secrets: "dict[str, Secret] | None" = None,
+                     on_approval: "Callable[[ApprovalRequest], object] | None" = None,
                      home: str | Path | None = None) -> "AsyncSandbox":
         """Create and start a sandbox (defaults for tier, timeout and template: warmbox.toml).
 
@@ -180,8 +185,21 @@ class AsyncSandbox:
             False always creates cold. A pooled sandbox never served anyone before.
         from_snapshot: fork a new sandbox from a snapshot (its tier, template and limits; the
             origin is untouched). Environment values are never stored in snapshots: pass envs.
+        network: "none" (default: loopback only), "internet" (any public address; never cloud
+            metadata, private, link-local or the host's own), or warmbox.Network(allow=[...],
+            deny=[...], on_unknown="deny"|"ask"). Egress goes through warmbox's proxy, whose
+            address is in HTTP(S)_PROXY; every attempt is in ``network.log()``.
+        secrets: env name -> warmbox.Secret(value, hosts=[...]): the sandbox's env gets only a
+            placeholder; the proxy puts the value into request headers to those hosts only.
+        on_approval: with on_unknown="ask", called with an ApprovalRequest for each destination
+            outside the allowlist; return "allow_once", "allow_always" or "deny" (may be async).
+            The connection waits for it (network.approval_timeout, then denied).
         """
         engine = Engine.for_home(home)
+        if on_approval is not None and not callable(on_approval):
+            raise InvalidArgument("on_approval must be a callable")
+        if from_snapshot is not None and (network != "none" or secrets):
+            raise InvalidArgument("a sandbox forked from a snapshot starts without network; use network.update()")
         if from_snapshot is not None:
             if tier is not None or limits is not None or template is not None:
                 raise InvalidArgument("from_snapshot takes its tier, template and limits from the snapshot")
@@ -189,10 +207,27 @@ class AsyncSandbox:
             info, handle, client, timings = await snapshots.restore(engine, m, timeout=timeout, envs=envs, pool=pool)
         else:
             info, handle, client, timings = await engine.create(
-                tier=tier, timeout=timeout, envs=envs, limits=limits, template=template, pool=pool)
+                tier=tier, timeout=timeout, envs=envs, limits=limits, template=template, pool=pool,
+                network=network, secrets=secrets)
         sb = cls(engine, info, handle, client, timings)
         sb._env_names = tuple(envs or ())
+        if on_approval is not None:
+            try:
+                await sb._subscribe(on_approval)
+            except BaseException:
+                await sb.kill()
+                raise
         return sb
+
+    async def _subscribe(self, hook: Callable) -> None:
+        from warmbox.engine import egress
+
+        subscribed = asyncio.Event()
+        self._approvals = asyncio.ensure_future(egress.approvals(self._engine.home, self.sandbox_id, hook, subscribed))
+        try:
+            await asyncio.wait_for(subscribed.wait(), 10)
+        except asyncio.TimeoutError:
+            raise egress.EgressError("could not subscribe to the egress proxy's approval requests") from None
 
     @classmethod
     async def resume(cls, snapshot: "SnapshotRef | str", *, timeout: float | None = None,
@@ -307,6 +342,8 @@ class AsyncSandbox:
     async def kill(self) -> bool:
         """Destroy the sandbox and everything it holds. False if it was already gone."""
         self._killed = True
+        if self._approvals is not None:
+            self._approvals.cancel()
         await self._client.close()
         return await self._engine.destroy(self.sandbox_id, "killed")
 
@@ -491,6 +528,26 @@ class AsyncCommands:
         if check and not result.ok:
             raise CommandFailed(f"command exited with {result.exit_code}", sb.sandbox_id, result)
         return result
+
+
+class AsyncNetwork:
+    """The sandbox's egress: its policy, changes to it, and the audit log of every attempt."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sb = sandbox
+
+    async def update(self, network: "str | Network") -> None:
+        """Replace the policy; the next connection and DNS lookup obey it (open ones continue)."""
+        self._sb._check_usable()
+        await self._sb._engine.set_network(self._sb.sandbox_id, network, self._sb._client)
+
+    async def policy(self) -> str:
+        """The policy in force, in words ("none", "internet", "allow a, b; deny c")."""
+        return self._sb._engine.network_policy(self._sb.sandbox_id).describe()
+
+    async def log(self) -> list[NetEvent]:
+        """Every egress attempt so far (connections and DNS lookups), oldest first."""
+        return self._sb._engine.network_log(self._sb.sandbox_id)
 
 
 class AsyncFiles:

@@ -13,9 +13,9 @@ from pathlib import Path
 from warmbox.backends.base import BackendHandle
 from warmbox.engine.lifecycle import LIVE, check_transition
 from warmbox.errors import RegistryError, SandboxNotFound, SandboxStateError
-from warmbox.models import Limits, PoolEvent, SandboxInfo, StageTiming, State, Transition
+from warmbox.models import Limits, NetEvent, PoolEvent, SandboxInfo, StageTiming, State, Transition
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -106,6 +106,28 @@ CREATE TABLE IF NOT EXISTS meta_text (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS net_links (
+    sandbox_id  TEXT PRIMARY KEY,
+    address     TEXT NOT NULL UNIQUE,
+    ifname      TEXT NOT NULL,
+    policy      TEXT NOT NULL,
+    updated_at  REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS net_events (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    sandbox_id  TEXT NOT NULL,
+    at          REAL NOT NULL,
+    kind        TEXT NOT NULL,
+    host        TEXT NOT NULL,
+    address     TEXT NOT NULL,
+    port        INTEGER NOT NULL,
+    decision    TEXT NOT NULL,
+    rule        TEXT NOT NULL,
+    bytes_up    INTEGER NOT NULL DEFAULT 0,
+    bytes_down  INTEGER NOT NULL DEFAULT 0,
+    detail      TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS net_events_sandbox ON net_events(sandbox_id, id);
 CREATE TABLE IF NOT EXISTS pool_costs (
     pool       TEXT NOT NULL,
     sandbox_id TEXT PRIMARY KEY,
@@ -587,6 +609,53 @@ class Registry:
                                 "FROM pool_costs WHERE pool=?", (pool,)).fetchone()
         hits = counts.get("hit", 0) - counts.get("claim_failed", 0)  # a failed claim check took the next one
         return (hits, counts.get("miss", 0), counts.get("warmup_failed", 0), *cost)
+
+    # ---- network (the proxy reads policies and appends audit records; the engine owns links)
+
+    def set_link(self, sandbox_id: str, address: str, ifname: str, policy: str) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO net_links VALUES (?,?,?,?,?)",
+                       (sandbox_id, address, ifname, policy, time.time()))
+
+    def set_policy(self, sandbox_id: str, policy: str) -> bool:
+        with self._tx() as db:
+            return db.execute("UPDATE net_links SET policy=?, updated_at=? WHERE sandbox_id=?",
+                              (policy, time.time(), sandbox_id)).rowcount == 1
+
+    def link(self, sandbox_id: str) -> tuple[str, str, str] | None:
+        """(address, ifname, policy json) of a sandbox's network link, if it has one."""
+        return self._read("SELECT address, ifname, policy FROM net_links WHERE sandbox_id=?", (sandbox_id,))
+
+    def link_by_address(self, address: str) -> tuple[str, str] | None:
+        """(sandbox_id, policy json) of the live sandbox holding ``address``."""
+        return self._read("SELECT l.sandbox_id, l.policy FROM net_links l JOIN sandboxes s USING (sandbox_id) "
+                          "WHERE l.address=? AND s.state NOT IN ('destroyed','failed')", (address,))
+
+    def drop_link(self, sandbox_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM net_links WHERE sandbox_id=?", (sandbox_id,))
+
+    def live_links(self) -> int:
+        return self._read("SELECT COUNT(*) FROM net_links l JOIN sandboxes s USING (sandbox_id) "
+                          "WHERE s.state NOT IN ('destroyed','failed')")[0]
+
+    def add_net_event(self, e: NetEvent) -> int:
+        with self._tx() as db:
+            return db.execute("INSERT INTO net_events (sandbox_id, at, kind, host, address, port, decision, rule,"
+                              " bytes_up, bytes_down, detail) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                              (e.sandbox_id, e.at, e.kind, e.host, e.address, e.port, e.decision, e.rule,
+                               e.bytes_up, e.bytes_down, e.detail[:500])).lastrowid
+
+    def finish_net_event(self, event_id: int, bytes_up: int, bytes_down: int, detail: str = "") -> None:
+        with self._tx() as db:
+            db.execute("UPDATE net_events SET bytes_up=?, bytes_down=?, detail=CASE WHEN ?='' THEN detail ELSE ? END"
+                       " WHERE id=?", (bytes_up, bytes_down, detail, detail[:500], event_id))
+
+    def net_events(self, sandbox_id: str, limit: int = 10000) -> list[NetEvent]:
+        rows = self._read("SELECT sandbox_id, at, kind, host, address, port, decision, rule, bytes_up, bytes_down,"
+                          " detail FROM net_events WHERE sandbox_id=? ORDER BY id LIMIT ?",
+                          (sandbox_id, limit), many=True)
+        return [NetEvent(*r) for r in rows]
 
 
 class _Tx:

@@ -1,0 +1,297 @@
+"""The engine's side of egress: give a sandbox its link and policy, change it, take it away.
+
+The proxy process (:mod:`warmbox.network.proxy`) enforces; this module attaches the veth into
+the egress namespace, stores the policy the proxy reads, hands the proxy the sandbox's secrets
+(over a root-only unix socket; they are never written to disk or into the sandbox), and sets
+the sandbox's proxy environment so pip, npm, git, curl and requests work unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets as _secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+from warmbox import protocol as p
+from warmbox.backends.base import BackendHandle
+from warmbox.errors import BackendUnavailable, GuestProtocolError, InvalidArgument, NetworkError
+from warmbox.engine.guest_client import GuestClient
+from warmbox.models import ApprovalRequest, StageTiming
+from warmbox.network import netns
+from warmbox.network.policy import Policy, Secret
+from warmbox.network.proxy import control_path
+from warmbox.storage.registry import UID_BASE, UID_RANGE
+
+if TYPE_CHECKING:
+    from warmbox.engine.engine import Engine
+
+PROXY_URL = f"http://{netns.GATEWAY}:{netns.PROXY_PORT}"
+CA_PATH = "/home/user/.warmbox/ca-bundle.pem"
+_PROXY_START_S = 15.0
+
+
+EgressError = NetworkError
+
+def validate_secrets(secrets: object) -> dict[str, Secret]:
+    if secrets is None:
+        return {}
+    if not isinstance(secrets, dict):
+        raise InvalidArgument("secrets must be a dict of env name to warmbox.Secret")
+    from warmbox.engine.engine import validate_envs
+
+    for k, v in secrets.items():
+        validate_envs({k: "x"})
+        if not isinstance(v, Secret):
+            raise InvalidArgument(f"secret {k} must be a warmbox.Secret(value, hosts=[...]), got {type(v).__name__}")
+    return dict(secrets)
+
+
+def check_tier(engine: "Engine", tier: str, policy: Policy) -> None:
+    if policy.enabled and policy.mode not in engine.backend(tier).capabilities().network_modes:
+        raise BackendUnavailable(tier, f"network policy {policy.mode!r} is not supported on this tier "
+                                       f"(supported: {', '.join(engine.backend(tier).capabilities().network_modes)})")
+
+
+def proxy_env(placeholders: dict[str, str], ca: bool) -> dict[str, str]:
+    env = {k: PROXY_URL for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy",
+                                  "npm_config_proxy", "npm_config_https_proxy")}
+    env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
+    if ca:
+        for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT", "GIT_SSL_CAINFO",
+                  "NODE_EXTRA_CA_CERTS", "npm_config_cafile"):
+            env[k] = CA_PATH
+    env.update(placeholders)
+    return env
+
+
+# ---- the proxy process and its control socket
+
+class Control:
+    """One connection to the proxy's control socket (newline-delimited JSON)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, home: Path, timeout: float = 2.0) -> "Control":
+        r, w = await asyncio.wait_for(asyncio.open_unix_connection(str(control_path(home)), limit=1 << 20), timeout)
+        return cls(r, w)
+
+    async def call(self, msg: dict, timeout: float = 10.0) -> dict:
+        self.writer.write((json.dumps(msg) + "\n").encode())
+        await self.writer.drain()
+        line = await asyncio.wait_for(self.reader.readline(), timeout)
+        if not line:
+            raise EgressError("the egress proxy closed its control connection")
+        return json.loads(line)
+
+    async def close(self) -> None:
+        self.writer.close()
+        try:
+            await self.writer.wait_closed()
+        except (OSError, ConnectionError):
+            pass
+
+
+async def ensure_proxy(home: Path) -> None:
+    """Make sure this home's proxy runs and answers (starting it if needed)."""
+    deadline = time.monotonic() + _PROXY_START_S
+    started = False
+    while True:
+        try:
+            c = await Control.open(home, timeout=1.0)
+            try:
+                r = await c.call({"op": "hello"}, timeout=2.0)
+            finally:
+                await c.close()
+            if r.get("ok"):
+                return
+        except (OSError, asyncio.TimeoutError, ValueError, EgressError):
+            pass
+        if not started and not _proxy_locked(home):
+            with open(home / "netproxy.log", "ab") as log:
+                subprocess.Popen([sys.executable, "-m", "warmbox.network.proxy", str(home)],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                                 start_new_session=True, close_fds=True)
+            started = True
+        if time.monotonic() > deadline:
+            tail = ""
+            try:
+                tail = (home / "netproxy.log").read_text(errors="replace").strip().splitlines()[-1][:300]
+            except (OSError, IndexError):
+                pass
+            raise EgressError(f"the egress proxy did not start within {_PROXY_START_S:.0f} s"
+                              + (f": {tail}" if tail else ""))
+        await asyncio.sleep(0.05)
+
+
+def _proxy_locked(home: Path) -> bool:
+    import fcntl
+
+    fd = os.open(home / "netproxy.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def proxy_pid(home: Path) -> int | None:
+    try:
+        pid = int((home / "netproxy.pid").read_text())
+    except (OSError, ValueError):
+        return None
+    return pid if _proxy_locked(home) else None
+
+
+async def stop_proxy(home: Path, timeout: float = 10.0) -> None:
+    """Stop the proxy (which removes the egress namespace on its way out) and wait for it."""
+    if proxy_pid(home) is None:
+        return
+    try:
+        c = await Control.open(home)
+        try:
+            await c.call({"op": "stop"})
+        finally:
+            await c.close()
+    except (OSError, asyncio.TimeoutError, ValueError, EgressError):
+        pid = proxy_pid(home)
+        if pid is not None:
+            os.kill(pid, 15)
+    deadline = time.monotonic() + timeout
+    while proxy_pid(home) is not None and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
+# ---- per sandbox
+
+def _slot(handle: BackendHandle) -> int:
+    return (handle.uid_base - UID_BASE) // UID_RANGE
+
+
+async def attach(engine: "Engine", handle: BackendHandle, client: GuestClient, policy: Policy,
+                 secrets: dict[str, Secret]) -> StageTiming:
+    """Link a running sandbox to the egress proxy under ``policy`` (stage ``network``)."""
+    t0 = time.perf_counter()
+    sid = handle.sandbox_id
+    backend = engine.backend(handle.tier)
+    ns_path = backend.netns_path(handle)
+    await ensure_proxy(engine.home)
+    egress = netns.egress_name(engine.runtime)
+    link = netns.link_for(sid, _slot(handle))
+    try:
+        await netns.attach(egress, link, ns_path)
+        engine.registry.set_link(sid, link.address, link.host_ifname, policy.to_json())
+        placeholders = {name: f"warmbox-secret-{_secrets.token_hex(16)}" for name in secrets}
+        c = await Control.open(engine.home)
+        try:
+            r = await c.call({"op": "register", "sandbox_id": sid, "secrets": [
+                {"placeholder": placeholders[n], "value": s.value, "hosts": list(s.hosts)} for n, s in secrets.items()]})
+        finally:
+            await c.close()
+        if not r.get("ok"):
+            raise EgressError(f"the egress proxy refused sandbox {sid}: {r.get('error')}")
+        ca_pem = r.get("ca_pem") or ""
+        if ca_pem:
+            from warmbox.network.tls import bundle_with_system
+
+            await _write(client, CA_PATH, bundle_with_system(ca_pem).encode(), sid)
+        reply = await asyncio.wait_for(client.call(
+            lambda i: p.Configure(i, env=proxy_env(placeholders, bool(ca_pem)), reset_counts=False),
+            p.UsageReport), 10)
+        if not isinstance(reply, p.UsageReport):
+            raise GuestProtocolError(f"sandbox refused its network configuration: {reply!r}", sid)
+    except BaseException:
+        await release(engine, sid)
+        raise
+    timing = StageTiming(sid, "network", (time.perf_counter() - t0) * 1e3, True)
+    engine.registry.add_timings([timing])
+    return timing
+
+
+async def _write(client: GuestClient, path: str, data: bytes, sid: str) -> None:
+    async with client.request(lambda i: p.WriteFile(i, path=path, mode=0o644, append=False)) as stream:
+        ready = await stream.next(p.Ok)
+        if isinstance(ready, p.Failure):
+            raise GuestProtocolError(f"cannot write {path}: {ready.message}", sid)
+        for off in range(0, len(data), p.CHUNK):
+            await stream.send(p.Chunk(stream.id, data=data[off:off + p.CHUNK]))
+        await stream.send(p.ChunkEnd(stream.id))
+        msg = await stream.next(p.Entry)
+        if isinstance(msg, p.Failure):
+            raise GuestProtocolError(f"cannot write {path}: {msg.message}", sid)
+
+
+async def release(engine: "Engine", sandbox_id: str) -> None:
+    """Remove the sandbox's link, rule element and proxy state (idempotent)."""
+    row = engine.registry.link(sandbox_id)
+    if row is not None:
+        await netns.detach(netns.egress_name(engine.runtime), netns.Link(sandbox_id, row[0], row[1]))
+        engine.registry.drop_link(sandbox_id)
+    if proxy_pid(engine.home) is not None:
+        try:
+            c = await Control.open(engine.home)
+            try:
+                await c.call({"op": "forget", "sandbox_id": sandbox_id})
+            finally:
+                await c.close()
+        except (OSError, asyncio.TimeoutError, ValueError, EgressError):
+            pass
+
+
+def current_policy(engine: "Engine", sandbox_id: str) -> Policy:
+    row = engine.registry.link(sandbox_id)
+    return Policy.from_json(row[2]) if row is not None else Policy("none")
+
+
+async def approvals(home: Path, sandbox_id: str, hook: Callable[[ApprovalRequest], Awaitable[str] | str],
+                    subscribed: asyncio.Event) -> None:
+    """Answer the proxy's approval questions for one sandbox until cancelled (runs as a task).
+
+    ``hook`` returns (or resolves to) "allow_once", "allow_always" or "deny"; anything else,
+    or an exception, denies. ``subscribed`` is set once the proxy will ask this process.
+    """
+    DECISIONS = ("allow_once", "allow_always", "deny")
+    while True:
+        c = None
+        try:
+            c = await Control.open(home)
+            r = await c.call({"op": "approvals", "sandbox_id": sandbox_id})
+            if not r.get("ok"):
+                raise EgressError(str(r.get("error")))
+            subscribed.set()
+            while True:
+                line = await c.reader.readline()
+                if not line:
+                    break
+                msg = json.loads(line)
+                if msg.get("op") != "ask":
+                    continue
+                req = ApprovalRequest(sandbox_id, str(msg.get("host", "")), int(msg.get("port", 0)),
+                                      str(msg.get("kind", "")))
+                try:
+                    answer = hook(req)
+                    if asyncio.iscoroutine(answer):
+                        answer = await answer
+                    answer = getattr(answer, "value", answer)
+                except Exception:
+                    answer = "deny"  # a failing hook denies
+                c.writer.write((json.dumps({"req": msg.get("req"), "decision": answer
+                                            if answer in DECISIONS else "deny"}) + "\n").encode())
+                await c.writer.drain()
+        except asyncio.CancelledError:
+            raise
+        except (OSError, asyncio.TimeoutError, ValueError, EgressError):
+            pass
+        finally:
+            if c is not None:
+                await c.close()
+        await asyncio.sleep(0.5)  # the proxy restarted or is starting: subscribe again

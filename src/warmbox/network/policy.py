@@ -1,0 +1,237 @@
+"""Egress policies: what a sandbox may reach, decided per destination by the proxy and resolver.
+
+A policy is ``"none"`` (the default: loopback only, no link at all), ``"internet"`` (any public
+destination) or :class:`Network` (an allowlist of host names, ``*.`` wildcards and CIDRs, a
+denylist that wins over it, and what to do with everything else). Whatever the policy, the
+addresses in :data:`ALWAYS_BLOCKED` (cloud metadata, loopback, private, link-local, CGNAT, ULA,
+multicast) and the proxy host's own addresses are never reachable: the check is made on the
+address the proxy itself resolved and connects to, so re-pointing a name (DNS rebinding) does
+not help.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import re
+from typing import Literal, Sequence
+
+from warmbox.errors import InvalidArgument
+
+OnUnknown = Literal["deny", "ask"]
+Decision = Literal["allow", "deny"]
+
+ALWAYS_BLOCKED = tuple(ipaddress.ip_network(n) for n in (
+    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+    "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4",
+    "::/128", "::1/128", "::ffff:0:0/96", "64:ff9b::/96", "fc00::/7", "fe80::/10", "ff00::/8",
+))
+
+_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
+
+
+def normalize_host(host: object, what: str = "host") -> str:
+    """Lower-case IDNA form of a host name, or the canonical text of an IP literal."""
+    if not isinstance(host, str) or not host or len(host) > 253:
+        raise InvalidArgument(f"{what} must be a host name or IP address, got {host!r}")
+    h = host.strip().rstrip(".").lower()
+    if h.startswith("[") and h.endswith("]"):
+        h = h[1:-1]
+    try:
+        return str(ipaddress.ip_address(h))
+    except ValueError:
+        pass
+    try:
+        h = h.encode("idna").decode("ascii")
+    except UnicodeError:
+        raise InvalidArgument(f"{what} {host!r} is not a valid host name") from None
+    if not all(_LABEL.match(label) for label in h.split(".")):
+        raise InvalidArgument(f"{what} {host!r} is not a valid host name")
+    return h
+
+
+def is_blocked(address: str) -> bool:
+    """True for destinations no policy can open (metadata, loopback, private, link-local ...)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return True
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return any(ip in net for net in ALWAYS_BLOCKED if net.version == ip.version)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One allow/deny entry: an exact name, ``*.suffix`` (subdomains only) or a CIDR."""
+
+    pattern: str
+
+    @staticmethod
+    def parse(text: object, what: str) -> "Rule":
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidArgument(f"{what} entries must be non-empty strings, got {text!r}")
+        t = text.strip().lower()
+        if "/" in t:
+            try:
+                return Rule(str(ipaddress.ip_network(t, strict=False)))
+            except ValueError:
+                raise InvalidArgument(f"{what} entry {text!r} is not a valid CIDR") from None
+        if t.startswith("*."):
+            return Rule("*." + normalize_host(t[2:], f"{what} entry"))
+        if "*" in t:
+            raise InvalidArgument(f"{what} entry {text!r}: a wildcard is only allowed as a leading '*.'")
+        return Rule(normalize_host(t, f"{what} entry"))
+
+    @property
+    def is_cidr(self) -> bool:
+        return "/" in self.pattern
+
+    def matches_name(self, host: str) -> bool:
+        if self.is_cidr:
+            return False
+        if self.pattern.startswith("*."):
+            return host.endswith(self.pattern[1:])
+        return host == self.pattern
+
+    def matches_address(self, address: str) -> bool:
+        if not self.is_cidr:
+            return address == self.pattern
+        try:
+            return ipaddress.ip_address(address) in ipaddress.ip_network(self.pattern)
+        except ValueError:
+            return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """An allowlist policy. ``allow``/``deny``: host names, ``*.example.com`` (its subdomains),
+    IP addresses or CIDRs; deny wins. ``on_unknown``: ``"deny"`` or ``"ask"`` (an approval hook
+    decides; without an answer in time, deny)."""
+
+    allow: Sequence[str] = ()
+    deny: Sequence[str] = ()
+    on_unknown: OnUnknown = "deny"
+
+    def __post_init__(self) -> None:
+        for name in ("allow", "deny"):
+            v = getattr(self, name)
+            if isinstance(v, str) or not isinstance(v, (list, tuple)):
+                raise InvalidArgument(f"Network.{name} must be a list of strings, got {v!r}")
+            object.__setattr__(self, name, tuple(Rule.parse(x, f"Network.{name}").pattern for x in v))
+        if self.on_unknown not in ("deny", "ask"):
+            raise InvalidArgument(f"Network.on_unknown must be 'deny' or 'ask', got {self.on_unknown!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The normalised policy the proxy enforces (``mode`` none | allowlist | internet)."""
+
+    mode: Literal["none", "allowlist", "internet"]
+    allow: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+    on_unknown: OnUnknown = "deny"
+
+    @staticmethod
+    def of(spec: object) -> "Policy":
+        if spec is None or spec == "none":
+            return Policy("none")
+        if spec == "internet":
+            return Policy("internet")
+        if isinstance(spec, Policy):
+            return spec
+        if isinstance(spec, Network):
+            return Policy("allowlist", tuple(spec.allow), tuple(spec.deny), spec.on_unknown)
+        raise InvalidArgument(f"network must be 'none', 'internet' or warmbox.Network(...), got {spec!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """Does the sandbox need a link at all? (``none`` keeps only loopback.)"""
+        return self.mode != "none"
+
+    def with_allowed(self, host: str) -> "Policy":
+        if host in self.allow:
+            return self
+        return dataclasses.replace(self, mode="allowlist" if self.mode == "none" else self.mode,
+                                   allow=(*self.allow, host))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "Policy":
+        d = json.loads(text)
+        return Policy(d["mode"], tuple(d["allow"]), tuple(d["deny"]), d["on_unknown"])
+
+    def describe(self) -> str:
+        if self.mode != "allowlist":
+            return self.mode
+        parts = [f"allow {', '.join(self.allow) or '(nothing)'}"]
+        if self.deny:
+            parts.append(f"deny {', '.join(self.deny)}")
+        if self.on_unknown == "ask":
+            parts.append("ask for others")
+        return "; ".join(parts)
+
+    # ---- decisions
+
+    def decide_name(self, host: str) -> tuple[Decision | Literal["ask", "resolve"], str]:
+        """Decision for a destination known by name (before resolving): and the rule that made it.
+
+        ``"resolve"``: no name rule decides, but CIDR rules might once the address is known.
+        """
+        if self.mode == "none":
+            return "deny", "policy:none"
+        for pattern in self.deny:
+            r = Rule(pattern)
+            if r.matches_name(host) or r.matches_address(host):
+                return "deny", f"deny:{pattern}"
+        if self.mode == "internet":
+            return "allow", "internet"
+        for pattern in self.allow:
+            r = Rule(pattern)
+            if r.matches_name(host) or r.matches_address(host):
+                return "allow", f"allow:{pattern}"
+        if any(Rule(x).is_cidr for x in self.allow + self.deny):
+            return "resolve", ""
+        return ("ask", "") if self.on_unknown == "ask" else ("deny", "default-deny")
+
+    def decide_address(self, address: str) -> tuple[Decision | Literal["ask"], str]:
+        """Decision for a resolved (or literal) address once name rules did not decide."""
+        for pattern in self.deny:
+            if Rule(pattern).matches_address(address):
+                return "deny", f"deny:{pattern}"
+        for pattern in self.allow:
+            if Rule(pattern).matches_address(address):
+                return "allow", f"allow:{pattern}"
+        return ("ask", "") if self.on_unknown == "ask" else ("deny", "default-deny")
+
+
+@dataclasses.dataclass(frozen=True)
+class Secret:
+    """A credential the sandbox may use but never sees.
+
+    The sandbox's env holds a placeholder; the proxy swaps it for ``value`` in request headers
+    sent to ``hosts`` (exact names or ``*.`` wildcards) only, over HTTPS it terminates with a
+    per-sandbox CA the sandbox trusts. Requests to other hosts carry the inert placeholder.
+    """
+
+    value: str
+    hosts: Sequence[str]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.value, str) or not self.value or any(c in self.value for c in "\r\n\0"):
+            raise InvalidArgument("Secret.value must be a non-empty string without CR, LF or NUL")
+        if isinstance(self.hosts, str) or not isinstance(self.hosts, (list, tuple)) or not self.hosts:
+            raise InvalidArgument("Secret.hosts must be a non-empty list of host names")
+        hosts = tuple(Rule.parse(h, "Secret.hosts").pattern for h in self.hosts)
+        if any(Rule(h).is_cidr for h in hosts):
+            raise InvalidArgument("Secret.hosts must be host names, not CIDRs")
+        object.__setattr__(self, "hosts", hosts)
+
+    def __repr__(self) -> str:  # never print the value
+        return f"Secret(value='***', hosts={list(self.hosts)!r})"
+
+    def applies_to(self, host: str) -> bool:
+        return any(Rule(h).matches_name(host) for h in self.hosts)

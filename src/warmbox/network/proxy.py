@@ -1,0 +1,754 @@
+"""The egress proxy and resolver: the one process sandbox packets can reach (``python -m warmbox.network.proxy HOME``).
+
+One per warmbox home, started on demand by the engine and gone when no sandbox has a link
+for a while. It listens inside the egress namespace (see :mod:`warmbox.network.netns`) and
+opens upstream connections from its own namespace (the host's, or ``network.upstream_netns``).
+Per request it finds the sandbox by source address (the nftables table guarantees it is not
+spoofed), reads that sandbox's policy from the registry (so a policy update applies to the
+next connection), resolves the name itself, refuses blocked addresses, and records a flat
+:class:`~warmbox.models.NetEvent` for every attempt. Hosts a sandbox holds secrets for are
+terminated with that sandbox's CA so the placeholder in a request header can be swapped for
+the value; every other TLS connection is tunnelled untouched after an SNI check.
+
+Everything a sandbox sends is hostile: heads are bounded, parsed strictly, and any parse
+failure is a 400 and a closed connection, never a crash of the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import fcntl
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from warmbox import config
+from warmbox.errors import InvalidArgument, WarmboxError
+from warmbox.models import NetEvent
+from warmbox.network import dns, netns
+from warmbox.network.policy import Policy, Secret, is_blocked, normalize_host
+from warmbox.network.tls import SandboxCA
+from warmbox.storage.registry import Registry
+
+MAX_HEAD = 64 * 1024
+HEAD_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 10.0
+IDLE_EXIT_S = 10.0
+MAX_CONTROL_LINE = 1 << 20
+DECISIONS = ("allow_once", "allow_always", "deny")
+
+
+class BadRequest(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class _Conn:
+    sandbox_id: str
+    event_id: int = 0
+    up: int = 0
+    down: int = 0
+
+
+def parse_sni(hello: bytes) -> str | None:
+    """The server name of a TLS ClientHello record, or None (raises BadRequest if malformed)."""
+    try:
+        if hello[0] != 0x16 or hello[5] != 0x01:
+            raise BadRequest("not a TLS ClientHello")
+        off = 5 + 4 + 2 + 32
+        off += 1 + hello[off]  # session id
+        off += 2 + int.from_bytes(hello[off:off + 2], "big")  # cipher suites
+        off += 1 + hello[off]  # compression methods
+        end = off + 2 + int.from_bytes(hello[off:off + 2], "big")
+        off += 2
+        while off + 4 <= min(end, len(hello)):
+            etype, elen = int.from_bytes(hello[off:off + 2], "big"), int.from_bytes(hello[off + 2:off + 4], "big")
+            off += 4
+            if etype == 0:
+                if hello[off + 2] != 0:
+                    raise BadRequest("SNI is not a host name")
+                n = int.from_bytes(hello[off + 3:off + 5], "big")
+                name = hello[off + 5:off + 5 + n]
+                if len(name) != n:
+                    raise BadRequest("truncated SNI")
+                return name.decode("ascii")
+            off += elen
+        return None
+    except (IndexError, UnicodeDecodeError):
+        raise BadRequest("malformed ClientHello") from None
+
+
+def split_head(head: bytes) -> tuple[str, str, str, list[tuple[str, str]]]:
+    try:
+        text = head.decode("latin-1")
+    except UnicodeDecodeError:
+        raise BadRequest("undecodable head") from None
+    lines = text.split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise BadRequest("bad request line")
+    headers = []
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip() or any(c in name for c in " \t"):
+            raise BadRequest("bad header line")
+        headers.append((name, value.strip()))
+    return parts[0], parts[1], parts[2], headers
+
+
+def join_head(start: str, headers: list[tuple[str, str]]) -> bytes:
+    return (start + "\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers) + "\r\n").encode("latin-1")
+
+
+def split_hostport(target: str, default: int) -> tuple[str, int]:
+    if target.startswith("["):
+        host, _, rest = target[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, _, port = target.rpartition(":") if target.count(":") == 1 else (target, "", "")
+    if port and not port.isdigit():
+        raise BadRequest("bad port")
+    p = int(port) if port else default
+    if not 0 < p < 65536:
+        raise BadRequest("bad port")
+    return host, p
+
+
+async def read_head(reader: asyncio.StreamReader) -> bytes:
+    try:
+        return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
+    except asyncio.LimitOverrunError:
+        raise BadRequest("head too large") from None
+    except asyncio.IncompleteReadError as e:
+        if not e.partial:
+            raise EOFError from None
+        raise BadRequest("incomplete head") from None
+
+
+async def relay_body(headers: list[tuple[str, str]], reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     conn: _Conn) -> None:
+    """Copy exactly one request body (Content-Length or chunked) from client to upstream."""
+    h = {k.lower(): v for k, v in headers}
+    if "chunked" in h.get("transfer-encoding", "").lower():
+        while True:
+            line = await reader.readuntil(b"\r\n")
+            size = int(line.split(b";")[0].strip() or b"x", 16)
+            writer.write(line)
+            conn.up += len(line)
+            if size == 0:
+                while True:  # trailers, up to the empty line
+                    t = await reader.readuntil(b"\r\n")
+                    writer.write(t)
+                    if t == b"\r\n":
+                        break
+                break
+            data = await reader.readexactly(size + 2)
+            writer.write(data)
+            conn.up += len(data)
+            await writer.drain()
+    elif "content-length" in h:
+        left = int(h["content-length"])
+        if left < 0:
+            raise BadRequest("bad content-length")
+        while left:
+            data = await reader.read(min(left, 65536))
+            if not data:
+                raise BadRequest("body ended early")
+            writer.write(data)
+            conn.up += len(data)
+            left -= len(data)
+            await writer.drain()
+    await writer.drain()
+
+
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn, down: bool) -> None:
+    try:
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                break
+            if down:
+                conn.down += len(data)
+            else:
+                conn.up += len(data)
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        try:
+            if writer.can_write_eof():
+                writer.write_eof()
+            else:
+                writer.close()
+        except (OSError, RuntimeError):
+            pass
+
+
+def _close(writer: asyncio.StreamWriter) -> None:
+    try:
+        writer.close()
+    except (OSError, RuntimeError):
+        pass
+
+
+class Proxy:
+    def __init__(self, home: Path, settings: config.Settings) -> None:
+        self.home = home
+        self.net = settings.network
+        self.registry = Registry(home / "registry.db")
+        self.secrets: dict[str, list[tuple[str, Secret]]] = {}  # sandbox -> [(placeholder, secret)]
+        self.cas: dict[str, SandboxCA] = {}
+        self.approvers: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+        self.pending: dict[int, asyncio.Future[str]] = {}
+        self.asking: dict[tuple[str, str, int], asyncio.Future[tuple[bool, str]]] = {}
+        self.tasks: dict[str, set[asyncio.Task]] = {}
+        self.own: set[str] = set()
+        self.sni: dict[int, str] = {}
+        self.last_control = time.monotonic()
+        self.next_req = 0
+        self.stopping = asyncio.Event()
+        self.upstream_ssl = ssl.create_default_context(cafile=self.net.upstream_ca or None)
+
+    # ---- bookkeeping
+
+    def audit(self, sid: str, kind: str, host: str, address: str, port: int, decision: str, rule: str,
+              detail: str = "") -> int:
+        try:
+            return self.registry.add_net_event(NetEvent(sid, time.time(), kind, host, address, port, decision,
+                                                        rule, 0, 0, detail))
+        except WarmboxError:
+            return 0
+
+    def finish(self, conn: _Conn, detail: str = "") -> None:
+        if conn.event_id:
+            try:
+                self.registry.finish_net_event(conn.event_id, conn.up, conn.down, detail)
+            except WarmboxError:
+                pass
+
+    def policy_of(self, address: str) -> tuple[str, Policy] | None:
+        try:
+            row = self.registry.link_by_address(address)
+        except WarmboxError:
+            return None
+        if row is None:
+            return None
+        try:
+            return row[0], Policy.from_json(row[1])
+        except (ValueError, KeyError, TypeError):
+            return row[0], Policy("none")
+
+    def refresh_own(self) -> None:
+        out = subprocess.run(["ip", "-j", "addr", "show"], capture_output=True, text=True).stdout
+        own = set()
+        try:
+            for link in json.loads(out or "[]"):
+                for a in link.get("addr_info", []):
+                    own.add(str(a.get("local", "")))
+        except ValueError:
+            pass
+        self.own = own
+
+    # ---- decisions
+
+    async def resolve(self, host: str) -> list[str]:
+        try:
+            return [normalize_host(host)] if _is_ip(host) else await self._lookup(host)
+        except InvalidArgument:
+            return []
+
+    async def _lookup(self, host: str) -> list[str]:
+        out = []
+        for qtype in (dns.A, dns.AAAA):
+            try:
+                _, addrs = await dns.query(self.net.resolvers(), host, qtype, timeout=2.0)
+                out += addrs
+            except (OSError, TimeoutError, asyncio.TimeoutError, dns.DnsFormatError):
+                continue
+        return out
+
+    def blocked(self, address: str) -> bool:
+        return is_blocked(address) or address in self.own
+
+    async def decide(self, sid: str, pol: Policy, host: str, port: int, kind: str) -> tuple[bool, str, str, str]:
+        """(allowed, rule, address to connect to, detail)."""
+        verdict, rule = pol.decide_name(host)
+        if verdict == "deny":
+            return False, rule, "", ""
+        addrs = await self.resolve(host)
+        if not addrs:
+            return False, "unresolvable", "", ""
+        usable = [a for a in addrs if not self.blocked(a)]
+        if not usable:
+            return False, "blocked-address", addrs[0], f"{host} resolves only to blocked addresses {addrs[:4]}"
+        if verdict == "resolve":
+            verdict, rule = "deny", "default-deny"
+            for a in usable:
+                v, r = pol.decide_address(a)
+                if v == "allow":
+                    verdict, rule, usable = "allow", r, [a]
+                    break
+                if v == "ask":
+                    verdict = "ask"
+            if verdict == "deny":
+                return False, rule, usable[0], ""
+        if verdict == "ask":
+            ok, rule = await self.ask(sid, host, port, kind)
+            if not ok:
+                return False, rule, usable[0], ""
+        v4 = [a for a in usable if ":" not in a]
+        return True, rule, (v4 or usable)[0], ""
+
+    async def ask(self, sid: str, host: str, port: int, kind: str) -> tuple[bool, str]:
+        key = (sid, host, port)
+        fut = self.asking.get(key)
+        if fut is None:
+            fut = self.asking[key] = asyncio.ensure_future(self._ask(sid, host, port, kind))
+            fut.add_done_callback(lambda _f: self.asking.pop(key, None))
+        return await asyncio.shield(fut)
+
+    async def _ask(self, sid: str, host: str, port: int, kind: str) -> tuple[bool, str]:
+        timeout = self.net.approval_timeout_s
+        answer = ""
+        approvers = self.approvers.get(sid) or []
+        if approvers:
+            _, w = approvers[-1]
+            self.next_req += 1
+            req = self.next_req
+            fut = self.pending[req] = asyncio.get_running_loop().create_future()
+            try:
+                w.write((json.dumps({"op": "ask", "req": req, "sandbox_id": sid, "host": host, "port": port,
+                                     "kind": kind}) + "\n").encode())
+                await w.drain()
+                answer = await asyncio.wait_for(fut, timeout)
+            except (asyncio.TimeoutError, OSError, ConnectionError):
+                return False, "approval:timeout"
+            finally:
+                self.pending.pop(req, None)
+        elif self.net.approval_webhook:
+            body = json.dumps({"sandbox_id": sid, "host": host, "port": port, "kind": kind}).encode()
+            try:
+                answer = await asyncio.wait_for(asyncio.to_thread(_post_json, self.net.approval_webhook, body,
+                                                                  timeout), timeout + 1)
+            except (asyncio.TimeoutError, OSError, ValueError):
+                return False, "approval:timeout"
+        else:
+            return False, "approval:no-hook"
+        if answer not in DECISIONS:
+            return False, "approval:invalid-answer"
+        if answer == "deny":
+            return False, "approval:deny"
+        if answer == "allow_always":
+            got = self.registry.link(sid)
+            if got is not None:
+                self.registry.set_policy(sid, Policy.from_json(got[2]).with_allowed(host).to_json())
+        return True, f"approval:{answer}"
+
+    # ---- the proxy
+
+    async def serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = (writer.get_extra_info("peername") or ("",))[0]
+        found = self.policy_of(peer)
+        if found is None:
+            _close(writer)
+            return
+        sid, pol = found
+        task = asyncio.current_task()
+        self.tasks.setdefault(sid, set()).add(task)
+        conn = _Conn(sid)
+        upstream: asyncio.StreamWriter | None = None
+        try:
+            upstream = await self._serve(sid, pol, reader, writer, conn)
+        except (BadRequest, ValueError) as e:
+            await self._respond(writer, 400, f"bad request: {e}")
+            self.finish(conn, f"bad request: {e}")
+        except (EOFError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
+                OSError, asyncio.TimeoutError, ssl.SSLError):
+            self.finish(conn)
+        except asyncio.CancelledError:
+            self.finish(conn, "closed: sandbox gone")
+        finally:
+            self.tasks.get(sid, set()).discard(task)
+            _close(writer)
+            if upstream is not None:
+                _close(upstream)
+
+    async def _respond(self, writer: asyncio.StreamWriter, code: int, text: str) -> None:
+        reason = {400: "Bad Request", 403: "Forbidden", 502: "Bad Gateway"}.get(code, "Error")
+        body = f"warmbox egress proxy: {text}\n".encode()
+        try:
+            writer.write(f"HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+                         f"X-Warmbox-Egress: {'deny' if code == 403 else 'error'}\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            await writer.drain()
+        except (OSError, ConnectionError, RuntimeError):
+            pass
+
+    async def _serve(self, sid: str, pol: Policy, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     conn: _Conn) -> asyncio.StreamWriter | None:
+        method, target, version, headers = split_head(await read_head(reader))
+        if method == "CONNECT":
+            kind = "connect"
+            raw_host, port = split_hostport(target, 443)
+        else:
+            kind = "http"
+            u = urlsplit(target)
+            if u.scheme != "http" or not u.hostname:
+                raise BadRequest("only absolute http:// URLs and CONNECT are proxied")
+            raw_host, port = u.hostname, u.port or 80
+        try:
+            host = normalize_host(raw_host)
+        except InvalidArgument as e:
+            raise BadRequest(str(e)) from None
+        ok, rule, address, detail = await self.decide(sid, pol, host, port, kind)
+        if not ok:
+            self.audit(sid, kind, host, address, port, "deny", rule, detail)
+            await self._respond(writer, 403, f"egress to {host}:{port} denied ({rule})")
+            return None
+        conn.event_id = self.audit(sid, kind, host, address, port, "allow", rule)
+        if kind == "connect":
+            return await self._tunnel(sid, host, address, port, reader, writer, conn)
+        try:
+            up_r, up_w = await asyncio.wait_for(asyncio.open_connection(address, port), CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as e:
+            self.finish(conn, f"upstream connect failed: {e}")
+            await self._respond(writer, 502, f"cannot connect to {host}:{port}")
+            return None
+        u = urlsplit(target)
+        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        keep = [(k, v) for k, v in headers if k.lower() not in ("proxy-connection", "proxy-authorization",
+                                                                  "connection", "keep-alive")]
+        up_w.write(join_head(f"{method} {path} {version}", keep + [("Connection", "close")]))
+        conn.up += len(target)
+        await relay_body(headers, reader, up_w, conn)
+        await pipe(up_r, writer, conn, down=True)
+        self.finish(conn)
+        return up_w
+
+    async def _tunnel(self, sid: str, host: str, address: str, port: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter, conn: _Conn) -> asyncio.StreamWriter | None:
+        writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        await writer.drain()
+        if any(s.applies_to(host) for _, s in self.secrets.get(sid, [])) and sid in self.cas:
+            return await self._intercept(sid, host, address, port, reader, writer, conn)
+        first = await asyncio.wait_for(reader.read(16384), HEAD_TIMEOUT_S)
+        if not first:
+            self.finish(conn, "client sent nothing")
+            return None
+        if first[0] == 0x16:
+            while len(first) < 5 + int.from_bytes(first[3:5], "big") and len(first) < 16384:
+                more = await asyncio.wait_for(reader.read(16384), HEAD_TIMEOUT_S)
+                if not more:
+                    break
+                first += more
+            sni = parse_sni(first)
+            if sni is not None and normalize_host(sni, "SNI") != host or (sni is None and not _is_ip(host)):
+                self.registry.finish_net_event(conn.event_id, 0, 0, f"TLS SNI {sni!r} != CONNECT host {host}")
+                self._redecide(conn.event_id, "sni-mismatch")
+                return None
+        try:
+            up_r, up_w = await asyncio.wait_for(asyncio.open_connection(address, port), CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as e:
+            self.finish(conn, f"upstream connect failed: {e}")
+            return None
+        up_w.write(first)
+        conn.up += len(first)
+        await asyncio.gather(pipe(reader, up_w, conn, down=False), pipe(up_r, writer, conn, down=True))
+        self.finish(conn)
+        return up_w
+
+    def _redecide(self, event_id: int, rule: str) -> None:
+        try:
+            with self.registry._tx() as db:
+                db.execute("UPDATE net_events SET decision='deny', rule=? WHERE id=?", (rule, event_id))
+        except WarmboxError:
+            pass
+
+    async def _intercept(self, sid: str, host: str, address: str, port: int, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter, conn: _Conn) -> asyncio.StreamWriter | None:
+        ctx = self.cas[sid].server_context(host)
+        ctx.sni_callback = self._note_sni
+        await asyncio.wait_for(writer.start_tls(ctx), HEAD_TIMEOUT_S)
+        sni = self.sni.pop(id(writer.get_extra_info("ssl_object")), None)
+        if sni is None or normalize_host(sni, "SNI") != host:
+            self.registry.finish_net_event(conn.event_id, 0, 0, f"TLS SNI {sni!r} != CONNECT host {host}")
+            self._redecide(conn.event_id, "sni-mismatch")
+            return None
+        try:
+            up_r, up_w = await asyncio.wait_for(asyncio.open_connection(
+                address, port, ssl=self.upstream_ssl, server_hostname=host), CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError, ssl.SSLError) as e:
+            self.finish(conn, f"upstream TLS to {host} failed: {e}"[:300])
+            return None
+        down = asyncio.ensure_future(pipe(up_r, writer, conn, down=True))
+        injected = 0
+        try:
+            while True:
+                try:
+                    head = await read_head(reader)
+                except EOFError:
+                    break
+                method, target, version, headers = split_head(head)
+                out = []
+                for k, v in headers:
+                    for placeholder, secret in self.secrets.get(sid, []):
+                        if placeholder in v and secret.applies_to(host):
+                            v = v.replace(placeholder, secret.value)
+                            injected += 1
+                    out.append((k, v))
+                up_w.write(join_head(f"{method} {target} {version}", out))
+                conn.up += len(head)
+                await relay_body(headers, reader, up_w, conn)
+        finally:
+            try:
+                if up_w.can_write_eof():
+                    up_w.write_eof()
+            except (OSError, RuntimeError):
+                pass
+            await asyncio.wait([down], timeout=60)
+            down.cancel()
+        self.finish(conn, f"intercepted; {injected} secret header(s) substituted" if injected else "intercepted")
+        return up_w
+
+    def _note_sni(self, sslobj: ssl.SSLObject, name: str | None, ctx: ssl.SSLContext) -> None:
+        if name:
+            self.sni[id(sslobj)] = name
+        return None
+
+    # ---- the resolver
+
+    async def answer_dns(self, transport: asyncio.DatagramTransport, data: bytes, addr: tuple) -> None:
+        found = self.policy_of(addr[0])
+        if found is None:
+            return
+        sid, pol = found
+        try:
+            q = dns.parse_query(data)
+        except dns.DnsFormatError:
+            self.audit(sid, "dns", "", "", 53, "deny", "malformed-query")
+            return
+        try:
+            name = normalize_host(q.name, "DNS name")
+        except InvalidArgument:
+            self.audit(sid, "dns", q.name[:200], "", 53, "deny", "bad-name")
+            transport.sendto(dns.build_response(q, dns.NXDOMAIN), addr)
+            return
+        verdict, rule = pol.decide_name(name)
+        if verdict in ("deny", "ask"):
+            self.audit(sid, "dns", name, "", 53, "deny", rule or "not-allowlisted")
+            transport.sendto(dns.build_response(q, dns.NXDOMAIN), addr)
+            return
+        if q.qtype not in (dns.A, dns.AAAA):
+            self.audit(sid, "dns", name, "", 53, "deny", f"qtype-{q.qtype}")
+            transport.sendto(dns.build_response(q, dns.NOTIMP), addr)
+            return
+        try:
+            rcode, addrs = await dns.query(self.net.resolvers(), name, q.qtype, timeout=2.0)
+        except (OSError, TimeoutError, asyncio.TimeoutError, dns.DnsFormatError):
+            self.audit(sid, "dns", name, "", 53, "allow", rule, "upstream resolver did not answer")
+            transport.sendto(dns.build_response(q, dns.SERVFAIL), addr)
+            return
+        usable = [a for a in addrs if not self.blocked(a)]
+        if verdict == "resolve":
+            usable = [a for a in usable if pol.decide_address(a)[0] == "allow"]
+        if addrs and not usable:
+            self.audit(sid, "dns", name, addrs[0], 53, "deny", "blocked-address", f"answers {addrs[:4]} withheld")
+        else:
+            self.audit(sid, "dns", name, usable[0] if usable else "", 53, "allow", rule or "allow:cidr")
+        transport.sendto(dns.build_response(q, rcode if rcode in (dns.NOERROR, dns.NXDOMAIN) else dns.SERVFAIL,
+                                            usable), addr)
+
+    # ---- control (engine and SDK processes of this host, via a root-only unix socket)
+
+    async def serve_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        subscribed: str | None = None
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    break
+                self.last_control = time.monotonic()
+                try:
+                    msg = json.loads(line)
+                    reply = self.control(msg, reader, writer)
+                except (ValueError, KeyError, TypeError, InvalidArgument) as e:
+                    reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                if reply is None:  # an approval answer
+                    continue
+                if msg.get("op") == "approvals" and reply.get("ok"):
+                    subscribed = msg["sandbox_id"]
+                writer.write((json.dumps(reply) + "\n").encode())
+                await writer.drain()
+        except (OSError, ConnectionError, asyncio.LimitOverrunError, ValueError):
+            pass
+        finally:
+            if subscribed is not None:
+                subs = self.approvers.get(subscribed, [])
+                self.approvers[subscribed] = [s for s in subs if s[1] is not writer]
+            _close(writer)
+
+    def control(self, msg: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> dict | None:
+        op = msg.get("op")
+        if "req" in msg and "decision" in msg:
+            fut = self.pending.get(int(msg["req"]))
+            if fut is not None and not fut.done():
+                fut.set_result(str(msg["decision"]))
+            return None
+        if op == "hello":
+            return {"ok": not self.stopping.is_set(), "pid": os.getpid()}
+        if op == "register":
+            sid = str(msg["sandbox_id"])
+            entries = [(str(s["placeholder"]), Secret(s["value"], s["hosts"])) for s in msg.get("secrets", [])]
+            self.secrets[sid] = entries
+            ca_pem = ""
+            if entries:
+                ca = self.cas.get(sid) or SandboxCA(sid, self.home / "proxy" / sid)
+                self.cas[sid] = ca
+                ca_pem = ca.cert_pem
+            return {"ok": True, "ca_pem": ca_pem}
+        if op == "forget":
+            sid = str(msg["sandbox_id"])
+            self.secrets.pop(sid, None)
+            ca = self.cas.pop(sid, None)
+            if ca is not None:
+                ca.close()
+            for _, w in self.approvers.pop(sid, []):
+                _close(w)
+            for t in self.tasks.pop(sid, set()):
+                t.cancel()
+            return {"ok": True}
+        if op == "approvals":
+            self.approvers.setdefault(str(msg["sandbox_id"]), []).append((reader, writer))
+            return {"ok": True}
+        if op == "stop":
+            self.stopping.set()
+            return {"ok": True}
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    async def idle_watch(self) -> None:
+        while not self.stopping.is_set():
+            await asyncio.sleep(1.0)
+            try:
+                live = self.registry.live_links()
+            except WarmboxError:
+                continue
+            if not live and time.monotonic() - self.last_control > IDLE_EXIT_S and not self.approvers:
+                self.stopping.set()
+            if int(time.monotonic()) % 30 == 0:
+                self.refresh_own()
+
+
+def _is_ip(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def _post_json(url: str, body: bytes, timeout: float) -> str:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - operator-configured URL
+        answer = json.loads(r.read(65536))
+    return str(answer.get("decision", "")) if isinstance(answer, dict) else ""
+
+
+class _Dns(asyncio.DatagramProtocol):
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+        self.transport: asyncio.DatagramTransport | None = None
+        self.inflight = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple) -> None:
+        if self.inflight >= 256 or self.transport is None:
+            return  # bounded: a query flood is dropped, not queued
+        self.inflight += 1
+        task = asyncio.ensure_future(self.proxy.answer_dns(self.transport, data, addr))
+        task.add_done_callback(lambda _t: setattr(self, "inflight", self.inflight - 1))
+
+
+def control_path(home: Path) -> Path:
+    return home / "netproxy.sock"
+
+
+def main(argv: list[str]) -> int:
+    home = Path(argv[0])
+    settings = config.load(home)
+    from warmbox.engine.engine import runtime_dir
+
+    egress = netns.egress_name(runtime_dir(home))
+    lock_fd = os.open(home / "netproxy.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return 0  # another proxy serves this home
+    asyncio.run(netns.ensure_egress(egress))
+    own_ns = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    netns.setns(netns.netns_path(egress))
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    tcp.bind((netns.GATEWAY, netns.PROXY_PORT))
+    tcp.listen(512)
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind((netns.GATEWAY, netns.DNS_PORT))
+    if settings.network.upstream_netns:
+        netns.setns(netns.netns_path(settings.network.upstream_netns))
+    else:
+        netns.setns(f"/proc/self/fd/{own_ns}")
+    os.close(own_ns)
+
+    async def run() -> None:
+        proxy = Proxy(home, settings)
+        proxy.refresh_own()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, proxy.stopping.set)
+        server = await asyncio.start_server(proxy.serve_client, sock=tcp, limit=MAX_HEAD)
+        await loop.create_datagram_endpoint(lambda: _Dns(proxy), sock=udp)
+        ctl = control_path(home)
+        ctl.unlink(missing_ok=True)
+        old = os.umask(0o077)
+        control = await asyncio.start_unix_server(proxy.serve_control, path=str(ctl), limit=MAX_CONTROL_LINE)
+        os.umask(old)
+        (home / "netproxy.pid").write_text(str(os.getpid()))
+        watch = asyncio.ensure_future(proxy.idle_watch())
+        await proxy.stopping.wait()
+        watch.cancel()
+        control.close()
+        ctl.unlink(missing_ok=True)
+        server.close()
+        for tasks in proxy.tasks.values():
+            for t in tasks:
+                t.cancel()
+        for ca in proxy.cas.values():
+            ca.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        tcp.close()
+        udp.close()
+        asyncio.run(netns.remove_egress(egress))
+        (home / "netproxy.pid").unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,110 @@
+"""The tests' fake internet; run inside the world namespace the fixture made: ``fakeworld.py DIR``.
+
+Serves (addresses exist only in that namespace):
+  198.51.100.10 :80 and :443  allowed.test / api.test: static files from DIR/site, POST echo
+  203.0.113.66  :80 and :443  attacker.example.com: accepts uploads
+  169.254.169.254 :80         fake cloud metadata
+  192.0.2.2     :53/udp       DNS for the names in DIR/zone.json (re-read on every query)
+Every request is appended to DIR/<server>.jsonl with its headers and body size.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import ssl
+import struct
+import sys
+import threading
+from pathlib import Path
+
+DIR = Path(sys.argv[1])
+
+
+def handler(name: str, tls: bool):
+    class H(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, directory=str(DIR / "site"), **kw)
+
+        def log_message(self, *a):
+            pass
+
+        def _log(self, body: bytes = b""):
+            rec = {"method": self.command, "path": self.path, "headers": dict(self.headers.items()),
+                   "body": body.decode("latin-1")[:2000], "tls": tls, "client": self.client_address[0]}
+            with open(DIR / f"{name}.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+        def do_GET(self):
+            self._log()
+            if name == "metadata":
+                self._reply(b"iam-credentials: AKIA-FAKE-METADATA\n")
+                return
+            if self.path.startswith("/headers"):
+                self._reply(json.dumps(dict(self.headers.items())).encode())
+                return
+            super().do_GET()
+
+        def do_POST(self):
+            n = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(n)
+            self._log(body)
+            self._reply(b"received %d bytes\n" % len(body))
+
+        def _reply(self, data: bytes):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    return H
+
+
+def serve(name: str, addr: str, port: int, cert: str | None = None):
+    srv = http.server.ThreadingHTTPServer((addr, port), handler(name, cert is not None))
+    if cert:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(cert)
+        srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+
+
+def dns_server():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("192.0.2.2", 53))
+    while True:
+        data, peer = s.recvfrom(4096)
+        try:
+            txid, _flags = struct.unpack("!2H", data[:4])
+            off, labels = 12, []
+            while data[off]:
+                labels.append(data[off + 1:off + 1 + data[off]].decode().lower())
+                off += 1 + data[off]
+            qtype = struct.unpack("!H", data[off + 1:off + 3])[0]
+            question = data[12:off + 5]
+        except (IndexError, struct.error, UnicodeDecodeError):
+            continue
+        name = ".".join(labels)
+        with open(DIR / "dns.jsonl", "a") as f:
+            f.write(json.dumps({"name": name, "qtype": qtype, "client": peer[0]}) + "\n")
+        zone = json.loads((DIR / "zone.json").read_text())
+        addr = zone.get(name)
+        answers = b""
+        count = 0
+        if addr and qtype == 1:
+            answers = b"\xc0\x0c" + struct.pack("!2HIH", 1, 1, 5, 4) + socket.inet_aton(addr)
+            count = 1
+        rcode = 0 if addr else 3
+        s.sendto(struct.pack("!6H", txid, 0x8180 | rcode, 1, count, 0, 0) + question + answers, peer)
+
+
+if __name__ == "__main__":
+    serve("allowed", "198.51.100.10", 80)
+    serve("allowed", "198.51.100.10", 443, str(DIR / "allowed.pem"))
+    serve("attacker", "203.0.113.66", 80)
+    serve("attacker", "203.0.113.66", 443, str(DIR / "attacker.pem"))
+    serve("metadata", "169.254.169.254", 80)
+    threading.Thread(target=dns_server, daemon=True).start()
+    (DIR / "ready").write_text("ok")
+    threading.Event().wait()
