@@ -255,3 +255,44 @@ def test_everything_is_removed_with_the_sandbox(net_home, world):
                          capture_output=True, text=True).stdout
     assert row[0] not in out
     assert engine.network_log(sid), "the audit log outlives the sandbox"
+
+
+def test_cli_run_with_allowlist_and_net_log(net_home, world):
+    world.clear_logs()
+    env = {**os.environ, "WARMBOX_HOME": str(net_home)}
+    wb = [os.path.join(os.path.dirname(__import__("sys").executable), "warmbox")]
+    r = subprocess.run(wb + ["run", "--json", "--allow", "allowed.test", "--", "curl", "-sS", "--max-time", "8",
+                             "http://allowed.test/hello.txt"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    assert rec["stdout"] == "hello from the allowed site\n" and "network" in rec["timings"]
+    r = subprocess.run(wb + ["net", "log", rec["sandbox_id"]], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "allow" in r.stdout and "allowed.test:80" in r.stdout, r.stdout
+    r = subprocess.run(wb + ["run", "--allow", "bad host!", "--", "true"], capture_output=True, text=True, env=env)
+    assert r.returncode == 125 and r.stderr.startswith("warmbox: error:") and "Traceback" not in r.stderr
+    r = subprocess.run(wb + ["run", "--secret", "WBT_NOPE=api.test", "--allow", "api.test", "--", "true"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 125 and "WBT_NOPE" in r.stderr
+
+
+def test_pooled_sandbox_gets_its_network_at_claim(net_home, world):
+    from tests.conftest import wait_for
+    from warmbox import Limits
+
+    world.clear_logs()
+    cfg = net_home / "warmbox.toml"
+    old = cfg.read_text()
+    cfg.write_text(old.replace("[pools]\n", "[pools.netpool]\ntemplate = \"shell\"\nmin = 1\nmax = 1\ntarget = 1\n"
+                                            "limits = { memory_mb = 384 }\n"))
+    engine = Engine.for_home(net_home)
+    try:
+        engine.ensure_daemon()
+        wait_for(lambda: engine.registry.pool_counts("netpool")[0] >= 1, 60, "a pooled sandbox")
+        with Sandbox.create(template="shell", limits=Limits(memory_mb=384), network=Network(allow=["allowed.test"]),
+                            timeout=60, home=net_home) as sb:
+            assert sb.from_pool
+            assert [t.stage for t in sb.stage_timings if t.on_request_path] == ["allocation", "network"]
+            r = sh(sb, f"{CURL} http://allowed.test/hello.txt")
+            assert r.exit_code == 0, r.stderr
+    finally:
+        cfg.write_text(old)

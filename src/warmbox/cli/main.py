@@ -61,6 +61,42 @@ def _add_sandbox_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", type=int, default=Limits.memory_mb, metavar="MB", help="memory limit, MiB")
     p.add_argument("--cpus", type=float, default=Limits.cpus, help="CPU quota in cores")
     p.add_argument("--pids", type=int, default=Limits.pids, help="process/thread limit")
+    _add_network_opts(p)
+    p.add_argument("--secret", action="append", metavar="NAME=HOST[,HOST]",
+                   help="pass host env var NAME as a brokered secret: the sandbox sees a placeholder, "
+                        "the proxy sends the value to HOST only")
+
+
+def _add_network_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--network", choices=("none", "internet"), default=None,
+                   help="egress: none (default; loopback only) or internet (public addresses only)")
+    p.add_argument("--allow", action="append", metavar="HOST|*.DOMAIN|CIDR", help="allow egress to (repeatable)")
+    p.add_argument("--deny", action="append", metavar="HOST|*.DOMAIN|CIDR", help="deny egress to (wins over allow)")
+
+
+def _network(args: argparse.Namespace) -> Any:
+    from warmbox.network.policy import Network
+
+    if args.allow or args.deny:
+        if args.network == "internet":
+            raise WarmboxError("--network internet cannot be combined with --allow/--deny")
+        return Network(allow=args.allow or [], deny=args.deny or [])
+    return args.network or "none"
+
+
+def _secrets(args: argparse.Namespace) -> dict[str, Any]:
+    from warmbox.network.policy import Secret
+
+    out = {}
+    for item in getattr(args, "secret", None) or []:
+        name, sep, hosts = item.partition("=")
+        if not sep or not hosts:
+            raise WarmboxError(f"--secret takes NAME=HOST[,HOST], got {item!r}")
+        value = os.environ.get(name)
+        if not value:
+            raise WarmboxError(f"--secret {name}: the host environment has no variable {name} to take it from")
+        out[name] = Secret(value, hosts=[h for h in hosts.split(",") if h])
+    return out
 
 
 def _add_exec_opts(p: argparse.ArgumentParser) -> None:
@@ -120,6 +156,16 @@ def _parser() -> argparse.ArgumentParser:
     q = psub.add_parser("warm", help="wait until pools reach their targets")
     q.add_argument("names", nargs="*")
     q.add_argument("--wait-timeout", type=float, default=600.0, metavar="S")
+    p = sub.add_parser("net", help="a sandbox's egress: audit log and policy")
+    nsub = p.add_subparsers(dest="net_command", required=True, parser_class=_Parser)
+    q = nsub.add_parser("log", help="every egress attempt of a sandbox")
+    q.add_argument("sandbox_id")
+    q.add_argument("--json", action="store_true")
+    q = nsub.add_parser("set", help="replace a running sandbox's policy (applies to new connections)")
+    q.add_argument("sandbox_id")
+    _add_network_opts(q)
+    q = nsub.add_parser("show", help="a sandbox's policy")
+    q.add_argument("sandbox_id")
     sub.add_parser("down", help="stop the daemon; destroys pooled (not claimed) sandboxes")
     p = sub.add_parser("config", help="show the effective settings")
     p.add_argument("--json", action="store_true")
@@ -168,7 +214,7 @@ def _limits(args: argparse.Namespace) -> Limits:
 
 def _create_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(timeout=args.timeout, envs=_env_pairs(args.env), limits=_limits(args),
-                template=args.template, pool=not args.no_pool)
+                template=args.template, pool=not args.no_pool, network=_network(args), secrets=_secrets(args))
 
 
 def _timings_json(stages: list) -> list[dict]:
@@ -396,7 +442,29 @@ async def _bench(args: argparse.Namespace) -> int:
     return await bench.command(args)
 
 
-_COMMANDS = {"run": _run, "create": _create, "exec": _exec, "ls": _ls, "kill": _kill, "metrics": _metrics,
+async def _net(args: argparse.Namespace) -> int:
+    from warmbox.engine.engine import Engine
+
+    engine = Engine.for_home(None)
+    if args.net_command == "log":
+        rows = engine.network_log(args.sandbox_id)
+        if args.json:
+            print(json.dumps([dataclasses.asdict(r) for r in rows]))
+            return 0
+        for e in rows:
+            at = time.strftime("%H:%M:%S", time.localtime(e.at))
+            print(f"{at} {e.kind:<7} {e.decision:<5} {e.host}:{e.port} {e.address or '-'} {e.rule}"
+                  f" up={e.bytes_up} down={e.bytes_down}" + (f" ({e.detail})" if e.detail else ""))
+        return 0
+    if args.net_command == "set":
+        policy = await engine.set_network(args.sandbox_id, _network(args))
+        print(policy.describe())
+        return 0
+    print(engine.network_policy(args.sandbox_id).describe())
+    return 0
+
+
+_COMMANDS = {"net": _net, "run": _run, "create": _create, "exec": _exec, "ls": _ls, "kill": _kill, "metrics": _metrics,
              "snapshot": _snapshot, "pause": _snapshot, "resume": _resume, "snapshots": _snapshots,
              "pool": _pool, "down": _down, "config": _config, "doctor": _doctor, "demo": _demo, "bench": _bench}
 
