@@ -296,3 +296,22 @@ def test_pooled_sandbox_gets_its_network_at_claim(net_home, world):
             assert r.exit_code == 0, r.stderr
     finally:
         cfg.write_text(old)
+
+
+def test_connect_tunnel_needs_matching_sni(allow_sb, world):
+    sb = allow_sb
+    code = (
+        "import socket, ssl\n"
+        f"s = socket.create_connection(('{netns.GATEWAY}', {netns.PROXY_PORT}), timeout=8)\n"
+        "s.sendall(b'CONNECT allowed.test:443 HTTP/1.1\\r\\nHost: allowed.test:443\\r\\n\\r\\n')\n"
+        "assert s.recv(4096).startswith(b'HTTP/1.1 200')\n"
+        "ctx = ssl.create_default_context(); ctx.check_hostname = False; ctx.verify_mode = ssl.CERT_NONE\n"
+        "try:\n"
+        "    t = ctx.wrap_socket(s, server_hostname='attacker.example.com'); print('HANDSHAKE', t.version())\n"
+        "except (ssl.SSLError, OSError) as e:\n"
+        "    print('REFUSED', type(e).__name__)\n")
+    r = sh(sb, f"python3 -c \"{code}\"")
+    assert "REFUSED" in r.stdout, (r.stdout, r.stderr)
+    assert [e.rule for e in events(sb, kind="connect")] == ["sni-mismatch"]
+    assert events(sb, kind="connect")[0].decision == "deny"
+    assert world.log("allowed") == []

@@ -455,8 +455,7 @@ class Proxy:
                 first += more
             sni = parse_sni(first)
             if sni is not None and normalize_host(sni, "SNI") != host or (sni is None and not _is_ip(host)):
-                self.registry.finish_net_event(conn.event_id, 0, 0, f"TLS SNI {sni!r} != CONNECT host {host}")
-                self._redecide(conn.event_id, "sni-mismatch")
+                self._redecide(conn.event_id, "sni-mismatch", f"TLS SNI {sni!r} != CONNECT host {host}")
                 return None
         try:
             up_r, up_w = await asyncio.wait_for(asyncio.open_connection(address, port), CONNECT_TIMEOUT_S)
@@ -469,10 +468,9 @@ class Proxy:
         self.finish(conn)
         return up_w
 
-    def _redecide(self, event_id: int, rule: str) -> None:
+    def _redecide(self, event_id: int, rule: str, detail: str) -> None:
         try:
-            with self.registry._tx() as db:
-                db.execute("UPDATE net_events SET decision='deny', rule=? WHERE id=?", (rule, event_id))
+            self.registry.deny_net_event(event_id, rule, detail)
         except WarmboxError:
             pass
 
@@ -483,8 +481,7 @@ class Proxy:
         await asyncio.wait_for(writer.start_tls(ctx), HEAD_TIMEOUT_S)
         sni = self.sni.pop(id(writer.get_extra_info("ssl_object")), None)
         if sni is None or normalize_host(sni, "SNI") != host:
-            self.registry.finish_net_event(conn.event_id, 0, 0, f"TLS SNI {sni!r} != CONNECT host {host}")
-            self._redecide(conn.event_id, "sni-mismatch")
+            self._redecide(conn.event_id, "sni-mismatch", f"TLS SNI {sni!r} != CONNECT host {host}")
             return None
         try:
             up_r, up_w = await asyncio.wait_for(asyncio.open_connection(

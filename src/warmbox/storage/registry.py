@@ -651,6 +651,12 @@ class Registry:
             db.execute("UPDATE net_events SET bytes_up=?, bytes_down=?, detail=CASE WHEN ?='' THEN detail ELSE ? END"
                        " WHERE id=?", (bytes_up, bytes_down, detail, detail[:500], event_id))
 
+    def deny_net_event(self, event_id: int, rule: str, detail: str) -> None:
+        """Turn an attempt first allowed by name into a denial (e.g. its TLS SNI did not match)."""
+        with self._tx() as db:
+            db.execute("UPDATE net_events SET decision='deny', rule=?, detail=? WHERE id=?",
+                       (rule, detail[:500], event_id))
+
     def net_events(self, sandbox_id: str, limit: int = 10000) -> list[NetEvent]:
         rows = self._read("SELECT sandbox_id, at, kind, host, address, port, decision, rule, bytes_up, bytes_down,"
                           " detail FROM net_events WHERE sandbox_id=? ORDER BY id LIMIT ?",
