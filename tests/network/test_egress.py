@@ -100,9 +100,11 @@ def test_raw_ip_and_direct_connections_bypassing_the_proxy_fail(allow_sb, world)
     for cmd in (f"{CURL} --noproxy '*' http://{ALLOWED}/hello.txt",
                 f"{CURL} --noproxy '*' http://allowed.test/hello.txt",
                 f"python3 -c \"import socket; socket.create_connection(('{ATTACKER}', 443), timeout=3)\"",
-                f"python3 -c \"import socket; socket.create_connection(('{netns.GATEWAY}', 22), timeout=3)\""):
+                f"python3 -c \"import socket; socket.create_connection(('{netns.GATEWAY}', 22), timeout=3)\"",
+                "python3 -c \"import socket; socket.create_connection(('2001:db8::1', 80), timeout=3)\""):
         r = sh(sb, cmd)
         assert r.exit_code != 0, cmd
+    assert sh(sb, "cat /proc/net/if_inet6 2>/dev/null; ip -6 addr 2>/dev/null").stdout.strip() == ""  # no IPv6
     # a raw IP through the proxy is an unknown destination too
     r = sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' http://{ALLOWED}/hello.txt")
     assert r.stdout == "403"
