@@ -203,7 +203,9 @@ async def attach(engine: "Engine", handle: BackendHandle, client: GuestClient, p
         if ca_pem:
             from warmbox.network.tls import bundle_with_system
 
-            await _write(client, CA_PATH, bundle_with_system(ca_pem).encode(), sid)
+            msg = await client.upload(CA_PATH, bundle_with_system(ca_pem).encode())
+            if isinstance(msg, p.Failure):
+                raise GuestProtocolError(f"cannot write {CA_PATH}: {msg.message}", sid)
         reply = await asyncio.wait_for(client.call(
             lambda i: p.Configure(i, env=proxy_env(placeholders, bool(ca_pem)), reset_counts=False),
             p.UsageReport), 10)
@@ -215,19 +217,6 @@ async def attach(engine: "Engine", handle: BackendHandle, client: GuestClient, p
     timing = StageTiming(sid, "network", (time.perf_counter() - t0) * 1e3, True)
     engine.registry.add_timings([timing])
     return timing
-
-
-async def _write(client: GuestClient, path: str, data: bytes, sid: str) -> None:
-    async with client.request(lambda i: p.WriteFile(i, path=path, mode=0o644, append=False)) as stream:
-        ready = await stream.next(p.Ok)
-        if isinstance(ready, p.Failure):
-            raise GuestProtocolError(f"cannot write {path}: {ready.message}", sid)
-        for off in range(0, len(data), p.CHUNK):
-            await stream.send(p.Chunk(stream.id, data=data[off:off + p.CHUNK]))
-        await stream.send(p.ChunkEnd(stream.id))
-        msg = await stream.next(p.Entry)
-        if isinstance(msg, p.Failure):
-            raise GuestProtocolError(f"cannot write {path}: {msg.message}", sid)
 
 
 async def release(engine: "Engine", sandbox_id: str) -> None:

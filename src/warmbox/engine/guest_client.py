@@ -113,6 +113,17 @@ class GuestClient:
         async with self.request(make) as stream:
             return await stream.next(expect)
 
+    async def upload(self, path: str, data: bytes, *, mode: int = 0o644, append: bool = False) -> p.Message:
+        """Write ``data`` to ``path`` in the sandbox: the file's Entry, or the guest's Failure."""
+        async with self.request(lambda i: p.WriteFile(i, path=path, mode=mode, append=append)) as stream:
+            ready = await stream.next(p.Ok)
+            if isinstance(ready, p.Failure):
+                return ready
+            for off in range(0, len(data), p.CHUNK):
+                await stream.send(p.Chunk(stream.id, data=data[off:off + p.CHUNK]))
+            await stream.send(p.ChunkEnd(stream.id))
+            return await stream.next(p.Entry)
+
     async def close(self) -> None:
         self._task.cancel()
         with contextlib.suppress(BaseException):

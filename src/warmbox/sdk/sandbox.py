@@ -583,16 +583,9 @@ class AsyncFiles:
             raw = bytes(data)
         else:
             raise InvalidArgument(f"data must be str or bytes, got {type(data).__name__}")
-        async with self._sb._client.request(lambda i: p.WriteFile(i, path=path, mode=mode, append=append)) as stream:
-            ready = await stream.next(p.Ok)
-            if isinstance(ready, p.Failure):
-                _raise_failure(ready, self._sb.sandbox_id, f"write {path}")
-            for off in range(0, len(raw), p.CHUNK):
-                await stream.send(p.Chunk(stream.id, data=raw[off:off + p.CHUNK]))
-            await stream.send(p.ChunkEnd(stream.id))
-            msg = await stream.next(p.Entry)
-            if isinstance(msg, p.Failure):
-                _raise_failure(msg, self._sb.sandbox_id, f"write {path}")
+        msg = await self._sb._client.upload(path, raw, mode=mode, append=append)
+        if isinstance(msg, p.Failure):
+            _raise_failure(msg, self._sb.sandbox_id, f"write {path}")
         return _entry(msg)
 
     async def list(self, path: str = WORKDIR, *, depth: int = 1) -> list[EntryInfo]:
