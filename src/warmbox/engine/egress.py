@@ -222,9 +222,10 @@ async def attach(engine: "Engine", handle: BackendHandle, client: GuestClient, p
 async def release(engine: "Engine", sandbox_id: str) -> None:
     """Remove the sandbox's link, rule element and proxy state (idempotent)."""
     row = engine.registry.link(sandbox_id)
-    if row is not None:
-        await netns.detach(netns.egress_name(engine.runtime), netns.Link(sandbox_id, row[0], row[1]))
-        engine.registry.drop_link(sandbox_id)
+    if row is None:  # never linked (attach registers with the proxy only after recording the link)
+        return
+    await netns.detach(netns.egress_name(engine.runtime), netns.Link(sandbox_id, row[0], row[1]))
+    engine.registry.drop_link(sandbox_id)
     if proxy_pid(engine.home) is not None:
         try:
             c = await Control.open(engine.home)

@@ -183,29 +183,32 @@ class Policy:
         """
         if self.mode == "none":
             return "deny", "policy:none"
-        for pattern in self.deny:
-            r = Rule(pattern)
-            if r.matches_name(host) or r.matches_address(host):
-                return "deny", f"deny:{pattern}"
+        hit = _first(self.deny, lambda r: r.matches_name(host) or r.matches_address(host))
+        if hit:
+            return "deny", f"deny:{hit}"
         if self.mode == "internet":
             return "allow", "internet"
-        for pattern in self.allow:
-            r = Rule(pattern)
-            if r.matches_name(host) or r.matches_address(host):
-                return "allow", f"allow:{pattern}"
+        hit = _first(self.allow, lambda r: r.matches_name(host) or r.matches_address(host))
+        if hit:
+            return "allow", f"allow:{hit}"
         if any(Rule(x).is_cidr for x in self.allow + self.deny):
             return "resolve", ""
         return ("ask", "") if self.on_unknown == "ask" else ("deny", "default-deny")
 
     def decide_address(self, address: str) -> tuple[Decision | Literal["ask"], str]:
         """Decision for a resolved (or literal) address once name rules did not decide."""
-        for pattern in self.deny:
-            if Rule(pattern).matches_address(address):
-                return "deny", f"deny:{pattern}"
-        for pattern in self.allow:
-            if Rule(pattern).matches_address(address):
-                return "allow", f"allow:{pattern}"
+        hit = _first(self.deny, lambda r: r.matches_address(address))
+        if hit:
+            return "deny", f"deny:{hit}"
+        hit = _first(self.allow, lambda r: r.matches_address(address))
+        if hit:
+            return "allow", f"allow:{hit}"
         return ("ask", "") if self.on_unknown == "ask" else ("deny", "default-deny")
+
+
+def _first(patterns: tuple[str, ...], test) -> str:
+    """The first pattern whose rule passes ``test`` ("" if none)."""
+    return next((x for x in patterns if test(Rule(x))), "")
 
 
 @dataclasses.dataclass(frozen=True)

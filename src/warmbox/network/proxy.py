@@ -430,8 +430,9 @@ class Proxy:
         path = (u.path or "/") + (f"?{u.query}" if u.query else "")
         keep = [(k, v) for k, v in headers if k.lower() not in ("proxy-connection", "proxy-authorization",
                                                                   "connection", "keep-alive")]
-        up_w.write(join_head(f"{method} {path} {version}", keep + [("Connection", "close")]))
-        conn.up += len(target)
+        out = join_head(f"{method} {path} {version}", keep + [("Connection", "close")])
+        up_w.write(out)
+        conn.up += len(out)
         await relay_body(headers, reader, up_w, conn)
         await pipe(up_r, writer, conn, down=True)
         self.finish(conn)
@@ -635,6 +636,7 @@ class Proxy:
         return {"ok": False, "error": f"unknown op {op!r}"}
 
     async def idle_watch(self) -> None:
+        refreshed = time.monotonic()
         while not self.stopping.is_set():
             await asyncio.sleep(1.0)
             try:
@@ -643,8 +645,9 @@ class Proxy:
                 continue
             if not live and time.monotonic() - self.last_control > IDLE_EXIT_S and not self.approvers:
                 self.stopping.set()
-            if int(time.monotonic()) % 30 == 0:
+            if time.monotonic() - refreshed > 30:  # the host's own addresses may change
                 self.refresh_own()
+                refreshed = time.monotonic()
 
 
 def _is_ip(host: str) -> bool:
