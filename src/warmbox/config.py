@@ -121,6 +121,13 @@ class NetworkSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class MicroVMSettings:
+    """Tier 4. accel: "auto" (probe: KVM when a guest boots under it, else TCG), "kvm" or "tcg"."""
+
+    accel: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     source: str  # the file read, or "built-in defaults"
     defaults: Defaults
@@ -128,6 +135,7 @@ class Settings:
     pools: dict[str, PoolConfig]
     daemon_idle_exit_s: float = 10.0
     network: NetworkSettings = NetworkSettings()
+    microvm: MicroVMSettings = MicroVMSettings()
 
     def template(self, name: str) -> Template:
         t = self.templates.get(name)
@@ -210,7 +218,7 @@ def _apply_env(raw: dict[str, Any], environ: os._Environ | dict[str, str]) -> No
 
 
 def parse(raw: dict[str, Any], source: str = "<settings>") -> Settings:
-    known = {"defaults", "templates", "pools", "daemon", "network"}
+    known = {"defaults", "templates", "pools", "daemon", "network", "microvm"}
     for k in raw:
         if k not in known:
             raise ConfigError(f"{source}: unknown section [{k}] (known: {', '.join(sorted(known))})")
@@ -278,7 +286,16 @@ def parse(raw: dict[str, Any], source: str = "<settings>") -> Settings:
     _only(dm, {"idle_exit"}, "daemon", source)
     return Settings(source=source, defaults=defaults, templates=templates, pools=pools,
                     daemon_idle_exit_s=_num(dm.get("idle_exit", 10.0), "daemon.idle_exit", source, 0.1, 86400),
-                    network=_network(_table(raw, "network", source), source))
+                    network=_network(_table(raw, "network", source), source),
+                    microvm=_microvm(_table(raw, "microvm", source), source))
+
+
+def _microvm(m: dict, source: str) -> MicroVMSettings:
+    _only(m, {"accel"}, "microvm", source)
+    accel = _str(m.get("accel", "auto"), "microvm.accel", source)
+    if accel not in ("auto", "kvm", "tcg"):
+        raise ConfigError(f"{source}: microvm.accel must be \"auto\", \"kvm\" or \"tcg\", got {accel!r}")
+    return MicroVMSettings(accel=accel)
 
 
 def _network(n: dict, source: str) -> NetworkSettings:

@@ -11,7 +11,7 @@ from warmbox.errors import BackendUnavailable, InvalidArgument
 TIERS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "container": (("container", "runc"), "warmbox.backends.runc:RuncBackend"),
     "gvisor": (("gvisor", "runsc"), "warmbox.backends.gvisor:GvisorBackend"),
-    "microvm": (("microvm", "qemu"), None),
+    "microvm": (("microvm", "qemu"), "warmbox.backends.microvm:MicroVMBackend"),
     "isolate": (("isolate", "v8", "wasm"), None),
 }
 

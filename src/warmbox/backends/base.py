@@ -27,6 +27,8 @@ class Capabilities:
     network_modes: tuple[str, ...]  # of "none", "allowlist", "internet"
     languages: tuple[str, ...]
     start_class: str  # order of magnitude of a cold start, e.g. "10-100ms"
+    # every sandbox is restored from its shape's template memory snapshot (a cold boot is too slow)
+    snapshot_start: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -168,6 +168,9 @@ class Engine:
             self.runtime.mkdir(parents=True, exist_ok=True, mode=0o711)
             os.chmod(self.runtime, 0o711)  # traversable, not listable
             b = self._backends[tier] = backends.load(tier, self.runtime)
+            configure = getattr(b, "configure", None)
+            if configure is not None:
+                configure(self.settings())
         return b
 
     def doctor(self) -> list[TierStatus]:
@@ -235,7 +238,43 @@ class Engine:
                 got = await self._claim(pc, config.shape_key(tier, tmpl, limits), timeout, env_pairs, t0)
                 if got is not None:
                     return got
+        if self.backend(tier).capabilities().snapshot_start:
+            return await self._start_from_template(tier, tmpl, timeout, env_pairs, limits, t0)
         info, handle, client, timings = await self._start(tier, tmpl, timeout, env_pairs, limits, "", "", t0)
+        return info, handle, client, timings
+
+    async def _start_from_template(self, tier: str, tmpl: Template, timeout: float,
+                                   env_pairs: tuple[tuple[str, str], ...], limits: Limits, t0: float,
+                                   ) -> tuple[SandboxInfo, BackendHandle, GuestClient, list[StageTiming]]:
+        """A tier whose cold start is too slow (microvm under TCG) restores every sandbox from
+        its shape's template memory snapshot; the first create of a shape boots and saves it
+        (stage ``template``, on that one create's path)."""
+        from warmbox.engine import snapshot as snapshots
+
+        backend = self.backend(tier)
+        avail = backend.probe()
+        if not avail.available:
+            raise BackendUnavailable(tier, avail.reason)
+        shape = config.shape_key(tier, tmpl, limits)
+        made = not self.registry.meta_text(snapshots.template_key(self, tier, shape))
+        m = await snapshots.template_snapshot(self, tier, tmpl, limits, shape)
+        t1 = time.perf_counter()
+        info, handle, client, timings = await snapshots._restore_memory(self, m, timeout=timeout)
+        sid = info.sandbox_id
+        try:
+            if env_pairs:
+                report = await asyncio.wait_for(client.call(
+                    lambda i: p.Configure(i, env=dict(env_pairs), reset_counts=True), p.UsageReport), 30)
+                if not isinstance(report, p.UsageReport):
+                    raise SandboxStartError(f"restored sandbox refused its configuration: {report!r}", sid)
+        except BaseException:
+            await client.close()
+            await self.destroy(sid, "configuration after restore failed")
+            raise
+        if made:
+            tt = StageTiming(sid, "template", (t1 - t0) * 1e3, True)
+            self.registry.add_timings([tt])
+            timings = [tt, *timings]
         return info, handle, client, timings
 
     async def _claim(self, pc: PoolConfig, shape: str, timeout: float, env_pairs: tuple[tuple[str, str], ...],

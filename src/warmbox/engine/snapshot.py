@@ -338,13 +338,13 @@ async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient |
     raw = Path(raw_name)
     checkpointed = False
     try:
-        try:
+        image = await backend.checkpoint(handle, image_dir)
+        checkpointed = True
+        try:  # after the checkpoint: the runtime has stopped, so nothing changes under the tar
             with tarfile.open(raw, "w") as tar:  # host side: symlinks are stored, never followed
                 tar.add(Path(handle.state_dir) / "workspace", arcname=".")
         except OSError as e:
             raise _storage_error(e, f"snapshot of {sid}") from None
-        image = await backend.checkpoint(handle, image_dir)
-        checkpointed = True
         try:
             fs_sha, fs_size, fs_raw = snaps.put_blob(store, raw, work)
             mem_sha, mem_size, mem_raw = snaps.put_blob(store, image, work, level=1)  # big, mostly zeros
@@ -385,9 +385,13 @@ async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeou
     t0 = time.perf_counter()
     try:
         snaps.get_blob(store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, ws_tar, work)
-        snaps.get_blob(store_for(engine), m.memory_sha256, m.memory_bytes, m.memory_raw_bytes,
-                       image_dir / "checkpoint.img", work)
         backend = engine.backend(m.tier)
+        memory_dir = image_dir
+        if backend.capabilities().snapshot_start:
+            memory_dir = _cached_memory(engine, m, work)
+        else:
+            snaps.get_blob(store_for(engine), m.memory_sha256, m.memory_bytes, m.memory_raw_bytes,
+                           image_dir / "checkpoint.img", work)
         limits = Limits(memory_mb=m.memory_mb, cpus=m.cpus, pids=m.pids, file_size_mb=m.file_size_mb,
                         open_files=m.open_files, tmp_mb=m.tmp_mb)
         from warmbox.engine.engine import validate_timeout
@@ -427,7 +431,7 @@ async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeou
                     raise SandboxError(f"restored agent answered {pong!r}", sandbox_id)
                 return client
 
-            client = await backend.restore(handle, image_dir, ready)
+            client = await backend.restore(handle, memory_dir, ready)
             t3 = time.perf_counter()
         except BaseException as e:
             if client is not None:
@@ -452,6 +456,42 @@ async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeou
         shutil.rmtree(image_dir, ignore_errors=True)
 
 
+def template_key(engine: "Engine", tier: str, shape: str) -> str:
+    """Registry key of a shape's template snapshot. A tier whose snapshots only restore into
+    the same machine (microvm: same image and QEMU command line) adds that fingerprint, so a
+    changed image or machine makes a new template instead of a failing restore."""
+    fingerprint = getattr(engine.backend(tier), "template_fingerprint", None)
+    return f"template:{shape}" + (f":{fingerprint()}" if fingerprint is not None else "")
+
+
+def _memory_cache(engine: "Engine") -> Path:
+    return engine.runtime / "memory-cache"
+
+
+def _cached_memory(engine: "Engine", m: snaps.SnapshotManifest, work: Path) -> Path:
+    """The snapshot's memory image, unpacked and verified once, then read in place by every
+    restore (tiers that start each sandbox from a template: no decompression on their path)."""
+    cache = _memory_cache(engine) / m.snapshot_id
+    if (cache / "checkpoint.img").is_file():
+        return cache
+    cache.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = cache.parent / f".tmp-{m.snapshot_id}-{os.getpid()}-{time.monotonic_ns()}"
+    tmp.mkdir()
+    try:
+        snaps.get_blob(store_for(engine), m.memory_sha256, m.memory_bytes, m.memory_raw_bytes,
+                       tmp / "checkpoint.img", work)
+        try:
+            os.rename(tmp, cache)
+        except OSError:  # another restore unpacked it first
+            pass
+    finally:
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return cache
+
+
 async def template_snapshot(engine: "Engine", tier: str, tmpl, limits: Limits, shape: str) -> snaps.SnapshotManifest:
     """The memory snapshot of a warmed-up template sandbox (made once per shape, then reused).
 
@@ -470,7 +510,7 @@ _template_locks: dict = {}
 
 async def _template_snapshot(engine: "Engine", tier: str, tmpl, limits: Limits, shape: str) -> snaps.SnapshotManifest:
     store = store_for(engine)
-    key = f"template:{shape}"
+    key = template_key(engine, tier, shape)
     sid = engine.registry.meta_text(key)
     if sid:
         try:
@@ -581,6 +621,9 @@ def delete(engine: "Engine", snapshot_id: str) -> None:
     store = store_for(engine)
     store.delete(snaps.manifest_key(snapshot_id))
     engine.registry.remove_snapshot(snapshot_id)
+    import shutil
+
+    shutil.rmtree(_memory_cache(engine) / snapshot_id, ignore_errors=True)
 
 
 def gc(engine: "Engine", grace_s: float | None = None) -> tuple[int, list[str]]:

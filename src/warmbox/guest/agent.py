@@ -752,6 +752,9 @@ def _configure(agent: "Agent", conn: Connection, msg: p.Configure) -> None:
 
 
 def _quiesce(agent: "Agent", conn: Connection, msg: p.Quiesce) -> None:
+    if agent.serial is not None:  # a VM: its memory snapshot holds the port; nothing to drop
+        conn.send(p.Ok(id=msg.id))
+        return
     if agent.path is None:
         raise _Fail(p.ErrorCode.INVALID, "this agent listens on an inherited socket: nothing to quiesce")
     conn.send(p.Ok(id=msg.id))
@@ -819,12 +822,53 @@ class Busy:
 # --------------------------------------------------------------------------- agent
 
 
+class SerialPort:
+    """A virtio-serial port (microVM tier) used where a connected socket would be.
+
+    The host side is one stream that comes and goes: a read returns EOF while no host is
+    connected (between two host processes, across a pause or restore), and a write blocks
+    until one is. One lock for all writers: the kernel splits large writes, and frames of an
+    old and a new host connection must never interleave.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        self._lock = threading.Lock()
+
+    def recv(self, n: int) -> bytes:
+        return os.read(self.fd, n)
+
+    def sendall(self, data: bytes) -> None:
+        view = memoryview(data)
+        with self._lock:
+            while view:
+                view = view[os.write(self.fd, view):]
+
+    def wait_host(self) -> None:
+        """Until a host is connected and has sent something (poll reports HUP while none is)."""
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        while True:
+            events = poller.poll()
+            if events and not events[0][1] & select.POLLHUP:
+                return
+            time.sleep(0.01)
+
+    def shutdown(self, how: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass  # the port outlives every host connection
+
+
 class Agent:
     DEFAULT_CONTEXT = "default"
 
-    def __init__(self, listener: socket.socket, path: str | None = None) -> None:
+    def __init__(self, listener: socket.socket | None, path: str | None = None,
+                 serial: SerialPort | None = None) -> None:
         self.listener = listener
         self.path = path  # where it listens, when not on an inherited fd
+        self.serial = serial
         self.quiescing = threading.Event()
         self._conns: set = set()
         self._conns_lock = threading.Lock()
@@ -887,6 +931,15 @@ class Agent:
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
+    def serve_serial(self) -> None:
+        """One host connection at a time over the VM's port (the host multiplexes its clients)."""
+        while True:
+            self.serial.wait_host()
+            conn = Connection(self, self.serial)
+            with self._conns_lock:
+                self._conns.add(conn)
+            self._serve(conn)
+
     def _serve(self, conn: "Connection") -> None:
         try:
             conn.serve()
@@ -925,6 +978,13 @@ class Agent:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--serial":
+        agent = Agent(None, serial=SerialPort(argv[1]))
+        if os.getpid() == 1:
+            for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(s, lambda *_: os._exit(0))
+        agent.serve_serial()
+        return
     if argv:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(argv[0])

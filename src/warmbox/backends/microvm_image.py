@@ -1,0 +1,366 @@
+"""The microVM tier's guest: Debian's kernel, an initramfs that mounts a Debian root image.
+
+Built once per content hash into ``<runtime>/images/microvm-<hash>/`` (temp dir + rename), from
+Debian packages only:
+
+- ``vmlinux``: the uncompressed kernel, unpacked from the ``linux-image-*`` package (apt-get
+  download + dpkg-deb; never installed on the host). Under TCG the compressed bzImage costs
+  ≈ 4.5 s of decompression at every cold boot, so the xz payload is decompressed here.
+- ``initrd.cpio``: busybox (static, from ``busybox-static``), the few kernel modules the guest
+  needs (virtio-mmio, virtio-blk, virtio-console, ext4 and their dependencies, read from each
+  module's own ``depends=``), and ``/init`` (:data:`INIT`).
+- ``rootfs.ext4``: a minbase Debian made by ``mmdebstrap`` with Python, bash, coreutils, tar,
+  procps, util-linux and the guest agent under /opt/warmbox; attached read-only to every VM.
+- ``workspace.raw``: an empty ext4 (owner 1000) that each sandbox's /workspace overlays
+  (qcow2 with this as backing file: a new sandbox's disk costs nothing until it writes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from warmbox.errors import SandboxStartError
+
+BUILD_VERSION = "microvm-image-v1"
+GUEST_PACKAGES = ("python3-minimal", "libpython3.11-stdlib", "bash", "coreutils", "tar", "procps", "util-linux",
+                  "ca-certificates")
+WORKSPACE_MB = 1024
+MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "crc32c_generic", "ext4")
+AGENT_PORT = "warmbox.agent"
+_GUEST_SOURCES = ("protocol.py", "guest/__init__.py", "guest/agent.py", "guest/kernel.py")
+_EXCLUDES = ("/usr/share/man/*", "/usr/share/doc/*", "/usr/share/locale/*", "/usr/share/info/*",
+             "/usr/share/lintian/*", "/usr/share/zoneinfo/right/*")
+
+# PID 1 of the initramfs: mounts the root image read-only, /workspace from its disk, tmpfs for
+# the writable places, puts everything that follows in a cgroup with the sandbox's limits, then
+# becomes the guest agent as uid 1000 with no capabilities (switch_root + setpriv).
+# Parameters come from the kernel command line (wb.mem_mb, wb.pids, wb.tmp_mb, wb.cpu_quota).
+INIT = r"""#!/bin/busybox sh
+B=/bin/busybox
+$B mount -t proc proc /proc
+$B mount -t sysfs sys /sys
+$B mount -t devtmpfs dev /dev
+case " $($B cat /proc/cmdline) " in *" wb.probe=1 "*) echo WARMBOX-PROBE-OK > /dev/ttyS0; $B poweroff -f ;; esac
+for m in $($B cat /modules.order); do $B insmod /lib/modules/$m.ko || echo "init: insmod $m failed"; done
+mem=256; pids=512; tmp=256; quota=max; nofile=1024; fsize=1024
+for kv in $($B cat /proc/cmdline); do
+  case "$kv" in
+    wb.mem_mb=*) mem=${kv#*=} ;; wb.pids=*) pids=${kv#*=} ;; wb.tmp_mb=*) tmp=${kv#*=} ;;
+    wb.cpu_quota=*) quota=${kv#*=} ;; wb.nofile=*) nofile=${kv#*=} ;; wb.fsize_mb=*) fsize=${kv#*=} ;;
+  esac
+done
+i=0; while [ ! -b /dev/vdb ] && [ $i -lt 500 ]; do $B usleep 10000; i=$((i+1)); done
+$B mkdir -p /newroot
+$B mount -t ext4 -o ro,noatime /dev/vda /newroot || { echo "init: no root image"; $B poweroff -f; }
+$B mount -t ext4 -o rw,noatime,nosuid,nodev /dev/vdb /newroot/workspace || { echo "init: no workspace"; $B poweroff -f; }
+$B mount -t tmpfs -o nosuid,nodev,mode=1777,size=${tmp}m tmpfs /newroot/tmp
+$B mount -t tmpfs -o nosuid,nodev,mode=755,uid=1000,gid=1000,size=${tmp}m tmpfs /newroot/home/user
+$B mount -t tmpfs -o nosuid,nodev,mode=755,size=16m tmpfs /newroot/run
+$B mount --move /dev /newroot/dev
+$B mkdir -p /newroot/dev/pts /newroot/dev/shm
+$B mount -t devpts -o nosuid,noexec,newinstance,ptmxmode=0666,mode=0620 devpts /newroot/dev/pts
+$B mount -t tmpfs -o nosuid,nodev,mode=1777,size=64m shm /newroot/dev/shm
+$B mount --move /proc /newroot/proc
+$B mount --move /sys /newroot/sys
+C=/newroot/sys/fs/cgroup
+$B mount -t cgroup2 -o nosuid,nodev,noexec cgroup2 $C
+echo "+memory +pids +cpu" > $C/cgroup.subtree_control
+$B mkdir $C/sandbox
+echo $((mem * 1048576)) > $C/sandbox/memory.max
+echo 0 > $C/sandbox/memory.swap.max 2>/dev/null
+echo $pids > $C/sandbox/pids.max
+echo "$quota 100000" > $C/sandbox/cpu.max
+echo $$ > $C/sandbox/cgroup.procs
+port=
+for d in /newroot/sys/class/virtio-ports/*; do
+  [ "$($B cat $d/name 2>/dev/null)" = "%(port)s" ] && port=/dev/$($B basename $d)
+done
+[ -n "$port" ] || { echo "init: no agent port"; $B poweroff -f; }
+$B chown 1000:1000 /newroot$port
+$B chmod 600 /newroot$port
+$B hostname sandbox
+echo 0 > /proc/sys/kernel/printk 2>/dev/null
+cd /newroot
+exec $B switch_root /newroot /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+  HOME=/home/user LANG=C.UTF-8 /usr/bin/prlimit --nofile=$nofile:$nofile --fsize=$((fsize * 1048576)) --core=0 \
+  /usr/bin/setpriv --reuid=1000 --regid=1000 --clear-groups --inh-caps=-all \
+  --bounding-set=-all --no-new-privs /usr/bin/python3 -I -S -c \
+  "import sys; sys.path.insert(0, '/opt/warmbox'); from warmbox.guest.agent import main; main(['--serial', '$port'])"
+""".replace("%(port)s", AGENT_PORT)
+
+_ETC = {
+    "passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\nuser:x:1000:1000:user:/home/user:/bin/bash\n"
+              "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+    "group": "root:x:0:\ntty:x:5:\nuser:x:1000:\nnogroup:x:65534:\n",
+    "hostname": "sandbox\n",
+    "hosts": "127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n",
+    "resolv.conf": "",
+}
+
+
+def _fail(what: str, r: subprocess.CompletedProcess | None = None) -> SandboxStartError:
+    tail = ""
+    if r is not None:
+        tail = ": " + (r.stderr or r.stdout or "").strip().replace("\n", " | ")[-400:]
+    return SandboxStartError(f"building the microVM image: {what}{tail}")
+
+
+def _run(argv: list[str], what: str, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
+    except FileNotFoundError:
+        raise _fail(f"{argv[0]} is not installed (scripts/bootstrap installs it)") from None
+    except subprocess.TimeoutExpired:
+        raise _fail(f"{what} took longer than {timeout:.0f} s") from None
+    if r.returncode != 0:
+        raise _fail(what, r)
+    return r
+
+
+def content_hash() -> str:
+    pkg = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256(BUILD_VERSION.encode() + INIT.encode() + repr((GUEST_PACKAGES, MODULES, WORKSPACE_MB,
+                                                                      _EXCLUDES, _ETC)).encode())
+    for rel in _GUEST_SOURCES:
+        h.update(rel.encode() + b"\0" + (pkg / rel).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """Shared by every warmbox home on the host: the images are immutable and content-named.
+    ``WARMBOX_IMAGE_CACHE`` overrides."""
+    return Path(os.environ.get("WARMBOX_IMAGE_CACHE") or "/var/lib/warmbox/images")
+
+
+def image_dir(images: Path) -> Path:
+    return images / f"microvm-{content_hash()}"
+
+
+def build(images: Path) -> Path:
+    """The image directory, built if missing (minutes, once per content hash)."""
+    final = image_dir(images)
+    if (final / "meta.json").is_file():
+        return final
+    images.mkdir(parents=True, exist_ok=True)
+    import fcntl
+
+    with open(images / ".microvm-build.lock", "w") as lock:  # one builder; the others wait for it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / "meta.json").is_file():
+            return final
+        tmp = images / f".tmp-microvm-{os.getpid()}-{time.monotonic_ns()}"
+        tmp.mkdir()
+        try:
+            meta = _build_into(tmp)
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            os.rename(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _build_into(out: Path) -> dict:
+    t0 = time.monotonic()
+    work = out / "work"
+    work.mkdir()
+    try:
+        version = _kernel(out, work)
+        t1 = time.monotonic()
+        _rootfs(out, work)
+        t2 = time.monotonic()
+        _workspace(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"kernel": version, "packages": list(GUEST_PACKAGES), "built_at": time.time(),
+            "kernel_s": round(t1 - t0, 1), "rootfs_s": round(t2 - t1, 1)}
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+def _kernel_package() -> str:
+    r = _run(["apt-cache", "depends", "linux-image-amd64"], "resolving Debian's kernel package")
+    m = re.search(r"Depends:\s*(linux-image-[0-9][^\s]*-amd64)", r.stdout)
+    if not m:
+        raise _fail(f"apt-cache names no versioned kernel for linux-image-amd64: {r.stdout.strip()[:200]}")
+    return m.group(1)
+
+
+def extract_vmlinux(vmlinuz: bytes) -> bytes:
+    """The ELF kernel inside a bzImage (its xz, zstd or gzip payload, found by magic)."""
+    import gzip
+    import zlib
+
+    candidates = []
+    for magic, kind in ((b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\x1f\x8b\x08\x00", "gzip")):
+        at = vmlinuz.find(magic)
+        while at != -1 and len(candidates) < 16:
+            candidates.append((at, kind))
+            at = vmlinuz.find(magic, at + 1)
+    for at, kind in sorted(candidates):
+        data = vmlinuz[at:]
+        try:
+            if kind == "xz":
+                out = lzma.LZMADecompressor(format=lzma.FORMAT_XZ).decompress(data)
+            elif kind == "zstd":
+                import zstandard
+
+                out = zstandard.ZstdDecompressor().decompressobj().decompress(data)
+            else:
+                out = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(data)
+                del gzip
+        except Exception:
+            continue
+        if out[:4] == b"\x7fELF":
+            return out
+    raise _fail("no compressed ELF kernel found inside vmlinuz")
+
+
+def _modinfo_depends(ko: bytes) -> list[str]:
+    m = re.search(rb"\x00depends=([^\x00]*)\x00", ko)
+    return [d.decode() for d in m.group(1).split(b",") if d] if m else []
+
+
+def _kernel(out: Path, work: Path) -> str:
+    pkg = _kernel_package()
+    _run(["apt-get", "download", "-q", "-o", "APT::Sandbox::User=root", pkg], f"apt-get download {pkg}",
+         cwd=work)
+    debs = list(work.glob(f"{pkg}_*.deb"))
+    if not debs:
+        raise _fail(f"apt-get download left no {pkg} package")
+    tree = work / "kernel"
+    _run(["dpkg-deb", "-x", str(debs[0]), str(tree)], f"unpacking {debs[0].name}")
+    vmlinuz = sorted((tree / "boot").glob("vmlinuz-*"))
+    if not vmlinuz:
+        raise _fail(f"{pkg} holds no /boot/vmlinuz")
+    version = vmlinuz[0].name[len("vmlinuz-"):]
+    (out / "vmlinux").write_bytes(extract_vmlinux(vmlinuz[0].read_bytes()))
+    mods = {p.name[:-3].replace("-", "_"): p for p in (tree / "lib/modules" / version).rglob("*.ko")}
+    order: list[str] = []
+
+    def need(name: str) -> None:
+        if name in order:
+            return
+        ko = mods.get(name)
+        if ko is None:
+            return  # built in
+        for dep in _modinfo_depends(ko.read_bytes()):
+            need(dep.replace("-", "_"))
+        order.append(name)
+
+    for name in MODULES:
+        need(name)
+    busybox = shutil.which("busybox")
+    if not busybox:
+        raise _fail("busybox is not installed (apt-get install busybox-static)")
+    if b"ld-linux" in Path(busybox).read_bytes()[:4096]:
+        raise _fail(f"{busybox} is dynamically linked; the initramfs needs busybox-static")
+    files: list[tuple[str, int, bytes]] = [
+        ("bin", 0o040755, b""), ("dev", 0o040755, b""), ("proc", 0o040755, b""), ("sys", 0o040755, b""),
+        ("lib", 0o040755, b""), ("lib/modules", 0o040755, b""),
+        ("bin/busybox", 0o100755, Path(busybox).read_bytes()),
+        ("init", 0o100755, INIT.encode()),
+        ("modules.order", 0o100644, ("\n".join(order) + "\n").encode()),
+    ]
+    files += [(f"lib/modules/{n}.ko", 0o100644, mods[n].read_bytes()) for n in order]
+    (out / "initrd.cpio").write_bytes(cpio_newc(files))
+    return version
+
+
+def cpio_newc(files: list[tuple[str, int, bytes]]) -> bytes:
+    """An uncompressed "newc" cpio archive (the initramfs format) of (path, mode, data)."""
+    parts = []
+    for ino, (name, mode, data) in enumerate([*files, ("TRAILER!!!", 0, b"")], start=1):
+        raw = name.encode() + b"\0"
+        nlink = 2 if mode & 0o040000 else 1
+        fields = (ino if name != "TRAILER!!!" else 0, mode, 0, 0, nlink, 0, len(data), 0, 0, 0, 0, len(raw), 0)
+        head = b"070701" + b"".join(b"%08X" % f for f in fields)
+        parts.append(head + raw + b"\0" * ((4 - (len(head) + len(raw)) % 4) % 4))
+        parts.append(data + b"\0" * ((4 - len(data) % 4) % 4))
+    return b"".join(parts)
+
+
+# --------------------------------------------------------------------------- root filesystem
+
+
+def _suite() -> str:
+    try:
+        text = Path("/etc/os-release").read_text()
+    except OSError:
+        return "bookworm"
+    m = re.search(r"^VERSION_CODENAME=(\w+)", text, re.M)
+    return m.group(1) if m else "bookworm"
+
+
+def _debian_tree(images: Path) -> Path:
+    """The mmdebstrap tree of GUEST_PACKAGES, kept beside the images (rebuilding an image after
+    a guest-agent change then takes seconds, not a Debian bootstrap)."""
+    key = hashlib.sha256(repr((_suite(), GUEST_PACKAGES, _EXCLUDES)).encode()).hexdigest()[:16]
+    final = images / f"debian-{key}"
+    if final.is_dir():
+        return final
+    tmp = images / f".tmp-debian-{os.getpid()}-{time.monotonic_ns()}"
+    argv = ["mmdebstrap", "--variant=minbase", "--quiet", "--include=" + ",".join(GUEST_PACKAGES)]
+    argv += [f"--dpkgopt=path-exclude={x}" for x in _EXCLUDES]
+    argv += ["--dpkgopt=path-include=/usr/share/doc/*/copyright", _suite(), str(tmp)]
+    try:
+        _run(argv, "mmdebstrap of the guest root", timeout=900)
+        for junk in ("var/cache/apt", "var/lib/apt/lists"):
+            shutil.rmtree(tmp / junk, ignore_errors=True)
+        os.rename(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _rootfs(out: Path, work: Path) -> None:
+    root = work / "root"
+    _run(["cp", "-a", str(_debian_tree(out.parent)), str(root)], "copying the Debian tree")
+    for d in ("workspace", "home/user", "run", "tmp", "opt/warmbox/warmbox/guest", "dev", "proc", "sys"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    os.chown(root / "home/user", 1000, 1000)
+    os.chmod(root / "tmp", 0o1777)
+    for name, text in _ETC.items():
+        path = root / "etc" / name
+        path.unlink(missing_ok=True)
+        path.write_text(text)
+    pkg = Path(__file__).resolve().parent.parent
+    lib = root / "opt/warmbox/warmbox"
+    (lib / "__init__.py").write_text('"""Guest-side copy: protocol + agent only."""\n')
+    for rel in _GUEST_SOURCES:
+        shutil.copy2(pkg / rel, lib / rel)
+    guest_py = sorted((root / "usr/bin").glob("python3.[0-9]*"))
+    host_py = Path("/usr/bin") / guest_py[0].name if guest_py else None
+    if host_py is not None and host_py.exists():  # same Debian interpreter: its bytecode fits the guest's
+        subprocess.run([str(host_py), "-I", "-m", "compileall", "-q", str(lib)], check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+    size_mb = int(_du_mb(root) * 1.25) + 64
+    _run(["mkfs.ext4", "-q", "-F", "-L", "wbroot", "-O", "^has_journal", "-m", "0", "-d", str(root),
+          str(out / "rootfs.ext4"), f"{size_mb}M"], "mkfs.ext4 of the guest root")
+
+
+def _du_mb(path: Path) -> float:
+    total = 0
+    for dirpath, dirs, files in os.walk(path):
+        for n in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, n)).st_size
+            except OSError:
+                pass
+    return total / (1 << 20)
+
+
+def _workspace(out: Path) -> None:
+    _run(["mkfs.ext4", "-q", "-F", "-L", "workspace", "-m", "0", "-E",
+          "root_owner=1000:1000,lazy_itable_init=0,lazy_journal_init=0", str(out / "workspace.raw"),
+          f"{WORKSPACE_MB}M"], "mkfs.ext4 of the workspace disk")

@@ -1,0 +1,226 @@
+"""Host side of a microVM's agent port: many host clients over the VM's one serial stream.
+
+A virtio-serial port is a single byte stream and QEMU serves one connection on it at a time,
+while any number of warmbox processes may talk to one sandbox at once (an SDK object, the
+CLI, the pool daemon). This relay — one small process per VM, started with a pidfile beside
+QEMU — listens on the sandbox's ``agent.sock`` like every other tier's agent does, holds the
+one connection to QEMU's chardev socket, and multiplexes: each client request id is mapped to
+a relay-wide id on the way in and back on the way out.
+
+Trust: frames from the guest are decoded into the closed guest->host message set before
+anything is forwarded; a violation ends the relay (clients see the connection close) and is
+logged. Client frames are decoded as host->guest messages too, so nothing malformed reaches
+the guest. Ids start at a random offset, so output of requests made before a pause or by a
+previous relay can never be mistaken for a current request's.
+
+Run as ``python3 -I -S vmrelay.py CHARDEV_SOCKET LISTEN_SOCKET`` (stdlib + protocol.py only:
+it is on every restore's path). It exits when QEMU closes the chardev.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import os
+import random
+import socket
+import sys
+import threading
+import time
+
+_spec = importlib.util.spec_from_file_location(
+    "warmbox_relay_protocol", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "protocol.py"))
+p = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(p)
+
+MAX_IDS_PER_CLIENT = 65536  # oldest mappings of a client are forgotten beyond this
+CONNECT_TIMEOUT_S = 60.0
+
+
+def _log(msg: str) -> None:
+    sys.stderr.write(f"{time.strftime('%H:%M:%S')} relay: {msg}\n")
+    sys.stderr.flush()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            if buf:
+                raise p.ProtocolViolation("stream closed mid-frame")
+            return None
+        buf += part
+    return bytes(buf)
+
+
+def read_frame(sock: socket.socket, allowed) -> object | None:
+    prefix = _recv_exact(sock, p.PREFIX_SIZE)
+    if prefix is None:
+        return None
+    hlen, blen = p.split_prefix(prefix)
+    header = _recv_exact(sock, hlen) if hlen else b""
+    body = _recv_exact(sock, blen) if blen else b""
+    if header is None or body is None:
+        raise p.ProtocolViolation("stream closed mid-frame")
+    return p.decode(header, body, allowed)
+
+
+class Client:
+    def __init__(self, relay: "Relay", sock: socket.socket) -> None:
+        self.relay = relay
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.ids: collections.OrderedDict[int, int] = collections.OrderedDict()  # client id -> relay id
+        self.closed = False
+
+    def send(self, data: bytes) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.closed = True
+
+    def serve(self) -> None:
+        try:
+            while True:
+                msg = read_frame(self.sock, p.HOST_TO_GUEST)
+                if msg is None:
+                    break
+                gid = self.ids.get(msg.id)
+                if gid is None:
+                    gid = self.relay.new_id(self, msg.id)
+                    self.ids[msg.id] = gid
+                    if len(self.ids) > MAX_IDS_PER_CLIENT:
+                        _, old = self.ids.popitem(last=False)
+                        self.relay.forget(old)
+                cid = msg.id
+                msg.id = gid
+                try:
+                    self.relay.to_guest(p.encode(msg))
+                finally:
+                    msg.id = cid
+        except p.ProtocolViolation as e:
+            self.send(p.encode(p.Failure(id=0, code=p.ErrorCode.INVALID, message=f"relay: {e}")))
+        except OSError:
+            pass
+        finally:
+            self.closed = True
+            for gid in self.ids.values():
+                self.relay.forget(gid)
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+            self.relay.drop(self)
+
+
+class Relay:
+    def __init__(self, guest: socket.socket, listener: socket.socket) -> None:
+        self.guest = guest
+        self.listener = listener
+        self.guest_lock = threading.Lock()
+        self.routes: dict[int, tuple[Client, int]] = {}
+        self.routes_lock = threading.Lock()
+        self.clients: set[Client] = set()
+        self._next = random.SystemRandom().randrange(1 << 24, 1 << 40)
+
+    def new_id(self, client: Client, cid: int) -> int:
+        with self.routes_lock:
+            self._next += 1
+            self.routes[self._next] = (client, cid)
+            return self._next
+
+    def forget(self, gid: int) -> None:
+        with self.routes_lock:
+            self.routes.pop(gid, None)
+
+    def drop(self, client: Client) -> None:
+        with self.routes_lock:
+            self.clients.discard(client)
+
+    def to_guest(self, frame: bytes) -> None:
+        with self.guest_lock:
+            self.guest.sendall(frame)
+
+    def from_guest(self) -> None:
+        """Route every guest frame to the client whose request it answers; returns at EOF."""
+        while True:
+            msg = read_frame(self.guest, p.GUEST_TO_HOST)
+            if msg is None:
+                return
+            if msg.id == 0:  # about the stream, not a request: everyone hears it
+                with self.routes_lock:
+                    targets = [(c, 0) for c in self.clients]
+            else:
+                with self.routes_lock:
+                    route = self.routes.get(msg.id)
+                targets = [route] if route else []
+            for client, cid in targets:
+                msg.id = cid
+                client.send(p.encode(msg))
+
+    def accept_forever(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            client = Client(self, sock)
+            with self.routes_lock:
+                self.clients.add(client)
+            threading.Thread(target=client.serve, daemon=True).start()
+
+
+def _connect(path: str) -> socket.socket:
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            return s
+        except OSError:
+            s.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.002)
+
+
+def main(argv: list[str]) -> int:
+    chardev, listen_path = argv
+    try:
+        os.unlink(listen_path)
+    except FileNotFoundError:
+        pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o077)
+    try:
+        listener.bind(listen_path)
+    finally:
+        os.umask(old)
+    listener.listen(64)
+    try:
+        guest = _connect(chardev)
+    except OSError as e:
+        _log(f"cannot reach QEMU's agent chardev {chardev}: {e}")
+        return 1
+    relay = Relay(guest, listener)
+    threading.Thread(target=relay.accept_forever, daemon=True).start()
+    try:
+        relay.from_guest()
+        _log("QEMU closed the agent chardev")
+    except p.ProtocolViolation as e:
+        _log(f"guest violated the protocol, relay stops: {e}")
+    except OSError as e:
+        _log(f"agent chardev: {e}")
+    try:
+        os.unlink(listen_path)
+    except OSError:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
