@@ -1,0 +1,275 @@
+"""Tier 4 (microVM): own kernel, started from memory snapshots, the same SDK calls, nothing left.
+
+Under TCG on this host. One template boot for the whole module (every sandbox here has the
+same shape, so all of them are restores of it); never more than two VMs run at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from warmbox import Limits, Sandbox, State
+from warmbox import protocol as p
+from warmbox.engine.engine import Engine
+from warmbox.engine.guest_client import GuestClient
+
+LIMITS = Limits(memory_mb=256, pids=64, tmp_mb=64)
+
+
+def _qemu_pids(runtime: Path) -> list[int]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(runtime).encode() in cmd and (b"qemu-system" in cmd or b"vmrelay" in cmd):
+            out.append(int(proc.name))
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(home, runc_ready):
+    engine = Engine.for_home(home)
+    avail = engine.backend("microvm").probe()
+    if not avail.available:
+        pytest.fail(f"the microvm tier must run here (scripts/bootstrap installs QEMU): {avail.reason}")
+    yield engine
+    left = _qemu_pids(engine.runtime)
+    for pid in left:
+        os.kill(pid, 9)
+    assert not left, f"QEMU or relay processes left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def vm(engine):
+    os.environ["WB_HOST_ONLY_SECRET"] = "host-secret-value"
+    try:
+        with Sandbox.create("microvm", timeout=600, limits=LIMITS, envs={"GREETING": "hi"}) as sb:
+            yield sb
+    finally:
+        os.environ.pop("WB_HOST_ONLY_SECRET", None)
+
+
+def test_the_first_create_boots_a_template_and_later_ones_restore_it(engine, vm):
+    stages = engine.timings(vm.sandbox_id)
+    assert {"template", "allocation", "filesystem", "runtime"} <= set(stages)
+    assert stages["template"] > stages["runtime"]  # booting the template costs more than a restore
+    with Sandbox.create("microvm", timeout=60, limits=LIMITS) as other:
+        assert "template" not in engine.timings(other.sandbox_id)  # only a restore of the same template
+        reasons = [t.reason for t in engine.registry.transitions(other.sandbox_id)]
+        snap = next(r for r in reasons if r.startswith("restored from snap-"))
+        assert snap in [t.reason for t in engine.registry.transitions(vm.sandbox_id)]
+        assert other.commands.run("cat /workspace/data.txt 2>/dev/null || echo fresh").stdout == "fresh\n"
+
+
+def test_own_kernel_and_no_host_filesystem(vm):
+    r = vm.commands.run("uname -r; cat /proc/cmdline; cat /proc/mounts")
+    lines = r.stdout.splitlines()
+    assert lines[0] != os.uname().release and lines[0].endswith("-amd64")
+    assert "rdinit=/init" in lines[1]
+    kinds = {ln.split()[2] for ln in lines[2:]}
+    assert not kinds & {"9p", "virtiofs", "fuse", "nfs", "overlay"}  # nothing shared from the host
+    devices = {ln.split()[0] for ln in lines[2:] if ln.startswith("/dev/")}
+    assert devices == {"/dev/vda", "/dev/vdb"}
+    marker = Path(f"/tmp/wbt-host-marker-{os.getpid()}")
+    marker.write_text("host only")
+    try:
+        r = vm.commands.run(f"ls {marker} 2>&1; ls /var/lib/warmbox 2>&1; hostname")
+        assert "No such file" in r.stdout.splitlines()[0] and "No such file" in r.stdout.splitlines()[1]
+        assert r.stdout.splitlines()[2] == "sandbox"
+    finally:
+        marker.unlink()
+
+
+def test_non_root_no_capabilities_no_host_env(vm):
+    r = vm.commands.run("id -u; grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status")
+    out = r.stdout.split()
+    assert out[0] == "1000"
+    assert out[1:] == ["CapEff:", "0000000000000000", "CapBnd:", "0000000000000000", "NoNewPrivs:", "1"]
+    env = dict(ln.split("=", 1) for ln in vm.commands.run(["/usr/bin/env"]).stdout.splitlines() if "=" in ln)
+    assert set(env) == {"PATH", "HOME", "LANG", "GREETING"} and env["GREETING"] == "hi"
+    assert "host-secret-value" not in vm.commands.run("cat /proc/1/environ /proc/cmdline").stdout
+    assert vm.commands.run("test -w /usr || echo ro").stdout.strip() == "ro"
+
+
+def test_no_network_device(vm):
+    r = vm.commands.run(["python3", "-c", "import socket; print(sorted(n for _, n in socket.if_nameindex()))"])
+    assert r.stdout.strip() == "['lo']"
+    r = vm.commands.run(["python3", "-c", "import socket\ntry:\n socket.create_connection(('10.0.2.2', 80), 2)\n"
+                         " print('connected')\nexcept OSError as e:\n print('refused', e.errno)"])
+    assert r.stdout.startswith("refused")
+
+
+def test_files_contexts_and_a_timeout_that_kills_the_tree(vm):
+    vm.files.write("/workspace/data.txt", "on the VM's own disk")
+    assert vm.files.read("/workspace/data.txt") == "on the VM's own disk"
+    vm.run_code("x = 41")
+    assert vm.run_code("x + 1").text == "42"
+    t0 = time.monotonic()
+    r = vm.commands.run("sleep 1000 & sleep 1000", timeout=2)
+    assert r.timed_out and time.monotonic() - t0 < 15
+    assert vm.commands.run("pgrep -c sleep || true").stdout.strip() in ("0", "")
+
+
+def test_limits_hold_inside_the_guest(vm):
+    r = vm.commands.run(["python3", "-c", "x = b'a' * (600 << 20); print('survived')"], timeout=60)
+    assert "survived" not in r.stdout and r.exit_code != 0
+    assert vm.commands.run("cat /sys/fs/cgroup/sandbox/memory.max /sys/fs/cgroup/sandbox/pids.max").stdout.split() \
+        == [str(256 << 20), "64"]
+    r = vm.commands.run(["python3", "-c", "import subprocess\nps = []\ntry:\n for i in range(200):\n"
+                         "  ps.append(subprocess.Popen(['sleep', '30']))\nexcept OSError as e:\n print('stopped at', len(ps))\n"
+                         "for p in ps: p.kill()"], timeout=60)
+    assert r.stdout.startswith("stopped at"), r
+    assert int(r.stdout.split()[-1]) < 64
+    assert vm.commands.run("echo alive").stdout == "alive\n"  # the agent survived both
+
+
+def test_two_clients_share_one_vm_at_once(engine, vm):
+    """The relay multiplexes: a second connection works while the first streams a command."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(vm.commands.run("sleep 2; echo slow")))
+    t.start()
+    time.sleep(0.5)
+    _, handle = engine.info(vm.sandbox_id)
+
+    async def second() -> bytes:
+        client = await GuestClient.connect(handle.socket_path, vm.sandbox_id)
+        out = b""
+        try:
+            async with client.request(lambda i: p.Exec(i, argv=["/bin/echo", "fast"], env={}, cwd="", timeout_s=10,
+                                                       max_output=1000, stdin=False), timeout=20) as stream:
+                while True:
+                    msg = await stream.next(p.Started, p.Stdout, p.Stderr, p.Exited)
+                    if isinstance(msg, p.Stdout):
+                        out += msg.data
+                    if isinstance(msg, (p.Exited, p.Failure)):
+                        return out
+        finally:
+            await client.close()
+
+    t0 = time.monotonic()
+    assert asyncio.run(second()) == b"fast\n"
+    assert time.monotonic() - t0 < 1.5  # not queued behind the first client's command
+    t.join(30)
+    assert out and out[0].stdout == "slow\n"
+
+
+def test_pause_resume_and_fork_continue_memory_and_disk(engine):
+    sb = Sandbox.create("microvm", timeout=120, limits=LIMITS)
+    sb.run_code("counter = 41")
+    sb.files.write("/workspace/kept.txt", "disk state")
+    sb.commands.run("(i=0; while true; do i=$((i+1)); echo $i > /tmp/bg; sleep 0.1; done) >/dev/null 2>&1 &")
+    time.sleep(1)
+    up = float(sb.commands.run("cut -d' ' -f1 /proc/uptime").stdout)
+    ref = sb.pause(memory=True)
+    assert ref.memory and ref.tier == "microvm" and ref.size_bytes > 0
+    assert engine.info(sb.sandbox_id)[0].state is State.PAUSED
+    assert not (engine.runtime / "sandboxes" / sb.sandbox_id).exists()
+    assert not [p for p in _qemu_pids(engine.runtime) if str(sb.sandbox_id).encode()
+                in Path(f"/proc/{p}/cmdline").read_bytes()]
+    with Sandbox.resume(sb.sandbox_id, timeout=120) as back:
+        assert back.run_code("counter + 1").text == "42"
+        assert back.files.read("/workspace/kept.txt") == "disk state"
+        assert float(back.commands.run("cut -d' ' -f1 /proc/uptime").stdout) >= up  # the same kernel, going on
+        first = int(back.commands.run("cat /tmp/bg").stdout)
+        time.sleep(1)
+        assert int(back.commands.run("cat /tmp/bg").stdout) > first
+        back.files.write("/workspace/only-in-back.txt", "x")
+        snap = back.pause(memory=True)
+    with Sandbox.create(from_snapshot=snap, timeout=60) as fork:
+        assert fork.tier == "microvm"
+        assert fork.run_code("counter").text == "41"
+        assert fork.files.read("/workspace/only-in-back.txt") == "x"
+        fork.files.write("/workspace/fork.txt", "fork")
+        with Sandbox.create(from_snapshot=snap, timeout=60) as sibling:  # two VMs at once, no more
+            assert not sibling.files.exists("/workspace/fork.txt")
+            assert sibling.files.read("/workspace/kept.txt") == "disk state"
+    assert engine.info(back.sandbox_id)[0].state is State.PAUSED
+    asyncio.run(engine.destroy(back.sandbox_id, "test done"))  # a paused sandbox is destroyed without a VM
+
+
+def test_kill_leaves_no_vm_socket_or_disk(engine):
+    sb = Sandbox.create("microvm", timeout=60, limits=LIMITS)
+    state = engine.runtime / "sandboxes" / sb.sandbox_id
+    assert (state / "workspace" / "disk.qcow2").is_file()
+    pids = [p for p in _qemu_pids(engine.runtime) if sb.sandbox_id.encode() in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(pids) == 2  # QEMU + its relay
+    sb.kill()
+    assert engine.info(sb.sandbox_id)[0].state is State.DESTROYED
+    assert not state.exists()
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()
+                and b"Z" not in Path(f"/proc/{p}/stat").read_bytes().split(b")")[-1][:3]]
+
+
+def test_doctor_reports_the_accelerator_and_config_can_force_it(engine, home):
+    from tests.conftest import cli
+
+    r = cli("doctor")
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("microvm"))
+    assert "accelerator tcg" in line and "PVM" in line
+    (home / "warmbox.toml").write_text((home / "warmbox.toml").read_text() + '\n[microvm]\naccel = "warp"\n')
+    try:
+        r = cli("doctor")
+        assert r.returncode != 0 and "microvm.accel" in (r.stdout + r.stderr) and "Traceback" not in r.stderr
+    finally:
+        from tests.conftest import set_config
+
+        set_config(home)
+
+
+def test_relay_rejects_a_hostile_guest_and_maps_ids(tmp_path):
+    """vmrelay without a VM: two clients' ids never collide; a malformed guest frame ends it."""
+    import sys
+
+    from warmbox.backends import vmrelay
+
+    guest_path, listen = tmp_path / "vm.sock", tmp_path / "agent.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(guest_path))
+    srv.listen(1)
+    proc = subprocess.Popen([sys.executable, "-I", "-S", vmrelay.__file__, str(guest_path), str(listen)],
+                            stderr=subprocess.PIPE)
+    try:
+        guest, _ = srv.accept()
+        clients = []
+        for _ in range(2):
+            c = socket.socket(socket.AF_UNIX)
+            for _ in range(200):
+                try:
+                    c.connect(str(listen))
+                    break
+                except OSError:
+                    time.sleep(0.01)
+            clients.append(c)
+        for c in clients:
+            c.sendall(p.encode(p.Ping(1)))  # both use id 1
+        seen = [p.recv_message(guest, p.HOST_TO_GUEST) for _ in range(2)]
+        gids = [m.id for m in seen]
+        assert len(set(gids)) == 2 and 1 not in gids
+        guest.sendall(p.encode(p.Pong(gids[1], version=2, pid=1)))
+        guest.sendall(p.encode(p.Pong(gids[0], version=2, pid=1)))
+        guest.sendall(p.encode(p.Pong(999, version=2, pid=1)))  # unknown id: dropped
+        for c in clients:
+            c.settimeout(5)
+            m = p.recv_message(c, p.GUEST_TO_HOST)
+            assert isinstance(m, p.Pong) and m.id == 1
+        guest.sendall(b"\x00\x00\x00\x05\x00\x00\x00\x00{bad}")
+        assert proc.wait(10) == 0
+        assert b"violated the protocol" in proc.stderr.read()
+        for c in clients:
+            assert c.recv(1) == b""
+    finally:
+        proc.kill()
+        proc.wait()
+        srv.close()
