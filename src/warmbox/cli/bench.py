@@ -773,8 +773,18 @@ async def bench_snapshot_gvisor(home: Path, runs: int) -> dict:
                     "raw runsc rows: the same bundle with a plain python process (pandas imported), same run"}
 
 
+def _print_microvm(r: dict) -> None:
+    extra = [f"accelerator: {r['accelerator']} ({r['accelerator_why']}); guest kernel {r['kernel']}"]
+    extra += [f"ratio {k}: {v:.2f}x" for k, v in r["ratios_p50"].items()]
+    extra.append("warmbox restore stages on the request path, p50 ms: "
+                 + ", ".join(f"{k}={v:.1f}" for k, v in r["restore_stages_p50_ms"].items()))
+    _print_table(f"bench start [tier microvm, {r['accelerator']}] create->first command ({r['runs']} interleaved runs)",
+                 r["stats"], extra)
+
+
 def _print_snapshot(r: dict) -> None:
-    _print_table(f"bench snapshot [tier {r['tier']}, memory snapshot: {r['memory_snapshot']}] ({r['runs']} runs)",
+    accel = f", {r['accelerator']}" if "accelerator" in r else ""
+    _print_table(f"bench snapshot [tier {r['tier']}{accel}, memory snapshot: {r['memory_snapshot']}] ({r['runs']} runs)",
                  {k.removesuffix("_ms"): v for k, v in r["stats"].items()},
                  [f"sizes: {json.dumps(r['sizes'])}"] + [f"ratio {k}: {v:.2f}x" for k, v in r["ratios_p50"].items()])
 
@@ -807,16 +817,24 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 async def command(args: argparse.Namespace) -> int:
+    if args.bench == "start" and args.runs is None:
+        args.runs = 5 if args.tier == "microvm" else 20
     _validate(args)
     variant = getattr(args, "variant", "both")
-    wanted = {"start": tuple(f"bench-{VARIANTS[v][2]}" for v in VARIANTS if variant in (v, "both")),
+    wanted = {"start": tuple(f"bench-{VARIANTS[v][2]}" for v in VARIANTS if variant in (v, "both"))
+              if getattr(args, "tier", "container") == "container" else (),
               "burst": ("bench-burst",), "exec": (),
               "snapshot": ("bench-pydata",) if getattr(args, "tier", "container") == "container" else (),
               "density": (f"bench-density-{getattr(args, 'template', 'base')}",)}[args.bench]
     pools = {k: v for k, v in POOLS.items() if k in wanted}
     home = _make_home(pools)
     try:
-        if args.bench == "start":
+        if args.bench == "start" and args.tier == "microvm":
+            from warmbox.cli import bench_microvm
+
+            report = await bench_microvm.bench_start(home, args.runs)
+            printer = _print_microvm
+        elif args.bench == "start":
             report = await bench_start(home, args.runs, args.variant)
             printer = _print_start
         elif args.bench == "burst":
@@ -826,7 +844,11 @@ async def command(args: argparse.Namespace) -> int:
             report = await bench_exec(home, args.seconds)
             printer = _print_exec
         elif args.bench == "snapshot":
-            if args.tier == "gvisor":
+            if args.tier == "microvm":
+                from warmbox.cli import bench_microvm
+
+                report = await bench_microvm.bench_snapshot(home, args.runs)
+            elif args.tier == "gvisor":
                 report = await bench_snapshot_gvisor(home, args.runs)
             else:
                 report = await bench_snapshot(home, args.runs, args.mb)

@@ -27,8 +27,9 @@ FIRST = ["/bin/true"]
 
 
 def _stats(v: list[float]) -> dict[str, float]:
-    s = sorted(v)
-    return {"n": len(s), "p50_ms": statistics.median(s), "min_ms": s[0], "max_ms": s[-1]}
+    from warmbox.cli.bench import _stats as stats
+
+    return stats(v)
 
 
 def _send(sock: socket.socket, msg: p.Message) -> None:
@@ -73,55 +74,48 @@ class RawQemu:
     def __init__(self, backend: vm.MicroVMBackend, work: Path) -> None:
         self.backend = backend
         self.work = work
+        self.live: set[Path] = set()
 
-    def _dir(self) -> Path:
+    def close(self) -> None:
+        """Stop every VM still running (a failed run must not leave one behind)."""
+        for d in list(self.live):
+            self.stop(d)
+
+    def start(self, memory: Path | None = None) -> tuple[Path, float]:
+        """A running VM (cold boot, or restored from ``memory`` + its ``.qcow2`` disk) whose
+        agent has answered a first ``true``: (its dir, ms from spawn to that answer)."""
         d = Path(tempfile.mkdtemp(prefix="raw-", dir=self.work))
+        self.live.add(d)
         (d / "run").mkdir()
         (d / "workspace").mkdir()
-        return d
-
-    def _stop(self, d: Path) -> None:
-        pid = vm._pidfile(d / "qemu.pid")
-        if pid and vm._ours(pid, d):
-            vm._kill(pid)
-            deadline = time.monotonic() + 10
-            while vm._running(pid) and time.monotonic() < deadline:
-                time.sleep(0.005)
-        shutil.rmtree(d, ignore_errors=True)
-
-    def _run(self, d: Path, memory: Path | None) -> float:
-        argv = vm.qemu_argv(self.backend.image(), d, Limits(), self.backend.accel()[0],
-                            incoming=vm.INCOMING_FD if memory else None)
-        t0 = time.perf_counter()
-        vm._spawn(argv, d / "qemu.log", fd3=memory)
-        _raw_first_command(d / "run" / "vm.sock", time.monotonic() + 120)
-        return (time.perf_counter() - t0) * 1e3
-
-    def boot(self) -> float:
-        d = self._dir()
+        disk = d / "workspace" / "disk.qcow2"
         try:
-            subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b",
-                            str(self.backend.image() / "workspace.raw"), "-F", "raw",
-                            str(d / "workspace" / "disk.qcow2")], check=True, timeout=60)
-            return self._run(d, None)
-        finally:
-            self._stop(d)
-
-    def save(self, out: Path) -> tuple[float, float]:
-        """Boot, then stop + migrate to ``out`` (the raw template): (boot ms, save ms)."""
-        d = self._dir()
-        try:
-            subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b",
-                            str(self.backend.image() / "workspace.raw"), "-F", "raw",
-                            str(d / "workspace" / "disk.qcow2")], check=True, timeout=60)
-            boot = self._run(d, None)
+            if memory is None:
+                subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b",
+                                str(self.backend.image() / "workspace.raw"), "-F", "raw", str(disk)],
+                               check=True, timeout=60)
+            else:
+                shutil.copy(memory.with_suffix(".qcow2"), disk)
+            argv = vm.qemu_argv(self.backend.image(), d, Limits(), self.backend.accel()[0],
+                                incoming=vm.INCOMING_FD if memory else None)
             t0 = time.perf_counter()
-            asyncio.run(self._migrate(d, out))
-            save = (time.perf_counter() - t0) * 1e3
-            shutil.copy(d / "workspace" / "disk.qcow2", out.with_suffix(".qcow2"))
-            return boot, save
-        finally:
-            self._stop(d)
+            vm._spawn(argv, d / "qemu.log", fd3=memory)
+            _raw_first_command(d / "run" / "vm.sock", time.monotonic() + 120)
+            return d, (time.perf_counter() - t0) * 1e3
+        except BaseException:
+            self.stop(d)
+            raise
+
+    def save(self, d: Path, out: Path) -> float:
+        """stop + migrate to ``out`` (+ the disk beside it as ``.qcow2``), then quit: ms."""
+        t0 = time.perf_counter()
+        asyncio.run(self._migrate(d, out))
+        pid = vm._pidfile(d / "qemu.pid")
+        while pid and vm._running(pid):
+            time.sleep(0.002)
+        ms = (time.perf_counter() - t0) * 1e3
+        shutil.copy(d / "workspace" / "disk.qcow2", out.with_suffix(".qcow2"))
+        return ms
 
     @staticmethod
     async def _migrate(d: Path, out: Path) -> None:
@@ -135,10 +129,179 @@ class RawQemu:
         finally:
             await qmp.close()
 
-    def restore(self, memory: Path) -> float:
-        d = self._dir()
-        try:
-            shutil.copy(memory.with_suffix(".qcow2"), d / "workspace" / "disk.qcow2")
-            return self._run(d, memory)
-        finally:
-            self._stop(d)
+    def stop(self, d: Path) -> None:
+        self.live.discard(d)
+        pid = vm._pidfile(d / "qemu.pid")
+        if pid and vm._ours(pid, d):
+            vm._kill(pid)
+            deadline = time.monotonic() + 10
+            while vm._running(pid) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        shutil.rmtree(d, ignore_errors=True)
+
+    def once(self, memory: Path | None = None) -> float:
+        d, ms = self.start(memory)
+        self.stop(d)
+        return ms
+
+
+async def _first_command(sb) -> None:
+    r = await sb.commands.run(FIRST)
+    if r.exit_code != 0:
+        raise WarmboxError(f"first command exited {r.exit_code}: {r.stderr[-200:]}")
+
+
+async def _warmbox_cold(engine, limits: Limits) -> tuple[float, dict[str, float]]:
+    """A cold boot through the engine (what a template costs), to the first command."""
+    settings = engine.settings()
+    tmpl = settings.template("shell")  # no warm-up: the boot itself, as raw QEMU does it
+    t0 = time.perf_counter()
+    info, handle, client, timings = await engine._start("microvm", tmpl, 120.0, (), limits, "", "", t0)
+    try:
+        async with client.request(lambda i: p.Exec(i, argv=FIRST, env={}, cwd="", timeout_s=30, max_output=1 << 16,
+                                                   stdin=False), timeout=60) as stream:
+            while True:
+                msg = await stream.next(p.Started, p.Stdout, p.Stderr, p.Exited)
+                if isinstance(msg, (p.Exited, p.Failure)):
+                    break
+        ms = (time.perf_counter() - t0) * 1e3
+    finally:
+        await client.close()
+        await engine.destroy(info.sandbox_id, "bench")
+    return ms, {t.stage: t.duration_ms for t in timings}
+
+
+def _template_files(engine, limits: Limits, work: Path) -> Path:
+    """warmbox's template memory image and workspace disk as ``work/template.{mem,qcow2}``."""
+    import tarfile
+
+    from warmbox import config
+    from warmbox.engine import snapshot as snapshots
+    from warmbox.storage import snapshots as snaps
+
+    shape = config.shape_key("microvm", engine.settings().template("base"), limits)
+    sid = engine.registry.meta_text(snapshots.template_key(engine, "microvm", shape))
+    m = snaps.load_manifest(snapshots.store_for(engine), sid, snapshots._workdir(engine))
+    cached = snapshots._cached_memory(engine, m, snapshots._workdir(engine))
+    mem = work / "template.mem"
+    os.link(cached / "checkpoint.img", mem)
+    tar_path = work / "workspace.tar"
+    snaps.get_blob(snapshots.store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes,
+                   tar_path, snapshots._workdir(engine))
+    with tarfile.open(tar_path) as tar:
+        member = tar.extractfile("./disk.qcow2") or tar.extractfile("disk.qcow2")
+        mem.with_suffix(".qcow2").write_bytes(member.read())
+    tar_path.unlink()
+    return mem
+
+
+async def bench_start(home: Path, runs: int) -> dict:
+    from warmbox.engine.engine import Engine
+    from warmbox.sdk.sandbox import AsyncSandbox
+
+    engine = Engine.for_home(home)
+    backend = engine.backend("microvm")
+    avail = backend.probe()
+    if not avail.available:
+        raise WarmboxError(f"microvm tier unavailable: {avail.reason}")
+    work = Path(tempfile.mkdtemp(prefix="raw-qemu-", dir=engine.runtime))
+    raw = RawQemu(backend, work)
+    rows: dict[str, list[float]] = {k: [] for k in ("warmbox_restore_first", "raw_qemu_restore_first",
+                                                     "warmbox_cold_boot_first", "raw_qemu_boot_first")}
+    stages: dict[str, list[float]] = {}
+    limits = Limits()
+    try:
+        # untimed: warmbox's template snapshot; raw QEMU restores that very memory file and disk
+        sb = await AsyncSandbox.create("microvm", timeout=120, pool=False, limits=limits, home=home)
+        await _first_command(sb)
+        await sb.kill()
+        mem = _template_files(engine, limits, work)
+        for i in range(runs):
+            order = list(rows)[i % len(rows):] + list(rows)[:i % len(rows)]
+            for m in order:
+                if m == "warmbox_restore_first":
+                    t0 = time.perf_counter()
+                    sb = await AsyncSandbox.create("microvm", timeout=120, pool=False, limits=limits, home=home)
+                    await _first_command(sb)
+                    rows[m].append((time.perf_counter() - t0) * 1e3)
+                    for t in sb.stage_timings:
+                        if t.on_request_path:
+                            stages.setdefault(t.stage, []).append(t.duration_ms)
+                    await sb.kill()
+                elif m == "raw_qemu_restore_first":
+                    rows[m].append(await asyncio.to_thread(raw.once, mem))
+                elif m == "warmbox_cold_boot_first":
+                    rows[m].append((await _warmbox_cold(engine, limits))[0])
+                else:
+                    rows[m].append(await asyncio.to_thread(raw.once, None))
+    finally:
+        raw.close()
+        shutil.rmtree(work, ignore_errors=True)
+    stats = {k: _stats(v) for k, v in rows.items()}
+    ratio = lambda a, b: stats[a]["p50_ms"] / stats[b]["p50_ms"]  # noqa: E731
+    return {"bench": "start", "tier": "microvm", "accelerator": backend.accel()[0], "accelerator_why": backend.accel()[1],
+            "runs": runs, "stats": stats,
+            "ratios_p50": {"warmbox_restore_first/raw_qemu_restore_first": ratio("warmbox_restore_first",
+                                                                              "raw_qemu_restore_first"),
+                           "warmbox_cold_boot_first/raw_qemu_boot_first": ratio("warmbox_cold_boot_first",
+                                                                              "raw_qemu_boot_first"),
+                           "warmbox_cold_boot_first/warmbox_restore_first": ratio("warmbox_cold_boot_first",
+                                                                                "warmbox_restore_first")},
+            "restore_stages_p50_ms": {k: statistics.median(v) for k, v in stages.items()},
+            "kernel": backend.kernel_version(),
+            "note": "first command = /bin/true through the guest agent; raw = the same QEMU argv, kernel, initramfs and "
+                    "root image, spoken to directly on QEMU's chardev (no engine, relay, registry or SDK); raw restore "
+                    "reads warmbox's own template memory file and disk, raw boot a fresh disk"}
+
+
+async def bench_snapshot(home: Path, runs: int) -> dict:
+    from warmbox.engine.engine import Engine
+    from warmbox.sdk.sandbox import AsyncSandbox
+
+    engine = Engine.for_home(home)
+    backend = engine.backend("microvm")
+    work = Path(tempfile.mkdtemp(prefix="raw-qemu-", dir=engine.runtime))
+    raw = RawQemu(backend, work)
+    rows: dict[str, list[float]] = {k: [] for k in ("pause_ms", "resume_first_ms", "raw_save_ms",
+                                                     "raw_restore_first_ms")}
+    sizes: dict[str, int] = {}
+    limits = Limits()
+    try:
+        d, _ = await asyncio.to_thread(raw.start)
+        base = work / "template.mem"
+        await asyncio.to_thread(raw.save, d, base)
+        raw.stop(d)
+        for i in range(runs):
+            sb = await AsyncSandbox.create("microvm", timeout=120, pool=False, limits=limits, home=home)
+            await sb.files.write("/workspace/state.txt", "kept")
+            await sb.run_code("kept = 41")
+            t0 = time.perf_counter()
+            ref = await sb.pause(memory=True)
+            rows["pause_ms"].append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            back = await AsyncSandbox.resume(ref, home=home, timeout=120)
+            await _first_command(back)
+            rows["resume_first_ms"].append((time.perf_counter() - t0) * 1e3)
+            if (await back.run_code("kept + 1")).text != "42" or await back.files.read("/workspace/state.txt") != "kept":
+                raise WarmboxError("the resumed microVM lost its state")
+            await back.kill()
+            sizes = {"artifact_bytes": ref.size_bytes}
+            d, _ = await asyncio.to_thread(raw.start, base)
+            out = work / f"run{i}.mem"
+            rows["raw_save_ms"].append(await asyncio.to_thread(raw.save, d, out))
+            raw.stop(d)
+            sizes["raw_memory_file_bytes"] = out.stat().st_size
+            rows["raw_restore_first_ms"].append(await asyncio.to_thread(raw.once, out))
+            out.unlink()
+            out.with_suffix(".qcow2").unlink()
+    finally:
+        raw.close()
+        shutil.rmtree(work, ignore_errors=True)
+    stats = {k: _stats(v) for k, v in rows.items()}
+    ratio = lambda a, b: stats[a]["p50_ms"] / stats[b]["p50_ms"]  # noqa: E731
+    return {"bench": "snapshot", "tier": "microvm", "memory_snapshot": True, "runs": runs, "sizes": sizes,
+            "accelerator": backend.accel()[0], "stats": stats,
+            "ratios_p50": {"pause/raw_save": ratio("pause_ms", "raw_save_ms"),
+                           "resume_first/raw_restore_first": ratio("resume_first_ms", "raw_restore_first_ms")},
+            "note": "pause = QEMU stop + migrate to a file + quit + workspace disk + compress/store + destroy; "
+                    "raw = stop + migrate + quit of a raw VM of the same images; first command = /bin/true"}
