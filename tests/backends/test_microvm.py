@@ -1,7 +1,8 @@
 """Tier 4 (microVM): own kernel, started from memory snapshots, the same SDK calls, nothing left.
 
 Under TCG on this host. One template boot for the whole module (every sandbox here has the
-same shape, so all of them are restores of it); never more than two VMs run at once.
+same shape, so all of them are restores of it); never more than two VMs run at once (the
+module's ``vm`` plus at most one more).
 """
 
 from __future__ import annotations
@@ -192,9 +193,9 @@ def test_pause_resume_and_fork_continue_memory_and_disk(engine):
         assert fork.run_code("counter").text == "41"
         assert fork.files.read("/workspace/only-in-back.txt") == "x"
         fork.files.write("/workspace/fork.txt", "fork")
-        with Sandbox.create(from_snapshot=snap, timeout=60) as sibling:  # two VMs at once, no more
-            assert not sibling.files.exists("/workspace/fork.txt")
-            assert sibling.files.read("/workspace/kept.txt") == "disk state"
+    with Sandbox.create(from_snapshot=snap, timeout=60) as sibling:  # with the module's VM: two at once, no more
+        assert not sibling.files.exists("/workspace/fork.txt")
+        assert sibling.files.read("/workspace/kept.txt") == "disk state"
     assert engine.info(back.sandbox_id)[0].state is State.PAUSED
     asyncio.run(engine.destroy(back.sandbox_id, "test done"))  # a paused sandbox is destroyed without a VM
 
@@ -273,3 +274,29 @@ def test_relay_rejects_a_hostile_guest_and_maps_ids(tmp_path):
         proc.kill()
         proc.wait()
         srv.close()
+
+
+def test_a_microvm_pool_hands_out_restored_sandboxes(engine, home):
+    from tests.conftest import set_config, wait_for
+
+    set_config(home, f"""
+[pools.t-vm]
+tier = "microvm"
+template = "base"
+min = 1
+max = 1
+target = 1
+limits = {{ memory_mb = {LIMITS.memory_mb}, pids = {LIMITS.pids}, tmp_mb = {LIMITS.tmp_mb} }}
+""")
+    try:
+        engine.ensure_daemon()
+        wait_for(lambda: engine.registry.pool_counts("t-vm")[0] >= 1, 120, "the microvm pool to fill")
+        sid = engine.registry.pooled("t-vm")[0]
+        assert [t.reason for t in engine.registry.transitions(sid)][-1].startswith("restored from snap-")
+        with Sandbox.create("microvm", limits=LIMITS, envs={"WHO": "me"}) as sb:
+            assert sb.from_pool and sb.sandbox_id == sid
+            assert sb.commands.run("echo $WHO").stdout == "me\n"
+            assert sb.run_code("import os; os.environ['WHO']").text == "'me'"
+    finally:
+        set_config(home)
+    wait_for(lambda: not engine.registry.pooled("t-vm"), 60, "the microvm pool to be retired")

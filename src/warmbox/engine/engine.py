@@ -328,6 +328,15 @@ class Engine:
             m = await snapshots.template_snapshot(self, tier, tmpl, pc.limits, shape)
             info, _, client, _ = await snapshots._restore_memory(self, m, timeout=pc.max_age_s, pool=pc.name,
                                                                  shape=shape)
+            try:
+                # off any request path: under TCG a restored VM re-translates the code of its
+                # first commands; running them now makes a claimed sandbox's first command fast
+                for argv in getattr(self.backend(tier), "template_warmup", ()):
+                    await snapshots._exec(client, list(argv), info.sandbox_id)
+            except BaseException:
+                await client.close()
+                await self.destroy(info.sandbox_id, "pool warm-up after restore failed")
+                raise
         else:
             info, _, client, _ = await self._start(tier, tmpl, pc.max_age_s, (), pc.limits, pc.name, shape,
                                                    time.perf_counter())

@@ -352,6 +352,8 @@ async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient |
             raise _storage_error(e, f"snapshot of {sid}") from None
         m = _manifest(engine, info, parent, env_names, (fs_sha, fs_size, fs_raw), memory=(mem_sha, mem_size, mem_raw),
                       context_saved=True, context_skipped=())
+        if backend.capabilities().snapshot_start:  # its restores read the image in place: keep it unpacked
+            _keep_memory(engine, m.snapshot_id, image)
         snaps.save_manifest(store, m, work)
         engine.registry.add_snapshot(m.snapshot_id, sid, m.created_at, m.size_bytes)
         return m
@@ -466,6 +468,24 @@ def template_key(engine: "Engine", tier: str, shape: str) -> str:
 
 def _memory_cache(engine: "Engine") -> Path:
     return engine.runtime / "memory-cache"
+
+
+def _keep_memory(engine: "Engine", snapshot_id: str, image: Path) -> None:
+    """Move a fresh memory image into the cache, so its first restore needs no unpacking."""
+    import shutil
+
+    cache = _memory_cache(engine) / snapshot_id
+    cache.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = cache.parent / f".tmp-{snapshot_id}-{os.getpid()}-{time.monotonic_ns()}"
+    tmp.mkdir()
+    try:
+        shutil.move(str(image), tmp / "checkpoint.img")
+        os.rename(tmp, cache)
+    except OSError:
+        pass  # only a cache: a restore unpacks the blob instead
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _cached_memory(engine: "Engine", m: snaps.SnapshotManifest, work: Path) -> Path:
@@ -639,7 +659,15 @@ def gc(engine: "Engine", grace_s: float | None = None) -> tuple[int, list[str]]:
     for f in _workdir(engine).glob(".*"):
         if time.time() - f.stat().st_mtime > 3600:
             f.unlink(missing_ok=True)
-    return snaps.gc(store, _workdir(engine), snaps.GC_GRACE_S if grace_s is None else grace_s)
+    got = snaps.gc(store, _workdir(engine), snaps.GC_GRACE_S if grace_s is None else grace_s)
+    import shutil
+
+    cache = _memory_cache(engine)
+    if cache.is_dir():  # unpacked memory images of snapshots that no longer exist
+        for d in cache.iterdir():
+            if d.name.startswith("snap-") and not store.exists(snaps.manifest_key(d.name)):
+                shutil.rmtree(d, ignore_errors=True)
+    return got
 
 
 __all__ = ["snapshot", "pause", "resume", "restore", "resolve", "delete", "gc", "store_for"]
