@@ -300,3 +300,19 @@ limits = {{ memory_mb = {LIMITS.memory_mb}, pids = {LIMITS.pids}, tmp_mb = {LIMI
     finally:
         set_config(home)
     wait_for(lambda: not engine.registry.pooled("t-vm"), 60, "the microvm pool to be retired")
+
+
+def test_qemu_and_relay_run_confined(engine, vm):
+    """QEMU drops to the sandbox's own uid, chroots into an empty dir and is seccomp-filtered;
+    the relay parses guest bytes as that uid too."""
+    _, handle = engine.info(vm.sandbox_id)
+    state = Path(handle.state_dir)
+    qemu = int((state / "qemu.pid").read_text())
+    relay = int((state / "relay.pid").read_text())
+    for pid in (qemu, relay):
+        status = dict(ln.split(":\t", 1) for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in ln)
+        assert status["Uid"].split()[:2] == [str(handle.uid_base)] * 2
+        assert status["CapEff"].strip() == "0000000000000000"
+    q = dict(ln.split(":\t", 1) for ln in Path(f"/proc/{qemu}/status").read_text().splitlines() if ":\t" in ln)
+    assert q["Seccomp"].strip() == "2"
+    assert os.readlink(f"/proc/{qemu}/root") == str(state / "empty") and not os.listdir(state / "empty")

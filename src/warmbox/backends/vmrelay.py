@@ -13,8 +13,10 @@ logged. Client frames are decoded as host->guest messages too, so nothing malfor
 the guest. Ids start at a random offset, so output of requests made before a pause or by a
 previous relay can never be mistaken for a current request's.
 
-Run as ``python3 -I -S vmrelay.py CHARDEV_SOCKET LISTEN_SOCKET`` (stdlib + protocol.py only:
-it is on every restore's path). It exits when QEMU closes the chardev.
+Run as ``python3 -I -S vmrelay.py CHARDEV_SOCKET LISTEN_SOCKET [UID]`` (stdlib + protocol.py
+only: it is on every restore's path). With UID it drops to that uid (the sandbox's own range)
+once both sockets are open, before it reads a byte from the guest. It exits when QEMU closes
+the chardev.
 """
 
 from __future__ import annotations
@@ -189,7 +191,8 @@ def _connect(path: str) -> socket.socket:
 
 
 def main(argv: list[str]) -> int:
-    chardev, listen_path = argv
+    chardev, listen_path = argv[:2]
+    uid = int(argv[2]) if len(argv) > 2 else None
     try:
         os.unlink(listen_path)
     except FileNotFoundError:
@@ -206,6 +209,10 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         _log(f"cannot reach QEMU's agent chardev {chardev}: {e}")
         return 1
+    if uid is not None:  # both sockets are open: parse the guest's bytes as nobody in particular
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
     relay = Relay(guest, listener)
     threading.Thread(target=relay.accept_forever, daemon=True).start()
     try:

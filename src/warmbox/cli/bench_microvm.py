@@ -24,6 +24,7 @@ from warmbox.errors import WarmboxError
 from warmbox.models import Limits
 
 FIRST = ["/bin/true"]
+RAW_UID = 0x7FFE0000  # raw VMs are confined like warmbox's, to an id no sandbox range reaches
 
 
 def _stats(v: list[float]) -> dict[str, float]:
@@ -96,10 +97,11 @@ class RawQemu:
                                check=True, timeout=60)
             else:
                 shutil.copy(memory.with_suffix(".qcow2"), disk)
+            (d / "empty").mkdir(mode=0o555)
             argv = vm.qemu_argv(self.backend.image(), d, Limits(), self.backend.accel()[0],
-                                incoming=vm.INCOMING_FD if memory else None)
+                                incoming=vm.INCOMING_FD if memory else None, confine=RAW_UID)
             t0 = time.perf_counter()
-            vm._spawn(argv, d / "qemu.log", fd3=memory)
+            vm._spawn(argv, d / "qemu.log", vm.vm_files(d, memory))
             _raw_first_command(d / "run" / "vm.sock", time.monotonic() + 120)
             return d, (time.perf_counter() - t0) * 1e3
         except BaseException:
@@ -109,25 +111,13 @@ class RawQemu:
     def save(self, d: Path, out: Path) -> float:
         """stop + migrate to ``out`` (+ the disk beside it as ``.qcow2``), then quit: ms."""
         t0 = time.perf_counter()
-        asyncio.run(self._migrate(d, out))
+        vm.save_memory(d / "run" / "qmp.sock", out)
         pid = vm._pidfile(d / "qemu.pid")
         while pid and vm._running(pid):
             time.sleep(0.002)
         ms = (time.perf_counter() - t0) * 1e3
         shutil.copy(d / "workspace" / "disk.qcow2", out.with_suffix(".qcow2"))
         return ms
-
-    @staticmethod
-    async def _migrate(d: Path, out: Path) -> None:
-        qmp = await vm.QMP.connect(d / "run" / "qmp.sock")
-        try:
-            await qmp.execute("stop")
-            await qmp.execute("migrate", uri=f"exec:cat > {vm._shell_quote(str(out))}")
-            while (await qmp.execute("query-migrate") or {}).get("status") != "completed":
-                await asyncio.sleep(0.01)
-            await qmp.execute("quit")
-        finally:
-            await qmp.close()
 
     def stop(self, d: Path) -> None:
         self.live.discard(d)
