@@ -68,6 +68,7 @@ $B mount --move /dev /newroot/dev
 $B mkdir -p /newroot/dev/pts /newroot/dev/shm
 $B mount -t devpts -o nosuid,noexec,newinstance,ptmxmode=0666,mode=0620 devpts /newroot/dev/pts
 $B mount -t tmpfs -o nosuid,nodev,mode=1777,size=64m shm /newroot/dev/shm
+echo 1 > /proc/sys/kernel/printk  # only emergencies reach the console file on the host
 $B mount --move /proc /newroot/proc
 $B mount --move /sys /newroot/sys
 C=/newroot/sys/fs/cgroup
@@ -87,7 +88,6 @@ done
 $B chown 1000:1000 /newroot$port
 $B chmod 600 /newroot$port
 $B hostname sandbox
-echo 0 > /proc/sys/kernel/printk 2>/dev/null
 cd /newroot
 exec $B switch_root /newroot /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
   HOME=/home/user LANG=C.UTF-8 /usr/bin/prlimit --nofile=$nofile:$nofile --fsize=$((fsize * 1048576)) --core=0 \
