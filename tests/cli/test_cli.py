@@ -54,4 +54,5 @@ def test_doctor(home):
     rows = {row["tier"]: row for row in json.loads(r.stdout)}
     assert rows["container"]["available"] is True
     assert rows["gvisor"]["available"] is True
-    assert rows["microvm"]["available"] is False and rows["microvm"]["reason"]
+    assert rows["microvm"]["available"] is True and "accelerator" in rows["microvm"]["reason"]
+    assert rows["isolate"]["available"] is False and rows["isolate"]["reason"]

@@ -120,8 +120,8 @@ def test_bad_limits_and_unavailable_tier():
         Limits(memory_mb=-1)
     with pytest.raises(InvalidArgument):
         Limits(cpus=0)
-    with pytest.raises(warmbox.BackendUnavailable, match="microvm"):
-        Sandbox.create(tier="microvm")
+    with pytest.raises(warmbox.BackendUnavailable, match="isolate"):
+        Sandbox.create(tier="isolate")
 
 
 def test_dead_and_unknown_ids(home, runc_ready):
