@@ -49,6 +49,7 @@ T = TypeVar("T")
 QEMU = "qemu-system-x86_64"
 GUEST_OVERHEAD_MB = 96  # guest kernel + page cache + agent beyond the sandbox's memory limit
 START_TIMEOUT_S = 90.0
+OOM_EVENTS = "/sys/fs/cgroup/sandbox/memory.events"  # the guest cgroup the init puts everything in
 PROBE_TIMEOUT_S = 15.0
 _RELAY = Path(__file__).with_name("vmrelay.py")
 
@@ -391,6 +392,7 @@ class MicroVMBackend:
     """Tier 4 (``microvm``): QEMU microvm + Debian kernel; starts from memory snapshots."""
 
     tier: ClassVar[str] = "microvm"
+    oom_read_on_kill_only: ClassVar[bool] = True  # oom_kills() is a round trip into the guest
     # run in the template VM before its memory is saved: these programs' files are then in the
     # guest page cache of every restored sandbox (a first command otherwise reads them from disk)
     template_warmup: ClassVar[tuple[tuple[str, ...], ...]] = (
@@ -587,7 +589,34 @@ class MicroVMBackend:
         return ResourceUsage(oom_kills=0, memory_bytes=rss, cpu_ns=cpu_ns)
 
     async def oom_kills(self, handle: BackendHandle) -> int:
-        return 0  # OOM kills happen in the guest kernel; the exit status (SIGKILL) reports them
+        """The guest cgroup's ``oom_kill`` counter (the OOM killer runs in the guest's kernel),
+        read through the agent; 0 when the VM does not answer. The guest could lie here, but
+        only about its own commands' ``oom_killed``."""
+        from warmbox import protocol as p
+        from warmbox.engine.guest_client import GuestClient
+        from warmbox.errors import WarmboxError
+
+        try:
+            client = await GuestClient.connect(handle.socket_path, handle.sandbox_id)
+        except WarmboxError:
+            return 0
+        data = bytearray()
+        try:
+            async with client.request(lambda i: p.ReadFile(i, path=OOM_EVENTS), timeout=5) as stream:
+                while len(data) < 4096:
+                    msg = await stream.next(p.Chunk, p.ChunkEnd)
+                    if not isinstance(msg, p.Chunk):
+                        break
+                    data += msg.data
+        except (WarmboxError, asyncio.TimeoutError):
+            return 0
+        finally:
+            await client.close()
+        for line in data.decode("ascii", "replace").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+        return 0
 
     async def alive(self, handle: BackendHandle) -> bool:
         pid = self._qemu_pid(handle)
