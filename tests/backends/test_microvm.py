@@ -78,6 +78,8 @@ def test_own_kernel_and_no_host_filesystem(vm):
     r = vm.commands.run("uname -r; cat /proc/cmdline; cat /proc/mounts")
     lines = r.stdout.splitlines()
     assert lines[0] != os.uname().release and lines[0].endswith("-amd64")
+    boot_id = vm.commands.run("cat /proc/sys/kernel/random/boot_id").stdout.strip()
+    assert boot_id and boot_id != Path("/proc/sys/kernel/random/boot_id").read_text().strip()  # another kernel
     assert "rdinit=/init" in lines[1]
     kinds = {ln.split()[2] for ln in lines[2:]}
     assert not kinds & {"9p", "virtiofs", "fuse", "nfs", "overlay"}  # nothing shared from the host
@@ -107,6 +109,11 @@ def test_non_root_no_capabilities_no_host_env(vm):
 def test_no_network_device(vm):
     r = vm.commands.run(["python3", "-c", "import socket; print(sorted(n for _, n in socket.if_nameindex()))"])
     assert r.stdout.strip() == "['lo']"
+    # loopback is up: a server and its client inside the VM talk over 127.0.0.1
+    r = vm.commands.run(["python3", "-c", "import socket, threading\ns = socket.create_server(('127.0.0.1', 0))\n"
+                         "threading.Thread(target=lambda: s.accept()[0].sendall(b'over lo'), daemon=True).start()\n"
+                         "print(socket.create_connection(s.getsockname(), 5).recv(100).decode())"], timeout=30)
+    assert r.stdout.strip() == "over lo", r
     r = vm.commands.run(["python3", "-c", "import socket\ntry:\n socket.create_connection(('10.0.2.2', 80), 2)\n"
                          " print('connected')\nexcept OSError as e:\n print('refused', e.errno)"])
     assert r.stdout.startswith("refused")
@@ -222,7 +229,12 @@ def test_doctor_reports_the_accelerator_and_config_can_force_it(engine, home):
 
     r = cli("doctor")
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("microvm"))
-    assert "accelerator tcg" in line and "PVM" in line
+    if Path("/sys/module/kvm_pvm").is_dir():  # this project's host: PVM runs only PVM-built kernels
+        assert "accelerator tcg" in line and "PVM" in line
+    else:
+        assert "accelerator kvm" in line or "accelerator tcg" in line
+    r = cli("doctor", env={"WARMBOX_MICROVM_ACCEL": "warp"})
+    assert r.returncode == 125 and "WARMBOX_MICROVM_ACCEL" in r.stderr and "Traceback" not in r.stderr
     (home / "warmbox.toml").write_text((home / "warmbox.toml").read_text() + '\n[microvm]\naccel = "warp"\n')
     try:
         r = cli("doctor")
@@ -278,32 +290,6 @@ def test_relay_rejects_a_hostile_guest_and_maps_ids(tmp_path):
         proc.kill()
         proc.wait()
         srv.close()
-
-
-def test_a_microvm_pool_hands_out_restored_sandboxes(engine, home):
-    from tests.conftest import set_config, wait_for
-
-    set_config(home, f"""
-[pools.t-vm]
-tier = "microvm"
-template = "base"
-min = 1
-max = 1
-target = 1
-limits = {{ memory_mb = {LIMITS.memory_mb}, pids = {LIMITS.pids}, tmp_mb = {LIMITS.tmp_mb} }}
-""")
-    try:
-        engine.ensure_daemon()
-        wait_for(lambda: engine.registry.pool_counts("t-vm")[0] >= 1, 120, "the microvm pool to fill")
-        sid = engine.registry.pooled("t-vm")[0]
-        assert [t.reason for t in engine.registry.transitions(sid)][-1].startswith("restored from snap-")
-        with Sandbox.create("microvm", limits=LIMITS, envs={"WHO": "me"}) as sb:
-            assert sb.from_pool and sb.sandbox_id == sid
-            assert sb.commands.run("echo $WHO").stdout == "me\n"
-            assert sb.run_code("import os; os.environ['WHO']").text == "'me'"
-    finally:
-        set_config(home)
-    wait_for(lambda: not engine.registry.pooled("t-vm"), 60, "the microvm pool to be retired")
 
 
 def test_qemu_and_relay_run_confined(engine, vm):

@@ -43,7 +43,7 @@ from typing import Awaitable, Callable, ClassVar, TypeVar
 
 from warmbox.backends import microvm_image as images
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
-from warmbox.errors import GuestConnectionError, SandboxStartError
+from warmbox.errors import ConfigError, GuestConnectionError, SandboxStartError
 
 T = TypeVar("T")
 QEMU = "qemu-system-x86_64"
@@ -189,10 +189,13 @@ def save_memory(qmp_path: Path, image: Path, timeout: float = 300.0) -> None:
         else:
             s.sendall(data)
         while True:
-            line = f.readline()
+            line = f.readline(1 << 20)
             if not line:
                 raise SandboxStartError("QEMU closed its monitor")
-            msg = json.loads(line)
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                raise SandboxStartError("QEMU's monitor sent a malformed line") from None
             if "error" in msg:
                 raise SandboxStartError(f"QEMU {cmd}: {msg['error'].get('desc', msg['error'])}")
             if "return" in msg:
@@ -221,6 +224,7 @@ def save_memory(qmp_path: Path, image: Path, timeout: float = 300.0) -> None:
                 time.sleep(0.01)
         except BaseException:
             try:
+                call("migrate_cancel")
                 call("cont")
             except (OSError, SandboxStartError):
                 pass
@@ -239,9 +243,13 @@ def save_memory(qmp_path: Path, image: Path, timeout: float = 300.0) -> None:
 
 def accelerator(runtime: Path, forced: str | None = None) -> tuple[str, str]:
     """(accel, why). ``forced`` (config/env) wins; else cached probe result; else probe."""
-    forced = forced or os.environ.get("WARMBOX_MICROVM_ACCEL") or None
+    env = os.environ.get("WARMBOX_MICROVM_ACCEL", "").strip()
+    if env and env not in ("auto", "kvm", "tcg"):
+        raise ConfigError(f"WARMBOX_MICROVM_ACCEL must be \"auto\", \"kvm\" or \"tcg\", got {env!r}")
+    if env and env != "auto":
+        return env, "set by WARMBOX_MICROVM_ACCEL"
     if forced and forced != "auto":
-        return forced, "set in config ([microvm] accel) or WARMBOX_MICROVM_ACCEL"
+        return forced, "set in config ([microvm] accel)"
     if not os.path.exists("/dev/kvm"):
         return "tcg", "no /dev/kvm: software emulation (TCG)"
     if os.path.isdir("/sys/module/kvm_pvm"):
@@ -288,8 +296,11 @@ def _probe_kvm(runtime: Path) -> tuple[str, str]:
         booted = False
     finally:
         pid = _pidfile(probe_dir / "qemu.pid")
-        if pid:
+        if pid and _ours(pid, probe_dir):
             _kill(pid)
+            deadline = time.monotonic() + 10
+            while _running(pid) and time.monotonic() < deadline:
+                time.sleep(0.005)
         shutil.rmtree(probe_dir, ignore_errors=True)
     if booted:
         return "kvm", f"a probe guest booted under KVM in {time.monotonic() - t0:.1f} s"
@@ -501,7 +512,7 @@ class MicroVMBackend:
         (state / "qemu.argv").write_text(json.dumps(argv))
         qemu = _spawn(argv, state / "qemu.log", vm_files(state, memory))
         relay = _spawn([sys.executable, "-I", "-S", str(_RELAY), str(state / "run" / "vm.sock"),
-                        handle.socket_path, str(handle.uid_base)], state / "relay.log")
+                        handle.socket_path, str(handle.uid_base), str(qemu)], state / "relay.log")
         (state / "relay.pid").write_text(str(relay))
         deadline = time.monotonic() + START_TIMEOUT_S
         sock = Path(handle.socket_path)
@@ -513,12 +524,21 @@ class MicroVMBackend:
         while True:
             try:
                 task = asyncio.ensure_future(ready())
-                while not task.done():
-                    await asyncio.wait([task], timeout=0.25)
-                    if not task.done() and not _running(qemu):
+                try:
+                    while not task.done():
+                        await asyncio.wait([task], timeout=0.25)
+                        if task.done():
+                            break
+                        if not _running(qemu):
+                            raise SandboxStartError(f"the microVM stopped during start: {self._why(state)}",
+                                                    handle.sandbox_id)
+                        if time.monotonic() > deadline:
+                            raise SandboxStartError(f"the guest agent did not answer within {START_TIMEOUT_S:.0f} s: "
+                                                    f"{self._why(state)}", handle.sandbox_id)
+                finally:
+                    if not task.done():
                         task.cancel()
-                        raise SandboxStartError(f"the microVM stopped during start: {self._why(state)}",
-                                                handle.sandbox_id)
+                        await asyncio.gather(task, return_exceptions=True)
                 return task.result()
             except GuestConnectionError:
                 attempt += 1
@@ -619,8 +639,14 @@ class MicroVMBackend:
         return 0
 
     async def alive(self, handle: BackendHandle) -> bool:
-        pid = self._qemu_pid(handle)
-        return bool(pid and _running(pid))
+        """QEMU and its relay both run: a VM whose relay ended (e.g. on a guest's protocol
+        violation) can never be reached again, so it counts as dead and is reaped."""
+        state = Path(handle.state_dir)
+        for name in ("qemu.pid", "relay.pid"):
+            pid = _pidfile(state / name)
+            if not (pid and _ours(pid, state) and _running(pid)):
+                return False
+        return True
 
     def netns_path(self, handle: BackendHandle) -> str:
         raise SandboxStartError("the microvm tier has no network device (network mode \"none\")", handle.sandbox_id)

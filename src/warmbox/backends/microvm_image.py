@@ -30,7 +30,7 @@ from pathlib import Path
 from warmbox.errors import SandboxStartError
 
 BUILD_VERSION = "microvm-image-v1"
-GUEST_PACKAGES = ("python3-minimal", "libpython3.11-stdlib", "bash", "coreutils", "tar", "procps", "util-linux",
+GUEST_PACKAGES = ("python3-minimal", "libpython3-stdlib", "bash", "coreutils", "tar", "procps", "util-linux",
                   "ca-certificates")
 WORKSPACE_MB = 1024
 MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "crc32c_generic", "ext4")
@@ -88,6 +88,7 @@ done
 $B chown 1000:1000 /newroot$port
 $B chmod 600 /newroot$port
 $B hostname sandbox
+$B ip link set lo up  # loopback only: servers on 127.0.0.1 work inside, nothing reaches out
 cd /newroot
 exec $B switch_root /newroot /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
   HOME=/home/user LANG=C.UTF-8 /usr/bin/prlimit --nofile=$nofile:$nofile --fsize=$((fsize * 1048576)) --core=0 \

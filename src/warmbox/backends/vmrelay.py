@@ -13,10 +13,11 @@ logged. Client frames are decoded as host->guest messages too, so nothing malfor
 the guest. Ids start at a random offset, so output of requests made before a pause or by a
 previous relay can never be mistaken for a current request's.
 
-Run as ``python3 -I -S vmrelay.py CHARDEV_SOCKET LISTEN_SOCKET [UID]`` (stdlib + protocol.py
-only: it is on every restore's path). With UID it drops to that uid (the sandbox's own range)
-once both sockets are open, before it reads a byte from the guest. It exits when QEMU closes
-the chardev.
+Run as ``python3 -I -S vmrelay.py CHARDEV_SOCKET LISTEN_SOCKET [UID [QEMU_PID]]`` (stdlib +
+protocol.py only: it is on every restore's path). With UID it drops to that uid (the sandbox's
+own range) once both sockets are open, before it reads a byte from the guest. It exits when QEMU
+closes the chardev; when the guest violates the protocol it also kills QEMU_PID (a VM nobody
+can reach any more must not run on; as the sandbox's uid it can signal nothing else).
 """
 
 from __future__ import annotations
@@ -193,6 +194,7 @@ def _connect(path: str) -> socket.socket:
 def main(argv: list[str]) -> int:
     chardev, listen_path = argv[:2]
     uid = int(argv[2]) if len(argv) > 2 else None
+    qemu_pid = int(argv[3]) if len(argv) > 3 and uid is not None else None
     try:
         os.unlink(listen_path)
     except FileNotFoundError:
@@ -220,6 +222,11 @@ def main(argv: list[str]) -> int:
         _log("QEMU closed the agent chardev")
     except p.ProtocolViolation as e:
         _log(f"guest violated the protocol, relay stops: {e}")
+        if qemu_pid:
+            try:
+                os.kill(qemu_pid, 9)
+            except OSError:
+                pass
     except OSError as e:
         _log(f"agent chardev: {e}")
     try:

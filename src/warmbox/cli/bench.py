@@ -778,6 +778,7 @@ def _print_microvm(r: dict) -> None:
     extra += [f"ratio {k}: {v:.2f}x" for k, v in r["ratios_p50"].items()]
     extra.append("warmbox restore stages on the request path, p50 ms: "
                  + ", ".join(f"{k}={v:.1f}" for k, v in r["restore_stages_p50_ms"].items()))
+    extra += [f"goal {k}: {g['measured']} -> {'met' if g['met'] else 'NOT met'}" for k, g in r.get("goals", {}).items()]
     _print_table(f"bench start [tier microvm, {r['accelerator']}] create->first command ({r['runs']} interleaved runs)",
                  r["stats"], extra)
 

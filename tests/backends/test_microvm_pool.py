@@ -1,0 +1,57 @@
+"""A microVM warm pool: filled with restores of the shape's template, claimed once.
+
+Its own module so that no other VM of the test session runs while the pool holds one VM and a
+claim adds a second (its refill then makes at most two as well): never more than two at once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from warmbox import Limits, Sandbox
+from warmbox.engine.engine import Engine
+from tests.backends.test_microvm import _qemu_pids
+
+LIMITS = Limits(memory_mb=256, pids=64, tmp_mb=64)
+
+
+@pytest.fixture(scope="module")
+def engine(home, runc_ready):
+    engine = Engine.for_home(home)
+    avail = engine.backend("microvm").probe()
+    if not avail.available:
+        pytest.fail(f"the microvm tier must run here (scripts/bootstrap installs QEMU): {avail.reason}")
+    yield engine
+    left = _qemu_pids(engine.runtime)
+    for pid in left:
+        os.kill(pid, 9)
+    assert not left, f"QEMU or relay processes left behind: {left}"
+
+
+def test_a_microvm_pool_hands_out_restored_sandboxes(engine, home):
+    from tests.conftest import set_config, wait_for
+
+    set_config(home, f"""
+[pools.t-vm]
+tier = "microvm"
+template = "base"
+min = 1
+max = 1
+target = 1
+limits = {{ memory_mb = {LIMITS.memory_mb}, pids = {LIMITS.pids}, tmp_mb = {LIMITS.tmp_mb} }}
+""")
+    try:
+        engine.ensure_daemon()
+        wait_for(lambda: engine.registry.pool_counts("t-vm")[0] >= 1, 120, "the microvm pool to fill")
+        sid = engine.registry.pooled("t-vm")[0]
+        assert [t.reason for t in engine.registry.transitions(sid)][-1].startswith("restored from snap-")
+        with Sandbox.create("microvm", limits=LIMITS, envs={"WHO": "me"}) as sb:
+            assert sb.from_pool and sb.sandbox_id == sid
+            assert sb.commands.run("echo $WHO").stdout == "me\n"
+            assert sb.run_code("import os; os.environ['WHO']").text == "'me'"
+    finally:
+        set_config(home)
+    wait_for(lambda: not engine.registry.pooled("t-vm"), 60, "the microvm pool to be retired")
+    wait_for(lambda: not _qemu_pids(engine.runtime), 60, "the refill's VM (if one started) to be destroyed")
