@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import struct
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_HEADER = 1 << 20  # 1 MiB of JSON is far more than any legal header
 MAX_BODY = 4 << 20  # bytes per frame; larger payloads are chunked
 MAX_FRAME = 8 + MAX_HEADER + MAX_BODY
@@ -200,6 +200,17 @@ class Configure(Message):
     FIELDS = "env:dict[str,str] reset_counts:bool"
 
 
+class Reseed(Message):
+    """After a restore from a memory snapshot: every sandbox restored from one snapshot starts with
+    the same random-generator states. The agent reseeds the user-space generators it can reach
+    (each code context's ``random`` module and NumPy's global generator, when imported) from
+    ``seed`` (host entropy, 32..64 bytes) plus its own ``os.urandom``, and answers Ok. (The guest
+    kernel's generator is reseeded by the tier before the agent is reachable: see the microvm
+    backend.) Inside a code context it is answered by Ok too."""
+
+    FIELDS = "seed:bytes"
+
+
 class Quiesce(Message):
     """Before a memory checkpoint: the agent answers Ok, then closes its listening socket and every
     connection (host sockets cannot be checkpointed) and listens again once the host creates a
@@ -282,14 +293,14 @@ class CodeDone(Message):
 
 HOST_TO_GUEST: tuple[type[Message], ...] = (
     Ping, Exec, StdinData, Signal, ReadFile, WriteFile, ListDir, Stat, MakeDir, Remove,
-    ContextCreate, ContextRun, ContextDelete, Configure, GetUsage, Quiesce, Chunk, ChunkEnd,
+    ContextCreate, ContextRun, ContextDelete, Configure, GetUsage, Quiesce, Reseed, Chunk, ChunkEnd,
 )
 GUEST_TO_HOST: tuple[type[Message], ...] = (
     Pong, Started, Stdout, Stderr, Exited, Ok, Failure, Entry, ContextCreated, Display,
     CodeDone, UsageReport, Chunk, ChunkEnd,
 )
 # The code-context kernel and the agent exchange ContextRun / Stdout / Stderr / Display / CodeDone,
-# and Configure / Ok.
+# and Configure / Reseed / Ok.
 
 
 def encode(msg: Message) -> bytes:

@@ -182,6 +182,10 @@ limits = { memory_mb = 444 }
             r = sb.run_code("import os; os.environ['WHO'], 2 + 2")
             assert r.text == "('me', 4)" and r.execution_count == 1
             assert sb.commands.run("echo $WHO; uname -r").stdout.split()[0] == "me"
+            draw = "import random, os; (random.random(), os.urandom(8).hex())"
+            with Sandbox.create("gvisor", limits=Limits(memory_mb=444)) as sb2:  # the other restore
+                assert sb2.from_pool
+                assert sb.run_code(draw).text != sb2.run_code(draw).text  # generators reseeded per restore
     finally:
         set_config(home)
     wait_for(lambda: not engine.registry.pooled("t-gv"), 60, "the gvisor pool to be retired")

@@ -72,6 +72,12 @@ def test_the_first_create_boots_a_template_and_later_ones_restore_it(engine, vm)
         snap = next(r for r in reasons if r.startswith("restored from snap-"))
         assert snap in [t.reason for t in engine.registry.transitions(vm.sandbox_id)]
         assert other.commands.run("cat /workspace/data.txt 2>/dev/null || echo fresh").stdout == "fresh\n"
+        # both are restores of one memory image: their random generators must still differ
+        draws = [(s.commands.run("head -c 16 /dev/urandom | od -An -tx1").stdout,
+                  s.commands.run(["python3", "-c", "import os; print(os.urandom(8).hex())"]).stdout,
+                  s.run_code("import random, os; (random.random(), os.urandom(8).hex())").text) for s in (vm, other)]
+        assert all(len(d[0].split()) == 16 for d in draws)
+        assert not {*draws[0]} & {*draws[1]}, draws
 
 
 def test_own_kernel_and_no_host_filesystem(vm):

@@ -168,3 +168,32 @@ def test_code_context_state_errors_and_interrupt(agent):
     assert r3[-1].timed_out and r3[-1].error_name == "KeyboardInterrupt"
     assert [m.data for m in r4 if isinstance(m, p.Display)] == [b"41"]
     assert isinstance(r5[-1], p.Failure) and r5[-1].code is p.ErrorCode.CONTEXT_NOT_FOUND
+
+
+def test_reseed_gives_code_contexts_new_generator_states(agent):
+    """What a restore from a memory snapshot sends: the context's ``random`` no longer repeats."""
+    async def text(c, code):
+        async with c.request(lambda i: p.ContextRun(i, context="default", code=code, timeout_s=10,
+                                                    max_output=1 << 20)) as s:
+            while True:
+                m = await s.get()
+                if isinstance(m, p.Display):
+                    return m.data.decode()
+                if isinstance(m, (p.CodeDone, p.Failure)):
+                    raise AssertionError(m)
+
+    async def go():
+        c = await GuestClient.connect(agent, "t")
+        try:
+            await text(c, "import random; random.seed(7); 0")
+            same = await text(c, "random.random()")
+            await text(c, "random.seed(7); 0")  # the state every restore of one snapshot would share
+            ok = await c.call(lambda i: p.Reseed(i, seed=os.urandom(32)), p.Ok)
+            after = await text(c, "random.random()")
+            bad = await c.call(lambda i: p.Reseed(i, seed=b"short"), p.Ok)
+            return same, ok, after, bad
+        finally:
+            await c.close()
+    same, ok, after, bad = asyncio.run(go())
+    assert isinstance(ok, p.Ok) and after != same
+    assert isinstance(bad, p.Failure) and bad.code is p.ErrorCode.INVALID

@@ -106,9 +106,11 @@ def qemu_argv(image: Path, state: Path, limits, accel: str, *, incoming: str | N
             "-add-fd", "fd=3,set=1,opaque=rw", "-add-fd", "fd=4,set=1,opaque=ro",
             "-drive", "id=ws,file=/dev/fdset/1,format=qcow2,if=none,cache=writeback,file.locking=off,discard=unmap",
             "-device", "virtio-blk-device,drive=ws",
-            "-device", "virtio-serial-device,max_ports=2",
+            "-device", "virtio-serial-device,max_ports=3",
             "-chardev", f"socket,id=agent,path={state / 'run' / 'vm.sock'},server=on,wait=off",
             "-device", f"virtserialport,chardev=agent,name={images.AGENT_PORT}",
+            "-chardev", f"socket,id=rng,path={state / 'run' / 'rng.sock'},server=on,wait=off",
+            "-device", f"virtserialport,chardev=rng,name={images.ENTROPY_PORT}",
             "-qmp", f"unix:{state / 'run' / 'qmp.sock'},server=on,wait=off",
             "-pidfile", str(state / "qemu.pid"),
             "-global", "migration.store-global-state=off"]
@@ -512,7 +514,8 @@ class MicroVMBackend:
         (state / "qemu.argv").write_text(json.dumps(argv))
         qemu = _spawn(argv, state / "qemu.log", vm_files(state, memory))
         relay = _spawn([sys.executable, "-I", "-S", str(_RELAY), str(state / "run" / "vm.sock"),
-                        handle.socket_path, str(handle.uid_base), str(qemu)], state / "relay.log")
+                        handle.socket_path, str(handle.uid_base), str(qemu), str(state / "run" / "rng.sock")],
+                       state / "relay.log")
         (state / "relay.pid").write_text(str(relay))
         deadline = time.monotonic() + START_TIMEOUT_S
         sock = Path(handle.socket_path)

@@ -431,6 +431,10 @@ async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeou
                 pong = await client.call(lambda i: p.Ping(i), p.Pong)
                 if not isinstance(pong, p.Pong):
                     raise SandboxError(f"restored agent answered {pong!r}", sandbox_id)
+                # every restore of one snapshot holds the same generator states: new ones first
+                ok = await client.call(lambda i: p.Reseed(i, seed=os.urandom(32)), p.Ok)
+                if not isinstance(ok, p.Ok):
+                    raise SandboxError(f"restored agent refused to reseed: {ok!r}", sandbox_id)
                 return client
 
             client = await backend.restore(handle, memory_dir, ready)

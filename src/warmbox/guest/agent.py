@@ -694,8 +694,8 @@ class Context:
                 return
             conn.send(reply)
 
-    def configure(self, msg: p.Configure) -> None:
-        """Pass a Configure to the interpreter (caller holds ``lock``); a dead one is dropped."""
+    def configure(self, msg: p.Configure | p.Reseed) -> None:
+        """Pass a Configure or Reseed to the interpreter (caller holds ``lock``); a dead one is dropped."""
         try:
             self.sock.settimeout(5.0)
             self.sock.sendall(p.encode(msg))
@@ -751,6 +751,20 @@ def _configure(agent: "Agent", conn: Connection, msg: p.Configure) -> None:
     conn.send(report)
 
 
+def _reseed(agent: "Agent", conn: Connection, msg: p.Reseed) -> None:
+    if not 32 <= len(msg.seed) <= 64:
+        raise _Fail(p.ErrorCode.INVALID, "a reseed carries 32..64 bytes")
+    for ctx in agent.contexts():
+        if not ctx.lock.acquire(timeout=0.05):  # running a cell the snapshot caught: it keeps its state
+            continue
+        try:
+            if ctx.alive:
+                ctx.configure(p.Reseed(id=msg.id, seed=msg.seed + os.urandom(16)))
+        finally:
+            ctx.lock.release()
+    conn.send(p.Ok(id=msg.id))
+
+
 def _quiesce(agent: "Agent", conn: Connection, msg: p.Quiesce) -> None:
     if agent.serial is not None:  # a VM: its memory snapshot holds the port; nothing to drop
         conn.send(p.Ok(id=msg.id))
@@ -777,6 +791,7 @@ _HANDLERS = {
     p.WriteFile: _write_file, p.ListDir: _list_dir, p.Stat: _stat, p.MakeDir: _make_dir,
     p.Remove: _remove, p.ContextCreate: _context_create, p.ContextRun: _context_run,
     p.ContextDelete: _context_delete, p.Configure: _configure, p.GetUsage: _get_usage, p.Quiesce: _quiesce,
+    p.Reseed: _reseed,
 }
 _INLINE = frozenset({p.Ping, p.GetUsage, p.Signal})  # never block: handled on the reader thread
 

@@ -118,6 +118,26 @@ def _split(code: str, name: str) -> tuple[ast.Module, ast.Expression | None]:
     return tree, None
 
 
+def _reseed(seed: bytes) -> None:
+    """New states for the generators a memory snapshot copied into every restored sandbox: the
+    ``random`` module's and NumPy's legacy global one (only those already imported)."""
+    rnd = sys.modules.get("random")
+    if rnd is not None:
+        try:
+            rnd.seed(seed)
+        except Exception:  # a user's own replacement of the module: leave it
+            pass
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        try:
+            import hashlib  # OpenSSL: loaded only where NumPy is (an import costs ~0.1 s under TCG)
+
+            words = hashlib.sha512(seed).digest()
+            np_random.seed([int.from_bytes(words[i:i + 4], "little") for i in range(0, 64, 4)])
+        except Exception:
+            pass
+
+
 def main(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     # SIGINT may arrive ignored from the spawner; a timeout relies on it raising KeyboardInterrupt.
@@ -127,13 +147,20 @@ def main(fd: int) -> None:
     real_out, real_err = sys.stdout, sys.stderr
     while True:
         try:
-            msg = p.recv_message(sock, (p.ContextRun, p.Configure))
+            msg = p.recv_message(sock, (p.ContextRun, p.Configure, p.Reseed))
         except KeyboardInterrupt:  # a late interrupt between cells
             continue
         except (OSError, p.ProtocolViolation):
             return
         if msg is None:
             return
+        if isinstance(msg, p.Reseed):
+            _reseed(msg.seed)
+            try:
+                sock.sendall(p.encode(p.Ok(id=msg.id)))
+            except OSError:
+                return
+            continue
         if isinstance(msg, p.Configure):
             import os
 
