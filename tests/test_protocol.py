@@ -24,7 +24,9 @@ def test_roundtrip_every_message_kind():
         p.Entry(3, name="a", path="/a", kind=p.FileType.DIR, size=0, mode=0o755, mtime=1.0, target=""),
         p.Failure(4, code=p.ErrorCode.NOT_FOUND, message="nope"),
         p.CodeDone(5, error_name="", error_value="", traceback="", timed_out=False, truncated=False,
-                   execution_count=1, duration_ms=0.5),
+                   execution_count=1, duration_ms=0.5, oom_kills=-1),
+        p.Exited(6, exit_code=137, signal=9, timed_out=False, truncated=False, duration_ms=3.0, oom_kills=2),
+        p.Reseed(7, seed=b"\x01" * 32),
     ]
     for m in msgs:
         allowed = p.HOST_TO_GUEST if type(m) in p.HOST_TO_GUEST else p.GUEST_TO_HOST

@@ -250,8 +250,11 @@ class Stderr(Message):
 
 
 class Exited(Message):
-    """Final frame of an exec. ``signal`` is 0 unless the process died of a signal."""
-    FIELDS = "exit_code:int signal:int timed_out:bool truncated:bool duration_ms:float"
+    """Final frame of an exec. ``signal`` is 0 unless the process died of a signal. ``oom_kills``:
+    how many processes the OOM killer ended in the agent's own cgroup while it ran (the guest's
+    kernel counts them: microvm), or -1 where the agent cannot see that counter (the host reads
+    the sandbox's cgroup instead)."""
+    FIELDS = "exit_code:int signal:int timed_out:bool truncated:bool duration_ms:float oom_kills:int"
 
 
 class Ok(Message):
@@ -287,8 +290,10 @@ class UsageReport(Message):
 
 
 class CodeDone(Message):
-    """End of a code run. ``error_name`` empty means success."""
-    FIELDS = "error_name:str error_value:str traceback:str timed_out:bool truncated:bool execution_count:int duration_ms:float"
+    """End of a code run. ``error_name`` empty means success. ``oom_kills`` as in Exited (the
+    agent fills it in; the code context sends -1)."""
+    FIELDS = ("error_name:str error_value:str traceback:str timed_out:bool truncated:bool execution_count:int "
+              "duration_ms:float oom_kills:int")
 
 
 HOST_TO_GUEST: tuple[type[Message], ...] = (

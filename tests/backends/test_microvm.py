@@ -142,7 +142,13 @@ def test_limits_hold_inside_the_guest(vm):
                         timeout=120)  # each part fits the VM's RAM (352 MiB), all three not the cgroup's 256
     assert "survived" not in r.stdout and r.exit_code != 0 and r.oom_killed  # the guest kernel's OOM kill
     print(f"OOM kill after {time.monotonic() - t0:.1f} s")
-    assert not vm.commands.run("true").oom_killed
+    assert not vm.commands.run("true").oom_killed  # counted per command, not "ever"
+    # a pipeline's exit status is its last command's: the guest's counter still tells
+    r = vm.commands.run("python3 -c \"x = [b'a' * (128 << 20) for _ in range(3)]\" | cat; echo done", timeout=120)
+    assert r.exit_code == 0 and r.stdout == "done\n" and r.oom_killed
+    r = vm.run_code("blob = [b'a' * (128 << 20) for _ in range(3)]", timeout=120)  # the context process itself
+    assert r.oom_killed and r.error is not None
+    assert vm.run_code("2 + 2").text == "4" and not vm.commands.run("kill -9 $$").oom_killed
     assert vm.commands.run("cat /sys/fs/cgroup/sandbox/memory.max /sys/fs/cgroup/sandbox/pids.max").stdout.split() \
         == [str(256 << 20), "64"]
     r = vm.commands.run(["python3", "-c", "import subprocess\nps = []\ntry:\n for i in range(200):\n"
@@ -312,3 +318,34 @@ def test_qemu_and_relay_run_confined(engine, vm):
     q = dict(ln.split(":\t", 1) for ln in Path(f"/proc/{qemu}/status").read_text().splitlines() if ":\t" in ln)
     assert q["Seccomp"].strip() == "2"
     assert os.readlink(f"/proc/{qemu}/root") == str(state / "empty") and not os.listdir(state / "empty")
+
+
+def test_a_workspace_disk_naming_other_files_is_refused(tmp_path):
+    """QEMU opens the backing/data files a qcow2 header names, as root: only warmbox's own pass."""
+    from warmbox.backends.microvm import check_workspace_disk
+    from warmbox.errors import SandboxStartError
+
+    base, other = tmp_path / "workspace.raw", tmp_path / "host-secret"
+    base.write_bytes(b"\0" * (1 << 20))
+    other.write_bytes(b"secret" * 100)
+
+    def qcow2(name: str, *opts: str) -> Path:
+        disk = tmp_path / name
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", *opts, str(disk), *(["1M"] if "-b" not in opts or "-u" in opts else [])],
+                       check=True, capture_output=True)
+        return disk
+
+    check_workspace_disk(qcow2("ok.qcow2", "-b", str(base), "-F", "raw"), base)
+    cases = {
+        "backing": qcow2("other.qcow2", "-b", str(other), "-F", "raw"),
+        "raw": qcow2("fmt.qcow2", "-b", str(base), "-F", "qcow2", "-u"),
+        "data": qcow2("data.qcow2", "-b", str(base), "-F", "raw", "-o", f"data_file={tmp_path / 'data.raw'}"),
+        "none": qcow2("none.qcow2"),
+    }
+    (tmp_path / "junk.qcow2").write_bytes(b"not a disk at all")
+    cases["junk"] = tmp_path / "junk.qcow2"
+    why = {"backing": "backing file is not", "raw": "not raw", "data": "external data file", "none": "backing file is not",
+           "junk": "not a qcow2"}
+    for what, disk in cases.items():
+        with pytest.raises(SandboxStartError, match=why[what]):
+            check_workspace_disk(disk, base)

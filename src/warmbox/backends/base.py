@@ -29,6 +29,9 @@ class Capabilities:
     start_class: str  # order of magnitude of a cold start, e.g. "10-100ms"
     # every sandbox is restored from its shape's template memory snapshot (a cold boot is too slow)
     snapshot_start: bool = False
+    # OOM kills happen in the sandbox's own kernel: the agent reports them with each command's
+    # result (Exited.oom_kills), and the host does not read a counter around every call
+    oom_counted_in_guest: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

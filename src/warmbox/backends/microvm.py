@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import fcntl
+import functools
 import json
 import math
 import os
@@ -54,14 +55,36 @@ PROBE_TIMEOUT_S = 15.0
 _RELAY = Path(__file__).with_name("vmrelay.py")
 
 
+@functools.lru_cache(maxsize=1)
 def _tsc_khz() -> int | None:
+    """The host's TSC rate (a TCG guest's TSC runs at it), when /proc/cpuinfo's "cpu MHz" is that
+    rate: a constant TSC and no APERF/MPERF (with those, "cpu MHz" is the current, scaling clock
+    — then None, and the guest calibrates: ≈ 1.3 s more for a cold boot, i.e. a template)."""
     try:
+        mhz, flags = None, None
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("cpu MHz"):
-                return int(float(line.split(":")[1]) * 1000)
-    except (OSError, ValueError):
-        pass
-    return None
+            if line.startswith("cpu MHz") and mhz is None:
+                mhz = float(line.split(":")[1])
+            elif line.startswith("flags") and flags is None:
+                flags = set(line.split(":", 1)[1].split())
+            if mhz is not None and flags is not None:
+                break
+    except (OSError, ValueError, IndexError):
+        return None
+    if mhz is None or not flags or "constant_tsc" not in flags or "aperfmperf" in flags:
+        return None
+    return int(mhz * 1000)
+
+
+@functools.lru_cache(maxsize=1)
+def qemu_version() -> str:
+    """``qemu-system-x86_64 --version``'s first line: a memory image loads only into the QEMU
+    (and machine) that saved it, so it is part of a template's fingerprint."""
+    try:
+        r = subprocess.run([QEMU, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (r.stdout.splitlines() or ["unknown"])[0].strip()
 
 
 def kernel_cmdline(limits, extra: str = "") -> str:
@@ -240,6 +263,56 @@ def save_memory(qmp_path: Path, image: Path, timeout: float = 300.0) -> None:
         s.close()
 
 
+# --------------------------------------------------------------------------- workspace disk
+
+_QCOW2_BACKING_FORMAT, _QCOW2_FEATURE_NAMES = 0xE2792ACA, 0x6803F857
+_QCOW2_ALLOWED_INCOMPATIBLE = 0b11001  # dirty, compression type, extended L2 (not: corrupt, data file)
+
+
+def check_workspace_disk(disk: Path, backing: Path) -> None:
+    """Refuse a workspace qcow2 whose header names anything but the image's own empty
+    ``workspace.raw`` (as raw) as its backing file, an external data file, encryption or an
+    unknown header extension. QEMU opens a disk's backing and data files by the names in its
+    header, as root, before it confines itself — and that header is writable by whatever ran
+    as the sandbox's uid (a guest that escaped QEMU's device models). Checked before every
+    launch, when no process of the sandbox runs."""
+    import struct
+
+    def bad(why: str) -> SandboxStartError:
+        return SandboxStartError(f"the workspace disk {disk.name} is not one warmbox made: {why}")
+
+    try:
+        with open(disk, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError as e:
+        raise bad(e.strerror or str(e)) from None
+    if len(head) < 104 or head[:4] != b"QFI\xfb":
+        raise bad("not a qcow2 image")
+    version, bf_off, bf_size = struct.unpack(">IQI", head[4:20])
+    if version != 3 or struct.unpack(">I", head[32:36])[0] != 0:
+        raise bad("not an unencrypted qcow2 v3 image")
+    if head[bf_off:bf_off + bf_size] != str(backing).encode() or not 0 < bf_size <= 1023 or bf_off + bf_size > len(head):
+        raise bad(f"its backing file is not {backing} (a snapshot of another guest image?)")
+    incompatible, _, _, _, header_len = struct.unpack(">QQQII", head[72:104])
+    if incompatible & ~_QCOW2_ALLOWED_INCOMPATIBLE:
+        raise bad(f"incompatible features {incompatible:#x} (an external data file or a corrupt image)")
+    off, backing_format = header_len, b""
+    while True:
+        if off + 8 > len(head):
+            raise bad("its header extensions run past the first 64 KiB")
+        kind, length = struct.unpack(">II", head[off:off + 8])
+        if kind == 0:
+            break
+        data = head[off + 8:off + 8 + length]
+        if kind == _QCOW2_BACKING_FORMAT:
+            backing_format = data
+        elif kind != _QCOW2_FEATURE_NAMES:
+            raise bad(f"unexpected header extension {kind:#x}")
+        off += 8 + (length + 7) // 8 * 8
+    if backing_format != b"raw":
+        raise bad(f"its backing format is {backing_format.decode('ascii', 'replace') or 'unset'}, not raw")
+
+
 # --------------------------------------------------------------------------- accelerator
 
 
@@ -405,7 +478,6 @@ class MicroVMBackend:
     """Tier 4 (``microvm``): QEMU microvm + Debian kernel; starts from memory snapshots."""
 
     tier: ClassVar[str] = "microvm"
-    oom_read_on_kill_only: ClassVar[bool] = True  # oom_kills() is a round trip into the guest
     # run in the template VM before its memory is saved: these programs' files are then in the
     # guest page cache of every restored sandbox (a first command otherwise reads them from disk)
     template_warmup: ClassVar[tuple[tuple[str, ...], ...]] = (
@@ -428,6 +500,7 @@ class MicroVMBackend:
                       f"accelerator {self.accel()[0]}; no host files, no network device",
             memory_snapshot=True, filesystem_snapshot=True, custom_kernel=True, network_modes=("none",),
             languages=("python", "shell"), start_class="100ms-1s (from snapshot)", snapshot_start=True,
+            oom_counted_in_guest=True,
         )
 
     def accel(self) -> tuple[str, str]:
@@ -464,7 +537,7 @@ class MicroVMBackend:
         from warmbox.models import Limits
 
         argv = qemu_argv(self.image(), Path("/state"), Limits(), self.accel()[0], incoming=INCOMING_FD, confine=0)
-        return hashlib.sha256(json.dumps([argv, self.template_warmup]).encode()).hexdigest()[:12]
+        return hashlib.sha256(json.dumps([argv, self.template_warmup, qemu_version()]).encode()).hexdigest()[:12]
 
     def kernel_version(self) -> str:
         return json.loads((self.image() / "meta.json").read_text())["kernel"]
@@ -511,6 +584,10 @@ class MicroVMBackend:
         image = self.image()
         argv = qemu_argv(image, state, self._limits(handle), self.accel()[0], incoming=incoming,
                          confine=handle.uid_base)
+        try:
+            check_workspace_disk(state / "workspace" / "disk.qcow2", image / "workspace.raw")
+        except SandboxStartError as e:
+            raise SandboxStartError(str(e), handle.sandbox_id) from None
         (state / "qemu.argv").write_text(json.dumps(argv))
         qemu = _spawn(argv, state / "qemu.log", vm_files(state, memory))
         relay = _spawn([sys.executable, "-I", "-S", str(_RELAY), str(state / "run" / "vm.sock"),

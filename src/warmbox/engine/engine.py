@@ -114,6 +114,9 @@ async def _warm_up(client: GuestClient, tmpl: Template, sandbox_id: str) -> None
                     tail = (tail + msg.data)[-400:]
                 elif isinstance(msg, p.Exited):
                     break
+        if msg.oom_kills > 0:
+            raise SandboxStartError(f"template {tmpl.name} warm-up command {cmd!r} hit the memory limit: "
+                                    "OOM kill", sandbox_id)
         if msg.exit_code != 0 or msg.timed_out:
             raise SandboxStartError(f"template {tmpl.name} warm-up command {cmd!r} exited {msg.exit_code}"
                                     f"{' (timed out)' if msg.timed_out else ''}: "
@@ -137,6 +140,8 @@ async def _warm_up_code(client: GuestClient, tmpl: Template, sandbox_id: str) ->
                 raise SandboxStartError(f"template {tmpl.name} warm-up: {msg.message}", sandbox_id)
             if isinstance(msg, p.CodeDone):
                 break
+    if msg.oom_kills > 0:
+        raise SandboxStartError(f"template {tmpl.name} warm-up hit the memory limit: OOM kill", sandbox_id)
     if msg.error_name or msg.timed_out:
         raise SandboxStartError(f"template {tmpl.name} warm-up failed: {msg.error_name}: {msg.error_value}"[:800],
                                 sandbox_id)

@@ -363,6 +363,7 @@ def _exec_inner(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
     if cwd is not None and not os.path.isdir(cwd):
         raise _Fail(p.ErrorCode.NOT_FOUND, f"working directory {cwd} does not exist")
     argv = list(msg.argv)
+    oom_before = agent.oom.read()
     if cwd is not None:  # posix_spawn cannot chdir; coreutils env can, at the cost of one exec
         argv = ["/usr/bin/env", "-C", cwd, "--", *argv]
     wake_r, wake_w = os.pipe()
@@ -386,7 +387,8 @@ def _exec_inner(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
             code = 127 if isinstance(e, FileNotFoundError) else 126
             conn.send(p.Stderr(id=msg.id, data=f"{msg.argv[0]}: {e.strerror}\n".encode()))
             conn.send(p.Exited(id=msg.id, exit_code=code, signal=0, timed_out=False,
-                               truncated=False, duration_ms=(time.monotonic() - start) * 1e3))
+                               truncated=False, duration_ms=(time.monotonic() - start) * 1e3,
+                               oom_kills=0 if oom_before >= 0 else -1))
             return
         finally:
             for fd in (pipes[0][1], pipes[1][1], stdin_r, null):
@@ -417,7 +419,8 @@ def _exec_inner(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
             else:
                 code = os.WEXITSTATUS(status)
         conn.send(p.Exited(id=msg.id, exit_code=code, signal=sig, timed_out=timed_out,
-                           truncated=truncated, duration_ms=(time.monotonic() - start) * 1e3))
+                           truncated=truncated, duration_ms=(time.monotonic() - start) * 1e3,
+                           oom_kills=agent.oom.since(oom_before)))
     finally:
         if pid is not None:
             agent.reaper.forget(pid)  # before closing wake_w: the reaper writes to it
@@ -660,6 +663,7 @@ class Context:
         start = time.monotonic()
         deadline = start + msg.timeout_s if msg.timeout_s > 0 else None
         interrupted_at = None
+        oom_before = self.agent.oom.read()
         self.sock.sendall(p.encode(msg))
         while True:
             now = time.monotonic()
@@ -677,19 +681,24 @@ class Context:
                     continue
                 self.kill()
                 self.agent.drop_context(self.name)
-                conn.send(self._died(msg, start, "the run ignored the interrupt and was killed", True))
+                done = self._died(msg, start, "the run ignored the interrupt and was killed", True)
+                done.oom_kills = self.agent.oom.since(oom_before)
+                conn.send(done)
                 return
             except (OSError, p.ProtocolViolation):
                 reply = None
             if reply is None:
                 self.kill()
                 self.agent.drop_context(self.name)
-                conn.send(self._died(msg, start, "the interpreter process died", interrupted_at is not None))
+                done = self._died(msg, start, "the interpreter process died", interrupted_at is not None)
+                done.oom_kills = self.agent.oom.since(oom_before)
+                conn.send(done)
                 return
             reply.id = msg.id
             if isinstance(reply, p.CodeDone):
                 if interrupted_at is not None:
                     reply.timed_out = True
+                reply.oom_kills = self.agent.oom.since(oom_before)
                 conn.send(reply)
                 return
             conn.send(reply)
@@ -715,7 +724,7 @@ class Context:
     def _died(msg: p.ContextRun, start: float, why: str, timed_out: bool) -> p.CodeDone:
         return p.CodeDone(id=msg.id, error_name="ContextDied", error_value=why, traceback="",
                           timed_out=timed_out, truncated=False, execution_count=0,
-                          duration_ms=(time.monotonic() - start) * 1e3)
+                          duration_ms=(time.monotonic() - start) * 1e3, oom_kills=-1)
 
 
 def _context_create(agent: "Agent", conn: Connection, msg: p.ContextCreate) -> None:
@@ -794,6 +803,44 @@ _HANDLERS = {
     p.Reseed: _reseed,
 }
 _INLINE = frozenset({p.Ping, p.GetUsage, p.Signal})  # never block: handled on the reader thread
+
+
+class OomCounter:
+    """The ``oom_kill`` count of the agent's own cgroup (v2 ``memory.events``), where the agent can
+    read it: in a microVM the guest kernel's OOM killer is invisible to the host. Elsewhere
+    (containers: the host reads the sandbox's cgroup) every reading is -1."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        try:
+            with open("/proc/self/cgroup", "rb") as f:
+                for line in f.read().decode("ascii", "replace").splitlines():
+                    if line.startswith("0::/"):
+                        path = "/sys/fs/cgroup" + line[3:].rstrip("/") + "/memory.events"
+                        self.path = path
+                        if self.read() < 0:
+                            self.path = None
+        except OSError:
+            self.path = None
+
+    def read(self) -> int:
+        if self.path is None:
+            return -1
+        try:
+            with open(self.path, "rb") as f:
+                for line in f.read(4096).splitlines():
+                    if line.startswith(b"oom_kill "):
+                        return int(line[9:])
+        except (OSError, ValueError):
+            pass
+        return -1
+
+    def since(self, before: int) -> int:
+        """Kills since ``before`` (a read()); -1 when either reading is unknown."""
+        if before < 0:
+            return -1
+        now = self.read()
+        return max(0, now - before) if now >= 0 else -1
 
 
 class Busy:
@@ -888,6 +935,7 @@ class Agent:
         self._conns: set = set()
         self._conns_lock = threading.Lock()
         self.reaper = Reaper()
+        self.oom = OomCounter()
         self.busy = Busy()
         self.workers = Workers()
         self._contexts: dict[str, Context] = {}

@@ -199,7 +199,7 @@ def main(fd: int) -> None:
         try:
             run.send(p.CodeDone(id=msg.id, error_name=err_name, error_value=err_value, traceback=tb,
                                 timed_out=False, truncated=run.truncated, execution_count=count,
-                                duration_ms=(time.monotonic() - start) * 1e3))
+                                duration_ms=(time.monotonic() - start) * 1e3, oom_kills=-1))
         except KeyboardInterrupt:  # pragma: no cover - interrupt landed while reporting
             pass
         except OSError:

@@ -151,7 +151,7 @@ class AsyncSandbox:
         self._info = info
         self._handle = handle
         self._client = client
-        self._oom_last: int | None = None
+        self._oom_in_guest = engine.backend(info.tier).capabilities().oom_counted_in_guest
         self._stages = list(timings)
         self._backend = engine.backend(info.tier)
         self._env_names: tuple[str, ...] = ()
@@ -361,19 +361,21 @@ class AsyncSandbox:
         if self._killed:
             check(Operation.EXEC, State.DESTROYED, self.sandbox_id)
 
-    async def _oom_kills(self, *, cached: bool = False) -> int:
-        """The sandbox's OOM-kill counter. cached: the value this object read last, if any (it only
-        grows; a microvm's counter costs a round trip into the guest, so a command reads it once)."""
-        if cached and self._oom_last is not None:
-            return self._oom_last
-        self._oom_last = await self._backend.oom_kills(self._handle)
-        return self._oom_last
+    async def _oom_before(self) -> int:
+        """The host's reading of the sandbox's OOM-kill counter before a call, or -1 on tiers whose
+        agent counts OOM kills itself (microvm: the guest kernel's OOM killer; no host read)."""
+        if self._oom_in_guest:
+            return -1
+        return await self._backend.oom_kills(self._handle)
 
-    def _oom_worth_reading(self, killed: bool) -> bool:
-        """Read the counter after every call, except on tiers where a read is a round trip into
-        the guest (microvm): there only after a kill (the OOM killer's SIGKILL, or a shell
-        reporting 137) or a failed code cell."""
-        return killed or not getattr(self._backend, "oom_read_on_kill_only", False)
+    async def _oom_killed(self, before: int, reported: int) -> bool:
+        """Whether the call lost a process to the OOM killer: the agent's count where it has one
+        (``reported`` >= 0), else the host's counter against ``before``."""
+        if reported >= 0:
+            return reported > 0
+        if before < 0:
+            return False
+        return (await self._backend.oom_kills(self._handle)) > before
 
     def _record_first(self, started: float) -> None:
         if not any(t.stage == "first_command" for t in self._stages):
@@ -426,7 +428,7 @@ class AsyncSandbox:
         t = _optional_timeout(timeout)
         cap = _max_output(max_output)
         started = time.perf_counter()
-        oom_before = await self._oom_kills(cached=True)
+        oom_before = await self._oom_before()
         output = _Output(on_stdout, on_stderr, cap, self.sandbox_id)
         displays: dict[int, dict[str, object]] = {}
         display_bytes = 0
@@ -458,7 +460,7 @@ class AsyncSandbox:
                         break
         finally:
             self._active -= 1
-        oom = (await self._oom_kills()) > oom_before if self._oom_worth_reading(bool(done.error_name)) else False
+        oom = await self._oom_killed(oom_before, done.oom_kills)
         self._record_first(started)
         results = tuple(Result(is_main_result=k in mains, **v) for k, v in sorted(displays.items()))  # type: ignore[arg-type]
         error = (ExecutionError(done.error_name, done.error_value, done.traceback)
@@ -506,7 +508,7 @@ class AsyncCommands:
             raise InvalidArgument("stdin must be str or bytes")
         data = stdin.encode() if isinstance(stdin, str) else stdin
         started = time.perf_counter()
-        oom_before = await sb._oom_kills(cached=True)
+        oom_before = await sb._oom_before()
         output = _Output(on_stdout, on_stderr, cap, sb.sandbox_id)
         pid = 0
         sb._active += 1
@@ -531,8 +533,7 @@ class AsyncCommands:
                         break
         finally:
             sb._active -= 1
-        killed = exited.signal == 9 or exited.exit_code in (137, -9)
-        oom = (await sb._oom_kills()) > oom_before if sb._oom_worth_reading(killed) else False
+        oom = await sb._oom_killed(oom_before, exited.oom_kills)
         sb._record_first(started)
         stdout, stderr = output.text()
         result = CommandResult(exit_code=exited.exit_code, stdout=stdout, stderr=stderr, timed_out=exited.timed_out,
