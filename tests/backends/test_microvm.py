@@ -206,13 +206,17 @@ def test_pause_resume_and_fork_continue_memory_and_disk(engine):
         assert back.run_code("counter + 1").text == "42"
         assert back.files.read("/workspace/kept.txt") == "disk state"
         assert float(back.commands.run("cut -d' ' -f1 /proc/uptime").stdout) >= up  # the same kernel, going on
+        # ...but its wall clock is the host's, not the one frozen in the memory image
+        assert abs(float(back.commands.run("date +%s.%N").stdout) - time.time()) < 1.0
         first = int(back.commands.run("cat /tmp/bg").stdout)
         time.sleep(1)
         assert int(back.commands.run("cat /tmp/bg").stdout) > first
         back.files.write("/workspace/only-in-back.txt", "x")
         snap = back.pause(memory=True)
+    time.sleep(2)  # the fork's clock must not be the snapshot's
     with Sandbox.create(from_snapshot=snap, timeout=60) as fork:
         assert fork.tier == "microvm"
+        assert abs(float(fork.commands.run("date +%s.%N").stdout) - time.time()) < 1.0
         assert fork.run_code("counter").text == "41"
         assert fork.files.read("/workspace/only-in-back.txt") == "x"
         fork.files.write("/workspace/fork.txt", "fork")

@@ -132,8 +132,8 @@ def qemu_argv(image: Path, state: Path, limits, accel: str, *, incoming: str | N
             "-device", "virtio-serial-device,max_ports=3",
             "-chardev", f"socket,id=agent,path={state / 'run' / 'vm.sock'},server=on,wait=off",
             "-device", f"virtserialport,chardev=agent,name={images.AGENT_PORT}",
-            "-chardev", f"socket,id=rng,path={state / 'run' / 'rng.sock'},server=on,wait=off",
-            "-device", f"virtserialport,chardev=rng,name={images.ENTROPY_PORT}",
+            "-chardev", f"socket,id=restore,path={state / 'run' / 'restore.sock'},server=on,wait=off",
+            "-device", f"virtserialport,chardev=restore,name={images.RESTORE_PORT}",
             "-qmp", f"unix:{state / 'run' / 'qmp.sock'},server=on,wait=off",
             "-pidfile", str(state / "qemu.pid"),
             "-global", "migration.store-global-state=off"]
@@ -591,7 +591,7 @@ class MicroVMBackend:
         (state / "qemu.argv").write_text(json.dumps(argv))
         qemu = _spawn(argv, state / "qemu.log", vm_files(state, memory))
         relay = _spawn([sys.executable, "-I", "-S", str(_RELAY), str(state / "run" / "vm.sock"),
-                        handle.socket_path, str(handle.uid_base), str(qemu), str(state / "run" / "rng.sock")],
+                        handle.socket_path, str(handle.uid_base), str(qemu), str(state / "run" / "restore.sock")],
                        state / "relay.log")
         (state / "relay.pid").write_text(str(relay))
         deadline = time.monotonic() + START_TIMEOUT_S

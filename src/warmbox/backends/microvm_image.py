@@ -35,8 +35,8 @@ GUEST_PACKAGES = ("python3-minimal", "libpython3-stdlib", "bash", "coreutils", "
 WORKSPACE_MB = 1024
 MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "crc32c_generic", "ext4")
 AGENT_PORT = "warmbox.agent"
-ENTROPY_PORT = "warmbox.entropy"  # host entropy for the guest kernel after each restore (wb-reseed)
-_RESEED_SRC = Path(__file__).with_name("microvm_reseed.c")
+RESTORE_PORT = "warmbox.restore"  # host entropy and clock for the guest kernel at each start (wb-restore)
+_RESTORE_SRC = Path(__file__).with_name("microvm_restore.c")
 _GUEST_SOURCES = ("protocol.py", "guest/__init__.py", "guest/agent.py", "guest/kernel.py")
 _EXCLUDES = ("/usr/share/man/*", "/usr/share/doc/*", "/usr/share/locale/*", "/usr/share/info/*",
              "/usr/share/lintian/*", "/usr/share/zoneinfo/right/*")
@@ -76,14 +76,14 @@ $B mount --move /sys /newroot/sys
 port=; rng=
 for d in /newroot/sys/class/virtio-ports/*; do
   case "$($B cat $d/name 2>/dev/null)" in
-    "%(port)s") port=/dev/$($B basename $d) ;; "%(rng)s") rng=/dev/$($B basename $d) ;;
+    "%(port)s") port=/dev/$($B basename $d) ;; "%(restore)s") rng=/dev/$($B basename $d) ;;
   esac
 done
-[ -n "$port" ] && [ -n "$rng" ] || { echo "init: no agent or entropy port"; $B poweroff -f; }
-# the root helper that reseeds the kernel's generator after every restore (outside the sandbox's
-# cgroup, never chosen by the OOM killer; uid 1000 cannot signal it)
+[ -n "$port" ] && [ -n "$rng" ] || { echo "init: no agent or restore port"; $B poweroff -f; }
+# the root helper that reseeds the kernel's generator and sets the clock after every restore
+# (outside the sandbox's cgroup, never chosen by the OOM killer; uid 1000 cannot signal it)
 $B chmod 600 /newroot$rng
-/bin/wb-reseed /newroot$rng /newroot/dev/urandom &
+/bin/wb-restore /newroot$rng /newroot/dev/urandom &
 echo -1000 > /newroot/proc/$!/oom_score_adj
 C=/newroot/sys/fs/cgroup
 $B mount -t cgroup2 -o nosuid,nodev,noexec cgroup2 $C
@@ -104,7 +104,7 @@ exec $B switch_root /newroot /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin
   /usr/bin/setpriv --reuid=1000 --regid=1000 --clear-groups --inh-caps=-all \
   --bounding-set=-all --no-new-privs /usr/bin/python3 -I -S -c \
   "import sys; sys.path.insert(0, '/opt/warmbox'); from warmbox.guest.agent import main; main(['--serial', '$port'])"
-""".replace("%(port)s", AGENT_PORT).replace("%(rng)s", ENTROPY_PORT)
+""".replace("%(port)s", AGENT_PORT).replace("%(restore)s", RESTORE_PORT)
 
 _ETC = {
     "passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\nuser:x:1000:1000:user:/home/user:/bin/bash\n"
@@ -137,7 +137,7 @@ def _run(argv: list[str], what: str, timeout: float = 600, **kw) -> subprocess.C
 
 def content_hash() -> str:
     pkg = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256(BUILD_VERSION.encode() + INIT.encode() + _RESEED_SRC.read_bytes()
+    h = hashlib.sha256(BUILD_VERSION.encode() + INIT.encode() + _RESTORE_SRC.read_bytes()
                        + repr((GUEST_PACKAGES, MODULES, WORKSPACE_MB, _EXCLUDES, _ETC)).encode())
     for rel in _GUEST_SOURCES:
         h.update(rel.encode() + b"\0" + (pkg / rel).read_bytes())
@@ -278,7 +278,7 @@ def _kernel(out: Path, work: Path) -> str:
         ("bin", 0o040755, b""), ("dev", 0o040755, b""), ("proc", 0o040755, b""), ("sys", 0o040755, b""),
         ("lib", 0o040755, b""), ("lib/modules", 0o040755, b""),
         ("bin/busybox", 0o100755, Path(busybox).read_bytes()),
-        ("bin/wb-reseed", 0o100755, _reseed_helper(work)),
+        ("bin/wb-restore", 0o100755, _restore_helper(work)),
         ("init", 0o100755, INIT.encode()),
         ("modules.order", 0o100644, ("\n".join(order) + "\n").encode()),
     ]
@@ -287,11 +287,11 @@ def _kernel(out: Path, work: Path) -> str:
     return version
 
 
-def _reseed_helper(work: Path) -> bytes:
-    """wb-reseed (microvm_reseed.c), compiled static for the initramfs."""
-    out = work / "wb-reseed"
-    _run(["gcc", "-static", "-Os", "-s", "-Wall", "-Werror", "-o", str(out), str(_RESEED_SRC)],
-         "compiling the guest's reseed helper (gcc, libc6-dev)")
+def _restore_helper(work: Path) -> bytes:
+    """wb-restore (microvm_restore.c), compiled static for the initramfs."""
+    out = work / "wb-restore"
+    _run(["gcc", "-static", "-Os", "-s", "-Wall", "-Werror", "-o", str(out), str(_RESTORE_SRC)],
+         "compiling the guest's restore helper (gcc, libc6-dev)")
     return out.read_bytes()
 
 

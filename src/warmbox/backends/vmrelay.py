@@ -13,17 +13,18 @@ logged. Client frames are decoded as host->guest messages too, so nothing malfor
 the guest. Ids start at a random offset, so output of requests made before a pause or by a
 previous relay can never be mistaken for a current request's.
 
-Run as ``python3 -I -S vmrelay.py CHARDEV_SOCKET LISTEN_SOCKET [UID [QEMU_PID [ENTROPY_SOCKET]]]``
+Run as ``python3 -I -S vmrelay.py CHARDEV_SOCKET LISTEN_SOCKET [UID [QEMU_PID [RESTORE_SOCKET]]]``
 (stdlib + protocol.py only: it is on every restore's path). With UID it drops to that uid (the
 sandbox's own range) once its sockets are open, before it reads a byte from the guest. It exits
 when QEMU closes the chardev; when the guest violates the protocol it also kills QEMU_PID (a VM
 nobody can reach any more must not run on; as the sandbox's uid it can signal nothing else).
 
-Entropy: every VM restored from one memory snapshot holds the same kernel random-generator
-state. With ENTROPY_SOCKET (QEMU's chardev of the guest's ``warmbox.entropy`` port) the relay
-first writes 64 bytes of host entropy there and waits for the guest's root helper (wb-reseed)
-to answer ``K`` (pool credited and crng rekeyed) before it serves any client: no command runs
-on the old state. It keeps that connection open, so the helper sleeps in poll() meanwhile.
+After a restore: every VM restored from one memory image holds the same kernel random state and
+the image's wall clock. With RESTORE_SOCKET (QEMU's chardev of the guest's ``warmbox.restore``
+port) the relay first writes 64 bytes of host entropy and the host's clock there and waits for
+the guest's root helper (wb-restore) to answer ``K`` (pool credited, crng rekeyed, clock set)
+before it serves any client: no command runs on the old state. It keeps that connection open,
+so the helper sleeps in poll() meanwhile.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import importlib.util
 import os
 import random
 import socket
+import struct
 import sys
 import threading
 import time
@@ -44,7 +46,7 @@ _spec.loader.exec_module(p)
 
 MAX_IDS_PER_CLIENT = 65536  # oldest mappings of a client are forgotten beyond this
 CONNECT_TIMEOUT_S = 60.0
-RESEED_TIMEOUT_S = 80.0  # a cold boot under TCG reaches the initramfs's helper in ~4 s; a restore at once
+RESTORE_TIMEOUT_S = 80.0  # a cold boot under TCG reaches the initramfs's helper in ~4 s; a restore at once
 
 
 def _log(msg: str) -> None:
@@ -198,18 +200,19 @@ def _connect(path: str) -> socket.socket:
             time.sleep(0.002)
 
 
-def reseed(sock: socket.socket, timeout: float = RESEED_TIMEOUT_S) -> str:
-    """64 bytes of host entropy to the guest's wb-reseed; "" once it answered K, else why not."""
+def after_restore(sock: socket.socket, timeout: float = RESTORE_TIMEOUT_S) -> str:
+    """Host entropy + clock to the guest's wb-restore; "" once it answered K, else why not."""
     sock.settimeout(timeout)
     try:
-        sock.sendall(os.urandom(64))
+        now = time.time_ns()
+        sock.sendall(os.urandom(64) + struct.pack("<qq", now // 1_000_000_000, now % 1_000_000_000))
         answer = sock.recv(1)
     except OSError as e:  # a timeout too: a cold boot's helper starts with the initramfs
-        return f"no answer from the guest's reseed helper ({e or 'timed out'})"
+        return f"no answer from the guest's restore helper ({e or 'timed out'})"
     finally:
         sock.settimeout(None)
     if answer != b"K":
-        return f"the guest's reseed helper answered {answer!r}"
+        return f"the guest's restore helper answered {answer!r}"
     return ""
 
 
@@ -217,7 +220,7 @@ def main(argv: list[str]) -> int:
     chardev, listen_path = argv[:2]
     uid = int(argv[2]) if len(argv) > 2 else None
     qemu_pid = int(argv[3]) if len(argv) > 3 and uid is not None else None
-    entropy_path = argv[4] if len(argv) > 4 else None
+    restore_path = argv[4] if len(argv) > 4 else None
     try:
         os.unlink(listen_path)
     except FileNotFoundError:
@@ -231,18 +234,18 @@ def main(argv: list[str]) -> int:
     listener.listen(64)
     try:
         guest = _connect(chardev)
-        entropy = _connect(entropy_path) if entropy_path else None
+        restore = _connect(restore_path) if restore_path else None
     except OSError as e:
-        _log(f"cannot reach QEMU's chardevs {chardev} / {entropy_path}: {e}")
+        _log(f"cannot reach QEMU's chardevs {chardev} / {restore_path}: {e}")
         return 1
     if uid is not None:  # both sockets are open: parse the guest's bytes as nobody in particular
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
-    if entropy is not None:
-        why = reseed(entropy)
+    if restore is not None:
+        why = after_restore(restore)
         if why:
-            _log(f"the guest's kernel was not reseeded, relay stops: {why}")
+            _log(f"the guest's kernel was not reseeded or its clock not set, relay stops: {why}")
             return 3
     relay = Relay(guest, listener)
     threading.Thread(target=relay.accept_forever, daemon=True).start()
