@@ -160,9 +160,12 @@ def test_gvisor_pools_hold_sandboxes_restored_from_a_template_snapshot(home, run
 
     engine = Engine.for_home(home)
     set_config(home, """
+[templates.t-rand]
+warmup_code = "import random"
+
 [pools.t-gv]
 tier = "gvisor"
-template = "base"
+template = "t-rand"
 min = 2
 max = 2
 target = 2
@@ -177,15 +180,16 @@ limits = { memory_mb = 444 }
         snap = next(iter(template))
         for sid in engine.registry.pooled("t-gv"):
             assert [t.reason for t in engine.registry.transitions(sid)][-1] == f"restored from {snap}"
-        with Sandbox.create("gvisor", limits=Limits(memory_mb=444), envs={"WHO": "me"}) as sb:
+        with Sandbox.create("gvisor", template="t-rand", limits=Limits(memory_mb=444), envs={"WHO": "me"}) as sb:
             assert sb.from_pool and sb.tier == "gvisor"
             r = sb.run_code("import os; os.environ['WHO'], 2 + 2")
             assert r.text == "('me', 4)" and r.execution_count == 1
             assert sb.commands.run("echo $WHO; uname -r").stdout.split()[0] == "me"
-            draw = "import random, os; (random.random(), os.urandom(8).hex())"
-            with Sandbox.create("gvisor", limits=Limits(memory_mb=444)) as sb2:  # the other restore
+            draw = "import random; random.random()"  # the module the template's warm-up imported
+            with Sandbox.create("gvisor", template="t-rand", limits=Limits(memory_mb=444)) as sb2:  # the other restore
                 assert sb2.from_pool
-                assert sb.run_code(draw).text != sb2.run_code(draw).text  # generators reseeded per restore
+                a, b = sb.run_code(draw).text, sb2.run_code(draw).text
+                assert a != b  # both restored the template's generator state: reseeded per restore
     finally:
         set_config(home)
     wait_for(lambda: not engine.registry.pooled("t-gv"), 60, "the gvisor pool to be retired")

@@ -19,37 +19,10 @@ import pytest
 
 from warmbox import Limits, Sandbox, State
 from warmbox import protocol as p
-from warmbox.engine.engine import Engine
 from warmbox.engine.guest_client import GuestClient
+from tests.backends.conftest import qemu_pids as _qemu_pids
 
 LIMITS = Limits(memory_mb=256, pids=64, tmp_mb=64)
-
-
-def _qemu_pids(runtime: Path) -> list[int]:
-    out = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if str(runtime).encode() in cmd and (b"qemu-system" in cmd or b"vmrelay" in cmd):
-            out.append(int(proc.name))
-    return out
-
-
-@pytest.fixture(scope="module")
-def engine(home, runc_ready):
-    engine = Engine.for_home(home)
-    avail = engine.backend("microvm").probe()
-    if not avail.available:
-        pytest.fail(f"the microvm tier must run here (scripts/bootstrap installs QEMU): {avail.reason}")
-    yield engine
-    left = _qemu_pids(engine.runtime)
-    for pid in left:
-        os.kill(pid, 9)
-    assert not left, f"QEMU or relay processes left behind: {left}"
 
 
 @pytest.fixture(scope="module")
@@ -348,8 +321,91 @@ def test_a_workspace_disk_naming_other_files_is_refused(tmp_path):
     }
     (tmp_path / "junk.qcow2").write_bytes(b"not a disk at all")
     cases["junk"] = tmp_path / "junk.qcow2"
+    cases["v2"] = qcow2("v2.qcow2", "-b", str(base), "-F", "raw", "-o", "compat=0.10")
+    subprocess.run(["qemu-img", "bitmap", "--add", str(bitmap := qcow2("bm.qcow2", "-b", str(base), "-F", "raw")), "b0"],
+                   check=True, capture_output=True)
+    cases["bitmap"] = bitmap
+    subprocess.run(["qemu-img", "snapshot", "-c", "s1", str(snap := qcow2("sn.qcow2", "-b", str(base), "-F", "raw"))],
+                   check=True, capture_output=True)
+    cases["snapshot"] = snap
+    (tmp_path / "link.qcow2").symlink_to(tmp_path / "ok.qcow2")
+    cases["symlink"] = tmp_path / "link.qcow2"
     why = {"backing": "backing file is not", "raw": "not raw", "data": "external data file", "none": "backing file is not",
-           "junk": "not a qcow2"}
+           "junk": "not a qcow2", "v2": "v3", "bitmap": "header extension", "snapshot": "internal snapshots",
+           "symlink": "links"}
     for what, disk in cases.items():
         with pytest.raises(SandboxStartError, match=why[what]):
             check_workspace_disk(disk, base)
+
+
+def test_the_relay_serves_nobody_until_the_guest_took_entropy_and_clock(tmp_path):
+    """vmrelay's restore handshake against a fake guest helper: entropy, 'R', a fresh clock, 'K'."""
+    import struct
+    import sys
+
+    from warmbox.backends import vmrelay
+
+    def helper(answers: bytes) -> tuple[socket.socket, list[bytes]]:
+        a, b = socket.socketpair()
+        got: list[bytes] = []
+
+        def run():
+            got.append(b.recv(64, socket.MSG_WAITALL))
+            b.sendall(answers[:1])
+            if answers[:1] == b"R":
+                got.append(b.recv(16, socket.MSG_WAITALL))
+                b.sendall(answers[1:2])
+            b.close() if answers == b"" else None
+        threading.Thread(target=run, daemon=True).start()
+        return a, got
+
+    sock, got = helper(b"RK")
+    t0 = time.time()
+    assert vmrelay.after_restore(sock, timeout=5) == ""
+    assert len(got[0]) == 64 and abs(struct.unpack("<qq", got[1])[0] - t0) < 5
+    sock, _ = helper(b"E")
+    assert "answered b'E' to the entropy" in vmrelay.after_restore(sock, timeout=5)
+    sock, _ = helper(b"RE")
+    assert "to the clock" in vmrelay.after_restore(sock, timeout=5)
+    sock, _ = helper(b"")  # the helper goes away
+    assert vmrelay.after_restore(sock, timeout=5) != ""
+    a, b = socket.socketpair()  # never answers
+    t0 = time.monotonic()
+    assert "no answer" in vmrelay.after_restore(a, timeout=0.5) and time.monotonic() - t0 < 3
+    b.close()
+
+    # the whole relay: a client's Ping is not forwarded before the helper answered
+    guest_path, restore_path, listen = tmp_path / "vm.sock", tmp_path / "restore.sock", tmp_path / "agent.sock"
+    servers = []
+    for path in (guest_path, restore_path):
+        srv = socket.socket(socket.AF_UNIX)
+        srv.bind(str(path))
+        srv.listen(1)
+        servers.append(srv)
+    proc = subprocess.Popen([sys.executable, "-I", "-S", vmrelay.__file__, str(guest_path), str(listen), str(os.getuid()),
+                             "0", str(restore_path)], stderr=subprocess.PIPE)
+    try:
+        guest, _ = servers[0].accept()
+        restore, _ = servers[1].accept()
+        c = socket.socket(socket.AF_UNIX)
+        for _ in range(200):
+            try:
+                c.connect(str(listen))
+                break
+            except OSError:
+                time.sleep(0.01)
+        c.sendall(p.encode(p.Ping(1)))
+        guest.settimeout(0.5)
+        with pytest.raises(socket.timeout):
+            guest.recv(1)  # nothing reaches the guest's agent before the restore helper answered
+        assert len(restore.recv(64, socket.MSG_WAITALL)) == 64
+        restore.sendall(b"R")
+        assert len(restore.recv(16, socket.MSG_WAITALL)) == 16
+        restore.sendall(b"K")
+        guest.settimeout(5)
+        assert isinstance(p.recv_message(guest, p.HOST_TO_GUEST), p.Ping)
+    finally:
+        proc.kill()
+        proc.wait()
+        for srv in servers:
+            srv.close()

@@ -6,28 +6,10 @@ claim adds a second (its refill then makes at most two as well): never more than
 
 from __future__ import annotations
 
-import os
-
-import pytest
-
 from warmbox import Limits, Sandbox
-from warmbox.engine.engine import Engine
-from tests.backends.test_microvm import _qemu_pids
+from tests.backends.conftest import qemu_pids as _qemu_pids
 
 LIMITS = Limits(memory_mb=256, pids=64, tmp_mb=64)
-
-
-@pytest.fixture(scope="module")
-def engine(home, runc_ready):
-    engine = Engine.for_home(home)
-    avail = engine.backend("microvm").probe()
-    if not avail.available:
-        pytest.fail(f"the microvm tier must run here (scripts/bootstrap installs QEMU): {avail.reason}")
-    yield engine
-    left = _qemu_pids(engine.runtime)
-    for pid in left:
-        os.kill(pid, 9)
-    assert not left, f"QEMU or relay processes left behind: {left}"
 
 
 def test_a_microvm_pool_hands_out_restored_sandboxes(engine, home):

@@ -266,13 +266,13 @@ def save_memory(qmp_path: Path, image: Path, timeout: float = 300.0) -> None:
 # --------------------------------------------------------------------------- workspace disk
 
 _QCOW2_BACKING_FORMAT, _QCOW2_FEATURE_NAMES = 0xE2792ACA, 0x6803F857
-_QCOW2_ALLOWED_INCOMPATIBLE = 0b11001  # dirty, compression type, extended L2 (not: corrupt, data file)
 
 
 def check_workspace_disk(disk: Path, backing: Path) -> None:
     """Refuse a workspace qcow2 whose header names anything but the image's own empty
-    ``workspace.raw`` (as raw) as its backing file, an external data file, encryption or an
-    unknown header extension. QEMU opens a disk's backing and data files by the names in its
+    ``workspace.raw`` (as raw) as its backing file, an external data file, encryption, internal
+    snapshots, any incompatible feature (qemu-img's defaults set none) or an unknown header
+    extension. QEMU opens a disk's backing and data files by the names in its
     header, as root, before it confines itself — and that header is writable by whatever ran
     as the sandbox's uid (a guest that escaped QEMU's device models). Checked before every
     launch, when no process of the sandbox runs."""
@@ -282,7 +282,8 @@ def check_workspace_disk(disk: Path, backing: Path) -> None:
         return SandboxStartError(f"the workspace disk {disk.name} is not one warmbox made: {why}")
 
     try:
-        with open(disk, "rb") as f:
+        fd = os.open(disk, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
             head = f.read(1 << 16)
     except OSError as e:
         raise bad(e.strerror or str(e)) from None
@@ -293,9 +294,11 @@ def check_workspace_disk(disk: Path, backing: Path) -> None:
         raise bad("not an unencrypted qcow2 v3 image")
     if head[bf_off:bf_off + bf_size] != str(backing).encode() or not 0 < bf_size <= 1023 or bf_off + bf_size > len(head):
         raise bad(f"its backing file is not {backing} (a snapshot of another guest image?)")
+    if struct.unpack(">I", head[60:64])[0] != 0:
+        raise bad("it holds internal snapshots")
     incompatible, _, _, _, header_len = struct.unpack(">QQQII", head[72:104])
-    if incompatible & ~_QCOW2_ALLOWED_INCOMPATIBLE:
-        raise bad(f"incompatible features {incompatible:#x} (an external data file or a corrupt image)")
+    if incompatible:
+        raise bad(f"incompatible features {incompatible:#x} (an external data file, a dirty or corrupt image)")
     off, backing_format = header_len, b""
     while True:
         if off + 8 > len(head):
@@ -421,7 +424,7 @@ def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
 def vm_files(state: Path, memory: Path | None = None) -> list[tuple[Path, int]]:
     """The files a VM gets as fds 3, 4 (its workspace disk, rw + ro) and 5 (a memory image)."""
     disk = state / "workspace" / "disk.qcow2"
-    files = [(disk, os.O_RDWR), (disk, os.O_RDONLY)]
+    files = [(disk, os.O_RDWR | os.O_NOFOLLOW), (disk, os.O_RDONLY | os.O_NOFOLLOW)]
     if memory is not None:
         files.append((memory, os.O_RDONLY))
     return files

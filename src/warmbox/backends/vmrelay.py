@@ -21,10 +21,10 @@ nobody can reach any more must not run on; as the sandbox's uid it can signal no
 
 After a restore: every VM restored from one memory image holds the same kernel random state and
 the image's wall clock. With RESTORE_SOCKET (QEMU's chardev of the guest's ``warmbox.restore``
-port) the relay first writes 64 bytes of host entropy and the host's clock there and waits for
-the guest's root helper (wb-restore) to answer ``K`` (pool credited, crng rekeyed, clock set)
-before it serves any client: no command runs on the old state. It keeps that connection open,
-so the helper sleeps in poll() meanwhile.
+port) the relay first writes 64 bytes of host entropy there and waits for the guest's root helper
+(wb-restore) to answer (pool credited, crng rekeyed), then sends a fresh reading of the host's
+clock and waits for it to be set, before it serves any client: no command runs on the old state.
+It keeps that connection open, so the helper sleeps in poll() meanwhile.
 """
 
 from __future__ import annotations
@@ -201,18 +201,24 @@ def _connect(path: str) -> socket.socket:
 
 
 def after_restore(sock: socket.socket, timeout: float = RESTORE_TIMEOUT_S) -> str:
-    """Host entropy + clock to the guest's wb-restore; "" once it answered K, else why not."""
+    """Host entropy, then (once the guest answered, so the reading is fresh) the host's clock to
+    the guest's wb-restore; "" once both were taken, else why not."""
     sock.settimeout(timeout)
     try:
+        sock.sendall(os.urandom(64))
+        answer = sock.recv(1)  # a cold boot's helper starts with the initramfs: seconds
+        if answer != b"R":
+            return f"the guest's restore helper answered {answer!r} to the entropy"
+        sock.settimeout(10.0)
         now = time.time_ns()
-        sock.sendall(os.urandom(64) + struct.pack("<qq", now // 1_000_000_000, now % 1_000_000_000))
+        sock.sendall(struct.pack("<qq", now // 1_000_000_000, now % 1_000_000_000))
         answer = sock.recv(1)
-    except OSError as e:  # a timeout too: a cold boot's helper starts with the initramfs
+        if answer != b"K":
+            return f"the guest's restore helper answered {answer!r} to the clock"
+    except OSError as e:  # a timeout too
         return f"no answer from the guest's restore helper ({e or 'timed out'})"
     finally:
         sock.settimeout(None)
-    if answer != b"K":
-        return f"the guest's restore helper answered {answer!r}"
     return ""
 
 
@@ -246,6 +252,11 @@ def main(argv: list[str]) -> int:
         why = after_restore(restore)
         if why:
             _log(f"the guest's kernel was not reseeded or its clock not set, relay stops: {why}")
+            if qemu_pid:  # nobody will ever be served by this VM
+                try:
+                    os.kill(qemu_pid, 9)
+                except OSError:
+                    pass
             return 3
     relay = Relay(guest, listener)
     threading.Thread(target=relay.accept_forever, daemon=True).start()

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 from warmbox import protocol as p
 from warmbox.engine.guest_client import GuestClient
 from warmbox.engine.lifecycle import Operation, check
-from warmbox.errors import (InvalidArgument, SandboxError, SandboxNotFound, SandboxStateError, SnapshotUnsupported,
-                            StorageError, StorageFull, WarmboxError)
+from warmbox.errors import (InvalidArgument, SandboxError, SandboxNotFound, SandboxStartError, SandboxStateError,
+                            SnapshotUnsupported, StorageError, StorageFull, WarmboxError)
 from warmbox.models import Limits, State
 from warmbox.storage import snapshots as snaps
 from warmbox.storage.objects import LocalObjectStore, ObjectStore
@@ -431,6 +431,10 @@ async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeou
                 pong = await client.call(lambda i: p.Ping(i), p.Pong)
                 if not isinstance(pong, p.Pong):
                     raise SandboxError(f"restored agent answered {pong!r}", sandbox_id)
+                if pong.version != p.PROTOCOL_VERSION:
+                    raise SandboxStartError(f"the snapshot's guest agent speaks protocol v{pong.version}, this warmbox "
+                                            f"v{p.PROTOCOL_VERSION}: snapshots of another warmbox version cannot be "
+                                            f"restored", sandbox_id)
                 # every restore of one snapshot holds the same generator states: new ones first
                 ok = await client.call(lambda i: p.Reseed(i, seed=os.urandom(32)), p.Ok)
                 if not isinstance(ok, p.Ok):

@@ -706,7 +706,7 @@ class Context:
     def configure(self, msg: p.Configure | p.Reseed) -> None:
         """Pass a Configure or Reseed to the interpreter (caller holds ``lock``); a dead one is dropped."""
         try:
-            self.sock.settimeout(5.0)
+            self.sock.settimeout(30.0)  # an idle interpreter answers in ms; a loaded TCG guest is slow
             self.sock.sendall(p.encode(msg))
             reply = p.recv_message(self.sock, (p.Ok,))
         except (OSError, p.ProtocolViolation):

@@ -369,12 +369,11 @@ class AsyncSandbox:
         return await self._backend.oom_kills(self._handle)
 
     async def _oom_killed(self, before: int, reported: int) -> bool:
-        """Whether the call lost a process to the OOM killer: the agent's count where it has one
-        (``reported`` >= 0), else the host's counter against ``before``."""
-        if reported >= 0:
+        """Whether the call lost a process to the OOM killer: the agent's count on tiers whose
+        kernel is the sandbox's own (``reported``; -1 = unknown), else the host's counter against
+        ``before`` (an agent in a container could report anything)."""
+        if self._oom_in_guest:  # only there: elsewhere the host's cgroup counter decides
             return reported > 0
-        if before < 0:
-            return False
         return (await self._backend.oom_kills(self._handle)) > before
 
     def _record_first(self, started: float) -> None:
