@@ -85,6 +85,14 @@ def test_non_root_no_capabilities_no_host_env(vm):
     assert vm.commands.run("test -w /usr || echo ro").stdout.strip() == "ro"
 
 
+def test_the_guest_has_the_agent_toolchain(vm):
+    """What agents run: Node.js, gcc, git and NumPy inside the VM's own root image."""
+    r = vm.commands.run("cd /workspace && node -e 'console.log(6 * 7)' && printf 'int main(void){return 7;}' > t.c "
+                        "&& gcc t.c -o t && { ./t; echo rc=$?; } && git init -q r && git -C r status --short "
+                        "&& python3 -c 'import numpy; print(numpy.arange(4).sum())'", timeout=120)
+    assert r.stdout.split() == ["42", "rc=7", "6"], r
+
+
 def test_no_network_device(vm):
     r = vm.commands.run(["python3", "-c", "import socket; print(sorted(n for _, n in socket.if_nameindex()))"])
     assert r.stdout.strip() == "['lo']"

@@ -502,7 +502,8 @@ class MicroVMBackend:
             isolation="own Linux kernel in a QEMU microvm (virtual-machine boundary); "
                       f"accelerator {self.accel()[0]}; no host files, no network device",
             memory_snapshot=True, filesystem_snapshot=True, custom_kernel=True, network_modes=("none",),
-            languages=("python", "shell"), start_class="100ms-1s (from snapshot)", snapshot_start=True,
+            languages=("python", "node", "shell", "c", "git"), start_class="100ms-1s (from snapshot)",
+            snapshot_start=True,
             oom_counted_in_guest=True,
         )
 

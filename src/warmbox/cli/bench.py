@@ -776,8 +776,9 @@ async def bench_snapshot_gvisor(home: Path, runs: int) -> dict:
 def _print_microvm(r: dict) -> None:
     extra = [f"accelerator: {r['accelerator']} ({r['accelerator_why']}); guest kernel {r['kernel']}"]
     extra += [f"ratio {k}: {v:.2f}x" for k, v in r["ratios_p50"].items()]
-    extra.append("warmbox restore stages on the request path, p50 ms: "
-                 + ", ".join(f"{k}={v:.1f}" for k, v in r["restore_stages_p50_ms"].items()))
+    if r["restore_stages_p50_ms"]:
+        extra.append("warmbox restore stages on the request path, p50 ms: "
+                     + ", ".join(f"{k}={v:.1f}" for k, v in r["restore_stages_p50_ms"].items()))
     extra += [f"goal {k}: {g['measured']} -> {'met' if g['met'] else 'NOT met'}" for k, g in r.get("goals", {}).items()]
     _print_table(f"bench start [tier microvm, {r['accelerator']}] create->first command ({r['runs']} interleaved runs)",
                  r["stats"], extra)
@@ -833,7 +834,7 @@ async def command(args: argparse.Namespace) -> int:
         if args.bench == "start" and args.tier == "microvm":
             from warmbox.cli import bench_microvm
 
-            report = await bench_microvm.bench_start(home, args.runs)
+            report = await bench_microvm.bench_start(home, args.runs, args.variant)
             printer = _print_microvm
         elif args.bench == "start":
             report = await bench_start(home, args.runs, args.variant)

@@ -44,8 +44,9 @@ def _recv(sock: socket.socket) -> p.Message:
     return msg
 
 
-def _raw_first_command(chardev: Path, deadline: float) -> None:
-    """Connect to QEMU's agent chardev and run ``true``; returns when it exited."""
+def _raw_first_command(chardev: Path, deadline: float, code: str | None = None) -> None:
+    """Connect to QEMU's agent chardev and run ``true`` (or ``code`` in the agent's default code
+    context, the one a template's warm-up ran in); returns when it is done."""
     while True:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -58,11 +59,14 @@ def _raw_first_command(chardev: Path, deadline: float) -> None:
             time.sleep(0.001)
     s.settimeout(max(1.0, deadline - time.monotonic()))
     try:
-        _send(s, p.Exec(7, argv=FIRST, env={}, cwd="", timeout_s=30, max_output=1 << 16, stdin=False))
+        if code is not None:
+            _send(s, p.ContextRun(7, context="default", code=code, timeout_s=60, max_output=1 << 16))
+        else:
+            _send(s, p.Exec(7, argv=FIRST, env={}, cwd="", timeout_s=30, max_output=1 << 16, stdin=False))
         while True:
             msg = _recv(s)
-            if msg.id == 7 and isinstance(msg, (p.Exited, p.Failure)):
-                if not isinstance(msg, p.Exited) or msg.exit_code != 0:
+            if msg.id == 7 and isinstance(msg, (p.Exited, p.CodeDone, p.Failure)):
+                if isinstance(msg, p.Failure) or getattr(msg, "exit_code", 0) != 0 or getattr(msg, "error_name", ""):
                     raise WarmboxError(f"raw QEMU: first command answered {msg!r}")
                 return
     finally:
@@ -82,7 +86,7 @@ class RawQemu:
         for d in list(self.live):
             self.stop(d)
 
-    def start(self, memory: Path | None = None) -> tuple[Path, float]:
+    def start(self, memory: Path | None = None, code: str | None = None) -> tuple[Path, float]:
         """A running VM (cold boot, or restored from ``memory`` + its ``.qcow2`` disk) whose
         agent has answered a first ``true``: (its dir, ms from spawn to that answer)."""
         d = Path(tempfile.mkdtemp(prefix="raw-", dir=self.work))
@@ -102,7 +106,7 @@ class RawQemu:
                                 incoming=vm.INCOMING_FD if memory else None, confine=RAW_UID)
             t0 = time.perf_counter()
             vm._spawn(argv, d / "qemu.log", vm.vm_files(d, memory))
-            _raw_first_command(d / "run" / "vm.sock", time.monotonic() + 120)
+            _raw_first_command(d / "run" / "vm.sock", time.monotonic() + 120, code)
             return d, (time.perf_counter() - t0) * 1e3
         except BaseException:
             self.stop(d)
@@ -129,8 +133,8 @@ class RawQemu:
                 time.sleep(0.005)
         shutil.rmtree(d, ignore_errors=True)
 
-    def once(self, memory: Path | None = None) -> float:
-        d, ms = self.start(memory)
+    def once(self, memory: Path | None = None, code: str | None = None) -> float:
+        d, ms = self.start(memory, code)
         self.stop(d)
         return ms
 
@@ -161,19 +165,19 @@ async def _warmbox_cold(engine, limits: Limits) -> tuple[float, dict[str, float]
     return ms, {t.stage: t.duration_ms for t in timings}
 
 
-def _template_files(engine, limits: Limits, work: Path) -> Path:
-    """warmbox's template memory image and workspace disk as ``work/template.{mem,qcow2}``."""
+def _template_files(engine, limits: Limits, work: Path, template: str = "base") -> Path:
+    """warmbox's template memory image and workspace disk as ``work/<template>.{mem,qcow2}``."""
     import tarfile
 
     from warmbox import config
     from warmbox.engine import snapshot as snapshots
     from warmbox.storage import snapshots as snaps
 
-    shape = config.shape_key("microvm", engine.settings().template("base"), limits)
+    shape = config.shape_key("microvm", engine.settings().template(template), limits)
     sid = engine.registry.meta_text(snapshots.template_key(engine, "microvm", shape))
     m = snaps.load_manifest(snapshots.store_for(engine), sid, snapshots._workdir(engine))
     cached = snapshots._cached_memory(engine, m, snapshots._workdir(engine))
-    mem = work / "template.mem"
+    mem = work / f"{template}.mem"
     os.link(cached / "checkpoint.img", mem)
     tar_path = work / "workspace.tar"
     snaps.get_blob(snapshots.store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes,
@@ -185,7 +189,12 @@ def _template_files(engine, limits: Limits, work: Path) -> Path:
     return mem
 
 
-async def bench_start(home: Path, runs: int) -> dict:
+async def bench_start(home: Path, runs: int, variant: str = "both") -> dict:
+    """empty: create -> ``/bin/true`` (warmbox restore, raw QEMU restore of the same memory image,
+    both cold boots). agent: create from the ``pydata`` template (numpy + pandas imported in its
+    code context before the snapshot) -> the real-agent cell (CSV write + describe), against raw
+    QEMU restoring that same image and running that same cell on the agent's chardev."""
+    from warmbox.cli.bench import AGENT_CODE
     from warmbox.engine.engine import Engine
     from warmbox.sdk.sandbox import AsyncSandbox
 
@@ -196,34 +205,52 @@ async def bench_start(home: Path, runs: int) -> dict:
         raise WarmboxError(f"microvm tier unavailable: {avail.reason}")
     work = Path(tempfile.mkdtemp(prefix="raw-qemu-", dir=engine.runtime))
     raw = RawQemu(backend, work)
-    rows: dict[str, list[float]] = {k: [] for k in ("warmbox_restore_first", "raw_qemu_restore_first",
-                                                     "warmbox_cold_boot_first", "raw_qemu_boot_first")}
+    methods = []
+    if variant in ("empty", "both"):
+        methods += ["warmbox_restore_first", "raw_qemu_restore_first", "warmbox_cold_boot_first", "raw_qemu_boot_first"]
+    if variant in ("agent", "both"):
+        methods += ["warmbox_restore_agent", "raw_qemu_restore_agent"]
+    rows: dict[str, list[float]] = {k: [] for k in methods}
     stages: dict[str, list[float]] = {}
     limits = Limits()
+    templates = {"first": "base", "agent": "pydata"}
+    mems: dict[str, Path] = {}
     try:
-        # untimed: warmbox's template snapshot; raw QEMU restores that very memory file and disk
-        sb = await AsyncSandbox.create("microvm", timeout=120, pool=False, limits=limits, home=home)
-        try:
-            await _first_command(sb)
-        finally:
-            await sb.kill()
-        mem = _template_files(engine, limits, work)
+        # untimed: warmbox's template snapshots; raw QEMU restores those very memory files and disks
+        for kind in {m.rsplit("_", 1)[1] for m in methods}:
+            sb = await AsyncSandbox.create("microvm", template=templates[kind], timeout=300, pool=False, limits=limits,
+                                           home=home)
+            try:
+                await _first_command(sb)
+            finally:
+                await sb.kill()
+            mems[kind] = _template_files(engine, limits, work, templates[kind])
         for i in range(runs):
-            order = list(rows)[i % len(rows):] + list(rows)[:i % len(rows)]
+            order = methods[i % len(methods):] + methods[:i % len(methods)]
             for m in order:
-                if m == "warmbox_restore_first":
+                if m.startswith("warmbox_restore"):
+                    agent = m.endswith("_agent")
                     t0 = time.perf_counter()
-                    sb = await AsyncSandbox.create("microvm", timeout=120, pool=False, limits=limits, home=home)
+                    sb = await AsyncSandbox.create("microvm", template=templates["agent" if agent else "first"],
+                                                   timeout=120, pool=False, limits=limits, home=home)
                     try:
-                        await _first_command(sb)
+                        if agent:
+                            r = await sb.run_code(AGENT_CODE, timeout=60)
+                            if r.error is not None:
+                                raise WarmboxError(f"the real-agent cell failed: {r.error.name}: {r.error.value}")
+                        else:
+                            await _first_command(sb)
                         rows[m].append((time.perf_counter() - t0) * 1e3)
-                        for t in sb.stage_timings:
-                            if t.on_request_path:
-                                stages.setdefault(t.stage, []).append(t.duration_ms)
+                        if not agent:
+                            for t in sb.stage_timings:
+                                if t.on_request_path:
+                                    stages.setdefault(t.stage, []).append(t.duration_ms)
                     finally:
                         await sb.kill()
                 elif m == "raw_qemu_restore_first":
-                    rows[m].append(await asyncio.to_thread(raw.once, mem))
+                    rows[m].append(await asyncio.to_thread(raw.once, mems["first"]))
+                elif m == "raw_qemu_restore_agent":
+                    rows[m].append(await asyncio.to_thread(raw.once, mems["agent"], AGENT_CODE))
                 elif m == "warmbox_cold_boot_first":
                     rows[m].append((await _warmbox_cold(engine, limits))[0])
                 else:
@@ -233,20 +260,18 @@ async def bench_start(home: Path, runs: int) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     stats = {k: _stats(v) for k, v in rows.items()}
     ratio = lambda a, b: stats[a]["p50_ms"] / stats[b]["p50_ms"]  # noqa: E731
+    pairs = [("warmbox_restore_first", "raw_qemu_restore_first"), ("warmbox_cold_boot_first", "raw_qemu_boot_first"),
+             ("warmbox_cold_boot_first", "warmbox_restore_first"), ("warmbox_restore_agent", "raw_qemu_restore_agent")]
     return {"bench": "start", "tier": "microvm", "accelerator": backend.accel()[0], "accelerator_why": backend.accel()[1],
-            "runs": runs, "stats": stats,
-            "ratios_p50": {"warmbox_restore_first/raw_qemu_restore_first": ratio("warmbox_restore_first",
-                                                                              "raw_qemu_restore_first"),
-                           "warmbox_cold_boot_first/raw_qemu_boot_first": ratio("warmbox_cold_boot_first",
-                                                                              "raw_qemu_boot_first"),
-                           "warmbox_cold_boot_first/warmbox_restore_first": ratio("warmbox_cold_boot_first",
-                                                                                "warmbox_restore_first")},
+            "runs": runs, "variant": variant, "stats": stats,
+            "ratios_p50": {f"{a}/{b}": ratio(a, b) for a, b in pairs if a in stats and b in stats},
             "restore_stages_p50_ms": {k: statistics.median(v) for k, v in stages.items()},
-            "goals": _goals(stats, ratio),
+            "goals": _goals(stats, ratio) if "warmbox_restore_first" in stats else {},
             "kernel": backend.kernel_version(),
-            "note": "first command = /bin/true through the guest agent; raw = the same QEMU argv, kernel, initramfs and "
-                    "root image, spoken to directly on QEMU's chardev (no engine, relay, registry or SDK); raw restore "
-                    "reads warmbox's own template memory file and disk, raw boot a fresh disk"}
+            "note": "first = /bin/true through the guest agent; agent = the numpy+pandas CSV cell in the pydata "
+                    "template's warmed code context; raw = the same QEMU argv, kernel, initramfs, root image and "
+                    "warmbox's own template memory file and disk, spoken to directly on QEMU's chardev (no engine, "
+                    "relay, reseed, registry or SDK); raw boot uses a fresh disk"}
 
 
 def _goals(stats: dict, ratio) -> dict[str, dict]:
