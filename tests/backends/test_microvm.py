@@ -417,3 +417,31 @@ def test_the_relay_serves_nobody_until_the_guest_took_entropy_and_clock(tmp_path
         proc.wait()
         for srv in servers:
             srv.close()
+
+
+def test_building_an_image_prunes_old_unused_ones(tmp_path):
+    from warmbox.backends import microvm_image as images
+
+    keep = tmp_path / "microvm-new"
+    for name in ("microvm-new", "microvm-old", "microvm-recent", "microvm-broken", "debian-old", ".tmp-microvm-1-2"):
+        (tmp_path / name).mkdir()
+    for name in ("microvm-new", "microvm-old", "microvm-recent"):
+        (tmp_path / name / "meta.json").write_text("{}")
+    day_ago = time.time() - 2 * images.PRUNE_AFTER_S
+    for name in ("microvm-old/meta.json", "debian-old", ".tmp-microvm-1-2"):
+        os.utime(tmp_path / name, (day_ago, day_ago))
+    (tmp_path / "microvm-busy").mkdir()  # old, but a running process names it
+    (tmp_path / "microvm-busy" / "meta.json").write_text("{}")
+    os.utime(tmp_path / "microvm-busy" / "meta.json", (day_ago, day_ago))
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.stdout.write('up\\n'); sys.stdout.flush(); "
+                               "time.sleep(30)", str(tmp_path / "microvm-busy")], stdout=subprocess.PIPE)
+    assert holder.stdout.readline() == b"up\n"  # running, its command line naming the image
+    try:
+        gone = images.prune(tmp_path, keep=keep)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(gone) == [".tmp-microvm-1-2", "debian-old", "microvm-broken", "microvm-old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["microvm-busy", "microvm-new", "microvm-recent"]

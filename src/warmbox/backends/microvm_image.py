@@ -158,10 +158,15 @@ def image_dir(images: Path) -> Path:
     return images / f"microvm-{content_hash()}"
 
 
+PRUNE_AFTER_S = 86400.0  # an image or Debian tree unused this long goes when another is built
+
+
 def build(images: Path) -> Path:
-    """The image directory, built if missing (minutes, once per content hash)."""
+    """The image directory, built if missing (minutes, once per content hash). Using an image
+    marks it (meta.json's mtime); building one prunes the others unused for a day."""
     final = image_dir(images)
     if (final / "meta.json").is_file():
+        _mark_used(final)
         return final
     images.mkdir(parents=True, exist_ok=True)
     import fcntl
@@ -179,7 +184,53 @@ def build(images: Path) -> Path:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+        prune(images, keep=final)
     return final
+
+
+def _mark_used(image: Path) -> None:
+    try:
+        os.utime(image / "meta.json")
+    except OSError:
+        pass
+
+
+def _in_use(path: Path) -> bool:
+    """Whether a running process (a QEMU of any warmbox home) names ``path`` on its command line."""
+    needle = str(path).encode()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if needle in (proc / "cmdline").read_bytes():
+                    return True
+            except OSError:
+                pass
+    return False
+
+
+def prune(images: Path, keep: Path, older_than_s: float = PRUNE_AFTER_S) -> list[str]:
+    """Remove other images and Debian trees unused for ``older_than_s`` (never one a running VM
+    uses), and builds that died half-way (hidden temp dirs older than an hour). Caller holds the
+    build lock. Returns the names removed."""
+    now, gone = time.time(), []
+    for d in images.iterdir():
+        try:
+            if d == keep or not d.is_dir():
+                continue
+            if d.name.startswith(".tmp-"):
+                stale = now - d.stat().st_mtime > 3600
+            elif d.name.startswith("microvm-"):
+                stale = now - (d / "meta.json").stat().st_mtime > older_than_s and not _in_use(d)
+            elif d.name.startswith("debian-"):
+                stale = now - d.stat().st_mtime > older_than_s and d.name != _debian_key_name()
+            else:
+                continue
+        except OSError:
+            stale = d.name.startswith("microvm-")  # no meta.json: an image that never finished
+        if stale:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d.name)
+    return gone
 
 
 def _build_into(out: Path) -> dict:
@@ -324,12 +375,16 @@ def _suite() -> str:
     return m.group(1) if m else "bookworm"
 
 
+def _debian_key_name() -> str:
+    return "debian-" + hashlib.sha256(repr((_suite(), GUEST_PACKAGES, _EXCLUDES)).encode()).hexdigest()[:16]
+
+
 def _debian_tree(images: Path) -> Path:
     """The mmdebstrap tree of GUEST_PACKAGES, kept beside the images (rebuilding an image after
     a guest-agent change then takes seconds, not a Debian bootstrap)."""
-    key = hashlib.sha256(repr((_suite(), GUEST_PACKAGES, _EXCLUDES)).encode()).hexdigest()[:16]
-    final = images / f"debian-{key}"
+    final = images / _debian_key_name()
     if final.is_dir():
+        os.utime(final)
         return final
     tmp = images / f".tmp-debian-{os.getpid()}-{time.monotonic_ns()}"
     argv = ["mmdebstrap", "--variant=minbase", "--quiet", "--include=" + ",".join(GUEST_PACKAGES)]
