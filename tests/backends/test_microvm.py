@@ -19,6 +19,8 @@ import pytest
 
 from warmbox import Limits, Sandbox, State
 from warmbox import protocol as p
+from warmbox.backends.microvm import (GUEST_OVERHEAD_MB, HOST_CPU_HEADROOM, HOST_OVERHEAD_MB, TCG_CACHE_MB,
+                                      HostCgroup)
 from warmbox.engine.guest_client import GuestClient
 from tests.backends.conftest import qemu_pids as _qemu_pids
 
@@ -214,9 +216,12 @@ def test_kill_leaves_no_vm_socket_or_disk(engine):
     assert (state / "workspace" / "disk.qcow2").is_file()
     pids = [p for p in _qemu_pids(engine.runtime) if sb.sandbox_id.encode() in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert len(pids) == 2  # QEMU + its relay
+    cgroups = HostCgroup(sb.sandbox_id).dirs()
+    assert all(d.is_dir() for d in cgroups)
     sb.kill()
     assert engine.info(sb.sandbox_id)[0].state is State.DESTROYED
     assert not state.exists()
+    assert not [d for d in cgroups if d.exists()]
     assert not [p for p in pids if Path(f"/proc/{p}").exists()
                 and b"Z" not in Path(f"/proc/{p}/stat").read_bytes().split(b")")[-1][:3]]
 
@@ -300,6 +305,17 @@ def test_qemu_and_relay_run_confined(engine, vm):
         status = dict(ln.split(":\t", 1) for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in ln)
         assert status["Uid"].split()[:2] == [str(handle.uid_base)] * 2
         assert status["CapEff"].strip() == "0000000000000000"
+    # both run inside the VM's host cgroup, which bounds QEMU's memory (guest RAM + TCG cache + its
+    # own), its CPU (limits.cpus) and threads, and is what the meter reads
+    cg = HostCgroup(vm.sandbox_id)
+    for d in cg.dirs():
+        assert {qemu, relay} <= {int(x) for x in (d / "cgroup.procs").read_text().split()}, d
+    limit = (cg.root / "memory" / cg.rel / "memory.limit_in_bytes") if not cg.v2 else (cg.root / cg.rel / "memory.max")
+    assert int(limit.read_text()) == (LIMITS.memory_mb + GUEST_OVERHEAD_MB + TCG_CACHE_MB + HOST_OVERHEAD_MB) << 20
+    quota = (cg.root / "cpu" / cg.rel / "cpu.cfs_quota_us") if not cg.v2 else (cg.root / cg.rel / "cpu.max")
+    assert quota.read_text().split()[0] == str(int((LIMITS.cpus + HOST_CPU_HEADROOM) * 100_000))
+    m = vm.metrics()
+    assert m.memory_bytes > LIMITS.memory_mb << 18 and m.cpu_s > 0  # the VM's resident memory and CPU, from there
     q = dict(ln.split(":\t", 1) for ln in Path(f"/proc/{qemu}/status").read_text().splitlines() if ":\t" in ln)
     assert q["Seccomp"].strip() == "2"
     assert os.readlink(f"/proc/{qemu}/root") == str(state / "empty") and not os.listdir(state / "empty")

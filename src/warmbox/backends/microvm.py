@@ -49,6 +49,11 @@ from warmbox.errors import ConfigError, GuestConnectionError, SandboxStartError
 T = TypeVar("T")
 QEMU = "qemu-system-x86_64"
 GUEST_OVERHEAD_MB = 96  # guest kernel + page cache + agent beyond the sandbox's memory limit
+TCG_CACHE_MB = 128  # TCG's translated-code cache (QEMU's default is 1 GiB, which a guest could fill)
+HOST_OVERHEAD_MB = 256  # QEMU itself, its page tables and I/O buffers, and the relay, on the host
+HOST_PIDS = 256  # QEMU's vCPU, I/O and worker threads plus the relay's, per VM
+HOST_CPU_HEADROOM = 0.5  # CPUs beyond limits.cpus for QEMU's device and I/O threads (a cold boot runs
+                         # them beside the vCPU: 1.24x raw QEMU's boot time at exactly limits.cpus)
 START_TIMEOUT_S = 90.0
 OOM_EVENTS = "/sys/fs/cgroup/sandbox/memory.events"  # the guest cgroup the init puts everything in
 PROBE_TIMEOUT_S = 15.0
@@ -117,7 +122,8 @@ def qemu_argv(image: Path, state: Path, limits, accel: str, *, incoming: str | N
     mem = limits.memory_mb + GUEST_OVERHEAD_MB
     argv = [QEMU, "-name", f"warmbox,process=wb-{state.name}", "-nodefaults", "-no-user-config", "-nographic",
             "-M", "microvm,x-option-roms=off,isa-serial=on,rtc=on",
-            "-accel", accel, "-cpu", "max" if accel == "tcg" else "host", "-smp", str(vcpus(limits)),
+            "-accel", f"tcg,tb-size={TCG_CACHE_MB}" if accel == "tcg" else accel,
+            "-cpu", "max" if accel == "tcg" else "host", "-smp", str(vcpus(limits)),
             "-m", f"{mem}M", "-no-reboot",
             "-kernel", str(image / "vmlinux"), "-initrd", str(image / "initrd.cpio"),
             "-append", kernel_cmdline(limits, extra_cmdline),
@@ -385,6 +391,91 @@ def _probe_kvm(runtime: Path) -> tuple[str, str]:
     return "tcg", f"a probe guest did not boot under KVM within {PROBE_TIMEOUT_S:.0f} s: TCG"
 
 
+# --------------------------------------------------------------------------- host cgroup
+
+
+class HostCgroup:
+    """The host cgroup around one VM's QEMU and relay: a memory bound (guest RAM + TCG cache +
+    QEMU's own), a CPU quota (``limits.cpus`` + headroom for QEMU's device threads; the guest's own
+    cgroup holds its processes to ``limits.cpus``), a pids bound; the meter reads
+    it. Both processes start inside it (the spawner joins it before exec), so every page they
+    touch is charged here. ``/sys/fs/cgroup/[controller/]warmbox/<sandbox id>`` like Tier 2's."""
+
+    CONTROLLERS = ("memory", "cpu", "cpuacct", "pids")
+
+    def __init__(self, sandbox_id: str, root: Path = Path("/sys/fs/cgroup")) -> None:
+        self.root = root
+        self.v2 = (root / "cgroup.controllers").exists()
+        self.rel = Path("warmbox") / sandbox_id
+
+    def dirs(self) -> list[Path]:
+        if self.v2:
+            return [self.root / self.rel]
+        seen, out = set(), []
+        for c in self.CONTROLLERS:
+            d = self.root / c / self.rel
+            real = (self.root / c).resolve()
+            if real not in seen:  # cpu and cpuacct may be one hierarchy ("cpu,cpuacct")
+                seen.add(real)
+                out.append(d)
+        return out
+
+    def _file(self, controller: str, name: str) -> Path:
+        return self.root / self.rel / name if self.v2 else self.root / controller / self.rel / name
+
+    def create(self, memory_mb: int, cpus: float) -> list[str]:
+        """Make the cgroup with its limits; the ``cgroup.procs`` files a process writes itself into."""
+        try:
+            if self.v2:
+                parent = self.root / "warmbox"
+                parent.mkdir(exist_ok=True)
+                (parent / "cgroup.subtree_control").write_text("+memory +cpu +pids")
+            for d in self.dirs():
+                d.mkdir(parents=True, exist_ok=True)
+            quota = max(1000, int(cpus * 100_000))
+            if self.v2:
+                self._file("", "memory.max").write_text(str(memory_mb << 20))
+                self._file("", "memory.swap.max").write_text("0")
+                self._file("", "cpu.max").write_text(f"{quota} 100000")
+                self._file("", "pids.max").write_text(str(HOST_PIDS))
+            else:
+                self._file("memory", "memory.limit_in_bytes").write_text(str(memory_mb << 20))
+                self._file("cpu", "cpu.cfs_period_us").write_text("100000")
+                self._file("cpu", "cpu.cfs_quota_us").write_text(str(quota))
+                self._file("pids", "pids.max").write_text(str(HOST_PIDS))
+        except OSError as e:
+            self.remove()
+            raise SandboxStartError(f"cannot set up the VM's host cgroup {self.rel}: {e.strerror or e}") from None
+        return [str(d / "cgroup.procs") for d in self.dirs()]
+
+    def usage(self) -> tuple[int, int] | None:
+        """(anonymous memory bytes, CPU ns) of everything in it; None once it is gone."""
+        try:
+            if self.v2:
+                stat = self._file("", "memory.stat").read_text()
+                anon = next(int(ln.split()[1]) for ln in stat.splitlines() if ln.startswith("anon "))
+                usec = next(int(ln.split()[1]) for ln in self._file("", "cpu.stat").read_text().splitlines()
+                            if ln.startswith("usage_usec "))
+                return anon, usec * 1000
+            stat = self._file("memory", "memory.stat").read_text()
+            anon = next(int(ln.split()[1]) for ln in stat.splitlines() if ln.startswith("rss "))
+            return anon, int(self._file("cpuacct", "cpuacct.usage").read_text())
+        except (OSError, ValueError, StopIteration):
+            return None
+
+    def remove(self) -> None:
+        """rmdir every directory (their processes are gone; the kernel may lag a moment)."""
+        for d in self.dirs():
+            for _ in range(200):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.01)
+
+
 # --------------------------------------------------------------------------- processes
 
 
@@ -430,9 +521,10 @@ def vm_files(state: Path, memory: Path | None = None) -> list[tuple[Path, int]]:
     return files
 
 
-def _spawn(argv: list[str], log: Path, files: list[tuple[Path, int]] = ()) -> int:
+def _spawn(argv: list[str], log: Path, files: list[tuple[Path, int]] = (), cgroup_procs: list[str] = ()) -> int:
     """Start a detached process (own session, stdio to ``log``, ``files`` opened with their
-    flags as its fds 3, 4, ...); it is reaped by a double fork."""
+    flags as its fds 3, 4, ..., inside the cgroups whose ``cgroup.procs`` files are given);
+    it is reaped by a double fork."""
     srcs: list[int] = []
     try:
         for path, flags in files:  # high numbers first: dup2(n, n) would keep CLOEXEC
@@ -458,6 +550,14 @@ def _spawn(argv: list[str], log: Path, files: list[tuple[Path, int]] = ()) -> in
                 os.dup2(null, 0)
                 os.dup2(out, 1)
                 os.dup2(out, 2)
+                for procs in cgroup_procs:  # before exec: every page the program touches is charged there
+                    try:
+                        fd = os.open(procs, os.O_WRONLY)
+                        os.write(fd, str(os.getpid()).encode())
+                        os.close(fd)
+                    except OSError as e:
+                        os.write(2, f"warmbox: cannot join the cgroup {procs}: {e}\n".encode())
+                        os._exit(126)
                 for n, fd in enumerate(srcs):
                     os.dup2(fd, 3 + n)  # dup2 clears CLOEXEC on the copy
                 os.closerange(3 + len(srcs), 1 << 16)
@@ -593,10 +693,14 @@ class MicroVMBackend:
         except SandboxStartError as e:
             raise SandboxStartError(str(e), handle.sandbox_id) from None
         (state / "qemu.argv").write_text(json.dumps(argv))
-        qemu = _spawn(argv, state / "qemu.log", vm_files(state, memory))
+        limits = self._limits(handle)
+        procs = HostCgroup(handle.sandbox_id).create(
+            limits.memory_mb + GUEST_OVERHEAD_MB + (TCG_CACHE_MB if self.accel()[0] == "tcg" else 0) + HOST_OVERHEAD_MB,
+            limits.cpus + HOST_CPU_HEADROOM)
+        qemu = _spawn(argv, state / "qemu.log", vm_files(state, memory), procs)
         relay = _spawn([sys.executable, "-I", "-S", str(_RELAY), str(state / "run" / "vm.sock"),
                         handle.socket_path, str(handle.uid_base), str(qemu), str(state / "run" / "restore.sock")],
-                       state / "relay.log")
+                       state / "relay.log", (), procs)
         (state / "relay.pid").write_text(str(relay))
         deadline = time.monotonic() + START_TIMEOUT_S
         sock = Path(handle.socket_path)
@@ -678,7 +782,12 @@ class MicroVMBackend:
         return pid if pid and _ours(pid, state) else None
 
     async def usage(self, handle: BackendHandle) -> ResourceUsage:
-        """The VM process as the host sees it: resident memory and CPU time of QEMU."""
+        """The VM as the host sees it: anonymous memory (guest RAM in use, TCG cache, QEMU's heap)
+        and CPU time of QEMU and its relay, from their host cgroup (QEMU's own counters when
+        that is gone)."""
+        got = HostCgroup(handle.sandbox_id).usage()
+        if got is not None:
+            return ResourceUsage(oom_kills=0, memory_bytes=got[0], cpu_ns=got[1])
         pid = self._qemu_pid(handle)
         if pid is None:
             return ResourceUsage(oom_kills=0, memory_bytes=0, cpu_ns=0)
@@ -744,6 +853,7 @@ class MicroVMBackend:
                 deadline = time.monotonic() + 10
                 while _running(pid) and time.monotonic() < deadline:
                     await asyncio.sleep(0.005)
+        await asyncio.to_thread(HostCgroup(handle.sandbox_id).remove)
         shutil.rmtree(state, ignore_errors=True)
 
 
