@@ -479,3 +479,48 @@ def test_the_kvm_probe_boots_a_guest_under_kvm_or_reports_why_not(engine, tmp_pa
         assert time.monotonic() - t0 < 30
     assert not list(tmp_path.iterdir())  # the probe's directory is gone...
     assert not [p for p in _qemu_pids(tmp_path)]  # ...and so is its QEMU
+
+
+def test_a_client_that_stops_reading_delays_no_other_client(tmp_path):
+    """vmrelay without a VM: megabytes of output for a client that reads nothing are queued for it
+    while another client's answer goes straight through."""
+    import sys
+
+    from warmbox.backends import vmrelay
+
+    guest_path, listen = tmp_path / "vm.sock", tmp_path / "agent.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(guest_path))
+    srv.listen(1)
+    proc = subprocess.Popen([sys.executable, "-I", "-S", vmrelay.__file__, str(guest_path), str(listen)])
+    try:
+        guest, _ = srv.accept()
+        clients = []
+        for _ in range(2):
+            c = socket.socket(socket.AF_UNIX)
+            for _ in range(200):
+                try:
+                    c.connect(str(listen))
+                    break
+                except OSError:
+                    time.sleep(0.01)
+            clients.append(c)
+        slow, fast = clients
+        slow.sendall(p.encode(p.Ping(1)))
+        slow_id = p.recv_message(guest, p.HOST_TO_GUEST).id
+        fast.sendall(p.encode(p.Ping(1)))
+        fast_id = p.recv_message(guest, p.HOST_TO_GUEST).id
+        chunk = p.encode(p.Stdout(slow_id, data=b"x" * (256 << 10)))
+        guest.settimeout(10)  # a relay that stopped reading the guest fails here, not at pytest's timeout
+        for _ in range(32):  # 8 MiB for the client that reads nothing: far beyond socket buffers
+            guest.sendall(chunk)
+        guest.sendall(p.encode(p.Pong(fast_id, version=p.PROTOCOL_VERSION, pid=1)))
+        fast.settimeout(5)
+        assert isinstance(p.recv_message(fast, p.GUEST_TO_HOST), p.Pong)  # not stuck behind the 8 MiB
+        slow.settimeout(10)
+        got = sum(len(p.recv_message(slow, p.GUEST_TO_HOST).data) for _ in range(32))
+        assert got == 32 * (256 << 10)  # and the slow client still gets all of its output, in order
+    finally:
+        proc.kill()
+        proc.wait()
+        srv.close()

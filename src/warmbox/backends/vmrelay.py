@@ -46,6 +46,8 @@ _spec.loader.exec_module(p)
 
 MAX_IDS_PER_CLIENT = 65536  # oldest mappings of a client are forgotten beyond this
 CONNECT_TIMEOUT_S = 60.0
+MAX_QUEUED = 16 << 20  # bytes pending for one client before the guest's stream waits for it
+STALL_S = 30.0  # a client with that much pending that takes nothing for this long is dropped
 RESTORE_TIMEOUT_S = 80.0  # a cold boot under TCG reaches the initramfs's helper in ~4 s; a restore at once
 
 
@@ -79,21 +81,66 @@ def read_frame(sock: socket.socket, allowed) -> object | None:
 
 
 class Client:
+    """One host connection. Frames for it are queued and written by its own thread, so a client
+    that reads slowly (a CLI piped into a pager) delays nobody else on the VM's one stream: the
+    guest's stream waits only once MAX_QUEUED bytes are pending for one client, and a client that
+    takes none of them for STALL_S is disconnected."""
+
     def __init__(self, relay: "Relay", sock: socket.socket) -> None:
         self.relay = relay
         self.sock = sock
-        self.lock = threading.Lock()
+        self.cond = threading.Condition()
+        self.out: collections.deque[bytes] = collections.deque()
+        self.queued = 0
         self.ids: collections.OrderedDict[int, int] = collections.OrderedDict()  # client id -> relay id
         self.closed = False
 
     def send(self, data: bytes) -> None:
-        with self.lock:
+        with self.cond:
+            deadline = time.monotonic() + STALL_S
+            while not self.closed and self.out and self.queued + len(data) > MAX_QUEUED:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    _log(f"a client took nothing of {self.queued} pending bytes for {STALL_S:.0f} s: disconnected")
+                    self._abort()
+                    break
+                self.cond.wait(left)
             if self.closed:
                 return
+            self.out.append(data)
+            self.queued += len(data)
+            self.cond.notify_all()
+
+    def write_forever(self) -> None:
+        while True:
+            with self.cond:
+                while not self.out and not self.closed:
+                    self.cond.wait()
+                if self.closed:
+                    return
+                data = self.out[0]
             try:
                 self.sock.sendall(data)
             except OSError:
-                self.closed = True
+                with self.cond:
+                    self._abort()
+                return
+            with self.cond:
+                if self.out and self.out[0] is data:
+                    self.out.popleft()
+                    self.queued -= len(data)
+                self.cond.notify_all()
+
+    def _abort(self) -> None:
+        """Stop sending to this client (caller holds ``cond``); its reader ends on the shutdown."""
+        self.closed = True
+        self.out.clear()
+        self.queued = 0
+        self.cond.notify_all()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def serve(self) -> None:
         try:
@@ -115,11 +162,17 @@ class Client:
                 finally:
                     msg.id = cid
         except p.ProtocolViolation as e:
-            self.send(p.encode(p.Failure(id=0, code=p.ErrorCode.INVALID, message=f"relay: {e}")))
+            with self.cond:  # after what is queued, this last frame, then the connection ends
+                self.out.append(p.encode(p.Failure(id=0, code=p.ErrorCode.INVALID, message=f"relay: {e}")))
+                self.cond.notify_all()
+                deadline = time.monotonic() + 5
+                while self.out and not self.closed and time.monotonic() < deadline:
+                    self.cond.wait(0.1)
         except OSError:
             pass
         finally:
-            self.closed = True
+            with self.cond:
+                self._abort()
             for gid in self.ids.values():
                 self.relay.forget(gid)
             try:
@@ -184,6 +237,7 @@ class Relay:
             with self.routes_lock:
                 self.clients.add(client)
             threading.Thread(target=client.serve, daemon=True).start()
+            threading.Thread(target=client.write_forever, daemon=True).start()
 
 
 def _connect(path: str) -> socket.socket:
