@@ -85,8 +85,11 @@ def _qemus() -> set[int]:
     return out
 
 
+@pytest.mark.timeout(900)
 def test_bench_microvm_short(runc_ready):
     """Restore and cold boot against raw QEMU; pause/resume against raw migrate: one run each."""
+    tiers = {t["tier"]: t for t in json.loads(cli("doctor", "--json").stdout)}
+    assert tiers["microvm"]["available"], tiers["microvm"]["reason"]
     before = _qemus()
     rep = _bench("start", "--tier", "microvm", "--runs", "1", "--variant", "empty")
     assert rep["accelerator"] in ("tcg", "kvm") and rep["kernel"].endswith("-amd64")

@@ -44,7 +44,7 @@ from typing import Awaitable, Callable, ClassVar, TypeVar
 
 from warmbox.backends import microvm_image as images
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
-from warmbox.errors import ConfigError, GuestConnectionError, SandboxStartError
+from warmbox.errors import ConfigError, GuestConnectionError, SandboxError, SandboxStartError
 
 T = TypeVar("T")
 QEMU = "qemu-system-x86_64"
@@ -426,16 +426,18 @@ class HostCgroup:
     def create(self, memory_mb: int, cpus: float) -> list[str]:
         """Make the cgroup with its limits; the ``cgroup.procs`` files a process writes itself into."""
         try:
-            if self.v2:
+            if self.v2:  # controllers enabled top-down, as runc does
                 parent = self.root / "warmbox"
                 parent.mkdir(exist_ok=True)
-                (parent / "cgroup.subtree_control").write_text("+memory +cpu +pids")
+                for d in (self.root, parent):
+                    (d / "cgroup.subtree_control").write_text("+memory +cpu +pids")
             for d in self.dirs():
                 d.mkdir(parents=True, exist_ok=True)
             quota = max(1000, int(cpus * 100_000))
             if self.v2:
                 self._file("", "memory.max").write_text(str(memory_mb << 20))
-                self._file("", "memory.swap.max").write_text("0")
+                if self._file("", "memory.swap.max").exists():  # absent without swap accounting
+                    self._file("", "memory.swap.max").write_text("0")
                 self._file("", "cpu.max").write_text(f"{quota} 100000")
                 self._file("", "pids.max").write_text(str(HOST_PIDS))
             else:
@@ -447,6 +449,30 @@ class HostCgroup:
             self.remove()
             raise SandboxStartError(f"cannot set up the VM's host cgroup {self.rel}: {e.strerror or e}") from None
         return [str(d / "cgroup.procs") for d in self.dirs()]
+
+    def create_for(self, limits, accel: str) -> list[str]:
+        """``create`` sized for a VM of these limits under this accelerator."""
+        tcg = TCG_CACHE_MB if accel == "tcg" else 0
+        return self.create(limits.memory_mb + GUEST_OVERHEAD_MB + tcg + HOST_OVERHEAD_MB, limits.cpus + HOST_CPU_HEADROOM)
+
+    def add_memory(self, extra_mb: int) -> None:
+        """Raise the memory bound (a pause: QEMU writes the whole guest RAM through the page
+        cache, charged here, before it exits)."""
+        f = self._file("memory", "memory.limit_in_bytes") if not self.v2 else self._file("", "memory.max")
+        try:
+            f.write_text(str(int(f.read_text()) + (extra_mb << 20)))
+        except (OSError, ValueError):
+            pass
+
+    def kill_all(self) -> None:
+        """SIGKILL whatever is still inside (only this VM's processes ever join it)."""
+        for d in self.dirs():
+            try:
+                pids = [int(x) for x in (d / "cgroup.procs").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            for pid in pids:
+                _kill(pid)
 
     def usage(self) -> tuple[int, int] | None:
         """(anonymous memory bytes, CPU ns) of everything in it; None once it is gone."""
@@ -464,15 +490,21 @@ class HostCgroup:
             return None
 
     def remove(self) -> None:
-        """rmdir every directory (their processes are gone; the kernel may lag a moment)."""
+        """Kill what is left inside, then rmdir every directory (the kernel may lag a moment);
+        raises SandboxError when one stays (the engine retries the teardown later)."""
+        self.kill_all()
         for d in self.dirs():
-            for _ in range(200):
+            for attempt in range(500):
                 try:
                     d.rmdir()
                     break
                 except FileNotFoundError:
                     break
-                except OSError:
+                except OSError as e:
+                    if attempt == 499:
+                        raise SandboxError(f"the VM's host cgroup {d} stays busy: {e.strerror or e}") from None
+                    if attempt % 50 == 49:
+                        self.kill_all()
                     time.sleep(0.01)
 
 
@@ -641,7 +673,8 @@ class MicroVMBackend:
         from warmbox.models import Limits
 
         argv = qemu_argv(self.image(), Path("/state"), Limits(), self.accel()[0], incoming=INCOMING_FD, confine=0)
-        return hashlib.sha256(json.dumps([argv, self.template_warmup, qemu_version()]).encode()).hexdigest()[:12]
+        return hashlib.sha256(json.dumps([argv, self.template_warmup, qemu_version(), images.build_id(self.image())])
+                              .encode()).hexdigest()[:12]
 
     def kernel_version(self) -> str:
         return json.loads((self.image() / "meta.json").read_text())["kernel"]
@@ -673,6 +706,8 @@ class MicroVMBackend:
         disk = Path(handle.state_dir) / "workspace" / "disk.qcow2"
         await _qemu_img(["create", "-q", "-f", "qcow2", "-b", str(self.image() / "workspace.raw"), "-F", "raw",
                          str(disk)], handle.sandbox_id)
+        # travels with the disk into snapshots: a restore needs this very build of the image
+        (disk.parent / IMAGE_ID_FILE).write_text(images.build_id(self.image()))
         return await self._launch(handle, ready, incoming=None)
 
     async def restore(self, handle: BackendHandle, image_dir: Path, ready: Callable[[], Awaitable[T]]) -> T:
@@ -690,13 +725,17 @@ class MicroVMBackend:
                          confine=handle.uid_base)
         try:
             check_workspace_disk(state / "workspace" / "disk.qcow2", image / "workspace.raw")
+            made_with = (state / "workspace" / IMAGE_ID_FILE).read_text().strip()
+        except OSError:
+            made_with = "unknown"
         except SandboxStartError as e:
             raise SandboxStartError(str(e), handle.sandbox_id) from None
+        if made_with != images.build_id(image):
+            raise SandboxStartError(f"this sandbox's disk and memory were made with guest image build {made_with}, "
+                                    f"this host has {images.build_id(image)} ({image.name}): they cannot be restored "
+                                    "into it", handle.sandbox_id)
         (state / "qemu.argv").write_text(json.dumps(argv))
-        limits = self._limits(handle)
-        procs = HostCgroup(handle.sandbox_id).create(
-            limits.memory_mb + GUEST_OVERHEAD_MB + (TCG_CACHE_MB if self.accel()[0] == "tcg" else 0) + HOST_OVERHEAD_MB,
-            limits.cpus + HOST_CPU_HEADROOM)
+        procs = HostCgroup(handle.sandbox_id).create_for(self._limits(handle), self.accel()[0])
         qemu = _spawn(argv, state / "qemu.log", vm_files(state, memory), procs)
         relay = _spawn([sys.executable, "-I", "-S", str(_RELAY), str(state / "run" / "vm.sock"),
                         handle.socket_path, str(handle.uid_base), str(qemu), str(state / "run" / "restore.sock")],
@@ -753,6 +792,7 @@ class MicroVMBackend:
         migration), then end QEMU; the workspace disk is complete once QEMU has exited."""
         state = Path(handle.state_dir)
         image = image_dir / "checkpoint.img"
+        HostCgroup(handle.sandbox_id).add_memory(self._limits(handle).memory_mb + GUEST_OVERHEAD_MB)
         try:
             await asyncio.to_thread(save_memory, state / "run" / "qmp.sock", image)
         except OSError as e:
@@ -856,6 +896,8 @@ class MicroVMBackend:
         await asyncio.to_thread(HostCgroup(handle.sandbox_id).remove)
         shutil.rmtree(state, ignore_errors=True)
 
+
+IMAGE_ID_FILE = "image.id"  # beside disk.qcow2: the guest image build the disk and memory belong to
 
 # The saved migration stream is handed to QEMU as its fd 5 (see vm_files): ~60-100 ms faster than
 # ``exec:cat FILE`` (no shell, no cat, no pipe copy of the whole stream).

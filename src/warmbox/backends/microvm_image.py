@@ -158,15 +158,16 @@ def image_dir(images: Path) -> Path:
     return images / f"microvm-{content_hash()}"
 
 
-PRUNE_AFTER_S = 86400.0  # an image or Debian tree unused this long goes when another is built
+PRUNE_AFTER_S = 86400.0  # a Debian tree unused this long goes when an image is built
 
 
 def build(images: Path) -> Path:
-    """The image directory, built if missing (minutes, once per content hash). Using an image
-    marks it (meta.json's mtime); building one prunes the others unused for a day."""
+    """The image directory, built if missing (minutes, once per content hash). Building one
+    prunes Debian trees unused for a day and half-finished builds. Images themselves are never
+    removed automatically: paused sandboxes and template snapshots of any warmbox home on this
+    host may still need theirs (remove old ``microvm-*`` directories by hand)."""
     final = image_dir(images)
     if (final / "meta.json").is_file():
-        _mark_used(final)
         return final
     images.mkdir(parents=True, exist_ok=True)
     import fcntl
@@ -179,6 +180,9 @@ def build(images: Path) -> Path:
         tmp.mkdir()
         try:
             meta = _build_into(tmp)
+            # rebuilt from the same sources an image differs (mkfs UUIDs, package versions): memory
+            # snapshots and workspace disks name this id, and only restore into the same build
+            meta["build_id"] = os.urandom(8).hex()
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             os.rename(tmp, final)
         finally:
@@ -188,30 +192,17 @@ def build(images: Path) -> Path:
     return final
 
 
-def _mark_used(image: Path) -> None:
+def build_id(image: Path) -> str:
     try:
-        os.utime(image / "meta.json")
-    except OSError:
-        pass
-
-
-def _in_use(path: Path) -> bool:
-    """Whether a running process (a QEMU of any warmbox home) names ``path`` on its command line."""
-    needle = str(path).encode()
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if needle in (proc / "cmdline").read_bytes():
-                    return True
-            except OSError:
-                pass
-    return False
+        return str(json.loads((image / "meta.json").read_text()).get("build_id", "unversioned"))
+    except (OSError, ValueError):
+        return "unreadable"
 
 
 def prune(images: Path, keep: Path, older_than_s: float = PRUNE_AFTER_S) -> list[str]:
-    """Remove other images and Debian trees unused for ``older_than_s`` (never one a running VM
-    uses), and builds that died half-way (hidden temp dirs older than an hour). Caller holds the
-    build lock. Returns the names removed."""
+    """Remove Debian trees unused for ``older_than_s`` other than the current one (only builds use
+    them, under the build lock the caller holds) and builds that died half-way (hidden temp dirs
+    older than an hour, or an image directory without meta.json). Returns the names removed."""
     now, gone = time.time(), []
     for d in images.iterdir():
         try:
@@ -220,13 +211,13 @@ def prune(images: Path, keep: Path, older_than_s: float = PRUNE_AFTER_S) -> list
             if d.name.startswith(".tmp-"):
                 stale = now - d.stat().st_mtime > 3600
             elif d.name.startswith("microvm-"):
-                stale = now - (d / "meta.json").stat().st_mtime > older_than_s and not _in_use(d)
+                stale = not (d / "meta.json").exists() and now - d.stat().st_mtime > 3600
             elif d.name.startswith("debian-"):
                 stale = now - d.stat().st_mtime > older_than_s and d.name != _debian_key_name()
             else:
                 continue
         except OSError:
-            stale = d.name.startswith("microvm-")  # no meta.json: an image that never finished
+            continue
         if stale:
             shutil.rmtree(d, ignore_errors=True)
             gone.append(d.name)

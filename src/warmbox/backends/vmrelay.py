@@ -236,8 +236,15 @@ class Relay:
             client = Client(self, sock)
             with self.routes_lock:
                 self.clients.add(client)
-            threading.Thread(target=client.serve, daemon=True).start()
-            threading.Thread(target=client.write_forever, daemon=True).start()
+            try:
+                threading.Thread(target=client.serve, daemon=True).start()
+                threading.Thread(target=client.write_forever, daemon=True).start()
+            except RuntimeError as e:  # no thread to be had (the VM's pids bound): refuse this one
+                _log(f"client refused: {e}")
+                with client.cond:
+                    client._abort()
+                sock.close()
+                self.drop(client)
 
 
 def _connect(path: str) -> socket.socket:

@@ -104,8 +104,11 @@ class RawQemu:
             (d / "empty").mkdir(mode=0o555)
             argv = vm.qemu_argv(self.backend.image(), d, Limits(), self.backend.accel()[0],
                                 incoming=vm.INCOMING_FD if memory else None, confine=RAW_UID)
+            # the same host cgroup bounds as warmbox's VMs (CPU quota, memory charging): the ratios
+            # then measure warmbox's own work, not the limits
+            procs = self._cgroup(d).create_for(Limits(), self.backend.accel()[0])
             t0 = time.perf_counter()
-            vm._spawn(argv, d / "qemu.log", vm.vm_files(d, memory))
+            vm._spawn(argv, d / "qemu.log", vm.vm_files(d, memory), procs)
             _raw_first_command(d / "run" / "vm.sock", time.monotonic() + 120, code)
             return d, (time.perf_counter() - t0) * 1e3
         except BaseException:
@@ -114,6 +117,7 @@ class RawQemu:
 
     def save(self, d: Path, out: Path) -> float:
         """stop + migrate to ``out`` (+ the disk beside it as ``.qcow2``), then quit: ms."""
+        self._cgroup(d).add_memory(Limits().memory_mb + vm.GUEST_OVERHEAD_MB)  # as warmbox's checkpoint does
         t0 = time.perf_counter()
         vm.save_memory(d / "run" / "qmp.sock", out)
         pid = vm._pidfile(d / "qemu.pid")
@@ -123,6 +127,10 @@ class RawQemu:
         shutil.copy(d / "workspace" / "disk.qcow2", out.with_suffix(".qcow2"))
         return ms
 
+    @staticmethod
+    def _cgroup(d: Path) -> vm.HostCgroup:
+        return vm.HostCgroup(f"bench-{d.name}")
+
     def stop(self, d: Path) -> None:
         self.live.discard(d)
         pid = vm._pidfile(d / "qemu.pid")
@@ -131,6 +139,7 @@ class RawQemu:
             deadline = time.monotonic() + 10
             while vm._running(pid) and time.monotonic() < deadline:
                 time.sleep(0.005)
+        self._cgroup(d).remove()
         shutil.rmtree(d, ignore_errors=True)
 
     def once(self, memory: Path | None = None, code: str | None = None) -> float:
