@@ -55,7 +55,6 @@ HOST_PIDS = 256  # QEMU's vCPU, I/O and worker threads plus the relay's, per VM
 HOST_CPU_HEADROOM = 0.5  # CPUs beyond limits.cpus for QEMU's device and I/O threads (a cold boot runs
                          # them beside the vCPU: 1.24x raw QEMU's boot time at exactly limits.cpus)
 START_TIMEOUT_S = 90.0
-OOM_EVENTS = "/sys/fs/cgroup/sandbox/memory.events"  # the guest cgroup the init puts everything in
 PROBE_TIMEOUT_S = 15.0
 _RELAY = Path(__file__).with_name("vmrelay.py")
 
@@ -474,6 +473,17 @@ class HostCgroup:
             for pid in pids:
                 _kill(pid)
 
+    def oom_kills(self) -> int:
+        try:
+            text = (self._file("", "memory.events") if self.v2 else self._file("memory", "memory.oom_control")).read_text()
+        except OSError:
+            return 0
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+        return 0
+
     def usage(self) -> tuple[int, int] | None:
         """(anonymous memory bytes, CPU ns) of everything in it; None once it is gone."""
         try:
@@ -825,9 +835,10 @@ class MicroVMBackend:
         """The VM as the host sees it: anonymous memory (guest RAM in use, TCG cache, QEMU's heap)
         and CPU time of QEMU and its relay, from their host cgroup (QEMU's own counters when
         that is gone)."""
-        got = HostCgroup(handle.sandbox_id).usage()
+        cgroup = HostCgroup(handle.sandbox_id)
+        got = cgroup.usage()
         if got is not None:
-            return ResourceUsage(oom_kills=0, memory_bytes=got[0], cpu_ns=got[1])
+            return ResourceUsage(oom_kills=cgroup.oom_kills(), memory_bytes=got[0], cpu_ns=got[1])
         pid = self._qemu_pid(handle)
         if pid is None:
             return ResourceUsage(oom_kills=0, memory_bytes=0, cpu_ns=0)
@@ -842,34 +853,10 @@ class MicroVMBackend:
         return ResourceUsage(oom_kills=0, memory_bytes=rss, cpu_ns=cpu_ns)
 
     async def oom_kills(self, handle: BackendHandle) -> int:
-        """The guest cgroup's ``oom_kill`` counter (the OOM killer runs in the guest's kernel),
-        read through the agent; 0 when the VM does not answer. The guest could lie here, but
-        only about its own commands' ``oom_killed``."""
-        from warmbox import protocol as p
-        from warmbox.engine.guest_client import GuestClient
-        from warmbox.errors import WarmboxError
-
-        try:
-            client = await GuestClient.connect(handle.socket_path, handle.sandbox_id)
-        except WarmboxError:
-            return 0
-        data = bytearray()
-        try:
-            async with client.request(lambda i: p.ReadFile(i, path=OOM_EVENTS), timeout=5) as stream:
-                while len(data) < 4096:
-                    msg = await stream.next(p.Chunk, p.ChunkEnd)
-                    if not isinstance(msg, p.Chunk):
-                        break
-                    data += msg.data
-        except (WarmboxError, asyncio.TimeoutError):
-            return 0
-        finally:
-            await client.close()
-        for line in data.decode("ascii", "replace").splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill" and value.strip().isdigit():
-                return int(value)
-        return 0
+        """OOM kills of the VM's host cgroup (QEMU or its relay over their host bound). Kills
+        inside the guest are the guest kernel's: the agent reports them per call
+        (``oom_counted_in_guest``)."""
+        return HostCgroup(handle.sandbox_id).oom_kills()
 
     async def alive(self, handle: BackendHandle) -> bool:
         """QEMU and its relay both run: a VM whose relay ended (e.g. on a guest's protocol
