@@ -8,6 +8,7 @@ module's ``vm`` plus at most one more).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -247,8 +248,9 @@ def test_doctor_reports_the_accelerator_and_config_can_force_it(engine, home):
         set_config(home)
 
 
-def test_relay_rejects_a_hostile_guest_and_maps_ids(tmp_path):
-    """vmrelay without a VM: two clients' ids never collide; a malformed guest frame ends it."""
+@contextlib.contextmanager
+def _relay_without_vm(tmp_path: Path, *args: str, stderr=None):
+    """vmrelay on a fake QEMU agent chardev: (the relay process, the guest's end, its listen path)."""
     import sys
 
     from warmbox.backends import vmrelay
@@ -257,20 +259,32 @@ def test_relay_rejects_a_hostile_guest_and_maps_ids(tmp_path):
     srv = socket.socket(socket.AF_UNIX)
     srv.bind(str(guest_path))
     srv.listen(1)
-    proc = subprocess.Popen([sys.executable, "-I", "-S", vmrelay.__file__, str(guest_path), str(listen)],
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-I", "-S", vmrelay.__file__, str(guest_path), str(listen), *args],
+                            stderr=stderr)
     try:
         guest, _ = srv.accept()
-        clients = []
-        for _ in range(2):
-            c = socket.socket(socket.AF_UNIX)
-            for _ in range(200):
-                try:
-                    c.connect(str(listen))
-                    break
-                except OSError:
-                    time.sleep(0.01)
-            clients.append(c)
+        yield proc, guest, listen
+    finally:
+        proc.kill()
+        proc.wait()
+        srv.close()
+
+
+def _client(listen: Path) -> socket.socket:
+    c = socket.socket(socket.AF_UNIX)
+    for _ in range(200):
+        try:
+            c.connect(str(listen))
+            return c
+        except OSError:
+            time.sleep(0.01)
+    raise AssertionError(f"{listen} never accepted")
+
+
+def test_relay_rejects_a_hostile_guest_and_maps_ids(tmp_path):
+    """vmrelay without a VM: two clients' ids never collide; a malformed guest frame ends it."""
+    with _relay_without_vm(tmp_path, stderr=subprocess.PIPE) as (proc, guest, listen):
+        clients = [_client(listen) for _ in range(2)]
         for c in clients:
             c.sendall(p.encode(p.Ping(1)))  # both use id 1
         seen = [p.recv_message(guest, p.HOST_TO_GUEST) for _ in range(2)]
@@ -288,10 +302,6 @@ def test_relay_rejects_a_hostile_guest_and_maps_ids(tmp_path):
         assert b"violated the protocol" in proc.stderr.read()
         for c in clients:
             assert c.recv(1) == b""
-    finally:
-        proc.kill()
-        proc.wait()
-        srv.close()
 
 
 def test_qemu_and_relay_run_confined(engine, vm):
@@ -402,40 +412,26 @@ def test_the_relay_serves_nobody_until_the_guest_took_entropy_and_clock(tmp_path
     b.close()
 
     # the whole relay: a client's Ping is not forwarded before the helper answered
-    guest_path, restore_path, listen = tmp_path / "vm.sock", tmp_path / "restore.sock", tmp_path / "agent.sock"
-    servers = []
-    for path in (guest_path, restore_path):
-        srv = socket.socket(socket.AF_UNIX)
-        srv.bind(str(path))
-        srv.listen(1)
-        servers.append(srv)
-    proc = subprocess.Popen([sys.executable, "-I", "-S", vmrelay.__file__, str(guest_path), str(listen), str(os.getuid()),
-                             "0", str(restore_path)], stderr=subprocess.PIPE)
+    restore_path = tmp_path / "restore.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(restore_path))
+    srv.listen(1)
     try:
-        guest, _ = servers[0].accept()
-        restore, _ = servers[1].accept()
-        c = socket.socket(socket.AF_UNIX)
-        for _ in range(200):
-            try:
-                c.connect(str(listen))
-                break
-            except OSError:
-                time.sleep(0.01)
-        c.sendall(p.encode(p.Ping(1)))
-        guest.settimeout(0.5)
-        with pytest.raises(socket.timeout):
-            guest.recv(1)  # nothing reaches the guest's agent before the restore helper answered
-        assert len(restore.recv(64, socket.MSG_WAITALL)) == 64
-        restore.sendall(b"R")
-        assert len(restore.recv(16, socket.MSG_WAITALL)) == 16
-        restore.sendall(b"K")
-        guest.settimeout(5)
-        assert isinstance(p.recv_message(guest, p.HOST_TO_GUEST), p.Ping)
+        with _relay_without_vm(tmp_path, str(os.getuid()), "0", str(restore_path)) as (proc, guest, listen):
+            restore, _ = srv.accept()
+            c = _client(listen)
+            c.sendall(p.encode(p.Ping(1)))
+            guest.settimeout(0.5)
+            with pytest.raises(socket.timeout):
+                guest.recv(1)  # nothing reaches the guest's agent before the restore helper answered
+            assert len(restore.recv(64, socket.MSG_WAITALL)) == 64
+            restore.sendall(b"R")
+            assert len(restore.recv(16, socket.MSG_WAITALL)) == 16
+            restore.sendall(b"K")
+            guest.settimeout(5)
+            assert isinstance(p.recv_message(guest, p.HOST_TO_GUEST), p.Ping)
     finally:
-        proc.kill()
-        proc.wait()
-        for srv in servers:
-            srv.close()
+        srv.close()
 
 
 def test_building_an_image_prunes_dead_builds_and_old_debian_trees_only(tmp_path):
@@ -502,28 +498,8 @@ def test_the_kvm_probe_boots_a_guest_under_kvm_or_reports_why_not(engine, tmp_pa
 def test_a_client_that_stops_reading_delays_no_other_client(tmp_path):
     """vmrelay without a VM: megabytes of output for a client that reads nothing are queued for it
     while another client's answer goes straight through."""
-    import sys
-
-    from warmbox.backends import vmrelay
-
-    guest_path, listen = tmp_path / "vm.sock", tmp_path / "agent.sock"
-    srv = socket.socket(socket.AF_UNIX)
-    srv.bind(str(guest_path))
-    srv.listen(1)
-    proc = subprocess.Popen([sys.executable, "-I", "-S", vmrelay.__file__, str(guest_path), str(listen)])
-    try:
-        guest, _ = srv.accept()
-        clients = []
-        for _ in range(2):
-            c = socket.socket(socket.AF_UNIX)
-            for _ in range(200):
-                try:
-                    c.connect(str(listen))
-                    break
-                except OSError:
-                    time.sleep(0.01)
-            clients.append(c)
-        slow, fast = clients
+    with _relay_without_vm(tmp_path) as (_, guest, listen):
+        slow, fast = _client(listen), _client(listen)
         slow.sendall(p.encode(p.Ping(1)))
         slow_id = p.recv_message(guest, p.HOST_TO_GUEST).id
         fast.sendall(p.encode(p.Ping(1)))
@@ -538,7 +514,3 @@ def test_a_client_that_stops_reading_delays_no_other_client(tmp_path):
         slow.settimeout(10)
         got = sum(len(p.recv_message(slow, p.GUEST_TO_HOST).data) for _ in range(32))
         assert got == 32 * (256 << 10)  # and the slow client still gets all of its output, in order
-    finally:
-        proc.kill()
-        proc.wait()
-        srv.close()

@@ -681,18 +681,16 @@ class Context:
                     continue
                 self.kill()
                 self.agent.drop_context(self.name)
-                done = self._died(msg, start, "the run ignored the interrupt and was killed", True)
-                done.oom_kills = self.agent.oom.since(oom_before)
-                conn.send(done)
+                conn.send(self._died(msg, start, "the run ignored the interrupt and was killed", True,
+                                     self.agent.oom.since(oom_before)))
                 return
             except (OSError, p.ProtocolViolation):
                 reply = None
             if reply is None:
                 self.kill()
                 self.agent.drop_context(self.name)
-                done = self._died(msg, start, "the interpreter process died", interrupted_at is not None)
-                done.oom_kills = self.agent.oom.since(oom_before)
-                conn.send(done)
+                conn.send(self._died(msg, start, "the interpreter process died", interrupted_at is not None,
+                                     self.agent.oom.since(oom_before)))
                 return
             reply.id = msg.id
             if isinstance(reply, p.CodeDone):
@@ -721,10 +719,10 @@ class Context:
             self.agent.drop_context(self.name)
 
     @staticmethod
-    def _died(msg: p.ContextRun, start: float, why: str, timed_out: bool) -> p.CodeDone:
+    def _died(msg: p.ContextRun, start: float, why: str, timed_out: bool, oom_kills: int) -> p.CodeDone:
         return p.CodeDone(id=msg.id, error_name="ContextDied", error_value=why, traceback="",
                           timed_out=timed_out, truncated=False, execution_count=0,
-                          duration_ms=(time.monotonic() - start) * 1e3, oom_kills=-1)
+                          duration_ms=(time.monotonic() - start) * 1e3, oom_kills=oom_kills)
 
 
 def _context_create(agent: "Agent", conn: Connection, msg: p.ContextCreate) -> None:
@@ -814,14 +812,14 @@ class OomCounter:
         self.path: str | None = None
         try:
             with open("/proc/self/cgroup", "rb") as f:
-                for line in f.read().decode("ascii", "replace").splitlines():
-                    if line.startswith("0::/"):
-                        path = "/sys/fs/cgroup" + line[3:].rstrip("/") + "/memory.events"
-                        self.path = path
-                        if self.read() < 0:
-                            self.path = None
+                lines = f.read().decode("ascii", "replace").splitlines()
         except OSError:
-            self.path = None
+            return
+        unified = [ln[3:] for ln in lines if ln.startswith("0::/")]
+        if unified:
+            self.path = "/sys/fs/cgroup" + unified[0].rstrip("/") + "/memory.events"
+            if self.read() < 0:  # not mounted where the agent can see it
+                self.path = None
 
     def read(self) -> int:
         if self.path is None:
