@@ -378,7 +378,6 @@ def test_a_workspace_disk_naming_other_files_is_refused(tmp_path):
 def test_the_relay_serves_nobody_until_the_guest_took_entropy_and_clock(tmp_path):
     """vmrelay's restore handshake against a fake guest helper: entropy, 'R', a fresh clock, 'K'."""
     import struct
-    import sys
 
     from warmbox.backends import vmrelay
 
