@@ -131,7 +131,8 @@ def test_memory_pause_and_resume_continue_execution(home, runc_ready):
     engine = Engine.for_home(home)
     sb = Sandbox.create("gvisor", timeout=120, template="base")
     sb.run_code("log = open('/tmp/log.txt', 'w')\nlog.write('before\\n')\nlog.flush()\ncounter = 41")
-    sb.commands.run("(i=0; while true; do i=$((i+1)); echo $i > /tmp/bg; sleep 0.05; done) >/dev/null 2>&1 &")
+    sb.commands.run("(i=0; while true; do i=$((i+1)); echo $i > /tmp/bg.new; mv /tmp/bg.new /tmp/bg; "  # never empty
+                    "sleep 0.05; done) >/dev/null 2>&1 &")
     time.sleep(0.5)
     ref = sb.pause(memory=True)
     assert ref.memory and ref.tier == "gvisor" and ref.size_bytes > 0

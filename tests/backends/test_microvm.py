@@ -177,7 +177,8 @@ def test_pause_resume_and_fork_continue_memory_and_disk(engine):
     sb = Sandbox.create("microvm", timeout=120, limits=LIMITS)
     sb.run_code("counter = 41")
     sb.files.write("/workspace/kept.txt", "disk state")
-    sb.commands.run("(i=0; while true; do i=$((i+1)); echo $i > /tmp/bg; sleep 0.1; done) >/dev/null 2>&1 &")
+    sb.commands.run("(i=0; while true; do i=$((i+1)); echo $i > /tmp/bg.new; mv /tmp/bg.new /tmp/bg; "  # never empty
+                    "sleep 0.1; done) >/dev/null 2>&1 &")
     time.sleep(1)
     up = float(sb.commands.run("cut -d' ' -f1 /proc/uptime").stdout)
     ref = sb.pause(memory=True)

@@ -257,11 +257,13 @@ class Engine:
         from warmbox.engine import snapshot as snapshots
 
         backend = self.backend(tier)
-        avail = backend.probe()
+        # off the event loop: the first probe may boot a probe guest, the first template key
+        # builds the tier's image (a minute, once per host)
+        avail = await asyncio.to_thread(backend.probe)
         if not avail.available:
             raise BackendUnavailable(tier, avail.reason)
         shape = config.shape_key(tier, tmpl, limits)
-        made = not self.registry.meta_text(snapshots.template_key(self, tier, shape))
+        made = not self.registry.meta_text(await asyncio.to_thread(snapshots.template_key, self, tier, shape))
         m = await snapshots.template_snapshot(self, tier, tmpl, limits, shape)
         t1 = time.perf_counter()
         info, handle, client, timings = await snapshots._restore_memory(self, m, timeout=timeout)
