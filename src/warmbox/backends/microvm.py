@@ -402,9 +402,11 @@ class HostCgroup:
 
     CONTROLLERS = ("memory", "cpu", "cpuacct", "pids")
 
-    def __init__(self, sandbox_id: str, root: Path = Path("/sys/fs/cgroup")) -> None:
-        self.root = root
-        self.v2 = (root / "cgroup.controllers").exists()
+    def __init__(self, sandbox_id: str) -> None:
+        from warmbox.backends.runc import _cgroup_v2  # the host's layout, probed once
+
+        self.root = Path("/sys/fs/cgroup")
+        self.v2 = _cgroup_v2()
         self.rel = Path("warmbox") / sandbox_id
 
     def dirs(self) -> list[Path]:
@@ -633,6 +635,7 @@ class MicroVMBackend:
         self.runtime = runtime
         self.forced_accel: str | None = None
         self._image: Path | None = None
+        self._build_id: str | None = None
         self._accel: tuple[str, str] | None = None
 
     def configure(self, settings) -> None:
@@ -683,8 +686,14 @@ class MicroVMBackend:
         from warmbox.models import Limits
 
         argv = qemu_argv(self.image(), Path("/state"), Limits(), self.accel()[0], incoming=INCOMING_FD, confine=0)
-        return hashlib.sha256(json.dumps([argv, self.template_warmup, qemu_version(), images.build_id(self.image())])
+        return hashlib.sha256(json.dumps([argv, self.template_warmup, qemu_version(), self.build_id()])
                               .encode()).hexdigest()[:12]
+
+    def build_id(self) -> str:
+        """The guest image build this backend starts VMs from (meta.json, read once)."""
+        if self._build_id is None:
+            self._build_id = images.build_id(self.image())
+        return self._build_id
 
     def kernel_version(self) -> str:
         return json.loads((self.image() / "meta.json").read_text())["kernel"]
@@ -717,7 +726,7 @@ class MicroVMBackend:
         await _qemu_img(["create", "-q", "-f", "qcow2", "-b", str(self.image() / "workspace.raw"), "-F", "raw",
                          str(disk)], handle.sandbox_id)
         # travels with the disk into snapshots: a restore needs this very build of the image
-        (disk.parent / IMAGE_ID_FILE).write_text(images.build_id(self.image()))
+        (disk.parent / IMAGE_ID_FILE).write_text(self.build_id())
         return await self._launch(handle, ready, incoming=None)
 
     async def restore(self, handle: BackendHandle, image_dir: Path, ready: Callable[[], Awaitable[T]]) -> T:
@@ -735,14 +744,15 @@ class MicroVMBackend:
                          confine=handle.uid_base)
         try:
             check_workspace_disk(state / "workspace" / "disk.qcow2", image / "workspace.raw")
+        except SandboxStartError as e:
+            raise SandboxStartError(str(e), handle.sandbox_id) from None
+        try:
             made_with = (state / "workspace" / IMAGE_ID_FILE).read_text().strip()
         except OSError:
             made_with = "unknown"
-        except SandboxStartError as e:
-            raise SandboxStartError(str(e), handle.sandbox_id) from None
-        if made_with != images.build_id(image):
+        if made_with != self.build_id():
             raise SandboxStartError(f"this sandbox's disk and memory were made with guest image build {made_with}, "
-                                    f"this host has {images.build_id(image)} ({image.name}): they cannot be restored "
+                                    f"this host has {self.build_id()} ({image.name}): they cannot be restored "
                                     "into it", handle.sandbox_id)
         (state / "qemu.argv").write_text(json.dumps(argv))
         procs = HostCgroup(handle.sandbox_id).create_for(self._limits(handle), self.accel()[0])

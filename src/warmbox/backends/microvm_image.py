@@ -77,17 +77,17 @@ $B mount -t tmpfs -o nosuid,nodev,mode=1777,size=64m shm /newroot/dev/shm
 echo 1 > /proc/sys/kernel/printk  # only emergencies reach the console file on the host
 $B mount --move /proc /newroot/proc
 $B mount --move /sys /newroot/sys
-port=; rng=
+port=; restore=
 for d in /newroot/sys/class/virtio-ports/*; do
   case "$($B cat $d/name 2>/dev/null)" in
-    "%(port)s") port=/dev/$($B basename $d) ;; "%(restore)s") rng=/dev/$($B basename $d) ;;
+    "%(port)s") port=/dev/$($B basename $d) ;; "%(restore)s") restore=/dev/$($B basename $d) ;;
   esac
 done
-[ -n "$port" ] && [ -n "$rng" ] || { echo "init: no agent or restore port"; $B poweroff -f; }
+[ -n "$port" ] && [ -n "$restore" ] || { echo "init: no agent or restore port"; $B poweroff -f; }
 # the root helper that reseeds the kernel's generator and sets the clock after every restore
 # (outside the sandbox's cgroup, never chosen by the OOM killer; uid 1000 cannot signal it)
-$B chmod 600 /newroot$rng
-/bin/wb-restore /newroot$rng /newroot/dev/urandom &
+$B chmod 600 /newroot$restore
+/bin/wb-restore /newroot$restore /newroot/dev/urandom &
 echo -1000 > /newroot/proc/$!/oom_score_adj
 C=/newroot/sys/fs/cgroup
 $B mount -t cgroup2 -o nosuid,nodev,noexec cgroup2 $C

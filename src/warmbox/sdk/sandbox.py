@@ -151,9 +151,9 @@ class AsyncSandbox:
         self._info = info
         self._handle = handle
         self._client = client
-        self._oom_in_guest = engine.backend(info.tier).capabilities().oom_counted_in_guest
         self._stages = list(timings)
         self._backend = engine.backend(info.tier)
+        self._oom_in_guest = self._backend.capabilities().oom_counted_in_guest
         self._env_names: tuple[str, ...] = ()
         self._active = 0
         self._killed = False
