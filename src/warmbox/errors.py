@@ -2,7 +2,8 @@
 
     WarmboxError
     ├── InvalidArgument (ValueError)        bad input from the caller; nothing was changed
-    │   └── InvalidPath                     a sandbox path outside the files API's rules
+    │   ├── InvalidPath                     a sandbox path outside the files API's rules
+    │   └── LimitTooHigh                    a limit above the host's capacity or an admin maximum
     ├── BackendUnavailable                  the tier cannot run on this host (``reason`` says why)
     ├── SandboxError                        something about one sandbox (``sandbox_id``)
     │   ├── SandboxNotFound                 unknown id, or the sandbox was destroyed
@@ -18,7 +19,9 @@
     │   │   ├── NotADirectory (NotADirectoryError)
     │   │   ├── IsADirectory (IsADirectoryError)
     │   │   ├── PathPermissionDenied (PermissionError)
-    │   │   └── NoSpace
+    │   │   ├── NotARegularFile             a read of a FIFO, device, socket (never opened by the host)
+    │   │   ├── FileTooLarge                a read past ``max_bytes``: nothing partial is returned
+    │   │   └── NoSpace                     ENOSPC/EDQUOT inside the sandbox (disk or tmpfs full)
     │   └── ContextError                    a code context is unknown or died
     ├── RegistryError                       the embedded state database failed
     ├── ConfigError                         warmbox.toml or a WARMBOX_* override is invalid
@@ -42,6 +45,10 @@ class InvalidArgument(WarmboxError, ValueError):
 
 class InvalidPath(InvalidArgument):
     """A path the files API refuses (empty, NUL byte, '..' component, too long)."""
+
+
+class LimitTooHigh(InvalidArgument):
+    """A resource limit above what this host has or what ``[limits] max_*`` in warmbox.toml allows."""
 
 
 class BackendUnavailable(WarmboxError):
@@ -111,6 +118,14 @@ class IsADirectory(FilesError, IsADirectoryError):
 
 class PathPermissionDenied(FilesError, PermissionError):
     pass
+
+
+class NotARegularFile(FilesError):
+    """files.read of something that is not a regular file (FIFO, device, socket): refused in the guest."""
+
+
+class FileTooLarge(FilesError):
+    """files.read of a file larger than ``max_bytes``; nothing partial is returned."""
 
 
 class NoSpace(FilesError):
