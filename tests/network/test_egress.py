@@ -135,6 +135,21 @@ def test_metadata_refused_by_address_even_via_allowed_names(net_home, world):
     assert world.log("metadata") == []
 
 
+def test_deny_cidr_refuses_the_addresses_of_an_allowed_name(net_home, world):
+    world.clear_logs()
+    net = Network(allow=["allowed.test", "api.test", "attacker.example.com"], deny=["198.51.100.0/24"])
+    with Sandbox.create(network=net, timeout=120, home=net_home) as sb:
+        r = sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' http://allowed.test/hello.txt")
+        assert r.stdout == "403"
+        assert sh(sb, "getent hosts api.test").exit_code != 0  # the resolver withholds the denied answer
+        r = sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' http://attacker.example.com/x")
+        assert r.stdout in ("200", "404")  # outside the denied range
+        denied = {(e.kind, e.host): (e.address, e.rule) for e in events(sb, decision="deny")}
+        assert denied[("http", "allowed.test")] == (ALLOWED, "deny:198.51.100.0/24")
+        assert denied[("dns", "api.test")] == (ALLOWED, "deny:198.51.100.0/24")
+    assert world.log("allowed") == []
+
+
 def test_dns_answers_only_allowed_names(allow_sb, world):
     sb = allow_sb
     r = sh(sb, "getent hosts allowed.test")

@@ -29,17 +29,34 @@ def test_decisions_allow_deny_wildcards_cidr_and_ask():
                             deny=["evil.githubusercontent.com"]))
     assert pol.decide_name("pypi.org") == ("allow", "allow:pypi.org")
     assert pol.decide_name("raw.githubusercontent.com") == ("allow", "allow:*.githubusercontent.com")
-    assert pol.decide_name("githubusercontent.com")[0] == "resolve"  # wildcard = subdomains only
+    assert pol.decide_name("githubusercontent.com") == ("deny", "default-deny")  # wildcard = subdomains only
     assert pol.decide_name("evil.githubusercontent.com") == ("deny", "deny:evil.githubusercontent.com")
-    assert pol.decide_name("notpypi.org")[0] == "resolve"
-    assert pol.decide_address("203.0.113.9") == ("allow", "allow:203.0.113.0/24")
-    assert pol.decide_address("198.51.100.1") == ("deny", "default-deny")
+    # a CIDR rule decides IP literals; it never makes an unknown name worth resolving (issue 13)
+    assert pol.decide_name("notpypi.org") == ("deny", "default-deny")
+    assert pol.decide_name("203.0.113.9") == ("allow", "allow:203.0.113.0/24")
+    assert pol.decide_name("198.51.100.1") == ("deny", "default-deny")
     assert Policy.of("none").decide_name("pypi.org") == ("deny", "policy:none")
     assert Policy.of("internet").decide_name("anything.example") == ("allow", "internet")
     ask = Policy.of(Network(allow=["a.test"], on_unknown="ask"))
     assert ask.decide_name("b.test") == ("ask", "")
     assert ask.with_allowed("b.test").decide_name("b.test") == ("allow", "allow:b.test")
+    cidr_ask = Policy.of(Network(allow=["203.0.113.0/24"], on_unknown="ask"))
+    assert cidr_ask.decide_name("x.test") == ("ask", "") and cidr_ask.decide_name("203.0.113.1")[0] == "allow"
+    assert cidr_ask.decide_name("198.51.100.1") == ("ask", "")
     assert Policy.from_json(pol.to_json()) == pol
+
+
+def test_deny_cidr_refuses_addresses_of_allowed_names_and_literals():
+    pol = Policy.of(Network(allow=["a.test", "*.b.test", "198.51.100.0/24"], deny=["198.51.100.128/25", "192.0.2.7"]))
+    assert pol.decide_name("a.test") == ("allow", "allow:a.test")  # by name; its addresses checked next
+    assert pol.denies_address("198.51.100.200") == "deny:198.51.100.128/25"
+    assert pol.denies_address("192.0.2.7") == "deny:192.0.2.7"
+    assert pol.denies_address("198.51.100.1") == "" and pol.denies_address("203.0.113.1") == ""
+    assert pol.decide_name("198.51.100.200") == ("deny", "deny:198.51.100.128/25")  # deny wins for literals
+    assert pol.decide_name("198.51.100.1") == ("allow", "allow:198.51.100.0/24")
+    assert pol.decide_name("192.0.2.7") == ("deny", "deny:192.0.2.7")
+    assert pol.decide_name("x.b.test")[0] == "allow" and pol.decide_name("198.51.100.1.b.test")[0] == "allow"
+    assert Policy.of("internet").denies_address("198.51.100.1") == ""
 
 
 @pytest.mark.parametrize("bad", [dict(allow="pypi.org"), dict(allow=["a b"]), dict(allow=["*evil.com"]),

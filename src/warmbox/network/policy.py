@@ -2,7 +2,10 @@
 
 A policy is ``"none"`` (the default: loopback only, no link at all), ``"internet"`` (any public
 destination) or :class:`Network` (an allowlist of host names, ``*.`` wildcards and CIDRs, a
-denylist that wins over it, and what to do with everything else). Whatever the policy, the
+denylist that wins over it, and what to do with everything else). A name is decided by the
+name rules before anything resolves it, so a name no rule allows never reaches an upstream
+resolver (its labels would be an exfiltration channel); CIDR rules decide IP literals, and a
+deny CIDR also refuses the addresses an allowed name resolves to. Whatever the policy, the
 addresses in :data:`ALWAYS_BLOCKED` (cloud metadata, loopback, private, link-local, CGNAT, ULA,
 multicast) and the proxy host's own addresses are never reachable: the check is made on the
 address the proxy itself resolved and connects to, so re-pointing a name (DNS rebinding) does
@@ -107,8 +110,9 @@ class Rule:
 @dataclasses.dataclass(frozen=True)
 class Network:
     """An allowlist policy. ``allow``/``deny``: host names, ``*.example.com`` (its subdomains),
-    IP addresses or CIDRs; deny wins. ``on_unknown``: ``"deny"`` or ``"ask"`` (an approval hook
-    decides; without an answer in time, deny)."""
+    IP addresses or CIDRs; deny wins. An allowed CIDR opens IP literals in it, not names that
+    happen to resolve into it. ``on_unknown``: ``"deny"`` or ``"ask"`` (an approval hook
+    decides, before the name is looked up; without an answer in time, deny)."""
 
     allow: Sequence[str] = ()
     deny: Sequence[str] = ()
@@ -176,34 +180,43 @@ class Policy:
 
     # ---- decisions
 
-    def decide_name(self, host: str) -> tuple[Decision | Literal["ask", "resolve"], str]:
-        """Decision for a destination known by name (before resolving): and the rule that made it.
+    def decide_name(self, host: str) -> tuple[Decision | Literal["ask"], str]:
+        """Decision for a destination as the sandbox named it, made *before* any lookup.
 
-        ``"resolve"``: no name rule decides, but CIDR rules might once the address is known.
+        ``host`` is a normalised name or IP literal. Names are decided by name rules only: an
+        unknown name is denied (or ``"ask"``), never resolved to see whether a CIDR rule would
+        take it, since the lookup alone would carry the name to the upstream resolver (an
+        exfiltration channel). CIDR and IP rules decide IP literals; for the addresses of an
+        allowed name see :meth:`denies_address`. The always-blocked ranges are the caller's
+        check, on the address it connects to.
         """
         if self.mode == "none":
             return "deny", "policy:none"
-        hit = _first(self.deny, lambda r: r.matches_name(host) or r.matches_address(host))
+        literal = is_ip(host)
+        hit = _first(self.deny, lambda r: r.matches_address(host) if literal else r.matches_name(host))
         if hit:
             return "deny", f"deny:{hit}"
         if self.mode == "internet":
             return "allow", "internet"
-        hit = _first(self.allow, lambda r: r.matches_name(host) or r.matches_address(host))
+        hit = _first(self.allow, lambda r: r.matches_address(host) if literal else r.matches_name(host))
         if hit:
             return "allow", f"allow:{hit}"
-        if any(Rule(x).is_cidr for x in self.allow + self.deny):
-            return "resolve", ""
         return ("ask", "") if self.on_unknown == "ask" else ("deny", "default-deny")
 
-    def decide_address(self, address: str) -> tuple[Decision | Literal["ask"], str]:
-        """Decision for a resolved (or literal) address once name rules did not decide."""
+    def denies_address(self, address: str) -> str:
+        """The deny rule (CIDR or IP) that refuses ``address``, a resolved address of an allowed
+        name ("" if none: allow rules add nothing to a name already allowed)."""
         hit = _first(self.deny, lambda r: r.matches_address(address))
-        if hit:
-            return "deny", f"deny:{hit}"
-        hit = _first(self.allow, lambda r: r.matches_address(address))
-        if hit:
-            return "allow", f"allow:{hit}"
-        return ("ask", "") if self.on_unknown == "ask" else ("deny", "default-deny")
+        return f"deny:{hit}" if hit else ""
+
+
+def is_ip(host: str) -> bool:
+    """Is ``host`` an IP literal (rather than a name)?"""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 def _first(patterns: tuple[str, ...], test) -> str:

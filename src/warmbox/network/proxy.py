@@ -5,7 +5,9 @@ for a while. It listens inside the egress namespace (see :mod:`warmbox.network.n
 opens upstream connections from its own namespace (the host's, or ``network.upstream_netns``).
 Per request it finds the sandbox by source address (the nftables table guarantees it is not
 spoofed), reads that sandbox's policy from the registry (so a policy update applies to the
-next connection), resolves the name itself, refuses blocked addresses, and records a flat
+next connection), decides the name (by its rules, else by asking the approval hook) and only
+then resolves it itself (a name not allowed never reaches the upstream resolver, nor does the
+resolver forward one), refuses blocked addresses, and records a flat
 :class:`~warmbox.models.NetEvent` for every attempt. Hosts a sandbox holds secrets for are
 terminated with that sandbox's CA so the placeholder in a request header can be swapped for
 the value; every other TLS connection is tunnelled untouched after an SNI check.
@@ -35,7 +37,7 @@ from warmbox import config
 from warmbox.errors import InvalidArgument, WarmboxError
 from warmbox.models import NetEvent
 from warmbox.network import dns, netns
-from warmbox.network.policy import Policy, Secret, is_blocked, normalize_host
+from warmbox.network.policy import Policy, Secret, is_blocked, is_ip, normalize_host
 from warmbox.network.tls import SandboxCA
 from warmbox.storage.registry import Registry
 
@@ -263,13 +265,8 @@ class Proxy:
 
     # ---- decisions
 
-    async def resolve(self, host: str) -> list[str]:
-        try:
-            return [normalize_host(host)] if _is_ip(host) else await self._lookup(host)
-        except InvalidArgument:
-            return []
-
     async def _lookup(self, host: str) -> list[str]:
+        """The upstream addresses of ``host``: call only for a name a rule or an approval allows."""
         out = []
         for qtype in (dns.A, dns.AAAA):
             try:
@@ -283,31 +280,36 @@ class Proxy:
         return is_blocked(address) or address in self.own
 
     async def decide(self, sid: str, pol: Policy, host: str, port: int, kind: str) -> tuple[bool, str, str, str]:
-        """(allowed, rule, address to connect to, detail)."""
+        """(allowed, rule, address to connect to, detail).
+
+        The name is decided (by a rule, else by the approval hook) before it is resolved: a
+        name that is not allowed never reaches the upstream resolver.
+        """
         verdict, rule = pol.decide_name(host)
         if verdict == "deny":
             return False, rule, "", ""
-        addrs = await self.resolve(host)
+        if is_ip(host):
+            if self.blocked(host):
+                return False, "blocked-address", host, ""
+            if verdict == "ask":
+                ok, rule = await self.ask(sid, host, port, kind)
+                if not ok:
+                    return False, rule, host, ""
+            return True, rule, host, ""
+        if verdict == "ask":
+            ok, rule = await self.ask(sid, host, port, kind)
+            if not ok:
+                return False, rule, "", ""
+        addrs = await self._lookup(host)
         if not addrs:
             return False, "unresolvable", "", ""
         usable = [a for a in addrs if not self.blocked(a)]
         if not usable:
             return False, "blocked-address", addrs[0], f"{host} resolves only to blocked addresses {addrs[:4]}"
-        if verdict == "resolve":
-            verdict, rule = "deny", "default-deny"
-            for a in usable:
-                v, r = pol.decide_address(a)
-                if v == "allow":
-                    verdict, rule, usable = "allow", r, [a]
-                    break
-                if v == "ask":
-                    verdict = "ask"
-            if verdict == "deny":
-                return False, rule, usable[0], ""
-        if verdict == "ask":
-            ok, rule = await self.ask(sid, host, port, kind)
-            if not ok:
-                return False, rule, usable[0], ""
+        refused = [pol.denies_address(a) for a in usable]
+        if all(refused):
+            return False, refused[0], usable[0], f"{host} resolves only to denied addresses {usable[:4]}"
+        usable = [a for a, r in zip(usable, refused) if not r]
         v4 = [a for a in usable if ":" not in a]
         return True, rule, (v4 or usable)[0], ""
 
@@ -455,7 +457,7 @@ class Proxy:
                     break
                 first += more
             sni = parse_sni(first)
-            if sni is not None and normalize_host(sni, "SNI") != host or (sni is None and not _is_ip(host)):
+            if sni is not None and normalize_host(sni, "SNI") != host or (sni is None and not is_ip(host)):
                 self._redecide(conn.event_id, "sni-mismatch", f"TLS SNI {sni!r} != CONNECT host {host}")
                 return None
         try:
@@ -544,8 +546,9 @@ class Proxy:
             transport.sendto(dns.build_response(q, dns.NXDOMAIN), addr)
             return
         verdict, rule = pol.decide_name(name)
-        if verdict in ("deny", "ask"):
-            self.audit(sid, "dns", name, "", 53, "deny", rule or "not-allowlisted")
+        if verdict != "allow" or is_ip(name):  # only a name a rule allows is ever forwarded
+            self.audit(sid, "dns", name, "", 53, "deny", "not-a-name" if verdict == "allow" else
+                       rule or "not-allowlisted")
             transport.sendto(dns.build_response(q, dns.NXDOMAIN), addr)
             return
         if q.qtype not in (dns.A, dns.AAAA):
@@ -559,12 +562,15 @@ class Proxy:
             transport.sendto(dns.build_response(q, dns.SERVFAIL), addr)
             return
         usable = [a for a in addrs if not self.blocked(a)]
-        if verdict == "resolve":
-            usable = [a for a in usable if pol.decide_address(a)[0] == "allow"]
+        refused = [pol.denies_address(a) for a in usable]
         if addrs and not usable:
             self.audit(sid, "dns", name, addrs[0], 53, "deny", "blocked-address", f"answers {addrs[:4]} withheld")
+        elif usable and all(refused):
+            self.audit(sid, "dns", name, usable[0], 53, "deny", refused[0], f"answers {usable[:4]} withheld")
+            usable = []
         else:
-            self.audit(sid, "dns", name, usable[0] if usable else "", 53, "allow", rule or "allow:cidr")
+            usable = [a for a, r in zip(usable, refused) if not r]
+            self.audit(sid, "dns", name, usable[0] if usable else "", 53, "allow", rule)
         transport.sendto(dns.build_response(q, rcode if rcode in (dns.NOERROR, dns.NXDOMAIN) else dns.SERVFAIL,
                                             usable), addr)
 
@@ -648,16 +654,6 @@ class Proxy:
             if time.monotonic() - refreshed > 30:  # the host's own addresses may change
                 self.refresh_own()
                 refreshed = time.monotonic()
-
-
-def _is_ip(host: str) -> bool:
-    import ipaddress
-
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return False
 
 
 def _post_json(url: str, body: bytes, timeout: float) -> str:
