@@ -32,6 +32,10 @@ class Capabilities:
     # OOM kills happen in the sandbox's own kernel: the agent reports them with each command's
     # result (Exited.oom_kills), and the host does not read a counter around every call
     oom_counted_in_guest: bool = False
+    # a unix socket bound in /workspace (a host directory) is a host socket, which the runtime's
+    # memory checkpoint cannot save (gVisor: its Sentry panics and the sandbox dies): the engine
+    # refuses such a pause up front, and reports a sandbox lost to a failed checkpoint
+    checkpoint_saves_workspace_sockets: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

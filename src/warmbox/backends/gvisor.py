@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Awaitable, Callable, ClassVar, TypeVar
 
+from warmbox.backends import hostfs
 from warmbox.backends import runc as tier2
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, SandboxSpec
 from warmbox.errors import GuestConnectionError, SandboxStartError
@@ -81,7 +82,7 @@ class GvisorBackend(tier2.RuncBackend):
                       "and cgroups around it; the host kernel sees only the Sentry's syscalls",
             memory_snapshot=True, filesystem_snapshot=True, custom_kernel=False,
             network_modes=("none",), languages=("python", "node", "shell", "c", "git"),
-            start_class="100ms-1s",
+            start_class="100ms-1s", checkpoint_saves_workspace_sockets=False,
         )
 
     def probe(self) -> Availability:
@@ -171,7 +172,8 @@ class GvisorBackend(tier2.RuncBackend):
         deadline = time.monotonic() + START_TIMEOUT_S
         sock = Path(handle.socket_path)
         polls = 0
-        while not sock.exists():  # the agent creates it once its interpreter is up
+        # run/ is the guest's: look at the socket itself, never through a planted symlink
+        while not hostfs.is_socket(sock.parent, sock.name):  # the agent binds it once its interpreter is up
             polls += 1
             if time.monotonic() > deadline or (polls % 100 == 0 and not await self.alive(handle)):
                 raise SandboxStartError(f"the guest agent did not come up under gVisor: "
@@ -199,11 +201,31 @@ class GvisorBackend(tier2.RuncBackend):
         return image
 
     async def resume_listening(self, handle: BackendHandle) -> None:
-        """Tell a quiesced agent to listen again (the resume file next to its socket)."""
+        """Tell a quiesced agent to listen again: a new, empty ``resume`` file next to its socket.
+
+        run/ is writable by the sandbox (it is the guest's /run), so the file is created as a new
+        inode relative to the directory's fd (O_CREAT|O_EXCL|O_NOFOLLOW) and given to the sandbox
+        user with fchown on that fd (gVisor lets the agent remove only its own files there); a
+        name the guest planted there (a symlink to a host file, say) is unlinked, never opened.
+        """
         run = Path(handle.state_dir) / "run"
-        trigger = run / "resume"
-        trigger.write_text("")
-        os.chown(trigger, handle.uid_base + tier2.GUEST_UID, handle.uid_base + tier2.GUEST_GID)
+        try:
+            # the old socket's host file outlives the agent's unlink through the gofer, and would
+            # make its new bind fail: remove it here (the entry itself, by the directory's fd)
+            hostfs.remove_entry(run, Path(handle.socket_path).name)
+            hostfs.create_marker(run, "resume", handle.uid_base + tier2.GUEST_UID,
+                                 handle.uid_base + tier2.GUEST_GID)
+        except OSError as e:
+            raise SandboxStartError(f"cannot tell the agent to listen again: {e.strerror or e}",
+                                    handle.sandbox_id) from None
+        # and a signal: gVisor may have cached run/ without the file (a negative dentry)
+        proc = await asyncio.create_subprocess_exec(
+            *self._global(), "kill", handle.runtime_id, "USR1", stdin=subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        _, err = await proc.communicate()
+        if proc.returncode != 0:
+            raise SandboxStartError(f"cannot signal the agent to listen again: "
+                                    f"{err.decode(errors='replace').strip()[-300:]}", handle.sandbox_id)
 
     async def restore(self, handle: BackendHandle, image_dir: Path, ready: Callable[[], Awaitable[T]]) -> T:
         """Continue a checkpointed sandbox in this (freshly created) bundle."""

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from warmbox import protocol as p
+from warmbox.backends import hostfs
 from warmbox.engine.guest_client import GuestClient
 from warmbox.engine.lifecycle import Operation, check
 from warmbox.errors import (InvalidArgument, SandboxError, SandboxNotFound, SandboxStartError, SandboxStateError,
@@ -317,7 +318,6 @@ async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient |
     checkpoint fails, the agent is told to listen again and the sandbox keeps running.
     """
     import shutil
-    import tarfile
 
     backend = engine.backend(info.tier)
     store = store_for(engine)
@@ -327,6 +327,8 @@ async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient |
     if own:
         client = await GuestClient.connect(handle.socket_path, sid)
     try:
+        if not backend.capabilities().checkpoint_saves_workspace_sockets:
+            await _refuse_workspace_sockets(client, sid)
         reply = await client.call(lambda i: p.Quiesce(i), p.Ok)
         if isinstance(reply, p.Failure):
             raise SandboxError(f"quiesce: {reply.message}", sid)
@@ -340,11 +342,16 @@ async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient |
     try:
         image = await backend.checkpoint(handle, image_dir)
         checkpointed = True
-        try:  # after the checkpoint: the runtime has stopped, so nothing changes under the tar
-            with tarfile.open(raw, "w") as tar:  # host side: symlinks are stored, never followed
-                tar.add(Path(handle.state_dir) / "workspace", arcname=".")
+        # after the checkpoint the runtime has stopped, so nothing changes under the tar; the tree
+        # is the guest's, so tar runs as its owner (hostfs): symlinks kept, sparse files sparse
+        try:
+            with open(raw, "wb") as out:
+                await hostfs.tar_create(Path(handle.state_dir) / "workspace", out.write,
+                                        max_bytes=MAX_SNAPSHOT_BYTES, timeout=_TIMEOUT_S)
         except OSError as e:
             raise _storage_error(e, f"snapshot of {sid}") from None
+        except StorageError as e:
+            raise StorageError(f"snapshot of {sid}: {e}") from None
         try:
             fs_sha, fs_size, fs_raw = snaps.put_blob(store, raw, work)
             mem_sha, mem_size, mem_raw = snaps.put_blob(store, image, work, level=1)  # big, mostly zeros
@@ -357,16 +364,74 @@ async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient |
         snaps.save_manifest(store, m, work)
         engine.registry.add_snapshot(m.snapshot_id, sid, m.created_at, m.size_bytes)
         return m
-    except BaseException:
+    except BaseException as e:
         if not checkpointed:  # still running: let the agent listen again
             try:
                 await backend.resume_listening(handle)
-            except OSError:
+            except (OSError, WarmboxError):
                 pass
+            if isinstance(e, WarmboxError) and not await backend.alive(handle):
+                # the failed checkpoint took the runtime with it: say so, and release the rest
+                try:
+                    await engine.destroy(sid, f"lost in a failed memory checkpoint: {e}")
+                except WarmboxError:
+                    pass
+                raise SandboxError(f"sandbox {sid} died in a failed memory checkpoint and was destroyed "
+                                   f"(its files are gone with it): {str(e)[:300]}", sid) from None
         raise
     finally:
         raw.unlink(missing_ok=True)
         shutil.rmtree(image_dir, ignore_errors=True)
+
+
+_FIND_SOCKETS = r"""
+import os, stat
+found = []
+def walk(d, depth):
+    try:
+        it = os.scandir(d)
+    except OSError:
+        return
+    with it:
+        for e in it:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    if depth < 64:
+                        walk(e.path, depth + 1)
+                    continue
+                if e.is_file(follow_symlinks=False) or e.is_symlink():
+                    continue
+                try:  # gVisor cannot stat a socket that is a host one: that is the case looked for
+                    if not stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode):
+                        continue
+                except OSError:
+                    pass
+                found.append(e.path)
+            except OSError:
+                pass
+            if len(found) >= 20:
+                return
+walk("/workspace", 0)
+print("\n".join(found))
+"""
+
+
+async def _refuse_workspace_sockets(client: GuestClient, sid: str) -> None:
+    """SnapshotUnsupported if unix sockets are bound in /workspace (the guest looks: it can only
+    lie to its own harm). Checked before anything stops, so the sandbox keeps running."""
+    found = bytearray()
+
+    def sink(data: bytes) -> None:
+        found.extend(data[:4096 - len(found)])
+
+    # by directory-entry type first: gVisor cannot stat a host socket (``ls`` shows ``s?????????``)
+    code, err = await _exec(client, ["/usr/bin/python3", "-I", "-S", "-c", _FIND_SOCKETS], sid,
+                            sink=sink, max_output=4096)
+    names = [n for n in found.decode("utf-8", "replace").splitlines() if n]
+    if names:
+        raise SnapshotUnsupported(f"cannot pause {sid} with memory: unix sockets are bound in /workspace "
+                                  f"({', '.join(names[:5])}{', …' if len(names) > 5 else ''}); this tier's "
+                                  "checkpoint cannot save them. Close them or bind them under /tmp, then retry.")
 
 
 async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float | None,
@@ -376,7 +441,6 @@ async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeou
     pool/shape: restore it into a warm pool (state ``pooled``) — a template snapshot's copy.
     """
     import shutil
-    import tarfile
 
     from warmbox.backends.base import SandboxSpec
     from warmbox.models import StageTiming
@@ -416,13 +480,9 @@ async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeou
         try:
             handle = await backend.create(SandboxSpec(sandbox_id=sandbox_id, state_dir=str(state_dir),
                                                       uid_base=handle.uid_base, envs=(), limits=limits))
-            ws = state_dir / "workspace"
-            uid = handle.uid_base + 1000
-            with tarfile.open(ws_tar) as tar:  # "data" filter: no absolute paths, no escapes, no devices
-                tar.extractall(ws, filter="data")
-            for root, dirs, files in os.walk(ws):
-                for n in dirs + files:
-                    os.lchown(os.path.join(root, n), uid, uid)
+            # unpacked by tar as the workspace's owner (the sandbox's uid on gVisor): what it
+            # creates is the sandbox's, and no entry can make the host write outside it
+            await hostfs.tar_extract(state_dir / "workspace", ws_tar, timeout=_TIMEOUT_S)
             t2 = time.perf_counter()
 
             async def ready() -> GuestClient:

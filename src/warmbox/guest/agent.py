@@ -930,6 +930,7 @@ class Agent:
         self.path = path  # where it listens, when not on an inherited fd
         self.serial = serial
         self.quiescing = threading.Event()
+        self.resume_signalled = threading.Event()  # SIGUSR1: the host says "listen again"
         self._conns: set = set()
         self._conns_lock = threading.Lock()
         self.reaper = Reaper()
@@ -1022,19 +1023,32 @@ class Agent:
             pass
 
     def _await_resume(self) -> None:
+        """Wait for the host's ``resume`` file (the host removed the old socket), listen again.
+        A bind that fails (a guest process holds the name) waits for the next trigger: the
+        agent never exits here, or the sandbox would be lost."""
         trigger = os.path.join(os.path.dirname(self.path), "resume")
-        while not os.path.exists(trigger):
-            time.sleep(0.02)
-        for stale in (self.path, trigger):
+        while True:
+            # the host signals SIGUSR1 (gVisor may cache the directory, so a file it made can stay
+            # unseen); the file is the fallback, for restores of images of older agents' hosts
+            while not self.resume_signalled.is_set() and not os.path.lexists(trigger):
+                self.resume_signalled.wait(0.02)
+            self.resume_signalled.clear()
+            for stale in (self.path, trigger):
+                try:
+                    os.unlink(stale)
+                except OSError:
+                    pass
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                os.unlink(stale)
+                listener.bind(self.path)
+                listener.listen(128)
             except OSError:
-                pass
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self.path)
-        listener.listen(128)
-        self.listener = listener
-        self.quiescing.clear()
+                listener.close()
+                time.sleep(0.05)
+                continue
+            self.listener = listener
+            self.quiescing.clear()
+            return
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1057,7 +1071,10 @@ def main(argv: list[str] | None = None) -> None:
         # PID 1 gets no default signal actions; make the obvious ones end the sandbox.
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(s, lambda *_: os._exit(0))
-    Agent(listener, argv[0] if argv else None).serve_forever()
+    agent = Agent(listener, argv[0] if argv else None)
+    if argv:  # listening on a path: after a quiesce the host's SIGUSR1 says "listen again"
+        signal.signal(signal.SIGUSR1, lambda *_: agent.resume_signalled.set())
+    agent.serve_forever()
 
 
 if __name__ == "__main__":  # pragma: no cover

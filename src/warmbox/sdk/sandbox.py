@@ -331,10 +331,32 @@ class AsyncSandbox:
     async def pause(self, *, memory: bool = False) -> SnapshotRef:
         """Snapshot, then release everything (no process, CPU or memory is left); resume() later."""
         self._check_usable()
-        m = await snapshots.pause(self._engine, self.sandbox_id, self._client, memory=memory,
-                                  parent=self._engine.registry.parent(self.sandbox_id), env_names=self._env_names)
+        try:
+            m = await snapshots.pause(self._engine, self.sandbox_id, self._client, memory=memory,
+                                      parent=self._engine.registry.parent(self.sandbox_id), env_names=self._env_names)
+        except BaseException:
+            if memory:  # the agent dropped its sockets for the checkpoint: attach again if it still runs
+                await self._reattach()
+            raise
         self._killed = True
         return _ref(m)
+
+    async def _reattach(self, within_s: float = 15.0) -> None:
+        """A new connection to this (still running) sandbox's agent, waiting for it to listen."""
+        from warmbox.errors import GuestConnectionError
+
+        await self._client.close()
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                _, _, self._client = await self._engine.open(self.sandbox_id)
+                return
+            except GuestConnectionError:
+                if time.monotonic() > deadline:
+                    return  # the next call reports the dead connection
+                await asyncio.sleep(0.05)
+            except WarmboxError:
+                return  # gone or paused after all: the next call says so
 
     async def set_timeout(self, timeout: float) -> None:
         """Let the sandbox live ``timeout`` more seconds from now."""
