@@ -138,8 +138,11 @@ def test_concurrent_creates_from_several_processes_never_share_a_sandbox(pools):
 
 
 def test_registry_claim_is_exclusive_under_contention(tmp_path):
+    from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
+
     db = tmp_path / "r.db"
-    reg = Registry(db)
+    # its own uid ledger: these 60 rows never exist, so they must not hold real ranges of the host
+    reg = Registry(db, ledger=UidLedger(tmp_path / "uids", slots=64, first=MAX_SLOTS - 100))
     for i in range(60):
         sid = f"sb-{i:012x}"
         reg.allocate(sid, "container", "base", 3600, 512, 1.0, 256, "/nonexistent", "/nonexistent", pool="x",

@@ -14,6 +14,8 @@ from warmbox.backends.base import BackendHandle
 from warmbox.engine.lifecycle import LIVE, check_transition
 from warmbox.errors import RegistryError, SandboxNotFound, SandboxStateError
 from warmbox.models import Limits, NetEvent, PoolEvent, SandboxInfo, StageTiming, State, Transition
+from warmbox.storage.uidslots import (HOLDING_STATES, MAX_SLOTS, UID_BASE, UID_RANGE, UidLedger,  # noqa: F401
+                                     registry_holds, row_holds)
 
 SCHEMA_VERSION = 4
 SCHEMA = """
@@ -151,15 +153,13 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
 _COLUMNS = ("sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
             "runtime_id, state_dir, socket_path, pool, claimed_at")
 
-UID_BASE = 2_000_000
-UID_RANGE = 65536
-MAX_SLOTS = (2**32 - UID_BASE) // UID_RANGE - 1
 GIB = float(1 << 30)
 
 _LIVE = tuple(s.value for s in LIVE)
 _HOLDING = (*_LIVE, State.FAILED.value)  # states whose uid range is still in use
 # what `warmbox ls` shows: the caller's sandboxes, running or paused (not the pools')
 _USER = (*(s.value for s in LIVE if s not in (State.POOLED, State.RETIRING)), State.PAUSED.value)
+assert set(_HOLDING) == set(HOLDING_STATES), "the uid ledger and the registry must agree on what holds a slot"
 
 
 def _in(values: tuple[str, ...]) -> str:
@@ -199,8 +199,13 @@ class PoolRow:
 
 
 class Registry:
-    def __init__(self, path: Path) -> None:
+    """ledger: where uid slots are claimed (the host-wide one unless a test gives its own)."""
+
+    def __init__(self, path: Path, *, ledger: UidLedger | None = None) -> None:
         self.path = path
+        self.ledger = ledger if ledger is not None else UidLedger()
+        self._key = str(Path(path).resolve())  # how the ledger names this registry
+        self._adopted = False
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
@@ -209,6 +214,30 @@ class Registry:
             self._migrate()
         except (sqlite3.Error, OSError) as e:
             raise RegistryError(f"cannot open the registry at {path}: {e}") from None
+        try:
+            self._adopt()
+        except (sqlite3.Error, OSError, RegistryError):
+            pass  # retried at the first allocate
+
+    def _adopt(self) -> None:
+        """Record in the host ledger the slots this home's sandboxes from before it hold."""
+        rows = self._db.execute(f"SELECT sandbox_id, uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)}",
+                                _HOLDING).fetchall()
+        if any(self.ledger.holder(slot) is None for _, slot in rows):
+            with self.ledger.locked() as ledger:
+                for sid, slot in rows:
+                    row = self._db.execute("SELECT state, uid_slot, state_dir FROM sandboxes WHERE sandbox_id=?",
+                                           (sid,)).fetchone()
+                    if row_holds(row, slot):  # still (a destroy may have released it meanwhile)
+                        ledger.adopt(slot, self._key, sid)
+        self._adopted = True
+
+    def _holds(self, registry: str, sandbox_id: str, slot: int) -> bool | None:
+        if registry != self._key:
+            return registry_holds(registry, sandbox_id, slot)
+        row = self._db.execute("SELECT state, uid_slot, state_dir FROM sandboxes WHERE sandbox_id=?",
+                               (sandbox_id,)).fetchone()
+        return row_holds(row, slot)
 
     def _migrate(self) -> None:
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
@@ -254,29 +283,48 @@ class Registry:
                  cpus: float, pids: int, state_dir: str, socket_path: str, *, pool: str = "",
                  owner: str = "", shape: str = "", file_size_mb: int = 1024, open_files: int = 1024,
                  tmp_mb: int = 256) -> int:
-        """Insert a sandbox in state ``creating`` with a free uid slot; returns the slot."""
+        """Insert a sandbox in state ``creating`` with a uid slot free on the whole host; returns the slot.
+
+        The slot is claimed in the host-wide ledger (no other home's sandbox can have it) and
+        released when the sandbox is destroyed.
+        """
         now = time.time()
-        with self._tx() as db:
-            used = {r[0] for r in db.execute(
-                f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)}", _HOLDING)}
-            # round robin: a range just released is the last to be handed out again
-            row = db.execute("SELECT value FROM meta WHERE key='last_slot'").fetchone()
-            last = row[0] if row else -1
-            slot = next((i for i in range(last + 1, MAX_SLOTS) if i not in used), None)
-            if slot is None:
-                slot = next(i for i in range(MAX_SLOTS) if i not in used)  # the last slot is the benchmarks'
-            db.execute("INSERT OR REPLACE INTO meta VALUES ('last_slot', ?)", (slot,))
-            db.execute(
-                "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, memory_mb, "
-                "cpus, pids, uid_slot, runtime_id, state_dir, socket_path, pool, owner, shape, file_size_mb, "
-                "open_files, tmp_mb) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (sandbox_id, tier, template, State.CREATING.value, now, now + timeout_s, memory_mb,
-                 cpus, pids, slot, sandbox_id, state_dir, socket_path, pool, owner, shape, file_size_mb,
-                 open_files, tmp_mb))
-            db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
-                       (sandbox_id, now, "", State.CREATING.value, "create" + (f" for pool {pool}" if pool else "")))
-            db.execute("INSERT INTO meters (sandbox_id, sampled_at) VALUES (?,?)", (sandbox_id, now))
+        try:
+            if not self._adopted:
+                self._adopt()
+            # the ledger's lock is held until the row is committed: whoever looks at the slot
+            # (to reclaim it) then sees this sandbox holding it
+            with self.ledger.locked() as ledger, self._tx() as db:
+                used = {r[0] for r in db.execute(
+                    f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)}", _HOLDING)}
+                slot = ledger.claim(self._key, sandbox_id, skip=used, check=self._holds)
+                try:
+                    db.execute(
+                        "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, "
+                        "memory_mb, cpus, pids, uid_slot, runtime_id, state_dir, socket_path, pool, owner, shape, "
+                        "file_size_mb, open_files, tmp_mb) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                        (sandbox_id, tier, template, State.CREATING.value, now, now + timeout_s, memory_mb,
+                         cpus, pids, slot, sandbox_id, state_dir, socket_path, pool, owner, shape, file_size_mb,
+                         open_files, tmp_mb))
+                    db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
+                               (sandbox_id, now, "", State.CREATING.value,
+                                "create" + (f" for pool {pool}" if pool else "")))
+                    db.execute("INSERT INTO meters (sandbox_id, sampled_at) VALUES (?,?)", (sandbox_id, now))
+                except BaseException:
+                    ledger.release(slot, self._key, sandbox_id)
+                    raise
+        except OSError as e:
+            raise RegistryError(f"cannot claim a uid range in {self.ledger.dir}: {e}") from None
+        except sqlite3.Error as e:
+            raise RegistryError(f"registry error: {e}") from None
         return slot
+
+    def _release(self, sandbox_id: str, slot: int) -> None:
+        try:
+            with self.ledger.locked() as ledger:
+                ledger.release(slot, self._key, sandbox_id)
+        except OSError:
+            pass  # left for a reclaim: the registry says it no longer holds the slot
 
     def set_state(self, sandbox_id: str, new: State, reason: str, *, expected: State | None = None,
                   owner: str | None = None) -> State:
@@ -285,7 +333,7 @@ class Registry:
         expected: only move if the current state is this one (else SandboxStateError).
         """
         with self._tx() as db:
-            row = db.execute("SELECT state FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
+            row = db.execute("SELECT state, uid_slot FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
             if row is None:
                 raise SandboxNotFound(f"no sandbox {sandbox_id}", sandbox_id)
             old = State(row[0])
@@ -301,6 +349,8 @@ class Registry:
                 db.execute("UPDATE sandboxes SET owner=? WHERE sandbox_id=?", (owner, sandbox_id))
             db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
                        (sandbox_id, now, old.value, new.value, reason))
+        if new is State.DESTROYED:  # committed: its uid range is free for any home
+            self._release(sandbox_id, row[1])
         return old
 
     def set_expiry(self, sandbox_id: str, expires_at: float) -> None:
