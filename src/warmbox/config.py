@@ -26,6 +26,14 @@ An operator sees everything in one file::
     idle_shrink = 120                   # halve the target after this long without a request
     limits = { memory_mb = 512, cpus = 1.0 }
 
+    [limits]                            # the most one sandbox may ask for (LimitTooHigh above)
+    max_memory_mb = 8192                # default: host MemTotal minus a reserve (up to MemTotal)
+    max_cpus = 4                        # default: the CPUs this process may run on (the most)
+    max_pids = 4096                     # default: a quarter of the host's pids (up to all of them)
+    max_tmp_mb = 1024                   # default: max_memory_mb; a sandbox's tmp_mb <= its memory_mb
+    max_file_size_mb = 10240            # default: the size of the disk holding /var/lib/warmbox
+    max_open_files = 65536              # default: 65536 (up to fs.nr_open)
+
 Bad settings raise :class:`~warmbox.errors.ConfigError` naming the file and key.
 """
 
@@ -38,7 +46,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from warmbox.errors import ConfigError, InvalidArgument
+from warmbox.errors import ConfigError, InvalidArgument, LimitTooHigh
 from warmbox.models import Limits
 
 # Built-in templates. ``base``'s warm-up starts the Python code context (so a pooled sandbox's
@@ -128,6 +136,151 @@ class MicroVMSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class HostCapacity:
+    """What this host has, as far as one sandbox's limits go."""
+
+    memory_mb: int  # MemTotal
+    cpus: int  # CPUs this process (and so the sandboxes it starts) may run on
+    pids: int  # min(kernel.pid_max, kernel.threads-max)
+    open_files: int  # fs.nr_open: the largest RLIMIT_NOFILE the kernel accepts
+    disk_mb: int  # size of the filesystem holding the sandboxes' state
+
+
+def _read_int(path: str, default: int) -> int:
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+def host_capacity() -> HostCapacity:
+    mem_kb = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_kb = int(line.split()[1])
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    # the sandboxes' state lives under WARMBOX_RUNTIME_DIR or /var/lib/warmbox: the nearest that exists
+    where = Path(os.environ.get("WARMBOX_RUNTIME_DIR") or "/var/lib/warmbox").expanduser()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        st = os.statvfs(where)
+        disk_mb = st.f_blocks * st.f_frsize >> 20
+    except OSError:
+        disk_mb = 1 << 20
+    return HostCapacity(memory_mb=mem_kb >> 10 or 1024, cpus=max(1, cpus),
+                        pids=min(_read_int("/proc/sys/kernel/pid_max", 32768),
+                                 _read_int("/proc/sys/kernel/threads-max", 32768)),
+                        open_files=_read_int("/proc/sys/fs/nr_open", 1 << 20), disk_mb=max(1, disk_mb))
+
+
+# [limits] key -> (the Limits field it bounds, unit shown in messages)
+LIMIT_KEYS = {"max_memory_mb": ("memory_mb", "MiB"), "max_cpus": ("cpus", "CPUs"), "max_pids": ("pids", "pids"),
+              "max_tmp_mb": ("tmp_mb", "MiB"), "max_file_size_mb": ("file_size_mb", "MiB"),
+              "max_open_files": ("open_files", "files")}
+DEFAULT_MAX_OPEN_FILES = 65536
+
+
+def memory_reserve_mb(total_mb: int) -> int:
+    """What the host keeps for itself by default: a tenth of its memory, at least 256 MiB."""
+    return max(256, total_mb // 10)
+
+
+@dataclasses.dataclass(frozen=True)
+class LimitSettings:
+    """The most one sandbox may ask for: ``[limits]`` of warmbox.toml, bounded by the host.
+
+    sources: for each max_* key, where its value comes from (the host, a built-in default,
+    the file, or a WARMBOX_LIMITS__* variable).
+    """
+
+    max_memory_mb: int
+    max_cpus: float
+    max_pids: int
+    max_tmp_mb: int
+    max_file_size_mb: int
+    max_open_files: int
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def check(self, limits: Limits) -> None:
+        """Raise LimitTooHigh naming the first limit above its maximum (and where that comes from)."""
+        for key, (field, unit) in LIMIT_KEYS.items():
+            value, most = getattr(limits, field), getattr(self, key)
+            if value > most:
+                _too_high(field, value, f"[limits] {key}", most, unit, self.sources.get(key, ""))
+        if limits.tmp_mb > limits.memory_mb:
+            _too_high("tmp_mb", limits.tmp_mb, "its limits.memory_mb", limits.memory_mb, "MiB",
+                      "tmpfs pages are charged to the sandbox's memory")
+
+
+def _fmt(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v}"
+
+
+def _too_high(field: str, value: float, key: str, most: float, unit: str, source: str) -> None:
+    e = LimitTooHigh(f"limits.{field} = {value!r} is above {key} = {_fmt(most)} {unit} ({source})")
+    e.limit, e.value, e.maximum, e.source = field, value, most, source
+    raise e
+
+
+def _limits(t: dict, source: str, env_keys: frozenset[str], host: HostCapacity | None = None) -> LimitSettings:
+    """[limits]: each maximum is the admin's value if set, else a default; never above the host."""
+    _only(t, set(LIMIT_KEYS), "limits", source)
+    host = host_capacity() if host is None else host
+    reserve = memory_reserve_mb(host.memory_mb)
+    mem = f"host MemTotal {host.memory_mb} MiB"
+    cpus = f"the {host.cpus} CPUs warmbox may run on"
+    disk = f"the size of the disk holding the sandboxes, {host.disk_mb} MiB"
+    # key -> (default, where it comes from, hard host bound, what that bound is)
+    table: dict[str, tuple[float, str, float, str]] = {
+        "max_memory_mb": (max(16, host.memory_mb - reserve), f"the default: {mem} minus a {reserve} MiB reserve",
+                          host.memory_mb, mem),
+        "max_cpus": (host.cpus, f"the default: {cpus}", host.cpus, cpus),
+        "max_pids": (max(8, host.pids // 4), f"the default: a quarter of the host's {host.pids} pids",
+                     host.pids, f"the host's kernel.pid_max/threads-max, {host.pids}"),
+        "max_file_size_mb": (host.disk_mb, f"the default: {disk}", host.disk_mb, disk),
+        "max_open_files": (min(DEFAULT_MAX_OPEN_FILES, host.open_files), "the default",
+                           host.open_files, f"the host's fs.nr_open, {host.open_files}"),
+    }
+    values: dict[str, float] = {}
+    sources: dict[str, str] = {}
+
+    def given(key: str) -> str:
+        return f"WARMBOX_LIMITS__{key.upper()}" if key in env_keys else f"{source} [limits] {key}"
+
+    for key, (default, why, bound, bound_why) in table.items():
+        if key not in t:
+            values[key], sources[key] = default, why
+            continue
+        where = f"limits.{key}" + (f" ({given(key)})" if key in env_keys else "")
+        if key == "max_cpus":
+            v = _num(t[key], where, source, 0.01, 1e6)
+        else:
+            v = _int(t[key], where, source, 1, 1 << 40)
+        values[key], sources[key] = (v, given(key)) if v <= bound else \
+            (bound, f"{bound_why}; {given(key)} asks for {_fmt(v)}")
+    key = "max_tmp_mb"
+    if key in t:
+        v = _int(t[key], f"limits.{key}" + (f" ({given(key)})" if key in env_keys else ""), source, 1, 1 << 40)
+        values[key], sources[key] = (v, given(key)) if v <= values["max_memory_mb"] else \
+            (values["max_memory_mb"], f"max_memory_mb; {given(key)} asks for {v}")
+    else:
+        values[key], sources[key] = values["max_memory_mb"], "the default: max_memory_mb"
+    return LimitSettings(max_memory_mb=int(values["max_memory_mb"]), max_cpus=float(values["max_cpus"]),
+                         max_pids=int(values["max_pids"]), max_tmp_mb=int(values["max_tmp_mb"]),
+                         max_file_size_mb=int(values["max_file_size_mb"]),
+                         max_open_files=int(values["max_open_files"]),
+                         sources={k: sources[k] for k in LIMIT_KEYS})
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     source: str  # the file read, or "built-in defaults"
     defaults: Defaults
@@ -136,6 +289,11 @@ class Settings:
     daemon_idle_exit_s: float = 10.0
     network: NetworkSettings = NetworkSettings()
     microvm: MicroVMSettings = MicroVMSettings()
+    limits: LimitSettings = None  # type: ignore[assignment]  # None: [limits] defaults of this host
+
+    def __post_init__(self) -> None:
+        if self.limits is None:
+            object.__setattr__(self, "limits", _limits({}, self.source, frozenset()))
 
     def template(self, name: str) -> Template:
         t = self.templates.get(name)
@@ -192,13 +350,15 @@ def load(home: Path) -> Settings:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
         source = str(path)
-    _apply_env(raw, os.environ)
-    settings = parse(raw, source)
+    env_keys = _apply_env(raw, os.environ)
+    settings = parse(raw, source, env_keys=env_keys)
     _cache[path] = (key, settings)
     return settings
 
 
-def _apply_env(raw: dict[str, Any], environ: os._Environ | dict[str, str]) -> None:
+def _apply_env(raw: dict[str, Any], environ: os._Environ | dict[str, str]) -> frozenset[str]:
+    """Merge WARMBOX_A__B=v into raw; returns the [limits] keys set this way (sources name them)."""
+    limit_keys = set()
     for name, value in environ.items():
         if not name.startswith("WARMBOX_") or "__" not in name:
             continue
@@ -215,10 +375,16 @@ def _apply_env(raw: dict[str, Any], environ: os._Environ | dict[str, str]) -> No
             node[parts[-1]] = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:
             node[parts[-1]] = value
+        if len(parts) == 2 and parts[0] == "limits":
+            limit_keys.add(parts[1])
+    return frozenset(limit_keys)
 
 
-def parse(raw: dict[str, Any], source: str = "<settings>") -> Settings:
-    known = {"defaults", "templates", "pools", "daemon", "network", "microvm"}
+def parse(raw: dict[str, Any], source: str = "<settings>", *, env_keys: frozenset[str] = frozenset(),
+          host: HostCapacity | None = None) -> Settings:
+    """env_keys: [limits] keys that came from WARMBOX_LIMITS__*; host: capacity to bound limits by
+    (default: this host's)."""
+    known = {"defaults", "templates", "pools", "daemon", "network", "microvm", "limits"}
     for k in raw:
         if k not in known:
             raise ConfigError(f"{source}: unknown section [{k}] (known: {', '.join(sorted(known))})")
@@ -244,6 +410,7 @@ def parse(raw: dict[str, Any], source: str = "<settings>") -> Settings:
                                                     f"{where}.description", source))
     if defaults.template not in templates:
         raise ConfigError(f"{source}: defaults.template {defaults.template!r} is not a template")
+    maxima = _limits(_table(raw, "limits", source), source, env_keys, host)
     # the built-in pool exists only while the settings declare no [pools] at all
     pools_raw = dict(BUILTIN_POOLS) if "pools" not in raw else {}
     for name, body in _table(raw, "pools", source).items():
@@ -270,6 +437,12 @@ def parse(raw: dict[str, Any], source: str = "<settings>") -> Settings:
             raise ConfigError(f"{source}: {where}.limits: {e}") from None
         except InvalidArgument as e:
             raise ConfigError(f"{source}: {where}.{e}") from None
+        try:
+            maxima.check(limits)
+        except LimitTooHigh as e:
+            if "pools" not in raw:  # the built-in pool, beyond what [limits] allows: not kept
+                continue
+            raise ConfigError(f"{source}: {where}.{e}") from None
         pools[name] = PoolConfig(
             name=name, template=template, tier=_tier(body.get("tier", "container"), f"{where}.tier", source),
             min=lo, max=hi, target=min(max(target, lo), hi),
@@ -287,7 +460,7 @@ def parse(raw: dict[str, Any], source: str = "<settings>") -> Settings:
     return Settings(source=source, defaults=defaults, templates=templates, pools=pools,
                     daemon_idle_exit_s=_num(dm.get("idle_exit", 10.0), "daemon.idle_exit", source, 0.1, 86400),
                     network=_network(_table(raw, "network", source), source),
-                    microvm=_microvm(_table(raw, "microvm", source), source))
+                    microvm=_microvm(_table(raw, "microvm", source), source), limits=maxima)
 
 
 def _microvm(m: dict, source: str) -> MicroVMSettings:

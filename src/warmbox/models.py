@@ -25,7 +25,11 @@ class Limits:
     pids: maximum number of processes and threads.
     file_size_mb: largest file a process may write (RLIMIT_FSIZE), MiB.
     open_files: open file descriptors per process (RLIMIT_NOFILE).
-    tmp_mb: size of the /tmp and /home/user tmpfs mounts, MiB each.
+    tmp_mb: size of the /tmp and /home/user tmpfs mounts, MiB each; at most memory_mb (tmpfs
+        pages are charged to the sandbox's memory). Default: 256, or memory_mb when that is less.
+
+    Each is also bounded by the host (memory, CPUs, pids, ...) and by ``[limits] max_*`` in
+    warmbox.toml: a sandbox asking for more is refused with LimitTooHigh before it is created.
     """
 
     memory_mb: int = 512
@@ -33,9 +37,12 @@ class Limits:
     pids: int = 256
     file_size_mb: int = 1024
     open_files: int = 1024
-    tmp_mb: int = 256
+    tmp_mb: int = None  # type: ignore[assignment]  # None: min(256, memory_mb)
 
     def __post_init__(self) -> None:
+        if self.tmp_mb is None:
+            object.__setattr__(self, "tmp_mb", min(256, self.memory_mb) if isinstance(self.memory_mb, int)
+                               and not isinstance(self.memory_mb, bool) else 256)
         _positive("limits.memory_mb", self.memory_mb, integer=True, minimum=15)
         _positive("limits.cpus", self.cpus, minimum=0.009)
         _positive("limits.pids", self.pids, integer=True, minimum=7)

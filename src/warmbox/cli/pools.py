@@ -152,4 +152,9 @@ def show_config(as_json: bool) -> int:
         print(f"  {p.name:<10} tier={p.tier} template={p.template} min={p.min} max={p.max} target={p.target} "
               f"max_age={p.max_age_s:.0f}s idle_shrink={p.idle_shrink_s:.0f}s limits=({lim.memory_mb} MiB, "
               f"{lim.cpus} cpus, {lim.pids} pids)")
+    from warmbox import config
+
+    print("limits (the most one sandbox may ask for):")
+    for key in config.LIMIT_KEYS:
+        print(f"  {key:<17} {config._fmt(getattr(settings.limits, key)):<8} {settings.limits.sources.get(key, '')}")
     return 0

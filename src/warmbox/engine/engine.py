@@ -154,7 +154,8 @@ class Engine:
         self.home = home
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.runtime = runtime_dir(home)  # made when a backend first needs it
-        self.registry = Registry(home / "registry.db")
+        # every allocation (create, pool refill, restore of a snapshot) checks its limits first
+        self.registry = Registry(home / "registry.db", check_limits=self.check_limits)
         self._backends: dict[str, Backend] = {}
         self.owner = owner_tag(os.getpid())
 
@@ -190,6 +191,10 @@ class Engine:
 
     def settings(self) -> Settings:
         return config.load(self.home)
+
+    def check_limits(self, limits: Limits) -> None:
+        """LimitTooHigh if ``limits`` ask for more than this host has or ``[limits]`` allows."""
+        self.settings().limits.check(limits)
 
     # ---- create
 
@@ -232,6 +237,7 @@ class Engine:
             limits = Limits()
         elif not isinstance(limits, Limits):
             raise InvalidArgument(f"limits must be a warmbox.Limits, got {type(limits).__name__}")
+        settings.limits.check(limits)  # before any pool claim, row or directory
         if template is None:
             template = settings.defaults.template
         if not isinstance(template, str):

@@ -9,6 +9,7 @@ import dataclasses
 import sqlite3
 import time
 from pathlib import Path
+from typing import Callable
 
 from warmbox.backends.base import BackendHandle
 from warmbox.engine.lifecycle import LIVE, check_transition
@@ -199,11 +200,15 @@ class PoolRow:
 
 
 class Registry:
-    """ledger: where uid slots are claimed (the host-wide one unless a test gives its own)."""
+    """ledger: where uid slots are claimed (the host-wide one unless a test gives its own).
+    check_limits: called with a sandbox's Limits before any row is written (raises to refuse).
+    """
 
-    def __init__(self, path: Path, *, ledger: UidLedger | None = None) -> None:
+    def __init__(self, path: Path, *, ledger: UidLedger | None = None,
+                 check_limits: Callable[[Limits], None] | None = None) -> None:
         self.path = path
         self.ledger = ledger if ledger is not None else UidLedger()
+        self.check_limits = check_limits
         self._key = str(Path(path).resolve())  # how the ledger names this registry
         self._adopted = False
         try:
@@ -286,8 +291,11 @@ class Registry:
         """Insert a sandbox in state ``creating`` with a uid slot free on the whole host; returns the slot.
 
         The slot is claimed in the host-wide ledger (no other home's sandbox can have it) and
-        released when the sandbox is destroyed.
+        released when the sandbox is destroyed. Limits are checked (check_limits) first.
         """
+        if self.check_limits is not None:
+            self.check_limits(Limits(memory_mb=memory_mb, cpus=cpus, pids=pids, file_size_mb=file_size_mb,
+                                     open_files=open_files, tmp_mb=tmp_mb))
         now = time.time()
         try:
             if not self._adopted:
