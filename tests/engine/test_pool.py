@@ -142,7 +142,8 @@ def test_registry_claim_is_exclusive_under_contention(tmp_path):
 
     db = tmp_path / "r.db"
     # its own uid ledger: these 60 rows never exist, so they must not hold real ranges of the host
-    reg = Registry(db, ledger=UidLedger(tmp_path / "uids", slots=64, first=MAX_SLOTS - 100))
+    ledger = UidLedger(tmp_path / "uids", slots=64, first=MAX_SLOTS - 100)
+    reg = Registry(db, ledger=ledger)
     for i in range(60):
         sid = f"sb-{i:012x}"
         reg.allocate(sid, "container", "base", 3600, 512, 1.0, 256, "/nonexistent", "/nonexistent", pool="x",
@@ -152,7 +153,7 @@ def test_registry_claim_is_exclusive_under_contention(tmp_path):
     lock = threading.Lock()
 
     def worker() -> None:
-        r = Registry(db)  # its own connection, like another process
+        r = Registry(db, ledger=ledger)  # its own connection, like another process
         while True:
             c = r.claim("x", "s1", 60, "test")
             if c is None:
