@@ -127,6 +127,19 @@ def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path
     return final
 
 
+def tmpfs_sizes(lim) -> tuple[int, int]:
+    """(size of /tmp and of /home/user, size of /dev/shm) in MiB.
+
+    tmpfs pages are charged to the sandbox's memory limit, so full tmpfs mounts must leave room
+    for the processes: together they get at most memory_mb minus a quarter of it (≥ 96 MiB,
+    for the guest agent, the code contexts and gVisor's own kernel). A writer that fills
+    them gets ENOSPC; without this, filling /tmp and /home/user OOM-killed the guest agent.
+    """
+    shm = max(1, min(64, lim.memory_mb // 8))
+    budget = lim.memory_mb - max(96, lim.memory_mb // 4) - shm
+    return max(1, min(lim.tmp_mb, budget // 2)), shm
+
+
 @functools.lru_cache(maxsize=1)
 def _cgroup_v2() -> bool:  # read on every command's OOM check: the layout never changes
     return Path("/sys/fs/cgroup/cgroup.controllers").exists()
@@ -184,6 +197,7 @@ class RuncBackend:
         env = dict(BASE_ENV)
         env.update(dict(spec.envs))
         mib = 1 << 20
+        tmp_mb, shm_mb = tmpfs_sizes(lim)
         ns = [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup", "user")]
         nosuid = ["nosuid", "nodev"]
         mounts = [
@@ -193,15 +207,15 @@ class RuncBackend:
             {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
              "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
             {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
-             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+             "options": ["nosuid", "noexec", "nodev", "mode=1777", f"size={shm_mb}m"]},
             {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
             {"destination": "/usr", "type": "bind", "source": "/usr", "options": ["bind", "ro", *nosuid]},
             {"destination": "/workspace", "type": "bind", "source": str(workspace), "options": ["bind", "rw", *nosuid]},
             {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
-             "options": [*nosuid, "mode=1777", f"size={lim.tmp_mb}m"]},
+             "options": [*nosuid, "mode=1777", f"size={tmp_mb}m"]},
             {"destination": "/home/user", "type": "tmpfs", "source": "tmpfs",
-             "options": [*nosuid, "mode=755", f"uid={GUEST_UID}", f"gid={GUEST_GID}", f"size={lim.tmp_mb}m"]},
+             "options": [*nosuid, "mode=755", f"uid={GUEST_UID}", f"gid={GUEST_GID}", f"size={tmp_mb}m"]},
         ]
         period = 100_000
         return {
