@@ -73,7 +73,9 @@ def home() -> Path:
         asyncio.run(engine.destroy(info.sandbox_id, "test session teardown"))
     rt = engine.runtime
     runc_state = [p.name for p in (rt / "runc").iterdir()] if (rt / "runc").is_dir() else []
-    leftovers = set(_cgroup_leftovers()) - before
+    # only this home's sandboxes: other warmbox homes (a parallel session) may run meanwhile
+    ours = {i.sandbox_id for i in engine.list(include_dead=True)}
+    leftovers = {d for d in set(_cgroup_leftovers()) - before if d.rsplit("/", 1)[-1] in ours}
     sandboxes = [p.name for p in (rt / "sandboxes").iterdir()] if (rt / "sandboxes").is_dir() else []
     _stop_daemon(path)
     for d in Path("/sys/fs/cgroup").glob("*/warmbox"):  # runc's parent cgroups, if we made them

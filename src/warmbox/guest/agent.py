@@ -356,6 +356,7 @@ def _exec(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
 def _exec_inner(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
     if not msg.argv or any("\0" in a for a in msg.argv):
         raise _Fail(p.ErrorCode.INVALID, "argv must be a non-empty list without NUL bytes")
+    agent.hardened.wait(5)  # no user process before the agent is out of its reach
     start = time.monotonic()
     env = dict(os.environ)
     env.update(msg.env)
@@ -937,11 +938,13 @@ class Agent:
         self.oom = OomCounter()
         self.busy = Busy()
         self.workers = Workers()
+        self.hardened = threading.Event()  # set once the agent is not dumpable (see harden())
         self._contexts: dict[str, Context] = {}
         self._ctx_lock = threading.Lock()
         self._ctx_seq = 0
 
     def new_context(self, name: str, language: str, cwd: str, env: dict[str, str]) -> Context:
+        self.hardened.wait(5)
         with self._ctx_lock:
             if not name:
                 self._ctx_seq += 1
@@ -1051,10 +1054,31 @@ class Agent:
             return
 
 
+def harden(agent: "Agent") -> None:
+    """Make the agent non-dumpable: user code runs as the agent's uid, and could otherwise read
+    and write the agent's memory through /proc/1/mem or attach with ptrace. Children get the
+    flag back at exec (they are the user's). In a thread: importing ctypes costs ~5 ms, off the
+    start path; commands and contexts wait for it (``agent.hardened``)."""
+    try:
+        import ctypes
+
+        if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
+            print(f"warmbox agent: prctl(PR_SET_DUMPABLE) failed: errno {ctypes.get_errno()}", file=sys.stderr)
+    except Exception as e:  # no ctypes in the image: say so, keep serving
+        print(f"warmbox agent: cannot make itself non-dumpable: {e}", file=sys.stderr)
+    finally:
+        agent.hardened.set()
+
+
+def _start_hardening(agent: "Agent") -> None:
+    threading.Thread(target=harden, args=(agent,), daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--serial":
         agent = Agent(None, serial=SerialPort(argv[1]))
+        _start_hardening(agent)
         if os.getpid() == 1:
             for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(s, lambda *_: os._exit(0))
@@ -1072,6 +1096,7 @@ def main(argv: list[str] | None = None) -> None:
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(s, lambda *_: os._exit(0))
     agent = Agent(listener, argv[0] if argv else None)
+    _start_hardening(agent)
     if argv:  # listening on a path: after a quiesce the host's SIGUSR1 says "listen again"
         signal.signal(signal.SIGUSR1, lambda *_: agent.resume_signalled.set())
     agent.serve_forever()

@@ -1,0 +1,41 @@
+"""User code runs as the guest agent's uid but cannot read or write the agent's memory
+(/proc/<agent>/mem, ptrace): the agent makes itself non-dumpable before any user process runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from warmbox import Sandbox
+
+pytestmark = pytest.mark.sandbox
+
+PROBE = r"""
+import ctypes, os, sys
+agent = int(sys.argv[1])
+try:
+    with open(f"/proc/{agent}/mem", "rb") as f:
+        maps = open(f"/proc/{agent}/maps").readline()
+        f.seek(int(maps.split("-")[0], 16))
+        f.read(16)
+    print("mem:read")
+except OSError as e:
+    print("mem:refused", e.errno)
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.ptrace(16, agent, 0, 0) == 0:  # PTRACE_ATTACH
+    print("ptrace:attached")
+    libc.ptrace(17, agent, 0, 0)  # PTRACE_DETACH
+else:
+    print("ptrace:refused", ctypes.get_errno())
+"""
+
+
+def test_user_code_cannot_touch_the_agents_memory(tier):
+    with Sandbox.create(tier, timeout=300, pool=False) as sb:
+        r = sb.commands.run(["python3", "-c", PROBE, "1"])
+        assert r.exit_code == 0, r.stderr
+        assert "mem:read" not in r.stdout and "mem:refused" in r.stdout, r.stdout
+        assert "ptrace:attached" not in r.stdout and "ptrace:refused" in r.stdout, r.stdout
+        # and the user's own processes stay debuggable by the user (children are dumpable again)
+        r = sb.commands.run(["python3", "-c", "import os; print(open(f'/proc/{os.getpid()}/mem', 'rb') and 'own')"])
+        assert r.stdout == "own\n", r.stderr
+        assert sb.run_code("1 + 1").text == "2"
