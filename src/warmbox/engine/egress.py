@@ -4,6 +4,10 @@ The proxy process (:mod:`warmbox.network.proxy`) enforces; this module attaches 
 the egress namespace, stores the policy the proxy reads, hands the proxy the sandbox's secrets
 (over a root-only unix socket; they are never written to disk or into the sandbox), and sets
 the sandbox's proxy environment so pip, npm, git, curl and requests work unchanged.
+
+The proxy's supervisor restarts a proxy that dies; a network operation that finds nothing
+serving (the supervisor died too, or gave up) starts it once more and otherwise raises
+:class:`NetworkError` rather than report a policy nothing enforces (:func:`require_serving`).
 """
 
 from __future__ import annotations
@@ -12,8 +16,8 @@ import asyncio
 import json
 import os
 import secrets as _secrets
+import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
@@ -25,7 +29,7 @@ from warmbox.engine.guest_client import GuestClient
 from warmbox.models import ApprovalRequest, StageTiming
 from warmbox.network import netns
 from warmbox.network.policy import Policy, Secret
-from warmbox.network.proxy import control_path
+from warmbox.network.proxy import control_path, launch_argv, supervisor_pid_path
 from warmbox.storage.registry import UID_BASE, UID_RANGE
 
 if TYPE_CHECKING:
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
 PROXY_URL = f"http://{netns.GATEWAY}:{netns.PROXY_PORT}"
 CA_PATH = "/home/user/.warmbox/ca-bundle.pem"
 _PROXY_START_S = 15.0
+_SERVE_WAIT_S = 10.0  # how long a network operation waits for a dead proxy to serve again
 
 
 EgressError = NetworkError
@@ -53,9 +58,17 @@ def validate_secrets(secrets: object) -> dict[str, Secret]:
 
 
 def check_tier(engine: "Engine", tier: str, policy: Policy) -> None:
+    """Can ``policy`` be served on ``tier`` now? Raises BackendUnavailable or NetworkError.
+
+    Called before a sandbox is created with a policy and before a policy update is stored, so
+    it is also where an update learns that nothing would enforce it: with sandboxes linked,
+    the proxy must answer (restarted if it died) or the update fails loudly.
+    """
     if policy.enabled and policy.mode not in engine.backend(tier).capabilities().network_modes:
         raise BackendUnavailable(tier, f"network policy {policy.mode!r} is not supported on this tier "
                                        f"(supported: {', '.join(engine.backend(tier).capabilities().network_modes)})")
+    if policy.enabled and engine.registry.live_links():
+        require_serving(engine.home)
 
 
 def proxy_env(placeholders: dict[str, str], ca: bool) -> dict[str, str]:
@@ -101,37 +114,63 @@ class Control:
 
 async def ensure_proxy(home: Path) -> None:
     """Make sure this home's proxy runs and answers (starting it if needed)."""
-    deadline = time.monotonic() + _PROXY_START_S
-    started = False
+    await asyncio.to_thread(require_serving, home, _PROXY_START_S)
+
+
+def require_serving(home: Path, bound: float = _SERVE_WAIT_S) -> None:
+    """Return once this home's proxy answers; start it if nothing runs; else :class:`NetworkError`.
+
+    Blocking (at most ``bound`` seconds, about a millisecond when the proxy is up). A running
+    supervisor restarts a proxy that died by itself; this covers the supervisor's own death
+    (or its giving up): it is started once more, and if that does not serve either, the error
+    says so, with the last line of ``netproxy.log``.
+    """
+    deadline = time.monotonic() + bound
+    started: subprocess.Popen | None = None
     while True:
-        try:
-            c = await Control.open(home, timeout=1.0)
-            try:
-                r = await c.call({"op": "hello"}, timeout=2.0)
-            finally:
-                await c.close()
-            if r.get("ok"):
-                return
-        except (OSError, asyncio.TimeoutError, ValueError, EgressError):
-            pass
-        if not started and not _proxy_locked(home):
+        if _hello(home):
+            return
+        if started is None and not _proxy_locked(home):
             with open(home / "netproxy.log", "ab") as log:
-                subprocess.Popen([sys.executable, "-m", "warmbox.network.proxy", str(home)],
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-                                 start_new_session=True, close_fds=True)
-            started = True
-        if time.monotonic() > deadline:
+                started = subprocess.Popen([*launch_argv(), str(home)],
+                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                                           start_new_session=True, close_fds=True)
+        gave_up = started is not None and started.poll() is not None and not _proxy_locked(home)
+        if gave_up or time.monotonic() > deadline:
+            if gave_up and _hello(home):
+                return
             tail = ""
             try:
                 tail = (home / "netproxy.log").read_text(errors="replace").strip().splitlines()[-1][:300]
             except (OSError, IndexError):
                 pass
-            raise EgressError(f"the egress proxy did not start within {_PROXY_START_S:.0f} s"
+            raise EgressError(("the egress proxy could not be restarted" if gave_up else
+                               f"the egress proxy did not answer within {bound:.0f} s")
+                              + " (egress is down; every destination is unreachable)"
                               + (f": {tail}" if tail else ""))
-        await asyncio.sleep(0.05)
+        time.sleep(0.05)
+
+
+def _hello(home: Path, timeout: float = 1.0) -> bool:
+    """Does the proxy itself (not just its supervisor's socket) answer on the control socket?"""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(str(control_path(home)))
+            s.sendall(b'{"op": "hello"}\n')
+            buf = b""
+            while not buf.endswith(b"\n") and len(buf) < 4096:
+                data = s.recv(4096)
+                if not data:
+                    return False
+                buf += data
+        return bool(json.loads(buf).get("ok"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _proxy_locked(home: Path) -> bool:
+    """Does a proxy supervisor hold this home (running, or restarting its proxy)?"""
     import fcntl
 
     fd = os.open(home / "netproxy.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -145,6 +184,7 @@ def _proxy_locked(home: Path) -> bool:
 
 
 def proxy_pid(home: Path) -> int | None:
+    """PID of the serving proxy (None while none serves, e.g. between a death and its restart)."""
     try:
         pid = int((home / "netproxy.pid").read_text())
     except (OSError, ValueError):
@@ -152,9 +192,18 @@ def proxy_pid(home: Path) -> int | None:
     return pid if _proxy_locked(home) else None
 
 
+def supervisor_pid(home: Path) -> int | None:
+    """PID of the process that supervises (and restarts) the proxy."""
+    try:
+        pid = int(supervisor_pid_path(home).read_text())
+    except (OSError, ValueError):
+        return None
+    return pid if _proxy_locked(home) else None
+
+
 async def stop_proxy(home: Path, timeout: float = 10.0) -> None:
     """Stop the proxy (which removes the egress namespace on its way out) and wait for it."""
-    if proxy_pid(home) is None:
+    if not _proxy_locked(home):
         return
     try:
         c = await Control.open(home)
@@ -163,11 +212,14 @@ async def stop_proxy(home: Path, timeout: float = 10.0) -> None:
         finally:
             await c.close()
     except (OSError, asyncio.TimeoutError, ValueError, EgressError):
-        pid = proxy_pid(home)
+        pid = supervisor_pid(home)
         if pid is not None:
-            os.kill(pid, 15)
+            try:
+                os.kill(pid, 15)
+            except ProcessLookupError:
+                pass
     deadline = time.monotonic() + timeout
-    while proxy_pid(home) is not None and time.monotonic() < deadline:
+    while _proxy_locked(home) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
 
 
@@ -226,7 +278,7 @@ async def release(engine: "Engine", sandbox_id: str) -> None:
         return
     await netns.detach(netns.egress_name(engine.runtime), netns.Link(sandbox_id, row[0], row[1]))
     engine.registry.drop_link(sandbox_id)
-    if proxy_pid(engine.home) is not None:
+    if _proxy_locked(engine.home):  # (a proxy being restarted takes the message when it serves)
         try:
             c = await Control.open(engine.home)
             try:

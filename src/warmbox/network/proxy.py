@@ -1,7 +1,7 @@
-"""The egress proxy and resolver: the one process sandbox packets can reach (``python -m warmbox.network.proxy HOME``).
+"""The egress proxy and resolver: the one process sandbox packets can reach (:func:`main` ``HOME``).
 
 One per warmbox home, started on demand by the engine and gone when no sandbox has a link
-for a while. It listens inside the egress namespace (see :mod:`warmbox.network.netns`) and
+for a while; a supervisor process restarts it if it dies (see :class:`Supervisor`). It listens inside the egress namespace (see :mod:`warmbox.network.netns`) and
 opens upstream connections from its own namespace (the host's, or ``network.upstream_netns``).
 Per request it finds the sandbox by source address (the nftables table guarantees it is not
 spoofed), reads that sandbox's policy from the registry (so a policy update applies to the
@@ -23,6 +23,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import selectors
 import signal
 import socket
 import ssl
@@ -32,6 +33,9 @@ import time
 import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from warmbox import config
 from warmbox.errors import InvalidArgument, WarmboxError
@@ -206,8 +210,9 @@ def _close(writer: asyncio.StreamWriter) -> None:
 
 
 class Proxy:
-    def __init__(self, home: Path, settings: config.Settings) -> None:
+    def __init__(self, home: Path, settings: config.Settings, keeper: socket.socket | None = None) -> None:
         self.home = home
+        self.keeper = keeper  # to the supervisor, which keeps the registrations for a restart
         self.net = settings.network
         self.registry = Registry(home / "registry.db")
         self.secrets: dict[str, list[tuple[str, Secret]]] = {}  # sandbox -> [(placeholder, secret)]
@@ -239,6 +244,29 @@ class Proxy:
                 self.registry.finish_net_event(conn.event_id, conn.up, conn.down, detail)
             except WarmboxError:
                 pass
+
+    def keep(self, msg: dict) -> None:
+        """Tell the supervisor (it replays registrations into a restarted proxy; memory only)."""
+        if self.keeper is None:
+            return
+        try:
+            self.keeper.sendall((json.dumps(msg) + "\n").encode())
+        except OSError as e:
+            print(f"warmbox proxy: cannot reach the supervisor ({e}); {msg.get('op')} not kept", file=sys.stderr)
+
+    def restore(self, entries: list[dict]) -> None:
+        """Take back the registrations of a proxy that died (for sandboxes still linked)."""
+        for entry in entries:
+            sid = str(entry["sandbox_id"])
+            try:
+                if self.registry.link(sid) is None:
+                    self.keep({"op": "forget", "sandbox_id": sid})
+                    continue
+            except WarmboxError:
+                pass
+            self.secrets[sid] = [(str(x["placeholder"]), Secret(x["value"], x["hosts"])) for x in entry["secrets"]]
+            if entry.get("ca"):
+                self.cas[sid] = _restore_ca(self.home / "proxy" / sid, *entry["ca"])
 
     def policy_of(self, address: str) -> tuple[str, Policy] | None:
         try:
@@ -617,13 +645,17 @@ class Proxy:
             entries = [(str(s["placeholder"]), Secret(s["value"], s["hosts"])) for s in msg.get("secrets", [])]
             self.secrets[sid] = entries
             ca_pem = ""
+            kept: list[str] | None = None
             if entries:
                 ca = self.cas.get(sid) or SandboxCA(sid, self.home / "proxy" / sid)
                 self.cas[sid] = ca
                 ca_pem = ca.cert_pem
+                kept = _ca_pems(ca)
+            self.keep({"op": "register", "sandbox_id": sid, "secrets": msg.get("secrets", []), "ca": kept})
             return {"ok": True, "ca_pem": ca_pem}
         if op == "forget":
             sid = str(msg["sandbox_id"])
+            self.keep({"op": "forget", "sandbox_id": sid})
             self.secrets.pop(sid, None)
             ca = self.cas.pop(sid, None)
             if ca is not None:
@@ -656,6 +688,28 @@ class Proxy:
                 refreshed = time.monotonic()
 
 
+def _ca_pems(ca: SandboxCA) -> list[str]:
+    """[key PEM, certificate PEM] of a sandbox CA, for the supervisor's in-memory copy.
+
+    Reaches into SandboxCA (``_key``, ``_cert``, ``_contexts``): tls.py has no export/import of
+    its own; tests/network/test_supervision.py checks the round trip.
+    """
+    key = ca._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    return [key.decode(), ca.cert_pem]
+
+
+def _restore_ca(directory: Path, key_pem: str, cert_pem: str) -> SandboxCA:
+    """The SandboxCA whose key and certificate :func:`_ca_pems` exported (the sandbox trusts it)."""
+    ca = SandboxCA.__new__(SandboxCA)
+    ca.dir = directory
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    ca._key = serialization.load_pem_private_key(key_pem.encode(), None)
+    ca._cert = x509.load_pem_x509_certificate(cert_pem.encode())
+    ca._contexts = {}
+    return ca
+
+
 def _post_json(url: str, body: bytes, timeout: float) -> str:
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
     with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - operator-configured URL
@@ -684,9 +738,212 @@ def control_path(home: Path) -> Path:
     return home / "netproxy.sock"
 
 
+# ---- the supervisor: :func:`main` ``HOME`` (see :func:`launch_argv`)
+#
+# It holds the home's lock and the listening sockets (proxy, DNS, control) and runs the proxy
+# itself as a child (``--serve``) that inherits them, so a proxy that dies (SIGKILL, OOM, a
+# crash) is replaced on the same sockets: connections and queries that arrive meanwhile wait
+# in the kernel's queues and are then decided by the new proxy (with the registry's current
+# policies); nothing is forwarded while none runs. The proxy reports each registration
+# (secrets, the sandbox's CA) over a socketpair; the supervisor keeps them in memory only and
+# replays them into the next proxy. Each death is audited for every linked sandbox; after
+# RESTART_BACKOFF_S is exhausted within RESTART_WINDOW_S it gives up (audited as proxy-down)
+# and exits, leaving the egress namespace (the sandboxes' links) for whoever starts it again.
+# The proxy dies with its supervisor (PR_SET_PDEATHSIG), so no unsupervised proxy remains.
+
+RESTART_BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0)
+RESTART_WINDOW_S = 60.0
+STOP_GRACE_S = 10.0
+PR_SET_PDEATHSIG = 1
+
+
+def launch_argv() -> list[str]:
+    """The command line of this module's :func:`main` (not ``-m``: importing warmbox imports this
+    module already, and runpy would warn about running a second copy of it)."""
+    return [sys.executable, "-c", "import sys; from warmbox.network.proxy import main; sys.exit(main(sys.argv[1:]))"]
+
+
+def supervisor_pid_path(home: Path) -> Path:
+    return home / "netproxy.supervisor.pid"
+
+
+class Supervisor:
+    def __init__(self, home: Path, socks: list[socket.socket]) -> None:
+        self.home = home
+        self.socks = socks
+        self.registry = Registry(home / "registry.db")
+        self.state: dict[str, dict] = {}  # sandbox -> its last registration (memory only)
+        self.stopping = False
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.stopping = True
+        try:
+            os.write(self.wake_w, b"x")
+        except OSError:
+            pass
+
+    def log(self, text: str) -> None:
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} warmbox proxy supervisor: {text}", file=sys.stderr, flush=True)
+
+    def audit_outage(self, rule: str, detail: str) -> None:
+        """One ``proxy`` event (decision deny: nothing was served) for every linked sandbox."""
+        try:
+            for info, _ in self.registry.list(include_pooled=True):
+                if self.registry.link(info.sandbox_id) is not None:
+                    self.registry.add_net_event(NetEvent(info.sandbox_id, time.time(), "proxy", "*", "", 0, "deny",
+                                                         rule, 0, 0, detail))
+        except Exception as e:  # noqa: BLE001 - the supervisor outlives a registry hiccup
+            self.log(f"cannot audit {rule}: {e}")
+
+    def run(self) -> int:
+        """Run the proxy until it stops cleanly (0), or until it keeps dying (1)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        deaths: list[float] = []
+        while not self.stopping:
+            pid, rc, served_s = self.run_child()
+            if rc == 0 or self.stopping:
+                return 0
+            how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+            note = (f"the egress proxy (pid {pid}) {how} after serving {served_s:.1f} s" if served_s is not None
+                    else f"the egress proxy (pid {pid}) {how} before it served")
+            now = time.monotonic()
+            deaths = [t for t in deaths if now - t < RESTART_WINDOW_S] + [now]
+            if len(deaths) > len(RESTART_BACKOFF_S):
+                self.log(f"{note}; giving up after {len(deaths)} deaths within {RESTART_WINDOW_S:.0f} s")
+                self.audit_outage("proxy-down", f"{note}; not restarted again ({len(deaths)} deaths within "
+                                                f"{RESTART_WINDOW_S:.0f} s): egress is down until it is started "
+                                                f"again (see netproxy.log)")
+                return 1
+            self.log(f"{note}; restarting it")
+            if served_s is not None:  # a start that failed is not a new outage, just a longer one
+                self.audit_outage("proxy-restart", f"{note}; restarting it (connections open then were cut, "
+                                                   f"their byte counts end there)")
+            self._sleep(RESTART_BACKOFF_S[len(deaths) - 1])
+        return 0
+
+    def _sleep(self, seconds: float) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self.wake_r, selectors.EVENT_READ)
+        sel.select(seconds)
+        sel.close()
+
+    def run_child(self) -> tuple[int, int, float | None]:
+        """Start the proxy, feed it the kept registrations, serve its reports until it exits.
+
+        (pid, exit status as Popen reports it, seconds it served or None if it never did).
+        """
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds = [x.fileno() for x in self.socks] + [theirs.fileno()]
+        proc = subprocess.Popen([*launch_argv(), "--serve", str(self.home), str(os.getpid()), ",".join(map(str, fds))],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=fds)
+        theirs.close()
+        pidfd = os.pidfd_open(proc.pid)
+        ready_at: float | None = None
+        try:
+            mine.settimeout(10)
+            try:
+                mine.sendall((json.dumps({"restore": list(self.state.values())}) + "\n").encode())
+            except OSError:
+                pass  # it died already: reaped below
+            mine.setblocking(False)
+            sel = selectors.DefaultSelector()
+            sel.register(pidfd, selectors.EVENT_READ, "exit")
+            sel.register(mine, selectors.EVENT_READ, "report")
+            sel.register(self.wake_r, selectors.EVENT_READ, "signal")
+            buf = b""
+            kill_at = None
+            while True:
+                if self.stopping and kill_at is None:
+                    proc.send_signal(signal.SIGTERM)  # it stops cleanly (exit 0)
+                    kill_at = time.monotonic() + STOP_GRACE_S
+                if kill_at is not None and time.monotonic() > kill_at:
+                    proc.kill()
+                events = sel.select(1.0)
+                done = False
+                for key, _ in events:
+                    if key.data == "signal":
+                        try:
+                            os.read(self.wake_r, 64)
+                        except OSError:
+                            pass
+                    elif key.data == "report":
+                        buf, ready = self._reports(mine, buf, sel)
+                        if ready and ready_at is None:
+                            ready_at = time.monotonic()
+                            _write_pid(self.home / "netproxy.pid", proc.pid)
+                    else:
+                        done = True
+                if done:
+                    break
+            rc = proc.wait()
+            mine.setblocking(True)
+            mine.settimeout(0.5)
+            try:  # what it reported just before it died
+                while True:
+                    data = mine.recv(1 << 16)
+                    if not data:
+                        break
+                    buf += data
+            except OSError:
+                pass
+            self._apply(buf)
+            sel.close()
+        finally:
+            os.close(pidfd)
+            mine.close()
+            (self.home / "netproxy.pid").unlink(missing_ok=True)
+        return proc.pid, rc, (time.monotonic() - ready_at) if ready_at is not None else None
+
+    def _reports(self, sock: socket.socket, buf: bytes, sel: selectors.BaseSelector) -> tuple[bytes, bool]:
+        try:
+            data = sock.recv(1 << 16)
+        except BlockingIOError:
+            return buf, False
+        except OSError:
+            data = b""
+        if not data:
+            sel.unregister(sock)
+            return buf, False
+        buf += data
+        head, _, rest = buf.rpartition(b"\n")
+        return rest, self._apply(head + b"\n" if head else b"")
+
+    def _apply(self, lines: bytes) -> bool:
+        ready = False
+        for line in lines.splitlines():
+            try:
+                msg = json.loads(line)
+                op, sid = msg.get("op"), str(msg.get("sandbox_id", ""))
+            except (ValueError, AttributeError):
+                continue
+            if op == "register":
+                self.state[sid] = {"sandbox_id": sid, "secrets": msg.get("secrets", []), "ca": msg.get("ca")}
+            elif op == "forget":
+                self.state.pop(sid, None)
+            elif op == "ready":
+                ready = True
+        return ready
+
+
+def _write_pid(path: Path, pid: int) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(pid))
+    tmp.replace(path)
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--serve"]:
+        return serve(argv[1:])
     home = Path(argv[0])
-    settings = config.load(home)
     from warmbox.engine.engine import runtime_dir
 
     egress = netns.egress_name(runtime_dir(home))
@@ -694,7 +951,9 @@ def main(argv: list[str]) -> int:
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return 0  # another proxy serves this home
+        return 0  # another supervisor serves this home
+    prior = _read_pid(supervisor_pid_path(home))  # left only by one that did not get to stop
+    (home / "netproxy.pid").unlink(missing_ok=True)
     asyncio.run(netns.ensure_egress(egress))
     own_ns = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     netns.setns(netns.netns_path(egress))
@@ -704,31 +963,78 @@ def main(argv: list[str]) -> int:
     tcp.listen(512)
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.bind((netns.GATEWAY, netns.DNS_PORT))
+    netns.setns(f"/proc/self/fd/{own_ns}")
+    os.close(own_ns)
+    ctl_path = control_path(home)
+    ctl_path.unlink(missing_ok=True)
+    ctl = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o077)
+    try:
+        ctl.bind(str(ctl_path))
+    finally:
+        os.umask(old)
+    ctl.listen(128)
+    _write_pid(supervisor_pid_path(home), os.getpid())
+    sup = Supervisor(home, [tcp, udp, ctl])
+    # Linked sandboxes at a fresh start: their proxy died with its supervisor, or gave up
+    # (an attach starts the proxy before it records its link), so egress was down for them.
+    if prior is not None:
+        sup.log(f"the previous supervisor (pid {prior}) ended without stopping; starting again")
+    sup.audit_outage("proxy-restart", (f"the egress proxy's supervisor (pid {prior}) died, and the proxy with it"
+                                       if prior is not None else "the egress proxy was down")
+                     + f"; started again as supervisor pid {os.getpid()} (secrets registered before are lost: "
+                       f"their placeholders are sent unchanged)")
+    rc = 1
+    try:
+        rc = sup.run()
+    finally:
+        for x in (tcp, udp, ctl):
+            x.close()
+        ctl_path.unlink(missing_ok=True)
+        (home / "netproxy.pid").unlink(missing_ok=True)
+        if rc == 0:  # a clean stop: nothing is linked any more (or `warmbox down` asked)
+            asyncio.run(netns.remove_egress(egress))
+        supervisor_pid_path(home).unlink(missing_ok=True)
+    return rc
+
+
+def serve(argv: list[str]) -> int:
+    """The proxy proper, a child of the supervisor: ``--serve HOME SUPERVISOR_PID TCP,UDP,CTL,KEEPER``."""
+    home, parent = Path(argv[0]), int(argv[1])
+    tcp_fd, udp_fd, ctl_fd, keeper_fd = (int(x) for x in argv[2].split(","))
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:
+        return 1  # the supervisor is gone already
+    settings = config.load(home)
     if settings.network.upstream_netns:
         netns.setns(netns.netns_path(settings.network.upstream_netns))
-    else:
-        netns.setns(f"/proc/self/fd/{own_ns}")
-    os.close(own_ns)
+    tcp = socket.socket(fileno=tcp_fd)
+    udp = socket.socket(fileno=udp_fd)
+    ctl = socket.socket(fileno=ctl_fd)
+    keeper = socket.socket(fileno=keeper_fd)
+    keeper.settimeout(10)
+    with keeper.makefile("rb") as f:
+        restore = json.loads(f.readline(1 << 24) or b"{}").get("restore", [])
+    keeper.settimeout(2)
 
     async def run() -> None:
-        proxy = Proxy(home, settings)
+        proxy = Proxy(home, settings, keeper)
+        proxy.restore(restore)
         proxy.refresh_own()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, proxy.stopping.set)
         server = await asyncio.start_server(proxy.serve_client, sock=tcp, limit=MAX_HEAD)
         await loop.create_datagram_endpoint(lambda: _Dns(proxy), sock=udp)
-        ctl = control_path(home)
-        ctl.unlink(missing_ok=True)
-        old = os.umask(0o077)
-        control = await asyncio.start_unix_server(proxy.serve_control, path=str(ctl), limit=MAX_CONTROL_LINE)
-        os.umask(old)
-        (home / "netproxy.pid").write_text(str(os.getpid()))
+        control = await asyncio.start_unix_server(proxy.serve_control, sock=ctl, limit=MAX_CONTROL_LINE)
+        proxy.keep({"op": "ready", "pid": os.getpid()})
         watch = asyncio.ensure_future(proxy.idle_watch())
         await proxy.stopping.wait()
         watch.cancel()
         control.close()
-        ctl.unlink(missing_ok=True)
         server.close()
         for tasks in proxy.tasks.values():
             for t in tasks:
@@ -736,13 +1042,7 @@ def main(argv: list[str]) -> int:
         for ca in proxy.cas.values():
             ca.close()
 
-    try:
-        asyncio.run(run())
-    finally:
-        tcp.close()
-        udp.close()
-        asyncio.run(netns.remove_egress(egress))
-        (home / "netproxy.pid").unlink(missing_ok=True)
+    asyncio.run(run())
     return 0
 
 
