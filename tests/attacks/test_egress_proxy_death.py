@@ -165,3 +165,20 @@ def test_proxy_that_cannot_restart_fails_updates_loudly(net_home, world):
         outage = [e for e in sb.network.log() if e.kind == "proxy"]
         assert outage[0].rule == "proxy-restart" and outage[-1].rule == "proxy-restart"  # died ... back
         assert "was down; started again" in outage[-1].detail
+
+
+def test_approvals_are_asked_again_after_a_restart(net_home, world):
+    world.clear_logs()
+    asked = []
+
+    def hook(req):
+        asked.append(req.host)
+        return "allow_once" if req.host == "allowed.test" else "deny"
+
+    with Sandbox.create("container", network=Network(on_unknown="ask"), on_approval=hook, timeout=180,
+                        home=net_home) as sb:
+        assert code(sb, "http://allowed.test/hello.txt") == "200"
+        kill(egress.proxy_pid(net_home))
+        assert recovered(sb, world)  # the SDK subscribed to the new proxy: its hook answers again
+        assert asked[0] == "allowed.test" and asked[-1] == "allowed.test" and asked.count("allowed.test") >= 2
+        assert set(asked) <= {"allowed.test", "attacker.example.com"}
