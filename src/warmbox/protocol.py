@@ -78,6 +78,8 @@ class ErrorCode(_Closed):
     EXEC_FAILED = "exec_failed"
     CONTEXT_NOT_FOUND = "context_not_found"
     CONTEXT_DIED = "context_died"
+    NOT_REGULAR = "not_regular"  # a read of a FIFO, device or socket: refused, never read
+    TOO_LARGE = "too_large"  # a read of more than its max_bytes
     INTERNAL = "internal"
 
 
@@ -153,7 +155,26 @@ class Signal(Message):
 
 
 class ReadFile(Message):
-    FIELDS = "path:str"
+    """Read a regular file: answered by Chunk frames, then ChunkEnd, or a Failure at any point.
+
+    Anything but a regular file (FIFO, device, socket; symlinks are followed) is refused with
+    NOT_REGULAR without being read. ``max_bytes``: a file larger than that is refused up front
+    (TOO_LARGE), and one that turns out longer while it is read (it grows, or reports st_size 0
+    like /proc files) fails with TOO_LARGE before more than ``max_bytes`` was sent.
+    ``window``: flow control, bytes the agent may send beyond what the host acknowledged with
+    :class:`ReadAck` (0 = no flow control). The host stops a read early with :class:`Cancel`.
+    """
+    FIELDS = "path:str max_bytes:int window:int"
+
+
+class ReadAck(Message):
+    """During a ReadFile: the host took ``bytes`` more of its data (opens the agent's window)."""
+    FIELDS = "bytes:int"
+
+
+class Cancel(Message):
+    """Stop the ReadFile with this id (no answer; frames the agent already sent still arrive)."""
+    FIELDS = ""
 
 
 class WriteFile(Message):
@@ -299,6 +320,7 @@ class CodeDone(Message):
 HOST_TO_GUEST: tuple[type[Message], ...] = (
     Ping, Exec, StdinData, Signal, ReadFile, WriteFile, ListDir, Stat, MakeDir, Remove,
     ContextCreate, ContextRun, ContextDelete, Configure, GetUsage, Quiesce, Reseed, Chunk, ChunkEnd,
+    ReadAck, Cancel,
 )
 GUEST_TO_HOST: tuple[type[Message], ...] = (
     Pong, Started, Stdout, Stderr, Exited, Ok, Failure, Entry, ContextCreated, Display,

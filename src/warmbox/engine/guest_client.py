@@ -17,6 +17,8 @@ from warmbox import protocol as p
 from warmbox.errors import GuestConnectionError, GuestProtocolError, InvalidArgument, SandboxTimeout
 
 _END = object()
+_OVERFLOW = object()
+READ_WINDOW = 4 << 20  # bytes a ReadFile may have in flight: what a slow reader holds on the host at most
 
 
 class GuestClient:
@@ -27,7 +29,7 @@ class GuestClient:
         self._writer = writer
         self.sandbox_id = sandbox_id
         self._ids = itertools.count(1)
-        self._streams: dict[int, asyncio.Queue] = {}
+        self._streams: dict[int, Stream] = {}
         self._error: Exception | None = None
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
 
@@ -60,9 +62,9 @@ class GuestClient:
                 header = await self._reader.readexactly(hlen)
                 body = await self._reader.readexactly(blen) if blen else b""
                 msg = p.decode(header, body, p.GUEST_TO_HOST)
-                q = self._streams.get(msg.id)
-                if q is not None:
-                    q.put_nowait(msg)
+                stream = self._streams.get(msg.id)
+                if stream is not None:
+                    stream._feed(msg)
                 elif isinstance(msg, p.Failure) and msg.id == 0:
                     raise GuestProtocolError(f"guest rejected a frame: {msg.message}", self.sandbox_id)
         except p.ProtocolViolation as e:
@@ -74,8 +76,8 @@ class GuestClient:
         except asyncio.CancelledError:
             err = GuestConnectionError("client closed", self.sandbox_id)
         self._error = err
-        for q in self._streams.values():
-            q.put_nowait(_END)
+        for stream in self._streams.values():
+            stream._q.put_nowait(_END)
         self._writer.close()
 
     async def send(self, msg: p.Message) -> None:
@@ -91,22 +93,39 @@ class GuestClient:
         except (ConnectionError, OSError):
             raise GuestConnectionError("connection to the guest agent closed", self.sandbox_id) from None
 
-    @contextlib.asynccontextmanager
-    async def request(self, make, timeout: float | None = None) -> AsyncIterator["Stream"]:
-        """Send ``make(id)`` and yield a :class:`Stream` of the guest's answers to it.
+    async def open(self, make, timeout: float | None = None, budget: int | None = None) -> "Stream":
+        """Send ``make(id)``; the :class:`Stream` of the guest's answers, until its ``close()``.
 
         timeout: seconds, wall clock, for the whole exchange — the host's own bound, so a
-        guest that never answers cannot hang the caller (SandboxTimeout).
+        guest that never answers cannot hang the caller (SandboxTimeout). budget: bytes of
+        Chunk data the stream may hold untaken; a guest that sends more violates the protocol.
         """
         rid = next(self._ids)
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = q
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        stream = Stream(self, rid, deadline, budget)
+        self._streams[rid] = stream
         try:
             await self.send(make(rid))
-            yield Stream(self, rid, q, deadline)
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    @contextlib.asynccontextmanager
+    async def request(self, make, timeout: float | None = None) -> AsyncIterator["Stream"]:
+        """Send ``make(id)`` and yield a :class:`Stream` of the guest's answers to it (see open)."""
+        stream = await self.open(make, timeout)
+        try:
+            yield stream
         finally:
-            self._streams.pop(rid, None)
+            stream.close()
+
+    async def read_file(self, path: str, *, max_bytes: int, timeout: float | None = None,
+                        window: int = READ_WINDOW) -> "FileRead":
+        """Start a flow-controlled ReadFile of ``path`` (see :class:`FileRead`)."""
+        stream = await self.open(lambda i: p.ReadFile(i, path=path, max_bytes=max_bytes, window=window),
+                                 timeout, budget=window + p.CHUNK if window else None)
+        return FileRead(stream, max_bytes, window)
 
     async def call(self, make, expect: type[p.Message]) -> p.Message:
         """One request, one answer of type ``expect`` (a Failure is returned as-is)."""
@@ -140,19 +159,37 @@ class GuestClient:
 class Stream:
     """The frames answering one request."""
 
-    def __init__(self, client: GuestClient, rid: int, q: asyncio.Queue, deadline: float | None = None) -> None:
+    def __init__(self, client: GuestClient, rid: int, deadline: float | None = None,
+                 budget: int | None = None) -> None:
         self.client = client
         self.id = rid
-        self._q = q
+        self._q: asyncio.Queue = asyncio.Queue()
         self._deadline = deadline
+        self._budget = budget
+        self._held = 0  # bytes of Chunk data queued, not yet taken
 
-    async def get(self) -> p.Message:
-        if self._deadline is None:
+    def _feed(self, msg: p.Message) -> None:
+        """A frame from the read loop."""
+        if self._budget is not None and isinstance(msg, p.Chunk):
+            if self._held < 0:  # overflowed before: the rest is dropped
+                return
+            self._held += len(msg.data)
+            if self._held > self._budget:
+                self._held = -1
+                self._q.put_nowait(_OVERFLOW)
+                return
+        self._q.put_nowait(msg)
+
+    async def get(self, timeout: float | None = None) -> p.Message:
+        """The next frame; ``timeout`` (seconds) bounds this one wait, on top of the deadline."""
+        waits = [] if timeout is None else [timeout]
+        if self._deadline is not None:
+            waits.append(self._deadline - asyncio.get_running_loop().time())
+        if not waits:
             item = await self._q.get()
         else:
-            remaining = self._deadline - asyncio.get_running_loop().time()
             try:
-                item = await asyncio.wait_for(self._q.get(), max(remaining, 0))
+                item = await asyncio.wait_for(self._q.get(), max(min(waits), 0))
             except asyncio.TimeoutError:
                 raise SandboxTimeout("the guest agent did not finish in time (host-side bound)",
                                      self.client.sandbox_id) from None
@@ -160,11 +197,29 @@ class Stream:
             self._q.put_nowait(_END)
             assert self.client._error is not None
             raise self.client._error
+        if item is _OVERFLOW:
+            raise GuestProtocolError("the guest sent more file data than the read's window", self.client.sandbox_id)
+        if self._budget is not None and isinstance(item, p.Chunk):
+            self._held -= len(item.data)
         return item
 
-    async def next(self, *expect: type[p.Message]) -> p.Message:
+    def close(self) -> None:
+        """Stop routing the guest's answers here (later ones are dropped); idempotent."""
+        if self.client._streams.get(self.id) is self:
+            del self.client._streams[self.id]
+
+    def cancel(self) -> None:
+        """Tell the guest to stop this request (a ReadFile), then close; no-op once closed. On the loop."""
+        if self.client._streams.get(self.id) is not self:
+            return
+        self.close()
+        if self.client._error is None:
+            with contextlib.suppress(Exception):  # best effort: a broken connection ends the read anyway
+                self.client._writer.write(p.encode(p.Cancel(self.id)))
+
+    async def next(self, *expect: type[p.Message], timeout: float | None = None) -> p.Message:
         """Next frame, which must be one of ``expect`` or a Failure."""
-        msg = await self.get()
+        msg = await self.get(timeout)
         if not isinstance(msg, (p.Failure, *expect)):
             raise GuestProtocolError(
                 f"guest answered {type(msg).__name__}, expected {'/'.join(e.__name__ for e in expect)}",
@@ -173,3 +228,47 @@ class Stream:
 
     async def send(self, msg: p.Message) -> None:
         await self.client.send(msg)
+
+
+class FileRead:
+    """One ReadFile, flow-controlled: the guest sends at most ``window`` bytes beyond what was
+    taken here, so a slow consumer holds at most that much on the host; never more than
+    ``max_bytes`` in all. Whoever stops before the end calls :meth:`cancel` (the guest stops)."""
+
+    def __init__(self, stream: Stream, max_bytes: int, window: int) -> None:
+        self.stream = stream
+        self.max_bytes = max_bytes
+        self.received = 0
+        self.done = False
+        self._ack_every = max(1, window // 4)
+        self._unacked = 0
+
+    async def next(self, timeout: float | None = None) -> p.Message:
+        """The next Chunk, ChunkEnd or Failure (after the last two the read is over). timeout:
+        seconds for this one wait (SandboxTimeout; the read is cancelled on any error)."""
+        if self.done:
+            raise RuntimeError("the read is over")
+        try:
+            msg = await self.stream.next(p.Chunk, p.ChunkEnd, timeout=timeout)
+            if isinstance(msg, p.Chunk):
+                self.received += len(msg.data)
+                if self.received > self.max_bytes:
+                    raise GuestProtocolError(f"the guest sent more than max_bytes ({self.max_bytes})",
+                                             self.stream.client.sandbox_id)
+                self._unacked += len(msg.data)
+                if self._unacked >= self._ack_every:
+                    await self.stream.send(p.ReadAck(self.stream.id, bytes=self._unacked))
+                    self._unacked = 0
+                return msg
+        except BaseException:
+            self.cancel()
+            raise
+        self.done = True
+        self.stream.close()
+        return msg
+
+    def cancel(self) -> None:
+        """Stop the read in the guest (no-op once it is over). Call on the event loop."""
+        if not self.done:
+            self.done = True
+            self.stream.cancel()

@@ -62,6 +62,13 @@ class Inbox:
                 self._cond.wait()
             return self._items.popleft()
 
+    EMPTY = object()
+
+    def poll(self) -> object:
+        """The next item without waiting, or ``Inbox.EMPTY``."""
+        with self._cond:
+            return self._items.popleft() if self._items else Inbox.EMPTY
+
 
 class _Fail(Exception):
     def __init__(self, code: p.ErrorCode, message: str) -> None:
@@ -289,10 +296,20 @@ class Connection:
                 if isinstance(msg, (p.StdinData, p.Chunk, p.ChunkEnd)):
                     self.inbox(msg.id).put(msg)
                     continue
+                if isinstance(msg, (p.ReadAck, p.Cancel)):  # for a running read only: late ones are dropped
+                    with self._inbox_lock:
+                        box = self._inboxes.get(msg.id)
+                    if box is not None:
+                        box.put(msg)
+                    continue
+                if isinstance(msg, p.ReadFile):
+                    self.inbox(msg.id)  # before its worker starts: a Cancel may come first
                 if type(msg) in _INLINE:  # answered at once, no thread hand-off
                     self._handle(msg)
                     continue
                 if not self.agent.workers.submit(self._handle, msg):
+                    with self._inbox_lock:
+                        self._inboxes.pop(msg.id, None)
                     self.send(p.Failure(id=msg.id, code=p.ErrorCode.EXEC_FAILED,
                                         message="the sandbox's process limit (limits.pids) is reached; "
                                                 "the agent could not start a thread for this request"))
@@ -534,13 +551,61 @@ def _entry(rid: int, path: str, name: str | None = None) -> p.Entry:
                    mtime=st.st_mtime, target=target)
 
 
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY  # a FIFO cannot hold the open
+
+
+def _not_regular(path: str) -> _Fail:
+    return _Fail(p.ErrorCode.NOT_REGULAR, f"{path} is not a regular file (a FIFO, device or socket): not read")
+
+
 def _read_file(agent: "Agent", conn: Connection, msg: p.ReadFile) -> None:
-    with open(msg.path, "rb") as f:
+    """Stream a regular file (see protocol.ReadFile): never more than max_bytes, at most ``window``
+    bytes ahead of the host's acks; stops when the host cancels or goes away."""
+    if msg.max_bytes < 0 or msg.window < 0:
+        raise _Fail(p.ErrorCode.INVALID, "max_bytes and window must not be negative")
+    inbox = conn.inbox(msg.id)
+    st = os.stat(msg.path)  # no open at all (no device side effects) for what is refused anyway
+    if not (stat_mod.S_ISREG(st.st_mode) or stat_mod.S_ISDIR(st.st_mode)):
+        raise _not_regular(msg.path)
+    try:
+        fd = os.open(msg.path, _READ_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # a socket swapped in since the stat
+            raise _not_regular(msg.path) from None
+        raise
+    try:
+        st = os.fstat(fd)  # what was opened decides: the path may have been swapped meanwhile
+        if stat_mod.S_ISDIR(st.st_mode):
+            raise _Fail(p.ErrorCode.IS_A_DIRECTORY, f"{msg.path} is a directory")
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise _not_regular(msg.path)
+        if st.st_size > msg.max_bytes:
+            raise _Fail(p.ErrorCode.TOO_LARGE, f"{msg.path} is {st.st_size} bytes, more than max_bytes "
+                        f"({msg.max_bytes})")
+        os.set_blocking(fd, True)
+        sent = acked = 0
         while True:
-            data = f.read(p.CHUNK)
+            while True:  # the host's acks and cancels; wait for acks while the window is full
+                full = msg.window and sent - acked >= msg.window
+                item = inbox.get() if full else inbox.poll()
+                if item is Inbox.EMPTY:
+                    break
+                if item is None or isinstance(item, p.Cancel):
+                    return  # the host went away or stopped the read: no answer
+                if isinstance(item, p.ReadAck):
+                    acked += item.bytes
+            if conn.closed:
+                return
+            data = os.read(fd, min(p.CHUNK, msg.max_bytes - sent + 1))
             if not data:
                 break
+            if sent + len(data) > msg.max_bytes:
+                raise _Fail(p.ErrorCode.TOO_LARGE, f"{msg.path} is longer than max_bytes ({msg.max_bytes}): "
+                            "it grew while it was read, or its size was not known up front")
             conn.send(p.Chunk(id=msg.id, data=data))
+            sent += len(data)
+    finally:
+        os.close(fd)
     conn.send(p.ChunkEnd(id=msg.id))
 
 

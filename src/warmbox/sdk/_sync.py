@@ -3,7 +3,8 @@
 ``synchronize(AsyncX)`` builds class ``X`` whose coroutine methods block on a private event
 loop running in one daemon thread per process. Return values that are instances of other
 synchronized classes are wrapped, so ``Sandbox.create()`` returns a ``Sandbox`` whose
-``commands`` is a ``Commands``. Callbacks passed in run on that loop's thread.
+``commands`` is a ``Commands``. Callbacks passed in run on that loop's thread. An async
+iterator (``__anext__``) becomes an iterator.
 """
 
 from __future__ import annotations
@@ -70,6 +71,13 @@ def _classmethod(owner: type, name: str, fn: Any) -> Any:
     return classmethod(call)
 
 
+def _next(self: Any) -> Any:
+    try:
+        return _wrap(_RUNNER.run(self._async.__anext__()))
+    except StopAsyncIteration:
+        raise StopIteration from None
+
+
 def _property(name: str, prop: property) -> property:
     return property(lambda self: _wrap(getattr(self._async, name)), doc=prop.__doc__)
 
@@ -90,6 +98,9 @@ def synchronize(async_cls: type, name: str | None = None) -> type:
     # instance attributes holding sub-APIs (e.g. ``commands``) are exposed through properties
     for attr in getattr(async_cls, "_SYNC_ATTRS", ()):
         ns[attr] = property(lambda self, a=attr: _wrap(getattr(self._async, a)))
+    if hasattr(async_cls, "__anext__"):
+        ns["__iter__"] = lambda self: self
+        ns["__next__"] = _next
     if hasattr(async_cls, "__aenter__"):
         ns["__enter__"] = lambda self: self
         ns["__exit__"] = lambda self, *exc: _RUNNER.run(self._async.__aexit__(*exc))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import dataclasses
+import io
 import posixpath
 import time
 from collections.abc import Callable
@@ -18,19 +19,23 @@ from warmbox import protocol as p
 from warmbox.backends.base import BackendHandle
 from warmbox.engine import snapshot as snapshots
 from warmbox.engine.engine import Engine, validate_envs, validate_timeout
-from warmbox.engine.guest_client import GuestClient
+from warmbox.engine.guest_client import FileRead, GuestClient
 from warmbox.engine.lifecycle import Operation, check
-from warmbox.errors import (CommandFailed, ContextError, FilesError, GuestProtocolError, InvalidArgument,
-                            InvalidPath, IsADirectory, NoSpace, NotADirectory, PathExists, PathNotFound,
-                            PathPermissionDenied, SandboxError, WarmboxError)
+from warmbox.errors import (CommandFailed, ContextError, FilesError, FileTooLarge, GuestProtocolError,
+                            InvalidArgument, InvalidPath, IsADirectory, NoSpace, NotADirectory, NotARegularFile,
+                            PathExists, PathNotFound, PathPermissionDenied, SandboxError, SandboxTimeout,
+                            WarmboxError)
 from warmbox.models import (ApprovalRequest, CommandResult, EntryInfo, Execution, ExecutionError, Limits, NetEvent,
                             Result, SandboxInfo, SandboxMetrics, SnapshotRef, StageTiming, State)
 from warmbox.network.policy import Network, Secret
+from warmbox.sdk._sync import synchronize
 
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
 DEFAULT_MAX_OUTPUT = 10 << 20
 HOST_GRACE_S = 15.0  # the host's bound = the guest's timeout + this (kill and interrupt waits)
 MAX_DISPLAY_BYTES = 64 << 20
+DEFAULT_READ_MAX_BYTES = 100 << 20
+DEFAULT_READ_TIMEOUT_S = 60.0
 WORKDIR = "/workspace"
 _MAX_PATH = 4096
 
@@ -41,6 +46,8 @@ _FILE_ERRORS: dict[p.ErrorCode, type[SandboxError]] = {
     p.ErrorCode.NOT_A_DIRECTORY: NotADirectory,
     p.ErrorCode.PERMISSION_DENIED: PathPermissionDenied,
     p.ErrorCode.NO_SPACE: NoSpace,
+    p.ErrorCode.NOT_REGULAR: NotARegularFile,
+    p.ErrorCode.TOO_LARGE: FileTooLarge,
 }
 _MIME_FIELDS = {
     "text/plain": "text", "text/html": "html", "text/markdown": "markdown", "image/svg+xml": "svg",
@@ -591,27 +598,56 @@ class AsyncFiles:
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._sb = sandbox
 
-    async def read(self, path: str, *, format: str = "text") -> str | bytes:
-        """Whole file contents; ``format`` "text" (UTF-8) or "bytes"."""
-        self._sb._check_usable()
-        if format not in ("text", "bytes"):
-            raise InvalidArgument(f"format must be 'text' or 'bytes', got {format!r}")
+    async def read(self, path: str, *, format: str = "text", max_bytes: int = DEFAULT_READ_MAX_BYTES,
+                   timeout: float | None = DEFAULT_READ_TIMEOUT_S) -> "str | bytes | AsyncFileStream":
+        """A regular file's contents: ``format`` "text" (UTF-8), "bytes", or "stream" (an async
+        iterator of bytes chunks, for ``async for``; the sync Sandbox: an iterator, ``for``).
+
+        Symlinks are followed; a FIFO, device or socket raises NotARegularFile without being
+        read. max_bytes: a larger file raises FileTooLarge (nothing partial is returned; a
+        stream raises it after what fits), at most that much is ever held. A stream holds a few
+        MiB at most however slowly it is consumed: use it for large files; close() it (or use
+        ``with``) to stop early. timeout: seconds (None: no bound) for the whole read, or, for
+        a stream, for each chunk; on expiry SandboxTimeout, and the read stops in the sandbox.
+        """
+        sb = self._sb
+        sb._check_usable()
+        if format not in ("text", "bytes", "stream"):
+            raise InvalidArgument(f"format must be 'text', 'bytes' or 'stream', got {format!r}")
         path = sandbox_path(path)
-        buf = bytearray()
-        async with self._sb._client.request(lambda i: p.ReadFile(i, path=path)) as stream:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise InvalidArgument(f"max_bytes must be a positive number of bytes, got {max_bytes!r}")
+        t = _optional_timeout(timeout) or None
+        if format == "stream":
+            stream = AsyncFileStream(sb.sandbox_id, path, await sb._client.read_file(path, max_bytes=max_bytes), t)
+            await stream._start()
+            return stream
+        reader = await sb._client.read_file(path, max_bytes=max_bytes, timeout=t)
+        buf = io.BytesIO()  # grows in place: its getvalue() is no second copy
+        try:
             while True:
-                msg = await stream.next(p.Chunk, p.ChunkEnd)
+                try:
+                    msg = await reader.next()
+                except SandboxTimeout:
+                    raise SandboxTimeout(f"read {path}: not done within {t:g} s", sb.sandbox_id) from None
                 if isinstance(msg, p.Failure):
-                    _raise_failure(msg, self._sb.sandbox_id, f"read {path}")
+                    _raise_failure(msg, sb.sandbox_id, f"read {path}")
                 if isinstance(msg, p.ChunkEnd):
                     break
-                buf += msg.data
-        return bytes(buf) if format == "bytes" else buf.decode("utf-8", "replace")
+                buf.write(msg.data)
+        finally:
+            reader.cancel()  # no-op after the end
+        if format == "bytes":
+            return buf.getvalue()
+        with buf.getbuffer() as view:
+            return str(view, "utf-8", "replace")
 
     async def write(self, path: str, data: str | bytes, *, mode: int = 0o644, append: bool = False) -> EntryInfo:
         """Create or replace a file (parent directories are created); returns its entry."""
         self._sb._check_usable()
         path = sandbox_path(path)
+        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+            raise InvalidArgument(f"mode must be a permission number from 0 to 0o7777, got {mode!r}")
         if isinstance(data, str):
             raw = data.encode()
         elif isinstance(data, (bytes, bytearray, memoryview)):
@@ -673,4 +709,79 @@ class AsyncFiles:
             _raise_failure(msg, self._sb.sandbox_id, f"remove {path}")
 
 
-__all__ = ["AsyncSandbox", "AsyncCommands", "AsyncFiles", "CodeContext", "FilesError", "sandbox_path"]
+class AsyncFileStream:
+    """What ``files.read(path, format="stream")`` returns: the file's bytes in chunks (up to
+    256 KiB each) for ``async for`` (the sync Sandbox's twin: ``for``). Flow-controlled: the
+    sandbox sends a few MiB ahead of what was taken, no more. close() (or leaving a ``with``
+    block, or dropping the stream) stops the read in the sandbox; an error (FileTooLarge when
+    the file grew past max_bytes, SandboxTimeout when a chunk took longer than the timeout)
+    is raised by the iteration, after the chunks that came before it."""
+
+    def __init__(self, sandbox_id: str, path: str, reader: FileRead, timeout: float | None) -> None:
+        self._sandbox_id = sandbox_id
+        self._path = path
+        self._reader = reader
+        self._timeout = timeout
+        self._loop = asyncio.get_running_loop()
+        self._first: bytes | None = None
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes received so far."""
+        return self._reader.received
+
+    async def _start(self) -> None:
+        """Wait for the first answer, so a missing file or a FIFO raises from files.read itself."""
+        self._first = await self._take()
+
+    async def _take(self) -> bytes | None:
+        try:
+            msg = await self._reader.next(self._timeout)
+        except SandboxTimeout:
+            raise SandboxTimeout(f"read {self._path}: no data within {self._timeout:g} s", self._sandbox_id) from None
+        if isinstance(msg, p.Failure):
+            _raise_failure(msg, self._sandbox_id, f"read {self._path}")
+        return msg.data if isinstance(msg, p.Chunk) else None
+
+    def __aiter__(self) -> "AsyncFileStream":
+        return self
+
+    async def __anext__(self) -> bytes:
+        data, self._first = self._first, None
+        if data is None and not self._reader.done:
+            data = await self._take()
+        if data is None:
+            raise StopAsyncIteration
+        return data
+
+    async def close(self) -> None:
+        """Stop the read (in the sandbox too); what was not taken is dropped. Idempotent."""
+        self._first = None
+        self._reader.cancel()
+
+    async def __aenter__(self) -> "AsyncFileStream":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __del__(self) -> None:
+        reader = getattr(self, "_reader", None)
+        if reader is not None and not reader.done:
+            try:
+                self._loop.call_soon_threadsafe(reader.cancel)
+            except RuntimeError:  # the loop is closed: so is the connection
+                pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(path={self._path!r}, bytes_read={self.bytes_read})"
+
+
+FileStream = synchronize(AsyncFileStream, "FileStream")
+
+__all__ = ["AsyncSandbox", "AsyncCommands", "AsyncFiles", "AsyncFileStream", "CodeContext", "FileStream",
+           "FilesError", "sandbox_path"]
