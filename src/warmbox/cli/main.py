@@ -369,7 +369,7 @@ async def _snapshots(args: argparse.Namespace) -> int:
             print(f"{sid} deleted")
         return 0
     if args.action == "gc":
-        removed, broken = snaps.gc(engine, 0.0 if args.now else None)
+        removed, broken = await snaps.gc(engine, 0.0 if args.now else None)
         print(f"{removed} unreferenced blobs deleted from {snaps.store_for(engine).describe()}")
         for sid in broken:
             print(f"  unreadable manifest (cannot be restored; `warmbox snapshots rm {sid}`): {sid}")

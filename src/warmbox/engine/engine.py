@@ -597,7 +597,11 @@ class Engine:
         return True
 
     async def reap(self) -> list[str]:
-        """Destroy expired sandboxes, failed teardowns and creations whose creator died."""
+        """Destroy expired sandboxes, failed teardowns and creations whose creator died; first
+        finish or undo snapshot operations whose process died (a pause after its checkpoint)."""
+        from warmbox.engine import snapshot
+
+        await snapshot.recover(self)
         now = time.time()
         reaped = []
         orphans = {sid for sid, owner in self.registry.creating_with_owner() if owner and not _owner_alive(owner)}

@@ -8,11 +8,16 @@ the manifest says ``memory: false`` and restore starts fresh processes on the re
 
 Order of a pause, so that a crash at any point loses nothing: write the blob, write the
 manifest (from here the snapshot exists), record it, and only then release the sandbox.
-A process killed before the manifest leaves the sandbox running and an invisible temp file.
+Each operation keeps its temp artifacts in one directory it holds locked (``_Op``); a pause
+records itself there before it quiesces the agent. A process killed at any point leaves
+that directory unlocked, and ``recover`` (run by the daemon's reaper and ``snapshots gc``)
+removes it — after finishing a pause whose checkpoint had already stopped the runtime, or
+telling a still-running sandbox's agent to listen again.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import tempfile
@@ -104,6 +109,61 @@ def _workdir(engine: "Engine") -> Path:
     return d
 
 
+OP_PREFIX = ".op-"
+_OP_MIN_AGE_S = 5.0  # an op dir younger than this may not be locked by its creator yet
+
+
+class _Op:
+    """The temp directory of one snapshot/restore operation, locked (flock) while it runs.
+
+    Every temp artifact of the operation lives in it, so a killed process leaves one directory
+    whose lock is free: ``recover`` (the daemon, ``snapshots gc``) removes it, whatever its age,
+    or finishes what it recorded (a pause killed after its checkpoint).
+    """
+
+    def __init__(self, engine: "Engine", kind: str) -> None:
+        try:
+            self.path = Path(tempfile.mkdtemp(prefix=f"{OP_PREFIX}{kind}-", dir=_workdir(engine)))
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise _storage_error(e, f"{kind}: temp space") from None
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    @classmethod
+    def adopt(cls, path: Path) -> "_Op | None":
+        """Take over an orphaned op directory (None if someone else just did)."""
+        op = cls.__new__(cls)
+        op.path = path
+        try:
+            op.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(op.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(op.fd)
+            return None
+        return op
+
+    def record(self, **fields) -> None:
+        """What a recoverer needs to finish or undo the operation (written atomically)."""
+        tmp = self.path / "op.json.tmp"
+        tmp.write_text(json.dumps(fields))
+        os.rename(tmp, self.path / "op.json")
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self.fd)
+
+    def __enter__(self) -> "_Op":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 async def _run_code(client: GuestClient, code: str, sid: str) -> tuple[str, p.CodeDone]:
     out = bytearray()
     async with client.request(lambda i: p.ContextRun(i, context="default", code=code, timeout_s=_TIMEOUT_S,
@@ -159,17 +219,21 @@ async def snapshot(engine: "Engine", sandbox_id: str, client: GuestClient | None
     if memory:
         return await _memory_snapshot(engine, info, handle, client, parent=parent, env_names=env_names)
     store = store_for(engine)
-    work = _workdir(engine)
+    op = _Op(engine, "snapshot")
+    work = op.path
     own = client is None
-    if own:
-        client = await GuestClient.connect(handle.socket_path, sandbox_id)
     try:
-        fd, raw_name = tempfile.mkstemp(prefix=".snap-", suffix=".tar", dir=work)
-    except OSError as e:
         if own:
+            client = await GuestClient.connect(handle.socket_path, sandbox_id)
+        raw = work / "files.tar"
+        fd = os.open(raw, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except BaseException as e:
+        op.close()
+        if own and client is not None:
             await client.close()
-        raise _storage_error(e, f"snapshot of {sandbox_id}") from None
-    raw = Path(raw_name)
+        if isinstance(e, OSError):
+            raise _storage_error(e, f"snapshot of {sandbox_id}") from None
+        raise
     try:
         text, done = await _run_code(client, _SAVE, sandbox_id)
         context_saved = not done.error_name
@@ -203,7 +267,7 @@ async def snapshot(engine: "Engine", sandbox_id: str, client: GuestClient | None
         engine.registry.add_snapshot(m.snapshot_id, sandbox_id, m.created_at, size)
         return m
     finally:
-        raw.unlink(missing_ok=True)
+        op.close()
         try:
             await _exec(client, ["/bin/rm", "-f", STATE_FILE], sandbox_id)  # never leave the pickle behind
         except WarmboxError:
@@ -295,19 +359,23 @@ async def pause(engine: "Engine", sandbox_id: str, client: GuestClient | None, *
         m = await snapshot(engine, sandbox_id, client, **kw)
     finally:
         _pausing.pop(sandbox_id, None)
-    info, handle = engine.info(sandbox_id)
     if client is not None:
         await client.close()
+    await _release_paused(engine, sandbox_id, m)
+    return m
+
+
+async def _release_paused(engine: "Engine", sandbox_id: str, m: snaps.SnapshotManifest) -> None:
+    """The snapshot is complete: record the pause first, then release. A process killed in
+    between leaves a paused sandbox whose leftovers the daemon releases (its pauser is dead)."""
+    info, handle = engine.info(sandbox_id)
     await engine._read_meters(info, handle, None)
-    # The snapshot is complete: record the pause first, then release. A process killed in
-    # between leaves a paused sandbox whose leftovers the daemon releases (its pauser is dead).
     engine.registry.set_state(sandbox_id, State.PAUSED, f"paused to {m.snapshot_id}", owner=engine.owner)
     engine.registry.finalize(sandbox_id)
     await engine.backend(info.tier).destroy(handle)
     from warmbox.engine import egress
 
     await egress.release(engine, sandbox_id)  # a resumed sandbox is a new one, with its own policy
-    return m
 
 
 async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient | None, *, parent: str,
@@ -317,11 +385,7 @@ async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient |
     The sandbox's runtime exits with the checkpoint; pause() then releases the rest. If the
     checkpoint fails, the agent is told to listen again and the sandbox keeps running.
     """
-    import shutil
-
     backend = engine.backend(info.tier)
-    store = store_for(engine)
-    work = _workdir(engine)
     sid = info.sandbox_id
     own = client is None
     if own:
@@ -329,41 +393,27 @@ async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient |
     try:
         if not backend.capabilities().checkpoint_saves_workspace_sockets:
             await _refuse_workspace_sockets(client, sid)
-        reply = await client.call(lambda i: p.Quiesce(i), p.Ok)
+        op = _Op(engine, "pause")
+        try:
+            # from here on a killed pauser's work is finished or undone by ``recover``
+            op.record(kind="pause", sandbox_id=sid, parent=parent, env_names=list(env_names))
+            reply = await client.call(lambda i: p.Quiesce(i), p.Ok)
+        except BaseException:
+            op.close()
+            raise
         if isinstance(reply, p.Failure):
+            op.close()
             raise SandboxError(f"quiesce: {reply.message}", sid)
     finally:
         await client.close()
-    image_dir = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=work))
-    fd, raw_name = tempfile.mkstemp(prefix=".ws-", suffix=".tar", dir=work)
-    os.close(fd)
-    raw = Path(raw_name)
+    image_dir = op.path / "image"
+    image_dir.mkdir()
     checkpointed = False
     try:
-        image = await backend.checkpoint(handle, image_dir)
+        await backend.checkpoint(handle, image_dir)
         checkpointed = True
-        # after the checkpoint the runtime has stopped, so nothing changes under the tar; the tree
-        # is the guest's, so tar runs as its owner (hostfs): symlinks kept, sparse files sparse
-        try:
-            with open(raw, "wb") as out:
-                await hostfs.tar_create(Path(handle.state_dir) / "workspace", out.write,
-                                        max_bytes=MAX_SNAPSHOT_BYTES, timeout=_TIMEOUT_S)
-        except OSError as e:
-            raise _storage_error(e, f"snapshot of {sid}") from None
-        except StorageError as e:
-            raise StorageError(f"snapshot of {sid}: {e}") from None
-        try:
-            fs_sha, fs_size, fs_raw = snaps.put_blob(store, raw, work)
-            mem_sha, mem_size, mem_raw = snaps.put_blob(store, image, work, level=1)  # big, mostly zeros
-        except OSError as e:
-            raise _storage_error(e, f"snapshot of {sid}") from None
-        m = _manifest(engine, info, parent, env_names, (fs_sha, fs_size, fs_raw), memory=(mem_sha, mem_size, mem_raw),
-                      context_saved=True, context_skipped=())
-        if backend.capabilities().snapshot_start:  # its restores read the image in place: keep it unpacked
-            _keep_memory(engine, m.snapshot_id, image)
-        snaps.save_manifest(store, m, work)
-        engine.registry.add_snapshot(m.snapshot_id, sid, m.created_at, m.size_bytes)
-        return m
+        (op.path / "checkpointed").touch()  # the runtime has stopped: only forward from here
+        return await _store_checkpoint(engine, info, handle, op.path, parent, env_names)
     except BaseException as e:
         if not checkpointed:  # still running: let the agent listen again
             try:
@@ -380,8 +430,41 @@ async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient |
                                    f"(its files are gone with it): {str(e)[:300]}", sid) from None
         raise
     finally:
-        raw.unlink(missing_ok=True)
-        shutil.rmtree(image_dir, ignore_errors=True)
+        op.close()
+
+
+async def _store_checkpoint(engine: "Engine", info, handle, work: Path, parent: str,
+                            env_names: tuple[str, ...]) -> snaps.SnapshotManifest:
+    """Archive /workspace beside the checkpoint image in ``work``/image, store both, write the
+    manifest and record the snapshot (the runtime has stopped: nothing changes under the tar)."""
+    backend = engine.backend(info.tier)
+    store = store_for(engine)
+    sid = info.sandbox_id
+    image = work / "image" / "checkpoint.img"
+    if not image.is_file():
+        raise SandboxStartError("the checkpoint left no image", sid)
+    raw = work / "workspace.tar"
+    # the tree is the guest's, so tar runs as its owner (hostfs): symlinks kept, sparse files sparse
+    try:
+        with open(raw, "wb") as out:
+            await hostfs.tar_create(Path(handle.state_dir) / "workspace", out.write,
+                                    max_bytes=MAX_SNAPSHOT_BYTES, timeout=_TIMEOUT_S)
+    except OSError as e:
+        raise _storage_error(e, f"snapshot of {sid}") from None
+    except StorageError as e:
+        raise StorageError(f"snapshot of {sid}: {e}") from None
+    try:
+        fs_sha, fs_size, fs_raw = snaps.put_blob(store, raw, work)
+        mem_sha, mem_size, mem_raw = snaps.put_blob(store, image, work, level=1)  # big, mostly zeros
+    except OSError as e:
+        raise _storage_error(e, f"snapshot of {sid}") from None
+    m = _manifest(engine, info, parent, env_names, (fs_sha, fs_size, fs_raw), memory=(mem_sha, mem_size, mem_raw),
+                  context_saved=True, context_skipped=())
+    if backend.capabilities().snapshot_start:  # its restores read the image in place: keep it unpacked
+        _keep_memory(engine, m.snapshot_id, image)
+    snaps.save_manifest(store, m, work)
+    engine.registry.add_snapshot(m.snapshot_id, sid, m.created_at, m.size_bytes)
+    return m
 
 
 _FIND_SOCKETS = r"""
@@ -445,8 +528,8 @@ async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeou
     from warmbox.backends.base import SandboxSpec
     from warmbox.models import StageTiming
 
-    work = _workdir(engine)
-    image_dir = Path(tempfile.mkdtemp(prefix=".restore-", dir=work))
+    op = _Op(engine, "restore")
+    work = image_dir = op.path
     ws_tar = image_dir / "workspace.tar"
     t0 = time.perf_counter()
     try:
@@ -523,7 +606,7 @@ async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeou
         info, _ = engine.info(sandbox_id)
         return info, handle, client, timings
     finally:
-        shutil.rmtree(image_dir, ignore_errors=True)
+        op.close()
 
 
 def template_key(engine: "Engine", tier: str, shape: str) -> str:
@@ -649,10 +732,9 @@ async def restore(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float
         if envs:
             raise InvalidArgument("a memory snapshot continues its processes as they were: envs cannot change")
         return await _restore_memory(engine, m, timeout=timeout)
-    work = _workdir(engine)
-    fd, raw_name = tempfile.mkstemp(prefix=".restore-", suffix=".tar", dir=work)
-    os.close(fd)
-    raw = Path(raw_name)
+    op = _Op(engine, "restore")
+    work = op.path
+    raw = work / "files.tar"
     try:
         snaps.get_blob(store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, raw, work)
         limits = Limits(memory_mb=m.memory_mb, cpus=m.cpus, pids=m.pids, file_size_mb=m.file_size_mb,
@@ -680,7 +762,7 @@ async def restore(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float
         info, _ = engine.info(info.sandbox_id)
         return info, handle, client, timings
     finally:
-        raw.unlink(missing_ok=True)
+        op.close()
 
 
 async def resume(engine: "Engine", ref: str, *, timeout: float | None, envs: dict[str, str] | None):
@@ -720,13 +802,97 @@ def delete(engine: "Engine", snapshot_id: str) -> None:
     shutil.rmtree(_memory_cache(engine) / snapshot_id, ignore_errors=True)
 
 
-def gc(engine: "Engine", grace_s: float | None = None) -> tuple[int, list[str]]:
+def orphaned_ops(engine: "Engine") -> list[Path]:
+    """Op directories whose operation's process is gone (their lock is free)."""
+    out = []
+    for d in _workdir(engine).glob(OP_PREFIX + "*"):
+        try:
+            if time.time() - d.lstat().st_mtime < _OP_MIN_AGE_S or not d.is_dir() or d.is_symlink():
+                continue
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its operation still runs
+        finally:
+            os.close(fd)
+        out.append(d)
+    return out
+
+
+async def recover(engine: "Engine") -> list[str]:
+    """Finish or undo the operations whose process died; returns what was done, one line each.
+
+    A pause killed after its checkpoint (the runtime has stopped, its image is complete) is
+    finished: workspace and image are stored and the sandbox becomes ``paused``. One killed
+    before it leaves a running, quiesced sandbox: its agent is told to listen again. Any other
+    operation's temp files are removed.
+    """
+    import shutil
+
+    done = []
+    for d in orphaned_ops(engine):
+        op = _Op.adopt(d)
+        if op is None:
+            continue
+        try:
+            done.append(await _recover_one(engine, op))
+        except WarmboxError as e:
+            done.append(f"{d.name}: {e}")
+        finally:
+            op.close()
+    for f in _workdir(engine).glob(".*"):  # strays of older versions and of manifest reads
+        try:
+            if f.name.startswith(OP_PREFIX) or time.time() - f.lstat().st_mtime < 3600:
+                continue
+            if f.is_dir() and not f.is_symlink():
+                shutil.rmtree(f, ignore_errors=True)
+            else:
+                f.unlink(missing_ok=True)
+        except OSError:
+            pass
+    return done
+
+
+async def _recover_one(engine: "Engine", op: "_Op") -> str:
+    try:
+        rec = json.loads((op.path / "op.json").read_text())
+        sid, parent, env_names = rec["sandbox_id"], str(rec["parent"]), tuple(rec["env_names"])
+        if rec.get("kind") != "pause":
+            raise ValueError
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{op.path.name}: removed"
+    try:
+        info, handle = engine.info(sid)
+    except SandboxNotFound:
+        return f"{op.path.name}: removed ({sid} is gone)"
+    if info.state not in (State.READY, State.RUNNING):
+        return f"{op.path.name}: removed ({sid} is {info.state.value})"
+    backend = engine.backend(info.tier)
+    image = op.path / "image" / "checkpoint.img"
+    if await backend.alive(handle):  # killed before the checkpoint stopped it: let it run on
+        try:
+            await backend.resume_listening(handle)
+        except (OSError, WarmboxError):
+            pass
+        return f"{sid}: its pauser died before the checkpoint; it runs on"
+    if not image.is_file():
+        return f"{op.path.name}: removed ({sid} died without a checkpoint)"
+    # The checkpoint ran (its runtime exited with it): finish the pause the dead process began.
+    # An image without the "checkpointed" mark was written by a runsc that outlived its caller.
+    m = await _store_checkpoint(engine, info, handle, op.path, parent, env_names)
+    await _release_paused(engine, sid, m)
+    return f"{sid}: pause finished by recovery as {m.snapshot_id}"
+
+
+async def gc(engine: "Engine", grace_s: float | None = None) -> tuple[int, list[str]]:
+    """Recover dead operations (see ``recover``), then delete unreferenced blobs and caches."""
     store = store_for(engine)
     if isinstance(store, LocalObjectStore):
         store.clean_partial()
-    for f in _workdir(engine).glob(".*"):
-        if time.time() - f.stat().st_mtime > 3600:
-            f.unlink(missing_ok=True)
+    await recover(engine)
     got = snaps.gc(store, _workdir(engine), snaps.GC_GRACE_S if grace_s is None else grace_s)
     import shutil
 
