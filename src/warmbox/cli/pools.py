@@ -100,6 +100,17 @@ async def down_home(home) -> tuple[int | None, list[str]]:
     from warmbox.engine.pool import PoolManager
 
     engine = Engine.for_home(home)
+    # its guard first (it would start a new daemon after the one stopped here only if that one
+    # died unasked, but it may be starting one right now, after a crash: it stops that one too)
+    guard = daemon.guard_pid_of(engine.home)
+    if guard is not None:
+        try:
+            os.kill(guard, signal.SIGTERM)
+        except ProcessLookupError:
+            guard = None
+        deadline = time.monotonic() + 10
+        while guard is not None and daemon.guard_pid_of(engine.home) == guard and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
     pid = daemon.pid_of(engine.home)
     if pid is not None:
         try:

@@ -12,8 +12,6 @@ import math
 import os
 import re
 import secrets
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -458,6 +456,7 @@ class Engine:
         if info.expires_at <= time.time():
             await self.destroy(sandbox_id, "timeout expired")
             raise SandboxNotFound(f"sandbox {sandbox_id} expired and was destroyed", sandbox_id)
+        self.ensure_daemon()  # a live sandbox has a reaper (one flock probe when it runs)
         try:
             client = await GuestClient.connect(handle.socket_path, sandbox_id)
         except GuestConnectionError:
@@ -486,6 +485,7 @@ class Engine:
         check(Operation.SET_TIMEOUT, info.state, sandbox_id)
         expires = time.time() + timeout
         self.registry.set_expiry(sandbox_id, expires)
+        self.ensure_daemon()  # someone must enforce the new deadline
         return expires
 
     # ---- network
@@ -644,21 +644,10 @@ class Engine:
         return min(live) if live else None
 
     def ensure_daemon(self) -> None:
-        """Start this home's daemon (reaper, pools, meters) unless one runs (it holds an flock)."""
-        lock = self.home / "daemon.lock"
-        import fcntl
+        """Start this home's daemon (reaper, pools, meters) unless one runs (it holds an flock).
 
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return  # a reaper holds it
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-        with open(self.home / "daemon.log", "ab") as log:
-            subprocess.Popen(
-                [sys.executable, "-m", "warmbox.engine.daemon", str(self.home)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-                start_new_session=True, close_fds=True,
-            )
+        Started through its guard, which restarts it whenever it dies without meaning to (and
+        which it restarts in turn): see engine/daemon.py for what that guarantees."""
+        from warmbox.engine import daemon
+
+        daemon.ensure(self.home)
