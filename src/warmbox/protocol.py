@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import struct
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_HEADER = 1 << 20  # 1 MiB of JSON is far more than any legal header
 MAX_BODY = 4 << 20  # bytes per frame; larger payloads are chunked
 MAX_FRAME = 8 + MAX_HEADER + MAX_BODY

@@ -122,6 +122,11 @@ class GvisorBackend(tier2.RuncBackend):
         os.chmod(out, 0o755)
         (root / "etc" / "ld.so.preload").write_text(SHIM + "\n")
 
+    def template_fingerprint(self) -> str:
+        """A template's memory image holds a running guest agent: it restores only into the same
+        image (the image's name is the hash of the agent's sources and the shim)."""
+        return self.image().name
+
     # ---- lifecycle
 
     def config(self, spec: SandboxSpec, rootfs: Path, workspace: Path) -> dict:
