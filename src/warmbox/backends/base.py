@@ -78,6 +78,8 @@ class ResourceUsage:
 
 class Backend(Protocol):
     tier: ClassVar[str]
+    # files in a sandbox's state dir whose tails ``warmbox logs`` shows (kept after destroy)
+    runtime_logs: ClassVar[tuple[str, ...]]
 
     def capabilities(self) -> Capabilities: ...
 

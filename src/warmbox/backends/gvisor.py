@@ -163,8 +163,9 @@ class GvisorBackend(tier2.RuncBackend):
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         log = os.open(state / "agent.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            proc = await asyncio.create_subprocess_exec(*self._global(), *args, stdin=subprocess.DEVNULL,
-                                                        stdout=log, stderr=log)
+            # a Sentry panic goes to panic.log, kept with agent.log after the sandbox is gone
+            proc = await asyncio.create_subprocess_exec(*self._global(), f"--panic-log={state / 'panic.log'}",
+                                                        *args, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         finally:
             os.close(log)
         rc = await asyncio.wait_for(proc.wait(), START_TIMEOUT_S)

@@ -173,3 +173,55 @@ async def tar_extract(directory: str | Path, archive: str | Path, *, timeout: fl
     if proc.returncode != 0:
         raise StorageError(f"unpacking into {Path(directory).name}: tar exited {proc.returncode}: "
                            f"{err.decode(errors='replace').strip()[-300:]}")
+
+
+LOG_TAIL = 64 << 10  # bytes kept of each runtime log of an ended sandbox
+LOGS_KEPT = 500  # ended sandboxes whose logs are kept (oldest dropped first)
+
+
+def log_tails(state_dir: str | Path, names: tuple[str, ...]) -> bytes:
+    """The tails of a sandbox's runtime logs (runc/runsc/QEMU stderr, the agent's output, a
+    Sentry panic), each under a ``==> name <==`` line. The logs sit in the root-owned state dir
+    but their contents are the guest's: each is opened without following links, must be a
+    regular file, and only its last LOG_TAIL bytes are read."""
+    parts = []
+    try:
+        sfd = open_dir(state_dir)
+    except OSError:
+        return b""
+    try:
+        for name in names:
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sfd)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                os.lseek(fd, max(0, st.st_size - LOG_TAIL), os.SEEK_SET)
+                data = os.read(fd, LOG_TAIL)
+            finally:
+                os.close(fd)
+            cut = " (tail)" if st.st_size > LOG_TAIL else " (empty)" if not data else ""
+            parts.append(f"==> {name}{cut} <==\n".encode() + data + (b"" if data.endswith(b"\n") else b"\n"))
+    finally:
+        os.close(sfd)
+    return b"".join(parts)
+
+
+def keep_logs(state_dir: str | Path, names: tuple[str, ...], logs_dir: Path, sandbox_id: str) -> None:
+    """Keep ``log_tails`` of an ending sandbox in ``logs_dir/<sandbox_id>.log`` (``warmbox logs``)."""
+    data = log_tails(state_dir, names)
+    if not data:
+        return
+    try:
+        logs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = logs_dir / f".{sandbox_id}.tmp"
+        tmp.write_bytes(data)
+        os.rename(tmp, logs_dir / f"{sandbox_id}.log")
+        kept = sorted(logs_dir.glob("sb-*.log"), key=lambda f: f.stat().st_mtime)
+        for old in kept[:-LOGS_KEPT]:
+            old.unlink(missing_ok=True)
+    except OSError:
+        pass  # only a convenience: never fail a destroy over it

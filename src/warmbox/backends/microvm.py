@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Awaitable, Callable, ClassVar, TypeVar
 
+from warmbox.backends import hostfs
 from warmbox.backends import microvm_image as images
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
 from warmbox.errors import ConfigError, GuestConnectionError, SandboxError, SandboxStartError
@@ -625,6 +626,7 @@ class MicroVMBackend:
     """Tier 4 (``microvm``): QEMU microvm + Debian kernel; starts from memory snapshots."""
 
     tier: ClassVar[str] = "microvm"
+    runtime_logs: ClassVar[tuple[str, ...]] = ("qemu.log", "console.log", "relay.log")
     # run in the template VM before its memory is saved: these programs' files are then in the
     # guest page cache of every restored sandbox (a first command otherwise reads them from disk)
     template_warmup: ClassVar[tuple[tuple[str, ...], ...]] = (
@@ -891,6 +893,7 @@ class MicroVMBackend:
                 while _running(pid) and time.monotonic() < deadline:
                     await asyncio.sleep(0.005)
         await asyncio.to_thread(HostCgroup(handle.sandbox_id).remove)
+        hostfs.keep_logs(state, self.runtime_logs, self.runtime / "logs", handle.sandbox_id)
         shutil.rmtree(state, ignore_errors=True)
 
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Awaitable, Callable, ClassVar, TypeVar
 
-from warmbox.backends import seccomp
+from warmbox.backends import hostfs, seccomp
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
 from warmbox.errors import SandboxStartError
 
@@ -149,6 +149,7 @@ class RuncBackend:
     """Tier 2 (``container``): runc with user namespace, seccomp, cgroups, own network ns."""
 
     tier: ClassVar[str] = "container"
+    runtime_logs: ClassVar[tuple[str, ...]] = ("agent.log", "panic.log")  # runc/runsc + the agent's stdio
 
     def __init__(self, runtime: Path, runc: str | None = None) -> None:
         """runtime: a root-owned directory every ancestor of which the sandbox uid can traverse."""
@@ -460,6 +461,7 @@ class RuncBackend:
                     d.rmdir()
                 except OSError:
                     pass
+        hostfs.keep_logs(handle.state_dir, self.runtime_logs, self.runtime / "logs", handle.sandbox_id)
         shutil.rmtree(handle.state_dir, ignore_errors=True)
 
 

@@ -171,6 +171,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("doctor", help="which tiers this host can run")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--security", action="store_true",
+                   help="the guarantees warmbox gives against hostile code, each with the test that proves it")
+    p = sub.add_parser("logs", help="runtime logs of a sandbox (kept after it ended)")
+    p.add_argument("sandbox_id")
     sub.add_parser("demo", help="a short tour")
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True, parser_class=_Parser)
@@ -420,9 +424,24 @@ async def _kill(args: argparse.Namespace) -> int:
     return status
 
 
+async def _logs(args: argparse.Namespace) -> int:
+    from warmbox.engine.engine import Engine
+
+    text = Engine.for_home().logs(args.sandbox_id)
+    if not text:
+        print(f"no runtime logs kept for {args.sandbox_id}", file=sys.stderr)
+        return 1
+    sys.stdout.write(text)
+    return 0
+
+
 async def _doctor(args: argparse.Namespace) -> int:
     from warmbox.engine.engine import Engine
 
+    if args.security:
+        from warmbox.cli.security import print_guarantees
+
+        return print_guarantees(as_json=args.json)
     rows = Engine.for_home().doctor()
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows]))
@@ -468,7 +487,7 @@ async def _net(args: argparse.Namespace) -> int:
 
 _COMMANDS = {"net": _net, "run": _run, "create": _create, "exec": _exec, "ls": _ls, "kill": _kill, "metrics": _metrics,
              "snapshot": _snapshot, "pause": _snapshot, "resume": _resume, "snapshots": _snapshots,
-             "pool": _pool, "down": _down, "config": _config, "doctor": _doctor, "demo": _demo, "bench": _bench}
+             "pool": _pool, "down": _down, "config": _config, "doctor": _doctor, "logs": _logs, "demo": _demo, "bench": _bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -187,6 +187,23 @@ class Engine:
                 out.append(TierStatus(tier, False, e.reason))
         return out
 
+    def logs(self, sandbox_id: str) -> str:
+        """The tails of a sandbox's runtime logs (runtime, agent, a gVisor Sentry panic, QEMU),
+        live while it runs, kept after it ended (the last 500 ended sandboxes)."""
+        from warmbox.backends import hostfs
+
+        info, handle = self.info(sandbox_id)
+        data = b""
+        if Path(handle.state_dir).is_dir():
+            data = hostfs.log_tails(handle.state_dir, self.backend(info.tier).runtime_logs)
+        if not data:
+            try:
+                with open(self.runtime / "logs" / f"{sandbox_id}.log", "rb") as f:
+                    data = f.read(1 << 20)
+            except OSError:
+                pass
+        return data.decode("utf-8", "replace")
+
     def settings(self) -> Settings:
         return config.load(self.home)
 
