@@ -27,6 +27,9 @@ class Limits:
     open_files: open file descriptors per process (RLIMIT_NOFILE).
     tmp_mb: size of the /tmp and /home/user tmpfs mounts, MiB each; at most memory_mb (tmpfs
         pages are charged to the sandbox's memory). Default: 256, or memory_mb when that is less.
+        The container and gVisor tiers cap both mounts (and /dev/shm) further so that, full, they
+        leave a quarter of memory_mb (at least 96 MiB) to the processes: a writer gets ENOSPC
+        instead of the OOM killer taking the guest agent (512 MiB -> 160 MiB each).
 
     Each is also bounded by the host (memory, CPUs, pids, ...) and by ``[limits] max_*`` in
     warmbox.toml: a sandbox asking for more is refused with LimitTooHigh before it is created.
