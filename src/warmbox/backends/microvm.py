@@ -45,6 +45,7 @@ from typing import Awaitable, Callable, ClassVar, TypeVar
 from warmbox.backends import hostfs
 from warmbox.backends import microvm_image as images
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
+from warmbox.backends.runc import tmpfs_sizes
 from warmbox.errors import ConfigError, GuestConnectionError, SandboxError, SandboxStartError
 
 T = TypeVar("T")
@@ -100,7 +101,9 @@ def kernel_cmdline(limits, extra: str = "") -> str:
     if khz:
         parts += [f"tsc_early_khz={khz}", f"lpj={khz * 1000 // 250}", "tsc=reliable"]
     quota = "max" if limits.cpus >= math.ceil(limits.cpus) else str(max(1000, int(limits.cpus * 100_000)))
-    parts += [f"wb.mem_mb={limits.memory_mb}", f"wb.pids={limits.pids}", f"wb.tmp_mb={limits.tmp_mb}",
+    # full tmpfs mounts (the guest image's /dev/shm is 64 MiB) must leave memory to the processes
+    tmp_mb = tmpfs_sizes(limits, shm_mb=64)[0]
+    parts += [f"wb.mem_mb={limits.memory_mb}", f"wb.pids={limits.pids}", f"wb.tmp_mb={tmp_mb}",
               f"wb.cpu_quota={quota}", f"wb.nofile={limits.open_files}", f"wb.fsize_mb={limits.file_size_mb}"]
     return " ".join(parts + ([extra] if extra else []))
 

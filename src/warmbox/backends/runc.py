@@ -127,7 +127,7 @@ def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path
     return final
 
 
-def tmpfs_sizes(lim) -> tuple[int, int]:
+def tmpfs_sizes(lim, shm_mb: int | None = None) -> tuple[int, int]:
     """(size of /tmp and of /home/user, size of /dev/shm) in MiB.
 
     tmpfs pages are charged to the sandbox's memory limit, so full tmpfs mounts must leave room
@@ -135,7 +135,7 @@ def tmpfs_sizes(lim) -> tuple[int, int]:
     for the guest agent, the code contexts and gVisor's own kernel). A writer that fills
     them gets ENOSPC; without this, filling /tmp and /home/user OOM-killed the guest agent.
     """
-    shm = max(1, min(64, lim.memory_mb // 8))
+    shm = max(1, min(64, lim.memory_mb // 8)) if shm_mb is None else shm_mb
     budget = lim.memory_mb - max(96, lim.memory_mb // 4) - shm
     return max(1, min(lim.tmp_mb, budget // 2)), shm
 

@@ -36,7 +36,7 @@ GUARANTEES: tuple[Guarantee, ...] = (
               ("test_host_paths.py::test_pause_with_a_socket_in_workspace_is_refused_and_the_sandbox_lives",)),
     Guarantee("crashes", "files.read never buffers more than max_bytes on the host, refuses FIFOs, devices and "
               "sockets without blocking, and stops in the guest when the caller cancels, times out or leaves.",
-              _SHARED,
+              _ALL,
               ("test_files_read.py::test_symlink_to_dev_zero_is_refused_without_reading",
                "test_files_read.py::test_fifo_and_socket_are_refused_without_blocking",
                "test_files_read.py::test_large_file_is_refused_by_default_and_streams_in_bounded_memory",
@@ -45,9 +45,11 @@ GUARANTEES: tuple[Guarantee, ...] = (
                "test_files_read.py::test_reader_that_went_away_stops_the_agent",
                "test_files_read.py::test_file_longer_than_its_size_or_growing_fails_past_max_bytes",
                "test_files_read.py::test_bad_read_and_write_arguments_are_typed_errors",
-               "test_files_read.py::test_a_hostile_agent_cannot_make_the_host_buffer")),
+               "test_files_read.py::test_a_hostile_agent_cannot_make_the_host_buffer",
+               "test_microvm_attacks.py::test_microvm_files_read_is_bounded")),
     Guarantee("crashes", "Filling /tmp, /home/user and /dev/shm gets ENOSPC; the agent and the sandbox live.",
-              _SHARED, ("test_tmpfs_fill.py::test_full_tmpfs_mounts_get_enospc_and_the_sandbox_lives",)),
+              _ALL, ("test_tmpfs_fill.py::test_full_tmpfs_mounts_get_enospc_and_the_sandbox_lives",
+                     "test_microvm_attacks.py::test_microvm_full_tmpfs_gets_enospc_and_the_vm_lives")),
     Guarantee("crashes", "mount, unshare, setuid and chroot from the sandbox user fail or stay in nested "
               "namespaces and never end the sandbox; a dead sandbox's runtime logs are kept (warmbox logs).",
               _SHARED, ("test_unprivileged_syscalls.py::test_privileged_calls_fail_or_stay_nested_and_the_sandbox_lives",)),
@@ -73,7 +75,8 @@ GUARANTEES: tuple[Guarantee, ...] = (
                      "test_uid_slots.py::test_unreadable_holders_and_running_ranges_are_never_reclaimed",
                      "test_uid_slots.py::test_sandboxes_from_before_the_ledger_are_adopted")),
     Guarantee("isolation", "User code cannot read or write the guest agent's memory (/proc/1/mem, ptrace).",
-              _SHARED, ("test_agent_memory.py::test_user_code_cannot_touch_the_agents_memory",)),
+              _ALL, ("test_agent_memory.py::test_user_code_cannot_touch_the_agents_memory",
+                     "test_microvm_attacks.py::test_microvm_user_code_cannot_touch_the_agents_memory")),
     Guarantee("isolation", "Limits above the host's capacity or [limits] max_* are refused with LimitTooHigh "
               "before anything is created, on create, resume and fork.", _ALL,
               ("test_limits.py::test_absurd_limits_are_refused_naming_limit_value_maximum_and_source",
