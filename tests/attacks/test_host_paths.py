@@ -18,7 +18,7 @@ from warmbox import protocol as p
 from warmbox.backends import hostfs
 from warmbox.engine import snapshot as snapshots
 from warmbox.engine.guest_client import GuestClient
-from warmbox.errors import SnapshotUnsupported, WarmboxError
+from warmbox.errors import SnapshotUnsupported, StorageError, WarmboxError
 
 pytestmark = pytest.mark.sandbox
 
@@ -139,3 +139,19 @@ def test_memory_snapshot_keeps_absolute_symlinks_and_sparse_files(home, runc_rea
             sb.kill()
         except WarmboxError:
             pass
+
+
+def test_memory_snapshot_over_the_cap_is_refused_and_the_sandbox_continues(home, runc_ready, monkeypatch):
+    """WARMBOX_SNAPSHOT_MAX_BYTES applies to the host-side workspace tar too; a pause that
+    cannot be stored after its checkpoint stopped the runtime continues the sandbox from its
+    own image instead of losing it."""
+    require_tier(home, "gvisor")
+    monkeypatch.setattr(snapshots, "MAX_SNAPSHOT_BYTES", 8 << 20)
+    with Sandbox.create("gvisor", timeout=300) as sb:
+        sb.run_code("x = 41")
+        assert sb.commands.run("head -c 20M /dev/urandom > /workspace/big").exit_code == 0
+        digest = sb.commands.run("md5sum < /workspace/big").stdout
+        with pytest.raises(StorageError, match="WARMBOX_SNAPSHOT_MAX_BYTES"):
+            sb.pause(memory=True)
+        assert sb.run_code("x + 1").text == "42", "the processes did not continue"
+        assert sb.commands.run("md5sum < /workspace/big").stdout == digest

@@ -234,8 +234,14 @@ class GvisorBackend(tier2.RuncBackend):
                                     f"{err.decode(errors='replace').strip()[-300:]}", handle.sandbox_id)
 
     async def restore(self, handle: BackendHandle, image_dir: Path, ready: Callable[[], Awaitable[T]]) -> T:
-        """Continue a checkpointed sandbox in this (freshly created) bundle."""
+        """Continue a checkpointed sandbox in this bundle (freshly created, or its own after a
+        pause that could not be stored: the stopped container is deleted first)."""
         state = Path(handle.state_dir)
+        if self._state(handle) is not None:
+            proc = await asyncio.create_subprocess_exec(
+                *self._global(), "delete", "--force", handle.runtime_id,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+            await proc.wait()
         await self._detached(handle, "restore", ["restore", "--detach", f"--image-path={image_dir}", "--bundle",
                                                  str(state / "bundle"), handle.runtime_id])
         await self.resume_listening(handle)

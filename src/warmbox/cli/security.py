@@ -31,6 +31,9 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee("host paths", "Memory-snapshot workspace trees are archived and unpacked by tar running as the "
               "directory's owner: symlinks (absolute too) round-trip as data, sparse files stay sparse.",
               ("gvisor",), ("test_host_paths.py::test_memory_snapshot_keeps_absolute_symlinks_and_sparse_files",)),
+    Guarantee("lost work", "WARMBOX_SNAPSHOT_MAX_BYTES bounds every tier's snapshot; a pause that cannot be "
+              "stored after its checkpoint continues the sandbox from its own image.", ("gvisor",),
+              ("test_host_paths.py::test_memory_snapshot_over_the_cap_is_refused_and_the_sandbox_continues",)),
     Guarantee("crashes", "A unix socket in a gVisor /workspace (its checkpoint would panic) makes pause refuse "
               "up front; the sandbox keeps running.", ("gvisor",),
               ("test_host_paths.py::test_pause_with_a_socket_in_workspace_is_refused_and_the_sandbox_lives",)),

@@ -428,9 +428,34 @@ async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient |
                     pass
                 raise SandboxError(f"sandbox {sid} died in a failed memory checkpoint and was destroyed "
                                    f"(its files are gone with it): {str(e)[:300]}", sid) from None
+        elif isinstance(e, Exception) and (image_dir / "checkpoint.img").is_file():
+            # storing failed (too big, disk full, ...) after the checkpoint stopped the runtime:
+            # continue the sandbox from its own image, as if the pause had never been asked for
+            try:
+                await _revive(engine, handle, image_dir)
+            except WarmboxError as again:
+                raise SandboxError(f"pause of {sid} failed after its checkpoint ({str(e)[:200]}), and continuing "
+                                   f"the sandbox failed too ({str(again)[:200]}); recovery will finish or "
+                                   "release it", sid) from None
         raise
     finally:
         op.close()
+
+
+async def _revive(engine: "Engine", handle, image_dir: Path) -> None:
+    """Continue a checkpointed sandbox in place from ``image_dir`` (same id, state dir, files)."""
+    info, _ = engine.info(handle.sandbox_id)
+
+    async def ready() -> GuestClient:
+        client = await GuestClient.connect(handle.socket_path, handle.sandbox_id)
+        pong = await client.call(lambda i: p.Ping(i), p.Pong)
+        if not isinstance(pong, p.Pong):
+            await client.close()
+            raise SandboxError(f"the continued agent answered {pong!r}", handle.sandbox_id)
+        return client
+
+    client = await engine.backend(info.tier).restore(handle, image_dir, ready)
+    await client.close()
 
 
 async def _store_checkpoint(engine: "Engine", info, handle, work: Path, parent: str,
