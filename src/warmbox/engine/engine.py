@@ -95,6 +95,7 @@ def _owner_alive(owner: str) -> bool:
 
 WARMUP_TIMEOUT_S = 600.0
 CREATE_DEADLINE_S = WARMUP_TIMEOUT_S + 300.0
+TEMPLATE_VMS_KEY = "template-vms"  # see Engine.mark_template_vm
 
 
 async def _warm_up(client: GuestClient, tmpl: Template, sandbox_id: str) -> None:
@@ -620,7 +621,7 @@ class Engine:
 
         await snapshot.recover(self)
         now = time.time()
-        reaped = []
+        reaped = await self._reap_template_vms()
         orphans = {sid for sid, owner in self.registry.creating_with_owner() if owner and not _owner_alive(owner)}
         for info, _ in self.registry.list(include_pooled=True):
             if info.state in (State.CREATING, State.RETIRING) and info.sandbox_id not in orphans:
@@ -655,6 +656,91 @@ class Engine:
                 except Exception:
                     continue
         return reaped
+
+    # ---- template VMs in the making (snapshot.template_snapshot)
+    #
+    # A shape's template sandbox is no caller's: from the end of its start until it is paused
+    # into the template snapshot it is READY with a 1 h timeout, so neither the creating-orphan
+    # rule nor its timeout would end it soon if its creator died. Its creator marks it (meta
+    # ``template-vms``: {sandbox id: {"owner": creator's tag, "key": template key}}) and the
+    # reaper ends a marked sandbox whose creator is gone, adopting its snapshot as the shape's
+    # template if the pause got that far.
+
+    def _template_marks(self, change=None) -> dict[str, dict]:
+        import fcntl
+        import json
+
+        fd = os.open(self.home / "template-vms.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for one read-modify-write of one row
+            try:
+                marks = json.loads(self.registry.meta_text(TEMPLATE_VMS_KEY) or "{}")
+            except ValueError:
+                marks = {}
+            if not isinstance(marks, dict):
+                marks = {}
+            if change is not None:
+                change(marks)
+                self.registry.set_meta_text(TEMPLATE_VMS_KEY, json.dumps(marks))
+            return marks
+        finally:
+            os.close(fd)
+
+    def mark_template_vm(self, sandbox_id: str, key: str) -> None:
+        """This process makes ``sandbox_id`` into the template ``key``: if it dies first, the
+        reaper destroys the sandbox."""
+        self._template_marks(lambda m: m.__setitem__(sandbox_id, {"owner": self.owner, "key": key}))
+
+    def unmark_template_vm(self, sandbox_id: str) -> None:
+        self._template_marks(lambda m: m.pop(sandbox_id, None))
+
+    async def _reap_template_vms(self) -> list[str]:
+        if not self.registry.meta_text(TEMPLATE_VMS_KEY).strip("{} "):
+            return []  # nothing marked: no lock taken (the daemon looks every tick)
+        reaped = []
+        for sid, mark in self._template_marks().items():
+            owner = mark.get("owner") if isinstance(mark, dict) else None
+            if isinstance(owner, str) and owner and _owner_alive(owner):
+                continue  # its creator is still at it
+            try:
+                info, handle = self.registry.get(sid)
+            except SandboxNotFound:
+                self.unmark_template_vm(sid)
+                continue
+            if (info.state in (State.READY, State.RUNNING) and self._pause_pending(sid)
+                    and not await self.backend(info.tier).alive(handle)):
+                continue  # its memory is saved (nothing runs): recovery finishes the pause, then below
+            why = "template creator died"
+            if info.state is State.PAUSED:  # paused (by its creator, or by recovery) but not recorded
+                key = mark.get("key")
+                taken = self.registry.snapshots_of(sid)
+                if taken and isinstance(key, str) and key.startswith("template:"):
+                    if not self.registry.meta_text(key):
+                        self.registry.set_meta_text(key, taken[-1])
+                    if self.registry.meta_text(key) == taken[-1]:
+                        why = f"became template snapshot {taken[-1]} (recorded after its creator died)"
+            try:
+                if await self.destroy(sid, why):
+                    reaped.append(sid)
+            except Exception:  # retried next round
+                continue
+            self.unmark_template_vm(sid)
+        return reaped
+
+    def _pause_pending(self, sandbox_id: str) -> bool:
+        """A pause of ``sandbox_id`` left its operation directory (snapshot.recover finishes it)."""
+        import json
+
+        from warmbox.engine import snapshot
+
+        for op in (self.home / "tmp").glob(snapshot.OP_PREFIX + "pause-*"):
+            try:
+                rec = json.loads((op / "op.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(rec, dict) and rec.get("sandbox_id") == sandbox_id:
+                return True
+        return False
 
     def next_expiry(self) -> float | None:
         live = [i.expires_at for i in self.holding()]

@@ -692,16 +692,47 @@ async def template_snapshot(engine: "Engine", tier: str, tmpl, limits: Limits, s
     """The memory snapshot of a warmed-up template sandbox (made once per shape, then reused).
 
     Pools of a tier with memory snapshots restore their sandboxes from it instead of booting
-    and warming each one (under gVisor a cold Python + pandas start costs seconds).
+    and warming each one (under gVisor a cold Python + pandas start costs seconds). One maker
+    per shape and home, across processes (an flock: a killed maker holds it no longer); the
+    template sandbox of a maker that died is destroyed by the reaper (Engine.mark_template_vm).
     """
     import asyncio
 
     lock = _template_locks.setdefault(shape, asyncio.Lock())
     async with lock:  # concurrent refills make one template, not one each
-        return await _template_snapshot(engine, tier, tmpl, limits, shape)
+        fd = await _template_flock(engine, shape)
+        try:
+            return await _template_snapshot(engine, tier, tmpl, limits, shape)
+        finally:
+            os.close(fd)
 
 
 _template_locks: dict = {}
+
+
+async def _template_flock(engine: "Engine", shape: str) -> int:
+    """The shape's template lock (``templates/<hash>.lock`` in the home), waited for without
+    blocking the event loop: another process may be making the same template."""
+    import asyncio
+    import hashlib
+
+    d = engine.home / "templates"
+    try:
+        d.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(d / f"{hashlib.sha256(shape.encode()).hexdigest()[:16]}.lock",
+                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise _storage_error(e, "template lock") from None
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                await asyncio.sleep(0.1)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 async def _template_snapshot(engine: "Engine", tier: str, tmpl, limits: Limits, shape: str) -> snaps.SnapshotManifest:
@@ -715,6 +746,9 @@ async def _template_snapshot(engine: "Engine", tier: str, tmpl, limits: Limits, 
             pass  # gone or damaged: make a new one
     info, handle, client, _ = await engine._start(tier, tmpl, 3600.0, (), limits, "", "", time.perf_counter())
     try:
+        # from here until it is recorded as the template, a death of this process leaves a
+        # READY sandbox nobody would end for an hour: marked, the reaper ends it at once
+        engine.mark_template_vm(info.sandbox_id, key)
         # a tier's own warm-up before the image is taken (microvm: the files of the commands a
         # sandbox runs first are then in the guest's page cache, not read from its disk each time)
         for argv in getattr(engine.backend(tier), "template_warmup", ()):
@@ -722,14 +756,20 @@ async def _template_snapshot(engine: "Engine", tier: str, tmpl, limits: Limits, 
             if code != 0:
                 raise SandboxError(f"template warm-up {argv[0]} exited {code}: {err[-200:]}", info.sandbox_id)
         m = await pause(engine, info.sandbox_id, client, memory=True)
+        engine.registry.set_meta_text(key, m.snapshot_id)  # first: a death after it loses nothing
+        engine.registry.set_state(info.sandbox_id, State.DESTROYED, f"became template snapshot {m.snapshot_id}")
     except BaseException:
+        await client.close()
         try:
             await engine.destroy(info.sandbox_id, "template snapshot failed")
         except WarmboxError:
             pass
         raise
-    engine.registry.set_state(info.sandbox_id, State.DESTROYED, f"became template snapshot {m.snapshot_id}")
-    engine.registry.set_meta_text(key, m.snapshot_id)
+    finally:
+        try:
+            engine.unmark_template_vm(info.sandbox_id)
+        except (WarmboxError, OSError):
+            pass  # the reaper unmarks it once it sees this process gone
     return m
 
 
