@@ -92,6 +92,22 @@ async def warm(names: list[str], timeout: float) -> int:
     return 0
 
 
+async def _stop_guard(home) -> None:
+    """SIGTERM ``home``'s daemon guard and wait (at most 10 s) until it is gone."""
+    from warmbox.engine import daemon
+
+    guard = daemon.guard_pid_of(home)
+    if guard is None:
+        return
+    try:
+        os.kill(guard, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 10
+    while daemon.guard_pid_of(home) == guard and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
 async def down_home(home) -> tuple[int | None, list[str]]:
     """Stop ``home``'s daemon (it destroys its pooled sandboxes), then clean what a killed one
     left: creations whose creator died and pooled sandboxes. Returns (daemon pid, claimed ids left)."""
@@ -102,15 +118,7 @@ async def down_home(home) -> tuple[int | None, list[str]]:
     engine = Engine.for_home(home)
     # its guard first (it would start a new daemon after the one stopped here only if that one
     # died unasked, but it may be starting one right now, after a crash: it stops that one too)
-    guard = daemon.guard_pid_of(engine.home)
-    if guard is not None:
-        try:
-            os.kill(guard, signal.SIGTERM)
-        except ProcessLookupError:
-            guard = None
-        deadline = time.monotonic() + 10
-        while guard is not None and daemon.guard_pid_of(engine.home) == guard and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+    await _stop_guard(engine.home)
     pid = daemon.pid_of(engine.home)
     if pid is not None:
         try:
@@ -122,6 +130,7 @@ async def down_home(home) -> tuple[int | None, list[str]]:
         deadline = time.monotonic() + limit
         while pid is not None and daemon.pid_of(engine.home) == pid and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        await _stop_guard(engine.home)  # one the daemon started again just before it was told to stop
         if pid is not None and daemon.pid_of(engine.home) == pid:
             raise WarmboxError(f"the daemon (pid {pid}) did not stop within {limit:.0f} s")
     await engine.reap()
