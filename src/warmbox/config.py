@@ -33,6 +33,8 @@ An operator sees everything in one file::
     max_tmp_mb = 1024                   # default: max_memory_mb; a sandbox's tmp_mb <= its memory_mb
     max_file_size_mb = 10240            # default: the size of the disk holding /var/lib/warmbox
     max_open_files = 65536              # default: 65536 (up to fs.nr_open)
+    max_disk_mb = 20480                 # default: the size of the disk holding /var/lib/warmbox; a
+                                        # sandbox also needs its disk_mb free there (less a reserve)
 
 Bad settings raise :class:`~warmbox.errors.ConfigError` naming the file and key.
 """
@@ -184,13 +186,39 @@ def host_capacity() -> HostCapacity:
 # [limits] key -> (the Limits field it bounds, unit shown in messages)
 LIMIT_KEYS = {"max_memory_mb": ("memory_mb", "MiB"), "max_cpus": ("cpus", "CPUs"), "max_pids": ("pids", "pids"),
               "max_tmp_mb": ("tmp_mb", "MiB"), "max_file_size_mb": ("file_size_mb", "MiB"),
-              "max_open_files": ("open_files", "files")}
+              "max_open_files": ("open_files", "files"), "max_disk_mb": ("disk_mb", "MiB")}
 DEFAULT_MAX_OPEN_FILES = 65536
 
 
 def memory_reserve_mb(total_mb: int) -> int:
     """What the host keeps for itself by default: a tenth of its memory, at least 256 MiB."""
     return max(256, total_mb // 10)
+
+
+def disk_reserve_mb(total_mb: int) -> int:
+    """What a new sandbox's disk must leave free on the disk holding the sandboxes: a fiftieth of
+    it, at least 1 GiB (snapshots, logs and the registry are written there too)."""
+    return max(1024, total_mb // 50)
+
+
+def check_disk_free(limits: Limits, runtime: Path) -> None:
+    """LimitTooHigh if the disk holding ``runtime`` (the sandboxes' state) has less than
+    ``limits.disk_mb`` free beyond its reserve: that sandbox alone could fill it. Read at each
+    allocation, as the free space moves (a statvfs)."""
+    where = runtime
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return  # no disk to measure: the image's own creation fails if there is no room
+    total, free = st.f_blocks * st.f_frsize >> 20, st.f_bavail * st.f_frsize >> 20
+    reserve = disk_reserve_mb(total)
+    most = max(0, free - reserve)
+    if limits.disk_mb > most:
+        _too_high("disk_mb", limits.disk_mb, f"the free space of the disk holding {where}", most, "MiB",
+                  f"{free} MiB free of {total} MiB, less a reserve of {reserve} MiB: a sandbox's disk must fit "
+                  "in what is free")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +235,7 @@ class LimitSettings:
     max_tmp_mb: int
     max_file_size_mb: int
     max_open_files: int
+    max_disk_mb: int
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def check(self, limits: Limits) -> None:
@@ -248,6 +277,7 @@ def _limits(t: dict, source: str, env_keys: frozenset[str], host: HostCapacity |
         "max_file_size_mb": (host.disk_mb, f"the default: {disk}", host.disk_mb, disk),
         "max_open_files": (min(DEFAULT_MAX_OPEN_FILES, host.open_files), "the default",
                            host.open_files, f"the host's fs.nr_open, {host.open_files}"),
+        "max_disk_mb": (host.disk_mb, f"the default: {disk}", host.disk_mb, disk),
     }
     values: dict[str, float] = {}
     sources: dict[str, str] = {}
@@ -276,7 +306,7 @@ def _limits(t: dict, source: str, env_keys: frozenset[str], host: HostCapacity |
     return LimitSettings(max_memory_mb=int(values["max_memory_mb"]), max_cpus=float(values["max_cpus"]),
                          max_pids=int(values["max_pids"]), max_tmp_mb=int(values["max_tmp_mb"]),
                          max_file_size_mb=int(values["max_file_size_mb"]),
-                         max_open_files=int(values["max_open_files"]),
+                         max_open_files=int(values["max_open_files"]), max_disk_mb=int(values["max_disk_mb"]),
                          sources={k: sources[k] for k in LIMIT_KEYS})
 
 

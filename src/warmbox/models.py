@@ -30,6 +30,13 @@ class Limits:
         The container and gVisor tiers cap both mounts (and /dev/shm) further so that, full, they
         leave a quarter of memory_mb (at least 96 MiB) to the processes: a writer gets ENOSPC
         instead of the OOM killer taking the guest agent (512 MiB -> 160 MiB each).
+    disk_mb: size of /workspace, MiB: its own filesystem (a sparse image on the host, a virtual
+        disk in a microVM), so a writer gets ENOSPC there, and the host disk never gives the
+        sandbox more than this. The host pays only for what is written. Default: 10 GiB — room
+        for a cloned repository with its virtualenv or node_modules and a build; a sandbox is
+        also refused when the disk holding the sandboxes has less than this free (beyond a
+        reserve of 2 % of it, at least 1 GiB). Its filesystem's own metadata takes a little
+        (64 MiB: ~58 MiB usable; 10 GiB: ~1.5 %).
 
     Each is also bounded by the host (memory, CPUs, pids, ...) and by ``[limits] max_*`` in
     warmbox.toml: a sandbox asking for more is refused with LimitTooHigh before it is created.
@@ -41,6 +48,7 @@ class Limits:
     file_size_mb: int = 1024
     open_files: int = 1024
     tmp_mb: int = None  # type: ignore[assignment]  # None: min(256, memory_mb)
+    disk_mb: int = 10240
 
     def __post_init__(self) -> None:
         if self.tmp_mb is None:
@@ -52,6 +60,7 @@ class Limits:
         _positive("limits.file_size_mb", self.file_size_mb, integer=True)
         _positive("limits.open_files", self.open_files, integer=True, minimum=15)
         _positive("limits.tmp_mb", self.tmp_mb, integer=True)
+        _positive("limits.disk_mb", self.disk_mb, integer=True, minimum=15)
 
 
 class State(str, enum.Enum):

@@ -24,7 +24,8 @@ from tests.conftest import cli, set_config
 HOST = HostCapacity(memory_mb=8192, cpus=4, pids=32768, open_files=1 << 20, disk_mb=100_000)
 ABSURD = [("memory_mb", Limits(memory_mb=10**9)), ("cpus", Limits(cpus=1000)),
           ("tmp_mb", Limits(tmp_mb=10**9)), ("pids", Limits(pids=10**7)),
-          ("file_size_mb", Limits(file_size_mb=10**12)), ("open_files", Limits(open_files=10**8))]
+          ("file_size_mb", Limits(file_size_mb=10**12)), ("open_files", Limits(open_files=10**8)),
+          ("disk_mb", Limits(disk_mb=10**9))]
 
 
 # ---- pure validation (no sandbox)

@@ -22,7 +22,7 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
-from warmbox.errors import StorageError
+from warmbox.errors import NoSpace, StorageError
 
 TAR = "/bin/tar"
 _CHUNK = 1 << 20
@@ -171,8 +171,12 @@ async def tar_extract(directory: str | Path, archive: str | Path, *, timeout: fl
         await proc.wait()
         raise StorageError(f"unpacking into {Path(directory).name}: tar took longer than {timeout:.0f} s") from None
     if proc.returncode != 0:
-        raise StorageError(f"unpacking into {Path(directory).name}: tar exited {proc.returncode}: "
-                           f"{err.decode(errors='replace').strip()[-300:]}")
+        # NoSpace: the directory's filesystem (a sandbox's /workspace disk) is full (ENOSPC, or
+        # the short write a full filesystem gives tar)
+        full = b"No space left on device" in err or b": Wrote only " in err
+        raise (NoSpace if full else StorageError)(
+            f"unpacking into {Path(directory).name}: tar exited {proc.returncode}: "
+            f"{err.decode(errors='replace').strip()[-300:]}")
 
 
 LOG_TAIL = 64 << 10  # bytes kept of each runtime log of an ended sandbox

@@ -61,6 +61,7 @@ def _add_sandbox_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", type=int, default=Limits.memory_mb, metavar="MB", help="memory limit, MiB")
     p.add_argument("--cpus", type=float, default=Limits.cpus, help="CPU quota in cores")
     p.add_argument("--pids", type=int, default=Limits.pids, help="process/thread limit")
+    p.add_argument("--disk", type=int, default=Limits.disk_mb, metavar="MB", help="size of /workspace, MiB")
     _add_network_opts(p)
     p.add_argument("--secret", action="append", metavar="NAME=HOST[,HOST]",
                    help="pass host env var NAME as a brokered secret: the sandbox sees a placeholder, "
@@ -215,7 +216,7 @@ def _cmd(args: argparse.Namespace) -> list[str]:
 
 
 def _limits(args: argparse.Namespace) -> Limits:
-    return Limits(memory_mb=args.memory, cpus=args.cpus, pids=args.pids)
+    return Limits(memory_mb=args.memory, cpus=args.cpus, pids=args.pids, disk_mb=args.disk)
 
 
 def _create_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -209,8 +209,10 @@ class Engine:
         return config.load(self.home)
 
     def check_limits(self, limits: Limits) -> None:
-        """LimitTooHigh if ``limits`` ask for more than this host has or ``[limits]`` allows."""
+        """LimitTooHigh if ``limits`` ask for more than this host has or ``[limits]`` allows, or
+        for a disk larger than what is free where the sandboxes live (every allocation)."""
         self.settings().limits.check(limits)
+        config.check_disk_free(limits, self.runtime)
 
     # ---- create
 
@@ -387,7 +389,7 @@ class Engine:
         self.registry.allocate(sandbox_id, tier, tmpl.name, timeout, limits.memory_mb, limits.cpus,
                                limits.pids, str(state_dir), socket_path, pool=pool, owner=self.owner,
                                shape=shape, file_size_mb=limits.file_size_mb, open_files=limits.open_files,
-                               tmp_mb=limits.tmp_mb)
+                               tmp_mb=limits.tmp_mb, disk_mb=limits.disk_mb)
         if not pool:
             self.ensure_daemon()  # from here on, a crash of this process is cleaned up by the daemon
         info, handle = self.registry.get(sandbox_id)

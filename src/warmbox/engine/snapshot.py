@@ -29,8 +29,8 @@ from warmbox import protocol as p
 from warmbox.backends import hostfs
 from warmbox.engine.guest_client import GuestClient
 from warmbox.engine.lifecycle import Operation, check
-from warmbox.errors import (InvalidArgument, SandboxError, SandboxNotFound, SandboxStartError, SandboxStateError,
-                            SnapshotUnsupported, StorageError, StorageFull, WarmboxError)
+from warmbox.errors import (InvalidArgument, NoSpace, SandboxError, SandboxNotFound, SandboxStartError,
+                            SandboxStateError, SnapshotUnsupported, StorageError, StorageFull, WarmboxError)
 from warmbox.models import Limits, State
 from warmbox.storage import snapshots as snaps
 from warmbox.storage.objects import LocalObjectStore, ObjectStore
@@ -285,7 +285,8 @@ def _manifest(engine: "Engine", info, parent: str, env_names: tuple[str, ...], f
     return snaps.SnapshotManifest(
         snapshot_id=snaps.new_snapshot_id(), sandbox_id=info.sandbox_id, parent=parent, created_at=time.time(),
         tier=info.tier, template=info.template, memory_mb=lim.memory_mb, cpus=lim.cpus, pids=lim.pids,
-        file_size_mb=lim.file_size_mb, open_files=lim.open_files, tmp_mb=lim.tmp_mb, memory=memory is not None,
+        file_size_mb=lim.file_size_mb, open_files=lim.open_files, tmp_mb=lim.tmp_mb, disk_mb=lim.disk_mb,
+        memory=memory is not None,
         filesystem_sha256=files[0], filesystem_bytes=files[1], filesystem_raw_bytes=files[2],
         context_saved=context_saved, context_skipped=context_skipped, env_names=tuple(sorted(env_names)),
         memory_sha256=mem_sha, memory_bytes=mem_size, memory_raw_bytes=mem_raw)
@@ -558,6 +559,8 @@ async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeou
     ws_tar = image_dir / "workspace.tar"
     t0 = time.perf_counter()
     try:
+        limits = _limits_of(m)
+        _check_fits(m, limits.disk_mb << 20)  # before anything is fetched
         snaps.get_blob(store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, ws_tar, work)
         backend = engine.backend(m.tier)
         memory_dir = image_dir
@@ -566,8 +569,6 @@ async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeou
         else:
             snaps.get_blob(store_for(engine), m.memory_sha256, m.memory_bytes, m.memory_raw_bytes,
                            image_dir / "checkpoint.img", work)
-        limits = Limits(memory_mb=m.memory_mb, cpus=m.cpus, pids=m.pids, file_size_mb=m.file_size_mb,
-                        open_files=m.open_files, tmp_mb=m.tmp_mb)
         from warmbox.engine.engine import validate_timeout
         import secrets as _secrets
 
@@ -577,7 +578,8 @@ async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeou
         socket_path = str(state_dir / "run" / "agent.sock")
         engine.registry.allocate(sandbox_id, m.tier, m.template, timeout_s, limits.memory_mb, limits.cpus,
                                  limits.pids, str(state_dir), socket_path, owner=engine.owner, pool=pool, shape=shape,
-                                 file_size_mb=limits.file_size_mb, open_files=limits.open_files, tmp_mb=limits.tmp_mb)
+                                 file_size_mb=limits.file_size_mb, open_files=limits.open_files, tmp_mb=limits.tmp_mb,
+                                 disk_mb=limits.disk_mb)
         if not pool:
             engine.ensure_daemon()
         info, handle = engine.registry.get(sandbox_id)
@@ -590,7 +592,10 @@ async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeou
                                                       uid_base=handle.uid_base, envs=(), limits=limits))
             # unpacked by tar as the workspace's owner (the sandbox's uid on gVisor): what it
             # creates is the sandbox's, and no entry can make the host write outside it
-            await hostfs.tar_extract(state_dir / "workspace", ws_tar, timeout=_TIMEOUT_S)
+            try:
+                await hostfs.tar_extract(state_dir / "workspace", ws_tar, timeout=_TIMEOUT_S)
+            except NoSpace as e:  # the workspace's own filesystem (limits.disk_mb) is full
+                raise _too_big(m, limits, str(e), sandbox_id) from None
             t2 = time.perf_counter()
 
             async def ready() -> GuestClient:
@@ -801,14 +806,16 @@ async def restore(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float
     work = op.path
     raw = work / "files.tar"
     try:
+        limits = _limits_of(m)
+        _check_fits(m, (limits.disk_mb + 2 * limits.tmp_mb) << 20)  # /workspace, /tmp and /home/user
         snaps.get_blob(store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, raw, work)
-        limits = Limits(memory_mb=m.memory_mb, cpus=m.cpus, pids=m.pids, file_size_mb=m.file_size_mb,
-                        open_files=m.open_files, tmp_mb=m.tmp_mb)
         info, handle, client, timings = await engine.create(tier=m.tier, timeout=timeout, envs=envs, limits=limits,
                                                              template=m.template, pool=pool)
         try:
             code, err = await _exec(client, ["/bin/tar", "-C", "/", "--numeric-owner", "--no-overwrite-dir", "-xpf", "-"],
                                     info.sandbox_id, source=raw)
+            if code != 0 and _disk_full(err):
+                raise _too_big(m, limits, err[-300:], info.sandbox_id)
             if code != 0:
                 raise SandboxError(f"restoring files: tar exited {code}: {err[-300:]}", info.sandbox_id)
             if m.context_saved:
@@ -828,6 +835,32 @@ async def restore(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float
         return info, handle, client, timings
     finally:
         op.close()
+
+
+def _limits_of(m: snaps.SnapshotManifest) -> Limits:
+    """The limits a snapshot comes back with: its sandbox's (a manifest from before disk quotas
+    gets the default disk)."""
+    return Limits(memory_mb=m.memory_mb, cpus=m.cpus, pids=m.pids, file_size_mb=m.file_size_mb,
+                  open_files=m.open_files, tmp_mb=m.tmp_mb, **({"disk_mb": m.disk_mb} if m.disk_mb else {}))
+
+
+def _check_fits(m: snaps.SnapshotManifest, room: int) -> None:
+    """NoSpace up front when the snapshot's files are clearly larger than the sandbox's filesystems
+    (a margin for archive headers and disk-image metadata; a closer miss is the unpacking's NoSpace)."""
+    if m.filesystem_raw_bytes > room + room // 32 + (16 << 20):
+        raise NoSpace(f"snapshot {m.snapshot_id} holds {m.filesystem_raw_bytes >> 20} MiB of files: more than "
+                      f"the {room >> 20} MiB its sandbox's disk{' and tmpfs mounts' if not m.memory else ''} can hold "
+                      f"(limits.disk_mb = {_limits_of(m).disk_mb})", m.sandbox_id)
+
+
+def _disk_full(tar_stderr: str) -> bool:
+    """GNU tar ran out of room: ENOSPC, or the short write a full filesystem gives it."""
+    return "No space left on device" in tar_stderr or ": Wrote only " in tar_stderr
+
+
+def _too_big(m: snaps.SnapshotManifest, limits: Limits, detail: str, sandbox_id: str) -> NoSpace:
+    return NoSpace(f"snapshot {m.snapshot_id} does not fit the disk of its new sandbox (limits.disk_mb = "
+                   f"{limits.disk_mb}): {detail.strip()[-200:]}", sandbox_id)
 
 
 async def resume(engine: "Engine", ref: str, *, timeout: float | None, envs: dict[str, str] | None):

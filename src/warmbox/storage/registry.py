@@ -18,7 +18,7 @@ from warmbox.models import Limits, NetEvent, PoolEvent, SandboxInfo, StageTiming
 from warmbox.storage.uidslots import (HOLDING_STATES, MAX_SLOTS, UID_BASE, UID_RANGE, UidLedger,  # noqa: F401
                                      registry_holds, row_holds)
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     file_size_mb INTEGER NOT NULL DEFAULT 1024,
     open_files  INTEGER NOT NULL DEFAULT 1024,
     tmp_mb      INTEGER NOT NULL DEFAULT 256,
-    parent_snapshot TEXT NOT NULL DEFAULT ''
+    parent_snapshot TEXT NOT NULL DEFAULT '',
+    disk_mb     INTEGER NOT NULL DEFAULT 10240
 );
 CREATE TABLE IF NOT EXISTS snapshots (
     snapshot_id TEXT PRIMARY KEY,
@@ -149,6 +150,7 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE sandboxes ADD COLUMN open_files INTEGER NOT NULL DEFAULT 1024",
     "ALTER TABLE sandboxes ADD COLUMN tmp_mb INTEGER NOT NULL DEFAULT 256",
     "ALTER TABLE sandboxes ADD COLUMN parent_snapshot TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE sandboxes ADD COLUMN disk_mb INTEGER NOT NULL DEFAULT 10240",
     "ALTER TABLE timings ADD COLUMN on_path INTEGER NOT NULL DEFAULT 1",
 )
 _COLUMNS = ("sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
@@ -287,7 +289,7 @@ class Registry:
     def allocate(self, sandbox_id: str, tier: str, template: str, timeout_s: float, memory_mb: int,
                  cpus: float, pids: int, state_dir: str, socket_path: str, *, pool: str = "",
                  owner: str = "", shape: str = "", file_size_mb: int = 1024, open_files: int = 1024,
-                 tmp_mb: int = 256) -> int:
+                 tmp_mb: int = 256, disk_mb: int = 10240) -> int:
         """Insert a sandbox in state ``creating`` with a uid slot free on the whole host; returns the slot.
 
         The slot is claimed in the host-wide ledger (no other home's sandbox can have it) and
@@ -295,7 +297,7 @@ class Registry:
         """
         if self.check_limits is not None:
             self.check_limits(Limits(memory_mb=memory_mb, cpus=cpus, pids=pids, file_size_mb=file_size_mb,
-                                     open_files=open_files, tmp_mb=tmp_mb))
+                                     open_files=open_files, tmp_mb=tmp_mb, disk_mb=disk_mb))
         now = time.time()
         try:
             if not self._adopted:
@@ -310,10 +312,10 @@ class Registry:
                     db.execute(
                         "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, "
                         "memory_mb, cpus, pids, uid_slot, runtime_id, state_dir, socket_path, pool, owner, shape, "
-                        "file_size_mb, open_files, tmp_mb) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                        "file_size_mb, open_files, tmp_mb, disk_mb) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                         (sandbox_id, tier, template, State.CREATING.value, now, now + timeout_s, memory_mb,
                          cpus, pids, slot, sandbox_id, state_dir, socket_path, pool, owner, shape, file_size_mb,
-                         open_files, tmp_mb))
+                         open_files, tmp_mb, disk_mb))
                     db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
                                (sandbox_id, now, "", State.CREATING.value,
                                 "create" + (f" for pool {pool}" if pool else "")))
@@ -477,7 +479,7 @@ class Registry:
         return info, handle
 
     def limits(self, sandbox_id: str) -> Limits:
-        row = self._read("SELECT memory_mb, cpus, pids, file_size_mb, open_files, tmp_mb FROM sandboxes "
+        row = self._read("SELECT memory_mb, cpus, pids, file_size_mb, open_files, tmp_mb, disk_mb FROM sandboxes "
                          "WHERE sandbox_id=?", (sandbox_id,))
         if row is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id}", sandbox_id)

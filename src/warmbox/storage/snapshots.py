@@ -61,6 +61,7 @@ class SnapshotManifest:
     memory_bytes: int = 0
     memory_raw_bytes: int = 0
     format: int = FORMAT
+    disk_mb: int = 0  # the sandbox's limits.disk_mb; 0: taken before /workspace had a quota (absent then)
 
     @property
     def size_bytes(self) -> int:
@@ -182,6 +183,8 @@ def load_manifest(store: ObjectStore, snapshot_id: str, workdir: Path) -> Snapsh
         try:
             raw = json.loads(Path(tmp_name).read_bytes())
             fields = {f.name: f for f in dataclasses.fields(SnapshotManifest)}
+            if isinstance(raw, dict):
+                raw.setdefault("disk_mb", 0)  # a manifest from before disk quotas
             if not isinstance(raw, dict) or set(raw) != set(fields):
                 raise ValueError("unexpected fields")
             for k in ("context_skipped", "env_names"):
