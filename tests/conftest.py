@@ -77,6 +77,14 @@ def home() -> Path:
     ours = {i.sandbox_id for i in engine.list(include_dead=True)}
     leftovers = {d for d in set(_cgroup_leftovers()) - before if d.rsplit("/", 1)[-1] in ours}
     sandboxes = [p.name for p in (rt / "sandboxes").iterdir()] if (rt / "sandboxes").is_dir() else []
+    from warmbox.backends import workspace_disk
+
+    mounts, loops = workspace_disk.mounts_under(rt), workspace_disk.loops_backed_by(rt)
+    for name in sandboxes:  # never rmtree through a mounted workspace disk
+        try:
+            workspace_disk.release(rt / "sandboxes" / name)
+        except OSError:
+            pass
     _stop_daemon(path)
     for d in Path("/sys/fs/cgroup").glob("*/warmbox"):  # runc's parent cgroups, if we made them
         if str(d) not in parents_before:
@@ -94,6 +102,8 @@ def home() -> Path:
     assert not runc_state, f"runc containers left: {runc_state}"
     assert not leftovers, f"cgroups left: {sorted(leftovers)}"
     assert not sandboxes, f"sandbox dirs left: {sandboxes}"
+    assert not mounts, f"mounts left under {rt}: {mounts}"
+    assert not loops, f"loop devices left backed by files under {rt}: {loops}"
 
 
 def _stop_daemon(path: Path) -> None:
