@@ -338,10 +338,16 @@ def test_qemu_and_relay_run_confined(engine, vm):
 def test_a_workspace_disk_naming_other_files_is_refused(tmp_path):
     """QEMU opens the backing/data files a qcow2 header names, as root: only warmbox's own pass."""
     from warmbox.backends.microvm import check_workspace_disk
+    from warmbox.backends.microvm_image import WORKSPACE_MB
     from warmbox.errors import SandboxStartError
 
     base, other = tmp_path / "workspace.raw", tmp_path / "host-secret"
-    base.write_bytes(b"\0" * (1 << 20))
+    with open(base, "wb") as f:
+        f.truncate(WORKSPACE_MB << 20)  # the image's own workspace disk (its size is the quota)
+    small = tmp_path / "workspace-64M.raw"  # the disk of a sandbox with limits.disk_mb = 64
+    with open(small, "wb") as f:
+        f.truncate(64 << 20)
+    (tmp_path / "workspace-65M.raw").write_bytes(b"")
     other.write_bytes(b"secret" * 100)
 
     def qcow2(name: str, *opts: str) -> Path:
@@ -350,13 +356,19 @@ def test_a_workspace_disk_naming_other_files_is_refused(tmp_path):
                        check=True, capture_output=True)
         return disk
 
-    check_workspace_disk(qcow2("ok.qcow2", "-b", str(base), "-F", "raw"), base)
+    assert check_workspace_disk(qcow2("ok.qcow2", "-b", str(base), "-F", "raw"), tmp_path) == WORKSPACE_MB
+    assert check_workspace_disk(qcow2("ok64.qcow2", "-b", str(small), "-F", "raw"), tmp_path) == 64
     cases = {
         "backing": qcow2("other.qcow2", "-b", str(other), "-F", "raw"),
         "raw": qcow2("fmt.qcow2", "-b", str(base), "-F", "qcow2", "-u"),
         "data": qcow2("data.qcow2", "-b", str(base), "-F", "raw", "-o", f"data_file={tmp_path / 'data.raw'}"),
         "none": qcow2("none.qcow2"),
     }
+    for name, backing, size in (("bigger", small, "128M"),  # a disk past its quota
+                                ("sizename", tmp_path / "workspace-65M.raw", "64M")):  # a size the name does not say
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(backing), "-F", "raw", "-u",
+                        str(tmp_path / f"{name}.qcow2"), size], check=True, capture_output=True)
+        cases[name] = tmp_path / f"{name}.qcow2"
     (tmp_path / "junk.qcow2").write_bytes(b"not a disk at all")
     cases["junk"] = tmp_path / "junk.qcow2"
     cases["v2"] = qcow2("v2.qcow2", "-b", str(base), "-F", "raw", "-o", "compat=0.10")
@@ -369,11 +381,11 @@ def test_a_workspace_disk_naming_other_files_is_refused(tmp_path):
     (tmp_path / "link.qcow2").symlink_to(tmp_path / "ok.qcow2")
     cases["symlink"] = tmp_path / "link.qcow2"
     why = {"backing": "backing file is not", "raw": "not raw", "data": "external data file", "none": "backing file is not",
-           "junk": "not a qcow2", "v2": "v3", "bitmap": "header extension", "snapshot": "internal snapshots",
+           "bigger": "virtual size", "sizename": "virtual size", "junk": "not a qcow2", "v2": "v3", "bitmap": "header extension", "snapshot": "internal snapshots",
            "symlink": "links"}
     for what, disk in cases.items():
         with pytest.raises(SandboxStartError, match=why[what]):
-            check_workspace_disk(disk, base)
+            check_workspace_disk(disk, tmp_path)
 
 
 def test_the_relay_serves_nobody_until_the_guest_took_entropy_and_clock(tmp_path):

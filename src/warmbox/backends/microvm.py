@@ -17,8 +17,10 @@ on this project's host (QEMU 7.2, ``/dev/kvm`` = PVM):
   connection at a time, so a small relay process per VM (:mod:`vmrelay`) multiplexes host
   clients onto it behind the usual ``agent.sock``.
 - Disks: the root image is shared read-only (``readonly=on``); /workspace is a per-sandbox
-  qcow2 overlay of an empty ext4 (``workspace/disk.qcow2``), so it survives pause/resume and
-  travels in snapshots beside the memory file. /tmp and /home/user are guest tmpfs (memory).
+  qcow2 overlay of an empty ext4 of limits.disk_mb (``workspace/disk.qcow2``; its size is the
+  quota: ENOSPC in the guest, and the host file never grows past it), so it survives
+  pause/resume and travels in snapshots beside the memory file. /tmp and /home/user are guest
+  tmpfs (memory).
 - No network device at all: the VM has only loopback (network mode "none"). Nothing of the
   host's filesystem is shared into the guest.
 - Limits: ``-m`` = limits.memory_mb + guest overhead; the guest's init puts the agent and all
@@ -46,7 +48,7 @@ from warmbox.backends import hostfs
 from warmbox.backends import microvm_image as images
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
 from warmbox.backends.runc import tmpfs_sizes
-from warmbox.errors import ConfigError, GuestConnectionError, SandboxError, SandboxStartError
+from warmbox.errors import ConfigError, GuestConnectionError, NoSpace, SandboxError, SandboxStartError
 
 T = TypeVar("T")
 QEMU = "qemu-system-x86_64"
@@ -277,14 +279,15 @@ def save_memory(qmp_path: Path, image: Path, timeout: float = 300.0) -> None:
 _QCOW2_BACKING_FORMAT, _QCOW2_FEATURE_NAMES = 0xE2792ACA, 0x6803F857
 
 
-def check_workspace_disk(disk: Path, backing: Path) -> None:
-    """Refuse a workspace qcow2 whose header names anything but the image's own empty
-    ``workspace.raw`` (as raw) as its backing file, an external data file, encryption, internal
+def check_workspace_disk(disk: Path, image: Path) -> int:
+    """Refuse a workspace qcow2 whose header names anything but one of the image's own empty
+    workspace disks (``workspace.raw``, ``workspace-<N>M.raw``, as raw) as its backing file, a
+    virtual size other than that disk's, an external data file, encryption, internal
     snapshots, any incompatible feature (qemu-img's defaults set none) or an unknown header
     extension. QEMU opens a disk's backing and data files by the names in its
     header, as root, before it confines itself — and that header is writable by whatever ran
     as the sandbox's uid (a guest that escaped QEMU's device models). Checked before every
-    launch, when no process of the sandbox runs."""
+    launch, when no process of the sandbox runs. Returns the disk's size in MiB."""
     import struct
 
     def bad(why: str) -> SandboxStartError:
@@ -301,8 +304,10 @@ def check_workspace_disk(disk: Path, backing: Path) -> None:
     version, bf_off, bf_size = struct.unpack(">IQI", head[4:20])
     if version != 3 or struct.unpack(">I", head[32:36])[0] != 0:
         raise bad("not an unencrypted qcow2 v3 image")
-    if head[bf_off:bf_off + bf_size] != str(backing).encode() or not 0 < bf_size <= 1023 or bf_off + bf_size > len(head):
-        raise bad(f"its backing file is not {backing} (a snapshot of another guest image?)")
+    named = head[bf_off:bf_off + bf_size].decode("utf-8", "replace")
+    size_mb = images.workspace_size(image, named) if 0 < bf_size <= 1023 and bf_off + bf_size <= len(head) else None
+    if size_mb is None:
+        raise bad(f"its backing file is not a workspace disk of {image} (a snapshot of another guest image?)")
     if struct.unpack(">I", head[60:64])[0] != 0:
         raise bad("it holds internal snapshots")
     incompatible, _, _, _, header_len = struct.unpack(">QQQII", head[72:104])
@@ -323,6 +328,9 @@ def check_workspace_disk(disk: Path, backing: Path) -> None:
         off += 8 + (length + 7) // 8 * 8
     if backing_format != b"raw":
         raise bad(f"its backing format is {backing_format.decode('ascii', 'replace') or 'unset'}, not raw")
+    if struct.unpack(">Q", head[24:32])[0] != size_mb << 20:
+        raise bad(f"its virtual size is not that of its backing file ({size_mb} MiB)")
+    return size_mb
 
 
 # --------------------------------------------------------------------------- accelerator
@@ -726,10 +734,12 @@ class MicroVMBackend:
             return Limits()
 
     async def start(self, handle: BackendHandle, ready: Callable[[], Awaitable[T]]) -> T:
-        """Cold boot (a template's): a fresh /workspace disk over the empty base image."""
+        """Cold boot (a template's): a fresh /workspace disk of limits.disk_mb over the image's
+        empty ext4 of that size (the quota: the guest's filesystem ends there)."""
         disk = Path(handle.state_dir) / "workspace" / "disk.qcow2"
-        await _qemu_img(["create", "-q", "-f", "qcow2", "-b", str(self.image() / "workspace.raw"), "-F", "raw",
-                         str(disk)], handle.sandbox_id)
+        backing = await asyncio.to_thread(images.workspace_backing, self.image(), self._limits(handle).disk_mb)
+        await _qemu_img(["create", "-q", "-f", "qcow2", "-b", str(backing), "-F", "raw", str(disk)],
+                        handle.sandbox_id)
         # travels with the disk into snapshots: a restore needs this very build of the image
         (disk.parent / IMAGE_ID_FILE).write_text(self.build_id())
         return await self._launch(handle, ready, incoming=None)
@@ -748,9 +758,14 @@ class MicroVMBackend:
         argv = qemu_argv(image, state, self._limits(handle), self.accel()[0], incoming=incoming,
                          confine=handle.uid_base)
         try:
-            check_workspace_disk(state / "workspace" / "disk.qcow2", image / "workspace.raw")
+            size_mb = check_workspace_disk(state / "workspace" / "disk.qcow2", image)
         except SandboxStartError as e:
             raise SandboxStartError(str(e), handle.sandbox_id) from None
+        if size_mb > self._limits(handle).disk_mb:  # a snapshot's disk is the sandbox's: it cannot shrink
+            raise NoSpace(f"the snapshot's /workspace disk is {size_mb} MiB, more than this sandbox's "
+                          f"limits.disk_mb = {self._limits(handle).disk_mb}", handle.sandbox_id)
+        # a snapshot's disk from another host: its (deterministic) empty backing disk, made here too
+        await asyncio.to_thread(images.workspace_backing, image, size_mb)
         try:
             made_with = (state / "workspace" / IMAGE_ID_FILE).read_text().strip()
         except OSError:

@@ -14,6 +14,10 @@ Debian packages only:
   attached read-only to every VM (≈ 600 MB; a VM reads only what it uses).
 - ``workspace.raw``: an empty ext4 (owner 1000) that each sandbox's /workspace overlays
   (qcow2 with this as backing file: a new sandbox's disk costs nothing until it writes).
+  It is ``WORKSPACE_MB`` large; a sandbox with another ``limits.disk_mb`` overlays
+  ``workspace-<N>M.raw`` (:func:`workspace_backing`), made beside it on first use. The disk's
+  size is the sandbox's /workspace quota: the guest's ext4 ends there, and the qcow2 on the host
+  never grows past it (plus its own metadata).
 """
 
 from __future__ import annotations
@@ -427,6 +431,49 @@ def _du_mb(path: Path) -> float:
             except OSError:
                 pass
     return total / (1 << 20)
+
+
+_WORKSPACE_NAME = re.compile(r"workspace(?:-([1-9][0-9]{0,8})M)?\.raw")
+
+
+def workspace_backing(image: Path, size_mb: int) -> Path:
+    """The empty ext4 of ``size_mb`` MiB a sandbox's workspace qcow2 overlays: the image's own
+    ``workspace.raw`` at WORKSPACE_MB, else ``workspace-<N>M.raw`` beside it, made on first use
+    (atomic). Its bytes follow from the image build and the size alone (fixed UUID, hash seed
+    and time), so every host with this image build makes the same file: a snapshot's disk, whose
+    unwritten blocks are read from it, restores on any of them."""
+    if size_mb == WORKSPACE_MB:
+        return image / "workspace.raw"
+    final = image / f"workspace-{size_mb}M.raw"
+    if final.is_file():
+        return final
+    import uuid
+
+    seed = hashlib.sha256(f"{build_id(image)}:{size_mb}".encode()).digest()
+    tmp = image / f".tmp-workspace-{size_mb}M-{os.getpid()}-{time.monotonic_ns()}.raw"
+    try:
+        with open(tmp, "xb") as f:
+            f.truncate(size_mb << 20)  # sparse, all zeros: assume_storage_prezeroed writes no inode tables
+        _run(["mkfs.ext4", "-q", "-F", "-L", "workspace", "-m", "0", "-U", str(uuid.UUID(bytes=seed[:16], version=4)),
+              "-E", f"root_owner=1000:1000,assume_storage_prezeroed=1,nodiscard,"
+                    f"hash_seed={uuid.UUID(bytes=seed[16:], version=4)}", str(tmp)],
+             f"mkfs.ext4 of a {size_mb} MiB workspace disk", env={**os.environ, "E2FSPROGS_FAKE_TIME": "1"})
+        os.chmod(tmp, 0o644)
+        os.rename(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return final
+
+
+def workspace_size(image: Path, backing: str) -> int | None:
+    """The size in MiB of ``backing`` if it names one of the image's workspace disks, else None."""
+    parent, _, name = backing.rpartition("/")
+    m = _WORKSPACE_NAME.fullmatch(name)
+    if parent != str(image) or m is None:
+        return None
+    size = int(m.group(1)) if m.group(1) else WORKSPACE_MB
+    return size if (image / name) == (image / "workspace.raw" if size == WORKSPACE_MB else
+                                     image / f"workspace-{size}M.raw") else None
 
 
 def _workspace(out: Path) -> None:
