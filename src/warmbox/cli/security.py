@@ -53,6 +53,16 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee("crashes", "Filling /tmp, /home/user and /dev/shm gets ENOSPC; the agent and the sandbox live.",
               _ALL, ("test_tmpfs_fill.py::test_full_tmpfs_mounts_get_enospc_and_the_sandbox_lives",
                      "test_microvm_attacks.py::test_microvm_full_tmpfs_gets_enospc_and_the_vm_lives")),
+    Guarantee("crashes", "Filling /workspace gets ENOSPC (files.write: NoSpace) at limits.disk_mb: the host's "
+              "disk gives the sandbox no more; a pause/resume keeps the workspace and its quota, a snapshot that "
+              "does not fit its new disk is NoSpace, and no mount or loop device outlives the sandbox, also when "
+              "its creator was killed.", _ALL,
+              ("test_disk_quota.py::test_filling_the_workspace_stops_at_its_quota_and_the_host_keeps_its_space",
+               "test_disk_quota.py::test_microvm_workspace_is_a_disk_of_its_quota",
+               "test_disk_quota.py::test_pause_and_resume_keep_the_workspace_and_its_quota",
+               "test_disk_quota.py::test_a_snapshot_larger_than_its_new_disk_is_a_typed_error",
+               "test_disk_quota.py::test_a_creator_killed_with_the_disk_mounted_leaves_nothing_once_reaped",
+               "test_disk_quota.py::test_teardown_is_idempotent_removes_stacked_mounts_and_never_a_busy_one")),
     Guarantee("crashes", "mount, unshare, setuid and chroot from the sandbox user fail or stay in nested "
               "namespaces and never end the sandbox; a dead sandbox's runtime logs are kept (warmbox logs).",
               _SHARED, ("test_unprivileged_syscalls.py::test_privileged_calls_fail_or_stay_nested_and_the_sandbox_lives",)),
@@ -91,7 +101,8 @@ GUARANTEES: tuple[Guarantee, ...] = (
                "test_limits.py::test_config_shows_the_limits_section",
                "test_limits.py::test_create_refuses_absurd_limits_before_anything_exists",
                "test_limits.py::test_a_config_max_is_honoured_and_normal_limits_still_create",
-               "test_limits.py::test_resume_and_fork_refuse_limits_above_a_lowered_max")),
+               "test_limits.py::test_resume_and_fork_refuse_limits_above_a_lowered_max",
+               "test_disk_quota.py::test_disk_limits_are_checked_against_the_maximum_and_the_free_space")),
     Guarantee("egress", "A name no rule allows is never resolved upstream (no DNS exfiltration), also with CIDR "
               "rules and on_unknown='ask'; the question comes before any lookup.", ("container",),
               ("test_egress_dns.py::test_cidr_allow_rule_does_not_resolve_unknown_names",
