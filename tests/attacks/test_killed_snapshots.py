@@ -95,3 +95,27 @@ def test_pause_killed_after_its_checkpoint_ends_paused_and_resumable(home, runc_
             sb.kill()
         except Exception:
             pass
+
+
+def test_half_copied_memory_image_of_a_dead_process_is_removed(home, runc_ready):
+    """A process killed while it copied a memory image into the cache (up to ~1 GB) left a
+    .tmp-* directory there that nothing removed."""
+    engine = require_tier(home, "gvisor")
+    cache = snapshots._memory_cache(engine)
+    cache.mkdir(parents=True, exist_ok=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = cache / f".tmp-snap-20260101-000000000000-{dead.pid}-1"
+    stale.mkdir()
+    (stale / "checkpoint.img").write_bytes(b"\0" * 4096)
+    mine = cache / f".tmp-snap-20260101-000000000001-{os.getpid()}-2"  # a live process's: kept
+    mine.mkdir()
+    try:
+        r = cli("snapshots", "gc")
+        assert r.returncode == 0, r.stderr
+        assert not stale.exists() and mine.exists()
+    finally:
+        import shutil
+
+        shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(mine, ignore_errors=True)

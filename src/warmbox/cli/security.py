@@ -69,7 +69,8 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee("lost work", "A snapshot or pause whose process is killed leaves no temp files once recovered, and "
               "a pause killed after its checkpoint ends paused and resumable.", _SHARED,
               ("test_killed_snapshots.py::test_killed_snapshot_leaves_no_temp_files",
-               "test_killed_snapshots.py::test_pause_killed_after_its_checkpoint_ends_paused_and_resumable")),
+               "test_killed_snapshots.py::test_pause_killed_after_its_checkpoint_ends_paused_and_resumable",
+               "test_killed_snapshots.py::test_half_copied_memory_image_of_a_dead_process_is_removed")),
     Guarantee("lost work", "Timeouts stay enforced after the daemon is SIGKILLed (its guard restarts it).",
               ("container",), ("test_daemon_death.py::test_timeout_enforced_after_the_daemon_is_sigkilled",)),
     Guarantee("lost work", "A template VM whose creator died is reaped; the next create of its shape works.",

@@ -951,7 +951,31 @@ async def recover(engine: "Engine") -> list[str]:
                 f.unlink(missing_ok=True)
         except OSError:
             pass
+    cache = _memory_cache(engine)  # half-copied memory images of a killed process (.tmp-<snap>-<pid>-<ns>)
+    for d in cache.glob(".tmp-*") if cache.is_dir() else ():
+        try:
+            pid = int(d.name.rsplit("-", 2)[-2])
+        except (ValueError, IndexError):
+            pid = 0
+        try:
+            if pid != os.getpid() and (not _pid_alive(pid) or time.time() - d.lstat().st_mtime > 3600):
+                shutil.rmtree(d, ignore_errors=True)
+                done.append(f"{d.name}: removed (its process is gone)")
+        except OSError:
+            pass
     return done
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 async def _recover_one(engine: "Engine", op: "_Op") -> str:
