@@ -74,7 +74,9 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee("lost work", "Timeouts stay enforced after the daemon is SIGKILLed (its guard restarts it).",
               ("container",), ("test_daemon_death.py::test_timeout_enforced_after_the_daemon_is_sigkilled",)),
     Guarantee("lost work", "A template VM whose creator died is reaped; the next create of its shape works.",
-              ("microvm",), ("test_template_creator_death.py::test_microvm_template_of_a_killed_creator_is_reaped",)),
+              ("gvisor", "microvm"),
+              ("test_template_creator_death.py::test_microvm_template_of_a_killed_creator_is_reaped",
+               "test_template_creator_death.py::test_gvisor_pool_template_of_a_killed_daemon_is_reaped")),
     Guarantee("lost work", "A killed egress proxy is restarted with every policy, secret and CA, or network "
               "updates fail loudly; deny-all holds throughout.", ("container",),
               ("test_egress_proxy_death.py::test_killed_proxy_is_restarted_or_updates_fail_loudly",
