@@ -45,7 +45,8 @@ MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "crc32c_generic", "ext
 AGENT_PORT = "warmbox.agent"
 RESTORE_PORT = "warmbox.restore"  # host entropy and clock for the guest kernel at each start (wb-restore)
 _RESTORE_SRC = Path(__file__).with_name("microvm_restore.c")
-_GUEST_SOURCES = ("protocol.py", "guest/__init__.py", "guest/agent.py", "guest/kernel.py")
+_GUEST_SOURCES = ("protocol.py", "guest/__init__.py", "guest/agent.py", "guest/kernel.py", "guest/spawn.c",
+                  "guest/init.c")
 _EXCLUDES = ("/usr/share/man/*", "/usr/share/doc/*", "/usr/share/locale/*", "/usr/share/info/*",
              "/usr/share/lintian/*", "/usr/share/zoneinfo/right/*")
 
@@ -412,6 +413,9 @@ def _rootfs(out: Path, work: Path) -> None:
     (lib / "__init__.py").write_text('"""Guest-side copy: protocol + agent only."""\n')
     for rel in _GUEST_SOURCES:
         shutil.copy2(pkg / rel, lib / rel)
+    from warmbox.backends.runc import build_spawn_helpers  # the guest's glibc is Debian's, as the host's
+
+    build_spawn_helpers(pkg / "guest", lib / "guest")
     guest_py = sorted((root / "usr/bin").glob("python3.[0-9]*"))
     host_py = Path("/usr/bin") / guest_py[0].name if guest_py else None
     if host_py is not None and host_py.exists():  # same Debian interpreter: its bytecode fits the guest's

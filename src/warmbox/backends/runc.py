@@ -52,8 +52,20 @@ _ETC_COPY = [
     "bash.bashrc", "inputrc", "profile", "protocols", "services", "host.conf", "gai.conf",
     "mime.types", "python3", "python3.11", "ssl/certs/ca-certificates.crt", "ssl/openssl.cnf",
 ]
-_GUEST_SOURCES = ("protocol.py", "guest/__init__.py", "guest/agent.py", "guest/kernel.py")
+_GUEST_SOURCES = ("protocol.py", "guest/__init__.py", "guest/agent.py", "guest/kernel.py", "guest/spawn.c",
+                  "guest/init.c")
 _AGENT_BOOT = ("import sys; sys.path.insert(0, %r); from warmbox.guest.agent import main; main()" % GUEST_LIB)
+
+
+def build_spawn_helpers(sources: Path, out: Path) -> None:
+    """The guest agent's spawn.so and wb-init (guest/spawn.c, guest/init.c: how a command gets its
+    own cgroup or PID namespace) from ``sources`` into ``out``."""
+    for cmd in (["-shared", "-fPIC", "-o", str(out / "spawn.so"), str(sources / "spawn.c")],
+                ["-static", "-s", "-o", str(out / "wb-init"), str(sources / "init.c")]):
+        r = subprocess.run(["gcc", "-O2", "-Wall", "-Werror", *cmd], capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise SandboxStartError(f"building the guest agent's spawn helpers failed (gcc, libc6-dev): "
+                                    f"{r.stderr.strip()[-300:]}")
 
 
 def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path:
@@ -114,6 +126,7 @@ def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path
     (lib / "__init__.py").write_text('"""Guest-side copy: protocol + agent only."""\n')
     for rel in _GUEST_SOURCES:
         shutil.copy2(pkg / rel, lib / rel)
+    build_spawn_helpers(pkg / "guest", lib / "guest")
     # The rootfs is read-only inside, so Python could never cache bytecode there: compile it now,
     # with the very interpreter the sandbox runs (~10 ms off every cold start).
     if os.path.exists(GUEST_PYTHON):
@@ -184,6 +197,8 @@ class RuncBackend:
             pass
         if not _cgroup_v2() and not Path("/sys/fs/cgroup/memory").is_dir():
             return Availability(False, "no memory cgroup controller mounted")
+        if not shutil.which("gcc") and not any((self.runtime / "images").glob("base-*")):
+            return Availability(False, "needs gcc once, to build the guest agent's spawn helpers")
         return Availability(True, f"runc at {path}, cgroup {'v2' if _cgroup_v2() else 'v1'}, user namespaces")
 
     # ---- lifecycle
