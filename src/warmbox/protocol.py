@@ -139,8 +139,10 @@ class Ping(Message):
 class Exec(Message):
     """Run a process. ``argv`` is exec'd directly; a shell string is sent as ``["/bin/sh", "-c", cmd]``.
 
-    ``timeout_s`` is wall-clock seconds (0 = none); ``max_output`` caps stdout+stderr bytes.
-    When ``stdin`` is true the host follows with :class:`StdinData` frames.
+    ``timeout_s`` is wall-clock seconds (0 = none); on expiry every process the command ever
+    started is killed, double-forked and setsid()ed ones included (its own cgroup or PID
+    namespace: agent.Scopes). On a normal exit what it left running stays. ``max_output`` caps
+    stdout+stderr bytes. When ``stdin`` is true the host follows with :class:`StdinData` frames.
     """
     FIELDS = "argv:list[str] env:dict[str,str] cwd:str timeout_s:float max_output:int stdin:bool"
 
@@ -150,7 +152,8 @@ class StdinData(Message):
 
 
 class Signal(Message):
-    """Send ``signum`` to the whole process tree of a running exec (by its pid)."""
+    """Send ``signum`` to the whole process tree of a running exec (by its Started pid); SIGKILL
+    ends every process it ever started, as a timeout does. Another pid: its tree, best effort."""
     FIELDS = "pid:int signum:int"
 
 
@@ -259,6 +262,8 @@ class Pong(Message):
 
 
 class Started(Message):
+    """``pid``: the command's process as the agent sees it; where commands get their own PID
+    namespace, its init (the command itself is PID 2 in there)."""
     FIELDS = "pid:int"
 
 

@@ -197,3 +197,109 @@ def test_reseed_gives_code_contexts_new_generator_states(agent):
     same, ok, after, bad = asyncio.run(go())
     assert isinstance(ok, p.Ok) and after != same
     assert isinstance(bad, p.Failure) and bad.code is p.ErrorCode.INVALID
+
+
+# ---- a command's scope: its own PID namespace (no cgroup handed over), or its own cgroup
+
+
+def _unified() -> Path | None:
+    if Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        return Path("/sys/fs/cgroup")
+    hybrid = Path("/sys/fs/cgroup/unified")
+    return hybrid if (hybrid / "cgroup.procs").exists() else None
+
+
+@pytest.fixture(params=["pidns", "cgroup"])
+def scoped_agent(request, guest_lib: Path, tmp_path: Path):
+    """The agent in either mode (as root on the host: its own cgroup is made here)."""
+    sock = tmp_path / "a.sock"
+    args, fds, cg = [str(sock)], (), None
+    if request.param == "cgroup":
+        root = _unified()
+        if root is None or os.geteuid() != 0:
+            pytest.skip("needs root and a cgroup v2 hierarchy")
+        cg = root / f"wb-test-{os.getpid()}-{time.monotonic_ns()}"
+        cg.mkdir()
+        fd = os.open(cg, os.O_RDONLY | os.O_DIRECTORY)
+        os.set_inheritable(fd, True)
+        args, fds = ["--cgroup-fd", str(fd), str(sock)], (fd,)
+    boot = (f"import sys; sys.path.insert(0, {str(guest_lib)!r}); from warmbox.guest.agent import main; "
+            f"main({args!r})")
+    proc = subprocess.Popen([BARE, "-I", "-S", "-c", boot], cwd=tmp_path, pass_fds=fds)
+    for fd in fds:
+        os.close(fd)
+    if cg is not None:  # the agent moves its own children: it must be in the hierarchy's subtree
+        (cg / "cgroup.procs").write_text(str(proc.pid))
+    for _ in range(200):
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(str(sock))
+            break
+        except OSError:
+            time.sleep(0.01)
+        finally:
+            probe.close()
+    yield request.param, str(sock)
+    proc.kill()
+    proc.wait()
+    if cg is not None:
+        (cg / "cgroup.kill").write_text("1")
+        for _ in range(100):
+            try:
+                for sub in [d for d in cg.iterdir() if d.is_dir()]:
+                    sub.rmdir()
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.05)
+
+
+def _left(pattern: str) -> list[str]:
+    return subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True, check=False).stdout.split()
+
+
+ESCAPING = ("setsid sh -c 'sleep {0}1 &'; (trap '' TERM HUP INT; sleep {0}2 &); "
+            "python3 -c 'import os; os.fork() and os._exit(0); os.setsid(); os.setpgid(0, 0); "
+            "os.execvp(\"sleep\", [\"sleep\", \"{0}3\"])'; sleep {0}4")
+
+
+def test_each_mode_ends_all_a_timed_out_or_killed_command_started(scoped_agent):
+    mode, sock = scoped_agent
+
+    async def go():
+        c = await GuestClient.connect(sock, "t")
+        try:
+            where = await _exec(c, ["sh", "-c", "echo $$; cat /proc/self/cgroup | tail -1"])
+            timed = await _exec(c, ["sh", "-c", ESCAPING.format(210)], timeout_s=1.0)
+            left_timed = _left("sleep 210[1-4]")
+            # a Signal(SIGKILL) to the command's pid (no timeout): the same
+            async with c.request(lambda i: p.Exec(i, argv=["sh", "-c", ESCAPING.format(220)], env={}, cwd="",
+                                                  timeout_s=0, max_output=1 << 20, stdin=False)) as s:
+                started = await s.get()
+                await asyncio.sleep(0.5)
+                assert len(_left("sleep 220[1-4]")) == 4
+                ok = await c.call(lambda i: p.Signal(i, pid=started.pid, signum=9), p.Ok)
+                while not isinstance(m := await s.get(), (p.Exited, p.Failure)):
+                    pass
+            await asyncio.sleep(0.1)
+            left_killed = _left("sleep 220[1-4]")
+            # a normal exit: what it started on purpose stays
+            await _exec(c, ["sh", "-c", "nohup sleep 2301 >/dev/null 2>&1 & setsid sh -c 'sleep 2302 &'"])
+            await asyncio.sleep(0.2)
+            kept = _left("sleep 230[12]")
+            return where, timed, left_timed, ok, m, left_killed, kept
+        finally:
+            await c.close()
+            for pid in _left("sleep 2[123]0[1-4]"):  # what this test left running
+                os.kill(int(pid), 9)
+    where, timed, left_timed, ok, killed, left_killed, kept = asyncio.run(go())
+    out = b"".join(m.data for _, m in where if isinstance(m, p.Stdout)).decode().split("\n")
+    if mode == "pidns":
+        assert out[0] == "2", out  # PID 2 of its own namespace
+    else:
+        assert out[1].startswith("0::/") and "/cmd-" in out[1], out  # its own cgroup
+    assert timed[-1][1].timed_out and timed[-1][1].signal == 9
+    assert left_timed == [], f"processes of the timed-out command survived ({mode})"
+    assert isinstance(ok, p.Ok) and isinstance(killed, p.Exited) and killed.signal == 9
+    assert left_killed == [], f"processes of the killed command survived ({mode})"
+    assert len(kept) == 2, f"background processes of a normal exit were killed ({mode})"

@@ -208,6 +208,398 @@ def kill_tree(root: int, sig: int = signal.SIGKILL, rounds: int = 8) -> None:
             pass
 
 
+# --------------------------------------------------------------------------- scopes
+
+
+class Scope:
+    """Every process one command or code context ever starts.
+
+    ``kill()`` ends all of them, double-forked and setsid()ed ones included, by a kernel
+    mechanism (see :class:`Scopes`). ``pid`` is the process the agent waits for and reports as
+    ``Started.pid``; ``wake_fd`` becomes readable when that process has ended.
+    """
+
+    pid: int
+    wake_fd: int
+
+    def collect(self) -> None:
+        """Consume what made ``wake_fd`` readable (once)."""
+
+    def status(self) -> int | None:
+        """The wait status of the command's process once it ended, else None."""
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None) -> int | None:
+        """Until the command's process ended (None: without bound); its status or None."""
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+    def signal(self, sig: int) -> None:
+        """A signal other than SIGKILL to every process of the tree (best effort)."""
+        raise NotImplementedError
+
+    def interrupt(self) -> None:
+        """SIGINT to the command's own process only (a code context's interpreter)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """After the run; processes it left behind keep running."""
+
+
+class _ReapedScope(Scope):
+    """The command is the agent's own child: the reaper has its status."""
+
+    def __init__(self, agent: "Agent", pid: int) -> None:
+        self.agent = agent
+        self.pid = pid
+        self.wake_fd, self._wake_w = os.pipe()
+        self._event = agent.reaper.register(pid, self._wake_w)
+
+    def collect(self) -> None:
+        os.read(self.wake_fd, 64)
+
+    def status(self) -> int | None:
+        return self.agent.reaper.status(self.pid)
+
+    def wait(self, timeout: float | None) -> int | None:
+        self._event.wait(timeout)
+        return self.status()
+
+    def signal(self, sig: int) -> None:
+        kill_tree(self.pid, sig)
+
+    def interrupt(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGINT)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.agent.reaper.forget(self.pid)  # before closing the pipe: the reaper writes to it
+        for fd in (self.wake_fd, self._wake_w):
+            os.close(fd)
+
+
+class _TreeScope(_ReapedScope):
+    """No kernel mechanism (no spawn library, or the sandbox offers neither a cgroup nor user
+    namespaces): the tree is walked, which misses processes re-parented to the agent."""
+
+    def kill(self) -> None:
+        kill_tree(self.pid)
+
+
+class _CgroupScope(_ReapedScope):
+    def __init__(self, agent: "Agent", pid: int, scopes: "Scopes", name: str) -> None:
+        super().__init__(agent, pid)
+        self.scopes = scopes
+        self.name = name
+
+    def kill(self) -> None:
+        self.scopes.cgroup_kill(self.name)
+
+    def signal(self, sig: int) -> None:
+        for pid in self.scopes.cgroup_pids(self.name):  # the whole cgroup: orphans too
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        super().close()
+        self.scopes.release(self.name)
+
+
+class _PidnsScope(Scope):
+    """The command is PID 2 of its own PID namespace under an init (init.c) re-parented to the
+    agent; ``pid`` is that init. It writes the command's wait status on a pipe (``wake_fd``) and
+    lives on while processes the command left behind do."""
+
+    def __init__(self, agent: "Agent", init: int, report: int) -> None:
+        self.agent = agent
+        self.pid = init
+        self.wake_fd = report
+        self._status: int | None = None
+        self._done = False
+
+    def collect(self) -> None:
+        if self._done:
+            return
+        data = b""
+        while len(data) < 4:
+            chunk = os.read(self.wake_fd, 4 - len(data))
+            if not chunk:
+                break
+            data += chunk
+        self._done = True
+        # no status: the init died first (it was killed), and the command with it
+        self._status = int.from_bytes(data, sys.byteorder, signed=True) if len(data) == 4 else signal.SIGKILL
+
+    def status(self) -> int | None:
+        if not self._done and select.select([self.wake_fd], [], [], 0)[0]:
+            self.collect()
+        return self._status
+
+    def wait(self, timeout: float | None) -> int | None:
+        if not self._done and select.select([self.wake_fd], [], [], timeout)[0]:
+            self.collect()
+        return self._status
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)  # the kernel then kills the whole namespace
+        except OSError:
+            pass
+
+    def signal(self, sig: int) -> None:
+        table = _proc_table()
+        children: dict[int, list[int]] = {}
+        for pid, ppid, _, _ in table:
+            children.setdefault(ppid, []).append(pid)
+        stack = list(children.get(self.pid, ()))  # all of the namespace: its orphans go to the init
+        while stack:
+            cur = stack.pop()
+            try:
+                os.kill(cur, sig)
+            except OSError:
+                pass
+            stack.extend(children.get(cur, ()))
+
+    def interrupt(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGINT)  # the init passes it on to the command
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        os.close(self.wake_fd)
+
+
+class Scopes:
+    """How commands and code contexts are started so that a timeout or kill ends all they started.
+
+    - ``cgroup``: the host handed the agent a cgroup v2 directory (an fd; it is mounted nowhere in
+      the sandbox, so user code can neither see it nor move itself out). Each command runs in
+      its own child cgroup and is killed with ``cgroup.kill``. Pids, ``ps`` and ``kill`` are as
+      without it. (container tier)
+    - ``pidns``: each command is PID 2 of its own PID namespace (in a user namespace that maps
+      the sandbox uid and gid to themselves), under an init the agent kills. Inside a command
+      ``$$`` and getpid() count from 2 in that namespace, while ``/proc`` (``ps``) shows the
+      sandbox's numbering, so ``kill`` of a pid read from ``ps`` or ``pgrep`` misses, and a command
+      cannot signal processes another command started; files of uids other than the sandbox
+      user's show as nobody (65534). (gVisor and microVM tiers: no host cgroup reaches their
+      kernels, and their agents have no capability to make one)
+    - ``tree``: neither is available; the process tree is walked (misses re-parented orphans).
+
+    On a normal exit the processes a command leaves behind (``nohup server &``) keep running;
+    a runaway one (a fork bomb) is bounded by limits.pids and limits.cpus, not ended.
+    """
+
+    def __init__(self, agent: "Agent", cgroup_fd: int | None) -> None:
+        self.agent = agent
+        self.cgroup_fd = cgroup_fd
+        self.mode = "tree"
+        self._lib = None
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._free: list[str] = []  # empty cgroups, ready for the next command
+        self._busy: collections.deque = collections.deque()  # released but still populated
+        self.by_pid: dict[int, Scope] = {}
+
+    def setup(self) -> None:
+        """Load the spawn library and choose the mode (off the start path: ctypes costs ~5 ms)."""
+        here = os.path.dirname(os.path.abspath(__file__))
+        path = os.path.join(here, "spawn.so")
+        self._init_exe = os.path.join(here, "wb-init")
+        if not (os.path.exists(path) and os.access(self._init_exe, os.X_OK)):
+            print("warmbox agent: no spawn helpers: a timed-out command's orphans may survive", file=sys.stderr)
+            return
+        import ctypes
+
+        lib = ctypes.CDLL(path, use_errno=True)
+        ptrs = ctypes.POINTER(ctypes.c_char_p)
+        lib.wb_spawn_cgroup.argtypes = [ctypes.c_char_p, ptrs, ptrs, ctypes.c_char_p] + [ctypes.c_int] * 5
+        lib.wb_spawn_cgroup.restype = ctypes.c_int
+        self._ctypes = ctypes
+        self._lib = lib
+        if self.cgroup_fd is not None:
+            try:
+                os.set_inheritable(self.cgroup_fd, False)
+                os.stat("cgroup.kill", dir_fd=self.cgroup_fd)  # a kernel without it: ENOENT
+                if not os.access("cgroup.procs", os.W_OK, dir_fd=self.cgroup_fd):
+                    raise OSError(errno.EACCES, "its cgroup.procs is not the sandbox user's")
+                self.mode = "cgroup"
+                return
+            except OSError as e:
+                print(f"warmbox agent: the host's cgroup is unusable ({e}); using PID namespaces", file=sys.stderr)
+        self.mode = "pidns"
+
+    def spawn(self, exe: str, argv: list[str], env: dict[str, str], cwd: str | None,
+              stdio: tuple[int, int, int], keep_fd: int = -1) -> Scope:
+        """Start ``argv`` (``exe`` resolved) in a new session with default signal actions.
+
+        Raises BlockingIOError while the pids limit is hit, OSError when nothing started.
+        """
+        with self._lock:
+            mode = self.mode
+        if mode == "cgroup":
+            scope = self._spawn_cgroup(exe, argv, env, cwd, stdio, keep_fd)
+        elif mode == "pidns":
+            scope = self._spawn_pidns(exe, argv, env, cwd, stdio, keep_fd)
+            if scope is None:  # no user namespaces here after all
+                with self._lock:
+                    self.mode = "tree"
+                print("warmbox agent: user namespaces are refused: a timed-out command's orphans may survive",
+                      file=sys.stderr)
+                scope = self._spawn_tree(exe, argv, env, cwd, stdio, keep_fd)
+        else:
+            scope = self._spawn_tree(exe, argv, env, cwd, stdio, keep_fd)
+        with self._lock:
+            self.by_pid[scope.pid] = scope
+        return scope
+
+    def finish(self, scope: Scope) -> None:
+        """The run is over (idempotent): release what the scope holds."""
+        with self._lock:
+            if self.by_pid.get(scope.pid) is not scope:
+                return
+            del self.by_pid[scope.pid]
+        scope.close()
+
+    def find(self, pid: int) -> Scope | None:
+        with self._lock:
+            return self.by_pid.get(pid)
+
+    def _cargs(self, exe: str, argv: list[str], env: dict[str, str], cwd: str | None) -> tuple:
+        c = self._ctypes
+        args = (c.c_char_p * (len(argv) + 1))(*[os.fsencode(a) for a in argv], None)
+        envp = (c.c_char_p * (len(env) + 1))(*[os.fsencode(f"{k}={v}") for k, v in env.items()], None)
+        return os.fsencode(exe), args, envp, os.fsencode(cwd) if cwd else None
+
+    def _spawn_cgroup(self, exe, argv, env, cwd, stdio, keep_fd) -> Scope:
+        name = self._take()
+        try:
+            procs = os.open(f"{name}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.cgroup_fd)
+            try:
+                pid = self._lib.wb_spawn_cgroup(*self._cargs(exe, argv, env, cwd), *stdio, keep_fd, procs)
+            finally:
+                os.close(procs)
+            if pid < 0:
+                raise OSError(-pid, os.strerror(-pid))
+        except BaseException:
+            self.release(name)
+            raise
+        return _CgroupScope(self.agent, pid, self, name)
+
+    def _spawn_pidns(self, exe, argv, env, cwd, stdio, keep_fd) -> Scope | None:
+        ctl_r, ctl_w = os.pipe()
+        report_r, report_w = os.pipe()
+        ctl, report = [fd for fd in (3, 4, 5) if fd != keep_fd][:2]  # the helper's fd numbers
+        helper = [self._init_exe, str(ctl), str(report), str(keep_fd), cwd or "", exe, *argv]
+        try:
+            try:
+                helper_pid = _posix_spawn(self._init_exe, helper, env, stdio,
+                                          {ctl: ctl_w, report: report_w, keep_fd: keep_fd})
+            finally:
+                os.close(ctl_w)
+                os.close(report_w)
+            self.agent.reaper.register(helper_pid)  # it exits at once; the init is re-parented to us
+            data = b""
+            while len(data) < 4:
+                chunk = os.read(ctl_r, 4 - len(data))
+                if not chunk:
+                    break
+                data += chunk
+            self.agent.reaper.forget(helper_pid)
+        except BaseException:
+            os.close(report_r)
+            raise
+        finally:
+            os.close(ctl_r)
+        init = int.from_bytes(data, sys.byteorder, signed=True) if len(data) == 4 else -errno.EIO
+        if init > 0:
+            return _PidnsScope(self.agent, init, report_r)
+        os.close(report_r)
+        if -init in (errno.EPERM, errno.EACCES, errno.EINVAL, errno.ENOSYS, errno.EUSERS, errno.ENOSPC):
+            return None  # no user namespaces here: the caller falls back
+        if -init == errno.EAGAIN:
+            raise BlockingIOError(errno.EAGAIN, "no process could be started")
+        raise OSError(-init, f"cannot create the command's namespaces: {os.strerror(-init)}")
+
+    def _spawn_tree(self, exe, argv, env, cwd, stdio, keep_fd) -> Scope:
+        if cwd is not None:  # posix_spawn cannot chdir; coreutils env can, at the cost of one exec
+            argv, exe = ["/usr/bin/env", "-C", cwd, "--", *argv], "/usr/bin/env"
+        return _TreeScope(self.agent, _posix_spawn(exe, argv, env, stdio, {keep_fd: keep_fd}))
+
+    # cgroups: one per running command, reused once empty (mkdir+rmdir of a cgroup cost more)
+
+    def _take(self) -> str:
+        with self._lock:
+            for _ in range(min(4, len(self._busy))):  # a few reads per command, oldest first
+                name = self._busy.popleft()
+                (self._busy if self._populated(name) else self._free).append(name)
+            if self._free:
+                return self._free.pop()
+            self._seq += 1
+            name = f"cmd-{self._seq}"
+        os.mkdir(name, 0o755, dir_fd=self.cgroup_fd)
+        return name
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            self._busy.append(name)
+            while len(self._busy) > 64:  # many left-behind servers: stop tracking the oldest cgroups
+                self._busy.popleft()
+
+    def _populated(self, name: str) -> bool:
+        try:
+            fd = os.open(f"{name}/cgroup.events", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.cgroup_fd)
+            try:
+                return b"populated 0" not in os.read(fd, 256)
+            finally:
+                os.close(fd)
+        except OSError:
+            return True
+
+    def cgroup_pids(self, name: str) -> list[int]:
+        try:
+            fd = os.open(f"{name}/cgroup.procs", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.cgroup_fd)
+        except OSError:
+            return []
+        try:
+            data = b""
+            while chunk := os.read(fd, 65536):
+                data += chunk
+        finally:
+            os.close(fd)
+        return [int(x) for x in data.split()]
+
+    def cgroup_kill(self, name: str) -> None:
+        fd = os.open(f"{name}/cgroup.kill", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.cgroup_fd)
+        try:
+            os.write(fd, b"1")
+        finally:
+            os.close(fd)
+
+
+def _posix_spawn(exe: str, argv: list[str], env: dict[str, str], stdio: tuple[int, int, int],
+                 extra: dict[int, int]) -> int:
+    """posix_spawn in a new session, default signal actions; ``extra``: child fd -> parent fd
+    (-1 keys are skipped). Each goes through a high copy: a dup2 onto itself would keep CLOEXEC."""
+    import fcntl  # not on the boot path
+
+    copies = {target: fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for target, fd in extra.items() if target >= 0}
+    try:
+        actions = [(os.POSIX_SPAWN_DUP2, fd, i) for i, fd in enumerate(stdio)]
+        actions += [(os.POSIX_SPAWN_DUP2, copy, target) for target, copy in copies.items()]
+        return os.posix_spawn(exe, argv, env, file_actions=actions, setsid=True,
+                              setsigdef=_DEFAULT_SIGNALS, setsigmask=())
+    finally:
+        for copy in copies.values():
+            os.close(copy)
+
+
 # --------------------------------------------------------------------------- connection
 
 
@@ -346,15 +738,15 @@ def _ping(agent: "Agent", conn: Connection, msg: p.Ping) -> None:
     conn.send(p.Pong(id=msg.id, version=p.PROTOCOL_VERSION, pid=os.getpid()))
 
 
-def _spawn(exe: str, argv: list[str], env: dict[str, str], actions: list) -> int:
-    """posix_spawn; while the pids limit is hit (EAGAIN: e.g. a killed fork bomb's processes are
-    still being reaped) retry for up to ~2 s before giving up."""
+def _spawn(agent: "Agent", exe: str, argv: list[str], env: dict[str, str], cwd: str | None,
+           stdio: tuple[int, int, int], keep_fd: int = -1) -> Scope:
+    """agent.scopes.spawn; while the pids limit is hit (EAGAIN: e.g. a killed fork bomb's
+    processes are still being reaped) retry for up to ~2 s before giving up."""
     delay = 0.005
     deadline = time.monotonic() + 2.0
     while True:
         try:
-            return os.posix_spawn(exe, argv, env, file_actions=actions, setsid=True,
-                                  setsigdef=_DEFAULT_SIGNALS, setsigmask=())
+            return agent.scopes.spawn(exe, argv, env, cwd, stdio, keep_fd)
         except BlockingIOError:
             if time.monotonic() + delay > deadline:
                 raise
@@ -382,22 +774,15 @@ def _exec_inner(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
         raise _Fail(p.ErrorCode.NOT_FOUND, f"working directory {cwd} does not exist")
     argv = list(msg.argv)
     oom_before = agent.oom.read()
-    if cwd is not None:  # posix_spawn cannot chdir; coreutils env can, at the cost of one exec
-        argv = ["/usr/bin/env", "-C", cwd, "--", *argv]
-    wake_r, wake_w = os.pipe()
     pipes = [os.pipe(), os.pipe()]  # stdout, stderr
     stdin_r, stdin_w = os.pipe() if msg.stdin else (None, None)
-    pid = None
+    scope = None
     try:
         null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) if stdin_r is None else None
-        actions = [
-            (os.POSIX_SPAWN_DUP2, stdin_r if stdin_r is not None else null, 0),
-            (os.POSIX_SPAWN_DUP2, pipes[0][1], 1),
-            (os.POSIX_SPAWN_DUP2, pipes[1][1], 2),
-        ]
+        stdio = (stdin_r if stdin_r is not None else null, pipes[0][1], pipes[1][1])
         try:
             exe = argv[0] if "/" in argv[0] else _which(argv[0], env.get("PATH", ""))
-            pid = _spawn(exe, argv, env, actions)
+            scope = _spawn(agent, exe, argv, env, cwd, stdio)
         except BlockingIOError:
             raise _Fail(p.ErrorCode.EXEC_FAILED, "the sandbox's process limit (limits.pids) is reached; "
                         "no process could be started") from None
@@ -413,21 +798,19 @@ def _exec_inner(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
                 if fd is not None:
                     os.close(fd)
             pipes = [pipes[0][0], pipes[1][0]]
-        agent.reaper.register(pid, wake_w)
-        conn.send(p.Started(id=msg.id, pid=pid))
+        conn.send(p.Started(id=msg.id, pid=scope.pid))
         if stdin_w is not None:
             threading.Thread(target=_feed_stdin, args=(conn.inbox(msg.id), stdin_w), daemon=True).start()
             stdin_w = None  # the feeder owns it now
-        timed_out, truncated = _pump(conn, msg, pid, pipes, wake_r, start)
-        status = agent.reaper.status(pid)
+        timed_out, truncated = _pump(conn, msg, scope, pipes, start)
+        status = scope.status()
         if status is None:  # pipes closed, process alive: wait for it (bounded by the deadline)
-            ev = agent.reaper.register(pid)
             remaining = None if msg.timeout_s <= 0 else max(0.0, start + msg.timeout_s - time.monotonic())
-            if not ev.wait(remaining):
+            status = scope.wait(remaining)
+            if status is None:
                 timed_out = True
-                kill_tree(pid)
-                ev.wait(_KILL_WAIT_S)
-            status = agent.reaper.status(pid)
+                scope.kill()
+                status = scope.wait(_KILL_WAIT_S)
         sig = 0
         code = -1
         if status is not None:
@@ -440,9 +823,9 @@ def _exec_inner(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
                            truncated=truncated, duration_ms=(time.monotonic() - start) * 1e3,
                            oom_kills=agent.oom.since(oom_before)))
     finally:
-        if pid is not None:
-            agent.reaper.forget(pid)  # before closing wake_w: the reaper writes to it
-        for fd in (wake_r, wake_w, stdin_w, *[x for x in pipes if isinstance(x, int)]):
+        if scope is not None:
+            agent.scopes.finish(scope)
+        for fd in (stdin_w, *[x for x in pipes if isinstance(x, int)]):
             if fd is not None:
                 try:
                     os.close(fd)
@@ -479,11 +862,11 @@ def _feed_stdin(inbox: Inbox, fd: int) -> None:
         os.close(fd)
 
 
-def _pump(conn: Connection, msg: p.Exec, pid: int, pipes: list[int], wake_r: int,
-          start: float) -> tuple[bool, bool]:
+def _pump(conn: Connection, msg: p.Exec, scope: Scope, pipes: list[int], start: float) -> tuple[bool, bool]:
     """Stream output until both pipes close (or the exit grace ends). Returns (timed_out, truncated)."""
     poller = select.poll()
     kinds = {pipes[0]: p.Stdout, pipes[1]: p.Stderr}
+    wake_r = scope.wake_fd
     for fd in (*kinds, wake_r):
         poller.register(fd, select.POLLIN)
     deadline = start + msg.timeout_s if msg.timeout_s > 0 else None
@@ -502,7 +885,7 @@ def _pump(conn: Connection, msg: p.Exec, pid: int, pipes: list[int], wake_r: int
         now = time.monotonic()
         for fd, _ in events:
             if fd == wake_r:
-                os.read(wake_r, 64)
+                scope.collect()
                 poller.unregister(wake_r)
                 exited_at = now
                 continue
@@ -520,7 +903,7 @@ def _pump(conn: Connection, msg: p.Exec, pid: int, pipes: list[int], wake_r: int
                 conn.send(kinds[fd](id=msg.id, data=data))
         if deadline is not None and not timed_out and now >= deadline:
             timed_out = True
-            kill_tree(pid)
+            scope.kill()
             exited_at = exited_at or now
         elif exited_at is not None and now >= exited_at + _EXIT_GRACE_S:
             break
@@ -530,9 +913,15 @@ def _pump(conn: Connection, msg: p.Exec, pid: int, pipes: list[int], wake_r: int
 def _signal(agent: "Agent", conn: Connection, msg: p.Signal) -> None:
     if msg.pid <= 1 or not 1 <= msg.signum <= 64:
         raise _Fail(p.ErrorCode.INVALID, "bad pid or signal number")
-    if not os.path.exists(f"/proc/{msg.pid}"):
+    scope = agent.scopes.find(msg.pid)
+    if scope is None and not os.path.exists(f"/proc/{msg.pid}"):
         raise _Fail(p.ErrorCode.NOT_FOUND, f"no process {msg.pid}")
-    kill_tree(msg.pid, msg.signum)
+    if scope is None:  # not a running command's: its tree, as far as it can be walked
+        kill_tree(msg.pid, msg.signum)
+    elif msg.signum == signal.SIGKILL:
+        scope.kill()
+    else:
+        scope.signal(msg.signum)
     conn.send(p.Ok(id=msg.id))
 
 
@@ -701,25 +1090,26 @@ class Context:
         full_env.update(env)
         boot = ("import sys; sys.path.insert(0, %r); from warmbox.guest import kernel; "
                 "sys.path.pop(0); kernel.main(%d)" % (_GUEST_LIB, theirs.fileno()))
-        import subprocess  # contexts are not on the cold-start path
-
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-u", "-c", boot], stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd or None,
-                env=full_env, pass_fds=(theirs.fileno(),), start_new_session=True,
-            )
+            self.scope = _spawn(agent, sys.executable, [sys.executable, "-u", "-c", boot], full_env,
+                                cwd or None, (null, null, null), keep_fd=theirs.fileno())
+        except BlockingIOError:
+            raise _Fail(p.ErrorCode.EXEC_FAILED, "the sandbox's process limit (limits.pids) is reached; "
+                        "the code context could not be started") from None
         finally:
             theirs.close()
-        agent.reaper.register(self.proc.pid)
+            os.close(null)
         self.sock = ours
 
     @property
     def alive(self) -> bool:
-        return self.agent.reaper.status(self.proc.pid) is None
+        return self.scope.status() is None
 
     def kill(self) -> None:
-        kill_tree(self.proc.pid)
+        """End the interpreter and every process its cells started."""
+        self.scope.kill()
+        self.agent.scopes.finish(self.scope)
         try:
             self.sock.close()
         except OSError:
@@ -743,7 +1133,7 @@ class Context:
             except socket.timeout:
                 if interrupted_at is None:
                     interrupted_at = time.monotonic()
-                    os.kill(self.proc.pid, signal.SIGINT)
+                    self.scope.interrupt()
                     continue
                 self.kill()
                 self.agent.drop_context(self.name)
@@ -801,6 +1191,7 @@ def _context_run(agent: "Agent", conn: Connection, msg: p.ContextRun) -> None:
     with ctx.lock:
         if not ctx.alive:
             agent.drop_context(ctx.name)
+            ctx.kill()  # what its cells left running goes with it
             raise _Fail(p.ErrorCode.CONTEXT_DIED, f"context {msg.context} died")
         agent.busy.enter()
         try:
@@ -991,7 +1382,7 @@ class Agent:
     DEFAULT_CONTEXT = "default"
 
     def __init__(self, listener: socket.socket | None, path: str | None = None,
-                 serial: SerialPort | None = None) -> None:
+                 serial: SerialPort | None = None, cgroup_fd: int | None = None) -> None:
         self.listener = listener
         self.path = path  # where it listens, when not on an inherited fd
         self.serial = serial
@@ -1003,6 +1394,7 @@ class Agent:
         self.oom = OomCounter()
         self.busy = Busy()
         self.workers = Workers()
+        self.scopes = Scopes(self, cgroup_fd)
         self.hardened = threading.Event()  # set once the agent is not dumpable (see harden())
         self._contexts: dict[str, Context] = {}
         self._ctx_lock = threading.Lock()
@@ -1123,14 +1515,22 @@ def harden(agent: "Agent") -> None:
     """Make the agent non-dumpable: user code runs as the agent's uid, and could otherwise read
     and write the agent's memory through /proc/1/mem or attach with ptrace. Children get the
     flag back at exec (they are the user's). In a thread: importing ctypes costs ~5 ms, off the
-    start path; commands and contexts wait for it (``agent.hardened``)."""
+    start path; commands and contexts wait for it (``agent.hardened``), and for the spawn
+    library (:class:`Scopes`), loaded here for the same reason."""
     try:
         import ctypes
 
-        if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
             print(f"warmbox agent: prctl(PR_SET_DUMPABLE) failed: errno {ctypes.get_errno()}", file=sys.stderr)
+        if os.getpid() != 1:  # (tests) orphans, the commands' PID-namespace inits among them, come to us
+            libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
     except Exception as e:  # no ctypes in the image: say so, keep serving
         print(f"warmbox agent: cannot make itself non-dumpable: {e}", file=sys.stderr)
+    try:
+        agent.scopes.setup()
+    except Exception as e:
+        print(f"warmbox agent: no spawn library ({e}): a timed-out command's orphans may survive", file=sys.stderr)
     finally:
         agent.hardened.set()
 
@@ -1140,9 +1540,15 @@ def _start_hardening(agent: "Agent") -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """argv: [--cgroup-fd N] then ``--serial PORT`` (microVM), a socket path, or nothing (fd 3).
+
+    --cgroup-fd: an inherited cgroup v2 directory for the commands' cgroups (see Scopes)."""
     argv = sys.argv[1:] if argv is None else argv
+    cgroup_fd = None
+    if argv[:1] == ["--cgroup-fd"]:
+        cgroup_fd, argv = int(argv[1]), argv[2:]
     if argv and argv[0] == "--serial":
-        agent = Agent(None, serial=SerialPort(argv[1]))
+        agent = Agent(None, serial=SerialPort(argv[1]), cgroup_fd=cgroup_fd)
         _start_hardening(agent)
         if os.getpid() == 1:
             for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -1160,7 +1566,7 @@ def main(argv: list[str] | None = None) -> None:
         # PID 1 gets no default signal actions; make the obvious ones end the sandbox.
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(s, lambda *_: os._exit(0))
-    agent = Agent(listener, argv[0] if argv else None)
+    agent = Agent(listener, argv[0] if argv else None, cgroup_fd=cgroup_fd)
     _start_hardening(agent)
     if argv:  # listening on a path: after a quiesce the host's SIGUSR1 says "listen again"
         signal.signal(signal.SIGUSR1, lambda *_: agent.resume_signalled.set())
