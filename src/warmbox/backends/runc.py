@@ -55,6 +55,7 @@ _ETC_COPY = [
 _GUEST_SOURCES = ("protocol.py", "guest/__init__.py", "guest/agent.py", "guest/kernel.py", "guest/spawn.c",
                   "guest/init.c")
 _AGENT_BOOT = ("import sys; sys.path.insert(0, %r); from warmbox.guest.agent import main; main()" % GUEST_LIB)
+CGROUP_FD = 4  # the agent's fd of the sandbox's cgroup v2 directory (its commands' cgroups go below)
 
 
 def build_spawn_helpers(sources: Path, out: Path) -> None:
@@ -159,6 +160,16 @@ def _cgroup_v2() -> bool:  # read on every command's OOM check: the layout never
     return Path("/sys/fs/cgroup/cgroup.controllers").exists()
 
 
+@functools.lru_cache(maxsize=1)
+def _unified_root() -> Path | None:
+    """The host's cgroup v2 hierarchy: /sys/fs/cgroup, or /sys/fs/cgroup/unified in the hybrid
+    layout (no controllers there, but cgroup.kill works); None on a pure v1 host."""
+    if _cgroup_v2():
+        return Path("/sys/fs/cgroup")
+    hybrid = Path("/sys/fs/cgroup/unified")
+    return hybrid if (hybrid / "cgroup.procs").exists() else None
+
+
 class RuncBackend:
     """Tier 2 (``container``): runc with user namespace, seccomp, cgroups, own network ns."""
 
@@ -240,7 +251,8 @@ class RuncBackend:
             "process": {
                 "terminal": False,
                 "user": {"uid": GUEST_UID, "gid": GUEST_GID, "additionalGids": []},
-                "args": [GUEST_PYTHON, "-I", "-S", "-c", _AGENT_BOOT],
+                "args": [GUEST_PYTHON, "-I", "-S", "-c", _AGENT_BOOT if _unified_root() is None else
+                         _AGENT_BOOT.replace("main()", f"main(['--cgroup-fd', '{CGROUP_FD}'])")],
                 "env": [f"{k}={v}" for k, v in env.items()],
                 "cwd": "/workspace",
                 "capabilities": {k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")},
@@ -318,11 +330,14 @@ class RuncBackend:
             listener.bind(sock_path)
             os.chmod(sock_path, 0o600)
             listener.listen(128)
-            argv = [self.runc, "--root", str(self.root), "run", "--detach", "--preserve-fds", "1",
-                    "--bundle", str(state / "bundle"), handle.runtime_id]
-            pid = _spawn(argv, fd3=listener.fileno(), log=state / "agent.log")
+            cgroup = self._delegate_cgroup(handle)
+            argv = [self.runc, "--root", str(self.root), "run", "--detach", "--preserve-fds",
+                    "1" if cgroup is None else "2", "--bundle", str(state / "bundle"), handle.runtime_id]
+            pid = _spawn(argv, fd3=listener.fileno(), log=state / "agent.log", fd4=cgroup)
         finally:
             listener.close()  # runc (then the agent) holds the listening socket now
+            if cgroup is not None:
+                os.close(cgroup)
         # The socket already listens, so ready() (connect + ping) runs while runc is still
         # finishing: its connection waits in the backlog until the agent accepts it.
         runc_done = asyncio.ensure_future(_wait_pid(pid))
@@ -341,6 +356,24 @@ class RuncBackend:
                     task.add_done_callback(lambda t: t.cancelled() or t.exception())
                 elif not task.cancelled():
                     task.exception()  # retrieved: a runc failure supersedes ready()'s error
+
+    def _delegate_cgroup(self, handle: BackendHandle) -> int | None:
+        """The sandbox's cgroup v2 directory, made before runc (which then uses it) and given to
+        the sandbox user, opened for the agent (fd 4): each command gets a child cgroup and a
+        timeout kills it whole (cgroup.kill). It is mounted nowhere inside, so no process there
+        can reach it or move itself out. None on a host without cgroup v2."""
+        root = _unified_root()
+        if root is None:
+            return None
+        d = root / self.cgroup_path(handle.sandbox_id).lstrip("/")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            for target in (d, d / "cgroup.procs"):  # procs: moving a process needs the common ancestor's
+                os.chown(target, handle.uid_base + GUEST_UID, handle.uid_base + GUEST_GID)
+            return os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise SandboxStartError(f"cannot delegate the sandbox's cgroup {d}: {e.strerror or e}",
+                                    handle.sandbox_id) from None
 
     async def alive(self, handle: BackendHandle) -> bool:
         pid = self._init_pid(handle)
@@ -486,6 +519,12 @@ class RuncBackend:
             await asyncio.sleep(0.01)
         for d in self.cgroup_dirs(handle.sandbox_id):  # runc removes them; be sure
             if d.is_dir():
+                # the agent's per-command cgroups (cgroup v2) first: a cgroup with children stays
+                for sub in sorted((x for x in d.rglob("*") if x.is_dir()), key=lambda x: -len(x.parts)):
+                    try:
+                        sub.rmdir()
+                    except OSError:
+                        pass
                 try:
                     d.rmdir()
                 except OSError:
@@ -519,20 +558,24 @@ def _tail(path: Path, limit: int = 600) -> str:
     return " | ".join(lines[-4:])[-limit:] or "(empty log)"
 
 
-def _spawn(argv: list[str], fd3: int, log: Path) -> int:
-    """posix_spawn ``argv`` with ``fd3`` as its fd 3, stdio to /dev/null + ``log``; returns the pid."""
+def _spawn(argv: list[str], fd3: int, log: Path, fd4: int | None = None) -> int:
+    """posix_spawn ``argv`` with ``fd3`` as its fd 3 (and ``fd4`` as 4), stdio to /dev/null +
+    ``log``; returns the pid."""
     high = fcntl.fcntl(fd3, fcntl.F_DUPFD_CLOEXEC, 10)  # never 3 itself: dup2(3, 3) keeps CLOEXEC
+    high4 = fcntl.fcntl(fd4, fcntl.F_DUPFD_CLOEXEC, 10) if fd4 is not None else None
     null = os.open(os.devnull, os.O_RDONLY)
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
+        actions = [(os.POSIX_SPAWN_DUP2, null, 0), (os.POSIX_SPAWN_DUP2, out, 1),
+                   (os.POSIX_SPAWN_DUP2, out, 2), (os.POSIX_SPAWN_DUP2, high, 3)]
+        if high4 is not None:
+            actions.append((os.POSIX_SPAWN_DUP2, high4, 4))
         pid = os.posix_spawn(argv[0] if os.path.isabs(argv[0]) else shutil.which(argv[0]) or argv[0], argv,
-                             dict(os.environ), file_actions=[
-                                 (os.POSIX_SPAWN_DUP2, null, 0), (os.POSIX_SPAWN_DUP2, out, 1),
-                                 (os.POSIX_SPAWN_DUP2, out, 2), (os.POSIX_SPAWN_DUP2, high, 3)])
+                             dict(os.environ), file_actions=actions)
     finally:
-        os.close(high)
-        os.close(null)
-        os.close(out)
+        for fd in (high, high4, null, out):
+            if fd is not None:
+                os.close(fd)
     return pid
 
 

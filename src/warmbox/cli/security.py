@@ -71,6 +71,14 @@ GUARANTEES: tuple[Guarantee, ...] = (
               ("test_killed_snapshots.py::test_killed_snapshot_leaves_no_temp_files",
                "test_killed_snapshots.py::test_pause_killed_after_its_checkpoint_ends_paused_and_resumable",
                "test_killed_snapshots.py::test_half_copied_memory_image_of_a_dead_process_is_removed")),
+    Guarantee("crashes", "A timed-out command's processes all die: double-forked, setsid()ed, "
+              "signal-ignoring and regrouped ones, a fork bomb, and what the cells of a killed code context "
+              "started (the command's own cgroup on the container tier, its own PID namespace on gVisor); "
+              "what a command leaves running when it exits normally stays.", _SHARED,
+              ("test_command_escape.py::test_timeout_kills_double_forked_setsid_and_signal_ignoring_processes",
+               "test_command_escape.py::test_background_processes_of_a_normal_exit_keep_running",
+               "test_command_escape.py::test_fork_bomb_ends_with_its_timeout",
+               "test_command_escape.py::test_killed_code_context_takes_what_its_cells_started")),
     Guarantee("lost work", "Timeouts stay enforced after the daemon is SIGKILLed (its guard restarts it).",
               ("container",), ("test_daemon_death.py::test_timeout_enforced_after_the_daemon_is_sigkilled",)),
     Guarantee("lost work", "A template VM whose creator died is reaped; the next create of its shape works.",
