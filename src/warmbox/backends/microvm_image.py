@@ -51,7 +51,8 @@ _EXCLUDES = ("/usr/share/man/*", "/usr/share/doc/*", "/usr/share/locale/*", "/us
              "/usr/share/lintian/*", "/usr/share/zoneinfo/right/*")
 
 # PID 1 of the initramfs: mounts the root image read-only, /workspace from its disk, tmpfs for
-# the writable places, puts everything that follows in a cgroup with the sandbox's limits, then
+# the writable places, puts everything that follows in a cgroup with the sandbox's limits (handed to
+# the agent by fd 4 for its commands' own cgroups; /sys/fs/cgroup is read-only), then
 # becomes the guest agent as uid 1000 with no capabilities (switch_root + setpriv).
 # Parameters come from the kernel command line (wb.mem_mb, wb.pids, wb.tmp_mb, wb.cpu_quota).
 INIT = r"""#!/bin/busybox sh
@@ -94,7 +95,8 @@ done
 $B chmod 600 /newroot$restore
 /bin/wb-restore /newroot$restore /newroot/dev/urandom &
 echo -1000 > /newroot/proc/$!/oom_score_adj
-C=/newroot/sys/fs/cgroup
+C=/newroot/run/wb-cgroup
+$B mkdir -m 700 $C
 $B mount -t cgroup2 -o nosuid,nodev,noexec cgroup2 $C
 echo "+memory +pids +cpu" > $C/cgroup.subtree_control
 $B mkdir $C/sandbox
@@ -103,6 +105,14 @@ echo 0 > $C/sandbox/memory.swap.max 2>/dev/null
 echo $pids > $C/sandbox/pids.max
 echo "$quota 100000" > $C/sandbox/cpu.max
 echo $$ > $C/sandbox/cgroup.procs
+# the agent puts each command in a cgroup below sandbox (a timeout kills it whole), through fd 4
+# only: this writable mount is detached, the one at /sys/fs/cgroup is read-only, so a command
+# cannot move itself out of its cgroup
+$B chown 1000:1000 $C/sandbox $C/sandbox/cgroup.procs
+exec 4< $C/sandbox
+$B umount -l $C
+$B rmdir $C
+$B mount -t cgroup2 -o ro,nosuid,nodev,noexec cgroup2 /newroot/sys/fs/cgroup
 $B chown 1000:1000 /newroot$port
 $B chmod 600 /newroot$port
 $B hostname sandbox
@@ -112,7 +122,7 @@ exec $B switch_root /newroot /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin
   HOME=/home/user LANG=C.UTF-8 /usr/bin/prlimit --nofile=$nofile:$nofile --fsize=$((fsize * 1048576)) --core=0 \
   /usr/bin/setpriv --reuid=1000 --regid=1000 --clear-groups --inh-caps=-all \
   --bounding-set=-all --no-new-privs /usr/bin/python3 -I -S -c \
-  "import sys; sys.path.insert(0, '/opt/warmbox'); from warmbox.guest.agent import main; main(['--serial', '$port'])"
+  "import sys; sys.path.insert(0, '/opt/warmbox'); from warmbox.guest.agent import main; main(['--cgroup-fd', '4', '--serial', '$port'])"
 """.replace("%(port)s", AGENT_PORT).replace("%(restore)s", RESTORE_PORT)
 
 _ETC = {

@@ -73,7 +73,8 @@ GUARANTEES: tuple[Guarantee, ...] = (
                "test_killed_snapshots.py::test_half_copied_memory_image_of_a_dead_process_is_removed")),
     Guarantee("crashes", "A timed-out command's processes all die: double-forked, setsid()ed, "
               "signal-ignoring and regrouped ones, a fork bomb, and what the cells of a killed code context "
-              "started (the command's own cgroup on the container tier, its own PID namespace on gVisor); "
+              "started (the command's own cgroup on the container tier and the microVM, its own PID "
+              "namespace on gVisor); "
               "what a command leaves running when it exits normally stays.", _SHARED,
               ("test_command_escape.py::test_timeout_kills_double_forked_setsid_and_signal_ignoring_processes",
                "test_command_escape.py::test_background_processes_of_a_normal_exit_keep_running",

@@ -379,17 +379,17 @@ class _PidnsScope(Scope):
 class Scopes:
     """How commands and code contexts are started so that a timeout or kill ends all they started.
 
-    - ``cgroup``: the host handed the agent a cgroup v2 directory (an fd; it is mounted nowhere in
-      the sandbox, so user code can neither see it nor move itself out). Each command runs in
+    - ``cgroup``: the agent was handed a cgroup v2 directory (an fd; writable through no path in
+      the sandbox, so user code can neither reach it nor move itself out). Each command runs in
       its own child cgroup and is killed with ``cgroup.kill``. Pids, ``ps`` and ``kill`` are as
-      without it. (container tier)
+      without it. (container tier: by the host; microVM: by the guest's init)
     - ``pidns``: each command is PID 2 of its own PID namespace (in a user namespace that maps
       the sandbox uid and gid to themselves), under an init the agent kills. Inside a command
       ``$$`` and getpid() count from 2 in that namespace, while ``/proc`` (``ps``) shows the
       sandbox's numbering, so ``kill`` of a pid read from ``ps`` or ``pgrep`` misses, and a command
       cannot signal processes another command started; files of uids other than the sandbox
-      user's show as nobody (65534). (gVisor and microVM tiers: no host cgroup reaches their
-      kernels, and their agents have no capability to make one)
+      user's show as nobody (65534). (gVisor: no host cgroup reaches its kernel, its cgroupfs is
+      root's, and the agent has no capability to make one)
     - ``tree``: neither is available; the process tree is walked (misses re-parented orphans).
 
     On a normal exit the processes a command leaves behind (``nohup server &``) keep running;

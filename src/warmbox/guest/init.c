@@ -1,5 +1,5 @@
-/* wb-init: a command in its own PID namespace, for tiers whose kernel no host cgroup reaches
- * (gVisor, the microVM; see Scopes in agent.py). Built static by the image builder.
+/* wb-init: a command in its own PID namespace, where the agent has no cgroup of its own to
+ * give it (gVisor; see Scopes in agent.py). Built static by the image builder.
  *
  *   wb-init CTLFD REPORTFD KEEPFD CWD EXE ARGV0 [ARG...]
  *

@@ -515,9 +515,9 @@ class AsyncCommands:
         timeout: seconds, wall clock (None or 0: no limit); on expiry every process the command
         started is killed, double-forked and setsid()ed ones included, and ``timed_out`` is set.
         What it starts and leaves running when it exits normally (``nohup server &``) stays;
-        a runaway one is bounded by limits.pids and limits.cpus. On gVisor and the microVM a
-        command runs in its own PID namespace: ``$$`` counts from 2 there while ``ps`` shows the
-        sandbox's pids, and a command cannot signal what another one started (agent.Scopes).
+        a runaway one is bounded by limits.pids and limits.cpus. On gVisor a command runs in its
+        own PID namespace: ``$$`` counts from 2 there while ``ps`` shows the sandbox's pids, and a
+        command cannot signal what another one started (agent.Scopes).
         Output beyond ``max_output`` bytes (stdout+stderr) is dropped and ``truncated`` set.
         ``check=True`` raises CommandFailed on a non-zero exit.
         """
