@@ -256,11 +256,14 @@ class _ReapedScope(Scope):
         self.pid = pid
         self.wake_fd, self._wake_w = os.pipe()
         self._event = agent.reaper.register(pid, self._wake_w)
+        self._closed: int | None = None  # after close: the last status known (SIGKILL: none was)
 
     def collect(self) -> None:
         os.read(self.wake_fd, 64)
 
     def status(self) -> int | None:
+        if self._closed is not None:
+            return self._closed
         return self.agent.reaper.status(self.pid)
 
     def wait(self, timeout: float | None) -> int | None:
@@ -277,6 +280,8 @@ class _ReapedScope(Scope):
             pass
 
     def close(self) -> None:
+        status = self.agent.reaper.status(self.pid)
+        self._closed = signal.SIGKILL if status is None else status
         self.agent.reaper.forget(self.pid)  # before closing the pipe: the reaper writes to it
         for fd in (self.wake_fd, self._wake_w):
             os.close(fd)
@@ -373,6 +378,10 @@ class _PidnsScope(Scope):
             pass
 
     def close(self) -> None:
+        self.status()
+        self._done = True  # no more reads of the closed pipe
+        if self._status is None:
+            self._status = signal.SIGKILL
         os.close(self.wake_fd)
 
 
@@ -1085,6 +1094,8 @@ class Context:
         self.name = name
         self.lock = threading.Lock()
         self.agent = agent
+        if cwd and not os.path.isdir(cwd):
+            raise _Fail(p.ErrorCode.NOT_FOUND, f"working directory {cwd} does not exist")
         ours, theirs = socket.socketpair()
         full_env = dict(os.environ)
         full_env.update(env)
@@ -1095,8 +1106,12 @@ class Context:
             self.scope = _spawn(agent, sys.executable, [sys.executable, "-u", "-c", boot], full_env,
                                 cwd or None, (null, null, null), keep_fd=theirs.fileno())
         except BlockingIOError:
+            ours.close()
             raise _Fail(p.ErrorCode.EXEC_FAILED, "the sandbox's process limit (limits.pids) is reached; "
                         "the code context could not be started") from None
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
             os.close(null)
