@@ -171,7 +171,14 @@ int main(int argc, char **argv) {
         int ok = write_file("/proc/self/uid_map", map) == 0;
         ok = ok && (write_file("/proc/self/setgroups", "deny") == 0 || errno == ENOENT); /* gVisor: none */
         fmt_map(map, gid);
-        if (ok && write_file("/proc/self/gid_map", map) == 0) pid = fork();
+        if (ok && write_file("/proc/self/gid_map", map) == 0) {
+            /* a new user namespace starts with every capability in its bounding set: empty it, as
+             * outside, so that nothing the command execs can gain one there (the init keeps its
+             * own, which also keeps the command's processes from tracing it) */
+            for (int cap = 0; cap < 64; cap++)
+                if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno == EINVAL) break;
+            pid = fork();
+        }
     }
     if (pid < 0) { /* the agent says why (or starts the command another way) */
         int err = -(errno ? errno : EIO);
