@@ -4,6 +4,7 @@ it controls: the gVisor agent's /run (a host directory) and memory-snapshot work
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import time
@@ -93,10 +94,8 @@ def test_restore_races_a_planted_resume_symlink(home, runc_ready, victim):
         assert sb.commands.run("echo alive").stdout == "alive\n"
         _untouched(victim)
     finally:
-        try:
+        with contextlib.suppress(WarmboxError):
             sb.kill()
-        except WarmboxError:
-            pass
 
 
 def test_memory_snapshot_keeps_absolute_symlinks_and_sparse_files(home, runc_ready, victim):
@@ -135,10 +134,8 @@ def test_memory_snapshot_keeps_absolute_symlinks_and_sparse_files(home, runc_rea
         assert sb.commands.run("stat -c %u /workspace/sparse1 /workspace/v").stdout.split() == ["1000", "1000"]
         _untouched(victim)
     finally:
-        try:
+        with contextlib.suppress(WarmboxError):
             sb.kill()
-        except WarmboxError:
-            pass
 
 
 def test_memory_snapshot_over_the_cap_is_refused_and_the_sandbox_continues(home, runc_ready, monkeypatch):

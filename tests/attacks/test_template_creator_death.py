@@ -21,30 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.backends.conftest import live_pids, qemu_pids
 from tests.conftest import wait_for
 from warmbox.engine.engine import Engine
 from warmbox.models import Limits, State
 
 BOUND_S = 30.0  # from the kill until the template VM is gone
 MEMORY_MB = 523  # odd: no other test's shape
-
-
-def _vm_pids(runtime: Path) -> list[int]:
-    """QEMU and relay processes of this home (their command lines name its runtime dir)."""
-    out = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes()
-            stat = (proc / "stat").read_bytes()
-        except OSError:
-            continue
-        if stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X"):
-            continue
-        if str(runtime).encode() in cmd and (b"qemu-system" in cmd or b"vmrelay" in cmd):
-            out.append(int(proc.name))
-    return out
 
 
 def _home_procs(home: Path) -> list[int]:
@@ -73,7 +56,7 @@ def private_home(runc_ready):
         asyncio.run(down_home(h))
         for info in engine.list(include_pooled=True):
             asyncio.run(engine.destroy(info.sandbox_id, "test cleanup"))
-        left = _vm_pids(engine.runtime)
+        left = qemu_pids(engine.runtime)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
         wait_for(lambda: not _home_procs(h), 15, "the daemon and its guard to end")
@@ -109,7 +92,7 @@ def test_microvm_template_of_a_killed_creator_is_reaped(private_home, when):
             info, _ = engine.info(first[0].sandbox_id)
             if info.state in (State.DESTROYED, State.PAUSED):
                 raise AssertionError(f"missed the moment: the template is {info.state.value} already")
-            vm = bool(_vm_pids(engine.runtime))
+            vm = bool(qemu_pids(engine.runtime))
             seen_vm.append(vm)
             if when == "booting":
                 return info.state is State.CREATING and vm and info
@@ -126,7 +109,7 @@ def test_microvm_template_of_a_killed_creator_is_reaped(private_home, when):
         if creator.poll() is None:
             creator.kill()
             creator.wait()
-    wait_for(lambda: not _vm_pids(engine.runtime), BOUND_S, "the template VM of the killed creator to end")
+    wait_for(lambda: not qemu_pids(engine.runtime), BOUND_S, "the template VM of the killed creator to end")
     took = time.monotonic() - killed
     print(f"template VM ({when}) gone {took:.2f} s after its creator was killed")
     # saved: its snapshot is stored by recovery first (an operation younger than 5 s is left alone)
@@ -154,22 +137,7 @@ def test_microvm_template_of_a_killed_creator_is_reaped(private_home, when):
             await engine.destroy(info.sandbox_id, "test done")
 
     asyncio.run(later())
-    assert not _vm_pids(engine.runtime)
-
-
-def _procs_naming(text: str) -> list[int]:
-    out = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes()
-            stat = (proc / "stat").read_bytes()
-        except OSError:
-            continue
-        if text.encode() in cmd and stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X"):
-            out.append(int(proc.name))
-    return out
+    assert not qemu_pids(engine.runtime)
 
 
 GVISOR_POOL = """
@@ -208,7 +176,7 @@ def test_gvisor_pool_template_of_a_killed_daemon_is_reaped(private_home):
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     sid = template.sandbox_id
-    wait_for(lambda: not _procs_naming(sid), BOUND_S, f"the template {sid}'s gVisor processes to end")
+    wait_for(lambda: not live_pids(sid), BOUND_S, f"the template {sid}'s gVisor processes to end")
     took = time.monotonic() - killed
     wait_for(lambda: engine.info(sid)[0].state is State.DESTROYED, 120, "the template's row to end")
     reasons = [t.reason for t in engine.registry.transitions(sid)]

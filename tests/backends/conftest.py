@@ -10,19 +10,27 @@ import pytest
 from warmbox.engine.engine import Engine
 
 
-def qemu_pids(runtime: Path) -> list[int]:
-    """QEMU and relay processes of this test home (their command lines name its runtime dir)."""
+def live_pids(naming: str, *any_of: bytes) -> list[int]:
+    """Running (not zombie) processes whose command line holds ``naming`` and, if given, one of ``any_of``."""
     out = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             cmd = (proc / "cmdline").read_bytes()
+            stat = (proc / "stat").read_bytes()
         except OSError:
             continue
-        if str(runtime).encode() in cmd and (b"qemu-system" in cmd or b"vmrelay" in cmd):
+        if stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X"):
+            continue
+        if naming.encode() in cmd and (not any_of or any(x in cmd for x in any_of)):
             out.append(int(proc.name))
     return out
+
+
+def qemu_pids(runtime: Path) -> list[int]:
+    """QEMU and relay processes of this test home (their command lines name its runtime dir)."""
+    return live_pids(str(runtime), b"qemu-system", b"vmrelay")
 
 
 @pytest.fixture(scope="module")
