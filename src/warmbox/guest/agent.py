@@ -393,7 +393,8 @@ class Scopes:
       its own child cgroup and is killed with ``cgroup.kill``. Pids, ``ps`` and ``kill`` are as
       without it. (container tier: by the host; microVM: by the guest's init)
     - ``pidns``: each command is PID 2 of its own PID namespace (in a user namespace that maps
-      the sandbox uid and gid to themselves), under an init the agent kills. Inside a command
+      the sandbox uid and gid to themselves), under an init the agent kills (made by a resident
+      ``wb-init --serve``: an exec of wb-init per command would cost as much as the command's). Inside a command
       ``$$`` and getpid() count from 2 in that namespace, while ``/proc`` (``ps``) shows the
       sandbox's numbering, so ``kill`` of a pid read from ``ps`` or ``pgrep`` misses, and a command
       cannot signal processes another command started; files of uids other than the sandbox
@@ -415,6 +416,9 @@ class Scopes:
         self._free: list[str] = []  # empty cgroups, ready for the next command
         self._busy: collections.deque = collections.deque()  # released but still populated
         self.by_pid: dict[int, Scope] = {}
+        self._server = None  # the socket to wb-init --serve (pidns mode), started on first use
+        self._server_failed = False
+        self._server_lock = threading.Lock()
 
     def setup(self) -> None:
         """Load the spawn library and choose the mode (off the start path: ctypes costs ~5 ms)."""
@@ -502,31 +506,17 @@ class Scopes:
         return _CgroupScope(self.agent, pid, self, name)
 
     def _spawn_pidns(self, exe, argv, env, cwd, stdio, keep_fd) -> Scope | None:
-        ctl_r, ctl_w = os.pipe()
         report_r, report_w = os.pipe()
-        ctl, report = [fd for fd in (3, 4, 5) if fd != keep_fd][:2]  # the helper's fd numbers
-        helper = [self._init_exe, str(ctl), str(report), str(keep_fd), cwd or "", exe, *argv]
         try:
             try:
-                helper_pid = _posix_spawn(self._init_exe, helper, env, stdio,
-                                          {ctl: ctl_w, report: report_w, keep_fd: keep_fd})
+                init = self._ask_server(exe, argv, env, cwd, stdio, keep_fd, report_w)
+                if init is None:
+                    init = self._exec_helper(exe, argv, env, cwd, stdio, keep_fd, report_w)
             finally:
-                os.close(ctl_w)
                 os.close(report_w)
-            self.agent.reaper.register(helper_pid)  # it exits at once; the init is re-parented to us
-            data = b""
-            while len(data) < 4:
-                chunk = os.read(ctl_r, 4 - len(data))
-                if not chunk:
-                    break
-                data += chunk
-            self.agent.reaper.forget(helper_pid)
         except BaseException:
             os.close(report_r)
             raise
-        finally:
-            os.close(ctl_r)
-        init = int.from_bytes(data, sys.byteorder, signed=True) if len(data) == 4 else -errno.EIO
         if init > 0:
             return _PidnsScope(self.agent, init, report_r)
         os.close(report_r)
@@ -535,6 +525,74 @@ class Scopes:
         if -init == errno.EAGAIN:
             raise BlockingIOError(errno.EAGAIN, "no process could be started")
         raise OSError(-init, f"cannot create the command's namespaces: {os.strerror(-init)}")
+
+    def _ask_server(self, exe, argv, env, cwd, stdio, keep_fd, report_w) -> int | None:
+        """The init's pid (or -errno) from ``wb-init --serve``, which clones inits without an exec
+        per command (each costs as much as the command's own under gVisor); None: ask wb-init."""
+        fields = [str(keep_fd), cwd or "", exe, str(len(argv)), *argv, *[f"{k}={v}" for k, v in env.items()]]
+        payload = b"\0".join(os.fsencode(f) for f in fields)
+        if len(payload) > 120 << 10:
+            return None
+        fds = [*stdio, report_w] + ([keep_fd] if keep_fd >= 0 else [])
+        rights = b"".join(fd.to_bytes(4, sys.byteorder, signed=True) for fd in fds)
+        with self._server_lock:
+            if self._server is None and not self._server_failed:
+                self._server = self._start_server()
+            if self._server is None:
+                return None
+            try:
+                self._server.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+                reply = self._server.recv(4)
+            except OSError as e:
+                if e.errno == errno.EMSGSIZE:  # larger than the socket takes: this one execs wb-init
+                    return None
+                reply = b""
+            if len(reply) != 4:  # it died: every command from now on execs wb-init itself
+                print("warmbox agent: the init server is gone; commands exec wb-init", file=sys.stderr)
+                self._server.close()
+                self._server, self._server_failed = None, True
+                return None
+        return int.from_bytes(reply, sys.byteorder, signed=True)
+
+    def _start_server(self):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            pid = _posix_spawn(self._init_exe, [self._init_exe, "--serve", "3"], dict(os.environ),
+                               (null, null, null), {3: theirs.fileno()})
+        except OSError as e:
+            print(f"warmbox agent: cannot start the init server ({e}); commands exec wb-init", file=sys.stderr)
+            ours.close()
+            self._server_failed = True
+            return None
+        finally:
+            theirs.close()
+            os.close(null)
+        self.agent.reaper.register(pid)
+        return ours
+
+    def _exec_helper(self, exe, argv, env, cwd, stdio, keep_fd, report_w) -> int:
+        """The init's pid (or -errno) from an exec of wb-init for this command alone."""
+        ctl_r, ctl_w = os.pipe()
+        ctl, report = [fd for fd in (3, 4, 5) if fd != keep_fd][:2]  # the helper's fd numbers
+        helper = [self._init_exe, str(ctl), str(report), str(keep_fd), cwd or "", exe, *argv]
+        try:
+            try:
+                helper_pid = _posix_spawn(self._init_exe, helper, env, stdio,
+                                          {ctl: ctl_w, report: report_w, keep_fd: keep_fd})
+            finally:
+                os.close(ctl_w)
+            self.agent.reaper.register(helper_pid)  # it exits at once; the init is re-parented to us
+            data = b""
+            while len(data) < 4:
+                chunk = os.read(ctl_r, 4 - len(data))
+                if not chunk:
+                    break
+                data += chunk
+            self.agent.reaper.forget(helper_pid)
+        finally:
+            os.close(ctl_r)
+        return int.from_bytes(data, sys.byteorder, signed=True) if len(data) == 4 else -errno.EIO
 
     def _spawn_tree(self, exe, argv, env, cwd, stdio, keep_fd) -> Scope:
         if cwd is not None:  # posix_spawn cannot chdir; coreutils env can, at the cost of one exec
@@ -776,6 +834,8 @@ def _exec_inner(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
         raise _Fail(p.ErrorCode.INVALID, "argv must be a non-empty list without NUL bytes")
     agent.hardened.wait(5)  # no user process before the agent is out of its reach
     start = time.monotonic()
+    if any("\0" in k or "=" in k or "\0" in v for k, v in msg.env.items()):
+        raise _Fail(p.ErrorCode.INVALID, "environment names and values must not contain NUL bytes (names: '=')")
     env = dict(os.environ)
     env.update(msg.env)
     cwd = msg.cwd or None
