@@ -6,8 +6,17 @@ test that proves each guarantee. Tests are parametrised over the tiers an attack
 
 from __future__ import annotations
 
+import asyncio
+import os
+import secrets
+import shutil
+import signal
+from pathlib import Path
+
 import pytest
 
+from tests.backends.conftest import qemu_pids
+from tests.conftest import wait_for
 from warmbox.engine.engine import Engine
 
 pytestmark = pytest.mark.sandbox
@@ -27,3 +36,47 @@ def tier(request, home, runc_ready) -> str:
     """The shared-filesystem tiers (microVM attacks live in their own modules: at most two VMs)."""
     require_tier(home, request.param)
     return request.param
+
+
+def home_procs(home: Path, arg: bytes = b"") -> list[int]:
+    """Running processes with ``home`` as one of their arguments (and ``arg`` as another, if given):
+    a home's daemon (``warmbox.engine.daemon``) and guard (``--guard``), found by command line."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            stat = (proc / "stat").read_bytes()
+        except OSError:
+            continue
+        if stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X") or str(home).encode() not in cmd:
+            continue
+        if not arg or arg in cmd:
+            out.append(int(proc.name))
+    return out
+
+
+@pytest.fixture
+def private_home(runc_ready):
+    """A home of its own: its daemon is the one killed (the session's keeps serving the others);
+    nothing of it (sandboxes, VMs, daemon, guard, dirs) outlives the test."""
+    h = Path(f"/tmp/wbd-{secrets.token_hex(3)}")
+    h.mkdir(mode=0o700)
+    (h / "warmbox.toml").write_text("[daemon]\nidle_exit = 2\n")
+    engine = Engine(h)
+    try:
+        yield engine
+    finally:
+        from warmbox.cli.pools import down_home
+
+        asyncio.run(down_home(h))
+        for info in engine.list(include_pooled=True):
+            asyncio.run(engine.destroy(info.sandbox_id, "test cleanup"))
+        left = qemu_pids(engine.runtime)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not home_procs(h), 15, "the daemon and its guard to end")
+        shutil.rmtree(engine.runtime, ignore_errors=True)
+        shutil.rmtree(h, ignore_errors=True)
+        assert not left, f"QEMU or relay processes left behind: {left}"

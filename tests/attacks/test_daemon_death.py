@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
-import shutil
 import signal
 import subprocess
 import time
@@ -20,29 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.attacks.conftest import home_procs
 from tests.conftest import wait_for
-from warmbox.engine.engine import Engine
 
 TIMEOUT_S = 5.0
 BOUND_S = 15.0  # how long past its deadline the sandbox may still exist
 
-
-def _procs(home: Path, guard: bool) -> list[int]:
-    """This home's daemons (found by command line, as tests/conftest.py::_stop_daemon does) or guards."""
-    out = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-            stat = (proc / "stat").read_bytes()
-        except OSError:
-            continue
-        if stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X") or str(home).encode() not in cmd:
-            continue
-        if (b"--guard" in cmd) if guard else (b"warmbox.engine.daemon" in cmd):
-            out.append(int(proc.name))
-    return out
 
 
 def _running(pid: int) -> bool:
@@ -60,26 +41,6 @@ def _runc_ids(runc: str, root: Path) -> list[str]:
                        timeout=30)
     assert r.returncode == 0, r.stderr
     return [c["id"] for c in json.loads(r.stdout or "null") or []]
-
-
-@pytest.fixture
-def private_home(runc_ready):
-    """A home of its own: its daemon is the one killed (the session's keeps serving the others)."""
-    h = Path(f"/tmp/wbd-{secrets.token_hex(3)}")
-    h.mkdir(mode=0o700)
-    (h / "warmbox.toml").write_text("[daemon]\nidle_exit = 2\n")
-    engine = Engine(h)
-    try:
-        yield engine
-    finally:
-        from warmbox.cli.pools import down_home
-
-        asyncio.run(down_home(h))
-        for info in engine.list():
-            asyncio.run(engine.destroy(info.sandbox_id, "test cleanup"))
-        wait_for(lambda: not _procs(h, False) and not _procs(h, True), 15, "the daemon and its guard to end")
-        shutil.rmtree(engine.runtime, ignore_errors=True)
-        shutil.rmtree(h, ignore_errors=True)
 
 
 @pytest.mark.parametrize("kill, when", [("daemon", "at once"), ("guard-then-daemon", "at once"),
@@ -101,12 +62,12 @@ def test_timeout_enforced_after_the_daemon_is_sigkilled(private_home, kill, when
     init = json.loads((root / sid / "state.json").read_text())["init_process_pid"]
     assert _running(init) and sid in _runc_ids(runc, root)
     # from here on: no warmbox call, only /proc, runc and the file system
-    daemon = wait_for(lambda: _procs(h, False), 10, "the daemon to run")
+    daemon = wait_for(lambda: home_procs(h, b"warmbox.engine.daemon"), 10, "the daemon to run")
     assert len(daemon) == 1, daemon
     if kill == "guard-then-daemon":
-        guard = wait_for(lambda: _procs(h, True), 10, "the guard to run")
+        guard = wait_for(lambda: home_procs(h, b"--guard"), 10, "the guard to run")
         os.kill(guard[0], signal.SIGKILL)
-        wait_for(lambda: (g := _procs(h, True)) and g != guard, 10, "the daemon to start a new guard")
+        wait_for(lambda: (g := home_procs(h, b"--guard")) and g != guard, 10, "the daemon to start a new guard")
     if when == "just before the deadline":  # the restart's whole latency then adds to the lateness
         time.sleep(max(0.0, info.expires_at - 0.3 - time.time()))
     os.kill(daemon[0], signal.SIGKILL)
@@ -122,7 +83,7 @@ def test_timeout_enforced_after_the_daemon_is_sigkilled(private_home, kill, when
     print(f"sandbox destroyed {late:.2f} s after its deadline (daemon killed {info.expires_at - killed_at:.2f} s "
           "before it)")
     assert late < BOUND_S
-    assert _procs(h, False) != daemon, "a new daemon did the reaping"
+    assert home_procs(h, b"warmbox.engine.daemon") != daemon, "a new daemon did the reaping"
     got, _ = engine.info(sid)  # the assertions are done: warmbox may be asked now
     assert got.state.value == "destroyed"
     assert engine.registry.transitions(sid)[-1].reason == "timeout expired"

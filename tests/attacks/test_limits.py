@@ -10,7 +10,6 @@ the limit, the value, the maximum and where the maximum comes from (the host, a 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 

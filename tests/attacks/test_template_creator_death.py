@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,46 +21,10 @@ import pytest
 
 from tests.backends.conftest import live_pids, qemu_pids
 from tests.conftest import wait_for
-from warmbox.engine.engine import Engine
 from warmbox.models import Limits, State
 
 BOUND_S = 30.0  # from the kill until the template VM is gone
 MEMORY_MB = 523  # odd: no other test's shape
-
-
-def _home_procs(home: Path) -> list[int]:
-    out = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if str(home).encode() in (proc / "cmdline").read_bytes().split(b"\0"):
-                    out.append(int(proc.name))
-            except OSError:
-                pass
-    return out
-
-
-@pytest.fixture
-def private_home(runc_ready):
-    h = Path(f"/tmp/wbm-{secrets.token_hex(3)}")
-    h.mkdir(mode=0o700)
-    (h / "warmbox.toml").write_text("[daemon]\nidle_exit = 2\n")
-    engine = Engine(h)
-    try:
-        yield engine
-    finally:
-        from warmbox.cli.pools import down_home
-
-        asyncio.run(down_home(h))
-        for info in engine.list(include_pooled=True):
-            asyncio.run(engine.destroy(info.sandbox_id, "test cleanup"))
-        left = qemu_pids(engine.runtime)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not _home_procs(h), 15, "the daemon and its guard to end")
-        shutil.rmtree(engine.runtime, ignore_errors=True)
-        shutil.rmtree(h, ignore_errors=True)
-        assert not left, f"QEMU or relay processes left behind: {left}"
 
 
 @pytest.mark.parametrize("when", ["booting", "warmed up", "saved"])

@@ -549,7 +549,6 @@ async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeou
 
     pool/shape: restore it into a warm pool (state ``pooled``) — a template snapshot's copy.
     """
-    import shutil
 
     from warmbox.backends.base import SandboxSpec
     from warmbox.models import StageTiming
