@@ -23,6 +23,19 @@ from warmbox.engine.guest_client import GuestClient
 BARE = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 
 
+def _await_listening(sock) -> None:
+    """The path exists from bind(); wait (bounded) until listen() lets a client in."""
+    for _ in range(200):
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(str(sock))
+            return
+        except OSError:
+            time.sleep(0.01)
+        finally:
+            probe.close()
+
+
 @pytest.fixture(scope="module")
 def guest_lib(tmp_path_factory) -> Path:
     image = build_image(tmp_path_factory.mktemp("images"))
@@ -34,15 +47,7 @@ def agent(guest_lib: Path, tmp_path: Path):
     sock = tmp_path / "a.sock"
     boot = f"import sys; sys.path.insert(0, {str(guest_lib)!r}); from warmbox.guest.agent import main; main()"
     proc = subprocess.Popen([BARE, "-I", "-S", "-c", boot, str(sock)], cwd=tmp_path)
-    for _ in range(200):  # the path exists from bind(); wait until listen() lets us in
-        probe = socket.socket(socket.AF_UNIX)
-        try:
-            probe.connect(str(sock))
-            break
-        except OSError:
-            time.sleep(0.01)
-        finally:
-            probe.close()
+    _await_listening(sock)
     yield str(sock)
     proc.kill()
     proc.wait()
@@ -230,15 +235,7 @@ def scoped_agent(request, guest_lib: Path, tmp_path: Path):
         os.close(fd)
     if cg is not None:  # the agent moves its own children: it must be in the hierarchy's subtree
         (cg / "cgroup.procs").write_text(str(proc.pid))
-    for _ in range(200):
-        probe = socket.socket(socket.AF_UNIX)
-        try:
-            probe.connect(str(sock))
-            break
-        except OSError:
-            time.sleep(0.01)
-        finally:
-            probe.close()
+    _await_listening(sock)
     yield request.param, str(sock)
     proc.kill()
     proc.wait()
