@@ -50,6 +50,7 @@ from typing import Any
 
 from warmbox.errors import ConfigError, InvalidArgument, LimitTooHigh
 from warmbox.models import Limits
+from warmbox.tiers import canonical_tier
 
 # Built-in templates. ``base``'s warm-up starts the Python code context (so a pooled sandbox's
 # first run_code does not pay an interpreter start); ``pydata`` also imports the data stack.
@@ -551,8 +552,6 @@ def _str(v: object, where: str, source: str) -> str:
 
 
 def _tier(v: object, where: str, source: str) -> str:
-    from warmbox.backends import canonical_tier
-
     try:
         return canonical_tier(_str(v, where, source))
     except InvalidArgument as e:

@@ -64,7 +64,7 @@ class Limits:
 
 
 class State(str, enum.Enum):
-    """Lifecycle states of a sandbox (see engine.lifecycle for the legal operations)."""
+    """Lifecycle states of a sandbox (see warmbox.lifecycle for the legal operations)."""
 
     CREATING = "creating"
     POOLED = "pooled"  # warmed up, waiting in a pool; nobody may connect until it is claimed
@@ -316,3 +316,67 @@ class ApprovalRequest:
     host: str
     port: int
     kind: str  # "http" | "connect"
+
+
+# ---- records shared by the backends and the engine (a tier's description and its handles)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a tier can do; the engine and the tier selector read this, never the tier's name."""
+
+    tier: str
+    isolation: str  # one line: what separates the sandbox from the host
+    memory_snapshot: bool
+    filesystem_snapshot: bool
+    custom_kernel: bool
+    network_modes: tuple[str, ...]  # of "none", "allowlist", "internet"
+    languages: tuple[str, ...]
+    start_class: str  # order of magnitude of a cold start, e.g. "10-100ms"
+    # every sandbox is restored from its shape's template memory snapshot (a cold boot is too slow)
+    snapshot_start: bool = False
+    # OOM kills happen in the sandbox's own kernel: the agent reports them with each command's
+    # result (Exited.oom_kills), and the host does not read a counter around every call
+    oom_counted_in_guest: bool = False
+    # a unix socket bound in /workspace (a host directory) is a host socket, which the runtime's
+    # memory checkpoint cannot save (gVisor: its Sentry panics and the sandbox dies): the engine
+    # refuses such a pause up front, and reports a sandbox lost to a failed checkpoint
+    checkpoint_saves_workspace_sockets: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Availability:
+    available: bool
+    reason: str  # why not (or what was found), in one line
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxSpec:
+    """Everything a backend needs to build one sandbox."""
+
+    sandbox_id: str
+    state_dir: str  # host directory owned by this sandbox; removed on destroy
+    uid_base: int  # first host uid/gid of the sandbox's private 65536-id range
+    envs: tuple[tuple[str, str], ...]
+    limits: Limits
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendHandle:
+    """Flat, persistable description of a created sandbox."""
+
+    sandbox_id: str
+    tier: str
+    runtime_id: str
+    state_dir: str
+    socket_path: str
+    uid_base: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ResourceUsage:
+    """Counters read from the sandbox's cgroups."""
+
+    oom_kills: int
+    memory_bytes: int
+    cpu_ns: int

@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import cli, set_config, wait_for
 from warmbox import Limits, Sandbox, SandboxStartError, State
 from warmbox.engine.engine import Engine
-from warmbox.engine.lifecycle import Operation
+from warmbox.lifecycle import Operation
 from warmbox.errors import SandboxStateError
 from warmbox.storage.registry import Registry
 

@@ -1,29 +1,14 @@
-"""Backends: where a sandbox runs. One file per tier; ``resolve`` maps tier names to them."""
+"""Backends: where a sandbox runs. One file per tier; ``load`` makes the backend of a tier (see warmbox.tiers)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from warmbox.backends.base import Backend
-from warmbox.errors import BackendUnavailable, InvalidArgument
+from warmbox.errors import BackendUnavailable
+from warmbox.tiers import TIERS, canonical_tier
 
-# tier name -> (aliases, backend module:class); imported lazily so optional tools stay optional
-TIERS: dict[str, tuple[tuple[str, ...], str | None]] = {
-    "container": (("container", "runc"), "warmbox.backends.runc:RuncBackend"),
-    "gvisor": (("gvisor", "runsc"), "warmbox.backends.gvisor:GvisorBackend"),
-    "microvm": (("microvm", "qemu"), "warmbox.backends.microvm:MicroVMBackend"),
-    "isolate": (("isolate", "v8", "wasm"), None),
-}
-
-
-def canonical_tier(name: object) -> str:
-    if not isinstance(name, str):
-        raise InvalidArgument(f"tier must be a string, got {name!r}")
-    for tier, (aliases, _) in TIERS.items():
-        if name in aliases:
-            return tier
-    known = ", ".join(sorted(a for aliases, _ in TIERS.values() for a in aliases))
-    raise InvalidArgument(f"unknown tier {name!r} (known: {known})")
+__all__ = ["TIERS", "Backend", "canonical_tier", "load"]
 
 
 def load(tier: str, runtime: Path) -> Backend:

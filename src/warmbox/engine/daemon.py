@@ -460,7 +460,7 @@ def main() -> None:
         return
     home = Path(args[0]) if args else None
     if home is None:
-        from warmbox.engine.engine import default_home
+        from warmbox.paths import default_home
 
         home = default_home()
     import asyncio  # not at the top: the guard runs this file and needs none of it

@@ -7,7 +7,6 @@ outlive the process that created them, and any process may reap expired ones.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 import os
 import re
@@ -16,40 +15,22 @@ import time
 from pathlib import Path
 
 from warmbox import backends, config, protocol as p
-from warmbox.backends.base import Backend, BackendHandle, ResourceUsage, SandboxSpec
+from warmbox.backends.base import Backend
 from warmbox.engine.guest_client import GuestClient
-from warmbox.engine.lifecycle import LIVE, Operation, check
+from warmbox.lifecycle import LIVE, Operation, check
 from warmbox.config import PoolConfig, Settings, Template
 from warmbox.errors import (BackendUnavailable, GuestConnectionError, GuestProtocolError, InvalidArgument,
                             SandboxNotFound, SandboxStartError, WarmboxError)
-from warmbox.models import Limits, NetEvent, SandboxInfo, SandboxMetrics, StageTiming, State, TierStatus
+from warmbox.models import BackendHandle, Limits, NetEvent, ResourceUsage, SandboxSpec, SandboxInfo, SandboxMetrics, StageTiming, State, TierStatus
 from warmbox.engine import egress
 from warmbox.network.policy import Policy
+from warmbox.paths import default_home, owner_alive, owner_tag, runtime_dir  # noqa: F401 - re-exported
 from warmbox.storage.registry import Registry
 
 DEFAULT_TIMEOUT_S = 300.0
 MAX_TIMEOUT_S = 24 * 3600.0
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MAX_SOCKET_PATH = 107
-
-
-def default_home() -> Path:
-    env = os.environ.get("WARMBOX_HOME")
-    if env:
-        return Path(env).expanduser().resolve()
-    return Path("~/.local/share/warmbox").expanduser()
-
-
-def runtime_dir(home: Path) -> Path:
-    """Where sandboxes' filesystems and runtime state live (WARMBOX_RUNTIME_DIR overrides).
-
-    Separate from WARMBOX_HOME because every ancestor of a rootfs or bind-mount source must be
-    traversable by the sandbox's unprivileged host uid, and a home such as /root is not.
-    """
-    env = os.environ.get("WARMBOX_RUNTIME_DIR")
-    if env:
-        return Path(env).expanduser().resolve()
-    return Path("/var/lib/warmbox") / hashlib.sha256(str(home).encode()).hexdigest()[:12]
 
 
 def validate_timeout(timeout: object, name: str = "timeout") -> float:
@@ -73,24 +54,6 @@ def validate_envs(envs: object) -> tuple[tuple[str, str], ...]:
             raise InvalidArgument(f"environment variable {k} must be a string without NUL bytes")
         out.append((k, v))
     return tuple(out)
-
-
-def owner_tag(pid: int) -> str:
-    """``pid:starttime`` — names a process uniquely across pid reuse ("" if gone or a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        fields = stat[stat.rindex(b")") + 2:].split()
-        if fields[0] in (b"Z", b"X"):
-            return ""
-        return f"{pid}:{int(fields[19])}"
-    except (OSError, ValueError, IndexError):
-        return ""
-
-
-def _owner_alive(owner: str) -> bool:
-    pid, _, _ = owner.partition(":")
-    return pid.isdigit() and owner_tag(int(pid)) == owner
 
 
 WARMUP_TIMEOUT_S = 600.0
@@ -624,7 +587,7 @@ class Engine:
         await snapshot.recover(self)
         now = time.time()
         reaped = await self._reap_template_vms()
-        orphans = {sid for sid, owner in self.registry.creating_with_owner() if owner and not _owner_alive(owner)}
+        orphans = {sid for sid, owner in self.registry.creating_with_owner() if owner and not owner_alive(owner)}
         for info, _ in self.registry.list(include_pooled=True):
             if info.state in (State.CREATING, State.RETIRING) and info.sandbox_id not in orphans:
                 # its creator lives and will finish or clean up; only a start stuck far beyond
@@ -642,7 +605,7 @@ class Engine:
                 except Exception:  # one bad sandbox must not stop the reaper; retried next round
                     continue
         for sid, owner in self.registry.paused_with_owner():  # a pause killed while releasing
-            if owner and not _owner_alive(owner):
+            if owner and not owner_alive(owner):
                 info, handle = self.registry.get(sid)
                 if Path(handle.state_dir).exists():
                     try:
@@ -702,7 +665,7 @@ class Engine:
         reaped = []
         for sid, mark in self._template_marks().items():
             owner = mark.get("owner") if isinstance(mark, dict) else None
-            if isinstance(owner, str) and owner and _owner_alive(owner):
+            if isinstance(owner, str) and owner and owner_alive(owner):
                 continue  # its creator is still at it
             try:
                 info, handle = self.registry.get(sid)

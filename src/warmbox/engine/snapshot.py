@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from warmbox import protocol as p
 from warmbox.backends import hostfs
 from warmbox.engine.guest_client import GuestClient
-from warmbox.engine.lifecycle import Operation, check
+from warmbox.lifecycle import Operation, check
 from warmbox.errors import (InvalidArgument, NoSpace, SandboxError, SandboxNotFound, SandboxStartError,
                             SandboxStateError, SnapshotUnsupported, StorageError, StorageFull, WarmboxError)
 from warmbox.models import Limits, State

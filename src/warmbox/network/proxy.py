@@ -944,7 +944,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--serve"]:
         return serve(argv[1:])
     home = Path(argv[0])
-    from warmbox.engine.engine import runtime_dir
+    from warmbox.paths import runtime_dir
 
     egress = netns.egress_name(runtime_dir(home))
     lock_fd = os.open(home / "netproxy.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

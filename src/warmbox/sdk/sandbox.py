@@ -20,7 +20,7 @@ from warmbox.backends.base import BackendHandle
 from warmbox.engine import snapshot as snapshots
 from warmbox.engine.engine import Engine, validate_envs, validate_timeout
 from warmbox.engine.guest_client import FileRead, GuestClient
-from warmbox.engine.lifecycle import Operation, check
+from warmbox.lifecycle import Operation, check
 from warmbox.errors import (CommandFailed, ContextError, FilesError, FileTooLarge, GuestProtocolError,
                             InvalidArgument, InvalidPath, IsADirectory, NoSpace, NotADirectory, NotARegularFile,
                             PathExists, PathNotFound, PathPermissionDenied, SandboxError, SandboxTimeout,

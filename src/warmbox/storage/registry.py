@@ -11,10 +11,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from warmbox.backends.base import BackendHandle
-from warmbox.engine.lifecycle import LIVE, check_transition
+from warmbox.lifecycle import LIVE, check_transition
 from warmbox.errors import RegistryError, SandboxNotFound, SandboxStateError
-from warmbox.models import Limits, NetEvent, PoolEvent, SandboxInfo, StageTiming, State, Transition
+from warmbox.models import BackendHandle, Limits, NetEvent, PoolEvent, SandboxInfo, StageTiming, State, Transition
 from warmbox.storage.uidslots import (HOLDING_STATES, MAX_SLOTS, UID_BASE, UID_RANGE, UidLedger,  # noqa: F401
                                      registry_holds, row_holds)
 

@@ -1,0 +1,54 @@
+"""Where a warmbox home keeps its state, and how a process is named across pid reuse."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+DEFAULT_HOME = "~/.local/share/warmbox"
+DEFAULT_RUNTIME_ROOT = "/var/lib/warmbox"
+
+
+def default_home() -> Path:
+    """``WARMBOX_HOME``, else ``~/.local/share/warmbox``: the registry, objects and settings."""
+    env = os.environ.get("WARMBOX_HOME")
+    if env:
+        return Path(env).expanduser().resolve()
+    return Path(DEFAULT_HOME).expanduser()
+
+
+def resolve_home(home: Path | str | None) -> Path:
+    """An explicit home (made absolute), or the default one."""
+    return Path(home).expanduser().resolve() if home is not None else default_home()
+
+
+def runtime_dir(home: Path) -> Path:
+    """Where sandboxes' filesystems and runtime state live (WARMBOX_RUNTIME_DIR overrides).
+
+    Separate from WARMBOX_HOME because every ancestor of a rootfs or bind-mount source must be
+    traversable by the sandbox's unprivileged host uid, and a home such as /root is not.
+    """
+    env = os.environ.get("WARMBOX_RUNTIME_DIR")
+    if env:
+        return Path(env).expanduser().resolve()
+    return Path(DEFAULT_RUNTIME_ROOT) / hashlib.sha256(str(home).encode()).hexdigest()[:12]
+
+
+def owner_tag(pid: int) -> str:
+    """``pid:starttime`` — names a process uniquely across pid reuse ("" if gone or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(b")") + 2:].split()
+        if fields[0] in (b"Z", b"X"):
+            return ""
+        return f"{pid}:{int(fields[19])}"
+    except (OSError, ValueError, IndexError):
+        return ""
+
+
+def owner_alive(owner: str) -> bool:
+    """Whether the process an :func:`owner_tag` named still runs (the same one, not a reused pid)."""
+    pid, _, _ = owner.partition(":")
+    return pid.isdigit() and owner_tag(int(pid)) == owner
