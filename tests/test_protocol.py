@@ -1,5 +1,10 @@
+import inspect
 import json
+import os
+import shutil
 import struct
+import subprocess
+import sys
 
 import pytest
 
@@ -67,3 +72,62 @@ def test_garbage_and_oversize():
         p.split_prefix(struct.pack(">II", 10, p.MAX_BODY + 1))
     with pytest.raises(p.ProtocolViolation, match="too large"):
         p.encode(p.Chunk(1, data=b"x" * (p.MAX_BODY + 1)))
+
+
+MESSAGES = [c for c in vars(p).values() if isinstance(c, type) and issubclass(c, p.Message) and c is not p.Message]
+
+
+def test_fields_are_derived_from_annotations():
+    assert set(MESSAGES) == set(p.HOST_TO_GUEST) | set(p.GUEST_TO_HOST)  # each one has a direction
+    for cls in MESSAGES:
+        annotations = inspect.get_annotations(cls)
+        assert cls.FIELDS == tuple((n, "".join(a.split())) for n, a in annotations.items()), cls
+        assert all(t in p.WIRE_TYPES for _, t in cls.FIELDS), cls
+        bodies = [n for n, t in cls.FIELDS if t == "bytes"]
+        assert cls._body == (bodies[0] if bodies else None), cls
+        for annotation in annotations.values():  # a real type to a type checker, not just a table key
+            hint = eval(annotation, vars(p))
+            assert isinstance(getattr(hint, "__origin__", hint), type), (cls, annotation)
+    assert p.Exec.FIELDS[:2] == (("argv", "list[str]"), ("env", "dict[str,str]"))
+    assert p.Failure.FIELDS == (("code", "ErrorCode"), ("message", "str"))
+    assert type(p.ErrorCode.NOT_FOUND) is p.ErrorCode and p.ErrorCode("not_found") is p.ErrorCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("annotations,why", [
+    ({"x": "set[int]"}, "not a wire type"),
+    ({"x": "list[int]"}, "not a wire type"),
+    ({"x": "str | None"}, "not a wire type"),
+    ({"x": "Optional[str]"}, "not a wire type"),
+    ({"x": "ProtocolViolation"}, "not a wire type"),
+    ({"x": int}, "must be strings"),
+    ({"a": "bytes", "b": "bytes"}, "more than one bytes field"),
+    ({"type": "str"}, "reserved name"),
+    ({"id": "int"}, "reserved name"),
+    ({"FIELDS": "str"}, "reserved name"),
+])
+def test_unsupported_annotation_fails_at_class_creation(annotations, why):
+    with pytest.raises(TypeError, match=why):
+        type("Bad", (p.Message,), {"__annotations__": annotations})
+
+
+def test_unsupported_annotation_in_class_statement():
+    with pytest.raises(TypeError, match="Bad.when"):
+        class Bad(p.Message):
+            when: "float | None"
+
+
+def test_protocol_imports_in_bare_interpreter(tmp_path):
+    # The guest imports protocol with -I -S on every cold start: stdlib only, and none of the
+    # modules it avoids on purpose (typing, dataclasses).
+    (tmp_path / "warmbox").mkdir()
+    (tmp_path / "warmbox" / "__init__.py").write_text("")
+    shutil.copy(p.__file__, tmp_path / "warmbox" / "protocol.py")
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); before = set(sys.modules); "
+            "import warmbox.protocol as p; print(sorted(set(sys.modules) - before)); print(p.Exec.FIELDS[0])")
+    bare = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    out = subprocess.run([bare, "-I", "-S", "-c", code], capture_output=True, text=True, check=True)
+    new, fields = out.stdout.splitlines()
+    names = {m.split(".")[0] for m in eval(new)}
+    assert names - sys.stdlib_module_names == {"warmbox"}
+    assert not {"typing", "dataclasses"} & names
+    assert fields == "('argv', 'list[str]')"

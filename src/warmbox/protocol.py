@@ -13,14 +13,25 @@ base64-inflated. Decoding is closed: an unknown ``type``, an unknown or missing 
 wrong field type, or a frame larger than :data:`MAX_FRAME` is a :class:`ProtocolViolation`.
 Every message belongs to one direction; each side decodes only what the other side may send.
 
-Messages declare their fields as a compact ``FIELDS`` spec instead of using dataclasses and
-typing: the guest agent pays for every import on each sandbox's cold start.
+Messages declare their fields as plain class annotations (``argv: list[str]``), read back as
+strings (``from __future__ import annotations``) against a small closed table of wire types when
+the class is created: no dataclasses, enum or typing at runtime, because the guest agent pays for
+every import on each sandbox's cold start.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+
+TYPE_CHECKING = False  # typing itself is not imported at runtime: see the module docstring
+if TYPE_CHECKING:
+    from typing import ClassVar, Protocol, Self, TypeVar
+
+    _C = TypeVar("_C", bound="_Closed")
+
+    class _Readable(Protocol):
+        def recv(self, n: int, /) -> bytes: ...
 
 PROTOCOL_VERSION = 4
 MAX_HEADER = 1 << 20  # 1 MiB of JSON is far more than any legal header
@@ -35,27 +46,43 @@ class ProtocolViolation(Exception):
     """The peer sent something outside the protocol (malformed, oversized, unknown)."""
 
 
+class _Member:
+    """Declares one constant of a :class:`_Closed` set: ``NOT_FOUND = _Member("not_found")``.
+
+    Replaced by the member itself when the class is created; ``__get__`` only tells type checkers
+    that ``ErrorCode.NOT_FOUND`` is an ``ErrorCode``.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    def __get__(self, instance: object, owner: type[_C]) -> _C:
+        return owner(self.value)
+
+
 class _Closed(str):
     """A closed set of string constants: members are singletons, an unknown value raises.
 
     Used instead of enum.Enum, whose import alone costs the guest ~2 ms per cold start.
     """
 
-    _members: dict
+    _members: ClassVar[dict[str, _Closed]]
 
     def __init_subclass__(cls) -> None:
         cls._members = {}
         for name, value in list(vars(cls).items()):
-            if name.isupper() and isinstance(value, str):
-                member = str.__new__(cls, value)
-                cls._members[value] = member
+            if isinstance(value, _Member):
+                member = str.__new__(cls, value.value)
+                cls._members[value.value] = member
                 setattr(cls, name, member)
 
-    def __new__(cls, value: object) -> "_Closed":
-        try:
-            return cls._members[value]
-        except (KeyError, TypeError):
-            raise ValueError(f"{value!r} is not a valid {cls.__name__}") from None
+    def __new__(cls, value: object) -> Self:
+        member = cls._members.get(value) if isinstance(value, str) else None
+        if not isinstance(member, cls):
+            raise ValueError(f"{value!r} is not a valid {cls.__name__}")  # noqa: TRY004 (as Enum does)
+        return member
 
     @property
     def value(self) -> str:
@@ -68,56 +95,71 @@ class _Closed(str):
 class ErrorCode(_Closed):
     """Closed set of error codes the guest may report."""
 
-    NOT_FOUND = "not_found"
-    EXISTS = "exists"
-    IS_A_DIRECTORY = "is_a_directory"
-    NOT_A_DIRECTORY = "not_a_directory"
-    PERMISSION_DENIED = "permission_denied"
-    NO_SPACE = "no_space"
-    INVALID = "invalid"
-    EXEC_FAILED = "exec_failed"
-    CONTEXT_NOT_FOUND = "context_not_found"
-    CONTEXT_DIED = "context_died"
-    NOT_REGULAR = "not_regular"  # a read of a FIFO, device or socket: refused, never read
-    TOO_LARGE = "too_large"  # a read of more than its max_bytes
-    INTERNAL = "internal"
+    NOT_FOUND = _Member("not_found")
+    EXISTS = _Member("exists")
+    IS_A_DIRECTORY = _Member("is_a_directory")
+    NOT_A_DIRECTORY = _Member("not_a_directory")
+    PERMISSION_DENIED = _Member("permission_denied")
+    NO_SPACE = _Member("no_space")
+    INVALID = _Member("invalid")
+    EXEC_FAILED = _Member("exec_failed")
+    CONTEXT_NOT_FOUND = _Member("context_not_found")
+    CONTEXT_DIED = _Member("context_died")
+    NOT_REGULAR = _Member("not_regular")  # a read of a FIFO, device or socket: refused, never read
+    TOO_LARGE = _Member("too_large")  # a read of more than its max_bytes
+    INTERNAL = _Member("internal")
 
 
 class FileType(_Closed):
-    FILE = "file"
-    DIR = "dir"
-    SYMLINK = "symlink"
-    OTHER = "other"
+    FILE = _Member("file")
+    DIR = _Member("dir")
+    SYMLINK = _Member("symlink")
+    OTHER = _Member("other")
 
 
-_ENUMS = {"ErrorCode": ErrorCode, "FileType": FileType}
-_SCALARS = {"str": str, "int": int, "float": float, "bool": bool, "bytes": bytes}
+_ENUMS: dict[str, type[_Closed]] = {"ErrorCode": ErrorCode, "FileType": FileType}
+_SCALARS: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool, "bytes": bytes}
+# Every annotation a message field may have, spelled without spaces: anything else is refused
+# when the message class is created, so the decoder below knows how to check each field.
+WIRE_TYPES = frozenset((*_SCALARS, "list[str]", "dict[str,str]", *_ENUMS))
 
 
 class Message:
-    """Base of every message: keyword construction, equality and repr from ``FIELDS``.
+    """Base of every message: keyword construction, equality and repr from its field annotations.
 
-    ``FIELDS`` is ``"name:type ..."`` with type one of str, int, float, bool, bytes,
-    list[str], dict[str,str], or an enum above. At most one field is bytes (the body).
+    Each annotation of a subclass is one field, in order; its type is one of :data:`WIRE_TYPES`.
+    At most one field is ``bytes``: it travels as the frame's body. ``FIELDS`` (derived, do not
+    set) holds ``(name, type)`` pairs for the decoder, type spelled as in ``WIRE_TYPES``.
     """
 
-    FIELDS = ""
-    _spec: tuple[tuple[str, str], ...] = ()
-    _body: str | None = None
+    FIELDS: ClassVar[tuple[tuple[str, str], ...]] = ()
+    _body: ClassVar[str | None] = None
     __slots__ = ("id",)
+    id: int
 
     def __init_subclass__(cls) -> None:
-        spec = tuple(tuple(item.split(":", 1)) for item in cls.FIELDS.split())
-        assert not {"id", "type"} & {n for n, _ in spec}, "id and type are frame keys"
-        cls._spec = spec  # type: ignore[assignment]
-        bodies = [n for n, t in spec if t == "bytes"]
-        assert len(bodies) <= 1, cls
+        fields = dict(cls.FIELDS)
+        # The class's own annotations only (the parent's fields are in FIELDS already); not
+        # inspect.get_annotations, whose import the guest would pay for.
+        for name, annotation in cls.__dict__.get("__annotations__", {}).items():  # noqa: RUF063
+            if not isinstance(annotation, str):
+                raise TypeError(f"{cls.__name__}.{name}: annotations must be strings "
+                                "(from __future__ import annotations)")
+            tp = "".join(annotation.split())
+            if tp not in WIRE_TYPES:
+                raise TypeError(f"{cls.__name__}.{name}: {annotation!r} is not a wire type {sorted(WIRE_TYPES)}")
+            if name == "type" or hasattr(Message, name):  # id, type: frame keys; the rest: Message's own
+                raise TypeError(f"{cls.__name__}.{name}: reserved name")
+            fields[name] = tp
+        bodies = [n for n, t in fields.items() if t == "bytes"]
+        if len(bodies) > 1:
+            raise TypeError(f"{cls.__name__}: more than one bytes field {bodies}")
+        cls.FIELDS = tuple(fields.items())
         cls._body = bodies[0] if bodies else None
-        cls.__slots__ = tuple(n for n, _ in spec)
 
     def __init__(self, id: int, **values: object) -> None:
         self.id = id
-        names = {n for n, _ in self._spec}
+        names = {n for n, _ in self.FIELDS}
         if set(values) != names:
             raise TypeError(f"{type(self).__name__}: expected fields {sorted(names)}, got {sorted(values)}")
         for name, value in values.items():
@@ -125,15 +167,15 @@ class Message:
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and all(
-            getattr(self, n) == getattr(other, n) for n in ("id", *(n for n, _ in self._spec)))
+            getattr(self, n) == getattr(other, n) for n in ("id", *(n for n, _ in self.FIELDS)))
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{n}={getattr(self, n)!r}" for n in ("id", *(n for n, _ in self._spec)))
+        parts = ", ".join(f"{n}={getattr(self, n)!r}" for n in ("id", *(n for n, _ in self.FIELDS)))
         return f"{type(self).__name__}({parts})"
 
 
 class Ping(Message):
-    FIELDS = ""
+    pass
 
 
 class Exec(Message):
@@ -144,17 +186,24 @@ class Exec(Message):
     namespace: agent.Scopes). On a normal exit what it left running stays. ``max_output`` caps
     stdout+stderr bytes. When ``stdin`` is true the host follows with :class:`StdinData` frames.
     """
-    FIELDS = "argv:list[str] env:dict[str,str] cwd:str timeout_s:float max_output:int stdin:bool"
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    timeout_s: float
+    max_output: int
+    stdin: bool
 
 
 class StdinData(Message):
-    FIELDS = "data:bytes eof:bool"
+    data: bytes
+    eof: bool
 
 
 class Signal(Message):
     """Send ``signum`` to the whole process tree of a running exec (by its Started pid); SIGKILL
     ends every process it ever started, as a timeout does. Another pid: its tree, best effort."""
-    FIELDS = "pid:int signum:int"
+    pid: int
+    signum: int
 
 
 class ReadFile(Message):
@@ -167,51 +216,63 @@ class ReadFile(Message):
     ``window``: flow control, bytes the agent may send beyond what the host acknowledged with
     :class:`ReadAck` (0 = no flow control). The host stops a read early with :class:`Cancel`.
     """
-    FIELDS = "path:str max_bytes:int window:int"
+    path: str
+    max_bytes: int
+    window: int
 
 
 class ReadAck(Message):
     """During a ReadFile: the host took ``bytes`` more of its data (opens the agent's window)."""
-    FIELDS = "bytes:int"
+    bytes: int
 
 
 class Cancel(Message):
     """Stop the ReadFile with this id (no answer; frames the agent already sent still arrive)."""
-    FIELDS = ""
 
 
 class WriteFile(Message):
     """Start a file upload; :class:`Chunk` frames follow, then :class:`ChunkEnd`."""
-    FIELDS = "path:str mode:int append:bool"
+    path: str
+    mode: int
+    append: bool
 
 
 class ListDir(Message):
-    FIELDS = "path:str depth:int"
+    path: str
+    depth: int
 
 
 class Stat(Message):
-    FIELDS = "path:str"
+    path: str
 
 
 class MakeDir(Message):
-    FIELDS = "path:str parents:bool"
+    path: str
+    parents: bool
 
 
 class Remove(Message):
-    FIELDS = "path:str recursive:bool"
+    path: str
+    recursive: bool
 
 
 class ContextCreate(Message):
     """Create a code context (a long-lived interpreter). ``name`` empty = guest picks one."""
-    FIELDS = "name:str language:str cwd:str env:dict[str,str]"
+    name: str
+    language: str
+    cwd: str
+    env: dict[str, str]
 
 
 class ContextRun(Message):
-    FIELDS = "context:str code:str timeout_s:float max_output:int"
+    context: str
+    code: str
+    timeout_s: float
+    max_output: int
 
 
 class ContextDelete(Message):
-    FIELDS = "context:str"
+    context: str
 
 
 class Configure(Message):
@@ -221,7 +282,8 @@ class Configure(Message):
     (the counters *before* the reset), or Ok inside a code context.
     """
 
-    FIELDS = "env:dict[str,str] reset_counts:bool"
+    env: dict[str, str]
+    reset_counts: bool
 
 
 class Reseed(Message):
@@ -232,7 +294,7 @@ class Reseed(Message):
     kernel's generator is reseeded by the tier before the agent is reachable: see the microvm
     backend.) Inside a code context it is answered by Ok too."""
 
-    FIELDS = "seed:bytes"
+    seed: bytes
 
 
 class Quiesce(Message):
@@ -240,39 +302,36 @@ class Quiesce(Message):
     connection (host sockets cannot be checkpointed) and listens again once the host creates a
     ``resume`` file next to its socket (after the restore). Only for an agent listening on a path."""
 
-    FIELDS = ""
-
 
 class GetUsage(Message):
     """Ask for the agent's usage counters; answered by UsageReport."""
 
-    FIELDS = ""
-
 
 class Chunk(Message):
-    FIELDS = "data:bytes"
+    data: bytes
 
 
 class ChunkEnd(Message):
-    FIELDS = ""
+    pass
 
 
 class Pong(Message):
-    FIELDS = "version:int pid:int"
+    version: int
+    pid: int
 
 
 class Started(Message):
     """``pid``: the command's process as the agent sees it; where commands get their own PID
     namespace, its init (the command itself is PID 2 in there)."""
-    FIELDS = "pid:int"
+    pid: int
 
 
 class Stdout(Message):
-    FIELDS = "data:bytes"
+    data: bytes
 
 
 class Stderr(Message):
-    FIELDS = "data:bytes"
+    data: bytes
 
 
 class Exited(Message):
@@ -280,24 +339,36 @@ class Exited(Message):
     how many processes the OOM killer ended in the agent's own cgroup while it ran (the guest's
     kernel counts them: microvm), or -1 where the agent cannot see that counter (the host reads
     the sandbox's cgroup instead)."""
-    FIELDS = "exit_code:int signal:int timed_out:bool truncated:bool duration_ms:float oom_kills:int"
+    exit_code: int
+    signal: int
+    timed_out: bool
+    truncated: bool
+    duration_ms: float
+    oom_kills: int
 
 
 class Ok(Message):
-    FIELDS = ""
+    pass
 
 
 class Failure(Message):
-    FIELDS = "code:ErrorCode message:str"
+    code: ErrorCode
+    message: str
 
 
 class Entry(Message):
     """One file-system entry (answer to Stat, or one of many answering ListDir)."""
-    FIELDS = "name:str path:str kind:FileType size:int mode:int mtime:float target:str"
+    name: str
+    path: str
+    kind: FileType
+    size: int
+    mode: int
+    mtime: float
+    target: str
 
 
 class ContextCreated(Message):
-    FIELDS = "context:str"
+    context: str
 
 
 class Display(Message):
@@ -306,20 +377,31 @@ class Display(Message):
     ``result`` numbers the outputs of the run (several mimes share one number); ``main`` marks
     the value of the cell's last expression. ``mime`` e.g. text/plain, text/html, image/png.
     """
-    FIELDS = "mime:str data:bytes main:bool result:int"
+    mime: str
+    data: bytes
+    main: bool
+    result: int
 
 
 class UsageReport(Message):
     """busy_ms: time with at least one command or code run in progress; runs: how many started."""
 
-    FIELDS = "busy_ms:float runs:int uptime_ms:float"
+    busy_ms: float
+    runs: int
+    uptime_ms: float
 
 
 class CodeDone(Message):
     """End of a code run. ``error_name`` empty means success. ``oom_kills`` as in Exited (the
     agent fills it in; the code context sends -1)."""
-    FIELDS = ("error_name:str error_value:str traceback:str timed_out:bool truncated:bool execution_count:int "
-              "duration_ms:float oom_kills:int")
+    error_name: str
+    error_value: str
+    traceback: str
+    timed_out: bool
+    truncated: bool
+    execution_count: int
+    duration_ms: float
+    oom_kills: int
 
 
 HOST_TO_GUEST: tuple[type[Message], ...] = (
@@ -337,9 +419,9 @@ GUEST_TO_HOST: tuple[type[Message], ...] = (
 
 def encode(msg: Message) -> bytes:
     cls = type(msg)
-    header: dict = {"type": cls.__name__, "id": msg.id}
+    header: dict[str, object] = {"type": cls.__name__, "id": msg.id}
     body = b""
-    for name, _ in cls._spec:
+    for name, _ in cls.FIELDS:
         value = getattr(msg, name)
         if name == cls._body:
             body = bytes(value)
@@ -390,13 +472,13 @@ def decode(header: bytes, body: bytes, allowed: tuple[type[Message], ...]) -> Me
     rid = obj.pop("id", None)
     if type(rid) is not int or not 0 <= rid < 1 << 53:
         raise ProtocolViolation(f"{kind}: id must be a non-negative integer")
-    expected = {n for n, _ in cls._spec if n != cls._body}
+    expected = {n for n, _ in cls.FIELDS if n != cls._body}
     if set(obj) != expected:
         extra, missing = set(obj) - expected, expected - set(obj)
         raise ProtocolViolation(f"{kind}: unknown fields {sorted(extra)} missing {sorted(missing)}")
     if body and cls._body is None:
         raise ProtocolViolation(f"{kind} carries no body")
-    values = {n: _check(n, obj[n], t) for n, t in cls._spec if n != cls._body}
+    values = {n: _check(n, obj[n], t) for n, t in cls.FIELDS if n != cls._body}
     if cls._body is not None:
         values[cls._body] = body
     return cls(rid, **values)
@@ -410,8 +492,7 @@ def split_prefix(prefix: bytes) -> tuple[int, int]:
     return hlen, blen
 
 
-
-def recv_exact(sock, n: int) -> bytes:
+def recv_exact(sock: _Readable, n: int) -> bytes:
     """Blocking read of exactly n bytes from a socket; b'' at a clean EOF before any byte."""
     buf = bytearray()
     while len(buf) < n:
@@ -424,7 +505,7 @@ def recv_exact(sock, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_message(sock, allowed: tuple[type[Message], ...]) -> Message | None:
+def recv_message(sock: _Readable, allowed: tuple[type[Message], ...]) -> Message | None:
     """Blocking receive of one message; None at EOF. Used by the guest side."""
     prefix = recv_exact(sock, PREFIX_SIZE)
     if not prefix:
