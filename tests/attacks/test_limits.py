@@ -146,6 +146,7 @@ def test_create_refuses_absurd_limits_before_anything_exists(home, tier):
     assert _user_state(engine) == before
 
 
+@pytest.mark.sandbox
 def test_a_config_max_is_honoured_and_normal_limits_still_create(home, runc_ready):
     engine = Engine.for_home(home)
     set_config(home, "\n[limits]\nmax_memory_mb = 600\nmax_pids = 400\n")
@@ -163,6 +164,7 @@ def test_a_config_max_is_honoured_and_normal_limits_still_create(home, runc_read
         set_config(home)
 
 
+@pytest.mark.sandbox
 @pytest.mark.parametrize("tier,memory", [("container", False), ("gvisor", True)])
 def test_resume_and_fork_refuse_limits_above_a_lowered_max(home, runc_ready, tier, memory):
     """A snapshot taken under generous maxima cannot come back above the maxima of now."""

@@ -38,6 +38,7 @@ def vm(engine):
         os.environ.pop("WB_HOST_ONLY_SECRET", None)
 
 
+@pytest.mark.sandbox
 def test_the_first_create_boots_a_template_and_later_ones_restore_it(engine, vm):
     stages = engine.timings(vm.sandbox_id)
     assert {"template", "allocation", "filesystem", "runtime"} <= set(stages)
@@ -56,6 +57,7 @@ def test_the_first_create_boots_a_template_and_later_ones_restore_it(engine, vm)
         assert not {*draws[0]} & {*draws[1]}, draws
 
 
+@pytest.mark.sandbox
 def test_own_kernel_and_no_host_filesystem(vm):
     r = vm.commands.run("uname -r; cat /proc/cmdline; cat /proc/mounts")
     lines = r.stdout.splitlines()
@@ -77,6 +79,7 @@ def test_own_kernel_and_no_host_filesystem(vm):
         marker.unlink()
 
 
+@pytest.mark.sandbox
 def test_non_root_no_capabilities_no_host_env(vm):
     r = vm.commands.run("id -u; grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status")
     out = r.stdout.split()
@@ -88,6 +91,7 @@ def test_non_root_no_capabilities_no_host_env(vm):
     assert vm.commands.run("test -w /usr || echo ro").stdout.strip() == "ro"
 
 
+@pytest.mark.sandbox
 def test_the_guest_has_the_agent_toolchain(vm):
     """What agents run: Node.js, gcc, git and NumPy inside the VM's own root image."""
     r = vm.commands.run("cd /workspace && node -e 'console.log(6 * 7)' && printf 'int main(void){return 7;}' > t.c "
@@ -96,6 +100,7 @@ def test_the_guest_has_the_agent_toolchain(vm):
     assert r.stdout.split() == ["42", "rc=7", "6"], r
 
 
+@pytest.mark.sandbox
 def test_no_network_device(vm):
     r = vm.commands.run(["python3", "-c", "import socket; print(sorted(n for _, n in socket.if_nameindex()))"])
     assert r.stdout.strip() == "['lo']"
@@ -109,6 +114,7 @@ def test_no_network_device(vm):
     assert r.stdout.startswith("refused")
 
 
+@pytest.mark.sandbox
 def test_files_contexts_and_a_timeout_that_kills_the_tree(vm):
     vm.files.write("/workspace/data.txt", "on the VM's own disk")
     assert vm.files.read("/workspace/data.txt") == "on the VM's own disk"
@@ -120,6 +126,7 @@ def test_files_contexts_and_a_timeout_that_kills_the_tree(vm):
     assert vm.commands.run("pgrep -c sleep || true").stdout.strip() in ("0", "")
 
 
+@pytest.mark.sandbox
 def test_limits_hold_inside_the_guest(vm):
     t0 = time.monotonic()
     r = vm.commands.run(["python3", "-c", "x = [b'a' * (128 << 20) for _ in range(3)]; print('survived')"],
@@ -143,6 +150,7 @@ def test_limits_hold_inside_the_guest(vm):
     assert vm.commands.run("echo alive").stdout == "alive\n"  # the agent survived both
 
 
+@pytest.mark.sandbox
 def test_two_clients_share_one_vm_at_once(engine, vm):
     """The relay multiplexes: a second connection works while the first streams a command."""
     out: list = []
@@ -173,6 +181,7 @@ def test_two_clients_share_one_vm_at_once(engine, vm):
     assert out and out[0].stdout == "slow\n"
 
 
+@pytest.mark.sandbox
 def test_pause_resume_and_fork_continue_memory_and_disk(engine):
     sb = Sandbox.create("microvm", timeout=120, limits=LIMITS)
     sb.run_code("counter = 41")
@@ -212,6 +221,7 @@ def test_pause_resume_and_fork_continue_memory_and_disk(engine):
     asyncio.run(engine.destroy(back.sandbox_id, "test done"))  # a paused sandbox is destroyed without a VM
 
 
+@pytest.mark.sandbox
 def test_kill_leaves_no_vm_socket_or_disk(engine):
     sb = Sandbox.create("microvm", timeout=60, limits=LIMITS)
     state = engine.runtime / "sandboxes" / sb.sandbox_id
@@ -228,6 +238,7 @@ def test_kill_leaves_no_vm_socket_or_disk(engine):
                 and b"Z" not in Path(f"/proc/{p}/stat").read_bytes().split(b")")[-1][:3]]
 
 
+@pytest.mark.sandbox
 def test_doctor_reports_the_accelerator_and_config_can_force_it(engine, home):
     from tests.conftest import cli
 
@@ -305,6 +316,7 @@ def test_relay_rejects_a_hostile_guest_and_maps_ids(tmp_path):
             assert c.recv(1) == b""
 
 
+@pytest.mark.sandbox
 def test_qemu_and_relay_run_confined(engine, vm):
     """QEMU drops to the sandbox's own uid, chroots into an empty dir and is seccomp-filtered;
     the relay parses guest bytes as that uid too."""
@@ -463,6 +475,7 @@ def test_building_an_image_prunes_dead_builds_and_old_debian_trees_only(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["microvm-new", "microvm-old"]
 
 
+@pytest.mark.sandbox
 def test_a_disk_of_another_image_build_is_never_restored(engine, tmp_path):
     """Rebuilt from the same sources an image differs (mkfs UUIDs): a snapshot's disk and memory
     name the build they belong to, and a restore into another build is refused before QEMU runs."""
@@ -489,6 +502,7 @@ def test_a_disk_of_another_image_build_is_never_restored(engine, tmp_path):
     assert not HostCgroup(state.name).dirs()[0].exists() and not (state / "qemu.pid").exists()
 
 
+@pytest.mark.sandbox
 def test_the_kvm_probe_boots_a_guest_under_kvm_or_reports_why_not(engine, tmp_path, monkeypatch):
     """The probe itself (doctor skips it on a PVM host, whose verdict is known): a guest of the
     real image under -accel kvm, its console watched within a bound, stopped by its pidfile."""

@@ -6,8 +6,12 @@ claim adds a second (its refill then makes at most two as well): never more than
 
 from __future__ import annotations
 
+import pytest
+
 from warmbox import Limits, Sandbox
 from tests.backends.conftest import qemu_pids as _qemu_pids
+
+pytestmark = pytest.mark.sandbox
 
 LIMITS = Limits(memory_mb=256, pids=64, tmp_mb=64)
 

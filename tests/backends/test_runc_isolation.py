@@ -9,6 +9,8 @@ import pytest
 
 from warmbox import Limits, Sandbox
 
+pytestmark = pytest.mark.sandbox
+
 
 def run(sb, cmd, **kw):
     return sb.commands.run(cmd, timeout=kw.pop("timeout", 30), **kw)

@@ -18,6 +18,8 @@ from warmbox.engine import snapshot as snaps
 from warmbox.engine.engine import Engine
 from warmbox.storage import snapshots as artifacts
 
+pytestmark = pytest.mark.sandbox
+
 TURN1 = """
 import json, sys
 from warmbox import Sandbox

@@ -88,6 +88,7 @@ def test_store_contract(store, tmp_path):
         assert not [p for p in store.root.rglob(".tmp-*")]
 
 
+@pytest.mark.sandbox
 def test_snapshot_round_trip_through_s3(home, runc_ready, s3_endpoint):
     old = {k: os.environ.get(k) for k in ("WARMBOX_OBJECT_STORE", "WARMBOX_S3_ENDPOINT")}
     os.environ["WARMBOX_OBJECT_STORE"] = f"s3://wb-test/snaps-{os.urandom(3).hex()}"
