@@ -140,10 +140,10 @@ def home() -> Path:
     parents_before = {str(d) for d in Path("/sys/fs/cgroup").glob("*/warmbox")}
     yield path
     # every test must have cleaned up after itself; prove it, then remove what is left
-    from warmbox.engine.engine import Engine
     import asyncio
 
     from warmbox.cli.pools import down_home
+    from warmbox.engine.engine import Engine
 
     engine = Engine.for_home(path)
     asyncio.run(down_home(path))  # stops the daemon; it destroys the pooled sandboxes

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.backends.conftest import qemu_pids as _qemu_pids
 from warmbox import Limits, Sandbox, State
 from warmbox import protocol as p
-from warmbox.backends.microvm import (GUEST_OVERHEAD_MB, HOST_CPU_HEADROOM, HOST_OVERHEAD_MB, TCG_CACHE_MB,
-                                      HostCgroup)
+from warmbox.backends.microvm import GUEST_OVERHEAD_MB, HOST_CPU_HEADROOM, HOST_OVERHEAD_MB, TCG_CACHE_MB, HostCgroup
 from warmbox.engine.guest_client import GuestClient
-from tests.backends.conftest import qemu_pids as _qemu_pids
 
 LIMITS = Limits(memory_mb=256, pids=64, tmp_mb=64)
 
@@ -143,7 +142,8 @@ def test_limits_hold_inside_the_guest(vm):
     assert vm.commands.run("cat /sys/fs/cgroup/sandbox/memory.max /sys/fs/cgroup/sandbox/pids.max").stdout.split() \
         == [str(256 << 20), "64"]
     r = vm.commands.run(["python3", "-c", "import subprocess\nps = []\ntry:\n for i in range(200):\n"
-                         "  ps.append(subprocess.Popen(['sleep', '30']))\nexcept OSError as e:\n print('stopped at', len(ps))\n"
+                         "  ps.append(subprocess.Popen(['sleep', '30']))\n"
+                         "except OSError as e:\n print('stopped at', len(ps))\n"
                          "for p in ps: p.kill()"], timeout=60)
     assert r.stdout.startswith("stopped at"), r
     assert int(r.stdout.split()[-1]) < 64
@@ -364,8 +364,9 @@ def test_a_workspace_disk_naming_other_files_is_refused(tmp_path):
 
     def qcow2(name: str, *opts: str) -> Path:
         disk = tmp_path / name
-        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", *opts, str(disk), *(["1M"] if "-b" not in opts or "-u" in opts else [])],
-                       check=True, capture_output=True)
+        size = ["1M"] if "-b" not in opts or "-u" in opts else []
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", *opts, str(disk), *size], check=True,
+                       capture_output=True)
         return disk
 
     assert check_workspace_disk(qcow2("ok.qcow2", "-b", str(base), "-F", "raw"), tmp_path) == WORKSPACE_MB
@@ -384,17 +385,17 @@ def test_a_workspace_disk_naming_other_files_is_refused(tmp_path):
     (tmp_path / "junk.qcow2").write_bytes(b"not a disk at all")
     cases["junk"] = tmp_path / "junk.qcow2"
     cases["v2"] = qcow2("v2.qcow2", "-b", str(base), "-F", "raw", "-o", "compat=0.10")
-    subprocess.run(["qemu-img", "bitmap", "--add", str(bitmap := qcow2("bm.qcow2", "-b", str(base), "-F", "raw")), "b0"],
-                   check=True, capture_output=True)
+    bitmap = qcow2("bm.qcow2", "-b", str(base), "-F", "raw")
+    subprocess.run(["qemu-img", "bitmap", "--add", str(bitmap), "b0"], check=True, capture_output=True)
     cases["bitmap"] = bitmap
     subprocess.run(["qemu-img", "snapshot", "-c", "s1", str(snap := qcow2("sn.qcow2", "-b", str(base), "-F", "raw"))],
                    check=True, capture_output=True)
     cases["snapshot"] = snap
     (tmp_path / "link.qcow2").symlink_to(tmp_path / "ok.qcow2")
     cases["symlink"] = tmp_path / "link.qcow2"
-    why = {"backing": "backing file is not", "raw": "not raw", "data": "external data file", "none": "backing file is not",
-           "bigger": "virtual size", "sizename": "virtual size", "junk": "not a qcow2", "v2": "v3", "bitmap": "header extension", "snapshot": "internal snapshots",
-           "symlink": "links"}
+    why = {"backing": "backing file is not", "raw": "not raw", "data": "external data file",
+           "none": "backing file is not", "bigger": "virtual size", "sizename": "virtual size", "junk": "not a qcow2",
+           "v2": "v3", "bitmap": "header extension", "snapshot": "internal snapshots", "symlink": "links"}
     for what, disk in cases.items():
         with pytest.raises(SandboxStartError, match=why[what]):
             check_workspace_disk(disk, tmp_path)
@@ -441,7 +442,7 @@ def test_the_relay_serves_nobody_until_the_guest_took_entropy_and_clock(tmp_path
     srv.bind(str(restore_path))
     srv.listen(1)
     try:
-        with _relay_without_vm(tmp_path, str(os.getuid()), "0", str(restore_path)) as (proc, guest, listen):
+        with _relay_without_vm(tmp_path, str(os.getuid()), "0", str(restore_path)) as (_proc, guest, listen):
             restore, _ = srv.accept()
             c = _client(listen)
             c.sendall(p.encode(p.Ping(1)))
@@ -487,8 +488,8 @@ def test_a_disk_of_another_image_build_is_never_restored(engine, tmp_path):
     state = tmp_path / "sb-000000000000"
     (state / "workspace").mkdir(parents=True)
     (state / "run").mkdir()
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(backend.image() / "workspace.raw"), "-F", "raw",
-                    str(state / "workspace" / "disk.qcow2")], check=True)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(backend.image() / "workspace.raw"),
+                    "-F", "raw", str(state / "workspace" / "disk.qcow2")], check=True)
     (state / "workspace" / IMAGE_ID_FILE).write_text("0123456789abcdef")
     handle = BackendHandle(sandbox_id=state.name, tier="microvm", runtime_id=state.name, state_dir=str(state),
                            socket_path=str(state / "run" / "agent.sock"), uid_base=0x7FFD0000)
@@ -518,7 +519,7 @@ def test_the_kvm_probe_boots_a_guest_under_kvm_or_reports_why_not(engine, tmp_pa
         assert accel == "tcg" and "did not boot under KVM within 8 s" in why
         assert time.monotonic() - t0 < 30
     assert not list(tmp_path.iterdir())  # the probe's directory is gone...
-    assert not [p for p in _qemu_pids(tmp_path)]  # ...and so is its QEMU
+    assert not list(_qemu_pids(tmp_path))  # ...and so is its QEMU
 
 
 def test_a_client_that_stops_reading_delays_no_other_client(tmp_path):

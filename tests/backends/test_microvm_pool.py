@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from warmbox import Limits, Sandbox
 from tests.backends.conftest import qemu_pids as _qemu_pids
+from warmbox import Limits, Sandbox
 
 pytestmark = pytest.mark.sandbox
 

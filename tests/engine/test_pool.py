@@ -188,7 +188,9 @@ limits = { memory_mb = 300 }
 """)
     try:
         wait_for(lambda: engine.registry.pool_totals("t-broken")[2] >= 2, 90, "two failed warm-ups (a retry)")
-        rows = {r.name: r for r in __import__("warmbox.engine.pool", fromlist=["status"]).status(engine, engine.settings())}
+        from warmbox.engine.pool import status
+
+        rows = {r.name: r for r in status(engine, engine.settings())}
         assert rows["t-broken"].ready == 0
         assert "ModuleNotFoundError" in rows["t-broken"].last_error
         assert not engine.registry.pooled("t-broken")
@@ -229,7 +231,7 @@ def test_metering_user_cost_starts_at_the_claim_and_freezes_at_the_end(pools):
 @pytest.mark.sandbox
 def test_cold_metrics_include_the_start(home, runc_ready):
     with Sandbox.create(pool=False, template="shell") as sb:
-        r = sb.commands.run("sleep 0.3")
+        sb.commands.run("sleep 0.3")
         m = sb.metrics()
         assert not sb.from_pool and m.busy_s >= 0.3 and m.commands == 1 and m.cpu_s > 0
 

@@ -8,8 +8,16 @@ import time
 import pytest
 
 import warmbox
-from warmbox import (AsyncSandbox, InvalidArgument, InvalidPath, Limits, PathNotFound, Sandbox, SandboxNotFound,
-                     WarmboxError)
+from warmbox import (
+    AsyncSandbox,
+    InvalidArgument,
+    InvalidPath,
+    Limits,
+    PathNotFound,
+    Sandbox,
+    SandboxNotFound,
+    WarmboxError,
+)
 
 
 @pytest.mark.sandbox
