@@ -28,6 +28,85 @@ limits = { memory_mb = 500 }
 POOLED_LIMITS_MB = 500
 
 
+# ---- the fast lane: `pytest -m "not sandbox"` runs only pure tests, in seconds
+# Every test that starts a real sandbox (runc, runsc, QEMU), a network namespace, the daemon or a
+# proxy carries the ``sandbox`` marker. A missing mark must fail loudly, not quietly turn the fast
+# lane into the whole suite, so two checks:
+# 1. At collection, in every lane: a test whose fixtures (directly or through other fixtures) start
+#    such things is refused unless marked. Every such fixture depends on ``runc_ready`` (sandboxes,
+#    the daemon, the proxy) or ``world`` (the test network namespaces), so these names suffice.
+# 2. At run time, in a session that runs no marked test (the fast lane): an audit hook
+#    (sys.addaudithook sees subprocess, posix_spawn and exec from any thread of this process) refuses
+#    to start runc, runsc, QEMU, `ip netns`, the daemon or the proxy. This catches a test that calls
+#    e.g. Sandbox.create() with no such fixture. It is armed only there because in the full lane a
+#    marked test's background teardown may still spawn runc while an unmarked test runs.
+SANDBOX_FIXTURES = frozenset({"runc_ready", "world"})
+
+
+def _sandbox_process(argv: object) -> str | None:
+    """What a command line would start that only a ``sandbox`` test may (``sh -c`` strings included)."""
+    parts = [argv] if isinstance(argv, (str, bytes, os.PathLike)) else list(argv)
+    words = [w for a in parts for w in os.fsdecode(a).split()]
+    names = {os.path.basename(w) for w in words}
+    if names & {"runc", "runsc"}:
+        return "runc/runsc"
+    if any(n.startswith("qemu-system") for n in names):
+        return "QEMU"
+    if "ip" in names and "netns" in words:
+        return "a network namespace (ip netns)"
+    if any("warmbox.engine.daemon" in w or "warmbox.network.proxy" in w for w in words):
+        return "the warmbox daemon or proxy"
+    return None
+
+
+class FastLaneGuard:
+    """The audit hook of check 2; ``hits`` also fails a test whose code swallowed the refusal."""
+
+    EVENTS = frozenset({"subprocess.Popen", "os.posix_spawn", "os.exec"})  # args: (program, argv, ...)
+
+    def __init__(self) -> None:
+        self.hits: list[str] = []
+
+    def __call__(self, event: str, args: tuple) -> None:
+        if event not in self.EVENTS:
+            return
+        what = _sandbox_process(args[1])
+        if what:
+            self.hits.append(f"{what}: {args[1]!r}")
+            raise RuntimeError(f"a test not marked @pytest.mark.sandbox started {what} in the fast lane")
+
+
+FAST_LANE_GUARD = pytest.StashKey[FastLaneGuard]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the marks must be right in every lane
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [f"{item.nodeid} (uses {', '.join(sorted(SANDBOX_FIXTURES & set(item.fixturenames)))})"
+                for item in items if isinstance(item, pytest.Function)
+                and SANDBOX_FIXTURES & set(item.fixturenames) and not item.get_closest_marker("sandbox")]
+    if unmarked:
+        raise pytest.UsageError("tests that start sandboxes must be marked @pytest.mark.sandbox:\n  "
+                                + "\n  ".join(unmarked))
+
+
+@pytest.hookimpl(trylast=True)  # after -m deselected: arm check 2 only if no sandbox test is left
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if FAST_LANE_GUARD in session.config.stash or not session.items:
+        return
+    if not any(item.get_closest_marker("sandbox") for item in session.items):
+        guard = session.config.stash[FAST_LANE_GUARD] = FastLaneGuard()
+        sys.addaudithook(guard)  # cannot be removed; one call per audit event, in the fast lane only
+
+
+@pytest.fixture(autouse=True)
+def _fast_lane_spawns(request: pytest.FixtureRequest):
+    yield
+    guard = request.config.stash.get(FAST_LANE_GUARD, None)
+    if guard is not None and guard.hits:
+        hits, guard.hits[:] = list(guard.hits), []
+        pytest.fail("not marked @pytest.mark.sandbox but started " + "; ".join(hits), pytrace=False)
+
+
 def set_config(home: Path, extra: str = "") -> None:
     """Rewrite the session's warmbox.toml (base + ``extra``); the daemon picks it up on its next tick."""
     path = home / "warmbox.toml"
@@ -61,10 +140,10 @@ def home() -> Path:
     parents_before = {str(d) for d in Path("/sys/fs/cgroup").glob("*/warmbox")}
     yield path
     # every test must have cleaned up after itself; prove it, then remove what is left
-    from warmbox.engine.engine import Engine
     import asyncio
 
     from warmbox.cli.pools import down_home
+    from warmbox.engine.engine import Engine
 
     engine = Engine.for_home(path)
     asyncio.run(down_home(path))  # stops the daemon; it destroys the pooled sandboxes

@@ -13,7 +13,7 @@ from warmbox import protocol as p
 
 def roundtrip(msg, allowed):
     raw = p.encode(msg)
-    hlen, blen = p.split_prefix(raw[:8])
+    hlen, _blen = p.split_prefix(raw[:8])
     return p.decode(raw[8:8 + hlen], raw[8 + hlen:], allowed)
 
 

@@ -24,7 +24,7 @@ def test_every_error_is_rooted_and_drawn_in_the_tree():
 
 
 def test_sync_api_is_derived_not_written():
-    from warmbox.sdk import Sandbox, AsyncSandbox
+    from warmbox.sdk import AsyncSandbox, Sandbox
     for name in ("create", "connect", "kill", "run_code", "set_timeout", "create_code_context", "resume",
                  "snapshot", "pause", "metrics"):
         assert getattr(Sandbox, name).__wrapped__ is getattr(AsyncSandbox, name).__func__ \

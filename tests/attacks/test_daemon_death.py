@@ -21,6 +21,8 @@ import pytest
 from tests.attacks.conftest import home_procs
 from tests.conftest import wait_for
 
+pytestmark = pytest.mark.sandbox
+
 TIMEOUT_S = 5.0
 BOUND_S = 15.0  # how long past its deadline the sandbox may still exist
 

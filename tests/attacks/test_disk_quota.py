@@ -228,7 +228,7 @@ def test_disk_limits_are_checked_against_the_maximum_and_the_free_space(home, ru
     with pytest.raises(LimitTooHigh, match=r"max_disk_mb = 2048 MiB \(/etc/wb.toml \[limits\] max_disk_mb\)") as e:
         m.check(Limits(disk_mb=4096))
     assert (e.value.limit, e.value.value, e.value.maximum) == ("disk_mb", 4096, 2048)
-    with pytest.raises(InvalidArgument, match="limits.disk_mb must be > 15"):
+    with pytest.raises(InvalidArgument, match=r"limits\.disk_mb must be > 15"):
         Limits(disk_mb=15)
     # through the engine: refused before any row or directory exists
     engine = require_tier(home, "container")

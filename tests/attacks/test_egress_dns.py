@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from warmbox import Network, Sandbox
 from tests.network.conftest import ALLOWED, net_home, world  # noqa: F401 - the fake internet fixtures
+from warmbox import Network, Sandbox
 
 pytestmark = pytest.mark.sandbox
 CURL = "curl -sS --max-time 8 "

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.network.conftest import ATTACKER, net_home, world  # noqa: F401 - the fake internet fixtures
 from warmbox import Network, NetworkError, Sandbox
 from warmbox.engine import egress
-from tests.network.conftest import ATTACKER, net_home, world  # noqa: F401 - the fake internet fixtures
 
 pytestmark = pytest.mark.sandbox
 CURL = "curl -sS -o /dev/null -w '%{http_code}' --max-time 3 "
@@ -84,7 +84,7 @@ def test_killed_proxy_is_restarted_or_updates_fail_loudly(net_home, world):
         # the audit log runs on across the outage, which it records
         kinds = [(e.kind, e.rule) for e in log]
         assert ("http", "allow:allowed.test") in kinds and ("proxy", "proxy-restart") in kinds
-        outage = [e for e in log if e.kind == "proxy"][0]
+        outage = next(e for e in log if e.kind == "proxy")
         assert outage.decision == "deny" and f"pid {pid}" in outage.detail and "signal 9" in outage.detail
         assert log.index(outage) < len(log) - 1  # attempts after the restart are audited too
     assert world.log("attacker") == []
@@ -92,14 +92,18 @@ def test_killed_proxy_is_restarted_or_updates_fail_loudly(net_home, world):
 
 def test_secrets_survive_a_proxy_restart(net_home, world):
     import json
+
     from warmbox import Secret
 
     world.clear_logs()
     value = "sk-REAL-" + os.urandom(8).hex()
     fetch = "curl -sS --max-time 3 -H \"Authorization: Bearer $WBT_KEY\" https://api.test/headers"
-    with Sandbox.create("container", network=Network(allow=["api.test"]), secrets={"WBT_KEY": Secret(value, ["api.test"])},
-                        timeout=180, home=net_home) as sb:
-        sh = lambda cmd: sb.commands.run(["/bin/bash", "-c", cmd], timeout=30)
+    with Sandbox.create("container", network=Network(allow=["api.test"]),
+                        secrets={"WBT_KEY": Secret(value, ["api.test"])}, timeout=180, home=net_home) as sb:
+
+        def sh(cmd):
+            return sb.commands.run(["/bin/bash", "-c", cmd], timeout=30)
+
         assert json.loads(sh(fetch).stdout)["Authorization"] == f"Bearer {value}"
         kill(egress.proxy_pid(net_home))
         deadline = time.monotonic() + RECOVER_S

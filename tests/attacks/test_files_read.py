@@ -42,7 +42,7 @@ def _status_kib(key: str) -> int:
 class PeakGrowth:
     """How far this process's resident memory rose above its level at the start of the block."""
 
-    def __enter__(self) -> "PeakGrowth":
+    def __enter__(self) -> PeakGrowth:
         gc.collect()
         self._stop = threading.Event()
         self._sampler = None

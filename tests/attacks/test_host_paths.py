@@ -47,7 +47,7 @@ def test_resume_trigger_never_follows_a_planted_symlink(home, runc_ready, victim
     engine = require_tier(home, "gvisor")
     with Sandbox.create("gvisor", timeout=300) as sb:
         assert sb.commands.run(f"ln -sfn {victim} /run/resume").exit_code == 0
-        info, handle = engine.info(sb.sandbox_id)
+        _info, handle = engine.info(sb.sandbox_id)
 
         async def quiesce_then_resume() -> None:
             client = await GuestClient.connect(handle.socket_path, sb.sandbox_id)
@@ -72,7 +72,7 @@ def test_pause_with_a_socket_in_workspace_is_refused_and_the_sandbox_lives(home,
         sb.commands.run("nohup python3 -c 'import socket,time; s=socket.socket(socket.AF_UNIX); "
                         "s.bind(\"/workspace/hold.sock\"); s.listen(); time.sleep(600)' >/dev/null 2>&1 &")
         wait_for(lambda: "hold.sock" in sb.commands.run("ls /workspace").stdout, 10, "the socket")
-        with pytest.raises(SnapshotUnsupported, match="hold.sock"):
+        with pytest.raises(SnapshotUnsupported, match=r"hold\.sock"):
             sb.pause(memory=True)
         assert sb.commands.run("echo alive").stdout == "alive\n"
         assert "hold.sock" in sb.commands.run("ls /workspace").stdout

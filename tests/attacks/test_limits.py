@@ -13,12 +13,11 @@ import asyncio
 
 import pytest
 
-from warmbox import Limits, Sandbox, State
-from warmbox import config
+from tests.conftest import cli, set_config
+from warmbox import Limits, Sandbox, State, config
 from warmbox.config import HostCapacity
 from warmbox.engine.engine import Engine
 from warmbox.errors import ConfigError, InvalidArgument, LimitTooHigh
-from tests.conftest import cli, set_config
 
 HOST = HostCapacity(memory_mb=8192, cpus=4, pids=32768, open_files=1 << 20, disk_mb=100_000)
 ABSURD = [("memory_mb", Limits(memory_mb=10**9)), ("cpus", Limits(cpus=1000)),
@@ -64,7 +63,7 @@ def test_admin_maxima_from_the_file_and_the_environment_are_honoured():
     m = config.parse({"limits": {"max_memory_mb": 1024, "max_cpus": 0.5, "max_pids": 100, "max_tmp_mb": 64,
                                  "max_file_size_mb": 10, "max_open_files": 128}},
                      "/etc/wb.toml", env_keys=frozenset({"max_cpus"}), host=HOST).limits
-    within = dict(memory_mb=1024, cpus=0.5, pids=100, tmp_mb=64, file_size_mb=10, open_files=128)
+    within = {"memory_mb": 1024, "cpus": 0.5, "pids": 100, "tmp_mb": 64, "file_size_mb": 10, "open_files": 128}
     for field, value, where in (("memory_mb", 2048, "/etc/wb.toml [limits] max_memory_mb"),
                                 ("cpus", 1.0, "WARMBOX_LIMITS__MAX_CPUS"),
                                 ("pids", 101, "/etc/wb.toml [limits] max_pids"),
@@ -146,12 +145,14 @@ def test_create_refuses_absurd_limits_before_anything_exists(home, tier):
     assert _user_state(engine) == before
 
 
+@pytest.mark.sandbox
 def test_a_config_max_is_honoured_and_normal_limits_still_create(home, runc_ready):
     engine = Engine.for_home(home)
     set_config(home, "\n[limits]\nmax_memory_mb = 600\nmax_pids = 400\n")
     try:
         before = _user_state(engine)
-        with pytest.raises(LimitTooHigh, match=r"memory_mb = 700 is above \[limits\] max_memory_mb = 600 MiB \(.*warmbox.toml \[limits\] max_memory_mb\)"):
+        with pytest.raises(LimitTooHigh, match=r"memory_mb = 700 is above \[limits\] max_memory_mb = 600 MiB "
+                                               r"\(.*warmbox\.toml \[limits\] max_memory_mb\)"):
             Sandbox.create(limits=Limits(memory_mb=700), timeout=60)
         with pytest.raises(LimitTooHigh, match="max_pids = 400"):
             Sandbox.create(limits=Limits(pids=401), timeout=60)
@@ -163,6 +164,7 @@ def test_a_config_max_is_honoured_and_normal_limits_still_create(home, runc_read
         set_config(home)
 
 
+@pytest.mark.sandbox
 @pytest.mark.parametrize("tier,memory", [("container", False), ("gvisor", True)])
 def test_resume_and_fork_refuse_limits_above_a_lowered_max(home, runc_ready, tier, memory):
     """A snapshot taken under generous maxima cannot come back above the maxima of now."""
@@ -173,9 +175,9 @@ def test_resume_and_fork_refuse_limits_above_a_lowered_max(home, runc_ready, tie
         ref = sb.pause(memory=memory)
         set_config(home, "\n[limits]\nmax_memory_mb = 600\n")
         before = _user_state(engine)
-        with pytest.raises(LimitTooHigh, match=r"limits.memory_mb = 640 is above \[limits\] max_memory_mb = 600"):
+        with pytest.raises(LimitTooHigh, match=r"limits\.memory_mb = 640 is above \[limits\] max_memory_mb = 600"):
             Sandbox.resume(sb.sandbox_id, timeout=60)
-        with pytest.raises(LimitTooHigh, match="limits.memory_mb = 640"):
+        with pytest.raises(LimitTooHigh, match=r"limits\.memory_mb = 640"):
             Sandbox.create(from_snapshot=ref, timeout=60)
         assert _user_state(engine) == before
         assert engine.info(sb.sandbox_id)[0].state is State.PAUSED  # still resumable

@@ -23,6 +23,8 @@ from tests.backends.conftest import live_pids, qemu_pids
 from tests.conftest import wait_for
 from warmbox.models import Limits, State
 
+pytestmark = pytest.mark.sandbox
+
 BOUND_S = 30.0  # from the kill until the template VM is gone
 MEMORY_MB = 523  # odd: no other test's shape
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import _stop_daemon
 from warmbox.engine.engine import Engine
 from warmbox.errors import RegistryError
 from warmbox.models import State
 from warmbox.storage import uidslots
 from warmbox.storage.registry import Registry
 from warmbox.storage.uidslots import UidLedger
-from tests.conftest import _stop_daemon
 
 OTHER_CONFIG = """
 [daemon]

@@ -27,6 +27,7 @@ def gv(home, runc_ready):
         yield sb
 
 
+@pytest.mark.sandbox
 def test_the_kernel_is_gvisor_not_the_hosts(gv):
     r = gv.commands.run("uname -r; dmesg | head -1")
     release, first = r.stdout.splitlines()[:2]
@@ -34,6 +35,7 @@ def test_the_kernel_is_gvisor_not_the_hosts(gv):
     assert gv.tier == "gvisor"
 
 
+@pytest.mark.sandbox
 def test_same_user_env_and_tools_as_tier2(gv):
     assert gv.commands.run("id -u").stdout.strip() == "1000"
     env = dict(line.split("=", 1) for line in gv.commands.run(["/usr/bin/env"]).stdout.splitlines() if "=" in line)
@@ -46,6 +48,7 @@ def test_same_user_env_and_tools_as_tier2(gv):
     assert gv.commands.run("test -e /etc/shadow || echo absent").stdout.strip() == "absent"
 
 
+@pytest.mark.sandbox
 def test_files_code_contexts_and_timeouts(gv):
     gv.files.write("/workspace/data.txt", "via gofer")
     assert gv.files.read("/workspace/data.txt") == "via gofer"
@@ -57,11 +60,13 @@ def test_files_code_contexts_and_timeouts(gv):
     assert gv.commands.run("pgrep -c sleep || true").stdout.strip() in ("0", "")
 
 
+@pytest.mark.sandbox
 def test_loopback_only(gv):
     r = gv.commands.run(["python3", "-c", "import socket; print(sorted(n for _, n in socket.if_nameindex()))"])
     assert r.stdout.strip() == "['lo']"
 
 
+@pytest.mark.sandbox
 def test_snapshot_and_fork_work_on_gvisor(gv):
     gv.files.write("/workspace/snap.txt", "gvisor files")
     gv.run_code("kept = [1, 2, 3]")
@@ -73,6 +78,7 @@ def test_snapshot_and_fork_work_on_gvisor(gv):
         assert fork.run_code("kept").text == "[1, 2, 3]"
 
 
+@pytest.mark.sandbox
 def test_kill_leaves_nothing(home, runc_ready):
     engine = Engine.for_home(home)
     backend = engine.backend("gvisor")
@@ -88,6 +94,7 @@ def test_kill_leaves_nothing(home, runc_ready):
     assert sb.sandbox_id not in out.stdout
 
 
+@pytest.mark.sandbox
 def test_memory_limit_contains_a_bomb(home, runc_ready):
     """The cgroup limit holds. Under gVisor it applies to the whole Sentry, so an OOM there ends the
     sandbox (a typed error on the next call), where Tier 2 kills only the offending process."""
@@ -126,6 +133,7 @@ def test_the_host_never_follows_a_planted_symlink(tmp_path):
         srv.close()
 
 
+@pytest.mark.sandbox
 def test_memory_pause_and_resume_continue_execution(home, runc_ready):
     """A variable, a background process's counter and an open file all carry on after resume."""
     engine = Engine.for_home(home)
@@ -148,6 +156,7 @@ def test_memory_pause_and_resume_continue_execution(home, runc_ready):
     assert engine.info(sb.sandbox_id)[0].state is State.DESTROYED
 
 
+@pytest.mark.sandbox
 def test_memory_snapshot_of_a_running_sandbox_is_refused_typed(gv):
     from warmbox import SnapshotUnsupported
 
@@ -156,6 +165,7 @@ def test_memory_snapshot_of_a_running_sandbox_is_refused_typed(gv):
     assert gv.commands.run("true").exit_code == 0
 
 
+@pytest.mark.sandbox
 def test_gvisor_pools_hold_sandboxes_restored_from_a_template_snapshot(home, runc_ready):
     from tests.conftest import set_config, wait_for
 

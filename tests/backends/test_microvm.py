@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.backends.conftest import qemu_pids as _qemu_pids
 from warmbox import Limits, Sandbox, State
 from warmbox import protocol as p
-from warmbox.backends.microvm import (GUEST_OVERHEAD_MB, HOST_CPU_HEADROOM, HOST_OVERHEAD_MB, TCG_CACHE_MB,
-                                      HostCgroup)
+from warmbox.backends.microvm import GUEST_OVERHEAD_MB, HOST_CPU_HEADROOM, HOST_OVERHEAD_MB, TCG_CACHE_MB, HostCgroup
 from warmbox.engine.guest_client import GuestClient
-from tests.backends.conftest import qemu_pids as _qemu_pids
 
 LIMITS = Limits(memory_mb=256, pids=64, tmp_mb=64)
 
@@ -38,6 +37,7 @@ def vm(engine):
         os.environ.pop("WB_HOST_ONLY_SECRET", None)
 
 
+@pytest.mark.sandbox
 def test_the_first_create_boots_a_template_and_later_ones_restore_it(engine, vm):
     stages = engine.timings(vm.sandbox_id)
     assert {"template", "allocation", "filesystem", "runtime"} <= set(stages)
@@ -56,6 +56,7 @@ def test_the_first_create_boots_a_template_and_later_ones_restore_it(engine, vm)
         assert not {*draws[0]} & {*draws[1]}, draws
 
 
+@pytest.mark.sandbox
 def test_own_kernel_and_no_host_filesystem(vm):
     r = vm.commands.run("uname -r; cat /proc/cmdline; cat /proc/mounts")
     lines = r.stdout.splitlines()
@@ -77,6 +78,7 @@ def test_own_kernel_and_no_host_filesystem(vm):
         marker.unlink()
 
 
+@pytest.mark.sandbox
 def test_non_root_no_capabilities_no_host_env(vm):
     r = vm.commands.run("id -u; grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status")
     out = r.stdout.split()
@@ -88,6 +90,7 @@ def test_non_root_no_capabilities_no_host_env(vm):
     assert vm.commands.run("test -w /usr || echo ro").stdout.strip() == "ro"
 
 
+@pytest.mark.sandbox
 def test_the_guest_has_the_agent_toolchain(vm):
     """What agents run: Node.js, gcc, git and NumPy inside the VM's own root image."""
     r = vm.commands.run("cd /workspace && node -e 'console.log(6 * 7)' && printf 'int main(void){return 7;}' > t.c "
@@ -96,6 +99,7 @@ def test_the_guest_has_the_agent_toolchain(vm):
     assert r.stdout.split() == ["42", "rc=7", "6"], r
 
 
+@pytest.mark.sandbox
 def test_no_network_device(vm):
     r = vm.commands.run(["python3", "-c", "import socket; print(sorted(n for _, n in socket.if_nameindex()))"])
     assert r.stdout.strip() == "['lo']"
@@ -109,6 +113,7 @@ def test_no_network_device(vm):
     assert r.stdout.startswith("refused")
 
 
+@pytest.mark.sandbox
 def test_files_contexts_and_a_timeout_that_kills_the_tree(vm):
     vm.files.write("/workspace/data.txt", "on the VM's own disk")
     assert vm.files.read("/workspace/data.txt") == "on the VM's own disk"
@@ -120,6 +125,7 @@ def test_files_contexts_and_a_timeout_that_kills_the_tree(vm):
     assert vm.commands.run("pgrep -c sleep || true").stdout.strip() in ("0", "")
 
 
+@pytest.mark.sandbox
 def test_limits_hold_inside_the_guest(vm):
     t0 = time.monotonic()
     r = vm.commands.run(["python3", "-c", "x = [b'a' * (128 << 20) for _ in range(3)]; print('survived')"],
@@ -136,13 +142,15 @@ def test_limits_hold_inside_the_guest(vm):
     assert vm.commands.run("cat /sys/fs/cgroup/sandbox/memory.max /sys/fs/cgroup/sandbox/pids.max").stdout.split() \
         == [str(256 << 20), "64"]
     r = vm.commands.run(["python3", "-c", "import subprocess\nps = []\ntry:\n for i in range(200):\n"
-                         "  ps.append(subprocess.Popen(['sleep', '30']))\nexcept OSError as e:\n print('stopped at', len(ps))\n"
+                         "  ps.append(subprocess.Popen(['sleep', '30']))\n"
+                         "except OSError as e:\n print('stopped at', len(ps))\n"
                          "for p in ps: p.kill()"], timeout=60)
     assert r.stdout.startswith("stopped at"), r
     assert int(r.stdout.split()[-1]) < 64
     assert vm.commands.run("echo alive").stdout == "alive\n"  # the agent survived both
 
 
+@pytest.mark.sandbox
 def test_two_clients_share_one_vm_at_once(engine, vm):
     """The relay multiplexes: a second connection works while the first streams a command."""
     out: list = []
@@ -173,6 +181,7 @@ def test_two_clients_share_one_vm_at_once(engine, vm):
     assert out and out[0].stdout == "slow\n"
 
 
+@pytest.mark.sandbox
 def test_pause_resume_and_fork_continue_memory_and_disk(engine):
     sb = Sandbox.create("microvm", timeout=120, limits=LIMITS)
     sb.run_code("counter = 41")
@@ -212,6 +221,7 @@ def test_pause_resume_and_fork_continue_memory_and_disk(engine):
     asyncio.run(engine.destroy(back.sandbox_id, "test done"))  # a paused sandbox is destroyed without a VM
 
 
+@pytest.mark.sandbox
 def test_kill_leaves_no_vm_socket_or_disk(engine):
     sb = Sandbox.create("microvm", timeout=60, limits=LIMITS)
     state = engine.runtime / "sandboxes" / sb.sandbox_id
@@ -228,6 +238,7 @@ def test_kill_leaves_no_vm_socket_or_disk(engine):
                 and b"Z" not in Path(f"/proc/{p}/stat").read_bytes().split(b")")[-1][:3]]
 
 
+@pytest.mark.sandbox
 def test_doctor_reports_the_accelerator_and_config_can_force_it(engine, home):
     from tests.conftest import cli
 
@@ -305,6 +316,7 @@ def test_relay_rejects_a_hostile_guest_and_maps_ids(tmp_path):
             assert c.recv(1) == b""
 
 
+@pytest.mark.sandbox
 def test_qemu_and_relay_run_confined(engine, vm):
     """QEMU drops to the sandbox's own uid, chroots into an empty dir and is seccomp-filtered;
     the relay parses guest bytes as that uid too."""
@@ -352,8 +364,9 @@ def test_a_workspace_disk_naming_other_files_is_refused(tmp_path):
 
     def qcow2(name: str, *opts: str) -> Path:
         disk = tmp_path / name
-        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", *opts, str(disk), *(["1M"] if "-b" not in opts or "-u" in opts else [])],
-                       check=True, capture_output=True)
+        size = ["1M"] if "-b" not in opts or "-u" in opts else []
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", *opts, str(disk), *size], check=True,
+                       capture_output=True)
         return disk
 
     assert check_workspace_disk(qcow2("ok.qcow2", "-b", str(base), "-F", "raw"), tmp_path) == WORKSPACE_MB
@@ -372,17 +385,17 @@ def test_a_workspace_disk_naming_other_files_is_refused(tmp_path):
     (tmp_path / "junk.qcow2").write_bytes(b"not a disk at all")
     cases["junk"] = tmp_path / "junk.qcow2"
     cases["v2"] = qcow2("v2.qcow2", "-b", str(base), "-F", "raw", "-o", "compat=0.10")
-    subprocess.run(["qemu-img", "bitmap", "--add", str(bitmap := qcow2("bm.qcow2", "-b", str(base), "-F", "raw")), "b0"],
-                   check=True, capture_output=True)
+    bitmap = qcow2("bm.qcow2", "-b", str(base), "-F", "raw")
+    subprocess.run(["qemu-img", "bitmap", "--add", str(bitmap), "b0"], check=True, capture_output=True)
     cases["bitmap"] = bitmap
     subprocess.run(["qemu-img", "snapshot", "-c", "s1", str(snap := qcow2("sn.qcow2", "-b", str(base), "-F", "raw"))],
                    check=True, capture_output=True)
     cases["snapshot"] = snap
     (tmp_path / "link.qcow2").symlink_to(tmp_path / "ok.qcow2")
     cases["symlink"] = tmp_path / "link.qcow2"
-    why = {"backing": "backing file is not", "raw": "not raw", "data": "external data file", "none": "backing file is not",
-           "bigger": "virtual size", "sizename": "virtual size", "junk": "not a qcow2", "v2": "v3", "bitmap": "header extension", "snapshot": "internal snapshots",
-           "symlink": "links"}
+    why = {"backing": "backing file is not", "raw": "not raw", "data": "external data file",
+           "none": "backing file is not", "bigger": "virtual size", "sizename": "virtual size", "junk": "not a qcow2",
+           "v2": "v3", "bitmap": "header extension", "snapshot": "internal snapshots", "symlink": "links"}
     for what, disk in cases.items():
         with pytest.raises(SandboxStartError, match=why[what]):
             check_workspace_disk(disk, tmp_path)
@@ -429,7 +442,7 @@ def test_the_relay_serves_nobody_until_the_guest_took_entropy_and_clock(tmp_path
     srv.bind(str(restore_path))
     srv.listen(1)
     try:
-        with _relay_without_vm(tmp_path, str(os.getuid()), "0", str(restore_path)) as (proc, guest, listen):
+        with _relay_without_vm(tmp_path, str(os.getuid()), "0", str(restore_path)) as (_proc, guest, listen):
             restore, _ = srv.accept()
             c = _client(listen)
             c.sendall(p.encode(p.Ping(1)))
@@ -463,6 +476,7 @@ def test_building_an_image_prunes_dead_builds_and_old_debian_trees_only(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["microvm-new", "microvm-old"]
 
 
+@pytest.mark.sandbox
 def test_a_disk_of_another_image_build_is_never_restored(engine, tmp_path):
     """Rebuilt from the same sources an image differs (mkfs UUIDs): a snapshot's disk and memory
     name the build they belong to, and a restore into another build is refused before QEMU runs."""
@@ -474,8 +488,8 @@ def test_a_disk_of_another_image_build_is_never_restored(engine, tmp_path):
     state = tmp_path / "sb-000000000000"
     (state / "workspace").mkdir(parents=True)
     (state / "run").mkdir()
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(backend.image() / "workspace.raw"), "-F", "raw",
-                    str(state / "workspace" / "disk.qcow2")], check=True)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(backend.image() / "workspace.raw"),
+                    "-F", "raw", str(state / "workspace" / "disk.qcow2")], check=True)
     (state / "workspace" / IMAGE_ID_FILE).write_text("0123456789abcdef")
     handle = BackendHandle(sandbox_id=state.name, tier="microvm", runtime_id=state.name, state_dir=str(state),
                            socket_path=str(state / "run" / "agent.sock"), uid_base=0x7FFD0000)
@@ -489,6 +503,7 @@ def test_a_disk_of_another_image_build_is_never_restored(engine, tmp_path):
     assert not HostCgroup(state.name).dirs()[0].exists() and not (state / "qemu.pid").exists()
 
 
+@pytest.mark.sandbox
 def test_the_kvm_probe_boots_a_guest_under_kvm_or_reports_why_not(engine, tmp_path, monkeypatch):
     """The probe itself (doctor skips it on a PVM host, whose verdict is known): a guest of the
     real image under -accel kvm, its console watched within a bound, stopped by its pidfile."""
@@ -504,7 +519,7 @@ def test_the_kvm_probe_boots_a_guest_under_kvm_or_reports_why_not(engine, tmp_pa
         assert accel == "tcg" and "did not boot under KVM within 8 s" in why
         assert time.monotonic() - t0 < 30
     assert not list(tmp_path.iterdir())  # the probe's directory is gone...
-    assert not [p for p in _qemu_pids(tmp_path)]  # ...and so is its QEMU
+    assert not list(_qemu_pids(tmp_path))  # ...and so is its QEMU
 
 
 def test_a_client_that_stops_reading_delays_no_other_client(tmp_path):

@@ -6,8 +6,12 @@ claim adds a second (its refill then makes at most two as well): never more than
 
 from __future__ import annotations
 
-from warmbox import Limits, Sandbox
+import pytest
+
 from tests.backends.conftest import qemu_pids as _qemu_pids
+from warmbox import Limits, Sandbox
+
+pytestmark = pytest.mark.sandbox
 
 LIMITS = Limits(memory_mb=256, pids=64, tmp_mb=64)
 

@@ -9,6 +9,8 @@ import pytest
 
 from warmbox import Limits, Sandbox
 
+pytestmark = pytest.mark.sandbox
+
 
 def run(sb, cmd, **kw):
     return sb.commands.run(cmd, timeout=kw.pop("timeout", 30), **kw)
@@ -92,7 +94,8 @@ def test_minimal_etc_and_no_host_secrets(sb):
     r = run(sb, "cat /etc/shadow")
     assert r.exit_code != 0
     assert run(sb, "cat /etc/passwd").stdout.count("\n") == 3
-    assert run(sb, "ls /root 2>&1; ls /home").stdout.split() in (["user"], ["ls:", "cannot", "open", "directory", "'/root':", "Permission", "denied", "user"])
+    assert run(sb, "ls /root 2>&1; ls /home").stdout.split() in (
+        ["user"], ["ls:", "cannot", "open", "directory", "'/root':", "Permission", "denied", "user"])
     sockets = run(sb, "find / -xdev -type s 2>/dev/null; find /run /tmp /var -type s 2>/dev/null").stdout.strip()
     assert sockets == ""
 
@@ -128,11 +131,13 @@ def test_no_host_file_descriptors_inherited(sb):
     targets = sorted(line.split("-> ")[1] for line in fds)
     # stdin /dev/null, stdout/stderr pipes, and ls's own directory fd
     assert len(targets) == 4, targets
-    assert targets[0] == "/dev/null" and targets[1].startswith("/proc/") and all(t.startswith("pipe:") for t in targets[2:])
+    assert targets[0] == "/dev/null" and targets[1].startswith("/proc/")
+    assert all(t.startswith("pipe:") for t in targets[2:])
 
 
 def test_tools_work_inside(sb):
-    r = run(sb, "node -e 'console.log(6*7)'; printf 'int main(){return 3;}' > /tmp/a.c && gcc -o /tmp/a /tmp/a.c && /tmp/a; echo $?; git --version | cut -d' ' -f1")
+    r = run(sb, "node -e 'console.log(6*7)'; printf 'int main(){return 3;}' > /tmp/a.c && gcc -o /tmp/a /tmp/a.c "
+                "&& /tmp/a; echo $?; git --version | cut -d' ' -f1")
     assert r.stdout.split() == ["42", "3", "git"], r.stderr
 
 
@@ -167,7 +172,8 @@ def test_fork_bomb_is_contained_by_pids_limit(home, runc_ready):
 
 def test_cpu_quota_applies(home, runc_ready):
     with Sandbox.create(timeout=60, limits=Limits(cpus=0.25)) as s:
-        code = "import time\nt = time.time(); c = time.process_time()\nwhile time.time() - t < 1.0: pass\nprint(time.process_time() - c)"
+        code = ("import time\nt = time.time(); c = time.process_time()\nwhile time.time() - t < 1.0: pass\n"
+                "print(time.process_time() - c)")
         used = float(s.commands.run(["python3", "-c", code]).stdout)
         assert used < 0.5, f"a 0.25-cpu sandbox burnt {used:.2f} cpu-s in 1 s of wall time"
 

@@ -12,8 +12,8 @@ def test_profile_is_an_allowlist_without_escape_syscalls():
     assert {"ptrace", "pidfd_getfd", "process_vm_readv", "mount", "unshare", "bpf"} <= seccomp.DENIED
     assert not seccomp.ALLOWED & seccomp.DENIED
     # clone is allowed only without namespace flags, clone3 answers ENOSYS so libc falls back
-    clone = [r for r in prof["syscalls"] if r["names"] == ["clone"]][0]
+    clone = next(r for r in prof["syscalls"] if r["names"] == ["clone"])
     assert clone["args"][0]["op"] == "SCMP_CMP_MASKED_EQ" and clone["args"][0]["value"] & 0x10000000
-    clone3 = [r for r in prof["syscalls"] if r["names"] == ["clone3"]][0]
+    clone3 = next(r for r in prof["syscalls"] if r["names"] == ["clone3"])
     assert clone3["action"] == "SCMP_ACT_ERRNO" and clone3["errnoRet"] == 38
     assert len(prof["architectures"]) <= 1  # native ABI only

@@ -22,6 +22,7 @@ def _bench(*args: str, timeout: float = 600) -> dict:
     return json.loads(r.stdout)
 
 
+@pytest.mark.sandbox
 def test_bench_start_short(runc_ready):
     rep = _bench("start", "--runs", "2", "--variant", "empty")
     v = rep["variants"]["empty"]
@@ -29,10 +30,12 @@ def test_bench_start_short(runc_ready):
     assert all(s["n"] == 2 and s["p50_ms"] > 0 for s in v["stats"].values())
     assert v["pool_misses"] == 0 and v["distinct_outputs"] == 1  # every method printed 4
     assert set(v["stages_on_request_path_p50_ms"]["warm_pool"]) == {"allocation", "first_command"}
-    assert {"allocation", "filesystem", "runtime", "first_command"} <= set(v["stages_on_request_path_p50_ms"]["warmbox_cold"])
+    cold = set(v["stages_on_request_path_p50_ms"]["warmbox_cold"])
+    assert {"allocation", "filesystem", "runtime", "first_command"} <= cold
     assert v["ratios_p50"]["warmbox_cold/raw_runc"] > 0
 
 
+@pytest.mark.sandbox
 def test_bench_exec_short(runc_ready):
     rep = _bench("exec", "--seconds", "0.3")
     assert rep["true_per_second"]["concurrency_1"] > 0 and rep["true_per_second"]["concurrency_4"] > 0
@@ -40,6 +43,7 @@ def test_bench_exec_short(runc_ready):
     assert rep["ping_sdk_asyncio"]["p50_us"] > rep["raw_unix_socket_rtt"]["p50_us"]
 
 
+@pytest.mark.sandbox
 def test_bench_burst_short(runc_ready):
     rep = _bench("burst", "--burst", "4", "--pools", "4", "2")
     covered, short = rep["runs"]
@@ -48,6 +52,7 @@ def test_bench_burst_short(runc_ready):
     assert covered["p99_over_p50"] >= 1
 
 
+@pytest.mark.sandbox
 def test_bench_density_short(runc_ready):
     rep = _bench("density", "--max", "2", "--step", "1")
     assert [s["sandboxes"] for s in rep["steps"]] == [1, 2]
@@ -55,6 +60,7 @@ def test_bench_density_short(runc_ready):
         assert s["cgroup_mib_per_sandbox"] > 0 and 0 < s["uss_mib_per_sandbox"] <= s["rss_mib_per_sandbox"]
 
 
+@pytest.mark.sandbox
 def test_bench_snapshot_short(runc_ready):
     rep = _bench("snapshot", "--runs", "1", "--mb", "1")
     assert rep["memory_snapshot"] is False and rep["sizes"]["artifact_bytes"] > 1 << 20
@@ -62,6 +68,7 @@ def test_bench_snapshot_short(runc_ready):
     assert set(rep["ratios_p50"]) == {"snapshot/raw_tar_zstd", "resume_first_pool/raw_untar"}
 
 
+@pytest.mark.sandbox
 def test_bench_snapshot_gvisor_short(runc_ready):
     rep = _bench("snapshot", "--tier", "gvisor", "--runs", "1")
     assert rep["memory_snapshot"] is True and rep["sizes"]["artifact_bytes"] > 0
@@ -87,6 +94,7 @@ def _qemus() -> set[int]:
     return out
 
 
+@pytest.mark.sandbox
 @pytest.mark.timeout(900)
 def test_bench_microvm_short(runc_ready):
     """Restore and cold boot against raw QEMU; pause/resume against raw migrate: one run each."""

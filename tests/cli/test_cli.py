@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import cli
 
 
+@pytest.mark.sandbox
 def test_run_prints_output_and_exits_with_status(home, runc_ready):
     r = cli("run", "--", "python3", "-c", "print(2+2)")
     assert (r.returncode, r.stdout) == (0, "4\n"), r.stderr
@@ -14,6 +17,7 @@ def test_run_prints_output_and_exits_with_status(home, runc_ready):
     assert r.returncode == 3 and r.stderr == "oops\n"
 
 
+@pytest.mark.sandbox
 def test_run_json_record(home, runc_ready):
     r = cli("run", "--json", "--", "sh", "-c", "exit 3")
     assert r.returncode == 3
@@ -23,6 +27,7 @@ def test_run_json_record(home, runc_ready):
     assert set(rec["timings"]) >= {"allocation", "filesystem", "runtime"}
 
 
+@pytest.mark.sandbox
 def test_create_exec_ls_kill_across_processes(home, runc_ready):
     r = cli("create", "--timeout", "120")
     assert r.returncode == 0, r.stderr
@@ -49,6 +54,7 @@ def test_bad_input_is_one_line_error(home):
         assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
 
 
+@pytest.mark.sandbox
 def test_doctor(home):
     r = cli("doctor", "--json")
     rows = {row["tier"]: row for row in json.loads(r.stdout)}

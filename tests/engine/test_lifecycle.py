@@ -10,6 +10,8 @@ import pytest
 from warmbox import Sandbox, SandboxNotFound, State
 from warmbox.engine.engine import Engine
 
+pytestmark = pytest.mark.sandbox
+
 
 def traces(engine: Engine, sandbox_id: str, init_uid: int) -> dict[str, object]:
     """Everything on the host that could belong to one sandbox."""

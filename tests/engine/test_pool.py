@@ -58,6 +58,7 @@ def ready(engine: Engine, pool: str, n: int = 1, timeout: float = 120) -> None:
     wait_for(lambda: engine.registry.pool_counts(pool)[0] >= n, timeout, f"{n} ready in pool {pool}")
 
 
+@pytest.mark.sandbox
 def test_pool_hit_is_ready_warm_and_configured_for_its_caller(pools):
     ready(pools, "t-pydata")
     with Sandbox.create(limits=T_PYDATA, template="pydata", envs={"TENANT": "alice"}) as sb:
@@ -76,6 +77,7 @@ def test_pool_hit_is_ready_warm_and_configured_for_its_caller(pools):
         assert info.expires_at - info.claimed_at == pytest.approx(300, abs=5)
 
 
+@pytest.mark.sandbox
 def test_no_state_crosses_tenants_and_pooled_sandboxes_are_single_use(pools):
     ready(pools, "t-base", 2)
     with Sandbox.create(limits=T_BASE, envs={"SECRET": "alice-token"}) as a:
@@ -96,6 +98,7 @@ def test_no_state_crosses_tenants_and_pooled_sandboxes_are_single_use(pools):
         assert r.error is not None and r.error.name == "NameError"
 
 
+@pytest.mark.sandbox
 def test_nobody_can_connect_to_a_pooled_sandbox(pools):
     ready(pools, "t-base")
     sid = pools.registry.pooled("t-base")[0]
@@ -106,6 +109,7 @@ def test_nobody_can_connect_to_a_pooled_sandbox(pools):
     assert Operation.EXEC.value.isdisjoint({State.POOLED})
 
 
+@pytest.mark.sandbox
 def test_concurrent_creates_from_several_processes_never_share_a_sandbox(pools):
     ready(pools, "t-base", 2)
     code = ("import json, sys, time\n"
@@ -171,6 +175,7 @@ def test_registry_claim_is_exclusive_under_contention(tmp_path):
     assert kinds.count("hit") == 60 and kinds.count("miss") == 6
 
 
+@pytest.mark.sandbox
 def test_failed_warmup_is_reported_retried_and_never_handed_out(pools, home):
     engine = pools
     set_config(home, POOLS + """
@@ -183,7 +188,9 @@ limits = { memory_mb = 300 }
 """)
     try:
         wait_for(lambda: engine.registry.pool_totals("t-broken")[2] >= 2, 90, "two failed warm-ups (a retry)")
-        rows = {r.name: r for r in __import__("warmbox.engine.pool", fromlist=["status"]).status(engine, engine.settings())}
+        from warmbox.engine.pool import status
+
+        rows = {r.name: r for r in status(engine, engine.settings())}
         assert rows["t-broken"].ready == 0
         assert "ModuleNotFoundError" in rows["t-broken"].last_error
         assert not engine.registry.pooled("t-broken")
@@ -197,6 +204,7 @@ limits = { memory_mb = 300 }
                              for i in engine.list(include_dead=True)), 60, "the broken pool's attempts to end")
 
 
+@pytest.mark.sandbox
 def test_metering_user_cost_starts_at_the_claim_and_freezes_at_the_end(pools):
     ready(pools, "t-base")
     sb = Sandbox.create(limits=T_BASE)
@@ -220,13 +228,15 @@ def test_metering_user_cost_starts_at_the_claim_and_freezes_at_the_end(pools):
     assert r.returncode == 0 and json.loads(r.stdout)["final"] is True
 
 
+@pytest.mark.sandbox
 def test_cold_metrics_include_the_start(home, runc_ready):
     with Sandbox.create(pool=False, template="shell") as sb:
-        r = sb.commands.run("sleep 0.3")
+        sb.commands.run("sleep 0.3")
         m = sb.metrics()
         assert not sb.from_pool and m.busy_s >= 0.3 and m.commands == 1 and m.cpu_s > 0
 
 
+@pytest.mark.sandbox
 def test_autoscale_grows_on_misses_and_shrinks_when_idle(pools, home):
     engine = pools
     set_config(home, POOLS + """
@@ -258,6 +268,7 @@ limits = { memory_mb = 350 }
         set_config(home, POOLS)
 
 
+@pytest.mark.sandbox
 def test_resize_and_bad_input_are_typed(pools, home):
     r = cli("pool", "resize", "t-base", "3")
     assert r.returncode == 0 and "target 3" in r.stdout
@@ -304,6 +315,7 @@ def test_env_overrides_apply(tmp_path):
     assert s["defaults"]["timeout_s"] == 60 and "default" not in s["pools"]
 
 
+@pytest.mark.sandbox
 def test_killed_daemon_leaves_nothing_after_the_next_warmbox_call(tmp_path, runc_ready):
     """SIGKILL the pool's owner mid-refill; `warmbox down` (or the next daemon) cleans it all up."""
     h = Path(f"/tmp/wbk-{os.getpid()}")
@@ -350,6 +362,7 @@ def test_killed_daemon_leaves_nothing_after_the_next_warmbox_call(tmp_path, runc
         shutil.rmtree(h, ignore_errors=True)
 
 
+@pytest.mark.sandbox
 def test_a_config_change_replaces_pooled_sandboxes_built_to_the_old_one(pools, home):
     engine = pools
     shape_pool = """

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli, wait_for
+from tests.conftest import cli
 from warmbox import ArtifactCorrupt, Sandbox, SnapshotUnsupported, State, StorageFull
 from warmbox.engine import snapshot as snaps
 from warmbox.engine.engine import Engine
 from warmbox.storage import snapshots as artifacts
+
+pytestmark = pytest.mark.sandbox
 
 TURN1 = """
 import json, sys
@@ -24,7 +26,8 @@ from warmbox import Sandbox
 sb = Sandbox.create(template="pydata", timeout=300)
 sb.files.write("/workspace/repo/notes.md", "turn 1 was here")
 sb.commands.run("echo scratch > /tmp/scratch && echo rc > /home/user/.rc")
-r = sb.run_code("import pandas\\ndf = pandas.DataFrame({'a': range(7), 'b': range(7), 'c': range(7)})\\nseen = {'turn': 1}")
+r = sb.run_code("import pandas\\ndf = pandas.DataFrame({'a': range(7), 'b': range(7), 'c': range(7)})"
+                "\\nseen = {'turn': 1}")
 assert r.error is None, r.error
 ref = sb.pause()
 print(json.dumps({"sandbox_id": sb.sandbox_id, "snapshot_id": ref.snapshot_id}))

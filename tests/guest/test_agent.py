@@ -54,10 +54,10 @@ def agent(guest_lib: Path, tmp_path: Path):
 
 
 def test_guest_imports_only_stdlib(guest_lib: Path):
-    code = ("import sys; sys.path.insert(0, %r); import warmbox.guest.agent, warmbox.guest.kernel; "
+    code = (f"import sys; sys.path.insert(0, {str(guest_lib)!r}); import warmbox.guest.agent, warmbox.guest.kernel; "
             "bad = [m for m in sys.modules if m.startswith('warmbox') and m not in "
             "('warmbox', 'warmbox.protocol', 'warmbox.guest', 'warmbox.guest.agent', 'warmbox.guest.kernel')]; "
-            "print(bad)" % str(guest_lib))
+            "print(bad)")
     out = subprocess.run([BARE, "-I", "-S", "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -150,7 +150,8 @@ def test_hostile_host_frame_gets_failure_not_crash(agent):
 def test_code_context_state_errors_and_interrupt(agent):
     async def run(c, code, timeout=5.0, ctx="default"):
         out = []
-        async with c.request(lambda i: p.ContextRun(i, context=ctx, code=code, timeout_s=timeout, max_output=1 << 20)) as s:
+        async with c.request(lambda i: p.ContextRun(i, context=ctx, code=code, timeout_s=timeout,
+                                                    max_output=1 << 20)) as s:
             while True:
                 m = await s.get()
                 out.append(m)

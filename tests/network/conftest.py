@@ -40,7 +40,7 @@ def _make_ca(d: Path) -> None:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "wbt fake-internet CA")])
     ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
@@ -49,7 +49,8 @@ def _make_ca(d: Path) -> None:
           .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
           .sign(ca_key, hashes.SHA256()))
     (d / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    for name, hosts in (("allowed", ["allowed.test", "api.test", "rebind.test"]), ("attacker", ["attacker.example.com"])):
+    for name, hosts in (("allowed", ["allowed.test", "api.test", "rebind.test"]),
+                        ("attacker", ["attacker.example.com"])):
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
                 .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())

@@ -76,7 +76,7 @@ def test_allowlisted_site_works_with_unchanged_tools(allow_sb, world):
     got = events(sb, host="allowed.test", decision="allow")
     assert {e.kind for e in got} >= {"http", "connect"}
     assert all(e.address == ALLOWED and e.rule == "allow:allowed.test" for e in got)
-    tunnel = [e for e in got if e.kind == "connect"][0]
+    tunnel = next(e for e in got if e.kind == "connect")
     assert tunnel.port == 443 and tunnel.bytes_up > 0 and tunnel.bytes_down > 0
     # the site saw the requests through the proxy only (its client is the upstream namespace)
     assert {rec["client"] for rec in world.log("allowed")} == {"192.0.2.1"}
@@ -171,7 +171,7 @@ def test_secret_is_brokered_never_seen(net_home, world):
     with Sandbox.create(network=net, secrets={"OPENAI_API_KEY": Secret(value, hosts=["api.test"])},
                         timeout=120, home=net_home) as sb:
         env = sh(sb, "env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'").stdout
-        placeholder = [line.split("=", 1)[1] for line in env.splitlines() if line.startswith("OPENAI_API_KEY=")][0]
+        placeholder = next(line.split("=", 1)[1] for line in env.splitlines() if line.startswith("OPENAI_API_KEY="))
         assert value not in env and placeholder.startswith("warmbox-secret-")
         r = sh(sb, "grep -rl --binary-files=text \"" + value + "\" / --exclude-dir=proc --exclude-dir=sys "
                    "2>/dev/null | head -3")
@@ -231,7 +231,10 @@ def test_approval_hook_allows_and_denies(net_home, world):
 
     with Sandbox.create(network=Network(allow=[], on_unknown="ask"), on_approval=hook, timeout=120,
                         home=net_home) as sb:
-        code = lambda url: sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' {url}").stdout
+
+        def code(url):
+            return sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' {url}").stdout
+
         assert code("http://allowed.test/hello.txt") == "200"
         assert code("http://attacker.example.com/x") == "403"
         assert code("http://api.test/hello.txt") == "200"
@@ -278,16 +281,16 @@ def test_cli_run_with_allowlist_and_net_log(net_home, world):
     world.clear_logs()
     env = {**os.environ, "WARMBOX_HOME": str(net_home)}
     wb = [os.path.join(os.path.dirname(__import__("sys").executable), "warmbox")]
-    r = subprocess.run(wb + ["run", "--json", "--allow", "allowed.test", "--", "curl", "-sS", "--max-time", "8",
-                             "http://allowed.test/hello.txt"], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run([*wb, "run", "--json", "--allow", "allowed.test", "--", "curl", "-sS", "--max-time", "8",
+                        "http://allowed.test/hello.txt"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout)
     assert rec["stdout"] == "hello from the allowed site\n" and "network" in rec["timings"]
-    r = subprocess.run(wb + ["net", "log", rec["sandbox_id"]], capture_output=True, text=True, env=env)
+    r = subprocess.run([*wb, "net", "log", rec["sandbox_id"]], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and "allow" in r.stdout and "allowed.test:80" in r.stdout, r.stdout
-    r = subprocess.run(wb + ["run", "--allow", "bad host!", "--", "true"], capture_output=True, text=True, env=env)
+    r = subprocess.run([*wb, "run", "--allow", "bad host!", "--", "true"], capture_output=True, text=True, env=env)
     assert r.returncode == 125 and r.stderr.startswith("warmbox: error:") and "Traceback" not in r.stderr
-    r = subprocess.run(wb + ["run", "--secret", "WBT_NOPE=api.test", "--allow", "api.test", "--", "true"],
+    r = subprocess.run([*wb, "run", "--secret", "WBT_NOPE=api.test", "--allow", "api.test", "--", "true"],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 125 and "WBT_NOPE" in r.stderr
 

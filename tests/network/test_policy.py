@@ -59,8 +59,8 @@ def test_deny_cidr_refuses_addresses_of_allowed_names_and_literals():
     assert Policy.of("internet").denies_address("198.51.100.1") == ""
 
 
-@pytest.mark.parametrize("bad", [dict(allow="pypi.org"), dict(allow=["a b"]), dict(allow=["*evil.com"]),
-                                 dict(allow=["1.2.3.0/99"]), dict(deny=[""]), dict(on_unknown="maybe")])
+@pytest.mark.parametrize("bad", [{"allow": "pypi.org"}, {"allow": ["a b"]}, {"allow": ["*evil.com"]},
+                                 {"allow": ["1.2.3.0/99"]}, {"deny": [""]}, {"on_unknown": "maybe"}])
 def test_bad_policies_are_typed_errors(bad):
     with pytest.raises(InvalidArgument):
         Network(**bad)
@@ -72,8 +72,8 @@ def test_secret_validation_and_repr_hides_value():
     s = Secret("sk-123", hosts=["api.openai.com", "*.example.com"])
     assert "sk-123" not in repr(s) and s.applies_to("api.openai.com") and s.applies_to("x.example.com")
     assert not s.applies_to("api.openai.com.evil.test")
-    for bad in (dict(value="", hosts=["a.test"]), dict(value="a\nb", hosts=["a.test"]),
-                dict(value="v", hosts=[]), dict(value="v", hosts=["10.0.0.0/8"]), dict(value="v", hosts="a.test")):
+    for bad in ({"value": "", "hosts": ["a.test"]}, {"value": "a\nb", "hosts": ["a.test"]}, {"value": "v", "hosts": []},
+                {"value": "v", "hosts": ["10.0.0.0/8"]}, {"value": "v", "hosts": "a.test"}):
         with pytest.raises(InvalidArgument):
             Secret(**bad)
 
@@ -106,7 +106,8 @@ def test_sni_parse_from_a_real_client_hello():
 
 
 def test_request_head_parsing_is_strict():
-    assert split_head(b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test\r\n\r\n")[:3] == ("CONNECT", "a.test:443", "HTTP/1.1")
+    head = split_head(b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test\r\n\r\n")
+    assert head[:3] == ("CONNECT", "a.test:443", "HTTP/1.1")
     for bad in (b"GET\r\n\r\n", b"GET / HTTP/2\r\n\r\n", b"GET / HTTP/1.1\r\nNoColon\r\n\r\n",
                 b"GET / HTTP/1.1\r\nBad Name: x\r\n\r\n"):
         with pytest.raises(BadRequest):

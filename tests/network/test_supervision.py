@@ -1,4 +1,4 @@
-"""The proxy supervisor's bookkeeping, without sandboxes (the kill tests are tests/attacks/test_egress_proxy_death.py)."""
+"""The proxy supervisor's bookkeeping, without sandboxes (its kill tests: tests/attacks/test_egress_proxy_death.py)."""
 
 from __future__ import annotations
 

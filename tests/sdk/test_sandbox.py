@@ -8,10 +8,19 @@ import time
 import pytest
 
 import warmbox
-from warmbox import (AsyncSandbox, InvalidArgument, InvalidPath, Limits, PathNotFound, Sandbox, SandboxNotFound,
-                     WarmboxError)
+from warmbox import (
+    AsyncSandbox,
+    InvalidArgument,
+    InvalidPath,
+    Limits,
+    PathNotFound,
+    Sandbox,
+    SandboxNotFound,
+    WarmboxError,
+)
 
 
+@pytest.mark.sandbox
 def test_the_issue_sample(home, runc_ready):
     with Sandbox.create(tier="container", timeout=300, envs={"GREETING": "hi"},
                         limits=Limits(memory_mb=512, cpus=1.0, pids=256)) as sb:
@@ -26,6 +35,7 @@ def test_the_issue_sample(home, runc_ready):
         assert all(v > 0 for v in sb.timings.values())
 
 
+@pytest.mark.sandbox
 def test_streaming_callbacks_get_chunks_before_the_end(sb):
     seen: list[tuple[float, str]] = []
     t0 = time.monotonic()
@@ -35,6 +45,7 @@ def test_streaming_callbacks_get_chunks_before_the_end(sb):
     assert seen[0][1] == "start\n" and seen[0][0] < total - 0.5
 
 
+@pytest.mark.sandbox
 def test_timeout_kills_tree_quickly(sb):
     t0 = time.monotonic()
     r = sb.commands.run("sleep 1000 & sleep 1000 & sleep 1000; wait", timeout=1)
@@ -42,11 +53,13 @@ def test_timeout_kills_tree_quickly(sb):
     assert sb.commands.run("ps -eo comm | grep -c sleep || true").stdout.strip() == "0"
 
 
+@pytest.mark.sandbox
 def test_output_flood_is_truncated(sb):
     r = sb.commands.run("yes | head -c 50000000", max_output=1_000_000)
     assert r.truncated and len(r.stdout) == 1_000_000 and r.exit_code == 0
 
 
+@pytest.mark.sandbox
 def test_stdin_cwd_argv_envs(sb):
     assert sb.commands.run(["cat"], stdin="piped").stdout == "piped"
     sb.files.make_dir("/workspace/sub")
@@ -58,6 +71,7 @@ def test_stdin_cwd_argv_envs(sb):
         sb.commands.run("false", check=True)
 
 
+@pytest.mark.sandbox
 def test_run_code_rich_outputs_errors_and_contexts(sb):
     e = sb.run_code("print('out'); import sys; print('err', file=sys.stderr); 6 * 7")
     assert (e.text, e.stdout, e.stderr, e.error) == ("42", "out\n", "err\n", None)
@@ -78,6 +92,7 @@ def test_run_code_rich_outputs_errors_and_contexts(sb):
         sb.run_code("y", context=ctx)
 
 
+@pytest.mark.sandbox
 def test_files_api(sb):
     blob = bytes(range(256)) * 8192  # 2 MiB, several chunks
     info = sb.files.write("data/blob.bin", blob)
@@ -96,6 +111,7 @@ def test_files_api(sb):
         sb.files.read("/workspace")
 
 
+@pytest.mark.sandbox
 @pytest.mark.parametrize("path", ["", "a\0b", "../etc/passwd", "/workspace/../../etc", "x" * 5000, 42])
 def test_bad_paths_are_typed_errors(sb, path):
     with pytest.raises(InvalidPath):
@@ -124,6 +140,7 @@ def test_bad_limits_and_unavailable_tier():
         Sandbox.create(tier="isolate")
 
 
+@pytest.mark.sandbox
 def test_dead_and_unknown_ids(home, runc_ready):
     with pytest.raises(SandboxNotFound):
         Sandbox.connect("sb-000000000000")
@@ -139,6 +156,7 @@ def test_dead_and_unknown_ids(home, runc_ready):
     assert isinstance(SandboxNotFound("x"), WarmboxError)
 
 
+@pytest.mark.sandbox
 def test_reconnect_from_another_object_keeps_state(home, runc_ready):
     with Sandbox.create(timeout=60) as a:
         a.files.write("f", "kept")
@@ -148,6 +166,7 @@ def test_reconnect_from_another_object_keeps_state(home, runc_ready):
         assert b.timings == a.timings
 
 
+@pytest.mark.sandbox
 def test_async_twin(home, runc_ready):
     async def go():
         async with await AsyncSandbox.create(timeout=60) as sb:
@@ -156,6 +175,7 @@ def test_async_twin(home, runc_ready):
     assert asyncio.run(go()) == [str(i) for i in range(10)]
 
 
+@pytest.mark.sandbox
 def test_hostile_sized_inputs_are_typed_or_handled(sb):
     # argv bytes that are not UTF-8 (surrogate-escaped by Python) reach the sandbox intact
     r = sb.commands.run(["printf", "%s", "caf\udce9"])

@@ -41,9 +41,9 @@ def s3_endpoint():
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
                 break
-            except OSError:
+            except OSError as e:
                 if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("moto_server did not start")
+                    raise RuntimeError("moto_server did not start") from e
                 time.sleep(0.1)
         url = f"http://127.0.0.1:{port}"
         import boto3
@@ -85,9 +85,10 @@ def test_store_contract(store, tmp_path):
     store.delete("blobs/sha256/abc")
     assert not store.exists("blobs/sha256/abc") and store.list("blobs") == []
     if isinstance(store, LocalObjectStore):  # writes are temp + rename: nothing partial is listed
-        assert not [p for p in store.root.rglob(".tmp-*")]
+        assert not list(store.root.rglob(".tmp-*"))
 
 
+@pytest.mark.sandbox
 def test_snapshot_round_trip_through_s3(home, runc_ready, s3_endpoint):
     old = {k: os.environ.get(k) for k in ("WARMBOX_OBJECT_STORE", "WARMBOX_S3_ENDPOINT")}
     os.environ["WARMBOX_OBJECT_STORE"] = f"s3://wb-test/snaps-{os.urandom(3).hex()}"
