@@ -131,3 +131,4 @@ def test_protocol_imports_in_bare_interpreter(tmp_path):
     assert names - sys.stdlib_module_names == {"warmbox"}
     assert not {"typing", "dataclasses"} & names
     assert fields == "('argv', 'list[str]')"
+

@@ -29,3 +29,9 @@ def test_sync_api_is_derived_not_written():
                  "snapshot", "pause", "metrics"):
         assert getattr(Sandbox, name).__wrapped__ is getattr(AsyncSandbox, name).__func__ \
             if isinstance(AsyncSandbox.__dict__.get(name), classmethod) else getattr(Sandbox, name).__wrapped__
+
+
+def test_the_sync_stubs_are_current():
+    from warmbox.sdk import _stubgen
+
+    assert _stubgen.main(["--check"]) == 0, "run: python -m warmbox.sdk._stubgen"

@@ -23,21 +23,37 @@ LIVE = frozenset({State.CREATING, State.POOLED, State.RETIRING, State.READY, Sta
 
 
 class Operation(enum.Enum):
-    """Operations on a sandbox and the states each is legal in."""
+    """Operations on a sandbox; ``legal`` names the states each may be called in."""
 
-    EXEC = frozenset({State.READY, State.RUNNING})  # commands.run, run_code, files.*, connect
-    SET_TIMEOUT = frozenset({State.READY, State.RUNNING})
-    METRICS = frozenset({State.READY, State.RUNNING, State.DESTROYED})
-    CLAIM = frozenset({State.POOLED})  # hand a pooled sandbox to one caller
-    SNAPSHOT = frozenset({State.READY, State.RUNNING})  # snapshot (keeps running) and pause
-    RESUME = frozenset({State.PAUSED})
-    DESTROY = frozenset({State.CREATING, State.POOLED, State.RETIRING, State.READY, State.RUNNING,
-                         State.FAILED, State.PAUSED})  # kill (of a paused one: forget it)
+    EXEC = "exec"  # commands.run, run_code, files.*, connect
+    SET_TIMEOUT = "set_timeout"
+    METRICS = "metrics"
+    CLAIM = "claim"  # hand a pooled sandbox to one caller
+    SNAPSHOT = "snapshot"  # snapshot (keeps running) and pause
+    RESUME = "resume"
+    DESTROY = "destroy"  # kill (of a paused one: forget it)
+
+    @property
+    def legal(self) -> frozenset[State]:
+        return LEGAL[self]
+
+
+_USABLE = frozenset({State.READY, State.RUNNING})
+LEGAL: dict[Operation, frozenset[State]] = {
+    Operation.EXEC: _USABLE,
+    Operation.SET_TIMEOUT: _USABLE,
+    Operation.METRICS: frozenset({State.READY, State.RUNNING, State.DESTROYED}),
+    Operation.CLAIM: frozenset({State.POOLED}),
+    Operation.SNAPSHOT: _USABLE,
+    Operation.RESUME: frozenset({State.PAUSED}),
+    Operation.DESTROY: frozenset({State.CREATING, State.POOLED, State.RETIRING, State.READY, State.RUNNING,
+                                  State.FAILED, State.PAUSED}),
+}
 
 
 def check(op: Operation, state: State, sandbox_id: str) -> None:
     """Raise a typed error if ``op`` is illegal in ``state``."""
-    if state in op.value:
+    if state in LEGAL[op]:
         return
     if state is State.DESTROYED:
         raise SandboxNotFound(f"sandbox {sandbox_id} was destroyed", sandbox_id)

@@ -120,6 +120,7 @@ class SandboxInfo:
     template: str
     pool: str = ""  # the pool it came from ("" when created cold)
     claimed_at: float = 0.0  # unix seconds it was handed out of the pool (0 when cold)
+    parent_snapshot: str = ""  # the snapshot it was restored or forked from ("" when created)
 
     @property
     def from_pool(self) -> bool:

@@ -52,9 +52,9 @@ def test_timeout_enforced_after_the_daemon_is_sigkilled(private_home, kill, when
     h = engine.home
 
     async def create():
-        info, _, client, _ = await engine.create(tier="container", timeout=TIMEOUT_S, pool=False)
-        await client.close()
-        return info
+        got = await engine.create(tier="container", timeout=TIMEOUT_S, pool=False)
+        await got.session.close()
+        return got.info
 
     info = asyncio.run(create())
     sid = info.sandbox_id

@@ -86,19 +86,18 @@ def test_microvm_template_of_a_killed_creator_is_reaped(private_home, when):
     assert not (Path(engine.runtime) / "sandboxes" / template.sandbox_id).exists()
 
     async def later():  # the shape still works: a new template (or the finished one), then a restore
-        info, _, client, timings = await engine.create(tier="microvm", limits=Limits(memory_mb=MEMORY_MB),
-                                                       timeout=60, pool=False)
-        made = any(t.stage == "template" for t in timings)
+        got = await engine.create(tier="microvm", limits=Limits(memory_mb=MEMORY_MB), timeout=60, pool=False)
+        made = any(t.stage == "template" for t in got.timings)
         if when == "saved":  # the dead creator's pause was finished by recovery: that is the template
             assert not made and reasons[-1].startswith("became template snapshot"), reasons
         try:
             from warmbox.engine import snapshot
 
-            code, _ = await asyncio.wait_for(snapshot._exec(client, ["/bin/echo", "ok"], info.sandbox_id), 60)
+            code, _ = await asyncio.wait_for(snapshot._exec(got.session, ["/bin/echo", "ok"], got.sandbox_id), 60)
             assert code == 0
         finally:
-            await client.close()
-            await engine.destroy(info.sandbox_id, "test done")
+            await got.session.close()
+            await engine.destroy(got.sandbox_id, "test done")
 
     asyncio.run(later())
     assert not qemu_pids(engine.runtime)

@@ -56,10 +56,10 @@ def test_two_homes_never_share_a_uid_range(home, runc_ready, tmp_path_factory):
     made: list[tuple[Engine, str]] = []
 
     async def one(engine: Engine):
-        info, handle, client, _ = await engine.create(tier="container", pool=False, timeout=120)
-        made.append((engine, info.sandbox_id))
-        await client.close()
-        return info, handle
+        got = await engine.create(tier="container", pool=False, timeout=120)
+        made.append((engine, got.sandbox_id))
+        await got.session.close()
+        return got.info, got.handle
 
     try:
         # WARMBOX_CONFIG is unset in the session: each engine reads its own home's warmbox.toml

@@ -7,10 +7,15 @@ records the engine persists, so any warmbox process can operate on any sandbox.
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable, ClassVar, Protocol, TypeVar
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from warmbox.models import (Availability, BackendHandle, Capabilities, ResourceUsage,  # noqa: F401 - re-exported
                             SandboxSpec)
+
+if TYPE_CHECKING:
+    from warmbox.config import Settings
 
 T = TypeVar("T")
 
@@ -57,3 +62,44 @@ class Backend(Protocol):
         Idempotent: destroying a half-created or already destroyed sandbox succeeds.
         """
         ...
+
+
+# ---- optional capabilities: declared here, implemented by a tier, checked by the engine with isinstance
+
+
+@runtime_checkable
+class Configurable(Protocol):
+    """A tier that reads warmbox.toml (the engine calls ``configure`` once, when it loads the tier)."""
+
+    def configure(self, settings: Settings) -> None: ...
+
+
+@runtime_checkable
+class SnapshotCapable(Protocol):
+    """A tier with memory snapshots (``Capabilities.memory_snapshot``): checkpoint a running
+    sandbox's processes and memory, and continue them in a new sandbox."""
+
+    async def checkpoint(self, handle: BackendHandle, image_dir: Path) -> Path:
+        """Write the runtime's image into ``image_dir``; the runtime stops with it. Returns the image."""
+        ...
+
+    async def restore(self, handle: BackendHandle, image_dir: Path, ready: Callable[[], Awaitable[T]]) -> T:
+        """Continue the image in ``image_dir`` in the created (not started) sandbox ``handle``;
+        ``ready`` as in :meth:`Backend.start`."""
+        ...
+
+    async def resume_listening(self, handle: BackendHandle) -> None:
+        """Tell a quiesced agent (one whose checkpoint did not happen) to listen again."""
+        ...
+
+
+@runtime_checkable
+class TemplateCapable(Protocol):
+    """A tier whose template snapshots are tied to its machine: ``template_fingerprint`` is part of
+    the template's key (a changed image or machine makes a new template instead of a failing
+    restore), and ``template_warmup`` commands run in a template sandbox before it is saved and in
+    every pooled copy before it is handed out (their files are then in the guest's page cache)."""
+
+    template_warmup: ClassVar[tuple[tuple[str, ...], ...]]
+
+    def template_fingerprint(self) -> str: ...

@@ -69,6 +69,7 @@ class GvisorBackend(tier2.RuncBackend):
     """Tier 3 (``gvisor``): runsc, ptrace platform, the Tier 2 bundle minus host-kernel syscalls."""
 
     tier: ClassVar[str] = "gvisor"
+    template_warmup: ClassVar[tuple[tuple[str, ...], ...]] = ()  # the template's own warm-up is enough
 
     def __init__(self, runtime: Path, runsc: str | None = None) -> None:
         super().__init__(runtime)

@@ -434,7 +434,7 @@ def _blocking_ping_rtt(socket_path: str, n: int) -> list[float]:
 
 
 async def bench_exec(home: Path, seconds: float) -> dict:
-    from warmbox import protocol as p
+    from warmbox.engine.engine import Engine
     from warmbox.sdk.sandbox import AsyncSandbox
 
     sb = await AsyncSandbox.create("container", timeout=300, template="shell", pool=False, home=home)
@@ -459,9 +459,10 @@ async def bench_exec(home: Path, seconds: float) -> dict:
         pings = []
         for _ in range(2000):
             t = time.perf_counter()
-            await sb._client.call(lambda i: p.Ping(i), p.Pong)
+            await sb.ping()
             pings.append((time.perf_counter() - t) * 1e6)
-        blocking = await asyncio.to_thread(_blocking_ping_rtt, sb._handle.socket_path, 2000)
+        socket_path = Engine.for_home(home).info(sb.sandbox_id)[1].socket_path
+        blocking = await asyncio.to_thread(_blocking_ping_rtt, socket_path, 2000)
         raw = await asyncio.to_thread(_raw_rtt, 2000)
     finally:
         await sb.kill()
@@ -612,8 +613,9 @@ async def bench_snapshot(home: Path, runs: int, mb: int) -> dict:
         r = await sb.run_code("import pandas\ndf = pandas.DataFrame({'a': range(100000), 'b': range(100000)})")
         if r.error:
             raise WarmboxError(f"bench snapshot setup: {r.error.value}")
-        mem = (await engine.usage(sb._handle)).memory_bytes
-        ws = Path(sb._handle.state_dir) / "workspace"
+        handle = engine.info(sb.sandbox_id)[1]
+        mem = (await engine.usage(handle)).memory_bytes
+        ws = Path(handle.state_dir) / "workspace"
         raw_save, raw_restore, raw_size = await asyncio.to_thread(_raw_fs_snapshot, ws, work)
         t0 = time.perf_counter()
         await sb.snapshot()
@@ -747,7 +749,7 @@ async def bench_snapshot_gvisor(home: Path, runs: int) -> dict:
         rows["cold_start_first_ms"].append((time.perf_counter() - t0) * 1e3)
         if r.text != "1000":
             raise WarmboxError(f"gvisor sandbox answered {r.text!r}")
-        mem = (await engine.usage(sb._handle)).memory_bytes
+        mem = (await engine.usage(engine.info(sb.sandbox_id)[1])).memory_bytes
         t0 = time.perf_counter()
         ref = await sb.pause(memory=True)
         rows["pause_ms"].append((time.perf_counter() - t0) * 1e3)

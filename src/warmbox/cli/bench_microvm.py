@@ -156,22 +156,19 @@ async def _first_command(sb) -> None:
 
 async def _warmbox_cold(engine, limits: Limits) -> tuple[float, dict[str, float]]:
     """A cold boot through the engine (what a template costs), to the first command."""
+    from warmbox.engine import provision
+
     settings = engine.settings()
     tmpl = settings.template("shell")  # no warm-up: the boot itself, as raw QEMU does it
     t0 = time.perf_counter()
-    info, handle, client, timings = await engine._start("microvm", tmpl, 120.0, (), limits, "", "", t0)
+    got = await provision.launch(engine, provision.LaunchSpec("microvm", tmpl.name, 120.0, limits), provision.Cold(tmpl))
     try:
-        async with client.request(lambda i: p.Exec(i, argv=FIRST, env={}, cwd="", timeout_s=30, max_output=1 << 16,
-                                                   stdin=False), timeout=60) as stream:
-            while True:
-                msg = await stream.next(p.Started, p.Stdout, p.Stderr, p.Exited)
-                if isinstance(msg, (p.Exited, p.Failure)):
-                    break
+        await got.session.exec(list(FIRST), timeout_s=30, max_output=1 << 16)
         ms = (time.perf_counter() - t0) * 1e3
     finally:
-        await client.close()
-        await engine.destroy(info.sandbox_id, "bench")
-    return ms, {t.stage: t.duration_ms for t in timings}
+        await got.session.close()
+        await engine.destroy(got.sandbox_id, "bench")
+    return ms, {t.stage: t.duration_ms for t in got.timings}
 
 
 def _template_files(engine, limits: Limits, work: Path, template: str = "base") -> Path:

@@ -270,7 +270,7 @@ async def _create(args: argparse.Namespace) -> int:
     from warmbox.sdk.sandbox import AsyncSandbox
 
     sb = await AsyncSandbox.create(args.tier, **_create_kwargs(args))
-    await sb._client.close()
+    await sb.close()
     if args.json:
         print(json.dumps({"sandbox_id": sb.sandbox_id, "tier": sb.tier, "template": sb.template,
                           "from_pool": sb.from_pool, "timings": sb.timings,
@@ -288,7 +288,7 @@ async def _exec(args: argparse.Namespace) -> int:
     try:
         return await _exec_in(sb, args, cmd)
     finally:
-        await sb._client.close()
+        await sb.close()
 
 
 async def _ls(args: argparse.Namespace) -> int:
@@ -352,9 +352,10 @@ async def _resume(args: argparse.Namespace) -> int:
     from warmbox.sdk.sandbox import AsyncSandbox
 
     sb = await AsyncSandbox.resume(args.ref, timeout=args.timeout, envs=_env_pairs(args.env))
-    await sb._client.close()
+    info = await sb.get_info()
+    await sb.close()
     if args.json:
-        print(json.dumps({"sandbox_id": sb.sandbox_id, "from_snapshot": sb._engine.registry.parent(sb.sandbox_id),
+        print(json.dumps({"sandbox_id": sb.sandbox_id, "from_snapshot": info.parent_snapshot,
                           "timings": sb.timings}))
     else:
         print(sb.sandbox_id)

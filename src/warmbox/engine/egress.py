@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from warmbox import protocol as p
-from warmbox.backends.base import BackendHandle
-from warmbox.errors import BackendUnavailable, GuestProtocolError, InvalidArgument, NetworkError
-from warmbox.engine.guest_client import GuestClient
+from warmbox.models import BackendHandle
+from warmbox.errors import BackendUnavailable, InvalidArgument, NetworkError
+from warmbox.engine.session import GuestSession
 from warmbox.models import ApprovalRequest, StageTiming
 from warmbox.network import netns
 from warmbox.network.policy import Policy, Secret
@@ -229,7 +228,7 @@ def _slot(handle: BackendHandle) -> int:
     return (handle.uid_base - UID_BASE) // UID_RANGE
 
 
-async def attach(engine: "Engine", handle: BackendHandle, client: GuestClient, policy: Policy,
+async def attach(engine: "Engine", handle: BackendHandle, session: GuestSession, policy: Policy,
                  secrets: dict[str, Secret]) -> StageTiming:
     """Link a running sandbox to the egress proxy under ``policy`` (stage ``network``)."""
     t0 = time.perf_counter()
@@ -255,14 +254,8 @@ async def attach(engine: "Engine", handle: BackendHandle, client: GuestClient, p
         if ca_pem:
             from warmbox.network.tls import bundle_with_system
 
-            msg = await client.upload(CA_PATH, bundle_with_system(ca_pem).encode())
-            if isinstance(msg, p.Failure):
-                raise GuestProtocolError(f"cannot write {CA_PATH}: {msg.message}", sid)
-        reply = await asyncio.wait_for(client.call(
-            lambda i: p.Configure(i, env=proxy_env(placeholders, bool(ca_pem)), reset_counts=False),
-            p.UsageReport), 10)
-        if not isinstance(reply, p.UsageReport):
-            raise GuestProtocolError(f"sandbox refused its network configuration: {reply!r}", sid)
+            await session.write(CA_PATH, bundle_with_system(ca_pem).encode())
+        await asyncio.wait_for(session.configure(proxy_env(placeholders, bool(ca_pem)), reset_counts=False), 10)
     except BaseException:
         await release(engine, sid)
         raise

@@ -10,18 +10,18 @@ import asyncio
 import math
 import os
 import re
-import secrets
 import time
 from pathlib import Path
 
-from warmbox import backends, config, protocol as p
-from warmbox.backends.base import Backend
-from warmbox.engine.guest_client import GuestClient
+from warmbox import backends, config
+from warmbox.backends.base import Backend, Configurable, TemplateCapable
+from warmbox.engine import provision
+from warmbox.engine.provision import Launched
+from warmbox.engine.session import GuestSession
 from warmbox.lifecycle import LIVE, Operation, check
 from warmbox.config import PoolConfig, Settings, Template
-from warmbox.errors import (BackendUnavailable, GuestConnectionError, GuestProtocolError, InvalidArgument,
-                            SandboxNotFound, SandboxStartError, WarmboxError)
-from warmbox.models import BackendHandle, Limits, NetEvent, ResourceUsage, SandboxSpec, SandboxInfo, SandboxMetrics, StageTiming, State, TierStatus
+from warmbox.errors import (BackendUnavailable, GuestConnectionError, InvalidArgument, SandboxNotFound, WarmboxError)
+from warmbox.models import BackendHandle, Limits, NetEvent, ResourceUsage, SandboxInfo, SandboxMetrics, StageTiming, State, TierStatus
 from warmbox.engine import egress
 from warmbox.network.policy import Policy
 from warmbox.paths import default_home, owner_alive, owner_tag, runtime_dir  # noqa: F401 - re-exported
@@ -30,7 +30,6 @@ from warmbox.storage.registry import Registry
 DEFAULT_TIMEOUT_S = 300.0
 MAX_TIMEOUT_S = 24 * 3600.0
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_MAX_SOCKET_PATH = 107
 
 
 def validate_timeout(timeout: object, name: str = "timeout") -> float:
@@ -56,57 +55,8 @@ def validate_envs(envs: object) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-WARMUP_TIMEOUT_S = 600.0
-CREATE_DEADLINE_S = WARMUP_TIMEOUT_S + 300.0
+CREATE_DEADLINE_S = provision.WARMUP_TIMEOUT_S + 300.0
 TEMPLATE_VMS_KEY = "template-vms"  # see Engine.mark_template_vm
-
-
-async def _warm_up(client: GuestClient, tmpl: Template, sandbox_id: str) -> None:
-    """Run a template's warm-up; any failure raises SandboxStartError naming what failed."""
-    for cmd in tmpl.warmup_commands:
-        tail = bytearray()
-        async with client.request(lambda i: p.Exec(i, argv=["/bin/bash", "-c", cmd], env={}, cwd="",
-                                                   timeout_s=WARMUP_TIMEOUT_S, max_output=1 << 20, stdin=False),
-                                  timeout=WARMUP_TIMEOUT_S + 15) as stream:
-            while True:
-                msg = await stream.next(p.Started, p.Stdout, p.Stderr, p.Exited)
-                if isinstance(msg, p.Failure):
-                    raise SandboxStartError(f"template {tmpl.name} warm-up command {cmd!r}: {msg.message}", sandbox_id)
-                if isinstance(msg, (p.Stdout, p.Stderr)):
-                    tail = (tail + msg.data)[-400:]
-                elif isinstance(msg, p.Exited):
-                    break
-        if msg.oom_kills > 0:
-            raise SandboxStartError(f"template {tmpl.name} warm-up command {cmd!r} hit the memory limit: "
-                                    "OOM kill", sandbox_id)
-        if msg.exit_code != 0 or msg.timed_out:
-            raise SandboxStartError(f"template {tmpl.name} warm-up command {cmd!r} exited {msg.exit_code}"
-                                    f"{' (timed out)' if msg.timed_out else ''}: "
-                                    f"{tail.decode('utf-8', 'replace').strip()}", sandbox_id)
-    if tmpl.warmup_code is not None:
-        await _warm_up_code(client, tmpl, sandbox_id)
-    if tmpl.warmup_code is not None or tmpl.warmup_commands:
-        # the caller's first cell is cell 1, and its busy/idle counters start at zero
-        reply = await client.call(lambda i: p.Configure(i, env={}, reset_counts=True), p.UsageReport)
-        if isinstance(reply, p.Failure):
-            raise SandboxStartError(f"template {tmpl.name} warm-up: {reply.message}", sandbox_id)
-
-
-async def _warm_up_code(client: GuestClient, tmpl: Template, sandbox_id: str) -> None:
-    async with client.request(lambda i: p.ContextRun(i, context="default", code=tmpl.warmup_code,
-                                                     timeout_s=WARMUP_TIMEOUT_S, max_output=1 << 20),
-                              timeout=WARMUP_TIMEOUT_S + 15) as stream:
-        while True:
-            msg = await stream.next(p.Stdout, p.Stderr, p.Display, p.CodeDone)
-            if isinstance(msg, p.Failure):
-                raise SandboxStartError(f"template {tmpl.name} warm-up: {msg.message}", sandbox_id)
-            if isinstance(msg, p.CodeDone):
-                break
-    if msg.oom_kills > 0:
-        raise SandboxStartError(f"template {tmpl.name} warm-up hit the memory limit: OOM kill", sandbox_id)
-    if msg.error_name or msg.timed_out:
-        raise SandboxStartError(f"template {tmpl.name} warm-up failed: {msg.error_name}: {msg.error_value}"[:800],
-                                sandbox_id)
 
 
 class Engine:
@@ -136,9 +86,8 @@ class Engine:
             self.runtime.mkdir(parents=True, exist_ok=True, mode=0o711)
             os.chmod(self.runtime, 0o711)  # traversable, not listable
             b = self._backends[tier] = backends.load(tier, self.runtime)
-            configure = getattr(b, "configure", None)
-            if configure is not None:
-                configure(self.settings())
+            if isinstance(b, Configurable):
+                b.configure(self.settings())
         return b
 
     def doctor(self) -> list[TierStatus]:
@@ -182,9 +131,8 @@ class Engine:
     async def create(self, *, tier: str | None = None, timeout: float | None = None,
                      envs: dict[str, str] | None = None, limits: Limits | None = None,
                      template: str | None = None, pool: bool = True, network: object = None,
-                     secrets: dict | None = None,
-                     ) -> tuple[SandboxInfo, BackendHandle, GuestClient, list[StageTiming]]:
-        """A ready sandbox with a connected guest client and its stage timings.
+                     secrets: dict | None = None) -> Launched:
+        """A ready sandbox with a connected session and its stage timings.
 
         Taken from a pool of the same (tier, template, limits) when one has a ready sandbox
         (``pool=False``: never), otherwise created cold, with the template's warm-up run.
@@ -200,18 +148,16 @@ class Engine:
         egress.check_tier(self, tier, policy)
         got = await self._create(tier, timeout, envs, limits, template, pool, t0, settings)
         if policy.enabled:
-            info, handle, client, timings = got
             try:
-                timings.append(await egress.attach(self, handle, client, policy, secret_map))
+                got.timings.append(await egress.attach(self, got.handle, got.session, policy, secret_map))
             except BaseException:
-                await client.close()
-                await self.destroy(info.sandbox_id, "network setup failed")
+                await got.session.close()
+                await self.destroy(got.sandbox_id, "network setup failed")
                 raise
         return got
 
     async def _create(self, tier: str, timeout: float | None, envs: dict[str, str] | None, limits: Limits | None,
-                      template: str | None, pool: bool, t0: float, settings: Settings,
-                      ) -> tuple[SandboxInfo, BackendHandle, GuestClient, list[StageTiming]]:
+                      template: str | None, pool: bool, t0: float, settings: Settings) -> Launched:
         timeout = validate_timeout(settings.defaults.timeout_s if timeout is None else timeout)
         env_pairs = validate_envs(envs)
         if limits is None:
@@ -227,17 +173,16 @@ class Engine:
         if pool:
             pc = settings.pool_for(tier, template, limits)
             if pc is not None:
-                got = await self._claim(pc, config.shape_key(tier, tmpl, limits), timeout, env_pairs, t0)
+                got = await provision.claim(self, pc, config.shape_key(tier, tmpl, limits), timeout, env_pairs, t0)
                 if got is not None:
                     return got
         if self.backend(tier).capabilities().snapshot_start:
             return await self._start_from_template(tier, tmpl, timeout, env_pairs, limits, t0)
-        info, handle, client, timings = await self._start(tier, tmpl, timeout, env_pairs, limits, "", "", t0)
-        return info, handle, client, timings
+        return await provision.launch(self, provision.LaunchSpec(tier, tmpl.name, timeout, limits, env_pairs),
+                                      provision.Cold(tmpl))
 
     async def _start_from_template(self, tier: str, tmpl: Template, timeout: float,
-                                   env_pairs: tuple[tuple[str, str], ...], limits: Limits, t0: float,
-                                   ) -> tuple[SandboxInfo, BackendHandle, GuestClient, list[StageTiming]]:
+                                   env_pairs: tuple[tuple[str, str], ...], limits: Limits, t0: float) -> Launched:
         """A tier whose cold start is too slow (microvm under TCG) restores every sandbox from
         its shape's template memory snapshot; the first create of a shape boots and saves it
         (stage ``template``, on that one create's path)."""
@@ -253,169 +198,53 @@ class Engine:
         made = not self.registry.meta_text(await asyncio.to_thread(snapshots.template_key, self, tier, shape))
         m = await snapshots.template_snapshot(self, tier, tmpl, limits, shape)
         t1 = time.perf_counter()
-        info, handle, client, timings = await snapshots._restore_memory(self, m, timeout=timeout)
-        sid = info.sandbox_id
+        got = await snapshots.restore_memory(self, m, timeout=timeout)
         try:
             if env_pairs:
-                report = await asyncio.wait_for(client.call(
-                    lambda i: p.Configure(i, env=dict(env_pairs), reset_counts=True), p.UsageReport), 30)
-                if not isinstance(report, p.UsageReport):
-                    raise SandboxStartError(f"restored sandbox refused its configuration: {report!r}", sid)
+                await asyncio.wait_for(got.session.configure(dict(env_pairs), reset_counts=True), 30)
         except BaseException:
-            await client.close()
-            await self.destroy(sid, "configuration after restore failed")
+            await got.session.close()
+            await self.destroy(got.sandbox_id, "configuration after restore failed")
             raise
         if made:
-            tt = StageTiming(sid, "template", (t1 - t0) * 1e3, True)
+            tt = StageTiming(got.sandbox_id, "template", (t1 - t0) * 1e3, True)
             self.registry.add_timings([tt])
-            timings = [tt, *timings]
-        return info, handle, client, timings
-
-    async def _claim(self, pc: PoolConfig, shape: str, timeout: float, env_pairs: tuple[tuple[str, str], ...],
-                     t0: float) -> tuple[SandboxInfo, BackendHandle, GuestClient, list[StageTiming]] | None:
-        while True:
-            got = self.registry.claim(pc.name, shape, timeout, self.owner)
-            if got is None:
-                return None
-            info, handle = got
-            sid = info.sandbox_id
-            client = None
-            try:
-                # connecting proves the agent lives (its listening socket dies with it); the
-                # warm-up already reset its counters, so only a caller's env needs a round trip
-                client = await GuestClient.connect(handle.socket_path, sid)
-                if env_pairs:
-                    report = await asyncio.wait_for(client.call(
-                        lambda i: p.Configure(i, env=dict(env_pairs), reset_counts=True), p.UsageReport), 10)
-                    if not isinstance(report, p.UsageReport):
-                        raise GuestProtocolError(f"pooled sandbox refused its configuration: {report!r}", sid)
-            except (WarmboxError, OSError, asyncio.TimeoutError) as e:
-                # it died or misbehaves while pooled: never hand it out; take the next one
-                if client is not None:
-                    await client.close()
-                self.registry.pool_event(pc.name, "claim_failed", sid, f"{type(e).__name__}: {e}"[:500])
-                try:
-                    await self.destroy(sid, "pooled sandbox failed its claim check")
-                except WarmboxError:
-                    pass
-                continue
-            except BaseException:
-                if client is not None:
-                    await client.close()
-                await self.destroy(sid, "claim interrupted")
-                raise
-            alloc = StageTiming(sid, "allocation", (time.perf_counter() - t0) * 1e3, True)
-            self.registry.add_timings([alloc])
-            self.ensure_daemon()
-            timings = [t for t in self.registry.timings(sid) if t.stage != "allocation"]
-            return info, handle, client, [alloc, *timings]
+            got.timings.insert(0, tt)
+        return got
 
     async def create_pooled(self, pc: PoolConfig) -> str:
         """Create and warm one sandbox for a pool (off any request path); returns its id."""
         settings = self.settings()
         tier, tmpl = backends.canonical_tier(pc.tier), settings.template(pc.template)
         shape = config.shape_key(tier, tmpl, pc.limits)
-        if self.backend(tier).capabilities().memory_snapshot:
+        backend = self.backend(tier)
+        if backend.capabilities().memory_snapshot:
             # restore a checkpoint of the warmed template instead of booting and warming again
             from warmbox.engine import snapshot as snapshots
 
             m = await snapshots.template_snapshot(self, tier, tmpl, pc.limits, shape)
-            info, _, client, _ = await snapshots._restore_memory(self, m, timeout=pc.max_age_s, pool=pc.name,
-                                                                 shape=shape)
+            got = await snapshots.restore_memory(self, m, timeout=pc.max_age_s, pool=pc.name, shape=shape)
             try:
                 # off any request path: under TCG a restored VM re-translates the code of its
                 # first commands; running them now makes a claimed sandbox's first command fast
-                for argv in getattr(self.backend(tier), "template_warmup", ()):
-                    await snapshots._exec(client, list(argv), info.sandbox_id)
+                if isinstance(backend, TemplateCapable):
+                    for argv in backend.template_warmup:
+                        await got.session.exec(list(argv), timeout_s=600.0)
             except BaseException:
-                await client.close()
-                await self.destroy(info.sandbox_id, "pool warm-up after restore failed")
+                await got.session.close()
+                await self.destroy(got.sandbox_id, "pool warm-up after restore failed")
                 raise
         else:
-            info, _, client, _ = await self._start(tier, tmpl, pc.max_age_s, (), pc.limits, pc.name, shape,
-                                                   time.perf_counter())
-        await client.close()
-        return info.sandbox_id
+            got = await provision.launch(
+                self, provision.LaunchSpec(tier, tmpl.name, pc.max_age_s, pc.limits, (), pc.name, shape),
+                provision.Cold(tmpl))
+        await got.session.close()
+        return got.sandbox_id
 
-    async def _start(self, tier: str, tmpl: Template, timeout: float, env_pairs: tuple[tuple[str, str], ...],
-                     limits: Limits, pool: str, shape: str, t0: float,
-                     ) -> tuple[SandboxInfo, BackendHandle, GuestClient, list[StageTiming]]:
-        backend = self.backend(tier)
-        avail = backend.probe()
-        if not avail.available:
-            raise BackendUnavailable(tier, avail.reason)
-        sandbox_id = "sb-" + secrets.token_hex(6)
-        state_dir = self.runtime / "sandboxes" / sandbox_id
-        socket_path = str(state_dir / "run" / "agent.sock")
-        if len(socket_path) > _MAX_SOCKET_PATH:
-            raise InvalidArgument(f"runtime dir {self.runtime} is too long for a unix socket path")
-        self.registry.allocate(sandbox_id, tier, tmpl.name, timeout, limits.memory_mb, limits.cpus,
-                               limits.pids, str(state_dir), socket_path, pool=pool, owner=self.owner,
-                               shape=shape, file_size_mb=limits.file_size_mb, open_files=limits.open_files,
-                               tmp_mb=limits.tmp_mb, disk_mb=limits.disk_mb)
-        if not pool:
-            self.ensure_daemon()  # from here on, a crash of this process is cleaned up by the daemon
-        info, handle = self.registry.get(sandbox_id)
-        state_dir.parent.mkdir(mode=0o711, exist_ok=True)
-        state_dir.mkdir(mode=0o711)
-        t1 = time.perf_counter()
-        client = None
-        try:
-            handle = await backend.create(SandboxSpec(
-                sandbox_id=sandbox_id, state_dir=str(state_dir), uid_base=handle.uid_base,
-                envs=env_pairs, limits=limits))
-            t2 = time.perf_counter()
-
-            async def ready() -> GuestClient:
-                nonlocal client
-                client = await GuestClient.connect(handle.socket_path, sandbox_id)
-                pong = await asyncio.wait_for(client.call(lambda i: p.Ping(i), p.Pong), 30)
-                if not isinstance(pong, p.Pong) or pong.version != p.PROTOCOL_VERSION:
-                    raise SandboxStartError(f"guest agent speaks an unexpected protocol: {pong!r}", sandbox_id)
-                return client
-
-            client = await backend.start(handle, ready)
-            t3 = time.perf_counter()
-            await _warm_up(client, tmpl, sandbox_id)
-            t4 = time.perf_counter()
-            if pool:  # the pool pays for the warm-up: take a reading before anyone can claim it
-                u = await backend.usage(handle)
-                if u.oom_kills:
-                    raise SandboxStartError(f"template {tmpl.name} warm-up hit the memory limit "
-                                            f"({limits.memory_mb} MiB): OOM kill", sandbox_id)
-                self.registry.sample([(sandbox_id, u.memory_bytes, u.cpu_ns)])
-        except BaseException as e:
-            if client is not None:
-                await client.close()
-            await self._cleanup_failed(sandbox_id, handle, backend, e)
-            if isinstance(e, (WarmboxError, asyncio.CancelledError, KeyboardInterrupt)):
-                raise
-            if isinstance(e, asyncio.TimeoutError):
-                raise SandboxStartError("guest agent did not answer within 30 s", sandbox_id) from None
-            raise SandboxStartError(f"sandbox start failed: {type(e).__name__}: {e}", sandbox_id) from None
-        on_path = not pool
-        timings = [StageTiming(sandbox_id, "allocation", (t1 - t0) * 1e3, on_path),
-                   StageTiming(sandbox_id, "filesystem", (t2 - t1) * 1e3, on_path),
-                   StageTiming(sandbox_id, "runtime", (t3 - t2) * 1e3, on_path)]
-        if tmpl.warmup_code is not None or tmpl.warmup_commands:
-            timings.append(StageTiming(sandbox_id, "dependencies", (t4 - t3) * 1e3, on_path))
-        try:
-            self.registry.add_timings(timings)
-            # the lifetime starts now that it is usable, not when its start began
-            self.registry.set_expiry(sandbox_id, time.time() + timeout)
-            if pool:
-                self.registry.set_state(sandbox_id, State.POOLED, "warmed up for pool " + pool,
-                                        expected=State.CREATING)
-            else:
-                self.registry.set_state(sandbox_id, State.READY, "guest agent answered", expected=State.CREATING)
-        except BaseException:
-            await client.close()
-            raise
-        info, _ = self.registry.get(sandbox_id)
-        return info, handle, client, timings
-
-    async def _cleanup_failed(self, sandbox_id: str, handle: BackendHandle, backend: Backend, why: BaseException) -> None:
-        # still ``creating`` (and ours) while we tear down, so no reaper destroys it concurrently
+    async def cleanup_failed(self, sandbox_id: str, handle: BackendHandle, backend: Backend,
+                             why: BaseException) -> None:
+        """Tear down a start that failed (provision.launch): the row stays ``creating`` (ours)
+        meanwhile, so no reaper destroys it concurrently."""
         try:
             await backend.destroy(handle)
         except Exception:
@@ -432,7 +261,7 @@ class Engine:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} (ids look like sb-0123456789ab)", str(sandbox_id))
         return self.registry.get(sandbox_id)
 
-    async def open(self, sandbox_id: str) -> tuple[SandboxInfo, BackendHandle, GuestClient]:
+    async def open(self, sandbox_id: str) -> Launched:
         """Connect to a live sandbox by id (from any process)."""
         info, handle = self.info(sandbox_id)
         check(Operation.EXEC, info.state, sandbox_id)
@@ -441,13 +270,13 @@ class Engine:
             raise SandboxNotFound(f"sandbox {sandbox_id} expired and was destroyed", sandbox_id)
         self.ensure_daemon()  # a live sandbox has a reaper (one flock probe when it runs)
         try:
-            client = await GuestClient.connect(handle.socket_path, sandbox_id)
+            session = await provision.connect(self.backend(info.tier), handle)
         except GuestConnectionError:
             if not await self.backend(info.tier).alive(handle):
                 await self.destroy(sandbox_id, "found dead")
                 raise SandboxNotFound(f"sandbox {sandbox_id} is no longer running", sandbox_id) from None
             raise
-        return info, handle, client
+        return Launched(info, handle, session, self.registry.timings(sandbox_id))
 
     def holding(self) -> list[SandboxInfo]:
         """Live (also pooled) sandboxes plus failed ones whose teardown is still owed."""
@@ -473,7 +302,7 @@ class Engine:
 
     # ---- network
 
-    async def set_network(self, sandbox_id: str, network: object, client: GuestClient | None = None) -> Policy:
+    async def set_network(self, sandbox_id: str, network: object, session: GuestSession | None = None) -> Policy:
         """Replace a running sandbox's egress policy; new connections and lookups obey it at once.
 
         Legal while ready/running. A sandbox without a link gets one (and its proxy env) first.
@@ -485,14 +314,14 @@ class Engine:
         if self.registry.link(sandbox_id) is not None:
             self.registry.set_policy(sandbox_id, policy.to_json())
         elif policy.enabled:
-            own = client is None
-            if own:
-                _, handle, client = await self.open(sandbox_id)
+            own = session is None
+            if session is None:
+                session = (await self.open(sandbox_id)).session
             try:
-                await egress.attach(self, handle, client, policy, {})
+                await egress.attach(self, handle, session, policy, {})
             finally:
                 if own:
-                    await client.close()
+                    await session.close()
         return policy
 
     def network_policy(self, sandbox_id: str) -> Policy:
@@ -520,15 +349,15 @@ class Engine:
         if readings:
             self.registry.sample(readings)
 
-    async def metrics(self, sandbox_id: str, client: GuestClient | None = None) -> SandboxMetrics:
+    async def metrics(self, sandbox_id: str, session: GuestSession | None = None) -> SandboxMetrics:
         """The user's cost of a sandbox so far (or final, once it ended)."""
         info, handle = self.info(sandbox_id)
         if info.state is not State.DESTROYED:
             check(Operation.METRICS, info.state, sandbox_id)
-            await self._read_meters(info, handle, client)
+            await self._read_meters(info, handle, session)
         return self._metrics(info)
 
-    async def _read_meters(self, info: SandboxInfo, handle: BackendHandle, client: GuestClient | None) -> None:
+    async def _read_meters(self, info: SandboxInfo, handle: BackendHandle, session: GuestSession | None) -> None:
         try:
             u = await self.backend(info.tier).usage(handle)
             self.registry.sample([(info.sandbox_id, u.memory_bytes, u.cpu_ns)])
@@ -536,18 +365,18 @@ class Engine:
             pass
         if info.state not in (State.READY, State.RUNNING):
             return
-        own = client is None
+        own = session is None
         try:
-            if own:
-                client = await asyncio.wait_for(GuestClient.connect(handle.socket_path, info.sandbox_id), 1)
-            r = await asyncio.wait_for(client.call(lambda i: p.GetUsage(i), p.UsageReport), 2)
-            if isinstance(r, p.UsageReport) and math.isfinite(r.busy_ms) and r.busy_ms >= 0 and r.runs >= 0:
-                self.registry.set_busy(info.sandbox_id, r.busy_ms, r.runs)
+            if session is None:
+                session = await asyncio.wait_for(GuestSession.connect(handle.socket_path, info.sandbox_id), 1)
+            r = await asyncio.wait_for(session.usage(), 2)
+            if r is not None:
+                self.registry.set_busy(info.sandbox_id, *r)
         except (WarmboxError, OSError, asyncio.TimeoutError):
             pass  # the last known counters stand
         finally:
-            if own and client is not None:
-                await client.close()
+            if own and session is not None:
+                await session.close()
 
     def _metrics(self, info: SandboxInfo) -> SandboxMetrics:
         m = self.registry.meter(info.sandbox_id)

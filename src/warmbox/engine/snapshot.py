@@ -17,21 +17,25 @@ telling a still-running sandbox's agent to listen again.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from warmbox import protocol as p
 from warmbox.backends import hostfs
-from warmbox.engine.guest_client import GuestClient
+from warmbox.backends.base import SnapshotCapable, TemplateCapable
+from warmbox.engine import provision
+from warmbox.engine.provision import Launched
+from warmbox.engine.session import GuestSession
 from warmbox.lifecycle import Operation, check
 from warmbox.errors import (InvalidArgument, NoSpace, SandboxError, SandboxNotFound, SandboxStartError,
                             SandboxStateError, SnapshotUnsupported, StorageError, StorageFull, WarmboxError)
-from warmbox.models import Limits, State
+from warmbox.models import BackendHandle, Execution, Limits, SandboxInfo, State
 from warmbox.storage import snapshots as snaps
 from warmbox.storage.objects import LocalObjectStore, ObjectStore
 
@@ -164,45 +168,24 @@ class _Op:
         self.close()
 
 
-async def _run_code(client: GuestClient, code: str, sid: str) -> tuple[str, p.CodeDone]:
-    out = bytearray()
-    async with client.request(lambda i: p.ContextRun(i, context="default", code=code, timeout_s=_TIMEOUT_S,
-                                                     max_output=1 << 20), timeout=_TIMEOUT_S + 15) as stream:
-        while True:
-            msg = await stream.next(p.Stdout, p.Stderr, p.Display, p.CodeDone)
-            if isinstance(msg, p.Failure):
-                raise SandboxError(f"code context: {msg.message}", sid)
-            if isinstance(msg, p.Stdout):
-                out += msg.data
-            if isinstance(msg, p.CodeDone):
-                return out.decode("utf-8", "replace"), msg
+async def _run_code(session: GuestSession, code: str, sid: str) -> tuple[str, Execution]:
+    """Run ``code`` in the default context: (its stdout, the execution); a guest failure raises."""
+    try:
+        ex = await session.run_code(code, timeout_s=_TIMEOUT_S, max_output=1 << 20)
+    except InvalidArgument as e:  # the guest refused the request
+        raise SandboxError(f"code context: {e}", sid) from None
+    return ex.stdout, ex
 
 
-async def _exec(client: GuestClient, argv: list[str], sid: str, *, sink=None, source: Path | None = None,
-                max_output: int = 1 << 20) -> tuple[int, str]:
+async def _exec(session: GuestSession, argv: list[str], sid: str, *, sink: Callable[[bytes], object] | None = None,
+                source: Path | None = None, max_output: int = 1 << 20) -> tuple[int, str]:
     """Run argv in the guest: stdout to ``sink(bytes)``, stdin from ``source``; (exit code, stderr tail)."""
-    err = bytearray()
-    async with client.request(lambda i: p.Exec(i, argv=argv, env={}, cwd="", timeout_s=_TIMEOUT_S,
-                                               max_output=max_output, stdin=source is not None),
-                              timeout=_TIMEOUT_S + 15) as stream:
-        if source is not None:
-            with open(source, "rb") as f:
-                while chunk := f.read(p.CHUNK):
-                    await stream.send(p.StdinData(stream.id, data=chunk, eof=False))
-            await stream.send(p.StdinData(stream.id, data=b"", eof=True))
-        while True:
-            msg = await stream.next(p.Started, p.Stdout, p.Stderr, p.Exited)
-            if isinstance(msg, p.Failure):
-                raise SandboxError(f"{argv[0]}: {msg.message}", sid)
-            if isinstance(msg, p.Stdout) and sink is not None:
-                sink(msg.data)
-            elif isinstance(msg, p.Stderr):
-                err = (err + msg.data)[-2000:]
-            elif isinstance(msg, p.Exited):
-                return msg.exit_code, err.decode("utf-8", "replace").strip()
+    r = await session.exec(argv, timeout_s=_TIMEOUT_S, max_output=max_output, stdin=source,
+                           stdout_sink=sink if sink is not None else (lambda data: None), what=argv[0])
+    return r.exit_code, r.stderr[-2000:].strip()
 
 
-async def snapshot(engine: "Engine", sandbox_id: str, client: GuestClient | None, *, memory: bool = False,
+async def snapshot(engine: "Engine", sandbox_id: str, session: GuestSession | None, *, memory: bool = False,
                    parent: str = "", env_names: tuple[str, ...] = ()) -> snaps.SnapshotManifest:
     """Write a snapshot of a running sandbox (it keeps running)."""
     info, handle = engine.info(sandbox_id)
@@ -217,33 +200,33 @@ async def snapshot(engine: "Engine", sandbox_id: str, client: GuestClient | None
         raise SnapshotUnsupported("a memory snapshot stops the sandbox's runtime: use pause(memory=True), "
                                   "then resume() or create(from_snapshot=) to continue or fork it")
     if memory:
-        return await _memory_snapshot(engine, info, handle, client, parent=parent, env_names=env_names)
+        return await _memory_snapshot(engine, info, handle, session, parent=parent, env_names=env_names)
     store = store_for(engine)
     op = _Op(engine, "snapshot")
     work = op.path
-    own = client is None
+    own = session is None
     try:
-        if own:
-            client = await GuestClient.connect(handle.socket_path, sandbox_id)
+        if session is None:
+            session = await provision.connect(engine.backend(info.tier), handle)
         raw = work / "files.tar"
         fd = os.open(raw, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except BaseException as e:
         op.close()
-        if own and client is not None:
-            await client.close()
+        if own and session is not None:
+            await session.close()
         if isinstance(e, OSError):
             raise _storage_error(e, f"snapshot of {sandbox_id}") from None
         raise
     try:
-        text, done = await _run_code(client, _SAVE, sandbox_id)
-        context_saved = not done.error_name
+        text, done = await _run_code(session, _SAVE, sandbox_id)
+        context_saved = done.error is None
         skipped: tuple[str, ...] = ()
         if context_saved:
             skipped = _names(text)
             context_saved = skipped is not None
             skipped = skipped or ()
         for attempt in (1, 2):
-            code, err = await _stream_tar(client, fd if attempt == 1 else None, raw, sandbox_id)
+            code, err = await _stream_tar(session, fd if attempt == 1 else None, raw, sandbox_id)
             fd = None
             if code != 1:
                 break  # 1: a file changed while it was read: once more, then give up
@@ -269,11 +252,11 @@ async def snapshot(engine: "Engine", sandbox_id: str, client: GuestClient | None
     finally:
         op.close()
         try:
-            await _exec(client, ["/bin/rm", "-f", STATE_FILE], sandbox_id)  # never leave the pickle behind
+            await _exec(session, ["/bin/rm", "-f", STATE_FILE], sandbox_id)  # never leave the pickle behind
         except WarmboxError:
             pass
         if own:
-            await client.close()
+            await session.close()
 
 
 def _manifest(engine: "Engine", info, parent: str, env_names: tuple[str, ...], files: tuple[str, int, int], *,
@@ -309,7 +292,7 @@ def _names(text: str) -> tuple[str, ...] | None:
     return tuple(v)
 
 
-async def _stream_tar(client: GuestClient, fd: int | None, raw: Path, sandbox_id: str) -> tuple[int, str]:
+async def _stream_tar(session: GuestSession, fd: int | None, raw: Path, sandbox_id: str) -> tuple[int, str]:
     """tar the snapshot paths in the guest into ``raw``, bounded by MAX_SNAPSHOT_BYTES."""
     out = os.fdopen(fd, "wb") if fd is not None else open(raw, "wb")
     failed: list[OSError] = []
@@ -331,7 +314,7 @@ async def _stream_tar(client: GuestClient, fd: int | None, raw: Path, sandbox_id
     listing = " ".join(TAR_PATHS)
     try:
         # the contents of each path, not the mount points themselves (their owner/mode is the tier's)
-        code, err = await _exec(client, ["/bin/bash", "-c",
+        code, err = await _exec(session, ["/bin/bash", "-c",
                                          f"cd / && find {listing} -mindepth 1 -print0 | /bin/tar --null "
                                          "--no-recursion -T - --sparse --numeric-owner "
                                          "--warning=no-file-ignored -cpf -"],
@@ -353,15 +336,16 @@ async def _stream_tar(client: GuestClient, fd: int | None, raw: Path, sandbox_id
 _pausing: dict[str, bool] = {}
 
 
-async def pause(engine: "Engine", sandbox_id: str, client: GuestClient | None, **kw) -> snaps.SnapshotManifest:
+async def pause(engine: "Engine", sandbox_id: str, session: GuestSession | None, *, memory: bool = False,
+                parent: str = "", env_names: tuple[str, ...] = ()) -> snaps.SnapshotManifest:
     """Snapshot, then release every resource; the sandbox is ``paused`` until resumed."""
     _pausing[sandbox_id] = True
     try:
-        m = await snapshot(engine, sandbox_id, client, **kw)
+        m = await snapshot(engine, sandbox_id, session, memory=memory, parent=parent, env_names=env_names)
     finally:
         _pausing.pop(sandbox_id, None)
-    if client is not None:
-        await client.close()
+    if session is not None:
+        await session.close()
     await _release_paused(engine, sandbox_id, m)
     return m
 
@@ -379,7 +363,8 @@ async def _release_paused(engine: "Engine", sandbox_id: str, m: snaps.SnapshotMa
     await egress.release(engine, sandbox_id)  # a resumed sandbox is a new one, with its own policy
 
 
-async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient | None, *, parent: str,
+async def _memory_snapshot(engine: "Engine", info: SandboxInfo, handle: BackendHandle, session: GuestSession | None,
+                           *, parent: str,
                            env_names: tuple[str, ...]) -> snaps.SnapshotManifest:
     """Checkpoint processes + memory (the runtime's image) and /workspace beside it.
 
@@ -387,26 +372,24 @@ async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient |
     checkpoint fails, the agent is told to listen again and the sandbox keeps running.
     """
     backend = engine.backend(info.tier)
+    if not isinstance(backend, SnapshotCapable):
+        raise SnapshotUnsupported(f"tier {info.tier!r} cannot snapshot memory")
     sid = info.sandbox_id
-    own = client is None
-    if own:
-        client = await GuestClient.connect(handle.socket_path, sid)
+    if session is None:
+        session = await provision.connect(backend, handle)
     try:
         if not backend.capabilities().checkpoint_saves_workspace_sockets:
-            await _refuse_workspace_sockets(client, sid)
+            await _refuse_workspace_sockets(session, sid)
         op = _Op(engine, "pause")
         try:
             # from here on a killed pauser's work is finished or undone by ``recover``
             op.record(kind="pause", sandbox_id=sid, parent=parent, env_names=list(env_names))
-            reply = await client.call(lambda i: p.Quiesce(i), p.Ok)
+            await session.quiesce()
         except BaseException:
             op.close()
             raise
-        if isinstance(reply, p.Failure):
-            op.close()
-            raise SandboxError(f"quiesce: {reply.message}", sid)
     finally:
-        await client.close()
+        await session.close()
     image_dir = op.path / "image"
     image_dir.mkdir()
     checkpointed = False
@@ -433,7 +416,7 @@ async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient |
             # storing failed (too big, disk full, ...) after the checkpoint stopped the runtime:
             # continue the sandbox from its own image, as if the pause had never been asked for
             try:
-                await _revive(engine, handle, image_dir)
+                await _revive(engine, backend, handle, image_dir)
             except WarmboxError as again:
                 raise SandboxError(f"pause of {sid} failed after its checkpoint ({str(e)[:200]}), and continuing "
                                    f"the sandbox failed too ({str(again)[:200]}); recovery will finish or "
@@ -443,20 +426,20 @@ async def _memory_snapshot(engine: "Engine", info, handle, client: GuestClient |
         op.close()
 
 
-async def _revive(engine: "Engine", handle, image_dir: Path) -> None:
+async def _revive(engine: "Engine", backend: SnapshotCapable, handle: BackendHandle, image_dir: Path) -> None:
     """Continue a checkpointed sandbox in place from ``image_dir`` (same id, state dir, files)."""
-    info, _ = engine.info(handle.sandbox_id)
 
-    async def ready() -> GuestClient:
-        client = await GuestClient.connect(handle.socket_path, handle.sandbox_id)
-        pong = await client.call(lambda i: p.Ping(i), p.Pong)
-        if not isinstance(pong, p.Pong):
-            await client.close()
-            raise SandboxError(f"the continued agent answered {pong!r}", handle.sandbox_id)
-        return client
+    async def ready() -> GuestSession:
+        session = await GuestSession.connect(handle.socket_path, handle.sandbox_id)
+        try:
+            await asyncio.wait_for(session.ping("the continued agent"), provision.AGENT_TIMEOUT_S)
+        except BaseException:
+            await session.close()
+            raise
+        return session
 
-    client = await engine.backend(info.tier).restore(handle, image_dir, ready)
-    await client.close()
+    session = await backend.restore(handle, image_dir, ready)
+    await session.close()
 
 
 async def _store_checkpoint(engine: "Engine", info, handle, work: Path, parent: str,
@@ -525,7 +508,7 @@ print("\n".join(found))
 """
 
 
-async def _refuse_workspace_sockets(client: GuestClient, sid: str) -> None:
+async def _refuse_workspace_sockets(session: GuestSession, sid: str) -> None:
     """SnapshotUnsupported if unix sockets are bound in /workspace (the guest looks: it can only
     lie to its own harm). Checked before anything stops, so the sandbox keeps running."""
     found = bytearray()
@@ -534,7 +517,7 @@ async def _refuse_workspace_sockets(client: GuestClient, sid: str) -> None:
         found.extend(data[:4096 - len(found)])
 
     # by directory-entry type first: gVisor cannot stat a host socket (``ls`` shows ``s?????????``)
-    code, err = await _exec(client, ["/usr/bin/python3", "-I", "-S", "-c", _FIND_SOCKETS], sid,
+    code, err = await _exec(session, ["/usr/bin/python3", "-I", "-S", "-c", _FIND_SOCKETS], sid,
                             sink=sink, max_output=4096)
     names = [n for n in found.decode("utf-8", "replace").splitlines() if n]
     if names:
@@ -543,107 +526,37 @@ async def _refuse_workspace_sockets(client: GuestClient, sid: str) -> None:
                                   "checkpoint cannot save them. Close them or bind them under /tmp, then retry.")
 
 
-async def _restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float | None,
-                          pool: str = "", shape: str = ""):
+async def restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float | None,
+                         pool: str = "", shape: str = "") -> Launched:
     """A new sandbox continuing a memory snapshot: same processes, memory, /tmp; /workspace restored.
 
     pool/shape: restore it into a warm pool (state ``pooled``) — a template snapshot's copy.
     """
+    from warmbox.engine.engine import validate_timeout
 
-    from warmbox.backends.base import SandboxSpec
-    from warmbox.models import StageTiming
-
-    op = _Op(engine, "restore")
-    work = image_dir = op.path
-    ws_tar = image_dir / "workspace.tar"
-    t0 = time.perf_counter()
-    try:
+    timeout_s = validate_timeout(engine.settings().defaults.timeout_s if timeout is None else timeout)
+    with _Op(engine, "restore") as op:
+        work = op.path
+        ws_tar = work / "workspace.tar"
         limits = _limits_of(m)
         _check_fits(m, limits.disk_mb << 20)  # before anything is fetched
-        snaps.get_blob(store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, ws_tar, work)
-        backend = engine.backend(m.tier)
-        memory_dir = image_dir
-        if backend.capabilities().snapshot_start:
+        store = store_for(engine)
+        snaps.get_blob(store, m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, ws_tar, work)
+        memory_dir = work
+        if engine.backend(m.tier).capabilities().snapshot_start:
             memory_dir = _cached_memory(engine, m, work)
         else:
-            snaps.get_blob(store_for(engine), m.memory_sha256, m.memory_bytes, m.memory_raw_bytes,
-                           image_dir / "checkpoint.img", work)
-        from warmbox.engine.engine import validate_timeout
-        import secrets as _secrets
-
-        timeout_s = validate_timeout(engine.settings().defaults.timeout_s if timeout is None else timeout)
-        sandbox_id = "sb-" + _secrets.token_hex(6)
-        state_dir = engine.runtime / "sandboxes" / sandbox_id
-        socket_path = str(state_dir / "run" / "agent.sock")
-        engine.registry.allocate(sandbox_id, m.tier, m.template, timeout_s, limits.memory_mb, limits.cpus,
-                                 limits.pids, str(state_dir), socket_path, owner=engine.owner, pool=pool, shape=shape,
-                                 file_size_mb=limits.file_size_mb, open_files=limits.open_files, tmp_mb=limits.tmp_mb,
-                                 disk_mb=limits.disk_mb)
-        if not pool:
-            engine.ensure_daemon()
-        info, handle = engine.registry.get(sandbox_id)
-        state_dir.parent.mkdir(mode=0o711, exist_ok=True)
-        state_dir.mkdir(mode=0o711)
-        client = None
-        t1 = time.perf_counter()
-        try:
-            handle = await backend.create(SandboxSpec(sandbox_id=sandbox_id, state_dir=str(state_dir),
-                                                      uid_base=handle.uid_base, envs=(), limits=limits))
-            # unpacked by tar as the workspace's owner (the sandbox's uid on gVisor): what it
-            # creates is the sandbox's, and no entry can make the host write outside it
-            try:
-                await hostfs.tar_extract(state_dir / "workspace", ws_tar, timeout=_TIMEOUT_S)
-            except NoSpace as e:  # the workspace's own filesystem (limits.disk_mb) is full
-                raise _too_big(m, limits, str(e), sandbox_id) from None
-            t2 = time.perf_counter()
-
-            async def ready() -> GuestClient:
-                nonlocal client
-                client = await GuestClient.connect(handle.socket_path, sandbox_id)
-                pong = await client.call(lambda i: p.Ping(i), p.Pong)
-                if not isinstance(pong, p.Pong):
-                    raise SandboxError(f"restored agent answered {pong!r}", sandbox_id)
-                if pong.version != p.PROTOCOL_VERSION:
-                    raise SandboxStartError(f"the snapshot's guest agent speaks protocol v{pong.version}, this warmbox "
-                                            f"v{p.PROTOCOL_VERSION}: snapshots of another warmbox version cannot be "
-                                            f"restored", sandbox_id)
-                # every restore of one snapshot holds the same generator states: new ones first
-                ok = await client.call(lambda i: p.Reseed(i, seed=os.urandom(32)), p.Ok)
-                if not isinstance(ok, p.Ok):
-                    raise SandboxError(f"restored agent refused to reseed: {ok!r}", sandbox_id)
-                return client
-
-            client = await backend.restore(handle, memory_dir, ready)
-            t3 = time.perf_counter()
-        except BaseException as e:
-            if client is not None:
-                await client.close()
-            await engine._cleanup_failed(sandbox_id, handle, backend, e)
-            raise
-        if pool:  # the pool pays for what it took so far: a reading before anyone can claim it
-            u = await backend.usage(handle)
-            engine.registry.sample([(sandbox_id, u.memory_bytes, u.cpu_ns)])
-        on_path = not pool
-        timings = [StageTiming(sandbox_id, "allocation", (t1 - t0) * 1e3, on_path),
-                   StageTiming(sandbox_id, "filesystem", (t2 - t1) * 1e3, on_path),
-                   StageTiming(sandbox_id, "runtime", (t3 - t2) * 1e3, on_path)]
-        engine.registry.add_timings(timings)
-        engine.registry.set_expiry(sandbox_id, time.time() + timeout_s)
-        engine.registry.set_state(sandbox_id, State.POOLED if pool else State.READY,
-                                  f"restored from {m.snapshot_id}", expected=State.CREATING)
-        engine.registry.set_parent(sandbox_id, m.snapshot_id)
-        info, _ = engine.info(sandbox_id)
-        return info, handle, client, timings
-    finally:
-        op.close()
+            snaps.get_blob(store, m.memory_sha256, m.memory_bytes, m.memory_raw_bytes, work / "checkpoint.img", work)
+        spec = provision.LaunchSpec(m.tier, m.template, timeout_s, limits, (), pool, shape)
+        return await provision.launch(engine, spec, provision.Restore(m.snapshot_id, memory_dir, ws_tar))
 
 
 def template_key(engine: "Engine", tier: str, shape: str) -> str:
     """Registry key of a shape's template snapshot. A tier whose snapshots only restore into
     the same machine (microvm: same image and QEMU command line) adds that fingerprint, so a
     changed image or machine makes a new template instead of a failing restore."""
-    fingerprint = getattr(engine.backend(tier), "template_fingerprint", None)
-    return f"template:{shape}" + (f":{fingerprint()}" if fingerprint is not None else "")
+    backend = engine.backend(tier)
+    return f"template:{shape}" + (f":{backend.template_fingerprint()}" if isinstance(backend, TemplateCapable) else "")
 
 
 def _memory_cache(engine: "Engine") -> Path:
@@ -748,22 +661,24 @@ async def _template_snapshot(engine: "Engine", tier: str, tmpl, limits: Limits, 
             return snaps.load_manifest(store, sid, _workdir(engine))
         except StorageError:
             pass  # gone or damaged: make a new one
-    info, handle, client, _ = await engine._start(tier, tmpl, 3600.0, (), limits, "", "", time.perf_counter())
+    got = await provision.launch(engine, provision.LaunchSpec(tier, tmpl.name, 3600.0, limits), provision.Cold(tmpl))
+    info, session = got.info, got.session
     try:
         # from here until it is recorded as the template, a death of this process leaves a
         # READY sandbox nobody would end for an hour: marked, the reaper ends it at once
         engine.mark_template_vm(info.sandbox_id, key)
         # a tier's own warm-up before the image is taken (microvm: the files of the commands a
         # sandbox runs first are then in the guest's page cache, not read from its disk each time)
-        for argv in getattr(engine.backend(tier), "template_warmup", ()):
-            code, err = await _exec(client, list(argv), info.sandbox_id)
+        backend = engine.backend(tier)
+        for argv in backend.template_warmup if isinstance(backend, TemplateCapable) else ():
+            code, err = await _exec(session, list(argv), info.sandbox_id)
             if code != 0:
                 raise SandboxError(f"template warm-up {argv[0]} exited {code}: {err[-200:]}", info.sandbox_id)
-        m = await pause(engine, info.sandbox_id, client, memory=True)
+        m = await pause(engine, info.sandbox_id, session, memory=True)
         engine.registry.set_meta_text(key, m.snapshot_id)  # first: a death after it loses nothing
         engine.registry.set_state(info.sandbox_id, State.DESTROYED, f"became template snapshot {m.snapshot_id}")
     except BaseException:
-        await client.close()
+        await session.close()
         try:
             await engine.destroy(info.sandbox_id, "template snapshot failed")
         except WarmboxError:
@@ -792,7 +707,7 @@ def resolve(engine: "Engine", ref: str) -> snaps.SnapshotManifest:
 
 
 async def restore(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float | None,
-                  envs: dict[str, str] | None, pool: bool = True):
+                  envs: dict[str, str] | None, pool: bool = True) -> Launched:
     """A new running sandbox with the snapshot's files and context state.
 
     The artifact is fetched and verified first: a corrupt one raises before any sandbox exists.
@@ -800,7 +715,7 @@ async def restore(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float
     if m.memory:
         if envs:
             raise InvalidArgument("a memory snapshot continues its processes as they were: envs cannot change")
-        return await _restore_memory(engine, m, timeout=timeout)
+        return await restore_memory(engine, m, timeout=timeout)
     op = _Op(engine, "restore")
     work = op.path
     raw = work / "files.tar"
@@ -808,30 +723,31 @@ async def restore(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float
         limits = _limits_of(m)
         _check_fits(m, (limits.disk_mb + 2 * limits.tmp_mb) << 20)  # /workspace, /tmp and /home/user
         snaps.get_blob(store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, raw, work)
-        info, handle, client, timings = await engine.create(tier=m.tier, timeout=timeout, envs=envs, limits=limits,
-                                                             template=m.template, pool=pool)
+        got = await engine.create(tier=m.tier, timeout=timeout, envs=envs, limits=limits, template=m.template,
+                                  pool=pool)
+        info, session = got.info, got.session
         try:
-            code, err = await _exec(client, ["/bin/tar", "-C", "/", "--numeric-owner", "--no-overwrite-dir", "-xpf", "-"],
+            code, err = await _exec(session, ["/bin/tar", "-C", "/", "--numeric-owner", "--no-overwrite-dir", "-xpf", "-"],
                                     info.sandbox_id, source=raw)
             if code != 0 and _disk_full(err):
                 raise _too_big(m, limits, err[-300:], info.sandbox_id)
             if code != 0:
                 raise SandboxError(f"restoring files: tar exited {code}: {err[-300:]}", info.sandbox_id)
             if m.context_saved:
-                text, done = await _run_code(client, _LOAD, info.sandbox_id)
-                if done.error_name:
-                    raise SandboxError(f"restoring the code context: {done.error_name}: {done.error_value}",
+                text, done = await _run_code(session, _LOAD, info.sandbox_id)
+                if done.error is not None:
+                    raise SandboxError(f"restoring the code context: {done.error.name}: {done.error.value}",
                                        info.sandbox_id)
             engine.registry.set_parent(info.sandbox_id, m.snapshot_id)
         except BaseException:
-            await client.close()
+            await session.close()
             try:
                 await engine.destroy(info.sandbox_id, "restore failed")
             except WarmboxError:
                 pass
             raise
-        info, _ = engine.info(info.sandbox_id)
-        return info, handle, client, timings
+        got.info, _ = engine.info(info.sandbox_id)
+        return got
     finally:
         op.close()
 
@@ -862,7 +778,7 @@ def _too_big(m: snaps.SnapshotManifest, limits: Limits, detail: str, sandbox_id:
                    f"{limits.disk_mb}): {detail.strip()[-200:]}", sandbox_id)
 
 
-async def resume(engine: "Engine", ref: str, *, timeout: float | None, envs: dict[str, str] | None):
+async def resume(engine: "Engine", ref: str, *, timeout: float | None, envs: dict[str, str] | None) -> Launched:
     m = resolve(engine, ref)
     origin, _ = engine.info(m.sandbox_id) if _exists(engine, m.sandbox_id) else (None, None)
     if ref.startswith("sb-") and (origin is None or origin.state is not State.PAUSED):
@@ -870,11 +786,11 @@ async def resume(engine: "Engine", ref: str, *, timeout: float | None, envs: dic
     got = await restore(engine, m, timeout=timeout, envs=envs)
     if origin is not None and origin.state is State.PAUSED:
         try:  # exactly one resume takes over a paused sandbox
-            engine.registry.set_state(origin.sandbox_id, State.DESTROYED, f"resumed as {got[0].sandbox_id}",
+            engine.registry.set_state(origin.sandbox_id, State.DESTROYED, f"resumed as {got.sandbox_id}",
                                       expected=State.PAUSED)
         except SandboxStateError:
-            await got[2].close()
-            await engine.destroy(got[0].sandbox_id, "lost a concurrent resume")
+            await got.session.close()
+            await engine.destroy(got.sandbox_id, "lost a concurrent resume")
             raise
     return got
 
@@ -992,6 +908,8 @@ async def _recover_one(engine: "Engine", op: "_Op") -> str:
     if info.state not in (State.READY, State.RUNNING):
         return f"{op.path.name}: removed ({sid} is {info.state.value})"
     backend = engine.backend(info.tier)
+    if not isinstance(backend, SnapshotCapable):
+        return f"{op.path.name}: removed (tier {info.tier} has no memory snapshots)"
     image = op.path / "image" / "checkpoint.img"
     if await backend.alive(handle):  # killed before the checkpoint stopped it: let it run on
         try:

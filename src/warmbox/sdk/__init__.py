@@ -1,11 +1,17 @@
-"""The Python SDK: AsyncSandbox is written once; Sandbox (blocking) is derived from it."""
+"""The Python SDK: AsyncSandbox is written once over a Transport; Sandbox (blocking) is derived from it."""
 
 from warmbox.sdk._sync import synchronize
-from warmbox.sdk.sandbox import AsyncCommands, AsyncFiles, AsyncNetwork, AsyncSandbox, CodeContext
+from warmbox.sdk.code import CodeContext
+from warmbox.sdk.commands import AsyncCommands
+from warmbox.sdk.files import AsyncFiles, AsyncFileStream, FileStream
+from warmbox.sdk.network import AsyncNetwork
+from warmbox.sdk.sandbox import AsyncSandbox
+from warmbox.sdk.transport import LocalTransport, Transport
 
 Commands = synchronize(AsyncCommands)
 Files = synchronize(AsyncFiles)
 NetworkAPI = synchronize(AsyncNetwork, "NetworkAPI")
 Sandbox = synchronize(AsyncSandbox)
 
-__all__ = ["AsyncSandbox", "AsyncCommands", "AsyncFiles", "AsyncNetwork", "NetworkAPI", "Sandbox", "Commands", "Files", "CodeContext"]
+__all__ = ["AsyncCommands", "AsyncFileStream", "AsyncFiles", "AsyncNetwork", "AsyncSandbox", "CodeContext", "Commands",
+           "FileStream", "Files", "LocalTransport", "NetworkAPI", "Sandbox", "Transport"]

@@ -153,7 +153,7 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE timings ADD COLUMN on_path INTEGER NOT NULL DEFAULT 1",
 )
 _COLUMNS = ("sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
-            "runtime_id, state_dir, socket_path, pool, claimed_at")
+            "runtime_id, state_dir, socket_path, pool, claimed_at, parent_snapshot")
 
 GIB = float(1 << 30)
 
@@ -469,10 +469,10 @@ class Registry:
     @staticmethod
     def _row(r: tuple) -> tuple[SandboxInfo, BackendHandle]:
         (sid, tier, template, state, created, expires, mem, cpus, pids, slot, runtime_id,
-         state_dir, socket_path, pool, claimed_at) = r
+         state_dir, socket_path, pool, claimed_at, parent) = r
         info = SandboxInfo(sandbox_id=sid, tier=tier, state=State(state), created_at=created,
                            expires_at=expires, memory_mb=mem, cpus=cpus, pids=pids, template=template,
-                           pool=pool, claimed_at=claimed_at)
+                           pool=pool, claimed_at=claimed_at, parent_snapshot=parent or "")
         handle = BackendHandle(sandbox_id=sid, tier=tier, runtime_id=runtime_id, state_dir=state_dir,
                                socket_path=socket_path, uid_base=UID_BASE + slot * UID_RANGE)
         return info, handle

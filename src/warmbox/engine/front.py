@@ -1,0 +1,341 @@
+"""The engine front: one handler per operation of :mod:`warmbox.operations`, typed request -> typed result.
+
+A front is one client's view of the engine: it validates every request (so every transport gets
+the same typed errors), keeps that client's connections to the sandboxes it holds (one
+:class:`~warmbox.engine.session.GuestSession` each, on the client's event loop), and maps each op
+onto the engine, the snapshot module and the session. Nothing else in the SDK, CLI or server
+reaches below it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
+
+from warmbox import operations as ops
+from warmbox.operations import sandbox_path
+from warmbox.engine import egress
+from warmbox.engine import snapshot as snapshots
+from warmbox.engine.engine import Engine, validate_envs, validate_timeout
+from warmbox.engine.provision import Launched
+from warmbox.engine.session import GuestSession
+from warmbox.errors import GuestConnectionError, InvalidArgument, WarmboxError
+from warmbox.lifecycle import Operation, check
+from warmbox.models import (ApprovalRequest, CommandResult, EntryInfo, Execution, NetEvent, SandboxInfo,
+                            SandboxMetrics, SnapshotRef, State)
+
+R = TypeVar("R")
+REATTACH_S = 15.0  # after a failed memory pause, how long the agent may take to listen again
+
+
+def optional_timeout(timeout: float | None, name: str = "timeout") -> float:
+    """Seconds, or 0.0 for None/0 (no bound)."""
+    return 0.0 if timeout is None or timeout == 0 else validate_timeout(timeout, name)
+
+
+def _positive_int(value: object, name: str, unit: str = "bytes") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgument(f"{name} must be a positive number of {unit}, got {value!r}")
+    return value
+
+
+def _argv(cmd: object) -> list[str]:
+    if isinstance(cmd, str):
+        if not cmd.strip():
+            raise InvalidArgument("cmd must not be empty")
+        argv = ["/bin/bash", "-c", cmd]
+    elif isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd):
+        argv = list(cmd)
+    else:
+        raise InvalidArgument("cmd must be a non-empty string or list of strings")
+    if any("\0" in a for a in argv):
+        raise InvalidArgument("cmd must not contain NUL bytes")
+    return argv
+
+
+def _snapshot_ref(m: Any) -> SnapshotRef:
+    return SnapshotRef(snapshot_id=m.snapshot_id, sandbox_id=m.sandbox_id, created_at=m.created_at, tier=m.tier,
+                       template=m.template, memory=m.memory, size_bytes=m.size_bytes,
+                       context_skipped=m.context_skipped)
+
+
+class Subscription:
+    """Answers a sandbox's network approval questions until cancelled."""
+
+    def __init__(self, task: asyncio.Task[None]) -> None:
+        self._task = task
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+
+class EngineFront:
+    """One client's handle on the engine (see the module docstring). Use on one event loop."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._sessions: dict[str, GuestSession] = {}
+        self._first_done: set[str] = set()
+        self._handlers: dict[type[Any], Callable[[Any], Awaitable[Any]]] = {
+            ops.Create: self.create, ops.Connect: self.connect, ops.Resume: self.resume, ops.Detach: self.detach,
+            ops.ListSandboxes: self.list, ops.Info: self.info, ops.Kill: self.kill,
+            ops.SetTimeout: self.set_timeout, ops.Metrics: self.metrics, ops.Ping: self.ping,
+            ops.RecordFirstCommand: self.record_first_command, ops.Exec: self.exec,
+            ops.RunCode: self.run_code, ops.CreateContext: self.create_context,
+            ops.RemoveContext: self.remove_context, ops.ReadFile: self.read_file,
+            ops.ReadFileStream: self.read_file_stream, ops.WriteFile: self.write_file, ops.ListDir: self.list_dir,
+            ops.Stat: self.stat, ops.MakeDir: self.make_dir, ops.Remove: self.remove, ops.Snapshot: self.snapshot,
+            ops.Pause: self.pause, ops.ListSnapshots: self.list_snapshots, ops.UpdateNetwork: self.update_network,
+            ops.NetworkPolicy: self.network_policy, ops.NetworkLog: self.network_log,
+        }
+
+    async def handle(self, request: ops.Request[R]) -> R:
+        """Run one operation."""
+        handler = self._handlers.get(type(request))
+        if handler is None:
+            raise InvalidArgument(f"not an operation: {type(request).__name__}")
+        return cast(R, await handler(request))
+
+    async def close(self) -> None:
+        """Let go of every sandbox this front holds (none is ended)."""
+        sessions, self._sessions = self._sessions, {}
+        for s in sessions.values():
+            await s.close()
+
+    # ---- sessions
+
+    def _hold(self, got: Launched) -> ops.Opened:
+        old = self._sessions.pop(got.sandbox_id, None)
+        self._sessions[got.sandbox_id] = got.session
+        if old is not None and old is not got.session:
+            asyncio.ensure_future(old.close())
+        if any(t.stage == "first_command" for t in got.timings):
+            self._first_done.add(got.sandbox_id)
+        return ops.Opened(got.info, tuple(got.timings))
+
+    async def _session(self, sandbox_id: str) -> GuestSession:
+        s = self._sessions.get(sandbox_id)
+        if s is not None and not s.closed:
+            return s
+        info, _ = self.engine.info(sandbox_id)
+        check(Operation.EXEC, info.state, sandbox_id)
+        got = await self.engine.open(sandbox_id)
+        self._hold(got)
+        return got.session
+
+    def _held(self, sandbox_id: str) -> GuestSession | None:
+        return self._sessions.get(sandbox_id)
+
+    async def _drop(self, sandbox_id: str) -> None:
+        s = self._sessions.pop(sandbox_id, None)
+        if s is not None:
+            await s.close()
+
+    def _write_timing(self, sandbox_id: str, stage: str, ms: float) -> None:
+        try:
+            self.engine.registry.add_timing(sandbox_id, stage, ms)
+        except WarmboxError:
+            pass  # a busy registry must not fail the user's command
+
+    # ---- sandboxes
+
+    async def create(self, r: ops.Create) -> ops.Opened:
+        if r.from_snapshot is not None:
+            if r.network != "none" or r.secrets:
+                raise InvalidArgument("a sandbox forked from a snapshot starts without network; use network.update()")
+            if r.tier is not None or r.limits is not None or r.template is not None:
+                raise InvalidArgument("from_snapshot takes its tier, template and limits from the snapshot")
+            m = snapshots.resolve(self.engine, r.from_snapshot)
+            got = await snapshots.restore(self.engine, m, timeout=r.timeout, envs=r.envs, pool=r.pool)
+        else:
+            got = await self.engine.create(tier=r.tier, timeout=r.timeout, envs=r.envs, limits=r.limits,
+                                           template=r.template, pool=r.pool, network=r.network, secrets=r.secrets)
+        return self._hold(got)
+
+    async def connect(self, r: ops.Connect) -> ops.Opened:
+        return self._hold(await self.engine.open(r.sandbox_id))
+
+    async def resume(self, r: ops.Resume) -> ops.Opened:
+        return self._hold(await snapshots.resume(self.engine, r.snapshot, timeout=r.timeout, envs=r.envs))
+
+    async def detach(self, r: ops.Detach) -> None:
+        await self._drop(r.sandbox_id)
+
+    async def list(self, r: ops.ListSandboxes) -> list[SandboxInfo]:
+        return self.engine.list(r.include_dead)
+
+    async def info(self, r: ops.Info) -> SandboxInfo:
+        return self.engine.info(r.sandbox_id)[0]
+
+    async def kill(self, r: ops.Kill) -> bool:
+        await self._drop(r.sandbox_id)
+        return await self.engine.destroy(r.sandbox_id, "killed")
+
+    async def set_timeout(self, r: ops.SetTimeout) -> float:
+        return self.engine.set_timeout(r.sandbox_id, r.timeout)
+
+    async def metrics(self, r: ops.Metrics) -> SandboxMetrics:
+        return await self.engine.metrics(r.sandbox_id, self._held(r.sandbox_id))
+
+    async def record_first_command(self, r: ops.RecordFirstCommand) -> None:
+        ms = r.duration_ms
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 <= ms < 86400e3:
+            raise InvalidArgument(f"duration_ms must be a number of milliseconds, got {ms!r}")
+        if r.sandbox_id in self._first_done:
+            return
+        self._first_done.add(r.sandbox_id)
+        # written right after the caller has its result, not on its path
+        asyncio.get_running_loop().call_soon(self._write_timing, r.sandbox_id, "first_command", float(ms))
+
+    async def ping(self, r: ops.Ping) -> None:
+        await (await self._session(r.sandbox_id)).ping()
+
+    # ---- commands and code
+
+    async def exec(self, r: ops.Exec) -> CommandResult:
+        argv = _argv(r.cmd)
+        env = dict(validate_envs(r.envs))
+        cwd = sandbox_path(r.cwd) if r.cwd is not None else ""
+        t = optional_timeout(r.timeout)
+        cap = _positive_int(r.max_output, "max_output")
+        if r.stdin is not None and not isinstance(r.stdin, (str, bytes)):
+            raise InvalidArgument("stdin must be str or bytes")
+        data = r.stdin.encode() if isinstance(r.stdin, str) else r.stdin
+        session = await self._session(r.sandbox_id)
+        return await session.exec(argv, env=env, cwd=cwd, timeout_s=t, max_output=cap, stdin=data,
+                                  on_stdout=r.on_stdout, on_stderr=r.on_stderr)
+
+    async def run_code(self, r: ops.RunCode) -> Execution:
+        if not isinstance(r.code, str):
+            raise InvalidArgument(f"code must be a string, got {type(r.code).__name__}")
+        if not isinstance(r.context, str) or not r.context:
+            raise InvalidArgument(f"context must be a context id, got {r.context!r}")
+        t = optional_timeout(r.timeout)
+        cap = _positive_int(r.max_output, "max_output")
+        session = await self._session(r.sandbox_id)
+        return await session.run_code(r.code, context=r.context, timeout_s=t, max_output=cap,
+                                      on_stdout=r.on_stdout, on_stderr=r.on_stderr)
+
+    async def create_context(self, r: ops.CreateContext) -> str:
+        cwd = sandbox_path(r.cwd)
+        env = dict(validate_envs(r.envs))
+        return await (await self._session(r.sandbox_id)).create_context(r.language, cwd, env)
+
+    async def remove_context(self, r: ops.RemoveContext) -> None:
+        await (await self._session(r.sandbox_id)).delete_context(r.context)
+
+    # ---- files
+
+    async def read_file(self, r: ops.ReadFile) -> bytes:
+        path = sandbox_path(r.path)
+        _positive_int(r.max_bytes, "max_bytes")
+        t = optional_timeout(r.timeout) or None
+        return await (await self._session(r.sandbox_id)).read(path, max_bytes=r.max_bytes, timeout=t)
+
+    async def read_file_stream(self, r: ops.ReadFileStream) -> ops.ChunkStream:
+        path = sandbox_path(r.path)
+        _positive_int(r.max_bytes, "max_bytes")
+        t = optional_timeout(r.timeout) or None
+        return await (await self._session(r.sandbox_id)).read_stream(path, max_bytes=r.max_bytes, timeout=t)
+
+    async def write_file(self, r: ops.WriteFile) -> EntryInfo:
+        path = sandbox_path(r.path)
+        if isinstance(r.mode, bool) or not isinstance(r.mode, int) or not 0 <= r.mode <= 0o7777:
+            raise InvalidArgument(f"mode must be a permission number from 0 to 0o7777, got {r.mode!r}")
+        if isinstance(r.data, str):
+            raw = r.data.encode()
+        elif isinstance(r.data, (bytes, bytearray, memoryview)):
+            raw = bytes(r.data)
+        else:
+            raise InvalidArgument(f"data must be str or bytes, got {type(r.data).__name__}")
+        return await (await self._session(r.sandbox_id)).write(path, raw, mode=r.mode, append=r.append)
+
+    async def list_dir(self, r: ops.ListDir) -> list[EntryInfo]:
+        path = sandbox_path(r.path)
+        if isinstance(r.depth, bool) or not isinstance(r.depth, int) or r.depth < 1:
+            raise InvalidArgument(f"depth must be an integer >= 1, got {r.depth!r}")
+        return await (await self._session(r.sandbox_id)).list(path, r.depth)
+
+    async def stat(self, r: ops.Stat) -> EntryInfo:
+        return await (await self._session(r.sandbox_id)).stat(sandbox_path(r.path))
+
+    async def make_dir(self, r: ops.MakeDir) -> bool:
+        return await (await self._session(r.sandbox_id)).make_dir(sandbox_path(r.path))
+
+    async def remove(self, r: ops.Remove) -> None:
+        await (await self._session(r.sandbox_id)).remove(sandbox_path(r.path))
+
+    # ---- snapshots
+
+    async def snapshot(self, r: ops.Snapshot) -> SnapshotRef:
+        m = await snapshots.snapshot(self.engine, r.sandbox_id, self._held(r.sandbox_id), memory=r.memory,
+                                     parent=self.engine.registry.parent(r.sandbox_id), env_names=r.env_names)
+        return _snapshot_ref(m)
+
+    async def pause(self, r: ops.Pause) -> SnapshotRef:
+        session = self._sessions.pop(r.sandbox_id, None)
+        try:
+            m = await snapshots.pause(self.engine, r.sandbox_id, session, memory=r.memory,
+                                      parent=self.engine.registry.parent(r.sandbox_id), env_names=r.env_names)
+        except BaseException:
+            if session is not None:
+                self._sessions[r.sandbox_id] = session
+            if r.memory:  # the agent dropped its sockets for the checkpoint: attach again if it still runs
+                await self._reattach(r.sandbox_id)
+            raise
+        return _snapshot_ref(m)
+
+    async def _reattach(self, sandbox_id: str) -> None:
+        """A new connection to a (still running) sandbox's agent, waiting for it to listen."""
+        await self._drop(sandbox_id)
+        deadline = time.monotonic() + REATTACH_S
+        while True:
+            try:
+                self._hold(await self.engine.open(sandbox_id))
+                return
+            except GuestConnectionError:
+                if time.monotonic() > deadline:
+                    return  # the next call reports the dead connection
+                await asyncio.sleep(0.05)
+            except WarmboxError:
+                return  # gone or paused after all: the next call says so
+
+    async def list_snapshots(self, r: ops.ListSnapshots) -> list[tuple[str, str, float, int]]:
+        return self.engine.registry.all_snapshots()
+
+    # ---- network
+
+    async def update_network(self, r: ops.UpdateNetwork) -> str:
+        policy = await self.engine.set_network(r.sandbox_id, r.network, await self._session(r.sandbox_id))
+        return policy.describe()
+
+    async def network_policy(self, r: ops.NetworkPolicy) -> str:
+        return self.engine.network_policy(r.sandbox_id).describe()
+
+    async def network_log(self, r: ops.NetworkLog) -> list[NetEvent]:
+        return self.engine.network_log(r.sandbox_id)
+
+    async def subscribe_approvals(self, sandbox_id: str,
+                                  hook: Callable[[ApprovalRequest], object]) -> Subscription:
+        """Answer the egress proxy's approval questions for ``sandbox_id`` with ``hook`` (a local
+        callable: allow_once / allow_always / deny) until the subscription is cancelled."""
+        if not callable(hook):
+            raise InvalidArgument("on_approval must be a callable")
+        subscribed = asyncio.Event()
+        task = asyncio.ensure_future(egress.approvals(self.engine.home, sandbox_id, hook, subscribed))  # type: ignore[arg-type]
+        try:
+            await asyncio.wait_for(subscribed.wait(), 10)
+        except asyncio.TimeoutError:
+            task.cancel()
+            raise egress.EgressError("could not subscribe to the egress proxy's approval requests") from None
+        return Subscription(task)
+
+
+def usable(info: SandboxInfo) -> bool:
+    """Whether a sandbox can take commands now (ready or running, not expired)."""
+    return info.state in (State.READY, State.RUNNING) and info.expires_at > time.time()
+
+
+__all__ = ["EngineFront", "Subscription", "optional_timeout", "sandbox_path", "usable"]

@@ -1,0 +1,376 @@
+"""GuestSession: the only code that speaks the wire protocol to a guest agent; callers get typed results.
+
+Everything the guest sends is parsed by :mod:`warmbox.engine.guest_client` into the closed set of
+messages; here each exchange (exec, code, files, usage, configure, quiesce) becomes one method
+returning a flat record from :mod:`warmbox.models`, and every guest ``Failure`` becomes the most
+specific :class:`~warmbox.errors.WarmboxError`. No other module builds requests.
+"""
+
+from __future__ import annotations
+
+import codecs
+import io
+import math
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from warmbox import protocol as p
+from warmbox.engine.guest_client import FileRead, GuestClient
+from warmbox.errors import (ContextError, FileTooLarge, GuestProtocolError, InvalidArgument, IsADirectory, NoSpace,
+                            NotADirectory, NotARegularFile, PathExists, PathNotFound, PathPermissionDenied,
+                            SandboxError, SandboxStartError, SandboxTimeout)
+from warmbox.models import CommandResult, EntryInfo, Execution, ExecutionError, Result
+
+HOST_GRACE_S = 15.0  # the host's bound = the guest's timeout + this (kill and interrupt waits)
+MAX_DISPLAY_BYTES = 64 << 20
+PING_TIMEOUT_S = 30.0
+_ERR_TAIL = 64 << 10
+
+OomCounter = Callable[[], Awaitable[int]]
+TextSink = Callable[[str], object]
+BytesSink = Callable[[bytes], object]
+
+_FILE_ERRORS: dict[p.ErrorCode, type[SandboxError]] = {
+    p.ErrorCode.NOT_FOUND: PathNotFound,
+    p.ErrorCode.EXISTS: PathExists,
+    p.ErrorCode.IS_A_DIRECTORY: IsADirectory,
+    p.ErrorCode.NOT_A_DIRECTORY: NotADirectory,
+    p.ErrorCode.PERMISSION_DENIED: PathPermissionDenied,
+    p.ErrorCode.NO_SPACE: NoSpace,
+    p.ErrorCode.NOT_REGULAR: NotARegularFile,
+    p.ErrorCode.TOO_LARGE: FileTooLarge,
+}
+_MIME_FIELDS = {
+    "text/plain": "text", "text/html": "html", "text/markdown": "markdown", "image/svg+xml": "svg",
+    "image/png": "png", "image/jpeg": "jpeg", "text/latex": "latex", "application/json": "json",
+}
+
+
+def raise_failure(f: p.Failure, sandbox_id: str, what: str) -> None:
+    """The typed error for a guest's Failure answer (always raises)."""
+    cls = _FILE_ERRORS.get(f.code)
+    if cls is not None:
+        raise cls(f"{what}: {f.message}", sandbox_id)
+    if f.code in (p.ErrorCode.CONTEXT_NOT_FOUND, p.ErrorCode.CONTEXT_DIED):
+        raise ContextError(f"{what}: {f.message}", sandbox_id)
+    if f.code is p.ErrorCode.INVALID:
+        raise InvalidArgument(f"{what}: {f.message}")
+    raise SandboxError(f"{what}: {f.message}", sandbox_id)
+
+
+def _entry(e: p.Entry) -> EntryInfo:
+    return EntryInfo(name=e.name, path=e.path, type=e.kind.value, size=e.size, mode=e.mode,
+                     modified=e.mtime, symlink_target=e.target or None)
+
+
+class _Output:
+    """stdout/stderr of one run: kept as bytes (or passed on raw), handed to callbacks as text."""
+
+    def __init__(self, on_stdout: TextSink | None, on_stderr: TextSink | None, cap: int, sandbox_id: str,
+                 stdout_sink: BytesSink | None = None) -> None:
+        self.cap = cap
+        self.sandbox_id = sandbox_id
+        self.out, self.err = bytearray(), bytearray()
+        self.size = 0
+        self._raw = stdout_sink
+        self._on = {p.Stdout: on_stdout, p.Stderr: on_stderr}
+        self._decoders = {p.Stdout: codecs.getincrementaldecoder("utf-8")("replace"),
+                          p.Stderr: codecs.getincrementaldecoder("utf-8")("replace")}
+
+    def feed(self, msg: p.Message) -> bool:
+        """Take a Stdout/Stderr frame; False for any other message."""
+        kind = type(msg)
+        if kind is p.Stdout:
+            assert isinstance(msg, p.Stdout)
+            data = msg.data
+            if self._raw is not None:
+                self._raw(data)
+            else:
+                self.out += data
+        elif kind is p.Stderr:
+            assert isinstance(msg, p.Stderr)
+            data = msg.data
+            self.err += data
+            if self._raw is not None and len(self.err) > _ERR_TAIL:  # a stream's stderr: its tail is enough
+                del self.err[:-_ERR_TAIL]
+        else:
+            return False
+        self.size += len(data)
+        if self.size > self.cap:  # the guest ignored the cap: it is misbehaving
+            raise GuestProtocolError("guest sent more output than the cap", self.sandbox_id)
+        callback = self._on[kind]
+        if callback is not None:
+            callback(self._decoders[kind].decode(data))
+        return True
+
+    def text(self) -> tuple[str, str]:
+        return self.out.decode("utf-8", "replace"), self.err.decode("utf-8", "replace")
+
+
+class FileChunks:
+    """One flow-controlled file read: ``await next()`` gives the next chunk (None at the end) and
+    raises typed errors (FileTooLarge, SandboxTimeout, ...); ``cancel()`` stops it in the guest."""
+
+    def __init__(self, sandbox_id: str, path: str, reader: FileRead, timeout: float | None) -> None:
+        self.sandbox_id = sandbox_id
+        self.path = path
+        self._reader = reader
+        self._timeout = timeout
+
+    @property
+    def received(self) -> int:
+        return self._reader.received
+
+    @property
+    def done(self) -> bool:
+        return self._reader.done
+
+    async def next(self) -> bytes | None:
+        if self._reader.done:
+            return None
+        try:
+            msg = await self._reader.next(self._timeout)
+        except SandboxTimeout:
+            raise SandboxTimeout(f"read {self.path}: no data within {self._timeout:g} s", self.sandbox_id) from None
+        if isinstance(msg, p.Failure):
+            raise_failure(msg, self.sandbox_id, f"read {self.path}")
+        return msg.data if isinstance(msg, p.Chunk) else None
+
+    def cancel(self) -> None:
+        """Stop the read in the guest (no-op once over). On the event loop."""
+        self._reader.cancel()
+
+
+class GuestSession:
+    """One connection to a sandbox's guest agent, spoken through typed methods.
+
+    ``oom``: reads the host's OOM-kill counter of the sandbox (tiers whose OOM killer is the
+    host's); None where the guest's own kernel counts them and reports them with each result.
+    Requests may run concurrently; each has the host's own time bound.
+    """
+
+    def __init__(self, client: GuestClient, oom: OomCounter | None = None) -> None:
+        self._client = client
+        self._oom = oom
+        self.sandbox_id = client.sandbox_id
+
+    @classmethod
+    async def connect(cls, socket_path: str, sandbox_id: str, oom: OomCounter | None = None) -> GuestSession:
+        return cls(await GuestClient.connect(socket_path, sandbox_id), oom)
+
+    @property
+    def closed(self) -> bool:
+        return self._client.closed
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    # ---- agent control
+
+    async def ping(self, what: str = "guest agent") -> int:
+        """The agent's protocol version, checked against ours (SandboxStartError otherwise)."""
+        pong = await self._client.call(lambda i: p.Ping(i), p.Pong)
+        if not isinstance(pong, p.Pong):
+            raise SandboxStartError(f"{what} answered {pong!r}", self.sandbox_id)
+        if pong.version != p.PROTOCOL_VERSION:
+            raise SandboxStartError(f"{what} speaks protocol v{pong.version}, this warmbox v{p.PROTOCOL_VERSION} "
+                                    "(a snapshot of another warmbox version cannot be restored)", self.sandbox_id)
+        return pong.version
+
+    async def configure(self, env: dict[str, str], *, reset_counts: bool) -> None:
+        """Add ``env`` to every later process's environment; reset_counts: cell numbers and
+        usage counters restart from zero."""
+        reply = await self._client.call(lambda i: p.Configure(i, env=env, reset_counts=reset_counts), p.UsageReport)
+        if isinstance(reply, p.Failure):
+            raise SandboxError(f"configure: {reply.message}", self.sandbox_id)
+
+    async def reseed(self, seed: bytes | None = None) -> None:
+        """New random generator states (every restore of one memory image would share them)."""
+        value = os.urandom(32) if seed is None else seed
+        reply = await self._client.call(lambda i: p.Reseed(i, seed=value), p.Ok)
+        if isinstance(reply, p.Failure):
+            raise SandboxError(f"reseed: {reply.message}", self.sandbox_id)
+
+    async def quiesce(self) -> None:
+        """The agent drops its sockets for a memory checkpoint (a signal makes it listen again)."""
+        reply = await self._client.call(lambda i: p.Quiesce(i), p.Ok)
+        if isinstance(reply, p.Failure):
+            raise SandboxError(f"quiesce: {reply.message}", self.sandbox_id)
+
+    async def usage(self) -> tuple[float, int] | None:
+        """(busy ms, runs) as the agent counts them; None if the answer is implausible."""
+        r = await self._client.call(lambda i: p.GetUsage(i), p.UsageReport)
+        if isinstance(r, p.UsageReport) and math.isfinite(r.busy_ms) and r.busy_ms >= 0 and r.runs >= 0:
+            return r.busy_ms, r.runs
+        return None
+
+    # ---- commands and code
+
+    async def _oom_before(self) -> int:
+        return -1 if self._oom is None else await self._oom()
+
+    async def _oom_killed(self, before: int, reported: int) -> bool:
+        """Whether the call lost a process to the OOM killer: the host's counter against ``before``
+        (an agent in a container could report anything), or the guest kernel's own count."""
+        if self._oom is None:
+            return reported > 0
+        return (await self._oom()) > before
+
+    async def exec(self, argv: list[str], *, env: dict[str, str] | None = None, cwd: str = "",
+                   timeout_s: float = 0.0, max_output: int = 1 << 20, stdin: bytes | Path | None = None,
+                   on_stdout: TextSink | None = None, on_stderr: TextSink | None = None,
+                   stdout_sink: BytesSink | None = None, what: str = "commands.run") -> CommandResult:
+        """Run ``argv`` and wait for it. timeout_s: the guest's bound, seconds (0: none); the host
+        waits that + HOST_GRACE_S. stdin: bytes, or a host file streamed in chunks. stdout_sink:
+        stdout goes there raw and is not kept (``stdout`` is then empty)."""
+        output = _Output(on_stdout, on_stderr, max_output, self.sandbox_id, stdout_sink)
+        oom_before = await self._oom_before()
+        pid = 0
+        async with self._client.request(lambda i: p.Exec(
+                i, argv=argv, env=env or {}, cwd=cwd, timeout_s=timeout_s, max_output=max_output,
+                stdin=stdin is not None), timeout=timeout_s + HOST_GRACE_S if timeout_s else None) as stream:
+            if isinstance(stdin, bytes):
+                for off in range(0, len(stdin), p.CHUNK):
+                    await stream.send(p.StdinData(stream.id, data=stdin[off:off + p.CHUNK], eof=False))
+                await stream.send(p.StdinData(stream.id, data=b"", eof=True))
+            elif stdin is not None:
+                with open(stdin, "rb") as f:
+                    while chunk := f.read(p.CHUNK):
+                        await stream.send(p.StdinData(stream.id, data=chunk, eof=False))
+                await stream.send(p.StdinData(stream.id, data=b"", eof=True))
+            while True:
+                msg = await stream.next(p.Started, p.Stdout, p.Stderr, p.Exited)
+                if output.feed(msg):
+                    continue
+                if isinstance(msg, p.Started):
+                    pid = msg.pid
+                elif isinstance(msg, p.Failure):
+                    raise_failure(msg, self.sandbox_id, what)
+                elif isinstance(msg, p.Exited):
+                    exited = msg
+                    break
+        oom = await self._oom_killed(oom_before, exited.oom_kills)
+        stdout, stderr = output.text()
+        return CommandResult(exit_code=exited.exit_code, stdout=stdout, stderr=stderr, timed_out=exited.timed_out,
+                             truncated=exited.truncated, oom_killed=oom, signal=exited.signal,
+                             duration_ms=exited.duration_ms, pid=pid)
+
+    async def run_code(self, code: str, *, context: str = "default", timeout_s: float = 0.0,
+                       max_output: int = 1 << 20, on_stdout: TextSink | None = None,
+                       on_stderr: TextSink | None = None) -> Execution:
+        """Run a cell in a code context; its exception is ``Execution.error``, never raised."""
+        output = _Output(on_stdout, on_stderr, max_output, self.sandbox_id)
+        displays: dict[int, dict[str, object]] = {}
+        display_bytes = 0
+        mains: set[int] = set()
+        oom_before = await self._oom_before()
+        async with self._client.request(
+                lambda i: p.ContextRun(i, context=context, code=code, timeout_s=timeout_s, max_output=max_output),
+                timeout=timeout_s + HOST_GRACE_S if timeout_s else None) as stream:
+            while True:
+                msg = await stream.next(p.Stdout, p.Stderr, p.Display, p.CodeDone)
+                if output.feed(msg):
+                    continue
+                if isinstance(msg, p.Display):
+                    display_bytes += len(msg.data)
+                    if display_bytes > MAX_DISPLAY_BYTES:
+                        raise GuestProtocolError("guest sent too much rich output", self.sandbox_id)
+                    field = _MIME_FIELDS.get(msg.mime)
+                    if field is None:
+                        continue
+                    bucket = displays.setdefault(msg.result, {})
+                    bucket[field] = msg.data if field in ("png", "jpeg") else msg.data.decode("utf-8", "replace")
+                    if msg.main:
+                        mains.add(msg.result)
+                elif isinstance(msg, p.Failure):
+                    raise_failure(msg, self.sandbox_id, "run_code")
+                elif isinstance(msg, p.CodeDone):
+                    done = msg
+                    break
+        oom = await self._oom_killed(oom_before, done.oom_kills)
+        results = tuple(Result(is_main_result=k in mains, **v) for k, v in sorted(displays.items()))  # type: ignore[arg-type]
+        error = ExecutionError(done.error_name, done.error_value, done.traceback) if done.error_name else None
+        stdout, stderr = output.text()
+        return Execution(results=results, stdout=stdout, stderr=stderr, error=error, timed_out=done.timed_out,
+                         truncated=done.truncated, oom_killed=oom, execution_count=done.execution_count,
+                         duration_ms=done.duration_ms)
+
+    async def create_context(self, language: str, cwd: str, env: dict[str, str]) -> str:
+        reply = await self._client.call(
+            lambda i: p.ContextCreate(i, name="", language=language, cwd=cwd, env=env), p.ContextCreated)
+        if isinstance(reply, p.Failure):
+            raise_failure(reply, self.sandbox_id, "create_code_context")
+        assert isinstance(reply, p.ContextCreated)
+        return reply.context
+
+    async def delete_context(self, context: str) -> None:
+        reply = await self._client.call(lambda i: p.ContextDelete(i, context=context), p.Ok)
+        if isinstance(reply, p.Failure):
+            raise_failure(reply, self.sandbox_id, "remove_code_context")
+
+    # ---- files (paths already normalised by the caller)
+
+    async def read_stream(self, path: str, *, max_bytes: int, timeout: float | None) -> FileChunks:
+        """Start a flow-controlled read; ``timeout`` bounds each chunk's wait."""
+        return FileChunks(self.sandbox_id, path, await self._client.read_file(path, max_bytes=max_bytes), timeout)
+
+    async def read(self, path: str, *, max_bytes: int, timeout: float | None) -> bytes:
+        """A whole file; ``timeout`` bounds the whole read (SandboxTimeout; the read stops in the guest)."""
+        reader = await self._client.read_file(path, max_bytes=max_bytes, timeout=timeout)
+        buf = io.BytesIO()  # grows in place: its getvalue() is no second copy
+        try:
+            while True:
+                try:
+                    msg = await reader.next()
+                except SandboxTimeout:
+                    raise SandboxTimeout(f"read {path}: not done within {timeout:g} s", self.sandbox_id) from None
+                if isinstance(msg, p.Failure):
+                    raise_failure(msg, self.sandbox_id, f"read {path}")
+                if isinstance(msg, p.ChunkEnd):
+                    break
+                assert isinstance(msg, p.Chunk)
+                buf.write(msg.data)
+        finally:
+            reader.cancel()  # no-op after the end
+        return buf.getvalue()
+
+    async def write(self, path: str, data: bytes, *, mode: int = 0o644, append: bool = False) -> EntryInfo:
+        msg = await self._client.upload(path, data, mode=mode, append=append)
+        if isinstance(msg, p.Failure):
+            raise_failure(msg, self.sandbox_id, f"write {path}")
+        assert isinstance(msg, p.Entry)
+        return _entry(msg)
+
+    async def list(self, path: str, depth: int) -> list[EntryInfo]:
+        entries = []
+        async with self._client.request(lambda i: p.ListDir(i, path=path, depth=depth)) as stream:
+            while True:
+                msg = await stream.next(p.Entry, p.Ok)
+                if isinstance(msg, p.Failure):
+                    raise_failure(msg, self.sandbox_id, f"list {path}")
+                if isinstance(msg, p.Ok):
+                    return entries
+                assert isinstance(msg, p.Entry)
+                entries.append(_entry(msg))
+
+    async def stat(self, path: str) -> EntryInfo:
+        msg = await self._client.call(lambda i: p.Stat(i, path=path), p.Entry)
+        if isinstance(msg, p.Failure):
+            raise_failure(msg, self.sandbox_id, f"stat {path}")
+        assert isinstance(msg, p.Entry)
+        return _entry(msg)
+
+    async def make_dir(self, path: str) -> bool:
+        """Create a directory and its parents; False if it already existed."""
+        msg = await self._client.call(lambda i: p.MakeDir(i, path=path, parents=True), p.Ok)
+        if isinstance(msg, p.Failure):
+            if msg.code is p.ErrorCode.EXISTS:
+                return False
+            raise_failure(msg, self.sandbox_id, f"make_dir {path}")
+        return True
+
+    async def remove(self, path: str) -> None:
+        msg = await self._client.call(lambda i: p.Remove(i, path=path, recursive=True), p.Ok)
+        if isinstance(msg, p.Failure):
+            raise_failure(msg, self.sandbox_id, f"remove {path}")

@@ -1,0 +1,386 @@
+"""The one list of operations: every SDK call, CLI command and (later) HTTP route is one typed request here.
+
+Each request is a frozen record naming its :class:`Op` and its result type; the engine front
+(:mod:`warmbox.engine.front`) has exactly one handler per op, and a transport
+(:mod:`warmbox.sdk.transport`) carries requests to it — in process, or over the network. Fields
+marked ``local`` (streaming callbacks) are not data: a remote transport feeds them from the
+stream it receives instead of sending them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import posixpath
+from collections.abc import Callable
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+from warmbox.errors import InvalidPath
+from warmbox.models import (CommandResult, EntryInfo, Execution, Limits, NetEvent, SandboxInfo, SandboxMetrics,
+                            SnapshotRef, StageTiming)
+
+R = TypeVar("R")
+TextSink = Callable[[str], object]
+WORKDIR = "/workspace"
+_MAX_PATH = 4096
+
+
+def sandbox_path(path: object) -> str:
+    """Normalise a path for the files API: relative paths are under /workspace; '..' is refused."""
+    if not isinstance(path, str):
+        raise InvalidPath(f"path must be a string, got {type(path).__name__}")
+    if not path or "\0" in path or len(path) > _MAX_PATH:
+        raise InvalidPath(f"path {path[:80]!r} is empty, too long or contains a NUL byte")
+    if ".." in path.split("/"):
+        raise InvalidPath(f"path {path!r} contains a '..' component")
+    return posixpath.normpath(posixpath.join(WORKDIR, path))
+
+
+def _local() -> Any:
+    """A streaming callback: never serialised, fed by the transport."""
+    return dataclasses.field(default=None, compare=False, repr=False, metadata={"local": True})
+
+
+class Op(str, enum.Enum):
+    """Every operation of the engine front, once."""
+
+    CREATE = "create"
+    CONNECT = "connect"
+    RESUME = "resume"
+    DETACH = "detach"
+    LIST = "list"
+    INFO = "info"
+    KILL = "kill"
+    SET_TIMEOUT = "set_timeout"
+    METRICS = "metrics"
+    PING = "ping"
+    RECORD_FIRST_COMMAND = "timings.first_command"
+    EXEC = "exec"
+    RUN_CODE = "run_code"
+    CREATE_CONTEXT = "contexts.create"
+    REMOVE_CONTEXT = "contexts.remove"
+    FILES_READ = "files.read"
+    FILES_READ_STREAM = "files.read_stream"
+    FILES_WRITE = "files.write"
+    FILES_LIST = "files.list"
+    FILES_STAT = "files.stat"
+    FILES_MAKE_DIR = "files.make_dir"
+    FILES_REMOVE = "files.remove"
+    SNAPSHOT = "snapshot"
+    PAUSE = "pause"
+    LIST_SNAPSHOTS = "snapshots.list"
+    NETWORK_UPDATE = "network.update"
+    NETWORK_POLICY = "network.policy"
+    NETWORK_LOG = "network.log"
+
+
+class Request(Generic[R]):
+    """Base of every request; ``op`` names it in the one list."""
+
+    op: ClassVar[Op]
+
+
+@dataclasses.dataclass(frozen=True)
+class Opened:
+    """A sandbox a caller holds: its record and its start's stage timings."""
+
+    info: SandboxInfo
+    timings: tuple[StageTiming, ...]
+
+
+class ChunkStream(Protocol):
+    """A flow-controlled read in progress (``files.read`` with format="stream")."""
+
+    @property
+    def path(self) -> str:
+        """The file's normalised path."""
+        ...
+
+    @property
+    def received(self) -> int: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    async def next(self) -> bytes | None:
+        """The next chunk; None at the end. Typed errors (FileTooLarge, SandboxTimeout, ...)."""
+        ...
+
+    def cancel(self) -> None:
+        """Stop the read in the sandbox; idempotent. On the event loop."""
+        ...
+
+
+# ---- sandboxes
+
+
+@dataclasses.dataclass(frozen=True)
+class Create(Request[Opened]):
+    """A new sandbox (from a pool, cold, or forked from ``from_snapshot``). Defaults: warmbox.toml."""
+
+    op: ClassVar[Op] = Op.CREATE
+    tier: str | None = None
+    timeout: float | None = None
+    envs: dict[str, str] | None = None
+    limits: Limits | None = None
+    template: str | None = None
+    pool: bool = True
+    from_snapshot: str | None = None
+    network: object = "none"  # "none", "internet" or a warmbox.Network
+    secrets: dict[str, Any] | None = None  # name -> warmbox.Secret
+
+
+@dataclasses.dataclass(frozen=True)
+class Connect(Request[Opened]):
+    """Attach to a live sandbox by id (legal while ready/running)."""
+
+    op: ClassVar[Op] = Op.CONNECT
+    sandbox_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume(Request[Opened]):
+    """A paused sandbox (its id or a snapshot id) running again."""
+
+    op: ClassVar[Op] = Op.RESUME
+    snapshot: str
+    timeout: float | None = None
+    envs: dict[str, str] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Detach(Request[None]):
+    """Let go of a sandbox without ending it (its connection closes; it runs until its timeout)."""
+
+    op: ClassVar[Op] = Op.DETACH
+    sandbox_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ListSandboxes(Request[list[SandboxInfo]]):
+    op: ClassVar[Op] = Op.LIST
+    include_dead: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Info(Request[SandboxInfo]):
+    op: ClassVar[Op] = Op.INFO
+    sandbox_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Kill(Request[bool]):
+    """Destroy a sandbox; False if it was already gone."""
+
+    op: ClassVar[Op] = Op.KILL
+    sandbox_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SetTimeout(Request[float]):
+    """Let the sandbox live ``timeout`` more seconds from now; returns the new expiry (epoch s)."""
+
+    op: ClassVar[Op] = Op.SET_TIMEOUT
+    sandbox_id: str
+    timeout: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Metrics(Request[SandboxMetrics]):
+    op: ClassVar[Op] = Op.METRICS
+    sandbox_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Ping(Request[None]):
+    """One empty round trip to the sandbox's agent (it answers, or a typed error says why not)."""
+
+    op: ClassVar[Op] = Op.PING
+    sandbox_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordFirstCommand(Request[None]):
+    """The client's measure of its first command or cell on the sandbox (stage ``first_command``:
+    from sending it to having its result, ms); recorded once per sandbox, later ones are ignored."""
+
+    op: ClassVar[Op] = Op.RECORD_FIRST_COMMAND
+    sandbox_id: str
+    duration_ms: float
+
+
+# ---- commands and code
+
+
+@dataclasses.dataclass(frozen=True)
+class Exec(Request[CommandResult]):
+    """Run ``cmd`` (a bash string or an argv list); timeout: seconds, wall clock (None/0: none)."""
+
+    op: ClassVar[Op] = Op.EXEC
+    sandbox_id: str
+    cmd: str | list[str]
+    envs: dict[str, str] | None = None
+    cwd: str | None = None
+    timeout: float | None = 60.0
+    stdin: str | bytes | None = None
+    max_output: int = 10 << 20
+    on_stdout: TextSink | None = _local()
+    on_stderr: TextSink | None = _local()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunCode(Request[Execution]):
+    """Run a cell in a code context ("default" unless named)."""
+
+    op: ClassVar[Op] = Op.RUN_CODE
+    sandbox_id: str
+    code: str
+    context: str = "default"
+    timeout: float | None = 60.0
+    max_output: int = 10 << 20
+    on_stdout: TextSink | None = _local()
+    on_stderr: TextSink | None = _local()
+
+
+@dataclasses.dataclass(frozen=True)
+class CreateContext(Request[str]):
+    """A new code context; returns its id."""
+
+    op: ClassVar[Op] = Op.CREATE_CONTEXT
+    sandbox_id: str
+    language: str = "python"
+    cwd: str = "/workspace"
+    envs: dict[str, str] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoveContext(Request[None]):
+    op: ClassVar[Op] = Op.REMOVE_CONTEXT
+    sandbox_id: str
+    context: str
+
+
+# ---- files (relative paths are under /workspace)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadFile(Request[bytes]):
+    """A whole regular file, at most ``max_bytes``; timeout: seconds for the whole read (None: none)."""
+
+    op: ClassVar[Op] = Op.FILES_READ
+    sandbox_id: str
+    path: str
+    max_bytes: int = 100 << 20
+    timeout: float | None = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadFileStream(Request[ChunkStream]):
+    """A file in flow-controlled chunks; timeout: seconds per chunk (None: none)."""
+
+    op: ClassVar[Op] = Op.FILES_READ_STREAM
+    sandbox_id: str
+    path: str
+    max_bytes: int = 100 << 20
+    timeout: float | None = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteFile(Request[EntryInfo]):
+    op: ClassVar[Op] = Op.FILES_WRITE
+    sandbox_id: str
+    path: str
+    data: str | bytes
+    mode: int = 0o644
+    append: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ListDir(Request[list[EntryInfo]]):
+    op: ClassVar[Op] = Op.FILES_LIST
+    sandbox_id: str
+    path: str = "/workspace"
+    depth: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Stat(Request[EntryInfo]):
+    op: ClassVar[Op] = Op.FILES_STAT
+    sandbox_id: str
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MakeDir(Request[bool]):
+    """Create a directory and its parents; False if it existed."""
+
+    op: ClassVar[Op] = Op.FILES_MAKE_DIR
+    sandbox_id: str
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Remove(Request[None]):
+    op: ClassVar[Op] = Op.FILES_REMOVE
+    sandbox_id: str
+    path: str
+
+
+# ---- snapshots
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot(Request[SnapshotRef]):
+    """Save files and code-context state (memory=True: processes too, where the tier can)."""
+
+    op: ClassVar[Op] = Op.SNAPSHOT
+    sandbox_id: str
+    memory: bool = False
+    env_names: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Pause(Request[SnapshotRef]):
+    """Snapshot, then release everything; the sandbox is paused until resumed."""
+
+    op: ClassVar[Op] = Op.PAUSE
+    sandbox_id: str
+    memory: bool = False
+    env_names: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ListSnapshots(Request[list[tuple[str, str, float, int]]]):
+    """(snapshot_id, sandbox_id, created_at, size_bytes) of every snapshot."""
+
+    op: ClassVar[Op] = Op.LIST_SNAPSHOTS
+
+
+# ---- network
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateNetwork(Request[str]):
+    """Replace the egress policy; returns it in words."""
+
+    op: ClassVar[Op] = Op.NETWORK_UPDATE
+    sandbox_id: str
+    network: object
+
+
+@dataclasses.dataclass(frozen=True)
+class NetworkPolicy(Request[str]):
+    op: ClassVar[Op] = Op.NETWORK_POLICY
+    sandbox_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class NetworkLog(Request[list[NetEvent]]):
+    op: ClassVar[Op] = Op.NETWORK_LOG
+    sandbox_id: str
+
+
+REQUESTS: dict[Op, type[Request[Any]]] = {cls.op: cls for cls in (
+    Create, Connect, Resume, Detach, ListSandboxes, Info, Kill, SetTimeout, Metrics, Ping, RecordFirstCommand, Exec, RunCode, CreateContext,
+    RemoveContext, ReadFile, ReadFileStream, WriteFile, ListDir, Stat, MakeDir, Remove, Snapshot, Pause,
+    ListSnapshots, UpdateNetwork, NetworkPolicy, NetworkLog)}

@@ -1,0 +1,34 @@
+"""``sandbox.network``: the sandbox's egress policy, changes to it, and its audit log."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from warmbox import operations as ops
+from warmbox.models import NetEvent
+
+if TYPE_CHECKING:
+    from warmbox.network.policy import Network
+    from warmbox.sdk.sandbox import AsyncSandbox
+
+
+class AsyncNetwork:
+    """The sandbox's egress: its policy, changes to it, and the audit log of every attempt."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sb = sandbox
+
+    async def update(self, network: str | Network) -> None:
+        """Replace the policy; the next connection and DNS lookup obey it (open ones continue)."""
+        await self._sb._run(ops.UpdateNetwork(self._sb.sandbox_id, network))
+
+    async def policy(self) -> str:
+        """The policy in force, in words ("none", "internet", "allow a, b; deny c")."""
+        return await self._sb._transport.handle(ops.NetworkPolicy(self._sb.sandbox_id))
+
+    async def log(self) -> list[NetEvent]:
+        """Every egress attempt so far (connections and DNS lookups), oldest first."""
+        return await self._sb._transport.handle(ops.NetworkLog(self._sb.sandbox_id))
+
+
+__all__ = ["AsyncNetwork"]
