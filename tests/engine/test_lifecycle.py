@@ -61,7 +61,7 @@ def test_timeout_expiry_destroys_without_any_client(home, runc_ready):
     engine = Engine.for_home()
     uid = _host_uid(sb)
     sid = sb.sandbox_id
-    sb._async._client._writer.close()  # walk away without killing it
+    sb.close()  # walk away without killing it
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         info, _ = engine.info(sid)
