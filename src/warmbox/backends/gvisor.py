@@ -32,8 +32,9 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 from warmbox.backends import _host as host
 from warmbox.backends import hostfs

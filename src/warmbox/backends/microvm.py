@@ -6,7 +6,7 @@ on this project's host (QEMU 7.2, ``/dev/kvm`` = PVM):
 - Accelerator by probing (:func:`accelerator`): KVM only when a probe guest boots under it
   within a short bound; PVM's ``/dev/kvm`` (``kvm_pvm``) runs only PVM-built kernels, so
   there TCG is chosen without trying. ``[microvm] accel`` in config.toml or
-  ``WARMBOX_MICROVM_ACCEL`` overrides. Under TCG a cold boot is ≈ 4–5 s.
+  ``WARMBOX_MICROVM_ACCEL`` overrides. Under TCG a cold boot is ≈ 4-5 s.
 - Every sandbox therefore starts from a memory snapshot (``snapshot_start``): a template VM
   is booted once per shape, brought to "agent ready" (+ warm-up), saved with QEMU migration
   (``stop`` + ``migrate``), and each new sandbox is a new QEMU with ``-incoming`` from that
@@ -40,8 +40,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Awaitable, Callable, ClassVar, Sequence, TypeVar
+from typing import ClassVar, TypeVar
 
 from warmbox.backends import _host as host
 from warmbox.backends import hostfs
@@ -98,7 +99,8 @@ def qemu_version() -> str:
 def kernel_cmdline(limits, extra: str = "") -> str:
     """Quiet, no timer calibration (≈ 1.3 s under TCG), panic -> exit, the sandbox's limits."""
     parts = ["console=ttyS0", "rdinit=/init", "panic=-1", "quiet", "loglevel=1", "mitigations=off",
-             "nokaslr", "pci=off", "init_on_free=1", "random.trust_cpu=on", "i8042.noaux", "i8042.nokbd", "8250.nr_uarts=1"]
+             "nokaslr", "pci=off", "init_on_free=1", "random.trust_cpu=on", "i8042.noaux", "i8042.nokbd",
+             "8250.nr_uarts=1"]
     khz = _tsc_khz()
     if khz:
         parts += [f"tsc_early_khz={khz}", f"lpj={khz * 1000 // 250}", "tsc=reliable"]
@@ -133,7 +135,8 @@ def qemu_argv(image: Path, state: Path, limits, accel: str, *, incoming: str | N
             "-kernel", str(image / "vmlinux"), "-initrd", str(image / "initrd.cpio"),
             "-append", kernel_cmdline(limits, extra_cmdline),
             "-chardev", f"file,id=con,path={state / 'console.log'}", "-serial", "chardev:con",
-            "-drive", f"id=root,file={image / 'rootfs.ext4'},format=raw,if=none,readonly=on,cache=unsafe,file.locking=off",
+            "-drive",
+            f"id=root,file={image / 'rootfs.ext4'},format=raw,if=none,readonly=on,cache=unsafe,file.locking=off",
             "-device", "virtio-blk-device,drive=root",
             # the workspace disk comes as fds 3 (read-write) and 4 (read-only) in one fdset: QEMU
             # reopens it read-only when a migration completes, which a confined QEMU could not
@@ -166,7 +169,7 @@ class QMP:
         self.reader, self.writer = reader, writer
 
     @classmethod
-    async def connect(cls, path: Path, timeout: float = 10.0) -> "QMP":
+    async def connect(cls, path: Path, timeout: float = 10.0) -> QMP:
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -250,7 +253,8 @@ def save_memory(qmp_path: Path, image: Path, timeout: float = 300.0) -> None:
             call("migrate", uri="fd:wbsnap")
             deadline = time.monotonic() + timeout
             while True:
-                info = call("query-migrate") or {}
+                got = call("query-migrate")
+                info = got if isinstance(got, dict) else {}
                 status = info.get("status")
                 if status == "completed":
                     break
@@ -390,11 +394,11 @@ def _probe_kvm(runtime: Path) -> tuple[str, str]:
     except (subprocess.SubprocessError, OSError, SandboxStartError):
         booted = False
     finally:
-        pid = _pidfile(probe_dir / "qemu.pid")
-        if pid and _ours(pid, probe_dir):
-            host.kill(pid)
+        left = _pidfile(probe_dir / "qemu.pid")
+        if left and _ours(left, probe_dir):
+            host.kill(left)
             deadline = time.monotonic() + 10
-            while host.running(pid) and time.monotonic() < deadline:
+            while host.running(left) and time.monotonic() < deadline:
                 time.sleep(0.005)
         shutil.rmtree(probe_dir, ignore_errors=True)
     if booted:
@@ -538,6 +542,7 @@ class MicroVMBackend:
     def template_fingerprint(self) -> str:
         """What a memory snapshot must match to restore: image, accelerator, machine, argv."""
         import hashlib
+
         from warmbox.models import Limits
 
         argv = qemu_argv(self.image(), Path("/state"), Limits(), self.accel()[0], incoming=INCOMING_FD, confine=0)

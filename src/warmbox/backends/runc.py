@@ -18,8 +18,9 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 from warmbox.backends import _host as host
 from warmbox.backends import hostfs, seccomp, workspace_disk
@@ -153,7 +154,8 @@ class RuncBackend:
     def capabilities(self) -> Capabilities:
         return Capabilities(
             tier=self.tier,
-            isolation="Linux namespaces (user, pid, mount, net, ipc, uts, cgroup) + seccomp + cgroups; shared host kernel",
+            isolation="Linux namespaces (user, pid, mount, net, ipc, uts, cgroup) + seccomp + cgroups; "
+                      "shared host kernel",
             memory_snapshot=False, filesystem_snapshot=True, custom_kernel=False,
             network_modes=("none", "allowlist", "internet"), languages=("python", "node", "shell", "c", "git"),
             start_class="10-100ms",
@@ -209,7 +211,8 @@ class RuncBackend:
              "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
             {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
              "options": ["nosuid", "noexec", "nodev", "mode=1777", f"size={shm_mb}m"]},
-            {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
+             "options": ["nosuid", "noexec", "nodev"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
             {"destination": "/usr", "type": "bind", "source": "/usr", "options": ["bind", "ro", *nosuid]},
             {"destination": "/workspace", "type": "bind", "source": str(workspace), "options": ["bind", "rw", *nosuid]},
