@@ -27,18 +27,21 @@ restore`` into a new bundle; /workspace (a host directory) travels beside the im
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
 import subprocess
-import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
+from warmbox.backends import _host as host
 from warmbox.backends import hostfs
-from warmbox.backends import runc as tier2
+from warmbox.backends._host import GUEST_GID, GUEST_UID
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, SandboxSpec
-from warmbox.errors import GuestConnectionError, SandboxStartError
+from warmbox.backends.runc import RuncBackend, agent_command, build_image
+from warmbox.errors import SandboxStartError
 
 T = TypeVar("T")
 SOCKET_DIR = "/run"
@@ -65,7 +68,7 @@ def _platform() -> str:
     return "kvm" if (" vmx" in flags or " svm" in flags) else "ptrace"
 
 
-class GvisorBackend(tier2.RuncBackend):
+class GvisorBackend(RuncBackend):
     """Tier 3 (``gvisor``): runsc, ptrace platform, the Tier 2 bundle minus host-kernel syscalls."""
 
     tier: ClassVar[str] = "gvisor"
@@ -103,14 +106,9 @@ class GvisorBackend(tier2.RuncBackend):
     def _shim_built(self) -> bool:
         return any((d / SHIM.lstrip("/")).exists() for d in (self.runtime / "images").glob("gvisor-*"))
 
-    def image(self) -> Path:
-        if self._image is None:
-            source = _SHIM_SOURCE.read_bytes()
-            import hashlib
-
-            variant = "gvisor:" + hashlib.sha256(source).hexdigest()[:12]
-            self._image = tier2.build_image(self.runtime / "images", variant, self._add_shim)
-        return self._image
+    def build_rootfs(self) -> Path:
+        variant = "gvisor:" + hashlib.sha256(_SHIM_SOURCE.read_bytes()).hexdigest()[:12]
+        return build_image(self.runtime / "images", variant, self._add_shim)
 
     @staticmethod
     def _add_shim(root: Path) -> None:
@@ -130,10 +128,12 @@ class GvisorBackend(tier2.RuncBackend):
 
     # ---- lifecycle
 
+    def agent_argv(self) -> list[str]:
+        """The agent binds its own socket (this runsc has no ``--preserve-fds``)."""
+        return agent_command([SOCKET_DIR + "/agent.sock"])
+
     def config(self, spec: SandboxSpec, rootfs: Path, workspace: Path) -> dict:
         cfg = super().config(spec, rootfs, workspace)
-        cfg["process"]["args"] = [tier2.GUEST_PYTHON, "-I", "-S", "-c",
-                                  tier2._AGENT_BOOT.replace("main()", f"main([{SOCKET_DIR + '/agent.sock'!r}])")]
         cfg["mounts"].append({"destination": SOCKET_DIR, "type": "bind",
                               "source": str(Path(spec.state_dir) / "run"), "options": ["bind", "rw"]})
         cfg["linux"].pop("seccomp", None)
@@ -147,7 +147,7 @@ class GvisorBackend(tier2.RuncBackend):
         handle = await super().create(spec)
         run = Path(spec.state_dir) / "run"
         # the agent (sandbox uid 1000) creates its socket here; no one else may enter
-        os.chown(run, spec.uid_base + tier2.GUEST_UID, spec.uid_base + tier2.GUEST_GID)
+        os.chown(run, spec.uid_base + GUEST_UID, spec.uid_base + GUEST_GID)
         os.chmod(run, 0o700)
         return BackendHandle(sandbox_id=handle.sandbox_id, tier=self.tier, runtime_id=handle.runtime_id,
                              state_dir=handle.state_dir, socket_path=handle.socket_path, uid_base=handle.uid_base)
@@ -171,29 +171,19 @@ class GvisorBackend(tier2.RuncBackend):
             os.close(log)
         rc = await asyncio.wait_for(proc.wait(), START_TIMEOUT_S)
         if rc != 0:
-            raise SandboxStartError(f"runsc {what} failed (exit {rc}): {tier2._tail(state / 'agent.log')}",
+            raise SandboxStartError(f"runsc {what} failed (exit {rc}): {host.tail(state / 'agent.log')}",
                                     handle.sandbox_id)
 
     async def _await_agent(self, handle: BackendHandle, ready: Callable[[], Awaitable[T]]) -> T:
-        state = Path(handle.state_dir)
-        deadline = time.monotonic() + START_TIMEOUT_S
         sock = Path(handle.socket_path)
-        polls = 0
+
+        async def stopped() -> bool:
+            return not await self.alive(handle)  # ``runsc state``: a process, so asked every 100 polls
+
         # run/ is the guest's: look at the socket itself, never through a planted symlink
-        while not hostfs.is_socket(sock.parent, sock.name):  # the agent binds it once its interpreter is up
-            polls += 1
-            if time.monotonic() > deadline or (polls % 100 == 0 and not await self.alive(handle)):
-                raise SandboxStartError(f"the guest agent did not come up under gVisor: "
-                                        f"{tier2._tail(state / 'agent.log')}", handle.sandbox_id)
-            await asyncio.sleep(0.005)
-        for attempt in range(50):  # the socket file exists from bind(); it accepts after listen()
-            try:
-                return await ready()
-            except GuestConnectionError:
-                if attempt == 49:
-                    raise
-                await asyncio.sleep(0.02)
-        raise AssertionError("unreachable")
+        return await host.wait_for_agent(ready, lambda: hostfs.is_socket(sock.parent, sock.name), stopped,
+                                         lambda: host.tail(Path(handle.state_dir) / "agent.log"), where="gVisor",
+                                         sandbox_id=handle.sandbox_id, timeout=START_TIMEOUT_S, check_every=100)
 
     async def checkpoint(self, handle: BackendHandle, image_dir: Path) -> Path:
         """Save the sandbox's processes and memory to ``image_dir``; the sandbox exits."""
@@ -220,8 +210,7 @@ class GvisorBackend(tier2.RuncBackend):
             # the old socket's host file outlives the agent's unlink through the gofer, and would
             # make its new bind fail: remove it here (the entry itself, by the directory's fd)
             hostfs.remove_entry(run, Path(handle.socket_path).name)
-            hostfs.create_marker(run, "resume", handle.uid_base + tier2.GUEST_UID,
-                                 handle.uid_base + tier2.GUEST_GID)
+            hostfs.create_marker(run, "resume", handle.uid_base + GUEST_UID, handle.uid_base + GUEST_GID)
         except OSError as e:
             raise SandboxStartError(f"cannot tell the agent to listen again: {e.strerror or e}",
                                     handle.sandbox_id) from None
@@ -261,10 +250,9 @@ class GvisorBackend(tier2.RuncBackend):
         pid = (st or {}).get("pid")
         if not isinstance(pid, int) or pid <= 0 or (st or {}).get("status") == "stopped":
             return False
-        return tier2._running(pid)
+        return host.running(pid)
 
-    async def destroy(self, handle: BackendHandle) -> None:
-        pids = self._pids(handle.sandbox_id)
+    async def delete_container(self, handle: BackendHandle) -> None:
         if self.root.exists() and any(self.root.glob(f"{handle.runtime_id}*")):
             proc = await asyncio.create_subprocess_exec(
                 *self._global(), "delete", "--force", handle.runtime_id,
@@ -273,4 +261,3 @@ class GvisorBackend(tier2.RuncBackend):
             if proc.returncode != 0 and await self.alive(handle):
                 raise SandboxStartError(f"runsc delete failed: {err.decode(errors='replace').strip()[-300:]}",
                                         handle.sandbox_id)
-        await self._wait_gone(handle, pids)

@@ -6,7 +6,7 @@ on this project's host (QEMU 7.2, ``/dev/kvm`` = PVM):
 - Accelerator by probing (:func:`accelerator`): KVM only when a probe guest boots under it
   within a short bound; PVM's ``/dev/kvm`` (``kvm_pvm``) runs only PVM-built kernels, so
   there TCG is chosen without trying. ``[microvm] accel`` in config.toml or
-  ``WARMBOX_MICROVM_ACCEL`` overrides. Under TCG a cold boot is ≈ 4–5 s.
+  ``WARMBOX_MICROVM_ACCEL`` overrides. Under TCG a cold boot is ≈ 4-5 s.
 - Every sandbox therefore starts from a memory snapshot (``snapshot_start``): a template VM
   is booted once per shape, brought to "agent ready" (+ warm-up), saved with QEMU migration
   (``stop`` + ``migrate``), and each new sandbox is a new QEMU with ``-incoming`` from that
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import fcntl
 import functools
 import json
 import math
@@ -41,14 +40,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Awaitable, Callable, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
+from warmbox.backends import _host as host
 from warmbox.backends import hostfs
 from warmbox.backends import microvm_image as images
+from warmbox.backends._host import tmpfs_sizes
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
-from warmbox.backends.runc import tmpfs_sizes
-from warmbox.errors import ConfigError, GuestConnectionError, NoSpace, SandboxError, SandboxStartError
+from warmbox.errors import ConfigError, NoSpace, SandboxStartError
 
 T = TypeVar("T")
 QEMU = "qemu-system-x86_64"
@@ -98,7 +99,8 @@ def qemu_version() -> str:
 def kernel_cmdline(limits, extra: str = "") -> str:
     """Quiet, no timer calibration (≈ 1.3 s under TCG), panic -> exit, the sandbox's limits."""
     parts = ["console=ttyS0", "rdinit=/init", "panic=-1", "quiet", "loglevel=1", "mitigations=off",
-             "nokaslr", "pci=off", "init_on_free=1", "random.trust_cpu=on", "i8042.noaux", "i8042.nokbd", "8250.nr_uarts=1"]
+             "nokaslr", "pci=off", "init_on_free=1", "random.trust_cpu=on", "i8042.noaux", "i8042.nokbd",
+             "8250.nr_uarts=1"]
     khz = _tsc_khz()
     if khz:
         parts += [f"tsc_early_khz={khz}", f"lpj={khz * 1000 // 250}", "tsc=reliable"]
@@ -133,7 +135,8 @@ def qemu_argv(image: Path, state: Path, limits, accel: str, *, incoming: str | N
             "-kernel", str(image / "vmlinux"), "-initrd", str(image / "initrd.cpio"),
             "-append", kernel_cmdline(limits, extra_cmdline),
             "-chardev", f"file,id=con,path={state / 'console.log'}", "-serial", "chardev:con",
-            "-drive", f"id=root,file={image / 'rootfs.ext4'},format=raw,if=none,readonly=on,cache=unsafe,file.locking=off",
+            "-drive",
+            f"id=root,file={image / 'rootfs.ext4'},format=raw,if=none,readonly=on,cache=unsafe,file.locking=off",
             "-device", "virtio-blk-device,drive=root",
             # the workspace disk comes as fds 3 (read-write) and 4 (read-only) in one fdset: QEMU
             # reopens it read-only when a migration completes, which a confined QEMU could not
@@ -166,7 +169,7 @@ class QMP:
         self.reader, self.writer = reader, writer
 
     @classmethod
-    async def connect(cls, path: Path, timeout: float = 10.0) -> "QMP":
+    async def connect(cls, path: Path, timeout: float = 10.0) -> QMP:
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -250,7 +253,8 @@ def save_memory(qmp_path: Path, image: Path, timeout: float = 300.0) -> None:
             call("migrate", uri="fd:wbsnap")
             deadline = time.monotonic() + timeout
             while True:
-                info = call("query-migrate") or {}
+                got = call("query-migrate")
+                info = got if isinstance(got, dict) else {}
                 status = info.get("status")
                 if status == "completed":
                     break
@@ -381,7 +385,7 @@ def _probe_kvm(runtime: Path) -> tuple[str, str]:
         subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image / "workspace.raw"), "-F", "raw",
                         str(probe_dir / "workspace" / "disk.qcow2")], check=True, capture_output=True, timeout=60)
         pid = _spawn(argv, probe_dir / "qemu.log", vm_files(probe_dir))
-        while time.monotonic() - t0 < PROBE_TIMEOUT_S and _running(pid):
+        while time.monotonic() - t0 < PROBE_TIMEOUT_S and host.running(pid):
             console = probe_dir / "console.log"
             if console.exists() and "WARMBOX-PROBE-OK" in console.read_text(errors="replace"):
                 booted = True
@@ -390,11 +394,11 @@ def _probe_kvm(runtime: Path) -> tuple[str, str]:
     except (subprocess.SubprocessError, OSError, SandboxStartError):
         booted = False
     finally:
-        pid = _pidfile(probe_dir / "qemu.pid")
-        if pid and _ours(pid, probe_dir):
-            _kill(pid)
+        left = _pidfile(probe_dir / "qemu.pid")
+        if left and _ours(left, probe_dir):
+            host.kill(left)
             deadline = time.monotonic() + 10
-            while _running(pid) and time.monotonic() < deadline:
+            while host.running(left) and time.monotonic() < deadline:
                 time.sleep(0.005)
         shutil.rmtree(probe_dir, ignore_errors=True)
     if booted:
@@ -405,131 +409,25 @@ def _probe_kvm(runtime: Path) -> tuple[str, str]:
 # --------------------------------------------------------------------------- host cgroup
 
 
-class HostCgroup:
+class HostCgroup(host.SandboxCgroup):
     """The host cgroup around one VM's QEMU and relay: a memory bound (guest RAM + TCG cache +
     QEMU's own), a CPU quota (``limits.cpus`` + headroom for QEMU's device threads; the guest's own
     cgroup holds its processes to ``limits.cpus``), a pids bound; the meter reads
     it. Both processes start inside it (the spawner joins it before exec), so every page they
     touch is charged here. ``/sys/fs/cgroup/[controller/]warmbox/<sandbox id>`` like Tier 2's."""
 
-    CONTROLLERS = ("memory", "cpu", "cpuacct", "pids")
-
-    def __init__(self, sandbox_id: str) -> None:
-        from warmbox.backends.runc import _cgroup_v2  # the host's layout, probed once
-
-        self.root = Path("/sys/fs/cgroup")
-        self.v2 = _cgroup_v2()
-        self.rel = Path("warmbox") / sandbox_id
-
-    def dirs(self) -> list[Path]:
-        if self.v2:
-            return [self.root / self.rel]
-        seen, out = set(), []
-        for c in self.CONTROLLERS:
-            d = self.root / c / self.rel
-            real = (self.root / c).resolve()
-            if real not in seen:  # cpu and cpuacct may be one hierarchy ("cpu,cpuacct")
-                seen.add(real)
-                out.append(d)
-        return out
-
-    def _file(self, controller: str, name: str) -> Path:
-        return self.root / self.rel / name if self.v2 else self.root / controller / self.rel / name
-
-    def create(self, memory_mb: int, cpus: float) -> list[str]:
-        """Make the cgroup with its limits; the ``cgroup.procs`` files a process writes itself into."""
-        try:
-            if self.v2:  # controllers enabled top-down, as runc does
-                parent = self.root / "warmbox"
-                parent.mkdir(exist_ok=True)
-                for d in (self.root, parent):
-                    (d / "cgroup.subtree_control").write_text("+memory +cpu +pids")
-            for d in self.dirs():
-                d.mkdir(parents=True, exist_ok=True)
-            quota = max(1000, int(cpus * 100_000))
-            if self.v2:
-                self._file("", "memory.max").write_text(str(memory_mb << 20))
-                if self._file("", "memory.swap.max").exists():  # absent without swap accounting
-                    self._file("", "memory.swap.max").write_text("0")
-                self._file("", "cpu.max").write_text(f"{quota} 100000")
-                self._file("", "pids.max").write_text(str(HOST_PIDS))
-            else:
-                self._file("memory", "memory.limit_in_bytes").write_text(str(memory_mb << 20))
-                self._file("cpu", "cpu.cfs_period_us").write_text("100000")
-                self._file("cpu", "cpu.cfs_quota_us").write_text(str(quota))
-                self._file("pids", "pids.max").write_text(str(HOST_PIDS))
-        except OSError as e:
-            self.remove()
-            raise SandboxStartError(f"cannot set up the VM's host cgroup {self.rel}: {e.strerror or e}") from None
-        return [str(d / "cgroup.procs") for d in self.dirs()]
-
     def create_for(self, limits, accel: str) -> list[str]:
         """``create`` sized for a VM of these limits under this accelerator."""
         tcg = TCG_CACHE_MB if accel == "tcg" else 0
-        return self.create(limits.memory_mb + GUEST_OVERHEAD_MB + tcg + HOST_OVERHEAD_MB, limits.cpus + HOST_CPU_HEADROOM)
-
-    def add_memory(self, extra_mb: int) -> None:
-        """Raise the memory bound (a pause: QEMU writes the whole guest RAM through the page
-        cache, charged here, before it exits)."""
-        f = self._file("memory", "memory.limit_in_bytes") if not self.v2 else self._file("", "memory.max")
-        try:
-            f.write_text(str(int(f.read_text()) + (extra_mb << 20)))
-        except (OSError, ValueError):
-            pass
-
-    def kill_all(self) -> None:
-        """SIGKILL whatever is still inside (only this VM's processes ever join it)."""
-        for d in self.dirs():
-            try:
-                pids = [int(x) for x in (d / "cgroup.procs").read_text().split()]
-            except (OSError, ValueError):
-                continue
-            for pid in pids:
-                _kill(pid)
-
-    def oom_kills(self) -> int:
-        try:
-            text = (self._file("", "memory.events") if self.v2 else self._file("memory", "memory.oom_control")).read_text()
-        except OSError:
-            return 0
-        for line in text.splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill" and value.strip().isdigit():
-                return int(value)
-        return 0
+        return self.create(limits.memory_mb + GUEST_OVERHEAD_MB + tcg + HOST_OVERHEAD_MB,
+                           limits.cpus + HOST_CPU_HEADROOM, HOST_PIDS)
 
     def usage(self) -> tuple[int, int] | None:
         """(anonymous memory bytes, CPU ns) of everything in it; None once it is gone."""
         try:
-            if self.v2:
-                stat = self._file("", "memory.stat").read_text()
-                anon = next(int(ln.split()[1]) for ln in stat.splitlines() if ln.startswith("anon "))
-                usec = next(int(ln.split()[1]) for ln in self._file("", "cpu.stat").read_text().splitlines()
-                            if ln.startswith("usage_usec "))
-                return anon, usec * 1000
-            stat = self._file("memory", "memory.stat").read_text()
-            anon = next(int(ln.split()[1]) for ln in stat.splitlines() if ln.startswith("rss "))
-            return anon, int(self._file("cpuacct", "cpuacct.usage").read_text())
-        except (OSError, ValueError, StopIteration):
+            return self.anon_bytes(), self.cpu_ns()
+        except (OSError, ValueError):
             return None
-
-    def remove(self) -> None:
-        """Kill what is left inside, then rmdir every directory (the kernel may lag a moment);
-        raises SandboxError when one stays (the engine retries the teardown later)."""
-        self.kill_all()
-        for d in self.dirs():
-            for attempt in range(500):
-                try:
-                    d.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError as e:
-                    if attempt == 499:
-                        raise SandboxError(f"the VM's host cgroup {d} stays busy: {e.strerror or e}") from None
-                    if attempt % 50 == 49:
-                        self.kill_all()
-                    time.sleep(0.01)
 
 
 # --------------------------------------------------------------------------- processes
@@ -552,20 +450,8 @@ def _ours(pid: int, state: Path) -> bool:
     return str(state).encode() in cmdline
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")
-
-
-def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
+# cli/bench_microvm.py (its raw-QEMU baseline) still reaches these by their old names here
+_running, _kill = host.running, host.kill
 
 
 def vm_files(state: Path, memory: Path | None = None) -> list[tuple[Path, int]]:
@@ -577,60 +463,20 @@ def vm_files(state: Path, memory: Path | None = None) -> list[tuple[Path, int]]:
     return files
 
 
-def _spawn(argv: list[str], log: Path, files: list[tuple[Path, int]] = (), cgroup_procs: list[str] = ()) -> int:
-    """Start a detached process (own session, stdio to ``log``, ``files`` opened with their
-    flags as its fds 3, 4, ..., inside the cgroups whose ``cgroup.procs`` files are given);
-    it is reaped by a double fork."""
-    srcs: list[int] = []
+def _spawn(argv: list[str], log: Path, files: Sequence[tuple[Path, int]] = (), cgroup_procs: Sequence[str] = ()) -> int:
+    """Start a VM's process detached (``host.spawn``): ``files`` opened with their flags as its
+    fds 3, 4, ..., inside the cgroups whose ``cgroup.procs`` files are given."""
+    fds: list[int] = []
     try:
-        for path, flags in files:  # high numbers first: dup2(n, n) would keep CLOEXEC
-            opened = os.open(path, flags | os.O_CLOEXEC)
-            srcs.append(fcntl.fcntl(opened, fcntl.F_DUPFD_CLOEXEC, 32))
-            os.close(opened)
-    except OSError as e:
-        for fd in srcs:
-            os.close(fd)
-        raise SandboxStartError(f"cannot open {e.filename}: {e.strerror}") from None
-    null = os.open(os.devnull, os.O_RDONLY)
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    r, w = os.pipe()
-    try:
-        child = os.fork()
-        if child == 0:  # pragma: no cover - runs in the child
-            try:
-                os.setsid()
-                grandchild = os.fork()
-                if grandchild:
-                    os.write(w, str(grandchild).encode())
-                    os._exit(0)
-                os.dup2(null, 0)
-                os.dup2(out, 1)
-                os.dup2(out, 2)
-                for procs in cgroup_procs:  # before exec: every page the program touches is charged there
-                    try:
-                        fd = os.open(procs, os.O_WRONLY)
-                        os.write(fd, str(os.getpid()).encode())
-                        os.close(fd)
-                    except OSError as e:
-                        os.write(2, f"warmbox: cannot join the cgroup {procs}: {e}\n".encode())
-                        os._exit(126)
-                for n, fd in enumerate(srcs):
-                    os.dup2(fd, 3 + n)  # dup2 clears CLOEXEC on the copy
-                os.closerange(3 + len(srcs), 1 << 16)
-                os.execvp(argv[0], argv)
-            finally:
-                os._exit(127)
-        os.close(w)
-        w = -1
-        os.waitpid(child, 0)
-        pid = int(os.read(r, 32) or b"0")
+        try:
+            for path, flags in files:
+                fds.append(os.open(path, flags | os.O_CLOEXEC))
+        except OSError as e:
+            raise SandboxStartError(f"cannot open {e.filename}: {e.strerror}") from None
+        return host.spawn(argv, log, fds, detach=True, cgroup_procs=cgroup_procs)
     finally:
-        for fd in (*srcs, null, out, r, w):
-            if fd >= 0:
-                os.close(fd)
-    if pid <= 0:
-        raise SandboxStartError(f"could not start {argv[0]}")
-    return pid
+        for fd in fds:
+            os.close(fd)
 
 
 class MicroVMBackend:
@@ -696,6 +542,7 @@ class MicroVMBackend:
     def template_fingerprint(self) -> str:
         """What a memory snapshot must match to restore: image, accelerator, machine, argv."""
         import hashlib
+
         from warmbox.models import Limits
 
         argv = qemu_argv(self.image(), Path("/state"), Limits(), self.accel()[0], incoming=INCOMING_FD, confine=0)
@@ -781,46 +628,19 @@ class MicroVMBackend:
                         handle.socket_path, str(handle.uid_base), str(qemu), str(state / "run" / "restore.sock")],
                        state / "relay.log", (), procs)
         (state / "relay.pid").write_text(str(relay))
-        deadline = time.monotonic() + START_TIMEOUT_S
         sock = Path(handle.socket_path)
-        while not sock.exists():
-            if time.monotonic() > deadline or not _running(relay) or not _running(qemu):
-                raise SandboxStartError(f"the microVM did not start: {self._why(state)}", handle.sandbox_id)
-            await asyncio.sleep(0.002)
-        attempt = 0
-        while True:
-            try:
-                task = asyncio.ensure_future(ready())
-                try:
-                    while not task.done():
-                        await asyncio.wait([task], timeout=0.25)
-                        if task.done():
-                            break
-                        if not _running(qemu):
-                            raise SandboxStartError(f"the microVM stopped during start: {self._why(state)}",
-                                                    handle.sandbox_id)
-                        if time.monotonic() > deadline:
-                            raise SandboxStartError(f"the guest agent did not answer within {START_TIMEOUT_S:.0f} s: "
-                                                    f"{self._why(state)}", handle.sandbox_id)
-                finally:
-                    if not task.done():
-                        task.cancel()
-                        await asyncio.gather(task, return_exceptions=True)
-                return task.result()
-            except GuestConnectionError:
-                attempt += 1
-                if attempt >= 50 or not _running(relay):
-                    raise SandboxStartError(f"the guest agent did not come up in the microVM: {self._why(state)}",
-                                            handle.sandbox_id) from None
-                await asyncio.sleep(0.02)
+
+        async def stopped() -> bool:  # the relay ends when QEMU does, or on a guest's protocol violation
+            return not (host.running(qemu) and host.running(relay))
+
+        return await host.wait_for_agent(ready, sock.exists, stopped, lambda: self._why(state), where="the microVM",
+                                         sandbox_id=handle.sandbox_id, timeout=START_TIMEOUT_S, poll=0.002)
 
     @staticmethod
     def _why(state: Path) -> str:
-        from warmbox.backends.runc import _tail
-
         parts = []
         for name in ("qemu.log", "console.log", "relay.log"):
-            t = _tail(state / name, 300)
+            t = host.tail(state / name, 300)
             if t not in ("(no log)", "(empty log)"):
                 parts.append(f"{name}: {t}")
         return "; ".join(parts) or "no output"
@@ -832,15 +652,15 @@ class MicroVMBackend:
         migration), then end QEMU; the workspace disk is complete once QEMU has exited."""
         state = Path(handle.state_dir)
         image = image_dir / "checkpoint.img"
+        # QEMU writes the whole guest RAM through the page cache, charged to its cgroup, before it exits
         HostCgroup(handle.sandbox_id).add_memory(self._limits(handle).memory_mb + GUEST_OVERHEAD_MB)
         try:
             await asyncio.to_thread(save_memory, state / "run" / "qmp.sock", image)
         except OSError as e:
             raise SandboxStartError(f"QEMU's monitor: {e}", handle.sandbox_id) from None
         pid = _pidfile(state / "qemu.pid")
-        deadline = time.monotonic() + 20
-        while pid and _running(pid) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        if pid:
+            await host.wait_gone(pid, 20, poll=0.01)
         return image
 
     async def resume_listening(self, handle: BackendHandle) -> None:
@@ -894,7 +714,7 @@ class MicroVMBackend:
         state = Path(handle.state_dir)
         for name in ("qemu.pid", "relay.pid"):
             pid = _pidfile(state / name)
-            if not (pid and _ours(pid, state) and _running(pid)):
+            if not (pid and _ours(pid, state) and host.running(pid)):
                 return False
         return True
 
@@ -906,10 +726,8 @@ class MicroVMBackend:
         for name in ("qemu.pid", "relay.pid"):
             pid = _pidfile(state / name)
             if pid and _ours(pid, state):
-                _kill(pid, signal.SIGKILL)
-                deadline = time.monotonic() + 10
-                while _running(pid) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.005)
+                host.kill(pid, signal.SIGKILL)
+                await host.wait_gone(pid, 10)
         await asyncio.to_thread(HostCgroup(handle.sandbox_id).remove)
         hostfs.keep_logs(state, self.runtime_logs, self.runtime / "logs", handle.sandbox_id)
         shutil.rmtree(state, ignore_errors=True)

@@ -32,6 +32,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from warmbox.backends._host import GUEST_GID, GUEST_UID, build_spawn_helpers
 from warmbox.errors import SandboxStartError
 
 BUILD_VERSION = "microvm-image-v1"
@@ -412,7 +413,7 @@ def _rootfs(out: Path, work: Path) -> None:
     _run(["cp", "-a", str(_debian_tree(out.parent)), str(root)], "copying the Debian tree")
     for d in ("workspace", "home/user", "run", "tmp", "opt/warmbox/warmbox/guest", "dev", "proc", "sys"):
         (root / d).mkdir(parents=True, exist_ok=True)
-    os.chown(root / "home/user", 1000, 1000)
+    os.chown(root / "home/user", GUEST_UID, GUEST_GID)
     os.chmod(root / "tmp", 0o1777)
     for name, text in _ETC.items():
         path = root / "etc" / name
@@ -423,9 +424,7 @@ def _rootfs(out: Path, work: Path) -> None:
     (lib / "__init__.py").write_text('"""Guest-side copy: protocol + agent only."""\n')
     for rel in _GUEST_SOURCES:
         shutil.copy2(pkg / rel, lib / rel)
-    from warmbox.backends.runc import build_spawn_helpers  # the guest's glibc is Debian's, as the host's
-
-    build_spawn_helpers(pkg / "guest", lib / "guest")
+    build_spawn_helpers(pkg / "guest", lib / "guest")  # the guest's glibc is Debian's, as the host's
     guest_py = sorted((root / "usr/bin").glob("python3.[0-9]*"))
     host_py = Path("/usr/bin") / guest_py[0].name if guest_py else None
     if host_py is not None and host_py.exists():  # same Debian interpreter: its bytecode fits the guest's
