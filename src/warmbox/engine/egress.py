@@ -28,13 +28,20 @@ from warmbox.engine.session import GuestSession
 from warmbox.models import ApprovalRequest, StageTiming
 from warmbox.network import netns
 from warmbox.network.policy import Policy, Secret
-from warmbox.network.proxy import control_path, launch_argv, supervisor_pid_path
 from warmbox.storage.registry import UID_BASE, UID_RANGE
 
 if TYPE_CHECKING:
     from warmbox.engine.engine import Engine
 
 PROXY_URL = f"http://{netns.GATEWAY}:{netns.PROXY_PORT}"
+
+
+def _proxy():  # type: ignore[no-untyped-def]
+    """The proxy module, imported on first use: it loads TLS and HTTP code (cryptography, urllib)
+    that a sandbox without network never needs, and the CLI pays every import on each start."""
+    from warmbox.network import proxy
+
+    return proxy
 CA_PATH = "/home/user/.warmbox/ca-bundle.pem"
 _PROXY_START_S = 15.0
 _SERVE_WAIT_S = 10.0  # how long a network operation waits for a dead proxy to serve again
@@ -92,7 +99,7 @@ class Control:
 
     @classmethod
     async def open(cls, home: Path, timeout: float = 2.0) -> "Control":
-        r, w = await asyncio.wait_for(asyncio.open_unix_connection(str(control_path(home)), limit=1 << 20), timeout)
+        r, w = await asyncio.wait_for(asyncio.open_unix_connection(str(_proxy().control_path(home)), limit=1 << 20), timeout)
         return cls(r, w)
 
     async def call(self, msg: dict, timeout: float = 10.0) -> dict:
@@ -131,7 +138,7 @@ def require_serving(home: Path, bound: float = _SERVE_WAIT_S) -> None:
             return
         if started is None and not _proxy_locked(home):
             with open(home / "netproxy.log", "ab") as log:
-                started = subprocess.Popen([*launch_argv(), str(home)],
+                started = subprocess.Popen([*_proxy().launch_argv(), str(home)],
                                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
                                            start_new_session=True, close_fds=True)
         gave_up = started is not None and started.poll() is not None and not _proxy_locked(home)
@@ -155,7 +162,7 @@ def _hello(home: Path, timeout: float = 1.0) -> bool:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
-            s.connect(str(control_path(home)))
+            s.connect(str(_proxy().control_path(home)))
             s.sendall(b'{"op": "hello"}\n')
             buf = b""
             while not buf.endswith(b"\n") and len(buf) < 4096:
@@ -194,7 +201,7 @@ def proxy_pid(home: Path) -> int | None:
 def supervisor_pid(home: Path) -> int | None:
     """PID of the process that supervises (and restarts) the proxy."""
     try:
-        pid = int(supervisor_pid_path(home).read_text())
+        pid = int(_proxy().supervisor_pid_path(home).read_text())
     except (OSError, ValueError):
         return None
     return pid if _proxy_locked(home) else None

@@ -24,7 +24,7 @@ from warmbox.engine.session import GuestSession
 from warmbox.errors import GuestConnectionError, InvalidArgument, WarmboxError
 from warmbox.lifecycle import Operation, check
 from warmbox.models import (ApprovalRequest, CommandResult, EntryInfo, Execution, NetEvent, SandboxInfo,
-                            SandboxMetrics, SnapshotRef, State)
+                            SandboxMetrics, SnapshotRef, StageTiming, State, TierStatus)
 
 R = TypeVar("R")
 REATTACH_S = 15.0  # after a failed memory pause, how long the agent may take to listen again
@@ -58,7 +58,8 @@ def _argv(cmd: object) -> list[str]:
 def _snapshot_ref(m: Any) -> SnapshotRef:
     return SnapshotRef(snapshot_id=m.snapshot_id, sandbox_id=m.sandbox_id, created_at=m.created_at, tier=m.tier,
                        template=m.template, memory=m.memory, size_bytes=m.size_bytes,
-                       context_skipped=m.context_skipped)
+                       context_skipped=m.context_skipped, context_saved=m.context_saved,
+                       files_raw_bytes=m.filesystem_raw_bytes, files_bytes=m.filesystem_bytes)
 
 
 class Subscription:
@@ -80,14 +81,16 @@ class EngineFront:
         self._first_done: set[str] = set()
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[Any]]] = {
             ops.Create: self.create, ops.Connect: self.connect, ops.Resume: self.resume, ops.Detach: self.detach,
-            ops.ListSandboxes: self.list, ops.Info: self.info, ops.Kill: self.kill,
+            ops.ListSandboxes: self.list, ops.Info: self.info, ops.Timings: self.timings, ops.Logs: self.logs,
+            ops.Doctor: self.doctor, ops.Kill: self.kill,
             ops.SetTimeout: self.set_timeout, ops.Metrics: self.metrics, ops.Ping: self.ping,
             ops.RecordFirstCommand: self.record_first_command, ops.Exec: self.exec,
             ops.RunCode: self.run_code, ops.CreateContext: self.create_context,
             ops.RemoveContext: self.remove_context, ops.ReadFile: self.read_file,
             ops.ReadFileStream: self.read_file_stream, ops.WriteFile: self.write_file, ops.ListDir: self.list_dir,
             ops.Stat: self.stat, ops.MakeDir: self.make_dir, ops.Remove: self.remove, ops.Snapshot: self.snapshot,
-            ops.Pause: self.pause, ops.ListSnapshots: self.list_snapshots, ops.UpdateNetwork: self.update_network,
+            ops.Pause: self.pause, ops.ListSnapshots: self.list_snapshots,
+            ops.DeleteSnapshot: self.delete_snapshot, ops.GcSnapshots: self.gc_snapshots, ops.UpdateNetwork: self.update_network,
             ops.NetworkPolicy: self.network_policy, ops.NetworkLog: self.network_log,
         }
 
@@ -164,10 +167,22 @@ class EngineFront:
         await self._drop(r.sandbox_id)
 
     async def list(self, r: ops.ListSandboxes) -> list[SandboxInfo]:
+        if r.reap:
+            await self.engine.reap()
         return self.engine.list(r.include_dead)
 
     async def info(self, r: ops.Info) -> SandboxInfo:
         return self.engine.info(r.sandbox_id)[0]
+
+    async def timings(self, r: ops.Timings) -> list[StageTiming]:
+        self.engine.info(r.sandbox_id)
+        return self.engine.registry.timings(r.sandbox_id)
+
+    async def logs(self, r: ops.Logs) -> str:
+        return self.engine.logs(r.sandbox_id)
+
+    async def doctor(self, r: ops.Doctor) -> list[TierStatus]:
+        return await asyncio.to_thread(self.engine.doctor)  # a first probe may boot a probe guest
 
     async def kill(self, r: ops.Kill) -> bool:
         await self._drop(r.sandbox_id)
@@ -304,6 +319,13 @@ class EngineFront:
 
     async def list_snapshots(self, r: ops.ListSnapshots) -> list[tuple[str, str, float, int]]:
         return self.engine.registry.all_snapshots()
+
+    async def delete_snapshot(self, r: ops.DeleteSnapshot) -> None:
+        snapshots.delete(self.engine, r.snapshot_id)
+
+    async def gc_snapshots(self, r: ops.GcSnapshots) -> ops.GcReport:
+        removed, broken = await snapshots.gc(self.engine, 0.0 if r.now else None)
+        return ops.GcReport(removed, tuple(broken), snapshots.store_for(self.engine).describe())
 
     # ---- network
 
