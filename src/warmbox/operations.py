@@ -16,8 +16,18 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from warmbox.errors import InvalidPath
-from warmbox.models import (CommandResult, EntryInfo, Execution, Limits, NetEvent, SandboxInfo, SandboxMetrics,
-                            SnapshotRef, StageTiming, TierStatus)
+from warmbox.models import (
+    CommandResult,
+    EntryInfo,
+    Execution,
+    Limits,
+    NetEvent,
+    SandboxInfo,
+    SandboxMetrics,
+    SnapshotRef,
+    StageTiming,
+    TierStatus,
+)
 
 R = TypeVar("R")
 TextSink = Callable[[str], object]
@@ -36,9 +46,7 @@ def sandbox_path(path: object) -> str:
     return posixpath.normpath(posixpath.join(WORKDIR, path))
 
 
-def _local() -> Any:
-    """A streaming callback: never serialised, fed by the transport."""
-    return dataclasses.field(default=None, compare=False, repr=False, metadata={"local": True})
+LOCAL = {"local": True}  # field metadata of a streaming callback: never serialised, fed by the transport
 
 
 class Op(str, enum.Enum):
@@ -255,8 +263,8 @@ class Exec(Request[CommandResult]):
     timeout: float | None = 60.0
     stdin: str | bytes | None = None
     max_output: int = 10 << 20
-    on_stdout: TextSink | None = _local()
-    on_stderr: TextSink | None = _local()
+    on_stdout: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
+    on_stderr: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,8 +277,8 @@ class RunCode(Request[Execution]):
     context: str = "default"
     timeout: float | None = 60.0
     max_output: int = 10 << 20
-    on_stdout: TextSink | None = _local()
-    on_stderr: TextSink | None = _local()
+    on_stdout: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
+    on_stderr: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
 
 
 @dataclasses.dataclass(frozen=True)

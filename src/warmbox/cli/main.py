@@ -221,8 +221,8 @@ def _limits(args: argparse.Namespace) -> Limits:
 
 
 def _create_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(timeout=args.timeout, envs=_env_pairs(args.env), limits=_limits(args),
-                template=args.template, pool=not args.no_pool, network=_network(args), secrets=_secrets(args))
+    return {"timeout": args.timeout, "envs": _env_pairs(args.env), "limits": _limits(args), "template": args.template,
+            "pool": not args.no_pool, "network": _network(args), "secrets": _secrets(args)}
 
 
 def _timings_json(stages: list) -> list[dict]:

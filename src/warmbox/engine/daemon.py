@@ -444,7 +444,7 @@ async def _sleep(stop: asyncio.Event, delay: float) -> None:
 
     try:
         await asyncio.wait_for(stop.wait(), delay)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
 
 
