@@ -77,7 +77,7 @@ def _add_network_opts(p: argparse.ArgumentParser) -> None:
 
 
 def _network(args: argparse.Namespace) -> Any:
-    from warmbox.network.policy import Network
+    from warmbox import Network
 
     if args.allow or args.deny:
         if args.network == "internet":
@@ -87,7 +87,7 @@ def _network(args: argparse.Namespace) -> Any:
 
 
 def _secrets(args: argparse.Namespace) -> dict[str, Any]:
-    from warmbox.network.policy import Secret
+    from warmbox import Secret
 
     out = {}
     for item in getattr(args, "secret", None) or []:
@@ -451,7 +451,7 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 async def _bench(args: argparse.Namespace) -> int:
-    from warmbox.cli import bench
+    from warmbox import bench
 
     return await bench.command(args)
 

@@ -34,26 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from warmbox.bench.common import AGENT, AGENT_CODE, EMPTY, VARIANTS, _pct, _stats  # noqa: F401 - used below
 from warmbox.errors import WarmboxError
-
-EMPTY = ["python3", "-c", "print(2+2)"]
-AGENT_CODE = (
-    "import numpy, pandas\n"
-    "rng = numpy.random.default_rng(0)\n"
-    "pandas.DataFrame(rng.normal(size=(1000, 4)), columns=list('abcd')).to_csv('/tmp/d.csv', index=False)\n"
-    "print(pandas.read_csv('/tmp/d.csv').describe().loc['mean'].round(3).to_dict())")
-AGENT = ["python3", "-c", AGENT_CODE]
-VARIANTS = {"empty": (EMPTY, "print(2+2)", "base"), "agent": (AGENT, AGENT_CODE, "pydata")}
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
-
-
-def _stats(v: list[float]) -> dict[str, float]:
-    return {"p50_ms": statistics.median(v), "p95_ms": _pct(v, 0.95), "p99_ms": _pct(v, 0.99),
-            "min_ms": min(v), "n": len(v)}
 
 
 def _progress(total: int, what: str):
@@ -92,8 +74,8 @@ def _make_home(pools: dict[str, dict[str, Any]]) -> Path:
 
 
 async def _remove_home(home: Path) -> None:
-    from warmbox.cli.pools import down_home
     from warmbox.engine import daemon
+    from warmbox.engine.daemon import down_home
     from warmbox.engine.engine import Engine
 
     engine = Engine.for_home(home)
@@ -836,7 +818,7 @@ async def command(args: argparse.Namespace) -> int:
     home = _make_home(pools)
     try:
         if args.bench == "start" and args.tier == "microvm":
-            from warmbox.cli import bench_microvm
+            from warmbox.bench import microvm as bench_microvm
 
             report = await bench_microvm.bench_start(home, args.runs, args.variant)
             printer = _print_microvm
@@ -851,7 +833,7 @@ async def command(args: argparse.Namespace) -> int:
             printer = _print_exec
         elif args.bench == "snapshot":
             if args.tier == "microvm":
-                from warmbox.cli import bench_microvm
+                from warmbox.bench import microvm as bench_microvm
 
                 report = await bench_microvm.bench_snapshot(home, args.runs)
             elif args.tier == "gvisor":
