@@ -142,7 +142,7 @@ def home() -> Path:
     # every test must have cleaned up after itself; prove it, then remove what is left
     import asyncio
 
-    from warmbox.cli.pools import down_home
+    from warmbox.engine.daemon import down_home
     from warmbox.engine.engine import Engine
 
     engine = Engine.for_home(path)

@@ -18,7 +18,9 @@ ALLOWED: dict[str, set[str]] = {
     "network": {"storage"},
     "engine": {"backends", "network", "storage"},
     "sdk": set(),
-    "cli": {"sdk", "engine", "backends", "network", "storage"},
+    "cli": {"sdk", "engine", "bench"},  # the engine: its front, and the daemon/pool managers (pools, down)
+    # benchmarks drive raw runtimes as baselines (backends) beside sandboxes made through the SDK
+    "bench": {"sdk", "engine", "backends", "storage"},
 }
 # the in-process transport is where the SDK meets the engine front (a remote one does not);
 # the SDK names the public policy types (warmbox.Network, warmbox.Secret: plain records)

@@ -1,13 +1,51 @@
 """warmbox: self-hosted sandboxes for running untrusted, model-generated code."""
 
-from warmbox.errors import (ArtifactCorrupt, BackendUnavailable, CommandFailed, ConfigError, ContextError,
-                            FilesError, GuestConnectionError, SnapshotUnsupported, StorageError, StorageFull,
-                            GuestProtocolError, InvalidArgument, InvalidPath, IsADirectory, NetworkError, NoSpace,
-                            NotADirectory, PathExists, PathNotFound, PathPermissionDenied, RegistryError,
-                            SandboxError, SandboxNotFound, SandboxStartError, SandboxStateError,
-                            SandboxTimeout, WarmboxError)
-from warmbox.models import (ApprovalRequest, CommandResult, EntryInfo, Execution, ExecutionError, Limits, PoolStatus, Result,
-                            NetEvent, SandboxInfo, SandboxMetrics, SnapshotRef, StageTiming, State, TierStatus)
+from warmbox.errors import (
+                            ArtifactCorrupt,
+                            BackendUnavailable,
+                            CommandFailed,
+                            ConfigError,
+                            ContextError,
+                            FilesError,
+                            GuestConnectionError,
+                            GuestProtocolError,
+                            InvalidArgument,
+                            InvalidPath,
+                            IsADirectory,
+                            NetworkError,
+                            NoSpace,
+                            NotADirectory,
+                            PathExists,
+                            PathNotFound,
+                            PathPermissionDenied,
+                            RegistryError,
+                            SandboxError,
+                            SandboxNotFound,
+                            SandboxStartError,
+                            SandboxStateError,
+                            SandboxTimeout,
+                            SnapshotUnsupported,
+                            StorageError,
+                            StorageFull,
+                            WarmboxError,
+)
+from warmbox.models import (
+                            ApprovalRequest,
+                            CommandResult,
+                            EntryInfo,
+                            Execution,
+                            ExecutionError,
+                            Limits,
+                            NetEvent,
+                            PoolStatus,
+                            Result,
+                            SandboxInfo,
+                            SandboxMetrics,
+                            SnapshotRef,
+                            StageTiming,
+                            State,
+                            TierStatus,
+)
 from warmbox.network.policy import Network, Secret
 from warmbox.sdk import AsyncSandbox, CodeContext, Sandbox
 

@@ -290,6 +290,9 @@ class SnapshotRef:
     memory: bool  # False: files + code-context state only (the tier cannot snapshot memory)
     size_bytes: int
     context_skipped: tuple[str, ...]  # context variables that could not be saved
+    context_saved: bool = True  # the default context's variables are in it
+    files_raw_bytes: int = 0  # the files' size before compression
+    files_bytes: int = 0  # the files as stored
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,8 +16,18 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from warmbox.errors import InvalidPath
-from warmbox.models import (CommandResult, EntryInfo, Execution, Limits, NetEvent, SandboxInfo, SandboxMetrics,
-                            SnapshotRef, StageTiming)
+from warmbox.models import (
+    CommandResult,
+    EntryInfo,
+    Execution,
+    Limits,
+    NetEvent,
+    SandboxInfo,
+    SandboxMetrics,
+    SnapshotRef,
+    StageTiming,
+    TierStatus,
+)
 
 R = TypeVar("R")
 TextSink = Callable[[str], object]
@@ -36,9 +46,7 @@ def sandbox_path(path: object) -> str:
     return posixpath.normpath(posixpath.join(WORKDIR, path))
 
 
-def _local() -> Any:
-    """A streaming callback: never serialised, fed by the transport."""
-    return dataclasses.field(default=None, compare=False, repr=False, metadata={"local": True})
+LOCAL = {"local": True}  # field metadata of a streaming callback: never serialised, fed by the transport
 
 
 class Op(str, enum.Enum):
@@ -50,6 +58,9 @@ class Op(str, enum.Enum):
     DETACH = "detach"
     LIST = "list"
     INFO = "info"
+    TIMINGS = "timings"
+    LOGS = "logs"
+    DOCTOR = "doctor"
     KILL = "kill"
     SET_TIMEOUT = "set_timeout"
     METRICS = "metrics"
@@ -69,6 +80,8 @@ class Op(str, enum.Enum):
     SNAPSHOT = "snapshot"
     PAUSE = "pause"
     LIST_SNAPSHOTS = "snapshots.list"
+    DELETE_SNAPSHOT = "snapshots.delete"
+    GC_SNAPSHOTS = "snapshots.gc"
     NETWORK_UPDATE = "network.update"
     NETWORK_POLICY = "network.policy"
     NETWORK_LOG = "network.log"
@@ -158,14 +171,40 @@ class Detach(Request[None]):
 
 @dataclasses.dataclass(frozen=True)
 class ListSandboxes(Request[list[SandboxInfo]]):
+    """Live sandboxes (include_dead: ended ones too); reap: first end the expired and the orphaned."""
+
     op: ClassVar[Op] = Op.LIST
     include_dead: bool = False
+    reap: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Info(Request[SandboxInfo]):
     op: ClassVar[Op] = Op.INFO
     sandbox_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Timings(Request[list[StageTiming]]):
+    """A sandbox's stage timings (kept after it ended)."""
+
+    op: ClassVar[Op] = Op.TIMINGS
+    sandbox_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Logs(Request[str]):
+    """The tails of a sandbox's runtime logs (runc/runsc, a Sentry panic, QEMU), also after it ended."""
+
+    op: ClassVar[Op] = Op.LOGS
+    sandbox_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Doctor(Request[list[TierStatus]]):
+    """Which tiers this host can run, and why not."""
+
+    op: ClassVar[Op] = Op.DOCTOR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,8 +263,8 @@ class Exec(Request[CommandResult]):
     timeout: float | None = 60.0
     stdin: str | bytes | None = None
     max_output: int = 10 << 20
-    on_stdout: TextSink | None = _local()
-    on_stderr: TextSink | None = _local()
+    on_stdout: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
+    on_stderr: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,8 +277,8 @@ class RunCode(Request[Execution]):
     context: str = "default"
     timeout: float | None = 60.0
     max_output: int = 10 << 20
-    on_stdout: TextSink | None = _local()
-    on_stderr: TextSink | None = _local()
+    on_stdout: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
+    on_stderr: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,6 +395,31 @@ class ListSnapshots(Request[list[tuple[str, str, float, int]]]):
     op: ClassVar[Op] = Op.LIST_SNAPSHOTS
 
 
+@dataclasses.dataclass(frozen=True)
+class DeleteSnapshot(Request[None]):
+    """Forget a snapshot (its blobs go at the next gc); works on an unreadable manifest too."""
+
+    op: ClassVar[Op] = Op.DELETE_SNAPSHOT
+    snapshot_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class GcReport:
+    """What a snapshot gc did: blobs deleted, manifests that cannot be read, the store it swept."""
+
+    removed: int
+    broken: tuple[str, ...]
+    store: str
+
+
+@dataclasses.dataclass(frozen=True)
+class GcSnapshots(Request[GcReport]):
+    """Finish or undo dead snapshot operations, then delete unreferenced blobs (now: no grace period)."""
+
+    op: ClassVar[Op] = Op.GC_SNAPSHOTS
+    now: bool = False
+
+
 # ---- network
 
 
@@ -381,6 +445,6 @@ class NetworkLog(Request[list[NetEvent]]):
 
 
 REQUESTS: dict[Op, type[Request[Any]]] = {cls.op: cls for cls in (
-    Create, Connect, Resume, Detach, ListSandboxes, Info, Kill, SetTimeout, Metrics, Ping, RecordFirstCommand, Exec, RunCode, CreateContext,
+    Create, Connect, Resume, Detach, ListSandboxes, Info, Timings, Logs, Doctor, Kill, SetTimeout, Metrics, Ping, RecordFirstCommand, Exec, RunCode, CreateContext,
     RemoveContext, ReadFile, ReadFileStream, WriteFile, ListDir, Stat, MakeDir, Remove, Snapshot, Pause,
-    ListSnapshots, UpdateNetwork, NetworkPolicy, NetworkLog)}
+    ListSnapshots, DeleteSnapshot, GcSnapshots, UpdateNetwork, NetworkPolicy, NetworkLog)}

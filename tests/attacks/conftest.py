@@ -68,7 +68,7 @@ def private_home(runc_ready):
     try:
         yield engine
     finally:
-        from warmbox.cli.pools import down_home
+        from warmbox.engine.daemon import down_home
 
         asyncio.run(down_home(h))
         for info in engine.list(include_pooled=True):

@@ -30,6 +30,7 @@ import sys
 import time
 from typing import Any
 
+from warmbox import operations as ops
 from warmbox.errors import WarmboxError
 from warmbox.models import Limits
 
@@ -76,7 +77,7 @@ def _add_network_opts(p: argparse.ArgumentParser) -> None:
 
 
 def _network(args: argparse.Namespace) -> Any:
-    from warmbox.network.policy import Network
+    from warmbox import Network
 
     if args.allow or args.deny:
         if args.network == "internet":
@@ -86,7 +87,7 @@ def _network(args: argparse.Namespace) -> Any:
 
 
 def _secrets(args: argparse.Namespace) -> dict[str, Any]:
-    from warmbox.network.policy import Secret
+    from warmbox import Secret
 
     out = {}
     for item in getattr(args, "secret", None) or []:
@@ -220,8 +221,8 @@ def _limits(args: argparse.Namespace) -> Limits:
 
 
 def _create_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(timeout=args.timeout, envs=_env_pairs(args.env), limits=_limits(args),
-                template=args.template, pool=not args.no_pool, network=_network(args), secrets=_secrets(args))
+    return {"timeout": args.timeout, "envs": _env_pairs(args.env), "limits": _limits(args), "template": args.template,
+            "pool": not args.no_pool, "network": _network(args), "secrets": _secrets(args)}
 
 
 def _timings_json(stages: list) -> list[dict]:
@@ -291,16 +292,21 @@ async def _exec(args: argparse.Namespace) -> int:
         await sb.close()
 
 
-async def _ls(args: argparse.Namespace) -> int:
-    from warmbox.engine.engine import Engine
+def _engine() -> Any:
+    """The engine front of this home, in process (the CLI's only way to the engine)."""
+    from warmbox.sdk.transport import LocalTransport
 
-    engine = Engine.for_home()
-    await engine.reap()
-    infos = engine.list(include_dead=args.all)
+    return LocalTransport()
+
+
+async def _ls(args: argparse.Namespace) -> int:
+    t = _engine()
+    infos = await t.handle(ops.ListSandboxes(include_dead=args.all, reap=True))
+    timings = {i.sandbox_id: await t.handle(ops.Timings(i.sandbox_id)) for i in infos} if args.json or args.timings else {}
     if args.json:
         print(json.dumps([{**dataclasses.asdict(i), "state": i.state.value, "from_pool": i.from_pool,
-                           "timings": engine.timings(i.sandbox_id),
-                           "stage_timings": _timings_json(engine.registry.timings(i.sandbox_id))}
+                           "timings": {x.stage: x.duration_ms for x in timings[i.sandbox_id]},
+                           "stage_timings": _timings_json(timings[i.sandbox_id])}
                           for i in infos]))
         return 0
     now = time.time()
@@ -313,15 +319,13 @@ async def _ls(args: argparse.Namespace) -> int:
         line = (f"{i.sandbox_id:<16} {i.tier:<10} {i.template:<9} {i.state.value:<10} {i.pool or '-':<8} "
                 f"{now - i.created_at:>6.0f}s {max(0, i.expires_at - now):>7.0f}s {i.memory_mb:>5}M {i.cpus:>5.2f}")
         if args.timings:
-            line += "  " + _timings_text(engine.registry.timings(i.sandbox_id))
+            line += "  " + _timings_text(timings[i.sandbox_id])
         print(line)
     return 0
 
 
 async def _metrics(args: argparse.Namespace) -> int:
-    from warmbox.engine.engine import Engine
-
-    m = await Engine.for_home().metrics(args.sandbox_id)
+    m = await _engine().handle(ops.Metrics(args.sandbox_id))
     if args.json:
         print(json.dumps(dataclasses.asdict(m)))
     else:
@@ -332,17 +336,13 @@ async def _metrics(args: argparse.Namespace) -> int:
 
 
 async def _snapshot(args: argparse.Namespace) -> int:
-    from warmbox.engine import snapshot as snaps
-    from warmbox.engine.engine import Engine
-
-    engine = Engine.for_home()
-    fn = snaps.pause if args.command == "pause" else snaps.snapshot
-    m = await fn(engine, args.sandbox_id, None)
+    op = ops.Pause if args.command == "pause" else ops.Snapshot
+    m = await _engine().handle(op(args.sandbox_id))
     if args.json:
         print(json.dumps(dataclasses.asdict(m)))
     else:
         print(m.snapshot_id)
-        print(f"  {m.filesystem_raw_bytes} bytes of files -> {m.filesystem_bytes} stored; memory: {m.memory}; "
+        print(f"  {m.files_raw_bytes} bytes of files -> {m.files_bytes} stored; memory: {m.memory}; "
               f"context saved: {m.context_saved}" + (f" (skipped: {', '.join(m.context_skipped)})"
                                                      if m.context_skipped else ""), file=sys.stderr)
     return 0
@@ -363,24 +363,21 @@ async def _resume(args: argparse.Namespace) -> int:
 
 
 async def _snapshots(args: argparse.Namespace) -> int:
-    from warmbox.engine import snapshot as snaps
-    from warmbox.engine.engine import Engine
-
-    engine = Engine.for_home()
+    t = _engine()
     if args.action == "rm":
         if not args.snapshot_ids:
             raise WarmboxError("snapshots rm needs snapshot ids")
         for sid in args.snapshot_ids:
-            snaps.delete(engine, sid)
+            await t.handle(ops.DeleteSnapshot(sid))
             print(f"{sid} deleted")
         return 0
     if args.action == "gc":
-        removed, broken = await snaps.gc(engine, 0.0 if args.now else None)
-        print(f"{removed} unreferenced blobs deleted from {snaps.store_for(engine).describe()}")
-        for sid in broken:
+        report = await t.handle(ops.GcSnapshots(now=args.now))
+        print(f"{report.removed} unreferenced blobs deleted from {report.store}")
+        for sid in report.broken:
             print(f"  unreadable manifest (cannot be restored; `warmbox snapshots rm {sid}`): {sid}")
         return 0
-    rows = engine.registry.all_snapshots()
+    rows = await t.handle(ops.ListSnapshots())
     if args.json:
         print(json.dumps([{"snapshot_id": a, "sandbox_id": b, "created_at": c, "size_bytes": d} for a, b, c, d in rows]))
         return 0
@@ -410,13 +407,11 @@ async def _config(args: argparse.Namespace) -> int:
 
 
 async def _kill(args: argparse.Namespace) -> int:
-    from warmbox.engine.engine import Engine
-
-    engine = Engine.for_home()
+    t = _engine()
     status = 0
     for sid in args.sandbox_ids:
         try:
-            if await engine.destroy(sid, "killed from the CLI"):
+            if await t.handle(ops.Kill(sid)):
                 print(f"{sid} destroyed")
             else:
                 print(f"{sid} was already destroyed")
@@ -427,9 +422,7 @@ async def _kill(args: argparse.Namespace) -> int:
 
 
 async def _logs(args: argparse.Namespace) -> int:
-    from warmbox.engine.engine import Engine
-
-    text = Engine.for_home().logs(args.sandbox_id)
+    text = await _engine().handle(ops.Logs(args.sandbox_id))
     if not text:
         print(f"no runtime logs kept for {args.sandbox_id}", file=sys.stderr)
         return 1
@@ -438,13 +431,11 @@ async def _logs(args: argparse.Namespace) -> int:
 
 
 async def _doctor(args: argparse.Namespace) -> int:
-    from warmbox.engine.engine import Engine
-
     if args.security:
         from warmbox.cli.security import print_guarantees
 
         return print_guarantees(as_json=args.json)
-    rows = Engine.for_home().doctor()
+    rows = await _engine().handle(ops.Doctor())
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows]))
     else:
@@ -460,17 +451,15 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 async def _bench(args: argparse.Namespace) -> int:
-    from warmbox.cli import bench
+    from warmbox import bench
 
     return await bench.command(args)
 
 
 async def _net(args: argparse.Namespace) -> int:
-    from warmbox.engine.engine import Engine
-
-    engine = Engine.for_home(None)
+    t = _engine()
     if args.net_command == "log":
-        rows = engine.network_log(args.sandbox_id)
+        rows = await t.handle(ops.NetworkLog(args.sandbox_id))
         if args.json:
             print(json.dumps([dataclasses.asdict(r) for r in rows]))
             return 0
@@ -480,10 +469,9 @@ async def _net(args: argparse.Namespace) -> int:
                   f" up={e.bytes_up} down={e.bytes_down}" + (f" ({e.detail})" if e.detail else ""))
         return 0
     if args.net_command == "set":
-        policy = await engine.set_network(args.sandbox_id, _network(args))
-        print(policy.describe())
+        print(await t.handle(ops.UpdateNetwork(args.sandbox_id, _network(args))))
         return 0
-    print(engine.network_policy(args.sandbox_id).describe())
+    print(await t.handle(ops.NetworkPolicy(args.sandbox_id)))
     return 0
 
 
@@ -510,5 +498,18 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
 
 
+def entry() -> None:
+    """The ``warmbox`` command: main(), then exit at once. Everything the CLI owes is done by then
+    (registry rows committed, sandboxes handed to the daemon); the interpreter's own teardown of
+    a few hundred modules would add 60-100 ms to every command."""
+    code = main()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed pipe: nothing more to say
+        code = code or EXIT_ERROR
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

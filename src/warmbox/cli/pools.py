@@ -6,8 +6,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
-import signal
 import sys
 import time
 
@@ -92,60 +90,9 @@ async def warm(names: list[str], timeout: float) -> int:
     return 0
 
 
-async def _stop_guard(home) -> None:
-    """SIGTERM ``home``'s daemon guard and wait (at most 10 s) until it is gone."""
-    from warmbox.engine import daemon
-
-    guard = daemon.guard_pid_of(home)
-    if guard is None:
-        return
-    try:
-        os.kill(guard, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + 10
-    while daemon.guard_pid_of(home) == guard and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-
-
-async def down_home(home) -> tuple[int | None, list[str]]:
-    """Stop ``home``'s daemon (it destroys its pooled sandboxes), then clean what a killed one
-    left: creations whose creator died and pooled sandboxes. Returns (daemon pid, claimed ids left)."""
-    from warmbox.engine import daemon
-    from warmbox.engine.engine import Engine
-    from warmbox.engine.pool import PoolManager
-
-    engine = Engine.for_home(home)
-    # its guard first (it would start a new daemon after the one stopped here only if that one
-    # died unasked, but it may be starting one right now, after a crash: it stops that one too)
-    await _stop_guard(engine.home)
-    pid = daemon.pid_of(engine.home)
-    if pid is not None:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pid = None
-        # it destroys its pooled sandboxes first: allow ~1 s each, at least two minutes
-        limit = max(120.0, 1.0 * len(engine.list(include_pooled=True)))
-        deadline = time.monotonic() + limit
-        while pid is not None and daemon.pid_of(engine.home) == pid and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        await _stop_guard(engine.home)  # one the daemon started again just before it was told to stop
-        if pid is not None and daemon.pid_of(engine.home) == pid:
-            raise WarmboxError(f"the daemon (pid {pid}) did not stop within {limit:.0f} s")
-    await engine.reap()
-    await PoolManager(engine).drain()
-    if not engine.registry.live_links():  # no sandbox needs egress: the proxy and its netns go
-        from warmbox.engine import egress
-        from warmbox.network import netns
-
-        await egress.stop_proxy(engine.home)
-        if egress.proxy_pid(engine.home) is None:
-            await netns.remove_egress(netns.egress_name(engine.runtime))
-    return pid, [i.sandbox_id for i in engine.list()]
-
-
 async def down() -> int:
+    from warmbox.engine.daemon import down_home
+
     pid, left = await down_home(None)
     print(f"daemon {'stopped' if pid else 'was not running'}; no pooled sandboxes left"
           + (f"; {len(left)} claimed sandboxes keep running until their timeout" if left else ""))

@@ -444,7 +444,7 @@ async def _sleep(stop: asyncio.Event, delay: float) -> None:
 
     try:
         await asyncio.wait_for(stop.wait(), delay)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
 
 
@@ -470,3 +470,61 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ---- stopping a home (``warmbox down``, the benchmarks and the tests' homes)
+
+
+async def stop_guard(home: Path) -> None:
+    """SIGTERM ``home``'s daemon guard and wait (at most 10 s) until it is gone."""
+    import asyncio
+
+    guard = guard_pid_of(home)
+    if guard is None:
+        return
+    try:
+        os.kill(guard, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 10
+    while guard_pid_of(home) == guard and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
+async def down_home(home: Path | str | None) -> tuple[int | None, list[str]]:
+    """Stop ``home``'s daemon (it destroys its pooled sandboxes), then clean what a killed one
+    left: creations whose creator died and pooled sandboxes. Returns (daemon pid, claimed ids left)."""
+    import asyncio
+
+    from warmbox.engine.engine import Engine
+    from warmbox.engine.pool import PoolManager
+    from warmbox.errors import WarmboxError
+
+    engine = Engine.for_home(home)
+    # its guard first (it would start a new daemon after the one stopped here only if that one
+    # died unasked, but it may be starting one right now, after a crash: it stops that one too)
+    await stop_guard(engine.home)
+    pid = pid_of(engine.home)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pid = None
+        # it destroys its pooled sandboxes first: allow ~1 s each, at least two minutes
+        limit = max(120.0, 1.0 * len(engine.list(include_pooled=True)))
+        deadline = time.monotonic() + limit
+        while pid is not None and pid_of(engine.home) == pid and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await stop_guard(engine.home)  # one the daemon started again just before it was told to stop
+        if pid is not None and pid_of(engine.home) == pid:
+            raise WarmboxError(f"the daemon (pid {pid}) did not stop within {limit:.0f} s")
+    await engine.reap()
+    await PoolManager(engine).drain()
+    if not engine.registry.live_links():  # no sandbox needs egress: the proxy and its netns go
+        from warmbox.engine import egress
+        from warmbox.network import netns
+
+        await egress.stop_proxy(engine.home)
+        if egress.proxy_pid(engine.home) is None:
+            await netns.remove_egress(netns.egress_name(engine.runtime))
+    return pid, [i.sandbox_id for i in engine.list()]

@@ -19,22 +19,29 @@ import secrets as _secrets
 import socket
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING
 
-from warmbox.models import BackendHandle
-from warmbox.errors import BackendUnavailable, InvalidArgument, NetworkError
 from warmbox.engine.session import GuestSession
-from warmbox.models import ApprovalRequest, StageTiming
+from warmbox.errors import BackendUnavailable, InvalidArgument, NetworkError
+from warmbox.models import ApprovalRequest, BackendHandle, StageTiming
 from warmbox.network import netns
 from warmbox.network.policy import Policy, Secret
-from warmbox.network.proxy import control_path, launch_argv, supervisor_pid_path
 from warmbox.storage.registry import UID_BASE, UID_RANGE
 
 if TYPE_CHECKING:
     from warmbox.engine.engine import Engine
 
 PROXY_URL = f"http://{netns.GATEWAY}:{netns.PROXY_PORT}"
+
+
+def _proxy():  # type: ignore[no-untyped-def]
+    """The proxy module, imported on first use: it loads TLS and HTTP code (cryptography, urllib)
+    that a sandbox without network never needs, and the CLI pays every import on each start."""
+    from warmbox.network import proxy
+
+    return proxy
 CA_PATH = "/home/user/.warmbox/ca-bundle.pem"
 _PROXY_START_S = 15.0
 _SERVE_WAIT_S = 10.0  # how long a network operation waits for a dead proxy to serve again
@@ -56,7 +63,7 @@ def validate_secrets(secrets: object) -> dict[str, Secret]:
     return dict(secrets)
 
 
-def check_tier(engine: "Engine", tier: str, policy: Policy) -> None:
+def check_tier(engine: Engine, tier: str, policy: Policy) -> None:
     """Can ``policy`` be served on ``tier`` now? Raises BackendUnavailable or NetworkError.
 
     Called before a sandbox is created with a policy and before a policy update is stored, so
@@ -71,8 +78,7 @@ def check_tier(engine: "Engine", tier: str, policy: Policy) -> None:
 
 
 def proxy_env(placeholders: dict[str, str], ca: bool) -> dict[str, str]:
-    env = {k: PROXY_URL for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy",
-                                  "npm_config_proxy", "npm_config_https_proxy")}
+    env = dict.fromkeys(("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "npm_config_proxy", "npm_config_https_proxy"), PROXY_URL)
     env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
     if ca:
         for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT", "GIT_SSL_CAINFO",
@@ -91,8 +97,8 @@ class Control:
         self.reader, self.writer = reader, writer
 
     @classmethod
-    async def open(cls, home: Path, timeout: float = 2.0) -> "Control":
-        r, w = await asyncio.wait_for(asyncio.open_unix_connection(str(control_path(home)), limit=1 << 20), timeout)
+    async def open(cls, home: Path, timeout: float = 2.0) -> Control:
+        r, w = await asyncio.wait_for(asyncio.open_unix_connection(str(_proxy().control_path(home)), limit=1 << 20), timeout)
         return cls(r, w)
 
     async def call(self, msg: dict, timeout: float = 10.0) -> dict:
@@ -131,7 +137,7 @@ def require_serving(home: Path, bound: float = _SERVE_WAIT_S) -> None:
             return
         if started is None and not _proxy_locked(home):
             with open(home / "netproxy.log", "ab") as log:
-                started = subprocess.Popen([*launch_argv(), str(home)],
+                started = subprocess.Popen([*_proxy().launch_argv(), str(home)],
                                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
                                            start_new_session=True, close_fds=True)
         gave_up = started is not None and started.poll() is not None and not _proxy_locked(home)
@@ -155,7 +161,7 @@ def _hello(home: Path, timeout: float = 1.0) -> bool:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
-            s.connect(str(control_path(home)))
+            s.connect(str(_proxy().control_path(home)))
             s.sendall(b'{"op": "hello"}\n')
             buf = b""
             while not buf.endswith(b"\n") and len(buf) < 4096:
@@ -194,7 +200,7 @@ def proxy_pid(home: Path) -> int | None:
 def supervisor_pid(home: Path) -> int | None:
     """PID of the process that supervises (and restarts) the proxy."""
     try:
-        pid = int(supervisor_pid_path(home).read_text())
+        pid = int(_proxy().supervisor_pid_path(home).read_text())
     except (OSError, ValueError):
         return None
     return pid if _proxy_locked(home) else None
@@ -210,7 +216,7 @@ async def stop_proxy(home: Path, timeout: float = 10.0) -> None:
             await c.call({"op": "stop"})
         finally:
             await c.close()
-    except (OSError, asyncio.TimeoutError, ValueError, EgressError):
+    except (TimeoutError, OSError, ValueError, EgressError):
         pid = supervisor_pid(home)
         if pid is not None:
             try:
@@ -228,7 +234,7 @@ def _slot(handle: BackendHandle) -> int:
     return (handle.uid_base - UID_BASE) // UID_RANGE
 
 
-async def attach(engine: "Engine", handle: BackendHandle, session: GuestSession, policy: Policy,
+async def attach(engine: Engine, handle: BackendHandle, session: GuestSession, policy: Policy,
                  secrets: dict[str, Secret]) -> StageTiming:
     """Link a running sandbox to the egress proxy under ``policy`` (stage ``network``)."""
     t0 = time.perf_counter()
@@ -264,7 +270,7 @@ async def attach(engine: "Engine", handle: BackendHandle, session: GuestSession,
     return timing
 
 
-async def release(engine: "Engine", sandbox_id: str) -> None:
+async def release(engine: Engine, sandbox_id: str) -> None:
     """Remove the sandbox's link, rule element and proxy state (idempotent)."""
     row = engine.registry.link(sandbox_id)
     if row is None:  # never linked (attach registers with the proxy only after recording the link)
@@ -278,11 +284,11 @@ async def release(engine: "Engine", sandbox_id: str) -> None:
                 await c.call({"op": "forget", "sandbox_id": sandbox_id})
             finally:
                 await c.close()
-        except (OSError, asyncio.TimeoutError, ValueError, EgressError):
+        except (TimeoutError, OSError, ValueError, EgressError):
             pass
 
 
-def current_policy(engine: "Engine", sandbox_id: str) -> Policy:
+def current_policy(engine: Engine, sandbox_id: str) -> Policy:
     row = engine.registry.link(sandbox_id)
     return Policy.from_json(row[2]) if row is not None else Policy("none")
 
@@ -316,7 +322,7 @@ async def approvals(home: Path, sandbox_id: str, hook: Callable[[ApprovalRequest
                 answering = {t for t in answering if not t.done()}
         except asyncio.CancelledError:
             raise
-        except (OSError, asyncio.TimeoutError, ValueError, EgressError):
+        except (TimeoutError, OSError, ValueError, EgressError):
             pass
         finally:
             for t in answering:

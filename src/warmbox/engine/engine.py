@@ -7,24 +7,35 @@ outlive the process that created them, and any process may reap expired ones.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import math
 import os
 import re
 import time
 from pathlib import Path
+from typing import ClassVar
 
 from warmbox import backends, config
 from warmbox.backends.base import Backend, Configurable, TemplateCapable
-from warmbox.engine import provision
+from warmbox.config import PoolConfig, Settings, Template
+from warmbox.engine import egress, provision
 from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession
+from warmbox.errors import BackendUnavailable, GuestConnectionError, InvalidArgument, SandboxNotFound, WarmboxError
 from warmbox.lifecycle import LIVE, Operation, check
-from warmbox.config import PoolConfig, Settings, Template
-from warmbox.errors import (BackendUnavailable, GuestConnectionError, InvalidArgument, SandboxNotFound, WarmboxError)
-from warmbox.models import BackendHandle, Limits, NetEvent, ResourceUsage, SandboxInfo, SandboxMetrics, StageTiming, State, TierStatus
-from warmbox.engine import egress
+from warmbox.models import (
+    BackendHandle,
+    Limits,
+    NetEvent,
+    ResourceUsage,
+    SandboxInfo,
+    SandboxMetrics,
+    StageTiming,
+    State,
+    TierStatus,
+)
 from warmbox.network.policy import Policy
-from warmbox.paths import default_home, owner_alive, owner_tag, runtime_dir  # noqa: F401 - re-exported
+from warmbox.paths import default_home, owner_alive, owner_tag, runtime_dir
 from warmbox.storage.registry import Registry
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -60,7 +71,7 @@ TEMPLATE_VMS_KEY = "template-vms"  # see Engine.mark_template_vm
 
 
 class Engine:
-    _instances: dict[Path, "Engine"] = {}
+    _instances: ClassVar[dict[Path, Engine]] = {}
 
     def __init__(self, home: Path) -> None:
         self.home = home
@@ -72,7 +83,7 @@ class Engine:
         self.owner = owner_tag(os.getpid())
 
     @classmethod
-    def for_home(cls, home: Path | str | None = None) -> "Engine":
+    def for_home(cls, home: Path | str | None = None) -> Engine:
         path = Path(home).expanduser().resolve() if home is not None else default_home()
         engine = cls._instances.get(path)
         if engine is None:
@@ -90,7 +101,7 @@ class Engine:
                 b.configure(self.settings())
         return b
 
-    def doctor(self) -> list[TierStatus]:
+    def doctor(self) -> builtins.list[TierStatus]:
         out = []
         for tier in backends.TIERS:
             try:
@@ -278,11 +289,11 @@ class Engine:
             raise
         return Launched(info, handle, session, self.registry.timings(sandbox_id))
 
-    def holding(self) -> list[SandboxInfo]:
+    def holding(self) -> builtins.list[SandboxInfo]:
         """Live (also pooled) sandboxes plus failed ones whose teardown is still owed."""
         return [info for info, _ in self.registry.holding()]
 
-    def list(self, include_dead: bool = False, *, include_pooled: bool = False) -> list[SandboxInfo]:
+    def list(self, include_dead: bool = False, *, include_pooled: bool = False) -> builtins.list[SandboxInfo]:
         return [info for info, _ in self.registry.list(include_dead, include_pooled=include_pooled)]
 
     def timings(self, sandbox_id: str) -> dict[str, float]:
@@ -328,7 +339,7 @@ class Engine:
         self.info(sandbox_id)
         return egress.current_policy(self, sandbox_id)
 
-    def network_log(self, sandbox_id: str) -> list["NetEvent"]:
+    def network_log(self, sandbox_id: str) -> builtins.list[NetEvent]:
         """Every egress attempt of the sandbox (kept after it is destroyed), oldest first."""
         self.info(sandbox_id)
         return self.registry.net_events(sandbox_id)
@@ -372,7 +383,7 @@ class Engine:
             r = await asyncio.wait_for(session.usage(), 2)
             if r is not None:
                 self.registry.set_busy(info.sandbox_id, *r)
-        except (WarmboxError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, WarmboxError, OSError):
             pass  # the last known counters stand
         finally:
             if own and session is not None:
@@ -408,7 +419,7 @@ class Engine:
         self.registry.finalize(sandbox_id)
         return True
 
-    async def reap(self) -> list[str]:
+    async def reap(self) -> builtins.list[str]:
         """Destroy expired sandboxes, failed teardowns and creations whose creator died; first
         finish or undo snapshot operations whose process died (a pause after its checkpoint)."""
         from warmbox.engine import snapshot
@@ -488,7 +499,7 @@ class Engine:
     def unmark_template_vm(self, sandbox_id: str) -> None:
         self._template_marks(lambda m: m.pop(sandbox_id, None))
 
-    async def _reap_template_vms(self) -> list[str]:
+    async def _reap_template_vms(self) -> builtins.list[str]:
         if not self.registry.meta_text(TEMPLATE_VMS_KEY).strip("{} "):
             return []  # nothing marked: no lock taken (the daemon looks every tick)
         reaped = []

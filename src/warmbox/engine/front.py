@@ -10,12 +10,12 @@ reaches below it.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 from warmbox import operations as ops
-from warmbox.operations import sandbox_path
 from warmbox.engine import egress
 from warmbox.engine import snapshot as snapshots
 from warmbox.engine.engine import Engine, validate_envs, validate_timeout
@@ -23,8 +23,20 @@ from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession
 from warmbox.errors import GuestConnectionError, InvalidArgument, WarmboxError
 from warmbox.lifecycle import Operation, check
-from warmbox.models import (ApprovalRequest, CommandResult, EntryInfo, Execution, NetEvent, SandboxInfo,
-                            SandboxMetrics, SnapshotRef, State)
+from warmbox.models import (
+    ApprovalRequest,
+    CommandResult,
+    EntryInfo,
+    Execution,
+    NetEvent,
+    SandboxInfo,
+    SandboxMetrics,
+    SnapshotRef,
+    StageTiming,
+    State,
+    TierStatus,
+)
+from warmbox.operations import sandbox_path
 
 R = TypeVar("R")
 REATTACH_S = 15.0  # after a failed memory pause, how long the agent may take to listen again
@@ -58,7 +70,8 @@ def _argv(cmd: object) -> list[str]:
 def _snapshot_ref(m: Any) -> SnapshotRef:
     return SnapshotRef(snapshot_id=m.snapshot_id, sandbox_id=m.sandbox_id, created_at=m.created_at, tier=m.tier,
                        template=m.template, memory=m.memory, size_bytes=m.size_bytes,
-                       context_skipped=m.context_skipped)
+                       context_skipped=m.context_skipped, context_saved=m.context_saved,
+                       files_raw_bytes=m.filesystem_raw_bytes, files_bytes=m.filesystem_bytes)
 
 
 class Subscription:
@@ -80,14 +93,16 @@ class EngineFront:
         self._first_done: set[str] = set()
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[Any]]] = {
             ops.Create: self.create, ops.Connect: self.connect, ops.Resume: self.resume, ops.Detach: self.detach,
-            ops.ListSandboxes: self.list, ops.Info: self.info, ops.Kill: self.kill,
+            ops.ListSandboxes: self.list, ops.Info: self.info, ops.Timings: self.timings, ops.Logs: self.logs,
+            ops.Doctor: self.doctor, ops.Kill: self.kill,
             ops.SetTimeout: self.set_timeout, ops.Metrics: self.metrics, ops.Ping: self.ping,
             ops.RecordFirstCommand: self.record_first_command, ops.Exec: self.exec,
             ops.RunCode: self.run_code, ops.CreateContext: self.create_context,
             ops.RemoveContext: self.remove_context, ops.ReadFile: self.read_file,
             ops.ReadFileStream: self.read_file_stream, ops.WriteFile: self.write_file, ops.ListDir: self.list_dir,
             ops.Stat: self.stat, ops.MakeDir: self.make_dir, ops.Remove: self.remove, ops.Snapshot: self.snapshot,
-            ops.Pause: self.pause, ops.ListSnapshots: self.list_snapshots, ops.UpdateNetwork: self.update_network,
+            ops.Pause: self.pause, ops.ListSnapshots: self.list_snapshots,
+            ops.DeleteSnapshot: self.delete_snapshot, ops.GcSnapshots: self.gc_snapshots, ops.UpdateNetwork: self.update_network,
             ops.NetworkPolicy: self.network_policy, ops.NetworkLog: self.network_log,
         }
 
@@ -106,11 +121,11 @@ class EngineFront:
 
     # ---- sessions
 
-    def _hold(self, got: Launched) -> ops.Opened:
+    async def _hold(self, got: Launched) -> ops.Opened:
         old = self._sessions.pop(got.sandbox_id, None)
         self._sessions[got.sandbox_id] = got.session
         if old is not None and old is not got.session:
-            asyncio.ensure_future(old.close())
+            await old.close()
         if any(t.stage == "first_command" for t in got.timings):
             self._first_done.add(got.sandbox_id)
         return ops.Opened(got.info, tuple(got.timings))
@@ -122,7 +137,7 @@ class EngineFront:
         info, _ = self.engine.info(sandbox_id)
         check(Operation.EXEC, info.state, sandbox_id)
         got = await self.engine.open(sandbox_id)
-        self._hold(got)
+        await self._hold(got)
         return got.session
 
     def _held(self, sandbox_id: str) -> GuestSession | None:
@@ -152,22 +167,34 @@ class EngineFront:
         else:
             got = await self.engine.create(tier=r.tier, timeout=r.timeout, envs=r.envs, limits=r.limits,
                                            template=r.template, pool=r.pool, network=r.network, secrets=r.secrets)
-        return self._hold(got)
+        return await self._hold(got)
 
     async def connect(self, r: ops.Connect) -> ops.Opened:
-        return self._hold(await self.engine.open(r.sandbox_id))
+        return await self._hold(await self.engine.open(r.sandbox_id))
 
     async def resume(self, r: ops.Resume) -> ops.Opened:
-        return self._hold(await snapshots.resume(self.engine, r.snapshot, timeout=r.timeout, envs=r.envs))
+        return await self._hold(await snapshots.resume(self.engine, r.snapshot, timeout=r.timeout, envs=r.envs))
 
     async def detach(self, r: ops.Detach) -> None:
         await self._drop(r.sandbox_id)
 
-    async def list(self, r: ops.ListSandboxes) -> list[SandboxInfo]:
+    async def list(self, r: ops.ListSandboxes) -> builtins.list[SandboxInfo]:
+        if r.reap:
+            await self.engine.reap()
         return self.engine.list(r.include_dead)
 
     async def info(self, r: ops.Info) -> SandboxInfo:
         return self.engine.info(r.sandbox_id)[0]
+
+    async def timings(self, r: ops.Timings) -> builtins.list[StageTiming]:
+        self.engine.info(r.sandbox_id)
+        return self.engine.registry.timings(r.sandbox_id)
+
+    async def logs(self, r: ops.Logs) -> str:
+        return self.engine.logs(r.sandbox_id)
+
+    async def doctor(self, r: ops.Doctor) -> builtins.list[TierStatus]:
+        return await asyncio.to_thread(self.engine.doctor)  # a first probe may boot a probe guest
 
     async def kill(self, r: ops.Kill) -> bool:
         await self._drop(r.sandbox_id)
@@ -252,7 +279,7 @@ class EngineFront:
             raise InvalidArgument(f"data must be str or bytes, got {type(r.data).__name__}")
         return await (await self._session(r.sandbox_id)).write(path, raw, mode=r.mode, append=r.append)
 
-    async def list_dir(self, r: ops.ListDir) -> list[EntryInfo]:
+    async def list_dir(self, r: ops.ListDir) -> builtins.list[EntryInfo]:
         path = sandbox_path(r.path)
         if isinstance(r.depth, bool) or not isinstance(r.depth, int) or r.depth < 1:
             raise InvalidArgument(f"depth must be an integer >= 1, got {r.depth!r}")
@@ -293,7 +320,7 @@ class EngineFront:
         deadline = time.monotonic() + REATTACH_S
         while True:
             try:
-                self._hold(await self.engine.open(sandbox_id))
+                await self._hold(await self.engine.open(sandbox_id))
                 return
             except GuestConnectionError:
                 if time.monotonic() > deadline:
@@ -302,8 +329,15 @@ class EngineFront:
             except WarmboxError:
                 return  # gone or paused after all: the next call says so
 
-    async def list_snapshots(self, r: ops.ListSnapshots) -> list[tuple[str, str, float, int]]:
+    async def list_snapshots(self, r: ops.ListSnapshots) -> builtins.list[tuple[str, str, float, int]]:
         return self.engine.registry.all_snapshots()
+
+    async def delete_snapshot(self, r: ops.DeleteSnapshot) -> None:
+        snapshots.delete(self.engine, r.snapshot_id)
+
+    async def gc_snapshots(self, r: ops.GcSnapshots) -> ops.GcReport:
+        removed, broken = await snapshots.gc(self.engine, 0.0 if r.now else None)
+        return ops.GcReport(removed, tuple(broken), snapshots.store_for(self.engine).describe())
 
     # ---- network
 
@@ -314,7 +348,7 @@ class EngineFront:
     async def network_policy(self, r: ops.NetworkPolicy) -> str:
         return self.engine.network_policy(r.sandbox_id).describe()
 
-    async def network_log(self, r: ops.NetworkLog) -> list[NetEvent]:
+    async def network_log(self, r: ops.NetworkLog) -> builtins.list[NetEvent]:
         return self.engine.network_log(r.sandbox_id)
 
     async def subscribe_approvals(self, sandbox_id: str,
@@ -327,7 +361,7 @@ class EngineFront:
         task = asyncio.ensure_future(egress.approvals(self.engine.home, sandbox_id, hook, subscribed))  # type: ignore[arg-type]
         try:
             await asyncio.wait_for(subscribed.wait(), 10)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             task.cancel()
             raise egress.EgressError("could not subscribe to the egress proxy's approval requests") from None
         return Subscription(task)

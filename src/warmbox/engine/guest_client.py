@@ -7,10 +7,10 @@ frame outside it closes the connection with :class:`GuestProtocolError`.
 from __future__ import annotations
 
 import asyncio
-import os
-import stat
 import contextlib
 import itertools
+import os
+import stat
 from collections.abc import AsyncIterator
 
 from warmbox import protocol as p
@@ -34,7 +34,7 @@ class GuestClient:
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
-    async def connect(cls, socket_path: str, sandbox_id: str) -> "GuestClient":
+    async def connect(cls, socket_path: str, sandbox_id: str) -> GuestClient:
         """Connect to the agent's socket. The last path component may live in a directory the
         guest can write (gVisor tier): it is opened with O_PATH|O_NOFOLLOW and must be a socket,
         and the connection goes to that very inode (/proc/self/fd/N), so a symlink or a file the
@@ -93,7 +93,7 @@ class GuestClient:
         except (ConnectionError, OSError):
             raise GuestConnectionError("connection to the guest agent closed", self.sandbox_id) from None
 
-    async def open(self, make, timeout: float | None = None, budget: int | None = None) -> "Stream":
+    async def open(self, make, timeout: float | None = None, budget: int | None = None) -> Stream:
         """Send ``make(id)``; the :class:`Stream` of the guest's answers, until its ``close()``.
 
         timeout: seconds, wall clock, for the whole exchange — the host's own bound, so a
@@ -112,7 +112,7 @@ class GuestClient:
         return stream
 
     @contextlib.asynccontextmanager
-    async def request(self, make, timeout: float | None = None) -> AsyncIterator["Stream"]:
+    async def request(self, make, timeout: float | None = None) -> AsyncIterator[Stream]:
         """Send ``make(id)`` and yield a :class:`Stream` of the guest's answers to it (see open)."""
         stream = await self.open(make, timeout)
         try:
@@ -121,7 +121,7 @@ class GuestClient:
             stream.close()
 
     async def read_file(self, path: str, *, max_bytes: int, timeout: float | None = None,
-                        window: int = READ_WINDOW) -> "FileRead":
+                        window: int = READ_WINDOW) -> FileRead:
         """Start a flow-controlled ReadFile of ``path`` (see :class:`FileRead`)."""
         stream = await self.open(lambda i: p.ReadFile(i, path=path, max_bytes=max_bytes, window=window),
                                  timeout, budget=window + p.CHUNK if window else None)
@@ -190,7 +190,7 @@ class Stream:
         else:
             try:
                 item = await asyncio.wait_for(self._q.get(), max(min(waits), 0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise SandboxTimeout("the guest agent did not finish in time (host-side bound)",
                                      self.client.sandbox_id) from None
         if item is _END:

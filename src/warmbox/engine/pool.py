@@ -41,7 +41,7 @@ def bounds(pc: PoolConfig, min_override: int | None, max_override: int | None) -
     return lo, max(lo, hi)
 
 
-def status(engine: "Engine", settings: Settings) -> list[PoolStatus]:
+def status(engine: Engine, settings: Settings) -> list[PoolStatus]:
     rows = engine.registry.pool_rows()
     out = []
     for pc in settings.pools.values():
@@ -59,7 +59,7 @@ def status(engine: "Engine", settings: Settings) -> list[PoolStatus]:
     return out
 
 
-def resize(engine: "Engine", settings: Settings, name: str, target: int | None = None,
+def resize(engine: Engine, settings: Settings, name: str, target: int | None = None,
            min: int | None = None, max: int | None = None) -> PoolStatus:
     """Set a pool's target (clamped to its bounds) and/or its min/max; the daemon acts on it."""
     pc = settings.pools.get(name)
@@ -89,7 +89,7 @@ def resize(engine: "Engine", settings: Settings, name: str, target: int | None =
 class PoolManager:
     """The daemon's half of the pools: refill, retire, autoscale. One per daemon."""
 
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.refills: dict[str, set[asyncio.Task]] = {}
         self.failures: dict[str, int] = {}

@@ -212,7 +212,7 @@ async def claim(engine: Engine, pc: PoolConfig, shape: str, timeout_s: float,
             session = await connect(backend, handle)
             if envs:
                 await asyncio.wait_for(session.configure(dict(envs), reset_counts=True), CLAIM_CONFIGURE_TIMEOUT_S)
-        except (WarmboxError, OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, WarmboxError, OSError) as e:
             # it died or misbehaves while pooled: never hand it out; take the next one
             if session is not None:
                 await session.close()

@@ -8,6 +8,7 @@ specific :class:`~warmbox.errors.WarmboxError`. No other module builds requests.
 
 from __future__ import annotations
 
+import builtins
 import codecs
 import io
 import math
@@ -17,9 +18,22 @@ from pathlib import Path
 
 from warmbox import protocol as p
 from warmbox.engine.guest_client import FileRead, GuestClient
-from warmbox.errors import (ContextError, FileTooLarge, GuestProtocolError, InvalidArgument, IsADirectory, NoSpace,
-                            NotADirectory, NotARegularFile, PathExists, PathNotFound, PathPermissionDenied,
-                            SandboxError, SandboxStartError, SandboxTimeout)
+from warmbox.errors import (
+    ContextError,
+    FileTooLarge,
+    GuestProtocolError,
+    InvalidArgument,
+    IsADirectory,
+    NoSpace,
+    NotADirectory,
+    NotARegularFile,
+    PathExists,
+    PathNotFound,
+    PathPermissionDenied,
+    SandboxError,
+    SandboxStartError,
+    SandboxTimeout,
+)
 from warmbox.models import CommandResult, EntryInfo, Execution, ExecutionError, Result
 
 HOST_GRACE_S = 15.0  # the host's bound = the guest's timeout + this (kill and interrupt waits)
@@ -217,7 +231,7 @@ class GuestSession:
             return reported > 0
         return (await self._oom()) > before
 
-    async def exec(self, argv: list[str], *, env: dict[str, str] | None = None, cwd: str = "",
+    async def exec(self, argv: builtins.list[str], *, env: dict[str, str] | None = None, cwd: str = "",
                    timeout_s: float = 0.0, max_output: int = 1 << 20, stdin: bytes | Path | None = None,
                    on_stdout: TextSink | None = None, on_stderr: TextSink | None = None,
                    stdout_sink: BytesSink | None = None, what: str = "commands.run") -> CommandResult:
@@ -342,8 +356,8 @@ class GuestSession:
         assert isinstance(msg, p.Entry)
         return _entry(msg)
 
-    async def list(self, path: str, depth: int) -> list[EntryInfo]:
-        entries = []
+    async def list(self, path: str, depth: int) -> builtins.list[EntryInfo]:
+        entries: builtins.list[EntryInfo] = []
         async with self._client.request(lambda i: p.ListDir(i, path=path, depth=depth)) as stream:
             while True:
                 msg = await stream.next(p.Entry, p.Ok)

@@ -23,8 +23,8 @@ import json
 import os
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from warmbox.backends import hostfs
@@ -32,9 +32,19 @@ from warmbox.backends.base import SnapshotCapable, TemplateCapable
 from warmbox.engine import provision
 from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession
+from warmbox.errors import (
+    InvalidArgument,
+    NoSpace,
+    SandboxError,
+    SandboxNotFound,
+    SandboxStartError,
+    SandboxStateError,
+    SnapshotUnsupported,
+    StorageError,
+    StorageFull,
+    WarmboxError,
+)
 from warmbox.lifecycle import Operation, check
-from warmbox.errors import (InvalidArgument, NoSpace, SandboxError, SandboxNotFound, SandboxStartError,
-                            SandboxStateError, SnapshotUnsupported, StorageError, StorageFull, WarmboxError)
 from warmbox.models import BackendHandle, Execution, Limits, SandboxInfo, State
 from warmbox.storage import snapshots as snaps
 from warmbox.storage.objects import LocalObjectStore, ObjectStore
@@ -68,7 +78,7 @@ def __warmbox_save():
     print(json.dumps(sorted(skipped)))
 __warmbox_save()
 del __warmbox_save
-''' % STATE_FILE
+''' % STATE_FILE  # noqa: UP031 - the snippet is Python full of braces
 
 _LOAD = r'''
 def __warmbox_load():
@@ -91,10 +101,10 @@ def __warmbox_load():
     print(json.dumps(sorted(failed)))
 __warmbox_load()
 del __warmbox_load
-''' % (STATE_FILE, STATE_FILE)
+''' % (STATE_FILE, STATE_FILE)  # noqa: UP031 - as above
 
 
-def store_for(engine: "Engine") -> ObjectStore:
+def store_for(engine: Engine) -> ObjectStore:
     """The configured object store (a local directory under WARMBOX_HOME by default)."""
     url = os.environ.get("WARMBOX_OBJECT_STORE", "")
     if url.startswith("s3://"):
@@ -107,7 +117,7 @@ def store_for(engine: "Engine") -> ObjectStore:
     return LocalObjectStore(engine.home / "objects")
 
 
-def _workdir(engine: "Engine") -> Path:
+def _workdir(engine: Engine) -> Path:
     d = engine.home / "tmp"
     d.mkdir(mode=0o700, exist_ok=True)
     return d
@@ -125,7 +135,7 @@ class _Op:
     or finishes what it recorded (a pause killed after its checkpoint).
     """
 
-    def __init__(self, engine: "Engine", kind: str) -> None:
+    def __init__(self, engine: Engine, kind: str) -> None:
         try:
             self.path = Path(tempfile.mkdtemp(prefix=f"{OP_PREFIX}{kind}-", dir=_workdir(engine)))
             self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -134,7 +144,7 @@ class _Op:
         fcntl.flock(self.fd, fcntl.LOCK_EX)
 
     @classmethod
-    def adopt(cls, path: Path) -> "_Op | None":
+    def adopt(cls, path: Path) -> _Op | None:
         """Take over an orphaned op directory (None if someone else just did)."""
         op = cls.__new__(cls)
         op.path = path
@@ -161,7 +171,7 @@ class _Op:
         shutil.rmtree(self.path, ignore_errors=True)
         os.close(self.fd)
 
-    def __enter__(self) -> "_Op":
+    def __enter__(self) -> _Op:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -185,7 +195,7 @@ async def _exec(session: GuestSession, argv: list[str], sid: str, *, sink: Calla
     return r.exit_code, r.stderr[-2000:].strip()
 
 
-async def snapshot(engine: "Engine", sandbox_id: str, session: GuestSession | None, *, memory: bool = False,
+async def snapshot(engine: Engine, sandbox_id: str, session: GuestSession | None, *, memory: bool = False,
                    parent: str = "", env_names: tuple[str, ...] = ()) -> snaps.SnapshotManifest:
     """Write a snapshot of a running sandbox (it keeps running)."""
     info, handle = engine.info(sandbox_id)
@@ -222,12 +232,13 @@ async def snapshot(engine: "Engine", sandbox_id: str, session: GuestSession | No
         context_saved = done.error is None
         skipped: tuple[str, ...] = ()
         if context_saved:
-            skipped = _names(text)
-            context_saved = skipped is not None
-            skipped = skipped or ()
-        for attempt in (1, 2):
-            code, err = await _stream_tar(session, fd if attempt == 1 else None, raw, sandbox_id)
-            fd = None
+            names = _names(text)
+            context_saved = names is not None
+            skipped = names or ()
+        tar_fd: int | None = fd
+        for _attempt in (1, 2):
+            code, err = await _stream_tar(session, tar_fd, raw, sandbox_id)
+            tar_fd = None
             if code != 1:
                 break  # 1: a file changed while it was read: once more, then give up
         if code != 0:
@@ -259,7 +270,7 @@ async def snapshot(engine: "Engine", sandbox_id: str, session: GuestSession | No
             await session.close()
 
 
-def _manifest(engine: "Engine", info, parent: str, env_names: tuple[str, ...], files: tuple[str, int, int], *,
+def _manifest(engine: Engine, info, parent: str, env_names: tuple[str, ...], files: tuple[str, int, int], *,
               memory: tuple[str, int, int] | None, context_saved: bool,
               context_skipped: tuple[str, ...]) -> snaps.SnapshotManifest:
     """The manifest of a snapshot of ``info``: its shape, the blobs (sha256, stored, raw sizes)."""
@@ -325,18 +336,18 @@ async def _stream_tar(session: GuestSession, fd: int | None, raw: Path, sandbox_
         except OSError as e:
             failed.append(e)
     if failed:
-        e = failed[0]
-        if e.errno == 27:
+        first = failed[0]
+        if first.errno == 27:
             raise StorageError(f"snapshot of {sandbox_id}: more than {MAX_SNAPSHOT_BYTES} bytes of files "
                                "(WARMBOX_SNAPSHOT_MAX_BYTES)")
-        raise _storage_error(e, f"snapshot of {sandbox_id}")
+        raise _storage_error(first, f"snapshot of {sandbox_id}")
     return code, err
 
 
 _pausing: dict[str, bool] = {}
 
 
-async def pause(engine: "Engine", sandbox_id: str, session: GuestSession | None, *, memory: bool = False,
+async def pause(engine: Engine, sandbox_id: str, session: GuestSession | None, *, memory: bool = False,
                 parent: str = "", env_names: tuple[str, ...] = ()) -> snaps.SnapshotManifest:
     """Snapshot, then release every resource; the sandbox is ``paused`` until resumed."""
     _pausing[sandbox_id] = True
@@ -350,7 +361,7 @@ async def pause(engine: "Engine", sandbox_id: str, session: GuestSession | None,
     return m
 
 
-async def _release_paused(engine: "Engine", sandbox_id: str, m: snaps.SnapshotManifest) -> None:
+async def _release_paused(engine: Engine, sandbox_id: str, m: snaps.SnapshotManifest) -> None:
     """The snapshot is complete: record the pause first, then release. A process killed in
     between leaves a paused sandbox whose leftovers the daemon releases (its pauser is dead)."""
     info, handle = engine.info(sandbox_id)
@@ -363,7 +374,7 @@ async def _release_paused(engine: "Engine", sandbox_id: str, m: snaps.SnapshotMa
     await egress.release(engine, sandbox_id)  # a resumed sandbox is a new one, with its own policy
 
 
-async def _memory_snapshot(engine: "Engine", info: SandboxInfo, handle: BackendHandle, session: GuestSession | None,
+async def _memory_snapshot(engine: Engine, info: SandboxInfo, handle: BackendHandle, session: GuestSession | None,
                            *, parent: str,
                            env_names: tuple[str, ...]) -> snaps.SnapshotManifest:
     """Checkpoint processes + memory (the runtime's image) and /workspace beside it.
@@ -426,7 +437,7 @@ async def _memory_snapshot(engine: "Engine", info: SandboxInfo, handle: BackendH
         op.close()
 
 
-async def _revive(engine: "Engine", backend: SnapshotCapable, handle: BackendHandle, image_dir: Path) -> None:
+async def _revive(engine: Engine, backend: SnapshotCapable, handle: BackendHandle, image_dir: Path) -> None:
     """Continue a checkpointed sandbox in place from ``image_dir`` (same id, state dir, files)."""
 
     async def ready() -> GuestSession:
@@ -442,7 +453,7 @@ async def _revive(engine: "Engine", backend: SnapshotCapable, handle: BackendHan
     await session.close()
 
 
-async def _store_checkpoint(engine: "Engine", info, handle, work: Path, parent: str,
+async def _store_checkpoint(engine: Engine, info, handle, work: Path, parent: str,
                             env_names: tuple[str, ...]) -> snaps.SnapshotManifest:
     """Archive /workspace beside the checkpoint image in ``work``/image, store both, write the
     manifest and record the snapshot (the runtime has stopped: nothing changes under the tar)."""
@@ -456,7 +467,11 @@ async def _store_checkpoint(engine: "Engine", info, handle, work: Path, parent: 
     # the tree is the guest's, so tar runs as its owner (hostfs): symlinks kept, sparse files sparse
     try:
         with open(raw, "wb") as out:
-            await hostfs.tar_create(Path(handle.state_dir) / "workspace", out.write,
+
+            def write(data: bytes) -> None:
+                out.write(data)
+
+            await hostfs.tar_create(Path(handle.state_dir) / "workspace", write,
                                     max_bytes=MAX_SNAPSHOT_BYTES, timeout=_TIMEOUT_S)
     except OSError as e:
         raise _storage_error(e, f"snapshot of {sid}") from None
@@ -517,7 +532,7 @@ async def _refuse_workspace_sockets(session: GuestSession, sid: str) -> None:
         found.extend(data[:4096 - len(found)])
 
     # by directory-entry type first: gVisor cannot stat a host socket (``ls`` shows ``s?????????``)
-    code, err = await _exec(session, ["/usr/bin/python3", "-I", "-S", "-c", _FIND_SOCKETS], sid,
+    await _exec(session, ["/usr/bin/python3", "-I", "-S", "-c", _FIND_SOCKETS], sid,
                             sink=sink, max_output=4096)
     names = [n for n in found.decode("utf-8", "replace").splitlines() if n]
     if names:
@@ -526,7 +541,7 @@ async def _refuse_workspace_sockets(session: GuestSession, sid: str) -> None:
                                   "checkpoint cannot save them. Close them or bind them under /tmp, then retry.")
 
 
-async def restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float | None,
+async def restore_memory(engine: Engine, m: snaps.SnapshotManifest, *, timeout: float | None,
                          pool: str = "", shape: str = "") -> Launched:
     """A new sandbox continuing a memory snapshot: same processes, memory, /tmp; /workspace restored.
 
@@ -551,7 +566,7 @@ async def restore_memory(engine: "Engine", m: snaps.SnapshotManifest, *, timeout
         return await provision.launch(engine, spec, provision.Restore(m.snapshot_id, memory_dir, ws_tar))
 
 
-def template_key(engine: "Engine", tier: str, shape: str) -> str:
+def template_key(engine: Engine, tier: str, shape: str) -> str:
     """Registry key of a shape's template snapshot. A tier whose snapshots only restore into
     the same machine (microvm: same image and QEMU command line) adds that fingerprint, so a
     changed image or machine makes a new template instead of a failing restore."""
@@ -559,11 +574,11 @@ def template_key(engine: "Engine", tier: str, shape: str) -> str:
     return f"template:{shape}" + (f":{backend.template_fingerprint()}" if isinstance(backend, TemplateCapable) else "")
 
 
-def _memory_cache(engine: "Engine") -> Path:
+def _memory_cache(engine: Engine) -> Path:
     return engine.runtime / "memory-cache"
 
 
-def _keep_memory(engine: "Engine", snapshot_id: str, image: Path) -> None:
+def _keep_memory(engine: Engine, snapshot_id: str, image: Path) -> None:
     """Move a fresh memory image into the cache, so its first restore needs no unpacking."""
     import shutil
 
@@ -581,7 +596,7 @@ def _keep_memory(engine: "Engine", snapshot_id: str, image: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _cached_memory(engine: "Engine", m: snaps.SnapshotManifest, work: Path) -> Path:
+def _cached_memory(engine: Engine, m: snaps.SnapshotManifest, work: Path) -> Path:
     """The snapshot's memory image, unpacked and verified once, then read in place by every
     restore (tiers that start each sandbox from a template: no decompression on their path)."""
     cache = _memory_cache(engine) / m.snapshot_id
@@ -605,7 +620,7 @@ def _cached_memory(engine: "Engine", m: snaps.SnapshotManifest, work: Path) -> P
     return cache
 
 
-async def template_snapshot(engine: "Engine", tier: str, tmpl, limits: Limits, shape: str) -> snaps.SnapshotManifest:
+async def template_snapshot(engine: Engine, tier: str, tmpl, limits: Limits, shape: str) -> snaps.SnapshotManifest:
     """The memory snapshot of a warmed-up template sandbox (made once per shape, then reused).
 
     Pools of a tier with memory snapshots restore their sandboxes from it instead of booting
@@ -627,7 +642,7 @@ async def template_snapshot(engine: "Engine", tier: str, tmpl, limits: Limits, s
 _template_locks: dict = {}
 
 
-async def _template_flock(engine: "Engine", shape: str) -> int:
+async def _template_flock(engine: Engine, shape: str) -> int:
     """The shape's template lock (``templates/<hash>.lock`` in the home), waited for without
     blocking the event loop: another process may be making the same template."""
     import asyncio
@@ -652,7 +667,7 @@ async def _template_flock(engine: "Engine", shape: str) -> int:
         raise
 
 
-async def _template_snapshot(engine: "Engine", tier: str, tmpl, limits: Limits, shape: str) -> snaps.SnapshotManifest:
+async def _template_snapshot(engine: Engine, tier: str, tmpl, limits: Limits, shape: str) -> snaps.SnapshotManifest:
     store = store_for(engine)
     key = template_key(engine, tier, shape)
     sid = engine.registry.meta_text(key)
@@ -692,7 +707,7 @@ async def _template_snapshot(engine: "Engine", tier: str, tmpl, limits: Limits, 
     return m
 
 
-def resolve(engine: "Engine", ref: str) -> snaps.SnapshotManifest:
+def resolve(engine: Engine, ref: str) -> snaps.SnapshotManifest:
     """A snapshot id, or a paused sandbox's id (its latest snapshot) -> its verified manifest."""
     if not isinstance(ref, str) or not ref:
         raise InvalidArgument(f"expected a snapshot id or sandbox id, got {ref!r}")
@@ -706,7 +721,7 @@ def resolve(engine: "Engine", ref: str) -> snaps.SnapshotManifest:
     return snaps.load_manifest(store_for(engine), ref, _workdir(engine))
 
 
-async def restore(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float | None,
+async def restore(engine: Engine, m: snaps.SnapshotManifest, *, timeout: float | None,
                   envs: dict[str, str] | None, pool: bool = True) -> Launched:
     """A new running sandbox with the snapshot's files and context state.
 
@@ -734,7 +749,7 @@ async def restore(engine: "Engine", m: snaps.SnapshotManifest, *, timeout: float
             if code != 0:
                 raise SandboxError(f"restoring files: tar exited {code}: {err[-300:]}", info.sandbox_id)
             if m.context_saved:
-                text, done = await _run_code(session, _LOAD, info.sandbox_id)
+                _, done = await _run_code(session, _LOAD, info.sandbox_id)
                 if done.error is not None:
                     raise SandboxError(f"restoring the code context: {done.error.name}: {done.error.value}",
                                        info.sandbox_id)
@@ -778,7 +793,7 @@ def _too_big(m: snaps.SnapshotManifest, limits: Limits, detail: str, sandbox_id:
                    f"{limits.disk_mb}): {detail.strip()[-200:]}", sandbox_id)
 
 
-async def resume(engine: "Engine", ref: str, *, timeout: float | None, envs: dict[str, str] | None) -> Launched:
+async def resume(engine: Engine, ref: str, *, timeout: float | None, envs: dict[str, str] | None) -> Launched:
     m = resolve(engine, ref)
     origin, _ = engine.info(m.sandbox_id) if _exists(engine, m.sandbox_id) else (None, None)
     if ref.startswith("sb-") and (origin is None or origin.state is not State.PAUSED):
@@ -795,7 +810,7 @@ async def resume(engine: "Engine", ref: str, *, timeout: float | None, envs: dic
     return got
 
 
-def _exists(engine: "Engine", sandbox_id: str) -> bool:
+def _exists(engine: Engine, sandbox_id: str) -> bool:
     try:
         engine.info(sandbox_id)
         return True
@@ -803,7 +818,7 @@ def _exists(engine: "Engine", sandbox_id: str) -> bool:
         return False
 
 
-def delete(engine: "Engine", snapshot_id: str) -> None:
+def delete(engine: Engine, snapshot_id: str) -> None:
     """Forget a snapshot (its blob goes at the next gc). Works on an unreadable manifest too."""
     if not isinstance(snapshot_id, str) or not snapshot_id.startswith("snap-") or "/" in snapshot_id:
         raise InvalidArgument(f"{snapshot_id!r} is not a snapshot id")
@@ -815,7 +830,7 @@ def delete(engine: "Engine", snapshot_id: str) -> None:
     shutil.rmtree(_memory_cache(engine) / snapshot_id, ignore_errors=True)
 
 
-def orphaned_ops(engine: "Engine") -> list[Path]:
+def orphaned_ops(engine: Engine) -> list[Path]:
     """Op directories whose operation's process is gone (their lock is free)."""
     out = []
     for d in _workdir(engine).glob(OP_PREFIX + "*"):
@@ -835,7 +850,7 @@ def orphaned_ops(engine: "Engine") -> list[Path]:
     return out
 
 
-async def recover(engine: "Engine") -> list[str]:
+async def recover(engine: Engine) -> list[str]:
     """Finish or undo the operations whose process died; returns what was done, one line each.
 
     A pause killed after its checkpoint (the runtime has stopped, its image is complete) is
@@ -893,7 +908,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-async def _recover_one(engine: "Engine", op: "_Op") -> str:
+async def _recover_one(engine: Engine, op: _Op) -> str:
     try:
         rec = json.loads((op.path / "op.json").read_text())
         sid, parent, env_names = rec["sandbox_id"], str(rec["parent"]), tuple(rec["env_names"])
@@ -926,7 +941,7 @@ async def _recover_one(engine: "Engine", op: "_Op") -> str:
     return f"{sid}: pause finished by recovery as {m.snapshot_id}"
 
 
-async def gc(engine: "Engine", grace_s: float | None = None) -> tuple[int, list[str]]:
+async def gc(engine: Engine, grace_s: float | None = None) -> tuple[int, list[str]]:
     """Recover dead operations (see ``recover``), then delete unreferenced blobs and caches."""
     store = store_for(engine)
     if isinstance(store, LocalObjectStore):

@@ -49,7 +49,7 @@ _RUNNER = _LoopThread()
 def _wrap(value: Any) -> Any:
     cls = _SYNC_OF.get(type(value))
     if cls is not None:
-        obj = cls.__new__(cls)
+        obj: Any = object.__new__(cls)
         obj._async = value
         return obj
     if isinstance(value, list):
@@ -82,6 +82,10 @@ def _property(name: str, prop: property) -> property:
     return property(lambda self: _wrap(getattr(self._async, name)), doc=prop.__doc__)
 
 
+def _sub_api(attr: str, self: Any) -> Any:
+    return _wrap(getattr(self._async, attr))
+
+
 def synchronize(async_cls: type, name: str | None = None) -> type:
     """Build the blocking twin of ``async_cls``."""
     ns: dict[str, Any] = {"__doc__": async_cls.__doc__, "__module__": "warmbox", "__slots__": ("_async", "__weakref__")}
@@ -97,7 +101,7 @@ def synchronize(async_cls: type, name: str | None = None) -> type:
             ns[attr] = _property(attr, raw)
     # instance attributes holding sub-APIs (e.g. ``commands``) are exposed through properties
     for attr in getattr(async_cls, "_SYNC_ATTRS", ()):
-        ns[attr] = property(lambda self, a=attr: _wrap(getattr(self._async, a)))
+        ns[attr] = property(functools.partial(_sub_api, attr))
     if hasattr(async_cls, "__anext__"):
         ns["__iter__"] = lambda self: self
         ns["__next__"] = _next

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 from typing import TYPE_CHECKING
 
 from warmbox import operations as ops
@@ -53,7 +54,7 @@ class AsyncFiles:
         """Create or replace a file (parent directories are created); returns its entry."""
         return await self._sb._run(ops.WriteFile(self._sb.sandbox_id, path, data, mode=mode, append=append))
 
-    async def list(self, path: str = WORKDIR, *, depth: int = 1) -> list[EntryInfo]:
+    async def list(self, path: str = WORKDIR, *, depth: int = 1) -> builtins.list[EntryInfo]:
         return await self._sb._run(ops.ListDir(self._sb.sandbox_id, path, depth=depth))
 
     async def get_info(self, path: str) -> EntryInfo:

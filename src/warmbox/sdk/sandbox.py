@@ -7,6 +7,7 @@ derived from this module by :mod:`warmbox.sdk._sync`; nothing here is written tw
 
 from __future__ import annotations
 
+import builtins
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,8 +15,16 @@ from typing import Any, TypeVar
 
 from warmbox import operations as ops
 from warmbox.errors import InvalidArgument, SandboxNotFound
-from warmbox.models import (ApprovalRequest, Execution, Limits, SandboxInfo, SandboxMetrics, SnapshotRef,
-                            StageTiming, State)
+from warmbox.models import (
+    ApprovalRequest,
+    Execution,
+    Limits,
+    SandboxInfo,
+    SandboxMetrics,
+    SnapshotRef,
+    StageTiming,
+    State,
+)
 from warmbox.sdk.code import CodeContext, context_id
 from warmbox.sdk.commands import DEFAULT_COMMAND_TIMEOUT_S, DEFAULT_MAX_OUTPUT, AsyncCommands
 from warmbox.sdk.files import WORKDIR, AsyncFiles
@@ -126,7 +135,7 @@ class AsyncSandbox:
 
     @classmethod
     async def list_snapshots(cls, *, home: str | Path | None = None,
-                             transport: Transport | None = None) -> list[tuple[str, str, float, int]]:
+                             transport: Transport | None = None) -> builtins.list[tuple[str, str, float, int]]:
         """(snapshot_id, sandbox_id, created_at, size_bytes) of every snapshot in this home."""
         return await _transport(transport, home).handle(ops.ListSnapshots())
 
@@ -139,7 +148,7 @@ class AsyncSandbox:
 
     @classmethod
     async def list(cls, *, home: str | Path | None = None, include_dead: bool = False,
-                   transport: Transport | None = None) -> list[SandboxInfo]:
+                   transport: Transport | None = None) -> builtins.list[SandboxInfo]:
         return await _transport(transport, home).handle(ops.ListSandboxes(include_dead))
 
     # ---- properties
@@ -164,7 +173,7 @@ class AsyncSandbox:
         return {t.stage: t.duration_ms for t in self._stages}
 
     @property
-    def stage_timings(self) -> list[StageTiming]:
+    def stage_timings(self) -> builtins.list[StageTiming]:
         return list(self._stages)
 
     @property

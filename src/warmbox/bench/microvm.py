@@ -28,7 +28,7 @@ RAW_UID = 0x7FFE0000  # raw VMs are confined like warmbox's, to an id no sandbox
 
 
 def _stats(v: list[float]) -> dict[str, float]:
-    from warmbox.cli.bench import _stats as stats
+    from warmbox.bench.common import _stats as stats
 
     return stats(v)
 
@@ -200,7 +200,7 @@ async def bench_start(home: Path, runs: int, variant: str = "both") -> dict:
     both cold boots). agent: create from the ``pydata`` template (numpy + pandas imported in its
     code context before the snapshot) -> the real-agent cell (CSV write + describe), against raw
     QEMU restoring that same image and running that same cell on the agent's chardev."""
-    from warmbox.cli.bench import AGENT_CODE
+    from warmbox.bench.common import AGENT_CODE
     from warmbox.engine.engine import Engine
     from warmbox.sdk.sandbox import AsyncSandbox
 

@@ -34,26 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from warmbox.bench.common import AGENT, AGENT_CODE, EMPTY, VARIANTS, _pct, _stats  # noqa: F401 - used below
 from warmbox.errors import WarmboxError
-
-EMPTY = ["python3", "-c", "print(2+2)"]
-AGENT_CODE = (
-    "import numpy, pandas\n"
-    "rng = numpy.random.default_rng(0)\n"
-    "pandas.DataFrame(rng.normal(size=(1000, 4)), columns=list('abcd')).to_csv('/tmp/d.csv', index=False)\n"
-    "print(pandas.read_csv('/tmp/d.csv').describe().loc['mean'].round(3).to_dict())")
-AGENT = ["python3", "-c", AGENT_CODE]
-VARIANTS = {"empty": (EMPTY, "print(2+2)", "base"), "agent": (AGENT, AGENT_CODE, "pydata")}
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
-
-
-def _stats(v: list[float]) -> dict[str, float]:
-    return {"p50_ms": statistics.median(v), "p95_ms": _pct(v, 0.95), "p99_ms": _pct(v, 0.99),
-            "min_ms": min(v), "n": len(v)}
 
 
 def _progress(total: int, what: str):
@@ -92,10 +74,9 @@ def _make_home(pools: dict[str, dict[str, Any]]) -> Path:
 
 
 async def _remove_home(home: Path) -> None:
-    from warmbox.cli.pools import down_home
-    from warmbox.engine.engine import Engine
-
     from warmbox.engine import daemon
+    from warmbox.engine.daemon import down_home
+    from warmbox.engine.engine import Engine
 
     engine = Engine.for_home(home)
     try:
@@ -124,7 +105,7 @@ def _bwrap_argv(cmd: list[str]) -> list[str]:
     for link in ("bin", "sbin", "lib", "lib64"):
         if os.path.islink("/" + link):
             argv += ["--symlink", os.readlink("/" + link), "/" + link]
-    return argv + ["--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", *cmd]
+    return [*argv, "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", *cmd]
 
 
 def _raw_bundle(backend, d: Path, uid_base: int, cmd: list[str]) -> None:
@@ -446,7 +427,7 @@ async def bench_exec(home: Path, seconds: float) -> dict:
             t0 = time.perf_counter()
             end = t0 + seconds
 
-            async def worker() -> None:
+            async def worker(end: float = end) -> None:
                 nonlocal n
                 while time.perf_counter() < end:
                     r = await sb.commands.run(["true"])
@@ -606,7 +587,7 @@ async def bench_snapshot(home: Path, runs: int, mb: int) -> dict:
     sizes = {}
     work = home / "bench-raw"
     work.mkdir()
-    for i in range(runs):
+    for _ in range(runs):
         sb = await AsyncSandbox.create(template="pydata", timeout=600, pool=False, home=home)
         await sb.commands.run(f"head -c {mb << 20} /dev/urandom > /workspace/data.bin && "
                               "seq 1 200000 > /workspace/lines.txt")
@@ -675,7 +656,7 @@ class _RawRunsc:
         cid, d = self._bundle(cmd)
         t0 = time.perf_counter()
         try:
-            out = subprocess.run(self.backend._global() + ["run", "--bundle", str(d), cid], capture_output=True,
+            out = subprocess.run([*self.backend._global(), "run", "--bundle", str(d), cid], capture_output=True,
                                  text=True, timeout=120, stdin=subprocess.DEVNULL)
             ms = (time.perf_counter() - t0) * 1e3
         finally:
@@ -742,7 +723,7 @@ async def bench_snapshot_gvisor(home: Path, runs: int) -> dict:
     rows: dict[str, list[float]] = {k: [] for k in ("cold_start_first_ms", "pause_ms", "restore_first_ms",
                                                        "raw_runsc_run_ms", "raw_checkpoint_ms", "raw_restore_ms")}
     sizes: dict[str, int] = {}
-    for i in range(runs):
+    for _ in range(runs):
         t0 = time.perf_counter()
         sb = await AsyncSandbox.create("gvisor", template="pydata", timeout=600, pool=False, home=home)
         r = await sb.run_code("df = pandas.DataFrame({'a': range(1000)})\nlen(df)")
@@ -837,7 +818,7 @@ async def command(args: argparse.Namespace) -> int:
     home = _make_home(pools)
     try:
         if args.bench == "start" and args.tier == "microvm":
-            from warmbox.cli import bench_microvm
+            from warmbox.bench import microvm as bench_microvm
 
             report = await bench_microvm.bench_start(home, args.runs, args.variant)
             printer = _print_microvm
@@ -852,7 +833,7 @@ async def command(args: argparse.Namespace) -> int:
             printer = _print_exec
         elif args.bench == "snapshot":
             if args.tier == "microvm":
-                from warmbox.cli import bench_microvm
+                from warmbox.bench import microvm as bench_microvm
 
                 report = await bench_microvm.bench_snapshot(home, args.runs)
             elif args.tier == "gvisor":
