@@ -383,6 +383,10 @@ class RuncBackend:
             pass
         return ResourceUsage(oom_kills=cgroup.oom_kills(), memory_bytes=mem, cpu_ns=cpu)
 
+    def sandbox_pids(self, sandbox_id: str) -> list[int]:
+        """Every process in the sandbox's cgroups (host pids)."""
+        return self._pids(sandbox_id)
+
     def _pids(self, sandbox_id: str) -> list[int]:
         return host.SandboxCgroup(sandbox_id).procs()
 

@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -206,21 +207,24 @@ async def _warm(home: Path, template: str, code: str | None, cmd: list[str] | No
     sb = await AsyncSandbox.create("container", timeout=120, template=template, home=home)
     try:
         if code is not None:
-            r = await sb.run_code(code, timeout=120)
+            ex = await sb.run_code(code, timeout=120)
             ms = (time.perf_counter() - t0) * 1e3
-            if r.error:
-                raise WarmboxError(f"warm run failed: {r.error.name}: {r.error.value}")
+            if ex.error:
+                raise WarmboxError(f"warm run failed: {ex.error.name}: {ex.error.value}")
+            stdout = ex.stdout
         else:
+            assert cmd is not None
             r = await sb.commands.run(cmd, timeout=120)
             ms = (time.perf_counter() - t0) * 1e3
             if r.exit_code != 0:
                 raise WarmboxError(f"warm run failed: {r.stderr[-300:]}")
+            stdout = r.stdout
     finally:
         await sb.kill()
-    return ms, r.stdout, sb.stage_timings, sb.from_pool
+    return ms, stdout, sb.stage_timings, sb.from_pool
 
 
-def _print_table(title: str, stats: dict[str, dict[str, float]], extra: list[str] = ()) -> None:
+def _print_table(title: str, stats: dict[str, dict[str, float]], extra: list[str] | tuple[()] = ()) -> None:
     print(title)
     for m, s in stats.items():
         print(f"  {m:<15} p50 {s['p50_ms']:8.2f} ms   p95 {s['p95_ms']:8.2f} ms   p99 {s['p99_ms']:8.2f} ms"
@@ -498,6 +502,9 @@ async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, t
 
     engine = Engine.for_home(home)
     backend = engine.backend("container")
+    from warmbox.backends.runc import RuncBackend
+
+    assert isinstance(backend, RuncBackend)  # the density count reads the runc tier's cgroups
     name = f"bench-density-{template}"
     base_avail = _mem_available()
     steps = []
@@ -515,7 +522,7 @@ async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, t
             for sid in ids:
                 _, handle = engine.info(sid)
                 cg += (await backend.usage(handle)).memory_bytes
-                for pid in backend._pids(sid):
+                for pid in backend.sandbox_pids(sid):
                     r, ps, us = _smaps(pid)
                     rss, pss, uss = rss + r, pss + ps, uss + us
             drop = base_avail - _mem_available()
@@ -559,15 +566,19 @@ def _raw_fs_snapshot(workspace: Path, work: Path) -> tuple[float, float, int]:
     t0 = time.perf_counter()
     with open(out, "wb") as f:
         with zstandard.ZstdCompressor(level=3, threads=-1).stream_writer(f) as z:
-            asyncio.run(hostfs.tar_create(workspace, z.write, max_bytes=1 << 40, timeout=600))
+
+            def write(data: bytes) -> None:
+                z.write(data)
+
+            asyncio.run(hostfs.tar_create(workspace, write, max_bytes=1 << 40, timeout=600))
     save_ms = (time.perf_counter() - t0) * 1e3
     size = out.stat().st_size
     dest = work / "raw-restore"
     dest.mkdir()
     t0 = time.perf_counter()
-    with open(out, "rb") as f:
-        with zstandard.ZstdDecompressor().stream_reader(f) as z:
-            with tarfile.open(fileobj=z, mode="r|") as tar:
+    with open(out, "rb") as src:
+        with zstandard.ZstdDecompressor().stream_reader(src) as unz:
+            with tarfile.open(fileobj=unz, mode="r|") as tar:
                 tar.extractall(dest, filter="tar")
     restore_ms = (time.perf_counter() - t0) * 1e3
     shutil.rmtree(dest)
@@ -793,9 +804,11 @@ POOLS = {
 def _validate(args: argparse.Namespace) -> None:
     from warmbox.errors import InvalidArgument
 
-    checks = {"start": [("runs", 1, 10000)], "burst": [("burst", 1, 500)], "exec": [("seconds", 0.01, 3600)],
-              "snapshot": [("runs", 1, 1000), ("mb", 0, 4096)],
-              "density": [("max", 1, 2000), ("step", 1, 2000), ("memory_bound_gib", 0.01, 1024)]}[args.bench]
+    table: dict[str, list[tuple[str, float, float]]] = {
+        "start": [("runs", 1, 10000)], "burst": [("burst", 1, 500)], "exec": [("seconds", 0.01, 3600)],
+        "snapshot": [("runs", 1, 1000), ("mb", 0, 4096)],
+        "density": [("max", 1, 2000), ("step", 1, 2000), ("memory_bound_gib", 0.01, 1024)]}
+    checks = table[args.bench]
     for name, lo, hi in checks:
         v = getattr(args, name)
         if not lo <= v <= hi:
@@ -821,7 +834,7 @@ async def command(args: argparse.Namespace) -> int:
             from warmbox.bench import microvm as bench_microvm
 
             report = await bench_microvm.bench_start(home, args.runs, args.variant)
-            printer = _print_microvm
+            printer: Callable[[dict[str, Any]], None] = _print_microvm
         elif args.bench == "start":
             report = await bench_start(home, args.runs, args.variant)
             printer = _print_start

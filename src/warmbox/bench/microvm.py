@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from warmbox import protocol as p
 from warmbox.backends import microvm as vm
@@ -171,6 +172,13 @@ async def _warmbox_cold(engine, limits: Limits) -> tuple[float, dict[str, float]
     return ms, {t.stage: t.duration_ms for t in got.timings}
 
 
+def _microvm(engine: Any) -> vm.MicroVMBackend:
+    """The microVM backend itself: the raw baselines drive its QEMU with the same images and argv."""
+    backend = engine.backend("microvm")
+    assert isinstance(backend, vm.MicroVMBackend)
+    return backend
+
+
 def _template_files(engine, limits: Limits, work: Path, template: str = "base") -> Path:
     """warmbox's template memory image and workspace disk as ``work/<template>.{mem,qcow2}``."""
     import tarfile
@@ -190,6 +198,8 @@ def _template_files(engine, limits: Limits, work: Path, template: str = "base") 
                    tar_path, snapshots._workdir(engine))
     with tarfile.open(tar_path) as tar:
         member = tar.extractfile("./disk.qcow2") or tar.extractfile("disk.qcow2")
+        if member is None:
+            raise WarmboxError(f"template snapshot {sid} holds no disk.qcow2")
         mem.with_suffix(".qcow2").write_bytes(member.read())
     tar_path.unlink()
     return mem
@@ -205,7 +215,7 @@ async def bench_start(home: Path, runs: int, variant: str = "both") -> dict:
     from warmbox.sdk.sandbox import AsyncSandbox
 
     engine = Engine.for_home(home)
-    backend = engine.backend("microvm")
+    backend = _microvm(engine)
     avail = backend.probe()
     if not avail.available:
         raise WarmboxError(f"microvm tier unavailable: {avail.reason}")
@@ -293,7 +303,7 @@ async def bench_snapshot(home: Path, runs: int) -> dict:
     from warmbox.sdk.sandbox import AsyncSandbox
 
     engine = Engine.for_home(home)
-    backend = engine.backend("microvm")
+    backend = _microvm(engine)
     work = Path(tempfile.mkdtemp(prefix="raw-qemu-", dir=engine.runtime))
     raw = RawQemu(backend, work)
     rows: dict[str, list[float]] = {k: [] for k in ("pause_ms", "resume_first_ms", "raw_save_ms",

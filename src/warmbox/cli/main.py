@@ -28,7 +28,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from warmbox import operations as ops
 from warmbox.errors import WarmboxError
@@ -38,7 +38,7 @@ EXIT_ERROR = 125
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, our exit status, no usage dump
+    def error(self, message: str) -> NoReturn:  # one line, our exit status, no usage dump
         print(f"warmbox: error: {message}", file=sys.stderr)
         sys.exit(EXIT_ERROR)
 
