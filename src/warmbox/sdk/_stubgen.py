@@ -30,7 +30,7 @@ _KNOWN = {"Network": "warmbox.network.policy", "Secret": "warmbox.network.policy
 
 def _sync_ann(ann: str) -> str:
     # inside a class with a ``list`` method, ``list[...]`` would name the method: say builtins.list
-    ann = re.sub(r"\blist\[", "builtins.list[", ann)
+    ann = re.sub(r"(?<![\w.])list\[", "builtins.list[", ann)
     return _IDENT.sub(lambda m: _SYNC_NAME.get(m.group(0), m.group(0)), ann)
 
 
