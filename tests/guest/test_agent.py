@@ -253,12 +253,28 @@ def scoped_agent(request, guest_lib: Path, tmp_path: Path):
 
 
 def _left(pattern: str) -> list[str]:
-    return subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True, check=False).stdout.split()
+    """This run's sleeps only: anchored (no shell whose command line names them) and tagged with
+    this pid (pgrep sees the whole host: other worktrees run this test concurrently)."""
+    return subprocess.run(["pgrep", "-f", f"^sleep 1{os.getpid()}{pattern}$"], capture_output=True, text=True,
+                          check=False).stdout.split()
 
 
-ESCAPING = ("setsid sh -c 'sleep {0}1 &'; (trap '' TERM HUP INT; sleep {0}2 &); "
-            "python3 -c 'import os; os.fork() and os._exit(0); os.setsid(); os.setpgid(0, 0); "
-            "os.execvp(\"sleep\", [\"sleep\", \"{0}3\"])'; sleep {0}4")
+async def _await_left(pattern: str, count: int) -> list[str]:
+    """Bounded: a loaded host can take longer than a fixed pause to start (or end) them."""
+    for _ in range(100):
+        if len(left := _left(pattern)) == count:
+            break
+        await asyncio.sleep(0.05)
+    return left
+
+
+def _escaping(n: int) -> str:
+    """Four sleeps (``_left(f"{n}[1-4]")``) that leave the command's process tree in three ways.
+    The interpreter by path: a version manager's ``python3`` shim on PATH takes ~0.2 s idle."""
+    t = f"1{os.getpid()}{n}"
+    return (f"setsid sh -c 'sleep {t}1 &'; (trap '' TERM HUP INT; sleep {t}2 &); "
+            f"{BARE} -I -S -c 'import os; os.fork() and os._exit(0); os.setsid(); "
+            f"os.execvp(\"sleep\", [\"sleep\", \"{t}3\"])'; sleep {t}4")
 
 
 def test_each_mode_ends_all_a_timed_out_or_killed_command_started(scoped_agent):
@@ -268,27 +284,25 @@ def test_each_mode_ends_all_a_timed_out_or_killed_command_started(scoped_agent):
         c = await GuestClient.connect(sock, "t")
         try:
             where = await _exec(c, ["sh", "-c", "echo $$; cat /proc/self/cgroup | tail -1"])
-            timed = await _exec(c, ["sh", "-c", ESCAPING.format(210)], timeout_s=1.0)
-            left_timed = _left("sleep 210[1-4]")
+            timed = await _exec(c, ["sh", "-c", _escaping(210)], timeout_s=1.0)
+            left_timed = _left("210[1-4]")
             # a Signal(SIGKILL) to the command's pid (no timeout): the same
-            async with c.request(lambda i: p.Exec(i, argv=["sh", "-c", ESCAPING.format(220)], env={}, cwd="",
+            async with c.request(lambda i: p.Exec(i, argv=["sh", "-c", _escaping(220)], env={}, cwd="",
                                                   timeout_s=0, max_output=1 << 20, stdin=False)) as s:
                 started = await s.get()
-                await asyncio.sleep(0.5)
-                assert len(_left("sleep 220[1-4]")) == 4
+                assert len(await _await_left("220[1-4]", 4)) == 4
                 ok = await c.call(lambda i: p.Signal(i, pid=started.pid, signum=9), p.Ok)
                 while not isinstance(m := await s.get(), (p.Exited, p.Failure)):
                     pass
-            await asyncio.sleep(0.1)
-            left_killed = _left("sleep 220[1-4]")
+            left_killed = await _await_left("220[1-4]", 0)
             # a normal exit: what it started on purpose stays
-            await _exec(c, ["sh", "-c", "nohup sleep 2301 >/dev/null 2>&1 & setsid sh -c 'sleep 2302 &'"])
-            await asyncio.sleep(0.2)
-            kept = _left("sleep 230[12]")
+            tag = f"1{os.getpid()}230"
+            await _exec(c, ["sh", "-c", f"nohup sleep {tag}1 >/dev/null 2>&1 & setsid sh -c 'sleep {tag}2 &'"])
+            kept = await _await_left("230[12]", 2)
             return where, timed, left_timed, ok, m, left_killed, kept
         finally:
             await c.close()
-            for pid in _left("sleep 2[123]0[1-4]"):  # what this test left running
+            for pid in _left("2[123]0[1-4]"):  # what this test left running
                 os.kill(int(pid), 9)
     where, timed, left_timed, ok, killed, left_killed, kept = asyncio.run(go())
     out = b"".join(m.data for _, m in where if isinstance(m, p.Stdout)).decode().split("\n")
