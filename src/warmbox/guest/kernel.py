@@ -114,6 +114,7 @@ def _split(code: str, name: str) -> tuple[ast.Module, ast.Expression | None]:
     tree = ast.parse(code, name, "exec")
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = tree.body.pop()
+        assert isinstance(last, ast.Expr)
         return tree, ast.Expression(body=last.value)
     return tree, None
 
@@ -172,6 +173,8 @@ def main(fd: int) -> None:
             except OSError:
                 return
             continue
+        if not isinstance(msg, p.ContextRun):  # recv_message allows only the three kinds above
+            return
         count += 1
         run = _Run(sock, msg)
         start = time.monotonic()
