@@ -115,10 +115,11 @@ async def _tail(stream: asyncio.StreamReader, keep: int = 4096) -> bytes:
     return out
 
 
-async def tar_create(directory: str | Path, sink: Callable[[bytes], None], *, max_bytes: int,
+async def tar_create(directory: str | Path, sink: Callable[[bytes], object], *, max_bytes: int,
                      timeout: float) -> int:
-    """Archive the contents of ``directory`` (as its owner) into ``sink``; returns the bytes
-    written. StorageError past ``max_bytes`` (tar is killed), on a tar failure or a timeout."""
+    """Archive the contents of ``directory`` (as its owner) into ``sink`` (its return value is
+    ignored: a file's write fits); returns the bytes written. StorageError past ``max_bytes``
+    (tar is killed), on a tar failure or a timeout."""
     proc = await asyncio.create_subprocess_exec(
         TAR, "--sparse", "--numeric-owner", "--one-file-system", "--warning=no-file-ignored", "-cpf", "-", ".",
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **_as_owner(directory))
