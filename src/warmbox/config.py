@@ -255,9 +255,8 @@ def _fmt(v: float) -> str:
 
 
 def _too_high(field: str, value: float, key: str, most: float, unit: str, source: str) -> None:
-    e = LimitTooHigh(f"limits.{field} = {value!r} is above {key} = {_fmt(most)} {unit} ({source})")
-    e.limit, e.value, e.maximum, e.source = field, value, most, source
-    raise e
+    raise LimitTooHigh(f"limits.{field} = {value!r} is above {key} = {_fmt(most)} {unit} ({source})",
+                       limit=field, value=value, maximum=most, source=source)
 
 
 def _limits(t: dict, source: str, env_keys: frozenset[str], host: HostCapacity | None = None) -> LimitSettings:
@@ -424,7 +423,7 @@ def parse(raw: dict[str, Any], source: str = "<settings>", *, env_keys: frozense
     defaults = Defaults(tier=_tier(d.get("tier", "container"), "defaults.tier", source),
                         template=_str(d.get("template", "base"), "defaults.template", source),
                         timeout_s=_num(d.get("timeout", 300.0), "defaults.timeout", source, 1, 86400))
-    templates = {n: Template(name=n, **{k: v for k, v in t.items()}) for n, t in BUILTIN_TEMPLATES.items()}
+    templates = {n: Template(name=n, **t) for n, t in BUILTIN_TEMPLATES.items()}
     for name, t in _table(raw, "templates", source).items():
         where = f"templates.{name}"
         t = _as_table(t, where, source)

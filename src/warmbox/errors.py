@@ -48,7 +48,19 @@ class InvalidPath(InvalidArgument):
 
 
 class LimitTooHigh(InvalidArgument):
-    """A resource limit above what this host has or what ``[limits] max_*`` in warmbox.toml allows."""
+    """A resource limit above what this host has or what ``[limits] max_*`` in warmbox.toml allows.
+
+    limit: the Limits field (e.g. ``"memory_mb"``); value: what was asked for; maximum: the most
+    allowed, in that field's unit; source: where that maximum comes from (a file, a variable, the host).
+    """
+
+    def __init__(self, message: str, *, limit: str = "", value: float = 0, maximum: float = 0,
+                 source: str = "") -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.value = value
+        self.maximum = maximum
+        self.source = source
 
 
 class BackendUnavailable(WarmboxError):

@@ -19,8 +19,8 @@ import asyncio
 import os
 import stat
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from warmbox.errors import NoSpace, StorageError
 
@@ -40,7 +40,7 @@ def create_marker(directory: str | Path, name: str, uid: int, gid: int, mode: in
     itself, never its target — and the file made anew."""
     dfd = open_dir(directory)
     try:
-        for attempt in range(8):  # the guest may keep planting the name: bounded
+        for _ in range(8):  # the guest may keep planting the name: bounded
             try:
                 fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
                              dir_fd=dfd)
@@ -115,20 +115,22 @@ async def _tail(stream: asyncio.StreamReader, keep: int = 4096) -> bytes:
     return out
 
 
-async def tar_create(directory: str | Path, sink: Callable[[bytes], None], *, max_bytes: int,
+async def tar_create(directory: str | Path, sink: Callable[[bytes], object], *, max_bytes: int,
                      timeout: float) -> int:
-    """Archive the contents of ``directory`` (as its owner) into ``sink``; returns the bytes
-    written. StorageError past ``max_bytes`` (tar is killed), on a tar failure or a timeout."""
+    """Archive the contents of ``directory`` (as its owner) into ``sink`` (its return value is
+    ignored: a file's write fits); returns the bytes written. StorageError past ``max_bytes``
+    (tar is killed), on a tar failure or a timeout."""
     proc = await asyncio.create_subprocess_exec(
         TAR, "--sparse", "--numeric-owner", "--one-file-system", "--warning=no-file-ignored", "-cpf", "-", ".",
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **_as_owner(directory))
     assert proc.stdout is not None and proc.stderr is not None
+    stdout = proc.stdout  # (pump is a closure: the narrowing above does not reach into it)
     written = 0
     too_big = False
 
     async def pump() -> None:
         nonlocal written, too_big
-        while chunk := await proc.stdout.read(_CHUNK):
+        while chunk := await stdout.read(_CHUNK):
             written += len(chunk)
             if written > max_bytes:
                 too_big = True
@@ -140,7 +142,7 @@ async def tar_create(directory: str | Path, sink: Callable[[bytes], None], *, ma
     try:
         _, err = await asyncio.wait_for(asyncio.gather(pump(), _tail(proc.stderr)), timeout)
         rc = await asyncio.wait_for(proc.wait(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise StorageError(f"archiving {Path(directory).name}: tar took longer than {timeout:.0f} s") from None
     finally:
         if proc.returncode is None:
@@ -166,7 +168,7 @@ async def tar_extract(directory: str | Path, archive: str | Path, *, timeout: fl
         os.close(fd)
     try:
         _, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         proc.kill()
         await proc.wait()
         raise StorageError(f"unpacking into {Path(directory).name}: tar took longer than {timeout:.0f} s") from None

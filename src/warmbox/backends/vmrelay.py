@@ -38,11 +38,16 @@ import struct
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
-_spec = importlib.util.spec_from_file_location(
-    "warmbox_relay_protocol", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "protocol.py"))
-p = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(p)
+if TYPE_CHECKING:  # the same file, seen by the type checker under its package name
+    from warmbox import protocol as p
+else:  # run as a bare script: protocol.py is loaded from beside this package, nothing imported
+    _spec = importlib.util.spec_from_file_location(
+        "warmbox_relay_protocol",
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "protocol.py"))
+    p = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(p)
 
 MAX_IDS_PER_CLIENT = 65536  # oldest mappings of a client are forgotten beyond this
 CONNECT_TIMEOUT_S = 60.0
@@ -68,7 +73,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def read_frame(sock: socket.socket, allowed) -> object | None:
+def read_frame(sock: socket.socket, allowed: tuple[type[p.Message], ...]) -> p.Message | None:
     prefix = _recv_exact(sock, p.PREFIX_SIZE)
     if prefix is None:
         return None
@@ -86,7 +91,7 @@ class Client:
     guest's stream waits only once MAX_QUEUED bytes are pending for one client, and a client that
     takes none of them for STALL_S is disconnected."""
 
-    def __init__(self, relay: "Relay", sock: socket.socket) -> None:
+    def __init__(self, relay: Relay, sock: socket.socket) -> None:
         self.relay = relay
         self.sock = sock
         self.cond = threading.Condition()

@@ -243,7 +243,7 @@ def _mounts_at(path: Path) -> int:
 def loops_backed_by(root: str | Path) -> dict[int, str]:
     """Loop devices whose backing file is at or below ``root``: {number: backing file}."""
     root = str(root).rstrip("/")
-    out = {}
+    out: dict[int, str] = {}
     try:
         names = os.listdir("/sys/block")
     except OSError:

@@ -11,6 +11,7 @@ import dataclasses
 import ipaddress
 import secrets
 import struct
+from collections.abc import Sequence
 
 A, AAAA, CNAME = 1, 28, 5
 NOERROR, FORMERR, SERVFAIL, NXDOMAIN, NOTIMP, REFUSED = 0, 1, 2, 3, 4, 5
@@ -94,7 +95,7 @@ def build_query(name: str, qtype: int, txid: int) -> bytes:
     return struct.pack("!6H", txid, 0x0100, 1, 0, 0, 0) + _encode_name(name) + struct.pack("!2H", qtype, 1)
 
 
-def build_response(q: Question, rcode: int, addresses: list[str] = (), ttl: int = 30) -> bytes:
+def build_response(q: Question, rcode: int, addresses: Sequence[str] = (), ttl: int = 30) -> bytes:
     """An answer to ``q`` with A/AAAA records for ``addresses`` (those matching its type)."""
     answers = bytearray()
     count = 0
@@ -170,7 +171,7 @@ async def query(servers: list[str], name: str, qtype: int, timeout: float = 2.0)
                     return parse_answer(data, txid, qtype)
                 except DnsFormatError:
                     proto.reply = loop.create_future()  # spoofed or stray: keep waiting
-        except (OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError) as e:
             last = e
         finally:
             transport.close()

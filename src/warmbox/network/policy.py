@@ -18,7 +18,8 @@ import dataclasses
 import ipaddress
 import json
 import re
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 from warmbox.errors import InvalidArgument
 
@@ -72,7 +73,7 @@ class Rule:
     pattern: str
 
     @staticmethod
-    def parse(text: object, what: str) -> "Rule":
+    def parse(text: object, what: str) -> Rule:
         if not isinstance(text, str) or not text.strip():
             raise InvalidArgument(f"{what} entries must be non-empty strings, got {text!r}")
         t = text.strip().lower()
@@ -138,7 +139,7 @@ class Policy:
     on_unknown: OnUnknown = "deny"
 
     @staticmethod
-    def of(spec: object) -> "Policy":
+    def of(spec: object) -> Policy:
         if spec is None or spec == "none":
             return Policy("none")
         if spec == "internet":
@@ -154,7 +155,7 @@ class Policy:
         """Does the sandbox need a link at all? (``none`` keeps only loopback.)"""
         return self.mode != "none"
 
-    def with_allowed(self, host: str) -> "Policy":
+    def with_allowed(self, host: str) -> Policy:
         if host in self.allow:
             return self
         return dataclasses.replace(self, mode="allowlist" if self.mode == "none" else self.mode,
@@ -164,7 +165,7 @@ class Policy:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @staticmethod
-    def from_json(text: str) -> "Policy":
+    def from_json(text: str) -> Policy:
         d = json.loads(text)
         return Policy(d["mode"], tuple(d["allow"]), tuple(d["deny"]), d["on_unknown"])
 

@@ -1,8 +1,9 @@
 """The egress proxy and resolver: the one process sandbox packets can reach (:func:`main` ``HOME``).
 
 One per warmbox home, started on demand by the engine and gone when no sandbox has a link
-for a while; a supervisor process restarts it if it dies (see :class:`Supervisor`). It listens inside the egress namespace (see :mod:`warmbox.network.netns`) and
-opens upstream connections from its own namespace (the host's, or ``network.upstream_netns``).
+for a while; a supervisor process restarts it if it dies (see :class:`Supervisor`). It listens
+inside the egress namespace (see :mod:`warmbox.network.netns`) and opens upstream connections
+from its own namespace (the host's, or ``network.upstream_netns``).
 Per request it finds the sandbox by source address (the nftables table guarantees it is not
 spoofed), reads that sandbox's policy from the registry (so a policy update applies to the
 next connection), decides the name (by its rules, else by asking the approval hook) and only
@@ -36,6 +37,7 @@ from urllib.parse import urlsplit
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from warmbox import config
 from warmbox.errors import InvalidArgument, WarmboxError
@@ -300,7 +302,7 @@ class Proxy:
             try:
                 _, addrs = await dns.query(self.net.resolvers(), host, qtype, timeout=2.0)
                 out += addrs
-            except (OSError, TimeoutError, asyncio.TimeoutError, dns.DnsFormatError):
+            except (OSError, TimeoutError, dns.DnsFormatError):
                 continue
         return out
 
@@ -337,7 +339,7 @@ class Proxy:
         refused = [pol.denies_address(a) for a in usable]
         if all(refused):
             return False, refused[0], usable[0], f"{host} resolves only to denied addresses {usable[:4]}"
-        usable = [a for a, r in zip(usable, refused) if not r]
+        usable = [a for a, r in zip(usable, refused, strict=True) if not r]
         v4 = [a for a in usable if ":" not in a]
         return True, rule, (v4 or usable)[0], ""
 
@@ -363,7 +365,7 @@ class Proxy:
                                      "kind": kind}) + "\n").encode())
                 await w.drain()
                 answer = await asyncio.wait_for(fut, timeout)
-            except (asyncio.TimeoutError, OSError, ConnectionError):
+            except (TimeoutError, OSError, ConnectionError):
                 return False, "approval:timeout"
             finally:
                 self.pending.pop(req, None)
@@ -372,7 +374,7 @@ class Proxy:
             try:
                 answer = await asyncio.wait_for(asyncio.to_thread(_post_json, self.net.approval_webhook, body,
                                                                   timeout), timeout + 1)
-            except (asyncio.TimeoutError, OSError, ValueError):
+            except (TimeoutError, OSError, ValueError):
                 return False, "approval:timeout"
         else:
             return False, "approval:no-hook"
@@ -396,6 +398,7 @@ class Proxy:
             return
         sid, pol = found
         task = asyncio.current_task()
+        assert task is not None  # asyncio.start_server runs each client in its own Task
         self.tasks.setdefault(sid, set()).add(task)
         conn = _Conn(sid)
         upstream: asyncio.StreamWriter | None = None
@@ -405,7 +408,7 @@ class Proxy:
             await self._respond(writer, 400, f"bad request: {e}")
             self.finish(conn, f"bad request: {e}")
         except (EOFError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
-                OSError, asyncio.TimeoutError, ssl.SSLError):
+                OSError, TimeoutError, ssl.SSLError):
             self.finish(conn)
         except asyncio.CancelledError:
             self.finish(conn, "closed: sandbox gone")
@@ -452,7 +455,7 @@ class Proxy:
             return await self._tunnel(sid, host, address, port, reader, writer, conn)
         try:
             up_r, up_w = await asyncio.wait_for(asyncio.open_connection(address, port), CONNECT_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError) as e:
             self.finish(conn, f"upstream connect failed: {e}")
             await self._respond(writer, 502, f"cannot connect to {host}:{port}")
             return None
@@ -460,7 +463,7 @@ class Proxy:
         path = (u.path or "/") + (f"?{u.query}" if u.query else "")
         keep = [(k, v) for k, v in headers if k.lower() not in ("proxy-connection", "proxy-authorization",
                                                                   "connection", "keep-alive")]
-        out = join_head(f"{method} {path} {version}", keep + [("Connection", "close")])
+        out = join_head(f"{method} {path} {version}", [*keep, ("Connection", "close")])
         up_w.write(out)
         conn.up += len(out)
         await relay_body(headers, reader, up_w, conn)
@@ -485,12 +488,12 @@ class Proxy:
                     break
                 first += more
             sni = parse_sni(first)
-            if sni is not None and normalize_host(sni, "SNI") != host or (sni is None and not is_ip(host)):
+            if (sni is not None and normalize_host(sni, "SNI") != host) or (sni is None and not is_ip(host)):
                 self._redecide(conn.event_id, "sni-mismatch", f"TLS SNI {sni!r} != CONNECT host {host}")
                 return None
         try:
             up_r, up_w = await asyncio.wait_for(asyncio.open_connection(address, port), CONNECT_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError) as e:
             self.finish(conn, f"upstream connect failed: {e}")
             return None
         up_w.write(first)
@@ -517,7 +520,7 @@ class Proxy:
         try:
             up_r, up_w = await asyncio.wait_for(asyncio.open_connection(
                 address, port, ssl=self.upstream_ssl, server_hostname=host), CONNECT_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError, ssl.SSLError) as e:
+        except (TimeoutError, OSError, ssl.SSLError) as e:
             self.finish(conn, f"upstream TLS to {host} failed: {e}"[:300])
             return None
         down = asyncio.ensure_future(pipe(up_r, writer, conn, down=True))
@@ -585,7 +588,7 @@ class Proxy:
             return
         try:
             rcode, addrs = await dns.query(self.net.resolvers(), name, q.qtype, timeout=2.0)
-        except (OSError, TimeoutError, asyncio.TimeoutError, dns.DnsFormatError):
+        except (OSError, TimeoutError, dns.DnsFormatError):
             self.audit(sid, "dns", name, "", 53, "allow", rule, "upstream resolver did not answer")
             transport.sendto(dns.build_response(q, dns.SERVFAIL), addr)
             return
@@ -597,7 +600,7 @@ class Proxy:
             self.audit(sid, "dns", name, usable[0], 53, "deny", refused[0], f"answers {usable[:4]} withheld")
             usable = []
         else:
-            usable = [a for a, r in zip(usable, refused) if not r]
+            usable = [a for a, r in zip(usable, refused, strict=True) if not r]
             self.audit(sid, "dns", name, usable[0] if usable else "", 53, "allow", rule)
         transport.sendto(dns.build_response(q, rcode if rcode in (dns.NOERROR, dns.NXDOMAIN) else dns.SERVFAIL,
                                             usable), addr)
@@ -657,9 +660,9 @@ class Proxy:
             sid = str(msg["sandbox_id"])
             self.keep({"op": "forget", "sandbox_id": sid})
             self.secrets.pop(sid, None)
-            ca = self.cas.pop(sid, None)
-            if ca is not None:
-                ca.close()
+            gone = self.cas.pop(sid, None)
+            if gone is not None:
+                gone.close()
             for _, w in self.approvers.pop(sid, []):
                 _close(w)
             for t in self.tasks.pop(sid, set()):
@@ -704,7 +707,10 @@ def _restore_ca(directory: Path, key_pem: str, cert_pem: str) -> SandboxCA:
     ca = SandboxCA.__new__(SandboxCA)
     ca.dir = directory
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    ca._key = serialization.load_pem_private_key(key_pem.encode(), None)
+    key = serialization.load_pem_private_key(key_pem.encode(), None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):  # _ca_pems only writes the CA's own EC key
+        raise ValueError(f"the kept CA key is {type(key).__name__}, not an EC key")
+    ca._key = key
     ca._cert = x509.load_pem_x509_certificate(cert_pem.encode())
     ca._contexts = {}
     return ca
@@ -712,7 +718,7 @@ def _restore_ca(directory: Path, key_pem: str, cert_pem: str) -> SandboxCA:
 
 def _post_json(url: str, body: bytes, timeout: float) -> str:
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - operator-configured URL
+    with urllib.request.urlopen(req, timeout=timeout) as r:  # an operator-configured URL
         answer = json.loads(r.read(65536))
     return str(answer.get("decision", "")) if isinstance(answer, dict) else ""
 
@@ -793,7 +799,7 @@ class Supervisor:
                 if self.registry.link(info.sandbox_id) is not None:
                     self.registry.add_net_event(NetEvent(info.sandbox_id, time.time(), "proxy", "*", "", 0, "deny",
                                                          rule, 0, 0, detail))
-        except Exception as e:  # noqa: BLE001 - the supervisor outlives a registry hiccup
+        except Exception as e:  # the supervisor outlives a registry hiccup
             self.log(f"cannot audit {rule}: {e}")
 
     def run(self) -> int:

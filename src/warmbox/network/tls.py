@@ -27,7 +27,7 @@ class SandboxCA:
     def __init__(self, sandbox_id: str, directory: Path) -> None:
         self.dir = directory
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         self._key = ec.generate_private_key(ec.SECP256R1())
         self._cert = (
             x509.CertificateBuilder().subject_name(_name(f"warmbox egress CA {sandbox_id}"))
@@ -50,7 +50,7 @@ class SandboxCA:
         ctx = self._contexts.get(host)
         if ctx is not None:
             return ctx
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         key = ec.generate_private_key(ec.SECP256R1())
         try:
             san: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))

@@ -5,17 +5,25 @@ It is the source of truth shared by every warmbox process on the host (CLI, SDK,
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from warmbox.lifecycle import LIVE, check_transition
 from warmbox.errors import RegistryError, SandboxNotFound, SandboxStateError
+from warmbox.lifecycle import LIVE, check_transition
 from warmbox.models import BackendHandle, Limits, NetEvent, PoolEvent, SandboxInfo, StageTiming, State, Transition
-from warmbox.storage.uidslots import (HOLDING_STATES, MAX_SLOTS, UID_BASE, UID_RANGE, UidLedger,  # noqa: F401
-                                     registry_holds, row_holds)
+from warmbox.storage.uidslots import (  # noqa: F401 - MAX_SLOTS is re-exported for cli/bench
+    HOLDING_STATES,
+    MAX_SLOTS,
+    UID_BASE,
+    UID_RANGE,
+    UidLedger,
+    registry_holds,
+    row_holds,
+)
 
 SCHEMA_VERSION = 5
 SCHEMA = """
@@ -185,6 +193,10 @@ class Meter:
     base_busy_ms: float
     base_commands: int
     final: bool
+
+
+# A meters row as Registry.meter selects it: Meter's fields in order, ``final`` still SQLite's 0/1.
+_MeterRow = tuple[str, float, int, int, float, int, float, int, int, float, float, int, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,7 +452,9 @@ class Registry:
             raise SandboxNotFound(f"no sandbox {sandbox_id}", sandbox_id)
         return self._row(row)
 
-    def list(self, include_dead: bool = False, *, include_pooled: bool = False) -> list[tuple[SandboxInfo, BackendHandle]]:
+    # From here on `list` in the class body is this method: later signatures spell builtins.list.
+    def list(self, include_dead: bool = False, *,
+             include_pooled: bool = False) -> list[tuple[SandboxInfo, BackendHandle]]:
         if include_dead:
             rows = self._db.execute(f"SELECT {_COLUMNS} FROM sandboxes ORDER BY created_at").fetchall()
         else:
@@ -450,17 +464,17 @@ class Registry:
                 states).fetchall()
         return [self._row(r) for r in rows]
 
-    def holding(self) -> list[tuple[SandboxInfo, BackendHandle]]:
+    def holding(self) -> builtins.list[tuple[SandboxInfo, BackendHandle]]:
         """Live sandboxes (pooled too) plus failed ones whose teardown is still owed."""
         rows = self._db.execute(f"SELECT {_COLUMNS} FROM sandboxes WHERE state IN {_in(_HOLDING)} "
                                 "ORDER BY created_at", _HOLDING).fetchall()
         return [self._row(r) for r in rows]
 
-    def paused_with_owner(self) -> list[tuple[str, str]]:
+    def paused_with_owner(self) -> builtins.list[tuple[str, str]]:
         rows = self._read("SELECT sandbox_id, owner FROM sandboxes WHERE state=?", (State.PAUSED.value,), many=True)
         return [(r[0], r[1]) for r in rows]
 
-    def creating_with_owner(self) -> list[tuple[str, str]]:
+    def creating_with_owner(self) -> builtins.list[tuple[str, str]]:
         """Sandboxes some process is creating or retiring right now, with that process's tag."""
         rows = self._db.execute("SELECT sandbox_id, owner FROM sandboxes WHERE state IN (?,?)",
                                 (State.CREATING.value, State.RETIRING.value)).fetchall()
@@ -498,12 +512,12 @@ class Registry:
         with self._tx() as db:
             db.execute("INSERT INTO snapshots VALUES (?,?,?,?)", (snapshot_id, sandbox_id, created_at, size))
 
-    def snapshots_of(self, sandbox_id: str) -> list[str]:
+    def snapshots_of(self, sandbox_id: str) -> builtins.list[str]:
         rows = self._read("SELECT snapshot_id FROM snapshots WHERE sandbox_id=? ORDER BY created_at",
                           (sandbox_id,), many=True)
         return [r[0] for r in rows]
 
-    def all_snapshots(self) -> list[tuple[str, str, float, int]]:
+    def all_snapshots(self) -> builtins.list[tuple[str, str, float, int]]:
         return [tuple(r) for r in self._db.execute(
             "SELECT snapshot_id, sandbox_id, created_at, size_bytes FROM snapshots ORDER BY created_at")]
 
@@ -521,7 +535,7 @@ class Registry:
 
     # ---- history
 
-    def transitions(self, sandbox_id: str) -> list[Transition]:
+    def transitions(self, sandbox_id: str) -> builtins.list[Transition]:
         rows = self._db.execute(
             "SELECT sandbox_id, at, from_state, to_state, reason FROM transitions WHERE sandbox_id=? ORDER BY rowid",
             (sandbox_id,)).fetchall()
@@ -531,12 +545,12 @@ class Registry:
         with self._tx() as db:
             db.execute("INSERT OR IGNORE INTO timings VALUES (?,?,?,1)", (sandbox_id, stage, duration_ms))
 
-    def add_timings(self, timings: list[StageTiming]) -> None:
+    def add_timings(self, timings: builtins.list[StageTiming]) -> None:
         with self._tx() as db:
             db.executemany("INSERT OR REPLACE INTO timings VALUES (?,?,?,?)",
                            [(t.sandbox_id, t.stage, t.duration_ms, int(t.on_request_path)) for t in timings])
 
-    def timings(self, sandbox_id: str) -> list[StageTiming]:
+    def timings(self, sandbox_id: str) -> builtins.list[StageTiming]:
         rows = self._db.execute(
             "SELECT sandbox_id, stage, duration_ms, on_path FROM timings WHERE sandbox_id=? ORDER BY rowid",
             (sandbox_id,)).fetchall()
@@ -544,7 +558,7 @@ class Registry:
 
     # ---- metering
 
-    def sample(self, samples: list[tuple[str, int, int]], now: float | None = None) -> None:
+    def sample(self, samples: builtins.list[tuple[str, int, int]], now: float | None = None) -> None:
         """Fold (sandbox_id, memory_bytes, cpu_ns) readings into the meters (memory x time)."""
         now = time.time() if now is None else now
         with self._tx() as db:
@@ -578,7 +592,7 @@ class Registry:
                            (row[0], sandbox_id, row[4] / 1e9, row[5], max(0.0, end - row[2])))
 
     def meter(self, sandbox_id: str) -> Meter | None:
-        row = self._db.execute(
+        row: _MeterRow | None = self._db.execute(
             "SELECT sandbox_id, sampled_at, memory_bytes, peak_bytes, gib_s, cpu_ns, busy_ms, commands, "
             "base_cpu_ns, base_gib_s, base_busy_ms, base_commands, final FROM meters WHERE sandbox_id=?",
             (sandbox_id,)).fetchone()
@@ -603,8 +617,8 @@ class Registry:
             db.execute("UPDATE pool_state SET target=?, config_target=? WHERE name=? AND "
                        "(config_target IS NULL OR config_target<>?)", (target, target, name, target))
 
-    def set_pool(self, name: str, *, target: int | None = None, min_override: int | None | bool = False,
-                 max_override: int | None | bool = False, error: str | None = None, kind: str = "",
+    def set_pool(self, name: str, *, target: int | None = None, min_override: int | bool | None = False,
+                 max_override: int | bool | None = False, error: str | None = None, kind: str = "",
                  detail: str = "") -> None:
         """Update a pool's row (False = leave that override unchanged) and log an event if ``kind``."""
         now = time.time()
@@ -626,7 +640,7 @@ class Registry:
         with self._tx() as db:
             db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, time.time(), kind, sandbox_id, detail))
 
-    def pool_events(self, pool: str, since: float = 0.0) -> list[PoolEvent]:
+    def pool_events(self, pool: str, since: float = 0.0) -> builtins.list[PoolEvent]:
         rows = self._db.execute("SELECT pool, at, kind, sandbox_id, detail FROM pool_events "
                                 "WHERE pool=? AND at>=? ORDER BY rowid", (pool, since)).fetchall()
         return [PoolEvent(*r) for r in rows]
@@ -655,7 +669,7 @@ class Registry:
                                    (pool, State.CREATING.value)).fetchone()[0]
         return ready, warming
 
-    def pooled(self, pool: str) -> list[str]:
+    def pooled(self, pool: str) -> builtins.list[str]:
         rows = self._db.execute("SELECT sandbox_id FROM sandboxes WHERE pool=? AND state=? ORDER BY created_at",
                                 (pool, State.POOLED.value)).fetchall()
         return [r[0] for r in rows]
@@ -716,7 +730,7 @@ class Registry:
             db.execute("UPDATE net_events SET decision='deny', rule=?, detail=? WHERE id=?",
                        (rule, detail[:500], event_id))
 
-    def net_events(self, sandbox_id: str, limit: int = 10000) -> list[NetEvent]:
+    def net_events(self, sandbox_id: str, limit: int = 10000) -> builtins.list[NetEvent]:
         rows = self._read("SELECT sandbox_id, at, kind, host, address, port, decision, rule, bytes_up, bytes_down,"
                           " detail FROM net_events WHERE sandbox_id=? ORDER BY id LIMIT ?",
                           (sandbox_id, limit), many=True)

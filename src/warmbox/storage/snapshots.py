@@ -159,7 +159,8 @@ def get_blob(store: ObjectStore, sha256: str, size: int, raw_size: int, dest: Pa
         except OSError as e:
             raise (StorageFull if e.errno == 28 else StorageError)(f"unpacking a snapshot: {e.strerror}") from None
         if dest.stat().st_size != raw_size:
-            raise ArtifactCorrupt(f"blob {sha256[:12]} decompressed to {dest.stat().st_size} bytes, expected {raw_size}")
+            raise ArtifactCorrupt(f"blob {sha256[:12]} decompressed to {dest.stat().st_size} bytes, "
+                                  f"expected {raw_size}")
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -194,8 +195,10 @@ def load_manifest(store: ObjectStore, snapshot_id: str, workdir: Path) -> Snapsh
             m = SnapshotManifest(**raw)
             if m.format != FORMAT or m.snapshot_id != snapshot_id:
                 raise ValueError("wrong format or id")
+            json_types: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "float": (int, float),
+                                                               "bool": bool}
             for name, f in fields.items():
-                want = {"str": str, "int": int, "float": (int, float), "bool": bool}.get(str(f.type))
+                want = json_types.get(str(f.type))
                 if want is not None and not isinstance(getattr(m, name), want):
                     raise ValueError(f"{name} has the wrong type")
         except (ValueError, TypeError, KeyError) as e:

@@ -21,8 +21,8 @@ import json
 import os
 import sqlite3
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 LEDGER_DIR = Path("/var/lib/warmbox/uids")
 UID_BASE = 2_000_000
@@ -65,7 +65,7 @@ class UidLedger:
         return self.dir / str(slot)
 
     @contextlib.contextmanager
-    def locked(self) -> Iterator["UidLedger"]:
+    def locked(self) -> Iterator[UidLedger]:
         """Hold the ledger's lock (every claim, release and reclaim happens under it)."""
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -172,13 +172,17 @@ class UidLedger:
     # ---- the round-robin position, kept in the lock file (no file to create per claim)
 
     def _next(self) -> int:
+        if self._lock_fd is None:  # not under locked(): no position to read
+            return self.first
         try:
             n = int(os.pread(self._lock_fd, 32, 0).split()[0])
-        except (OSError, ValueError, IndexError, TypeError):
+        except (OSError, ValueError, IndexError):
             n = self.first
         return self.first + (n - self.first) % self.slots
 
     def _set_next(self, n: int) -> None:
+        if self._lock_fd is None:
+            raise RuntimeError("the uid ledger's position is written only under locked()")
         os.pwrite(self._lock_fd, f"{self.first + (n - self.first) % self.slots:<20}\n".encode(), 0)
 
 
