@@ -54,7 +54,7 @@ def test_layers_point_down_only():
         here = "core" if "/" not in rel else rel.split("/")[0]
         for mod in _imports(path):
             there = _part(mod)
-            if not there or there == here or there == "core" and here != "guest":
+            if not there or there == here or (there == "core" and here != "guest"):
                 continue
             if here == "guest" and mod in ("warmbox.protocol",):
                 continue

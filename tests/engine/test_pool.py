@@ -16,8 +16,8 @@ import pytest
 from tests.conftest import cli, set_config, wait_for
 from warmbox import Limits, Sandbox, SandboxStartError, State
 from warmbox.engine.engine import Engine
-from warmbox.lifecycle import Operation
 from warmbox.errors import SandboxStateError
+from warmbox.lifecycle import Operation
 from warmbox.storage.registry import Registry
 
 POOLS = """

@@ -160,8 +160,8 @@ def world():
 @pytest.fixture(scope="session")
 def net_home(world, runc_ready):
     """A warmbox home whose proxy gets out only into the fake world."""
-    from warmbox.engine.daemon import down_home
     from warmbox.engine import egress
+    from warmbox.engine.daemon import down_home
     from warmbox.engine.engine import Engine
     from warmbox.network import netns
 

@@ -11,8 +11,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar, runtime_checkable
 
-from warmbox.models import (Availability, BackendHandle, Capabilities, ResourceUsage,  # noqa: F401 - re-exported
-                            SandboxSpec)
+from warmbox.models import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
 
 if TYPE_CHECKING:
     from warmbox.config import Settings

@@ -32,7 +32,7 @@ _RICH = (
 class _Out(io.TextIOBase):
     """sys.stdout/sys.stderr replacement that streams every write as a frame."""
 
-    def __init__(self, run: "_Run", kind: type) -> None:
+    def __init__(self, run: _Run, kind: type) -> None:
         self._run = run
         self._kind = kind
 
@@ -179,7 +179,7 @@ def main(fd: int) -> None:
         run = _Run(sock, msg)
         start = time.monotonic()
         err_name = err_value = tb = ""
-        namespace["display"] = lambda obj: run.display(obj, main=False)
+        namespace["display"] = lambda obj, run=run: run.display(obj, main=False)
         sys.stdout, sys.stderr = _Out(run, p.Stdout), _Out(run, p.Stderr)
         try:
             try:
