@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import _stop_daemon
 from warmbox.engine.engine import Engine
 from warmbox.errors import RegistryError
-from warmbox.models import State
+from warmbox.models import Limits, State
 from warmbox.storage import uidslots
 from warmbox.storage.registry import Registry
 from warmbox.storage.uidslots import UidLedger
@@ -118,7 +118,8 @@ def _reg(tmp: Path, name: str, ledger: UidLedger) -> Registry:
 
 
 def _alloc(reg: Registry, sid: str, state_dir: str = "/nonexistent") -> int:
-    return reg.allocate(sid, "container", "base", 600, 512, 1.0, 256, state_dir, "/nonexistent")
+    return reg.allocate(sid, "container", "base", 600, Limits(memory_mb=512, cpus=1.0, pids=256), state_dir,
+                        "/nonexistent")
 
 
 def test_concurrent_homes_get_distinct_slots(tmp_path):

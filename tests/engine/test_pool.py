@@ -150,8 +150,8 @@ def test_registry_claim_is_exclusive_under_contention(tmp_path):
     reg = Registry(db, ledger=ledger)
     for i in range(60):
         sid = f"sb-{i:012x}"
-        reg.allocate(sid, "container", "base", 3600, 512, 1.0, 256, "/nonexistent", "/nonexistent", pool="x",
-                     shape="s1")
+        reg.allocate(sid, "container", "base", 3600, Limits(memory_mb=512, cpus=1.0, pids=256), "/nonexistent",
+                     "/nonexistent", pool="x", shape="s1")
         reg.set_state(sid, State.POOLED, "test")
     got: list[str] = []
     lock = threading.Lock()

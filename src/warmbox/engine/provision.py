@@ -106,10 +106,8 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
     if len(socket_path) > MAX_SOCKET_PATH:
         raise InvalidArgument(f"runtime dir {engine.runtime} is too long for a unix socket path")
     lim = spec.limits
-    engine.registry.allocate(sandbox_id, spec.tier, spec.template, spec.timeout_s, lim.memory_mb, lim.cpus,
-                             lim.pids, str(state_dir), socket_path, pool=spec.pool, owner=engine.owner,
-                             shape=spec.shape, file_size_mb=lim.file_size_mb, open_files=lim.open_files,
-                             tmp_mb=lim.tmp_mb, disk_mb=lim.disk_mb)
+    engine.registry.allocate(sandbox_id, spec.tier, spec.template, spec.timeout_s, lim, str(state_dir), socket_path,
+                             pool=spec.pool, owner=engine.owner, shape=spec.shape)
     if not spec.pool:
         engine.ensure_daemon()  # from here on, a crash of this process is cleaned up by the daemon
     info, handle = engine.registry.get(sandbox_id)

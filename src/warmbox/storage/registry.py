@@ -297,18 +297,15 @@ class Registry:
 
     # ---- sandboxes
 
-    def allocate(self, sandbox_id: str, tier: str, template: str, timeout_s: float, memory_mb: int,
-                 cpus: float, pids: int, state_dir: str, socket_path: str, *, pool: str = "",
-                 owner: str = "", shape: str = "", file_size_mb: int = 1024, open_files: int = 1024,
-                 tmp_mb: int = 256, disk_mb: int = 10240) -> int:
+    def allocate(self, sandbox_id: str, tier: str, template: str, timeout_s: float, limits: Limits,
+                 state_dir: str, socket_path: str, *, pool: str = "", owner: str = "", shape: str = "") -> int:
         """Insert a sandbox in state ``creating`` with a uid slot free on the whole host; returns the slot.
 
         The slot is claimed in the host-wide ledger (no other home's sandbox can have it) and
         released when the sandbox is destroyed. Limits are checked (check_limits) first.
         """
         if self.check_limits is not None:
-            self.check_limits(Limits(memory_mb=memory_mb, cpus=cpus, pids=pids, file_size_mb=file_size_mb,
-                                     open_files=open_files, tmp_mb=tmp_mb, disk_mb=disk_mb))
+            self.check_limits(limits)
         now = time.time()
         try:
             if not self._adopted:
@@ -324,9 +321,9 @@ class Registry:
                         "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, "
                         "memory_mb, cpus, pids, uid_slot, runtime_id, state_dir, socket_path, pool, owner, shape, "
                         "file_size_mb, open_files, tmp_mb, disk_mb) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                        (sandbox_id, tier, template, State.CREATING.value, now, now + timeout_s, memory_mb,
-                         cpus, pids, slot, sandbox_id, state_dir, socket_path, pool, owner, shape, file_size_mb,
-                         open_files, tmp_mb, disk_mb))
+                        (sandbox_id, tier, template, State.CREATING.value, now, now + timeout_s, limits.memory_mb,
+                         limits.cpus, limits.pids, slot, sandbox_id, state_dir, socket_path, pool, owner, shape,
+                         limits.file_size_mb, limits.open_files, limits.tmp_mb, limits.disk_mb))
                     db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
                                (sandbox_id, now, "", State.CREATING.value,
                                 "create" + (f" for pool {pool}" if pool else "")))
