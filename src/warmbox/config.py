@@ -133,7 +133,7 @@ class NetworkSettings:
 
 @dataclasses.dataclass(frozen=True)
 class MicroVMSettings:
-    """Tier 4. accel: "auto" (probe: KVM when a guest boots under it, else TCG), "kvm" or "tcg"."""
+    """The microVM tier. accel: "auto" (probe: KVM when a guest boots under it, else TCG), "kvm" or "tcg"."""
 
     accel: str = "auto"
 

@@ -1,4 +1,4 @@
-"""Tier 4 (``microvm``): a QEMU ``microvm`` machine with its own Debian kernel.
+"""The microVM tier (``microvm``): a QEMU ``microvm`` machine with its own Debian kernel.
 
 Agent → guest Linux kernel → virtual-machine boundary → host kernel. Decisions, each measured
 on this project's host (QEMU 7.2, ``/dev/kvm`` = PVM):
@@ -414,7 +414,7 @@ class HostCgroup(host.SandboxCgroup):
     QEMU's own), a CPU quota (``limits.cpus`` + headroom for QEMU's device threads; the guest's own
     cgroup holds its processes to ``limits.cpus``), a pids bound; the meter reads
     it. Both processes start inside it (the spawner joins it before exec), so every page they
-    touch is charged here. ``/sys/fs/cgroup/[controller/]warmbox/<sandbox id>`` like Tier 2's."""
+    touch is charged here. ``/sys/fs/cgroup/[controller/]warmbox/<sandbox id>`` like the container tier's."""
 
     def create_for(self, limits, accel: str) -> list[str]:
         """``create`` sized for a VM of these limits under this accelerator."""
@@ -480,7 +480,7 @@ def _spawn(argv: list[str], log: Path, files: Sequence[tuple[Path, int]] = (), c
 
 
 class MicroVMBackend:
-    """Tier 4 (``microvm``): QEMU microvm + Debian kernel; starts from memory snapshots."""
+    """The ``microvm`` tier: QEMU microvm + Debian kernel; starts from memory snapshots."""
 
     tier: ClassVar[str] = "microvm"
     runtime_logs: ClassVar[tuple[str, ...]] = ("qemu.log", "console.log", "relay.log")
