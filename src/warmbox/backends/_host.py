@@ -31,8 +31,8 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 # A SIGKILLed process is gone within milliseconds; one still running after this (seconds, wall clock)
 # is stuck in the kernel, and its sandbox's teardown fails typed (the engine retries it later).
 KILL_TIMEOUT_S = 5.0
-# ... and one not gone after this long got a second SIGKILL, through the freezer (a process that
-# was forked into a v1-only cgroup as the first kill ran, say).
+# ... and one not gone after this long gets a second SIGKILL, through the freezer (one forked as the
+# first kill ran, where neither cgroup.kill nor a freezer took it; one outside the unified subtree).
 KILL_AGAIN_S = 0.5
 
 
@@ -267,7 +267,6 @@ class SandboxCgroup:
         again = time.monotonic() + KILL_AGAIN_S
         if not self.kill():
             self.kill_all()
-            again = deadline
         while pids := [pid for pid in self.members() if running(pid)]:
             now = time.monotonic()
             if now >= deadline:
