@@ -1,4 +1,4 @@
-"""Fixtures of the tier tests: the microVM tier's engine, checked for leftover VMs per module."""
+"""Fixtures of the tier tests: the microVM tier's engine, checked for leftover VMs per module; teardown checks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from warmbox.backends import workspace_disk
 from warmbox.engine.engine import Engine
 
 
@@ -31,6 +32,31 @@ def live_pids(naming: str, *any_of: bytes) -> list[int]:
 def qemu_pids(runtime: Path) -> list[int]:
     """QEMU and relay processes of this test home (their command lines name its runtime dir)."""
     return live_pids(str(runtime), b"qemu-system", b"vmrelay")
+
+
+def recording(backend, monkeypatch) -> list[tuple[str, ...]]:
+    """The runtime subcommands the container or gVisor backend runs from now on."""
+    calls: list[tuple[str, ...]] = []
+    run = backend.runtime_cmd
+
+    async def recorded(handle, *args, **kw):
+        calls.append(args)
+        return await run(handle, *args, **kw)
+
+    monkeypatch.setattr(backend, "runtime_cmd", recorded)
+    return calls
+
+
+def leftovers(backend, handle) -> dict[str, object]:
+    """What a sandbox of the container or gVisor tier may leave on the host (``NOTHING`` once destroyed)."""
+    sid = handle.sandbox_id
+    return {"cgroups": [str(d) for d in backend.cgroup_dirs(sid) if d.exists()],
+            "runtime": sorted(p.name for p in backend.root.glob(sid + "*")),
+            "state_dir": os.path.exists(handle.state_dir), "mounts": workspace_disk.mounts_under(handle.state_dir),
+            "loops": workspace_disk.loops_backed_by(handle.state_dir)}
+
+
+NOTHING = {"cgroups": [], "runtime": [], "state_dir": False, "mounts": [], "loops": {}}
 
 
 @pytest.fixture(scope="module")

@@ -209,3 +209,107 @@ def test_the_agent_wait_fails_typed():
     with pytest.raises(SandboxStartError, match="did not answer within 0 s"):
         _agent_wait(slow, timeout=0.3)
     assert time.monotonic() - t0 < 5
+
+
+# ---- teardown: killing a cgroup's processes and waiting for them without polling
+
+
+def _sleeper(tmp_path: Path) -> int:
+    """A detached process (not our child, as a sandbox's are not) that runs until killed."""
+    return host.spawn(["sleep", "300"], tmp_path / "sleeper.log", detach=True)
+
+
+def test_waiting_for_exits_is_an_event_and_bounded(tmp_path):
+    a, b = _sleeper(tmp_path), _sleeper(tmp_path)
+    try:
+        async def scenario():
+            asyncio.get_running_loop().call_later(0.05, host.kill, a)
+            t0 = time.monotonic()
+            left = await host.wait_exited([a, b], 0.3)
+            waited = time.monotonic() - t0
+            host.kill(b)
+            t1 = time.monotonic()
+            assert await host.wait_exited([b, 2**22 + 12345], 10) == []  # above pid_max: gone already
+            return left, waited, time.monotonic() - t1
+
+        left, waited, after_kill = asyncio.run(scenario())
+        assert left == [b] and 0.3 <= waited < 2  # a's exit did not end the wait for b; the bound did
+        assert after_kill < 1  # woken by b's exit, not by the 10 s bound
+    finally:
+        host.kill(a)
+        host.kill(b)
+
+
+def test_a_zombie_counts_as_exited(tmp_path):
+    pid = host.spawn(["true"], tmp_path / "log")  # our child: a zombie until waited for
+    try:
+        time.sleep(0.2)
+        assert not host.running(pid)
+        assert asyncio.run(host.wait_exited([pid], 5)) == []
+    finally:
+        os.waitpid(pid, 0)
+
+
+def _v1_with_procs(root: Path, pids: list[int]) -> host.SandboxCgroup:
+    cg = _fake(root, v2=False)
+    cg.unified = None
+    for c in ("memory", "cpu", "cpuacct", "pids"):
+        (root / c / cg.rel).mkdir(parents=True)
+    (root / "pids" / cg.rel / "cgroup.procs").write_text("".join(f"{p}\n" for p in pids))
+    return cg
+
+
+def test_kill_and_wait_kills_every_member_and_returns_when_they_have_exited(tmp_path):
+    pids = [_sleeper(tmp_path), _sleeper(tmp_path)]
+    try:
+        cg = _v1_with_procs(tmp_path / "cg", pids)
+        assert cg.members() == set(pids)
+        t0 = time.monotonic()
+        asyncio.run(cg.kill_and_wait(timeout=10))  # no cgroup.kill here: kill_all, then the pidfds
+        assert time.monotonic() - t0 < 2 and not any(host.running(p) for p in pids)
+    finally:
+        for p in pids:
+            host.kill(p)
+
+
+def test_a_process_that_does_not_die_is_a_typed_timeout(tmp_path, monkeypatch):
+    from warmbox.errors import SandboxTimeout
+
+    pid = _sleeper(tmp_path)
+    try:
+        cg = _v1_with_procs(tmp_path / "cg", [pid])
+        monkeypatch.setattr(host, "kill", lambda pid, sig=9: None)  # as if stuck in the kernel
+        t0 = time.monotonic()
+        with pytest.raises(SandboxTimeout, match=f"processes \\[{pid}\\] of the sandbox did not exit") as e:
+            asyncio.run(cg.kill_and_wait(timeout=0.3))
+        assert e.value.sandbox_id == "sb1" and time.monotonic() - t0 < 3
+    finally:
+        monkeypatch.undo()
+        host.kill(pid)
+
+
+def test_cgroup_kill_is_used_only_where_the_unified_subtree_holds_the_processes(tmp_path):
+    cg = _fake(tmp_path / "v1", v2=False)
+    unified = tmp_path / "unified"
+    cg.unified = unified
+    assert not cg.kill()  # no such directory: kill_all's turn
+    d = unified / cg.rel
+    (d / "cmd-1").mkdir(parents=True)
+    (d / "cgroup.procs").write_text("")
+    (d / "cmd-1" / "cgroup.procs").write_text("4242\n")  # the agent's per-command cgroup, one level down
+    (d / "cgroup.kill").write_text("")
+    (d / "cgroup.events").write_text("populated 0\nfrozen 0\n")
+    assert not cg.kill() and (d / "cgroup.kill").read_text() == ""  # empty (runsc's case): nothing written
+    (d / "cgroup.events").write_text("populated 1\nfrozen 0\n")
+    assert cg.kill() and (d / "cgroup.kill").read_text() == "1"
+    assert cg.members() == {4242}
+
+
+def test_try_remove_never_waits(tmp_path):
+    cg = _fake(tmp_path, v2=True)
+    (tmp_path / cg.rel / "cmd-1").mkdir(parents=True)
+    assert cg.try_remove() and not (tmp_path / cg.rel).exists()
+    (tmp_path / cg.rel).mkdir()
+    (tmp_path / cg.rel / "stuck").write_text("")
+    t0 = time.monotonic()
+    assert not cg.try_remove() and time.monotonic() - t0 < 0.5

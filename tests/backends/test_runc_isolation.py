@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tests.backends.conftest import NOTHING, leftovers, recording
 from warmbox import Limits, Sandbox
 
 pytestmark = pytest.mark.sandbox
@@ -184,3 +185,27 @@ def test_rlimits_file_size_and_open_files(home, runc_ready):
         assert "rc=0" not in r.stdout and r.stdout.split()[-1] == str(1 << 20)
         r = s.commands.run(["python3", "-c", "fs = [open('/dev/null') for _ in range(100)]"])
         assert r.exit_code != 0 and "Too many open files" in r.stderr
+
+
+def test_teardown_kills_through_the_cgroup_deletes_without_force_and_repeats_harmlessly(home, runc_ready,
+                                                                                        monkeypatch):
+    """runc's ``delete --force`` sleeps 100 ms after its SIGKILL: the backend kills and waits itself, so
+    runc only deletes a stopped container; a second teardown finds nothing to do."""
+    import asyncio
+
+    from warmbox.backends import _host as host
+    from warmbox.engine.engine import Engine
+
+    engine = Engine.for_home(home)
+    backend = engine.backend("container")
+    calls = recording(backend, monkeypatch)
+    sb = Sandbox.create(timeout=60)
+    sb.commands.run("sleep 1000 > /dev/null 2>&1 &")
+    _, handle = engine.info(sb.sandbox_id)
+    pids = host.SandboxCgroup(sb.sandbox_id).members()
+    assert len(pids) >= 2 and leftovers(backend, handle) != NOTHING
+    sb.kill()
+    assert calls == [("delete", sb.sandbox_id)]
+    assert not [p for p in pids if host.running(p)] and leftovers(backend, handle) == NOTHING
+    asyncio.run(backend.destroy(handle))
+    assert calls == [("delete", sb.sandbox_id)] and leftovers(backend, handle) == NOTHING

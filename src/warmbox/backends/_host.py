@@ -6,6 +6,7 @@ import asyncio
 import fcntl
 import functools
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -14,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from warmbox.errors import GuestConnectionError, SandboxError, SandboxStartError
+from warmbox.errors import GuestConnectionError, SandboxError, SandboxStartError, SandboxTimeout
 
 if TYPE_CHECKING:
     from warmbox.models import Limits
@@ -27,6 +28,12 @@ GUEST_GID = 1000
 # warmbox.network.netns.GATEWAY, which backends may not import (a test pins the two together)
 EGRESS_GATEWAY = "10.239.0.1"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# A SIGKILLed process is gone within milliseconds; one still running after this (seconds, wall clock)
+# is stuck in the kernel, and its sandbox's teardown fails typed (the engine retries it later).
+KILL_TIMEOUT_S = 5.0
+# ... and one not gone after this long gets a second SIGKILL, through the freezer (one forked as the
+# first kill ran, where neither cgroup.kill nor a freezer took it; one outside the unified subtree).
+KILL_AGAIN_S = 0.5
 
 
 # --------------------------------------------------------------------------- cgroups
@@ -100,6 +107,7 @@ class SandboxCgroup:
         self.sandbox_id = sandbox_id
         self.root = CGROUP_ROOT
         self.v2 = cgroup_v2()
+        self.unified = unified_root()
         self.rel = Path("warmbox") / sandbox_id
 
     @property
@@ -171,10 +179,9 @@ class SandboxCgroup:
         """Its directory in the unified hierarchy, made now and given to ``uid``:``gid``, opened
         (O_DIRECTORY, close-on-exec) for the guest agent to put each command in a child cgroup;
         None on a host without cgroup v2."""
-        root = unified_root()
-        if root is None:
+        if self.unified is None:
             return None
-        d = root / self.rel
+        d = self.unified / self.rel
         try:
             d.mkdir(parents=True, exist_ok=True)
             for target in (d, d / "cgroup.procs"):  # procs: moving a process needs the common ancestor's
@@ -190,6 +197,22 @@ class SandboxCgroup:
             return [int(x) for x in self.file("pids", "cgroup.procs").read_text().split()]
         except (OSError, ValueError):
             return []
+
+    def members(self) -> set[int]:
+        """Every process inside: those of the directories warmbox bounds and of its unified-hierarchy
+        subtree, children included (the agent's per-command cgroups are there). A process that has
+        exited is listed by none (a zombie leaves its cgroups as it exits)."""
+        dirs = self.dirs()
+        if self.unified is not None:
+            top = self.unified / self.rel
+            dirs += [Path(parent) for parent, _, _ in os.walk(top)] if top.is_dir() else []
+        found: set[int] = set()
+        for d in dict.fromkeys(dirs):
+            try:
+                found.update(int(x) for x in (d / "cgroup.procs").read_bytes().split())
+            except (OSError, ValueError):
+                pass
+        return found
 
     def oom_file(self) -> Path:
         return self.file("", "memory.events") if self.v2 else self.file("memory", "memory.oom_control")
@@ -214,19 +237,49 @@ class SandboxCgroup:
             return _stat_value(self.file("", "cpu.stat"), "usage_usec") * 1000
         return int(self.file("cpuacct", "cpuacct.usage").read_text())
 
+    def kill(self) -> bool:
+        """SIGKILL every process of its unified-hierarchy subtree in one write (``cgroup.kill``, Linux
+        >= 5.14): the kernel takes the processes forked meanwhile too. False when that subtree holds
+        none (runc puts a container there, runsc on a hybrid host does not) or has no cgroup.kill:
+        then ``kill_all``."""
+        if self.unified is None:
+            return False
+        d = self.unified / self.rel
+        try:
+            with open(d / "cgroup.events", "rb") as f:
+                if b"populated 1" not in f.read(256):
+                    return False
+            fd = os.open(d / "cgroup.kill", os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, b"1")
+            finally:
+                os.close(fd)
+        except OSError:
+            return False
+        return True
+
+    async def kill_and_wait(self, timeout: float = KILL_TIMEOUT_S) -> None:
+        """Kill every process inside and wait until each has exited (a zombie has: it holds no memory,
+        CPU, file or mount), on pidfds in the event loop, without polling. Processes that outlive the
+        first kill by KILL_AGAIN_S get a second one (``kill_all``); SandboxTimeout naming them if one
+        still runs after ``timeout`` seconds (wall clock)."""
+        deadline = time.monotonic() + timeout
+        again = time.monotonic() + KILL_AGAIN_S
+        if not self.kill():
+            self.kill_all()
+        while pids := [pid for pid in self.members() if running(pid)]:
+            now = time.monotonic()
+            if now >= deadline:
+                raise SandboxTimeout(f"processes {sorted(pids)[:8]} of the sandbox did not exit within "
+                                     f"{timeout:g} s of SIGKILL", self.sandbox_id)
+            if await wait_exited(pids, min(again, deadline) - now) and time.monotonic() >= again:
+                self.kill_all()
+                again = deadline
+
     def kill_all(self, also: Iterable[int] = ()) -> None:
         """SIGKILL every process inside (and ``also``), frozen first where a v1 freezer cgroup
         exists, so nothing forks meanwhile."""
-        def inside() -> set[int]:
-            found: set[int] = set()
-            for d in self.dirs():
-                try:
-                    found.update(int(x) for x in (d / "cgroup.procs").read_text().split())
-                except (OSError, ValueError):
-                    pass
-            return found
-
-        pids = set(also) | inside()
+        pids = set(also) | self.members()
         if not pids:
             return
         freezer = None if self.v2 else self.file("freezer", "freezer.state")
@@ -237,7 +290,7 @@ class SandboxCgroup:
                 freezer = None
         except OSError:
             freezer = None
-        for pid in pids | inside():
+        for pid in pids | self.members():  # read again once frozen: what forked meanwhile
             kill(pid)
         try:
             if freezer is not None:
@@ -263,6 +316,10 @@ class SandboxCgroup:
             except OSError as e:
                 busy.append((d, e))
         return busy
+
+    def try_remove(self) -> bool:
+        """One pass of ``remove`` that never waits: True when nothing of it is left."""
+        return not self._rmdir_all()
 
     def remove(self, timeout: float = 5.0) -> None:
         """Kill what is left inside, then remove its directory in every hierarchy. The kernel may
@@ -403,14 +460,64 @@ async def wait_exit(pid: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-async def wait_gone(pid: int, timeout: float, poll: float = 0.005) -> bool:
-    """Wait (``timeout``: seconds, wall clock) until ``pid``, not our child, is no longer ``running``."""
+async def wait_exited(pids: Iterable[int], timeout: float, poll: float = 0.005) -> list[int]:
+    """Wait (``timeout``: seconds, wall clock) until none of ``pids`` (children or not) is
+    ``running``; returns those still running at the deadline. Each exit is an event: a pidfd
+    turns readable in the event loop when its process has exited, zombie or reaped (once open, it
+    names that process, not its number). Only a process without a pidfd (a thread id, a kernel
+    before 5.3) is polled, every ``poll`` seconds."""
+    loop = asyncio.get_running_loop()
     deadline = time.monotonic() + timeout
-    while running(pid):
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(poll)
-    return True
+    fds: dict[int, int] = {}
+    polled: list[int] = []
+    pending: set[int] = set()
+    try:
+        for pid in dict.fromkeys(pids):
+            try:
+                fds[pid] = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue
+            except OSError:
+                polled.append(pid)
+        if fds:
+            # those already gone answer a zero-timeout poll: no event loop round for them
+            ready = select.poll()
+            for fd in fds.values():
+                ready.register(fd, select.POLLIN)
+            gone = {fd for fd, _ in ready.poll(0)}
+            pending = {pid for pid, fd in fds.items() if fd not in gone}
+            if pending:
+                done = loop.create_future()
+
+                def exited(pid: int) -> None:
+                    loop.remove_reader(fds[pid])
+                    pending.discard(pid)
+                    if not pending and not done.done():
+                        done.set_result(None)
+
+                for pid in pending:
+                    loop.add_reader(fds[pid], exited, pid)
+                try:
+                    await asyncio.wait_for(done, timeout)
+                except TimeoutError:
+                    pass
+                finally:
+                    for pid in pending:
+                        loop.remove_reader(fds[pid])
+        polled = [pid for pid in polled if running(pid)]
+        while polled and time.monotonic() < deadline:  # without a pidfd there is no event to wait for
+            await asyncio.sleep(poll)
+            polled = [pid for pid in polled if running(pid)]
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return sorted(pending) + polled
+
+
+async def wait_gone(pid: int, timeout: float, poll: float = 0.005) -> bool:
+    """Wait (``timeout``: seconds, wall clock) until ``pid``, not our child, is no longer ``running``
+    (``wait_exited``: an event, polled only without a pidfd)."""
+    return not await wait_exited([pid], timeout, poll)
 
 
 async def wait_for_agent(ready: Callable[[], Awaitable[T]], listening: Callable[[], bool],
