@@ -135,7 +135,9 @@ def test_concurrent_creates_from_several_processes_never_share_a_sandbox(pools):
         assert len(set(ids)) == 6
         assert all(owner == me for _, _, owner, me in results)  # nobody saw another's file
         hits = [r for r in results if r[1]]
-        assert 1 <= len(hits) <= 3  # the pool held 2 (a refill may have added one)
+        # the pool held 2; how many more its refills add while the six creates run depends on the
+        # host's speed (one, two...): what matters is that some came from it and none was shared
+        assert 1 <= len(hits) <= len(results)
     finally:
         for sid in {r[0] for r in results}:
             cli("kill", sid)
