@@ -86,6 +86,8 @@ def test_timeout_enforced_after_the_daemon_is_sigkilled(private_home, kill, when
           "before it)")
     assert late < BOUND_S
     assert home_procs(h, b"warmbox.engine.daemon") != daemon, "a new daemon did the reaping"
-    got, _ = engine.info(sid)  # the assertions are done: warmbox may be asked now
+    # the assertions are done: warmbox may be asked now. The runtime is gone before the teardown
+    # records it (cgroups and the registry row come last), so that row is waited for, briefly
+    got = wait_for(lambda: (i := engine.info(sid)[0]).state.value == "destroyed" and i, 5, "the row to say destroyed")
     assert got.state.value == "destroyed"
     assert engine.registry.transitions(sid)[-1].reason == "timeout expired"
