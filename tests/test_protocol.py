@@ -132,3 +132,120 @@ def test_protocol_imports_in_bare_interpreter(tmp_path):
     assert not {"typing", "dataclasses"} & names
     assert fields == "('argv', 'list[str]')"
 
+
+
+# ---- FrameReader / SocketReader: one buffer, every complete frame, bounds before the body
+
+
+FRAMES = [p.Pong(1, version=4, pid=7), p.Stdout(2, data=b"out" * 1000), p.Ok(3),
+          p.Exited(2, exit_code=0, signal=0, timed_out=False, truncated=False, duration_ms=1.0, oom_kills=-1)]
+
+
+def _drain(reader: p.FrameReader) -> list:
+    out = []
+    while (m := reader.next()) is not None:
+        out.append(m)
+    return out
+
+
+@pytest.mark.parametrize("step", [1, 3, 8, 1000, 1 << 20])
+def test_frame_reader_splits_a_stream_at_any_boundary(step):
+    stream = b"".join(p.encode(m) for m in FRAMES)
+    reader = p.FrameReader(p.GUEST_TO_HOST)
+    got = []
+    for off in range(0, len(stream), step):
+        reader.feed(stream[off:off + step])
+        got += _drain(reader)
+    assert got == FRAMES and reader.pending() == 0
+    assert all(type(m.data) is bytes for m in got if isinstance(m, p.Stdout))
+
+
+def test_frame_reader_refuses_an_oversized_frame_at_its_prefix():
+    reader = p.FrameReader(p.GUEST_TO_HOST)
+    reader.feed(p.encode(FRAMES[0]) + struct.pack(">II", 10, p.MAX_BODY + 1))  # no body follows: none needed
+    assert reader.next() == FRAMES[0]
+    with pytest.raises(p.ProtocolViolation, match="too large"):
+        reader.next()
+
+
+def test_frame_reader_returns_the_frames_before_a_bad_one():
+    reader = p.FrameReader(p.GUEST_TO_HOST)
+    bad = json.dumps({"type": "Exec", "id": 1}).encode()  # a host->guest message from the guest
+    reader.feed(p.encode(FRAMES[0]) + p.encode(FRAMES[2]) + struct.pack(">II", len(bad), 0) + bad)
+    assert [reader.next(), reader.next()] == [FRAMES[0], FRAMES[2]]
+    with pytest.raises(p.ProtocolViolation, match="unexpected message type"):
+        reader.next()
+
+
+def test_frame_reader_says_how_much_of_a_frame_is_missing():
+    raw = p.encode(p.Stdout(1, data=bytes(5000)))
+    reader = p.FrameReader(p.GUEST_TO_HOST)
+    assert reader.missing() == p.PREFIX_SIZE
+    reader.feed(raw[:3])
+    assert reader.missing() == p.PREFIX_SIZE - 3 and reader.next() is None
+    reader.feed(raw[3:100])
+    assert reader.missing() == len(raw) - 100 and reader.pending() == 100
+    reader.feed(raw[100:])
+    assert reader.missing() == 0 and reader.next() == p.Stdout(1, data=bytes(5000))
+
+
+class _Sock:
+    """recv() from scripted pieces: bytes, or an exception to raise once."""
+
+    def __init__(self, *pieces) -> None:
+        self.pieces = list(pieces)
+        self.asked: list[int] = []
+
+    def recv(self, n: int) -> bytes:
+        self.asked.append(n)
+        if not self.pieces:
+            return b""
+        piece = self.pieces.pop(0)
+        if isinstance(piece, Exception):
+            raise piece
+        assert len(piece) <= n
+        return piece
+
+
+def test_socket_reader_takes_every_frame_of_one_recv():
+    stream = b"".join(p.encode(m) for m in FRAMES)
+    sock = _Sock(stream)
+    reader = p.SocketReader(sock, p.GUEST_TO_HOST)
+    assert [reader.recv() for _ in FRAMES] == FRAMES
+    assert reader.recv() is None  # clean EOF between frames
+    assert len(sock.asked) == 2
+
+
+def test_socket_reader_keeps_a_partial_frame_across_a_timeout_and_refuses_eof_mid_frame():
+    raw = p.encode(FRAMES[1])
+    reader = p.SocketReader(_Sock(raw[:10], TimeoutError("timed out"), raw[10:]), p.GUEST_TO_HOST)
+    with pytest.raises(TimeoutError):
+        reader.recv()
+    assert reader.recv() == FRAMES[1]  # nothing was lost
+    reader = p.SocketReader(_Sock(raw[:10]), p.GUEST_TO_HOST)
+    with pytest.raises(p.ProtocolViolation, match="mid-frame"):
+        reader.recv()
+
+
+def test_socket_reader_reads_are_bounded_by_one_frame():
+    big = p.encode(p.Chunk(1, data=bytes(p.MAX_BODY)))
+    sock = _Sock(big[:100], big[100:])
+    reader = p.SocketReader(sock, p.GUEST_TO_HOST, size=64 << 10)
+    assert reader.recv() == p.Chunk(1, data=bytes(p.MAX_BODY))
+    assert sock.asked == [64 << 10, len(big) - 100]  # the rest of the frame, not more
+    assert max(sock.asked) <= p.MAX_FRAME
+
+
+def test_decoded_messages_are_whole_and_construction_still_checks_fields():
+    m = roundtrip(p.Failure(4, code=p.ErrorCode.NOT_FOUND, message="nope"), p.GUEST_TO_HOST)
+    assert m.code is p.ErrorCode.NOT_FOUND and m.message == "nope" and m.id == 4
+    assert repr(m) == "Failure(id=4, code=ErrorCode('not_found'), message='nope')"
+    f = roundtrip(p.Exited(1, exit_code=0, signal=0, timed_out=False, truncated=False, duration_ms=1,
+                           oom_kills=0), p.GUEST_TO_HOST)
+    assert type(f.duration_ms) is float  # an int on the wire is a float field's value
+    with pytest.raises(TypeError, match="expected fields"):
+        p.Pong(1, version=4)
+    with pytest.raises(TypeError, match="expected fields"):
+        p.Pong(1, version=4, pid=1, extra=2)
+    with pytest.raises(p.ProtocolViolation, match="unexpected message type"):
+        p.decode(json.dumps({"type": ["Pong"], "id": 1}).encode(), b"", p.GUEST_TO_HOST)  # unhashable type

@@ -134,6 +134,9 @@ class Message:
 
     FIELDS: ClassVar[tuple[tuple[str, str], ...]] = ()
     _body: ClassVar[str | None] = None
+    _names: ClassVar[frozenset[str]] = frozenset()
+    _header: ClassVar[tuple[tuple[str, str, type | None], ...]] = ()  # FIELDS but the body; scalar type
+    _header_names: ClassVar[frozenset[str]] = frozenset()
     __slots__ = ("id",)
     id: int
 
@@ -156,14 +159,16 @@ class Message:
             raise TypeError(f"{cls.__name__}: more than one bytes field {bodies}")
         cls.FIELDS = tuple(fields.items())
         cls._body = bodies[0] if bodies else None
+        # Precomputed once per class for the hot path (every frame, on both sides).
+        cls._names = frozenset(fields)
+        cls._header = tuple((n, t, _SCALARS.get(t)) for n, t in cls.FIELDS if t != "bytes")
+        cls._header_names = frozenset(n for n, _, _ in cls._header)
 
     def __init__(self, id: int, **values: object) -> None:
         self.id = id
-        names = {n for n, _ in self.FIELDS}
-        if set(values) != names:
-            raise TypeError(f"{type(self).__name__}: expected fields {sorted(names)}, got {sorted(values)}")
-        for name, value in values.items():
-            setattr(self, name, value)
+        if values.keys() != self._names:
+            raise TypeError(f"{type(self).__name__}: expected fields {sorted(self._names)}, got {sorted(values)}")
+        self.__dict__.update(values)
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and all(
@@ -417,19 +422,16 @@ GUEST_TO_HOST: tuple[type[Message], ...] = (
 # and Configure / Reseed / Ok.
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps with arguments builds one per call
+
+
 def encode(msg: Message) -> bytes:
     cls = type(msg)
     header: dict[str, object] = {"type": cls.__name__, "id": msg.id}
-    body = b""
-    for name, _ in cls.FIELDS:
-        value = getattr(msg, name)
-        if name == cls._body:
-            body = bytes(value)
-        elif isinstance(value, _Closed):
-            header[name] = value.value
-        else:
-            header[name] = value
-    raw = json.dumps(header, separators=(",", ":")).encode()  # ASCII: lone surrogates survive
+    for name, _, _ in cls._header:
+        header[name] = getattr(msg, name)  # a _Closed member is a str: JSON writes its value
+    body = b"" if cls._body is None else bytes(getattr(msg, cls._body))
+    raw = _ENCODER.encode(header).encode()  # ASCII: lone surrogates survive
     if len(raw) > MAX_HEADER or len(body) > MAX_BODY:
         raise ProtocolViolation(f"{cls.__name__} frame too large ({len(raw)}+{len(body)} bytes)")
     return _PREFIX.pack(len(raw), len(body)) + raw + body
@@ -457,8 +459,25 @@ def _check(name: str, value: object, tp: str) -> object:
         raise ProtocolViolation(f"field {name!r}: unknown value {value!r}") from None
 
 
+_INDEXES: dict[tuple[type[Message], ...], dict[str, type[Message]]] = {}
+
+
+def _index(allowed: tuple[type[Message], ...]) -> dict[str, type[Message]]:
+    """``allowed`` by class name (callers pass a few constant tuples: the cache stays small)."""
+    index = _INDEXES.get(allowed)
+    if index is None:
+        index = {c.__name__: c for c in allowed}
+        if len(_INDEXES) < 64:
+            _INDEXES[allowed] = index
+    return index
+
+
 def decode(header: bytes, body: bytes, allowed: tuple[type[Message], ...]) -> Message:
     """Parse one frame into a message of one of the ``allowed`` classes, or raise."""
+    return _decode(header, body, _index(allowed))
+
+
+def _decode(header: bytes, body: bytes, index: dict[str, type[Message]]) -> Message:
     try:
         obj = json.loads(header)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -466,22 +485,28 @@ def decode(header: bytes, body: bytes, allowed: tuple[type[Message], ...]) -> Me
     if type(obj) is not dict:
         raise ProtocolViolation("header is not an object")
     kind = obj.pop("type", None)
-    cls = next((c for c in allowed if c.__name__ == kind), None)
+    cls = index.get(kind) if type(kind) is str else None
     if cls is None:
         raise ProtocolViolation(f"unexpected message type {kind!r}")
     rid = obj.pop("id", None)
     if type(rid) is not int or not 0 <= rid < 1 << 53:
         raise ProtocolViolation(f"{kind}: id must be a non-negative integer")
-    expected = {n for n, _ in cls.FIELDS if n != cls._body}
-    if set(obj) != expected:
-        extra, missing = set(obj) - expected, expected - set(obj)
+    if obj.keys() != cls._header_names:
+        extra, missing = obj.keys() - cls._header_names, cls._header_names - obj.keys()
         raise ProtocolViolation(f"{kind}: unknown fields {sorted(extra)} missing {sorted(missing)}")
     if body and cls._body is None:
         raise ProtocolViolation(f"{kind} carries no body")
-    values = {n: _check(n, obj[n], t) for n, t in cls.FIELDS if n != cls._body}
+    for name, tp, scalar in cls._header:
+        value = obj[name]
+        if scalar is None or type(value) is not scalar:  # the common case is checked inline
+            obj[name] = _check(name, value, tp)
     if cls._body is not None:
-        values[cls._body] = body
-    return cls(rid, **values)
+        obj[cls._body] = body
+    # Every field was checked above: construct without __init__'s second check of the names.
+    msg = cls.__new__(cls)
+    msg.id = rid
+    vars(msg).update(obj)
+    return msg
 
 
 def split_prefix(prefix: bytes) -> tuple[int, int]:
@@ -490,6 +515,96 @@ def split_prefix(prefix: bytes) -> tuple[int, int]:
     if hlen > MAX_HEADER or blen > MAX_BODY:
         raise ProtocolViolation(f"frame too large ({hlen}+{blen} bytes)")
     return hlen, blen
+
+
+class FrameReader:
+    """Splits a byte stream into messages: :meth:`feed` what arrived, then :meth:`next` until None.
+
+    A frame's size bounds are checked as soon as its prefix is in, so what is held beyond the
+    last feed is at most one incomplete frame (:data:`MAX_FRAME`).
+    """
+
+    __slots__ = ("_buf", "_index", "_pos")
+
+    def __init__(self, allowed: tuple[type[Message], ...]) -> None:
+        self._buf: bytes | bytearray = b""
+        self._pos = 0  # where the next frame starts in _buf
+        self._index = _index(allowed)
+
+    def feed(self, data: bytes) -> None:
+        if self._pos == len(self._buf):  # all taken: parse ``data`` in place, no copy
+            self._buf, self._pos = data, 0
+            return
+        buf = self._buf
+        if type(buf) is not bytearray:
+            buf = self._buf = bytearray(memoryview(buf)[self._pos:])
+            self._pos = 0
+        buf += data
+
+    def next(self) -> Message | None:
+        """The next complete message, or None until more is fed. A bad frame raises
+        ProtocolViolation once the ones before it were taken."""
+        buf, pos = self._buf, self._pos
+        if len(buf) - pos >= PREFIX_SIZE:
+            hlen, blen = _PREFIX.unpack_from(buf, pos)
+            if hlen > MAX_HEADER or blen > MAX_BODY:
+                raise ProtocolViolation(f"frame too large ({hlen}+{blen} bytes)")
+            start = pos + PREFIX_SIZE
+            mid = start + hlen
+            end = mid + blen
+            if end <= len(buf):
+                self._pos = end
+                if type(buf) is bytes:
+                    header, body = buf[start:mid], buf[mid:end]
+                else:
+                    with memoryview(buf) as view:  # one copy each, and the view is gone before buf changes
+                        header, body = bytes(view[start:mid]), bytes(view[mid:end])
+                return _decode(header, body, self._index)
+        if pos and type(buf) is bytearray:
+            del buf[:pos]
+            self._pos = 0
+        return None
+
+    def pending(self) -> int:
+        """Bytes held of a frame that is not complete yet."""
+        return len(self._buf) - self._pos
+
+    def missing(self) -> int:
+        """Bytes still to come before the frame in progress is complete (a lower bound while its
+        prefix is not in)."""
+        held = len(self._buf) - self._pos
+        if held < PREFIX_SIZE:
+            return PREFIX_SIZE - held
+        hlen, blen = _PREFIX.unpack_from(self._buf, self._pos)
+        return max(PREFIX_SIZE + int(hlen) + int(blen) - held, 0)
+
+
+class SocketReader:
+    """Blocking reads of whole messages (guest side): one ``recv`` takes in every frame that has
+    arrived, and the next calls are served from that buffer. A ``recv`` that raises (a socket
+    timeout) loses nothing: the next call goes on where it stopped."""
+
+    __slots__ = ("_frames", "_size", "sock")
+
+    def __init__(self, sock: _Readable, allowed: tuple[type[Message], ...], size: int = 64 << 10) -> None:
+        self.sock = sock
+        self._frames = FrameReader(allowed)
+        self._size = size
+
+    def recv(self) -> Message | None:
+        """The next message; None at a clean EOF (between frames)."""
+        frames = self._frames
+        while True:
+            msg = frames.next()
+            if msg is not None:
+                return msg
+            # at most the rest of one frame beyond ``size``: bounded by MAX_FRAME
+            data = self.sock.recv(max(self._size, frames.missing()))
+            if not data:
+                if frames.pending():
+                    raise ProtocolViolation("connection closed mid-frame")
+                return None
+            frames.feed(data)
 
 
 def recv_exact(sock: _Readable, n: int) -> bytes:
@@ -506,7 +621,8 @@ def recv_exact(sock: _Readable, n: int) -> bytes:
 
 
 def recv_message(sock: _Readable, allowed: tuple[type[Message], ...]) -> Message | None:
-    """Blocking receive of one message; None at EOF. Used by the guest side."""
+    """Blocking receive of one message; None at EOF. Reads no byte beyond it (the socket may be
+    handed on); a reader that owns its socket uses :class:`SocketReader` (fewer recv calls)."""
     prefix = recv_exact(sock, PREFIX_SIZE)
     if not prefix:
         return None
@@ -515,4 +631,4 @@ def recv_message(sock: _Readable, allowed: tuple[type[Message], ...]) -> Message
     body = recv_exact(sock, blen) if blen else b""
     if len(header) != hlen or len(body) != blen:
         raise ProtocolViolation("connection closed mid-frame")
-    return decode(header, body, allowed)
+    return _decode(header, body, _index(allowed))
