@@ -2,6 +2,10 @@
 
 Everything read from the guest is decoded into the closed set of guest->host messages; a
 frame outside it closes the connection with :class:`GuestProtocolError`.
+
+The connection is an :class:`asyncio.Protocol`: frames are parsed in ``data_received`` and
+handed straight to the waiting request (one event-loop pass from the socket to the caller),
+and each request's deadline is one timer, not a timeout task per frame.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ import contextlib
 import itertools
 import os
 import stat
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import Callable
 
 from warmbox import protocol as p
 from warmbox.errors import GuestConnectionError, GuestProtocolError, InvalidArgument, SandboxTimeout
@@ -21,17 +26,19 @@ _OVERFLOW = object()
 READ_WINDOW = 4 << 20  # bytes a ReadFile may have in flight: what a slow reader holds on the host at most
 
 
-class GuestClient:
+class GuestClient(asyncio.Protocol):
     """A connection to one guest agent. Requests are concurrent; each gets its own frame stream."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sandbox_id: str) -> None:
-        self._reader = reader
-        self._writer = writer
+    def __init__(self, sandbox_id: str) -> None:
         self.sandbox_id = sandbox_id
+        self._loop = asyncio.get_running_loop()
         self._ids = itertools.count(1)
         self._streams: dict[int, Stream] = {}
         self._error: Exception | None = None
-        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+        self._frames = p.FrameReader(p.GUEST_TO_HOST)
+        self._writer: asyncio.Transport | None = None  # named as before: tests close it to walk away
+        self._paused: asyncio.Future[None] | None = None  # set while the transport's buffer is full
+        self._lost: asyncio.Future[None] = self._loop.create_future()
 
     @classmethod
     async def connect(cls, socket_path: str, sandbox_id: str) -> GuestClient:
@@ -46,39 +53,66 @@ class GuestClient:
         try:
             if not stat.S_ISSOCK(os.fstat(fd).st_mode):
                 raise GuestConnectionError("the guest agent's socket path is not a socket", sandbox_id)
-            reader, writer = await asyncio.open_unix_connection(f"/proc/self/fd/{fd}", limit=p.MAX_FRAME)
+            client = cls(sandbox_id)
+            await client._loop.create_unix_connection(lambda: client, f"/proc/self/fd/{fd}")
         except OSError as e:
             raise GuestConnectionError(f"cannot reach the guest agent: {e.strerror or e}", sandbox_id) from None
         finally:
             os.close(fd)
-        return cls(reader, writer, sandbox_id)
+        return client
 
-    async def _read_loop(self) -> None:
-        err: Exception
+    # ---- asyncio.Protocol (called by the event loop)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._writer = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self._error is not None:
+            return
+        frames = self._frames
+        frames.feed(data)
         try:
-            while True:
-                prefix = await self._reader.readexactly(p.PREFIX_SIZE)
-                hlen, blen = p.split_prefix(prefix)
-                header = await self._reader.readexactly(hlen)
-                body = await self._reader.readexactly(blen) if blen else b""
-                msg = p.decode(header, body, p.GUEST_TO_HOST)
+            while (msg := frames.next()) is not None:
                 stream = self._streams.get(msg.id)
                 if stream is not None:
                     stream._feed(msg)
                 elif isinstance(msg, p.Failure) and msg.id == 0:
-                    raise GuestProtocolError(f"guest rejected a frame: {msg.message}", self.sandbox_id)
+                    self._fail(GuestProtocolError(f"guest rejected a frame: {msg.message}", self.sandbox_id))
+                    return
         except p.ProtocolViolation as e:
-            err = GuestProtocolError(f"guest violated the protocol: {e}", self.sandbox_id)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            err = GuestConnectionError("connection to the guest agent closed", self.sandbox_id)
-        except GuestProtocolError as e:
-            err = e
-        except asyncio.CancelledError:
-            err = GuestConnectionError("client closed", self.sandbox_id)
+            self._fail(GuestProtocolError(f"guest violated the protocol: {e}", self.sandbox_id))
+
+    def eof_received(self) -> bool:
+        self._fail(GuestConnectionError("connection to the guest agent closed", self.sandbox_id))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(GuestConnectionError("connection to the guest agent closed", self.sandbox_id))
+        if not self._lost.done():
+            self._lost.set_result(None)
+
+    def pause_writing(self) -> None:
+        if self._paused is None:
+            self._paused = self._loop.create_future()
+
+    def resume_writing(self) -> None:
+        paused, self._paused = self._paused, None
+        if paused is not None and not paused.done():
+            paused.set_result(None)
+
+    def _fail(self, err: Exception) -> None:
+        """The connection is over (the first reason sticks): every stream ends with ``err``."""
+        if self._error is not None:
+            return
         self._error = err
         for stream in self._streams.values():
-            stream._q.put_nowait(_END)
-        self._writer.close()
+            stream._feed(_END)
+        self.resume_writing()  # a sender waiting for room sees the error
+        if self._writer is not None:
+            self._writer.close()
+
+    # ---- requests
 
     async def send(self, msg: p.Message) -> None:
         if self._error is not None:
@@ -87,13 +121,15 @@ class GuestClient:
             frame = p.encode(msg)
         except p.ProtocolViolation as e:
             raise InvalidArgument(f"request too large for the sandbox protocol: {e}") from None
+        assert self._writer is not None
         self._writer.write(frame)
-        try:
-            await self._writer.drain()
-        except (ConnectionError, OSError):
-            raise GuestConnectionError("connection to the guest agent closed", self.sandbox_id) from None
+        if self._paused is not None:  # flow control: wait until the transport's buffer drained
+            await self._paused
+            if self._error is not None:
+                raise GuestConnectionError("connection to the guest agent closed", self.sandbox_id)
 
-    async def open(self, make, timeout: float | None = None, budget: int | None = None) -> Stream:
+    async def open(self, make: Callable[[int], p.Message], timeout: float | None = None,
+                   budget: int | None = None) -> Stream:
         """Send ``make(id)``; the :class:`Stream` of the guest's answers, until its ``close()``.
 
         timeout: seconds, wall clock, for the whole exchange — the host's own bound, so a
@@ -101,7 +137,7 @@ class GuestClient:
         Chunk data the stream may hold untaken; a guest that sends more violates the protocol.
         """
         rid = next(self._ids)
-        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        deadline = None if timeout is None else self._loop.time() + timeout
         stream = Stream(self, rid, deadline, budget)
         self._streams[rid] = stream
         try:
@@ -111,14 +147,10 @@ class GuestClient:
             raise
         return stream
 
-    @contextlib.asynccontextmanager
-    async def request(self, make, timeout: float | None = None) -> AsyncIterator[Stream]:
-        """Send ``make(id)`` and yield a :class:`Stream` of the guest's answers to it (see open)."""
-        stream = await self.open(make, timeout)
-        try:
-            yield stream
-        finally:
-            stream.close()
+    def request(self, make: Callable[[int], p.Message], timeout: float | None = None) -> _Request:
+        """``async with client.request(make) as stream``: send ``make(id)`` and get the
+        :class:`Stream` of the guest's answers to it, closed on exit (see open)."""
+        return _Request(self, make, timeout)
 
     async def read_file(self, path: str, *, max_bytes: int, timeout: float | None = None,
                         window: int = READ_WINDOW) -> FileRead:
@@ -127,10 +159,13 @@ class GuestClient:
                                  timeout, budget=window + p.CHUNK if window else None)
         return FileRead(stream, max_bytes, window)
 
-    async def call(self, make, expect: type[p.Message]) -> p.Message:
+    async def call(self, make: Callable[[int], p.Message], expect: type[p.Message]) -> p.Message:
         """One request, one answer of type ``expect`` (a Failure is returned as-is)."""
-        async with self.request(make) as stream:
+        stream = await self.open(make)
+        try:
             return await stream.next(expect)
+        finally:
+            stream.close()
 
     async def upload(self, path: str, data: bytes, *, mode: int = 0o644, append: bool = False) -> p.Message:
         """Write ``data`` to ``path`` in the sandbox: the file's Entry, or the guest's Failure."""
@@ -144,16 +179,34 @@ class GuestClient:
             return await stream.next(p.Entry)
 
     async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(BaseException):
-            await self._task
-        self._writer.close()
-        with contextlib.suppress(Exception):
-            await self._writer.wait_closed()
+        self._fail(GuestConnectionError("client closed", self.sandbox_id))
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._lost)
 
     @property
     def closed(self) -> bool:
         return self._error is not None
+
+
+class _Request:
+    """What :meth:`GuestClient.request` returns: a plain async context manager (no generator)."""
+
+    __slots__ = ("_client", "_make", "_stream", "_timeout")
+
+    def __init__(self, client: GuestClient, make: Callable[[int], p.Message], timeout: float | None) -> None:
+        self._client = client
+        self._make = make
+        self._timeout = timeout
+        self._stream: Stream | None = None
+
+    async def __aenter__(self) -> Stream:
+        self._stream = await self._client.open(self._make, self._timeout)
+        return self._stream
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._stream is not None:
+            self._stream.close()
 
 
 class Stream:
@@ -163,40 +216,58 @@ class Stream:
                  budget: int | None = None) -> None:
         self.client = client
         self.id = rid
-        self._q: asyncio.Queue = asyncio.Queue()
+        self._items: deque = deque()
+        self._waiter: asyncio.Future[bool] | None = None  # a get() waiting for the next frame
         self._deadline = deadline
+        self._timer: asyncio.TimerHandle | None = None  # the deadline's one timer, from the first wait
         self._budget = budget
         self._held = 0  # bytes of Chunk data queued, not yet taken
 
-    def _feed(self, msg: p.Message) -> None:
-        """A frame from the read loop."""
+    def _feed(self, msg: object) -> None:
+        """A frame from the connection (or _END)."""
         if self._budget is not None and isinstance(msg, p.Chunk):
             if self._held < 0:  # overflowed before: the rest is dropped
                 return
             self._held += len(msg.data)
             if self._held > self._budget:
                 self._held = -1
-                self._q.put_nowait(_OVERFLOW)
-                return
-        self._q.put_nowait(msg)
+                msg = _OVERFLOW
+        self._items.append(msg)
+        self._wake(True)
+
+    def _wake(self, arrived: bool) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(arrived)
+
+    def _timed_out(self) -> SandboxTimeout:
+        return SandboxTimeout("the guest agent did not finish in time (host-side bound)", self.client.sandbox_id)
 
     async def get(self, timeout: float | None = None) -> p.Message:
         """The next frame; ``timeout`` (seconds) bounds this one wait, on top of the deadline."""
-        waits = [] if timeout is None else [timeout]
-        if self._deadline is not None:
-            waits.append(self._deadline - asyncio.get_running_loop().time())
-        if not waits:
-            item = await self._q.get()
-        else:
+        loop = self.client._loop
+        if self._deadline is not None and loop.time() >= self._deadline:
+            raise self._timed_out()
+        if not self._items:
+            if self._waiter is not None:
+                raise RuntimeError("another get() of this stream is waiting")
+            waiter = self._waiter = loop.create_future()
+            if self._deadline is not None and self._timer is None:
+                self._timer = loop.call_at(self._deadline, self._wake, False)
+            handle = None if timeout is None else loop.call_later(max(timeout, 0), self._wake, False)
             try:
-                item = await asyncio.wait_for(self._q.get(), max(min(waits), 0))
-            except TimeoutError:
-                raise SandboxTimeout("the guest agent did not finish in time (host-side bound)",
-                                     self.client.sandbox_id) from None
-        if item is _END:
-            self._q.put_nowait(_END)
+                arrived = await waiter
+            finally:
+                self._waiter = None
+                if handle is not None:
+                    handle.cancel()
+            if not arrived:
+                raise self._timed_out()
+        item = self._items[0]
+        if item is _END:  # stays: every later get() raises too
             assert self.client._error is not None
             raise self.client._error
+        self._items.popleft()
         if item is _OVERFLOW:
             raise GuestProtocolError("the guest sent more file data than the read's window", self.client.sandbox_id)
         if self._budget is not None and isinstance(item, p.Chunk):
@@ -207,13 +278,16 @@ class Stream:
         """Stop routing the guest's answers here (later ones are dropped); idempotent."""
         if self.client._streams.get(self.id) is self:
             del self.client._streams[self.id]
+        if self._timer is not None and self._waiter is None:  # a get() still waiting keeps its bound
+            self._timer.cancel()
+            self._timer = None
 
     def cancel(self) -> None:
         """Tell the guest to stop this request (a ReadFile), then close; no-op once closed. On the loop."""
         if self.client._streams.get(self.id) is not self:
             return
         self.close()
-        if self.client._error is None:
+        if self.client._error is None and self.client._writer is not None:
             with contextlib.suppress(Exception):  # best effort: a broken connection ends the read anyway
                 self.client._writer.write(p.encode(p.Cancel(self.id)))
 
