@@ -701,6 +701,17 @@ class Workers:
             return False
         return True
 
+    def spare(self) -> None:
+        """Start a worker unless one is idle (call off any request's path): the next connection or
+        request is then handed off, not kept waiting for a thread start."""
+        with self.cond:
+            if self.idle > len(self.tasks):
+                return
+        try:
+            threading.Thread(target=self._run, daemon=True).start()
+        except RuntimeError:  # the pids limit: the next submit tries again
+            pass
+
     def _run(self) -> None:
         while True:
             with self.cond:
@@ -718,6 +729,7 @@ class Connection:
     def __init__(self, agent: "Agent", sock: socket.socket) -> None:
         self.agent = agent
         self.sock = sock
+        self.reader = p.SocketReader(sock, p.HOST_TO_GUEST)  # one recv takes in every frame that arrived
         self._send_lock = threading.Lock()
         self._inboxes: dict[int, Inbox] = {}
         self._inbox_lock = threading.Lock()
@@ -744,7 +756,7 @@ class Connection:
         try:
             while True:
                 try:
-                    msg = p.recv_message(self.sock, p.HOST_TO_GUEST)
+                    msg = self.reader.recv()
                 except p.ProtocolViolation as e:
                     self.send(p.Failure(id=0, code=p.ErrorCode.INVALID, message=str(e)))
                     break
@@ -1145,6 +1157,9 @@ def _remove(agent: "Agent", conn: Connection, msg: p.Remove) -> None:
 # --------------------------------------------------------------------------- code contexts
 
 
+_CONTEXT_REPLIES = (p.Stdout, p.Stderr, p.Display, p.CodeDone, p.Ok)
+
+
 class Context:
     """A long-lived interpreter process (guest/kernel.py) reached over a socketpair."""
 
@@ -1176,6 +1191,7 @@ class Context:
             theirs.close()
             os.close(null)
         self.sock = ours
+        self.reader = p.SocketReader(ours, _CONTEXT_REPLIES)
 
     @property
     def alive(self) -> bool:
@@ -1204,7 +1220,9 @@ class Context:
             else:
                 self.sock.settimeout(None)
             try:
-                reply = p.recv_message(self.sock, (p.Stdout, p.Stderr, p.Display, p.CodeDone))
+                reply = self.reader.recv()
+                if isinstance(reply, p.Ok):  # only a Configure or Reseed is answered by Ok
+                    raise p.ProtocolViolation("Ok during a run")
             except socket.timeout:
                 if interrupted_at is None:
                     interrupted_at = time.monotonic()
@@ -1237,7 +1255,9 @@ class Context:
         try:
             self.sock.settimeout(30.0)  # an idle interpreter answers in ms; a loaded TCG guest is slow
             self.sock.sendall(p.encode(msg))
-            reply = p.recv_message(self.sock, (p.Ok,))
+            reply = self.reader.recv()
+            if reply is not None and not isinstance(reply, p.Ok):
+                raise p.ProtocolViolation(f"{type(reply).__name__} answering a {type(msg).__name__}")
         except (OSError, p.ProtocolViolation):
             reply = None
         finally:
@@ -1526,7 +1546,11 @@ class Agent:
             conn = Connection(self, sock)
             with self._conns_lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            # A worker already waiting takes the connection (a hand-off, ~25 us); a thread started
+            # for it would keep its first request waiting ~0.3 ms.
+            if not self.workers.submit(self._serve, conn):  # no thread could be started (limits.pids)
+                self._serve_refused(conn)
+            self.workers.spare()  # the next connection finds one waiting too (started off its path)
 
     def serve_serial(self) -> None:
         """One host connection at a time over the VM's port (the host multiplexes its clients)."""
@@ -1543,6 +1567,16 @@ class Agent:
         finally:
             with self._conns_lock:
                 self._conns.discard(conn)
+
+    def _serve_refused(self, conn: Connection) -> None:
+        """No thread for a new connection: close it (the host sees the connection end) and keep
+        accepting; a later connection gets a thread once processes ended."""
+        with self._conns_lock:
+            self._conns.discard(conn)
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
 
     def quiesce(self) -> None:
         """Drop every host socket (see protocol.Quiesce); serve_forever waits for the resume file."""
@@ -1608,6 +1642,7 @@ def harden(agent: "Agent") -> None:
         print(f"warmbox agent: no spawn library ({e}): a timed-out command's orphans may survive", file=sys.stderr)
     finally:
         agent.hardened.set()
+    agent.workers.spare()  # off the start path too: a worker waits for the first request or connection
 
 
 def _start_hardening(agent: "Agent") -> None:
