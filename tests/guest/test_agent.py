@@ -131,6 +131,40 @@ def test_stdin_and_missing_binary(agent):
     assert b[-1][1].exit_code == 127
 
 
+def test_requests_and_connections_are_served_while_one_blocks(agent):
+    """The thread that read a blocking request handles it: reading goes on elsewhere, so a ping,
+    a second command and a new connection are answered while it runs; many short connections
+    in a row are each served (a worker waits for the next one)."""
+    async def go():
+        c = await GuestClient.connect(agent, "t")
+        try:
+            slow = asyncio.ensure_future(_exec(c, ["sh", "-c", "sleep 1; echo slow"]))
+            await asyncio.sleep(0.2)
+            t = time.monotonic()
+            pong = await c.call(lambda i: p.Ping(i), p.Pong)
+            fast = await _exec(c, ["echo", "fast"])
+            other = await GuestClient.connect(agent, "t")
+            other_pong = await other.call(lambda i: p.Ping(i), p.Pong)
+            await other.close()
+            during = time.monotonic() - t
+            slow_frames = await slow
+            answered = 0
+            for _ in range(30):
+                d = await GuestClient.connect(agent, "t")
+                answered += isinstance(await _exec(d, ["true"]), list)
+                await d.close()
+            return pong, fast, other_pong, during, slow_frames, answered
+        finally:
+            await c.close()
+
+    pong, fast, other_pong, during, slow_frames, answered = asyncio.run(go())
+    assert isinstance(pong, p.Pong) and isinstance(other_pong, p.Pong)
+    assert b"".join(m.data for _, m in fast if isinstance(m, p.Stdout)) == b"fast\n"
+    assert during < 0.7, "answered while the slow command ran"
+    assert b"".join(m.data for _, m in slow_frames if isinstance(m, p.Stdout)) == b"slow\n"
+    assert answered == 30
+
+
 def test_hostile_host_frame_gets_failure_not_crash(agent):
     s = socket.socket(socket.AF_UNIX)
     s.connect(agent)
