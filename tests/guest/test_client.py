@@ -227,7 +227,7 @@ def test_a_large_upload_waits_for_a_slow_agent_and_arrives_whole(fake):
         t = asyncio.get_running_loop().create_task(ticker())
         try:
             entry = await c.upload("/f", bytes(size))
-            return entry, ticks, c._writer.get_write_buffer_size()
+            return entry, ticks, c._transport.get_write_buffer_size()
         finally:
             t.cancel()
             await c.close()
@@ -290,3 +290,42 @@ def test_connection_loss_ends_every_request(fake):
 
     errors, closed = asyncio.run(go())
     assert closed and all("closed" in str(e) for e in errors)
+
+
+def test_a_cancelled_sender_does_not_end_another_senders_wait_for_room(fake):
+    size = 16 << 20
+
+    def slow(conn, r):
+        a, b = r.recv(), r.recv()
+        conn.sendall(p.encode(p.Ok(a.id)) + p.encode(p.Ok(b.id)))
+        n = 0
+        while True:
+            m = r.recv()
+            if m is None:
+                return
+            if isinstance(m, p.Chunk) and m.id == b.id:
+                n += len(m.data)
+            if isinstance(m, p.ChunkEnd) and m.id == b.id:
+                break
+            time.sleep(0.01)
+        conn.sendall(p.encode(p.Entry(b.id, name="b", path="/b", kind=p.FileType.FILE, size=n, mode=0o644,
+                                      mtime=0.0, target="")))
+
+    agent = fake(slow)
+
+    async def go():
+        c = await GuestClient.connect(agent.path, "sb")
+        try:
+            a = asyncio.ensure_future(c.upload("/a", bytes(size)))
+            await asyncio.sleep(0)
+            b = asyncio.ensure_future(c.upload("/b", bytes(size)))
+            await asyncio.sleep(0.3)  # both wait for room by now
+            assert c._paused is not None and not a.done() and not b.done()
+            a.cancel()
+            entry = await asyncio.wait_for(b, 60)
+            return a.cancelled(), entry
+        finally:
+            await c.close()
+
+    a_cancelled, entry = asyncio.run(go())
+    assert a_cancelled and isinstance(entry, p.Entry) and entry.size == size

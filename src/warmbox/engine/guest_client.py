@@ -36,7 +36,7 @@ class GuestClient(asyncio.Protocol):
         self._streams: dict[int, Stream] = {}
         self._error: Exception | None = None
         self._frames = p.FrameReader(p.GUEST_TO_HOST)
-        self._writer: asyncio.Transport | None = None  # named as before: tests close it to walk away
+        self._transport: asyncio.Transport | None = None
         self._paused: asyncio.Future[None] | None = None  # set while the transport's buffer is full
         self._lost: asyncio.Future[None] = self._loop.create_future()
 
@@ -65,7 +65,7 @@ class GuestClient(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
-        self._writer = transport
+        self._transport = transport
 
     def data_received(self, data: bytes) -> None:
         if self._error is not None:
@@ -109,8 +109,8 @@ class GuestClient(asyncio.Protocol):
         for stream in self._streams.values():
             stream._feed(_END)
         self.resume_writing()  # a sender waiting for room sees the error
-        if self._writer is not None:
-            self._writer.close()
+        if self._transport is not None:
+            self._transport.close()
 
     # ---- requests
 
@@ -121,10 +121,10 @@ class GuestClient(asyncio.Protocol):
             frame = p.encode(msg)
         except p.ProtocolViolation as e:
             raise InvalidArgument(f"request too large for the sandbox protocol: {e}") from None
-        assert self._writer is not None
-        self._writer.write(frame)
+        assert self._transport is not None
+        self._transport.write(frame)
         if self._paused is not None:  # flow control: wait until the transport's buffer drained
-            await self._paused
+            await asyncio.shield(self._paused)  # one sender's cancellation must not end the others' wait
             if self._error is not None:
                 raise GuestConnectionError("connection to the guest agent closed", self.sandbox_id)
 
@@ -180,7 +180,7 @@ class GuestClient(asyncio.Protocol):
 
     async def close(self) -> None:
         self._fail(GuestConnectionError("client closed", self.sandbox_id))
-        if self._writer is not None:
+        if self._transport is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._lost)
 
@@ -287,9 +287,9 @@ class Stream:
         if self.client._streams.get(self.id) is not self:
             return
         self.close()
-        if self.client._error is None and self.client._writer is not None:
+        if self.client._error is None and self.client._transport is not None:
             with contextlib.suppress(Exception):  # best effort: a broken connection ends the read anyway
-                self.client._writer.write(p.encode(p.Cancel(self.id)))
+                self.client._transport.write(p.encode(p.Cancel(self.id)))
 
     async def next(self, *expect: type[p.Message], timeout: float | None = None) -> p.Message:
         """Next frame, which must be one of ``expect`` or a Failure."""
