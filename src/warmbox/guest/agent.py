@@ -17,10 +17,14 @@ import threading
 import time
 
 # C modules directly: the pure-Python socket and signal wrappers import enum and selectors.
-import _signal as signal
+import _signal as signal  # type: ignore[import-not-found]  # no stub: a C module, the wrapper's core
 import _socket as socket
 
 from warmbox import protocol as p
+
+TYPE_CHECKING = False  # not typing's: the guest imports nothing it does not use at run time
+if TYPE_CHECKING:
+    from typing import Any
 
 # Imports are kept to what the boot path needs: every millisecond here is on each cold start.
 _GUEST_LIB = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -410,7 +414,7 @@ class Scopes:
         self.agent = agent
         self.cgroup_fd = cgroup_fd
         self.mode = "tree"
-        self._lib = None
+        self._lib: Any = None  # ctypes.CDLL of spawn.so (its functions are looked up by name)
         self._lock = threading.Lock()
         self._seq = 0
         self._free: list[str] = []  # empty cgroups, ready for the next command
@@ -430,7 +434,7 @@ class Scopes:
             return
         import ctypes
 
-        lib = ctypes.CDLL(path, use_errno=True)
+        lib: Any = ctypes.CDLL(path, use_errno=True)
         ptrs = ctypes.POINTER(ctypes.c_char_p)
         lib.wb_spawn_cgroup.argtypes = [ctypes.c_char_p, ptrs, ptrs, ctypes.c_char_p] + [ctypes.c_int] * 5
         lib.wb_spawn_cgroup.restype = ctypes.c_int
@@ -456,6 +460,7 @@ class Scopes:
         """
         with self._lock:
             mode = self.mode
+        scope: Scope | None
         if mode == "cgroup":
             scope = self._spawn_cgroup(exe, argv, env, cwd, stdio, keep_fd)
         elif mode == "pidns":
@@ -726,7 +731,7 @@ class Workers:
 
 
 class Connection:
-    def __init__(self, agent: "Agent", sock: socket.socket) -> None:
+    def __init__(self, agent: "Agent", sock: "socket.socket | SerialPort") -> None:
         self.agent = agent
         self.sock = sock
         self.reader = p.SocketReader(sock, p.HOST_TO_GUEST)  # one recv takes in every frame that arrived
@@ -858,9 +863,12 @@ def _exec_inner(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
     pipes = [os.pipe(), os.pipe()]  # stdout, stderr
     stdin_r, stdin_w = os.pipe() if msg.stdin else (None, None)
     scope = None
+    reads: list[int] = []  # the pipes' read ends, once the child has the write ends
     try:
         null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) if stdin_r is None else None
-        stdio = (stdin_r if stdin_r is not None else null, pipes[0][1], pipes[1][1])
+        stdin_fd = stdin_r if stdin_r is not None else null
+        assert stdin_fd is not None
+        stdio = (stdin_fd, pipes[0][1], pipes[1][1])
         try:
             exe = argv[0] if "/" in argv[0] else _which(argv[0], env.get("PATH", ""))
             scope = _spawn(agent, exe, argv, env, cwd, stdio)
@@ -878,12 +886,12 @@ def _exec_inner(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
             for fd in (pipes[0][1], pipes[1][1], stdin_r, null):
                 if fd is not None:
                     os.close(fd)
-            pipes = [pipes[0][0], pipes[1][0]]
+            reads = [pipes[0][0], pipes[1][0]]
         conn.send(p.Started(id=msg.id, pid=scope.pid))
         if stdin_w is not None:
             threading.Thread(target=_feed_stdin, args=(conn.inbox(msg.id), stdin_w), daemon=True).start()
             stdin_w = None  # the feeder owns it now
-        timed_out, truncated = _pump(conn, msg, scope, pipes, start)
+        timed_out, truncated = _pump(conn, msg, scope, reads, start)
         status = scope.status()
         if status is None:  # pipes closed, process alive: wait for it (bounded by the deadline)
             remaining = None if msg.timeout_s <= 0 else max(0.0, start + msg.timeout_s - time.monotonic())
@@ -906,7 +914,7 @@ def _exec_inner(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
     finally:
         if scope is not None:
             agent.scopes.finish(scope)
-        for fd in (stdin_w, *[x for x in pipes if isinstance(x, int)]):
+        for fd in (stdin_w, *reads):
             if fd is not None:
                 try:
                     os.close(fd)
@@ -930,7 +938,7 @@ def _feed_stdin(inbox: Inbox, fd: int) -> None:
     try:
         while True:
             item = inbox.get()
-            if item is None:
+            if not isinstance(item, p.StdinData):  # None: the connection or the request is gone
                 break
             view = memoryview(item.data)
             while view:
@@ -1094,6 +1102,8 @@ def _write_file(agent: "Agent", conn: Connection, msg: p.WriteFile) -> None:
                 return  # connection gone
             if isinstance(item, p.ChunkEnd):
                 break
+            if not isinstance(item, p.Chunk):
+                raise _Fail(p.ErrorCode.INVALID, f"write {msg.path}: expected file data, got {type(item).__name__}")
             view = memoryview(item.data)
             while view:
                 view = view[os.write(fd, view):]
@@ -1345,7 +1355,7 @@ def _context_delete(agent: "Agent", conn: Connection, msg: p.ContextDelete) -> N
     conn.send(p.Ok(id=msg.id))
 
 
-_HANDLERS = {
+_HANDLERS: dict[type[p.Message], Any] = {
     p.Ping: _ping, p.Exec: _exec, p.Signal: _signal, p.ReadFile: _read_file,
     p.WriteFile: _write_file, p.ListDir: _list_dir, p.Stat: _stat, p.MakeDir: _make_dir,
     p.Remove: _remove, p.ContextCreate: _context_create, p.ContextRun: _context_run,
@@ -1534,7 +1544,8 @@ class Agent:
     def serve_forever(self) -> None:
         while True:
             try:
-                fd, _ = self.listener._accept()
+                assert self.listener is not None  # serve_forever runs only with a listening socket
+                fd, _ = self.listener._accept()  # type: ignore[attr-defined]  # _socket.socket has it, unstubbed
                 sock = socket.socket(fileno=fd)
             except InterruptedError:  # pragma: no cover
                 continue
@@ -1554,9 +1565,11 @@ class Agent:
 
     def serve_serial(self) -> None:
         """One host connection at a time over the VM's port (the host multiplexes its clients)."""
+        serial = self.serial
+        assert serial is not None
         while True:
-            self.serial.wait_host()
-            conn = Connection(self, self.serial)
+            serial.wait_host()
+            conn = Connection(self, serial)
             with self._conns_lock:
                 self._conns.add(conn)
             self._serve(conn)
@@ -1581,13 +1594,14 @@ class Agent:
     def quiesce(self) -> None:
         """Drop every host socket (see protocol.Quiesce); serve_forever waits for the resume file."""
         self.quiescing.set()
-        for sock in [self.listener] + [c.sock for c in list(self._conns)]:
+        for sock in [c.sock for c in list(self._conns)] + ([self.listener] if self.listener is not None else []):
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
         try:
-            self.listener.close()
+            if self.listener is not None:
+                self.listener.close()
         except OSError:
             pass
 
@@ -1595,21 +1609,23 @@ class Agent:
         """Wait for the host's ``resume`` file (the host removed the old socket), listen again.
         A bind that fails (a guest process holds the name) waits for the next trigger: the
         agent never exits here, or the sandbox would be lost."""
-        trigger = os.path.join(os.path.dirname(self.path), "resume")
+        path = self.path
+        assert path is not None  # only an agent listening on a path is quiesced
+        trigger = os.path.join(os.path.dirname(path), "resume")
         while True:
             # the host signals SIGUSR1 (gVisor may cache the directory, so a file it made can stay
             # unseen); the file is the fallback, for restores of images of older agents' hosts
             while not self.resume_signalled.is_set() and not os.path.lexists(trigger):
                 self.resume_signalled.wait(0.02)
             self.resume_signalled.clear()
-            for stale in (self.path, trigger):
+            for stale in (path, trigger):
                 try:
                     os.unlink(stale)
                 except OSError:
                     pass
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                listener.bind(self.path)
+                listener.bind(path)
                 listener.listen(128)
             except OSError:
                 listener.close()
