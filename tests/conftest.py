@@ -81,12 +81,17 @@ FAST_LANE_GUARD = pytest.StashKey[FastLaneGuard]()
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: the marks must be right in every lane
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    unmarked = [f"{item.nodeid} (uses {', '.join(sorted(SANDBOX_FIXTURES & set(item.fixturenames)))})"
-                for item in items if isinstance(item, pytest.Function)
-                and SANDBOX_FIXTURES & set(item.fixturenames) and not item.get_closest_marker("sandbox")]
+    unmarked = [
+        f"{item.nodeid} (uses {', '.join(sorted(SANDBOX_FIXTURES & set(item.fixturenames)))})"
+        for item in items
+        if isinstance(item, pytest.Function)
+        and SANDBOX_FIXTURES & set(item.fixturenames)
+        and not item.get_closest_marker("sandbox")
+    ]
     if unmarked:
-        raise pytest.UsageError("tests that start sandboxes must be marked @pytest.mark.sandbox:\n  "
-                                + "\n  ".join(unmarked))
+        raise pytest.UsageError(
+            "tests that start sandboxes must be marked @pytest.mark.sandbox:\n  " + "\n  ".join(unmarked)
+        )
 
 
 @pytest.hookimpl(trylast=True)  # after -m deselected: arm check 2 only if no sandbox test is left
@@ -255,5 +260,10 @@ def host_python() -> str:
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "warmbox.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "warmbox.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )

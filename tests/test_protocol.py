@@ -14,7 +14,7 @@ from warmbox import protocol as p
 def roundtrip(msg, allowed):
     raw = p.encode(msg)
     hlen, _blen = p.split_prefix(raw[:8])
-    return p.decode(raw[8:8 + hlen], raw[8 + hlen:], allowed)
+    return p.decode(raw[8 : 8 + hlen], raw[8 + hlen :], allowed)
 
 
 def frame(header: dict, body: bytes = b""):
@@ -28,8 +28,17 @@ def test_roundtrip_every_message_kind():
         p.Chunk(2, data=b"\x00\xff" * 100),
         p.Entry(3, name="a", path="/a", kind=p.FileType.DIR, size=0, mode=0o755, mtime=1.0, target=""),
         p.Failure(4, code=p.ErrorCode.NOT_FOUND, message="nope"),
-        p.CodeDone(5, error_name="", error_value="", traceback="", timed_out=False, truncated=False,
-                   execution_count=1, duration_ms=0.5, oom_kills=-1),
+        p.CodeDone(
+            5,
+            error_name="",
+            error_value="",
+            traceback="",
+            timed_out=False,
+            truncated=False,
+            execution_count=1,
+            duration_ms=0.5,
+            oom_kills=-1,
+        ),
         p.Exited(6, exit_code=137, signal=9, timed_out=False, truncated=False, duration_ms=3.0, oom_kills=2),
         p.Reseed(7, seed=b"\x01" * 32),
     ]
@@ -44,17 +53,20 @@ def test_direction_is_enforced():
         roundtrip(p.Exec(1, argv=["x"], env={}, cwd="", timeout_s=0, max_output=1, stdin=False), p.GUEST_TO_HOST)
 
 
-@pytest.mark.parametrize("header,body,why", [
-    ({"type": "Nope", "id": 1}, b"", "unexpected message type"),
-    ({"type": "Pong", "id": 1, "version": 1}, b"", "missing"),
-    ({"type": "Pong", "id": 1, "version": 1, "pid": 2, "extra": 0}, b"", "unknown fields"),
-    ({"type": "Pong", "id": 1, "version": "1", "pid": 2}, b"", "must be int"),
-    ({"type": "Pong", "id": -1, "version": 1, "pid": 2}, b"", "id must be"),
-    ({"type": "Pong", "id": 1, "version": True, "pid": 2}, b"", "must be int"),
-    ({"type": "Failure", "id": 1, "code": "rm -rf", "message": ""}, b"", "unknown value"),
-    ({"type": "Ok", "id": 1}, b"body", "carries no body"),
-    ({"type": "__class__", "id": 1}, b"", "unexpected message type"),
-])
+@pytest.mark.parametrize(
+    "header,body,why",
+    [
+        ({"type": "Nope", "id": 1}, b"", "unexpected message type"),
+        ({"type": "Pong", "id": 1, "version": 1}, b"", "missing"),
+        ({"type": "Pong", "id": 1, "version": 1, "pid": 2, "extra": 0}, b"", "unknown fields"),
+        ({"type": "Pong", "id": 1, "version": "1", "pid": 2}, b"", "must be int"),
+        ({"type": "Pong", "id": -1, "version": 1, "pid": 2}, b"", "id must be"),
+        ({"type": "Pong", "id": 1, "version": True, "pid": 2}, b"", "must be int"),
+        ({"type": "Failure", "id": 1, "code": "rm -rf", "message": ""}, b"", "unknown value"),
+        ({"type": "Ok", "id": 1}, b"body", "carries no body"),
+        ({"type": "__class__", "id": 1}, b"", "unexpected message type"),
+    ],
+)
 def test_hostile_frames_are_rejected(header, body, why):
     raw, body = frame(header, body)
     with pytest.raises(p.ProtocolViolation, match=why):
@@ -93,25 +105,29 @@ def test_fields_are_derived_from_annotations():
     assert type(p.ErrorCode.NOT_FOUND) is p.ErrorCode and p.ErrorCode("not_found") is p.ErrorCode.NOT_FOUND
 
 
-@pytest.mark.parametrize("annotations,why", [
-    ({"x": "set[int]"}, "not a wire type"),
-    ({"x": "list[int]"}, "not a wire type"),
-    ({"x": "str | None"}, "not a wire type"),
-    ({"x": "Optional[str]"}, "not a wire type"),
-    ({"x": "ProtocolViolation"}, "not a wire type"),
-    ({"x": int}, "must be strings"),
-    ({"a": "bytes", "b": "bytes"}, "more than one bytes field"),
-    ({"type": "str"}, "reserved name"),
-    ({"id": "int"}, "reserved name"),
-    ({"FIELDS": "str"}, "reserved name"),
-])
+@pytest.mark.parametrize(
+    "annotations,why",
+    [
+        ({"x": "set[int]"}, "not a wire type"),
+        ({"x": "list[int]"}, "not a wire type"),
+        ({"x": "str | None"}, "not a wire type"),
+        ({"x": "Optional[str]"}, "not a wire type"),
+        ({"x": "ProtocolViolation"}, "not a wire type"),
+        ({"x": int}, "must be strings"),
+        ({"a": "bytes", "b": "bytes"}, "more than one bytes field"),
+        ({"type": "str"}, "reserved name"),
+        ({"id": "int"}, "reserved name"),
+        ({"FIELDS": "str"}, "reserved name"),
+    ],
+)
 def test_unsupported_annotation_fails_at_class_creation(annotations, why):
     with pytest.raises(TypeError, match=why):
         type("Bad", (p.Message,), {"__annotations__": annotations})
 
 
 def test_unsupported_annotation_in_class_statement():
-    with pytest.raises(TypeError, match="Bad.when"):
+    with pytest.raises(TypeError, match=r"Bad\.when"):
+
         class Bad(p.Message):
             when: "float | None"
 
@@ -122,8 +138,10 @@ def test_protocol_imports_in_bare_interpreter(tmp_path):
     (tmp_path / "warmbox").mkdir()
     (tmp_path / "warmbox" / "__init__.py").write_text("")
     shutil.copy(p.__file__, tmp_path / "warmbox" / "protocol.py")
-    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); before = set(sys.modules); "
-            "import warmbox.protocol as p; print(sorted(set(sys.modules) - before)); print(p.Exec.FIELDS[0])")
+    code = (
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r}); before = set(sys.modules); "
+        "import warmbox.protocol as p; print(sorted(set(sys.modules) - before)); print(p.Exec.FIELDS[0])"
+    )
     bare = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
     out = subprocess.run([bare, "-I", "-S", "-c", code], capture_output=True, text=True, check=True)
     new, fields = out.stdout.splitlines()
@@ -133,12 +151,15 @@ def test_protocol_imports_in_bare_interpreter(tmp_path):
     assert fields == "('argv', 'list[str]')"
 
 
-
 # ---- FrameReader / SocketReader: one buffer, every complete frame, bounds before the body
 
 
-FRAMES = [p.Pong(1, version=4, pid=7), p.Stdout(2, data=b"out" * 1000), p.Ok(3),
-          p.Exited(2, exit_code=0, signal=0, timed_out=False, truncated=False, duration_ms=1.0, oom_kills=-1)]
+FRAMES = [
+    p.Pong(1, version=4, pid=7),
+    p.Stdout(2, data=b"out" * 1000),
+    p.Ok(3),
+    p.Exited(2, exit_code=0, signal=0, timed_out=False, truncated=False, duration_ms=1.0, oom_kills=-1),
+]
 
 
 def _drain(reader: p.FrameReader) -> list:
@@ -154,7 +175,7 @@ def test_frame_reader_splits_a_stream_at_any_boundary(step):
     reader = p.FrameReader(p.GUEST_TO_HOST)
     got = []
     for off in range(0, len(stream), step):
-        reader.feed(stream[off:off + step])
+        reader.feed(stream[off : off + step])
         got += _drain(reader)
     assert got == FRAMES and reader.pending() == 0
     assert all(type(m.data) is bytes for m in got if isinstance(m, p.Stdout))
@@ -240,8 +261,10 @@ def test_decoded_messages_are_whole_and_construction_still_checks_fields():
     m = roundtrip(p.Failure(4, code=p.ErrorCode.NOT_FOUND, message="nope"), p.GUEST_TO_HOST)
     assert m.code is p.ErrorCode.NOT_FOUND and m.message == "nope" and m.id == 4
     assert repr(m) == "Failure(id=4, code=ErrorCode('not_found'), message='nope')"
-    f = roundtrip(p.Exited(1, exit_code=0, signal=0, timed_out=False, truncated=False, duration_ms=1,
-                           oom_kills=0), p.GUEST_TO_HOST)
+    f = roundtrip(
+        p.Exited(1, exit_code=0, signal=0, timed_out=False, truncated=False, duration_ms=1, oom_kills=0),
+        p.GUEST_TO_HOST,
+    )
     assert type(f.duration_ms) is float  # an int on the wire is a float field's value
     with pytest.raises(TypeError, match="expected fields"):
         p.Pong(1, version=4)

@@ -3,15 +3,58 @@ from warmbox import errors
 
 
 def test_exported_members():
-    assert sorted(warmbox.__all__) == sorted([
-        "AsyncSandbox", "BackendUnavailable", "CodeContext", "CommandFailed", "CommandResult", "ContextError",
-        "EntryInfo", "Execution", "ExecutionError", "FilesError", "GuestConnectionError", "GuestProtocolError",
-        "InvalidArgument", "InvalidPath", "IsADirectory", "Limits", "NoSpace", "NotADirectory", "PathExists",
-        "PathNotFound", "PathPermissionDenied", "RegistryError", "Result", "Sandbox", "SandboxError",
-        "SandboxInfo", "SandboxNotFound", "SandboxStartError", "SandboxStateError", "SandboxTimeout",
-        "StageTiming", "State", "TierStatus", "WarmboxError", "__version__",
-        "ArtifactCorrupt", "ConfigError", "PoolStatus", "SandboxMetrics", "SnapshotRef", "SnapshotUnsupported",
-        "StorageError", "StorageFull", "ApprovalRequest", "NetEvent", "Network", "NetworkError", "Secret"])
+    assert sorted(warmbox.__all__) == sorted(
+        [
+            "AsyncSandbox",
+            "BackendUnavailable",
+            "CodeContext",
+            "CommandFailed",
+            "CommandResult",
+            "ContextError",
+            "EntryInfo",
+            "Execution",
+            "ExecutionError",
+            "FilesError",
+            "GuestConnectionError",
+            "GuestProtocolError",
+            "InvalidArgument",
+            "InvalidPath",
+            "IsADirectory",
+            "Limits",
+            "NoSpace",
+            "NotADirectory",
+            "PathExists",
+            "PathNotFound",
+            "PathPermissionDenied",
+            "RegistryError",
+            "Result",
+            "Sandbox",
+            "SandboxError",
+            "SandboxInfo",
+            "SandboxNotFound",
+            "SandboxStartError",
+            "SandboxStateError",
+            "SandboxTimeout",
+            "StageTiming",
+            "State",
+            "TierStatus",
+            "WarmboxError",
+            "__version__",
+            "ArtifactCorrupt",
+            "ConfigError",
+            "PoolStatus",
+            "SandboxMetrics",
+            "SnapshotRef",
+            "SnapshotUnsupported",
+            "StorageError",
+            "StorageFull",
+            "ApprovalRequest",
+            "NetEvent",
+            "Network",
+            "NetworkError",
+            "Secret",
+        ]
+    )
     for name in warmbox.__all__:
         assert hasattr(warmbox, name)
 
@@ -25,10 +68,24 @@ def test_every_error_is_rooted_and_drawn_in_the_tree():
 
 def test_sync_api_is_derived_not_written():
     from warmbox.sdk import AsyncSandbox, Sandbox
-    for name in ("create", "connect", "kill", "run_code", "set_timeout", "create_code_context", "resume",
-                 "snapshot", "pause", "metrics"):
-        assert getattr(Sandbox, name).__wrapped__ is getattr(AsyncSandbox, name).__func__ \
-            if isinstance(AsyncSandbox.__dict__.get(name), classmethod) else getattr(Sandbox, name).__wrapped__
+
+    for name in (
+        "create",
+        "connect",
+        "kill",
+        "run_code",
+        "set_timeout",
+        "create_code_context",
+        "resume",
+        "snapshot",
+        "pause",
+        "metrics",
+    ):
+        assert (
+            getattr(Sandbox, name).__wrapped__ is getattr(AsyncSandbox, name).__func__
+            if isinstance(AsyncSandbox.__dict__.get(name), classmethod)
+            else getattr(Sandbox, name).__wrapped__
+        )
 
 
 def test_the_sync_stubs_are_current():

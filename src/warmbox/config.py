@@ -56,8 +56,10 @@ from warmbox.tiers import canonical_tier
 # first run_code does not pay an interpreter start); ``pydata`` also imports the data stack.
 BUILTIN_TEMPLATES: dict[str, dict[str, Any]] = {
     "base": {"warmup_code": "", "description": "Python 3 + coreutils; code context started"},
-    "pydata": {"warmup_code": "import numpy, pandas\ntry:\n    import requests\nexcept ImportError:\n    pass",
-               "description": "base + numpy and pandas (and requests when installed) imported"},
+    "pydata": {
+        "warmup_code": "import numpy, pandas\ntry:\n    import requests\nexcept ImportError:\n    pass",
+        "description": "base + numpy and pandas (and requests when installed) imported",
+    },
     "shell": {"warmup_code": None, "description": "no code context started (smallest idle footprint)"},
 }
 # Built-in pool, used while the settings declare no [pools] (an empty [pools] table: no pool):
@@ -178,16 +180,25 @@ def host_capacity() -> HostCapacity:
         disk_mb = st.f_blocks * st.f_frsize >> 20
     except OSError:
         disk_mb = 1 << 20
-    return HostCapacity(memory_mb=mem_kb >> 10 or 1024, cpus=max(1, cpus),
-                        pids=min(_read_int("/proc/sys/kernel/pid_max", 32768),
-                                 _read_int("/proc/sys/kernel/threads-max", 32768)),
-                        open_files=_read_int("/proc/sys/fs/nr_open", 1 << 20), disk_mb=max(1, disk_mb))
+    return HostCapacity(
+        memory_mb=mem_kb >> 10 or 1024,
+        cpus=max(1, cpus),
+        pids=min(_read_int("/proc/sys/kernel/pid_max", 32768), _read_int("/proc/sys/kernel/threads-max", 32768)),
+        open_files=_read_int("/proc/sys/fs/nr_open", 1 << 20),
+        disk_mb=max(1, disk_mb),
+    )
 
 
 # [limits] key -> (the Limits field it bounds, unit shown in messages)
-LIMIT_KEYS = {"max_memory_mb": ("memory_mb", "MiB"), "max_cpus": ("cpus", "CPUs"), "max_pids": ("pids", "pids"),
-              "max_tmp_mb": ("tmp_mb", "MiB"), "max_file_size_mb": ("file_size_mb", "MiB"),
-              "max_open_files": ("open_files", "files"), "max_disk_mb": ("disk_mb", "MiB")}
+LIMIT_KEYS = {
+    "max_memory_mb": ("memory_mb", "MiB"),
+    "max_cpus": ("cpus", "CPUs"),
+    "max_pids": ("pids", "pids"),
+    "max_tmp_mb": ("tmp_mb", "MiB"),
+    "max_file_size_mb": ("file_size_mb", "MiB"),
+    "max_open_files": ("open_files", "files"),
+    "max_disk_mb": ("disk_mb", "MiB"),
+}
 DEFAULT_MAX_OPEN_FILES = 65536
 
 
@@ -217,9 +228,15 @@ def check_disk_free(limits: Limits, runtime: Path) -> None:
     reserve = disk_reserve_mb(total)
     most = max(0, free - reserve)
     if limits.disk_mb > most:
-        _too_high("disk_mb", limits.disk_mb, f"the free space of the disk holding {where}", most, "MiB",
-                  f"{free} MiB free of {total} MiB, less a reserve of {reserve} MiB: a sandbox's disk must fit "
-                  "in what is free")
+        _too_high(
+            "disk_mb",
+            limits.disk_mb,
+            f"the free space of the disk holding {where}",
+            most,
+            "MiB",
+            f"{free} MiB free of {total} MiB, less a reserve of {reserve} MiB: a sandbox's disk must fit "
+            "in what is free",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,8 +263,14 @@ class LimitSettings:
             if value > most:
                 _too_high(field, value, f"[limits] {key}", most, unit, self.sources.get(key, ""))
         if limits.tmp_mb > limits.memory_mb:
-            _too_high("tmp_mb", limits.tmp_mb, "its limits.memory_mb", limits.memory_mb, "MiB",
-                      "tmpfs pages are charged to the sandbox's memory")
+            _too_high(
+                "tmp_mb",
+                limits.tmp_mb,
+                "its limits.memory_mb",
+                limits.memory_mb,
+                "MiB",
+                "tmpfs pages are charged to the sandbox's memory",
+            )
 
 
 def _fmt(v: float) -> str:
@@ -255,8 +278,13 @@ def _fmt(v: float) -> str:
 
 
 def _too_high(field: str, value: float, key: str, most: float, unit: str, source: str) -> None:
-    raise LimitTooHigh(f"limits.{field} = {value!r} is above {key} = {_fmt(most)} {unit} ({source})",
-                       limit=field, value=value, maximum=most, source=source)
+    raise LimitTooHigh(
+        f"limits.{field} = {value!r} is above {key} = {_fmt(most)} {unit} ({source})",
+        limit=field,
+        value=value,
+        maximum=most,
+        source=source,
+    )
 
 
 def _limits(t: dict, source: str, env_keys: frozenset[str], host: HostCapacity | None = None) -> LimitSettings:
@@ -269,14 +297,26 @@ def _limits(t: dict, source: str, env_keys: frozenset[str], host: HostCapacity |
     disk = f"the size of the disk holding the sandboxes, {host.disk_mb} MiB"
     # key -> (default, where it comes from, hard host bound, what that bound is)
     table: dict[str, tuple[float, str, float, str]] = {
-        "max_memory_mb": (max(16, host.memory_mb - reserve), f"the default: {mem} minus a {reserve} MiB reserve",
-                          host.memory_mb, mem),
+        "max_memory_mb": (
+            max(16, host.memory_mb - reserve),
+            f"the default: {mem} minus a {reserve} MiB reserve",
+            host.memory_mb,
+            mem,
+        ),
         "max_cpus": (host.cpus, f"the default: {cpus}", host.cpus, cpus),
-        "max_pids": (max(8, host.pids // 4), f"the default: a quarter of the host's {host.pids} pids",
-                     host.pids, f"the host's kernel.pid_max/threads-max, {host.pids}"),
+        "max_pids": (
+            max(8, host.pids // 4),
+            f"the default: a quarter of the host's {host.pids} pids",
+            host.pids,
+            f"the host's kernel.pid_max/threads-max, {host.pids}",
+        ),
         "max_file_size_mb": (host.disk_mb, f"the default: {disk}", host.disk_mb, disk),
-        "max_open_files": (min(DEFAULT_MAX_OPEN_FILES, host.open_files), "the default",
-                           host.open_files, f"the host's fs.nr_open, {host.open_files}"),
+        "max_open_files": (
+            min(DEFAULT_MAX_OPEN_FILES, host.open_files),
+            "the default",
+            host.open_files,
+            f"the host's fs.nr_open, {host.open_files}",
+        ),
         "max_disk_mb": (host.disk_mb, f"the default: {disk}", host.disk_mb, disk),
     }
     values: dict[str, float] = {}
@@ -294,20 +334,29 @@ def _limits(t: dict, source: str, env_keys: frozenset[str], host: HostCapacity |
             v = _num(t[key], where, source, 0.01, 1e6)
         else:
             v = _int(t[key], where, source, 1, 1 << 40)
-        values[key], sources[key] = (v, given(key)) if v <= bound else \
-            (bound, f"{bound_why}; {given(key)} asks for {_fmt(v)}")
+        values[key], sources[key] = (
+            (v, given(key)) if v <= bound else (bound, f"{bound_why}; {given(key)} asks for {_fmt(v)}")
+        )
     key = "max_tmp_mb"
     if key in t:
         v = _int(t[key], f"limits.{key}" + (f" ({given(key)})" if key in env_keys else ""), source, 1, 1 << 40)
-        values[key], sources[key] = (v, given(key)) if v <= values["max_memory_mb"] else \
-            (values["max_memory_mb"], f"max_memory_mb; {given(key)} asks for {v}")
+        values[key], sources[key] = (
+            (v, given(key))
+            if v <= values["max_memory_mb"]
+            else (values["max_memory_mb"], f"max_memory_mb; {given(key)} asks for {v}")
+        )
     else:
         values[key], sources[key] = values["max_memory_mb"], "the default: max_memory_mb"
-    return LimitSettings(max_memory_mb=int(values["max_memory_mb"]), max_cpus=float(values["max_cpus"]),
-                         max_pids=int(values["max_pids"]), max_tmp_mb=int(values["max_tmp_mb"]),
-                         max_file_size_mb=int(values["max_file_size_mb"]),
-                         max_open_files=int(values["max_open_files"]), max_disk_mb=int(values["max_disk_mb"]),
-                         sources={k: sources[k] for k in LIMIT_KEYS})
+    return LimitSettings(
+        max_memory_mb=int(values["max_memory_mb"]),
+        max_cpus=float(values["max_cpus"]),
+        max_pids=int(values["max_pids"]),
+        max_tmp_mb=int(values["max_tmp_mb"]),
+        max_file_size_mb=int(values["max_file_size_mb"]),
+        max_open_files=int(values["max_open_files"]),
+        max_disk_mb=int(values["max_disk_mb"]),
+        sources={k: sources[k] for k in LIMIT_KEYS},
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,8 +391,7 @@ def shape_key(tier: str, template: Template, limits: Limits) -> str:
     """What a pooled sandbox was built to: a claim only takes one of the caller's exact shape."""
     import hashlib
 
-    raw = repr((tier, template.name, template.warmup_code, template.warmup_commands,
-                dataclasses.astuple(limits)))
+    raw = repr((tier, template.name, template.warmup_code, template.warmup_commands, dataclasses.astuple(limits)))
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -392,7 +440,7 @@ def _apply_env(raw: dict[str, Any], environ: os._Environ | dict[str, str]) -> fr
     for name, value in environ.items():
         if not name.startswith("WARMBOX_") or "__" not in name:
             continue
-        parts = [s.lower() for s in name[len("WARMBOX_"):].split("__")]
+        parts = [s.lower() for s in name[len("WARMBOX_") :].split("__")]
         if any(not s for s in parts):
             continue
         node = raw
@@ -410,8 +458,13 @@ def _apply_env(raw: dict[str, Any], environ: os._Environ | dict[str, str]) -> fr
     return frozenset(limit_keys)
 
 
-def parse(raw: dict[str, Any], source: str = "<settings>", *, env_keys: frozenset[str] = frozenset(),
-          host: HostCapacity | None = None) -> Settings:
+def parse(
+    raw: dict[str, Any],
+    source: str = "<settings>",
+    *,
+    env_keys: frozenset[str] = frozenset(),
+    host: HostCapacity | None = None,
+) -> Settings:
     """env_keys: [limits] keys that came from WARMBOX_LIMITS__*; host: capacity to bound limits by
     (default: this host's)."""
     known = {"defaults", "templates", "pools", "daemon", "network", "microvm", "limits"}
@@ -420,9 +473,11 @@ def parse(raw: dict[str, Any], source: str = "<settings>", *, env_keys: frozense
             raise ConfigError(f"{source}: unknown section [{k}] (known: {', '.join(sorted(known))})")
     d = _table(raw, "defaults", source)
     _only(d, {"tier", "template", "timeout"}, "defaults", source)
-    defaults = Defaults(tier=_tier(d.get("tier", "container"), "defaults.tier", source),
-                        template=_str(d.get("template", "base"), "defaults.template", source),
-                        timeout_s=_num(d.get("timeout", 300.0), "defaults.timeout", source, 1, 86400))
+    defaults = Defaults(
+        tier=_tier(d.get("tier", "container"), "defaults.tier", source),
+        template=_str(d.get("template", "base"), "defaults.template", source),
+        timeout_s=_num(d.get("timeout", 300.0), "defaults.timeout", source, 1, 86400),
+    )
     templates = {n: Template(name=n, **t) for n, t in BUILTIN_TEMPLATES.items()}
     for name, t in _table(raw, "templates", source).items():
         where = f"templates.{name}"
@@ -435,9 +490,12 @@ def parse(raw: dict[str, Any], source: str = "<settings>", *, env_keys: frozense
         cmds = t.get("warmup_commands", [])
         if not isinstance(cmds, list) or not all(isinstance(c, str) and c.strip() for c in cmds):
             raise ConfigError(f"{source}: {where}.warmup_commands must be a list of non-empty strings")
-        templates[name] = Template(name=name, warmup_code=code, warmup_commands=tuple(cmds),
-                                   description=_str(t.get("description", base.get("description", "")),
-                                                    f"{where}.description", source))
+        templates[name] = Template(
+            name=name,
+            warmup_code=code,
+            warmup_commands=tuple(cmds),
+            description=_str(t.get("description", base.get("description", "")), f"{where}.description", source),
+        )
     if defaults.template not in templates:
         raise ConfigError(f"{source}: defaults.template {defaults.template!r} is not a template")
     maxima = _limits(_table(raw, "limits", source), source, env_keys, host)
@@ -450,8 +508,12 @@ def parse(raw: dict[str, Any], source: str = "<settings>", *, env_keys: frozense
         where = f"pools.{name}"
         if not name.replace("-", "").replace("_", "").isalnum() or len(name) > 40:
             raise ConfigError(f"{source}: pool name {name!r} must be letters, digits, '-' or '_'")
-        _only(body, {"template", "tier", "min", "max", "target", "max_age", "idle_shrink",
-                     "refill_concurrency", "limits"}, where, source)
+        _only(
+            body,
+            {"template", "tier", "min", "max", "target", "max_age", "idle_shrink", "refill_concurrency", "limits"},
+            where,
+            source,
+        )
         template = _str(body.get("template", "base"), f"{where}.template", source)
         if template not in templates:
             raise ConfigError(f"{source}: {where}.template {template!r} is not a template")
@@ -474,12 +536,17 @@ def parse(raw: dict[str, Any], source: str = "<settings>", *, env_keys: frozense
                 continue
             raise ConfigError(f"{source}: {where}.{e}") from None
         pools[name] = PoolConfig(
-            name=name, template=template, tier=_tier(body.get("tier", "container"), f"{where}.tier", source),
-            min=lo, max=hi, target=min(max(target, lo), hi),
+            name=name,
+            template=template,
+            tier=_tier(body.get("tier", "container"), f"{where}.tier", source),
+            min=lo,
+            max=hi,
+            target=min(max(target, lo), hi),
             max_age_s=_num(body.get("max_age", 3600.0), f"{where}.max_age", source, 60, 7 * 86400),
             idle_shrink_s=_num(body.get("idle_shrink", 120.0), f"{where}.idle_shrink", source, 1, 7 * 86400),
             refill_concurrency=_int(body.get("refill_concurrency", 2), f"{where}.refill_concurrency", source, 1, 64),
-            limits=limits)
+            limits=limits,
+        )
     shapes: dict[tuple, str] = {}
     for pool in pools.values():
         other = shapes.setdefault(pool.shape(), pool.name)
@@ -487,25 +554,32 @@ def parse(raw: dict[str, Any], source: str = "<settings>", *, env_keys: frozense
             raise ConfigError(f"{source}: pools {other} and {pool.name} have the same tier, template and limits")
     dm = _table(raw, "daemon", source)
     _only(dm, {"idle_exit"}, "daemon", source)
-    return Settings(source=source, defaults=defaults, templates=templates, pools=pools,
-                    daemon_idle_exit_s=_num(dm.get("idle_exit", 10.0), "daemon.idle_exit", source, 0.1, 86400),
-                    network=_network(_table(raw, "network", source), source),
-                    microvm=_microvm(_table(raw, "microvm", source), source), limits=maxima)
+    return Settings(
+        source=source,
+        defaults=defaults,
+        templates=templates,
+        pools=pools,
+        daemon_idle_exit_s=_num(dm.get("idle_exit", 10.0), "daemon.idle_exit", source, 0.1, 86400),
+        network=_network(_table(raw, "network", source), source),
+        microvm=_microvm(_table(raw, "microvm", source), source),
+        limits=maxima,
+    )
 
 
 def _microvm(m: dict, source: str) -> MicroVMSettings:
     _only(m, {"accel"}, "microvm", source)
     accel = _str(m.get("accel", "auto"), "microvm.accel", source)
     if accel not in ("auto", "kvm", "tcg"):
-        raise ConfigError(f"{source}: microvm.accel must be \"auto\", \"kvm\" or \"tcg\", got {accel!r}")
+        raise ConfigError(f'{source}: microvm.accel must be "auto", "kvm" or "tcg", got {accel!r}')
     return MicroVMSettings(accel=accel)
 
 
 def _network(n: dict, source: str) -> NetworkSettings:
     import ipaddress
 
-    _only(n, {"upstream_netns", "upstream_dns", "upstream_ca", "approval_webhook", "approval_timeout"},
-          "network", source)
+    _only(
+        n, {"upstream_netns", "upstream_dns", "upstream_ca", "approval_webhook", "approval_timeout"}, "network", source
+    )
     dns = n.get("upstream_dns", [])
     if isinstance(dns, str):
         dns = [dns]
@@ -522,10 +596,13 @@ def _network(n: dict, source: str) -> NetworkSettings:
     ca = _str(n.get("upstream_ca", ""), "network.upstream_ca", source)
     if ca and not Path(ca).is_file():
         raise ConfigError(f"{source}: network.upstream_ca {ca!r} is not a file")
-    return NetworkSettings(upstream_netns=_str(n.get("upstream_netns", ""), "network.upstream_netns", source),
-                           upstream_dns=tuple(dns), upstream_ca=ca, approval_webhook=hook,
-                           approval_timeout_s=_num(n.get("approval_timeout", 30.0), "network.approval_timeout",
-                                                   source, 0.1, 600))
+    return NetworkSettings(
+        upstream_netns=_str(n.get("upstream_netns", ""), "network.upstream_netns", source),
+        upstream_dns=tuple(dns),
+        upstream_ca=ca,
+        approval_webhook=hook,
+        approval_timeout_s=_num(n.get("approval_timeout", 30.0), "network.approval_timeout", source, 0.1, 600),
+    )
 
 
 def _table(raw: dict, key: str, source: str) -> dict:

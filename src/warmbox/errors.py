@@ -1,35 +1,35 @@
 """Every error warmbox raises. One root, the tree below; foreign errors are translated at the edges.
 
-    WarmboxError
-    ├── InvalidArgument (ValueError)        bad input from the caller; nothing was changed
-    │   ├── InvalidPath                     a sandbox path outside the files API's rules
-    │   └── LimitTooHigh                    a limit above the host's capacity or an admin maximum
-    ├── BackendUnavailable                  the tier cannot run on this host (``reason`` says why)
-    ├── SandboxError                        something about one sandbox (``sandbox_id``)
-    │   ├── SandboxNotFound                 unknown id, or the sandbox was destroyed
-    │   ├── SandboxStateError               operation illegal in the sandbox's current state
-    │   ├── SandboxStartError               the backend failed to bring the sandbox up
-    │   ├── GuestConnectionError            the guest agent cannot be reached / went away
-    │   ├── GuestProtocolError              the guest sent something outside the protocol
-    │   ├── SandboxTimeout (TimeoutError)   a wait on the sandbox exceeded its bound
-    │   ├── CommandFailed                   ``check=True`` and the command exited non-zero
-    │   ├── FilesError                      a files-API operation failed inside the sandbox
-    │   │   ├── PathNotFound (FileNotFoundError)
-    │   │   ├── PathExists (FileExistsError)
-    │   │   ├── NotADirectory (NotADirectoryError)
-    │   │   ├── IsADirectory (IsADirectoryError)
-    │   │   ├── PathPermissionDenied (PermissionError)
-    │   │   ├── NotARegularFile             a read of a FIFO, device, socket (never opened by the host)
-    │   │   ├── FileTooLarge                a read past ``max_bytes``: nothing partial is returned
-    │   │   └── NoSpace                     ENOSPC/EDQUOT inside the sandbox (disk or tmpfs full)
-    │   └── ContextError                    a code context is unknown or died
-    ├── RegistryError                       the embedded state database failed
-    ├── ConfigError                         warmbox.toml or a WARMBOX_* override is invalid
-    ├── NetworkError                        egress setup (namespace, link, rules) or the egress proxy failed
-    ├── StorageError                        the object store (snapshot artifacts) failed
-    │   ├── StorageFull                     no space left where artifacts are written
-    │   └── ArtifactCorrupt                 an artifact is missing, truncated or fails its checksum
-    └── SnapshotUnsupported                 the tier cannot take the snapshot asked for (e.g. memory)
+WarmboxError
+├── InvalidArgument (ValueError)        bad input from the caller; nothing was changed
+│   ├── InvalidPath                     a sandbox path outside the files API's rules
+│   └── LimitTooHigh                    a limit above the host's capacity or an admin maximum
+├── BackendUnavailable                  the tier cannot run on this host (``reason`` says why)
+├── SandboxError                        something about one sandbox (``sandbox_id``)
+│   ├── SandboxNotFound                 unknown id, or the sandbox was destroyed
+│   ├── SandboxStateError               operation illegal in the sandbox's current state
+│   ├── SandboxStartError               the backend failed to bring the sandbox up
+│   ├── GuestConnectionError            the guest agent cannot be reached / went away
+│   ├── GuestProtocolError              the guest sent something outside the protocol
+│   ├── SandboxTimeout (TimeoutError)   a wait on the sandbox exceeded its bound
+│   ├── CommandFailed                   ``check=True`` and the command exited non-zero
+│   ├── FilesError                      a files-API operation failed inside the sandbox
+│   │   ├── PathNotFound (FileNotFoundError)
+│   │   ├── PathExists (FileExistsError)
+│   │   ├── NotADirectory (NotADirectoryError)
+│   │   ├── IsADirectory (IsADirectoryError)
+│   │   ├── PathPermissionDenied (PermissionError)
+│   │   ├── NotARegularFile             a read of a FIFO, device, socket (never opened by the host)
+│   │   ├── FileTooLarge                a read past ``max_bytes``: nothing partial is returned
+│   │   └── NoSpace                     ENOSPC/EDQUOT inside the sandbox (disk or tmpfs full)
+│   └── ContextError                    a code context is unknown or died
+├── RegistryError                       the embedded state database failed
+├── ConfigError                         warmbox.toml or a WARMBOX_* override is invalid
+├── NetworkError                        egress setup (namespace, link, rules) or the egress proxy failed
+├── StorageError                        the object store (snapshot artifacts) failed
+│   ├── StorageFull                     no space left where artifacts are written
+│   └── ArtifactCorrupt                 an artifact is missing, truncated or fails its checksum
+└── SnapshotUnsupported                 the tier cannot take the snapshot asked for (e.g. memory)
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ class LimitTooHigh(InvalidArgument):
     allowed, in that field's unit; source: where that maximum comes from (a file, a variable, the host).
     """
 
-    def __init__(self, message: str, *, limit: str = "", value: float = 0, maximum: float = 0,
-                 source: str = "") -> None:
+    def __init__(
+        self, message: str, *, limit: str = "", value: float = 0, maximum: float = 0, source: str = ""
+    ) -> None:
         super().__init__(message)
         self.limit = limit
         self.value = value

@@ -46,8 +46,9 @@ LEGAL: dict[Operation, frozenset[State]] = {
     Operation.CLAIM: frozenset({State.POOLED}),
     Operation.SNAPSHOT: _USABLE,
     Operation.RESUME: frozenset({State.PAUSED}),
-    Operation.DESTROY: frozenset({State.CREATING, State.POOLED, State.RETIRING, State.READY, State.RUNNING,
-                                  State.FAILED, State.PAUSED}),
+    Operation.DESTROY: frozenset(
+        {State.CREATING, State.POOLED, State.RETIRING, State.READY, State.RUNNING, State.FAILED, State.PAUSED}
+    ),
 }
 
 
@@ -58,7 +59,8 @@ def check(op: Operation, state: State, sandbox_id: str) -> None:
     if state is State.DESTROYED:
         raise SandboxNotFound(f"sandbox {sandbox_id} was destroyed", sandbox_id)
     raise SandboxStateError(
-        f"{op.name.lower()} is not allowed on sandbox {sandbox_id} in state {state.value}", sandbox_id)
+        f"{op.name.lower()} is not allowed on sandbox {sandbox_id} in state {state.value}", sandbox_id
+    )
 
 
 def check_transition(old: State, new: State, sandbox_id: str) -> None:

@@ -52,8 +52,13 @@ class Limits:
 
     def __post_init__(self) -> None:
         if self.tmp_mb is None:
-            object.__setattr__(self, "tmp_mb", min(256, self.memory_mb) if isinstance(self.memory_mb, int)
-                               and not isinstance(self.memory_mb, bool) else 256)
+            object.__setattr__(
+                self,
+                "tmp_mb",
+                min(256, self.memory_mb)
+                if isinstance(self.memory_mb, int) and not isinstance(self.memory_mb, bool)
+                else 256,
+            )
         _positive("limits.memory_mb", self.memory_mb, integer=True, minimum=15)
         _positive("limits.cpus", self.cpus, minimum=0.009)
         _positive("limits.pids", self.pids, integer=True, minimum=7)

@@ -444,7 +444,41 @@ class NetworkLog(Request[list[NetEvent]]):
     sandbox_id: str
 
 
-REQUESTS: dict[Op, type[Request[Any]]] = {cls.op: cls for cls in (
-    Create, Connect, Resume, Detach, ListSandboxes, Info, Timings, Logs, Doctor, Kill, SetTimeout, Metrics, Ping, RecordFirstCommand, Exec, RunCode, CreateContext,
-    RemoveContext, ReadFile, ReadFileStream, WriteFile, ListDir, Stat, MakeDir, Remove, Snapshot, Pause,
-    ListSnapshots, DeleteSnapshot, GcSnapshots, UpdateNetwork, NetworkPolicy, NetworkLog)}
+REQUESTS: dict[Op, type[Request[Any]]] = {
+    cls.op: cls
+    for cls in (
+        Create,
+        Connect,
+        Resume,
+        Detach,
+        ListSandboxes,
+        Info,
+        Timings,
+        Logs,
+        Doctor,
+        Kill,
+        SetTimeout,
+        Metrics,
+        Ping,
+        RecordFirstCommand,
+        Exec,
+        RunCode,
+        CreateContext,
+        RemoveContext,
+        ReadFile,
+        ReadFileStream,
+        WriteFile,
+        ListDir,
+        Stat,
+        MakeDir,
+        Remove,
+        Snapshot,
+        Pause,
+        ListSnapshots,
+        DeleteSnapshot,
+        GcSnapshots,
+        UpdateNetwork,
+        NetworkPolicy,
+        NetworkLog,
+    )
+}

@@ -40,7 +40,7 @@ def owner_tag(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-        fields = stat[stat.rindex(b")") + 2:].split()
+        fields = stat[stat.rindex(b")") + 2 :].split()
         if fields[0] in (b"Z", b"X"):
             return ""
         return f"{pid}:{int(fields[19])}"

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     class _Readable(Protocol):
         def recv(self, n: int, /) -> bytes: ...
 
+
 PROTOCOL_VERSION = 4
 MAX_HEADER = 1 << 20  # 1 MiB of JSON is far more than any legal header
 MAX_BODY = 4 << 20  # bytes per frame; larger payloads are chunked
@@ -81,7 +82,7 @@ class _Closed(str):
     def __new__(cls, value: object) -> Self:
         member = cls._members.get(value) if isinstance(value, str) else None
         if not isinstance(member, cls):
-            raise ValueError(f"{value!r} is not a valid {cls.__name__}")  # noqa: TRY004 (as Enum does)
+            raise ValueError(f"{value!r} is not a valid {cls.__name__}")
         return member
 
     @property
@@ -146,8 +147,9 @@ class Message:
         # inspect.get_annotations, whose import the guest would pay for.
         for name, annotation in cls.__dict__.get("__annotations__", {}).items():  # noqa: RUF063
             if not isinstance(annotation, str):
-                raise TypeError(f"{cls.__name__}.{name}: annotations must be strings "
-                                "(from __future__ import annotations)")
+                raise TypeError(
+                    f"{cls.__name__}.{name}: annotations must be strings (from __future__ import annotations)"
+                )
             tp = "".join(annotation.split())
             if tp not in WIRE_TYPES:
                 raise TypeError(f"{cls.__name__}.{name}: {annotation!r} is not a wire type {sorted(WIRE_TYPES)}")
@@ -172,7 +174,8 @@ class Message:
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and all(
-            getattr(self, n) == getattr(other, n) for n in ("id", *(n for n, _ in self.FIELDS)))
+            getattr(self, n) == getattr(other, n) for n in ("id", *(n for n, _ in self.FIELDS))
+        )
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}={getattr(self, n)!r}" for n in ("id", *(n for n, _ in self.FIELDS)))
@@ -191,6 +194,7 @@ class Exec(Message):
     namespace: agent.Scopes). On a normal exit what it left running stays. ``max_output`` caps
     stdout+stderr bytes. When ``stdin`` is true the host follows with :class:`StdinData` frames.
     """
+
     argv: list[str]
     env: dict[str, str]
     cwd: str
@@ -207,6 +211,7 @@ class StdinData(Message):
 class Signal(Message):
     """Send ``signum`` to the whole process tree of a running exec (by its Started pid); SIGKILL
     ends every process it ever started, as a timeout does. Another pid: its tree, best effort."""
+
     pid: int
     signum: int
 
@@ -221,6 +226,7 @@ class ReadFile(Message):
     ``window``: flow control, bytes the agent may send beyond what the host acknowledged with
     :class:`ReadAck` (0 = no flow control). The host stops a read early with :class:`Cancel`.
     """
+
     path: str
     max_bytes: int
     window: int
@@ -228,6 +234,7 @@ class ReadFile(Message):
 
 class ReadAck(Message):
     """During a ReadFile: the host took ``bytes`` more of its data (opens the agent's window)."""
+
     bytes: int
 
 
@@ -237,6 +244,7 @@ class Cancel(Message):
 
 class WriteFile(Message):
     """Start a file upload; :class:`Chunk` frames follow, then :class:`ChunkEnd`."""
+
     path: str
     mode: int
     append: bool
@@ -263,6 +271,7 @@ class Remove(Message):
 
 class ContextCreate(Message):
     """Create a code context (a long-lived interpreter). ``name`` empty = guest picks one."""
+
     name: str
     language: str
     cwd: str
@@ -328,6 +337,7 @@ class Pong(Message):
 class Started(Message):
     """``pid``: the command's process as the agent sees it; where commands get their own PID
     namespace, its init (the command itself is PID 2 in there)."""
+
     pid: int
 
 
@@ -344,6 +354,7 @@ class Exited(Message):
     how many processes the OOM killer ended in the agent's own cgroup while it ran (the guest's
     kernel counts them: microvm), or -1 where the agent cannot see that counter (the host reads
     the sandbox's cgroup instead)."""
+
     exit_code: int
     signal: int
     timed_out: bool
@@ -363,6 +374,7 @@ class Failure(Message):
 
 class Entry(Message):
     """One file-system entry (answer to Stat, or one of many answering ListDir)."""
+
     name: str
     path: str
     kind: FileType
@@ -382,6 +394,7 @@ class Display(Message):
     ``result`` numbers the outputs of the run (several mimes share one number); ``main`` marks
     the value of the cell's last expression. ``mime`` e.g. text/plain, text/html, image/png.
     """
+
     mime: str
     data: bytes
     main: bool
@@ -399,6 +412,7 @@ class UsageReport(Message):
 class CodeDone(Message):
     """End of a code run. ``error_name`` empty means success. ``oom_kills`` as in Exited (the
     agent fills it in; the code context sends -1)."""
+
     error_name: str
     error_value: str
     traceback: str
@@ -410,13 +424,43 @@ class CodeDone(Message):
 
 
 HOST_TO_GUEST: tuple[type[Message], ...] = (
-    Ping, Exec, StdinData, Signal, ReadFile, WriteFile, ListDir, Stat, MakeDir, Remove,
-    ContextCreate, ContextRun, ContextDelete, Configure, GetUsage, Quiesce, Reseed, Chunk, ChunkEnd,
-    ReadAck, Cancel,
+    Ping,
+    Exec,
+    StdinData,
+    Signal,
+    ReadFile,
+    WriteFile,
+    ListDir,
+    Stat,
+    MakeDir,
+    Remove,
+    ContextCreate,
+    ContextRun,
+    ContextDelete,
+    Configure,
+    GetUsage,
+    Quiesce,
+    Reseed,
+    Chunk,
+    ChunkEnd,
+    ReadAck,
+    Cancel,
 )
 GUEST_TO_HOST: tuple[type[Message], ...] = (
-    Pong, Started, Stdout, Stderr, Exited, Ok, Failure, Entry, ContextCreated, Display,
-    CodeDone, UsageReport, Chunk, ChunkEnd,
+    Pong,
+    Started,
+    Stdout,
+    Stderr,
+    Exited,
+    Ok,
+    Failure,
+    Entry,
+    ContextCreated,
+    Display,
+    CodeDone,
+    UsageReport,
+    Chunk,
+    ChunkEnd,
 )
 # The code-context kernel and the agent exchange ContextRun / Stdout / Stderr / Display / CodeDone,
 # and Configure / Reseed / Ok.
@@ -537,7 +581,7 @@ class FrameReader:
             return
         buf = self._buf
         if type(buf) is not bytearray:
-            buf = self._buf = bytearray(memoryview(buf)[self._pos:])
+            buf = self._buf = bytearray(memoryview(buf)[self._pos :])
             self._pos = 0
         buf += data
 

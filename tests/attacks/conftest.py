@@ -50,7 +50,7 @@ def home_procs(home: Path, arg: bytes = b"") -> list[int]:
             stat = (proc / "stat").read_bytes()
         except OSError:
             continue
-        if stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X") or str(home).encode() not in cmd:
+        if stat[stat.rindex(b")") + 2 :][:1] in (b"Z", b"X") or str(home).encode() not in cmd:
             continue
         if not arg or arg in cmd:
             out.append(int(proc.name))

@@ -23,7 +23,7 @@ ESCAPES = (
     "bash -c 'set -m; sleep 1003 & disown' ; "
     # setsid + new process group from Python, then the parent exits
     "python3 -c 'import os, time; os.fork() and os._exit(0); os.setsid(); os.fork() and os._exit(0); "
-    "os.setpgid(0, 0); os.execvp(\"sleep\", [\"sleep\", \"1004\"])' ; "
+    'os.setpgid(0, 0); os.execvp("sleep", ["sleep", "1004"])\' ; '
     "sleep 60"
 )
 
@@ -81,8 +81,10 @@ def test_fork_bomb_ends_with_its_timeout(tier):
         base = _process_count(sb)
         # a binary fork tree whose every node is orphaned at once (double fork), 2^depth leaves
         # that each leave their session and ignore SIGTERM
-        bomb = ("b(){ if [ $1 -le 0 ]; then trap '' TERM HUP; exec setsid sleep 1020; fi; "
-                f"(b $(($1-1)) &); (b $(($1-1)) &); }}; b {depth}; sleep 60")
+        bomb = (
+            "b(){ if [ $1 -le 0 ]; then trap '' TERM HUP; exec setsid sleep 1020; fi; "
+            f"(b $(($1-1)) &); (b $(($1-1)) &); }}; b {depth}; sleep 60"
+        )
         r = sb.commands.run(bomb, timeout=5)
         assert r.timed_out
         deadline = time.monotonic() + 10
@@ -94,15 +96,18 @@ def test_fork_bomb_ends_with_its_timeout(tier):
 
 def test_killed_code_context_takes_what_its_cells_started(tier):
     with Sandbox.create(tier, timeout=300, pool=False) as sb:
-        ex = sb.run_code("import subprocess\n"
-                         "subprocess.run(['sh', '-c', \"setsid sh -c 'sleep 1030 &'\"])\n"
-                         "subprocess.Popen(['sleep', '1031'], start_new_session=True)\n"
-                         "'ok'")
+        ex = sb.run_code(
+            "import subprocess\n"
+            "subprocess.run(['sh', '-c', \"setsid sh -c 'sleep 1030 &'\"])\n"
+            "subprocess.Popen(['sleep', '1031'], start_new_session=True)\n"
+            "'ok'"
+        )
         assert ex.error is None and ex.text == "'ok'", ex.error
         assert len(_sleeps(sb, "sleep 103[01]")) == 2
         # a cell that ignores the interrupt: its context is killed, with everything it started
-        ex = sb.run_code("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-                         "while True: time.sleep(0.05)", timeout=1)
+        ex = sb.run_code(
+            "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: time.sleep(0.05)", timeout=1
+        )
         assert ex.timed_out
         assert _wait_gone(sb, "sleep 103[01]", 5.0) == [], "processes of the killed context survived"
         assert sb.run_code("1 + 1").text == "2"

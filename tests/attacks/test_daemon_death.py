@@ -27,26 +27,27 @@ TIMEOUT_S = 5.0
 BOUND_S = 15.0  # how long past its deadline the sandbox may still exist
 
 
-
 def _running(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
         return False
-    return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")
+    return stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X")
 
 
 def _runc_ids(runc: str, root: Path) -> list[str]:
     if not root.exists():
         return []
-    r = subprocess.run([runc, "--root", str(root), "list", "--format", "json"], capture_output=True, text=True,
-                       timeout=30)
+    r = subprocess.run(
+        [runc, "--root", str(root), "list", "--format", "json"], capture_output=True, text=True, timeout=30
+    )
     assert r.returncode == 0, r.stderr
     return [c["id"] for c in json.loads(r.stdout or "null") or []]
 
 
-@pytest.mark.parametrize("kill, when", [("daemon", "at once"), ("guard-then-daemon", "at once"),
-                                        ("daemon", "just before the deadline")])
+@pytest.mark.parametrize(
+    "kill, when", [("daemon", "at once"), ("guard-then-daemon", "at once"), ("daemon", "just before the deadline")]
+)
 def test_timeout_enforced_after_the_daemon_is_sigkilled(private_home, kill, when):
     engine = private_home
     h = engine.home
@@ -82,8 +83,10 @@ def test_timeout_enforced_after_the_daemon_is_sigkilled(private_home, kill, when
 
     wait_for(gone, info.expires_at + BOUND_S - time.time(), f"sandbox {sid} to be destroyed after its timeout")
     late = time.time() - info.expires_at
-    print(f"sandbox destroyed {late:.2f} s after its deadline (daemon killed {info.expires_at - killed_at:.2f} s "
-          "before it)")
+    print(
+        f"sandbox destroyed {late:.2f} s after its deadline (daemon killed {info.expires_at - killed_at:.2f} s "
+        "before it)"
+    )
     assert late < BOUND_S
     assert home_procs(h, b"warmbox.engine.daemon") != daemon, "a new daemon did the reaping"
     # the assertions are done: warmbox may be asked now. The runtime is gone before the teardown

@@ -51,8 +51,11 @@ def test_filling_the_workspace_stops_at_its_quota_and_the_host_keeps_its_space(h
         size_mb = int(r.stdout.split()[1])
         assert 48 <= size_mb <= 64 and r.stdout.split()[-2:] == ["user", "700"], r.stdout
         free_before = os.statvfs(engine.runtime).f_bavail * os.statvfs(engine.runtime).f_frsize
-        r = sb.commands.run(f"dd if=/dev/zero of=/workspace/fill bs=1M count={DD_BOUND_MB} 2>&1; echo rc=$?; "
-                            "stat -c %s /workspace/fill", timeout=120)
+        r = sb.commands.run(
+            f"dd if=/dev/zero of=/workspace/fill bs=1M count={DD_BOUND_MB} 2>&1; echo rc=$?; "
+            "stat -c %s /workspace/fill",
+            timeout=120,
+        )
         assert "No space left on device" in r.stdout and "rc=1" in r.stdout, r.stdout
         written = int(r.stdout.split()[-1])
         assert 40 << 20 <= written <= 64 << 20, f"dd stopped after {written >> 20} MiB"
@@ -81,20 +84,26 @@ def test_pause_and_resume_keep_the_workspace_and_its_quota(home, runc_ready, tie
     engine = require_tier(home, tier)
     sb = Sandbox.create(tier, timeout=300, pool=False, template="shell", limits=QUOTA)
     try:
-        sb.commands.run("mkdir -p /workspace/d && head -c 5000000 /dev/urandom > /workspace/d/blob && "
-                        "ln -s /etc/passwd /workspace/link && echo kept > /workspace/kept.txt", timeout=60)
+        sb.commands.run(
+            "mkdir -p /workspace/d && head -c 5000000 /dev/urandom > /workspace/d/blob && "
+            "ln -s /etc/passwd /workspace/link && echo kept > /workspace/kept.txt",
+            timeout=60,
+        )
         digest = sb.commands.run("sha256sum /workspace/d/blob").stdout.split()[0]
         ref = sb.pause(memory=memory)
         assert _leftovers(engine, sb.sandbox_id) == ([], {})  # paused: nothing held
         with Sandbox.resume(sb.sandbox_id, timeout=120) as back:
             assert back.files.read("/workspace/kept.txt") == "kept\n"
-            r = back.commands.run("sha256sum /workspace/d/blob; readlink /workspace/link; "
-                                  "df -m /workspace | tail -1; stat -c '%U %a' /workspace")
+            r = back.commands.run(
+                "sha256sum /workspace/d/blob; readlink /workspace/link; "
+                "df -m /workspace | tail -1; stat -c '%U %a' /workspace"
+            )
             lines = r.stdout.split("\n")
             assert lines[0].split()[0] == digest and lines[1] == "/etc/passwd", r.stdout
             assert 48 <= int(lines[2].split()[1]) <= 64 and lines[3] == "user 700", r.stdout
-            r = back.commands.run(f"dd if=/dev/zero of=/workspace/fill bs=1M count={DD_BOUND_MB} 2>&1; echo rc=$?",
-                                  timeout=120)
+            r = back.commands.run(
+                f"dd if=/dev/zero of=/workspace/fill bs=1M count={DD_BOUND_MB} 2>&1; echo rc=$?", timeout=120
+            )
             assert "No space left on device" in r.stdout and "rc=1" in r.stdout, r.stdout
             new_id = back.sandbox_id
             assert _leftovers(engine, new_id)[0]
@@ -165,8 +174,13 @@ _KILLED_CREATOR = textwrap.dedent("""
 
 def test_a_creator_killed_with_the_disk_mounted_leaves_nothing_once_reaped(home, tier):
     engine = require_tier(home, tier)
-    r = subprocess.run([sys.executable, "-c", _KILLED_CREATOR, tier], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    r = subprocess.run(
+        [sys.executable, "-c", _KILLED_CREATOR, tier],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert r.returncode == -9, r.stderr[-2000:]
     sid = r.stdout.split()[0]
     assert _leftovers(engine, sid)[0], "the disk was not mounted when the creator died"
@@ -177,6 +191,7 @@ def test_a_creator_killed_with_the_disk_mounted_leaves_nothing_once_reaped(home,
         except Exception:
             pass  # the daemon may be reaping it at the same time
         return engine.info(sid)[0].state is State.DESTROYED
+
     wait_for(reaped, 60, "the reaper to destroy the orphan")
     assert _leftovers(engine, sid) == ([], {})
     assert not (engine.runtime / "sandboxes" / sid).exists()
@@ -217,6 +232,7 @@ def test_teardown_is_idempotent_removes_stacked_mounts_and_never_a_busy_one(home
 
 # ---- limits: the admin maximum, the host's size and its free space
 
+
 def test_disk_limits_are_checked_against_the_maximum_and_the_free_space(home, runc_ready):
     host = config.HostCapacity(memory_mb=8192, cpus=4, pids=32768, open_files=1 << 20, disk_mb=100_000)
     m = config.parse({}, host=host).limits
@@ -250,6 +266,7 @@ def test_disk_limits_are_checked_against_the_maximum_and_the_free_space(home, ru
 
 # ---- microVM: the size of its virtual disk is the quota (one VM at a time; TCG here)
 
+
 def test_microvm_workspace_is_a_disk_of_its_quota(home, runc_ready):
     """The template of the shape is booted with an empty ext4 of disk_mb as its disk's backing:
     the guest's filesystem ends there, and the qcow2 on the host never grows past it."""
@@ -259,8 +276,11 @@ def test_microvm_workspace_is_a_disk_of_its_quota(home, runc_ready):
     with Sandbox.create("microvm", timeout=600, limits=Limits(memory_mb=256, pids=128, disk_mb=64)) as sb:
         r = sb.commands.run("df -m /workspace | tail -1", timeout=60)
         assert 48 <= int(r.stdout.split()[1]) <= 64, r.stdout
-        r = sb.commands.run(f"dd if=/dev/zero of=/workspace/fill bs=1M count={DD_BOUND_MB} 2>&1; echo rc=$?; "
-                            "sync; stat -c %s /workspace/fill", timeout=300)
+        r = sb.commands.run(
+            f"dd if=/dev/zero of=/workspace/fill bs=1M count={DD_BOUND_MB} 2>&1; echo rc=$?; "
+            "sync; stat -c %s /workspace/fill",
+            timeout=300,
+        )
         assert "No space left on device" in r.stdout and "rc=1" in r.stdout, r.stdout
         assert 40 << 20 <= int(r.stdout.split()[-1]) <= 64 << 20, r.stdout
         with pytest.raises(NoSpace):

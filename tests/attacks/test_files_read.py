@@ -124,7 +124,7 @@ class OpenWatch:
 
 def agent_cpu_s(sb) -> float:
     raw = sh(sb, "cat /proc/1/stat")
-    fields = raw[raw.rfind(")") + 2:].split()
+    fields = raw[raw.rfind(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
 
 
@@ -159,8 +159,11 @@ def test_symlink_to_dev_zero_is_refused_without_reading(tier):
 def test_fifo_and_socket_are_refused_without_blocking(tier):
     with Sandbox.create(tier, timeout=300) as sb:
         # the socket in /tmp: gVisor refuses even a stat of a socket bound on /workspace (EPERM)
-        sh(sb, "mkfifo /workspace/fifo && ln -s /workspace/fifo /workspace/via-link && python3 -c "
-               "\"import socket; socket.socket(socket.AF_UNIX).bind('/tmp/sock')\"")
+        sh(
+            sb,
+            "mkfifo /workspace/fifo && ln -s /workspace/fifo /workspace/via-link && python3 -c "
+            "\"import socket; socket.socket(socket.AF_UNIX).bind('/tmp/sock')\"",
+        )
         for path in ("/workspace/fifo", "/workspace/via-link", "/tmp/sock"):
             t0 = time.monotonic()
             with pytest.raises(NotARegularFile):

@@ -69,8 +69,10 @@ def test_pause_with_a_socket_in_workspace_is_refused_and_the_sandbox_lives(home,
     panic and the sandbox die; the pause is now refused before anything stops."""
     require_tier(home, "gvisor")
     with Sandbox.create("gvisor", timeout=300) as sb:
-        sb.commands.run("nohup python3 -c 'import socket,time; s=socket.socket(socket.AF_UNIX); "
-                        "s.bind(\"/workspace/hold.sock\"); s.listen(); time.sleep(600)' >/dev/null 2>&1 &")
+        sb.commands.run(
+            "nohup python3 -c 'import socket,time; s=socket.socket(socket.AF_UNIX); "
+            's.bind("/workspace/hold.sock"); s.listen(); time.sleep(600)\' >/dev/null 2>&1 &'
+        )
         wait_for(lambda: "hold.sock" in sb.commands.run("ls /workspace").stdout, 10, "the socket")
         with pytest.raises(SnapshotUnsupported, match=r"hold\.sock"):
             sb.pause(memory=True)
@@ -84,8 +86,10 @@ def test_restore_races_a_planted_resume_symlink(home, runc_ready, victim):
     require_tier(home, "gvisor")
     sb = Sandbox.create("gvisor", timeout=300)
     try:
-        sb.commands.run(f"nohup sh -c 'while :; do ln -sfn {victim} /run/resume.x && "
-                        f"mv -T /run/resume.x /run/resume; done' >/dev/null 2>&1 &")
+        sb.commands.run(
+            f"nohup sh -c 'while :; do ln -sfn {victim} /run/resume.x && "
+            f"mv -T /run/resume.x /run/resume; done' >/dev/null 2>&1 &"
+        )
         time.sleep(0.3)
         sb.pause(memory=True)
         _untouched(victim)
@@ -104,17 +108,21 @@ def test_memory_snapshot_keeps_absolute_symlinks_and_sparse_files(home, runc_rea
     engine = require_tier(home, "gvisor")
     sb = Sandbox.create("gvisor", timeout=300)
     try:
-        r = sb.commands.run(f"cd /workspace && python3 -m venv --without-pip v && ln -s {victim} host-link && "
-                            "for i in 1 2 3; do truncate -s 1023M sparse$i; done && echo x >> sparse1 && "
-                            "mkdir d && ln -s /etc/passwd d/abs && ln -s ../v/bin/python3 d/rel")
+        r = sb.commands.run(
+            f"cd /workspace && python3 -m venv --without-pip v && ln -s {victim} host-link && "
+            "for i in 1 2 3; do truncate -s 1023M sparse$i; done && echo x >> sparse1 && "
+            "mkdir d && ln -s /etc/passwd d/abs && ln -s ../v/bin/python3 d/rel"
+        )
         assert r.exit_code == 0, r.stderr
         ref = sb.pause(memory=True)
         raw = snapshots.resolve(engine, ref.snapshot_id).filesystem_raw_bytes
         assert raw < 64 << 20, f"sparse files were expanded in the archive: {raw} bytes"
         _untouched(victim)
         sb = Sandbox.resume(sb.sandbox_id)
-        r = sb.commands.run("cd /workspace && readlink host-link d/abs d/rel && v/bin/python -c 'print(42)' && "
-                            "stat -c '%s %b' sparse1 sparse2 && tail -c 2 sparse1")
+        r = sb.commands.run(
+            "cd /workspace && readlink host-link d/abs d/rel && v/bin/python -c 'print(42)' && "
+            "stat -c '%s %b' sparse1 sparse2 && tail -c 2 sparse1"
+        )
         assert r.exit_code == 0, r.stderr
         lines = r.stdout.splitlines()
         assert lines[:4] == [str(victim), "/etc/passwd", "../v/bin/python3", "42"]

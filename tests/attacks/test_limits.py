@@ -20,13 +20,19 @@ from warmbox.engine.engine import Engine
 from warmbox.errors import ConfigError, InvalidArgument, LimitTooHigh
 
 HOST = HostCapacity(memory_mb=8192, cpus=4, pids=32768, open_files=1 << 20, disk_mb=100_000)
-ABSURD = [("memory_mb", Limits(memory_mb=10**9)), ("cpus", Limits(cpus=1000)),
-          ("tmp_mb", Limits(tmp_mb=10**9)), ("pids", Limits(pids=10**7)),
-          ("file_size_mb", Limits(file_size_mb=10**12)), ("open_files", Limits(open_files=10**8)),
-          ("disk_mb", Limits(disk_mb=10**9))]
+ABSURD = [
+    ("memory_mb", Limits(memory_mb=10**9)),
+    ("cpus", Limits(cpus=1000)),
+    ("tmp_mb", Limits(tmp_mb=10**9)),
+    ("pids", Limits(pids=10**7)),
+    ("file_size_mb", Limits(file_size_mb=10**12)),
+    ("open_files", Limits(open_files=10**8)),
+    ("disk_mb", Limits(disk_mb=10**9)),
+]
 
 
 # ---- pure validation (no sandbox)
+
 
 @pytest.mark.parametrize("field,limits", ABSURD, ids=[f for f, _ in ABSURD])
 def test_absurd_limits_are_refused_naming_limit_value_maximum_and_source(field, limits):
@@ -60,15 +66,30 @@ def test_tmpfs_is_bounded_by_the_sandboxs_memory():
 
 
 def test_admin_maxima_from_the_file_and_the_environment_are_honoured():
-    m = config.parse({"limits": {"max_memory_mb": 1024, "max_cpus": 0.5, "max_pids": 100, "max_tmp_mb": 64,
-                                 "max_file_size_mb": 10, "max_open_files": 128}},
-                     "/etc/wb.toml", env_keys=frozenset({"max_cpus"}), host=HOST).limits
+    m = config.parse(
+        {
+            "limits": {
+                "max_memory_mb": 1024,
+                "max_cpus": 0.5,
+                "max_pids": 100,
+                "max_tmp_mb": 64,
+                "max_file_size_mb": 10,
+                "max_open_files": 128,
+            }
+        },
+        "/etc/wb.toml",
+        env_keys=frozenset({"max_cpus"}),
+        host=HOST,
+    ).limits
     within = {"memory_mb": 1024, "cpus": 0.5, "pids": 100, "tmp_mb": 64, "file_size_mb": 10, "open_files": 128}
-    for field, value, where in (("memory_mb", 2048, "/etc/wb.toml [limits] max_memory_mb"),
-                                ("cpus", 1.0, "WARMBOX_LIMITS__MAX_CPUS"),
-                                ("pids", 101, "/etc/wb.toml [limits] max_pids"),
-                                ("tmp_mb", 65, "/etc/wb.toml [limits] max_tmp_mb"),
-                                ("file_size_mb", 11, "max_file_size_mb"), ("open_files", 129, "max_open_files")):
+    for field, value, where in (
+        ("memory_mb", 2048, "/etc/wb.toml [limits] max_memory_mb"),
+        ("cpus", 1.0, "WARMBOX_LIMITS__MAX_CPUS"),
+        ("pids", 101, "/etc/wb.toml [limits] max_pids"),
+        ("tmp_mb", 65, "/etc/wb.toml [limits] max_tmp_mb"),
+        ("file_size_mb", 11, "max_file_size_mb"),
+        ("open_files", 129, "max_open_files"),
+    ):
         with pytest.raises(LimitTooHigh, match=f"limits.{field} = {value!r} is above") as e:
             m.check(Limits(**{**within, field: value}))
         assert where in str(e.value), str(e.value)
@@ -96,15 +117,20 @@ def test_env_override_reaches_the_loaded_settings(tmp_path, monkeypatch):
         config.load(tmp_path)
 
 
-@pytest.mark.parametrize("body,match", [
-    ({"limits": {"max_memory_mb": -5}}, "limits.max_memory_mb must be an integer"),
-    ({"limits": {"max_cpus": "all"}}, "limits.max_cpus must be a number"),
-    ({"limits": {"max_ram": 5}}, "unknown key limits.max_ram"),
-    ({"limits": 5}, "limits must be a table"),
-    ({"limits": {"max_memory_mb": 400}, "pools": {"big": {"limits": {"memory_mb": 512}}}},
-     r"pools.big.limits.memory_mb = 512 is above \[limits\] max_memory_mb = 400"),
-    ({"pools": {"huge": {"limits": {"cpus": 1000}}}}, r"pools.huge.limits.cpus = 1000 is above"),
-])
+@pytest.mark.parametrize(
+    "body,match",
+    [
+        ({"limits": {"max_memory_mb": -5}}, "limits.max_memory_mb must be an integer"),
+        ({"limits": {"max_cpus": "all"}}, "limits.max_cpus must be a number"),
+        ({"limits": {"max_ram": 5}}, "unknown key limits.max_ram"),
+        ({"limits": 5}, "limits must be a table"),
+        (
+            {"limits": {"max_memory_mb": 400}, "pools": {"big": {"limits": {"memory_mb": 512}}}},
+            r"pools.big.limits.memory_mb = 512 is above \[limits\] max_memory_mb = 400",
+        ),
+        ({"pools": {"huge": {"limits": {"cpus": 1000}}}}, r"pools.huge.limits.cpus = 1000 is above"),
+    ],
+)
 def test_bad_limits_settings_and_pools_above_them_are_config_errors(body, match):
     with pytest.raises(ConfigError, match=match):
         config.parse(body, "warmbox.toml", host=HOST)
@@ -119,6 +145,7 @@ def test_config_shows_the_limits_section(home):
 
 
 # ---- through the engine, SDK and CLI: refused before anything exists
+
 
 def _user_state(engine: Engine) -> tuple[set[str], set[str]]:
     """(ids of non-pool sandbox rows, sandbox dirs not belonging to a pool's sandbox)."""
@@ -151,8 +178,11 @@ def test_a_config_max_is_honoured_and_normal_limits_still_create(home, runc_read
     set_config(home, "\n[limits]\nmax_memory_mb = 600\nmax_pids = 400\n")
     try:
         before = _user_state(engine)
-        with pytest.raises(LimitTooHigh, match=r"memory_mb = 700 is above \[limits\] max_memory_mb = 600 MiB "
-                                               r"\(.*warmbox\.toml \[limits\] max_memory_mb\)"):
+        with pytest.raises(
+            LimitTooHigh,
+            match=r"memory_mb = 700 is above \[limits\] max_memory_mb = 600 MiB "
+            r"\(.*warmbox\.toml \[limits\] max_memory_mb\)",
+        ):
             Sandbox.create(limits=Limits(memory_mb=700), timeout=60)
         with pytest.raises(LimitTooHigh, match="max_pids = 400"):
             Sandbox.create(limits=Limits(pids=401), timeout=60)

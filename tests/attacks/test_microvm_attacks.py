@@ -48,8 +48,12 @@ def test_microvm_full_tmpfs_gets_enospc_and_the_vm_lives(vm):
 
 
 def test_microvm_files_read_is_bounded(vm):
-    assert vm.commands.run("ln -sf /dev/zero /workspace/z && mkfifo /workspace/f && "
-                           "truncate -s 150M /workspace/big").exit_code == 0
+    assert (
+        vm.commands.run(
+            "ln -sf /dev/zero /workspace/z && mkfifo /workspace/f && truncate -s 150M /workspace/big"
+        ).exit_code
+        == 0
+    )
     t = time.monotonic()
     with pytest.raises(NotARegularFile):
         vm.files.read("/workspace/z")

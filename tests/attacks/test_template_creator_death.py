@@ -36,11 +36,17 @@ def test_microvm_template_of_a_killed_creator_is_reaped(private_home, when):
     avail = engine.backend("microvm").probe()
     if not avail.available:
         pytest.fail(f"the microvm tier must run here (scripts/bootstrap installs QEMU): {avail.reason}")
-    code = ("from warmbox import Sandbox, Limits\n"
-            f"box = Sandbox.create(tier='microvm', limits=Limits(memory_mb={MEMORY_MB}), timeout=120)\n"
-            "print('CREATED', flush=True)\nbox.kill()\n")
-    creator = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "WARMBOX_HOME": str(h)},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    code = (
+        "from warmbox import Sandbox, Limits\n"
+        f"box = Sandbox.create(tier='microvm', limits=Limits(memory_mb={MEMORY_MB}), timeout=120)\n"
+        "print('CREATED', flush=True)\nbox.kill()\n"
+    )
+    creator = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env={**os.environ, "WARMBOX_HOME": str(h)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         first = []  # the home's first sandbox: the template VM (the caller's comes after it)
         seen_vm = []
@@ -80,8 +86,9 @@ def test_microvm_template_of_a_killed_creator_is_reaped(private_home, when):
     wait_for(lambda: engine.info(template.sandbox_id)[0].state is State.DESTROYED, 120, "the template's row to end")
     reasons = [t.reason for t in engine.registry.transitions(template.sandbox_id)]
     print(f"  its row ended {time.monotonic() - killed:.2f} s after the kill: {reasons}")
-    assert reasons[-1] in ("creator process died", "template creator died") or \
-        reasons[-1].startswith("became template snapshot"), reasons
+    assert reasons[-1] in ("creator process died", "template creator died") or reasons[-1].startswith(
+        "became template snapshot"
+    ), reasons
     assert engine.registry.meta_text("template-vms") in ("", "{}"), "the template mark outlived the reaping"
     assert not (Path(engine.runtime) / "sandboxes" / template.sandbox_id).exists()
 

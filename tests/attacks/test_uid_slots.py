@@ -118,8 +118,9 @@ def _reg(tmp: Path, name: str, ledger: UidLedger) -> Registry:
 
 
 def _alloc(reg: Registry, sid: str, state_dir: str = "/nonexistent") -> int:
-    return reg.allocate(sid, "container", "base", 600, Limits(memory_mb=512, cpus=1.0, pids=256), state_dir,
-                        "/nonexistent")
+    return reg.allocate(
+        sid, "container", "base", 600, Limits(memory_mb=512, cpus=1.0, pids=256), state_dir, "/nonexistent"
+    )
 
 
 def test_concurrent_homes_get_distinct_slots(tmp_path):

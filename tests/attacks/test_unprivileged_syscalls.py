@@ -18,7 +18,7 @@ CALLS = [
     ("unshare -Urm sh -c 'mount -t tmpfs none /mnt && echo mounted'", None),
     ("unshare -Urn sh -c 'ip link set lo up && echo net'", None),
     ("unshare -Urpf sh -c 'echo pidns'", None),
-    ("python3 -c 'import ctypes; print(ctypes.CDLL(None).mount(b\"none\", b\"/mnt\", b\"tmpfs\", 0, None))'", None),
+    ('python3 -c \'import ctypes; print(ctypes.CDLL(None).mount(b"none", b"/mnt", b"tmpfs", 0, None))\'', None),
     ("python3 -c 'import ctypes; print(ctypes.CDLL(None).unshare(0x10000000))'", None),  # CLONE_NEWUSER
     ("python3 -c 'import os; os.setuid(0)'", False),
     ("chroot / true", False),

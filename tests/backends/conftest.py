@@ -22,7 +22,7 @@ def live_pids(naming: str, *any_of: bytes) -> list[int]:
             stat = (proc / "stat").read_bytes()
         except OSError:
             continue
-        if stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X"):
+        if stat[stat.rindex(b")") + 2 :][:1] in (b"Z", b"X"):
             continue
         if naming.encode() in cmd and (not any_of or any(x in cmd for x in any_of)):
             out.append(int(proc.name))
@@ -50,10 +50,13 @@ def recording(backend, monkeypatch) -> list[tuple[str, ...]]:
 def leftovers(backend, handle) -> dict[str, object]:
     """What a sandbox of the container or gVisor tier may leave on the host (``NOTHING`` once destroyed)."""
     sid = handle.sandbox_id
-    return {"cgroups": [str(d) for d in backend.cgroup_dirs(sid) if d.exists()],
-            "runtime": sorted(p.name for p in backend.root.glob(sid + "*")),
-            "state_dir": os.path.exists(handle.state_dir), "mounts": workspace_disk.mounts_under(handle.state_dir),
-            "loops": workspace_disk.loops_backed_by(handle.state_dir)}
+    return {
+        "cgroups": [str(d) for d in backend.cgroup_dirs(sid) if d.exists()],
+        "runtime": sorted(p.name for p in backend.root.glob(sid + "*")),
+        "state_dir": os.path.exists(handle.state_dir),
+        "mounts": workspace_disk.mounts_under(handle.state_dir),
+        "loops": workspace_disk.loops_backed_by(handle.state_dir),
+    }
 
 
 NOTHING = {"cgroups": [], "runtime": [], "state_dir": False, "mounts": [], "loops": {}}

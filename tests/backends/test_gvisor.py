@@ -41,8 +41,10 @@ def test_same_user_env_and_tools_as_tier2(gv):
     env = dict(line.split("=", 1) for line in gv.commands.run(["/usr/bin/env"]).stdout.splitlines() if "=" in line)
     assert set(env) == {"PATH", "HOME", "LANG", "GREETING"} and env["GREETING"] == "hi"
     # coreutils' statx works (the image's shim) — ls, stat, cp, mv, find, du
-    r = gv.commands.run("cd /workspace && echo x > a && cp a b && mv b c && stat -c %s c && ls && "
-                        "find . -name c && du -s . > /dev/null && echo ok")
+    r = gv.commands.run(
+        "cd /workspace && echo x > a && cp a b && mv b c && stat -c %s c && ls && "
+        "find . -name c && du -s . > /dev/null && echo ok"
+    )
     assert r.exit_code == 0, r.stderr
     assert r.stdout.split() == ["2", "a", "c", "./c", "ok"]
     assert gv.commands.run("test -e /etc/shadow || echo absent").stdout.strip() == "absent"
@@ -147,8 +149,10 @@ def test_memory_pause_and_resume_continue_execution(home, runc_ready):
     engine = Engine.for_home(home)
     sb = Sandbox.create("gvisor", timeout=120, template="base")
     sb.run_code("log = open('/tmp/log.txt', 'w')\nlog.write('before\\n')\nlog.flush()\ncounter = 41")
-    sb.commands.run("(i=0; while true; do i=$((i+1)); echo $i > /tmp/bg.new; mv /tmp/bg.new /tmp/bg; "  # never empty
-                    "sleep 0.05; done) >/dev/null 2>&1 &")
+    sb.commands.run(
+        "(i=0; while true; do i=$((i+1)); echo $i > /tmp/bg.new; mv /tmp/bg.new /tmp/bg; "  # never empty
+        "sleep 0.05; done) >/dev/null 2>&1 &"
+    )
     time.sleep(0.5)
     ref = sb.pause(memory=True)
     assert ref.memory and ref.tier == "gvisor" and ref.size_bytes > 0
@@ -178,7 +182,9 @@ def test_gvisor_pools_hold_sandboxes_restored_from_a_template_snapshot(home, run
     from tests.conftest import set_config, wait_for
 
     engine = Engine.for_home(home)
-    set_config(home, """
+    set_config(
+        home,
+        """
 [templates.t-rand]
 warmup_code = "import random"
 
@@ -189,15 +195,19 @@ min = 2
 max = 2
 target = 2
 limits = { memory_mb = 444 }
-""")
+""",
+    )
     try:
         engine.ensure_daemon()
         wait_for(lambda: engine.registry.pool_counts("t-gv")[0] >= 2, 180, "the gvisor pool to fill")
         from warmbox.config import shape_key
 
         shape = shape_key("gvisor", engine.settings().template("t-rand"), Limits(memory_mb=444))
-        template = {v for k, v in engine.registry._db.execute("SELECT key, value FROM meta_text")
-                    if k.startswith(f"template:{shape}")}  # other tests' templates live in the same home
+        template = {
+            v
+            for k, v in engine.registry._db.execute("SELECT key, value FROM meta_text")
+            if k.startswith(f"template:{shape}")
+        }  # other tests' templates live in the same home
         assert len(template) == 1  # one checkpoint of the warmed template, restored twice
         snap = next(iter(template))
         for sid in engine.registry.pooled("t-gv"):

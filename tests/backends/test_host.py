@@ -33,8 +33,9 @@ def test_no_tier_reaches_into_another_tier_or_the_network_layer():
                     private = [a.name for a in node.names if a.name.startswith("_")]
                     assert not private, f"{path.name} imports {private} from {node.module}"
                 if node.module == "warmbox.backends":
-                    assert not {a.name for a in node.names} & (tiers - {"microvm_image"}), \
+                    assert not {a.name for a in node.names} & (tiers - {"microvm_image"}), (
                         f"{path.name} imports a tier module whole"
+                    )
             elif isinstance(node, ast.Import):
                 assert not [a.name for a in node.names if a.name.startswith("warmbox.network")], path.name
 
@@ -71,8 +72,7 @@ def test_a_v1_cgroup_is_read_per_controller(tmp_path):
     assert cg.oom_kills() == 1 and cg.memory_bytes() == 4096 and cg.anon_bytes() == 2048 and cg.cpu_ns() == 123456
     assert cg.procs() == [10, 11]
     assert [d.relative_to(tmp_path).parts[0] for d in cg.dirs()] == ["memory", "cpu", "pids"]
-    assert sorted(d.relative_to(tmp_path).parts[0] for d in cg.every_dir()) == ["cpuacct", "freezer", "memory",
-                                                                                "pids"]
+    assert sorted(d.relative_to(tmp_path).parts[0] for d in cg.every_dir()) == ["cpuacct", "freezer", "memory", "pids"]
 
 
 def test_a_v2_cgroup_is_one_directory(tmp_path):
@@ -152,8 +152,12 @@ def test_spawn_passes_fds_and_reaps_its_child(tmp_path):
 def test_a_detached_process_is_not_our_child(tmp_path):
     r, w = os.pipe()
     try:
-        pid = host.spawn(["sh", "-c", 'read x <&3; read y <&4; echo "$x $y $(ls /proc/self/fd | wc -l)"'],
-                         tmp_path / "log", [r, r], detach=True)
+        pid = host.spawn(
+            ["sh", "-c", 'read x <&3; read y <&4; echo "$x $y $(ls /proc/self/fd | wc -l)"'],
+            tmp_path / "log",
+            [r, r],
+            detach=True,
+        )
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
         assert host.running(pid)
@@ -170,8 +174,18 @@ def _agent_wait(ready, listening=lambda: True, stopped=False, timeout=5.0):
     async def dead() -> bool:
         return stopped
 
-    return asyncio.run(host.wait_for_agent(ready, listening, dead, lambda: "the log says why", where="a test VM",
-                                           sandbox_id="sb1", timeout=timeout, poll=0.001))
+    return asyncio.run(
+        host.wait_for_agent(
+            ready,
+            listening,
+            dead,
+            lambda: "the log says why",
+            where="a test VM",
+            sandbox_id="sb1",
+            timeout=timeout,
+            poll=0.001,
+        )
+    )
 
 
 def test_the_agent_wait_retries_a_socket_that_does_not_accept_yet():
@@ -222,6 +236,7 @@ def _sleeper(tmp_path: Path) -> int:
 def test_waiting_for_exits_is_an_event_and_bounded(tmp_path):
     a, b = _sleeper(tmp_path), _sleeper(tmp_path)
     try:
+
         async def scenario():
             asyncio.get_running_loop().call_later(0.05, host.kill, a)
             t0 = time.monotonic()

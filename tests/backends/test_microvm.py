@@ -49,9 +49,14 @@ def test_the_first_create_boots_a_template_and_later_ones_restore_it(engine, vm)
         assert snap in [t.reason for t in engine.registry.transitions(vm.sandbox_id)]
         assert other.commands.run("cat /workspace/data.txt 2>/dev/null || echo fresh").stdout == "fresh\n"
         # both are restores of one memory image: their random generators must still differ
-        draws = [(s.commands.run("head -c 16 /dev/urandom | od -An -tx1").stdout,
-                  s.commands.run(["python3", "-c", "import os; print(os.urandom(8).hex())"]).stdout,
-                  s.run_code("import random, os; (random.random(), os.urandom(8).hex())").text) for s in (vm, other)]
+        draws = [
+            (
+                s.commands.run("head -c 16 /dev/urandom | od -An -tx1").stdout,
+                s.commands.run(["python3", "-c", "import os; print(os.urandom(8).hex())"]).stdout,
+                s.run_code("import random, os; (random.random(), os.urandom(8).hex())").text,
+            )
+            for s in (vm, other)
+        ]
         assert all(len(d[0].split()) == 16 for d in draws)
         assert not {*draws[0]} & {*draws[1]}, draws
 
@@ -93,9 +98,12 @@ def test_non_root_no_capabilities_no_host_env(vm):
 @pytest.mark.sandbox
 def test_the_guest_has_the_agent_toolchain(vm):
     """What agents run: Node.js, gcc, git and NumPy inside the VM's own root image."""
-    r = vm.commands.run("cd /workspace && node -e 'console.log(6 * 7)' && printf 'int main(void){return 7;}' > t.c "
-                        "&& gcc t.c -o t && { ./t; echo rc=$?; } && git init -q r && git -C r status --short "
-                        "&& python3 -c 'import numpy; print(numpy.arange(4).sum())'", timeout=120)
+    r = vm.commands.run(
+        "cd /workspace && node -e 'console.log(6 * 7)' && printf 'int main(void){return 7;}' > t.c "
+        "&& gcc t.c -o t && { ./t; echo rc=$?; } && git init -q r && git -C r status --short "
+        "&& python3 -c 'import numpy; print(numpy.arange(4).sum())'",
+        timeout=120,
+    )
     assert r.stdout.split() == ["42", "rc=7", "6"], r
 
 
@@ -104,12 +112,25 @@ def test_no_network_device(vm):
     r = vm.commands.run(["python3", "-c", "import socket; print(sorted(n for _, n in socket.if_nameindex()))"])
     assert r.stdout.strip() == "['lo']"
     # loopback is up: a server and its client inside the VM talk over 127.0.0.1
-    r = vm.commands.run(["python3", "-c", "import socket, threading\ns = socket.create_server(('127.0.0.1', 0))\n"
-                         "threading.Thread(target=lambda: s.accept()[0].sendall(b'over lo'), daemon=True).start()\n"
-                         "print(socket.create_connection(s.getsockname(), 5).recv(100).decode())"], timeout=30)
+    r = vm.commands.run(
+        [
+            "python3",
+            "-c",
+            "import socket, threading\ns = socket.create_server(('127.0.0.1', 0))\n"
+            "threading.Thread(target=lambda: s.accept()[0].sendall(b'over lo'), daemon=True).start()\n"
+            "print(socket.create_connection(s.getsockname(), 5).recv(100).decode())",
+        ],
+        timeout=30,
+    )
     assert r.stdout.strip() == "over lo", r
-    r = vm.commands.run(["python3", "-c", "import socket\ntry:\n socket.create_connection(('10.0.2.2', 80), 2)\n"
-                         " print('connected')\nexcept OSError as e:\n print('refused', e.errno)"])
+    r = vm.commands.run(
+        [
+            "python3",
+            "-c",
+            "import socket\ntry:\n socket.create_connection(('10.0.2.2', 80), 2)\n"
+            " print('connected')\nexcept OSError as e:\n print('refused', e.errno)",
+        ]
+    )
     assert r.stdout.startswith("refused")
 
 
@@ -128,8 +149,9 @@ def test_files_contexts_and_a_timeout_that_kills_the_tree(vm):
 @pytest.mark.sandbox
 def test_limits_hold_inside_the_guest(vm):
     t0 = time.monotonic()
-    r = vm.commands.run(["python3", "-c", "x = [b'a' * (128 << 20) for _ in range(3)]; print('survived')"],
-                        timeout=120)  # each part fits the VM's RAM (352 MiB), all three not the cgroup's 256
+    r = vm.commands.run(
+        ["python3", "-c", "x = [b'a' * (128 << 20) for _ in range(3)]; print('survived')"], timeout=120
+    )  # each part fits the VM's RAM (352 MiB), all three not the cgroup's 256
     assert "survived" not in r.stdout and r.exit_code != 0 and r.oom_killed  # the guest kernel's OOM kill
     print(f"OOM kill after {time.monotonic() - t0:.1f} s")
     assert not vm.commands.run("true").oom_killed  # counted per command, not "ever"
@@ -139,12 +161,21 @@ def test_limits_hold_inside_the_guest(vm):
     r = vm.run_code("blob = [b'a' * (128 << 20) for _ in range(3)]", timeout=120)  # the context process itself
     assert r.oom_killed and r.error is not None
     assert vm.run_code("2 + 2").text == "4" and not vm.commands.run("kill -9 $$").oom_killed
-    assert vm.commands.run("cat /sys/fs/cgroup/sandbox/memory.max /sys/fs/cgroup/sandbox/pids.max").stdout.split() \
-        == [str(256 << 20), "64"]
-    r = vm.commands.run(["python3", "-c", "import subprocess\nps = []\ntry:\n for i in range(200):\n"
-                         "  ps.append(subprocess.Popen(['sleep', '30']))\n"
-                         "except OSError as e:\n print('stopped at', len(ps))\n"
-                         "for p in ps: p.kill()"], timeout=60)
+    assert vm.commands.run("cat /sys/fs/cgroup/sandbox/memory.max /sys/fs/cgroup/sandbox/pids.max").stdout.split() == [
+        str(256 << 20),
+        "64",
+    ]
+    r = vm.commands.run(
+        [
+            "python3",
+            "-c",
+            "import subprocess\nps = []\ntry:\n for i in range(200):\n"
+            "  ps.append(subprocess.Popen(['sleep', '30']))\n"
+            "except OSError as e:\n print('stopped at', len(ps))\n"
+            "for p in ps: p.kill()",
+        ],
+        timeout=60,
+    )
     assert r.stdout.startswith("stopped at"), r
     assert int(r.stdout.split()[-1]) < 64
     assert vm.commands.run("echo alive").stdout == "alive\n"  # the agent survived both
@@ -163,8 +194,12 @@ def test_two_clients_share_one_vm_at_once(engine, vm):
         client = await GuestClient.connect(handle.socket_path, vm.sandbox_id)
         out = b""
         try:
-            async with client.request(lambda i: p.Exec(i, argv=["/bin/echo", "fast"], env={}, cwd="", timeout_s=10,
-                                                       max_output=1000, stdin=False), timeout=20) as stream:
+            async with client.request(
+                lambda i: p.Exec(
+                    i, argv=["/bin/echo", "fast"], env={}, cwd="", timeout_s=10, max_output=1000, stdin=False
+                ),
+                timeout=20,
+            ) as stream:
                 while True:
                     msg = await stream.next(p.Started, p.Stdout, p.Stderr, p.Exited)
                     if isinstance(msg, p.Stdout):
@@ -186,16 +221,19 @@ def test_pause_resume_and_fork_continue_memory_and_disk(engine):
     sb = Sandbox.create("microvm", timeout=120, limits=LIMITS)
     sb.run_code("counter = 41")
     sb.files.write("/workspace/kept.txt", "disk state")
-    sb.commands.run("(i=0; while true; do i=$((i+1)); echo $i > /tmp/bg.new; mv /tmp/bg.new /tmp/bg; "  # never empty
-                    "sleep 0.1; done) >/dev/null 2>&1 &")
+    sb.commands.run(
+        "(i=0; while true; do i=$((i+1)); echo $i > /tmp/bg.new; mv /tmp/bg.new /tmp/bg; "  # never empty
+        "sleep 0.1; done) >/dev/null 2>&1 &"
+    )
     time.sleep(1)
     up = float(sb.commands.run("cut -d' ' -f1 /proc/uptime").stdout)
     ref = sb.pause(memory=True)
     assert ref.memory and ref.tier == "microvm" and ref.size_bytes > 0
     assert engine.info(sb.sandbox_id)[0].state is State.PAUSED
     assert not (engine.runtime / "sandboxes" / sb.sandbox_id).exists()
-    assert not [p for p in _qemu_pids(engine.runtime) if str(sb.sandbox_id).encode()
-                in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert not [
+        p for p in _qemu_pids(engine.runtime) if str(sb.sandbox_id).encode() in Path(f"/proc/{p}/cmdline").read_bytes()
+    ]
     with Sandbox.resume(sb.sandbox_id, timeout=120) as back:
         assert back.run_code("counter + 1").text == "42"
         assert back.files.read("/workspace/kept.txt") == "disk state"
@@ -234,8 +272,11 @@ def test_kill_leaves_no_vm_socket_or_disk(engine):
     assert engine.info(sb.sandbox_id)[0].state is State.DESTROYED
     assert not state.exists()
     assert not [d for d in cgroups if d.exists()]
-    assert not [p for p in pids if Path(f"/proc/{p}").exists()
-                and b"Z" not in Path(f"/proc/{p}/stat").read_bytes().split(b")")[-1][:3]]
+    assert not [
+        p
+        for p in pids
+        if Path(f"/proc/{p}").exists() and b"Z" not in Path(f"/proc/{p}/stat").read_bytes().split(b")")[-1][:3]
+    ]
 
 
 @pytest.mark.sandbox
@@ -271,8 +312,9 @@ def _relay_without_vm(tmp_path: Path, *args: str, stderr=None):
     srv = socket.socket(socket.AF_UNIX)
     srv.bind(str(guest_path))
     srv.listen(1)
-    proc = subprocess.Popen([sys.executable, "-I", "-S", vmrelay.__file__, str(guest_path), str(listen), *args],
-                            stderr=stderr)
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-S", vmrelay.__file__, str(guest_path), str(listen), *args], stderr=stderr
+    )
     try:
         guest, _ = srv.accept()
         yield proc, guest, listen
@@ -365,8 +407,9 @@ def test_a_workspace_disk_naming_other_files_is_refused(tmp_path):
     def qcow2(name: str, *opts: str) -> Path:
         disk = tmp_path / name
         size = ["1M"] if "-b" not in opts or "-u" in opts else []
-        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", *opts, str(disk), *size], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["qemu-img", "create", "-q", "-f", "qcow2", *opts, str(disk), *size], check=True, capture_output=True
+        )
         return disk
 
     assert check_workspace_disk(qcow2("ok.qcow2", "-b", str(base), "-F", "raw"), tmp_path) == WORKSPACE_MB
@@ -377,10 +420,28 @@ def test_a_workspace_disk_naming_other_files_is_refused(tmp_path):
         "data": qcow2("data.qcow2", "-b", str(base), "-F", "raw", "-o", f"data_file={tmp_path / 'data.raw'}"),
         "none": qcow2("none.qcow2"),
     }
-    for name, backing, size in (("bigger", small, "128M"),  # a disk past its quota
-                                ("sizename", tmp_path / "workspace-65M.raw", "64M")):  # a size the name does not say
-        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(backing), "-F", "raw", "-u",
-                        str(tmp_path / f"{name}.qcow2"), size], check=True, capture_output=True)
+    for name, backing, size in (
+        ("bigger", small, "128M"),  # a disk past its quota
+        ("sizename", tmp_path / "workspace-65M.raw", "64M"),
+    ):  # a size the name does not say
+        subprocess.run(
+            [
+                "qemu-img",
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-b",
+                str(backing),
+                "-F",
+                "raw",
+                "-u",
+                str(tmp_path / f"{name}.qcow2"),
+                size,
+            ],
+            check=True,
+            capture_output=True,
+        )
         cases[name] = tmp_path / f"{name}.qcow2"
     (tmp_path / "junk.qcow2").write_bytes(b"not a disk at all")
     cases["junk"] = tmp_path / "junk.qcow2"
@@ -388,14 +449,27 @@ def test_a_workspace_disk_naming_other_files_is_refused(tmp_path):
     bitmap = qcow2("bm.qcow2", "-b", str(base), "-F", "raw")
     subprocess.run(["qemu-img", "bitmap", "--add", str(bitmap), "b0"], check=True, capture_output=True)
     cases["bitmap"] = bitmap
-    subprocess.run(["qemu-img", "snapshot", "-c", "s1", str(snap := qcow2("sn.qcow2", "-b", str(base), "-F", "raw"))],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["qemu-img", "snapshot", "-c", "s1", str(snap := qcow2("sn.qcow2", "-b", str(base), "-F", "raw"))],
+        check=True,
+        capture_output=True,
+    )
     cases["snapshot"] = snap
     (tmp_path / "link.qcow2").symlink_to(tmp_path / "ok.qcow2")
     cases["symlink"] = tmp_path / "link.qcow2"
-    why = {"backing": "backing file is not", "raw": "not raw", "data": "external data file",
-           "none": "backing file is not", "bigger": "virtual size", "sizename": "virtual size", "junk": "not a qcow2",
-           "v2": "v3", "bitmap": "header extension", "snapshot": "internal snapshots", "symlink": "links"}
+    why = {
+        "backing": "backing file is not",
+        "raw": "not raw",
+        "data": "external data file",
+        "none": "backing file is not",
+        "bigger": "virtual size",
+        "sizename": "virtual size",
+        "junk": "not a qcow2",
+        "v2": "v3",
+        "bitmap": "header extension",
+        "snapshot": "internal snapshots",
+        "symlink": "links",
+    }
     for what, disk in cases.items():
         with pytest.raises(SandboxStartError, match=why[what]):
             check_workspace_disk(disk, tmp_path)
@@ -418,6 +492,7 @@ def test_the_relay_serves_nobody_until_the_guest_took_entropy_and_clock(tmp_path
                 got.append(b.recv(16, socket.MSG_WAITALL))
                 b.sendall(answers[1:2])
             b.close() if answers == b"" else None
+
         threading.Thread(target=run, daemon=True).start()
         return a, got
 
@@ -488,16 +563,36 @@ def test_a_disk_of_another_image_build_is_never_restored(engine, tmp_path):
     state = tmp_path / "sb-000000000000"
     (state / "workspace").mkdir(parents=True)
     (state / "run").mkdir()
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(backend.image() / "workspace.raw"),
-                    "-F", "raw", str(state / "workspace" / "disk.qcow2")], check=True)
+    subprocess.run(
+        [
+            "qemu-img",
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            str(backend.image() / "workspace.raw"),
+            "-F",
+            "raw",
+            str(state / "workspace" / "disk.qcow2"),
+        ],
+        check=True,
+    )
     (state / "workspace" / IMAGE_ID_FILE).write_text("0123456789abcdef")
-    handle = BackendHandle(sandbox_id=state.name, tier="microvm", runtime_id=state.name, state_dir=str(state),
-                           socket_path=str(state / "run" / "agent.sock"), uid_base=0x7FFD0000)
+    handle = BackendHandle(
+        sandbox_id=state.name,
+        tier="microvm",
+        runtime_id=state.name,
+        state_dir=str(state),
+        socket_path=str(state / "run" / "agent.sock"),
+        uid_base=0x7FFD0000,
+    )
     (tmp_path / "mem").mkdir()
     (tmp_path / "mem" / "checkpoint.img").write_bytes(b"")
 
     async def ready():
         raise AssertionError("no VM may start")
+
     with pytest.raises(SandboxStartError, match="guest image build 0123456789abcdef"):
         asyncio.run(backend.restore(handle, tmp_path / "mem", ready))
     assert not HostCgroup(state.name).dirs()[0].exists() and not (state / "qemu.pid").exists()

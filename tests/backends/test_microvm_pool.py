@@ -19,7 +19,9 @@ LIMITS = Limits(memory_mb=256, pids=64, tmp_mb=64)
 def test_a_microvm_pool_hands_out_restored_sandboxes(engine, home):
     from tests.conftest import set_config, wait_for
 
-    set_config(home, f"""
+    set_config(
+        home,
+        f"""
 [pools.t-vm]
 tier = "microvm"
 template = "base"
@@ -27,7 +29,8 @@ min = 1
 max = 1
 target = 1
 limits = {{ memory_mb = {LIMITS.memory_mb}, pids = {LIMITS.pids}, tmp_mb = {LIMITS.tmp_mb} }}
-""")
+""",
+    )
     try:
         engine.ensure_daemon()
         wait_for(lambda: engine.registry.pool_counts("t-vm")[0] >= 1, 120, "the microvm pool to fill")

@@ -66,7 +66,8 @@ def test_seccomp_blocks_escape_syscalls(sb):
         " 'ptrace': 101, 'io_uring_setup': 425, 'setns': 308, 'add_key': 248, 'userfaultfd': 323}\n"
         "for name, n in sorted(nr.items()):\n"
         "    rc = libc.syscall(n, 0, 0, 0, 0, 0)\n"
-        "    print(name, rc, ctypes.get_errno())\n")
+        "    print(name, rc, ctypes.get_errno())\n"
+    )
     if os.uname().machine != "x86_64":
         pytest.skip("syscall numbers above are x86_64")
     out = run(sb, ["python3", "-c", code]).stdout
@@ -96,15 +97,21 @@ def test_minimal_etc_and_no_host_secrets(sb):
     assert r.exit_code != 0
     assert run(sb, "cat /etc/passwd").stdout.count("\n") == 3
     assert run(sb, "ls /root 2>&1; ls /home").stdout.split() in (
-        ["user"], ["ls:", "cannot", "open", "directory", "'/root':", "Permission", "denied", "user"])
+        ["user"],
+        ["ls:", "cannot", "open", "directory", "'/root':", "Permission", "denied", "user"],
+    )
     sockets = run(sb, "find / -xdev -type s 2>/dev/null; find /run /tmp /var -type s 2>/dev/null").stdout.strip()
     assert sockets == ""
 
 
 def test_environment_is_exactly_what_was_passed(sb):
     env = dict(line.split("=", 1) for line in run(sb, ["env"]).stdout.strip().splitlines())
-    assert env == {"GREETING": "hi", "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                   "HOME": "/home/user", "LANG": "C.UTF-8"}
+    assert env == {
+        "GREETING": "hi",
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME": "/home/user",
+        "LANG": "C.UTF-8",
+    }
     assert "WARMBOX_HOME" in os.environ  # set on the host, and still not inside
 
 
@@ -114,9 +121,17 @@ def test_only_loopback_network(sb):
     r = run(sb, ["python3", "-c", "import socket; s = socket.socket(); s.settimeout(2); s.connect(('192.0.2.1', 80))"])
     assert r.exit_code != 0 and "Network is unreachable" in r.stderr
     # loopback itself works
-    r = run(sb, ["python3", "-c", (
-        "import socket; a = socket.socket(); a.bind(('127.0.0.1', 0)); a.listen(); "
-        "b = socket.create_connection(a.getsockname()); print('lo ok')")])
+    r = run(
+        sb,
+        [
+            "python3",
+            "-c",
+            (
+                "import socket; a = socket.socket(); a.bind(('127.0.0.1', 0)); a.listen(); "
+                "b = socket.create_connection(a.getsockname()); print('lo ok')"
+            ),
+        ],
+    )
     assert r.stdout == "lo ok\n"
 
 
@@ -137,8 +152,11 @@ def test_no_host_file_descriptors_inherited(sb):
 
 
 def test_tools_work_inside(sb):
-    r = run(sb, "node -e 'console.log(6*7)'; printf 'int main(){return 3;}' > /tmp/a.c && gcc -o /tmp/a /tmp/a.c "
-                "&& /tmp/a; echo $?; git --version | cut -d' ' -f1")
+    r = run(
+        sb,
+        "node -e 'console.log(6*7)'; printf 'int main(){return 3;}' > /tmp/a.c && gcc -o /tmp/a /tmp/a.c "
+        "&& /tmp/a; echo $?; git --version | cut -d' ' -f1",
+    )
     assert r.stdout.split() == ["42", "3", "git"], r.stderr
 
 
@@ -173,8 +191,10 @@ def test_fork_bomb_is_contained_by_pids_limit(home, runc_ready):
 
 def test_cpu_quota_applies(home, runc_ready):
     with Sandbox.create(timeout=60, limits=Limits(cpus=0.25)) as s:
-        code = ("import time\nt = time.time(); c = time.process_time()\nwhile time.time() - t < 1.0: pass\n"
-                "print(time.process_time() - c)")
+        code = (
+            "import time\nt = time.time(); c = time.process_time()\nwhile time.time() - t < 1.0: pass\n"
+            "print(time.process_time() - c)"
+        )
         used = float(s.commands.run(["python3", "-c", code]).stdout)
         assert used < 0.5, f"a 0.25-cpu sandbox burnt {used:.2f} cpu-s in 1 s of wall time"
 
@@ -187,8 +207,7 @@ def test_rlimits_file_size_and_open_files(home, runc_ready):
         assert r.exit_code != 0 and "Too many open files" in r.stderr
 
 
-def test_teardown_kills_through_the_cgroup_deletes_without_force_and_repeats_harmlessly(home, runc_ready,
-                                                                                        monkeypatch):
+def test_teardown_kills_through_the_cgroup_deletes_without_force_and_repeats_harmlessly(home, runc_ready, monkeypatch):
     """runc's ``delete --force`` sleeps 100 ms after its SIGKILL: the backend kills and waits itself, so
     runc only deletes a stopped container; a second teardown finds nothing to do."""
     import asyncio

@@ -20,8 +20,14 @@ SID = "sb-0123456789ab"
 
 def _handle(tmp_path: Path, tier: str = "container") -> BackendHandle:
     state = tmp_path / "sandboxes" / SID
-    return BackendHandle(sandbox_id=SID, tier=tier, runtime_id=SID, state_dir=str(state),
-                         socket_path=str(state / "run" / "agent.sock"), uid_base=1 << 30)
+    return BackendHandle(
+        sandbox_id=SID,
+        tier=tier,
+        runtime_id=SID,
+        state_dir=str(state),
+        socket_path=str(state / "run" / "agent.sock"),
+        uid_base=1 << 30,
+    )
 
 
 def _fake_runc(tmp_path: Path, script: str) -> RuncBackend:
@@ -41,7 +47,7 @@ def _calls(tmp_path: Path) -> list[str]:
 
 
 def test_a_stopped_container_is_deleted_without_force(tmp_path):
-    backend = _fake_runc(tmp_path, f'rm -r {tmp_path}/records/{SID}')
+    backend = _fake_runc(tmp_path, f"rm -r {tmp_path}/records/{SID}")
     asyncio.run(backend.delete_container(_handle(tmp_path)))
     assert _calls(tmp_path) == [f"delete {SID}"] and not (backend.root / SID).exists()
     asyncio.run(backend.delete_container(_handle(tmp_path)))  # gone already: runc is not asked again
@@ -49,8 +55,11 @@ def test_a_stopped_container_is_deleted_without_force(tmp_path):
 
 
 def test_one_runc_still_sees_running_gets_force(tmp_path):
-    backend = _fake_runc(tmp_path, f'case "$*" in *--force*) rm -r {tmp_path}/records/{SID};; '
-                                   '*) echo "cannot delete container that is not stopped" >&2; exit 1;; esac')
+    backend = _fake_runc(
+        tmp_path,
+        f'case "$*" in *--force*) rm -r {tmp_path}/records/{SID};; '
+        '*) echo "cannot delete container that is not stopped" >&2; exit 1;; esac',
+    )
     asyncio.run(backend.delete_container(_handle(tmp_path)))
     assert _calls(tmp_path) == [f"delete {SID}", f"delete --force {SID}"] and not (backend.root / SID).exists()
 
@@ -88,8 +97,13 @@ def _runsc_record(tmp_path: Path, **change) -> tuple[GvisorBackend, Path, Path]:
     backend.root = tmp_path / "records"
     backend.root.mkdir(parents=True)
     state, lock = backend._state_files(_handle(tmp_path, "gvisor"))
-    record = {"id": SID, "status": "running", "goferPid": 2**22 + 1, "sandbox": {"id": SID, "pid": 2**22 + 2},
-              "spec": {"ociVersion": "1.0.2"}}  # pids above pid_max: processes that are gone
+    record = {
+        "id": SID,
+        "status": "running",
+        "goferPid": 2**22 + 1,
+        "sandbox": {"id": SID, "pid": 2**22 + 2},
+        "spec": {"ociVersion": "1.0.2"},
+    }  # pids above pid_max: processes that are gone
     record.update(change)
     state.write_text(json.dumps(record))
     lock.write_bytes(b"")
@@ -105,8 +119,10 @@ def test_a_stopped_gvisor_sandbox_is_forgotten_under_runscs_lock(tmp_path):
 
 @pytest.mark.parametrize("case", ["locked", "hooks", "gofer running", "another file", "unreadable"])
 def test_anything_unexpected_goes_to_runsc_delete(tmp_path, case):
-    change = {"hooks": {"spec": {"ociVersion": "1.0.2", "hooks": {"poststop": [{"path": "/bin/true"}]}}},
-              "gofer running": {"goferPid": os.getpid()}}.get(case, {})
+    change = {
+        "hooks": {"spec": {"ociVersion": "1.0.2", "hooks": {"poststop": [{"path": "/bin/true"}]}}},
+        "gofer running": {"goferPid": os.getpid()},
+    }.get(case, {})
     backend, state, lock = _runsc_record(tmp_path, **change)
     if case == "another file":
         (backend.root / f"{SID}_sandbox:{SID}.other").write_text("")

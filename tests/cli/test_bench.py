@@ -76,8 +76,16 @@ def test_bench_snapshot_gvisor_short(runc_ready):
     assert all(s["p50_ms"] > 0 for s in rep["stats"].values())
 
 
-@pytest.mark.parametrize("args", [["start", "--runs", "0"], ["burst", "--burst", "0"], ["density", "--step", "0"],
-                                  ["exec", "--seconds", "-1"], ["snapshot", "--mb", "-1"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["start", "--runs", "0"],
+        ["burst", "--burst", "0"],
+        ["density", "--step", "0"],
+        ["exec", "--seconds", "-1"],
+        ["snapshot", "--mb", "-1"],
+    ],
+)
 def test_bench_bad_arguments_are_typed(args):
     r = cli("bench", *args)
     assert r.returncode == 125 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -103,12 +111,19 @@ def test_bench_microvm_short(runc_ready):
     before = _qemus()
     rep = _bench("start", "--tier", "microvm", "--runs", "1", "--variant", "empty")
     assert rep["accelerator"] in ("tcg", "kvm") and rep["kernel"].endswith("-amd64")
-    assert set(rep["stats"]) == {"warmbox_restore_first", "raw_qemu_restore_first", "warmbox_cold_boot_first",
-                                 "raw_qemu_boot_first"}
+    assert set(rep["stats"]) == {
+        "warmbox_restore_first",
+        "raw_qemu_restore_first",
+        "warmbox_cold_boot_first",
+        "raw_qemu_boot_first",
+    }
     assert all(s["n"] == 1 and s["p50_ms"] > 0 for s in rep["stats"].values())
     assert {"allocation", "filesystem", "runtime", "first_command"} <= set(rep["restore_stages_p50_ms"])
-    assert set(rep["goals"]) == {"restore_first_p50_ms<=400", "restore_first/raw_qemu_restore<=1.3",
-                                 "cold_boot_first/raw_qemu_boot<=1.2"}
+    assert set(rep["goals"]) == {
+        "restore_first_p50_ms<=400",
+        "restore_first/raw_qemu_restore<=1.3",
+        "cold_boot_first/raw_qemu_boot<=1.2",
+    }
     rep = _bench("snapshot", "--tier", "microvm", "--runs", "1")
     assert rep["memory_snapshot"] is True and rep["sizes"]["artifact_bytes"] > 0
     assert set(rep["stats"]) == {"pause_ms", "resume_first_ms", "raw_save_ms", "raw_restore_first_ms"}

@@ -47,8 +47,14 @@ def test_create_exec_ls_kill_across_processes(home, runc_ready):
 
 
 def test_bad_input_is_one_line_error(home):
-    for args in (["run", "--tier", "nope", "--", "true"], ["run", "--timeout", "-5", "--", "true"],
-                 ["exec", "sb-000000000000", "--", "true"], ["run"], ["kill", "../x"], ["run", "--memory", "abc"]):
+    for args in (
+        ["run", "--tier", "nope", "--", "true"],
+        ["run", "--timeout", "-5", "--", "true"],
+        ["exec", "sb-000000000000", "--", "true"],
+        ["run"],
+        ["kill", "../x"],
+        ["run", "--memory", "abc"],
+    ):
         r = cli(*args)
         assert r.returncode == 125, (args, r.stderr)
         assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)

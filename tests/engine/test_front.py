@@ -52,8 +52,17 @@ class FakeTransport:
         if isinstance(request, ops.Exec):
             if request.on_stdout:
                 request.on_stdout("hi\n")
-            return CommandResult(exit_code=0, stdout="hi\n", stderr="", timed_out=False, truncated=False,
-                                 oom_killed=False, signal=0, duration_ms=1.0, pid=7)
+            return CommandResult(
+                exit_code=0,
+                stdout="hi\n",
+                stderr="",
+                timed_out=False,
+                truncated=False,
+                oom_killed=False,
+                signal=0,
+                duration_ms=1.0,
+                pid=7,
+            )
         return None
 
     async def subscribe_approvals(self, sandbox_id, hook):

@@ -48,8 +48,13 @@ def test_kill_leaves_nothing(home, runc_ready):
     live = traces(engine, sb.sandbox_id, uid)
     assert live["cgroups"] and live["runc_state"] and live["state_dir"] and live["procs"]
     sb.kill()
-    assert traces(engine, sb.sandbox_id, uid) == {"cgroups": [], "runc_state": False, "state_dir": False,
-                                                  "procs": [], "mounts": []}
+    assert traces(engine, sb.sandbox_id, uid) == {
+        "cgroups": [],
+        "runc_state": False,
+        "state_dir": False,
+        "procs": [],
+        "mounts": [],
+    }
     info, _ = engine.info(sb.sandbox_id)
     assert info.state is State.DESTROYED
     states = [t.to_state for t in engine.registry.transitions(sb.sandbox_id)]
@@ -70,8 +75,13 @@ def test_timeout_expiry_destroys_without_any_client(home, runc_ready):
         time.sleep(0.2)
     assert engine.info(sid)[0].state is State.DESTROYED, "the reaper did not destroy the expired sandbox"
     assert engine.registry.transitions(sid)[-1].reason == "timeout expired"
-    assert traces(engine, sid, uid) == {"cgroups": [], "runc_state": False, "state_dir": False,
-                                        "procs": [], "mounts": []}
+    assert traces(engine, sid, uid) == {
+        "cgroups": [],
+        "runc_state": False,
+        "state_dir": False,
+        "procs": [],
+        "mounts": [],
+    }
     with pytest.raises(SandboxNotFound):
         Sandbox.connect(sid)
 

@@ -50,8 +50,11 @@ def pools(home, runc_ready):
     engine.ensure_daemon()
     yield engine
     set_config(home)  # pools gone from the config: the daemon retires their sandboxes
-    wait_for(lambda: not engine.registry.pooled("t-base") and not engine.registry.pooled("t-pydata"), 60,
-             "the removed pools to be retired")
+    wait_for(
+        lambda: not engine.registry.pooled("t-base") and not engine.registry.pooled("t-pydata"),
+        60,
+        "the removed pools to be retired",
+    )
 
 
 def ready(engine: Engine, pool: str, n: int = 1, timeout: float = 120) -> None:
@@ -92,8 +95,12 @@ def test_no_state_crosses_tenants_and_pooled_sandboxes_are_single_use(pools):
     with Sandbox.create(limits=T_BASE) as b:
         assert b.from_pool and b.sandbox_id != first
         assert not b.files.exists("/workspace/alice.txt")
-        assert b.commands.run("ls /tmp /home/user /workspace; pgrep -x sleep; echo ${SECRET:-none}").stdout.split() \
-            == ["/home/user:", "/tmp:", "/workspace:", "none"]
+        assert b.commands.run("ls /tmp /home/user /workspace; pgrep -x sleep; echo ${SECRET:-none}").stdout.split() == [
+            "/home/user:",
+            "/tmp:",
+            "/workspace:",
+            "none",
+        ]
         r = b.run_code("alice_secret")
         assert r.error is not None and r.error.name == "NameError"
 
@@ -112,19 +119,25 @@ def test_nobody_can_connect_to_a_pooled_sandbox(pools):
 @pytest.mark.sandbox
 def test_concurrent_creates_from_several_processes_never_share_a_sandbox(pools):
     ready(pools, "t-base", 2)
-    code = ("import json, sys, time\n"
-            "from warmbox import Limits, Sandbox\n"
-            "t = float(sys.argv[1])\n"
-            "time.sleep(max(0, t - time.time()))\n"
-            "out = []\n"
-            "for _ in range(2):\n"
-            "    sb = Sandbox.create(limits=Limits(memory_mb=400), timeout=60)\n"
-            "    sb.files.write('/workspace/owner', sys.argv[2])\n"
-            "    out.append((sb.sandbox_id, sb.from_pool, sb.files.read('/workspace/owner')))\n"
-            "print(json.dumps(out))\n")
+    code = (
+        "import json, sys, time\n"
+        "from warmbox import Limits, Sandbox\n"
+        "t = float(sys.argv[1])\n"
+        "time.sleep(max(0, t - time.time()))\n"
+        "out = []\n"
+        "for _ in range(2):\n"
+        "    sb = Sandbox.create(limits=Limits(memory_mb=400), timeout=60)\n"
+        "    sb.files.write('/workspace/owner', sys.argv[2])\n"
+        "    out.append((sb.sandbox_id, sb.from_pool, sb.files.read('/workspace/owner')))\n"
+        "print(json.dumps(out))\n"
+    )
     start = time.time() + 3
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(start), f"p{i}"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(start), f"p{i}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for i in range(3)
+    ]
     results = []
     for i, proc in enumerate(procs):
         out, err = proc.communicate(timeout=180)
@@ -152,8 +165,17 @@ def test_registry_claim_is_exclusive_under_contention(tmp_path):
     reg = Registry(db, ledger=ledger)
     for i in range(60):
         sid = f"sb-{i:012x}"
-        reg.allocate(sid, "container", "base", 3600, Limits(memory_mb=512, cpus=1.0, pids=256), "/nonexistent",
-                     "/nonexistent", pool="x", shape="s1")
+        reg.allocate(
+            sid,
+            "container",
+            "base",
+            3600,
+            Limits(memory_mb=512, cpus=1.0, pids=256),
+            "/nonexistent",
+            "/nonexistent",
+            pool="x",
+            shape="s1",
+        )
         reg.set_state(sid, State.POOLED, "test")
     got: list[str] = []
     lock = threading.Lock()
@@ -180,14 +202,18 @@ def test_registry_claim_is_exclusive_under_contention(tmp_path):
 @pytest.mark.sandbox
 def test_failed_warmup_is_reported_retried_and_never_handed_out(pools, home):
     engine = pools
-    set_config(home, POOLS + """
+    set_config(
+        home,
+        POOLS
+        + """
 [pools.t-broken]
 template = "broken"
 min = 1
 max = 1
 target = 1
 limits = { memory_mb = 300 }
-""")
+""",
+    )
     try:
         wait_for(lambda: engine.registry.pool_totals("t-broken")[2] >= 2, 90, "two failed warm-ups (a retry)")
         from warmbox.engine.pool import status
@@ -202,8 +228,16 @@ limits = { memory_mb = 300 }
         assert r.returncode == 0 and "t-broken" in r.stdout and "last error" in r.stdout
     finally:
         set_config(home, POOLS)
-    wait_for(lambda: not any(i.pool == "t-broken" and i.state in (State.CREATING, State.FAILED)
-                             for i in engine.list(include_dead=True)), 60, "the broken pool's attempts to end")
+    wait_for(
+        lambda: (
+            not any(
+                i.pool == "t-broken" and i.state in (State.CREATING, State.FAILED)
+                for i in engine.list(include_dead=True)
+            )
+        ),
+        60,
+        "the broken pool's attempts to end",
+    )
 
 
 @pytest.mark.sandbox
@@ -241,7 +275,10 @@ def test_cold_metrics_include_the_start(home, runc_ready):
 @pytest.mark.sandbox
 def test_autoscale_grows_on_misses_and_shrinks_when_idle(pools, home):
     engine = pools
-    set_config(home, POOLS + """
+    set_config(
+        home,
+        POOLS
+        + """
 [pools.t-auto]
 template = "shell"
 min = 0
@@ -249,11 +286,13 @@ max = 2
 target = 0
 idle_shrink = 4
 limits = { memory_mb = 350 }
-""")
+""",
+    )
     try:
         engine.ensure_daemon()
         with Sandbox.create(limits=Limits(memory_mb=350), template="shell") as a:
             assert not a.from_pool  # the empty pool missed, and grew
+
         def target() -> int:  # the daemon makes the pool's row on its first tick with the new config
             row = engine.registry.pool_rows().get("t-auto")
             return row.target if row is not None else -1
@@ -287,16 +326,19 @@ def test_resize_and_bad_input_are_typed(pools, home):
     assert row["target"] == 2 and row["max"] == 3
 
 
-@pytest.mark.parametrize("body, message", [
-    ("[pools.x]\nmin = 3\nmax = 1\n", "below min"),
-    ("[pools.x]\ntemplate = 'nope'\n", "not a template"),
-    ("[pools.x]\nsize = 3\n", "unknown key pools.x.size"),
-    ("[pools.x]\nlimits = { memory_mb = 1 }\n", "memory_mb"),
-    ("[pools.x]\ntier = 'quantum'\n", "unknown tier"),
-    ("[wat]\n", "unknown section"),
-    ("[pools.x\n", "not valid TOML"),
-    ("[pools.a]\n[pools.b]\n", "same tier, template and limits"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("[pools.x]\nmin = 3\nmax = 1\n", "below min"),
+        ("[pools.x]\ntemplate = 'nope'\n", "not a template"),
+        ("[pools.x]\nsize = 3\n", "unknown key pools.x.size"),
+        ("[pools.x]\nlimits = { memory_mb = 1 }\n", "memory_mb"),
+        ("[pools.x]\ntier = 'quantum'\n", "unknown tier"),
+        ("[wat]\n", "unknown section"),
+        ("[pools.x\n", "not valid TOML"),
+        ("[pools.a]\n[pools.b]\n", "same tier, template and limits"),
+    ],
+)
 def test_bad_settings_are_one_typed_line(tmp_path, body, message):
     h = tmp_path / "h"
     h.mkdir()
@@ -310,8 +352,11 @@ def test_env_overrides_apply(tmp_path):
     h = tmp_path / "h"
     h.mkdir()
     (h / "warmbox.toml").write_text("[pools.x]\ntemplate = 'pydata'\nmax = 5\n")
-    r = cli("config", "--json", env={"WARMBOX_HOME": str(h), "WARMBOX_POOLS__X__TARGET": "4",
-                                     "WARMBOX_DEFAULTS__TIMEOUT": "60"})
+    r = cli(
+        "config",
+        "--json",
+        env={"WARMBOX_HOME": str(h), "WARMBOX_POOLS__X__TARGET": "4", "WARMBOX_DEFAULTS__TIMEOUT": "60"},
+    )
     s = json.loads(r.stdout)
     assert s["pools"]["x"]["target"] == 4 and s["pools"]["x"]["template"] == "pydata"
     assert s["defaults"]["timeout_s"] == 60 and "default" not in s["pools"]
@@ -323,13 +368,18 @@ def test_killed_daemon_leaves_nothing_after_the_next_warmbox_call(tmp_path, runc
     h = Path(f"/tmp/wbk-{os.getpid()}")
     h.mkdir(mode=0o700)
     env = {"WARMBOX_HOME": str(h)}
-    (h / "warmbox.toml").write_text("[daemon]\nidle_exit = 2\n[pools.k]\ntemplate = 'pydata'\nmin = 3\nmax = 3\n"
-                                    "target = 3\nrefill_concurrency = 2\n")
+    (h / "warmbox.toml").write_text(
+        "[daemon]\nidle_exit = 2\n[pools.k]\ntemplate = 'pydata'\nmin = 3\nmax = 3\n"
+        "target = 3\nrefill_concurrency = 2\n"
+    )
     engine = Engine(h)
     try:
         engine.ensure_daemon()
-        wait_for(lambda: engine.registry.pool_counts("k")[0] >= 1 and engine.registry.pool_counts("k")[1] >= 1,
-                 120, "one pooled and one warming sandbox")
+        wait_for(
+            lambda: engine.registry.pool_counts("k")[0] >= 1 and engine.registry.pool_counts("k")[1] >= 1,
+            120,
+            "one pooled and one warming sandbox",
+        )
         from warmbox.engine import daemon
 
         pid = daemon.pid_of(h)

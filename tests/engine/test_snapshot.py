@@ -87,8 +87,11 @@ def test_fork_two_sandboxes_from_one_snapshot_diverge(home, runc_ready):
             a.files.write("shared.txt", "a")
             b.run_code("counter -= 1")
             assert (a.run_code("counter").text, b.run_code("counter").text) == ("11", "9")
-            assert (a.files.read("shared.txt"), b.files.read("shared.txt"), origin.files.read("shared.txt")) \
-                == ("a", "v0", "v0")
+            assert (a.files.read("shared.txt"), b.files.read("shared.txt"), origin.files.read("shared.txt")) == (
+                "a",
+                "v0",
+                "v0",
+            )
             assert len({a.sandbox_id, b.sandbox_id, origin.sandbox_id}) == 3
 
 
@@ -157,8 +160,11 @@ def test_a_pause_killed_midway_leaves_the_sandbox_running_or_fully_snapshotted(h
     engine = Engine.for_home(home)
     sb = Sandbox.create(timeout=120, template="shell")
     sb.commands.run("head -c 30000000 /dev/urandom > /workspace/big && echo ok > /workspace/small")
-    proc = subprocess.Popen([sys.executable, "-m", "warmbox.cli.main", "pause", sb.sandbox_id],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "warmbox.cli.main", "pause", sb.sandbox_id],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     time.sleep(0.6)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -194,8 +200,9 @@ def test_manifests_and_artifacts_carry_no_env_values(home, runc_ready, tmp_path)
     manifest = (engine.home / "objects" / artifacts.manifest_key(ref.snapshot_id)).read_text()
     assert secret not in manifest
     raw = tmp_path / "raw.tar"
-    artifacts.get_blob(snaps.store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes,
-                       raw, tmp_path)
+    artifacts.get_blob(
+        snaps.store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, raw, tmp_path
+    )
     assert secret.encode() not in raw.read_bytes()
 
 
@@ -218,8 +225,7 @@ def test_snapshot_cli_and_garbage_collection(home, runc_ready):
     blob = artifacts.blob_key(sha)
     store = snaps.store_for(engine)
     assert cli("snapshots", "rm", snap["snapshot_id"]).returncode == 0
-    still_used = any(snaps.resolve(engine, s).filesystem_sha256 == sha
-                     for s, *_ in engine.registry.all_snapshots())
+    still_used = any(snaps.resolve(engine, s).filesystem_sha256 == sha for s, *_ in engine.registry.all_snapshots())
     assert cli("snapshots", "gc", "--now").returncode == 0
     assert store.exists(blob) == still_used
     r = cli("resume", "snap-nope")

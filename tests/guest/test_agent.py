@@ -54,18 +54,23 @@ def agent(guest_lib: Path, tmp_path: Path):
 
 
 def test_guest_imports_only_stdlib(guest_lib: Path):
-    code = (f"import sys; sys.path.insert(0, {str(guest_lib)!r}); import warmbox.guest.agent, warmbox.guest.kernel; "
-            "bad = [m for m in sys.modules if m.startswith('warmbox') and m not in "
-            "('warmbox', 'warmbox.protocol', 'warmbox.guest', 'warmbox.guest.agent', 'warmbox.guest.kernel')]; "
-            "print(bad)")
+    code = (
+        f"import sys; sys.path.insert(0, {str(guest_lib)!r}); import warmbox.guest.agent, warmbox.guest.kernel; "
+        "bad = [m for m in sys.modules if m.startswith('warmbox') and m not in "
+        "('warmbox', 'warmbox.protocol', 'warmbox.guest', 'warmbox.guest.agent', 'warmbox.guest.kernel')]; "
+        "print(bad)"
+    )
     out = subprocess.run([BARE, "-I", "-S", "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 async def _exec(c: GuestClient, argv, timeout_s=10.0, max_output=1 << 20, stdin=None):
     frames = []
-    async with c.request(lambda i: p.Exec(i, argv=argv, env={}, cwd="", timeout_s=timeout_s,
-                                          max_output=max_output, stdin=stdin is not None)) as s:
+    async with c.request(
+        lambda i: p.Exec(
+            i, argv=argv, env={}, cwd="", timeout_s=timeout_s, max_output=max_output, stdin=stdin is not None
+        )
+    ) as s:
         if stdin is not None:
             await s.send(p.StdinData(s.id, data=stdin, eof=True))
         while True:
@@ -81,6 +86,7 @@ def test_exec_streams_before_exit_and_reports_status(agent):
         frames = await _exec(c, ["sh", "-c", "echo one; sleep 0.5; echo two >&2; exit 7"])
         await c.close()
         return frames
+
     frames = asyncio.run(go())
     kinds = [type(m).__name__ for _, m in frames]
     assert kinds[0] == "Started" and kinds[-1] == "Exited"
@@ -100,6 +106,7 @@ def test_timeout_kills_the_tree_even_after_setsid(agent):
         took = time.monotonic() - t0
         await c.close()
         return frames, took
+
     frames, took = asyncio.run(go())
     ex = frames[-1][1]
     assert ex.timed_out and ex.signal == 9 and took < 3
@@ -114,6 +121,7 @@ def test_output_cap_sets_truncated(agent):
         frames = await _exec(c, ["sh", "-c", "head -c 5000000 /dev/zero"], max_output=100_000)
         await c.close()
         return frames
+
     frames = asyncio.run(go())
     got = sum(len(m.data) for _, m in frames if isinstance(m, p.Stdout))
     assert got == 100_000 and frames[-1][1].truncated and frames[-1][1].exit_code == 0
@@ -126,6 +134,7 @@ def test_stdin_and_missing_binary(agent):
         b = await _exec(c, ["/nonexistent/bin"])
         await c.close()
         return a, b
+
     a, b = asyncio.run(go())
     assert b"".join(m.data for _, m in a if isinstance(m, p.Stdout)) == b"hello"
     assert b[-1][1].exit_code == 127
@@ -135,6 +144,7 @@ def test_requests_and_connections_are_served_while_one_blocks(agent):
     """The thread that read a blocking request handles it: reading goes on elsewhere, so a ping,
     a second command and a new connection are answered while it runs; many short connections
     in a row are each served (a worker waits for the next one)."""
+
     async def go():
         c = await GuestClient.connect(agent, "t")
         try:
@@ -178,14 +188,16 @@ def test_hostile_host_frame_gets_failure_not_crash(agent):
         pong = await c.call(lambda i: p.Ping(i), p.Pong)
         await c.close()
         return pong
+
     assert isinstance(asyncio.run(still_alive()), p.Pong)
 
 
 def test_code_context_state_errors_and_interrupt(agent):
     async def run(c, code, timeout=5.0, ctx="default"):
         out = []
-        async with c.request(lambda i: p.ContextRun(i, context=ctx, code=code, timeout_s=timeout,
-                                                    max_output=1 << 20)) as s:
+        async with c.request(
+            lambda i: p.ContextRun(i, context=ctx, code=code, timeout_s=timeout, max_output=1 << 20)
+        ) as s:
             while True:
                 m = await s.get()
                 out.append(m)
@@ -202,6 +214,7 @@ def test_code_context_state_errors_and_interrupt(agent):
         r5 = await run(c, "1", ctx="nope")
         await c.close()
         return r1, r2, r3, r4, r5
+
     r1, r2, r3, r4, r5 = asyncio.run(go())
     assert [m.data for m in r1 if isinstance(m, p.Display) and m.mime == "text/plain"] == [b"42"]
     assert r2[-1].error_name == "ZeroDivisionError" and b"hi" in b"".join(m.data for m in r2 if isinstance(m, p.Stdout))
@@ -212,9 +225,11 @@ def test_code_context_state_errors_and_interrupt(agent):
 
 def test_reseed_gives_code_contexts_new_generator_states(agent):
     """What a restore from a memory snapshot sends: the context's ``random`` no longer repeats."""
+
     async def text(c, code):
-        async with c.request(lambda i: p.ContextRun(i, context="default", code=code, timeout_s=10,
-                                                    max_output=1 << 20)) as s:
+        async with c.request(
+            lambda i: p.ContextRun(i, context="default", code=code, timeout_s=10, max_output=1 << 20)
+        ) as s:
             while True:
                 m = await s.get()
                 if isinstance(m, p.Display):
@@ -234,6 +249,7 @@ def test_reseed_gives_code_contexts_new_generator_states(agent):
             return same, ok, after, bad
         finally:
             await c.close()
+
     same, ok, after, bad = asyncio.run(go())
     assert isinstance(ok, p.Ok) and after != same
     assert isinstance(bad, p.Failure) and bad.code is p.ErrorCode.INVALID
@@ -263,8 +279,7 @@ def scoped_agent(request, guest_lib: Path, tmp_path: Path):
         fd = os.open(cg, os.O_RDONLY | os.O_DIRECTORY)
         os.set_inheritable(fd, True)
         args, fds = ["--cgroup-fd", str(fd), str(sock)], (fd,)
-    boot = (f"import sys; sys.path.insert(0, {str(guest_lib)!r}); from warmbox.guest.agent import main; "
-            f"main({args!r})")
+    boot = f"import sys; sys.path.insert(0, {str(guest_lib)!r}); from warmbox.guest.agent import main; main({args!r})"
     proc = subprocess.Popen([BARE, "-I", "-S", "-c", boot], cwd=tmp_path, pass_fds=fds)
     for fd in fds:
         os.close(fd)
@@ -289,8 +304,9 @@ def scoped_agent(request, guest_lib: Path, tmp_path: Path):
 def _left(pattern: str) -> list[str]:
     """This run's sleeps only: anchored (no shell whose command line names them) and tagged with
     this pid (pgrep sees the whole host: other worktrees run this test concurrently)."""
-    return subprocess.run(["pgrep", "-f", f"^sleep 1{os.getpid()}{pattern}$"], capture_output=True, text=True,
-                          check=False).stdout.split()
+    return subprocess.run(
+        ["pgrep", "-f", f"^sleep 1{os.getpid()}{pattern}$"], capture_output=True, text=True, check=False
+    ).stdout.split()
 
 
 async def _await_left(pattern: str, count: int) -> list[str]:
@@ -306,9 +322,11 @@ def _escaping(n: int) -> str:
     """Four sleeps (``_left(f"{n}[1-4]")``) that leave the command's process tree in three ways.
     The interpreter by path: a version manager's ``python3`` shim on PATH takes ~0.2 s idle."""
     t = f"1{os.getpid()}{n}"
-    return (f"setsid sh -c 'sleep {t}1 &'; (trap '' TERM HUP INT; sleep {t}2 &); "
-            f"{BARE} -I -S -c 'import os; os.fork() and os._exit(0); os.setsid(); "
-            f"os.execvp(\"sleep\", [\"sleep\", \"{t}3\"])'; sleep {t}4")
+    return (
+        f"setsid sh -c 'sleep {t}1 &'; (trap '' TERM HUP INT; sleep {t}2 &); "
+        f"{BARE} -I -S -c 'import os; os.fork() and os._exit(0); os.setsid(); "
+        f'os.execvp("sleep", ["sleep", "{t}3"])\'; sleep {t}4'
+    )
 
 
 def test_each_mode_ends_all_a_timed_out_or_killed_command_started(scoped_agent):
@@ -321,8 +339,11 @@ def test_each_mode_ends_all_a_timed_out_or_killed_command_started(scoped_agent):
             timed = await _exec(c, ["sh", "-c", _escaping(210)], timeout_s=1.0)
             left_timed = _left("210[1-4]")
             # a Signal(SIGKILL) to the command's pid (no timeout): the same
-            async with c.request(lambda i: p.Exec(i, argv=["sh", "-c", _escaping(220)], env={}, cwd="",
-                                                  timeout_s=0, max_output=1 << 20, stdin=False)) as s:
+            async with c.request(
+                lambda i: p.Exec(
+                    i, argv=["sh", "-c", _escaping(220)], env={}, cwd="", timeout_s=0, max_output=1 << 20, stdin=False
+                )
+            ) as s:
                 started = await s.get()
                 assert len(await _await_left("220[1-4]", 4)) == 4
                 ok = await c.call(lambda i: p.Signal(i, pid=started.pid, signum=9), p.Ok)
@@ -338,6 +359,7 @@ def test_each_mode_ends_all_a_timed_out_or_killed_command_started(scoped_agent):
             await c.close()
             for pid in _left("2[123]0[1-4]"):  # what this test left running
                 os.kill(int(pid), 9)
+
     where, timed, left_timed, ok, killed, left_killed, kept = asyncio.run(go())
     out = b"".join(m.data for _, m in where if isinstance(m, p.Stdout)).decode().split("\n")
     if mode == "pidns":

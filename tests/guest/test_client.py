@@ -169,12 +169,18 @@ def test_a_protocol_violation_closes_the_connection(fake, case):
 def test_frames_split_anywhere_and_interleaved_reach_their_requests(fake):
     def answer(conn, r):
         a, b = r.recv(), r.recv()
-        stream = b"".join(p.encode(m) for m in [
-            p.Stdout(b.id, data=b"to b"), p.Stdout(a.id, data=b"to a"), p.Pong(99, version=4, pid=1),
-            p.Exited(a.id, exit_code=1, signal=0, timed_out=False, truncated=False, duration_ms=1.0, oom_kills=-1),
-            p.Exited(b.id, exit_code=2, signal=0, timed_out=False, truncated=False, duration_ms=1.0, oom_kills=-1)])
+        stream = b"".join(
+            p.encode(m)
+            for m in [
+                p.Stdout(b.id, data=b"to b"),
+                p.Stdout(a.id, data=b"to a"),
+                p.Pong(99, version=4, pid=1),
+                p.Exited(a.id, exit_code=1, signal=0, timed_out=False, truncated=False, duration_ms=1.0, oom_kills=-1),
+                p.Exited(b.id, exit_code=2, signal=0, timed_out=False, truncated=False, duration_ms=1.0, oom_kills=-1),
+            ]
+        )
         for i in range(len(stream)):  # one byte at a time
-            conn.sendall(stream[i:i + 1])
+            conn.sendall(stream[i : i + 1])
         r.recv()  # until the host closes
 
     agent = fake(answer)
@@ -209,8 +215,11 @@ def test_a_large_upload_waits_for_a_slow_agent_and_arrives_whole(fake):
                 break
             n += len(m.data)
             time.sleep(0.002)
-        conn.sendall(p.encode(p.Entry(req.id, name="f", path="/f", kind=p.FileType.FILE, size=n, mode=0o644,
-                                      mtime=0.0, target="")))
+        conn.sendall(
+            p.encode(
+                p.Entry(req.id, name="f", path="/f", kind=p.FileType.FILE, size=n, mode=0o644, mtime=0.0, target="")
+            )
+        )
 
     agent = fake(slow)
 
@@ -308,8 +317,9 @@ def test_a_cancelled_sender_does_not_end_another_senders_wait_for_room(fake):
             if isinstance(m, p.ChunkEnd) and m.id == b.id:
                 break
             time.sleep(0.01)
-        conn.sendall(p.encode(p.Entry(b.id, name="b", path="/b", kind=p.FileType.FILE, size=n, mode=0o644,
-                                      mtime=0.0, target="")))
+        conn.sendall(
+            p.encode(p.Entry(b.id, name="b", path="/b", kind=p.FileType.FILE, size=n, mode=0o644, mtime=0.0, target=""))
+        )
 
     agent = fake(slow)
 

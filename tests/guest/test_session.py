@@ -21,8 +21,7 @@ def test_exec_gives_a_command_result_with_streamed_output(agent):  # noqa: F811
         s = await GuestSession.connect(agent, "t")
         seen: list[str] = []
         try:
-            r = await s.exec(["/bin/sh", "-c", "echo out; echo err >&2; exit 3"], timeout_s=10,
-                             on_stdout=seen.append)
+            r = await s.exec(["/bin/sh", "-c", "echo out; echo err >&2; exit 3"], timeout_s=10, on_stdout=seen.append)
             piped = await s.exec(["/bin/cat"], stdin=b"in\n", timeout_s=10)
             raw: list[bytes] = []
             sunk = await s.exec(["/bin/echo", "raw"], stdout_sink=raw.append, timeout_s=10)

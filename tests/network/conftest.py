@@ -26,8 +26,13 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 ALLOWED, ATTACKER, METADATA = "198.51.100.10", "203.0.113.66", "169.254.169.254"
-ZONE = {"allowed.test": ALLOWED, "api.test": ALLOWED, "attacker.example.com": ATTACKER,
-        "metadata.test": METADATA, "rebind.test": ALLOWED}
+ZONE = {
+    "allowed.test": ALLOWED,
+    "api.test": ALLOWED,
+    "attacker.example.com": ATTACKER,
+    "metadata.test": METADATA,
+    "rebind.test": ALLOWED,
+}
 
 
 def _sh(*argv: str) -> None:
@@ -43,23 +48,40 @@ def _make_ca(d: Path) -> None:
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "wbt fake-internet CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(1).not_valid_before(now - datetime.timedelta(hours=1))
-          .not_valid_after(now + datetime.timedelta(days=2))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(1)
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     (d / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    for name, hosts in (("allowed", ["allowed.test", "api.test", "rebind.test"]),
-                        ("attacker", ["attacker.example.com"])):
+    for name, hosts in (
+        ("allowed", ["allowed.test", "api.test", "rebind.test"]),
+        ("attacker", ["attacker.example.com"]),
+    ):
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
-                .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=2))
-                .add_extension(x509.SubjectAlternativeName([x509.DNSName(h) for h in hosts]), critical=False)
-                .sign(ca_key, hashes.SHA256()))
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(h) for h in hosts]), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
         (d / f"{name}.pem").write_bytes(
-            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                              serialization.NoEncryption()) + cert.public_bytes(serialization.Encoding.PEM))
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+            + cert.public_bytes(serialization.Encoding.PEM)
+        )
 
 
 def _make_site(site: Path) -> None:
@@ -71,8 +93,10 @@ def _make_site(site: Path) -> None:
     with zipfile.ZipFile(buf, "w") as z:
         z.writestr("wbtpkg/__init__.py", "VALUE = 42\n")
         z.writestr("wbtpkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: wbtpkg\nVersion: 1.0\n")
-        z.writestr("wbtpkg-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: wbt\nRoot-Is-Purelib: true\n"
-                                                  "Tag: py3-none-any\n")
+        z.writestr(
+            "wbtpkg-1.0.dist-info/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: wbt\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
         z.writestr("wbtpkg-1.0.dist-info/RECORD", "")
     (site / "packages").mkdir()
     (site / "packages" / wheel).write_bytes(buf.getvalue())
@@ -82,8 +106,14 @@ def _make_site(site: Path) -> None:
     # a git repository served over dumb HTTP
     work = site.parent / "repo-work"
     work.mkdir()
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(site.parent)}
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+        "HOME": str(site.parent),
+    }
     for argv in (["git", "init", "-q", "-b", "main", str(work)],):
         subprocess.run(argv, check=True, env=env)
     (work / "README").write_text("cloned through the warmbox proxy\n")
@@ -125,8 +155,21 @@ def world():
     try:
         _sh("ip", "netns", "add", w.world)
         _sh("ip", "netns", "add", w.up)
-        _sh("ip", "link", "add", f"wbt{tag}u", "netns", w.up, "type", "veth", "peer", "name", f"wbt{tag}w",
-            "netns", w.world)
+        _sh(
+            "ip",
+            "link",
+            "add",
+            f"wbt{tag}u",
+            "netns",
+            w.up,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            f"wbt{tag}w",
+            "netns",
+            w.world,
+        )
         for ns, dev, addr in ((w.up, f"wbt{tag}u", "192.0.2.1/24"), (w.world, f"wbt{tag}w", "192.0.2.2/24")):
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
             _sh("ip", "-n", ns, "addr", "add", addr, "dev", dev)
@@ -134,8 +177,11 @@ def world():
         _sh("ip", "-n", w.up, "route", "add", "default", "via", "192.0.2.2")  # into the fake world only
         for a in (ALLOWED, ATTACKER, METADATA):
             _sh("ip", "-n", w.world, "addr", "add", f"{a}/32", "dev", "lo")
-        proc = subprocess.Popen(["ip", "netns", "exec", w.world, sys.executable, str(HERE / "fakeworld.py"), str(d)],
-                                stdout=subprocess.DEVNULL, stderr=open(d / "fakeworld.err", "wb"))
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", w.world, sys.executable, str(HERE / "fakeworld.py"), str(d)],
+            stdout=subprocess.DEVNULL,
+            stderr=open(d / "fakeworld.err", "wb"),
+        )
         w.pid = proc.pid
         deadline = time.monotonic() + 20
         while not (d / "ready").exists():
@@ -176,7 +222,7 @@ idle_exit = 3
 [network]
 upstream_netns = "{world.up}"
 upstream_dns = ["192.0.2.2"]
-upstream_ca = "{world.dir / 'ca.pem'}"
+upstream_ca = "{world.dir / "ca.pem"}"
 approval_timeout = 5
 """)
     yield path

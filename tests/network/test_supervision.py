@@ -48,10 +48,19 @@ def test_a_restored_ca_is_the_one_the_sandbox_trusts(tmp_path):
 
 def test_supervisor_keeps_registrations_until_forgotten(tmp_path):
     sup = Supervisor(tmp_path, [])
-    reg = {"op": "register", "sandbox_id": "sb-1", "secrets": [{"placeholder": "p", "value": "v", "hosts": ["a.test"]}],
-           "ca": ["k", "c"]}
-    lines = [json.dumps(reg), json.dumps({"op": "register", "sandbox_id": "sb-2", "secrets": [], "ca": None}),
-             "not json", json.dumps({"op": "forget", "sandbox_id": "sb-2"}), json.dumps({"op": "ready"})]
+    reg = {
+        "op": "register",
+        "sandbox_id": "sb-1",
+        "secrets": [{"placeholder": "p", "value": "v", "hosts": ["a.test"]}],
+        "ca": ["k", "c"],
+    }
+    lines = [
+        json.dumps(reg),
+        json.dumps({"op": "register", "sandbox_id": "sb-2", "secrets": [], "ca": None}),
+        "not json",
+        json.dumps({"op": "forget", "sandbox_id": "sb-2"}),
+        json.dumps({"op": "ready"}),
+    ]
     assert sup._apply("\n".join(lines).encode()) is True
     assert list(sup.state) == ["sb-1"] and sup.state["sb-1"]["secrets"][0]["value"] == "v"
     assert sup._apply(b'{"op": "forget", "sandbox_id": "sb-1"}\n{"op": "regis') is False  # a cut line is dropped

@@ -22,8 +22,9 @@ from warmbox import (
 
 @pytest.mark.sandbox
 def test_the_issue_sample(home, runc_ready):
-    with Sandbox.create(tier="container", timeout=300, envs={"GREETING": "hi"},
-                        limits=Limits(memory_mb=512, cpus=1.0, pids=256)) as sb:
+    with Sandbox.create(
+        tier="container", timeout=300, envs={"GREETING": "hi"}, limits=Limits(memory_mb=512, cpus=1.0, pids=256)
+    ) as sb:
         r = sb.commands.run("python3 -c 'print(2 + 2)'")
         assert (r.exit_code, r.stdout) == (0, "4\n")
         sb.run_code("import math; x = 41")
@@ -118,14 +119,17 @@ def test_bad_paths_are_typed_errors(sb, path):
         sb.files.read(path)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"tier": "bogus"}, "unknown tier"),
-    ({"timeout": -1}, "timeout"),
-    ({"timeout": float("nan")}, "timeout"),
-    ({"envs": {"1BAD": "x"}}, "not valid"),
-    ({"envs": {"A": 1}}, "string"),
-    ({"limits": {"memory_mb": 5}}, "Limits"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"tier": "bogus"}, "unknown tier"),
+        ({"timeout": -1}, "timeout"),
+        ({"timeout": float("nan")}, "timeout"),
+        ({"envs": {"1BAD": "x"}}, "not valid"),
+        ({"envs": {"A": 1}}, "string"),
+        ({"limits": {"memory_mb": 5}}, "Limits"),
+    ],
+)
 def test_bad_create_arguments(home, kwargs, match):
     with pytest.raises(InvalidArgument, match=match):
         Sandbox.create(**kwargs)
@@ -172,6 +176,7 @@ def test_async_twin(home, runc_ready):
         async with await AsyncSandbox.create(timeout=60) as sb:
             results = await asyncio.gather(*(sb.commands.run(f"echo {i}") for i in range(10)))
             return [r.stdout.strip() for r in results]
+
     assert asyncio.run(go()) == [str(i) for i in range(10)]
 
 

@@ -67,7 +67,7 @@ def parse_oom_kills(data: bytes) -> int:
         start = i + 10
     j = data.find(b"\n", start)
     try:
-        return int(data[start:j if j >= 0 else None])
+        return int(data[start : j if j >= 0 else None])
     except ValueError:
         return 0
 
@@ -163,8 +163,9 @@ class SandboxCgroup:
                 self.file("pids", "pids.max").write_text(str(pids))
         except OSError as e:
             self.remove()
-            raise SandboxStartError(f"cannot set up the host cgroup {self.rel}: {e.strerror or e}",
-                                    self.sandbox_id) from None
+            raise SandboxStartError(
+                f"cannot set up the host cgroup {self.rel}: {e.strerror or e}", self.sandbox_id
+            ) from None
         return [str(d / "cgroup.procs") for d in self.dirs()]
 
     def add_memory(self, extra_mb: int) -> None:
@@ -188,8 +189,9 @@ class SandboxCgroup:
                 os.chown(target, uid, gid)
             return os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
-            raise SandboxStartError(f"cannot delegate the sandbox's cgroup {d}: {e.strerror or e}",
-                                    self.sandbox_id) from None
+            raise SandboxStartError(
+                f"cannot delegate the sandbox's cgroup {d}: {e.strerror or e}", self.sandbox_id
+            ) from None
 
     def procs(self) -> list[int]:
         """The pids in its pids-controller cgroup ([] once it is gone)."""
@@ -270,8 +272,10 @@ class SandboxCgroup:
         while pids := [pid for pid in self.members() if running(pid)]:
             now = time.monotonic()
             if now >= deadline:
-                raise SandboxTimeout(f"processes {sorted(pids)[:8]} of the sandbox did not exit within "
-                                     f"{timeout:g} s of SIGKILL", self.sandbox_id)
+                raise SandboxTimeout(
+                    f"processes {sorted(pids)[:8]} of the sandbox did not exit within {timeout:g} s of SIGKILL",
+                    self.sandbox_id,
+                )
             if await wait_exited(pids, min(again, deadline) - now) and time.monotonic() >= again:
                 self.kill_all()
                 again = deadline
@@ -350,7 +354,7 @@ def running(pid: int) -> bool:
             stat = f.read()
     except OSError:
         return False
-    return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")
+    return stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X")
 
 
 def kill(pid: int, sig: int = signal.SIGKILL) -> None:
@@ -371,8 +375,9 @@ def tail(path: Path, limit: int = 600) -> str:
     return " | ".join(lines[-4:])[-limit:] or "(empty log)"
 
 
-def spawn(argv: list[str], log: Path, fds: Sequence[int] = (), *, detach: bool = False,
-          cgroup_procs: Sequence[str] = ()) -> int:
+def spawn(
+    argv: list[str], log: Path, fds: Sequence[int] = (), *, detach: bool = False, cgroup_procs: Sequence[str] = ()
+) -> int:
     """Start ``argv`` with stdin from /dev/null, stdout and stderr appended to ``log`` and ``fds``
     (open in this process) as its fds 3, 4, ...; returns its pid.
 
@@ -520,9 +525,18 @@ async def wait_gone(pid: int, timeout: float, poll: float = 0.005) -> bool:
     return not await wait_exited([pid], timeout, poll)
 
 
-async def wait_for_agent(ready: Callable[[], Awaitable[T]], listening: Callable[[], bool],
-                         stopped: Callable[[], Awaitable[bool]], why: Callable[[], str], *, where: str,
-                         sandbox_id: str, timeout: float, poll: float = 0.005, check_every: int = 1) -> T:
+async def wait_for_agent(
+    ready: Callable[[], Awaitable[T]],
+    listening: Callable[[], bool],
+    stopped: Callable[[], Awaitable[bool]],
+    why: Callable[[], str],
+    *,
+    where: str,
+    sandbox_id: str,
+    timeout: float,
+    poll: float = 0.005,
+    check_every: int = 1,
+) -> T:
     """For a tier whose guest agent binds its socket itself: wait until ``listening()``, then
     ``ready()`` (connect + ping) until it connects. The socket exists from bind() but accepts
     only after listen(), so a refused connection is retried (50 times).
@@ -548,8 +562,9 @@ async def wait_for_agent(ready: Callable[[], Awaitable[T]], listening: Callable[
                 if await stopped():
                     raise SandboxStartError(f"{where} stopped during start: {why()}", sandbox_id)
                 if time.monotonic() > deadline:
-                    raise SandboxStartError(f"the guest agent did not answer within {timeout:.0f} s: {why()}",
-                                            sandbox_id)
+                    raise SandboxStartError(
+                        f"the guest agent did not answer within {timeout:.0f} s: {why()}", sandbox_id
+                    )
         finally:
             if not task.done():
                 task.cancel()
@@ -583,10 +598,14 @@ def build_spawn_helpers(sources: Path, out: Path) -> None:
     """The guest agent's spawn.so and wb-init (guest/spawn.c, guest/init.c: how a command gets its
     own cgroup or PID namespace) from ``sources`` into ``out``, with the host's gcc (every tier's
     guest has Debian's glibc, as the host)."""
-    for cmd in (["-shared", "-fPIC", "-o", str(out / "spawn.so"), str(sources / "spawn.c")],
-                ["-static", "-s", "-o", str(out / "wb-init"), str(sources / "init.c")]):
-        r = subprocess.run(["gcc", "-O2", "-Wall", "-Werror", *cmd], capture_output=True, text=True, timeout=120,
-                           check=False)
+    for cmd in (
+        ["-shared", "-fPIC", "-o", str(out / "spawn.so"), str(sources / "spawn.c")],
+        ["-static", "-s", "-o", str(out / "wb-init"), str(sources / "init.c")],
+    ):
+        r = subprocess.run(
+            ["gcc", "-O2", "-Wall", "-Werror", *cmd], capture_output=True, text=True, timeout=120, check=False
+        )
         if r.returncode != 0:
-            raise SandboxStartError(f"building the guest agent's spawn helpers failed (gcc, libc6-dev): "
-                                    f"{r.stderr.strip()[-300:]}")
+            raise SandboxStartError(
+                f"building the guest agent's spawn helpers failed (gcc, libc6-dev): {r.stderr.strip()[-300:]}"
+            )

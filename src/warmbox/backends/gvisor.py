@@ -88,10 +88,14 @@ class GvisorBackend(RuncBackend):
         return Capabilities(
             tier=self.tier,
             isolation="gVisor user-space kernel (Sentry, ptrace platform) + gofer for files; Linux namespaces "
-                      "and cgroups around it; the host kernel sees only the Sentry's syscalls",
-            memory_snapshot=True, filesystem_snapshot=True, custom_kernel=False,
-            network_modes=("none",), languages=("python", "node", "shell", "c", "git"),
-            start_class="100ms-1s", checkpoint_saves_workspace_sockets=False,
+            "and cgroups around it; the host kernel sees only the Sentry's syscalls",
+            memory_snapshot=True,
+            filesystem_snapshot=True,
+            custom_kernel=False,
+            network_modes=("none",),
+            languages=("python", "node", "shell", "c", "git"),
+            start_class="100ms-1s",
+            checkpoint_saves_workspace_sockets=False,
         )
 
     def probe(self) -> Availability:
@@ -102,8 +106,13 @@ class GvisorBackend(RuncBackend):
             return Availability(False, "needs root (runsc creates namespaces and cgroups)")
         if not shutil.which("gcc") and not self._shim_built():
             return Availability(False, "needs gcc once, to build the statx shim this runsc requires")
-        why = ("WARMBOX_RUNSC_PLATFORM" if os.environ.get("WARMBOX_RUNSC_PLATFORM") else
-               "hardware KVM" if _platform() == "kvm" else "no hardware KVM (PVM or none): kvm would hang")
+        why = (
+            "WARMBOX_RUNSC_PLATFORM"
+            if os.environ.get("WARMBOX_RUNSC_PLATFORM")
+            else "hardware KVM"
+            if _platform() == "kvm"
+            else "no hardware KVM (PVM or none): kvm would hang"
+        )
         return Availability(True, f"runsc at {path}, platform {_platform()} ({why})")
 
     # ---- image
@@ -119,8 +128,12 @@ class GvisorBackend(RuncBackend):
     def _add_shim(root: Path) -> None:
         out = root / SHIM.lstrip("/")
         out.parent.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-Wall", "-o", str(out), str(_SHIM_SOURCE)],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            ["gcc", "-O2", "-shared", "-fPIC", "-Wall", "-o", str(out), str(_SHIM_SOURCE)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if r.returncode != 0:
             raise SandboxStartError(f"building the statx shim failed: {r.stderr.strip()[-300:]}")
         os.chmod(out, 0o755)
@@ -139,14 +152,26 @@ class GvisorBackend(RuncBackend):
 
     def config(self, spec: SandboxSpec, rootfs: Path, workspace: Path) -> dict:
         cfg = super().config(spec, rootfs, workspace)
-        cfg["mounts"].append({"destination": SOCKET_DIR, "type": "bind",
-                              "source": str(Path(spec.state_dir) / "run"), "options": ["bind", "rw"]})
+        cfg["mounts"].append(
+            {
+                "destination": SOCKET_DIR,
+                "type": "bind",
+                "source": str(Path(spec.state_dir) / "run"),
+                "options": ["bind", "rw"],
+            }
+        )
         cfg["linux"].pop("seccomp", None)
         return cfg
 
     def _global(self) -> list[str]:
-        return [self.runsc, "--root", str(self.root), f"--platform={_platform()}", "--network=none",
-                "--host-uds=create"]
+        return [
+            self.runsc,
+            "--root",
+            str(self.root),
+            f"--platform={_platform()}",
+            "--network=none",
+            "--host-uds=create",
+        ]
 
     async def create(self, spec: SandboxSpec) -> BackendHandle:
         handle = await super().create(spec)
@@ -154,8 +179,14 @@ class GvisorBackend(RuncBackend):
         # the agent (sandbox uid 1000) creates its socket here; no one else may enter
         os.chown(run, spec.uid_base + GUEST_UID, spec.uid_base + GUEST_GID)
         os.chmod(run, 0o700)
-        return BackendHandle(sandbox_id=handle.sandbox_id, tier=self.tier, runtime_id=handle.runtime_id,
-                             state_dir=handle.state_dir, socket_path=handle.socket_path, uid_base=handle.uid_base)
+        return BackendHandle(
+            sandbox_id=handle.sandbox_id,
+            tier=self.tier,
+            runtime_id=handle.runtime_id,
+            state_dir=handle.state_dir,
+            socket_path=handle.socket_path,
+            uid_base=handle.uid_base,
+        )
 
     async def start(self, handle: BackendHandle, ready: Callable[[], Awaitable[T]]) -> T:
         state = Path(handle.state_dir)
@@ -170,14 +201,21 @@ class GvisorBackend(RuncBackend):
         log = os.open(state / "agent.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             # a Sentry panic goes to panic.log, kept with agent.log after the sandbox is gone
-            proc = await asyncio.create_subprocess_exec(*self._global(), f"--panic-log={state / 'panic.log'}",
-                                                        *args, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            proc = await asyncio.create_subprocess_exec(
+                *self._global(),
+                f"--panic-log={state / 'panic.log'}",
+                *args,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
         finally:
             os.close(log)
         rc = await asyncio.wait_for(proc.wait(), START_TIMEOUT_S)
         if rc != 0:
-            raise SandboxStartError(f"runsc {what} failed (exit {rc}): {host.tail(state / 'agent.log')}",
-                                    handle.sandbox_id)
+            raise SandboxStartError(
+                f"runsc {what} failed (exit {rc}): {host.tail(state / 'agent.log')}", handle.sandbox_id
+            )
 
     async def _await_agent(self, handle: BackendHandle, ready: Callable[[], Awaitable[T]]) -> T:
         sock = Path(handle.socket_path)
@@ -186,20 +224,34 @@ class GvisorBackend(RuncBackend):
             return not await self.alive(handle)  # ``runsc state``: a process, so asked every 100 polls
 
         # run/ is the guest's: look at the socket itself, never through a planted symlink
-        return await host.wait_for_agent(ready, lambda: hostfs.is_socket(sock.parent, sock.name), stopped,
-                                         lambda: host.tail(Path(handle.state_dir) / "agent.log"), where="gVisor",
-                                         sandbox_id=handle.sandbox_id, timeout=START_TIMEOUT_S, check_every=100)
+        return await host.wait_for_agent(
+            ready,
+            lambda: hostfs.is_socket(sock.parent, sock.name),
+            stopped,
+            lambda: host.tail(Path(handle.state_dir) / "agent.log"),
+            where="gVisor",
+            sandbox_id=handle.sandbox_id,
+            timeout=START_TIMEOUT_S,
+            check_every=100,
+        )
 
     async def checkpoint(self, handle: BackendHandle, image_dir: Path) -> Path:
         """Save the sandbox's processes and memory to ``image_dir``; the sandbox exits."""
         proc = await asyncio.create_subprocess_exec(
-            *self._global(), "checkpoint", f"--image-path={image_dir}", handle.runtime_id,
-            stdin=subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+            *self._global(),
+            "checkpoint",
+            f"--image-path={image_dir}",
+            handle.runtime_id,
+            stdin=subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
         _, err = await proc.communicate()
         image = image_dir / "checkpoint.img"
         if proc.returncode != 0 or not image.is_file():
-            raise SandboxStartError(f"runsc checkpoint failed: {err.decode(errors='replace').strip()[-400:]}",
-                                    handle.sandbox_id)
+            raise SandboxStartError(
+                f"runsc checkpoint failed: {err.decode(errors='replace').strip()[-400:]}", handle.sandbox_id
+            )
         return image
 
     async def resume_listening(self, handle: BackendHandle) -> None:
@@ -217,16 +269,25 @@ class GvisorBackend(RuncBackend):
             hostfs.remove_entry(run, Path(handle.socket_path).name)
             hostfs.create_marker(run, "resume", handle.uid_base + GUEST_UID, handle.uid_base + GUEST_GID)
         except OSError as e:
-            raise SandboxStartError(f"cannot tell the agent to listen again: {e.strerror or e}",
-                                    handle.sandbox_id) from None
+            raise SandboxStartError(
+                f"cannot tell the agent to listen again: {e.strerror or e}", handle.sandbox_id
+            ) from None
         # and a signal: gVisor may have cached run/ without the file (a negative dentry)
         proc = await asyncio.create_subprocess_exec(
-            *self._global(), "kill", handle.runtime_id, "USR1", stdin=subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+            *self._global(),
+            "kill",
+            handle.runtime_id,
+            "USR1",
+            stdin=subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
         _, err = await proc.communicate()
         if proc.returncode != 0:
-            raise SandboxStartError(f"cannot signal the agent to listen again: "
-                                    f"{err.decode(errors='replace').strip()[-300:]}", handle.sandbox_id)
+            raise SandboxStartError(
+                f"cannot signal the agent to listen again: {err.decode(errors='replace').strip()[-300:]}",
+                handle.sandbox_id,
+            )
 
     async def restore(self, handle: BackendHandle, image_dir: Path, ready: Callable[[], Awaitable[T]]) -> T:
         """Continue a checkpointed sandbox in this bundle (freshly created, or its own after a
@@ -238,15 +299,19 @@ class GvisorBackend(RuncBackend):
             await self.delete_container(handle)
             if not cgroup.try_remove():
                 await asyncio.to_thread(cgroup.remove)
-        await self._detached(handle, "restore", ["restore", "--detach", f"--image-path={image_dir}", "--bundle",
-                                                 str(state / "bundle"), handle.runtime_id])
+        await self._detached(
+            handle,
+            "restore",
+            ["restore", "--detach", f"--image-path={image_dir}", "--bundle", str(state / "bundle"), handle.runtime_id],
+        )
         await self.resume_listening(handle)
         return await self._await_agent(handle, ready)
 
     def _state(self, handle: BackendHandle) -> dict | None:
         try:
-            out = subprocess.run([*self._global(), "state", handle.runtime_id], capture_output=True, text=True,
-                                 timeout=10)
+            out = subprocess.run(
+                [*self._global(), "state", handle.runtime_id], capture_output=True, text=True, timeout=10
+            )
             return json.loads(out.stdout) if out.returncode == 0 else None
         except (OSError, ValueError, subprocess.TimeoutExpired):
             return None
@@ -298,8 +363,11 @@ class GvisorBackend(RuncBackend):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # runsc holds it while it works on the sandbox
             record = json.loads(state.read_bytes())
             pids = (record["sandbox"]["pid"], record["goferPid"])
-            if record["spec"].get("hooks") or not all(isinstance(p, int) for p in pids) \
-                    or any(p > 0 and host.running(p) for p in pids):
+            if (
+                record["spec"].get("hooks")
+                or not all(isinstance(p, int) for p in pids)
+                or any(p > 0 and host.running(p) for p in pids)
+            ):
                 return False
             state.unlink()
             lock.unlink()  # as runsc does: the lock file goes last, while held

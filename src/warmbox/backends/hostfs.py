@@ -42,8 +42,9 @@ def create_marker(directory: str | Path, name: str, uid: int, gid: int, mode: in
     try:
         for _ in range(8):  # the guest may keep planting the name: bounded
             try:
-                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
-                             dir_fd=dfd)
+                fd = os.open(
+                    name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd
+                )
             except FileExistsError:
                 try:
                     os.unlink(name, dir_fd=dfd)
@@ -115,14 +116,24 @@ async def _tail(stream: asyncio.StreamReader, keep: int = 4096) -> bytes:
     return out
 
 
-async def tar_create(directory: str | Path, sink: Callable[[bytes], object], *, max_bytes: int,
-                     timeout: float) -> int:
+async def tar_create(directory: str | Path, sink: Callable[[bytes], object], *, max_bytes: int, timeout: float) -> int:
     """Archive the contents of ``directory`` (as its owner) into ``sink`` (its return value is
     ignored: a file's write fits); returns the bytes written. StorageError past ``max_bytes``
     (tar is killed), on a tar failure or a timeout."""
     proc = await asyncio.create_subprocess_exec(
-        TAR, "--sparse", "--numeric-owner", "--one-file-system", "--warning=no-file-ignored", "-cpf", "-", ".",
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **_as_owner(directory))
+        TAR,
+        "--sparse",
+        "--numeric-owner",
+        "--one-file-system",
+        "--warning=no-file-ignored",
+        "-cpf",
+        "-",
+        ".",
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **_as_owner(directory),
+    )
     assert proc.stdout is not None and proc.stderr is not None
     stdout = proc.stdout  # (pump is a closure: the narrowing above does not reach into it)
     written = 0
@@ -149,11 +160,13 @@ async def tar_create(directory: str | Path, sink: Callable[[bytes], object], *, 
             proc.kill()
             await proc.wait()
     if too_big:
-        raise StorageError(f"archiving {Path(directory).name}: more than {max_bytes} bytes "
-                           "(WARMBOX_SNAPSHOT_MAX_BYTES)")
+        raise StorageError(
+            f"archiving {Path(directory).name}: more than {max_bytes} bytes (WARMBOX_SNAPSHOT_MAX_BYTES)"
+        )
     if rc != 0:
-        raise StorageError(f"archiving {Path(directory).name}: tar exited {rc}: "
-                           f"{err.decode(errors='replace').strip()[-300:]}")
+        raise StorageError(
+            f"archiving {Path(directory).name}: tar exited {rc}: {err.decode(errors='replace').strip()[-300:]}"
+        )
     return written
 
 
@@ -162,8 +175,16 @@ async def tar_extract(directory: str | Path, archive: str | Path, *, timeout: fl
     fd = os.open(archive, os.O_RDONLY | os.O_CLOEXEC)
     try:
         proc = await asyncio.create_subprocess_exec(
-            TAR, "--numeric-owner", "--no-overwrite-dir", "-xpf", "-",
-            stdin=fd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **_as_owner(directory))
+            TAR,
+            "--numeric-owner",
+            "--no-overwrite-dir",
+            "-xpf",
+            "-",
+            stdin=fd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            **_as_owner(directory),
+        )
     finally:
         os.close(fd)
     try:
@@ -178,7 +199,8 @@ async def tar_extract(directory: str | Path, archive: str | Path, *, timeout: fl
         full = b"No space left on device" in err or b": Wrote only " in err
         raise (NoSpace if full else StorageError)(
             f"unpacking into {Path(directory).name}: tar exited {proc.returncode}: "
-            f"{err.decode(errors='replace').strip()[-300:]}")
+            f"{err.decode(errors='replace').strip()[-300:]}"
+        )
 
 
 LOG_TAIL = 64 << 10  # bytes kept of each runtime log of an ended sandbox

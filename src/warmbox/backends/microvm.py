@@ -58,7 +58,7 @@ TCG_CACHE_MB = 128  # TCG's translated-code cache (QEMU's default is 1 GiB, whic
 HOST_OVERHEAD_MB = 256  # QEMU itself, its page tables and I/O buffers, and the relay, on the host
 HOST_PIDS = 256  # QEMU's vCPU, I/O and worker threads plus the relay's, per VM
 HOST_CPU_HEADROOM = 0.5  # CPUs beyond limits.cpus for QEMU's device and I/O threads (a cold boot runs
-                         # them beside the vCPU: 1.24x raw QEMU's boot time at exactly limits.cpus)
+# them beside the vCPU: 1.24x raw QEMU's boot time at exactly limits.cpus)
 START_TIMEOUT_S = 90.0
 PROBE_TIMEOUT_S = 15.0
 _RELAY = Path(__file__).with_name("vmrelay.py")
@@ -98,17 +98,35 @@ def qemu_version() -> str:
 
 def kernel_cmdline(limits, extra: str = "") -> str:
     """Quiet, no timer calibration (≈ 1.3 s under TCG), panic -> exit, the sandbox's limits."""
-    parts = ["console=ttyS0", "rdinit=/init", "panic=-1", "quiet", "loglevel=1", "mitigations=off",
-             "nokaslr", "pci=off", "init_on_free=1", "random.trust_cpu=on", "i8042.noaux", "i8042.nokbd",
-             "8250.nr_uarts=1"]
+    parts = [
+        "console=ttyS0",
+        "rdinit=/init",
+        "panic=-1",
+        "quiet",
+        "loglevel=1",
+        "mitigations=off",
+        "nokaslr",
+        "pci=off",
+        "init_on_free=1",
+        "random.trust_cpu=on",
+        "i8042.noaux",
+        "i8042.nokbd",
+        "8250.nr_uarts=1",
+    ]
     khz = _tsc_khz()
     if khz:
         parts += [f"tsc_early_khz={khz}", f"lpj={khz * 1000 // 250}", "tsc=reliable"]
     quota = "max" if limits.cpus >= math.ceil(limits.cpus) else str(max(1000, int(limits.cpus * 100_000)))
     # full tmpfs mounts (the guest image's /dev/shm is 64 MiB) must leave memory to the processes
     tmp_mb = tmpfs_sizes(limits, shm_mb=64)[0]
-    parts += [f"wb.mem_mb={limits.memory_mb}", f"wb.pids={limits.pids}", f"wb.tmp_mb={tmp_mb}",
-              f"wb.cpu_quota={quota}", f"wb.nofile={limits.open_files}", f"wb.fsize_mb={limits.file_size_mb}"]
+    parts += [
+        f"wb.mem_mb={limits.memory_mb}",
+        f"wb.pids={limits.pids}",
+        f"wb.tmp_mb={tmp_mb}",
+        f"wb.cpu_quota={quota}",
+        f"wb.nofile={limits.open_files}",
+        f"wb.fsize_mb={limits.file_size_mb}",
+    ]
     return " ".join(parts + ([extra] if extra else []))
 
 
@@ -116,8 +134,16 @@ def vcpus(limits) -> int:
     return max(1, min(os.cpu_count() or 1, math.ceil(limits.cpus)))
 
 
-def qemu_argv(image: Path, state: Path, limits, accel: str, *, incoming: str | None = None,
-              extra_cmdline: str = "", confine: int | None = None) -> list[str]:
+def qemu_argv(
+    image: Path,
+    state: Path,
+    limits,
+    accel: str,
+    *,
+    incoming: str | None = None,
+    extra_cmdline: str = "",
+    confine: int | None = None,
+) -> list[str]:
     """The one QEMU command line of a sandbox VM (cold boot, or ``incoming`` = restore).
 
     confine: a host uid (and gid) of the sandbox's own unused id range. QEMU opens its files,
@@ -127,33 +153,74 @@ def qemu_argv(image: Path, state: Path, limits, accel: str, *, incoming: str | N
     unprivileged process that sees no files and can start no programs.
     """
     mem = limits.memory_mb + GUEST_OVERHEAD_MB
-    argv = [QEMU, "-name", f"warmbox,process=wb-{state.name}", "-nodefaults", "-no-user-config", "-nographic",
-            "-M", "microvm,x-option-roms=off,isa-serial=on,rtc=on",
-            "-accel", f"tcg,tb-size={TCG_CACHE_MB}" if accel == "tcg" else accel,
-            "-cpu", "max" if accel == "tcg" else "host", "-smp", str(vcpus(limits)),
-            "-m", f"{mem}M", "-no-reboot",
-            "-kernel", str(image / "vmlinux"), "-initrd", str(image / "initrd.cpio"),
-            "-append", kernel_cmdline(limits, extra_cmdline),
-            "-chardev", f"file,id=con,path={state / 'console.log'}", "-serial", "chardev:con",
-            "-drive",
-            f"id=root,file={image / 'rootfs.ext4'},format=raw,if=none,readonly=on,cache=unsafe,file.locking=off",
-            "-device", "virtio-blk-device,drive=root",
-            # the workspace disk comes as fds 3 (read-write) and 4 (read-only) in one fdset: QEMU
-            # reopens it read-only when a migration completes, which a confined QEMU could not
-            "-add-fd", "fd=3,set=1,opaque=rw", "-add-fd", "fd=4,set=1,opaque=ro",
-            "-drive", "id=ws,file=/dev/fdset/1,format=qcow2,if=none,cache=writeback,file.locking=off,discard=unmap",
-            "-device", "virtio-blk-device,drive=ws",
-            "-device", "virtio-serial-device,max_ports=3",
-            "-chardev", f"socket,id=agent,path={state / 'run' / 'vm.sock'},server=on,wait=off",
-            "-device", f"virtserialport,chardev=agent,name={images.AGENT_PORT}",
-            "-chardev", f"socket,id=restore,path={state / 'run' / 'restore.sock'},server=on,wait=off",
-            "-device", f"virtserialport,chardev=restore,name={images.RESTORE_PORT}",
-            "-qmp", f"unix:{state / 'run' / 'qmp.sock'},server=on,wait=off",
-            "-pidfile", str(state / "qemu.pid"),
-            "-global", "migration.store-global-state=off"]
+    argv = [
+        QEMU,
+        "-name",
+        f"warmbox,process=wb-{state.name}",
+        "-nodefaults",
+        "-no-user-config",
+        "-nographic",
+        "-M",
+        "microvm,x-option-roms=off,isa-serial=on,rtc=on",
+        "-accel",
+        f"tcg,tb-size={TCG_CACHE_MB}" if accel == "tcg" else accel,
+        "-cpu",
+        "max" if accel == "tcg" else "host",
+        "-smp",
+        str(vcpus(limits)),
+        "-m",
+        f"{mem}M",
+        "-no-reboot",
+        "-kernel",
+        str(image / "vmlinux"),
+        "-initrd",
+        str(image / "initrd.cpio"),
+        "-append",
+        kernel_cmdline(limits, extra_cmdline),
+        "-chardev",
+        f"file,id=con,path={state / 'console.log'}",
+        "-serial",
+        "chardev:con",
+        "-drive",
+        f"id=root,file={image / 'rootfs.ext4'},format=raw,if=none,readonly=on,cache=unsafe,file.locking=off",
+        "-device",
+        "virtio-blk-device,drive=root",
+        # the workspace disk comes as fds 3 (read-write) and 4 (read-only) in one fdset: QEMU
+        # reopens it read-only when a migration completes, which a confined QEMU could not
+        "-add-fd",
+        "fd=3,set=1,opaque=rw",
+        "-add-fd",
+        "fd=4,set=1,opaque=ro",
+        "-drive",
+        "id=ws,file=/dev/fdset/1,format=qcow2,if=none,cache=writeback,file.locking=off,discard=unmap",
+        "-device",
+        "virtio-blk-device,drive=ws",
+        "-device",
+        "virtio-serial-device,max_ports=3",
+        "-chardev",
+        f"socket,id=agent,path={state / 'run' / 'vm.sock'},server=on,wait=off",
+        "-device",
+        f"virtserialport,chardev=agent,name={images.AGENT_PORT}",
+        "-chardev",
+        f"socket,id=restore,path={state / 'run' / 'restore.sock'},server=on,wait=off",
+        "-device",
+        f"virtserialport,chardev=restore,name={images.RESTORE_PORT}",
+        "-qmp",
+        f"unix:{state / 'run' / 'qmp.sock'},server=on,wait=off",
+        "-pidfile",
+        str(state / "qemu.pid"),
+        "-global",
+        "migration.store-global-state=off",
+    ]
     if confine is not None:
-        argv += ["-runas", f"{confine}:{confine}", "-chroot", str(state / "empty"),
-                 "-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny"]
+        argv += [
+            "-runas",
+            f"{confine}:{confine}",
+            "-chroot",
+            str(state / "empty"),
+            "-sandbox",
+            "on,obsolete=deny,spawn=deny,resourcecontrol=deny",
+        ]
     if incoming:
         argv += ["-incoming", incoming]
     return argv
@@ -194,8 +261,9 @@ class QMP:
                 return msg
 
     async def execute(self, cmd: str, **args: object) -> object:
-        self.writer.write(json.dumps({"execute": cmd, "arguments": args} if args else {"execute": cmd}).encode()
-                          + b"\n")
+        self.writer.write(
+            json.dumps({"execute": cmd, "arguments": args} if args else {"execute": cmd}).encode() + b"\n"
+        )
         await self.writer.drain()
         reply = await self._read()
         if "error" in reply:
@@ -259,8 +327,9 @@ def save_memory(qmp_path: Path, image: Path, timeout: float = 300.0) -> None:
                 if status == "completed":
                     break
                 if status in ("failed", "cancelled") or time.monotonic() > deadline:
-                    raise SandboxStartError(f"QEMU migration to a file {status or 'timed out'}: "
-                                            f"{info.get('error-desc', '')}")
+                    raise SandboxStartError(
+                        f"QEMU migration to a file {status or 'timed out'}: {info.get('error-desc', '')}"
+                    )
                 time.sleep(0.01)
         except BaseException:
             try:
@@ -308,7 +377,7 @@ def check_workspace_disk(disk: Path, image: Path) -> int:
     version, bf_off, bf_size = struct.unpack(">IQI", head[4:20])
     if version != 3 or struct.unpack(">I", head[32:36])[0] != 0:
         raise bad("not an unencrypted qcow2 v3 image")
-    named = head[bf_off:bf_off + bf_size].decode("utf-8", "replace")
+    named = head[bf_off : bf_off + bf_size].decode("utf-8", "replace")
     size_mb = images.workspace_size(image, named) if 0 < bf_size <= 1023 and bf_off + bf_size <= len(head) else None
     if size_mb is None:
         raise bad(f"its backing file is not a workspace disk of {image} (a snapshot of another guest image?)")
@@ -321,10 +390,10 @@ def check_workspace_disk(disk: Path, image: Path) -> int:
     while True:
         if off + 8 > len(head):
             raise bad("its header extensions run past the first 64 KiB")
-        kind, length = struct.unpack(">II", head[off:off + 8])
+        kind, length = struct.unpack(">II", head[off : off + 8])
         if kind == 0:
             break
-        data = head[off + 8:off + 8 + length]
+        data = head[off + 8 : off + 8 + length]
         if kind == _QCOW2_BACKING_FORMAT:
             backing_format = data
         elif kind != _QCOW2_FEATURE_NAMES:
@@ -344,7 +413,7 @@ def accelerator(runtime: Path, forced: str | None = None) -> tuple[str, str]:
     """(accel, why). ``forced`` (config/env) wins; else cached probe result; else probe."""
     env = os.environ.get("WARMBOX_MICROVM_ACCEL", "").strip()
     if env and env not in ("auto", "kvm", "tcg"):
-        raise ConfigError(f"WARMBOX_MICROVM_ACCEL must be \"auto\", \"kvm\" or \"tcg\", got {env!r}")
+        raise ConfigError(f'WARMBOX_MICROVM_ACCEL must be "auto", "kvm" or "tcg", got {env!r}')
     if env and env != "auto":
         return env, "set by WARMBOX_MICROVM_ACCEL"
     if forced and forced != "auto":
@@ -382,8 +451,23 @@ def _probe_kvm(runtime: Path) -> tuple[str, str]:
     t0 = time.monotonic()
     booted = False
     try:
-        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image / "workspace.raw"), "-F", "raw",
-                        str(probe_dir / "workspace" / "disk.qcow2")], check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                "qemu-img",
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-b",
+                str(image / "workspace.raw"),
+                "-F",
+                "raw",
+                str(probe_dir / "workspace" / "disk.qcow2"),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         pid = _spawn(argv, probe_dir / "qemu.log", vm_files(probe_dir))
         while time.monotonic() - t0 < PROBE_TIMEOUT_S and host.running(pid):
             console = probe_dir / "console.log"
@@ -419,8 +503,9 @@ class HostCgroup(host.SandboxCgroup):
     def create_for(self, limits, accel: str) -> list[str]:
         """``create`` sized for a VM of these limits under this accelerator."""
         tcg = TCG_CACHE_MB if accel == "tcg" else 0
-        return self.create(limits.memory_mb + GUEST_OVERHEAD_MB + tcg + HOST_OVERHEAD_MB,
-                           limits.cpus + HOST_CPU_HEADROOM, HOST_PIDS)
+        return self.create(
+            limits.memory_mb + GUEST_OVERHEAD_MB + tcg + HOST_OVERHEAD_MB, limits.cpus + HOST_CPU_HEADROOM, HOST_PIDS
+        )
 
     def usage(self) -> tuple[int, int] | None:
         """(anonymous memory bytes, CPU ns) of everything in it; None once it is gone."""
@@ -487,7 +572,8 @@ class MicroVMBackend:
     # run in the template VM before its memory is saved: these programs' files are then in the
     # guest page cache of every restored sandbox (a first command otherwise reads them from disk)
     template_warmup: ClassVar[tuple[tuple[str, ...], ...]] = (
-        ("/bin/true",), ("/bin/bash", "-c", "ls / > /dev/null; cat /dev/null"),
+        ("/bin/true",),
+        ("/bin/bash", "-c", "ls / > /dev/null; cat /dev/null"),
     )
 
     def __init__(self, runtime: Path) -> None:
@@ -504,9 +590,13 @@ class MicroVMBackend:
         return Capabilities(
             tier=self.tier,
             isolation="own Linux kernel in a QEMU microvm (virtual-machine boundary); "
-                      f"accelerator {self.accel()[0]}; no host files, no network device",
-            memory_snapshot=True, filesystem_snapshot=True, custom_kernel=True, network_modes=("none",),
-            languages=("python", "node", "shell", "c", "git"), start_class="100ms-1s (from snapshot)",
+            f"accelerator {self.accel()[0]}; no host files, no network device",
+            memory_snapshot=True,
+            filesystem_snapshot=True,
+            custom_kernel=True,
+            network_modes=("none",),
+            languages=("python", "node", "shell", "c", "git"),
+            start_class="100ms-1s (from snapshot)",
             snapshot_start=True,
             oom_counted_in_guest=True,
         )
@@ -526,13 +616,21 @@ class MicroVMBackend:
             return Availability(False, "needs root (QEMU's accelerator devices and the sandbox images)")
         built = (images.image_dir(images.cache_dir()) / "meta.json").is_file()
         if not built:
-            for tool, pkg in (("mmdebstrap", "mmdebstrap"), ("busybox", "busybox-static"), ("mkfs.ext4", "e2fsprogs"),
-                              ("dpkg-deb", "dpkg"), ("apt-get", "apt")):
+            for tool, pkg in (
+                ("mmdebstrap", "mmdebstrap"),
+                ("busybox", "busybox-static"),
+                ("mkfs.ext4", "e2fsprogs"),
+                ("dpkg-deb", "dpkg"),
+                ("apt-get", "apt"),
+            ):
                 if not shutil.which(tool):
                     return Availability(False, f"building the guest image needs {tool} (apt-get install {pkg})")
         accel, why = self.accel()
-        return Availability(True, f"QEMU at {qemu}, accelerator {accel} ({why}); guest image "
-                                  f"{'built' if built else 'built on first use (~1 min)'}")
+        return Availability(
+            True,
+            f"QEMU at {qemu}, accelerator {accel} ({why}); guest image "
+            f"{'built' if built else 'built on first use (~1 min)'}",
+        )
 
     def image(self) -> Path:
         if self._image is None:
@@ -546,8 +644,9 @@ class MicroVMBackend:
         from warmbox.models import Limits
 
         argv = qemu_argv(self.image(), Path("/state"), Limits(), self.accel()[0], incoming=INCOMING_FD, confine=0)
-        return hashlib.sha256(json.dumps([argv, self.template_warmup, qemu_version(), self.build_id()])
-                              .encode()).hexdigest()[:12]
+        return hashlib.sha256(
+            json.dumps([argv, self.template_warmup, qemu_version(), self.build_id()]).encode()
+        ).hexdigest()[:12]
 
     def build_id(self) -> str:
         """The guest image build this backend starts VMs from (meta.json, read once)."""
@@ -567,9 +666,14 @@ class MicroVMBackend:
         (state / "workspace").mkdir(mode=0o700, exist_ok=True)
         (state / "empty").mkdir(mode=0o555, exist_ok=True)  # QEMU's chroot: nothing in it
         (state / "limits.json").write_text(json.dumps(dataclasses.asdict(spec.limits)))
-        return BackendHandle(sandbox_id=spec.sandbox_id, tier=self.tier, runtime_id=spec.sandbox_id,
-                             state_dir=str(state), socket_path=str(state / "run" / "agent.sock"),
-                             uid_base=spec.uid_base)
+        return BackendHandle(
+            sandbox_id=spec.sandbox_id,
+            tier=self.tier,
+            runtime_id=spec.sandbox_id,
+            state_dir=str(state),
+            socket_path=str(state / "run" / "agent.sock"),
+            uid_base=spec.uid_base,
+        )
 
     def _limits(self, handle: BackendHandle):
         from warmbox.models import Limits
@@ -585,8 +689,7 @@ class MicroVMBackend:
         empty ext4 of that size (the quota: the guest's filesystem ends there)."""
         disk = Path(handle.state_dir) / "workspace" / "disk.qcow2"
         backing = await asyncio.to_thread(images.workspace_backing, self.image(), self._limits(handle).disk_mb)
-        await _qemu_img(["create", "-q", "-f", "qcow2", "-b", str(backing), "-F", "raw", str(disk)],
-                        handle.sandbox_id)
+        await _qemu_img(["create", "-q", "-f", "qcow2", "-b", str(backing), "-F", "raw", str(disk)], handle.sandbox_id)
         # travels with the disk into snapshots: a restore needs this very build of the image
         (disk.parent / IMAGE_ID_FILE).write_text(self.build_id())
         return await self._launch(handle, ready, incoming=None)
@@ -598,19 +701,24 @@ class MicroVMBackend:
             raise SandboxStartError("the snapshot holds no workspace disk", handle.sandbox_id)
         return await self._launch(handle, ready, incoming=INCOMING_FD, memory=mem)
 
-    async def _launch(self, handle: BackendHandle, ready: Callable[[], Awaitable[T]], incoming: str | None,
-                      memory: Path | None = None) -> T:
+    async def _launch(
+        self, handle: BackendHandle, ready: Callable[[], Awaitable[T]], incoming: str | None, memory: Path | None = None
+    ) -> T:
         state = Path(handle.state_dir)
         image = self.image()
-        argv = qemu_argv(image, state, self._limits(handle), self.accel()[0], incoming=incoming,
-                         confine=handle.uid_base)
+        argv = qemu_argv(
+            image, state, self._limits(handle), self.accel()[0], incoming=incoming, confine=handle.uid_base
+        )
         try:
             size_mb = check_workspace_disk(state / "workspace" / "disk.qcow2", image)
         except SandboxStartError as e:
             raise SandboxStartError(str(e), handle.sandbox_id) from None
         if size_mb > self._limits(handle).disk_mb:  # a snapshot's disk is the sandbox's: it cannot shrink
-            raise NoSpace(f"the snapshot's /workspace disk is {size_mb} MiB, more than this sandbox's "
-                          f"limits.disk_mb = {self._limits(handle).disk_mb}", handle.sandbox_id)
+            raise NoSpace(
+                f"the snapshot's /workspace disk is {size_mb} MiB, more than this sandbox's "
+                f"limits.disk_mb = {self._limits(handle).disk_mb}",
+                handle.sandbox_id,
+            )
         # a snapshot's disk from another host: its (deterministic) empty backing disk, made here too
         await asyncio.to_thread(images.workspace_backing, image, size_mb)
         try:
@@ -618,23 +726,47 @@ class MicroVMBackend:
         except OSError:
             made_with = "unknown"
         if made_with != self.build_id():
-            raise SandboxStartError(f"this sandbox's disk and memory were made with guest image build {made_with}, "
-                                    f"this host has {self.build_id()} ({image.name}): they cannot be restored "
-                                    "into it", handle.sandbox_id)
+            raise SandboxStartError(
+                f"this sandbox's disk and memory were made with guest image build {made_with}, "
+                f"this host has {self.build_id()} ({image.name}): they cannot be restored "
+                "into it",
+                handle.sandbox_id,
+            )
         (state / "qemu.argv").write_text(json.dumps(argv))
         procs = HostCgroup(handle.sandbox_id).create_for(self._limits(handle), self.accel()[0])
         qemu = _spawn(argv, state / "qemu.log", vm_files(state, memory), procs)
-        relay = _spawn([sys.executable, "-I", "-S", str(_RELAY), str(state / "run" / "vm.sock"),
-                        handle.socket_path, str(handle.uid_base), str(qemu), str(state / "run" / "restore.sock")],
-                       state / "relay.log", (), procs)
+        relay = _spawn(
+            [
+                sys.executable,
+                "-I",
+                "-S",
+                str(_RELAY),
+                str(state / "run" / "vm.sock"),
+                handle.socket_path,
+                str(handle.uid_base),
+                str(qemu),
+                str(state / "run" / "restore.sock"),
+            ],
+            state / "relay.log",
+            (),
+            procs,
+        )
         (state / "relay.pid").write_text(str(relay))
         sock = Path(handle.socket_path)
 
         async def stopped() -> bool:  # the relay ends when QEMU does, or on a guest's protocol violation
             return not (host.running(qemu) and host.running(relay))
 
-        return await host.wait_for_agent(ready, sock.exists, stopped, lambda: self._why(state), where="the microVM",
-                                         sandbox_id=handle.sandbox_id, timeout=START_TIMEOUT_S, poll=0.002)
+        return await host.wait_for_agent(
+            ready,
+            sock.exists,
+            stopped,
+            lambda: self._why(state),
+            where="the microVM",
+            sandbox_id=handle.sandbox_id,
+            timeout=START_TIMEOUT_S,
+            poll=0.002,
+        )
 
     @staticmethod
     def _why(state: Path) -> str:
@@ -694,7 +826,7 @@ class MicroVMBackend:
             return ResourceUsage(oom_kills=0, memory_bytes=0, cpu_ns=0)
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()
+            fields = stat[stat.rindex(")") + 2 :].split()
             ticks = os.sysconf("SC_CLK_TCK")
             cpu_ns = (int(fields[11]) + int(fields[12])) * 1_000_000_000 // ticks
             rss = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
@@ -719,7 +851,7 @@ class MicroVMBackend:
         return True
 
     def netns_path(self, handle: BackendHandle) -> str:
-        raise SandboxStartError("the microvm tier has no network device (network mode \"none\")", handle.sandbox_id)
+        raise SandboxStartError('the microvm tier has no network device (network mode "none")', handle.sandbox_id)
 
     async def destroy(self, handle: BackendHandle) -> None:
         state = Path(handle.state_dir)
@@ -741,9 +873,9 @@ INCOMING_FD = "fd:5"
 
 
 async def _qemu_img(args: list[str], sandbox_id: str) -> None:
-    proc = await asyncio.create_subprocess_exec("qemu-img", *args, stdin=subprocess.DEVNULL,
-                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        "qemu-img", *args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     _, err = await proc.communicate()
     if proc.returncode != 0:
-        raise SandboxStartError(f"qemu-img {args[0]} failed: {err.decode(errors='replace').strip()[-300:]}",
-                                sandbox_id)
+        raise SandboxStartError(f"qemu-img {args[0]} failed: {err.decode(errors='replace').strip()[-300:]}", sandbox_id)

@@ -38,18 +38,48 @@ from warmbox.errors import SandboxStartError
 BUILD_VERSION = "microvm-image-v1"
 # what agents run in a sandbox (the other tiers see the host's /usr): Python with NumPy and pandas,
 # Node.js, gcc, git, shell tools. No pip/npm: the VM has no network device.
-GUEST_PACKAGES = ("python3-minimal", "libpython3-stdlib", "bash", "coreutils", "tar", "procps", "util-linux",
-                  "ca-certificates", "python3-numpy", "python3-pandas", "nodejs", "gcc", "libc6-dev", "git",
-                  "findutils", "grep", "sed", "gzip", "xz-utils")
+GUEST_PACKAGES = (
+    "python3-minimal",
+    "libpython3-stdlib",
+    "bash",
+    "coreutils",
+    "tar",
+    "procps",
+    "util-linux",
+    "ca-certificates",
+    "python3-numpy",
+    "python3-pandas",
+    "nodejs",
+    "gcc",
+    "libc6-dev",
+    "git",
+    "findutils",
+    "grep",
+    "sed",
+    "gzip",
+    "xz-utils",
+)
 WORKSPACE_MB = 1024
 MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "crc32c_generic", "ext4")
 AGENT_PORT = "warmbox.agent"
 RESTORE_PORT = "warmbox.restore"  # host entropy and clock for the guest kernel at each start (wb-restore)
 _RESTORE_SRC = Path(__file__).with_name("microvm_restore.c")
-_GUEST_SOURCES = ("protocol.py", "guest/__init__.py", "guest/agent.py", "guest/kernel.py", "guest/spawn.c",
-                  "guest/init.c")
-_EXCLUDES = ("/usr/share/man/*", "/usr/share/doc/*", "/usr/share/locale/*", "/usr/share/info/*",
-             "/usr/share/lintian/*", "/usr/share/zoneinfo/right/*")
+_GUEST_SOURCES = (
+    "protocol.py",
+    "guest/__init__.py",
+    "guest/agent.py",
+    "guest/kernel.py",
+    "guest/spawn.c",
+    "guest/init.c",
+)
+_EXCLUDES = (
+    "/usr/share/man/*",
+    "/usr/share/doc/*",
+    "/usr/share/locale/*",
+    "/usr/share/info/*",
+    "/usr/share/lintian/*",
+    "/usr/share/zoneinfo/right/*",
+)
 
 # PID 1 of the initramfs: mounts the root image read-only, /workspace from its disk, tmpfs for
 # the writable places, puts everything that follows in a cgroup with the sandbox's limits (handed to
@@ -130,7 +160,7 @@ exec $B switch_root /newroot /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin
 
 _ETC = {
     "passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\nuser:x:1000:1000:user:/home/user:/bin/bash\n"
-              "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+    "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
     "group": "root:x:0:\ntty:x:5:\nuser:x:1000:\nnogroup:x:65534:\n",
     "hostname": "sandbox\n",
     "hosts": "127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n",
@@ -159,8 +189,12 @@ def _run(argv: list[str], what: str, timeout: float = 600, **kw) -> subprocess.C
 
 def content_hash() -> str:
     pkg = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256(BUILD_VERSION.encode() + INIT.encode() + _RESTORE_SRC.read_bytes()
-                       + repr((GUEST_PACKAGES, MODULES, WORKSPACE_MB, _EXCLUDES, _ETC)).encode())
+    h = hashlib.sha256(
+        BUILD_VERSION.encode()
+        + INIT.encode()
+        + _RESTORE_SRC.read_bytes()
+        + repr((GUEST_PACKAGES, MODULES, WORKSPACE_MB, _EXCLUDES, _ETC)).encode()
+    )
     for rel in _GUEST_SOURCES:
         h.update(rel.encode() + b"\0" + (pkg / rel).read_bytes())
     return h.hexdigest()[:16]
@@ -254,8 +288,13 @@ def _build_into(out: Path) -> dict:
         _workspace(out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"kernel": version, "packages": list(GUEST_PACKAGES), "built_at": time.time(),
-            "kernel_s": round(t1 - t0, 1), "rootfs_s": round(t2 - t1, 1)}
+    return {
+        "kernel": version,
+        "packages": list(GUEST_PACKAGES),
+        "built_at": time.time(),
+        "kernel_s": round(t1 - t0, 1),
+        "rootfs_s": round(t2 - t1, 1),
+    }
 
 
 # --------------------------------------------------------------------------- kernel
@@ -306,8 +345,7 @@ def _modinfo_depends(ko: bytes) -> list[str]:
 
 def _kernel(out: Path, work: Path) -> str:
     pkg = _kernel_package()
-    _run(["apt-get", "download", "-q", "-o", "APT::Sandbox::User=root", pkg], f"apt-get download {pkg}",
-         cwd=work)
+    _run(["apt-get", "download", "-q", "-o", "APT::Sandbox::User=root", pkg], f"apt-get download {pkg}", cwd=work)
     debs = list(work.glob(f"{pkg}_*.deb"))
     if not debs:
         raise _fail(f"apt-get download left no {pkg} package")
@@ -316,7 +354,7 @@ def _kernel(out: Path, work: Path) -> str:
     vmlinuz = sorted((tree / "boot").glob("vmlinuz-*"))
     if not vmlinuz:
         raise _fail(f"{pkg} holds no /boot/vmlinuz")
-    version = vmlinuz[0].name[len("vmlinuz-"):]
+    version = vmlinuz[0].name[len("vmlinuz-") :]
     (out / "vmlinux").write_bytes(extract_vmlinux(vmlinuz[0].read_bytes()))
     mods = {p.name[:-3].replace("-", "_"): p for p in (tree / "lib/modules" / version).rglob("*.ko")}
     order: list[str] = []
@@ -339,8 +377,12 @@ def _kernel(out: Path, work: Path) -> str:
     if b"ld-linux" in Path(busybox).read_bytes()[:4096]:
         raise _fail(f"{busybox} is dynamically linked; the initramfs needs busybox-static")
     files: list[tuple[str, int, bytes]] = [
-        ("bin", 0o040755, b""), ("dev", 0o040755, b""), ("proc", 0o040755, b""), ("sys", 0o040755, b""),
-        ("lib", 0o040755, b""), ("lib/modules", 0o040755, b""),
+        ("bin", 0o040755, b""),
+        ("dev", 0o040755, b""),
+        ("proc", 0o040755, b""),
+        ("sys", 0o040755, b""),
+        ("lib", 0o040755, b""),
+        ("lib/modules", 0o040755, b""),
         ("bin/busybox", 0o100755, Path(busybox).read_bytes()),
         ("bin/wb-restore", 0o100755, _restore_helper(work)),
         ("init", 0o100755, INIT.encode()),
@@ -354,8 +396,10 @@ def _kernel(out: Path, work: Path) -> str:
 def _restore_helper(work: Path) -> bytes:
     """wb-restore (microvm_restore.c), compiled static for the initramfs."""
     out = work / "wb-restore"
-    _run(["gcc", "-static", "-Os", "-s", "-Wall", "-Werror", "-o", str(out), str(_RESTORE_SRC)],
-         "compiling the guest's restore helper (gcc, libc6-dev)")
+    _run(
+        ["gcc", "-static", "-Os", "-s", "-Wall", "-Werror", "-o", str(out), str(_RESTORE_SRC)],
+        "compiling the guest's restore helper (gcc, libc6-dev)",
+    )
     return out.read_bytes()
 
 
@@ -430,11 +474,32 @@ def _rootfs(out: Path, work: Path) -> None:
     guest_py = sorted((root / "usr/bin").glob("python3.[0-9]*"))
     host_py = Path("/usr/bin") / guest_py[0].name if guest_py else None
     if host_py is not None and host_py.exists():  # same Debian interpreter: its bytecode fits the guest's
-        subprocess.run([str(host_py), "-I", "-m", "compileall", "-q", str(lib)], check=False,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+        subprocess.run(
+            [str(host_py), "-I", "-m", "compileall", "-q", str(lib)],
+            check=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=120,
+        )
     size_mb = int(_du_mb(root) * 1.25) + 64
-    _run(["mkfs.ext4", "-q", "-F", "-L", "wbroot", "-O", "^has_journal", "-m", "0", "-d", str(root),
-          str(out / "rootfs.ext4"), f"{size_mb}M"], "mkfs.ext4 of the guest root")
+    _run(
+        [
+            "mkfs.ext4",
+            "-q",
+            "-F",
+            "-L",
+            "wbroot",
+            "-O",
+            "^has_journal",
+            "-m",
+            "0",
+            "-d",
+            str(root),
+            str(out / "rootfs.ext4"),
+            f"{size_mb}M",
+        ],
+        "mkfs.ext4 of the guest root",
+    )
 
 
 def _du_mb(path: Path) -> float:
@@ -469,10 +534,25 @@ def workspace_backing(image: Path, size_mb: int) -> Path:
     try:
         with open(tmp, "xb") as f:
             f.truncate(size_mb << 20)  # sparse, all zeros: assume_storage_prezeroed writes no inode tables
-        _run(["mkfs.ext4", "-q", "-F", "-L", "workspace", "-m", "0", "-U", str(uuid.UUID(bytes=seed[:16], version=4)),
-              "-E", f"root_owner=1000:1000,assume_storage_prezeroed=1,nodiscard,"
-                    f"hash_seed={uuid.UUID(bytes=seed[16:], version=4)}", str(tmp)],
-             f"mkfs.ext4 of a {size_mb} MiB workspace disk", env={**os.environ, "E2FSPROGS_FAKE_TIME": "1"})
+        _run(
+            [
+                "mkfs.ext4",
+                "-q",
+                "-F",
+                "-L",
+                "workspace",
+                "-m",
+                "0",
+                "-U",
+                str(uuid.UUID(bytes=seed[:16], version=4)),
+                "-E",
+                f"root_owner=1000:1000,assume_storage_prezeroed=1,nodiscard,"
+                f"hash_seed={uuid.UUID(bytes=seed[16:], version=4)}",
+                str(tmp),
+            ],
+            f"mkfs.ext4 of a {size_mb} MiB workspace disk",
+            env={**os.environ, "E2FSPROGS_FAKE_TIME": "1"},
+        )
         os.chmod(tmp, 0o644)
         os.rename(tmp, final)
     finally:
@@ -487,11 +567,27 @@ def workspace_size(image: Path, backing: str) -> int | None:
     if parent != str(image) or m is None:
         return None
     size = int(m.group(1)) if m.group(1) else WORKSPACE_MB
-    return size if (image / name) == (image / "workspace.raw" if size == WORKSPACE_MB else
-                                     image / f"workspace-{size}M.raw") else None
+    return (
+        size
+        if (image / name) == (image / "workspace.raw" if size == WORKSPACE_MB else image / f"workspace-{size}M.raw")
+        else None
+    )
 
 
 def _workspace(out: Path) -> None:
-    _run(["mkfs.ext4", "-q", "-F", "-L", "workspace", "-m", "0", "-E",
-          "root_owner=1000:1000,lazy_itable_init=0,lazy_journal_init=0", str(out / "workspace.raw"),
-          f"{WORKSPACE_MB}M"], "mkfs.ext4 of the workspace disk")
+    _run(
+        [
+            "mkfs.ext4",
+            "-q",
+            "-F",
+            "-L",
+            "workspace",
+            "-m",
+            "0",
+            "-E",
+            "root_owner=1000:1000,lazy_itable_init=0,lazy_journal_init=0",
+            str(out / "workspace.raw"),
+            f"{WORKSPACE_MB}M",
+        ],
+        "mkfs.ext4 of the workspace disk",
+    )

@@ -39,19 +39,48 @@ BASE_ENV = {
     "LANG": "C.UTF-8",
 }
 MASKED_PATHS = [
-    "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
-    "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/sys/firmware",
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
     "/sys/devices/virtual/powercap",
 ]
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 
 _ETC_COPY = [
-    "alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "os-release", "debian_version",
-    "bash.bashrc", "inputrc", "profile", "protocols", "services", "host.conf", "gai.conf",
-    "mime.types", "python3", "python3.11", "ssl/certs/ca-certificates.crt", "ssl/openssl.cnf",
+    "alternatives",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "os-release",
+    "debian_version",
+    "bash.bashrc",
+    "inputrc",
+    "profile",
+    "protocols",
+    "services",
+    "host.conf",
+    "gai.conf",
+    "mime.types",
+    "python3",
+    "python3.11",
+    "ssl/certs/ca-certificates.crt",
+    "ssl/openssl.cnf",
 ]
-_GUEST_SOURCES = ("protocol.py", "guest/__init__.py", "guest/agent.py", "guest/kernel.py", "guest/spawn.c",
-                  "guest/init.c")
+_GUEST_SOURCES = (
+    "protocol.py",
+    "guest/__init__.py",
+    "guest/agent.py",
+    "guest/kernel.py",
+    "guest/spawn.c",
+    "guest/init.c",
+)
 CGROUP_FD = 4  # the agent's fd of the sandbox's cgroup v2 directory (its commands' cgroups go below)
 RUNTIME_TIMEOUT_S = 30.0  # a runtime command of a teardown (seconds, wall clock): runc delete takes ~15 ms
 
@@ -59,8 +88,13 @@ RUNTIME_TIMEOUT_S = 30.0  # a runtime command of a teardown (seconds, wall clock
 def agent_command(args: list[str] | None = None) -> list[str]:
     """The guest agent's command line inside the image, ``args`` passed to its ``main``."""
     call = f"main({args!r})" if args else "main()"
-    return [GUEST_PYTHON, "-I", "-S", "-c",
-            f"import sys; sys.path.insert(0, {GUEST_LIB!r}); from warmbox.guest.agent import main; {call}"]
+    return [
+        GUEST_PYTHON,
+        "-I",
+        "-S",
+        "-c",
+        f"import sys; sys.path.insert(0, {GUEST_LIB!r}); from warmbox.guest.agent import main; {call}",
+    ]
 
 
 def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path:
@@ -93,7 +127,7 @@ def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path
     etc.mkdir()
     files = {
         "passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\nuser:x:1000:1000:user:/home/user:/bin/bash\n"
-                  "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
         "group": "root:x:0:\ntty:x:5:\nuser:x:1000:\nnogroup:x:65534:\n",
         "hostname": HOSTNAME + "\n",
         "hosts": f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost ip6-localhost\n",
@@ -125,8 +159,9 @@ def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path
     # The rootfs is read-only inside, so Python could never cache bytecode there: compile it now,
     # with the very interpreter the sandbox runs (~10 ms off every cold start).
     if os.path.exists(GUEST_PYTHON):
-        subprocess.run([GUEST_PYTHON, "-I", "-m", "compileall", "-q", str(lib)], check=True,
-                       stdout=subprocess.DEVNULL, timeout=60)
+        subprocess.run(
+            [GUEST_PYTHON, "-I", "-m", "compileall", "-q", str(lib)], check=True, stdout=subprocess.DEVNULL, timeout=60
+        )
     if customize is not None:
         customize(tmp)
     try:
@@ -156,9 +191,12 @@ class RuncBackend:
         return Capabilities(
             tier=self.tier,
             isolation="Linux namespaces (user, pid, mount, net, ipc, uts, cgroup) + seccomp + cgroups; "
-                      "shared host kernel",
-            memory_snapshot=False, filesystem_snapshot=True, custom_kernel=False,
-            network_modes=("none", "allowlist", "internet"), languages=("python", "node", "shell", "c", "git"),
+            "shared host kernel",
+            memory_snapshot=False,
+            filesystem_snapshot=True,
+            custom_kernel=False,
+            network_modes=("none", "allowlist", "internet"),
+            languages=("python", "node", "shell", "c", "git"),
             start_class="10-100ms",
         )
 
@@ -206,21 +244,45 @@ class RuncBackend:
         nosuid = ["nosuid", "nodev"]
         mounts = [
             {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
-            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
-            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
-             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
-            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
-             "options": ["nosuid", "noexec", "nodev", "mode=1777", f"size={shm_mb}m"]},
-            {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
-             "options": ["nosuid", "noexec", "nodev"]},
+            {
+                "destination": "/dev",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+            },
+            {
+                "destination": "/dev/pts",
+                "type": "devpts",
+                "source": "devpts",
+                "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"],
+            },
+            {
+                "destination": "/dev/shm",
+                "type": "tmpfs",
+                "source": "shm",
+                "options": ["nosuid", "noexec", "nodev", "mode=1777", f"size={shm_mb}m"],
+            },
+            {
+                "destination": "/dev/mqueue",
+                "type": "mqueue",
+                "source": "mqueue",
+                "options": ["nosuid", "noexec", "nodev"],
+            },
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
             {"destination": "/usr", "type": "bind", "source": "/usr", "options": ["bind", "ro", *nosuid]},
             {"destination": "/workspace", "type": "bind", "source": str(workspace), "options": ["bind", "rw", *nosuid]},
-            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
-             "options": [*nosuid, "mode=1777", f"size={tmp_mb}m"]},
-            {"destination": "/home/user", "type": "tmpfs", "source": "tmpfs",
-             "options": [*nosuid, "mode=755", f"uid={GUEST_UID}", f"gid={GUEST_GID}", f"size={tmp_mb}m"]},
+            {
+                "destination": "/tmp",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": [*nosuid, "mode=1777", f"size={tmp_mb}m"],
+            },
+            {
+                "destination": "/home/user",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": [*nosuid, "mode=755", f"uid={GUEST_UID}", f"gid={GUEST_GID}", f"size={tmp_mb}m"],
+            },
         ]
         period = 100_000
         return {
@@ -286,9 +348,14 @@ class RuncBackend:
         with os.fdopen(fd, "w") as f:
             json.dump(config, f)
         os.rename(tmp, bundle / "config.json")
-        return BackendHandle(sandbox_id=spec.sandbox_id, tier=self.tier, runtime_id=spec.sandbox_id,
-                             state_dir=str(state), socket_path=str(state / "run" / "agent.sock"),
-                             uid_base=spec.uid_base)
+        return BackendHandle(
+            sandbox_id=spec.sandbox_id,
+            tier=self.tier,
+            runtime_id=spec.sandbox_id,
+            state_dir=str(state),
+            socket_path=str(state / "run" / "agent.sock"),
+            uid_base=spec.uid_base,
+        )
 
     async def start(self, handle: BackendHandle, ready: Callable[[], Awaitable[T]]) -> T:
         state = Path(handle.state_dir)
@@ -307,10 +374,21 @@ class RuncBackend:
             # sandbox user and opened for the agent (fd 4): each command gets a child cgroup and a
             # timeout kills it whole (cgroup.kill). It is mounted nowhere inside, so no process there
             # can reach it or move itself out.
-            cgroup = host.SandboxCgroup(handle.sandbox_id).delegate(handle.uid_base + GUEST_UID,
-                                                                    handle.uid_base + GUEST_GID)
-            argv = [self.runc, "--root", str(self.root), "run", "--detach", "--preserve-fds",
-                    "1" if cgroup is None else "2", "--bundle", str(state / "bundle"), handle.runtime_id]
+            cgroup = host.SandboxCgroup(handle.sandbox_id).delegate(
+                handle.uid_base + GUEST_UID, handle.uid_base + GUEST_GID
+            )
+            argv = [
+                self.runc,
+                "--root",
+                str(self.root),
+                "run",
+                "--detach",
+                "--preserve-fds",
+                "1" if cgroup is None else "2",
+                "--bundle",
+                str(state / "bundle"),
+                handle.runtime_id,
+            ]
             pid = host.spawn(argv, state / "agent.log", [listener.fileno()] + ([] if cgroup is None else [cgroup]))
         finally:
             listener.close()  # runc (then the agent) holds the listening socket now
@@ -401,8 +479,9 @@ class RuncBackend:
         self._oom_paths.pop(handle.sandbox_id, None)
         cgroup = host.SandboxCgroup(handle.sandbox_id)
         await cgroup.kill_and_wait()
-        results = await asyncio.gather(self.delete_container(handle), asyncio.to_thread(self._remove_files, handle),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            self.delete_container(handle), asyncio.to_thread(self._remove_files, handle), return_exceptions=True
+        )
         for r in results:
             if isinstance(r, BaseException):
                 raise r
@@ -425,15 +504,20 @@ class RuncBackend:
         """The runtime's command line up to its subcommand."""
         return [self.runc, "--root", str(self.root)]
 
-    async def runtime_cmd(self, handle: BackendHandle, *args: str,
-                          timeout: float = RUNTIME_TIMEOUT_S) -> tuple[int, str]:
+    async def runtime_cmd(
+        self, handle: BackendHandle, *args: str, timeout: float = RUNTIME_TIMEOUT_S
+    ) -> tuple[int, str]:
         """Run the runtime's subcommand ``args`` for at most ``timeout`` seconds (wall clock; then it
         is killed and SandboxTimeout raised); returns its exit code and the tail of its stderr."""
         argv = self.runtime_argv()
         try:
-            proc = await asyncio.create_subprocess_exec(*argv, *args, stdin=asyncio.subprocess.DEVNULL,
-                                                        stdout=asyncio.subprocess.DEVNULL,
-                                                        stderr=asyncio.subprocess.PIPE)
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                *args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+            )
         except OSError as e:
             raise SandboxError(f"cannot run {argv[0]}: {e.strerror or e}", handle.sandbox_id) from None
         try:
@@ -441,8 +525,9 @@ class RuncBackend:
         except TimeoutError:
             proc.kill()
             await proc.wait()
-            raise SandboxTimeout(f"{os.path.basename(argv[0])} {args[0]} did not finish within {timeout:g} s",
-                                 handle.sandbox_id) from None
+            raise SandboxTimeout(
+                f"{os.path.basename(argv[0])} {args[0]} did not finish within {timeout:g} s", handle.sandbox_id
+            ) from None
         return proc.returncode or 0, err.decode(errors="replace").strip()[-400:]
 
     def _remove_files(self, handle: BackendHandle) -> None:

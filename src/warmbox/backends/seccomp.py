@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import platform
 
-ALLOWED = frozenset("""
+ALLOWED = frozenset(
+    """
 accept accept4 access alarm arch_prctl bind brk capget capset chdir chmod chown clock_getres
 clock_gettime clock_nanosleep close close_range connect copy_file_range creat dup dup2 dup3
 epoll_create epoll_create1 epoll_ctl epoll_pwait epoll_pwait2 epoll_wait eventfd eventfd2 execve
@@ -42,10 +43,12 @@ statfs statx symlink symlinkat sync sync_file_range syncfs sysinfo tee tgkill ti
 timer_delete timer_getoverrun timer_gettime timer_settime timerfd_create timerfd_gettime
 timerfd_settime times tkill truncate umask uname unlink unlinkat utime utimensat utimes vfork
 vmsplice wait4 waitid write writev
-""".split())
+""".split()
+)
 
 # Never allowed, whatever else changes: the calls container escapes and kernel attacks use.
-DENIED = frozenset("""
+DENIED = frozenset(
+    """
 mount umount umount2 pivot_root chroot unshare setns open_tree move_mount fsopen fsconfig fsmount
 fspick mount_setattr keyctl add_key request_key bpf perf_event_open userfaultfd kexec_load
 kexec_file_load init_module finit_module delete_module create_module reboot swapon swapoff acct
@@ -54,7 +57,8 @@ lookup_dcookie vm86 vm86old open_by_handle_at name_to_handle_at io_uring_setup i
 io_uring_register iopl ioperm ptrace process_vm_readv process_vm_writev kcmp sethostname
 setdomainname fanotify_init mbind set_mempolicy get_mempolicy migrate_pages move_pages
 nfsservctl uselib ustat sysfs _sysctl pidfd_getfd
-""".split())
+""".split()
+)
 
 # clone() without any CLONE_NEW* flag: NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
 CLONE_NAMESPACE_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
@@ -73,15 +77,26 @@ def profile() -> dict:
     arch = _ARCH.get(machine)
     syscalls: list[dict] = [
         {"names": sorted(ALLOWED), "action": "SCMP_ACT_ALLOW"},
-        {"names": ["clone"], "action": "SCMP_ACT_ALLOW",
-         "args": [{"index": 0, "value": CLONE_NAMESPACE_FLAGS, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}]},
+        {
+            "names": ["clone"],
+            "action": "SCMP_ACT_ALLOW",
+            "args": [{"index": 0, "value": CLONE_NAMESPACE_FLAGS, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}],
+        },
         {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS},
-        {"names": ["socket"], "action": "SCMP_ACT_ALLOW",
-         "args": [{"index": 0, "value": AF_VSOCK, "op": "SCMP_CMP_NE"}]},
+        {
+            "names": ["socket"],
+            "action": "SCMP_ACT_ALLOW",
+            "args": [{"index": 0, "value": AF_VSOCK, "op": "SCMP_CMP_NE"}],
+        },
     ]
     for value in PERSONALITY_ALLOWED:
-        syscalls.append({"names": ["personality"], "action": "SCMP_ACT_ALLOW",
-                         "args": [{"index": 0, "value": value, "op": "SCMP_CMP_EQ"}]})
+        syscalls.append(
+            {
+                "names": ["personality"],
+                "action": "SCMP_ACT_ALLOW",
+                "args": [{"index": 0, "value": value, "op": "SCMP_CMP_EQ"}],
+            }
+        )
     return {
         "defaultAction": "SCMP_ACT_ERRNO",
         "defaultErrnoRet": EPERM,

@@ -45,7 +45,8 @@ if TYPE_CHECKING:  # the same file, seen by the type checker under its package n
 else:  # run as a bare script: protocol.py is loaded from beside this package, nothing imported
     _spec = importlib.util.spec_from_file_location(
         "warmbox_relay_protocol",
-        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "protocol.py"))
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "protocol.py"),
+    )
     p = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(p)
 

@@ -53,8 +53,22 @@ from warmbox.errors import SandboxStartError
 IMAGE = "workspace.img"
 MOUNT_POINT = "workspace"
 FORMAT = "ext4-v1"  # part of a cached blank's name: change it when the mkfs options change
-MKFS_OPTIONS = ("-q", "-F", "-t", "ext4", "-b", "4096", "-m", "0", "-L", "workspace",
-                "-O", "^has_journal,^resize_inode", "-E", "assume_storage_prezeroed=1,nodiscard,root_owner=0:0")
+MKFS_OPTIONS = (
+    "-q",
+    "-F",
+    "-t",
+    "ext4",
+    "-b",
+    "4096",
+    "-m",
+    "0",
+    "-L",
+    "workspace",
+    "-O",
+    "^has_journal,^resize_inode",
+    "-E",
+    "assume_storage_prezeroed=1,nodiscard,root_owner=0:0",
+)
 
 _LOOP_CTL_GET_FREE = 0x4C82
 _LOOP_CONFIGURE = 0x4C0A
@@ -73,6 +87,7 @@ def _os_error(what: str) -> OSError:
 
 
 # --------------------------------------------------------------------------- blank images
+
 
 def _blank_path(cache: Path, size_mb: int) -> Path:
     return cache / f"{FORMAT}-{size_mb}M.img"
@@ -97,11 +112,12 @@ def blank(cache: Path, size_mb: int) -> Path:
         finally:
             os.close(fd)
         for argv in (["mkfs.ext4", *MKFS_OPTIONS, str(tmp)], ["debugfs", "-w", "-R", "rmdir lost+found", str(tmp)]):
-            r = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
-                               check=False)
+            r = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300, check=False)
             if r.returncode != 0:
-                raise SandboxStartError(f"making the {size_mb} MiB workspace filesystem: {argv[0]} exited "
-                                        f"{r.returncode}: {(r.stderr or r.stdout).strip()[-300:]}")
+                raise SandboxStartError(
+                    f"making the {size_mb} MiB workspace filesystem: {argv[0]} exited "
+                    f"{r.returncode}: {(r.stderr or r.stdout).strip()[-300:]}"
+                )
         os.rename(tmp, final)  # a concurrent maker's identical image may be replaced: fine
     except FileNotFoundError as e:
         raise SandboxStartError(f"making the workspace filesystem needs e2fsprogs (mkfs.ext4, debugfs): {e}") from None
@@ -117,8 +133,7 @@ def _sparse_copy(src: Path, dst_dir_fd: int, name: str) -> None:
     """Copy ``src`` into a new file ``name`` of the directory, keeping its holes holes."""
     s = os.open(src, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
-        d = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600,
-                    dir_fd=dst_dir_fd)
+        d = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=dst_dir_fd)
         try:
             size = os.fstat(s).st_size
             os.ftruncate(d, size)
@@ -144,6 +159,7 @@ def _sparse_copy(src: Path, dst_dir_fd: int, name: str) -> None:
 
 
 # --------------------------------------------------------------------------- loop + mount
+
 
 def _configure_loop(image_fd: int) -> tuple[int, int]:
     """A free loop device backed by ``image_fd``: (its number, an open fd of it)."""
@@ -214,7 +230,7 @@ def _unescape(field: str) -> str:
         return field
     out, i = [], 0
     while i < len(field):
-        code = field[i + 1:i + 4]
+        code = field[i + 1 : i + 4]
         if field[i] == "\\" and len(code) == 3 and all(c in "01234567" for c in code):
             out.append(chr(int(code, 8)))
             i += 4

@@ -9,7 +9,8 @@ AGENT_CODE = (
     "import numpy, pandas\n"
     "rng = numpy.random.default_rng(0)\n"
     "pandas.DataFrame(rng.normal(size=(1000, 4)), columns=list('abcd')).to_csv('/tmp/d.csv', index=False)\n"
-    "print(pandas.read_csv('/tmp/d.csv').describe().loc['mean'].round(3).to_dict())")
+    "print(pandas.read_csv('/tmp/d.csv').describe().loc['mean'].round(3).to_dict())"
+)
 AGENT = ["python3", "-c", AGENT_CODE]
 VARIANTS = {"empty": (EMPTY, "print(2+2)", "base"), "agent": (AGENT, AGENT_CODE, "pydata")}
 
@@ -20,5 +21,10 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _stats(v: list[float]) -> dict[str, float]:
-    return {"p50_ms": statistics.median(v), "p95_ms": _pct(v, 0.95), "p99_ms": _pct(v, 0.99),
-            "min_ms": min(v), "n": len(v)}
+    return {
+        "p50_ms": statistics.median(v),
+        "p95_ms": _pct(v, 0.95),
+        "p99_ms": _pct(v, 0.99),
+        "min_ms": min(v),
+        "n": len(v),
+    }

@@ -43,8 +43,14 @@ def _progress(total: int, what: str):
     """A rich progress bar on a terminal (stderr); nothing otherwise."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    progress = Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        transient=True, disable=not sys.stderr.isatty())
+    progress = Progress(
+        TextColumn(what),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=True,
+        disable=not sys.stderr.isatty(),
+    )
     return progress, total
 
 
@@ -100,9 +106,30 @@ async def _remove_home(home: Path) -> None:
 
 
 def _bwrap_argv(cmd: list[str]) -> list[str]:
-    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr",
-            "--ro-bind", "/etc/alternatives", "/etc/alternatives", "--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache",
-            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", "/workspace", "--chdir", "/workspace"]
+    argv = [
+        "bwrap",
+        "--unshare-all",
+        "--die-with-parent",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+        "--ro-bind",
+        "/etc/alternatives",
+        "/etc/alternatives",
+        "--ro-bind",
+        "/etc/ld.so.cache",
+        "/etc/ld.so.cache",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--tmpfs",
+        "/tmp",
+        "--dir",
+        "/workspace",
+        "--chdir",
+        "/workspace",
+    ]
     for link in ("bin", "sbin", "lib", "lib64"):
         if os.path.islink("/" + link):
             argv += ["--symlink", os.readlink("/" + link), "/" + link]
@@ -143,18 +170,21 @@ class _RawRunc:
         t0 = time.perf_counter()
         _raw_bundle(self.backend, d, self.uid_base, cmd)
         try:
-            out = subprocess.run([self.backend.runc, "--root", str(self.backend.root), "run", "--bundle", str(d), cid],
-                                 capture_output=True, text=True, timeout=120)
+            out = subprocess.run(
+                [self.backend.runc, "--root", str(self.backend.root), "run", "--bundle", str(d), cid],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             ms = (time.perf_counter() - t0) * 1e3
         finally:
-            subprocess.run([self.backend.runc, "--root", str(self.backend.root), "delete", "--force", cid],
-                           capture_output=True)
+            subprocess.run(
+                [self.backend.runc, "--root", str(self.backend.root), "delete", "--force", cid], capture_output=True
+            )
             shutil.rmtree(d, ignore_errors=True)
         if out.returncode != 0:
             raise WarmboxError(f"raw runc failed: {out.stderr.strip()[-300:]}")
         return ms, out.stdout
-
-
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -180,8 +210,9 @@ async def _wait_quiet(engine: Any, pool: str, timeout: float = 300.0) -> None:
             return
         if time.monotonic() > deadline:
             err = row.last_error if row else ""
-            raise WarmboxError(f"pool {pool} did not fill within {timeout:.0f} s ({ready} ready)"
-                               + (f": {err}" if err else ""))
+            raise WarmboxError(
+                f"pool {pool} did not fill within {timeout:.0f} s ({ready} ready)" + (f": {err}" if err else "")
+            )
         await asyncio.sleep(0.05)
 
 
@@ -227,8 +258,10 @@ async def _warm(home: Path, template: str, code: str | None, cmd: list[str] | No
 def _print_table(title: str, stats: dict[str, dict[str, float]], extra: list[str] | tuple[()] = ()) -> None:
     print(title)
     for m, s in stats.items():
-        print(f"  {m:<15} p50 {s['p50_ms']:8.2f} ms   p95 {s['p95_ms']:8.2f} ms   p99 {s['p99_ms']:8.2f} ms"
-              f"   min {s['min_ms']:8.2f} ms   (n={s['n']})")
+        print(
+            f"  {m:<15} p50 {s['p50_ms']:8.2f} ms   p95 {s['p95_ms']:8.2f} ms   p99 {s['p99_ms']:8.2f} ms"
+            f"   min {s['min_ms']:8.2f} ms   (n={s['n']})"
+        )
     for line in extra:
         print("  " + line)
 
@@ -263,12 +296,13 @@ async def bench_start(home: Path, runs: int, variant: str) -> dict:
             outputs: set[str] = set()
             misses = 0
             for i in range(runs):
-                order = methods[i % len(methods):] + methods[:i % len(methods)]  # rotate the order
+                order = methods[i % len(methods) :] + methods[: i % len(methods)]  # rotate the order
                 for m in order:
                     if m.startswith("warm_pool"):
                         await _wait_quiet(engine, pool)
-                        ms, out, st, hit = await _warm(home, template, code if m == "warm_pool" else None,
-                                                       None if m == "warm_pool" else cmd)
+                        ms, out, st, hit = await _warm(
+                            home, template, code if m == "warm_pool" else None, None if m == "warm_pool" else cmd
+                        )
                         misses += not hit
                     elif m == "warmbox_cold":
                         ms, out, st = await _cold(home, cmd)
@@ -292,10 +326,15 @@ async def bench_start(home: Path, runs: int, variant: str) -> dict:
                     if a != b and b in stats:
                         ratios[f"{a}/{b}"] = stats[a]["p50_ms"] / stats[b]["p50_ms"]
             report["variants"][name] = {
-                "command": cmd, "warm_pool_code": code, "template": template, "stats": stats,
-                "ratios_p50": ratios, "pool_misses": misses,
-                "stages_on_request_path_p50_ms": {m: {k: statistics.median(v) for k, v in d.items()}
-                                                  for m, d in stages.items()},
+                "command": cmd,
+                "warm_pool_code": code,
+                "template": template,
+                "stats": stats,
+                "ratios_p50": ratios,
+                "pool_misses": misses,
+                "stages_on_request_path_p50_ms": {
+                    m: {k: statistics.median(v) for k, v in d.items()} for m, d in stages.items()
+                },
                 "distinct_outputs": len(outputs),
             }
     return report
@@ -307,8 +346,11 @@ def _print_start(report: dict) -> None:
         for m, d in v["stages_on_request_path_p50_ms"].items():
             extra.append(f"{m} stages on the request path, p50 ms: " + ", ".join(f"{k}={x:.2f}" for k, x in d.items()))
         extra.append(f"pool misses during the run: {v['pool_misses']}; distinct outputs: {v['distinct_outputs']}")
-        _print_table(f"bench start [{name}] {' '.join(v['command'])[:60]!r}  ({report['runs']} interleaved runs each)",
-                     v["stats"], extra)
+        _print_table(
+            f"bench start [{name}] {' '.join(v['command'])[:60]!r}  ({report['runs']} interleaved runs each)",
+            v["stats"],
+            extra,
+        )
 
 
 # ---------------------------------------------------------------------------- burst
@@ -345,9 +387,17 @@ async def bench_burst(home: Path, burst: int, pool_sizes: list[int]) -> dict:
         hits = [ms for ms, hit, _ in ok if hit]
         cold = [ms for ms, hit, _ in ok if not hit]
         st = _stats(lat)
-        report["runs"].append({"pool": size, "hits": len(hits), "cold": len(cold), "stats": st,
-                               "p99_over_p50": st["p99_ms"] / st["p50_ms"],
-                               "hit_stats": _stats(hits) if hits else None, "cold_stats": _stats(cold) if cold else None})
+        report["runs"].append(
+            {
+                "pool": size,
+                "hits": len(hits),
+                "cold": len(cold),
+                "stats": st,
+                "p99_over_p50": st["p99_ms"] / st["p50_ms"],
+                "hit_stats": _stats(hits) if hits else None,
+                "cold_stats": _stats(cold) if cold else None,
+            }
+        )
         await _wait_quiet(engine, "bench-burst")
     return report
 
@@ -355,8 +405,10 @@ async def bench_burst(home: Path, burst: int, pool_sizes: list[int]) -> dict:
 def _print_burst(report: dict) -> None:
     for r in report["runs"]:
         s = r["stats"]
-        print(f"bench burst: {report['burst']} concurrent creates + first run_code, pool of {r['pool']} "
-              f"({r['hits']} hits, {r['cold']} cold)")
+        print(
+            f"bench burst: {report['burst']} concurrent creates + first run_code, pool of {r['pool']} "
+            f"({r['hits']} hits, {r['cold']} cold)"
+        )
         print(f"  all   p50 {s['p50_ms']:8.1f} ms   p99 {s['p99_ms']:8.1f} ms   p99/p50 {r['p99_over_p50']:.2f}")
         for k in ("hit_stats", "cold_stats"):
             if r[k]:
@@ -452,10 +504,15 @@ async def bench_exec(home: Path, seconds: float) -> dict:
     finally:
         await sb.kill()
     us = lambda v: {"p50_us": statistics.median(v), "p99_us": _pct(v, 0.99), "min_us": min(v)}  # noqa: E731
-    return {"bench": "exec", "true_per_second": rates, "ping_sdk_asyncio": us(pings),
-            "ping_blocking_client": us(blocking), "raw_unix_socket_rtt": us(raw),
-            "ratio_ping_sdk/raw": statistics.median(pings) / statistics.median(raw),
-            "ratio_ping_blocking/raw": statistics.median(blocking) / statistics.median(raw)}
+    return {
+        "bench": "exec",
+        "true_per_second": rates,
+        "ping_sdk_asyncio": us(pings),
+        "ping_blocking_client": us(blocking),
+        "raw_unix_socket_rtt": us(raw),
+        "ratio_ping_sdk/raw": statistics.median(pings) / statistics.median(raw),
+        "ratio_ping_blocking/raw": statistics.median(blocking) / statistics.median(raw),
+    }
 
 
 def _print_exec(r: dict) -> None:
@@ -465,8 +522,10 @@ def _print_exec(r: dict) -> None:
     for k in ("ping_sdk_asyncio", "ping_blocking_client", "raw_unix_socket_rtt"):
         v = r[k]
         print(f"  {k:<22} p50 {v['p50_us']:8.1f} us   p99 {v['p99_us']:8.1f} us   min {v['min_us']:7.1f} us")
-    print(f"  ratio empty request (SDK) / raw socket round trip: {r['ratio_ping_sdk/raw']:.1f}x; "
-          f"blocking client / raw: {r['ratio_ping_blocking/raw']:.1f}x")
+    print(
+        f"  ratio empty request (SDK) / raw socket round trip: {r['ratio_ping_sdk/raw']:.1f}x; "
+        f"blocking client / raw: {r['ratio_ping_blocking/raw']:.1f}x"
+    )
 
 
 # ---------------------------------------------------------------------------- density
@@ -527,26 +586,43 @@ async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, t
                     rss, pss, uss = rss + r, pss + ps, uss + us
             drop = base_avail - _mem_available()
             k = len(ids)
-            steps.append({"sandboxes": k, "cgroup_mib_per_sandbox": cg / k / 2**20,
-                          "uss_mib_per_sandbox": uss / k / 2**20, "pss_mib_per_sandbox": pss / k / 2**20,
-                          "rss_mib_per_sandbox": rss / k / 2**20, "host_memavailable_drop_mib_per_sandbox": drop / k / 2**20,
-                          "host_processes_per_sandbox": 0})
+            steps.append(
+                {
+                    "sandboxes": k,
+                    "cgroup_mib_per_sandbox": cg / k / 2**20,
+                    "uss_mib_per_sandbox": uss / k / 2**20,
+                    "pss_mib_per_sandbox": pss / k / 2**20,
+                    "rss_mib_per_sandbox": rss / k / 2**20,
+                    "host_memavailable_drop_mib_per_sandbox": drop / k / 2**20,
+                    "host_processes_per_sandbox": 0,
+                }
+            )
             progress.update(task, completed=n)
             if drop >= bound_gib * 2**30:
                 break
     pools.resize(engine, engine.settings(), name, 0, min=0, max=0)
     await _wait_quiet(engine, name)
-    return {"bench": "density", "template": template, "bound_gib": bound_gib, "steps": steps,
-            "note": "runc leaves no host process per sandbox (no shim); host cost is the kernel's"}
+    return {
+        "bench": "density",
+        "template": template,
+        "bound_gib": bound_gib,
+        "steps": steps,
+        "note": "runc leaves no host process per sandbox (no shim); host cost is the kernel's",
+    }
 
 
 def _print_density(r: dict) -> None:
     print(f"bench density: idle warm sandboxes of template {r['template']!r} (bound {r['bound_gib']} GiB)")
-    print(f"  {'N':>5} {'cgroup MiB':>11} {'USS MiB':>8} {'PSS MiB':>8} {'RSS MiB':>8} {'MemAvail drop MiB':>18}  (per sandbox)")
+    print(
+        f"  {'N':>5} {'cgroup MiB':>11} {'USS MiB':>8} {'PSS MiB':>8} {'RSS MiB':>8} "
+        f"{'MemAvail drop MiB':>18}  (per sandbox)"
+    )
     for s in r["steps"]:
-        print(f"  {s['sandboxes']:>5} {s['cgroup_mib_per_sandbox']:>11.2f} {s['uss_mib_per_sandbox']:>8.2f} "
-              f"{s['pss_mib_per_sandbox']:>8.2f} {s['rss_mib_per_sandbox']:>8.2f} "
-              f"{s['host_memavailable_drop_mib_per_sandbox']:>18.2f}")
+        print(
+            f"  {s['sandboxes']:>5} {s['cgroup_mib_per_sandbox']:>11.2f} {s['uss_mib_per_sandbox']:>8.2f} "
+            f"{s['pss_mib_per_sandbox']:>8.2f} {s['rss_mib_per_sandbox']:>8.2f} "
+            f"{s['host_memavailable_drop_mib_per_sandbox']:>18.2f}"
+        )
 
 
 # ---------------------------------------------------------------------------- snapshot
@@ -593,15 +669,25 @@ async def bench_snapshot(home: Path, runs: int, mb: int) -> dict:
     engine = Engine.for_home(home)
     engine.ensure_daemon()
     await _wait_quiet(engine, "bench-pydata")
-    rows: dict[str, list[float]] = {k: [] for k in ("snapshot_ms", "pause_ms", "resume_first_pool_ms",
-                                                       "resume_first_cold_ms", "raw_tar_zstd_ms", "raw_untar_ms")}
+    rows: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "snapshot_ms",
+            "pause_ms",
+            "resume_first_pool_ms",
+            "resume_first_cold_ms",
+            "raw_tar_zstd_ms",
+            "raw_untar_ms",
+        )
+    }
     sizes = {}
     work = home / "bench-raw"
     work.mkdir()
     for _ in range(runs):
         sb = await AsyncSandbox.create(template="pydata", timeout=600, pool=False, home=home)
-        await sb.commands.run(f"head -c {mb << 20} /dev/urandom > /workspace/data.bin && "
-                              "seq 1 200000 > /workspace/lines.txt")
+        await sb.commands.run(
+            f"head -c {mb << 20} /dev/urandom > /workspace/data.bin && seq 1 200000 > /workspace/lines.txt"
+        )
         r = await sb.run_code("import pandas\ndf = pandas.DataFrame({'a': range(100000), 'b': range(100000)})")
         if r.error:
             raise WarmboxError(f"bench snapshot setup: {r.error.value}")
@@ -617,8 +703,12 @@ async def bench_snapshot(home: Path, runs: int, mb: int) -> dict:
         rows["pause_ms"].append((time.perf_counter() - t0) * 1e3)
         rows["raw_tar_zstd_ms"].append(raw_save)
         rows["raw_untar_ms"].append(raw_restore)
-        sizes = {"artifact_bytes": ref.size_bytes, "raw_tar_zstd_bytes": raw_size, "resident_memory_bytes": mem,
-                 "workspace_random_mib": mb}
+        sizes = {
+            "artifact_bytes": ref.size_bytes,
+            "raw_tar_zstd_bytes": raw_size,
+            "resident_memory_bytes": mem,
+            "workspace_random_mib": mb,
+        }
         for key, use_pool in (("resume_first_pool_ms", True), ("resume_first_cold_ms", False)):
             if use_pool:
                 await _wait_quiet(engine, "bench-pydata")
@@ -631,11 +721,20 @@ async def bench_snapshot(home: Path, runs: int, mb: int) -> dict:
             await back.kill()
     stats = {k: _stats(v) for k, v in rows.items()}
     ratio = lambda a, b: stats[a]["p50_ms"] / stats[b]["p50_ms"]  # noqa: E731
-    return {"bench": "snapshot", "tier": "container", "memory_snapshot": False, "runs": runs, "sizes": sizes,
-            "stats": stats, "ratios_p50": {"snapshot/raw_tar_zstd": ratio("snapshot_ms", "raw_tar_zstd_ms"),
-                                           "resume_first_pool/raw_untar": ratio("resume_first_pool_ms", "raw_untar_ms")},
-            "note": "container tier: files + code-context state (no CRIU on this kernel); pause = snapshot + "
-                    "destroy (the destroy waits until every process of the sandbox has exited)"}
+    return {
+        "bench": "snapshot",
+        "tier": "container",
+        "memory_snapshot": False,
+        "runs": runs,
+        "sizes": sizes,
+        "stats": stats,
+        "ratios_p50": {
+            "snapshot/raw_tar_zstd": ratio("snapshot_ms", "raw_tar_zstd_ms"),
+            "resume_first_pool/raw_untar": ratio("resume_first_pool_ms", "raw_untar_ms"),
+        },
+        "note": "container tier: files + code-context state (no CRIU on this kernel); pause = snapshot + "
+        "destroy (the destroy waits until every process of the sandbox has exited)",
+    }
 
 
 class _RawRunsc:
@@ -660,15 +759,21 @@ class _RawRunsc:
 
     def _run(self, args: list[str], log: Path, timeout: float = 120) -> int:
         with open(log, "ab") as f:
-            return subprocess.run(self.backend._global() + args, stdin=subprocess.DEVNULL, stdout=f, stderr=f,
-                                  timeout=timeout).returncode
+            return subprocess.run(
+                self.backend._global() + args, stdin=subprocess.DEVNULL, stdout=f, stderr=f, timeout=timeout
+            ).returncode
 
     def run(self, cmd: list[str]) -> tuple[float, str]:
         cid, d = self._bundle(cmd)
         t0 = time.perf_counter()
         try:
-            out = subprocess.run([*self.backend._global(), "run", "--bundle", str(d), cid], capture_output=True,
-                                 text=True, timeout=120, stdin=subprocess.DEVNULL)
+            out = subprocess.run(
+                [*self.backend._global(), "run", "--bundle", str(d), cid],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                stdin=subprocess.DEVNULL,
+            )
             ms = (time.perf_counter() - t0) * 1e3
         finally:
             self._run(["delete", "--force", cid], d / "log")
@@ -718,11 +823,13 @@ def _tail_log(path: Path) -> str:
         return "(no log)"
 
 
-RAW_PANDAS_LOOP = ("import os, time, numpy, pandas\n"
-                   "while True:\n"
-                   "    if not os.path.exists('/workspace/ready'):\n"
-                   "        open('/workspace/ready', 'w').close()\n"
-                   "    time.sleep(0.005)")
+RAW_PANDAS_LOOP = (
+    "import os, time, numpy, pandas\n"
+    "while True:\n"
+    "    if not os.path.exists('/workspace/ready'):\n"
+    "        open('/workspace/ready', 'w').close()\n"
+    "    time.sleep(0.005)"
+)
 
 
 async def bench_snapshot_gvisor(home: Path, runs: int) -> dict:
@@ -731,8 +838,17 @@ async def bench_snapshot_gvisor(home: Path, runs: int) -> dict:
 
     engine = Engine.for_home(home)
     raw = _RawRunsc(engine.runtime)
-    rows: dict[str, list[float]] = {k: [] for k in ("cold_start_first_ms", "pause_ms", "restore_first_ms",
-                                                       "raw_runsc_run_ms", "raw_checkpoint_ms", "raw_restore_ms")}
+    rows: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "cold_start_first_ms",
+            "pause_ms",
+            "restore_first_ms",
+            "raw_runsc_run_ms",
+            "raw_checkpoint_ms",
+            "raw_restore_ms",
+        )
+    }
     sizes: dict[str, int] = {}
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -760,32 +876,47 @@ async def bench_snapshot_gvisor(home: Path, runs: int) -> dict:
         sizes = {"artifact_bytes": ref.size_bytes, "resident_memory_bytes": mem, "raw_checkpoint_image_bytes": size}
     stats = {k: _stats(v) for k, v in rows.items()}
     ratio = lambda a, b: stats[a]["p50_ms"] / stats[b]["p50_ms"]  # noqa: E731
-    return {"bench": "snapshot", "tier": "gvisor", "memory_snapshot": True, "runs": runs, "sizes": sizes,
-            "stats": stats, "ratios_p50": {"pause/raw_checkpoint": ratio("pause_ms", "raw_checkpoint_ms"),
-                                           "restore_first/raw_restore": ratio("restore_first_ms", "raw_restore_ms"),
-                                           "cold_start_first/restore_first": ratio("cold_start_first_ms",
-                                                                                   "restore_first_ms")},
-            "platform": os.environ.get("WARMBOX_RUNSC_PLATFORM", "ptrace"),
-            "note": "pause = quiesce + host tar of /workspace + runsc checkpoint + compress/store + destroy; "
-                    "raw runsc rows: the same bundle with a plain python process (pandas imported), same run"}
+    return {
+        "bench": "snapshot",
+        "tier": "gvisor",
+        "memory_snapshot": True,
+        "runs": runs,
+        "sizes": sizes,
+        "stats": stats,
+        "ratios_p50": {
+            "pause/raw_checkpoint": ratio("pause_ms", "raw_checkpoint_ms"),
+            "restore_first/raw_restore": ratio("restore_first_ms", "raw_restore_ms"),
+            "cold_start_first/restore_first": ratio("cold_start_first_ms", "restore_first_ms"),
+        },
+        "platform": os.environ.get("WARMBOX_RUNSC_PLATFORM", "ptrace"),
+        "note": "pause = quiesce + host tar of /workspace + runsc checkpoint + compress/store + destroy; "
+        "raw runsc rows: the same bundle with a plain python process (pandas imported), same run",
+    }
 
 
 def _print_microvm(r: dict) -> None:
     extra = [f"accelerator: {r['accelerator']} ({r['accelerator_why']}); guest kernel {r['kernel']}"]
     extra += [f"ratio {k}: {v:.2f}x" for k, v in r["ratios_p50"].items()]
     if r["restore_stages_p50_ms"]:
-        extra.append("warmbox restore stages on the request path, p50 ms: "
-                     + ", ".join(f"{k}={v:.1f}" for k, v in r["restore_stages_p50_ms"].items()))
+        extra.append(
+            "warmbox restore stages on the request path, p50 ms: "
+            + ", ".join(f"{k}={v:.1f}" for k, v in r["restore_stages_p50_ms"].items())
+        )
     extra += [f"goal {k}: {g['measured']} -> {'met' if g['met'] else 'NOT met'}" for k, g in r.get("goals", {}).items()]
-    _print_table(f"bench start [tier microvm, {r['accelerator']}] create->first command ({r['runs']} interleaved runs)",
-                 r["stats"], extra)
+    _print_table(
+        f"bench start [tier microvm, {r['accelerator']}] create->first command ({r['runs']} interleaved runs)",
+        r["stats"],
+        extra,
+    )
 
 
 def _print_snapshot(r: dict) -> None:
     accel = f", {r['accelerator']}" if "accelerator" in r else ""
-    _print_table(f"bench snapshot [tier {r['tier']}{accel}, memory snapshot: {r['memory_snapshot']}] ({r['runs']} runs)",
-                 {k.removesuffix("_ms"): v for k, v in r["stats"].items()},
-                 [f"sizes: {json.dumps(r['sizes'])}"] + [f"ratio {k}: {v:.2f}x" for k, v in r["ratios_p50"].items()])
+    _print_table(
+        f"bench snapshot [tier {r['tier']}{accel}, memory snapshot: {r['memory_snapshot']}] ({r['runs']} runs)",
+        {k.removesuffix("_ms"): v for k, v in r["stats"].items()},
+        [f"sizes: {json.dumps(r['sizes'])}"] + [f"ratio {k}: {v:.2f}x" for k, v in r["ratios_p50"].items()],
+    )
 
 
 # ---------------------------------------------------------------------------- entry
@@ -793,8 +924,14 @@ def _print_snapshot(r: dict) -> None:
 
 POOLS = {
     "bench-base": {"template": "base", "min": 2, "max": 2, "target": 2, "refill_concurrency": 1},
-    "bench-pydata": {"template": "pydata", "min": 2, "max": 2, "target": 2, "refill_concurrency": 1,
-                     "limits": {"memory_mb": 512}},
+    "bench-pydata": {
+        "template": "pydata",
+        "min": 2,
+        "max": 2,
+        "target": 2,
+        "refill_concurrency": 1,
+        "limits": {"memory_mb": 512},
+    },
     "bench-burst": {"template": "base", "min": 0, "max": 0, "target": 0, "refill_concurrency": 2},
     "bench-density-base": {"template": "base", "min": 0, "max": 0, "limits": {"memory_mb": 128}},
     "bench-density-shell": {"template": "shell", "min": 0, "max": 0, "limits": {"memory_mb": 96}},
@@ -805,9 +942,12 @@ def _validate(args: argparse.Namespace) -> None:
     from warmbox.errors import InvalidArgument
 
     table: dict[str, list[tuple[str, float, float]]] = {
-        "start": [("runs", 1, 10000)], "burst": [("burst", 1, 500)], "exec": [("seconds", 0.01, 3600)],
+        "start": [("runs", 1, 10000)],
+        "burst": [("burst", 1, 500)],
+        "exec": [("seconds", 0.01, 3600)],
         "snapshot": [("runs", 1, 1000), ("mb", 0, 4096)],
-        "density": [("max", 1, 2000), ("step", 1, 2000), ("memory_bound_gib", 0.01, 1024)]}
+        "density": [("max", 1, 2000), ("step", 1, 2000), ("memory_bound_gib", 0.01, 1024)],
+    }
     checks = table[args.bench]
     for name, lo, hi in checks:
         v = getattr(args, name)
@@ -822,11 +962,15 @@ async def command(args: argparse.Namespace) -> int:
         args.runs = 5 if args.tier == "microvm" else 20
     _validate(args)
     variant = getattr(args, "variant", "both")
-    wanted = {"start": tuple(f"bench-{VARIANTS[v][2]}" for v in VARIANTS if variant in (v, "both"))
-              if getattr(args, "tier", "container") == "container" else (),
-              "burst": ("bench-burst",), "exec": (),
-              "snapshot": ("bench-pydata",) if getattr(args, "tier", "container") == "container" else (),
-              "density": (f"bench-density-{getattr(args, 'template', 'base')}",)}[args.bench]
+    wanted = {
+        "start": tuple(f"bench-{VARIANTS[v][2]}" for v in VARIANTS if variant in (v, "both"))
+        if getattr(args, "tier", "container") == "container"
+        else (),
+        "burst": ("bench-burst",),
+        "exec": (),
+        "snapshot": ("bench-pydata",) if getattr(args, "tier", "container") == "container" else (),
+        "density": (f"bench-density-{getattr(args, 'template', 'base')}",),
+    }[args.bench]
     pools = {k: v for k, v in POOLS.items() if k in wanted}
     home = _make_home(pools)
     try:

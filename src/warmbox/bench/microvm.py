@@ -97,14 +97,33 @@ class RawQemu:
         disk = d / "workspace" / "disk.qcow2"
         try:
             if memory is None:
-                subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b",
-                                str(self.backend.image() / "workspace.raw"), "-F", "raw", str(disk)],
-                               check=True, timeout=60)
+                subprocess.run(
+                    [
+                        "qemu-img",
+                        "create",
+                        "-q",
+                        "-f",
+                        "qcow2",
+                        "-b",
+                        str(self.backend.image() / "workspace.raw"),
+                        "-F",
+                        "raw",
+                        str(disk),
+                    ],
+                    check=True,
+                    timeout=60,
+                )
             else:
                 shutil.copy(memory.with_suffix(".qcow2"), disk)
             (d / "empty").mkdir(mode=0o555)
-            argv = vm.qemu_argv(self.backend.image(), d, Limits(), self.backend.accel()[0],
-                                incoming=vm.INCOMING_FD if memory else None, confine=RAW_UID)
+            argv = vm.qemu_argv(
+                self.backend.image(),
+                d,
+                Limits(),
+                self.backend.accel()[0],
+                incoming=vm.INCOMING_FD if memory else None,
+                confine=RAW_UID,
+            )
             # the same host cgroup bounds as warmbox's VMs (CPU quota, memory charging): the ratios
             # then measure warmbox's own work, not the limits
             procs = self._cgroup(d).create_for(Limits(), self.backend.accel()[0])
@@ -162,7 +181,9 @@ async def _warmbox_cold(engine, limits: Limits) -> tuple[float, dict[str, float]
     settings = engine.settings()
     tmpl = settings.template("shell")  # no warm-up: the boot itself, as raw QEMU does it
     t0 = time.perf_counter()
-    got = await provision.launch(engine, provision.LaunchSpec("microvm", tmpl.name, 120.0, limits), provision.Cold(tmpl))
+    got = await provision.launch(
+        engine, provision.LaunchSpec("microvm", tmpl.name, 120.0, limits), provision.Cold(tmpl)
+    )
     try:
         await got.session.exec(list(FIRST), timeout_s=30, max_output=1 << 16)
         ms = (time.perf_counter() - t0) * 1e3
@@ -194,8 +215,14 @@ def _template_files(engine, limits: Limits, work: Path, template: str = "base") 
     mem = work / f"{template}.mem"
     os.link(cached / "checkpoint.img", mem)
     tar_path = work / "workspace.tar"
-    snaps.get_blob(snapshots.store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes,
-                   tar_path, snapshots._workdir(engine))
+    snaps.get_blob(
+        snapshots.store_for(engine),
+        m.filesystem_sha256,
+        m.filesystem_bytes,
+        m.filesystem_raw_bytes,
+        tar_path,
+        snapshots._workdir(engine),
+    )
     with tarfile.open(tar_path) as tar:
         member = tar.extractfile("./disk.qcow2") or tar.extractfile("disk.qcow2")
         if member is None:
@@ -234,21 +261,28 @@ async def bench_start(home: Path, runs: int, variant: str = "both") -> dict:
     try:
         # untimed: warmbox's template snapshots; raw QEMU restores those very memory files and disks
         for kind in {m.rsplit("_", 1)[1] for m in methods}:
-            sb = await AsyncSandbox.create("microvm", template=templates[kind], timeout=300, pool=False, limits=limits,
-                                           home=home)
+            sb = await AsyncSandbox.create(
+                "microvm", template=templates[kind], timeout=300, pool=False, limits=limits, home=home
+            )
             try:
                 await _first_command(sb)
             finally:
                 await sb.kill()
             mems[kind] = _template_files(engine, limits, work, templates[kind])
         for i in range(runs):
-            order = methods[i % len(methods):] + methods[:i % len(methods)]
+            order = methods[i % len(methods) :] + methods[: i % len(methods)]
             for m in order:
                 if m.startswith("warmbox_restore"):
                     agent = m.endswith("_agent")
                     t0 = time.perf_counter()
-                    sb = await AsyncSandbox.create("microvm", template=templates["agent" if agent else "first"],
-                                                   timeout=120, pool=False, limits=limits, home=home)
+                    sb = await AsyncSandbox.create(
+                        "microvm",
+                        template=templates["agent" if agent else "first"],
+                        timeout=120,
+                        pool=False,
+                        limits=limits,
+                        home=home,
+                    )
                     try:
                         if agent:
                             r = await sb.run_code(AGENT_CODE, timeout=60)
@@ -276,25 +310,38 @@ async def bench_start(home: Path, runs: int, variant: str = "both") -> dict:
         shutil.rmtree(work, ignore_errors=True)
     stats = {k: _stats(v) for k, v in rows.items()}
     ratio = lambda a, b: stats[a]["p50_ms"] / stats[b]["p50_ms"]  # noqa: E731
-    pairs = [("warmbox_restore_first", "raw_qemu_restore_first"), ("warmbox_cold_boot_first", "raw_qemu_boot_first"),
-             ("warmbox_cold_boot_first", "warmbox_restore_first"), ("warmbox_restore_agent", "raw_qemu_restore_agent")]
-    return {"bench": "start", "tier": "microvm", "accelerator": backend.accel()[0], "accelerator_why": backend.accel()[1],
-            "runs": runs, "variant": variant, "stats": stats,
-            "ratios_p50": {f"{a}/{b}": ratio(a, b) for a, b in pairs if a in stats and b in stats},
-            "restore_stages_p50_ms": {k: statistics.median(v) for k, v in stages.items()},
-            "goals": _goals(stats, ratio) if "warmbox_restore_first" in stats else {},
-            "kernel": backend.kernel_version(),
-            "note": "first = /bin/true through the guest agent; agent = the numpy+pandas CSV cell in the pydata "
-                    "template's warmed code context; raw = the same QEMU argv, kernel, initramfs, root image and "
-                    "warmbox's own template memory file and disk, spoken to directly on QEMU's chardev (no engine, "
-                    "relay, reseed, registry or SDK); raw boot uses a fresh disk"}
+    pairs = [
+        ("warmbox_restore_first", "raw_qemu_restore_first"),
+        ("warmbox_cold_boot_first", "raw_qemu_boot_first"),
+        ("warmbox_cold_boot_first", "warmbox_restore_first"),
+        ("warmbox_restore_agent", "raw_qemu_restore_agent"),
+    ]
+    return {
+        "bench": "start",
+        "tier": "microvm",
+        "accelerator": backend.accel()[0],
+        "accelerator_why": backend.accel()[1],
+        "runs": runs,
+        "variant": variant,
+        "stats": stats,
+        "ratios_p50": {f"{a}/{b}": ratio(a, b) for a, b in pairs if a in stats and b in stats},
+        "restore_stages_p50_ms": {k: statistics.median(v) for k, v in stages.items()},
+        "goals": _goals(stats, ratio) if "warmbox_restore_first" in stats else {},
+        "kernel": backend.kernel_version(),
+        "note": "first = /bin/true through the guest agent; agent = the numpy+pandas CSV cell in the pydata "
+        "template's warmed code context; raw = the same QEMU argv, kernel, initramfs, root image and "
+        "warmbox's own template memory file and disk, spoken to directly on QEMU's chardev (no engine, "
+        "relay, reseed, registry or SDK); raw boot uses a fresh disk",
+    }
 
 
 def _goals(stats: dict, ratio) -> dict[str, dict]:
     """The issue's goals for this tier under TCG, each with the measured p50 and whether it is met."""
-    got = {"restore_first_p50_ms<=400": stats["warmbox_restore_first"]["p50_ms"],
-           "restore_first/raw_qemu_restore<=1.3": ratio("warmbox_restore_first", "raw_qemu_restore_first"),
-           "cold_boot_first/raw_qemu_boot<=1.2": ratio("warmbox_cold_boot_first", "raw_qemu_boot_first")}
+    got = {
+        "restore_first_p50_ms<=400": stats["warmbox_restore_first"]["p50_ms"],
+        "restore_first/raw_qemu_restore<=1.3": ratio("warmbox_restore_first", "raw_qemu_restore_first"),
+        "cold_boot_first/raw_qemu_boot<=1.2": ratio("warmbox_cold_boot_first", "raw_qemu_boot_first"),
+    }
     return {k: {"measured": round(v, 3), "met": v <= float(k.rsplit("<=", 1)[1])} for k, v in got.items()}
 
 
@@ -306,8 +353,9 @@ async def bench_snapshot(home: Path, runs: int) -> dict:
     backend = _microvm(engine)
     work = Path(tempfile.mkdtemp(prefix="raw-qemu-", dir=engine.runtime))
     raw = RawQemu(backend, work)
-    rows: dict[str, list[float]] = {k: [] for k in ("pause_ms", "resume_first_ms", "raw_save_ms",
-                                                     "raw_restore_first_ms")}
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("pause_ms", "resume_first_ms", "raw_save_ms", "raw_restore_first_ms")
+    }
     sizes: dict[str, int] = {}
     limits = Limits()
     try:
@@ -331,8 +379,9 @@ async def bench_snapshot(home: Path, runs: int) -> dict:
             try:
                 await _first_command(back)
                 rows["resume_first_ms"].append((time.perf_counter() - t0) * 1e3)
-                if (await back.run_code("kept + 1")).text != "42" or \
-                        await back.files.read("/workspace/state.txt") != "kept":
+                if (await back.run_code("kept + 1")).text != "42" or await back.files.read(
+                    "/workspace/state.txt"
+                ) != "kept":
                     raise WarmboxError("the resumed microVM lost its state")
             finally:
                 await back.kill()
@@ -350,9 +399,18 @@ async def bench_snapshot(home: Path, runs: int) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     stats = {k: _stats(v) for k, v in rows.items()}
     ratio = lambda a, b: stats[a]["p50_ms"] / stats[b]["p50_ms"]  # noqa: E731
-    return {"bench": "snapshot", "tier": "microvm", "memory_snapshot": True, "runs": runs, "sizes": sizes,
-            "accelerator": backend.accel()[0], "stats": stats,
-            "ratios_p50": {"pause/raw_save": ratio("pause_ms", "raw_save_ms"),
-                           "resume_first/raw_restore_first": ratio("resume_first_ms", "raw_restore_first_ms")},
-            "note": "pause = QEMU stop + migrate to a file + quit + workspace disk + compress/store + destroy; "
-                    "raw = stop + migrate + quit of a raw VM of the same images; first command = /bin/true"}
+    return {
+        "bench": "snapshot",
+        "tier": "microvm",
+        "memory_snapshot": True,
+        "runs": runs,
+        "sizes": sizes,
+        "accelerator": backend.accel()[0],
+        "stats": stats,
+        "ratios_p50": {
+            "pause/raw_save": ratio("pause_ms", "raw_save_ms"),
+            "resume_first/raw_restore_first": ratio("resume_first_ms", "raw_restore_first_ms"),
+        },
+        "note": "pause = QEMU stop + migrate to a file + quit + workspace disk + compress/store + destroy; "
+        "raw = stop + migrate + quit of a raw VM of the same images; first command = /bin/true",
+    }

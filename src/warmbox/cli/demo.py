@@ -14,11 +14,14 @@ async def demo() -> int:
     for row in Engine.for_home().doctor():
         print(f"  tier {row.tier:<10} {'available' if row.available else 'unavailable'}: {row.reason}")
     t0 = time.perf_counter()
-    async with await AsyncSandbox.create("container", timeout=120, envs={"GREETING": "hi"},
-                                         limits=Limits(memory_mb=512, cpus=1.0, pids=256)) as sb:
+    async with await AsyncSandbox.create(
+        "container", timeout=120, envs={"GREETING": "hi"}, limits=Limits(memory_mb=512, cpus=1.0, pids=256)
+    ) as sb:
         r = await sb.commands.run("python3 -c 'print(2 + 2)'")
-        print(f"sandbox {sb.sandbox_id} answered {r.stdout.strip()!r} "
-              f"{(time.perf_counter() - t0) * 1e3:.0f} ms after create was called")
+        print(
+            f"sandbox {sb.sandbox_id} answered {r.stdout.strip()!r} "
+            f"{(time.perf_counter() - t0) * 1e3:.0f} ms after create was called"
+        )
         print("  stage timings (ms):", ", ".join(f"{k}={v:.1f}" for k, v in sb.timings.items()))
         r = await sb.commands.run("id -u; echo $GREETING; cat /proc/self/status | grep CapEff")
         print("  inside:", " | ".join(r.stdout.split("\n")[:3]))
@@ -43,13 +46,21 @@ async def demo() -> int:
         async with await AsyncSandbox.create("container", timeout=120) as sb:
             e = await sb.run_code("print(2 + 2)")
             ms = (time.perf_counter() - t0) * 1e3
-            print(f"warm pool {pool.name!r}: from_pool={sb.from_pool}, answered {e.stdout.strip()!r} {ms:.1f} ms "
-                  f"after create was called")
-            print("  stage timings (ms, [done by the pool beforehand]):", " ".join(
-                f"{t.stage}={t.duration_ms:.1f}" if t.on_request_path else f"[{t.stage}={t.duration_ms:.1f}]"
-                for t in sb.stage_timings))
+            print(
+                f"warm pool {pool.name!r}: from_pool={sb.from_pool}, answered {e.stdout.strip()!r} {ms:.1f} ms "
+                f"after create was called"
+            )
+            print(
+                "  stage timings (ms, [done by the pool beforehand]):",
+                " ".join(
+                    f"{t.stage}={t.duration_ms:.1f}" if t.on_request_path else f"[{t.stage}={t.duration_ms:.1f}]"
+                    for t in sb.stage_timings
+                ),
+            )
         m = await sb.metrics()
-        print(f"  metered: cpu {m.cpu_s:.3f} s, memory {m.memory_gib_s:.4f} GiB-s, wall {m.wall_s:.2f} s, "
-              f"idle {m.idle_s:.2f} s (warm-up billed to the pool; see warmbox pool ls)")
+        print(
+            f"  metered: cpu {m.cpu_s:.3f} s, memory {m.memory_gib_s:.4f} GiB-s, wall {m.wall_s:.2f} s, "
+            f"idle {m.idle_s:.2f} s (warm-up billed to the pool; see warmbox pool ls)"
+        )
     print("try: warmbox run -- python3 -c 'print(2+2)'; warmbox pool ls; warmbox down")
     return 0

@@ -1,22 +1,22 @@
 """The ``warmbox`` command line. Every error is one line on stderr and exit status 125.
 
-    warmbox run [opts] -- CMD...      create, run, destroy; exits with the command's status
-    warmbox create [opts]             print the id of a new sandbox that outlives this process
-    warmbox exec ID [opts] -- CMD...  run in an existing sandbox
-    warmbox ls [--all] [--timings]    list sandboxes
-    warmbox kill ID...                destroy sandboxes
-    warmbox metrics ID                cpu-s, memory GiB-s, wall/busy/idle seconds of a sandbox
-    warmbox snapshot ID | pause ID    save files + code-context state (pause also releases the sandbox)
-    warmbox resume SNAP|ID            a running sandbox from a snapshot (or a paused sandbox's latest)
-    warmbox snapshots [ls|rm SNAP|gc] list, delete, collect unreferenced artifact blobs
-    warmbox pool ls                   warm pools: target, ready, hits/misses, warm-up cost
-    warmbox pool resize NAME [N]      set a pool's target (and --min/--max); --wait to watch it fill
-    warmbox pool warm [NAME...]       wait (with progress) until pools reach their targets
-    warmbox down                      stop this home's daemon; pooled sandboxes are destroyed
-    warmbox config                    the effective settings (warmbox.toml + WARMBOX_* overrides)
-    warmbox doctor                    which tiers this host can run, and why not
-    warmbox demo                      a short tour on the embedded defaults
-    warmbox bench start|burst|exec|density   benchmarks, ratios against raw runc/bwrap
+warmbox run [opts] -- CMD...      create, run, destroy; exits with the command's status
+warmbox create [opts]             print the id of a new sandbox that outlives this process
+warmbox exec ID [opts] -- CMD...  run in an existing sandbox
+warmbox ls [--all] [--timings]    list sandboxes
+warmbox kill ID...                destroy sandboxes
+warmbox metrics ID                cpu-s, memory GiB-s, wall/busy/idle seconds of a sandbox
+warmbox snapshot ID | pause ID    save files + code-context state (pause also releases the sandbox)
+warmbox resume SNAP|ID            a running sandbox from a snapshot (or a paused sandbox's latest)
+warmbox snapshots [ls|rm SNAP|gc] list, delete, collect unreferenced artifact blobs
+warmbox pool ls                   warm pools: target, ready, hits/misses, warm-up cost
+warmbox pool resize NAME [N]      set a pool's target (and --min/--max); --wait to watch it fill
+warmbox pool warm [NAME...]       wait (with progress) until pools reach their targets
+warmbox down                      stop this home's daemon; pooled sandboxes are destroyed
+warmbox config                    the effective settings (warmbox.toml + WARMBOX_* overrides)
+warmbox doctor                    which tiers this host can run, and why not
+warmbox demo                      a short tour on the embedded defaults
+warmbox bench start|burst|exec|density   benchmarks, ratios against raw runc/bwrap
 """
 
 from __future__ import annotations
@@ -64,14 +64,22 @@ def _add_sandbox_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pids", type=int, default=Limits.pids, help="process/thread limit")
     p.add_argument("--disk", type=int, default=Limits.disk_mb, metavar="MB", help="size of /workspace, MiB")
     _add_network_opts(p)
-    p.add_argument("--secret", action="append", metavar="NAME=HOST[,HOST]",
-                   help="pass host env var NAME as a brokered secret: the sandbox sees a placeholder, "
-                        "the proxy sends the value to HOST only")
+    p.add_argument(
+        "--secret",
+        action="append",
+        metavar="NAME=HOST[,HOST]",
+        help="pass host env var NAME as a brokered secret: the sandbox sees a placeholder, "
+        "the proxy sends the value to HOST only",
+    )
 
 
 def _add_network_opts(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--network", choices=("none", "internet"), default=None,
-                   help="egress: none (default; loopback only) or internet (public addresses only)")
+    p.add_argument(
+        "--network",
+        choices=("none", "internet"),
+        default=None,
+        help="egress: none (default; loopback only) or internet (public addresses only)",
+    )
     p.add_argument("--allow", action="append", metavar="HOST|*.DOMAIN|CIDR", help="allow egress to (repeatable)")
     p.add_argument("--deny", action="append", metavar="HOST|*.DOMAIN|CIDR", help="deny egress to (wins over allow)")
 
@@ -129,8 +137,10 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("metrics", help="cost of a sandbox so far (or final)")
     p.add_argument("sandbox_id")
     p.add_argument("--json", action="store_true")
-    for name, help_ in (("snapshot", "snapshot a sandbox (it keeps running)"),
-                        ("pause", "snapshot a sandbox and release it")):
+    for name, help_ in (
+        ("snapshot", "snapshot a sandbox (it keeps running)"),
+        ("pause", "snapshot a sandbox and release it"),
+    ):
         p = sub.add_parser(name, help=help_)
         p.add_argument("sandbox_id")
         p.add_argument("--json", action="store_true")
@@ -173,8 +183,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("doctor", help="which tiers this host can run")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--security", action="store_true",
-                   help="the guarantees warmbox gives against hostile code, each with the test that proves it")
+    p.add_argument(
+        "--security",
+        action="store_true",
+        help="the guarantees warmbox gives against hostile code, each with the test that proves it",
+    )
     p = sub.add_parser("logs", help="runtime logs of a sandbox (kept after it ended)")
     p.add_argument("sandbox_id")
     sub.add_parser("demo", help="a short tour")
@@ -184,8 +197,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--runs", type=int, default=None, help="default 20 (microvm: 5)")
     b.add_argument("--json", action="store_true")
     b.add_argument("--variant", choices=["empty", "agent", "both"], default="both")
-    b.add_argument("--tier", choices=["container", "microvm"], default="container",
-                   help="microvm: restore and cold boot vs raw QEMU (default --runs 5)")
+    b.add_argument(
+        "--tier",
+        choices=["container", "microvm"],
+        default="container",
+        help="microvm: restore and cold boot vs raw QEMU (default --runs 5)",
+    )
     b = bsub.add_parser("burst", help="N concurrent creates against a pool of N and a smaller pool")
     b.add_argument("--burst", type=int, default=50)
     b.add_argument("--pools", type=int, nargs="+", default=[50, 10], metavar="SIZE")
@@ -221,8 +238,15 @@ def _limits(args: argparse.Namespace) -> Limits:
 
 
 def _create_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {"timeout": args.timeout, "envs": _env_pairs(args.env), "limits": _limits(args), "template": args.template,
-            "pool": not args.no_pool, "network": _network(args), "secrets": _secrets(args)}
+    return {
+        "timeout": args.timeout,
+        "envs": _env_pairs(args.env),
+        "limits": _limits(args),
+        "template": args.template,
+        "pool": not args.no_pool,
+        "network": _network(args),
+        "secrets": _secrets(args),
+    }
 
 
 def _timings_json(stages: list) -> list[dict]:
@@ -231,8 +255,9 @@ def _timings_json(stages: list) -> list[dict]:
 
 def _timings_text(stages: list) -> str:
     """Stages the caller waited for plain; the ones a pool did beforehand in [brackets]."""
-    return " ".join(f"{t.stage}={t.duration_ms:.1f}" if t.on_request_path else f"[{t.stage}={t.duration_ms:.1f}]"
-                    for t in stages)
+    return " ".join(
+        f"{t.stage}={t.duration_ms:.1f}" if t.on_request_path else f"[{t.stage}={t.duration_ms:.1f}]" for t in stages
+    )
 
 
 def _record(result: Any, sb: Any) -> dict:
@@ -247,9 +272,12 @@ def _record(result: Any, sb: Any) -> dict:
 async def _exec_in(sb: Any, args: argparse.Namespace, cmd: list[str]) -> int:
     stream = not args.json
     result = await sb.commands.run(
-        cmd, cwd=args.cwd, timeout=args.cmd_timeout or None,
+        cmd,
+        cwd=args.cwd,
+        timeout=args.cmd_timeout or None,
         on_stdout=(lambda s: (sys.stdout.write(s), sys.stdout.flush())) if stream else None,
-        on_stderr=(lambda s: (sys.stderr.write(s), sys.stderr.flush())) if stream else None)
+        on_stderr=(lambda s: (sys.stderr.write(s), sys.stderr.flush())) if stream else None,
+    )
     if args.json:
         print(json.dumps(_record(result, sb)))
     else:
@@ -273,9 +301,18 @@ async def _create(args: argparse.Namespace) -> int:
     sb = await AsyncSandbox.create(args.tier, **_create_kwargs(args))
     await sb.close()
     if args.json:
-        print(json.dumps({"sandbox_id": sb.sandbox_id, "tier": sb.tier, "template": sb.template,
-                          "from_pool": sb.from_pool, "timings": sb.timings,
-                          "stage_timings": _timings_json(sb.stage_timings)}))
+        print(
+            json.dumps(
+                {
+                    "sandbox_id": sb.sandbox_id,
+                    "tier": sb.tier,
+                    "template": sb.template,
+                    "from_pool": sb.from_pool,
+                    "timings": sb.timings,
+                    "stage_timings": _timings_json(sb.stage_timings),
+                }
+            )
+        )
     else:
         print(sb.sandbox_id)
     return 0
@@ -302,22 +339,38 @@ def _engine() -> Any:
 async def _ls(args: argparse.Namespace) -> int:
     t = _engine()
     infos = await t.handle(ops.ListSandboxes(include_dead=args.all, reap=True))
-    timings = {i.sandbox_id: await t.handle(ops.Timings(i.sandbox_id)) for i in infos} if args.json or args.timings else {}
+    timings = (
+        {i.sandbox_id: await t.handle(ops.Timings(i.sandbox_id)) for i in infos} if args.json or args.timings else {}
+    )
     if args.json:
-        print(json.dumps([{**dataclasses.asdict(i), "state": i.state.value, "from_pool": i.from_pool,
-                           "timings": {x.stage: x.duration_ms for x in timings[i.sandbox_id]},
-                           "stage_timings": _timings_json(timings[i.sandbox_id])}
-                          for i in infos]))
+        print(
+            json.dumps(
+                [
+                    {
+                        **dataclasses.asdict(i),
+                        "state": i.state.value,
+                        "from_pool": i.from_pool,
+                        "timings": {x.stage: x.duration_ms for x in timings[i.sandbox_id]},
+                        "stage_timings": _timings_json(timings[i.sandbox_id]),
+                    }
+                    for i in infos
+                ]
+            )
+        )
         return 0
     now = time.time()
-    header = (f"{'ID':<16} {'TIER':<10} {'TEMPLATE':<9} {'STATE':<10} {'POOL':<8} {'AGE':>7} {'EXPIRES':>8} "
-              f"{'MEM':>6} {'CPUS':>5}")
+    header = (
+        f"{'ID':<16} {'TIER':<10} {'TEMPLATE':<9} {'STATE':<10} {'POOL':<8} {'AGE':>7} {'EXPIRES':>8} "
+        f"{'MEM':>6} {'CPUS':>5}"
+    )
     if args.timings:
         header += "  TIMINGS ms ([done by the pool before the request])"
     print(header)
     for i in infos:
-        line = (f"{i.sandbox_id:<16} {i.tier:<10} {i.template:<9} {i.state.value:<10} {i.pool or '-':<8} "
-                f"{now - i.created_at:>6.0f}s {max(0, i.expires_at - now):>7.0f}s {i.memory_mb:>5}M {i.cpus:>5.2f}")
+        line = (
+            f"{i.sandbox_id:<16} {i.tier:<10} {i.template:<9} {i.state.value:<10} {i.pool or '-':<8} "
+            f"{now - i.created_at:>6.0f}s {max(0, i.expires_at - now):>7.0f}s {i.memory_mb:>5}M {i.cpus:>5.2f}"
+        )
         if args.timings:
             line += "  " + _timings_text(timings[i.sandbox_id])
         print(line)
@@ -329,9 +382,12 @@ async def _metrics(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(dataclasses.asdict(m)))
     else:
-        print(f"{m.sandbox_id}{' (final)' if m.final else ''}: cpu {m.cpu_s:.3f} s, memory {m.memory_gib_s:.4f} GiB-s "
-              f"(now {m.memory_bytes / 2**20:.1f} MiB, peak {m.memory_peak_bytes / 2**20:.1f} MiB), wall {m.wall_s:.1f} s, "
-              f"busy {m.busy_s:.1f} s, idle {m.idle_s:.1f} s, {m.commands} commands")
+        print(
+            f"{m.sandbox_id}{' (final)' if m.final else ''}: cpu {m.cpu_s:.3f} s, memory {m.memory_gib_s:.4f} GiB-s "
+            f"(now {m.memory_bytes / 2**20:.1f} MiB, peak {m.memory_peak_bytes / 2**20:.1f} MiB), "
+            f"wall {m.wall_s:.1f} s, "
+            f"busy {m.busy_s:.1f} s, idle {m.idle_s:.1f} s, {m.commands} commands"
+        )
     return 0
 
 
@@ -342,9 +398,12 @@ async def _snapshot(args: argparse.Namespace) -> int:
         print(json.dumps(dataclasses.asdict(m)))
     else:
         print(m.snapshot_id)
-        print(f"  {m.files_raw_bytes} bytes of files -> {m.files_bytes} stored; memory: {m.memory}; "
-              f"context saved: {m.context_saved}" + (f" (skipped: {', '.join(m.context_skipped)})"
-                                                     if m.context_skipped else ""), file=sys.stderr)
+        print(
+            f"  {m.files_raw_bytes} bytes of files -> {m.files_bytes} stored; memory: {m.memory}; "
+            f"context saved: {m.context_saved}"
+            + (f" (skipped: {', '.join(m.context_skipped)})" if m.context_skipped else ""),
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -355,8 +414,7 @@ async def _resume(args: argparse.Namespace) -> int:
     info = await sb.get_info()
     await sb.close()
     if args.json:
-        print(json.dumps({"sandbox_id": sb.sandbox_id, "from_snapshot": info.parent_snapshot,
-                          "timings": sb.timings}))
+        print(json.dumps({"sandbox_id": sb.sandbox_id, "from_snapshot": info.parent_snapshot, "timings": sb.timings}))
     else:
         print(sb.sandbox_id)
     return 0
@@ -379,7 +437,9 @@ async def _snapshots(args: argparse.Namespace) -> int:
         return 0
     rows = await t.handle(ops.ListSnapshots())
     if args.json:
-        print(json.dumps([{"snapshot_id": a, "sandbox_id": b, "created_at": c, "size_bytes": d} for a, b, c, d in rows]))
+        print(
+            json.dumps([{"snapshot_id": a, "sandbox_id": b, "created_at": c, "size_bytes": d} for a, b, c, d in rows])
+        )
         return 0
     print(f"{'SNAPSHOT':<28} {'SANDBOX':<16} {'AGE':>7} {'SIZE':>10}")
     now = time.time()
@@ -465,8 +525,10 @@ async def _net(args: argparse.Namespace) -> int:
             return 0
         for e in rows:
             at = time.strftime("%H:%M:%S", time.localtime(e.at))
-            print(f"{at} {e.kind:<7} {e.decision:<5} {e.host}:{e.port} {e.address or '-'} {e.rule}"
-                  f" up={e.bytes_up} down={e.bytes_down}" + (f" ({e.detail})" if e.detail else ""))
+            print(
+                f"{at} {e.kind:<7} {e.decision:<5} {e.host}:{e.port} {e.address or '-'} {e.rule}"
+                f" up={e.bytes_up} down={e.bytes_down}" + (f" ({e.detail})" if e.detail else "")
+            )
         return 0
     if args.net_command == "set":
         print(await t.handle(ops.UpdateNetwork(args.sandbox_id, _network(args))))
@@ -475,9 +537,26 @@ async def _net(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"net": _net, "run": _run, "create": _create, "exec": _exec, "ls": _ls, "kill": _kill, "metrics": _metrics,
-             "snapshot": _snapshot, "pause": _snapshot, "resume": _resume, "snapshots": _snapshots,
-             "pool": _pool, "down": _down, "config": _config, "doctor": _doctor, "logs": _logs, "demo": _demo, "bench": _bench}
+_COMMANDS = {
+    "net": _net,
+    "run": _run,
+    "create": _create,
+    "exec": _exec,
+    "ls": _ls,
+    "kill": _kill,
+    "metrics": _metrics,
+    "snapshot": _snapshot,
+    "pause": _snapshot,
+    "resume": _resume,
+    "snapshots": _snapshots,
+    "pool": _pool,
+    "down": _down,
+    "config": _config,
+    "doctor": _doctor,
+    "logs": _logs,
+    "demo": _demo,
+    "bench": _bench,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -493,8 +572,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a bug of ours: one line, the traceback only on request
         if os.environ.get("WARMBOX_DEBUG"):
             raise
-        print(f"warmbox: internal error: {type(e).__name__}: {e} (WARMBOX_DEBUG=1 shows the traceback)",
-              file=sys.stderr)
+        print(
+            f"warmbox: internal error: {type(e).__name__}: {e} (WARMBOX_DEBUG=1 shows the traceback)", file=sys.stderr
+        )
         return EXIT_ERROR
 
 

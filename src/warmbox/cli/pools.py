@@ -28,12 +28,16 @@ async def command(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps([dataclasses.asdict(r) for r in rows]))
             return 0
-        print(f"{'POOL':<12} {'TIER':<10} {'TEMPLATE':<9} {'READY':>5} {'WARM':>4} {'TARGET':>6} {'MIN':>4} {'MAX':>4} "
-              f"{'HITS':>6} {'MISSES':>6} {'FAILS':>5}  WARM-UP COST (cpu-s / GiB-s / wall-s)")
+        print(
+            f"{'POOL':<12} {'TIER':<10} {'TEMPLATE':<9} {'READY':>5} {'WARM':>4} {'TARGET':>6} {'MIN':>4} {'MAX':>4} "
+            f"{'HITS':>6} {'MISSES':>6} {'FAILS':>5}  WARM-UP COST (cpu-s / GiB-s / wall-s)"
+        )
         for r in rows:
-            print(f"{r.name:<12} {r.tier:<10} {r.template:<9} {r.ready:>5} {r.warming:>4} {r.target:>6} {r.min:>4} "
-                  f"{r.max:>4} {r.hits:>6} {r.misses:>6} {r.warmup_failures:>5}  "
-                  f"{r.cost_cpu_s:.2f} / {r.cost_memory_gib_s:.3f} / {r.cost_wall_s:.1f}")
+            print(
+                f"{r.name:<12} {r.tier:<10} {r.template:<9} {r.ready:>5} {r.warming:>4} {r.target:>6} {r.min:>4} "
+                f"{r.max:>4} {r.hits:>6} {r.misses:>6} {r.warmup_failures:>5}  "
+                f"{r.cost_cpu_s:.2f} / {r.cost_memory_gib_s:.3f} / {r.cost_wall_s:.1f}"
+            )
             if r.last_error:
                 print(f"{'':<12} last error: {r.last_error[:200]}")
         return 0
@@ -59,9 +63,16 @@ async def warm(names: list[str], timeout: float) -> int:
     engine = _engine()
     engine.ensure_daemon()
     deadline = time.monotonic() + timeout
-    with Progress(TextColumn("pool {task.fields[pool]:<12}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[note]}"), TimeElapsedColumn(), transient=False,
-                  disable=not sys.stderr.isatty(), console=None) as progress:
+    with Progress(
+        TextColumn("pool {task.fields[pool]:<12}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[note]}"),
+        TimeElapsedColumn(),
+        transient=False,
+        disable=not sys.stderr.isatty(),
+        console=None,
+    ) as progress:
         tasks = {n: progress.add_task("", total=None, pool=n, note="") for n in names}
         while True:
             rows = {r.name: r for r in pool.status(engine, engine.settings())}
@@ -80,8 +91,11 @@ async def warm(names: list[str], timeout: float) -> int:
                 for n in names:
                     r = rows[n]
                     if r.ready < r.target:
-                        print(f"warmbox: pool {n}: {r.ready}/{r.target} ready after {timeout:.0f} s"
-                              + (f"; last error: {r.last_error}" if r.last_error else ""), file=sys.stderr)
+                        print(
+                            f"warmbox: pool {n}: {r.ready}/{r.target} ready after {timeout:.0f} s"
+                            + (f"; last error: {r.last_error}" if r.last_error else ""),
+                            file=sys.stderr,
+                        )
                 return 1
             await asyncio.sleep(0.2)
     for n in names:
@@ -94,8 +108,10 @@ async def down() -> int:
     from warmbox.engine.daemon import down_home
 
     pid, left = await down_home(None)
-    print(f"daemon {'stopped' if pid else 'was not running'}; no pooled sandboxes left"
-          + (f"; {len(left)} claimed sandboxes keep running until their timeout" if left else ""))
+    print(
+        f"daemon {'stopped' if pid else 'was not running'}; no pooled sandboxes left"
+        + (f"; {len(left)} claimed sandboxes keep running until their timeout" if left else "")
+    )
     return 0
 
 
@@ -109,16 +125,21 @@ def show_config(as_json: bool) -> int:
     print(f"defaults: tier={d.tier} template={d.template} timeout={d.timeout_s:.0f}s")
     print("templates:")
     for t in settings.templates.values():
-        warm = "no code context" if t.warmup_code is None else (repr(t.warmup_code[:60]) if t.warmup_code else
-                                                                  "code context started")
+        warm = (
+            "no code context"
+            if t.warmup_code is None
+            else (repr(t.warmup_code[:60]) if t.warmup_code else "code context started")
+        )
         cmds = f", {len(t.warmup_commands)} commands" if t.warmup_commands else ""
         print(f"  {t.name:<10} warm-up: {warm}{cmds}  {t.description}")
     print("pools:")
     for p in settings.pools.values():
         lim = p.limits
-        print(f"  {p.name:<10} tier={p.tier} template={p.template} min={p.min} max={p.max} target={p.target} "
-              f"max_age={p.max_age_s:.0f}s idle_shrink={p.idle_shrink_s:.0f}s limits=({lim.memory_mb} MiB, "
-              f"{lim.cpus} cpus, {lim.pids} pids)")
+        print(
+            f"  {p.name:<10} tier={p.tier} template={p.template} min={p.min} max={p.max} target={p.target} "
+            f"max_age={p.max_age_s:.0f}s idle_shrink={p.idle_shrink_s:.0f}s limits=({lim.memory_mb} MiB, "
+            f"{lim.cpus} cpus, {lim.pids} pids)"
+        )
     from warmbox import config
 
     print("limits (the most one sandbox may ask for):")

@@ -23,103 +23,193 @@ _SHARED = ("container", "gvisor")
 _ALL = ("container", "gvisor", "microvm")
 
 GUARANTEES: tuple[Guarantee, ...] = (
-    Guarantee("host paths", "The host never writes, truncates or chowns through a path the sandbox controls: "
-              "gVisor's /run trigger is a new inode made by directory fd (O_EXCL|O_NOFOLLOW, fchown of that fd), "
-              "the agent is signalled, planted symlinks are unlinked, never followed.", ("gvisor",),
-              ("test_host_paths.py::test_resume_trigger_never_follows_a_planted_symlink",
-               "test_host_paths.py::test_restore_races_a_planted_resume_symlink")),
-    Guarantee("host paths", "Memory-snapshot workspace trees are archived and unpacked by tar running as the "
-              "directory's owner: symlinks (absolute too) round-trip as data, sparse files stay sparse.",
-              ("gvisor",), ("test_host_paths.py::test_memory_snapshot_keeps_absolute_symlinks_and_sparse_files",)),
-    Guarantee("lost work", "WARMBOX_SNAPSHOT_MAX_BYTES bounds every tier's snapshot; a pause that cannot be "
-              "stored after its checkpoint continues the sandbox from its own image.", ("gvisor",),
-              ("test_host_paths.py::test_memory_snapshot_over_the_cap_is_refused_and_the_sandbox_continues",)),
-    Guarantee("crashes", "A unix socket in a gVisor /workspace (its checkpoint would panic) makes pause refuse "
-              "up front; the sandbox keeps running.", ("gvisor",),
-              ("test_host_paths.py::test_pause_with_a_socket_in_workspace_is_refused_and_the_sandbox_lives",)),
-    Guarantee("crashes", "files.read never buffers more than max_bytes on the host, refuses FIFOs, devices and "
-              "sockets without blocking, and stops in the guest when the caller cancels, times out or leaves.",
-              _ALL,
-              ("test_files_read.py::test_symlink_to_dev_zero_is_refused_without_reading",
-               "test_files_read.py::test_fifo_and_socket_are_refused_without_blocking",
-               "test_files_read.py::test_large_file_is_refused_by_default_and_streams_in_bounded_memory",
-               "test_files_read.py::test_slow_stream_reader_holds_a_window_and_an_abandoned_stream_stops",
-               "test_files_read.py::test_timed_out_read_stops_in_the_sandbox",
-               "test_files_read.py::test_reader_that_went_away_stops_the_agent",
-               "test_files_read.py::test_file_longer_than_its_size_or_growing_fails_past_max_bytes",
-               "test_files_read.py::test_bad_read_and_write_arguments_are_typed_errors",
-               "test_files_read.py::test_a_hostile_agent_cannot_make_the_host_buffer",
-               "test_microvm_attacks.py::test_microvm_files_read_is_bounded")),
-    Guarantee("crashes", "Filling /tmp, /home/user and /dev/shm gets ENOSPC; the agent and the sandbox live.",
-              _ALL, ("test_tmpfs_fill.py::test_full_tmpfs_mounts_get_enospc_and_the_sandbox_lives",
-                     "test_microvm_attacks.py::test_microvm_full_tmpfs_gets_enospc_and_the_vm_lives")),
-    Guarantee("crashes", "Filling /workspace gets ENOSPC (files.write: NoSpace) at limits.disk_mb: the host's "
-              "disk gives the sandbox no more; a pause/resume keeps the workspace and its quota, a snapshot that "
-              "does not fit its new disk is NoSpace, and no mount or loop device outlives the sandbox, also when "
-              "its creator was killed.", _ALL,
-              ("test_disk_quota.py::test_filling_the_workspace_stops_at_its_quota_and_the_host_keeps_its_space",
-               "test_disk_quota.py::test_microvm_workspace_is_a_disk_of_its_quota",
-               "test_disk_quota.py::test_pause_and_resume_keep_the_workspace_and_its_quota",
-               "test_disk_quota.py::test_a_snapshot_larger_than_its_new_disk_is_a_typed_error",
-               "test_disk_quota.py::test_a_creator_killed_with_the_disk_mounted_leaves_nothing_once_reaped",
-               "test_disk_quota.py::test_teardown_is_idempotent_removes_stacked_mounts_and_never_a_busy_one")),
-    Guarantee("crashes", "mount, unshare, setuid and chroot from the sandbox user fail or stay in nested "
-              "namespaces and never end the sandbox; a dead sandbox's runtime logs are kept (warmbox logs).",
-              _SHARED, ("test_unprivileged_syscalls.py::test_privileged_calls_fail_or_stay_nested_and_the_sandbox_lives",)),
-    Guarantee("lost work", "A snapshot or pause whose process is killed leaves no temp files once recovered, and "
-              "a pause killed after its checkpoint ends paused and resumable.", _SHARED,
-              ("test_killed_snapshots.py::test_killed_snapshot_leaves_no_temp_files",
-               "test_killed_snapshots.py::test_pause_killed_after_its_checkpoint_ends_paused_and_resumable",
-               "test_killed_snapshots.py::test_half_copied_memory_image_of_a_dead_process_is_removed")),
-    Guarantee("crashes", "A timed-out command's processes all die: double-forked, setsid()ed, "
-              "signal-ignoring and regrouped ones, a fork bomb, and what the cells of a killed code context "
-              "started (the command's own cgroup on the container tier and the microVM, its own PID "
-              "namespace on gVisor); "
-              "what a command leaves running when it exits normally stays.", _SHARED,
-              ("test_command_escape.py::test_timeout_kills_double_forked_setsid_and_signal_ignoring_processes",
-               "test_command_escape.py::test_background_processes_of_a_normal_exit_keep_running",
-               "test_command_escape.py::test_fork_bomb_ends_with_its_timeout",
-               "test_command_escape.py::test_killed_code_context_takes_what_its_cells_started")),
-    Guarantee("lost work", "Timeouts stay enforced after the daemon is SIGKILLed (its guard restarts it).",
-              ("container",), ("test_daemon_death.py::test_timeout_enforced_after_the_daemon_is_sigkilled",)),
-    Guarantee("lost work", "A template VM whose creator died is reaped; the next create of its shape works.",
-              ("gvisor", "microvm"),
-              ("test_template_creator_death.py::test_microvm_template_of_a_killed_creator_is_reaped",
-               "test_template_creator_death.py::test_gvisor_pool_template_of_a_killed_daemon_is_reaped")),
-    Guarantee("lost work", "A killed egress proxy is restarted with every policy, secret and CA, or network "
-              "updates fail loudly; deny-all holds throughout.", ("container",),
-              ("test_egress_proxy_death.py::test_killed_proxy_is_restarted_or_updates_fail_loudly",
-               "test_egress_proxy_death.py::test_secrets_survive_a_proxy_restart",
-               "test_egress_proxy_death.py::test_killed_supervisor_update_restarts_or_fails_loudly",
-               "test_egress_proxy_death.py::test_proxy_that_cannot_restart_fails_updates_loudly",
-               "test_egress_proxy_death.py::test_approvals_are_asked_again_after_a_restart")),
-    Guarantee("isolation", "Two warmbox homes never run sandboxes as the same host uid (slots are host-wide).",
-              _ALL, ("test_uid_slots.py::test_two_homes_never_share_a_uid_range",
-                     "test_uid_slots.py::test_concurrent_homes_get_distinct_slots",
-                     "test_uid_slots.py::test_a_full_ledger_is_a_typed_error_and_crashed_holders_are_reclaimed",
-                     "test_uid_slots.py::test_unreadable_holders_and_running_ranges_are_never_reclaimed",
-                     "test_uid_slots.py::test_sandboxes_from_before_the_ledger_are_adopted")),
-    Guarantee("isolation", "User code cannot read or write the guest agent's memory (/proc/1/mem, ptrace).",
-              _ALL, ("test_agent_memory.py::test_user_code_cannot_touch_the_agents_memory",
-                     "test_microvm_attacks.py::test_microvm_user_code_cannot_touch_the_agents_memory")),
-    Guarantee("isolation", "Limits above the host's capacity or [limits] max_* are refused with LimitTooHigh "
-              "before anything is created, on create, resume and fork.", _ALL,
-              ("test_limits.py::test_absurd_limits_are_refused_naming_limit_value_maximum_and_source",
-               "test_limits.py::test_defaults_come_from_the_host",
-               "test_limits.py::test_tmpfs_is_bounded_by_the_sandboxs_memory",
-               "test_limits.py::test_admin_maxima_from_the_file_and_the_environment_are_honoured",
-               "test_limits.py::test_env_override_reaches_the_loaded_settings",
-               "test_limits.py::test_bad_limits_settings_and_pools_above_them_are_config_errors",
-               "test_limits.py::test_config_shows_the_limits_section",
-               "test_limits.py::test_create_refuses_absurd_limits_before_anything_exists",
-               "test_limits.py::test_a_config_max_is_honoured_and_normal_limits_still_create",
-               "test_limits.py::test_resume_and_fork_refuse_limits_above_a_lowered_max",
-               "test_disk_quota.py::test_disk_limits_are_checked_against_the_maximum_and_the_free_space")),
-    Guarantee("egress", "A name no rule allows is never resolved upstream (no DNS exfiltration), also with CIDR "
-              "rules and on_unknown='ask'; the question comes before any lookup.", ("container",),
-              ("test_egress_dns.py::test_cidr_allow_rule_does_not_resolve_unknown_names",
-               "test_egress_dns.py::test_cidr_rule_next_to_name_rules_resolves_allowed_names_only",
-               "test_egress_dns.py::test_ask_is_answered_before_any_lookup")),
+    Guarantee(
+        "host paths",
+        "The host never writes, truncates or chowns through a path the sandbox controls: "
+        "gVisor's /run trigger is a new inode made by directory fd (O_EXCL|O_NOFOLLOW, fchown of that fd), "
+        "the agent is signalled, planted symlinks are unlinked, never followed.",
+        ("gvisor",),
+        (
+            "test_host_paths.py::test_resume_trigger_never_follows_a_planted_symlink",
+            "test_host_paths.py::test_restore_races_a_planted_resume_symlink",
+        ),
+    ),
+    Guarantee(
+        "host paths",
+        "Memory-snapshot workspace trees are archived and unpacked by tar running as the "
+        "directory's owner: symlinks (absolute too) round-trip as data, sparse files stay sparse.",
+        ("gvisor",),
+        ("test_host_paths.py::test_memory_snapshot_keeps_absolute_symlinks_and_sparse_files",),
+    ),
+    Guarantee(
+        "lost work",
+        "WARMBOX_SNAPSHOT_MAX_BYTES bounds every tier's snapshot; a pause that cannot be "
+        "stored after its checkpoint continues the sandbox from its own image.",
+        ("gvisor",),
+        ("test_host_paths.py::test_memory_snapshot_over_the_cap_is_refused_and_the_sandbox_continues",),
+    ),
+    Guarantee(
+        "crashes",
+        "A unix socket in a gVisor /workspace (its checkpoint would panic) makes pause refuse "
+        "up front; the sandbox keeps running.",
+        ("gvisor",),
+        ("test_host_paths.py::test_pause_with_a_socket_in_workspace_is_refused_and_the_sandbox_lives",),
+    ),
+    Guarantee(
+        "crashes",
+        "files.read never buffers more than max_bytes on the host, refuses FIFOs, devices and "
+        "sockets without blocking, and stops in the guest when the caller cancels, times out or leaves.",
+        _ALL,
+        (
+            "test_files_read.py::test_symlink_to_dev_zero_is_refused_without_reading",
+            "test_files_read.py::test_fifo_and_socket_are_refused_without_blocking",
+            "test_files_read.py::test_large_file_is_refused_by_default_and_streams_in_bounded_memory",
+            "test_files_read.py::test_slow_stream_reader_holds_a_window_and_an_abandoned_stream_stops",
+            "test_files_read.py::test_timed_out_read_stops_in_the_sandbox",
+            "test_files_read.py::test_reader_that_went_away_stops_the_agent",
+            "test_files_read.py::test_file_longer_than_its_size_or_growing_fails_past_max_bytes",
+            "test_files_read.py::test_bad_read_and_write_arguments_are_typed_errors",
+            "test_files_read.py::test_a_hostile_agent_cannot_make_the_host_buffer",
+            "test_microvm_attacks.py::test_microvm_files_read_is_bounded",
+        ),
+    ),
+    Guarantee(
+        "crashes",
+        "Filling /tmp, /home/user and /dev/shm gets ENOSPC; the agent and the sandbox live.",
+        _ALL,
+        (
+            "test_tmpfs_fill.py::test_full_tmpfs_mounts_get_enospc_and_the_sandbox_lives",
+            "test_microvm_attacks.py::test_microvm_full_tmpfs_gets_enospc_and_the_vm_lives",
+        ),
+    ),
+    Guarantee(
+        "crashes",
+        "Filling /workspace gets ENOSPC (files.write: NoSpace) at limits.disk_mb: the host's "
+        "disk gives the sandbox no more; a pause/resume keeps the workspace and its quota, a snapshot that "
+        "does not fit its new disk is NoSpace, and no mount or loop device outlives the sandbox, also when "
+        "its creator was killed.",
+        _ALL,
+        (
+            "test_disk_quota.py::test_filling_the_workspace_stops_at_its_quota_and_the_host_keeps_its_space",
+            "test_disk_quota.py::test_microvm_workspace_is_a_disk_of_its_quota",
+            "test_disk_quota.py::test_pause_and_resume_keep_the_workspace_and_its_quota",
+            "test_disk_quota.py::test_a_snapshot_larger_than_its_new_disk_is_a_typed_error",
+            "test_disk_quota.py::test_a_creator_killed_with_the_disk_mounted_leaves_nothing_once_reaped",
+            "test_disk_quota.py::test_teardown_is_idempotent_removes_stacked_mounts_and_never_a_busy_one",
+        ),
+    ),
+    Guarantee(
+        "crashes",
+        "mount, unshare, setuid and chroot from the sandbox user fail or stay in nested "
+        "namespaces and never end the sandbox; a dead sandbox's runtime logs are kept (warmbox logs).",
+        _SHARED,
+        ("test_unprivileged_syscalls.py::test_privileged_calls_fail_or_stay_nested_and_the_sandbox_lives",),
+    ),
+    Guarantee(
+        "lost work",
+        "A snapshot or pause whose process is killed leaves no temp files once recovered, and "
+        "a pause killed after its checkpoint ends paused and resumable.",
+        _SHARED,
+        (
+            "test_killed_snapshots.py::test_killed_snapshot_leaves_no_temp_files",
+            "test_killed_snapshots.py::test_pause_killed_after_its_checkpoint_ends_paused_and_resumable",
+            "test_killed_snapshots.py::test_half_copied_memory_image_of_a_dead_process_is_removed",
+        ),
+    ),
+    Guarantee(
+        "crashes",
+        "A timed-out command's processes all die: double-forked, setsid()ed, "
+        "signal-ignoring and regrouped ones, a fork bomb, and what the cells of a killed code context "
+        "started (the command's own cgroup on the container tier and the microVM, its own PID "
+        "namespace on gVisor); "
+        "what a command leaves running when it exits normally stays.",
+        _SHARED,
+        (
+            "test_command_escape.py::test_timeout_kills_double_forked_setsid_and_signal_ignoring_processes",
+            "test_command_escape.py::test_background_processes_of_a_normal_exit_keep_running",
+            "test_command_escape.py::test_fork_bomb_ends_with_its_timeout",
+            "test_command_escape.py::test_killed_code_context_takes_what_its_cells_started",
+        ),
+    ),
+    Guarantee(
+        "lost work",
+        "Timeouts stay enforced after the daemon is SIGKILLed (its guard restarts it).",
+        ("container",),
+        ("test_daemon_death.py::test_timeout_enforced_after_the_daemon_is_sigkilled",),
+    ),
+    Guarantee(
+        "lost work",
+        "A template VM whose creator died is reaped; the next create of its shape works.",
+        ("gvisor", "microvm"),
+        (
+            "test_template_creator_death.py::test_microvm_template_of_a_killed_creator_is_reaped",
+            "test_template_creator_death.py::test_gvisor_pool_template_of_a_killed_daemon_is_reaped",
+        ),
+    ),
+    Guarantee(
+        "lost work",
+        "A killed egress proxy is restarted with every policy, secret and CA, or network "
+        "updates fail loudly; deny-all holds throughout.",
+        ("container",),
+        (
+            "test_egress_proxy_death.py::test_killed_proxy_is_restarted_or_updates_fail_loudly",
+            "test_egress_proxy_death.py::test_secrets_survive_a_proxy_restart",
+            "test_egress_proxy_death.py::test_killed_supervisor_update_restarts_or_fails_loudly",
+            "test_egress_proxy_death.py::test_proxy_that_cannot_restart_fails_updates_loudly",
+            "test_egress_proxy_death.py::test_approvals_are_asked_again_after_a_restart",
+        ),
+    ),
+    Guarantee(
+        "isolation",
+        "Two warmbox homes never run sandboxes as the same host uid (slots are host-wide).",
+        _ALL,
+        (
+            "test_uid_slots.py::test_two_homes_never_share_a_uid_range",
+            "test_uid_slots.py::test_concurrent_homes_get_distinct_slots",
+            "test_uid_slots.py::test_a_full_ledger_is_a_typed_error_and_crashed_holders_are_reclaimed",
+            "test_uid_slots.py::test_unreadable_holders_and_running_ranges_are_never_reclaimed",
+            "test_uid_slots.py::test_sandboxes_from_before_the_ledger_are_adopted",
+        ),
+    ),
+    Guarantee(
+        "isolation",
+        "User code cannot read or write the guest agent's memory (/proc/1/mem, ptrace).",
+        _ALL,
+        (
+            "test_agent_memory.py::test_user_code_cannot_touch_the_agents_memory",
+            "test_microvm_attacks.py::test_microvm_user_code_cannot_touch_the_agents_memory",
+        ),
+    ),
+    Guarantee(
+        "isolation",
+        "Limits above the host's capacity or [limits] max_* are refused with LimitTooHigh "
+        "before anything is created, on create, resume and fork.",
+        _ALL,
+        (
+            "test_limits.py::test_absurd_limits_are_refused_naming_limit_value_maximum_and_source",
+            "test_limits.py::test_defaults_come_from_the_host",
+            "test_limits.py::test_tmpfs_is_bounded_by_the_sandboxs_memory",
+            "test_limits.py::test_admin_maxima_from_the_file_and_the_environment_are_honoured",
+            "test_limits.py::test_env_override_reaches_the_loaded_settings",
+            "test_limits.py::test_bad_limits_settings_and_pools_above_them_are_config_errors",
+            "test_limits.py::test_config_shows_the_limits_section",
+            "test_limits.py::test_create_refuses_absurd_limits_before_anything_exists",
+            "test_limits.py::test_a_config_max_is_honoured_and_normal_limits_still_create",
+            "test_limits.py::test_resume_and_fork_refuse_limits_above_a_lowered_max",
+            "test_disk_quota.py::test_disk_limits_are_checked_against_the_maximum_and_the_free_space",
+        ),
+    ),
+    Guarantee(
+        "egress",
+        "A name no rule allows is never resolved upstream (no DNS exfiltration), also with CIDR "
+        "rules and on_unknown='ask'; the question comes before any lookup.",
+        ("container",),
+        (
+            "test_egress_dns.py::test_cidr_allow_rule_does_not_resolve_unknown_names",
+            "test_egress_dns.py::test_cidr_rule_next_to_name_rules_resolves_allowed_names_only",
+            "test_egress_dns.py::test_ask_is_answered_before_any_lookup",
+        ),
+    ),
 )
 
 

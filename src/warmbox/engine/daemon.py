@@ -86,7 +86,7 @@ def _cmdline(pid: int) -> list[bytes] | None:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
         return None
-    if stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X"):
+    if stat[stat.rindex(b")") + 2 :][:1] in (b"Z", b"X"):
         return None
     return cmd
 
@@ -122,8 +122,17 @@ def _spawn(home: Path, argv: list[str]) -> int:
     except OSError:
         log = os.dup(null)
     try:
-        return os.posix_spawn(argv[0], argv, dict(os.environ), setsid=True, file_actions=[
-            (os.POSIX_SPAWN_DUP2, null, 0), (os.POSIX_SPAWN_DUP2, null, 1), (os.POSIX_SPAWN_DUP2, log, 2)])
+        return os.posix_spawn(
+            argv[0],
+            argv,
+            dict(os.environ),
+            setsid=True,
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, null, 0),
+                (os.POSIX_SPAWN_DUP2, null, 1),
+                (os.POSIX_SPAWN_DUP2, log, 2),
+            ],
+        )
     finally:
         os.close(null)
         os.close(log)
@@ -274,11 +283,15 @@ class _Guard:
                 else:
                     young += 1
                     if young > GIVE_UP_AFTER:
-                        _say(f"{young - 1} daemons in a row died within {STABLE_S:.0f} s; not starting "
-                             "another (the next warmbox operation on this home starts one)")
+                        _say(
+                            f"{young - 1} daemons in a row died within {STABLE_S:.0f} s; not starting "
+                            "another (the next warmbox operation on this home starts one)"
+                        )
                         return
-                _say(f"the daemon (pid {self.watched}) ended without leaving on purpose; starting a new one "
-                     f"in {delay:.1f} s")
+                _say(
+                    f"the daemon (pid {self.watched}) ended without leaving on purpose; starting a new one "
+                    f"in {delay:.1f} s"
+                )
                 time.sleep(delay)
                 delay = min(delay * 2, RESPAWN_MAX_S)
                 _reap_children()
@@ -302,7 +315,7 @@ class _GuardKeeper:
 
     def ensure(self) -> None:
         if self.child is not None:  # reap the guard we started, once it ends (only that pid: the
-            try:                    # event loop's child watcher owns the others)
+            try:  # event loop's child watcher owns the others)
                 if os.waitpid(self.child, os.WNOHANG)[0]:
                     self.child = None
             except ChildProcessError:

@@ -42,12 +42,15 @@ def _proxy():  # type: ignore[no-untyped-def]
     from warmbox.network import proxy
 
     return proxy
+
+
 CA_PATH = "/home/user/.warmbox/ca-bundle.pem"
 _PROXY_START_S = 15.0
 _SERVE_WAIT_S = 10.0  # how long a network operation waits for a dead proxy to serve again
 
 
 EgressError = NetworkError
+
 
 def validate_secrets(secrets: object) -> dict[str, Secret]:
     if secrets is None:
@@ -71,24 +74,38 @@ def check_tier(engine: Engine, tier: str, policy: Policy) -> None:
     the proxy must answer (restarted if it died) or the update fails loudly.
     """
     if policy.enabled and policy.mode not in engine.backend(tier).capabilities().network_modes:
-        raise BackendUnavailable(tier, f"network policy {policy.mode!r} is not supported on this tier "
-                                       f"(supported: {', '.join(engine.backend(tier).capabilities().network_modes)})")
+        raise BackendUnavailable(
+            tier,
+            f"network policy {policy.mode!r} is not supported on this tier "
+            f"(supported: {', '.join(engine.backend(tier).capabilities().network_modes)})",
+        )
     if policy.enabled and engine.registry.live_links():
         require_serving(engine.home)
 
 
 def proxy_env(placeholders: dict[str, str], ca: bool) -> dict[str, str]:
-    env = dict.fromkeys(("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "npm_config_proxy", "npm_config_https_proxy"), PROXY_URL)
+    env = dict.fromkeys(
+        ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "npm_config_proxy", "npm_config_https_proxy"),
+        PROXY_URL,
+    )
     env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
     if ca:
-        for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT", "GIT_SSL_CAINFO",
-                  "NODE_EXTRA_CA_CERTS", "npm_config_cafile"):
+        for k in (
+            "SSL_CERT_FILE",
+            "REQUESTS_CA_BUNDLE",
+            "CURL_CA_BUNDLE",
+            "PIP_CERT",
+            "GIT_SSL_CAINFO",
+            "NODE_EXTRA_CA_CERTS",
+            "npm_config_cafile",
+        ):
             env[k] = CA_PATH
     env.update(placeholders)
     return env
 
 
 # ---- the proxy process and its control socket
+
 
 class Control:
     """One connection to the proxy's control socket (newline-delimited JSON)."""
@@ -98,7 +115,9 @@ class Control:
 
     @classmethod
     async def open(cls, home: Path, timeout: float = 2.0) -> Control:
-        r, w = await asyncio.wait_for(asyncio.open_unix_connection(str(_proxy().control_path(home)), limit=1 << 20), timeout)
+        r, w = await asyncio.wait_for(
+            asyncio.open_unix_connection(str(_proxy().control_path(home)), limit=1 << 20), timeout
+        )
         return cls(r, w)
 
     async def call(self, msg: dict, timeout: float = 10.0) -> dict:
@@ -137,9 +156,14 @@ def require_serving(home: Path, bound: float = _SERVE_WAIT_S) -> None:
             return
         if started is None and not _proxy_locked(home):
             with open(home / "netproxy.log", "ab") as log:
-                started = subprocess.Popen([*_proxy().launch_argv(), str(home)],
-                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-                                           start_new_session=True, close_fds=True)
+                started = subprocess.Popen(
+                    [*_proxy().launch_argv(), str(home)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                    start_new_session=True,
+                    close_fds=True,
+                )
         gave_up = started is not None and started.poll() is not None and not _proxy_locked(home)
         if gave_up or time.monotonic() > deadline:
             if gave_up and _hello(home):
@@ -149,10 +173,15 @@ def require_serving(home: Path, bound: float = _SERVE_WAIT_S) -> None:
                 tail = (home / "netproxy.log").read_text(errors="replace").strip().splitlines()[-1][:300]
             except (OSError, IndexError):
                 pass
-            raise EgressError(("the egress proxy could not be restarted" if gave_up else
-                               f"the egress proxy did not answer within {bound:.0f} s")
-                              + " (egress is down; every destination is unreachable)"
-                              + (f": {tail}" if tail else ""))
+            raise EgressError(
+                (
+                    "the egress proxy could not be restarted"
+                    if gave_up
+                    else f"the egress proxy did not answer within {bound:.0f} s"
+                )
+                + " (egress is down; every destination is unreachable)"
+                + (f": {tail}" if tail else "")
+            )
         time.sleep(0.05)
 
 
@@ -230,12 +259,14 @@ async def stop_proxy(home: Path, timeout: float = 10.0) -> None:
 
 # ---- per sandbox
 
+
 def _slot(handle: BackendHandle) -> int:
     return (handle.uid_base - UID_BASE) // UID_RANGE
 
 
-async def attach(engine: Engine, handle: BackendHandle, session: GuestSession, policy: Policy,
-                 secrets: dict[str, Secret]) -> StageTiming:
+async def attach(
+    engine: Engine, handle: BackendHandle, session: GuestSession, policy: Policy, secrets: dict[str, Secret]
+) -> StageTiming:
     """Link a running sandbox to the egress proxy under ``policy`` (stage ``network``)."""
     t0 = time.perf_counter()
     sid = handle.sandbox_id
@@ -250,8 +281,16 @@ async def attach(engine: Engine, handle: BackendHandle, session: GuestSession, p
         placeholders = {name: f"warmbox-secret-{_secrets.token_hex(16)}" for name in secrets}
         c = await Control.open(engine.home)
         try:
-            r = await c.call({"op": "register", "sandbox_id": sid, "secrets": [
-                {"placeholder": placeholders[n], "value": s.value, "hosts": list(s.hosts)} for n, s in secrets.items()]})
+            r = await c.call(
+                {
+                    "op": "register",
+                    "sandbox_id": sid,
+                    "secrets": [
+                        {"placeholder": placeholders[n], "value": s.value, "hosts": list(s.hosts)}
+                        for n, s in secrets.items()
+                    ],
+                }
+            )
         finally:
             await c.close()
         if not r.get("ok"):
@@ -293,8 +332,9 @@ def current_policy(engine: Engine, sandbox_id: str) -> Policy:
     return Policy.from_json(row[2]) if row is not None else Policy("none")
 
 
-async def approvals(home: Path, sandbox_id: str, hook: Callable[[ApprovalRequest], Awaitable[str] | str],
-                    subscribed: asyncio.Event) -> None:
+async def approvals(
+    home: Path, sandbox_id: str, hook: Callable[[ApprovalRequest], Awaitable[str] | str], subscribed: asyncio.Event
+) -> None:
     """Answer the proxy's approval questions for one sandbox until cancelled (runs as a task).
 
     ``hook`` returns (or resolves to) "allow_once", "allow_always" or "deny"; anything else,
@@ -316,8 +356,9 @@ async def approvals(home: Path, sandbox_id: str, hook: Callable[[ApprovalRequest
                 msg = json.loads(line)
                 if msg.get("op") != "ask":
                     continue
-                req = ApprovalRequest(sandbox_id, str(msg.get("host", "")), int(msg.get("port", 0)),
-                                      str(msg.get("kind", "")))
+                req = ApprovalRequest(
+                    sandbox_id, str(msg.get("host", "")), int(msg.get("port", 0)), str(msg.get("kind", ""))
+                )
                 answering.add(asyncio.ensure_future(_answer(c, hook, req, msg.get("req"))))  # concurrently
                 answering = {t for t in answering if not t.done()}
         except asyncio.CancelledError:
@@ -344,8 +385,9 @@ async def _answer(c: Control, hook: Callable, req: ApprovalRequest, req_id: obje
     except Exception:
         answer = "deny"  # a failing hook denies
     try:
-        c.writer.write((json.dumps({"req": req_id, "decision": answer if answer in _DECISIONS else "deny"})
-                        + "\n").encode())
+        c.writer.write(
+            (json.dumps({"req": req_id, "decision": answer if answer in _DECISIONS else "deny"}) + "\n").encode()
+        )
         await c.writer.drain()
     except (OSError, ConnectionError, RuntimeError):
         pass

@@ -139,10 +139,18 @@ class Engine:
 
     # ---- create
 
-    async def create(self, *, tier: str | None = None, timeout: float | None = None,
-                     envs: dict[str, str] | None = None, limits: Limits | None = None,
-                     template: str | None = None, pool: bool = True, network: object = None,
-                     secrets: dict | None = None) -> Launched:
+    async def create(
+        self,
+        *,
+        tier: str | None = None,
+        timeout: float | None = None,
+        envs: dict[str, str] | None = None,
+        limits: Limits | None = None,
+        template: str | None = None,
+        pool: bool = True,
+        network: object = None,
+        secrets: dict | None = None,
+    ) -> Launched:
         """A ready sandbox with a connected session and its stage timings.
 
         Taken from a pool of the same (tier, template, limits) when one has a ready sandbox
@@ -167,8 +175,17 @@ class Engine:
                 raise
         return got
 
-    async def _create(self, tier: str, timeout: float | None, envs: dict[str, str] | None, limits: Limits | None,
-                      template: str | None, pool: bool, t0: float, settings: Settings) -> Launched:
+    async def _create(
+        self,
+        tier: str,
+        timeout: float | None,
+        envs: dict[str, str] | None,
+        limits: Limits | None,
+        template: str | None,
+        pool: bool,
+        t0: float,
+        settings: Settings,
+    ) -> Launched:
         timeout = validate_timeout(settings.defaults.timeout_s if timeout is None else timeout)
         env_pairs = validate_envs(envs)
         if limits is None:
@@ -189,11 +206,19 @@ class Engine:
                     return got
         if self.backend(tier).capabilities().snapshot_start:
             return await self._start_from_template(tier, tmpl, timeout, env_pairs, limits, t0)
-        return await provision.launch(self, provision.LaunchSpec(tier, tmpl.name, timeout, limits, env_pairs),
-                                      provision.Cold(tmpl))
+        return await provision.launch(
+            self, provision.LaunchSpec(tier, tmpl.name, timeout, limits, env_pairs), provision.Cold(tmpl)
+        )
 
-    async def _start_from_template(self, tier: str, tmpl: Template, timeout: float,
-                                   env_pairs: tuple[tuple[str, str], ...], limits: Limits, t0: float) -> Launched:
+    async def _start_from_template(
+        self,
+        tier: str,
+        tmpl: Template,
+        timeout: float,
+        env_pairs: tuple[tuple[str, str], ...],
+        limits: Limits,
+        t0: float,
+    ) -> Launched:
         """A tier whose cold start is too slow (microvm under TCG) restores every sandbox from
         its shape's template memory snapshot; the first create of a shape boots and saves it
         (stage ``template``, on that one create's path)."""
@@ -247,13 +272,16 @@ class Engine:
                 raise
         else:
             got = await provision.launch(
-                self, provision.LaunchSpec(tier, tmpl.name, pc.max_age_s, pc.limits, (), pc.name, shape),
-                provision.Cold(tmpl))
+                self,
+                provision.LaunchSpec(tier, tmpl.name, pc.max_age_s, pc.limits, (), pc.name, shape),
+                provision.Cold(tmpl),
+            )
         await got.session.close()
         return got.sandbox_id
 
-    async def cleanup_failed(self, sandbox_id: str, handle: BackendHandle, backend: Backend,
-                             why: BaseException) -> None:
+    async def cleanup_failed(
+        self, sandbox_id: str, handle: BackendHandle, backend: Backend, why: BaseException
+    ) -> None:
         """Tear down a start that failed (provision.launch): the row stays ``creating`` (ours)
         meanwhile, so no reaper destroys it concurrently."""
         try:
@@ -398,9 +426,17 @@ class Engine:
             return SandboxMetrics(info.sandbox_id, 0.0, 0.0, wall, 0.0, wall, 0, 0, 0, info.state is State.DESTROYED)
         busy = min(wall, m.busy_ms / 1e3)
         return SandboxMetrics(
-            sandbox_id=info.sandbox_id, cpu_s=max(0, m.cpu_ns - m.base_cpu_ns) / 1e9,
-            memory_gib_s=max(0.0, m.gib_s - m.base_gib_s), wall_s=wall, busy_s=busy, idle_s=wall - busy,
-            memory_bytes=m.memory_bytes, memory_peak_bytes=m.peak_bytes, commands=m.commands, final=m.final)
+            sandbox_id=info.sandbox_id,
+            cpu_s=max(0, m.cpu_ns - m.base_cpu_ns) / 1e9,
+            memory_gib_s=max(0.0, m.gib_s - m.base_gib_s),
+            wall_s=wall,
+            busy_s=busy,
+            idle_s=wall - busy,
+            memory_bytes=m.memory_bytes,
+            memory_peak_bytes=m.peak_bytes,
+            commands=m.commands,
+            final=m.final,
+        )
 
     # ---- destroy
 
@@ -436,9 +472,13 @@ class Engine:
             else:
                 expired = info.state in LIVE and info.expires_at <= now
             if expired or info.state is State.FAILED or info.sandbox_id in orphans:
-                why = (("retirer process died" if info.state is State.RETIRING else "creator process died")
-                       if info.sandbox_id in orphans else
-                       "pool max_age reached" if info.state is State.POOLED else "timeout expired")
+                why = (
+                    ("retirer process died" if info.state is State.RETIRING else "creator process died")
+                    if info.sandbox_id in orphans
+                    else "pool max_age reached"
+                    if info.state is State.POOLED
+                    else "timeout expired"
+                )
                 try:
                     if await self.destroy(info.sandbox_id, why):
                         reaped.append(info.sandbox_id)
@@ -512,8 +552,11 @@ class Engine:
             except SandboxNotFound:
                 self.unmark_template_vm(sid)
                 continue
-            if (info.state in (State.READY, State.RUNNING) and self._pause_pending(sid)
-                    and not await self.backend(info.tier).alive(handle)):
+            if (
+                info.state in (State.READY, State.RUNNING)
+                and self._pause_pending(sid)
+                and not await self.backend(info.tier).alive(handle)
+            ):
                 continue  # its memory is saved (nothing runs): recovery finishes the pause, then below
             why = "template creator died"
             if info.state is State.PAUSED:  # paused (by its creator, or by recovery) but not recorded

@@ -68,10 +68,19 @@ def _argv(cmd: object) -> list[str]:
 
 
 def _snapshot_ref(m: Any) -> SnapshotRef:
-    return SnapshotRef(snapshot_id=m.snapshot_id, sandbox_id=m.sandbox_id, created_at=m.created_at, tier=m.tier,
-                       template=m.template, memory=m.memory, size_bytes=m.size_bytes,
-                       context_skipped=m.context_skipped, context_saved=m.context_saved,
-                       files_raw_bytes=m.filesystem_raw_bytes, files_bytes=m.filesystem_bytes)
+    return SnapshotRef(
+        snapshot_id=m.snapshot_id,
+        sandbox_id=m.sandbox_id,
+        created_at=m.created_at,
+        tier=m.tier,
+        template=m.template,
+        memory=m.memory,
+        size_bytes=m.size_bytes,
+        context_skipped=m.context_skipped,
+        context_saved=m.context_saved,
+        files_raw_bytes=m.filesystem_raw_bytes,
+        files_bytes=m.filesystem_bytes,
+    )
 
 
 class Subscription:
@@ -92,18 +101,39 @@ class EngineFront:
         self._sessions: dict[str, GuestSession] = {}
         self._first_done: set[str] = set()
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[Any]]] = {
-            ops.Create: self.create, ops.Connect: self.connect, ops.Resume: self.resume, ops.Detach: self.detach,
-            ops.ListSandboxes: self.list, ops.Info: self.info, ops.Timings: self.timings, ops.Logs: self.logs,
-            ops.Doctor: self.doctor, ops.Kill: self.kill,
-            ops.SetTimeout: self.set_timeout, ops.Metrics: self.metrics, ops.Ping: self.ping,
-            ops.RecordFirstCommand: self.record_first_command, ops.Exec: self.exec,
-            ops.RunCode: self.run_code, ops.CreateContext: self.create_context,
-            ops.RemoveContext: self.remove_context, ops.ReadFile: self.read_file,
-            ops.ReadFileStream: self.read_file_stream, ops.WriteFile: self.write_file, ops.ListDir: self.list_dir,
-            ops.Stat: self.stat, ops.MakeDir: self.make_dir, ops.Remove: self.remove, ops.Snapshot: self.snapshot,
-            ops.Pause: self.pause, ops.ListSnapshots: self.list_snapshots,
-            ops.DeleteSnapshot: self.delete_snapshot, ops.GcSnapshots: self.gc_snapshots, ops.UpdateNetwork: self.update_network,
-            ops.NetworkPolicy: self.network_policy, ops.NetworkLog: self.network_log,
+            ops.Create: self.create,
+            ops.Connect: self.connect,
+            ops.Resume: self.resume,
+            ops.Detach: self.detach,
+            ops.ListSandboxes: self.list,
+            ops.Info: self.info,
+            ops.Timings: self.timings,
+            ops.Logs: self.logs,
+            ops.Doctor: self.doctor,
+            ops.Kill: self.kill,
+            ops.SetTimeout: self.set_timeout,
+            ops.Metrics: self.metrics,
+            ops.Ping: self.ping,
+            ops.RecordFirstCommand: self.record_first_command,
+            ops.Exec: self.exec,
+            ops.RunCode: self.run_code,
+            ops.CreateContext: self.create_context,
+            ops.RemoveContext: self.remove_context,
+            ops.ReadFile: self.read_file,
+            ops.ReadFileStream: self.read_file_stream,
+            ops.WriteFile: self.write_file,
+            ops.ListDir: self.list_dir,
+            ops.Stat: self.stat,
+            ops.MakeDir: self.make_dir,
+            ops.Remove: self.remove,
+            ops.Snapshot: self.snapshot,
+            ops.Pause: self.pause,
+            ops.ListSnapshots: self.list_snapshots,
+            ops.DeleteSnapshot: self.delete_snapshot,
+            ops.GcSnapshots: self.gc_snapshots,
+            ops.UpdateNetwork: self.update_network,
+            ops.NetworkPolicy: self.network_policy,
+            ops.NetworkLog: self.network_log,
         }
 
     async def handle(self, request: ops.Request[R]) -> R:
@@ -165,8 +195,16 @@ class EngineFront:
             m = snapshots.resolve(self.engine, r.from_snapshot)
             got = await snapshots.restore(self.engine, m, timeout=r.timeout, envs=r.envs, pool=r.pool)
         else:
-            got = await self.engine.create(tier=r.tier, timeout=r.timeout, envs=r.envs, limits=r.limits,
-                                           template=r.template, pool=r.pool, network=r.network, secrets=r.secrets)
+            got = await self.engine.create(
+                tier=r.tier,
+                timeout=r.timeout,
+                envs=r.envs,
+                limits=r.limits,
+                template=r.template,
+                pool=r.pool,
+                network=r.network,
+                secrets=r.secrets,
+            )
         return await self._hold(got)
 
     async def connect(self, r: ops.Connect) -> ops.Opened:
@@ -231,8 +269,16 @@ class EngineFront:
             raise InvalidArgument("stdin must be str or bytes")
         data = r.stdin.encode() if isinstance(r.stdin, str) else r.stdin
         session = await self._session(r.sandbox_id)
-        return await session.exec(argv, env=env, cwd=cwd, timeout_s=t, max_output=cap, stdin=data,
-                                  on_stdout=r.on_stdout, on_stderr=r.on_stderr)
+        return await session.exec(
+            argv,
+            env=env,
+            cwd=cwd,
+            timeout_s=t,
+            max_output=cap,
+            stdin=data,
+            on_stdout=r.on_stdout,
+            on_stderr=r.on_stderr,
+        )
 
     async def run_code(self, r: ops.RunCode) -> Execution:
         if not isinstance(r.code, str):
@@ -242,8 +288,9 @@ class EngineFront:
         t = optional_timeout(r.timeout)
         cap = _positive_int(r.max_output, "max_output")
         session = await self._session(r.sandbox_id)
-        return await session.run_code(r.code, context=r.context, timeout_s=t, max_output=cap,
-                                      on_stdout=r.on_stdout, on_stderr=r.on_stderr)
+        return await session.run_code(
+            r.code, context=r.context, timeout_s=t, max_output=cap, on_stdout=r.on_stdout, on_stderr=r.on_stderr
+        )
 
     async def create_context(self, r: ops.CreateContext) -> str:
         cwd = sandbox_path(r.cwd)
@@ -297,15 +344,27 @@ class EngineFront:
     # ---- snapshots
 
     async def snapshot(self, r: ops.Snapshot) -> SnapshotRef:
-        m = await snapshots.snapshot(self.engine, r.sandbox_id, self._held(r.sandbox_id), memory=r.memory,
-                                     parent=self.engine.registry.parent(r.sandbox_id), env_names=r.env_names)
+        m = await snapshots.snapshot(
+            self.engine,
+            r.sandbox_id,
+            self._held(r.sandbox_id),
+            memory=r.memory,
+            parent=self.engine.registry.parent(r.sandbox_id),
+            env_names=r.env_names,
+        )
         return _snapshot_ref(m)
 
     async def pause(self, r: ops.Pause) -> SnapshotRef:
         session = self._sessions.pop(r.sandbox_id, None)
         try:
-            m = await snapshots.pause(self.engine, r.sandbox_id, session, memory=r.memory,
-                                      parent=self.engine.registry.parent(r.sandbox_id), env_names=r.env_names)
+            m = await snapshots.pause(
+                self.engine,
+                r.sandbox_id,
+                session,
+                memory=r.memory,
+                parent=self.engine.registry.parent(r.sandbox_id),
+                env_names=r.env_names,
+            )
         except BaseException:
             if session is not None:
                 self._sessions[r.sandbox_id] = session
@@ -351,8 +410,7 @@ class EngineFront:
     async def network_log(self, r: ops.NetworkLog) -> builtins.list[NetEvent]:
         return self.engine.network_log(r.sandbox_id)
 
-    async def subscribe_approvals(self, sandbox_id: str,
-                                  hook: Callable[[ApprovalRequest], object]) -> Subscription:
+    async def subscribe_approvals(self, sandbox_id: str, hook: Callable[[ApprovalRequest], object]) -> Subscription:
         """Answer the egress proxy's approval questions for ``sandbox_id`` with ``hook`` (a local
         callable: allow_once / allow_always / deny) until the subscription is cancelled."""
         if not callable(hook):

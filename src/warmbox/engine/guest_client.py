@@ -128,8 +128,9 @@ class GuestClient(asyncio.Protocol):
             if self._error is not None:
                 raise GuestConnectionError("connection to the guest agent closed", self.sandbox_id)
 
-    async def open(self, make: Callable[[int], p.Message], timeout: float | None = None,
-                   budget: int | None = None) -> Stream:
+    async def open(
+        self, make: Callable[[int], p.Message], timeout: float | None = None, budget: int | None = None
+    ) -> Stream:
         """Send ``make(id)``; the :class:`Stream` of the guest's answers, until its ``close()``.
 
         timeout: seconds, wall clock, for the whole exchange — the host's own bound, so a
@@ -152,11 +153,15 @@ class GuestClient(asyncio.Protocol):
         :class:`Stream` of the guest's answers to it, closed on exit (see open)."""
         return _Request(self, make, timeout)
 
-    async def read_file(self, path: str, *, max_bytes: int, timeout: float | None = None,
-                        window: int = READ_WINDOW) -> FileRead:
+    async def read_file(
+        self, path: str, *, max_bytes: int, timeout: float | None = None, window: int = READ_WINDOW
+    ) -> FileRead:
         """Start a flow-controlled ReadFile of ``path`` (see :class:`FileRead`)."""
-        stream = await self.open(lambda i: p.ReadFile(i, path=path, max_bytes=max_bytes, window=window),
-                                 timeout, budget=window + p.CHUNK if window else None)
+        stream = await self.open(
+            lambda i: p.ReadFile(i, path=path, max_bytes=max_bytes, window=window),
+            timeout,
+            budget=window + p.CHUNK if window else None,
+        )
         return FileRead(stream, max_bytes, window)
 
     async def call(self, make: Callable[[int], p.Message], expect: type[p.Message]) -> p.Message:
@@ -174,7 +179,7 @@ class GuestClient(asyncio.Protocol):
             if isinstance(ready, p.Failure):
                 return ready
             for off in range(0, len(data), p.CHUNK):
-                await stream.send(p.Chunk(stream.id, data=data[off:off + p.CHUNK]))
+                await stream.send(p.Chunk(stream.id, data=data[off : off + p.CHUNK]))
             await stream.send(p.ChunkEnd(stream.id))
             return await stream.next(p.Entry)
 
@@ -212,8 +217,7 @@ class _Request:
 class Stream:
     """The frames answering one request."""
 
-    def __init__(self, client: GuestClient, rid: int, deadline: float | None = None,
-                 budget: int | None = None) -> None:
+    def __init__(self, client: GuestClient, rid: int, deadline: float | None = None, budget: int | None = None) -> None:
         self.client = client
         self.id = rid
         self._items: deque = deque()
@@ -297,7 +301,8 @@ class Stream:
         if not isinstance(msg, (p.Failure, *expect)):
             raise GuestProtocolError(
                 f"guest answered {type(msg).__name__}, expected {'/'.join(e.__name__ for e in expect)}",
-                self.client.sandbox_id)
+                self.client.sandbox_id,
+            )
         return msg
 
     async def send(self, msg: p.Message) -> None:
@@ -327,8 +332,9 @@ class FileRead:
             if isinstance(msg, p.Chunk):
                 self.received += len(msg.data)
                 if self.received > self.max_bytes:
-                    raise GuestProtocolError(f"the guest sent more than max_bytes ({self.max_bytes})",
-                                             self.stream.client.sandbox_id)
+                    raise GuestProtocolError(
+                        f"the guest sent more than max_bytes ({self.max_bytes})", self.stream.client.sandbox_id
+                    )
                 self._unacked += len(msg.data)
                 if self._unacked >= self._ack_every:
                     await self.stream.send(p.ReadAck(self.stream.id, bytes=self._unacked))

@@ -48,19 +48,40 @@ def status(engine: Engine, settings: Settings) -> list[PoolStatus]:
         row = rows.get(pc.name)
         lo, hi = bounds(pc, row.min_override if row else None, row.max_override if row else None)
         tier = backends.canonical_tier(pc.tier)
-        ready, warming = engine.registry.pool_counts(pc.name, shape_key(tier, settings.template(pc.template),
-                                                                        pc.limits))
+        ready, warming = engine.registry.pool_counts(
+            pc.name, shape_key(tier, settings.template(pc.template), pc.limits)
+        )
         hits, misses, failures, cpu_s, gib_s, wall_s = engine.registry.pool_totals(pc.name)
-        out.append(PoolStatus(name=pc.name, tier=pc.tier, template=pc.template, min=lo, max=hi,
-                              target=row.target if row else pc.target, ready=ready, warming=warming,
-                              hits=hits, misses=misses, warmup_failures=failures,
-                              last_error=row.last_error if row else "", cost_cpu_s=cpu_s,
-                              cost_memory_gib_s=gib_s, cost_wall_s=wall_s))
+        out.append(
+            PoolStatus(
+                name=pc.name,
+                tier=pc.tier,
+                template=pc.template,
+                min=lo,
+                max=hi,
+                target=row.target if row else pc.target,
+                ready=ready,
+                warming=warming,
+                hits=hits,
+                misses=misses,
+                warmup_failures=failures,
+                last_error=row.last_error if row else "",
+                cost_cpu_s=cpu_s,
+                cost_memory_gib_s=gib_s,
+                cost_wall_s=wall_s,
+            )
+        )
     return out
 
 
-def resize(engine: Engine, settings: Settings, name: str, target: int | None = None,
-           min: int | None = None, max: int | None = None) -> PoolStatus:
+def resize(
+    engine: Engine,
+    settings: Settings,
+    name: str,
+    target: int | None = None,
+    min: int | None = None,
+    max: int | None = None,
+) -> PoolStatus:
     """Set a pool's target (clamped to its bounds) and/or its min/max; the daemon acts on it."""
     pc = settings.pools.get(name)
     if pc is None:
@@ -79,9 +100,14 @@ def resize(engine: Engine, settings: Settings, name: str, target: int | None = N
     current = row.target if row else pc.target
     new = target if target is not None else current
     new = sorted((lo, new, hi))[1]
-    engine.registry.set_pool(name, target=new, min_override=min if min is not None else False,
-                             max_override=max if max is not None else False, kind="resized",
-                             detail=f"target={new} min={lo} max={hi}")
+    engine.registry.set_pool(
+        name,
+        target=new,
+        min_override=min if min is not None else False,
+        max_override=max if max is not None else False,
+        kind="resized",
+        detail=f"target={new} min={lo} max={hi}",
+    )
     engine.ensure_daemon()
     return next(s for s in status(engine, settings) if s.name == name)
 
@@ -143,13 +169,16 @@ class PoolManager:
         new = target + misses
         if not misses and target > lo and now - row.last_demand_at >= pc.idle_shrink_s:
             new = target // 2
-            reg.set_pool(pc.name, kind="scaled", detail=f"idle {pc.idle_shrink_s:.0f}s: target {target}->{max(lo, new)}")
+            reg.set_pool(
+                pc.name, kind="scaled", detail=f"idle {pc.idle_shrink_s:.0f}s: target {target}->{max(lo, new)}"
+            )
             with reg._tx() as db:  # the next halving waits another idle period
                 db.execute("UPDATE pool_state SET last_demand_at=? WHERE name=?", (now, pc.name))
         new = sorted((lo, new, hi))[1]
         if new != target:
-            reg.set_pool(pc.name, target=new,
-                         kind="scaled" if misses else "", detail=f"{misses} misses: target {target}->{new}")
+            reg.set_pool(
+                pc.name, target=new, kind="scaled" if misses else "", detail=f"{misses} misses: target {target}->{new}"
+            )
         return new
 
     async def _refill(self, pc: PoolConfig) -> None:

@@ -106,8 +106,18 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
     if len(socket_path) > MAX_SOCKET_PATH:
         raise InvalidArgument(f"runtime dir {engine.runtime} is too long for a unix socket path")
     lim = spec.limits
-    engine.registry.allocate(sandbox_id, spec.tier, spec.template, spec.timeout_s, lim, str(state_dir), socket_path,
-                             pool=spec.pool, owner=engine.owner, shape=spec.shape)
+    engine.registry.allocate(
+        sandbox_id,
+        spec.tier,
+        spec.template,
+        spec.timeout_s,
+        lim,
+        str(state_dir),
+        socket_path,
+        pool=spec.pool,
+        owner=engine.owner,
+        shape=spec.shape,
+    )
     if not spec.pool:
         engine.ensure_daemon()  # from here on, a crash of this process is cleaned up by the daemon
     info, handle = engine.registry.get(sandbox_id)
@@ -116,9 +126,15 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
     t1 = t2 = t3 = t4 = time.perf_counter()
     session: GuestSession | None = None
     try:
-        handle = await backend.create(SandboxSpec(
-            sandbox_id=sandbox_id, state_dir=str(state_dir), uid_base=handle.uid_base,
-            envs=spec.envs if isinstance(boot, Cold) else (), limits=lim))
+        handle = await backend.create(
+            SandboxSpec(
+                sandbox_id=sandbox_id,
+                state_dir=str(state_dir),
+                uid_base=handle.uid_base,
+                envs=spec.envs if isinstance(boot, Cold) else (),
+                limits=lim,
+            )
+        )
         if isinstance(boot, Restore):
             await _unpack_workspace(engine, boot, state_dir, lim, sandbox_id)
         t2 = time.perf_counter()
@@ -143,8 +159,10 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         if spec.pool:  # the pool pays for what it took so far: a reading before anyone can claim it
             u = await backend.usage(handle)
             if u.oom_kills and isinstance(boot, Cold):
-                raise SandboxStartError(f"template {boot.template.name} warm-up hit the memory limit "
-                                        f"({lim.memory_mb} MiB): OOM kill", sandbox_id)
+                raise SandboxStartError(
+                    f"template {boot.template.name} warm-up hit the memory limit ({lim.memory_mb} MiB): OOM kill",
+                    sandbox_id,
+                )
             engine.registry.sample([(sandbox_id, u.memory_bytes, u.cpu_ns)])
     except BaseException as e:
         if session is not None:
@@ -156,9 +174,11 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
             raise SandboxStartError(f"guest agent did not answer within {AGENT_TIMEOUT_S:g} s", sandbox_id) from None
         raise SandboxStartError(f"sandbox start failed: {type(e).__name__}: {e}", sandbox_id) from None
     on_path = not spec.pool
-    timings = [StageTiming(sandbox_id, "allocation", (t1 - t0) * 1e3, on_path),
-               StageTiming(sandbox_id, "filesystem", (t2 - t1) * 1e3, on_path),
-               StageTiming(sandbox_id, "runtime", (t3 - t2) * 1e3, on_path)]
+    timings = [
+        StageTiming(sandbox_id, "allocation", (t1 - t0) * 1e3, on_path),
+        StageTiming(sandbox_id, "filesystem", (t2 - t1) * 1e3, on_path),
+        StageTiming(sandbox_id, "runtime", (t3 - t2) * 1e3, on_path),
+    ]
     if isinstance(boot, Cold) and (boot.template.warmup_code is not None or boot.template.warmup_commands):
         timings.append(StageTiming(sandbox_id, "dependencies", (t4 - t3) * 1e3, on_path))
     try:
@@ -169,8 +189,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
             why = f"restored from {boot.snapshot_id}"
         else:
             why = "warmed up for pool " + spec.pool if spec.pool else "guest agent answered"
-        engine.registry.set_state(sandbox_id, State.POOLED if spec.pool else State.READY, why,
-                                  expected=State.CREATING)
+        engine.registry.set_state(sandbox_id, State.POOLED if spec.pool else State.READY, why, expected=State.CREATING)
         if isinstance(boot, Restore):
             engine.registry.set_parent(sandbox_id, boot.snapshot_id)
         info, _ = engine.registry.get(sandbox_id)
@@ -188,12 +207,16 @@ async def _unpack_workspace(engine: Engine, boot: Restore, state_dir: Path, limi
     try:
         await hostfs.tar_extract(state_dir / "workspace", boot.workspace_tar, timeout=_TAR_TIMEOUT_S)
     except NoSpace as e:  # the workspace's own filesystem (limits.disk_mb) is full
-        raise NoSpace(f"snapshot {boot.snapshot_id} does not fit the disk of its new sandbox (limits.disk_mb = "
-                      f"{limits.disk_mb}): {str(e).strip()[-200:]}", sandbox_id) from None
+        raise NoSpace(
+            f"snapshot {boot.snapshot_id} does not fit the disk of its new sandbox (limits.disk_mb = "
+            f"{limits.disk_mb}): {str(e).strip()[-200:]}",
+            sandbox_id,
+        ) from None
 
 
-async def claim(engine: Engine, pc: PoolConfig, shape: str, timeout_s: float,
-                envs: tuple[tuple[str, str], ...], t0: float) -> Launched | None:
+async def claim(
+    engine: Engine, pc: PoolConfig, shape: str, timeout_s: float, envs: tuple[tuple[str, str], ...], t0: float
+) -> Launched | None:
     """A ready sandbox of pool ``pc`` for a caller, or None if the pool has none. A pooled sandbox
     that fails its check is destroyed and the next one taken."""
     while True:
@@ -237,19 +260,22 @@ async def warm_up(session: GuestSession, tmpl: Template) -> None:
     sid = session.sandbox_id
     for cmd in tmpl.warmup_commands:
         try:
-            r = await session.exec(["/bin/bash", "-c", cmd], timeout_s=WARMUP_TIMEOUT_S, max_output=1 << 20,
-                                   what="exec")
+            r = await session.exec(
+                ["/bin/bash", "-c", cmd], timeout_s=WARMUP_TIMEOUT_S, max_output=1 << 20, what="exec"
+            )
         except WarmboxError as e:
             if isinstance(e, SandboxStartError):
                 raise
             raise SandboxStartError(f"template {tmpl.name} warm-up command {cmd!r}: {e}", sid) from None
         if r.oom_killed:
-            raise SandboxStartError(f"template {tmpl.name} warm-up command {cmd!r} hit the memory limit: "
-                                    "OOM kill", sid)
+            raise SandboxStartError(f"template {tmpl.name} warm-up command {cmd!r} hit the memory limit: OOM kill", sid)
         if r.exit_code != 0 or r.timed_out:
             tail = (r.stdout + r.stderr)[-400:]
-            raise SandboxStartError(f"template {tmpl.name} warm-up command {cmd!r} exited {r.exit_code}"
-                                    f"{' (timed out)' if r.timed_out else ''}: {tail.strip()}", sid)
+            raise SandboxStartError(
+                f"template {tmpl.name} warm-up command {cmd!r} exited {r.exit_code}"
+                f"{' (timed out)' if r.timed_out else ''}: {tail.strip()}",
+                sid,
+            )
     if tmpl.warmup_code is not None:
         try:
             ex = await session.run_code(tmpl.warmup_code, timeout_s=WARMUP_TIMEOUT_S, max_output=1 << 20)
@@ -259,8 +285,12 @@ async def warm_up(session: GuestSession, tmpl: Template) -> None:
             raise SandboxStartError(f"template {tmpl.name} warm-up hit the memory limit: OOM kill", sid)
         if ex.error is not None or ex.timed_out:
             err = ex.error
-            raise SandboxStartError(f"template {tmpl.name} warm-up failed: {err.name if err else ''}: "
-                                    f"{err.value if err else 'timed out'}"[:800], sid)
+            raise SandboxStartError(
+                f"template {tmpl.name} warm-up failed: {err.name if err else ''}: {err.value if err else 'timed out'}"[
+                    :800
+                ],
+                sid,
+            )
     if tmpl.warmup_code is not None or tmpl.warmup_commands:
         # the caller's first cell is cell 1, and its busy/idle counters start at zero
         try:

@@ -56,8 +56,14 @@ _FILE_ERRORS: dict[p.ErrorCode, type[SandboxError]] = {
     p.ErrorCode.TOO_LARGE: FileTooLarge,
 }
 _MIME_FIELDS = {
-    "text/plain": "text", "text/html": "html", "text/markdown": "markdown", "image/svg+xml": "svg",
-    "image/png": "png", "image/jpeg": "jpeg", "text/latex": "latex", "application/json": "json",
+    "text/plain": "text",
+    "text/html": "html",
+    "text/markdown": "markdown",
+    "image/svg+xml": "svg",
+    "image/png": "png",
+    "image/jpeg": "jpeg",
+    "text/latex": "latex",
+    "application/json": "json",
 }
 
 
@@ -74,23 +80,38 @@ def raise_failure(f: p.Failure, sandbox_id: str, what: str) -> None:
 
 
 def _entry(e: p.Entry) -> EntryInfo:
-    return EntryInfo(name=e.name, path=e.path, type=e.kind.value, size=e.size, mode=e.mode,
-                     modified=e.mtime, symlink_target=e.target or None)
+    return EntryInfo(
+        name=e.name,
+        path=e.path,
+        type=e.kind.value,
+        size=e.size,
+        mode=e.mode,
+        modified=e.mtime,
+        symlink_target=e.target or None,
+    )
 
 
 class _Output:
     """stdout/stderr of one run: kept as bytes (or passed on raw), handed to callbacks as text."""
 
-    def __init__(self, on_stdout: TextSink | None, on_stderr: TextSink | None, cap: int, sandbox_id: str,
-                 stdout_sink: BytesSink | None = None) -> None:
+    def __init__(
+        self,
+        on_stdout: TextSink | None,
+        on_stderr: TextSink | None,
+        cap: int,
+        sandbox_id: str,
+        stdout_sink: BytesSink | None = None,
+    ) -> None:
         self.cap = cap
         self.sandbox_id = sandbox_id
         self.out, self.err = bytearray(), bytearray()
         self.size = 0
         self._raw = stdout_sink
         self._on = {p.Stdout: on_stdout, p.Stderr: on_stderr}
-        self._decoders = {p.Stdout: codecs.getincrementaldecoder("utf-8")("replace"),
-                          p.Stderr: codecs.getincrementaldecoder("utf-8")("replace")}
+        self._decoders = {
+            p.Stdout: codecs.getincrementaldecoder("utf-8")("replace"),
+            p.Stderr: codecs.getincrementaldecoder("utf-8")("replace"),
+        }
 
     def feed(self, msg: p.Message) -> bool:
         """Take a Stdout/Stderr frame; False for any other message."""
@@ -188,8 +209,11 @@ class GuestSession:
         if not isinstance(pong, p.Pong):
             raise SandboxStartError(f"{what} answered {pong!r}", self.sandbox_id)
         if pong.version != p.PROTOCOL_VERSION:
-            raise SandboxStartError(f"{what} speaks protocol v{pong.version}, this warmbox v{p.PROTOCOL_VERSION} "
-                                    "(a snapshot of another warmbox version cannot be restored)", self.sandbox_id)
+            raise SandboxStartError(
+                f"{what} speaks protocol v{pong.version}, this warmbox v{p.PROTOCOL_VERSION} "
+                "(a snapshot of another warmbox version cannot be restored)",
+                self.sandbox_id,
+            )
         return pong.version
 
     async def configure(self, env: dict[str, str], *, reset_counts: bool) -> None:
@@ -231,22 +255,41 @@ class GuestSession:
             return reported > 0
         return (await self._oom()) > before
 
-    async def exec(self, argv: builtins.list[str], *, env: dict[str, str] | None = None, cwd: str = "",
-                   timeout_s: float = 0.0, max_output: int = 1 << 20, stdin: bytes | Path | None = None,
-                   on_stdout: TextSink | None = None, on_stderr: TextSink | None = None,
-                   stdout_sink: BytesSink | None = None, what: str = "commands.run") -> CommandResult:
+    async def exec(
+        self,
+        argv: builtins.list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str = "",
+        timeout_s: float = 0.0,
+        max_output: int = 1 << 20,
+        stdin: bytes | Path | None = None,
+        on_stdout: TextSink | None = None,
+        on_stderr: TextSink | None = None,
+        stdout_sink: BytesSink | None = None,
+        what: str = "commands.run",
+    ) -> CommandResult:
         """Run ``argv`` and wait for it. timeout_s: the guest's bound, seconds (0: none); the host
         waits that + HOST_GRACE_S. stdin: bytes, or a host file streamed in chunks. stdout_sink:
         stdout goes there raw and is not kept (``stdout`` is then empty)."""
         output = _Output(on_stdout, on_stderr, max_output, self.sandbox_id, stdout_sink)
         oom_before = await self._oom_before()
         pid = 0
-        async with self._client.request(lambda i: p.Exec(
-                i, argv=argv, env=env or {}, cwd=cwd, timeout_s=timeout_s, max_output=max_output,
-                stdin=stdin is not None), timeout=timeout_s + HOST_GRACE_S if timeout_s else None) as stream:
+        async with self._client.request(
+            lambda i: p.Exec(
+                i,
+                argv=argv,
+                env=env or {},
+                cwd=cwd,
+                timeout_s=timeout_s,
+                max_output=max_output,
+                stdin=stdin is not None,
+            ),
+            timeout=timeout_s + HOST_GRACE_S if timeout_s else None,
+        ) as stream:
             if isinstance(stdin, bytes):
                 for off in range(0, len(stdin), p.CHUNK):
-                    await stream.send(p.StdinData(stream.id, data=stdin[off:off + p.CHUNK], eof=False))
+                    await stream.send(p.StdinData(stream.id, data=stdin[off : off + p.CHUNK], eof=False))
                 await stream.send(p.StdinData(stream.id, data=b"", eof=True))
             elif stdin is not None:
                 with open(stdin, "rb") as f:
@@ -266,13 +309,28 @@ class GuestSession:
                     break
         oom = await self._oom_killed(oom_before, exited.oom_kills)
         stdout, stderr = output.text()
-        return CommandResult(exit_code=exited.exit_code, stdout=stdout, stderr=stderr, timed_out=exited.timed_out,
-                             truncated=exited.truncated, oom_killed=oom, signal=exited.signal,
-                             duration_ms=exited.duration_ms, pid=pid)
+        return CommandResult(
+            exit_code=exited.exit_code,
+            stdout=stdout,
+            stderr=stderr,
+            timed_out=exited.timed_out,
+            truncated=exited.truncated,
+            oom_killed=oom,
+            signal=exited.signal,
+            duration_ms=exited.duration_ms,
+            pid=pid,
+        )
 
-    async def run_code(self, code: str, *, context: str = "default", timeout_s: float = 0.0,
-                       max_output: int = 1 << 20, on_stdout: TextSink | None = None,
-                       on_stderr: TextSink | None = None) -> Execution:
+    async def run_code(
+        self,
+        code: str,
+        *,
+        context: str = "default",
+        timeout_s: float = 0.0,
+        max_output: int = 1 << 20,
+        on_stdout: TextSink | None = None,
+        on_stderr: TextSink | None = None,
+    ) -> Execution:
         """Run a cell in a code context; its exception is ``Execution.error``, never raised."""
         output = _Output(on_stdout, on_stderr, max_output, self.sandbox_id)
         displays: dict[int, dict[str, object]] = {}
@@ -280,8 +338,9 @@ class GuestSession:
         mains: set[int] = set()
         oom_before = await self._oom_before()
         async with self._client.request(
-                lambda i: p.ContextRun(i, context=context, code=code, timeout_s=timeout_s, max_output=max_output),
-                timeout=timeout_s + HOST_GRACE_S if timeout_s else None) as stream:
+            lambda i: p.ContextRun(i, context=context, code=code, timeout_s=timeout_s, max_output=max_output),
+            timeout=timeout_s + HOST_GRACE_S if timeout_s else None,
+        ) as stream:
             while True:
                 msg = await stream.next(p.Stdout, p.Stderr, p.Display, p.CodeDone)
                 if output.feed(msg):
@@ -306,13 +365,22 @@ class GuestSession:
         results = tuple(Result(is_main_result=k in mains, **v) for k, v in sorted(displays.items()))  # type: ignore[arg-type]
         error = ExecutionError(done.error_name, done.error_value, done.traceback) if done.error_name else None
         stdout, stderr = output.text()
-        return Execution(results=results, stdout=stdout, stderr=stderr, error=error, timed_out=done.timed_out,
-                         truncated=done.truncated, oom_killed=oom, execution_count=done.execution_count,
-                         duration_ms=done.duration_ms)
+        return Execution(
+            results=results,
+            stdout=stdout,
+            stderr=stderr,
+            error=error,
+            timed_out=done.timed_out,
+            truncated=done.truncated,
+            oom_killed=oom,
+            execution_count=done.execution_count,
+            duration_ms=done.duration_ms,
+        )
 
     async def create_context(self, language: str, cwd: str, env: dict[str, str]) -> str:
         reply = await self._client.call(
-            lambda i: p.ContextCreate(i, name="", language=language, cwd=cwd, env=env), p.ContextCreated)
+            lambda i: p.ContextCreate(i, name="", language=language, cwd=cwd, env=env), p.ContextCreated
+        )
         if isinstance(reply, p.Failure):
             raise_failure(reply, self.sandbox_id, "create_code_context")
         assert isinstance(reply, p.ContextCreated)

@@ -58,7 +58,7 @@ TAR_PATHS = ("workspace", "tmp", "home/user")
 _TIMEOUT_S = 600.0
 
 # Run in the user's default context. Defines nothing that outlives the cell.
-_SAVE = r'''
+_SAVE = r"""
 def __warmbox_save():
     import json, pickle, types
     g = globals()
@@ -73,18 +73,18 @@ def __warmbox_save():
             state[k] = pickle.dumps(v, protocol=5)
         except Exception:
             skipped.append(k)
-    with open(%r, "wb") as f:
+    with open(__STATE_FILE__, "wb") as f:
         pickle.dump({"modules": mods, "state": state}, f, protocol=5)
     print(json.dumps(sorted(skipped)))
 __warmbox_save()
 del __warmbox_save
-''' % STATE_FILE  # noqa: UP031 - the snippet is Python full of braces
+""".replace("__STATE_FILE__", repr(STATE_FILE))
 
-_LOAD = r'''
+_LOAD = r"""
 def __warmbox_load():
     import importlib, json, os, pickle
     g = globals()
-    with open(%r, "rb") as f:
+    with open(__STATE_FILE__, "rb") as f:
         saved = pickle.load(f)
     failed = []
     for k, name in saved["modules"].items():
@@ -97,11 +97,11 @@ def __warmbox_load():
             g[k] = pickle.loads(blob)
         except Exception:
             failed.append(k)
-    os.unlink(%r)
+    os.unlink(__STATE_FILE__)
     print(json.dumps(sorted(failed)))
 __warmbox_load()
 del __warmbox_load
-''' % (STATE_FILE, STATE_FILE)  # noqa: UP031 - as above
+""".replace("__STATE_FILE__", repr(STATE_FILE))
 
 
 def store_for(engine: Engine) -> ObjectStore:
@@ -187,16 +187,36 @@ async def _run_code(session: GuestSession, code: str, sid: str) -> tuple[str, Ex
     return ex.stdout, ex
 
 
-async def _exec(session: GuestSession, argv: list[str], sid: str, *, sink: Callable[[bytes], object] | None = None,
-                source: Path | None = None, max_output: int = 1 << 20) -> tuple[int, str]:
+async def _exec(
+    session: GuestSession,
+    argv: list[str],
+    sid: str,
+    *,
+    sink: Callable[[bytes], object] | None = None,
+    source: Path | None = None,
+    max_output: int = 1 << 20,
+) -> tuple[int, str]:
     """Run argv in the guest: stdout to ``sink(bytes)``, stdin from ``source``; (exit code, stderr tail)."""
-    r = await session.exec(argv, timeout_s=_TIMEOUT_S, max_output=max_output, stdin=source,
-                           stdout_sink=sink if sink is not None else (lambda data: None), what=argv[0])
+    r = await session.exec(
+        argv,
+        timeout_s=_TIMEOUT_S,
+        max_output=max_output,
+        stdin=source,
+        stdout_sink=sink if sink is not None else (lambda data: None),
+        what=argv[0],
+    )
     return r.exit_code, r.stderr[-2000:].strip()
 
 
-async def snapshot(engine: Engine, sandbox_id: str, session: GuestSession | None, *, memory: bool = False,
-                   parent: str = "", env_names: tuple[str, ...] = ()) -> snaps.SnapshotManifest:
+async def snapshot(
+    engine: Engine,
+    sandbox_id: str,
+    session: GuestSession | None,
+    *,
+    memory: bool = False,
+    parent: str = "",
+    env_names: tuple[str, ...] = (),
+) -> snaps.SnapshotManifest:
     """Write a snapshot of a running sandbox (it keeps running)."""
     info, handle = engine.info(sandbox_id)
     check(Operation.SNAPSHOT, info.state, sandbox_id)
@@ -204,11 +224,15 @@ async def snapshot(engine: Engine, sandbox_id: str, session: GuestSession | None
     if not caps.filesystem_snapshot:
         raise SnapshotUnsupported(f"tier {info.tier!r} cannot take snapshots")
     if memory and not caps.memory_snapshot:
-        raise SnapshotUnsupported(f"tier {info.tier!r} cannot snapshot memory on this host "
-                                  f"(filesystem and code-context state only: memory=False)")
+        raise SnapshotUnsupported(
+            f"tier {info.tier!r} cannot snapshot memory on this host "
+            f"(filesystem and code-context state only: memory=False)"
+        )
     if memory and not _pausing.get(sandbox_id):
-        raise SnapshotUnsupported("a memory snapshot stops the sandbox's runtime: use pause(memory=True), "
-                                  "then resume() or create(from_snapshot=) to continue or fork it")
+        raise SnapshotUnsupported(
+            "a memory snapshot stops the sandbox's runtime: use pause(memory=True), "
+            "then resume() or create(from_snapshot=) to continue or fork it"
+        )
     if memory:
         return await _memory_snapshot(engine, info, handle, session, parent=parent, env_names=env_names)
     store = store_for(engine)
@@ -242,15 +266,26 @@ async def snapshot(engine: Engine, sandbox_id: str, session: GuestSession | None
             if code != 1:
                 break  # 1: a file changed while it was read: once more, then give up
         if code != 0:
-            raise SandboxError(f"snapshot: tar exited {code}"
-                               + (" (files kept changing while they were read; stop writers and retry)"
-                                  if code == 1 else "") + f": {err[-300:]}", sandbox_id)
+            raise SandboxError(
+                f"snapshot: tar exited {code}"
+                + (" (files kept changing while they were read; stop writers and retry)" if code == 1 else "")
+                + f": {err[-300:]}",
+                sandbox_id,
+            )
         try:
             sha, size, raw_size = snaps.put_blob(store, raw, work)
         except OSError as e:
             raise _storage_error(e, f"snapshot of {sandbox_id}") from None
-        m = _manifest(engine, info, parent, env_names, (sha, size, raw_size), memory=None,
-                      context_saved=context_saved, context_skipped=skipped)
+        m = _manifest(
+            engine,
+            info,
+            parent,
+            env_names,
+            (sha, size, raw_size),
+            memory=None,
+            context_saved=context_saved,
+            context_skipped=skipped,
+        )
         try:
             snaps.save_manifest(store, m, work)
         except OSError as e:
@@ -270,20 +305,45 @@ async def snapshot(engine: Engine, sandbox_id: str, session: GuestSession | None
             await session.close()
 
 
-def _manifest(engine: Engine, info, parent: str, env_names: tuple[str, ...], files: tuple[str, int, int], *,
-              memory: tuple[str, int, int] | None, context_saved: bool,
-              context_skipped: tuple[str, ...]) -> snaps.SnapshotManifest:
+def _manifest(
+    engine: Engine,
+    info,
+    parent: str,
+    env_names: tuple[str, ...],
+    files: tuple[str, int, int],
+    *,
+    memory: tuple[str, int, int] | None,
+    context_saved: bool,
+    context_skipped: tuple[str, ...],
+) -> snaps.SnapshotManifest:
     """The manifest of a snapshot of ``info``: its shape, the blobs (sha256, stored, raw sizes)."""
     lim = engine.registry.limits(info.sandbox_id)
     mem_sha, mem_size, mem_raw = memory or ("", 0, 0)
     return snaps.SnapshotManifest(
-        snapshot_id=snaps.new_snapshot_id(), sandbox_id=info.sandbox_id, parent=parent, created_at=time.time(),
-        tier=info.tier, template=info.template, memory_mb=lim.memory_mb, cpus=lim.cpus, pids=lim.pids,
-        file_size_mb=lim.file_size_mb, open_files=lim.open_files, tmp_mb=lim.tmp_mb, disk_mb=lim.disk_mb,
+        snapshot_id=snaps.new_snapshot_id(),
+        sandbox_id=info.sandbox_id,
+        parent=parent,
+        created_at=time.time(),
+        tier=info.tier,
+        template=info.template,
+        memory_mb=lim.memory_mb,
+        cpus=lim.cpus,
+        pids=lim.pids,
+        file_size_mb=lim.file_size_mb,
+        open_files=lim.open_files,
+        tmp_mb=lim.tmp_mb,
+        disk_mb=lim.disk_mb,
         memory=memory is not None,
-        filesystem_sha256=files[0], filesystem_bytes=files[1], filesystem_raw_bytes=files[2],
-        context_saved=context_saved, context_skipped=context_skipped, env_names=tuple(sorted(env_names)),
-        memory_sha256=mem_sha, memory_bytes=mem_size, memory_raw_bytes=mem_raw)
+        filesystem_sha256=files[0],
+        filesystem_bytes=files[1],
+        filesystem_raw_bytes=files[2],
+        context_saved=context_saved,
+        context_skipped=context_skipped,
+        env_names=tuple(sorted(env_names)),
+        memory_sha256=mem_sha,
+        memory_bytes=mem_size,
+        memory_raw_bytes=mem_raw,
+    )
 
 
 def _storage_error(e: OSError, what: str) -> StorageError:
@@ -325,11 +385,19 @@ async def _stream_tar(session: GuestSession, fd: int | None, raw: Path, sandbox_
     listing = " ".join(TAR_PATHS)
     try:
         # the contents of each path, not the mount points themselves (their owner/mode is the tier's)
-        code, err = await _exec(session, ["/bin/bash", "-c",
-                                         f"cd / && find {listing} -mindepth 1 -print0 | /bin/tar --null "
-                                         "--no-recursion -T - --sparse --numeric-owner "
-                                         "--warning=no-file-ignored -cpf -"],
-                                sandbox_id, sink=sink, max_output=MAX_SNAPSHOT_BYTES + 1)
+        code, err = await _exec(
+            session,
+            [
+                "/bin/bash",
+                "-c",
+                f"cd / && find {listing} -mindepth 1 -print0 | /bin/tar --null "
+                "--no-recursion -T - --sparse --numeric-owner "
+                "--warning=no-file-ignored -cpf -",
+            ],
+            sandbox_id,
+            sink=sink,
+            max_output=MAX_SNAPSHOT_BYTES + 1,
+        )
     finally:
         try:
             out.close()
@@ -338,8 +406,9 @@ async def _stream_tar(session: GuestSession, fd: int | None, raw: Path, sandbox_
     if failed:
         first = failed[0]
         if first.errno == 27:
-            raise StorageError(f"snapshot of {sandbox_id}: more than {MAX_SNAPSHOT_BYTES} bytes of files "
-                               "(WARMBOX_SNAPSHOT_MAX_BYTES)")
+            raise StorageError(
+                f"snapshot of {sandbox_id}: more than {MAX_SNAPSHOT_BYTES} bytes of files (WARMBOX_SNAPSHOT_MAX_BYTES)"
+            )
         raise _storage_error(first, f"snapshot of {sandbox_id}")
     return code, err
 
@@ -347,8 +416,15 @@ async def _stream_tar(session: GuestSession, fd: int | None, raw: Path, sandbox_
 _pausing: dict[str, bool] = {}
 
 
-async def pause(engine: Engine, sandbox_id: str, session: GuestSession | None, *, memory: bool = False,
-                parent: str = "", env_names: tuple[str, ...] = ()) -> snaps.SnapshotManifest:
+async def pause(
+    engine: Engine,
+    sandbox_id: str,
+    session: GuestSession | None,
+    *,
+    memory: bool = False,
+    parent: str = "",
+    env_names: tuple[str, ...] = (),
+) -> snaps.SnapshotManifest:
     """Snapshot, then release every resource; the sandbox is ``paused`` until resumed."""
     _pausing[sandbox_id] = True
     try:
@@ -374,9 +450,15 @@ async def _release_paused(engine: Engine, sandbox_id: str, m: snaps.SnapshotMani
     await egress.release(engine, sandbox_id)  # a resumed sandbox is a new one, with its own policy
 
 
-async def _memory_snapshot(engine: Engine, info: SandboxInfo, handle: BackendHandle, session: GuestSession | None,
-                           *, parent: str,
-                           env_names: tuple[str, ...]) -> snaps.SnapshotManifest:
+async def _memory_snapshot(
+    engine: Engine,
+    info: SandboxInfo,
+    handle: BackendHandle,
+    session: GuestSession | None,
+    *,
+    parent: str,
+    env_names: tuple[str, ...],
+) -> snaps.SnapshotManifest:
     """Checkpoint processes + memory (the runtime's image) and /workspace beside it.
 
     The sandbox's runtime exits with the checkpoint; pause() then releases the rest. If the
@@ -421,17 +503,23 @@ async def _memory_snapshot(engine: Engine, info: SandboxInfo, handle: BackendHan
                     await engine.destroy(sid, f"lost in a failed memory checkpoint: {e}")
                 except WarmboxError:
                     pass
-                raise SandboxError(f"sandbox {sid} died in a failed memory checkpoint and was destroyed "
-                                   f"(its files are gone with it): {str(e)[:300]}", sid) from None
+                raise SandboxError(
+                    f"sandbox {sid} died in a failed memory checkpoint and was destroyed "
+                    f"(its files are gone with it): {str(e)[:300]}",
+                    sid,
+                ) from None
         elif isinstance(e, Exception) and (image_dir / "checkpoint.img").is_file():
             # storing failed (too big, disk full, ...) after the checkpoint stopped the runtime:
             # continue the sandbox from its own image, as if the pause had never been asked for
             try:
                 await _revive(engine, backend, handle, image_dir)
             except WarmboxError as again:
-                raise SandboxError(f"pause of {sid} failed after its checkpoint ({str(e)[:200]}), and continuing "
-                                   f"the sandbox failed too ({str(again)[:200]}); recovery will finish or "
-                                   "release it", sid) from None
+                raise SandboxError(
+                    f"pause of {sid} failed after its checkpoint ({str(e)[:200]}), and continuing "
+                    f"the sandbox failed too ({str(again)[:200]}); recovery will finish or "
+                    "release it",
+                    sid,
+                ) from None
         raise
     finally:
         op.close()
@@ -453,8 +541,9 @@ async def _revive(engine: Engine, backend: SnapshotCapable, handle: BackendHandl
     await session.close()
 
 
-async def _store_checkpoint(engine: Engine, info, handle, work: Path, parent: str,
-                            env_names: tuple[str, ...]) -> snaps.SnapshotManifest:
+async def _store_checkpoint(
+    engine: Engine, info, handle, work: Path, parent: str, env_names: tuple[str, ...]
+) -> snaps.SnapshotManifest:
     """Archive /workspace beside the checkpoint image in ``work``/image, store both, write the
     manifest and record the snapshot (the runtime has stopped: nothing changes under the tar)."""
     backend = engine.backend(info.tier)
@@ -471,8 +560,9 @@ async def _store_checkpoint(engine: Engine, info, handle, work: Path, parent: st
             def write(data: bytes) -> None:
                 out.write(data)
 
-            await hostfs.tar_create(Path(handle.state_dir) / "workspace", write,
-                                    max_bytes=MAX_SNAPSHOT_BYTES, timeout=_TIMEOUT_S)
+            await hostfs.tar_create(
+                Path(handle.state_dir) / "workspace", write, max_bytes=MAX_SNAPSHOT_BYTES, timeout=_TIMEOUT_S
+            )
     except OSError as e:
         raise _storage_error(e, f"snapshot of {sid}") from None
     except StorageError as e:
@@ -482,8 +572,16 @@ async def _store_checkpoint(engine: Engine, info, handle, work: Path, parent: st
         mem_sha, mem_size, mem_raw = snaps.put_blob(store, image, work, level=1)  # big, mostly zeros
     except OSError as e:
         raise _storage_error(e, f"snapshot of {sid}") from None
-    m = _manifest(engine, info, parent, env_names, (fs_sha, fs_size, fs_raw), memory=(mem_sha, mem_size, mem_raw),
-                  context_saved=True, context_skipped=())
+    m = _manifest(
+        engine,
+        info,
+        parent,
+        env_names,
+        (fs_sha, fs_size, fs_raw),
+        memory=(mem_sha, mem_size, mem_raw),
+        context_saved=True,
+        context_skipped=(),
+    )
     if backend.capabilities().snapshot_start:  # its restores read the image in place: keep it unpacked
         _keep_memory(engine, m.snapshot_id, image)
     snaps.save_manifest(store, m, work)
@@ -529,20 +627,22 @@ async def _refuse_workspace_sockets(session: GuestSession, sid: str) -> None:
     found = bytearray()
 
     def sink(data: bytes) -> None:
-        found.extend(data[:4096 - len(found)])
+        found.extend(data[: 4096 - len(found)])
 
     # by directory-entry type first: gVisor cannot stat a host socket (``ls`` shows ``s?????????``)
-    await _exec(session, ["/usr/bin/python3", "-I", "-S", "-c", _FIND_SOCKETS], sid,
-                            sink=sink, max_output=4096)
+    await _exec(session, ["/usr/bin/python3", "-I", "-S", "-c", _FIND_SOCKETS], sid, sink=sink, max_output=4096)
     names = [n for n in found.decode("utf-8", "replace").splitlines() if n]
     if names:
-        raise SnapshotUnsupported(f"cannot pause {sid} with memory: unix sockets are bound in /workspace "
-                                  f"({', '.join(names[:5])}{', …' if len(names) > 5 else ''}); this tier's "
-                                  "checkpoint cannot save them. Close them or bind them under /tmp, then retry.")
+        raise SnapshotUnsupported(
+            f"cannot pause {sid} with memory: unix sockets are bound in /workspace "
+            f"({', '.join(names[:5])}{', …' if len(names) > 5 else ''}); this tier's "
+            "checkpoint cannot save them. Close them or bind them under /tmp, then retry."
+        )
 
 
-async def restore_memory(engine: Engine, m: snaps.SnapshotManifest, *, timeout: float | None,
-                         pool: str = "", shape: str = "") -> Launched:
+async def restore_memory(
+    engine: Engine, m: snaps.SnapshotManifest, *, timeout: float | None, pool: str = "", shape: str = ""
+) -> Launched:
     """A new sandbox continuing a memory snapshot: same processes, memory, /tmp; /workspace restored.
 
     pool/shape: restore it into a warm pool (state ``pooled``) — a template snapshot's copy.
@@ -606,8 +706,9 @@ def _cached_memory(engine: Engine, m: snaps.SnapshotManifest, work: Path) -> Pat
     tmp = cache.parent / f".tmp-{m.snapshot_id}-{os.getpid()}-{time.monotonic_ns()}"
     tmp.mkdir()
     try:
-        snaps.get_blob(store_for(engine), m.memory_sha256, m.memory_bytes, m.memory_raw_bytes,
-                       tmp / "checkpoint.img", work)
+        snaps.get_blob(
+            store_for(engine), m.memory_sha256, m.memory_bytes, m.memory_raw_bytes, tmp / "checkpoint.img", work
+        )
         try:
             os.rename(tmp, cache)
         except OSError:  # another restore unpacked it first
@@ -651,8 +752,9 @@ async def _template_flock(engine: Engine, shape: str) -> int:
     d = engine.home / "templates"
     try:
         d.mkdir(mode=0o700, exist_ok=True)
-        fd = os.open(d / f"{hashlib.sha256(shape.encode()).hexdigest()[:16]}.lock",
-                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(
+            d / f"{hashlib.sha256(shape.encode()).hexdigest()[:16]}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+        )
     except OSError as e:
         raise _storage_error(e, "template lock") from None
     try:
@@ -721,8 +823,9 @@ def resolve(engine: Engine, ref: str) -> snaps.SnapshotManifest:
     return snaps.load_manifest(store_for(engine), ref, _workdir(engine))
 
 
-async def restore(engine: Engine, m: snaps.SnapshotManifest, *, timeout: float | None,
-                  envs: dict[str, str] | None, pool: bool = True) -> Launched:
+async def restore(
+    engine: Engine, m: snaps.SnapshotManifest, *, timeout: float | None, envs: dict[str, str] | None, pool: bool = True
+) -> Launched:
     """A new running sandbox with the snapshot's files and context state.
 
     The artifact is fetched and verified first: a corrupt one raises before any sandbox exists.
@@ -738,12 +841,17 @@ async def restore(engine: Engine, m: snaps.SnapshotManifest, *, timeout: float |
         limits = _limits_of(m)
         _check_fits(m, (limits.disk_mb + 2 * limits.tmp_mb) << 20)  # /workspace, /tmp and /home/user
         snaps.get_blob(store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, raw, work)
-        got = await engine.create(tier=m.tier, timeout=timeout, envs=envs, limits=limits, template=m.template,
-                                  pool=pool)
+        got = await engine.create(
+            tier=m.tier, timeout=timeout, envs=envs, limits=limits, template=m.template, pool=pool
+        )
         info, session = got.info, got.session
         try:
-            code, err = await _exec(session, ["/bin/tar", "-C", "/", "--numeric-owner", "--no-overwrite-dir", "-xpf", "-"],
-                                    info.sandbox_id, source=raw)
+            code, err = await _exec(
+                session,
+                ["/bin/tar", "-C", "/", "--numeric-owner", "--no-overwrite-dir", "-xpf", "-"],
+                info.sandbox_id,
+                source=raw,
+            )
             if code != 0 and _disk_full(err):
                 raise _too_big(m, limits, err[-300:], info.sandbox_id)
             if code != 0:
@@ -751,8 +859,9 @@ async def restore(engine: Engine, m: snaps.SnapshotManifest, *, timeout: float |
             if m.context_saved:
                 _, done = await _run_code(session, _LOAD, info.sandbox_id)
                 if done.error is not None:
-                    raise SandboxError(f"restoring the code context: {done.error.name}: {done.error.value}",
-                                       info.sandbox_id)
+                    raise SandboxError(
+                        f"restoring the code context: {done.error.name}: {done.error.value}", info.sandbox_id
+                    )
             engine.registry.set_parent(info.sandbox_id, m.snapshot_id)
         except BaseException:
             await session.close()
@@ -770,17 +879,27 @@ async def restore(engine: Engine, m: snaps.SnapshotManifest, *, timeout: float |
 def _limits_of(m: snaps.SnapshotManifest) -> Limits:
     """The limits a snapshot comes back with: its sandbox's (a manifest from before disk quotas
     gets the default disk)."""
-    return Limits(memory_mb=m.memory_mb, cpus=m.cpus, pids=m.pids, file_size_mb=m.file_size_mb,
-                  open_files=m.open_files, tmp_mb=m.tmp_mb, **({"disk_mb": m.disk_mb} if m.disk_mb else {}))
+    return Limits(
+        memory_mb=m.memory_mb,
+        cpus=m.cpus,
+        pids=m.pids,
+        file_size_mb=m.file_size_mb,
+        open_files=m.open_files,
+        tmp_mb=m.tmp_mb,
+        **({"disk_mb": m.disk_mb} if m.disk_mb else {}),
+    )
 
 
 def _check_fits(m: snaps.SnapshotManifest, room: int) -> None:
     """NoSpace up front when the snapshot's files are clearly larger than the sandbox's filesystems
     (a margin for archive headers and disk-image metadata; a closer miss is the unpacking's NoSpace)."""
     if m.filesystem_raw_bytes > room + room // 32 + (16 << 20):
-        raise NoSpace(f"snapshot {m.snapshot_id} holds {m.filesystem_raw_bytes >> 20} MiB of files: more than "
-                      f"the {room >> 20} MiB its sandbox's disk{' and tmpfs mounts' if not m.memory else ''} can hold "
-                      f"(limits.disk_mb = {_limits_of(m).disk_mb})", m.sandbox_id)
+        raise NoSpace(
+            f"snapshot {m.snapshot_id} holds {m.filesystem_raw_bytes >> 20} MiB of files: more than "
+            f"the {room >> 20} MiB its sandbox's disk{' and tmpfs mounts' if not m.memory else ''} can hold "
+            f"(limits.disk_mb = {_limits_of(m).disk_mb})",
+            m.sandbox_id,
+        )
 
 
 def _disk_full(tar_stderr: str) -> bool:
@@ -789,8 +908,11 @@ def _disk_full(tar_stderr: str) -> bool:
 
 
 def _too_big(m: snaps.SnapshotManifest, limits: Limits, detail: str, sandbox_id: str) -> NoSpace:
-    return NoSpace(f"snapshot {m.snapshot_id} does not fit the disk of its new sandbox (limits.disk_mb = "
-                   f"{limits.disk_mb}): {detail.strip()[-200:]}", sandbox_id)
+    return NoSpace(
+        f"snapshot {m.snapshot_id} does not fit the disk of its new sandbox (limits.disk_mb = "
+        f"{limits.disk_mb}): {detail.strip()[-200:]}",
+        sandbox_id,
+    )
 
 
 async def resume(engine: Engine, ref: str, *, timeout: float | None, envs: dict[str, str] | None) -> Launched:
@@ -801,8 +923,9 @@ async def resume(engine: Engine, ref: str, *, timeout: float | None, envs: dict[
     got = await restore(engine, m, timeout=timeout, envs=envs)
     if origin is not None and origin.state is State.PAUSED:
         try:  # exactly one resume takes over a paused sandbox
-            engine.registry.set_state(origin.sandbox_id, State.DESTROYED, f"resumed as {got.sandbox_id}",
-                                      expected=State.PAUSED)
+            engine.registry.set_state(
+                origin.sandbox_id, State.DESTROYED, f"resumed as {got.sandbox_id}", expected=State.PAUSED
+            )
         except SandboxStateError:
             await got.session.close()
             await engine.destroy(got.sandbox_id, "lost a concurrent resume")

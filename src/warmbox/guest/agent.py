@@ -7,6 +7,9 @@ children are routed to the request that started them.
 
 from __future__ import annotations
 
+# C modules directly: the pure-Python socket and signal wrappers import enum and selectors.
+import _signal as signal  # type: ignore[import-not-found]  # no stub: a C module, the wrapper's core
+import _socket as socket
 import collections
 import errno
 import os
@@ -15,10 +18,6 @@ import stat as stat_mod
 import sys
 import threading
 import time
-
-# C modules directly: the pure-Python socket and signal wrappers import enum and selectors.
-import _signal as signal  # type: ignore[import-not-found]  # no stub: a C module, the wrapper's core
-import _socket as socket
 
 from warmbox import protocol as p
 
@@ -160,7 +159,7 @@ def _proc_table() -> list[tuple[int, int, int, int]]:
                 raw = f.read()
         except OSError:
             continue
-        rest = raw[raw.rfind(b")") + 2:].split()
+        rest = raw[raw.rfind(b")") + 2 :].split()
         try:
             out.append((int(name), int(rest[1]), int(rest[2]), int(rest[3])))
         except (IndexError, ValueError):
@@ -255,7 +254,7 @@ class Scope:
 class _ReapedScope(Scope):
     """The command is the agent's own child: the reaper has its status."""
 
-    def __init__(self, agent: "Agent", pid: int) -> None:
+    def __init__(self, agent: Agent, pid: int) -> None:
         self.agent = agent
         self.pid = pid
         self.wake_fd, self._wake_w = os.pipe()
@@ -300,7 +299,7 @@ class _TreeScope(_ReapedScope):
 
 
 class _CgroupScope(_ReapedScope):
-    def __init__(self, agent: "Agent", pid: int, scopes: "Scopes", name: str) -> None:
+    def __init__(self, agent: Agent, pid: int, scopes: Scopes, name: str) -> None:
         super().__init__(agent, pid)
         self.scopes = scopes
         self.name = name
@@ -325,7 +324,7 @@ class _PidnsScope(Scope):
     agent; ``pid`` is that init. It writes the command's wait status on a pipe (``wake_fd``) and
     lives on while processes the command left behind do."""
 
-    def __init__(self, agent: "Agent", init: int, report: int) -> None:
+    def __init__(self, agent: Agent, init: int, report: int) -> None:
         self.agent = agent
         self.pid = init
         self.wake_fd = report
@@ -410,7 +409,7 @@ class Scopes:
     a runaway one (a fork bomb) is bounded by limits.pids and limits.cpus, not ended.
     """
 
-    def __init__(self, agent: "Agent", cgroup_fd: int | None) -> None:
+    def __init__(self, agent: Agent, cgroup_fd: int | None) -> None:
         self.agent = agent
         self.cgroup_fd = cgroup_fd
         self.mode = "tree"
@@ -452,8 +451,15 @@ class Scopes:
                 print(f"warmbox agent: the host's cgroup is unusable ({e}); using PID namespaces", file=sys.stderr)
         self.mode = "pidns"
 
-    def spawn(self, exe: str, argv: list[str], env: dict[str, str], cwd: str | None,
-              stdio: tuple[int, int, int], keep_fd: int = -1) -> Scope:
+    def spawn(
+        self,
+        exe: str,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str | None,
+        stdio: tuple[int, int, int],
+        keep_fd: int = -1,
+    ) -> Scope:
         """Start ``argv`` (``exe`` resolved) in a new session with default signal actions.
 
         Raises BlockingIOError while the pids limit is hit, OSError when nothing started.
@@ -468,8 +474,10 @@ class Scopes:
             if scope is None:  # no user namespaces here after all
                 with self._lock:
                     self.mode = "tree"
-                print("warmbox agent: user namespaces are refused: a timed-out command's orphans may survive",
-                      file=sys.stderr)
+                print(
+                    "warmbox agent: user namespaces are refused: a timed-out command's orphans may survive",
+                    file=sys.stderr,
+                )
                 scope = self._spawn_tree(exe, argv, env, cwd, stdio, keep_fd)
         else:
             scope = self._spawn_tree(exe, argv, env, cwd, stdio, keep_fd)
@@ -563,8 +571,13 @@ class Scopes:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         try:
-            pid = _posix_spawn(self._init_exe, [self._init_exe, "--serve", "3"], dict(os.environ),
-                               (null, null, null), {3: theirs.fileno()})
+            pid = _posix_spawn(
+                self._init_exe,
+                [self._init_exe, "--serve", "3"],
+                dict(os.environ),
+                (null, null, null),
+                {3: theirs.fileno()},
+            )
         except OSError as e:
             print(f"warmbox agent: cannot start the init server ({e}); commands exec wb-init", file=sys.stderr)
             ours.close()
@@ -583,8 +596,9 @@ class Scopes:
         helper = [self._init_exe, str(ctl), str(report), str(keep_fd), cwd or "", exe, *argv]
         try:
             try:
-                helper_pid = _posix_spawn(self._init_exe, helper, env, stdio,
-                                          {ctl: ctl_w, report: report_w, keep_fd: keep_fd})
+                helper_pid = _posix_spawn(
+                    self._init_exe, helper, env, stdio, {ctl: ctl_w, report: report_w, keep_fd: keep_fd}
+                )
             finally:
                 os.close(ctl_w)
             self.agent.reaper.register(helper_pid)  # it exits at once; the init is re-parented to us
@@ -655,8 +669,9 @@ class Scopes:
             os.close(fd)
 
 
-def _posix_spawn(exe: str, argv: list[str], env: dict[str, str], stdio: tuple[int, int, int],
-                 extra: dict[int, int]) -> int:
+def _posix_spawn(
+    exe: str, argv: list[str], env: dict[str, str], stdio: tuple[int, int, int], extra: dict[int, int]
+) -> int:
     """posix_spawn in a new session, default signal actions; ``extra``: child fd -> parent fd
     (-1 keys are skipped). Each goes through a high copy: a dup2 onto itself would keep CLOEXEC."""
     import fcntl  # not on the boot path
@@ -665,8 +680,9 @@ def _posix_spawn(exe: str, argv: list[str], env: dict[str, str], stdio: tuple[in
     try:
         actions = [(os.POSIX_SPAWN_DUP2, fd, i) for i, fd in enumerate(stdio)]
         actions += [(os.POSIX_SPAWN_DUP2, copy, target) for target, copy in copies.items()]
-        return os.posix_spawn(exe, argv, env, file_actions=actions, setsid=True,
-                              setsigdef=_DEFAULT_SIGNALS, setsigmask=())
+        return os.posix_spawn(
+            exe, argv, env, file_actions=actions, setsid=True, setsigdef=_DEFAULT_SIGNALS, setsigmask=()
+        )
     finally:
         for copy in copies.values():
             os.close(copy)
@@ -731,7 +747,7 @@ class Workers:
 
 
 class Connection:
-    def __init__(self, agent: "Agent", sock: "socket.socket | SerialPort") -> None:
+    def __init__(self, agent: Agent, sock: socket.socket | SerialPort) -> None:
         self.agent = agent
         self.sock = sock
         self.reader = p.SocketReader(sock, p.HOST_TO_GUEST)  # one recv takes in every frame that arrived
@@ -786,9 +802,14 @@ class Connection:
                 if not self.agent.workers.submit(self._handle, msg):
                     with self._inbox_lock:
                         self._inboxes.pop(msg.id, None)
-                    self.send(p.Failure(id=msg.id, code=p.ErrorCode.EXEC_FAILED,
-                                        message="the sandbox's process limit (limits.pids) is reached; "
-                                                "the agent could not start a thread for this request"))
+                    self.send(
+                        p.Failure(
+                            id=msg.id,
+                            code=p.ErrorCode.EXEC_FAILED,
+                            message="the sandbox's process limit (limits.pids) is reached; "
+                            "the agent could not start a thread for this request",
+                        )
+                    )
         finally:
             self.closed = True
             with self._inbox_lock:
@@ -818,12 +839,19 @@ class Connection:
 # --------------------------------------------------------------------------- handlers
 
 
-def _ping(agent: "Agent", conn: Connection, msg: p.Ping) -> None:
+def _ping(agent: Agent, conn: Connection, msg: p.Ping) -> None:
     conn.send(p.Pong(id=msg.id, version=p.PROTOCOL_VERSION, pid=os.getpid()))
 
 
-def _spawn(agent: "Agent", exe: str, argv: list[str], env: dict[str, str], cwd: str | None,
-           stdio: tuple[int, int, int], keep_fd: int = -1) -> Scope:
+def _spawn(
+    agent: Agent,
+    exe: str,
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str | None,
+    stdio: tuple[int, int, int],
+    keep_fd: int = -1,
+) -> Scope:
     """agent.scopes.spawn; while the pids limit is hit (EAGAIN: e.g. a killed fork bomb's
     processes are still being reaped) retry for up to ~2 s before giving up."""
     delay = 0.005
@@ -838,7 +866,7 @@ def _spawn(agent: "Agent", exe: str, argv: list[str], env: dict[str, str], cwd: 
             delay = min(delay * 2, 0.2)
 
 
-def _exec(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
+def _exec(agent: Agent, conn: Connection, msg: p.Exec) -> None:
     agent.busy.enter()
     try:
         _exec_inner(agent, conn, msg)
@@ -846,7 +874,7 @@ def _exec(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
         agent.busy.exit()
 
 
-def _exec_inner(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
+def _exec_inner(agent: Agent, conn: Connection, msg: p.Exec) -> None:
     if not msg.argv or any("\0" in a for a in msg.argv):
         raise _Fail(p.ErrorCode.INVALID, "argv must be a non-empty list without NUL bytes")
     agent.hardened.wait(5)  # no user process before the agent is out of its reach
@@ -873,14 +901,24 @@ def _exec_inner(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
             exe = argv[0] if "/" in argv[0] else _which(argv[0], env.get("PATH", ""))
             scope = _spawn(agent, exe, argv, env, cwd, stdio)
         except BlockingIOError:
-            raise _Fail(p.ErrorCode.EXEC_FAILED, "the sandbox's process limit (limits.pids) is reached; "
-                        "no process could be started") from None
+            raise _Fail(
+                p.ErrorCode.EXEC_FAILED,
+                "the sandbox's process limit (limits.pids) is reached; no process could be started",
+            ) from None
         except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
             code = 127 if isinstance(e, FileNotFoundError) else 126
             conn.send(p.Stderr(id=msg.id, data=f"{msg.argv[0]}: {e.strerror}\n".encode()))
-            conn.send(p.Exited(id=msg.id, exit_code=code, signal=0, timed_out=False,
-                               truncated=False, duration_ms=(time.monotonic() - start) * 1e3,
-                               oom_kills=0 if oom_before >= 0 else -1))
+            conn.send(
+                p.Exited(
+                    id=msg.id,
+                    exit_code=code,
+                    signal=0,
+                    timed_out=False,
+                    truncated=False,
+                    duration_ms=(time.monotonic() - start) * 1e3,
+                    oom_kills=0 if oom_before >= 0 else -1,
+                )
+            )
             return
         finally:
             for fd in (pipes[0][1], pipes[1][1], stdin_r, null):
@@ -908,9 +946,17 @@ def _exec_inner(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
                 code = 128 + sig
             else:
                 code = os.WEXITSTATUS(status)
-        conn.send(p.Exited(id=msg.id, exit_code=code, signal=sig, timed_out=timed_out,
-                           truncated=truncated, duration_ms=(time.monotonic() - start) * 1e3,
-                           oom_kills=agent.oom.since(oom_before)))
+        conn.send(
+            p.Exited(
+                id=msg.id,
+                exit_code=code,
+                signal=sig,
+                timed_out=timed_out,
+                truncated=truncated,
+                duration_ms=(time.monotonic() - start) * 1e3,
+                oom_kills=agent.oom.since(oom_before),
+            )
+        )
     finally:
         if scope is not None:
             agent.scopes.finish(scope)
@@ -922,8 +968,11 @@ def _exec_inner(agent: "Agent", conn: Connection, msg: p.Exec) -> None:
                     pass
 
 
-_DEFAULT_SIGNALS = tuple(s for s in (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
-                                     signal.SIGQUIT, signal.SIGXFSZ) if s is not None)
+_DEFAULT_SIGNALS = tuple(
+    s
+    for s in (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGXFSZ)
+    if s is not None
+)
 
 
 def _which(name: str, path: str) -> str:
@@ -942,7 +991,7 @@ def _feed_stdin(inbox: Inbox, fd: int) -> None:
                 break
             view = memoryview(item.data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             if item.eof:
                 break
     except OSError:
@@ -986,7 +1035,7 @@ def _pump(conn: Connection, msg: p.Exec, scope: Scope, pipes: list[int], start: 
             room = msg.max_output - sent
             if len(data) > room:
                 truncated = True
-                data = data[:max(room, 0)]
+                data = data[: max(room, 0)]
             if data:
                 sent += len(data)
                 conn.send(kinds[fd](id=msg.id, data=data))
@@ -999,7 +1048,7 @@ def _pump(conn: Connection, msg: p.Exec, scope: Scope, pipes: list[int], start: 
     return timed_out, truncated
 
 
-def _signal(agent: "Agent", conn: Connection, msg: p.Signal) -> None:
+def _signal(agent: Agent, conn: Connection, msg: p.Signal) -> None:
     if msg.pid <= 1 or not 1 <= msg.signum <= 64:
         raise _Fail(p.ErrorCode.INVALID, "bad pid or signal number")
     scope = agent.scopes.find(msg.pid)
@@ -1024,9 +1073,16 @@ def _entry(rid: int, path: str, name: str | None = None) -> p.Entry:
         kind, target = p.FileType.FILE, ""
     else:
         kind, target = p.FileType.OTHER, ""
-    return p.Entry(rid, name=name if name is not None else os.path.basename(path) or "/",
-                   path=path, kind=kind, size=st.st_size, mode=stat_mod.S_IMODE(st.st_mode),
-                   mtime=st.st_mtime, target=target)
+    return p.Entry(
+        rid,
+        name=name if name is not None else os.path.basename(path) or "/",
+        path=path,
+        kind=kind,
+        size=st.st_size,
+        mode=stat_mod.S_IMODE(st.st_mode),
+        mtime=st.st_mtime,
+        target=target,
+    )
 
 
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY  # a FIFO cannot hold the open
@@ -1036,7 +1092,7 @@ def _not_regular(path: str) -> _Fail:
     return _Fail(p.ErrorCode.NOT_REGULAR, f"{path} is not a regular file (a FIFO, device or socket): not read")
 
 
-def _read_file(agent: "Agent", conn: Connection, msg: p.ReadFile) -> None:
+def _read_file(agent: Agent, conn: Connection, msg: p.ReadFile) -> None:
     """Stream a regular file (see protocol.ReadFile): never more than max_bytes, at most ``window``
     bytes ahead of the host's acks; stops when the host cancels or goes away."""
     if msg.max_bytes < 0 or msg.window < 0:
@@ -1058,8 +1114,9 @@ def _read_file(agent: "Agent", conn: Connection, msg: p.ReadFile) -> None:
         if not stat_mod.S_ISREG(st.st_mode):
             raise _not_regular(msg.path)
         if st.st_size > msg.max_bytes:
-            raise _Fail(p.ErrorCode.TOO_LARGE, f"{msg.path} is {st.st_size} bytes, more than max_bytes "
-                        f"({msg.max_bytes})")
+            raise _Fail(
+                p.ErrorCode.TOO_LARGE, f"{msg.path} is {st.st_size} bytes, more than max_bytes ({msg.max_bytes})"
+            )
         os.set_blocking(fd, True)
         sent = acked = 0
         while True:
@@ -1078,8 +1135,11 @@ def _read_file(agent: "Agent", conn: Connection, msg: p.ReadFile) -> None:
             if not data:
                 break
             if sent + len(data) > msg.max_bytes:
-                raise _Fail(p.ErrorCode.TOO_LARGE, f"{msg.path} is longer than max_bytes ({msg.max_bytes}): "
-                            "it grew while it was read, or its size was not known up front")
+                raise _Fail(
+                    p.ErrorCode.TOO_LARGE,
+                    f"{msg.path} is longer than max_bytes ({msg.max_bytes}): "
+                    "it grew while it was read, or its size was not known up front",
+                )
             conn.send(p.Chunk(id=msg.id, data=data))
             sent += len(data)
     finally:
@@ -1087,7 +1147,7 @@ def _read_file(agent: "Agent", conn: Connection, msg: p.ReadFile) -> None:
     conn.send(p.ChunkEnd(id=msg.id))
 
 
-def _write_file(agent: "Agent", conn: Connection, msg: p.WriteFile) -> None:
+def _write_file(agent: Agent, conn: Connection, msg: p.WriteFile) -> None:
     inbox = conn.inbox(msg.id)
     parent = os.path.dirname(msg.path)
     if parent:
@@ -1106,16 +1166,18 @@ def _write_file(agent: "Agent", conn: Connection, msg: p.WriteFile) -> None:
                 raise _Fail(p.ErrorCode.INVALID, f"write {msg.path}: expected file data, got {type(item).__name__}")
             view = memoryview(item.data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
     conn.send(_entry(msg.id, msg.path))
 
 
-def _list_dir(agent: "Agent", conn: Connection, msg: p.ListDir) -> None:
+def _list_dir(agent: Agent, conn: Connection, msg: p.ListDir) -> None:
     if not os.path.isdir(msg.path):
-        raise _Fail(p.ErrorCode.NOT_A_DIRECTORY if os.path.exists(msg.path) else p.ErrorCode.NOT_FOUND,
-                    f"{msg.path} is not a directory")
+        raise _Fail(
+            p.ErrorCode.NOT_A_DIRECTORY if os.path.exists(msg.path) else p.ErrorCode.NOT_FOUND,
+            f"{msg.path} is not a directory",
+        )
     depth = max(1, min(msg.depth, 32))
     todo = [(msg.path, 1)]
     while todo:
@@ -1136,11 +1198,11 @@ def _list_dir(agent: "Agent", conn: Connection, msg: p.ListDir) -> None:
     conn.send(p.Ok(id=msg.id))
 
 
-def _stat(agent: "Agent", conn: Connection, msg: p.Stat) -> None:
+def _stat(agent: Agent, conn: Connection, msg: p.Stat) -> None:
     conn.send(_entry(msg.id, msg.path))
 
 
-def _make_dir(agent: "Agent", conn: Connection, msg: p.MakeDir) -> None:
+def _make_dir(agent: Agent, conn: Connection, msg: p.MakeDir) -> None:
     if msg.parents:
         if os.path.isdir(msg.path):
             raise _Fail(p.ErrorCode.EXISTS, f"{msg.path} exists")
@@ -1150,7 +1212,7 @@ def _make_dir(agent: "Agent", conn: Connection, msg: p.MakeDir) -> None:
     conn.send(p.Ok(id=msg.id))
 
 
-def _remove(agent: "Agent", conn: Connection, msg: p.Remove) -> None:
+def _remove(agent: Agent, conn: Connection, msg: p.Remove) -> None:
     st = os.lstat(msg.path)
     if stat_mod.S_ISDIR(st.st_mode):
         if msg.recursive:
@@ -1173,7 +1235,7 @@ _CONTEXT_REPLIES = (p.Stdout, p.Stderr, p.Display, p.CodeDone, p.Ok)
 class Context:
     """A long-lived interpreter process (guest/kernel.py) reached over a socketpair."""
 
-    def __init__(self, agent: "Agent", name: str, language: str, cwd: str, env: dict[str, str]) -> None:
+    def __init__(self, agent: Agent, name: str, language: str, cwd: str, env: dict[str, str]) -> None:
         if language != "python":
             raise _Fail(p.ErrorCode.INVALID, f"unsupported context language {language!r} (supported: python)")
         self.name = name
@@ -1184,16 +1246,27 @@ class Context:
         ours, theirs = socket.socketpair()
         full_env = dict(os.environ)
         full_env.update(env)
-        boot = ("import sys; sys.path.insert(0, %r); from warmbox.guest import kernel; "
-                "sys.path.pop(0); kernel.main(%d)" % (_GUEST_LIB, theirs.fileno()))
+        boot = (
+            f"import sys; sys.path.insert(0, {_GUEST_LIB!r}); from warmbox.guest import kernel; "
+            f"sys.path.pop(0); kernel.main({theirs.fileno():d})"
+        )
         null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         try:
-            self.scope = _spawn(agent, sys.executable, [sys.executable, "-u", "-c", boot], full_env,
-                                cwd or None, (null, null, null), keep_fd=theirs.fileno())
+            self.scope = _spawn(
+                agent,
+                sys.executable,
+                [sys.executable, "-u", "-c", boot],
+                full_env,
+                cwd or None,
+                (null, null, null),
+                keep_fd=theirs.fileno(),
+            )
         except BlockingIOError:
             ours.close()
-            raise _Fail(p.ErrorCode.EXEC_FAILED, "the sandbox's process limit (limits.pids) is reached; "
-                        "the code context could not be started") from None
+            raise _Fail(
+                p.ErrorCode.EXEC_FAILED,
+                "the sandbox's process limit (limits.pids) is reached; the code context could not be started",
+            ) from None
         except BaseException:
             ours.close()
             raise
@@ -1240,16 +1313,30 @@ class Context:
                     continue
                 self.kill()
                 self.agent.drop_context(self.name)
-                conn.send(self._died(msg, start, "the run ignored the interrupt and was killed", True,
-                                     self.agent.oom.since(oom_before)))
+                conn.send(
+                    self._died(
+                        msg,
+                        start,
+                        "the run ignored the interrupt and was killed",
+                        True,
+                        self.agent.oom.since(oom_before),
+                    )
+                )
                 return
             except (OSError, p.ProtocolViolation):
                 reply = None
             if reply is None:
                 self.kill()
                 self.agent.drop_context(self.name)
-                conn.send(self._died(msg, start, "the interpreter process died", interrupted_at is not None,
-                                     self.agent.oom.since(oom_before)))
+                conn.send(
+                    self._died(
+                        msg,
+                        start,
+                        "the interpreter process died",
+                        interrupted_at is not None,
+                        self.agent.oom.since(oom_before),
+                    )
+                )
                 return
             reply.id = msg.id
             if isinstance(reply, p.CodeDone):
@@ -1281,17 +1368,25 @@ class Context:
 
     @staticmethod
     def _died(msg: p.ContextRun, start: float, why: str, timed_out: bool, oom_kills: int) -> p.CodeDone:
-        return p.CodeDone(id=msg.id, error_name="ContextDied", error_value=why, traceback="",
-                          timed_out=timed_out, truncated=False, execution_count=0,
-                          duration_ms=(time.monotonic() - start) * 1e3, oom_kills=oom_kills)
+        return p.CodeDone(
+            id=msg.id,
+            error_name="ContextDied",
+            error_value=why,
+            traceback="",
+            timed_out=timed_out,
+            truncated=False,
+            execution_count=0,
+            duration_ms=(time.monotonic() - start) * 1e3,
+            oom_kills=oom_kills,
+        )
 
 
-def _context_create(agent: "Agent", conn: Connection, msg: p.ContextCreate) -> None:
+def _context_create(agent: Agent, conn: Connection, msg: p.ContextCreate) -> None:
     ctx = agent.new_context(msg.name, msg.language, msg.cwd, msg.env)
     conn.send(p.ContextCreated(id=msg.id, context=ctx.name))
 
 
-def _context_run(agent: "Agent", conn: Connection, msg: p.ContextRun) -> None:
+def _context_run(agent: Agent, conn: Connection, msg: p.ContextRun) -> None:
     ctx = agent.get_context(msg.context)
     with ctx.lock:
         if not ctx.alive:
@@ -1305,7 +1400,7 @@ def _context_run(agent: "Agent", conn: Connection, msg: p.ContextRun) -> None:
             agent.busy.exit()
 
 
-def _configure(agent: "Agent", conn: Connection, msg: p.Configure) -> None:
+def _configure(agent: Agent, conn: Connection, msg: p.Configure) -> None:
     for k, v in msg.env.items():
         if not k or "=" in k or "\0" in k or "\0" in v:
             raise _Fail(p.ErrorCode.INVALID, f"invalid environment variable {k!r}")
@@ -1320,7 +1415,7 @@ def _configure(agent: "Agent", conn: Connection, msg: p.Configure) -> None:
     conn.send(report)
 
 
-def _reseed(agent: "Agent", conn: Connection, msg: p.Reseed) -> None:
+def _reseed(agent: Agent, conn: Connection, msg: p.Reseed) -> None:
     if not 32 <= len(msg.seed) <= 64:
         raise _Fail(p.ErrorCode.INVALID, "a reseed carries 32..64 bytes")
     for ctx in agent.contexts():
@@ -1334,7 +1429,7 @@ def _reseed(agent: "Agent", conn: Connection, msg: p.Reseed) -> None:
     conn.send(p.Ok(id=msg.id))
 
 
-def _quiesce(agent: "Agent", conn: Connection, msg: p.Quiesce) -> None:
+def _quiesce(agent: Agent, conn: Connection, msg: p.Quiesce) -> None:
     if agent.serial is not None:  # a VM: its memory snapshot holds the port; nothing to drop
         conn.send(p.Ok(id=msg.id))
         return
@@ -1344,11 +1439,11 @@ def _quiesce(agent: "Agent", conn: Connection, msg: p.Quiesce) -> None:
     agent.quiesce()
 
 
-def _get_usage(agent: "Agent", conn: Connection, msg: p.GetUsage) -> None:
+def _get_usage(agent: Agent, conn: Connection, msg: p.GetUsage) -> None:
     conn.send(agent.busy.report(msg.id))
 
 
-def _context_delete(agent: "Agent", conn: Connection, msg: p.ContextDelete) -> None:
+def _context_delete(agent: Agent, conn: Connection, msg: p.ContextDelete) -> None:
     ctx = agent.get_context(msg.context)
     agent.drop_context(ctx.name)
     ctx.kill()
@@ -1356,10 +1451,21 @@ def _context_delete(agent: "Agent", conn: Connection, msg: p.ContextDelete) -> N
 
 
 _HANDLERS: dict[type[p.Message], Any] = {
-    p.Ping: _ping, p.Exec: _exec, p.Signal: _signal, p.ReadFile: _read_file,
-    p.WriteFile: _write_file, p.ListDir: _list_dir, p.Stat: _stat, p.MakeDir: _make_dir,
-    p.Remove: _remove, p.ContextCreate: _context_create, p.ContextRun: _context_run,
-    p.ContextDelete: _context_delete, p.Configure: _configure, p.GetUsage: _get_usage, p.Quiesce: _quiesce,
+    p.Ping: _ping,
+    p.Exec: _exec,
+    p.Signal: _signal,
+    p.ReadFile: _read_file,
+    p.WriteFile: _write_file,
+    p.ListDir: _list_dir,
+    p.Stat: _stat,
+    p.MakeDir: _make_dir,
+    p.Remove: _remove,
+    p.ContextCreate: _context_create,
+    p.ContextRun: _context_run,
+    p.ContextDelete: _context_delete,
+    p.Configure: _configure,
+    p.GetUsage: _get_usage,
+    p.Quiesce: _quiesce,
     p.Reseed: _reseed,
 }
 _INLINE = frozenset({p.Ping, p.GetUsage, p.Signal})  # never block: handled on the reader thread
@@ -1464,7 +1570,7 @@ class SerialPort:
         view = memoryview(data)
         with self._lock:
             while view:
-                view = view[os.write(self.fd, view):]
+                view = view[os.write(self.fd, view) :]
 
     def wait_host(self) -> None:
         """Until a host is connected and has sent something (poll reports HUP while none is)."""
@@ -1486,8 +1592,13 @@ class SerialPort:
 class Agent:
     DEFAULT_CONTEXT = "default"
 
-    def __init__(self, listener: socket.socket | None, path: str | None = None,
-                 serial: SerialPort | None = None, cgroup_fd: int | None = None) -> None:
+    def __init__(
+        self,
+        listener: socket.socket | None,
+        path: str | None = None,
+        serial: SerialPort | None = None,
+        cgroup_fd: int | None = None,
+    ) -> None:
         self.listener = listener
         self.path = path  # where it listens, when not on an inherited fd
         self.serial = serial
@@ -1574,7 +1685,7 @@ class Agent:
                 self._conns.add(conn)
             self._serve(conn)
 
-    def _serve(self, conn: "Connection") -> None:
+    def _serve(self, conn: Connection) -> None:
         try:
             conn.serve()
         finally:
@@ -1636,7 +1747,7 @@ class Agent:
             return
 
 
-def harden(agent: "Agent") -> None:
+def harden(agent: Agent) -> None:
     """Make the agent non-dumpable: user code runs as the agent's uid, and could otherwise read
     and write the agent's memory through /proc/1/mem or attach with ptrace. Children get the
     flag back at exec (they are the user's). In a thread: importing ctypes costs ~5 ms, off the
@@ -1661,7 +1772,7 @@ def harden(agent: "Agent") -> None:
     agent.workers.spare()  # off the start path too: a worker waits for the first request or connection
 
 
-def _start_hardening(agent: "Agent") -> None:
+def _start_hardening(agent: Agent) -> None:
     threading.Thread(target=harden, args=(agent,), daemon=True).start()
 
 

@@ -67,12 +67,12 @@ class _Run:
             room = self.msg.max_output - self.sent
             if len(data) > room:
                 self.truncated = True
-                data = data[:max(room, 0)]
+                data = data[: max(room, 0)]
             if not data:
                 return
             self.sent += len(data)
             for off in range(0, len(data), p.CHUNK):
-                self.send(kind(id=self.msg.id, data=data[off:off + p.CHUNK]))
+                self.send(kind(id=self.msg.id, data=data[off : off + p.CHUNK]))
 
     def send(self, msg: p.Message) -> None:
         self.sock.sendall(p.encode(msg))
@@ -99,8 +99,9 @@ class _Run:
             text = repr(value)
         except Exception as e:
             text = f"<unrepresentable {type(value).__name__}: {e}>"
-        self.send(p.Display(id=self.msg.id, mime="text/plain", data=text.encode()[: p.MAX_BODY],
-                            main=main, result=index))
+        self.send(
+            p.Display(id=self.msg.id, mime="text/plain", data=text.encode()[: p.MAX_BODY], main=main, result=index)
+        )
 
 
 def _bounded(text: str, limit: int = 64 << 10) -> str:
@@ -134,7 +135,7 @@ def _reseed(seed: bytes) -> None:
             import hashlib  # OpenSSL: loaded only where NumPy is (an import costs ~0.1 s under TCG)
 
             words = hashlib.sha512(seed).digest()
-            np_random.seed([int.from_bytes(words[i:i + 4], "little") for i in range(0, 64, 4)])
+            np_random.seed([int.from_bytes(words[i : i + 4], "little") for i in range(0, 64, 4)])
         except Exception:
             pass
 
@@ -200,9 +201,19 @@ def main(fd: int) -> None:
             sys.stdout, sys.stderr = real_out, real_err
         err_value, tb = _bounded(err_value), _bounded(tb)
         try:
-            run.send(p.CodeDone(id=msg.id, error_name=err_name, error_value=err_value, traceback=tb,
-                                timed_out=False, truncated=run.truncated, execution_count=count,
-                                duration_ms=(time.monotonic() - start) * 1e3, oom_kills=-1))
+            run.send(
+                p.CodeDone(
+                    id=msg.id,
+                    error_name=err_name,
+                    error_value=err_value,
+                    traceback=tb,
+                    timed_out=False,
+                    truncated=run.truncated,
+                    execution_count=count,
+                    duration_ms=(time.monotonic() - start) * 1e3,
+                    oom_kills=-1,
+                )
+            )
         except KeyboardInterrupt:  # pragma: no cover - interrupt landed while reporting
             pass
         except OSError:

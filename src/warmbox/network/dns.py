@@ -53,7 +53,7 @@ def _read_name(buf: bytes, off: int, depth: int = 0) -> tuple[str, int]:
         if n == 0:
             end = off
             break
-        label = buf[off:off + n]
+        label = buf[off : off + n]
         if len(label) != n:
             raise DnsFormatError("label runs past the packet")
         labels.append(label.decode("ascii", "replace").lower())
@@ -85,7 +85,7 @@ def parse_query(buf: bytes) -> Question:
     name, off = _read_name(buf, 12)
     if off + 4 > len(buf):
         raise DnsFormatError("question truncated")
-    qtype, qclass = struct.unpack("!2H", buf[off:off + 4])
+    qtype, qclass = struct.unpack("!2H", buf[off : off + 4])
     if qclass != 1:
         raise DnsFormatError("not class IN")
     return Question(txid, name, qtype, bool(flags & 0x0100))
@@ -125,9 +125,9 @@ def parse_answer(buf: bytes, txid: int, qtype: int) -> tuple[int, list[str]]:
         _, off = _read_name(buf, off)
         if off + 10 > len(buf):
             raise DnsFormatError("record truncated")
-        rtype, _cls, _ttl, rdlen = struct.unpack("!2HIH", buf[off:off + 10])
+        rtype, _cls, _ttl, rdlen = struct.unpack("!2HIH", buf[off : off + 10])
         off += 10
-        data = buf[off:off + rdlen]
+        data = buf[off : off + rdlen]
         if len(data) != rdlen:
             raise DnsFormatError("record data truncated")
         off += rdlen

@@ -76,8 +76,11 @@ def setns(path: str) -> None:
 
 async def _run(argv: list[str], stdin: bytes | None = None) -> None:
     proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        *argv,
+        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
     _, err = await proc.communicate(stdin)
     if proc.returncode != 0:
         raise NetworkSetupError(f"{' '.join(argv[:4])}: {err.decode(errors='replace').strip()[:400]}")
@@ -109,13 +112,23 @@ async def ensure_egress(name: str) -> None:
         return
     await _run(["ip", "netns", "add", name])
     try:
-        await _run(["ip", "netns", "exec", name, "sh", "-ec",
-                    "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6\n"
-                    "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6\n"
-                    "echo 0 > /proc/sys/net/ipv4/ip_forward\n"
-                    "ip link set lo up\n"
-                    f"ip addr add {GATEWAY}/32 dev lo\n"
-                    "nft -f -"], stdin=_ruleset().encode())
+        await _run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                name,
+                "sh",
+                "-ec",
+                "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6\n"
+                "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6\n"
+                "echo 0 > /proc/sys/net/ipv4/ip_forward\n"
+                "ip link set lo up\n"
+                f"ip addr add {GATEWAY}/32 dev lo\n"
+                "nft -f -",
+            ],
+            stdin=_ruleset().encode(),
+        )
     except BaseException:
         await remove_egress(name)
         raise
@@ -129,18 +142,35 @@ async def remove_egress(name: str) -> None:
 
 async def attach(egress: str, link: Link, sandbox_netns: str) -> None:
     """Give the sandbox whose network namespace is ``sandbox_netns`` its veth into ``egress``."""
-    await _run(["nsenter", f"--net={sandbox_netns}", "--", "sh", "-ec",
-                "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6\n"
-                "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6\n"
-                f"ip link add eth0 type veth peer name {link.host_ifname} netns {egress}\n"
-                f"ip addr add {link.address}/32 dev eth0\n"
-                "ip link set eth0 up\n"
-                f"ip route add {GATEWAY}/32 dev eth0 scope link\n"])
+    await _run(
+        [
+            "nsenter",
+            f"--net={sandbox_netns}",
+            "--",
+            "sh",
+            "-ec",
+            "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6\n"
+            "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6\n"
+            f"ip link add eth0 type veth peer name {link.host_ifname} netns {egress}\n"
+            f"ip addr add {link.address}/32 dev eth0\n"
+            "ip link set eth0 up\n"
+            f"ip route add {GATEWAY}/32 dev eth0 scope link\n",
+        ]
+    )
     try:
-        await _run(["ip", "netns", "exec", egress, "sh", "-ec",
-                    f"ip link set {link.host_ifname} up\n"
-                    f"ip route add {link.address}/32 dev {link.host_ifname} scope link src {GATEWAY}\n"
-                    f"nft add element inet {TABLE} peers '{{ {link.address} . \"{link.host_ifname}\" }}'\n"])
+        await _run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                egress,
+                "sh",
+                "-ec",
+                f"ip link set {link.host_ifname} up\n"
+                f"ip route add {link.address}/32 dev {link.host_ifname} scope link src {GATEWAY}\n"
+                f"nft add element inet {TABLE} peers '{{ {link.address} . \"{link.host_ifname}\" }}'\n",
+            ]
+        )
     except BaseException:
         await detach(egress, link)
         raise
@@ -150,9 +180,18 @@ async def detach(egress: str, link: Link) -> None:
     """Remove the sandbox's veth and rule element (no-op for parts already gone)."""
     if not Path(netns_path(egress)).exists():
         return
-    await _run(["ip", "netns", "exec", egress, "sh", "-c",
-                f"nft delete element inet {TABLE} peers '{{ {link.address} . \"{link.host_ifname}\" }}' 2>/dev/null;"
-                f"ip link del {link.host_ifname} 2>/dev/null; true"])
+    await _run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            egress,
+            "sh",
+            "-c",
+            f"nft delete element inet {TABLE} peers '{{ {link.address} . \"{link.host_ifname}\" }}' 2>/dev/null;"
+            f"ip link del {link.host_ifname} 2>/dev/null; true",
+        ]
+    )
 
 
 def links_in(egress: str) -> list[str]:

@@ -26,11 +26,29 @@ from warmbox.errors import InvalidArgument
 OnUnknown = Literal["deny", "ask"]
 Decision = Literal["allow", "deny"]
 
-ALWAYS_BLOCKED = tuple(ipaddress.ip_network(n) for n in (
-    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
-    "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4",
-    "::/128", "::1/128", "::ffff:0:0/96", "64:ff9b::/96", "fc00::/7", "fe80::/10", "ff00::/8",
-))
+ALWAYS_BLOCKED = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "0.0.0.0/8",
+        "10.0.0.0/8",
+        "100.64.0.0/10",
+        "127.0.0.0/8",
+        "169.254.0.0/16",
+        "172.16.0.0/12",
+        "192.0.0.0/24",
+        "192.168.0.0/16",
+        "198.18.0.0/15",
+        "224.0.0.0/4",
+        "240.0.0.0/4",
+        "::/128",
+        "::1/128",
+        "::ffff:0:0/96",
+        "64:ff9b::/96",
+        "fc00::/7",
+        "fe80::/10",
+        "ff00::/8",
+    )
+)
 
 _LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 
@@ -158,8 +176,9 @@ class Policy:
     def with_allowed(self, host: str) -> Policy:
         if host in self.allow:
             return self
-        return dataclasses.replace(self, mode="allowlist" if self.mode == "none" else self.mode,
-                                   allow=(*self.allow, host))
+        return dataclasses.replace(
+            self, mode="allowlist" if self.mode == "none" else self.mode, allow=(*self.allow, host)
+        )
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -74,18 +74,18 @@ def parse_sni(hello: bytes) -> str | None:
             raise BadRequest("not a TLS ClientHello")
         off = 5 + 4 + 2 + 32
         off += 1 + hello[off]  # session id
-        off += 2 + int.from_bytes(hello[off:off + 2], "big")  # cipher suites
+        off += 2 + int.from_bytes(hello[off : off + 2], "big")  # cipher suites
         off += 1 + hello[off]  # compression methods
-        end = off + 2 + int.from_bytes(hello[off:off + 2], "big")
+        end = off + 2 + int.from_bytes(hello[off : off + 2], "big")
         off += 2
         while off + 4 <= min(end, len(hello)):
-            etype, elen = int.from_bytes(hello[off:off + 2], "big"), int.from_bytes(hello[off + 2:off + 4], "big")
+            etype, elen = int.from_bytes(hello[off : off + 2], "big"), int.from_bytes(hello[off + 2 : off + 4], "big")
             off += 4
             if etype == 0:
                 if hello[off + 2] != 0:
                     raise BadRequest("SNI is not a host name")
-                n = int.from_bytes(hello[off + 3:off + 5], "big")
-                name = hello[off + 5:off + 5 + n]
+                n = int.from_bytes(hello[off + 3 : off + 5], "big")
+                name = hello[off + 5 : off + 5 + n]
                 if len(name) != n:
                     raise BadRequest("truncated SNI")
                 return name.decode("ascii")
@@ -144,8 +144,9 @@ async def read_head(reader: asyncio.StreamReader) -> bytes:
         raise BadRequest("incomplete head") from None
 
 
-async def relay_body(headers: list[tuple[str, str]], reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     conn: _Conn) -> None:
+async def relay_body(
+    headers: list[tuple[str, str]], reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn
+) -> None:
     """Copy exactly one request body (Content-Length or chunked) from client to upstream."""
     h = {k.lower(): v for k, v in headers}
     if "chunked" in h.get("transfer-encoding", "").lower():
@@ -232,11 +233,13 @@ class Proxy:
 
     # ---- bookkeeping
 
-    def audit(self, sid: str, kind: str, host: str, address: str, port: int, decision: str, rule: str,
-              detail: str = "") -> int:
+    def audit(
+        self, sid: str, kind: str, host: str, address: str, port: int, decision: str, rule: str, detail: str = ""
+    ) -> int:
         try:
-            return self.registry.add_net_event(NetEvent(sid, time.time(), kind, host, address, port, decision,
-                                                        rule, 0, 0, detail))
+            return self.registry.add_net_event(
+                NetEvent(sid, time.time(), kind, host, address, port, decision, rule, 0, 0, detail)
+            )
         except WarmboxError:
             return 0
 
@@ -361,8 +364,14 @@ class Proxy:
             req = self.next_req
             fut = self.pending[req] = asyncio.get_running_loop().create_future()
             try:
-                w.write((json.dumps({"op": "ask", "req": req, "sandbox_id": sid, "host": host, "port": port,
-                                     "kind": kind}) + "\n").encode())
+                w.write(
+                    (
+                        json.dumps(
+                            {"op": "ask", "req": req, "sandbox_id": sid, "host": host, "port": port, "kind": kind}
+                        )
+                        + "\n"
+                    ).encode()
+                )
                 await w.drain()
                 answer = await asyncio.wait_for(fut, timeout)
             except (TimeoutError, OSError, ConnectionError):
@@ -372,8 +381,9 @@ class Proxy:
         elif self.net.approval_webhook:
             body = json.dumps({"sandbox_id": sid, "host": host, "port": port, "kind": kind}).encode()
             try:
-                answer = await asyncio.wait_for(asyncio.to_thread(_post_json, self.net.approval_webhook, body,
-                                                                  timeout), timeout + 1)
+                answer = await asyncio.wait_for(
+                    asyncio.to_thread(_post_json, self.net.approval_webhook, body, timeout), timeout + 1
+                )
             except (TimeoutError, OSError, ValueError):
                 return False, "approval:timeout"
         else:
@@ -407,8 +417,15 @@ class Proxy:
         except (BadRequest, ValueError) as e:
             await self._respond(writer, 400, f"bad request: {e}")
             self.finish(conn, f"bad request: {e}")
-        except (EOFError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
-                OSError, TimeoutError, ssl.SSLError):
+        except (
+            EOFError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ConnectionError,
+            OSError,
+            TimeoutError,
+            ssl.SSLError,
+        ):
             self.finish(conn)
         except asyncio.CancelledError:
             self.finish(conn, "closed: sandbox gone")
@@ -422,15 +439,19 @@ class Proxy:
         reason = {400: "Bad Request", 403: "Forbidden", 502: "Bad Gateway"}.get(code, "Error")
         body = f"warmbox egress proxy: {text}\n".encode()
         try:
-            writer.write(f"HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain\r\nConnection: close\r\n"
-                         f"X-Warmbox-Egress: {'deny' if code == 403 else 'error'}\r\n"
-                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            writer.write(
+                f"HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+                f"X-Warmbox-Egress: {'deny' if code == 403 else 'error'}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
             await writer.drain()
         except (OSError, ConnectionError, RuntimeError):
             pass
 
-    async def _serve(self, sid: str, pol: Policy, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     conn: _Conn) -> asyncio.StreamWriter | None:
+    async def _serve(
+        self, sid: str, pol: Policy, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn
+    ) -> asyncio.StreamWriter | None:
         method, target, version, headers = split_head(await read_head(reader))
         if method == "CONNECT":
             kind = "connect"
@@ -461,8 +482,11 @@ class Proxy:
             return None
         u = urlsplit(target)
         path = (u.path or "/") + (f"?{u.query}" if u.query else "")
-        keep = [(k, v) for k, v in headers if k.lower() not in ("proxy-connection", "proxy-authorization",
-                                                                  "connection", "keep-alive")]
+        keep = [
+            (k, v)
+            for k, v in headers
+            if k.lower() not in ("proxy-connection", "proxy-authorization", "connection", "keep-alive")
+        ]
         out = join_head(f"{method} {path} {version}", [*keep, ("Connection", "close")])
         up_w.write(out)
         conn.up += len(out)
@@ -471,8 +495,16 @@ class Proxy:
         self.finish(conn)
         return up_w
 
-    async def _tunnel(self, sid: str, host: str, address: str, port: int, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter, conn: _Conn) -> asyncio.StreamWriter | None:
+    async def _tunnel(
+        self,
+        sid: str,
+        host: str,
+        address: str,
+        port: int,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        conn: _Conn,
+    ) -> asyncio.StreamWriter | None:
         writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         await writer.drain()
         if any(s.applies_to(host) for _, s in self.secrets.get(sid, [])) and sid in self.cas:
@@ -508,8 +540,16 @@ class Proxy:
         except WarmboxError:
             pass
 
-    async def _intercept(self, sid: str, host: str, address: str, port: int, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter, conn: _Conn) -> asyncio.StreamWriter | None:
+    async def _intercept(
+        self,
+        sid: str,
+        host: str,
+        address: str,
+        port: int,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        conn: _Conn,
+    ) -> asyncio.StreamWriter | None:
         ctx = self.cas[sid].server_context(host)
         ctx.sni_callback = self._note_sni
         await asyncio.wait_for(writer.start_tls(ctx), HEAD_TIMEOUT_S)
@@ -518,8 +558,9 @@ class Proxy:
             self._redecide(conn.event_id, "sni-mismatch", f"TLS SNI {sni!r} != CONNECT host {host}")
             return None
         try:
-            up_r, up_w = await asyncio.wait_for(asyncio.open_connection(
-                address, port, ssl=self.upstream_ssl, server_hostname=host), CONNECT_TIMEOUT_S)
+            up_r, up_w = await asyncio.wait_for(
+                asyncio.open_connection(address, port, ssl=self.upstream_ssl, server_hostname=host), CONNECT_TIMEOUT_S
+            )
         except (TimeoutError, OSError, ssl.SSLError) as e:
             self.finish(conn, f"upstream TLS to {host} failed: {e}"[:300])
             return None
@@ -578,8 +619,9 @@ class Proxy:
             return
         verdict, rule = pol.decide_name(name)
         if verdict != "allow" or is_ip(name):  # only a name a rule allows is ever forwarded
-            self.audit(sid, "dns", name, "", 53, "deny", "not-a-name" if verdict == "allow" else
-                       rule or "not-allowlisted")
+            self.audit(
+                sid, "dns", name, "", 53, "deny", "not-a-name" if verdict == "allow" else rule or "not-allowlisted"
+            )
             transport.sendto(dns.build_response(q, dns.NXDOMAIN), addr)
             return
         if q.qtype not in (dns.A, dns.AAAA):
@@ -602,8 +644,9 @@ class Proxy:
         else:
             usable = [a for a, r in zip(usable, refused, strict=True) if not r]
             self.audit(sid, "dns", name, usable[0] if usable else "", 53, "allow", rule)
-        transport.sendto(dns.build_response(q, rcode if rcode in (dns.NOERROR, dns.NXDOMAIN) else dns.SERVFAIL,
-                                            usable), addr)
+        transport.sendto(
+            dns.build_response(q, rcode if rcode in (dns.NOERROR, dns.NXDOMAIN) else dns.SERVFAIL, usable), addr
+        )
 
     # ---- control (engine and SDK processes of this host, via a root-only unix socket)
 
@@ -697,8 +740,9 @@ def _ca_pems(ca: SandboxCA) -> list[str]:
     Reaches into SandboxCA (``_key``, ``_cert``, ``_contexts``): tls.py has no export/import of
     its own; tests/network/test_supervision.py checks the round trip.
     """
-    key = ca._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    key = ca._key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     return [key.decode(), ca.cert_pem]
 
 
@@ -797,8 +841,9 @@ class Supervisor:
         try:
             for info, _ in self.registry.list(include_pooled=True):
                 if self.registry.link(info.sandbox_id) is not None:
-                    self.registry.add_net_event(NetEvent(info.sandbox_id, time.time(), "proxy", "*", "", 0, "deny",
-                                                         rule, 0, 0, detail))
+                    self.registry.add_net_event(
+                        NetEvent(info.sandbox_id, time.time(), "proxy", "*", "", 0, "deny", rule, 0, 0, detail)
+                    )
         except Exception as e:  # the supervisor outlives a registry hiccup
             self.log(f"cannot audit {rule}: {e}")
 
@@ -812,20 +857,28 @@ class Supervisor:
             if rc == 0 or self.stopping:
                 return 0
             how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
-            note = (f"the egress proxy (pid {pid}) {how} after serving {served_s:.1f} s" if served_s is not None
-                    else f"the egress proxy (pid {pid}) {how} before it served")
+            note = (
+                f"the egress proxy (pid {pid}) {how} after serving {served_s:.1f} s"
+                if served_s is not None
+                else f"the egress proxy (pid {pid}) {how} before it served"
+            )
             now = time.monotonic()
             deaths = [t for t in deaths if now - t < RESTART_WINDOW_S] + [now]
             if len(deaths) > len(RESTART_BACKOFF_S):
                 self.log(f"{note}; giving up after {len(deaths)} deaths within {RESTART_WINDOW_S:.0f} s")
-                self.audit_outage("proxy-down", f"{note}; not restarted again ({len(deaths)} deaths within "
-                                                f"{RESTART_WINDOW_S:.0f} s): egress is down until it is started "
-                                                f"again (see netproxy.log)")
+                self.audit_outage(
+                    "proxy-down",
+                    f"{note}; not restarted again ({len(deaths)} deaths within "
+                    f"{RESTART_WINDOW_S:.0f} s): egress is down until it is started "
+                    f"again (see netproxy.log)",
+                )
                 return 1
             self.log(f"{note}; restarting it")
             if served_s is not None:  # a start that failed is not a new outage, just a longer one
-                self.audit_outage("proxy-restart", f"{note}; restarting it (connections open then were cut, "
-                                                   f"their byte counts end there)")
+                self.audit_outage(
+                    "proxy-restart",
+                    f"{note}; restarting it (connections open then were cut, their byte counts end there)",
+                )
             self._sleep(RESTART_BACKOFF_S[len(deaths) - 1])
         return 0
 
@@ -842,8 +895,12 @@ class Supervisor:
         """
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds = [x.fileno() for x in self.socks] + [theirs.fileno()]
-        proc = subprocess.Popen([*launch_argv(), "--serve", str(self.home), str(os.getpid()), ",".join(map(str, fds))],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=fds)
+        proc = subprocess.Popen(
+            [*launch_argv(), "--serve", str(self.home), str(os.getpid()), ",".join(map(str, fds))],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            pass_fds=fds,
+        )
         theirs.close()
         pidfd = os.pidfd_open(proc.pid)
         ready_at: float | None = None
@@ -986,10 +1043,16 @@ def main(argv: list[str]) -> int:
     # (an attach starts the proxy before it records its link), so egress was down for them.
     if prior is not None:
         sup.log(f"the previous supervisor (pid {prior}) ended without stopping; starting again")
-    sup.audit_outage("proxy-restart", (f"the egress proxy's supervisor (pid {prior}) died, and the proxy with it"
-                                       if prior is not None else "the egress proxy was down")
-                     + f"; started again as supervisor pid {os.getpid()} (secrets registered before are lost: "
-                       f"their placeholders are sent unchanged)")
+    sup.audit_outage(
+        "proxy-restart",
+        (
+            f"the egress proxy's supervisor (pid {prior}) died, and the proxy with it"
+            if prior is not None
+            else "the egress proxy was down"
+        )
+        + f"; started again as supervisor pid {os.getpid()} (secrets registered before are lost: "
+        f"their placeholders are sent unchanged)",
+    )
     rc = 1
     try:
         rc = sup.run()

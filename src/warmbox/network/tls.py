@@ -30,15 +30,30 @@ class SandboxCA:
         now = datetime.datetime.now(datetime.UTC)
         self._key = ec.generate_private_key(ec.SECP256R1())
         self._cert = (
-            x509.CertificateBuilder().subject_name(_name(f"warmbox egress CA {sandbox_id}"))
+            x509.CertificateBuilder()
+            .subject_name(_name(f"warmbox egress CA {sandbox_id}"))
             .issuer_name(_name(f"warmbox egress CA {sandbox_id}"))
-            .public_key(self._key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=30))
+            .public_key(self._key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=30))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-            .sign(self._key, hashes.SHA256()))
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .sign(self._key, hashes.SHA256())
+        )
         self._contexts: dict[str, ssl.SSLContext] = {}
 
     @property
@@ -57,18 +72,26 @@ class SandboxCA:
         except ValueError:
             san = x509.DNSName(host)
         cert = (
-            x509.CertificateBuilder().subject_name(_name(host)).issuer_name(self._cert.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=7))
+            x509.CertificateBuilder()
+            .subject_name(_name(host))
+            .issuer_name(self._cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=7))
             .add_extension(x509.SubjectAlternativeName([san]), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .sign(self._key, hashes.SHA256()))
+            .sign(self._key, hashes.SHA256())
+        )
         path = self.dir / f"{len(self._contexts)}.pem"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
-            f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                      serialization.NoEncryption()))
+            f.write(
+                key.private_bytes(
+                    serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+                )
+            )
             f.write(cert.public_bytes(serialization.Encoding.PEM))
             f.write(self._cert.public_bytes(serialization.Encoding.PEM))
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

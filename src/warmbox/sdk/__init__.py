@@ -13,5 +13,18 @@ Files = synchronize(AsyncFiles)
 NetworkAPI = synchronize(AsyncNetwork, "NetworkAPI")
 Sandbox = synchronize(AsyncSandbox)
 
-__all__ = ["AsyncCommands", "AsyncFileStream", "AsyncFiles", "AsyncNetwork", "AsyncSandbox", "CodeContext", "Commands",
-           "FileStream", "Files", "LocalTransport", "NetworkAPI", "Sandbox", "Transport"]
+__all__ = [
+    "AsyncCommands",
+    "AsyncFileStream",
+    "AsyncFiles",
+    "AsyncNetwork",
+    "AsyncSandbox",
+    "CodeContext",
+    "Commands",
+    "FileStream",
+    "Files",
+    "LocalTransport",
+    "NetworkAPI",
+    "Sandbox",
+    "Transport",
+]

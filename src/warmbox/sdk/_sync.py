@@ -38,8 +38,10 @@ class _LoopThread:
         except RuntimeError:
             running = None
         if running is loop:
-            raise RuntimeError("the sync warmbox API was called from its own event loop thread "
-                               "(inside a callback); use AsyncSandbox there")
+            raise RuntimeError(
+                "the sync warmbox API was called from its own event loop thread "
+                "(inside a callback); use AsyncSandbox there"
+            )
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
 
@@ -61,6 +63,7 @@ def _method(name: str, fn: Any) -> Any:
     @functools.wraps(fn)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         return _wrap(_RUNNER.run(getattr(self._async, name)(*args, **kwargs)))
+
     return call
 
 
@@ -68,6 +71,7 @@ def _classmethod(owner: type, name: str, fn: Any) -> Any:
     @functools.wraps(fn)
     def call(cls: Any, *args: Any, **kwargs: Any) -> Any:
         return _wrap(_RUNNER.run(getattr(owner, name)(*args, **kwargs)))
+
     return classmethod(call)
 
 

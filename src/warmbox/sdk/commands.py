@@ -22,11 +22,19 @@ class AsyncCommands:
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._sb = sandbox
 
-    async def run(self, cmd: str | list[str], *, envs: dict[str, str] | None = None, cwd: str | None = None,
-                  timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S, stdin: str | bytes | None = None,
-                  on_stdout: Callable[[str], object] | None = None,
-                  on_stderr: Callable[[str], object] | None = None,
-                  max_output: int = DEFAULT_MAX_OUTPUT, check: bool = False) -> CommandResult:
+    async def run(
+        self,
+        cmd: str | list[str],
+        *,
+        envs: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S,
+        stdin: str | bytes | None = None,
+        on_stdout: Callable[[str], object] | None = None,
+        on_stderr: Callable[[str], object] | None = None,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+        check: bool = False,
+    ) -> CommandResult:
         """Run ``cmd`` (a shell string for bash, or an argv list) and wait for it.
 
         timeout: seconds, wall clock (None or 0: no limit); on expiry every process the command
@@ -39,8 +47,19 @@ class AsyncCommands:
         ``check=True`` raises CommandFailed on a non-zero exit.
         """
         sb = self._sb
-        result = await sb._run(ops.Exec(sb.sandbox_id, cmd, envs=envs, cwd=cwd, timeout=timeout, stdin=stdin,
-                                        max_output=max_output, on_stdout=on_stdout, on_stderr=on_stderr))
+        result = await sb._run(
+            ops.Exec(
+                sb.sandbox_id,
+                cmd,
+                envs=envs,
+                cwd=cwd,
+                timeout=timeout,
+                stdin=stdin,
+                max_output=max_output,
+                on_stdout=on_stdout,
+                on_stderr=on_stderr,
+            )
+        )
         if check and not result.ok:
             raise CommandFailed(f"command exited with {result.exit_code}", sb.sandbox_id, result)
         return result

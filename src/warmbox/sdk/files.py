@@ -25,8 +25,14 @@ class AsyncFiles:
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._sb = sandbox
 
-    async def read(self, path: str, *, format: str = "text", max_bytes: int = DEFAULT_READ_MAX_BYTES,
-                   timeout: float | None = DEFAULT_READ_TIMEOUT_S) -> str | bytes | AsyncFileStream:
+    async def read(
+        self,
+        path: str,
+        *,
+        format: str = "text",
+        max_bytes: int = DEFAULT_READ_MAX_BYTES,
+        timeout: float | None = DEFAULT_READ_TIMEOUT_S,
+    ) -> str | bytes | AsyncFileStream:
         """A regular file's contents: ``format`` "text" (UTF-8), "bytes", or "stream" (an async
         iterator of bytes chunks, for ``async for``; the sync Sandbox: an iterator, ``for``).
 

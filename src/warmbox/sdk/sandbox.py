@@ -75,13 +75,22 @@ class AsyncSandbox:
     # ---- construction
 
     @classmethod
-    async def create(cls, tier: str | None = None, *, timeout: float | None = None,
-                     envs: dict[str, str] | None = None, limits: Limits | None = None,
-                     template: str | None = None, pool: bool = True,
-                     from_snapshot: SnapshotRef | str | None = None,
-                     network: Any = "none", secrets: dict[str, Any] | None = None,
-                     on_approval: Callable[[ApprovalRequest], object] | None = None,
-                     home: str | Path | None = None, transport: Transport | None = None) -> AsyncSandbox:
+    async def create(
+        cls,
+        tier: str | None = None,
+        *,
+        timeout: float | None = None,
+        envs: dict[str, str] | None = None,
+        limits: Limits | None = None,
+        template: str | None = None,
+        pool: bool = True,
+        from_snapshot: SnapshotRef | str | None = None,
+        network: Any = "none",
+        secrets: dict[str, Any] | None = None,
+        on_approval: Callable[[ApprovalRequest], object] | None = None,
+        home: str | Path | None = None,
+        transport: Transport | None = None,
+    ) -> AsyncSandbox:
         """Create and start a sandbox (defaults for tier, timeout and template: warmbox.toml).
 
         tier: "container" (runc), "gvisor" (runsc) or "microvm" (QEMU); see ``warmbox doctor``.
@@ -109,8 +118,19 @@ class AsyncSandbox:
             raise InvalidArgument("on_approval must be a callable")
         t = _transport(transport, home)
         snap = _snapshot_id(from_snapshot) if from_snapshot is not None else None
-        opened = await t.handle(ops.Create(tier=tier, timeout=timeout, envs=envs, limits=limits, template=template,
-                                           pool=pool, from_snapshot=snap, network=network, secrets=secrets))
+        opened = await t.handle(
+            ops.Create(
+                tier=tier,
+                timeout=timeout,
+                envs=envs,
+                limits=limits,
+                template=template,
+                pool=pool,
+                from_snapshot=snap,
+                network=network,
+                secrets=secrets,
+            )
+        )
         sb = cls(t, opened, tuple(envs or ()))
         if on_approval is not None:
             try:
@@ -121,9 +141,15 @@ class AsyncSandbox:
         return sb
 
     @classmethod
-    async def resume(cls, snapshot: SnapshotRef | str, *, timeout: float | None = None,
-                     envs: dict[str, str] | None = None, home: str | Path | None = None,
-                     transport: Transport | None = None) -> AsyncSandbox:
+    async def resume(
+        cls,
+        snapshot: SnapshotRef | str,
+        *,
+        timeout: float | None = None,
+        envs: dict[str, str] | None = None,
+        home: str | Path | None = None,
+        transport: Transport | None = None,
+    ) -> AsyncSandbox:
         """Bring back a paused sandbox (by its id or a SnapshotRef) as a new running sandbox.
 
         Files and the default code context's state are restored; on a tier without memory
@@ -134,21 +160,24 @@ class AsyncSandbox:
         return cls(t, opened, tuple(envs or ()))
 
     @classmethod
-    async def list_snapshots(cls, *, home: str | Path | None = None,
-                             transport: Transport | None = None) -> builtins.list[tuple[str, str, float, int]]:
+    async def list_snapshots(
+        cls, *, home: str | Path | None = None, transport: Transport | None = None
+    ) -> builtins.list[tuple[str, str, float, int]]:
         """(snapshot_id, sandbox_id, created_at, size_bytes) of every snapshot in this home."""
         return await _transport(transport, home).handle(ops.ListSnapshots())
 
     @classmethod
-    async def connect(cls, sandbox_id: str, *, home: str | Path | None = None,
-                      transport: Transport | None = None) -> AsyncSandbox:
+    async def connect(
+        cls, sandbox_id: str, *, home: str | Path | None = None, transport: Transport | None = None
+    ) -> AsyncSandbox:
         """Attach to a live sandbox created by any process."""
         t = _transport(transport, home)
         return cls(t, await t.handle(ops.Connect(sandbox_id)))
 
     @classmethod
-    async def list(cls, *, home: str | Path | None = None, include_dead: bool = False,
-                   transport: Transport | None = None) -> builtins.list[SandboxInfo]:
+    async def list(
+        cls, *, home: str | Path | None = None, include_dead: bool = False, transport: Transport | None = None
+    ) -> builtins.list[SandboxInfo]:
         return await _transport(transport, home).handle(ops.ListSandboxes(include_dead))
 
     # ---- properties
@@ -275,27 +304,42 @@ class AsyncSandbox:
 
     # ---- code contexts
 
-    async def create_code_context(self, language: str = "python", *, cwd: str = WORKDIR,
-                                  envs: dict[str, str] | None = None) -> CodeContext:
+    async def create_code_context(
+        self, language: str = "python", *, cwd: str = WORKDIR, envs: dict[str, str] | None = None
+    ) -> CodeContext:
         context = await self._run(ops.CreateContext(self.sandbox_id, language, cwd, envs))
         return CodeContext(id=context, language=language, cwd=ops.sandbox_path(cwd))
 
     async def remove_code_context(self, context: CodeContext | str) -> None:
         await self._run(ops.RemoveContext(self.sandbox_id, context_id(context)))
 
-    async def run_code(self, code: str, *, context: CodeContext | str | None = None,
-                       timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S,
-                       on_stdout: Callable[[str], object] | None = None,
-                       on_stderr: Callable[[str], object] | None = None,
-                       max_output: int = DEFAULT_MAX_OUTPUT) -> Execution:
+    async def run_code(
+        self,
+        code: str,
+        *,
+        context: CodeContext | str | None = None,
+        timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S,
+        on_stdout: Callable[[str], object] | None = None,
+        on_stderr: Callable[[str], object] | None = None,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+    ) -> Execution:
         """Run Python in a stateful context (the default one unless ``context`` is given).
 
         The value of the last expression is the main result (``Execution.text``); exceptions
         come back as ``Execution.error``, never raised. timeout: seconds, wall clock; on expiry
         the cell is interrupted (state kept), or the context killed if it ignores that.
         """
-        return await self._run(ops.RunCode(self.sandbox_id, code, context_id(context), timeout=timeout,
-                                           max_output=max_output, on_stdout=on_stdout, on_stderr=on_stderr))
+        return await self._run(
+            ops.RunCode(
+                self.sandbox_id,
+                code,
+                context_id(context),
+                timeout=timeout,
+                max_output=max_output,
+                on_stdout=on_stdout,
+                on_stderr=on_stderr,
+            )
+        )
 
 
 __all__ = ["AsyncCommands", "AsyncFiles", "AsyncNetwork", "AsyncSandbox", "CodeContext"]

@@ -28,8 +28,7 @@ class Transport(Protocol):
         """Run one operation; its typed result, or a typed WarmboxError."""
         ...
 
-    async def subscribe_approvals(self, sandbox_id: str,
-                                  hook: Callable[[ApprovalRequest], object]) -> Cancellable:
+    async def subscribe_approvals(self, sandbox_id: str, hook: Callable[[ApprovalRequest], object]) -> Cancellable:
         """Answer the sandbox's network approval questions with ``hook`` until cancelled."""
         ...
 
@@ -50,8 +49,7 @@ class LocalTransport:
     async def handle(self, request: ops.Request[R]) -> R:
         return await self.front.handle(request)
 
-    async def subscribe_approvals(self, sandbox_id: str,
-                                  hook: Callable[[ApprovalRequest], object]) -> Cancellable:
+    async def subscribe_approvals(self, sandbox_id: str, hook: Callable[[ApprovalRequest], object]) -> Cancellable:
         return await self.front.subscribe_approvals(sandbox_id, hook)
 
     async def close(self) -> None:

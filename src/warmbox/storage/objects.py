@@ -153,8 +153,9 @@ class LocalObjectStore:
 class S3ObjectStore:
     """Any S3-API store (boto3): ``put`` is one PutObject/multipart upload, visible when complete."""
 
-    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None,
-                 region: str | None = None) -> None:
+    def __init__(
+        self, bucket: str, prefix: str = "", endpoint_url: str | None = None, region: str | None = None
+    ) -> None:
         try:
             import boto3
         except ImportError:
@@ -218,7 +219,7 @@ class S3ObjectStore:
             for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
                 for obj in page.get("Contents", []):
                     k = obj["Key"]
-                    out.append(k[len(self.prefix) + 1:] if self.prefix else k)
+                    out.append(k[len(self.prefix) + 1 :] if self.prefix else k)
         except Exception as e:
             raise self._err(e, prefix) from None
         return sorted(out)

@@ -160,8 +160,10 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE sandboxes ADD COLUMN disk_mb INTEGER NOT NULL DEFAULT 10240",
     "ALTER TABLE timings ADD COLUMN on_path INTEGER NOT NULL DEFAULT 1",
 )
-_COLUMNS = ("sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
-            "runtime_id, state_dir, socket_path, pool, claimed_at, parent_snapshot")
+_COLUMNS = (
+    "sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
+    "runtime_id, state_dir, socket_path, pool, claimed_at, parent_snapshot"
+)
 
 GIB = float(1 << 30)
 
@@ -217,8 +219,9 @@ class Registry:
     check_limits: called with a sandbox's Limits before any row is written (raises to refuse).
     """
 
-    def __init__(self, path: Path, *, ledger: UidLedger | None = None,
-                 check_limits: Callable[[Limits], None] | None = None) -> None:
+    def __init__(
+        self, path: Path, *, ledger: UidLedger | None = None, check_limits: Callable[[Limits], None] | None = None
+    ) -> None:
         self.path = path
         self.ledger = ledger if ledger is not None else UidLedger()
         self.check_limits = check_limits
@@ -239,13 +242,15 @@ class Registry:
 
     def _adopt(self) -> None:
         """Record in the host ledger the slots this home's sandboxes from before it hold."""
-        rows = self._db.execute(f"SELECT sandbox_id, uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)}",
-                                _HOLDING).fetchall()
+        rows = self._db.execute(
+            f"SELECT sandbox_id, uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)}", _HOLDING
+        ).fetchall()
         if any(self.ledger.holder(slot) is None for _, slot in rows):
             with self.ledger.locked() as ledger:
                 for sid, slot in rows:
-                    row = self._db.execute("SELECT state, uid_slot, state_dir FROM sandboxes WHERE sandbox_id=?",
-                                           (sid,)).fetchone()
+                    row = self._db.execute(
+                        "SELECT state, uid_slot, state_dir FROM sandboxes WHERE sandbox_id=?", (sid,)
+                    ).fetchone()
                     if row_holds(row, slot):  # still (a destroy may have released it meanwhile)
                         ledger.adopt(slot, self._key, sid)
         self._adopted = True
@@ -253,8 +258,9 @@ class Registry:
     def _holds(self, registry: str, sandbox_id: str, slot: int) -> bool | None:
         if registry != self._key:
             return registry_holds(registry, sandbox_id, slot)
-        row = self._db.execute("SELECT state, uid_slot, state_dir FROM sandboxes WHERE sandbox_id=?",
-                               (sandbox_id,)).fetchone()
+        row = self._db.execute(
+            "SELECT state, uid_slot, state_dir FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)
+        ).fetchone()
         return row_holds(row, slot)
 
     def _migrate(self) -> None:
@@ -268,8 +274,10 @@ class Registry:
                 cols = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
                 if cols and column not in cols:
                     self._db.execute(stmt)
-            for table, column, ddl in (("pool_state", "events_seen", "INTEGER NOT NULL DEFAULT 0"),
-                                       ("pool_state", "config_target", "INTEGER")):
+            for table, column, ddl in (
+                ("pool_state", "events_seen", "INTEGER NOT NULL DEFAULT 0"),
+                ("pool_state", "config_target", "INTEGER"),
+            ):
                 cols = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
                 if cols and column not in cols:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}")
@@ -297,8 +305,20 @@ class Registry:
 
     # ---- sandboxes
 
-    def allocate(self, sandbox_id: str, tier: str, template: str, timeout_s: float, limits: Limits,
-                 state_dir: str, socket_path: str, *, pool: str = "", owner: str = "", shape: str = "") -> int:
+    def allocate(
+        self,
+        sandbox_id: str,
+        tier: str,
+        template: str,
+        timeout_s: float,
+        limits: Limits,
+        state_dir: str,
+        socket_path: str,
+        *,
+        pool: str = "",
+        owner: str = "",
+        shape: str = "",
+    ) -> int:
         """Insert a sandbox in state ``creating`` with a uid slot free on the whole host; returns the slot.
 
         The slot is claimed in the host-wide ledger (no other home's sandbox can have it) and
@@ -313,20 +333,42 @@ class Registry:
             # the ledger's lock is held until the row is committed: whoever looks at the slot
             # (to reclaim it) then sees this sandbox holding it
             with self.ledger.locked() as ledger, self._tx() as db:
-                used = {r[0] for r in db.execute(
-                    f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)}", _HOLDING)}
+                used = {
+                    r[0] for r in db.execute(f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)}", _HOLDING)
+                }
                 slot = ledger.claim(self._key, sandbox_id, skip=used, check=self._holds)
                 try:
                     db.execute(
                         "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, "
                         "memory_mb, cpus, pids, uid_slot, runtime_id, state_dir, socket_path, pool, owner, shape, "
                         "file_size_mb, open_files, tmp_mb, disk_mb) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                        (sandbox_id, tier, template, State.CREATING.value, now, now + timeout_s, limits.memory_mb,
-                         limits.cpus, limits.pids, slot, sandbox_id, state_dir, socket_path, pool, owner, shape,
-                         limits.file_size_mb, limits.open_files, limits.tmp_mb, limits.disk_mb))
-                    db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
-                               (sandbox_id, now, "", State.CREATING.value,
-                                "create" + (f" for pool {pool}" if pool else "")))
+                        (
+                            sandbox_id,
+                            tier,
+                            template,
+                            State.CREATING.value,
+                            now,
+                            now + timeout_s,
+                            limits.memory_mb,
+                            limits.cpus,
+                            limits.pids,
+                            slot,
+                            sandbox_id,
+                            state_dir,
+                            socket_path,
+                            pool,
+                            owner,
+                            shape,
+                            limits.file_size_mb,
+                            limits.open_files,
+                            limits.tmp_mb,
+                            limits.disk_mb,
+                        ),
+                    )
+                    db.execute(
+                        "INSERT INTO transitions VALUES (?,?,?,?,?)",
+                        (sandbox_id, now, "", State.CREATING.value, "create" + (f" for pool {pool}" if pool else "")),
+                    )
                     db.execute("INSERT INTO meters (sandbox_id, sampled_at) VALUES (?,?)", (sandbox_id, now))
                 except BaseException:
                     ledger.release(slot, self._key, sandbox_id)
@@ -344,8 +386,9 @@ class Registry:
         except OSError:
             pass  # left for a reclaim: the registry says it no longer holds the slot
 
-    def set_state(self, sandbox_id: str, new: State, reason: str, *, expected: State | None = None,
-                  owner: str | None = None) -> State:
+    def set_state(
+        self, sandbox_id: str, new: State, reason: str, *, expected: State | None = None, owner: str | None = None
+    ) -> State:
         """Record a transition; returns the previous state. Illegal transitions raise.
 
         expected: only move if the current state is this one (else SandboxStateError).
@@ -361,12 +404,13 @@ class Registry:
                 return old
             check_transition(old, new, sandbox_id)
             now = time.time()
-            db.execute("UPDATE sandboxes SET state=?, ended_at=? WHERE sandbox_id=?",
-                       (new.value, now if new in (State.DESTROYED, State.PAUSED) else 0, sandbox_id))
+            db.execute(
+                "UPDATE sandboxes SET state=?, ended_at=? WHERE sandbox_id=?",
+                (new.value, now if new in (State.DESTROYED, State.PAUSED) else 0, sandbox_id),
+            )
             if owner is not None:
                 db.execute("UPDATE sandboxes SET owner=? WHERE sandbox_id=?", (owner, sandbox_id))
-            db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
-                       (sandbox_id, now, old.value, new.value, reason))
+            db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)", (sandbox_id, now, old.value, new.value, reason))
         if new is State.DESTROYED:  # committed: its uid range is free for any home
             self._release(sandbox_id, row[1])
         return old
@@ -375,8 +419,13 @@ class Registry:
         with self._tx() as db:
             db.execute("UPDATE sandboxes SET expires_at=? WHERE sandbox_id=?", (expires_at, sandbox_id))
 
-    def claim(self, pool: str, shape: str, timeout_s: float, owner: str,
-              ) -> tuple[SandboxInfo, BackendHandle] | None:
+    def claim(
+        self,
+        pool: str,
+        shape: str,
+        timeout_s: float,
+        owner: str,
+    ) -> tuple[SandboxInfo, BackendHandle] | None:
         """Atomically hand the oldest pooled sandbox of ``pool`` built to ``shape`` to one caller.
 
         None (and a recorded miss) if there is none. This transaction is the only way from the
@@ -386,30 +435,42 @@ class Registry:
         with self._tx() as db:
             row = db.execute(
                 "SELECT sandbox_id FROM sandboxes WHERE pool=? AND shape=? AND state=? AND expires_at>? "
-                "ORDER BY created_at LIMIT 1", (pool, shape, State.POOLED.value, now + 1)).fetchone()
+                "ORDER BY created_at LIMIT 1",
+                (pool, shape, State.POOLED.value, now + 1),
+            ).fetchone()
             db.execute("UPDATE pool_state SET last_demand_at=? WHERE name=?", (now, pool))
             if row is None:
                 db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, now, "miss", "", ""))
                 return None
             sid = row[0]
-            db.execute("UPDATE sandboxes SET state=?, claimed_at=?, expires_at=?, owner=? WHERE sandbox_id=?",
-                       (State.READY.value, now, now + timeout_s, owner, sid))
-            db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
-                       (sid, now, State.POOLED.value, State.READY.value, f"claimed from pool {pool}"))
+            db.execute(
+                "UPDATE sandboxes SET state=?, claimed_at=?, expires_at=?, owner=? WHERE sandbox_id=?",
+                (State.READY.value, now, now + timeout_s, owner, sid),
+            )
+            db.execute(
+                "INSERT INTO transitions VALUES (?,?,?,?,?)",
+                (sid, now, State.POOLED.value, State.READY.value, f"claimed from pool {pool}"),
+            )
             db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, now, "hit", sid, ""))
             # What it cost so far is the pool's: the meter, brought up to now from its last
             # reading (an idle pooled sandbox's memory is flat, its CPU ~0), becomes the
             # user's zero, and the pool is billed for it.
-            m = db.execute("SELECT cpu_ns, gib_s, busy_ms, commands, memory_bytes, sampled_at FROM meters "
-                           "WHERE sandbox_id=?", (sid,)).fetchone()
+            m = db.execute(
+                "SELECT cpu_ns, gib_s, busy_ms, commands, memory_bytes, sampled_at FROM meters WHERE sandbox_id=?",
+                (sid,),
+            ).fetchone()
             if m is not None:
                 gib_s = m[1] + m[4] / GIB * max(0.0, now - m[5])
-                db.execute("UPDATE meters SET base_cpu_ns=?, base_gib_s=?, base_busy_ms=?, base_commands=?, "
-                           "busy_ms=0, commands=0, gib_s=?, sampled_at=? WHERE sandbox_id=?",
-                           (m[0], gib_s, m[2], m[3], gib_s, now, sid))
+                db.execute(
+                    "UPDATE meters SET base_cpu_ns=?, base_gib_s=?, base_busy_ms=?, base_commands=?, "
+                    "busy_ms=0, commands=0, gib_s=?, sampled_at=? WHERE sandbox_id=?",
+                    (m[0], gib_s, m[2], m[3], gib_s, now, sid),
+                )
                 created = db.execute("SELECT created_at FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()[0]
-                db.execute("INSERT OR REPLACE INTO pool_costs VALUES (?,?,?,?,?)",
-                           (pool, sid, m[0] / 1e9, gib_s, max(0.0, now - created)))
+                db.execute(
+                    "INSERT OR REPLACE INTO pool_costs VALUES (?,?,?,?,?)",
+                    (pool, sid, m[0] / 1e9, gib_s, max(0.0, now - created)),
+                )
             r = db.execute(f"SELECT {_COLUMNS} FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()
         return self._row(r)
 
@@ -421,8 +482,12 @@ class Registry:
         """
         now = time.time()
         probe = "SELECT 1 FROM sandboxes WHERE pool=? AND state=?" + (" AND shape<>?" if keep_shape is not None else "")
-        if self._db.execute(probe, (pool, State.POOLED.value, *(() if keep_shape is None else (keep_shape,)))
-                            ).fetchone() is None:
+        if (
+            self._db.execute(
+                probe, (pool, State.POOLED.value, *(() if keep_shape is None else (keep_shape,)))
+            ).fetchone()
+            is None
+        ):
             return []  # the common case, without a write transaction
         with self._tx() as db:
             q = "SELECT sandbox_id FROM sandboxes WHERE pool=? AND state=?"
@@ -436,10 +501,13 @@ class Registry:
                 args.append(limit)
             ids = [r[0] for r in db.execute(q, args).fetchall()]
             for sid in ids:
-                db.execute("UPDATE sandboxes SET state=?, owner=? WHERE sandbox_id=?",
-                           (State.RETIRING.value, owner, sid))
-                db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)",
-                           (sid, now, State.POOLED.value, State.RETIRING.value, f"retired from pool {pool}"))
+                db.execute(
+                    "UPDATE sandboxes SET state=?, owner=? WHERE sandbox_id=?", (State.RETIRING.value, owner, sid)
+                )
+                db.execute(
+                    "INSERT INTO transitions VALUES (?,?,?,?,?)",
+                    (sid, now, State.POOLED.value, State.RETIRING.value, f"retired from pool {pool}"),
+                )
                 db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, now, "retired", sid, ""))
         return ids
 
@@ -450,21 +518,23 @@ class Registry:
         return self._row(row)
 
     # From here on `list` in the class body is this method: later signatures spell builtins.list.
-    def list(self, include_dead: bool = False, *,
-             include_pooled: bool = False) -> list[tuple[SandboxInfo, BackendHandle]]:
+    def list(
+        self, include_dead: bool = False, *, include_pooled: bool = False
+    ) -> list[tuple[SandboxInfo, BackendHandle]]:
         if include_dead:
             rows = self._db.execute(f"SELECT {_COLUMNS} FROM sandboxes ORDER BY created_at").fetchall()
         else:
             states = _LIVE if include_pooled else _USER
             rows = self._db.execute(
-                f"SELECT {_COLUMNS} FROM sandboxes WHERE state IN {_in(states)} ORDER BY created_at",
-                states).fetchall()
+                f"SELECT {_COLUMNS} FROM sandboxes WHERE state IN {_in(states)} ORDER BY created_at", states
+            ).fetchall()
         return [self._row(r) for r in rows]
 
     def holding(self) -> builtins.list[tuple[SandboxInfo, BackendHandle]]:
         """Live sandboxes (pooled too) plus failed ones whose teardown is still owed."""
-        rows = self._db.execute(f"SELECT {_COLUMNS} FROM sandboxes WHERE state IN {_in(_HOLDING)} "
-                                "ORDER BY created_at", _HOLDING).fetchall()
+        rows = self._db.execute(
+            f"SELECT {_COLUMNS} FROM sandboxes WHERE state IN {_in(_HOLDING)} ORDER BY created_at", _HOLDING
+        ).fetchall()
         return [self._row(r) for r in rows]
 
     def paused_with_owner(self) -> builtins.list[tuple[str, str]]:
@@ -473,24 +543,60 @@ class Registry:
 
     def creating_with_owner(self) -> builtins.list[tuple[str, str]]:
         """Sandboxes some process is creating or retiring right now, with that process's tag."""
-        rows = self._db.execute("SELECT sandbox_id, owner FROM sandboxes WHERE state IN (?,?)",
-                                (State.CREATING.value, State.RETIRING.value)).fetchall()
+        rows = self._db.execute(
+            "SELECT sandbox_id, owner FROM sandboxes WHERE state IN (?,?)", (State.CREATING.value, State.RETIRING.value)
+        ).fetchall()
         return [(r[0], r[1]) for r in rows]
 
     @staticmethod
     def _row(r: tuple) -> tuple[SandboxInfo, BackendHandle]:
-        (sid, tier, template, state, created, expires, mem, cpus, pids, slot, runtime_id,
-         state_dir, socket_path, pool, claimed_at, parent) = r
-        info = SandboxInfo(sandbox_id=sid, tier=tier, state=State(state), created_at=created,
-                           expires_at=expires, memory_mb=mem, cpus=cpus, pids=pids, template=template,
-                           pool=pool, claimed_at=claimed_at, parent_snapshot=parent or "")
-        handle = BackendHandle(sandbox_id=sid, tier=tier, runtime_id=runtime_id, state_dir=state_dir,
-                               socket_path=socket_path, uid_base=UID_BASE + slot * UID_RANGE)
+        (
+            sid,
+            tier,
+            template,
+            state,
+            created,
+            expires,
+            mem,
+            cpus,
+            pids,
+            slot,
+            runtime_id,
+            state_dir,
+            socket_path,
+            pool,
+            claimed_at,
+            parent,
+        ) = r
+        info = SandboxInfo(
+            sandbox_id=sid,
+            tier=tier,
+            state=State(state),
+            created_at=created,
+            expires_at=expires,
+            memory_mb=mem,
+            cpus=cpus,
+            pids=pids,
+            template=template,
+            pool=pool,
+            claimed_at=claimed_at,
+            parent_snapshot=parent or "",
+        )
+        handle = BackendHandle(
+            sandbox_id=sid,
+            tier=tier,
+            runtime_id=runtime_id,
+            state_dir=state_dir,
+            socket_path=socket_path,
+            uid_base=UID_BASE + slot * UID_RANGE,
+        )
         return info, handle
 
     def limits(self, sandbox_id: str) -> Limits:
-        row = self._read("SELECT memory_mb, cpus, pids, file_size_mb, open_files, tmp_mb, disk_mb FROM sandboxes "
-                         "WHERE sandbox_id=?", (sandbox_id,))
+        row = self._read(
+            "SELECT memory_mb, cpus, pids, file_size_mb, open_files, tmp_mb, disk_mb FROM sandboxes WHERE sandbox_id=?",
+            (sandbox_id,),
+        )
         if row is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id}", sandbox_id)
         return Limits(*row)
@@ -510,13 +616,18 @@ class Registry:
             db.execute("INSERT INTO snapshots VALUES (?,?,?,?)", (snapshot_id, sandbox_id, created_at, size))
 
     def snapshots_of(self, sandbox_id: str) -> builtins.list[str]:
-        rows = self._read("SELECT snapshot_id FROM snapshots WHERE sandbox_id=? ORDER BY created_at",
-                          (sandbox_id,), many=True)
+        rows = self._read(
+            "SELECT snapshot_id FROM snapshots WHERE sandbox_id=? ORDER BY created_at", (sandbox_id,), many=True
+        )
         return [r[0] for r in rows]
 
     def all_snapshots(self) -> builtins.list[tuple[str, str, float, int]]:
-        return [tuple(r) for r in self._db.execute(
-            "SELECT snapshot_id, sandbox_id, created_at, size_bytes FROM snapshots ORDER BY created_at")]
+        return [
+            tuple(r)
+            for r in self._db.execute(
+                "SELECT snapshot_id, sandbox_id, created_at, size_bytes FROM snapshots ORDER BY created_at"
+            )
+        ]
 
     def remove_snapshot(self, snapshot_id: str) -> None:
         with self._tx() as db:
@@ -535,7 +646,8 @@ class Registry:
     def transitions(self, sandbox_id: str) -> builtins.list[Transition]:
         rows = self._db.execute(
             "SELECT sandbox_id, at, from_state, to_state, reason FROM transitions WHERE sandbox_id=? ORDER BY rowid",
-            (sandbox_id,)).fetchall()
+            (sandbox_id,),
+        ).fetchall()
         return [Transition(*r) for r in rows]
 
     def add_timing(self, sandbox_id: str, stage: str, duration_ms: float) -> None:
@@ -544,13 +656,16 @@ class Registry:
 
     def add_timings(self, timings: builtins.list[StageTiming]) -> None:
         with self._tx() as db:
-            db.executemany("INSERT OR REPLACE INTO timings VALUES (?,?,?,?)",
-                           [(t.sandbox_id, t.stage, t.duration_ms, int(t.on_request_path)) for t in timings])
+            db.executemany(
+                "INSERT OR REPLACE INTO timings VALUES (?,?,?,?)",
+                [(t.sandbox_id, t.stage, t.duration_ms, int(t.on_request_path)) for t in timings],
+            )
 
     def timings(self, sandbox_id: str) -> builtins.list[StageTiming]:
         rows = self._db.execute(
             "SELECT sandbox_id, stage, duration_ms, on_path FROM timings WHERE sandbox_id=? ORDER BY rowid",
-            (sandbox_id,)).fetchall()
+            (sandbox_id,),
+        ).fetchall()
         return [StageTiming(r[0], r[1], r[2], bool(r[3])) for r in rows]
 
     # ---- metering
@@ -560,39 +675,49 @@ class Registry:
         now = time.time() if now is None else now
         with self._tx() as db:
             for sid, mem, cpu in samples:
-                row = db.execute("SELECT sampled_at, memory_bytes, final FROM meters WHERE sandbox_id=?",
-                                 (sid,)).fetchone()
+                row = db.execute(
+                    "SELECT sampled_at, memory_bytes, final FROM meters WHERE sandbox_id=?", (sid,)
+                ).fetchone()
                 if row is None or row[2]:
                     continue
                 dt = max(0.0, now - row[0])
                 # trapezoid between the last reading and this one
                 add = (row[1] + mem) / 2 / GIB * dt
-                db.execute("UPDATE meters SET sampled_at=?, memory_bytes=?, peak_bytes=MAX(peak_bytes, ?), "
-                           "gib_s=gib_s+?, cpu_ns=MAX(cpu_ns, ?) WHERE sandbox_id=?",
-                           (now, mem, mem, add, cpu, sid))
+                db.execute(
+                    "UPDATE meters SET sampled_at=?, memory_bytes=?, peak_bytes=MAX(peak_bytes, ?), "
+                    "gib_s=gib_s+?, cpu_ns=MAX(cpu_ns, ?) WHERE sandbox_id=?",
+                    (now, mem, mem, add, cpu, sid),
+                )
 
     def set_busy(self, sandbox_id: str, busy_ms: float, commands: int) -> None:
         with self._tx() as db:
-            db.execute("UPDATE meters SET busy_ms=MAX(busy_ms, ?), commands=MAX(commands, ?) "
-                       "WHERE sandbox_id=? AND final=0", (busy_ms, commands, sandbox_id))
+            db.execute(
+                "UPDATE meters SET busy_ms=MAX(busy_ms, ?), commands=MAX(commands, ?) WHERE sandbox_id=? AND final=0",
+                (busy_ms, commands, sandbox_id),
+            )
 
     def finalize(self, sandbox_id: str) -> None:
         """Freeze the meters of an ended sandbox; an unclaimed pooled one is all the pool's cost."""
         with self._tx() as db:
             db.execute("UPDATE meters SET final=1, memory_bytes=0 WHERE sandbox_id=?", (sandbox_id,))
-            row = db.execute("SELECT s.pool, s.claimed_at, s.created_at, s.ended_at, m.cpu_ns, m.gib_s "
-                             "FROM sandboxes s JOIN meters m USING (sandbox_id) WHERE sandbox_id=?",
-                             (sandbox_id,)).fetchone()
+            row = db.execute(
+                "SELECT s.pool, s.claimed_at, s.created_at, s.ended_at, m.cpu_ns, m.gib_s "
+                "FROM sandboxes s JOIN meters m USING (sandbox_id) WHERE sandbox_id=?",
+                (sandbox_id,),
+            ).fetchone()
             if row and row[0] and not row[1]:
                 end = row[3] or time.time()
-                db.execute("INSERT OR REPLACE INTO pool_costs VALUES (?,?,?,?,?)",
-                           (row[0], sandbox_id, row[4] / 1e9, row[5], max(0.0, end - row[2])))
+                db.execute(
+                    "INSERT OR REPLACE INTO pool_costs VALUES (?,?,?,?,?)",
+                    (row[0], sandbox_id, row[4] / 1e9, row[5], max(0.0, end - row[2])),
+                )
 
     def meter(self, sandbox_id: str) -> Meter | None:
         row: _MeterRow | None = self._db.execute(
             "SELECT sandbox_id, sampled_at, memory_bytes, peak_bytes, gib_s, cpu_ns, busy_ms, commands, "
             "base_cpu_ns, base_gib_s, base_busy_ms, base_commands, final FROM meters WHERE sandbox_id=?",
-            (sandbox_id,)).fetchone()
+            (sandbox_id,),
+        ).fetchone()
         return None if row is None else Meter(*row[:-1], bool(row[-1]))
 
     def ended_at(self, sandbox_id: str) -> float:
@@ -602,26 +727,43 @@ class Registry:
     # ---- pools
 
     def pool_rows(self) -> dict[str, PoolRow]:
-        rows = self._db.execute("SELECT name, target, min_override, max_override, last_error, last_error_at, "
-                                "last_demand_at, events_seen, config_target FROM pool_state").fetchall()
+        rows = self._db.execute(
+            "SELECT name, target, min_override, max_override, last_error, last_error_at, "
+            "last_demand_at, events_seen, config_target FROM pool_state"
+        ).fetchall()
         return {r[0]: PoolRow(*r) for r in rows}
 
     def ensure_pool(self, name: str, target: int) -> None:
         """Create the pool's row, or reset its target when the configured target changed."""
         with self._tx() as db:
-            db.execute("INSERT OR IGNORE INTO pool_state (name, target, last_demand_at, config_target) "
-                       "VALUES (?,?,?,?)", (name, target, time.time(), target))
-            db.execute("UPDATE pool_state SET target=?, config_target=? WHERE name=? AND "
-                       "(config_target IS NULL OR config_target<>?)", (target, target, name, target))
+            db.execute(
+                "INSERT OR IGNORE INTO pool_state (name, target, last_demand_at, config_target) VALUES (?,?,?,?)",
+                (name, target, time.time(), target),
+            )
+            db.execute(
+                "UPDATE pool_state SET target=?, config_target=? WHERE name=? AND "
+                "(config_target IS NULL OR config_target<>?)",
+                (target, target, name, target),
+            )
 
-    def set_pool(self, name: str, *, target: int | None = None, min_override: int | bool | None = False,
-                 max_override: int | bool | None = False, error: str | None = None, kind: str = "",
-                 detail: str = "") -> None:
+    def set_pool(
+        self,
+        name: str,
+        *,
+        target: int | None = None,
+        min_override: int | bool | None = False,
+        max_override: int | bool | None = False,
+        error: str | None = None,
+        kind: str = "",
+        detail: str = "",
+    ) -> None:
         """Update a pool's row (False = leave that override unchanged) and log an event if ``kind``."""
         now = time.time()
         with self._tx() as db:
-            db.execute("INSERT OR IGNORE INTO pool_state (name, target, last_demand_at) VALUES (?,?,?)",
-                       (name, target or 0, now))
+            db.execute(
+                "INSERT OR IGNORE INTO pool_state (name, target, last_demand_at) VALUES (?,?,?)",
+                (name, target or 0, now),
+            )
             if target is not None:
                 db.execute("UPDATE pool_state SET target=? WHERE name=?", (target, name))
             if min_override is not False:
@@ -638,14 +780,17 @@ class Registry:
             db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, time.time(), kind, sandbox_id, detail))
 
     def pool_events(self, pool: str, since: float = 0.0) -> builtins.list[PoolEvent]:
-        rows = self._db.execute("SELECT pool, at, kind, sandbox_id, detail FROM pool_events "
-                                "WHERE pool=? AND at>=? ORDER BY rowid", (pool, since)).fetchall()
+        rows = self._db.execute(
+            "SELECT pool, at, kind, sandbox_id, detail FROM pool_events WHERE pool=? AND at>=? ORDER BY rowid",
+            (pool, since),
+        ).fetchall()
         return [PoolEvent(*r) for r in rows]
 
     def unseen_misses(self, pool: str, seen: int) -> tuple[int, int]:
         """(misses recorded after event ``seen``, newest event id) — for the autoscaler."""
-        row = self._db.execute("SELECT COUNT(*), MAX(rowid) FROM pool_events WHERE pool=? AND rowid>? AND kind='miss'",
-                               (pool, seen)).fetchone()
+        row = self._db.execute(
+            "SELECT COUNT(*), MAX(rowid) FROM pool_events WHERE pool=? AND rowid>? AND kind='miss'", (pool, seen)
+        ).fetchone()
         newest = self._db.execute("SELECT COALESCE(MAX(rowid), 0) FROM pool_events").fetchone()[0]
         return row[0], max(newest, seen)
 
@@ -662,21 +807,27 @@ class Registry:
             q += " AND shape=?"
             args.append(shape)
         ready = self._db.execute(q, args).fetchone()[0]
-        warming = self._db.execute("SELECT COUNT(*) FROM sandboxes WHERE pool=? AND state=?",
-                                   (pool, State.CREATING.value)).fetchone()[0]
+        warming = self._db.execute(
+            "SELECT COUNT(*) FROM sandboxes WHERE pool=? AND state=?", (pool, State.CREATING.value)
+        ).fetchone()[0]
         return ready, warming
 
     def pooled(self, pool: str) -> builtins.list[str]:
-        rows = self._db.execute("SELECT sandbox_id FROM sandboxes WHERE pool=? AND state=? ORDER BY created_at",
-                                (pool, State.POOLED.value)).fetchall()
+        rows = self._db.execute(
+            "SELECT sandbox_id FROM sandboxes WHERE pool=? AND state=? ORDER BY created_at", (pool, State.POOLED.value)
+        ).fetchall()
         return [r[0] for r in rows]
 
     def pool_totals(self, pool: str) -> tuple[int, int, int, float, float, float]:
         """(hits, misses, warm-up failures, cpu_s, GiB-s, wall_s) of a pool so far."""
-        counts = dict(self._db.execute("SELECT kind, COUNT(*) FROM pool_events WHERE pool=? GROUP BY kind",
-                                       (pool,)).fetchall())
-        cost = self._db.execute("SELECT COALESCE(SUM(cpu_s),0), COALESCE(SUM(gib_s),0), COALESCE(SUM(wall_s),0) "
-                                "FROM pool_costs WHERE pool=?", (pool,)).fetchone()
+        counts = dict(
+            self._db.execute("SELECT kind, COUNT(*) FROM pool_events WHERE pool=? GROUP BY kind", (pool,)).fetchall()
+        )
+        cost = self._db.execute(
+            "SELECT COALESCE(SUM(cpu_s),0), COALESCE(SUM(gib_s),0), COALESCE(SUM(wall_s),0) "
+            "FROM pool_costs WHERE pool=?",
+            (pool,),
+        ).fetchone()
         hits = counts.get("hit", 0) - counts.get("claim_failed", 0)  # a failed claim check took the next one
         return (hits, counts.get("miss", 0), counts.get("warmup_failed", 0), *cost)
 
@@ -684,13 +835,19 @@ class Registry:
 
     def set_link(self, sandbox_id: str, address: str, ifname: str, policy: str) -> None:
         with self._tx() as db:
-            db.execute("INSERT OR REPLACE INTO net_links VALUES (?,?,?,?,?)",
-                       (sandbox_id, address, ifname, policy, time.time()))
+            db.execute(
+                "INSERT OR REPLACE INTO net_links VALUES (?,?,?,?,?)",
+                (sandbox_id, address, ifname, policy, time.time()),
+            )
 
     def set_policy(self, sandbox_id: str, policy: str) -> bool:
         with self._tx() as db:
-            return db.execute("UPDATE net_links SET policy=?, updated_at=? WHERE sandbox_id=?",
-                              (policy, time.time(), sandbox_id)).rowcount == 1
+            return (
+                db.execute(
+                    "UPDATE net_links SET policy=?, updated_at=? WHERE sandbox_id=?", (policy, time.time(), sandbox_id)
+                ).rowcount
+                == 1
+            )
 
     def link(self, sandbox_id: str) -> tuple[str, str, str] | None:
         """(address, ifname, policy json) of a sandbox's network link, if it has one."""
@@ -698,39 +855,64 @@ class Registry:
 
     def link_by_address(self, address: str) -> tuple[str, str] | None:
         """(sandbox_id, policy json) of the live sandbox holding ``address``."""
-        return self._read("SELECT l.sandbox_id, l.policy FROM net_links l JOIN sandboxes s USING (sandbox_id) "
-                          "WHERE l.address=? AND s.state NOT IN ('destroyed','failed')", (address,))
+        return self._read(
+            "SELECT l.sandbox_id, l.policy FROM net_links l JOIN sandboxes s USING (sandbox_id) "
+            "WHERE l.address=? AND s.state NOT IN ('destroyed','failed')",
+            (address,),
+        )
 
     def drop_link(self, sandbox_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM net_links WHERE sandbox_id=?", (sandbox_id,))
 
     def live_links(self) -> int:
-        return self._read("SELECT COUNT(*) FROM net_links l JOIN sandboxes s USING (sandbox_id) "
-                          "WHERE s.state NOT IN ('destroyed','failed')")[0]
+        return self._read(
+            "SELECT COUNT(*) FROM net_links l JOIN sandboxes s USING (sandbox_id) "
+            "WHERE s.state NOT IN ('destroyed','failed')"
+        )[0]
 
     def add_net_event(self, e: NetEvent) -> int:
         with self._tx() as db:
-            return db.execute("INSERT INTO net_events (sandbox_id, at, kind, host, address, port, decision, rule,"
-                              " bytes_up, bytes_down, detail) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                              (e.sandbox_id, e.at, e.kind, e.host, e.address, e.port, e.decision, e.rule,
-                               e.bytes_up, e.bytes_down, e.detail[:500])).lastrowid
+            return db.execute(
+                "INSERT INTO net_events (sandbox_id, at, kind, host, address, port, decision, rule,"
+                " bytes_up, bytes_down, detail) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    e.sandbox_id,
+                    e.at,
+                    e.kind,
+                    e.host,
+                    e.address,
+                    e.port,
+                    e.decision,
+                    e.rule,
+                    e.bytes_up,
+                    e.bytes_down,
+                    e.detail[:500],
+                ),
+            ).lastrowid
 
     def finish_net_event(self, event_id: int, bytes_up: int, bytes_down: int, detail: str = "") -> None:
         with self._tx() as db:
-            db.execute("UPDATE net_events SET bytes_up=?, bytes_down=?, detail=CASE WHEN ?='' THEN detail ELSE ? END"
-                       " WHERE id=?", (bytes_up, bytes_down, detail, detail[:500], event_id))
+            db.execute(
+                "UPDATE net_events SET bytes_up=?, bytes_down=?, detail=CASE WHEN ?='' THEN detail ELSE ? END"
+                " WHERE id=?",
+                (bytes_up, bytes_down, detail, detail[:500], event_id),
+            )
 
     def deny_net_event(self, event_id: int, rule: str, detail: str) -> None:
         """Turn an attempt first allowed by name into a denial (e.g. its TLS SNI did not match)."""
         with self._tx() as db:
-            db.execute("UPDATE net_events SET decision='deny', rule=?, detail=? WHERE id=?",
-                       (rule, detail[:500], event_id))
+            db.execute(
+                "UPDATE net_events SET decision='deny', rule=?, detail=? WHERE id=?", (rule, detail[:500], event_id)
+            )
 
     def net_events(self, sandbox_id: str, limit: int = 10000) -> builtins.list[NetEvent]:
-        rows = self._read("SELECT sandbox_id, at, kind, host, address, port, decision, rule, bytes_up, bytes_down,"
-                          " detail FROM net_events WHERE sandbox_id=? ORDER BY id LIMIT ?",
-                          (sandbox_id, limit), many=True)
+        rows = self._read(
+            "SELECT sandbox_id, at, kind, host, address, port, decision, rule, bytes_up, bytes_down,"
+            " detail FROM net_events WHERE sandbox_id=? ORDER BY id LIMIT ?",
+            (sandbox_id, limit),
+            many=True,
+        )
         return [NetEvent(*r) for r in rows]
 
 

@@ -159,8 +159,9 @@ def get_blob(store: ObjectStore, sha256: str, size: int, raw_size: int, dest: Pa
         except OSError as e:
             raise (StorageFull if e.errno == 28 else StorageError)(f"unpacking a snapshot: {e.strerror}") from None
         if dest.stat().st_size != raw_size:
-            raise ArtifactCorrupt(f"blob {sha256[:12]} decompressed to {dest.stat().st_size} bytes, "
-                                  f"expected {raw_size}")
+            raise ArtifactCorrupt(
+                f"blob {sha256[:12]} decompressed to {dest.stat().st_size} bytes, expected {raw_size}"
+            )
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -195,8 +196,12 @@ def load_manifest(store: ObjectStore, snapshot_id: str, workdir: Path) -> Snapsh
             m = SnapshotManifest(**raw)
             if m.format != FORMAT or m.snapshot_id != snapshot_id:
                 raise ValueError("wrong format or id")
-            json_types: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "float": (int, float),
-                                                               "bool": bool}
+            json_types: dict[str, type | tuple[type, ...]] = {
+                "str": str,
+                "int": int,
+                "float": (int, float),
+                "bool": bool,
+            }
             for name, f in fields.items():
                 want = json_types.get(str(f.type))
                 if want is not None and not isinstance(getattr(m, name), want):
@@ -209,7 +214,7 @@ def load_manifest(store: ObjectStore, snapshot_id: str, workdir: Path) -> Snapsh
 
 
 def list_manifests(store: ObjectStore) -> list[str]:
-    return [k[len("snapshots/"):-len(".json")] for k in store.list("snapshots") if k.endswith(".json")]
+    return [k[len("snapshots/") : -len(".json")] for k in store.list("snapshots") if k.endswith(".json")]
 
 
 GC_GRACE_S = 3600.0  # a blob younger than this may belong to a snapshot being written

@@ -87,8 +87,11 @@ class UidLedger:
             return None
         try:
             entry = json.loads(raw)
-            if isinstance(entry, dict) and isinstance(entry.get("registry"), str) \
-                    and isinstance(entry.get("sandbox_id"), str):
+            if (
+                isinstance(entry, dict)
+                and isinstance(entry.get("registry"), str)
+                and isinstance(entry.get("sandbox_id"), str)
+            ):
                 return entry
         except ValueError:
             pass
@@ -108,14 +111,24 @@ class UidLedger:
         except FileExistsError:
             return False
         try:
-            os.write(fd, json.dumps({"registry": registry, "sandbox_id": sandbox_id, "pid": os.getpid(),
-                                     "at": time.time()}).encode())
+            os.write(
+                fd,
+                json.dumps(
+                    {"registry": registry, "sandbox_id": sandbox_id, "pid": os.getpid(), "at": time.time()}
+                ).encode(),
+            )
         finally:
             os.close(fd)
         return True
 
-    def claim(self, registry: str, sandbox_id: str, *, skip: frozenset[int] | set[int] = frozenset(),
-              check: HolderCheck | None = None) -> int:
+    def claim(
+        self,
+        registry: str,
+        sandbox_id: str,
+        *,
+        skip: frozenset[int] | set[int] = frozenset(),
+        check: HolderCheck | None = None,
+    ) -> int:
         """Take a free slot for ``sandbox_id`` of ``registry`` (round robin over the host: a slot
         just released is the last to be handed out again); reclaims stale ones when none is free.
 
@@ -198,8 +211,9 @@ def registry_holds(registry: str, sandbox_id: str, slot: int) -> bool | None:
     try:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
         try:
-            row = db.execute("SELECT state, uid_slot, state_dir FROM sandboxes WHERE sandbox_id=?",
-                             (sandbox_id,)).fetchone()
+            row = db.execute(
+                "SELECT state, uid_slot, state_dir FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)
+            ).fetchone()
         finally:
             db.close()
     except sqlite3.Error:
