@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from warmbox import sdk
 from warmbox.sdk import AsyncCommands, AsyncFiles, AsyncFileStream, AsyncNetwork, AsyncSandbox
 
 STUB = Path(__file__).with_name("__init__.pyi")
@@ -146,26 +147,7 @@ def render() -> str:
         "from warmbox.sdk.sandbox import AsyncSandbox as AsyncSandbox",
         "from warmbox.sdk.transport import LocalTransport as LocalTransport, Transport as Transport",
         "",
-        "__all__ = "
-        + repr(
-            sorted(
-                [
-                    "AsyncCommands",
-                    "AsyncFileStream",
-                    "AsyncFiles",
-                    "AsyncNetwork",
-                    "AsyncSandbox",
-                    "CodeContext",
-                    "Commands",
-                    "FileStream",
-                    "Files",
-                    "LocalTransport",
-                    "NetworkAPI",
-                    "Sandbox",
-                    "Transport",
-                ]
-            )
-        ),
+        "__all__ = " + repr(sorted(sdk.__all__)),
     ]
     return "\n".join(dict.fromkeys(head)) + "\n" + "\n".join(body) + "\n"
 
