@@ -21,6 +21,7 @@ import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from warmbox.engine.session import GuestSession
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 PROXY_URL = f"http://{netns.GATEWAY}:{netns.PROXY_PORT}"
 
 
-def _proxy():  # type: ignore[no-untyped-def]
+def _proxy() -> ModuleType:
     """The proxy module, imported on first use: it loads TLS and HTTP code (cryptography, urllib)
     that a sandbox without network never needs, and the CLI pays every import on each start."""
     from warmbox.network import proxy

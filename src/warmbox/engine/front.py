@@ -33,7 +33,6 @@ from warmbox.models import (
     SandboxMetrics,
     SnapshotRef,
     StageTiming,
-    State,
     TierStatus,
 )
 from warmbox.operations import sandbox_path
@@ -425,9 +424,4 @@ class EngineFront:
         return Subscription(task)
 
 
-def usable(info: SandboxInfo) -> bool:
-    """Whether a sandbox can take commands now (ready or running, not expired)."""
-    return info.state in (State.READY, State.RUNNING) and info.expires_at > time.time()
-
-
-__all__ = ["EngineFront", "Subscription", "optional_timeout", "sandbox_path", "usable"]
+__all__ = ["EngineFront", "Subscription", "optional_timeout", "sandbox_path"]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from warmbox.backends.base import Backend, SnapshotCapable
 from warmbox.config import PoolConfig, Template
-from warmbox.engine.session import GuestSession
+from warmbox.engine.session import GuestSession, OomCounter
 from warmbox.errors import BackendUnavailable, InvalidArgument, NoSpace, SandboxStartError, WarmboxError
 from warmbox.models import BackendHandle, Limits, SandboxInfo, SandboxSpec, StageTiming, State
 
@@ -79,7 +79,7 @@ class Launched:
         return self.info.sandbox_id
 
 
-def session_oom(backend: Backend, handle: BackendHandle):  # type: ignore[no-untyped-def]
+def session_oom(backend: Backend, handle: BackendHandle) -> OomCounter | None:
     """The host-side OOM counter a session reads around each call (None: the guest counts them)."""
     if backend.capabilities().oom_counted_in_guest:
         return None
