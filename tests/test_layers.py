@@ -8,7 +8,7 @@ from pathlib import Path
 import warmbox
 
 SRC = Path(warmbox.__file__).parent
-CORE = {"errors", "models", "protocol", "lifecycle", "operations", "paths", "tiers", "config"}
+CORE = {"errors", "models", "protocol", "lifecycle", "operations", "paths", "tiers", "config", "api", "wire"}
 # what each part may import besides itself and core
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
@@ -18,7 +18,9 @@ ALLOWED: dict[str, set[str]] = {
     "network": {"storage"},
     "engine": {"backends", "network", "storage"},
     "sdk": set(),
-    "cli": {"sdk", "engine", "bench"},  # the engine: its front, and the daemon/pool managers (pools, down)
+    # the server maps HTTP routes and MCP tools onto the engine front (and the SDK's records)
+    "server": {"engine", "sdk", "network"},
+    "cli": {"sdk", "engine", "bench", "server"},  # the engine: its front, and the daemon/pool managers (pools, down)
     # benchmarks drive raw runtimes as baselines (backends) beside sandboxes made through the SDK
     "bench": {"sdk", "engine", "backends", "storage"},
 }

@@ -36,6 +36,16 @@ An operator sees everything in one file::
     max_disk_mb = 20480                 # default: the size of the disk holding /var/lib/warmbox; a
                                         # sandbox also needs its disk_mb free there (less a reserve)
 
+    [server]                            # warmbox serve
+    host = "127.0.0.1"                  # a non-loopback address needs tls_cert/tls_key (keys always)
+    port = 7420
+    socket = "/run/warmbox/api.sock"    # also listen here; "" = no unix socket
+    tls_cert = ""                       # PEM files; both or neither
+    tls_key = ""
+    peers = { 1000 = "alice" }          # unix-socket callers without a key: uid -> tenant (root = admin)
+    max_body_mb = 512                   # largest upload (files are written whole, never partially)
+    body_timeout = 300                  # seconds a request body may take to arrive
+
 Bad settings raise :class:`~warmbox.errors.ConfigError` naming the file and key.
 """
 
@@ -138,6 +148,20 @@ class MicroVMSettings:
     """The microVM tier. accel: "auto" (probe: KVM when a guest boots under it, else TCG), "kvm" or "tcg"."""
 
     accel: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    """``[server]``: where ``warmbox serve`` listens and how it bounds requests."""
+
+    host: str = "127.0.0.1"
+    port: int = 7420
+    socket: str = ""  # "" = the home's run/api.sock
+    tls_cert: str = ""
+    tls_key: str = ""
+    peers: tuple[tuple[int, str], ...] = ()  # unix-socket uid -> tenant
+    max_body_mb: int = 512
+    body_timeout_s: float = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,6 +393,7 @@ class Settings:
     network: NetworkSettings = NetworkSettings()
     microvm: MicroVMSettings = MicroVMSettings()
     limits: LimitSettings = None  # type: ignore[assignment]  # None: [limits] defaults of this host
+    server: ServerSettings = ServerSettings()
 
     def __post_init__(self) -> None:
         if self.limits is None:
@@ -467,7 +492,7 @@ def parse(
 ) -> Settings:
     """env_keys: [limits] keys that came from WARMBOX_LIMITS__*; host: capacity to bound limits by
     (default: this host's)."""
-    known = {"defaults", "templates", "pools", "daemon", "network", "microvm", "limits"}
+    known = {"defaults", "templates", "pools", "daemon", "network", "microvm", "limits", "server"}
     for k in raw:
         if k not in known:
             raise ConfigError(f"{source}: unknown section [{k}] (known: {', '.join(sorted(known))})")
@@ -563,6 +588,32 @@ def parse(
         network=_network(_table(raw, "network", source), source),
         microvm=_microvm(_table(raw, "microvm", source), source),
         limits=maxima,
+        server=_server(_table(raw, "server", source), source),
+    )
+
+
+def _server(t: dict, source: str) -> ServerSettings:
+    _only(
+        t, {"host", "port", "socket", "tls_cert", "tls_key", "peers", "max_body_mb", "body_timeout"}, "server", source
+    )
+    cert = _str(t.get("tls_cert", ""), "server.tls_cert", source)
+    key = _str(t.get("tls_key", ""), "server.tls_key", source)
+    if bool(cert) != bool(key):
+        raise ConfigError(f"{source}: server.tls_cert and server.tls_key go together (both or neither)")
+    peers = []
+    for uid, tenant in _as_table(t.get("peers", {}), "server.peers", source).items():
+        if not str(uid).isdigit() or not isinstance(tenant, str) or not tenant:
+            raise ConfigError(f"{source}: server.peers maps a numeric uid to a tenant name, got {uid!r} = {tenant!r}")
+        peers.append((int(uid), tenant))
+    return ServerSettings(
+        host=_str(t.get("host", "127.0.0.1"), "server.host", source),
+        port=_int(t.get("port", 7420), "server.port", source, 0, 65535),
+        socket=_str(t.get("socket", ""), "server.socket", source),
+        tls_cert=cert,
+        tls_key=key,
+        peers=tuple(peers),
+        max_body_mb=_int(t.get("max_body_mb", 512), "server.max_body_mb", source, 1, 1 << 20),
+        body_timeout_s=_num(t.get("body_timeout", 300.0), "server.body_timeout", source, 1, 86400),
     )
 
 

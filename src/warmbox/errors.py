@@ -29,7 +29,10 @@ WarmboxError
 ├── StorageError                        the object store (snapshot artifacts) failed
 │   ├── StorageFull                     no space left where artifacts are written
 │   └── ArtifactCorrupt                 an artifact is missing, truncated or fails its checksum
-└── SnapshotUnsupported                 the tier cannot take the snapshot asked for (e.g. memory)
+├── SnapshotUnsupported                 the tier cannot take the snapshot asked for (e.g. memory)
+├── Unauthenticated                     the server refused the key (none, unknown or revoked)
+├── RateLimited                         too many requests for the key (``retry_after`` seconds)
+└── ConnectionLost                      the connection to the server failed or dropped mid-operation
 """
 
 from __future__ import annotations
@@ -175,3 +178,20 @@ class SnapshotUnsupported(WarmboxError):
 
 class NetworkError(WarmboxError):
     """Giving a sandbox its egress link failed, or the egress proxy could not be started or reached."""
+
+
+class Unauthenticated(WarmboxError):
+    """The warmbox server refused the request: no key, an unknown or a revoked key (HTTP 401)."""
+
+
+class RateLimited(WarmboxError):
+    """Too many requests for this key; ``retry_after`` seconds until the next is accepted (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ConnectionLost(WarmboxError):
+    """The connection to the warmbox server failed or dropped. For an operation that is not safe to
+    repeat (a command, a create, a write) the outcome is unknown: the message says which it was."""

@@ -16,7 +16,11 @@ warmbox down                      stop this home's daemon; pooled sandboxes are 
 warmbox config                    the effective settings (warmbox.toml + WARMBOX_* overrides)
 warmbox doctor                    which tiers this host can run, and why not
 warmbox demo                      a short tour on the embedded defaults
-warmbox bench start|burst|exec|density   benchmarks, ratios against raw runc/bwrap
+warmbox bench start|burst|exec|density|api   benchmarks, ratios against raw runc/bwrap
+warmbox serve [--host H --port P]  the HTTP API (/v1) on 127.0.0.1:7420 and a unix socket
+
+--api-url URL (or WARMBOX_API_URL) sends every command to a warmbox server instead of the
+in-process engine, with --api-key KEY (or WARMBOX_API_KEY).
 """
 
 from __future__ import annotations
@@ -118,7 +122,16 @@ def _add_exec_opts(p: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="warmbox", description="Sandboxes for untrusted code.")
+    ap.add_argument("--api-url", default=None, help="a warmbox server (http(s)://host:port or unix:/path)")
+    ap.add_argument("--api-key", default=None, help="its API key (default: WARMBOX_API_KEY)")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser("serve", help="the HTTP API: 127.0.0.1:7420 and a unix socket ([server] in warmbox.toml)")
+    p.add_argument("--host", default=None, help="TCP address (default [server] host, 127.0.0.1); '' for none")
+    p.add_argument("--port", type=int, default=None, help="TCP port (default [server] port, 7420; 0: any free)")
+    p.add_argument("--socket", default=None, help="unix socket path ('-' for none)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate (required off loopback)")
+    p.add_argument("--tls-key", default=None, help="PEM private key")
+    p.add_argument("--no-mcp", action="store_true", help="do not serve MCP at /mcp")
     p = sub.add_parser("run", help="run one command in a fresh sandbox")
     _add_sandbox_opts(p)
     _add_exec_opts(p)
@@ -330,10 +343,31 @@ async def _exec(args: argparse.Namespace) -> int:
 
 
 def _engine() -> Any:
-    """The engine front of this home, in process (the CLI's only way to the engine)."""
+    """The CLI's only way to the engine: a warmbox server (--api-url / WARMBOX_API_URL), else
+    this home's engine in process."""
+    from warmbox.sdk.http import HttpTransport, default_url
     from warmbox.sdk.transport import LocalTransport
 
-    return LocalTransport()
+    return HttpTransport() if default_url() else LocalTransport()
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from warmbox.config import load
+    from warmbox.paths import default_home
+    from warmbox.server.serve import serve
+
+    home = default_home()
+    settings = load(home).server
+    changes: dict[str, Any] = {}
+    for flag, field in (("host", "host"), ("port", "port"), ("socket", "socket")):
+        if getattr(args, flag) is not None:
+            changes[field] = getattr(args, flag)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise WarmboxError("--tls-cert and --tls-key go together")
+    if args.tls_cert is not None:
+        changes.update(tls_cert=args.tls_cert, tls_key=args.tls_key)
+    await serve(home, dataclasses.replace(settings, **changes), mcp=not args.no_mcp)
+    return 0
 
 
 async def _ls(args: argparse.Namespace) -> int:
@@ -538,6 +572,7 @@ async def _net(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {
+    "serve": _serve,
     "net": _net,
     "run": _run,
     "create": _create,
@@ -561,6 +596,10 @@ _COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.api_url is not None:
+        os.environ["WARMBOX_API_URL"] = args.api_url
+    if args.api_key is not None:
+        os.environ["WARMBOX_API_KEY"] = args.api_key
     try:
         return asyncio.run(_COMMANDS[args.command](args))
     except WarmboxError as e:

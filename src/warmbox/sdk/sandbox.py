@@ -28,6 +28,7 @@ from warmbox.models import (
 from warmbox.sdk.code import CodeContext, context_id
 from warmbox.sdk.commands import DEFAULT_COMMAND_TIMEOUT_S, DEFAULT_MAX_OUTPUT, AsyncCommands
 from warmbox.sdk.files import WORKDIR, AsyncFiles
+from warmbox.sdk.http import HttpTransport, default_url
 from warmbox.sdk.network import AsyncNetwork
 from warmbox.sdk.transport import Cancellable, LocalTransport, Transport
 
@@ -42,10 +43,29 @@ def _snapshot_id(ref: object) -> str:
     raise InvalidArgument(f"expected a SnapshotRef or a snapshot/sandbox id, got {type(ref).__name__}")
 
 
-def _transport(transport: Transport | None, home: str | Path | None) -> Transport:
-    if transport is not None and home is not None:
-        raise InvalidArgument("pass either home (the in-process engine) or transport, not both")
-    return transport if transport is not None else LocalTransport(home)
+def _transport(
+    transport: Transport | None, home: str | Path | None, api_url: str | None = None, api_key: str | None = None
+) -> Transport:
+    """The transport a call uses: the one given; a warmbox server (api_url, or WARMBOX_API_URL when
+    no home is given); else the in-process engine of ``home``."""
+    if sum(x is not None for x in (transport, home, api_url)) > 1:
+        raise InvalidArgument("pass one of home (the in-process engine), api_url (a server) or transport")
+    if transport is not None:
+        return transport
+    if api_url is not None or (home is None and default_url()):
+        return HttpTransport(api_url, api_key)
+    if api_key is not None:
+        raise InvalidArgument("api_key needs api_url (or WARMBOX_API_URL): the in-process engine takes no key")
+    return LocalTransport(home)
+
+
+async def _once(t: Transport, request: ops.Request[R], owned: bool) -> R:
+    """One request on a transport made for it (closed after) or given by the caller (left open)."""
+    try:
+        return await t.handle(request)
+    finally:
+        if owned:
+            await t.close()
 
 
 class AsyncSandbox:
@@ -90,6 +110,8 @@ class AsyncSandbox:
         on_approval: Callable[[ApprovalRequest], object] | None = None,
         home: str | Path | None = None,
         transport: Transport | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
     ) -> AsyncSandbox:
         """Create and start a sandbox (defaults for tier, timeout and template: warmbox.toml).
 
@@ -111,26 +133,33 @@ class AsyncSandbox:
         on_approval: with on_unknown="ask", called with an ApprovalRequest for each destination
             outside the allowlist; return "allow_once", "allow_always" or "deny" (may be async).
             The connection waits for it (network.approval_timeout, then denied).
-        home: the warmbox home of the in-process engine (default: WARMBOX_HOME); transport:
-            another way to reach an engine (not both).
+        home: the warmbox home of the in-process engine (default: WARMBOX_HOME).
+        api_url, api_key: a warmbox server (``warmbox serve``: ``http(s)://host:port`` or
+            ``unix:/path``) and its key; default WARMBOX_API_URL / WARMBOX_API_KEY when no home is
+            given. transport: any other way to reach an engine. At most one of home, api_url, transport.
         """
         if on_approval is not None and not callable(on_approval):
             raise InvalidArgument("on_approval must be a callable")
-        t = _transport(transport, home)
+        t = _transport(transport, home, api_url, api_key)
         snap = _snapshot_id(from_snapshot) if from_snapshot is not None else None
-        opened = await t.handle(
-            ops.Create(
-                tier=tier,
-                timeout=timeout,
-                envs=envs,
-                limits=limits,
-                template=template,
-                pool=pool,
-                from_snapshot=snap,
-                network=network,
-                secrets=secrets,
+        try:
+            opened = await t.handle(
+                ops.Create(
+                    tier=tier,
+                    timeout=timeout,
+                    envs=envs,
+                    limits=limits,
+                    template=template,
+                    pool=pool,
+                    from_snapshot=snap,
+                    network=network,
+                    secrets=secrets,
+                )
             )
-        )
+        except BaseException:
+            if transport is None:
+                await t.close()
+            raise
         sb = cls(t, opened, tuple(envs or ()))
         if on_approval is not None:
             try:
@@ -149,36 +178,69 @@ class AsyncSandbox:
         envs: dict[str, str] | None = None,
         home: str | Path | None = None,
         transport: Transport | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
     ) -> AsyncSandbox:
         """Bring back a paused sandbox (by its id or a SnapshotRef) as a new running sandbox.
 
         Files and the default code context's state are restored; on a tier without memory
         snapshots, processes that ran before the pause are not (they start fresh).
         """
-        t = _transport(transport, home)
-        opened = await t.handle(ops.Resume(_snapshot_id(snapshot), timeout=timeout, envs=envs))
+        t = _transport(transport, home, api_url, api_key)
+        try:
+            opened = await t.handle(ops.Resume(_snapshot_id(snapshot), timeout=timeout, envs=envs))
+        except BaseException:
+            if transport is None:
+                await t.close()
+            raise
         return cls(t, opened, tuple(envs or ()))
 
     @classmethod
     async def list_snapshots(
-        cls, *, home: str | Path | None = None, transport: Transport | None = None
+        cls,
+        *,
+        home: str | Path | None = None,
+        transport: Transport | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
     ) -> builtins.list[tuple[str, str, float, int]]:
-        """(snapshot_id, sandbox_id, created_at, size_bytes) of every snapshot in this home."""
-        return await _transport(transport, home).handle(ops.ListSnapshots())
+        """(snapshot_id, sandbox_id, created_at, size_bytes) of every snapshot in this home (or,
+        on a server, of the key's tenant)."""
+        t = _transport(transport, home, api_url, api_key)
+        return await _once(t, ops.ListSnapshots(), transport is None)
 
     @classmethod
     async def connect(
-        cls, sandbox_id: str, *, home: str | Path | None = None, transport: Transport | None = None
+        cls,
+        sandbox_id: str,
+        *,
+        home: str | Path | None = None,
+        transport: Transport | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
     ) -> AsyncSandbox:
-        """Attach to a live sandbox created by any process."""
-        t = _transport(transport, home)
-        return cls(t, await t.handle(ops.Connect(sandbox_id)))
+        """Attach to a live sandbox created by any process (or, through a server, any machine)."""
+        t = _transport(transport, home, api_url, api_key)
+        try:
+            opened = await t.handle(ops.Connect(sandbox_id))
+        except BaseException:
+            if transport is None:
+                await t.close()
+            raise
+        return cls(t, opened)
 
     @classmethod
     async def list(
-        cls, *, home: str | Path | None = None, include_dead: bool = False, transport: Transport | None = None
+        cls,
+        *,
+        home: str | Path | None = None,
+        include_dead: bool = False,
+        transport: Transport | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
     ) -> builtins.list[SandboxInfo]:
-        return await _transport(transport, home).handle(ops.ListSandboxes(include_dead))
+        t = _transport(transport, home, api_url, api_key)
+        return await _once(t, ops.ListSandboxes(include_dead), transport is None)
 
     # ---- properties
 

@@ -1,0 +1,94 @@
+"""The HTTP API's route table: one route per operation of :mod:`warmbox.operations`, under ``/v1``.
+
+Both ends read this table: the server (:mod:`warmbox.server`) mounts one handler per route, the
+SDK's HTTP transport builds each request's URL from it, and the OpenAPI document is generated from
+it with the codec's schemas. Fields named in the path come from the path; the rest come from the
+JSON body (``body="json"``), the query string (``body="query"``), or, for file uploads, the query
+string with the file's bytes as the raw body (``body="raw"``). Responses are JSON, NDJSON streams
+(commands and code runs: output events, then the result) or raw bytes (file reads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Literal
+
+from warmbox import operations as ops
+from warmbox.operations import Op
+
+PREFIX = "/v1"
+Body = Literal["json", "query", "raw"]
+Response = Literal["json", "ndjson", "raw"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """One operation's HTTP form."""
+
+    op: Op
+    method: str
+    path: str  # with {field} placeholders, e.g. /v1/sandboxes/{sandbox_id}
+    body: Body = "json"
+    response: Response = "json"
+    idempotent: bool = False  # safe to send again after a dropped connection
+    summary: str = ""
+
+    @property
+    def path_fields(self) -> tuple[str, ...]:
+        return tuple(re.findall(r"{(\w+)}", self.path))
+
+    def url(self, request: ops.Request[Any]) -> str:
+        """This route's path for ``request`` (ids are checked by the server; quoted here)."""
+        from urllib.parse import quote
+
+        return self.path.format(**{f: quote(str(getattr(request, f)), safe="") for f in self.path_fields})
+
+
+_S = f"{PREFIX}/sandboxes/{{sandbox_id}}"
+
+ROUTES: tuple[Route, ...] = (
+    Route(Op.CREATE, "POST", f"{PREFIX}/sandboxes", summary="Create a sandbox (pooled, cold, or forked)"),
+    Route(Op.LIST, "GET", f"{PREFIX}/sandboxes", "query", idempotent=True, summary="List sandboxes"),
+    Route(Op.INFO, "GET", _S, "query", idempotent=True, summary="A sandbox's record"),
+    Route(Op.KILL, "DELETE", _S, "query", summary="Destroy a sandbox"),
+    Route(Op.CONNECT, "POST", f"{_S}/connect", idempotent=True, summary="Attach to a live sandbox"),
+    Route(Op.DETACH, "POST", f"{_S}/detach", idempotent=True, summary="Let go of a sandbox without ending it"),
+    Route(Op.RESUME, "POST", f"{PREFIX}/sandboxes/{{snapshot}}/resume", summary="Resume a paused sandbox or snapshot"),
+    Route(Op.TIMINGS, "GET", f"{_S}/timings", "query", idempotent=True, summary="Stage timings"),
+    Route(Op.RECORD_FIRST_COMMAND, "POST", f"{_S}/timings/first_command", idempotent=True),
+    Route(Op.LOGS, "GET", f"{_S}/logs", "query", idempotent=True, summary="Runtime log tails"),
+    Route(Op.METRICS, "GET", f"{_S}/metrics", "query", idempotent=True, summary="Usage and cost"),
+    Route(Op.SET_TIMEOUT, "POST", f"{_S}/timeout", idempotent=True, summary="Extend or shorten the lifetime"),
+    Route(Op.PING, "POST", f"{_S}/ping", idempotent=True, summary="One round trip to the guest agent"),
+    Route(Op.EXEC, "POST", f"{_S}/commands", response="ndjson", summary="Run a command (NDJSON stream)"),
+    Route(Op.RUN_CODE, "POST", f"{_S}/code", response="ndjson", summary="Run a code cell (NDJSON stream)"),
+    Route(Op.CREATE_CONTEXT, "POST", f"{_S}/contexts", summary="Create a code context"),
+    Route(Op.REMOVE_CONTEXT, "DELETE", f"{_S}/contexts/{{context}}", "query", summary="Remove a code context"),
+    Route(Op.FILES_READ, "GET", f"{_S}/files/content", "query", "raw", idempotent=True, summary="Read a file"),
+    Route(Op.FILES_READ_STREAM, "GET", f"{_S}/files/stream", "query", "raw", idempotent=True, summary="Stream a file"),
+    Route(Op.FILES_WRITE, "PUT", f"{_S}/files/content", "raw", summary="Write a file (raw body)"),
+    Route(Op.FILES_LIST, "GET", f"{_S}/files/list", "query", idempotent=True, summary="List a directory"),
+    Route(Op.FILES_STAT, "GET", f"{_S}/files/stat", "query", idempotent=True, summary="Stat a path"),
+    Route(Op.FILES_MAKE_DIR, "POST", f"{_S}/files/dir", idempotent=True, summary="Make a directory"),
+    Route(Op.FILES_REMOVE, "DELETE", f"{_S}/files", "query", summary="Remove a file or directory"),
+    Route(Op.SNAPSHOT, "POST", f"{_S}/snapshots", summary="Snapshot a sandbox"),
+    Route(Op.PAUSE, "POST", f"{_S}/pause", summary="Snapshot, then release the sandbox"),
+    Route(Op.LIST_SNAPSHOTS, "GET", f"{PREFIX}/snapshots", "query", idempotent=True, summary="List snapshots"),
+    Route(Op.DELETE_SNAPSHOT, "DELETE", f"{PREFIX}/snapshots/{{snapshot_id}}", "query", summary="Delete a snapshot"),
+    Route(Op.GC_SNAPSHOTS, "POST", f"{PREFIX}/snapshots/gc", summary="Collect unreferenced snapshot blobs (admin)"),
+    Route(Op.NETWORK_POLICY, "GET", f"{_S}/network", "query", idempotent=True, summary="Egress policy"),
+    Route(Op.NETWORK_UPDATE, "PUT", f"{_S}/network", summary="Replace the egress policy"),
+    Route(Op.NETWORK_LOG, "GET", f"{_S}/network/log", "query", idempotent=True, summary="Egress audit log"),
+    Route(Op.DOCTOR, "GET", f"{PREFIX}/doctor", "query", idempotent=True, summary="Which tiers this host runs"),
+)
+
+BY_OP: dict[Op, Route] = {r.op: r for r in ROUTES}
+
+# Not operations: the approval questions of a sandbox's egress proxy (on_unknown="ask"), as a
+# stream of questions and one answer per question.
+APPROVALS = f"{_S}/network/approvals"
+APPROVAL_ANSWER = f"{_S}/network/approvals/{{request_id}}"
+DECISIONS = ("allow_once", "allow_always", "deny")
+
+__all__ = ["APPROVALS", "APPROVAL_ANSWER", "BY_OP", "DECISIONS", "PREFIX", "ROUTES", "Route"]

@@ -1,0 +1,360 @@
+"""The SDK over the network: a Transport that speaks warmbox's HTTP API (``warmbox serve``).
+
+Same requests, same typed results, same error classes as in process: the route of each operation
+comes from :mod:`warmbox.api`, bodies and results go through :mod:`warmbox.wire`, and an error
+arrives as its stable ``code`` and is raised again as its class. Commands and code runs stream
+their output (NDJSON) into the request's callbacks.
+
+A dropped connection is retried where that is safe (the operation is idempotent, or the request
+never left); otherwise — a command, a create, a write — :class:`~warmbox.errors.ConnectionLost`
+says the outcome is unknown, never a silent partial result.
+
+``api_url``: ``http(s)://host:port`` or ``unix:/path/to/api.sock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import ssl
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import aiohttp
+
+from warmbox import api, wire
+from warmbox import operations as ops
+from warmbox.errors import ConnectionLost, InvalidArgument, WarmboxError
+from warmbox.models import ApprovalRequest
+
+R = TypeVar("R")
+RETRIES = (0.1, 0.3, 0.8, 1.5)  # pauses between attempts of a retryable request (about 3 s in all)
+HEARTBEAT_S = 60.0  # a stream silent this long (the server sends a blank line every 15 s) is dead
+JSON_READ_S = 900.0  # the longest one JSON operation may take (a cold microVM, a large snapshot)
+
+
+def default_url() -> str | None:
+    return os.environ.get("WARMBOX_API_URL") or None
+
+
+class _Stream:
+    """A file read arriving as a chunked HTTP body (ChunkStream)."""
+
+    def __init__(self, path: str, response: aiohttp.ClientResponse) -> None:
+        self._path = path
+        self._response = response
+        self._received = 0
+        self._done = False
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def received(self) -> int:
+        return self._received
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    async def next(self) -> bytes | None:
+        if self._done:
+            return None
+        try:
+            chunk = await self._response.content.readany()
+        except (aiohttp.ClientError, OSError) as e:
+            self._done = True
+            self._response.close()
+            raise ConnectionLost(
+                f"the read of {self._path} ended after {self._received} bytes without completing "
+                f"({type(e).__name__}); nothing partial should be used"
+            ) from None
+        if not chunk:
+            self._done = True
+            self._response.release()
+            return None
+        self._received += len(chunk)
+        return chunk
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._done = True
+            self._response.close()
+
+
+class _Subscription:
+    def __init__(self, task: asyncio.Task[None]) -> None:
+        self._task = task
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+
+def _sinks(request: ops.Request[Any]) -> tuple[ops.TextSink | None, ops.TextSink | None]:
+    if isinstance(request, (ops.Exec, ops.RunCode)):
+        return request.on_stdout, request.on_stderr
+    return None, None
+
+
+def _query(fields: dict[str, Any]) -> dict[str, str]:
+    out = {}
+    for k, v in fields.items():
+        out[k] = "null" if v is None else ("true" if v is True else "false" if v is False else str(v))
+    return out
+
+
+# a connection that broke after the request may have left: the outcome is unknown
+_DROPPED = (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError)
+
+
+class HttpTransport:
+    """Operations sent to a warmbox server. One per event loop; ``close()`` ends its connections.
+
+    Built on aiohttp: on this 2-core host one small request costs 0.39-0.46 ms with it against
+    0.87 ms with httpx (the API's goal is <= 1 ms added per operation)."""
+
+    def __init__(
+        self,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        verify: bool | str | ssl.SSLContext = True,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        url = api_url or default_url()
+        if not url:
+            raise InvalidArgument("api_url (or WARMBOX_API_URL) is required for the HTTP transport")
+        key = api_key if api_key is not None else os.environ.get("WARMBOX_API_KEY")
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if url.startswith("unix:"):
+            self._uds: str | None = url[5:]
+            self._base = "http://warmbox"
+        elif url.startswith(("http://", "https://")):
+            self._uds = None
+            self._base = url.rstrip("/")
+        else:
+            raise InvalidArgument(f"api_url must be http(s)://host:port or unix:/path, got {url!r}")
+        if isinstance(verify, str):
+            verify = ssl.create_default_context(cafile=verify)
+        self._verify = verify
+        self._connect_timeout = connect_timeout
+        self.url = url
+        self._session: aiohttp.ClientSession | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            ssl_arg: bool | ssl.SSLContext = (
+                self._verify if not isinstance(self._verify, bool) or not self._verify else True
+            )
+            connector: aiohttp.BaseConnector = (
+                aiohttp.UnixConnector(path=self._uds) if self._uds else aiohttp.TCPConnector(ssl=ssl_arg)
+            )
+            self._session = aiohttp.ClientSession(
+                base_url=self._base,
+                connector=connector,
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout, sock_read=JSON_READ_S),
+                auto_decompress=False,
+            )
+        return self._session
+
+    # ---- Transport
+
+    async def handle(self, request: ops.Request[R]) -> R:
+        if isinstance(request, ops.Detach):
+            return None  # type: ignore[return-value]  # the server holds the connection; nothing here to let go
+        if isinstance(request, ops.RecordFirstCommand):  # off the caller's path, like in process
+            t = asyncio.ensure_future(self._send(request))
+            self._background.add(t)
+            t.add_done_callback(self._background.discard)
+            return None  # type: ignore[return-value]
+        return await self._send(request)
+
+    async def subscribe_approvals(self, sandbox_id: str, hook: Callable[[ApprovalRequest], object]) -> _Subscription:
+        if not callable(hook):
+            raise InvalidArgument("on_approval must be a callable")
+        subscribed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(self._approvals(sandbox_id, hook, subscribed))
+        try:
+            await asyncio.wait_for(asyncio.shield(subscribed), 10)
+        except BaseException:
+            task.cancel()
+            raise
+        return _Subscription(task)
+
+    async def close(self) -> None:
+        for t in list(self._background):
+            try:
+                await asyncio.wait_for(t, 2)
+            except (TimeoutError, WarmboxError):
+                pass
+        if self._session is not None:
+            await self._session.close()
+
+    # ---- requests
+
+    def _build(self, request: ops.Request[Any]) -> tuple[api.Route, dict[str, Any]]:
+        route = api.BY_OP[request.op]
+        fields = wire.encode(request, tag_bytes=True)
+        for f in route.path_fields:
+            fields.pop(f, None)
+        kwargs: dict[str, Any] = {}
+        if route.body == "json":
+            kwargs["data"] = json.dumps(fields, separators=(",", ":"))
+            kwargs["headers"] = {"Content-Type": "application/json"}
+        elif route.body == "query":
+            kwargs["params"] = _query(fields)
+        else:  # raw: the data is the body
+            fields.pop("data", None)
+            data = request.data if isinstance(request, ops.WriteFile) else b""
+            kwargs["data"] = data.encode() if isinstance(data, str) else bytes(data)
+            kwargs["params"] = _query(fields)
+        if route.response == "ndjson" and any(s is not None for s in _sinks(request)):
+            kwargs["params"] = {"stream": "1"}
+        return route, kwargs
+
+    async def _send(self, request: ops.Request[R]) -> R:
+        route, kwargs = self._build(request)
+        url = route.url(request)
+        attempt = 0
+        while True:
+            try:
+                if route.response == "ndjson":
+                    return await self._ndjson(request, route, url, kwargs)
+                if isinstance(request, ops.ReadFileStream):
+                    return await self._open_stream(request, route, url, kwargs)  # type: ignore[return-value]
+                async with self._client().request(route.method, url, **kwargs) as response:
+                    body = await response.read()
+                return self._result(request, route, response.status, body)
+            except aiohttp.ClientConnectorError as e:
+                failure: Exception = e  # the request never reached the server: safe to send again
+            except _DROPPED as e:
+                if not route.idempotent:
+                    raise ConnectionLost(
+                        f"the connection to {self.url} dropped during {request.op.value}: "
+                        "it may or may not have taken effect"
+                    ) from None
+                failure = e
+            except (TimeoutError, aiohttp.ServerTimeoutError):
+                raise ConnectionLost(f"{self.url} did not answer {request.op.value} in time") from None
+            if attempt >= len(RETRIES):
+                raise ConnectionLost(f"cannot reach the warmbox server at {self.url}: {failure}") from None
+            await asyncio.sleep(RETRIES[attempt])
+            attempt += 1
+
+    def _result(self, request: ops.Request[R], route: api.Route, status: int, body: bytes) -> R:
+        if status >= 400:
+            raise _error(status, body)
+        if route.response == "raw":  # files.read: the whole file
+            return body  # type: ignore[return-value]
+        try:
+            data = json.loads(body)
+        except ValueError:
+            raise WarmboxError(f"the server sent an unreadable {request.op.value} result") from None
+        return wire.decode(wire.result_type(type(request)), data, "result")  # type: ignore[no-any-return]
+
+    async def _ndjson(self, request: ops.Request[R], route: api.Route, url: str, kwargs: dict[str, Any]) -> R:
+        async with self._client().request(
+            route.method, url, timeout=aiohttp.ClientTimeout(total=None, sock_read=HEARTBEAT_S), **kwargs
+        ) as response:
+            if response.status >= 400:
+                raise _error(response.status, await response.read())
+            on_out, on_err = _sinks(request)
+            try:
+                async for line in response.content:
+                    if not line.strip():
+                        continue  # heartbeat
+                    msg = json.loads(line)
+                    if "result" in msg:
+                        return wire.decode(wire.result_type(type(request)), msg["result"], "result")  # type: ignore[no-any-return]
+                    if "error" in msg:
+                        raise wire.error_from_wire(msg["error"])
+                    if "stdout" in msg and on_out is not None:
+                        on_out(msg["stdout"])
+                    elif "stderr" in msg and on_err is not None:
+                        on_err(msg["stderr"])
+            except (*_DROPPED, TimeoutError, aiohttp.ServerTimeoutError) as e:
+                raise ConnectionLost(
+                    f"the connection to {self.url} dropped while {request.op.value} ran ({type(e).__name__}): "
+                    "its outcome is unknown; the sandbox itself was not affected"
+                ) from None
+            raise ConnectionLost(f"the server ended {request.op.value} without a result: its outcome is unknown")
+
+    async def _open_stream(
+        self, request: ops.ReadFileStream, route: api.Route, url: str, kwargs: dict[str, Any]
+    ) -> _Stream:
+        response = await self._client().request(route.method, url, **kwargs)
+        if response.status >= 400:
+            body = await response.read()
+            response.release()
+            raise _error(response.status, body)
+        return _Stream(response.headers.get("X-Warmbox-Path", request.path), response)
+
+    # ---- approvals
+
+    async def _approvals(
+        self, sandbox_id: str, hook: Callable[[ApprovalRequest], object], subscribed: asyncio.Future[None]
+    ) -> None:
+        path = api.APPROVALS.format(sandbox_id=sandbox_id)
+        while True:
+            try:
+                async with self._client().get(
+                    path, timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=HEARTBEAT_S)
+                ) as response:
+                    if response.status >= 400:
+                        err = _error(response.status, await response.read())
+                        if not subscribed.done():
+                            subscribed.set_exception(err)
+                        return
+                    async for line in response.content:
+                        if not line.strip():
+                            continue
+                        msg = json.loads(line)
+                        if "subscribed" in msg:
+                            if not subscribed.done():
+                                subscribed.set_result(None)
+                            continue
+                        q = ApprovalRequest(sandbox_id, str(msg["host"]), int(msg["port"]), str(msg["kind"]))
+                        t = asyncio.ensure_future(self._answer(sandbox_id, str(msg["request_id"]), hook, q))
+                        self._background.add(t)
+                        t.add_done_callback(self._background.discard)
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError):
+                pass
+            await asyncio.sleep(0.5)  # the server restarted or the stream broke: subscribe again
+
+    async def _answer(
+        self, sandbox_id: str, request_id: str, hook: Callable[[ApprovalRequest], object], q: ApprovalRequest
+    ) -> None:
+        try:
+            decision = hook(q)
+            if asyncio.iscoroutine(decision) or isinstance(decision, asyncio.Future):
+                decision = await decision
+        except Exception:
+            decision = "deny"
+        if decision not in api.DECISIONS:
+            decision = "deny"
+        path = api.APPROVAL_ANSWER.format(sandbox_id=sandbox_id, request_id=request_id)
+        try:
+            async with self._client().post(path, json={"decision": decision}) as response:
+                await response.read()
+        except (aiohttp.ClientError, OSError):
+            pass  # unanswered: the proxy denies at its timeout
+
+
+def _error(status: int, body: bytes) -> WarmboxError:
+    try:
+        data = json.loads(body)
+        if isinstance(data, dict):
+            return wire.error_from_wire(data.get("error"))
+    except ValueError:
+        pass
+    text = body[:200].decode(errors="replace")
+    if status in (400, 413, 414, 431):
+        return InvalidArgument(f"the server refused the request (HTTP {status}): {text}")
+    return WarmboxError(f"the server answered HTTP {status}: {text}")
+
+
+__all__ = ["HttpTransport", "default_url"]

@@ -1,0 +1,492 @@
+"""The HTTP API: an ASGI app (Starlette) that maps each route of :mod:`warmbox.api` onto one operation.
+
+Every request is authenticated (a bearer key, or the caller's uid on the unix socket), rate limited
+per key, decoded strictly by :mod:`warmbox.wire` and handed to that tenant's engine front — the
+front scopes every id to its tenant (another tenant's id is "not found") and checks quotas. The
+app adds no behaviour of its own: what a route does is what the operation does in process.
+
+Starlette, not FastAPI: the routes are generated from the one list of operations and decoded by the
+same codec the client uses, so FastAPI's per-function signatures and its pydantic models would be a
+second copy of the models; Starlette also costs less per request (the goal is <= 1 ms added).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import secrets as _secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from warmbox import api, errors, wire
+from warmbox import operations as ops
+from warmbox.config import ServerSettings
+from warmbox.engine.engine import Engine
+from warmbox.engine.front import EngineFront
+from warmbox.errors import InvalidArgument, RateLimited, Unauthenticated, WarmboxError
+from warmbox.models import ApprovalRequest, Tenant
+
+log = logging.getLogger("warmbox.server")
+MAX_JSON = 16 << 20  # a JSON body (a command's stdin is the largest thing in one)
+HEARTBEAT_S = 15.0  # a blank line on a silent stream this often
+PEER_HOST = "unix-peer-uid"  # scope["client"][0] on the unix socket; [1] is the caller's uid
+
+STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
+    (errors.Unauthenticated, 401),
+    (errors.Forbidden, 403),
+    (errors.RateLimited, 429),
+    (errors.QuotaExceeded, 429),
+    (errors.FileTooLarge, 413),
+    (errors.LimitTooHigh, 422),
+    (errors.InvalidArgument, 400),
+    (errors.SandboxNotFound, 404),
+    (errors.PathNotFound, 404),
+    (errors.ContextError, 404),
+    (errors.PathExists, 409),
+    (errors.SandboxStateError, 409),
+    (errors.NotADirectory, 409),
+    (errors.IsADirectory, 409),
+    (errors.NotARegularFile, 409),
+    (errors.PathPermissionDenied, 403),
+    (errors.NoSpace, 507),
+    (errors.StorageFull, 507),
+    (errors.SnapshotUnsupported, 422),
+    (errors.SandboxTimeout, 504),
+    (errors.BackendUnavailable, 503),
+    (errors.GuestConnectionError, 502),
+)
+
+
+def status_of(exc: WarmboxError) -> int:
+    for cls, status in STATUS:
+        if isinstance(exc, cls):
+            return status
+    return 500
+
+
+def error_response(exc: WarmboxError) -> JSONResponse:
+    headers = {}
+    if isinstance(exc, RateLimited):
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    return JSONResponse({"error": wire.error_to_wire(exc)}, status_code=status_of(exc), headers=headers)
+
+
+class RateLimiter:
+    """A token bucket per key: ``rate`` requests/s on average, bursts up to one second's worth (>= 5)."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def take(self, key: str, rate: float) -> None:
+        if rate <= 0:
+            return
+        now = time.monotonic()
+        burst = max(rate, 5.0)
+        tokens, at = self._buckets.get(key, (burst, now))
+        tokens = min(burst, tokens + (now - at) * rate)
+        if tokens < 1:
+            self._buckets[key] = (tokens, now)
+            raise RateLimited(f"more than {rate:g} requests/s for this key", retry_after=(1 - tokens) / rate)
+        self._buckets[key] = (tokens - 1, now)
+
+
+@dataclasses.dataclass
+class _Pending:
+    tenant: str
+    sandbox_id: str
+    answer: asyncio.Future[str]
+
+
+class Service:
+    """The state behind the app: the engine, one front per tenant, the limiter, open approvals."""
+
+    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.peers = dict(settings.peers)
+        self.limiter = RateLimiter()
+        self._fronts: dict[str, EngineFront] = {}
+        self._pending: dict[str, _Pending] = {}
+
+    def front(self, tenant: Tenant | None) -> EngineFront:
+        """The front of a tenant (None: the host's root, which sees every sandbox)."""
+        name = "" if tenant is None else tenant.name
+        f = self._fronts.get(name)
+        if f is None or (tenant is not None and f.tenant != tenant):
+            f = self._fronts[name] = EngineFront(self.engine, tenant=tenant)
+        return f
+
+    async def close(self) -> None:
+        fronts, self._fronts = self._fronts, {}
+        for f in fronts.values():
+            await f.close()
+
+    def authenticate(self, request: Request) -> Tenant | None:
+        """The caller's tenant (None: root on the unix socket); Unauthenticated otherwise."""
+        header = request.headers.get("authorization", "")
+        if header:
+            scheme, _, secret = header.partition(" ")
+            if scheme.lower() != "bearer" or not secret.strip():
+                raise Unauthenticated("the Authorization header must be 'Bearer <key>'")
+            tenant = self.engine.registry.authenticate(secret.strip())
+            if tenant is None:
+                raise Unauthenticated("unknown or revoked API key")
+            self.limiter.take(tenant.key_id or tenant.name, tenant.rate_per_s)
+            return tenant
+        client = request.scope.get("client")
+        if client and client[0] == PEER_HOST:
+            uid = int(client[1])
+            if uid == 0:
+                return None
+            name = self.peers.get(uid)
+            if name is not None:
+                return self.engine.registry.tenant(name)
+            raise Unauthenticated(f"uid {uid} is not mapped to a tenant ([server] peers) and sent no key")
+        raise Unauthenticated("an API key is required: 'Authorization: Bearer <key>'")
+
+
+# ---- decoding
+
+
+def _query_value(tp: Any, text: str, where: str) -> object:
+    """A query-string value as JSON-ish data for the codec (numbers and booleans parsed)."""
+    import typing
+
+    args = typing.get_args(tp) or (tp,)
+    if text in ("", "null") and type(None) in args:
+        return None
+    if bool in args:
+        if text in ("true", "1"):
+            return True
+        if text in ("false", "0"):
+            return False
+    if int in args or float in args:
+        try:
+            return int(text)
+        except ValueError:
+            try:
+                return float(text)
+            except ValueError:
+                pass
+    return text
+
+
+async def _body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The whole body, at most ``limit`` bytes, arriving within ``timeout_s``; typed errors otherwise."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise InvalidArgument(f"request body of {int(declared)} bytes is larger than the limit of {limit} bytes")
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise InvalidArgument(f"request body is larger than the limit of {limit} bytes")
+                parts.append(chunk)
+    except TimeoutError:
+        raise InvalidArgument(f"request body did not arrive within {timeout_s:g} s") from None
+    return b"".join(parts)
+
+
+async def decode_request(route: api.Route, request: Request, settings: ServerSettings) -> ops.Request[Any]:
+    cls = ops.REQUESTS[route.op]
+    given = dict(request.path_params)
+    hints = wire.hints(cls)
+    data: dict[str, object] = {}
+    if route.body in ("query", "raw"):
+        for k, v in request.query_params.multi_items():
+            if k in data:
+                raise InvalidArgument(f"query parameter {k!r} given twice")
+            if k == "stream" and route.response == "ndjson":
+                continue
+            data[k] = _query_value(hints.get(k, str), v, k)
+    if route.body == "raw":
+        data["data"] = await _body(request, settings.max_body_mb << 20, settings.body_timeout_s)
+        if "data" in request.query_params:
+            raise InvalidArgument("the file's bytes are the request body, not a query parameter")
+    elif route.body == "json":
+        raw = await _body(request, MAX_JSON, settings.body_timeout_s)
+        if raw.strip():
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise InvalidArgument(f"the request body is not valid JSON: {e}") from None
+            if not isinstance(body, dict):
+                raise InvalidArgument("the request body must be a JSON object")
+            data = body
+        for k in request.query_params:
+            if k != "stream" or route.response != "ndjson":
+                raise InvalidArgument(f"unknown query parameter {k!r} (this route takes a JSON body)")
+    if route.body == "raw":
+        payload = data.pop("data")
+        req = wire.decode_record(cls, data, "query", **given, data=payload)
+    else:
+        req = wire.decode_record(cls, data, "body" if route.body == "json" else "query", **given)
+    return _adapt(req)
+
+
+def _adapt(req: ops.Request[Any]) -> ops.Request[Any]:
+    """Wire forms of the fields typed ``object`` in the operations (network policies, secrets)."""
+    if isinstance(req, (ops.Create, ops.UpdateNetwork)):
+        from warmbox.network.policy import Network, Secret
+
+        net = req.network
+        if isinstance(net, dict):
+            net = wire.decode_record(Network, net, "network")
+        elif not isinstance(net, str):
+            raise InvalidArgument('network must be "none", "internet" or {"allow": [...], "deny": [...]}')
+        req = dataclasses.replace(req, network=net)
+        if isinstance(req, ops.Create) and req.secrets is not None:
+            sec = {str(k): wire.decode_record(Secret, v, f"secrets[{k!r}]") for k, v in req.secrets.items()}
+            req = dataclasses.replace(req, secrets=sec)
+    return req
+
+
+# ---- responses
+
+
+def _json(value: object) -> Response:
+    return Response(json.dumps(wire.encode(value), separators=(",", ":")), media_type="application/json")
+
+
+def _line(obj: object) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+async def _ndjson(front: EngineFront, req: ops.Request[Any], stream: bool) -> Response:
+    """A command or code run: output events while it runs (when asked), then its result or error.
+    Errors before anything was sent are a plain error response with the right status."""
+    queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
+    if stream:
+        req = dataclasses.replace(
+            req,
+            on_stdout=lambda s: queue.put_nowait(("stdout", s)),
+            on_stderr=lambda s: queue.put_nowait(("stderr", s)),
+        )
+    task = asyncio.ensure_future(front.handle(req))
+    task.add_done_callback(lambda _: queue.put_nowait(("done", None)))
+    try:
+        first = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
+    except TimeoutError:
+        first = ("heartbeat", None)
+    except BaseException:
+        task.cancel()
+        raise
+    if first[0] == "done":
+        exc = task.exception()
+        if exc is not None:
+            if isinstance(exc, WarmboxError):
+                return error_response(exc)
+            raise exc
+        return Response(_line({"result": wire.encode(task.result())}), media_type="application/x-ndjson")
+
+    async def lines() -> AsyncIterator[bytes]:
+        item = first
+        try:
+            while True:
+                kind, value = item
+                if kind == "done":
+                    exc = task.exception()
+                    if exc is None:
+                        yield _line({"result": wire.encode(task.result())})
+                    elif isinstance(exc, WarmboxError):
+                        yield _line({"error": wire.error_to_wire(exc)})
+                    else:
+                        log.error("operation failed", exc_info=exc)
+                        yield _line({"error": {"code": "warmbox_error", "message": "internal error"}})
+                    return
+                yield b"\n" if kind == "heartbeat" else _line({kind: value})
+                try:
+                    item = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
+                except TimeoutError:
+                    item = ("heartbeat", None)  # a blank line: the client knows the server lives
+        finally:
+            if not task.done():  # the client went away: stop the command in the sandbox
+                task.cancel()
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+async def _stream_file(front: EngineFront, req: ops.ReadFileStream) -> Response:
+    """A file as a chunked raw body. Errors before the first byte are error responses; an error
+    after it ends the connection without the closing chunk, so no client takes it as complete."""
+    stream = await front.handle(req)
+    try:
+        first = await stream.next()
+    except BaseException:
+        stream.cancel()
+        raise
+
+    async def chunks() -> AsyncIterator[bytes]:
+        try:
+            chunk = first
+            while chunk is not None:
+                yield chunk
+                chunk = await stream.next()
+        finally:
+            stream.cancel()
+
+    return StreamingResponse(chunks(), media_type="application/octet-stream", headers={"X-Warmbox-Path": stream.path})
+
+
+def endpoint(service: Service, route: api.Route) -> Callable[[Request], Awaitable[Response]]:
+    async def handle(request: Request) -> Response:
+        try:
+            front = service.front(service.authenticate(request))
+            req = await decode_request(route, request, service.settings)
+            if route.response == "ndjson":
+                return await _ndjson(front, req, request.query_params.get("stream") in ("1", "true"))
+            if isinstance(req, ops.ReadFileStream):
+                return await _stream_file(front, req)
+            result = await front.handle(req)
+            if isinstance(req, ops.ReadFile):
+                return Response(result, media_type="application/octet-stream")
+            return _json(result)
+        except WarmboxError as e:
+            return error_response(e)
+        except ClientDisconnect:
+            return Response(status_code=400)
+
+    handle.__name__ = route.op.name.lower()
+    return handle
+
+
+# ---- approvals (not operations: a stream of questions, one answer each)
+
+
+def approvals_endpoint(service: Service) -> Callable[[Request], Awaitable[Response]]:
+    async def questions(request: Request) -> Response:
+        try:
+            tenant = service.authenticate(request)
+            front = service.front(tenant)
+            sandbox_id = request.path_params["sandbox_id"]
+            await front.handle(ops.Info(sandbox_id))  # scoped: another tenant's id is not found
+        except WarmboxError as e:
+            return error_response(e)
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        owner = "" if tenant is None else tenant.name
+
+        async def hook(q: ApprovalRequest) -> str:
+            request_id = _secrets.token_urlsafe(12)
+            fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+            service._pending[request_id] = _Pending(owner, sandbox_id, fut)
+            try:
+                queue.put_nowait(_line({"request_id": request_id, **wire.encode(q)}))
+                return await fut
+            finally:
+                service._pending.pop(request_id, None)
+
+        try:
+            sub = await front.subscribe_approvals(sandbox_id, hook)
+        except WarmboxError as e:
+            return error_response(e)
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                yield _line({"subscribed": sandbox_id})
+                while True:
+                    try:
+                        yield await asyncio.wait_for(queue.get(), HEARTBEAT_S)
+                    except TimeoutError:
+                        yield b"\n"  # keep-alive: a dead client is noticed
+            finally:
+                sub.cancel()
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    return questions
+
+
+def answer_endpoint(service: Service) -> Callable[[Request], Awaitable[Response]]:
+    async def answer(request: Request) -> Response:
+        try:
+            tenant = service.authenticate(request)
+            owner = "" if tenant is None else tenant.name
+            raw = await _body(request, 4096, service.settings.body_timeout_s)
+            try:
+                body = json.loads(raw or b"{}")
+            except ValueError:
+                raise InvalidArgument("the request body is not valid JSON") from None
+            decision = body.get("decision") if isinstance(body, dict) else None
+            if decision not in api.DECISIONS:
+                raise InvalidArgument(f"decision must be one of {list(api.DECISIONS)}, got {decision!r}")
+            p = service._pending.get(request.path_params["request_id"])
+            if p is None or p.sandbox_id != request.path_params["sandbox_id"] or p.tenant != owner:
+                raise InvalidArgument("no open approval question with that id (answered, timed out or unknown)")
+            if not p.answer.done():
+                p.answer.set_result(decision)
+            return _json(None)
+        except WarmboxError as e:
+            return error_response(e)
+
+    return answer
+
+
+# ---- the app
+
+
+def routes(service: Service) -> list[BaseRoute]:
+    out: list[BaseRoute] = [Route(r.path, endpoint(service, r), methods=[r.method]) for r in api.ROUTES]
+    out.append(Route(api.APPROVALS, approvals_endpoint(service), methods=["GET"]))
+    out.append(Route(api.APPROVAL_ANSWER, answer_endpoint(service), methods=["POST"]))
+    out.append(Route(f"{api.PREFIX}/openapi.json", _openapi, methods=["GET"]))
+    return out
+
+
+async def _openapi(request: Request) -> Response:
+    from warmbox.server.openapi import document
+
+    return JSONResponse(document())
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return JSONResponse(
+        {"error": {"code": "invalid_argument", "message": f"no route {request.method} {request.url.path}"}},
+        status_code=404,
+    )
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    return JSONResponse(
+        {"error": {"code": "invalid_argument", "message": f"{request.method} is not allowed on {request.url.path}"}},
+        status_code=405,
+    )
+
+
+async def _internal(request: Request, exc: Exception) -> Response:
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return JSONResponse({"error": {"code": "warmbox_error", "message": "internal server error"}}, status_code=500)
+
+
+def build_app(engine: Engine, settings: ServerSettings, extra: list[BaseRoute] | None = None) -> Starlette:
+    """The ASGI app over ``engine``; ``extra`` routes (the MCP endpoint) are mounted beside /v1."""
+    service = Service(engine, settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await service.close()
+
+    app = Starlette(
+        routes=routes(service) + list(extra or ()),
+        exception_handlers={404: _not_found, 405: _not_allowed, 500: _internal},
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    return app
+
+
+__all__ = ["PEER_HOST", "RateLimiter", "Service", "build_app", "status_of"]

@@ -1,0 +1,213 @@
+"""``warmbox serve``: the API on TCP (127.0.0.1:7420 by default, TLS optional) and on a unix socket.
+
+The unix socket identifies callers by ``SO_PEERCRED`` (root is the host's admin; other uids are
+mapped to tenants by ``[server] peers``), so an agent no longer needs root to use warmbox. A
+non-loopback TCP address is refused without TLS. Both listeners serve the same app in one process
+and one event loop (the engine's sessions live on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import signal
+import socket
+import ssl
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from warmbox.config import ServerSettings
+from warmbox.errors import ConfigError
+from warmbox.paths import runtime_dir
+from warmbox.server.app import PEER_HOST, build_app
+
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _protocol_base() -> type[asyncio.Protocol]:
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        return HttpToolsProtocol
+    except ImportError:  # httptools is optional in uvicorn: fall back to the pure-Python parser
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        return H11Protocol
+
+
+def peercred_protocol() -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol, with the caller's uid as the ASGI ``client`` on unix sockets:
+    ``(PEER_HOST, uid)``. A TCP peer's host is an IP address, never PEER_HOST."""
+    base: Any = _protocol_base()
+
+    class PeerCredProtocol(base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family == socket.AF_UNIX:
+                _pid, uid, _gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+                self.client = (PEER_HOST, uid)
+
+    return PeerCredProtocol
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def socket_path(home: Path, settings: ServerSettings) -> Path:
+    return Path(settings.socket) if settings.socket else runtime_dir(home) / "api.sock"
+
+
+def check_listen(settings: ServerSettings) -> None:
+    """Refuse a non-loopback address without TLS (keys are always required on TCP)."""
+    if settings.host and not is_loopback(settings.host) and not (settings.tls_cert and settings.tls_key):
+        raise ConfigError(
+            f"refusing to listen on {settings.host}:{settings.port} without TLS: API keys would travel in clear text. "
+            "Pass --tls-cert and --tls-key (or [server] tls_cert/tls_key), or listen on 127.0.0.1 and use a proxy."
+        )
+
+
+def _tcp_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(512)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _unix_socket(path: Path) -> socket.socket:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        with_stale = path.exists() or path.is_symlink()
+        if with_stale:
+            path.unlink()  # a previous server's socket: nothing listens on it
+    else:
+        raise ConfigError(f"another server already listens on {path}")
+    finally:
+        probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o111)  # rw for everyone: callers are told apart by their uid, not the file mode
+    try:
+        sock.bind(str(path))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {path}: {e.strerror}") from None
+    finally:
+        os.umask(old)
+    sock.listen(512)
+    return sock
+
+
+def _ssl_context(settings: ServerSettings) -> ssl.SSLContext | None:
+    if not settings.tls_cert:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"cannot load the TLS certificate/key: {e}") from None
+    return ctx
+
+
+async def serve(home: Path, settings: ServerSettings, *, mcp: bool = False) -> None:
+    """Listen until SIGTERM/SIGINT; prints one ``listening`` line with the addresses when ready."""
+    from warmbox.engine.engine import Engine
+
+    check_listen(settings)
+    engine = Engine.for_home(home)
+    extra = []
+    if mcp:
+        from warmbox.server.mcp_http import mcp_routes
+
+        extra = mcp_routes(engine)
+    app = build_app(engine, settings, extra=extra)
+    protocol = peercred_protocol()
+    listeners: list[tuple[uvicorn.Server, socket.socket]] = []
+    addresses = []
+    tls = _ssl_context(settings)
+    if settings.host:
+        tcp = _tcp_socket(settings.host, settings.port)
+        port = tcp.getsockname()[1]
+        scheme = "https" if tls else "http"
+        addresses.append(f"{scheme}://{settings.host}:{port}")
+        cfg = uvicorn.Config(
+            app,
+            http=protocol,
+            lifespan="on",
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=5,
+            ssl_certfile=settings.tls_cert or None,
+            ssl_keyfile=settings.tls_key or None,
+        )
+        listeners.append((uvicorn.Server(cfg), tcp))
+    upath = socket_path(home, settings)
+    if str(upath) != "-":
+        unix = _unix_socket(upath)
+        addresses.append(f"unix:{upath}")
+        cfg = uvicorn.Config(
+            app,
+            http=protocol,
+            lifespan="off" if listeners else "on",
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=5,
+        )
+        listeners.append((uvicorn.Server(cfg), unix))
+    if not listeners:
+        raise ConfigError("nothing to listen on: give a host or a unix socket")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loops: list[asyncio.Task[None]] = []
+    try:
+        for server, sock in listeners:
+            if not server.config.loaded:
+                server.config.load()
+            server.lifespan = server.config.lifespan_class(server.config)
+            await server.startup(sockets=[sock])
+            if server.should_exit:
+                raise ConfigError("the server could not start (see the log above)")
+            loops.append(asyncio.ensure_future(server.main_loop()))  # keeps the Date header current
+        print("listening on " + " and ".join(addresses), flush=True)
+        await stop.wait()
+    finally:
+        for t in loops:
+            t.cancel()
+        for server, sock in listeners:
+            server.should_exit = True
+            try:
+                await server.shutdown(sockets=[sock])
+            except Exception as e:  # one listener failing to close must not keep the other open
+                print(f"warmbox serve: closing a listener failed: {e}", file=sys.stderr)
+        if str(upath) != "-":
+            try:
+                upath.unlink()
+            except OSError:
+                pass
+
+
+__all__ = ["check_listen", "is_loopback", "peercred_protocol", "serve", "socket_path"]
