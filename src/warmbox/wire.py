@@ -287,8 +287,11 @@ def schema(tp: Any, defs: dict[str, Any]) -> dict[str, Any]:
     raise TypeError(f"no schema for {tp!r}")
 
 
-def record_schema(cls: type, defs: dict[str, Any], exclude: tuple[str, ...] = ()) -> str:
-    """Put the object schema of a dataclass into ``defs``; returns its name."""
+def record_schema(
+    cls: type, defs: dict[str, Any], exclude: tuple[str, ...] = (), overrides: dict[str, Any] | None = None
+) -> str:
+    """Put the object schema of a dataclass into ``defs``; returns its name. ``exclude``: fields
+    not in the body (path parameters); ``overrides``: schemas of fields typed ``object``."""
     name = cls.__name__ if not exclude else f"{cls.__name__}Body"
     if name in defs:
         return name
@@ -299,10 +302,10 @@ def record_schema(cls: type, defs: dict[str, Any], exclude: tuple[str, ...] = ()
     for f in dataclasses.fields(cls):
         if not f.init or f.metadata.get("local") or f.name in exclude:
             continue
-        props[f.name] = schema(h[f.name], defs)
+        props[f.name] = (overrides or {}).get(f.name) or schema(h[f.name], defs)
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             required.append(f.name)
-        elif f.default is not dataclasses.MISSING and isinstance(f.default, (str, int, float, bool, type(None))):
+        elif f.default is not dataclasses.MISSING and isinstance(f.default, (str, int, float, bool)):
             props[f.name] = {**props[f.name], "default": f.default}
     out: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
     if required:
