@@ -18,7 +18,8 @@ ALLOWED: dict[str, set[str]] = {
     "network": {"storage"},
     "engine": {"backends", "network", "storage"},
     "sdk": set(),
-    "cli": {"sdk", "engine", "bench"},  # the engine: its front, and the daemon/pool managers (pools, down)
+    "server": {"sdk", "engine"},  # beside the SDK: adapters (MCP, HTTP) over the engine front
+    "cli": {"sdk", "engine", "bench", "server"},  # the engine: its front, and the daemon/pool managers (pools, down)
     # benchmarks drive raw runtimes as baselines (backends) beside sandboxes made through the SDK
     "bench": {"sdk", "engine", "backends", "storage"},
 }
