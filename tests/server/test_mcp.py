@@ -214,6 +214,50 @@ def test_each_call_asks_for_its_transport_with_its_context():
     assert seen[0].request_context.request is None  # in process / stdio: no HTTP request to read a tenant from
 
 
+def test_mounted_over_http_each_call_runs_on_the_transport_of_its_requests_tenant():
+    """The recipe for the HTTP server: auth puts the tenant on the request's state, transport_for reads it."""
+    import httpx2
+    from mcp.client.streamable_http import streamable_http_client
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.routing import Mount
+
+    from warmbox.server.mcp import http_request_of
+
+    tenants = {"alice": FakeTransport(_answer), "bob": FakeTransport(_answer)}
+
+    class BearerTenant:  # stands in for the server's authentication
+        def __init__(self, app: Any) -> None:
+            self.app = app
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http":
+                token = dict(scope["headers"]).get(b"authorization", b"").decode().removeprefix("Bearer ")
+                scope.setdefault("state", {})["tenant"] = token
+            await self.app(scope, receive, send)
+
+    server = build_mcp(lambda ctx: tenants[http_request_of(ctx).state.tenant])
+    mcp_app = server.streamable_http_app(streamable_http_path="/", stateless_http=True, json_response=True)
+    app = Starlette(routes=[Mount("/mcp", app=mcp_app)], middleware=[Middleware(BearerTenant)])
+    base = "http://127.0.0.1:8000"  # the SDK's DNS-rebinding check wants a loopback host with a port
+
+    async def main() -> None:
+        async with server.session_manager.run():  # a mounted app's lifespan does not run: the parent's must
+            for tenant, calls in (("alice", 2), ("bob", 1)):
+                http = httpx2.AsyncClient(
+                    transport=httpx2.ASGITransport(app=app),
+                    base_url=base,
+                    headers={"Authorization": f"Bearer {tenant}"},
+                )
+                async with Client(streamable_http_client(f"{base}/mcp/", http_client=http)) as client:
+                    for _ in range(calls):
+                        r = await client.call_tool("run_command", {"sandbox_id": SID, "cmd": "true"})
+                        assert not r.is_error and r.structured_content["exit_code"] == 3
+
+    asyncio.run(main())
+    assert {name: len(t.sent) for name, t in tenants.items()} == {"alice": 2, "bob": 1}
+
+
 # ---- `warmbox mcp` over stdio, real sandboxes
 
 

@@ -347,8 +347,20 @@ def build_mcp(transport_for: TransportFor, *, name: str = "warmbox") -> WarmboxM
     """The warmbox MCP server; each tool call runs its operation on ``transport_for(ctx)``.
 
     ``transport_for`` is called once per tool call, on the event loop, with that call's context;
-    it returns a transport it owns (build_mcp never closes one). Serve it with
-    ``run_stdio_async()``, or mount ``streamable_http_app()`` (see the module docstring).
+    it returns a transport it owns (build_mcp never closes one). A WarmboxError it raises (say,
+    the tenant is unknown) reaches the client as that error's code. Serve it with
+    ``run_stdio_async()``, or mount it in the HTTP server (tests/server/test_mcp.py does this)::
+
+        mcp = build_mcp(lambda ctx: transport_of(http_request_of(ctx).state.tenant))
+        app = Starlette(
+            routes=[..., Mount("/mcp", app=mcp.streamable_http_app(
+                streamable_http_path="/", stateless_http=True, json_response=True,
+                transport_security=...))],  # the default only accepts loopback Host headers
+            lifespan=lambda app: mcp.session_manager.run(),  # a mounted app's own lifespan does not run
+        )
+
+    The tenant is read per call from the request that carried it, so a (stateful) MCP session
+    id never carries a tenant from one request to another.
     """
     server = WarmboxMCP(name=name, instructions=INSTRUCTIONS)
     read_only = ToolAnnotations(read_only_hint=True, idempotent_hint=True)
