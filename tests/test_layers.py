@@ -18,7 +18,7 @@ ALLOWED: dict[str, set[str]] = {
     "network": {"storage"},
     "engine": {"backends", "network", "storage"},
     "sdk": set(),
-    # the server maps HTTP routes and MCP tools onto the engine front (and the SDK's records)
+    # beside the SDK: adapters (HTTP routes, MCP tools) over the engine front; network: the policy records
     "server": {"engine", "sdk", "network"},
     "cli": {"sdk", "engine", "bench", "server"},  # the engine: its front, and the daemon/pool managers (pools, down)
     # benchmarks drive raw runtimes as baselines (backends) beside sandboxes made through the SDK

@@ -22,6 +22,7 @@ from warmbox.models import (
     Execution,
     Limits,
     NetEvent,
+    PoolStatus,
     SandboxInfo,
     SandboxMetrics,
     SnapshotRef,
@@ -85,6 +86,8 @@ class Op(str, enum.Enum):
     NETWORK_UPDATE = "network.update"
     NETWORK_POLICY = "network.policy"
     NETWORK_LOG = "network.log"
+    POOLS_LIST = "pools.list"
+    POOLS_RESIZE = "pools.resize"
 
 
 class Request(Generic[R]):
@@ -444,6 +447,27 @@ class NetworkLog(Request[list[NetEvent]]):
     sandbox_id: str
 
 
+# ---- warm pools
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolsList(Request[list[PoolStatus]]):
+    """Every configured warm pool: target, bounds, ready/warming counts, hits/misses, warm-up cost."""
+
+    op: ClassVar[Op] = Op.POOLS_LIST
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolsResize(Request[PoolStatus]):
+    """Set a pool's target (clamped to its bounds) and/or its min/max (None: keep); the daemon acts on it."""
+
+    op: ClassVar[Op] = Op.POOLS_RESIZE
+    name: str
+    target: int | None = None
+    min: int | None = None
+    max: int | None = None
+
+
 REQUESTS: dict[Op, type[Request[Any]]] = {
     cls.op: cls
     for cls in (
@@ -480,5 +504,7 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         UpdateNetwork,
         NetworkPolicy,
         NetworkLog,
+        PoolsList,
+        PoolsResize,
     )
 }

@@ -112,3 +112,20 @@ def test_capabilities_are_declared_protocols_that_agree_with_the_flags(tmp_path)
             assert isinstance(b, TemplateCapable), tier  # its templates are keyed by its machine
         assert caps.tier == tier
     assert isinstance(backends.load("microvm", tmp_path / "runtime"), Configurable)
+
+
+def test_pool_operations_list_the_configured_pools_and_refuse_an_unknown_one(tmp_path):
+    from warmbox.engine.engine import Engine
+    from warmbox.engine.front import EngineFront
+    from warmbox.errors import InvalidArgument
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "warmbox.toml").write_text("[pools.p]\ntemplate = 'base'\nmin = 0\nmax = 2\ntarget = 1\n")
+    front = EngineFront(Engine(home))
+    rows = asyncio.run(front.handle(ops.PoolsList()))
+    assert [(r.name, r.target, r.min, r.max, r.ready) for r in rows] == [("p", 1, 0, 2, 0)]
+    with pytest.raises(InvalidArgument, match="no pool 'nope'"):
+        asyncio.run(front.handle(ops.PoolsResize("nope", 1)))
+    with pytest.raises(InvalidArgument, match="target must be an integer"):
+        asyncio.run(front.handle(ops.PoolsResize("p", -1)))  # refused before anything is written or started

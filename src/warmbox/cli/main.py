@@ -16,8 +16,9 @@ warmbox down                      stop this home's daemon; pooled sandboxes are 
 warmbox config                    the effective settings (warmbox.toml + WARMBOX_* overrides)
 warmbox doctor                    which tiers this host can run, and why not
 warmbox demo                      a short tour on the embedded defaults
+warmbox mcp                       an MCP server on stdin/stdout (sandbox tools for an agent)
 warmbox bench start|burst|exec|density|api   benchmarks, ratios against raw runc/bwrap
-warmbox serve [--host H --port P]  the HTTP API (/v1) on 127.0.0.1:7420 and a unix socket
+warmbox serve [--host H --port P]  the HTTP API (/v1) on 127.0.0.1:7420 and a unix socket (+ MCP at /mcp)
 
 --api-url URL (or WARMBOX_API_URL) sends every command to a warmbox server instead of the
 in-process engine, with --api-key KEY (or WARMBOX_API_KEY).
@@ -204,6 +205,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("logs", help="runtime logs of a sandbox (kept after it ended)")
     p.add_argument("sandbox_id")
     sub.add_parser("demo", help="a short tour")
+    sub.add_parser("mcp", help="serve the sandbox tools over MCP on stdin/stdout (for an agent's MCP client)")
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     b = bsub.add_parser("start", help="create->first command: warm pool, cold, raw runc, raw bwrap")
@@ -544,6 +546,18 @@ async def _demo(args: argparse.Namespace) -> int:
     return await demo()
 
 
+async def _mcp(args: argparse.Namespace) -> int:
+    """An MCP server on stdio over this home's engine; sandboxes it created outlive it (to their timeout)."""
+    from warmbox.server.mcp import build_mcp
+
+    transport = _engine()
+    try:
+        await build_mcp(lambda ctx: transport).run_stdio_async()
+    finally:
+        await transport.close()
+    return 0
+
+
 async def _bench(args: argparse.Namespace) -> int:
     from warmbox import bench
 
@@ -590,6 +604,7 @@ _COMMANDS = {
     "doctor": _doctor,
     "logs": _logs,
     "demo": _demo,
+    "mcp": _mcp,
     "bench": _bench,
 }
 

@@ -8,7 +8,9 @@ import dataclasses
 import json
 import sys
 import time
+from typing import Any
 
+from warmbox import operations as ops
 from warmbox.errors import WarmboxError
 
 
@@ -18,13 +20,16 @@ def _engine():
     return Engine.for_home()
 
 
-async def command(args: argparse.Namespace) -> int:
-    from warmbox.engine import pool
+def _front() -> Any:
+    """The CLI's transport to the engine front (operations ``pools.list`` / ``pools.resize``)."""
+    from warmbox.cli.main import _engine as transport
 
-    engine = _engine()
-    settings = engine.settings()
+    return transport()
+
+
+async def command(args: argparse.Namespace) -> int:
     if args.pool_command == "ls":
-        rows = pool.status(engine, settings)
+        rows = await _front().handle(ops.PoolsList())
         if args.json:
             print(json.dumps([dataclasses.asdict(r) for r in rows]))
             return 0
@@ -42,11 +47,16 @@ async def command(args: argparse.Namespace) -> int:
                 print(f"{'':<12} last error: {r.last_error[:200]}")
         return 0
     if args.pool_command == "resize":
-        st = pool.resize(engine, settings, args.name, args.target, args.min, args.max)
+        st = await _front().handle(ops.PoolsResize(args.name, args.target, args.min, args.max))
         print(f"pool {st.name}: target {st.target} (min {st.min}, max {st.max}), ready {st.ready}")
         if args.wait:
             return await warm([st.name], args.wait_timeout)
         return 0
+    # `pool warm` stays on the engine: it needs the settings and ensure_daemon, which are no operations
+    from warmbox.engine import pool
+
+    engine = _engine()
+    settings = engine.settings()
     names = args.names or [n for n, r in ((r.name, r) for r in pool.status(engine, settings)) if r.target > 0]
     for n in names:
         if n not in settings.pools:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar, cast
 
 from warmbox import operations as ops
 from warmbox.engine import egress
+from warmbox.engine import pool as pools
 from warmbox.engine import snapshot as snapshots
 from warmbox.engine.engine import Engine, validate_envs, validate_timeout
 from warmbox.engine.provision import Launched
@@ -29,6 +30,7 @@ from warmbox.models import (
     EntryInfo,
     Execution,
     NetEvent,
+    PoolStatus,
     SandboxInfo,
     SandboxMetrics,
     SnapshotRef,
@@ -133,6 +135,8 @@ class EngineFront:
             ops.UpdateNetwork: self.update_network,
             ops.NetworkPolicy: self.network_policy,
             ops.NetworkLog: self.network_log,
+            ops.PoolsList: self.pools_list,
+            ops.PoolsResize: self.pools_resize,
         }
 
     async def handle(self, request: ops.Request[R]) -> R:
@@ -408,6 +412,17 @@ class EngineFront:
 
     async def network_log(self, r: ops.NetworkLog) -> builtins.list[NetEvent]:
         return self.engine.network_log(r.sandbox_id)
+
+    # ---- warm pools
+
+    async def pools_list(self, r: ops.PoolsList) -> builtins.list[PoolStatus]:
+        return pools.status(self.engine, self.engine.settings())
+
+    async def pools_resize(self, r: ops.PoolsResize) -> PoolStatus:
+        if not isinstance(r.name, str) or not r.name:
+            raise InvalidArgument(f"name must be a pool name, got {r.name!r}")
+        # resize validates target/min/max, writes the registry and makes sure the daemon runs to act on it
+        return pools.resize(self.engine, self.engine.settings(), r.name, r.target, r.min, r.max)
 
     async def subscribe_approvals(self, sandbox_id: str, hook: Callable[[ApprovalRequest], object]) -> Subscription:
         """Answer the egress proxy's approval questions for ``sandbox_id`` with ``hook`` (a local
