@@ -17,7 +17,6 @@ import base64
 import binascii
 import dataclasses
 import enum
-import functools
 import re
 import types
 import typing
@@ -60,11 +59,16 @@ def encode(value: object, tag_bytes: bool = False) -> Any:
     raise TypeError(f"cannot encode {type(value).__name__}")
 
 
-@functools.cache
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def hints(cls: type) -> dict[str, Any]:
     """The resolved type hints of a dataclass's init fields (cached: decoding is on the hot path)."""
-    resolved = typing.get_type_hints(cls)
-    return {f.name: resolved[f.name] for f in dataclasses.fields(cls) if f.init}
+    out = _HINTS.get(cls)
+    if out is None:
+        resolved = typing.get_type_hints(cls)
+        out = _HINTS[cls] = {f.name: resolved[f.name] for f in dataclasses.fields(cls) if f.init}
+    return out
 
 
 def _kind(v: object) -> str:

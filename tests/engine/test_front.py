@@ -94,8 +94,12 @@ def test_home_and_transport_are_exclusive():
     from warmbox.errors import InvalidArgument
     from warmbox.sdk import AsyncSandbox
 
-    with pytest.raises(InvalidArgument, match="not both"):
+    with pytest.raises(InvalidArgument, match="pass one of home"):
         asyncio.run(AsyncSandbox.connect("sb-0123456789ab", home="/tmp/x", transport=FakeTransport()))
+    with pytest.raises(InvalidArgument, match="pass one of home"):
+        asyncio.run(AsyncSandbox.list(home="/tmp/x", api_url="http://127.0.0.1:1"))
+    with pytest.raises(InvalidArgument, match="api_key needs api_url"):
+        asyncio.run(AsyncSandbox.list(home="/tmp/x", api_key="k"))
 
 
 def test_capabilities_are_declared_protocols_that_agree_with_the_flags(tmp_path):

@@ -25,7 +25,8 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from warmbox import api, errors, wire
 from warmbox import operations as ops
@@ -269,6 +270,7 @@ async def _ndjson(front: EngineFront, req: ops.Request[Any], stream: bool) -> Re
     Errors before anything was sent are a plain error response with the right status."""
     queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
     if stream:
+        assert isinstance(req, (ops.Exec, ops.RunCode))
         req = dataclasses.replace(
             req,
             on_stdout=lambda s: queue.put_nowait(("stdout", s)),
@@ -433,6 +435,70 @@ def answer_endpoint(service: Service) -> Callable[[Request], Awaitable[Response]
     return answer
 
 
+# ---- MCP at /mcp: the same tools as `warmbox mcp`, on the authenticated tenant's front
+
+TENANT_KEY = "warmbox.tenant"  # the ASGI scope key where _Authenticated puts the caller's tenant
+
+
+class FrontTransport:
+    """A tenant's engine front as a Transport (what the server's MCP tools run on)."""
+
+    def __init__(self, front: EngineFront) -> None:
+        self.front = front
+
+    async def handle(self, request: ops.Request[Any]) -> Any:
+        return await self.front.handle(request)
+
+    async def subscribe_approvals(self, sandbox_id: str, hook: Callable[[ApprovalRequest], object]) -> Any:
+        return await self.front.subscribe_approvals(sandbox_id, hook)
+
+    async def close(self) -> None:
+        pass  # the front is the server's, shared by the tenant's requests
+
+
+class _Authenticated:
+    """Authenticates every HTTP request to a mounted app (MCP) like the /v1 routes, and puts the
+    tenant into the scope; refusals are the API's typed errors."""
+
+    def __init__(self, service: Service, app: ASGIApp) -> None:
+        self.service = service
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            try:
+                scope[TENANT_KEY] = self.service.authenticate(Request(scope))
+            except WarmboxError as e:
+                await error_response(e)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _mcp(service: Service) -> tuple[BaseRoute, Callable[[], contextlib.AbstractAsyncContextManager[Any]]]:
+    from mcp.server.transport_security import TransportSecuritySettings
+
+    from warmbox.server.mcp import build_mcp, http_request_of
+
+    def transport_for(ctx: Any) -> FrontTransport:
+        request = http_request_of(ctx)
+        if request is None or TENANT_KEY not in request.scope:
+            raise Unauthenticated("an MCP call over HTTP must come through the authenticated /mcp route")
+        return FrontTransport(service.front(request.scope[TENANT_KEY]))
+
+    server = build_mcp(transport_for)
+    app = server.streamable_http_app(
+        streamable_http_path="/",
+        stateless_http=True,
+        json_response=True,
+        max_request_body_size=MAX_JSON,
+        # Host-header checks guard unauthenticated local servers against DNS rebinding; every
+        # request here carries a key (a browser cannot add one cross-origin) or comes over the
+        # unix socket, and a real host name must work behind TLS.
+        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+    )
+    return Mount("/mcp", app=_Authenticated(service, app)), server.session_manager.run
+
+
 # ---- the app
 
 
@@ -469,19 +535,28 @@ async def _internal(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": {"code": "warmbox_error", "message": "internal server error"}}, status_code=500)
 
 
-def build_app(engine: Engine, settings: ServerSettings, extra: list[BaseRoute] | None = None) -> Starlette:
-    """The ASGI app over ``engine``; ``extra`` routes (the MCP endpoint) are mounted beside /v1."""
+def build_app(engine: Engine, settings: ServerSettings, *, mcp: bool = True) -> Starlette:
+    """The ASGI app over ``engine``: the /v1 routes, and MCP (streamable HTTP) at /mcp."""
     service = Service(engine, settings)
+    extra: list[BaseRoute] = []
+    mcp_running: Callable[[], contextlib.AbstractAsyncContextManager[Any]] | None = None
+    if mcp:
+        mount, mcp_running = _mcp(service)
+        extra.append(mount)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
-            yield
+            if mcp_running is not None:
+                async with mcp_running():  # a mounted app's own lifespan does not run
+                    yield
+            else:
+                yield
         finally:
             await service.close()
 
     app = Starlette(
-        routes=routes(service) + list(extra or ()),
+        routes=routes(service) + extra,
         exception_handlers={404: _not_found, 405: _not_allowed, 500: _internal},
         lifespan=lifespan,
     )
@@ -489,4 +564,4 @@ def build_app(engine: Engine, settings: ServerSettings, extra: list[BaseRoute] |
     return app
 
 
-__all__ = ["PEER_HOST", "RateLimiter", "Service", "build_app", "status_of"]
+__all__ = ["PEER_HOST", "FrontTransport", "RateLimiter", "Service", "build_app", "status_of"]

@@ -29,7 +29,10 @@ def _overrides(defs: dict[str, Any]) -> dict[str, Any]:
         "default": "none",
     }
     secret = {"$ref": f"#/components/schemas/{wire.record_schema(Secret, defs)}"}
-    return {"network": network, "secrets": {"anyOf": [{"type": "object", "additionalProperties": secret}, {"type": "null"}]}}
+    return {
+        "network": network,
+        "secrets": {"anyOf": [{"type": "object", "additionalProperties": secret}, {"type": "null"}]},
+    }
 
 
 def _error_schema() -> dict[str, Any]:
@@ -136,7 +139,11 @@ def document() -> dict[str, Any]:
         paths.setdefault(route.path, {})[route.method.lower()] = op
     return {
         "openapi": "3.1.0",
-        "info": {"title": TITLE, "version": VERSION, "description": "Sandboxes for untrusted code: one route per operation."},
+        "info": {
+            "title": TITLE,
+            "version": VERSION,
+            "description": "Sandboxes for untrusted code: one route per operation.",
+        },
         "paths": paths,
         "components": {
             "schemas": dict(sorted(defs.items())),

@@ -45,7 +45,7 @@ def peercred_protocol() -> type[asyncio.Protocol]:
     ``(PEER_HOST, uid)``. A TCP peer's host is an IP address, never PEER_HOST."""
     base: Any = _protocol_base()
 
-    class PeerCredProtocol(base):  # type: ignore[misc, valid-type]
+    class PeerCredProtocol(base):  # type: ignore[misc]
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
             sock = transport.get_extra_info("socket")
@@ -129,18 +129,16 @@ def _ssl_context(settings: ServerSettings) -> ssl.SSLContext | None:
     return ctx
 
 
-async def serve(home: Path, settings: ServerSettings, *, mcp: bool = False) -> None:
+async def serve(home: Path, settings: ServerSettings, *, mcp: bool = True) -> None:
     """Listen until SIGTERM/SIGINT; prints one ``listening`` line with the addresses when ready."""
     from warmbox.engine.engine import Engine
 
     check_listen(settings)
-    engine = Engine.for_home(home)
-    extra = []
-    if mcp:
-        from warmbox.server.mcp_http import mcp_routes
+    import logging
 
-        extra = mcp_routes(engine)
-    app = build_app(engine, settings, extra=extra)
+    logging.getLogger("mcp").setLevel(logging.WARNING)  # its session manager announces itself at INFO
+    engine = Engine.for_home(home)
+    app = build_app(engine, settings, mcp=mcp)
     protocol = peercred_protocol()
     listeners: list[tuple[uvicorn.Server, socket.socket]] = []
     addresses = []
