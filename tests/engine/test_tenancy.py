@@ -406,8 +406,8 @@ def test_another_tenants_sandbox_and_snapshot_are_unknown_ids(home, runc_ready):
         finally:
             if snap:
                 await root.handle(ops.DeleteSnapshot(snap))
-            if sid:
-                await root.handle(ops.Kill(sid))
+            for other in {sid, *(i.sandbox_id for t in ("t-a", "t-b") for i in engine.list(tenant=t))} - {""}:
+                await root.handle(ops.Kill(other))
             for f in (fa, fb, root):
                 await f.close()
 
@@ -464,8 +464,8 @@ def test_quota_refuses_the_next_start_and_a_pooled_claim_is_stamped(home, runc_r
             made.append(resumed.sandbox_id)
             assert reg.sandbox_tenant(resumed.sandbox_id) == "t-q"
         finally:
-            for sid in made:
-                await root.handle(ops.Kill(sid))
+            for sid in {*made, *(i.sandbox_id for t in ("t-q", "t-c") for i in engine.list(tenant=t))}:
+                await root.handle(ops.Kill(sid))  # running or paused
             for s in snaps:
                 await root.handle(ops.DeleteSnapshot(s))
             for f in (fq, fc, root):
