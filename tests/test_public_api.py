@@ -53,6 +53,8 @@ def test_exported_members():
             "Network",
             "NetworkError",
             "Secret",
+            "QuotaExceeded",
+            "Forbidden",
         ]
     )
     for name in warmbox.__all__:

@@ -30,6 +30,8 @@ WarmboxError
 │   ├── StorageFull                     no space left where artifacts are written
 │   └── ArtifactCorrupt                 an artifact is missing, truncated or fails its checksum
 ├── SnapshotUnsupported                 the tier cannot take the snapshot asked for (e.g. memory)
+├── QuotaExceeded                       a tenant's quota (sandboxes, memory, cpus, tiers) refuses a start
+├── Forbidden                           an admin-only operation asked for by a tenant that is not admin
 ├── Unauthenticated                     the server refused the key (none, unknown or revoked)
 ├── RateLimited                         too many requests for the key (``retry_after`` seconds)
 └── ConnectionLost                      the connection to the server failed or dropped mid-operation
@@ -178,6 +180,25 @@ class SnapshotUnsupported(WarmboxError):
 
 class NetworkError(WarmboxError):
     """Giving a sandbox its egress link failed, or the egress proxy could not be started or reached."""
+
+
+class QuotaExceeded(WarmboxError):
+    """A start that would take a tenant past its quota; nothing was created.
+
+    limit: ``"sandboxes"``, ``"memory_mb"``, ``"cpus"`` or ``"tier"``; value: what the tenant would
+    have with this start (for ``"tier"``: the tier asked for); maximum: the quota (for ``"tier"``:
+    the allowed tiers, comma-separated).
+    """
+
+    def __init__(self, message: str, *, limit: str, value: float | str, maximum: float | str) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.value = value
+        self.maximum = maximum
+
+
+class Forbidden(WarmboxError):
+    """An admin-only operation (e.g. snapshot gc) asked for with a key that is not an admin key."""
 
 
 class Unauthenticated(WarmboxError):

@@ -301,6 +301,42 @@ class SnapshotRef:
 
 
 @dataclasses.dataclass(frozen=True)
+class Tenant:
+    """Who a request is from: a tenant's name and quotas, and the API key it came with.
+
+    Quotas count the tenant's live sandboxes (creating, ready, running; a paused one holds no
+    memory or CPU and does not count). 0 means unlimited. tiers: the tiers it may use (empty:
+    every tier). rate_per_s: requests per second per key (the server enforces it). admin and
+    key_id are the key's: an admin key may run admin-only operations (snapshot gc).
+    """
+
+    name: str
+    admin: bool = False
+    max_sandboxes: int = 0
+    max_memory_mb: int = 0
+    max_cpus: float = 0.0
+    tiers: tuple[str, ...] = ()
+    rate_per_s: float = 0.0
+    key_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyInfo:
+    """One API key as ``warmbox keys ls`` shows it (never its secret), with its tenant's quotas."""
+
+    key_id: str
+    tenant: str
+    created_at: float  # unix seconds
+    revoked_at: float  # unix seconds; 0 while the key is live
+    admin: bool
+    max_sandboxes: int = 0
+    max_memory_mb: int = 0
+    max_cpus: float = 0.0
+    tiers: tuple[str, ...] = ()
+    rate_per_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class NetEvent:
     """One egress attempt of a sandbox, as the proxy or resolver saw and decided it."""
 

@@ -13,6 +13,7 @@ warmbox pool ls                   warm pools: target, ready, hits/misses, warm-u
 warmbox pool resize NAME [N]      set a pool's target (and --min/--max); --wait to watch it fill
 warmbox pool warm [NAME...]       wait (with progress) until pools reach their targets
 warmbox down                      stop this home's daemon; pooled sandboxes are destroyed
+warmbox keys create|ls|revoke     API keys of tenants (secret shown once), their quotas
 warmbox config                    the effective settings (warmbox.toml + WARMBOX_* overrides)
 warmbox doctor                    which tiers this host can run, and why not
 warmbox demo                      a short tour on the embedded defaults
@@ -193,6 +194,9 @@ def _parser() -> argparse.ArgumentParser:
     q = nsub.add_parser("show", help="a sandbox's policy")
     q.add_argument("sandbox_id")
     sub.add_parser("down", help="stop the daemon; destroys pooled (not claimed) sandboxes")
+    from warmbox.cli import keys
+
+    keys.add_parser(sub, _Parser)
     p = sub.add_parser("config", help="show the effective settings")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("doctor", help="which tiers this host can run")
@@ -496,6 +500,12 @@ async def _down(args: argparse.Namespace) -> int:
     return await pools.down()
 
 
+async def _keys(args: argparse.Namespace) -> int:
+    from warmbox.cli import keys
+
+    return await keys.command(args)
+
+
 async def _config(args: argparse.Namespace) -> int:
     from warmbox.cli import pools
 
@@ -600,6 +610,7 @@ _COMMANDS = {
     "snapshots": _snapshots,
     "pool": _pool,
     "down": _down,
+    "keys": _keys,
     "config": _config,
     "doctor": _doctor,
     "logs": _logs,

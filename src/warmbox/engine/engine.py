@@ -32,6 +32,7 @@ from warmbox.models import (
     SandboxMetrics,
     StageTiming,
     State,
+    Tenant,
     TierStatus,
 )
 from warmbox.network.policy import Policy
@@ -150,12 +151,14 @@ class Engine:
         pool: bool = True,
         network: object = None,
         secrets: dict | None = None,
+        tenant: Tenant | None = None,
     ) -> Launched:
         """A ready sandbox with a connected session and its stage timings.
 
         Taken from a pool of the same (tier, template, limits) when one has a ready sandbox
         (``pool=False``: never), otherwise created cold, with the template's warm-up run.
         A network policy other than "none" links it to the egress proxy (stage ``network``).
+        tenant: whose it is (None: the host's); QuotaExceeded before anything is claimed or made.
         """
         t0 = time.perf_counter()
         settings = self.settings()
@@ -165,7 +168,7 @@ class Engine:
         if secret_map and not policy.enabled:
             raise InvalidArgument("secrets are only usable with a network policy that allows their hosts")
         egress.check_tier(self, tier, policy)
-        got = await self._create(tier, timeout, envs, limits, template, pool, t0, settings)
+        got = await self._create(tier, timeout, envs, limits, template, pool, t0, settings, tenant)
         if policy.enabled:
             try:
                 got.timings.append(await egress.attach(self, got.handle, got.session, policy, secret_map))
@@ -185,6 +188,7 @@ class Engine:
         pool: bool,
         t0: float,
         settings: Settings,
+        tenant: Tenant | None = None,
     ) -> Launched:
         timeout = validate_timeout(settings.defaults.timeout_s if timeout is None else timeout)
         env_pairs = validate_envs(envs)
@@ -198,16 +202,21 @@ class Engine:
         if not isinstance(template, str):
             raise InvalidArgument(f"template must be a string, got {type(template).__name__}")
         tmpl = settings.template(template)
+        if tenant is not None:  # early, before any work; the claim or insert checks again, atomically
+            self.registry.check_quota(tenant, tier, limits)
         if pool:
             pc = settings.pool_for(tier, template, limits)
             if pc is not None:
-                got = await provision.claim(self, pc, config.shape_key(tier, tmpl, limits), timeout, env_pairs, t0)
+                shape = config.shape_key(tier, tmpl, limits)
+                got = await provision.claim(self, pc, shape, timeout, env_pairs, t0, tenant)
                 if got is not None:
                     return got
         if self.backend(tier).capabilities().snapshot_start:
-            return await self._start_from_template(tier, tmpl, timeout, env_pairs, limits, t0)
+            return await self._start_from_template(tier, tmpl, timeout, env_pairs, limits, t0, tenant)
         return await provision.launch(
-            self, provision.LaunchSpec(tier, tmpl.name, timeout, limits, env_pairs), provision.Cold(tmpl)
+            self,
+            provision.LaunchSpec(tier, tmpl.name, timeout, limits, env_pairs, tenant=tenant),
+            provision.Cold(tmpl),
         )
 
     async def _start_from_template(
@@ -218,6 +227,7 @@ class Engine:
         env_pairs: tuple[tuple[str, str], ...],
         limits: Limits,
         t0: float,
+        tenant: Tenant | None = None,
     ) -> Launched:
         """A tier whose cold start is too slow (microvm under TCG) restores every sandbox from
         its shape's template memory snapshot; the first create of a shape boots and saves it
@@ -234,7 +244,7 @@ class Engine:
         made = not self.registry.meta_text(await asyncio.to_thread(snapshots.template_key, self, tier, shape))
         m = await snapshots.template_snapshot(self, tier, tmpl, limits, shape)
         t1 = time.perf_counter()
-        got = await snapshots.restore_memory(self, m, timeout=timeout)
+        got = await snapshots.restore_memory(self, m, timeout=timeout, tenant=tenant)
         try:
             if env_pairs:
                 await asyncio.wait_for(got.session.configure(dict(env_pairs), reset_counts=True), 30)
@@ -321,8 +331,11 @@ class Engine:
         """Live (also pooled) sandboxes plus failed ones whose teardown is still owed."""
         return [info for info, _ in self.registry.holding()]
 
-    def list(self, include_dead: bool = False, *, include_pooled: bool = False) -> builtins.list[SandboxInfo]:
-        return [info for info, _ in self.registry.list(include_dead, include_pooled=include_pooled)]
+    def list(
+        self, include_dead: bool = False, *, include_pooled: bool = False, tenant: str | None = None
+    ) -> builtins.list[SandboxInfo]:
+        """tenant: only that tenant's sandboxes (None: everyone's)."""
+        return [info for info, _ in self.registry.list(include_dead, include_pooled=include_pooled, tenant=tenant)]
 
     def timings(self, sandbox_id: str) -> dict[str, float]:
         return {t.stage: t.duration_ms for t in self.registry.timings(sandbox_id)}

@@ -5,12 +5,20 @@ the same typed errors), keeps that client's connections to the sandboxes it hold
 :class:`~warmbox.engine.session.GuestSession` each, on the client's event loop), and maps each op
 onto the engine, the snapshot module and the session. Nothing else in the SDK, CLI or server
 reaches below it.
+
+A front is the host's (``tenant=None``: every sandbox and snapshot, admin operations) or one
+tenant's. A tenant's front is where tenancy is enforced, once for every transport: an id of
+another tenant's sandbox or snapshot gets exactly the error of an id that does not exist (its
+existence is never confirmed), lists hold only the tenant's own, every start (cold, pooled
+claim, fork, resume) is stamped with the tenant and checked against its quotas and tiers in the
+registry transaction that makes the sandbox count, and admin-only operations need an admin key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -22,7 +30,7 @@ from warmbox.engine import snapshot as snapshots
 from warmbox.engine.engine import Engine, validate_envs, validate_timeout
 from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession
-from warmbox.errors import GuestConnectionError, InvalidArgument, WarmboxError
+from warmbox.errors import Forbidden, GuestConnectionError, InvalidArgument, SandboxNotFound, WarmboxError
 from warmbox.lifecycle import Operation, check
 from warmbox.models import (
     ApprovalRequest,
@@ -35,9 +43,11 @@ from warmbox.models import (
     SandboxMetrics,
     SnapshotRef,
     StageTiming,
+    Tenant,
     TierStatus,
 )
 from warmbox.operations import sandbox_path
+from warmbox.storage.registry import unknown_sandbox
 
 R = TypeVar("R")
 REATTACH_S = 15.0  # after a failed memory pause, how long the agent may take to listen again
@@ -84,6 +94,22 @@ def _snapshot_ref(m: Any) -> SnapshotRef:
     )
 
 
+# the requests naming a sandbox, derived from the one list: a new op cannot be left unscoped
+_NAMES_SANDBOX: frozenset[type[Any]] = frozenset(
+    cls for cls in ops.REQUESTS.values() if any(f.name == "sandbox_id" for f in dataclasses.fields(cast(Any, cls)))
+)
+
+
+def _snapshot_id(ref: object) -> bool:
+    """A well-formed snapshot id (what snapshots.resolve and delete accept as one)."""
+    return isinstance(ref, str) and ref.startswith("snap-") and "/" not in ref
+
+
+def unknown_snapshot(snapshot_id: str) -> SandboxNotFound:
+    """To a tenant: a snapshot id that is not one of its own (unknown or another tenant's)."""
+    return SandboxNotFound(f"no snapshot {snapshot_id}", snapshot_id)
+
+
 class Subscription:
     """Answers a sandbox's network approval questions until cancelled."""
 
@@ -95,10 +121,17 @@ class Subscription:
 
 
 class EngineFront:
-    """One client's handle on the engine (see the module docstring). Use on one event loop."""
+    """One client's handle on the engine (see the module docstring). Use on one event loop.
 
-    def __init__(self, engine: Engine) -> None:
+    tenant: whose requests these are (None: the host's root, which sees everything).
+    """
+
+    def __init__(self, engine: Engine, tenant: Tenant | None = None) -> None:
+        if tenant is not None and (not isinstance(tenant, Tenant) or not tenant.name):
+            raise InvalidArgument(f"tenant must be a warmbox.models.Tenant with a name, got {tenant!r}")
         self.engine = engine
+        self.tenant = tenant
+        self._owned: set[str] = set()  # ids checked to be this tenant's (a sandbox's tenant never changes)
         self._sessions: dict[str, GuestSession] = {}
         self._first_done: set[str] = set()
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[Any]]] = {
@@ -144,13 +177,53 @@ class EngineFront:
         handler = self._handlers.get(type(request))
         if handler is None:
             raise InvalidArgument(f"not an operation: {type(request).__name__}")
+        if self.tenant is not None:
+            self._scope(request, self.tenant)
         return cast(R, await handler(request))
+
+    # ---- tenancy
+
+    def _scope(self, request: ops.Request[Any], tenant: Tenant) -> None:
+        """Refuse, before any work, what names something not the tenant's or needs an admin key."""
+        if type(request) in _NAMES_SANDBOX:
+            self._own(cast(Any, request).sandbox_id)
+        if isinstance(request, ops.Resume):
+            self._own_snapshot(request.snapshot)
+        elif isinstance(request, ops.Create) and request.from_snapshot is not None:
+            self._own_snapshot(request.from_snapshot)
+        elif isinstance(request, ops.DeleteSnapshot):
+            self._own_snapshot(request.snapshot_id)
+        elif isinstance(request, ops.GcSnapshots) and not tenant.admin:
+            raise Forbidden(f"snapshot gc is for admin keys; tenant {tenant.name!r}'s key is not one")
+
+    def _own(self, sandbox_id: object) -> None:
+        """Pass if the sandbox is this front's tenant's; otherwise the error of an unknown id."""
+        if self.tenant is None or (isinstance(sandbox_id, str) and sandbox_id in self._owned):
+            return
+        if isinstance(sandbox_id, str) and self.engine.registry.sandbox_tenant(sandbox_id) == self.tenant.name:
+            self._owned.add(sandbox_id)
+            return
+        self.engine.info(sandbox_id)  # type: ignore[arg-type]  # a malformed or unknown id: its own error
+        raise unknown_sandbox(cast(str, sandbox_id))  # another tenant's: the same error as an unknown one
+
+    def _own_snapshot(self, ref: object) -> None:
+        """A snapshot id or a paused sandbox's id that is not the tenant's: the error of an unknown one.
+        A malformed ref passes: the handler refuses it (InvalidArgument) before touching anything."""
+        if self.tenant is None:
+            return
+        if isinstance(ref, str) and ref.startswith("sb-"):
+            self._own(ref)
+        elif _snapshot_id(ref) and self.engine.registry.snapshot_tenant(cast(str, ref)) != self.tenant.name:
+            raise unknown_snapshot(cast(str, ref))
 
     async def close(self) -> None:
         """Let go of every sandbox this front holds (none is ended)."""
         sessions, self._sessions = self._sessions, {}
         for s in sessions.values():
             await s.close()
+
+    def _tenant_name(self) -> str | None:
+        return None if self.tenant is None else self.tenant.name
 
     # ---- sessions
 
@@ -196,7 +269,9 @@ class EngineFront:
             if r.tier is not None or r.limits is not None or r.template is not None:
                 raise InvalidArgument("from_snapshot takes its tier, template and limits from the snapshot")
             m = snapshots.resolve(self.engine, r.from_snapshot)
-            got = await snapshots.restore(self.engine, m, timeout=r.timeout, envs=r.envs, pool=r.pool)
+            got = await snapshots.restore(
+                self.engine, m, timeout=r.timeout, envs=r.envs, pool=r.pool, tenant=self.tenant
+            )
         else:
             got = await self.engine.create(
                 tier=r.tier,
@@ -207,6 +282,7 @@ class EngineFront:
                 pool=r.pool,
                 network=r.network,
                 secrets=r.secrets,
+                tenant=self.tenant,
             )
         return await self._hold(got)
 
@@ -214,7 +290,8 @@ class EngineFront:
         return await self._hold(await self.engine.open(r.sandbox_id))
 
     async def resume(self, r: ops.Resume) -> ops.Opened:
-        return await self._hold(await snapshots.resume(self.engine, r.snapshot, timeout=r.timeout, envs=r.envs))
+        got = await snapshots.resume(self.engine, r.snapshot, timeout=r.timeout, envs=r.envs, tenant=self.tenant)
+        return await self._hold(got)
 
     async def detach(self, r: ops.Detach) -> None:
         await self._drop(r.sandbox_id)
@@ -222,7 +299,7 @@ class EngineFront:
     async def list(self, r: ops.ListSandboxes) -> builtins.list[SandboxInfo]:
         if r.reap:
             await self.engine.reap()
-        return self.engine.list(r.include_dead)
+        return self.engine.list(r.include_dead, tenant=self._tenant_name())
 
     async def info(self, r: ops.Info) -> SandboxInfo:
         return self.engine.info(r.sandbox_id)[0]
@@ -392,7 +469,7 @@ class EngineFront:
                 return  # gone or paused after all: the next call says so
 
     async def list_snapshots(self, r: ops.ListSnapshots) -> builtins.list[tuple[str, str, float, int]]:
-        return self.engine.registry.all_snapshots()
+        return self.engine.registry.all_snapshots(self._tenant_name())
 
     async def delete_snapshot(self, r: ops.DeleteSnapshot) -> None:
         snapshots.delete(self.engine, r.snapshot_id)
@@ -429,6 +506,7 @@ class EngineFront:
         callable: allow_once / allow_always / deny) until the subscription is cancelled."""
         if not callable(hook):
             raise InvalidArgument("on_approval must be a callable")
+        self._own(sandbox_id)
         subscribed = asyncio.Event()
         task = asyncio.ensure_future(egress.approvals(self.engine.home, sandbox_id, hook, subscribed))  # type: ignore[arg-type]
         try:

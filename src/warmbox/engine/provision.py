@@ -20,7 +20,7 @@ from warmbox.backends.base import Backend, SnapshotCapable
 from warmbox.config import PoolConfig, Template
 from warmbox.engine.session import GuestSession, OomCounter
 from warmbox.errors import BackendUnavailable, InvalidArgument, NoSpace, SandboxStartError, WarmboxError
-from warmbox.models import BackendHandle, Limits, SandboxInfo, SandboxSpec, StageTiming, State
+from warmbox.models import BackendHandle, Limits, SandboxInfo, SandboxSpec, StageTiming, State, Tenant
 
 if TYPE_CHECKING:
     from warmbox.engine.engine import Engine
@@ -43,6 +43,7 @@ class LaunchSpec:
     envs: tuple[tuple[str, str], ...] = ()
     pool: str = ""  # the pool it is made for ("": a caller's sandbox)
     shape: str = ""  # config.shape_key of a pool's sandbox
+    tenant: Tenant | None = None  # whose it is (None: the host's); its quotas are checked at the insert
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +118,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         pool=spec.pool,
         owner=engine.owner,
         shape=spec.shape,
+        tenant=spec.tenant,
     )
     if not spec.pool:
         engine.ensure_daemon()  # from here on, a crash of this process is cleaned up by the daemon
@@ -215,12 +217,19 @@ async def _unpack_workspace(engine: Engine, boot: Restore, state_dir: Path, limi
 
 
 async def claim(
-    engine: Engine, pc: PoolConfig, shape: str, timeout_s: float, envs: tuple[tuple[str, str], ...], t0: float
+    engine: Engine,
+    pc: PoolConfig,
+    shape: str,
+    timeout_s: float,
+    envs: tuple[tuple[str, str], ...],
+    t0: float,
+    tenant: Tenant | None = None,
 ) -> Launched | None:
     """A ready sandbox of pool ``pc`` for a caller, or None if the pool has none. A pooled sandbox
-    that fails its check is destroyed and the next one taken."""
+    that fails its check is destroyed and the next one taken. tenant: the caller's (the claim
+    stamps it; QuotaExceeded leaves the sandbox in the pool)."""
     while True:
-        got = engine.registry.claim(pc.name, shape, timeout_s, engine.owner)
+        got = engine.registry.claim(pc.name, shape, timeout_s, engine.owner, tenant)
         if got is None:
             return None
         info, handle = got

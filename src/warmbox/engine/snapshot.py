@@ -45,7 +45,7 @@ from warmbox.errors import (
     WarmboxError,
 )
 from warmbox.lifecycle import Operation, check
-from warmbox.models import BackendHandle, Execution, Limits, SandboxInfo, State
+from warmbox.models import BackendHandle, Execution, Limits, SandboxInfo, State, Tenant
 from warmbox.storage import snapshots as snaps
 from warmbox.storage.objects import LocalObjectStore, ObjectStore
 
@@ -641,11 +641,18 @@ async def _refuse_workspace_sockets(session: GuestSession, sid: str) -> None:
 
 
 async def restore_memory(
-    engine: Engine, m: snaps.SnapshotManifest, *, timeout: float | None, pool: str = "", shape: str = ""
+    engine: Engine,
+    m: snaps.SnapshotManifest,
+    *,
+    timeout: float | None,
+    pool: str = "",
+    shape: str = "",
+    tenant: Tenant | None = None,
 ) -> Launched:
     """A new sandbox continuing a memory snapshot: same processes, memory, /tmp; /workspace restored.
 
     pool/shape: restore it into a warm pool (state ``pooled``) — a template snapshot's copy.
+    tenant: whose the new sandbox is (quotas checked before anything is fetched, and at its insert).
     """
     from warmbox.engine.engine import validate_timeout
 
@@ -655,6 +662,8 @@ async def restore_memory(
         ws_tar = work / "workspace.tar"
         limits = _limits_of(m)
         _check_fits(m, limits.disk_mb << 20)  # before anything is fetched
+        if tenant is not None:
+            engine.registry.check_quota(tenant, m.tier, limits)
         store = store_for(engine)
         snaps.get_blob(store, m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, ws_tar, work)
         memory_dir = work
@@ -662,7 +671,7 @@ async def restore_memory(
             memory_dir = _cached_memory(engine, m, work)
         else:
             snaps.get_blob(store, m.memory_sha256, m.memory_bytes, m.memory_raw_bytes, work / "checkpoint.img", work)
-        spec = provision.LaunchSpec(m.tier, m.template, timeout_s, limits, (), pool, shape)
+        spec = provision.LaunchSpec(m.tier, m.template, timeout_s, limits, (), pool, shape, tenant)
         return await provision.launch(engine, spec, provision.Restore(m.snapshot_id, memory_dir, ws_tar))
 
 
@@ -824,25 +833,34 @@ def resolve(engine: Engine, ref: str) -> snaps.SnapshotManifest:
 
 
 async def restore(
-    engine: Engine, m: snaps.SnapshotManifest, *, timeout: float | None, envs: dict[str, str] | None, pool: bool = True
+    engine: Engine,
+    m: snaps.SnapshotManifest,
+    *,
+    timeout: float | None,
+    envs: dict[str, str] | None,
+    pool: bool = True,
+    tenant: Tenant | None = None,
 ) -> Launched:
     """A new running sandbox with the snapshot's files and context state.
 
     The artifact is fetched and verified first: a corrupt one raises before any sandbox exists.
+    tenant: whose the new sandbox is (QuotaExceeded before anything is fetched or made).
     """
     if m.memory:
         if envs:
             raise InvalidArgument("a memory snapshot continues its processes as they were: envs cannot change")
-        return await restore_memory(engine, m, timeout=timeout)
+        return await restore_memory(engine, m, timeout=timeout, tenant=tenant)
     op = _Op(engine, "restore")
     work = op.path
     raw = work / "files.tar"
     try:
         limits = _limits_of(m)
         _check_fits(m, (limits.disk_mb + 2 * limits.tmp_mb) << 20)  # /workspace, /tmp and /home/user
+        if tenant is not None:
+            engine.registry.check_quota(tenant, m.tier, limits)
         snaps.get_blob(store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, raw, work)
         got = await engine.create(
-            tier=m.tier, timeout=timeout, envs=envs, limits=limits, template=m.template, pool=pool
+            tier=m.tier, timeout=timeout, envs=envs, limits=limits, template=m.template, pool=pool, tenant=tenant
         )
         info, session = got.info, got.session
         try:
@@ -915,12 +933,16 @@ def _too_big(m: snaps.SnapshotManifest, limits: Limits, detail: str, sandbox_id:
     )
 
 
-async def resume(engine: Engine, ref: str, *, timeout: float | None, envs: dict[str, str] | None) -> Launched:
+async def resume(
+    engine: Engine, ref: str, *, timeout: float | None, envs: dict[str, str] | None, tenant: Tenant | None = None
+) -> Launched:
+    """A paused sandbox (its id) running again as a new sandbox, or a fork of a snapshot (its id);
+    tenant: whose the new sandbox is (a paused sandbox holds nothing: the new one is what counts)."""
     m = resolve(engine, ref)
     origin, _ = engine.info(m.sandbox_id) if _exists(engine, m.sandbox_id) else (None, None)
     if ref.startswith("sb-") and (origin is None or origin.state is not State.PAUSED):
         raise SandboxStateError(f"sandbox {ref} is not paused (resume a snapshot id to fork it)", ref)
-    got = await restore(engine, m, timeout=timeout, envs=envs)
+    got = await restore(engine, m, timeout=timeout, envs=envs, tenant=tenant)
     if origin is not None and origin.state is State.PAUSED:
         try:  # exactly one resume takes over a paused sandbox
             engine.registry.set_state(

@@ -1,4 +1,5 @@
-"""The registry: an embedded SQLite file holding every sandbox, its transitions and stage timings.
+"""The registry: an embedded SQLite file holding every sandbox, its transitions and stage timings,
+and the tenants, their quotas and API keys (hashes only).
 
 It is the source of truth shared by every warmbox process on the host (CLI, SDK, reaper).
 """
@@ -7,14 +8,30 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import hashlib
+import hmac
+import math
+import re
+import secrets
 import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from warmbox.errors import RegistryError, SandboxNotFound, SandboxStateError
+from warmbox.errors import InvalidArgument, QuotaExceeded, RegistryError, SandboxNotFound, SandboxStateError
 from warmbox.lifecycle import LIVE, check_transition
-from warmbox.models import BackendHandle, Limits, NetEvent, PoolEvent, SandboxInfo, StageTiming, State, Transition
+from warmbox.models import (
+    BackendHandle,
+    KeyInfo,
+    Limits,
+    NetEvent,
+    PoolEvent,
+    SandboxInfo,
+    StageTiming,
+    State,
+    Tenant,
+    Transition,
+)
 from warmbox.storage.uidslots import (  # noqa: F401 - MAX_SLOTS is re-exported for cli/bench
     HOLDING_STATES,
     MAX_SLOTS,
@@ -24,8 +41,9 @@ from warmbox.storage.uidslots import (  # noqa: F401 - MAX_SLOTS is re-exported 
     registry_holds,
     row_holds,
 )
+from warmbox.tiers import canonical_tier
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -50,16 +68,36 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     open_files  INTEGER NOT NULL DEFAULT 1024,
     tmp_mb      INTEGER NOT NULL DEFAULT 256,
     parent_snapshot TEXT NOT NULL DEFAULT '',
-    disk_mb     INTEGER NOT NULL DEFAULT 10240
+    disk_mb     INTEGER NOT NULL DEFAULT 10240,
+    tenant      TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS snapshots (
     snapshot_id TEXT PRIMARY KEY,
     sandbox_id  TEXT NOT NULL,
     created_at  REAL NOT NULL,
-    size_bytes  INTEGER NOT NULL
+    size_bytes  INTEGER NOT NULL,
+    tenant      TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS snapshots_sandbox ON snapshots(sandbox_id, created_at);
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+CREATE INDEX IF NOT EXISTS sandboxes_tenant ON sandboxes(tenant, state);
+CREATE TABLE IF NOT EXISTS tenants (
+    name          TEXT PRIMARY KEY,
+    created_at    REAL NOT NULL,
+    max_sandboxes INTEGER NOT NULL DEFAULT 0,
+    max_memory_mb INTEGER NOT NULL DEFAULT 0,
+    max_cpus      REAL NOT NULL DEFAULT 0,
+    tiers         TEXT NOT NULL DEFAULT '',
+    rate_per_s    REAL NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS api_keys (
+    key_id        TEXT PRIMARY KEY,
+    tenant        TEXT NOT NULL REFERENCES tenants(name),
+    secret_sha256 TEXT NOT NULL UNIQUE,
+    created_at    REAL NOT NULL,
+    revoked_at    REAL NOT NULL DEFAULT 0,
+    admin         INTEGER NOT NULL DEFAULT 0
+);
 CREATE TABLE IF NOT EXISTS transitions (
     sandbox_id TEXT NOT NULL,
     at         REAL NOT NULL,
@@ -159,6 +197,8 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE sandboxes ADD COLUMN parent_snapshot TEXT NOT NULL DEFAULT ''",
     "ALTER TABLE sandboxes ADD COLUMN disk_mb INTEGER NOT NULL DEFAULT 10240",
     "ALTER TABLE timings ADD COLUMN on_path INTEGER NOT NULL DEFAULT 1",
+    "ALTER TABLE sandboxes ADD COLUMN tenant TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE snapshots ADD COLUMN tenant TEXT NOT NULL DEFAULT ''",
 )
 _COLUMNS = (
     "sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
@@ -172,6 +212,44 @@ _HOLDING = (*_LIVE, State.FAILED.value)  # states whose uid range is still in us
 # what `warmbox ls` shows: the caller's sandboxes, running or paused (not the pools')
 _USER = (*(s.value for s in LIVE if s not in (State.POOLED, State.RETIRING)), State.PAUSED.value)
 assert set(_HOLDING) == set(HOLDING_STATES), "the uid ledger and the registry must agree on what holds a slot"
+# what counts against a tenant's quotas: sandboxes holding (or about to hold) memory and CPU. A
+# paused one has released its runtime (it is a snapshot until resumed, and the resume counts).
+_QUOTA = (State.CREATING.value, State.READY.value, State.RUNNING.value)
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
+SECRET_PREFIX = "wbx_"
+_MAX_SECRET = 256
+
+
+def unknown_sandbox(sandbox_id: str) -> SandboxNotFound:
+    """The error for an id the registry has no row for (and, to a tenant, for another tenant's)."""
+    return SandboxNotFound(f"no sandbox {sandbox_id}", sandbox_id)
+
+
+def _secret_hash(secret: str) -> str:
+    # the secret is 256 random bits: a plain hash is enough (nothing to brute-force), and it is fast
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def _quota(name: str, value: object, *, integer: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        ok = False
+    else:
+        assert isinstance(value, (int, float))
+        ok = math.isfinite(value) and value >= 0
+    if not ok:
+        kind = "an integer" if integer else "a number"
+        raise InvalidArgument(f"{name} must be {kind} >= 0 (0: unlimited), got {value!r}")
+
+
+def _tiers(tiers: object) -> str:
+    if isinstance(tiers, str) or not isinstance(tiers, (list, tuple)):
+        raise InvalidArgument(f"tiers must be a list of tier names, got {tiers!r}")
+    out: builtins.list[str] = []
+    for t in tiers:
+        c = canonical_tier(t)
+        if c not in out:
+            out.append(c)
+    return ",".join(out)
 
 
 def _in(values: tuple[str, ...]) -> str:
@@ -318,11 +396,14 @@ class Registry:
         pool: str = "",
         owner: str = "",
         shape: str = "",
+        tenant: Tenant | None = None,
     ) -> int:
         """Insert a sandbox in state ``creating`` with a uid slot free on the whole host; returns the slot.
 
         The slot is claimed in the host-wide ledger (no other home's sandbox can have it) and
         released when the sandbox is destroyed. Limits are checked (check_limits) first.
+        tenant: whose it is; its quotas are checked in the transaction that inserts the row
+        (QuotaExceeded: no row, no slot).
         """
         if self.check_limits is not None:
             self.check_limits(limits)
@@ -333,6 +414,8 @@ class Registry:
             # the ledger's lock is held until the row is committed: whoever looks at the slot
             # (to reclaim it) then sees this sandbox holding it
             with self.ledger.locked() as ledger, self._tx() as db:
+                if tenant is not None:
+                    self._check_quota(db, tenant, tier, limits.memory_mb, limits.cpus)
                 used = {
                     r[0] for r in db.execute(f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)}", _HOLDING)
                 }
@@ -341,7 +424,8 @@ class Registry:
                     db.execute(
                         "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, "
                         "memory_mb, cpus, pids, uid_slot, runtime_id, state_dir, socket_path, pool, owner, shape, "
-                        "file_size_mb, open_files, tmp_mb, disk_mb) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                        "file_size_mb, open_files, tmp_mb, disk_mb, tenant) "
+                        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                         (
                             sandbox_id,
                             tier,
@@ -363,6 +447,7 @@ class Registry:
                             limits.open_files,
                             limits.tmp_mb,
                             limits.disk_mb,
+                            tenant.name if tenant is not None else "",
                         ),
                     )
                     db.execute(
@@ -425,11 +510,14 @@ class Registry:
         shape: str,
         timeout_s: float,
         owner: str,
+        tenant: Tenant | None = None,
     ) -> tuple[SandboxInfo, BackendHandle] | None:
         """Atomically hand the oldest pooled sandbox of ``pool`` built to ``shape`` to one caller.
 
         None (and a recorded miss) if there is none. This transaction is the only way from the
-        pool to a caller, so two callers can never receive the same sandbox.
+        pool to a caller, so two callers can never receive the same sandbox. tenant: the caller's;
+        the claim stamps it, after its quotas are checked in the same transaction (QuotaExceeded:
+        the sandbox stays in the pool).
         """
         now = time.time()
         with self._tx() as db:
@@ -443,9 +531,14 @@ class Registry:
                 db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, now, "miss", "", ""))
                 return None
             sid = row[0]
+            if tenant is not None:
+                tier, mem, cpus = db.execute(
+                    "SELECT tier, memory_mb, cpus FROM sandboxes WHERE sandbox_id=?", (sid,)
+                ).fetchone()
+                self._check_quota(db, tenant, tier, mem, cpus)
             db.execute(
-                "UPDATE sandboxes SET state=?, claimed_at=?, expires_at=?, owner=? WHERE sandbox_id=?",
-                (State.READY.value, now, now + timeout_s, owner, sid),
+                "UPDATE sandboxes SET state=?, claimed_at=?, expires_at=?, owner=?, tenant=? WHERE sandbox_id=?",
+                (State.READY.value, now, now + timeout_s, owner, tenant.name if tenant is not None else "", sid),
             )
             db.execute(
                 "INSERT INTO transitions VALUES (?,?,?,?,?)",
@@ -514,20 +607,30 @@ class Registry:
     def get(self, sandbox_id: str) -> tuple[SandboxInfo, BackendHandle]:
         row = self._db.execute(f"SELECT {_COLUMNS} FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
         if row is None:
-            raise SandboxNotFound(f"no sandbox {sandbox_id}", sandbox_id)
+            raise unknown_sandbox(sandbox_id)
         return self._row(row)
+
+    def sandbox_tenant(self, sandbox_id: str) -> str | None:
+        """The tenant a sandbox belongs to ("": the host's, or a pool's until claimed); None if unknown."""
+        row = self._read("SELECT tenant FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
+        return None if row is None else row[0]
 
     # From here on `list` in the class body is this method: later signatures spell builtins.list.
     def list(
-        self, include_dead: bool = False, *, include_pooled: bool = False
+        self, include_dead: bool = False, *, include_pooled: bool = False, tenant: str | None = None
     ) -> list[tuple[SandboxInfo, BackendHandle]]:
-        if include_dead:
-            rows = self._db.execute(f"SELECT {_COLUMNS} FROM sandboxes ORDER BY created_at").fetchall()
-        else:
+        """tenant: only that tenant's sandboxes (None: everyone's)."""
+        where: builtins.list[str] = []
+        args: builtins.list[object] = []
+        if not include_dead:
             states = _LIVE if include_pooled else _USER
-            rows = self._db.execute(
-                f"SELECT {_COLUMNS} FROM sandboxes WHERE state IN {_in(states)} ORDER BY created_at", states
-            ).fetchall()
+            where.append(f"state IN {_in(states)}")
+            args.extend(states)
+        if tenant is not None:
+            where.append("tenant=?")
+            args.append(tenant)
+        q = f"SELECT {_COLUMNS} FROM sandboxes" + (" WHERE " + " AND ".join(where) if where else "")
+        rows = self._db.execute(q + " ORDER BY created_at", args).fetchall()
         return [self._row(r) for r in rows]
 
     def holding(self) -> builtins.list[tuple[SandboxInfo, BackendHandle]]:
@@ -612,8 +715,18 @@ class Registry:
     # ---- snapshots
 
     def add_snapshot(self, snapshot_id: str, sandbox_id: str, created_at: float, size: int) -> None:
+        """Record a snapshot; it belongs to its sandbox's tenant."""
         with self._tx() as db:
-            db.execute("INSERT INTO snapshots VALUES (?,?,?,?)", (snapshot_id, sandbox_id, created_at, size))
+            db.execute(
+                "INSERT INTO snapshots (snapshot_id, sandbox_id, created_at, size_bytes, tenant) VALUES "
+                "(?,?,?,?, COALESCE((SELECT tenant FROM sandboxes WHERE sandbox_id=?), ''))",
+                (snapshot_id, sandbox_id, created_at, size, sandbox_id),
+            )
+
+    def snapshot_tenant(self, snapshot_id: str) -> str | None:
+        """The tenant a snapshot belongs to; None if the registry has no such snapshot."""
+        row = self._read("SELECT tenant FROM snapshots WHERE snapshot_id=?", (snapshot_id,))
+        return None if row is None else row[0]
 
     def snapshots_of(self, sandbox_id: str) -> builtins.list[str]:
         rows = self._read(
@@ -621,13 +734,15 @@ class Registry:
         )
         return [r[0] for r in rows]
 
-    def all_snapshots(self) -> builtins.list[tuple[str, str, float, int]]:
-        return [
-            tuple(r)
-            for r in self._db.execute(
-                "SELECT snapshot_id, sandbox_id, created_at, size_bytes FROM snapshots ORDER BY created_at"
-            )
-        ]
+    def all_snapshots(self, tenant: str | None = None) -> builtins.list[tuple[str, str, float, int]]:
+        """(snapshot_id, sandbox_id, created_at, size_bytes), oldest first; tenant: only that tenant's."""
+        q = "SELECT snapshot_id, sandbox_id, created_at, size_bytes FROM snapshots"
+        rows = self._read(
+            q + (" WHERE tenant=?" if tenant is not None else "") + " ORDER BY created_at",
+            (tenant,) if tenant is not None else (),
+            many=True,
+        )
+        return [tuple(r) for r in rows]
 
     def remove_snapshot(self, snapshot_id: str) -> None:
         with self._tx() as db:
@@ -640,6 +755,179 @@ class Registry:
     def parent(self, sandbox_id: str) -> str:
         row = self._db.execute("SELECT parent_snapshot FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
         return row[0] if row else ""
+
+    # ---- tenants and API keys
+
+    def create_key(
+        self,
+        tenant: str,
+        *,
+        admin: bool = False,
+        max_sandboxes: int | None = None,
+        max_memory_mb: int | None = None,
+        max_cpus: float | None = None,
+        tiers: tuple[str, ...] | builtins.list[str] | None = None,
+        rate_per_s: float | None = None,
+    ) -> tuple[str, str]:
+        """A new API key of ``tenant`` (made if new); returns (key_id, secret). Only the secret's
+        SHA-256 is stored: the secret is shown to the caller once and never again. Quotas given
+        (not None) replace the tenant's; the others stay (a new tenant: 0 = unlimited, every tier)."""
+        if not isinstance(tenant, str) or not _TENANT_NAME.match(tenant):
+            raise InvalidArgument(
+                f"tenant must be 1-64 characters (letters, digits, '_', '.', '@', '-'; not starting with "
+                f"a symbol), got {tenant!r}"
+            )
+        if not isinstance(admin, bool):
+            raise InvalidArgument(f"admin must be True or False, got {admin!r}")
+        updates: builtins.list[tuple[str, object]] = []
+        quotas: tuple[tuple[str, object, bool], ...] = (
+            ("max_sandboxes", max_sandboxes, True),
+            ("max_memory_mb", max_memory_mb, True),
+            ("max_cpus", max_cpus, False),
+            ("rate_per_s", rate_per_s, False),
+        )
+        for col, value, integer in quotas:
+            if value is not None:
+                _quota(col, value, integer=integer)
+                updates.append((col, value))
+        if tiers is not None:
+            updates.append(("tiers", _tiers(tiers)))
+        key_id = "key-" + secrets.token_hex(6)
+        secret = SECRET_PREFIX + secrets.token_urlsafe(32)
+        now = time.time()
+        with self._tx() as db:
+            db.execute("INSERT OR IGNORE INTO tenants (name, created_at) VALUES (?,?)", (tenant, now))
+            for col, value in updates:  # col: one of the fixed names above
+                db.execute(f"UPDATE tenants SET {col}=? WHERE name=?", (value, tenant))
+            db.execute(
+                "INSERT INTO api_keys (key_id, tenant, secret_sha256, created_at, admin) VALUES (?,?,?,?,?)",
+                (key_id, tenant, _secret_hash(secret), now, int(admin)),
+            )
+        return key_id, secret
+
+    def list_keys(self) -> builtins.list[KeyInfo]:
+        """Every key, revoked ones too, oldest first (never a secret: the registry has none)."""
+        rows = self._read(
+            "SELECT k.key_id, k.tenant, k.created_at, k.revoked_at, k.admin, t.max_sandboxes, t.max_memory_mb, "
+            "t.max_cpus, t.tiers, t.rate_per_s FROM api_keys k JOIN tenants t ON t.name=k.tenant "
+            "ORDER BY k.created_at, k.key_id",
+            many=True,
+        )
+        return [KeyInfo(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6], r[7], _split(r[8]), r[9]) for r in rows]
+
+    def revoke_key(self, key_id: str) -> bool:
+        """Revoke a key at once (the next request with it is refused); False if unknown or already revoked."""
+        if not isinstance(key_id, str):
+            return False
+        with self._tx() as db:
+            n = db.execute(
+                "UPDATE api_keys SET revoked_at=? WHERE key_id=? AND revoked_at=0", (time.time(), key_id)
+            ).rowcount
+        return n == 1
+
+    def authenticate(self, secret: str) -> Tenant | None:
+        """The tenant (with its current quotas, and the key's admin flag and id) of a live key's
+        secret; None for anything else. One indexed read: it runs on every request."""
+        if not isinstance(secret, str) or not secret.startswith(SECRET_PREFIX) or len(secret) > _MAX_SECRET:
+            return None
+        digest = _secret_hash(secret)
+        row = self._read(
+            "SELECT k.secret_sha256, k.revoked_at, k.key_id, k.admin, t.name, t.max_sandboxes, t.max_memory_mb, "
+            "t.max_cpus, t.tiers, t.rate_per_s FROM api_keys k JOIN tenants t ON t.name=k.tenant "
+            "WHERE k.secret_sha256=?",
+            (digest,),
+        )
+        if row is None or not hmac.compare_digest(row[0], digest) or row[1]:
+            return None
+        return Tenant(
+            name=row[4],
+            admin=bool(row[3]),
+            max_sandboxes=row[5],
+            max_memory_mb=row[6],
+            max_cpus=row[7],
+            tiers=_split(row[8]),
+            rate_per_s=row[9],
+            key_id=row[2],
+        )
+
+    def tenant(self, name: str) -> Tenant:
+        """A tenant's quotas (admin False, no key); InvalidArgument if there is no such tenant."""
+        row = self._read(
+            "SELECT name, max_sandboxes, max_memory_mb, max_cpus, tiers, rate_per_s FROM tenants WHERE name=?",
+            (name,),
+        )
+        if row is None:
+            raise InvalidArgument(f"no tenant {name!r}")
+        return Tenant(
+            name=row[0],
+            max_sandboxes=row[1],
+            max_memory_mb=row[2],
+            max_cpus=row[3],
+            tiers=_split(row[4]),
+            rate_per_s=row[5],
+        )
+
+    def check_quota(self, tenant: Tenant, tier: str, limits: Limits) -> None:
+        """QuotaExceeded if one more sandbox of ``tier`` with ``limits`` would take ``tenant`` past
+        its quotas now. An early refusal only: the insert or claim checks again, atomically."""
+        try:
+            self._check_quota(self._db, tenant, tier, limits.memory_mb, limits.cpus)
+        except sqlite3.Error as e:
+            raise RegistryError(f"registry read failed: {e}") from None
+
+    def _check_quota(self, db: sqlite3.Connection, tenant: Tenant, tier: str, memory_mb: int, cpus: float) -> None:
+        """In the caller's transaction. The tenants table's quotas win over the Tenant record's (a
+        quota changed by ``keys create`` applies to the next start); a tenant with no row (made in
+        code, not by a key) is held to the record's."""
+        row = db.execute(
+            "SELECT max_sandboxes, max_memory_mb, max_cpus, tiers FROM tenants WHERE name=?", (tenant.name,)
+        ).fetchone()
+        if row is not None:
+            max_n, max_mem, max_cpus, allowed = row[0], row[1], row[2], _split(row[3])
+        else:
+            max_n, max_mem, max_cpus, allowed = (
+                tenant.max_sandboxes,
+                tenant.max_memory_mb,
+                tenant.max_cpus,
+                tenant.tiers,
+            )
+        who = f"tenant {tenant.name!r}"
+        if allowed and tier not in allowed:
+            raise QuotaExceeded(
+                f"{who} may not use tier {tier!r} (allowed: {', '.join(allowed)})",
+                limit="tier",
+                value=tier,
+                maximum=",".join(allowed),
+            )
+        if not (max_n or max_mem or max_cpus):
+            return
+        n, used_mem, used_cpus = db.execute(
+            f"SELECT COUNT(*), COALESCE(SUM(memory_mb), 0), COALESCE(SUM(cpus), 0) FROM sandboxes "
+            f"WHERE tenant=? AND state IN {_in(_QUOTA)}",
+            (tenant.name, *_QUOTA),
+        ).fetchone()
+        if max_n and n + 1 > max_n:
+            raise QuotaExceeded(
+                f"{who} may run at most {max_n} sandboxes at once and has {n}: kill or pause one first",
+                limit="sandboxes",
+                value=n + 1,
+                maximum=max_n,
+            )
+        if max_mem and used_mem + memory_mb > max_mem:
+            raise QuotaExceeded(
+                f"{who} may use at most {max_mem} MiB of sandbox memory: {used_mem} MiB in use "
+                f"+ {memory_mb} MiB asked for",
+                limit="memory_mb",
+                value=used_mem + memory_mb,
+                maximum=max_mem,
+            )
+        if max_cpus and used_cpus + cpus > max_cpus + 1e-9:
+            raise QuotaExceeded(
+                f"{who} may use at most {max_cpus:g} CPUs: {used_cpus:g} in use + {cpus:g} asked for",
+                limit="cpus",
+                value=used_cpus + cpus,
+                maximum=max_cpus,
+            )
 
     # ---- history
 
@@ -914,6 +1202,10 @@ class Registry:
             many=True,
         )
         return [NetEvent(*r) for r in rows]
+
+
+def _split(tiers: str) -> tuple[str, ...]:
+    return tuple(t for t in tiers.split(",") if t)
 
 
 class _Tx:

@@ -1,0 +1,117 @@
+"""``warmbox keys create|ls|revoke``: the API keys tenants use with ``warmbox serve`` (host-local, root)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+
+from warmbox.errors import InvalidArgument, WarmboxError
+from warmbox.models import Tenant
+
+
+def add_parser(sub: argparse._SubParsersAction, parser_class: type[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("keys", help="API keys of tenants: create (secret shown once), ls, revoke")
+    ksub = p.add_subparsers(dest="keys_command", required=True, parser_class=parser_class)
+    q = ksub.add_parser("create", help="a new key for a tenant (made if new); sets the tenant's quotas given")
+    q.add_argument("--tenant", required=True, metavar="NAME")
+    q.add_argument("--admin", action="store_true", help="the key may run admin-only operations (snapshot gc)")
+    q.add_argument("--max-sandboxes", type=int, default=None, metavar="N", help="live sandboxes at once (0: any)")
+    q.add_argument("--max-memory-gb", type=float, default=None, metavar="G", help="memory of live sandboxes, GiB")
+    q.add_argument("--max-cpus", type=float, default=None, metavar="C", help="CPU cores of live sandboxes")
+    q.add_argument("--tiers", default=None, metavar="T[,T]", help="the tiers it may use (default: every tier)")
+    q.add_argument("--rate", type=float, default=None, metavar="R", help="requests per second per key (0: any)")
+    q.add_argument("--json", action="store_true")
+    q = ksub.add_parser("ls", help="every key (never a secret) and its tenant's quotas")
+    q.add_argument("--json", action="store_true")
+    q = ksub.add_parser("revoke", help="revoke a key; its next request is refused")
+    q.add_argument("key_id")
+
+
+def _registry():
+    from warmbox.engine.engine import Engine
+
+    return Engine.for_home().registry
+
+
+def _memory_mb(gb: float | None) -> int | None:
+    if gb is None:
+        return None
+    if not math.isfinite(gb) or gb < 0:
+        raise InvalidArgument(f"--max-memory-gb must be a number of GiB >= 0 (0: unlimited), got {gb!r}")
+    return round(gb * 1024)
+
+
+def _tiers(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    tiers = [t.strip() for t in text.split(",") if t.strip()]
+    if not tiers:
+        raise InvalidArgument("--tiers takes tier names separated by commas, e.g. container,gvisor")
+    return tiers
+
+
+async def command(args: argparse.Namespace) -> int:
+    if args.keys_command == "create":
+        return _create(args)
+    if args.keys_command == "revoke":
+        if not _registry().revoke_key(args.key_id):
+            raise WarmboxError(f"no live key {args.key_id!r} (`warmbox keys ls` lists them)")
+        print(f"{args.key_id} revoked")
+        return 0
+    return _ls(args)
+
+
+def _create(args: argparse.Namespace) -> int:
+    reg = _registry()
+    key_id, secret = reg.create_key(
+        args.tenant,
+        admin=args.admin,
+        max_sandboxes=args.max_sandboxes,
+        max_memory_mb=_memory_mb(args.max_memory_gb),
+        max_cpus=args.max_cpus,
+        tiers=_tiers(args.tiers),
+        rate_per_s=args.rate,
+    )
+    t = reg.tenant(args.tenant)
+    if args.json:
+        print(json.dumps({"key_id": key_id, "tenant": t.name, "admin": args.admin, "secret": secret}))
+        return 0
+    print(f"key {key_id} of tenant {t.name}{' (admin)' if args.admin else ''}; quotas: {_quotas(t)}")
+    print(secret)
+    print("This secret is shown once: store it now. warmbox keeps only its hash (lost: revoke it, create another).")
+    return 0
+
+
+def _quotas(t: Tenant) -> str:
+    parts = [
+        f"sandboxes {t.max_sandboxes or 'any'}",
+        f"memory {f'{t.max_memory_mb / 1024:g} GiB' if t.max_memory_mb else 'any'}",
+        f"cpus {f'{t.max_cpus:g}' if t.max_cpus else 'any'}",
+        f"tiers {','.join(t.tiers) if t.tiers else 'any'}",
+        f"rate {f'{t.rate_per_s:g}/s' if t.rate_per_s else 'any'}",
+    ]
+    return ", ".join(parts)
+
+
+def _ls(args: argparse.Namespace) -> int:
+    keys = _registry().list_keys()
+    if args.json:
+        print(json.dumps([dataclasses.asdict(k) for k in keys]))
+        return 0
+    print(
+        f"{'KEY':<16} {'TENANT':<16} {'ADMIN':<5} {'CREATED':<16} {'REVOKED':<16} {'SANDBOXES':>9} {'MEM GiB':>7} "
+        f"{'CPUS':>5} {'RATE/s':>6}  TIERS"
+    )
+    for k in keys:
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(k.created_at))
+        revoked = time.strftime("%Y-%m-%d %H:%M", time.localtime(k.revoked_at)) if k.revoked_at else "-"
+        print(
+            f"{k.key_id:<16} {k.tenant:<16} {'yes' if k.admin else 'no':<5} {created:<16} {revoked:<16} "
+            f"{k.max_sandboxes or '-':>9} {f'{k.max_memory_mb / 1024:g}' if k.max_memory_mb else '-':>7} "
+            f"{f'{k.max_cpus:g}' if k.max_cpus else '-':>5} {f'{k.rate_per_s:g}' if k.rate_per_s else '-':>6}  "
+            f"{','.join(k.tiers) if k.tiers else 'any'}"
+        )
+    return 0
