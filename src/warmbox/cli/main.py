@@ -354,7 +354,20 @@ def _engine() -> Any:
     from warmbox.sdk.http import HttpTransport, default_url
     from warmbox.sdk.transport import LocalTransport
 
-    return HttpTransport() if default_url() else LocalTransport()
+    t = HttpTransport() if default_url() else LocalTransport()
+    _OPEN.append(t)
+    return t
+
+
+_OPEN: list[Any] = []  # transports the command opened: closed before the loop ends
+
+
+async def _closing(run: Any) -> int:
+    try:
+        return int(await run)
+    finally:
+        while _OPEN:
+            await _OPEN.pop().close()
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -627,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.api_key is not None:
         os.environ["WARMBOX_API_KEY"] = args.api_key
     try:
-        return asyncio.run(_COMMANDS[args.command](args))
+        return asyncio.run(_closing(_COMMANDS[args.command](args)))
     except WarmboxError as e:
         print(f"warmbox: error: {e}", file=sys.stderr)
         return EXIT_ERROR

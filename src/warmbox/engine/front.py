@@ -195,6 +195,8 @@ class EngineFront:
             self._own_snapshot(request.snapshot_id)
         elif isinstance(request, ops.GcSnapshots) and not tenant.admin:
             raise Forbidden(f"snapshot gc is for admin keys; tenant {tenant.name!r}'s key is not one")
+        elif isinstance(request, ops.PoolsResize) and not tenant.admin:
+            raise Forbidden(f"resizing a pool is for admin keys; tenant {tenant.name!r}'s key is not one")
 
     def _own(self, sandbox_id: object) -> None:
         """Pass if the sandbox is this front's tenant's; otherwise the error of an unknown id."""

@@ -122,8 +122,10 @@ class Service:
         """The front of a tenant (None: the host's root, which sees every sandbox)."""
         name = "" if tenant is None else tenant.name
         f = self._fronts.get(name)
-        if f is None or (tenant is not None and f.tenant != tenant):
+        if f is None:
             f = self._fronts[name] = EngineFront(self.engine, tenant=tenant)
+        elif tenant is not None:
+            f.tenant = tenant  # the key's record as of this request (admin flag; quotas are re-read at each start)
         return f
 
     async def close(self) -> None:
