@@ -32,7 +32,7 @@ def _error(r) -> str:
 
 def test_every_route_needs_a_key(client):
     for route in api.ROUTES:
-        path = route.path.format(**{f: "sb-0123456789ab" for f in route.path_fields})
+        path = route.path.format(**dict.fromkeys(route.path_fields, "sb-0123456789ab"))
         r = client.request(route.method, path)
         assert r.status_code == 401 and _error(r) == "unauthenticated", (route, r.text)
     for header in ("Bearer", "Bearer wbx_nope", "Basic dXNlcjpwYXNz", "bearer  "):

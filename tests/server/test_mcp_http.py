@@ -20,9 +20,10 @@ from mcp.types import CallToolResult, TextContent
 pytestmark = pytest.mark.sandbox
 
 
-def start_server(home: Path) -> tuple[subprocess.Popen[str], str]:
+def start_server(home: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
+    """A real `warmbox serve` on 127.0.0.1 (any free port, no unix socket); its base URL."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "warmbox.cli.main", "serve", "--port", "0", "--socket", "-"],
+        [sys.executable, "-m", "warmbox.cli.main", "serve", "--port", "0", "--socket", "-", *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

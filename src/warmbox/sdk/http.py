@@ -229,6 +229,8 @@ class HttpTransport:
                 async with self._client().request(route.method, url, **kwargs) as response:
                     body = await response.read()
                 return self._result(request, route, response.status, body)
+            except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError) as e:
+                raise ConnectionLost(f"TLS with {self.url} failed: {e} (is its certificate trusted?)") from None
             except aiohttp.ClientConnectorError as e:
                 failure: Exception = e  # the request never reached the server: safe to send again
             except _DROPPED as e:
