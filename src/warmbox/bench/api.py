@@ -515,6 +515,7 @@ async def bench_api(home: Path, args: argparse.Namespace) -> dict[str, Any]:
             "bench": "api",
             "transport": "tcp" if args.tcp else "unix",
             "url": server.url,
+            "server_pid": server.proc.pid if server.proc else 0,
             "warm": await part_warm(home, server, args.runs),
         }
         report.update(await part_exec_files(home, server, args.execs, args.file_mb, args.file_runs))
