@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,8 +183,12 @@ async def _warm_once(where: dict[str, Any]) -> tuple[float, bool]:
     return ms, sb.from_pool
 
 
-async def burst_client(where: dict[str, Any], n: int, concurrency: int) -> dict[str, Any]:
-    """``n`` creates + first run_code, ``concurrency`` in flight; kills them after the last one."""
+async def burst_client(
+    where: dict[str, Any], n: int, concurrency: int, report: Callable[[dict[str, Any]], Awaitable[None]] | None = None
+) -> dict[str, Any]:
+    """``n`` creates + first run_code, ``concurrency`` in flight; then ``report`` (awaited: a client
+    process waits there until every client is done, so no kill overlaps another's creates), then
+    kills them."""
     from warmbox.sdk.sandbox import AsyncSandbox
 
     gate = asyncio.Semaphore(concurrency)
@@ -213,9 +218,20 @@ async def burst_client(where: dict[str, Any], n: int, concurrency: int) -> dict[
             lat.append((time.perf_counter() - t0) * 1e3)
             hits += sb.from_pool
 
+    cpu0 = _own_cpu_s()
     start = time.monotonic()
     await asyncio.gather(*(one() for _ in range(n)))
     end = time.monotonic()
+    out = {
+        "latencies_ms": lat,
+        "hits": hits,
+        "errors": errors,
+        "start": start,
+        "end": end,
+        "cpu_s": _own_cpu_s() - cpu0,
+    }
+    if report is not None:
+        await report(out)
     kill_gate = asyncio.Semaphore(concurrency)
 
     async def kill(sb: AsyncSandbox) -> None:
@@ -228,23 +244,40 @@ async def burst_client(where: dict[str, Any], n: int, concurrency: int) -> dict[
                 await sb.close()
 
     await asyncio.gather(*(kill(sb) for sb in made))
-    return {"latencies_ms": lat, "hits": hits, "errors": errors, "start": start, "end": end}
+    return out
+
+
+def _own_cpu_s() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _client_main(argv: list[str]) -> int:
-    """A burst client process: ``URL N CONCURRENCY``; the key in WARMBOX_API_KEY. Prints ``ready``,
-    waits for a line on stdin, runs, prints its result as one JSON line."""
+    """A burst client process: ``URL N CONCURRENCY``; the key in WARMBOX_API_KEY. Prints ``ready``
+    and waits for a line on stdin; runs; prints its result as one JSON line and waits for another
+    line before it kills its sandboxes; prints ``done``."""
     from warmbox.sdk.sandbox import AsyncSandbox  # noqa: F401 - imported before "ready": not timed
 
     url, n, conc = argv[0], int(argv[1]), int(argv[2])
     key = os.environ.get("WARMBOX_API_KEY") or None
     print("ready", flush=True)
     sys.stdin.readline()
+    said = False
+
+    async def report(out: dict[str, Any]) -> None:
+        nonlocal said
+        said = True
+        print(json.dumps(out), flush=True)
+        await asyncio.to_thread(sys.stdin.readline)
+
     try:
-        out = asyncio.run(burst_client(_where(url, key, None), n, conc))
+        asyncio.run(burst_client(_where(url, key, None), n, conc, report))
     except Exception as e:  # the parent reports it; it cleans up the home whatever happened
-        out = {"latencies_ms": [], "hits": 0, "errors": [f"{type(e).__name__}: {e}"], "start": 0.0, "end": 0.0}
-    print(json.dumps(out), flush=True)
+        if not said:
+            print(json.dumps({"latencies_ms": [], "hits": 0, "errors": [f"{type(e).__name__}: {e}"]}), flush=True)
+    print("done", flush=True)
     return 0
 
 
@@ -275,6 +308,7 @@ async def _remote_burst(server: Server, clients: int, creates: int, concurrency:
             line = await asyncio.wait_for(p.stdout.readline(), 60)
             if line.strip() != b"ready":
                 raise WarmboxError(f"a burst client did not start: {line[:200]!r}")
+        cpu0 = server.cpu_s()
         for p in procs:
             assert p.stdin is not None
             p.stdin.write(b"go\n")
@@ -287,7 +321,13 @@ async def _remote_burst(server: Server, clients: int, creates: int, concurrency:
                 results.append(json.loads(line))
             except ValueError:
                 raise WarmboxError(f"a burst client died: {line[:200]!r}") from None
-            await asyncio.wait_for(p.wait(), 60)
+        server_cpu = server.cpu_s() - cpu0
+        for p in procs:  # every client is done: now they kill their sandboxes
+            assert p.stdin is not None
+            p.stdin.write(b"kill\n")
+            await p.stdin.drain()
+        for p in procs:
+            await asyncio.wait_for(p.wait(), 300)
     finally:
         for p in procs:
             if p.returncode is None:
@@ -295,15 +335,16 @@ async def _remote_burst(server: Server, clients: int, creates: int, concurrency:
                 await p.wait()
     lat = [ms for r in results for ms in r["latencies_ms"]]
     errors = [e for r in results for e in r["errors"]]
-    started = [r["start"] for r in results if r["start"]]
-    ended = [r["end"] for r in results if r["end"]]
+    started = [r["start"] for r in results if r.get("start")]
+    ended = [r["end"] for r in results if r.get("end")]
     wall = max(ended) - min(started) if started and ended else 0.0
     return {
         "latencies_ms": lat,
         "hits": sum(r["hits"] for r in results),
         "errors": errors,
         "wall_s": wall,
-        "per_process_wall_s": [r["end"] - r["start"] for r in results],
+        "clients_cpu_s": sum(r.get("cpu_s", 0.0) for r in results),
+        "server_cpu_s": server_cpu,
     }
 
 
@@ -439,13 +480,11 @@ async def part_burst(
             t0 = time.monotonic()
             await _wait_quiet(engine, POOL, timeout=900)
             fill_s.append(time.monotonic() - t0)
-            cpu0 = server.cpu_s()
             if side == "http":
                 r = await _remote_burst(server, clients, creates, concurrency)
             else:
                 got = await burst_client(_where(None, None, home), creates, concurrency)
-                r = {**got, "wall_s": got["end"] - got["start"]}
-            r["server_cpu_s"] = server.cpu_s() - cpu0  # includes the kills after the burst
+                r = {**got, "wall_s": got["end"] - got["start"], "clients_cpu_s": got["cpu_s"], "server_cpu_s": 0.0}
             if r["errors"]:
                 raise WarmboxError(f"{len(r['errors'])} of {creates} {side} burst creates failed: {r['errors'][0]}")
             runs[side].append(r)
@@ -470,7 +509,10 @@ async def part_burst(
             "pool_hits": sum(r["hits"] for r in rs),
             "cold": len(lat) - sum(r["hits"] for r in rs),
             "wall_s": wall,
-            "server_cpu_s": sum(r["server_cpu_s"] for r in rs),
+            # CPU of the client process(es) and of the server during the burst (kills excluded);
+            # in process, the client's CPU is the engine's too
+            "clients_cpu_ms_per_create": sum(r["clients_cpu_s"] for r in rs) * 1e3 / max(1, len(lat)),
+            "server_cpu_ms_per_create": sum(r["server_cpu_s"] for r in rs) * 1e3 / max(1, len(lat)),
         }
     out["ratio_creates_per_s"] = out["http"]["creates_per_s"] / out["in_process"]["creates_per_s"]
     return out
@@ -593,7 +635,11 @@ def print_report(r: dict[str, Any]) -> None:
         s = x["stats"]
         print(
             f"  {side:<11} {x['creates_per_s']:7.1f} creates/s   p50 {s['p50_ms']:8.1f} ms   p99 {s['p99_ms']:8.1f} ms"
-            f"   pool hits {x['pool_hits']}/{s['n']} (cold {x['cold']})   server CPU {x['server_cpu_s']:.1f} s"
+            f"   pool hits {x['pool_hits']}/{s['n']} (cold {x['cold']})"
+        )
+        print(
+            f"  {'':<11} CPU per create: client process(es) {x['clients_cpu_ms_per_create']:.2f} ms,"
+            f" server {x['server_cpu_ms_per_create']:.2f} ms"
         )
     print(f"  ratio creates/s http / in process: {b['ratio_creates_per_s']:.2f}x")
     print("  pool fill before each side, s: " + ", ".join(f"{x:.1f}" for x in b["pool_fill_s"]))
