@@ -134,6 +134,9 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
+        finally:
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
 
 
 def _readline(stream: Any, timeout: float) -> bytes:
