@@ -610,7 +610,7 @@ def print_report(r: dict[str, Any]) -> None:
     rows(f"warm create -> first run_code({CODE!r}), {w['runs']} interleaved runs each", w)
     print(
         f"  pool misses: http {w['pool_misses']['http']}, in process {w['pool_misses']['in_process']};"
-        f" server CPU per HTTP create+run: {w['server_cpu_ms_per_http_create']:.1f} ms"
+        f" server CPU per HTTP create+run_code+kill: {w['server_cpu_ms_per_http_create']:.1f} ms"
     )
     e = r["exec"]
     rows(f"exec round trip commands.run('true'), one sandbox, {e['runs']} interleaved runs each", e)
