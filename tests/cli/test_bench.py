@@ -76,9 +76,35 @@ def test_bench_snapshot_gvisor_short(runc_ready):
     assert all(s["p50_ms"] > 0 for s in rep["stats"].values())
 
 
+@pytest.mark.sandbox
+def test_bench_api_short(runc_ready):
+    """Both sides of every part measured, the burst's creates all pool hits, nothing left behind:
+    no sandbox, no server (its pid is gone), no home."""
+    rep = _bench(
+        "api", "--runs", "2", "--execs", "10", "--file-mb", "1", "--file-runs", "1",
+        "--creates", "6", "--clients", "2", "--concurrency", "2",
+    )  # fmt: skip
+    assert rep["transport"] == "unix" and rep["url"].startswith("unix:")
+    for part in ("warm", "exec", "info"):
+        assert set(rep[part]["stats"]) == {"http", "in_process"}
+        assert all(s["p50_ms"] > 0 for s in rep[part]["stats"].values())
+    assert rep["warm"]["pool_misses"] == {"http": 0, "in_process": 0}
+    for op in ("upload", "download"):
+        assert all(r["p50_mib_s"] > 0 for r in rep["files"][op]["rates"].values())
+    b = rep["burst"]
+    for side in ("http", "in_process"):
+        assert b[side]["stats"]["n"] == 6 and b[side]["pool_hits"] == 6 and b[side]["creates_per_s"] > 0
+    assert b["http"]["in_flight"] == 4 and b["in_process"]["in_flight"] == 2
+    assert len(rep["goals"]) == 3 and all(isinstance(g["met"], bool) for g in rep["goals"].values())
+    pid = rep["server_pid"]
+    assert not Path(f"/proc/{pid}").exists() or b"warmbox" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
 @pytest.mark.parametrize(
     "args",
     [
+        ["api", "--creates", "0"],
+        ["api", "--clients", "5", "--creates", "4"],
         ["start", "--runs", "0"],
         ["burst", "--burst", "0"],
         ["density", "--step", "0"],

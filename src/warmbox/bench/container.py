@@ -1,5 +1,7 @@
 """``warmbox bench start|burst|exec|density`` — every figure measured in the same run, interleaved.
 
+(``warmbox bench api``, the HTTP API against the engine in process, is :mod:`warmbox.bench.api`.)
+
 start:   create -> first command for a warm-pool sandbox, a cold warmbox sandbox, raw ``runc run``
          (the very OCI config warmbox generates — same user namespace, seccomp, cgroups, mounts —
          with the command as its process) and raw ``bwrap``; for the empty loop and the
@@ -957,7 +959,25 @@ def _validate(args: argparse.Namespace) -> None:
         raise InvalidArgument("--pools sizes must be in [0, 500]")
 
 
+async def _command_api(args: argparse.Namespace) -> int:
+    from warmbox.bench import api
+
+    api.validate(args)
+    home = _make_home(api.pool_config(args.refill_concurrency))
+    try:
+        report = await api.bench_api(home, args)
+    finally:
+        await _remove_home(home)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        api.print_report(report)
+    return 0
+
+
 async def command(args: argparse.Namespace) -> int:
+    if args.bench == "api":
+        return await _command_api(args)
     if args.bench == "start" and args.runs is None:
         args.runs = 5 if args.tier == "microvm" else 20
     _validate(args)

@@ -240,6 +240,19 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--memory-bound-gib", type=float, default=4.0, help="stop when they use this much")
     b.add_argument("--template", default="base")
     b.add_argument("--json", action="store_true")
+    b = bsub.add_parser("api", help="warmbox serve (HTTP) vs in process: warm create, exec, files, burst")
+    b.add_argument("--runs", type=int, default=20, help="warm create->first run_code samples per side")
+    b.add_argument("--execs", type=int, default=300, help="exec (and get_info) round trips per side")
+    b.add_argument("--file-mb", type=int, default=10, help="MiB per upload/download")
+    b.add_argument("--file-runs", type=int, default=5, help="uploads and downloads per side")
+    b.add_argument("--creates", type=int, default=200, help="burst: creates per side")
+    b.add_argument("--clients", type=int, default=4, help="burst: HTTP client processes")
+    b.add_argument("--concurrency", type=int, default=8, help="burst: creates in flight per client")
+    b.add_argument("--pool", type=int, default=None, help="burst: pool size before each side (default --creates)")
+    b.add_argument("--rounds", type=int, default=1, help="burst: rounds per side, alternating")
+    b.add_argument("--refill-concurrency", type=int, default=2, help="sandboxes the pool warms at once")
+    b.add_argument("--tcp", action="store_true", help="over 127.0.0.1 with an admin key instead of the unix socket")
+    b.add_argument("--json", action="store_true")
     return ap
 
 
