@@ -15,6 +15,7 @@ says the outcome is unknown, never a silent partial result.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import ssl
@@ -166,11 +167,8 @@ class HttpTransport:
     async def handle(self, request: ops.Request[R]) -> R:
         if isinstance(request, ops.Detach):
             return None  # type: ignore[return-value]  # the server holds the connection; nothing here to let go
-        if isinstance(request, ops.RecordFirstCommand):  # off the caller's path, like in process
-            t = asyncio.ensure_future(self._send(request))
-            self._background.add(t)
-            t.add_done_callback(self._background.discard)
-            return None  # type: ignore[return-value]
+        if isinstance(request, ops.RecordFirstCommand):
+            return None  # type: ignore[return-value]  # the server times a sandbox's first command itself
         return await self._send(request)
 
     async def subscribe_approvals(self, sandbox_id: str, hook: Callable[[ApprovalRequest], object]) -> _Subscription:
@@ -198,7 +196,10 @@ class HttpTransport:
 
     def _build(self, request: ops.Request[Any]) -> tuple[api.Route, dict[str, Any]]:
         route = api.BY_OP[request.op]
-        fields = wire.encode(request, tag_bytes=True)
+        if isinstance(request, ops.WriteFile):  # the data is the raw body: never base64 it
+            fields = wire.encode(dataclasses.replace(request, data=b""), tag_bytes=True)
+        else:
+            fields = wire.encode(request, tag_bytes=True)
         for f in route.path_fields:
             fields.pop(f, None)
         kwargs: dict[str, Any] = {}

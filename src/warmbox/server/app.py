@@ -269,21 +269,42 @@ def _line(obj: object) -> bytes:
 
 async def _ndjson(front: EngineFront, req: ops.Request[Any], stream: bool) -> Response:
     """A command or code run: output events while it runs (when asked), then its result or error.
-    Errors before anything was sent are a plain error response with the right status."""
+    Errors before anything was sent are a plain error response with the right status. The first
+    command of a sandbox is timed here (stage ``first_command``), so a client sends no extra request."""
+    assert isinstance(req, (ops.Exec, ops.RunCode))
+    started = time.perf_counter()
     queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
     if stream:
-        assert isinstance(req, (ops.Exec, ops.RunCode))
         req = dataclasses.replace(
             req,
             on_stdout=lambda s: queue.put_nowait(("stdout", s)),
             on_stderr=lambda s: queue.put_nowait(("stderr", s)),
         )
     task = asyncio.ensure_future(front.handle(req))
-    task.add_done_callback(lambda _: queue.put_nowait(("done", None)))
+    sandbox_id = req.sandbox_id
+
+    def finished(t: asyncio.Future[Any]) -> None:
+        queue.put_nowait(("done", None))
+        if not t.cancelled() and t.exception() is None:
+            ms = (time.perf_counter() - started) * 1e3
+            first_command: ops.Request[None] = ops.RecordFirstCommand(sandbox_id, ms)
+            record = asyncio.ensure_future(front.handle(first_command))
+            _background.add(record)
+            record.add_done_callback(_background.discard)
+
+    task.add_done_callback(finished)
+    first: tuple[str, object] = ("heartbeat", None)
     try:
-        first = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
-    except TimeoutError:
-        first = ("heartbeat", None)
+        if stream:
+            try:
+                async with asyncio.timeout(HEARTBEAT_S):
+                    first = await queue.get()
+            except TimeoutError:
+                pass
+        else:
+            await asyncio.wait({task}, timeout=HEARTBEAT_S)
+            if task.done():
+                first = queue.get_nowait()
     except BaseException:
         task.cancel()
         raise
@@ -311,15 +332,20 @@ async def _ndjson(front: EngineFront, req: ops.Request[Any], stream: bool) -> Re
                         yield _line({"error": {"code": "warmbox_error", "message": "internal error"}})
                     return
                 yield b"\n" if kind == "heartbeat" else _line({kind: value})
+                item = ("heartbeat", None)  # a blank line: the client knows the server lives
                 try:
-                    item = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
+                    async with asyncio.timeout(HEARTBEAT_S):
+                        item = await queue.get()
                 except TimeoutError:
-                    item = ("heartbeat", None)  # a blank line: the client knows the server lives
+                    pass
         finally:
             if not task.done():  # the client went away: stop the command in the sandbox
                 task.cancel()
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+_background: set[asyncio.Future[Any]] = set()
 
 
 async def _stream_file(front: EngineFront, req: ops.ReadFileStream) -> Response:
