@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -79,8 +83,49 @@ class FastLaneGuard:
 FAST_LANE_GUARD = pytest.StashKey[FastLaneGuard]()
 
 
+# ---- the API lanes: `pytest tests/sdk tests/cli --api=http` runs the SDK and CLI suites against
+# a real `warmbox serve` on the session's home (every Sandbox.create()/connect() and every cli(...)
+# goes over HTTP through WARMBOX_API_URL). Such a test starts a server with an engine, so it is a
+# ``sandbox`` test in that lane. A test that needs the in-process engine (home=, engine internals)
+# carries @pytest.mark.in_process(reason) and is skipped there.
+HTTP_LANE_DIRS = ("tests/sdk/", "tests/cli/")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--api",
+        choices=("local", "http"),
+        default="local",
+        help="how tests/sdk and tests/cli reach the engine: in process (local) or a real `warmbox serve` (http)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "in_process(reason): needs the in-process engine; skipped under --api=http with the reason"
+    )
+
+
+def over_http(node: pytest.Item | pytest.Collector) -> bool:
+    """Whether ``node`` runs against the session's HTTP server (--api=http, tests/sdk or tests/cli)."""
+    if node.config.getoption("api") != "http":
+        return False
+    try:
+        rel = Path(str(node.path)).resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return False
+    return rel.startswith(HTTP_LANE_DIRS)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: the marks must be right in every lane
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if over_http(item):
+            item.add_marker(pytest.mark.sandbox)  # it talks to a server that runs an engine
+            local = item.get_closest_marker("in_process")
+            if local is not None:
+                reason = local.args[0] if local.args else "needs the in-process engine"
+                item.add_marker(pytest.mark.skip(reason=f"--api=http: {reason}"))
     unmarked = [
         f"{item.nodeid} (uses {', '.join(sorted(SANDBOX_FIXTURES & set(item.fixturenames)))})"
         for item in items
@@ -267,3 +312,133 @@ def cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+# ---- a real `warmbox serve` (the --api=http lane and tests/server)
+
+
+@dataclasses.dataclass
+class ServerProc:
+    """A `warmbox serve` subprocess: its TCP URL (or ""), its unix socket, where its output goes."""
+
+    proc: subprocess.Popen
+    url: str
+    socket: Path
+    log: Path
+    client_env: dict[str, str] = dataclasses.field(default_factory=dict)  # what a client sets to use it
+
+    @property
+    def unix_url(self) -> str:
+        return f"unix:{self.socket}"
+
+    def output(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def kill9(self) -> None:
+        """SIGKILL by PID (a crash); the socket file stays behind, as after a real crash."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, grace: float = 15.0) -> int:
+        """SIGTERM, SIGKILL after ``grace`` s; the exit status (the server must be gone after)."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        assert self.proc.poll() is not None, f"warmbox serve (pid {self.proc.pid}) did not exit"
+        return self.proc.returncode
+
+
+_LISTENING = re.compile(r"^listening on (.*)$", re.M)
+
+
+def start_server(
+    home: Path,
+    socket: Path | None = None,
+    *,
+    tcp: bool = True,
+    env: dict[str, str] | None = None,
+    timeout: float = 60.0,
+) -> ServerProc:
+    """Start `python -m warmbox.cli.main serve` on ``home`` and wait (bounded) for its listening line."""
+    socket = socket or home / "api.sock"
+    log = home / f"serve-{secrets.token_hex(3)}.log"
+    args = ["--port", "0"] if tcp else ["--host", ""]
+    child_env = {k: v for k, v in os.environ.items() if k not in ("WARMBOX_API_URL", "WARMBOX_API_KEY")}
+    child_env.update(WARMBOX_HOME=str(home), **(env or {}))
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "warmbox.cli.main", "serve", *args, "--socket", str(socket), "--no-mcp"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+        )
+    server = ServerProc(proc, "", socket, log)
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _LISTENING.search(server.output())
+        if m:
+            break
+        if proc.poll() is not None or time.monotonic() > deadline:
+            server.stop(grace=5)
+            raise AssertionError(f"warmbox serve did not start (exit {proc.returncode}):\n{server.output()}")
+        time.sleep(0.05)
+    for address in m.group(1).split(" and "):
+        if address.startswith(("http://", "https://")):
+            server.url = address
+    return server
+
+
+def _has_keys() -> bool:
+    """Whether the registry has API keys yet (the tenancy work); until then the lane uses root's socket."""
+    from warmbox.storage.registry import Registry
+
+    return hasattr(Registry, "create_key")
+
+
+@pytest.fixture(scope="session")
+def api_server(home: Path):
+    """The --api=http lane's server on the session home and the client's settings for it: over TCP
+    with a key of tenant "pytest" when keys exist, else root on the unix socket. Ended by PID."""
+    server = start_server(home)
+    try:
+        if _has_keys():
+            from warmbox.engine.engine import Engine
+
+            _key_id, secret = Engine.for_home(home).registry.create_key("pytest")  # type: ignore[attr-defined]
+            server.client_env = {"WARMBOX_API_URL": server.url, "WARMBOX_API_KEY": secret}
+        else:
+            server.client_env = {"WARMBOX_API_URL": server.unix_url}
+        yield server
+    finally:
+        status = server.stop()
+        assert status == 0, f"warmbox serve exited with {status} on SIGTERM:\n{server.output()}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _api_lane(request: pytest.FixtureRequest):
+    """In the --api=http lane: WARMBOX_API_URL (+ KEY) set for the module (before its module-scoped
+    fixtures make sandboxes), so every Sandbox.create()/connect() and cli(...) goes over HTTP."""
+    if not over_http(request.node):
+        yield
+        return
+    server = request.getfixturevalue("api_server")
+    saved = {k: os.environ.get(k) for k in ("WARMBOX_API_URL", "WARMBOX_API_KEY")}
+    os.environ.pop("WARMBOX_API_KEY", None)
+    os.environ.update(server.client_env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -12,6 +12,9 @@ import pytest
 
 from tests.conftest import cli
 
+# the benchmarks make their own home and run its engine in process (home=): no server in between
+pytestmark = pytest.mark.in_process("the benchmarks run their own home's engine in process")
+
 
 def _bench(*args: str, timeout: float = 600) -> dict:
     before = set(Path("/tmp").glob("wbbench-*"))  # another bench (a parallel session) may run meanwhile

@@ -19,20 +19,23 @@ import dataclasses
 import json
 import os
 import ssl
+import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import aiohttp
+from aiohttp.http_exceptions import LineTooLong
 
 from warmbox import api, wire
 from warmbox import operations as ops
-from warmbox.errors import ConnectionLost, InvalidArgument, WarmboxError
+from warmbox.errors import ConnectionLost, ContextError, InvalidArgument, SandboxNotFound, WarmboxError
 from warmbox.models import ApprovalRequest
 
 R = TypeVar("R")
 RETRIES = (0.1, 0.3, 0.8, 1.5)  # pauses between attempts of a retryable request (about 3 s in all)
 HEARTBEAT_S = 60.0  # a stream silent this long (the server sends a blank line every 15 s) is dead
 JSON_READ_S = 900.0  # the longest one JSON operation may take (a cold microVM, a large snapshot)
+MAX_LINE = 1 << 30  # the longest NDJSON line read (a result with its output), see _line
 
 
 def default_url() -> str | None:
@@ -104,6 +107,50 @@ def _query(fields: dict[str, Any]) -> dict[str, str]:
     for k, v in fields.items():
         out[k] = "null" if v is None else ("true" if v is True else "false" if v is False else str(v))
     return out
+
+
+def _cls(request: ops.Request[Any]) -> type:
+    return type(request)
+
+
+def _check_path_fields(request: ops.Request[Any], route: api.Route) -> None:
+    """An id in the URL's path must be one segment: the server decodes %2F before it matches a
+    route, and ".." would be resolved away, so "../../etc" would reach no route (or another one).
+    No real id is like that; refused with the error the engine gives such an id."""
+    for name in route.path_fields:
+        value = getattr(request, name)
+        if isinstance(value, str) and value and "/" not in value and value not in (".", ".."):
+            continue
+        if name == "sandbox_id":
+            raise SandboxNotFound(f"no sandbox {value!r} (ids look like sb-0123456789ab)", str(value))
+        if isinstance(request, ops.RemoveContext):
+            raise ContextError(f"no code context {value!r}", request.sandbox_id)
+        raise InvalidArgument(f"{value!r} is not a valid {name.replace('_', ' ')}")
+
+
+def _check_records(request: ops.Request[Any]) -> None:
+    """A field typed as a record (limits: Limits) must hold one, as in process: encoded, a dict of
+    the same fields would pass for it, so code that works over HTTP would fail in process."""
+    for name, tp in wire.hints(_cls(request)).items():
+        records: tuple[type, ...] = tuple(
+            a for a in (typing.get_args(tp) or (tp,)) if isinstance(a, type) and dataclasses.is_dataclass(a)
+        )
+        value = getattr(request, name)
+        if records and value is not None and not isinstance(value, records):
+            raise InvalidArgument(f"{name} must be a warmbox.{records[0].__name__}, got {type(value).__name__}")
+
+
+def _checked(request: ops.Request[Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """Fields bound for a query string, checked here: the query carries text, so a value of the
+    wrong type (path=42) would arrive as its str() and be taken. Refused as in process: a path by
+    the engine's own check (InvalidPath), anything else by the codec (InvalidArgument)."""
+    hints = wire.hints(_cls(request))
+    for name, value in fields.items():
+        if name == "path":
+            ops.sandbox_path(value)
+        else:
+            wire.decode(hints[name], value, name)
+    return fields
 
 
 # a connection that broke after the request may have left: the outcome is unknown
@@ -196,6 +243,8 @@ class HttpTransport:
 
     def _build(self, request: ops.Request[Any]) -> tuple[api.Route, dict[str, Any]]:
         route = api.BY_OP[request.op]
+        _check_path_fields(request, route)
+        _check_records(request)
         if isinstance(request, ops.WriteFile):  # the data is the raw body: never base64 it
             fields = wire.encode(dataclasses.replace(request, data=b""), tag_bytes=True)
         else:
@@ -207,12 +256,17 @@ class HttpTransport:
             kwargs["data"] = json.dumps(fields, separators=(",", ":"))
             kwargs["headers"] = {"Content-Type": "application/json"}
         elif route.body == "query":
-            kwargs["params"] = _query(fields)
+            kwargs["params"] = _query(_checked(request, fields))
         else:  # raw: the data is the body
             fields.pop("data", None)
             data = request.data if isinstance(request, ops.WriteFile) else b""
-            kwargs["data"] = data.encode() if isinstance(data, str) else bytes(data)
-            kwargs["params"] = _query(fields)
+            if isinstance(data, str):
+                kwargs["data"] = data.encode()
+            elif isinstance(data, (bytes, bytearray, memoryview)):
+                kwargs["data"] = bytes(data)
+            else:
+                raise InvalidArgument(f"data must be str or bytes, got {type(data).__name__}")
+            kwargs["params"] = _query(_checked(request, fields))
         if route.response == "ndjson" and any(s is not None for s in _sinks(request)):
             kwargs["params"] = {"stream": "1"}
         return route, kwargs
@@ -267,7 +321,7 @@ class HttpTransport:
                 raise _error(response.status, await response.read())
             on_out, on_err = _sinks(request)
             try:
-                async for line in response.content:
+                while line := await _line(response):
                     if not line.strip():
                         continue  # heartbeat
                     msg = json.loads(line)
@@ -345,6 +399,16 @@ class HttpTransport:
                 await response.read()
         except (aiohttp.ClientError, OSError):
             pass  # unanswered: the proxy denies at its timeout
+
+
+async def _line(response: aiohttp.ClientResponse) -> bytes:
+    """One NDJSON line (b"" at the end). A result line holds a command's whole output (max_output
+    is caller-chosen, and JSON escapes may make it six times longer), so aiohttp's default bound of
+    512 KiB per line does not apply; MAX_LINE only stops a runaway server."""
+    try:
+        return await response.content.readline(max_line_length=MAX_LINE)
+    except LineTooLong:
+        raise WarmboxError(f"the server sent a stream line longer than {MAX_LINE >> 20} MiB") from None
 
 
 def _error(status: int, body: bytes) -> WarmboxError:

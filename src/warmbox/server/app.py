@@ -41,7 +41,13 @@ MAX_JSON = 16 << 20  # a JSON body (a command's stdin is the largest thing in on
 HEARTBEAT_S = 15.0  # a blank line on a silent stream this often
 PEER_HOST = "unix-peer-uid"  # scope["client"][0] on the unix socket; [1] is the caller's uid
 
+
+class BodyTooLarge(InvalidArgument):
+    """A request body over its bound: HTTP 413; its code stays ``invalid_argument`` (clients know it)."""
+
+
 STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
+    (BodyTooLarge, 413),
     (errors.Unauthenticated, 401),
     (errors.Forbidden, 403),
     (errors.RateLimited, 429),
@@ -187,7 +193,7 @@ async def _body(request: Request, limit: int, timeout_s: float) -> bytes:
     """The whole body, at most ``limit`` bytes, arriving within ``timeout_s``; typed errors otherwise."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise InvalidArgument(f"request body of {int(declared)} bytes is larger than the limit of {limit} bytes")
+        raise BodyTooLarge(f"request body of {int(declared)} bytes is larger than the limit of {limit} bytes")
     parts: list[bytes] = []
     size = 0
     try:
@@ -195,7 +201,7 @@ async def _body(request: Request, limit: int, timeout_s: float) -> bytes:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise InvalidArgument(f"request body is larger than the limit of {limit} bytes")
+                    raise BodyTooLarge(f"request body is larger than the limit of {limit} bytes")
                 parts.append(chunk)
     except TimeoutError:
         raise InvalidArgument(f"request body did not arrive within {timeout_s:g} s") from None
@@ -280,7 +286,8 @@ async def _ndjson(front: EngineFront, req: ops.Request[Any], stream: bool) -> Re
             on_stdout=lambda s: queue.put_nowait(("stdout", s)),
             on_stderr=lambda s: queue.put_nowait(("stderr", s)),
         )
-    task = asyncio.ensure_future(front.handle(req))
+    run: ops.Request[Any] = req
+    task = asyncio.ensure_future(front.handle(run))
     sandbox_id = req.sandbox_id
 
     def finished(t: asyncio.Future[Any]) -> None:

@@ -40,18 +40,53 @@ def _protocol_base() -> type[asyncio.Protocol]:
         return H11Protocol
 
 
+MAX_HEAD = 64 << 10  # request line + headers; httptools has no bound of its own (h11's is 16 KiB)
+_TOO_LARGE = b'{"error":{"code":"invalid_argument","message":"request line and headers over %d bytes"}}' % MAX_HEAD
+_431 = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b"content-length: %d\r\n\r\n%s" % (len(_TOO_LARGE), _TOO_LARGE)
+)
+
+
 def peercred_protocol() -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol, with the caller's uid as the ASGI ``client`` on unix sockets:
-    ``(PEER_HOST, uid)``. A TCP peer's host is an IP address, never PEER_HOST."""
+    ``(PEER_HOST, uid)``. A TCP peer's host is an IP address, never PEER_HOST. A request whose
+    line and headers pass MAX_HEAD bytes is answered 431 and the connection closed (httptools
+    would buffer a header of any size)."""
     base: Any = _protocol_base()
 
     class PeerCredProtocol(base):  # type: ignore[misc]
+        _head_bytes = 0
+        _in_head = True  # reading a request line and headers (not a body)
+
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
             sock = transport.get_extra_info("socket")
             if sock is not None and sock.family == socket.AF_UNIX:
                 _pid, uid, _gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
                 self.client = (PEER_HOST, uid)
+
+        _tail = b""  # the last bytes of the head so far (its end may straddle two reads)
+
+        def data_received(self, data: bytes) -> None:
+            if self._in_head:
+                end = (self._tail + data).find(b"\r\n\r\n")
+                self._head_bytes += len(data) if end < 0 else end + 4 - len(self._tail)
+                self._tail = (self._tail + data)[-3:]
+                if self._head_bytes > MAX_HEAD:
+                    if not self.transport.is_closing():
+                        self.transport.write(_431)
+                        self.transport.close()
+                    return
+            super().data_received(data)
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._in_head, self._head_bytes, self._tail = True, 0, b""
 
     return PeerCredProtocol
 
