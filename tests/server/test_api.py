@@ -99,7 +99,14 @@ def alive(server: ServerProc) -> None:
 
 
 def url_of(route: api.Route, sandbox_id: str = FAKE_ID, **ids: str) -> str:
-    values = {"sandbox_id": sandbox_id, "snapshot": "snap-x", "snapshot_id": "snap-x", "context": "ctx", **ids}
+    values = {
+        "sandbox_id": sandbox_id,
+        "snapshot": "snap-x",
+        "snapshot_id": "snap-x",
+        "context": "ctx",
+        "name": "default",
+        **ids,
+    }
     return route.path.format(**{f: values[f] for f in route.path_fields})
 
 
@@ -589,7 +596,8 @@ def test_quota_max_sandboxes_refuses_the_second_create(server, home):
         call(server, "DELETE", f"{api.PREFIX}/sandboxes/{sid}", key=secret)
 
 
-ID_ROUTES = [r for r in api.ROUTES if r.path_fields]
+# every route naming a tenant's resource (a sandbox, snapshot or context; a pool is the host's)
+ID_ROUTES = [r for r in api.ROUTES if set(r.path_fields) - {"name"}]
 
 
 @pytest.fixture(scope="module")
