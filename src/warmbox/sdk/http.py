@@ -214,8 +214,11 @@ class HttpTransport:
     async def handle(self, request: ops.Request[R]) -> R:
         if isinstance(request, ops.Detach):
             return None  # type: ignore[return-value]  # the server holds the connection; nothing here to let go
-        if isinstance(request, ops.RecordFirstCommand):
-            return None  # type: ignore[return-value]  # the server times a sandbox's first command itself
+        if isinstance(request, ops.RecordFirstCommand):  # off the caller's path, like in process
+            t = asyncio.ensure_future(self._send(request))
+            self._background.add(t)
+            t.add_done_callback(self._background.discard)
+            return None  # type: ignore[return-value]
         return await self._send(request)
 
     async def subscribe_approvals(self, sandbox_id: str, hook: Callable[[ApprovalRequest], object]) -> _Subscription:

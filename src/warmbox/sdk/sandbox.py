@@ -85,6 +85,7 @@ class AsyncSandbox:
         self._killed = False
         self._closed = False
         self._approvals: Cancellable | None = None
+        self._owns_transport = False  # made for this sandbox by create/connect/resume: released by kill()
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
         self.network = AsyncNetwork(self)
@@ -161,6 +162,7 @@ class AsyncSandbox:
                 await t.close()
             raise
         sb = cls(t, opened, tuple(envs or ()))
+        sb._owns_transport = transport is None
         if on_approval is not None:
             try:
                 sb._approvals = await t.subscribe_approvals(sb.sandbox_id, on_approval)
@@ -193,7 +195,9 @@ class AsyncSandbox:
             if transport is None:
                 await t.close()
             raise
-        return cls(t, opened, tuple(envs or ()))
+        sb = cls(t, opened, tuple(envs or ()))
+        sb._owns_transport = transport is None
+        return sb
 
     @classmethod
     async def list_snapshots(
@@ -227,7 +231,9 @@ class AsyncSandbox:
             if transport is None:
                 await t.close()
             raise
-        return cls(t, opened)
+        sb = cls(t, opened)
+        sb._owns_transport = transport is None
+        return sb
 
     @classmethod
     async def list(
@@ -324,7 +330,11 @@ class AsyncSandbox:
         self._killed = True
         if self._approvals is not None:
             self._approvals.cancel()
-        return await self._transport.handle(ops.Kill(self.sandbox_id))
+        try:
+            return await self._transport.handle(ops.Kill(self.sandbox_id))
+        finally:
+            if self._owns_transport:  # nothing is left to do with it: let go of its connections
+                await self.close()
 
     async def close(self) -> None:
         """Let go of the sandbox without ending it: its connection closes, it runs on until its

@@ -275,10 +275,8 @@ def _line(obj: object) -> bytes:
 
 async def _ndjson(front: EngineFront, req: ops.Request[Any], stream: bool) -> Response:
     """A command or code run: output events while it runs (when asked), then its result or error.
-    Errors before anything was sent are a plain error response with the right status. The first
-    command of a sandbox is timed here (stage ``first_command``), so a client sends no extra request."""
+    Errors before anything was sent are a plain error response with the right status."""
     assert isinstance(req, (ops.Exec, ops.RunCode))
-    started = time.perf_counter()
     queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
     if stream:
         req = dataclasses.replace(
@@ -288,18 +286,7 @@ async def _ndjson(front: EngineFront, req: ops.Request[Any], stream: bool) -> Re
         )
     run: ops.Request[Any] = req
     task = asyncio.ensure_future(front.handle(run))
-    sandbox_id = req.sandbox_id
-
-    def finished(t: asyncio.Future[Any]) -> None:
-        queue.put_nowait(("done", None))
-        if not t.cancelled() and t.exception() is None:
-            ms = (time.perf_counter() - started) * 1e3
-            first_command: ops.Request[None] = ops.RecordFirstCommand(sandbox_id, ms)
-            record = asyncio.ensure_future(front.handle(first_command))
-            _background.add(record)
-            record.add_done_callback(_background.discard)
-
-    task.add_done_callback(finished)
+    task.add_done_callback(lambda _: queue.put_nowait(("done", None)))
     first: tuple[str, object] = ("heartbeat", None)
     try:
         if stream:
@@ -350,9 +337,6 @@ async def _ndjson(front: EngineFront, req: ops.Request[Any], stream: bool) -> Re
                 task.cancel()
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
-
-
-_background: set[asyncio.Future[Any]] = set()
 
 
 async def _stream_file(front: EngineFront, req: ops.ReadFileStream) -> Response:
