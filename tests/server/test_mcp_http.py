@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -89,3 +90,7 @@ def test_mcp_over_http_is_per_tenant(home: Path, runc_ready: None) -> None:
         for sid in ids:
             asyncio.run(eng.destroy(sid, "test cleanup"))
     assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+    # the port is free again: no process the server started (the engine's daemon) kept its socket
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, int(port)), timeout=5).close()

@@ -123,7 +123,6 @@ def _tcp_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
     sock.listen(512)
-    sock.set_inheritable(True)
     return sock
 
 
