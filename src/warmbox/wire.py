@@ -17,6 +17,8 @@ import base64
 import binascii
 import dataclasses
 import enum
+import json
+import math
 import re
 import types
 import typing
@@ -32,6 +34,20 @@ MAX_DEPTH = 8
 
 
 # ---- values
+
+
+def _no_constant(name: str) -> object:
+    raise InvalidArgument(f"{name} is not a JSON number warmbox accepts")
+
+
+def loads(raw: bytes | str) -> Any:
+    """JSON from a client: NaN/Infinity and nesting too deep for the parser are InvalidArgument."""
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidArgument(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidArgument("the request body is nested too deeply") from None
 
 
 def encode(value: object, tag_bytes: bool = False) -> Any:
@@ -141,7 +157,13 @@ def decode(tp: Any, data: object, where: str = "value", depth: int = 0) -> Any:
         if tp is float:
             if isinstance(data, bool) or not isinstance(data, (int, float)):
                 raise InvalidArgument(f"{where} must be a number, got {_kind(data)}")
-            return float(data)
+            try:
+                value = float(data)
+            except OverflowError:
+                value = math.inf
+            if not math.isfinite(value):
+                raise InvalidArgument(f"{where} must be a finite number")
+            return value
         if tp is str:
             if not isinstance(data, str):
                 raise InvalidArgument(f"{where} must be a string, got {_kind(data)}")
@@ -323,6 +345,7 @@ def record_schema(
 
 __all__ = [
     "CODES",
+    "loads",
     "ERRORS",
     "decode",
     "decode_record",

@@ -289,6 +289,12 @@ class EngineFront:
         return await self._hold(got)
 
     async def connect(self, r: ops.Connect) -> ops.Opened:
+        held = self._sessions.get(r.sandbox_id)
+        if held is not None and not held.closed:  # another client of this front holds it: share, never replace
+            info, _ = self.engine.info(r.sandbox_id)
+            if info.expires_at > time.time():
+                check(Operation.EXEC, info.state, r.sandbox_id)
+                return ops.Opened(info, tuple(self.engine.registry.timings(r.sandbox_id)))
         return await self._hold(await self.engine.open(r.sandbox_id))
 
     async def resume(self, r: ops.Resume) -> ops.Opened:

@@ -143,32 +143,44 @@ class AsyncSandbox:
             raise InvalidArgument("on_approval must be a callable")
         t = _transport(transport, home, api_url, api_key)
         snap = _snapshot_id(from_snapshot) if from_snapshot is not None else None
-        try:
-            opened = await t.handle(
-                ops.Create(
-                    tier=tier,
-                    timeout=timeout,
-                    envs=envs,
-                    limits=limits,
-                    template=template,
-                    pool=pool,
-                    from_snapshot=snap,
-                    network=network,
-                    secrets=secrets,
-                )
-            )
-        except BaseException:
-            if transport is None:
-                await t.close()
-            raise
-        sb = cls(t, opened, tuple(envs or ()))
-        sb._owns_transport = transport is None
+        sb = await cls._open(
+            t,
+            transport is None,
+            ops.Create(
+                tier=tier,
+                timeout=timeout,
+                envs=envs,
+                limits=limits,
+                template=template,
+                pool=pool,
+                from_snapshot=snap,
+                network=network,
+                secrets=secrets,
+            ),
+            tuple(envs or ()),
+        )
         if on_approval is not None:
             try:
                 sb._approvals = await t.subscribe_approvals(sb.sandbox_id, on_approval)
             except BaseException:
                 await sb.kill()
                 raise
+        return sb
+
+    @classmethod
+    async def _open(
+        cls, t: Transport, owned: bool, request: ops.Request[ops.Opened], env_names: tuple[str, ...] = ()
+    ) -> AsyncSandbox:
+        """A sandbox from a create, resume or connect on ``t``; a transport made for it (``owned``)
+        is closed if the request fails, and released by the sandbox's kill() otherwise."""
+        try:
+            opened = await t.handle(request)
+        except BaseException:
+            if owned:
+                await t.close()
+            raise
+        sb = cls(t, opened, env_names)
+        sb._owns_transport = owned
         return sb
 
     @classmethod
@@ -189,15 +201,8 @@ class AsyncSandbox:
         snapshots, processes that ran before the pause are not (they start fresh).
         """
         t = _transport(transport, home, api_url, api_key)
-        try:
-            opened = await t.handle(ops.Resume(_snapshot_id(snapshot), timeout=timeout, envs=envs))
-        except BaseException:
-            if transport is None:
-                await t.close()
-            raise
-        sb = cls(t, opened, tuple(envs or ()))
-        sb._owns_transport = transport is None
-        return sb
+        request = ops.Resume(_snapshot_id(snapshot), timeout=timeout, envs=envs)
+        return await cls._open(t, transport is None, request, tuple(envs or ()))
 
     @classmethod
     async def list_snapshots(
@@ -224,16 +229,9 @@ class AsyncSandbox:
         api_key: str | None = None,
     ) -> AsyncSandbox:
         """Attach to a live sandbox created by any process (or, through a server, any machine)."""
-        t = _transport(transport, home, api_url, api_key)
-        try:
-            opened = await t.handle(ops.Connect(sandbox_id))
-        except BaseException:
-            if transport is None:
-                await t.close()
-            raise
-        sb = cls(t, opened)
-        sb._owns_transport = transport is None
-        return sb
+        return await cls._open(
+            _transport(transport, home, api_url, api_key), transport is None, ops.Connect(sandbox_id)
+        )
 
     @classmethod
     async def list(

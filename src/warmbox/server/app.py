@@ -39,7 +39,9 @@ from warmbox.models import ApprovalRequest, Tenant
 log = logging.getLogger("warmbox.server")
 MAX_JSON = 16 << 20  # a JSON body (a command's stdin is the largest thing in one)
 HEARTBEAT_S = 15.0  # a blank line on a silent stream this often
-PEER_HOST = "unix-peer-uid"  # scope["client"][0] on the unix socket; [1] is the caller's uid
+PEER_UID = "warmbox.peer_uid"  # ASGI scope key: the caller's uid on the unix socket (SO_PEERCRED), set
+# by the server's protocol only; never derived from anything the client sends (headers, addresses)
+MAX_OUTPUT = 64 << 20  # the most output one command or cell may return through the server
 
 
 class BodyTooLarge(InvalidArgument):
@@ -120,18 +122,19 @@ class Service:
         self.engine = engine
         self.settings = settings
         self.peers = dict(settings.peers)
+        self.approval_timeout_s = engine.settings().network.approval_timeout_s + 1  # the proxy's wait, and a margin
         self.limiter = RateLimiter()
-        self._fronts: dict[str, EngineFront] = {}
+        self._fronts: dict[tuple[str, bool], EngineFront] = {}
         self._pending: dict[str, _Pending] = {}
 
     def front(self, tenant: Tenant | None) -> EngineFront:
         """The front of a tenant (None: the host's root, which sees every sandbox)."""
-        name = "" if tenant is None else tenant.name
+        # a front per tenant and admin flag (the flag is a key's, not the tenant's); never mutated, so
+        # one request's key cannot lend its rights to another's. Quotas are re-read at each start.
+        name = ("", True) if tenant is None else (tenant.name, tenant.admin)
         f = self._fronts.get(name)
         if f is None:
             f = self._fronts[name] = EngineFront(self.engine, tenant=tenant)
-        elif tenant is not None:
-            f.tenant = tenant  # the key's record as of this request (admin flag; quotas are re-read at each start)
         return f
 
     async def close(self) -> None:
@@ -151,14 +154,15 @@ class Service:
                 raise Unauthenticated("unknown or revoked API key")
             self.limiter.take(tenant.key_id or tenant.name, tenant.rate_per_s)
             return tenant
-        client = request.scope.get("client")
-        if client and client[0] == PEER_HOST:
-            uid = int(client[1])
+        uid = request.scope.get(PEER_UID)
+        if isinstance(uid, int):
             if uid == 0:
                 return None
             name = self.peers.get(uid)
             if name is not None:
-                return self.engine.registry.tenant(name)
+                tenant = self.engine.registry.tenant(name)
+                self.limiter.take(f"uid:{uid}", tenant.rate_per_s)
+                return tenant
             raise Unauthenticated(f"uid {uid} is not mapped to a tenant ([server] peers) and sent no key")
         raise Unauthenticated("an API key is required: 'Authorization: Bearer <key>'")
 
@@ -227,10 +231,7 @@ async def decode_request(route: api.Route, request: Request, settings: ServerSet
     elif route.body == "json":
         raw = await _body(request, MAX_JSON, settings.body_timeout_s)
         if raw.strip():
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise InvalidArgument(f"the request body is not valid JSON: {e}") from None
+            body = wire.loads(raw)
             if not isinstance(body, dict):
                 raise InvalidArgument("the request body must be a JSON object")
             data = body
@@ -242,7 +243,19 @@ async def decode_request(route: api.Route, request: Request, settings: ServerSet
         req = wire.decode_record(cls, data, "query", **given, data=payload)
     else:
         req = wire.decode_record(cls, data, "body" if route.body == "json" else "query", **given)
-    return _adapt(req)
+    return _bound(_adapt(req), settings)
+
+
+def _bound(req: ops.Request[Any], settings: ServerSettings) -> ops.Request[Any]:
+    """What the server holds in memory for one request is bounded whatever the client asks:
+    a command's output and a whole-file read (a stream is never held whole)."""
+    if isinstance(req, (ops.Exec, ops.RunCode)) and isinstance(req.max_output, int) and req.max_output > MAX_OUTPUT:
+        raise InvalidArgument(f"max_output over the server's limit of {MAX_OUTPUT >> 20} MiB per command")
+    if isinstance(req, ops.ReadFile) and isinstance(req.max_bytes, int) and req.max_bytes > settings.max_body_mb << 20:
+        raise InvalidArgument(
+            f"max_bytes over the server's limit of {settings.max_body_mb} MiB for a whole read (use files/stream)"
+        )
+    return req
 
 
 def _adapt(req: ops.Request[Any]) -> ops.Request[Any]:
@@ -370,6 +383,9 @@ def endpoint(service: Service, route: api.Route) -> Callable[[Request], Awaitabl
                 return await _ndjson(front, req, request.query_params.get("stream") in ("1", "true"))
             if isinstance(req, ops.ReadFileStream):
                 return await _stream_file(front, req)
+            if isinstance(req, ops.Detach):  # the guest connection is the server's, shared by the tenant's clients
+                await front.handle(ops.Info(req.sandbox_id))  # (the same checks and errors as any id)
+                return _json(None)
             result = await front.handle(req)
             if isinstance(req, ops.ReadFile):
                 return Response(result, media_type="application/octet-stream")
@@ -404,7 +420,10 @@ def approvals_endpoint(service: Service) -> Callable[[Request], Awaitable[Respon
             service._pending[request_id] = _Pending(owner, sandbox_id, fut)
             try:
                 queue.put_nowait(_line({"request_id": request_id, **wire.encode(q)}))
-                return await fut
+                # the proxy stops waiting at its own timeout: so does the question here
+                return await asyncio.wait_for(fut, service.approval_timeout_s)
+            except TimeoutError:
+                return "deny"
             finally:
                 service._pending.pop(request_id, None)
 
@@ -435,10 +454,7 @@ def answer_endpoint(service: Service) -> Callable[[Request], Awaitable[Response]
             tenant = service.authenticate(request)
             owner = "" if tenant is None else tenant.name
             raw = await _body(request, 4096, service.settings.body_timeout_s)
-            try:
-                body = json.loads(raw or b"{}")
-            except ValueError:
-                raise InvalidArgument("the request body is not valid JSON") from None
+            body = wire.loads(raw or b"{}")
             decision = body.get("decision") if isinstance(body, dict) else None
             if decision not in api.DECISIONS:
                 raise InvalidArgument(f"decision must be one of {list(api.DECISIONS)}, got {decision!r}")
@@ -583,4 +599,4 @@ def build_app(engine: Engine, settings: ServerSettings, *, mcp: bool = True) -> 
     return app
 
 
-__all__ = ["PEER_HOST", "FrontTransport", "RateLimiter", "Service", "build_app", "status_of"]
+__all__ = ["PEER_UID", "FrontTransport", "RateLimiter", "Service", "build_app", "status_of"]

@@ -24,7 +24,7 @@ import uvicorn
 from warmbox.config import ServerSettings
 from warmbox.errors import ConfigError
 from warmbox.paths import runtime_dir
-from warmbox.server.app import PEER_HOST, build_app
+from warmbox.server.app import PEER_UID, build_app
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -49,8 +49,8 @@ _431 = (
 
 
 def peercred_protocol() -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol, with the caller's uid as the ASGI ``client`` on unix sockets:
-    ``(PEER_HOST, uid)``. A TCP peer's host is an IP address, never PEER_HOST. A request whose
+    """uvicorn's HTTP protocol, with the caller's uid (``SO_PEERCRED``) in the ASGI scope under
+    PEER_UID on unix sockets; nothing a client sends can set that key. A request whose
     line and headers pass MAX_HEAD bytes is answered 431 and the connection closed (httptools
     would buffer a header of any size)."""
     base: Any = _protocol_base()
@@ -59,12 +59,19 @@ def peercred_protocol() -> type[asyncio.Protocol]:
         _head_bytes = 0
         _in_head = True  # reading a request line and headers (not a body)
 
+        _peer_uid: int | None = None
+
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
             sock = transport.get_extra_info("socket")
             if sock is not None and sock.family == socket.AF_UNIX:
                 _pid, uid, _gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-                self.client = (PEER_HOST, uid)
+                self._peer_uid = uid
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._peer_uid is not None:
+                self.scope[PEER_UID] = self._peer_uid
 
         _tail = b""  # the last bytes of the head so far (its end may straddle two reads)
 
@@ -188,6 +195,7 @@ async def serve(home: Path, settings: ServerSettings, *, mcp: bool = True) -> No
             lifespan="on",
             log_level="warning",
             access_log=False,
+            proxy_headers=False,  # X-Forwarded-For must never change who the caller is
             timeout_keep_alive=30,
             timeout_graceful_shutdown=5,
             ssl_certfile=settings.tls_cert or None,
@@ -204,6 +212,7 @@ async def serve(home: Path, settings: ServerSettings, *, mcp: bool = True) -> No
             lifespan="off" if listeners else "on",
             log_level="warning",
             access_log=False,
+            proxy_headers=False,
             timeout_keep_alive=30,
             timeout_graceful_shutdown=5,
         )

@@ -1,0 +1,93 @@
+"""Attacks on who the API thinks the caller is, against a real `warmbox serve`.
+
+- A TCP client without a key claims to be a unix-socket peer (root) through proxy headers:
+  uvicorn would rewrite the ASGI client from X-Forwarded-For; identity never comes from it.
+- A non-admin key of a tenant borrows the admin flag of another key of the same tenant by
+  sending its body slowly while the admin key makes a request (the fronts were shared).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.conftest import start_server
+from warmbox.engine.engine import Engine
+
+pytestmark = pytest.mark.sandbox
+
+
+def _raw(url: str, request: bytes, timeout: float = 20) -> tuple[int, dict]:
+    u = urlsplit(url)
+    with socket.create_connection((u.hostname, u.port), timeout=timeout) as s:
+        s.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body or b"null")
+
+
+def _length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 0
+
+
+@pytest.fixture(scope="module")
+def server(home: Path, runc_ready: None):
+    srv = start_server(home, home / "identity.sock")
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        "X-Forwarded-For: unix-peer-uid",
+        "X-Forwarded-For: unix-peer-uid:0",
+        "X-Forwarded-For: 127.0.0.1\r\nX-Forwarded-Proto: http",
+        "X-Real-IP: 127.0.0.1\r\nForwarded: for=unix-peer-uid",
+    ],
+)
+def test_proxy_headers_do_not_make_a_tcp_caller_root(server, headers):
+    req = f"GET /v1/sandboxes HTTP/1.1\r\nHost: x\r\n{headers}\r\nConnection: close\r\n\r\n".encode()
+    status, body = _raw(server.url, req)
+    assert (status, body["error"]["code"]) == (401, "unauthenticated")
+    req = (
+        f"POST /v1/snapshots/gc HTTP/1.1\r\nHost: x\r\n{headers}\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+    )
+    status, body = _raw(server.url, req.encode())
+    assert (status, body["error"]["code"]) == (401, "unauthenticated")
+
+
+def test_a_plain_key_cannot_borrow_an_admin_keys_rights(server, home):
+    registry = Engine.for_home(home).registry
+    _, plain = registry.create_key("shared-tenant")
+    _, admin = registry.create_key("shared-tenant", admin=True)
+    u = urlsplit(server.url)
+    with socket.create_connection((u.hostname, u.port), timeout=20) as slow:
+        # the plain key's admin-only request: headers now, the body after the admin key's request
+        slow.sendall(
+            f"POST /v1/snapshots/gc HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {plain}\r\n"
+            "Content-Length: 2\r\nConnection: close\r\n\r\n".encode()
+        )
+        time.sleep(0.3)
+        req = f"GET /v1/sandboxes HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {admin}\r\nConnection: close\r\n\r\n"
+        status, _ = _raw(server.url, req.encode())
+        assert status == 200
+        slow.sendall(b"{}")
+        data = b""
+        while chunk := slow.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert int(head.split()[1]) == 403 and json.loads(body)["error"]["code"] == "forbidden"
