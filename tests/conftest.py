@@ -397,26 +397,16 @@ def start_server(
     return server
 
 
-def _has_keys() -> bool:
-    """Whether the registry has API keys yet (the tenancy work); until then the lane uses root's socket."""
-    from warmbox.storage.registry import Registry
-
-    return hasattr(Registry, "create_key")
-
-
 @pytest.fixture(scope="session")
 def api_server(home: Path):
     """The --api=http lane's server on the session home and the client's settings for it: over TCP
-    with a key of tenant "pytest" when keys exist, else root on the unix socket. Ended by PID."""
+    with a key of tenant "pytest". Ended by PID."""
+    from warmbox.engine.engine import Engine
+
     server = start_server(home)
     try:
-        if _has_keys():
-            from warmbox.engine.engine import Engine
-
-            _key_id, secret = Engine.for_home(home).registry.create_key("pytest")  # type: ignore[attr-defined]
-            server.client_env = {"WARMBOX_API_URL": server.url, "WARMBOX_API_KEY": secret}
-        else:
-            server.client_env = {"WARMBOX_API_URL": server.unix_url}
+        _key_id, secret = Engine.for_home(home).registry.create_key("pytest")
+        server.client_env = {"WARMBOX_API_URL": server.url, "WARMBOX_API_KEY": secret}
         yield server
     finally:
         status = server.stop()

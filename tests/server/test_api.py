@@ -220,7 +220,8 @@ def live(server: ServerProc):
 def live_ids(home: Path) -> set[str]:
     from warmbox.engine.engine import Engine
 
-    return {i.sandbox_id for i in Engine.for_home(home).list()}
+    # a pool's refill in progress is listed while it is created: it was never anyone's
+    return {i.sandbox_id for i in Engine.for_home(home).list() if not (i.pool and not i.claimed_at)}
 
 
 # ---- bad input, generated from the route table
@@ -513,9 +514,7 @@ def peer_server(home: Path, runc_ready: None):
     [server] peers = { 65534 = "nobody-tenant" }."""
     from warmbox.engine.engine import Engine
 
-    registry = Engine.for_home(home).registry
-    if hasattr(registry, "create_key"):  # tenancy: a peer's tenant must exist (keys make tenants)
-        registry.create_key("nobody-tenant")
+    Engine.for_home(home)  # the registry exists before the server (a peer's tenant needs no key)
     public = Path(f"/tmp/wbt-pub-{secrets.token_hex(3)}")
     public.mkdir(mode=0o755)
     public.chmod(0o755)

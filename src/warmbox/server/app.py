@@ -160,7 +160,10 @@ class Service:
                 return None
             name = self.peers.get(uid)
             if name is not None:
-                tenant = self.engine.registry.tenant(name)
+                try:
+                    tenant = self.engine.registry.tenant(name)
+                except InvalidArgument:  # mapped in [server] peers but never given quotas: unlimited
+                    tenant = Tenant(name=name)
                 self.limiter.take(f"uid:{uid}", tenant.rate_per_s)
                 return tenant
             raise Unauthenticated(f"uid {uid} is not mapped to a tenant ([server] peers) and sent no key")
