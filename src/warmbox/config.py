@@ -44,7 +44,7 @@ An operator sees everything in one file::
     tls_key = ""
     peers = { 1000 = "alice" }          # unix-socket callers without a key: uid -> tenant (root = admin)
     max_body_mb = 512                   # largest upload (files are written whole, never partially)
-    body_timeout = 300                  # seconds a request body may take to arrive
+    body_timeout = 300                  # seconds a request body (and, up to 30, its head) may take to arrive
 
 Bad settings raise :class:`~warmbox.errors.ConfigError` naming the file and key.
 """

@@ -41,6 +41,7 @@ def _protocol_base() -> type[asyncio.Protocol]:
 
 
 MAX_HEAD = 64 << 10  # request line + headers; httptools has no bound of its own (h11's is 16 KiB)
+MAX_CONNECTIONS = 1000  # concurrent connections per listener; more are answered 503
 _TOO_LARGE = b'{"error":{"code":"invalid_argument","message":"request line and headers over %d bytes"}}' % MAX_HEAD
 _431 = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\nconnection: close\r\n"
@@ -48,11 +49,13 @@ _431 = (
 )
 
 
-def peercred_protocol() -> type[asyncio.Protocol]:
+def peercred_protocol(head_timeout_s: float = 30.0) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol, with the caller's uid (``SO_PEERCRED``) in the ASGI scope under
     PEER_UID on unix sockets; nothing a client sends can set that key. A request whose
     line and headers pass MAX_HEAD bytes is answered 431 and the connection closed (httptools
-    would buffer a header of any size)."""
+    would buffer a header of any size); one whose head is still incomplete ``head_timeout_s`` after
+    its first byte is closed (uvicorn's keep-alive timer stops at the first byte: a client
+    trickling a header would hold the connection forever)."""
     base: Any = _protocol_base()
 
     class PeerCredProtocol(base):  # type: ignore[misc]
@@ -74,9 +77,22 @@ def peercred_protocol() -> type[asyncio.Protocol]:
                 self.scope[PEER_UID] = self._peer_uid
 
         _tail = b""  # the last bytes of the head so far (its end may straddle two reads)
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def _head_expired(self) -> None:
+            self._head_timer = None
+            if self._in_head and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
             if self._in_head:
+                if self._head_timer is None:
+                    self._head_timer = asyncio.get_running_loop().call_later(head_timeout_s, self._head_expired)
                 end = (self._tail + data).find(b"\r\n\r\n")
                 self._head_bytes += len(data) if end < 0 else end + 4 - len(self._tail)
                 self._tail = (self._tail + data)[-3:]
@@ -89,6 +105,9 @@ def peercred_protocol() -> type[asyncio.Protocol]:
 
         def on_headers_complete(self) -> None:
             self._in_head = False
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
@@ -180,7 +199,7 @@ async def serve(home: Path, settings: ServerSettings, *, mcp: bool = True) -> No
     logging.getLogger("mcp").setLevel(logging.WARNING)  # its session manager announces itself at INFO
     engine = Engine.for_home(home)
     app = build_app(engine, settings, mcp=mcp)
-    protocol = peercred_protocol()
+    protocol = peercred_protocol(min(settings.body_timeout_s, 30.0))  # a head is small: at most 30 s
     listeners: list[tuple[uvicorn.Server, socket.socket]] = []
     addresses = []
     tls = _ssl_context(settings)
@@ -196,6 +215,7 @@ async def serve(home: Path, settings: ServerSettings, *, mcp: bool = True) -> No
             log_level="warning",
             access_log=False,
             proxy_headers=False,  # X-Forwarded-For must never change who the caller is
+            limit_concurrency=MAX_CONNECTIONS,
             timeout_keep_alive=30,
             timeout_graceful_shutdown=5,
             ssl_certfile=settings.tls_cert or None,
@@ -213,6 +233,7 @@ async def serve(home: Path, settings: ServerSettings, *, mcp: bool = True) -> No
             log_level="warning",
             access_log=False,
             proxy_headers=False,
+            limit_concurrency=MAX_CONNECTIONS,
             timeout_keep_alive=30,
             timeout_graceful_shutdown=5,
         )

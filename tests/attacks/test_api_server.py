@@ -1,4 +1,4 @@
-"""Attacks on who the API thinks the caller is, against a real `warmbox serve`.
+"""Attacks on the API server itself (who it thinks the caller is, what a client can hold), against a real `warmbox serve`.
 
 - A TCP client without a key claims to be a unix-socket peer (root) through proxy headers:
   uvicorn would rewrite the ASGI client from X-Forwarded-For; identity never comes from it.
@@ -91,3 +91,18 @@ def test_a_plain_key_cannot_borrow_an_admin_keys_rights(server, home):
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     assert int(head.split()[1]) == 403 and json.loads(body)["error"]["code"] == "forbidden"
+
+
+def test_a_trickled_header_does_not_hold_a_connection(home: Path, runc_ready: None):
+    """Slowloris: a client sends part of a request line and then nothing. The server closes the
+    connection once the head is overdue (uvicorn's own keep-alive timer stops at the first byte)."""
+    srv = start_server(home, home / "slow.sock", env={"WARMBOX_SERVER__BODY_TIMEOUT": "1"})
+    try:
+        u = urlsplit(srv.url)
+        with socket.create_connection((u.hostname, u.port), timeout=20) as s:
+            s.sendall(b"GET /v1/sandboxes HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            t0 = time.monotonic()
+            assert s.recv(100) == b""  # closed by the server, no answer
+            assert time.monotonic() - t0 < 10
+    finally:
+        srv.stop()
