@@ -1,9 +1,12 @@
-"""Attacks on the API server itself (who it thinks the caller is, what a client can hold), against a real `warmbox serve`.
+"""Attacks on the API server itself (who it thinks the caller is, what a client can hold).
 
 - A TCP client without a key claims to be a unix-socket peer (root) through proxy headers:
   uvicorn would rewrite the ASGI client from X-Forwarded-For; identity never comes from it.
 - A non-admin key of a tenant borrows the admin flag of another key of the same tenant by
   sending its body slowly while the admin key makes a request (the fronts were shared).
+- A client trickles a request header and never finishes it (slowloris).
+
+Each runs against a real `warmbox serve`.
 """
 
 from __future__ import annotations
