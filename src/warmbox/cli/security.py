@@ -24,6 +24,24 @@ _ALL = ("container", "gvisor", "microvm")
 
 GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee(
+        "service",
+        "warmbox serve takes a caller's identity only from its key or, on the unix socket, its "
+        "SO_PEERCRED uid: proxy headers never make a TCP caller a peer or root, and a key's admin "
+        "right is never lent to another key of the same tenant.",
+        _ALL,
+        (
+            "test_api_server.py::test_proxy_headers_do_not_make_a_tcp_caller_root",
+            "test_api_server.py::test_a_plain_key_cannot_borrow_an_admin_keys_rights",
+        ),
+    ),
+    Guarantee(
+        "service",
+        "A client cannot hold a server connection by trickling a request head: it is closed once "
+        "the head is overdue.",
+        _ALL,
+        ("test_api_server.py::test_a_trickled_header_does_not_hold_a_connection",),
+    ),
+    Guarantee(
         "host paths",
         "The host never writes, truncates or chowns through a path the sandbox controls: "
         "gVisor's /run trigger is a new inode made by directory fd (O_EXCL|O_NOFOLLOW, fchown of that fd), "
