@@ -247,7 +247,7 @@ def error_code(exc: WarmboxError) -> str:
     """The stable code of an error: its nearest warmbox.errors class, in snake case."""
     for cls in type(exc).__mro__:
         if cls in CODES:
-            return CODES[cls]  # type: ignore[index]
+            return CODES[cls]
     return "warmbox_error"
 
 
