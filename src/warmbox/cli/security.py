@@ -36,8 +36,7 @@ GUARANTEES: tuple[Guarantee, ...] = (
     ),
     Guarantee(
         "service",
-        "A client cannot hold a server connection by trickling a request head: it is closed once "
-        "the head is overdue.",
+        "A client cannot hold a server connection by trickling a request head: it is closed once the head is overdue.",
         _ALL,
         ("test_api_server.py::test_a_trickled_header_does_not_hold_a_connection",),
     ),
