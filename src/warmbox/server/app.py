@@ -250,14 +250,14 @@ async def decode_request(route: api.Route, request: Request, settings: ServerSet
 
 
 def _bound(req: ops.Request[Any], settings: ServerSettings) -> ops.Request[Any]:
-    """What the server holds in memory for one request is bounded whatever the client asks:
-    a command's output and a whole-file read (a stream is never held whole)."""
+    """What the server holds in memory for one request is bounded whatever the client asks: a
+    command's output is cut at MAX_OUTPUT (``truncated``), a whole-file read at max_body_mb
+    (``FileTooLarge`` beyond; files/stream is never held whole)."""
     if isinstance(req, (ops.Exec, ops.RunCode)) and isinstance(req.max_output, int) and req.max_output > MAX_OUTPUT:
-        raise InvalidArgument(f"max_output over the server's limit of {MAX_OUTPUT >> 20} MiB per command")
-    if isinstance(req, ops.ReadFile) and isinstance(req.max_bytes, int) and req.max_bytes > settings.max_body_mb << 20:
-        raise InvalidArgument(
-            f"max_bytes over the server's limit of {settings.max_body_mb} MiB for a whole read (use files/stream)"
-        )
+        return dataclasses.replace(req, max_output=MAX_OUTPUT)
+    cap = settings.max_body_mb << 20
+    if isinstance(req, ops.ReadFile) and isinstance(req.max_bytes, int) and req.max_bytes > cap:
+        return dataclasses.replace(req, max_bytes=cap)
     return req
 
 
