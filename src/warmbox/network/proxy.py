@@ -852,6 +852,7 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         deaths: list[float] = []
+        failed_starts = 0  # of those deaths, the ones in the current streak of starts that never served
         while not self.stopping:
             pid, rc, served_s = self.run_child()
             if rc == 0 or self.stopping:
@@ -863,6 +864,12 @@ class Supervisor:
                 else f"the egress proxy (pid {pid}) {how} before it served"
             )
             now = time.monotonic()
+            if served_s is not None and failed_starts:
+                # this proxy served: the streak of failed starts before it (a bad config, since
+                # fixed) ended then, and must not count against this unrelated death
+                deaths, failed_starts = deaths[:-failed_starts], 0
+            elif served_s is None:
+                failed_starts += 1
             deaths = [t for t in deaths if now - t < RESTART_WINDOW_S] + [now]
             if len(deaths) > len(RESTART_BACKOFF_S):
                 self.log(f"{note}; giving up after {len(deaths)} deaths within {RESTART_WINDOW_S:.0f} s")
