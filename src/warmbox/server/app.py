@@ -289,6 +289,15 @@ def _line(obj: object) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
+async def _next(queue: asyncio.Queue[tuple[str, object]]) -> tuple[str, object]:
+    """The next event of a run, or a heartbeat after HEARTBEAT_S of silence."""
+    try:
+        async with asyncio.timeout(HEARTBEAT_S):
+            return await queue.get()
+    except TimeoutError:
+        return ("heartbeat", None)
+
+
 async def _ndjson(front: EngineFront, req: ops.Request[Any], stream: bool) -> Response:
     """A command or code run: output events while it runs (when asked), then its result or error.
     Errors before anything was sent are a plain error response with the right status."""
@@ -306,11 +315,7 @@ async def _ndjson(front: EngineFront, req: ops.Request[Any], stream: bool) -> Re
     first: tuple[str, object] = ("heartbeat", None)
     try:
         if stream:
-            try:
-                async with asyncio.timeout(HEARTBEAT_S):
-                    first = await queue.get()
-            except TimeoutError:
-                pass
+            first = await _next(queue)
         else:
             await asyncio.wait({task}, timeout=HEARTBEAT_S)
             if task.done():
@@ -341,13 +346,8 @@ async def _ndjson(front: EngineFront, req: ops.Request[Any], stream: bool) -> Re
                         log.error("operation failed", exc_info=exc)
                         yield _line({"error": {"code": "warmbox_error", "message": "internal error"}})
                     return
-                yield b"\n" if kind == "heartbeat" else _line({kind: value})
-                item = ("heartbeat", None)  # a blank line: the client knows the server lives
-                try:
-                    async with asyncio.timeout(HEARTBEAT_S):
-                        item = await queue.get()
-                except TimeoutError:
-                    pass
+                yield b"\n" if kind == "heartbeat" else _line({kind: value})  # blank: the server lives
+                item = await _next(queue)
         finally:
             if not task.done():  # the client went away: stop the command in the sandbox
                 task.cancel()
