@@ -55,6 +55,7 @@ def test_exported_members():
             "Secret",
             "QuotaExceeded",
             "Forbidden",
+            "WriteEntry",
         ]
     )
     for name in warmbox.__all__:

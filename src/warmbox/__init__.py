@@ -47,6 +47,7 @@ from warmbox.models import (
     StageTiming,
     State,
     TierStatus,
+    WriteEntry,
 )
 from warmbox.network.policy import Network, Secret
 from warmbox.sdk import AsyncSandbox, CodeContext, Sandbox
@@ -67,6 +68,7 @@ __all__ = [
     "Network",
     "NetworkError",
     "Secret",
+    "WriteEntry",
     "AsyncSandbox",
     "BackendUnavailable",
     "CodeContext",

@@ -219,6 +219,14 @@ class EntryInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class WriteEntry:
+    """One file of ``files.write_files``: its path in the sandbox and its contents (text is UTF-8)."""
+
+    path: str
+    data: str | bytes
+
+
+@dataclasses.dataclass(frozen=True)
 class TierStatus:
     """What ``warmbox doctor`` reports for one tier."""
 

@@ -28,6 +28,7 @@ from warmbox.models import (
     SnapshotRef,
     StageTiming,
     TierStatus,
+    WriteEntry,
 )
 
 R = TypeVar("R")
@@ -74,6 +75,8 @@ class Op(str, enum.Enum):
     FILES_READ = "files.read"
     FILES_READ_STREAM = "files.read_stream"
     FILES_WRITE = "files.write"
+    FILES_WRITE_MANY = "files.write_files"
+    FILES_RENAME = "files.rename"
     FILES_LIST = "files.list"
     FILES_STAT = "files.stat"
     FILES_MAKE_DIR = "files.make_dir"
@@ -338,6 +341,26 @@ class WriteFile(Request[EntryInfo]):
 
 
 @dataclasses.dataclass(frozen=True)
+class WriteFiles(Request[list[EntryInfo]]):
+    """Create or replace several files in one call, in order (parents are created); their entries.
+    A failure stops at that file (the ones before it are written) with its typed error."""
+
+    op: ClassVar[Op] = Op.FILES_WRITE_MANY
+    sandbox_id: str
+    files: tuple[WriteEntry, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rename(Request[EntryInfo]):
+    """Move ``old_path`` to ``new_path`` (parents created; a file there is replaced); its new entry."""
+
+    op: ClassVar[Op] = Op.FILES_RENAME
+    sandbox_id: str
+    old_path: str
+    new_path: str
+
+
+@dataclasses.dataclass(frozen=True)
 class ListDir(Request[list[EntryInfo]]):
     op: ClassVar[Op] = Op.FILES_LIST
     sandbox_id: str
@@ -492,6 +515,8 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         ReadFile,
         ReadFileStream,
         WriteFile,
+        WriteFiles,
+        Rename,
         ListDir,
         Stat,
         MakeDir,

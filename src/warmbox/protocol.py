@@ -250,6 +250,14 @@ class WriteFile(Message):
     append: bool
 
 
+class Rename(Message):
+    """Move ``old`` to ``new`` (parents of ``new`` are created; a file there is replaced); answered
+    by the Entry of ``new``."""
+
+    old: str
+    new: str
+
+
 class ListDir(Message):
     path: str
     depth: int
@@ -430,6 +438,7 @@ HOST_TO_GUEST: tuple[type[Message], ...] = (
     Signal,
     ReadFile,
     WriteFile,
+    Rename,
     ListDir,
     Stat,
     MakeDir,

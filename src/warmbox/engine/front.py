@@ -45,6 +45,7 @@ from warmbox.models import (
     StageTiming,
     Tenant,
     TierStatus,
+    WriteEntry,
 )
 from warmbox.operations import sandbox_path
 from warmbox.storage.registry import unknown_sandbox
@@ -98,6 +99,15 @@ def _snapshot_ref(m: Any) -> SnapshotRef:
 _NAMES_SANDBOX: frozenset[type[Any]] = frozenset(
     cls for cls in ops.REQUESTS.values() if any(f.name == "sandbox_id" for f in dataclasses.fields(cast(Any, cls)))
 )
+
+
+def _file_bytes(data: object, name: str) -> bytes:
+    """A file's contents as given to the files API: text (UTF-8) or bytes."""
+    if isinstance(data, str):
+        return data.encode()
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    raise InvalidArgument(f"{name} must be str or bytes, got {type(data).__name__}")
 
 
 def _snapshot_id(ref: object) -> bool:
@@ -156,6 +166,8 @@ class EngineFront:
             ops.ReadFile: self.read_file,
             ops.ReadFileStream: self.read_file_stream,
             ops.WriteFile: self.write_file,
+            ops.WriteFiles: self.write_files,
+            ops.Rename: self.rename,
             ops.ListDir: self.list_dir,
             ops.Stat: self.stat,
             ops.MakeDir: self.make_dir,
@@ -406,13 +418,23 @@ class EngineFront:
         path = sandbox_path(r.path)
         if isinstance(r.mode, bool) or not isinstance(r.mode, int) or not 0 <= r.mode <= 0o7777:
             raise InvalidArgument(f"mode must be a permission number from 0 to 0o7777, got {r.mode!r}")
-        if isinstance(r.data, str):
-            raw = r.data.encode()
-        elif isinstance(r.data, (bytes, bytearray, memoryview)):
-            raw = bytes(r.data)
-        else:
-            raise InvalidArgument(f"data must be str or bytes, got {type(r.data).__name__}")
+        raw = _file_bytes(r.data, "data")
         return await (await self._session(r.sandbox_id)).write(path, raw, mode=r.mode, append=r.append)
+
+    async def write_files(self, r: ops.WriteFiles) -> builtins.list[EntryInfo]:
+        if not isinstance(r.files, (list, tuple)):
+            raise InvalidArgument(f"files must be a list of warmbox.WriteEntry, got {type(r.files).__name__}")
+        todo: builtins.list[tuple[str, bytes]] = []
+        for i, entry in enumerate(r.files):  # every entry is checked before anything is written
+            if not isinstance(entry, WriteEntry):
+                raise InvalidArgument(f"files[{i}] must be a warmbox.WriteEntry, got {type(entry).__name__}")
+            todo.append((sandbox_path(entry.path), _file_bytes(entry.data, f"files[{i}].data")))
+        session = await self._session(r.sandbox_id)
+        return [await session.write(path, raw) for path, raw in todo]
+
+    async def rename(self, r: ops.Rename) -> EntryInfo:
+        old, new = sandbox_path(r.old_path), sandbox_path(r.new_path)
+        return await (await self._session(r.sandbox_id)).rename(old, new)
 
     async def list_dir(self, r: ops.ListDir) -> builtins.list[EntryInfo]:
         path = sandbox_path(r.path)

@@ -424,6 +424,13 @@ class GuestSession:
         assert isinstance(msg, p.Entry)
         return _entry(msg)
 
+    async def rename(self, old: str, new: str) -> EntryInfo:
+        msg = await self._client.call(lambda i: p.Rename(i, old=old, new=new), p.Entry)
+        if isinstance(msg, p.Failure):
+            raise_failure(msg, self.sandbox_id, f"rename {old} to {new}")
+        assert isinstance(msg, p.Entry)
+        return _entry(msg)
+
     async def list(self, path: str, depth: int) -> builtins.list[EntryInfo]:
         entries: builtins.list[EntryInfo] = []
         async with self._client.request(lambda i: p.ListDir(i, path=path, depth=depth)) as stream:

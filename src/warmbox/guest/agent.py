@@ -1172,6 +1172,15 @@ def _write_file(agent: Agent, conn: Connection, msg: p.WriteFile) -> None:
     conn.send(_entry(msg.id, msg.path))
 
 
+def _rename(agent: Agent, conn: Connection, msg: p.Rename) -> None:
+    os.lstat(msg.old)  # a missing source is NOT_FOUND naming it, before any directory is made
+    parent = os.path.dirname(msg.new)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    os.rename(msg.old, msg.new)
+    conn.send(_entry(msg.id, msg.new))
+
+
 def _list_dir(agent: Agent, conn: Connection, msg: p.ListDir) -> None:
     if not os.path.isdir(msg.path):
         raise _Fail(
@@ -1456,6 +1465,7 @@ _HANDLERS: dict[type[p.Message], Any] = {
     p.Signal: _signal,
     p.ReadFile: _read_file,
     p.WriteFile: _write_file,
+    p.Rename: _rename,
     p.ListDir: _list_dir,
     p.Stat: _stat,
     p.MakeDir: _make_dir,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from warmbox import operations as ops
 from warmbox.errors import InvalidArgument, PathNotFound
-from warmbox.models import EntryInfo
+from warmbox.models import EntryInfo, WriteEntry
 from warmbox.sdk._sync import synchronize
 
 if TYPE_CHECKING:
@@ -59,6 +59,19 @@ class AsyncFiles:
     async def write(self, path: str, data: str | bytes, *, mode: int = 0o644, append: bool = False) -> EntryInfo:
         """Create or replace a file (parent directories are created); returns its entry."""
         return await self._sb._run(ops.WriteFile(self._sb.sandbox_id, path, data, mode=mode, append=append))
+
+    async def write_files(self, files: builtins.list[WriteEntry]) -> builtins.list[EntryInfo]:
+        """Create or replace several files in one call, in order (parents are created); their
+        entries. Every entry is checked first; a failure inside the sandbox stops at that file
+        (the ones before it stay written) and raises its typed error."""
+        if not isinstance(files, (builtins.list, tuple)):
+            raise InvalidArgument(f"files must be a list of warmbox.WriteEntry, got {type(files).__name__}")
+        return await self._sb._run(ops.WriteFiles(self._sb.sandbox_id, tuple(files)))
+
+    async def rename(self, old_path: str, new_path: str) -> EntryInfo:
+        """Move ``old_path`` to ``new_path`` (parents are created; a file there is replaced);
+        returns the entry at its new path."""
+        return await self._sb._run(ops.Rename(self._sb.sandbox_id, old_path, new_path))
 
     async def list(self, path: str = WORKDIR, *, depth: int = 1) -> builtins.list[EntryInfo]:
         return await self._sb._run(ops.ListDir(self._sb.sandbox_id, path, depth=depth))

@@ -132,12 +132,23 @@ def _check_records(request: ops.Request[Any]) -> None:
     """A field typed as a record (limits: Limits) must hold one, as in process: encoded, a dict of
     the same fields would pass for it, so code that works over HTTP would fail in process."""
     for name, tp in wire.hints(_cls(request)).items():
+        value = getattr(request, name)
         records: tuple[type, ...] = tuple(
             a for a in (typing.get_args(tp) or (tp,)) if isinstance(a, type) and dataclasses.is_dataclass(a)
         )
-        value = getattr(request, name)
-        if records and value is not None and not isinstance(value, records):
-            raise InvalidArgument(f"{name} must be a warmbox.{records[0].__name__}, got {type(value).__name__}")
+        items: list[tuple[str, object]] = [(name, value)]
+        if records and typing.get_origin(tp) is tuple:  # a list of records (files.write_files): each item
+            if not isinstance(value, (list, tuple)):
+                raise InvalidArgument(f"{name} must be a list, got {type(value).__name__}")
+            items = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+        for where, v in items:
+            if records and v is not None and not isinstance(v, records):
+                raise InvalidArgument(f"{where} must be a warmbox.{records[0].__name__}, got {type(v).__name__}")
+
+
+def _is_path(field: str) -> bool:
+    """A sandbox path of the files API (path, old_path, new_path, ...)."""
+    return field == "path" or field.endswith("_path")
 
 
 def _checked(request: ops.Request[Any], fields: dict[str, Any]) -> dict[str, Any]:
@@ -146,7 +157,7 @@ def _checked(request: ops.Request[Any], fields: dict[str, Any]) -> dict[str, Any
     the engine's own check (InvalidPath), anything else by the codec (InvalidArgument)."""
     hints = wire.hints(_cls(request))
     for name, value in fields.items():
-        if name == "path":
+        if _is_path(name):
             ops.sandbox_path(value)
         else:
             wire.decode(hints[name], value, name)
@@ -256,6 +267,9 @@ class HttpTransport:
             fields.pop(f, None)
         kwargs: dict[str, Any] = {}
         if route.body == "json":
+            for name in fields:  # refused as in process (InvalidPath), not by the codec's type check
+                if _is_path(name):
+                    ops.sandbox_path(getattr(request, name))
             kwargs["data"] = json.dumps(fields, separators=(",", ":"))
             kwargs["headers"] = {"Content-Type": "application/json"}
         elif route.body == "query":
