@@ -21,6 +21,7 @@ def test_exported_members():
             "InvalidPath",
             "IsADirectory",
             "Limits",
+            "Logs",
             "NoSpace",
             "NotADirectory",
             "PathExists",

@@ -161,17 +161,47 @@ class CommandResult:
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    """One output of a code run, in every representation the object offered."""
+    """One output of a code run (a displayed object, a chart, the last expression's value), in
+    every representation the object offered: E2B's ``Result``.
+
+    Images and PDF are base64 strings (``base64.b64decode(r.png)`` gives the PNG file); ``json``
+    is JSON text; the others are text. ``is_main_result``: the value of the cell's last expression.
+    """
 
     is_main_result: bool
     text: str | None = None
     html: str | None = None
     markdown: str | None = None
     svg: str | None = None
-    png: bytes | None = None
-    jpeg: bytes | None = None
+    png: str | None = None
+    jpeg: str | None = None
+    pdf: str | None = None
     latex: str | None = None
     json: str | None = None
+    javascript: str | None = None
+
+    def formats(self) -> list[str]:
+        """The representations present besides ``text``, in E2B's order (e.g. ``["html"]``)."""
+        present = (
+            ("html", self.html),
+            ("markdown", self.markdown),
+            ("svg", self.svg),
+            ("png", self.png),
+            ("jpeg", self.jpeg),
+            ("pdf", self.pdf),
+            ("latex", self.latex),
+            ("json", self.json),
+            ("javascript", self.javascript),
+        )
+        return [name for name, value in present if value is not None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Logs:
+    """A run's output as E2B's ``Logs``: one entry per line (its newline kept), stdout and stderr."""
+
+    stdout: list[str]
+    stderr: list[str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +233,11 @@ class Execution:
             if r.is_main_result:
                 return r.text
         return None
+
+    @property
+    def logs(self) -> Logs:
+        """stdout and stderr as lists of lines (E2B's ``execution.logs``)."""
+        return Logs(self.stdout.splitlines(keepends=True), self.stderr.splitlines(keepends=True))
 
 
 @dataclasses.dataclass(frozen=True)

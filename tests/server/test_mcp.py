@@ -90,7 +90,7 @@ def _answer(request: ops.Request[Any]) -> Any:
             raise SandboxNotFound(f"sandbox {request.sandbox_id} not found", request.sandbox_id)
         return CommandResult(3, "hi\n", "", False, False, False, 0, 1.0, 7)
     if isinstance(request, ops.RunCode):
-        results = (Result(False, text="<Chart>", png=_png()), Result(True, text="42"))
+        results = (Result(False, text="<Chart>", png=base64.b64encode(_png()).decode()), Result(True, text="42"))
         return Execution(results, "out\n", "", None, False, False, False, 1, 2.0)
     if isinstance(request, ops.ReadFile):
         return b"\xff\xfe binary"

@@ -50,7 +50,7 @@ def test_results_round_trip():
         (
             Execution,
             Execution(
-                (Result(True, text="4", png=b"\x89PNG\x00\xff"),),
+                (Result(True, text="4", png="iVBORwD/"),),
                 "4\n",
                 "",
                 ExecutionError("E", "v", "tb"),
@@ -70,7 +70,7 @@ def test_results_round_trip():
         data = json.loads(json.dumps(wire.encode(value)))
         assert wire.decode(tp, data) == value
     # images travel as base64 strings, as E2B's results do
-    assert wire.encode(Result(True, png=b"\x89PNG"))["png"] == "iVBORw=="
+    assert wire.encode(Result(True, png="iVBORw=="))["png"] == "iVBORw=="
 
 
 def test_requests_round_trip_with_tagged_bytes():

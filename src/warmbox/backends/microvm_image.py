@@ -69,6 +69,7 @@ _GUEST_SOURCES = (
     "guest/__init__.py",
     "guest/agent.py",
     "guest/kernel.py",
+    "guest/mpl_inline.py",
     "guest/spawn.c",
     "guest/init.c",
 )
@@ -166,6 +167,7 @@ _ETC = {
     "hosts": "127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n",
     "resolv.conf": "",
 }
+_ETC["matplotlibrc"] = "backend: Agg\n"  # as the other tiers' (runc.MATPLOTLIBRC): Debian's says TkAgg
 
 
 def _fail(what: str, r: subprocess.CompletedProcess | None = None) -> SandboxStartError:

@@ -72,16 +72,21 @@ _ETC_COPY = [
     "python3.11",
     "ssl/certs/ca-certificates.crt",
     "ssl/openssl.cnf",
+    "fonts",
 ]
 _GUEST_SOURCES = (
     "protocol.py",
     "guest/__init__.py",
     "guest/agent.py",
     "guest/kernel.py",
+    "guest/mpl_inline.py",
     "guest/spawn.c",
     "guest/init.c",
 )
 CGROUP_FD = 4  # the agent's fd of the sandbox's cgroup v2 directory (its commands' cgroups go below)
+# matplotlib (the host's /usr) draws to PNG with no display; code contexts switch to their inline
+# backend (warmbox.guest.mpl_inline) so charts become results
+MATPLOTLIBRC = "backend: Agg\n"
 RUNTIME_TIMEOUT_S = 30.0  # a runtime command of a teardown (seconds, wall clock): runc delete takes ~15 ms
 
 
@@ -97,6 +102,34 @@ def agent_command(args: list[str] | None = None) -> list[str]:
     ]
 
 
+def build_font_cache(python: str, out: Path, rc: Path) -> None:
+    """matplotlib's font list, made once here: code contexts copy it into the user's cache (its
+    first import would scan every font). Nothing when the interpreter has no matplotlib."""
+    home = out.with_name(out.name + ".home")
+    home.mkdir()
+    try:
+        subprocess.run(
+            [python, "-I", "-c", "import matplotlib.font_manager"],
+            env={"PATH": BASE_ENV["PATH"], "HOME": str(home), "MPLCONFIGDIR": str(out), "MATPLOTLIBRC": str(rc)},
+            check=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=120,
+        )
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    if not out.is_dir():
+        return
+    out.chmod(0o755)
+    for extra in out.glob("*"):  # only the font list: nothing else of a build-time config
+        if extra.name.startswith("fontlist-") and extra.suffix == ".json" and extra.is_file():
+            extra.chmod(0o644)
+        elif extra.is_dir():
+            shutil.rmtree(extra)
+        else:
+            extra.unlink()
+
+
 def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path:
     """The shared read-only rootfs, built once per content hash (atomic: temp dir + rename).
 
@@ -104,7 +137,7 @@ def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path
     the variant name and its inputs must be part of ``variant``'s spelling for the hash).
     """
     pkg = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256(b"warmbox-rootfs-v4" + variant.encode())
+    h = hashlib.sha256(b"warmbox-rootfs-v5" + variant.encode())
     for rel in _GUEST_SOURCES:
         h.update(rel.encode() + b"\0" + (pkg / rel).read_bytes())
     final = images_dir / f"{variant.split(':')[0]}-{h.hexdigest()[:16]}"
@@ -136,6 +169,7 @@ def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path
         "nsswitch.conf": "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\n",
         "shells": "/bin/sh\n/bin/bash\n",
         "timezone": "Etc/UTC\n",
+        "matplotlibrc": MATPLOTLIBRC,
     }
     for name, text in files.items():
         (etc / name).write_text(text)
@@ -162,6 +196,7 @@ def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path
         subprocess.run(
             [GUEST_PYTHON, "-I", "-m", "compileall", "-q", str(lib)], check=True, stdout=subprocess.DEVNULL, timeout=60
         )
+        build_font_cache(GUEST_PYTHON, tmp / GUEST_LIB.lstrip("/") / "matplotlib", etc / "matplotlibrc")
     if customize is not None:
         customize(tmp)
     try:

@@ -8,6 +8,7 @@ specific :class:`~warmbox.errors.WarmboxError`. No other module builds requests.
 
 from __future__ import annotations
 
+import base64
 import builtins
 import codecs
 import io
@@ -38,6 +39,7 @@ from warmbox.models import CommandResult, EntryInfo, Execution, ExecutionError, 
 
 HOST_GRACE_S = 15.0  # the host's bound = the guest's timeout + this (kill and interrupt waits)
 MAX_DISPLAY_BYTES = 64 << 20
+MAX_RESULTS = 4096  # results of one run (display() calls, charts)
 PING_TIMEOUT_S = 30.0
 _ERR_TAIL = 64 << 10
 
@@ -62,9 +64,12 @@ _MIME_FIELDS = {
     "image/svg+xml": "svg",
     "image/png": "png",
     "image/jpeg": "jpeg",
+    "application/pdf": "pdf",
     "text/latex": "latex",
     "application/json": "json",
+    "application/javascript": "javascript",
 }
+_BASE64_FIELDS = frozenset({"png", "jpeg", "pdf"})
 
 
 def raise_failure(f: p.Failure, sandbox_id: str, what: str) -> None:
@@ -346,14 +351,18 @@ class GuestSession:
                 if output.feed(msg):
                     continue
                 if isinstance(msg, p.Display):
-                    display_bytes += len(msg.data)
-                    if display_bytes > MAX_DISPLAY_BYTES:
+                    display_bytes += len(msg.data) + 64  # empty frames count too
+                    if display_bytes > MAX_DISPLAY_BYTES or len(displays) > MAX_RESULTS:
                         raise GuestProtocolError("guest sent too much rich output", self.sandbox_id)
                     field = _MIME_FIELDS.get(msg.mime)
                     if field is None:
                         continue
                     bucket = displays.setdefault(msg.result, {})
-                    bucket[field] = msg.data if field in ("png", "jpeg") else msg.data.decode("utf-8", "replace")
+                    bucket[field] = (
+                        base64.b64encode(msg.data).decode("ascii")
+                        if field in _BASE64_FIELDS
+                        else msg.data.decode("utf-8", "replace")
+                    )
                     if msg.main:
                         mains.add(msg.result)
                 elif isinstance(msg, p.Failure):

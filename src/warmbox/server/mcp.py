@@ -20,7 +20,6 @@ server's log, never to the client).
 
 from __future__ import annotations
 
-import base64
 import logging
 import re
 from collections.abc import Callable
@@ -259,7 +258,7 @@ def _run_code_result(ex: Execution) -> CallToolResult:
         mimes = []
         for mime, data in (("image/png", r.png), ("image/jpeg", r.jpeg)):
             if data:
-                images.append(ImageContent(data=base64.b64encode(data).decode("ascii"), mime_type=mime))
+                images.append(ImageContent(data=data, mime_type=mime))  # already base64, as MCP wants
                 mimes.append(mime)
         results.append(
             ResultOut(

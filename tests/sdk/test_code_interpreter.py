@@ -1,0 +1,121 @@
+"""The code interpreter as E2B's: charts and rich results, display(), logs, result callbacks, languages."""
+
+from __future__ import annotations
+
+import base64
+import struct
+
+import pytest
+
+from warmbox import BackendUnavailable, Sandbox
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(b64: str | None) -> tuple[int, int]:
+    """Width and height of a base64 PNG (its IHDR), after checking it is one."""
+    assert b64 is not None
+    data = base64.b64decode(b64, validate=True)
+    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR" and len(data) > 1000
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def open_tier(tier: str, **kw) -> Sandbox:
+    try:
+        return Sandbox.create(tier=tier, timeout=600, **kw)
+    except BackendUnavailable as e:
+        pytest.skip(f"the {tier} tier is not available here: {e}")
+
+
+@pytest.fixture(scope="module")
+def box(home, runc_ready):
+    with Sandbox.create(tier="container", timeout=600) as sb:
+        yield sb
+
+
+CHART = "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.title('t')\nplt.show()\nprint('shown')"
+
+
+@pytest.mark.sandbox
+def test_plt_show_gives_a_png_result(box):
+    e = box.run_code(CHART)
+    assert e.error is None, e.error
+    assert e.stdout == "shown\n" and "non-interactive" not in e.stderr
+    (chart,) = e.results
+    assert not chart.is_main_result and chart.formats() == ["png"] and chart.text.startswith("<Figure size")
+    w, h = png_size(chart.png)
+    assert 300 < w < 2000 and 200 < h < 2000
+    # shown figures are closed: the next cell draws no stale chart
+    assert box.run_code("len(plt.get_fignums())").text == "0"
+
+
+@pytest.mark.sandbox
+def test_a_figure_as_last_expression_is_the_main_result(box):
+    e = box.run_code("import matplotlib.pyplot as plt\nfig, ax = plt.subplots()\nax.bar(['a', 'b'], [1, 2])\nfig")
+    assert e.error is None, e.error
+    (main,) = e.results  # once: not again as an unshown figure at the end of the cell
+    assert main.is_main_result and png_size(main.png)
+    # a figure drawn and not shown still becomes a result at the end of the cell, as in Jupyter
+    e = box.run_code("plt.plot([1, 2]); 7")
+    assert [r.is_main_result for r in e.results] == [True, False]
+    assert e.text == "7" and png_size(e.results[1].png)
+
+
+@pytest.mark.sandbox
+def test_rich_representations_and_display(box):
+    e = box.run_code("import pandas as pd\npd.DataFrame({'col': [1, 2]})")
+    (df,) = e.results
+    assert df.is_main_result and "<table" in df.html and "col" in df.text and df.formats() == ["html"]
+    code = """
+class Rich:
+    def _repr_markdown_(self): return '**bold**'
+    def _repr_latex_(self): return r'$x^2$'
+    def _repr_json_(self): return {'k': [1, 2]}
+
+class Bundle:
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        return {'text/html': '<b>b</b>', 'image/svg+xml': '<svg/>', 'text/plain': 'B!'}
+
+display(Rich())
+display(Bundle())
+'main'
+"""
+    e = box.run_code(code)
+    assert e.error is None, e.error
+    rich, bundle, main = e.results
+    assert (rich.markdown, rich.latex, rich.json) == ("**bold**", "$x^2$", '{"k": [1, 2]}')
+    assert rich.formats() == ["markdown", "latex", "json"] and not rich.is_main_result
+    assert (bundle.html, bundle.svg, bundle.text) == ("<b>b</b>", "<svg/>", "B!")
+    assert main.is_main_result and e.text == "'main'"
+
+
+@pytest.mark.sandbox
+def test_logs_are_lists_of_lines(box):
+    e = box.run_code("import sys\nprint('a'); print('b')\nprint('c', file=sys.stderr)")
+    assert (e.stdout, e.stderr) == ("a\nb\n", "c\n")
+    assert (e.logs.stdout, e.logs.stderr) == (["a\n", "b\n"], ["c\n"])
+
+
+@pytest.mark.sandbox
+def test_matplotlib_in_commands_and_a_fresh_cache(box):
+    """A command's Python has matplotlib too (Agg from /etc/matplotlibrc); the font list was made
+    in the image, so a context's first import finds it in the user's cache."""
+    r = box.commands.run(
+        "python3 -c \"import matplotlib, matplotlib.pyplot as plt; plt.plot([1]); plt.savefig('/tmp/c.png'); "
+        'print(matplotlib.get_backend())"'
+    )
+    assert (r.exit_code, r.stdout, r.stderr) == (0, "agg\n", "")
+    assert box.files.read("/tmp/c.png", format="bytes")[:8] == PNG_MAGIC
+    ctx = box.create_code_context(envs={"MPLCONFIGDIR": "/tmp/mpl-fresh"})
+    e = box.run_code("import os; os.listdir('/tmp/mpl-fresh')", context=ctx)  # before any matplotlib import
+    assert e.text.startswith("['fontlist-v") and e.text.endswith(".json']")
+    box.remove_code_context(ctx)
+
+
+@pytest.mark.sandbox
+def test_charts_on_gvisor(home, runc_ready):
+    with open_tier("gvisor") as sb:
+        e = sb.run_code(CHART)
+        assert e.error is None, e.error
+        assert png_size(e.results[0].png)
