@@ -23,6 +23,7 @@ from warmbox.models import (
     Limits,
     NetEvent,
     PoolStatus,
+    Result,
     SandboxInfo,
     SandboxMetrics,
     SnapshotRef,
@@ -33,6 +34,7 @@ from warmbox.models import (
 
 R = TypeVar("R")
 TextSink = Callable[[str], object]
+ResultSink = Callable[[Result], object]
 WORKDIR = "/workspace"
 _MAX_PATH = 4096
 
@@ -285,6 +287,7 @@ class RunCode(Request[Execution]):
     max_output: int = 10 << 20
     on_stdout: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
     on_stderr: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
+    on_result: ResultSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
 
 
 @dataclasses.dataclass(frozen=True)

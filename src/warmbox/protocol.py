@@ -401,6 +401,8 @@ class Display(Message):
 
     ``result`` numbers the outputs of the run (several mimes share one number); ``main`` marks
     the value of the cell's last expression. ``mime`` e.g. text/plain, text/html, image/png.
+    Every result has a text/plain representation, sent last: the host takes the result as
+    complete then (and hands it to a result callback).
     """
 
     mime: str

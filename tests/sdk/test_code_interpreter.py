@@ -98,6 +98,30 @@ def test_logs_are_lists_of_lines(box):
 
 
 @pytest.mark.sandbox
+def test_callbacks_stream_results_and_errors(box):
+    """on_result gets each result while the cell still runs (here before its last print)."""
+    events: list[tuple[str, object]] = []
+    code = "import time\ndisplay(1)\ntime.sleep(0.5)\nprint('late')\ndisplay(2)\n3"
+    e = box.run_code(
+        code,
+        on_stdout=lambda s: events.append(("out", s)),
+        on_result=lambda r: events.append(("result", (r.text, r.is_main_result))),
+        on_error=lambda err: events.append(("error", err)),
+    )
+    assert events == [
+        ("result", ("1", False)),
+        ("out", "late"),
+        ("out", "\n"),
+        ("result", ("2", False)),
+        ("result", ("3", True)),
+    ]
+    assert [r.text for r in e.results] == ["1", "2", "3"]
+    errors = []
+    e = box.run_code("1 / 0", on_error=errors.append, on_result=errors.append)
+    assert errors == [e.error] and e.error.name == "ZeroDivisionError"
+
+
+@pytest.mark.sandbox
 def test_matplotlib_in_commands_and_a_fresh_cache(box):
     """A command's Python has matplotlib too (Agg from /etc/matplotlibrc); the font list was made
     in the image, so a context's first import finds it in the user's cache."""

@@ -389,7 +389,13 @@ class EngineFront:
         cap = _positive_int(r.max_output, "max_output")
         session = await self._session(r.sandbox_id)
         return await session.run_code(
-            r.code, context=r.context, timeout_s=t, max_output=cap, on_stdout=r.on_stdout, on_stderr=r.on_stderr
+            r.code,
+            context=r.context,
+            timeout_s=t,
+            max_output=cap,
+            on_stdout=r.on_stdout,
+            on_stderr=r.on_stderr,
+            on_result=r.on_result,
         )
 
     async def create_context(self, r: ops.CreateContext) -> str:

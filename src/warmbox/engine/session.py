@@ -45,6 +45,7 @@ _ERR_TAIL = 64 << 10
 
 OomCounter = Callable[[], Awaitable[int]]
 TextSink = Callable[[str], object]
+ResultSink = Callable[[Result], object]
 BytesSink = Callable[[bytes], object]
 
 _FILE_ERRORS: dict[p.ErrorCode, type[SandboxError]] = {
@@ -70,6 +71,10 @@ _MIME_FIELDS = {
     "application/javascript": "javascript",
 }
 _BASE64_FIELDS = frozenset({"png", "jpeg", "pdf"})
+
+
+def _result(main: bool, fields: dict[str, object]) -> Result:
+    return Result(is_main_result=main, **fields)  # type: ignore[arg-type]
 
 
 def raise_failure(f: p.Failure, sandbox_id: str, what: str) -> None:
@@ -335,12 +340,22 @@ class GuestSession:
         max_output: int = 1 << 20,
         on_stdout: TextSink | None = None,
         on_stderr: TextSink | None = None,
+        on_result: ResultSink | None = None,
     ) -> Execution:
-        """Run a cell in a code context; its exception is ``Execution.error``, never raised."""
+        """Run a cell in a code context; its exception is ``Execution.error``, never raised.
+        ``on_result`` gets each result once it is complete (the next one began, or the run ended)."""
         output = _Output(on_stdout, on_stderr, max_output, self.sandbox_id)
         displays: dict[int, dict[str, object]] = {}
         display_bytes = 0
         mains: set[int] = set()
+        current: int | None = None  # the result whose representations are arriving
+        delivered: set[int] = set()
+
+        def deliver(index: int | None) -> None:
+            if on_result is not None and index is not None and index not in delivered and index in displays:
+                delivered.add(index)
+                on_result(_result(index in mains, displays[index]))
+
         oom_before = await self._oom_before()
         async with self._client.request(
             lambda i: p.ContextRun(i, context=context, code=code, timeout_s=timeout_s, max_output=max_output),
@@ -357,6 +372,9 @@ class GuestSession:
                     field = _MIME_FIELDS.get(msg.mime)
                     if field is None:
                         continue
+                    if msg.result != current:
+                        deliver(current)
+                        current = msg.result
                     bucket = displays.setdefault(msg.result, {})
                     bucket[field] = (
                         base64.b64encode(msg.data).decode("ascii")
@@ -365,13 +383,16 @@ class GuestSession:
                     )
                     if msg.main:
                         mains.add(msg.result)
+                    if field == "text":  # the last representation of a result
+                        deliver(msg.result)
                 elif isinstance(msg, p.Failure):
                     raise_failure(msg, self.sandbox_id, "run_code")
                 elif isinstance(msg, p.CodeDone):
+                    deliver(current)
                     done = msg
                     break
         oom = await self._oom_killed(oom_before, done.oom_kills)
-        results = tuple(Result(is_main_result=k in mains, **v) for k, v in sorted(displays.items()))  # type: ignore[arg-type]
+        results = tuple(_result(k in mains, v) for k, v in sorted(displays.items()))
         error = ExecutionError(done.error_name, done.error_value, done.traceback) if done.error_name else None
         stdout, stderr = output.text()
         return Execution(

@@ -251,10 +251,11 @@ class _Run:
         index = self.results
         self.results += 1
         for mime, data in bundle.items():
-            if mime == "text/plain":
-                data = data[: p.MAX_BODY]
-            if len(data) <= p.MAX_BODY:
+            if mime != "text/plain" and len(data) <= p.MAX_BODY:
                 self.send(p.Display(id=self.msg.id, mime=mime, data=data, main=main, result=index))
+        # text/plain last: it tells the host the result is complete
+        text = bundle.get("text/plain", b"")[: p.MAX_BODY]
+        self.send(p.Display(id=self.msg.id, mime="text/plain", data=text, main=main, result=index))
 
     def show_figures(self) -> None:
         """Every open pyplot figure not shown yet in this cell as a result; then all are closed."""

@@ -8,8 +8,10 @@ from warmbox.models import ApprovalRequest as ApprovalRequest
 from warmbox.models import CommandResult as CommandResult
 from warmbox.models import EntryInfo as EntryInfo
 from warmbox.models import Execution as Execution
+from warmbox.models import ExecutionError as ExecutionError
 from warmbox.models import Limits as Limits
 from warmbox.models import NetEvent as NetEvent
+from warmbox.models import Result as Result
 from warmbox.models import SandboxInfo as SandboxInfo
 from warmbox.models import SandboxMetrics as SandboxMetrics
 from warmbox.models import SnapshotRef as SnapshotRef
@@ -93,7 +95,7 @@ class Sandbox:
     def remove_code_context(self, context: CodeContext | str) -> None: ...
     @classmethod
     def resume(cls, snapshot: SnapshotRef | str, *, timeout: float | None = ..., envs: dict[str, str] | None = ..., home: str | Path | None = ..., transport: Transport | None = ..., api_url: str | None = ..., api_key: str | None = ...) -> Sandbox: ...
-    def run_code(self, code: str, *, context: CodeContext | str | None = ..., timeout: float | None = ..., on_stdout: Callable[[str], object] | None = ..., on_stderr: Callable[[str], object] | None = ..., max_output: int = ...) -> Execution: ...
+    def run_code(self, code: str, *, context: CodeContext | str | None = ..., timeout: float | None = ..., on_stdout: Callable[[str], object] | None = ..., on_stderr: Callable[[str], object] | None = ..., on_result: Callable[[Result], object] | None = ..., on_error: Callable[[ExecutionError], object] | None = ..., max_output: int = ...) -> Execution: ...
     @property
     def sandbox_id(self) -> str: ...
     def set_timeout(self, timeout: float) -> None: ...

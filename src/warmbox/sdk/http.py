@@ -29,7 +29,7 @@ from aiohttp.http_exceptions import LineTooLong
 from warmbox import api, wire
 from warmbox import operations as ops
 from warmbox.errors import ConnectionLost, ContextError, InvalidArgument, SandboxNotFound, WarmboxError
-from warmbox.models import ApprovalRequest
+from warmbox.models import ApprovalRequest, Result
 
 R = TypeVar("R")
 RETRIES = (0.1, 0.3, 0.8, 1.5)  # pauses between attempts of a retryable request (about 3 s in all)
@@ -284,7 +284,8 @@ class HttpTransport:
             else:
                 raise InvalidArgument(f"data must be str or bytes, got {type(data).__name__}")
             kwargs["params"] = _query(_checked(request, fields))
-        if route.response == "ndjson" and any(s is not None for s in _sinks(request)):
+        wants_results = isinstance(request, ops.RunCode) and request.on_result is not None
+        if route.response == "ndjson" and (wants_results or any(s is not None for s in _sinks(request))):
             kwargs["params"] = {"stream": "1"}
         return route, kwargs
 
@@ -350,6 +351,8 @@ class HttpTransport:
                         on_out(msg["stdout"])
                     elif "stderr" in msg and on_err is not None:
                         on_err(msg["stderr"])
+                    elif "display" in msg and isinstance(request, ops.RunCode) and request.on_result is not None:
+                        request.on_result(wire.decode(Result, msg["display"], "display"))
             except (*_DROPPED, TimeoutError, aiohttp.ServerTimeoutError) as e:
                 raise ConnectionLost(
                     f"the connection to {self.url} dropped while {request.op.value} ran ({type(e).__name__}): "

@@ -18,7 +18,9 @@ from warmbox.errors import InvalidArgument, SandboxNotFound
 from warmbox.models import (
     ApprovalRequest,
     Execution,
+    ExecutionError,
     Limits,
+    Result,
     SandboxInfo,
     SandboxMetrics,
     SnapshotRef,
@@ -391,15 +393,20 @@ class AsyncSandbox:
         timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S,
         on_stdout: Callable[[str], object] | None = None,
         on_stderr: Callable[[str], object] | None = None,
+        on_result: Callable[[Result], object] | None = None,
+        on_error: Callable[[ExecutionError], object] | None = None,
         max_output: int = DEFAULT_MAX_OUTPUT,
     ) -> Execution:
         """Run Python in a stateful context (the default one unless ``context`` is given).
 
-        The value of the last expression is the main result (``Execution.text``); exceptions
-        come back as ``Execution.error``, never raised. timeout: seconds, wall clock; on expiry
-        the cell is interrupted (state kept), or the context killed if it ignores that.
+        The value of the last expression is the main result (``Execution.text``); charts
+        (``plt.show()``, figures left open) and ``display(obj)`` add results. Exceptions come back
+        as ``Execution.error``, never raised. timeout: seconds, wall clock; on expiry the cell is
+        interrupted (state kept), or the context killed if it ignores that. Callbacks, as E2B's:
+        ``on_stdout``/``on_stderr`` get output as it is printed, ``on_result`` each result once
+        complete, ``on_error`` the cell's exception at its end.
         """
-        return await self._run(
+        execution = await self._run(
             ops.RunCode(
                 self.sandbox_id,
                 code,
@@ -408,8 +415,12 @@ class AsyncSandbox:
                 max_output=max_output,
                 on_stdout=on_stdout,
                 on_stderr=on_stderr,
+                on_result=on_result,
             )
         )
+        if on_error is not None and execution.error is not None:
+            on_error(execution.error)
+        return execution
 
 
 __all__ = ["AsyncCommands", "AsyncFiles", "AsyncNetwork", "AsyncSandbox", "CodeContext"]

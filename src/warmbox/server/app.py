@@ -309,6 +309,8 @@ async def _ndjson(front: EngineFront, req: ops.Request[Any], stream: bool) -> Re
             on_stdout=lambda s: queue.put_nowait(("stdout", s)),
             on_stderr=lambda s: queue.put_nowait(("stderr", s)),
         )
+        if isinstance(req, ops.RunCode):
+            req = dataclasses.replace(req, on_result=lambda r: queue.put_nowait(("display", wire.encode(r))))
     run: ops.Request[Any] = req
     task = asyncio.ensure_future(front.handle(run))
     task.add_done_callback(lambda _: queue.put_nowait(("done", None)))
