@@ -11,6 +11,7 @@ def test_exported_members():
             "CommandFailed",
             "CommandResult",
             "ContextError",
+            "PortNotListening",
             "EntryInfo",
             "Execution",
             "ExecutionError",

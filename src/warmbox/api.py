@@ -5,7 +5,8 @@ SDK's HTTP transport builds each request's URL from it, and the OpenAPI document
 it with the codec's schemas. Fields named in the path come from the path; the rest come from the
 JSON body (``body="json"``), the query string (``body="query"``), or, for file uploads, the query
 string with the file's bytes as the raw body (``body="raw"``). Responses are JSON, NDJSON streams
-(commands and code runs: output events, then the result) or raw bytes (file reads).
+(commands and code runs: output events, then the result), raw bytes (file reads), or a WebSocket
+(``ports.connect``: see :data:`TUNNEL_PROTOCOL`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from warmbox.operations import Op
 
 PREFIX = "/v1"
 Body = Literal["json", "query", "raw"]
-Response = Literal["json", "ndjson", "raw"]
+Response = Literal["json", "ndjson", "raw", "websocket"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,7 @@ ROUTES: tuple[Route, ...] = (
     Route(Op.DOCTOR, "GET", f"{PREFIX}/doctor", "query", idempotent=True, summary="Which tiers this host runs"),
     Route(Op.POOLS_LIST, "GET", f"{PREFIX}/pools", "query", idempotent=True, summary="Warm pools"),
     Route(Op.POOLS_RESIZE, "POST", f"{PREFIX}/pools/{{name}}/resize", idempotent=True, summary="Resize a pool (admin)"),
+    Route(Op.PORTS_CONNECT, "GET", f"{_S}/tunnel", "query", "websocket", summary="A TCP connection to a sandbox port"),
 )
 
 BY_OP: dict[Op, Route] = {r.op: r for r in ROUTES}
@@ -95,4 +97,23 @@ APPROVALS = f"{_S}/network/approvals"
 APPROVAL_ANSWER = f"{_S}/network/approvals/{{request_id}}"
 DECISIONS = ("allow_once", "allow_always", "deny")
 
-__all__ = ["APPROVALS", "APPROVAL_ANSWER", "BY_OP", "DECISIONS", "PREFIX", "ROUTES", "Route"]
+TUNNEL_PROTOCOL = """ports.connect is a WebSocket on its route (a plain GET is refused). The server's first
+message is text: {"ok": true} once the connection to the port inside the sandbox is made, or
+{"error": {...}} (then it closes). After that, binary messages carry the bytes both ways and a text
+message {"eof": true} ends one side's data (a half-close); closing the WebSocket ends the connection."""
+
+# Not an operation: plain HTTP to a port inside the sandbox, proxied through a tunnel per request
+# (the preview of a web server the sandbox runs), behind the tenant's key like every route.
+PREVIEW = f"{_S}/ports/{{port:int}}/{{path:path}}"
+
+__all__ = [
+    "APPROVALS",
+    "APPROVAL_ANSWER",
+    "BY_OP",
+    "DECISIONS",
+    "PREFIX",
+    "PREVIEW",
+    "ROUTES",
+    "TUNNEL_PROTOCOL",
+    "Route",
+]

@@ -22,7 +22,8 @@ WarmboxError
 │   │   ├── NotARegularFile             a read of a FIFO, device, socket (never opened by the host)
 │   │   ├── FileTooLarge                a read past ``max_bytes``: nothing partial is returned
 │   │   └── NoSpace                     ENOSPC/EDQUOT inside the sandbox (disk or tmpfs full)
-│   └── ContextError                    a code context is unknown or died
+│   ├── ContextError                    a code context is unknown or died
+│   └── PortNotListening (ConnectionRefusedError)  get_host/a tunnel: nothing listens on that port
 ├── RegistryError                       the embedded state database failed
 ├── ConfigError                         warmbox.toml or a WARMBOX_* override is invalid
 ├── NetworkError                        egress setup (namespace, link, rules) or the egress proxy failed
@@ -152,6 +153,10 @@ class NoSpace(FilesError):
 
 class ContextError(SandboxError):
     pass
+
+
+class PortNotListening(SandboxError, ConnectionRefusedError):
+    """Nothing listens on the sandbox port a tunnel (``get_host``) was asked to reach."""
 
 
 class RegistryError(WarmboxError):

@@ -93,6 +93,7 @@ class Op(str, enum.Enum):
     NETWORK_LOG = "network.log"
     POOLS_LIST = "pools.list"
     POOLS_RESIZE = "pools.resize"
+    PORTS_CONNECT = "ports.connect"
 
 
 class Request(Generic[R]):
@@ -129,6 +130,26 @@ class ChunkStream(Protocol):
 
     def cancel(self) -> None:
         """Stop the read in the sandbox; idempotent. On the event loop."""
+        ...
+
+
+class PortStream(Protocol):
+    """A TCP connection to a port inside the sandbox (``ports.connect``), relayed by its agent."""
+
+    async def read(self) -> bytes | None:
+        """The server's next bytes; None at its end of data. Typed errors."""
+        ...
+
+    async def write(self, data: bytes) -> None:
+        """Send ``data`` to the server (waits while the tunnel's window is full)."""
+        ...
+
+    async def write_eof(self) -> None:
+        """Half-close: the server reads EOF and may still answer."""
+        ...
+
+    def close(self) -> None:
+        """End the connection in the sandbox; idempotent. On the event loop."""
         ...
 
 
@@ -494,6 +515,21 @@ class PoolsResize(Request[PoolStatus]):
     max: int | None = None
 
 
+# ---- ports
+
+
+@dataclasses.dataclass(frozen=True)
+class PortConnect(Request[PortStream]):
+    """One TCP connection to ``port`` on the sandbox's own loopback (what ``get_host`` forwards
+    each accepted connection to); PortNotListening if nothing listens there. The sandbox gets no
+    network by it: the agent dials its own loopback. timeout: seconds for the connect."""
+
+    op: ClassVar[Op] = Op.PORTS_CONNECT
+    sandbox_id: str
+    port: int
+    timeout: float = 30.0
+
+
 REQUESTS: dict[Op, type[Request[Any]]] = {
     cls.op: cls
     for cls in (
@@ -534,5 +570,6 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         NetworkLog,
         PoolsList,
         PoolsResize,
+        PortConnect,
     )
 }

@@ -108,6 +108,7 @@ class ErrorCode(_Closed):
     CONTEXT_DIED = _Member("context_died")
     NOT_REGULAR = _Member("not_regular")  # a read of a FIFO, device or socket: refused, never read
     TOO_LARGE = _Member("too_large")  # a read of more than its max_bytes
+    CONNECTION_REFUSED = _Member("connection_refused")  # PortConnect: nothing listens on that port
     INTERNAL = _Member("internal")
 
 
@@ -239,7 +240,29 @@ class ReadAck(Message):
 
 
 class Cancel(Message):
-    """Stop the ReadFile with this id (no answer; frames the agent already sent still arrive)."""
+    """Stop the ReadFile or PortConnect with this id (no answer; frames the agent already sent
+    still arrive)."""
+
+
+class PortConnect(Message):
+    """Open a TCP connection to ``port`` on the sandbox's own loopback and relay its bytes.
+
+    Answered by Ok once connected, or a Failure (CONNECTION_REFUSED: nothing listens there). Then
+    both ways: :class:`Chunk` frames carry data, :class:`ChunkEnd` is that side's end of data
+    (a half-close). The host always ends a tunnel with :class:`Cancel` (the agent then closes the
+    connection without an answer); a Failure from the agent ends it too. Flow control both ways: the agent sends at most ``window`` bytes beyond what the
+    host acknowledged with :class:`ReadAck`; the host at most ``window`` beyond the agent's
+    :class:`PortAck` (bytes written into the connection).
+    """
+
+    port: int
+    window: int
+
+
+class PortAck(Message):
+    """During a PortConnect: the agent wrote ``bytes`` more of the host's data into the connection."""
+
+    bytes: int
 
 
 class WriteFile(Message):
@@ -456,6 +479,7 @@ HOST_TO_GUEST: tuple[type[Message], ...] = (
     ChunkEnd,
     ReadAck,
     Cancel,
+    PortConnect,
 )
 GUEST_TO_HOST: tuple[type[Message], ...] = (
     Pong,
@@ -472,6 +496,7 @@ GUEST_TO_HOST: tuple[type[Message], ...] = (
     UsageReport,
     Chunk,
     ChunkEnd,
+    PortAck,
 )
 # The code-context kernel and the agent exchange ContextRun / Stdout / Stderr / Display / CodeDone,
 # and Configure / Reseed / Ok.

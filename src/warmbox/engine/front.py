@@ -182,6 +182,7 @@ class EngineFront:
             ops.NetworkLog: self.network_log,
             ops.PoolsList: self.pools_list,
             ops.PoolsResize: self.pools_resize,
+            ops.PortConnect: self.port_connect,
         }
 
     async def handle(self, request: ops.Request[R]) -> R:
@@ -525,6 +526,14 @@ class EngineFront:
 
     async def network_log(self, r: ops.NetworkLog) -> builtins.list[NetEvent]:
         return self.engine.network_log(r.sandbox_id)
+
+    # ---- ports
+
+    async def port_connect(self, r: ops.PortConnect) -> ops.PortStream:
+        if isinstance(r.port, bool) or not isinstance(r.port, int) or not 0 < r.port < 65536:
+            raise InvalidArgument(f"port must be a TCP port number (1..65535), got {r.port!r}")
+        t = validate_timeout(r.timeout, "timeout")
+        return await (await self._session(r.sandbox_id)).connect_port(r.port, t)
 
     # ---- warm pools
 

@@ -352,3 +352,111 @@ class FileRead:
         if not self.done:
             self.done = True
             self.stream.cancel()
+
+
+PORT_WINDOW = 1 << 20  # bytes a port tunnel may have in flight each way
+
+
+class PortTunnel(Stream):
+    """One PortConnect after its Ok: a byte stream to a TCP connection inside the sandbox.
+
+    Flow-controlled both ways (see protocol.PortConnect): the guest may hold at most ``window``
+    of this side's bytes unacknowledged, and this side holds at most ``window`` + one chunk of the
+    guest's untaken; an acknowledgement of more than was sent is a protocol violation. One reader
+    and one writer may run at once. :meth:`close` (always, at the end) ends it in the guest.
+    """
+
+    def __init__(self, client: GuestClient, rid: int, window: int) -> None:
+        super().__init__(client, rid, None, window + p.CHUNK)
+        self.window = window
+        self._sent = 0
+        self._acked = 0
+        self._unacked = 0  # taken by read(), not yet acknowledged to the guest
+        self._ack_every = max(1, window // 4)
+        self._room: asyncio.Future[None] | None = None
+        self._bad: str = ""
+        self.eof = False  # the guest's end of data arrived
+
+    def _feed(self, msg: object) -> None:
+        if type(msg) is p.PortAck:
+            assert isinstance(msg, p.PortAck)
+            self._acked += msg.bytes
+            if msg.bytes < 0 or self._acked > self._sent:
+                self._bad = "the guest acknowledged more port data than it was sent"
+                msg = _OVERFLOW
+            else:
+                self._wake_writer()
+                return
+        super()._feed(msg)
+        if msg is _END or msg is _OVERFLOW or isinstance(msg, p.Failure):
+            self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        room, self._room = self._room, None
+        if room is not None and not room.done():
+            room.set_result(None)
+
+    def _check(self) -> None:
+        if self._bad:
+            raise GuestProtocolError(self._bad, self.client.sandbox_id)
+        if self.client._error is not None:
+            raise self.client._error
+
+    async def read(self) -> p.Message | None:
+        """The next Chunk (its data was taken: the guest may send more), a Failure, or None at the
+        guest's end of data."""
+        if self.eof:
+            return None
+        self._check()
+        msg = await self.next(p.Chunk, p.ChunkEnd)
+        if isinstance(msg, p.ChunkEnd):
+            self.eof = True
+            return None
+        if isinstance(msg, p.Chunk):
+            self._unacked += len(msg.data)
+            if self._unacked >= self._ack_every:
+                await self.send(p.ReadAck(self.id, bytes=self._unacked))
+                self._unacked = 0
+        return msg
+
+    async def write(self, data: bytes) -> None:
+        """Send ``data`` into the connection, waiting while the guest's window is full."""
+        view = memoryview(data)
+        while view:
+            while self._sent - self._acked >= self.window:
+                self._check()
+                if self._items and isinstance(self._items[-1], p.Failure):
+                    raise GuestConnectionError("the port connection in the sandbox ended", self.client.sandbox_id)
+                self._room = self.client._loop.create_future()
+                await self._room
+            self._check()
+            n = min(len(view), p.CHUNK, self.window - (self._sent - self._acked))
+            self._sent += n
+            await self.send(p.Chunk(self.id, data=bytes(view[:n])))
+            view = view[n:]
+
+    async def write_eof(self) -> None:
+        """This side's end of data (the server reads EOF; it may still answer)."""
+        self._check()
+        await self.send(p.ChunkEnd(self.id))
+
+    async def connect(self, port: int) -> p.Message:
+        """The guest's answer to the PortConnect: Ok or a Failure."""
+        return await self.next(p.Ok)
+
+
+async def open_port(client: GuestClient, port: int, window: int = PORT_WINDOW) -> tuple[PortTunnel, p.Message]:
+    """Send a PortConnect; the tunnel and the guest's answer (Ok or Failure; on a Failure the
+    tunnel is closed already)."""
+    rid = next(client._ids)
+    tunnel = PortTunnel(client, rid, window)
+    client._streams[rid] = tunnel
+    try:
+        await client.send(p.PortConnect(rid, port=port, window=window))
+        answer = await tunnel.connect(port)
+    except BaseException:
+        tunnel.cancel()
+        raise
+    if isinstance(answer, p.Failure):
+        tunnel.close()
+    return tunnel, answer

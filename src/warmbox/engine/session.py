@@ -8,6 +8,7 @@ specific :class:`~warmbox.errors.WarmboxError`. No other module builds requests.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import builtins
 import codecs
@@ -16,9 +17,10 @@ import math
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import cast
 
 from warmbox import protocol as p
-from warmbox.engine.guest_client import FileRead, GuestClient
+from warmbox.engine.guest_client import FileRead, GuestClient, PortTunnel, open_port
 from warmbox.errors import (
     ContextError,
     FileTooLarge,
@@ -31,6 +33,7 @@ from warmbox.errors import (
     PathExists,
     PathNotFound,
     PathPermissionDenied,
+    PortNotListening,
     SandboxError,
     SandboxStartError,
     SandboxTimeout,
@@ -185,6 +188,36 @@ class FileChunks:
     def cancel(self) -> None:
         """Stop the read in the guest (no-op once over). On the event loop."""
         self._reader.cancel()
+
+
+class PortConnection:
+    """A TCP connection to a port inside the sandbox, relayed over the agent's connection.
+
+    ``read()`` gives the server's bytes (None at its end of data); ``write()`` sends bytes to it,
+    waiting while the agent's window is full; ``write_eof()`` half-closes; ``close()`` ends the
+    connection in the sandbox (always call it; idempotent). Errors are typed (GuestProtocolError
+    for a guest breaking the tunnel's rules, SandboxError for a connection that broke).
+    """
+
+    def __init__(self, sandbox_id: str, port: int, tunnel: PortTunnel) -> None:
+        self.sandbox_id = sandbox_id
+        self.port = port
+        self._tunnel = tunnel
+
+    async def read(self) -> bytes | None:
+        msg = await self._tunnel.read()
+        if isinstance(msg, p.Failure):
+            raise SandboxError(f"port {self.port}: {msg.message}", self.sandbox_id)
+        return None if msg is None else cast(p.Chunk, msg).data
+
+    async def write(self, data: bytes) -> None:
+        await self._tunnel.write(data)
+
+    async def write_eof(self) -> None:
+        await self._tunnel.write_eof()
+
+    def close(self) -> None:
+        self._tunnel.cancel()
 
 
 class GuestSession:
@@ -420,6 +453,23 @@ class GuestSession:
         reply = await self._client.call(lambda i: p.ContextDelete(i, context=context), p.Ok)
         if isinstance(reply, p.Failure):
             raise_failure(reply, self.sandbox_id, "remove_code_context")
+
+    # ---- ports
+
+    async def connect_port(self, port: int, timeout: float = PING_TIMEOUT_S) -> PortConnection:
+        """A TCP connection to ``port`` on the sandbox's loopback (PortNotListening if refused).
+        timeout: seconds for the agent's answer."""
+        try:
+            tunnel, answer = await asyncio.wait_for(open_port(self._client, port), timeout)
+        except TimeoutError:
+            raise SandboxTimeout(
+                f"port {port}: the agent did not answer within {timeout:g} s", self.sandbox_id
+            ) from None
+        if isinstance(answer, p.Failure):
+            if answer.code is p.ErrorCode.CONNECTION_REFUSED:
+                raise PortNotListening(f"port {port}: {answer.message}", self.sandbox_id)
+            raise_failure(answer, self.sandbox_id, f"port {port}")
+        return PortConnection(self.sandbox_id, port, tunnel)
 
     # ---- files (paths already normalised by the caller)
 

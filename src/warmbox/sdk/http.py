@@ -299,6 +299,8 @@ class HttpTransport:
                     return await self._ndjson(request, route, url, kwargs)
                 if isinstance(request, ops.ReadFileStream):
                     return await self._open_stream(request, route, url, kwargs)  # type: ignore[return-value]
+                if isinstance(request, ops.PortConnect):
+                    return await self._open_tunnel(request, url, kwargs)  # type: ignore[return-value]
                 async with self._client().request(route.method, url, **kwargs) as response:
                     body = await response.read()
                 return self._result(request, route, response.status, body)
@@ -370,6 +372,26 @@ class HttpTransport:
             raise _error(response.status, body)
         return _Stream(response.headers.get("X-Warmbox-Path", request.path), response)
 
+    async def _open_tunnel(self, request: ops.PortConnect, url: str, kwargs: dict[str, Any]) -> _Tunnel:
+        """ports.connect: a WebSocket (api.TUNNEL_PROTOCOL); its first message says ok or the error."""
+        try:
+            ws = await self._client().ws_connect(url, params=kwargs.get("params"), max_msg_size=_WS_MAX)
+        except aiohttp.WSServerHandshakeError as e:
+            raise WarmboxError(f"the server refused the tunnel (HTTP {e.status}): {e.message}") from None
+        try:
+            first = await ws.receive(timeout=request.timeout + 30)
+            if first.type is not aiohttp.WSMsgType.TEXT:
+                raise ConnectionLost(f"the tunnel to port {request.port} closed before it opened")
+            data = json.loads(first.data)
+            if isinstance(data, dict) and "error" in data:
+                raise wire.error_from_wire(data["error"])
+            if data != {"ok": True}:
+                raise WarmboxError("the server sent an unreadable tunnel answer")
+        except BaseException:
+            await ws.close()
+            raise
+        return _Tunnel(ws, request.port, self._background)
+
     # ---- approvals
 
     async def _approvals(
@@ -429,6 +451,48 @@ async def _line(response: aiohttp.ClientResponse) -> bytes:
         return await response.content.readline(max_line_length=MAX_LINE)
     except LineTooLong:
         raise WarmboxError(f"the server sent a stream line longer than {MAX_LINE >> 20} MiB") from None
+
+
+_WS_MAX = 8 << 20  # the largest WebSocket message taken from the server (it sends at most one chunk)
+
+
+class _Tunnel:
+    """ports.connect over a WebSocket (PortStream): binary messages are data, {"eof": true} an end of data."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse, port: int, background: set[asyncio.Task[Any]]) -> None:
+        self._ws = ws
+        self._port = port
+        self._background = background
+        self._eof = False
+
+    async def read(self) -> bytes | None:
+        if self._eof:
+            return None
+        msg = await self._ws.receive()
+        if msg.type is aiohttp.WSMsgType.BINARY:
+            return bytes(msg.data)
+        if msg.type is aiohttp.WSMsgType.TEXT and msg.data == '{"eof":true}':
+            self._eof = True
+            return None
+        raise ConnectionLost(f"the tunnel to port {self._port} closed before the end of data")
+
+    async def write(self, data: bytes) -> None:
+        try:
+            await self._ws.send_bytes(data)
+        except (aiohttp.ClientError, ConnectionError) as e:
+            raise ConnectionLost(f"the tunnel to port {self._port} broke: {e}") from None
+
+    async def write_eof(self) -> None:
+        try:
+            await self._ws.send_str('{"eof":true}')
+        except (aiohttp.ClientError, ConnectionError) as e:
+            raise ConnectionLost(f"the tunnel to port {self._port} broke: {e}") from None
+
+    def close(self) -> None:
+        if not self._ws.closed:
+            t = asyncio.ensure_future(self._ws.close())
+            self._background.add(t)
+            t.add_done_callback(self._background.discard)
 
 
 def _error(status: int, body: bytes) -> WarmboxError:

@@ -7,6 +7,7 @@ derived from this module by :mod:`warmbox.sdk._sync`; nothing here is written tw
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import time
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from warmbox import operations as ops
-from warmbox.errors import InvalidArgument, SandboxNotFound
+from warmbox.errors import InvalidArgument, PortNotListening, SandboxNotFound
 from warmbox.models import (
     ApprovalRequest,
     Execution,
@@ -32,6 +33,7 @@ from warmbox.sdk.commands import DEFAULT_COMMAND_TIMEOUT_S, DEFAULT_MAX_OUTPUT, 
 from warmbox.sdk.files import WORKDIR, AsyncFiles
 from warmbox.sdk.http import HttpTransport, default_url
 from warmbox.sdk.network import AsyncNetwork
+from warmbox.sdk.ports import PortForward
 from warmbox.sdk.transport import Cancellable, LocalTransport, Transport
 
 R = TypeVar("R")
@@ -88,6 +90,7 @@ class AsyncSandbox:
         self._closed = False
         self._approvals: Cancellable | None = None
         self._owns_transport = False  # made for this sandbox by create/connect/resume: released by kill()
+        self._forwards: dict[tuple[int, bool], PortForward] = {}
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
         self.network = AsyncNetwork(self)
@@ -319,6 +322,7 @@ class AsyncSandbox:
         """Snapshot, then release everything (no process, CPU or memory is left); resume() later."""
         ref = await self._run(ops.Pause(self.sandbox_id, memory=memory, env_names=self._env_names))
         self._killed = True
+        await self._close_forwards()
         return ref
 
     async def set_timeout(self, timeout: float) -> None:
@@ -330,6 +334,7 @@ class AsyncSandbox:
         self._killed = True
         if self._approvals is not None:
             self._approvals.cancel()
+        await self._close_forwards()
         try:
             return await self._transport.handle(ops.Kill(self.sandbox_id))
         finally:
@@ -344,6 +349,7 @@ class AsyncSandbox:
         self._closed = True
         if self._approvals is not None:
             self._approvals.cancel()
+        await self._close_forwards()
         try:
             await self._transport.handle(ops.Detach(self.sandbox_id))
         finally:
@@ -356,6 +362,53 @@ class AsyncSandbox:
         if not self._killed:
             await self.kill()
         await self.close()
+
+    # ---- ports
+
+    async def get_host(self, port: int, *, unix: bool = False, check: bool = False, timeout: float = 10.0) -> str:
+        """A host address where ``port`` of the sandbox is reachable: ``"127.0.0.1:<port>"`` (a
+        listener on this host's loopback), or with ``unix=True`` the path of a unix socket in a
+        directory only this user can enter. Every connection to it is relayed to the sandbox's
+        own loopback by its agent: the sandbox gets no network by it. One forward per port, made
+        on the first call and kept until this object closes or the sandbox ends.
+
+        check: first wait up to ``timeout`` seconds for something to listen on ``port``
+        (PortNotListening otherwise). Without it, a connection while nothing listens is closed.
+        """
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise InvalidArgument(f"port must be a TCP port number (1..65535), got {port!r}")
+        if self._closed or self._killed:
+            raise SandboxNotFound(f"sandbox {self.sandbox_id} was closed or destroyed here", self.sandbox_id)
+        if check:
+            await self._wait_listening(port, timeout)
+        key = (port, bool(unix))
+        forward = self._forwards.get(key)
+        if forward is None or forward.closed:
+            forward = PortForward(self._transport, self.sandbox_id, port, bool(unix))
+            await forward.start()
+            self._forwards[key] = forward
+        return forward.host
+
+    async def _wait_listening(self, port: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                stream = await self._run(ops.PortConnect(self.sandbox_id, port))
+            except PortNotListening:
+                if time.monotonic() >= deadline:
+                    raise PortNotListening(
+                        f"nothing listens on port {port} in sandbox {self.sandbox_id} (waited {timeout:g} s)",
+                        self.sandbox_id,
+                    ) from None
+                await asyncio.sleep(0.1)
+                continue
+            stream.close()
+            return
+
+    async def _close_forwards(self) -> None:
+        forwards, self._forwards = list(self._forwards.values()), {}
+        for f in forwards:
+            await f.close()
 
     # ---- one request on this sandbox (commands, files, code and network go through here)
 

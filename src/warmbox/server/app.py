@@ -23,10 +23,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import BaseRoute, Mount, Route
+from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocket
 
 from warmbox import api, errors, wire
 from warmbox import operations as ops
@@ -35,6 +36,7 @@ from warmbox.engine.engine import Engine
 from warmbox.engine.front import EngineFront
 from warmbox.errors import InvalidArgument, RateLimited, Unauthenticated, WarmboxError
 from warmbox.models import ApprovalRequest, Tenant
+from warmbox.server import tunnel as ports
 
 log = logging.getLogger("warmbox.server")
 MAX_JSON = 16 << 20  # a JSON body (a command's stdin is the largest thing in one)
@@ -60,6 +62,7 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.SandboxNotFound, 404),
     (errors.PathNotFound, 404),
     (errors.ContextError, 404),
+    (errors.PortNotListening, 502),
     (errors.PathExists, 409),
     (errors.SandboxStateError, 409),
     (errors.NotADirectory, 409),
@@ -142,7 +145,7 @@ class Service:
         for f in fronts.values():
             await f.close()
 
-    def authenticate(self, request: Request) -> Tenant | None:
+    def authenticate(self, request: HTTPConnection) -> Tenant | None:
         """The caller's tenant (None: root on the unix socket); Unauthenticated otherwise."""
         header = request.headers.get("authorization", "")
         if header:
@@ -215,18 +218,24 @@ async def _body(request: Request, limit: int, timeout_s: float) -> bytes:
     return b"".join(parts)
 
 
+def _query_fields(route: api.Route, conn: HTTPConnection) -> dict[str, object]:
+    hints = wire.hints(ops.REQUESTS[route.op])
+    data: dict[str, object] = {}
+    for k, v in conn.query_params.multi_items():
+        if k in data:
+            raise InvalidArgument(f"query parameter {k!r} given twice")
+        if k == "stream" and route.response == "ndjson":
+            continue
+        data[k] = _query_value(hints.get(k, str), v, k)
+    return data
+
+
 async def decode_request(route: api.Route, request: Request, settings: ServerSettings) -> ops.Request[Any]:
     cls = ops.REQUESTS[route.op]
     given = dict(request.path_params)
-    hints = wire.hints(cls)
     data: dict[str, object] = {}
     if route.body in ("query", "raw"):
-        for k, v in request.query_params.multi_items():
-            if k in data:
-                raise InvalidArgument(f"query parameter {k!r} given twice")
-            if k == "stream" and route.response == "ndjson":
-                continue
-            data[k] = _query_value(hints.get(k, str), v, k)
+        data = _query_fields(route, request)
     if route.body == "raw":
         data["data"] = await _body(request, settings.max_body_mb << 20, settings.body_timeout_s)
         if "data" in request.query_params:
@@ -388,6 +397,9 @@ def endpoint(service: Service, route: api.Route) -> Callable[[Request], Awaitabl
                 return await _ndjson(front, req, request.query_params.get("stream") in ("1", "true"))
             if isinstance(req, ops.ReadFileStream):
                 return await _stream_file(front, req)
+            if isinstance(req, ops.PortConnect):  # a WebSocket: a plain GET only gets the checks and errors
+                await front.handle(ops.Info(req.sandbox_id))
+                raise InvalidArgument(f"ports.connect is a WebSocket upgrade on this route: {api.TUNNEL_PROTOCOL}")
             if isinstance(req, ops.Detach):  # the guest connection is the server's, shared by the tenant's clients
                 await front.handle(ops.Info(req.sandbox_id))  # (the same checks and errors as any id)
                 return _json(None)
@@ -402,6 +414,46 @@ def endpoint(service: Service, route: api.Route) -> Callable[[Request], Awaitabl
 
     handle.__name__ = route.op.name.lower()
     return handle
+
+
+# ---- ports: the WebSocket of ports.connect, and the HTTP preview (not an operation)
+
+
+def tunnel_endpoint(service: Service) -> Callable[[WebSocket], Awaitable[None]]:
+    route = api.BY_OP[ops.Op.PORTS_CONNECT]
+
+    async def tunnel(ws: WebSocket) -> None:
+        await ws.accept()
+        try:
+            front = service.front(service.authenticate(ws))
+            req = wire.decode_record(ops.PortConnect, _query_fields(route, ws), "query", **ws.path_params)
+            stream = await front.handle(req)
+        except WarmboxError as e:
+            await ws.send_text(ports.error_message(wire.error_to_wire(e)))
+            await ws.close()
+            return
+        await ws.send_text(ports.OK)
+        await ports.relay_websocket(ws, stream)
+
+    return tunnel
+
+
+def preview_endpoint(service: Service) -> Callable[[Request], Awaitable[Response]]:
+    async def proxy(request: Request) -> Response:
+        try:
+            front = service.front(service.authenticate(request))
+            sandbox_id = request.path_params["sandbox_id"]
+            port = request.path_params["port"]
+            await front.handle(ops.Info(sandbox_id))  # scoped first: another tenant's id is not found
+            body = await _body(request, service.settings.max_body_mb << 20, service.settings.body_timeout_s)
+            stream = await front.handle(ops.PortConnect(sandbox_id, port))
+            return await ports.preview(request, stream, port, request.path_params["path"], body)
+        except WarmboxError as e:
+            return error_response(e)
+        except ClientDisconnect:
+            return Response(status_code=400)
+
+    return proxy
 
 
 # ---- approvals (not operations: a stream of questions, one answer each)
@@ -544,6 +596,9 @@ def _mcp(service: Service) -> tuple[BaseRoute, Callable[[], contextlib.AbstractA
 
 def routes(service: Service) -> list[BaseRoute]:
     out: list[BaseRoute] = [Route(r.path, endpoint(service, r), methods=[r.method]) for r in api.ROUTES]
+    out.append(WebSocketRoute(api.BY_OP[ops.Op.PORTS_CONNECT].path, tunnel_endpoint(service)))
+    methods = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+    out.append(Route(api.PREVIEW, preview_endpoint(service), methods=methods))
     out.append(Route(api.APPROVALS, approvals_endpoint(service), methods=["GET"]))
     out.append(Route(api.APPROVAL_ANSWER, answer_endpoint(service), methods=["POST"]))
     out.append(Route(f"{api.PREFIX}/openapi.json", _openapi, methods=["GET"]))

@@ -123,6 +123,8 @@ def document() -> dict[str, Any]:
                     }
                 },
             }
+        elif route.response == "websocket":
+            ok = {"description": api.TUNNEL_PROTOCOL}
         elif route.response == "raw":
             ok = {
                 "description": "the file's bytes",
@@ -135,7 +137,7 @@ def document() -> dict[str, Any]:
             }
         if params:
             op["parameters"] = params
-        op["responses"] = {"200": ok, **errors}
+        op["responses"] = {"101" if route.response == "websocket" else "200": ok, **errors}
         paths.setdefault(route.path, {})[route.method.lower()] = op
     return {
         "openapi": "3.1.0",
