@@ -250,9 +250,10 @@ class PortConnect(Message):
     Answered by Ok once connected, or a Failure (CONNECTION_REFUSED: nothing listens there). Then
     both ways: :class:`Chunk` frames carry data, :class:`ChunkEnd` is that side's end of data
     (a half-close). The host always ends a tunnel with :class:`Cancel` (the agent then closes the
-    connection without an answer); a Failure from the agent ends it too. Flow control both ways: the agent sends at most ``window`` bytes beyond what the
-    host acknowledged with :class:`ReadAck`; the host at most ``window`` beyond the agent's
-    :class:`PortAck` (bytes written into the connection).
+    connection without an answer); a Failure from the agent ends it too. Flow control both ways:
+    the agent sends at most ``window`` bytes beyond what the host acknowledged with
+    :class:`ReadAck`; the host at most ``window`` beyond the agent's :class:`PortAck` (bytes
+    written into the connection).
     """
 
     port: int
