@@ -69,6 +69,7 @@ ROUTES: tuple[Route, ...] = (
     Route(Op.FILES_READ, "GET", f"{_S}/files/content", "query", "raw", idempotent=True, summary="Read a file"),
     Route(Op.FILES_READ_STREAM, "GET", f"{_S}/files/stream", "query", "raw", idempotent=True, summary="Stream a file"),
     Route(Op.FILES_WRITE, "PUT", f"{_S}/files/content", "raw", summary="Write a file (raw body)"),
+    Route(Op.FILES_WRITE_STREAM, "PUT", f"{_S}/files/stream", "raw", summary="Write a file (streamed raw body)"),
     Route(Op.FILES_WRITE_MANY, "POST", f"{_S}/files/batch", summary="Write several files (JSON body)"),
     Route(Op.FILES_RENAME, "POST", f"{_S}/files/rename", summary="Rename or move a path"),
     Route(Op.FILES_LIST, "GET", f"{_S}/files/list", "query", idempotent=True, summary="List a directory"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import posixpath
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from warmbox.errors import InvalidPath
@@ -77,6 +77,7 @@ class Op(str, enum.Enum):
     FILES_READ = "files.read"
     FILES_READ_STREAM = "files.read_stream"
     FILES_WRITE = "files.write"
+    FILES_WRITE_STREAM = "files.write_stream"
     FILES_WRITE_MANY = "files.write_files"
     FILES_RENAME = "files.rename"
     FILES_LIST = "files.list"
@@ -365,6 +366,20 @@ class WriteFile(Request[EntryInfo]):
 
 
 @dataclasses.dataclass(frozen=True)
+class WriteFileStream(Request[EntryInfo]):
+    """Create or replace a file from chunks of bytes, taken one at a time as the sandbox writes them
+    (the host holds about one chunk, whatever the size). The file replaces ``path`` atomically when
+    complete (a new file beside it, renamed over it); a failed or abandoned write leaves ``path``
+    as it was. Over HTTP the chunks are the request's raw body, streamed."""
+
+    op: ClassVar[Op] = Op.FILES_WRITE_STREAM
+    sandbox_id: str
+    path: str
+    data: AsyncIterator[bytes]
+    mode: int = 0o644
+
+
+@dataclasses.dataclass(frozen=True)
 class WriteFiles(Request[list[EntryInfo]]):
     """Create or replace several files in one call, in order (parents are created); their entries.
     A failure stops at that file (the ones before it are written) with its typed error."""
@@ -554,6 +569,7 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         ReadFile,
         ReadFileStream,
         WriteFile,
+        WriteFileStream,
         WriteFiles,
         Rename,
         ListDir,

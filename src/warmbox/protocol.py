@@ -267,11 +267,26 @@ class PortAck(Message):
 
 
 class WriteFile(Message):
-    """Start a file upload; :class:`Chunk` frames follow, then :class:`ChunkEnd`."""
+    """Start a file upload: the agent answers Ok once it can take data; :class:`Chunk` frames
+    follow, then :class:`ChunkEnd`; the answer is the file's Entry (or a Failure at any point).
+
+    ``window``: flow control, bytes the host may send beyond what the agent acknowledged with
+    :class:`WriteAck` (0 = none). ``atomic``: the data goes to a new temporary file in the same
+    directory, which replaces ``path`` (by rename) only once all of it is written; a failed or
+    abandoned upload leaves ``path`` as it was (``append`` must then be false).
+    """
 
     path: str
     mode: int
     append: bool
+    window: int
+    atomic: bool
+
+
+class WriteAck(Message):
+    """During a WriteFile: the agent wrote ``bytes`` more of its data (opens the host's window)."""
+
+    bytes: int
 
 
 class Rename(Message):
@@ -498,6 +513,7 @@ GUEST_TO_HOST: tuple[type[Message], ...] = (
     Chunk,
     ChunkEnd,
     PortAck,
+    WriteAck,
 )
 # The code-context kernel and the agent exchange ContextRun / Stdout / Stderr / Display / CodeDone,
 # and Configure / Reseed / Ok.

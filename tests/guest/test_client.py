@@ -215,6 +215,7 @@ def test_a_large_upload_waits_for_a_slow_agent_and_arrives_whole(fake):
                 break
             n += len(m.data)
             time.sleep(0.002)
+            conn.sendall(p.encode(p.WriteAck(req.id, bytes=len(m.data))))  # what it wrote opens the window
         conn.sendall(
             p.encode(
                 p.Entry(req.id, name="f", path="/f", kind=p.FileType.FILE, size=n, mode=0o644, mtime=0.0, target="")
@@ -326,9 +327,10 @@ def test_a_cancelled_sender_does_not_end_another_senders_wait_for_room(fake):
     async def go():
         c = await GuestClient.connect(agent.path, "sb")
         try:
-            a = asyncio.ensure_future(c.upload("/a", bytes(size)))
+            # window=0: no acks, so both fill the transport's buffer and wait for room there
+            a = asyncio.ensure_future(c.upload("/a", bytes(size), window=0))
             await asyncio.sleep(0)
-            b = asyncio.ensure_future(c.upload("/b", bytes(size)))
+            b = asyncio.ensure_future(c.upload("/b", bytes(size), window=0))
             await asyncio.sleep(0.3)  # both wait for room by now
             assert c._paused is not None and not a.done() and not b.done()
             a.cancel()
@@ -339,3 +341,34 @@ def test_a_cancelled_sender_does_not_end_another_senders_wait_for_room(fake):
 
     a_cancelled, entry = asyncio.run(go())
     assert a_cancelled and isinstance(entry, p.Entry) and entry.size == size
+
+
+def test_an_upload_sends_no_more_than_its_window_beyond_the_agents_acks(fake):
+    got: list[int] = []
+
+    def silent(conn, r):  # takes the data but never acknowledges any of it
+        req = r.recv()
+        conn.sendall(p.encode(p.Ok(req.id)))
+        while (m := r.recv()) is not None:
+            if isinstance(m, p.Chunk):
+                got.append(len(m.data))
+
+    agent = fake(silent)
+    pulled = 0
+
+    async def source():
+        nonlocal pulled
+        for _ in range(64):
+            pulled += 1
+            yield bytes(p.CHUNK)
+
+    async def go():
+        c = await GuestClient.connect(agent.path, "sb")
+        try:
+            with pytest.raises(SandboxTimeout):
+                await c.upload("/f", source(), window=4 * p.CHUNK, wait=0.5)
+        finally:
+            await c.close()
+
+    asyncio.run(go())
+    assert sum(got) == 4 * p.CHUNK and pulled == 5  # the window, and the one chunk waiting for room

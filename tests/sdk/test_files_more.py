@@ -78,3 +78,65 @@ def test_rename_bad_paths_get_typed_errors(box):
         box.files.rename("", "y.txt")
     with pytest.raises(InvalidPath):
         box.files.rename(7, "y.txt")  # type: ignore[arg-type]
+
+
+def _pattern(n_chunks: int, size: int = 256 << 10):
+    for i in range(n_chunks):
+        yield bytes([i % 251]) * size
+
+
+@pytest.mark.sandbox
+def test_streamed_write_from_a_generator_a_file_object_and_an_async_iterator(box, tmp_path):
+    want = b"".join(_pattern(13, 100_003))  # chunks of odd sizes: split and joined again
+    e = box.files.write("big/gen.bin", _pattern(13, 100_003), mode=0o600)
+    assert (e.path, e.size, e.mode) == ("/workspace/big/gen.bin", len(want), 0o600)
+    local = tmp_path / "src.bin"
+    local.write_bytes(want)
+    with local.open("rb") as f:
+        assert box.files.write("big/file.bin", f).size == len(want)
+
+    async def agen():
+        for c in _pattern(13, 100_003):
+            yield c
+
+    assert box.files.write("big/agen.bin", agen()).size == len(want)
+    for name in ("gen", "file", "agen"):
+        stream = box.files.read(f"big/{name}.bin", format="stream")
+        chunks = list(stream)
+        assert b"".join(chunks) == want and len(chunks) > 1
+    assert box.files.write("big/empty.bin", iter(())).size == 0
+
+
+@pytest.mark.sandbox
+def test_streamed_write_replaces_atomically_and_a_failed_one_leaves_the_target(box):
+    box.files.write("atomic/t.txt", "old")
+
+    def failing():
+        yield b"new data " * 1000
+        yield b"more"
+        raise RuntimeError("the source broke")
+
+    with pytest.raises(Exception, match="the source broke"):
+        box.files.write("atomic/t.txt", failing())
+    assert box.files.read("atomic/t.txt") == "old"
+    with pytest.raises(InvalidArgument, match="must be bytes"):
+        box.files.write("atomic/t.txt", iter([b"ok", "text is not a chunk"]))
+    assert box.files.read("atomic/t.txt") == "old"
+    box.files.write("atomic/t.txt", iter([b"new ", b"contents"]))
+    assert box.files.read("atomic/t.txt") == "new contents"
+    names = [e.name for e in box.files.list("atomic")]
+    assert names == ["t.txt"], names  # no temporary file stays behind
+
+
+@pytest.mark.sandbox
+def test_streamed_write_bad_input_gets_typed_errors(box):
+    with pytest.raises(InvalidPath):
+        box.files.write("../../etc/x", iter([b"x"]))
+    box.files.make_dir("sdir")
+    with pytest.raises(IsADirectory):
+        box.files.write("sdir", iter([b"x"]))
+    with pytest.raises(InvalidArgument, match="append"):
+        box.files.write("s.txt", iter([b"x"]), append=True)
+    with pytest.raises(InvalidArgument, match="data must be"):
+        box.files.write("s.txt", 42)  # type: ignore[arg-type]
+    assert not box.files.exists("s.txt")

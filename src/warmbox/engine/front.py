@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import collections.abc
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
@@ -110,6 +111,20 @@ def _file_bytes(data: object, name: str) -> bytes:
     raise InvalidArgument(f"{name} must be str or bytes, got {type(data).__name__}")
 
 
+def _check_mode(mode: object) -> None:
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+        raise InvalidArgument(f"mode must be a permission number from 0 to 0o7777, got {mode!r}")
+
+
+async def _checked_chunks(chunks: collections.abc.AsyncIterator[object]) -> collections.abc.AsyncIterator[bytes]:
+    """A streamed write's chunks as bytes; anything else ends the write with InvalidArgument."""
+    async for chunk in chunks:
+        if isinstance(chunk, (bytes, bytearray, memoryview)):
+            yield bytes(chunk)
+        else:
+            raise InvalidArgument(f"a streamed write's chunks must be bytes, got {type(chunk).__name__}")
+
+
 def _snapshot_id(ref: object) -> bool:
     """A well-formed snapshot id (what snapshots.resolve and delete accept as one)."""
     return isinstance(ref, str) and ref.startswith("snap-") and "/" not in ref
@@ -166,6 +181,7 @@ class EngineFront:
             ops.ReadFile: self.read_file,
             ops.ReadFileStream: self.read_file_stream,
             ops.WriteFile: self.write_file,
+            ops.WriteFileStream: self.write_file_stream,
             ops.WriteFiles: self.write_files,
             ops.Rename: self.rename,
             ops.ListDir: self.list_dir,
@@ -423,10 +439,16 @@ class EngineFront:
 
     async def write_file(self, r: ops.WriteFile) -> EntryInfo:
         path = sandbox_path(r.path)
-        if isinstance(r.mode, bool) or not isinstance(r.mode, int) or not 0 <= r.mode <= 0o7777:
-            raise InvalidArgument(f"mode must be a permission number from 0 to 0o7777, got {r.mode!r}")
+        _check_mode(r.mode)
         raw = _file_bytes(r.data, "data")
         return await (await self._session(r.sandbox_id)).write(path, raw, mode=r.mode, append=r.append)
+
+    async def write_file_stream(self, r: ops.WriteFileStream) -> EntryInfo:
+        path = sandbox_path(r.path)
+        _check_mode(r.mode)
+        if not isinstance(r.data, collections.abc.AsyncIterator):
+            raise InvalidArgument(f"data must be an async iterator of bytes, got {type(r.data).__name__}")
+        return await (await self._session(r.sandbox_id)).write_stream(path, _checked_chunks(r.data), mode=r.mode)
 
     async def write_files(self, r: ops.WriteFiles) -> builtins.list[EntryInfo]:
         if not isinstance(r.files, (list, tuple)):

@@ -16,7 +16,7 @@ import itertools
 import os
 import stat
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from warmbox import protocol as p
 from warmbox.errors import GuestConnectionError, GuestProtocolError, InvalidArgument, SandboxTimeout
@@ -24,6 +24,8 @@ from warmbox.errors import GuestConnectionError, GuestProtocolError, InvalidArgu
 _END = object()
 _OVERFLOW = object()
 READ_WINDOW = 4 << 20  # bytes a ReadFile may have in flight: what a slow reader holds on the host at most
+WRITE_WINDOW = 1 << 20  # bytes a WriteFile may have in flight beyond the guest's acks (4 chunks)
+UPLOAD_WAIT_S = 120.0  # the longest the guest may take to write one window (or to finish an upload)
 
 
 class GuestClient(asyncio.Protocol):
@@ -172,16 +174,60 @@ class GuestClient(asyncio.Protocol):
         finally:
             stream.close()
 
-    async def upload(self, path: str, data: bytes, *, mode: int = 0o644, append: bool = False) -> p.Message:
-        """Write ``data`` to ``path`` in the sandbox: the file's Entry, or the guest's Failure."""
-        async with self.request(lambda i: p.WriteFile(i, path=path, mode=mode, append=append)) as stream:
-            ready = await stream.next(p.Ok)
+    async def upload(
+        self,
+        path: str,
+        data: bytes | AsyncIterator[bytes],
+        *,
+        mode: int = 0o644,
+        append: bool = False,
+        atomic: bool = False,
+        window: int = WRITE_WINDOW,
+        wait: float | None = UPLOAD_WAIT_S,
+    ) -> p.Message:
+        """Write ``data`` (bytes, or chunks of any size taken one at a time) to ``path`` in the
+        sandbox: the file's Entry, or the guest's Failure. Flow-controlled: at most ``window``
+        bytes are sent beyond what the guest wrote, so the host holds the chunk being sent and no
+        more; a source that raises ends the upload (an atomic one leaves the target as it was).
+        wait: seconds the guest may take for each answer (SandboxTimeout), not for the whole upload."""
+        async with self.request(
+            lambda i: p.WriteFile(i, path=path, mode=mode, append=append, window=window, atomic=atomic)
+        ) as stream:
+            ready = await stream.next(p.Ok, timeout=wait)
             if isinstance(ready, p.Failure):
                 return ready
-            for off in range(0, len(data), p.CHUNK):
-                await stream.send(p.Chunk(stream.id, data=data[off : off + p.CHUNK]))
-            await stream.send(p.ChunkEnd(stream.id))
-            return await stream.next(p.Entry)
+            try:
+                return await self._send_data(stream, data, window, wait)
+            except BaseException:  # the source failed, a bound expired, the caller gave up
+                stream.cancel()  # the guest abandons the upload (an atomic one leaves no trace)
+                raise
+
+    async def _send_data(
+        self, stream: Stream, data: bytes | AsyncIterator[bytes], window: int, wait: float | None
+    ) -> p.Message:
+        sent = acked = 0
+        chunks: AsyncIterator[bytes] = _pieces(data) if isinstance(data, bytes) else data
+        async for chunk in chunks:
+            for off in range(0, len(chunk), p.CHUNK):
+                piece = chunk[off : off + p.CHUNK]
+                while True:  # the guest's acks so far; wait for one while the window is full
+                    full = window and sent - acked >= window
+                    msg = await stream.next(p.WriteAck, timeout=wait) if full else stream.poll()
+                    if msg is None:
+                        break
+                    if isinstance(msg, p.Failure):
+                        return msg
+                    if not isinstance(msg, p.WriteAck) or msg.bytes <= 0:
+                        what = type(msg).__name__
+                        raise GuestProtocolError(f"guest answered {what} during an upload", self.sandbox_id)
+                    acked += msg.bytes
+                await stream.send(p.Chunk(stream.id, data=piece))
+                sent += len(piece)
+        await stream.send(p.ChunkEnd(stream.id))
+        while True:
+            end = await stream.next(p.WriteAck, p.Entry, timeout=wait)
+            if not isinstance(end, p.WriteAck):
+                return end
 
     async def close(self) -> None:
         self._fail(GuestConnectionError("client closed", self.sandbox_id))
@@ -192,6 +238,10 @@ class GuestClient(asyncio.Protocol):
     @property
     def closed(self) -> bool:
         return self._error is not None
+
+
+async def _pieces(data: bytes) -> AsyncIterator[bytes]:
+    yield data
 
 
 class _Request:
@@ -294,6 +344,22 @@ class Stream:
         if self.client._error is None and self.client._transport is not None:
             with contextlib.suppress(Exception):  # best effort: a broken connection ends the read anyway
                 self.client._transport.write(p.encode(p.Cancel(self.id)))
+
+    def poll(self) -> p.Message | None:
+        """The next frame if one has arrived, else None (never waits); errors as in get()."""
+        if not self._items:
+            return None
+        item = self._items[0]
+        if item is _END:  # stays: every later call raises too
+            assert self.client._error is not None
+            raise self.client._error
+        self._items.popleft()
+        if item is _OVERFLOW:
+            raise GuestProtocolError("the guest sent more file data than the read's window", self.client.sandbox_id)
+        if self._budget is not None and isinstance(item, p.Chunk):
+            self._held -= len(item.data)
+        assert isinstance(item, p.Message)
+        return item
 
     async def next(self, *expect: type[p.Message], timeout: float | None = None) -> p.Message:
         """Next frame, which must be one of ``expect`` or a Failure."""

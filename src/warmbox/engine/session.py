@@ -15,7 +15,7 @@ import codecs
 import io
 import math
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import cast
 
@@ -508,6 +508,16 @@ class GuestSession:
         msg = await self._client.call(lambda i: p.Rename(i, old=old, new=new), p.Entry)
         if isinstance(msg, p.Failure):
             raise_failure(msg, self.sandbox_id, f"rename {old} to {new}")
+        assert isinstance(msg, p.Entry)
+        return _entry(msg)
+
+    async def write_stream(self, path: str, chunks: AsyncIterator[bytes], *, mode: int = 0o644) -> EntryInfo:
+        """Write a file from chunks taken one at a time (flow-controlled: the host holds about one
+        chunk); the file replaces ``path`` atomically once complete, and a failed or abandoned
+        write leaves ``path`` as it was."""
+        msg = await self._client.upload(path, chunks, mode=mode, atomic=True)
+        if isinstance(msg, p.Failure):
+            raise_failure(msg, self.sandbox_id, f"write {path}")
         assert isinstance(msg, p.Entry)
         return _entry(msg)
 

@@ -785,8 +785,14 @@ class Connection:
                     break
                 if msg is None:
                     break
-                if isinstance(msg, (p.StdinData, p.Chunk, p.ChunkEnd)):
+                if isinstance(msg, p.StdinData):
                     self.inbox(msg.id).put(msg)
+                    continue
+                if isinstance(msg, (p.Chunk, p.ChunkEnd)):  # for a running upload only: after its
+                    with self._inbox_lock:  # failure the rest is dropped, not queued forever
+                        box = self._inboxes.get(msg.id)
+                    if box is not None:
+                        box.put(msg)
                     continue
                 if isinstance(msg, (p.ReadAck, p.Cancel)):  # for a running read only: late ones are dropped
                     with self._inbox_lock:
@@ -794,8 +800,8 @@ class Connection:
                     if box is not None:
                         box.put(msg)
                     continue
-                if isinstance(msg, (p.ReadFile, p.PortConnect)):
-                    self.inbox(msg.id)  # before its worker starts: a Cancel may come first
+                if isinstance(msg, (p.ReadFile, p.PortConnect, p.WriteFile)):
+                    self.inbox(msg.id)  # before its worker starts: a Cancel (or data) may come first
                 if type(msg) in _INLINE:  # answered at once, no thread hand-off
                     self._handle(msg)
                     continue
@@ -1148,18 +1154,38 @@ def _read_file(agent: Agent, conn: Connection, msg: p.ReadFile) -> None:
 
 
 def _write_file(agent: Agent, conn: Connection, msg: p.WriteFile) -> None:
+    """Take an upload (see protocol.WriteFile): acks every quarter window; an atomic one goes to a
+    temporary file beside the target, renamed over it at the end and removed on any failure."""
+    if msg.window < 0 or (msg.atomic and msg.append):
+        raise _Fail(p.ErrorCode.INVALID, "window must not be negative; an atomic write cannot append")
     inbox = conn.inbox(msg.id)
     parent = os.path.dirname(msg.path)
     if parent:
         os.makedirs(parent, exist_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_APPEND if msg.append else os.O_TRUNC)
-    fd = os.open(msg.path, flags, msg.mode & 0o7777 or 0o644)
+    mode = msg.mode & 0o7777 or 0o644
+    tmp = None
+    if msg.atomic:
+        try:
+            if stat_mod.S_ISDIR(os.lstat(msg.path).st_mode):  # refused now, not after all the data came
+                raise _Fail(p.ErrorCode.IS_A_DIRECTORY, f"{msg.path} is a directory")
+        except FileNotFoundError:
+            pass
+        tmp = os.path.join(parent, f".{os.path.basename(msg.path)}.wb-{os.urandom(6).hex()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    else:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_APPEND if msg.append else os.O_TRUNC)
+        fd = os.open(msg.path, flags, mode)
+    done = False
     try:
+        if tmp is not None:
+            os.fchmod(fd, mode)  # the umask does not apply: the file gets the mode asked for
         conn.send(p.Ok(id=msg.id))  # ready: the host may now stream chunks
+        ack_every = max(1, msg.window // 4)
+        unacked = 0
         while True:
             item = inbox.get()
-            if item is None:
-                return  # connection gone
+            if item is None or isinstance(item, p.Cancel):
+                return  # connection gone, or the host abandoned the upload: no answer
             if isinstance(item, p.ChunkEnd):
                 break
             if not isinstance(item, p.Chunk):
@@ -1167,8 +1193,20 @@ def _write_file(agent: Agent, conn: Connection, msg: p.WriteFile) -> None:
             view = memoryview(item.data)
             while view:
                 view = view[os.write(fd, view) :]
+            unacked += len(item.data)
+            if msg.window and unacked >= ack_every:
+                conn.send(p.WriteAck(id=msg.id, bytes=unacked))
+                unacked = 0
+        if tmp is not None:
+            os.rename(tmp, msg.path)
+        done = True
     finally:
         os.close(fd)
+        if tmp is not None and not done:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
     conn.send(_entry(msg.id, msg.path))
 
 

@@ -43,7 +43,11 @@ _BUILTIN = {
     "Any",
     "builtins",
 }
-_KNOWN = {"Network": "warmbox.network.policy", "Secret": "warmbox.network.policy"}  # type-checking-only imports
+_KNOWN = {  # type-checking-only imports, and aliases (a union has no module of its own)
+    "Network": "warmbox.network.policy",
+    "Secret": "warmbox.network.policy",
+    "FileData": "warmbox.sdk.files",
+}
 
 
 def _sync_ann(ann: str) -> str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from warmbox import operations as ops
 from warmbox.errors import InvalidArgument, PathNotFound
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 
 DEFAULT_READ_MAX_BYTES = 100 << 20
 DEFAULT_READ_TIMEOUT_S = 60.0
+STREAM_CHUNK = 1 << 20  # bytes read from a file object at a time for a streamed write
 WORKDIR = "/workspace"
 
 
@@ -56,9 +58,28 @@ class AsyncFiles:
             return data
         return str(data, "utf-8", "replace")
 
-    async def write(self, path: str, data: str | bytes, *, mode: int = 0o644, append: bool = False) -> EntryInfo:
-        """Create or replace a file (parent directories are created); returns its entry."""
-        return await self._sb._run(ops.WriteFile(self._sb.sandbox_id, path, data, mode=mode, append=append))
+    async def write(self, path: str, data: FileData, *, mode: int = 0o644, append: bool = False) -> EntryInfo:
+        """Create or replace a file (parent directories are created); returns its entry.
+
+        data: text (UTF-8) or bytes; or, for large files, a stream: a binary file object (read in
+        chunks), an iterable or async iterable of bytes chunks. A stream is sent as it is read,
+        at the sandbox's pace (the host holds about one chunk at a time, whatever the size), and
+        the file replaces ``path`` atomically once complete: a failed or interrupted write (the
+        source raised, the sandbox's disk is full) leaves ``path`` as it was. ``append`` takes
+        text or bytes only.
+        """
+        sb = self._sb
+        if isinstance(data, (bytearray, memoryview)):
+            data = bytes(data)
+        if isinstance(data, (str, bytes)):
+            return await sb._run(ops.WriteFile(sb.sandbox_id, path, data, mode=mode, append=append))
+        if not isinstance(data, (SupportsRead, AsyncIterable, Iterable)):
+            raise InvalidArgument(
+                f"data must be str, bytes, a binary file object or an iterable of bytes, got {type(data).__name__}"
+            )
+        if append:
+            raise InvalidArgument("append=True takes str or bytes, not a stream")
+        return await sb._run(ops.WriteFileStream(sb.sandbox_id, path, _chunks(data), mode=mode))
 
     async def write_files(self, files: builtins.list[WriteEntry]) -> builtins.list[EntryInfo]:
         """Create or replace several files in one call, in order (parents are created); their
@@ -93,6 +114,41 @@ class AsyncFiles:
     async def remove(self, path: str) -> None:
         """Remove a file or a directory tree."""
         await self._sb._run(ops.Remove(self._sb.sandbox_id, path))
+
+
+@runtime_checkable
+class SupportsRead(Protocol):
+    """A binary file object (``open(p, "rb")``, ``io.BytesIO``, a socket's makefile)."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
+FileData = str | bytes | SupportsRead | Iterable[bytes] | AsyncIterable[bytes]
+
+
+async def _chunks(data: object) -> AsyncIterator[bytes]:
+    """A streamed write's source as bytes chunks; a file object is read off the event loop."""
+    if isinstance(data, SupportsRead):
+        while True:
+            chunk = await asyncio.to_thread(data.read, STREAM_CHUNK)
+            if not chunk:
+                return
+            yield _as_bytes(chunk)
+    elif isinstance(data, AsyncIterable):
+        async for chunk in data:
+            yield _as_bytes(chunk)
+    else:
+        assert isinstance(data, Iterable)
+        for chunk in data:
+            yield _as_bytes(chunk)
+
+
+def _as_bytes(chunk: object) -> bytes:
+    if isinstance(chunk, bytes):
+        return chunk
+    if isinstance(chunk, (bytearray, memoryview)):
+        return bytes(chunk)
+    raise InvalidArgument(f"a streamed write's chunks must be bytes, got {type(chunk).__name__}")
 
 
 class AsyncFileStream:

@@ -15,6 +15,7 @@ says the outcome is unknown, never a silent partial result.
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import dataclasses
 import json
 import os
@@ -29,7 +30,7 @@ from aiohttp.http_exceptions import LineTooLong
 from warmbox import api, wire
 from warmbox import operations as ops
 from warmbox.errors import ConnectionLost, ContextError, InvalidArgument, SandboxNotFound, WarmboxError
-from warmbox.models import ApprovalRequest, Result
+from warmbox.models import ApprovalRequest, EntryInfo, Result
 
 R = TypeVar("R")
 RETRIES = (0.1, 0.3, 0.8, 1.5)  # pauses between attempts of a retryable request (about 3 s in all)
@@ -230,7 +231,31 @@ class HttpTransport:
             self._background.add(t)
             t.add_done_callback(self._background.discard)
             return None  # type: ignore[return-value]
+        if isinstance(request, ops.WriteFileStream):
+            return await self._write_stream(request)  # type: ignore[return-value]
         return await self._send(request)
+
+    async def _write_stream(self, request: ops.WriteFileStream) -> EntryInfo:
+        """A streamed upload: an error of the caller's source is raised as itself (aiohttp would
+        report it as a broken connection); the server then abandons the write."""
+        failed: list[BaseException] = []
+
+        async def body() -> collections.abc.AsyncIterator[bytes]:
+            try:
+                async for chunk in request.data:
+                    yield chunk
+            except BaseException as e:
+                failed.append(e)
+                raise
+
+        if not isinstance(request.data, collections.abc.AsyncIterator):
+            raise InvalidArgument(f"data must be an async iterator of bytes, got {type(request.data).__name__}")
+        try:
+            return await self._send(dataclasses.replace(request, data=body()))
+        except BaseException:
+            if failed:
+                raise failed[0] from None
+            raise
 
     async def subscribe_approvals(self, sandbox_id: str, hook: Callable[[ApprovalRequest], object]) -> _Subscription:
         if not callable(hook):
@@ -259,8 +284,12 @@ class HttpTransport:
         route = api.BY_OP[request.op]
         _check_path_fields(request, route)
         _check_records(request)
-        if isinstance(request, ops.WriteFile):  # the data is the raw body: never base64 it
-            fields = wire.encode(dataclasses.replace(request, data=b""), tag_bytes=True)
+        if isinstance(request, (ops.WriteFile, ops.WriteFileStream)):  # the data is the raw body: never base64 it
+            fields = {
+                f.name: wire.encode(getattr(request, f.name), tag_bytes=True)
+                for f in dataclasses.fields(request)
+                if f.name != "data"
+            }
         else:
             fields = wire.encode(request, tag_bytes=True)
         for f in route.path_fields:
@@ -276,8 +305,12 @@ class HttpTransport:
             kwargs["params"] = _query(_checked(request, fields))
         else:  # raw: the data is the body
             fields.pop("data", None)
-            data = request.data if isinstance(request, ops.WriteFile) else b""
-            if isinstance(data, str):
+            data = request.data if isinstance(request, (ops.WriteFile, ops.WriteFileStream)) else b""
+            if isinstance(request, ops.WriteFileStream):  # sent as it is taken (chunked), never held whole
+                if not isinstance(data, collections.abc.AsyncIterator):
+                    raise InvalidArgument(f"data must be an async iterator of bytes, got {type(data).__name__}")
+                kwargs["data"] = data
+            elif isinstance(data, str):
                 kwargs["data"] = data.encode()
             elif isinstance(data, (bytes, bytearray, memoryview)):
                 kwargs["data"] = bytes(data)

@@ -230,6 +230,22 @@ def _query_fields(route: api.Route, conn: HTTPConnection) -> dict[str, object]:
     return data
 
 
+async def _body_chunks(request: Request, timeout_s: float) -> AsyncIterator[bytes]:
+    """The body as it arrives, one received piece at a time (the server's transport stops reading
+    while a piece waits: the sandbox's pace reaches the client); each must come within ``timeout_s``."""
+    pieces = request.stream().__aiter__()
+    while True:
+        try:
+            async with asyncio.timeout(timeout_s):
+                chunk = await anext(pieces)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise InvalidArgument(f"the request body stalled: nothing arrived for {timeout_s:g} s") from None
+        if chunk:
+            yield chunk
+
+
 async def decode_request(route: api.Route, request: Request, settings: ServerSettings) -> ops.Request[Any]:
     cls = ops.REQUESTS[route.op]
     given = dict(request.path_params)
@@ -237,7 +253,10 @@ async def decode_request(route: api.Route, request: Request, settings: ServerSet
     if route.body in ("query", "raw"):
         data = _query_fields(route, request)
     if route.body == "raw":
-        data["data"] = await _body(request, settings.max_body_mb << 20, settings.body_timeout_s)
+        if cls is ops.WriteFileStream:  # streamed into the sandbox as it arrives, never held whole
+            data["data"] = _body_chunks(request, settings.body_timeout_s)
+        else:
+            data["data"] = await _body(request, settings.max_body_mb << 20, settings.body_timeout_s)
         if "data" in request.query_params:
             raise InvalidArgument("the file's bytes are the request body, not a query parameter")
     elif route.body == "json":
