@@ -92,6 +92,18 @@ GUARANTEES: tuple[Guarantee, ...] = (
     ),
     Guarantee(
         "crashes",
+        "A 200 MB streamed files.write and files.read keep the host's memory small (the agent "
+        "acknowledges what it wrote; the host sends one window beyond), in process and through "
+        "warmbox serve (the raw body is streamed, never held).",
+        ("container",),
+        (
+            "test_files_stream_memory.py::test_a_200mb_streamed_write_and_read_in_process_keep_host_memory_small",
+            "test_files_stream_memory.py::"
+            "test_a_200mb_streamed_write_and_read_over_http_keep_client_and_server_memory_small",
+        ),
+    ),
+    Guarantee(
+        "crashes",
         "Filling /tmp, /home/user and /dev/shm gets ENOSPC; the agent and the sandbox live.",
         _ALL,
         (
