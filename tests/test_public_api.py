@@ -40,6 +40,7 @@ def test_exported_members():
             "StageTiming",
             "State",
             "TierStatus",
+            "UnsupportedLanguage",
             "WarmboxError",
             "__version__",
             "ArtifactCorrupt",

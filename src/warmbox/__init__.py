@@ -30,6 +30,7 @@ from warmbox.errors import (
     SnapshotUnsupported,
     StorageError,
     StorageFull,
+    UnsupportedLanguage,
     WarmboxError,
 )
 from warmbox.models import (
@@ -108,6 +109,7 @@ __all__ = [
     "StageTiming",
     "State",
     "TierStatus",
+    "UnsupportedLanguage",
     "WarmboxError",
     "__version__",
 ]

@@ -3,7 +3,8 @@
 WarmboxError
 ├── InvalidArgument (ValueError)        bad input from the caller; nothing was changed
 │   ├── InvalidPath                     a sandbox path outside the files API's rules
-│   └── LimitTooHigh                    a limit above the host's capacity or an admin maximum
+│   ├── LimitTooHigh                    a limit above the host's capacity or an admin maximum
+│   └── UnsupportedLanguage             a code-context language the sandbox has not (``available``)
 ├── BackendUnavailable                  the tier cannot run on this host (``reason`` says why)
 ├── SandboxError                        something about one sandbox (``sandbox_id``)
 │   ├── SandboxNotFound                 unknown id, or the sandbox was destroyed
@@ -68,6 +69,16 @@ class LimitTooHigh(InvalidArgument):
         self.value = value
         self.maximum = maximum
         self.source = source
+
+
+class UnsupportedLanguage(InvalidArgument):
+    """A code-context language this sandbox cannot run: ``language`` as asked, ``available`` the
+    ones it can (``Capabilities.context_languages`` of its tier, less what its image lacks)."""
+
+    def __init__(self, message: str, *, language: str = "", available: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.language = language
+        self.available = available
 
 
 class BackendUnavailable(WarmboxError):

@@ -409,6 +409,11 @@ class ApprovalRequest:
 # ---- records shared by the backends and the engine (a tier's description and its handles)
 
 
+CONTEXT_LANGUAGES = ("python", "javascript", "bash")
+# other spellings run_code(language=) and create_code_context accept (E2B's "js" among them)
+LANGUAGE_ALIASES = {"py": "python", "python3": "python", "js": "javascript", "node": "javascript", "sh": "bash"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
     """What a tier can do; the engine and the tier selector read this, never the tier's name."""
@@ -430,6 +435,9 @@ class Capabilities:
     # memory checkpoint cannot save (gVisor: its Sentry panics and the sandbox dies): the engine
     # refuses such a pause up front, and reports a sandbox lost to a failed checkpoint
     checkpoint_saves_workspace_sockets: bool = True
+    # languages of code contexts (create_code_context / run_code(language=)); a sandbox whose image
+    # lacks the interpreter (node) refuses that one with UnsupportedLanguage naming the others
+    context_languages: tuple[str, ...] = CONTEXT_LANGUAGES
 
 
 @dataclasses.dataclass(frozen=True)

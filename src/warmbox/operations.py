@@ -310,6 +310,7 @@ class RunCode(Request[Execution]):
     on_stdout: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
     on_stderr: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
     on_result: ResultSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
+    language: str | None = None  # with no context: the default context of this language
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,6 +106,7 @@ class ErrorCode(_Closed):
     EXEC_FAILED = _Member("exec_failed")
     CONTEXT_NOT_FOUND = _Member("context_not_found")
     CONTEXT_DIED = _Member("context_died")
+    LANGUAGE_UNAVAILABLE = _Member("language_unavailable")  # no code contexts of that language here
     NOT_REGULAR = _Member("not_regular")  # a read of a FIFO, device or socket: refused, never read
     TOO_LARGE = _Member("too_large")  # a read of more than its max_bytes
     CONNECTION_REFUSED = _Member("connection_refused")  # PortConnect: nothing listens on that port

@@ -237,7 +237,7 @@ def _error_classes() -> dict[str, type[WarmboxError]]:
 ERRORS: dict[str, type[WarmboxError]] = _error_classes()
 """code -> error class, for every class in warmbox.errors."""
 CODES: dict[type[WarmboxError], str] = {cls: code for code, cls in ERRORS.items()}
-_ATTRS = ("sandbox_id", "tier", "reason", "limit", "value", "maximum", "source", "retry_after")
+_ATTRS = ("sandbox_id", "tier", "reason", "limit", "value", "maximum", "source", "retry_after", "language", "available")
 
 
 def error_code(exc: WarmboxError) -> str:
@@ -254,6 +254,8 @@ def error_to_wire(exc: WarmboxError) -> dict[str, Any]:
         v = getattr(exc, name, _UNSET)
         if v is not _UNSET and (v is None or isinstance(v, (str, int, float, bool))):
             out[name] = v
+        elif isinstance(v, tuple) and all(isinstance(x, str) for x in v):
+            out[name] = list(v)
     return out
 
 
@@ -266,7 +268,8 @@ def error_from_wire(data: object, fallback: Callable[[str], WarmboxError] | None
     Exception.__init__(exc, str(data.get("message", "")))
     for name in _ATTRS:
         if name in data:
-            setattr(exc, name, data[name])
+            v = data[name]
+            setattr(exc, name, tuple(str(x) for x in v) if isinstance(v, list) else v)
     if isinstance(exc, errors.SandboxError) and not hasattr(exc, "sandbox_id"):
         exc.sandbox_id = None
     return exc

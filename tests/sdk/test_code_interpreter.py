@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from warmbox import BackendUnavailable, Sandbox
+from warmbox import BackendUnavailable, InvalidArgument, Sandbox, UnsupportedLanguage
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -138,8 +138,61 @@ def test_matplotlib_in_commands_and_a_fresh_cache(box):
 
 
 @pytest.mark.sandbox
-def test_charts_on_gvisor(home, runc_ready):
+def test_charts_and_languages_on_gvisor(home, runc_ready):
     with open_tier("gvisor") as sb:
         e = sb.run_code(CHART)
         assert e.error is None, e.error
         assert png_size(e.results[0].png)
+        assert sb.run_code("const v = await Promise.resolve(6); v * 7", language="javascript").text == "42"
+        assert sb.run_code("cd /tmp; N=3", language="bash").error is None
+        assert sb.run_code("echo $N $PWD", language="bash").stdout == "3 /tmp\n"
+
+
+@pytest.mark.sandbox
+def test_javascript_context_keeps_state_and_awaits(box):
+    js = box.create_code_context(language="javascript")
+    assert js.language == "javascript"
+    e = box.run_code("const x = await Promise.resolve(41);\nconsole.log('got', x);\nx + 1", context=js)
+    assert e.error is None, e.error
+    assert (e.text, e.stdout) == ("42", "got 41\n") and e.results[0].is_main_result
+    e = box.run_code("let y = x * 2; function f(a) { return a + y }\nf(1)", context=js)
+    assert e.text == "83"
+    assert box.run_code("typeof require('fs').readFileSync", context=js).text == "'function'"
+    e = box.run_code("null.foo", context=js)
+    assert e.error.name == "TypeError" and "null" in e.error.value and "<cell" in e.error.traceback
+    e = box.run_code("await new Promise(() => {})", context=js, timeout=1)
+    assert e.timed_out and e.error is not None
+    e = box.run_code("while (true) {}", context=js, timeout=1)
+    assert e.timed_out and e.error is not None
+    assert box.run_code("y", context=js).text == "82"  # state survived both interrupts
+    # run_code(language=) uses one default context per language
+    assert box.run_code("globalThis.z = 5", language="js").text == "5"
+    assert box.run_code("z", language="javascript").text == "5"
+
+
+@pytest.mark.sandbox
+def test_bash_context_keeps_cwd_and_variables(box):
+    sh = box.create_code_context(language="bash")
+    e = box.run_code("cd /tmp && mkdir -p wbdir && cd wbdir\nGREET=hello\necho $GREET; echo oops >&2", context=sh)
+    assert (e.stdout, e.stderr, e.error) == ("hello\n", "oops\n", None)
+    e = box.run_code("pwd; echo $GREET-again", context=sh)
+    assert e.stdout == "/tmp/wbdir\nhello-again\n"
+    e = box.run_code("ls /nope", context=sh)
+    assert e.error.name == "ExitCode" and e.error.value == "2" and "/nope" in e.stderr
+    e = box.run_code("sleep 100; echo after", context=sh, timeout=1)
+    assert e.timed_out and "after" not in e.stdout
+    assert box.run_code("echo $GREET; pwd", language="bash").stdout == "\n/home/user\n"  # its own context
+    assert box.run_code("echo $GREET", context=sh).stdout == "hello\n"
+
+
+@pytest.mark.sandbox
+def test_unknown_language_is_a_typed_error(box):
+    with pytest.raises(UnsupportedLanguage) as e:
+        box.create_code_context(language="cobol")
+    assert isinstance(e.value, InvalidArgument)
+    assert e.value.language == "cobol" and set(e.value.available) == {"python", "javascript", "bash"}
+    assert "python, javascript, bash" in str(e.value)
+    with pytest.raises(UnsupportedLanguage):
+        box.run_code("1", language="cobol")
+    with pytest.raises(InvalidArgument):
+        box.run_code("1", language="python", context="default-bash")

@@ -80,6 +80,8 @@ _GUEST_SOURCES = (
     "guest/agent.py",
     "guest/kernel.py",
     "guest/mpl_inline.py",
+    "guest/kernel_bash.py",
+    "guest/kernel.js",
     "guest/spawn.c",
     "guest/init.c",
 )

@@ -31,9 +31,17 @@ from warmbox.engine import snapshot as snapshots
 from warmbox.engine.engine import Engine, validate_envs, validate_timeout
 from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession
-from warmbox.errors import Forbidden, GuestConnectionError, InvalidArgument, SandboxNotFound, WarmboxError
+from warmbox.errors import (
+    Forbidden,
+    GuestConnectionError,
+    InvalidArgument,
+    SandboxNotFound,
+    UnsupportedLanguage,
+    WarmboxError,
+)
 from warmbox.lifecycle import Operation, check
 from warmbox.models import (
+    LANGUAGE_ALIASES,
     ApprovalRequest,
     CommandResult,
     EntryInfo,
@@ -402,23 +410,56 @@ class EngineFront:
             raise InvalidArgument(f"code must be a string, got {type(r.code).__name__}")
         if not isinstance(r.context, str) or not r.context:
             raise InvalidArgument(f"context must be a context id, got {r.context!r}")
+        context = r.context
+        if r.language is not None:
+            if context != "default":
+                raise InvalidArgument("run_code takes a context or a language, not both")
+            language = self._language(r.sandbox_id, r.language)
+            context = "default" if language == "python" else f"default-{language}"
         t = optional_timeout(r.timeout)
         cap = _positive_int(r.max_output, "max_output")
         session = await self._session(r.sandbox_id)
-        return await session.run_code(
-            r.code,
-            context=r.context,
-            timeout_s=t,
-            max_output=cap,
-            on_stdout=r.on_stdout,
-            on_stderr=r.on_stderr,
-            on_result=r.on_result,
-        )
+        try:
+            return await session.run_code(
+                r.code,
+                context=context,
+                timeout_s=t,
+                max_output=cap,
+                on_stdout=r.on_stdout,
+                on_stderr=r.on_stderr,
+                on_result=r.on_result,
+            )
+        except UnsupportedLanguage as e:
+            raise self._unsupported(r.sandbox_id, r.language or "", str(e)) from None
+
+    def _language(self, sandbox_id: str, language: object) -> str:
+        """The canonical name of a code-context language the sandbox's tier has, or UnsupportedLanguage."""
+        info, _ = self.engine.info(sandbox_id)
+        available = self.engine.backend(info.tier).capabilities().context_languages
+        name = language.lower() if isinstance(language, str) else ""
+        name = LANGUAGE_ALIASES.get(name, name)
+        if name not in available:
+            raise UnsupportedLanguage(
+                f"no {language!r} code contexts on the {info.tier} tier (available: {', '.join(available)})",
+                language=str(language),
+                available=available,
+            )
+        return name
+
+    def _unsupported(self, sandbox_id: str, language: str, message: str) -> UnsupportedLanguage:
+        """The sandbox's own refusal (its image lacks the interpreter), with what it does have."""
+        info, _ = self.engine.info(sandbox_id)
+        caps = self.engine.backend(info.tier).capabilities().context_languages
+        return UnsupportedLanguage(message, language=language, available=tuple(x for x in caps if x != language))
 
     async def create_context(self, r: ops.CreateContext) -> str:
         cwd = sandbox_path(r.cwd)
         env = dict(validate_envs(r.envs))
-        return await (await self._session(r.sandbox_id)).create_context(r.language, cwd, env)
+        language = self._language(r.sandbox_id, r.language)
+        try:
+            return await (await self._session(r.sandbox_id)).create_context(language, cwd, env)
+        except UnsupportedLanguage as e:
+            raise self._unsupported(r.sandbox_id, language, str(e)) from None
 
     async def remove_context(self, r: ops.RemoveContext) -> None:
         await (await self._session(r.sandbox_id)).delete_context(r.context)

@@ -37,6 +37,7 @@ from warmbox.errors import (
     SandboxError,
     SandboxStartError,
     SandboxTimeout,
+    UnsupportedLanguage,
 )
 from warmbox.models import CommandResult, EntryInfo, Execution, ExecutionError, Result
 
@@ -89,6 +90,8 @@ def raise_failure(f: p.Failure, sandbox_id: str, what: str) -> None:
         raise ContextError(f"{what}: {f.message}", sandbox_id)
     if f.code is p.ErrorCode.INVALID:
         raise InvalidArgument(f"{what}: {f.message}")
+    if f.code is p.ErrorCode.LANGUAGE_UNAVAILABLE:
+        raise UnsupportedLanguage(f"{what}: {f.message}")
     raise SandboxError(f"{what}: {f.message}", sandbox_id)
 
 

@@ -1401,12 +1401,51 @@ def _port_connect(agent: Agent, conn: Connection, msg: p.PortConnect) -> None:
 _CONTEXT_REPLIES = (p.Stdout, p.Stderr, p.Display, p.CodeDone, p.Ok)
 
 
+def _found(name: str) -> str | None:
+    try:
+        return _which(name, os.environ.get("PATH", "/usr/bin:/bin"))
+    except FileNotFoundError:
+        return None
+
+
+def _python_kernel(module: str):
+    def argv(fd: int) -> tuple[str, list[str]]:
+        boot = (
+            f"import sys; sys.path.insert(0, {_GUEST_LIB!r}); from warmbox.guest import {module}; "
+            f"sys.path.pop(0); {module}.main({fd:d})"
+        )
+        return sys.executable, [sys.executable, "-u", "-c", boot]
+
+    return argv
+
+
+def _node_kernel(fd: int) -> tuple[str, list[str]]:
+    node = _found("node") or _found("nodejs") or "node"
+    script = os.path.join(_GUEST_LIB, "warmbox", "guest", "kernel.js")
+    # --expose-internals: the REPL's top-level-await transform (kernel.js works without it, less well)
+    return node, [node, "--expose-internals", script, str(fd)]
+
+
+def _context_command(language: str):
+    """How a context of ``language`` starts (a function of the kernel's socket fd), or a typed
+    failure naming the languages this sandbox has."""
+    tools = {"python": None, "javascript": "node", "bash": "bash"}
+    available = [lang for lang, tool in tools.items() if tool is None or _found(tool)]
+    if language not in available:
+        raise _Fail(
+            p.ErrorCode.LANGUAGE_UNAVAILABLE,
+            f"no {language!r} code contexts in this sandbox (available: {', '.join(available)})",
+        )
+    if language == "javascript":
+        return _node_kernel
+    return _python_kernel("kernel_bash" if language == "bash" else "kernel")
+
+
 class Context:
-    """A long-lived interpreter process (guest/kernel.py) reached over a socketpair."""
+    """A long-lived interpreter process (guest/kernel.py, kernel.js, kernel_bash.py) reached over a socketpair."""
 
     def __init__(self, agent: Agent, name: str, language: str, cwd: str, env: dict[str, str]) -> None:
-        if language != "python":
-            raise _Fail(p.ErrorCode.INVALID, f"unsupported context language {language!r} (supported: python)")
+        exe_argv = _context_command(language)
         self.name = name
         self.lock = threading.Lock()
         self.agent = agent
@@ -1415,16 +1454,13 @@ class Context:
         ours, theirs = socket.socketpair()
         full_env = dict(os.environ)
         full_env.update(env)
-        boot = (
-            f"import sys; sys.path.insert(0, {_GUEST_LIB!r}); from warmbox.guest import kernel; "
-            f"sys.path.pop(0); kernel.main({theirs.fileno():d})"
-        )
+        exe, argv = exe_argv(theirs.fileno())
         null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         try:
             self.scope = _spawn(
                 agent,
-                sys.executable,
-                [sys.executable, "-u", "-c", boot],
+                exe,
+                argv,
                 full_env,
                 cwd or None,
                 (null, null, null),
@@ -1760,9 +1796,11 @@ class SerialPort:
         pass  # the port outlives every host connection
 
 
-class Agent:
-    DEFAULT_CONTEXT = "default"
+# made on first use: run_code without a context (per language)
+_DEFAULT_CONTEXTS = {"default": "python", "default-javascript": "javascript", "default-bash": "bash"}
 
+
+class Agent:
     def __init__(
         self,
         listener: socket.socket | None,
@@ -1804,9 +1842,9 @@ class Agent:
     def get_context(self, name: str) -> Context:
         with self._ctx_lock:
             ctx = self._contexts.get(name)
-        if ctx is None and name == self.DEFAULT_CONTEXT:
+        if ctx is None and name in _DEFAULT_CONTEXTS:
             try:
-                return self.new_context(name, "python", os.environ.get("HOME", "/"), {})
+                return self.new_context(name, _DEFAULT_CONTEXTS[name], os.environ.get("HOME", "/"), {})
             except _Fail as e:
                 if e.code is not p.ErrorCode.EXISTS:
                     raise

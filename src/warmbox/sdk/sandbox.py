@@ -432,6 +432,10 @@ class AsyncSandbox:
     async def create_code_context(
         self, language: str = "python", *, cwd: str = WORKDIR, envs: dict[str, str] | None = None
     ) -> CodeContext:
+        """A new interpreter whose state persists between runs: "python" (charts and rich results),
+        "javascript" (Node.js; top-level await; the last expression's value as text; ``js`` too)
+        or "bash" (cd, variables and functions persist; a non-zero exit status is the run's error
+        ``ExitCode``). Another language: UnsupportedLanguage naming the available ones."""
         context = await self._run(ops.CreateContext(self.sandbox_id, language, cwd, envs))
         return CodeContext(id=context, language=language, cwd=ops.sandbox_path(cwd))
 
@@ -449,8 +453,10 @@ class AsyncSandbox:
         on_result: Callable[[Result], object] | None = None,
         on_error: Callable[[ExecutionError], object] | None = None,
         max_output: int = DEFAULT_MAX_OUTPUT,
+        language: str | None = None,
     ) -> Execution:
-        """Run Python in a stateful context (the default one unless ``context`` is given).
+        """Run code in a stateful context: ``context``, or the default one of ``language``
+        ("python" unless given; "javascript", "bash": see ``create_code_context``).
 
         The value of the last expression is the main result (``Execution.text``); charts
         (``plt.show()``, figures left open) and ``display(obj)`` add results. Exceptions come back
@@ -469,6 +475,7 @@ class AsyncSandbox:
                 on_stdout=on_stdout,
                 on_stderr=on_stderr,
                 on_result=on_result,
+                language=language,
             )
         )
         if on_error is not None and execution.error is not None:
