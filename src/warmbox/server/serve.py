@@ -117,6 +117,33 @@ def peercred_protocol(head_timeout_s: float = 30.0) -> type[asyncio.Protocol]:
     return PeerCredProtocol
 
 
+def peercred_ws_protocol() -> type[asyncio.Protocol] | None:
+    """uvicorn's WebSocket protocol (the ports.connect tunnel), with PEER_UID in the scope as on
+    HTTP requests: an upgraded connection gets a protocol object (and scope) of its own."""
+    from uvicorn.protocols.websockets.auto import AutoWebSocketsProtocol
+
+    if AutoWebSocketsProtocol is None:
+        return None
+    base: Any = AutoWebSocketsProtocol
+
+    class PeerCredWebSocket(base):  # type: ignore[misc]
+        _peer_uid: int | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family == socket.AF_UNIX:
+                _pid, uid, _gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+                self._peer_uid = uid
+
+        async def run_asgi(self) -> None:
+            if self._peer_uid is not None:
+                self.scope[PEER_UID] = self._peer_uid
+            await super().run_asgi()
+
+    return PeerCredWebSocket
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -200,6 +227,7 @@ async def serve(home: Path, settings: ServerSettings, *, mcp: bool = True) -> No
     engine = Engine.for_home(home)
     app = build_app(engine, settings, mcp=mcp)
     protocol = peercred_protocol(min(settings.body_timeout_s, 30.0))  # a head is small: at most 30 s
+    ws_protocol = peercred_ws_protocol() or "none"
     listeners: list[tuple[uvicorn.Server, socket.socket]] = []
     addresses = []
     tls = _ssl_context(settings)
@@ -211,6 +239,7 @@ async def serve(home: Path, settings: ServerSettings, *, mcp: bool = True) -> No
         cfg = uvicorn.Config(
             app,
             http=protocol,
+            ws=ws_protocol,
             lifespan="on",
             log_level="warning",
             access_log=False,
@@ -229,6 +258,7 @@ async def serve(home: Path, settings: ServerSettings, *, mcp: bool = True) -> No
         cfg = uvicorn.Config(
             app,
             http=protocol,
+            ws=ws_protocol,
             lifespan="off" if listeners else "on",
             log_level="warning",
             access_log=False,
