@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from warmbox import protocol as p
-from warmbox.errors import GuestConnectionError, GuestProtocolError, InvalidArgument, SandboxTimeout
+from warmbox.errors import GuestConnectionError, GuestProtocolError, InvalidArgument, SandboxError, SandboxTimeout
 
 _END = object()
 _OVERFLOW = object()
@@ -440,7 +440,8 @@ class PortTunnel(Stream):
         self._unacked = 0  # taken by read(), not yet acknowledged to the guest
         self._ack_every = max(1, window // 4)
         self._room: asyncio.Future[None] | None = None
-        self._bad: str = ""
+        self._bad = ""  # the guest broke the tunnel's rules
+        self._failed = ""  # the guest ended the tunnel (its Failure)
         self.eof = False  # the guest's end of data arrived
 
     def _feed(self, msg: object) -> None:
@@ -454,7 +455,11 @@ class PortTunnel(Stream):
                 self._wake_writer()
                 return
         super()._feed(msg)
-        if msg is _END or msg is _OVERFLOW or isinstance(msg, p.Failure):
+        if self._held < 0 and not self._bad:
+            self._bad = "the guest sent more port data than the tunnel's window"
+        if isinstance(msg, p.Failure):
+            self._failed = msg.message
+        if self._bad or self._failed or msg is _END:
             self._wake_writer()
 
     def _wake_writer(self) -> None:
@@ -474,7 +479,11 @@ class PortTunnel(Stream):
         if self.eof:
             return None
         self._check()
-        msg = await self.next(p.Chunk, p.ChunkEnd)
+        try:
+            msg = await self.next(p.Chunk, p.ChunkEnd)
+        except GuestProtocolError:
+            self._check()  # the tunnel's own reason, if it has one
+            raise
         if isinstance(msg, p.ChunkEnd):
             self.eof = True
             return None
@@ -489,13 +498,16 @@ class PortTunnel(Stream):
         """Send ``data`` into the connection, waiting while the guest's window is full."""
         view = memoryview(data)
         while view:
-            while self._sent - self._acked >= self.window:
+            while True:
                 self._check()
-                if self._items and isinstance(self._items[-1], p.Failure):
-                    raise GuestConnectionError("the port connection in the sandbox ended", self.client.sandbox_id)
+                if self._failed:
+                    raise SandboxError(
+                        f"the port connection in the sandbox ended: {self._failed}", self.client.sandbox_id
+                    )
+                if self._sent - self._acked < self.window:
+                    break
                 self._room = self.client._loop.create_future()
                 await self._room
-            self._check()
             n = min(len(view), p.CHUNK, self.window - (self._sent - self._acked))
             self._sent += n
             await self.send(p.Chunk(self.id, data=bytes(view[:n])))
