@@ -239,6 +239,24 @@ GUARANTEES: tuple[Guarantee, ...] = (
             "test_egress_dns.py::test_ask_is_answered_before_any_lookup",
         ),
     ),
+    Guarantee(
+        "ports",
+        "A port forward (get_host) is a way in only: while one is open and in use the sandbox still "
+        "has no route out (not to the host, not anywhere); the agent dials only its own loopback.",
+        _SHARED,
+        ("test_port_forward.py::test_an_open_forward_gives_the_sandbox_no_way_out",),
+    ),
+    Guarantee(
+        "ports",
+        "A connection storm on a forward holds at most MAX_CONNECTIONS tunnels (the rest are dropped at "
+        "once) and they all close; an agent flooding past a tunnel's window, acknowledging bytes never "
+        "sent, sending garbage or never answering gets a typed error, and the host's memory stays bounded.",
+        _ALL,
+        (
+            "test_port_forward.py::test_a_connection_storm_on_the_forward_is_bounded",
+            "test_port_forward.py::test_a_hostile_agent_cannot_bloat_or_hang_the_host_through_a_tunnel",
+        ),
+    ),
 )
 
 
