@@ -24,6 +24,13 @@ _ALL = ("container", "gvisor", "microvm")
 
 GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee(
+        "host memory",
+        "A code run's results are bounded on the host (count and bytes): a cell writing raw result "
+        "frames to its kernel's socket gets a typed error, and the sandbox keeps working.",
+        _SHARED,
+        ("test_code_results.py::test_a_flood_of_empty_results_is_refused",),
+    ),
+    Guarantee(
         "service",
         "warmbox serve takes a caller's identity only from its key or, on the unix socket, its "
         "SO_PEERCRED uid: proxy headers never make a TCP caller a peer or root, and a key's admin "
