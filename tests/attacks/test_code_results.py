@@ -22,7 +22,7 @@ def is_socket(n):
 fd = next(int(n) for n in os.listdir("/proc/self/fd") if is_socket(n))
 s = socket.socket(fileno=os.dup(fd))
 s.sendall(b"".join(
-    p.encode(p.Display(id=0, mime="text/plain", data=b"", main=False, result=i)) for i in range(N)
+    p.encode(p.Display(id=0, mime="text/plain", data=b"", main=False, result=i)) for i in range(COUNT)
 ))
 s.detach()
 None
@@ -32,7 +32,7 @@ None
 def test_a_flood_of_empty_results_is_refused(tier):
     with Sandbox.create(tier, timeout=300, pool=False) as sb:
         with pytest.raises(GuestProtocolError, match="too much rich output"):
-            sb.run_code(FLOOD.replace("N", str(MAX_RESULTS * 4)))
+            sb.run_code(FLOOD.replace("COUNT", str(MAX_RESULTS * 4)))
         ctx = sb.create_code_context()
         assert sb.run_code("6 * 7", context=ctx).text == "42"
         assert sb.commands.run("echo ok").stdout == "ok\n"
