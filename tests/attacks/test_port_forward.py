@@ -188,3 +188,68 @@ def test_a_hostile_agent_cannot_bloat_or_hang_the_host_through_a_tunnel(tmp_path
     growth = asyncio.run(run())
     thread.join(10)
     assert growth < SMALL, f"a hostile agent made the host hold {growth >> 20} MiB"
+
+
+# ---- a hostile server in the sandbox behind the HTTP preview route
+
+HOSTILE_SERVER = r"""
+import socket
+answers = {
+    b"/split": b"HTTP/1.0 200 OK\r\nX-A: a\nSet-Cookie: evil=1\r\nContent-Type: text/html\r\n\r\n"
+    b"<script>steal()</script>",
+    b"/bighead": b"HTTP/1.0 200 OK\r\n" + b"X-Big: " + b"b" * (200 << 10) + b"\r\n\r\nbody",
+    b"/garbage": b"NOT HTTP AT ALL\r\n\r\n",
+    b"/status": b"HTTP/1.0 999 Nope\r\n\r\n",
+}
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", 8000))
+srv.listen(16)
+while True:
+    c, _ = srv.accept()
+    data = b""
+    while b"\r\n\r\n" not in data:
+        part = c.recv(65536)
+        if not part:
+            break
+        data += part
+    path = data.split(b" ")[1] if data.count(b" ") >= 2 else b"/"
+    try:
+        c.sendall(answers.get(path, b"HTTP/1.0 200 OK\r\n\r\nfine"))
+    except OSError:
+        pass
+    c.close()
+"""
+
+
+def test_a_hostile_server_cannot_split_or_script_the_preview(home, runc_ready):
+    from tests.conftest import start_server
+    from tests.server.test_api import UnixHTTPConnection
+    from warmbox import api
+
+    server = start_server(home, home / "ports-attack.sock", tcp=False)
+    try:
+        with Sandbox.create("container", timeout=300, pool=False, api_url=server.unix_url) as sb:
+            sb.files.write("/workspace/hostile.py", HOSTILE_SERVER)
+            sb.commands.run("cd /workspace && (python3 hostile.py >/tmp/h.log 2>&1 &)")
+            sb.get_host(8000, check=True, timeout=20)
+
+            def get(path: str) -> tuple[int, dict[str, str], bytes]:
+                conn = UnixHTTPConnection(server.socket, 30)
+                try:
+                    conn.request("GET", f"{api.PREFIX}/sandboxes/{sb.sandbox_id}/ports/8000{path}")
+                    r = conn.getresponse()
+                    return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+                finally:
+                    conn.close()
+
+            status, headers, body = get("/split")
+            assert status == 200 and body == b"<script>steal()</script>", (status, body)
+            assert "set-cookie" not in headers and "x-a" not in headers, headers  # the split line is dropped
+            assert headers["content-security-policy"] == "sandbox" and headers["x-content-type-options"] == "nosniff"
+            for path in ("/bighead", "/garbage", "/status"):
+                status, _, body = get(path)
+                assert status == 502 and b"sandbox_error" in body, (path, status, body[:200])
+            assert get("/ok")[0] == 200  # the server (and the route) still serve
+    finally:
+        assert server.stop() == 0, server.output()

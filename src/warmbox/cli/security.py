@@ -255,6 +255,14 @@ GUARANTEES: tuple[Guarantee, ...] = (
     ),
     Guarantee(
         "ports",
+        "A server in the sandbox behind the HTTP preview route cannot split the API's response (header "
+        "lines with control characters are dropped), overflow it (a head over 64 KiB or no HTTP at all "
+        "is a 502) or script the API's origin (every page carries Content-Security-Policy: sandbox).",
+        ("container",),
+        ("test_port_forward.py::test_a_hostile_server_cannot_split_or_script_the_preview",),
+    ),
+    Guarantee(
+        "ports",
         "A connection storm on a forward holds at most MAX_CONNECTIONS tunnels (the rest are dropped at "
         "once) and they all close; an agent flooding past a tunnel's window, acknowledging bytes never "
         "sent, sending garbage or never answering gets a typed error, and the host's memory stays bounded.",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
@@ -37,6 +38,9 @@ _HOP = frozenset(
         "authorization",
     }
 )
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class _Gone(Exception):
@@ -128,8 +132,10 @@ async def preview(request: Request, stream: ops.PortStream, port: int, path: str
         headers: list[tuple[str, str]] = []
         for line in header_lines:
             name, sep, value = line.partition(":")
-            if sep and name.strip() and name.strip().lower() not in _HOP:
-                headers.append((name.strip(), value.strip()))
+            name, value = name.strip(), value.strip()
+            # a bare LF or other control character would split or corrupt our own response: dropped
+            if sep and name and name.lower() not in _HOP and not _CONTROL.search(line):
+                headers.append((name, value))
     except BaseException:
         stream.close()
         raise
