@@ -59,6 +59,9 @@ def test_exported_members():
             "QuotaExceeded",
             "Forbidden",
             "WriteEntry",
+            "CommandHandle",
+            "ProcessInfo",
+            "ProcessNotFound",
         ]
     )
     for name in warmbox.__all__:

@@ -20,6 +20,7 @@ from warmbox.errors import (
     PathNotFound,
     PathPermissionDenied,
     PortNotListening,
+    ProcessNotFound,
     QuotaExceeded,
     RegistryError,
     SandboxError,
@@ -43,6 +44,7 @@ from warmbox.models import (
     Logs,
     NetEvent,
     PoolStatus,
+    ProcessInfo,
     Result,
     SandboxInfo,
     SandboxMetrics,
@@ -53,7 +55,7 @@ from warmbox.models import (
     WriteEntry,
 )
 from warmbox.network.policy import Network, Secret
-from warmbox.sdk import AsyncSandbox, CodeContext, Sandbox
+from warmbox.sdk import AsyncSandbox, CodeContext, CommandHandle, Sandbox
 
 __version__ = "0.1.0"
 
@@ -72,6 +74,9 @@ __all__ = [
     "NetworkError",
     "Secret",
     "WriteEntry",
+    "CommandHandle",
+    "ProcessInfo",
+    "ProcessNotFound",
     "AsyncSandbox",
     "BackendUnavailable",
     "CodeContext",

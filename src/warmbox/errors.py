@@ -24,7 +24,8 @@ WarmboxError
 │   │   ├── FileTooLarge                a read past ``max_bytes``: nothing partial is returned
 │   │   └── NoSpace                     ENOSPC/EDQUOT inside the sandbox (disk or tmpfs full)
 │   ├── ContextError                    a code context is unknown or died
-│   └── PortNotListening (ConnectionRefusedError)  get_host/a tunnel: nothing listens on that port
+│   ├── PortNotListening (ConnectionRefusedError)  get_host/a tunnel: nothing listens on that port
+│   └── ProcessNotFound (LookupError)   no background process with that pid (commands.connect, ...)
 ├── RegistryError                       the embedded state database failed
 ├── ConfigError                         warmbox.toml or a WARMBOX_* override is invalid
 ├── NetworkError                        egress setup (namespace, link, rules) or the egress proxy failed
@@ -168,6 +169,10 @@ class ContextError(SandboxError):
 
 class PortNotListening(SandboxError, ConnectionRefusedError):
     """Nothing listens on the sandbox port a tunnel (``get_host``) was asked to reach."""
+
+
+class ProcessNotFound(SandboxError, LookupError):
+    """No background process with that pid (it never was one, or it ended long ago)."""
 
 
 class RegistryError(WarmboxError):

@@ -262,6 +262,36 @@ class WriteEntry:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+    """A running background process (``commands.list()``), E2B's shape.
+
+    pid: its id for connect/kill/send_stdin; cmd and args: what was started (a shell string runs
+    as ``/bin/bash -c <string>``); envs: the variables the caller gave; tag: the caller's label
+    ("" when none); pty: a terminal (``sandbox.pty``) rather than a command.
+    """
+
+    pid: int
+    cmd: str
+    args: tuple[str, ...]
+    envs: dict[str, str]
+    cwd: str
+    tag: str = ""
+    pty: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessEvent:
+    """One piece of a background process's output, in order: ``kind`` "stdout" or "stderr" (``text``),
+    "pty" (a terminal's raw bytes in ``data``), or "lost" (``size`` bytes were dropped before what
+    follows: the agent keeps a bounded ring of each process's output and nobody read them in time)."""
+
+    kind: str
+    text: str = ""
+    data: bytes = b""
+    size: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class TierStatus:
     """What ``warmbox doctor`` reports for one tier."""
 

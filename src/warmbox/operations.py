@@ -23,6 +23,8 @@ from warmbox.models import (
     Limits,
     NetEvent,
     PoolStatus,
+    ProcessEvent,
+    ProcessInfo,
     Result,
     SandboxInfo,
     SandboxMetrics,
@@ -74,6 +76,12 @@ class Op(str, enum.Enum):
     RUN_CODE = "run_code"
     CREATE_CONTEXT = "contexts.create"
     REMOVE_CONTEXT = "contexts.remove"
+    COMMANDS_START = "commands.start"
+    COMMANDS_CONNECT = "commands.connect"
+    COMMANDS_SEND_STDIN = "commands.send_stdin"
+    COMMANDS_KILL = "commands.kill"
+    COMMANDS_LIST = "commands.list"
+    PTY_RESIZE = "pty.resize"
     FILES_READ = "files.read"
     FILES_READ_STREAM = "files.read_stream"
     FILES_WRITE = "files.write"
@@ -151,6 +159,27 @@ class PortStream(Protocol):
 
     def close(self) -> None:
         """End the connection in the sandbox; idempotent. On the event loop."""
+        ...
+
+
+class ProcessStream(Protocol):
+    """A background process's output as it comes (``commands.connect``): events, then its result."""
+
+    @property
+    def pid(self) -> int: ...
+
+    async def next(self) -> ProcessEvent | None:
+        """The next piece of output; None once the process ended (then ``result`` is set). Typed
+        errors (SandboxTimeout, GuestConnectionError, ConnectionLost, ...)."""
+        ...
+
+    @property
+    def result(self) -> CommandResult | None:
+        """How the process ended, once ``next()`` returned None."""
+        ...
+
+    def cancel(self) -> None:
+        """Stop following it (the process runs on); idempotent. On the event loop."""
         ...
 
 
@@ -295,6 +324,76 @@ class Exec(Request[CommandResult]):
     max_output: int = 10 << 20
     on_stdout: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
     on_stderr: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
+
+
+@dataclasses.dataclass(frozen=True)
+class StartProcess(Request[int]):
+    """Start ``cmd`` in the background (or, with pty_cols/pty_rows, on a terminal of that size); its
+    pid. It runs until it ends or is killed, whoever reads its output; see ConnectProcess."""
+
+    op: ClassVar[Op] = Op.COMMANDS_START
+    sandbox_id: str
+    cmd: str | list[str]
+    envs: dict[str, str] | None = None
+    cwd: str | None = None
+    tag: str = ""
+    user: str = "user"
+    pty_cols: int = 0
+    pty_rows: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectProcess(Request[ProcessStream]):
+    """Follow a background process's output (what its bounded ring still holds, then live) until it
+    ends; ``output`` false: only its end. Any client, any number of times."""
+
+    op: ClassVar[Op] = Op.COMMANDS_CONNECT
+    sandbox_id: str
+    pid: int
+    output: bool = True
+    pty: bool = False  # a terminal's output: "pty" events of raw bytes instead of text
+
+
+@dataclasses.dataclass(frozen=True)
+class SendStdin(Request[None]):
+    """Bytes (text: UTF-8) for a background process's stdin or terminal; ``eof`` closes its stdin
+    (a terminal gets ^D)."""
+
+    op: ClassVar[Op] = Op.COMMANDS_SEND_STDIN
+    sandbox_id: str
+    pid: int
+    data: str | bytes
+    eof: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class KillProcess(Request[bool]):
+    """End a process and every process it started (its cgroup or process group); False if it was
+    not running. ``signal``: another signal number instead (to all of them)."""
+
+    op: ClassVar[Op] = Op.COMMANDS_KILL
+    sandbox_id: str
+    pid: int
+    signal: int = 9
+
+
+@dataclasses.dataclass(frozen=True)
+class ListProcesses(Request[list[ProcessInfo]]):
+    """The sandbox's running background processes and terminals."""
+
+    op: ClassVar[Op] = Op.COMMANDS_LIST
+    sandbox_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ResizePty(Request[None]):
+    """A terminal's new size (its processes get SIGWINCH)."""
+
+    op: ClassVar[Op] = Op.PTY_RESIZE
+    sandbox_id: str
+    pid: int
+    cols: int
+    rows: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -564,6 +663,12 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         Ping,
         RecordFirstCommand,
         Exec,
+        StartProcess,
+        ConnectProcess,
+        SendStdin,
+        KillProcess,
+        ListProcesses,
+        ResizePty,
         RunCode,
         CreateContext,
         RemoveContext,

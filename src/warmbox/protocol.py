@@ -218,6 +218,55 @@ class Signal(Message):
     signum: int
 
 
+class Spawn(Message):
+    """Start a background process and answer :class:`Started` at once; it outlives this request and
+    this connection. Its stdout and stderr (or, with ``pty_cols`` > 0, its terminal's output)
+    go into a bounded ring in the agent, read with :class:`Attach`; when the ring is full its
+    oldest bytes are dropped (and an attach says how many). Nobody has to read it: the process
+    never blocks on its output. ``tag``: the caller's label, shown by :class:`ProcList`.
+    ``user``: "user" (the sandbox user) or "root" (root of a user namespace: see the agent).
+    """
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    tag: str
+    user: str
+    pty_cols: int
+    pty_rows: int
+
+
+class Attach(Message):
+    """Stream a background process's output (Stdout/Stderr frames) from byte ``offset`` of it (0:
+    all the ring still holds; :class:`OutputLost` first when bytes before the ring's start were
+    asked for), live until it ends, then :class:`Exited`. ``output`` false: only the Exited.
+    The host stops it early with :class:`Cancel`."""
+
+    pid: int
+    offset: int
+    output: bool
+
+
+class ProcInput(Message):
+    """Bytes for a background process's stdin (or terminal); ``eof`` closes it. Answered by Ok."""
+
+    pid: int
+    data: bytes
+    eof: bool
+
+
+class ProcResize(Message):
+    """New size of a background process's terminal; answered by Ok."""
+
+    pid: int
+    cols: int
+    rows: int
+
+
+class ProcList(Message):
+    """The running background processes: one :class:`ProcEntry` each, then Ok."""
+
+
 class ReadFile(Message):
     """Read a regular file: answered by Chunk frames, then ChunkEnd, or a Failure at any point.
 
@@ -411,6 +460,24 @@ class Exited(Message):
     oom_kills: int
 
 
+class OutputLost(Message):
+    """During an Attach: ``size`` bytes of the process's output were dropped from its ring before
+    what follows (nobody read them in time)."""
+
+    size: int
+
+
+class ProcEntry(Message):
+    """One running background process (answer to ProcList). ``env``: what the caller gave."""
+
+    pid: int
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    tag: str
+    pty: bool
+
+
 class Ok(Message):
     pass
 
@@ -478,6 +545,11 @@ HOST_TO_GUEST: tuple[type[Message], ...] = (
     Exec,
     StdinData,
     Signal,
+    Spawn,
+    Attach,
+    ProcInput,
+    ProcResize,
+    ProcList,
     ReadFile,
     WriteFile,
     Rename,
@@ -504,6 +576,8 @@ GUEST_TO_HOST: tuple[type[Message], ...] = (
     Stdout,
     Stderr,
     Exited,
+    OutputLost,
+    ProcEntry,
     Ok,
     Failure,
     Entry,

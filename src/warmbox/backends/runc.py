@@ -82,6 +82,7 @@ _GUEST_SOURCES = (
     "guest/mpl_inline.py",
     "guest/kernel_bash.py",
     "guest/kernel.js",
+    "guest/procs.py",
     "guest/spawn.c",
     "guest/init.c",
 )

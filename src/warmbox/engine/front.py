@@ -48,6 +48,7 @@ from warmbox.models import (
     Execution,
     NetEvent,
     PoolStatus,
+    ProcessInfo,
     SandboxInfo,
     SandboxMetrics,
     SnapshotRef,
@@ -86,6 +87,19 @@ def _argv(cmd: object) -> list[str]:
     if any("\0" in a for a in argv):
         raise InvalidArgument("cmd must not contain NUL bytes")
     return argv
+
+
+def _pid(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 < value < 1 << 31:
+        raise InvalidArgument(f"pid must be a process id (an integer above 1), got {value!r}")
+    return value
+
+
+def _size(value: object, name: str, zero: bool = False) -> int:
+    """A terminal's columns or rows (1..9999; 0 too when ``zero``: no terminal)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not (0 if zero else 1) <= value <= 9999:
+        raise InvalidArgument(f"{name} must be an integer from {0 if zero else 1} to 9999, got {value!r}")
+    return value
 
 
 def _snapshot_ref(m: Any) -> SnapshotRef:
@@ -183,6 +197,12 @@ class EngineFront:
             ops.Ping: self.ping,
             ops.RecordFirstCommand: self.record_first_command,
             ops.Exec: self.exec,
+            ops.StartProcess: self.start_process,
+            ops.ConnectProcess: self.connect_process,
+            ops.SendStdin: self.send_stdin,
+            ops.KillProcess: self.kill_process,
+            ops.ListProcesses: self.list_processes,
+            ops.ResizePty: self.resize_pty,
             ops.RunCode: self.run_code,
             ops.CreateContext: self.create_context,
             ops.RemoveContext: self.remove_context,
@@ -404,6 +424,47 @@ class EngineFront:
             on_stdout=r.on_stdout,
             on_stderr=r.on_stderr,
         )
+
+    async def start_process(self, r: ops.StartProcess) -> int:
+        argv = _argv(r.cmd)
+        env = dict(validate_envs(r.envs))
+        cwd = sandbox_path(r.cwd) if r.cwd is not None else ""
+        if not isinstance(r.tag, str) or len(r.tag) > 256 or "\0" in r.tag:
+            raise InvalidArgument(f"tag must be a string of at most 256 characters, got {r.tag!r}")
+        if r.user != "user":
+            raise InvalidArgument(f"user must be 'user', got {r.user!r}")
+        cols, rows = _size(r.pty_cols, "pty_cols", zero=True), _size(r.pty_rows, "pty_rows", zero=True)
+        if (cols == 0) != (rows == 0):
+            raise InvalidArgument("a terminal needs both pty_cols and pty_rows (or neither)")
+        session = await self._session(r.sandbox_id)
+        return await session.spawn(argv, env=env, cwd=cwd, tag=r.tag, user=r.user, cols=cols, rows=rows)
+
+    async def connect_process(self, r: ops.ConnectProcess) -> ops.ProcessStream:
+        pid = _pid(r.pid)
+        if not isinstance(r.output, bool) or not isinstance(r.pty, bool):
+            raise InvalidArgument("output and pty must be booleans")
+        return await (await self._session(r.sandbox_id)).attach(pid, output=r.output, pty=r.pty)
+
+    async def send_stdin(self, r: ops.SendStdin) -> None:
+        pid = _pid(r.pid)
+        data = _file_bytes(r.data, "data")
+        if not isinstance(r.eof, bool):
+            raise InvalidArgument(f"eof must be a boolean, got {r.eof!r}")
+        await (await self._session(r.sandbox_id)).send_input(pid, data, eof=r.eof)
+
+    async def kill_process(self, r: ops.KillProcess) -> bool:
+        pid = _pid(r.pid)
+        if isinstance(r.signal, bool) or not isinstance(r.signal, int) or not 1 <= r.signal <= 64:
+            raise InvalidArgument(f"signal must be a signal number from 1 to 64, got {r.signal!r}")
+        return await (await self._session(r.sandbox_id)).signal(pid, r.signal)
+
+    async def list_processes(self, r: ops.ListProcesses) -> builtins.list[ProcessInfo]:
+        return await (await self._session(r.sandbox_id)).processes()
+
+    async def resize_pty(self, r: ops.ResizePty) -> None:
+        pid = _pid(r.pid)
+        cols, rows = _size(r.cols, "cols"), _size(r.rows, "rows")
+        await (await self._session(r.sandbox_id)).resize(pid, cols, rows)
 
     async def run_code(self, r: ops.RunCode) -> Execution:
         if not isinstance(r.code, str):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import cast
 
 from warmbox import protocol as p
-from warmbox.engine.guest_client import FileRead, GuestClient, PortTunnel, open_port
+from warmbox.engine.guest_client import FileRead, GuestClient, PortTunnel, Stream, open_port
 from warmbox.errors import (
     ContextError,
     FileTooLarge,
@@ -34,12 +34,13 @@ from warmbox.errors import (
     PathNotFound,
     PathPermissionDenied,
     PortNotListening,
+    ProcessNotFound,
     SandboxError,
     SandboxStartError,
     SandboxTimeout,
     UnsupportedLanguage,
 )
-from warmbox.models import CommandResult, EntryInfo, Execution, ExecutionError, Result
+from warmbox.models import CommandResult, EntryInfo, Execution, ExecutionError, ProcessEvent, ProcessInfo, Result
 
 HOST_GRACE_S = 15.0  # the host's bound = the guest's timeout + this (kill and interrupt waits)
 MAX_DISPLAY_BYTES = 64 << 20
@@ -93,6 +94,13 @@ def raise_failure(f: p.Failure, sandbox_id: str, what: str) -> None:
     if f.code is p.ErrorCode.LANGUAGE_UNAVAILABLE:
         raise UnsupportedLanguage(f"{what}: {f.message}")
     raise SandboxError(f"{what}: {f.message}", sandbox_id)
+
+
+def process_failure(f: p.Failure, sandbox_id: str, what: str) -> None:
+    """The typed error for a Failure answering a request about a process (always raises)."""
+    if f.code is p.ErrorCode.NOT_FOUND:
+        raise ProcessNotFound(f"{what}: {f.message}", sandbox_id)
+    raise_failure(f, sandbox_id, what)
 
 
 def _entry(e: p.Entry) -> EntryInfo:
@@ -221,6 +229,71 @@ class PortConnection:
 
     def close(self) -> None:
         self._tunnel.cancel()
+
+
+class ProcessOutput:
+    """A background process's output over the guest connection (operations.ProcessStream): events
+    until it ends, then ``result``. ``pty``: the output is a terminal's (raw bytes, not text)."""
+
+    def __init__(self, sandbox_id: str, pid: int, stream: Stream, pty: bool) -> None:
+        self.sandbox_id = sandbox_id
+        self._pid = pid
+        self._stream = stream
+        self._pty = pty
+        self._result: CommandResult | None = None
+        self._done = False
+        self._decoders = {
+            p.Stdout: codecs.getincrementaldecoder("utf-8")("replace"),
+            p.Stderr: codecs.getincrementaldecoder("utf-8")("replace"),
+        }
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    @property
+    def result(self) -> CommandResult | None:
+        return self._result
+
+    async def next(self) -> ProcessEvent | None:
+        while not self._done:
+            try:
+                msg = await self._stream.next(p.Stdout, p.Stderr, p.OutputLost, p.Exited)
+            except BaseException:
+                self.cancel()
+                raise
+            if isinstance(msg, p.Failure):
+                self.cancel()
+                process_failure(msg, self.sandbox_id, f"commands.connect({self._pid})")
+            if isinstance(msg, p.OutputLost):
+                return ProcessEvent("lost", size=msg.size)
+            if isinstance(msg, p.Exited):
+                self._done = True
+                self._stream.close()
+                self._result = CommandResult(
+                    exit_code=msg.exit_code,
+                    stdout="",
+                    stderr="",
+                    timed_out=False,
+                    truncated=msg.truncated,
+                    oom_killed=False,
+                    signal=msg.signal,
+                    duration_ms=msg.duration_ms,
+                    pid=self._pid,
+                )
+                return None
+            assert isinstance(msg, (p.Stdout, p.Stderr))
+            if self._pty:
+                return ProcessEvent("pty", data=msg.data)
+            text = self._decoders[type(msg)].decode(msg.data)
+            if text:
+                return ProcessEvent("stdout" if isinstance(msg, p.Stdout) else "stderr", text=text)
+        return None
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._done = True
+            self._stream.cancel()
 
 
 class GuestSession:
@@ -366,6 +439,81 @@ class GuestSession:
             duration_ms=exited.duration_ms,
             pid=pid,
         )
+
+    async def spawn(
+        self,
+        argv: builtins.list[str],
+        *,
+        env: dict[str, str],
+        cwd: str,
+        tag: str,
+        user: str,
+        cols: int = 0,
+        rows: int = 0,
+    ) -> int:
+        """Start a background process (a terminal of cols x rows when given); its pid."""
+        msg = await self._client.call(
+            lambda i: p.Spawn(i, argv=argv, env=env, cwd=cwd, tag=tag, user=user, pty_cols=cols, pty_rows=rows),
+            p.Started,
+        )
+        if isinstance(msg, p.Failure):
+            raise_failure(msg, self.sandbox_id, "commands.run(background=True)")
+        assert isinstance(msg, p.Started)
+        return msg.pid
+
+    async def attach(self, pid: int, *, output: bool = True, pty: bool = False) -> ProcessOutput:
+        """Follow a background process's output (no host-side bound: it may run for ever)."""
+        stream = await self._client.open(lambda i: p.Attach(i, pid=pid, offset=0, output=output))
+        return ProcessOutput(self.sandbox_id, pid, stream, pty)
+
+    async def send_input(self, pid: int, data: bytes, *, eof: bool = False) -> None:
+        for off in range(0, max(len(data), 1), p.CHUNK):
+
+            def make(
+                i: int, part: bytes = data[off : off + p.CHUNK], last: bool = off + p.CHUNK >= len(data)
+            ) -> p.Message:
+                return p.ProcInput(i, pid=pid, data=part, eof=eof and last)
+
+            msg = await self._client.call(make, p.Ok)
+            if isinstance(msg, p.Failure):
+                process_failure(msg, self.sandbox_id, f"send_stdin({pid})")
+
+    async def resize(self, pid: int, cols: int, rows: int) -> None:
+        msg = await self._client.call(lambda i: p.ProcResize(i, pid=pid, cols=cols, rows=rows), p.Ok)
+        if isinstance(msg, p.Failure):
+            process_failure(msg, self.sandbox_id, f"pty.resize({pid})")
+
+    async def signal(self, pid: int, signum: int) -> bool:
+        """Signal a process's whole tree (SIGKILL: every process it started); False if there is none."""
+        msg = await self._client.call(lambda i: p.Signal(i, pid=pid, signum=signum), p.Ok)
+        if isinstance(msg, p.Failure):
+            if msg.code is p.ErrorCode.NOT_FOUND:
+                return False
+            raise_failure(msg, self.sandbox_id, f"commands.kill({pid})")
+        return True
+
+    async def processes(self) -> builtins.list[ProcessInfo]:
+        out: builtins.list[ProcessInfo] = []
+        async with self._client.request(lambda i: p.ProcList(i)) as stream:
+            while True:
+                msg = await stream.next(p.ProcEntry, p.Ok)
+                if isinstance(msg, p.Failure):
+                    raise_failure(msg, self.sandbox_id, "commands.list")
+                if isinstance(msg, p.Ok):
+                    return out
+                assert isinstance(msg, p.ProcEntry)
+                if len(out) < 100_000:  # a guest cannot grow the host's list without bound
+                    out.append(
+                        ProcessInfo(
+                            pid=msg.pid,
+                            cmd=msg.argv[0] if msg.argv else "",
+                            args=tuple(msg.argv[1:]),
+                            envs=dict(msg.env),
+                            cwd=msg.cwd,
+                            tag=msg.tag,
+                            pty=msg.pty,
+                        )
+                    )
 
     async def run_code(
         self,

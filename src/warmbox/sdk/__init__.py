@@ -2,7 +2,7 @@
 
 from warmbox.sdk._sync import synchronize
 from warmbox.sdk.code import CodeContext
-from warmbox.sdk.commands import AsyncCommands
+from warmbox.sdk.commands import AsyncCommandHandle, AsyncCommands, CommandHandle
 from warmbox.sdk.files import AsyncFiles, AsyncFileStream, FileStream
 from warmbox.sdk.network import AsyncNetwork
 from warmbox.sdk.sandbox import AsyncSandbox
@@ -14,12 +14,14 @@ NetworkAPI = synchronize(AsyncNetwork, "NetworkAPI")
 Sandbox = synchronize(AsyncSandbox)
 
 __all__ = [
+    "AsyncCommandHandle",
     "AsyncCommands",
     "AsyncFileStream",
     "AsyncFiles",
     "AsyncNetwork",
     "AsyncSandbox",
     "CodeContext",
+    "CommandHandle",
     "Commands",
     "FileStream",
     "Files",

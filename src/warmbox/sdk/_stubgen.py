@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from warmbox import sdk
-from warmbox.sdk import AsyncCommands, AsyncFiles, AsyncFileStream, AsyncNetwork, AsyncSandbox
+from warmbox.sdk import AsyncCommandHandle, AsyncCommands, AsyncFiles, AsyncFileStream, AsyncNetwork, AsyncSandbox
 
 STUB = Path(__file__).with_name("__init__.pyi")
 # async class -> sync twin's name (as warmbox.sdk names them)
 PAIRS: tuple[tuple[type, str], ...] = (
+    (AsyncCommandHandle, "CommandHandle"),
     (AsyncCommands, "Commands"),
     (AsyncFiles, "Files"),
     (AsyncFileStream, "FileStream"),
@@ -107,7 +108,9 @@ def _class(cls: type, name: str, names: set[str]) -> list[str]:
             continue
         names.update(_IDENT.findall(lines[-1].split("(", 1)[-1]))
     if hasattr(cls, "__anext__"):
-        lines += [f"    def __iter__(self) -> {name}: ...", "    def __next__(self) -> bytes: ..."]
+        nxt = _ret(cls.__anext__)
+        lines += [f"    def __iter__(self) -> {name}: ...", f"    def __next__(self) -> {nxt}: ..."]
+        names.update(_IDENT.findall(nxt))
     if hasattr(cls, "__aenter__"):
         lines += [f"    def __enter__(self) -> {name}: ...", "    def __exit__(self, *exc: object) -> None: ..."]
     return lines
@@ -145,7 +148,7 @@ def render() -> str:
             head.append(f"from {module} import {ident} as {ident}")
     head += [
         "from warmbox.sdk.code import CodeContext as CodeContext",
-        "from warmbox.sdk.commands import AsyncCommands as AsyncCommands",
+        "from warmbox.sdk.commands import AsyncCommandHandle as AsyncCommandHandle, AsyncCommands as AsyncCommands",
         "from warmbox.sdk.files import AsyncFiles as AsyncFiles, AsyncFileStream as AsyncFileStream",
         "from warmbox.sdk.network import AsyncNetwork as AsyncNetwork",
         "from warmbox.sdk.sandbox import AsyncSandbox as AsyncSandbox",

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import builtins
+import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
 from warmbox import operations as ops
-from warmbox.errors import CommandFailed
-from warmbox.models import CommandResult
+from warmbox.errors import CommandFailed, InvalidArgument
+from warmbox.models import CommandResult, ProcessInfo
+from warmbox.sdk._sync import synchronize
 
 if TYPE_CHECKING:
     from warmbox.sdk.sandbox import AsyncSandbox
@@ -22,10 +26,12 @@ class AsyncCommands:
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._sb = sandbox
 
+    @overload
     async def run(
         self,
         cmd: str | list[str],
         *,
+        background: Literal[False] = False,
         envs: dict[str, str] | None = None,
         cwd: str | None = None,
         timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S,
@@ -34,8 +40,48 @@ class AsyncCommands:
         on_stderr: Callable[[str], object] | None = None,
         max_output: int = DEFAULT_MAX_OUTPUT,
         check: bool = False,
-    ) -> CommandResult:
+        tag: str = "",
+    ) -> CommandResult: ...
+
+    @overload
+    async def run(
+        self,
+        cmd: str | list[str],
+        *,
+        background: Literal[True],
+        envs: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S,
+        stdin: str | bytes | None = None,
+        on_stdout: Callable[[str], object] | None = None,
+        on_stderr: Callable[[str], object] | None = None,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+        check: bool = False,
+        tag: str = "",
+    ) -> AsyncCommandHandle: ...
+
+    async def run(
+        self,
+        cmd: str | list[str],
+        *,
+        background: bool = False,
+        envs: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S,
+        stdin: str | bytes | None = None,
+        on_stdout: Callable[[str], object] | None = None,
+        on_stderr: Callable[[str], object] | None = None,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+        check: bool = False,
+        tag: str = "",
+    ) -> CommandResult | AsyncCommandHandle:
         """Run ``cmd`` (a shell string for bash, or an argv list) and wait for it.
+
+        background=True: start it and return a :class:`AsyncCommandHandle` at once (pid, wait(),
+        kill(), send_stdin(), its output in on_stdout/on_stderr and by iteration). It runs until
+        it ends or is killed, whether or not anyone reads it; ``timeout`` does not apply, and
+        ``stdin`` is sent right after the start (the process's stdin stays open: send_stdin).
+        tag: a label shown by ``list()``.
 
         timeout: seconds, wall clock (None or 0: no limit); on expiry every process the command
         started is killed, double-forked and setsid()ed ones included, and ``timed_out`` is set.
@@ -47,6 +93,12 @@ class AsyncCommands:
         ``check=True`` raises CommandFailed on a non-zero exit.
         """
         sb = self._sb
+        if background:
+            pid = await sb._run(ops.StartProcess(sb.sandbox_id, cmd, envs=envs, cwd=cwd, tag=tag))
+            handle = await self._follow(pid, on_stdout, on_stderr, max_output)
+            if stdin is not None:
+                await handle.send_stdin(stdin)
+            return handle
         result = await sb._run(
             ops.Exec(
                 sb.sandbox_id,
@@ -64,5 +116,170 @@ class AsyncCommands:
             raise CommandFailed(f"command exited with {result.exit_code}", sb.sandbox_id, result)
         return result
 
+    async def _follow(
+        self,
+        pid: int,
+        on_stdout: Callable[[str], object] | None,
+        on_stderr: Callable[[str], object] | None,
+        max_output: int,
+    ) -> AsyncCommandHandle:
+        if isinstance(max_output, bool) or not isinstance(max_output, int) or max_output <= 0:
+            raise InvalidArgument(f"max_output must be a positive number of bytes, got {max_output!r}")
+        stream = await self._sb._run(ops.ConnectProcess(self._sb.sandbox_id, pid))
+        return AsyncCommandHandle(self._sb, pid, stream, on_stdout, on_stderr, max_output)
 
-__all__ = ["AsyncCommands"]
+    async def connect(
+        self,
+        pid: int,
+        *,
+        on_stdout: Callable[[str], object] | None = None,
+        on_stderr: Callable[[str], object] | None = None,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+    ) -> AsyncCommandHandle:
+        """A handle on a background process started by anyone (another process, another client):
+        its output from what the sandbox still holds of it (a bounded ring; a "lost" note says
+        how much was dropped), then live. Works after it ended too (its exit status is kept for a while)."""
+        return await self._follow(pid, on_stdout, on_stderr, max_output)
+
+    async def list(self) -> builtins.list[ProcessInfo]:
+        """The running background processes (and terminals) of the sandbox."""
+        return await self._sb._run(ops.ListProcesses(self._sb.sandbox_id))
+
+    async def kill(self, pid: int) -> bool:
+        """Kill a process and everything it started (SIGKILL); False if it was not running."""
+        return await self._sb._run(ops.KillProcess(self._sb.sandbox_id, pid))
+
+    async def send_stdin(self, pid: int, data: str | bytes, *, eof: bool = False) -> None:
+        """Write to a background process's stdin (text: UTF-8); ``eof=True`` closes it after."""
+        await self._sb._run(ops.SendStdin(self._sb.sandbox_id, pid, data, eof))
+
+
+class AsyncCommandHandle:
+    """A background command (E2B's CommandHandle): ``pid``, ``wait()``, ``kill()``, ``send_stdin()``.
+
+    Its output goes to the callbacks given to run()/connect() as it comes, is kept (up to
+    max_output bytes; ``truncated`` beyond) for ``wait()``'s CommandResult, and is yielded by
+    ``async for stdout, stderr, pty in handle`` (one of the three set per item; pty is always
+    None here). ``disconnect()`` stops following it; the process runs on.
+    """
+
+    def __init__(
+        self,
+        sandbox: AsyncSandbox,
+        pid: int,
+        stream: ops.ProcessStream,
+        on_stdout: Callable[[str], object] | None,
+        on_stderr: Callable[[str], object] | None,
+        max_output: int,
+    ) -> None:
+        self._sb = sandbox
+        self._pid = pid
+        self._stream = stream
+        self._on = {"stdout": on_stdout, "stderr": on_stderr}
+        self._cap = max_output
+        self._kept = 0
+        self._out: builtins.list[str] = []
+        self._err: builtins.list[str] = []
+        self._log: builtins.list[tuple[str, str]] = []  # what iteration yields, in order
+        self._cursor = 0
+        self._lost = 0
+        self._truncated = False
+        self._changed = asyncio.Event()
+        self._task = asyncio.ensure_future(self._pump())
+        self._task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an unawaited error is not logged
+
+    def __repr__(self) -> str:
+        return f"AsyncCommandHandle(pid={self._pid})"
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    @property
+    def stdout(self) -> str:
+        """Its stdout so far (what was kept)."""
+        return "".join(self._out)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self._err)
+
+    @property
+    def exit_code(self) -> int | None:
+        """Its exit code once it ended (128+N if signal N ended it), else None."""
+        result = self._stream.result
+        return None if result is None else result.exit_code
+
+    async def _pump(self) -> None:
+        try:
+            while (ev := await self._stream.next()) is not None:
+                if ev.kind == "lost":
+                    self._lost += ev.size
+                    continue
+                text = ev.text if ev.kind in ("stdout", "stderr") else ev.data.decode("utf-8", "replace")
+                kind = "stderr" if ev.kind == "stderr" else "stdout"
+                size = len(text.encode())
+                if self._kept + size > self._cap:
+                    self._truncated = True
+                else:
+                    self._kept += size
+                    (self._err if kind == "stderr" else self._out).append(text)
+                    self._log.append((kind, text))
+                callback = self._on[kind]
+                if callback is not None:
+                    callback(text)
+                self._changed.set()
+        finally:
+            self._changed.set()
+
+    async def wait(self, *, check: bool = False) -> CommandResult:
+        """Until it ends: its CommandResult with the output kept. ``truncated``: output was dropped
+        (beyond max_output here, or from the sandbox's ring before anyone read it).
+        check=True raises CommandFailed on a non-zero exit."""
+        await asyncio.shield(self._task)
+        result = self._stream.result
+        assert result is not None
+        result = dataclasses.replace(
+            result,
+            stdout=self.stdout,
+            stderr=self.stderr,
+            truncated=result.truncated or self._truncated or self._lost > 0,
+        )
+        if check and not result.ok:
+            raise CommandFailed(f"command exited with {result.exit_code}", self._sb.sandbox_id, result)
+        return result
+
+    async def kill(self) -> bool:
+        """SIGKILL to it and everything it started; False if it had ended."""
+        return await self._sb._run(ops.KillProcess(self._sb.sandbox_id, self._pid))
+
+    async def send_stdin(self, data: str | bytes, *, eof: bool = False) -> None:
+        await self._sb._run(ops.SendStdin(self._sb.sandbox_id, self._pid, data, eof))
+
+    async def disconnect(self) -> None:
+        """Stop following its output; the process keeps running (connect() again by pid)."""
+        self._stream.cancel()
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+
+    def __aiter__(self) -> AsyncCommandHandle:
+        return self
+
+    async def __anext__(self) -> tuple[str | None, str | None, bytes | None]:
+        while self._cursor >= len(self._log):
+            if self._task.done():
+                self._task.result()  # its error, if it failed
+                raise StopAsyncIteration
+            self._changed.clear()
+            await self._changed.wait()
+        kind, text = self._log[self._cursor]
+        self._cursor += 1
+        return (text, None, None) if kind == "stdout" else (None, text, None)
+
+
+CommandHandle = synchronize(AsyncCommandHandle, "CommandHandle")
+
+__all__ = ["AsyncCommandHandle", "AsyncCommands", "CommandHandle"]

@@ -30,7 +30,7 @@ from aiohttp.http_exceptions import LineTooLong
 from warmbox import api, wire
 from warmbox import operations as ops
 from warmbox.errors import ConnectionLost, ContextError, InvalidArgument, SandboxNotFound, WarmboxError
-from warmbox.models import ApprovalRequest, EntryInfo, Result
+from warmbox.models import ApprovalRequest, CommandResult, EntryInfo, ProcessEvent, Result
 
 R = TypeVar("R")
 RETRIES = (0.1, 0.3, 0.8, 1.5)  # pauses between attempts of a retryable request (about 3 s in all)
@@ -82,6 +82,63 @@ class _Stream:
             return None
         self._received += len(chunk)
         return chunk
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._done = True
+            self._response.close()
+
+
+class _ProcStream:
+    """A background process's output arriving as NDJSON (operations.ProcessStream)."""
+
+    def __init__(self, pid: int, response: aiohttp.ClientResponse, url: str) -> None:
+        self._pid = pid
+        self._response = response
+        self._url = url
+        self._result: CommandResult | None = None
+        self._done = False
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    @property
+    def result(self) -> CommandResult | None:
+        return self._result
+
+    async def next(self) -> ProcessEvent | None:
+        while not self._done:
+            try:
+                line = await _line(self._response)
+            except (*_DROPPED, TimeoutError, aiohttp.ServerTimeoutError) as e:
+                self.cancel()
+                raise ConnectionLost(
+                    f"the connection to {self._url} dropped while following process {self._pid} "
+                    f"({type(e).__name__}); the process itself was not affected"
+                ) from None
+            if not line:
+                self.cancel()
+                raise ConnectionLost(f"the server ended the output of process {self._pid} without its result")
+            if not line.strip():
+                continue  # heartbeat
+            msg = json.loads(line)
+            if "result" in msg:
+                self._result = wire.decode(CommandResult, msg["result"], "result")
+                self._done = True
+                self._response.release()
+                return None
+            if "error" in msg:
+                self.cancel()
+                raise wire.error_from_wire(msg["error"])
+            if "lost" in msg:
+                return ProcessEvent("lost", size=int(msg["lost"]))
+            if "pty" in msg:
+                return ProcessEvent("pty", data=wire.decode(bytes, msg["pty"], "pty"))
+            for kind in ("stdout", "stderr"):
+                if kind in msg:
+                    return ProcessEvent(kind, text=str(msg[kind]))
+        return None
 
     def cancel(self) -> None:
         if not self._done:
@@ -328,6 +385,8 @@ class HttpTransport:
         attempt = 0
         while True:
             try:
+                if isinstance(request, ops.ConnectProcess):
+                    return await self._follow(request, route, url, kwargs)  # type: ignore[return-value]
                 if route.response == "ndjson":
                     return await self._ndjson(request, route, url, kwargs)
                 if isinstance(request, ops.ReadFileStream):
@@ -394,6 +453,18 @@ class HttpTransport:
                     "its outcome is unknown; the sandbox itself was not affected"
                 ) from None
             raise ConnectionLost(f"the server ended {request.op.value} without a result: its outcome is unknown")
+
+    async def _follow(
+        self, request: ops.ConnectProcess, route: api.Route, url: str, kwargs: dict[str, Any]
+    ) -> _ProcStream:
+        response = await self._client().request(
+            route.method, url, timeout=aiohttp.ClientTimeout(total=None, sock_read=HEARTBEAT_S), **kwargs
+        )
+        if response.status >= 400:
+            body = await response.read()
+            response.release()
+            raise _error(response.status, body)
+        return _ProcStream(request.pid, response, self.url)
 
     async def _open_stream(
         self, request: ops.ReadFileStream, route: api.Route, url: str, kwargs: dict[str, Any]

@@ -35,7 +35,7 @@ from warmbox.config import ServerSettings
 from warmbox.engine.engine import Engine
 from warmbox.engine.front import EngineFront
 from warmbox.errors import InvalidArgument, RateLimited, Unauthenticated, WarmboxError
-from warmbox.models import ApprovalRequest, Tenant
+from warmbox.models import ApprovalRequest, ProcessEvent, Tenant
 from warmbox.server import tunnel as ports
 
 log = logging.getLogger("warmbox.server")
@@ -63,6 +63,7 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.PathNotFound, 404),
     (errors.ContextError, 404),
     (errors.PortNotListening, 502),
+    (errors.ProcessNotFound, 404),
     (errors.PathExists, 409),
     (errors.SandboxStateError, 409),
     (errors.NotADirectory, 409),
@@ -407,11 +408,61 @@ async def _stream_file(front: EngineFront, req: ops.ReadFileStream) -> Response:
     return StreamingResponse(chunks(), media_type="application/octet-stream", headers={"X-Warmbox-Path": stream.path})
 
 
+def _event_line(ev: ProcessEvent) -> bytes:
+    if ev.kind == "lost":
+        return _line({"lost": ev.size})
+    if ev.kind == "pty":
+        return _line({"pty": wire.encode(ev.data)})
+    return _line({ev.kind: ev.text})
+
+
+async def _stream_process(front: EngineFront, req: ops.ConnectProcess) -> Response:
+    """A background process's output as NDJSON events ({"stdout"|"stderr": text}, {"pty": base64},
+    {"lost": bytes}), blank heartbeat lines, then {"result": CommandResult} or {"error": ...}. The
+    process is not touched when the client goes away."""
+    stream = await front.handle(req)
+    queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue(maxsize=64)  # a slow client slows the reads
+
+    async def pump() -> None:
+        try:
+            while (ev := await stream.next()) is not None:
+                await queue.put(("event", ev))
+            await queue.put(("done", stream.result))
+        except WarmboxError as e:
+            await queue.put(("error", e))
+
+    task = asyncio.ensure_future(pump())
+
+    async def lines() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                kind, value = await _next(queue)
+                if kind == "heartbeat":
+                    yield b"\n"
+                elif kind == "event":
+                    assert isinstance(value, ProcessEvent)
+                    yield _event_line(value)
+                elif kind == "done":
+                    yield _line({"result": wire.encode(value)})
+                    return
+                else:
+                    assert isinstance(value, WarmboxError)
+                    yield _line({"error": wire.error_to_wire(value)})
+                    return
+        finally:
+            task.cancel()
+            stream.cancel()
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
 def endpoint(service: Service, route: api.Route) -> Callable[[Request], Awaitable[Response]]:
     async def handle(request: Request) -> Response:
         try:
             front = service.front(service.authenticate(request))
             req = await decode_request(route, request, service.settings)
+            if isinstance(req, ops.ConnectProcess):
+                return await _stream_process(front, req)
             if route.response == "ndjson":
                 return await _ndjson(front, req, request.query_params.get("stream") in ("1", "true"))
             if isinstance(req, ops.ReadFileStream):

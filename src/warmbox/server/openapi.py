@@ -13,6 +13,7 @@ from typing import Any
 
 from warmbox import api, wire
 from warmbox import operations as ops
+from warmbox.models import CommandResult
 from warmbox.network.policy import Network, Secret
 
 TITLE = "warmbox"
@@ -105,9 +106,11 @@ def document() -> dict[str, Any]:
                     "description": "send output events while the command runs",
                 }
             )
-            result = wire.schema(wire.result_type(cls), defs)
+            following = route.op is ops.Op.COMMANDS_CONNECT  # events, then how the process ended
+            result = wire.schema(CommandResult if following else wire.result_type(cls), defs)
             ok = {
-                "description": 'NDJSON: {"stdout": str} / {"stderr": str} events (with stream=1), blank '
+                "description": 'NDJSON: {"stdout": str} / {"stderr": str} events (with stream=1; '
+                'always when following a process, which adds {"pty": base64} and {"lost": bytes}), blank '
                 'heartbeat lines, then one {"result": ...} or {"error": ...} line',
                 "content": {
                     "application/x-ndjson": {
