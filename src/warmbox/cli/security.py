@@ -208,6 +208,17 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ),
     ),
     Guarantee(
+        "crashes",
+        "Background processes cannot take the agent down: output nobody reads stays in a bounded "
+        "ring (32 MiB for all) and never blocks it; starting them until limits.pids is a typed "
+        "error, and the sandbox still answers and recovers.",
+        ("container",),
+        (
+            "test_background_processes.py::test_output_flood_with_no_reader_keeps_the_agent_bounded",
+            "test_background_processes.py::test_background_processes_up_to_the_pids_limit",
+        ),
+    ),
+    Guarantee(
         "isolation",
         "User code cannot read or write the guest agent's memory (/proc/1/mem, ptrace).",
         _ALL,
