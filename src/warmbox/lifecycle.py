@@ -9,13 +9,14 @@ from warmbox.models import State
 
 # creating [-> pooled] -> ready <-> running -> destroyed ; creating -> failed (start error).
 # A claimed (ready) sandbox never goes back to pooled: pooled sandboxes are single-use.
+# ready/running -> paused -> creating (a resume, same id) -> ready; a failed resume -> paused again.
 TRANSITIONS: dict[State, frozenset[State]] = {
-    State.CREATING: frozenset({State.POOLED, State.READY, State.FAILED, State.DESTROYED}),
+    State.CREATING: frozenset({State.POOLED, State.READY, State.FAILED, State.DESTROYED, State.PAUSED}),
     State.POOLED: frozenset({State.READY, State.RETIRING, State.DESTROYED}),
     State.RETIRING: frozenset({State.DESTROYED, State.FAILED}),
     State.READY: frozenset({State.RUNNING, State.PAUSED, State.DESTROYED}),
     State.RUNNING: frozenset({State.READY, State.PAUSED, State.DESTROYED}),
-    State.PAUSED: frozenset({State.DESTROYED}),  # resumed as a new sandbox, or deleted
+    State.PAUSED: frozenset({State.CREATING, State.DESTROYED}),  # resumed under its id, or deleted
     State.FAILED: frozenset({State.DESTROYED}),
     State.DESTROYED: frozenset(),
 }
@@ -52,15 +53,29 @@ LEGAL: dict[Operation, frozenset[State]] = {
 }
 
 
-def check(op: Operation, state: State, sandbox_id: str) -> None:
-    """Raise a typed error if ``op`` is illegal in ``state``."""
+def check(op: Operation, state: State, sandbox_id: str, ended: str = "") -> None:
+    """Raise a typed error if ``op`` is illegal in ``state``. ended: why a destroyed sandbox
+    ended (the reason of its last transition): one that ran out of time says "expired"."""
     if state in LEGAL[op]:
         return
     if state is State.DESTROYED:
-        raise SandboxNotFound(f"sandbox {sandbox_id} was destroyed", sandbox_id)
+        raise gone(sandbox_id, ended)
     raise SandboxStateError(
         f"{op.name.lower()} is not allowed on sandbox {sandbox_id} in state {state.value}", sandbox_id
     )
+
+
+def gone(sandbox_id: str, ended: str = "") -> SandboxNotFound:
+    """The error for a destroyed sandbox; ``ended`` is the reason it was destroyed."""
+    if ended in EXPIRED_REASONS:
+        return SandboxNotFound(f"sandbox {sandbox_id} expired (its timeout ran out) and was destroyed", sandbox_id)
+    return SandboxNotFound(f"sandbox {sandbox_id} was destroyed", sandbox_id)
+
+
+# the reasons recorded when a sandbox's time ran out (a paused one: its retention)
+EXPIRED = "timeout expired"
+RETENTION_EXPIRED = "paused retention expired"
+EXPIRED_REASONS = frozenset({EXPIRED, RETENTION_EXPIRED})
 
 
 def check_transition(old: State, new: State, sandbox_id: str) -> None:

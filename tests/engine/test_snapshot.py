@@ -71,8 +71,8 @@ def test_multi_turn_across_pause_and_resume_in_new_processes(home, runc_ready):
     t2 = _py(TURN2, t1["sandbox_id"])
     assert t2["shape"] == "(7, 3)" and t2["seen"] == "{'turn': 1}"
     assert t2["notes"] == "turn 1 was here" and t2["tmp"] == "scratch\nrc\n"
-    assert t2["id"] != t1["sandbox_id"]
-    assert engine.info(t1["sandbox_id"])[0].state is State.DESTROYED  # resumed as the new one
+    assert t2["id"] == t1["sandbox_id"]  # one id for its whole life
+    assert engine.info(t1["sandbox_id"])[0].state is State.DESTROYED  # killed at the end of turn 2
     assert engine.registry.parent(t2["id"]) == t1["snapshot_id"]
 
 

@@ -18,7 +18,7 @@ from tests.conftest import cli, wait_for
 from warmbox import operations as ops
 from warmbox.errors import Forbidden, QuotaExceeded, SandboxNotFound
 from warmbox.models import Limits, State, Tenant
-from warmbox.storage.registry import Registry
+from warmbox.storage.registry import SCHEMA_VERSION, Registry
 from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
 
 EXIT_ERROR = 125  # the CLI's status for every error (warmbox.cli.main)
@@ -284,7 +284,7 @@ def test_an_old_database_is_migrated(tmp_path):
     db.executescript(V5)
     db.close()
     reg = _registry(tmp_path)
-    assert reg._db.execute("PRAGMA user_version").fetchone()[0] == 6
+    assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert reg.sandbox_tenant("sb-00000000000a") == "" and reg.snapshot_tenant("snap-old") == ""
     assert [r[0] for r in reg.all_snapshots()] == ["snap-old"] and reg.all_snapshots("acme") == []
     _, secret = reg.create_key("acme", max_sandboxes=1)

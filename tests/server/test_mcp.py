@@ -310,8 +310,7 @@ def test_warmbox_mcp_over_stdio_drives_a_real_sandbox(home, runc_ready):
             snap = await call(client, "pause", sandbox_id=sid)
             assert snap["sandbox_id"] == sid
             back = await call(client, "resume", snapshot=sid)
-            sid = back["sandbox_id"]  # the engine resumes under a new id today; the tool reports the one running
-            ids.append(sid)
+            assert back["sandbox_id"] == sid  # one id for the sandbox's whole life
             got = await call(client, "read_file", sandbox_id=sid, path="notes/a.txt")
             assert got["content"] == "héllo\n"
             assert (await call(client, "run_code", sandbox_id=sid, code="x"))["text"] == "6"  # variables too

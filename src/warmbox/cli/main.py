@@ -7,7 +7,7 @@ warmbox ls [--all] [--timings]    list sandboxes
 warmbox kill ID...                destroy sandboxes
 warmbox metrics ID                cpu-s, memory GiB-s, wall/busy/idle seconds of a sandbox
 warmbox snapshot ID | pause ID    save files + code-context state (pause also releases the sandbox)
-warmbox resume SNAP|ID            a running sandbox from a snapshot (or a paused sandbox's latest)
+warmbox resume ID|SNAP            a paused sandbox running again (same id), or a fork of a snapshot
 warmbox snapshots [ls|rm SNAP|gc] list, delete, collect unreferenced artifact blobs
 warmbox pool ls                   warm pools: target, ready, hits/misses, warm-up cost
 warmbox pool resize NAME [N]      set a pool's target (and --min/--max); --wait to watch it fill
@@ -159,7 +159,7 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         p.add_argument("sandbox_id")
         p.add_argument("--json", action="store_true")
-    p = sub.add_parser("resume", help="a new running sandbox from a snapshot or paused sandbox")
+    p = sub.add_parser("resume", help="a paused sandbox running again (same id), or a new one forked from a snapshot")
     p.add_argument("ref", help="snap-… or the paused sandbox's sb-…")
     p.add_argument("--timeout", type=float, default=None)
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE", help="environment variable")

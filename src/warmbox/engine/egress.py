@@ -266,9 +266,18 @@ def _slot(handle: BackendHandle) -> int:
 
 
 async def attach(
-    engine: Engine, handle: BackendHandle, session: GuestSession, policy: Policy, secrets: dict[str, Secret]
+    engine: Engine,
+    handle: BackendHandle,
+    session: GuestSession,
+    policy: Policy,
+    secrets: dict[str, Secret],
+    *,
+    kept: dict[str, str] | None = None,
 ) -> StageTiming:
-    """Link a running sandbox to the egress proxy under ``policy`` (stage ``network``)."""
+    """Link a running sandbox to the egress proxy under ``policy`` (stage ``network``).
+
+    kept: a resumed sandbox's secret placeholders (env name -> placeholder): the proxy still
+    holds their values (a pause never made it forget them), so none are sent again."""
     t0 = time.perf_counter()
     sid = handle.sandbox_id
     backend = engine.backend(handle.tier)
@@ -279,19 +288,24 @@ async def attach(
     try:
         await netns.attach(egress, link, ns_path)
         engine.registry.set_link(sid, link.address, link.host_ifname, policy.to_json())
-        placeholders = {name: f"warmbox-secret-{_secrets.token_hex(16)}" for name in secrets}
+        if kept is not None:
+            placeholders = dict(kept)
+            msg: dict = {"op": "rejoin", "sandbox_id": sid}
+        else:
+            placeholders = {name: f"warmbox-secret-{_secrets.token_hex(16)}" for name in secrets}
+            msg = {
+                "op": "register",
+                "sandbox_id": sid,
+                "secrets": [
+                    {"placeholder": placeholders[n], "value": s.value, "hosts": list(s.hosts)}
+                    for n, s in secrets.items()
+                ],
+            }
+        # placeholders are not secrets (the sandbox's env holds them): kept for a resume
+        engine.registry.set_egress(sid, json.dumps({"placeholders": placeholders}))
         c = await Control.open(engine.home)
         try:
-            r = await c.call(
-                {
-                    "op": "register",
-                    "sandbox_id": sid,
-                    "secrets": [
-                        {"placeholder": placeholders[n], "value": s.value, "hosts": list(s.hosts)}
-                        for n, s in secrets.items()
-                    ],
-                }
-            )
+            r = await c.call(msg)
         finally:
             await c.close()
         if not r.get("ok"):
@@ -310,13 +324,51 @@ async def attach(
     return timing
 
 
-async def release(engine: Engine, sandbox_id: str) -> None:
-    """Remove the sandbox's link, rule element and proxy state (idempotent)."""
+async def suspend(engine: Engine, sandbox_id: str) -> None:
+    """A sandbox is paused: remove its link and rule element, keep its policy (in the registry)
+    and its brokered secrets (in the proxy) for :func:`rejoin` (idempotent)."""
     row = engine.registry.link(sandbox_id)
-    if row is None:  # never linked (attach registers with the proxy only after recording the link)
+    if row is None:
         return
+    try:
+        kept = json.loads(engine.registry.egress_of(sandbox_id) or "{}")
+    except ValueError:
+        kept = {}
+    kept = kept if isinstance(kept, dict) else {}
+    kept["policy"] = row[2]
+    engine.registry.set_egress(sandbox_id, json.dumps(kept))
     await netns.detach(netns.egress_name(engine.runtime), netns.Link(sandbox_id, row[0], row[1]))
     engine.registry.drop_link(sandbox_id)
+
+
+async def rejoin(engine: Engine, handle: BackendHandle, session: GuestSession) -> StageTiming | None:
+    """A resumed sandbox gets back the policy and brokered secrets it had when it was paused
+    (None: it had no network)."""
+    try:
+        kept = json.loads(engine.registry.egress_of(handle.sandbox_id) or "{}")
+    except ValueError:
+        return None
+    if not isinstance(kept, dict) or not isinstance(kept.get("policy"), str):
+        return None
+    placeholders = kept.get("placeholders")
+    if not isinstance(placeholders, dict) or not all(isinstance(v, str) for v in placeholders.values()):
+        placeholders = {}
+    policy = Policy.from_json(kept["policy"])
+    check_tier(engine, handle.tier, policy)
+    return await attach(engine, handle, session, policy, {}, kept=placeholders)
+
+
+async def release(engine: Engine, sandbox_id: str) -> None:
+    """Remove the sandbox's link, rule element and proxy state (idempotent); of a paused
+    sandbox, the secrets the proxy kept for its resume."""
+    row = engine.registry.link(sandbox_id)
+    if row is None:  # never linked (attach registers with the proxy only after recording the link)
+        if not engine.registry.egress_of(sandbox_id):
+            return
+    else:
+        await netns.detach(netns.egress_name(engine.runtime), netns.Link(sandbox_id, row[0], row[1]))
+        engine.registry.drop_link(sandbox_id)
+    engine.registry.set_egress(sandbox_id, "")
     if _proxy_locked(engine.home):  # (a proxy being restarted takes the message when it serves)
         try:
             c = await Control.open(engine.home)

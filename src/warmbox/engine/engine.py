@@ -22,7 +22,7 @@ from warmbox.engine import egress, provision
 from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession
 from warmbox.errors import BackendUnavailable, GuestConnectionError, InvalidArgument, SandboxNotFound, WarmboxError
-from warmbox.lifecycle import LIVE, Operation, check
+from warmbox.lifecycle import EXPIRED, LIVE, Operation, check, gone
 from warmbox.models import (
     BackendHandle,
     Limits,
@@ -152,6 +152,7 @@ class Engine:
         network: object = None,
         secrets: dict | None = None,
         tenant: Tenant | None = None,
+        resume_of: str = "",
     ) -> Launched:
         """A ready sandbox with a connected session and its stage timings.
 
@@ -159,6 +160,7 @@ class Engine:
         (``pool=False``: never), otherwise created cold, with the template's warm-up run.
         A network policy other than "none" links it to the egress proxy (stage ``network``).
         tenant: whose it is (None: the host's); QuotaExceeded before anything is claimed or made.
+        resume_of: start this paused sandbox again under its id (never from a pool).
         """
         t0 = time.perf_counter()
         settings = self.settings()
@@ -168,7 +170,9 @@ class Engine:
         if secret_map and not policy.enabled:
             raise InvalidArgument("secrets are only usable with a network policy that allows their hosts")
         egress.check_tier(self, tier, policy)
-        got = await self._create(tier, timeout, envs, limits, template, pool, t0, settings, tenant)
+        got = await self._create(
+            tier, timeout, envs, limits, template, pool and not resume_of, t0, settings, tenant, resume_of
+        )
         if policy.enabled:
             try:
                 got.timings.append(await egress.attach(self, got.handle, got.session, policy, secret_map))
@@ -189,6 +193,7 @@ class Engine:
         t0: float,
         settings: Settings,
         tenant: Tenant | None = None,
+        resume_of: str = "",
     ) -> Launched:
         timeout = validate_timeout(settings.defaults.timeout_s if timeout is None else timeout)
         env_pairs = validate_envs(envs)
@@ -212,10 +217,10 @@ class Engine:
                 if got is not None:
                     return got
         if self.backend(tier).capabilities().snapshot_start:
-            return await self._start_from_template(tier, tmpl, timeout, env_pairs, limits, t0, tenant)
+            return await self._start_from_template(tier, tmpl, timeout, env_pairs, limits, t0, tenant, resume_of)
         return await provision.launch(
             self,
-            provision.LaunchSpec(tier, tmpl.name, timeout, limits, env_pairs, tenant=tenant),
+            provision.LaunchSpec(tier, tmpl.name, timeout, limits, env_pairs, tenant=tenant, resume_of=resume_of),
             provision.Cold(tmpl),
         )
 
@@ -228,6 +233,7 @@ class Engine:
         limits: Limits,
         t0: float,
         tenant: Tenant | None = None,
+        resume_of: str = "",
     ) -> Launched:
         """A tier whose cold start is too slow (microvm under TCG) restores every sandbox from
         its shape's template memory snapshot; the first create of a shape boots and saves it
@@ -244,7 +250,7 @@ class Engine:
         made = not self.registry.meta_text(await asyncio.to_thread(snapshots.template_key, self, tier, shape))
         m = await snapshots.template_snapshot(self, tier, tmpl, limits, shape)
         t1 = time.perf_counter()
-        got = await snapshots.restore_memory(self, m, timeout=timeout, tenant=tenant)
+        got = await snapshots.restore_memory(self, m, timeout=timeout, tenant=tenant, resume_of=resume_of)
         try:
             if env_pairs:
                 await asyncio.wait_for(got.session.configure(dict(env_pairs), reset_counts=True), 30)
@@ -252,7 +258,7 @@ class Engine:
             await got.session.close()
             await self.destroy(got.sandbox_id, "configuration after restore failed")
             raise
-        if made:
+        if made and not resume_of:
             tt = StageTiming(got.sandbox_id, "template", (t1 - t0) * 1e3, True)
             self.registry.add_timings([tt])
             got.timings.insert(0, tt)
@@ -290,17 +296,21 @@ class Engine:
         return got.sandbox_id
 
     async def cleanup_failed(
-        self, sandbox_id: str, handle: BackendHandle, backend: Backend, why: BaseException
+        self, sandbox_id: str, handle: BackendHandle, backend: Backend, why: BaseException, *, resumed: bool = False
     ) -> None:
         """Tear down a start that failed (provision.launch): the row stays ``creating`` (ours)
-        meanwhile, so no reaper destroys it concurrently."""
+        meanwhile, so no reaper destroys it concurrently. A failed resume leaves the sandbox
+        paused (its snapshot is untouched), to be resumed again."""
         try:
             await backend.destroy(handle)
         except Exception:
             # FAILED keeps its uid range, and the reaper retries the teardown
             self.registry.set_state(sandbox_id, State.FAILED, f"start failed: {type(why).__name__}; teardown failed")
             return
-        self.registry.set_state(sandbox_id, State.DESTROYED, f"start failed: {type(why).__name__}; cleaned up")
+        if resumed:
+            self.registry.set_state(sandbox_id, State.PAUSED, f"resume failed: {type(why).__name__}; still paused")
+        else:
+            self.registry.set_state(sandbox_id, State.DESTROYED, f"start failed: {type(why).__name__}; cleaned up")
         self.registry.finalize(sandbox_id)
 
     # ---- lookup
@@ -310,13 +320,19 @@ class Engine:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} (ids look like sb-0123456789ab)", str(sandbox_id))
         return self.registry.get(sandbox_id)
 
+    def check(self, op: Operation, info: SandboxInfo) -> None:
+        """A typed error if ``op`` is illegal in the sandbox's state (a destroyed one that ran
+        out of time: SandboxNotFound saying it expired)."""
+        ended = self.registry.ended_reason(info.sandbox_id) if info.state is State.DESTROYED else ""
+        check(op, info.state, info.sandbox_id, ended)
+
     async def open(self, sandbox_id: str) -> Launched:
         """Connect to a live sandbox by id (from any process)."""
         info, handle = self.info(sandbox_id)
-        check(Operation.EXEC, info.state, sandbox_id)
+        self.check(Operation.EXEC, info)
         if info.expires_at <= time.time():
-            await self.destroy(sandbox_id, "timeout expired")
-            raise SandboxNotFound(f"sandbox {sandbox_id} expired and was destroyed", sandbox_id)
+            await self.destroy(sandbox_id, EXPIRED)
+            raise gone(sandbox_id, EXPIRED)
         self.ensure_daemon()  # a live sandbox has a reaper (one flock probe when it runs)
         try:
             session = await provision.connect(self.backend(info.tier), handle)
@@ -490,7 +506,7 @@ class Engine:
                     if info.sandbox_id in orphans
                     else "pool max_age reached"
                     if info.state is State.POOLED
-                    else "timeout expired"
+                    else EXPIRED
                 )
                 try:
                     if await self.destroy(info.sandbox_id, why):

@@ -39,7 +39,7 @@ from warmbox.errors import (
     UnsupportedLanguage,
     WarmboxError,
 )
-from warmbox.lifecycle import Operation, check
+from warmbox.lifecycle import EXPIRED, Operation, gone
 from warmbox.models import (
     LANGUAGE_ALIASES,
     ApprovalRequest,
@@ -53,6 +53,7 @@ from warmbox.models import (
     SandboxMetrics,
     SnapshotRef,
     StageTiming,
+    State,
     Tenant,
     TierStatus,
     WriteEntry,
@@ -236,7 +237,30 @@ class EngineFront:
             raise InvalidArgument(f"not an operation: {type(request).__name__}")
         if self.tenant is not None:
             self._scope(request, self.tenant)
-        return cast(R, await handler(request))
+        try:
+            return cast(R, await handler(request))
+        except GuestConnectionError:
+            if type(request) in _NAMES_SANDBOX:
+                await self._lost(cast(Any, request).sandbox_id)
+            raise
+
+    async def _lost(self, sandbox_id: str) -> None:
+        """The connection to a sandbox broke: if that is because the sandbox ended (its timeout
+        ran out, it was killed or paused meanwhile), raise that typed error instead."""
+        try:
+            info, _ = self.engine.info(sandbox_id)
+        except WarmboxError:
+            return
+        if info.state in (State.READY, State.RUNNING) and info.expires_at <= time.time():
+            await self._drop(sandbox_id)
+            try:
+                await self.engine.destroy(sandbox_id, EXPIRED)
+            except WarmboxError:
+                pass
+            raise gone(sandbox_id, EXPIRED) from None
+        if info.state not in (State.READY, State.RUNNING):
+            await self._drop(sandbox_id)
+            self.engine.check(Operation.EXEC, info)
 
     # ---- tenancy
 
@@ -299,8 +323,6 @@ class EngineFront:
         s = self._sessions.get(sandbox_id)
         if s is not None and not s.closed:
             return s
-        info, _ = self.engine.info(sandbox_id)
-        check(Operation.EXEC, info.state, sandbox_id)
         got = await self.engine.open(sandbox_id)
         await self._hold(got)
         return got.session
@@ -346,11 +368,14 @@ class EngineFront:
         return await self._hold(got)
 
     async def connect(self, r: ops.Connect) -> ops.Opened:
+        info, _ = self.engine.info(r.sandbox_id)
+        if info.state is State.PAUSED:  # connecting to a paused sandbox resumes it (its id, its timeout)
+            return await self.resume(ops.Resume(r.sandbox_id))
         held = self._sessions.get(r.sandbox_id)
         if held is not None and not held.closed:  # another client of this front holds it: share, never replace
             info, _ = self.engine.info(r.sandbox_id)
             if info.expires_at > time.time():
-                check(Operation.EXEC, info.state, r.sandbox_id)
+                self.engine.check(Operation.EXEC, info)
                 return ops.Opened(info, tuple(self.engine.registry.timings(r.sandbox_id)))
         return await self._hold(await self.engine.open(r.sandbox_id))
 

@@ -44,6 +44,7 @@ class LaunchSpec:
     pool: str = ""  # the pool it is made for ("": a caller's sandbox)
     shape: str = ""  # config.shape_key of a pool's sandbox
     tenant: Tenant | None = None  # whose it is (None: the host's); its quotas are checked at the insert
+    resume_of: str = ""  # a paused sandbox started again under its own id ("": a new sandbox)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,28 +102,37 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
     avail = await asyncio.to_thread(backend.probe)  # the first probe of a tier may boot a probe guest
     if not avail.available:
         raise BackendUnavailable(spec.tier, avail.reason)
-    sandbox_id = "sb-" + secrets.token_hex(6)
+    sandbox_id = spec.resume_of or "sb-" + secrets.token_hex(6)
     state_dir = engine.runtime / "sandboxes" / sandbox_id
     socket_path = str(state_dir / "run" / "agent.sock")
     if len(socket_path) > MAX_SOCKET_PATH:
         raise InvalidArgument(f"runtime dir {engine.runtime} is too long for a unix socket path")
     lim = spec.limits
-    engine.registry.allocate(
-        sandbox_id,
-        spec.tier,
-        spec.template,
-        spec.timeout_s,
-        lim,
-        str(state_dir),
-        socket_path,
-        pool=spec.pool,
-        owner=engine.owner,
-        shape=spec.shape,
-        tenant=spec.tenant,
-    )
+    if spec.resume_of:  # the same row, id, state directory and socket path; a new uid range
+        engine.registry.reallocate(sandbox_id, spec.timeout_s, owner=engine.owner, tenant=spec.tenant)
+    else:
+        engine.registry.allocate(
+            sandbox_id,
+            spec.tier,
+            spec.template,
+            spec.timeout_s,
+            lim,
+            str(state_dir),
+            socket_path,
+            pool=spec.pool,
+            owner=engine.owner,
+            shape=spec.shape,
+            tenant=spec.tenant,
+        )
     if not spec.pool:
         engine.ensure_daemon()  # from here on, a crash of this process is cleaned up by the daemon
     info, handle = engine.registry.get(sandbox_id)
+    if spec.resume_of and state_dir.exists():  # leftovers of a pause whose release was cut short
+        try:
+            await backend.destroy(handle)
+        except BaseException as e:
+            await engine.cleanup_failed(sandbox_id, handle, backend, e, resumed=True)
+            raise
     state_dir.parent.mkdir(mode=0o711, exist_ok=True)
     state_dir.mkdir(mode=0o711)
     t1 = t2 = t3 = t4 = time.perf_counter()
@@ -169,7 +179,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
     except BaseException as e:
         if session is not None:
             await session.close()
-        await engine.cleanup_failed(sandbox_id, handle, backend, e)
+        await engine.cleanup_failed(sandbox_id, handle, backend, e, resumed=bool(spec.resume_of))
         if isinstance(e, (WarmboxError, asyncio.CancelledError, KeyboardInterrupt)):
             raise
         if isinstance(e, asyncio.TimeoutError):
@@ -184,10 +194,13 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
     if isinstance(boot, Cold) and (boot.template.warmup_code is not None or boot.template.warmup_commands):
         timings.append(StageTiming(sandbox_id, "dependencies", (t4 - t3) * 1e3, on_path))
     try:
-        engine.registry.add_timings(timings)
+        if not spec.resume_of:  # a resume keeps its start's timings; its caller records ``resume``
+            engine.registry.add_timings(timings)
         # the lifetime starts now that it is usable, not when its start began
         engine.registry.set_expiry(sandbox_id, time.time() + spec.timeout_s)
-        if isinstance(boot, Restore):
+        if spec.resume_of:
+            why = f"resumed from {boot.snapshot_id}" if isinstance(boot, Restore) else "resumed"
+        elif isinstance(boot, Restore):
             why = f"restored from {boot.snapshot_id}"
         else:
             why = "warmed up for pool " + spec.pool if spec.pool else "guest agent answered"

@@ -38,14 +38,13 @@ from warmbox.errors import (
     SandboxError,
     SandboxNotFound,
     SandboxStartError,
-    SandboxStateError,
     SnapshotUnsupported,
     StorageError,
     StorageFull,
     WarmboxError,
 )
 from warmbox.lifecycle import Operation, check
-from warmbox.models import BackendHandle, Execution, Limits, SandboxInfo, State, Tenant
+from warmbox.models import BackendHandle, Execution, Limits, SandboxInfo, StageTiming, State, Tenant
 from warmbox.storage import snapshots as snaps
 from warmbox.storage.objects import LocalObjectStore, ObjectStore
 
@@ -447,7 +446,7 @@ async def _release_paused(engine: Engine, sandbox_id: str, m: snaps.SnapshotMani
     await engine.backend(info.tier).destroy(handle)
     from warmbox.engine import egress
 
-    await egress.release(engine, sandbox_id)  # a resumed sandbox is a new one, with its own policy
+    await egress.suspend(engine, sandbox_id)  # its policy and brokered secrets wait for its resume
 
 
 async def _memory_snapshot(
@@ -648,11 +647,13 @@ async def restore_memory(
     pool: str = "",
     shape: str = "",
     tenant: Tenant | None = None,
+    resume_of: str = "",
 ) -> Launched:
     """A new sandbox continuing a memory snapshot: same processes, memory, /tmp; /workspace restored.
 
     pool/shape: restore it into a warm pool (state ``pooled``) — a template snapshot's copy.
     tenant: whose the new sandbox is (quotas checked before anything is fetched, and at its insert).
+    resume_of: the paused sandbox continued under its own id (instead of a new one).
     """
     from warmbox.engine.engine import validate_timeout
 
@@ -671,7 +672,7 @@ async def restore_memory(
             memory_dir = _cached_memory(engine, m, work)
         else:
             snaps.get_blob(store, m.memory_sha256, m.memory_bytes, m.memory_raw_bytes, work / "checkpoint.img", work)
-        spec = provision.LaunchSpec(m.tier, m.template, timeout_s, limits, (), pool, shape, tenant)
+        spec = provision.LaunchSpec(m.tier, m.template, timeout_s, limits, (), pool, shape, tenant, resume_of)
         return await provision.launch(engine, spec, provision.Restore(m.snapshot_id, memory_dir, ws_tar))
 
 
@@ -840,16 +841,19 @@ async def restore(
     envs: dict[str, str] | None,
     pool: bool = True,
     tenant: Tenant | None = None,
+    resume_of: str = "",
 ) -> Launched:
     """A new running sandbox with the snapshot's files and context state.
 
     The artifact is fetched and verified first: a corrupt one raises before any sandbox exists.
     tenant: whose the new sandbox is (QuotaExceeded before anything is fetched or made).
+    resume_of: a paused sandbox started again under its own id instead of a new sandbox (a
+    failure leaves it paused).
     """
     if m.memory:
         if envs:
             raise InvalidArgument("a memory snapshot continues its processes as they were: envs cannot change")
-        return await restore_memory(engine, m, timeout=timeout, tenant=tenant)
+        return await restore_memory(engine, m, timeout=timeout, tenant=tenant, resume_of=resume_of)
     op = _Op(engine, "restore")
     work = op.path
     raw = work / "files.tar"
@@ -860,7 +864,14 @@ async def restore(
             engine.registry.check_quota(tenant, m.tier, limits)
         snaps.get_blob(store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, raw, work)
         got = await engine.create(
-            tier=m.tier, timeout=timeout, envs=envs, limits=limits, template=m.template, pool=pool, tenant=tenant
+            tier=m.tier,
+            timeout=timeout,
+            envs=envs,
+            limits=limits,
+            template=m.template,
+            pool=pool,
+            tenant=tenant,
+            resume_of=resume_of,
         )
         info, session = got.info, got.session
         try:
@@ -884,7 +895,7 @@ async def restore(
         except BaseException:
             await session.close()
             try:
-                await engine.destroy(info.sandbox_id, "restore failed")
+                await _undo_start(engine, got, "restore failed", resumed=bool(resume_of))
             except WarmboxError:
                 pass
             raise
@@ -892,6 +903,20 @@ async def restore(
         return got
     finally:
         op.close()
+
+
+async def _undo_start(engine: Engine, got: Launched, why: str, *, resumed: bool) -> None:
+    """End a sandbox whose start went wrong after its launch: destroyed, or (a resume) its
+    runtime torn down and the sandbox paused again, its snapshot untouched."""
+    if not resumed:
+        await engine.destroy(got.sandbox_id, why)
+        return
+    from warmbox.engine import egress
+
+    await engine.backend(got.info.tier).destroy(got.handle)
+    await egress.suspend(engine, got.sandbox_id)
+    engine.registry.set_state(got.sandbox_id, State.PAUSED, f"{why}; still paused")
+    engine.registry.finalize(got.sandbox_id)
 
 
 def _limits_of(m: snaps.SnapshotManifest) -> Limits:
@@ -936,31 +961,38 @@ def _too_big(m: snaps.SnapshotManifest, limits: Limits, detail: str, sandbox_id:
 async def resume(
     engine: Engine, ref: str, *, timeout: float | None, envs: dict[str, str] | None, tenant: Tenant | None = None
 ) -> Launched:
-    """A paused sandbox (its id) running again as a new sandbox, or a fork of a snapshot (its id);
-    tenant: whose the new sandbox is (a paused sandbox holds nothing: the new one is what counts)."""
+    """A paused sandbox (its id) running again under the same id, or a fork of a snapshot (its
+    id) as a new sandbox. tenant: whose the running sandbox is (a paused sandbox holds nothing:
+    the resumed one is what counts against quotas).
+
+    A resumed sandbox keeps the lifetime it was created with (``timeout`` None), its egress
+    policy and brokered secrets; its stage timings gain ``resume`` (ms, the whole resume).
+    """
+    if not (isinstance(ref, str) and ref.startswith("sb-")):
+        return await restore(engine, resolve(engine, ref), timeout=timeout, envs=envs, tenant=tenant)
+    t0 = time.perf_counter()
+    info, _ = engine.info(ref)
+    if info.state is not State.PAUSED:
+        check(Operation.RESUME, info.state, ref, engine.registry.ended_reason(ref))
     m = resolve(engine, ref)
-    origin, _ = engine.info(m.sandbox_id) if _exists(engine, m.sandbox_id) else (None, None)
-    if ref.startswith("sb-") and (origin is None or origin.state is not State.PAUSED):
-        raise SandboxStateError(f"sandbox {ref} is not paused (resume a snapshot id to fork it)", ref)
-    got = await restore(engine, m, timeout=timeout, envs=envs, tenant=tenant)
-    if origin is not None and origin.state is State.PAUSED:
-        try:  # exactly one resume takes over a paused sandbox
-            engine.registry.set_state(
-                origin.sandbox_id, State.DESTROYED, f"resumed as {got.sandbox_id}", expected=State.PAUSED
-            )
-        except SandboxStateError:
-            await got.session.close()
-            await engine.destroy(got.sandbox_id, "lost a concurrent resume")
-            raise
-    return got
-
-
-def _exists(engine: Engine, sandbox_id: str) -> bool:
+    if timeout is None:
+        timeout = engine.registry.timeout_of(ref) or None
+    got = await restore(engine, m, timeout=timeout, envs=envs, tenant=tenant, resume_of=ref)
     try:
-        engine.info(sandbox_id)
-        return True
-    except SandboxNotFound:
-        return False
+        from warmbox.engine import egress
+
+        await egress.rejoin(engine, got.handle, got.session)
+    except BaseException:
+        await got.session.close()
+        try:
+            await _undo_start(engine, got, "network setup after resume failed", resumed=True)
+        except WarmboxError:
+            pass
+        raise
+    engine.registry.add_timings([StageTiming(ref, "resume", (time.perf_counter() - t0) * 1e3, True)])
+    got.timings = engine.registry.timings(ref)
+    got.info, _ = engine.info(ref)
+    return got
 
 
 def delete(engine: Engine, snapshot_id: str) -> None:

@@ -87,6 +87,7 @@ class AsyncSandbox:
         self._env_names = env_names
         self._active = 0
         self._killed = False
+        self._paused = False  # paused through this object (and not used since): not killed on exit
         self._closed = False
         self._approvals: Cancellable | None = None
         self._owns_transport = False  # made for this sandbox by create/connect/resume: released by kill()
@@ -200,10 +201,13 @@ class AsyncSandbox:
         api_url: str | None = None,
         api_key: str | None = None,
     ) -> AsyncSandbox:
-        """Bring back a paused sandbox (by its id or a SnapshotRef) as a new running sandbox.
+        """Bring back a paused sandbox by its id: the same ``sandbox_id`` runs again, with the
+        timeout it was created with unless ``timeout`` is given, its network policy and secrets.
+        Given a snapshot (SnapshotRef or snapshot id) instead, a new sandbox is forked from it.
 
         Files and the default code context's state are restored; on a tier without memory
-        snapshots, processes that ran before the pause are not (they start fresh).
+        snapshots, processes that ran before the pause are not (they start fresh). The stage
+        ``resume`` in ``timings`` is how long the resume took (ms).
         """
         t = _transport(transport, home, api_url, api_key)
         request = ops.Resume(_snapshot_id(snapshot), timeout=timeout, envs=envs)
@@ -233,7 +237,8 @@ class AsyncSandbox:
         api_url: str | None = None,
         api_key: str | None = None,
     ) -> AsyncSandbox:
-        """Attach to a live sandbox created by any process (or, through a server, any machine)."""
+        """Attach to a live sandbox created by any process (or, through a server, any machine);
+        a paused one is resumed first (same id, as ``resume``)."""
         return await cls._open(
             _transport(transport, home, api_url, api_key), transport is None, ops.Connect(sandbox_id)
         )
@@ -289,6 +294,8 @@ class AsyncSandbox:
     def state(self) -> State:
         if self._killed:
             return State.DESTROYED
+        if self._paused:
+            return State.PAUSED
         return State.RUNNING if self._active else State.READY
 
     # ---- lifecycle
@@ -319,9 +326,10 @@ class AsyncSandbox:
         return await self._run(ops.Snapshot(self.sandbox_id, memory=memory, env_names=self._env_names))
 
     async def pause(self, *, memory: bool = False) -> SnapshotRef:
-        """Snapshot, then release everything (no process, CPU or memory is left); resume() later."""
+        """Snapshot, then release everything (no process, CPU or memory is left). The sandbox keeps
+        its id: ``resume(id)`` or ``connect(id)`` runs it again."""
         ref = await self._run(ops.Pause(self.sandbox_id, memory=memory, env_names=self._env_names))
-        self._killed = True
+        self._paused = True
         await self._close_forwards()
         return ref
 
@@ -359,7 +367,7 @@ class AsyncSandbox:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if not self._killed:
+        if not self._killed and not self._paused:
             await self.kill()
         await self.close()
 
@@ -421,6 +429,7 @@ class AsyncSandbox:
             result = await self._transport.handle(request)
         finally:
             self._active -= 1
+        self._paused = False  # it answered: it runs (again)
         if isinstance(request, (ops.Exec, ops.RunCode)) and not any(t.stage == "first_command" for t in self._stages):
             ms = (time.perf_counter() - started) * 1e3
             self._stages.append(StageTiming(self.sandbox_id, "first_command", ms, True))

@@ -473,7 +473,7 @@ def build_mcp(transport_for: TransportFor, *, name: str = "warmbox") -> WarmboxM
         snapshot: Annotated[str, Field(description="A paused sandbox's id (sb-...) or a snapshot id (snap-...).")],
         timeout: Annotated[float | None, Field(gt=0, description="Lifetime in seconds from now.")] = None,
     ) -> SandboxOut:
-        """Bring a paused sandbox back, or start a new one from a snapshot; use the returned sandbox_id from now on."""
+        """Bring a paused sandbox back (same sandbox_id), or fork a new one from a snapshot id (a new sandbox_id)."""
         opened = await run(ctx, ops.Resume(snapshot, timeout=timeout))
         return SandboxOut.of(opened.info, opened.timings)
 

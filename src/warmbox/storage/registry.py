@@ -43,7 +43,7 @@ from warmbox.storage.uidslots import (  # noqa: F401 - MAX_SLOTS is re-exported 
 )
 from warmbox.tiers import canonical_tier
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -69,7 +69,14 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     tmp_mb      INTEGER NOT NULL DEFAULT 256,
     parent_snapshot TEXT NOT NULL DEFAULT '',
     disk_mb     INTEGER NOT NULL DEFAULT 10240,
-    tenant      TEXT NOT NULL DEFAULT ''
+    tenant      TEXT NOT NULL DEFAULT '',
+    timeout_s   REAL NOT NULL DEFAULT 0,
+    metadata    TEXT NOT NULL DEFAULT '{}',
+    on_timeout  TEXT NOT NULL DEFAULT 'kill',
+    idle_pause_after REAL NOT NULL DEFAULT 0,
+    auto_resume INTEGER NOT NULL DEFAULT 0,
+    last_used   REAL NOT NULL DEFAULT 0,
+    egress      TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS snapshots (
     snapshot_id TEXT PRIMARY KEY,
@@ -199,6 +206,15 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE timings ADD COLUMN on_path INTEGER NOT NULL DEFAULT 1",
     "ALTER TABLE sandboxes ADD COLUMN tenant TEXT NOT NULL DEFAULT ''",
     "ALTER TABLE snapshots ADD COLUMN tenant TEXT NOT NULL DEFAULT ''",
+    # version 7: one id for a sandbox's life (its timeout policy and egress kept across a pause),
+    # metadata, and the lifecycle policy (auto-pause)
+    "ALTER TABLE sandboxes ADD COLUMN timeout_s REAL NOT NULL DEFAULT 0",
+    "ALTER TABLE sandboxes ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}'",
+    "ALTER TABLE sandboxes ADD COLUMN on_timeout TEXT NOT NULL DEFAULT 'kill'",
+    "ALTER TABLE sandboxes ADD COLUMN idle_pause_after REAL NOT NULL DEFAULT 0",
+    "ALTER TABLE sandboxes ADD COLUMN auto_resume INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE sandboxes ADD COLUMN last_used REAL NOT NULL DEFAULT 0",
+    "ALTER TABLE sandboxes ADD COLUMN egress TEXT NOT NULL DEFAULT ''",
 )
 _COLUMNS = (
     "sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
@@ -424,8 +440,8 @@ class Registry:
                     db.execute(
                         "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, "
                         "memory_mb, cpus, pids, uid_slot, runtime_id, state_dir, socket_path, pool, owner, shape, "
-                        "file_size_mb, open_files, tmp_mb, disk_mb, tenant) "
-                        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                        "file_size_mb, open_files, tmp_mb, disk_mb, tenant, timeout_s, last_used) "
+                        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                         (
                             sandbox_id,
                             tier,
@@ -448,6 +464,8 @@ class Registry:
                             limits.tmp_mb,
                             limits.disk_mb,
                             tenant.name if tenant is not None else "",
+                            timeout_s,
+                            now,
                         ),
                     )
                     db.execute(
@@ -463,6 +481,77 @@ class Registry:
         except sqlite3.Error as e:
             raise RegistryError(f"registry error: {e}") from None
         return slot
+
+    def reallocate(self, sandbox_id: str, timeout_s: float, *, owner: str = "", tenant: Tenant | None = None) -> int:
+        """Take a paused sandbox back to ``creating`` under its own id (a resume): a uid slot free
+        on the whole host, a new deadline, its meters open again; returns the slot.
+
+        Exactly one caller wins (SandboxStateError for the others: it is no longer paused).
+        tenant: the resumer's; quotas are checked in the same transaction (a paused sandbox holds
+        nothing, the resumed one counts).
+        """
+        now = time.time()
+        try:
+            if not self._adopted:
+                self._adopt()
+            with self.ledger.locked() as ledger, self._tx() as db:
+                row = db.execute(
+                    "SELECT state, tier, memory_mb, cpus, uid_slot FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)
+                ).fetchone()
+                if row is None:
+                    raise unknown_sandbox(sandbox_id)
+                if row[0] != State.PAUSED.value:
+                    raise SandboxStateError(f"sandbox {sandbox_id} is {row[0]}, not paused", sandbox_id)
+                if tenant is not None:
+                    self._check_quota(db, tenant, row[1], row[2], row[3])
+                ledger.release(row[4], self._key, sandbox_id)  # its old range (released by its pause)
+                used = {
+                    r[0] for r in db.execute(f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)}", _HOLDING)
+                }
+                slot = ledger.claim(self._key, sandbox_id, skip=used, check=self._holds)
+                try:
+                    db.execute(
+                        "UPDATE sandboxes SET state=?, uid_slot=?, expires_at=?, owner=?, ended_at=0, "
+                        "timeout_s=?, last_used=? WHERE sandbox_id=?",
+                        (State.CREATING.value, slot, now + timeout_s, owner, timeout_s, now, sandbox_id),
+                    )
+                    db.execute(
+                        "INSERT INTO transitions VALUES (?,?,?,?,?)",
+                        (sandbox_id, now, State.PAUSED.value, State.CREATING.value, "resume"),
+                    )
+                    # the meters go on: a new runtime's CPU counter starts at 0 again
+                    db.execute(
+                        "UPDATE meters SET final=0, memory_bytes=0, sampled_at=?, "
+                        "base_cpu_ns=base_cpu_ns-cpu_ns, cpu_ns=0 WHERE sandbox_id=?",
+                        (now, sandbox_id),
+                    )
+                except BaseException:
+                    ledger.release(slot, self._key, sandbox_id)
+                    raise
+        except OSError as e:
+            raise RegistryError(f"cannot claim a uid range in {self.ledger.dir}: {e}") from None
+        except sqlite3.Error as e:
+            raise RegistryError(f"registry error: {e}") from None
+        return slot
+
+    def timeout_of(self, sandbox_id: str) -> float:
+        """The lifetime a sandbox was given at its start (0: unknown, a row from before version 7)."""
+        row = self._read("SELECT timeout_s FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
+        return float(row[0]) if row else 0.0
+
+    def ended_reason(self, sandbox_id: str) -> str:
+        """The reason of a sandbox's last transition (why a destroyed one ended)."""
+        row = self._read("SELECT reason FROM transitions WHERE sandbox_id=? ORDER BY rowid DESC LIMIT 1", (sandbox_id,))
+        return row[0] if row else ""
+
+    def egress_of(self, sandbox_id: str) -> str:
+        """A paused sandbox's egress, kept for its resume (JSON: policy and secret placeholders)."""
+        row = self._read("SELECT egress FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
+        return row[0] if row else ""
+
+    def set_egress(self, sandbox_id: str, egress: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE sandboxes SET egress=? WHERE sandbox_id=?", (egress, sandbox_id))
 
     def _release(self, sandbox_id: str, slot: int) -> None:
         try:

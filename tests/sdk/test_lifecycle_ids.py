@@ -1,0 +1,87 @@
+"""One id for a sandbox's whole life: pause, then resume or connect, gives back the same sandbox."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.conftest import wait_for
+from warmbox import Limits, Sandbox, SandboxNotFound, State
+from warmbox.engine.engine import Engine
+
+
+@pytest.mark.sandbox
+def test_pause_then_connect_or_resume_keeps_the_id_the_timeout_and_the_state(home, runc_ready):
+    sb = Sandbox.create(template="shell", timeout=200)
+    try:
+        sid = sb.sandbox_id
+        sb.files.write("/workspace/kept.txt", "turn 1")
+        sb.run_code("seen = {'turn': 1}")
+        ref = sb.pause()
+        assert ref.sandbox_id == sid and sb.state is State.PAUSED
+        info = sb.get_info()
+        assert info.state is State.PAUSED and info.sandbox_id == sid
+
+        back = Sandbox.connect(sid)  # connecting to a paused sandbox resumes it, under its id
+        assert back.sandbox_id == sid
+        assert back.files.read("/workspace/kept.txt") == "turn 1"
+        assert back.run_code("seen").text == "{'turn': 1}"
+        assert back.timings["resume"] > 0
+        info = back.get_info()
+        assert info.state in (State.READY, State.RUNNING)
+        # the timeout it was created with, counted from the resume (not the default, not what was left)
+        assert 200 - 15 < info.expires_at - time.time() <= 200
+
+        # a fork of its snapshot is another sandbox; the original is untouched
+        with Sandbox.create(from_snapshot=ref, timeout=60) as fork:
+            assert fork.sandbox_id != sid
+            assert fork.files.read("/workspace/kept.txt") == "turn 1"
+            fork.files.write("/workspace/kept.txt", "fork")
+        assert back.files.read("/workspace/kept.txt") == "turn 1"
+
+        back.pause()
+        again = Sandbox.resume(sid, timeout=100)  # told otherwise: the new timeout
+        assert again.sandbox_id == sid and again.files.read("/workspace/kept.txt") == "turn 1"
+        assert 100 - 15 < again.get_info().expires_at - time.time() <= 100
+        assert again.kill() is True
+        with pytest.raises(SandboxNotFound, match="destroyed"):
+            Sandbox.connect(sid)
+    finally:
+        sb.kill()
+
+
+@pytest.mark.sandbox
+def test_an_expired_sandbox_says_expired_not_a_connection_error(home, runc_ready):
+    sb = Sandbox.create(template="shell", timeout=2)
+    try:
+        assert sb.commands.run("true").exit_code == 0  # a held connection
+        Engine.for_home(home).ensure_daemon()
+        wait_for(lambda: sb.get_info().state is State.DESTROYED, 30, "the reaper to end the expired sandbox")
+        with pytest.raises(SandboxNotFound, match="expired"):
+            sb.commands.run("true")
+        with pytest.raises(SandboxNotFound, match="expired"):
+            Sandbox.connect(sb.sandbox_id)
+    finally:
+        sb.kill()
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("tier", ["gvisor", "microvm"])
+def test_a_memory_pause_resumes_under_the_same_id(home, runc_ready, tier):
+    avail = Engine.for_home(home).backend(tier).probe()
+    if not avail.available:
+        pytest.skip(f"tier {tier} is not available here: {avail.reason}")
+    # the microVM's shape of tests/backends/test_microvm.py (small under TCG); gVisor's default
+    limits = Limits(memory_mb=256, pids=64, tmp_mb=64) if tier == "microvm" else None
+    sb = Sandbox.create(tier, timeout=120, limits=limits)
+    try:
+        sb.run_code("counter = 41")
+        ref = sb.pause(memory=True)
+        assert ref.memory and ref.sandbox_id == sb.sandbox_id
+        with Sandbox.connect(sb.sandbox_id) as back:
+            assert back.sandbox_id == sb.sandbox_id
+            assert back.run_code("counter + 1").text == "42"
+            assert back.timings["resume"] > 0
+    finally:
+        sb.kill()

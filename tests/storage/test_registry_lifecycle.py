@@ -1,0 +1,93 @@
+"""The registry's lifecycle columns (schema 7): migration from version 6, one id across a pause."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from warmbox.errors import SandboxStateError
+from warmbox.models import Limits, State
+from warmbox.storage import registry as registry_mod
+from warmbox.storage.registry import SCHEMA_VERSION, Registry
+from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
+
+NEW_COLUMNS = {"timeout_s", "metadata", "on_timeout", "idle_pause_after", "auto_resume", "last_used", "egress"}
+
+
+def _registry(tmp: Path) -> Registry:
+    # its own uid ledger: these rows never run, so they must not hold real ranges of the host
+    return Registry(tmp / "r.db", ledger=UidLedger(tmp / "uids", slots=16, first=MAX_SLOTS - 60))
+
+
+def _v6_schema() -> str:
+    """Version 6's schema: today's without the columns version 7 added."""
+    lines = [
+        line
+        for line in registry_mod.SCHEMA.splitlines()
+        if not any(line.strip().startswith(c + " ") for c in NEW_COLUMNS)
+    ]
+    text = "\n".join(lines).replace(
+        "tenant      TEXT NOT NULL DEFAULT '',\n);", "tenant      TEXT NOT NULL DEFAULT ''\n);"
+    )
+    return text
+
+
+def test_a_version_6_database_migrates_and_its_paused_sandbox_resumes_under_its_id(tmp_path):
+    schema = _v6_schema()
+    assert "timeout_s" not in schema and "egress " not in schema
+    db = sqlite3.connect(tmp_path / "r.db")
+    db.executescript(schema)
+    db.execute(
+        "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, "
+        "uid_slot, runtime_id, state_dir, socket_path) VALUES "
+        "('sb-00000000000b', 'container', 'base', 'paused', 1, 2, 512, 1.0, 256, 3, 'x', '/nonexistent', '/x')"
+    )
+    db.execute("INSERT INTO meters (sandbox_id, sampled_at, cpu_ns, final) VALUES ('sb-00000000000b', 1, 5000, 1)")
+    db.execute("PRAGMA user_version = 6")
+    db.commit()
+    db.close()
+
+    reg = _registry(tmp_path)
+    assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
+    cols = {r[1] for r in reg._db.execute("PRAGMA table_info(sandboxes)")}
+    assert NEW_COLUMNS <= cols
+    # the old row reads with the defaults: no timeout recorded, no metadata, kill on timeout
+    assert reg.timeout_of("sb-00000000000b") == 0.0
+    row = reg._db.execute(
+        "SELECT metadata, on_timeout, idle_pause_after, auto_resume, egress FROM sandboxes WHERE sandbox_id=?",
+        ("sb-00000000000b",),
+    ).fetchone()
+    assert row == ("{}", "kill", 0.0, 0, "")
+    # a sandbox paused before the migration resumes under its own id
+    reg.reallocate("sb-00000000000b", 120.0, owner="test")
+    info, _ = reg.get("sb-00000000000b")
+    assert info.state is State.CREATING and reg.timeout_of("sb-00000000000b") == 120.0
+    assert [t.to_state for t in reg.transitions("sb-00000000000b")][-1] == "creating"
+    m = reg.meter("sb-00000000000b")
+    assert m is not None and not m.final and m.cpu_ns == 0 and m.cpu_ns - m.base_cpu_ns == 5000  # cost goes on
+    reg.set_state("sb-00000000000b", State.DESTROYED, "test over")
+    reg.close()
+    reg = _registry(tmp_path)  # opening it again is a no-op
+    assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    reg.close()
+
+
+def test_only_one_resume_takes_a_paused_sandbox_and_a_live_one_cannot_be_reallocated(tmp_path):
+    reg = _registry(tmp_path)
+    sid = "sb-00000000000c"
+    reg.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
+    assert reg.timeout_of(sid) == 300.0
+    with pytest.raises(SandboxStateError, match="not paused"):
+        reg.reallocate(sid, 60.0)
+    reg.set_state(sid, State.READY, "up")
+    reg.set_state(sid, State.PAUSED, "paused")
+    first = reg.reallocate(sid, 60.0)
+    with pytest.raises(SandboxStateError, match="not paused"):
+        reg.reallocate(sid, 60.0)
+    assert reg.get(sid)[0].state is State.CREATING
+    reg.set_state(sid, State.PAUSED, "resume failed")  # a failed resume leaves it paused
+    assert reg.reallocate(sid, 60.0) >= 0 and first >= 0
+    reg.set_state(sid, State.DESTROYED, "test over")
+    reg.close()
