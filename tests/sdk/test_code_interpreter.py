@@ -196,3 +196,16 @@ def test_unknown_language_is_a_typed_error(box):
         box.run_code("1", language="cobol")
     with pytest.raises(InvalidArgument):
         box.run_code("1", language="python", context="default-bash")
+
+
+@pytest.mark.sandbox
+def test_javascript_bash_and_charts_on_microvm(home, runc_ready):
+    with open_tier("microvm") as sb:
+        assert sb.run_code("const v = await Promise.resolve(6); v * 7", language="javascript").text == "42"
+        assert sb.run_code("cd /tmp; echo $PWD", language="bash").stdout == "/tmp\n"
+        r = sb.commands.run("python3 -c 'import matplotlib'")
+        if r.exit_code != 0:
+            pytest.skip(f"the microVM image has no matplotlib (its guest packages lack python3-matplotlib): {r.stderr}")
+        e = sb.run_code(CHART)
+        assert e.error is None, e.error
+        assert png_size(e.results[0].png)
