@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests.conftest import wait_for
 from warmbox import AsyncSandbox, InvalidArgument, PortNotListening, Sandbox, SandboxNotFound
 
 SERVER = "cd /workspace && (python3 -m http.server {port} >/tmp/http-{port}.log 2>&1 &)"
@@ -125,6 +126,29 @@ def test_the_forward_goes_with_the_sandbox(home, runc_ready):
     import asyncio
 
     asyncio.run(_async_forward_goes_with_the_sandbox())
+
+
+@pytest.mark.sandbox
+def test_the_forward_closes_when_the_sandbox_is_killed_elsewhere(home, runc_ready):
+    sb = Sandbox.create(tier="container", timeout=120)
+    try:
+        host = _serve(sb, 8002)
+        assert _http_get(host)[0] == 200
+        Sandbox.connect(sb.sandbox_id).kill()  # another client ends it
+        addr, port = host.rsplit(":", 1)
+
+        def refused() -> bool:
+            try:
+                with socket.create_connection((addr, int(port)), timeout=5) as s:
+                    s.settimeout(5)
+                    assert s.recv(1) == b""  # accepted, then closed: nothing to relay to
+                return False
+            except ConnectionRefusedError:
+                return True
+
+        wait_for(refused, 15, "the forward to close after the sandbox ended")
+    finally:
+        sb.close()
 
 
 @pytest.mark.sandbox

@@ -57,6 +57,10 @@ class PortForward:
         self._tasks.add(task)
         try:
             await self._relay(reader, writer)
+        except asyncio.CancelledError:
+            if not self.closed:
+                raise
+            # our own close(): end normally (Python 3.11's start_server logs a cancelled handler as an error)
         finally:
             self._tasks.discard(task)
             writer.close()

@@ -135,6 +135,10 @@ def peercred_ws_protocol() -> type[asyncio.Protocol] | None:
             if sock is not None and sock.family == socket.AF_UNIX:
                 _pid, uid, _gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
                 self._peer_uid = uid
+            elif sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                # a tunnel's small messages (a request, then its end of data) must not wait for the
+                # peer's delayed ACK (Nagle: ~40 ms per exchange)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
         async def run_asgi(self) -> None:
             if self._peer_uid is not None:
