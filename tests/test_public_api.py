@@ -62,6 +62,7 @@ def test_exported_members():
             "CommandHandle",
             "ProcessInfo",
             "ProcessNotFound",
+            "UnsafeArchive",
         ]
     )
     for name in warmbox.__all__:

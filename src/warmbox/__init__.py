@@ -31,6 +31,7 @@ from warmbox.errors import (
     SnapshotUnsupported,
     StorageError,
     StorageFull,
+    UnsafeArchive,
     UnsupportedLanguage,
     WarmboxError,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "CommandHandle",
     "ProcessInfo",
     "ProcessNotFound",
+    "UnsafeArchive",
     "AsyncSandbox",
     "BackendUnavailable",
     "CodeContext",

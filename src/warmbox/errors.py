@@ -22,6 +22,7 @@ WarmboxError
 │   │   ├── PathPermissionDenied (PermissionError)
 │   │   ├── NotARegularFile             a read of a FIFO, device, socket (never opened by the host)
 │   │   ├── FileTooLarge                a read past ``max_bytes``: nothing partial is returned
+│   │   ├── UnsafeArchive               a tar member outside its directory (absolute, '..', a link out) or a device/FIFO
 │   │   └── NoSpace                     ENOSPC/EDQUOT inside the sandbox (disk or tmpfs full)
 │   ├── ContextError                    a code context is unknown or died
 │   ├── PortNotListening (ConnectionRefusedError)  get_host/a tunnel: nothing listens on that port
@@ -157,6 +158,12 @@ class NotARegularFile(FilesError):
 
 class FileTooLarge(FilesError):
     """files.read of a file larger than ``max_bytes``; nothing partial is returned."""
+
+
+class UnsafeArchive(FilesError):
+    """A directory upload or download refused at an archive member that would land outside its
+    directory (an absolute name, a '..' component, a symlink or hardlink pointing out) or is a
+    device or FIFO; the message names the member. Members before it were extracted."""
 
 
 class NoSpace(FilesError):

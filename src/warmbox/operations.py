@@ -88,6 +88,8 @@ class Op(str, enum.Enum):
     FILES_WRITE_STREAM = "files.write_stream"
     FILES_WRITE_MANY = "files.write_files"
     FILES_RENAME = "files.rename"
+    FILES_UPLOAD_DIR = "files.upload_dir"
+    FILES_DOWNLOAD_DIR = "files.download_dir"
     FILES_LIST = "files.list"
     FILES_STAT = "files.stat"
     FILES_MAKE_DIR = "files.make_dir"
@@ -500,6 +502,31 @@ class Rename(Request[EntryInfo]):
 
 
 @dataclasses.dataclass(frozen=True)
+class UploadDir(Request[EntryInfo]):
+    """Unpack a tar stream (uncompressed; chunks taken as the sandbox writes them) into the
+    directory ``path`` (made if missing); its entry. A member that would land outside it (an
+    absolute name, '..', a symlink or hardlink out) or is a device or FIFO raises UnsafeArchive
+    naming it (members before it stay); nothing in the sandbox follows a symlink while unpacking.
+    Over HTTP the archive is the request's raw body, streamed."""
+
+    op: ClassVar[Op] = Op.FILES_UPLOAD_DIR
+    sandbox_id: str
+    path: str
+    data: AsyncIterator[bytes]
+
+
+@dataclasses.dataclass(frozen=True)
+class DownloadDir(Request[ChunkStream]):
+    """The directory ``path`` as a tar stream in flow-controlled chunks (symlinks stored as links,
+    never followed; FIFOs, devices and sockets left out); timeout: seconds per chunk (None: none)."""
+
+    op: ClassVar[Op] = Op.FILES_DOWNLOAD_DIR
+    sandbox_id: str
+    path: str
+    timeout: float | None = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
 class ListDir(Request[list[EntryInfo]]):
     op: ClassVar[Op] = Op.FILES_LIST
     sandbox_id: str
@@ -678,6 +705,8 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         WriteFileStream,
         WriteFiles,
         Rename,
+        UploadDir,
+        DownloadDir,
         ListDir,
         Stat,
         MakeDir,

@@ -109,6 +109,7 @@ class ErrorCode(_Closed):
     LANGUAGE_UNAVAILABLE = _Member("language_unavailable")  # no code contexts of that language here
     NOT_REGULAR = _Member("not_regular")  # a read of a FIFO, device or socket: refused, never read
     TOO_LARGE = _Member("too_large")  # a read of more than its max_bytes
+    UNSAFE_ARCHIVE = _Member("unsafe_archive")  # a tar member outside its directory, or a device/FIFO
     CONNECTION_REFUSED = _Member("connection_refused")  # PortConnect: nothing listens on that port
     INTERNAL = _Member("internal")
 
@@ -339,6 +340,25 @@ class WriteAck(Message):
     bytes: int
 
 
+class TarCreate(Message):
+    """Pack the directory ``path`` as a tar stream (see warmbox.safetar.pack: links are stored,
+    never followed), answered like a ReadFile: Chunk frames within ``window`` bytes beyond the
+    host's ReadAcks, then ChunkEnd, or a Failure; the host stops it early with Cancel."""
+
+    path: str
+    window: int
+
+
+class TarExtract(Message):
+    """Unpack a tar stream into the directory ``path`` (made if missing), sent like a WriteFile's
+    data (Ok, then Chunk frames within ``window`` beyond the agent's WriteAcks, then ChunkEnd);
+    answered by the directory's Entry, or UNSAFE_ARCHIVE naming the first member that would land
+    outside it (what came before stays)."""
+
+    path: str
+    window: int
+
+
 class Rename(Message):
     """Move ``old`` to ``new`` (parents of ``new`` are created; a file there is replaced); answered
     by the Entry of ``new``."""
@@ -552,6 +572,8 @@ HOST_TO_GUEST: tuple[type[Message], ...] = (
     ProcList,
     ReadFile,
     WriteFile,
+    TarCreate,
+    TarExtract,
     Rename,
     ListDir,
     Stat,

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from warmbox import (
     InvalidArgument,
     InvalidPath,
     IsADirectory,
+    NotADirectory,
     PathNotFound,
     Sandbox,
+    UnsafeArchive,
     WriteEntry,
 )
 
@@ -140,3 +144,90 @@ def test_streamed_write_bad_input_gets_typed_errors(box):
     with pytest.raises(InvalidArgument, match="data must be"):
         box.files.write("s.txt", 42)  # type: ignore[arg-type]
     assert not box.files.exists("s.txt")
+
+
+def _tree(root):
+    (root / "sub/deeper").mkdir(parents=True)
+    (root / "a.txt").write_text("alpha")
+    (root / "sub/deeper/b.bin").write_bytes(os.urandom(700_000))
+    (root / "sub/run.sh").write_text("#!/bin/sh\necho ran\n")
+    (root / "sub/run.sh").chmod(0o755)
+    os.symlink("../a.txt", root / "sub/link")
+    os.mkfifo(root / "fifo")  # left out, never opened
+
+
+def _snapshot(root):
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            rel = os.path.relpath(p, root)
+            if os.path.islink(p):
+                out[rel] = ("link", os.readlink(p))
+            elif os.path.isdir(p):
+                out[rel] = ("dir",)
+            elif os.path.isfile(p):
+                with open(p, "rb") as f:
+                    out[rel] = ("file", f.read(), os.stat(p).st_mode & 0o777)
+    return out
+
+
+@pytest.mark.sandbox
+def test_upload_dir_and_download_dir_round_trip_a_tree(box, tmp_path):
+    src = tmp_path / "src"
+    _tree(src)
+    e = box.files.upload_dir(src, "up/tree")
+    assert (e.path, e.type) == ("/workspace/up/tree", "dir")
+    assert box.commands.run("/workspace/up/tree/sub/run.sh").stdout == "ran\n"
+    assert box.files.get_info("up/tree/sub/link").symlink_target == "../a.txt"
+    assert not box.files.exists("up/tree/fifo")
+    back = tmp_path / "back"
+    box.files.download_dir("up/tree", back)
+    assert _snapshot(back) == _snapshot(src)  # the FIFO is in neither
+    (src / "sub/deeper/b.bin").write_text("replaced")
+    (src / "sub/deeper/new.txt").write_text("new")
+    box.files.upload_dir(src / "sub/deeper", "up/tree/sub")  # into an existing directory: merged
+    assert box.files.read("up/tree/sub/b.bin") == "replaced" and box.files.read("up/tree/sub/new.txt") == "new"
+    assert box.files.exists("up/tree/sub/run.sh")
+    with pytest.raises(UnsafeArchive, match="link"):  # here sub/link would point out of its target
+        box.files.upload_dir(src / "sub", "up/other")
+
+
+@pytest.mark.sandbox
+def test_upload_and_download_dir_bad_input_gets_typed_errors(box, tmp_path):
+    with pytest.raises(InvalidArgument, match="not a local directory"):
+        box.files.upload_dir(tmp_path / "missing", "x")
+    with pytest.raises(InvalidPath):
+        box.files.upload_dir(tmp_path, "../../etc")
+    with pytest.raises(PathNotFound):
+        box.files.download_dir("no/such/dir", tmp_path / "d")
+    box.files.write("plain.txt", "x")
+    with pytest.raises(NotADirectory):
+        box.files.download_dir("plain.txt", tmp_path / "d2")
+    box.commands.run("mkdir -p /workspace/esc && ln -sfn /etc /workspace/esc/etc && echo x > /workspace/esc/f")
+    dest = tmp_path / "esc"
+    with pytest.raises(UnsafeArchive, match="symlink out"):
+        box.files.download_dir("esc", dest)  # a link out of the directory is refused on the host
+    assert not (dest / "etc").exists() and not (dest / "etc").is_symlink()
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("tier", ["gvisor", "microvm"])
+def test_the_files_api_on_the_other_tiers(home, runc_ready, tier, tmp_path):
+    from warmbox.engine.engine import Engine
+
+    avail = Engine.for_home(home).backend(tier).probe()
+    if not avail.available:
+        pytest.skip(f"the {tier} tier does not run here: {avail.reason}")
+    with Sandbox.create(tier=tier, timeout=300) as sb:
+        sb.files.write_files([WriteEntry("t/a.txt", "alpha"), WriteEntry("t/b.bin", b"\x00\x01")])
+        assert sb.files.rename("t/a.txt", "t/sub/c.txt").path == "/workspace/t/sub/c.txt"
+        assert sb.files.write("t/big.bin", _pattern(9)).size == 9 * (256 << 10)
+        assert b"".join(sb.files.read("t/big.bin", format="stream")) == b"".join(_pattern(9))
+        src = tmp_path / "src"
+        _tree(src)
+        sb.files.upload_dir(src, "up")
+        back = tmp_path / "back"
+        sb.files.download_dir("up", back)
+        assert _snapshot(back) == _snapshot(src)
+        assert sb.files.read("t/sub/c.txt") == "alpha"

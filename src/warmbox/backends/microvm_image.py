@@ -66,6 +66,7 @@ RESTORE_PORT = "warmbox.restore"  # host entropy and clock for the guest kernel 
 _RESTORE_SRC = Path(__file__).with_name("microvm_restore.c")
 _GUEST_SOURCES = (
     "protocol.py",
+    "safetar.py",
     "guest/__init__.py",
     "guest/agent.py",
     "guest/kernel.py",

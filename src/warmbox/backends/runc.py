@@ -76,6 +76,7 @@ _ETC_COPY = [
 ]
 _GUEST_SOURCES = (
     "protocol.py",
+    "safetar.py",
     "guest/__init__.py",
     "guest/agent.py",
     "guest/kernel.py",

@@ -98,6 +98,19 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ),
     ),
     Guarantee(
+        "files",
+        "Directory upload/download (tar streams) land inside their target: an absolute name, '..', "
+        "a symlink or hardlink out, a device or FIFO is refused with UnsafeArchive — by the agent "
+        "for uploads, by the host for downloads — and no path component is followed through a "
+        "symlink, one planted by the sandbox user or left in the local directory included.",
+        _SHARED,
+        (
+            "test_files_tar.py::test_crafted_tars_uploaded_into_the_sandbox_are_refused_and_land_nowhere",
+            "test_files_tar.py::test_a_link_out_of_a_downloaded_directory_is_refused_on_the_host",
+            "test_files_tar.py::test_crafted_tars_from_a_compromised_agent_are_refused_by_the_host_extractor",
+        ),
+    ),
+    Guarantee(
         "crashes",
         "A 200 MB streamed files.write and files.read keep the host's memory small (the agent "
         "acknowledges what it wrote; the host sends one window beyond), in process and through "

@@ -213,6 +213,8 @@ class EngineFront:
             ops.WriteFileStream: self.write_file_stream,
             ops.WriteFiles: self.write_files,
             ops.Rename: self.rename,
+            ops.UploadDir: self.upload_dir,
+            ops.DownloadDir: self.download_dir,
             ops.ListDir: self.list_dir,
             ops.Stat: self.stat,
             ops.MakeDir: self.make_dir,
@@ -576,6 +578,17 @@ class EngineFront:
         if not isinstance(r.data, collections.abc.AsyncIterator):
             raise InvalidArgument(f"data must be an async iterator of bytes, got {type(r.data).__name__}")
         return await (await self._session(r.sandbox_id)).write_stream(path, _checked_chunks(r.data), mode=r.mode)
+
+    async def upload_dir(self, r: ops.UploadDir) -> EntryInfo:
+        path = sandbox_path(r.path)
+        if not isinstance(r.data, collections.abc.AsyncIterator):
+            raise InvalidArgument(f"data must be an async iterator of bytes, got {type(r.data).__name__}")
+        return await (await self._session(r.sandbox_id)).unpack(path, _checked_chunks(r.data))
+
+    async def download_dir(self, r: ops.DownloadDir) -> ops.ChunkStream:
+        path = sandbox_path(r.path)
+        t = optional_timeout(r.timeout) or None
+        return await (await self._session(r.sandbox_id)).pack(path, timeout=t)
 
     async def write_files(self, r: ops.WriteFiles) -> builtins.list[EntryInfo]:
         if not isinstance(r.files, (list, tuple)):

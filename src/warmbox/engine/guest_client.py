@@ -159,11 +159,16 @@ class GuestClient(asyncio.Protocol):
         self, path: str, *, max_bytes: int, timeout: float | None = None, window: int = READ_WINDOW
     ) -> FileRead:
         """Start a flow-controlled ReadFile of ``path`` (see :class:`FileRead`)."""
-        stream = await self.open(
-            lambda i: p.ReadFile(i, path=path, max_bytes=max_bytes, window=window),
-            timeout,
-            budget=window + p.CHUNK if window else None,
+        return await self.read_stream(
+            lambda i: p.ReadFile(i, path=path, max_bytes=max_bytes, window=window), max_bytes, timeout, window
         )
+
+    async def read_stream(
+        self, make: Callable[[int], p.Message], max_bytes: int, timeout: float | None, window: int = READ_WINDOW
+    ) -> FileRead:
+        """Send ``make(id)`` (a ReadFile or TarCreate with this ``window``) and read its answer as a
+        flow-controlled :class:`FileRead`."""
+        stream = await self.open(make, timeout, budget=window + p.CHUNK if window else None)
         return FileRead(stream, max_bytes, window)
 
     async def call(self, make: Callable[[int], p.Message], expect: type[p.Message]) -> p.Message:
@@ -190,9 +195,24 @@ class GuestClient(asyncio.Protocol):
         bytes are sent beyond what the guest wrote, so the host holds the chunk being sent and no
         more; a source that raises ends the upload (an atomic one leaves the target as it was).
         wait: seconds the guest may take for each answer (SandboxTimeout), not for the whole upload."""
-        async with self.request(
-            lambda i: p.WriteFile(i, path=path, mode=mode, append=append, window=window, atomic=atomic)
-        ) as stream:
+        return await self.send_stream(
+            lambda i: p.WriteFile(i, path=path, mode=mode, append=append, window=window, atomic=atomic),
+            data,
+            window=window,
+            wait=wait,
+        )
+
+    async def send_stream(
+        self,
+        make: Callable[[int], p.Message],
+        data: bytes | AsyncIterator[bytes],
+        *,
+        window: int = WRITE_WINDOW,
+        wait: float | None = UPLOAD_WAIT_S,
+    ) -> p.Message:
+        """Send ``make(id)`` (a WriteFile or TarExtract with this ``window``), then ``data`` as its
+        flow-controlled Chunk frames (see upload); the guest's last answer, or its Failure."""
+        async with self.request(make) as stream:
             ready = await stream.next(p.Ok, timeout=wait)
             if isinstance(ready, p.Failure):
                 return ready

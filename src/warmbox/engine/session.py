@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import cast
 
 from warmbox import protocol as p
-from warmbox.engine.guest_client import FileRead, GuestClient, PortTunnel, Stream, open_port
+from warmbox.engine.guest_client import READ_WINDOW, WRITE_WINDOW, FileRead, GuestClient, PortTunnel, Stream, open_port
 from warmbox.errors import (
     ContextError,
     FileTooLarge,
@@ -38,6 +38,7 @@ from warmbox.errors import (
     SandboxError,
     SandboxStartError,
     SandboxTimeout,
+    UnsafeArchive,
     UnsupportedLanguage,
 )
 from warmbox.models import CommandResult, EntryInfo, Execution, ExecutionError, ProcessEvent, ProcessInfo, Result
@@ -47,6 +48,7 @@ MAX_DISPLAY_BYTES = 64 << 20
 MAX_RESULTS = 4096  # results of one run (display() calls, charts)
 PING_TIMEOUT_S = 30.0
 _ERR_TAIL = 64 << 10
+TAR_MAX = 1 << 50  # a directory's tar stream has no size bound of its own (the sandbox's disk has)
 
 OomCounter = Callable[[], Awaitable[int]]
 TextSink = Callable[[str], object]
@@ -62,6 +64,7 @@ _FILE_ERRORS: dict[p.ErrorCode, type[SandboxError]] = {
     p.ErrorCode.NO_SPACE: NoSpace,
     p.ErrorCode.NOT_REGULAR: NotARegularFile,
     p.ErrorCode.TOO_LARGE: FileTooLarge,
+    p.ErrorCode.UNSAFE_ARCHIVE: UnsafeArchive,
 }
 _MIME_FIELDS = {
     "text/plain": "text",
@@ -670,6 +673,21 @@ class GuestSession:
         if isinstance(msg, p.Failure):
             raise_failure(msg, self.sandbox_id, f"write {path}")
         assert isinstance(msg, p.Entry)
+        return _entry(msg)
+
+    async def pack(self, path: str, *, timeout: float | None) -> FileChunks:
+        """The directory ``path`` as a flow-controlled tar stream; ``timeout`` bounds each chunk's wait."""
+        reader = await self._client.read_stream(lambda i: p.TarCreate(i, path=path, window=READ_WINDOW), TAR_MAX, None)
+        return FileChunks(self.sandbox_id, path, reader, timeout)
+
+    async def unpack(self, path: str, chunks: AsyncIterator[bytes]) -> EntryInfo:
+        """Extract a tar stream into the directory ``path`` (flow-controlled like write_stream);
+        UnsafeArchive names the first member that would land outside it."""
+        msg = await self._client.send_stream(lambda i: p.TarExtract(i, path=path, window=WRITE_WINDOW), chunks)
+        if isinstance(msg, p.Failure):
+            raise_failure(msg, self.sandbox_id, f"upload to {path}")
+        if not isinstance(msg, p.Entry):
+            raise GuestProtocolError(f"guest answered {type(msg).__name__} to an upload", self.sandbox_id)
         return _entry(msg)
 
     async def list(self, path: str, depth: int) -> builtins.list[EntryInfo]:

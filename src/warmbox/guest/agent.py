@@ -801,7 +801,7 @@ class Connection:
                     if box is not None:
                         box.put(msg)
                     continue
-                if isinstance(msg, (p.ReadFile, p.PortConnect, p.WriteFile, p.Attach)):
+                if isinstance(msg, (p.ReadFile, p.PortConnect, p.WriteFile, p.Attach, p.TarCreate, p.TarExtract)):
                     self.inbox(msg.id)  # before its worker starts: a Cancel (or data) may come first
                 if type(msg) in _INLINE:  # answered at once, no thread hand-off
                     self._handle(msg)
@@ -1208,6 +1208,134 @@ def _write_file(agent: Agent, conn: Connection, msg: p.WriteFile) -> None:
                 os.unlink(tmp)
             except OSError:
                 pass
+    conn.send(_entry(msg.id, msg.path))
+
+
+class _Abandoned(Exception):
+    """The host cancelled a tar transfer or went away: the handler ends without an answer."""
+
+
+class _TarOut:
+    """The file object safetar.pack writes to: Chunk frames of up to CHUNK bytes, each sent once the
+    host's window has room (its ReadAcks arrive in the request's inbox)."""
+
+    def __init__(self, conn: Connection, rid: int, window: int) -> None:
+        self.conn = conn
+        self.id = rid
+        self.window = window
+        self.inbox = conn.inbox(rid)
+        self.buf = bytearray()
+        self.sent = self.acked = 0
+
+    def write(self, data: bytes) -> int:
+        self.buf += data
+        while len(self.buf) >= p.CHUNK:
+            self._send(bytes(self.buf[: p.CHUNK]))
+            del self.buf[: p.CHUNK]
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        if self.buf:
+            self._send(bytes(self.buf))
+            self.buf.clear()
+
+    def _send(self, data: bytes) -> None:
+        while True:
+            full = self.window and self.sent - self.acked >= self.window
+            item = self.inbox.get() if full else self.inbox.poll()
+            if item is Inbox.EMPTY:
+                break
+            if item is None or isinstance(item, p.Cancel) or self.conn.closed:
+                raise _Abandoned
+            if isinstance(item, p.ReadAck):
+                self.acked += item.bytes
+        if self.conn.closed:
+            raise _Abandoned
+        self.conn.send(p.Chunk(id=self.id, data=data))
+        self.sent += len(data)
+
+
+class _TarIn:
+    """The file object safetar.extract reads from: the host's Chunk frames, each acknowledged
+    (WriteAck) once taken, so the host sends at most its window ahead."""
+
+    def __init__(self, conn: Connection, rid: int, window: int) -> None:
+        self.conn = conn
+        self.id = rid
+        self.window = window
+        self.inbox = conn.inbox(rid)
+        self.data = memoryview(b"")
+        self.ended = False
+        self.unacked = 0
+
+    def read(self, n: int = -1) -> bytes:
+        while not self.data and not self.ended:
+            item = self.inbox.get()
+            if item is None or isinstance(item, p.Cancel):
+                raise _Abandoned
+            if isinstance(item, p.ChunkEnd):
+                self.ended = True
+            elif isinstance(item, p.Chunk):
+                self.data = memoryview(item.data)
+                self.unacked += len(item.data)
+                if self.window and self.unacked >= max(1, self.window // 4):
+                    self.conn.send(p.WriteAck(id=self.id, bytes=self.unacked))
+                    self.unacked = 0
+            else:
+                raise _Fail(p.ErrorCode.INVALID, f"tar upload: expected data, got {type(item).__name__}")
+        n = len(self.data) if n < 0 else n
+        out, self.data = bytes(self.data[:n]), self.data[n:]
+        return out
+
+    def drain(self) -> None:
+        """Take the rest of the stream (tar's zero blocks, padding) up to its ChunkEnd."""
+        while not self.ended:
+            self.data = memoryview(b"")
+            self.read(1 << 20)
+
+
+def _tar_create(agent: Agent, conn: Connection, msg: p.TarCreate) -> None:
+    from warmbox import safetar
+
+    if msg.window < 0:
+        raise _Fail(p.ErrorCode.INVALID, "window must not be negative")
+    fd = os.open(msg.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the root itself may be a link
+    out = _TarOut(conn, msg.id, msg.window)
+    try:
+        safetar.pack(fd, out)  # type: ignore[arg-type]
+        out.finish()
+    except _Abandoned:
+        return
+    finally:
+        os.close(fd)
+    conn.send(p.ChunkEnd(id=msg.id))
+
+
+def _tar_extract(agent: Agent, conn: Connection, msg: p.TarExtract) -> None:
+    import tarfile
+
+    from warmbox import safetar
+
+    if msg.window < 0:
+        raise _Fail(p.ErrorCode.INVALID, "window must not be negative")
+    os.makedirs(msg.path, exist_ok=True)
+    fd = os.open(msg.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    source = _TarIn(conn, msg.id, msg.window)
+    try:
+        conn.send(p.Ok(id=msg.id))  # ready: the host may now stream the archive
+        safetar.extract(source, fd)  # type: ignore[arg-type]
+        source.drain()
+    except _Abandoned:
+        return
+    except safetar.UnsafeArchive as e:
+        raise _Fail(p.ErrorCode.UNSAFE_ARCHIVE, str(e)) from None
+    except tarfile.TarError as e:
+        raise _Fail(p.ErrorCode.INVALID, f"not a tar archive ({e})") from None
+    finally:
+        os.close(fd)
     conn.send(_entry(msg.id, msg.path))
 
 
@@ -1873,6 +2001,8 @@ _HANDLERS: dict[type[p.Message], Any] = {
     p.ReadFile: _read_file,
     p.WriteFile: _write_file,
     p.Rename: _rename,
+    p.TarCreate: _tar_create,
+    p.TarExtract: _tar_extract,
     p.ListDir: _list_dir,
     p.Stat: _stat,
     p.MakeDir: _make_dir,

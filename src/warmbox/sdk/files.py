@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
+import os
+import queue
+import tarfile
+import threading
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from os import PathLike
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from warmbox import operations as ops
-from warmbox.errors import InvalidArgument, PathNotFound
+from warmbox import safetar
+from warmbox.errors import GuestProtocolError, InvalidArgument, PathNotFound, UnsafeArchive
 from warmbox.models import EntryInfo, WriteEntry
 from warmbox.sdk._sync import synchronize
 
@@ -18,6 +25,7 @@ if TYPE_CHECKING:
 DEFAULT_READ_MAX_BYTES = 100 << 20
 DEFAULT_READ_TIMEOUT_S = 60.0
 STREAM_CHUNK = 1 << 20  # bytes read from a file object at a time for a streamed write
+PACK_CHUNK = 256 << 10  # bytes of a packed local directory handed over at a time
 WORKDIR = "/workspace"
 
 
@@ -94,6 +102,39 @@ class AsyncFiles:
         returns the entry at its new path."""
         return await self._sb._run(ops.Rename(self._sb.sandbox_id, old_path, new_path))
 
+    async def upload_dir(self, local_path: str | PathLike[str], remote_path: str) -> EntryInfo:
+        """Copy the local directory ``local_path`` into the sandbox's ``remote_path`` (made if missing;
+        what is there already stays unless replaced) as one tar stream, packed as it is sent (the
+        host holds a few chunks whatever the size). Symlinks are copied as symlinks, never followed;
+        FIFOs, devices and sockets are left out. The sandbox refuses a symlink that points out of
+        ``remote_path`` (UnsafeArchive naming it; what came before it stays). Returns the entry
+        of ``remote_path``."""
+        fd = _local_dir(local_path, create=False)
+        try:
+            source = _Packer(fd)
+            try:
+                return await self._sb._run(ops.UploadDir(self._sb.sandbox_id, remote_path, source.chunks()))
+            finally:
+                await source.stop()
+        finally:
+            os.close(fd)
+
+    async def download_dir(
+        self, remote_path: str, local_path: str | PathLike[str], *, timeout: float | None = DEFAULT_READ_TIMEOUT_S
+    ) -> None:
+        """Copy the sandbox's directory ``remote_path`` into the local directory ``local_path`` (made
+        if missing; files there are replaced by the sandbox's) as one tar stream, unpacked as it
+        arrives. What the sandbox sends is held to one rule: every entry lands inside
+        ``local_path`` — an absolute name, a '..' component, a symlink or hardlink pointing out, a
+        device or FIFO raises UnsafeArchive naming it (what came before it stays), and no path
+        component is followed through a symlink. timeout: seconds (None: none) for each chunk."""
+        fd = _local_dir(local_path, create=True)
+        try:
+            chunks = await self._sb._run(ops.DownloadDir(self._sb.sandbox_id, remote_path, timeout=timeout))
+            await unpack_stream(chunks, fd, self._sb.sandbox_id)
+        finally:
+            os.close(fd)
+
     async def list(self, path: str = WORKDIR, *, depth: int = 1) -> builtins.list[EntryInfo]:
         return await self._sb._run(ops.ListDir(self._sb.sandbox_id, path, depth=depth))
 
@@ -114,6 +155,149 @@ class AsyncFiles:
     async def remove(self, path: str) -> None:
         """Remove a file or a directory tree."""
         await self._sb._run(ops.Remove(self._sb.sandbox_id, path))
+
+
+def _local_dir(path: object, *, create: bool) -> int:
+    """An fd of a local directory given by the caller (made if ``create``); InvalidArgument otherwise."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgument(f"a local directory path must be a str or path, got {type(path).__name__}")
+    if create:
+        os.makedirs(path, exist_ok=True)
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise InvalidArgument(f"{os.fspath(path)!r} is not a local directory") from None
+
+
+class _Packer:
+    """A local directory packed (safetar.pack) on a worker thread into chunks for ``async for``;
+    at most a few chunks wait between the two (the thread blocks while the sandbox is slower)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._queue: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=4)
+        self._stopped = threading.Event()
+        self._thread: asyncio.Future[None] | None = None
+        self._buf = bytearray()
+
+    # ---- on the worker thread
+
+    def write(self, data: bytes) -> int:  # what tarfile writes
+        self._buf += data
+        if len(self._buf) >= PACK_CHUNK:
+            self._put(bytes(self._buf))
+            self._buf.clear()
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def _put(self, item: bytes | BaseException | None) -> None:
+        while not self._stopped.is_set():
+            try:
+                self._queue.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+        raise _Stopped
+
+    def _run(self) -> None:
+        try:
+            try:
+                safetar.pack(self._fd, self)  # type: ignore[arg-type]
+                if self._buf:
+                    self._put(bytes(self._buf))
+                self._put(None)
+            except _Stopped:
+                raise
+            except BaseException as e:  # the caller's own directory failed to read: raised to the caller
+                self._put(e)
+        except _Stopped:
+            return
+
+    def _get(self) -> bytes | BaseException | None:
+        while True:
+            try:
+                return self._queue.get(timeout=0.2)
+            except queue.Empty:
+                if self._stopped.is_set():
+                    return None
+
+    # ---- on the event loop
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        self._thread = asyncio.ensure_future(asyncio.to_thread(self._run))
+        while True:
+            item = await asyncio.to_thread(self._get)
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                return
+            yield item
+
+    async def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            await self._thread
+
+
+class _Stopped(Exception):
+    pass
+
+
+_ABORT = object()
+
+
+async def unpack_stream(chunks: ops.ChunkStream, fd: int, sandbox_id: str) -> None:
+    """Unpack a tar stream from the sandbox into the local directory ``fd`` (safetar.extract on a
+    worker thread, fed a few chunks ahead). UnsafeArchive for a member outside the directory;
+    GuestProtocolError for a stream that is no tar archive. The stream is cancelled on any error."""
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue[object] = asyncio.Queue(maxsize=4)
+
+    class Reader:
+        def __init__(self) -> None:
+            self.data = b""
+            self.eof = False
+
+        def read(self, n: int = -1) -> bytes:  # on the worker thread
+            while not self.data and not self.eof:
+                item = asyncio.run_coroutine_threadsafe(q.get(), loop).result()
+                if item is _ABORT:
+                    raise _Stopped
+                if item is None:
+                    self.eof = True
+                else:
+                    assert isinstance(item, bytes)
+                    self.data = item
+            n = len(self.data) if n < 0 else n
+            out, self.data = self.data[:n], self.data[n:]
+            return out
+
+    work = asyncio.ensure_future(asyncio.to_thread(safetar.extract, Reader(), fd))  # type: ignore[arg-type]
+    try:
+        while not work.done():
+            chunk = await chunks.next()
+            put = asyncio.ensure_future(q.put(chunk))
+            await asyncio.wait({put, work}, return_when=asyncio.FIRST_COMPLETED)
+            if not put.done():
+                put.cancel()
+            if chunk is None:
+                break
+        try:
+            await work
+        except safetar.UnsafeArchive as e:
+            raise UnsafeArchive(f"download refused: {e}", sandbox_id) from None
+        except tarfile.TarError as e:
+            raise GuestProtocolError(f"the sandbox sent a malformed archive: {e}", sandbox_id) from None
+    finally:
+        chunks.cancel()
+        if not work.done():
+            while not q.empty():
+                q.get_nowait()
+            q.put_nowait(_ABORT)
+            with contextlib.suppress(BaseException):
+                await work
 
 
 @runtime_checkable

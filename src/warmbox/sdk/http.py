@@ -288,11 +288,11 @@ class HttpTransport:
             self._background.add(t)
             t.add_done_callback(self._background.discard)
             return None  # type: ignore[return-value]
-        if isinstance(request, ops.WriteFileStream):
+        if isinstance(request, (ops.WriteFileStream, ops.UploadDir)):
             return await self._write_stream(request)  # type: ignore[return-value]
         return await self._send(request)
 
-    async def _write_stream(self, request: ops.WriteFileStream) -> EntryInfo:
+    async def _write_stream(self, request: ops.WriteFileStream | ops.UploadDir) -> EntryInfo:
         """A streamed upload: an error of the caller's source is raised as itself (aiohttp would
         report it as a broken connection); the server then abandons the write."""
         failed: list[BaseException] = []
@@ -341,7 +341,7 @@ class HttpTransport:
         route = api.BY_OP[request.op]
         _check_path_fields(request, route)
         _check_records(request)
-        if isinstance(request, (ops.WriteFile, ops.WriteFileStream)):  # the data is the raw body: never base64 it
+        if isinstance(request, (ops.WriteFile, ops.WriteFileStream, ops.UploadDir)):  # the raw body: never base64
             fields = {
                 f.name: wire.encode(getattr(request, f.name), tag_bytes=True)
                 for f in dataclasses.fields(request)
@@ -362,8 +362,8 @@ class HttpTransport:
             kwargs["params"] = _query(_checked(request, fields))
         else:  # raw: the data is the body
             fields.pop("data", None)
-            data = request.data if isinstance(request, (ops.WriteFile, ops.WriteFileStream)) else b""
-            if isinstance(request, ops.WriteFileStream):  # sent as it is taken (chunked), never held whole
+            data = request.data if isinstance(request, (ops.WriteFile, ops.WriteFileStream, ops.UploadDir)) else b""
+            if isinstance(request, (ops.WriteFileStream, ops.UploadDir)):  # sent as taken (chunked), never held
                 if not isinstance(data, collections.abc.AsyncIterator):
                     raise InvalidArgument(f"data must be an async iterator of bytes, got {type(data).__name__}")
                 kwargs["data"] = data
@@ -389,7 +389,7 @@ class HttpTransport:
                     return await self._follow(request, route, url, kwargs)  # type: ignore[return-value]
                 if route.response == "ndjson":
                     return await self._ndjson(request, route, url, kwargs)
-                if isinstance(request, ops.ReadFileStream):
+                if isinstance(request, (ops.ReadFileStream, ops.DownloadDir)):
                     return await self._open_stream(request, route, url, kwargs)  # type: ignore[return-value]
                 if isinstance(request, ops.PortConnect):
                     return await self._open_tunnel(request, url, kwargs)  # type: ignore[return-value]
@@ -467,7 +467,7 @@ class HttpTransport:
         return _ProcStream(request.pid, response, self.url)
 
     async def _open_stream(
-        self, request: ops.ReadFileStream, route: api.Route, url: str, kwargs: dict[str, Any]
+        self, request: ops.ReadFileStream | ops.DownloadDir, route: api.Route, url: str, kwargs: dict[str, Any]
     ) -> _Stream:
         response = await self._client().request(route.method, url, **kwargs)
         if response.status >= 400:

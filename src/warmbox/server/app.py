@@ -57,6 +57,7 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.RateLimited, 429),
     (errors.QuotaExceeded, 429),
     (errors.FileTooLarge, 413),
+    (errors.UnsafeArchive, 422),
     (errors.LimitTooHigh, 422),
     (errors.InvalidArgument, 400),
     (errors.SandboxNotFound, 404),
@@ -254,7 +255,7 @@ async def decode_request(route: api.Route, request: Request, settings: ServerSet
     if route.body in ("query", "raw"):
         data = _query_fields(route, request)
     if route.body == "raw":
-        if cls is ops.WriteFileStream:  # streamed into the sandbox as it arrives, never held whole
+        if cls in (ops.WriteFileStream, ops.UploadDir):  # streamed into the sandbox as it arrives, never held whole
             data["data"] = _body_chunks(request, settings.body_timeout_s)
         else:
             data["data"] = await _body(request, settings.max_body_mb << 20, settings.body_timeout_s)
@@ -386,7 +387,7 @@ async def _ndjson(front: EngineFront, req: ops.Request[Any], stream: bool) -> Re
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
-async def _stream_file(front: EngineFront, req: ops.ReadFileStream) -> Response:
+async def _stream_file(front: EngineFront, req: ops.ReadFileStream | ops.DownloadDir) -> Response:
     """A file as a chunked raw body. Errors before the first byte are error responses; an error
     after it ends the connection without the closing chunk, so no client takes it as complete."""
     stream = await front.handle(req)
@@ -465,7 +466,7 @@ def endpoint(service: Service, route: api.Route) -> Callable[[Request], Awaitabl
                 return await _stream_process(front, req)
             if route.response == "ndjson":
                 return await _ndjson(front, req, request.query_params.get("stream") in ("1", "true"))
-            if isinstance(req, ops.ReadFileStream):
+            if isinstance(req, (ops.ReadFileStream, ops.DownloadDir)):
                 return await _stream_file(front, req)
             if isinstance(req, ops.PortConnect):  # a WebSocket: a plain GET only gets the checks and errors
                 await front.handle(ops.Info(req.sandbox_id))

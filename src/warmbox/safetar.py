@@ -1,0 +1,272 @@
+"""Directory trees as tar streams, written and extracted without ever following a symlink.
+
+Stdlib-only, like :mod:`warmbox.protocol`: the guest agent imports it inside the sandbox (to pack
+and unpack ``files.download_dir`` / ``files.upload_dir``) and the SDK on the caller's side, so an
+archive coming from the other side is held to one rule on both: every member lands inside the
+target directory. Extraction walks the target with directory fds, one component at a time, each
+lstat'ed and its fd checked to be that inode (O_NOFOLLOW alone is not enough: gVisor ignores it
+with O_DIRECTORY), so neither a member nor a symlink the archive (or anyone else) planted earlier
+can redirect a write; a member with an absolute name, a ``..`` component, a symlink or hardlink
+pointing out of the target, or a device or FIFO raises :class:`UnsafeArchive` naming it.
+Packing walks the same way: symlinks are stored as symlinks, never followed; FIFOs, devices and
+sockets are skipped (never opened).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import tarfile
+    from typing import BinaryIO
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_COPY = 256 << 10
+MAX_NAME = 4096
+MAX_DEPTH = 200  # directories packed below the root (deeper ones are stored empty)
+
+
+class UnsafeArchive(Exception):
+    """A member that would land outside the target or is not a file, directory or link."""
+
+    def __init__(self, member: str, reason: str) -> None:
+        super().__init__(f"archive member {member[:200]!r}: {reason}")
+        self.member = member
+
+
+def member_parts(name: str) -> list[str]:
+    """The components of a member's name, or UnsafeArchive (absolute, '..', empty, NUL)."""
+    if not name or "\0" in name or len(name) > MAX_NAME:
+        raise UnsafeArchive(name, "empty, too long or contains a NUL byte")
+    if name.startswith("/"):
+        raise UnsafeArchive(name, "absolute path")
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise UnsafeArchive(name, "contains a '..' component")
+    return parts
+
+
+def _link_inside(parts: list[str], target: str) -> bool:
+    """Whether a symlink at ``parts`` pointing to ``target`` resolves (lexically) inside the root."""
+    if not target or target.startswith("/") or "\0" in target:
+        return False
+    depth = len(parts) - 1  # the link's directory, below the root
+    for comp in target.split("/"):
+        if comp in ("", "."):
+            continue
+        if comp == "..":
+            depth -= 1
+            if depth < 0:
+                return False
+        else:
+            depth += 1
+    return True
+
+
+def open_dir(name: str, dir_fd: int, member: str, shown: str, *, create: bool) -> int:
+    """An fd of the directory ``name`` in ``dir_fd`` (made if missing and ``create``), never
+    through a symlink: the entry is lstat'ed, opened, and the fd must be that very inode. (Not
+    O_NOFOLLOW alone: gVisor follows a symlink opened with O_NOFOLLOW|O_DIRECTORY.)"""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        if not create:
+            raise
+        os.mkdir(name, 0o755, dir_fd=dir_fd)
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeArchive(member, f"{shown} is not a directory (a symlink is never followed)")
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    fst = os.fstat(fd)
+    if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise UnsafeArchive(member, f"{shown} was swapped while it was opened")
+    return fd
+
+
+class _Dirs:
+    """Directory fds below the root, opened (and made) one component at a time, never through a link."""
+
+    def __init__(self, root_fd: int) -> None:
+        self.root = root_fd
+        self._open: dict[tuple[str, ...], int] = {}
+
+    def trim(self) -> None:
+        """Bound the fds held (between members only: a member's fds stay open while it is written)."""
+        if len(self._open) > 256:
+            self.close()
+
+    def get(self, parts: list[str], member: str) -> int:
+        fd = self.root
+        for i, comp in enumerate(parts):
+            key = tuple(parts[: i + 1])
+            child = self._open.get(key)
+            if child is None:
+                child = open_dir(comp, fd, member, "/".join(key), create=True)
+                self._open[key] = child
+            fd = child
+        return fd
+
+    def close(self) -> None:
+        for fd in self._open.values():
+            os.close(fd)
+        self._open.clear()
+
+
+def _replace(name: str, dir_fd: int, member: str) -> None:
+    """Make room for a new file or link at ``name``: an old file or link goes, a directory stays (refused)."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise UnsafeArchive(member, "a directory is in its place")
+    os.unlink(name, dir_fd=dir_fd)
+
+
+def extract(fileobj: BinaryIO, root_fd: int) -> int:
+    """Unpack a tar stream (read once, front to back) into the directory ``root_fd``; the number of
+    members. UnsafeArchive for a member that breaks the rules (what came before it stays);
+    tarfile.TarError for a stream that is not a tar archive."""
+    import tarfile
+
+    dirs = _Dirs(root_fd)
+    files: set[tuple[str, ...]] = set()  # regular files this archive wrote: what a hardlink may name
+    count = 0
+    try:
+        with tarfile.open(fileobj=fileobj, mode="r|") as tar:
+            for m in tar:
+                dirs.trim()
+                _one(tar, m, dirs, files)
+                count += 1
+    finally:
+        dirs.close()
+    return count
+
+
+def _one(tar: tarfile.TarFile, m: tarfile.TarInfo, dirs: _Dirs, files: set[tuple[str, ...]]) -> None:
+    parts = member_parts(m.name)
+    if not parts:
+        if m.isdir():
+            return  # "./": the root itself
+        raise UnsafeArchive(m.name, "names the target directory itself")
+    mode = m.mode & 0o777
+    files.discard(tuple(parts))  # whatever was there is replaced (or the member is refused)
+    if m.isdir():
+        fd = dirs.get(parts, m.name)
+        os.chmod(fd, mode | 0o700)  # the owner keeps rwx: later members go inside
+        return
+    parent = dirs.get(parts[:-1], m.name)
+    name = parts[-1]
+    if m.isreg():
+        _replace(name, parent, m.name)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent)
+        try:
+            src = tar.extractfile(m)
+            assert src is not None
+            while chunk := src.read(_COPY):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
+            os.fchmod(fd, mode)
+            os.utime(fd, (m.mtime, m.mtime))
+        finally:
+            os.close(fd)
+        files.add(tuple(parts))
+    elif m.issym():
+        if not _link_inside(parts, m.linkname):
+            raise UnsafeArchive(m.name, f"a symlink out of the target ({m.linkname[:200]!r})")
+        _replace(name, parent, m.name)
+        os.symlink(m.linkname, name, dir_fd=parent)
+    elif m.islnk():
+        target = member_parts(m.linkname)
+        if tuple(target) not in files:
+            raise UnsafeArchive(m.name, f"a hardlink to {m.linkname[:200]!r}, not a file this archive wrote")
+        src_dir = dirs.get(target[:-1], m.name)
+        _replace(name, parent, m.name)
+        os.link(target[-1], name, src_dir_fd=src_dir, dst_dir_fd=parent, follow_symlinks=False)
+        files.add(tuple(parts))
+    else:
+        raise UnsafeArchive(m.name, "a device, FIFO or other special file")
+
+
+class _Exact:
+    """A regular file's bytes as tar records them: exactly ``size`` (zeros if it shrank meanwhile)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.left = size
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n < 0 else min(n, self.left)
+        if n <= 0:
+            return b""
+        data = os.read(self.fd, n) or bytes(n)
+        self.left -= len(data)
+        return data
+
+
+def pack(root_fd: int, out: BinaryIO) -> None:
+    """Write the tree below the directory ``root_fd`` as a tar stream (names relative to it).
+    Nothing is followed: a symlink is stored as one, a FIFO, device or socket
+    is skipped, and a name swapped for something else while it is packed is skipped too."""
+    import tarfile
+
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        _pack_dir(tar, root_fd, "", 0)
+
+
+def _pack_dir(tar: tarfile.TarFile, fd: int, prefix: str, depth: int) -> None:
+    """Depth first: the fds held are the current path's directories (at most MAX_DEPTH)."""
+    for name in sorted(os.listdir(fd)):
+        sub = _pack_one(tar, fd, name, prefix + name)
+        if sub is None:
+            continue
+        try:
+            if depth < MAX_DEPTH:
+                _pack_dir(tar, sub, prefix + name + "/", depth + 1)
+        finally:
+            os.close(sub)
+
+
+def _pack_one(tar: tarfile.TarFile, dir_fd: int, name: str, arcname: str) -> int | None:
+    """Add one entry; a directory's fd (for its contents) is returned."""
+    import tarfile
+
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    info = tarfile.TarInfo(arcname)
+    info.mode = stat.S_IMODE(st.st_mode)
+    info.mtime = int(st.st_mtime)
+    if stat.S_ISLNK(st.st_mode):
+        info.type = tarfile.SYMTYPE
+        info.linkname = os.readlink(name, dir_fd=dir_fd)
+        tar.addfile(info)
+        return None
+    if stat.S_ISDIR(st.st_mode):
+        try:
+            fd = open_dir(name, dir_fd, arcname, arcname, create=False)
+        except (OSError, UnsafeArchive):
+            return None  # swapped for a link or gone
+        info.type = tarfile.DIRTYPE
+        tar.addfile(info)
+        return fd
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        fst = os.fstat(fd)
+        if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):  # swapped (a link, FIFO, device) since the stat
+            return None
+        info.size = fst.st_size
+        tar.addfile(info, _Exact(fd, fst.st_size))  # type: ignore[arg-type]
+    finally:
+        os.close(fd)
+    return None
