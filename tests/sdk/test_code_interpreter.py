@@ -158,6 +158,8 @@ def test_javascript_context_keeps_state_and_awaits(box):
     e = box.run_code("let y = x * 2; function f(a) { return a + y }\nf(1)", context=js)
     assert e.text == "83"
     assert box.run_code("typeof require('fs').readFileSync", context=js).text == "'function'"
+    e = box.run_code("import os from 'os'\nimport { join as j } from 'path'\nj('/a', os.platform())", context=js)
+    assert e.text == "'/a/linux'", e.error
     e = box.run_code("null.foo", context=js)
     assert e.error.name == "TypeError" and "null" in e.error.value and "<cell" in e.error.traceback
     e = box.run_code("await new Promise(() => {})", context=js, timeout=1)

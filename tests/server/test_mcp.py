@@ -147,7 +147,7 @@ def test_tools_send_operations_and_return_structured_results():
         assert json.loads(_text(r))["sandbox_id"] == SID
         r = await client.call_tool("run_command", {"sandbox_id": SID, "cmd": "echo hi", "cwd": "src"})
         assert r.structured_content["exit_code"] == 3 and r.structured_content["stdout"] == "hi\n"
-        r = await client.call_tool("run_code", {"sandbox_id": SID, "code": "Chart(); 6*7"})
+        r = await client.call_tool("run_code", {"sandbox_id": SID, "code": "Chart(); 6*7", "language": "python"})
         out = r.structured_content
         assert out["text"] == "42" and out["stdout"] == "out\n" and out["error"] is None
         assert [x["images"] for x in out["results"]] == [["image/png"], []]
@@ -159,7 +159,7 @@ def test_tools_send_operations_and_return_structured_results():
     create, run, code = fake.sent
     assert create == ops.Create(network=Network(allow=["pypi.org", "*.github.com"]), timeout=30)
     assert run == ops.Exec(SID, "echo hi", cwd="src", timeout=60.0)
-    assert code == ops.RunCode(SID, "Chart(); 6*7", context="default", timeout=60.0)
+    assert code == ops.RunCode(SID, "Chart(); 6*7", context="default", timeout=60.0, language="python")
 
 
 def test_errors_are_tool_errors_starting_with_the_warmbox_code():

@@ -78,7 +78,27 @@ function bounded(text) {
 globalThis.require = createRequire(path.join(process.cwd(), '[cell]'));
 globalThis.display = (value) => display(value, false);
 
-async function evaluate(code, filename) {
+// Static imports at the start of a line become require() calls (a script cannot hold them):
+// `import x from 'm'`, `import * as x from 'm'`, `import { a, b as c } from 'm'`, `import 'm'`.
+const IMPORT = /^(\s*)import\s+(?:(\*\s+as\s+[\w$]+|[\w$]+|\{[^}]*\})(?:\s*,\s*(\{[^}]*\}|\*\s+as\s+[\w$]+))?\s+from\s+)?(['"][^'"]+['"])\s*;?/gm;
+
+function bindings(clause, source) {
+  if (clause.startsWith('{')) return `const ${clause.replace(/\s+as\s+/g, ': ')} = require(${source});`;
+  if (clause.startsWith('*')) return `const ${clause.replace(/^\*\s+as\s+/, '')} = require(${source});`;
+  return `const ${clause} = __wbDefault(require(${source}));`;
+}
+
+function rewriteImports(code) {
+  return code.replace(IMPORT, (_, indent, first, second, source) => {
+    if (!first) return `${indent}require(${source});`;
+    return indent + bindings(first, source) + (second ? ' ' + bindings(second, source) : '');
+  });
+}
+
+globalThis.__wbDefault = (m) => (m && m.__esModule && 'default' in m ? m.default : m);
+
+async function evaluate(source, filename) {
+  const code = rewriteImports(source);
   const wrapped = processTopLevelAwait ? processTopLevelAwait(code) : null;
   if (wrapped === null) {
     return new vm.Script(code, { filename }).runInThisContext({ breakOnSigint: true });

@@ -404,11 +404,17 @@ def build_mcp(transport_for: TransportFor, *, name: str = "warmbox") -> WarmboxM
             str, Field(min_length=1, description="The code context; its variables persist between calls.")
         ] = "default",
         timeout: CommandTimeout = 60.0,
+        language: Annotated[
+            Literal["python", "javascript", "bash"] | None,
+            Field(description="With no context: the default context of this language (Python unless given)."),
+        ] = None,
     ) -> Annotated[CallToolResult, RunCodeOut]:
-        """Run a Python cell in a persistent interpreter: the last expression's value as text, stdout,
-        stderr, the exception if one was raised, and displayed images (objects with _repr_png_ /
-        _repr_jpeg_, or display(obj)) as image content."""
-        return _run_code_result(await run(ctx, ops.RunCode(sandbox_id, code, context=context, timeout=timeout)))
+        """Run a cell in a persistent interpreter (Python unless ``language`` says javascript or bash):
+        the last expression's value as text, stdout, stderr, the exception if one was raised, and
+        displayed images (matplotlib charts, objects with _repr_png_ / _repr_jpeg_, display(obj)) as
+        image content."""
+        request = ops.RunCode(sandbox_id, code, context=context, timeout=timeout, language=language)
+        return _run_code_result(await run(ctx, request))
 
     @server.tool(annotations=read_only)
     async def read_file(
