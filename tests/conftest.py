@@ -304,12 +304,17 @@ def host_python() -> str:
     return sys.executable
 
 
-def cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def cli(
+    *args: str, env: dict | None = None, timeout: float = 120, input: str | None = None
+) -> subprocess.CompletedProcess:
+    """The CLI in its own process; ``input``: piped to its stdin (else /dev/null, which it never forwards)."""
     return subprocess.run(
         [sys.executable, "-m", "warmbox.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        input=input,
+        stdin=subprocess.DEVNULL if input is None else None,
         env={**os.environ, **(env or {})},
     )
 

@@ -88,3 +88,45 @@ def test_a_background_command_outlives_its_client(box):
     pid = asyncio.run(start())
     r = box.commands.connect(pid).wait()
     assert (r.exit_code, r.stdout) == (0, "late\n")
+
+
+@pytest.mark.sandbox
+def test_foreground_stdin_streams_from_an_iterable(box):
+    def lines():
+        yield "first\n"
+        time.sleep(0.3)  # the command has the first line before the iterable is done
+        yield b"second\n"
+
+    seen: list[str] = []
+    r = box.commands.run("while read l; do echo got $l; done", stdin=lines(), on_stdout=seen.append, timeout=20)
+    assert (r.exit_code, r.stdout) == (0, "got first\ngot second\n") and "".join(seen) == r.stdout
+    r = box.commands.run("cat; sleep 30", stdin=iter([b"x"]), timeout=1)
+    assert r.timed_out and r.signal == 9 and r.stdout == "x"
+
+    def broken():
+        yield "ok\n"
+        raise RuntimeError("the caller's source failed")
+
+    with pytest.raises(RuntimeError, match="source failed"):
+        box.commands.run("cat", stdin=broken(), timeout=20)
+    with pytest.raises(InvalidArgument):
+        box.commands.run("cat", stdin=[1, 2], timeout=20)  # type: ignore[list-item]
+
+
+@pytest.mark.sandbox
+def test_async_stdin(box):
+    async def main() -> str:
+        sb = await AsyncSandbox.connect(box.sandbox_id)
+        try:
+
+            async def gen():
+                for i in range(3):
+                    yield f"{i}\n"
+                    await asyncio.sleep(0.05)
+
+            r = await sb.commands.run("wc -l", stdin=gen(), timeout=20)
+            return r.stdout.strip()
+        finally:
+            await sb.close()
+
+    assert asyncio.run(main()) == "3"

@@ -2,7 +2,7 @@
 
 warmbox run [opts] -- CMD...      create, run, destroy; exits with the command's status
 warmbox create [opts]             print the id of a new sandbox that outlives this process
-warmbox exec ID [opts] -- CMD...  run in an existing sandbox
+warmbox exec ID [opts] -- CMD...  run in an existing sandbox (a piped stdin is forwarded)
 warmbox ls [--all] [--timings]    list sandboxes
 warmbox kill ID...                destroy sandboxes
 warmbox metrics ID                cpu-s, memory GiB-s, wall/busy/idle seconds of a sandbox
@@ -119,7 +119,7 @@ def _add_exec_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON record instead of the output")
     p.add_argument("--cmd-timeout", type=float, default=60.0, metavar="S", help="command timeout, seconds (0: none)")
     p.add_argument("--cwd", default=None, help="working directory inside the sandbox")
-    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
+    p.add_argument("cmd", nargs="*", help="-- then the command and its arguments")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -140,8 +140,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("create", help="create a sandbox and print its id")
     _add_sandbox_opts(p)
     p.add_argument("--json", action="store_true")
-    p = sub.add_parser("exec", help="run a command in an existing sandbox")
+    p = sub.add_parser("exec", help="run a command in an existing sandbox (a piped stdin is forwarded)")
     p.add_argument("sandbox_id")
+    p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE", help="environment variable of the command")
     _add_exec_opts(p)
     p = sub.add_parser("ls", help="list sandboxes")
     p.add_argument("--all", action="store_true", help="include destroyed sandboxes")
@@ -301,10 +302,31 @@ def _record(result: Any, sb: Any) -> dict:
     return rec
 
 
+def _piped_stdin() -> Any:
+    """This process's stdin as chunks when it is a pipe or a file (``echo ... | warmbox exec``);
+    None for a terminal (interactive: ``warmbox shell``) or a device such as /dev/null."""
+    import stat
+
+    try:
+        mode = os.fstat(0).st_mode
+    except OSError:
+        return None
+    if not (stat.S_ISFIFO(mode) or stat.S_ISREG(mode)):
+        return None
+
+    def chunks() -> Any:
+        while data := os.read(0, 64 << 10):
+            yield data
+
+    return chunks()
+
+
 async def _exec_in(sb: Any, args: argparse.Namespace, cmd: list[str]) -> int:
     stream = not args.json
     result = await sb.commands.run(
         cmd,
+        envs=_env_pairs(getattr(args, "env", None)) if args.command == "exec" else None,
+        stdin=_piped_stdin(),
         cwd=args.cwd,
         timeout=args.cmd_timeout or None,
         on_stdout=(lambda s: (sys.stdout.write(s), sys.stdout.flush())) if stream else None,
@@ -646,8 +668,22 @@ _COMMANDS = {
 }
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Everything after the first ``--`` is the command, so options may follow the sandbox id
+    (``warmbox exec ID --cwd /tmp -e A=1 -- pwd``) and the command's own are never read as ours."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        return _parser().parse_args(argv)
+    cut = argv.index("--")
+    args = _parser().parse_args(argv[:cut])
+    if not hasattr(args, "cmd") or args.cmd:
+        return _parser().parse_args(argv)  # no command here, or one before the --: argparse says why
+    args.cmd = argv[cut + 1 :]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     if args.api_url is not None:
         os.environ["WARMBOX_API_URL"] = args.api_url
     if args.api_key is not None:

@@ -3,8 +3,10 @@
 import builtins
 from collections.abc import Callable as Callable
 from typing import Any as Any
+from typing import overload as overload
 from os import PathLike as PathLike
 from pathlib import Path as Path
+from typing import Literal as Literal
 from warmbox.models import ApprovalRequest as ApprovalRequest
 from warmbox.models import CommandResult as CommandResult
 from warmbox.models import EntryInfo as EntryInfo
@@ -22,6 +24,7 @@ from warmbox.models import State as State
 from warmbox.models import WriteEntry as WriteEntry
 from warmbox.network.policy import Network as Network
 from warmbox.sdk.code import CodeContext as CodeContext
+from warmbox.sdk.commands import Stdin as Stdin
 from warmbox.sdk.files import FileData as FileData
 from warmbox.sdk.transport import Transport as Transport
 from warmbox.sdk.commands import AsyncCommandHandle as AsyncCommandHandle, AsyncCommands as AsyncCommands
@@ -55,7 +58,10 @@ class Commands:
     def connect(self, pid: int, *, on_stdout: Callable[[str], object] | None = ..., on_stderr: Callable[[str], object] | None = ..., max_output: int = ...) -> CommandHandle: ...
     def kill(self, pid: int) -> bool: ...
     def list(self) -> builtins.list[ProcessInfo]: ...
-    def run(self, cmd: str | builtins.list[str], *, background: bool = ..., envs: dict[str, str] | None = ..., cwd: str | None = ..., timeout: float | None = ..., stdin: str | bytes | None = ..., on_stdout: Callable[[str], object] | None = ..., on_stderr: Callable[[str], object] | None = ..., max_output: int = ..., check: bool = ..., tag: str = ...) -> CommandResult | CommandHandle: ...
+    @overload
+    def run(self, cmd: str | builtins.list[str], *, background: Literal[False] = ..., envs: dict[str, str] | None = ..., cwd: str | None = ..., timeout: float | None = ..., stdin: Stdin | None = ..., on_stdout: Callable[[str], object] | None = ..., on_stderr: Callable[[str], object] | None = ..., max_output: int = ..., check: bool = ..., tag: str = ...) -> CommandResult: ...
+    @overload
+    def run(self, cmd: str | builtins.list[str], *, background: Literal[True], envs: dict[str, str] | None = ..., cwd: str | None = ..., timeout: float | None = ..., stdin: Stdin | None = ..., on_stdout: Callable[[str], object] | None = ..., on_stderr: Callable[[str], object] | None = ..., max_output: int = ..., check: bool = ..., tag: str = ...) -> CommandHandle: ...
     def send_stdin(self, pid: int, data: str | bytes, *, eof: bool = ...) -> None: ...
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import inspect
 import re
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +103,12 @@ def _class(cls: type, name: str, names: set[str]) -> list[str]:
             fn = raw.__func__
             lines += ["    @classmethod", f"    def {attr}({_params(fn, True)}) -> {_ret(fn)}: ..."]
         elif inspect.iscoroutinefunction(raw):
+            variants = typing.get_overloads(raw)  # e.g. run(background=True) -> CommandHandle
+            for variant in variants:
+                lines += ["    @overload", f"    def {attr}({_params(variant, True)}) -> {_ret(variant)}: ..."]
+                names.update(_IDENT.findall(lines[-1].split("(", 1)[-1]))
+            if variants:
+                continue  # a stub states the overloads only
             lines.append(f"    def {attr}({_params(raw, True)}) -> {_ret(raw)}: ...")
         elif isinstance(raw, property) and raw.fget is not None:
             lines += ["    @property", f"    def {attr}(self) -> {_ret(raw.fget)}: ..."]
@@ -131,6 +139,8 @@ def render() -> str:
             obj = vars(sys.modules[cls.__module__]).get(ident)
             if obj is not None:
                 module = getattr(obj, "__module__", None) or cls.__module__
+                if isinstance(obj, types.UnionType):  # a type alias: where it is defined
+                    module = cls.__module__
                 if ident == "Callable":
                     module = "collections.abc"
                 imports.setdefault(module, set()).add(ident)
@@ -141,10 +151,11 @@ def render() -> str:
         "import builtins",
         "from collections.abc import Callable as Callable",
         "from typing import Any as Any",
+        "from typing import overload as overload",
         "",
     ]
     for module in sorted(imports):
-        for ident in sorted(imports[module] - {"Callable", "Any"}):
+        for ident in sorted(imports[module] - {"Callable", "Any", "overload"}):
             head.append(f"from {module} import {ident} as {ident}")
     head += [
         "from warmbox.sdk.code import CodeContext as CodeContext",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import builtins
 import dataclasses
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal, overload
+from collections.abc import AsyncIterable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from warmbox import operations as ops
 from warmbox.errors import CommandFailed, InvalidArgument
@@ -18,6 +18,40 @@ if TYPE_CHECKING:
 
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
 DEFAULT_MAX_OUTPUT = 10 << 20
+Stdin = str | bytes | Iterable[str | bytes] | AsyncIterable[str | bytes]
+_DONE = object()
+
+
+async def _chunks(stdin: Iterable[str | bytes] | AsyncIterable[str | bytes]) -> AsyncIterable[str | bytes]:
+    """The items of a sync or async iterable; a sync one is read on its own thread (it may block,
+    as a pipe does), which is left behind if the command ends first (a daemon: it never holds up
+    the interpreter's exit)."""
+    if isinstance(stdin, AsyncIterable):
+        async for item in stdin:
+            yield item
+        return
+    import threading
+
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[object] = asyncio.Queue(maxsize=4)
+    it = iter(stdin)
+
+    def read() -> None:
+        try:
+            for item in it:
+                asyncio.run_coroutine_threadsafe(queue.put(item), loop).result()
+            asyncio.run_coroutine_threadsafe(queue.put(_DONE), loop).result()
+        except BaseException as e:  # the loop is gone, or the iterable failed: the reader says so
+            try:
+                asyncio.run_coroutine_threadsafe(queue.put(e), loop).result()
+            except BaseException:
+                pass
+
+    threading.Thread(target=read, name="warmbox-stdin", daemon=True).start()
+    while (got := await queue.get()) is not _DONE:
+        if isinstance(got, BaseException):
+            raise got
+        yield got  # type: ignore[misc]  # an item of the iterable
 
 
 class AsyncCommands:
@@ -35,7 +69,7 @@ class AsyncCommands:
         envs: dict[str, str] | None = None,
         cwd: str | None = None,
         timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S,
-        stdin: str | bytes | None = None,
+        stdin: Stdin | None = None,
         on_stdout: Callable[[str], object] | None = None,
         on_stderr: Callable[[str], object] | None = None,
         max_output: int = DEFAULT_MAX_OUTPUT,
@@ -52,7 +86,7 @@ class AsyncCommands:
         envs: dict[str, str] | None = None,
         cwd: str | None = None,
         timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S,
-        stdin: str | bytes | None = None,
+        stdin: Stdin | None = None,
         on_stdout: Callable[[str], object] | None = None,
         on_stderr: Callable[[str], object] | None = None,
         max_output: int = DEFAULT_MAX_OUTPUT,
@@ -68,7 +102,7 @@ class AsyncCommands:
         envs: dict[str, str] | None = None,
         cwd: str | None = None,
         timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S,
-        stdin: str | bytes | None = None,
+        stdin: Stdin | None = None,
         on_stdout: Callable[[str], object] | None = None,
         on_stderr: Callable[[str], object] | None = None,
         max_output: int = DEFAULT_MAX_OUTPUT,
@@ -82,6 +116,8 @@ class AsyncCommands:
         it ends or is killed, whether or not anyone reads it; ``timeout`` does not apply, and
         ``stdin`` is sent right after the start (the process's stdin stays open: send_stdin).
         tag: a label shown by ``list()``.
+        stdin: text or bytes, or an iterable (sync or async) of them, streamed to the command as
+        they come and closed at their end (a sync one is read on a thread of its own).
 
         timeout: seconds, wall clock (None or 0: no limit); on expiry every process the command
         started is killed, double-forked and setsid()ed ones included, and ``timed_out`` is set.
@@ -93,12 +129,23 @@ class AsyncCommands:
         ``check=True`` raises CommandFailed on a non-zero exit.
         """
         sb = self._sb
-        if background:
+        streamed = stdin is not None and not isinstance(stdin, (str, bytes))
+        if background or streamed:
             pid = await sb._run(ops.StartProcess(sb.sandbox_id, cmd, envs=envs, cwd=cwd, tag=tag))
             handle = await self._follow(pid, on_stdout, on_stderr, max_output)
-            if stdin is not None:
+            if isinstance(stdin, (str, bytes)):
                 await handle.send_stdin(stdin)
-            return handle
+            feeder = (
+                None if stdin is None or isinstance(stdin, (str, bytes)) else asyncio.ensure_future(handle._feed(stdin))
+            )
+            if background:
+                if feeder is not None:
+                    handle._feeder = feeder
+                return handle
+            result = await handle._finish(feeder, timeout)
+            if check and not result.ok:
+                raise CommandFailed(f"command exited with {result.exit_code}", sb.sandbox_id, result)
+            return result
         result = await sb._run(
             ops.Exec(
                 sb.sandbox_id,
@@ -106,7 +153,7 @@ class AsyncCommands:
                 envs=envs,
                 cwd=cwd,
                 timeout=timeout,
-                stdin=stdin,
+                stdin=stdin if isinstance(stdin, (str, bytes)) else None,
                 max_output=max_output,
                 on_stdout=on_stdout,
                 on_stderr=on_stderr,
@@ -185,6 +232,7 @@ class AsyncCommandHandle:
         self._lost = 0
         self._truncated = False
         self._changed = asyncio.Event()
+        self._feeder: asyncio.Future[None] | None = None  # streams an iterable given as stdin
         self._task = asyncio.ensure_future(self._pump())
         self._task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an unawaited error is not logged
 
@@ -231,6 +279,51 @@ class AsyncCommandHandle:
                 self._changed.set()
         finally:
             self._changed.set()
+
+    async def _feed(self, stdin: Iterable[str | bytes] | AsyncIterable[str | bytes]) -> None:
+        """Send ``stdin``'s items as they come, then close the process's stdin. A process that
+        ended (or closed its stdin) ends the feeding quietly."""
+        from warmbox.errors import ProcessNotFound
+
+        try:
+            async for item in _chunks(stdin):
+                if not isinstance(item, (str, bytes, bytearray)):
+                    raise InvalidArgument(f"stdin items must be str or bytes, got {type(item).__name__}")
+                if item:
+                    await self.send_stdin(bytes(item) if isinstance(item, bytearray) else item)
+            await self.send_stdin(b"", eof=True)
+        except (ProcessNotFound, InvalidArgument):
+            if self._task.done():
+                return
+            raise
+
+    async def _finish(self, feeder: asyncio.Future[None] | None, timeout: float | None) -> CommandResult:
+        """A foreground run on the background machinery (streamed stdin): wait for the end,
+        killing it at ``timeout`` (``timed_out``); a failed feeder kills it too and raises."""
+        waits: set[asyncio.Future[Any]] = {self._task}
+        if feeder is not None:
+            waits.add(feeder)
+        deadline = None if not timeout else asyncio.get_running_loop().time() + timeout
+        timed_out = False
+        try:
+            while not self._task.done():
+                left = None if deadline is None else deadline - asyncio.get_running_loop().time()
+                if left is not None and left <= 0:
+                    timed_out = True
+                    await self.kill()
+                    break
+                done, _ = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if feeder is not None and feeder in done:
+                    waits.discard(feeder)
+                    error = None if feeder.cancelled() else feeder.exception()
+                    if error is not None:
+                        await self.kill()
+                        raise error
+            result = await self.wait()
+        finally:
+            if feeder is not None and not feeder.done():
+                feeder.cancel()
+        return dataclasses.replace(result, timed_out=True) if timed_out else result
 
     async def wait(self, *, check: bool = False) -> CommandResult:
         """Until it ends: its CommandResult with the output kept. ``truncated``: output was dropped
