@@ -9,6 +9,7 @@ import pytest
 
 from tests.backends.conftest import NOTHING, leftovers, recording
 from warmbox import Limits, Sandbox
+from warmbox.guest import userenv
 
 pytestmark = pytest.mark.sandbox
 
@@ -108,7 +109,12 @@ def test_environment_is_exactly_what_was_passed(sb):
     env = dict(line.split("=", 1) for line in run(sb, ["env"]).stdout.strip().splitlines())
     assert env == {
         "GREETING": "hi",
-        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        # the image's own: its venv and npm prefix first on PATH, proxy variables that say "no network"
+        "PATH": f"{userenv.VENV}/bin:{userenv.NPM_PREFIX}/bin:"
+        + "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "VIRTUAL_ENV": userenv.VENV,
+        "npm_config_prefix": userenv.NPM_PREFIX,
+        **userenv.OFFLINE_ENV,
         "HOME": "/home/user",
         "LANG": "C.UTF-8",
     }

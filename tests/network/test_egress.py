@@ -54,7 +54,8 @@ def test_default_sandbox_reaches_nothing(net_home, world):
         for name, cmd in probes.items():
             r = sh(sb, cmd)
             assert r.exit_code != 0, f"{name} probe succeeded from a sandbox without network: {r.stdout}"
-        assert "HTTP_PROXY" not in sh(sb, "env").stdout
+        # only the image's offline proxy (a name that cannot resolve and says why), never the real one
+        assert "HTTP_PROXY=http://no-network.sandbox-policy-is-none.invalid:9\n" in sh(sb, "env").stdout
     assert world.log("allowed") == [] and world.log("metadata") == [] and world.log("dns") == []
 
 

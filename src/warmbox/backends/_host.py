@@ -24,6 +24,15 @@ T = TypeVar("T")
 
 GUEST_UID = 1000  # the sandbox user inside every tier (host uid: the sandbox's uid_base + this)
 GUEST_GID = 1000
+# /etc/gitconfig of every tier's image: `git commit` works out of the box (no identity to set)
+GITCONFIG = """[user]
+	name = warmbox sandbox
+	email = sandbox@warmbox.invalid
+[init]
+	defaultBranch = main
+[safe]
+	directory = *
+"""
 # the egress resolver's address as the sandbox sees it (its resolv.conf): the same value as
 # warmbox.network.netns.GATEWAY, which backends may not import (a test pins the two together)
 EGRESS_GATEWAY = "10.239.0.1"

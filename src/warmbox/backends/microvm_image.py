@@ -32,10 +32,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from warmbox.backends._host import GUEST_GID, GUEST_UID, build_spawn_helpers
+from warmbox.backends._host import GITCONFIG, GUEST_GID, GUEST_UID, build_spawn_helpers
 from warmbox.errors import SandboxStartError
 
-BUILD_VERSION = "microvm-image-v1"
+BUILD_VERSION = "microvm-image-v2"
 # what agents run in a sandbox (the other tiers see the host's /usr): Python with NumPy and pandas,
 # Node.js, gcc, git, shell tools. No pip/npm: the VM has no network device.
 GUEST_PACKAGES = (
@@ -74,6 +74,7 @@ _GUEST_SOURCES = (
     "guest/kernel_bash.py",
     "guest/kernel.js",
     "guest/procs.py",
+    "guest/userenv.py",
     "guest/spawn.c",
     "guest/init.c",
 )
@@ -171,6 +172,7 @@ _ETC = {
     "hosts": "127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n",
     "resolv.conf": "",
 }
+_ETC["gitconfig"] = GITCONFIG
 _ETC["matplotlibrc"] = "backend: Agg\n"  # as the other tiers' (runc.MATPLOTLIBRC): Debian's says TkAgg
 
 

@@ -24,7 +24,14 @@ from typing import ClassVar, TypeVar
 
 from warmbox.backends import _host as host
 from warmbox.backends import hostfs, seccomp, workspace_disk
-from warmbox.backends._host import EGRESS_GATEWAY, GUEST_GID, GUEST_UID, build_spawn_helpers, tmpfs_sizes
+from warmbox.backends._host import (
+    EGRESS_GATEWAY,
+    GITCONFIG,
+    GUEST_GID,
+    GUEST_UID,
+    build_spawn_helpers,
+    tmpfs_sizes,
+)
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
 from warmbox.errors import SandboxError, SandboxStartError, SandboxTimeout
 
@@ -84,6 +91,7 @@ _GUEST_SOURCES = (
     "guest/kernel_bash.py",
     "guest/kernel.js",
     "guest/procs.py",
+    "guest/userenv.py",
     "guest/spawn.c",
     "guest/init.c",
 )
@@ -141,7 +149,7 @@ def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path
     the variant name and its inputs must be part of ``variant``'s spelling for the hash).
     """
     pkg = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256(b"warmbox-rootfs-v5" + variant.encode())
+    h = hashlib.sha256(b"warmbox-rootfs-v6" + variant.encode())
     for rel in _GUEST_SOURCES:
         h.update(rel.encode() + b"\0" + (pkg / rel).read_bytes())
     final = images_dir / f"{variant.split(':')[0]}-{h.hexdigest()[:16]}"
@@ -174,6 +182,7 @@ def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path
         "shells": "/bin/sh\n/bin/bash\n",
         "timezone": "Etc/UTC\n",
         "matplotlibrc": MATPLOTLIBRC,
+        "gitconfig": GITCONFIG,
     }
     for name, text in files.items():
         (etc / name).write_text(text)

@@ -90,6 +90,9 @@ def proxy_env(placeholders: dict[str, str], ca: bool) -> dict[str, str]:
         PROXY_URL,
     )
     env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
+    # the tools' own retry defaults again: a sandbox without a link has them at 0 (guest/userenv.py)
+    env["PIP_RETRIES"] = "5"
+    env["npm_config_fetch_retries"] = "2"
     if ca:
         for k in (
             "SSL_CERT_FILE",

@@ -21,6 +21,7 @@ import time
 
 from warmbox import protocol as p
 from warmbox.guest import procs as bg
+from warmbox.guest import userenv
 
 TYPE_CHECKING = False  # not typing's: the guest imports nothing it does not use at run time
 if TYPE_CHECKING:
@@ -1584,6 +1585,8 @@ class Context:
         full_env = dict(os.environ)
         full_env.update(env)
         exe, argv = exe_argv(theirs.fileno())
+        if exe == sys.executable:  # a Python kernel runs in the sandbox's venv: what pip installed imports
+            exe = argv[0] = userenv.python(full_env)
         null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         try:
             self.scope = _spawn(
@@ -2338,6 +2341,7 @@ def main(argv: list[str] | None = None) -> None:
 
     --cgroup-fd: an inherited cgroup v2 directory for the commands' cgroups (see Scopes)."""
     argv = sys.argv[1:] if argv is None else argv
+    userenv.setup()  # the venv and npm prefix of /home/user, before any command or context
     cgroup_fd = None
     if argv[:1] == ["--cgroup-fd"]:
         cgroup_fd, argv = int(argv[1]), argv[2:]

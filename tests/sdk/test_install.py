@@ -1,0 +1,144 @@
+"""A sandbox agents can install into, on every tier: pip into the sandbox's venv, npm into the
+workspace or a user prefix, git commits with a default identity, and, without network, downloads
+that fail at once saying so. With an egress policy the same tools go through the proxy (the fake
+internet of tests/network, never a real one)."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import time
+import zipfile
+
+import pytest
+
+from tests.network.conftest import net_home, world  # noqa: F401  (fixtures: the fake internet)
+from warmbox import BackendUnavailable, Limits, Network, Sandbox
+from warmbox.guest import userenv
+
+pytestmark = pytest.mark.sandbox
+OFFLINE_S = 10.0  # a download without network fails within this (npm alone used to retry for 70 s)
+TIERS = ("container", "gvisor")
+
+
+def wheel(name: str, value: int) -> bytes:
+    """A pure-Python wheel of module ``name`` with ``VALUE = value``."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr(f"{name}/__init__.py", f"VALUE = {value}\n")
+        z.writestr(f"{name}-1.0.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        z.writestr(
+            f"{name}-1.0.dist-info/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: wbt\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
+        z.writestr(f"{name}-1.0.dist-info/RECORD", "")
+    return buf.getvalue()
+
+
+def npm_tarball(name: str) -> bytes:
+    """What ``npm pack`` makes of a one-file package ``name`` with a command of the same name."""
+    files = {
+        "package/package.json": json.dumps(
+            {"name": name, "version": "1.0.0", "main": "index.js", "bin": {name: "cli.js"}}
+        ).encode(),
+        "package/index.js": b"module.exports = (s) => '[' + s + ']';\n",
+        "package/cli.js": b"#!/usr/bin/env node\nconsole.log(require('./index.js')('cli'));\n",
+    }
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+        for path, data in files.items():
+            info = tarfile.TarInfo(path)
+            info.size, info.mode = len(data), 0o755 if path.endswith("cli.js") else 0o644
+            t.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def open_tier(tier: str) -> Sandbox:
+    try:
+        # pids: gVisor's ptrace platform counts its host threads against the sandbox's pids limit and
+        # its Sentry panics ("error initializing first thread") instead of failing a clone; node, pip
+        # and a code context together come near the default 256
+        return Sandbox.create(tier=tier, timeout=600, limits=Limits(pids=1024))
+    except BackendUnavailable as e:
+        pytest.skip(f"the {tier} tier is not available here: {e}")
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_pip_npm_and_git_work_without_network(home, runc_ready, tier):
+    with open_tier(tier) as sb:
+        r = sb.commands.run("command -v python pip; echo $VIRTUAL_ENV")
+        assert r.stdout.split() == [f"{userenv.VENV}/bin/python", f"{userenv.VENV}/bin/pip", userenv.VENV], r.stderr
+        # pip into the venv, no --break-system-packages; a code context imports it, beside NumPy
+        sb.files.write("/tmp/wbtlocal-1.0-py3-none-any.whl", wheel("wbtlocal", 7))
+        r = sb.commands.run("pip install -q --no-index /tmp/wbtlocal-1.0-py3-none-any.whl", timeout=120)
+        assert r.exit_code == 0, r.stderr
+        e = sb.run_code("import wbtlocal, numpy, sys; (wbtlocal.VALUE, sys.prefix, wbtlocal.__file__)")
+        assert e.error is None, e.error
+        assert e.text == repr((7, userenv.VENV, f"{userenv.VENV}/lib/python3.11/site-packages/wbtlocal/__init__.py"))
+        # npm: into a project, and -g into the user's prefix (its command on PATH)
+        sb.files.write("/tmp/wbt-pad-1.0.0.tgz", npm_tarball("wbt-pad"))
+        r = sb.commands.run(
+            "mkdir /workspace/app && cd /workspace/app && npm install -s --no-audit --no-fund /tmp/wbt-pad-1.0.0.tgz"
+            ' && node -e \'console.log(require("wbt-pad")("x"))\''
+            " && npm install -g -s --no-audit --no-fund /tmp/wbt-pad-1.0.0.tgz && wbt-pad && command -v wbt-pad",
+            timeout=180,
+        )
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.split() == ["[x]", "[cli]", f"{userenv.NPM_PREFIX}/bin/wbt-pad"]
+        # git: a commit needs no identity set up
+        r = sb.commands.run(
+            "cd /workspace && git init -q repo && cd repo && echo hi > a && git add a && git commit -qm first"
+            " && git log --format='%an <%ae>|%s' && git branch --show-current"
+        )
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.splitlines() == ["warmbox sandbox <sandbox@warmbox.invalid>|first", "main"]
+        # no network: every download fails at once and says why
+        for cmd, says in (
+            ("pip install -q wbt-not-here", "no network: this sandbox's network policy is none"),
+            ("npm view wbt-not-here version", "no-network.sandbox-policy-is-none.invalid"),
+            ("curl -sS https://example.test/", "Could not resolve proxy: no-network.sandbox-policy-is-none.invalid"),
+            ("git ls-remote https://example.test/r.git", "no-network.sandbox-policy-is-none.invalid"),
+        ):
+            t0 = time.monotonic()
+            r = sb.commands.run(cmd, timeout=60)
+            took = time.monotonic() - t0
+            assert r.exit_code != 0 and says in r.stderr + r.stdout, (cmd, r.stdout, r.stderr)
+            assert took < OFFLINE_S, f"{cmd}: {took:.1f} s"
+
+
+@pytest.mark.in_process("the fake internet is wired into an in-process home")
+def test_pip_and_npm_install_through_the_egress_proxy(net_home, world):  # noqa: F811
+    site = world.dir / "site"
+    (site / "npm").mkdir(exist_ok=True)
+    (site / "npm" / "wbt-pad-1.0.0.tgz").write_bytes(npm_tarball("wbt-pad"))
+    (site / "npm" / "wbt-pad").write_text(
+        json.dumps(
+            {
+                "name": "wbt-pad",
+                "dist-tags": {"latest": "1.0.0"},
+                "versions": {
+                    "1.0.0": {
+                        "name": "wbt-pad",
+                        "version": "1.0.0",
+                        "bin": {"wbt-pad": "cli.js"},
+                        "dist": {"tarball": "https://allowed.test/npm/wbt-pad-1.0.0.tgz"},
+                    }
+                },
+            }
+        )
+    )
+    world.clear_logs()
+    with Sandbox.create(network=Network(allow=["allowed.test"]), timeout=300, home=net_home) as sb:
+        r = sb.commands.run("pip install -q --index-url https://allowed.test/simple/ wbtpkg", timeout=120)
+        assert r.exit_code == 0, r.stderr
+        e = sb.run_code("import wbtpkg; wbtpkg.VALUE")
+        assert e.error is None and e.text == "42", e.error
+        r = sb.commands.run(
+            "mkdir /workspace/app && cd /workspace/app && npm install -s --no-audit --no-fund"
+            ' --registry https://allowed.test/npm/ wbt-pad && node -e \'console.log(require("wbt-pad")("y"))\'',
+            timeout=180,
+        )
+        assert r.exit_code == 0 and r.stdout.strip() == "[y]", r.stderr
+    paths = {rec["path"] for rec in world.log("allowed")}
+    assert {"/simple/wbtpkg/", "/packages/wbtpkg-1.0-py3-none-any.whl", "/npm/wbt-pad"} <= paths, paths
