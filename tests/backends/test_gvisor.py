@@ -15,6 +15,7 @@ from warmbox import Limits, Sandbox, State
 from warmbox.engine.engine import Engine
 from warmbox.engine.guest_client import GuestClient
 from warmbox.errors import GuestConnectionError
+from warmbox.guest import userenv
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,8 @@ def test_the_kernel_is_gvisor_not_the_hosts(gv):
 def test_same_user_env_and_tools_as_tier2(gv):
     assert gv.commands.run("id -u").stdout.strip() == "1000"
     env = dict(line.split("=", 1) for line in gv.commands.run(["/usr/bin/env"]).stdout.splitlines() if "=" in line)
-    assert set(env) == {"PATH", "HOME", "LANG", "GREETING"} and env["GREETING"] == "hi"
+    image = {"VIRTUAL_ENV", "npm_config_prefix", *userenv.OFFLINE_ENV}  # the image's own (guest/userenv.py)
+    assert set(env) == {"PATH", "HOME", "LANG", "GREETING", *image} and env["GREETING"] == "hi"
     # coreutils' statx works (the image's shim) — ls, stat, cp, mv, find, du
     r = gv.commands.run(
         "cd /workspace && echo x > a && cp a b && mv b c && stat -c %s c && ls && "

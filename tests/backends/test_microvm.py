@@ -23,6 +23,7 @@ from warmbox import Limits, Sandbox, State
 from warmbox import protocol as p
 from warmbox.backends.microvm import GUEST_OVERHEAD_MB, HOST_CPU_HEADROOM, HOST_OVERHEAD_MB, TCG_CACHE_MB, HostCgroup
 from warmbox.engine.guest_client import GuestClient
+from warmbox.guest import userenv
 
 LIMITS = Limits(memory_mb=256, pids=64, tmp_mb=64)
 
@@ -90,7 +91,8 @@ def test_non_root_no_capabilities_no_host_env(vm):
     assert out[0] == "1000"
     assert out[1:] == ["CapEff:", "0000000000000000", "CapBnd:", "0000000000000000", "NoNewPrivs:", "1"]
     env = dict(ln.split("=", 1) for ln in vm.commands.run(["/usr/bin/env"]).stdout.splitlines() if "=" in ln)
-    assert set(env) == {"PATH", "HOME", "LANG", "GREETING"} and env["GREETING"] == "hi"
+    image = {"VIRTUAL_ENV", "npm_config_prefix", *userenv.OFFLINE_ENV}  # the image's own (guest/userenv.py)
+    assert set(env) == {"PATH", "HOME", "LANG", "GREETING", *image} and env["GREETING"] == "hi"
     assert "host-secret-value" not in vm.commands.run("cat /proc/1/environ /proc/cmdline").stdout
     assert vm.commands.run("test -w /usr || echo ro").stdout.strip() == "ro"
 
