@@ -90,7 +90,7 @@ def setup(environ: dict[str, str] | os._Environ = os.environ) -> None:
         return
     try:
         if not os.path.isdir(VENV):
-            make_venv()
+            make_venv(VENV)
     except OSError:
         return
     environ.setdefault("VIRTUAL_ENV", VENV)
