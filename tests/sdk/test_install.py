@@ -122,7 +122,7 @@ def test_pip_and_npm_install_through_the_egress_proxy(net_home, world):  # noqa:
                         "name": "wbt-pad",
                         "version": "1.0.0",
                         "bin": {"wbt-pad": "cli.js"},
-                        "dist": {"tarball": "https://allowed.test/npm/wbt-pad-1.0.0.tgz"},
+                        "dist": {"tarball": "http://allowed.test/npm/wbt-pad-1.0.0.tgz"},
                     }
                 },
             }
@@ -130,13 +130,16 @@ def test_pip_and_npm_install_through_the_egress_proxy(net_home, world):  # noqa:
     )
     world.clear_logs()
     with Sandbox.create(network=Network(allow=["allowed.test"]), timeout=300, home=net_home) as sb:
-        r = sb.commands.run("pip install -q --index-url https://allowed.test/simple/ wbtpkg", timeout=120)
+        # plain HTTP: the fake site's certificate is of a test CA the sandbox does not trust
+        r = sb.commands.run(
+            "pip install -q --index-url http://allowed.test/simple/ --trusted-host allowed.test wbtpkg", timeout=120
+        )
         assert r.exit_code == 0, r.stderr
         e = sb.run_code("import wbtpkg; wbtpkg.VALUE")
         assert e.error is None and e.text == "42", e.error
         r = sb.commands.run(
             "mkdir /workspace/app && cd /workspace/app && npm install -s --no-audit --no-fund"
-            ' --registry https://allowed.test/npm/ wbt-pad && node -e \'console.log(require("wbt-pad")("y"))\'',
+            ' --registry http://allowed.test/npm/ wbt-pad && node -e \'console.log(require("wbt-pad")("y"))\'',
             timeout=180,
         )
         assert r.exit_code == 0 and r.stdout.strip() == "[y]", r.stderr
