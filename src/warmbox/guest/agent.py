@@ -756,6 +756,7 @@ class Connection:
         self._send_lock = threading.Lock()
         self._inboxes: dict[int, Inbox] = {}
         self._inbox_lock = threading.Lock()
+        self.tunnels: dict[int, _Tunnel] = {}  # running PortConnects (under _inbox_lock)
         self.closed = False
 
     def send(self, msg: p.Message) -> None:
@@ -799,8 +800,11 @@ class Connection:
                 if isinstance(msg, (p.ReadAck, p.Cancel)):  # for a running read only: late ones are dropped
                     with self._inbox_lock:
                         box = self._inboxes.get(msg.id)
+                        tunnel = self.tunnels.get(msg.id) if isinstance(msg, p.Cancel) else None
                     if box is not None:
                         box.put(msg)
+                    if tunnel is not None:  # now: its worker may be stuck writing to a server that never reads
+                        tunnel.stop()
                     continue
                 if isinstance(msg, (p.ReadFile, p.PortConnect, p.WriteFile, p.Attach, p.TarCreate, p.TarExtract)):
                     self.inbox(msg.id)  # before its worker starts: a Cancel (or data) may come first
@@ -823,6 +827,9 @@ class Connection:
             with self._inbox_lock:
                 for q in self._inboxes.values():
                     q.put(None)
+                tunnels = list(self.tunnels.values())
+            for t in tunnels:
+                t.stop()
             try:
                 self.sock.close()
             except OSError:
@@ -1486,6 +1493,8 @@ def _port_connect(agent: Agent, conn: Connection, msg: p.PortConnect) -> None:
         raise _Fail(p.ErrorCode.INVALID, f"port must be 1..65535 and window not negative, got {msg.port}")
     inbox = conn.inbox(msg.id)
     tunnel = _Tunnel(conn, msg, _port_socket(msg.port))
+    with conn._inbox_lock:
+        conn.tunnels[msg.id] = tunnel
     reader: threading.Thread | None = None
     try:
         conn.send(p.Ok(id=msg.id))
@@ -1519,6 +1528,8 @@ def _port_connect(agent: Agent, conn: Connection, msg: p.PortConnect) -> None:
             else:
                 raise _Fail(p.ErrorCode.INVALID, f"port tunnel: unexpected {type(item).__name__}")
     finally:
+        with conn._inbox_lock:
+            conn.tunnels.pop(msg.id, None)
         tunnel.stop()
         if reader is not None:
             reader.join()  # nothing is sent for this id after the handler's own last frame
