@@ -34,6 +34,7 @@ def test_exported_members():
             "SandboxError",
             "SandboxInfo",
             "SandboxNotFound",
+            "SandboxQuery",
             "SandboxStartError",
             "SandboxStateError",
             "SandboxTimeout",

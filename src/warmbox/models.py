@@ -126,10 +126,81 @@ class SandboxInfo:
     pool: str = ""  # the pool it came from ("" when created cold)
     claimed_at: float = 0.0  # unix seconds it was handed out of the pool (0 when cold)
     parent_snapshot: str = ""  # the snapshot it was restored or forked from ("" when created)
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)  # given at create (E2B's metadata)
 
     @property
     def from_pool(self) -> bool:
         return bool(self.pool)
+
+
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_KEY = 256  # characters
+MAX_METADATA_VALUE = 2048  # characters
+MAX_METADATA_BYTES = 16 << 10  # all keys and values, UTF-8
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxQuery:
+    """Which sandboxes ``Sandbox.list`` returns (E2B's ``SandboxQuery``; a plain dict with these
+    keys is taken too).
+
+    metadata: only sandboxes whose metadata holds every one of these key/value pairs.
+    state: only sandboxes in one of these states (default: running and paused ones, not ended
+    ones). ``running`` matches ready sandboxes too: E2B's running is "alive", whether or not a
+    command runs at this moment.
+    """
+
+    metadata: dict[str, str] | None = None
+    state: tuple[State, ...] | None = None
+
+
+def validate_metadata(metadata: object) -> dict[str, str]:
+    """Sandbox metadata: a dict of string keys to string values, bounded (InvalidArgument otherwise)."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise InvalidArgument(f"metadata must be a dict of str to str, got {type(metadata).__name__}")
+    if len(metadata) > MAX_METADATA_ENTRIES:
+        raise InvalidArgument(f"metadata holds at most {MAX_METADATA_ENTRIES} entries, got {len(metadata)}")
+    size = 0
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not k or len(k) > MAX_METADATA_KEY or "\0" in k:
+            raise InvalidArgument(
+                f"metadata key {k!r} must be a non-empty string of at most {MAX_METADATA_KEY} characters"
+            )
+        if not isinstance(v, str) or len(v) > MAX_METADATA_VALUE or "\0" in v:
+            raise InvalidArgument(
+                f"metadata[{k!r}] must be a string of at most {MAX_METADATA_VALUE} characters, got "
+                f"{type(v).__name__ if not isinstance(v, str) else f'{len(v)} characters'}"
+            )
+        size += len(k.encode("utf-8", "surrogatepass")) + len(v.encode("utf-8", "surrogatepass"))
+    if size > MAX_METADATA_BYTES:
+        raise InvalidArgument(f"metadata is {size} bytes: at most {MAX_METADATA_BYTES} (keys and values, UTF-8)")
+    return dict(metadata)
+
+
+def validate_query(query: object) -> SandboxQuery:
+    """A list query, checked (states as State, "running" widened to ready too); the SDK makes
+    E2B's plain dict into a SandboxQuery first."""
+    if query is None:
+        return SandboxQuery()
+    if not isinstance(query, SandboxQuery):
+        raise InvalidArgument(f"query must be a warmbox.SandboxQuery or a dict, got {type(query).__name__}")
+    states = query.state
+    if states is not None:
+        if isinstance(states, (str, State)):
+            states = (states,)
+        if not isinstance(states, (list, tuple)):
+            raise InvalidArgument(f"query state must be a list of states, got {type(states).__name__}")
+        try:
+            states = tuple(State(s) for s in states)
+        except ValueError:
+            raise InvalidArgument(
+                f"query state must hold states ({', '.join(s.value for s in State)}), got {list(query.state or ())!r}"
+            ) from None
+        if State.RUNNING in states and State.READY not in states:
+            states = (*states, State.READY)  # E2B's running: alive, whether or not a command runs
+    return SandboxQuery(metadata=validate_metadata(query.metadata) or None, state=states)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,7 @@ from warmbox.models import (
     Result,
     SandboxInfo,
     SandboxMetrics,
+    SandboxQuery,
     SnapshotRef,
     StageTiming,
     TierStatus,
@@ -202,6 +203,7 @@ class Create(Request[Opened]):
     from_snapshot: str | None = None
     network: object = "none"  # "none", "internet" or a warmbox.Network
     secrets: dict[str, Any] | None = None  # name -> warmbox.Secret
+    metadata: dict[str, str] | None = None  # shown in get_info(), matched by list(query=)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +239,7 @@ class ListSandboxes(Request[list[SandboxInfo]]):
     op: ClassVar[Op] = Op.LIST
     include_dead: bool = False
     reap: bool = False
+    query: SandboxQuery | None = None  # by metadata and state (E2B's SandboxQuery)
 
 
 @dataclasses.dataclass(frozen=True)

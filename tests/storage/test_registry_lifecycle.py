@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from warmbox.errors import SandboxStateError
+from warmbox.errors import InvalidArgument, SandboxStateError
 from warmbox.models import Limits, State
 from warmbox.storage import registry as registry_mod
 from warmbox.storage.registry import SCHEMA_VERSION, Registry
@@ -91,3 +91,42 @@ def test_only_one_resume_takes_a_paused_sandbox_and_a_live_one_cannot_be_realloc
     assert reg.reallocate(sid, 60.0) >= 0 and first >= 0
     reg.set_state(sid, State.DESTROYED, "test over")
     reg.close()
+
+
+def test_list_filters_by_metadata_subset_and_by_state(tmp_path):
+    reg = _registry(tmp_path)
+    a, b = "sb-00000000000d", "sb-00000000000e"
+    for sid in (a, b):
+        reg.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
+        reg.set_state(sid, State.READY, "up")
+    reg.set_metadata(a, {"user": "ada", "run": "1"})
+    reg.set_metadata(b, {"user": "bob", "run": "1"})
+    reg.set_state(b, State.PAUSED, "paused")
+    ids = lambda rows: [i.sandbox_id for i, _ in rows]  # noqa: E731
+    assert reg.get(a)[0].metadata == {"user": "ada", "run": "1"}
+    assert ids(reg.list(metadata={"run": "1"})) == [a, b]
+    assert ids(reg.list(metadata={"run": "1", "user": "bob"})) == [b]
+    assert ids(reg.list(metadata={"user": "eve"})) == []
+    assert ids(reg.list(states=(State.PAUSED,))) == [b]
+    assert ids(reg.list(states=())) == []
+    # a damaged metadata column reads as none, never as an error
+    reg._db.execute("UPDATE sandboxes SET metadata='[1,2]' WHERE sandbox_id=?", (a,))
+    assert reg.get(a)[0].metadata == {}
+    for sid in (a, b):
+        reg.set_state(sid, State.DESTROYED, "test over")
+    reg.close()
+
+
+def test_metadata_and_query_checks():
+    from warmbox.models import SandboxQuery, validate_metadata, validate_query
+
+    assert validate_metadata(None) == {} and validate_metadata({"a": "b"}) == {"a": "b"}
+    for bad in ({"a": None}, {"": "x"}, {"a\0": "x"}, {"a": "x" * 2049}, "a=b", {str(i): "v" for i in range(65)}):
+        with pytest.raises(InvalidArgument):
+            validate_metadata(bad)
+    with pytest.raises(InvalidArgument, match="bytes"):
+        validate_metadata({f"k{i}": "é" * 1000 for i in range(10)})  # under the counts, over 16 KiB
+    q = validate_query(SandboxQuery(state=("running",)))  # type: ignore[arg-type]
+    assert set(q.state or ()) == {State.RUNNING, State.READY}
+    with pytest.raises(InvalidArgument, match="state"):
+        validate_query(SandboxQuery(state=("asleep",)))  # type: ignore[arg-type]

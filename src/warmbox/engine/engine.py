@@ -30,6 +30,7 @@ from warmbox.models import (
     ResourceUsage,
     SandboxInfo,
     SandboxMetrics,
+    SandboxQuery,
     StageTiming,
     State,
     Tenant,
@@ -348,10 +349,19 @@ class Engine:
         return [info for info, _ in self.registry.holding()]
 
     def list(
-        self, include_dead: bool = False, *, include_pooled: bool = False, tenant: str | None = None
+        self,
+        include_dead: bool = False,
+        *,
+        include_pooled: bool = False,
+        tenant: str | None = None,
+        query: SandboxQuery | None = None,
     ) -> builtins.list[SandboxInfo]:
-        """tenant: only that tenant's sandboxes (None: everyone's)."""
-        return [info for info, _ in self.registry.list(include_dead, include_pooled=include_pooled, tenant=tenant)]
+        """tenant: only that tenant's sandboxes (None: everyone's); query: see SandboxQuery."""
+        q = query or SandboxQuery()
+        rows = self.registry.list(
+            include_dead, include_pooled=include_pooled, tenant=tenant, states=q.state, metadata=q.metadata
+        )
+        return [info for info, _ in rows]
 
     def timings(self, sandbox_id: str) -> dict[str, float]:
         return {t.stage: t.duration_ms for t in self.registry.timings(sandbox_id)}

@@ -57,6 +57,8 @@ from warmbox.models import (
     Tenant,
     TierStatus,
     WriteEntry,
+    validate_metadata,
+    validate_query,
 )
 from warmbox.operations import sandbox_path
 from warmbox.storage.registry import unknown_sandbox
@@ -346,6 +348,19 @@ class EngineFront:
     # ---- sandboxes
 
     async def create(self, r: ops.Create) -> ops.Opened:
+        metadata = validate_metadata(r.metadata)  # before any work
+        got = await self._create(r)
+        if metadata:
+            try:
+                self.engine.registry.set_metadata(got.sandbox_id, metadata)
+                got.info, _ = self.engine.info(got.sandbox_id)
+            except BaseException:
+                await got.session.close()
+                await self.engine.destroy(got.sandbox_id, "recording its metadata failed")
+                raise
+        return await self._hold(got)
+
+    async def _create(self, r: ops.Create) -> Launched:
         if r.from_snapshot is not None:
             if r.network != "none" or r.secrets:
                 raise InvalidArgument("a sandbox forked from a snapshot starts without network; use network.update()")
@@ -367,7 +382,7 @@ class EngineFront:
                 secrets=r.secrets,
                 tenant=self.tenant,
             )
-        return await self._hold(got)
+        return got
 
     async def connect(self, r: ops.Connect) -> ops.Opened:
         info, _ = self.engine.info(r.sandbox_id)
@@ -391,7 +406,8 @@ class EngineFront:
     async def list(self, r: ops.ListSandboxes) -> builtins.list[SandboxInfo]:
         if r.reap:
             await self.engine.reap()
-        return self.engine.list(r.include_dead, tenant=self._tenant_name())
+        query = validate_query(r.query)
+        return self.engine.list(r.include_dead, tenant=self._tenant_name(), query=query)
 
     async def info(self, r: ops.Info) -> SandboxInfo:
         return self.engine.info(r.sandbox_id)[0]

@@ -163,6 +163,9 @@ def _sinks(request: ops.Request[Any]) -> tuple[ops.TextSink | None, ops.TextSink
 def _query(fields: dict[str, Any]) -> dict[str, str]:
     out = {}
     for k, v in fields.items():
+        if isinstance(v, (dict, list)):  # a record (list's query) travels as one JSON value
+            out[k] = json.dumps(v, separators=(",", ":"))
+            continue
         out[k] = "null" if v is None else ("true" if v is True else "false" if v is False else str(v))
     return out
 

@@ -24,9 +24,12 @@ from warmbox.models import (
     Result,
     SandboxInfo,
     SandboxMetrics,
+    SandboxQuery,
     SnapshotRef,
     StageTiming,
     State,
+    validate_metadata,
+    validate_query,
 )
 from warmbox.sdk.code import CodeContext, context_id
 from warmbox.sdk.commands import DEFAULT_COMMAND_TIMEOUT_S, DEFAULT_MAX_OUTPUT, AsyncCommands
@@ -61,6 +64,25 @@ def _transport(
     if api_key is not None:
         raise InvalidArgument("api_key needs api_url (or WARMBOX_API_URL): the in-process engine takes no key")
     return LocalTransport(home)
+
+
+def _sandbox_query(query: object) -> SandboxQuery | None:
+    """A list query as a SandboxQuery record (a plain dict, as E2B takes one, is converted)."""
+    if query is None:
+        return None
+    if isinstance(query, SandboxQuery):
+        return validate_query(query)
+    if not isinstance(query, dict):
+        raise InvalidArgument(f"query must be a warmbox.SandboxQuery or a dict, got {type(query).__name__}")
+    unknown = sorted(str(k) for k in query if k not in ("metadata", "state"))
+    if unknown:
+        raise InvalidArgument(f"query takes 'metadata' and 'state', not {', '.join(map(repr, unknown))}")
+    state = query.get("state")
+    if isinstance(state, (str, State)):
+        state = (state,)
+    elif isinstance(state, list):
+        state = tuple(state)
+    return validate_query(SandboxQuery(metadata=query.get("metadata"), state=state))
 
 
 async def _once(t: Transport, request: ops.Request[R], owned: bool) -> R:
@@ -115,6 +137,7 @@ class AsyncSandbox:
         network: Any = "none",
         secrets: dict[str, Any] | None = None,
         on_approval: Callable[[ApprovalRequest], object] | None = None,
+        metadata: dict[str, str] | None = None,
         home: str | Path | None = None,
         transport: Transport | None = None,
         api_url: str | None = None,
@@ -140,6 +163,8 @@ class AsyncSandbox:
         on_approval: with on_unknown="ask", called with an ApprovalRequest for each destination
             outside the allowlist; return "allow_once", "allow_always" or "deny" (may be async).
             The connection waits for it (network.approval_timeout, then denied).
+        metadata: your own string keys and values (at most 64 entries, 16 KiB), shown in
+            ``get_info().metadata`` and matched by ``list(query=SandboxQuery(metadata=...))``.
         home: the warmbox home of the in-process engine (default: WARMBOX_HOME).
         api_url, api_key: a warmbox server (``warmbox serve``: ``http(s)://host:port`` or
             ``unix:/path``) and its key; default WARMBOX_API_URL / WARMBOX_API_KEY when no home is
@@ -147,6 +172,8 @@ class AsyncSandbox:
         """
         if on_approval is not None and not callable(on_approval):
             raise InvalidArgument("on_approval must be a callable")
+        if metadata is not None:
+            validate_metadata(metadata)  # the same check as the engine's, before the wire's JSON
         t = _transport(transport, home, api_url, api_key)
         snap = _snapshot_id(from_snapshot) if from_snapshot is not None else None
         sb = await cls._open(
@@ -162,6 +189,7 @@ class AsyncSandbox:
                 from_snapshot=snap,
                 network=network,
                 secrets=secrets,
+                metadata=metadata,
             ),
             tuple(envs or ()),
         )
@@ -249,12 +277,16 @@ class AsyncSandbox:
         *,
         home: str | Path | None = None,
         include_dead: bool = False,
+        query: SandboxQuery | dict[str, Any] | None = None,
         transport: Transport | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
     ) -> builtins.list[SandboxInfo]:
+        """Your sandboxes, running and paused (include_dead: ended ones too). query: only those
+        matching a SandboxQuery(metadata={...}, state=[...]) or a dict with those keys (E2B's)."""
+        q = _sandbox_query(query)
         t = _transport(transport, home, api_url, api_key)
-        return await _once(t, ops.ListSandboxes(include_dead), transport is None)
+        return await _once(t, ops.ListSandboxes(include_dead, query=q), transport is None)
 
     # ---- properties
 

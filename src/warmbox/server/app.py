@@ -185,6 +185,11 @@ def _query_value(tp: Any, text: str, where: str) -> object:
     args = typing.get_args(tp) or (tp,)
     if text in ("", "null") and type(None) in args:
         return None
+    if any(dataclasses.is_dataclass(a) for a in args):  # a record (list's query) is one JSON value
+        try:
+            return wire.loads(text)
+        except InvalidArgument:
+            return text  # the codec refuses it, naming the field
     if bool in args:
         if text in ("true", "1"):
             return True

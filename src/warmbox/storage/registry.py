@@ -10,6 +10,7 @@ import builtins
 import dataclasses
 import hashlib
 import hmac
+import json
 import math
 import re
 import secrets
@@ -218,7 +219,7 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
 )
 _COLUMNS = (
     "sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
-    "runtime_id, state_dir, socket_path, pool, claimed_at, parent_snapshot"
+    "runtime_id, state_dir, socket_path, pool, claimed_at, parent_snapshot, metadata"
 )
 
 GIB = float(1 << 30)
@@ -534,6 +535,14 @@ class Registry:
             raise RegistryError(f"registry error: {e}") from None
         return slot
 
+    def set_metadata(self, sandbox_id: str, metadata: dict[str, str]) -> None:
+        """A sandbox's metadata (checked by the engine: string keys and values, bounded)."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE sandboxes SET metadata=? WHERE sandbox_id=?",
+                (json.dumps(metadata, sort_keys=True, ensure_ascii=False), sandbox_id),
+            )
+
     def timeout_of(self, sandbox_id: str) -> float:
         """The lifetime a sandbox was given at its start (0: unknown, a row from before version 7)."""
         row = self._read("SELECT timeout_s FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
@@ -706,21 +715,37 @@ class Registry:
 
     # From here on `list` in the class body is this method: later signatures spell builtins.list.
     def list(
-        self, include_dead: bool = False, *, include_pooled: bool = False, tenant: str | None = None
+        self,
+        include_dead: bool = False,
+        *,
+        include_pooled: bool = False,
+        tenant: str | None = None,
+        states: tuple[State, ...] | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> list[tuple[SandboxInfo, BackendHandle]]:
-        """tenant: only that tenant's sandboxes (None: everyone's)."""
+        """tenant: only that tenant's sandboxes (None: everyone's). states: only these (instead of
+        the live ones, or all with include_dead). metadata: only those whose metadata holds every
+        one of these pairs."""
         where: builtins.list[str] = []
         args: builtins.list[object] = []
-        if not include_dead:
-            states = _LIVE if include_pooled else _USER
-            where.append(f"state IN {_in(states)}")
-            args.extend(states)
+        if states is not None:
+            values = tuple(s.value for s in states)
+            where.append(f"state IN {_in(values)}" if values else "0")
+            args.extend(values)
+        elif not include_dead:
+            live = _LIVE if include_pooled else _USER
+            where.append(f"state IN {_in(live)}")
+            args.extend(live)
         if tenant is not None:
             where.append("tenant=?")
             args.append(tenant)
         q = f"SELECT {_COLUMNS} FROM sandboxes" + (" WHERE " + " AND ".join(where) if where else "")
         rows = self._db.execute(q + " ORDER BY created_at", args).fetchall()
-        return [self._row(r) for r in rows]
+        out = [self._row(r) for r in rows]
+        if metadata:
+            want = metadata.items()
+            out = [(i, h) for i, h in out if want <= i.metadata.items()]
+        return out
 
     def holding(self) -> builtins.list[tuple[SandboxInfo, BackendHandle]]:
         """Live sandboxes (pooled too) plus failed ones whose teardown is still owed."""
@@ -759,6 +784,7 @@ class Registry:
             pool,
             claimed_at,
             parent,
+            metadata,
         ) = r
         info = SandboxInfo(
             sandbox_id=sid,
@@ -773,6 +799,7 @@ class Registry:
             pool=pool,
             claimed_at=claimed_at,
             parent_snapshot=parent or "",
+            metadata=_metadata(metadata),
         )
         handle = BackendHandle(
             sandbox_id=sid,
@@ -1291,6 +1318,17 @@ class Registry:
             many=True,
         )
         return [NetEvent(*r) for r in rows]
+
+
+def _metadata(text: str) -> dict[str, str]:
+    """A row's metadata (JSON written by set_metadata; anything else reads as none)."""
+    try:
+        v = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    if not isinstance(v, dict):
+        return {}
+    return {k: x for k, x in v.items() if isinstance(k, str) and isinstance(x, str)}
 
 
 def _split(tiers: str) -> tuple[str, ...]:
