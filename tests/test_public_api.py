@@ -64,6 +64,8 @@ def test_exported_members():
             "ProcessInfo",
             "ProcessNotFound",
             "UnsafeArchive",
+            "FilesystemEvent",
+            "FilesystemEventType",
         ]
     )
     for name in warmbox.__all__:

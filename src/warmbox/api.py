@@ -96,6 +96,7 @@ ROUTES: tuple[Route, ...] = (
         idempotent=True,
         summary="A directory as a tar stream",
     ),
+    Route(Op.FILES_WATCH, "GET", f"{_S}/files/watch", "query", "ndjson", summary="Watch a directory (NDJSON events)"),
     Route(Op.FILES_LIST, "GET", f"{_S}/files/list", "query", idempotent=True, summary="List a directory"),
     Route(Op.FILES_STAT, "GET", f"{_S}/files/stat", "query", idempotent=True, summary="Stat a path"),
     Route(Op.FILES_MAKE_DIR, "POST", f"{_S}/files/dir", idempotent=True, summary="Make a directory"),

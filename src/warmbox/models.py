@@ -324,6 +324,24 @@ class EntryInfo:
     symlink_target: str | None
 
 
+class FilesystemEventType(str, enum.Enum):
+    """What happened to an entry below a watched directory (E2B's names)."""
+
+    CREATE = "create"  # made, or moved in
+    WRITE = "write"
+    REMOVE = "remove"
+    RENAME = "rename"  # moved away (a new name inside the watched tree is a CREATE)
+    CHMOD = "chmod"  # mode, owner or times changed
+
+
+@dataclasses.dataclass(frozen=True)
+class FilesystemEvent:
+    """One change seen by ``files.watch_dir``: ``name`` relative to the watched directory ("sub/f")."""
+
+    name: str
+    type: FilesystemEventType
+
+
 @dataclasses.dataclass(frozen=True)
 class WriteEntry:
     """One file of ``files.write_files``: its path in the sandbox and its contents (text is UTF-8)."""

@@ -20,6 +20,7 @@ from warmbox.models import (
     CommandResult,
     EntryInfo,
     Execution,
+    FilesystemEvent,
     Limits,
     NetEvent,
     PoolStatus,
@@ -91,6 +92,7 @@ class Op(str, enum.Enum):
     FILES_RENAME = "files.rename"
     FILES_UPLOAD_DIR = "files.upload_dir"
     FILES_DOWNLOAD_DIR = "files.download_dir"
+    FILES_WATCH = "files.watch_dir"
     FILES_LIST = "files.list"
     FILES_STAT = "files.stat"
     FILES_MAKE_DIR = "files.make_dir"
@@ -120,6 +122,27 @@ class Opened:
 
     info: SandboxInfo
     timings: tuple[StageTiming, ...]
+
+
+EventSink = Callable[[FilesystemEvent], object]  # may return an awaitable: awaited before the next event
+
+
+class DirWatch(Protocol):
+    """A running ``files.watch_dir``: its callback gets each change until stop() or the end."""
+
+    @property
+    def done(self) -> bool:
+        """Over: stopped, the directory went, or the connection failed."""
+        ...
+
+    def stop(self) -> None:
+        """Stop watching (in the sandbox too); idempotent. On the event loop."""
+        ...
+
+    async def wait(self) -> None:
+        """Until it is over; raises what ended it other than stop() or the directory going (a
+        typed error, or the callback's own exception)."""
+        ...
 
 
 class ChunkStream(Protocol):
@@ -530,6 +553,21 @@ class DownloadDir(Request[ChunkStream]):
 
 
 @dataclasses.dataclass(frozen=True)
+class WatchDir(Request[DirWatch]):
+    """Watch the directory ``path`` (recursive: and every directory below it, new ones included;
+    links are not followed): ``on_event`` gets a FilesystemEvent per change (inotify in the
+    sandbox: create, write, remove, rename, chmod) until the watch is stopped or the directory
+    goes. Flow-controlled: events wait in the sandbox while the callback is busy (the kernel drops
+    the excess of a flood), never on the host. Over HTTP: NDJSON event lines."""
+
+    op: ClassVar[Op] = Op.FILES_WATCH
+    sandbox_id: str
+    path: str
+    recursive: bool = False
+    on_event: EventSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
+
+
+@dataclasses.dataclass(frozen=True)
 class ListDir(Request[list[EntryInfo]]):
     op: ClassVar[Op] = Op.FILES_LIST
     sandbox_id: str
@@ -710,6 +748,7 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         Rename,
         UploadDir,
         DownloadDir,
+        WatchDir,
         ListDir,
         Stat,
         MakeDir,

@@ -121,7 +121,17 @@ class FileType(_Closed):
     OTHER = _Member("other")
 
 
-_ENUMS: dict[str, type[_Closed]] = {"ErrorCode": ErrorCode, "FileType": FileType}
+class FsEventType(_Closed):
+    """What happened to a watched entry (E2B's FilesystemEventType; fsnotify's names)."""
+
+    CREATE = _Member("create")  # made, or moved in
+    WRITE = _Member("write")
+    REMOVE = _Member("remove")
+    RENAME = _Member("rename")  # moved away (its new name, if watched, is a create)
+    CHMOD = _Member("chmod")  # mode, owner or times changed
+
+
+_ENUMS: dict[str, type[_Closed]] = {"ErrorCode": ErrorCode, "FileType": FileType, "FsEventType": FsEventType}
 _SCALARS: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool, "bytes": bytes}
 # Every annotation a message field may have, spelled without spaces: anything else is refused
 # when the message class is created, so the decoder below knows how to check each field.
@@ -359,6 +369,25 @@ class TarExtract(Message):
     window: int
 
 
+class WatchDir(Message):
+    """Watch the directory ``path`` (and, if ``recursive``, every directory below it, new ones
+    included; links are not followed): answered by Ok once watching, then a :class:`FsEvent` per
+    change, at most ``window`` beyond what the host acknowledged with ReadAck (``bytes`` counts
+    events; while the window is full the kernel's queue fills and then drops events). Ends with
+    ChunkEnd when the directory itself goes; the host stops it with Cancel (no answer)."""
+
+    path: str
+    recursive: bool
+    window: int
+
+
+class FsEvent(Message):
+    """One change below a watched directory; ``name`` is relative to it ("sub/file")."""
+
+    name: str
+    kind: FsEventType
+
+
 class Rename(Message):
     """Move ``old`` to ``new`` (parents of ``new`` are created; a file there is replaced); answered
     by the Entry of ``new``."""
@@ -574,6 +603,7 @@ HOST_TO_GUEST: tuple[type[Message], ...] = (
     WriteFile,
     TarCreate,
     TarExtract,
+    WatchDir,
     Rename,
     ListDir,
     Stat,
@@ -611,6 +641,7 @@ GUEST_TO_HOST: tuple[type[Message], ...] = (
     ChunkEnd,
     PortAck,
     WriteAck,
+    FsEvent,
 )
 # The code-context kernel and the agent exchange ContextRun / Stdout / Stderr / Display / CodeDone,
 # and Configure / Reseed / Ok.

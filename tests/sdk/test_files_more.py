@@ -231,3 +231,99 @@ def test_the_files_api_on_the_other_tiers(home, runc_ready, tier, tmp_path):
         sb.files.download_dir("up", back)
         assert _snapshot(back) == _snapshot(src)
         assert sb.files.read("t/sub/c.txt") == "alpha"
+        seen = []
+        handle = sb.files.watch_dir("t", seen.append)
+        sb.commands.run("echo x > /workspace/t/new.txt")
+        _wait_until(lambda: ("new.txt", "create") in [(e.name, e.type.value) for e in seen])
+        handle.stop()
+
+
+def _wait_until(pred, timeout=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.mark.sandbox
+def test_watch_dir_reports_create_write_chmod_rename_remove(box):
+    from warmbox import FilesystemEvent
+    from warmbox import FilesystemEventType as T
+
+    box.files.make_dir("w")
+    seen: list[FilesystemEvent] = []
+    handle = box.files.watch_dir("w", seen.append)
+    box.commands.run("cd /workspace/w && echo a > f && chmod 600 f && mv f g && rm g && mkdir d && touch d/inner")
+    _wait_until(lambda: any(e.name == "d" and e.type is T.CREATE for e in seen))
+    handle.stop()
+    box.files.write("w/after-stop", "x")
+    kinds = [(e.name, e.type) for e in seen]
+    for want in [("f", T.CREATE), ("f", T.WRITE), ("f", T.CHMOD), ("f", T.RENAME), ("g", T.CREATE), ("g", T.REMOVE)]:
+        assert want in kinds, (want, kinds)
+    assert not any(n.startswith(("d/", "after-stop")) for n, _ in kinds), kinds  # not recursive; stopped
+    assert handle.stopped
+
+
+@pytest.mark.sandbox
+def test_watch_dir_recursive_follows_new_directories_and_ends_with_the_directory(box):
+    from warmbox import FilesystemEventType as T
+
+    box.files.make_dir("wr/old")
+    seen = []
+    handle = box.files.watch_dir("wr", seen.append, recursive=True)
+    box.commands.run(
+        "mkdir -p /workspace/wr/new && sleep 0.3 && echo x > /workspace/wr/new/f && echo y > /workspace/wr/old/g"
+    )
+    _wait_until(lambda: ("new/f", T.CREATE) in [(e.name, e.type) for e in seen])
+    _wait_until(lambda: ("old/g", T.CREATE) in [(e.name, e.type) for e in seen])
+    box.files.remove("wr")
+    handle.wait(timeout=10)  # the directory went: the watch is over
+    assert handle.stopped
+
+
+@pytest.mark.sandbox
+def test_watch_dir_bad_paths_get_typed_errors(box):
+    with pytest.raises(PathNotFound):
+        box.files.watch_dir("no-such-dir", print)
+    box.files.write("wfile", "x")
+    with pytest.raises(NotADirectory):
+        box.files.watch_dir("wfile", print)
+    with pytest.raises(InvalidPath):
+        box.files.watch_dir("../etc", print)
+    with pytest.raises(InvalidArgument):
+        box.files.watch_dir("w", "not callable")  # type: ignore[arg-type]
+
+
+@pytest.mark.sandbox
+def test_watch_dir_takes_a_coroutine_callback_and_its_error_ends_the_watch(box):
+    import asyncio
+
+    from warmbox import AsyncSandbox
+
+    async def go():
+        sb = await AsyncSandbox.connect(box.sandbox_id)
+        try:
+            await run(sb)
+        finally:
+            await sb.close()
+
+    async def run(sb):
+        got = []
+
+        async def on_event(e):
+            await asyncio.sleep(0.01)
+            got.append(e.name)
+            if e.name == "boom":
+                raise RuntimeError("callback failed")
+
+        await sb.files.make_dir("wa")
+        handle = await sb.files.watch_dir("wa", on_event)
+        await sb.files.write("wa/one", "1")
+        await sb.files.write("wa/boom", "2")
+        with pytest.raises(RuntimeError, match="callback failed"):
+            await handle.wait(timeout=10)
+        assert got[0] == "one" and "boom" in got and handle.stopped
+
+    asyncio.run(go())

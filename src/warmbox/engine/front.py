@@ -217,6 +217,7 @@ class EngineFront:
             ops.Rename: self.rename,
             ops.UploadDir: self.upload_dir,
             ops.DownloadDir: self.download_dir,
+            ops.WatchDir: self.watch_dir,
             ops.ListDir: self.list_dir,
             ops.Stat: self.stat,
             ops.MakeDir: self.make_dir,
@@ -605,6 +606,14 @@ class EngineFront:
         path = sandbox_path(r.path)
         t = optional_timeout(r.timeout) or None
         return await (await self._session(r.sandbox_id)).pack(path, timeout=t)
+
+    async def watch_dir(self, r: ops.WatchDir) -> ops.DirWatch:
+        path = sandbox_path(r.path)
+        if not isinstance(r.recursive, bool):
+            raise InvalidArgument(f"recursive must be true or false, got {r.recursive!r}")
+        if not callable(r.on_event):
+            raise InvalidArgument("on_event must be a callable taking a warmbox.FilesystemEvent")
+        return await (await self._session(r.sandbox_id)).watch(path, r.recursive, r.on_event)
 
     async def write_files(self, r: ops.WriteFiles) -> builtins.list[EntryInfo]:
         if not isinstance(r.files, (list, tuple)):

@@ -12,6 +12,7 @@ import asyncio
 import base64
 import builtins
 import codecs
+import inspect
 import io
 import math
 import os
@@ -41,7 +42,17 @@ from warmbox.errors import (
     UnsafeArchive,
     UnsupportedLanguage,
 )
-from warmbox.models import CommandResult, EntryInfo, Execution, ExecutionError, ProcessEvent, ProcessInfo, Result
+from warmbox.models import (
+    CommandResult,
+    EntryInfo,
+    Execution,
+    ExecutionError,
+    FilesystemEvent,
+    FilesystemEventType,
+    ProcessEvent,
+    ProcessInfo,
+    Result,
+)
 
 HOST_GRACE_S = 15.0  # the host's bound = the guest's timeout + this (kill and interrupt waits)
 MAX_DISPLAY_BYTES = 64 << 20
@@ -54,6 +65,7 @@ OomCounter = Callable[[], Awaitable[int]]
 TextSink = Callable[[str], object]
 ResultSink = Callable[[Result], object]
 BytesSink = Callable[[bytes], object]
+EventSink = Callable[[FilesystemEvent], object]
 
 _FILE_ERRORS: dict[p.ErrorCode, type[SandboxError]] = {
     p.ErrorCode.NOT_FOUND: PathNotFound,
@@ -168,6 +180,65 @@ class _Output:
 
     def text(self) -> tuple[str, str]:
         return self.out.decode("utf-8", "replace"), self.err.decode("utf-8", "replace")
+
+
+WATCH_WINDOW = 256  # events the agent may send beyond what the callback took
+
+
+class DirWatcher:
+    """One running WatchDir: a task takes each FsEvent, awaits ``on_event`` with it, then acks it
+    (so the guest sends at most WATCH_WINDOW events ahead of the callback); ends at stop(), when
+    the directory goes, or at an error (kept for wait())."""
+
+    def __init__(self, sandbox_id: str, path: str, stream: Stream, on_event: EventSink) -> None:
+        self.sandbox_id = sandbox_id
+        self.path = path
+        self._stream = stream
+        self._on_event = on_event
+        self._error: BaseException | None = None
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        stream, taken = self._stream, 0
+        try:
+            while True:
+                msg = await stream.next(p.FsEvent, p.ChunkEnd)
+                if isinstance(msg, p.ChunkEnd):
+                    return  # the directory itself went
+                if isinstance(msg, p.Failure):
+                    raise_failure(msg, self.sandbox_id, f"watch {self.path}")
+                assert isinstance(msg, p.FsEvent)
+                event = FilesystemEvent(name=msg.name, type=FilesystemEventType(msg.kind.value))
+                result = self._on_event(event)
+                if inspect.isawaitable(result):
+                    await result
+                taken += 1
+                if taken >= WATCH_WINDOW // 4:
+                    await stream.send(p.ReadAck(stream.id, bytes=taken))
+                    taken = 0
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a typed error, or the callback's own: wait() raises it
+            self._error = e
+        finally:
+            stream.cancel()  # the guest stops (no-op once the stream is closed)
+
+    @property
+    def done(self) -> bool:
+        return self._task.done()
+
+    def stop(self) -> None:
+        self._stream.cancel()
+        self._task.cancel()
+
+    async def wait(self) -> None:
+        try:
+            await asyncio.shield(self._task)
+        except asyncio.CancelledError:
+            if not self._task.cancelled():
+                raise  # the caller's wait was cancelled, not the watch
+        if self._error is not None:
+            raise self._error
 
 
 class FileChunks:
@@ -310,6 +381,7 @@ class GuestSession:
     def __init__(self, client: GuestClient, oom: OomCounter | None = None) -> None:
         self._client = client
         self._oom = oom
+        self._watches: set[DirWatcher] = set()
         self.sandbox_id = client.sandbox_id
 
     @classmethod
@@ -689,6 +761,21 @@ class GuestSession:
         if not isinstance(msg, p.Entry):
             raise GuestProtocolError(f"guest answered {type(msg).__name__} to an upload", self.sandbox_id)
         return _entry(msg)
+
+    async def watch(self, path: str, recursive: bool, on_event: EventSink) -> DirWatcher:
+        """Watch a directory (see DirWatcher); a missing path or a file raises here."""
+        stream = await self._client.open(lambda i: p.WatchDir(i, path=path, recursive=recursive, window=WATCH_WINDOW))
+        try:
+            ready = await stream.next(p.Ok, timeout=PING_TIMEOUT_S)
+            if isinstance(ready, p.Failure):
+                raise_failure(ready, self.sandbox_id, f"watch {path}")
+        except BaseException:
+            stream.cancel()
+            raise
+        watcher = DirWatcher(self.sandbox_id, path, stream, on_event)
+        self._watches.add(watcher)  # held while it runs, whoever else lets go of it
+        watcher._task.add_done_callback(lambda _: self._watches.discard(watcher))
+        return watcher
 
     async def list(self, path: str, depth: int) -> builtins.list[EntryInfo]:
         entries: builtins.list[EntryInfo] = []

@@ -15,6 +15,7 @@ import errno
 import os
 import select
 import stat as stat_mod
+import struct
 import sys
 import threading
 import time
@@ -806,7 +807,7 @@ class Connection:
                     if tunnel is not None:  # now: its worker may be stuck writing to a server that never reads
                         tunnel.stop()
                     continue
-                if isinstance(msg, (p.ReadFile, p.PortConnect, p.WriteFile, p.Attach, p.TarCreate, p.TarExtract)):
+                if isinstance(msg, _PREPARED):
                     self.inbox(msg.id)  # before its worker starts: a Cancel (or data) may come first
                 if type(msg) in _INLINE:  # answered at once, no thread hand-off
                     self._handle(msg)
@@ -1345,6 +1346,139 @@ def _tar_extract(agent: Agent, conn: Connection, msg: p.TarExtract) -> None:
     finally:
         os.close(fd)
     conn.send(_entry(msg.id, msg.path))
+
+
+# inotify(7): the watched events, and what each becomes (fsnotify's mapping, as E2B reports them)
+_IN_MODIFY, _IN_ATTRIB, _IN_MOVED_FROM, _IN_MOVED_TO = 0x2, 0x4, 0x40, 0x80
+_IN_CREATE, _IN_DELETE, _IN_DELETE_SELF, _IN_MOVE_SELF = 0x100, 0x200, 0x400, 0x800
+_IN_Q_OVERFLOW, _IN_IGNORED, _IN_ISDIR = 0x4000, 0x8000, 0x40000000
+_IN_ONLYDIR, _IN_DONT_FOLLOW = 0x1000000, 0x2000000
+_IN_NONBLOCK, _IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
+_WATCH_MASK = (
+    _IN_MODIFY | _IN_ATTRIB | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE | _IN_DELETE | _IN_DELETE_SELF | _IN_MOVE_SELF
+)
+_MAX_WATCHES = 8192  # directories one recursive watch follows at most
+
+
+class _Inotify:
+    """inotify through libc (ctypes: the stdlib has no binding); watches by descriptor -> relative dir."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._ctypes = ctypes
+        self.fd = self._libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1 failed")
+        self.dirs: dict[int, str] = {}
+
+    def add(self, path: str, rel: str) -> None:
+        if len(self.dirs) >= _MAX_WATCHES:
+            return
+        wd = self._libc.inotify_add_watch(self.fd, os.fsencode(path), _WATCH_MASK | _IN_ONLYDIR | _IN_DONT_FOLLOW)
+        if wd < 0:
+            err = self._ctypes.get_errno()
+            if not rel:  # the root: its error is the answer
+                raise OSError(err, os.strerror(err), path)
+            return  # a subdirectory gone or unreadable meanwhile
+        self.dirs[wd] = rel
+
+    def add_tree(self, path: str, rel: str) -> None:
+        """``path`` and every directory below it (links not followed)."""
+        self.add(path, rel)
+        for top, dirnames, _ in os.walk(path):
+            for d in dirnames:
+                full = os.path.join(top, d)
+                if not os.path.islink(full):
+                    sub = os.path.relpath(full, path)
+                    self.add(full, os.path.join(rel, sub) if rel else sub)
+
+    def events(self) -> list[tuple[int, int, str]]:
+        """(wd, mask, name) of what is queued; [] if nothing."""
+        try:
+            buf = os.read(self.fd, 64 << 10)
+        except BlockingIOError:
+            return []
+        out, off = [], 0
+        while off + 16 <= len(buf):
+            wd, mask, _cookie, size = struct.unpack_from("iIII", buf, off)
+            name = buf[off + 16 : off + 16 + size].split(b"\0", 1)[0]
+            out.append((wd, mask, os.fsdecode(name)))
+            off += 16 + size
+        return out
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _watch_dir(agent: Agent, conn: Connection, msg: p.WatchDir) -> None:
+    """Report changes below a directory (see protocol.WatchDir) until the host cancels."""
+    if msg.window < 1:
+        raise _Fail(p.ErrorCode.INVALID, "window must be at least 1")
+    inbox = conn.inbox(msg.id)
+    st = os.stat(msg.path)
+    if not stat_mod.S_ISDIR(st.st_mode):
+        raise _Fail(p.ErrorCode.NOT_A_DIRECTORY, f"{msg.path} is not a directory")
+    watch = _Inotify()
+    try:
+        if msg.recursive:
+            watch.add_tree(msg.path, "")
+        else:
+            watch.add(msg.path, "")
+        conn.send(p.Ok(id=msg.id))
+        sent = acked = 0
+        while True:
+            while True:  # the host's acks and cancel; wait for acks while the window is full
+                full = sent - acked >= msg.window
+                item = inbox.get() if full else inbox.poll()
+                if item is Inbox.EMPTY:
+                    break
+                if item is None or isinstance(item, p.Cancel):
+                    return
+                if isinstance(item, p.ReadAck):
+                    acked += item.bytes
+            if conn.closed:
+                return
+            ready, _, _ = select.select([watch.fd], [], [], 0.2)
+            if not ready:
+                continue
+            for wd, mask, name in watch.events():
+                if mask & _IN_Q_OVERFLOW:
+                    continue
+                base = watch.dirs.get(wd)
+                if base is None:
+                    continue
+                if mask & _IN_IGNORED:
+                    del watch.dirs[wd]
+                    if base == "":  # the watched directory itself is gone
+                        conn.send(p.ChunkEnd(id=msg.id))
+                        return
+                    continue
+                if mask & (_IN_DELETE_SELF | _IN_MOVE_SELF):
+                    if base == "":
+                        conn.send(p.ChunkEnd(id=msg.id))
+                        return
+                    continue  # a subdirectory: its parent reports it
+                rel = os.path.join(base, name) if base else name
+                if mask & (_IN_CREATE | _IN_MOVED_TO):
+                    kind = p.FsEventType.CREATE
+                    if msg.recursive and mask & _IN_ISDIR:
+                        watch.add_tree(os.path.join(msg.path, rel), rel)
+                elif mask & _IN_DELETE:
+                    kind = p.FsEventType.REMOVE
+                elif mask & _IN_MOVED_FROM:
+                    kind = p.FsEventType.RENAME
+                elif mask & _IN_MODIFY:
+                    kind = p.FsEventType.WRITE
+                elif mask & _IN_ATTRIB:
+                    kind = p.FsEventType.CHMOD
+                else:
+                    continue
+                conn.send(p.FsEvent(id=msg.id, name=rel, kind=kind))
+                sent += 1
+    finally:
+        watch.close()
 
 
 def _rename(agent: Agent, conn: Connection, msg: p.Rename) -> None:
@@ -2017,6 +2151,7 @@ _HANDLERS: dict[type[p.Message], Any] = {
     p.Rename: _rename,
     p.TarCreate: _tar_create,
     p.TarExtract: _tar_extract,
+    p.WatchDir: _watch_dir,
     p.ListDir: _list_dir,
     p.Stat: _stat,
     p.MakeDir: _make_dir,
@@ -2035,6 +2170,8 @@ _HANDLERS: dict[type[p.Message], Any] = {
     p.ProcResize: _proc_resize,
     p.ProcList: _proc_list,
 }
+# requests whose inbox exists before their worker starts: their data, acks or Cancel may come first
+_PREPARED = (p.ReadFile, p.PortConnect, p.WriteFile, p.Attach, p.TarCreate, p.TarExtract, p.WatchDir)
 _INLINE = frozenset({p.Ping, p.GetUsage, p.Signal})  # never block: handled on the reader thread
 
 

@@ -3,7 +3,7 @@
 from warmbox.sdk._sync import synchronize
 from warmbox.sdk.code import CodeContext
 from warmbox.sdk.commands import AsyncCommandHandle, AsyncCommands, CommandHandle
-from warmbox.sdk.files import AsyncFiles, AsyncFileStream, FileStream
+from warmbox.sdk.files import AsyncFiles, AsyncFileStream, AsyncWatchHandle, FileStream, WatchHandle
 from warmbox.sdk.network import AsyncNetwork
 from warmbox.sdk.sandbox import AsyncSandbox
 from warmbox.sdk.transport import LocalTransport, Transport
@@ -18,6 +18,7 @@ __all__ = [
     "AsyncCommands",
     "AsyncFileStream",
     "AsyncFiles",
+    "AsyncWatchHandle",
     "AsyncNetwork",
     "AsyncSandbox",
     "CodeContext",
@@ -29,4 +30,5 @@ __all__ = [
     "NetworkAPI",
     "Sandbox",
     "Transport",
+    "WatchHandle",
 ]

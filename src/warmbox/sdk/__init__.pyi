@@ -12,6 +12,7 @@ from warmbox.models import CommandResult as CommandResult
 from warmbox.models import EntryInfo as EntryInfo
 from warmbox.models import Execution as Execution
 from warmbox.models import ExecutionError as ExecutionError
+from warmbox.models import FilesystemEvent as FilesystemEvent
 from warmbox.models import Limits as Limits
 from warmbox.models import NetEvent as NetEvent
 from warmbox.models import ProcessInfo as ProcessInfo
@@ -30,10 +31,11 @@ from warmbox.sdk.files import FileData as FileData
 from warmbox.sdk.transport import Transport as Transport
 from warmbox.sdk.commands import AsyncCommandHandle as AsyncCommandHandle, AsyncCommands as AsyncCommands
 from warmbox.sdk.files import AsyncFiles as AsyncFiles, AsyncFileStream as AsyncFileStream
+from warmbox.sdk.files import AsyncWatchHandle as AsyncWatchHandle
 from warmbox.sdk.network import AsyncNetwork as AsyncNetwork
 from warmbox.sdk.sandbox import AsyncSandbox as AsyncSandbox
 from warmbox.sdk.transport import LocalTransport as LocalTransport, Transport as Transport
-__all__ = ['AsyncCommandHandle', 'AsyncCommands', 'AsyncFileStream', 'AsyncFiles', 'AsyncNetwork', 'AsyncSandbox', 'CodeContext', 'CommandHandle', 'Commands', 'FileStream', 'Files', 'LocalTransport', 'NetworkAPI', 'Sandbox', 'Transport']
+__all__ = ['AsyncCommandHandle', 'AsyncCommands', 'AsyncFileStream', 'AsyncFiles', 'AsyncNetwork', 'AsyncSandbox', 'AsyncWatchHandle', 'CodeContext', 'CommandHandle', 'Commands', 'FileStream', 'Files', 'LocalTransport', 'NetworkAPI', 'Sandbox', 'Transport', 'WatchHandle']
 
 
 class CommandHandle:
@@ -77,6 +79,7 @@ class Files:
     def remove(self, path: str) -> None: ...
     def rename(self, old_path: str, new_path: str) -> EntryInfo: ...
     def upload_dir(self, local_path: str | PathLike[str], remote_path: str) -> EntryInfo: ...
+    def watch_dir(self, path: str, on_event: Callable[[FilesystemEvent], object], *, recursive: bool = ...) -> WatchHandle: ...
     def write(self, path: str, data: FileData, *, mode: int = ..., append: bool = ...) -> EntryInfo: ...
     def write_files(self, files: builtins.list[WriteEntry]) -> builtins.list[EntryInfo]: ...
 
@@ -147,3 +150,11 @@ class Sandbox:
     def timings(self) -> dict[str, float]: ...
     def __enter__(self) -> Sandbox: ...
     def __exit__(self, *exc: object) -> None: ...
+
+
+class WatchHandle:
+    """What ``files.watch_dir`` returns: stop() ends the watch (in the sandbox too); wait() until it"""
+    def stop(self) -> None: ...
+    @property
+    def stopped(self) -> bool: ...
+    def wait(self, timeout: float | None = ...) -> None: ...

@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from warmbox import sdk
-from warmbox.sdk import AsyncCommandHandle, AsyncCommands, AsyncFiles, AsyncFileStream, AsyncNetwork, AsyncSandbox
+from warmbox.sdk import (
+    AsyncCommandHandle,
+    AsyncCommands,
+    AsyncFiles,
+    AsyncFileStream,
+    AsyncNetwork,
+    AsyncSandbox,
+    AsyncWatchHandle,
+)
 
 STUB = Path(__file__).with_name("__init__.pyi")
 # async class -> sync twin's name (as warmbox.sdk names them)
@@ -28,6 +36,7 @@ PAIRS: tuple[tuple[type, str], ...] = (
     (AsyncFileStream, "FileStream"),
     (AsyncNetwork, "NetworkAPI"),
     (AsyncSandbox, "Sandbox"),
+    (AsyncWatchHandle, "WatchHandle"),
 )
 _SYNC_NAME = {cls.__name__: name for cls, name in PAIRS}
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -161,6 +170,7 @@ def render() -> str:
         "from warmbox.sdk.code import CodeContext as CodeContext",
         "from warmbox.sdk.commands import AsyncCommandHandle as AsyncCommandHandle, AsyncCommands as AsyncCommands",
         "from warmbox.sdk.files import AsyncFiles as AsyncFiles, AsyncFileStream as AsyncFileStream",
+        "from warmbox.sdk.files import AsyncWatchHandle as AsyncWatchHandle",
         "from warmbox.sdk.network import AsyncNetwork as AsyncNetwork",
         "from warmbox.sdk.sandbox import AsyncSandbox as AsyncSandbox",
         "from warmbox.sdk.transport import LocalTransport as LocalTransport, Transport as Transport",

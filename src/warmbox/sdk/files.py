@@ -9,14 +9,14 @@ import os
 import queue
 import tarfile
 import threading
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from os import PathLike
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from warmbox import operations as ops
 from warmbox import safetar
 from warmbox.errors import GuestProtocolError, InvalidArgument, PathNotFound, UnsafeArchive
-from warmbox.models import EntryInfo, WriteEntry
+from warmbox.models import EntryInfo, FilesystemEvent, WriteEntry
 from warmbox.sdk._sync import synchronize
 
 if TYPE_CHECKING:
@@ -134,6 +134,21 @@ class AsyncFiles:
             await unpack_stream(chunks, fd, self._sb.sandbox_id)
         finally:
             os.close(fd)
+
+    async def watch_dir(
+        self, path: str, on_event: Callable[[FilesystemEvent], object], *, recursive: bool = False
+    ) -> AsyncWatchHandle:
+        """Watch the directory ``path`` (recursive: and every directory below it, new ones
+        included; links are not followed): ``on_event(FilesystemEvent(name, type))`` is called for
+        each change (``name`` relative to ``path``; type create, write, remove, rename or chmod),
+        in order, until the handle's stop() or the directory's removal. The callback may be a
+        coroutine function (awaited before the next event); while it is busy, events wait in the
+        sandbox (a flood beyond the kernel's queue is dropped there, not held here). The sync
+        Sandbox calls it on its event-loop thread. A missing path or a file raises here."""
+        if not callable(on_event):
+            raise InvalidArgument("on_event must be a callable taking a warmbox.FilesystemEvent")
+        watch = await self._sb._run(ops.WatchDir(self._sb.sandbox_id, path, recursive=recursive, on_event=on_event))
+        return AsyncWatchHandle(watch)
 
     async def list(self, path: str = WORKDIR, *, depth: int = 1) -> builtins.list[EntryInfo]:
         return await self._sb._run(ops.ListDir(self._sb.sandbox_id, path, depth=depth))
@@ -396,6 +411,31 @@ class AsyncFileStream:
         return f"{type(self).__name__}(path={self._path!r}, bytes_read={self.bytes_read})"
 
 
-FileStream = synchronize(AsyncFileStream, "FileStream")
+class AsyncWatchHandle:
+    """What ``files.watch_dir`` returns: stop() ends the watch (in the sandbox too); wait() until it
+    ends (the directory was removed, or an error: raised, as is an exception of the callback)."""
 
-__all__ = ["AsyncFileStream", "AsyncFiles", "FileStream"]
+    def __init__(self, watch: ops.DirWatch) -> None:
+        self._watch = watch
+
+    @property
+    def stopped(self) -> bool:
+        """The watch is over (stopped, the directory went, or it failed)."""
+        return self._watch.done
+
+    async def stop(self) -> None:
+        """Stop watching; idempotent."""
+        self._watch.stop()
+
+    async def wait(self, timeout: float | None = None) -> None:
+        """Until the watch ends; timeout: seconds (None: no bound), then TimeoutError."""
+        await asyncio.wait_for(self._watch.wait(), timeout)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(stopped={self.stopped})"
+
+
+FileStream = synchronize(AsyncFileStream, "FileStream")
+WatchHandle = synchronize(AsyncWatchHandle, "WatchHandle")
+
+__all__ = ["AsyncFileStream", "AsyncFiles", "AsyncWatchHandle", "FileStream", "WatchHandle"]

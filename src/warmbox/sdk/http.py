@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import dataclasses
+import inspect
 import json
 import os
 import ssl
@@ -30,7 +31,7 @@ from aiohttp.http_exceptions import LineTooLong
 from warmbox import api, wire
 from warmbox import operations as ops
 from warmbox.errors import ConnectionLost, ContextError, InvalidArgument, SandboxNotFound, WarmboxError
-from warmbox.models import ApprovalRequest, CommandResult, EntryInfo, ProcessEvent, Result
+from warmbox.models import ApprovalRequest, CommandResult, EntryInfo, FilesystemEvent, ProcessEvent, Result
 
 R = TypeVar("R")
 RETRIES = (0.1, 0.3, 0.8, 1.5)  # pauses between attempts of a retryable request (about 3 s in all)
@@ -144,6 +145,61 @@ class _ProcStream:
         if not self._done:
             self._done = True
             self._response.close()
+
+
+class _Watch:
+    """A files.watch_dir over HTTP (DirWatch): a task reads the event lines into the callback."""
+
+    def __init__(
+        self, response: aiohttp.ClientResponse, on_event: Callable[[FilesystemEvent], object], url: str
+    ) -> None:
+        self._response = response
+        self._on_event = on_event
+        self._url = url
+        self._error: BaseException | None = None
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        try:
+            while line := await _line(self._response):
+                if not line.strip():
+                    continue  # heartbeat
+                msg = json.loads(line)
+                if "event" in msg:
+                    event = wire.decode(FilesystemEvent, msg["event"], "event")
+                    result = self._on_event(event)
+                    if inspect.isawaitable(result):
+                        await result
+                elif "error" in msg:
+                    raise wire.error_from_wire(msg["error"])
+                elif "end" in msg:
+                    return
+            raise ConnectionLost(f"the server ended files.watch_dir without saying why ({self._url})")
+        except asyncio.CancelledError:
+            raise
+        except (*_DROPPED, TimeoutError, aiohttp.ServerTimeoutError, ValueError) as e:
+            self._error = ConnectionLost(f"the watch's connection to {self._url} failed ({type(e).__name__})")
+        except BaseException as e:  # a typed error from the server, or the callback's own
+            self._error = e
+        finally:
+            self._response.close()
+
+    @property
+    def done(self) -> bool:
+        return self._task.done()
+
+    def stop(self) -> None:
+        self._task.cancel()
+        self._response.close()
+
+    async def wait(self) -> None:
+        try:
+            await asyncio.shield(self._task)
+        except asyncio.CancelledError:
+            if not self._task.cancelled():
+                raise
+        if self._error is not None:
+            raise self._error
 
 
 class _Subscription:
@@ -390,6 +446,8 @@ class HttpTransport:
             try:
                 if isinstance(request, ops.ConnectProcess):
                     return await self._follow(request, route, url, kwargs)  # type: ignore[return-value]
+                if isinstance(request, ops.WatchDir):
+                    return await self._watch(request, route, url, kwargs)  # type: ignore[return-value]
                 if route.response == "ndjson":
                     return await self._ndjson(request, route, url, kwargs)
                 if isinstance(request, (ops.ReadFileStream, ops.DownloadDir)):
@@ -468,6 +526,24 @@ class HttpTransport:
             response.release()
             raise _error(response.status, body)
         return _ProcStream(request.pid, response, self.url)
+
+    async def _watch(self, request: ops.WatchDir, route: api.Route, url: str, kwargs: dict[str, Any]) -> _Watch:
+        """files.watch_dir: NDJSON events; its first line says it is watching (or the error)."""
+        if not callable(request.on_event):
+            raise InvalidArgument("on_event must be a callable taking a warmbox.FilesystemEvent")
+        response = await self._client().request(
+            route.method, url, timeout=aiohttp.ClientTimeout(total=None, sock_read=HEARTBEAT_S), **kwargs
+        )
+        try:
+            if response.status >= 400:
+                raise _error(response.status, await response.read())
+            first = await _line(response)
+            if not first.startswith(b'{"watching"'):
+                raise ConnectionLost(f"the server ended files.watch_dir before it watched: {first[:200]!r}")
+        except BaseException:
+            response.close()
+            raise
+        return _Watch(response, request.on_event, self.url)
 
     async def _open_stream(
         self, request: ops.ReadFileStream | ops.DownloadDir, route: api.Route, url: str, kwargs: dict[str, Any]

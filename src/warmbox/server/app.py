@@ -35,7 +35,7 @@ from warmbox.config import ServerSettings
 from warmbox.engine.engine import Engine
 from warmbox.engine.front import EngineFront
 from warmbox.errors import InvalidArgument, RateLimited, Unauthenticated, WarmboxError
-from warmbox.models import ApprovalRequest, ProcessEvent, Tenant
+from warmbox.models import ApprovalRequest, FilesystemEvent, ProcessEvent, Tenant
 from warmbox.server import tunnel as ports
 
 log = logging.getLogger("warmbox.server")
@@ -462,6 +462,45 @@ async def _stream_process(front: EngineFront, req: ops.ConnectProcess) -> Respon
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
+async def _watch(front: EngineFront, req: ops.WatchDir) -> Response:
+    """A directory watch as NDJSON: {"watching": path}, then {"event": FilesystemEvent} lines and
+    blank heartbeats, then {"end": null} when the directory goes or {"error": ...}. A slow client
+    slows the watch (the bounded queue holds back the acks; the sandbox's kernel drops a flood)."""
+    queue: asyncio.Queue[FilesystemEvent] = asyncio.Queue(maxsize=64)
+    watch = await front.handle(dataclasses.replace(req, on_event=queue.put))  # typed errors: a plain answer
+
+    async def lines() -> AsyncIterator[bytes]:
+        ended = asyncio.ensure_future(watch.wait())
+        try:
+            yield _line({"watching": req.path})
+            while True:
+                got = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({got, ended}, timeout=HEARTBEAT_S, return_when=asyncio.FIRST_COMPLETED)
+                if got in done:
+                    yield _line({"event": wire.encode(got.result())})
+                    continue
+                got.cancel()
+                if ended not in done:
+                    yield b"\n"  # heartbeat: the client knows the server lives
+                    continue
+                while not queue.empty():
+                    yield _line({"event": wire.encode(queue.get_nowait())})
+                exc = ended.exception()
+                if isinstance(exc, WarmboxError):
+                    yield _line({"error": wire.error_to_wire(exc)})
+                elif exc is not None:
+                    log.error("watch failed", exc_info=exc)
+                    yield _line({"error": {"code": "warmbox_error", "message": "internal error"}})
+                else:
+                    yield _line({"end": None})
+                return
+        finally:
+            watch.stop()  # the client went away, or the watch is over
+            ended.cancel()
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
 def endpoint(service: Service, route: api.Route) -> Callable[[Request], Awaitable[Response]]:
     async def handle(request: Request) -> Response:
         try:
@@ -469,6 +508,8 @@ def endpoint(service: Service, route: api.Route) -> Callable[[Request], Awaitabl
             req = await decode_request(route, request, service.settings)
             if isinstance(req, ops.ConnectProcess):
                 return await _stream_process(front, req)
+            if isinstance(req, ops.WatchDir):
+                return await _watch(front, req)
             if route.response == "ndjson":
                 return await _ndjson(front, req, request.query_params.get("stream") in ("1", "true"))
             if isinstance(req, (ops.ReadFileStream, ops.DownloadDir)):

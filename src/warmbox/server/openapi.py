@@ -13,7 +13,7 @@ from typing import Any
 
 from warmbox import api, wire
 from warmbox import operations as ops
-from warmbox.models import CommandResult
+from warmbox.models import CommandResult, FilesystemEvent
 from warmbox.network.policy import Network, Secret
 
 TITLE = "warmbox"
@@ -96,7 +96,26 @@ def document() -> dict[str, Any]:
                     "required": True,
                     "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
                 }
-        if route.response == "ndjson":
+        if route.op is ops.Op.FILES_WATCH:
+            event = wire.schema(FilesystemEvent, defs)
+            ok = {
+                "description": 'NDJSON: {"watching": path}, then {"event": FilesystemEvent} lines and blank '
+                'heartbeat lines, then {"end": null} when the directory goes, or {"error": ...}',
+                "content": {
+                    "application/x-ndjson": {
+                        "schema": {
+                            "type": "object",
+                            "properties": {
+                                "watching": {"type": "string"},
+                                "event": event,
+                                "end": {"type": "null"},
+                                "error": defs["Error"]["properties"]["error"],
+                            },
+                        }
+                    }
+                },
+            }
+        elif route.response == "ndjson":
             params.append(
                 {
                     "name": "stream",
