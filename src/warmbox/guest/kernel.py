@@ -158,6 +158,10 @@ class _InlineLoader:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
+        # the module keeps its real loader (importlib.resources and the like ask it)
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
         self._loader.exec_module(module)
         if not os.environ.get("MPLBACKEND"):
             try:

@@ -1,0 +1,113 @@
+"""The code-context kernels outside any sandbox: the real agent on a temp socket (as test_agent.py),
+its Python kernel's charts and MIME bundles, the JavaScript and bash kernels, frame by frame."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.guest.test_agent import BARE, _await_listening
+from warmbox import protocol as p
+from warmbox.backends.runc import GUEST_LIB, build_image
+from warmbox.engine.guest_client import GuestClient
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory) -> Path:
+    return build_image(tmp_path_factory.mktemp("images"))
+
+
+@pytest.fixture()
+def agent(image: Path, tmp_path: Path):
+    home = tmp_path / "home"
+    home.mkdir()
+    lib = image / GUEST_LIB.lstrip("/")
+    sock = tmp_path / "a.sock"
+    boot = f"import sys; sys.path.insert(0, {str(lib)!r}); from warmbox.guest.agent import main; main()"
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "MATPLOTLIBRC": str(image / "etc/matplotlibrc")}
+    proc = subprocess.Popen([BARE, "-I", "-S", "-c", boot, str(sock)], cwd=tmp_path, env=env)
+    _await_listening(sock)
+    yield str(sock), home
+    proc.kill()
+    proc.wait()
+
+
+async def _run(c: GuestClient, code: str, context: str = "default") -> list[p.Message]:
+    out: list[p.Message] = []
+    async with c.request(lambda i: p.ContextRun(i, context=context, code=code, timeout_s=30, max_output=1 << 20)) as s:
+        while True:
+            m = await s.get()
+            out.append(m)
+            if isinstance(m, (p.CodeDone, p.Failure)):
+                return out
+
+
+def _cells(sock: str, *codes: str, context: str = "default") -> list[list[p.Message]]:
+    async def go():
+        c = await GuestClient.connect(sock, "t")
+        try:
+            return [await _run(c, code, context) for code in codes]
+        finally:
+            await c.close()
+
+    return asyncio.run(go())
+
+
+def _displays(msgs: list[p.Message]) -> list[tuple[int, str, bool]]:
+    return [(m.result, m.mime, m.main) for m in msgs if isinstance(m, p.Display)]
+
+
+def test_charts_and_bundles_frame_by_frame(agent):
+    if subprocess.run([BARE, "-c", "import matplotlib"], capture_output=True).returncode != 0:
+        pytest.skip(f"{BARE} has no matplotlib")
+    sock, home = agent
+    show, last, bundle = _cells(
+        sock,
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()\nprint('after')",
+        "fig = plt.figure()\nfig",
+        "class B:\n  def _repr_mimebundle_(self, **kw): return {'text/html': '<i>', 'image/png': 'iVBORw=='}\nB()",
+    )
+    # show(): the figure's PNG, then its text/plain (which closes the result), before the print
+    assert _displays(show) == [(0, "image/png", False), (0, "text/plain", False)]
+    assert [type(m).__name__ for m in show][2:] == ["Stdout", "Stdout", "CodeDone"]
+    assert next(m for m in show if isinstance(m, p.Display)).data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _displays(last) == [(0, "image/png", True), (0, "text/plain", True)]  # not flushed again
+    assert _displays(bundle) == [(0, "text/html", True), (0, "image/png", True), (0, "text/plain", True)]
+    assert [m.data for m in bundle if isinstance(m, p.Display)][1] == b"\x89PNG"  # base64 in, raw bytes out
+    # the image's font list was copied into the user's cache before matplotlib looked for it
+    assert [f.name for f in (home / ".cache/matplotlib").iterdir()][0].startswith("fontlist-v")
+
+
+def test_javascript_and_bash_kernels(agent):
+    sock, _ = agent
+
+    async def go():
+        c = await GuestClient.connect(sock, "t")
+        try:
+            js = await c.call(
+                lambda i: p.ContextCreate(i, name="", language="javascript", cwd="", env={}), p.ContextCreated
+            )
+            sh = await c.call(lambda i: p.ContextCreate(i, name="", language="bash", cwd="", env={}), p.ContextCreated)
+            bad = await c.call(
+                lambda i: p.ContextCreate(i, name="", language="cobol", cwd="", env={}), p.ContextCreated
+            )
+            out = []
+            for ctx, code in ((js, "const a = await 20; a"), (js, "a + 1"), (sh, "X=4; false"), (sh, "echo $X")):
+                out.append(await _run(c, code, ctx.context))
+            return bad, out
+        finally:
+            await c.close()
+
+    if not shutil.which("node"):
+        pytest.skip("no node on this host")
+    bad, (j1, j2, b1, b2) = asyncio.run(go())
+    assert isinstance(bad, p.Failure) and bad.code is p.ErrorCode.LANGUAGE_UNAVAILABLE and "javascript" in bad.message
+    assert [m.data for m in j1 if isinstance(m, p.Display)] == [b"20"]
+    assert [m.data for m in j2 if isinstance(m, p.Display)] == [b"21"]
+    assert (b1[-1].error_name, b1[-1].error_value) == ("ExitCode", "1")
+    assert b"".join(m.data for m in b2 if isinstance(m, p.Stdout)) == b"4\n" and b2[-1].error_name == ""
