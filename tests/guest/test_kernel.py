@@ -62,7 +62,8 @@ def _displays(msgs: list[p.Message]) -> list[tuple[int, str, bool]]:
     return [(m.result, m.mime, m.main) for m in msgs if isinstance(m, p.Display)]
 
 
-def test_charts_and_bundles_frame_by_frame(agent):
+def test_charts_and_bundles_frame_by_frame(agent, image):
+    image_dir = image
     if subprocess.run([BARE, "-c", "import matplotlib"], capture_output=True).returncode != 0:
         pytest.skip(f"{BARE} has no matplotlib")
     sock, home = agent
@@ -80,7 +81,8 @@ def test_charts_and_bundles_frame_by_frame(agent):
     assert _displays(bundle) == [(0, "text/html", True), (0, "image/png", True), (0, "text/plain", True)]
     assert [m.data for m in bundle if isinstance(m, p.Display)][1] == b"\x89PNG"  # base64 in, raw bytes out
     # the image's font list was copied into the user's cache before matplotlib looked for it
-    assert [f.name for f in (home / ".cache/matplotlib").iterdir()][0].startswith("fontlist-v")
+    seeded = {f.name for f in (home / ".cache/matplotlib").iterdir()}
+    assert seeded == {f.name for f in (image_dir / "opt/warmbox/matplotlib").iterdir()} and len(seeded) == 1
 
 
 def test_javascript_and_bash_kernels(agent):
