@@ -3,6 +3,7 @@
 warmbox run [opts] -- CMD...      create, run, destroy; exits with the command's status
 warmbox create [opts]             print the id of a new sandbox that outlives this process
 warmbox exec ID [opts] -- CMD...  run in an existing sandbox (a piped stdin is forwarded)
+warmbox shell ID [opts] [-- CMD]  an interactive terminal in a sandbox (bash unless CMD)
 warmbox ls [--all] [--timings]    list sandboxes
 warmbox kill ID...                destroy sandboxes
 warmbox metrics ID                cpu-s, memory GiB-s, wall/busy/idle seconds of a sandbox
@@ -144,6 +145,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("sandbox_id")
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE", help="environment variable of the command")
     _add_exec_opts(p)
+    p = sub.add_parser("shell", help="an interactive terminal in an existing sandbox")
+    p.add_argument("sandbox_id")
+    p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE", help="environment variable")
+    p.add_argument("--cwd", default=None, help="working directory inside the sandbox")
+    p.add_argument("cmd", nargs="*", help="-- then a command instead of bash")
     p = sub.add_parser("ls", help="list sandboxes")
     p.add_argument("--all", action="store_true", help="include destroyed sandboxes")
     p.add_argument("--timings", action="store_true", help="show stage timings")
@@ -380,6 +386,71 @@ async def _exec(args: argparse.Namespace) -> int:
     try:
         return await _exec_in(sb, args, cmd)
     finally:
+        await sb.close()
+
+
+async def _shell(args: argparse.Namespace) -> int:
+    """The terminal of this process in raw mode, attached to a PTY in the sandbox: keys go in as
+    they are typed, the screen comes back, a resize of the window (SIGWINCH) resizes the PTY.
+    The terminal is restored however it ends."""
+    import signal
+    import termios
+    import tty
+
+    from warmbox.sdk.sandbox import AsyncSandbox
+
+    if not os.isatty(0) or not os.isatty(1):
+        raise WarmboxError("warmbox shell needs a terminal (for pipes: warmbox exec ID -- CMD)")
+    cmd = list(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd) or None
+    size = os.get_terminal_size(1)
+    loop = asyncio.get_running_loop()
+    sb = await AsyncSandbox.connect(args.sandbox_id)
+    saved = termios.tcgetattr(0)
+    keys: asyncio.Queue[bytes] = asyncio.Queue()
+    resized = asyncio.Event()
+    try:
+        term = await sb.pty.create(
+            size.columns,
+            size.lines,
+            cmd=cmd,
+            envs=_env_pairs(args.env),
+            cwd=args.cwd,
+            on_data=lambda data: os.write(1, data),
+        )
+        tty.setraw(0)
+        loop.add_reader(0, lambda: keys.put_nowait(os.read(0, 4096)))
+        loop.add_signal_handler(signal.SIGWINCH, resized.set)
+
+        async def typing() -> None:  # one SendStdin at a time: keys arrive in order
+            while True:
+                data = await keys.get()
+                while not keys.empty():
+                    data += keys.get_nowait()
+                if not data:
+                    return  # our stdin closed
+                await term.send_input(data)
+
+        async def resizing() -> None:
+            while True:
+                await resized.wait()
+                resized.clear()
+                now = os.get_terminal_size(1)
+                await term.resize(now.columns, now.lines)
+
+        helpers = [asyncio.ensure_future(typing()), asyncio.ensure_future(resizing())]
+        try:
+            done, _ = await asyncio.wait([asyncio.ensure_future(term.wait()), *helpers], return_when="FIRST_COMPLETED")
+            for t in done:
+                t.result()  # a failure of the connection or of input: its typed error
+            result = await term.wait()
+        finally:
+            for t in helpers:
+                t.cancel()
+        return result.exit_code
+    finally:
+        loop.remove_reader(0)
+        loop.remove_signal_handler(signal.SIGWINCH)
+        termios.tcsetattr(0, termios.TCSADRAIN, saved)
         await sb.close()
 
 
@@ -649,6 +720,7 @@ _COMMANDS = {
     "run": _run,
     "create": _create,
     "exec": _exec,
+    "shell": _shell,
     "ls": _ls,
     "kill": _kill,
     "metrics": _metrics,

@@ -5,6 +5,7 @@ from warmbox.sdk.code import CodeContext
 from warmbox.sdk.commands import AsyncCommandHandle, AsyncCommands, CommandHandle
 from warmbox.sdk.files import AsyncFiles, AsyncFileStream, AsyncWatchHandle, FileStream, WatchHandle
 from warmbox.sdk.network import AsyncNetwork
+from warmbox.sdk.pty import AsyncPty, AsyncPtyHandle, Pty, PtyHandle
 from warmbox.sdk.sandbox import AsyncSandbox
 from warmbox.sdk.transport import LocalTransport, Transport
 
@@ -20,6 +21,8 @@ __all__ = [
     "AsyncFiles",
     "AsyncWatchHandle",
     "AsyncNetwork",
+    "AsyncPty",
+    "AsyncPtyHandle",
     "AsyncSandbox",
     "CodeContext",
     "CommandHandle",
@@ -28,6 +31,8 @@ __all__ = [
     "Files",
     "LocalTransport",
     "NetworkAPI",
+    "Pty",
+    "PtyHandle",
     "Sandbox",
     "Transport",
     "WatchHandle",

@@ -23,6 +23,8 @@ from warmbox.sdk import (
     AsyncFiles,
     AsyncFileStream,
     AsyncNetwork,
+    AsyncPty,
+    AsyncPtyHandle,
     AsyncSandbox,
     AsyncWatchHandle,
 )
@@ -35,6 +37,8 @@ PAIRS: tuple[tuple[type, str], ...] = (
     (AsyncFiles, "Files"),
     (AsyncFileStream, "FileStream"),
     (AsyncNetwork, "NetworkAPI"),
+    (AsyncPty, "Pty"),
+    (AsyncPtyHandle, "PtyHandle"),
     (AsyncSandbox, "Sandbox"),
     (AsyncWatchHandle, "WatchHandle"),
 )
@@ -102,7 +106,7 @@ def _class(cls: type, name: str, names: set[str]) -> list[str]:
     if doc:
         lines.append(f'    """{doc[0]}"""')
     for attr in getattr(cls, "_SYNC_ATTRS", ()):
-        sub = {"commands": "Commands", "files": "Files", "network": "NetworkAPI"}[attr]
+        sub = {"commands": "Commands", "files": "Files", "network": "NetworkAPI", "pty": "Pty"}[attr]
         lines.append(f"    {attr}: {sub}")
     for attr in sorted(dir(cls)):
         if attr.startswith("_"):
@@ -172,6 +176,7 @@ def render() -> str:
         "from warmbox.sdk.files import AsyncFiles as AsyncFiles, AsyncFileStream as AsyncFileStream",
         "from warmbox.sdk.files import AsyncWatchHandle as AsyncWatchHandle",
         "from warmbox.sdk.network import AsyncNetwork as AsyncNetwork",
+        "from warmbox.sdk.pty import AsyncPty as AsyncPty, AsyncPtyHandle as AsyncPtyHandle",
         "from warmbox.sdk.sandbox import AsyncSandbox as AsyncSandbox",
         "from warmbox.sdk.transport import LocalTransport as LocalTransport, Transport as Transport",
         "",

@@ -37,6 +37,7 @@ from warmbox.sdk.files import WORKDIR, AsyncFiles
 from warmbox.sdk.http import HttpTransport, default_url
 from warmbox.sdk.network import AsyncNetwork
 from warmbox.sdk.ports import PortForward
+from warmbox.sdk.pty import AsyncPty
 from warmbox.sdk.transport import Cancellable, LocalTransport, Transport
 
 R = TypeVar("R")
@@ -100,7 +101,7 @@ class AsyncSandbox:
     ``async with`` kills it on exit (E2B's shape); :meth:`close` lets go of it without ending it.
     """
 
-    _SYNC_ATTRS = ("commands", "files", "network")
+    _SYNC_ATTRS = ("commands", "files", "network", "pty")
 
     def __init__(self, transport: Transport, opened: ops.Opened, env_names: tuple[str, ...] = ()) -> None:
         self._transport = transport
@@ -117,6 +118,7 @@ class AsyncSandbox:
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
         self.network = AsyncNetwork(self)
+        self.pty = AsyncPty(self)
 
     def __repr__(self) -> str:
         return f"AsyncSandbox(id={self.sandbox_id!r}, tier={self.tier!r}, state={self.state.value!r})"

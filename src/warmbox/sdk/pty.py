@@ -1,0 +1,152 @@
+"""``sandbox.pty``: interactive terminals inside the sandbox (E2B's ``sandbox.pty``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from warmbox import operations as ops
+from warmbox.errors import InvalidArgument
+from warmbox.models import CommandResult
+from warmbox.sdk._sync import synchronize
+
+if TYPE_CHECKING:
+    from warmbox.sdk.sandbox import AsyncSandbox
+
+DEFAULT_SHELL = ["/bin/bash", "-i", "-l"]
+
+
+class AsyncPty:
+    """``sandbox.pty``: start terminals, and reach any of them by pid (from any client)."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sb = sandbox
+
+    async def create(
+        self,
+        cols: int = 80,
+        rows: int = 24,
+        *,
+        on_data: Callable[[bytes], object] | None = None,
+        cmd: str | list[str] | None = None,
+        envs: dict[str, str] | None = None,
+        cwd: str | None = None,
+        tag: str = "",
+    ) -> AsyncPtyHandle:
+        """A terminal of ``cols`` x ``rows`` running ``cmd`` (default: an interactive login bash)
+        with TERM=xterm-256color. Its output (raw bytes, escape sequences included) goes to
+        ``on_data`` as it comes. It runs until its process ends or is killed, whoever watches it."""
+        sb = self._sb
+        argv = DEFAULT_SHELL if cmd is None else cmd
+        pid = await sb._run(
+            ops.StartProcess(sb.sandbox_id, argv, envs=envs, cwd=cwd, tag=tag, pty_cols=cols, pty_rows=rows)
+        )
+        return await self.connect(pid, on_data=on_data)
+
+    async def connect(self, pid: int, *, on_data: Callable[[bytes], object] | None = None) -> AsyncPtyHandle:
+        """A handle on a running terminal: its output from what the sandbox still holds, then live."""
+        if on_data is not None and not callable(on_data):
+            raise InvalidArgument("on_data must be a callable")
+        stream = await self._sb._run(ops.ConnectProcess(self._sb.sandbox_id, pid, pty=True))
+        return AsyncPtyHandle(self._sb, pid, stream, on_data)
+
+    async def send_stdin(self, pid: int, data: str | bytes) -> None:
+        """Type into a terminal (text is UTF-8; b"\\x03" is Ctrl-C)."""
+        await self._sb._run(ops.SendStdin(self._sb.sandbox_id, pid, data))
+
+    async def resize(self, pid: int, cols: int, rows: int) -> None:
+        """A terminal's new size: its programs get SIGWINCH."""
+        await self._sb._run(ops.ResizePty(self._sb.sandbox_id, pid, cols, rows))
+
+    async def kill(self, pid: int) -> bool:
+        """End a terminal's process and everything it started; False if it was not running."""
+        return await self._sb._run(ops.KillProcess(self._sb.sandbox_id, pid))
+
+
+class AsyncPtyHandle:
+    """One terminal: ``pid``, ``send_input()``, ``resize()``, ``kill()``, ``wait()``; its output goes
+    to ``on_data`` (and is yielded as bytes by ``async for`` when no callback takes it)."""
+
+    def __init__(
+        self, sandbox: AsyncSandbox, pid: int, stream: ops.ProcessStream, on_data: Callable[[bytes], object] | None
+    ) -> None:
+        self._sb = sandbox
+        self._pid = pid
+        self._stream = stream
+        self._on_data = on_data
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=256)  # iteration, bounded
+        self._lost = 0
+        self._task = asyncio.ensure_future(self._pump())
+        self._task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    def __repr__(self) -> str:
+        return f"AsyncPtyHandle(pid={self._pid})"
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    @property
+    def exit_code(self) -> int | None:
+        result = self._stream.result
+        return None if result is None else result.exit_code
+
+    async def _pump(self) -> None:
+        try:
+            while (ev := await self._stream.next()) is not None:
+                if ev.kind == "lost":
+                    self._lost += ev.size
+                elif self._on_data is not None:
+                    self._on_data(ev.data)
+                elif self._queue.full():
+                    self._lost += len(ev.data)  # nobody iterates: keep the newest, never block
+                else:
+                    self._queue.put_nowait(ev.data)
+        finally:
+            if self._queue.full():
+                self._queue.get_nowait()
+            self._queue.put_nowait(None)
+
+    async def send_input(self, data: str | bytes) -> None:
+        """Type into the terminal (text is UTF-8)."""
+        await self._sb._run(ops.SendStdin(self._sb.sandbox_id, self._pid, data))
+
+    async def resize(self, cols: int, rows: int) -> None:
+        await self._sb._run(ops.ResizePty(self._sb.sandbox_id, self._pid, cols, rows))
+
+    async def kill(self) -> bool:
+        return await self._sb._run(ops.KillProcess(self._sb.sandbox_id, self._pid))
+
+    async def wait(self) -> CommandResult:
+        """Until its process ends: how it ended (the output went to on_data; stdout is empty)."""
+        await asyncio.shield(self._task)
+        result = self._stream.result
+        assert result is not None
+        return result
+
+    async def disconnect(self) -> None:
+        """Stop watching it; the terminal keeps running (``pty.connect(pid)`` again)."""
+        self._stream.cancel()
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+
+    def __aiter__(self) -> AsyncPtyHandle:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data = await self._queue.get()
+        if data is None:
+            self._queue.put_nowait(None)  # every later call ends too
+            self._task.result()  # its error, if it failed
+            raise StopAsyncIteration
+        return data
+
+
+Pty = synchronize(AsyncPty, "Pty")
+PtyHandle = synchronize(AsyncPtyHandle, "PtyHandle")
+
+__all__ = ["AsyncPty", "AsyncPtyHandle", "Pty", "PtyHandle"]
