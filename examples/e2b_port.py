@@ -49,7 +49,7 @@ for i, r in enumerate(ex.results):
     if r.png:
         open(f"{out}/chart{i}.png", "wb").write(base64.b64decode(r.png))
 server = sbx.commands.run("python3 -m http.server 8000", background=True, cwd="/home/user")
-host = sbx.get_host(8000, check=True)  # differs: check=True waits until the server listens
+host = sbx.get_host(8000)
 print(urllib.request.urlopen(f"http://{host}/data.csv").read().decode())  # differs: http, a loopback forward
 server.kill()
 sbx.kill()

@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import wait_for
 from warmbox import AsyncSandbox, InvalidArgument, PortNotListening, Sandbox, SandboxNotFound
+from warmbox.sdk.ports import CONNECT_WAIT_S
 
 SERVER = "cd /workspace && (python3 -m http.server {port} >/tmp/http-{port}.log 2>&1 &)"
 
@@ -77,6 +78,14 @@ def test_concurrent_connections_and_a_large_body(box):
 
 
 @pytest.mark.sandbox
+def test_a_connection_waits_for_a_server_still_starting(box):
+    box.files.write("/workspace/late.txt", "late")
+    host = box.get_host(8003)  # nothing listens yet
+    box.commands.run("cd /workspace && (sleep 1.5; python3 -m http.server 8003 >/dev/null 2>&1) >/dev/null 2>&1 &")
+    assert _http_get(host, "/late.txt") == (200, b"late")
+
+
+@pytest.mark.sandbox
 def test_unix_socket_forward(box):
     import os
     import stat
@@ -95,11 +104,13 @@ def test_nothing_listening_is_a_typed_error(box):
     with pytest.raises(PortNotListening, match="8123"):
         box.get_host(8123, check=True, timeout=1)
     assert time.monotonic() - t0 < 10
-    host = box.get_host(8124)  # no check: the forward exists, a connection is closed at once
+    host = box.get_host(8124)  # no check: the forward exists; a connection waits for a server, then closes
     addr, port = host.rsplit(":", 1)
+    t0 = time.monotonic()
     with socket.create_connection((addr, int(port)), timeout=10) as s:
-        s.settimeout(10)
+        s.settimeout(CONNECT_WAIT_S + 10)
         assert s.recv(1) == b""
+    assert CONNECT_WAIT_S - 0.5 < time.monotonic() - t0 < CONNECT_WAIT_S + 5
     with pytest.raises(InvalidArgument):
         box.get_host(0)
     with pytest.raises(InvalidArgument):

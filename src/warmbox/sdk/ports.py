@@ -2,8 +2,10 @@
 
 Each accepted connection becomes one ``ports.connect`` operation (a tunnel over the agent's
 connection, in process or through a server): the sandbox gets no network by it, and a forward
-reaches only the port it was made for. A forward ends with its sandbox (the first connection
-that finds the sandbox gone closes it) or when the Sandbox object closes or kills it.
+reaches only the port it was made for. A connection made while nothing listens yet waits up to
+CONNECT_WAIT_S for a server to start (a background command), then is closed. A forward ends with
+its sandbox (the first connection that finds the sandbox gone closes it) or when the Sandbox
+object closes or kills it.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 
 from warmbox import operations as ops
-from warmbox.errors import SandboxNotFound, SandboxStateError, WarmboxError
+from warmbox.errors import PortNotListening, SandboxNotFound, SandboxStateError, WarmboxError
 from warmbox.sdk.transport import Transport
 
 MAX_CONNECTIONS = 64  # per forward: a connection storm is refused beyond this, not queued
+CONNECT_WAIT_S = 5.0  # how long a connection waits for a server in the sandbox to listen on the port
 _READ = 256 << 10
 
 
@@ -66,13 +70,20 @@ class PortForward:
             writer.close()
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            stream = await self._transport.handle(ops.PortConnect(self.sandbox_id, self.port))
-        except (SandboxNotFound, SandboxStateError):
-            self._close_soon()  # the sandbox is gone (or paused): the forward goes with it
-            return
-        except WarmboxError:
-            return  # nothing listens (yet), or the agent is unreachable: this connection is refused
+        deadline = time.monotonic() + CONNECT_WAIT_S
+        while True:
+            try:
+                stream = await self._transport.handle(ops.PortConnect(self.sandbox_id, self.port))
+                break
+            except PortNotListening:
+                if time.monotonic() >= deadline:
+                    return  # still nothing listens: this connection is closed
+                await asyncio.sleep(0.1)  # a server still starting (a background command): wait for it
+            except (SandboxNotFound, SandboxStateError):
+                self._close_soon()  # the sandbox is gone (or paused): the forward goes with it
+                return
+            except WarmboxError:
+                return  # the agent is unreachable: this connection is closed
         try:
             up = asyncio.ensure_future(self._upstream(reader, stream))
             try:
@@ -122,4 +133,4 @@ class PortForward:
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
-__all__ = ["MAX_CONNECTIONS", "PortForward"]
+__all__ = ["CONNECT_WAIT_S", "MAX_CONNECTIONS", "PortForward"]

@@ -415,7 +415,8 @@ class AsyncSandbox:
         on the first call and kept until this object closes or the sandbox ends.
 
         check: first wait up to ``timeout`` seconds for something to listen on ``port``
-        (PortNotListening otherwise). Without it, a connection while nothing listens is closed.
+        (PortNotListening otherwise). Without it, a connection made while nothing listens waits
+        up to 5 s for a server to start, then is closed.
         """
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise InvalidArgument(f"port must be a TCP port number (1..65535), got {port!r}")
