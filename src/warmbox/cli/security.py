@@ -124,6 +124,14 @@ GUARANTEES: tuple[Guarantee, ...] = (
     ),
     Guarantee(
         "crashes",
+        "A flood of file events under files.watch_dir with a slow callback waits in the sandbox "
+        "(a window of acknowledged events; its kernel drops the excess), not in host memory, and "
+        "stop() ends the watch at once.",
+        ("container",),
+        ("test_files_watch_flood.py::test_an_event_flood_with_a_slow_callback_keeps_host_memory_small",),
+    ),
+    Guarantee(
+        "crashes",
         "Filling /tmp, /home/user and /dev/shm gets ENOSPC; the agent and the sandbox live.",
         _ALL,
         (
