@@ -34,6 +34,8 @@ def test_exported_members():
             "SandboxError",
             "SandboxInfo",
             "SandboxNotFound",
+            "SandboxPaused",
+            "Lifecycle",
             "SandboxQuery",
             "SandboxStartError",
             "SandboxStateError",

@@ -383,6 +383,9 @@ def _limits(t: dict, source: str, env_keys: frozenset[str], host: HostCapacity |
     )
 
 
+PAUSED_RETENTION_S = 7 * 24 * 3600.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     source: str  # the file read, or "built-in defaults"
@@ -390,6 +393,7 @@ class Settings:
     templates: dict[str, Template]
     pools: dict[str, PoolConfig]
     daemon_idle_exit_s: float = 10.0
+    paused_retention_s: float = PAUSED_RETENTION_S  # [lifecycle] paused_retention: then deleted
     network: NetworkSettings = NetworkSettings()
     microvm: MicroVMSettings = MicroVMSettings()
     limits: LimitSettings = None  # type: ignore[assignment]  # None: [limits] defaults of this host
@@ -492,7 +496,7 @@ def parse(
 ) -> Settings:
     """env_keys: [limits] keys that came from WARMBOX_LIMITS__*; host: capacity to bound limits by
     (default: this host's)."""
-    known = {"defaults", "templates", "pools", "daemon", "network", "microvm", "limits", "server"}
+    known = {"defaults", "templates", "pools", "daemon", "network", "microvm", "limits", "server", "lifecycle"}
     for k in raw:
         if k not in known:
             raise ConfigError(f"{source}: unknown section [{k}] (known: {', '.join(sorted(known))})")
@@ -579,12 +583,17 @@ def parse(
             raise ConfigError(f"{source}: pools {other} and {pool.name} have the same tier, template and limits")
     dm = _table(raw, "daemon", source)
     _only(dm, {"idle_exit"}, "daemon", source)
+    lc = _table(raw, "lifecycle", source)
+    _only(lc, {"paused_retention"}, "lifecycle", source)
     return Settings(
         source=source,
         defaults=defaults,
         templates=templates,
         pools=pools,
         daemon_idle_exit_s=_num(dm.get("idle_exit", 10.0), "daemon.idle_exit", source, 0.1, 86400),
+        paused_retention_s=_num(
+            lc.get("paused_retention", PAUSED_RETENTION_S), "lifecycle.paused_retention", source, 1.0, 365 * 86400.0
+        ),
         network=_network(_table(raw, "network", source), source),
         microvm=_microvm(_table(raw, "microvm", source), source),
         limits=maxima,

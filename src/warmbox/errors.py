@@ -9,6 +9,7 @@ WarmboxError
 ├── SandboxError                        something about one sandbox (``sandbox_id``)
 │   ├── SandboxNotFound                 unknown id, or the sandbox was destroyed
 │   ├── SandboxStateError               operation illegal in the sandbox's current state
+│   │   └── SandboxPaused                   the sandbox is paused (and not created to auto-resume)
 │   ├── SandboxStartError               the backend failed to bring the sandbox up
 │   ├── GuestConnectionError            the guest agent cannot be reached / went away
 │   ├── GuestProtocolError              the guest sent something outside the protocol
@@ -104,6 +105,11 @@ class SandboxNotFound(SandboxError):
 
 class SandboxStateError(SandboxError):
     pass
+
+
+class SandboxPaused(SandboxStateError):
+    """The sandbox is paused (by pause(), its idle time or its timeout) and was not created with
+    ``Lifecycle(auto_resume=True)``: ``Sandbox.connect(id)`` or ``resume(id)`` runs it again."""
 
 
 class SandboxStartError(SandboxError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from typing import Literal
 
 from warmbox.errors import InvalidArgument
 
@@ -127,10 +128,59 @@ class SandboxInfo:
     claimed_at: float = 0.0  # unix seconds it was handed out of the pool (0 when cold)
     parent_snapshot: str = ""  # the snapshot it was restored or forked from ("" when created)
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)  # given at create (E2B's metadata)
+    lifecycle: Lifecycle = dataclasses.field(default_factory=lambda: Lifecycle())  # given at create
 
     @property
     def from_pool(self) -> bool:
         return bool(self.pool)
+
+
+MAX_IDLE_PAUSE_AFTER_S = 7 * 24 * 3600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Lifecycle:
+    """What happens to a sandbox nobody uses (E2B's auto-pause), given at create.
+
+    on_timeout: "kill" (default) destroys it when its timeout runs out; "pause" pauses it instead
+        (a snapshot in the object store; nothing runs, nothing is held), kept for ``[lifecycle]
+        paused_retention`` seconds of warmbox.toml, then deleted with its snapshots.
+    idle_pause_after: seconds without an SDK operation on it (commands, code, files, ports,
+        connect: engine/front.py's ``USE``) after which the daemon pauses it; None: never.
+    auto_resume: the next such operation on the paused sandbox resumes it first, transparently
+        (its timings gain ``resume``); False: those operations raise ``SandboxPaused``.
+        ``connect`` and ``resume`` resume a paused sandbox either way.
+    """
+
+    on_timeout: Literal["kill", "pause"] = "kill"
+    idle_pause_after: float | None = None
+    auto_resume: bool = False
+
+    @property
+    def pauses(self) -> bool:
+        """Whether anything but an explicit pause() can pause the sandbox."""
+        return self.on_timeout == "pause" or self.idle_pause_after is not None
+
+
+def validate_lifecycle(lifecycle: object) -> Lifecycle:
+    """A create's lifecycle (None: the default, kill on timeout), checked (InvalidArgument)."""
+    if lifecycle is None:
+        return Lifecycle()
+    if not isinstance(lifecycle, Lifecycle):
+        raise InvalidArgument(f"lifecycle must be a warmbox.Lifecycle, got {type(lifecycle).__name__}")
+    if lifecycle.on_timeout not in ("kill", "pause"):
+        raise InvalidArgument(f"lifecycle.on_timeout must be 'kill' or 'pause', got {lifecycle.on_timeout!r}")
+    idle = lifecycle.idle_pause_after
+    if idle is not None:
+        _positive("lifecycle.idle_pause_after", idle)
+        if idle > MAX_IDLE_PAUSE_AFTER_S:
+            raise InvalidArgument(
+                f"lifecycle.idle_pause_after must be at most {MAX_IDLE_PAUSE_AFTER_S:.0f} seconds "
+                f"(or None), got {idle!r}"
+            )
+    if not isinstance(lifecycle.auto_resume, bool):
+        raise InvalidArgument(f"lifecycle.auto_resume must be True or False, got {lifecycle.auto_resume!r}")
+    return lifecycle
 
 
 MAX_METADATA_ENTRIES = 64

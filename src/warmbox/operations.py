@@ -21,6 +21,7 @@ from warmbox.models import (
     EntryInfo,
     Execution,
     FilesystemEvent,
+    Lifecycle,
     Limits,
     NetEvent,
     PoolStatus,
@@ -227,6 +228,7 @@ class Create(Request[Opened]):
     network: object = "none"  # "none", "internet" or a warmbox.Network
     secrets: dict[str, Any] | None = None  # name -> warmbox.Secret
     metadata: dict[str, str] | None = None  # shown in get_info(), matched by list(query=)
+    lifecycle: Lifecycle | None = None  # auto-pause: on timeout, when idle; auto-resume
 
 
 @dataclasses.dataclass(frozen=True)

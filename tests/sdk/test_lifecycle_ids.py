@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tests.conftest import wait_for
-from warmbox import Limits, Sandbox, SandboxNotFound, State
+from warmbox import Lifecycle, Limits, Sandbox, SandboxNotFound, SandboxPaused, State
 from warmbox.engine.engine import Engine
 
 
@@ -85,3 +85,20 @@ def test_a_memory_pause_resumes_under_the_same_id(home, runc_ready, tier):
             assert back.timings["resume"] > 0
     finally:
         sb.kill()
+
+
+@pytest.mark.sandbox
+def test_an_idle_pause_and_its_auto_resume_work_through_any_transport(home, runc_ready):
+    keep = Sandbox.create(template="shell", timeout=120, lifecycle=Lifecycle(idle_pause_after=1, auto_resume=True))
+    stay = Sandbox.create(template="shell", timeout=120, lifecycle=Lifecycle(idle_pause_after=1))
+    try:
+        keep.files.write("kept.txt", "v")
+        for sb in (keep, stay):
+            wait_for(lambda sb=sb: sb.get_info().state is State.PAUSED, 30, "the idle pause")
+        assert keep.files.read("kept.txt") == "v"  # resumed by the call
+        assert keep.get_info().state in (State.READY, State.RUNNING) and keep.get_timings()["resume"] > 0
+        with pytest.raises(SandboxPaused, match="paused"):
+            stay.commands.run("true")
+    finally:
+        keep.kill()
+        stay.kill()

@@ -21,8 +21,16 @@ from warmbox.config import PoolConfig, Settings, Template
 from warmbox.engine import egress, provision
 from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession
-from warmbox.errors import BackendUnavailable, GuestConnectionError, InvalidArgument, SandboxNotFound, WarmboxError
-from warmbox.lifecycle import EXPIRED, LIVE, Operation, check, gone
+from warmbox.errors import (
+    BackendUnavailable,
+    GuestConnectionError,
+    InvalidArgument,
+    SandboxNotFound,
+    SandboxPaused,
+    SnapshotUnsupported,
+    WarmboxError,
+)
+from warmbox.lifecycle import EXPIRED, LIVE, RETENTION_EXPIRED, Operation, check, gone
 from warmbox.models import (
     BackendHandle,
     Limits,
@@ -327,13 +335,54 @@ class Engine:
         ended = self.registry.ended_reason(info.sandbox_id) if info.state is State.DESTROYED else ""
         check(op, info.state, info.sandbox_id, ended)
 
+    def paused_error(self, sandbox_id: str) -> SandboxPaused:
+        """The error for an operation on a paused sandbox that does not resume by itself."""
+        why = self.registry.ended_reason(sandbox_id)
+        return SandboxPaused(
+            f"sandbox {sandbox_id} is paused ({why or 'paused'}); Sandbox.connect(id) or resume(id) runs it "
+            "again (or create it with lifecycle=Lifecycle(auto_resume=True))",
+            sandbox_id,
+        )
+
+    async def expire(self, info: SandboxInfo) -> None:
+        """A usable sandbox whose timeout ran out: paused (``Lifecycle(on_timeout="pause")``, if the
+        pause works) or destroyed. Always raises: SandboxPaused, or SandboxNotFound saying it expired."""
+        if info.lifecycle.on_timeout == "pause":
+            try:
+                await self.auto_pause(info.sandbox_id, "its timeout ran out")
+            except WarmboxError:
+                pass  # the timeout is a hard limit: destroyed below
+            else:
+                raise self.paused_error(info.sandbox_id)
+        try:
+            await self.destroy(info.sandbox_id, EXPIRED)
+        except SandboxNotFound:
+            pass
+        raise gone(info.sandbox_id, EXPIRED)
+
+    async def auto_pause(self, sandbox_id: str, why: str) -> None:
+        """Pause a sandbox no caller asked to pause (idle, or its timeout ran out): with its memory
+        where the tier can, else (or if that is refused, e.g. sockets in /workspace) its files."""
+        from warmbox.engine import snapshot
+
+        info, _ = self.info(sandbox_id)
+        parent = self.registry.parent(sandbox_id)
+        if self.backend(info.tier).capabilities().memory_snapshot:
+            try:
+                await snapshot.pause(self, sandbox_id, None, memory=True, parent=parent, why=why)
+                return
+            except SnapshotUnsupported:
+                pass
+        await snapshot.pause(self, sandbox_id, None, memory=False, parent=parent, why=why)
+
     async def open(self, sandbox_id: str) -> Launched:
         """Connect to a live sandbox by id (from any process)."""
         info, handle = self.info(sandbox_id)
+        if info.state is State.PAUSED:
+            raise self.paused_error(sandbox_id)
         self.check(Operation.EXEC, info)
         if info.expires_at <= time.time():
-            await self.destroy(sandbox_id, EXPIRED)
-            raise gone(sandbox_id, EXPIRED)
+            await self.expire(info)
         self.ensure_daemon()  # a live sandbox has a reaper (one flock probe when it runs)
         try:
             session = await provision.connect(self.backend(info.tier), handle)
@@ -500,8 +549,9 @@ class Engine:
         from warmbox.engine import snapshot
 
         await snapshot.recover(self)
+        reaped = await self.lifecycle_duties()
         now = time.time()
-        reaped = await self._reap_template_vms()
+        reaped += await self._reap_template_vms()
         orphans = {sid for sid, owner in self.registry.creating_with_owner() if owner and not owner_alive(owner)}
         for info, _ in self.registry.list(include_pooled=True):
             if info.state in (State.CREATING, State.RETIRING) and info.sandbox_id not in orphans:
@@ -510,6 +560,19 @@ class Engine:
                 expired = now - info.created_at > CREATE_DEADLINE_S
             else:
                 expired = info.state in LIVE and info.expires_at <= now
+            if (
+                expired
+                and info.state in (State.READY, State.RUNNING)
+                and info.lifecycle.on_timeout == "pause"
+                and info.sandbox_id not in orphans
+            ):
+                try:
+                    await self.expire(info)  # paused (or, if that fails, destroyed): it always raises
+                except (SandboxPaused, SandboxNotFound):  # paused, or (its pause failed) destroyed
+                    reaped.append(info.sandbox_id)
+                except Exception:
+                    pass
+                continue
             if expired or info.state is State.FAILED or info.sandbox_id in orphans:
                 why = (
                     ("retirer process died" if info.state is State.RETIRING else "creator process died")
@@ -540,6 +603,44 @@ class Engine:
                 except Exception:
                     continue
         return reaped
+
+    def _retention(self) -> float:
+        try:
+            return self.settings().paused_retention_s
+        except WarmboxError:  # a broken config must not stop the duties
+            return config.PAUSED_RETENTION_S
+
+    async def lifecycle_duties(self) -> builtins.list[str]:
+        """Pause the sandboxes idle past their ``idle_pause_after``; delete the sandboxes paused
+        longer than ``[lifecycle] paused_retention``, with their snapshots (a timeout with
+        ``on_timeout="pause"`` is the reaper's: see ``expire``). Returns the ids acted on."""
+        from warmbox.engine import snapshot
+
+        idle, expired = self.registry.lifecycle_due(time.time(), self._retention())
+        done = []
+        for sid in idle:
+            try:
+                await self.auto_pause(sid, "idle")
+                done.append(sid)
+            except Exception:  # tried again after another idle period
+                try:
+                    self.registry.touch(sid, time.time())
+                except WarmboxError:
+                    pass
+        for sid in expired:
+            try:
+                for snap in self.registry.snapshots_of(sid):
+                    snapshot.delete(self, snap)
+                if await self.destroy(sid, RETENTION_EXPIRED):
+                    done.append(sid)
+            except Exception:  # retried next round
+                continue
+        if expired:
+            try:
+                await snapshot.gc(self)  # their blobs, unless another snapshot shares them
+            except Exception:
+                pass
+        return done
 
     # ---- template VMs in the making (snapshot.template_snapshot)
     #
@@ -630,8 +731,12 @@ class Engine:
         return False
 
     def next_expiry(self) -> float | None:
-        live = [i.expires_at for i in self.holding()]
-        return min(live) if live else None
+        """The next moment the daemon has work: a timeout, an idle pause, a paused sandbox's end."""
+        found = [i.expires_at for i in self.holding()]
+        duty = self.registry.next_lifecycle_deadline(self._retention())
+        if duty is not None:
+            found.append(duty)
+        return min(found) if found else None
 
     def ensure_daemon(self) -> None:
         """Start this home's daemon (reaper, pools, meters) unless one runs (it holds an flock).

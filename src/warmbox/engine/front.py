@@ -36,16 +36,18 @@ from warmbox.errors import (
     GuestConnectionError,
     InvalidArgument,
     SandboxNotFound,
+    SandboxPaused,
     UnsupportedLanguage,
     WarmboxError,
 )
-from warmbox.lifecycle import EXPIRED, Operation, gone
+from warmbox.lifecycle import Operation
 from warmbox.models import (
     LANGUAGE_ALIASES,
     ApprovalRequest,
     CommandResult,
     EntryInfo,
     Execution,
+    Lifecycle,
     NetEvent,
     PoolStatus,
     ProcessInfo,
@@ -57,6 +59,7 @@ from warmbox.models import (
     Tenant,
     TierStatus,
     WriteEntry,
+    validate_lifecycle,
     validate_metadata,
     validate_query,
 )
@@ -64,6 +67,61 @@ from warmbox.operations import sandbox_path
 from warmbox.storage.registry import unknown_sandbox
 
 R = TypeVar("R")
+BUSY_AHEAD_S = 3600.0  # while an operation runs, its sandbox's last use is recorded this far ahead
+
+# The operations that count as use of a sandbox: each one resets the sandbox's idle time
+# (Lifecycle.idle_pause_after) and, on a paused sandbox created with Lifecycle(auto_resume=True),
+# resumes it first (else SandboxPaused). An operation that works inside a sandbox belongs here;
+# every other one naming a sandbox is in NOT_USE (tests/engine/test_autopause.py holds the two
+# to cover every such operation).
+USE: frozenset[type[Any]] = frozenset(
+    {
+        ops.Connect,
+        ops.Ping,
+        ops.Exec,
+        ops.StartProcess,
+        ops.ConnectProcess,
+        ops.SendStdin,
+        ops.KillProcess,
+        ops.ListProcesses,
+        ops.ResizePty,
+        ops.RunCode,
+        ops.CreateContext,
+        ops.RemoveContext,
+        ops.ReadFile,
+        ops.ReadFileStream,
+        ops.WriteFile,
+        ops.WriteFileStream,
+        ops.WriteFiles,
+        ops.Rename,
+        ops.UploadDir,
+        ops.DownloadDir,
+        ops.ListDir,
+        ops.Stat,
+        ops.MakeDir,
+        ops.Remove,
+        ops.WatchDir,
+        ops.UpdateNetwork,
+        ops.PortConnect,
+    }
+)
+# naming a sandbox without using it: records, costs, logs, and the lifecycle's own operations
+NOT_USE: frozenset[type[Any]] = frozenset(
+    {
+        ops.Detach,
+        ops.Info,
+        ops.Timings,
+        ops.Logs,
+        ops.Kill,
+        ops.SetTimeout,
+        ops.Metrics,
+        ops.RecordFirstCommand,
+        ops.Snapshot,
+        ops.Pause,
+        ops.NetworkPolicy,
+        ops.NetworkLog,
+    }
+)
 REATTACH_S = 15.0  # after a failed memory pause, how long the agent may take to listen again
 
 
@@ -183,6 +241,8 @@ class EngineFront:
         self.tenant = tenant
         self._owned: set[str] = set()  # ids checked to be this tenant's (a sandbox's tenant never changes)
         self._sessions: dict[str, GuestSession] = {}
+        self._lifecycles: dict[str, Lifecycle] = {}
+        self._in_use: dict[str, int] = {}
         self._first_done: set[str] = set()
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[Any]]] = {
             ops.Create: self.create,
@@ -242,6 +302,8 @@ class EngineFront:
             raise InvalidArgument(f"not an operation: {type(request).__name__}")
         if self.tenant is not None:
             self._scope(request, self.tenant)
+        if type(request) in USE and isinstance(cast(Any, request).sandbox_id, str):
+            return cast(R, await self._use(request, handler))
         try:
             return cast(R, await handler(request))
         except GuestConnectionError:
@@ -249,20 +311,73 @@ class EngineFront:
                 await self._lost(cast(Any, request).sandbox_id)
             raise
 
+    async def _use(self, request: ops.Request[Any], handler: Callable[[Any], Awaitable[Any]]) -> Any:
+        """An operation of ``USE``: a paused sandbox is resumed first if it was created to
+        (``Lifecycle.auto_resume``; else SandboxPaused), and its idle time counts from its end."""
+        sid: str = cast(Any, request).sandbox_id
+        lifecycle = self._lifecycle(sid)
+        connect = isinstance(request, ops.Connect)  # resumes a paused sandbox itself, whatever its lifecycle
+        if not connect and not self._live(sid) and self.engine.info(sid)[0].state is State.PAUSED:
+            if not lifecycle.auto_resume:
+                raise self.engine.paused_error(sid)
+            await self.resume(ops.Resume(sid))
+        idle_counted = lifecycle.idle_pause_after is not None
+        if idle_counted:
+            self._busy(sid, +1)
+        try:
+            for attempt in (1, 2):
+                try:
+                    return await handler(request)
+                except GuestConnectionError:
+                    await self._lost(sid)  # a typed error if it ended or was paused meanwhile
+                    raise
+                except SandboxPaused:  # paused under it (its timeout, or idle in another client's view)
+                    if attempt == 2 or connect or not lifecycle.auto_resume:
+                        raise
+                    await self.resume(ops.Resume(sid))
+            raise AssertionError("unreachable")
+        finally:
+            if idle_counted:
+                self._busy(sid, -1)
+
+    def _lifecycle(self, sandbox_id: str) -> Lifecycle:
+        """A sandbox's lifecycle (fixed at its create: read once per front)."""
+        got = self._lifecycles.get(sandbox_id)
+        if got is None:
+            got = self._lifecycles[sandbox_id] = self.engine.info(sandbox_id)[0].lifecycle
+        return got
+
+    def _live(self, sandbox_id: str) -> bool:
+        s = self._sessions.get(sandbox_id)
+        return s is not None and not s.closed
+
+    def _busy(self, sandbox_id: str, delta: int) -> None:
+        """Count this front's operations on a sandbox; while any runs it is not idle (its last use
+        is recorded an hour ahead), and its idle time starts when the last one ends."""
+        n = self._in_use.get(sandbox_id, 0) + delta
+        if n > 0:
+            self._in_use[sandbox_id] = n
+        else:
+            self._in_use.pop(sandbox_id, None)
+        if (delta > 0 and n == 1) or n <= 0:
+            try:
+                self.engine.registry.touch(sandbox_id, time.time() + (BUSY_AHEAD_S if n > 0 else 0.0))
+            except WarmboxError:
+                pass  # a busy registry must not fail the user's operation
+
     async def _lost(self, sandbox_id: str) -> None:
-        """The connection to a sandbox broke: if that is because the sandbox ended (its timeout
-        ran out, it was killed or paused meanwhile), raise that typed error instead."""
+        """The connection to a sandbox broke: if that is because the sandbox ended or was paused
+        (its timeout ran out, it was killed or paused meanwhile), raise that typed error instead."""
         try:
             info, _ = self.engine.info(sandbox_id)
         except WarmboxError:
             return
         if info.state in (State.READY, State.RUNNING) and info.expires_at <= time.time():
             await self._drop(sandbox_id)
-            try:
-                await self.engine.destroy(sandbox_id, EXPIRED)
-            except WarmboxError:
-                pass
-            raise gone(sandbox_id, EXPIRED) from None
+            await self.engine.expire(info)
+        if info.state is State.PAUSED:
+            await self._drop(sandbox_id)
+            raise self.engine.paused_error(sandbox_id) from None
         if info.state not in (State.READY, State.RUNNING):
             await self._drop(sandbox_id)
             self.engine.check(Operation.EXEC, info)
@@ -350,10 +465,14 @@ class EngineFront:
 
     async def create(self, r: ops.Create) -> ops.Opened:
         metadata = validate_metadata(r.metadata)  # before any work
+        lifecycle = validate_lifecycle(r.lifecycle)
         got = await self._create(r)
-        if metadata:
+        if metadata or lifecycle != Lifecycle():
             try:
-                self.engine.registry.set_metadata(got.sandbox_id, metadata)
+                if metadata:
+                    self.engine.registry.set_metadata(got.sandbox_id, metadata)
+                if lifecycle != Lifecycle():
+                    self.engine.registry.set_lifecycle(got.sandbox_id, lifecycle)
                 got.info, _ = self.engine.info(got.sandbox_id)
             except BaseException:
                 await got.session.close()
@@ -395,7 +514,10 @@ class EngineFront:
             if info.expires_at > time.time():
                 self.engine.check(Operation.EXEC, info)
                 return ops.Opened(info, tuple(self.engine.registry.timings(r.sandbox_id)))
-        return await self._hold(await self.engine.open(r.sandbox_id))
+        try:
+            return await self._hold(await self.engine.open(r.sandbox_id))
+        except SandboxPaused:  # its timeout ran out and it was paused (Lifecycle(on_timeout="pause")) just now
+            return await self.resume(ops.Resume(r.sandbox_id))
 
     async def resume(self, r: ops.Resume) -> ops.Opened:
         got = await snapshots.resume(self.engine, r.snapshot, timeout=r.timeout, envs=r.envs, tenant=self.tenant)

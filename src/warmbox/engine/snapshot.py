@@ -423,8 +423,10 @@ async def pause(
     memory: bool = False,
     parent: str = "",
     env_names: tuple[str, ...] = (),
+    why: str = "",
 ) -> snaps.SnapshotManifest:
-    """Snapshot, then release every resource; the sandbox is ``paused`` until resumed."""
+    """Snapshot, then release every resource; the sandbox is ``paused`` until resumed.
+    why: recorded with the transition (an automatic pause says what caused it)."""
     _pausing[sandbox_id] = True
     try:
         m = await snapshot(engine, sandbox_id, session, memory=memory, parent=parent, env_names=env_names)
@@ -432,16 +434,17 @@ async def pause(
         _pausing.pop(sandbox_id, None)
     if session is not None:
         await session.close()
-    await _release_paused(engine, sandbox_id, m)
+    await _release_paused(engine, sandbox_id, m, why)
     return m
 
 
-async def _release_paused(engine: Engine, sandbox_id: str, m: snaps.SnapshotManifest) -> None:
+async def _release_paused(engine: Engine, sandbox_id: str, m: snaps.SnapshotManifest, why: str = "") -> None:
     """The snapshot is complete: record the pause first, then release. A process killed in
     between leaves a paused sandbox whose leftovers the daemon releases (its pauser is dead)."""
     info, handle = engine.info(sandbox_id)
     await engine._read_meters(info, handle, None)
-    engine.registry.set_state(sandbox_id, State.PAUSED, f"paused to {m.snapshot_id}", owner=engine.owner)
+    reason = f"paused to {m.snapshot_id}" + (f" ({why})" if why else "")
+    engine.registry.set_state(sandbox_id, State.PAUSED, reason, owner=engine.owner)
     engine.registry.finalize(sandbox_id)
     await engine.backend(info.tier).destroy(handle)
     from warmbox.engine import egress

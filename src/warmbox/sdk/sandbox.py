@@ -20,6 +20,7 @@ from warmbox.models import (
     ApprovalRequest,
     Execution,
     ExecutionError,
+    Lifecycle,
     Limits,
     Result,
     SandboxInfo,
@@ -28,6 +29,7 @@ from warmbox.models import (
     SnapshotRef,
     StageTiming,
     State,
+    validate_lifecycle,
     validate_metadata,
     validate_query,
 )
@@ -140,6 +142,7 @@ class AsyncSandbox:
         secrets: dict[str, Any] | None = None,
         on_approval: Callable[[ApprovalRequest], object] | None = None,
         metadata: dict[str, str] | None = None,
+        lifecycle: Lifecycle | None = None,
         home: str | Path | None = None,
         transport: Transport | None = None,
         api_url: str | None = None,
@@ -167,6 +170,12 @@ class AsyncSandbox:
             The connection waits for it (network.approval_timeout, then denied).
         metadata: your own string keys and values (at most 64 entries, 16 KiB), shown in
             ``get_info().metadata`` and matched by ``list(query=SandboxQuery(metadata=...))``.
+        lifecycle: Lifecycle(on_timeout="kill"|"pause", idle_pause_after=seconds|None,
+            auto_resume=bool): pause it (to the object store; nothing runs or is held) when its
+            timeout runs out or it was not used for idle_pause_after seconds; with auto_resume
+            the next operation on it resumes it (``get_timings()["resume"]``), else that
+            operation raises SandboxPaused. Paused sandboxes are deleted after ``[lifecycle]
+            paused_retention`` (warmbox.toml).
         home: the warmbox home of the in-process engine (default: WARMBOX_HOME).
         api_url, api_key: a warmbox server (``warmbox serve``: ``http(s)://host:port`` or
             ``unix:/path``) and its key; default WARMBOX_API_URL / WARMBOX_API_KEY when no home is
@@ -176,6 +185,8 @@ class AsyncSandbox:
             raise InvalidArgument("on_approval must be a callable")
         if metadata is not None:
             validate_metadata(metadata)  # the same check as the engine's, before the wire's JSON
+        if lifecycle is not None:
+            validate_lifecycle(lifecycle)
         t = _transport(transport, home, api_url, api_key)
         snap = _snapshot_id(from_snapshot) if from_snapshot is not None else None
         sb = await cls._open(
@@ -192,6 +203,7 @@ class AsyncSandbox:
                 network=network,
                 secrets=secrets,
                 metadata=metadata,
+                lifecycle=lifecycle,
             ),
             tuple(envs or ()),
         )
@@ -336,6 +348,12 @@ class AsyncSandbox:
 
     async def get_info(self) -> SandboxInfo:
         return await self._transport.handle(ops.Info(self.sandbox_id))
+
+    async def get_timings(self) -> dict[str, float]:
+        """Every stage timing the engine recorded for this sandbox, ms (``timings`` holds those of
+        this object's start): also ``resume``, the last resume's (an automatic one's too)."""
+        stages = await self._transport.handle(ops.Timings(self.sandbox_id))
+        return {t.stage: t.duration_ms for t in stages}
 
     async def is_running(self) -> bool:
         if self._killed:

@@ -24,6 +24,7 @@ from warmbox.lifecycle import LIVE, check_transition
 from warmbox.models import (
     BackendHandle,
     KeyInfo,
+    Lifecycle,
     Limits,
     NetEvent,
     PoolEvent,
@@ -219,7 +220,8 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
 )
 _COLUMNS = (
     "sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
-    "runtime_id, state_dir, socket_path, pool, claimed_at, parent_snapshot, metadata"
+    "runtime_id, state_dir, socket_path, pool, claimed_at, parent_snapshot, metadata, "
+    "on_timeout, idle_pause_after, auto_resume"
 )
 
 GIB = float(1 << 30)
@@ -543,6 +545,56 @@ class Registry:
                 (json.dumps(metadata, sort_keys=True, ensure_ascii=False), sandbox_id),
             )
 
+    def set_lifecycle(self, sandbox_id: str, lifecycle: Lifecycle) -> None:
+        """A sandbox's lifecycle policy (checked by the engine: models.validate_lifecycle)."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE sandboxes SET on_timeout=?, idle_pause_after=?, auto_resume=?, last_used=? WHERE sandbox_id=?",
+                (
+                    lifecycle.on_timeout,
+                    lifecycle.idle_pause_after or 0.0,
+                    int(lifecycle.auto_resume),
+                    time.time(),
+                    sandbox_id,
+                ),
+            )
+
+    def touch(self, sandbox_id: str, until: float) -> None:
+        """The sandbox is used until ``until`` (unix seconds): its idle time counts from then."""
+        with self._tx() as db:
+            db.execute("UPDATE sandboxes SET last_used=? WHERE sandbox_id=?", (until, sandbox_id))
+
+    def lifecycle_due(self, now: float, retention_s: float) -> tuple[builtins.list[str], builtins.list[str]]:
+        """What the lifecycle duties owe now: ([sandbox_id] idle past their idle_pause_after, to
+        pause; [sandbox_id] paused longer than ``retention_s``, to delete). Timeouts are the reaper's."""
+        usable = (State.READY.value, State.RUNNING.value)
+        rows = self._read(
+            f"SELECT sandbox_id FROM sandboxes WHERE state IN {_in(usable)} AND idle_pause_after>0 "
+            "AND last_used+idle_pause_after<=? AND expires_at>? ORDER BY created_at",
+            (*usable, now, now),
+            many=True,
+        )
+        old = self._read(
+            "SELECT sandbox_id FROM sandboxes WHERE state=? AND ended_at>0 AND ended_at+?<=? ORDER BY ended_at",
+            (State.PAUSED.value, retention_s, now),
+            many=True,
+        )
+        return [r[0] for r in rows], [r[0] for r in old]
+
+    def next_lifecycle_deadline(self, retention_s: float) -> float | None:
+        """The earliest moment a lifecycle duty falls due (an idle pause, a paused sandbox's end)."""
+        usable = (State.READY.value, State.RUNNING.value)
+        idle = self._read(
+            "SELECT MIN(last_used+idle_pause_after) FROM sandboxes "
+            f"WHERE state IN {_in(usable)} AND idle_pause_after>0",
+            usable,
+        )
+        paused = self._read(
+            "SELECT MIN(ended_at+?) FROM sandboxes WHERE state=? AND ended_at>0", (retention_s, State.PAUSED.value)
+        )
+        found = [v for v in (idle[0] if idle else None, paused[0] if paused else None) if v is not None]
+        return min(found) if found else None
+
     def timeout_of(self, sandbox_id: str) -> float:
         """The lifetime a sandbox was given at its start (0: unknown, a row from before version 7)."""
         row = self._read("SELECT timeout_s FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
@@ -785,6 +837,9 @@ class Registry:
             claimed_at,
             parent,
             metadata,
+            on_timeout,
+            idle_pause_after,
+            auto_resume,
         ) = r
         info = SandboxInfo(
             sandbox_id=sid,
@@ -800,6 +855,11 @@ class Registry:
             claimed_at=claimed_at,
             parent_snapshot=parent or "",
             metadata=_metadata(metadata),
+            lifecycle=Lifecycle(
+                on_timeout="pause" if on_timeout == "pause" else "kill",
+                idle_pause_after=idle_pause_after if idle_pause_after and idle_pause_after > 0 else None,
+                auto_resume=bool(auto_resume),
+            ),
         )
         handle = BackendHandle(
             sandbox_id=sid,
