@@ -253,3 +253,65 @@ def test_a_hostile_server_cannot_split_or_script_the_preview(home, runc_ready):
             assert get("/ok")[0] == 200  # the server (and the route) still serve
     finally:
         assert server.stop() == 0, server.output()
+
+
+def _rss_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_a_tunnel_client_flooding_a_server_that_never_reads_holds_bounded_server_memory(home, runc_ready):
+    """A tenant's WebSocket pushing data at a sandbox server that never reads: the API server holds
+    at most the tunnel's window and a few messages (its reads stop), and an oversized message ends
+    the WebSocket."""
+    import aiohttp
+
+    from tests.conftest import start_server
+    from warmbox import api
+    from warmbox import operations as ops
+    from warmbox.engine.engine import Engine
+
+    server = start_server(home, home / "ports-flood.sock")
+    try:
+        _k, key = Engine.for_home(home).registry.create_key("port-flood")
+        with Sandbox.create("container", timeout=300, pool=False, api_url=server.url, api_key=key) as sb:
+            sb.commands.run(
+                '(python3 -c \'import socket,time; s=socket.socket(); s.bind(("127.0.0.1", 8000)); s.listen(4); '
+                "c=s.accept(); time.sleep(600)' >/dev/null 2>&1 &)"
+            )
+            sb.get_host(8000, check=True, timeout=20)
+            path = api.BY_OP[ops.Op.PORTS_CONNECT].path.format(sandbox_id=sb.sandbox_id)
+
+            async def flood() -> tuple[int, int, object]:
+                async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as session:
+                    base = _rss_kib(server.proc.pid)
+                    sent = 0
+                    async with session.ws_connect(f"{server.url}{path}", params={"port": "8000"}) as ws:
+                        assert (await ws.receive(timeout=30)).data == '{"ok":true}'
+                        chunk = bytes(1 << 20)  # the largest message the server takes
+                        try:
+                            async with asyncio.timeout(8):
+                                while sent < (1 << 30):
+                                    await ws.send_bytes(chunk)
+                                    sent += len(chunk)
+                        except TimeoutError:
+                            pass  # the sends stopped: the server no longer reads
+                        peak = _rss_kib(server.proc.pid) - base
+                    async with session.ws_connect(f"{server.url}{path}", params={"port": "8000"}) as ws:
+                        assert (await ws.receive(timeout=30)).data == '{"ok":true}'
+                        try:
+                            await ws.send_bytes(bytes(4 << 20))  # over the server's message bound
+                            end: object = (await ws.receive(timeout=30)).type
+                        except (aiohttp.ClientError, ConnectionError):
+                            end = "reset"  # the server closed while the message was still coming
+                    return sent, peak, end
+
+            sent, peak_kib, end = asyncio.run(flood())
+            assert sent < 256 << 20, f"the server took {sent >> 20} MiB from a tunnel nobody reads"
+            assert peak_kib < 64 << 10, f"the server's memory rose by {peak_kib >> 10} MiB"
+            assert end in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, "reset"), end
+            assert sb.commands.run("echo ok").stdout == "ok\n"
+    finally:
+        assert server.stop() == 0, server.output()

@@ -297,11 +297,13 @@ GUARANTEES: tuple[Guarantee, ...] = (
         "ports",
         "A connection storm on a forward holds at most MAX_CONNECTIONS tunnels (the rest are dropped at "
         "once) and they all close; an agent flooding past a tunnel's window, acknowledging bytes never "
-        "sent, sending garbage or never answering gets a typed error, and the host's memory stays bounded.",
+        "sent, sending garbage or never answering gets a typed error, and the host's memory stays bounded; "
+        "so does the API server's when a tunnel's client floods a sandbox server that never reads.",
         _ALL,
         (
             "test_port_forward.py::test_a_connection_storm_on_the_forward_is_bounded",
             "test_port_forward.py::test_a_hostile_agent_cannot_bloat_or_hang_the_host_through_a_tunnel",
+            "test_port_forward.py::test_a_tunnel_client_flooding_a_server_that_never_reads_holds_bounded_server_memory",
         ),
     ),
 )

@@ -637,6 +637,7 @@ async def _line(response: aiohttp.ClientResponse) -> bytes:
 
 
 _WS_MAX = 8 << 20  # the largest WebSocket message taken from the server (it sends at most one chunk)
+_WS_SEND = 256 << 10  # the largest sent (the server's bound is 1 MiB)
 
 
 class _Tunnel:
@@ -661,7 +662,8 @@ class _Tunnel:
 
     async def write(self, data: bytes) -> None:
         try:
-            await self._ws.send_bytes(data)
+            for off in range(0, len(data), _WS_SEND):  # the server takes messages of at most 1 MiB
+                await self._ws.send_bytes(data[off : off + _WS_SEND])
         except (aiohttp.ClientError, ConnectionError) as e:
             raise ConnectionLost(f"the tunnel to port {self._port} broke: {e}") from None
 

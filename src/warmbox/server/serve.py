@@ -42,6 +42,10 @@ def _protocol_base() -> type[asyncio.Protocol]:
 
 MAX_HEAD = 64 << 10  # request line + headers; httptools has no bound of its own (h11's is 16 KiB)
 MAX_CONNECTIONS = 1000  # concurrent connections per listener; more are answered 503
+# a tunnel WebSocket's messages (the SDK sends at most 256 KiB each) and how many may wait unread:
+# what one connection can make the server hold (uvicorn's defaults, 16 MiB x 32, are 512 MiB)
+WS_MAX_MESSAGE = 1 << 20
+WS_MAX_QUEUE = 4
 _TOO_LARGE = b'{"error":{"code":"invalid_argument","message":"request line and headers over %d bytes"}}' % MAX_HEAD
 _431 = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\nconnection: close\r\n"
@@ -244,6 +248,8 @@ async def serve(home: Path, settings: ServerSettings, *, mcp: bool = True) -> No
             app,
             http=protocol,
             ws=ws_protocol,
+            ws_max_size=WS_MAX_MESSAGE,
+            ws_max_queue=WS_MAX_QUEUE,
             lifespan="on",
             log_level="warning",
             access_log=False,
@@ -263,6 +269,8 @@ async def serve(home: Path, settings: ServerSettings, *, mcp: bool = True) -> No
             app,
             http=protocol,
             ws=ws_protocol,
+            ws_max_size=WS_MAX_MESSAGE,
+            ws_max_queue=WS_MAX_QUEUE,
             lifespan="off" if listeners else "on",
             log_level="warning",
             access_log=False,
