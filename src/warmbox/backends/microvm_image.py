@@ -35,9 +35,10 @@ from pathlib import Path
 from warmbox.backends._host import GITCONFIG, GUEST_GID, GUEST_UID, build_spawn_helpers
 from warmbox.errors import SandboxStartError
 
-BUILD_VERSION = "microvm-image-v2"
-# what agents run in a sandbox (the other tiers see the host's /usr): Python with NumPy and pandas,
-# Node.js, gcc, git, shell tools. No pip/npm: the VM has no network device.
+BUILD_VERSION = "microvm-image-v3"
+# what agents run in a sandbox (the other tiers see the host's /usr, set up by scripts/bootstrap):
+# Python with pip, venv, NumPy, pandas and matplotlib, Node.js with npm, gcc, git, curl, tmux, shell
+# tools. pip and npm install local files (the VM has no network device; guest/userenv.py).
 GUEST_PACKAGES = (
     "python3-minimal",
     "libpython3-stdlib",
@@ -49,7 +50,13 @@ GUEST_PACKAGES = (
     "ca-certificates",
     "python3-numpy",
     "python3-pandas",
+    "python3-matplotlib",
+    "python3-pip",
+    "python3-venv",
     "nodejs",
+    "npm",
+    "curl",
+    "tmux",
     "gcc",
     "libc6-dev",
     "git",
