@@ -65,6 +65,7 @@ def test_exported_members():
             "CommandHandle",
             "ProcessInfo",
             "ProcessNotFound",
+            "Unsupported",
             "UnsafeArchive",
             "FilesystemEvent",
             "FilesystemEventType",

@@ -33,6 +33,7 @@ from warmbox.errors import (
     StorageError,
     StorageFull,
     UnsafeArchive,
+    Unsupported,
     UnsupportedLanguage,
     WarmboxError,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "CommandHandle",
     "ProcessInfo",
     "ProcessNotFound",
+    "Unsupported",
     "UnsafeArchive",
     "FilesystemEvent",
     "FilesystemEventType",

@@ -35,6 +35,7 @@ WarmboxError
 │   ├── StorageFull                     no space left where artifacts are written
 │   └── ArtifactCorrupt                 an artifact is missing, truncated or fails its checksum
 ├── SnapshotUnsupported                 the tier cannot take the snapshot asked for (e.g. memory)
+├── Unsupported                         the sandbox's tier cannot do what was asked (``reason`` says why)
 ├── QuotaExceeded                       a tenant's quota (sandboxes, memory, cpus, tiers) refuses a start
 ├── Forbidden                           an admin-only operation asked for by a tenant that is not admin
 ├── Unauthenticated                     the server refused the key (none, unknown or revoked)
@@ -206,6 +207,17 @@ class StorageFull(StorageError):
 
 class ArtifactCorrupt(StorageError):
     """A snapshot artifact is missing, truncated or does not match its checksum: nothing was restored."""
+
+
+class Unsupported(WarmboxError):
+    """The sandbox's tier cannot do this (e.g. user="root" on the container tier); see Capabilities.
+
+    tier: the tier; reason: why not, in words."""
+
+    def __init__(self, message: str, tier: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.tier = tier
+        self.reason = reason
 
 
 class SnapshotUnsupported(WarmboxError):

@@ -607,6 +607,11 @@ class Capabilities:
     # languages of code contexts (create_code_context / run_code(language=)); a sandbox whose image
     # lacks the interpreter (node) refuses that one with UnsupportedLanguage naming the others
     context_languages: tuple[str, ...] = CONTEXT_LANGUAGES
+    # commands may run with user="root": uid 0 of a user namespace nested in the sandbox's, holding
+    # every capability over that namespace only (the sandbox user's files and its own namespaces:
+    # nothing the sandbox user could not reach); root_user_reason says why not where it is False
+    root_user: bool = False
+    root_user_reason: str = "this tier does not offer it"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from warmbox import AsyncSandbox, CommandResult, InvalidArgument, ProcessNotFound, Sandbox
+from warmbox import AsyncSandbox, CommandResult, InvalidArgument, ProcessNotFound, Sandbox, Unsupported
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +130,27 @@ def test_async_stdin(box):
             await sb.close()
 
     assert asyncio.run(main()) == "3"
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("tier", ["container", "gvisor", "microvm"])
+def test_user_root_where_the_tier_offers_it(home, runc_ready, tier):
+    from warmbox.engine.engine import Engine
+
+    caps = Engine.for_home(home).backend(tier).capabilities()
+    with Sandbox.create(tier=tier, timeout=300, pool=False) as sb:
+        assert sb.commands.run("id -u", timeout=20).stdout == "1000\n"  # the default is unchanged
+        if not caps.root_user:
+            with pytest.raises(Unsupported) as e:
+                sb.commands.run("id -u", user="root")
+            assert e.value.tier == tier and e.value.reason == caps.root_user_reason
+            pytest.skip(f"{tier}: {caps.root_user_reason}")
+        r = sb.commands.run("id -u; touch /workspace/by-root; cat", user="root", stdin="in\n", timeout=20)
+        assert (r.exit_code, r.stdout) == (0, "0\nin\n"), r.stderr
+        # root of its own namespace only: the file is the sandbox user's, the system stays out of reach
+        assert sb.files.get_info("/workspace/by-root").size == 0
+        assert sb.commands.run("stat -c %u /workspace/by-root", timeout=20).stdout == "1000\n"
+        r = sb.commands.run("touch /usr/bin/x", user="root", timeout=20)
+        assert r.exit_code != 0
+        h = sb.commands.run("sleep 600", user="root", background=True)
+        assert h.kill() and h.wait().signal == 9

@@ -96,6 +96,7 @@ class GvisorBackend(RuncBackend):
             languages=("python", "node", "shell", "c", "git"),
             start_class="100ms-1s",
             checkpoint_saves_workspace_sockets=False,
+            root_user=True,
         )
 
     def probe(self) -> Availability:

@@ -599,6 +599,7 @@ class MicroVMBackend:
             start_class="100ms-1s (from snapshot)",
             snapshot_start=True,
             oom_counted_in_guest=True,
+            root_user=True,
         )
 
     def accel(self) -> tuple[str, str]:

@@ -246,6 +246,9 @@ class RuncBackend:
             network_modes=("none", "allowlist", "internet"),
             languages=("python", "node", "shell", "c", "git"),
             start_class="10-100ms",
+            root_user=False,
+            root_user_reason="the container's seccomp filter refuses user namespaces inside it, and a root "
+            "of the container's own user namespace could rearrange its mounts",
         )
 
     def probe(self) -> Availability:

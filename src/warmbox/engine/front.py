@@ -37,6 +37,7 @@ from warmbox.errors import (
     InvalidArgument,
     SandboxNotFound,
     SandboxPaused,
+    Unsupported,
     UnsupportedLanguage,
     WarmboxError,
 )
@@ -597,8 +598,17 @@ class EngineFront:
         cwd = sandbox_path(r.cwd) if r.cwd is not None else ""
         if not isinstance(r.tag, str) or len(r.tag) > 256 or "\0" in r.tag:
             raise InvalidArgument(f"tag must be a string of at most 256 characters, got {r.tag!r}")
-        if r.user != "user":
-            raise InvalidArgument(f"user must be 'user', got {r.user!r}")
+        if r.user not in ("user", "root"):
+            raise InvalidArgument(f"user must be 'user' or 'root', got {r.user!r}")
+        if r.user == "root":
+            info, _ = self.engine.info(r.sandbox_id)
+            caps = self.engine.backend(info.tier).capabilities()
+            if not caps.root_user:
+                raise Unsupported(
+                    f"user='root' is not available on the {info.tier} tier: {caps.root_user_reason}",
+                    tier=info.tier,
+                    reason=caps.root_user_reason,
+                )
         cols, rows = _size(r.pty_cols, "pty_cols", zero=True), _size(r.pty_rows, "pty_rows", zero=True)
         if (cols == 0) != (rows == 0):
             raise InvalidArgument("a terminal needs both pty_cols and pty_rows (or neither)")

@@ -1959,8 +1959,8 @@ def _spawn_bg(agent: Agent, conn: Connection, msg: p.Spawn) -> None:
         raise _Fail(p.ErrorCode.INVALID, "argv must be a non-empty list without NUL bytes")
     if any("\0" in k or "=" in k or "\0" in v for k, v in msg.env.items()):
         raise _Fail(p.ErrorCode.INVALID, "environment names and values must not contain NUL bytes (names: '=')")
-    if msg.user != "user":
-        raise _Fail(p.ErrorCode.INVALID, f"user must be 'user' here, got {msg.user!r}")
+    if msg.user not in ("user", "root"):
+        raise _Fail(p.ErrorCode.INVALID, f"user must be 'user' or 'root', got {msg.user!r}")
     pty = msg.pty_cols > 0 or msg.pty_rows > 0
     if pty and not (0 < msg.pty_cols < 10000 and 0 < msg.pty_rows < 10000):
         raise _Fail(p.ErrorCode.INVALID, "a terminal's cols and rows must be from 1 to 9999")
@@ -1977,8 +1977,11 @@ def _spawn_bg(agent: Agent, conn: Connection, msg: p.Spawn) -> None:
     argv = list(msg.argv)
     try:
         exe = argv[0] if "/" in argv[0] else _which(argv[0], env.get("PATH", ""))
-    except FileNotFoundError:
-        raise _Fail(p.ErrorCode.EXEC_FAILED, f"{argv[0]}: command not found") from None
+        if msg.user == "root":  # uid 0 of a user namespace of its own, mapped onto the sandbox user
+            argv = ["unshare", "--map-root-user", "--", exe, *argv[1:]]
+            exe = _which("unshare", env.get("PATH", ""))
+    except FileNotFoundError as e:
+        raise _Fail(p.ErrorCode.EXEC_FAILED, f"{e.filename}: command not found") from None
     parent: list[int] = []  # fds the agent keeps
     child: list[int] = []  # fds only the child keeps (closed here after the spawn)
     try:

@@ -75,6 +75,7 @@ class AsyncCommands:
         max_output: int = DEFAULT_MAX_OUTPUT,
         check: bool = False,
         tag: str = "",
+        user: Literal["user", "root"] = "user",
     ) -> CommandResult: ...
 
     @overload
@@ -92,6 +93,7 @@ class AsyncCommands:
         max_output: int = DEFAULT_MAX_OUTPUT,
         check: bool = False,
         tag: str = "",
+        user: Literal["user", "root"] = "user",
     ) -> AsyncCommandHandle: ...
 
     async def run(
@@ -108,6 +110,7 @@ class AsyncCommands:
         max_output: int = DEFAULT_MAX_OUTPUT,
         check: bool = False,
         tag: str = "",
+        user: Literal["user", "root"] = "user",
     ) -> CommandResult | AsyncCommandHandle:
         """Run ``cmd`` (a shell string for bash, or an argv list) and wait for it.
 
@@ -116,6 +119,9 @@ class AsyncCommands:
         it ends or is killed, whether or not anyone reads it; ``timeout`` does not apply, and
         ``stdin`` is sent right after the start (the process's stdin stays open: send_stdin).
         tag: a label shown by ``list()``.
+        user: "user" (the sandbox user, default) or "root": uid 0 of a user namespace nested in the
+        sandbox's, with every capability there but no more reach than the sandbox user
+        (``Capabilities.root_user``; Unsupported on a tier without it, naming why).
         stdin: text or bytes, or an iterable (sync or async) of them, streamed to the command as
         they come and closed at their end (a sync one is read on a thread of its own).
 
@@ -130,11 +136,13 @@ class AsyncCommands:
         """
         sb = self._sb
         streamed = stdin is not None and not isinstance(stdin, (str, bytes))
-        if background or streamed:
-            pid = await sb._run(ops.StartProcess(sb.sandbox_id, cmd, envs=envs, cwd=cwd, tag=tag))
+        if background or streamed or user != "user":
+            pid = await sb._run(ops.StartProcess(sb.sandbox_id, cmd, envs=envs, cwd=cwd, tag=tag, user=user))
             handle = await self._follow(pid, on_stdout, on_stderr, max_output)
             if isinstance(stdin, (str, bytes)):
-                await handle.send_stdin(stdin)
+                await handle.send_stdin(stdin, eof=not background)
+            elif stdin is None and not background:  # a foreground command's stdin is empty, as with Exec
+                await handle.send_stdin(b"", eof=True)
             feeder = (
                 None if stdin is None or isinstance(stdin, (str, bytes)) else asyncio.ensure_future(handle._feed(stdin))
             )

@@ -33,14 +33,16 @@ class AsyncPty:
         envs: dict[str, str] | None = None,
         cwd: str | None = None,
         tag: str = "",
+        user: str = "user",
     ) -> AsyncPtyHandle:
         """A terminal of ``cols`` x ``rows`` running ``cmd`` (default: an interactive login bash)
         with TERM=xterm-256color. Its output (raw bytes, escape sequences included) goes to
-        ``on_data`` as it comes. It runs until its process ends or is killed, whoever watches it."""
+        ``on_data`` as it comes. It runs until its process ends or is killed, whoever watches it.
+        user: "user" or "root" (as in commands.run)."""
         sb = self._sb
         argv = DEFAULT_SHELL if cmd is None else cmd
         pid = await sb._run(
-            ops.StartProcess(sb.sandbox_id, argv, envs=envs, cwd=cwd, tag=tag, pty_cols=cols, pty_rows=rows)
+            ops.StartProcess(sb.sandbox_id, argv, envs=envs, cwd=cwd, tag=tag, user=user, pty_cols=cols, pty_rows=rows)
         )
         return await self.connect(pid, on_data=on_data)
 

@@ -74,6 +74,7 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.NoSpace, 507),
     (errors.StorageFull, 507),
     (errors.SnapshotUnsupported, 422),
+    (errors.Unsupported, 422),
     (errors.SandboxTimeout, 504),
     (errors.BackendUnavailable, 503),
     (errors.GuestConnectionError, 502),
