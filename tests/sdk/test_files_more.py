@@ -10,6 +10,7 @@ from warmbox import (
     InvalidArgument,
     InvalidPath,
     IsADirectory,
+    NoSpace,
     NotADirectory,
     PathNotFound,
     Sandbox,
@@ -133,6 +134,16 @@ def test_streamed_write_replaces_atomically_and_a_failed_one_leaves_the_target(b
 
 
 @pytest.mark.sandbox
+def test_a_streamed_write_that_fills_the_disk_is_no_space_and_leaves_nothing(box):
+    box.files.write("/tmp/target.bin", "old")
+    chunk = b"x" * (1 << 20)
+    with pytest.raises(NoSpace):  # /tmp is a tmpfs of 256 MiB: the sandbox's own refusal, mid-stream
+        box.files.write("/tmp/target.bin", iter([chunk] * 300))
+    assert box.files.read("/tmp/target.bin") == "old"
+    assert [e.name for e in box.files.list("/tmp")] == ["target.bin"]
+
+
+@pytest.mark.sandbox
 def test_streamed_write_bad_input_gets_typed_errors(box):
     with pytest.raises(InvalidPath):
         box.files.write("../../etc/x", iter([b"x"]))
@@ -191,6 +202,10 @@ def test_upload_dir_and_download_dir_round_trip_a_tree(box, tmp_path):
     assert box.files.exists("up/tree/sub/run.sh")
     with pytest.raises(UnsafeArchive, match="link"):  # here sub/link would point out of its target
         box.files.upload_dir(src / "sub", "up/other")
+    os.symlink("/etc", src / "aa-link")  # refused first, while a large file still waits to be sent
+    (src / "zz-big.bin").write_bytes(os.urandom(20 << 20))
+    with pytest.raises(UnsafeArchive, match="aa-link"):
+        box.files.upload_dir(src, "up/third")
 
 
 @pytest.mark.sandbox

@@ -354,13 +354,13 @@ class HttpTransport:
     async def _write_stream(self, request: ops.WriteFileStream | ops.UploadDir) -> EntryInfo:
         """A streamed upload: an error of the caller's source is raised as itself (aiohttp would
         report it as a broken connection); the server then abandons the write."""
-        failed: list[BaseException] = []
+        failed: list[Exception] = []
 
         async def body() -> collections.abc.AsyncIterator[bytes]:
             try:
                 async for chunk in request.data:
                     yield chunk
-            except BaseException as e:
+            except Exception as e:  # not a cancellation: aiohttp cancels the body when an answer comes early
                 failed.append(e)
                 raise
 
