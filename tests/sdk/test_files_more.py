@@ -135,12 +135,12 @@ def test_streamed_write_replaces_atomically_and_a_failed_one_leaves_the_target(b
 
 @pytest.mark.sandbox
 def test_a_streamed_write_that_fills_the_disk_is_no_space_and_leaves_nothing(box):
-    box.files.write("/tmp/target.bin", "old")
+    box.files.write("/tmp/ns/target.bin", "old")
     chunk = b"x" * (1 << 20)
     with pytest.raises(NoSpace):  # /tmp is a tmpfs of 256 MiB: the sandbox's own refusal, mid-stream
-        box.files.write("/tmp/target.bin", iter([chunk] * 300))
-    assert box.files.read("/tmp/target.bin") == "old"
-    assert [e.name for e in box.files.list("/tmp")] == ["target.bin"]
+        box.files.write("/tmp/ns/target.bin", iter([chunk] * 300))
+    assert box.files.read("/tmp/ns/target.bin") == "old"
+    assert [e.name for e in box.files.list("/tmp/ns")] == ["target.bin"]  # no temporary file stays
 
 
 @pytest.mark.sandbox
