@@ -174,3 +174,31 @@ def test_other_tiers(home, runc_ready, tier):
         sb.files.write("/workspace/t.txt", tier)
         host = _serve(sb)
         assert _http_get(host, "/t.txt") == (200, tier.encode())
+
+
+@pytest.mark.sandbox
+def test_an_open_connection_keeps_an_idle_sandbox_from_pausing(home, runc_ready):
+    from warmbox import Lifecycle, State
+    from warmbox.engine.engine import Engine
+
+    engine = Engine.for_home(home)
+    sb = Sandbox.create(tier="container", timeout=300, lifecycle=Lifecycle(idle_pause_after=2))
+    try:
+        addr, port = _serve(sb, 8004).rsplit(":", 1)
+        with socket.create_connection((addr, int(port)), timeout=10) as held:  # open, silent
+            time.sleep(1)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 5:  # more than twice the idle time
+                assert engine.info(sb.sandbox_id)[0].state is not State.PAUSED, "paused under an open connection"
+                time.sleep(0.25)
+            held.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            assert held.recv(12).startswith(b"HTTP/1.0 200")
+        wait_for(lambda: engine.info(sb.sandbox_id)[0].state is State.PAUSED, 30, "the idle pause once it closed")
+        # paused (no auto-resume): a connection is closed, the forward itself stays for after a resume
+        with socket.create_connection((addr, int(port)), timeout=10) as s:
+            s.settimeout(10)
+            assert s.recv(1) == b""
+        with socket.create_connection((addr, int(port)), timeout=10):
+            pass
+    finally:
+        sb.kill()

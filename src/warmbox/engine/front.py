@@ -852,7 +852,12 @@ class EngineFront:
         if isinstance(r.port, bool) or not isinstance(r.port, int) or not 0 < r.port < 65536:
             raise InvalidArgument(f"port must be a TCP port number (1..65535), got {r.port!r}")
         t = validate_timeout(r.timeout, "timeout")
-        return await (await self._session(r.sandbox_id)).connect_port(r.port, t)
+        stream = await (await self._session(r.sandbox_id)).connect_port(r.port, t)
+        if self._lifecycle(r.sandbox_id).idle_pause_after is not None:
+            # an open connection is use for as long as it is open, not only when it opens
+            self._busy(r.sandbox_id, +1)
+            stream.on_close = lambda: self._busy(r.sandbox_id, -1)
+        return stream
 
     # ---- warm pools
 

@@ -288,6 +288,7 @@ class PortConnection:
         self.sandbox_id = sandbox_id
         self.port = port
         self._tunnel = tunnel
+        self.on_close: Callable[[], object] | None = None  # called once, by the first close()
 
     async def read(self) -> bytes | None:
         msg = await self._tunnel.read()
@@ -303,6 +304,9 @@ class PortConnection:
 
     def close(self) -> None:
         self._tunnel.cancel()
+        on_close, self.on_close = self.on_close, None
+        if on_close is not None:
+            on_close()
 
 
 class ProcessOutput:

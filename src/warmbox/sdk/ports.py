@@ -18,7 +18,7 @@ import tempfile
 import time
 
 from warmbox import operations as ops
-from warmbox.errors import PortNotListening, SandboxNotFound, SandboxStateError, WarmboxError
+from warmbox.errors import PortNotListening, SandboxNotFound, SandboxPaused, SandboxStateError, WarmboxError
 from warmbox.sdk.transport import Transport
 
 MAX_CONNECTIONS = 64  # per forward: a connection storm is refused beyond this, not queued
@@ -79,8 +79,10 @@ class PortForward:
                 if time.monotonic() >= deadline:
                     return  # still nothing listens: this connection is closed
                 await asyncio.sleep(0.1)  # a server still starting (a background command): wait for it
+            except SandboxPaused:
+                return  # paused (not created to auto-resume): this connection is closed; resumed, it serves again
             except (SandboxNotFound, SandboxStateError):
-                self._close_soon()  # the sandbox is gone (or paused): the forward goes with it
+                self._close_soon()  # the sandbox is gone: the forward goes with it
                 return
             except WarmboxError:
                 return  # the agent is unreachable: this connection is closed

@@ -13,6 +13,7 @@ import json
 import re
 from collections.abc import AsyncIterator
 
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.websockets import WebSocket
@@ -149,7 +150,8 @@ async def preview(request: Request, stream: ops.PortStream, port: int, path: str
         finally:
             stream.close()
 
-    response = StreamingResponse(body_chunks(), status_code=status)
+    # closed after the body too (a client that left before it was streamed never runs the generator)
+    response = StreamingResponse(body_chunks(), status_code=status, background=BackgroundTask(stream.close))
     for name, value in headers:
         response.headers.append(name, value)
     # the sandbox's content is served from the API's origin: never let it run scripts there
