@@ -240,6 +240,18 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ),
     ),
     Guarantee(
+        "host memory",
+        "A background process's output followed by a slow reader (an NDJSON client that stops "
+        "reading) holds at most 4 MiB on the host, the rest is dropped and reported as a lost "
+        "event; a hostile agent flooding a directory watch past its window, or a follower with "
+        "frames that are not output, gets a typed error and bounded host memory.",
+        ("container",),
+        (
+            "test_host_stream_bounds.py::test_a_slow_follower_of_an_output_flood_keeps_the_host_bounded",
+            "test_host_stream_bounds.py::test_a_hostile_agent_flooding_a_watch_or_a_follower_gets_a_typed_error",
+        ),
+    ),
+    Guarantee(
         "isolation",
         "User code cannot read or write the guest agent's memory (/proc/1/mem, ptrace).",
         _ALL,

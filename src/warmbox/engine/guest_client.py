@@ -23,6 +23,9 @@ from warmbox.errors import GuestConnectionError, GuestProtocolError, InvalidArgu
 
 _END = object()
 _OVERFLOW = object()
+_FLOOD = object()
+OUTPUT_BACKLOG = 4 << 20  # bytes of a followed process's output the host holds for a slow reader
+MAX_QUEUED = 1024  # frames a bounded stream holds untaken (besides its data's byte bound)
 READ_WINDOW = 4 << 20  # bytes a ReadFile may have in flight: what a slow reader holds on the host at most
 WRITE_WINDOW = 1 << 20  # bytes a WriteFile may have in flight beyond the guest's acks (4 chunks)
 UPLOAD_WAIT_S = 120.0  # the longest the guest may take to write one window (or to finish an upload)
@@ -131,17 +134,27 @@ class GuestClient(asyncio.Protocol):
                 raise GuestConnectionError("connection to the guest agent closed", self.sandbox_id)
 
     async def open(
-        self, make: Callable[[int], p.Message], timeout: float | None = None, budget: int | None = None
+        self,
+        make: Callable[[int], p.Message],
+        timeout: float | None = None,
+        budget: int | None = None,
+        *,
+        frames: int | None = None,
+        lossy: int | None = None,
     ) -> Stream:
         """Send ``make(id)``; the :class:`Stream` of the guest's answers, until its ``close()``.
 
         timeout: seconds, wall clock, for the whole exchange — the host's own bound, so a
         guest that never answers cannot hang the caller (SandboxTimeout). budget: bytes of
         Chunk data the stream may hold untaken; a guest that sends more violates the protocol.
+        frames: frames it may hold untaken (more: GuestProtocolError). lossy: bytes of
+        Stdout/Stderr data it may hold untaken; beyond them output is dropped and the reader gets
+        an OutputLost of its size before the next frame kept (a live process's output has no
+        flow control: a reader slower than the process must not grow the host).
         """
         rid = next(self._ids)
         deadline = None if timeout is None else self._loop.time() + timeout
-        stream = Stream(self, rid, deadline, budget)
+        stream = Stream(self, rid, deadline, budget, frames=frames, lossy=lossy)
         self._streams[rid] = stream
         try:
             await self.send(make(rid))
@@ -287,7 +300,16 @@ class _Request:
 class Stream:
     """The frames answering one request."""
 
-    def __init__(self, client: GuestClient, rid: int, deadline: float | None = None, budget: int | None = None) -> None:
+    def __init__(
+        self,
+        client: GuestClient,
+        rid: int,
+        deadline: float | None = None,
+        budget: int | None = None,
+        *,
+        frames: int | None = None,
+        lossy: int | None = None,
+    ) -> None:
         self.client = client
         self.id = rid
         self._items: deque = deque()
@@ -296,9 +318,18 @@ class Stream:
         self._timer: asyncio.TimerHandle | None = None  # the deadline's one timer, from the first wait
         self._budget = budget
         self._held = 0  # bytes of Chunk data queued, not yet taken
+        self._frames = MAX_QUEUED if frames is None and lossy is not None else frames
+        self._lossy = lossy
+        self._dropped = 0  # output bytes dropped (lossy), not yet told to the reader
+        self._flooded = False
 
     def _feed(self, msg: object) -> None:
         """A frame from the connection (or _END)."""
+        if msg is not _END and (self._frames is not None or self._lossy is not None):
+            if self._flooded:
+                return
+            if not self._bound(msg):
+                return
         if self._budget is not None and isinstance(msg, p.Chunk):
             if self._held < 0:  # overflowed before: the rest is dropped
                 return
@@ -308,6 +339,27 @@ class Stream:
                 msg = _OVERFLOW
         self._items.append(msg)
         self._wake(True)
+
+    def _bound(self, msg: object) -> bool:
+        """Apply the frame and lossy bounds to an arriving frame; whether it is queued. A lossy
+        stream's data beyond its bounds is dropped (counted); any other frame beyond them (a few
+        more are allowed: a process's end after a full backlog) is a flood: GuestProtocolError."""
+        queued = len(self._items)
+        if self._lossy is not None and isinstance(msg, (p.Stdout, p.Stderr, p.OutputLost)):
+            size = msg.size if isinstance(msg, p.OutputLost) else len(msg.data)
+            if isinstance(msg, p.OutputLost) or queued >= MAX_QUEUED or self._held + size > self._lossy:
+                self._dropped += max(0, size)  # told to the reader before the next frame kept
+                return False
+            self._held += size
+        elif self._frames is not None and queued >= self._frames + (16 if self._lossy is not None else 0):
+            self._flooded = True
+            self._items.append(_FLOOD)
+            self._wake(True)
+            return False
+        if self._dropped:
+            self._items.append(p.OutputLost(self.id, size=self._dropped))
+            self._dropped = 0
+        return True
 
     def _wake(self, arrived: bool) -> None:
         waiter = self._waiter
@@ -341,11 +393,23 @@ class Stream:
         if item is _END:  # stays: every later get() raises too
             assert self.client._error is not None
             raise self.client._error
+        return self._take()
+
+    def _take(self) -> p.Message:
+        """Take the first queued item (not _END); typed errors for the bounds' markers."""
+        item = self._items[0]
+        if item is _FLOOD:  # stays: every later call raises too
+            raise GuestProtocolError(
+                "the guest sent more frames than the host holds for a reader", self.client.sandbox_id
+            )
         self._items.popleft()
         if item is _OVERFLOW:
             raise GuestProtocolError("the guest sent more file data than the read's window", self.client.sandbox_id)
         if self._budget is not None and isinstance(item, p.Chunk):
             self._held -= len(item.data)
+        elif self._lossy is not None and isinstance(item, (p.Stdout, p.Stderr)):
+            self._held -= len(item.data)
+        assert isinstance(item, p.Message)
         return item
 
     def close(self) -> None:
@@ -373,13 +437,7 @@ class Stream:
         if item is _END:  # stays: every later call raises too
             assert self.client._error is not None
             raise self.client._error
-        self._items.popleft()
-        if item is _OVERFLOW:
-            raise GuestProtocolError("the guest sent more file data than the read's window", self.client.sandbox_id)
-        if self._budget is not None and isinstance(item, p.Chunk):
-            self._held -= len(item.data)
-        assert isinstance(item, p.Message)
-        return item
+        return self._take()
 
     async def next(self, *expect: type[p.Message], timeout: float | None = None) -> p.Message:
         """Next frame, which must be one of ``expect`` or a Failure."""

@@ -21,7 +21,16 @@ from pathlib import Path
 from typing import cast
 
 from warmbox import protocol as p
-from warmbox.engine.guest_client import READ_WINDOW, WRITE_WINDOW, FileRead, GuestClient, PortTunnel, Stream, open_port
+from warmbox.engine.guest_client import (
+    OUTPUT_BACKLOG,
+    READ_WINDOW,
+    WRITE_WINDOW,
+    FileRead,
+    GuestClient,
+    PortTunnel,
+    Stream,
+    open_port,
+)
 from warmbox.errors import (
     ContextError,
     FileTooLarge,
@@ -541,8 +550,10 @@ class GuestSession:
         return msg.pid
 
     async def attach(self, pid: int, *, output: bool = True, pty: bool = False) -> ProcessOutput:
-        """Follow a background process's output (no host-side bound: it may run for ever)."""
-        stream = await self._client.open(lambda i: p.Attach(i, pid=pid, offset=0, output=output))
+        """Follow a background process's output (no host-side time bound: it may run for ever). The
+        agent sends output as it comes: what a slow reader leaves beyond OUTPUT_BACKLOG bytes is
+        dropped on the host and reported as a "lost" event."""
+        stream = await self._client.open(lambda i: p.Attach(i, pid=pid, offset=0, output=output), lossy=OUTPUT_BACKLOG)
         return ProcessOutput(self.sandbox_id, pid, stream, pty)
 
     async def send_input(self, pid: int, data: bytes, *, eof: bool = False) -> None:
@@ -768,7 +779,10 @@ class GuestSession:
 
     async def watch(self, path: str, recursive: bool, on_event: EventSink) -> DirWatcher:
         """Watch a directory (see DirWatcher); a missing path or a file raises here."""
-        stream = await self._client.open(lambda i: p.WatchDir(i, path=path, recursive=recursive, window=WATCH_WINDOW))
+        stream = await self._client.open(
+            lambda i: p.WatchDir(i, path=path, recursive=recursive, window=WATCH_WINDOW),
+            frames=WATCH_WINDOW + 8,  # a guest ignoring the window gets GuestProtocolError, not host memory
+        )
         try:
             ready = await stream.next(p.Ok, timeout=PING_TIMEOUT_S)
             if isinstance(ready, p.Failure):
