@@ -610,6 +610,20 @@ class Engine:
         except WarmboxError:  # a broken config must not stop the duties
             return config.PAUSED_RETENTION_S
 
+    async def _runs_processes(self, sandbox_id: str) -> bool:
+        """Whether background processes (commands.run(background=True), terminals) still run in
+        the sandbox: they count as use, so an idle pause never ends a server or a shell."""
+        try:
+            got = await self.open(sandbox_id)
+        except WarmboxError:
+            return False
+        try:
+            return bool(await got.session.processes())
+        except WarmboxError:
+            return False
+        finally:
+            await got.session.close()
+
     async def lifecycle_duties(self) -> builtins.list[str]:
         """Pause the sandboxes idle past their ``idle_pause_after``; delete the sandboxes paused
         longer than ``[lifecycle] paused_retention``, with their snapshots (a timeout with
@@ -620,6 +634,9 @@ class Engine:
         done = []
         for sid in idle:
             try:
+                if await self._runs_processes(sid):  # a background process or terminal is use
+                    self.registry.touch(sid, time.time())
+                    continue
                 await self.auto_pause(sid, "idle")
                 done.append(sid)
             except Exception:  # tried again after another idle period
