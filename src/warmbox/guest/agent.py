@@ -1180,7 +1180,8 @@ def _write_file(agent: Agent, conn: Connection, msg: p.WriteFile) -> None:
                 raise _Fail(p.ErrorCode.IS_A_DIRECTORY, f"{msg.path} is a directory")
         except FileNotFoundError:
             pass
-        tmp = os.path.join(parent, f".{os.path.basename(msg.path)}.wb-{os.urandom(6).hex()}")
+        # beside the target (one filesystem: the rename is atomic); the name fits NAME_MAX
+        tmp = os.path.join(parent, f".{os.path.basename(msg.path)[:200]}.wb-{os.urandom(6).hex()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     else:
         flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_APPEND if msg.append else os.O_TRUNC)
