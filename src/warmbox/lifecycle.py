@@ -76,6 +76,7 @@ def gone(sandbox_id: str, ended: str = "") -> SandboxNotFound:
 EXPIRED = "timeout expired"
 RETENTION_EXPIRED = "paused retention expired"
 EXPIRED_REASONS = frozenset({EXPIRED, RETENTION_EXPIRED})
+RESUMING = "resume"  # paused -> creating: a resume under the same id is under way
 
 
 def check_transition(old: State, new: State, sandbox_id: str) -> None:

@@ -66,27 +66,45 @@ def test_lifecycle_and_retention_settings_are_checked():
 def test_an_idle_sandbox_is_paused_and_the_next_call_resumes_it(home, runc_ready):
     engine = Engine.for_home(home)
     sb = Sandbox.create(
-        template="shell", timeout=300, lifecycle=Lifecycle(idle_pause_after=2, auto_resume=True), metadata={"t": "idle"}
+        template="shell", timeout=300, lifecycle=Lifecycle(idle_pause_after=3, auto_resume=True), metadata={"t": "idle"}
     )
     sid = sb.sandbox_id
     try:
-        assert sb.get_info().lifecycle == Lifecycle(idle_pause_after=2, auto_resume=True)
+        assert sb.get_info().lifecycle == Lifecycle(idle_pause_after=3, auto_resume=True)
         sb.files.write("/workspace/kept.txt", "before")
         sb.run_code("x = 41")
+        mine = sb.snapshot()
         # a command longer than the idle time is use, not idleness
         r = sb.commands.run("sleep 4; echo done", timeout=30)
         assert r.stdout == "done\n" and _state(engine, sid) in (State.READY, State.RUNNING)
         t0 = time.monotonic()
         wait_for(lambda: _state(engine, sid) is State.PAUSED, WAIT_S, "the daemon to pause the idle sandbox")
-        assert time.monotonic() - t0 >= 1.5  # not before its idle time
+        assert time.monotonic() - t0 >= 2.5  # not before its idle time
         assert "idle" in engine.registry.ended_reason(sid)
-        assert not engine.backend("container")._pids(sid)  # nothing runs, nothing is held
+        # nothing runs, nothing is held (released just after the pause is recorded)
+        wait_for(lambda: not engine.backend("container")._pids(sid), WAIT_S, "the release")
         # the next call resumes it, transparently, under its id
         assert sb.files.read("/workspace/kept.txt") == "before"
+        first = engine.registry.auto_snapshots_of(sid)
         assert _state(engine, sid) in (State.READY, State.RUNNING)
         assert sb.run_code("x + 1").text == "42"
         assert sb.get_timings()["resume"] > 0
         assert sb.get_info().sandbox_id == sid
+        # each automatic pause replaces the previous one; a snapshot the caller took stays theirs
+        assert len(first) == 1 and mine.snapshot_id not in first
+        # (marked once the pause is complete: just after the sandbox shows as paused)
+        wait_for(
+            lambda: (
+                len(engine.registry.auto_snapshots_of(sid)) == 1 and engine.registry.auto_snapshots_of(sid) != first
+            ),
+            WAIT_S,
+            "the second idle pause",
+        )
+        second = engine.registry.auto_snapshots_of(sid)
+        assert _state(engine, sid) is State.PAUSED
+        assert set(engine.registry.snapshots_of(sid)) == {mine.snapshot_id, *second}
+        sb.kill()  # and what automatic pauses saved ends with the sandbox
+        assert engine.registry.snapshots_of(sid) == [mine.snapshot_id]
     finally:
         sb.kill()
 
@@ -147,3 +165,30 @@ def test_paused_sandboxes_are_deleted_with_their_snapshots_after_the_retention(h
             Sandbox.connect(sid)
     finally:
         set_config(home)
+
+
+@pytest.mark.sandbox
+def test_a_resume_whose_process_died_leaves_the_sandbox_paused_not_lost(home, runc_ready):
+    import asyncio
+    import subprocess
+
+    from warmbox.paths import owner_tag
+
+    engine = Engine.for_home(home)
+    sb = Sandbox.create(template="shell", timeout=120)
+    try:
+        sb.files.write("kept.txt", "v")
+        sb.pause()
+        proc = subprocess.Popen(["sleep", "30"])
+        dead = owner_tag(proc.pid)  # a resumer that dies at once
+        proc.kill()
+        proc.wait()
+        engine.registry.reallocate(sb.sandbox_id, 60.0, owner=dead)  # its resume began, then nothing
+        assert _state(engine, sb.sandbox_id) is State.CREATING
+        asyncio.run(engine.reap())
+        assert _state(engine, sb.sandbox_id) is State.PAUSED
+        assert "resumer process died" in engine.registry.ended_reason(sb.sandbox_id)
+        with Sandbox.connect(sb.sandbox_id) as back:
+            assert back.files.read("kept.txt") == "v"
+    finally:
+        sb.kill()

@@ -22,21 +22,21 @@ def _registry(tmp: Path) -> Registry:
 
 
 def _v6_schema() -> str:
-    """Version 6's schema: today's without the columns version 7 added."""
+    """Version 6's schema: today's without the columns versions 7 and 8 added."""
     lines = [
         line
         for line in registry_mod.SCHEMA.splitlines()
-        if not any(line.strip().startswith(c + " ") for c in NEW_COLUMNS)
+        if not any(line.strip().startswith(c + " ") for c in (*NEW_COLUMNS, "auto"))
     ]
-    text = "\n".join(lines).replace(
-        "tenant      TEXT NOT NULL DEFAULT '',\n);", "tenant      TEXT NOT NULL DEFAULT ''\n);"
-    )
+    last = "tenant      TEXT NOT NULL DEFAULT ''"
+    text = "\n".join(lines).replace(last + ",\n);", last + "\n);")
+    assert text.count(last + "\n);") == 2  # the sandboxes and snapshots tables end there again
     return text
 
 
 def test_a_version_6_database_migrates_and_its_paused_sandbox_resumes_under_its_id(tmp_path):
     schema = _v6_schema()
-    assert "timeout_s" not in schema and "egress " not in schema
+    assert "timeout_s" not in schema and "egress " not in schema and " auto " not in schema
     db = sqlite3.connect(tmp_path / "r.db")
     db.executescript(schema)
     db.execute(
@@ -50,9 +50,10 @@ def test_a_version_6_database_migrates_and_its_paused_sandbox_resumes_under_its_
     db.close()
 
     reg = _registry(tmp_path)
-    assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
+    assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
     cols = {r[1] for r in reg._db.execute("PRAGMA table_info(sandboxes)")}
     assert NEW_COLUMNS <= cols
+    assert "auto" in {r[1] for r in reg._db.execute("PRAGMA table_info(snapshots)")}
     # the old row reads with the defaults: no timeout recorded, no metadata, kill on timeout
     assert reg.timeout_of("sb-00000000000b") == 0.0
     row = reg._db.execute(

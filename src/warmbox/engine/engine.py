@@ -30,7 +30,7 @@ from warmbox.errors import (
     SnapshotUnsupported,
     WarmboxError,
 )
-from warmbox.lifecycle import EXPIRED, LIVE, RETENTION_EXPIRED, Operation, check, gone
+from warmbox.lifecycle import EXPIRED, LIVE, RESUMING, RETENTION_EXPIRED, Operation, check, gone
 from warmbox.models import (
     BackendHandle,
     Limits,
@@ -367,13 +367,23 @@ class Engine:
 
         info, _ = self.info(sandbox_id)
         parent = self.registry.parent(sandbox_id)
+        m = None
         if self.backend(info.tier).capabilities().memory_snapshot:
             try:
-                await snapshot.pause(self, sandbox_id, None, memory=True, parent=parent, why=why)
-                return
+                m = await snapshot.pause(self, sandbox_id, None, memory=True, parent=parent, why=why)
             except SnapshotUnsupported:
                 pass
-        await snapshot.pause(self, sandbox_id, None, memory=False, parent=parent, why=why)
+        if m is None:
+            m = await snapshot.pause(self, sandbox_id, None, memory=False, parent=parent, why=why)
+        # the sandbox resumes from this one: the earlier automatic ones are nobody's (their blobs
+        # go at the next gc); snapshots the caller took or paused to are never touched
+        self.registry.mark_auto(m.snapshot_id)
+        for old in self.registry.auto_snapshots_of(sandbox_id):
+            if old != m.snapshot_id:
+                try:
+                    snapshot.delete(self, old)
+                except WarmboxError:
+                    pass
 
     async def open(self, sandbox_id: str) -> Launched:
         """Connect to a live sandbox by id (from any process)."""
@@ -541,6 +551,14 @@ class Engine:
         await egress.release(self, sandbox_id)
         self.registry.set_state(sandbox_id, State.DESTROYED, reason)
         self.registry.finalize(sandbox_id)
+        if info.lifecycle.pauses:  # what automatic pauses saved of it ends with it
+            from warmbox.engine import snapshot
+
+            for snap in self.registry.auto_snapshots_of(sandbox_id):
+                try:
+                    snapshot.delete(self, snap)
+                except WarmboxError:
+                    pass
         return True
 
     async def reap(self) -> builtins.list[str]:
@@ -573,6 +591,13 @@ class Engine:
                 except Exception:
                     pass
                 continue
+            if info.sandbox_id in orphans and self.registry.ended_reason(info.sandbox_id) == RESUMING:
+                try:  # a resume whose process died: paused again (its snapshot is untouched), not lost
+                    await self._unresume(info.sandbox_id)
+                    reaped.append(info.sandbox_id)
+                except Exception:
+                    pass
+                continue
             if expired or info.state is State.FAILED or info.sandbox_id in orphans:
                 why = (
                     ("retirer process died" if info.state is State.RETIRING else "creator process died")
@@ -589,12 +614,14 @@ class Engine:
         for sid, owner in self.registry.paused_with_owner():  # a pause killed while releasing
             if owner and not owner_alive(owner):
                 info, handle = self.registry.get(sid)
-                if Path(handle.state_dir).exists():
-                    try:
+                try:
+                    if Path(handle.state_dir).exists():
                         await self.backend(info.tier).destroy(handle)
                         reaped.append(sid)
-                    except Exception:
-                        continue
+                    await egress.suspend(self, sid)  # its link too (its policy kept for the resume)
+                    self.registry.released(sid, owner)
+                except Exception:
+                    continue
         for info, _ in self.registry.holding():
             if info.state is State.FAILED and info.sandbox_id not in reaped:
                 try:
@@ -603,6 +630,15 @@ class Engine:
                 except Exception:
                     continue
         return reaped
+
+    async def _unresume(self, sandbox_id: str) -> None:
+        """Take back a resume whose process died: its runtime (if any) torn down, paused again."""
+        info, handle = self.info(sandbox_id)
+        if Path(handle.state_dir).exists():
+            await self.backend(info.tier).destroy(handle)
+        await egress.suspend(self, sandbox_id)
+        self.registry.set_state(sandbox_id, State.PAUSED, "resumer process died; still paused", expected=State.CREATING)
+        self.registry.finalize(sandbox_id)
 
     def _retention(self) -> float:
         try:

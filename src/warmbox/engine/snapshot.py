@@ -413,6 +413,7 @@ async def _stream_tar(session: GuestSession, fd: int | None, raw: Path, sandbox_
 
 
 _pausing: dict[str, bool] = {}
+_releasing: set[str] = set()  # paused sandboxes this process is releasing right now
 
 
 async def pause(
@@ -444,12 +445,17 @@ async def _release_paused(engine: Engine, sandbox_id: str, m: snaps.SnapshotMani
     info, handle = engine.info(sandbox_id)
     await engine._read_meters(info, handle, None)
     reason = f"paused to {m.snapshot_id}" + (f" ({why})" if why else "")
-    engine.registry.set_state(sandbox_id, State.PAUSED, reason, owner=engine.owner)
-    engine.registry.finalize(sandbox_id)
-    await engine.backend(info.tier).destroy(handle)
-    from warmbox.engine import egress
+    _releasing.add(sandbox_id)
+    try:
+        engine.registry.set_state(sandbox_id, State.PAUSED, reason, owner=engine.owner)
+        engine.registry.finalize(sandbox_id)
+        await engine.backend(info.tier).destroy(handle)
+        from warmbox.engine import egress
 
-    await egress.suspend(engine, sandbox_id)  # its policy and brokered secrets wait for its resume
+        await egress.suspend(engine, sandbox_id)  # its policy and brokered secrets wait for its resume
+        engine.registry.released(sandbox_id, engine.owner)  # from here a resume may start it again
+    finally:
+        _releasing.discard(sandbox_id)
 
 
 async def _memory_snapshot(
@@ -980,6 +986,7 @@ async def resume(
     m = resolve(engine, ref)
     if timeout is None:
         timeout = engine.registry.timeout_of(ref) or None
+    await _released(engine, ref)
     got = await restore(engine, m, timeout=timeout, envs=envs, tenant=tenant, resume_of=ref)
     try:
         from warmbox.engine import egress
@@ -996,6 +1003,25 @@ async def resume(
     got.timings = engine.registry.timings(ref)
     got.info, _ = engine.info(ref)
     return got
+
+
+RELEASE_WAIT_S = 60.0
+
+
+async def _released(engine: Engine, sandbox_id: str) -> None:
+    """Wait until the pause of ``sandbox_id`` has released everything (it records ``paused``
+    first, then tears the runtime and its link down: a resume must not start under it). A pauser
+    that died meanwhile, or one slower than RELEASE_WAIT_S, leaves leftovers the resume removes."""
+    from warmbox.paths import owner_alive
+
+    deadline = time.monotonic() + RELEASE_WAIT_S
+    while time.monotonic() < deadline:
+        owner = engine.registry.owner_of(sandbox_id)
+        if not owner or not owner_alive(owner) or (owner == engine.owner and sandbox_id not in _releasing):
+            return  # released, its pauser is gone, or this process's release ended (a failed one)
+        if engine.info(sandbox_id)[0].state is not State.PAUSED:
+            return  # resumed or ended meanwhile: the resume's own checks say so
+        await asyncio.sleep(0.02)
 
 
 def delete(engine: Engine, snapshot_id: str) -> None:

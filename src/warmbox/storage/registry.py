@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from warmbox.errors import InvalidArgument, QuotaExceeded, RegistryError, SandboxNotFound, SandboxStateError
-from warmbox.lifecycle import LIVE, check_transition
+from warmbox.lifecycle import LIVE, RESUMING, check_transition
 from warmbox.models import (
     BackendHandle,
     KeyInfo,
@@ -45,7 +45,7 @@ from warmbox.storage.uidslots import (  # noqa: F401 - MAX_SLOTS is re-exported 
 )
 from warmbox.tiers import canonical_tier
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -85,7 +85,8 @@ CREATE TABLE IF NOT EXISTS snapshots (
     sandbox_id  TEXT NOT NULL,
     created_at  REAL NOT NULL,
     size_bytes  INTEGER NOT NULL,
-    tenant      TEXT NOT NULL DEFAULT ''
+    tenant      TEXT NOT NULL DEFAULT '',
+    auto        INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS snapshots_sandbox ON snapshots(sandbox_id, created_at);
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
@@ -217,6 +218,8 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE sandboxes ADD COLUMN auto_resume INTEGER NOT NULL DEFAULT 0",
     "ALTER TABLE sandboxes ADD COLUMN last_used REAL NOT NULL DEFAULT 0",
     "ALTER TABLE sandboxes ADD COLUMN egress TEXT NOT NULL DEFAULT ''",
+    # version 8: the snapshots automatic pauses made (pruned as the sandbox moves on)
+    "ALTER TABLE snapshots ADD COLUMN auto INTEGER NOT NULL DEFAULT 0",
 )
 _COLUMNS = (
     "sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
@@ -520,7 +523,7 @@ class Registry:
                     )
                     db.execute(
                         "INSERT INTO transitions VALUES (?,?,?,?,?)",
-                        (sandbox_id, now, State.PAUSED.value, State.CREATING.value, "resume"),
+                        (sandbox_id, now, State.PAUSED.value, State.CREATING.value, RESUMING),
                     )
                     # the meters go on: a new runtime's CPU counter starts at 0 again
                     db.execute(
@@ -594,6 +597,19 @@ class Registry:
         )
         found = [v for v in (idle[0] if idle else None, paused[0] if paused else None) if v is not None]
         return min(found) if found else None
+
+    def owner_of(self, sandbox_id: str) -> str:
+        """The tag of the process working on a sandbox ("" when none: a paused one is released)."""
+        row = self._read("SELECT owner FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
+        return row[0] if row else ""
+
+    def released(self, sandbox_id: str, owner: str) -> None:
+        """The pause ``owner`` recorded has released everything: a resume may begin."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE sandboxes SET owner='' WHERE sandbox_id=? AND state=? AND owner=?",
+                (sandbox_id, State.PAUSED.value, owner),
+            )
 
     def timeout_of(self, sandbox_id: str) -> float:
         """The lifetime a sandbox was given at its start (0: unknown, a row from before version 7)."""
@@ -898,6 +914,20 @@ class Registry:
                 "(?,?,?,?, COALESCE((SELECT tenant FROM sandboxes WHERE sandbox_id=?), ''))",
                 (snapshot_id, sandbox_id, created_at, size, sandbox_id),
             )
+
+    def mark_auto(self, snapshot_id: str) -> None:
+        """The snapshot was made by an automatic pause (idle, timeout): internal to its sandbox."""
+        with self._tx() as db:
+            db.execute("UPDATE snapshots SET auto=1 WHERE snapshot_id=?", (snapshot_id,))
+
+    def auto_snapshots_of(self, sandbox_id: str) -> builtins.list[str]:
+        """The snapshots automatic pauses made of ``sandbox_id``, oldest first."""
+        rows = self._read(
+            "SELECT snapshot_id FROM snapshots WHERE sandbox_id=? AND auto=1 ORDER BY created_at",
+            (sandbox_id,),
+            many=True,
+        )
+        return [r[0] for r in rows]
 
     def snapshot_tenant(self, snapshot_id: str) -> str | None:
         """The tenant a snapshot belongs to; None if the registry has no such snapshot."""
