@@ -131,6 +131,7 @@ message {"eof": true} ends one side's data (a half-close); closing the WebSocket
 # Not an operation: plain HTTP to a port inside the sandbox, proxied through a tunnel per request
 # (the preview of a web server the sandbox runs), behind the tenant's key like every route.
 PREVIEW = f"{_S}/ports/{{port:int}}/{{path:path}}"
+PREVIEW_ROOT = f"{_S}/ports/{{port:int}}"  # the same, for "/" without the trailing slash
 
 __all__ = [
     "APPROVALS",

@@ -85,6 +85,8 @@ def test_preview_headers_and_over_the_unix_socket(setup):
     finally:
         conn.close()
     assert r.status == 201 and json.loads(body)["path"] == "/x"
+    status, data = call(server, "GET", _preview(sid).rstrip("/") + "?a=b", key=None)
+    assert status == 201 and data["path"] == "/?a=b", (status, data)
     assert r.getheader("X-From-Sandbox") == "yes"
     assert r.getheader("Content-Security-Policy") == "sandbox"  # sandbox pages cannot script the API origin
 
@@ -92,6 +94,8 @@ def test_preview_headers_and_over_the_unix_socket(setup):
 def test_preview_and_tunnel_of_another_tenant_are_not_found(setup):
     server, _owner, stranger, sid = setup
     status, data = call(server, "GET", _preview(sid), key=stranger)
+    assert status == 404 and code_of(data) == "sandbox_not_found", (status, data)
+    status, data = call(server, "GET", _preview(sid).rstrip("/"), key=stranger)
     assert status == 404 and code_of(data) == "sandbox_not_found", (status, data)
     status, data = call(server, "GET", _preview("sb-000000000000"), key=stranger)
     assert status == 404 and code_of(data) == "sandbox_not_found", (status, data)

@@ -565,7 +565,7 @@ def preview_endpoint(service: Service) -> Callable[[Request], Awaitable[Response
             await front.handle(ops.Info(sandbox_id))  # scoped first: another tenant's id is not found
             body = await _body(request, service.settings.max_body_mb << 20, service.settings.body_timeout_s)
             stream = await front.handle(ops.PortConnect(sandbox_id, port))
-            return await ports.preview(request, stream, port, request.path_params["path"], body)
+            return await ports.preview(request, stream, port, request.path_params.get("path", ""), body)
         except WarmboxError as e:
             return error_response(e)
         except ClientDisconnect:
@@ -717,6 +717,7 @@ def routes(service: Service) -> list[BaseRoute]:
     out.append(WebSocketRoute(api.BY_OP[ops.Op.PORTS_CONNECT].path, tunnel_endpoint(service)))
     methods = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
     out.append(Route(api.PREVIEW, preview_endpoint(service), methods=methods))
+    out.append(Route(api.PREVIEW_ROOT, preview_endpoint(service), methods=methods))
     out.append(Route(api.APPROVALS, approvals_endpoint(service), methods=["GET"]))
     out.append(Route(api.APPROVAL_ANSWER, answer_endpoint(service), methods=["POST"]))
     out.append(Route(f"{api.PREFIX}/openapi.json", _openapi, methods=["GET"]))
