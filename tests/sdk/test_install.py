@@ -110,6 +110,19 @@ def test_pip_npm_and_git_work_without_network(home, runc_ready, tier):
             assert t2 - t1 < 2 * (t1 - t0) + OFFLINE_S, f"{cmd}: {t2 - t1:.1f} s (--version: {t1 - t0:.1f} s)"
 
 
+def test_installed_packages_survive_pause_and_resume(home, runc_ready):
+    with Sandbox.create(tier="container", timeout=600) as sb:
+        sb.files.write("/tmp/wbtkeep-1.0-py3-none-any.whl", wheel("wbtkeep", 5))
+        assert sb.commands.run("pip install -q --no-index /tmp/wbtkeep-1.0-py3-none-any.whl").exit_code == 0
+        sb.pause()
+        back = Sandbox.resume(sb.sandbox_id)
+        try:
+            assert back.commands.run("python -c 'import wbtkeep; print(wbtkeep.VALUE)'").stdout == "5\n"
+            assert back.run_code("import wbtkeep; wbtkeep.VALUE").text == "5"
+        finally:
+            back.kill()
+
+
 @pytest.mark.in_process("the fake internet is wired into an in-process home")
 def test_pip_and_npm_install_through_the_egress_proxy(net_home, world):  # noqa: F811
     site = world.dir / "site"
