@@ -26,6 +26,8 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _COPY = 256 << 10
 MAX_NAME = 4096
 MAX_DEPTH = 200  # directories packed below the root (deeper ones are stored empty)
+MAX_HEADER = 1 << 20  # bytes of one extended header (pax, GNU long name): tarfile holds it whole
+MAX_LINKABLE = 1 << 16  # files an archive wrote that a later hardlink may name (their names' digests)
 
 
 class UnsafeArchive(Exception):
@@ -49,19 +51,23 @@ def member_parts(name: str) -> list[str]:
 
 
 def _link_inside(parts: list[str], target: str) -> bool:
-    """Whether a symlink at ``parts`` pointing to ``target`` resolves (lexically) inside the root."""
+    """Whether a symlink at ``parts`` pointing to ``target`` resolves inside the root: relative,
+    its '..' components all leading (they climb real directories: the link's own parents, made by
+    this extraction) and no higher than the root. A '..' after a name is refused: the name may be
+    a symlink (``l -> ../..`` then ``x -> a/b/l/../victim`` looks inside by text but is not)."""
     if not target or target.startswith("/") or "\0" in target:
         return False
     depth = len(parts) - 1  # the link's directory, below the root
+    named = False
     for comp in target.split("/"):
         if comp in ("", "."):
             continue
         if comp == "..":
             depth -= 1
-            if depth < 0:
+            if depth < 0 or named:
                 return False
         else:
-            depth += 1
+            named = True
     return True
 
 
@@ -126,18 +132,49 @@ def _replace(name: str, dir_fd: int, member: str) -> None:
     os.unlink(name, dir_fd=dir_fd)
 
 
+def _bounded_info() -> type[tarfile.TarInfo]:
+    """A TarInfo that refuses what would make tarfile hold an unbounded part of the stream in
+    memory: an extended header (pax, GNU long name or link) beyond MAX_HEADER bytes (tarfile reads
+    one whole, whatever size it claims) and sparse members (their maps are read whole too)."""
+    import tarfile
+
+    long_headers: tuple[bytes, ...] = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)
+    long_headers += (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
+
+    class Bounded(tarfile.TarInfo):
+        def _proc_member(self, tarfile: tarfile.TarFile) -> tarfile.TarInfo:
+            if self.type in long_headers and self.size > MAX_HEADER:
+                raise UnsafeArchive(self.name, f"an extended header of {self.size} bytes (at most {MAX_HEADER})")
+            if self.type == b"S":
+                raise UnsafeArchive(self.name, "a sparse file")
+            return super()._proc_member(tarfile)  # type: ignore[misc]
+
+        def _proc_gnusparse_10(self, *args: object) -> None:
+            raise UnsafeArchive(self.name, "a sparse file")
+
+    return Bounded
+
+
+def _key(parts: list[str]) -> bytes:
+    import hashlib
+
+    return hashlib.blake2b("/".join(parts).encode("utf-8", "surrogateescape"), digest_size=16).digest()
+
+
 def extract(fileobj: BinaryIO, root_fd: int) -> int:
     """Unpack a tar stream (read once, front to back) into the directory ``root_fd``; the number of
     members. UnsafeArchive for a member that breaks the rules (what came before it stays);
-    tarfile.TarError for a stream that is not a tar archive."""
+    tarfile.TarError for a stream that is not a tar archive. Memory stays bounded whatever the
+    stream holds (members are not kept; extended headers are bounded)."""
     import tarfile
 
     dirs = _Dirs(root_fd)
-    files: set[tuple[str, ...]] = set()  # regular files this archive wrote: what a hardlink may name
+    files: set[bytes] = set()  # regular files this archive wrote: what a hardlink may name
     count = 0
     try:
-        with tarfile.open(fileobj=fileobj, mode="r|") as tar:
+        with tarfile.open(fileobj=fileobj, mode="r|", tarinfo=_bounded_info()) as tar:
             for m in tar:
+                tar.members.clear()  # type: ignore[attr-defined]  # a stream's TarFile keeps every member it read
                 dirs.trim()
                 _one(tar, m, dirs, files)
                 count += 1
@@ -146,14 +183,14 @@ def extract(fileobj: BinaryIO, root_fd: int) -> int:
     return count
 
 
-def _one(tar: tarfile.TarFile, m: tarfile.TarInfo, dirs: _Dirs, files: set[tuple[str, ...]]) -> None:
+def _one(tar: tarfile.TarFile, m: tarfile.TarInfo, dirs: _Dirs, files: set[bytes]) -> None:
     parts = member_parts(m.name)
     if not parts:
         if m.isdir():
             return  # "./": the root itself
         raise UnsafeArchive(m.name, "names the target directory itself")
     mode = m.mode & 0o777
-    files.discard(tuple(parts))  # whatever was there is replaced (or the member is refused)
+    files.discard(_key(parts))  # whatever was there is replaced (or the member is refused)
     if m.isdir():
         fd = dirs.get(parts, m.name)
         os.chmod(fd, mode | 0o700)  # the owner keeps rwx: later members go inside
@@ -174,7 +211,8 @@ def _one(tar: tarfile.TarFile, m: tarfile.TarInfo, dirs: _Dirs, files: set[tuple
             os.utime(fd, (m.mtime, m.mtime))
         finally:
             os.close(fd)
-        files.add(tuple(parts))
+        if len(files) < MAX_LINKABLE:
+            files.add(_key(parts))
     elif m.issym():
         if not _link_inside(parts, m.linkname):
             raise UnsafeArchive(m.name, f"a symlink out of the target ({m.linkname[:200]!r})")
@@ -182,12 +220,14 @@ def _one(tar: tarfile.TarFile, m: tarfile.TarInfo, dirs: _Dirs, files: set[tuple
         os.symlink(m.linkname, name, dir_fd=parent)
     elif m.islnk():
         target = member_parts(m.linkname)
-        if tuple(target) not in files:
-            raise UnsafeArchive(m.name, f"a hardlink to {m.linkname[:200]!r}, not a file this archive wrote")
+        if _key(target) not in files:
+            why = f"not a file this archive wrote (or beyond its first {MAX_LINKABLE})"
+            raise UnsafeArchive(m.name, f"a hardlink to {m.linkname[:200]!r}, {why}")
         src_dir = dirs.get(target[:-1], m.name)
         _replace(name, parent, m.name)
         os.link(target[-1], name, src_dir_fd=src_dir, dst_dir_fd=parent, follow_symlinks=False)
-        files.add(tuple(parts))
+        if len(files) < MAX_LINKABLE:
+            files.add(_key(parts))
     else:
         raise UnsafeArchive(m.name, "a device, FIFO or other special file")
 

@@ -111,6 +111,18 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ),
     ),
     Guarantee(
+        "files",
+        "A downloaded symlink resolves inside the local directory even through other links (its '..' "
+        "only leading: a chain like l -> ../.. then x -> a/b/l/../victim is refused), and the host's "
+        "extractor holds bounded memory whatever the stream claims (extended headers at most 1 MiB, "
+        "no sparse members, read members not kept).",
+        ("container",),
+        (
+            "test_files_tar_bounds.py::test_a_symlink_chain_out_of_a_downloaded_directory_is_refused",
+            "test_files_tar_bounds.py::test_a_crafted_download_stream_keeps_the_host_extractor_bounded",
+        ),
+    ),
+    Guarantee(
         "crashes",
         "A 200 MB streamed files.write and files.read keep the host's memory small (the agent "
         "acknowledges what it wrote; the host sends one window beyond), in process and through "
