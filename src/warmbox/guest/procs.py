@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import os
 import select
+import sys
 import threading
 import time
 
@@ -158,6 +159,16 @@ class ProcTable:
                 proc.base = off + extra
 
     def _pump(self) -> None:
+        """The one drain of every background process; a bug in one round must not stop it (every
+        process's output would stop being read, and none would ever be reported as ended)."""
+        while True:
+            try:
+                self._drain()
+            except Exception as e:  # pragma: no cover - a bug: say so, and start over
+                print(f"warmbox agent: background output pump: {type(e).__name__}: {e}", file=sys.stderr)
+                time.sleep(0.1)
+
+    def _drain(self) -> None:
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
         watched: set[int] = set()
@@ -221,7 +232,10 @@ class ProcTable:
 
     def _finish(self, proc: Proc) -> None:
         status = proc.scope.status()
-        self.release_scope(proc.scope)
+        try:
+            self.release_scope(proc.scope)
+        except OSError:  # its cgroup or pipe is gone already: nothing left to release
+            pass
         with self.lock:
             for fd in list(proc.outputs):
                 self._drop_fd(proc, fd)
