@@ -124,3 +124,45 @@ def test_kill_ends_the_process_group_and_a_pty_has_a_size(agent):
         await c.close()
 
     asyncio.run(main())
+
+
+def test_a_hostile_agents_endless_process_list_is_refused(tmp_path):
+    """A guest answering commands.list with entry after entry cannot make the host hold them all."""
+    import threading
+
+    from warmbox.engine.session import MAX_PROCESS_LIST_BYTES, GuestSession
+    from warmbox.errors import GuestProtocolError
+
+    path = str(tmp_path / "hostile.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(1)
+    sent = [0]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            req = p.recv_message(conn, p.HOST_TO_GUEST)
+            big = {f"K{i}": "v" * 1000 for i in range(500)}  # ~0.5 MB per entry
+            try:
+                while sent[0] < 4 * MAX_PROCESS_LIST_BYTES:
+                    conn.sendall(p.encode(p.ProcEntry(req.id, pid=2, argv=["x"], env=big, cwd="/", tag="", pty=False)))
+                    sent[0] += 500_000
+            except OSError:
+                pass  # the host hung up: it refused the list
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+
+    async def main() -> None:
+        session = await GuestSession.connect(path, "hostile")
+        try:
+            with pytest.raises(GuestProtocolError, match="process list"):
+                await session.processes()
+        finally:
+            await session.close()
+
+    asyncio.run(main())
+    t.join(10)
+    listener.close()
+    assert sent[0] < 4 * MAX_PROCESS_LIST_BYTES  # it stopped reading long before the guest stopped sending

@@ -63,6 +63,7 @@ from warmbox.models import (
     Result,
 )
 
+MAX_PROCESS_LIST_BYTES = 16 << 20  # commands.list: what a guest's answer may make the host hold
 HOST_GRACE_S = 15.0  # the host's bound = the guest's timeout + this (kill and interrupt waits)
 MAX_DISPLAY_BYTES = 64 << 20
 MAX_RESULTS = 4096  # results of one run (display() calls, charts)
@@ -584,6 +585,7 @@ class GuestSession:
 
     async def processes(self) -> builtins.list[ProcessInfo]:
         out: builtins.list[ProcessInfo] = []
+        held = 0  # bytes of what the guest sent, roughly
         async with self._client.request(lambda i: p.ProcList(i)) as stream:
             while True:
                 msg = await stream.next(p.ProcEntry, p.Ok)
@@ -592,18 +594,21 @@ class GuestSession:
                 if isinstance(msg, p.Ok):
                     return out
                 assert isinstance(msg, p.ProcEntry)
-                if len(out) < 100_000:  # a guest cannot grow the host's list without bound
-                    out.append(
-                        ProcessInfo(
-                            pid=msg.pid,
-                            cmd=msg.argv[0] if msg.argv else "",
-                            args=tuple(msg.argv[1:]),
-                            envs=dict(msg.env),
-                            cwd=msg.cwd,
-                            tag=msg.tag,
-                            pty=msg.pty,
-                        )
+                held += 64 + len(msg.cwd) + len(msg.tag) + sum(map(len, msg.argv))
+                held += sum(len(k) + len(v) for k, v in msg.env.items())
+                if held > MAX_PROCESS_LIST_BYTES:  # a guest cannot grow the host's list without bound
+                    raise GuestProtocolError("guest sent a process list larger than the host's bound", self.sandbox_id)
+                out.append(
+                    ProcessInfo(
+                        pid=msg.pid,
+                        cmd=msg.argv[0] if msg.argv else "",
+                        args=tuple(msg.argv[1:]),
+                        envs=dict(msg.env),
+                        cwd=msg.cwd,
+                        tag=msg.tag,
+                        pty=msg.pty,
                     )
+                )
 
     async def run_code(
         self,
