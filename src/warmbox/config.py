@@ -67,8 +67,9 @@ from warmbox.tiers import canonical_tier
 BUILTIN_TEMPLATES: dict[str, dict[str, Any]] = {
     "base": {"warmup_code": "", "description": "Python 3 + coreutils; code context started"},
     "pydata": {
-        "warmup_code": "import numpy, pandas\ntry:\n    import requests\nexcept ImportError:\n    pass",
-        "description": "base + numpy and pandas (and requests when installed) imported",
+        "warmup_code": "import numpy, pandas\ntry:\n    import requests\nexcept ImportError:\n    pass\n"
+        "try:\n    import matplotlib.pyplot\nexcept ImportError:\n    pass",
+        "description": "base + numpy, pandas and matplotlib (and requests when installed) imported",
     },
     "shell": {"warmup_code": None, "description": "no code context started (smallest idle footprint)"},
 }

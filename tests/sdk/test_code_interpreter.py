@@ -98,6 +98,13 @@ def test_logs_are_lists_of_lines(box):
 
 
 @pytest.mark.sandbox
+def test_the_pydata_template_has_pyplot_imported(home, runc_ready):
+    with Sandbox.create(tier="container", template="pydata", timeout=120) as sb:
+        assert sb.run_code("import sys; 'matplotlib.pyplot' in sys.modules").text == "True"
+        assert png_size(sb.run_code("matplotlib.pyplot.plot([1]); matplotlib.pyplot.show()").results[0].png)
+
+
+@pytest.mark.sandbox
 def test_callbacks_stream_results_and_errors(box):
     """on_result gets each result while the cell still runs (here before its last print)."""
     events: list[tuple[str, object]] = []
@@ -208,6 +215,7 @@ def test_javascript_bash_and_charts_on_microvm(home, runc_ready):
         r = sb.commands.run("python3 -c 'import matplotlib'")
         if r.exit_code != 0:
             pytest.skip(f"the microVM image has no matplotlib (its guest packages lack python3-matplotlib): {r.stderr}")
+        assert sb.commands.run("ls /opt/warmbox/matplotlib").stdout.startswith("fontlist-v")  # the guest's own
         e = sb.run_code(CHART)
         assert e.error is None, e.error
         assert png_size(e.results[0].png)

@@ -130,6 +130,11 @@ def build_font_cache(python: str, out: Path, rc: Path) -> None:
         )
     finally:
         shutil.rmtree(home, ignore_errors=True)
+    keep_only_font_list(out)
+
+
+def keep_only_font_list(out: Path) -> None:
+    """Of a build-time matplotlib config directory, only the font list, readable by everyone."""
     if not out.is_dir():
         return
     out.chmod(0o755)
