@@ -334,6 +334,13 @@ _ARGS: dict[str, object] = {
     "timeout": 30.0,
     "duration_ms": 1.0,
     "network": "none",
+    "pid": 1,
+    "cols": 80,
+    "rows": 24,
+    "files": (),
+    "old_path": "a",
+    "new_path": "b",
+    "port": 8000,
 }
 
 
