@@ -596,7 +596,7 @@ class PortTunnel(Stream):
         self._check()
         await self.send(p.ChunkEnd(self.id))
 
-    async def connect(self, port: int) -> p.Message:
+    async def answer(self) -> p.Message:
         """The guest's answer to the PortConnect: Ok or a Failure."""
         return await self.next(p.Ok)
 
@@ -609,7 +609,7 @@ async def open_port(client: GuestClient, port: int, window: int = PORT_WINDOW) -
     client._streams[rid] = tunnel
     try:
         await client.send(p.PortConnect(rid, port=port, window=window))
-        answer = await tunnel.connect(port)
+        answer = await tunnel.answer()
     except BaseException:
         tunnel.cancel()
         raise
