@@ -150,6 +150,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE", help="environment variable")
     p.add_argument("--cwd", default=None, help="working directory inside the sandbox")
     p.add_argument("cmd", nargs="*", help="-- then a command instead of bash")
+    p = sub.add_parser("port-forward", help="reach a port of a sandbox from this host until interrupted")
+    p.add_argument("sandbox_id")
+    p.add_argument("port", type=int, help="the TCP port inside the sandbox")
+    p.add_argument("--unix", action="store_true", help="a unix socket (in a 0700 directory) instead of 127.0.0.1:N")
+    p.add_argument("--check", action="store_true", help="first wait (30 s at most) until something listens")
     p = sub.add_parser("ls", help="list sandboxes")
     p.add_argument("--all", action="store_true", help="include destroyed sandboxes")
     p.add_argument("--timings", action="store_true", help="show stage timings")
@@ -536,6 +541,33 @@ async def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _port_forward(args: argparse.Namespace) -> int:
+    """Print the forward's address (one line), then relay until SIGINT/SIGTERM or the sandbox ends;
+    the sandbox is let go of, never ended."""
+    import signal
+
+    from warmbox.sdk.sandbox import AsyncSandbox
+
+    sb = await AsyncSandbox.connect(args.sandbox_id)
+    try:
+        host = await sb.get_host(args.port, unix=args.unix, check=args.check, timeout=30.0)
+        print(host, flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), 2.0)
+            except TimeoutError:
+                if not await sb.is_running():  # ended (or paused): the forward goes with it
+                    print(f"warmbox: sandbox {args.sandbox_id} is no longer running", file=sys.stderr)
+                    return EXIT_ERROR
+        return 0
+    finally:
+        await sb.close()
+
+
 async def _metrics(args: argparse.Namespace) -> int:
     m = await _engine().handle(ops.Metrics(args.sandbox_id))
     if args.json:
@@ -721,6 +753,7 @@ _COMMANDS = {
     "create": _create,
     "exec": _exec,
     "shell": _shell,
+    "port-forward": _port_forward,
     "ls": _ls,
     "kill": _kill,
     "metrics": _metrics,
