@@ -93,6 +93,15 @@ def test_pip_npm_and_git_work_without_network(home, runc_ready, tier):
         )
         assert r.exit_code == 0, r.stderr
         assert r.stdout.splitlines() == ["warmbox sandbox <sandbox@warmbox.invalid>|first", "main"]
+        # a server of the sandbox's own stays reachable through the tools that honour the proxy variables
+        r = sb.commands.run(
+            "cd /tmp && (python3 -m http.server 8765 --bind 127.0.0.1 >/dev/null 2>&1 &) && sleep 0.2"
+            " && for i in $(seq 100); do curl -sf -o /dev/null http://localhost:8765/ && break; sleep 0.1; done"
+            " && curl -sS -o /dev/null -w '%{http_code} ' http://127.0.0.1:8765/"
+            " && python3 -c \"import urllib.request as u; print(u.urlopen('http://localhost:8765/').status)\"",
+            timeout=60,
+        )
+        assert r.stdout.split() == ["200", "200"], r.stderr
         # no network: every download fails at once and says why: within a few seconds of what the
         # tool costs anyway (its --version: npm alone takes 10 s to start on the microVM tier's TCG)
         for cmd, says in (

@@ -27,6 +27,9 @@ OFFLINE_ENV = {
         ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "npm_config_proxy", "npm_config_https_proxy"),
         OFFLINE_PROXY,
     ),
+    # the sandbox's own servers stay reachable (as under a policy: engine/egress.py proxy_env)
+    "NO_PROXY": "localhost,127.0.0.1,::1",
+    "no_proxy": "localhost,127.0.0.1,::1",
     "PIP_RETRIES": "0",
     "npm_config_fetch_retries": "0",
 }
