@@ -36,3 +36,17 @@ def test_options_after_the_id(sid):
     assert (r.returncode, r.stdout) == (0, "/tmp\n1\n--cwd x\n"), r.stderr
     r = cli("exec", sid, "--cmd-timeout", "1", "--", "bash", input="sleep 30\n")  # streamed stdin: still bounded
     assert r.returncode == 137 and "timed out" in r.stderr, (r.returncode, r.stderr)
+
+
+@pytest.mark.sandbox
+def test_exec_as_root_where_the_tier_offers_it(sid, home):
+    r = cli("exec", sid, "--user", "root", "--", "id", "-u")  # the container tier: refused, saying why
+    assert r.returncode == 125 and "seccomp" in r.stderr and "Traceback" not in r.stderr
+    r = cli("create", "--tier", "gvisor", "--timeout", "120")
+    assert r.returncode == 0, r.stderr
+    gid = r.stdout.strip()
+    try:
+        r = cli("exec", gid, "-u", "root", "--", "sh", "-c", "id -u; cat", input="piped\n")
+        assert (r.returncode, r.stdout) == (0, "0\npiped\n"), r.stderr
+    finally:
+        cli("kill", gid)

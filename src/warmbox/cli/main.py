@@ -3,7 +3,7 @@
 warmbox run [opts] -- CMD...      create, run, destroy; exits with the command's status
 warmbox create [opts]             print the id of a new sandbox that outlives this process
 warmbox exec ID [opts] -- CMD...  run in an existing sandbox (a piped stdin is forwarded)
-warmbox shell ID [opts] [-- CMD]  an interactive terminal in a sandbox (bash unless CMD)
+warmbox shell ID [opts] [-- CMD]  an interactive terminal in a sandbox (bash unless CMD; -u root where offered)
 warmbox ls [--all] [--timings]    list sandboxes
 warmbox kill ID...                destroy sandboxes
 warmbox metrics ID                cpu-s, memory GiB-s, wall/busy/idle seconds of a sandbox
@@ -144,11 +144,13 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("exec", help="run a command in an existing sandbox (a piped stdin is forwarded)")
     p.add_argument("sandbox_id")
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE", help="environment variable of the command")
+    p.add_argument("-u", "--user", choices=("user", "root"), default="user", help="root: where the tier offers it")
     _add_exec_opts(p)
     p = sub.add_parser("shell", help="an interactive terminal in an existing sandbox")
     p.add_argument("sandbox_id")
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE", help="environment variable")
     p.add_argument("--cwd", default=None, help="working directory inside the sandbox")
+    p.add_argument("-u", "--user", choices=("user", "root"), default="user", help="root: where the tier offers it")
     p.add_argument("cmd", nargs="*", help="-- then a command instead of bash")
     p = sub.add_parser("port-forward", help="reach a port of a sandbox from this host until interrupted")
     p.add_argument("sandbox_id")
@@ -337,6 +339,7 @@ async def _exec_in(sb: Any, args: argparse.Namespace, cmd: list[str]) -> int:
     result = await sb.commands.run(
         cmd,
         envs=_env_pairs(getattr(args, "env", None)) if args.command == "exec" else None,
+        user=getattr(args, "user", "user"),
         stdin=_piped_stdin(),
         cwd=args.cwd,
         timeout=args.cmd_timeout or None,
@@ -420,6 +423,7 @@ async def _shell(args: argparse.Namespace) -> int:
             cmd=cmd,
             envs=_env_pairs(args.env),
             cwd=args.cwd,
+            user=args.user,
             on_data=lambda data: os.write(1, data),
         )
         tty.setraw(0)
