@@ -319,6 +319,14 @@ GUARANTEES: tuple[Guarantee, ...] = (
     ),
     Guarantee(
         "ports",
+        "A server in the sandbox cannot desynchronise a kept-alive connection through the preview "
+        "route: an interim (1xx) status is a 502, and a 204/304 (or a HEAD) is passed on without the "
+        "bytes the server sent after its head; the next response on the connection is the real one.",
+        ("container",),
+        ("test_preview_framing.py::test_a_hostile_server_cannot_put_its_bytes_where_the_next_response_goes",),
+    ),
+    Guarantee(
+        "ports",
         "A connection storm on a forward holds at most MAX_CONNECTIONS tunnels (the rest are dropped at "
         "once) and they all close; an agent flooding past a tunnel's window, acknowledging bytes never "
         "sent, sending garbage or never answering gets a typed error, and the host's memory stays bounded; "

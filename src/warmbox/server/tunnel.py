@@ -127,7 +127,7 @@ async def preview(request: Request, stream: ops.PortStream, port: int, path: str
             stream.close()
             return _bad_gateway(f"the server on port {port} sent no HTTP response")
         status = int(parts[1])
-        if not 100 <= status <= 599:
+        if not 200 <= status <= 599:  # an interim (1xx) answer is not the response: never passed on
             stream.close()
             return _bad_gateway(f"the server on port {port} answered status {status}")
         headers: list[tuple[str, str]] = []
@@ -141,8 +141,14 @@ async def preview(request: Request, stream: ops.PortStream, port: int, path: str
         stream.close()
         raise
 
+    # a response that has no body by its status or method: what the server sent after the head is
+    # dropped (written on, it would stand where the client reads the next response)
+    bodiless = status in (204, 304) or request.method == "HEAD"
+
     async def body_chunks() -> AsyncIterator[bytes]:
         try:
+            if bodiless:
+                return
             if rest:
                 yield rest
             while (data := await stream.read()) is not None:
