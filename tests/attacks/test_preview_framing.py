@@ -18,10 +18,9 @@ from warmbox import Sandbox, api
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(240)]
 
-FORGED = b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\nX-Forged: 1\r\n\r\nforged"
 SERVER = r"""
 import socket
-FORGED = %r
+FORGED = b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\nX-Forged: 1\r\n\r\nforged"
 answers = {
     b"/interim": b"HTTP/1.0 100 Continue\r\n\r\n" + FORGED,
     b"/switch": b"HTTP/1.0 101 Switching Protocols\r\n\r\n" + FORGED,
@@ -46,7 +45,7 @@ while True:
     except OSError:
         pass
     c.close()
-""" % (FORGED,)
+"""
 
 
 def test_a_hostile_server_cannot_put_its_bytes_where_the_next_response_goes(home, runc_ready):
