@@ -4,7 +4,7 @@ warmbox run [opts] -- CMD...      create, run, destroy; exits with the command's
 warmbox create [opts]             print the id of a new sandbox that outlives this process
 warmbox exec ID [opts] -- CMD...  run in an existing sandbox (a piped stdin is forwarded)
 warmbox shell ID [opts] [-- CMD]  an interactive terminal in a sandbox (bash unless CMD; -u root where offered)
-warmbox ls [--all] [--timings]    list sandboxes
+warmbox ls [--all] [--timings]    list sandboxes (--metadata K=V, --state paused: only those)
 warmbox kill ID...                destroy sandboxes
 warmbox metrics ID                cpu-s, memory GiB-s, wall/busy/idle seconds of a sandbox
 warmbox snapshot ID | pause ID    save files + code-context state (pause also releases the sandbox)
@@ -39,7 +39,7 @@ from typing import Any, NoReturn
 
 from warmbox import operations as ops
 from warmbox.errors import WarmboxError
-from warmbox.models import Limits
+from warmbox.models import Lifecycle, Limits, SandboxQuery, validate_query
 
 EXIT_ERROR = 125
 
@@ -78,6 +78,12 @@ def _add_sandbox_opts(p: argparse.ArgumentParser) -> None:
         help="pass host env var NAME as a brokered secret: the sandbox sees a placeholder, "
         "the proxy sends the value to HOST only",
     )
+    p.add_argument("--metadata", action="append", metavar="KEY=VALUE", help="a label (get_info, ls --metadata)")
+    p.add_argument(
+        "--on-timeout", choices=("kill", "pause"), default="kill", help="at the timeout: destroy (default) or pause"
+    )
+    p.add_argument("--idle-pause", type=float, default=None, metavar="S", help="pause after S seconds without use")
+    p.add_argument("--auto-resume", action="store_true", help="the next use of a paused sandbox resumes it")
 
 
 def _add_network_opts(p: argparse.ArgumentParser) -> None:
@@ -160,6 +166,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ls", help="list sandboxes")
     p.add_argument("--all", action="store_true", help="include destroyed sandboxes")
     p.add_argument("--timings", action="store_true", help="show stage timings")
+    p.add_argument("--metadata", action="append", metavar="KEY=VALUE", help="only sandboxes with this label")
+    p.add_argument("--state", action="append", metavar="STATE", help="only sandboxes in this state (e.g. paused)")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("kill", help="destroy sandboxes")
     p.add_argument("sandbox_ids", nargs="+")
@@ -292,7 +300,24 @@ def _create_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "pool": not args.no_pool,
         "network": _network(args),
         "secrets": _secrets(args),
+        "metadata": _pairs(args.metadata, "--metadata") or None,
+        "lifecycle": _lifecycle(args),
     }
+
+
+def _pairs(values: list[str] | None, flag: str) -> dict[str, str]:
+    out = {}
+    for item in values or []:
+        if "=" not in item:
+            raise WarmboxError(f"{flag} expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k] = v
+    return out
+
+
+def _lifecycle(args: argparse.Namespace) -> Lifecycle | None:
+    lc = Lifecycle(on_timeout=args.on_timeout, idle_pause_after=args.idle_pause, auto_resume=args.auto_resume)
+    return None if lc == Lifecycle() else lc
 
 
 def _timings_json(stages: list) -> list[dict]:
@@ -506,7 +531,15 @@ async def _serve(args: argparse.Namespace) -> int:
 
 async def _ls(args: argparse.Namespace) -> int:
     t = _engine()
-    infos = await t.handle(ops.ListSandboxes(include_dead=args.all, reap=True))
+    query = None
+    if args.metadata or args.state:
+        query = validate_query(
+            SandboxQuery(
+                metadata=_pairs(args.metadata, "--metadata") or None,
+                state=tuple(args.state) if args.state else None,  # type: ignore[arg-type]  # checked here
+            )
+        )
+    infos = await t.handle(ops.ListSandboxes(include_dead=args.all, reap=True, query=query))
     timings = (
         {i.sandbox_id: await t.handle(ops.Timings(i.sandbox_id)) for i in infos} if args.json or args.timings else {}
     )
