@@ -67,12 +67,16 @@ def test_shell_in_a_terminal_types_reads_and_resizes(home, runc_ready):
         pane.type("echo $((6 * 7)) $TERM")
         pane.wait_for("42 xterm-256color")
         pane.type("stty size; tty")
-        screen = pane.wait_for("30 100")
-        assert "/dev/pts/" in screen
+        screen = pane.wait_for("/dev/pts/")  # printed after the size
+        assert "30 100" in screen
         pane.tmux("resize-window", "-t", "t", "-x", "120", "-y", "40")
-        time.sleep(0.3)  # SIGWINCH reaches the CLI, which resizes the sandbox's terminal
-        pane.type("stty size")
-        pane.wait_for("40 120")
+        # SIGWINCH reaches the CLI, which resizes the sandbox's terminal: asked until it shows
+        for _ in range(20):
+            pane.type("clear; stty size")
+            time.sleep(0.25)
+            if "40 120" in pane.screen():
+                break
+        pane.wait_for("40 120", timeout=5)
         pane.type("sleep 100")  # Ctrl-C goes through raw mode to the sandbox's foreground job
         time.sleep(0.5)
         pane.tmux("send-keys", "-t", "t", "C-c")
