@@ -67,6 +67,19 @@ def test_an_expired_sandbox_says_expired_not_a_connection_error(home, runc_ready
 
 
 @pytest.mark.sandbox
+def test_a_command_cut_short_by_the_timeout_says_expired(home, runc_ready):
+    sb = Sandbox.create(template="shell", timeout=3)
+    try:
+        Engine.for_home(home).ensure_daemon()
+        t0 = time.monotonic()
+        with pytest.raises(SandboxNotFound, match="expired"):
+            sb.commands.run("sleep 60", timeout=120)
+        assert time.monotonic() - t0 < 30
+    finally:
+        sb.kill()
+
+
+@pytest.mark.sandbox
 @pytest.mark.parametrize("tier", ["gvisor", "microvm"])
 def test_a_memory_pause_resumes_under_the_same_id(home, runc_ready, tier):
     avail = Engine.for_home(home).backend(tier).probe()
