@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -51,7 +52,10 @@ class Pane:
         return self.tmux("display-message", "-p", "-t", "t", "#{pane_dead}").strip() == "1"
 
     def close(self) -> None:
+        socket_path = self.tmux("display-message", "-p", "#{socket_path}").strip()
         subprocess.run(["tmux", "-L", self.server, "kill-server"], capture_output=True, timeout=10)
+        if socket_path:
+            Path(socket_path).unlink(missing_ok=True)  # tmux leaves its socket file behind
 
 
 @pytest.mark.sandbox
