@@ -254,9 +254,10 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee(
         "host memory",
         "A background process's output followed by a slow reader (an NDJSON client that stops "
-        "reading) holds at most 4 MiB on the host, the rest is dropped and reported as a lost "
-        "event; a hostile agent flooding a directory watch past its window, or a follower with "
-        "frames that are not output, gets a typed error and bounded host memory.",
+        "reading) holds at most 4 MiB on the host (16 MiB for all followers of a sandbox), the rest "
+        "is dropped and reported as a lost event; a hostile agent flooding a directory watch past its "
+        "window, or a follower with frames that are not output, gets a typed error and bounded host "
+        "memory.",
         ("container",),
         (
             "test_host_stream_bounds.py::test_a_slow_follower_of_an_output_flood_keeps_the_host_bounded",

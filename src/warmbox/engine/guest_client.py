@@ -25,6 +25,7 @@ _END = object()
 _OVERFLOW = object()
 _FLOOD = object()
 OUTPUT_BACKLOG = 4 << 20  # bytes of a followed process's output the host holds for a slow reader
+OUTPUT_BACKLOG_TOTAL = 16 << 20  # the same, for all followers of one sandbox together
 MAX_QUEUED = 1024  # frames a bounded stream holds untaken (besides its data's byte bound)
 READ_WINDOW = 4 << 20  # bytes a ReadFile may have in flight: what a slow reader holds on the host at most
 WRITE_WINDOW = 1 << 20  # bytes a WriteFile may have in flight beyond the guest's acks (4 chunks)
@@ -44,6 +45,7 @@ class GuestClient(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._paused: asyncio.Future[None] | None = None  # set while the transport's buffer is full
         self._lost: asyncio.Future[None] = self._loop.create_future()
+        self._backlog = 0  # output bytes all lossy streams hold untaken (at most OUTPUT_BACKLOG_TOTAL)
 
     @classmethod
     async def connect(cls, socket_path: str, sandbox_id: str) -> GuestClient:
@@ -347,10 +349,16 @@ class Stream:
         queued = len(self._items)
         if self._lossy is not None and isinstance(msg, (p.Stdout, p.Stderr, p.OutputLost)):
             size = msg.size if isinstance(msg, p.OutputLost) else len(msg.data)
-            if isinstance(msg, p.OutputLost) or queued >= MAX_QUEUED or self._held + size > self._lossy:
+            if (
+                isinstance(msg, p.OutputLost)
+                or queued >= MAX_QUEUED
+                or self._held + size > self._lossy
+                or self.client._backlog + size > OUTPUT_BACKLOG_TOTAL  # many slow followers
+            ):
                 self._dropped += max(0, size)  # told to the reader before the next frame kept
                 return False
             self._held += size
+            self.client._backlog += size
         elif self._frames is not None and queued >= self._frames + (16 if self._lossy is not None else 0):
             self._flooded = True
             self._items.append(_FLOOD)
@@ -409,6 +417,7 @@ class Stream:
             self._held -= len(item.data)
         elif self._lossy is not None and isinstance(item, (p.Stdout, p.Stderr)):
             self._held -= len(item.data)
+            self.client._backlog -= len(item.data)
         assert isinstance(item, p.Message)
         return item
 
@@ -416,6 +425,10 @@ class Stream:
         """Stop routing the guest's answers here (later ones are dropped); idempotent."""
         if self.client._streams.get(self.id) is self:
             del self.client._streams[self.id]
+            if self._lossy is not None:  # what it holds no longer counts against the others
+                self.client._backlog -= self._held
+                self._held = 0
+                self._items = deque(i for i in self._items if not isinstance(i, (p.Stdout, p.Stderr)))
         if self._timer is not None and self._waiter is None:  # a get() still waiting keeps its bound
             self._timer.cancel()
             self._timer = None
