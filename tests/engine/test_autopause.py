@@ -192,3 +192,28 @@ def test_a_resume_whose_process_died_leaves_the_sandbox_paused_not_lost(home, ru
             assert back.files.read("kept.txt") == "v"
     finally:
         sb.kill()
+
+
+@pytest.mark.sandbox
+def test_a_command_cut_short_by_a_timeout_pause_is_not_run_again(home, runc_ready):
+    """With auto_resume, a command the timeout pause interrupted raises SandboxPaused instead of
+    running a second time after the resume (it may have done part of its work); the next call
+    resumes the sandbox."""
+    engine = Engine.for_home(home)
+    sb = Sandbox.create(template="shell", timeout=3, lifecycle=Lifecycle(on_timeout="pause", auto_resume=True))
+    try:
+        engine.ensure_daemon()
+        t0 = time.monotonic()
+        with pytest.raises(SandboxPaused, match="not run again"):
+            sb.commands.run("echo ran >> /workspace/count; sleep 60", timeout=120)
+        assert time.monotonic() - t0 < WAIT_S
+        assert sb.files.read("/workspace/count") == "ran\n"  # resumed by this call; the command ran once
+        assert _state(engine, sb.sandbox_id) is State.READY
+    finally:
+        sb.kill()
+
+
+def test_only_reads_are_repeated_after_a_pause():
+    assert front.REPEATABLE <= front.USE
+    for op in (ops.Exec, ops.RunCode, ops.StartProcess, ops.WriteFile, ops.WriteFiles, ops.Remove, ops.Rename):
+        assert op not in front.REPEATABLE

@@ -123,6 +123,12 @@ NOT_USE: frozenset[type[Any]] = frozenset(
         ops.NetworkLog,
     }
 )
+# operations of USE that may run again after a pause cut them short (with auto_resume): reads that
+# change nothing. Anything else (a command, a cell, a write) may have done part of its work, so
+# running it twice is the caller's decision: it gets SandboxPaused, and its next call resumes.
+REPEATABLE: frozenset[type[Any]] = frozenset(
+    {ops.Ping, ops.ListProcesses, ops.ReadFile, ops.ReadFileStream, ops.ListDir, ops.Stat, ops.DownloadDir}
+)
 REATTACH_S = 15.0  # after a failed memory pause, how long the agent may take to listen again
 
 
@@ -328,13 +334,20 @@ class EngineFront:
         try:
             for attempt in (1, 2):
                 try:
-                    return await handler(request)
-                except GuestConnectionError:
-                    await self._lost(sid)  # a typed error if it ended or was paused meanwhile
-                    raise
-                except SandboxPaused:  # paused under it (its timeout, or idle in another client's view)
+                    try:
+                        return await handler(request)
+                    except GuestConnectionError:
+                        await self._lost(sid)  # a typed error if it ended or was paused meanwhile
+                        raise
+                except SandboxPaused as e:  # paused under it (its timeout, or idle in another client's view)
                     if attempt == 2 or connect or not lifecycle.auto_resume:
                         raise
+                    if type(request) not in REPEATABLE:
+                        raise SandboxPaused(
+                            f"sandbox {sid} was paused while this {type(request).__name__} ran; it may have done "
+                            "part of its work, so it was not run again: the next call resumes the sandbox",
+                            sid,
+                        ) from e
                     await self.resume(ops.Resume(sid))
             raise AssertionError("unreachable")
         finally:
