@@ -208,7 +208,10 @@ def _one(tar: tarfile.TarFile, m: tarfile.TarInfo, dirs: _Dirs, files: set[bytes
                 while view:
                     view = view[os.write(fd, view) :]
             os.fchmod(fd, mode)
-            os.utime(fd, (m.mtime, m.mtime))
+            try:
+                os.utime(fd, (m.mtime, m.mtime))
+            except (OverflowError, ValueError):  # a time no file can have (NaN, 1e400): left as now
+                pass
         finally:
             os.close(fd)
         if len(files) < MAX_LINKABLE:

@@ -115,7 +115,7 @@ GUARANTEES: tuple[Guarantee, ...] = (
         "A downloaded symlink resolves inside the local directory even through other links (its '..' "
         "only leading: a chain like l -> ../.. then x -> a/b/l/../victim is refused), and the host's "
         "extractor holds bounded memory whatever the stream claims (extended headers at most 1 MiB, "
-        "no sparse members, read members not kept).",
+        "no sparse members, read members not kept); a time no file can have is no error.",
         ("container",),
         (
             "test_files_tar_bounds.py::test_a_symlink_chain_out_of_a_downloaded_directory_is_refused",
