@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _COPY = 256 << 10
 MAX_NAME = 4096
+MAX_COMPONENT = 255  # NAME_MAX: a longer one is no file's name (an OSError, untyped, otherwise)
 MAX_DEPTH = 200  # directories packed below the root (deeper ones are stored empty)
 MAX_HEADER = 1 << 20  # bytes of one extended header (pax, GNU long name): tarfile holds it whole
 MAX_LINKABLE = 1 << 16  # files an archive wrote that a later hardlink may name (their names' digests)
@@ -47,6 +48,8 @@ def member_parts(name: str) -> list[str]:
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise UnsafeArchive(name, "contains a '..' component")
+    if any(len(p.encode("utf-8", "surrogateescape")) > MAX_COMPONENT for p in parts):
+        raise UnsafeArchive(name, f"a name component over {MAX_COMPONENT} bytes")
     return parts
 
 
@@ -217,6 +220,8 @@ def _one(tar: tarfile.TarFile, m: tarfile.TarInfo, dirs: _Dirs, files: set[bytes
         if len(files) < MAX_LINKABLE:
             files.add(_key(parts))
     elif m.issym():
+        if len(m.linkname.encode("utf-8", "surrogateescape")) >= MAX_NAME:
+            raise UnsafeArchive(m.name, f"a symlink target of {len(m.linkname)} characters")
         if not _link_inside(parts, m.linkname):
             raise UnsafeArchive(m.name, f"a symlink out of the target ({m.linkname[:200]!r})")
         _replace(name, parent, m.name)
