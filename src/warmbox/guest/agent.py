@@ -882,6 +882,16 @@ def _spawn(
             delay = min(delay * 2, 0.2)
 
 
+def _exit_status(status: int | None) -> tuple[int, int]:
+    """(exit code, signal) of a wait status: 128+N and N if signal N ended it; (-1, 0) if unknown."""
+    if status is None:
+        return -1, 0
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return 128 + sig, sig
+    return os.WEXITSTATUS(status), 0
+
+
 def _exec(agent: Agent, conn: Connection, msg: p.Exec) -> None:
     agent.busy.enter()
     try:
@@ -954,14 +964,7 @@ def _exec_inner(agent: Agent, conn: Connection, msg: p.Exec) -> None:
                 timed_out = True
                 scope.kill()
                 status = scope.wait(_KILL_WAIT_S)
-        sig = 0
-        code = -1
-        if status is not None:
-            if os.WIFSIGNALED(status):
-                sig = os.WTERMSIG(status)
-                code = 128 + sig
-            else:
-                code = os.WEXITSTATUS(status)
+        code, sig = _exit_status(status)
         conn.send(
             p.Exited(
                 id=msg.id,
@@ -2063,14 +2066,7 @@ def _attach(agent: Agent, conn: Connection, msg: p.Attach) -> None:
             conn.send((p.Stderr if kind == bg.STDERR else p.Stdout)(id=msg.id, data=data))
         offset = nxt
         if ended and not lost and not chunks:
-            status = proc.status
-            sig, code = 0, -1
-            if status is not None:
-                if os.WIFSIGNALED(status):
-                    sig = os.WTERMSIG(status)
-                    code = 128 + sig
-                else:
-                    code = os.WEXITSTATUS(status)
+            code, sig = _exit_status(proc.status)
             conn.send(
                 p.Exited(
                     id=msg.id,
