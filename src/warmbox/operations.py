@@ -9,8 +9,10 @@ stream it receives instead of sending them.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
+import inspect
 import posixpath
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -144,6 +146,45 @@ class DirWatch(Protocol):
         """Until it is over; raises what ended it other than stop() or the directory going (a
         typed error, or the callback's own exception)."""
         ...
+
+
+class WatchTask:
+    """What both transports' DirWatch share: a task runs the subclass's ``_run`` (which passes each
+    event to ``_deliver``), keeps its error for wait(); stop() calls the subclass's ``_halt`` (its
+    source: the guest stream, the HTTP response) and cancels the task."""
+
+    def __init__(self, on_event: EventSink) -> None:
+        self._on_event = on_event
+        self._error: BaseException | None = None
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+    def _halt(self) -> None:
+        raise NotImplementedError
+
+    async def _deliver(self, event: FilesystemEvent) -> None:
+        result = self._on_event(event)
+        if inspect.isawaitable(result):
+            await result
+
+    @property
+    def done(self) -> bool:
+        return self._task.done()
+
+    def stop(self) -> None:
+        self._halt()
+        self._task.cancel()
+
+    async def wait(self) -> None:
+        try:
+            await asyncio.shield(self._task)
+        except asyncio.CancelledError:
+            if not self._task.cancelled():
+                raise  # the caller's wait was cancelled, not the watch
+        if self._error is not None:
+            raise self._error
 
 
 class ChunkStream(Protocol):

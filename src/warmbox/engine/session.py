@@ -12,7 +12,6 @@ import asyncio
 import base64
 import builtins
 import codecs
-import inspect
 import io
 import math
 import os
@@ -62,6 +61,7 @@ from warmbox.models import (
     ProcessInfo,
     Result,
 )
+from warmbox.operations import WatchTask
 
 MAX_PROCESS_LIST_BYTES = 16 << 20  # commands.list: what a guest's answer may make the host hold
 HOST_GRACE_S = 15.0  # the host's bound = the guest's timeout + this (kill and interrupt waits)
@@ -195,7 +195,7 @@ class _Output:
 WATCH_WINDOW = 256  # events the agent may send beyond what the callback took
 
 
-class DirWatcher:
+class DirWatcher(WatchTask):
     """One running WatchDir: a task takes each FsEvent, awaits ``on_event`` with it, then acks it
     (so the guest sends at most WATCH_WINDOW events ahead of the callback); ends at stop(), when
     the directory goes, or at an error (kept for wait())."""
@@ -204,9 +204,7 @@ class DirWatcher:
         self.sandbox_id = sandbox_id
         self.path = path
         self._stream = stream
-        self._on_event = on_event
-        self._error: BaseException | None = None
-        self._task = asyncio.ensure_future(self._run())
+        super().__init__(on_event)
 
     async def _run(self) -> None:
         stream, taken = self._stream, 0
@@ -219,9 +217,7 @@ class DirWatcher:
                     raise_failure(msg, self.sandbox_id, f"watch {self.path}")
                 assert isinstance(msg, p.FsEvent)
                 event = FilesystemEvent(name=msg.name, type=FilesystemEventType(msg.kind.value))
-                result = self._on_event(event)
-                if inspect.isawaitable(result):
-                    await result
+                await self._deliver(event)
                 taken += 1
                 if taken >= WATCH_WINDOW // 4:
                     await stream.send(p.ReadAck(stream.id, bytes=taken))
@@ -233,22 +229,8 @@ class DirWatcher:
         finally:
             stream.cancel()  # the guest stops (no-op once the stream is closed)
 
-    @property
-    def done(self) -> bool:
-        return self._task.done()
-
-    def stop(self) -> None:
+    def _halt(self) -> None:
         self._stream.cancel()
-        self._task.cancel()
-
-    async def wait(self) -> None:
-        try:
-            await asyncio.shield(self._task)
-        except asyncio.CancelledError:
-            if not self._task.cancelled():
-                raise  # the caller's wait was cancelled, not the watch
-        if self._error is not None:
-            raise self._error
 
 
 class FileChunks:

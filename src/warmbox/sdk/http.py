@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import dataclasses
-import inspect
 import json
 import os
 import ssl
@@ -147,17 +146,15 @@ class _ProcStream:
             self._response.close()
 
 
-class _Watch:
+class _Watch(ops.WatchTask):
     """A files.watch_dir over HTTP (DirWatch): a task reads the event lines into the callback."""
 
     def __init__(
         self, response: aiohttp.ClientResponse, on_event: Callable[[FilesystemEvent], object], url: str
     ) -> None:
         self._response = response
-        self._on_event = on_event
         self._url = url
-        self._error: BaseException | None = None
-        self._task = asyncio.ensure_future(self._run())
+        super().__init__(on_event)
 
     async def _run(self) -> None:
         try:
@@ -167,9 +164,7 @@ class _Watch:
                 msg = json.loads(line)
                 if "event" in msg:
                     event = wire.decode(FilesystemEvent, msg["event"], "event")
-                    result = self._on_event(event)
-                    if inspect.isawaitable(result):
-                        await result
+                    await self._deliver(event)
                 elif "error" in msg:
                     raise wire.error_from_wire(msg["error"])
                 elif "end" in msg:
@@ -184,22 +179,8 @@ class _Watch:
         finally:
             self._response.close()
 
-    @property
-    def done(self) -> bool:
-        return self._task.done()
-
-    def stop(self) -> None:
-        self._task.cancel()
+    def _halt(self) -> None:
         self._response.close()
-
-    async def wait(self) -> None:
-        try:
-            await asyncio.shield(self._task)
-        except asyncio.CancelledError:
-            if not self._task.cancelled():
-                raise
-        if self._error is not None:
-            raise self._error
 
 
 class _Subscription:
