@@ -11,12 +11,16 @@ import os
 import secrets
 import shutil
 import signal
+import socket
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.backends.conftest import qemu_pids
 from tests.conftest import wait_for
+from warmbox import protocol as p
 from warmbox.engine.engine import Engine
 
 pytestmark = pytest.mark.sandbox
@@ -36,6 +40,29 @@ def tier(request, home, runc_ready) -> str:
     """The shared-filesystem tiers (microVM attacks live in their own modules: at most two VMs)."""
     require_tier(home, request.param)
     return request.param
+
+
+def scripted_agent(path: str, script: Callable[[socket.socket, p.Message | None], None]) -> threading.Thread:
+    """A hostile agent (the guest is untrusted) on the unix socket ``path``, on a thread of its own:
+    it takes one connection, reads the host's first request and hands both to ``script``; the
+    host dropping the connection (OSError) ends it quietly; then both sockets are closed."""
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(1)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        try:
+            script(conn, p.recv_message(conn, p.HOST_TO_GUEST))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            listener.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
 
 
 def home_procs(home: Path, arg: bytes = b"") -> list[int]:

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import socket
 import threading
 import time
 
 import pytest
 
+from tests.attacks.conftest import scripted_agent
 from tests.conftest import wait_for
 from warmbox import InvalidArgument, Sandbox, SandboxTimeout
 from warmbox import protocol as p
@@ -303,33 +305,18 @@ def test_bad_read_and_write_arguments_are_typed_errors(home, runc_ready):
 
 def _hostile_agent(path: str, chunks: int, stop: threading.Event) -> threading.Thread:
     """An agent that answers a ReadFile with ``chunks`` full chunks, ignoring window and acks."""
-    import socket
 
-    listener = socket.socket(socket.AF_UNIX)
-    listener.bind(path)
-    listener.listen(1)
+    def script(conn: socket.socket, req: p.Message | None) -> None:
+        assert isinstance(req, p.ReadFile) and req.window > 0
+        frame = p.encode(p.Chunk(req.id, data=bytes(p.CHUNK)))
+        for _ in range(chunks):
+            if stop.is_set():
+                break
+            conn.sendall(frame)
+        conn.sendall(p.encode(p.ChunkEnd(req.id)))
+        stop.wait(10)
 
-    def serve() -> None:
-        conn, _ = listener.accept()
-        try:
-            req = p.recv_message(conn, p.HOST_TO_GUEST)
-            assert isinstance(req, p.ReadFile) and req.window > 0
-            frame = p.encode(p.Chunk(req.id, data=bytes(p.CHUNK)))
-            for _ in range(chunks):
-                if stop.is_set():
-                    break
-                conn.sendall(frame)
-            conn.sendall(p.encode(p.ChunkEnd(req.id)))
-            stop.wait(10)
-        except OSError:
-            pass
-        finally:
-            conn.close()
-            listener.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    return thread
+    return scripted_agent(path, script)
 
 
 @pytest.mark.parametrize("case", ["floods past the window", "sends past max_bytes"])

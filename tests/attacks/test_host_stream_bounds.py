@@ -17,6 +17,7 @@ import threading
 
 import pytest
 
+from tests.attacks.conftest import scripted_agent
 from tests.attacks.test_files_read import SMALL, PeakGrowth
 from warmbox import AsyncSandbox
 from warmbox import operations as ops
@@ -68,35 +69,22 @@ def test_a_slow_follower_of_an_output_flood_keeps_the_host_bounded(home, runc_re
 def _flooding_agent(path: str, stop: threading.Event) -> threading.Thread:
     """Answers a WatchDir with Ok, then sends events with no regard for the window (or an Attach
     with frames that are not output), as fast as the host takes them."""
-    listener = socket.socket(socket.AF_UNIX)
-    listener.bind(path)
-    listener.listen(1)
 
-    def serve() -> None:
-        conn, _ = listener.accept()
-        try:
-            req = p.recv_message(conn, p.HOST_TO_GUEST)
-            if isinstance(req, p.WatchDir):
-                conn.sendall(p.encode(p.Ok(req.id)))
-                frame = p.encode(p.FsEvent(req.id, name="x" * 4000, kind=p.FsEventType.CREATE))
-            else:
-                assert isinstance(req, p.Attach)
-                frame = p.encode(p.Ok(req.id))
-            batch = frame * 64
-            for _ in range((1 << 30) // len(batch)):
-                if stop.is_set():
-                    break
-                conn.sendall(batch)
-            stop.wait(30)
-        except OSError:
-            pass
-        finally:
-            conn.close()
-            listener.close()
+    def script(conn: socket.socket, req: p.Message | None) -> None:
+        if isinstance(req, p.WatchDir):
+            conn.sendall(p.encode(p.Ok(req.id)))
+            frame = p.encode(p.FsEvent(req.id, name="x" * 4000, kind=p.FsEventType.CREATE))
+        else:
+            assert isinstance(req, p.Attach)
+            frame = p.encode(p.Ok(req.id))
+        batch = frame * 64
+        for _ in range((1 << 30) // len(batch)):
+            if stop.is_set():
+                break
+            conn.sendall(batch)
+        stop.wait(30)
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    return thread
+    return scripted_agent(path, script)
 
 
 @pytest.mark.parametrize("what", ["watch_dir", "commands.connect"])

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from tests.attacks.conftest import scripted_agent
 from tests.attacks.test_files_read import SMALL, PeakGrowth
 from tests.conftest import wait_for
 from warmbox import Sandbox
@@ -119,39 +120,25 @@ def test_a_connection_storm_on_the_forward_is_bounded(home, runc_ready):
 
 
 def _hostile_agent(path: str, case: str, stop: threading.Event) -> threading.Thread:
-    listener = socket.socket(socket.AF_UNIX)
-    listener.bind(path)
-    listener.listen(1)
-
-    def serve() -> None:
-        conn, _ = listener.accept()
-        try:
-            req = p.recv_message(conn, p.HOST_TO_GUEST)
-            assert isinstance(req, p.PortConnect) and req.window > 0
-            if case == "never answers":
-                stop.wait(30)
-                return
-            conn.sendall(p.encode(p.Ok(req.id)))
-            if case == "floods past the window":
-                frame = p.encode(p.Chunk(req.id, data=bytes(p.CHUNK)))
-                for _ in range((512 << 20) // p.CHUNK):
-                    if stop.is_set():
-                        break
-                    conn.sendall(frame)
-            elif case == "acknowledges bytes never sent":
-                conn.sendall(p.encode(p.PortAck(req.id, bytes=1 << 40)))
-            elif case == "sends a garbage frame":
-                conn.sendall(struct.pack(">II", 1 << 30, 1 << 30) + b"x" * 64)
+    def script(conn: socket.socket, req: p.Message | None) -> None:
+        assert isinstance(req, p.PortConnect) and req.window > 0
+        if case == "never answers":
             stop.wait(30)
-        except OSError:
-            pass
-        finally:
-            conn.close()
-            listener.close()
+            return
+        conn.sendall(p.encode(p.Ok(req.id)))
+        if case == "floods past the window":
+            frame = p.encode(p.Chunk(req.id, data=bytes(p.CHUNK)))
+            for _ in range((512 << 20) // p.CHUNK):
+                if stop.is_set():
+                    break
+                conn.sendall(frame)
+        elif case == "acknowledges bytes never sent":
+            conn.sendall(p.encode(p.PortAck(req.id, bytes=1 << 40)))
+        elif case == "sends a garbage frame":
+            conn.sendall(struct.pack(">II", 1 << 30, 1 << 30) + b"x" * 64)
+        stop.wait(30)
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    return thread
+    return scripted_agent(path, script)
 
 
 @pytest.mark.parametrize(
