@@ -65,6 +65,36 @@ def scripted_agent(path: str, script: Callable[[socket.socket, p.Message | None]
     return thread
 
 
+def http_server_source(answers: str) -> str:
+    """A hostile HTTP server's Python source, to run in the sandbox on 127.0.0.1:8000: ``answers``
+    (source) defines the dict ``answers`` of request path -> raw response bytes; it reads a request
+    head, sends the answer for its path (else a plain 200 "fine") and closes."""
+    return (
+        "import socket\n"
+        + answers.strip("\n")
+        + r"""
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", 8000))
+srv.listen(16)
+while True:
+    c, _ = srv.accept()
+    data = b""
+    while b"\r\n\r\n" not in data:
+        part = c.recv(65536)
+        if not part:
+            break
+        data += part
+    path = data.split(b" ")[1] if data.count(b" ") >= 2 else b"/"
+    try:
+        c.sendall(answers.get(path, b"HTTP/1.0 200 OK\r\n\r\nfine"))
+    except OSError:
+        pass
+    c.close()
+"""
+    )
+
+
 def home_procs(home: Path, arg: bytes = b"") -> list[int]:
     """Running processes with ``home`` as one of their arguments (and ``arg`` as another, if given):
     a home's daemon (``warmbox.engine.daemon``) and guard (``--guard``), found by command line."""

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.attacks.conftest import scripted_agent
+from tests.attacks.conftest import http_server_source, scripted_agent
 from tests.attacks.test_files_read import SMALL, PeakGrowth
 from tests.conftest import wait_for
 from warmbox import Sandbox
@@ -179,8 +179,8 @@ def test_a_hostile_agent_cannot_bloat_or_hang_the_host_through_a_tunnel(tmp_path
 
 # ---- a hostile server in the sandbox behind the HTTP preview route
 
-HOSTILE_SERVER = r"""
-import socket
+HOSTILE_SERVER = http_server_source(
+    r"""
 answers = {
     b"/split": b"HTTP/1.0 200 OK\r\nX-A: a\nSet-Cookie: evil=1\r\nContent-Type: text/html\r\n\r\n"
     b"<script>steal()</script>",
@@ -188,25 +188,8 @@ answers = {
     b"/garbage": b"NOT HTTP AT ALL\r\n\r\n",
     b"/status": b"HTTP/1.0 999 Nope\r\n\r\n",
 }
-srv = socket.socket()
-srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-srv.bind(("127.0.0.1", 8000))
-srv.listen(16)
-while True:
-    c, _ = srv.accept()
-    data = b""
-    while b"\r\n\r\n" not in data:
-        part = c.recv(65536)
-        if not part:
-            break
-        data += part
-    path = data.split(b" ")[1] if data.count(b" ") >= 2 else b"/"
-    try:
-        c.sendall(answers.get(path, b"HTTP/1.0 200 OK\r\n\r\nfine"))
-    except OSError:
-        pass
-    c.close()
 """
+)
 
 
 def test_a_hostile_server_cannot_split_or_script_the_preview(home, runc_ready):

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import pytest
 
+from tests.attacks.conftest import http_server_source
 from tests.conftest import start_server
 from tests.server.test_api import UnixHTTPConnection
 from warmbox import Sandbox, api
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(240)]
 
-SERVER = r"""
-import socket
+SERVER = http_server_source(
+    r"""
 FORGED = b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\nX-Forged: 1\r\n\r\nforged"
 answers = {
     b"/interim": b"HTTP/1.0 100 Continue\r\n\r\n" + FORGED,
@@ -27,25 +28,8 @@ answers = {
     b"/nocontent": b"HTTP/1.0 204 No Content\r\n\r\n" + FORGED,
     b"/notmodified": b"HTTP/1.0 304 Not Modified\r\n\r\n" + FORGED,
 }
-srv = socket.socket()
-srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-srv.bind(("127.0.0.1", 8000))
-srv.listen(16)
-while True:
-    c, _ = srv.accept()
-    data = b""
-    while b"\r\n\r\n" not in data:
-        part = c.recv(65536)
-        if not part:
-            break
-        data += part
-    path = data.split(b" ")[1] if data.count(b" ") >= 2 else b"/"
-    try:
-        c.sendall(answers.get(path, b"HTTP/1.0 200 OK\r\n\r\nfine"))
-    except OSError:
-        pass
-    c.close()
 """
+)
 
 
 def test_a_hostile_server_cannot_put_its_bytes_where_the_next_response_goes(home, runc_ready):
