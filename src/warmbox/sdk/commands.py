@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from warmbox import operations as ops
 from warmbox.errors import CommandFailed, InvalidArgument
 from warmbox.models import CommandResult, ProcessInfo
+from warmbox.sdk._follow import ProcessFollower
 from warmbox.sdk._sync import synchronize
 
 if TYPE_CHECKING:
@@ -209,7 +210,7 @@ class AsyncCommands:
         await self._sb._run(ops.SendStdin(self._sb.sandbox_id, pid, data, eof))
 
 
-class AsyncCommandHandle:
+class AsyncCommandHandle(ProcessFollower):
     """A background command (E2B's CommandHandle): ``pid``, ``wait()``, ``kill()``, ``send_stdin()``.
 
     Its output goes to the callbacks given to run()/connect() as it comes, is kept (up to
@@ -227,9 +228,6 @@ class AsyncCommandHandle:
         on_stderr: Callable[[str], object] | None,
         max_output: int,
     ) -> None:
-        self._sb = sandbox
-        self._pid = pid
-        self._stream = stream
         self._on = {"stdout": on_stdout, "stderr": on_stderr}
         self._cap = max_output
         self._kept = 0
@@ -241,15 +239,7 @@ class AsyncCommandHandle:
         self._truncated = False
         self._changed = asyncio.Event()
         self._feeder: asyncio.Future[None] | None = None  # streams an iterable given as stdin
-        self._task = asyncio.ensure_future(self._pump())
-        self._task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an unawaited error is not logged
-
-    def __repr__(self) -> str:
-        return f"AsyncCommandHandle(pid={self._pid})"
-
-    @property
-    def pid(self) -> int:
-        return self._pid
+        super().__init__(sandbox, pid, stream)
 
     @property
     def stdout(self) -> str:
@@ -259,12 +249,6 @@ class AsyncCommandHandle:
     @property
     def stderr(self) -> str:
         return "".join(self._err)
-
-    @property
-    def exit_code(self) -> int | None:
-        """Its exit code once it ended (128+N if signal N ended it), else None."""
-        result = self._stream.result
-        return None if result is None else result.exit_code
 
     async def _pump(self) -> None:
         try:
@@ -337,9 +321,7 @@ class AsyncCommandHandle:
         """Until it ends: its CommandResult with the output kept. ``truncated``: output was dropped
         (beyond max_output here, or from the sandbox's ring before anyone read it).
         check=True raises CommandFailed on a non-zero exit."""
-        await asyncio.shield(self._task)
-        result = self._stream.result
-        assert result is not None
+        result = await self._ended()
         result = dataclasses.replace(
             result,
             stdout=self.stdout,
@@ -350,21 +332,8 @@ class AsyncCommandHandle:
             raise CommandFailed(f"command exited with {result.exit_code}", self._sb.sandbox_id, result)
         return result
 
-    async def kill(self) -> bool:
-        """SIGKILL to it and everything it started; False if it had ended."""
-        return await self._sb._run(ops.KillProcess(self._sb.sandbox_id, self._pid))
-
     async def send_stdin(self, data: str | bytes, *, eof: bool = False) -> None:
         await self._sb._run(ops.SendStdin(self._sb.sandbox_id, self._pid, data, eof))
-
-    async def disconnect(self) -> None:
-        """Stop following its output; the process keeps running (connect() again by pid)."""
-        self._stream.cancel()
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
 
     def __aiter__(self) -> AsyncCommandHandle:
         return self

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from warmbox import operations as ops
 from warmbox.errors import InvalidArgument
 from warmbox.models import CommandResult
+from warmbox.sdk._follow import ProcessFollower
 from warmbox.sdk._sync import synchronize
 
 if TYPE_CHECKING:
@@ -66,33 +67,17 @@ class AsyncPty:
         return await self._sb._run(ops.KillProcess(self._sb.sandbox_id, pid))
 
 
-class AsyncPtyHandle:
+class AsyncPtyHandle(ProcessFollower):
     """One terminal: ``pid``, ``send_input()``, ``resize()``, ``kill()``, ``wait()``; its output goes
     to ``on_data`` (and is yielded as bytes by ``async for`` when no callback takes it)."""
 
     def __init__(
         self, sandbox: AsyncSandbox, pid: int, stream: ops.ProcessStream, on_data: Callable[[bytes], object] | None
     ) -> None:
-        self._sb = sandbox
-        self._pid = pid
-        self._stream = stream
         self._on_data = on_data
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=256)  # iteration, bounded
         self._lost = 0
-        self._task = asyncio.ensure_future(self._pump())
-        self._task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
-    def __repr__(self) -> str:
-        return f"AsyncPtyHandle(pid={self._pid})"
-
-    @property
-    def pid(self) -> int:
-        return self._pid
-
-    @property
-    def exit_code(self) -> int | None:
-        result = self._stream.result
-        return None if result is None else result.exit_code
+        super().__init__(sandbox, pid, stream)
 
     async def _pump(self) -> None:
         try:
@@ -117,24 +102,9 @@ class AsyncPtyHandle:
     async def resize(self, cols: int, rows: int) -> None:
         await self._sb._run(ops.ResizePty(self._sb.sandbox_id, self._pid, cols, rows))
 
-    async def kill(self) -> bool:
-        return await self._sb._run(ops.KillProcess(self._sb.sandbox_id, self._pid))
-
     async def wait(self) -> CommandResult:
         """Until its process ends: how it ended (the output went to on_data; stdout is empty)."""
-        await asyncio.shield(self._task)
-        result = self._stream.result
-        assert result is not None
-        return result
-
-    async def disconnect(self) -> None:
-        """Stop watching it; the terminal keeps running (``pty.connect(pid)`` again)."""
-        self._stream.cancel()
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
+        return await self._ended()
 
     def __aiter__(self) -> AsyncPtyHandle:
         return self
