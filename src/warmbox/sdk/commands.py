@@ -55,6 +55,13 @@ async def _chunks(stdin: Iterable[str | bytes] | AsyncIterable[str | bytes]) -> 
         yield got  # type: ignore[misc]  # an item of the iterable
 
 
+def _checked(result: CommandResult, check: bool, sandbox_id: str) -> CommandResult:
+    """``result``, or with ``check`` on a non-zero exit CommandFailed carrying it."""
+    if check and not result.ok:
+        raise CommandFailed(f"command exited with {result.exit_code}", sandbox_id, result)
+    return result
+
+
 class AsyncCommands:
     """``sandbox.commands``: run processes inside the sandbox."""
 
@@ -151,10 +158,7 @@ class AsyncCommands:
                 if feeder is not None:
                     handle._feeder = feeder
                 return handle
-            result = await handle._finish(feeder, timeout)
-            if check and not result.ok:
-                raise CommandFailed(f"command exited with {result.exit_code}", sb.sandbox_id, result)
-            return result
+            return _checked(await handle._finish(feeder, timeout), check, sb.sandbox_id)
         result = await sb._run(
             ops.Exec(
                 sb.sandbox_id,
@@ -168,9 +172,7 @@ class AsyncCommands:
                 on_stderr=on_stderr,
             )
         )
-        if check and not result.ok:
-            raise CommandFailed(f"command exited with {result.exit_code}", sb.sandbox_id, result)
-        return result
+        return _checked(result, check, sb.sandbox_id)
 
     async def _follow(
         self,
@@ -328,9 +330,7 @@ class AsyncCommandHandle(ProcessFollower):
             stderr=self.stderr,
             truncated=result.truncated or self._truncated or self._lost > 0,
         )
-        if check and not result.ok:
-            raise CommandFailed(f"command exited with {result.exit_code}", self._sb.sandbox_id, result)
-        return result
+        return _checked(result, check, self._sb.sandbox_id)
 
     async def send_stdin(self, data: str | bytes, *, eof: bool = False) -> None:
         await self._sb._run(ops.SendStdin(self._sb.sandbox_id, self._pid, data, eof))
