@@ -7,6 +7,7 @@ It is the source of truth shared by every warmbox process on the host (CLI, SDK,
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -16,7 +17,7 @@ import re
 import secrets
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from warmbox.errors import InvalidArgument, QuotaExceeded, RegistryError, SandboxNotFound, SandboxStateError
@@ -403,6 +404,21 @@ class Registry:
     def _tx(self):
         return _Tx(self._db)
 
+    @contextlib.contextmanager
+    def _claiming(self) -> Iterator[tuple[UidLedger, sqlite3.Connection]]:
+        """The host-wide uid ledger's lock and a transaction for claiming a slot: the lock is held
+        until the row is committed (whoever looks at the slot to reclaim it then sees the sandbox
+        holding it); a ledger or database failure is a RegistryError."""
+        try:
+            if not self._adopted:
+                self._adopt()
+            with self.ledger.locked() as ledger, self._tx() as db:
+                yield ledger, db
+        except OSError as e:
+            raise RegistryError(f"cannot claim a uid range in {self.ledger.dir}: {e}") from None
+        except sqlite3.Error as e:
+            raise RegistryError(f"registry error: {e}") from None
+
     # ---- sandboxes
 
     def allocate(
@@ -430,62 +446,53 @@ class Registry:
         if self.check_limits is not None:
             self.check_limits(limits)
         now = time.time()
-        try:
-            if not self._adopted:
-                self._adopt()
-            # the ledger's lock is held until the row is committed: whoever looks at the slot
-            # (to reclaim it) then sees this sandbox holding it
-            with self.ledger.locked() as ledger, self._tx() as db:
-                if tenant is not None:
-                    self._check_quota(db, tenant, tier, limits.memory_mb, limits.cpus)
-                used = {
-                    r[0] for r in db.execute(f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)}", _HOLDING)
-                }
-                slot = ledger.claim(self._key, sandbox_id, skip=used, check=self._holds)
-                try:
-                    db.execute(
-                        "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, "
-                        "memory_mb, cpus, pids, uid_slot, runtime_id, state_dir, socket_path, pool, owner, shape, "
-                        "file_size_mb, open_files, tmp_mb, disk_mb, tenant, timeout_s, last_used) "
-                        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                        (
-                            sandbox_id,
-                            tier,
-                            template,
-                            State.CREATING.value,
-                            now,
-                            now + timeout_s,
-                            limits.memory_mb,
-                            limits.cpus,
-                            limits.pids,
-                            slot,
-                            sandbox_id,
-                            state_dir,
-                            socket_path,
-                            pool,
-                            owner,
-                            shape,
-                            limits.file_size_mb,
-                            limits.open_files,
-                            limits.tmp_mb,
-                            limits.disk_mb,
-                            tenant.name if tenant is not None else "",
-                            timeout_s,
-                            now,
-                        ),
-                    )
-                    db.execute(
-                        "INSERT INTO transitions VALUES (?,?,?,?,?)",
-                        (sandbox_id, now, "", State.CREATING.value, "create" + (f" for pool {pool}" if pool else "")),
-                    )
-                    db.execute("INSERT INTO meters (sandbox_id, sampled_at) VALUES (?,?)", (sandbox_id, now))
-                except BaseException:
-                    ledger.release(slot, self._key, sandbox_id)
-                    raise
-        except OSError as e:
-            raise RegistryError(f"cannot claim a uid range in {self.ledger.dir}: {e}") from None
-        except sqlite3.Error as e:
-            raise RegistryError(f"registry error: {e}") from None
+        with self._claiming() as (ledger, db):
+            if tenant is not None:
+                self._check_quota(db, tenant, tier, limits.memory_mb, limits.cpus)
+            used = {
+                r[0] for r in db.execute(f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)}", _HOLDING)
+            }
+            slot = ledger.claim(self._key, sandbox_id, skip=used, check=self._holds)
+            try:
+                db.execute(
+                    "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, "
+                    "memory_mb, cpus, pids, uid_slot, runtime_id, state_dir, socket_path, pool, owner, shape, "
+                    "file_size_mb, open_files, tmp_mb, disk_mb, tenant, timeout_s, last_used) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (
+                        sandbox_id,
+                        tier,
+                        template,
+                        State.CREATING.value,
+                        now,
+                        now + timeout_s,
+                        limits.memory_mb,
+                        limits.cpus,
+                        limits.pids,
+                        slot,
+                        sandbox_id,
+                        state_dir,
+                        socket_path,
+                        pool,
+                        owner,
+                        shape,
+                        limits.file_size_mb,
+                        limits.open_files,
+                        limits.tmp_mb,
+                        limits.disk_mb,
+                        tenant.name if tenant is not None else "",
+                        timeout_s,
+                        now,
+                    ),
+                )
+                db.execute(
+                    "INSERT INTO transitions VALUES (?,?,?,?,?)",
+                    (sandbox_id, now, "", State.CREATING.value, "create" + (f" for pool {pool}" if pool else "")),
+                )
+                db.execute("INSERT INTO meters (sandbox_id, sampled_at) VALUES (?,?)", (sandbox_id, now))
+            except BaseException:
+                ledger.release(slot, self._key, sandbox_id)
+                raise
         return slot
 
     def reallocate(self, sandbox_id: str, timeout_s: float, *, owner: str = "", tenant: Tenant | None = None) -> int:
@@ -497,47 +504,40 @@ class Registry:
         nothing, the resumed one counts).
         """
         now = time.time()
-        try:
-            if not self._adopted:
-                self._adopt()
-            with self.ledger.locked() as ledger, self._tx() as db:
-                row = db.execute(
-                    "SELECT state, tier, memory_mb, cpus, uid_slot FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)
-                ).fetchone()
-                if row is None:
-                    raise unknown_sandbox(sandbox_id)
-                if row[0] != State.PAUSED.value:
-                    raise SandboxStateError(f"sandbox {sandbox_id} is {row[0]}, not paused", sandbox_id)
-                if tenant is not None:
-                    self._check_quota(db, tenant, row[1], row[2], row[3])
-                ledger.release(row[4], self._key, sandbox_id)  # its old range (released by its pause)
-                used = {
-                    r[0] for r in db.execute(f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)}", _HOLDING)
-                }
-                slot = ledger.claim(self._key, sandbox_id, skip=used, check=self._holds)
-                try:
-                    db.execute(
-                        "UPDATE sandboxes SET state=?, uid_slot=?, expires_at=?, owner=?, ended_at=0, "
-                        "timeout_s=?, last_used=? WHERE sandbox_id=?",
-                        (State.CREATING.value, slot, now + timeout_s, owner, timeout_s, now, sandbox_id),
-                    )
-                    db.execute(
-                        "INSERT INTO transitions VALUES (?,?,?,?,?)",
-                        (sandbox_id, now, State.PAUSED.value, State.CREATING.value, RESUMING),
-                    )
-                    # the meters go on: a new runtime's CPU counter starts at 0 again
-                    db.execute(
-                        "UPDATE meters SET final=0, memory_bytes=0, sampled_at=?, "
-                        "base_cpu_ns=base_cpu_ns-cpu_ns, cpu_ns=0 WHERE sandbox_id=?",
-                        (now, sandbox_id),
-                    )
-                except BaseException:
-                    ledger.release(slot, self._key, sandbox_id)
-                    raise
-        except OSError as e:
-            raise RegistryError(f"cannot claim a uid range in {self.ledger.dir}: {e}") from None
-        except sqlite3.Error as e:
-            raise RegistryError(f"registry error: {e}") from None
+        with self._claiming() as (ledger, db):
+            row = db.execute(
+                "SELECT state, tier, memory_mb, cpus, uid_slot FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)
+            ).fetchone()
+            if row is None:
+                raise unknown_sandbox(sandbox_id)
+            if row[0] != State.PAUSED.value:
+                raise SandboxStateError(f"sandbox {sandbox_id} is {row[0]}, not paused", sandbox_id)
+            if tenant is not None:
+                self._check_quota(db, tenant, row[1], row[2], row[3])
+            ledger.release(row[4], self._key, sandbox_id)  # its old range (released by its pause)
+            used = {
+                r[0] for r in db.execute(f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)}", _HOLDING)
+            }
+            slot = ledger.claim(self._key, sandbox_id, skip=used, check=self._holds)
+            try:
+                db.execute(
+                    "UPDATE sandboxes SET state=?, uid_slot=?, expires_at=?, owner=?, ended_at=0, "
+                    "timeout_s=?, last_used=? WHERE sandbox_id=?",
+                    (State.CREATING.value, slot, now + timeout_s, owner, timeout_s, now, sandbox_id),
+                )
+                db.execute(
+                    "INSERT INTO transitions VALUES (?,?,?,?,?)",
+                    (sandbox_id, now, State.PAUSED.value, State.CREATING.value, RESUMING),
+                )
+                # the meters go on: a new runtime's CPU counter starts at 0 again
+                db.execute(
+                    "UPDATE meters SET final=0, memory_bytes=0, sampled_at=?, "
+                    "base_cpu_ns=base_cpu_ns-cpu_ns, cpu_ns=0 WHERE sandbox_id=?",
+                    (now, sandbox_id),
+                )
+            except BaseException:
+                ledger.release(slot, self._key, sandbox_id)
+                raise
         return slot
 
     def set_metadata(self, sandbox_id: str, metadata: dict[str, str]) -> None:
