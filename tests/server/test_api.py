@@ -111,13 +111,17 @@ def url_of(route: api.Route, sandbox_id: str = FAKE_ID, **ids: str) -> str:
 
 
 def wire_fields(route: api.Route) -> dict[str, typing.Any]:
-    """The fields a route's request takes from its body or query (not the path, not callbacks)."""
+    """The fields a route's request takes from its body or query (not the path, not callbacks, not
+    a raw route's ``data``: that is the body itself, see request_parts)."""
     cls = ops.REQUESTS[route.op]
     hints = wire.hints(cls)
     return {
         f.name: hints[f.name]
         for f in dataclasses.fields(cls)
-        if f.init and not f.metadata.get("local") and f.name not in route.path_fields
+        if f.init
+        and not f.metadata.get("local")
+        and f.name not in route.path_fields
+        and not (route.body == "raw" and f.name == "data")
     }
 
 
