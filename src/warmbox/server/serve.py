@@ -29,6 +29,14 @@ from warmbox.server.app import PEER_UID, build_app
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
+def _unix_peer_uid(sock: socket.socket | None) -> int | None:
+    """The uid of a unix socket's peer (SO_PEERCRED: the kernel's word); None for any other socket."""
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    _pid, uid, _gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return int(uid)
+
+
 def _protocol_base() -> type[asyncio.Protocol]:
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -70,10 +78,7 @@ def peercred_protocol(head_timeout_s: float = 30.0) -> type[asyncio.Protocol]:
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
-            sock = transport.get_extra_info("socket")
-            if sock is not None and sock.family == socket.AF_UNIX:
-                _pid, uid, _gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-                self._peer_uid = uid
+            self._peer_uid = _unix_peer_uid(transport.get_extra_info("socket"))
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -136,10 +141,8 @@ def peercred_ws_protocol() -> type[asyncio.Protocol] | None:
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
             sock = transport.get_extra_info("socket")
-            if sock is not None and sock.family == socket.AF_UNIX:
-                _pid, uid, _gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-                self._peer_uid = uid
-            elif sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            self._peer_uid = _unix_peer_uid(sock)
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
                 # a tunnel's small messages (a request, then its end of data) must not wait for the
                 # peer's delayed ACK (Nagle: ~40 ms per exchange)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
