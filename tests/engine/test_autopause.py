@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.conftest import set_config, wait_for
-from warmbox import InvalidArgument, Lifecycle, Sandbox, SandboxNotFound, SandboxPaused, State
+from warmbox import InvalidArgument, Lifecycle, Limits, Sandbox, SandboxNotFound, SandboxPaused, State
 from warmbox import operations as ops
 from warmbox.config import ConfigError, parse
 from warmbox.engine import front
@@ -183,7 +183,7 @@ def test_a_resume_whose_process_died_leaves_the_sandbox_paused_not_lost(home, ru
         dead = owner_tag(proc.pid)  # a resumer that dies at once
         proc.kill()
         proc.wait()
-        engine.registry.reallocate(sb.sandbox_id, 60.0, owner=dead)  # its resume began, then nothing
+        engine.registry.reallocate(sb.sandbox_id, 60.0, Limits(), owner=dead)  # its resume began, then nothing
         assert _state(engine, sb.sandbox_id) is State.CREATING
         asyncio.run(engine.reap())
         assert _state(engine, sb.sandbox_id) is State.PAUSED

@@ -62,7 +62,7 @@ def test_a_version_6_database_migrates_and_its_paused_sandbox_resumes_under_its_
     ).fetchone()
     assert row == ("{}", "kill", 0.0, 0, "")
     # a sandbox paused before the migration resumes under its own id
-    reg.reallocate("sb-00000000000b", 120.0, owner="test")
+    reg.reallocate("sb-00000000000b", 120.0, Limits(), owner="test")
     info, _ = reg.get("sb-00000000000b")
     assert info.state is State.CREATING and reg.timeout_of("sb-00000000000b") == 120.0
     assert [t.to_state for t in reg.transitions("sb-00000000000b")][-1] == "creating"
@@ -81,15 +81,15 @@ def test_only_one_resume_takes_a_paused_sandbox_and_a_live_one_cannot_be_realloc
     reg.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
     assert reg.timeout_of(sid) == 300.0
     with pytest.raises(SandboxStateError, match="not paused"):
-        reg.reallocate(sid, 60.0)
+        reg.reallocate(sid, 60.0, Limits())
     reg.set_state(sid, State.READY, "up")
     reg.set_state(sid, State.PAUSED, "paused")
-    first = reg.reallocate(sid, 60.0)
+    first = reg.reallocate(sid, 60.0, Limits())
     with pytest.raises(SandboxStateError, match="not paused"):
-        reg.reallocate(sid, 60.0)
+        reg.reallocate(sid, 60.0, Limits())
     assert reg.get(sid)[0].state is State.CREATING
     reg.set_state(sid, State.PAUSED, "resume failed")  # a failed resume leaves it paused
-    assert reg.reallocate(sid, 60.0) >= 0 and first >= 0
+    assert reg.reallocate(sid, 60.0, Limits()) >= 0 and first >= 0
     reg.set_state(sid, State.DESTROYED, "test over")
     reg.close()
 

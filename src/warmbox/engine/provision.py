@@ -109,7 +109,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         raise InvalidArgument(f"runtime dir {engine.runtime} is too long for a unix socket path")
     lim = spec.limits
     if spec.resume_of:  # the same row, id, state directory and socket path; a new uid range
-        engine.registry.reallocate(sandbox_id, spec.timeout_s, owner=engine.owner, tenant=spec.tenant)
+        engine.registry.reallocate(sandbox_id, spec.timeout_s, lim, owner=engine.owner, tenant=spec.tenant)
     else:
         engine.registry.allocate(
             sandbox_id,

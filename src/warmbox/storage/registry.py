@@ -495,14 +495,19 @@ class Registry:
                 raise
         return slot
 
-    def reallocate(self, sandbox_id: str, timeout_s: float, *, owner: str = "", tenant: Tenant | None = None) -> int:
+    def reallocate(
+        self, sandbox_id: str, timeout_s: float, limits: Limits, *, owner: str = "", tenant: Tenant | None = None
+    ) -> int:
         """Take a paused sandbox back to ``creating`` under its own id (a resume): a uid slot free
         on the whole host, a new deadline, its meters open again; returns the slot.
 
         Exactly one caller wins (SandboxStateError for the others: it is no longer paused).
-        tenant: the resumer's; quotas are checked in the same transaction (a paused sandbox holds
-        nothing, the resumed one counts).
+        limits: the snapshot's, checked (check_limits) first, as at an allocate: maxima lowered
+        since the pause refuse it. tenant: the resumer's; quotas are checked in the same
+        transaction (a paused sandbox holds nothing, the resumed one counts).
         """
+        if self.check_limits is not None:
+            self.check_limits(limits)
         now = time.time()
         with self._claiming() as (ledger, db):
             row = db.execute(
