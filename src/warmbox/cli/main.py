@@ -51,13 +51,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _env_pairs(values: list[str] | None) -> dict[str, str]:
-    out = {}
-    for item in values or []:
-        if "=" not in item:
-            raise WarmboxError(f"--env expects NAME=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        out[k] = v
-    return out
+    return _pairs(values, "--env", "NAME")
 
 
 def _add_sandbox_opts(p: argparse.ArgumentParser) -> None:
@@ -305,11 +299,12 @@ def _create_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _pairs(values: list[str] | None, flag: str) -> dict[str, str]:
+def _pairs(values: list[str] | None, flag: str, key: str = "KEY") -> dict[str, str]:
+    """``flag``'s KEY=VALUE items as a dict (WarmboxError naming the flag for an item without "=")."""
     out = {}
     for item in values or []:
         if "=" not in item:
-            raise WarmboxError(f"{flag} expects KEY=VALUE, got {item!r}")
+            raise WarmboxError(f"{flag} expects {key}=VALUE, got {item!r}")
         k, v = item.split("=", 1)
         out[k] = v
     return out
