@@ -869,7 +869,7 @@ def _spawn(
     keep_fd: int = -1,
 ) -> Scope:
     """agent.scopes.spawn; while the pids limit is hit (EAGAIN: e.g. a killed fork bomb's
-    processes are still being reaped) retry for up to ~2 s before giving up."""
+    processes are still being reaped) retry for up to ~2 s before giving up (EXEC_FAILED)."""
     delay = 0.005
     deadline = time.monotonic() + 2.0
     while True:
@@ -877,7 +877,10 @@ def _spawn(
             return agent.scopes.spawn(exe, argv, env, cwd, stdio, keep_fd)
         except BlockingIOError:
             if time.monotonic() + delay > deadline:
-                raise
+                raise _Fail(
+                    p.ErrorCode.EXEC_FAILED,
+                    "the sandbox's process limit (limits.pids) is reached; no process could be started",
+                ) from None
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
 
@@ -926,11 +929,6 @@ def _exec_inner(agent: Agent, conn: Connection, msg: p.Exec) -> None:
         try:
             exe = argv[0] if "/" in argv[0] else _which(argv[0], env.get("PATH", ""))
             scope = _spawn(agent, exe, argv, env, cwd, stdio)
-        except BlockingIOError:
-            raise _Fail(
-                p.ErrorCode.EXEC_FAILED,
-                "the sandbox's process limit (limits.pids) is reached; no process could be started",
-            ) from None
         except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
             code = 127 if isinstance(e, FileNotFoundError) else 126
             conn.send(p.Stderr(id=msg.id, data=f"{msg.argv[0]}: {e.strerror}\n".encode()))
@@ -2013,11 +2011,6 @@ def _spawn_bg(agent: Agent, conn: Connection, msg: p.Spawn) -> None:
             master = None
         try:
             scope = _spawn(agent, exe, argv, env, cwd, stdio)
-        except BlockingIOError:
-            raise _Fail(
-                p.ErrorCode.EXEC_FAILED,
-                "the sandbox's process limit (limits.pids) is reached; no process could be started",
-            ) from None
         except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
             raise _Fail(p.ErrorCode.EXEC_FAILED, f"{msg.argv[0]}: {e.strerror}") from None
     except BaseException:
