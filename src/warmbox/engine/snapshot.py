@@ -978,7 +978,10 @@ async def resume(
     policy and brokered secrets; its stage timings gain ``resume`` (ms, the whole resume).
     """
     if not (isinstance(ref, str) and ref.startswith("sb-")):
-        return await restore(engine, resolve(engine, ref), timeout=timeout, envs=envs, tenant=tenant)
+        m = resolve(engine, ref)
+        if not _pause_of_paused(engine, m):
+            return await restore(engine, m, timeout=timeout, envs=envs, tenant=tenant)
+        ref = m.sandbox_id  # the snapshot pause() handed out: continue that sandbox, under its id
     t0 = time.perf_counter()
     info, _ = engine.info(ref)
     if info.state is not State.PAUSED:
@@ -1003,6 +1006,16 @@ async def resume(
     got.timings = engine.registry.timings(ref)
     got.info, _ = engine.info(ref)
     return got
+
+
+def _pause_of_paused(engine: Engine, m: snaps.SnapshotManifest) -> bool:
+    """Whether ``m`` is the latest snapshot of a sandbox that is paused: the one its pause made,
+    so resuming it continues that sandbox (a fork would leave it paused until its retention)."""
+    try:
+        info, _ = engine.info(m.sandbox_id)
+    except WarmboxError:
+        return False
+    return info.state is State.PAUSED and engine.registry.snapshots_of(m.sandbox_id)[-1:] == [m.snapshot_id]
 
 
 RELEASE_WAIT_S = 60.0

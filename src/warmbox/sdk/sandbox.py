@@ -245,7 +245,8 @@ class AsyncSandbox:
     ) -> AsyncSandbox:
         """Bring back a paused sandbox by its id: the same ``sandbox_id`` runs again, with the
         timeout it was created with unless ``timeout`` is given, its network policy and secrets.
-        Given a snapshot (SnapshotRef or snapshot id) instead, a new sandbox is forked from it.
+        The SnapshotRef that ``pause()`` returned does the same while its sandbox is paused; any
+        other snapshot (SnapshotRef or snapshot id) forks a new sandbox from it.
 
         Files and the default code context's state are restored; on a tier without memory
         snapshots, processes that ran before the pause are not (they start fresh). The stage
