@@ -75,6 +75,11 @@ def test_iteration_stdin_at_start_and_typed_errors(box):
         box.commands.kill(-5)
     with pytest.raises(InvalidArgument):
         box.commands.send_stdin(1, 42)  # type: ignore[arg-type]
+    before = {p.pid for p in box.commands.list()}
+    for background in (True, False):  # refused before anything starts: no process left unfollowed
+        with pytest.raises(InvalidArgument, match="max_output"):
+            box.commands.run("sleep 30", background=background, stdin=iter([b""]), max_output=0)
+    assert {p.pid for p in box.commands.list()} == before
 
 
 @pytest.mark.sandbox

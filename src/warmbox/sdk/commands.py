@@ -55,6 +55,11 @@ async def _chunks(stdin: Iterable[str | bytes] | AsyncIterable[str | bytes]) -> 
         yield got  # type: ignore[misc]  # an item of the iterable
 
 
+def _check_max_output(max_output: object) -> None:
+    if isinstance(max_output, bool) or not isinstance(max_output, int) or max_output <= 0:
+        raise InvalidArgument(f"max_output must be a positive number of bytes, got {max_output!r}")
+
+
 def _checked(result: CommandResult, check: bool, sandbox_id: str) -> CommandResult:
     """``result``, or with ``check`` on a non-zero exit CommandFailed carrying it."""
     if check and not result.ok:
@@ -145,6 +150,7 @@ class AsyncCommands:
         sb = self._sb
         streamed = stdin is not None and not isinstance(stdin, (str, bytes))
         if background or streamed or user != "user":
+            _check_max_output(max_output)  # before the process starts: nothing to follow it otherwise
             pid = await sb._run(ops.StartProcess(sb.sandbox_id, cmd, envs=envs, cwd=cwd, tag=tag, user=user))
             handle = await self._follow(pid, on_stdout, on_stderr, max_output)
             if isinstance(stdin, (str, bytes)):
@@ -181,8 +187,7 @@ class AsyncCommands:
         on_stderr: Callable[[str], object] | None,
         max_output: int,
     ) -> AsyncCommandHandle:
-        if isinstance(max_output, bool) or not isinstance(max_output, int) or max_output <= 0:
-            raise InvalidArgument(f"max_output must be a positive number of bytes, got {max_output!r}")
+        _check_max_output(max_output)
         stream = await self._sb._run(ops.ConnectProcess(self._sb.sandbox_id, pid))
         return AsyncCommandHandle(self._sb, pid, stream, on_stdout, on_stderr, max_output)
 
