@@ -76,18 +76,17 @@ class AsyncPtyHandle(ProcessFollower):
     ) -> None:
         self._on_data = on_data
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=256)  # iteration, bounded
-        self._lost = 0
         super().__init__(sandbox, pid, stream)
 
     async def _pump(self) -> None:
         try:
             while (ev := await self._stream.next()) is not None:
                 if ev.kind == "lost":
-                    self._lost += ev.size
-                elif self._on_data is not None:
+                    continue  # output the agent dropped before anyone read it: nothing to show
+                if self._on_data is not None:
                     self._on_data(ev.data)
                 elif self._queue.full():
-                    self._lost += len(ev.data)  # nobody iterates: keep the newest, never block
+                    continue  # nobody iterates: drop what does not fit, never block
                 else:
                     self._queue.put_nowait(ev.data)
         finally:
