@@ -524,7 +524,6 @@ class EngineFront:
             return await self.resume(ops.Resume(r.sandbox_id))
         held = self._sessions.get(r.sandbox_id)
         if held is not None and not held.closed:  # another client of this front holds it: share, never replace
-            info, _ = self.engine.info(r.sandbox_id)
             if info.expires_at > time.time():
                 self.engine.check(Operation.EXEC, info)
                 return ops.Opened(info, tuple(self.engine.registry.timings(r.sandbox_id)))
