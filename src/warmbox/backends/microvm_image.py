@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from warmbox.backends._host import GITCONFIG, GUEST_GID, GUEST_UID, build_spawn_helpers
-from warmbox.backends.runc import keep_only_font_list
+from warmbox.backends.runc import GUEST_SOURCES, MATPLOTLIBRC, keep_only_font_list
 from warmbox.errors import SandboxStartError
 
 BUILD_VERSION = "microvm-image-v4"
@@ -72,20 +72,6 @@ MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "crc32c_generic", "ext
 AGENT_PORT = "warmbox.agent"
 RESTORE_PORT = "warmbox.restore"  # host entropy and clock for the guest kernel at each start (wb-restore)
 _RESTORE_SRC = Path(__file__).with_name("microvm_restore.c")
-_GUEST_SOURCES = (
-    "protocol.py",
-    "safetar.py",
-    "guest/__init__.py",
-    "guest/agent.py",
-    "guest/kernel.py",
-    "guest/mpl_inline.py",
-    "guest/kernel_bash.py",
-    "guest/kernel.js",
-    "guest/procs.py",
-    "guest/userenv.py",
-    "guest/spawn.c",
-    "guest/init.c",
-)
 _EXCLUDES = (
     "/usr/share/man/*",
     "/usr/share/doc/*",
@@ -181,7 +167,7 @@ _ETC = {
     "resolv.conf": "",
 }
 _ETC["gitconfig"] = GITCONFIG
-_ETC["matplotlibrc"] = "backend: Agg\n"  # as the other tiers' (runc.MATPLOTLIBRC): Debian's says TkAgg
+_ETC["matplotlibrc"] = MATPLOTLIBRC  # as the other tiers': Debian's says TkAgg
 
 
 def _fail(what: str, r: subprocess.CompletedProcess | None = None) -> SandboxStartError:
@@ -211,7 +197,7 @@ def content_hash() -> str:
         + _RESTORE_SRC.read_bytes()
         + repr((GUEST_PACKAGES, MODULES, WORKSPACE_MB, _EXCLUDES, _ETC)).encode()
     )
-    for rel in _GUEST_SOURCES:
+    for rel in GUEST_SOURCES:
         h.update(rel.encode() + b"\0" + (pkg / rel).read_bytes())
     return h.hexdigest()[:16]
 
@@ -484,7 +470,7 @@ def _rootfs(out: Path, work: Path) -> None:
     pkg = Path(__file__).resolve().parent.parent
     lib = root / "opt/warmbox/warmbox"
     (lib / "__init__.py").write_text('"""Guest-side copy: protocol + agent only."""\n')
-    for rel in _GUEST_SOURCES:
+    for rel in GUEST_SOURCES:
         shutil.copy2(pkg / rel, lib / rel)
     build_spawn_helpers(pkg / "guest", lib / "guest")  # the guest's glibc is Debian's, as the host's
     _font_list(root)

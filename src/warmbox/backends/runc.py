@@ -81,7 +81,8 @@ _ETC_COPY = [
     "ssl/openssl.cnf",
     "fonts",
 ]
-_GUEST_SOURCES = (
+# the files of warmbox that run inside a sandbox (every tier's image holds them)
+GUEST_SOURCES = (
     "protocol.py",
     "safetar.py",
     "guest/__init__.py",
@@ -155,7 +156,7 @@ def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path
     """
     pkg = Path(__file__).resolve().parent.parent
     h = hashlib.sha256(b"warmbox-rootfs-v6" + variant.encode())
-    for rel in _GUEST_SOURCES:
+    for rel in GUEST_SOURCES:
         h.update(rel.encode() + b"\0" + (pkg / rel).read_bytes())
     final = images_dir / f"{variant.split(':')[0]}-{h.hexdigest()[:16]}"
     if final.is_dir():
@@ -205,7 +206,7 @@ def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path
     lib = tmp / GUEST_LIB.lstrip("/") / "warmbox"
     (lib / "guest").mkdir(parents=True)
     (lib / "__init__.py").write_text('"""Guest-side copy: protocol + agent only."""\n')
-    for rel in _GUEST_SOURCES:
+    for rel in GUEST_SOURCES:
         shutil.copy2(pkg / rel, lib / rel)
     build_spawn_helpers(pkg / "guest", lib / "guest")
     # The rootfs is read-only inside, so Python could never cache bytecode there: compile it now,
