@@ -35,6 +35,16 @@ WarmboxError
 │   ├── StorageFull                     no space left where artifacts are written
 │   └── ArtifactCorrupt                 an artifact is missing, truncated or fails its checksum
 ├── SnapshotUnsupported                 the tier cannot take the snapshot asked for (e.g. memory)
+├── TemplateError                       a template (``template``: its name; ``step``: the step, if any)
+│   ├── TemplateNotFound (LookupError)  no built template of that name (or that version/image)
+│   ├── TemplateBuildError              a build step failed (``step``; ``log``: the build log's path)
+│   ├── TemplateInUse                   removal refused: a sandbox, pool or snapshot uses it
+│   └── TemplateMismatch                a pool, snapshot or restore recorded another image than the one at hand
+├── DockerfileError (InvalidArgument)   an unsupported or malformed instruction (``line``: its number)
+├── CorruptLayer (ArtifactCorrupt)      an image layer whose content does not match its digest
+├── VolumeError                         a named volume (``volume``: its name)
+│   ├── VolumeNotFound (LookupError)    no volume of that name (for this tenant)
+│   └── VolumeInUse                     removal refused: a sandbox mounts it
 ├── Unsupported                         the sandbox's tier cannot do what was asked (``reason`` says why)
 ├── QuotaExceeded                       a tenant's quota (sandboxes, memory, cpus, tiers) refuses a start
 ├── Forbidden                           an admin-only operation asked for by a tenant that is not admin
@@ -222,6 +232,69 @@ class Unsupported(WarmboxError):
 
 class SnapshotUnsupported(WarmboxError):
     """The sandbox's tier cannot take this kind of snapshot (``capabilities()`` says what it can)."""
+
+
+class TemplateError(WarmboxError):
+    """Something about one template: ``template`` is its name, ``step`` the step concerned ("" if none)."""
+
+    def __init__(self, message: str, *, template: str = "", step: str = "") -> None:
+        super().__init__(message)
+        self.template = template
+        self.step = step
+
+
+class TemplateNotFound(TemplateError, LookupError):
+    """No built template of that name (or of that version or image id)."""
+
+
+class TemplateBuildError(TemplateError):
+    """A build step failed; ``step`` names it (index and text), ``log`` is the build log's path."""
+
+    def __init__(self, message: str, *, template: str = "", step: str = "", log: str = "") -> None:
+        super().__init__(message, template=template, step=step)
+        self.log = log
+
+
+class TemplateInUse(TemplateError):
+    """Removal refused: a sandbox, pool or snapshot still uses the template (the message says which)."""
+
+
+class TemplateMismatch(TemplateError):
+    """A pool, snapshot or restore recorded another image of the template than the one at hand."""
+
+
+class DockerfileError(InvalidArgument):
+    """A Dockerfile instruction warmbox does not support or cannot parse: ``line`` is its number
+    (1-based), ``source`` the file."""
+
+    def __init__(self, message: str, *, line: int = 0, source: str = "") -> None:
+        super().__init__(message)
+        self.line = line
+        self.source = source
+
+
+class CorruptLayer(ArtifactCorrupt):
+    """An image layer whose content does not match its digest (``value``: the digest expected)."""
+
+    def __init__(self, message: str, *, value: str = "") -> None:
+        super().__init__(message)
+        self.value = value
+
+
+class VolumeError(WarmboxError):
+    """Something about one named volume: ``volume`` is its name."""
+
+    def __init__(self, message: str, *, volume: str = "") -> None:
+        super().__init__(message)
+        self.volume = volume
+
+
+class VolumeNotFound(VolumeError, LookupError):
+    """No volume of that name (for this tenant)."""
+
+
+class VolumeInUse(VolumeError):
+    """Removal refused: a sandbox mounts the volume."""
 
 
 class NetworkError(WarmboxError):

@@ -621,6 +621,37 @@ class Availability:
 
 
 @dataclasses.dataclass(frozen=True)
+class ImageRef:
+    """The root filesystem a sandbox runs: one built version of a template.
+
+    layers: host directories of its unpacked layers, bottom first (overlay lowerdirs are these
+    reversed); read-only, shared by every sandbox of the image, owners shifted into
+    ``uidslots.LAYER_UID_BASE``. image_id: ``sha256:<hex>`` over the layers' digests and the config
+    below; what pools, snapshots and restores record and compare. env/workdir/user: the image's
+    config (Dockerfile ENV, WORKDIR, USER); sandboxes start with them.
+    """
+
+    template: str
+    version: int
+    image_id: str
+    layers: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    workdir: str = ""
+    user: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class VolumeMount:
+    """A named volume mounted into one sandbox: ``disk`` is the host path of the volume's ext4
+    image (its size is the volume's limit), ``path`` where the sandbox sees it."""
+
+    name: str
+    path: str
+    read_only: bool
+    disk: str
+
+
+@dataclasses.dataclass(frozen=True)
 class SandboxSpec:
     """Everything a backend needs to build one sandbox."""
 
@@ -629,6 +660,8 @@ class SandboxSpec:
     uid_base: int  # first host uid/gid of the sandbox's private 65536-id range
     envs: tuple[tuple[str, str], ...]
     limits: Limits
+    image: ImageRef | None = None  # None: the tier's built-in image
+    volumes: tuple[VolumeMount, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

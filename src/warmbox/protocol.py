@@ -34,7 +34,7 @@ if TYPE_CHECKING:
         def recv(self, n: int, /) -> bytes: ...
 
 
-PROTOCOL_VERSION = 5  # v5: background processes, ports, richer files, display results (issue 16)
+PROTOCOL_VERSION = 6  # v6: templates and volumes (issue 17); v5: background processes, ports, files (16)
 MAX_HEADER = 1 << 20  # 1 MiB of JSON is far more than any legal header
 MAX_BODY = 4 << 20  # bytes per frame; larger payloads are chunked
 MAX_FRAME = 8 + MAX_HEADER + MAX_BODY

@@ -237,7 +237,23 @@ def _error_classes() -> dict[str, type[WarmboxError]]:
 ERRORS: dict[str, type[WarmboxError]] = _error_classes()
 """code -> error class, for every class in warmbox.errors."""
 CODES: dict[type[WarmboxError], str] = {cls: code for code, cls in ERRORS.items()}
-_ATTRS = ("sandbox_id", "tier", "reason", "limit", "value", "maximum", "source", "retry_after", "language", "available")
+_ATTRS = (
+    "sandbox_id",
+    "tier",
+    "reason",
+    "limit",
+    "value",
+    "maximum",
+    "source",
+    "retry_after",
+    "language",
+    "available",
+    "template",
+    "step",
+    "log",
+    "line",
+    "volume",
+)
 
 
 def error_code(exc: WarmboxError) -> str:

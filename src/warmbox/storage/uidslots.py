@@ -27,6 +27,10 @@ from pathlib import Path
 LEDGER_DIR = Path("/var/lib/warmbox/uids")
 UID_BASE = 2_000_000
 UID_RANGE = 65536
+# Image layers are stored with their owners shifted into this range (an image's uid u is host uid
+# LAYER_UID_BASE + u): sandboxes read them as nobody, and a template build sandbox, which runs with
+# this uid base (one build per host at a time, under BUILD_LOCK), owns them as their image owners.
+LAYER_UID_BASE = 1_000_000
 MAX_SLOTS = (2**32 - UID_BASE) // UID_RANGE - 1  # slots 0 .. MAX_SLOTS-1; slot MAX_SLOTS is the bench's
 
 # a row of a registry, in one of these states, holds its slot (paused: while its leftovers exist)
