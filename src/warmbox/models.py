@@ -662,6 +662,10 @@ class SandboxSpec:
     limits: Limits
     image: ImageRef | None = None  # None: the tier's built-in image
     volumes: tuple[VolumeMount, ...] = ()
+    # a template build sandbox: this empty host directory is the writable upper layer over
+    # ``image`` (it becomes the step's new layer); the sandbox runs as root of its user namespace
+    # with uid base uidslots.LAYER_UID_BASE (one build per host at a time). "": an ordinary sandbox.
+    build_upper: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

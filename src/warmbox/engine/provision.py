@@ -20,7 +20,17 @@ from warmbox.backends.base import Backend, SnapshotCapable
 from warmbox.config import PoolConfig, Template
 from warmbox.engine.session import GuestSession, OomCounter
 from warmbox.errors import BackendUnavailable, InvalidArgument, NoSpace, SandboxStartError, WarmboxError
-from warmbox.models import BackendHandle, Limits, SandboxInfo, SandboxSpec, StageTiming, State, Tenant
+from warmbox.models import (
+    BackendHandle,
+    ImageRef,
+    Limits,
+    SandboxInfo,
+    SandboxSpec,
+    StageTiming,
+    State,
+    Tenant,
+    VolumeMount,
+)
 
 if TYPE_CHECKING:
     from warmbox.engine.engine import Engine
@@ -45,6 +55,9 @@ class LaunchSpec:
     shape: str = ""  # config.shape_key of a pool's sandbox
     tenant: Tenant | None = None  # whose it is (None: the host's); its quotas are checked at the insert
     resume_of: str = ""  # a paused sandbox started again under its own id ("": a new sandbox)
+    image: ImageRef | None = None  # the template's built image (None: the tier's built-in image)
+    volumes: tuple[VolumeMount, ...] = ()  # named volumes mounted into it
+    build_upper: str = ""  # a template build sandbox (SandboxSpec.build_upper)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +158,9 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
                 uid_base=handle.uid_base,
                 envs=spec.envs if isinstance(boot, Cold) else (),
                 limits=lim,
+                image=spec.image,
+                volumes=spec.volumes,
+                build_upper=spec.build_upper,
             )
         )
         if isinstance(boot, Restore):
