@@ -1,0 +1,77 @@
+"""Cache keys of template steps: each is sha256(previous key, the step's canonical form, the content
+hash of what it copies), so a changed step (or anything before it) changes every key after it."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import stat
+
+from warmbox.templates import spec
+
+MAX_TREE_ENTRIES = 1 << 20
+
+
+def canonical(record: object) -> str:
+    """A record as sorted, compact JSON (its ``kind`` included): the same step, the same text."""
+    assert dataclasses.is_dataclass(record) and not isinstance(record, type)
+    return json.dumps(dataclasses.asdict(record), sort_keys=True, separators=(",", ":"))
+
+
+def source_key(source: spec.Source, resolved: str) -> str:
+    """The key under the first step: the source and what it resolved to (an image id, the digests
+    of an archive's layers), so a rebuilt ``base`` or a new archive starts a new chain."""
+    return hashlib.sha256(f"source\n{canonical(source)}\n{resolved}".encode()).hexdigest()
+
+
+def step_key(previous: str, step: spec.Step, content: str = "") -> str:
+    return hashlib.sha256(f"{previous}\n{canonical(step)}\n{content}".encode()).hexdigest()
+
+
+def spec_hash(t: spec.Template) -> str:
+    """The spec's own hash (source, steps, build network, warm-up): what TemplateInfo records."""
+    parts = [canonical(t.source), *(canonical(s) for s in t.steps), canonical(t.build_network)]
+    parts.append(json.dumps([t.warmup_code, list(t.warmup_commands)]))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def tree_hash(root: str) -> str:
+    """sha256 over a tree's names, types, modes, symlink targets and file contents, sorted; walked
+    with directory fds, never following a symlink. ``root`` may be a file."""
+    h = hashlib.sha256()
+    count = 0
+
+    def entry(dir_fd: int | None, name: str, rel: str) -> None:
+        nonlocal count
+        count += 1
+        if count > MAX_TREE_ENTRIES:
+            raise OSError(f"more than {MAX_TREE_ENTRIES} files")
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        mode = stat.S_IMODE(st.st_mode)
+        if stat.S_ISLNK(st.st_mode):
+            h.update(f"L {rel} {os.readlink(name, dir_fd=dir_fd)}\n".encode("utf-8", "surrogateescape"))
+        elif stat.S_ISREG(st.st_mode):
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OSError(f"{rel} changed while hashed")
+                fh = hashlib.sha256()
+                while chunk := os.read(fd, 1 << 20):
+                    fh.update(chunk)
+            finally:
+                os.close(fd)
+            h.update(f"F {rel} {mode:o} {fh.hexdigest()}\n".encode("utf-8", "surrogateescape"))
+        elif stat.S_ISDIR(st.st_mode):
+            h.update(f"D {rel} {mode:o}\n".encode("utf-8", "surrogateescape"))
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            try:
+                for child in sorted(os.listdir(fd)):
+                    entry(fd, child, f"{rel}/{child}")
+            finally:
+                os.close(fd)
+        # FIFOs, devices, sockets: not copied, not hashed
+
+    entry(None, root, ".")
+    return h.hexdigest()
