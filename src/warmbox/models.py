@@ -641,6 +641,63 @@ class ImageRef:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerInfo:
+    """One content-addressed image layer in the host's layer store.
+
+    digest: ``sha256:<hex>`` of the layer's blob (a tar, possibly gzip/zstd-compressed as an OCI
+    registry served it): what templates record. size_bytes: the blob's size in bytes. path: the
+    host directory of the unpacked layer (owners shifted into ``uidslots.LAYER_UID_BASE``,
+    overlay whiteouts); read-only, shared.
+    """
+
+    digest: str
+    size_bytes: int
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OciImage:
+    """An OCI image imported into the layer store: its layers bottom first and its config
+    (``env`` in order, ``cmd`` = the config's Entrypoint followed by its Cmd)."""
+
+    layers: tuple[LayerInfo, ...]
+    env: tuple[tuple[str, str], ...]
+    workdir: str
+    user: str
+    cmd: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TemplateInfo:
+    """One built version of a template, as the registry records it.
+
+    version: 1, 2, ... per (tenant, name), assigned by ``Registry.template_add`` (never reused).
+    image_id: ``sha256:<hex>`` over layers + env/workdir/user (``storage.layers.image_id_of``).
+    layers: layer digests, bottom first. source: where the bottom came from ("debian:bookworm",
+    "dockerfile:/path", "oci:/path", "registry:host/x:tag"). spec_hash: the build spec's hash (the
+    same spec and image as the latest version adds no version). size_bytes: the layers' blobs.
+    created_at: epoch seconds. build_log: the build log's host path ("" if none).
+    """
+
+    name: str
+    version: int
+    image_id: str
+    layers: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    workdir: str = ""
+    user: str = ""
+    warmup_code: str | None = None
+    warmup_commands: tuple[str, ...] = ()
+    source: str = ""
+    spec_hash: str = ""
+    size_bytes: int = 0
+    created_at: float = 0.0
+    build_log: str = ""
+    tenant: str = ""
+    description: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class VolumeMount:
     """A named volume mounted into one sandbox: ``disk`` is the host path of the volume's ext4
     image (its size is the volume's limit), ``path`` where the sandbox sees it."""

@@ -10,6 +10,11 @@ can redirect a write; a member with an absolute name, a ``..`` component, a syml
 pointing out of the target, or a device or FIFO raises :class:`UnsafeArchive` naming it.
 Packing walks the same way: symlinks are stored as symlinks, never followed; FIFOs, devices and
 sockets are skipped (never opened).
+
+A container image layer (host side, as root) is extracted under :class:`LayerRules`: the same walk,
+plus what a root filesystem needs and a layer may hold: owners shifted into a uid range, full
+modes (setuid, sticky), symlinks to anywhere (stored, never followed: they only ever resolve inside
+a sandbox's root), OCI whiteouts turned into overlay ones, and a bound on the bytes written.
 """
 
 from __future__ import annotations
@@ -74,16 +79,19 @@ def _link_inside(parts: list[str], target: str) -> bool:
     return True
 
 
-def open_dir(name: str, dir_fd: int, member: str, shown: str, *, create: bool) -> int:
-    """An fd of the directory ``name`` in ``dir_fd`` (made if missing and ``create``), never
-    through a symlink: the entry is lstat'ed, opened, and the fd must be that very inode. (Not
-    O_NOFOLLOW alone: gVisor follows a symlink opened with O_NOFOLLOW|O_DIRECTORY.)"""
+def open_dir(name: str, dir_fd: int, member: str, shown: str, *, create: bool, owner: int = -1) -> int:
+    """An fd of the directory ``name`` in ``dir_fd`` (made if missing and ``create``; a directory
+    made gets uid and gid ``owner`` if that is >= 0), never through a symlink: the entry is
+    lstat'ed, opened, and the fd must be that very inode. (Not O_NOFOLLOW alone: gVisor follows a
+    symlink opened with O_NOFOLLOW|O_DIRECTORY.)"""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         if not create:
             raise
         os.mkdir(name, 0o755, dir_fd=dir_fd)
+        if owner >= 0:
+            os.chown(name, owner, owner, dir_fd=dir_fd, follow_symlinks=False)
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeArchive(member, f"{shown} is not a directory (a symlink is never followed)")
@@ -98,8 +106,9 @@ def open_dir(name: str, dir_fd: int, member: str, shown: str, *, create: bool) -
 class _Dirs:
     """Directory fds below the root, opened (and made) one component at a time, never through a link."""
 
-    def __init__(self, root_fd: int) -> None:
+    def __init__(self, root_fd: int, owner: int = -1) -> None:
         self.root = root_fd
+        self.owner = owner  # of the directories made (a layer's: its uid base)
         self._open: dict[tuple[str, ...], int] = {}
 
     def trim(self) -> None:
@@ -113,7 +122,7 @@ class _Dirs:
             key = tuple(parts[: i + 1])
             child = self._open.get(key)
             if child is None:
-                child = open_dir(comp, fd, member, "/".join(key), create=True)
+                child = open_dir(comp, fd, member, "/".join(key), create=True, owner=self.owner)
                 self._open[key] = child
             fd = child
         return fd
@@ -158,20 +167,49 @@ def _bounded_info() -> type[tarfile.TarInfo]:
     return Bounded
 
 
+class LayerRules:
+    """How :func:`extract` unpacks a container image layer (host side, as root).
+
+    uid_base: an entry's uid/gid u becomes host uid/gid ``uid_base + u``; one at or above 65536 is
+    nobody's (65534). max_bytes: the most regular-file bytes (and max_members the most members)
+    the layer may hold; beyond, UnsafeArchive. Modes are kept whole (setuid, setgid, sticky);
+    symlinks may point anywhere (made, never followed: nothing on the host resolves them, writes
+    through them are refused like any); OCI whiteouts become overlay ones (``.wh.NAME``: a 0/0
+    character device NAME; ``.wh..wh..opq``: the ``trusted.overlay.opaque=y`` xattr on the
+    directory; other ``.wh..wh.`` names are skipped); devices and FIFOs are refused; extended
+    attributes in the archive are ignored.
+    """
+
+    WHITEOUT = ".wh."
+    OPAQUE = ".wh..wh..opq"
+    OPAQUE_XATTR = "trusted.overlay.opaque"
+
+    def __init__(self, uid_base: int, *, max_bytes: int, max_members: int = 4_000_000) -> None:
+        self.uid_base = uid_base
+        self.max_bytes = max_bytes
+        self.max_members = max_members
+        self.written = 0  # regular-file bytes so far
+        self.members = 0
+
+    def owner(self, ident: int) -> int:
+        return self.uid_base + (ident if 0 <= ident < 65536 else 65534)
+
+
 def _key(parts: list[str]) -> bytes:
     import hashlib
 
     return hashlib.blake2b("/".join(parts).encode("utf-8", "surrogateescape"), digest_size=16).digest()
 
 
-def extract(fileobj: BinaryIO, root_fd: int) -> int:
+def extract(fileobj: BinaryIO, root_fd: int, *, layer: LayerRules | None = None) -> int:
     """Unpack a tar stream (read once, front to back) into the directory ``root_fd``; the number of
     members. UnsafeArchive for a member that breaks the rules (what came before it stays);
     tarfile.TarError for a stream that is not a tar archive. Memory stays bounded whatever the
-    stream holds (members are not kept; extended headers are bounded)."""
+    stream holds (members are not kept; extended headers are bounded). ``layer``: unpack an image
+    layer under those rules instead (see LayerRules)."""
     import tarfile
 
-    dirs = _Dirs(root_fd)
+    dirs = _Dirs(root_fd, layer.owner(0) if layer is not None else -1)
     files: set[bytes] = set()  # regular files this archive wrote: what a hardlink may name
     count = 0
     try:
@@ -179,7 +217,10 @@ def extract(fileobj: BinaryIO, root_fd: int) -> int:
             for m in tar:
                 tar.members.clear()  # type: ignore[attr-defined]  # a stream's TarFile keeps every member it read
                 dirs.trim()
-                _one(tar, m, dirs, files)
+                if layer is not None:
+                    _layer_one(tar, m, dirs, files, layer)
+                else:
+                    _one(tar, m, dirs, files)
                 count += 1
     finally:
         dirs.close()
@@ -230,6 +271,81 @@ def _one(tar: tarfile.TarFile, m: tarfile.TarInfo, dirs: _Dirs, files: set[bytes
         target = member_parts(m.linkname)
         if _key(target) not in files:
             why = f"not a file this archive wrote (or beyond its first {MAX_LINKABLE})"
+            raise UnsafeArchive(m.name, f"a hardlink to {m.linkname[:200]!r}, {why}")
+        src_dir = dirs.get(target[:-1], m.name)
+        _replace(name, parent, m.name)
+        os.link(target[-1], name, src_dir_fd=src_dir, dst_dir_fd=parent, follow_symlinks=False)
+        if len(files) < MAX_LINKABLE:
+            files.add(_key(parts))
+    else:
+        raise UnsafeArchive(m.name, "a device, FIFO or other special file")
+
+
+def _layer_one(tar: tarfile.TarFile, m: tarfile.TarInfo, dirs: _Dirs, files: set[bytes], rules: LayerRules) -> None:
+    rules.members += 1
+    if rules.members > rules.max_members:
+        raise UnsafeArchive(m.name, f"more than {rules.max_members} members in one layer")
+    parts = member_parts(m.name)
+    mode = m.mode & 0o7777
+    uid, gid = rules.owner(m.uid), rules.owner(m.gid)
+    if not parts:
+        if not m.isdir():
+            raise UnsafeArchive(m.name, "names the target directory itself")
+        os.fchown(dirs.root, uid, gid)
+        os.fchmod(dirs.root, mode)
+        return
+    name = parts[-1]
+    files.discard(_key(parts))
+    if name.startswith(LayerRules.WHITEOUT):
+        parent = dirs.get(parts[:-1], m.name)
+        if name == LayerRules.OPAQUE:
+            os.setxattr(parent, LayerRules.OPAQUE_XATTR, b"y")
+        elif not name.startswith(LayerRules.OPAQUE[:8]):  # ".wh..wh.": aufs bookkeeping, not content
+            gone = name[len(LayerRules.WHITEOUT) :]
+            if gone in ("", ".", ".."):
+                raise UnsafeArchive(m.name, "a whiteout of no name")
+            _replace(gone, parent, m.name)
+            os.mknod(gone, stat.S_IFCHR | 0o600, os.makedev(0, 0), dir_fd=parent)
+        return
+    if m.isdir():
+        fd = dirs.get(parts, m.name)
+        os.fchown(fd, uid, gid)
+        os.fchmod(fd, mode)
+        return
+    parent = dirs.get(parts[:-1], m.name)
+    if m.isreg():
+        rules.written += m.size
+        if rules.written > rules.max_bytes:
+            raise UnsafeArchive(m.name, f"the layer holds more than {rules.max_bytes} bytes")
+        _replace(name, parent, m.name)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent)
+        try:
+            src = tar.extractfile(m)
+            assert src is not None
+            while chunk := src.read(_COPY):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
+            os.fchown(fd, uid, gid)
+            os.fchmod(fd, mode)  # after the chown, which clears setuid/setgid
+            try:
+                os.utime(fd, (m.mtime, m.mtime))
+            except (OverflowError, ValueError):
+                pass
+        finally:
+            os.close(fd)
+        if len(files) < MAX_LINKABLE:
+            files.add(_key(parts))
+    elif m.issym():
+        if not m.linkname or "\0" in m.linkname or len(m.linkname.encode("utf-8", "surrogateescape")) >= MAX_NAME:
+            raise UnsafeArchive(m.name, f"a symlink target that is empty or of {len(m.linkname)} characters")
+        _replace(name, parent, m.name)
+        os.symlink(m.linkname, name, dir_fd=parent)
+        os.chown(name, uid, gid, dir_fd=parent, follow_symlinks=False)
+    elif m.islnk():
+        target = member_parts(m.linkname)
+        if not target or _key(target) not in files:
+            why = f"not a file this layer wrote (or beyond its first {MAX_LINKABLE})"
             raise UnsafeArchive(m.name, f"a hardlink to {m.linkname[:200]!r}, {why}")
         src_dir = dirs.get(target[:-1], m.name)
         _replace(name, parent, m.name)

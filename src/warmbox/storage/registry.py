@@ -20,7 +20,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from warmbox.errors import InvalidArgument, QuotaExceeded, RegistryError, SandboxNotFound, SandboxStateError
+from warmbox.errors import (
+    InvalidArgument,
+    QuotaExceeded,
+    RegistryError,
+    SandboxNotFound,
+    SandboxStateError,
+    TemplateNotFound,
+)
 from warmbox.lifecycle import LIVE, RESUMING, check_transition
 from warmbox.models import (
     BackendHandle,
@@ -32,6 +39,7 @@ from warmbox.models import (
     SandboxInfo,
     StageTiming,
     State,
+    TemplateInfo,
     Tenant,
     Transition,
 )
@@ -46,7 +54,7 @@ from warmbox.storage.uidslots import (  # noqa: F401 - MAX_SLOTS is re-exported 
 )
 from warmbox.tiers import canonical_tier
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -188,6 +196,31 @@ CREATE TABLE IF NOT EXISTS net_events (
     detail      TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS net_events_sandbox ON net_events(sandbox_id, id);
+CREATE TABLE IF NOT EXISTS templates (
+    tenant      TEXT NOT NULL,
+    name        TEXT NOT NULL,
+    version     INTEGER NOT NULL,
+    image_id    TEXT NOT NULL,
+    layers      TEXT NOT NULL,
+    env         TEXT NOT NULL,
+    workdir     TEXT NOT NULL,
+    user        TEXT NOT NULL,
+    warmup_code TEXT,
+    warmup_commands TEXT NOT NULL,
+    source      TEXT NOT NULL,
+    spec_hash   TEXT NOT NULL,
+    size_bytes  INTEGER NOT NULL,
+    created_at  REAL NOT NULL,
+    build_log   TEXT NOT NULL,
+    description TEXT NOT NULL,
+    PRIMARY KEY (tenant, name, version)
+);
+CREATE TABLE IF NOT EXISTS template_versions (
+    tenant      TEXT NOT NULL,
+    name        TEXT NOT NULL,
+    last        INTEGER NOT NULL,
+    PRIMARY KEY (tenant, name)
+);
 CREATE TABLE IF NOT EXISTS pool_costs (
     pool       TEXT NOT NULL,
     sandbox_id TEXT PRIMARY KEY,
@@ -221,6 +254,7 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE sandboxes ADD COLUMN egress TEXT NOT NULL DEFAULT ''",
     # version 8: the snapshots automatic pauses made (pruned as the sandbox moves on)
     "ALTER TABLE snapshots ADD COLUMN auto INTEGER NOT NULL DEFAULT 0",
+    # version 9: templates and template_versions (new tables, made by SCHEMA)
 )
 _COLUMNS = (
     "sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
@@ -967,6 +1001,83 @@ class Registry:
         row = self._db.execute("SELECT parent_snapshot FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
         return row[0] if row else ""
 
+    # ---- templates
+
+    def template_add(self, info: TemplateInfo) -> TemplateInfo:
+        """Record a built template as the next version of its (tenant, name): the record returned
+        has ``version`` = the last version ever given + 1 (``info.version`` is ignored; numbers are
+        never reused, even after a removal). If the latest version has the same spec_hash and
+        image_id, nothing is added and that version is returned."""
+        _template_name(info.name)
+        with self._tx() as db:
+            row = db.execute(
+                f"SELECT {_TEMPLATE_COLUMNS} FROM templates WHERE tenant=? AND name=? ORDER BY version DESC LIMIT 1",
+                (info.tenant, info.name),
+            ).fetchone()
+            if row is not None:
+                latest = _template(row)
+                if latest.spec_hash == info.spec_hash and latest.image_id == info.image_id:
+                    return latest
+            last = db.execute(
+                "SELECT last FROM template_versions WHERE tenant=? AND name=?", (info.tenant, info.name)
+            ).fetchone()
+            version = max(last[0] if last else 0, _template(row).version if row else 0) + 1
+            out = dataclasses.replace(info, version=version)
+            db.execute(f"INSERT INTO templates ({_TEMPLATE_COLUMNS}) VALUES ({','.join('?' * 16)})", _template_row(out))
+            db.execute(
+                "INSERT OR REPLACE INTO template_versions (tenant, name, last) VALUES (?,?,?)",
+                (info.tenant, info.name, version),
+            )
+        return out
+
+    def template_get(self, name: str, version: int | None = None, tenant: str = "") -> TemplateInfo:
+        """A template version (None: the latest) of the tenant's; TemplateNotFound if none."""
+        if version is None:
+            row = self._read(
+                f"SELECT {_TEMPLATE_COLUMNS} FROM templates WHERE tenant=? AND name=? ORDER BY version DESC LIMIT 1",
+                (tenant, name),
+            )
+        else:
+            row = self._read(
+                f"SELECT {_TEMPLATE_COLUMNS} FROM templates WHERE tenant=? AND name=? AND version=?",
+                (tenant, name, version),
+            )
+        if row is None:
+            which = f"{name!r}" if version is None else f"{name!r} version {version}"
+            raise TemplateNotFound(f"no template {which}", template=name)
+        return _template(row)
+
+    def template_list(self, tenant: str | None = None) -> builtins.list[TemplateInfo]:
+        """Every template version (tenant: only that tenant's), by tenant, name, then version."""
+        q = f"SELECT {_TEMPLATE_COLUMNS} FROM templates"
+        rows = self._read(
+            q + (" WHERE tenant=?" if tenant is not None else "") + " ORDER BY tenant, name, version",
+            (tenant,) if tenant is not None else (),
+            many=True,
+        )
+        return [_template(r) for r in rows]
+
+    def template_delete(self, name: str, version: int | None = None, tenant: str = "") -> builtins.list[TemplateInfo]:
+        """Remove one version (None: every version) of a template; the records removed.
+        TemplateNotFound if there was none. Whether something still uses it is the caller's check."""
+        with self._tx() as db:
+            where = "tenant=? AND name=?" + ("" if version is None else " AND version=?")
+            args: tuple = (tenant, name) if version is None else (tenant, name, version)
+            rows = db.execute(f"SELECT {_TEMPLATE_COLUMNS} FROM templates WHERE {where}", args).fetchall()
+            db.execute(f"DELETE FROM templates WHERE {where}", args)
+        if not rows:
+            which = f"{name!r}" if version is None else f"{name!r} version {version}"
+            raise TemplateNotFound(f"no template {which}", template=name)
+        return [_template(r) for r in rows]
+
+    def template_layers(self) -> set[str]:
+        """Every layer digest some template version (of any tenant) records: what layer gc keeps."""
+        rows = self._read("SELECT layers FROM templates", many=True)
+        out: set[str] = set()
+        for (text,) in rows:
+            out.update(_strings(text))
+        return out
+
     # ---- tenants and API keys
 
     def create_key(
@@ -1424,6 +1535,79 @@ def _metadata(text: str) -> dict[str, str]:
     if not isinstance(v, dict):
         return {}
     return {k: x for k, x in v.items() if isinstance(k, str) and isinstance(x, str)}
+
+
+_TEMPLATE_COLUMNS = (
+    "name, version, image_id, layers, env, workdir, user, warmup_code, warmup_commands, source, "
+    "spec_hash, size_bytes, created_at, build_log, tenant, description"
+)
+_TEMPLATE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def _template_name(name: object) -> None:
+    if not isinstance(name, str) or not _TEMPLATE_NAME.match(name):
+        raise InvalidArgument(f"a template name is 1-128 letters, digits, '_', '.', '-' (not first), got {name!r}")
+
+
+def _template_row(t: TemplateInfo) -> tuple:
+    """A TemplateInfo as its templates row (in _TEMPLATE_COLUMNS order; tuples as JSON lists)."""
+    return (
+        t.name,
+        t.version,
+        t.image_id,
+        json.dumps(list(t.layers)),
+        json.dumps([[k, v] for k, v in t.env]),
+        t.workdir,
+        t.user,
+        t.warmup_code,
+        json.dumps(list(t.warmup_commands)),
+        t.source,
+        t.spec_hash,
+        t.size_bytes,
+        t.created_at,
+        t.build_log,
+        t.tenant,
+        t.description,
+    )
+
+
+def _strings(text: str) -> tuple[str, ...]:
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return ()
+    return tuple(x for x in v if isinstance(x, str)) if isinstance(v, list) else ()
+
+
+def _pairs(text: str) -> tuple[tuple[str, str], ...]:
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return ()
+    if not isinstance(v, list):
+        return ()
+    return tuple((p[0], p[1]) for p in v if isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p))
+
+
+def _template(r: tuple) -> TemplateInfo:
+    return TemplateInfo(
+        name=r[0],
+        version=r[1],
+        image_id=r[2],
+        layers=_strings(r[3]),
+        env=_pairs(r[4]),
+        workdir=r[5],
+        user=r[6],
+        warmup_code=r[7],
+        warmup_commands=_strings(r[8]),
+        source=r[9],
+        spec_hash=r[10],
+        size_bytes=r[11],
+        created_at=r[12],
+        build_log=r[13],
+        tenant=r[14],
+        description=r[15],
+    )
 
 
 def _split(tiers: str) -> tuple[str, ...]:

@@ -1,0 +1,90 @@
+"""Template version records in the registry (schema 9): versions per tenant and name, never reused;
+the same build twice adds nothing; a version 8 database gains the tables."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from warmbox.errors import InvalidArgument, TemplateNotFound
+from warmbox.models import TemplateInfo
+from warmbox.storage.registry import SCHEMA_VERSION, Registry
+from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
+
+
+def _registry(tmp: Path) -> Registry:
+    return Registry(tmp / "r.db", ledger=UidLedger(tmp / "uids", slots=16, first=MAX_SLOTS - 60))
+
+
+def _info(name: str = "web", image: str = "sha256:" + "a" * 64, spec: str = "s1", tenant: str = "") -> TemplateInfo:
+    return TemplateInfo(
+        name=name,
+        version=0,
+        image_id=image,
+        layers=("sha256:" + "1" * 64, "sha256:" + "2" * 64),
+        env=(("PATH", "/usr/bin:/bin"), ("A", "x=y")),
+        workdir="/srv",
+        user="app",
+        warmup_code="import numpy",
+        warmup_commands=("true", "echo hi"),
+        source="debian:bookworm",
+        spec_hash=spec,
+        size_bytes=123,
+        created_at=1700000000.5,
+        build_log="/var/log/b.log",
+        tenant=tenant,
+        description="a web image",
+    )
+
+
+def test_versions_count_up_per_name_and_tenant_and_are_never_reused(tmp_path):
+    reg = _registry(tmp_path)
+    v1 = reg.template_add(_info())
+    assert v1.version == 1 and v1 == _info().__class__(**{**_info().__dict__, "version": 1})
+    assert reg.template_add(_info()) == v1  # the same spec and image: the latest, unchanged
+    v2 = reg.template_add(_info(image="sha256:" + "b" * 64))
+    assert v2.version == 2
+    assert reg.template_add(_info(spec="s2", image="sha256:" + "b" * 64)).version == 3
+    assert reg.template_add(_info(tenant="acme")).version == 1  # another tenant's name
+    assert reg.template_get("web").version == 3
+    assert reg.template_get("web", 1) == v1
+    assert reg.template_get("web", tenant="acme").tenant == "acme"
+    assert [(t.tenant, t.name, t.version) for t in reg.template_list()] == [
+        ("", "web", 1),
+        ("", "web", 2),
+        ("", "web", 3),
+        ("acme", "web", 1),
+    ]
+    assert [t.version for t in reg.template_list("acme")] == [1]
+    assert reg.template_layers() == {"sha256:" + "1" * 64, "sha256:" + "2" * 64}
+    assert [t.version for t in reg.template_delete("web", 3)] == [3]
+    assert reg.template_add(_info(spec="s3")).version == 4  # 3 is not given again
+    removed = reg.template_delete("web")
+    assert sorted(t.version for t in removed) == [1, 2, 4]
+    with pytest.raises(TemplateNotFound) as e:
+        reg.template_get("web")
+    assert e.value.template == "web"
+    with pytest.raises(TemplateNotFound):
+        reg.template_get("web", 2, tenant="acme")
+    with pytest.raises(TemplateNotFound):
+        reg.template_delete("web")
+    assert reg.template_add(_info()).version == 5
+    with pytest.raises(InvalidArgument):
+        reg.template_add(_info(name="../x"))
+    reg.close()
+    again = _registry(tmp_path)
+    assert again.template_get("web").version == 5 and again.template_get("web").env == _info().env
+
+
+def test_a_version_8_database_gains_the_template_tables(tmp_path):
+    assert SCHEMA_VERSION == 9
+    db = sqlite3.connect(tmp_path / "r.db")
+    db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL)")
+    db.execute("PRAGMA user_version=8")
+    db.commit()
+    db.close()
+    reg = _registry(tmp_path)
+    assert reg.template_add(_info()).version == 1
+    assert reg._db.execute("PRAGMA user_version").fetchone()[0] == 9
