@@ -50,7 +50,7 @@ def test_a_version_6_database_migrates_and_its_paused_sandbox_resumes_under_its_
     db.close()
 
     reg = _registry(tmp_path)
-    assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
+    assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     cols = {r[1] for r in reg._db.execute("PRAGMA table_info(sandboxes)")}
     assert NEW_COLUMNS <= cols
     assert "auto" in {r[1] for r in reg._db.execute("PRAGMA table_info(snapshots)")}
