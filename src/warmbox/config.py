@@ -62,14 +62,19 @@ from warmbox.errors import ConfigError, InvalidArgument, LimitTooHigh
 from warmbox.models import Limits
 from warmbox.tiers import canonical_tier
 
-# Built-in templates. ``base``'s warm-up starts the Python code context (so a pooled sandbox's
-# first run_code does not pay an interpreter start); ``pydata`` also imports the data stack.
+# Built-in templates that run the built-in image (warmbox.images; the table of every built-in
+# template, these and the ones built on top of them, is warmbox.templates.builtins). ``base``'s
+# warm-up starts the Python code context (so a pooled sandbox's first run_code does not pay an
+# interpreter start); ``pydata`` also imports the data stack.
 BUILTIN_TEMPLATES: dict[str, dict[str, Any]] = {
-    "base": {"warmup_code": "", "description": "Python 3 + coreutils; code context started"},
+    "base": {
+        "warmup_code": "",
+        "description": "Python 3 (pip, venv, pytest), Node.js + npm, git, gcc/make, curl; code context started",
+    },
     "pydata": {
         "warmup_code": "import numpy, pandas\ntry:\n    import requests\nexcept ImportError:\n    pass\n"
         "try:\n    import matplotlib.pyplot\nexcept ImportError:\n    pass",
-        "description": "base + numpy, pandas and matplotlib (and requests when installed) imported",
+        "description": "base + numpy, pandas, scipy and matplotlib (and requests) imported",
     },
     "shell": {"warmup_code": None, "description": "no code context started (smallest idle footprint)"},
 }

@@ -1,0 +1,33 @@
+"""The built-in template table: every built-in is there once, the built ones are valid specs."""
+
+from __future__ import annotations
+
+from warmbox import config
+from warmbox.templates import check_name, check_template
+from warmbox.templates.builtins import BROWSER, BUILTINS, CHROMIUM, IMAGE_BUILTINS, PLAYWRIGHT, builtin
+from warmbox.templates.spec import AptInstall, BuiltSource, PipInstall
+
+
+def test_every_builtin_is_in_the_table_with_a_valid_name():
+    assert set(config.BUILTIN_TEMPLATES) == set(IMAGE_BUILTINS) == {"base", "pydata", "shell"}
+    assert set(BUILTINS) == {*IMAGE_BUILTINS, "browser"}
+    for name, b in BUILTINS.items():
+        assert check_name(name) == b.name == name and b.description
+        assert builtin(name) is b
+    assert builtin("nope") is None
+    # the image ones keep the settings' warm-ups: the table does not drift from what sandboxes run
+    assert [BUILTINS[n].warmup_code for n in IMAGE_BUILTINS] == [
+        config.BUILTIN_TEMPLATES[n]["warmup_code"] for n in IMAGE_BUILTINS
+    ]
+    assert all(BUILTINS[n].template() is None for n in IMAGE_BUILTINS)
+
+
+def test_browser_builds_on_base_with_debian_chromium_and_playwright():
+    t = BROWSER.template()
+    assert t is not None and check_template(t) is t
+    assert t.source == BuiltSource("base")  # no second Debian tree: on top of the built-in image
+    apt, pip = t.layer_steps()
+    assert isinstance(apt, AptInstall) and "chromium" in apt.packages and "fonts-liberation" in apt.packages
+    assert isinstance(pip, PipInstall) and pip.packages == (PLAYWRIGHT,) and "==" in PLAYWRIGHT  # pinned
+    assert t.build_network.mode == "allowlist" and "deb.debian.org" in t.build_network.allow
+    assert t.warmup_code == "" and CHROMIUM in BROWSER.description
