@@ -620,6 +620,11 @@ class Availability:
     reason: str  # why not (or what was found), in one line
 
 
+# Image layers are stored with their owners shifted into this range: an image's uid u is host uid
+# LAYER_UID_BASE + u (storage.uidslots re-exports it; backends read it here, below storage).
+LAYER_UID_BASE = 1_000_000
+
+
 @dataclasses.dataclass(frozen=True)
 class ImageRef:
     """The root filesystem a sandbox runs: one built version of a template.

@@ -74,3 +74,62 @@ def engine(home, runc_ready):
     for pid in left:
         os.kill(pid, 9)
     assert not left, f"QEMU or relay processes left behind: {left}"
+
+
+# --------------------------------------------------------------------------- image layers made by hand
+
+TEST_LAYERS = Path("/var/lib/warmbox/test-layers")
+
+
+def shifted_copy(tree: Path, out: Path) -> Path:
+    """``tree`` copied to ``out`` with every owner shifted into the layer range (an image's uid u is
+    host uid LAYER_UID_BASE + u), once per host (temp dir + rename, under a lock): what a layer of
+    the store looks like, made without it."""
+    import fcntl
+    import shutil
+    import subprocess
+    import time
+
+    from warmbox.models import LAYER_UID_BASE
+
+    if out.is_dir():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.is_dir():
+            return out
+        tmp = out.parent / f".tmp-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            subprocess.run(["cp", "-a", "--reflink=auto", str(tree), str(tmp)], check=True, timeout=1200)
+            for parent, dirs, files in os.walk(tmp):
+                for name in (*dirs, *files):
+                    p = os.path.join(parent, name)
+                    st = os.lstat(p)
+                    os.lchown(p, LAYER_UID_BASE + st.st_uid, LAYER_UID_BASE + st.st_gid)
+                    if not os.path.islink(p) and st.st_mode & 0o6000:  # chown clears setuid/setgid
+                        os.chmod(p, st.st_mode & 0o7777)
+            st = os.lstat(tmp)
+            os.chown(tmp, LAYER_UID_BASE + st.st_uid, LAYER_UID_BASE + st.st_gid)
+            os.rename(tmp, out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def debian_tree() -> Path:
+    """The microVM image's Debian tree on this host (scripts/bootstrap builds it)."""
+    from warmbox.backends import microvm_image
+
+    tree = microvm_image.cache_dir() / microvm_image._debian_key_name()
+    if not tree.is_dir():
+        pytest.fail(f"no Debian tree {tree} (scripts/bootstrap builds the microVM image, which makes it)")
+    return tree
+
+
+@pytest.fixture(scope="session")
+def debian_layer() -> str:
+    """A Debian bookworm layer (python3, apt, dpkg, coreutils...) with owners in the layer range."""
+    tree = debian_tree()
+    return str(shifted_copy(tree, TEST_LAYERS / f"{tree.name}-shifted"))

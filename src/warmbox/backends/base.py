@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar, runtime_checkable
 
-from warmbox.models import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
+from warmbox.models import Availability, BackendHandle, Capabilities, ImageRef, ResourceUsage, SandboxSpec
 
 if TYPE_CHECKING:
     from warmbox.config import Settings
@@ -101,4 +101,7 @@ class TemplateCapable(Protocol):
 
     template_warmup: ClassVar[tuple[tuple[str, ...], ...]]
 
-    def template_fingerprint(self) -> str: ...
+    def template_fingerprint(self, image: ImageRef | None = None) -> str:
+        """The key part of a template snapshot of sandboxes running ``image`` (None: the tier's
+        built-in image)."""
+        ...

@@ -47,6 +47,7 @@ from warmbox.backends._host import GUEST_GID, GUEST_UID
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, SandboxSpec
 from warmbox.backends.runc import RuncBackend, agent_command, build_image
 from warmbox.errors import SandboxError, SandboxStartError
+from warmbox.models import ImageRef
 
 T = TypeVar("T")
 SOCKET_DIR = "/run"
@@ -121,6 +122,10 @@ class GvisorBackend(RuncBackend):
     def _shim_built(self) -> bool:
         return any((d / SHIM.lstrip("/")).exists() for d in (self.runtime / "images").glob("gvisor-*"))
 
+    def flavour(self) -> tuple[str, bytes, Callable[[Path], None] | None]:
+        """An image sandbox's agent layer gets the statx shim too (this runsc needs it whatever the image)."""
+        return "gvisor", _SHIM_SOURCE.read_bytes(), self._add_shim
+
     def build_rootfs(self) -> Path:
         variant = "gvisor:" + hashlib.sha256(_SHIM_SOURCE.read_bytes()).hexdigest()[:12]
         return build_image(self.runtime / "images", variant, self._add_shim)
@@ -140,10 +145,11 @@ class GvisorBackend(RuncBackend):
         os.chmod(out, 0o755)
         (root / "etc" / "ld.so.preload").write_text(SHIM + "\n")
 
-    def template_fingerprint(self) -> str:
+    def template_fingerprint(self, image: ImageRef | None = None) -> str:
         """A template's memory image holds a running guest agent: it restores only into the same
-        image (the image's name is the hash of the agent's sources and the shim)."""
-        return self.image().name
+        root (the built-in image's name is the hash of the agent's sources and the shim; an
+        image's root is its layers under this tier's agent layer)."""
+        return self.image().name if image is None else self.image_fingerprint(image)
 
     # ---- lifecycle
 

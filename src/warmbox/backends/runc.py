@@ -11,6 +11,7 @@ sandbox shares no writable host directory with the host.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import ClassVar, TypeVar
 
 from warmbox.backends import _host as host
-from warmbox.backends import hostfs, seccomp, workspace_disk
+from warmbox.backends import hostfs, rootfs, seccomp, workspace_disk
 from warmbox.backends._host import (
     EGRESS_GATEWAY,
     GITCONFIG,
@@ -33,7 +34,8 @@ from warmbox.backends._host import (
     tmpfs_sizes,
 )
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
-from warmbox.errors import SandboxError, SandboxStartError, SandboxTimeout
+from warmbox.errors import SandboxError, SandboxStartError, SandboxTimeout, Unsupported
+from warmbox.models import LAYER_UID_BASE, ImageRef
 
 T = TypeVar("T")
 ID_RANGE = 65536
@@ -57,6 +59,24 @@ MASKED_PATHS = [
     "/proc/scsi",
     "/sys/firmware",
     "/sys/devices/virtual/powercap",
+]
+# a build sandbox's root (of its user namespace) gets Docker's default capability set: apt-get, dpkg,
+# useradd, chown and pip work as root, and nothing that could rearrange mounts or load anything
+BUILD_CAPABILITIES = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
 ]
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 
@@ -148,6 +168,79 @@ def keep_only_font_list(out: Path) -> None:
             extra.unlink()
 
 
+def warmbox_etc() -> dict[str, str]:
+    """warmbox's /etc files of a sandbox (the built-in image's, and an image's agent layer's)."""
+    return {
+        "passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\nuser:x:1000:1000:user:/home/user:/bin/bash\n"
+        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+        "group": "root:x:0:\ntty:x:5:\nuser:x:1000:\nnogroup:x:65534:\n",
+        "hostname": HOSTNAME + "\n",
+        "hosts": f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost ip6-localhost\n",
+        # the egress resolver; unreachable (no link) unless the sandbox has a network policy
+        "resolv.conf": f"nameserver {EGRESS_GATEWAY}\noptions timeout:1 attempts:2\n",
+        "nsswitch.conf": "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\n",
+        "shells": "/bin/sh\n/bin/bash\n",
+        "timezone": "Etc/UTC\n",
+        "matplotlibrc": MATPLOTLIBRC,
+        "gitconfig": GITCONFIG,
+    }
+
+
+def install_guest(root: Path) -> None:
+    """The guest agent under ``root``/opt/warmbox: its sources, its spawn helpers (gcc) and their
+    bytecode. The root is read-only for the agent, so Python could never cache bytecode there:
+    compiled now by the host's interpreter (~10 ms off every cold start). Its files are named for
+    that interpreter's version (``__pycache__/*.cpython-311.pyc``): an image with another Python
+    ignores them and compiles in memory."""
+    pkg = Path(__file__).resolve().parent.parent
+    lib = root / GUEST_LIB.lstrip("/") / "warmbox"
+    (lib / "guest").mkdir(parents=True)
+    (lib / "__init__.py").write_text('"""Guest-side copy: protocol + agent only."""\n')
+    for rel in GUEST_SOURCES:
+        shutil.copy2(pkg / rel, lib / rel)
+    build_spawn_helpers(pkg / "guest", lib / "guest")
+    if os.path.exists(GUEST_PYTHON):
+        subprocess.run(
+            [GUEST_PYTHON, "-I", "-m", "compileall", "-q", str(lib)], check=True, stdout=subprocess.DEVNULL, timeout=60
+        )
+
+
+def guest_sources() -> tuple[bytes, ...]:
+    """What the guest files installed by ``install_guest`` follow from (for content hashes)."""
+    pkg = Path(__file__).resolve().parent.parent
+    return tuple(rel.encode() + b"\0" + (pkg / rel).read_bytes() for rel in GUEST_SOURCES)
+
+
+# the mount points of an image sandbox's agent layer (its runtime mounts these; none is left to runc
+# to create in the sandbox's own upper layer)
+AGENT_LAYER_DIRS = ("proc", "dev", "sys", "tmp", "workspace", "home/user", "run", "opt", "mnt")
+BUILD_LAYER_DIRS = ("proc", "dev", "sys", "workspace", "opt")
+# a build sandbox's /etc files of warmbox, bind-mounted read-only from its state dir over empty files of
+# its agent layer (as Docker does): a RUN step's writes never put them into the step's layer
+BUILD_ETC = ("hosts", "hostname", "resolv.conf")
+
+
+def fill_agent_layer(root: Path, build: bool, customize: Callable[[Path], None] | None = None) -> None:
+    """An image sandbox's agent layer: the guest agent, mount points and (ordinary sandboxes)
+    warmbox's /etc files over the image's; a build sandbox keeps the image's /etc, except the
+    network files bind-mounted over (``BUILD_ETC``). ``customize`` (a tier's own) runs last."""
+    for d in BUILD_LAYER_DIRS if build else AGENT_LAYER_DIRS:
+        (root / d).mkdir(parents=True, exist_ok=True)
+    etc = root / "etc"
+    etc.mkdir()
+    if build:
+        for name in BUILD_ETC:
+            (etc / name).write_text("")
+    else:
+        os.chmod(root / "tmp", 0o1777)  # runc gives a tmpfs the mode of its mount point
+        for name, text in warmbox_etc().items():
+            if name not in ("shells", "timezone"):  # the image's own
+                (etc / name).write_text(text)
+    install_guest(root)
+    if customize is not None:
+        customize(root)
+
+
 def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path:
     """The shared read-only rootfs, built once per content hash (atomic: temp dir + rename).
 
@@ -176,20 +269,7 @@ def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path
     os.symlink("/tmp", tmp / "var/tmp")
     etc = tmp / "etc"
     etc.mkdir()
-    files = {
-        "passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\nuser:x:1000:1000:user:/home/user:/bin/bash\n"
-        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
-        "group": "root:x:0:\ntty:x:5:\nuser:x:1000:\nnogroup:x:65534:\n",
-        "hostname": HOSTNAME + "\n",
-        "hosts": f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost ip6-localhost\n",
-        # the egress resolver; unreachable (no link) unless the sandbox has a network policy
-        "resolv.conf": f"nameserver {EGRESS_GATEWAY}\noptions timeout:1 attempts:2\n",
-        "nsswitch.conf": "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\n",
-        "shells": "/bin/sh\n/bin/bash\n",
-        "timezone": "Etc/UTC\n",
-        "matplotlibrc": MATPLOTLIBRC,
-        "gitconfig": GITCONFIG,
-    }
+    files = warmbox_etc()
     for name, text in files.items():
         (etc / name).write_text(text)
     os.symlink("/usr/share/zoneinfo/Etc/UTC", etc / "localtime")
@@ -203,18 +283,8 @@ def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path
             shutil.copytree(src, dst, symlinks=True)
         else:
             shutil.copy2(src.resolve(), dst)
-    lib = tmp / GUEST_LIB.lstrip("/") / "warmbox"
-    (lib / "guest").mkdir(parents=True)
-    (lib / "__init__.py").write_text('"""Guest-side copy: protocol + agent only."""\n')
-    for rel in GUEST_SOURCES:
-        shutil.copy2(pkg / rel, lib / rel)
-    build_spawn_helpers(pkg / "guest", lib / "guest")
-    # The rootfs is read-only inside, so Python could never cache bytecode there: compile it now,
-    # with the very interpreter the sandbox runs (~10 ms off every cold start).
+    install_guest(tmp)
     if os.path.exists(GUEST_PYTHON):
-        subprocess.run(
-            [GUEST_PYTHON, "-I", "-m", "compileall", "-q", str(lib)], check=True, stdout=subprocess.DEVNULL, timeout=60
-        )
         build_font_cache(GUEST_PYTHON, tmp / GUEST_LIB.lstrip("/") / "matplotlib", etc / "matplotlibrc")
     if customize is not None:
         customize(tmp)
@@ -237,6 +307,7 @@ class RuncBackend:
         self.runc = runc or shutil.which("runc") or "runc"
         self.root = runtime / "runc"
         self._image: Path | None = None
+        self._layers: dict[bool, Path] = {}
         self._oom_paths: dict[str, str] = {}
 
     # ---- description
@@ -286,14 +357,59 @@ class RuncBackend:
         """Find or build this tier's image (a tier running the same bundle adds its flavour here)."""
         return build_image(self.runtime / "images")
 
+    def flavour(self) -> tuple[str, bytes, Callable[[Path], None] | None]:
+        """(name, the bytes it follows from, what it adds to an agent layer): the tier's own files."""
+        return "container", b"", None
+
+    def agent_layer(self, build: bool = False) -> Path:
+        """The agent layer over an image's layers (``rootfs``): built once per content hash,
+        owned by host root (ordinary sandboxes) or by the image's root (build sandboxes)."""
+        if build not in self._layers:
+            name, extra, customize = self.flavour()
+            self._layers[build] = rootfs.agent_layer(
+                self.runtime / "images",
+                name + ("-build" if build else ""),
+                lambda root: fill_agent_layer(root, build, customize),
+                (
+                    *guest_sources(),
+                    extra,
+                    repr((AGENT_LAYER_DIRS, BUILD_LAYER_DIRS, BUILD_ETC)).encode(),
+                    json.dumps(warmbox_etc()).encode(),
+                ),
+                owner=LAYER_UID_BASE if build else 0,
+            )
+        return self._layers[build]
+
+    def image_fingerprint(self, image: ImageRef) -> str:
+        """What a running image sandbox depends on: the image and this tier's agent layer."""
+        return f"{image.image_id.removeprefix('sha256:')[:16]}-{self.agent_layer().name}"
+
+    def _mount_root(self, spec: SandboxSpec) -> Path:
+        """Check the image, then mount the sandbox's overlay root (``rootfs.mount``); a thread's work."""
+        assert spec.image is not None
+        rootfs.check_image(spec.image, rootfs.AGENT_NEEDS, spec.sandbox_id)
+        layer = self.agent_layer(bool(spec.build_upper))
+        return rootfs.mount(
+            spec.state_dir,
+            layer,
+            spec.image,
+            upper_mb=tmpfs_sizes(spec.limits)[0],
+            build_upper=spec.build_upper,
+            sandbox_id=spec.sandbox_id,
+        )
+
     def agent_argv(self) -> list[str]:
         """The guest agent's command line: its listener is fd 3, its cgroup (if any) fd 4."""
         return agent_command(None if host.unified_root() is None else ["--cgroup-fd", str(CGROUP_FD)])
 
-    def config(self, spec: SandboxSpec, rootfs: Path, workspace: Path) -> dict:
-        """The OCI runtime config of one sandbox."""
+    def config(self, spec: SandboxSpec, root: Path, workspace: Path) -> dict:
+        """The OCI runtime config of one sandbox (``root``: its root filesystem)."""
         lim = spec.limits
+        build = bool(spec.build_upper)
         env = dict(BASE_ENV)
+        if spec.image is not None:  # the image's config (Dockerfile ENV), under the sandbox's own
+            env.update(dict(spec.image.env))
+            env["HOME"] = "/root" if build else BASE_ENV["HOME"]
         env.update(dict(spec.envs))
         mib = 1 << 20
         tmp_mb, shm_mb = tmpfs_sizes(lim)
@@ -326,7 +442,11 @@ class RuncBackend:
                 "options": ["nosuid", "noexec", "nodev"],
             },
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
-            {"destination": "/usr", "type": "bind", "source": "/usr", "options": ["bind", "ro", *nosuid]},
+            *(
+                []
+                if spec.image is not None  # the image has its own /usr
+                else [{"destination": "/usr", "type": "bind", "source": "/usr", "options": ["bind", "ro", *nosuid]}]
+            ),
             {"destination": "/workspace", "type": "bind", "source": str(workspace), "options": ["bind", "rw", *nosuid]},
             {
                 "destination": "/tmp",
@@ -341,16 +461,33 @@ class RuncBackend:
                 "options": [*nosuid, "mode=755", f"uid={GUEST_UID}", f"gid={GUEST_GID}", f"size={tmp_mb}m"],
             },
         ]
+        if build:  # the root is the build's layer: /tmp and /home/user are part of it, as in a Dockerfile
+            mounts = [m for m in mounts if m["destination"] not in ("/tmp", "/home/user")]
+            mounts += [
+                {
+                    "destination": f"/etc/{name}",
+                    "type": "bind",
+                    "source": str(Path(spec.state_dir) / "etc" / name),
+                    "options": ["bind", "ro", *nosuid],
+                }
+                for name in BUILD_ETC
+            ]
+        caps = BUILD_CAPABILITIES if build else []
+        uid = 0 if build else GUEST_UID
+        cwd = (spec.image.workdir if spec.image is not None else "") or ("/" if build else "/workspace")
         period = 100_000
         return {
             "ociVersion": "1.0.2",
             "process": {
                 "terminal": False,
-                "user": {"uid": GUEST_UID, "gid": GUEST_GID, "additionalGids": []},
+                "user": {"uid": uid, "gid": uid, "additionalGids": []},
                 "args": self.agent_argv(),
                 "env": [f"{k}={v}" for k, v in env.items()],
-                "cwd": "/workspace",
-                "capabilities": {k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")},
+                "cwd": cwd,
+                "capabilities": {
+                    k: (caps if k in ("bounding", "effective", "permitted") else [])
+                    for k in ("bounding", "effective", "inheritable", "permitted", "ambient")
+                },
                 "rlimits": [
                     {"type": "RLIMIT_NOFILE", "hard": lim.open_files, "soft": lim.open_files},
                     {"type": "RLIMIT_FSIZE", "hard": lim.file_size_mb * mib, "soft": lim.file_size_mb * mib},
@@ -358,7 +495,8 @@ class RuncBackend:
                 ],
                 "noNewPrivileges": True,
             },
-            "root": {"path": str(rootfs), "readonly": True},
+            # an image's root is an overlay with the sandbox's own upper layer (bounded: rootfs.py)
+            "root": {"path": str(root), "readonly": spec.image is None},
             "hostname": HOSTNAME,
             "mounts": mounts,
             "linux": {
@@ -383,15 +521,33 @@ class RuncBackend:
         return self.runtime / "images" / "disks"
 
     async def create(self, spec: SandboxSpec) -> BackendHandle:
+        """The sandbox's state dir: its workspace disk, its root (the built-in image, or an overlay
+        of ``spec.image`` mounted here: ``rootfs``) and its OCI bundle. A build sandbox
+        (``spec.build_upper``) runs as root of a user namespace at LAYER_UID_BASE (the layers'
+        owners), with Docker's default capabilities, its root writable into ``build_upper``."""
+        if spec.build_upper:
+            if self.tier != "container" or spec.image is None:
+                raise Unsupported(
+                    "a template build sandbox runs on the container tier, over an image",
+                    self.tier,
+                    "builds need a writable overlay root owned by the image's uids",
+                )
+            spec = dataclasses.replace(spec, uid_base=LAYER_UID_BASE)
+        owner = spec.uid_base + (0 if spec.build_upper else GUEST_UID)
         state = Path(spec.state_dir)
         bundle = state / "bundle"
         workspace = state / "workspace"
         bundle.mkdir(parents=True, exist_ok=True)
         (state / "run").mkdir(mode=0o700, exist_ok=True)  # the agent socket: root only
+        if spec.build_upper:
+            (state / "etc").mkdir(mode=0o755, exist_ok=True)
+            for name, text in warmbox_etc().items():
+                if name in BUILD_ETC:
+                    (state / "etc" / name).write_text(text)
         # /workspace is its own filesystem of limits.disk_mb (workspace_disk), owned by the sandbox user:
         # ~3 ms of copy + loop + mount, run in place (a thread hop cost ~2 ms more); a first use of
         # the size makes its blank filesystem (mkfs) in a thread
-        args = (state, self.disk_cache(), spec.limits.disk_mb, spec.uid_base + GUEST_UID, spec.uid_base + GUEST_GID)
+        args = (state, self.disk_cache(), spec.limits.disk_mb, owner, owner)
         try:
             if workspace_disk.cached(self.disk_cache(), spec.limits.disk_mb):
                 workspace_disk.attach(*args)
@@ -399,7 +555,11 @@ class RuncBackend:
                 await asyncio.to_thread(workspace_disk.attach, *args)
         except OSError as e:
             raise SandboxStartError(f"the workspace disk: {e.strerror or e}", spec.sandbox_id) from None
-        config = self.config(spec, self.image(), workspace)
+        if spec.image is None:
+            root = self.image()
+        else:
+            root = await asyncio.to_thread(self._mount_root, spec)
+        config = self.config(spec, root, workspace)
         tmp = bundle / "config.json.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the sandbox's env
         with os.fdopen(fd, "w") as f:
@@ -431,9 +591,8 @@ class RuncBackend:
             # sandbox user and opened for the agent (fd 4): each command gets a child cgroup and a
             # timeout kills it whole (cgroup.kill). It is mounted nowhere inside, so no process there
             # can reach it or move itself out.
-            cgroup = host.SandboxCgroup(handle.sandbox_id).delegate(
-                handle.uid_base + GUEST_UID, handle.uid_base + GUEST_GID
-            )
+            agent_uid = handle.uid_base + (0 if handle.uid_base == LAYER_UID_BASE else GUEST_UID)  # a build: root
+            cgroup = host.SandboxCgroup(handle.sandbox_id).delegate(agent_uid, agent_uid)
             argv = [
                 self.runc,
                 "--root",
@@ -591,6 +750,10 @@ class RuncBackend:
         """In a thread (unmounting waits on the kernel): the workspace disk, then the runtime logs
         kept for ``warmbox logs``, then the state directory. A tree still mounted is never removed:
         the teardown fails, and is retried."""
+        try:
+            rootfs.release(handle.state_dir)
+        except OSError as e:
+            raise SandboxError(f"the root overlay: {e.strerror or e}", handle.sandbox_id) from None
         try:
             workspace_disk.release(handle.state_dir)
         except OSError as e:

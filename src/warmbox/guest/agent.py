@@ -1979,7 +1979,9 @@ def _spawn_bg(agent: Agent, conn: Connection, msg: p.Spawn) -> None:
     argv = list(msg.argv)
     try:
         exe = argv[0] if "/" in argv[0] else _which(argv[0], env.get("PATH", ""))
-        if msg.user == "root":  # uid 0 of a user namespace of its own, mapped onto the sandbox user
+        # uid 0 of a user namespace of its own, mapped onto the sandbox user; an agent that is root
+        # of its sandbox already (a template build sandbox) runs it as itself
+        if msg.user == "root" and os.geteuid() != 0:
             argv = ["unshare", "--map-root-user", "--", exe, *argv[1:]]
             exe = _which("unshare", env.get("PATH", ""))
     except FileNotFoundError as e:

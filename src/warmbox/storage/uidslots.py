@@ -24,13 +24,16 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from warmbox.models import LAYER_UID_BASE as LAYER_UID_BASE
+
 LEDGER_DIR = Path("/var/lib/warmbox/uids")
 UID_BASE = 2_000_000
 UID_RANGE = 65536
 # Image layers are stored with their owners shifted into this range (an image's uid u is host uid
 # LAYER_UID_BASE + u): sandboxes read them as nobody, and a template build sandbox, which runs with
 # this uid base (one build per host at a time, under BUILD_LOCK), owns them as their image owners.
-LAYER_UID_BASE = 1_000_000
+# (defined in warmbox.models, below the backends, which read it too)
+
 MAX_SLOTS = (2**32 - UID_BASE) // UID_RANGE - 1  # slots 0 .. MAX_SLOTS-1; slot MAX_SLOTS is the bench's
 
 # a row of a registry, in one of these states, holds its slot (paused: while its leftovers exist)
