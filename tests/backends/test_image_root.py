@@ -60,7 +60,16 @@ def tier(request, home, runc_ready):
 
 def test_a_sandbox_runs_the_image_not_the_hosts_usr(tier, home, debian_layer, tmp_path):
     engine = Engine.for_home(home)
-    top = layer(tmp_path, "top", {"opt/app/hello.txt": "from the top layer\n"})
+    top = layer(
+        tmp_path,
+        "top",
+        {
+            "opt/app/hello.txt": "from the top layer\n",
+            # a user a Dockerfile added, and one that tries to be the sandbox user
+            "etc/passwd": "root:x:0:0:root:/root:/bin/bash\napp:x:1500:1500::/home/app:/bin/sh\n"
+            "impostor:x:1000:1000::/tmp:/bin/sh\n",
+        },
+    )
     image = image_of(
         debian_layer, top, env=(("GREETING", "from the image"), ("PATH", "/opt/app:/usr/bin:/bin")), workdir="/opt/app"
     )
@@ -87,6 +96,8 @@ def test_a_sandbox_runs_the_image_not_the_hosts_usr(tier, home, debian_layer, tm
             ]
             assert lines[6].startswith("(3,") and lines[7] == "nobody"  # the layers' owners are not the sandbox's
             assert lines[8][:2].isdigit()
+            rc, out = await sh(got, "getent passwd app user 1000 | cut -d: -f1,3,6; whoami")
+            assert out.splitlines() == ["app:1500:/home/app", "user:1000:/home/user", "user:1000:/home/user", "user"]
             # the sandbox's writes go to its own upper layer, never into a shared layer
             rc, out = await sh(got, "echo mine > /var/tmp/written && cat /var/tmp/written")
             assert (rc, out) == (0, "mine")
@@ -206,7 +217,7 @@ def test_a_build_sandbox_installs_as_the_images_root_into_its_upper_layer(home, 
     assert "bob:x:1234:1234" in (upper / "etc/passwd").read_text()
     # exactly the build's changes: nothing of the agent, its mounts or the files API's scratch
     tops = {rel.split("/")[0] for rel in tree}
-    assert tops <= {"usr", "srv", "home", "etc", "var", "tmp"}, sorted(tops)
+    assert tops <= {"usr", "srv", "home", "etc", "var"}, sorted(tops)  # /tmp and /run are tmpfs
     assert not any(rel.startswith(("opt", "workspace", "proc", "etc/hosts", "etc/resolv.conf")) for rel in tree)
     assert all(st.st_uid >= LAYER_UID_BASE for st in tree.values())
     # the lower layer is untouched

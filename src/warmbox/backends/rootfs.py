@@ -144,6 +144,57 @@ def has_file(layers: list[str], rel: str) -> bool:
     return False
 
 
+def read_file(image: ImageRef, rel: str, limit: int = 1 << 20) -> bytes | None:
+    """The bytes of the regular file ``rel`` in the merged view of the image's layers (the topmost
+    layer that says anything decides): None when absent, whited out, not a regular file (a link is
+    never followed) or larger than ``limit``."""
+    parts = [p for p in rel.split("/") if p]
+    for layer in reversed(image.layers):
+        st = _entry(layer, rel)
+        if st is None:
+            continue
+        if st is False or not stat.S_ISREG(st.st_mode) or st.st_size > limit:  # type: ignore[union-attr]
+            return None
+        try:
+            fd = os.open(layer, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            for name in parts[:-1]:
+                nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+            ffd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+            try:
+                if not stat.S_ISREG(os.fstat(ffd).st_mode):
+                    return None
+                data = os.read(ffd, limit + 1)
+            finally:
+                os.close(ffd)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return data if len(data) <= limit else None
+    return None
+
+
+def with_sandbox_user(image_file: bytes | None, ours: str) -> str:
+    """An image's /etc/passwd or /etc/group with warmbox's entries (``ours``: the sandbox user
+    1000 "user", root, nobody...) in place of the image's of the same name or id; the image's
+    own (users a Dockerfile added, say) stay."""
+    mine = [line.split(":") for line in ours.splitlines() if line]
+    names = {f[0] for f in mine}
+    ids = {f[2] for f in mine if len(f) > 2}
+    kept = []
+    for line in (image_file or b"").decode("utf-8", "replace").splitlines():
+        f = line.split(":")
+        if len(f) < 3 or f[0] in names or f[2] in ids:
+            continue
+        kept.append(line)
+    return "\n".join([*ours.splitlines(), *kept]) + "\n"
+
+
 def check_image(image: ImageRef, needs: tuple[str, ...], sandbox_id: str = "") -> None:
     """SandboxStartError naming what the image lacks of ``needs`` (paths relative to /), or a layer
     that is not a directory."""

@@ -214,10 +214,13 @@ def guest_sources() -> tuple[bytes, ...]:
 # the mount points of an image sandbox's agent layer (its runtime mounts these; none is left to runc
 # to create in the sandbox's own upper layer)
 AGENT_LAYER_DIRS = ("proc", "dev", "sys", "tmp", "workspace", "home/user", "run", "opt", "mnt")
-BUILD_LAYER_DIRS = ("proc", "dev", "sys", "workspace", "opt")
+BUILD_LAYER_DIRS = ("proc", "dev", "sys", "workspace", "opt", "tmp", "run")
 # a build sandbox's /etc files of warmbox, bind-mounted read-only from its state dir over empty files of
 # its agent layer (as Docker does): a RUN step's writes never put them into the step's layer
 BUILD_ETC = ("hosts", "hostname", "resolv.conf")
+# an ordinary image sandbox's: the image's own with warmbox's users in (rootfs.with_sandbox_user), made
+# at create and bind-mounted read-only over the agent layer's
+MERGED_ETC = ("passwd", "group")
 
 
 def fill_agent_layer(root: Path, build: bool, customize: Callable[[Path], None] | None = None) -> None:
@@ -228,11 +231,11 @@ def fill_agent_layer(root: Path, build: bool, customize: Callable[[Path], None] 
         (root / d).mkdir(parents=True, exist_ok=True)
     etc = root / "etc"
     etc.mkdir()
+    os.chmod(root / "tmp", 0o1777)  # runc gives a tmpfs the mode of its mount point
     if build:
         for name in BUILD_ETC:
             (etc / name).write_text("")
     else:
-        os.chmod(root / "tmp", 0o1777)  # runc gives a tmpfs the mode of its mount point
         for name, text in warmbox_etc().items():
             if name not in ("shells", "timezone"):  # the image's own
                 (etc / name).write_text(text)
@@ -461,8 +464,17 @@ class RuncBackend:
                 "options": [*nosuid, "mode=755", f"uid={GUEST_UID}", f"gid={GUEST_GID}", f"size={tmp_mb}m"],
             },
         ]
-        if build:  # the root is the build's layer: /tmp and /home/user are part of it, as in a Dockerfile
-            mounts = [m for m in mounts if m["destination"] not in ("/tmp", "/home/user")]
+        if build:  # the root is the build's layer; /home/user is part of it, /tmp and /run are not
+            mounts = [m for m in mounts if m["destination"] != "/home/user"]
+            mounts.append(
+                {
+                    "destination": "/run",
+                    "type": "tmpfs",
+                    "source": "tmpfs",
+                    "options": [*nosuid, "mode=755", f"size={tmp_mb}m"],
+                }
+            )
+        if spec.image is not None:
             mounts += [
                 {
                     "destination": f"/etc/{name}",
@@ -470,7 +482,7 @@ class RuncBackend:
                     "source": str(Path(spec.state_dir) / "etc" / name),
                     "options": ["bind", "ro", *nosuid],
                 }
-                for name in BUILD_ETC
+                for name in (BUILD_ETC if build else MERGED_ETC)
             ]
         caps = BUILD_CAPABILITIES if build else []
         uid = 0 if build else GUEST_UID
@@ -539,11 +551,15 @@ class RuncBackend:
         workspace = state / "workspace"
         bundle.mkdir(parents=True, exist_ok=True)
         (state / "run").mkdir(mode=0o700, exist_ok=True)  # the agent socket: root only
-        if spec.build_upper:
-            (state / "etc").mkdir(mode=0o755, exist_ok=True)
-            for name, text in warmbox_etc().items():
-                if name in BUILD_ETC:
-                    (state / "etc" / name).write_text(text)
+        if spec.image is not None:  # the /etc files bind-mounted over the image's (config)
+            etc = state / "etc"
+            etc.mkdir(mode=0o755, exist_ok=True)
+            ours = warmbox_etc()
+            for name in BUILD_ETC if spec.build_upper else MERGED_ETC:
+                text = ours[name]
+                if not spec.build_upper:
+                    text = rootfs.with_sandbox_user(rootfs.read_file(spec.image, f"etc/{name}"), text)
+                (etc / name).write_text(text)
         # /workspace is its own filesystem of limits.disk_mb (workspace_disk), owned by the sandbox user:
         # ~3 ms of copy + loop + mount, run in place (a thread hop cost ~2 ms more); a first use of
         # the size makes its blank filesystem (mkfs) in a thread
