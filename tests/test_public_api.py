@@ -57,6 +57,8 @@ def test_exported_members():
             "VolumeError",
             "VolumeInUse",
             "VolumeNotFound",
+            "Volume",
+            "VolumeInfo",
             "ConfigError",
             "PoolStatus",
             "SandboxMetrics",

@@ -69,6 +69,8 @@ from warmbox.models import (
     StageTiming,
     State,
     TierStatus,
+    Volume,
+    VolumeInfo,
     WriteEntry,
 )
 from warmbox.network.policy import Network, Secret
@@ -88,6 +90,8 @@ __all__ = [
     "VolumeError",
     "VolumeInUse",
     "VolumeNotFound",
+    "Volume",
+    "VolumeInfo",
     "ConfigError",
     "PoolStatus",
     "SandboxMetrics",

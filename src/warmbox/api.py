@@ -113,6 +113,10 @@ ROUTES: tuple[Route, ...] = (
     Route(Op.POOLS_LIST, "GET", f"{PREFIX}/pools", "query", idempotent=True, summary="Warm pools"),
     Route(Op.POOLS_RESIZE, "POST", f"{PREFIX}/pools/{{name}}/resize", idempotent=True, summary="Resize a pool (admin)"),
     Route(Op.PORTS_CONNECT, "GET", f"{_S}/tunnel", "query", "websocket", summary="A TCP connection to a sandbox port"),
+    Route(Op.VOLUME_CREATE, "POST", f"{PREFIX}/volumes", summary="Create a named volume"),
+    Route(Op.VOLUME_LIST, "GET", f"{PREFIX}/volumes", "query", idempotent=True, summary="List your volumes"),
+    Route(Op.VOLUME_GET, "GET", f"{PREFIX}/volumes/{{name}}", "query", idempotent=True, summary="A volume's record"),
+    Route(Op.VOLUME_DELETE, "DELETE", f"{PREFIX}/volumes/{{name}}", "query", summary="Delete a volume (not in use)"),
 )
 
 BY_OP: dict[Op, Route] = {r.op: r for r in ROUTES}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 from typing import Literal
 
 from warmbox.errors import InvalidArgument
@@ -612,6 +613,10 @@ class Capabilities:
     # nothing the sandbox user could not reach); root_user_reason says why not where it is False
     root_user: bool = False
     root_user_reason: str = "this tier does not offer it"
+    # a named volume's ext4 image is a disk of the sandbox's own kernel (a microVM), not the host's
+    # one shared mount: a read-write volume is then mounted by one sandbox at a time
+    # (Registry.mount_volumes)
+    volume_own_disk: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -711,6 +716,101 @@ class VolumeMount:
     path: str
     read_only: bool
     disk: str
+
+
+VOLUME_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+MIN_VOLUME_MB = 16  # ext4 with a journal needs a few MiB of its own
+MAX_VOLUME_MB = 1 << 20  # 1 TiB (sparse: the host pays for what is written)
+# where a volume may not be mounted: the sandbox's own filesystems and the guest agent's files
+_VOLUME_FORBIDDEN = ("/proc", "/sys", "/dev", "/opt/warmbox", "/run")
+
+
+def validate_volume_name(name: object) -> str:
+    """A volume's name: 1-63 of letters, digits, ``_ . -``, starting with a letter or digit."""
+    if not isinstance(name, str) or not VOLUME_NAME.match(name):
+        raise InvalidArgument(
+            f"a volume name is 1-63 letters, digits, '_', '.' or '-' starting with a letter or digit, got {name!r}"
+        )
+    return name
+
+
+def validate_volume_size(size_mb: object) -> int:
+    """A volume's size in MiB (MIN_VOLUME_MB .. MAX_VOLUME_MB)."""
+    if isinstance(size_mb, bool) or not isinstance(size_mb, int) or not MIN_VOLUME_MB <= size_mb <= MAX_VOLUME_MB:
+        raise InvalidArgument(f"size_mb must be an integer from {MIN_VOLUME_MB} to {MAX_VOLUME_MB}, got {size_mb!r}")
+    return size_mb
+
+
+@dataclasses.dataclass(frozen=True)
+class Volume:
+    """A named volume mounted into a sandbox: ``Sandbox.create(volumes=[Volume("datasets",
+    "/data", read_only=True)])``. The volume is made first (``warmbox volume create NAME --size 1G``
+    or ``Sandbox.create_volume``); its files outlive every sandbox that mounts it.
+
+    name: the volume's name (yours: another tenant's volume of the same name is another volume).
+    path: where the sandbox sees it: absolute, not ``/``, not /workspace itself, not under /proc,
+        /sys, /dev, /run or /opt/warmbox.
+    read_only: mounted read-only (a write gets PathPermissionDenied / EROFS inside).
+    """
+
+    name: str
+    path: str
+    read_only: bool = False
+
+
+def validate_volumes(volumes: object) -> tuple[Volume, ...]:
+    """A create's ``volumes``: a list of Volume, each name valid, each path allowed and distinct."""
+    if volumes is None:
+        return ()
+    if not isinstance(volumes, (list, tuple)) or not all(isinstance(v, Volume) for v in volumes):
+        raise InvalidArgument("volumes must be a list of warmbox.Volume(name, path, read_only=False)")
+    if len(volumes) > 16:
+        raise InvalidArgument(f"at most 16 volumes per sandbox, got {len(volumes)}")
+    seen: set[str] = set()
+    out = []
+    for v in volumes:
+        validate_volume_name(v.name)
+        if not isinstance(v.read_only, bool):
+            raise InvalidArgument(f"volume {v.name!r}: read_only must be a bool, got {v.read_only!r}")
+        path = v.path
+        if not isinstance(path, str) or not path.startswith("/") or "\0" in path or len(path) > 1024:
+            raise InvalidArgument(f"volume {v.name!r}: the mount path must be an absolute path, got {path!r}")
+        if any(part in (".", "..") for part in path.split("/")):
+            raise InvalidArgument(f"volume {v.name!r}: the mount path {path!r} has a '.' or '..' component")
+        path = "/" + "/".join(p for p in path.split("/") if p)
+        if path == "/":
+            raise InvalidArgument(f"volume {v.name!r}: cannot be mounted over /")
+        if path == "/workspace":
+            raise InvalidArgument(f"volume {v.name!r}: cannot be mounted over /workspace itself (a path under it can)")
+        for bad in _VOLUME_FORBIDDEN:
+            if path == bad or path.startswith(bad + "/"):
+                raise InvalidArgument(f"volume {v.name!r}: cannot be mounted at {path} (under {bad})")
+        for other in seen:
+            if path == other or path.startswith(other + "/") or other.startswith(path + "/"):
+                raise InvalidArgument(f"volume {v.name!r}: mount path {path} overlaps another volume's ({other})")
+        seen.add(path)
+        out.append(Volume(v.name, path, v.read_only))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class VolumeInfo:
+    """A named volume's record.
+
+    name: its name (unique per tenant). tenant: whose ("" : the host's). size_mb: its size, MiB:
+    the limit of what it holds (a writer inside gets NoSpace). created_at: epoch seconds.
+    disk: the host path of its ext4 image (sparse). allocated_mb: what the image takes on the
+    host's disk now (MiB, rounded up). mounted_by: the ids of the live or paused sandboxes
+    mounting it.
+    """
+
+    name: str
+    tenant: str
+    size_mb: int
+    created_at: float
+    disk: str
+    allocated_mb: int = 0
+    mounted_by: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,8 @@ from warmbox.models import (
     SnapshotRef,
     StageTiming,
     TierStatus,
+    Volume,
+    VolumeInfo,
     WriteEntry,
 )
 
@@ -111,6 +113,10 @@ class Op(str, enum.Enum):
     POOLS_LIST = "pools.list"
     POOLS_RESIZE = "pools.resize"
     PORTS_CONNECT = "ports.connect"
+    VOLUME_CREATE = "volumes.create"
+    VOLUME_LIST = "volumes.list"
+    VOLUME_GET = "volumes.get"
+    VOLUME_DELETE = "volumes.delete"
 
 
 class Request(Generic[R]):
@@ -270,6 +276,7 @@ class Create(Request[Opened]):
     secrets: dict[str, Any] | None = None  # name -> warmbox.Secret
     metadata: dict[str, str] | None = None  # shown in get_info(), matched by list(query=)
     lifecycle: Lifecycle | None = None  # auto-pause: on timeout, when idle; auto-resume
+    volumes: tuple[Volume, ...] | None = None  # named volumes mounted into it (never from a pool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -756,6 +763,40 @@ class PortConnect(Request[PortStream]):
     timeout: float = 30.0
 
 
+# ---- named volumes (a tenant's own: another tenant's name is VolumeNotFound, as an unknown one)
+
+
+@dataclasses.dataclass(frozen=True)
+class VolumeCreate(Request[VolumeInfo]):
+    """A new empty volume of ``size_mb`` MiB (its limit: a writer inside gets NoSpace); VolumeError
+    if one of that name exists. Mount it with ``create(volumes=[Volume(name, path)])``."""
+
+    op: ClassVar[Op] = Op.VOLUME_CREATE
+    name: str
+    size_mb: int
+
+
+@dataclasses.dataclass(frozen=True)
+class VolumeList(Request[list[VolumeInfo]]):
+    """Your volumes, by name."""
+
+    op: ClassVar[Op] = Op.VOLUME_LIST
+
+
+@dataclasses.dataclass(frozen=True)
+class VolumeGet(Request[VolumeInfo]):
+    op: ClassVar[Op] = Op.VOLUME_GET
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class VolumeDelete(Request[None]):
+    """Delete a volume and its files; VolumeInUse while a live or paused sandbox mounts it."""
+
+    op: ClassVar[Op] = Op.VOLUME_DELETE
+    name: str
+
+
 REQUESTS: dict[Op, type[Request[Any]]] = {
     cls.op: cls
     for cls in (
@@ -807,5 +848,9 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         PoolsList,
         PoolsResize,
         PortConnect,
+        VolumeCreate,
+        VolumeList,
+        VolumeGet,
+        VolumeDelete,
     )
 }

@@ -661,6 +661,10 @@ class MicroVMBackend:
     # ---- lifecycle
 
     async def create(self, spec: SandboxSpec) -> BackendHandle:
+        if spec.volumes:
+            from warmbox.errors import Unsupported
+
+            raise Unsupported("named volumes are not mounted on the microvm tier yet", self.tier, "no volume disks yet")
         state = Path(spec.state_dir)
         await asyncio.to_thread(self.image)
         (state / "run").mkdir(mode=0o700, exist_ok=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import ClassVar, TypeVar
 
 from warmbox.backends import _host as host
-from warmbox.backends import hostfs, rootfs, seccomp, workspace_disk
+from warmbox.backends import hostfs, rootfs, seccomp, volume_disk, workspace_disk
 from warmbox.backends._host import (
     EGRESS_GATEWAY,
     GITCONFIG,
@@ -298,6 +298,11 @@ def build_image(images_dir: Path, variant: str = "base", customize=None) -> Path
     return final
 
 
+def _on_writable_mount(path: str) -> bool:
+    """Below a mount the sandbox owns (the runtime makes a volume's mount point there itself)."""
+    return any(path.startswith(m + "/") for m in ("/workspace", "/tmp", "/home/user"))
+
+
 class RuncBackend:
     """Tier 2 (``container``): runc with user namespace, seccomp, cgroups, own network ns."""
 
@@ -487,6 +492,15 @@ class RuncBackend:
         caps = BUILD_CAPABILITIES if build else []
         uid = 0 if build else GUEST_UID
         cwd = (spec.image.workdir if spec.image is not None else "") or ("/" if build else "/workspace")
+        for i, v in enumerate(spec.volumes):  # last: a volume may be mounted below /tmp, /home/user, /workspace
+            mounts.append(
+                {
+                    "destination": v.path,
+                    "type": "bind",
+                    "source": str(volume_disk.mount_point(spec.state_dir, i)),
+                    "options": ["bind", "ro" if v.read_only else "rw", *nosuid],
+                }
+            )
         period = 100_000
         return {
             "ociVersion": "1.0.2",
@@ -575,6 +589,14 @@ class RuncBackend:
             root = self.image()
         else:
             root = await asyncio.to_thread(self._mount_root, spec)
+        if spec.volumes:  # each an idmapped mount of the volume's one host mount (volume_disk), ~10 ms
+            # mount points the runtime cannot make (it may write only below /workspace, /tmp,
+            # /home/user): made through the root before anything runs in it (a fresh overlay's
+            # upper layer, walked without following a link of the image's layers)
+            outside = [v.path for v in spec.volumes if not _on_writable_mount(v.path)]
+            if outside:
+                await asyncio.to_thread(volume_disk.make_mount_points, root, outside)
+            await asyncio.to_thread(volume_disk.attach, state, spec.volumes, spec.uid_base)
         config = self.config(spec, root, workspace)
         tmp = bundle / "config.json.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the sandbox's env
@@ -763,9 +785,13 @@ class RuncBackend:
         return proc.returncode or 0, err.decode(errors="replace").strip()[-400:]
 
     def _remove_files(self, handle: BackendHandle) -> None:
-        """In a thread (unmounting waits on the kernel): the workspace disk, then the runtime logs
+        """In a thread (unmounting waits on the kernel): the volumes, the workspace disk, then the runtime logs
         kept for ``warmbox logs``, then the state directory. A tree still mounted is never removed:
         the teardown fails, and is retried."""
+        try:
+            volume_disk.release(handle.state_dir)
+        except OSError as e:
+            raise SandboxError(f"a volume: {e.strerror or e}", handle.sandbox_id) from None
         try:
             rootfs.release(handle.state_dir)
         except OSError as e:

@@ -14,6 +14,7 @@ warmbox pool ls                   warm pools: target, ready, hits/misses, warm-u
 warmbox pool resize NAME [N]      set a pool's target (and --min/--max); --wait to watch it fill
 warmbox pool warm [NAME...]       wait (with progress) until pools reach their targets
 warmbox down                      stop this home's daemon; pooled sandboxes are destroyed
+warmbox volume create NAME --size 1G | ls | show NAME | rm NAME   named volumes (run/create -v NAME:PATH[:ro])
 warmbox keys create|ls|revoke     API keys of tenants (secret shown once), their quotas
 warmbox config                    the effective settings (warmbox.toml + WARMBOX_* overrides)
 warmbox doctor                    which tiers this host can run, and why not
@@ -38,6 +39,7 @@ import time
 from typing import Any, NoReturn
 
 from warmbox import operations as ops
+from warmbox.cli.volumes import parse_mount
 from warmbox.errors import WarmboxError
 from warmbox.models import Lifecycle, Limits, SandboxQuery, validate_query
 
@@ -78,6 +80,13 @@ def _add_sandbox_opts(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--idle-pause", type=float, default=None, metavar="S", help="pause after S seconds without use")
     p.add_argument("--auto-resume", action="store_true", help="the next use of a paused sandbox resumes it")
+    p.add_argument(
+        "-v",
+        "--volume",
+        action="append",
+        metavar="NAME:PATH[:ro]",
+        help="mount a named volume (warmbox volume create) at PATH (repeatable)",
+    )
 
 
 def _add_network_opts(p: argparse.ArgumentParser) -> None:
@@ -213,6 +222,9 @@ def _parser() -> argparse.ArgumentParser:
     from warmbox.cli import keys
 
     keys.add_parser(sub, _Parser)
+    from warmbox.cli import volumes
+
+    volumes.add_parser(sub, _Parser)
     p = sub.add_parser("config", help="show the effective settings")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("doctor", help="which tiers this host can run")
@@ -296,6 +308,7 @@ def _create_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "secrets": _secrets(args),
         "metadata": _pairs(args.metadata, "--metadata") or None,
         "lifecycle": _lifecycle(args),
+        "volumes": [parse_mount(v) for v in args.volume] if args.volume else None,
     }
 
 
@@ -677,6 +690,12 @@ async def _pool(args: argparse.Namespace) -> int:
     return await pools.command(args)
 
 
+async def _volume(args: argparse.Namespace) -> int:
+    from warmbox.cli import volumes
+
+    return await volumes.command(args)
+
+
 async def _down(args: argparse.Namespace) -> int:
     from warmbox.cli import pools
 
@@ -802,6 +821,7 @@ _COMMANDS = {
     "demo": _demo,
     "mcp": _mcp,
     "bench": _bench,
+    "volume": _volume,
 }
 
 

@@ -339,6 +339,15 @@ GUARANTEES: tuple[Guarantee, ...] = (
             "test_port_forward.py::test_a_tunnel_client_flooding_a_server_that_never_reads_holds_bounded_server_memory",
         ),
     ),
+    Guarantee(
+        "files",
+        "A named volume shared by sandboxes is no path to the host or another sandbox: the host never "
+        "resolves a path inside it (links planted in it name nothing the host touches), another sandbox "
+        "resolves them in its own root, the mount is nosuid/nodev, and a read-only mount cannot be made "
+        "writable from inside (EROFS; a remount fails, also as the nested root).",
+        _SHARED,
+        ("test_volume_escape.py::test_links_planted_in_a_volume_reach_neither_the_host_nor_another_sandbox",),
+    ),
 )
 
 

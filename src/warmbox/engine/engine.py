@@ -19,6 +19,7 @@ from warmbox import backends, config
 from warmbox.backends.base import Backend, Configurable, TemplateCapable
 from warmbox.config import PoolConfig, Settings, Template
 from warmbox.engine import egress, provision
+from warmbox.engine import volumes as volumes_mod
 from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession
 from warmbox.errors import (
@@ -43,6 +44,7 @@ from warmbox.models import (
     State,
     Tenant,
     TierStatus,
+    VolumeMount,
 )
 from warmbox.network.policy import Policy
 from warmbox.paths import default_home, owner_alive, owner_tag, runtime_dir
@@ -162,6 +164,8 @@ class Engine:
         secrets: dict | None = None,
         tenant: Tenant | None = None,
         resume_of: str = "",
+        volumes: object = None,
+        mounts: tuple[VolumeMount, ...] = (),
     ) -> Launched:
         """A ready sandbox with a connected session and its stage timings.
 
@@ -169,7 +173,10 @@ class Engine:
         (``pool=False``: never), otherwise created cold, with the template's warm-up run.
         A network policy other than "none" links it to the egress proxy (stage ``network``).
         tenant: whose it is (None: the host's); QuotaExceeded before anything is claimed or made.
-        resume_of: start this paused sandbox again under its id (never from a pool).
+        resume_of: start this paused sandbox again under its id (never from a pool), with the
+        volumes it mounted.
+        volumes: warmbox.Volume mounts (the tenant's volumes; never from a pool). mounts: volumes
+        resolved already (a fork of a snapshot mounts its origin's).
         """
         t0 = time.perf_counter()
         settings = self.settings()
@@ -179,8 +186,22 @@ class Engine:
         if secret_map and not policy.enabled:
             raise InvalidArgument("secrets are only usable with a network policy that allows their hosts")
         egress.check_tier(self, tier, policy)
+        if resume_of:
+            mounts = volumes_mod.of_sandbox(self, resume_of)
+        elif not mounts:
+            mounts = volumes_mod.resolve(self, "" if tenant is None else tenant.name, volumes)
         got = await self._create(
-            tier, timeout, envs, limits, template, pool and not resume_of, t0, settings, tenant, resume_of
+            tier,
+            timeout,
+            envs,
+            limits,
+            template,
+            pool and not resume_of and not mounts,
+            t0,
+            settings,
+            tenant,
+            resume_of,
+            mounts,
         )
         if policy.enabled:
             try:
@@ -203,6 +224,7 @@ class Engine:
         settings: Settings,
         tenant: Tenant | None = None,
         resume_of: str = "",
+        mounts: tuple[VolumeMount, ...] = (),
     ) -> Launched:
         timeout = validate_timeout(settings.defaults.timeout_s if timeout is None else timeout)
         env_pairs = validate_envs(envs)
@@ -226,10 +248,14 @@ class Engine:
                 if got is not None:
                     return got
         if self.backend(tier).capabilities().snapshot_start:
-            return await self._start_from_template(tier, tmpl, timeout, env_pairs, limits, t0, tenant, resume_of)
+            return await self._start_from_template(
+                tier, tmpl, timeout, env_pairs, limits, t0, tenant, resume_of, mounts
+            )
         return await provision.launch(
             self,
-            provision.LaunchSpec(tier, tmpl.name, timeout, limits, env_pairs, tenant=tenant, resume_of=resume_of),
+            provision.LaunchSpec(
+                tier, tmpl.name, timeout, limits, env_pairs, tenant=tenant, resume_of=resume_of, volumes=mounts
+            ),
             provision.Cold(tmpl),
         )
 
@@ -243,6 +269,7 @@ class Engine:
         t0: float,
         tenant: Tenant | None = None,
         resume_of: str = "",
+        mounts: tuple[VolumeMount, ...] = (),
     ) -> Launched:
         """A tier whose cold start is too slow (microvm under TCG) restores every sandbox from
         its shape's template memory snapshot; the first create of a shape boots and saves it
@@ -259,7 +286,9 @@ class Engine:
         made = not self.registry.meta_text(await asyncio.to_thread(snapshots.template_key, self, tier, shape))
         m = await snapshots.template_snapshot(self, tier, tmpl, limits, shape)
         t1 = time.perf_counter()
-        got = await snapshots.restore_memory(self, m, timeout=timeout, tenant=tenant, resume_of=resume_of)
+        got = await snapshots.restore_memory(
+            self, m, timeout=timeout, tenant=tenant, resume_of=resume_of, volumes=mounts
+        )
         try:
             if env_pairs:
                 await asyncio.wait_for(got.session.configure(dict(env_pairs), reset_counts=True), 30)

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 from warmbox import operations as ops
-from warmbox.engine import egress
+from warmbox.engine import egress, volumes
 from warmbox.engine import pool as pools
 from warmbox.engine import snapshot as snapshots
 from warmbox.engine.engine import Engine, validate_envs, validate_timeout
@@ -59,6 +59,7 @@ from warmbox.models import (
     State,
     Tenant,
     TierStatus,
+    VolumeInfo,
     WriteEntry,
     validate_lifecycle,
     validate_metadata,
@@ -300,6 +301,10 @@ class EngineFront:
             ops.PoolsList: self.pools_list,
             ops.PoolsResize: self.pools_resize,
             ops.PortConnect: self.port_connect,
+            ops.VolumeCreate: self.volume_create,
+            ops.VolumeList: self.volume_list,
+            ops.VolumeGet: self.volume_get,
+            ops.VolumeDelete: self.volume_delete,
         }
 
     async def handle(self, request: ops.Request[R]) -> R:
@@ -498,8 +503,10 @@ class EngineFront:
         if r.from_snapshot is not None:
             if r.network != "none" or r.secrets:
                 raise InvalidArgument("a sandbox forked from a snapshot starts without network; use network.update()")
-            if r.tier is not None or r.limits is not None or r.template is not None:
-                raise InvalidArgument("from_snapshot takes its tier, template and limits from the snapshot")
+            if r.tier is not None or r.limits is not None or r.template is not None or r.volumes:
+                raise InvalidArgument(
+                    "from_snapshot takes its tier, template, limits and volumes from the snapshot's sandbox"
+                )
             m = snapshots.resolve(self.engine, r.from_snapshot)
             got = await snapshots.restore(
                 self.engine, m, timeout=r.timeout, envs=r.envs, pool=r.pool, tenant=self.tenant
@@ -515,6 +522,7 @@ class EngineFront:
                 network=r.network,
                 secrets=r.secrets,
                 tenant=self.tenant,
+                volumes=r.volumes,
             )
         return got
 
@@ -881,6 +889,23 @@ class EngineFront:
             raise InvalidArgument(f"name must be a pool name, got {r.name!r}")
         # resize validates target/min/max, writes the registry and makes sure the daemon runs to act on it
         return pools.resize(self.engine, self.engine.settings(), r.name, r.target, r.min, r.max)
+
+    # ---- named volumes (the tenant's own; the host's front: the host's, tenant "")
+
+    def _volume_owner(self) -> str:
+        return "" if self.tenant is None else self.tenant.name
+
+    async def volume_create(self, r: ops.VolumeCreate) -> VolumeInfo:
+        return await volumes.create(self.engine, self._volume_owner(), r.name, r.size_mb)
+
+    async def volume_list(self, r: ops.VolumeList) -> builtins.list[VolumeInfo]:
+        return volumes.list(self.engine, self._volume_owner())
+
+    async def volume_get(self, r: ops.VolumeGet) -> VolumeInfo:
+        return volumes.get(self.engine, self._volume_owner(), r.name)
+
+    async def volume_delete(self, r: ops.VolumeDelete) -> None:
+        volumes.delete(self.engine, self._volume_owner(), r.name)
 
     async def subscribe_approvals(self, sandbox_id: str, hook: Callable[[ApprovalRequest], object]) -> Subscription:
         """Answer the egress proxy's approval questions for ``sandbox_id`` with ``hook`` (a local

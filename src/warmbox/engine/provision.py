@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from warmbox.backends.base import Backend, SnapshotCapable
 from warmbox.config import PoolConfig, Template
+from warmbox.engine import volumes
 from warmbox.engine.session import GuestSession, OomCounter
 from warmbox.errors import BackendUnavailable, InvalidArgument, NoSpace, SandboxStartError, WarmboxError
 from warmbox.models import (
@@ -151,6 +152,8 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
     t1 = t2 = t3 = t4 = time.perf_counter()
     session: GuestSession | None = None
     try:
+        if spec.volumes:  # recorded before anything is mounted: a delete or another tier's mount waits its turn
+            volumes.record(engine, sandbox_id, spec.volumes, backend.capabilities().volume_own_disk)
         handle = await backend.create(
             SandboxSpec(
                 sandbox_id=sandbox_id,

@@ -44,7 +44,7 @@ from warmbox.errors import (
     WarmboxError,
 )
 from warmbox.lifecycle import Operation, check
-from warmbox.models import BackendHandle, Execution, Limits, SandboxInfo, StageTiming, State, Tenant
+from warmbox.models import BackendHandle, Execution, Limits, SandboxInfo, StageTiming, State, Tenant, VolumeMount
 from warmbox.storage import snapshots as snaps
 from warmbox.storage.objects import LocalObjectStore, ObjectStore
 
@@ -383,13 +383,14 @@ async def _stream_tar(session: GuestSession, fd: int | None, raw: Path, sandbox_
 
     listing = " ".join(TAR_PATHS)
     try:
-        # the contents of each path, not the mount points themselves (their owner/mode is the tier's)
+        # the contents of each path, not the mount points themselves (their owner/mode is the tier's);
+        # -xdev: a named volume mounted below one is external state, not part of the snapshot
         code, err = await _exec(
             session,
             [
                 "/bin/bash",
                 "-c",
-                f"cd / && find {listing} -mindepth 1 -print0 | /bin/tar --null "
+                f"cd / && find {listing} -xdev -mindepth 1 -print0 | /bin/tar --null "
                 "--no-recursion -T - --sparse --numeric-owner "
                 "--warning=no-file-ignored -cpf -",
             ],
@@ -657,14 +658,20 @@ async def restore_memory(
     shape: str = "",
     tenant: Tenant | None = None,
     resume_of: str = "",
+    volumes: tuple[VolumeMount, ...] | None = None,
 ) -> Launched:
     """A new sandbox continuing a memory snapshot: same processes, memory, /tmp; /workspace restored.
 
     pool/shape: restore it into a warm pool (state ``pooled``) — a template snapshot's copy.
     tenant: whose the new sandbox is (quotas checked before anything is fetched, and at its insert).
     resume_of: the paused sandbox continued under its own id (instead of a new one).
+    volumes: what it mounts (None: what the snapshot's sandbox mounted, as its processes expect).
     """
+    from warmbox.engine import volumes as volumes_mod
     from warmbox.engine.engine import validate_timeout
+
+    if volumes is None:
+        volumes = volumes_mod.of_sandbox(engine, resume_of or m.sandbox_id)
 
     timeout_s = validate_timeout(engine.settings().defaults.timeout_s if timeout is None else timeout)
     with _Op(engine, "restore") as op:
@@ -681,7 +688,9 @@ async def restore_memory(
             memory_dir = _cached_memory(engine, m, work)
         else:
             snaps.get_blob(store, m.memory_sha256, m.memory_bytes, m.memory_raw_bytes, work / "checkpoint.img", work)
-        spec = provision.LaunchSpec(m.tier, m.template, timeout_s, limits, (), pool, shape, tenant, resume_of)
+        spec = provision.LaunchSpec(
+            m.tier, m.template, timeout_s, limits, (), pool, shape, tenant, resume_of, volumes=volumes
+        )
         return await provision.launch(engine, spec, provision.Restore(m.snapshot_id, memory_dir, ws_tar))
 
 
@@ -863,6 +872,8 @@ async def restore(
         if envs:
             raise InvalidArgument("a memory snapshot continues its processes as they were: envs cannot change")
         return await restore_memory(engine, m, timeout=timeout, tenant=tenant, resume_of=resume_of)
+    from warmbox.engine import volumes as volumes_mod
+
     op = _Op(engine, "restore")
     work = op.path
     raw = work / "files.tar"
@@ -881,6 +892,7 @@ async def restore(
             pool=pool,
             tenant=tenant,
             resume_of=resume_of,
+            mounts=() if resume_of else volumes_mod.of_sandbox(engine, m.sandbox_id),  # a resume: its own
         )
         info, session = got.info, got.session
         try:

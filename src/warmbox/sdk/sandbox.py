@@ -29,9 +29,12 @@ from warmbox.models import (
     SnapshotRef,
     StageTiming,
     State,
+    Volume,
+    VolumeInfo,
     validate_lifecycle,
     validate_metadata,
     validate_query,
+    validate_volumes,
 )
 from warmbox.sdk.code import CodeContext, context_id
 from warmbox.sdk.commands import DEFAULT_COMMAND_TIMEOUT_S, DEFAULT_MAX_OUTPUT, AsyncCommands
@@ -143,6 +146,7 @@ class AsyncSandbox:
         on_approval: Callable[[ApprovalRequest], object] | None = None,
         metadata: dict[str, str] | None = None,
         lifecycle: Lifecycle | None = None,
+        volumes: builtins.list[Volume] | None = None,
         home: str | Path | None = None,
         transport: Transport | None = None,
         api_url: str | None = None,
@@ -176,6 +180,10 @@ class AsyncSandbox:
             the next operation on it resumes it (``get_timings()["resume"]``), else that
             operation raises SandboxPaused. Paused sandboxes are deleted after ``[lifecycle]
             paused_retention`` (warmbox.toml).
+        volumes: [Volume(name, path, read_only=False)]: your named volumes (``create_volume``)
+            mounted at those paths, on every tier; their files outlive the sandbox. Such a
+            sandbox is never taken from a pool. A microVM mounts a read-write volume alone
+            (VolumeInUse while any other sandbox mounts it); read-only ones are shared.
         home: the warmbox home of the in-process engine (default: WARMBOX_HOME).
         api_url, api_key: a warmbox server (``warmbox serve``: ``http(s)://host:port`` or
             ``unix:/path``) and its key; default WARMBOX_API_URL / WARMBOX_API_KEY when no home is
@@ -204,6 +212,7 @@ class AsyncSandbox:
                 secrets=secrets,
                 metadata=metadata,
                 lifecycle=lifecycle,
+                volumes=None if volumes is None else tuple(validate_volumes(volumes)),
             ),
             tuple(envs or ()),
         )
@@ -269,6 +278,64 @@ class AsyncSandbox:
         on a server, of the key's tenant)."""
         t = _transport(transport, home, api_url, api_key)
         return await _once(t, ops.ListSnapshots(), transport is None)
+
+    @classmethod
+    async def create_volume(
+        cls,
+        name: str,
+        size_mb: int,
+        *,
+        home: str | Path | None = None,
+        transport: Transport | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
+    ) -> VolumeInfo:
+        """A new empty named volume of ``size_mb`` MiB (its limit: a writer inside gets NoSpace;
+        the host's disk pays only for what is written). Mount it with ``create(volumes=[Volume(name,
+        "/data")])``. name: 1-63 letters, digits, ``_ . -``; VolumeError if you have one of that name."""
+        t = _transport(transport, home, api_url, api_key)
+        return await _once(t, ops.VolumeCreate(name, size_mb), transport is None)
+
+    @classmethod
+    async def list_volumes(
+        cls,
+        *,
+        home: str | Path | None = None,
+        transport: Transport | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
+    ) -> builtins.list[VolumeInfo]:
+        """Your named volumes, by name (``mounted_by``: the live or paused sandboxes mounting each)."""
+        t = _transport(transport, home, api_url, api_key)
+        return await _once(t, ops.VolumeList(), transport is None)
+
+    @classmethod
+    async def get_volume(
+        cls,
+        name: str,
+        *,
+        home: str | Path | None = None,
+        transport: Transport | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
+    ) -> VolumeInfo:
+        """One of your volumes (VolumeNotFound if you have none of that name)."""
+        t = _transport(transport, home, api_url, api_key)
+        return await _once(t, ops.VolumeGet(name), transport is None)
+
+    @classmethod
+    async def delete_volume(
+        cls,
+        name: str,
+        *,
+        home: str | Path | None = None,
+        transport: Transport | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        """Delete a volume and its files (VolumeInUse while a live or paused sandbox mounts it)."""
+        t = _transport(transport, home, api_url, api_key)
+        await _once(t, ops.VolumeDelete(name), transport is None)
 
     @classmethod
     async def connect(

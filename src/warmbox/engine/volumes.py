@@ -1,0 +1,156 @@
+"""Named volumes: create, list, get, delete, and what a sandbox mounts (resolved for its backend).
+
+A volume belongs to a tenant (``""``: the host's); a tenant never sees, mounts or deletes
+another's: a name that is not its own is VolumeNotFound, exactly as an unknown one. Its image is
+``<home>/volumes/<volume_id>.img`` (:mod:`warmbox.backends.volume_disk`); the registry holds its
+record and every sandbox's mounts of it, so a volume mounted by a live or paused sandbox cannot be
+deleted (VolumeInUse), and a microVM's read-write mount stays its only one.
+
+A volume is external state: snapshots do not hold its files (their archive stops at its mount
+point), and a sandbox started again from one (a resume, or a fork) mounts the volumes its origin
+mounted, as they are now, under the same checks as a create.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from warmbox.backends import volume_disk
+from warmbox.errors import LimitTooHigh, VolumeError, VolumeNotFound
+from warmbox.models import (
+    VolumeInfo,
+    VolumeMount,
+    validate_volume_name,
+    validate_volume_size,
+    validate_volumes,
+)
+
+if TYPE_CHECKING:
+    from warmbox.engine.engine import Engine
+
+
+def volumes_dir(engine: Engine) -> Path:
+    return engine.home / "volumes"
+
+
+def disk_of(engine: Engine, volume_id: str) -> Path:
+    return volumes_dir(engine) / f"{volume_id}.img"
+
+
+def _info(engine: Engine, tenant: str, name: str, volume_id: str, size_mb: int, created_at: float) -> VolumeInfo:
+    disk = disk_of(engine, volume_id)
+    try:
+        allocated = -(-(os.stat(disk).st_blocks * 512) // (1 << 20))
+    except OSError:
+        allocated = 0
+    return VolumeInfo(
+        name=name,
+        tenant=tenant,
+        size_mb=size_mb,
+        created_at=created_at,
+        disk=str(disk),
+        allocated_mb=allocated,
+        mounted_by=tuple(engine.registry.volume_users(volume_id)),
+    )
+
+
+def _check_room(where: Path, size_mb: int) -> None:
+    """LimitTooHigh when the volume alone could not fit what is free on the home's disk."""
+    st = os.statvfs(where)
+    free = st.f_bavail * st.f_frsize >> 20
+    if size_mb > free:
+        raise LimitTooHigh(
+            f"size_mb={size_mb} is more than the {free} MiB free on the disk holding {where}",
+            limit="size_mb",
+            value=size_mb,
+            maximum=free,
+            source=str(where),
+        )
+
+
+async def create(engine: Engine, tenant: str, name: object, size_mb: object) -> VolumeInfo:
+    """A new empty volume of ``size_mb`` MiB; VolumeError if the tenant has one of that name."""
+    name = validate_volume_name(name)
+    size = validate_volume_size(size_mb)
+    with contextlib.suppress(VolumeError):
+        engine.registry.volume(tenant, name)
+        raise VolumeError(f"a volume named {name!r} exists already", volume=name)
+    root = volumes_dir(engine)
+    root.mkdir(mode=0o700, exist_ok=True)
+    _check_room(root, size)
+    volume_id = "vol-" + secrets.token_hex(8)
+    disk = disk_of(engine, volume_id)
+    await asyncio.to_thread(volume_disk.make_image, disk, size)
+    now = time.time()
+    try:
+        engine.registry.add_volume(tenant, name, volume_id, size, now)
+    except BaseException:
+        _remove_files(disk)
+        raise
+    return _info(engine, tenant, name, volume_id, size, now)
+
+
+def get(engine: Engine, tenant: str, name: object) -> VolumeInfo:
+    name = validate_volume_name(name)
+    volume_id, size_mb, created_at = engine.registry.volume(tenant, name)
+    return _info(engine, tenant, name, volume_id, size_mb, created_at)
+
+
+def list(engine: Engine, tenant: str | None) -> builtins.list[VolumeInfo]:
+    """A tenant's volumes by name (None: every tenant's)."""
+    return [_info(engine, t, n, vid, size, at) for t, n, vid, size, at in engine.registry.volumes(tenant)]
+
+
+def delete(engine: Engine, tenant: str, name: object) -> None:
+    """Delete a volume and its files; VolumeInUse while a live or paused sandbox mounts it."""
+    name = validate_volume_name(name)
+    volume_id = engine.registry.remove_volume(tenant, name)
+    _remove_files(disk_of(engine, volume_id))
+
+
+def _remove_files(disk: Path) -> None:
+    for path in (disk, volume_disk.lock_path(disk)):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def resolve(engine: Engine, tenant: str, volumes: object) -> tuple[VolumeMount, ...]:
+    """A create's ``volumes`` checked (names, paths) and looked up (VolumeNotFound for a name not
+    the tenant's) as the mounts a backend gets. Mount records are written by :func:`record`."""
+    out = []
+    for v in validate_volumes(volumes):
+        volume_id, _, _ = engine.registry.volume(tenant, v.name)
+        out.append(VolumeMount(v.name, v.path, v.read_only, str(disk_of(engine, volume_id))))
+    return tuple(out)
+
+
+def volume_id_of(mount: VolumeMount) -> str:
+    """The volume id in a mount's image path (``<home>/volumes/<volume_id>.img``)."""
+    return Path(mount.disk).stem
+
+
+def of_sandbox(engine: Engine, sandbox_id: str) -> tuple[VolumeMount, ...]:
+    """What a sandbox mounted, for a sandbox started again from it (its resume, or a fork of one of
+    its snapshots): VolumeNotFound if one of its volumes was deleted since."""
+    out = []
+    for name, volume_id, path, read_only in engine.registry.volumes_of(sandbox_id):
+        if not name:
+            raise VolumeNotFound(f"a volume sandbox {sandbox_id} mounted at {path} was deleted", volume=volume_id)
+        out.append(VolumeMount(name, path, read_only, str(disk_of(engine, volume_id))))
+    return tuple(out)
+
+
+def record(engine: Engine, sandbox_id: str, mounts: tuple[VolumeMount, ...], own_disk: bool) -> None:
+    """Record the sandbox's mounts (before its backend mounts anything): VolumeNotFound if a
+    volume went meanwhile, VolumeInUse where the tier's sharing rule refuses (see
+    Registry.mount_volumes)."""
+    engine.registry.mount_volumes(
+        sandbox_id, [(volume_id_of(m), m.name, m.path, m.read_only) for m in mounts], exclusive=own_disk
+    )

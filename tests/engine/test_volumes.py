@@ -1,0 +1,257 @@
+"""Named volumes: names, paths and sizes checked; the registry's in-use and sharing rules; and real
+sandboxes of the container and gVisor tiers sharing a volume (owners right in each, read-only
+refused, its size a hard limit, tenants apart, nothing left mounted after destroy, pause/resume)."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from pathlib import Path
+
+import pytest
+
+from tests.attacks.conftest import require_tier
+from tests.conftest import cli
+from warmbox import AsyncSandbox, Sandbox, Volume
+from warmbox import operations as ops
+from warmbox.backends import workspace_disk
+from warmbox.engine.engine import Engine
+from warmbox.engine.front import EngineFront
+from warmbox.errors import (
+    InvalidArgument,
+    NoSpace,
+    PathPermissionDenied,
+    VolumeError,
+    VolumeInUse,
+    VolumeNotFound,
+)
+from warmbox.models import Limits, State, Tenant, validate_volumes
+from warmbox.storage.registry import Registry
+from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
+
+
+def _name() -> str:
+    return "v" + secrets.token_hex(4)
+
+
+# ---- no sandbox
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["data", "/", "/workspace", "/workspace/", "/proc/x", "/sys", "/dev/shm/x", "/opt/warmbox", "/run", "/a/../b", ""],
+)
+def test_a_mount_path_outside_what_a_volume_may_cover_is_refused(path):
+    with pytest.raises(InvalidArgument):
+        validate_volumes([Volume("data", path)])
+
+
+def test_mount_paths_are_normalised_and_may_not_repeat_or_nest():
+    assert validate_volumes([Volume("a", "/data//x/"), Volume("b", "/workspace/in")]) == (
+        Volume("a", "/data/x"),
+        Volume("b", "/workspace/in"),
+    )
+    for vols in ([Volume("a", "/data"), Volume("b", "/data/")], [Volume("a", "/data"), Volume("b", "/data/x")]):
+        with pytest.raises(InvalidArgument, match="overlaps"):
+            validate_volumes(vols)
+    for bad in (["x"], [Volume("no/slash", "/d")], [Volume("", "/d")], [Volume("a", "/d", read_only="yes")]):  # type: ignore[list-item, arg-type]
+        with pytest.raises(InvalidArgument):
+            validate_volumes(bad)
+
+
+def _registry(tmp: Path) -> Registry:
+    return Registry(tmp / "r.db", ledger=UidLedger(tmp / "uids", slots=32, first=MAX_SLOTS - 100))
+
+
+def _sandbox(reg: Registry, sid: str) -> None:
+    reg.allocate(sid, "container", "base", 3600, Limits(), "/nonexistent", "/nonexistent")
+
+
+def test_registry_volume_in_use_and_the_microvm_sharing_rule(tmp_path):
+    reg = _registry(tmp_path)
+    reg.add_volume("", "data", "vol-1", 64, 1.0)
+    reg.add_volume("acme", "data", "vol-2", 64, 1.0)  # the same name, another tenant: another volume
+    with pytest.raises(VolumeError, match="exists"):
+        reg.add_volume("", "data", "vol-3", 64, 1.0)
+    assert reg.volume("acme", "data")[0] == "vol-2"
+    with pytest.raises(VolumeNotFound):
+        reg.volume("other", "data")
+    sids = [f"sb-{i:012x}" for i in range(1, 6)]
+    for s in sids:
+        _sandbox(reg, s)
+    # host mounts share: rw and ro together
+    reg.mount_volumes(sids[0], [("vol-1", "data", "/d", False)], exclusive=False)
+    reg.mount_volumes(sids[1], [("vol-1", "data", "/d", True)], exclusive=False)
+    assert reg.volume_users("vol-1") == sids[:2]
+    # a microVM: not beside a read-write mount, not read-write beside anything
+    for ro in (True, False):
+        with pytest.raises(VolumeInUse):
+            reg.mount_volumes(sids[2], [("vol-1", "data", "/d", ro)], exclusive=True)
+    with pytest.raises(VolumeInUse, match=sids[0]):
+        reg.remove_volume("", "data")
+    reg.set_state(sids[0], State.DESTROYED, "test")
+    reg.mount_volumes(sids[2], [("vol-1", "data", "/d", True)], exclusive=True)  # read-only beside read-only
+    reg.set_state(sids[1], State.DESTROYED, "test")
+    reg.set_state(sids[2], State.DESTROYED, "test")
+    reg.mount_volumes(sids[3], [("vol-1", "data", "/d", False)], exclusive=True)  # alone: read-write
+    with pytest.raises(VolumeInUse):  # and then no host mount either
+        reg.mount_volumes(sids[4], [("vol-1", "data", "/d", True)], exclusive=False)
+    reg.set_state(sids[3], State.DESTROYED, "test")
+    assert reg.remove_volume("", "data") == "vol-1"
+    with pytest.raises(VolumeNotFound):  # deleted between a create's lookup and its record
+        reg.mount_volumes(sids[4], [("vol-1", "data", "/d", True)], exclusive=False)
+    assert reg.volumes_of(sids[0]) == [("", "vol-1", "/d", False)]
+
+
+# ---- real volumes and sandboxes
+
+
+def _loops(engine: Engine) -> dict[int, str]:
+    return workspace_disk.loops_backed_by(engine.home / "volumes")
+
+
+def _mounts(engine: Engine, sandbox_id: str) -> list[str]:
+    return workspace_disk.mounts_under(engine.runtime / "sandboxes" / sandbox_id)
+
+
+@pytest.fixture(params=["container", "gvisor"])
+def tier(request, home, runc_ready) -> str:
+    require_tier(home, request.param)
+    return request.param
+
+
+@pytest.mark.sandbox
+def test_a_volume_is_shared_by_sandboxes_with_the_right_owners_and_left_unmounted(home, tier):
+    engine = Engine.for_home(home)
+    name = _name()
+    info = Sandbox.create_volume(name, 64, home=home)
+    assert info.size_mb == 64 and info.tenant == "" and info.mounted_by == ()
+    assert Path(info.disk).stat().st_blocks * 512 < 8 << 20, "the image is not sparse"
+    try:
+        with Sandbox.create(tier, pool=False, template="shell", home=home, volumes=[Volume(name, "/data")]) as a:
+            r = a.commands.run("id -u; stat -c '%u %a' /data; echo hi > /data/f; mkdir /data/d; stat -c %u /data/f")
+            assert r.stdout.split() == ["1000", "1000", "755", "1000"], r.stdout
+            assert Sandbox.get_volume(name, home=home).mounted_by == (a.sandbox_id,)
+            with pytest.raises(VolumeInUse):
+                Sandbox.delete_volume(name, home=home)
+            # a second sandbox (another host uid range) mounts it too, read-only, at the same time
+            with Sandbox.create(
+                tier, pool=False, template="shell", home=home, volumes=[Volume(name, "/in", read_only=True)]
+            ) as b:
+                r = b.commands.run("cat /in/f; stat -c '%u %U' /in/f /in/d")
+                assert r.stdout.split() == ["hi", "1000", "user", "1000", "user"], r.stdout
+                with pytest.raises(PathPermissionDenied):
+                    b.files.write("/in/g", "no")
+                r = b.commands.run("touch /in/g 2>&1; echo rc=$?")
+                assert "Read-only file system" in r.stdout and "rc=1" in r.stdout, r.stdout
+                b_id = b.sandbox_id
+            assert not _mounts(engine, b_id)
+            a_id = a.sandbox_id
+        assert not _mounts(engine, a_id)
+        assert not _loops(engine), "a loop device outlived every mount of the volume"
+        # a later sandbox sees what the first wrote, as its own user's
+        with Sandbox.create(tier, pool=False, template="shell", home=home, volumes=[Volume(name, "/data")]) as c:
+            r = c.commands.run("cat /data/f; echo more >> /data/f; stat -c %U /data/f")
+            assert r.stdout.split() == ["hi", "user"], r.stdout
+    finally:
+        Sandbox.delete_volume(name, home=home)
+    assert not Path(info.disk).exists()
+    assert not _loops(engine)
+
+
+@pytest.mark.sandbox
+def test_a_full_volume_is_no_space_and_the_host_gives_no_more(home, runc_ready):
+    name = _name()
+    Sandbox.create_volume(name, 32, home=home)
+    try:
+        with Sandbox.create(
+            "container", pool=False, template="shell", home=home, volumes=[Volume(name, "/workspace/v")]
+        ) as sb:
+            r = sb.commands.run("dd if=/dev/zero of=/workspace/v/fill bs=1M count=64 2>&1; echo rc=$?", timeout=120)
+            assert "No space left on device" in r.stdout and "rc=1" in r.stdout, r.stdout
+            with pytest.raises(NoSpace):
+                sb.files.write("/workspace/v/more", b"x" * (1 << 20))
+            sb.files.write("/workspace/w", b"the workspace is another filesystem")
+        assert Sandbox.get_volume(name, home=home).allocated_mb <= 34
+    finally:
+        Sandbox.delete_volume(name, home=home)
+
+
+@pytest.mark.sandbox
+def test_a_tenant_never_sees_or_mounts_another_tenants_volume(home, runc_ready):
+    engine = Engine.for_home(home)
+    name = _name()
+
+    async def go() -> None:
+        acme, other = EngineFront(engine, Tenant("acme-vol")), EngineFront(engine, Tenant("other-vol"))
+        try:
+            await acme.handle(ops.VolumeCreate(name, 32))
+            assert [v.name for v in await acme.handle(ops.VolumeList())] == [name]
+            assert name not in [v.name for v in await other.handle(ops.VolumeList())]
+            for req in (ops.VolumeGet(name), ops.VolumeDelete(name)):
+                with pytest.raises(VolumeNotFound):
+                    await other.handle(req)
+            with pytest.raises(VolumeNotFound):
+                await other.handle(ops.Create(tier="container", pool=False, volumes=(Volume(name, "/data"),)))
+            with pytest.raises(VolumeNotFound):  # the host's own names are not a tenant's either
+                await EngineFront(engine).handle(ops.VolumeGet(name))
+            assert not [i for i, _ in engine.registry.list(tenant="other-vol") if i.state is not State.DESTROYED]
+        finally:
+            await acme.handle(ops.VolumeDelete(name))
+
+    asyncio.run(go())
+
+
+@pytest.mark.sandbox
+def test_pause_and_resume_mount_the_volume_again_and_snapshots_leave_it_out(home, runc_ready):
+    engine = Engine.for_home(home)
+    name = _name()
+    Sandbox.create_volume(name, 32, home=home)
+
+    async def go() -> None:
+        sb = await AsyncSandbox.create(
+            "container", pool=False, template="shell", home=home, volumes=[Volume(name, "/workspace/vol")]
+        )
+        try:
+            await sb.commands.run("echo kept > /workspace/vol/f; echo ws > /workspace/w")
+            ref = await sb.pause()
+            assert not _mounts(engine, sb.sandbox_id) and not _loops(engine)
+            assert (await AsyncSandbox.get_volume(name, home=home)).mounted_by == (sb.sandbox_id,)
+            with pytest.raises(VolumeInUse):  # paused: still its volume
+                await AsyncSandbox.delete_volume(name, home=home)
+            sb2 = await AsyncSandbox.resume(sb.sandbox_id, home=home)
+            try:
+                r = await sb2.commands.run("cat /workspace/vol/f /workspace/w; echo new >> /workspace/vol/f")
+                assert r.stdout.split() == ["kept", "ws"], r.stdout
+                # a fork of the snapshot mounts the volume too; the snapshot itself never held its files
+                fork = await AsyncSandbox.create(from_snapshot=ref, home=home)
+                try:
+                    r = await fork.commands.run("cat /workspace/vol/f")
+                    assert r.stdout.split() == ["kept", "new"], r.stdout
+                finally:
+                    await fork.kill()
+            finally:
+                await sb2.kill()
+        finally:
+            await sb.kill()
+        await AsyncSandbox.delete_volume(name, home=home)
+
+    asyncio.run(go())
+    assert not _loops(engine)
+
+
+@pytest.mark.sandbox
+def test_warmbox_volume_cli(runc_ready):
+    name = _name()
+    r = cli("volume", "create", name, "--size", "48M")
+    assert r.returncode == 0 and f"volume {name}: 48 MiB" in r.stdout, r.stderr
+    assert cli("volume", "create", name, "--size", "48M").returncode == 125
+    assert cli("volume", "create", "x", "--size", "lots").returncode == 125
+    r = cli("run", "--no-pool", "--template", "shell", "-v", f"{name}:/data:ro", "--", "stat", "-c", "%U", "/data")
+    assert r.returncode == 0 and r.stdout.strip() == "user", r.stderr
+    r = cli("volume", "ls")
+    assert name in r.stdout and "48M" in r.stdout
+    r = cli("volume", "rm", name)
+    assert r.returncode == 0, r.stderr
+    r = cli("volume", "show", name)
+    assert r.returncode == 125 and "no volume named" in r.stderr
