@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.backends.conftest import qemu_pids
+from tests.backends.conftest import debian_layer, qemu_pids  # noqa: F401  (debian_layer: a fixture)
 from tests.conftest import wait_for
 from warmbox import protocol as p
 from warmbox.engine.engine import Engine

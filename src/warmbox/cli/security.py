@@ -348,6 +348,29 @@ GUARANTEES: tuple[Guarantee, ...] = (
         _SHARED,
         ("test_volume_escape.py::test_links_planted_in_a_volume_reach_neither_the_host_nor_another_sandbox",),
     ),
+    Guarantee(
+        "isolation",
+        "A sandbox of a template image writes only into its own upper layer: a tmpfs of its tmp_mb "
+        "(ENOSPC there, never the host's disk); the image's shared layers stay unwritable and unchanged, "
+        "and another sandbox of the image does not see the write.",
+        ("container", "gvisor"),
+        ("test_image_layers.py::test_a_sandbox_fills_only_its_own_bounded_layer",),
+    ),
+    Guarantee(
+        "host paths",
+        "Symlinks, a hardlink, a FIFO and a socket a template build's RUN step plants in its upper layer "
+        "are stored as what they are (links never followed, FIFOs and sockets skipped unopened); a device "
+        "node cannot be made.",
+        ("container",),
+        ("test_image_layers.py::test_planted_links_fifos_and_devices_in_a_build_layer_are_not_followed",),
+    ),
+    Guarantee(
+        "crashes",
+        "An image sandbox whose creator and daemon were SIGKILLed while it started leaves no overlay or "
+        "tmpfs mount: the restarted daemon's recovery unmounts them.",
+        ("container",),
+        ("test_image_layers.py::test_a_killed_creator_and_daemon_leave_no_mount",),
+    ),
 )
 
 
