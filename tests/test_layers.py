@@ -8,7 +8,7 @@ from pathlib import Path
 import warmbox
 
 SRC = Path(warmbox.__file__).parent
-CORE = {"errors", "models", "protocol", "lifecycle", "operations", "paths", "tiers", "config", "api", "wire"}
+CORE = {"errors", "models", "protocol", "lifecycle", "operations", "paths", "tiers", "config", "api", "wire", "images"}
 # what each part may import besides itself and core
 ALLOWED: dict[str, set[str]] = {
     "core": set(),

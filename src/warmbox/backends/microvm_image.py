@@ -9,7 +9,7 @@ Debian packages only:
 - ``initrd.cpio``: busybox (static, from ``busybox-static``), the few kernel modules the guest
   needs (virtio-mmio, virtio-blk, virtio-console, ext4 and their dependencies, read from each
   module's own ``depends=``), and ``/init`` (:data:`INIT`).
-- ``rootfs.ext4``: a minbase Debian made by ``mmdebstrap`` with Python (+ NumPy, pandas),
+- ``rootfs.ext4``: the built-in image's Debian tree (``warmbox.images``) with Python (+ NumPy, pandas),
   Node.js, gcc, git, bash, coreutils, procps, util-linux and the guest agent under /opt/warmbox;
   attached read-only to every VM (≈ 600 MB; a VM reads only what it uses).
 - ``workspace.raw``: an empty ext4 (owner 1000) that each sandbox's /workspace overlays
@@ -35,51 +35,18 @@ from pathlib import Path
 from warmbox.backends._host import GITCONFIG, GUEST_GID, GUEST_UID, build_spawn_helpers
 from warmbox.backends.runc import GUEST_SOURCES, MATPLOTLIBRC, keep_only_font_list
 from warmbox.errors import SandboxStartError
+from warmbox.images import BUILTIN_EXCLUDES, BUILTIN_PACKAGES, debian_key, suite
 
 BUILD_VERSION = "microvm-image-v4"
-# what agents run in a sandbox (the other tiers see the host's /usr, set up by scripts/bootstrap):
-# Python with pip, venv, NumPy, pandas and matplotlib, Node.js with npm, gcc, git, curl, tmux, shell
-# tools. pip and npm install local files (the VM has no network device; guest/userenv.py).
-GUEST_PACKAGES = (
-    "python3-minimal",
-    "libpython3-stdlib",
-    "bash",
-    "coreutils",
-    "tar",
-    "procps",
-    "util-linux",
-    "ca-certificates",
-    "python3-numpy",
-    "python3-pandas",
-    "python3-matplotlib",
-    "python3-pip",
-    "python3-venv",
-    "nodejs",
-    "npm",
-    "curl",
-    "tmux",
-    "gcc",
-    "libc6-dev",
-    "git",
-    "findutils",
-    "grep",
-    "sed",
-    "gzip",
-    "xz-utils",
-)
+# the built-in image's packages (warmbox.images: one list, the same tree on every tier). pip and
+# npm install local files (the VM has no network device; guest/userenv.py).
+GUEST_PACKAGES = BUILTIN_PACKAGES
 WORKSPACE_MB = 1024
 MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "crc32c_generic", "ext4")
 AGENT_PORT = "warmbox.agent"
 RESTORE_PORT = "warmbox.restore"  # host entropy and clock for the guest kernel at each start (wb-restore)
 _RESTORE_SRC = Path(__file__).with_name("microvm_restore.c")
-_EXCLUDES = (
-    "/usr/share/man/*",
-    "/usr/share/doc/*",
-    "/usr/share/locale/*",
-    "/usr/share/info/*",
-    "/usr/share/lintian/*",
-    "/usr/share/zoneinfo/right/*",
-)
+_EXCLUDES = BUILTIN_EXCLUDES
 
 # PID 1 of the initramfs: mounts the root image read-only, /workspace from its disk, tmpfs for
 # the writable places, puts everything that follows in a cgroup with the sandbox's limits (handed to
@@ -422,43 +389,46 @@ def cpio_newc(files: list[tuple[str, int, bytes]]) -> bytes:
 
 
 def _suite() -> str:
-    try:
-        text = Path("/etc/os-release").read_text()
-    except OSError:
-        return "bookworm"
-    m = re.search(r"^VERSION_CODENAME=(\w+)", text, re.M)
-    return m.group(1) if m else "bookworm"
+    return suite()
 
 
 def _debian_key_name() -> str:
-    return "debian-" + hashlib.sha256(repr((_suite(), GUEST_PACKAGES, _EXCLUDES)).encode()).hexdigest()[:16]
+    return debian_key()
 
 
-def _debian_tree(images: Path) -> Path:
-    """The mmdebstrap tree of GUEST_PACKAGES, kept beside the images (rebuilding an image after
-    a guest-agent change then takes seconds, not a Debian bootstrap)."""
+def debian_tree(images: Path) -> Path:
+    """The mmdebstrap tree of the built-in packages (warmbox.images), kept beside the images: the
+    built-in image's bottom layer and this tier's root are made from it (rebuilding either after
+    a warmbox change then takes seconds, not a Debian bootstrap). One maker at a time, host-wide."""
     final = images / _debian_key_name()
     if final.is_dir():
         os.utime(final)
         return final
-    tmp = images / f".tmp-debian-{os.getpid()}-{time.monotonic_ns()}"
-    argv = ["mmdebstrap", "--variant=minbase", "--quiet", "--include=" + ",".join(GUEST_PACKAGES)]
-    argv += [f"--dpkgopt=path-exclude={x}" for x in _EXCLUDES]
-    argv += ["--dpkgopt=path-include=/usr/share/doc/*/copyright", _suite(), str(tmp)]
-    try:
-        _run(argv, "mmdebstrap of the guest root", timeout=900)
-        for junk in ("var/cache/apt", "var/lib/apt/lists"):
-            shutil.rmtree(tmp / junk, ignore_errors=True)
-        os.rename(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    images.mkdir(parents=True, exist_ok=True)
+    import fcntl
+
+    with open(images / ".debian-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if final.is_dir():
+            return final
+        tmp = images / f".tmp-debian-{os.getpid()}-{time.monotonic_ns()}"
+        argv = ["mmdebstrap", "--variant=minbase", "--quiet", "--include=" + ",".join(GUEST_PACKAGES)]
+        argv += [f"--dpkgopt=path-exclude={x}" for x in _EXCLUDES]
+        argv += ["--dpkgopt=path-include=/usr/share/doc/*/copyright", _suite(), str(tmp)]
+        try:
+            _run(argv, "mmdebstrap of the guest root", timeout=900)
+            for junk in ("var/cache/apt", "var/lib/apt/lists"):
+                shutil.rmtree(tmp / junk, ignore_errors=True)
+            os.rename(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
 def _rootfs(out: Path, work: Path) -> None:
     root = work / "root"
-    _run(["cp", "-a", str(_debian_tree(out.parent)), str(root)], "copying the Debian tree")
+    _run(["cp", "-a", str(debian_tree(out.parent)), str(root)], "copying the Debian tree")
     for d in ("workspace", "home/user", "run", "tmp", "opt/warmbox/warmbox/guest", "dev", "proc", "sys"):
         (root / d).mkdir(parents=True, exist_ok=True)
     os.chown(root / "home/user", GUEST_UID, GUEST_GID)
