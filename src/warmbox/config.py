@@ -422,11 +422,15 @@ class Settings:
         return None
 
 
-def shape_key(tier: str, template: Template, limits: Limits) -> str:
-    """What a pooled sandbox was built to: a claim only takes one of the caller's exact shape."""
+def shape_key(tier: str, template: Template, limits: Limits, image_id: str = "") -> str:
+    """What a pooled sandbox was built to: a claim only takes one of the caller's exact shape.
+    image_id: the image it runs (a rebuilt template makes a new shape: the old pool's sandboxes
+    retire and the pool refills with the new image)."""
     import hashlib
 
-    raw = repr((tier, template.name, template.warmup_code, template.warmup_commands, dataclasses.astuple(limits)))
+    raw = repr(
+        (tier, template.name, template.warmup_code, template.warmup_commands, dataclasses.astuple(limits), image_id)
+    )
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

@@ -130,6 +130,10 @@ class SandboxInfo:
     parent_snapshot: str = ""  # the snapshot it was restored or forked from ("" when created)
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)  # given at create (E2B's metadata)
     lifecycle: Lifecycle = dataclasses.field(default_factory=lambda: Lifecycle())  # given at create
+    # the template version it runs (0: a built-in template) and that version's image
+    # (``sha256:<hex>``; "" for a sandbox from before templates were versioned)
+    template_version: int = 0
+    image_id: str = ""
 
     @property
     def from_pool(self) -> bool:

@@ -14,6 +14,7 @@ from warmbox.storage.registry import SCHEMA_VERSION, Registry
 from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
 
 NEW_COLUMNS = {"timeout_s", "metadata", "on_timeout", "idle_pause_after", "auto_resume", "last_used", "egress"}
+LATER_COLUMNS = ("auto", "template_version", "image_id")  # versions 8 and 11
 
 
 def _registry(tmp: Path) -> Registry:
@@ -22,11 +23,11 @@ def _registry(tmp: Path) -> Registry:
 
 
 def _v6_schema() -> str:
-    """Version 6's schema: today's without the columns versions 7 and 8 added."""
+    """Version 6's schema: today's without the columns versions 7, 8 and 10 added."""
     lines = [
         line
         for line in registry_mod.SCHEMA.splitlines()
-        if not any(line.strip().startswith(c + " ") for c in (*NEW_COLUMNS, "auto"))
+        if not any(line.strip().startswith(c + " ") for c in (*NEW_COLUMNS, *LATER_COLUMNS))
     ]
     last = "tenant      TEXT NOT NULL DEFAULT ''"
     text = "\n".join(lines).replace(last + ",\n);", last + "\n);")

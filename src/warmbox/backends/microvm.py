@@ -50,6 +50,7 @@ from warmbox.backends import microvm_image as images
 from warmbox.backends._host import tmpfs_sizes
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
 from warmbox.errors import ConfigError, NoSpace, SandboxStartError
+from warmbox.models import ImageRef
 
 T = TypeVar("T")
 QEMU = "qemu-system-x86_64"
@@ -638,8 +639,9 @@ class MicroVMBackend:
             self._image = images.build(images.cache_dir())
         return self._image
 
-    def template_fingerprint(self) -> str:
-        """What a memory snapshot must match to restore: image, accelerator, machine, argv."""
+    def template_fingerprint(self, image: ImageRef | None = None) -> str:
+        """What a memory snapshot must match to restore: image, accelerator, machine, argv (the
+        guest image is this tier's own for now: ``image``'s id is in the template's shape)."""
         import hashlib
 
         from warmbox.models import Limits

@@ -208,8 +208,9 @@ def _template_files(engine, limits: Limits, work: Path, template: str = "base") 
     from warmbox.engine import snapshot as snapshots
     from warmbox.storage import snapshots as snaps
 
-    shape = config.shape_key("microvm", engine.settings().template(template), limits)
-    sid = engine.registry.meta_text(snapshots.template_key(engine, "microvm", shape))
+    image = engine.image_for(template)
+    shape = config.shape_key("microvm", engine.settings().template(template), limits, image.image_id)
+    sid = engine.registry.meta_text(snapshots.template_key(engine, "microvm", shape, image))
     m = snaps.load_manifest(snapshots.store_for(engine), sid, snapshots._workdir(engine))
     cached = snapshots._cached_memory(engine, m, snapshots._workdir(engine))
     mem = work / f"{template}.mem"

@@ -34,6 +34,7 @@ from warmbox.errors import (
 from warmbox.lifecycle import EXPIRED, LIVE, RESUMING, RETENTION_EXPIRED, Operation, check, gone
 from warmbox.models import (
     BackendHandle,
+    ImageRef,
     Limits,
     NetEvent,
     ResourceUsage,
@@ -114,11 +115,23 @@ class Engine:
         return b
 
     def doctor(self) -> builtins.list[TierStatus]:
+        """Each tier: whether this host runs it and why (not); an available one also says
+        whether the built-in image every tier runs is built."""
+        from warmbox.engine import images
+
+        rec = images.builtin_record()
+        image = (
+            f"built-in image {rec.key} built ({rec.image_id[:19]}, {len(rec.layers)} layers)"
+            if rec is not None
+            else "built-in image not built yet: scripts/bootstrap install builds it (else the first sandbox "
+            "waits minutes for it)"
+        )
         out = []
         for tier in backends.TIERS:
             try:
                 avail = self.backend(tier).probe()
-                out.append(TierStatus(tier, avail.available, avail.reason))
+                reason = f"{avail.reason}; {image}" if avail.available else avail.reason
+                out.append(TierStatus(tier, avail.available, reason))
             except BackendUnavailable as e:
                 out.append(TierStatus(tier, False, e.reason))
         return out
@@ -149,6 +162,91 @@ class Engine:
         self.settings().limits.check(limits)
         config.check_disk_free(limits, self.runtime)
 
+    # ---- templates and images
+
+    def template(self, name: str, tenant: Tenant | None = None) -> Template:
+        """The template ``name`` as a warm-up: one of warmbox.toml's (built-in ones included) or a
+        built template's (its recorded warm-up). InvalidArgument naming the known ones if neither."""
+        settings = self.settings()
+        if name in settings.templates:
+            return settings.template(name)
+        info = self._built_template(name, None, tenant)
+        if info is None:
+            return settings.template(name)  # InvalidArgument: unknown template
+        return Template(
+            name=info.name,
+            warmup_code=info.warmup_code,
+            warmup_commands=info.warmup_commands,
+            description=info.description,
+        )
+
+    def _built_template(self, name: str, version: int | None, tenant: Tenant | None):
+        """The registry's record of a built template (latest, or ``version``), the tenant's own
+        first, then the host's; None if there is none."""
+        from warmbox.errors import TemplateNotFound
+
+        for owner in dict.fromkeys([tenant.name if tenant is not None else "", ""]):
+            try:
+                return self.registry.template_get(name, version, tenant=owner)
+            except TemplateNotFound:
+                continue
+        return None
+
+    def image_for(self, template: str, tenant: Tenant | None = None, *, build: bool = True) -> ImageRef:
+        """The image a new sandbox of ``template`` runs: a built template's latest version, else (a
+        built-in template, or a warm-up-only one of warmbox.toml) the built-in image, built first
+        if this host has none yet (minutes, once: scripts/bootstrap install does it ahead; ``build``
+        False: TemplateNotFound instead)."""
+        from warmbox.engine import images
+
+        info = self._built_template(template, None, tenant)
+        if info is not None:
+            return images.image_ref(info)
+        self.template(template, tenant)  # InvalidArgument for an unknown name
+        return images.builtin_image(template, build=build)
+
+    def recorded_image(self, template: str, version: int, image_id: str, tenant: Tenant | None = None) -> ImageRef:
+        """The image a snapshot recorded (restore, resume, fork): that very image, never the
+        template's latest. TemplateMismatch when it is gone (its template version removed, or its
+        layers collected); CorruptLayer when a layer fails its digest. A snapshot from before
+        images were recorded (``image_id`` "") gets the template's current image."""
+        from warmbox import images as builtin
+        from warmbox.engine import images
+        from warmbox.errors import TemplateMismatch
+
+        if not image_id:
+            return self.image_for(template, tenant)
+        if version == builtin.BUILTIN_VERSION:
+            current = images.builtin_image(template)
+            return current if current.image_id == image_id else images.builtin_by_id(template, image_id)
+        info = self._built_template(template, version, tenant)
+        if info is None or info.image_id != image_id:
+            raise TemplateMismatch(
+                f"this snapshot ran template {template!r} version {version} (image {image_id}), which "
+                + ("no longer exists" if info is None else f"now names another image ({info.image_id})"),
+                template=template,
+            )
+        return images.image_ref(info)
+
+    def pool_shape(self, pc: PoolConfig, *, build: bool = True) -> str:
+        """The shape key of pool ``pc``'s sandboxes: tier, template, limits and the image its
+        template has now (a rebuilt template: a new shape, the old sandboxes retire)."""
+        tier = backends.canonical_tier(pc.tier)
+        image = self.image_for(pc.template, build=build)
+        return config.shape_key(tier, self.template(pc.template), pc.limits, image.image_id)
+
+    def template_users(self, name: str, version: int | None = None, tenant: Tenant | None = None) -> builtins.list[str]:
+        """What uses template ``name`` (``version``, or any): ids of its sandboxes that are not
+        destroyed (paused ones too), names of pools keeping its sandboxes or configured with it
+        (when ``version`` is its latest or None), and ids of snapshots taken of its sandboxes.
+        A template with users cannot be removed (TemplateInUse)."""
+        owner = tenant.name if tenant is not None else ""
+        sandboxes, pools, snaps = self.registry.template_users(name, version, owner)
+        latest = self._built_template(name, None, tenant)
+        if not owner and (version is None or (latest is not None and latest.version == version)):
+            pools = sorted({*pools, *(p.name for p in self.settings().pools.values() if p.template == name)})
+        return [*sandboxes, *pools, *snaps]
+
     # ---- create
 
     async def create(
@@ -166,6 +264,7 @@ class Engine:
         resume_of: str = "",
         volumes: object = None,
         mounts: tuple[VolumeMount, ...] = (),
+        image: ImageRef | None = None,
     ) -> Launched:
         """A ready sandbox with a connected session and its stage timings.
 
@@ -177,6 +276,7 @@ class Engine:
         volumes it mounted.
         volumes: warmbox.Volume mounts (the tenant's volumes; never from a pool). mounts: volumes
         resolved already (a fork of a snapshot mounts its origin's).
+        image: run this image (a snapshot's recorded one) instead of the template's latest.
         """
         t0 = time.perf_counter()
         settings = self.settings()
@@ -202,6 +302,7 @@ class Engine:
             tenant,
             resume_of,
             mounts,
+            image,
         )
         if policy.enabled:
             try:
@@ -225,6 +326,7 @@ class Engine:
         tenant: Tenant | None = None,
         resume_of: str = "",
         mounts: tuple[VolumeMount, ...] = (),
+        image: ImageRef | None = None,
     ) -> Launched:
         timeout = validate_timeout(settings.defaults.timeout_s if timeout is None else timeout)
         env_pairs = validate_envs(envs)
@@ -237,24 +339,34 @@ class Engine:
             template = settings.defaults.template
         if not isinstance(template, str):
             raise InvalidArgument(f"template must be a string, got {type(template).__name__}")
-        tmpl = settings.template(template)
+        tmpl = self.template(template, tenant)
         if tenant is not None:  # early, before any work; the claim or insert checks again, atomically
             self.registry.check_quota(tenant, tier, limits)
+        if image is None:  # off the event loop: the first sandbox on a fresh host builds the built-in image
+            image = await asyncio.to_thread(self.image_for, template, tenant)
         if pool:
             pc = settings.pool_for(tier, template, limits)
             if pc is not None:
-                shape = config.shape_key(tier, tmpl, limits)
+                shape = config.shape_key(tier, tmpl, limits, image.image_id)
                 got = await provision.claim(self, pc, shape, timeout, env_pairs, t0, tenant)
                 if got is not None:
                     return got
         if self.backend(tier).capabilities().snapshot_start:
             return await self._start_from_template(
-                tier, tmpl, timeout, env_pairs, limits, t0, tenant, resume_of, mounts
+                tier, tmpl, timeout, env_pairs, limits, t0, tenant, resume_of, mounts, image
             )
         return await provision.launch(
             self,
             provision.LaunchSpec(
-                tier, tmpl.name, timeout, limits, env_pairs, tenant=tenant, resume_of=resume_of, volumes=mounts
+                tier,
+                tmpl.name,
+                timeout,
+                limits,
+                env_pairs,
+                tenant=tenant,
+                resume_of=resume_of,
+                volumes=mounts,
+                image=image,
             ),
             provision.Cold(tmpl),
         )
@@ -270,6 +382,7 @@ class Engine:
         tenant: Tenant | None = None,
         resume_of: str = "",
         mounts: tuple[VolumeMount, ...] = (),
+        image: ImageRef | None = None,
     ) -> Launched:
         """A tier whose cold start is too slow (microvm under TCG) restores every sandbox from
         its shape's template memory snapshot; the first create of a shape boots and saves it
@@ -282,9 +395,11 @@ class Engine:
         avail = await asyncio.to_thread(backend.probe)
         if not avail.available:
             raise BackendUnavailable(tier, avail.reason)
-        shape = config.shape_key(tier, tmpl, limits)
-        made = not self.registry.meta_text(await asyncio.to_thread(snapshots.template_key, self, tier, shape))
-        m = await snapshots.template_snapshot(self, tier, tmpl, limits, shape)
+        if image is None:
+            image = await asyncio.to_thread(self.image_for, tmpl.name, tenant)
+        shape = config.shape_key(tier, tmpl, limits, image.image_id)
+        made = not self.registry.meta_text(await asyncio.to_thread(snapshots.template_key, self, tier, shape, image))
+        m = await snapshots.template_snapshot(self, tier, tmpl, limits, shape, image)
         t1 = time.perf_counter()
         got = await snapshots.restore_memory(
             self, m, timeout=timeout, tenant=tenant, resume_of=resume_of, volumes=mounts
@@ -304,15 +419,15 @@ class Engine:
 
     async def create_pooled(self, pc: PoolConfig) -> str:
         """Create and warm one sandbox for a pool (off any request path); returns its id."""
-        settings = self.settings()
-        tier, tmpl = backends.canonical_tier(pc.tier), settings.template(pc.template)
-        shape = config.shape_key(tier, tmpl, pc.limits)
+        tier, tmpl = backends.canonical_tier(pc.tier), self.template(pc.template)
+        image = await asyncio.to_thread(self.image_for, pc.template)
+        shape = config.shape_key(tier, tmpl, pc.limits, image.image_id)
         backend = self.backend(tier)
         if backend.capabilities().memory_snapshot:
             # restore a checkpoint of the warmed template instead of booting and warming again
             from warmbox.engine import snapshot as snapshots
 
-            m = await snapshots.template_snapshot(self, tier, tmpl, pc.limits, shape)
+            m = await snapshots.template_snapshot(self, tier, tmpl, pc.limits, shape, image)
             got = await snapshots.restore_memory(self, m, timeout=pc.max_age_s, pool=pc.name, shape=shape)
             try:
                 # off any request path: under TCG a restored VM re-translates the code of its
@@ -327,7 +442,7 @@ class Engine:
         else:
             got = await provision.launch(
                 self,
-                provision.LaunchSpec(tier, tmpl.name, pc.max_age_s, pc.limits, (), pc.name, shape),
+                provision.LaunchSpec(tier, tmpl.name, pc.max_age_s, pc.limits, (), pc.name, shape, image=image),
                 provision.Cold(tmpl),
             )
         await got.session.close()

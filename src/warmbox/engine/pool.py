@@ -22,8 +22,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from warmbox import backends
-from warmbox.config import PoolConfig, Settings, shape_key
+from warmbox.config import PoolConfig, Settings
 from warmbox.errors import InvalidArgument, WarmboxError
 from warmbox.models import PoolStatus
 
@@ -47,10 +46,10 @@ def status(engine: Engine, settings: Settings) -> list[PoolStatus]:
     for pc in settings.pools.values():
         row = rows.get(pc.name)
         lo, hi = bounds(pc, row.min_override if row else None, row.max_override if row else None)
-        tier = backends.canonical_tier(pc.tier)
-        ready, warming = engine.registry.pool_counts(
-            pc.name, shape_key(tier, settings.template(pc.template), pc.limits)
-        )
+        try:
+            ready, warming = engine.registry.pool_counts(pc.name, engine.pool_shape(pc, build=False))
+        except WarmboxError:  # its image is not built (yet) or gone: nothing of it is ready
+            ready, warming = 0, engine.registry.pool_counts(pc.name)[1]
         hits, misses, failures, cpu_s, gib_s, wall_s = engine.registry.pool_totals(pc.name)
         out.append(
             PoolStatus(
@@ -136,8 +135,11 @@ class PoolManager:
                 reg.ensure_pool(pc.name, pc.target)  # new pool, or its configured target changed
                 row = reg.pool_rows()[pc.name]
             target = self._autoscale(pc, row)
-            tier = backends.canonical_tier(pc.tier)
-            shape = shape_key(tier, settings.template(pc.template), pc.limits)
+            try:  # off the loop: a fresh host builds the built-in image first
+                shape = await asyncio.to_thread(self.engine.pool_shape, pc)
+            except WarmboxError as e:  # no image for its template now: tried again next tick
+                reg.set_pool(pc.name, error=f"{type(e).__name__}: {e}"[:500])
+                continue
             stale = reg.retire(pc.name, self.engine.owner, keep_shape=shape)  # built to an old config
             await self._destroy(stale, "pool config changed")
             tasks = self.refills.setdefault(pc.name, set())

@@ -137,6 +137,8 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
             owner=engine.owner,
             shape=spec.shape,
             tenant=spec.tenant,
+            template_version=spec.image.version if spec.image is not None else 0,
+            image_id=spec.image.image_id if spec.image is not None else "",
         )
     if not spec.pool:
         engine.ensure_daemon()  # from here on, a crash of this process is cleaned up by the daemon

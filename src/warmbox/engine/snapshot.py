@@ -41,10 +41,21 @@ from warmbox.errors import (
     SnapshotUnsupported,
     StorageError,
     StorageFull,
+    TemplateMismatch,
     WarmboxError,
 )
 from warmbox.lifecycle import Operation, check
-from warmbox.models import BackendHandle, Execution, Limits, SandboxInfo, StageTiming, State, Tenant, VolumeMount
+from warmbox.models import (
+    BackendHandle,
+    Execution,
+    ImageRef,
+    Limits,
+    SandboxInfo,
+    StageTiming,
+    State,
+    Tenant,
+    VolumeMount,
+)
 from warmbox.storage import snapshots as snaps
 from warmbox.storage.objects import LocalObjectStore, ObjectStore
 
@@ -342,6 +353,8 @@ def _manifest(
         memory_sha256=mem_sha,
         memory_bytes=mem_size,
         memory_raw_bytes=mem_raw,
+        image_id=info.image_id,
+        template_version=info.template_version,
     )
 
 
@@ -681,6 +694,7 @@ async def restore_memory(
         _check_fits(m, limits.disk_mb << 20)  # before anything is fetched
         if tenant is not None:
             engine.registry.check_quota(tenant, m.tier, limits)
+        image = await asyncio.to_thread(image_of, engine, m, tenant)  # gone: refused before the fetch
         store = store_for(engine)
         snaps.get_blob(store, m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, ws_tar, work)
         memory_dir = work
@@ -689,17 +703,33 @@ async def restore_memory(
         else:
             snaps.get_blob(store, m.memory_sha256, m.memory_bytes, m.memory_raw_bytes, work / "checkpoint.img", work)
         spec = provision.LaunchSpec(
-            m.tier, m.template, timeout_s, limits, (), pool, shape, tenant, resume_of, volumes=volumes
+            m.tier, m.template, timeout_s, limits, (), pool, shape, tenant, resume_of, volumes=volumes, image=image
         )
         return await provision.launch(engine, spec, provision.Restore(m.snapshot_id, memory_dir, ws_tar))
 
 
-def template_key(engine: Engine, tier: str, shape: str) -> str:
+def image_of(engine: Engine, m: snaps.SnapshotManifest, tenant: Tenant | None = None) -> ImageRef:
+    """The image ``m`` was taken on, which its restore runs again (Engine.recorded_image:
+    TemplateMismatch if it is gone, CorruptLayer if a layer fails its digest). A memory snapshot
+    holds processes that mapped that image's files: one from before images were recorded is
+    refused rather than continued on another image."""
+    if m.memory and not m.image_id:
+        raise TemplateMismatch(
+            f"snapshot {m.snapshot_id} holds memory taken before sandbox images were recorded: it "
+            "cannot be continued on an image it may not have run (restore its files with a newer snapshot)",
+            template=m.template,
+        )
+    return engine.recorded_image(m.template, m.template_version, m.image_id, tenant)
+
+
+def template_key(engine: Engine, tier: str, shape: str, image: ImageRef | None = None) -> str:
     """Registry key of a shape's template snapshot. A tier whose snapshots only restore into
     the same machine (microvm: same image and QEMU command line) adds that fingerprint, so a
     changed image or machine makes a new template instead of a failing restore."""
     backend = engine.backend(tier)
-    return f"template:{shape}" + (f":{backend.template_fingerprint()}" if isinstance(backend, TemplateCapable) else "")
+    return f"template:{shape}" + (
+        f":{backend.template_fingerprint(image)}" if isinstance(backend, TemplateCapable) else ""
+    )
 
 
 def _memory_cache(engine: Engine) -> Path:
@@ -749,7 +779,9 @@ def _cached_memory(engine: Engine, m: snaps.SnapshotManifest, work: Path) -> Pat
     return cache
 
 
-async def template_snapshot(engine: Engine, tier: str, tmpl, limits: Limits, shape: str) -> snaps.SnapshotManifest:
+async def template_snapshot(
+    engine: Engine, tier: str, tmpl, limits: Limits, shape: str, image: ImageRef | None = None
+) -> snaps.SnapshotManifest:
     """The memory snapshot of a warmed-up template sandbox (made once per shape, then reused).
 
     Pools of a tier with memory snapshots restore their sandboxes from it instead of booting
@@ -763,7 +795,7 @@ async def template_snapshot(engine: Engine, tier: str, tmpl, limits: Limits, sha
     async with lock:  # concurrent refills make one template, not one each
         fd = await _template_flock(engine, shape)
         try:
-            return await _template_snapshot(engine, tier, tmpl, limits, shape)
+            return await _template_snapshot(engine, tier, tmpl, limits, shape, image)
         finally:
             os.close(fd)
 
@@ -797,16 +829,22 @@ async def _template_flock(engine: Engine, shape: str) -> int:
         raise
 
 
-async def _template_snapshot(engine: Engine, tier: str, tmpl, limits: Limits, shape: str) -> snaps.SnapshotManifest:
+async def _template_snapshot(
+    engine: Engine, tier: str, tmpl, limits: Limits, shape: str, image: ImageRef | None
+) -> snaps.SnapshotManifest:
     store = store_for(engine)
-    key = template_key(engine, tier, shape)
+    if image is None:
+        image = engine.image_for(tmpl.name)
+    key = template_key(engine, tier, shape, image)
     sid = engine.registry.meta_text(key)
     if sid:
         try:
             return snaps.load_manifest(store, sid, _workdir(engine))
         except StorageError:
             pass  # gone or damaged: make a new one
-    got = await provision.launch(engine, provision.LaunchSpec(tier, tmpl.name, 3600.0, limits), provision.Cold(tmpl))
+    got = await provision.launch(
+        engine, provision.LaunchSpec(tier, tmpl.name, 3600.0, limits, image=image), provision.Cold(tmpl)
+    )
     info, session = got.info, got.session
     try:
         # from here until it is recorded as the template, a death of this process leaves a
@@ -882,6 +920,7 @@ async def restore(
         _check_fits(m, (limits.disk_mb + 2 * limits.tmp_mb) << 20)  # /workspace, /tmp and /home/user
         if tenant is not None:
             engine.registry.check_quota(tenant, m.tier, limits)
+        image = await asyncio.to_thread(image_of, engine, m, tenant)  # gone: refused before the fetch
         snaps.get_blob(store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, raw, work)
         got = await engine.create(
             tier=m.tier,
@@ -893,6 +932,7 @@ async def restore(
             tenant=tenant,
             resume_of=resume_of,
             mounts=() if resume_of else volumes_mod.of_sandbox(engine, m.sandbox_id),  # a resume: its own
+            image=image,
         )
         info, session = got.info, got.session
         try:

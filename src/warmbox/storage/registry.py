@@ -57,7 +57,7 @@ from warmbox.storage.uidslots import (  # noqa: F401 - MAX_SLOTS is re-exported 
 )
 from warmbox.tiers import canonical_tier
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -90,7 +90,9 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     idle_pause_after REAL NOT NULL DEFAULT 0,
     auto_resume INTEGER NOT NULL DEFAULT 0,
     last_used   REAL NOT NULL DEFAULT 0,
-    egress      TEXT NOT NULL DEFAULT ''
+    egress      TEXT NOT NULL DEFAULT '',
+    template_version INTEGER NOT NULL DEFAULT 0,
+    image_id    TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS snapshots (
     snapshot_id TEXT PRIMARY KEY,
@@ -98,7 +100,8 @@ CREATE TABLE IF NOT EXISTS snapshots (
     created_at  REAL NOT NULL,
     size_bytes  INTEGER NOT NULL,
     tenant      TEXT NOT NULL DEFAULT '',
-    auto        INTEGER NOT NULL DEFAULT 0
+    auto        INTEGER NOT NULL DEFAULT 0,
+    image_id    TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS snapshots_sandbox ON snapshots(sandbox_id, created_at);
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
@@ -275,11 +278,15 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     # version 8: the snapshots automatic pauses made (pruned as the sandbox moves on)
     "ALTER TABLE snapshots ADD COLUMN auto INTEGER NOT NULL DEFAULT 0",
     # version 9: templates and template_versions (new tables, made by SCHEMA)
+    # version 11: the template version and image a sandbox runs, and the image of each snapshot
+    "ALTER TABLE sandboxes ADD COLUMN template_version INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE sandboxes ADD COLUMN image_id TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE snapshots ADD COLUMN image_id TEXT NOT NULL DEFAULT ''",
 )
 _COLUMNS = (
     "sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
     "runtime_id, state_dir, socket_path, pool, claimed_at, parent_snapshot, metadata, "
-    "on_timeout, idle_pause_after, auto_resume"
+    "on_timeout, idle_pause_after, auto_resume, template_version, image_id"
 )
 
 GIB = float(1 << 30)
@@ -492,6 +499,8 @@ class Registry:
         owner: str = "",
         shape: str = "",
         tenant: Tenant | None = None,
+        template_version: int = 0,
+        image_id: str = "",
     ) -> int:
         """Insert a sandbox in state ``creating`` with a uid slot free on the whole host; returns the slot.
 
@@ -514,8 +523,8 @@ class Registry:
                 db.execute(
                     "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, "
                     "memory_mb, cpus, pids, uid_slot, runtime_id, state_dir, socket_path, pool, owner, shape, "
-                    "file_size_mb, open_files, tmp_mb, disk_mb, tenant, timeout_s, last_used) "
-                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    "file_size_mb, open_files, tmp_mb, disk_mb, tenant, timeout_s, last_used, template_version, "
+                    "image_id) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (
                         sandbox_id,
                         tier,
@@ -540,6 +549,8 @@ class Registry:
                         tenant.name if tenant is not None else "",
                         timeout_s,
                         now,
+                        template_version,
+                        image_id,
                     ),
                 )
                 db.execute(
@@ -918,6 +929,8 @@ class Registry:
             on_timeout,
             idle_pause_after,
             auto_resume,
+            template_version,
+            image_id,
         ) = r
         info = SandboxInfo(
             sandbox_id=sid,
@@ -938,6 +951,8 @@ class Registry:
                 idle_pause_after=idle_pause_after if idle_pause_after and idle_pause_after > 0 else None,
                 auto_resume=bool(auto_resume),
             ),
+            template_version=template_version or 0,
+            image_id=image_id or "",
         )
         handle = BackendHandle(
             sandbox_id=sid,
@@ -972,10 +987,35 @@ class Registry:
         """Record a snapshot; it belongs to its sandbox's tenant."""
         with self._tx() as db:
             db.execute(
-                "INSERT INTO snapshots (snapshot_id, sandbox_id, created_at, size_bytes, tenant) VALUES "
-                "(?,?,?,?, COALESCE((SELECT tenant FROM sandboxes WHERE sandbox_id=?), ''))",
-                (snapshot_id, sandbox_id, created_at, size, sandbox_id),
+                "INSERT INTO snapshots (snapshot_id, sandbox_id, created_at, size_bytes, tenant, image_id) VALUES "
+                "(?,?,?,?, COALESCE((SELECT tenant FROM sandboxes WHERE sandbox_id=?), ''), "
+                "COALESCE((SELECT image_id FROM sandboxes WHERE sandbox_id=?), ''))",
+                (snapshot_id, sandbox_id, created_at, size, sandbox_id, sandbox_id),
             )
+
+    def template_users(
+        self, template: str, version: int | None = None, tenant: str = ""
+    ) -> tuple[builtins.list[str], builtins.list[str], builtins.list[str]]:
+        """What uses ``template`` (of ``version``, or any): (ids of sandboxes not destroyed, names of
+        pools holding some, ids of snapshots taken of its sandboxes), of one tenant ("": the host's)."""
+        where = "s.template=? AND s.tenant=?"
+        args: builtins.list[object] = [template, tenant]
+        if version is not None:
+            where += " AND s.template_version=?"
+            args.append(version)
+        live = self._read(
+            f"SELECT s.sandbox_id, s.pool, s.state FROM sandboxes s WHERE {where} AND s.state<>? ORDER BY s.created_at",
+            (*args, State.DESTROYED.value),
+            many=True,
+        )
+        snaps = self._read(
+            f"SELECT n.snapshot_id FROM snapshots n JOIN sandboxes s ON s.sandbox_id=n.sandbox_id WHERE {where} "
+            "ORDER BY n.created_at",
+            tuple(args),
+            many=True,
+        )
+        pools = sorted({r[1] for r in live if r[1] and r[2] == State.POOLED.value})
+        return [r[0] for r in live], pools, [r[0] for r in snaps]
 
     def mark_auto(self, snapshot_id: str) -> None:
         """The snapshot was made by an automatic pause (idle, timeout): internal to its sandbox."""

@@ -62,6 +62,10 @@ class SnapshotManifest:
     memory_raw_bytes: int = 0
     format: int = FORMAT
     disk_mb: int = 0  # the sandbox's limits.disk_mb; 0: taken before /workspace had a quota (absent then)
+    # the image the sandbox ran (``sha256:<hex>``) and its template version: a restore runs that
+    # image again, never the template's latest ("": taken before images were recorded)
+    image_id: str = ""
+    template_version: int = 0
 
     @property
     def size_bytes(self) -> int:
@@ -187,6 +191,8 @@ def load_manifest(store: ObjectStore, snapshot_id: str, workdir: Path) -> Snapsh
             fields = {f.name: f for f in dataclasses.fields(SnapshotManifest)}
             if isinstance(raw, dict):
                 raw.setdefault("disk_mb", 0)  # a manifest from before disk quotas
+                raw.setdefault("image_id", "")  # ... and from before images were recorded
+                raw.setdefault("template_version", 0)
             if not isinstance(raw, dict) or set(raw) != set(fields):
                 raise ValueError("unexpected fields")
             for k in ("context_skipped", "env_names"):
