@@ -37,6 +37,10 @@ _HOP = frozenset(
         "content-length",
         "host",
         "authorization",
+        # every sandbox's preview shares the API's origin: a cookie one sandbox sets would be sent
+        # to every other sandbox's preview (and a cookie the browser holds would reach the sandbox)
+        "cookie",
+        "set-cookie",
     }
 )
 
