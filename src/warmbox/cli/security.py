@@ -328,6 +328,14 @@ GUARANTEES: tuple[Guarantee, ...] = (
     ),
     Guarantee(
         "ports",
+        "A sandbox's server behind the preview route cannot set cookies on the API's origin (shared by "
+        "every sandbox's preview) nor read the cookies a browser sends there: Set-Cookie is dropped on "
+        "the way out and Cookie on the way in.",
+        ("container",),
+        ("test_preview_cookies.py::test_preview_passes_no_cookie_either_way",),
+    ),
+    Guarantee(
+        "ports",
         "A connection storm on a forward holds at most MAX_CONNECTIONS tunnels (the rest are dropped at "
         "once) and they all close; an agent flooding past a tunnel's window, acknowledging bytes never "
         "sent, sending garbage or never answering gets a typed error, and the host's memory stays bounded; "
