@@ -6,6 +6,7 @@ owners shifted into the layer range, made by hand: tests/backends/conftest.py)."
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import shutil
 import subprocess
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.sandbox
 
 
 def image_of(*layers: str, env: tuple[tuple[str, str], ...] = (), workdir: str = "") -> ImageRef:
-    return ImageRef("test", 1, "sha256:" + "ab" * 32, tuple(layers), env, workdir, "")
+    ident = hashlib.sha256(repr((layers, env, workdir)).encode()).hexdigest()  # as the store's: one per content
+    return ImageRef("test", 1, "sha256:" + ident, tuple(layers), env, workdir, "")
 
 
 async def launch(engine: Engine, tier: str, image: ImageRef, build_upper: str = "", limits: Limits | None = None):

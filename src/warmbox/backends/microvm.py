@@ -49,7 +49,7 @@ from warmbox.backends import hostfs
 from warmbox.backends import microvm_image as images
 from warmbox.backends._host import tmpfs_sizes
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
-from warmbox.errors import ConfigError, NoSpace, SandboxStartError
+from warmbox.errors import ConfigError, NoSpace, SandboxStartError, Unsupported
 from warmbox.models import ImageRef
 
 T = TypeVar("T")
@@ -144,6 +144,7 @@ def qemu_argv(
     incoming: str | None = None,
     extra_cmdline: str = "",
     confine: int | None = None,
+    root: Path | None = None,
 ) -> list[str]:
     """The one QEMU command line of a sandbox VM (cold boot, or ``incoming`` = restore).
 
@@ -152,6 +153,7 @@ def qemu_argv(
     an empty directory and turns on its seccomp filter (no exec, no obsolete or
     resource-control syscalls): a guest that broke out of the device models would be an
     unprivileged process that sees no files and can start no programs.
+    root: the root disk (a template image's, ``microvm_image.image_root``); None: the built-in image's.
     """
     mem = limits.memory_mb + GUEST_OVERHEAD_MB
     argv = [
@@ -183,7 +185,7 @@ def qemu_argv(
         "-serial",
         "chardev:con",
         "-drive",
-        f"id=root,file={image / 'rootfs.ext4'},format=raw,if=none,readonly=on,cache=unsafe,file.locking=off",
+        f"id=root,file={root or image / 'rootfs.ext4'},format=raw,if=none,readonly=on,cache=unsafe,file.locking=off",
         "-device",
         "virtio-blk-device,drive=root",
         # the workspace disk comes as fds 3 (read-write) and 4 (read-only) in one fdset: QEMU
@@ -640,13 +642,16 @@ class MicroVMBackend:
         return self._image
 
     def template_fingerprint(self, image: ImageRef | None = None) -> str:
-        """What a memory snapshot must match to restore: image, accelerator, machine, argv (the
-        guest image is this tier's own for now: ``image``'s id is in the template's shape)."""
+        """What a memory snapshot must match to restore: image (and the root disk of ``image``,
+        named by its image id and the guest agent), accelerator, machine, argv."""
         import hashlib
 
         from warmbox.models import Limits
 
-        argv = qemu_argv(self.image(), Path("/state"), Limits(), self.accel()[0], incoming=INCOMING_FD, confine=0)
+        root = None if image is None else images.image_root_path(images.cache_dir(), image)
+        argv = qemu_argv(
+            self.image(), Path("/state"), Limits(), self.accel()[0], incoming=INCOMING_FD, confine=0, root=root
+        )
         return hashlib.sha256(
             json.dumps([argv, self.template_warmup, qemu_version(), self.build_id()]).encode()
         ).hexdigest()[:12]
@@ -664,11 +669,16 @@ class MicroVMBackend:
 
     async def create(self, spec: SandboxSpec) -> BackendHandle:
         if spec.volumes:
-            from warmbox.errors import Unsupported
-
             raise Unsupported("named volumes are not mounted on the microvm tier yet", self.tier, "no volume disks yet")
+        if spec.build_upper:
+            raise Unsupported(
+                "a template build sandbox runs on the container tier", self.tier, "builds need an overlay root"
+            )
         state = Path(spec.state_dir)
         await asyncio.to_thread(self.image)
+        if spec.image is not None:  # the image's own root disk, made once per image (minutes, the first time)
+            root = await asyncio.to_thread(images.image_root, images.cache_dir(), spec.image)
+            (state / ROOT_FILE).write_text(str(root))
         (state / "run").mkdir(mode=0o700, exist_ok=True)
         (state / "workspace").mkdir(mode=0o700, exist_ok=True)
         (state / "empty").mkdir(mode=0o555, exist_ok=True)  # QEMU's chroot: nothing in it
@@ -697,8 +707,9 @@ class MicroVMBackend:
         disk = Path(handle.state_dir) / "workspace" / "disk.qcow2"
         backing = await asyncio.to_thread(images.workspace_backing, self.image(), self._limits(handle).disk_mb)
         await _qemu_img(["create", "-q", "-f", "qcow2", "-b", str(backing), "-F", "raw", str(disk)], handle.sandbox_id)
-        # travels with the disk into snapshots: a restore needs this very build of the image
+        # travel with the disk into snapshots: a restore needs this very build of the image, and root disk
         (disk.parent / IMAGE_ID_FILE).write_text(self.build_id())
+        (disk.parent / ROOT_ID_FILE).write_text(self._root_name(handle))
         return await self._launch(handle, ready, incoming=None)
 
     async def restore(self, handle: BackendHandle, image_dir: Path, ready: Callable[[], Awaitable[T]]) -> T:
@@ -713,8 +724,9 @@ class MicroVMBackend:
     ) -> T:
         state = Path(handle.state_dir)
         image = self.image()
+        root = self._root(handle)
         argv = qemu_argv(
-            image, state, self._limits(handle), self.accel()[0], incoming=incoming, confine=handle.uid_base
+            image, state, self._limits(handle), self.accel()[0], incoming=incoming, confine=handle.uid_base, root=root
         )
         try:
             size_mb = check_workspace_disk(state / "workspace" / "disk.qcow2", image)
@@ -732,6 +744,16 @@ class MicroVMBackend:
             made_with = (state / "workspace" / IMAGE_ID_FILE).read_text().strip()
         except OSError:
             made_with = "unknown"
+        try:
+            root_with = (state / "workspace" / ROOT_ID_FILE).read_text().strip()
+        except OSError:
+            root_with = BUILTIN_ROOT  # a disk from before template images: the built-in root
+        if root_with != self._root_name(handle):
+            raise SandboxStartError(
+                f"this sandbox's disk and memory were made with the root disk {root_with}, not "
+                f"{self._root_name(handle)}: they cannot be restored onto it",
+                handle.sandbox_id,
+            )
         if made_with != self.build_id():
             raise SandboxStartError(
                 f"this sandbox's disk and memory were made with guest image build {made_with}, "
@@ -774,6 +796,23 @@ class MicroVMBackend:
             timeout=START_TIMEOUT_S,
             poll=0.002,
         )
+
+    def _root(self, handle: BackendHandle) -> Path | None:
+        """The sandbox's root disk when it runs a template image (``create`` names it), else None."""
+        try:
+            named = (Path(handle.state_dir) / ROOT_FILE).read_text().strip()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise SandboxStartError(f"the sandbox's root disk: {e.strerror or e}", handle.sandbox_id) from None
+        path = Path(named)
+        if path.parent != images.cache_dir() / images.ROOTS or path.suffix != ".ext4" or not path.is_file():
+            raise SandboxStartError(f"the sandbox's root disk {named} is not a template root", handle.sandbox_id)
+        return path
+
+    def _root_name(self, handle: BackendHandle) -> str:
+        root = self._root(handle)
+        return BUILTIN_ROOT if root is None else root.name
 
     @staticmethod
     def _why(state: Path) -> str:
@@ -873,6 +912,9 @@ class MicroVMBackend:
 
 
 IMAGE_ID_FILE = "image.id"  # beside disk.qcow2: the guest image build the disk and memory belong to
+ROOT_ID_FILE = "root.id"  # beside it: the root disk they belong to (a template root's name, or BUILTIN_ROOT)
+BUILTIN_ROOT = "builtin"
+ROOT_FILE = "root.path"  # in the state dir: the template root disk a sandbox runs (absent: the built-in)
 
 # The saved migration stream is handed to QEMU as its fd 5 (see vm_files): ~60-100 ms faster than
 # ``exec:cat FILE`` (no shell, no cat, no pipe copy of the whole stream).

@@ -32,10 +32,12 @@ import subprocess
 import time
 from pathlib import Path
 
+from warmbox.backends import rootfs
 from warmbox.backends._host import GITCONFIG, GUEST_GID, GUEST_UID, build_spawn_helpers
-from warmbox.backends.runc import GUEST_SOURCES, MATPLOTLIBRC, keep_only_font_list
+from warmbox.backends.runc import GUEST_SOURCES, MATPLOTLIBRC, guest_sources, install_guest, keep_only_font_list
 from warmbox.errors import SandboxStartError
 from warmbox.images import BUILTIN_EXCLUDES, BUILTIN_PACKAGES, debian_key, suite
+from warmbox.models import LAYER_UID_BASE, ImageRef
 
 BUILD_VERSION = "microvm-image-v4"
 # the built-in image's packages (warmbox.images: one list, the same tree on every tier). pip and
@@ -587,3 +589,196 @@ def _workspace(out: Path) -> None:
         ],
         "mkfs.ext4 of the workspace disk",
     )
+
+
+# --------------------------------------------------------------------------- a template image's root
+
+ROOTS = "microvm-roots"  # <cache>/microvm-roots/<image id>-<agent hash>.ext4: one per image
+ROOT_FORMAT = "microvm-root-v1"
+# what the initramfs's /init and the guest agent run from the image (INIT: switch_root, env, prlimit,
+# setpriv, python3)
+ROOT_NEEDS = ("usr/bin/python3", "usr/bin/env", "usr/bin/prlimit", "usr/bin/setpriv")
+_ROOT_DIRS = ("workspace", "home/user", "run", "tmp", "dev", "proc", "sys", "opt")
+_CLONE_NEWUSER = 0x10000000
+# Runs mkfs.ext4 as root of a new user namespace whose ids 0..65535 are the layers' host ids
+# LAYER_UID_BASE.. (the parent writes the maps between the two bytes): the ext4 holds the image's
+# own owners. A process of its own (no fork of the engine's threads); only the stdlib.
+_MAPPED_EXEC = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.unshare(CLONE_NEWUSER) != 0:
+    sys.stderr.write("unshare of a user namespace: " + os.strerror(ctypes.get_errno()) + "\n")
+    sys.exit(126)
+ready, go = int(sys.argv[1]), int(sys.argv[2])
+os.write(ready, b"u")
+if os.read(go, 1) != b"m":
+    sys.exit(125)
+os.close(ready)
+os.close(go)
+os.setgroups([])
+os.setresgid(0, 0, 0)
+os.setresuid(0, 0, 0)
+os.execv(sys.argv[3], sys.argv[3:])  # (no import from here on: the interpreter's files may be root's alone)
+""".replace("CLONE_NEWUSER", str(_CLONE_NEWUSER))
+
+
+def agent_hash() -> str:
+    """What a template image's microVM root takes from warmbox (not from the image): the guest agent,
+    the /etc files and mount points (the kernel and initramfs are the built-in image's)."""
+    h = hashlib.sha256(ROOT_FORMAT.encode() + repr((sorted(_ETC.items()), _ROOT_DIRS, ROOT_NEEDS)).encode())
+    for blob in guest_sources():
+        h.update(hashlib.sha256(blob).digest())
+    return h.hexdigest()[:16]
+
+
+def image_root_path(cache: Path, image: ImageRef) -> Path:
+    """Where the microVM root of ``image`` is (or will be) made: named by the image and the agent."""
+    ident = image.image_id.removeprefix("sha256:")
+    if not re.fullmatch(r"[0-9a-f]{16,64}", ident):
+        raise SandboxStartError(f"template {image.template}:{image.version} has a malformed image id")
+    return cache / ROOTS / f"{ident[:32]}-{agent_hash()}.ext4"
+
+
+def image_root(cache: Path, image: ImageRef) -> Path:
+    """The read-only ext4 root of a microVM running ``image``: its layers (an overlay mount on the
+    host) under the guest agent, warmbox's /etc files and the init's mount points, written by
+    ``mkfs.ext4 -d`` inside a user namespace mapping the layer range back to 0..65535 (the image's
+    owners). Built once per (image, agent), atomically (temp file + rename), under a lock, with a
+    UUID and hash seed that follow from its name."""
+    final = image_root_path(cache, image)
+    if final.is_file():
+        return final
+    rootfs.check_image(image, ROOT_NEEDS)
+    roots = final.parent
+    roots.mkdir(parents=True, exist_ok=True)
+    os.chmod(roots, 0o755)  # the mapped mkfs traverses it
+    import fcntl
+
+    with open(roots / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if final.is_file():
+            return final
+        for old in roots.glob(".tmp-*"):  # a build that died half-way (under the lock: not a live one)
+            _release_build(old)
+        work = roots / f".tmp-{os.getpid()}-{time.monotonic_ns()}"
+        work.mkdir(mode=0o755)
+        try:
+            _build_root(image, work, final)
+        finally:
+            _release_build(work)
+    return final
+
+
+def _release_build(work: Path) -> None:
+    try:
+        rootfs.unmount(work / "merged")
+    except OSError:
+        return  # still mounted: never removed (the next build retries)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _agent_tree(image: ImageRef, top: Path) -> None:
+    """The microVM agent layer of ``image`` (owners in the layer range: root, and 1000 for /home/user)."""
+    for d in _ROOT_DIRS:
+        (top / d).mkdir(parents=True, exist_ok=True)
+    os.chmod(top / "tmp", 0o1777)
+    etc = top / "etc"
+    etc.mkdir()
+    for name, text in _ETC.items():
+        if name in ("passwd", "group"):  # the image's users stay (a Dockerfile's useradd), with warmbox's
+            text = rootfs.with_sandbox_user(rootfs.read_file(image, f"etc/{name}"), text)
+        (etc / name).write_text(text)
+    install_guest(top)
+    for parent, dirs, files in os.walk(top):
+        for name in (*dirs, *files):
+            os.lchown(os.path.join(parent, name), LAYER_UID_BASE, LAYER_UID_BASE)
+    os.chown(top, LAYER_UID_BASE, LAYER_UID_BASE)
+    os.chown(top / "home/user", LAYER_UID_BASE + GUEST_UID, LAYER_UID_BASE + GUEST_GID)
+
+
+def _build_root(image: ImageRef, work: Path, final: Path) -> None:
+    top, merged = work / "agent", work / "merged"
+    top.mkdir(mode=0o755)
+    merged.mkdir(mode=0o755)
+    _agent_tree(image, top)
+    size_mb = int(sum(_du_mb(Path(d)) for d in (str(top), *image.layers)) * 1.25) + 64
+    tmp = work / "root.ext4"
+    with open(tmp, "xb") as f:
+        f.truncate(size_mb << 20)
+    os.chown(tmp, LAYER_UID_BASE, LAYER_UID_BASE)  # the mapped mkfs (the image's root) writes it
+    rootfs.mount_readonly(merged, [str(top), *reversed(image.layers)])
+    import uuid
+
+    seed = hashlib.sha256(final.name.encode()).digest()
+    argv = [
+        "mkfs.ext4",
+        "-q",
+        "-F",
+        "-L",
+        "wbroot",
+        "-O",
+        "^has_journal",
+        "-m",
+        "0",
+        "-U",
+        str(uuid.UUID(bytes=seed[:16], version=4)),
+        "-E",
+        f"hash_seed={uuid.UUID(bytes=seed[16:], version=4)},nodiscard",
+        "-d",
+        str(merged),
+        str(tmp),
+    ]
+    _run_mapped(argv, f"mkfs.ext4 of template {image.template}:{image.version}'s microVM root")
+    rootfs.unmount(merged)
+    os.chown(tmp, 0, 0)
+    os.chmod(tmp, 0o644)
+    os.rename(tmp, final)
+
+
+def _run_mapped(argv: list[str], what: str, timeout: float = 1800) -> None:
+    """``argv`` as root of a new user namespace mapping 0..65535 to the layer range (_MAPPED_EXEC)."""
+    import subprocess as sp
+    import sys
+
+    exe = shutil.which(argv[0])
+    if exe is None:
+        raise _fail(f"{what}: {argv[0]} is not installed")
+    argv = [exe, *argv[1:]]
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    try:
+        proc = sp.Popen(
+            [sys.executable, "-I", "-S", "-c", _MAPPED_EXEC, str(ready_w), str(go_r), *argv],
+            pass_fds=(ready_w, go_r),
+            stdin=sp.DEVNULL,
+            stdout=sp.PIPE,
+            stderr=sp.PIPE,
+            text=True,
+        )
+    except OSError as e:
+        for fd in (ready_r, ready_w, go_r, go_w):
+            os.close(fd)
+        raise _fail(f"{what}: {e.strerror or e}") from None
+    os.close(ready_w)
+    os.close(go_r)
+    try:
+        if os.read(ready_r, 1) == b"u":
+            mapping = f"0 {LAYER_UID_BASE} 65536\n"
+            for name in ("uid_map", "gid_map"):
+                with open(f"/proc/{proc.pid}/{name}", "w") as f:
+                    f.write(mapping)
+            os.write(go_w, b"m")
+        out, err = proc.communicate(timeout=timeout)
+    except sp.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise _fail(f"{what} took longer than {timeout:.0f} s") from None
+    except OSError as e:
+        proc.kill()
+        proc.communicate()
+        raise _fail(f"{what}: {e.strerror or e}") from None
+    finally:
+        os.close(ready_r)
+        os.close(go_w)
+    if proc.returncode != 0:
+        raise _fail(f"{what} (exit {proc.returncode})", sp.CompletedProcess(argv, proc.returncode, out, err))
