@@ -32,7 +32,7 @@ import stat
 import subprocess
 import tarfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -54,6 +54,7 @@ _UNSUPPORTED_XATTRS = (
     "user.overlay.redirect",
     "user.overlay.metacopy",
 )
+_STALE_TMP_S = 6 * 3600.0  # work files left this long in tmp/ are an interrupted process's
 _GZIP = b"\x1f\x8b"
 _ZSTD = b"\x28\xb5\x2f\xfd"
 
@@ -163,6 +164,17 @@ class LayerStore:
         (CorruptLayer if it does not); None: computed. A hostile archive (a member out of the
         layer, a write through a symlink, a device or FIFO, a hardlink to something it did not
         write, more than the store's bound) is a TemplateError naming the member; nothing stays."""
+        try:
+            src = open(path, "rb")
+        except OSError as e:
+            raise TemplateError(f"cannot read the layer blob {path}: {e.strerror}") from None
+        with src:
+            return self.add_stream(src, digest=digest, media_type=media_type, shown=str(path))
+
+    def add_stream(
+        self, src: BinaryIO, *, digest: str | None = None, media_type: str = "", shown: str = "a stream"
+    ) -> LayerInfo:
+        """add_blob of an open file (read to its end; not closed): ``shown`` names it in errors."""
         want = hex_of(digest) if digest is not None else None
         if "+" in media_type and not media_type.endswith(("+gzip", "+zstd")):
             raise TemplateError(f"layer media type {media_type!r} is not supported (tar, tar+gzip, tar+zstd)")
@@ -171,20 +183,20 @@ class LayerStore:
                 return self._info(want)
             tmp = self._temp("blob")
             try:
-                try:
-                    src = open(path, "rb")
-                except OSError as e:
-                    raise TemplateError(f"cannot read the layer blob {path}: {e.strerror}") from None
-                with src, open(tmp, "xb") as raw:
+                with open(tmp, "xb") as raw:
                     h = hashlib.sha256()
+                    n = 0
                     while chunk := src.read(_COPY):
+                        n += len(chunk)
+                        if n > self.max_layer_bytes:
+                            raise TemplateError(f"layer blob {shown} is larger than {self.max_layer_bytes} bytes")
                         h.update(chunk)
                         raw.write(chunk)
                     raw.flush()
                     os.fsync(raw.fileno())
                 hexd = h.hexdigest()
                 if want is not None and hexd != want:
-                    raise CorruptLayer(f"layer blob {path} hashes to sha256:{hexd}, not {digest}", value=digest or "")
+                    raise CorruptLayer(f"layer blob {shown} hashes to sha256:{hexd}, not {digest}", value=digest or "")
                 os.replace(tmp, self.blobs / hexd)
             finally:
                 tmp.unlink(missing_ok=True)
@@ -234,8 +246,10 @@ class LayerStore:
                     continue
                 if self._remove(hexd):
                     removed.append(f"sha256:{hexd}")
-            for entry in os.listdir(self.tmp):
-                _rmtree(self.tmp / entry)  # the exclusive lock: nobody is adding
+            for entry in os.listdir(self.tmp):  # a pull or bootstrap works here unlocked: old ones only
+                with contextlib.suppress(FileNotFoundError):
+                    if now - (self.tmp / entry).lstat().st_mtime > _STALE_TMP_S:
+                        _rmtree(self.tmp / entry)
             for entry in os.listdir(self.dirs):
                 if entry.startswith("."):
                     _rmtree(self.dirs / entry)
@@ -353,13 +367,18 @@ def debian_layer(
     *,
     mirror: str | None = None,
     variant: str = "minbase",
+    excludes: Sequence[str] = DEBIAN_EXCLUDES,
+    prepare: Callable[[Path], None] | None = None,
+    prepare_key: str = "",
     timeout_s: float = 1800.0,
 ) -> LayerInfo:
-    """A Debian root (mmdebstrap ``--variant=minbase --include=packages``; docs, man pages and
-    locales left out; apt's caches emptied) as one layer, cached in the step cache by suite,
-    packages, mirror and variant: the bootstrap runs once per host. ``mirror``: an http(s)/file
-    URL (None: the host's apt sources). TemplateBuildError if mmdebstrap fails (its output's end
-    in the message)."""
+    """A Debian root (mmdebstrap ``--variant=minbase --include=packages``; ``excludes``: dpkg
+    path-exclude patterns, by default docs, man pages and locales; apt's caches emptied) as one
+    layer, cached in the step cache by all the arguments: the bootstrap runs once per host.
+    ``mirror``: an http(s)/file URL (None: the host's apt sources). ``prepare``: called with the
+    root directory (host owners, ids 0..65535) before it becomes the layer, to add or change
+    files; ``prepare_key`` names what it does (part of the cache key: change it when it changes).
+    TemplateBuildError if mmdebstrap fails (its output's end in the message)."""
     if not isinstance(suite, str) or not _SUITE.match(suite):
         raise InvalidArgument(f"not a Debian suite name: {suite!r}")
     if isinstance(packages, str):
@@ -372,7 +391,9 @@ def debian_layer(
         raise InvalidArgument(f"mirror must be an http(s):// or file:// URL, got {mirror!r}")
     if variant not in ("minbase", "essential", "required", "important", "standard", "custom", "apt"):
         raise InvalidArgument(f"not an mmdebstrap variant: {variant!r}")
-    key = "debian:" + json.dumps([suite, pkgs, mirror or "", variant, list(DEBIAN_EXCLUDES)])
+    if isinstance(excludes, str) or not all(isinstance(x, str) and x.startswith("/") for x in excludes):
+        raise InvalidArgument(f"excludes must be a list of absolute path patterns, got {excludes!r}")
+    key = "debian:" + json.dumps([suite, pkgs, mirror or "", variant, list(excludes), prepare_key])
     cached = store.cached_step(key)
     if cached is not None:
         return store.get(cached)
@@ -381,7 +402,7 @@ def debian_layer(
     argv = ["mmdebstrap", f"--variant={variant}", "--quiet", "--mode=root"]
     if pkgs:
         argv.append("--include=" + ",".join(pkgs))
-    argv += [f"--dpkgopt=path-exclude={x}" for x in DEBIAN_EXCLUDES]
+    argv += [f"--dpkgopt=path-exclude={x}" for x in excludes]
     argv += ["--dpkgopt=path-include=/usr/share/doc/*/copyright", suite, str(tmp)]
     if mirror is not None:
         argv.append(mirror)
@@ -401,6 +422,8 @@ def debian_layer(
             if junk_dir.is_dir():
                 for entry in os.listdir(junk_dir):
                     _rmtree(junk_dir / entry)
+        if prepare is not None:
+            prepare(tmp)
         info = store.add_tree(tmp, owner_base=0)
     finally:
         if tmp.exists():
