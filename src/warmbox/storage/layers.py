@@ -185,11 +185,11 @@ class LayerStore:
             try:
                 with open(tmp, "xb") as raw:
                     h = hashlib.sha256()
-                    n = 0
+                    n, most = 0, 2 * self.max_layer_bytes + (16 << 20)  # the files' bytes + tar headers
                     while chunk := src.read(_COPY):
                         n += len(chunk)
-                        if n > self.max_layer_bytes:
-                            raise TemplateError(f"layer blob {shown} is larger than {self.max_layer_bytes} bytes")
+                        if n > most:
+                            raise TemplateError(f"layer blob {shown} is larger than {most} bytes")
                         h.update(chunk)
                         raw.write(chunk)
                     raw.flush()
