@@ -342,6 +342,10 @@ def _layer_one(tar: tarfile.TarFile, m: tarfile.TarInfo, dirs: _Dirs, files: set
         _replace(name, parent, m.name)
         os.symlink(m.linkname, name, dir_fd=parent)
         os.chown(name, uid, gid, dir_fd=parent, follow_symlinks=False)
+        try:
+            os.utime(name, (m.mtime, m.mtime), dir_fd=parent, follow_symlinks=False)
+        except (OverflowError, ValueError):
+            pass
     elif m.islnk():
         target = member_parts(m.linkname)
         if not target or _key(target) not in files:

@@ -510,6 +510,7 @@ class _Packer:
             try:
                 _refuse_overlay_features(fd, path)
                 info.type = tarfile.DIRTYPE
+                info.mtime = 0  # it changes as entries come and go; a layer's digest depends on content only
                 self.tar.addfile(info)
                 if any(_xattr(fd, x) == b"y" for x in _OPAQUE):
                     opq = tarfile.TarInfo(path + "/" + safetar.LayerRules.OPAQUE)
