@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 TEST_CACHE = Path(os.environ.get("WARMBOX_TEST_CACHE") or "/var/lib/warmbox/test-cache")
-PY_PACKAGES = ("python3-minimal",)
+PY_PACKAGES = ("python3",)  # the whole stdlib: the guest agent needs json, socket, ...
 EXCLUDES = ("/usr/share/man/*", "/usr/share/doc/*", "/usr/share/locale/*", "/usr/share/info/*")
 IMAGE_TAG = "py"
 IMAGE_ENV = ("WARMBOX_OCI=1", "PATH=/usr/local/bin:/usr/bin:/bin")
@@ -88,7 +88,7 @@ def _make_rootfs(tmp: Path) -> None:
 
 @pytest.fixture(scope="session")
 def python_rootfs() -> Path:
-    """A Debian bookworm root (essential + python3-minimal, no devices), read-only to tests."""
+    """A Debian bookworm root (essential + python3, no devices), read-only to tests."""
     _need("mmdebstrap")
     return _cached(f"py-rootfs-{_key(PY_PACKAGES, EXCLUDES, 'motd')}", _make_rootfs) / "rootfs"
 
