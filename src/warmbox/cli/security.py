@@ -379,6 +379,15 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ("container",),
         ("test_image_layers.py::test_a_killed_creator_and_daemon_leave_no_mount",),
     ),
+    Guarantee(
+        "host paths",
+        "A template's layers on the host are root's alone: a setuid or setgid file a build's RUN step "
+        "planted cannot be run by another host user as the layers' owner (LAYER_UID_BASE), and no host "
+        "user reads a tenant's layer; the image's sandboxes still read it (through their overlay), "
+        "setuid powerless inside.",
+        ("container", "gvisor"),
+        ("test_layer_host_access.py::test_a_setuid_file_planted_by_a_build_gives_host_users_nothing",),
+    ),
 )
 
 

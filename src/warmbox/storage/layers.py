@@ -86,8 +86,12 @@ class LayerStore:
     def _ensure(self) -> None:
         if self._made:
             return
-        # dirs/ is traversable by anyone: sandboxes' overlay mounts reach the layers through it
-        for d, mode in ((self.root, 0o755), (self.dirs, 0o755), (self.blobs.parent, 0o700)):
+        # dirs/ is root's alone: a layer keeps its files' modes, setuid and setgid bits included, and
+        # its owners are the layer uid range — a host user who reached a layer could run a setuid
+        # file a build planted as host uid LAYER_UID_BASE (which owns every layer) and read every
+        # tenant's files. Sandboxes do not need to: their overlay reads its lower layers with the
+        # mounter's (root's) rights, and so does a microVM root's mapped mkfs, through an overlay.
+        for d, mode in ((self.root, 0o755), (self.dirs, 0o700), (self.blobs.parent, 0o700)):
             d.mkdir(parents=True, exist_ok=True)
             os.chmod(d, mode)
         for d in (self.blobs, self.steps, self.tmp):
