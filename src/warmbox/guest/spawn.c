@@ -13,6 +13,10 @@
  * The child runs in the memory of a multithreaded Python process (vfork): it makes system calls
  * only, no allocation, no stdio, no locks. (An extra exec here would cost as much as the
  * command's own; the PID-namespace mode for tiers without a host cgroup is wb-init, init.c.)
+ *
+ * Built with the host's gcc, loaded by a template image's glibc: it asks for nothing newer than
+ * glibc 2.2.5 (sigprocmask, not pthread_sigmask@2.32; its own reasons, not strerrordesc_np@2.32),
+ * so images with an older glibc than the host's load it too.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -45,6 +49,27 @@ static void unblock_all(void) {
     sigprocmask(SIG_SETMASK, &none, 0);
 }
 
+/* why an exec failed, in glibc's words for the reasons an exec has */
+static const char *reason(int e) {
+    switch (e) {
+        case ENOENT: return "No such file or directory";
+        case EACCES: return "Permission denied";
+        case EPERM: return "Operation not permitted";
+        case ENOEXEC: return "Exec format error";
+        case E2BIG: return "Argument list too long";
+        case ENOMEM: return "Cannot allocate memory";
+        case ETXTBSY: return "Text file busy";
+        case ENOTDIR: return "Not a directory";
+        case EISDIR: return "Is a directory";
+        case ELOOP: return "Too many levels of symbolic links";
+        case ENAMETOOLONG: return "File name too long";
+        case EAGAIN: return "Resource temporarily unavailable";
+        case EIO: return "Input/output error";
+        case ELIBBAD: return "Accessing a corrupted shared library";
+        default: return 0;
+    }
+}
+
 static int place(int from, int to) {  /* dup2 that also clears CLOEXEC when from == to */
     if (from == to) return fcntl(to, F_SETFD, 0);
     return dup2(from, to) < 0 ? -1 : 0;
@@ -72,7 +97,7 @@ static void run(const char *exe, char *const argv[], char *const envp[], const c
     }
     execve(exe, argv, envp);
     int e = errno;
-    const char *why = strerrordesc_np(e);
+    const char *why = reason(e);
     put(2, argv[0]);
     put(2, ": ");
     put(2, why ? why : "cannot execute");
@@ -83,7 +108,7 @@ static void run(const char *exe, char *const argv[], char *const envp[], const c
 static void block_all(sigset_t *old) {
     sigset_t all;
     sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, old);
+    sigprocmask(SIG_SETMASK, &all, old);  /* the calling thread's mask, as pthread_sigmask */
 }
 
 int wb_spawn_cgroup(const char *exe, char *const argv[], char *const envp[], const char *cwd,
@@ -101,7 +126,7 @@ int wb_spawn_cgroup(const char *exe, char *const argv[], char *const envp[], con
         run(exe, argv, envp, cwd, stdio, keep_fd);
     }
     int e = errno;
-    pthread_sigmask(SIG_SETMASK, &old, 0);
+    sigprocmask(SIG_SETMASK, &old, 0);
     if (pid < 0) return -e;
     if (err) return -err;  /* the child exited (126); the agent's reaper collects it */
     return pid;
