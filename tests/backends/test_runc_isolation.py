@@ -96,7 +96,10 @@ def test_readonly_root_writable_workspace_and_tmp(sb):
 def test_minimal_etc_and_no_host_secrets(sb):
     r = run(sb, "cat /etc/shadow")
     assert r.exit_code != 0
-    assert run(sb, "cat /etc/passwd").stdout.count("\n") == 3
+    # the image's /etc/passwd (Debian's system users) with warmbox's root, user and nobody first
+    lines = run(sb, "cat /etc/passwd").stdout.splitlines()
+    assert [line.split(":")[0] for line in lines[:3]] == ["root", "user", "nobody"]
+    assert all(int(line.split(":")[2]) < 1000 for line in lines[3:]), lines
     assert run(sb, "ls /root 2>&1; ls /home").stdout.split() in (
         ["user"],
         ["ls:", "cannot", "open", "directory", "'/root':", "Permission", "denied", "user"],
