@@ -478,10 +478,13 @@ def test_a_workspace_disk_naming_other_files_is_refused(tmp_path):
 
 
 def test_the_relay_serves_nobody_until_the_guest_took_entropy_and_clock(tmp_path):
-    """vmrelay's restore handshake against a fake guest helper: entropy, 'R', a fresh clock, 'K'."""
+    """vmrelay's restore handshake against a fake guest helper: entropy, 'R', a fresh clock, 'K',
+    the volumes to mount, one answer per slot."""
     import struct
 
     from warmbox.backends import vmrelay
+
+    block = vmrelay.MOUNT_SLOTS * vmrelay.MOUNT_RECORD
 
     def helper(answers: bytes) -> tuple[socket.socket, list[bytes]]:
         a, b = socket.socketpair()
@@ -493,15 +496,26 @@ def test_the_relay_serves_nobody_until_the_guest_took_entropy_and_clock(tmp_path
             if answers[:1] == b"R":
                 got.append(b.recv(16, socket.MSG_WAITALL))
                 b.sendall(answers[1:2])
+                if answers[1:2] == b"K":
+                    got.append(b.recv(block, socket.MSG_WAITALL))
+                    b.sendall(answers[2:])
             b.close() if answers == b"" else None
 
         threading.Thread(target=run, daemon=True).start()
         return a, got
 
-    sock, got = helper(b"RK")
+    sock, got = helper(b"RK----")
     t0 = time.time()
     assert vmrelay.after_restore(sock, timeout=5) == ""
     assert len(got[0]) == 64 and abs(struct.unpack("<qq", got[1])[0] - t0) < 5
+    assert got[2] == bytes(block)  # nothing to mount
+    mounts = bytearray(block)
+    mounts[0], mounts[1:6] = 1, b"/data"
+    sock, got = helper(b"RKP---")
+    assert "volume at /data: its mount point" in vmrelay.after_restore(sock, timeout=5, mounts=bytes(mounts))
+    assert got[2] == bytes(mounts)
+    sock, _ = helper(b"RKM---")
+    assert vmrelay.after_restore(sock, timeout=5, mounts=bytes(mounts)) == ""
     sock, _ = helper(b"E")
     assert "answered b'E' to the entropy" in vmrelay.after_restore(sock, timeout=5)
     sock, _ = helper(b"RE")
@@ -530,6 +544,10 @@ def test_the_relay_serves_nobody_until_the_guest_took_entropy_and_clock(tmp_path
             restore.sendall(b"R")
             assert len(restore.recv(16, socket.MSG_WAITALL)) == 16
             restore.sendall(b"K")
+            assert restore.recv(block, socket.MSG_WAITALL) == bytes(block)
+            with pytest.raises(socket.timeout):
+                guest.recv(1)  # nor before the volumes were mounted
+            restore.sendall(b"----")
             guest.settimeout(5)
             assert isinstance(p.recv_message(guest, p.HOST_TO_GUEST), p.Ping)
     finally:

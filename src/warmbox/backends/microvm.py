@@ -23,6 +23,10 @@ on this project's host (QEMU 7.2, ``/dev/kvm`` = PVM):
   tmpfs (memory).
 - No network device at all: the VM has only loopback (network mode "none"). Nothing of the
   host's filesystem is shared into the guest.
+- Named volumes: their ext4 images are extra virtio-blk disks (VOLUME_SLOTS of them, always
+  there: see ``volume_files``), mounted by the guest's root helper after a restore; a read-only
+  one is read-only to QEMU itself (its fds and drive). ext4 is not a shared filesystem, so a
+  read-write volume is this VM's alone (the registry refuses any other mount meanwhile).
 - Limits: ``-m`` = limits.memory_mb + guest overhead; the guest's init puts the agent and all
   it runs into a cgroup with memory.max / pids.max / cpu.max from the kernel command line.
 """
@@ -50,7 +54,7 @@ from warmbox.backends import microvm_image as images
 from warmbox.backends._host import tmpfs_sizes
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
 from warmbox.errors import ConfigError, NoSpace, SandboxStartError, Unsupported
-from warmbox.models import ImageRef
+from warmbox.models import MAX_VOLUME_MB, ImageRef
 
 T = TypeVar("T")
 QEMU = "qemu-system-x86_64"
@@ -145,8 +149,13 @@ def qemu_argv(
     extra_cmdline: str = "",
     confine: int | None = None,
     root: Path | None = None,
+    volume_slots: Sequence[bool] | None = None,
 ) -> list[str]:
     """The one QEMU command line of a sandbox VM (cold boot, or ``incoming`` = restore).
+
+    volume_slots: one flag per named-volume disk slot (VOLUME_SLOTS of them: a memory image
+    restores only into the devices it was saved with, so every sandbox VM has them all), True
+    for a read-only one; None: no slots (the benchmark's raw QEMU). See ``volume_files``.
 
     confine: a host uid (and gid) of the sandbox's own unused id range. QEMU opens its files,
     sockets and disks as root, then — before the guest runs — drops to that uid, chroots into
@@ -215,6 +224,20 @@ def qemu_argv(
         "-global",
         "migration.store-global-state=off",
     ]
+    for i, read_only in enumerate(volume_slots or ()):
+        # as the workspace: a read-write and a read-only fd in one set (fds 6.. : see vm_files)
+        fd, fdset = 6 + 2 * i, 2 + i
+        argv += [
+            "-add-fd",
+            f"fd={fd},set={fdset},opaque=rw",
+            "-add-fd",
+            f"fd={fd + 1},set={fdset},opaque=ro",
+            "-drive",
+            f"id=vol{i},file=/dev/fdset/{fdset},format=raw,if=none,cache=writeback,file.locking=off"
+            + (",readonly=on" if read_only else ""),
+            "-device",
+            f"virtio-blk-device,drive=vol{i},serial=wbvol{i}",
+        ]
     if confine is not None:
         argv += [
             "-runas",
@@ -542,12 +565,24 @@ def _ours(pid: int, state: Path) -> bool:
 _running, _kill = host.running, host.kill
 
 
-def vm_files(state: Path, memory: Path | None = None) -> list[tuple[Path, int]]:
-    """The files a VM gets as fds 3, 4 (its workspace disk, rw + ro) and 5 (a memory image)."""
+def vm_files(
+    state: Path, memory: Path | None = None, volumes: Sequence[tuple[Path, bool]] | None = None
+) -> list[tuple[Path, int]]:
+    """The files a VM gets as fds 3, 4 (its workspace disk, rw + ro), 5 (a memory image) and, with
+    ``volumes`` (one (image, writable) per slot), 6.. (each slot's rw + ro fds; a read-only slot's
+    both read-only: QEMU itself cannot write it)."""
     disk = state / "workspace" / "disk.qcow2"
     files = [(disk, os.O_RDWR | os.O_NOFOLLOW), (disk, os.O_RDONLY | os.O_NOFOLLOW)]
     if memory is not None:
         files.append((memory, os.O_RDONLY))
+    if volumes is not None:
+        if memory is None:
+            files.append((Path(os.devnull), os.O_RDONLY))  # fd 5: no memory image on a cold boot
+        for path, writable in volumes:
+            files += [
+                (path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW),
+                (path, os.O_RDONLY | os.O_NOFOLLOW),
+            ]
     return files
 
 
@@ -603,6 +638,7 @@ class MicroVMBackend:
             snapshot_start=True,
             oom_counted_in_guest=True,
             root_user=True,
+            volume_own_disk=True,
         )
 
     def accel(self) -> tuple[str, str]:
@@ -650,7 +686,14 @@ class MicroVMBackend:
 
         root = None if image is None else images.image_root_path(images.cache_dir(), image)
         argv = qemu_argv(
-            self.image(), Path("/state"), Limits(), self.accel()[0], incoming=INCOMING_FD, confine=0, root=root
+            self.image(),
+            Path("/state"),
+            Limits(),
+            self.accel()[0],
+            incoming=INCOMING_FD,
+            confine=0,
+            root=root,
+            volume_slots=(False,) * VOLUME_SLOTS,
         )
         return hashlib.sha256(
             json.dumps([argv, self.template_warmup, qemu_version(), self.build_id()]).encode()
@@ -668,11 +711,15 @@ class MicroVMBackend:
     # ---- lifecycle
 
     async def create(self, spec: SandboxSpec) -> BackendHandle:
-        if spec.volumes:
-            raise Unsupported("named volumes are not mounted on the microvm tier yet", self.tier, "no volume disks yet")
         if spec.build_upper:
             raise Unsupported(
                 "a template build sandbox runs on the container tier", self.tier, "builds need an overlay root"
+            )
+        if len(spec.volumes) > VOLUME_SLOTS:
+            raise Unsupported(
+                f"a microVM mounts at most {VOLUME_SLOTS} volumes, got {len(spec.volumes)}",
+                self.tier,
+                f"{VOLUME_SLOTS} volume disk slots",
             )
         state = Path(spec.state_dir)
         await asyncio.to_thread(self.image)
@@ -683,6 +730,12 @@ class MicroVMBackend:
         (state / "workspace").mkdir(mode=0o700, exist_ok=True)
         (state / "empty").mkdir(mode=0o555, exist_ok=True)  # QEMU's chroot: nothing in it
         (state / "limits.json").write_text(json.dumps(dataclasses.asdict(spec.limits)))
+        (state / VOLUMES_FILE).write_text(json.dumps([[v.path, v.read_only, v.disk] for v in spec.volumes]))
+        fd = os.open(state / SLOT_PLACEHOLDER, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:  # an empty slot's disk: sparse, as large as the largest volume (see volume_files)
+            os.ftruncate(fd, MAX_VOLUME_MB << 20)
+        finally:
+            os.close(fd)
         return BackendHandle(
             sandbox_id=spec.sandbox_id,
             tier=self.tier,
@@ -725,8 +778,16 @@ class MicroVMBackend:
         state = Path(handle.state_dir)
         image = self.image()
         root = self._root(handle)
+        slots, mounts = volume_files(state, cold=incoming is None, sandbox_id=handle.sandbox_id)
         argv = qemu_argv(
-            image, state, self._limits(handle), self.accel()[0], incoming=incoming, confine=handle.uid_base, root=root
+            image,
+            state,
+            self._limits(handle),
+            self.accel()[0],
+            incoming=incoming,
+            confine=handle.uid_base,
+            root=root,
+            volume_slots=[not writable for _, writable in slots],
         )
         try:
             size_mb = check_workspace_disk(state / "workspace" / "disk.qcow2", image)
@@ -763,7 +824,8 @@ class MicroVMBackend:
             )
         (state / "qemu.argv").write_text(json.dumps(argv))
         procs = HostCgroup(handle.sandbox_id).create_for(self._limits(handle), self.accel()[0])
-        qemu = _spawn(argv, state / "qemu.log", vm_files(state, memory), procs)
+        (state / "volumes.bin").write_bytes(mounts)
+        qemu = _spawn(argv, state / "qemu.log", vm_files(state, memory, slots), procs)
         relay = _spawn(
             [
                 sys.executable,
@@ -775,6 +837,7 @@ class MicroVMBackend:
                 str(handle.uid_base),
                 str(qemu),
                 str(state / "run" / "restore.sock"),
+                str(state / "volumes.bin"),
             ],
             state / "relay.log",
             (),
@@ -786,7 +849,7 @@ class MicroVMBackend:
         async def stopped() -> bool:  # the relay ends when QEMU does, or on a guest's protocol violation
             return not (host.running(qemu) and host.running(relay))
 
-        return await host.wait_for_agent(
+        got = await host.wait_for_agent(
             ready,
             sock.exists,
             stopped,
@@ -796,6 +859,9 @@ class MicroVMBackend:
             timeout=START_TIMEOUT_S,
             poll=0.002,
         )
+        if any(mounts):  # the guest has them now: its memory (a pause, a snapshot) holds them mounted
+            (state / "workspace" / VOLUMES_MOUNTED).write_text((state / VOLUMES_FILE).read_text())
+        return got
 
     def _root(self, handle: BackendHandle) -> Path | None:
         """The sandbox's root disk when it runs a template image (``create`` names it), else None."""
@@ -915,6 +981,54 @@ IMAGE_ID_FILE = "image.id"  # beside disk.qcow2: the guest image build the disk 
 ROOT_ID_FILE = "root.id"  # beside it: the root disk they belong to (a template root's name, or BUILTIN_ROOT)
 BUILTIN_ROOT = "builtin"
 ROOT_FILE = "root.path"  # in the state dir: the template root disk a sandbox runs (absent: the built-in)
+
+# Named volumes. Every sandbox VM has VOLUME_SLOTS virtio-blk disks (serial wbvol<n>): a memory
+# image restores only into the devices it was saved with, and a template VM is saved before
+# anyone asked for a volume. An empty slot is a sparse file of MAX_VOLUME_MB (SLOT_PLACEHOLDER, in
+# the state dir): the guest kernel reads a disk's size once, at boot, so every slot is as large as
+# any volume can be, and a volume attached at a restore is never past the end of its disk. After
+# a restore from a template the guest's root helper mounts them (vmrelay sends what to mount,
+# wb-restore flushes the slot's stale block cache and mounts it); a VM restored from its own
+# memory (a resume, a fork) has them mounted already (VOLUMES_MOUNTED travels with its disk).
+VOLUME_SLOTS = 4
+VOLUMES_FILE = "volumes.json"  # [[path, read_only, image], ...] of this sandbox, slot order
+VOLUMES_MOUNTED = "volumes.mounted"  # beside disk.qcow2: what the guest in this memory has mounted
+SLOT_PLACEHOLDER = "volume-slot.img"
+SLOT_RECORD = 256  # per slot in the block sent to wb-restore: flag byte + mount path, NUL-padded
+
+
+def volume_files(state: Path, *, cold: bool, sandbox_id: str) -> tuple[list[tuple[Path, bool]], bytes]:
+    """Each slot's (disk image, writable), and the block telling the guest what to mount.
+
+    A cold boot (a template's) has every slot writable (the features the guest then negotiates
+    allow any volume later); an empty slot after that is read-only. The block is empty (zeros)
+    when the memory restored has the volumes mounted already or there are none."""
+    try:
+        volumes = [(str(p), bool(ro), str(d)) for p, ro, d in json.loads((state / VOLUMES_FILE).read_text())]
+    except (OSError, ValueError, TypeError):
+        volumes = []
+    placeholder = state / SLOT_PLACEHOLDER
+    slots = [(Path(d), not ro) for _, ro, d in volumes]
+    slots += [(placeholder, cold)] * (VOLUME_SLOTS - len(slots))
+    try:
+        mounted = [(str(p), bool(ro)) for p, ro, _ in json.loads((state / "workspace" / VOLUMES_MOUNTED).read_text())]
+    except (OSError, ValueError, TypeError):
+        mounted = None
+    if mounted is not None:
+        if mounted != [(p, ro) for p, ro, _ in volumes]:
+            raise SandboxStartError(
+                f"this VM's memory has volumes mounted at {mounted}, not the sandbox's ({volumes})", sandbox_id
+            )
+        return slots, bytes(SLOT_RECORD * VOLUME_SLOTS)
+    block = bytearray(SLOT_RECORD * VOLUME_SLOTS)
+    for i, (path, ro, _) in enumerate(volumes):
+        raw = path.encode()
+        if len(raw) >= SLOT_RECORD - 1:
+            raise SandboxStartError(f"a volume path longer than {SLOT_RECORD - 2} bytes: {path[:60]}...", sandbox_id)
+        block[i * SLOT_RECORD] = 2 if ro else 1
+        block[i * SLOT_RECORD + 1 : i * SLOT_RECORD + 1 + len(raw)] = raw
+    return slots, bytes(block)
+
 
 # The saved migration stream is handed to QEMU as its fd 5 (see vm_files): ~60-100 ms faster than
 # ``exec:cat FILE`` (no shell, no cat, no pipe copy of the whole stream).

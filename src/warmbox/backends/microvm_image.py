@@ -95,7 +95,7 @@ done
 # the root helper that reseeds the kernel's generator and sets the clock after every restore
 # (outside the sandbox's cgroup, never chosen by the OOM killer; uid 1000 cannot signal it)
 $B chmod 600 /newroot$restore
-/bin/wb-restore /newroot$restore /newroot/dev/urandom &
+/bin/wb-restore /newroot$restore /newroot/dev/urandom /newroot &
 echo -1000 > /newroot/proc/$!/oom_score_adj
 C=/newroot/run/wb-cgroup
 $B mkdir -m 700 $C

@@ -13,7 +13,7 @@ logged. Client frames are decoded as host->guest messages too, so nothing malfor
 the guest. Ids start at a random offset, so output of requests made before a pause or by a
 previous relay can never be mistaken for a current request's.
 
-Run as ``python3 -I -S vmrelay.py CHARDEV_SOCKET LISTEN_SOCKET [UID [QEMU_PID [RESTORE_SOCKET]]]``
+Run as ``python3 -I -S vmrelay.py CHARDEV_SOCKET LISTEN_SOCKET [UID [QEMU_PID [RESTORE_SOCKET [MOUNTS]]]]``
 (stdlib + protocol.py only: it is on every restore's path). With UID it drops to that uid (the
 sandbox's own range) once its sockets are open, before it reads a byte from the guest. It exits
 when QEMU closes the chardev; when the guest violates the protocol it also kills QEMU_PID (a VM
@@ -23,8 +23,10 @@ After a restore: every VM restored from one memory image holds the same kernel r
 the image's wall clock. With RESTORE_SOCKET (QEMU's chardev of the guest's ``warmbox.restore``
 port) the relay first writes 64 bytes of host entropy there and waits for the guest's root helper
 (wb-restore) to answer (pool credited, crng rekeyed), then sends a fresh reading of the host's
-clock and waits for it to be set, before it serves any client: no command runs on the old state.
-It keeps that connection open, so the helper sleeps in poll() meanwhile.
+clock and waits for it to be set, then the named volumes to mount (MOUNTS: a file of the block
+wb-restore reads, read before the relay drops its uid; zeros: nothing to mount) and waits for each
+slot's answer, before it serves any client: no command runs on the old state or before its
+volumes are there. It keeps that connection open, so the helper sleeps in poll() meanwhile.
 """
 
 from __future__ import annotations
@@ -267,9 +269,18 @@ def _connect(path: str) -> socket.socket:
             time.sleep(0.002)
 
 
-def after_restore(sock: socket.socket, timeout: float = RESTORE_TIMEOUT_S) -> str:
+MOUNT_SLOTS, MOUNT_RECORD = 4, 256  # microvm.VOLUME_SLOTS, SLOT_RECORD
+_MOUNT_ANSWERS = {
+    b"P": "its mount point cannot be had (a symlink or a non-directory on the way, or the microVM's read-only "
+    "root image: mount volumes below /workspace, /tmp or /home/user, or at a directory the image has)",
+    b"D": "its disk is missing in the guest",
+    b"F": "the guest could not mount it (not an ext4 volume?)",
+}
+
+
+def after_restore(sock: socket.socket, timeout: float = RESTORE_TIMEOUT_S, mounts: bytes | None = None) -> str:
     """Host entropy, then (once the guest answered, so the reading is fresh) the host's clock to
-    the guest's wb-restore; "" once both were taken, else why not."""
+    the guest's wb-restore, then the volumes to mount; "" once all were done, else why not."""
     sock.settimeout(timeout)
     try:
         sock.sendall(os.urandom(64))
@@ -282,6 +293,21 @@ def after_restore(sock: socket.socket, timeout: float = RESTORE_TIMEOUT_S) -> st
         answer = sock.recv(1)
         if answer != b"K":
             return f"the guest's restore helper answered {answer!r} to the clock"
+        block = mounts if mounts is not None else bytes(MOUNT_SLOTS * MOUNT_RECORD)
+        sock.settimeout(30.0)
+        sock.sendall(block)
+        answers = b""
+        while len(answers) < MOUNT_SLOTS:
+            got = sock.recv(MOUNT_SLOTS - len(answers))
+            if not got:
+                return "the guest's restore helper closed the port before answering the volumes"
+            answers += got
+        for i in range(MOUNT_SLOTS):
+            a = answers[i : i + 1]
+            want = b"-" if block[i * MOUNT_RECORD] == 0 else b"M"
+            if a != want:
+                path = block[i * MOUNT_RECORD + 1 : (i + 1) * MOUNT_RECORD].rstrip(b"\0").decode(errors="replace")
+                return f"volume at {path}: " + _MOUNT_ANSWERS.get(a, f"the guest answered {a!r}")
     except OSError as e:  # a timeout too
         return f"no answer from the guest's restore helper ({e or 'timed out'})"
     finally:
@@ -294,6 +320,13 @@ def main(argv: list[str]) -> int:
     uid = int(argv[2]) if len(argv) > 2 else None
     qemu_pid = int(argv[3]) if len(argv) > 3 and uid is not None else None
     restore_path = argv[4] if len(argv) > 4 else None
+    mounts = None
+    if len(argv) > 5:
+        with open(argv[5], "rb") as f:
+            mounts = f.read(MOUNT_SLOTS * MOUNT_RECORD + 1)
+        if len(mounts) != MOUNT_SLOTS * MOUNT_RECORD:
+            _log(f"{argv[5]}: not a volume block of {MOUNT_SLOTS * MOUNT_RECORD} bytes")
+            return 1
     try:
         os.unlink(listen_path)
     except FileNotFoundError:
@@ -316,7 +349,7 @@ def main(argv: list[str]) -> int:
         os.setgid(uid)
         os.setuid(uid)
     if restore is not None:
-        why = after_restore(restore)
+        why = after_restore(restore, mounts=mounts)
         if why:
             _log(f"the guest's kernel was not reseeded or its clock not set, relay stops: {why}")
             if qemu_pid:  # nobody will ever be served by this VM
