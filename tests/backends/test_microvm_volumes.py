@@ -17,7 +17,7 @@ from warmbox import Limits, Sandbox, Volume
 from warmbox.backends import workspace_disk
 from warmbox.errors import PathPermissionDenied, SandboxStartError, VolumeInUse
 
-LIMITS = Limits(memory_mb=256, pids=64, tmp_mb=64)
+LIMITS = Limits(memory_mb=224, pids=64, tmp_mb=64)  # a shape of its own: test_microvm times its first template
 pytestmark = pytest.mark.sandbox
 
 
