@@ -20,6 +20,7 @@ import pytest
 
 from tests.backends.conftest import debian_layer, qemu_pids  # noqa: F401  (debian_layer: a fixture)
 from tests.conftest import wait_for
+from tests.templates.conftest import oci_layout, python_rootfs  # noqa: F401  (fixtures: an OCI image with python3)
 from warmbox import protocol as p
 from warmbox.engine.engine import Engine
 

@@ -270,3 +270,41 @@ def test_image_id_and_image_ref(tmp_path):
     ref = image_ref(store, info)
     assert (ref.template, ref.version, ref.image_id, ref.layers) == ("t", 3, iid, (layer.path,))
     assert ref.env == (("A", "1"),) and ref.workdir == "/w"
+
+
+def test_concurrent_processes_adding_and_unpacking_the_same_layer_agree(tmp_path):
+    """Several processes (several warmbox homes share the cache) add one tree and unpack one
+    blob at once: one blob, one directory, every process gets it, nothing half-made is left."""
+    import subprocess
+    import sys
+
+    tree = _tree(tmp_path / "upper")
+    for i in range(200):
+        (tree / f"usr/bin/f{i}").write_bytes(os.urandom(2048))
+        _own(tree / f"usr/bin/f{i}", 0)
+    cache = tmp_path / "cache"
+    script = (
+        "import sys, shutil; from pathlib import Path; from warmbox.storage.layers import LayerStore\n"
+        "s = LayerStore(Path(sys.argv[1]))\n"
+        "i = s.add_tree(Path(sys.argv[2]), owner_base=int(sys.argv[3]))\n"
+        "for _ in range(3):\n"
+        "    shutil.rmtree(i.path, ignore_errors=True)\n"
+        "    j = s.get(i.digest)\n"
+        "print(i.digest, j.path)\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(cache), str(tree), str(BASE)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(4)
+    ]
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len({o[0] for o in outs}) == 1
+    store = LayerStore(cache)
+    digest = outs[0][0]
+    assert store.digests() == [digest]
+    store.verify(digest)
+    d = Path(store.get(digest).path)
+    assert (d / "home/user/notes.txt").read_text() == "hello" and len(os.listdir(d / "usr/bin")) == 201
+    assert os.listdir(store.tmp) == [] and [n for n in os.listdir(store.dirs) if n.startswith(".")] == []

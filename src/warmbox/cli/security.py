@@ -388,6 +388,23 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ("container", "gvisor"),
         ("test_layer_host_access.py::test_a_setuid_file_planted_by_a_build_gives_host_users_nothing",),
     ),
+    Guarantee(
+        "host paths",
+        "An OCI image layer whose members would land outside the layer ('..', an absolute name, a write "
+        "through a symlink it planted) or that holds a device node is refused whole on import, and nothing "
+        "of it stays in the layer store.",
+        ("container", "gvisor"),
+        ("test_hostile_images.py::test_an_image_layer_that_escapes_or_holds_a_device_is_refused",),
+    ),
+    Guarantee(
+        "isolation",
+        "What an image may hold gets its sandboxes nothing: an absolute symlink to a host file resolves "
+        "inside the sandbox's own root, and a setuid-root binary of the image runs as the sandbox user.",
+        ("container", "gvisor"),
+        (
+            "test_hostile_images.py::test_an_image_symlink_to_a_host_file_and_a_setuid_root_binary_give_the_sandbox_nothing",
+        ),
+    ),
 )
 
 
