@@ -92,6 +92,17 @@ def test_numpy_is_the_image_s_on_container_and_gvisor(home, runc_ready):
     assert got == {"container": want, "gvisor": want}
 
 
+@pytest.mark.microvm
+def test_numpy_is_the_image_s_on_microvm_too(home, runc_ready):
+    """The microVM's root is made from the same Debian tree (run under flock /work/vm.lock)."""
+    layer = Path(Engine.for_home(home).image_for("base").layers[0])
+    want = sorted(p.name for p in (layer / "usr/lib/python3/dist-packages").glob("numpy-*.egg-info"))
+    with Sandbox.create("microvm", template="shell", timeout=300, limits=Limits(memory_mb=512)) as box:
+        got = box.commands.run(NUMPY, timeout=120).stdout.strip()
+        assert box.get_info().image_id == Engine.for_home(home).image_for("shell").image_id
+    assert want and got == want[0].split("-")[1].removesuffix(".egg")
+
+
 def test_snapshot_of_v1_restores_on_v1_after_a_rebuild_and_a_gone_image_is_refused(home, app):
     engine = Engine.for_home(home)
     v1 = app("v1")
