@@ -136,6 +136,7 @@ def test_builtin_records_resolve_by_id(engine, cache, tmp_path):
     assert engine.recorded_image("base", 0, "").image_id == cur.image_id  # from before images: the current
     # the doctor says it is built
     assert images.builtin_record() == cur
+    assert engine.layers_in_use() == {d1, d2}  # a layer gc keeps both builds' layers
 
 
 def test_memory_snapshot_without_an_image_is_refused(engine):

@@ -228,6 +228,14 @@ class Engine:
             )
         return images.image_ref(info)
 
+    def layers_in_use(self) -> set[str]:
+        """Layer digests a layer gc must keep for this home: every template version's (of any
+        tenant) and every built-in image build's recorded on this host (snapshots of an older
+        built-in image restore on it). Other homes share the store: a host-wide gc unions theirs."""
+        from warmbox.engine import images
+
+        return self.registry.template_layers() | {d for r in images.builtin_records() for d in r.layers}
+
     def pool_shape(self, pc: PoolConfig, *, build: bool = True) -> str:
         """The shape key of pool ``pc``'s sandboxes: tier, template, limits and the image its
         template has now (a rebuilt template: a new shape, the old sandboxes retire)."""
