@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import re
+
 from warmbox import config
 from warmbox.templates import check_name, check_template
-from warmbox.templates.builtins import BROWSER, BUILTINS, CHROMIUM, IMAGE_BUILTINS, PLAYWRIGHT, builtin
-from warmbox.templates.spec import AptInstall, BuiltSource, PipInstall
+from warmbox.templates.builtins import (
+    BROWSER,
+    BUILTINS,
+    CHROMIUM,
+    IMAGE_BUILTINS,
+    PLAYWRIGHT,
+    PLAYWRIGHT_REQUIREMENTS,
+    builtin,
+)
+from warmbox.templates.spec import AptInstall, BuiltSource, Run
 
 
 def test_every_builtin_is_in_the_table_with_a_valid_name():
@@ -22,12 +32,19 @@ def test_every_builtin_is_in_the_table_with_a_valid_name():
     assert all(BUILTINS[n].template() is None for n in IMAGE_BUILTINS)
 
 
-def test_browser_builds_on_base_with_debian_chromium_and_playwright():
+def test_browser_builds_on_base_with_debian_chromium_and_hash_pinned_playwright():
     t = BROWSER.template()
     assert t is not None and check_template(t) is t
     assert t.source == BuiltSource("base")  # no second Debian tree: on top of the built-in image
     apt, pip = t.layer_steps()
     assert isinstance(apt, AptInstall) and "chromium" in apt.packages and "fonts-liberation" in apt.packages
-    assert isinstance(pip, PipInstall) and pip.packages == (PLAYWRIGHT,) and "==" in PLAYWRIGHT  # pinned
-    assert t.build_network.mode == "allowlist" and "deb.debian.org" in t.build_network.allow
+    # every requirement pinned to one version and its wheel's digest; pip checks them all
+    assert isinstance(pip, Run) and "--require-hashes" in pip.shell and "--only-binary=:all:" in pip.shell
+    pins = [r.split() for r in PLAYWRIGHT_REQUIREMENTS]
+    assert pins[0][0] == PLAYWRIGHT and all("==" in p[0] for p in pins)
+    assert all(len(p) == 2 and re.fullmatch(r"--hash=sha256:[0-9a-f]{64}", p[1]) for p in pins)
+    assert all(r in pip.shell for r in PLAYWRIGHT_REQUIREMENTS)
+    assert t.build_network.mode == "allowlist" and set(t.build_network.allow) == {
+        "deb.debian.org", "security.debian.org", "pypi.org", "files.pythonhosted.org"
+    }  # fmt: skip
     assert t.warmup_code == "" and CHROMIUM in BROWSER.description

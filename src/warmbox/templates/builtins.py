@@ -20,8 +20,27 @@ from warmbox.templates.spec import Template
 CHROMIUM = "/usr/bin/chromium"
 BROWSER_PACKAGES = ("chromium", "fonts-liberation")
 PLAYWRIGHT = "playwright==1.65.2"
+# Playwright and its one dependency, pinned by the sha256 of their x86_64 wheels (PyPI's digests):
+# pip checks every download against them, so what is installed does not depend on the TLS path to
+# PyPI — which is why the hosts may be "trusted" (a TLS-intercepting proxy between the build and
+# PyPI, as on hosts behind an egress proxy, then works). Into /usr/local (Debian's place for local
+# installs): the system's python3 and a sandbox's own venv (system site packages) import it.
+PLAYWRIGHT_REQUIREMENTS = (
+    f"{PLAYWRIGHT} --hash=sha256:58932d35f56767ab7ebcdd3d4a733bfb3e62a1a5bc43c08e28b9fa9b3e61cf33",
+    "greenlet==3.5.6 --hash=sha256:1c20ea32a73d17b9b60e3371240e17b0068120c98a5ec01a224a7dd8c89733ba",
+)
+PYPI_HOSTS = ("pypi.org", "files.pythonhosted.org")
+PLAYWRIGHT_INSTALL = (
+    "set -e\n"
+    + "".join(f"echo '{r}' >> /tmp/requirements.txt\n" for r in PLAYWRIGHT_REQUIREMENTS)
+    + "PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore python3 -m pip install "
+    "--no-input --break-system-packages --only-binary=:all: --require-hashes "
+    + " ".join(f"--trusted-host {h}" for h in PYPI_HOSTS)
+    + " -r /tmp/requirements.txt\n"
+    "playwright --version\n"
+)
 # the build's egress: the suite's archive (the image's sources.list) and PyPI
-BROWSER_BUILD_HOSTS = ("deb.debian.org", "security.debian.org", "pypi.org", "files.pythonhosted.org")
+BROWSER_BUILD_HOSTS = ("deb.debian.org", "security.debian.org", *PYPI_HOSTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +70,7 @@ BROWSER = Builtin(
     f"base + Debian's chromium ({CHROMIUM}) and Playwright for Python; launch(executable_path={CHROMIUM!r})",
     spec=Template.from_template("base")
     .apt_install(list(BROWSER_PACKAGES))
-    .pip_install([PLAYWRIGHT])
+    .run(PLAYWRIGHT_INSTALL)
     .network(list(BROWSER_BUILD_HOSTS)),
 )
 # the templates of the built-in image (their warm-ups: config.BUILTIN_TEMPLATES, which the settings
