@@ -5,13 +5,17 @@ refused, its size a hard limit, tenants apart, nothing left mounted after destro
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 from tests.attacks.conftest import require_tier
-from tests.conftest import cli
+from tests.conftest import cli, wait_for
 from warmbox import AsyncSandbox, Sandbox, Volume
 from warmbox import operations as ops
 from warmbox.backends import workspace_disk
@@ -21,6 +25,7 @@ from warmbox.errors import (
     InvalidArgument,
     NoSpace,
     PathPermissionDenied,
+    SandboxStartError,
     VolumeError,
     VolumeInUse,
     VolumeNotFound,
@@ -255,3 +260,105 @@ def test_warmbox_volume_cli(runc_ready):
     assert r.returncode == 0, r.stderr
     r = cli("volume", "show", name)
     assert r.returncode == 125 and "no volume named" in r.stderr
+
+
+_KILLED_CREATOR = textwrap.dedent("""
+    import os, sys
+    from warmbox import Sandbox, Volume
+    from warmbox.backends import gvisor, runc
+
+    async def die(self, handle, ready):  # the volume is mounted: the creator dies here
+        print(handle.sandbox_id, flush=True)
+        os.kill(os.getpid(), 9)
+
+    runc.RuncBackend.start = gvisor.GvisorBackend.start = die
+    Sandbox.create(sys.argv[1], pool=False, template="shell", timeout=60, volumes=[Volume(sys.argv[2], "/data")])
+""")
+
+
+@pytest.mark.sandbox
+def test_a_creator_killed_with_a_volume_mounted_leaves_no_mount_once_reaped(home, tier):
+    """The daemon's crash recovery (reap: the backend's destroy) unmounts the volume; the
+    volume is in use until then, and its loop device goes with its last mount."""
+    engine = Engine.for_home(home)
+    name = _name()
+    Sandbox.create_volume(name, 32, home=home)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", _KILLED_CREATOR, tier, name],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        assert r.returncode == -9, r.stderr[-2000:]
+        sid = r.stdout.split()[0]
+        assert _mounts(engine, sid) and _loops(engine), "the volume was not mounted when the creator died"
+        with pytest.raises(VolumeInUse):
+            Sandbox.delete_volume(name, home=home)
+
+        def reaped() -> bool:
+            try:
+                asyncio.run(engine.reap())
+            except Exception:
+                pass  # the daemon may be reaping it at the same time
+            return engine.info(sid)[0].state is State.DESTROYED
+
+        wait_for(reaped, 60, "the reaper to destroy the orphan")
+        assert not _mounts(engine, sid) and not _loops(engine)
+    finally:
+        Sandbox.delete_volume(name, home=home)
+
+
+@pytest.mark.sandbox
+def test_a_failed_create_unmounts_what_it_mounted_and_an_image_link_is_never_followed(home, runc_ready):
+    """Two volumes, the second's mount point in the image is a symlink (/bin -> usr/bin on Debian):
+    the create fails with a typed error before the runtime runs, the first volume is unmounted, and
+    nothing was made where the link points."""
+    engine = Engine.for_home(home)
+    a, b = _name(), _name()
+    for n in (a, b):
+        Sandbox.create_volume(n, 32, home=home)
+    try:
+        before = {i.sandbox_id for i, _ in engine.registry.list(include_dead=True)}
+        with pytest.raises(SandboxStartError, match="not a directory"):
+            Sandbox.create(
+                "container",
+                pool=False,
+                template="shell",
+                home=home,
+                volumes=[Volume(a, "/workspace/a"), Volume(b, "/bin/vol")],
+            )
+        assert not Path("/usr/bin/vol").exists()
+        failed = [i for i, _ in engine.registry.list(include_dead=True) if i.sandbox_id not in before]
+        assert failed and all(i.state is State.DESTROYED for i in failed)
+        assert not any(_mounts(engine, i.sandbox_id) for i in failed) and not _loops(engine)
+        assert Sandbox.get_volume(a, home=home).mounted_by == ()
+    finally:
+        for n in (a, b):
+            Sandbox.delete_volume(n, home=home)
+
+
+@pytest.mark.sandbox
+def test_a_gvisor_memory_pause_keeps_its_processes_and_mounts_the_volume_again(home, runc_ready):
+    require_tier(home, "gvisor")
+    engine = Engine.for_home(home)
+    name = _name()
+    Sandbox.create_volume(name, 32, home=home)
+    try:
+        sb = Sandbox.create("gvisor", pool=False, home=home, volumes=[Volume(name, "/data")])
+        try:
+            sb.commands.run("echo before > /data/f")
+            # the code context's process holds a file of the volume open across the checkpoint
+            sb.run_code("f = open('/data/f'); x = 41")
+            assert sb.pause(memory=True).memory
+            assert not _mounts(engine, sb.sandbox_id) and not _loops(engine)
+            back = Sandbox.connect(sb.sandbox_id, home=home)
+            assert back.run_code("f.seek(0); (x + 1, f.read().strip())").text == "(42, 'before')"
+            r = back.commands.run("echo after >> /data/f; cat /data/f")
+            assert r.stdout.split() == ["before", "after"], r.stdout + r.stderr
+        finally:
+            Sandbox.connect(sb.sandbox_id, home=home).kill()
+        assert not _loops(engine)
+    finally:
+        Sandbox.delete_volume(name, home=home)
