@@ -8,7 +8,20 @@ from pathlib import Path
 import warmbox
 
 SRC = Path(warmbox.__file__).parent
-CORE = {"errors", "models", "protocol", "lifecycle", "operations", "paths", "tiers", "config", "api", "wire", "images"}
+CORE = {
+    "errors",
+    "models",
+    "protocol",
+    "lifecycle",
+    "operations",
+    "paths",
+    "tiers",
+    "config",
+    "api",
+    "wire",
+    "templates",
+    "images",
+}
 # what each part may import besides itself and core
 ALLOWED: dict[str, set[str]] = {
     "core": set(),

@@ -68,18 +68,26 @@ from warmbox.models import (
     SnapshotRef,
     StageTiming,
     State,
+    TemplateBuildEvent,
+    TemplateInfo,
     TierStatus,
     Volume,
     VolumeInfo,
     WriteEntry,
 )
 from warmbox.network.policy import Network, Secret
-from warmbox.sdk import AsyncSandbox, CodeContext, CommandHandle, Sandbox
+from warmbox.sdk import AsyncSandbox, AsyncTemplates, CodeContext, CommandHandle, Sandbox, Templates
+from warmbox.templates import Template
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArtifactCorrupt",
+    "AsyncTemplates",
+    "Template",
+    "TemplateBuildEvent",
+    "TemplateInfo",
+    "Templates",
     "CorruptLayer",
     "DockerfileError",
     "TemplateBuildError",

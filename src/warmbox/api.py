@@ -117,6 +117,16 @@ ROUTES: tuple[Route, ...] = (
     Route(Op.VOLUME_LIST, "GET", f"{PREFIX}/volumes", "query", idempotent=True, summary="List your volumes"),
     Route(Op.VOLUME_GET, "GET", f"{PREFIX}/volumes/{{name}}", "query", idempotent=True, summary="A volume's record"),
     Route(Op.VOLUME_DELETE, "DELETE", f"{PREFIX}/volumes/{{name}}", "query", summary="Delete a volume (not in use)"),
+    Route(
+        Op.TEMPLATE_BUILD,
+        "POST",
+        f"{PREFIX}/templates",
+        response="ndjson",
+        summary="Build a template (NDJSON progress)",
+    ),
+    Route(Op.TEMPLATE_LIST, "GET", f"{PREFIX}/templates", "query", idempotent=True, summary="Built templates"),
+    Route(Op.TEMPLATE_GET, "GET", f"{PREFIX}/templates/{{name}}", "query", idempotent=True, summary="A built template"),
+    Route(Op.TEMPLATE_DELETE, "DELETE", f"{PREFIX}/templates/{{name}}", "query", summary="Remove a template"),
 )
 
 BY_OP: dict[Op, Route] = {r.op: r for r in ROUTES}

@@ -60,6 +60,8 @@ from typing import Any
 
 from warmbox.errors import ConfigError, InvalidArgument, LimitTooHigh
 from warmbox.models import Limits
+from warmbox.templates import toml as template_toml
+from warmbox.templates.spec import Template as ImageSpec
 from warmbox.tiers import canonical_tier
 
 # Built-in templates that run the built-in image (warmbox.images; the table of every built-in
@@ -97,6 +99,7 @@ class Template:
     warmup_code: str | None = ""
     warmup_commands: tuple[str, ...] = ()
     description: str = ""
+    build: ImageSpec | None = None  # its image's build spec (warmbox template build NAME), if any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -521,7 +524,11 @@ def parse(
     for name, t in _table(raw, "templates", source).items():
         where = f"templates.{name}"
         t = _as_table(t, where, source)
-        _only(t, {"warmup_code", "warmup_commands", "description"}, where, source)
+        _only(t, {"warmup_code", "warmup_commands", "description", *template_toml.BUILD_KEYS}, where, source)
+        try:
+            build = template_toml.spec_from_table(t, os.path.dirname(os.path.abspath(source)))
+        except InvalidArgument as e:
+            raise ConfigError(f"{source}: {where}: {e}") from None
         base = BUILTIN_TEMPLATES.get(name, {})
         code = t.get("warmup_code", base.get("warmup_code", ""))
         if code is not None and not isinstance(code, str):
@@ -534,6 +541,7 @@ def parse(
             warmup_code=code,
             warmup_commands=tuple(cmds),
             description=_str(t.get("description", base.get("description", "")), f"{where}.description", source),
+            build=build,
         )
     if defaults.template not in templates:
         raise ConfigError(f"{source}: defaults.template {defaults.template!r} is not a template")

@@ -712,6 +712,25 @@ class TemplateInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class TemplateBuildEvent:
+    """One step's progress in a template build (streamed while it builds).
+
+    step: 0 for the image source, then 1..total for the steps. text: the step in one line
+    ("RUN make"). status: "cached" (its layer was reused: no sandbox), "running", "done", "failed",
+    or "config" (ENV/WORKDIR/USER: the image's config, no layer). elapsed_s: seconds since the step
+    began (0 for "running"). detail: the layer digest when done/cached, the reason when failed, an
+    output line while running (the build log has all of it).
+    """
+
+    step: int
+    total: int
+    text: str
+    status: Literal["cached", "running", "done", "failed", "config"]
+    elapsed_s: float = 0.0
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class VolumeMount:
     """A named volume mounted into one sandbox: ``disk`` is the host path of the volume's ext4
     image (its size is the volume's limit), ``path`` where the sandbox sees it."""

@@ -35,11 +35,14 @@ from warmbox.models import (
     SandboxQuery,
     SnapshotRef,
     StageTiming,
+    TemplateBuildEvent,
+    TemplateInfo,
     TierStatus,
     Volume,
     VolumeInfo,
     WriteEntry,
 )
+from warmbox.templates import Template
 
 R = TypeVar("R")
 TextSink = Callable[[str], object]
@@ -117,6 +120,10 @@ class Op(str, enum.Enum):
     VOLUME_LIST = "volumes.list"
     VOLUME_GET = "volumes.get"
     VOLUME_DELETE = "volumes.delete"
+    TEMPLATE_BUILD = "templates.build"
+    TEMPLATE_LIST = "templates.list"
+    TEMPLATE_GET = "templates.get"
+    TEMPLATE_DELETE = "templates.delete"
 
 
 class Request(Generic[R]):
@@ -797,6 +804,52 @@ class VolumeDelete(Request[None]):
     name: str
 
 
+# ---- templates
+
+ProgressSink = Callable[[TemplateBuildEvent], object]  # may return an awaitable: awaited
+
+
+@dataclasses.dataclass(frozen=True)
+class TemplateBuild(Request[TemplateInfo]):
+    """Build ``template`` as the next version of the template ``name`` (the same spec and image as
+    the latest version: that version again). context: a tar of the COPY steps' sources, made on the
+    caller's side (``warmbox.engine.builder.pack_context``; the SDK and CLI make it). on_progress:
+    a TemplateBuildEvent per step as it goes (cached / running / done / failed / config). Over
+    HTTP: NDJSON events, then the result. TemplateBuildError names a failed step and its log."""
+
+    op: ClassVar[Op] = Op.TEMPLATE_BUILD
+    name: str
+    template: Template
+    context: bytes | None = None
+    on_progress: ProgressSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
+
+
+@dataclasses.dataclass(frozen=True)
+class TemplateList(Request[list[TemplateInfo]]):
+    """Every built template version of the caller's (all versions; the latest last per name)."""
+
+    op: ClassVar[Op] = Op.TEMPLATE_LIST
+
+
+@dataclasses.dataclass(frozen=True)
+class TemplateGet(Request[TemplateInfo]):
+    """One built template: its latest version, or ``version``; TemplateNotFound if none."""
+
+    op: ClassVar[Op] = Op.TEMPLATE_GET
+    name: str
+    version: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TemplateDelete(Request[list[TemplateInfo]]):
+    """Remove a template's versions (all, or ``version``); the records removed. TemplateInUse if a
+    sandbox, pool or snapshot uses it (its layers go at the next layer gc)."""
+
+    op: ClassVar[Op] = Op.TEMPLATE_DELETE
+    name: str
+    version: int | None = None
+
+
 REQUESTS: dict[Op, type[Request[Any]]] = {
     cls.op: cls
     for cls in (
@@ -852,5 +905,9 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         VolumeList,
         VolumeGet,
         VolumeDelete,
+        TemplateBuild,
+        TemplateList,
+        TemplateGet,
+        TemplateDelete,
     )
 }

@@ -16,6 +16,8 @@ warmbox pool warm [NAME...]       wait (with progress) until pools reach their t
 warmbox down                      stop this home's daemon; pooled sandboxes are destroyed
 warmbox volume create NAME --size 1G | ls | show NAME | rm NAME   named volumes (run/create -v NAME:PATH[:ro])
 warmbox keys create|ls|revoke     API keys of tenants (secret shown once), their quotas
+warmbox template build FILE|NAME  build a template (Dockerfile, .py, .toml, or a NAME); progress per step
+warmbox template ls|show|rm       built templates: versions, image ids, sizes; remove one
 warmbox config                    the effective settings (warmbox.toml + WARMBOX_* overrides)
 warmbox doctor                    which tiers this host can run, and why not
 warmbox demo                      a short tour on the embedded defaults
@@ -219,12 +221,13 @@ def _parser() -> argparse.ArgumentParser:
     q = nsub.add_parser("show", help="a sandbox's policy")
     q.add_argument("sandbox_id")
     sub.add_parser("down", help="stop the daemon; destroys pooled (not claimed) sandboxes")
-    from warmbox.cli import keys
+    from warmbox.cli import keys, templates
 
     keys.add_parser(sub, _Parser)
     from warmbox.cli import volumes
 
     volumes.add_parser(sub, _Parser)
+    templates.add_parser(sub, _Parser)
     p = sub.add_parser("config", help="show the effective settings")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("doctor", help="which tiers this host can run")
@@ -708,6 +711,12 @@ async def _keys(args: argparse.Namespace) -> int:
     return await keys.command(args)
 
 
+async def _template(args: argparse.Namespace) -> int:
+    from warmbox.cli import templates
+
+    return await templates.command(args)
+
+
 async def _config(args: argparse.Namespace) -> int:
     from warmbox.cli import pools
 
@@ -817,6 +826,7 @@ _COMMANDS = {
     "keys": _keys,
     "config": _config,
     "doctor": _doctor,
+    "template": _template,
     "logs": _logs,
     "demo": _demo,
     "mcp": _mcp,

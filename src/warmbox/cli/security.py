@@ -403,6 +403,19 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ("container", "gvisor"),
         (
             "test_hostile_images.py::test_an_image_symlink_to_a_host_file_and_a_setuid_root_binary_give_the_sandbox_nothing",
+    ),
+    Guarantee(
+        "files",
+        "A template build's untrusted steps cannot steer the host: COPY lays its files out in a tree of "
+        "the host's own and looks at the image's layers with directory fds that never follow a link (a "
+        "COPY through a symlink a RUN step planted is refused; onto one, it replaces the link), the build "
+        "context arrives as a tar unpacked by safetar (no member lands outside it), and a tenant cannot "
+        "name a host path (from_oci) as its image.",
+        ("container",),
+        (
+            "test_template_build.py::test_a_planted_symlink_does_not_steer_a_later_copy",
+            "test_template_build.py::test_a_hostile_build_context_is_refused_before_any_sandbox",
+            "test_template_build.py::test_a_tenant_cannot_build_from_a_host_path",
         ),
     ),
 )

@@ -37,6 +37,7 @@ from warmbox.errors import (
     InvalidArgument,
     SandboxNotFound,
     SandboxPaused,
+    TemplateInUse,
     Unsupported,
     UnsupportedLanguage,
     WarmboxError,
@@ -57,6 +58,7 @@ from warmbox.models import (
     SnapshotRef,
     StageTiming,
     State,
+    TemplateInfo,
     Tenant,
     TierStatus,
     VolumeInfo,
@@ -169,6 +171,20 @@ def _size(value: object, name: str, zero: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not (0 if zero else 1) <= value <= 9999:
         raise InvalidArgument(f"{name} must be an integer from {0 if zero else 1} to 9999, got {value!r}")
     return value
+
+
+def _template_name(name: object) -> str:
+    from warmbox.templates import check_name
+
+    return check_name(name)
+
+
+def _version(version: object) -> int | None:
+    if version is None:
+        return None
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise InvalidArgument(f"version must be a positive integer, got {version!r}")
+    return version
 
 
 def _snapshot_ref(m: Any) -> SnapshotRef:
@@ -305,6 +321,10 @@ class EngineFront:
             ops.VolumeList: self.volume_list,
             ops.VolumeGet: self.volume_get,
             ops.VolumeDelete: self.volume_delete,
+            ops.TemplateBuild: self.template_build,
+            ops.TemplateList: self.template_list,
+            ops.TemplateGet: self.template_get,
+            ops.TemplateDelete: self.template_delete,
         }
 
     async def handle(self, request: ops.Request[R]) -> R:
@@ -906,6 +926,43 @@ class EngineFront:
 
     async def volume_delete(self, r: ops.VolumeDelete) -> None:
         volumes.delete(self.engine, self._volume_owner(), r.name)
+
+    # ---- templates
+
+    async def template_build(self, r: ops.TemplateBuild) -> TemplateInfo:
+        from warmbox.engine import builder
+        from warmbox.templates import OciSource, check_template
+
+        t = check_template(r.template)
+        if isinstance(t.source, OciSource) and self.tenant is not None and not self.tenant.admin:
+            raise Forbidden(
+                "from_oci reads a path on the server's host: admin keys only (push the image to a registry)"
+            )
+        if r.context is not None and not isinstance(r.context, bytes):
+            raise InvalidArgument(f"context must be bytes (a tar), got {type(r.context).__name__}")
+        if r.on_progress is not None and not callable(r.on_progress):
+            raise InvalidArgument("on_progress must be a callable")
+        return await builder.build(
+            self.engine, r.name, t, context=r.context, on_progress=r.on_progress, tenant=self.tenant
+        )
+
+    async def template_list(self, r: ops.TemplateList) -> builtins.list[TemplateInfo]:
+        return self.engine.registry.template_list(self._tenant_name())
+
+    async def template_get(self, r: ops.TemplateGet) -> TemplateInfo:
+        return self.engine.registry.template_get(_template_name(r.name), _version(r.version), self._tenant_name() or "")
+
+    async def template_delete(self, r: ops.TemplateDelete) -> builtins.list[TemplateInfo]:
+        name, version = _template_name(r.name), _version(r.version)
+        owner = self._tenant_name() or ""
+        self.engine.registry.template_get(name, version, owner)  # TemplateNotFound first
+        users = self.engine.template_users(name, version, self.tenant)
+        if users:
+            raise TemplateInUse(
+                f"template {name!r} is in use by {', '.join(users[:10])}{' ...' if len(users) > 10 else ''}",
+                template=name,
+            )
+        return self.engine.registry.template_delete(name, version, owner)
 
     async def subscribe_approvals(self, sandbox_id: str, hook: Callable[[ApprovalRequest], object]) -> Subscription:
         """Answer the egress proxy's approval questions for ``sandbox_id`` with ``hook`` (a local

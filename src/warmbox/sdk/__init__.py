@@ -7,12 +7,14 @@ from warmbox.sdk.files import AsyncFiles, AsyncFileStream, AsyncWatchHandle, Fil
 from warmbox.sdk.network import AsyncNetwork
 from warmbox.sdk.pty import AsyncPty, AsyncPtyHandle, Pty, PtyHandle
 from warmbox.sdk.sandbox import AsyncSandbox
+from warmbox.sdk.templates import AsyncTemplates
 from warmbox.sdk.transport import LocalTransport, Transport
 
 Commands = synchronize(AsyncCommands)
 Files = synchronize(AsyncFiles)
 NetworkAPI = synchronize(AsyncNetwork, "NetworkAPI")
 Sandbox = synchronize(AsyncSandbox)
+Templates = synchronize(AsyncTemplates)
 
 __all__ = [
     "AsyncCommandHandle",
@@ -24,6 +26,7 @@ __all__ = [
     "AsyncPty",
     "AsyncPtyHandle",
     "AsyncSandbox",
+    "AsyncTemplates",
     "CodeContext",
     "CommandHandle",
     "Commands",
@@ -34,6 +37,7 @@ __all__ = [
     "Pty",
     "PtyHandle",
     "Sandbox",
+    "Templates",
     "Transport",
     "WatchHandle",
 ]

@@ -24,22 +24,26 @@ from warmbox.models import SandboxQuery as SandboxQuery
 from warmbox.models import SnapshotRef as SnapshotRef
 from warmbox.models import StageTiming as StageTiming
 from warmbox.models import State as State
+from warmbox.models import TemplateInfo as TemplateInfo
 from warmbox.models import Volume as Volume
 from warmbox.models import VolumeInfo as VolumeInfo
 from warmbox.models import WriteEntry as WriteEntry
 from warmbox.network.policy import Network as Network
+from warmbox.operations import ProgressSink as ProgressSink
 from warmbox.sdk.code import CodeContext as CodeContext
 from warmbox.sdk.commands import Stdin as Stdin
 from warmbox.sdk.files import FileData as FileData
 from warmbox.sdk.transport import Transport as Transport
+from warmbox.templates.spec import Template as Template
 from warmbox.sdk.commands import AsyncCommandHandle as AsyncCommandHandle, AsyncCommands as AsyncCommands
 from warmbox.sdk.files import AsyncFiles as AsyncFiles, AsyncFileStream as AsyncFileStream
 from warmbox.sdk.files import AsyncWatchHandle as AsyncWatchHandle
 from warmbox.sdk.network import AsyncNetwork as AsyncNetwork
 from warmbox.sdk.pty import AsyncPty as AsyncPty, AsyncPtyHandle as AsyncPtyHandle
 from warmbox.sdk.sandbox import AsyncSandbox as AsyncSandbox
+from warmbox.sdk.templates import AsyncTemplates as AsyncTemplates
 from warmbox.sdk.transport import LocalTransport as LocalTransport, Transport as Transport
-__all__ = ['AsyncCommandHandle', 'AsyncCommands', 'AsyncFileStream', 'AsyncFiles', 'AsyncNetwork', 'AsyncPty', 'AsyncPtyHandle', 'AsyncSandbox', 'AsyncWatchHandle', 'CodeContext', 'CommandHandle', 'Commands', 'FileStream', 'Files', 'LocalTransport', 'NetworkAPI', 'Pty', 'PtyHandle', 'Sandbox', 'Transport', 'WatchHandle']
+__all__ = ['AsyncCommandHandle', 'AsyncCommands', 'AsyncFileStream', 'AsyncFiles', 'AsyncNetwork', 'AsyncPty', 'AsyncPtyHandle', 'AsyncSandbox', 'AsyncTemplates', 'AsyncWatchHandle', 'CodeContext', 'CommandHandle', 'Commands', 'FileStream', 'Files', 'LocalTransport', 'NetworkAPI', 'Pty', 'PtyHandle', 'Sandbox', 'Templates', 'Transport', 'WatchHandle']
 
 
 class CommandHandle:
@@ -188,6 +192,18 @@ class Sandbox:
     def timings(self) -> dict[str, float]: ...
     def __enter__(self) -> Sandbox: ...
     def __exit__(self, *exc: object) -> None: ...
+
+
+class Templates:
+    """Build and manage templates (class methods; the blocking twin is ``Templates``)."""
+    @classmethod
+    def build(cls, template: Template | str | PathLike[str], name: str | None = ..., *, alias: str | None = ..., on_progress: ProgressSink | None = ..., home: str | Path | None = ..., api_url: str | None = ..., api_key: str | None = ..., transport: Transport | None = ...) -> TemplateInfo: ...
+    @classmethod
+    def delete(cls, name: str, version: int | None = ..., *, home: str | Path | None = ..., api_url: str | None = ..., api_key: str | None = ..., transport: Transport | None = ...) -> builtins.list[TemplateInfo]: ...
+    @classmethod
+    def get(cls, name: str, version: int | None = ..., *, home: str | Path | None = ..., api_url: str | None = ..., api_key: str | None = ..., transport: Transport | None = ...) -> TemplateInfo: ...
+    @classmethod
+    def list(cls, *, home: str | Path | None = ..., api_url: str | None = ..., api_key: str | None = ..., transport: Transport | None = ...) -> builtins.list[TemplateInfo]: ...
 
 
 class WatchHandle:

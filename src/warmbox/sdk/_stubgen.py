@@ -26,6 +26,7 @@ from warmbox.sdk import (
     AsyncPty,
     AsyncPtyHandle,
     AsyncSandbox,
+    AsyncTemplates,
     AsyncWatchHandle,
 )
 
@@ -40,6 +41,7 @@ PAIRS: tuple[tuple[type, str], ...] = (
     (AsyncPty, "Pty"),
     (AsyncPtyHandle, "PtyHandle"),
     (AsyncSandbox, "Sandbox"),
+    (AsyncTemplates, "Templates"),
     (AsyncWatchHandle, "WatchHandle"),
 )
 _SYNC_NAME = {cls.__name__: name for cls, name in PAIRS}
@@ -63,6 +65,7 @@ _KNOWN = {  # type-checking-only imports, and aliases (a union has no module of 
     "Network": "warmbox.network.policy",
     "Secret": "warmbox.network.policy",
     "FileData": "warmbox.sdk.files",
+    "ProgressSink": "warmbox.operations",
 }
 
 
@@ -178,6 +181,7 @@ def render() -> str:
         "from warmbox.sdk.network import AsyncNetwork as AsyncNetwork",
         "from warmbox.sdk.pty import AsyncPty as AsyncPty, AsyncPtyHandle as AsyncPtyHandle",
         "from warmbox.sdk.sandbox import AsyncSandbox as AsyncSandbox",
+        "from warmbox.sdk.templates import AsyncTemplates as AsyncTemplates",
         "from warmbox.sdk.transport import LocalTransport as LocalTransport, Transport as Transport",
         "",
         "__all__ = " + repr(sorted(sdk.__all__)),

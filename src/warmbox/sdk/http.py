@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import dataclasses
+import inspect
 import json
 import os
 import ssl
@@ -30,7 +31,15 @@ from aiohttp.http_exceptions import LineTooLong
 from warmbox import api, wire
 from warmbox import operations as ops
 from warmbox.errors import ConnectionLost, ContextError, InvalidArgument, SandboxNotFound, WarmboxError
-from warmbox.models import ApprovalRequest, CommandResult, EntryInfo, FilesystemEvent, ProcessEvent, Result
+from warmbox.models import (
+    ApprovalRequest,
+    CommandResult,
+    EntryInfo,
+    FilesystemEvent,
+    ProcessEvent,
+    Result,
+    TemplateBuildEvent,
+)
 
 R = TypeVar("R")
 RETRIES = (0.1, 0.3, 0.8, 1.5)  # pauses between attempts of a retryable request (about 3 s in all)
@@ -415,6 +424,7 @@ class HttpTransport:
                 raise InvalidArgument(f"data must be str or bytes, got {type(data).__name__}")
             kwargs["params"] = _query(_checked(request, fields))
         wants_results = isinstance(request, ops.RunCode) and request.on_result is not None
+        wants_results |= isinstance(request, ops.TemplateBuild) and request.on_progress is not None
         if route.response == "ndjson" and (wants_results or any(s is not None for s in _sinks(request))):
             kwargs["params"] = {"stream": "1"}
         return route, kwargs
@@ -489,6 +499,12 @@ class HttpTransport:
                         on_err(msg["stderr"])
                     elif "display" in msg and isinstance(request, ops.RunCode) and request.on_result is not None:
                         request.on_result(wire.decode(Result, msg["display"], "display"))
+                    elif (
+                        "progress" in msg and isinstance(request, ops.TemplateBuild) and request.on_progress is not None
+                    ):
+                        got = request.on_progress(wire.decode(TemplateBuildEvent, msg["progress"], "progress"))
+                        if inspect.isawaitable(got):
+                            await got
             except (*_DROPPED, TimeoutError, aiohttp.ServerTimeoutError) as e:
                 raise ConnectionLost(
                     f"the connection to {self.url} dropped while {request.op.value} ran ({type(e).__name__}): "

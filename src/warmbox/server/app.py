@@ -344,9 +344,12 @@ async def _next(queue: asyncio.Queue[tuple[str, object]]) -> tuple[str, object]:
 async def _ndjson(front: EngineFront, req: ops.Request[Any], stream: bool) -> Response:
     """A command or code run: output events while it runs (when asked), then its result or error.
     Errors before anything was sent are a plain error response with the right status."""
-    assert isinstance(req, (ops.Exec, ops.RunCode))
+    assert isinstance(req, (ops.Exec, ops.RunCode, ops.TemplateBuild))
     queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
-    if stream:
+    if stream and isinstance(req, ops.TemplateBuild):
+        req = dataclasses.replace(req, on_progress=lambda ev: queue.put_nowait(("progress", wire.encode(ev))))
+    elif stream:
+        assert isinstance(req, (ops.Exec, ops.RunCode))
         req = dataclasses.replace(
             req,
             on_stdout=lambda s: queue.put_nowait(("stdout", s)),

@@ -1,0 +1,261 @@
+"""Real template builds (no internet): a local Debian repository and a local wheel directory made
+here, copied into the image; build sandboxes on the container tier; sandboxes of the result."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import os
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from warmbox import operations as ops
+from warmbox.engine.engine import Engine
+from warmbox.engine.front import EngineFront
+from warmbox.errors import DockerfileError, TemplateBuildError, TemplateInUse, TemplateNotFound
+from warmbox.models import TemplateBuildEvent
+from warmbox.templates import Template
+from warmbox.templates.context import pack_context
+
+pytestmark = pytest.mark.sandbox
+DEB_CACHE = Path("/var/tmp/warmbox-test-debs")  # downloaded once per host (apt's configured mirror)
+LOCAL_SOURCES = (
+    "rm -f /etc/apt/sources.list /etc/apt/sources.list.d/* && "
+    "echo 'deb [trusted=yes] file:/opt/repo ./' > /etc/apt/sources.list.d/local.list"
+)
+
+
+def _wheel(out: Path, name: str, version: str = "1.0", body: str = "") -> Path:
+    """A pure-Python wheel written by hand (no build backend, no index)."""
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": (body or f"WHO = {name!r}\n").encode(),
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: warmbox-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for path, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(data)}")
+    record.append(f"{dist}/RECORD,,")
+    files[f"{dist}/RECORD"] = ("\n".join(record) + "\n").encode()
+    whl = out / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        for path, data in files.items():
+            z.writestr(path, data)
+    return whl
+
+
+@pytest.fixture(scope="session")
+def repo(tmp_path_factory) -> Path:
+    """A Debian repository with `hello` (downloaded once into DEB_CACHE, then served as file:)."""
+    DEB_CACHE.mkdir(parents=True, exist_ok=True)
+    if not list(DEB_CACHE.glob("hello_*.deb")):
+        subprocess.run(["apt-get", "download", "hello"], cwd=DEB_CACHE, check=True, capture_output=True)
+    out = tmp_path_factory.mktemp("ctx")
+    repo = out / "repo"
+    repo.mkdir()
+    for deb in DEB_CACHE.glob("hello_*.deb"):
+        shutil.copy(deb, repo)
+    packages = subprocess.run(["dpkg-scanpackages", "."], cwd=repo, check=True, capture_output=True).stdout
+    (repo / "Packages").write_bytes(packages)
+    wheels = out / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "wbprobe")
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(home: Path, runc_ready: None) -> Engine:
+    return Engine.for_home(home)
+
+
+async def _build(engine: Engine, name: str, t: Template) -> tuple[object, list[TemplateBuildEvent]]:
+    events: list[TemplateBuildEvent] = []
+    front = EngineFront(engine)
+    try:
+        info = await front.handle(ops.TemplateBuild(name, t, pack_context(t), events.append))
+    finally:
+        await front.close()
+    return info, events
+
+
+def _layer_events(events: list[TemplateBuildEvent]) -> dict[int, set[str]]:
+    out: dict[int, set[str]] = {}
+    for e in events:
+        if e.step > 0 and e.status != "config":
+            out.setdefault(e.step, set()).add(e.status)
+    return out
+
+
+def _spec(ctx: Path, greeting: str = "hello from the template") -> Template:
+    return (
+        Template.from_template("base")
+        .copy(str(ctx / "repo"), "/opt/repo/")
+        .run(LOCAL_SOURCES)
+        .apt_install(["hello"])
+        .copy(str(ctx / "wheels"), "/opt/wheels/")
+        .pip_install(["wbprobe"], find_links="/opt/wheels")
+        .env({"GREETING": greeting})
+        .workdir("/srv/app")
+        .run("echo built > /srv/app/marker")
+    )
+
+
+def test_fluent_build_cache_and_sandbox(engine: Engine, repo: Path, tmp_path: Path):
+    name = f"t-{os.getpid()}-fluent"
+    t = _spec(repo)
+    info, events = asyncio.run(_build(engine, name, t))
+    try:
+        assert info.version == 1 and len(info.layers) > 1
+        assert Path(info.build_log).is_file() and "hello" in Path(info.build_log).read_text()
+        layer_steps = _layer_events(events)
+        assert all("running" in s and "done" in s for s in layer_steps.values()), layer_steps
+        assert dict(info.env)["GREETING"] == "hello from the template"
+        assert dict(info.env)["PATH"].startswith("/opt/venv/bin:")
+        assert info.workdir == "/srv/app"
+
+        # the same spec again: every layer from the cache, no build sandbox
+        again, events2 = asyncio.run(_build(engine, name, t))
+        assert again.image_id == info.image_id and again.version == info.version
+        assert all(s == {"cached"} for s in _layer_events(events2).values()), _layer_events(events2)
+
+        # a changed ENV (a config step before the last RUN): only what follows it runs again
+        changed, events3 = asyncio.run(_build(engine, name, _spec(repo, greeting="changed")))
+        steps3 = _layer_events(events3)
+        last = max(steps3)
+        assert steps3[last] == {"running", "done"}
+        assert all(s == {"cached"} for n, s in steps3.items() if n != last), steps3
+        assert changed.version == 2 and changed.image_id != info.image_id
+        assert changed.layers[:-1] == info.layers[:-1]
+
+        from warmbox import Sandbox
+
+        wheels = tmp_path / "mine"
+        wheels.mkdir()
+        _wheel(wheels, "wbmine")
+        with Sandbox.create(template=name, pool=False, timeout=300) as sb:
+            r = sb.commands.run("hello && echo $GREETING && pwd && cat marker")
+            assert r.exit_code == 0, r.stderr
+            assert r.stdout.split("\n")[:4] == ["Hello, world!", "changed", "/srv/app", "built"]
+            # the template's pip packages: from the system python and from the sandbox's own venv
+            r = sb.commands.run(
+                "/usr/bin/python3 -c 'import wbprobe; print(wbprobe.WHO)' && python3 -c 'import wbprobe'"
+            )
+            assert r.exit_code == 0 and r.stdout.strip() == "wbprobe", r.stderr
+            sb.files.write("/tmp/wbmine-1.0-py3-none-any.whl", (wheels / "wbmine-1.0-py3-none-any.whl").read_bytes())
+            r = sb.commands.run("pip install --no-index /tmp/wbmine-1.0-py3-none-any.whl && python3 -c 'import wbmine'")
+            assert r.exit_code == 0, r.stdout + r.stderr
+            # in use: cannot be removed
+            with pytest.raises(TemplateInUse):
+                asyncio.run(EngineFront(engine).handle(ops.TemplateDelete(name)))
+            with Sandbox.create(template=name, pool=False, timeout=300) as other:
+                r = other.commands.run("python3 -c 'import wbmine'")
+                assert r.exit_code != 0 and "wbmine" in r.stderr  # the first sandbox's install only
+                r = other.commands.run("python3 -c 'import wbprobe'")
+                assert r.exit_code == 0, r.stderr
+    finally:
+        with pytest.raises(TemplateNotFound):  # after removal: gone
+            asyncio.run(EngineFront(engine).handle(ops.TemplateDelete(name)))
+            asyncio.run(EngineFront(engine).handle(ops.TemplateGet(name)))
+
+
+def test_dockerfile_build_env_workdir_user(engine: Engine, repo: Path):
+    name = f"t-{os.getpid()}-docker"
+    (repo / "Dockerfile").write_text(
+        f"""\
+FROM base
+ARG WHO=dockerfile
+COPY repo/ /opt/repo/
+RUN {LOCAL_SOURCES}
+RUN apt-get update && \\
+    apt-get install -y --no-install-recommends hello
+ENV FROM_DOCKERFILE="yes $WHO"
+WORKDIR /opt/site
+RUN ["sh", "-c", "hello > /opt/site/greeting"]
+USER 1000
+RUN test "$(id -u)" = 1000 && test "$(pwd)" = /opt/site
+EXPOSE 8080
+"""
+    )
+    t = Template.from_dockerfile(repo / "Dockerfile")
+    info, _events = asyncio.run(_build(engine, name, t))
+    try:
+        assert dict(info.env)["FROM_DOCKERFILE"] == "yes dockerfile"
+        assert info.workdir == "/opt/site" and info.user == "1000"
+        from warmbox import Sandbox
+
+        with Sandbox.create(template=name, pool=False, timeout=300) as sb:
+            r = sb.commands.run("echo $FROM_DOCKERFILE; pwd; cat greeting; hello")
+            assert r.exit_code == 0, r.stderr
+            assert r.stdout.split("\n")[:4] == ["yes dockerfile", "/opt/site", "Hello, world!", "Hello, world!"]
+    finally:
+        asyncio.run(EngineFront(engine).handle(ops.TemplateDelete(name)))
+
+
+def test_failing_run_names_the_step_and_keeps_its_log(engine: Engine):
+    name = f"t-{os.getpid()}-fail"
+    t = Template.from_template("base").run("echo fine").run("echo about to fail; echo oops >&2; exit 3")
+    with pytest.raises(TemplateBuildError) as e:
+        asyncio.run(_build(engine, name, t))
+    assert e.value.step.startswith("2: RUN echo about to fail")
+    assert "exited 3" in str(e.value) and "oops" in str(e.value)
+    assert Path(e.value.log).is_file() and "about to fail" in Path(e.value.log).read_text()
+    with pytest.raises(TemplateNotFound):  # nothing recorded
+        asyncio.run(EngineFront(engine).handle(ops.TemplateGet(name)))
+    assert not engine.list(), "a failed build left its sandbox"
+
+
+def test_an_image_without_python3_is_refused(engine: Engine):
+    name = f"t-{os.getpid()}-nopy"
+    t = Template.from_template("base").run("rm -f /usr/bin/python3")
+    with pytest.raises(TemplateBuildError, match="python3"):
+        asyncio.run(_build(engine, name, t))
+    with pytest.raises(TemplateNotFound):
+        asyncio.run(EngineFront(engine).handle(ops.TemplateGet(name)))
+
+
+def test_unsupported_dockerfile_instruction_builds_nothing(tmp_path: Path):
+    (tmp_path / "Dockerfile").write_text("FROM base\nRUN true\nVOLUME /data\n")
+    with pytest.raises(DockerfileError) as e:
+        Template.from_dockerfile(tmp_path / "Dockerfile")
+    assert e.value.line == 3 and "VOLUME" in str(e.value)
+
+
+def test_cli_over_http_progress_ls_show_rm(engine: Engine, home: Path, tmp_path: Path):
+    """The CLI through `warmbox serve` with a tenant's key: NDJSON progress lines, the template is
+    the tenant's own (another tenant does not see it)."""
+    from tests.conftest import cli, start_server
+
+    name = f"t-{os.getpid()}-cli"
+    (tmp_path / "Dockerfile").write_text("FROM base\nCOPY note.txt /opt/note.txt\nRUN cat /opt/note.txt\n")
+    (tmp_path / "note.txt").write_text("copied over http\n")
+    server = start_server(home)
+    try:
+        _k, mine = engine.registry.create_key("tmpl-owner")
+        _k, other = engine.registry.create_key("tmpl-other")
+        env = {"WARMBOX_API_URL": server.url, "WARMBOX_API_KEY": mine}
+        r = cli("template", "build", str(tmp_path), "--name", name, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert "[1/2] COPY note.txt /opt/note.txt" in r.stderr and "DONE" in r.stderr  # plain lines: no TTY
+        assert f"built {name} version 1" in r.stdout
+        r = cli("template", "ls", env=env)
+        assert r.returncode == 0 and name in r.stdout and "browser" in r.stdout, r.stderr
+        r = cli("template", "show", name, "--json", env=env)
+        assert r.returncode == 0, r.stderr
+        import json
+
+        shown = json.loads(r.stdout)
+        assert shown["tenant"] == "tmpl-owner" and shown["version"] == 1
+        assert "copied over http" in Path(shown["build_log"]).read_text()
+        r = cli("template", "show", name, env={**env, "WARMBOX_API_KEY": other})
+        assert r.returncode == 125 and "no template" in r.stderr
+        r = cli("template", "rm", name, env=env)
+        assert r.returncode == 0 and "removed version(s) 1" in r.stdout, r.stderr
+    finally:
+        server.stop()
