@@ -104,6 +104,7 @@ def _spec(ctx: Path, greeting: str = "hello from the template") -> Template:
         .env({"GREETING": greeting})
         .workdir("/srv/app")
         .run("echo built > /srv/app/marker")
+        .warmup(commands=["hello > /tmp/warmed"])
     )
 
 
@@ -140,9 +141,9 @@ def test_fluent_build_cache_and_sandbox(engine: Engine, repo: Path, tmp_path: Pa
         wheels.mkdir()
         _wheel(wheels, "wbmine")
         with Sandbox.create(template=name, pool=False, timeout=300) as sb:
-            r = sb.commands.run("hello && echo $GREETING && pwd && cat marker")
+            r = sb.commands.run("hello && echo $GREETING && pwd && cat marker /tmp/warmed")
             assert r.exit_code == 0, r.stderr
-            assert r.stdout.split("\n")[:4] == ["Hello, world!", "changed", "/srv/app", "built"]
+            assert r.stdout.split("\n")[:5] == ["Hello, world!", "changed", "/srv/app", "built", "Hello, world!"]
             # the template's pip packages: from the system python and from the sandbox's own venv
             r = sb.commands.run(
                 "/usr/bin/python3 -c 'import wbprobe; print(wbprobe.WHO)' && python3 -c 'import wbprobe'"
