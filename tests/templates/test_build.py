@@ -7,6 +7,7 @@ import asyncio
 import base64
 import hashlib
 import os
+import secrets
 import shutil
 import subprocess
 import zipfile
@@ -23,6 +24,9 @@ from warmbox.templates import Template
 from warmbox.templates.context import pack_context
 
 pytestmark = pytest.mark.sandbox
+# the step cache is host-wide: a step of this run's own makes every key after it new (a first
+# build really runs its steps, whatever earlier sessions cached)
+TOKEN = secrets.token_hex(6)
 DEB_CACHE = Path("/var/tmp/warmbox-test-debs")  # downloaded once per host (apt's configured mirror)
 LOCAL_SOURCES = (
     "rm -f /etc/apt/sources.list /etc/apt/sources.list.d/* && "
@@ -96,6 +100,7 @@ def _layer_events(events: list[TemplateBuildEvent]) -> dict[int, set[str]]:
 def _spec(ctx: Path, greeting: str = "hello from the template") -> Template:
     return (
         Template.from_template("base")
+        .run(f"echo {TOKEN} > /etc/build-token")
         .copy(str(ctx / "repo"), "/opt/repo/")
         .run(LOCAL_SOURCES)
         .apt_install(["hello"])
@@ -171,6 +176,7 @@ def test_dockerfile_build_env_workdir_user(engine: Engine, repo: Path):
     (repo / "Dockerfile").write_text(
         f"""\
 FROM base
+RUN echo {TOKEN} > /etc/build-token
 ARG WHO=dockerfile
 COPY repo/ /opt/repo/
 RUN {LOCAL_SOURCES}
@@ -201,7 +207,7 @@ EXPOSE 8080
 
 def test_failing_run_names_the_step_and_keeps_its_log(engine: Engine):
     name = f"t-{os.getpid()}-fail"
-    t = Template.from_template("base").run("echo fine").run("echo about to fail; echo oops >&2; exit 3")
+    t = Template.from_template("base").run(f"echo {TOKEN}").run("echo about to fail; echo oops >&2; exit 3")
     with pytest.raises(TemplateBuildError) as e:
         asyncio.run(_build(engine, name, t))
     assert e.value.step.startswith("2: RUN echo about to fail")
@@ -235,7 +241,7 @@ def test_cli_over_http_progress_ls_show_rm(engine: Engine, home: Path, tmp_path:
 
     name = f"t-{os.getpid()}-cli"
     (tmp_path / "Dockerfile").write_text("FROM base\nCOPY note.txt /opt/note.txt\nRUN cat /opt/note.txt\n")
-    (tmp_path / "note.txt").write_text("copied over http\n")
+    (tmp_path / "note.txt").write_text(f"copied over http {TOKEN}\n")
     server = start_server(home)
     try:
         _k, mine = engine.registry.create_key("tmpl-owner")
