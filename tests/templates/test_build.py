@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import os
 import secrets
@@ -266,3 +267,32 @@ def test_cli_over_http_progress_ls_show_rm(engine: Engine, home: Path, tmp_path:
         assert r.returncode == 0 and "removed version(s) 1" in r.stdout, r.stderr
     finally:
         server.stop()
+
+
+def test_dockerfile_from_an_oci_archive_and_a_registry(
+    engine: Engine, oci_archive: Path, registry_image: str, tmp_path: Path
+):
+    """FROM an OCI archive made in the test (python3-minimal Debian, two layers, a whiteout), then
+    the same image pulled from a docker-registry on 127.0.0.1: the image's config is kept under
+    the steps' changes, and a sandbox of each runs on it."""
+    from warmbox import Sandbox
+
+    (tmp_path / "Dockerfile").write_text(f"FROM oci-archive:{oci_archive}\nRUN echo built > /srv/built\nENV EXTRA=1\n")
+    names = [f"t-{os.getpid()}-oci", f"t-{os.getpid()}-reg"]
+    specs = [
+        Template.from_dockerfile(tmp_path / "Dockerfile"),
+        Template.from_registry(registry_image, tls_verify=False).run("echo built > /srv/built").env({"EXTRA": "1"}),
+    ]
+    try:
+        for name, spec in zip(names, specs, strict=True):
+            info, _ = asyncio.run(_build(engine, name, spec))
+            env = dict(info.env)
+            assert env["WARMBOX_OCI"] == "1" and env["EXTRA"] == "1" and info.workdir == "/srv"
+            with Sandbox.create(template=name, pool=False, timeout=120) as sb:
+                r = sb.commands.run("cat /srv/hello.txt /srv/built; test ! -e /etc/motd; echo $WARMBOX_OCI$EXTRA")
+                assert r.exit_code == 0, r.stderr
+                assert r.stdout == "hello from the second layer\nbuilt\n11\n"
+    finally:
+        for name in names:
+            with contextlib.suppress(TemplateNotFound):
+                asyncio.run(EngineFront(engine).handle(ops.TemplateDelete(name)))
