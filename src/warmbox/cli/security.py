@@ -403,6 +403,7 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ("container", "gvisor"),
         (
             "test_hostile_images.py::test_an_image_symlink_to_a_host_file_and_a_setuid_root_binary_give_the_sandbox_nothing",
+        ),
     ),
     Guarantee(
         "files",
