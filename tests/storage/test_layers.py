@@ -308,3 +308,25 @@ def test_concurrent_processes_adding_and_unpacking_the_same_layer_agree(tmp_path
     d = Path(store.get(digest).path)
     assert (d / "home/user/notes.txt").read_text() == "hello" and len(os.listdir(d / "usr/bin")) == 201
     assert os.listdir(store.tmp) == [] and [n for n in os.listdir(store.dirs) if n.startswith(".")] == []
+
+
+def test_pins_keep_layers_through_any_homes_gc(tmp_path):
+    store = LayerStore(tmp_path / "cache")
+    made = []
+    for i in range(3):
+        t = tmp_path / f"t{i}"
+        t.mkdir()
+        (t / "f").write_text(str(i))
+        made.append(store.add_tree(t, owner_base=0).digest)
+    store.pin("/homes/a/registry.db#/web/1", [made[0], made[1]])
+    store.pin("builtin:k1", [made[1]])
+    (store.pins / "junk").write_text("{not json")
+    other = LayerStore(tmp_path / "cache")  # another home's view of the same cache
+    assert other.pinned() == {"/homes/a/registry.db#/web/1": (made[0], made[1]), "builtin:k1": (made[1],)}
+    assert other.gc([]) == [made[2]]
+    assert store.unpin("/homes/a/registry.db#/web/1") and not store.unpin("/homes/a/registry.db#/web/1")
+    assert other.gc([]) == [made[0]]
+    store.pin("builtin:k1", [])  # pinned again: replaced
+    assert other.gc([]) == [made[1]] and store.digests() == []
+    with pytest.raises(InvalidArgument):
+        store.pin("x", ["sha256:nothex"])

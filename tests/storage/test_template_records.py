@@ -3,6 +3,7 @@ the same build twice adds nothing; a version 8 database gains the tables."""
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 from pathlib import Path
 
@@ -88,3 +89,38 @@ def test_a_version_8_database_gains_the_template_tables(tmp_path):
     reg = _registry(tmp_path)
     assert reg.template_add(_info()).version == 1
     assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_template_versions_pin_their_layers_for_every_homes_gc(tmp_path):
+    from warmbox.storage.layers import LayerStore
+    from warmbox.storage.templates import add_template, collect, delete_template
+
+    store = LayerStore(tmp_path / "cache")
+    digests = []
+    for i in range(3):
+        t = tmp_path / f"t{i}"
+        t.mkdir()
+        (t / "f").write_text(str(i))
+        digests.append(store.add_tree(t, owner_base=0).digest)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    home_a = _registry(tmp_path / "a")
+    home_b = _registry(tmp_path / "b")
+    info = dataclasses.replace(_info(), layers=(digests[0],))
+    assert add_template(home_a, store, info).version == 1
+    assert (
+        add_template(
+            home_b, store, dataclasses.replace(info, layers=(digests[1],), image_id="sha256:" + "c" * 64)
+        ).version
+        == 1
+    )
+    # home b's gc does not know home a's template, the pin keeps its layer
+    assert collect(home_b, store, keep=[]) == [digests[2]]
+    assert delete_template(home_a, store, "web")[0].version == 1
+    assert collect(home_b, store) == [digests[0]]
+    # a removed home's pins go at the next collect
+    home_b.close()
+    import shutil
+
+    shutil.rmtree(tmp_path / "b")
+    assert collect(home_a, store) == [digests[1]] and store.pinned() == {}

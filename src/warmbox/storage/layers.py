@@ -54,6 +54,7 @@ _UNSUPPORTED_XATTRS = (
     "user.overlay.redirect",
     "user.overlay.metacopy",
 )
+_MAX_PIN = 1 << 20  # bytes of one pin file
 _STALE_TMP_S = 6 * 3600.0  # work files left this long in tmp/ are an interrupted process's
 _GZIP = b"\x1f\x8b"
 _ZSTD = b"\x28\xb5\x2f\xfd"
@@ -77,6 +78,7 @@ class LayerStore:
         self.blobs = self.root / "blobs" / "sha256"
         self.dirs = self.root / "dirs"
         self.steps = self.root / "steps"
+        self.pins = self.root / "pins"
         self.tmp = self.root / "tmp"
         self.max_layer_bytes = max_layer_bytes
         self._made = False
@@ -94,7 +96,7 @@ class LayerStore:
         for d, mode in ((self.root, 0o755), (self.dirs, 0o700), (self.blobs.parent, 0o700)):
             d.mkdir(parents=True, exist_ok=True)
             os.chmod(d, mode)
-        for d in (self.blobs, self.steps, self.tmp):
+        for d in (self.blobs, self.steps, self.pins, self.tmp):
             d.mkdir(mode=0o700, exist_ok=True)
         self._made = True
 
@@ -229,12 +231,53 @@ class LayerStore:
         with self._locked(True):
             return self._remove(hexd)
 
+    # ---- pins: what other warmbox homes (and built-in images) use, for every home's gc to see
+
+    def pin(self, name: str, digests: Iterable[str]) -> None:
+        """Record that ``name`` (e.g. ``"<registry path>#<tenant>/<template>/<version>"`` or
+        ``"builtin:<key>"``) uses these layers: gc keeps them until ``unpin(name)``, whoever runs
+        it. The store is shared by every warmbox home on the host; a home's own registry does not
+        know the others' templates, pins do. Pinning a name again replaces its layers."""
+        ds = [f"sha256:{hex_of(d)}" for d in digests]
+        if not isinstance(name, str) or not name or len(name) > 4096:
+            raise InvalidArgument("a pin name must be a non-empty string of at most 4096 characters")
+        self._ensure()
+        tmp = self._temp("pin")
+        tmp.write_text(json.dumps({"name": name, "layers": ds}))
+        os.replace(tmp, self.pins / _step_name(name))
+
+    def unpin(self, name: str) -> bool:
+        """Drop the pin ``name``; whether there was one."""
+        self._ensure()
+        try:
+            (self.pins / _step_name(name)).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def pinned(self) -> dict[str, tuple[str, ...]]:
+        """Every pin: name → its layer digests (unreadable pin files are skipped)."""
+        self._ensure()
+        out: dict[str, tuple[str, ...]] = {}
+        for entry in sorted(os.listdir(self.pins)):
+            try:
+                with open(self.pins / entry, "rb") as f:
+                    doc = json.loads(f.read(_MAX_PIN))
+                name, ds = doc["name"], doc["layers"]
+                if isinstance(name, str) and isinstance(ds, list):
+                    out[name] = tuple(d for d in ds if isinstance(d, str) and DIGEST.match(d))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return out
+
     def gc(self, keep: Iterable[str], *, min_age_s: float = 0.0) -> list[str]:
-        """Remove every layer not in ``keep`` (digests) whose blob was added or used more than
-        ``min_age_s`` seconds ago, leftovers of interrupted adds, and step-cache entries naming a
-        removed layer; the digests removed, sorted. A layer an in-flight build made but no
-        template records yet is not in ``keep``: hold the build lock or pass ``min_age_s``."""
+        """Remove every layer neither in ``keep`` (digests) nor pinned (see pin) whose blob was
+        added or used more than ``min_age_s`` seconds ago, leftovers of interrupted adds, and
+        step-cache entries naming a removed layer; the digests removed, sorted. A layer an
+        in-flight build made but nothing records yet is not kept: hold the build lock or pass
+        ``min_age_s``."""
         kept = {hex_of(d) for d in keep}
+        kept |= {hex_of(d) for ds in self.pinned().values() for d in ds}
         now = time.time()
         removed: list[str] = []
         with self._locked(True):
