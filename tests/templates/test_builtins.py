@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from warmbox import config
+from warmbox.errors import InvalidArgument, TemplateNotFound
 from warmbox.templates import check_name, check_template
 from warmbox.templates.builtins import (
     BROWSER,
@@ -48,3 +51,19 @@ def test_browser_builds_on_base_with_debian_chromium_and_hash_pinned_playwright(
         "deb.debian.org", "security.debian.org", "pypi.org", "files.pythonhosted.org"
     }  # fmt: skip
     assert t.warmup_code == "" and CHROMIUM in BROWSER.description
+
+
+def test_an_unbuilt_browser_names_the_command_that_builds_it(tmp_path):
+    from warmbox.engine.engine import Engine
+
+    home = tmp_path / "home"
+    home.mkdir()
+    engine = Engine.for_home(home)
+    try:
+        with pytest.raises(TemplateNotFound, match="warmbox template build browser") as e:
+            engine.image_for("browser")
+        assert e.value.template == "browser"
+        with pytest.raises(InvalidArgument, match="nope"):  # an unknown name stays what it was
+            engine.image_for("nope")
+    finally:
+        Engine._instances.pop(home, None)

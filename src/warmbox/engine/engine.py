@@ -172,6 +172,16 @@ class Engine:
             return settings.template(name)
         info = self._built_template(name, None, tenant)
         if info is None:
+            from warmbox.errors import TemplateNotFound
+            from warmbox.templates.builtins import builtin
+
+            b = builtin(name)
+            if b is not None and b.spec is not None:  # a built-in built on top of base (browser)
+                raise TemplateNotFound(
+                    f"the built-in template {name!r} is not built in this home yet: warmbox template build "
+                    f"{name} (its layers stay in the host's cache: seconds after scripts/bootstrap install)",
+                    template=name,
+                )
             return settings.template(name)  # InvalidArgument: unknown template
         return Template(
             name=info.name,
