@@ -643,3 +643,39 @@ def test_approvals_stream_of_another_tenant_is_not_found(server, other_tenants):
     _owner, stranger, sid, _snap = other_tenants
     status, data = call(server, "GET", api.APPROVALS.format(sandbox_id=sid), key=stranger)
     assert status == 404, (status, data)
+
+
+def test_a_tenants_volumes_are_its_own_over_the_api(server, home, other_tenants):
+    """Volumes over HTTP with tenants' keys: the owner's volume is mounted into its sandbox (the
+    Create's volumes go over the wire as records); to another tenant the name is not found on every
+    volume route and in a create, and its own volume of the same name is another volume."""
+    owner, stranger, _sid, _snap = other_tenants
+    name = "api" + secrets.token_hex(3)
+    status, info = call(server, "POST", f"{api.PREFIX}/volumes", {"name": name, "size_mb": 32}, key=owner)
+    assert status == 200 and info["name"] == name and info["tenant"] == "owner", info
+    try:
+        for method, path in (("GET", f"/volumes/{name}"), ("DELETE", f"/volumes/{name}")):
+            status, data = call(server, method, api.PREFIX + path, key=stranger)
+            assert status == 404 and code_of(data) == "volume_not_found", (path, status, data)
+        status, data = call(server, "GET", f"{api.PREFIX}/volumes", key=stranger)
+        assert status == 200 and name not in [v["name"] for v in data], data
+        body = {"timeout": 60, "pool": False, "volumes": [{"name": name, "path": "/data", "read_only": False}]}
+        status, data = call(server, "POST", f"{api.PREFIX}/sandboxes", body, key=stranger)
+        assert status == 404 and code_of(data) == "volume_not_found", data
+        status, opened = call(server, "POST", f"{api.PREFIX}/sandboxes", body, key=owner, timeout=120)
+        assert status == 200, opened
+        sid = opened["info"]["sandbox_id"]
+        try:
+            status, info = call(server, "GET", f"{api.PREFIX}/volumes/{name}", key=owner)
+            assert status == 200 and info["mounted_by"] == [sid], info
+            status, data = call(server, "DELETE", f"{api.PREFIX}/volumes/{name}", key=owner)
+            assert status == 409 and code_of(data) == "volume_in_use", data
+        finally:
+            call(server, "DELETE", f"{api.PREFIX}/sandboxes/{sid}", key=owner)
+        # the stranger's own volume of the same name
+        status, info = call(server, "POST", f"{api.PREFIX}/volumes", {"name": name, "size_mb": 16}, key=stranger)
+        assert status == 200 and info["tenant"] == "stranger" and info["size_mb"] == 16, info
+        assert call(server, "DELETE", f"{api.PREFIX}/volumes/{name}", key=stranger)[0] == 200
+    finally:
+        status, data = call(server, "DELETE", f"{api.PREFIX}/volumes/{name}", key=owner)
+        assert status == 200, data
