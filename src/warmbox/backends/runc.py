@@ -34,7 +34,7 @@ from warmbox.backends._host import (
     tmpfs_sizes,
 )
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
-from warmbox.errors import SandboxError, SandboxStartError, SandboxTimeout, Unsupported
+from warmbox.errors import GuestConnectionError, SandboxError, SandboxStartError, SandboxTimeout, Unsupported
 from warmbox.models import LAYER_UID_BASE, ImageRef
 
 T = TypeVar("T")
@@ -658,7 +658,11 @@ class RuncBackend:
             if rc != 0:
                 tail = host.tail(state / "agent.log")
                 raise SandboxStartError(f"runc failed to start the sandbox (exit {rc}): {tail}", handle.sandbox_id)
-            return await ready_task
+            try:
+                return await ready_task
+            except GuestConnectionError:  # it started and ended at once (an image whose Python cannot run it)
+                tail = host.tail(state / "agent.log")
+                raise SandboxStartError(f"the guest agent did not come up: {tail}", handle.sandbox_id) from None
         finally:
             for task in (ready_task, runc_done):
                 if not task.done():
