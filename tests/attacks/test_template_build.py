@@ -94,3 +94,23 @@ def test_a_tenant_cannot_build_from_a_host_path(home: Path, runc_ready: None):
     t = Template.from_oci("/var/lib/warmbox/images")
     with pytest.raises(Forbidden):
         _handle(engine, ops.TemplateBuild(f"atk-{os.getpid()}-oci", t), Tenant(name="mallory"))
+
+
+def test_a_build_step_filling_its_disk_gets_enospc_not_the_hosts_disk(home: Path, runc_ready: None):
+    """A RUN step writing more than the build's disk (64 MiB here) fails with ENOSPC inside its
+    own filesystem; the build fails naming the step, and no mount or file is left behind."""
+    from warmbox.engine import builder
+
+    engine = Engine.for_home(home)
+    t = Template.from_template("base").run(f"echo {secrets.token_hex(4)}; dd if=/dev/zero of=/big bs=1M count=200")
+
+    async def go() -> None:
+        await builder.build(engine, f"atk-{os.getpid()}-fill", t, disk_mb=64)
+
+    with pytest.raises(TemplateBuildError, match="No space left on device"):
+        asyncio.run(go())
+    builds = builder.image_cache() / "builds"
+    from warmbox.backends import workspace_disk
+
+    assert not workspace_disk.mounts_under(builds)
+    assert not list(builds.iterdir()) if builds.is_dir() else True

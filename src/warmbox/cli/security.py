@@ -411,12 +411,14 @@ GUARANTEES: tuple[Guarantee, ...] = (
         "the host's own and looks at the image's layers with directory fds that never follow a link (a "
         "COPY through a symlink a RUN step planted is refused; onto one, it replaces the link), the build "
         "context arrives as a tar unpacked by safetar (no member lands outside it), and a tenant cannot "
-        "name a host path (from_oci) as its image.",
+        "name a host path (from_oci) as its image. A RUN step writes into a bounded filesystem of its own "
+        "(ENOSPC there, never the host's disk full).",
         ("container",),
         (
             "test_template_build.py::test_a_planted_symlink_does_not_steer_a_later_copy",
             "test_template_build.py::test_a_hostile_build_context_is_refused_before_any_sandbox",
             "test_template_build.py::test_a_tenant_cannot_build_from_a_host_path",
+            "test_template_build.py::test_a_build_step_filling_its_disk_gets_enospc_not_the_hosts_disk",
         ),
     ),
 )

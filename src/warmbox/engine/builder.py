@@ -40,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from warmbox.backends import workspace_disk
 from warmbox.config import Template as WarmupTemplate
 from warmbox.errors import (
     TemplateBuildError,
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 
 ProgressSink = Callable[[TemplateBuildEvent], object]  # may return an awaitable: awaited
 STEP_TIMEOUT_S = 1800.0  # one RUN step, wall clock
+BUILD_DISK_MB = 16 << 10  # what one RUN step may write (a sparse filesystem: the host pays what is written)
 BUILD_LIMITS = Limits(memory_mb=1024, cpus=1.0, pids=1024, file_size_mb=4096, open_files=4096)
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LOG_TAIL = 2000  # characters of a failed step's output in its error
@@ -268,6 +270,26 @@ def copy_layer(out: Path, context: Path, step: ts.Copy, index: int, layer_dirs: 
 # ---- the build
 
 
+def _release_disk(disk: Path) -> None:
+    """Unmount a step's build disk and remove it (the upper layer in it was stored already)."""
+    workspace_disk.release(disk)
+    shutil.rmtree(disk)
+
+
+def sweep(builds: Path) -> None:
+    """Remove every build's work directory under ``builds`` (only under the host's build lock:
+    then no build is running), unmounting the build disks a killed build left mounted."""
+    if not builds.is_dir():
+        return
+    for entry in os.listdir(builds):
+        work = builds / entry
+        for disk in work.glob("step-*") if work.is_dir() else ():
+            with contextlib.suppress(OSError):
+                workspace_disk.release(disk)
+        if not workspace_disk.mounts_under(work):  # never rmtree through a mount
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def log_dir(engine: Engine) -> Path:
     return engine.home / "templates" / "logs"
 
@@ -312,6 +334,7 @@ class Build:
         on_progress: ProgressSink | None = None,
         tenant: Tenant | None = None,
         description: str = "",
+        disk_mb: int = BUILD_DISK_MB,
     ) -> None:
         self.engine = engine
         self.name = ts.check_name(name)
@@ -320,6 +343,7 @@ class Build:
         self.on_progress = on_progress
         self.tenant = tenant
         self.description = description
+        self.disk_mb = disk_mb
         self.store = layer_store.LayerStore(image_cache())
         self.total = len(template.steps)
         self.launched = 0  # build sandboxes started (0 on an all-cached rebuild)
@@ -362,6 +386,7 @@ class Build:
             source = "FROM " + ts.describe_source(self.template.source)
             lock_fd = await _host_lock(lock, lambda: self._event(0, source, "running", 0, "waiting for another build"))
             try:
+                await asyncio.to_thread(sweep, cache / "builds")  # what a killed build left (we hold the lock)
                 work.mkdir(parents=True, mode=0o700)
                 return await self._build(work)
             except TemplateBuildError as e:
@@ -376,8 +401,10 @@ class Build:
                 raise
             finally:
                 self._log = None
-                await asyncio.to_thread(shutil.rmtree, work, True)
-                os.close(lock_fd)
+                try:
+                    await asyncio.to_thread(sweep, cache / "builds")
+                finally:
+                    os.close(lock_fd)
 
     async def _build(self, work: Path) -> TemplateInfo:
         t = self.template
@@ -454,7 +481,9 @@ class Build:
                 img = _Image(digests, dict(ref.env), ref.workdir, ref.user)
                 return img, ref.image_id
             if isinstance(src, ts.DebianSource):
-                info = await asyncio.to_thread(layer_store.debian_layer, self.store, src.suite, src.packages)
+                # python3 always: the guest agent runs on it
+                packages = sorted({*src.packages, "python3"})
+                info = await asyncio.to_thread(layer_store.debian_layer, self.store, src.suite, packages)
                 return _Image([info.digest], {"PATH": DEFAULT_PATH}, "", ""), info.digest
             from warmbox.storage import oci
 
@@ -493,9 +522,25 @@ class Build:
         return info.digest
 
     async def _run_step(self, work: Path, label: str, step: ts.Step, image: _Image) -> str:
+
+        # the step's writes go to a filesystem of BUILD_DISK_MB of its own (a sparse ext4, as a
+        # sandbox's /workspace): a step filling it gets ENOSPC, never the host's disk full
+        disk = work / f"step-{label.split(':')[0]}"
+        disk.mkdir(mode=0o700)
+        try:
+            await asyncio.to_thread(
+                workspace_disk.attach, disk, image_cache() / "disks", self.disk_mb, LAYER_UID_BASE, LAYER_UID_BASE
+            )
+        except OSError as e:
+            raise TemplateBuildError(f"step {label}: its build disk: {e.strerror or e}", step=label) from None
+        try:
+            return await self._run_on(disk / workspace_disk.MOUNT_POINT / "upper", label, step, image)
+        finally:
+            await asyncio.to_thread(_release_disk, disk)
+
+    async def _run_on(self, upper: Path, label: str, step: ts.Step, image: _Image) -> str:
         from warmbox.engine import provision
 
-        upper = work / f"upper-{label.split(':')[0]}"
         upper.mkdir(mode=0o755)
         ref = await asyncio.to_thread(self._ref, image)
         spec = provision.LaunchSpec(
@@ -549,10 +594,7 @@ class Build:
                 step=label,
                 log=str(self.log_path),
             )
-        try:
-            info = await asyncio.to_thread(self.store.add_tree, upper, owner_base=LAYER_UID_BASE)
-        finally:
-            await asyncio.to_thread(shutil.rmtree, upper, True)
+        info = await asyncio.to_thread(self.store.add_tree, upper, owner_base=LAYER_UID_BASE)
         return info.digest
 
     async def _record(self, image: _Image) -> TemplateInfo:
@@ -598,6 +640,9 @@ async def build(
     context: bytes | None = None,
     on_progress: ProgressSink | None = None,
     tenant: Tenant | None = None,
+    disk_mb: int = BUILD_DISK_MB,
 ) -> TemplateInfo:
-    """Build ``template`` as the next version of ``name`` (see the module docstring)."""
-    return await Build(engine, name, template, context=context, on_progress=on_progress, tenant=tenant).run()
+    """Build ``template`` as the next version of ``name`` (see the module docstring). disk_mb: the
+    most one RUN step may write, MiB."""
+    b = Build(engine, name, template, context=context, on_progress=on_progress, tenant=tenant, disk_mb=disk_mb)
+    return await b.run()

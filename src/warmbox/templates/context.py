@@ -14,7 +14,7 @@ from warmbox import safetar
 from warmbox.errors import InvalidArgument
 from warmbox.templates import spec as ts
 
-MAX_CONTEXT_BYTES = 12 << 20  # the COPY sources of one build (a request body holds them, base64)
+MAX_CONTEXT_BYTES = 11 << 20  # the COPY sources of one build (a request body of at most 16 MiB holds them, base64)
 MAX_UNPACKED_BYTES = 1 << 30  # what they may unpack to
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 

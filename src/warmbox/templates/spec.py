@@ -332,7 +332,8 @@ class Template:
 
     @classmethod
     def debian(cls, suite: str = "bookworm", packages: Sequence[str] = ()) -> Template:
-        """A Debian ``suite`` root filesystem (mmdebstrap), with ``packages`` installed."""
+        """A Debian ``suite`` root filesystem (mmdebstrap, minbase), with ``packages`` and python3
+        (the guest agent's interpreter) installed."""
         return cls(check_source(DebianSource(suite, tuple(packages))))
 
     @classmethod
