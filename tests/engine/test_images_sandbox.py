@@ -187,3 +187,27 @@ def test_a_rebuilt_template_retires_its_pool_and_refills_it(home, app):
 def test_builtin_image_is_reported_by_doctor(home, runc_ready):
     rows = {r.tier: r for r in Engine.for_home(home).doctor()}
     assert "built-in image builtin-" in rows["container"].reason and " built (" in rows["container"].reason
+
+
+def test_a_launch_without_an_image_runs_its_template_s(home, runc_ready):
+    """provision.launch itself resolves a missing image: no engine path starts a host-/usr sandbox."""
+    import asyncio
+
+    from warmbox.engine import provision
+
+    engine = Engine.for_home(home)
+    tmpl = engine.template("shell")
+
+    async def go() -> tuple[str, str]:
+        got = await provision.launch(
+            engine, provision.LaunchSpec("container", "shell", 60.0, Limits()), provision.Cold(tmpl)
+        )
+        try:
+            r = await got.session.exec(["/bin/sh", "-c", "test -e /usr/sbin/runc || test -e /usr/bin/runc; echo $?"])
+            return got.info.image_id, r.stdout.strip()
+        finally:
+            await got.session.close()
+            await engine.destroy(got.sandbox_id, "test over")
+
+    image_id, host_runc = asyncio.run(go())
+    assert image_id == engine.image_for("shell").image_id and host_runc == "1"

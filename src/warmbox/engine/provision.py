@@ -56,7 +56,7 @@ class LaunchSpec:
     shape: str = ""  # config.shape_key of a pool's sandbox
     tenant: Tenant | None = None  # whose it is (None: the host's); its quotas are checked at the insert
     resume_of: str = ""  # a paused sandbox started again under its own id ("": a new sandbox)
-    image: ImageRef | None = None  # the template's built image (None: the tier's built-in image)
+    image: ImageRef | None = None  # the image it runs (None: its template's latest, Engine.image_for)
     volumes: tuple[VolumeMount, ...] = ()  # named volumes mounted into it
     build_upper: str = ""  # a template build sandbox (SandboxSpec.build_upper)
 
@@ -116,6 +116,8 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
     avail = await asyncio.to_thread(backend.probe)  # the first probe of a tier may boot a probe guest
     if not avail.available:
         raise BackendUnavailable(spec.tier, avail.reason)
+    if spec.image is None:  # every sandbox runs an image: its template's latest (never the host's /usr)
+        spec = dataclasses.replace(spec, image=await asyncio.to_thread(engine.image_for, spec.template, spec.tenant))
     sandbox_id = spec.resume_of or "sb-" + secrets.token_hex(6)
     state_dir = engine.runtime / "sandboxes" / sandbox_id
     socket_path = str(state_dir / "run" / "agent.sock")
