@@ -108,6 +108,26 @@ def test_registry_volume_in_use_and_the_microvm_sharing_rule(tmp_path):
     assert reg.volumes_of(sids[0]) == [("", "vol-1", "/d", False)]
 
 
+def test_a_volume_image_is_a_sparse_ext4_of_its_size_owned_by_the_sandbox_user(tmp_path):
+    from warmbox.engine import volumes
+
+    engine = Engine(tmp_path / "home")
+    info = asyncio.run(volumes.create(engine, "", "data", 64))
+    disk = Path(info.disk)
+    assert disk.stat().st_size == 64 << 20 and disk.stat().st_mode & 0o777 == 0o600
+    assert info.allocated_mb < 8, "the image is not sparse"
+    r = subprocess.run(["debugfs", "-R", "stat /", str(disk)], capture_output=True, text=True, check=True)
+    assert "User:  1000   Group:  1000" in r.stdout, r.stdout
+    with pytest.raises(VolumeError, match="exists"):
+        asyncio.run(volumes.create(engine, "", "data", 64))
+    assert sorted(p.name for p in disk.parent.iterdir()) == [disk.name]  # no second image was made
+    for bad in (0, 15, 1 << 21, "1G", True):
+        with pytest.raises(InvalidArgument):
+            asyncio.run(volumes.create(engine, "", "other", bad))
+    volumes.delete(engine, "", "data")
+    assert not disk.exists() and volumes.list(engine, "") == []
+
+
 # ---- real volumes and sandboxes
 
 

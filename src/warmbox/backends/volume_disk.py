@@ -78,7 +78,6 @@ _AT_FDCWD = -100
 _LOOP_GET_STATUS64 = 0x4C05
 _UNSHARE = "/usr/bin/unshare"  # util-linux
 _UMOUNT_NOFOLLOW = 8
-_MNT_DETACH = 2
 
 
 class _MountAttr(ctypes.Structure):

@@ -79,8 +79,11 @@ async def create(engine: Engine, tenant: str, name: object, size_mb: object) -> 
     """A new empty volume of ``size_mb`` MiB; VolumeError if the tenant has one of that name."""
     name = validate_volume_name(name)
     size = validate_volume_size(size_mb)
-    with contextlib.suppress(VolumeError):
+    try:  # before the mkfs (add_volume checks again, atomically)
         engine.registry.volume(tenant, name)
+    except VolumeNotFound:
+        pass
+    else:
         raise VolumeError(f"a volume named {name!r} exists already", volume=name)
     root = volumes_dir(engine)
     root.mkdir(mode=0o700, exist_ok=True)
