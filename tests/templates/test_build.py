@@ -194,6 +194,11 @@ EXPOSE 8080
     t = Template.from_dockerfile(repo / "Dockerfile")
     info, _events = asyncio.run(_build(engine, name, t))
     try:
+        from warmbox.engine import images
+        from warmbox.storage.templates import pin_name
+
+        pin = pin_name(engine.registry, "", name, info.version)
+        assert pin in images.store().pinned()  # the version's layers are pinned against any home's gc
         assert dict(info.env)["FROM_DOCKERFILE"] == "yes dockerfile"
         assert info.workdir == "/opt/site" and info.user == "1000"
         from warmbox import Sandbox
@@ -204,6 +209,7 @@ EXPOSE 8080
             assert r.stdout.split("\n")[:4] == ["yes dockerfile", "/opt/site", "Hello, world!", "Hello, world!"]
     finally:
         asyncio.run(EngineFront(engine).handle(ops.TemplateDelete(name)))
+    assert pin not in images.store().pinned()
 
 
 def test_failing_run_names_the_step_and_keeps_its_log(engine: Engine):

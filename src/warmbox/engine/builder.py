@@ -50,6 +50,7 @@ from warmbox.errors import (
 )
 from warmbox.models import ImageRef, Limits, TemplateBuildEvent, TemplateInfo, Tenant
 from warmbox.storage import layers as layer_store
+from warmbox.storage import templates as storage_templates
 from warmbox.storage.uidslots import LAYER_UID_BASE
 from warmbox.templates import keys
 from warmbox.templates import spec as ts
@@ -627,7 +628,7 @@ class Build:
             tenant=self.tenant.name if self.tenant is not None else "",
             description=self.description,
         )
-        recorded = self.engine.registry.template_add(info)
+        recorded = storage_templates.add_template(self.engine.registry, self.store, info)  # its layers pinned
         self._write(f"\n# recorded {recorded.name} version {recorded.version} ({recorded.image_id})\n")
         return recorded
 

@@ -962,7 +962,10 @@ class EngineFront:
                 f"template {name!r} is in use by {', '.join(users[:10])}{' ...' if len(users) > 10 else ''}",
                 template=name,
             )
-        return self.engine.registry.template_delete(name, version, owner)
+        from warmbox.engine import images
+        from warmbox.storage.templates import delete_template
+
+        return delete_template(self.engine.registry, images.store(), name, version, owner)  # and unpinned
 
     async def subscribe_approvals(self, sandbox_id: str, hook: Callable[[ApprovalRequest], object]) -> Subscription:
         """Answer the egress proxy's approval questions for ``sandbox_id`` with ``hook`` (a local
