@@ -137,6 +137,18 @@ def test_builtin_records_resolve_by_id(engine, cache, tmp_path):
     # the doctor says it is built
     assert images.builtin_record() == cur
     assert engine.layers_in_use() == {d1, d2}  # a layer gc keeps both builds' layers
+    assert LayerStore(cache).pinned()[f"builtin:{now}"] == (d1, d2)  # ... and so does any home's gc
+
+
+def test_a_template_with_a_build_of_its_own_is_not_the_builtin_image_until_built(engine, cache, tmp_path):
+    (engine.home / "warmbox.toml").write_text('[templates.mine]\nfrom = "base"\nrun = ["true"]\n')
+    with pytest.raises(TemplateNotFound, match="warmbox template build mine"):
+        engine.image_for("mine")
+    with pytest.raises(TemplateNotFound, match="warmbox template build browser"):
+        engine.image_for("browser")
+    d1 = _layer(cache, tmp_path, "v1")
+    built = _add(engine, "mine", (d1,))
+    assert engine.image_for("mine").image_id == built.image_id
 
 
 def test_memory_snapshot_without_an_image_is_refused(engine):

@@ -208,10 +208,19 @@ class Engine:
         if this host has none yet (minutes, once: scripts/bootstrap install does it ahead; ``build``
         False: TemplateNotFound instead)."""
         from warmbox.engine import images
+        from warmbox.errors import TemplateNotFound
+        from warmbox.templates.builtins import builtin
 
         info = self._built_template(template, None, tenant)
         if info is not None:
             return images.image_ref(info)
+        spec = builtin(template)
+        if (spec is not None and spec.spec is not None) or (
+            template in self.settings().templates and self.settings().template(template).build is not None
+        ):  # a template with a build of its own runs only once built, never the built-in image instead
+            raise TemplateNotFound(
+                f"template {template!r} is not built yet: warmbox template build {template}", template=template
+            )
         self.template(template, tenant)  # InvalidArgument for an unknown name
         return images.builtin_image(template, build=build)
 

@@ -126,6 +126,8 @@ def builtin_image(template: str = "base", *, build: bool = True) -> ImageRef:
         rec = build_builtin()
     try:
         ref = _ref(template, spec.BUILTIN_VERSION, rec.image_id, rec.layers)
+        if key not in _built:  # once per process: a build from before layer pins gets its pin
+            store().pin(f"builtin:{key}", rec.layers)
     except TemplateMismatch:  # its layers were collected: build it again
         if not build:
             raise
@@ -183,6 +185,7 @@ def build_builtin() -> BuiltinRecord:
             built_at=time.time(),
             build_s=round(time.monotonic() - t0, 1),
         )
+        st.pin(f"builtin:{key}", digests)  # a layer gc (of any home) keeps them
         tmp = root / f".{key}.json.tmp"
         tmp.write_text(json.dumps(dataclasses.asdict(rec), indent=1))
         os.rename(tmp, _record_path(key))
