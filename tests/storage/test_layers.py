@@ -330,3 +330,37 @@ def test_pins_keep_layers_through_any_homes_gc(tmp_path):
     assert other.gc([]) == [made[1]] and store.digests() == []
     with pytest.raises(InvalidArgument):
         store.pin("x", ["sha256:nothex"])
+
+
+def test_zstd_and_gzip_blobs_are_remade_from_their_blob_and_checked(tmp_path):
+    import shutil
+    import subprocess
+
+    assert shutil.which("zstd"), "zstd missing: scripts/bootstrap install"
+    store = LayerStore(tmp_path / "cache")
+    raw = _tar(
+        [
+            (_m("etc/", tarfile.DIRTYPE, mode=0o755), None),
+            (_m("etc/zz", uid=7), b"zstd layer"),
+            (_m("etc/.wh.old"), b""),
+        ]
+    )
+    (tmp_path / "l.tar").write_bytes(raw)
+    subprocess.run(["zstd", "-q", "-19", str(tmp_path / "l.tar"), "-o", str(tmp_path / "l.tar.zst")], check=True)
+    (tmp_path / "l.tar.gz").write_bytes(gzip.compress(raw))
+    for name, media in (("l.tar.zst", "+zstd"), ("l.tar.gz", "+gzip")):
+        info = store.add_blob(tmp_path / name, media_type="application/vnd.oci.image.layer.v1.tar" + media)
+        d = Path(info.path)
+        assert (d / "etc/zz").read_bytes() == b"zstd layer" and os.lstat(d / "etc/zz").st_uid == LAYER_UID_BASE + 7
+        assert os.lstat(d / "etc/old").st_rdev == 0
+        shutil.rmtree(d)
+        assert store.get(info.digest) == info and (d / "etc/zz").exists()  # remade from the blob
+        blob = store.blobs / info.digest.removeprefix("sha256:")
+        data = bytearray(blob.read_bytes())
+        data[-5] ^= 0x55
+        blob.write_bytes(bytes(data))
+        shutil.rmtree(d)
+        with pytest.raises(CorruptLayer):
+            store.get(info.digest)
+    with pytest.raises(TemplateError, match="not supported"):
+        store.add_blob(tmp_path / "l.tar", media_type="application/vnd.oci.image.layer.v1.tar+bzip2")
