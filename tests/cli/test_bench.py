@@ -103,6 +103,20 @@ def test_bench_api_short(runc_ready):
     assert not Path(f"/proc/{pid}").exists() or b"warmbox" not in Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
+@pytest.mark.sandbox
+def test_bench_template_short(runc_ready):
+    """A cold build that starts build sandboxes, a rebuild that starts none, both templates started
+    cold and claimed from their pools (every claim a hit), the goals reported."""
+    rep = _bench("template", "--runs", "1")
+    b = rep["build"]
+    assert b["cold_build_sandboxes"] == 2 and b["cold_s"] > b["cached_rebuild_s"] > 0
+    assert b["layers"] >= 5 and b["size_bytes"] > 16 << 20  # base's layers + 3 (the 16 MiB blob among them)
+    assert set(rep["stats"]) == {"cold_base", "cold_custom", "pool_base", "pool_custom"}
+    assert all(s["n"] == 1 and s["p50_ms"] > 0 for s in rep["stats"].values())
+    assert rep["pool_misses"] == 0
+    assert len(rep["goals"]) == 3 and all(isinstance(g["met"], bool) for g in rep["goals"].values())
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -113,6 +127,7 @@ def test_bench_api_short(runc_ready):
         ["density", "--step", "0"],
         ["exec", "--seconds", "-1"],
         ["snapshot", "--mb", "-1"],
+        ["template", "--runs", "0"],
     ],
 )
 def test_bench_bad_arguments_are_typed(args):

@@ -59,27 +59,42 @@ def _progress(total: int, what: str):
 _SAVED_ENV: dict[str, str] = {}
 
 
-def _make_home(pools: dict[str, dict[str, Any]]) -> Path:
-    """A private WARMBOX_HOME whose warmbox.toml declares only ``pools`` (never the user's)."""
+def _make_home(pools: dict[str, dict[str, Any]], templates: dict[str, dict[str, Any]] | None = None) -> Path:
+    """A private WARMBOX_HOME whose warmbox.toml declares only ``pools`` and ``templates`` (never
+    the user's)."""
     from warmbox.engine.engine import Engine
 
     home = Path(f"/tmp/wbbench-{secrets.token_hex(3)}")
     home.mkdir(mode=0o700)
-    lines = ["[daemon]", "idle_exit = 2", "[pools]"]
-    for name, body in pools.items():
-        lines.append(f"[pools.{name}]")
+    write_config(home, pools, templates)
+    for k in list(os.environ):  # the user's config and overrides are not the benchmark's
+        if k == "WARMBOX_CONFIG" or (k.startswith("WARMBOX_") and "__" in k):
+            _SAVED_ENV[k] = os.environ.pop(k)
+    Engine.for_home(home)
+    return home
+
+
+def write_config(
+    home: Path, pools: dict[str, dict[str, Any]], templates: dict[str, dict[str, Any]] | None = None
+) -> None:
+    """(Re)write a benchmark home's warmbox.toml: its daemon reads it again on its next tick."""
+
+    def table(name: str, body: dict[str, Any]) -> list[str]:
+        lines = [f"[{name}]"]
         for k, v in body.items():
             if isinstance(v, dict):
                 v = "{ " + ", ".join(f"{a} = {json.dumps(b)}" for a, b in v.items()) + " }"
             else:
                 v = json.dumps(v)
             lines.append(f"{k} = {v}")
+        return lines
+
+    lines = ["[daemon]", "idle_exit = 2", "[pools]"]
+    for name, body in pools.items():
+        lines += table(f"pools.{name}", body)
+    for name, body in (templates or {}).items():
+        lines += table(f"templates.{name}", body)
     (home / "warmbox.toml").write_text("\n".join(lines) + "\n")
-    for k in list(os.environ):  # the user's config and overrides are not the benchmark's
-        if k == "WARMBOX_CONFIG" or (k.startswith("WARMBOX_") and "__" in k):
-            _SAVED_ENV[k] = os.environ.pop(k)
-    Engine.for_home(home)
-    return home
 
 
 async def _remove_home(home: Path) -> None:
@@ -978,6 +993,10 @@ async def _command_api(args: argparse.Namespace) -> int:
 async def command(args: argparse.Namespace) -> int:
     if args.bench == "api":
         return await _command_api(args)
+    if args.bench == "template":
+        from warmbox.bench import template
+
+        return await template.command(args)
     if args.bench == "start" and args.runs is None:
         args.runs = 5 if args.tier == "microvm" else 20
     _validate(args)

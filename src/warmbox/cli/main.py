@@ -22,7 +22,7 @@ warmbox config                    the effective settings (warmbox.toml + WARMBOX
 warmbox doctor                    which tiers this host can run, and why not
 warmbox demo                      a short tour on the embedded defaults
 warmbox mcp                       an MCP server on stdin/stdout (sandbox tools for an agent)
-warmbox bench start|burst|exec|density|api   benchmarks, ratios against raw runc/bwrap
+warmbox bench start|burst|exec|density|api|template   benchmarks, ratios against raw runc/bwrap or base
 warmbox serve [--host H --port P]  the HTTP API (/v1) on 127.0.0.1:7420 and a unix socket (+ MCP at /mcp)
 
 --api-url URL (or WARMBOX_API_URL) sends every command to a warmbox server instead of the
@@ -270,6 +270,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--step", type=int, default=10)
     b.add_argument("--memory-bound-gib", type=float, default=4.0, help="stop when they use this much")
     b.add_argument("--template", default="base")
+    b.add_argument("--json", action="store_true")
+    b = bsub.add_parser("template", help="custom template: cold build, cached rebuild, start and pool claim vs base")
+    b.add_argument(
+        "--runs", type=int, default=10, help="interleaved create->first command samples per template and way"
+    )
     b.add_argument("--json", action="store_true")
     b = bsub.add_parser("api", help="warmbox serve (HTTP) vs in process: warm create, exec, files, burst")
     b.add_argument("--runs", type=int, default=20, help="warm create->first run_code samples per side")
