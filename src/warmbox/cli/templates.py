@@ -147,7 +147,7 @@ class _Progress:
         if self.json:
             print(json.dumps({"event": dataclasses.asdict(ev)}), file=self.out, flush=True)
             return
-        mark = {"cached": "CACHED", "running": "...", "done": "DONE", "failed": "FAILED", "config": ""}[ev.status]
+        mark = {"cached": "CACHED", "running": "...", "done": "DONE", "failed": "FAILED", "config": "CONFIG"}[ev.status]
         took = f" {ev.elapsed_s:.1f}s" if ev.elapsed_s else ""
         line = f"[{ev.step}/{ev.total}] {ev.text[:70]:<70} {mark}{took}"
         if ev.status == "failed" and ev.detail:
