@@ -69,10 +69,12 @@ def import_oci(store: LayerStore, path: Path | str) -> OciImage:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def pull(store: LayerStore, ref: str, *, tls_verify: bool = True) -> OciImage:
+def pull(store: LayerStore, ref: str, *, tls_verify: bool = True, host_credentials: bool = False) -> OciImage:
     """The image ``ref`` (``host[:port]/name[:tag|@digest]``) from its registry, fetched by
     ``skopeo copy docker://REF oci:...`` (the host's platform), then imported. tls_verify=False
-    allows a plain-HTTP or self-signed registry. TemplateError if skopeo fails (its message kept)."""
+    allows a plain-HTTP or self-signed registry. host_credentials: use the registry logins of the
+    host (``skopeo login``'s auth file); by default none are sent, so whoever names the image
+    (a tenant) gets nothing the host's credentials would open. TemplateError if skopeo fails."""
     if not isinstance(ref, str) or not _REF.match(ref) or ".." in ref:
         raise InvalidArgument(f"not an image reference (host[:port]/name[:tag]): {str(ref)[:200]!r}")
     store._ensure()
@@ -82,6 +84,8 @@ def pull(store: LayerStore, ref: str, *, tls_verify: bool = True) -> OciImage:
         argv = ["copy"]
         if not tls_verify:
             argv.append("--src-tls-verify=false")
+        if not host_credentials:
+            argv.append("--src-no-creds")
         argv += [f"docker://{ref}", f"oci:{work / 'layout'}:pull"]
         _skopeo(argv, f"pulling {ref}")
         return _from_layout(store, work / "layout", f"image {ref}")
