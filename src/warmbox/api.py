@@ -127,6 +127,7 @@ ROUTES: tuple[Route, ...] = (
     Route(Op.TEMPLATE_LIST, "GET", f"{PREFIX}/templates", "query", idempotent=True, summary="Built templates"),
     Route(Op.TEMPLATE_GET, "GET", f"{PREFIX}/templates/{{name}}", "query", idempotent=True, summary="A built template"),
     Route(Op.TEMPLATE_DELETE, "DELETE", f"{PREFIX}/templates/{{name}}", "query", summary="Remove a template"),
+    Route(Op.TEMPLATE_GC, "POST", f"{PREFIX}/templates/gc", summary="Collect unused layers and microVM roots (admin)"),
 )
 
 BY_OP: dict[Op, Route] = {r.op: r for r in ROUTES}

@@ -124,6 +124,7 @@ class Op(str, enum.Enum):
     TEMPLATE_LIST = "templates.list"
     TEMPLATE_GET = "templates.get"
     TEMPLATE_DELETE = "templates.delete"
+    TEMPLATE_GC = "templates.gc"
 
 
 class Request(Generic[R]):
@@ -850,6 +851,27 @@ class TemplateDelete(Request[list[TemplateInfo]]):
     version: int | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class TemplateGcReport:
+    """What a template gc removed (dry_run: would remove): layer digests, microVM root files, the
+    bytes they took; roots kept only because another home's registry could not be read."""
+
+    layers: tuple[str, ...]
+    roots: tuple[str, ...]
+    bytes_freed: int
+    dry_run: bool
+    kept_roots: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class TemplateGc(Request[TemplateGcReport]):
+    """Remove the layers no template version, built-in image, sandbox or snapshot (of any home)
+    uses and the microVM roots of images nothing runs (admin); dry_run: only say what."""
+
+    op: ClassVar[Op] = Op.TEMPLATE_GC
+    dry_run: bool = False
+
+
 REQUESTS: dict[Op, type[Request[Any]]] = {
     cls.op: cls
     for cls in (
@@ -909,5 +931,6 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         TemplateList,
         TemplateGet,
         TemplateDelete,
+        TemplateGc,
     )
 }

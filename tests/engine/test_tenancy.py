@@ -310,6 +310,8 @@ def test_a_tenant_front_refuses_admin_ops_and_unknown_ids_without_a_sandbox(tmp_
     front = EngineFront(engine, Tenant("b"))
     with pytest.raises(Forbidden):
         asyncio.run(front.handle(ops.GcSnapshots()))
+    with pytest.raises(Forbidden, match="template gc is for admin keys"):
+        asyncio.run(front.handle(ops.TemplateGc(dry_run=True)))
     with pytest.raises(SandboxNotFound, match=r"^no sandbox sb-000000000000$"):
         asyncio.run(front.handle(ops.Info("sb-000000000000")))
     with pytest.raises(SandboxNotFound, match="ids look like"):

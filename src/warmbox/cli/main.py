@@ -18,6 +18,7 @@ warmbox volume create NAME --size 1G | ls | show NAME | rm NAME   named volumes 
 warmbox keys create|ls|revoke     API keys of tenants (secret shown once), their quotas
 warmbox template build FILE|NAME  build a template (Dockerfile, .py, .toml, or a NAME); progress per step
 warmbox template ls|show|rm       built templates: versions, image ids, sizes; remove one
+warmbox template gc [--dry-run]   remove layers and microVM roots nothing uses; bytes freed (admin)
 warmbox config                    the effective settings (warmbox.toml + WARMBOX_* overrides)
 warmbox doctor                    which tiers this host can run, and why not
 warmbox demo                      a short tour on the embedded defaults

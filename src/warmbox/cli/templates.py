@@ -1,4 +1,4 @@
-"""``warmbox template build|ls|show|rm``.
+"""``warmbox template build|ls|show|rm|gc``.
 
 ``build`` takes a Dockerfile (or a directory holding one), a Python file defining a
 ``warmbox.Template`` (the variable ``template``, or the only Template in it), a TOML file with
@@ -44,6 +44,9 @@ def add_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> None:
     q = tsub.add_parser("rm", help="remove a template (every version, or --version)")
     q.add_argument("names", nargs="+")
     q.add_argument("--version", type=int, default=None)
+    q = tsub.add_parser("gc", help="remove layers and microVM roots nothing uses (admin)")
+    q.add_argument("--dry-run", action="store_true", help="only say what would go")
+    q.add_argument("--json", action="store_true")
 
 
 def _slug(text: str) -> str:
@@ -214,6 +217,23 @@ async def command(args: argparse.Namespace) -> int:
             if n not in built:
                 state = "built-in image" if b.spec is None else f"built-in, not built (warmbox template build {n})"
                 print(f"{n:<20} {'-':>3} {'-':<12} {'-':>6} {'-':>9} {'-':>9}  {state}")
+        return 0
+    if args.template_command == "gc":
+        rep = await t.handle(ops.TemplateGc(args.dry_run))
+        if args.json:
+            print(json.dumps(dataclasses.asdict(rep)))
+            return 0
+        verb = "would remove" if rep.dry_run else "removed"
+        for d in rep.layers:
+            print(f"{verb} layer {d}")
+        for r in rep.roots:
+            print(f"{verb} microVM root {r}")
+        for r in rep.kept_roots:
+            print(f"kept microVM root {r}: another home's registry could not be read")
+        print(
+            f"{verb} {len(rep.layers)} layer(s), {len(rep.roots)} microVM root(s): "
+            f"{rep.bytes_freed / (1 << 20):.1f} MiB ({rep.bytes_freed} bytes)"
+        )
         return 0
     if args.template_command == "show":
         info = await t.handle(ops.TemplateGet(args.name, args.version))

@@ -325,6 +325,7 @@ class EngineFront:
             ops.TemplateList: self.template_list,
             ops.TemplateGet: self.template_get,
             ops.TemplateDelete: self.template_delete,
+            ops.TemplateGc: self.template_gc,
         }
 
     async def handle(self, request: ops.Request[R]) -> R:
@@ -435,6 +436,8 @@ class EngineFront:
             self._own_snapshot(request.snapshot_id)
         elif isinstance(request, ops.GcSnapshots) and not tenant.admin:
             raise Forbidden(f"snapshot gc is for admin keys; tenant {tenant.name!r}'s key is not one")
+        elif isinstance(request, ops.TemplateGc) and not tenant.admin:
+            raise Forbidden(f"template gc is for admin keys; tenant {tenant.name!r}'s key is not one")
         elif isinstance(request, ops.PoolsResize) and not tenant.admin:
             raise Forbidden(f"resizing a pool is for admin keys; tenant {tenant.name!r}'s key is not one")
 
@@ -966,6 +969,13 @@ class EngineFront:
         from warmbox.storage.templates import delete_template
 
         return delete_template(self.engine.registry, images.store(), name, version, owner)  # and unpinned
+
+    async def template_gc(self, r: ops.TemplateGc) -> ops.TemplateGcReport:
+        from warmbox.engine import template_gc
+
+        if not isinstance(r.dry_run, bool):
+            raise InvalidArgument(f"dry_run must be a boolean, got {r.dry_run!r}")
+        return await asyncio.to_thread(template_gc.gc, self.engine, dry_run=r.dry_run)
 
     async def subscribe_approvals(self, sandbox_id: str, hook: Callable[[ApprovalRequest], object]) -> Subscription:
         """Answer the egress proxy's approval questions for ``sandbox_id`` with ``hook`` (a local

@@ -1133,6 +1133,15 @@ class Registry:
             raise TemplateNotFound(f"no template {which}", template=name)
         return [_template(r) for r in rows]
 
+    def recorded_image_ids(self) -> set[str]:
+        """Image ids sandboxes that are not destroyed (paused ones too) and snapshots recorded."""
+        rows = self._read(
+            "SELECT image_id FROM sandboxes WHERE state<>? UNION SELECT image_id FROM snapshots",
+            (State.DESTROYED.value,),
+            many=True,
+        )
+        return {r[0] for r in rows if r[0]}
+
     def template_layers(self) -> set[str]:
         """Every layer digest some template version (of any tenant) records: what layer gc keeps."""
         rows = self._read("SELECT layers FROM templates", many=True)
