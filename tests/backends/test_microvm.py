@@ -262,6 +262,19 @@ def test_pause_resume_and_fork_continue_memory_and_disk(engine):
 
 
 @pytest.mark.sandbox
+def test_a_files_only_pause_resumes_with_the_files(engine):
+    # the guest's workspace disk has mkfs's lost+found (root's, 0700): the user's find cannot read it
+    sb = Sandbox.create("microvm", timeout=120, limits=LIMITS)
+    sb.files.write("/workspace/kept.txt", "files only")
+    sb.run_code("counter = 7")
+    ref = sb.pause(memory=False)
+    assert not ref.memory and ref.tier == "microvm"
+    with Sandbox.resume(sb.sandbox_id, timeout=120) as back:
+        assert back.files.read("/workspace/kept.txt") == "files only"
+        assert back.run_code("counter").text == "7"  # the context's variables, saved with the files
+
+
+@pytest.mark.sandbox
 def test_kill_leaves_no_vm_socket_or_disk(engine):
     sb = Sandbox.create("microvm", timeout=60, limits=LIMITS)
     state = engine.runtime / "sandboxes" / sb.sandbox_id

@@ -397,13 +397,15 @@ async def _stream_tar(session: GuestSession, fd: int | None, raw: Path, sandbox_
     listing = " ".join(TAR_PATHS)
     try:
         # the contents of each path, not the mount points themselves (their owner/mode is the tier's);
-        # -xdev: a named volume mounted below one is external state, not part of the snapshot
+        # -xdev: a named volume mounted below one is external state, not part of the snapshot;
+        # a workspace disk's lost+found (mkfs's, root's alone: the microVM's has one) is not the user's
         code, err = await _exec(
             session,
             [
                 "/bin/bash",
                 "-c",
-                f"cd / && find {listing} -xdev -mindepth 1 -print0 | /bin/tar --null "
+                f"cd / && find {listing} -xdev -mindepth 1 -path workspace/lost+found -prune -o -print0 "
+                "| /bin/tar --null "
                 "--no-recursion -T - --sparse --numeric-owner "
                 "--warning=no-file-ignored -cpf -",
             ],
