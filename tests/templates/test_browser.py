@@ -137,3 +137,13 @@ def test_playwright_screenshots_a_page_served_inside_the_sandbox(browser_templat
 
     assert bright(20, 80) > 200
     assert bright(120, 180) == 0
+
+
+def test_a_pool_claim_compares_the_image_a_launch_runs(browser_template: str, home: Path):
+    """A claim reads the image id from the template's record (no layer lookup): the very id a cold
+    launch's ImageRef carries, for the built-in image and for a built template."""
+    from warmbox.engine.engine import Engine
+
+    engine = Engine.for_home(home)
+    for t in ("base", browser_template):
+        assert engine.image_id_for(t) == engine.image_for(t).image_id

@@ -139,6 +139,13 @@ def builtin_image(template: str = "base", *, build: bool = True) -> ImageRef:
     return ref
 
 
+def builtin_image_id() -> str | None:
+    """The current built-in image's id from its record (its layers not looked up), or None while
+    it is not built."""
+    rec = _built.get(spec.builtin_key()) or builtin_record()
+    return rec.image_id if rec is not None else None
+
+
 def builtin_by_id(template: str, image_id: str) -> ImageRef:
     """The built-in image whose id is ``image_id`` (a snapshot's), current or older: its layers
     must still be in the store (TemplateMismatch otherwise)."""
