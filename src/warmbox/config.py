@@ -171,6 +171,10 @@ class ServerSettings:
     peers: tuple[tuple[int, str], ...] = ()  # unix-socket uid -> tenant
     max_body_mb: int = 512
     body_timeout_s: float = 300.0
+    # registries (``host[:port]``) a tenant's template may be pulled from; admin keys may pull from
+    # any. The pull runs on the server's host, outside every sandbox's network policy: without this
+    # list a tenant could make the host connect to anything it reaches (loopback, internal services).
+    template_registries: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -621,8 +625,26 @@ def parse(
 
 def _server(t: dict, source: str) -> ServerSettings:
     _only(
-        t, {"host", "port", "socket", "tls_cert", "tls_key", "peers", "max_body_mb", "body_timeout"}, "server", source
+        t,
+        {
+            "host",
+            "port",
+            "socket",
+            "tls_cert",
+            "tls_key",
+            "peers",
+            "max_body_mb",
+            "body_timeout",
+            "template_registries",
+        },
+        "server",
+        source,
     )
+    registries = t.get("template_registries", [])
+    if not isinstance(registries, list) or not all(
+        isinstance(r, str) and r and "/" not in r and not any(c.isspace() for c in r) for r in registries
+    ):
+        raise ConfigError(f"{source}: server.template_registries is a list of 'host[:port]' strings")
     cert = _str(t.get("tls_cert", ""), "server.tls_cert", source)
     key = _str(t.get("tls_key", ""), "server.tls_key", source)
     if bool(cert) != bool(key):
@@ -638,6 +660,7 @@ def _server(t: dict, source: str) -> ServerSettings:
         socket=_str(t.get("socket", ""), "server.socket", source),
         tls_cert=cert,
         tls_key=key,
+        template_registries=tuple(r.lower() for r in registries),
         peers=tuple(peers),
         max_body_mb=_int(t.get("max_body_mb", 512), "server.max_body_mb", source, 1, 1 << 20),
         body_timeout_s=_num(t.get("body_timeout", 300.0), "server.body_timeout", source, 1, 86400),

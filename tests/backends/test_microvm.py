@@ -262,6 +262,23 @@ def test_pause_resume_and_fork_continue_memory_and_disk(engine):
 
 
 @pytest.mark.sandbox
+def test_the_image_root_is_readable_by_root_alone(vm):
+    # a root holds a template's whole filesystem (a tenant's COPY'd files): no other host user reads it
+    from warmbox.backends import microvm_image
+
+    ident = vm.get_info().image_id.removeprefix("sha256:")[:32]
+    roots = list((microvm_image.cache_dir() / microvm_image.ROOTS).glob(f"{ident}-{microvm_image.agent_hash()}.ext4"))
+    assert len(roots) == 1, roots
+    st = roots[0].stat()
+    assert st.st_uid == 0 and st.st_mode & 0o077 == 0, oct(st.st_mode)
+    r = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "head", "-c", "1", str(roots[0])],
+        capture_output=True,
+    )
+    assert r.returncode != 0 and b"Permission denied" in r.stderr, r
+
+
+@pytest.mark.sandbox
 def test_a_files_only_pause_resumes_with_the_files(engine):
     # the guest's workspace disk has mkfs's lost+found (root's, 0700): the user's find cannot read it
     sb = Sandbox.create("microvm", timeout=120, limits=LIMITS)

@@ -312,6 +312,14 @@ def test_a_tenant_front_refuses_admin_ops_and_unknown_ids_without_a_sandbox(tmp_
         asyncio.run(front.handle(ops.GcSnapshots()))
     with pytest.raises(Forbidden, match="template gc is for admin keys"):
         asyncio.run(front.handle(ops.TemplateGc(dry_run=True)))
+    # a registry pull runs on the host, outside every network policy: only from listed registries
+    from warmbox.templates import Template
+
+    for ref in ("127.0.0.1:22/x:1", "169.254.169.254/latest:1", "internal.example:5000/a/b:c"):
+        with pytest.raises(Forbidden, match="template_registries lists none"):
+            asyncio.run(front.handle(ops.TemplateBuild("t", Template.from_registry(ref, tls_verify=False))))
+    with pytest.raises(Forbidden, match="admin keys only"):
+        asyncio.run(front.handle(ops.TemplateBuild("t", Template.from_oci("/etc"))))
     with pytest.raises(SandboxNotFound, match=r"^no sandbox sb-000000000000$"):
         asyncio.run(front.handle(ops.Info("sb-000000000000")))
     with pytest.raises(SandboxNotFound, match="ids look like"):
@@ -530,3 +538,21 @@ def test_keys_cli_bad_input_is_one_line_error(tmp_path):
         assert r.returncode == EXIT_ERROR, (args, r.stdout, r.stderr)
         assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
     assert "key-" not in cli("keys", "ls", env=env).stdout  # nothing was made
+
+
+def test_a_tenant_pulls_a_template_only_from_a_listed_registry(tmp_path):
+    from warmbox.engine.engine import Engine
+    from warmbox.engine.front import EngineFront
+    from warmbox.errors import WarmboxError
+    from warmbox.templates import Template
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "warmbox.toml").write_text('[server]\ntemplate_registries = ["127.0.0.1:1"]\n[pools]\n')
+    front = EngineFront(Engine(home), Tenant("b"))
+    with pytest.raises(Forbidden, match=r"lists 127\.0\.0\.1:1"):
+        asyncio.run(front.handle(ops.TemplateBuild("t", Template.from_registry("127.0.0.1:2/x:1", tls_verify=False))))
+    # a listed one passes the check: the pull itself then fails (nothing listens on port 1)
+    with pytest.raises(WarmboxError) as err:
+        asyncio.run(front.handle(ops.TemplateBuild("t", Template.from_registry("127.0.0.1:1/x:1", tls_verify=False))))
+    assert not isinstance(err.value, Forbidden), err.value

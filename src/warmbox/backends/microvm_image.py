@@ -647,6 +647,7 @@ def image_root(cache: Path, image: ImageRef) -> Path:
     UUID and hash seed that follow from its name."""
     final = image_root_path(cache, image)
     if final.is_file():
+        _private(final)
         return final
     rootfs.check_image(image, ROOT_NEEDS)
     roots = final.parent
@@ -657,6 +658,7 @@ def image_root(cache: Path, image: ImageRef) -> Path:
     with open(roots / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if final.is_file():
+            _private(final)
             return final
         for old in roots.glob(".tmp-*"):  # a build that died half-way (under the lock: not a live one)
             _release_build(old)
@@ -667,6 +669,15 @@ def image_root(cache: Path, image: ImageRef) -> Path:
         finally:
             _release_build(work)
     return final
+
+
+def _private(root: Path) -> None:
+    """A root holds a template's whole filesystem (a tenant's COPY'd files): root's alone (QEMU
+    opens it as root before it drops its rights). Roots made before this were 0644."""
+    st = root.stat()
+    if st.st_mode & 0o077 or st.st_uid != 0:
+        os.chown(root, 0, 0)
+        os.chmod(root, 0o600)
 
 
 def _release_build(work: Path) -> None:
@@ -703,7 +714,7 @@ def _build_root(image: ImageRef, work: Path, final: Path) -> None:
     _agent_tree(image, top)
     size_mb = int(sum(_du_mb(Path(d)) for d in (str(top), *image.layers)) * 1.25) + 64
     tmp = work / "root.ext4"
-    with open(tmp, "xb") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb") as f:
         f.truncate(size_mb << 20)
     os.chown(tmp, LAYER_UID_BASE, LAYER_UID_BASE)  # the mapped mkfs (the image's root) writes it
     rootfs.mount_readonly(merged, [str(top), *reversed(image.layers)])
@@ -731,7 +742,7 @@ def _build_root(image: ImageRef, work: Path, final: Path) -> None:
     _run_mapped(argv, f"mkfs.ext4 of template {image.template}:{image.version}'s microVM root")
     rootfs.unmount(merged)
     os.chown(tmp, 0, 0)
-    os.chmod(tmp, 0o644)
+    os.chmod(tmp, 0o600)
     os.rename(tmp, final)
 
 

@@ -934,13 +934,21 @@ class EngineFront:
 
     async def template_build(self, r: ops.TemplateBuild) -> TemplateInfo:
         from warmbox.engine import builder
-        from warmbox.templates import OciSource, check_template
+        from warmbox.templates import OciSource, RegistrySource, check_template
 
         t = check_template(r.template)
         if isinstance(t.source, OciSource) and self.tenant is not None and not self.tenant.admin:
             raise Forbidden(
                 "from_oci reads a path on the server's host: admin keys only (push the image to a registry)"
             )
+        if isinstance(t.source, RegistrySource) and self.tenant is not None and not self.tenant.admin:
+            host = t.source.ref.split("/", 1)[0].lower()
+            allowed = self.engine.settings().server.template_registries
+            if host not in allowed:
+                raise Forbidden(
+                    f"the registry {host} is not one a tenant may pull from (the pull runs on the server's host): "
+                    f"the server's [server] template_registries lists {', '.join(allowed) or 'none'}"
+                )
         if r.context is not None and not isinstance(r.context, bytes):
             raise InvalidArgument(f"context must be bytes (a tar), got {type(r.context).__name__}")
         if r.on_progress is not None and not callable(r.on_progress):
