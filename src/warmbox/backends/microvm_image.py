@@ -717,7 +717,7 @@ def _build_root(image: ImageRef, work: Path, final: Path) -> None:
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb") as f:
         f.truncate(size_mb << 20)
     os.chown(tmp, LAYER_UID_BASE, LAYER_UID_BASE)  # the mapped mkfs (the image's root) writes it
-    rootfs.mount_readonly(merged, [str(top), *reversed(image.layers)])
+    rootfs.mount_readonly(merged, [str(top), *rootfs.stack(image)])
     import uuid
 
     seed = hashlib.sha256(final.name.encode()).digest()

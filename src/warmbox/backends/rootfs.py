@@ -213,9 +213,21 @@ def check_image(image: ImageRef, needs: tuple[str, ...], sandbox_id: str = "") -
         )
 
 
+def stack(image: ImageRef) -> list[str]:
+    """The image's layer dirs top first, each once: two steps that change nothing (or the same)
+    make the same layer twice, and overlay refuses a lowerdir listed twice ("conflicting lowerdir
+    path"). Dropping the lower copy changes nothing: every path it has, the upper copy has too,
+    and the topmost layer that has a path decides it."""
+    out: list[str] = []
+    for layer in reversed(image.layers):
+        if layer not in out:
+            out.append(layer)
+    return out
+
+
 def lowerdir(agent: Path, image: ImageRef, sandbox_id: str = "") -> str:
     """The overlay's ``lowerdir=`` value: the agent layer, then the image's layers top first."""
-    dirs = [str(agent), *reversed(image.layers)]
+    dirs = [str(agent), *stack(image)]
     for d in dirs:
         if any(c in d for c in ",:\\\n"):
             raise SandboxStartError(f"a layer path holds a character overlay cannot take: {d!r}", sandbox_id)

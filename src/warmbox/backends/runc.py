@@ -60,6 +60,20 @@ MASKED_PATHS = [
     "/sys/firmware",
     "/sys/devices/virtual/powercap",
 ]
+# A build sandbox trusts what the host trusts for TLS (pip, npm, curl, git through an upstream that
+# intercepts TLS, as some hosts' egress does): the host's CA bundle, bind-mounted read-only below the
+# build's /run tmpfs (not into the image's own path: nothing of it enters the layer), named by the
+# variables the common clients read.
+HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+BUILD_CA_PATH = "/run/warmbox/ca-certificates.crt"
+BUILD_CA_ENV = (
+    "SSL_CERT_FILE",
+    "PIP_CERT",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+    "GIT_SSL_CAINFO",
+    "NODE_EXTRA_CA_CERTS",
+)
 # a build sandbox's root (of its user namespace) gets Docker's default capability set: apt-get, dpkg,
 # useradd, chown and pip work as root, and nothing that could rearrange mounts or load anything
 BUILD_CAPABILITIES = [
@@ -418,6 +432,8 @@ class RuncBackend:
         if spec.image is not None:  # the image's config (Dockerfile ENV), under the sandbox's own
             env.update(dict(spec.image.env))
             env["HOME"] = "/root" if build else BASE_ENV["HOME"]
+        if build and os.path.isfile(HOST_CA_BUNDLE):
+            env.update(dict.fromkeys(BUILD_CA_ENV, BUILD_CA_PATH))
         env.update(dict(spec.envs))
         mib = 1 << 20
         tmp_mb, shm_mb = tmpfs_sizes(lim)
@@ -479,6 +495,15 @@ class RuncBackend:
                     "options": [*nosuid, "mode=755", f"size={tmp_mb}m"],
                 }
             )
+            if os.path.isfile(HOST_CA_BUNDLE):  # in the /run tmpfs: never part of the layer
+                mounts.append(
+                    {
+                        "destination": BUILD_CA_PATH,
+                        "type": "bind",
+                        "source": HOST_CA_BUNDLE,
+                        "options": ["bind", "ro", "noexec", *nosuid],
+                    }
+                )
         if spec.image is not None:
             mounts += [
                 {
