@@ -1,4 +1,4 @@
-"""A template layer gives the host's other users nothing.
+"""A template layer (and the microVM root made of it) gives the host's other users nothing.
 
 Layers on the host are owned by the layer uid range (an image's root is host uid
 LAYER_UID_BASE), modes and setuid/setgid bits kept. A build's RUN step (untrusted) plants a
@@ -36,6 +36,7 @@ def nobody(*argv: str) -> subprocess.CompletedProcess[str]:
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", "/bin/sh", "-c", cmd],
         capture_output=True,
         text=True,
+        errors="replace",
         timeout=30,
     )
 
@@ -84,6 +85,13 @@ def test_a_setuid_file_planted_by_a_build_gives_host_users_nothing(home, runc_re
     assert r.returncode != 0 and "TENANT SECRET" not in r.stdout
     r = nobody("ls", str(store.dirs))
     assert r.returncode != 0, r.stdout
+
+    # nor the microVM root made of the image (an ext4 of all its layers)
+    from warmbox.backends import microvm_image
+
+    root = microvm_image.image_root(open_dir / "images", image_of(debian_layer, info.path))
+    r = nobody("cat", str(root))
+    assert r.returncode != 0 and "Permission denied" in r.stderr and root.stat().st_size > 0
 
     # the image's sandboxes still read the layer (container and gVisor), setuid powerless inside
     async def use(tier: str):

@@ -383,9 +383,10 @@ GUARANTEES: tuple[Guarantee, ...] = (
         "host paths",
         "A template's layers on the host are root's alone: a setuid or setgid file a build's RUN step "
         "planted cannot be run by another host user as the layers' owner (LAYER_UID_BASE), and no host "
-        "user reads a tenant's layer; the image's sandboxes still read it (through their overlay), "
-        "setuid powerless inside.",
-        ("container", "gvisor"),
+        "user reads a tenant's layer, nor the microVM root made of it; the image's sandboxes still read it "
+        "(through their overlay; QEMU opens the root before it drops to the sandbox's uid), setuid "
+        "powerless inside.",
+        ("container", "gvisor", "microvm"),
         ("test_layer_host_access.py::test_a_setuid_file_planted_by_a_build_gives_host_users_nothing",),
     ),
     Guarantee(
