@@ -274,7 +274,7 @@ def test_cli_over_http_progress_ls_show_rm(engine: Engine, home: Path, tmp_path:
     name = f"t-{os.getpid()}-cli"
     (tmp_path / "Dockerfile").write_text("FROM base\nCOPY note.txt /opt/note.txt\nRUN cat /opt/note.txt\n")
     (tmp_path / "note.txt").write_text(f"copied over http {TOKEN}\n")
-    server = start_server(home)
+    server = start_server(home, home / "templates-cli.sock")
     try:
         _k, mine = engine.registry.create_key("tmpl-owner")
         _k, other = engine.registry.create_key("tmpl-other")

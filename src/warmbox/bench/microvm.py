@@ -22,7 +22,7 @@ from typing import Any
 from warmbox import protocol as p
 from warmbox.backends import microvm as vm
 from warmbox.errors import WarmboxError
-from warmbox.models import Limits
+from warmbox.models import MAX_VOLUME_MB, Limits
 
 FIRST = ["/bin/true"]
 RAW_UID = 0x7FFE0000  # raw VMs are confined like warmbox's, to an id no sandbox range reaches
@@ -75,11 +75,14 @@ def _raw_first_command(chardev: Path, deadline: float, code: str | None = None) 
 
 
 class RawQemu:
-    """One VM at a time from the backend's own argv; stopped by its pidfile's PID."""
+    """One VM at a time from the backend's own argv (the built-in image's root disk and the empty
+    volume slots a sandbox's VM has: a memory image restores only into the devices it was saved
+    with); stopped by its pidfile's PID."""
 
-    def __init__(self, backend: vm.MicroVMBackend, work: Path) -> None:
+    def __init__(self, backend: vm.MicroVMBackend, work: Path, root: Path) -> None:
         self.backend = backend
         self.work = work
+        self.root = root
         self.live: set[Path] = set()
 
     def close(self) -> None:
@@ -116,6 +119,10 @@ class RawQemu:
             else:
                 shutil.copy(memory.with_suffix(".qcow2"), disk)
             (d / "empty").mkdir(mode=0o555)
+            placeholder = d / vm.SLOT_PLACEHOLDER  # sparse, as a sandbox's empty slots
+            with open(placeholder, "wb") as f:
+                f.truncate(MAX_VOLUME_MB << 20)
+            slots = [(placeholder, memory is None)] * vm.VOLUME_SLOTS  # writable on a cold boot only
             argv = vm.qemu_argv(
                 self.backend.image(),
                 d,
@@ -123,12 +130,14 @@ class RawQemu:
                 self.backend.accel()[0],
                 incoming=vm.INCOMING_FD if memory else None,
                 confine=RAW_UID,
+                root=self.root,
+                volume_slots=[not writable for _, writable in slots],
             )
             # the same host cgroup bounds as warmbox's VMs (CPU quota, memory charging): the ratios
             # then measure warmbox's own work, not the limits
             procs = self._cgroup(d).create_for(Limits(), self.backend.accel()[0])
             t0 = time.perf_counter()
-            vm._spawn(argv, d / "qemu.log", vm.vm_files(d, memory), procs)
+            vm._spawn(argv, d / "qemu.log", vm.vm_files(d, memory, slots), procs)
             _raw_first_command(d / "run" / "vm.sock", time.monotonic() + 120, code)
             return d, (time.perf_counter() - t0) * 1e3
         except BaseException:
@@ -193,6 +202,13 @@ async def _warmbox_cold(engine, limits: Limits) -> tuple[float, dict[str, float]
     return ms, {t.stage: t.duration_ms for t in got.timings}
 
 
+def _builtin_root(engine: Any) -> Path:
+    """The built-in image's microVM root disk (what ``base``, ``pydata`` and ``shell`` run)."""
+    from warmbox.backends import microvm_image
+
+    return microvm_image.image_root(microvm_image.cache_dir(), engine.image_for("base"))
+
+
 def _microvm(engine: Any) -> vm.MicroVMBackend:
     """The microVM backend itself: the raw baselines drive its QEMU with the same images and argv."""
     backend = engine.backend("microvm")
@@ -248,7 +264,7 @@ async def bench_start(home: Path, runs: int, variant: str = "both") -> dict:
     if not avail.available:
         raise WarmboxError(f"microvm tier unavailable: {avail.reason}")
     work = Path(tempfile.mkdtemp(prefix="raw-qemu-", dir=engine.runtime))
-    raw = RawQemu(backend, work)
+    raw = RawQemu(backend, work, await asyncio.to_thread(_builtin_root, engine))
     methods = []
     if variant in ("empty", "both"):
         methods += ["warmbox_restore_first", "raw_qemu_restore_first", "warmbox_cold_boot_first", "raw_qemu_boot_first"]
@@ -353,7 +369,7 @@ async def bench_snapshot(home: Path, runs: int) -> dict:
     engine = Engine.for_home(home)
     backend = _microvm(engine)
     work = Path(tempfile.mkdtemp(prefix="raw-qemu-", dir=engine.runtime))
-    raw = RawQemu(backend, work)
+    raw = RawQemu(backend, work, await asyncio.to_thread(_builtin_root, engine))
     rows: dict[str, list[float]] = {
         k: [] for k in ("pause_ms", "resume_first_ms", "raw_save_ms", "raw_restore_first_ms")
     }
