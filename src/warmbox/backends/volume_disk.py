@@ -36,13 +36,12 @@ import errno
 import fcntl
 import os
 import struct
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from warmbox.backends import workspace_disk
-from warmbox.backends.workspace_disk import _configure_loop, _libc, _os_error, mounts_under
+from warmbox.backends.workspace_disk import _configure_loop, _libc, _os_error, make_ext4, mounts_under
 from warmbox.errors import SandboxStartError, VolumeError
 from warmbox.models import VolumeMount
 
@@ -104,18 +103,9 @@ def make_image(path: Path, size_mb: int) -> None:
     place; sparse: mkfs writes ~1-2 MiB of metadata and journal). VolumeError if mkfs fails."""
     tmp = path.with_name(f".tmp-{os.getpid()}-{time.monotonic_ns()}.img")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.ftruncate(fd, size_mb << 20)  # sparse, so all zeros: what assume_storage_prezeroed means
-        finally:
-            os.close(fd)
-        for argv in (["mkfs.ext4", *MKFS_OPTIONS, str(tmp)], ["debugfs", "-w", "-R", "rmdir lost+found", str(tmp)]):
-            r = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300, check=False)
-            if r.returncode != 0:
-                raise VolumeError(
-                    f"making the {size_mb} MiB volume: {argv[0]} exited {r.returncode}: "
-                    f"{(r.stderr or r.stdout).strip()[-300:]}"
-                )
+        failed = make_ext4(tmp, size_mb, MKFS_OPTIONS)
+        if failed:
+            raise VolumeError(f"making the {size_mb} MiB volume: {failed}")
         os.rename(tmp, path)
     except FileNotFoundError as e:
         raise VolumeError(f"making a volume needs e2fsprogs (mkfs.ext4, debugfs): {e}") from None

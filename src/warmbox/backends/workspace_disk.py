@@ -93,6 +93,22 @@ def _blank_path(cache: Path, size_mb: int) -> Path:
     return cache / f"{FORMAT}-{size_mb}M.img"
 
 
+def make_ext4(path: Path, size_mb: int, options: tuple[str, ...]) -> str:
+    """Make ``path`` (a new file) a sparse ext4 of ``size_mb`` MiB with ``options`` and without
+    lost+found (an unreadable root-owned directory in the user's filesystem): "" when done, else
+    what failed. FileNotFoundError when e2fsprogs (mkfs.ext4, debugfs) is missing."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, size_mb << 20)  # sparse, so all zeros: what assume_storage_prezeroed means
+    finally:
+        os.close(fd)
+    for argv in (["mkfs.ext4", *options, str(path)], ["debugfs", "-w", "-R", "rmdir lost+found", str(path)]):
+        r = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300, check=False)
+        if r.returncode != 0:
+            return f"{argv[0]} exited {r.returncode}: {(r.stderr or r.stdout).strip()[-300:]}"
+    return ""
+
+
 def cached(cache: Path, size_mb: int) -> bool:
     """The blank of this size exists: :func:`attach` only copies and mounts (a few ms, no mkfs)."""
     return _blank_path(cache, size_mb).is_file()
@@ -106,18 +122,9 @@ def blank(cache: Path, size_mb: int) -> Path:
     cache.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = cache / f".tmp-{os.getpid()}-{time.monotonic_ns()}.img"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, size_mb << 20)  # sparse, so all zeros: what assume_storage_prezeroed means
-        finally:
-            os.close(fd)
-        for argv in (["mkfs.ext4", *MKFS_OPTIONS, str(tmp)], ["debugfs", "-w", "-R", "rmdir lost+found", str(tmp)]):
-            r = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300, check=False)
-            if r.returncode != 0:
-                raise SandboxStartError(
-                    f"making the {size_mb} MiB workspace filesystem: {argv[0]} exited "
-                    f"{r.returncode}: {(r.stderr or r.stdout).strip()[-300:]}"
-                )
+        failed = make_ext4(tmp, size_mb, MKFS_OPTIONS)
+        if failed:
+            raise SandboxStartError(f"making the {size_mb} MiB workspace filesystem: {failed}")
         os.rename(tmp, final)  # a concurrent maker's identical image may be replaced: fine
     except FileNotFoundError as e:
         raise SandboxStartError(f"making the workspace filesystem needs e2fsprogs (mkfs.ext4, debugfs): {e}") from None
