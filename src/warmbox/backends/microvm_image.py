@@ -30,6 +30,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from warmbox.backends import rootfs
@@ -146,16 +147,34 @@ def _fail(what: str, r: subprocess.CompletedProcess | None = None) -> SandboxSta
     return SandboxStartError(f"building the microVM image: {what}{tail}")
 
 
-def _run(argv: list[str], what: str, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
-    try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
-    except FileNotFoundError:
-        raise _fail(f"{argv[0]} is not installed (scripts/bootstrap installs it)") from None
-    except subprocess.TimeoutExpired:
-        raise _fail(f"{what} took longer than {timeout:.0f} s") from None
-    if r.returncode != 0:
-        raise _fail(what, r)
-    return r
+def _run(
+    argv: list[str],
+    what: str,
+    timeout: float = 600,
+    *,
+    fetch_tries: int = 1,
+    before_retry: Callable[[], object] | None = None,
+    **kw,
+) -> subprocess.CompletedProcess:
+    """``argv``; fetch_tries: runs again (up to that many in all) while it fails because apt could
+        not fetch a file (the apt proxy here answers a few of many with "403 Forbidden", fine when asked
+        again; apt itself does not retry an HTTP error); ``before_retry`` runs before each new try (e.g.
+    removing a half-made target). Each failure is a SandboxStartError naming ``what``."""
+    for attempt in range(1, fetch_tries + 1):
+        try:
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
+        except FileNotFoundError:
+            raise _fail(f"{argv[0]} is not installed (scripts/bootstrap installs it)") from None
+        except subprocess.TimeoutExpired:
+            raise _fail(f"{what} took longer than {timeout:.0f} s") from None
+        if r.returncode == 0:
+            return r
+        if attempt == fetch_tries or "Failed to fetch" not in r.stdout + r.stderr:
+            break
+        time.sleep(2 * attempt)
+        if before_retry is not None:
+            before_retry()
+    raise _fail(what, r)
 
 
 def content_hash() -> str:
@@ -316,7 +335,12 @@ def _modinfo_depends(ko: bytes) -> list[str]:
 
 def _kernel(out: Path, work: Path) -> str:
     pkg = _kernel_package()
-    _run(["apt-get", "download", "-q", "-o", "APT::Sandbox::User=root", pkg], f"apt-get download {pkg}", cwd=work)
+    _run(
+        ["apt-get", "download", "-q", "-o", "Acquire::Retries=3", "-o", "APT::Sandbox::User=root", pkg],
+        f"apt-get download {pkg}",
+        cwd=work,
+        fetch_tries=4,
+    )
     debs = list(work.glob(f"{pkg}_*.deb"))
     if not debs:
         raise _fail(f"apt-get download left no {pkg} package")
@@ -414,11 +438,18 @@ def debian_tree(images: Path) -> Path:
         if final.is_dir():
             return final
         tmp = images / f".tmp-debian-{os.getpid()}-{time.monotonic_ns()}"
-        argv = ["mmdebstrap", "--variant=minbase", "--quiet", "--include=" + ",".join(GUEST_PACKAGES)]
+        argv = ["mmdebstrap", "--variant=minbase", "--quiet", "--aptopt=Acquire::Retries 5"]
+        argv += ["--include=" + ",".join(GUEST_PACKAGES)]
         argv += [f"--dpkgopt=path-exclude={x}" for x in _EXCLUDES]
         argv += ["--dpkgopt=path-include=/usr/share/doc/*/copyright", _suite(), str(tmp)]
         try:
-            _run(argv, "mmdebstrap of the guest root", timeout=900)
+            _run(
+                argv,
+                "mmdebstrap of the guest root",
+                timeout=900,
+                fetch_tries=3,
+                before_retry=lambda: shutil.rmtree(tmp, ignore_errors=True),
+            )
             for junk in ("var/cache/apt", "var/lib/apt/lists"):
                 shutil.rmtree(tmp / junk, ignore_errors=True)
             os.rename(tmp, final)

@@ -89,10 +89,22 @@ def _after(step: ts.Step, image: _Image) -> None:
 
 # ---- step commands (run by bash -c in the build sandbox)
 
-_APT = """set -e
+# The install is retried: a mirror or caching proxy that answers a few files of many with an error
+# (seen here: "403 Forbidden" from the apt proxy for 2-3 of ~130 packages, fine when asked again;
+# apt's own Acquire::Retries does not retry an HTTP error) must not fail the build. What was
+# fetched stays in apt's archive cache, so a retry downloads only what is missing.
+_APT = """set -eo pipefail
 export DEBIAN_FRONTEND=noninteractive
-apt-get update -q
-apt-get install -y -q --no-install-recommends {packages}
+apt-get update -q -o Acquire::Retries=3
+for try in 1 2 3 4 5; do
+  if apt-get install -y -q -o Acquire::Retries=3 --no-install-recommends {packages} 2>&1 | tee /tmp/.wb-apt.log; then
+    break
+  fi
+  if [ "$try" -eq 5 ] || ! grep -q "^E: Failed to fetch" /tmp/.wb-apt.log; then exit 100; fi
+  echo "warmbox: some packages could not be fetched (try $try of 5), again in $((try * 2)) s" >&2
+  sleep $((try * 2))
+done
+rm -f /tmp/.wb-apt.log
 apt-get clean
 rm -rf /var/lib/apt/lists/*
 """
