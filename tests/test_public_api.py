@@ -35,6 +35,7 @@ def test_exported_members():
             "SandboxInfo",
             "SandboxNotFound",
             "SandboxPaused",
+            "SecretsRequired",
             "Lifecycle",
             "SandboxQuery",
             "SandboxStartError",

@@ -10,6 +10,7 @@ WarmboxError
 │   ├── SandboxNotFound                 unknown id, or the sandbox was destroyed
 │   ├── SandboxStateError               operation illegal in the sandbox's current state
 │   │   └── SandboxPaused                   the sandbox is paused (and not created to auto-resume)
+│   │       └── SecretsRequired                 a resume or fork lacks secret values (``missing``: their names)
 │   ├── SandboxStartError               the backend failed to bring the sandbox up
 │   ├── GuestConnectionError            the guest agent cannot be reached / went away
 │   ├── GuestProtocolError              the guest sent something outside the protocol
@@ -121,6 +122,16 @@ class SandboxStateError(SandboxError):
 class SandboxPaused(SandboxStateError):
     """The sandbox is paused (by pause(), its idle time or its timeout) and was not created with
     ``Lifecycle(auto_resume=True)``: ``Sandbox.connect(id)`` or ``resume(id)`` runs it again."""
+
+
+class SecretsRequired(SandboxPaused):
+    """A resume (or a fork) of a sandbox that had secrets, without their values: warmbox never
+    stores them, so the caller passes them again (``resume(id, secrets={...})``). Nothing was
+    done: a paused sandbox stays paused. missing: the env names of the secrets not given."""
+
+    def __init__(self, message: str, sandbox_id: str | None = None, *, missing: tuple[str, ...] = ()) -> None:
+        super().__init__(message, sandbox_id)
+        self.missing = missing
 
 
 class SandboxStartError(SandboxError):

@@ -303,6 +303,7 @@ class Resume(Request[Opened]):
     snapshot: str
     timeout: float | None = None
     envs: dict[str, str] | None = None
+    secrets: dict[str, Any] | None = None  # name -> value (str) or warmbox.Secret: never stored
 
 
 @dataclasses.dataclass(frozen=True)

@@ -253,6 +253,7 @@ _ATTRS = (
     "log",
     "line",
     "volume",
+    "missing",
 )
 
 

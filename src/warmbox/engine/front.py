@@ -524,15 +524,18 @@ class EngineFront:
 
     async def _create(self, r: ops.Create) -> Launched:
         if r.from_snapshot is not None:
-            if r.network != "none" or r.secrets:
-                raise InvalidArgument("a sandbox forked from a snapshot starts without network; use network.update()")
+            if r.network != "none":
+                raise InvalidArgument(
+                    "a sandbox forked from a snapshot has its snapshot's network policy; "
+                    "change it with network.update()"
+                )
             if r.tier is not None or r.limits is not None or r.template is not None or r.volumes:
                 raise InvalidArgument(
                     "from_snapshot takes its tier, template, limits and volumes from the snapshot's sandbox"
                 )
             m = snapshots.resolve(self.engine, r.from_snapshot)
-            got = await snapshots.restore(
-                self.engine, m, timeout=r.timeout, envs=r.envs, pool=r.pool, tenant=self.tenant
+            got = await snapshots.fork(
+                self.engine, m, timeout=r.timeout, envs=r.envs, pool=r.pool, tenant=self.tenant, secrets=r.secrets
             )
         else:
             got = await self.engine.create(
@@ -564,7 +567,9 @@ class EngineFront:
             return await self.resume(ops.Resume(r.sandbox_id))
 
     async def resume(self, r: ops.Resume) -> ops.Opened:
-        got = await snapshots.resume(self.engine, r.snapshot, timeout=r.timeout, envs=r.envs, tenant=self.tenant)
+        got = await snapshots.resume(
+            self.engine, r.snapshot, timeout=r.timeout, envs=r.envs, tenant=self.tenant, secrets=r.secrets
+        )
         return await self._hold(got)
 
     async def detach(self, r: ops.Detach) -> None:

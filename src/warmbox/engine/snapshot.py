@@ -327,8 +327,11 @@ def _manifest(
     context_skipped: tuple[str, ...],
 ) -> snaps.SnapshotManifest:
     """The manifest of a snapshot of ``info``: its shape, the blobs (sha256, stored, raw sizes)."""
+    from warmbox.engine import egress
+
     lim = engine.registry.limits(info.sandbox_id)
     mem_sha, mem_size, mem_raw = memory or ("", 0, 0)
+    record = egress.record_of(engine, info.sandbox_id)
     return snaps.SnapshotManifest(
         snapshot_id=snaps.new_snapshot_id(),
         sandbox_id=info.sandbox_id,
@@ -355,6 +358,7 @@ def _manifest(
         memory_raw_bytes=mem_raw,
         image_id=info.image_id,
         template_version=info.template_version,
+        network=record.to_json() if record is not None else "",
     )
 
 
@@ -468,7 +472,7 @@ async def _release_paused(engine: Engine, sandbox_id: str, m: snaps.SnapshotMani
         await engine.backend(info.tier).destroy(handle)
         from warmbox.engine import egress
 
-        await egress.suspend(engine, sandbox_id)  # its policy and brokered secrets wait for its resume
+        await egress.suspend(engine, sandbox_id)  # its policy waits for its resume (the secrets' values go)
         engine.registry.released(sandbox_id, engine.owner)  # from here a resume may start it again
     finally:
         _releasing.discard(sandbox_id)
@@ -1022,33 +1026,44 @@ def _too_big(m: snaps.SnapshotManifest, limits: Limits, detail: str, sandbox_id:
 
 
 async def resume(
-    engine: Engine, ref: str, *, timeout: float | None, envs: dict[str, str] | None, tenant: Tenant | None = None
+    engine: Engine,
+    ref: str,
+    *,
+    timeout: float | None,
+    envs: dict[str, str] | None,
+    tenant: Tenant | None = None,
+    secrets: object = None,
 ) -> Launched:
     """A paused sandbox (its id) running again under the same id, or a fork of a snapshot (its
-    id) as a new sandbox. tenant: whose the running sandbox is (a paused sandbox holds nothing:
-    the resumed one is what counts against quotas).
+    id) as a new sandbox (:func:`fork`). tenant: whose the running sandbox is (a paused sandbox
+    holds nothing: the resumed one is what counts against quotas).
 
-    A resumed sandbox keeps the lifetime it was created with (``timeout`` None), its egress
-    policy and brokered secrets; its stage timings gain ``resume`` (ms, the whole resume).
+    A resumed sandbox keeps the lifetime it was created with (``timeout`` None) and its egress
+    policy (a link of its own again); ``secrets`` gives the values of the secrets it had (env
+    name -> str or warmbox.Secret: never stored), SecretsRequired naming those missing before
+    anything is done. Its stage timings gain ``resume`` (ms, the whole resume).
     """
+    from warmbox.engine import egress
+
     if not (isinstance(ref, str) and ref.startswith("sb-")):
         m = resolve(engine, ref)
         if not _pause_of_paused(engine, m):
-            return await restore(engine, m, timeout=timeout, envs=envs, tenant=tenant)
+            return await fork(engine, m, timeout=timeout, envs=envs, tenant=tenant, secrets=secrets)
         ref = m.sandbox_id  # the snapshot pause() handed out: continue that sandbox, under its id
     t0 = time.perf_counter()
     info, _ = engine.info(ref)
     if info.state is not State.PAUSED:
         check(Operation.RESUME, info.state, ref, engine.registry.ended_reason(ref))
+    record = egress.paused_record(engine, ref)
+    secret_map = egress.secrets_for(record, secrets, ref, f"sandbox {ref}")
     m = resolve(engine, ref)
     if timeout is None:
         timeout = engine.registry.timeout_of(ref) or None
     await _released(engine, ref)
     got = await restore(engine, m, timeout=timeout, envs=envs, tenant=tenant, resume_of=ref)
     try:
-        from warmbox.engine import egress
-
-        await egress.rejoin(engine, got.handle, got.session)
+        if record is not None:
+            await egress.reestablish(engine, got.handle, got.session, record, secret_map)
     except BaseException:
         await got.session.close()
         try:
@@ -1059,6 +1074,37 @@ async def resume(
     engine.registry.add_timings([StageTiming(ref, "resume", (time.perf_counter() - t0) * 1e3, True)])
     got.timings = engine.registry.timings(ref)
     got.info, _ = engine.info(ref)
+    return got
+
+
+async def fork(
+    engine: Engine,
+    m: snaps.SnapshotManifest,
+    *,
+    timeout: float | None,
+    envs: dict[str, str] | None,
+    pool: bool = True,
+    tenant: Tenant | None = None,
+    secrets: object = None,
+) -> Launched:
+    """A new sandbox from snapshot ``m`` (:func:`restore`) with the snapshot's egress policy on a
+    link, address and audit log of its own; its secrets keep their placeholders and get the
+    values in ``secrets`` (SecretsRequired naming those missing, before anything is made) and a
+    new CA. The origin is untouched."""
+    from warmbox.engine import egress
+
+    record = egress.EgressRecord.from_json(m.network)
+    secret_map = egress.secrets_for(record, secrets, m.sandbox_id, f"snapshot {m.snapshot_id}")
+    if record is not None:
+        egress.check_tier(engine, m.tier, record.policy_of())
+    got = await restore(engine, m, timeout=timeout, envs=envs, pool=pool, tenant=tenant)
+    if record is not None:
+        try:
+            got.timings.append(await egress.reestablish(engine, got.handle, got.session, record, secret_map))
+        except BaseException:
+            await got.session.close()
+            await engine.destroy(got.sandbox_id, "network setup of the fork failed")
+            raise
     return got
 
 

@@ -699,9 +699,6 @@ class Proxy:
                 kept = _ca_pems(ca)
             self.keep({"op": "register", "sandbox_id": sid, "secrets": msg.get("secrets", []), "ca": kept})
             return {"ok": True, "ca_pem": ca_pem}
-        if op == "rejoin":  # a resumed sandbox: its secrets and CA as they were registered
-            kept_ca = self.cas.get(str(msg["sandbox_id"]))
-            return {"ok": True, "ca_pem": kept_ca.cert_pem if kept_ca is not None else ""}
         if op == "forget":
             sid = str(msg["sandbox_id"])
             self.keep({"op": "forget", "sandbox_id": sid})

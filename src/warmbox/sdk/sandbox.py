@@ -161,8 +161,9 @@ class AsyncSandbox:
             or one from warmbox.toml; its warm-up has run before the sandbox is returned.
         pool: take a ready sandbox from a matching warm pool when one is there (``from_pool``);
             False always creates cold. A pooled sandbox never served anyone before.
-        from_snapshot: fork a new sandbox from a snapshot (its tier, template and limits; the
-            origin is untouched). Environment values are never stored in snapshots: pass envs.
+        from_snapshot: fork a new sandbox from a snapshot (its tier, template, limits and network
+            policy; the origin is untouched). Environment and secret values are never stored in
+            snapshots: pass envs, and secrets as for ``resume`` (SecretsRequired names the missing).
         network: "none" (default: loopback only), "internet" (any public address; never cloud
             metadata, private, link-local or the host's own), or warmbox.Network(allow=[...],
             deny=[...], on_unknown="deny"|"ask"). Egress goes through warmbox's proxy, whose
@@ -247,22 +248,29 @@ class AsyncSandbox:
         *,
         timeout: float | None = None,
         envs: dict[str, str] | None = None,
+        secrets: dict[str, Any] | None = None,
         home: str | Path | None = None,
         transport: Transport | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
     ) -> AsyncSandbox:
         """Bring back a paused sandbox by its id: the same ``sandbox_id`` runs again, with the
-        timeout it was created with unless ``timeout`` is given, its network policy and secrets.
+        timeout it was created with unless ``timeout`` is given, and its network policy.
         The SnapshotRef that ``pause()`` returned does the same while its sandbox is paused; any
-        other snapshot (SnapshotRef or snapshot id) forks a new sandbox from it.
+        other snapshot (SnapshotRef or snapshot id) forks a new sandbox from it (with the
+        snapshot's network policy, on a link, address, CA and ``network.log()`` of its own).
+
+        secrets: the values of the secrets the sandbox was created with (env name -> the value,
+        for the hosts it had, or a warmbox.Secret): warmbox never stores them, so a resume or
+        fork without them raises SecretsRequired naming the missing ones, and changes nothing
+        (a paused sandbox stays paused). Their placeholders in the sandbox's env stay the same.
 
         Files and the default code context's state are restored; on a tier without memory
         snapshots, processes that ran before the pause are not (they start fresh). The stage
         ``resume`` in ``timings`` is how long the resume took (ms).
         """
         t = _transport(transport, home, api_url, api_key)
-        request = ops.Resume(_snapshot_id(snapshot), timeout=timeout, envs=envs)
+        request = ops.Resume(_snapshot_id(snapshot), timeout=timeout, envs=envs, secrets=secrets)
         return await cls._open(t, transport is None, request, tuple(envs or ()))
 
     @classmethod

@@ -307,7 +307,7 @@ def _bound(req: ops.Request[Any], settings: ServerSettings) -> ops.Request[Any]:
 def _adapt(req: ops.Request[Any]) -> ops.Request[Any]:
     """Wire forms of the fields typed ``object`` in the operations (network policies, secrets)."""
     if isinstance(req, (ops.Create, ops.UpdateNetwork)):
-        from warmbox.network.policy import Network, Secret
+        from warmbox.network.policy import Network
 
         net = req.network
         if isinstance(net, dict):
@@ -315,9 +315,15 @@ def _adapt(req: ops.Request[Any]) -> ops.Request[Any]:
         elif not isinstance(net, str):
             raise InvalidArgument('network must be "none", "internet" or {"allow": [...], "deny": [...]}')
         req = dataclasses.replace(req, network=net)
-        if isinstance(req, ops.Create) and req.secrets is not None:
-            sec = {str(k): wire.decode_record(Secret, v, f"secrets[{k!r}]") for k, v in req.secrets.items()}
-            req = dataclasses.replace(req, secrets=sec)
+    if isinstance(req, (ops.Create, ops.Resume)) and req.secrets is not None:
+        from warmbox.network.policy import Secret
+
+        # a value alone (a resume or fork: the hosts recorded with the sandbox) stays a string
+        sec: dict[str, Any] = {
+            str(k): v if isinstance(v, str) else wire.decode_record(Secret, v, f"secrets[{k!r}]")
+            for k, v in req.secrets.items()
+        }
+        req = dataclasses.replace(req, secrets=sec)
     return req
 
 

@@ -30,9 +30,11 @@ def _overrides(defs: dict[str, Any]) -> dict[str, Any]:
         "default": "none",
     }
     secret = {"$ref": f"#/components/schemas/{wire.record_schema(Secret, defs)}"}
+    # a value alone (a resume's or fork's) keeps the hosts recorded with the sandbox
+    value = {"anyOf": [secret, {"type": "string"}]}
     return {
         "network": network,
-        "secrets": {"anyOf": [{"type": "object", "additionalProperties": secret}, {"type": "null"}]},
+        "secrets": {"anyOf": [{"type": "object", "additionalProperties": value}, {"type": "null"}]},
     }
 
 

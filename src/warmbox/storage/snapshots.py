@@ -66,6 +66,9 @@ class SnapshotManifest:
     # image again, never the template's latest ("": taken before images were recorded)
     image_id: str = ""
     template_version: int = 0
+    # the sandbox's egress (engine.egress.EgressRecord JSON: policy and secret slots, never a
+    # value); a resume or fork comes back with it. "": no network
+    network: str = ""
 
     @property
     def size_bytes(self) -> int:
@@ -193,6 +196,7 @@ def load_manifest(store: ObjectStore, snapshot_id: str, workdir: Path) -> Snapsh
                 raw.setdefault("disk_mb", 0)  # a manifest from before disk quotas
                 raw.setdefault("image_id", "")  # ... and from before images were recorded
                 raw.setdefault("template_version", 0)
+                raw.setdefault("network", "")  # ... and from before a snapshot kept its network
             if not isinstance(raw, dict) or set(raw) != set(fields):
                 raise ValueError("unexpected fields")
             for k in ("context_skipped", "env_names"):
