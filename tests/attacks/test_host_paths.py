@@ -14,7 +14,7 @@ import pytest
 
 from tests.attacks.conftest import require_tier
 from tests.conftest import wait_for
-from warmbox import Sandbox
+from warmbox import Sandbox, Volume
 from warmbox import protocol as p
 from warmbox.backends import hostfs
 from warmbox.engine import snapshot as snapshots
@@ -78,6 +78,31 @@ def test_pause_with_a_socket_in_workspace_is_refused_and_the_sandbox_lives(home,
             sb.pause(memory=True)
         assert sb.commands.run("echo alive").stdout == "alive\n"
         assert "hold.sock" in sb.commands.run("ls /workspace").stdout
+
+
+def test_pause_with_a_socket_in_a_volume_is_refused_and_the_sandbox_lives(home, runc_ready):
+    """The sockets are looked for on the host (by find as the tree's owner): a writable volume is a
+    host directory too, below /workspace or elsewhere, and a link to a socket is not one."""
+    require_tier(home, "gvisor")
+    name = f"wbt-{secrets.token_hex(3)}"
+    Sandbox.create_volume(name, 32, home=home)
+    try:
+        sb = Sandbox.create("gvisor", pool=False, home=home, volumes=[Volume(name, "/data")], timeout=300)
+        try:
+            assert sb.commands.run("mkdir -p /data/deep/er && ln -s /run/agent.sock /workspace/link").exit_code == 0
+            sb.commands.run(
+                "nohup python3 -c 'import socket,time; s=socket.socket(socket.AF_UNIX); "
+                's.bind("/data/deep/er/v.sock"); s.listen(); time.sleep(600)\' >/dev/null 2>&1 &'
+            )
+            wait_for(lambda: "v.sock" in sb.commands.run("ls /data/deep/er").stdout, 10, "the socket")
+            with pytest.raises(SnapshotUnsupported, match=r"/data/deep/er/v\.sock") as e:
+                sb.pause(memory=True)
+            assert "link" not in str(e.value)
+            assert sb.commands.run("echo alive").stdout == "alive\n"
+        finally:
+            sb.kill()
+    finally:
+        Sandbox.delete_volume(name, home=home)
 
 
 def test_restore_races_a_planted_resume_symlink(home, runc_ready, victim):

@@ -170,6 +170,54 @@ async def tar_create(directory: str | Path, sink: Callable[[bytes], object], *, 
     return written
 
 
+async def find_sockets(directory: str | Path, *, limit: int, timeout: float) -> list[str]:
+    """Up to ``limit`` unix sockets below ``directory`` (paths relative to it, without ``./``), found
+    by ``find`` running as the directory's owner; its own filesystem only (a mount below it is not
+    its tree). StorageError when find takes longer than ``timeout`` seconds (wall clock)."""
+    proc = await asyncio.create_subprocess_exec(
+        "/usr/bin/find",
+        ".",
+        "-xdev",
+        "-mindepth",
+        "1",
+        "-type",
+        "s",
+        "-print0",
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **_as_owner(directory),
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    stdout = proc.stdout
+    names: list[str] = []
+
+    async def collect() -> None:
+        buf = b""
+        while len(names) < limit and (chunk := await stdout.read(65536)):
+            buf += chunk
+            *done, buf = buf.split(b"\0")
+            names.extend(n.removeprefix(b"./").decode("utf-8", "replace") for n in done)
+            buf = buf[-4096:]  # a name is at most PATH_MAX
+        if len(names) >= limit:
+            proc.kill()
+
+    # find's exit status is not looked at: it fails only on directories their owner made
+    # unreadable, which the sandbox could read no better (as the guest's own walk skipped them)
+    try:
+        await asyncio.wait_for(asyncio.gather(collect(), _tail(proc.stderr)), timeout)
+        await asyncio.wait_for(proc.wait(), timeout)
+    except TimeoutError:
+        raise StorageError(
+            f"looking for sockets in {Path(directory).name}: find took longer than {timeout:.0f} s"
+        ) from None
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return names[:limit]
+
+
 async def tar_extract(directory: str | Path, archive: str | Path, *, timeout: float) -> None:
     """Unpack ``archive`` (a host file, read by the host) into ``directory`` as its owner."""
     fd = os.open(archive, os.O_RDONLY | os.O_CLOEXEC)

@@ -74,10 +74,13 @@ GUARANTEES: tuple[Guarantee, ...] = (
     ),
     Guarantee(
         "crashes",
-        "A unix socket in a gVisor /workspace (its checkpoint would panic) makes pause refuse "
-        "up front; the sandbox keeps running.",
+        "A unix socket in a gVisor /workspace or writable volume (host directories: its checkpoint "
+        "would panic) makes pause refuse up front; the sandbox keeps running.",
         ("gvisor",),
-        ("test_host_paths.py::test_pause_with_a_socket_in_workspace_is_refused_and_the_sandbox_lives",),
+        (
+            "test_host_paths.py::test_pause_with_a_socket_in_workspace_is_refused_and_the_sandbox_lives",
+            "test_host_paths.py::test_pause_with_a_socket_in_a_volume_is_refused_and_the_sandbox_lives",
+        ),
     ),
     Guarantee(
         "crashes",

@@ -500,7 +500,7 @@ async def _memory_snapshot(
         session = await provision.connect(backend, handle)
     try:
         if not backend.capabilities().checkpoint_saves_workspace_sockets:
-            await _refuse_workspace_sockets(session, sid)
+            await _refuse_workspace_sockets(engine, handle)
         op = _Op(engine, "pause")
         try:
             # from here on a killed pauser's work is finished or undone by ``recover``
@@ -574,32 +574,39 @@ async def _store_checkpoint(
 ) -> snaps.SnapshotManifest:
     """Archive /workspace beside the checkpoint image in ``work``/image, store both, write the
     manifest and record the snapshot (the runtime has stopped: nothing changes under the tar)."""
-    backend = engine.backend(info.tier)
     store = store_for(engine)
     sid = info.sandbox_id
     image = work / "image" / "checkpoint.img"
     if not image.is_file():
         raise SandboxStartError("the checkpoint left no image", sid)
     raw = work / "workspace.tar"
-    # the tree is the guest's, so tar runs as its owner (hostfs): symlinks kept, sparse files sparse
-    try:
-        with open(raw, "wb") as out:
 
-            def write(data: bytes) -> None:
-                out.write(data)
+    async def workspace() -> tuple[str, int, int]:
+        # the tree is the guest's, so tar runs as its owner (hostfs): symlinks kept, sparse files sparse
+        try:
+            with open(raw, "wb") as out:
 
-            await hostfs.tar_create(
-                Path(handle.state_dir) / "workspace", write, max_bytes=MAX_SNAPSHOT_BYTES, timeout=_TIMEOUT_S
-            )
-    except OSError as e:
-        raise _storage_error(e, f"snapshot of {sid}") from None
-    except StorageError as e:
-        raise StorageError(f"snapshot of {sid}: {e}") from None
-    try:
-        fs_sha, fs_size, fs_raw = snaps.put_blob(store, raw, work)
-        mem_sha, mem_size, mem_raw = snaps.put_blob(store, image, work, level=1)  # big, mostly zeros
-    except OSError as e:
-        raise _storage_error(e, f"snapshot of {sid}") from None
+                def write(data: bytes) -> None:
+                    out.write(data)
+
+                await hostfs.tar_create(
+                    Path(handle.state_dir) / "workspace", write, max_bytes=MAX_SNAPSHOT_BYTES, timeout=_TIMEOUT_S
+                )
+        except StorageError as e:
+            raise StorageError(f"snapshot of {sid}: {e}") from None
+        return await asyncio.to_thread(snaps.put_blob, store, raw, work)
+
+    # the image is stored in a thread while tar reads /workspace: the two touch different files
+    # (gVisor's image is compressed by runsc already: zstd at level 1 is little more than a copy)
+    got = await asyncio.gather(
+        workspace(), asyncio.to_thread(snaps.put_blob, store, image, work, 1), return_exceptions=True
+    )
+    for r in got:
+        if isinstance(r, OSError):
+            raise _storage_error(r, f"snapshot of {sid}") from None
+        if isinstance(r, BaseException):
+            raise r
+    (fs_sha, fs_size, fs_raw), (mem_sha, mem_size, mem_raw) = got  # type: ignore[misc]
     m = _manifest(
         engine,
         info,
@@ -610,59 +617,41 @@ async def _store_checkpoint(
         context_saved=True,
         context_skipped=(),
     )
-    if backend.capabilities().snapshot_start:  # its restores read the image in place: keep it unpacked
-        _keep_memory(engine, m.snapshot_id, image)
     snaps.save_manifest(store, m, work)
     engine.registry.add_snapshot(m.snapshot_id, sid, m.created_at, m.size_bytes)
+    # kept unpacked, once stored (until then a failure continues the sandbox from it): a tier that
+    # starts every sandbox from a template reads it in place on each restore; another tier's
+    # resume of this pause takes it (and drops it) instead of unpacking the blob
+    _keep_memory(engine, m.snapshot_id, image)
     return m
 
 
-_FIND_SOCKETS = r"""
-import os, stat
-found = []
-def walk(d, depth):
-    try:
-        it = os.scandir(d)
-    except OSError:
-        return
-    with it:
-        for e in it:
-            try:
-                if e.is_dir(follow_symlinks=False):
-                    if depth < 64:
-                        walk(e.path, depth + 1)
-                    continue
-                if e.is_file(follow_symlinks=False) or e.is_symlink():
-                    continue
-                try:  # gVisor cannot stat a socket that is a host one: that is the case looked for
-                    if not stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode):
-                        continue
-                except OSError:
-                    pass
-                found.append(e.path)
-            except OSError:
-                pass
-            if len(found) >= 20:
-                return
-walk("/workspace", 0)
-print("\n".join(found))
-"""
+async def _refuse_workspace_sockets(engine: Engine, handle: BackendHandle) -> None:
+    """SnapshotUnsupported if unix sockets are bound in /workspace or a writable volume: host
+    directories, so a socket bound there is a host one, which this tier's checkpoint cannot save.
+    Looked for on the host by ``find`` as each directory's owner (hostfs: a guest-planted link is
+    never followed), before anything stops, so the sandbox keeps running; a few ms, where a
+    process in the guest costs ~50 ms of gVisor's exec alone."""
+    from warmbox.backends import volume_disk
+    from warmbox.engine import volumes as volumes_mod
 
-
-async def _refuse_workspace_sockets(session: GuestSession, sid: str) -> None:
-    """SnapshotUnsupported if unix sockets are bound in /workspace (the guest looks: it can only
-    lie to its own harm). Checked before anything stops, so the sandbox keeps running."""
-    found = bytearray()
-
-    def sink(data: bytes) -> None:
-        found.extend(data[: 4096 - len(found)])
-
-    # by directory-entry type first: gVisor cannot stat a host socket (``ls`` shows ``s?????????``)
-    await _exec(session, ["/usr/bin/python3", "-I", "-S", "-c", _FIND_SOCKETS], sid, sink=sink, max_output=4096)
-    names = [n for n in found.decode("utf-8", "replace").splitlines() if n]
+    sid = handle.sandbox_id
+    dirs = [("/workspace", Path(handle.state_dir) / "workspace")]
+    for i, v in enumerate(volumes_mod.of_sandbox(engine, sid)):
+        if not v.read_only:
+            dirs.append((v.path, volume_disk.mount_point(handle.state_dir, i)))
+    names: list[str] = []
+    for where, d in dirs:
+        if len(names) > 5:
+            break
+        try:
+            found = await hostfs.find_sockets(d, limit=6, timeout=_TIMEOUT_S)
+        except OSError:
+            continue  # not there (a volume not mounted): nothing of it to save
+        names += [f"{where.rstrip('/')}/{n}" for n in found]
     if names:
         raise SnapshotUnsupported(
-            f"cannot pause {sid} with memory: unix sockets are bound in /workspace "
+            f"cannot pause {sid} with memory: unix sockets are bound in /workspace or a volume "
             f"({', '.join(names[:5])}{', …' if len(names) > 5 else ''}); this tier's "
             "checkpoint cannot save them. Close them or bind them under /tmp, then retry."
         )
@@ -704,14 +693,20 @@ async def restore_memory(
         store = store_for(engine)
         snaps.get_blob(store, m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, ws_tar, work)
         memory_dir = work
-        if engine.backend(m.tier).capabilities().snapshot_start:
+        snapshot_start = engine.backend(m.tier).capabilities().snapshot_start
+        if snapshot_start:
             memory_dir = _cached_memory(engine, m, work)
-        else:
+        elif not _link_cached_memory(engine, m.snapshot_id, work / "checkpoint.img"):
             snaps.get_blob(store, m.memory_sha256, m.memory_bytes, m.memory_raw_bytes, work / "checkpoint.img", work)
         spec = provision.LaunchSpec(
             m.tier, m.template, timeout_s, limits, (), pool, shape, tenant, resume_of, volumes=volumes, image=image
         )
-        return await provision.launch(engine, spec, provision.Restore(m.snapshot_id, memory_dir, ws_tar))
+        got = await provision.launch(engine, spec, provision.Restore(m.snapshot_id, memory_dir, ws_tar))
+        if resume_of and not snapshot_start:  # the paused sandbox runs again: its pause's image is not needed here
+            import shutil
+
+            shutil.rmtree(_memory_cache(engine) / m.snapshot_id, ignore_errors=True)
+        return got
 
 
 def image_of(engine: Engine, m: snaps.SnapshotManifest, tenant: Tenant | None = None) -> ImageRef:
@@ -747,10 +742,10 @@ def _keep_memory(engine: Engine, snapshot_id: str, image: Path) -> None:
     import shutil
 
     cache = _memory_cache(engine) / snapshot_id
-    cache.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = cache.parent / f".tmp-{snapshot_id}-{os.getpid()}-{time.monotonic_ns()}"
-    tmp.mkdir()
     try:
+        cache.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp.mkdir()
         shutil.move(str(image), tmp / "checkpoint.img")
         os.rename(tmp, cache)
     except OSError:
@@ -758,6 +753,17 @@ def _keep_memory(engine: Engine, snapshot_id: str, image: Path) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _link_cached_memory(engine: Engine, snapshot_id: str, dest: Path) -> bool:
+    """Hard-link the snapshot's kept memory image (``_keep_memory``) to ``dest``; False if there is
+    none (or it is on another filesystem): then the blob is unpacked. A link, not the cache's path,
+    so that a concurrent resume dropping the cache cannot take the file from under this restore."""
+    try:
+        os.link(_memory_cache(engine) / snapshot_id / "checkpoint.img", dest, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
 
 
 def _cached_memory(engine: Engine, m: snaps.SnapshotManifest, work: Path) -> Path:
