@@ -17,6 +17,7 @@ from warmbox.errors import (
     IsADirectory,
     NetworkError,
     NoSpace,
+    NoSuitableTier,
     NotADirectory,
     PathExists,
     PathNotFound,
@@ -62,6 +63,7 @@ from warmbox.models import (
     NetEvent,
     PoolStatus,
     ProcessInfo,
+    Requirements,
     Result,
     SandboxInfo,
     SandboxMetrics,
@@ -71,13 +73,14 @@ from warmbox.models import (
     State,
     TemplateBuildEvent,
     TemplateInfo,
+    TierChoice,
     TierStatus,
     Volume,
     VolumeInfo,
     WriteEntry,
 )
 from warmbox.network.policy import Network, Secret
-from warmbox.sdk import AsyncSandbox, AsyncTemplates, CodeContext, CommandHandle, Sandbox, Templates
+from warmbox.sdk import AsyncSandbox, AsyncTemplates, CodeContext, CommandHandle, Sandbox, Templates, choose_tier
 from warmbox.templates import Template
 
 __version__ = "0.1.0"
@@ -162,6 +165,10 @@ __all__ = [
     "StageTiming",
     "State",
     "TierStatus",
+    "TierChoice",
+    "Requirements",
+    "NoSuitableTier",
+    "choose_tier",
     "UnsupportedLanguage",
     "WarmboxError",
     "__version__",

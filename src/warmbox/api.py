@@ -110,6 +110,13 @@ ROUTES: tuple[Route, ...] = (
     Route(Op.NETWORK_UPDATE, "PUT", f"{_S}/network", summary="Replace the egress policy"),
     Route(Op.NETWORK_LOG, "GET", f"{_S}/network/log", "query", idempotent=True, summary="Egress audit log"),
     Route(Op.DOCTOR, "GET", f"{PREFIX}/doctor", "query", idempotent=True, summary="Which tiers this host runs"),
+    Route(
+        Op.CHOOSE_TIER,
+        "POST",
+        f"{PREFIX}/tiers/choose",
+        idempotent=True,
+        summary="The tier for requirements (language, trust, I/O, guest kernel), with reasons",
+    ),
     Route(Op.POOLS_LIST, "GET", f"{PREFIX}/pools", "query", idempotent=True, summary="Warm pools"),
     Route(Op.POOLS_RESIZE, "POST", f"{PREFIX}/pools/{{name}}/resize", idempotent=True, summary="Resize a pool (admin)"),
     Route(Op.PORTS_CONNECT, "GET", f"{_S}/tunnel", "query", "websocket", summary="A TCP connection to a sandbox port"),

@@ -6,6 +6,7 @@ WarmboxError
 │   ├── LimitTooHigh                    a limit above the host's capacity or an admin maximum
 │   └── UnsupportedLanguage             a code-context language the sandbox has not (``available``)
 ├── BackendUnavailable                  the tier cannot run on this host (``reason`` says why)
+├── NoSuitableTier                      no tier this host runs meets the requirements (``rejected``: each tier, why not)
 ├── SandboxError                        something about one sandbox (``sandbox_id``)
 │   ├── SandboxNotFound                 unknown id, or the sandbox was destroyed
 │   ├── SandboxStateError               operation illegal in the sandbox's current state
@@ -103,6 +104,15 @@ class BackendUnavailable(WarmboxError):
         super().__init__(f"tier {tier!r} is unavailable: {reason}")
         self.tier = tier
         self.reason = reason
+
+
+class NoSuitableTier(WarmboxError):
+    """``tier="auto"`` / ``choose_tier``: no tier this host can run meets the requirements (never a
+    weaker one instead). ``rejected``: one ``"tier: why not"`` per tier."""
+
+    def __init__(self, message: str, rejected: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.rejected = rejected
 
 
 class SandboxError(WarmboxError):

@@ -621,6 +621,142 @@ class Capabilities:
     # one shared mount: a read-write volume is then mounted by one sandbox at a time
     # (Registry.mount_volumes)
     volume_own_disk: bool = False
+    # ---- what the tier selector (warmbox.choose_tier: warmbox.tiers.choose) weighs
+    # strength of the boundary between the code and the host (ISOLATION_RANKS): 1 = namespaces and
+    # seccomp on the shared host kernel; 2 = a kernel or engine of its own in between, on an OS jail
+    # (gVisor's Sentry, a V8 isolate): made for hostile multi-tenant code; 3 = a guest kernel behind
+    # a virtual machine. 0: not declared, never chosen for untrusted code.
+    isolation_rank: int = 0
+    # processes and files (commands, files, pty); False: code runs only (an isolate)
+    commands: bool = True
+    # the slowdown against the host the tier declares for a CPU loop and for a syscall loop (fork,
+    # files, a loopback socket), used when this host has no measured profile of the tier (warmbox
+    # bench profile); cost_note says where it comes from ("ptrace platform: ...")
+    cpu_slowdown: float = 1.0
+    syscall_slowdown: float = 1.0
+    cost_note: str = ""
+    # order of magnitude of a cold start, milliseconds (breaks ties between tiers of equal cost)
+    start_ms: float = 100.0
+
+
+ISOLATION_RANKS = {
+    1: "namespaces and seccomp on the shared host kernel",
+    2: "a kernel or engine of its own between the code and the host kernel",
+    3: "a guest kernel behind a virtual-machine boundary",
+}
+UNTRUSTED_MIN_RANK = 2  # untrusted (public, multi-tenant) code needs at least this isolation rank
+
+IO_PROFILES = ("compute", "syscall-heavy", "network")
+# languages a tier may run (Capabilities.languages, after REQUIREMENT_ALIASES); tools there such as
+# "git" are not languages and are ignored
+REQUIREMENT_LANGUAGES = ("python", "javascript", "bash", "c", "wasm")
+REQUIREMENT_ALIASES = {
+    **LANGUAGE_ALIASES,
+    "shell": "bash",
+    "typescript": "javascript",
+    "ts": "javascript",
+    "webassembly": "wasm",
+    "gcc": "c",
+}
+
+
+def canonical_language(name: str) -> str:
+    """The selector's name of a language (``node`` -> ``javascript``); "" if it is not one."""
+    name = REQUIREMENT_ALIASES.get(name.lower(), name.lower())
+    return name if name in REQUIREMENT_LANGUAGES else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Requirements:
+    """The four questions behind ``tier="auto"`` (``warmbox.choose_tier``, ``warmbox advise``).
+
+    language: what the code is written in: python, javascript (js, node), bash (sh), c, wasm.
+    trusted: True for your own developers' agents (trusted-ish code); False (default) for code from
+        the public, a multi-tenant product: only tiers of isolation rank >= 2 qualify.
+    io: "compute" (CPU loops), "syscall-heavy" (fork, exec, files: builds, package installs, git)
+        or "network" (sockets, egress: the tier must offer a network mode besides "none").
+    guest_kernel: a dedicated guest kernel is needed (kernel modules, a specialised Linux, the
+        strongest multi-tenant boundary).
+
+    Bad values are InvalidArgument naming the allowed ones.
+    """
+
+    language: str = "python"
+    trusted: bool = False
+    io: Literal["compute", "syscall-heavy", "network"] = "compute"
+    guest_kernel: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.language, str) or not canonical_language(self.language):
+            aliases = sorted(k for k in REQUIREMENT_ALIASES if k not in REQUIREMENT_LANGUAGES)
+            raise InvalidArgument(
+                f"requirements.language must be one of {', '.join(REQUIREMENT_LANGUAGES)} "
+                f"(or {', '.join(aliases)}), got {self.language!r}"
+            )
+        object.__setattr__(self, "language", canonical_language(self.language))
+        if self.io not in IO_PROFILES:
+            raise InvalidArgument(f"requirements.io must be one of {', '.join(IO_PROFILES)}, got {self.io!r}")
+        for name in ("trusted", "guest_kernel"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgument(f"requirements.{name} must be True or False, got {getattr(self, name)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TierChoice:
+    """What ``warmbox.choose_tier`` decided: the tier, why (one sentence each), and every other
+    tier with why not. profile_at: when the measured profile it used was taken (unix seconds; 0:
+    none, the tiers' declared costs decided)."""
+
+    tier: str
+    reasons: tuple[str, ...]
+    rejected: dict[str, str]
+    profile_at: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TierProfile:
+    """One tier's measured cost on this host (``warmbox bench profile``): each loop's time in a
+    sandbox of the tier over the same loop's on the host, in the same run (1.0 = as fast).
+
+    compute: a CPU loop (``for x in data: calculate(x)``). fork, files, socket: fork + wait,
+    create/write/close/open/read/close/unlink of a 4 KiB file, a loopback TCP connect/accept/send/
+    recv/close. syscall: the geometric mean of those three. isolation: the tier's
+    ``Capabilities.isolation`` when measured (another one now: the measurement is not used).
+    """
+
+    tier: str
+    compute: float
+    syscall: float
+    fork: float
+    files: float
+    socket: float
+    isolation: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostProfile:
+    """The cached result of ``warmbox bench profile``: the host it was measured on, when, and
+    each tier's ratios (``skipped``: tiers not measured, and why; ``host_us``: each loop on the
+    host, microseconds per round)."""
+
+    measured_at: float  # unix seconds
+    kernel: str
+    cpu_model: str
+    cpus: int
+    tiers: tuple[TierProfile, ...]
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    host_us: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class TierCandidate:
+    """One tier as the selector sees it: its declared capabilities (None: this build cannot load
+    it) and whether this host (and the caller's key) can run it (``reason``: why not, or what runs it)."""
+
+    tier: str
+    capabilities: Capabilities | None
+    available: bool
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True)

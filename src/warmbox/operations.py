@@ -29,6 +29,7 @@ from warmbox.models import (
     PoolStatus,
     ProcessEvent,
     ProcessInfo,
+    Requirements,
     Result,
     SandboxInfo,
     SandboxMetrics,
@@ -37,6 +38,7 @@ from warmbox.models import (
     StageTiming,
     TemplateBuildEvent,
     TemplateInfo,
+    TierChoice,
     TierStatus,
     Volume,
     VolumeInfo,
@@ -77,6 +79,7 @@ class Op(str, enum.Enum):
     TIMINGS = "timings"
     LOGS = "logs"
     DOCTOR = "doctor"
+    CHOOSE_TIER = "tiers.choose"
     KILL = "kill"
     SET_TIMEOUT = "set_timeout"
     METRICS = "metrics"
@@ -270,7 +273,10 @@ class ProcessStream(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Create(Request[Opened]):
-    """A new sandbox (from a pool, cold, or forked from ``from_snapshot``). Defaults: warmbox.toml."""
+    """A new sandbox (from a pool, cold, or forked from ``from_snapshot``). Defaults: warmbox.toml.
+
+    tier "auto": the tier ``ChooseTier(requirements)`` picks (requirements default: untrusted
+    Python, compute); the choice and its reasons are kept in the sandbox's record."""
 
     op: ClassVar[Op] = Op.CREATE
     tier: str | None = None
@@ -285,6 +291,7 @@ class Create(Request[Opened]):
     metadata: dict[str, str] | None = None  # shown in get_info(), matched by list(query=)
     lifecycle: Lifecycle | None = None  # auto-pause: on timeout, when idle; auto-resume
     volumes: tuple[Volume, ...] | None = None  # named volumes mounted into it (never from a pool)
+    requirements: Requirements | None = None  # the four questions, for tier="auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,6 +358,15 @@ class Doctor(Request[list[TierStatus]]):
     """Which tiers this host can run, and why not."""
 
     op: ClassVar[Op] = Op.DOCTOR
+
+
+@dataclasses.dataclass(frozen=True)
+class ChooseTier(Request[TierChoice]):
+    """The tier for code of these requirements on this host, why, and why not each other tier
+    (NoSuitableTier when none is strong enough: never a weaker one)."""
+
+    op: ClassVar[Op] = Op.CHOOSE_TIER
+    requirements: Requirements
 
 
 @dataclasses.dataclass(frozen=True)
@@ -885,6 +901,7 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         Timings,
         Logs,
         Doctor,
+        ChooseTier,
         Kill,
         SetTimeout,
         Metrics,

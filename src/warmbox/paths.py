@@ -52,3 +52,8 @@ def owner_alive(owner: str) -> bool:
     """Whether the process an :func:`owner_tag` named still runs (the same one, not a reused pid)."""
     pid, _, _ = owner.partition(":")
     return pid.isdigit() and owner_tag(int(pid)) == owner
+
+
+def cache_dir(home: Path) -> Path:
+    """What a home keeps that can be measured again (the tier profile of ``warmbox bench profile``)."""
+    return home / "cache"

@@ -254,6 +254,7 @@ _ATTRS = (
     "line",
     "volume",
     "missing",
+    "rejected",
 )
 
 

@@ -348,6 +348,9 @@ class RuncBackend:
             root_user=False,
             root_user_reason="the container's seccomp filter refuses user namespaces inside it, and a root "
             "of the container's own user namespace could rearrange its mounts",
+            isolation_rank=1,
+            cost_note="the host kernel serves every syscall",
+            start_ms=100.0,
         )
 
     def probe(self) -> Availability:

@@ -21,6 +21,8 @@ warmbox template ls|show|rm       built templates: versions, image ids, sizes; r
 warmbox template gc [--dry-run]   remove layers and microVM roots nothing uses; bytes freed (admin)
 warmbox config                    the effective settings (warmbox.toml + WARMBOX_* overrides)
 warmbox doctor                    which tiers this host can run, and why not
+warmbox advise [--language L --untrusted|--trusted --io compute|syscall-heavy|network --guest-kernel]
+                                  which tier for such code here, why, and why not the others
 warmbox demo                      a short tour on the embedded defaults
 warmbox mcp                       an MCP server on stdin/stdout (sandbox tools for an agent)
 warmbox bench start|burst|exec|density|api|template   benchmarks, ratios against raw runc/bwrap or base
@@ -261,6 +263,24 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the guarantees warmbox gives against hostile code, each with the test that proves it",
     )
+    p = sub.add_parser("advise", help="which tier for your code (the four questions), and why")
+    p.add_argument(
+        "--language", default="python", help="python, javascript (js, node), bash (sh), c or wasm (default python)"
+    )
+    trust = p.add_mutually_exclusive_group()
+    trust.add_argument(
+        "--untrusted", dest="trusted", action="store_false", help="code from the public, multi-tenant (default)"
+    )
+    trust.add_argument("--trusted", dest="trusted", action="store_true", help="your own developers' agents")
+    p.set_defaults(trusted=False)
+    p.add_argument(
+        "--io",
+        default="compute",
+        choices=("compute", "syscall-heavy", "network"),
+        help="compute (CPU loops), syscall-heavy (fork, files: builds, installs) or network (default compute)",
+    )
+    p.add_argument("--guest-kernel", action="store_true", help="a dedicated guest kernel is needed")
+    p.add_argument("--json", action="store_true")
     p = sub.add_parser("logs", help="runtime logs of a sandbox (kept after it ended)")
     p.add_argument("sandbox_id")
     sub.add_parser("demo", help="a short tour")
@@ -792,6 +812,35 @@ async def _doctor(args: argparse.Namespace) -> int:
     return 0 if any(r.available for r in rows) else 1
 
 
+async def _advise(args: argparse.Namespace) -> int:
+    from warmbox.errors import NoSuitableTier
+    from warmbox.models import Requirements
+
+    req = Requirements(language=args.language, trusted=args.trusted, io=args.io, guest_kernel=args.guest_kernel)
+    try:
+        choice = await _engine().handle(ops.ChooseTier(req))
+    except NoSuitableTier as e:
+        if args.json:
+            print(json.dumps({"tier": None, "error": str(e), "rejected": list(e.rejected)}))
+        else:
+            print("no tier on this host fits: " + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(req).items()))
+            for line in e.rejected:
+                print(f"  - {line}")
+        return 1
+    if args.json:
+        print(json.dumps(dataclasses.asdict(choice)))
+        return 0
+    print(f"tier: {choice.tier}")
+    print("why:")
+    for reason in choice.reasons:
+        print(f"  + {reason}")
+    if choice.rejected:
+        print("not:")
+        for tier, why in choice.rejected.items():
+            print(f"  - {tier}: {why}")
+    return 0
+
+
 async def _demo(args: argparse.Namespace) -> int:
     from warmbox.cli.demo import demo
 
@@ -857,6 +906,7 @@ _COMMANDS = {
     "keys": _keys,
     "config": _config,
     "doctor": _doctor,
+    "advise": _advise,
     "template": _template,
     "logs": _logs,
     "demo": _demo,

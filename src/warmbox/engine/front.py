@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 from warmbox import operations as ops
-from warmbox.engine import egress, volumes
+from warmbox.engine import egress, tierprofile, volumes
 from warmbox.engine import pool as pools
 from warmbox.engine import snapshot as snapshots
 from warmbox.engine.engine import Engine, validate_envs, validate_timeout
@@ -53,6 +53,7 @@ from warmbox.models import (
     NetEvent,
     PoolStatus,
     ProcessInfo,
+    Requirements,
     SandboxInfo,
     SandboxMetrics,
     SnapshotRef,
@@ -60,6 +61,7 @@ from warmbox.models import (
     State,
     TemplateInfo,
     Tenant,
+    TierChoice,
     TierStatus,
     VolumeInfo,
     WriteEntry,
@@ -278,6 +280,7 @@ class EngineFront:
             ops.Timings: self.timings,
             ops.Logs: self.logs,
             ops.Doctor: self.doctor,
+            ops.ChooseTier: self.choose_tier,
             ops.Kill: self.kill,
             ops.SetTimeout: self.set_timeout,
             ops.Metrics: self.metrics,
@@ -593,6 +596,12 @@ class EngineFront:
 
     async def doctor(self, r: ops.Doctor) -> builtins.list[TierStatus]:
         return await asyncio.to_thread(self.engine.doctor)  # a first probe may boot a probe guest
+
+    async def choose_tier(self, r: ops.ChooseTier) -> TierChoice:
+        if not isinstance(r.requirements, Requirements):
+            raise InvalidArgument(f"requirements must be a warmbox.Requirements, got {type(r.requirements).__name__}")
+        # a first probe may boot a probe guest (doctor's reason for a thread)
+        return await asyncio.to_thread(tierprofile.choose, self.engine, r.requirements, self.tenant)
 
     async def kill(self, r: ops.Kill) -> bool:
         await self._drop(r.sandbox_id)

@@ -17,6 +17,7 @@ from warmbox.models import Lifecycle as Lifecycle
 from warmbox.models import Limits as Limits
 from warmbox.models import NetEvent as NetEvent
 from warmbox.models import ProcessInfo as ProcessInfo
+from warmbox.models import Requirements as Requirements
 from warmbox.models import Result as Result
 from warmbox.models import SandboxInfo as SandboxInfo
 from warmbox.models import SandboxMetrics as SandboxMetrics
@@ -25,6 +26,7 @@ from warmbox.models import SnapshotRef as SnapshotRef
 from warmbox.models import StageTiming as StageTiming
 from warmbox.models import State as State
 from warmbox.models import TemplateInfo as TemplateInfo
+from warmbox.models import TierChoice as TierChoice
 from warmbox.models import Volume as Volume
 from warmbox.models import VolumeInfo as VolumeInfo
 from warmbox.models import WriteEntry as WriteEntry
@@ -43,7 +45,7 @@ from warmbox.sdk.pty import AsyncPty as AsyncPty, AsyncPtyHandle as AsyncPtyHand
 from warmbox.sdk.sandbox import AsyncSandbox as AsyncSandbox
 from warmbox.sdk.templates import AsyncTemplates as AsyncTemplates
 from warmbox.sdk.transport import LocalTransport as LocalTransport, Transport as Transport
-__all__ = ['AsyncCommandHandle', 'AsyncCommands', 'AsyncFileStream', 'AsyncFiles', 'AsyncNetwork', 'AsyncPty', 'AsyncPtyHandle', 'AsyncSandbox', 'AsyncTemplates', 'AsyncWatchHandle', 'CodeContext', 'CommandHandle', 'Commands', 'FileStream', 'Files', 'LocalTransport', 'NetworkAPI', 'Pty', 'PtyHandle', 'Sandbox', 'Templates', 'Transport', 'WatchHandle']
+__all__ = ['AsyncCommandHandle', 'AsyncCommands', 'AsyncFileStream', 'AsyncFiles', 'AsyncNetwork', 'AsyncPty', 'AsyncPtyHandle', 'AsyncSandbox', 'AsyncTemplates', 'AsyncWatchHandle', 'CodeContext', 'CommandHandle', 'Commands', 'FileStream', 'Files', 'LocalTransport', 'NetworkAPI', 'Pty', 'PtyHandle', 'Sandbox', 'Templates', 'Transport', 'WatchHandle', 'choose_tier']
 
 
 class CommandHandle:
@@ -142,6 +144,8 @@ class Sandbox:
     files: Files
     network: NetworkAPI
     pty: Pty
+    @classmethod
+    def choose_tier(cls, requirements: Requirements | None = ..., *, home: str | Path | None = ..., transport: Transport | None = ..., api_url: str | None = ..., api_key: str | None = ...) -> TierChoice: ...
     def close(self) -> None: ...
     @classmethod
     def connect(cls, sandbox_id: str, *, home: str | Path | None = ..., transport: Transport | None = ..., api_url: str | None = ..., api_key: str | None = ...) -> Sandbox: ...
@@ -212,3 +216,6 @@ class WatchHandle:
     @property
     def stopped(self) -> bool: ...
     def wait(self, timeout: float | None = ...) -> None: ...
+
+
+def choose_tier(requirements: Requirements | None = ..., *, home: str | Path | None = ..., transport: Transport | None = ..., api_url: str | None = ..., api_key: str | None = ...) -> TierChoice: ...

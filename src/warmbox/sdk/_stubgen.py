@@ -44,6 +44,8 @@ PAIRS: tuple[tuple[type, str], ...] = (
     (AsyncTemplates, "Templates"),
     (AsyncWatchHandle, "WatchHandle"),
 )
+# blocking functions of warmbox.sdk written out (not derived from a class)
+FUNCTIONS = ("choose_tier",)
 _SYNC_NAME = {cls.__name__: name for cls, name in PAIRS}
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _BUILTIN = {
@@ -145,6 +147,10 @@ def render() -> str:
     body: list[str] = []
     for cls, name in PAIRS:
         body += ["", "", *_class(cls, name, names)]
+    for fname in FUNCTIONS:
+        fn = getattr(sdk, fname)
+        body += ["", "", f"def {fname}({_params(fn, False)}) -> {_ret(fn)}: ..."]
+        names.update(_IDENT.findall(body[-1].split("(", 1)[-1]))
     own = {name for _, name in PAIRS}
     imports: dict[str, set[str]] = {}
     for ident in sorted(names - own - _BUILTIN):

@@ -22,6 +22,7 @@ from warmbox.models import (
     ExecutionError,
     Lifecycle,
     Limits,
+    Requirements,
     Result,
     SandboxInfo,
     SandboxMetrics,
@@ -29,6 +30,7 @@ from warmbox.models import (
     SnapshotRef,
     StageTiming,
     State,
+    TierChoice,
     Volume,
     VolumeInfo,
     validate_lifecycle,
@@ -272,6 +274,26 @@ class AsyncSandbox:
         t = _transport(transport, home, api_url, api_key)
         request = ops.Resume(_snapshot_id(snapshot), timeout=timeout, envs=envs, secrets=secrets)
         return await cls._open(t, transport is None, request, tuple(envs or ()))
+
+    @classmethod
+    async def choose_tier(
+        cls,
+        requirements: Requirements | None = None,
+        *,
+        home: str | Path | None = None,
+        transport: Transport | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
+    ) -> TierChoice:
+        """The tier for code of ``requirements`` (default: untrusted Python, compute) on the engine's
+        host: the four questions (language, trusted, io, guest_kernel) against each tier's declared
+        capabilities, whether the host runs it, and the host's measured ``warmbox bench profile``.
+        Returns ``TierChoice(tier, reasons, rejected={tier: why not})``; NoSuitableTier when no tier
+        is strong enough (never a weaker one). ``create(tier="auto", requirements=...)`` uses it."""
+        if requirements is not None and not isinstance(requirements, Requirements):
+            raise InvalidArgument(f"requirements must be a warmbox.Requirements, got {type(requirements).__name__}")
+        t = _transport(transport, home, api_url, api_key)
+        return await _once(t, ops.ChooseTier(requirements or Requirements()), transport is None)
 
     @classmethod
     async def list_snapshots(

@@ -84,6 +84,7 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.Unsupported, 422),
     (errors.SandboxTimeout, 504),
     (errors.BackendUnavailable, 503),
+    (errors.NoSuitableTier, 422),
     (errors.GuestConnectionError, 502),
 )
 
