@@ -21,6 +21,7 @@ import pytest
 from tests.backends.conftest import qemu_pids as _qemu_pids
 from warmbox import Limits, Sandbox, State
 from warmbox import protocol as p
+from warmbox.backends import microvm_net
 from warmbox.backends.microvm import GUEST_OVERHEAD_MB, HOST_CPU_HEADROOM, HOST_OVERHEAD_MB, TCG_CACHE_MB, HostCgroup
 from warmbox.engine.guest_client import GuestClient
 from warmbox.guest import userenv
@@ -110,9 +111,10 @@ def test_the_guest_has_the_agent_toolchain(vm):
 
 
 @pytest.mark.sandbox
-def test_no_network_device(vm):
+def test_the_nic_leads_nowhere_without_a_policy(vm):
+    # every VM has its NIC (its memory image needs it); without a policy its namespace has no link
     r = vm.commands.run(["python3", "-c", "import socket; print(sorted(n for _, n in socket.if_nameindex()))"])
-    assert r.stdout.strip() == "['lo']"
+    assert r.stdout.strip() == "['eth0', 'lo']"
     # loopback is up: a server and its client inside the VM talk over 127.0.0.1
     r = vm.commands.run(
         [
@@ -300,9 +302,11 @@ def test_kill_leaves_no_vm_socket_or_disk(engine):
     assert len(pids) == 2  # QEMU + its relay
     cgroups = HostCgroup(sb.sandbox_id).dirs()
     assert all(d.is_dir() for d in cgroups)
+    ns = microvm_net.netns_path(state)
+    assert ns.exists()
     sb.kill()
     assert engine.info(sb.sandbox_id)[0].state is State.DESTROYED
-    assert not state.exists()
+    assert not state.exists() and not ns.exists()
     assert not [d for d in cgroups if d.exists()]
     assert not [
         p
@@ -419,6 +423,10 @@ def test_qemu_and_relay_run_confined(engine, vm):
     q = dict(ln.split(":\t", 1) for ln in Path(f"/proc/{qemu}/status").read_text().splitlines() if ":\t" in ln)
     assert q["Seccomp"].strip() == "2"
     assert os.readlink(f"/proc/{qemu}/root") == str(state / "empty") and not os.listdir(state / "empty")
+    # in the VM's own network namespace (its NIC's tap is there), not the host's
+    own = os.stat(microvm_net.netns_path(state))
+    assert (os.stat(f"/proc/{qemu}/ns/net").st_ino, os.stat(f"/proc/{qemu}/ns/net").st_dev) == (own.st_ino, own.st_dev)
+    assert os.stat(f"/proc/{qemu}/ns/net").st_ino != os.stat("/proc/self/ns/net").st_ino
 
 
 def test_a_workspace_disk_naming_other_files_is_refused(tmp_path):

@@ -17,6 +17,10 @@ from .conftest import ALLOWED, ATTACKER, METADATA
 
 pytestmark = pytest.mark.sandbox
 CURL = "curl -sS --max-time 8 "
+# a few representative tests run on the microVM tier too (its NIC's tap in its own namespace:
+# backends/microvm_net.py); None: the default tier
+MICROVM = pytest.param("microvm", marks=pytest.mark.microvm, id="microvm")
+TIERS = [pytest.param(None, id="default"), MICROVM]
 
 
 def sh(sb, cmd: str, timeout: float = 40):
@@ -28,18 +32,21 @@ def events(sb, **match):
 
 
 @pytest.fixture
-def allow_sb(net_home, world):
+def allow_sb(request, net_home, world):
     world.clear_logs()
-    sb = Sandbox.create(network=Network(allow=["allowed.test"]), timeout=300, home=net_home)
+    tier = getattr(request, "param", None)
+    sb = Sandbox.create(tier=tier, network=Network(allow=["allowed.test"]), timeout=300, home=net_home)
     yield sb
     sb.kill()
 
 
-def test_default_sandbox_reaches_nothing(net_home, world):
+@pytest.mark.parametrize("tier", TIERS)
+def test_default_sandbox_reaches_nothing(net_home, world, tier):
     world.clear_logs()
-    with Sandbox.create(timeout=120, home=net_home) as sb:
+    with Sandbox.create(tier=tier, timeout=120, home=net_home) as sb:
         r = sh(sb, "cat /sys/class/net/*/operstate | wc -l; ls /sys/class/net")
-        assert r.stdout.split() == ["1", "lo"]
+        # a microVM always has its NIC (its memory image needs it); its namespace has no link
+        assert r.stdout.split() == (["2", "eth0", "lo"] if tier == "microvm" else ["1", "lo"])
         probes = {
             "tcp": f"{CURL} http://{ALLOWED}/hello.txt",
             "tcp_metadata": f"{CURL} http://{METADATA}/",
@@ -90,6 +97,7 @@ def test_allowlisted_site_works_with_unchanged_tools(allow_sb, world):
     assert {rec["client"] for rec in world.log("allowed")} == {"192.0.2.1"}
 
 
+@pytest.mark.parametrize("allow_sb", TIERS, indirect=True)
 def test_attacker_upload_is_refused_and_logged(allow_sb, world):
     sb = allow_sb
     sb.files.write("/workspace/secrets.txt", "customer data\n")
@@ -106,6 +114,7 @@ def test_attacker_upload_is_refused_and_logged(allow_sb, world):
     assert world.log("attacker") == []
 
 
+@pytest.mark.parametrize("allow_sb", TIERS, indirect=True)
 def test_raw_ip_and_direct_connections_bypassing_the_proxy_fail(allow_sb, world):
     sb = allow_sb
     for cmd in (
@@ -117,7 +126,10 @@ def test_raw_ip_and_direct_connections_bypassing_the_proxy_fail(allow_sb, world)
     ):
         r = sh(sb, cmd)
         assert r.exit_code != 0, cmd
-    assert sh(sb, "cat /proc/net/if_inet6 2>/dev/null; ip -6 addr 2>/dev/null").stdout.strip() == ""  # no IPv6
+    v6 = sh(sb, "cat /proc/net/if_inet6 2>/dev/null; ip -6 addr 2>/dev/null").stdout.split("\n")
+    if sb.tier == "microvm":  # its own kernel keeps ::1 on its loopback; the NIC has no IPv6
+        v6 = [line for line in v6 if not line.endswith(" lo")]
+    assert [line for line in v6 if line.strip()] == []  # no IPv6
     # a raw IP through the proxy is an unknown destination too
     r = sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' http://{ALLOWED}/hello.txt")
     assert r.stdout == "403"

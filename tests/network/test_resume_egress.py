@@ -14,6 +14,10 @@ from warmbox.engine.engine import Engine
 
 pytestmark = pytest.mark.sandbox
 CURL = "curl -sS --max-time 8 "
+# on a microVM a resume or fork is a new VM from the memory image, in a new namespace with a new link
+TIERS = pytest.mark.parametrize(
+    "tier,template", [("container", "shell"), pytest.param("microvm", None, marks=pytest.mark.microvm, id="microvm")]
+)
 
 
 def sh(sb, cmd: str, timeout: float = 40):
@@ -32,13 +36,14 @@ def refused_upload(sb, world) -> None:
     assert not world.log("attacker")
 
 
-def test_policy_survives_pause_and_resume_secrets_given_again(net_home, world):
+@TIERS
+def test_policy_survives_pause_and_resume_secrets_given_again(net_home, world, tier, template):
     world.clear_logs()
     value = "sk-REAL-" + os.urandom(8).hex()
     engine = Engine.for_home(net_home)
     sb = Sandbox.create(
-        tier="container",
-        template="shell",
+        tier=tier,
+        template=template,
         network=Network(allow=["api.test"]),
         secrets={"OPENAI_API_KEY": Secret(value, hosts=["api.test"])},
         timeout=120,
@@ -69,7 +74,7 @@ def test_policy_survives_pause_and_resume_secrets_given_again(net_home, world):
         with Sandbox.resume(sb.sandbox_id, secrets={"OPENAI_API_KEY": rotated}, home=net_home) as back:
             assert back.sandbox_id == sb.sandbox_id
             assert "network" in back.timings
-            # a fresh process (files-only resume on this tier) still sees the same placeholder...
+            # a fresh process (files-only resume on the container tier) still sees the same placeholder...
             assert sh(back, "echo $OPENAI_API_KEY").stdout.strip() == before
             # ...the proxy puts the value given now in for the secret's host...
             assert bearer(back) == f"Bearer {rotated}"
@@ -84,13 +89,14 @@ def test_policy_survives_pause_and_resume_secrets_given_again(net_home, world):
         sb.kill()
 
 
-def test_fork_gets_policy_own_link_ca_log_and_needs_secrets(net_home, world):
+@TIERS
+def test_fork_gets_policy_own_link_ca_log_and_needs_secrets(net_home, world, tier, template):
     world.clear_logs()
     value = "sk-ORIGIN-" + os.urandom(8).hex()
     engine = Engine.for_home(net_home)
     with Sandbox.create(
-        tier="container",
-        template="shell",
+        tier=tier,
+        template=template,
         network=Network(allow=["api.test"]),
         secrets={"OPENAI_API_KEY": Secret(value, hosts=["api.test"])},
         timeout=120,

@@ -21,8 +21,11 @@ on this project's host (QEMU 7.2, ``/dev/kvm`` = PVM):
   quota: ENOSPC in the guest, and the host file never grows past it), so it survives
   pause/resume and travels in snapshots beside the memory file. /tmp and /home/user are guest
   tmpfs (memory).
-- No network device at all: the VM has only loopback (network mode "none"). Nothing of the
-  host's filesystem is shared into the guest.
+- Network: a virtio-net NIC on a tap in the VM's own network namespace, where QEMU runs
+  (``microvm_net``); the sandbox's egress link attaches there like a container's, and the
+  guest's only route is to the egress gateway (proxy + DNS). Without a policy (network mode
+  "none") that namespace has no link: nothing leaves. Nothing of the host's filesystem is
+  shared into the guest.
 - Named volumes: their ext4 images are extra virtio-blk disks (VOLUME_SLOTS of them, always
   there: see ``volume_files``), mounted by the guest's root helper after a restore; a read-only
   one is read-only to QEMU itself (its fds and drive). ext4 is not a shared filesystem, so a
@@ -51,6 +54,7 @@ from typing import ClassVar, TypeVar
 from warmbox.backends import _host as host
 from warmbox.backends import hostfs
 from warmbox.backends import microvm_image as images
+from warmbox.backends import microvm_net as vmnet
 from warmbox.backends._host import tmpfs_sizes
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, ResourceUsage, SandboxSpec
 from warmbox.errors import ConfigError, NoSpace, SandboxStartError, Unsupported
@@ -150,8 +154,12 @@ def qemu_argv(
     confine: int | None = None,
     root: Path | None = None,
     volume_slots: Sequence[bool] | None = None,
+    nic: bool = True,
 ) -> list[str]:
     """The one QEMU command line of a sandbox VM (cold boot, or ``incoming`` = restore).
+
+    nic: the VM's virtio-net NIC on the tap of the namespace QEMU runs in (``microvm_net``:
+    every sandbox VM has it, as its volume slots); False only for the accelerator probe.
 
     volume_slots: one flag per named-volume disk slot (VOLUME_SLOTS of them: a memory image
     restores only into the devices it was saved with, so every sandbox VM has them all), True
@@ -238,6 +246,8 @@ def qemu_argv(
             "-device",
             f"virtio-blk-device,drive=vol{i},serial=wbvol{i}",
         ]
+    if nic:
+        argv += vmnet.qemu_args()
     if confine is not None:
         argv += [
             "-runas",
@@ -473,7 +483,7 @@ def _probe_kvm(runtime: Path) -> tuple[str, str]:
     probe_dir = runtime / f".kvm-probe-{os.getpid()}"
     (probe_dir / "run").mkdir(parents=True, exist_ok=True)
     (probe_dir / "workspace").mkdir(exist_ok=True)
-    argv = qemu_argv(image, probe_dir, Limits(), "kvm", extra_cmdline="wb.probe=1")
+    argv = qemu_argv(image, probe_dir, Limits(), "kvm", extra_cmdline="wb.probe=1", nic=False)
     t0 = time.monotonic()
     booted = False
     try:
@@ -628,11 +638,11 @@ class MicroVMBackend:
         return Capabilities(
             tier=self.tier,
             isolation="own Linux kernel in a QEMU microvm (virtual-machine boundary); "
-            f"accelerator {self.accel()[0]}; no host files, no network device",
+            f"accelerator {self.accel()[0]}; no host files; a NIC whose only route is the egress proxy",
             memory_snapshot=True,
             filesystem_snapshot=True,
             custom_kernel=True,
-            network_modes=("none",),
+            network_modes=("none", "allowlist", "internet"),
             languages=("python", "node", "shell", "c", "git"),
             start_class="100ms-1s (from snapshot)",
             snapshot_start=True,
@@ -832,7 +842,8 @@ class MicroVMBackend:
         (state / "qemu.argv").write_text(json.dumps(argv))
         procs = HostCgroup(handle.sandbox_id).create_for(self._limits(handle), self.accel()[0])
         (state / "volumes.bin").write_bytes(mounts)
-        qemu = _spawn(argv, state / "qemu.log", vm_files(state, memory, slots), procs)
+        await asyncio.to_thread(vmnet.prepare, state)
+        qemu = _spawn(vmnet.enter(state) + argv, state / "qemu.log", vm_files(state, memory, slots), procs)
         relay = _spawn(
             [
                 sys.executable,
@@ -970,7 +981,13 @@ class MicroVMBackend:
         return True
 
     def netns_path(self, handle: BackendHandle) -> str:
-        raise SandboxStartError('the microvm tier has no network device (network mode "none")', handle.sandbox_id)
+        """The VM's own network namespace (``microvm_net``): the egress link attaches there."""
+        path = vmnet.netns_path(Path(handle.state_dir))
+        if not path.exists():
+            from warmbox.errors import SandboxNotFound
+
+            raise SandboxNotFound(f"sandbox {handle.sandbox_id} is not running", handle.sandbox_id)
+        return str(path)
 
     async def destroy(self, handle: BackendHandle) -> None:
         state = Path(handle.state_dir)
@@ -980,6 +997,7 @@ class MicroVMBackend:
                 host.kill(pid, signal.SIGKILL)
                 await host.wait_gone(pid, 10)
         await asyncio.to_thread(HostCgroup(handle.sandbox_id).remove)
+        await asyncio.to_thread(vmnet.remove, state)
         hostfs.keep_logs(state, self.runtime_logs, self.runtime / "logs", handle.sandbox_id)
         shutil.rmtree(state, ignore_errors=True)
 

@@ -7,7 +7,7 @@ Debian packages only:
   download + dpkg-deb; never installed on the host). Under TCG the compressed bzImage costs
   ≈ 4.5 s of decompression at every cold boot, so the xz payload is decompressed here.
 - ``initrd.cpio``: busybox (static, from ``busybox-static``), the few kernel modules the guest
-  needs (virtio-mmio, virtio-blk, virtio-console, ext4 and their dependencies, read from each
+  needs (virtio-mmio, virtio-blk, virtio-console, virtio-net, ext4 and their dependencies, read from each
   module's own ``depends=``), and ``/init`` (:data:`INIT`).
 - ``rootfs.ext4``: the built-in image's Debian tree (``warmbox.images``) with Python (+ NumPy, pandas),
   Node.js, gcc, git, bash, coreutils, procps, util-linux and the guest agent under /opt/warmbox;
@@ -33,8 +33,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from warmbox.backends import microvm_net as vmnet
 from warmbox.backends import rootfs
-from warmbox.backends._host import GITCONFIG, GUEST_GID, GUEST_UID, build_spawn_helpers
+from warmbox.backends._host import EGRESS_GATEWAY, GITCONFIG, GUEST_GID, GUEST_UID, build_spawn_helpers
 from warmbox.backends.runc import GUEST_SOURCES, MATPLOTLIBRC, guest_sources, install_guest, keep_only_font_list
 from warmbox.errors import SandboxStartError
 from warmbox.images import BUILTIN_EXCLUDES, BUILTIN_PACKAGES, debian_key, suite
@@ -42,10 +43,10 @@ from warmbox.models import LAYER_UID_BASE, ImageRef
 
 BUILD_VERSION = "microvm-image-v4"
 # the built-in image's packages (warmbox.images: one list, the same tree on every tier). pip and
-# npm install local files (the VM has no network device; guest/userenv.py).
+# npm reach an index only through the egress proxy, under a network policy (guest/userenv.py).
 GUEST_PACKAGES = BUILTIN_PACKAGES
 WORKSPACE_MB = 1024
-MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "crc32c_generic", "ext4")
+MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "virtio_net", "crc32c_generic", "ext4")
 AGENT_PORT = "warmbox.agent"
 RESTORE_PORT = "warmbox.restore"  # host entropy and clock for the guest kernel at each start (wb-restore)
 _RESTORE_SRC = Path(__file__).with_name("microvm_restore.c")
@@ -119,7 +120,13 @@ $B mount -t cgroup2 -o ro,nosuid,nodev,noexec cgroup2 /newroot/sys/fs/cgroup
 $B chown 1000:1000 /newroot$port
 $B chmod 600 /newroot$port
 $B hostname sandbox
-$B ip link set lo up  # loopback only: servers on 127.0.0.1 work inside, nothing reaches out
+$B ip link set lo up
+# the NIC (backends/microvm_net.py): the same address in every VM, every route through the host's end
+# of the tap; the host side makes it this sandbox's link to the egress gateway (which refuses and logs
+# anything but its proxy and DNS), or a dead end
+V6=/newroot/proc/sys/net/ipv6/conf/eth0/disable_ipv6; [ -e $V6 ] && echo 1 > $V6
+$B ip link set eth0 up && $B ip addr add %(guest)s dev eth0 && $B ip route add default via %(host)s dev eth0 \
+  || echo "init: no network device"
 cd /newroot
 exec $B switch_root /newroot /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
   HOME=/home/user LANG=C.UTF-8 /usr/bin/prlimit --nofile=$nofile:$nofile --fsize=$((fsize * 1048576)) --core=0 \
@@ -127,6 +134,7 @@ exec $B switch_root /newroot /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin
   --bounding-set=-all --no-new-privs /usr/bin/python3 -I -S -c \
   "import sys; sys.path.insert(0, '/opt/warmbox'); from warmbox.guest.agent import main; main(['--cgroup-fd', '4', '--serial', '$port'])"
 """.replace("%(port)s", AGENT_PORT).replace("%(restore)s", RESTORE_PORT)  # noqa: E501
+INIT = INIT.replace("%(guest)s", f"{vmnet.GUEST_ADDR}/{vmnet.PREFIX}").replace("%(host)s", vmnet.HOST_ADDR)
 
 _ETC = {
     "passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\nuser:x:1000:1000:user:/home/user:/bin/bash\n"
@@ -134,7 +142,8 @@ _ETC = {
     "group": "root:x:0:\ntty:x:5:\nuser:x:1000:\nnogroup:x:65534:\n",
     "hostname": "sandbox\n",
     "hosts": "127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n",
-    "resolv.conf": "",
+    # the egress resolver, as on the other tiers (unreachable without a network policy)
+    "resolv.conf": f"nameserver {EGRESS_GATEWAY}\noptions timeout:1 attempts:2\n",
 }
 _ETC["gitconfig"] = GITCONFIG
 _ETC["matplotlibrc"] = MATPLOTLIBRC  # as the other tiers': Debian's says TkAgg

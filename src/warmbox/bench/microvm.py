@@ -21,6 +21,7 @@ from typing import Any
 
 from warmbox import protocol as p
 from warmbox.backends import microvm as vm
+from warmbox.backends import microvm_net as vmnet
 from warmbox.errors import WarmboxError
 from warmbox.models import MAX_VOLUME_MB, Limits
 
@@ -136,8 +137,9 @@ class RawQemu:
             # the same host cgroup bounds as warmbox's VMs (CPU quota, memory charging): the ratios
             # then measure warmbox's own work, not the limits
             procs = self._cgroup(d).create_for(Limits(), self.backend.accel()[0])
+            vmnet.prepare(d)  # the NIC's tap (a memory image restores only with it): not raw QEMU's work
             t0 = time.perf_counter()
-            vm._spawn(argv, d / "qemu.log", vm.vm_files(d, memory, slots), procs)
+            vm._spawn(vmnet.enter(d) + argv, d / "qemu.log", vm.vm_files(d, memory, slots), procs)
             _raw_first_command(d / "run" / "vm.sock", time.monotonic() + 120, code)
             return d, (time.perf_counter() - t0) * 1e3
         except BaseException:
@@ -169,6 +171,7 @@ class RawQemu:
             while vm._running(pid) and time.monotonic() < deadline:
                 time.sleep(0.005)
         self._cgroup(d).remove()
+        vmnet.remove(d)
         shutil.rmtree(d, ignore_errors=True)
 
     def once(self, memory: Path | None = None, code: str | None = None) -> float:

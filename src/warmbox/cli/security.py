@@ -307,6 +307,14 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ),
     ),
     Guarantee(
+        "egress",
+        "A microVM's NIC leads only into a network namespace of its own: root in the guest, with "
+        "routes and addresses of its choosing, reaches nothing without a policy (not even the proxy), "
+        "and with one only the gateway's proxy and DNS ports, as the sandbox's own link address.",
+        ("microvm",),
+        ("test_microvm_egress.py::test_microvm_guest_root_cannot_route_around_the_proxy",),
+    ),
+    Guarantee(
         "ports",
         "A port forward (get_host) is a way in only: while one is open and in use the sandbox still "
         "has no route out (not to the host, not anywhere); the agent dials only its own loopback.",
