@@ -51,8 +51,10 @@ def test_default_sandbox_reaches_nothing(net_home, world, tier):
             "tcp": f"{CURL} http://{ALLOWED}/hello.txt",
             "tcp_metadata": f"{CURL} http://{METADATA}/",
             "dns": "getent hosts allowed.test",
-            "udp": f'python3 -c "import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); '
-            f"s.sendto(b'x', ('{ALLOWED}', 53))\"",
+            # connected, sent twice: a refusal that comes back (a microVM's route leads to a dead end
+            # that answers) fails the second send, as no route at all fails the connect
+            "udp": f'python3 -c "import socket, time; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); '
+            f"s.connect(('{ALLOWED}', 53)); s.send(b'x'); time.sleep(0.5); s.send(b'x')\"",
             "icmp": f'python3 -c "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM, 1)'
             f".sendto(bytes.fromhex('0800f7ff00000000'), ('{ALLOWED}', 0))\"",
             "ipv6": "python3 -c \"import socket; socket.create_connection(('2001:db8::1', 80), timeout=3)\"",
