@@ -609,6 +609,9 @@ class Capabilities:
     # memory checkpoint cannot save (gVisor: its Sentry panics and the sandbox dies): the engine
     # refuses such a pause up front, and reports a sandbox lost to a failed checkpoint
     checkpoint_saves_workspace_sockets: bool = True
+    # the agent's sockets are host sockets (gVisor's --host-uds): a quiesced agent closes every one,
+    # the host's connection last, and the checkpoint waits for that (one left open fails the save)
+    quiesce_drops_connection: bool = False
     # languages of code contexts (create_code_context / run_code(language=)); a sandbox whose image
     # lacks the interpreter (node) refuses that one with UnsupportedLanguage naming the others
     context_languages: tuple[str, ...] = CONTEXT_LANGUAGES

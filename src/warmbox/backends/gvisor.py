@@ -103,6 +103,7 @@ class GvisorBackend(RuncBackend):
             languages=("python", "node", "shell", "c", "git"),
             start_class="100ms-1s",
             checkpoint_saves_workspace_sockets=False,
+            quiesce_drops_connection=True,
             root_user=True,
             isolation_rank=2,
             syscall_slowdown=_SYSCALL_SLOWDOWN.get(platform, 20.0),
@@ -280,11 +281,29 @@ class GvisorBackend(RuncBackend):
         user with fchown on that fd (gVisor lets the agent remove only its own files there); a
         name the guest planted there (a symlink to a host file, say) is unlinked, never opened.
         """
+        # the agent waits (quiesced) until told: its old socket's host file can go first
+        self._clear_socket(handle)
+        await self._trigger(handle)
+
+    def _clear_socket(self, handle: BackendHandle) -> None:
+        """Remove the quiesced agent's old socket and any old ``resume`` file from run/ (the entries
+        themselves, by the directory's fd). The old socket's host file outlives the agent's unlink
+        through the gofer and would make its new bind fail; an old trigger would make the next
+        quiesced agent listen again at once. Only while the agent waits for its trigger (or is not
+        running): a socket it has bound again must never be removed (the host would not see it)."""
         run = Path(handle.state_dir) / "run"
         try:
-            # the old socket's host file outlives the agent's unlink through the gofer, and would
-            # make its new bind fail: remove it here (the entry itself, by the directory's fd)
-            hostfs.remove_entry(run, Path(handle.socket_path).name)
+            for name in (Path(handle.socket_path).name, "resume"):
+                hostfs.remove_entry(run, name)
+        except OSError as e:
+            raise SandboxStartError(
+                f"cannot tell the agent to listen again: {e.strerror or e}", handle.sandbox_id
+            ) from None
+
+    async def _trigger(self, handle: BackendHandle) -> None:
+        """The ``resume`` file and SIGUSR1 (see resume_listening)."""
+        run = Path(handle.state_dir) / "run"
+        try:
             hostfs.create_marker(run, "resume", handle.uid_base + GUEST_UID, handle.uid_base + GUEST_GID)
         except OSError as e:
             raise SandboxStartError(
@@ -317,12 +336,16 @@ class GvisorBackend(RuncBackend):
             await self.delete_container(handle)
             if not cgroup.try_remove():
                 await asyncio.to_thread(cgroup.remove)
+        # before the restore: once restored, the agent may bind its socket again before it is told
+        # to (an image of an older agent, woken by a SIGUSR1 of an earlier resume), and removing the
+        # socket then would leave it listening where the host never looks (seen: 1 resume in ~10)
+        self._clear_socket(handle)
         await self._detached(
             handle,
             "restore",
             ["restore", "--detach", f"--image-path={image_dir}", "--bundle", str(state / "bundle"), handle.runtime_id],
         )
-        await self.resume_listening(handle)
+        await self._trigger(handle)
         return await self._await_agent(handle, ready)
 
     def _state(self, handle: BackendHandle) -> dict | None:

@@ -270,6 +270,16 @@ class GuestClient(asyncio.Protocol):
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._lost)
 
+    async def wait_lost(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until the agent has ended the connection; whether it did."""
+        if self._transport is None:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._lost), timeout)
+        except TimeoutError:
+            return False
+        return True
+
     @property
     def closed(self) -> bool:
         return self._error is not None

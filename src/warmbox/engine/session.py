@@ -68,6 +68,7 @@ HOST_GRACE_S = 15.0  # the host's bound = the guest's timeout + this (kill and i
 MAX_DISPLAY_BYTES = 64 << 20
 MAX_RESULTS = 4096  # results of one run (display() calls, charts)
 PING_TIMEOUT_S = 30.0
+QUIESCE_CLOSE_S = 5.0  # a quiesced agent closes its last connection within this (else: checkpoint anyway)
 _ERR_TAIL = 64 << 10
 TAR_MAX = 1 << 50  # a directory's tar stream has no size bound of its own (the sandbox's disk has)
 
@@ -420,11 +421,17 @@ class GuestSession:
         if isinstance(reply, p.Failure):
             raise SandboxError(f"reseed: {reply.message}", self.sandbox_id)
 
-    async def quiesce(self) -> None:
-        """The agent drops its sockets for a memory checkpoint (a signal makes it listen again)."""
+    async def quiesce(self, wait_closed: bool = False) -> None:
+        """The agent drops its sockets for a memory checkpoint (a signal makes it listen again).
+        wait_closed: the agent's sockets are host sockets (Capabilities.quiesce_drops_connection):
+        return once it has ended this connection too, its last."""
         reply = await self._client.call(lambda i: p.Quiesce(i), p.Ok)
         if isinstance(reply, p.Failure):
             raise SandboxError(f"quiesce: {reply.message}", self.sandbox_id)
+        # the agent answers once its other sockets are closed, then ends this connection: the
+        # checkpoint waits for that (a host socket open in the sandbox makes gVisor's save fail)
+        if wait_closed:
+            await self._client.wait_lost(QUIESCE_CLOSE_S)
 
     async def usage(self) -> tuple[float, int] | None:
         """(busy ms, runs) as the agent counts them; None if the answer is implausible."""

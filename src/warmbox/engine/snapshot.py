@@ -505,7 +505,7 @@ async def _memory_snapshot(
         try:
             # from here on a killed pauser's work is finished or undone by ``recover``
             op.record(kind="pause", sandbox_id=sid, parent=parent, env_names=list(env_names))
-            await session.quiesce()
+            await session.quiesce(wait_closed=backend.capabilities().quiesce_drops_connection)
         except BaseException:
             op.close()
             raise

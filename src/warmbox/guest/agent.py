@@ -1919,8 +1919,12 @@ def _quiesce(agent: Agent, conn: Connection, msg: p.Quiesce) -> None:
         return
     if agent.path is None:
         raise _Fail(p.ErrorCode.INVALID, "this agent listens on an inherited socket: nothing to quiesce")
+    agent.quiesce(keep=conn)
     conn.send(p.Ok(id=msg.id))
-    agent.quiesce()
+    try:  # the host waits for this connection's end before its checkpoint
+        conn.sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _get_usage(agent: Agent, conn: Connection, msg: p.GetUsage) -> None:
@@ -2304,7 +2308,13 @@ class Agent:
         self.path = path  # where it listens, when not on an inherited fd
         self.serial = serial
         self.quiescing = threading.Event()
-        self.resume_signalled = threading.Event()  # SIGUSR1: the host says "listen again"
+        # SIGUSR1: the host says "listen again". A plain flag and a self-pipe, never a lock: the
+        # handler runs in the main thread, which may hold that lock at that moment (an Event's
+        # set() in the handler of its own waiter deadlocked the agent: 1 gVisor resume in ~20)
+        self.resume_signalled = False
+        self._resume_r, self._resume_w = os.pipe()
+        os.set_blocking(self._resume_r, False)
+        os.set_blocking(self._resume_w, False)
         self._conns: set = set()
         self._conns_lock = threading.Lock()
         self.reaper = Reaper()
@@ -2405,10 +2415,25 @@ class Agent:
         except OSError:
             pass
 
-    def quiesce(self) -> None:
-        """Drop every host socket (see protocol.Quiesce); serve_forever waits for the resume file."""
+    def quiesce(self, keep: Connection | None = None) -> None:
+        """Drop every host socket but ``keep`` (see protocol.Quiesce); serve_forever waits for the
+        resume trigger. Returns once they are closed (bounded): the caller then answers on ``keep``
+        and drops it too, and the host checkpoints only after that (a host socket still open
+        makes gVisor's checkpoint fail, and the sandbox was lost with it).
+
+        Only a trigger that comes after this one counts: a SIGUSR1 or ``resume`` file of an earlier
+        resume (the agent had seen the file and listened before the signal came) would otherwise
+        make it listen again at once, before the checkpoint or before the host cleared run/."""
+        self.resume_signalled = False
+        self._drain_resume()
+        if self.path is not None:
+            try:
+                os.unlink(os.path.join(os.path.dirname(self.path), "resume"))
+            except OSError:
+                pass
         self.quiescing.set()
-        for sock in [c.sock for c in list(self._conns)] + ([self.listener] if self.listener is not None else []):
+        others = [c for c in list(self._conns) if c is not keep]
+        for sock in [c.sock for c in others] + ([self.listener] if self.listener is not None else []):
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -2417,6 +2442,28 @@ class Agent:
             if self.listener is not None:
                 self.listener.close()
         except OSError:
+            pass
+        # each connection's reader closes its socket as it ends (the main thread may stay in
+        # accept() on the closed listener until the checkpoint: gVisor saves that, and the
+        # restored accept() fails with EBADF, which sends it to _await_resume)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and any(c in self._conns for c in others):
+            time.sleep(0.002)
+
+    def on_resume_signal(self, *_: object) -> None:
+        """SIGUSR1's handler (main thread): counts only while quiesced; takes no lock."""
+        if self.quiescing.is_set():
+            self.resume_signalled = True
+            try:
+                os.write(self._resume_w, b"\0")
+            except OSError:  # full: a byte is there already
+                pass
+
+    def _drain_resume(self) -> None:
+        try:
+            while os.read(self._resume_r, 64):
+                pass
+        except OSError:  # empty
             pass
 
     def _await_resume(self) -> None:
@@ -2429,9 +2476,10 @@ class Agent:
         while True:
             # the host signals SIGUSR1 (gVisor may cache the directory, so a file it made can stay
             # unseen); the file is the fallback, for restores of images of older agents' hosts
-            while not self.resume_signalled.is_set() and not os.path.lexists(trigger):
-                self.resume_signalled.wait(0.02)
-            self.resume_signalled.clear()
+            while not self.resume_signalled and not os.path.lexists(trigger):
+                select.select([self._resume_r], [], [], 0.02)  # the handler's byte ends it at once
+            self.resume_signalled = False
+            self._drain_resume()
             for stale in (path, trigger):
                 try:
                     os.unlink(stale)
@@ -2510,7 +2558,7 @@ def main(argv: list[str] | None = None) -> None:
     agent = Agent(listener, argv[0] if argv else None, cgroup_fd=cgroup_fd)
     _start_hardening(agent)
     if argv:  # listening on a path: after a quiesce the host's SIGUSR1 says "listen again"
-        signal.signal(signal.SIGUSR1, lambda *_: agent.resume_signalled.set())
+        signal.signal(signal.SIGUSR1, agent.on_resume_signal)
     agent.serve_forever()
 
 
