@@ -59,8 +59,12 @@ def test_bench_burst_short(runc_ready):
 def test_bench_density_short(runc_ready):
     rep = _bench("density", "--max", "2", "--step", "1")
     assert [s["sandboxes"] for s in rep["steps"]] == [1, 2]
-    for s in rep["steps"]:
+    raw = rep["raw_python_idle"]  # the same run's floor: raw runc, PID 1 a bare sleeping python3
+    assert raw["containers"] == 1 and raw["cgroup_mib_per_sandbox"] > 0
+    assert 0 < raw["uss_mib_per_sandbox"] <= raw["rss_mib_per_sandbox"]
+    for s in [*rep["steps"], raw]:
         assert s["cgroup_mib_per_sandbox"] > 0 and 0 < s["uss_mib_per_sandbox"] <= s["rss_mib_per_sandbox"]
+    assert all(s["cgroup_over_raw"] > 0 for s in rep["steps"])
 
 
 @pytest.mark.sandbox

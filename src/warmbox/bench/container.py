@@ -14,7 +14,8 @@ exec:    commands/s for ``true`` in one warm sandbox; empty request round trip v
          unix-socket round trip between two processes (the physical floor).
 density: idle warm sandboxes per step until a count or memory bound; memory per sandbox as
          the cgroup sees it, as private (USS) and proportional (PSS) pages of its processes,
-         and as the host's MemAvailable drop.
+         and as the host's MemAvailable drop; against raw runc containers (the same OCI
+         config) whose PID 1 is a bare sleeping ``python3``, measured in the same run.
 
 The benchmarks run in a private WARMBOX_HOME with their own pools (never the user's), which
 is stopped and removed at the end. Results: a readable table, or JSON with ``--json``.
@@ -202,6 +203,42 @@ class _RawRunc:
         if out.returncode != 0:
             raise WarmboxError(f"raw runc failed: {out.stderr.strip()[-300:]}")
         return ms, out.stdout
+
+    def start(self, cmd: list[str]) -> str:
+        """``cmd`` as PID 1 of a container left running (``runc run --detach``, stdio /dev/null);
+        its id, for ``sandbox_cgroup`` and ``delete``."""
+        self.n += 1
+        cid = f"wbbench-{os.getpid()}-{self.n}"
+        d = self.dir / cid
+        _raw_bundle(self.backend, d, self.uid_base, cmd)
+        log = d / "runc.log"  # not a pipe: the container keeps its stdio open, a pipe never ends
+        try:
+            with open(log, "wb") as err:
+                rc = subprocess.run(
+                    [self.backend.runc, "--root", str(self.backend.root), "run", "--detach", "--bundle", str(d), cid],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    timeout=120,
+                ).returncode
+            if rc != 0:
+                raise WarmboxError(f"raw runc failed: {log.read_text(errors='replace').strip()[-300:]}")
+        except BaseException:
+            self.delete(cid)
+            raise
+        return cid
+
+    def delete(self, cid: str) -> None:
+        """The container of ``start`` gone: its processes, runc's record, its cgroups, its bundle."""
+        from warmbox.backends import _host as host
+
+        subprocess.run(
+            [self.backend.runc, "--root", str(self.backend.root), "delete", "--force", cid],
+            capture_output=True,
+            timeout=120,
+        )
+        host.SandboxCgroup(cid).remove()  # (kills what is left) a half-started one has no runc record
+        shutil.rmtree(self.dir / cid, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -572,6 +609,51 @@ def _smaps(pid: int) -> tuple[int, int, int]:
     return rss, pss, uss
 
 
+RAW_IDLE = ["python3", "-c", "import time; time.sleep(1e9)"]  # the floor of an idle sandbox with Python
+
+
+def _idle_memory(members: list[tuple[int, list[int]]], drop: int) -> dict[str, float]:
+    """Per-member means in MiB of (cgroup charge, that member's pids): the cgroup's own count
+    (memory.usage: anonymous, page cache, tmpfs, kernel memory), USS, PSS and RSS summed over its
+    processes, and the host's MemAvailable ``drop``."""
+    cg = rss = pss = uss = 0
+    for charge, pids in members:
+        cg += charge
+        for pid in pids:
+            r, ps, us = _smaps(pid)
+            rss, pss, uss = rss + r, pss + ps, uss + us
+    k = max(1, len(members))
+    return {
+        "cgroup_mib_per_sandbox": cg / k / 2**20,
+        "uss_mib_per_sandbox": uss / k / 2**20,
+        "pss_mib_per_sandbox": pss / k / 2**20,
+        "rss_mib_per_sandbox": rss / k / 2**20,
+        "host_memavailable_drop_mib_per_sandbox": drop / k / 2**20,
+    }
+
+
+async def _raw_idle(runtime: Path, k: int) -> dict[str, float]:
+    """``k`` raw runc containers (warmbox's own OCI config) whose PID 1 is a bare ``python3`` asleep:
+    the floor an idle sandbox with a Python interpreter is compared with, in the same run."""
+    from warmbox.backends import _host as host
+
+    raw = _RawRunc(runtime)
+    ids: list[str] = []
+    try:
+        before = _mem_available()
+        for _ in range(k):
+            ids.append(await asyncio.to_thread(raw.start, RAW_IDLE))
+        await asyncio.sleep(1.0)  # as the sandboxes: settled to idle
+        members = []
+        for cid in ids:
+            cgroup = host.SandboxCgroup(cid)
+            members.append((cgroup.memory_bytes(), cgroup.procs()))
+        return {"containers": len(ids), **_idle_memory(members, before - _mem_available())}
+    finally:
+        for cid in ids:
+            await asyncio.to_thread(raw.delete, cid)
+
+
 async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, template: str) -> dict:
     from warmbox.engine import pool as pools
     from warmbox.engine.engine import Engine
@@ -582,6 +664,7 @@ async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, t
 
     assert isinstance(backend, RuncBackend)  # the density count reads the runc tier's cgroups
     name = f"bench-density-{template}"
+    raw = await _raw_idle(engine.runtime, min(step, 4))
     base_avail = _mem_available()
     steps = []
     n = 0
@@ -594,26 +677,14 @@ async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, t
             await _wait_quiet(engine, name, timeout=900)
             await asyncio.sleep(1.0)  # let the guests settle to idle
             ids = engine.registry.pooled(name)
-            cg = rss = pss = uss = 0
+            members = []
             for sid in ids:
                 _, handle = engine.info(sid)
-                cg += (await backend.usage(handle)).memory_bytes
-                for pid in backend.sandbox_pids(sid):
-                    r, ps, us = _smaps(pid)
-                    rss, pss, uss = rss + r, pss + ps, uss + us
+                members.append(((await backend.usage(handle)).memory_bytes, backend.sandbox_pids(sid)))
             drop = base_avail - _mem_available()
-            k = len(ids)
-            steps.append(
-                {
-                    "sandboxes": k,
-                    "cgroup_mib_per_sandbox": cg / k / 2**20,
-                    "uss_mib_per_sandbox": uss / k / 2**20,
-                    "pss_mib_per_sandbox": pss / k / 2**20,
-                    "rss_mib_per_sandbox": rss / k / 2**20,
-                    "host_memavailable_drop_mib_per_sandbox": drop / k / 2**20,
-                    "host_processes_per_sandbox": 0,
-                }
-            )
+            row = {"sandboxes": len(ids), **_idle_memory(members, drop), "host_processes_per_sandbox": 0}
+            row["cgroup_over_raw"] = row["cgroup_mib_per_sandbox"] / max(raw["cgroup_mib_per_sandbox"], 1e-9)
+            steps.append(row)
             progress.update(task, completed=n)
             if drop >= bound_gib * 2**30:
                 break
@@ -624,7 +695,9 @@ async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, t
         "template": template,
         "bound_gib": bound_gib,
         "steps": steps,
-        "note": "runc leaves no host process per sandbox (no shim); host cost is the kernel's",
+        "raw_python_idle": raw,
+        "note": "runc leaves no host process per sandbox (no shim); host cost is the kernel's. raw_python_idle: "
+        "raw runc containers (the same OCI config) whose PID 1 is python3 -c 'import time; time.sleep(1e9)'",
     }
 
 
@@ -634,11 +707,18 @@ def _print_density(r: dict) -> None:
         f"  {'N':>5} {'cgroup MiB':>11} {'USS MiB':>8} {'PSS MiB':>8} {'RSS MiB':>8} "
         f"{'MemAvail drop MiB':>18}  (per sandbox)"
     )
-    for s in r["steps"]:
+    raw = r["raw_python_idle"]
+    for label, s in [*((str(s["sandboxes"]), s) for s in r["steps"]), (f"raw x{raw['containers']}", raw)]:
         print(
-            f"  {s['sandboxes']:>5} {s['cgroup_mib_per_sandbox']:>11.2f} {s['uss_mib_per_sandbox']:>8.2f} "
+            f"  {label:>5} {s['cgroup_mib_per_sandbox']:>11.2f} {s['uss_mib_per_sandbox']:>8.2f} "
             f"{s['pss_mib_per_sandbox']:>8.2f} {s['rss_mib_per_sandbox']:>8.2f} "
             f"{s['host_memavailable_drop_mib_per_sandbox']:>18.2f}"
+        )
+    last = r["steps"][-1] if r["steps"] else None
+    if last is not None:
+        print(
+            f"  raw: runc containers with the same OCI config, PID 1 a bare sleeping python3; "
+            f"cgroup per sandbox / raw: {last['cgroup_over_raw']:.2f}x"
         )
 
 
