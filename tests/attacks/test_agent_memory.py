@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from warmbox import Sandbox
@@ -40,3 +42,34 @@ def test_user_code_cannot_touch_the_agents_memory(tier):
         r = sb.commands.run(["python3", "-c", "print(open('/proc/self/mem', 'rb') and 'own')"])
         assert r.stdout == "own\n", r.stderr
         assert sb.run_code("1 + 1").text == "2"
+
+
+# what a code context's process holds: a context forked from the agent (container, microVM) has
+# the agent's descriptors replaced by /dev/null, its own socket alone left
+HELD = r"""
+import os
+seen = []
+for n in sorted(os.listdir('/proc/self/fd'), key=int):
+    try:
+        seen.append(os.readlink(f'/proc/self/fd/{n}'))
+    except OSError:  # the listing's own descriptor
+        pass
+print(sorted(seen))
+"""
+
+
+def test_a_code_context_holds_nothing_of_the_agent(tier):
+    with Sandbox.create(tier, timeout=300, pool=False) as sb:
+        held = eval(sb.run_code(HELD).stdout)
+        sockets = [h for h in held if h.startswith("socket:")]
+        # its own socket to the agent; no listener, host connection or cgroup directory of the agent
+        assert len(sockets) == 1 and all(h == "/dev/null" or h in sockets for h in held), held
+        # and from the context too, the agent's memory is out of reach (the context is the user's)
+        r = sb.run_code("import sys\nsys.argv[1:] = ['1']\n" + PROBE)
+        assert r.error is None, r.error
+        assert "mem:read" not in r.stdout and "mem:refused" in r.stdout, r.stdout
+        assert "ptrace:attached" not in r.stdout and "ptrace:refused" in r.stdout, r.stdout
+        assert sb.run_code("import os; os.getpid() != 1").text == "True"
+        if tier == "container":  # its own cgroup below the sandbox's (a timeout's kill ends all of it)
+            unified = sb.run_code("[x for x in open('/proc/self/cgroup').read().split() if x.startswith('0::')]")
+            assert re.fullmatch(r"\['0::.*/cmd-\d+'\]", unified.text), unified.text

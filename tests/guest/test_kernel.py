@@ -7,11 +7,12 @@ import asyncio
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.guest.test_agent import BARE, _await_listening
+from tests.guest.test_agent import BARE, _await_listening, _unified
 from warmbox import protocol as p
 from warmbox.backends.runc import GUEST_LIB, build_image
 from warmbox.engine.guest_client import GuestClient
@@ -37,9 +38,10 @@ def agent(image: Path, tmp_path: Path):
     proc.wait()
 
 
-async def _run(c: GuestClient, code: str, context: str = "default") -> list[p.Message]:
+async def _run(c: GuestClient, code: str, context: str = "default", timeout: float = 30) -> list[p.Message]:
     out: list[p.Message] = []
-    async with c.request(lambda i: p.ContextRun(i, context=context, code=code, timeout_s=30, max_output=1 << 20)) as s:
+    run = lambda i: p.ContextRun(i, context=context, code=code, timeout_s=timeout, max_output=1 << 20)  # noqa: E731
+    async with c.request(run) as s:
         while True:
             m = await s.get()
             out.append(m)
@@ -113,3 +115,106 @@ def test_javascript_and_bash_kernels(agent):
     assert [m.data for m in j2 if isinstance(m, p.Display)] == [b"21"]
     assert (b1[-1].error_name, b1[-1].error_value) == ("ExitCode", "1")
     assert b"".join(m.data for m in b2 if isinstance(m, p.Stdout)) == b"4\n" and b2[-1].error_name == ""
+
+
+# ---- a Python context forked from the agent (the agent given a cgroup: container, microVM)
+
+
+@pytest.fixture()
+def cgroup_agent(image: Path, tmp_path: Path):
+    """The agent as in a container: a cgroup v2 directory handed over (as root on the host)."""
+    root = _unified()
+    if root is None or os.geteuid() != 0:
+        pytest.skip("needs root and a cgroup v2 hierarchy")
+    cg = root / f"wb-test-{os.getpid()}-{time.monotonic_ns()}"
+    cg.mkdir()
+    fd = os.open(cg, os.O_RDONLY | os.O_DIRECTORY)
+    os.set_inheritable(fd, True)
+    lib = image / GUEST_LIB.lstrip("/")
+    sock = tmp_path / "a.sock"
+    args = ["--cgroup-fd", str(fd), str(sock)]
+    boot = f"import sys; sys.path.insert(0, {str(lib)!r}); from warmbox.guest.agent import main; main({args!r})"
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    proc = subprocess.Popen([BARE, "-I", "-S", "-c", boot], cwd=tmp_path, env=env, pass_fds=(fd,))
+    os.close(fd)
+    (cg / "cgroup.procs").write_text(str(proc.pid))
+    _await_listening(sock)
+    yield str(sock), str(lib), proc.pid
+    proc.kill()
+    proc.wait()
+    (cg / "cgroup.kill").write_text("1")
+    for _ in range(100):
+        try:
+            for sub in [d for d in cg.iterdir() if d.is_dir()]:
+                sub.rmdir()
+            cg.rmdir()
+            break
+        except OSError:
+            time.sleep(0.05)
+
+
+FORKED = """
+import ctypes, gc, os, signal, sys
+me = open('/proc/self/cmdline', 'rb').read()
+print(repr({{
+    'forked': me == open('/proc/{agent}/cmdline', 'rb').read() and os.getppid() == {agent},
+    'cwd': os.getcwd(), 'env': os.environ.get('WB_X'), 'executable': sys.executable,
+    'flags': (sys.flags.isolated, sys.flags.no_site, sys.flags.ignore_environment, sys.flags.no_user_site),
+    'path0': sys.path[0], 'agent_lib': {lib!r} in sys.path, 'site': 'site' in sys.modules,
+    'term': signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    'int': signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    'dumpable': ctypes.CDLL(None).prctl(3, 0, 0, 0, 0), 'frozen': gc.get_freeze_count() > 0,
+    'cgroup': open('/proc/self/cgroup').read().split('/')[-1].strip(),
+}}))
+"""
+
+
+def test_a_python_context_forked_from_the_agent_is_a_fresh_interpreter(cgroup_agent, tmp_path):
+    sock, lib, agent = cgroup_agent
+    work = tmp_path / "work"
+    work.mkdir()
+
+    async def go():
+        c = await GuestClient.connect(sock, "t")
+        try:
+            ctx = await c.call(
+                lambda i: p.ContextCreate(i, name="", language="python", cwd=str(work), env={"WB_X": "1"}),
+                p.ContextCreated,
+            )
+            seed = await c.call(
+                lambda i: p.ContextCreate(i, name="", language="python", cwd="", env={"PYTHONHASHSEED": "0"}),
+                p.ContextCreated,
+            )
+            state = await _run(c, FORKED.format(agent=agent, lib=lib), ctx.context)
+            exec_d = await _run(c, FORKED.format(agent=agent, lib=lib), seed.context)
+            spin = await _run(c, "x = 1\nwhile True: pass", ctx.context, timeout=1)
+            kept = await _run(c, "x + 1", ctx.context)
+            died = await _run(c, "import os; os._exit(3)", ctx.context)
+            again = await _run(c, "import os; os.getpid()")  # the default context: forked anew
+            return state, exec_d, spin, kept, died, again
+        finally:
+            await c.close()
+
+    state, exec_d, spin, kept, died, again = asyncio.run(go())
+    got = eval(b"".join(m.data for m in state if isinstance(m, p.Stdout)))
+    assert got == {
+        "forked": True,
+        "cwd": str(work),
+        "env": "1",
+        "executable": BARE,  # (no venv here: the agent's HOME is not the sandbox's)
+        "flags": (0, 0, 0, 0),  # as `python -u`, not the agent's -I -S
+        "path0": "",
+        "agent_lib": False,
+        "site": True,
+        "term": True,
+        "int": True,
+        "dumpable": 1,
+        "frozen": True,
+        "cgroup": got["cgroup"],
+    } and got["cgroup"].startswith("cmd-"), got
+    # a variable Python reads at start (the hash seed) cannot be applied to a fork: exec'd
+    assert eval(b"".join(m.data for m in exec_d if isinstance(m, p.Stdout)))["forked"] is False
+    assert spin[-1].timed_out and spin[-1].error_name == "KeyboardInterrupt"
+    assert [m.data for m in kept if isinstance(m, p.Display)] == [b"2"]
+    assert died[-1].error_name == "ContextDied"
+    assert again[-1].error_name == "" and [m for m in again if isinstance(m, p.Display)]

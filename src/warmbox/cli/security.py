@@ -278,6 +278,15 @@ GUARANTEES: tuple[Guarantee, ...] = (
     ),
     Guarantee(
         "isolation",
+        "A Python code context forked from the guest agent (its memory shared copy-on-write) holds "
+        "none of the agent's descriptors (host connections, the listener, the cgroup directory: each "
+        "is /dev/null in it, its own socket alone stays), runs in its own cgroup, and cannot reach "
+        "the agent's memory either.",
+        _SHARED,
+        ("test_agent_memory.py::test_a_code_context_holds_nothing_of_the_agent",),
+    ),
+    Guarantee(
+        "isolation",
         "Limits above the host's capacity or [limits] max_* are refused with LimitTooHigh "
         "before anything is created, on create, resume and fork.",
         _ALL,

@@ -417,6 +417,7 @@ class Scopes:
         self.cgroup_fd = cgroup_fd
         self.mode = "tree"
         self._lib: Any = None  # ctypes.CDLL of spawn.so (its functions are looked up by name)
+        self._libc: Any = None
         self._lock = threading.Lock()
         self._seq = 0
         self._free: list[str] = []  # empty cgroups, ready for the next command
@@ -442,6 +443,7 @@ class Scopes:
         lib.wb_spawn_cgroup.restype = ctypes.c_int
         self._ctypes = ctypes
         self._lib = lib
+        self._libc = ctypes.CDLL(None, use_errno=True)  # prctl in a forked context (fork)
         if self.cgroup_fd is not None:
             try:
                 os.set_inheritable(self.cgroup_fd, False)
@@ -487,6 +489,62 @@ class Scopes:
         with self._lock:
             self.by_pid[scope.pid] = scope
         return scope
+
+    def fork(self, child: Any) -> Scope | None:
+        """A child of the agent (``os.fork``: the agent's memory shared copy-on-write) in the scope a
+        spawn would give it, running ``child(procs_fd, ready_fd)``, which never returns: it first
+        moves itself into the command's cgroup (a write of "0" to ``procs_fd``; -1 in tree mode),
+        then writes one byte to ``ready_fd`` (0: in its scope, else an errno), then drops all of the
+        agent it holds (:func:`_forked`). None when this mode cannot (pidns: a process cannot enter
+        a new PID namespace and stay the agent's child without an exec) or no instant without an
+        import in progress came (:func:`_fork_quiet`): the caller execs instead.
+        Raises BlockingIOError while the pids limit is hit, OSError when the child could not enter
+        its scope."""
+        if not self.can_fork():
+            return None
+        with self._lock:
+            mode = self.mode
+        name = scope = None
+        procs = -1
+        ready_r, ready_w = os.pipe()
+        try:
+            if mode == "cgroup":
+                name = self._take()
+                procs = os.open(f"{name}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.cgroup_fd)
+            pid = _fork_quiet()
+            if pid == 0:
+                child(procs, ready_w)  # never returns (os._exit)
+            if pid is None:
+                return None
+            scope = _TreeScope(self.agent, pid) if name is None else _CgroupScope(self.agent, pid, self, name)
+            os.close(ready_w)
+            ready_w = -1
+            # EOF: it died first (killed meanwhile, say); nothing within 30 s: it never will
+            status = os.read(ready_r, 1) if select.select([ready_r], [], [], 30.0)[0] else b""
+            err = status[0] if status else errno.EIO
+            if err:
+                scope.kill()
+                os.kill(pid, signal.SIGKILL)  # (maybe not in its cgroup)
+                scope.close()
+                raise OSError(err, f"the code context could not enter its scope: {os.strerror(err)}")
+        finally:
+            if scope is None and name is not None:
+                self.release(name)
+            for fd in (procs, ready_r, ready_w):
+                if fd >= 0:
+                    os.close(fd)
+        with self._lock:
+            self.by_pid[pid] = scope
+        return scope
+
+    def can_fork(self) -> bool:
+        """Whether ``fork`` may give a child (its mode and the libc it needs), before anything is paid."""
+        with self._lock:
+            return self.mode in ("cgroup", "tree") and self._libc is not None
+
+    def prctl(self, option: int, value: int) -> int:
+        """prctl(2) with one argument (libc of the agent, loaded by setup): 0 or -1."""
+        return int(self._libc.prctl(option, value, 0, 0, 0))
 
     def finish(self, scope: Scope) -> None:
         """The run is over (idempotent): release what the scope holds."""
@@ -689,6 +747,108 @@ def _posix_spawn(
     finally:
         for copy in copies.values():
             os.close(copy)
+
+
+def _fork_quiet(tries: int = 500) -> int | None:
+    """os.fork() at an instant when no thread of the agent is importing a module (the global
+    import lock held, no module lock taken): a module half imported by another thread would be
+    half imported, its lock held forever, in the child. None if no such instant came within
+    ~1 s, or this interpreter's import machinery is not the one this knows.
+
+    Every object then alive is frozen first (gc.freeze, after a collection: what is garbage now
+    is freed, not frozen), on both sides: a collection walking them would write to each, and
+    copy every page of them. The agent's frozen objects are never collected again; one of them
+    that becomes cyclic garbage later stays (the agent's are long-lived: modules, its tables)."""
+    import _imp  # builtin, imported by every interpreter at start
+    import gc
+
+    locks = getattr(sys.modules.get("_frozen_importlib"), "_module_locks", None)
+    if not isinstance(locks, dict):
+        return None
+    gc.collect()
+    for _ in range(tries):
+        _imp.acquire_lock()
+        try:
+            if not locks:
+                gc.freeze()
+                return os.fork()
+        finally:
+            _imp.release_lock()
+        time.sleep(0.002)
+    return None
+
+
+_KEPT: list[object] = []  # a forked context's old stdio objects: never finalised (see _forked)
+
+
+def _forked(scopes: Scopes, procs: int, ready: int, keep_fd: int, cwd: str, env: dict[str, str]) -> None:
+    """In a process just forked from the agent (one thread, the agent's memory): enter the
+    command's scope, then drop everything of the agent: every descriptor but ``keep_fd``, its
+    signal handlers and mask; dumpable again, as an exec'd process would be (the agent is not:
+    see harden()). Its memory is a copy of the agent's, which holds nothing the sandbox's user
+    cannot read anyway (no secret value ever enters a sandbox); what user code must never get
+    is the agent's descriptors (host connections, the listener, the cgroup directory) and
+    access to the agent's own memory, and it gets neither. Raises OSError."""
+    os.setsid()
+    try:
+        if procs >= 0:
+            os.write(procs, b"0")
+    except OSError as e:
+        os.write(ready, bytes([e.errno or errno.EIO]))
+        raise
+    os.write(ready, b"\0")
+    # each descriptor of the agent becomes /dev/null (close-on-exec) rather than closed: a Python
+    # object of the agent that owns one may close that number later, and must never close a
+    # descriptor the user's code opened meanwhile under it
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in sorted(int(n) for n in os.listdir("/proc/self/fd")):
+        if fd in (keep_fd, null):
+            continue
+        try:
+            os.fstat(fd)
+        except OSError:  # the listing's own directory, closed since
+            continue
+        os.dup2(null, fd, inheritable=fd <= 2)
+    if null > 2:
+        os.close(null)
+    for sig in range(1, signal.NSIG):  # the agent's handlers (exit on SIGTERM, resume on SIGUSR1)
+        try:
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+    scopes.prctl(4, 1)  # PR_SET_DUMPABLE: the user's own process, debuggable by the user
+    # new stdio over /dev/null; the agent's objects are kept, never finalised: another thread may
+    # have held one's lock at the fork, and a flush would wait for it forever
+    _KEPT.extend((sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__))
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
+    for name in ("stdin", "stdout", "stderr"):
+        setattr(sys, f"__{name}__", getattr(sys, name))  # (typeshed calls them final)
+    if cwd:
+        os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def fork_eligible(python: str, env: dict[str, str]) -> bool:
+    """Whether a Python context may be forked from the agent rather than exec'd: ``python`` is the
+    agent's own binary (the venv's interpreter is a link to it) and ``env`` sets no variable
+    Python would read at start (kernel.FORK_ENV_OK)."""
+    from warmbox.guest import kernel
+
+    if not hasattr(type(sys.flags), "__match_args__"):  # (3.10+) kernel.from_fork rebuilds sys.flags
+        return False
+    try:
+        if os.path.realpath(python) != os.path.realpath(sys.executable):
+            return False
+    except OSError:
+        return False
+    return not any(
+        k.startswith("PYTHON") and k not in kernel.FORK_ENV_OK and k not in kernel.FORK_ENV_FOREIGN for k in env
+    )
 
 
 # --------------------------------------------------------------------------- connection
@@ -1718,8 +1878,39 @@ def _context_command(language: str):
     return _python_kernel("kernel_bash" if language == "bash" else "kernel")
 
 
+def _fork_python(agent: Agent, fd: int, python: str, cwd: str, env: dict[str, str]) -> Scope | None:
+    """A Python context forked from the agent (None: the caller execs one). Its interpreter is the
+    agent's, so an idle context costs the pages it wrote since, not an interpreter and its imports
+    of its own: the kernel module is imported here, in the agent, for every context to share.
+    Retried like ``_spawn`` while the pids limit is hit."""
+    from warmbox.guest import kernel
+
+    def child(procs: int, ready: int) -> None:
+        code = 1
+        try:
+            _forked(agent.scopes, procs, ready, fd, cwd, env)
+            kernel.from_fork(fd, python, _GUEST_LIB)
+            code = 0
+        except BaseException:  # nothing to report to: the agent sees the socket close
+            pass
+        finally:
+            os._exit(code)
+
+    delay = 0.005
+    deadline = time.monotonic() + 2.0
+    while True:
+        try:
+            return agent.scopes.fork(child)
+        except BlockingIOError:
+            if time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+
 class Context:
-    """A long-lived interpreter process (guest/kernel.py, kernel.js, kernel_bash.py) reached over a socketpair."""
+    """A long-lived interpreter process (guest/kernel.py, kernel.js, kernel_bash.py) reached over a
+    socketpair. A Python one is forked from the agent where the scope allows (_fork_python)."""
 
     def __init__(self, agent: Agent, name: str, language: str, cwd: str, env: dict[str, str]) -> None:
         exe_argv = _context_command(language)
@@ -1736,7 +1927,10 @@ class Context:
             exe = argv[0] = userenv.python(full_env)
         null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         try:
-            self.scope = _spawn(
+            scope = None
+            if language == "python" and agent.scopes.can_fork() and fork_eligible(exe, full_env):
+                scope = _fork_python(agent, theirs.fileno(), exe, cwd, full_env)
+            self.scope = scope or _spawn(
                 agent,
                 exe,
                 argv,

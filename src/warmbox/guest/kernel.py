@@ -6,16 +6,18 @@ Display frames and one CodeDone. SIGINT (sent on timeout) interrupts the running
 
 from __future__ import annotations
 
-import ast
+# C modules, not ast, signal, socket (enum, contextlib, selectors) and traceback (on an error
+# only): an idle context's memory is its imports, and a context forked from the agent (which
+# imported these already) shares them with it
+import _ast
+import _signal  # type: ignore[import-not-found]  # no stub: a C module, the wrapper's core
+import _socket
 import builtins
 import io
 import os
-import signal
-import socket
 import sys
 import threading
 import time
-import traceback
 
 from warmbox import protocol as p
 
@@ -221,7 +223,7 @@ class _Out(io.TextIOBase):
 
 
 class _Run:
-    def __init__(self, sock: socket.socket, msg: p.ContextRun) -> None:
+    def __init__(self, sock: _socket.socket, msg: p.ContextRun) -> None:
         self.sock = sock
         self.msg = msg
         self.sent = 0
@@ -299,13 +301,26 @@ def _bounded(text: str, limit: int = 64 << 10) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
-def _split(code: str, name: str) -> tuple[ast.Module, ast.Expression | None]:
-    tree = ast.parse(code, name, "exec")
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
+def _split(code: str, name: str) -> tuple[_ast.Module, _ast.Expression | None]:
+    tree = compile(code, name, "exec", _ast.PyCF_ONLY_AST)  # ast.parse without the ast module
+    assert isinstance(tree, _ast.Module)
+    if tree.body and isinstance(tree.body[-1], _ast.Expr):
         last = tree.body.pop()
-        assert isinstance(last, ast.Expr)
-        return tree, ast.Expression(body=last.value)
+        assert isinstance(last, _ast.Expr)
+        return tree, _ast.Expression(body=last.value)
     return tree, None
+
+
+def _traceback(e: BaseException) -> str:
+    """The user's part of ``e``'s traceback (this module's frames dropped), as Python prints it."""
+    try:
+        import traceback  # only once a cell failed: an idle context never pays for it
+
+        frames = traceback.extract_tb(e.__traceback__)
+        keep = [f for f in frames if f.filename != __file__]
+        return "".join(traceback.format_list(keep)) + "".join(traceback.format_exception_only(type(e), e))
+    except BaseException:  # an interrupt (or no memory) while formatting: the error's line alone
+        return f"{type(e).__name__}: {e}\n"
 
 
 def _reseed(seed: bytes) -> None:
@@ -338,9 +353,9 @@ def show_figures() -> None:
 
 
 def main(fd: int) -> None:
-    sock = socket.socket(fileno=fd)
+    sock = _socket.socket(fileno=fd)
     # SIGINT may arrive ignored from the spawner; a timeout relies on it raising KeyboardInterrupt.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _signal.signal(_signal.SIGINT, _signal.default_int_handler)
     _seed_font_cache()
     if "matplotlib" not in sys.modules:
         sys.meta_path.insert(0, _MatplotlibHook())
@@ -392,10 +407,7 @@ def main(fd: int) -> None:
                         run.display(value, main=True)
             except BaseException as e:  # the user's error, reported, never fatal to the kernel
                 err_name, err_value = type(e).__name__, str(e)
-                frames = traceback.extract_tb(e.__traceback__)
-                # drop this module's own frames; keep the user's cells
-                keep = [f for f in frames if f.filename != __file__]
-                tb = "".join(traceback.format_list(keep)) + "".join(traceback.format_exception_only(type(e), e))
+                tb = _traceback(e)
             _end_of_cell(run)
         finally:
             _running.clear()
@@ -419,3 +431,74 @@ def main(fd: int) -> None:
             pass
         except OSError:
             return
+
+
+# The PYTHON* variables a context forked from the agent honours as a fresh interpreter would (or
+# that change nothing for one); any other variable Python reads makes the agent exec the kernel
+# (agent.fork_eligible): the agent's interpreter started under -I, and a hash seed, a warnings
+# filter or a PYTHONPATH cannot be applied after start.
+FORK_ENV_OK = frozenset(
+    {"PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONNOUSERSITE", "PYTHONUSERBASE", "PYTHONIOENCODING"}
+)
+# names of other programs' (official Docker images set these): Python reads none of them
+FORK_ENV_FOREIGN = frozenset(
+    {
+        "PYTHON_VERSION",
+        "PYTHON_SHA256",
+        "PYTHON_PIP_VERSION",
+        "PYTHON_SETUPTOOLS_VERSION",
+        "PYTHON_GET_PIP_URL",
+        "PYTHON_GET_PIP_SHA256",
+    }
+)
+
+
+def _base_executable(python: str) -> str:
+    """sys._base_executable of ``python`` started: a venv's (pyvenv.cfg next to it or one level up)
+    names it, or its ``home`` holds one of the same name; else the interpreter itself."""
+    here = os.path.dirname(os.path.abspath(python))
+    for cfg in (os.path.join(here, "pyvenv.cfg"), os.path.join(os.path.dirname(here), "pyvenv.cfg")):
+        try:
+            with open(cfg, encoding="utf-8") as f:
+                keys = dict(line.split("=", 1) for line in f.read(64 << 10).splitlines() if "=" in line)
+        except (OSError, ValueError):
+            continue
+        keys = {k.strip().lower(): v.strip() for k, v in keys.items()}
+        if keys.get("executable"):
+            return keys["executable"]
+        if keys.get("home"):
+            return os.path.join(keys["home"], os.path.basename(python))
+    return python
+
+
+def from_fork(fd: int, python: str, agent_lib: str) -> None:
+    """Run as a context in a process forked from the guest agent, made first what ``python -u -c``
+    (the sandbox's venv interpreter, the agent's binary) would be: its ``sys.executable``, flags,
+    path and ``site`` (the venv's and the user's site-packages, .pth files, sitecustomize), with
+    the agent's copy of warmbox off the path. The agent already dropped its descriptors, signal
+    handlers and cgroup, and set the environment and directory (agent.py ``_Forked``)."""
+    env = os.environ
+    sys.executable = python
+    sys._base_executable = _base_executable(python)  # type: ignore[attr-defined]  # (no stub)
+    sys.argv[:] = ["-c"]
+    sys.orig_argv[:] = [python, "-u", "-c", "<warmbox code context>"]
+    sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
+    user_site = not env.get("PYTHONNOUSERSITE")
+    # the agent's -I -S: none of it applies to this interpreter (what reads sys.flags, e.g. the
+    # interpreter flags multiprocessing's spawn passes on, must see those of ``python -u``)
+    fields = type(sys.flags).__match_args__  # type: ignore[attr-defined]  # a structseq's names
+    values = {f: getattr(sys.flags, f) for f in fields}
+    values.update(isolated=0, no_site=0, ignore_environment=0, no_user_site=int(not user_site))
+    values["dont_write_bytecode"] = int(sys.dont_write_bytecode)
+    if "safe_path" in values:
+        values["safe_path"] = False
+    import collections
+
+    sys.flags = collections.namedtuple("flags", fields)(**values)  # type: ignore[assignment,misc]
+    sys.path[:] = [d for d in sys.path if d != agent_lib]
+    if "site" in sys.modules:
+        sys.modules["site"].main()
+    else:  # its import runs site.main() now that sys.flags says -S was not given, as at a start
+        import site  # noqa: F401
+    sys.path.insert(0, "")  # -c: the working directory, put first after site ran (as at a start)
+    main(fd)
