@@ -640,6 +640,13 @@ class Capabilities:
     cost_note: str = ""
     # order of magnitude of a cold start, milliseconds (breaks ties between tiers of equal cost)
     start_ms: float = 100.0
+    # what the engine refuses up front (Unsupported naming these capabilities) where a tier lacks
+    # it, besides ``commands`` above: files: the files API; ports: port forwarding into the sandbox
+    files: bool = True
+    ports: bool = True
+    # sandboxes run a template's image (root filesystem) and its warm-up; without: the template
+    # names only a shape (the isolate tier: an isolate has no filesystem to put an image in)
+    images: bool = True
 
 
 ISOLATION_RANKS = {
@@ -771,6 +778,11 @@ class Availability:
 # Image layers are stored with their owners shifted into this range: an image's uid u is host uid
 # LAYER_UID_BASE + u (storage.uidslots re-exports it; backends read it here, below storage).
 LAYER_UID_BASE = 1_000_000
+# The isolate tier's host process (one per runtime dir, holding every isolate sandbox) runs as host uid
+# ISOLATE_UID_BASE + 1000 in its own user namespace (this range mapped): above the layers' range,
+# below storage.uidslots.UID_BASE (the sandboxes' slots).
+ISOLATE_UID_BASE = 1_900_000
+ISOLATE_UID_RANGE = 65536
 
 
 @dataclasses.dataclass(frozen=True)

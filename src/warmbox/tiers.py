@@ -23,7 +23,7 @@ TIERS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "container": (("container", "runc"), "warmbox.backends.runc:RuncBackend"),
     "gvisor": (("gvisor", "runsc"), "warmbox.backends.gvisor:GvisorBackend"),
     "microvm": (("microvm", "qemu"), "warmbox.backends.microvm:MicroVMBackend"),
-    "isolate": (("isolate", "v8", "wasm"), None),
+    "isolate": (("isolate", "v8", "wasm"), "warmbox.backends.isolate:IsolateBackend"),
 }
 
 

@@ -24,7 +24,7 @@ def test_the_resolver_address_is_the_egress_gateway():
 
 
 def test_no_tier_reaches_into_another_tier_or_the_network_layer():
-    tiers = {"runc", "gvisor", "microvm", "microvm_image", "vmrelay"}
+    tiers = {"runc", "gvisor", "microvm", "microvm_image", "vmrelay", "isolate"}
     for path in BACKENDS.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:

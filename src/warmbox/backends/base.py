@@ -105,3 +105,14 @@ class TemplateCapable(Protocol):
         """The key part of a template snapshot of sandboxes running ``image`` (None: the tier's
         built-in image)."""
         ...
+
+
+@runtime_checkable
+class SharedHost(Protocol):
+    """A tier whose sandboxes live in one long-running host process per runtime dir (the isolate
+    tier's jailed V8 host). The engine stops it once no sandbox of the tier is left (``warmbox down``,
+    the daemon's idle exit); the next sandbox starts it again."""
+
+    def stop_host(self) -> None:
+        """End the host process and everything in it; remove its runtime state (idempotent)."""
+        ...

@@ -442,6 +442,35 @@ GUARANTEES: tuple[Guarantee, ...] = (
             "test_template_build.py::test_a_build_step_filling_its_disk_gets_enospc_not_the_hosts_disk",
         ),
     ),
+    Guarantee(
+        "isolates",
+        "JavaScript in an isolate sees ECMAScript only: no require, process, fetch, Deno, Buffer, timers or "
+        "module loader (import() is rejected), and the Function constructor reaches only its own isolate's "
+        "global.",
+        ("isolate",),
+        ("test_isolate_escape.py::test_javascript_has_no_host_api_and_no_module_loader",),
+    ),
+    Guarantee(
+        "limits",
+        "An isolate's run is ended by the engine at its timeout (a tight loop, deep recursion, Atomics.wait) "
+        "and keeps its state; a run past the memory limit (heap, strings, ArrayBuffers, Wasm memory) is "
+        "oom_killed, its isolate replaced by a fresh one, and the host process and every other sandbox in "
+        "it go on.",
+        ("isolate",),
+        (
+            "test_isolate_escape.py::test_a_tight_loop_is_ended_by_the_engine_and_the_sandbox_keeps_its_state",
+            "test_isolate_escape.py::test_huge_allocations_are_oom_killed_and_the_host_and_other_sandboxes_survive",
+        ),
+    ),
+    Guarantee(
+        "isolates",
+        "A V8 escape lands in a jail: the isolate host process has no capabilities, a seccomp filter, "
+        "no_new_privs, its own user (one unprivileged uid), pid, mount, network (loopback only), ipc, uts "
+        "and cgroup namespaces, a memory-bounded cgroup, and a read-only root with no host files but /usr "
+        "and the engine.",
+        ("isolate",),
+        ("test_isolate_escape.py::test_the_host_process_is_jailed",),
+    ),
 )
 
 

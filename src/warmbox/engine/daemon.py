@@ -403,6 +403,12 @@ async def run(home: Path) -> None:
                     fd = None
                     if engine.next_expiry() is None and not _pools_want(engine):
                         on_purpose = True
+                        try:
+                            await asyncio.to_thread(engine.stop_shared_hosts)
+                        except Exception as e:
+                            print(
+                                f"warmbox daemon: stopping hosts: {type(e).__name__}: {e}", file=sys.stderr, flush=True
+                            )
                         return
                     fd = _lock(lock)
                     if fd is None:
@@ -540,4 +546,5 @@ async def down_home(home: Path | str | None) -> tuple[int | None, list[str]]:
         await egress.stop_proxy(engine.home)
         if egress.proxy_pid(engine.home) is None:
             await netns.remove_egress(netns.egress_name(engine.runtime))
+    await asyncio.to_thread(engine.stop_shared_hosts)  # e.g. the isolate tier's host, once its sandboxes are gone
     return pid, [i.sandbox_id for i in engine.list()]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from warmbox import backends, config
-from warmbox.backends.base import Backend, Configurable, TemplateCapable
+from warmbox.backends.base import Backend, Configurable, SharedHost, TemplateCapable
 from warmbox.config import PoolConfig, Settings, Template
 from warmbox.engine import egress, provision
 from warmbox.engine import volumes as volumes_mod
@@ -113,6 +113,20 @@ class Engine:
             if isinstance(b, Configurable):
                 b.configure(self.settings())
         return b
+
+    def stop_shared_hosts(self) -> None:
+        """Stop the host process of each tier that has one (``SharedHost``) and no live or pooled
+        sandbox left."""
+        live = {i.tier for i in self.list(include_pooled=True)}
+        for tier in backends.TIERS:
+            if tier in live:
+                continue
+            try:
+                b = self.backend(tier)
+            except WarmboxError:
+                continue
+            if isinstance(b, SharedHost):
+                b.stop_host()
 
     def doctor(self) -> builtins.list[TierStatus]:
         """Each tier: whether this host runs it and why (not); an available one also says
@@ -381,21 +395,22 @@ class Engine:
         if tenant is not None:  # early, before any work; the claim or insert checks again, atomically
             self.registry.check_quota(tenant, tier, limits)
         pc = settings.pool_for(tier, template, limits) if pool else None
+        images = self.backend(tier).capabilities().images
         if pc is not None and image is None:
             # a claim hands out a running sandbox, its layers mounted: the image id its shape needs is
             # read from the template's record, without looking each layer up in the store (a flock
-            # and a utime per layer, 0.1 ms each, on the warm path)
-            image_id = self.image_id_for(template, tenant)
+            # and a utime per layer, 0.1 ms each, on the warm path); a tier without images: none
+            image_id = self.image_id_for(template, tenant) if images else ""
             if image_id is not None:
                 shape = config.shape_key(tier, tmpl, limits, image_id)
                 got = await provision.claim(self, pc, shape, timeout, env_pairs, t0, tenant)
                 if got is not None:
                     return got
                 pc = None  # a miss: the cold start below
-        if image is None:  # off the event loop: the first sandbox on a fresh host builds the built-in image
+        if image is None and images:  # off the event loop: the first sandbox on a fresh host builds the built-in image
             image = await asyncio.to_thread(self.image_for, template, tenant)
         if pc is not None:
-            shape = config.shape_key(tier, tmpl, limits, image.image_id)
+            shape = config.shape_key(tier, tmpl, limits, image.image_id if image is not None else "")
             got = await provision.claim(self, pc, shape, timeout, env_pairs, t0, tenant)
             if got is not None:
                 return got
@@ -468,9 +483,9 @@ class Engine:
     async def create_pooled(self, pc: PoolConfig) -> str:
         """Create and warm one sandbox for a pool (off any request path); returns its id."""
         tier, tmpl = backends.canonical_tier(pc.tier), self.template(pc.template)
-        image = await asyncio.to_thread(self.image_for, pc.template)
-        shape = config.shape_key(tier, tmpl, pc.limits, image.image_id)
         backend = self.backend(tier)
+        image = await asyncio.to_thread(self.image_for, pc.template) if backend.capabilities().images else None
+        shape = config.shape_key(tier, tmpl, pc.limits, image.image_id if image is not None else "")
         if backend.capabilities().memory_snapshot:
             # restore a checkpoint of the warmed template instead of booting and warming again
             from warmbox.engine import snapshot as snapshots

@@ -46,6 +46,7 @@ from warmbox.lifecycle import Operation
 from warmbox.models import (
     LANGUAGE_ALIASES,
     ApprovalRequest,
+    Capabilities,
     CommandResult,
     EntryInfo,
     Execution,
@@ -134,6 +135,52 @@ NOT_USE: frozenset[type[Any]] = frozenset(
 REPEATABLE: frozenset[type[Any]] = frozenset(
     {ops.Ping, ops.ListProcesses, ops.ReadFile, ops.ReadFileStream, ops.ListDir, ops.Stat, ops.DownloadDir}
 )
+# operations a tier may lack, by the Capabilities field that says it has them: refused up front with
+# Unsupported naming the tier's capabilities (the isolate tier has no commands, files or ports)
+NEEDS: dict[type[Any], str] = {
+    **dict.fromkeys(
+        (
+            ops.Exec,
+            ops.StartProcess,
+            ops.ConnectProcess,
+            ops.SendStdin,
+            ops.KillProcess,
+            ops.ListProcesses,
+            ops.ResizePty,
+        ),
+        "commands",
+    ),
+    **dict.fromkeys(
+        (
+            ops.ReadFile,
+            ops.ReadFileStream,
+            ops.WriteFile,
+            ops.WriteFileStream,
+            ops.WriteFiles,
+            ops.Rename,
+            ops.UploadDir,
+            ops.DownloadDir,
+            ops.ListDir,
+            ops.Stat,
+            ops.MakeDir,
+            ops.Remove,
+            ops.WatchDir,
+        ),
+        "files",
+    ),
+    ops.PortConnect: "ports",
+}
+_NEEDS_WHAT = {
+    "commands": "commands (commands.run, background processes)",
+    "files": "filesystem (files.*)",
+    "ports": "ports",
+}
+
+
+def _has(caps: Capabilities) -> dict[str, bool]:
+    return {"commands": caps.commands, "files": caps.files, "ports": caps.ports}
+
+
 REATTACH_S = 15.0  # after a failed memory pause, how long the agent may take to listen again
 
 
@@ -268,6 +315,7 @@ class EngineFront:
         self._owned: set[str] = set()  # ids checked to be this tenant's (a sandbox's tenant never changes)
         self._sessions: dict[str, GuestSession] = {}
         self._lifecycles: dict[str, Lifecycle] = {}
+        self._tiers: dict[str, str] = {}  # a sandbox's tier never changes: read once per front
         self._in_use: dict[str, int] = {}
         self._first_done: set[str] = set()
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[Any]]] = {
@@ -338,6 +386,9 @@ class EngineFront:
             raise InvalidArgument(f"not an operation: {type(request).__name__}")
         if self.tenant is not None:
             self._scope(request, self.tenant)
+        need = NEEDS.get(type(request))
+        if need is not None:
+            self._check_capability(cast(Any, request).sandbox_id, need)
         if type(request) in USE and isinstance(cast(Any, request).sandbox_id, str):
             return cast(R, await self._use(request, handler))
         try:
@@ -346,6 +397,22 @@ class EngineFront:
             if type(request) in _NAMES_SANDBOX:
                 await self._lost(cast(Any, request).sandbox_id)
             raise
+
+    def _check_capability(self, sandbox_id: object, need: str) -> None:
+        """Unsupported, naming what the sandbox's tier can do, if its Capabilities lack ``need``."""
+        if not isinstance(sandbox_id, str):
+            return  # the handler refuses a malformed id
+        tier = self._tiers.get(sandbox_id)
+        if tier is None:
+            tier = self._tiers[sandbox_id] = self.engine.info(sandbox_id)[0].tier
+        caps = self.engine.backend(tier).capabilities()
+        present = _has(caps)
+        if present[need]:
+            return
+        has = [f"languages {', '.join(caps.context_languages)}", f"network {', '.join(caps.network_modes)}"]
+        has += [name for name, yes in present.items() if yes]
+        reason = f"the {tier} tier has no {_NEEDS_WHAT[need]}; it has: {'; '.join(has)} ({caps.isolation})"
+        raise Unsupported(f"sandbox {sandbox_id}: {reason}", tier=tier, reason=reason)
 
     async def _use(self, request: ops.Request[Any], handler: Callable[[Any], Awaitable[Any]]) -> Any:
         """An operation of ``USE``: a paused sandbox is resumed first if it was created to

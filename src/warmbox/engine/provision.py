@@ -116,7 +116,8 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
     avail = await asyncio.to_thread(backend.probe)  # the first probe of a tier may boot a probe guest
     if not avail.available:
         raise BackendUnavailable(spec.tier, avail.reason)
-    if spec.image is None:  # every sandbox runs an image: its template's latest (never the host's /usr)
+    images = backend.capabilities().images
+    if spec.image is None and images:  # every sandbox runs an image: its template's latest (never the host's /usr)
         spec = dataclasses.replace(spec, image=await asyncio.to_thread(engine.image_for, spec.template, spec.tenant))
     sandbox_id = spec.resume_of or "sb-" + secrets.token_hex(6)
     state_dir = engine.runtime / "sandboxes" / sandbox_id
@@ -188,7 +189,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         else:
             session = await backend.start(handle, ready)
         t3 = t4 = time.perf_counter()
-        if isinstance(boot, Cold):
+        if isinstance(boot, Cold) and images:  # a tier without images has no template warm-up either
             await warm_up(session, boot.template)
             t4 = time.perf_counter()
         if spec.pool:  # the pool pays for what it took so far: a reading before anyone can claim it
@@ -214,7 +215,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         StageTiming(sandbox_id, "filesystem", (t2 - t1) * 1e3, on_path),
         StageTiming(sandbox_id, "runtime", (t3 - t2) * 1e3, on_path),
     ]
-    if isinstance(boot, Cold) and (boot.template.warmup_code is not None or boot.template.warmup_commands):
+    if isinstance(boot, Cold) and images and (boot.template.warmup_code is not None or boot.template.warmup_commands):
         timings.append(StageTiming(sandbox_id, "dependencies", (t4 - t3) * 1e3, on_path))
     try:
         if not spec.resume_of:  # a resume keeps its start's timings; its caller records ``resume``

@@ -1,0 +1,325 @@
+// The isolate host of Tier 1: one Node.js process holding one V8 isolate (isolated-vm) per sandbox.
+//
+// Started by backends/isolate.py inside an OS jail (runc: user, pid, mount, net, ipc, uts, cgroup
+// namespaces, seccomp, no capabilities, its own memory-bounded cgroup). fd 3 is its control socket
+// (listening; only the backend, as root, can reach its path): a control connection sends one JSON
+// line, with a sandbox's listening socket as SCM_RIGHTS for "add" (received by fdpass.node), and
+// gets one JSON line back. Each sandbox's socket speaks the guest wire protocol (protocol.py: u32
+// header length, u32 body length, JSON header, raw body), so the engine's GuestSession talks to an
+// isolate as to any guest agent: Ping, ContextCreate/Run/Delete, Configure, Reseed, GetUsage.
+// Everything else is refused (Failure "invalid"): an isolate has no commands, files or ports.
+//
+// Inside an isolate there is only ECMAScript (no require, process, fetch, Deno, import()), plus a
+// console whose output is the run's stdout/stderr. Each isolate has a heap limit (the sandbox's
+// memory_mb; ArrayBuffers count): a run that passes it ends with oom_kills=1, the isolate is
+// disposed and a fresh one takes its place. Each run has a time limit (its timeout_s, at most
+// MAX_RUN_S): a run past it is terminated (timed_out) and the isolate keeps its state.
+'use strict';
+
+const net = require('net');
+const util = require('util');
+const ivm = require(process.env.WB_IVM);
+const fdpass = require(process.env.WB_FDPASS);
+
+const PROTOCOL_VERSION = Number(process.env.WB_PROTOCOL_VERSION);
+const MAX_HEADER = 1 << 20;
+const MAX_BODY = 4 << 20;
+const MAX_TEXT = 64 << 10;
+const MAX_RUN_S = 3600; // a run without a timeout_s (0) is still bounded
+const CONTROL_TIMEOUT_MS = 2000;
+const MAX_SANDBOXES = Number(process.env.WB_MAX_SANDBOXES || 4096);
+const started = Date.now();
+
+// the console inside every context: output goes to the host through one synchronous callback
+const BOOTSTRAP = `(function () {
+  const write = globalThis.__wb_write;
+  delete globalThis.__wb_write;
+  const seen = new WeakSet();
+  function show(v, depth) {
+    if (typeof v === 'string') return depth === 0 ? v : JSON.stringify(v);
+    if (typeof v === 'function') return '[Function: ' + (v.name || '(anonymous)') + ']';
+    if (typeof v === 'bigint') return String(v) + 'n';
+    if (typeof v === 'symbol' || v === null || typeof v !== 'object') return String(v);
+    if (v instanceof Error) return String(v.stack || v);
+    if (seen.has(v) || depth > 2) return Array.isArray(v) ? '[Array]' : '[Object]';
+    seen.add(v);
+    try {
+      if (Array.isArray(v)) return '[ ' + v.slice(0, 100).map((x) => show(x, depth + 1)).join(', ') + ' ]';
+      const keys = Object.keys(v).slice(0, 100);
+      return keys.length === 0 ? '{}' : '{ ' + keys.map((k) => k + ': ' + show(v[k], depth + 1)).join(', ') + ' }';
+    } finally {
+      seen.delete(v);
+    }
+  }
+  const emit = (fd) => (...args) => { write(fd, args.map((a) => show(a, 0)).join(' ') + '\\n'); };
+  globalThis.console = Object.freeze({
+    log: emit(1), info: emit(1), debug: emit(1), trace: emit(2), warn: emit(2), error: emit(2),
+  });
+  return (v) => show(v, 1);
+})()`;
+
+// ---------------------------------------------------------------- frames
+
+function frame(sock, header, body) {
+  const head = Buffer.from(JSON.stringify(header), 'utf8');
+  const data = body || Buffer.alloc(0);
+  const prefix = Buffer.alloc(8);
+  prefix.writeUInt32BE(head.length, 0);
+  prefix.writeUInt32BE(data.length, 4);
+  if (!sock.destroyed) sock.write(Buffer.concat([prefix, head, data]));
+}
+
+function failure(sock, id, code, message) {
+  frame(sock, { type: 'Failure', id, code, message: String(message).slice(0, MAX_TEXT) });
+}
+
+function bounded(text) {
+  const s = String(text);
+  return s.length > MAX_TEXT ? s.slice(0, MAX_TEXT) + '... [truncated]' : s;
+}
+
+// ---------------------------------------------------------------- sandboxes
+
+class Sandbox {
+  constructor(id, memoryMb) {
+    this.id = id;
+    this.memoryMb = memoryMb;
+    this.server = null;
+    this.conns = new Set();
+    this.busyMs = 0;
+    this.runs = 0;
+    this.ooms = 0;
+    this.chain = Promise.resolve(); // runs of one sandbox take turns (one isolate thread)
+    this.run = null; // the run in progress: { sock, id, sent, max, truncated }
+    this.nextContext = 1;
+    this.fresh();
+  }
+
+  // a new isolate with its default context: at start, and after an OOM disposed the last one
+  fresh() {
+    this.isolate = new ivm.Isolate({ memoryLimit: this.memoryMb });
+    this.contexts = new Map();
+    this.addContext('default-javascript');
+  }
+
+  addContext(name) {
+    const context = this.isolate.createContextSync();
+    const write = new ivm.Callback((fd, text) => this.output(fd === 2 ? 'Stderr' : 'Stdout', text), { sync: true });
+    context.global.setSync('__wb_write', write);
+    const inspect = context.evalSync(BOOTSTRAP, { reference: true });
+    this.contexts.set(name, { context, inspect, count: 0 });
+    return name;
+  }
+
+  output(type, text) {
+    const run = this.run;
+    if (run === null) return;
+    let data = Buffer.from(String(text), 'utf8');
+    const room = run.max - run.sent;
+    if (data.length > room) {
+      run.truncated = true;
+      data = data.subarray(0, Math.max(room, 0));
+    }
+    if (data.length === 0) return;
+    run.sent += data.length;
+    for (let off = 0; off < data.length; off += 256 << 10) frame(run.sock, { type, id: run.id }, data.subarray(off, off + (256 << 10)));
+  }
+
+  dispose() {
+    if (this.server !== null) this.server.close();
+    for (const c of this.conns) c.destroy();
+    this.conns.clear();
+    if (!this.isolate.isDisposed) this.isolate.dispose();
+  }
+
+  async runCode(sock, msg) {
+    const entry = this.contexts.get(msg.context);
+    if (entry === undefined) {
+      const why = msg.context === 'default' ? 'language_unavailable' : 'context_not_found';
+      return failure(sock, msg.id, why, msg.context === 'default'
+        ? 'the isolate tier runs javascript (no python)' : `no code context ${msg.context}`);
+    }
+    entry.count += 1;
+    this.runs += 1;
+    const t0 = process.hrtime.bigint();
+    const timeoutMs = Math.max(1, Math.round(1000 * (msg.timeout_s > 0 ? Math.min(msg.timeout_s, MAX_RUN_S) : MAX_RUN_S)));
+    this.run = { sock, id: msg.id, sent: 0, max: Math.max(0, msg.max_output), truncated: false };
+    let name = '', value = '', traceback = '', timedOut = false, oom = 0;
+    try {
+      const ref = await entry.context.eval(msg.code, { timeout: timeoutMs, reference: true });
+      try {
+        if (ref.typeof !== 'undefined') {
+          let text;
+          try {
+            text = util.inspect(ref.copySync());
+          } catch (e) {
+            text = String(entry.inspect.applySync(undefined, [ref.derefInto()], { timeout: 1000 }));
+          }
+          frame(sock, { type: 'Display', id: msg.id, mime: 'text/plain', main: true, result: 0 },
+            Buffer.from(text, 'utf8').subarray(0, MAX_BODY));
+        }
+      } finally {
+        ref.release();
+      }
+    } catch (e) {
+      const elapsedMs = Number(process.hrtime.bigint() - t0) / 1e6;
+      if (this.isolate.isDisposed) { // the heap limit: isolated-vm disposed the isolate
+        oom = 1;
+        this.ooms += 1;
+        name = 'MemoryLimitError';
+        value = `the isolate passed its memory limit (${this.memoryMb} MiB) and was disposed; a fresh one replaces it`;
+        traceback = name + ': ' + value;
+        this.fresh();
+      } else if (elapsedMs >= timeoutMs && /timed out/.test(String(e && e.message))) {
+        timedOut = true;
+      } else {
+        name = String((e && e.name) || 'Error');
+        value = String(e && e.message !== undefined ? e.message : e);
+        // the frames of the isolate only: the host's side of the boundary is nobody's business
+        traceback = String((e && e.stack) || `${name}: ${value}`).split('\n    at (<isolated-vm boundary>)')[0];
+      }
+    }
+    const ms = Number(process.hrtime.bigint() - t0) / 1e6;
+    this.busyMs += ms;
+    const run = this.run;
+    this.run = null;
+    frame(sock, {
+      type: 'CodeDone', id: msg.id, error_name: bounded(name), error_value: bounded(value), traceback: bounded(traceback),
+      timed_out: timedOut, truncated: run.truncated, execution_count: entry.count, duration_ms: ms, oom_kills: oom,
+    });
+  }
+
+  handle(sock, msg) {
+    switch (msg.type) {
+      case 'Ping':
+        return frame(sock, { type: 'Pong', id: msg.id, version: PROTOCOL_VERSION, pid: process.pid });
+      case 'ContextRun':
+        if (typeof msg.code !== 'string' || typeof msg.context !== 'string') return failure(sock, msg.id, 'invalid', 'bad ContextRun');
+        this.chain = this.chain.then(() => this.runCode(sock, msg)).catch((e) => failure(sock, msg.id, 'internal', e));
+        return undefined;
+      case 'ContextCreate':
+        if (msg.language !== 'javascript') return failure(sock, msg.id, 'language_unavailable', `no ${msg.language} contexts on the isolate tier`);
+        this.chain = this.chain.then(() => {
+          const name = this.addContext(`js-${this.nextContext++}`);
+          frame(sock, { type: 'ContextCreated', id: msg.id, context: name });
+        }).catch((e) => failure(sock, msg.id, 'internal', e));
+        return undefined;
+      case 'ContextDelete': {
+        const entry = this.contexts.get(msg.context);
+        if (entry === undefined) return failure(sock, msg.id, 'context_not_found', `no code context ${msg.context}`);
+        if (msg.context !== 'default-javascript') {
+          this.contexts.delete(msg.context);
+          entry.inspect.release();
+          entry.context.release();
+        }
+        return frame(sock, { type: 'Ok', id: msg.id });
+      }
+      case 'Configure': {
+        frame(sock, { type: 'UsageReport', id: msg.id, busy_ms: this.busyMs, runs: this.runs, uptime_ms: Date.now() - started });
+        if (msg.reset_counts) {
+          this.busyMs = 0;
+          this.runs = 0;
+          for (const entry of this.contexts.values()) entry.count = 0;
+        }
+        return undefined;
+      }
+      case 'GetUsage':
+        return frame(sock, { type: 'UsageReport', id: msg.id, busy_ms: this.busyMs, runs: this.runs, uptime_ms: Date.now() - started });
+      case 'Reseed': // V8 seeds Math.random per isolate from the host's entropy: nothing to share
+        return frame(sock, { type: 'Ok', id: msg.id });
+      default:
+        return failure(sock, msg.id, 'invalid', `${msg.type} is not available on the isolate tier (no commands, files or ports)`);
+    }
+  }
+
+  serve(sock) {
+    this.conns.add(sock);
+    let buf = Buffer.alloc(0);
+    sock.on('data', (chunk) => {
+      buf = buf.length ? Buffer.concat([buf, chunk]) : chunk;
+      while (buf.length >= 8) {
+        const hlen = buf.readUInt32BE(0);
+        const blen = buf.readUInt32BE(4);
+        if (hlen > MAX_HEADER || blen > MAX_BODY) return sock.destroy();
+        if (buf.length < 8 + hlen + blen) return undefined;
+        let msg;
+        try {
+          msg = JSON.parse(buf.subarray(8, 8 + hlen).toString('utf8'));
+        } catch (e) {
+          return sock.destroy();
+        }
+        buf = buf.subarray(8 + hlen + blen);
+        if (msg === null || typeof msg !== 'object' || typeof msg.type !== 'string' || !Number.isInteger(msg.id)) return sock.destroy();
+        this.handle(sock, msg);
+      }
+      return undefined;
+    });
+    sock.on('error', () => sock.destroy());
+    sock.on('close', () => this.conns.delete(sock));
+  }
+}
+
+// ---------------------------------------------------------------- control
+
+const sandboxes = new Map();
+
+function control(req, fd) {
+  const id = typeof req.sandbox === 'string' ? req.sandbox : '';
+  switch (req.op) {
+    case 'add': {
+      if (fd < 0 || !/^sb-[0-9a-f]{1,32}$/.test(id)) return { ok: false, error: 'add needs a sandbox id and its listening socket' };
+      if (sandboxes.has(id)) return { ok: false, error: `sandbox ${id} exists` };
+      if (sandboxes.size >= MAX_SANDBOXES) return { ok: false, error: `the isolate host holds its maximum of ${MAX_SANDBOXES} sandboxes` };
+      const mb = Number(req.memory_mb);
+      if (!Number.isInteger(mb) || mb < 8 || mb > 65536) return { ok: false, error: 'memory_mb must be an integer from 8 to 65536' };
+      const sb = new Sandbox(id, mb);
+      sb.server = net.createServer((sock) => sb.serve(sock));
+      sb.server.on('error', () => {});
+      sb.server.listen({ fd });
+      sandboxes.set(id, sb);
+      return { ok: true };
+    }
+    case 'remove': {
+      const sb = sandboxes.get(id);
+      if (sb !== undefined) {
+        sandboxes.delete(id);
+        sb.dispose();
+      }
+      return { ok: true };
+    }
+    case 'has':
+      return { ok: true, has: sandboxes.has(id) };
+    case 'usage': {
+      const sb = sandboxes.get(id);
+      if (sb === undefined) return { ok: false, error: `no sandbox ${id}` };
+      let heap = 0;
+      let cpu = 0;
+      if (!sb.isolate.isDisposed) {
+        const s = sb.isolate.getHeapStatisticsSync();
+        heap = s.total_heap_size + s.externally_allocated_size;
+        cpu = Number(sb.isolate.cpuTime);
+      }
+      return { ok: true, memory_bytes: heap, cpu_ns: cpu, oom_kills: sb.ooms };
+    }
+    case 'stats':
+      return { ok: true, sandboxes: sandboxes.size, rss: process.memoryUsage().rss, pid: process.pid };
+    default:
+      return { ok: false, error: `unknown op ${req.op}` };
+  }
+}
+
+const server = net.createServer({ pauseOnConnect: true }, (conn) => {
+  let reply;
+  let fd = -1;
+  try {
+    const [data, got] = fdpass.recv(conn._handle.fd, CONTROL_TIMEOUT_MS);
+    fd = got;
+    reply = control(JSON.parse(data.toString('utf8')), fd);
+    if (reply.ok) fd = -1; // the sandbox's server owns it now
+  } catch (e) {
+    reply = { ok: false, error: String((e && e.message) || e) };
+  }
+  if (fd >= 0) require('fs').closeSync(fd);
+  conn.end(JSON.stringify(reply) + '\n');
+});
+server.listen({ fd: 3 }, () => process.stdout.write('isolate host listening\n'));
