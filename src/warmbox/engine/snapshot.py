@@ -249,11 +249,12 @@ async def snapshot(
     op = _Op(engine, "snapshot")
     work = op.path
     own = session is None
+    blob: snaps.BlobWriter | None = None
+    pickle_left = True  # the context's pickle in the guest's /tmp: removed by the tar command itself
     try:
         if session is None:
             session = await provision.connect(engine.backend(info.tier), handle)
-        raw = work / "files.tar"
-        fd = os.open(raw, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        blob = snaps.BlobWriter(work)
     except BaseException as e:
         op.close()
         if own and session is not None:
@@ -269,12 +270,14 @@ async def snapshot(
             names = _names(text)
             context_saved = names is not None
             skipped = names or ()
-        tar_fd: int | None = fd
-        for _attempt in (1, 2):
-            code, err = await _stream_tar(session, tar_fd, raw, sandbox_id)
-            tar_fd = None
-            if code != 1:
-                break  # 1: a file changed while it was read: once more, then give up
+        for last in (False, True):
+            # compressed and hashed as it streams: the archive never lands on disk uncompressed
+            code, err = await _stream_tar(session, blob, sandbox_id, last=last)
+            pickle_left = code == 1 and not last
+            if not pickle_left:
+                break
+            blob.discard()  # 1: a file changed while it was read: once more, then give up
+            blob = snaps.BlobWriter(work)
         if code != 0:
             raise SandboxError(
                 f"snapshot: tar exited {code}"
@@ -283,7 +286,7 @@ async def snapshot(
                 sandbox_id,
             )
         try:
-            sha, size, raw_size = snaps.put_blob(store, raw, work)
+            sha, size, raw_size = blob.store(store)
         except OSError as e:
             raise _storage_error(e, f"snapshot of {sandbox_id}") from None
         m = _manifest(
@@ -306,11 +309,14 @@ async def snapshot(
         engine.registry.add_snapshot(m.snapshot_id, sandbox_id, m.created_at, size)
         return m
     finally:
+        if blob is not None:
+            blob.discard()
         op.close()
-        try:
-            await _exec(session, ["/bin/rm", "-f", STATE_FILE], sandbox_id)  # never leave the pickle behind
-        except WarmboxError:
-            pass
+        if pickle_left:  # the tar command did not run to its end: never leave the pickle behind
+            try:
+                await _exec(session, ["/bin/rm", "-f", STATE_FILE], sandbox_id)
+            except WarmboxError:
+                pass
         if own:
             await session.close()
 
@@ -379,9 +385,10 @@ def _names(text: str) -> tuple[str, ...] | None:
     return tuple(v)
 
 
-async def _stream_tar(session: GuestSession, fd: int | None, raw: Path, sandbox_id: str) -> tuple[int, str]:
-    """tar the snapshot paths in the guest into ``raw``, bounded by MAX_SNAPSHOT_BYTES."""
-    out = os.fdopen(fd, "wb") if fd is not None else open(raw, "wb")
+async def _stream_tar(session: GuestSession, blob: snaps.BlobWriter, sandbox_id: str, *, last: bool) -> tuple[int, str]:
+    """tar the snapshot paths in the guest into ``blob``, bounded by MAX_SNAPSHOT_BYTES; (tar's exit
+    code, its stderr's tail). The same command then removes the context's pickle, unless tar's
+    1 (a file changed while read) is to be retried (``last`` False): one process, one round trip."""
     failed: list[OSError] = []
     written = 0
 
@@ -394,34 +401,30 @@ async def _stream_tar(session: GuestSession, fd: int | None, raw: Path, sandbox_
             failed.append(OSError(27, "snapshot larger than WARMBOX_SNAPSHOT_MAX_BYTES"))
             return
         try:
-            out.write(data)
+            blob.write(data)
         except OSError as e:
             failed.append(e)
 
     listing = " ".join(TAR_PATHS)
-    try:
-        # the contents of each path, not the mount points themselves (their owner/mode is the tier's);
-        # -xdev: a named volume mounted below one is external state, not part of the snapshot;
-        # a workspace disk's lost+found (mkfs's, root's alone: the microVM's has one) is not the user's
-        code, err = await _exec(
-            session,
-            [
-                "/bin/bash",
-                "-c",
-                f"cd / && find {listing} -xdev -mindepth 1 -path workspace/lost+found -prune -o -print0 "
-                "| /bin/tar --null "
-                "--no-recursion -T - --sparse --numeric-owner "
-                "--warning=no-file-ignored -cpf -",
-            ],
-            sandbox_id,
-            sink=sink,
-            max_output=MAX_SNAPSHOT_BYTES + 1,
-        )
-    finally:
-        try:
-            out.close()
-        except OSError as e:
-            failed.append(e)
+    keep = "" if last else "[ $rc -eq 1 ] || "
+    # the contents of each path, not the mount points themselves (their owner/mode is the tier's);
+    # -xdev: a named volume mounted below one is external state, not part of the snapshot;
+    # a workspace disk's lost+found (mkfs's, root's alone: the microVM's has one) is not the user's
+    code, err = await _exec(
+        session,
+        [
+            "/bin/bash",
+            "-c",
+            f"cd / && find {listing} -xdev -mindepth 1 -path workspace/lost+found -prune -o -print0 "
+            "| /bin/tar --null "
+            "--no-recursion -T - --sparse --numeric-owner "
+            "--warning=no-file-ignored -cpf -; "
+            f"rc=$?; {keep}/bin/rm -f {STATE_FILE}; exit $rc",
+        ],
+        sandbox_id,
+        sink=sink,
+        max_output=MAX_SNAPSHOT_BYTES + 1,
+    )
     if failed:
         first = failed[0]
         if first.errno == 27:

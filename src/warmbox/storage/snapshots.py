@@ -108,34 +108,71 @@ class _HashingFile:
         self.f.flush()
 
 
+class BlobWriter:
+    """A blob compressed and hashed as it is written (a stream needs no raw copy on disk): ``write``
+    the raw bytes, then ``store`` it; ``discard`` drops it. Its temp file lives in ``workdir``."""
+
+    def __init__(self, workdir: Path, level: int = 3) -> None:
+        zstd = _zstd()
+        fd, tmp_name = tempfile.mkstemp(prefix=".blob-", dir=workdir)
+        self.path = Path(tmp_name)
+        self.raw_size = 0
+        self._out = os.fdopen(fd, "wb")
+        self._hashed = _HashingFile(self._out)
+        self._z = zstd.ZstdCompressor(level=level, threads=-1).stream_writer(self._hashed, closefd=False)
+        self._flush = zstd.FLUSH_FRAME
+
+    def write(self, data: bytes) -> None:
+        """Raises OSError (a full disk: ENOSPC) as the file's own write does."""
+        self._z.write(data)
+        self.raw_size += len(data)
+
+    def store(self, store: ObjectStore) -> tuple[str, int, int]:
+        """Finish the blob and store it (unless an identical one exists); (sha256, stored, raw) sizes.
+        The temp file is gone afterwards, whatever happens."""
+        try:
+            try:
+                self._z.flush(self._flush)
+                self._z.close()
+                self._out.close()
+            except OSError as e:
+                raise (StorageFull if e.errno == 28 else StorageError)(
+                    f"compressing a snapshot: {e.strerror}"
+                ) from None
+            sha = self._hashed.h.hexdigest()
+            if not store.exists(blob_key(sha)):
+                move = getattr(store, "move_file", None)
+                if move is not None:
+                    move(blob_key(sha), self.path)  # same filesystem: a rename, not a copy
+                else:
+                    store.put_file(blob_key(sha), self.path)
+            return sha, self._hashed.size, self.raw_size
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        try:
+            self._z.close()
+        except Exception:  # closing after a failed write may fail again: nothing is kept anyway
+            pass
+        try:
+            self._out.close()
+        except OSError:
+            pass
+        self.path.unlink(missing_ok=True)
+
+
 def put_blob(store: ObjectStore, raw: Path, workdir: Path, level: int = 3) -> tuple[str, int, int]:
     """Compress ``raw`` and store it (unless an identical blob exists); (sha256, stored, raw) sizes."""
-    zstd = _zstd()
-    raw_size = raw.stat().st_size
-    fd, tmp_name = tempfile.mkstemp(prefix=".blob-", dir=workdir)
-    tmp = Path(tmp_name)
+    blob = BlobWriter(workdir, level)
     try:
-        try:
-            with open(raw, "rb") as src, os.fdopen(fd, "wb") as out:
-                hashed = _HashingFile(out)
-                writer = zstd.ZstdCompressor(level=level, threads=-1).stream_writer(hashed, closefd=False)
-                while chunk := src.read(_CHUNK):
-                    writer.write(chunk)
-                writer.flush(zstd.FLUSH_FRAME)
-                writer.close()
-        except OSError as e:
-            raise (StorageFull if e.errno == 28 else StorageError)(f"compressing a snapshot: {e.strerror}") from None
-        sha = hashed.h.hexdigest()
-        size = hashed.size
-        if not store.exists(blob_key(sha)):
-            move = getattr(store, "move_file", None)
-            if move is not None:
-                move(blob_key(sha), tmp)  # same filesystem: a rename, not a copy
-            else:
-                store.put_file(blob_key(sha), tmp)
-        return sha, size, raw_size
-    finally:
-        tmp.unlink(missing_ok=True)
+        with open(raw, "rb") as src:
+            while chunk := src.read(_CHUNK):
+                blob.write(chunk)
+    except OSError as e:
+        blob.discard()
+        raise (StorageFull if e.errno == 28 else StorageError)(f"compressing a snapshot: {e.strerror}") from None
+    return blob.store(store)
 
 
 def get_blob(store: ObjectStore, sha256: str, size: int, raw_size: int, dest: Path, workdir: Path) -> None:
