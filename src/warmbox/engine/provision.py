@@ -178,9 +178,20 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         async def ready() -> GuestSession:
             nonlocal session
             session = await connect(backend, handle)
-            await asyncio.wait_for(session.ping(), AGENT_TIMEOUT_S)
-            if isinstance(boot, Restore):  # every restore of one image holds the same generator states
-                await asyncio.wait_for(session.reseed(), AGENT_TIMEOUT_S)
+            if not isinstance(boot, Restore):
+                await asyncio.wait_for(session.ping(), AGENT_TIMEOUT_S)
+                return session
+            # every restore of one image holds the same generator states: reseeded before anyone
+            # gets the sandbox; sent with the ping, not after it (a restored guest runs either slowly
+            # the first time: a microVM under TCG translates the code again); the ping's error first
+            got = await asyncio.gather(
+                asyncio.wait_for(session.ping(), AGENT_TIMEOUT_S),
+                asyncio.wait_for(session.reseed(), AGENT_TIMEOUT_S),
+                return_exceptions=True,
+            )
+            for r in got:
+                if isinstance(r, BaseException):
+                    raise r
             return session
 
         if isinstance(boot, Restore):
