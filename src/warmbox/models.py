@@ -134,6 +134,11 @@ class SandboxInfo:
     # (``sha256:<hex>``; "" for a sandbox from before templates were versioned)
     template_version: int = 0
     image_id: str = ""
+    # tier="auto": what was asked (the four questions), why this tier, and why not each other one
+    # (None / empty when the caller named the tier)
+    requirements: Requirements | None = None
+    tier_reasons: tuple[str, ...] = ()
+    tier_rejected: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def from_pool(self) -> bool:

@@ -52,7 +52,7 @@ def _languages(caps: Capabilities) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _unfit(req: Requirements, c: TierCandidate) -> str:
+def _unfit(req: Requirements, c: TierCandidate, egress: bool = False) -> str:
     """Why tier ``c`` cannot take code of ``req`` ("" if it can); the first question it fails."""
     caps = c.capabilities
     if caps is None or not c.available:
@@ -70,8 +70,10 @@ def _unfit(req: Requirements, c: TierCandidate) -> str:
         return "no guest kernel of its own (the code would run on the host's or a user-space kernel)"
     if req.io == "syscall-heavy" and not caps.commands:
         return "runs code only, no processes or files: syscall-heavy work (fork, files) cannot run here"
-    if req.io == "network" and not any(m != "none" for m in caps.network_modes):
-        return f"no egress on this tier (network modes: {', '.join(caps.network_modes) or 'none'})"
+    if (req.io == "network" or egress) and not any(m != "none" for m in caps.network_modes):
+        return f"no egress on this tier (network modes: {', '.join(caps.network_modes) or 'none'})" + (
+            "" if req.io == "network" else ", and the sandbox asks for a network policy"
+        )
     return ""
 
 
@@ -93,6 +95,8 @@ def choose(
     candidates: Sequence[TierCandidate],
     profile: HostProfile | None = None,
     profile_note: str = "",
+    *,
+    egress: bool = False,
 ) -> TierChoice:
     """The tier for code of ``req`` among ``candidates`` (every tier, with this host's availability).
 
@@ -103,12 +107,13 @@ def choose(
     ``profile`` (``warmbox bench profile``) when there is one, else its declared slowdown; costs
     within SAME_COST are a tie, broken by the faster start, then the stronger isolation.
     NoSuitableTier if no tier is left: never a weaker tier instead. ``profile_note``: why there is
-    no profile (or why it was set aside), said in the reasons.
+    no profile (or why it was set aside), said in the reasons. ``egress``: the sandbox gets a
+    network policy, so a tier without a network mode besides "none" is out whatever ``req.io``.
     """
     rejected: dict[str, str] = {}
     fit: list[tuple[TierCandidate, Capabilities]] = []
     for c in candidates:
-        why = _unfit(req, c)
+        why = _unfit(req, c, egress)
         if why:
             rejected[c.tier] = why
         else:

@@ -281,3 +281,33 @@ def test_the_sdk_asks_the_engine(host):
     assert asyncio.run(AsyncSandbox.choose_tier(req, home=host.home)).tier == "microvm"
     with pytest.raises(InvalidArgument, match="requirements must be a warmbox"):
         warmbox.choose_tier({"language": "python"}, home=host.home)  # type: ignore[arg-type]
+
+
+def test_a_network_policy_needs_a_tier_with_egress_whatever_the_io(host):
+    profile, _ = tierprofile.load_profile(host.home)
+    cands = tierprofile.candidates(host)
+    assert tiers.choose(Requirements("python", trusted=True), cands, profile, egress=True).tier == "container"
+    try:
+        choice = tiers.choose(Requirements("python"), cands, profile, egress=True)
+    except NoSuitableTier as e:
+        assert any(line.endswith("and the sandbox asks for a network policy") for line in e.rejected)
+    else:
+        caps = host.backend(choice.tier).capabilities()
+        assert caps.isolation_rank >= 2 and any(m != "none" for m in caps.network_modes)
+
+
+def test_create_auto_refuses_bad_combinations_before_any_work(engine):
+    import asyncio
+
+    from warmbox import operations as ops
+    from warmbox.engine.front import EngineFront
+
+    front = EngineFront(engine)
+    for request, words in (
+        (ops.Create(tier="container", requirements=Requirements()), 'pass tier="auto"'),
+        (ops.Create(tier="auto", from_snapshot="snap-0123456789ab"), "from_snapshot takes its tier"),
+        (ops.Create(tier="auto", requirements={"language": "python"}), "requirements must be a warmbox"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(InvalidArgument, match=words):
+            asyncio.run(front.handle(request))
+    assert engine.registry.list() == []

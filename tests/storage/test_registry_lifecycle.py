@@ -14,7 +14,7 @@ from warmbox.storage.registry import SCHEMA_VERSION, Registry
 from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
 
 NEW_COLUMNS = {"timeout_s", "metadata", "on_timeout", "idle_pause_after", "auto_resume", "last_used", "egress"}
-LATER_COLUMNS = ("auto", "template_version", "image_id")  # versions 8 and 11
+LATER_COLUMNS = ("auto", "template_version", "image_id", "requirements", "tier_reasons", "tier_rejected")  # 8, 11, 12
 
 
 def _registry(tmp: Path) -> Registry:
@@ -66,6 +66,7 @@ def test_a_version_6_database_migrates_and_its_paused_sandbox_resumes_under_its_
     reg.reallocate("sb-00000000000b", 120.0, Limits(), owner="test")
     info, _ = reg.get("sb-00000000000b")
     assert info.state is State.CREATING and reg.timeout_of("sb-00000000000b") == 120.0
+    assert (info.requirements, info.tier_reasons, info.tier_rejected) == (None, (), {})  # named its tier
     assert [t.to_state for t in reg.transitions("sb-00000000000b")][-1] == "creating"
     m = reg.meter("sb-00000000000b")
     assert m is not None and not m.final and m.cpu_ns == 0 and m.cpu_ns - m.base_cpu_ns == 5000  # cost goes on
@@ -132,3 +133,20 @@ def test_metadata_and_query_checks():
     assert set(q.state or ()) == {State.RUNNING, State.READY}
     with pytest.raises(InvalidArgument, match="state"):
         validate_query(SandboxQuery(state=("asleep",)))  # type: ignore[arg-type]
+
+
+def test_a_tier_choice_is_recorded_and_read_back(tmp_path):
+    from warmbox.models import Requirements, TierChoice
+
+    reg = _registry(tmp_path)
+    sid = "sb-00000000000d"
+    reg.allocate(sid, "gvisor", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
+    req = Requirements("node", trusted=False, io="compute")
+    reg.set_tier_choice(sid, req, TierChoice("gvisor", ("a", "b é"), {"container": "too weak"}, 1.0))
+    info, _ = reg.get(sid)
+    assert info.requirements == req and info.requirements.language == "javascript"
+    assert info.tier_reasons == ("a", "b é") and info.tier_rejected == {"container": "too weak"}
+    reg._db.execute('UPDATE sandboxes SET requirements=\'{"io": "disk"}\' WHERE sandbox_id=?', (sid,))
+    assert reg.get(sid)[0].requirements is None  # a row it cannot read is no requirements, not an error
+    reg.set_state(sid, State.DESTROYED, "test over")
+    reg.close()

@@ -1091,6 +1091,10 @@ async def command(args: argparse.Namespace) -> int:
         from warmbox.bench import template
 
         return await template.command(args)
+    if args.bench == "profile":
+        from warmbox.bench import profile
+
+        return await profile.command(args)
     if args.bench == "start" and args.runs is None:
         args.runs = 5 if args.tier == "microvm" else 20
     _validate(args)

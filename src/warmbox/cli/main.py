@@ -25,7 +25,7 @@ warmbox advise [--language L --untrusted|--trusted --io compute|syscall-heavy|ne
                                   which tier for such code here, why, and why not the others
 warmbox demo                      a short tour on the embedded defaults
 warmbox mcp                       an MCP server on stdin/stdout (sandbox tools for an agent)
-warmbox bench start|burst|exec|density|api|template   benchmarks, ratios against raw runc/bwrap or base
+warmbox bench start|burst|exec|density|api|template|profile   benchmarks, ratios against raw runtimes or the host
 warmbox serve [--host H --port P]  the HTTP API (/v1) on 127.0.0.1:7420 and a unix socket (+ MCP at /mcp)
 
 --api-url URL (or WARMBOX_API_URL) sends every command to a warmbox server instead of the
@@ -62,7 +62,12 @@ def _env_pairs(values: list[str] | None) -> dict[str, str]:
 
 
 def _add_sandbox_opts(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tier", default=None, help="isolation tier (default: warmbox.toml's, else container)")
+    p.add_argument(
+        "--tier",
+        default=None,
+        help="isolation tier, or auto: the one warmbox advise picks for untrusted Python (default: warmbox.toml's, "
+        "else container)",
+    )
     p.add_argument("--timeout", type=float, default=None, help="sandbox lifetime, seconds (default 300)")
     p.add_argument("--template", default=None, help="base, pydata, shell or one from warmbox.toml")
     p.add_argument("--no-pool", action="store_true", help="always create cold, never from a warm pool")
@@ -319,6 +324,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--runs", type=int, default=10, help="interleaved create->first command samples per template and way"
     )
+    b.add_argument("--json", action="store_true")
+    b = bsub.add_parser(
+        "profile", help="per tier: a CPU loop and syscall loops (fork, files, socket) vs the host; cached for advise"
+    )
+    b.add_argument("--tier", action="append", metavar="TIER", help="only this tier (repeatable; default: every one)")
+    b.add_argument("--budget", type=float, default=0.5, help="seconds per loop and place (default 0.5)")
     b.add_argument("--json", action="store_true")
     b = bsub.add_parser("api", help="warmbox serve (HTTP) vs in process: warm create, exec, files, burst")
     b.add_argument("--runs", type=int, default=20, help="warm create->first run_code samples per side")

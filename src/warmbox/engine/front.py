@@ -70,6 +70,7 @@ from warmbox.models import (
     validate_metadata,
     validate_query,
 )
+from warmbox.network.policy import Policy
 from warmbox.operations import sandbox_path
 from warmbox.storage.registry import unknown_sandbox
 
@@ -181,6 +182,7 @@ def _has(caps: Capabilities) -> dict[str, bool]:
     return {"commands": caps.commands, "files": caps.files, "ports": caps.ports}
 
 
+AUTO = "auto"  # Create(tier=AUTO): the tier the four questions choose (ChooseTier)
 REATTACH_S = 15.0  # after a failed memory pause, how long the agent may take to listen again
 
 
@@ -578,13 +580,28 @@ class EngineFront:
     async def create(self, r: ops.Create) -> ops.Opened:
         metadata = validate_metadata(r.metadata)  # before any work
         lifecycle = validate_lifecycle(r.lifecycle)
+        auto = r.tier == AUTO or (r.tier is None and r.requirements is not None)
+        if r.requirements is not None and not isinstance(r.requirements, Requirements):
+            raise InvalidArgument(f"requirements must be a warmbox.Requirements, got {type(r.requirements).__name__}")
+        if r.requirements is not None and not auto:
+            raise InvalidArgument(f'requirements choose the tier: pass tier="auto" (or none), not tier={r.tier!r}')
+        choice = None
+        if auto:
+            if r.from_snapshot is not None:
+                raise InvalidArgument("from_snapshot takes its tier from the snapshot's sandbox: not tier='auto'")
+            req = r.requirements or Requirements()
+            egress_policy = Policy.of(r.network).enabled  # a tier without egress cannot take it
+            choice = await asyncio.to_thread(tierprofile.choose, self.engine, req, self.tenant, egress=egress_policy)
+            r = dataclasses.replace(r, tier=choice.tier, requirements=req)
         got = await self._create(r)
-        if metadata or lifecycle != Lifecycle():
+        if metadata or lifecycle != Lifecycle() or choice is not None:
             try:
                 if metadata:
                     self.engine.registry.set_metadata(got.sandbox_id, metadata)
                 if lifecycle != Lifecycle():
                     self.engine.registry.set_lifecycle(got.sandbox_id, lifecycle)
+                if choice is not None and r.requirements is not None:
+                    self.engine.registry.set_tier_choice(got.sandbox_id, r.requirements, choice)
                 got.info, _ = self.engine.info(got.sandbox_id)
             except BaseException:
                 await got.session.close()

@@ -149,6 +149,7 @@ class AsyncSandbox:
         metadata: dict[str, str] | None = None,
         lifecycle: Lifecycle | None = None,
         volumes: builtins.list[Volume] | None = None,
+        requirements: Requirements | None = None,
         home: str | Path | None = None,
         transport: Transport | None = None,
         api_url: str | None = None,
@@ -157,6 +158,12 @@ class AsyncSandbox:
         """Create and start a sandbox (defaults for tier, timeout and template: warmbox.toml).
 
         tier: "container" (runc), "gvisor" (runsc) or "microvm" (QEMU); see ``warmbox doctor``.
+            "auto": the tier :meth:`choose_tier` picks for ``requirements`` (default: untrusted
+            Python, compute), among tiers with egress when ``network`` is a policy; the choice and
+            its reasons are in ``get_info()`` (``requirements``, ``tier_reasons``,
+            ``tier_rejected``). NoSuitableTier when no tier is strong enough.
+        requirements: Requirements(language, trusted, io, guest_kernel) for tier="auto" (given
+            alone, it implies tier="auto").
         timeout: seconds the sandbox lives (wall clock) before it is destroyed; see set_timeout.
         envs: environment of every process in the sandbox, on top of PATH, HOME and LANG only.
         template: "base" (Python context started), "pydata" (numpy/pandas imported), "shell",
@@ -198,6 +205,8 @@ class AsyncSandbox:
             validate_metadata(metadata)  # the same check as the engine's, before the wire's JSON
         if lifecycle is not None:
             validate_lifecycle(lifecycle)
+        if requirements is not None and not isinstance(requirements, Requirements):
+            raise InvalidArgument(f"requirements must be a warmbox.Requirements, got {type(requirements).__name__}")
         t = _transport(transport, home, api_url, api_key)
         snap = _snapshot_id(from_snapshot) if from_snapshot is not None else None
         sb = await cls._open(
@@ -216,6 +225,7 @@ class AsyncSandbox:
                 metadata=metadata,
                 lifecycle=lifecycle,
                 volumes=None if volumes is None else tuple(validate_volumes(volumes)),
+                requirements=requirements,
             ),
             tuple(envs or ()),
         )

@@ -62,7 +62,10 @@ CommandTimeout = Annotated[
 ]
 Tier = Annotated[
     str | None,
-    Field(description=f"Isolation tier: one of {', '.join(TIERS)}; default: the server's configured tier."),
+    Field(
+        description=f"Isolation tier: one of {', '.join(TIERS)}, or auto (the tier warmbox advise picks for "
+        "untrusted Python); default: the server's configured tier."
+    ),
 ]
 SaveMemory = Annotated[
     bool, Field(description="Save processes too (only where the tier can); default: files and code-context variables.")

@@ -39,11 +39,13 @@ from warmbox.models import (
     Limits,
     NetEvent,
     PoolEvent,
+    Requirements,
     SandboxInfo,
     StageTiming,
     State,
     TemplateInfo,
     Tenant,
+    TierChoice,
     Transition,
 )
 from warmbox.storage.uidslots import (  # noqa: F401 - MAX_SLOTS is re-exported for cli/bench
@@ -57,7 +59,7 @@ from warmbox.storage.uidslots import (  # noqa: F401 - MAX_SLOTS is re-exported 
 )
 from warmbox.tiers import canonical_tier
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -92,7 +94,10 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     last_used   REAL NOT NULL DEFAULT 0,
     egress      TEXT NOT NULL DEFAULT '',
     template_version INTEGER NOT NULL DEFAULT 0,
-    image_id    TEXT NOT NULL DEFAULT ''
+    image_id    TEXT NOT NULL DEFAULT '',
+    requirements TEXT NOT NULL DEFAULT '',
+    tier_reasons TEXT NOT NULL DEFAULT '[]',
+    tier_rejected TEXT NOT NULL DEFAULT '{}'
 );
 CREATE TABLE IF NOT EXISTS snapshots (
     snapshot_id TEXT PRIMARY KEY,
@@ -282,11 +287,15 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE sandboxes ADD COLUMN template_version INTEGER NOT NULL DEFAULT 0",
     "ALTER TABLE sandboxes ADD COLUMN image_id TEXT NOT NULL DEFAULT ''",
     "ALTER TABLE snapshots ADD COLUMN image_id TEXT NOT NULL DEFAULT ''",
+    # version 12: what tier="auto" was asked (Requirements as JSON) and why it chose the tier it did
+    "ALTER TABLE sandboxes ADD COLUMN requirements TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE sandboxes ADD COLUMN tier_reasons TEXT NOT NULL DEFAULT '[]'",
+    "ALTER TABLE sandboxes ADD COLUMN tier_rejected TEXT NOT NULL DEFAULT '{}'",
 )
 _COLUMNS = (
     "sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
     "runtime_id, state_dir, socket_path, pool, claimed_at, parent_snapshot, metadata, "
-    "on_timeout, idle_pause_after, auto_resume, template_version, image_id"
+    "on_timeout, idle_pause_after, auto_resume, template_version, image_id, requirements, tier_reasons, tier_rejected"
 )
 
 GIB = float(1 << 30)
@@ -621,6 +630,19 @@ class Registry:
                 (json.dumps(metadata, sort_keys=True, ensure_ascii=False), sandbox_id),
             )
 
+    def set_tier_choice(self, sandbox_id: str, requirements: Requirements, choice: TierChoice) -> None:
+        """What a tier="auto" create asked and why its tier was chosen (shown by get_info)."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE sandboxes SET requirements=?, tier_reasons=?, tier_rejected=? WHERE sandbox_id=?",
+                (
+                    json.dumps(dataclasses.asdict(requirements), sort_keys=True),
+                    json.dumps(list(choice.reasons), ensure_ascii=False),
+                    json.dumps(choice.rejected, sort_keys=True, ensure_ascii=False),
+                    sandbox_id,
+                ),
+            )
+
     def set_lifecycle(self, sandbox_id: str, lifecycle: Lifecycle) -> None:
         """A sandbox's lifecycle policy (checked by the engine: models.validate_lifecycle)."""
         with self._tx() as db:
@@ -931,6 +953,9 @@ class Registry:
             auto_resume,
             template_version,
             image_id,
+            requirements,
+            tier_reasons,
+            tier_rejected,
         ) = r
         info = SandboxInfo(
             sandbox_id=sid,
@@ -953,6 +978,9 @@ class Registry:
             ),
             template_version=template_version or 0,
             image_id=image_id or "",
+            requirements=_requirements(requirements),
+            tier_reasons=_strings(tier_reasons),
+            tier_rejected=_metadata(tier_rejected),
         )
         handle = BackendHandle(
             sandbox_id=sid,
@@ -1718,6 +1746,15 @@ class Registry:
             many=True,
         )
         return [(r[0], r[1], r[2], bool(r[3])) for r in rows]
+
+
+def _requirements(text: str) -> Requirements | None:
+    """A row's Requirements (JSON written by set_tier_choice; "" or anything unreadable: None)."""
+    try:
+        v = json.loads(text) if text else None
+        return Requirements(**v) if isinstance(v, dict) else None
+    except (ValueError, TypeError, InvalidArgument):
+        return None
 
 
 def _metadata(text: str) -> dict[str, str]:
