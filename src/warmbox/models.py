@@ -735,8 +735,9 @@ class TierProfile:
 
     compute: a CPU loop (``for x in data: calculate(x)``). fork, files, socket: fork + wait,
     create/write/close/open/read/close/unlink of a 4 KiB file, a loopback TCP connect/accept/send/
-    recv/close. syscall: the geometric mean of those three. isolation: the tier's
-    ``Capabilities.isolation`` when measured (another one now: the measurement is not used).
+    recv/close. syscall: the geometric mean of those three. cost_note: the tier's
+    ``Capabilities.cost_note`` when measured (its platform, accelerator: another one now and the
+    measurement is not used).
     """
 
     tier: str
@@ -745,7 +746,7 @@ class TierProfile:
     fork: float
     files: float
     socket: float
-    isolation: str = ""
+    cost_note: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

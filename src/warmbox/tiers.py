@@ -52,7 +52,7 @@ def _languages(caps: Capabilities) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _unfit(req: Requirements, c: TierCandidate, egress: bool = False) -> str:
+def _unfit(req: Requirements, c: TierCandidate, egress: bool = False, template: str = "", volumes: bool = False) -> str:
     """Why tier ``c`` cannot take code of ``req`` ("" if it can); the first question it fails."""
     caps = c.capabilities
     if caps is None or not c.available:
@@ -74,6 +74,10 @@ def _unfit(req: Requirements, c: TierCandidate, egress: bool = False) -> str:
         return f"no egress on this tier (network modes: {', '.join(caps.network_modes) or 'none'})" + (
             "" if req.io == "network" else ", and the sandbox asks for a network policy"
         )
+    if template and not caps.images:
+        return f"runs no template images, and the sandbox asks for template {template!r}"
+    if volumes and not caps.files:
+        return "has no filesystem, and the sandbox asks for volumes"
     return ""
 
 
@@ -97,6 +101,8 @@ def choose(
     profile_note: str = "",
     *,
     egress: bool = False,
+    template: str = "",
+    volumes: bool = False,
 ) -> TierChoice:
     """The tier for code of ``req`` among ``candidates`` (every tier, with this host's availability).
 
@@ -108,12 +114,14 @@ def choose(
     within SAME_COST are a tie, broken by the faster start, then the stronger isolation.
     NoSuitableTier if no tier is left: never a weaker tier instead. ``profile_note``: why there is
     no profile (or why it was set aside), said in the reasons. ``egress``: the sandbox gets a
-    network policy, so a tier without a network mode besides "none" is out whatever ``req.io``.
+    network policy, so a tier without a network mode besides "none" is out whatever ``req.io``;
+    ``template``: the sandbox names a template (a tier without images is out); ``volumes``: it
+    mounts volumes (a tier without files is out).
     """
     rejected: dict[str, str] = {}
     fit: list[tuple[TierCandidate, Capabilities]] = []
     for c in candidates:
-        why = _unfit(req, c, egress)
+        why = _unfit(req, c, egress, template, volumes)
         if why:
             rejected[c.tier] = why
         else:
@@ -131,9 +139,11 @@ def choose(
     costed = []
     for c, caps in fit:
         m = measured.get(c.tier)
-        if m is not None and m.isolation and m.isolation != caps.isolation:
+        if m is not None and m.cost_note != caps.cost_note:
             m = None  # measured under another configuration (platform, accelerator)
         cost, source = _cost(req, caps, m)
+        if m is None and c.tier in measured:
+            source += "; its measured profile was of another configuration: " + measured[c.tier].cost_note
         costed.append((cost, caps, source))
     cheapest = min(cost for cost, _, _ in costed)
     tied = [x for x in costed if x[0] <= cheapest * SAME_COST]

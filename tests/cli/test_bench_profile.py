@@ -39,10 +39,10 @@ def test_bench_profile_short_is_cached_and_read_by_the_selector(home, runc_ready
         for t in rows.values():
             ratios = (t.compute, t.syscall, t.fork, t.files, t.socket)
             assert all(math.isfinite(x) and x > 0 for x in ratios), t
-            assert t.isolation == engine.backend(t.tier).capabilities().isolation
+            assert t.cost_note == engine.backend(t.tier).capabilities().cost_note
             assert math.isclose(t.syscall, (t.fork * t.files * t.socket) ** (1 / 3), rel_tol=0.02)
         assert len(rep["host_runs_us"]) == 3 and all(v > 0 for v in profile.host_us.values())
-        if "ptrace" in rows["gvisor"].isolation:  # each syscall is two ptrace stops: fork costs far more there
+        if "ptrace" in rows["gvisor"].cost_note:  # each syscall is two ptrace stops: fork costs far more there
             assert rows["gvisor"].fork > rows["gvisor"].compute
         choice = tierprofile.choose(engine, Requirements("python", trusted=True))
         assert choice.profile_at == profile.measured_at

@@ -43,7 +43,7 @@ def _profile(engine, *, kernel: str | None = None, skip: tuple[str, ...] = ()) -
             continue
         caps = engine.backend(tier).capabilities()
         syscall = (fork * files * sock) ** (1 / 3)
-        rows.append(TierProfile(tier, compute, round(syscall, 2), fork, files, sock, caps.isolation))
+        rows.append(TierProfile(tier, compute, round(syscall, 2), fork, files, sock, caps.cost_note))
     return HostProfile(
         measured_at=time.time() - 600,
         kernel=kernel or facts[0],
@@ -216,7 +216,9 @@ def test_a_profile_of_another_host_is_set_aside(host):
 
 def test_a_tier_measured_under_another_configuration_uses_its_declared_cost(host):
     profile = _profile(host)
-    rows = tuple(dataclasses.replace(t, isolation="old platform") if t.tier == "gvisor" else t for t in profile.tiers)
+    rows = tuple(
+        dataclasses.replace(t, cost_note="platform systrap") if t.tier == "gvisor" else t for t in profile.tiers
+    )
     tierprofile.save_profile(host.home, dataclasses.replace(profile, tiers=rows))
     choice = tierprofile.choose(host, Requirements("python", io="syscall-heavy"))
     assert choice.tier == "microvm"
@@ -311,3 +313,21 @@ def test_create_auto_refuses_bad_combinations_before_any_work(engine):
         with pytest.raises(InvalidArgument, match=words):
             asyncio.run(front.handle(request))
     assert engine.registry.list() == []
+
+
+def test_a_template_or_volumes_need_a_tier_with_images_and_files(host):
+    """Untrusted JavaScript would go to an isolate; with a template or volumes it needs a tier that
+    runs images / has files (an isolate has neither), and the isolate's rejection says why."""
+    profile, _ = tierprofile.load_profile(host.home)
+    cands = tierprofile.candidates(host)
+    req = Requirements("javascript", io="compute")
+    for kwargs, why in (
+        ({"template": "pydata"}, "runs no template images, and the sandbox asks for template 'pydata'"),
+        ({"volumes": True}, "has no filesystem, and the sandbox asks for volumes"),
+    ):
+        choice = tiers.choose(req, cands, profile, **kwargs)
+        caps = host.backend(choice.tier).capabilities()
+        assert caps.images and caps.files and caps.isolation_rank >= 2
+        lacking = [c.tier for c in cands if c.available and c.capabilities and not c.capabilities.images]
+        for tier in lacking:
+            assert choice.rejected[tier] == why

@@ -134,7 +134,7 @@ async def _tier_loops(home: Path, tier: str, budget: float) -> tuple[dict[str, f
         await sb.kill()
 
 
-def _ratios(tier: str, isolation: str, got: dict[str, float], host: dict[str, float]) -> TierProfile:
+def _ratios(tier: str, cost_note: str, got: dict[str, float], host: dict[str, float]) -> TierProfile:
     r = {k: got[k] / host[k] for k in LOOP_NAMES}
     syscall = (r["fork"] * r["files"] * r["socket"]) ** (1 / 3)
     return TierProfile(
@@ -144,7 +144,7 @@ def _ratios(tier: str, isolation: str, got: dict[str, float], host: dict[str, fl
         fork=round(r["fork"], 2),
         files=round(r["files"], 2),
         socket=round(r["socket"], 2),
-        isolation=isolation,
+        cost_note=cost_note,
     )
 
 
@@ -158,7 +158,7 @@ async def bench_profile(tiers: list[str] | None, budget: float) -> dict[str, Any
     engine = Engine.for_home(home)
     t_start = time.perf_counter()
     hosts = [await asyncio.to_thread(_host_loops, budget)]
-    isolation: dict[str, str] = {}
+    cost_notes: dict[str, str] = {}
     skipped: dict[str, str] = {}
     created: dict[str, float] = {}
     sandbox_us: dict[str, dict[str, float]] = {}
@@ -171,10 +171,10 @@ async def bench_profile(tiers: list[str] | None, budget: float) -> dict[str, Any
             skipped[c.tier] = "runs code only: the loops need processes and files"
         else:
             sandbox_us[c.tier], created[c.tier] = await _tier_loops(home, c.tier, budget)
-            isolation[c.tier] = c.capabilities.isolation
+            cost_notes[c.tier] = c.capabilities.cost_note
             hosts.append(await asyncio.to_thread(_host_loops, budget))  # interleaved: the host's load changes
     host = {k: min(h[k] for h in hosts) for k in LOOP_NAMES}  # the fastest host run: load only slows
-    rows = [_ratios(t, isolation[t], us, host) for t, us in sandbox_us.items()]
+    rows = [_ratios(t, cost_notes[t], us, host) for t, us in sandbox_us.items()]
     kernel, model, cpus = tierprofile.host_facts()
     profile = HostProfile(
         measured_at=time.time(),

@@ -20,6 +20,7 @@ import asyncio
 import builtins
 import collections.abc
 import dataclasses
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -590,8 +591,17 @@ class EngineFront:
             if r.from_snapshot is not None:
                 raise InvalidArgument("from_snapshot takes its tier from the snapshot's sandbox: not tier='auto'")
             req = r.requirements or Requirements()
-            egress_policy = Policy.of(r.network).enabled  # a tier without egress cannot take it
-            choice = await asyncio.to_thread(tierprofile.choose, self.engine, req, self.tenant, egress=egress_policy)
+            choice = await asyncio.to_thread(
+                functools.partial(
+                    tierprofile.choose,
+                    self.engine,
+                    req,
+                    self.tenant,
+                    egress=Policy.of(r.network).enabled,  # tiers without egress, images or files cannot take
+                    template=r.template if isinstance(r.template, str) else "",  # what the create asks besides
+                    volumes=bool(r.volumes),
+                )
+            )
             r = dataclasses.replace(r, tier=choice.tier, requirements=req)
         got = await self._create(r)
         if metadata or lifecycle != Lifecycle() or choice is not None:

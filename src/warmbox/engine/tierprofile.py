@@ -99,13 +99,23 @@ def candidates(engine: Any, tenant: Tenant | None = None) -> list[TierCandidate]
     return out
 
 
-def choose(engine: Any, req: Requirements, tenant: Tenant | None = None, *, egress: bool = False) -> TierChoice:
+def choose(
+    engine: Any,
+    req: Requirements,
+    tenant: Tenant | None = None,
+    *,
+    egress: bool = False,
+    template: str = "",
+    volumes: bool = False,
+) -> TierChoice:
     """The tier for ``req`` on this host (tiers.choose over :func:`candidates` and the cached profile);
-    ``egress``: the sandbox will get a network policy."""
+    egress, template, volumes: what the sandbox to create asks for besides (see tiers.choose)."""
     if not isinstance(req, Requirements):
         raise InvalidArgument(f"requirements must be a warmbox.Requirements, got {type(req).__name__}")
     profile, note = load_profile(engine.home)
-    choice = tiers.choose(req, candidates(engine, tenant), profile, note, egress=egress)
+    choice = tiers.choose(
+        req, candidates(engine, tenant), profile, note, egress=egress, template=template, volumes=volumes
+    )
     if profile is not None:
         age_h = (time.time() - profile.measured_at) / 3600
         choice = TierChoice(
