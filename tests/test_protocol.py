@@ -140,15 +140,68 @@ def test_protocol_imports_in_bare_interpreter(tmp_path):
     shutil.copy(p.__file__, tmp_path / "warmbox" / "protocol.py")
     code = (
         f"import sys; sys.path.insert(0, {str(tmp_path)!r}); before = set(sys.modules); "
-        "import warmbox.protocol as p; print(sorted(set(sys.modules) - before)); print(p.Exec.FIELDS[0])"
+        "import warmbox.protocol as p; print(sorted(set(sys.modules) - before)); print(p.Exec.FIELDS[0]); "
+        # a malformed header is a ProtocolViolation there too (json's C scanner alone cannot say why)
+        "exec('try:\\n p.decode(b\\'{bad}\\', b\\'\\', (p.Ping,))\\nexcept p.ProtocolViolation as e:\\n print(e)')"
     )
     bare = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
     out = subprocess.run([bare, "-I", "-S", "-c", code], capture_output=True, text=True, check=True)
-    new, fields = out.stdout.splitlines()
+    new, fields, violation = out.stdout.splitlines()
+    assert violation == "header is not JSON"
     names = {m.split(".")[0] for m in eval(new)}
     assert names - sys.stdlib_module_names == {"warmbox"}
-    assert not {"typing", "dataclasses"} & names
+    # json imports re and enum (~0.6 MiB of every agent and kernel): its C accelerator is used alone
+    assert not {"typing", "dataclasses", "json", "re", "enum"} & names
     assert fields == "('argv', 'list[str]')"
+
+
+JSON_HEADERS = [
+    b'{"a":1}',
+    b' \t\r\n{"a" : [1, 2.5, -0.0, 1e400, -1e400, true, false, null, "x"]} \n',
+    b'{"n":NaN,"i":Infinity,"m":-Infinity}',
+    b'{"s":"\\ud800 lone","u":"\xc3\xa9\xe2\x82\xac","e":"\\u00e9\\n\\"\\\\"}',
+    b'{"big":123456789012345678901234567890,"f":1.5e-300}',
+    b'{"d":{"d":{"d":[[[[]]]]}}}',
+    b'"just a string"',
+    b"12",
+    b"[1,]",
+    b'{"a":1}x',
+    b'{"a":1} {"b":2}',
+    b"",
+    b"   ",
+    b"{",
+    b'{"a":"\x01"}',  # a control character inside a string: strict
+    b'{"a":01}',
+    b"\xff\xfe{\x00}\x00",  # UTF-16 with a BOM: json reads it
+    b"\xef\xbb\xbf{}",  # UTF-8 BOM
+    b"{\x00}\x00",
+    b"\x80{}",  # not UTF-8
+    b'{"a":"\xed\xa0\x80"}',  # an encoded surrogate (json decodes with surrogatepass)
+    b"[" * 100000 + b"]" * 100000,  # recursion
+]
+
+
+@pytest.mark.parametrize("raw", JSON_HEADERS, ids=range(len(JSON_HEADERS)))
+def test_the_json_codec_is_json_exactly(raw):
+    """protocol reads and writes headers with json's C accelerator alone: the same values and the
+    same errors as json.loads / json.dumps(separators=(",", ":")) for every input."""
+    import json
+
+    def outcome(f):
+        try:
+            return "ok", f(raw)
+        except (ValueError, RecursionError) as e:
+            return type(e).__name__, str(e)
+
+    want, got = outcome(json.loads), outcome(p._loads)
+    assert repr(got) == repr(want)  # repr: NaN == NaN, and -0.0 apart from 0.0
+    if want[0] == "ok":
+        assert p._dumps(want[1]) == json.dumps(want[1], separators=(",", ":"))
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        p._dumps({"a": object()})
+    assert p._dumps({"k": p.ErrorCode.NOT_FOUND, "l": ["\ud800", "\u20ac"]}) == json.dumps(
+        {"k": "not_found", "l": ["\ud800", "\u20ac"]}, separators=(",", ":")
+    )
 
 
 # ---- FrameReader / SocketReader: one buffer, every complete frame, bounds before the body
