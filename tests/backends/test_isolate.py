@@ -99,3 +99,35 @@ def test_a_loop_times_out_and_an_allocation_is_oom_killed_while_others_continue(
         assert iso_host.host_pid() == pid  # the host process survived every limit
     finally:
         other.kill()
+
+
+@pytest.mark.sandbox
+def test_a_warm_pool_of_isolates_hands_out_ready_sandboxes(iso_host, home):
+    from tests.conftest import set_config, wait_for
+
+    engine = Engine.for_home(home)
+    set_config(
+        home,
+        """
+[pools.t-iso]
+tier = "isolate"
+template = "base"
+min = 2
+max = 2
+target = 2
+limits = { memory_mb = 64 }
+""",
+    )
+    try:
+        engine.ensure_daemon()
+        wait_for(lambda: engine.registry.pool_counts("t-iso")[0] >= 2, 60, "the isolate pool to fill")
+        pooled = set(engine.registry.pooled("t-iso"))
+        with Sandbox.create("isolate", limits=Limits(memory_mb=64)) as sb:
+            assert sb.from_pool and sb.sandbox_id in pooled
+            assert sb.run_code("'ab'.toUpperCase()", language="javascript").text == "'AB'"
+            assert "allocation" in {t.stage for t in sb.stage_timings}
+        # the refill makes another: the pool is back at its target
+        wait_for(lambda: engine.registry.pool_counts("t-iso")[0] >= 2, 60, "the isolate pool to refill")
+    finally:
+        set_config(home)
+    wait_for(lambda: not engine.registry.pooled("t-iso"), 60, "the isolate pool to be retired")

@@ -1096,7 +1096,7 @@ async def command(args: argparse.Namespace) -> int:
 
         return await profile.command(args)
     if args.bench == "start" and args.runs is None:
-        args.runs = 5 if args.tier == "microvm" else 20
+        args.runs = {"microvm": 5, "isolate": 200}.get(args.tier, 20)
     _validate(args)
     variant = getattr(args, "variant", "both")
     wanted = {
@@ -1109,13 +1109,20 @@ async def command(args: argparse.Namespace) -> int:
         "density": (f"bench-density-{getattr(args, 'template', 'base')}",),
     }[args.bench]
     pools = {k: v for k, v in POOLS.items() if k in wanted}
+    if args.bench == "start" and args.tier == "isolate":
+        from warmbox.bench import isolate as bench_isolate
+
+        pools = dict(bench_isolate.POOLS)
     home = _make_home(pools)
     try:
-        if args.bench == "start" and args.tier == "microvm":
+        if args.bench == "start" and args.tier == "isolate":
+            report = await bench_isolate.bench_start(home, args.runs)
+            printer: Callable[[dict[str, Any]], None] = bench_isolate.print_report
+        elif args.bench == "start" and args.tier == "microvm":
             from warmbox.bench import microvm as bench_microvm
 
             report = await bench_microvm.bench_start(home, args.runs, args.variant)
-            printer: Callable[[dict[str, Any]], None] = _print_microvm
+            printer = _print_microvm
         elif args.bench == "start":
             report = await bench_start(home, args.runs, args.variant)
             printer = _print_start

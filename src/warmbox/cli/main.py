@@ -293,14 +293,15 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     b = bsub.add_parser("start", help="create->first command: warm pool, cold, raw runc, raw bwrap")
-    b.add_argument("--runs", type=int, default=None, help="default 20 (microvm: 5)")
+    b.add_argument("--runs", type=int, default=None, help="default 20 (microvm: 5, isolate: 200)")
     b.add_argument("--json", action="store_true")
     b.add_argument("--variant", choices=["empty", "agent", "both"], default="both")
     b.add_argument(
         "--tier",
-        choices=["container", "microvm"],
+        choices=["container", "microvm", "isolate"],
         default="container",
-        help="microvm: restore and cold boot vs raw QEMU (default --runs 5)",
+        help="microvm: restore and cold boot vs raw QEMU (default --runs 5); isolate: warm/cold isolate -> "
+        "first snippet, runs/s, idle isolate memory vs raw isolated-vm (default --runs 200)",
     )
     b = bsub.add_parser("burst", help="N concurrent creates against a pool of N and a smaller pool")
     b.add_argument("--burst", type=int, default=50)

@@ -284,8 +284,9 @@ class Engine:
         """The shape key of pool ``pc``'s sandboxes: tier, template, limits and the image its
         template has now (a rebuilt template: a new shape, the old sandboxes retire)."""
         tier = backends.canonical_tier(pc.tier)
-        image = self.image_for(pc.template, build=build)
-        return config.shape_key(tier, self.template(pc.template), pc.limits, image.image_id)
+        # a tier without images (Capabilities.images): its shape names none, as create_pooled makes it
+        image_id = self.image_for(pc.template, build=build).image_id if self.backend(tier).capabilities().images else ""
+        return config.shape_key(tier, self.template(pc.template), pc.limits, image_id)
 
     def template_users(self, name: str, version: int | None = None, tenant: Tenant | None = None) -> builtins.list[str]:
         """What uses template ``name`` (``version``, or any): ids of its sandboxes that are not

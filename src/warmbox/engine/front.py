@@ -401,13 +401,18 @@ class EngineFront:
                 await self._lost(cast(Any, request).sandbox_id)
             raise
 
+    def _tier(self, sandbox_id: str) -> str:
+        """A sandbox's tier (it never changes: read once per front)."""
+        tier = self._tiers.get(sandbox_id)
+        if tier is None:
+            tier = self._tiers[sandbox_id] = self.engine.info(sandbox_id)[0].tier
+        return tier
+
     def _check_capability(self, sandbox_id: object, need: str) -> None:
         """Unsupported, naming what the sandbox's tier can do, if its Capabilities lack ``need``."""
         if not isinstance(sandbox_id, str):
             return  # the handler refuses a malformed id
-        tier = self._tiers.get(sandbox_id)
-        if tier is None:
-            tier = self._tiers[sandbox_id] = self.engine.info(sandbox_id)[0].tier
+        tier = self._tier(sandbox_id)
         caps = self.engine.backend(tier).capabilities()
         present = _has(caps)
         if present[need]:
@@ -822,13 +827,13 @@ class EngineFront:
 
     def _language(self, sandbox_id: str, language: object) -> str:
         """The canonical name of a code-context language the sandbox's tier has, or UnsupportedLanguage."""
-        info, _ = self.engine.info(sandbox_id)
-        available = self.engine.backend(info.tier).capabilities().context_languages
+        tier = self._tier(sandbox_id)
+        available = self.engine.backend(tier).capabilities().context_languages
         name = language.lower() if isinstance(language, str) else ""
         name = LANGUAGE_ALIASES.get(name, name)
         if name not in available:
             raise UnsupportedLanguage(
-                f"no {language!r} code contexts on the {info.tier} tier (available: {', '.join(available)})",
+                f"no {language!r} code contexts on the {tier} tier (available: {', '.join(available)})",
                 language=str(language),
                 available=available,
             )

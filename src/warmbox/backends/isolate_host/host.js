@@ -99,7 +99,9 @@ class Sandbox {
   fresh() {
     this.isolate = new ivm.Isolate({ memoryLimit: this.memoryMb });
     this.contexts = new Map();
-    this.addContext('default-javascript');
+    const { context } = this.contexts.get(this.addContext('default-javascript'));
+    // one run on the isolate's own thread now (a pooled sandbox's first snippet: ~0.15 ms, not ~0.25)
+    this.chain = this.chain.then(() => context.eval("(() => 'x'.toUpperCase())()")).catch(() => {});
   }
 
   addContext(name) {
@@ -144,10 +146,13 @@ class Sandbox {
     const t0 = process.hrtime.bigint();
     const timeoutMs = Math.max(1, Math.round(1000 * (msg.timeout_s > 0 ? Math.min(msg.timeout_s, MAX_RUN_S) : MAX_RUN_S)));
     this.run = { sock, id: msg.id, sent: 0, max: Math.max(0, msg.max_output), truncated: false };
+    let corked = false; // the result and CodeDone leave in one write: one wake-up of the engine
     let name = '', value = '', traceback = '', timedOut = false, oom = 0;
     try {
       const ref = await entry.context.eval(msg.code, { timeout: timeoutMs, reference: true });
       try {
+        sock.cork();
+        corked = true;
         if (ref.typeof !== 'undefined') {
           let text;
           try {
@@ -187,6 +192,7 @@ class Sandbox {
       type: 'CodeDone', id: msg.id, error_name: bounded(name), error_value: bounded(value), traceback: bounded(traceback),
       timed_out: timedOut, truncated: run.truncated, execution_count: entry.count, duration_ms: ms, oom_kills: oom,
     });
+    if (corked) sock.uncork();
   }
 
   handle(sock, msg) {
