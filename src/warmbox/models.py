@@ -629,6 +629,10 @@ class Capabilities:
     # one shared mount: a read-write volume is then mounted by one sandbox at a time
     # (Registry.mount_volumes)
     volume_own_disk: bool = False
+    # the sandbox's network interfaces are fixed when its runtime starts (gVisor reads its namespace
+    # once; a VM's NIC): the engine prepares the egress link before the start (SandboxSpec.netns),
+    # never from a pool, and a sandbox started without one cannot be given one later
+    link_before_start: bool = False
     # ---- what the tier selector (warmbox.choose_tier: warmbox.tiers.choose) weighs
     # strength of the boundary between the code and the host (ISOLATION_RANKS): 1 = namespaces and
     # seccomp on the shared host kernel; 2 = a kernel or engine of its own in between, on an OS jail
@@ -1008,6 +1012,9 @@ class SandboxSpec:
     # ``image`` (it becomes the step's new layer); the sandbox runs as root of its user namespace
     # with uid base uidslots.LAYER_UID_BASE (one build per host at a time). "": an ordinary sandbox.
     build_upper: str = ""
+    # a network namespace the engine prepared (its egress link already in it) for the runtime to run
+    # in, on a tier with Capabilities.link_before_start; "": the runtime's own, empty one
+    netns: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,7 +79,8 @@ def test_cidr_rule_next_to_name_rules_resolves_allowed_names_only(net_home, worl
         assert [rec["path"] for rec in world.log("allowed")] == ["/hello.txt"]
 
 
-def test_ask_is_answered_before_any_lookup(net_home, world):
+@pytest.mark.parametrize("tier", ["container", "gvisor"])
+def test_ask_is_answered_before_any_lookup(net_home, world, tier):
     world.clear_logs()
     token = secrets.token_hex(6)
     asked: list[tuple[str, bool]] = []
@@ -89,9 +90,7 @@ def test_ask_is_answered_before_any_lookup(net_home, world):
         asked.append((req.host, any(q["name"] == req.host for q in world.log("dns"))))
         return "allow_once" if req.host == "allowed.test" else "deny"
 
-    with Sandbox.create(
-        "container", network=Network(on_unknown="ask"), on_approval=hook, timeout=120, home=net_home
-    ) as sb:
+    with Sandbox.create(tier, network=Network(on_unknown="ask"), on_approval=hook, timeout=120, home=net_home) as sb:
         run_probes(sb, world, token)
         proxied = [n for n in probes(token) if n.endswith(("-http.attacker.example", "-connect.attacker.example"))]
         assert [h for h, _ in asked] == proxied  # the proxy asked about each; nothing went upstream first

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from warmbox import InvalidArgument, Network, Sandbox, Secret
+from warmbox import InvalidArgument, Network, Sandbox, Secret, Unsupported
 from warmbox.engine.engine import Engine
 from warmbox.network import netns
 
@@ -20,7 +20,9 @@ CURL = "curl -sS --max-time 8 "
 # a few representative tests run on the microVM tier too (its NIC's tap in its own namespace:
 # backends/microvm_net.py); None: the default tier
 MICROVM = pytest.param("microvm", marks=pytest.mark.microvm, id="microvm")
-TIERS = [pytest.param(None, id="default"), MICROVM]
+# gVisor: its link is made before runsc starts it, in a namespace prepared for it
+DEFAULT, GVISOR = pytest.param(None, id="default"), pytest.param("gvisor", id="gvisor")
+TIERS = [DEFAULT, GVISOR, MICROVM]
 
 
 def sh(sb, cmd: str, timeout: float = 40):
@@ -44,9 +46,10 @@ def allow_sb(request, net_home, world):
 def test_default_sandbox_reaches_nothing(net_home, world, tier):
     world.clear_logs()
     with Sandbox.create(tier=tier, timeout=120, home=net_home) as sb:
-        r = sh(sb, "cat /sys/class/net/*/operstate | wc -l; ls /sys/class/net")
-        # a microVM always has its NIC (its memory image needs it); its namespace has no link
-        assert r.stdout.split() == (["2", "eth0", "lo"] if tier == "microvm" else ["1", "lo"])
+        r = sh(sb, "ls /sys/class/net")
+        # a microVM always has its NIC (its memory image needs it); its namespace has no link.
+        # gVisor without a policy: runsc's --network=none, the Sentry's loopback only
+        assert r.stdout.split() == (["eth0", "lo"] if tier == "microvm" else ["lo"])
         probes = {
             "tcp": f"{CURL} http://{ALLOWED}/hello.txt",
             "tcp_metadata": f"{CURL} http://{METADATA}/",
@@ -177,6 +180,7 @@ def test_deny_cidr_refuses_the_addresses_of_an_allowed_name(net_home, world):
     assert world.log("allowed") == []
 
 
+@pytest.mark.parametrize("allow_sb", [DEFAULT, GVISOR], indirect=True)
 def test_dns_answers_only_allowed_names(allow_sb, world):
     sb = allow_sb
     r = sh(sb, "getent hosts allowed.test")
@@ -191,20 +195,25 @@ def test_dns_answers_only_allowed_names(allow_sb, world):
     assert {"attacker.example.com", "unknown.test"} <= nx
 
 
-def test_secret_is_brokered_never_seen(net_home, world):
+@pytest.mark.parametrize("tier", [DEFAULT, GVISOR])
+def test_secret_is_brokered_never_seen(net_home, world, tier):
     world.clear_logs()
     value = "sk-REAL-" + os.urandom(8).hex()
     net = Network(allow=["api.test", "attacker.example.com"])
     with Sandbox.create(
-        network=net, secrets={"OPENAI_API_KEY": Secret(value, hosts=["api.test"])}, timeout=120, home=net_home
+        tier=tier,
+        network=net,
+        secrets={"OPENAI_API_KEY": Secret(value, hosts=["api.test"])},
+        timeout=120,
+        home=net_home,
     ) as sb:
         env = sh(sb, "env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'").stdout
         placeholder = next(line.split("=", 1)[1] for line in env.splitlines() if line.startswith("OPENAI_API_KEY="))
         assert value not in env and placeholder.startswith("warmbox-secret-")
-        r = sh(
-            sb,
-            'grep -rl --binary-files=text "' + value + '" / --exclude-dir=proc --exclude-dir=sys 2>/dev/null | head -3',
-        )
+        # the whole filesystem (gVisor, whose every file read is slow under ptrace: where writes go)
+        where = "/workspace /tmp /home /root /etc /run /var /opt" if sb.tier == "gvisor" else "/"
+        grep = f'grep -rl --binary-files=text "{value}" {where} --exclude-dir=proc --exclude-dir=sys'
+        r = sh(sb, grep + " 2>/dev/null | head -3")
         assert r.stdout == ""
         # the allowed host gets the real value (HTTPS, intercepted with the sandbox's own CA)
         r = sh(sb, f'{CURL} -H "Authorization: Bearer $OPENAI_API_KEY" https://api.test/headers')
@@ -255,6 +264,27 @@ def test_policy_update_applies_to_the_next_connection(net_home, world):
             sb.network.update(Network(allow=["bad host name!"]))
 
 
+def test_gvisor_link_is_made_at_create_and_its_policy_updates_in_place(net_home, world):
+    """gVisor reads its interfaces once, when it starts: a sandbox created without a network gets
+    none later (a typed error saying so); one created with any policy keeps its link, and its
+    policy changes take effect on the next connection, as on the container tier."""
+    world.clear_logs()
+    with Sandbox.create(tier="gvisor", template="shell", timeout=120, home=net_home) as sb:
+        with pytest.raises(Unsupported, match="create it with the network policy"):
+            sb.network.update(Network(allow=["allowed.test"]))
+        assert sb.network.policy() == "none"
+        assert sh(sb, "ls /sys/class/net").stdout.split() == ["lo"]
+    with Sandbox.create(tier="gvisor", template="shell", network=Network(allow=[]), timeout=120, home=net_home) as sb:
+        assert "network" in sb.timings
+        assert sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' http://allowed.test/hello.txt").stdout == "403"
+        sb.network.update(Network(allow=["allowed.test"]))
+        r = sh(sb, f"{CURL} http://allowed.test/hello.txt")
+        assert r.exit_code == 0 and r.stdout == "hello from the allowed site\n", r.stderr
+        sb.network.update("none")
+        assert sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' http://allowed.test/hello.txt").stdout == "403"
+    assert [rec["path"] for rec in world.log("allowed")] == ["/hello.txt"]
+
+
 def test_approval_hook_allows_and_denies(net_home, world):
     world.clear_logs()
     asked = []
@@ -295,17 +325,22 @@ def test_approval_without_answer_denies_in_bounded_time(net_home, world):
         assert [e.rule for e in sb.network.log() if e.kind == "http"] == ["approval:timeout"]
 
 
-def test_everything_is_removed_with_the_sandbox(net_home, world):
+@pytest.mark.parametrize("tier", [DEFAULT, GVISOR])
+def test_everything_is_removed_with_the_sandbox(net_home, world, tier):
     engine = Engine.for_home(net_home)
     egress_ns = netns.egress_name(engine.runtime)
-    sb = Sandbox.create(network="internet", timeout=120, home=net_home)
+    sb = Sandbox.create(tier=tier, network="internet", timeout=120, home=net_home)
     sid = sb.sandbox_id
     assert sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' http://allowed.test/hello.txt").stdout == "200"
     row = engine.registry.link(sid)
     assert row is not None and row[1] in netns.links_in(egress_ns)
+    # a tier that takes its link before its start runs in a namespace prepared for it
+    prepared = netns.netns_path(netns.sandbox_netns_name(sid))
+    assert os.path.exists(prepared) == engine.backend(sb.tier).capabilities().link_before_start
     sb.kill()
     assert engine.registry.link(sid) is None
     assert row[1] not in netns.links_in(egress_ns)
+    assert not os.path.exists(prepared)
     out = subprocess.run(
         ["ip", "netns", "exec", egress_ns, "nft", "list", "set", "inet", "warmbox", "peers"],
         capture_output=True,

@@ -15,8 +15,14 @@ from warmbox.engine.engine import Engine
 pytestmark = pytest.mark.sandbox
 CURL = "curl -sS --max-time 8 "
 # on a microVM a resume or fork is a new VM from the memory image, in a new namespace with a new link
+# gVisor: a memory pause; its link is made again before runsc restores it (a new namespace and address)
 TIERS = pytest.mark.parametrize(
-    "tier,template", [("container", "shell"), pytest.param("microvm", None, marks=pytest.mark.microvm, id="microvm")]
+    "tier,template",
+    [
+        ("container", "shell"),
+        ("gvisor", "shell"),
+        pytest.param("microvm", None, marks=pytest.mark.microvm, id="microvm"),
+    ],
 )
 
 
@@ -54,7 +60,10 @@ def test_policy_survives_pause_and_resume_secrets_given_again(net_home, world, t
         assert before.startswith("warmbox-secret-")
         assert bearer(sb) == f"Bearer {value}"
         sb.network.update(Network(allow=["api.test", "allowed.test"]))  # the update is what comes back
-        sb.pause()
+        memory = tier == "gvisor"  # a memory pause: the same processes come back
+        if memory:
+            sh(sb, "sleep 600 >/dev/null 2>&1 &")
+        sb.pause(memory=memory)
         assert engine.registry.link(sb.sandbox_id) is None  # paused: no link, nothing routed
         kept = engine.registry.egress_of(sb.sandbox_id)
         assert "allowed.test" in kept and before in kept and value not in kept  # policy + placeholder only
@@ -74,7 +83,10 @@ def test_policy_survives_pause_and_resume_secrets_given_again(net_home, world, t
         with Sandbox.resume(sb.sandbox_id, secrets={"OPENAI_API_KEY": rotated}, home=net_home) as back:
             assert back.sandbox_id == sb.sandbox_id
             assert "network" in back.timings
-            # a fresh process (files-only resume on the container tier) still sees the same placeholder...
+            # a fresh process (files-only resume on the container tier), or the one it had (a memory
+            # resume), still sees the same placeholder...
+            if memory:
+                assert sh(back, "pgrep -x sleep").exit_code == 0
             assert sh(back, "echo $OPENAI_API_KEY").stdout.strip() == before
             # ...the proxy puts the value given now in for the secret's host...
             assert bearer(back) == f"Bearer {rotated}"

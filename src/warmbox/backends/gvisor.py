@@ -17,8 +17,16 @@ inside are served by gVisor's Sentry, not the host kernel (``uname`` says 4.4.0,
 - The OCI seccomp profile is not applied (``--oci-seccomp`` in this version cannot express
   Tier 2's profile): the Sentry itself is the syscall boundary and is seccomp-confined on the
   host by runsc.
-- ``--network=none``: loopback only, as on Tier 2. (Egress, when it exists, must reach gVisor's
-  netstack through a veth in the sandbox's namespace — the same host-side proxy design.)
+- Network: ``--network=none`` (loopback only, in the Sentry) unless the engine prepared the
+  sandbox's namespace with its egress link (``SandboxSpec.netns``, ``link_before_start``): then
+  ``--network=sandbox`` with that namespace in the OCI spec. runsc reads eth0's address and routes
+  into its own netstack once, at ``run``/``restore`` (and takes the address off the host's eth0),
+  so the Sentry's packets leave through that veth to the same egress proxy as Tier 2's; a restore
+  reads its (new) namespace again, so a resumed or forked sandbox takes its new address. This
+  runsc decides "am I in the host's namespace?" by whether /proc/sys/net/core/rmem_default exists,
+  which kernels since 6.x have in every namespace; ``run``/``restore`` therefore run in a mount
+  namespace of their own with an empty tmpfs over that directory of the sandbox's namespace
+  (``_in_netns``). Nothing else reads it; every other runsc command is unaffected.
 - Teardown kills the Sentry, gofer and stubs through their cgroup and removes runsc's record of the
   stopped sandbox itself (``delete_container``): ``runsc delete`` waits until the host's init has
   reaped them, which took 1.2-1.7 s here.
@@ -99,7 +107,7 @@ class GvisorBackend(RuncBackend):
             memory_snapshot=True,
             filesystem_snapshot=True,
             custom_kernel=False,
-            network_modes=("none",),
+            network_modes=("none", "allowlist", "internet"),
             languages=("python", "node", "shell", "c", "git"),
             start_class="100ms-1s",
             checkpoint_saves_workspace_sockets=False,
@@ -110,6 +118,7 @@ class GvisorBackend(RuncBackend):
             cost_note=f"platform {platform}: the Sentry serves every syscall"
             + (", each after two ptrace stops" if platform == "ptrace" else ""),
             start_ms=1000.0,
+            link_before_start=True,  # runsc reads the sandbox's interfaces once, when it starts
         )
 
     def probe(self) -> Availability:
@@ -182,13 +191,14 @@ class GvisorBackend(RuncBackend):
         cfg["linux"].pop("seccomp", None)
         return cfg
 
-    def _global(self) -> list[str]:
+    def _global(self, network: str = "none") -> list[str]:
+        """runsc's global flags (``network`` matters to ``run`` and ``restore`` only)."""
         return [
             self.runsc,
             "--root",
             str(self.root),
             f"--platform={_platform()}",
-            "--network=none",
+            f"--network={network}",
             "--host-uds=create",
         ]
 
@@ -212,18 +222,59 @@ class GvisorBackend(RuncBackend):
         await self._detached(handle, "run", ["run", "--detach", "--bundle", str(state / "bundle"), handle.runtime_id])
         return await self._await_agent(handle, ready)
 
+    def netns_path(self, handle: BackendHandle) -> str:
+        """The namespace the engine prepared for the sandbox (the path in its OCI spec)."""
+        ns = self._prepared_netns(handle)
+        if not ns:
+            raise SandboxError(f"sandbox {handle.sandbox_id} was started without a network link", handle.sandbox_id)
+        return ns
+
+    @staticmethod
+    def _prepared_netns(handle: BackendHandle) -> str:
+        """The network namespace path in the sandbox's bundle ("" : runsc's own, ``--network=none``)."""
+        try:
+            cfg = json.loads((Path(handle.state_dir) / "bundle" / "config.json").read_bytes())
+            for ns in cfg["linux"]["namespaces"]:
+                if ns.get("type") == "network":
+                    path = ns.get("path", "")
+                    return path if isinstance(path, str) else ""
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+        return ""
+
+    def _in_netns(self, netns: str, argv: list[str]) -> list[str]:
+        """``argv`` (a ``runsc --network=sandbox run|restore``) in a mount namespace of its own
+        where the sandbox namespace's /proc/sys/net/core is an empty tmpfs: this runsc's root-
+        namespace test (``access("/proc/sys/net/core/rmem_default")``) then sees what it expects
+        of a non-root namespace. /proc/sys/net is looked up per network namespace, so the tmpfs is
+        mounted from inside ``netns``. That mount makes /proc not "fully visible", and the Sentry,
+        in the sandbox's user namespace, may mount a procfs only where one is: a second, untouched
+        procfs is mounted beside it (runsc-proc/, in that mount namespace only). Host mounts still
+        propagate in (slave)."""
+        proc = self.runtime / "runsc-proc"
+        proc.mkdir(mode=0o700, exist_ok=True)
+        script = (
+            'mount -t proc -o nosuid,nodev,noexec proc "$1"\n'
+            'nsenter --net="$0" mount -t tmpfs -o size=4k,mode=0555 warmbox-nocore /proc/sys/net/core\n'
+            "shift\n"
+            'exec "$@"'
+        )
+        return ["unshare", "--mount", "--propagation", "slave", "--", "sh", "-ec", script, netns, str(proc), *argv]
+
     async def _detached(self, handle: BackendHandle, what: str, args: list[str]) -> None:
         """``runsc run|restore --detach``; stdio to the sandbox's log file (with pipes, the
-        detached sandbox would hold them open forever)."""
+        detached sandbox would hold them open forever). In the prepared network namespace, if any."""
         state = Path(handle.state_dir)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        netns = self._prepared_netns(handle)
+        argv = [*self._global("sandbox" if netns else "none"), f"--panic-log={state / 'panic.log'}", *args]
+        if netns:
+            argv = self._in_netns(netns, argv)
         log = os.open(state / "agent.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             # a Sentry panic goes to panic.log, kept with agent.log after the sandbox is gone
             proc = await asyncio.create_subprocess_exec(
-                *self._global(),
-                f"--panic-log={state / 'panic.log'}",
-                *args,
+                *argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,

@@ -441,6 +441,8 @@ class RuncBackend:
         mib = 1 << 20
         tmp_mb, shm_mb = tmpfs_sizes(lim)
         ns = [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup", "user")]
+        if spec.netns:  # the namespace the engine prepared with the sandbox's link in it
+            ns[1]["path"] = spec.netns
         nosuid = ["nosuid", "nodev"]
         mounts = [
             {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},

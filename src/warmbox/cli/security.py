@@ -308,7 +308,7 @@ GUARANTEES: tuple[Guarantee, ...] = (
         "egress",
         "A name no rule allows is never resolved upstream (no DNS exfiltration), also with CIDR "
         "rules and on_unknown='ask'; the question comes before any lookup.",
-        ("container",),
+        ("container", "gvisor"),
         (
             "test_egress_dns.py::test_cidr_allow_rule_does_not_resolve_unknown_names",
             "test_egress_dns.py::test_cidr_rule_next_to_name_rules_resolves_allowed_names_only",

@@ -26,7 +26,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from warmbox.engine.session import GuestSession
-from warmbox.errors import BackendUnavailable, InvalidArgument, NetworkError, SecretsRequired
+from warmbox.errors import BackendUnavailable, InvalidArgument, NetworkError, SecretsRequired, Unsupported
 from warmbox.models import ApprovalRequest, BackendHandle, StageTiming
 from warmbox.network import netns
 from warmbox.network.policy import Policy, Secret
@@ -269,6 +269,57 @@ def _slot(handle: BackendHandle) -> int:
     return (handle.uid_base - UID_BASE) // UID_RANGE
 
 
+async def prepare(engine: Engine, handle: BackendHandle) -> str:
+    """The network namespace, with its link into the egress namespace, that a sandbox of a
+    ``link_before_start`` tier starts in (``SandboxSpec.netns``); returns its path.
+
+    The link is recorded at once, under the policy a paused sandbox kept (a resume), else "none"
+    until :func:`attach` gives it the sandbox's policy: from then on the proxy counts it as live
+    (it does not stop while the runtime starts) and enforces that policy on the address. Undone
+    by :func:`unprepare` (a failed start) or with the link (:func:`release`, :func:`suspend`)."""
+    sid = handle.sandbox_id
+    await ensure_proxy(engine.home)  # it makes the egress namespace
+    link = netns.link_for(sid, _slot(handle))
+    kept = paused_record(engine, sid)
+    engine.registry.set_link(
+        sid, link.address, link.host_ifname, kept.policy if kept is not None else Policy("none").to_json()
+    )
+    try:
+        return await netns.prepare(netns.egress_name(engine.runtime), link, netns.sandbox_netns_name(sid))
+    except BaseException:
+        await unprepare(engine, sid)
+        raise
+
+
+async def unprepare(engine: Engine, sandbox_id: str) -> None:
+    """Remove what :func:`prepare` made for a start that failed, keeping what a paused sandbox
+    keeps for its resume (its record). Idempotent; nothing to do for a sandbox whose tier
+    attaches its link to the running sandbox."""
+    name = netns.sandbox_netns_name(sandbox_id)
+    if not os.path.exists(netns.netns_path(name)):
+        return
+    row = engine.registry.link(sandbox_id)
+    if row is not None:
+        await netns.detach(netns.egress_name(engine.runtime), netns.Link(sandbox_id, row[0], row[1]))
+        engine.registry.drop_link(sandbox_id)
+    await netns.remove_sandbox_netns(name)
+
+
+def _prepared_link(engine: Engine, handle: BackendHandle) -> netns.Link:
+    """The link :func:`prepare` made for this sandbox's start; Unsupported if it was started
+    without one (its tier cannot add an interface to a running sandbox)."""
+    row = engine.registry.link(handle.sandbox_id)
+    if row is None or not os.path.exists(netns.netns_path(netns.sandbox_netns_name(handle.sandbox_id))):
+        raise Unsupported(
+            f"sandbox {handle.sandbox_id} was started without a network link, and tier {handle.tier!r} "
+            "fixes a sandbox's network interfaces when it starts: create it with the network policy "
+            "(any policy, even one that allows nothing, keeps its link for later updates)",
+            handle.tier,
+            "network interfaces are fixed at start (Capabilities.link_before_start)",
+        )
+    return netns.Link(handle.sandbox_id, row[0], row[1])
+
+
 @dataclasses.dataclass(frozen=True)
 class SecretSlot:
     """One brokered secret as warmbox keeps it: its env name, the placeholder the sandbox's env
@@ -380,25 +431,32 @@ async def attach(
     secrets: dict[str, Secret],
     *,
     placeholders: dict[str, str] | None = None,
+    prepared_ms: float = 0.0,
 ) -> StageTiming:
     """Link a running sandbox to the egress proxy under ``policy`` (stage ``network``): its veth
     and address (its uid slot's), the secrets' values handed to the proxy (and a CA of its own
-    when there are any), the CA bundle and proxy env written into the sandbox.
+    when there are any), the CA bundle and proxy env written into the sandbox. On a tier with
+    ``link_before_start`` the veth is the one :func:`prepare` made before the sandbox started.
 
     placeholders: env name -> placeholder to keep (a resumed or forked sandbox's, which its env
-    and processes hold already); other secrets get new ones."""
+    and processes hold already); other secrets get new ones.
+    prepared_ms: what :func:`prepare` took of the stage, before the sandbox started."""
     t0 = time.perf_counter()
     sid = handle.sandbox_id
     backend = engine.backend(handle.tier)
-    ns_path = backend.netns_path(handle)
+    prepared = backend.capabilities().link_before_start
+    if prepared:  # its link was made before its runtime started (prepare)
+        link, ns_path = _prepared_link(engine, handle), ""
+    else:
+        link, ns_path = netns.link_for(sid, _slot(handle)), backend.netns_path(handle)
     await ensure_proxy(engine.home)
     egress = netns.egress_name(engine.runtime)
-    link = netns.link_for(sid, _slot(handle))
     kept = placeholders or {}
     named = {n: kept.get(n) or f"warmbox-secret-{_secrets.token_hex(16)}" for n in secrets}
     before = engine.registry.egress_of(sid)  # a resumed sandbox's record: kept if this fails
     try:
-        await netns.attach(egress, link, ns_path)
+        if not prepared:
+            await netns.attach(egress, link, ns_path)
         engine.registry.set_link(sid, link.address, link.host_ifname, policy.to_json())
         # placeholders are not secrets (the sandbox's env holds them): kept for a resume or fork
         slots = tuple(SecretSlot(n, named[n], tuple(s.hosts)) for n, s in sorted(secrets.items()))
@@ -428,7 +486,7 @@ async def attach(
         if before:
             engine.registry.set_egress(sid, before)
         raise
-    timing = StageTiming(sid, "network", (time.perf_counter() - t0) * 1e3, True)
+    timing = StageTiming(sid, "network", prepared_ms + (time.perf_counter() - t0) * 1e3, True)
     engine.registry.add_timings([timing])
     return timing
 
@@ -439,12 +497,14 @@ async def suspend(engine: Engine, sandbox_id: str) -> None:
     (a resume is given the values again). Idempotent."""
     row = engine.registry.link(sandbox_id)
     if row is None:
+        await netns.remove_sandbox_netns(netns.sandbox_netns_name(sandbox_id))
         return
     record = record_of(engine, sandbox_id)
     if record is not None:
         engine.registry.set_egress(sandbox_id, record.to_json())
     await netns.detach(netns.egress_name(engine.runtime), netns.Link(sandbox_id, row[0], row[1]))
     engine.registry.drop_link(sandbox_id)
+    await netns.remove_sandbox_netns(netns.sandbox_netns_name(sandbox_id))  # a resume prepares a new one
     await _forget(engine, sandbox_id)
 
 
@@ -469,6 +529,7 @@ async def reestablish(
 
 async def release(engine: Engine, sandbox_id: str) -> None:
     """Remove the sandbox's link, rule element, kept record and proxy state (idempotent)."""
+    await unprepare(engine, sandbox_id)
     row = engine.registry.link(sandbox_id)
     if row is None:  # never linked (attach registers with the proxy only after recording the link)
         if not engine.registry.egress_of(sandbox_id):

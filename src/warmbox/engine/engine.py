@@ -318,6 +318,7 @@ class Engine:
         volumes: object = None,
         mounts: tuple[VolumeMount, ...] = (),
         image: ImageRef | None = None,
+        egress_link: bool = False,
     ) -> Launched:
         """A ready sandbox with a connected session and its stage timings.
 
@@ -330,6 +331,8 @@ class Engine:
         volumes: warmbox.Volume mounts (the tenant's volumes; never from a pool). mounts: volumes
         resolved already (a fork of a snapshot mounts its origin's).
         image: run this image (a snapshot's recorded one) instead of the template's latest.
+        egress_link: the caller links it after the start (a fork's recorded policy): on a tier
+        whose interfaces are fixed at start, its link is prepared before (never from a pool).
         """
         t0 = time.perf_counter()
         settings = self.settings()
@@ -343,23 +346,28 @@ class Engine:
             mounts = volumes_mod.of_sandbox(self, resume_of)
         elif not mounts:
             mounts = volumes_mod.resolve(self, "" if tenant is None else tenant.name, volumes)
+        # a tier whose interfaces are fixed at start gets its link before it starts: never a pooled one
+        linked_at_start = (policy.enabled or egress_link) and self.backend(tier).capabilities().link_before_start
         got = await self._create(
             tier,
             timeout,
             envs,
             limits,
             template,
-            pool and not resume_of and not mounts,
+            pool and not resume_of and not mounts and not linked_at_start,
             t0,
             settings,
             tenant,
             resume_of,
             mounts,
             image,
+            network=policy.enabled or egress_link,
         )
         if policy.enabled:
             try:
-                got.timings.append(await egress.attach(self, got.handle, got.session, policy, secret_map))
+                prepared = sum(t.duration_ms for t in got.timings if t.stage == "network")  # before start
+                timing = await egress.attach(self, got.handle, got.session, policy, secret_map, prepared_ms=prepared)
+                got.timings = [t for t in got.timings if t.stage != "network"] + [timing]
             except BaseException:
                 await got.session.close()
                 await self.destroy(got.sandbox_id, "network setup failed")
@@ -380,6 +388,8 @@ class Engine:
         resume_of: str = "",
         mounts: tuple[VolumeMount, ...] = (),
         image: ImageRef | None = None,
+        *,
+        network: bool = False,
     ) -> Launched:
         timeout = validate_timeout(settings.defaults.timeout_s if timeout is None else timeout)
         env_pairs = validate_envs(envs)
@@ -417,7 +427,7 @@ class Engine:
                 return got
         if self.backend(tier).capabilities().snapshot_start:
             return await self._start_from_template(
-                tier, tmpl, timeout, env_pairs, limits, t0, tenant, resume_of, mounts, image
+                tier, tmpl, timeout, env_pairs, limits, t0, tenant, resume_of, mounts, image, network=network
             )
         return await provision.launch(
             self,
@@ -431,6 +441,7 @@ class Engine:
                 resume_of=resume_of,
                 volumes=mounts,
                 image=image,
+                network=network,
             ),
             provision.Cold(tmpl),
         )
@@ -447,6 +458,8 @@ class Engine:
         resume_of: str = "",
         mounts: tuple[VolumeMount, ...] = (),
         image: ImageRef | None = None,
+        *,
+        network: bool = False,
     ) -> Launched:
         """A tier whose cold start is too slow (microvm under TCG) restores every sandbox from
         its shape's template memory snapshot; the first create of a shape boots and saves it
@@ -466,7 +479,7 @@ class Engine:
         m = await snapshots.template_snapshot(self, tier, tmpl, limits, shape, image)
         t1 = time.perf_counter()
         got = await snapshots.restore_memory(
-            self, m, timeout=timeout, tenant=tenant, resume_of=resume_of, volumes=mounts
+            self, m, timeout=timeout, tenant=tenant, resume_of=resume_of, volumes=mounts, network=network
         )
         try:
             if env_pairs:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from warmbox.backends.base import Backend, SnapshotCapable
 from warmbox.config import PoolConfig, Template
-from warmbox.engine import volumes
+from warmbox.engine import egress, volumes
 from warmbox.engine.session import GuestSession, OomCounter
 from warmbox.errors import BackendUnavailable, InvalidArgument, NoSpace, SandboxStartError, WarmboxError
 from warmbox.models import (
@@ -59,6 +59,9 @@ class LaunchSpec:
     image: ImageRef | None = None  # the image it runs (None: its template's latest, Engine.image_for)
     volumes: tuple[VolumeMount, ...] = ()  # named volumes mounted into it
     build_upper: str = ""  # a template build sandbox (SandboxSpec.build_upper)
+    # it gets an egress link: on a tier whose interfaces are fixed at start (link_before_start) the
+    # link is prepared before its runtime starts (a resume of a sandbox that kept a policy: always)
+    network: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +159,14 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
     state_dir.mkdir(mode=0o711)
     t1 = t2 = t3 = t4 = time.perf_counter()
     session: GuestSession | None = None
+    prep_s = 0.0  # of the network stage: the link made before the start (link_before_start)
     try:
+        ns = ""
+        if backend.capabilities().link_before_start and (
+            spec.network or (spec.resume_of and egress.paused_record(engine, sandbox_id) is not None)
+        ):
+            ns = await egress.prepare(engine, handle)
+            prep_s = time.perf_counter() - t1
         if spec.volumes:  # recorded before anything is mounted: a delete or another tier's mount waits its turn
             volumes.record(engine, sandbox_id, spec.volumes, backend.capabilities().volume_own_disk)
         handle = await backend.create(
@@ -169,6 +179,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
                 image=spec.image,
                 volumes=spec.volumes,
                 build_upper=spec.build_upper,
+                netns=ns,
             )
         )
         if isinstance(boot, Restore):
@@ -215,6 +226,10 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         if session is not None:
             await session.close()
         await engine.cleanup_failed(sandbox_id, handle, backend, e, resumed=bool(spec.resume_of))
+        try:  # a prepared link (a resumed sandbox keeps its policy and secrets for the next try)
+            await egress.unprepare(engine, sandbox_id)
+        except WarmboxError:
+            pass  # best effort: the start's own error is the one to report
         if isinstance(e, (WarmboxError, asyncio.CancelledError, KeyboardInterrupt)):
             raise
         if isinstance(e, asyncio.TimeoutError):
@@ -223,11 +238,13 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
     on_path = not spec.pool
     timings = [
         StageTiming(sandbox_id, "allocation", (t1 - t0) * 1e3, on_path),
-        StageTiming(sandbox_id, "filesystem", (t2 - t1) * 1e3, on_path),
+        StageTiming(sandbox_id, "filesystem", (t2 - t1 - prep_s) * 1e3, on_path),
         StageTiming(sandbox_id, "runtime", (t3 - t2) * 1e3, on_path),
     ]
     if isinstance(boot, Cold) and images and (boot.template.warmup_code is not None or boot.template.warmup_commands):
         timings.append(StageTiming(sandbox_id, "dependencies", (t4 - t3) * 1e3, on_path))
+    if prep_s:  # the link made before the start (egress.attach adds the rest of the stage)
+        timings.append(StageTiming(sandbox_id, "network", prep_s * 1e3, on_path))
     try:
         if not spec.resume_of:  # a resume keeps its start's timings; its caller records ``resume``
             engine.registry.add_timings(timings)

@@ -670,6 +670,7 @@ async def restore_memory(
     tenant: Tenant | None = None,
     resume_of: str = "",
     volumes: tuple[VolumeMount, ...] | None = None,
+    network: bool = False,
 ) -> Launched:
     """A new sandbox continuing a memory snapshot: same processes, memory, /tmp; /workspace restored.
 
@@ -677,6 +678,7 @@ async def restore_memory(
     tenant: whose the new sandbox is (quotas checked before anything is fetched, and at its insert).
     resume_of: the paused sandbox continued under its own id (instead of a new one).
     volumes: what it mounts (None: what the snapshot's sandbox mounted, as its processes expect).
+    network: it gets an egress link (provision.LaunchSpec.network).
     """
     from warmbox.engine import volumes as volumes_mod
     from warmbox.engine.engine import validate_timeout
@@ -702,7 +704,18 @@ async def restore_memory(
         elif not _link_cached_memory(engine, m.snapshot_id, work / "checkpoint.img"):
             snaps.get_blob(store, m.memory_sha256, m.memory_bytes, m.memory_raw_bytes, work / "checkpoint.img", work)
         spec = provision.LaunchSpec(
-            m.tier, m.template, timeout_s, limits, (), pool, shape, tenant, resume_of, volumes=volumes, image=image
+            m.tier,
+            m.template,
+            timeout_s,
+            limits,
+            (),
+            pool,
+            shape,
+            tenant,
+            resume_of,
+            volumes=volumes,
+            image=image,
+            network=network,
         )
         got = await provision.launch(engine, spec, provision.Restore(m.snapshot_id, memory_dir, ws_tar))
         if resume_of and not snapshot_start:  # the paused sandbox runs again: its pause's image is not needed here
@@ -913,6 +926,7 @@ async def restore(
     pool: bool = True,
     tenant: Tenant | None = None,
     resume_of: str = "",
+    network: bool = False,
 ) -> Launched:
     """A new running sandbox with the snapshot's files and context state.
 
@@ -920,11 +934,12 @@ async def restore(
     tenant: whose the new sandbox is (QuotaExceeded before anything is fetched or made).
     resume_of: a paused sandbox started again under its own id instead of a new sandbox (a
     failure leaves it paused).
+    network: the caller links it after the start (provision.LaunchSpec.network).
     """
     if m.memory:
         if envs:
             raise InvalidArgument("a memory snapshot continues its processes as they were: envs cannot change")
-        return await restore_memory(engine, m, timeout=timeout, tenant=tenant, resume_of=resume_of)
+        return await restore_memory(engine, m, timeout=timeout, tenant=tenant, resume_of=resume_of, network=network)
     from warmbox.engine import volumes as volumes_mod
 
     op = _Op(engine, "restore")
@@ -948,6 +963,7 @@ async def restore(
             resume_of=resume_of,
             mounts=() if resume_of else volumes_mod.of_sandbox(engine, m.sandbox_id),  # a resume: its own
             image=image,
+            egress_link=network,
         )
         info, session = got.info, got.session
         try:
@@ -1106,7 +1122,7 @@ async def fork(
     secret_map = egress.secrets_for(record, secrets, m.sandbox_id, f"snapshot {m.snapshot_id}")
     if record is not None:
         egress.check_tier(engine, m.tier, record.policy_of())
-    got = await restore(engine, m, timeout=timeout, envs=envs, pool=pool, tenant=tenant)
+    got = await restore(engine, m, timeout=timeout, envs=envs, pool=pool, tenant=tenant, network=record is not None)
     if record is not None:
         try:
             got.timings.append(await egress.reestablish(engine, got.handle, got.session, record, secret_map))

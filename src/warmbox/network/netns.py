@@ -176,6 +176,33 @@ async def attach(egress: str, link: Link, sandbox_netns: str) -> None:
         raise
 
 
+def sandbox_netns_name(sandbox_id: str) -> str:
+    """The named network namespace prepared for a sandbox whose tier takes its link before start."""
+    return "wbn-" + sandbox_id
+
+
+async def prepare(egress: str, link: Link, name: str) -> str:
+    """A new named namespace ``name`` holding the sandbox's end of ``link`` (eth0, its address, the
+    route to the gateway), for a runtime to start in; returns its path. The egress side is as
+    :func:`attach` leaves it (the sandbox's packets are accepted from that moment)."""
+    path = netns_path(name)
+    await remove_sandbox_netns(name)  # a leftover of a start killed before its teardown
+    await _run(["ip", "netns", "add", name])
+    try:
+        await _run(["ip", "-n", name, "link", "set", "lo", "up"])
+        await attach(egress, link, path)
+    except BaseException:
+        await remove_sandbox_netns(name)
+        raise
+    return path
+
+
+async def remove_sandbox_netns(name: str) -> None:
+    """Delete a prepared namespace (its veth pair goes with it; idempotent)."""
+    if Path(netns_path(name)).exists():
+        await _run(["ip", "netns", "del", name])
+
+
 async def detach(egress: str, link: Link) -> None:
     """Remove the sandbox's veth and rule element (no-op for parts already gone)."""
     if not Path(netns_path(egress)).exists():
