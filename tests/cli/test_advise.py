@@ -59,3 +59,25 @@ def test_advise_without_a_strong_enough_tier_exits_1_with_every_reason(home):
         return
     assert r.returncode == 1 and r.stdout.startswith("no tier on this host fits: language=wasm")
     assert "  - container: does not run wasm" in r.stdout
+
+
+@pytest.mark.sandbox
+def test_create_with_the_questions_picks_the_tier_and_ls_shows_why(profiled, runc_ready):
+    r = cli("create", "--trusted", "--io", "syscall-heavy", "--template", "shell", "--timeout", "60")
+    assert r.returncode == 0, r.stderr
+    sid = r.stdout.strip()
+    try:
+        row = next(s for s in json.loads(cli("ls", "--json").stdout) if s["sandbox_id"] == sid)
+        assert row["tier"] == "container"
+        assert row["requirements"] == {
+            "language": "python",
+            "trusted": True,
+            "io": "syscall-heavy",
+            "guest_kernel": False,
+        }
+        assert "trusted code: any isolation qualifies, so the cost decides" in row["tier_reasons"]
+        assert row["tier_rejected"]["gvisor"].startswith("slower for syscall-heavy work")
+    finally:
+        assert cli("kill", sid).returncode == 0
+    r = cli("create", "--tier", "gvisor", "--untrusted")
+    assert r.returncode == 125 and 'pass tier="auto"' in r.stderr

@@ -97,6 +97,47 @@ def _add_sandbox_opts(p: argparse.ArgumentParser) -> None:
         metavar="NAME:PATH[:ro]",
         help="mount a named volume (warmbox volume create) at PATH (repeatable)",
     )
+    _add_requirement_opts(p)  # any of them: --tier auto
+
+
+def _add_requirement_opts(p: argparse.ArgumentParser, advise: bool = False) -> None:
+    """The four questions: ``advise`` asks them (defaults: untrusted Python, compute); on run/create
+    any of them makes the tier "auto" (the others take those defaults)."""
+    p.add_argument(
+        "--language",
+        default="python" if advise else None,
+        help="python, javascript (js, node), bash (sh), c or wasm (default python)",
+    )
+    trust = p.add_mutually_exclusive_group()
+    trust.add_argument(
+        "--untrusted", dest="trusted", action="store_false", help="code from the public, multi-tenant (default)"
+    )
+    trust.add_argument("--trusted", dest="trusted", action="store_true", help="your own developers' agents")
+    p.set_defaults(trusted=False if advise else None)
+    p.add_argument(
+        "--io",
+        default="compute" if advise else None,
+        choices=("compute", "syscall-heavy", "network"),
+        help="compute (CPU loops), syscall-heavy (fork, files: builds, installs) or network (default compute)",
+    )
+    p.add_argument(
+        "--guest-kernel", action="store_true", default=False if advise else None, help="a dedicated guest kernel"
+    )
+
+
+def _requirements(args: argparse.Namespace) -> Any:
+    """The four questions as given on the command line (None on run/create when none was)."""
+    from warmbox.models import Requirements
+
+    given = (args.language, args.trusted, args.io, args.guest_kernel)
+    if all(v is None for v in given):
+        return None
+    return Requirements(
+        language=args.language or "python",
+        trusted=bool(args.trusted),
+        io=args.io or "compute",
+        guest_kernel=bool(args.guest_kernel),
+    )
 
 
 def _add_network_opts(p: argparse.ArgumentParser) -> None:
@@ -269,22 +310,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the guarantees warmbox gives against hostile code, each with the test that proves it",
     )
     p = sub.add_parser("advise", help="which tier for your code (the four questions), and why")
-    p.add_argument(
-        "--language", default="python", help="python, javascript (js, node), bash (sh), c or wasm (default python)"
-    )
-    trust = p.add_mutually_exclusive_group()
-    trust.add_argument(
-        "--untrusted", dest="trusted", action="store_false", help="code from the public, multi-tenant (default)"
-    )
-    trust.add_argument("--trusted", dest="trusted", action="store_true", help="your own developers' agents")
-    p.set_defaults(trusted=False)
-    p.add_argument(
-        "--io",
-        default="compute",
-        choices=("compute", "syscall-heavy", "network"),
-        help="compute (CPU loops), syscall-heavy (fork, files: builds, installs) or network (default compute)",
-    )
-    p.add_argument("--guest-kernel", action="store_true", help="a dedicated guest kernel is needed")
+    _add_requirement_opts(p, advise=True)
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("logs", help="runtime logs of a sandbox (kept after it ended)")
     p.add_argument("sandbox_id")
@@ -373,6 +399,7 @@ def _create_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "metadata": _pairs(args.metadata, "--metadata") or None,
         "lifecycle": _lifecycle(args),
         "volumes": [parse_mount(v) for v in args.volume] if args.volume else None,
+        "requirements": _requirements(args),
     }
 
 
@@ -826,9 +853,8 @@ async def _doctor(args: argparse.Namespace) -> int:
 
 async def _advise(args: argparse.Namespace) -> int:
     from warmbox.errors import NoSuitableTier
-    from warmbox.models import Requirements
 
-    req = Requirements(language=args.language, trusted=args.trusted, io=args.io, guest_kernel=args.guest_kernel)
+    req = _requirements(args)
     try:
         choice = await _engine().handle(ops.ChooseTier(req))
     except NoSuitableTier as e:
