@@ -139,3 +139,25 @@ def test_the_host_process_is_jailed(box, iso_host):
     mounts = Path(f"/proc/{pid}/mounts").read_text().splitlines()
     root_mount = next(m.split() for m in mounts if m.split()[1] == "/")
     assert "ro" in root_mount[3].split(",")
+
+
+def test_wasm_has_no_files_and_is_bounded_in_time_and_memory(box, iso_host):
+    pid = iso_host.host_pid()
+    # WASI without a preopened directory: fd 3 (the first preopen) does not exist, so no path opens
+    prestat = box.run_code(
+        '(module (import "wasi_snapshot_preview1" "fd_prestat_get" (func $p (param i32 i32) (result i32)))'
+        ' (memory (export "memory") 1) (func (export "main") (result i32) (call $p (i32.const 3) (i32.const 0))))',
+        language="wasm",
+    )
+    assert prestat.text == "8"  # EBADF
+    loop = box.run_code('(module (func (export "main") (loop $l (br $l))))', language="wasm", timeout=0.5)
+    assert loop.timed_out
+    huge = box.run_code('(module (memory (export "memory") 30000))', language="wasm")  # ~1.9 GiB
+    assert huge.oom_killed and huge.error is not None and huge.error.name == "MemoryLimitError"
+    grow = box.run_code(
+        '(module (memory (export "memory") 1) (func (export "main") (result i32) (memory.grow (i32.const 30000))))',
+        language="wasm",
+    )
+    assert grow.text == "-1"  # a grow past the cap is refused to the module
+    assert box.run_code('(module (func (export "main") (result i32) i32.const 7))', language="wasm").text == "7"
+    assert iso_host.host_pid() == pid

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 
 from warmbox import Limits, Sandbox, Unsupported, UnsupportedLanguage
@@ -25,7 +27,7 @@ def test_without_its_engine_the_tier_is_unavailable_saying_how_to_build_it(tmp_p
 
 def test_capabilities_say_what_an_isolate_lacks(tmp_path):
     caps = IsolateBackend(tmp_path).capabilities()
-    assert caps.context_languages == ("javascript",) and caps.network_modes == ("none",)
+    assert caps.context_languages == ("javascript", "wasm") and caps.network_modes == ("none",)
     assert not (caps.commands or caps.files or caps.ports or caps.images or caps.filesystem_snapshot)
     assert caps.start_class == "~1ms" and caps.oom_counted_in_guest
 
@@ -131,3 +133,35 @@ limits = { memory_mb = 64 }
     finally:
         set_config(home)
     wait_for(lambda: not engine.registry.pooled("t-iso"), 60, "the isolate pool to be retired")
+
+
+HELLO_WASI = """(module
+  (import "wasi_snapshot_preview1" "fd_write" (func $write (param i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 8) "hello wasm\\n")
+  (func (export "_start")
+    (i32.store (i32.const 0) (i32.const 8))
+    (i32.store (i32.const 4) (i32.const 11))
+    (drop (call $write (i32.const 1) (i32.const 0) (i32.const 1) (i32.const 20)))))"""
+ANSWER = '(module (func (export "main") (result i32) i32.const 42))'
+
+
+@pytest.mark.sandbox
+def test_wasm_modules_run_as_text_or_binary_with_wasi_output(box):
+    e = box.run_code(HELLO_WASI, language="wasm")
+    assert e.error is None and e.stdout == "hello wasm\n" and e.text is None
+    assert box.run_code(ANSWER, language="wasm").text == "42"
+    # the binary form, base64 (the same module: magic, version, type, function, export and code sections)
+    binary = bytes.fromhex("0061736d010000000105016000017f03020100070801046d61696e00000a06010400412a0b")
+    assert box.run_code(base64.b64encode(binary).decode(), language="wasm").text == "42"
+    bad = box.run_code("not a module", language="wasm")
+    assert bad.error is not None and bad.error.name == "ValueError"
+    trap = box.run_code('(module (func (export "main") unreachable))', language="wasm")
+    assert trap.error is not None and trap.error.name == "Trap" and "unreachable" in trap.error.value
+    exit3 = box.run_code(
+        '(module (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))'
+        ' (memory (export "memory") 1) (func (export "_start") (call $exit (i32.const 3))))',
+        language="wasm",
+    )
+    assert exit3.error is not None and (exit3.error.name, exit3.error.value) == ("WasiExit", "exit code 3")
+    assert box.run_code("'js and wasm side by side'", language="javascript").error is None

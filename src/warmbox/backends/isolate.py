@@ -28,6 +28,13 @@ host per tenant would cost ~45 MiB of Node.js each). The backend hands each sand
 socket (bound in the sandbox's root-only state dir) to the host over its control socket
 (SCM_RIGHTS), and the engine's GuestSession then speaks the ordinary guest protocol to it: no
 special path in the engine.
+
+WebAssembly: ``run_code(module, language="wasm")``, the module as its text format or base64 of its
+binary, each run in a fresh wasmtime store (``isolate_host/wasm_worker.py``, one Python worker the
+host starts inside the same jail; wasmtime bind-mounted read-only): a WASI command's ``_start``
+with its stdout/stderr as the run's, or a ``main()`` whose results are the text; epoch + fuel
+limits (timeout), memories capped at the sandbox's memory_mb, WASI with no preopened directory
+(the tier has no filesystem to give one). Wasm runs keep no state between runs.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import asyncio
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import json
 import os
 import resource
@@ -118,6 +126,14 @@ def install(dest: Path = ENGINE_DIR) -> Path:
     return dest
 
 
+def wasmtime_dir() -> Path:
+    """The installed wasmtime package (a dependency): bind-mounted read-only into the jail."""
+    spec = importlib.util.find_spec("wasmtime")
+    if spec is None or spec.origin is None:
+        raise SandboxStartError("the wasmtime package is not installed (pip install wasmtime)")
+    return Path(spec.origin).parent
+
+
 class IsolateBackend:
     """Tier 1 (``isolate``): a V8 isolate per sandbox in a jailed host process."""
 
@@ -138,16 +154,17 @@ class IsolateBackend:
     def capabilities(self) -> Capabilities:
         return Capabilities(
             tier=self.tier,
-            isolation="a V8 isolate (isolated-vm) per sandbox, in one Node.js host process jailed by Linux "
-            "namespaces (user, pid, mount, net, ipc, uts, cgroup) + seccomp + cgroup, no capabilities",
+            isolation="a V8 isolate (isolated-vm) per sandbox, WebAssembly in wasmtime stores, in one host "
+            "process jailed by Linux namespaces (user, pid, mount, net, ipc, uts, cgroup) + seccomp + cgroup, "
+            "no capabilities",
             memory_snapshot=False,
             filesystem_snapshot=False,
             custom_kernel=False,
             network_modes=("none",),
-            languages=("javascript",),
+            languages=("javascript", "wasm"),
             start_class="~1ms",
             oom_counted_in_guest=True,
-            context_languages=("javascript",),
+            context_languages=("javascript", "wasm"),
             isolation_rank=2,  # an engine of its own between the code and the kernel, on an OS jail
             start_ms=1.0,
             cost_note="V8 JIT: compute near native; no syscalls at all",
@@ -177,7 +194,7 @@ class IsolateBackend:
     def _lib(self) -> Path:
         """host.js and fdpass.node, once per content (built with gcc against Node.js's headers)."""
         h = hashlib.sha256()
-        for name in ("host.js", "fdpass.c"):
+        for name in ("host.js", "fdpass.c", "wasm_worker.py"):
             h.update(name.encode() + b"\0" + (HOST_SOURCES / name).read_bytes())
         final = self.dir / f"lib-{h.hexdigest()[:16]}"
         if (final / "fdpass.node").is_file():
@@ -185,7 +202,8 @@ class IsolateBackend:
         tmp = self.dir / f".tmp-lib-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(mode=0o755)
-        shutil.copy2(HOST_SOURCES / "host.js", tmp / "host.js")
+        for name in ("host.js", "wasm_worker.py"):
+            shutil.copy2(HOST_SOURCES / name, tmp / name)
         r = subprocess.run(
             [
                 "gcc",
@@ -208,7 +226,7 @@ class IsolateBackend:
         if r.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
             raise SandboxStartError(f"building the isolate host's fd helper failed: {r.stderr.strip()[-300:]}")
-        for p in (tmp / "host.js", tmp / "fdpass.node"):
+        for p in (tmp / "host.js", tmp / "wasm_worker.py", tmp / "fdpass.node"):
             p.chmod(0o644)
         try:
             os.rename(tmp, final)
@@ -218,13 +236,13 @@ class IsolateBackend:
 
     def _root(self) -> Path:
         """The jail's read-only root: mount points, the host's loader cache and the /usr symlinks."""
-        root = self.dir / "root-v1"
+        root = self.dir / "root-v2"
         if root.is_dir():
             return root
         tmp = self.dir / f".tmp-root-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(mode=0o755)
-        for d in ("usr", "proc", "dev", "tmp", "etc", "opt/isolated-vm", "opt/isolate-host"):
+        for d in ("usr", "proc", "dev", "tmp", "etc", "opt/isolated-vm", "opt/isolate-host", "opt/wasmtime/wasmtime"):
             (tmp / d).mkdir(parents=True, exist_ok=True)
         for link in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             on_host = Path("/") / link
@@ -258,6 +276,7 @@ class IsolateBackend:
                     "PATH=/usr/bin",
                     "WB_IVM=/opt/isolated-vm",
                     "WB_FDPASS=/opt/isolate-host/fdpass.node",
+                    "WB_WASMTIME=/opt/wasmtime",
                     f"WB_PROTOCOL_VERSION={protocol.PROTOCOL_VERSION}",
                 ],
                 "cwd": "/",
@@ -289,6 +308,12 @@ class IsolateBackend:
                     "destination": "/opt/isolate-host",
                     "type": "bind",
                     "source": str(lib),
+                    "options": ["bind", "ro", *nosuid],
+                },
+                {
+                    "destination": "/opt/wasmtime/wasmtime",
+                    "type": "bind",
+                    "source": str(wasmtime_dir()),
                     "options": ["bind", "ro", *nosuid],
                 },
                 {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": [*nosuid, "size=1m"]},

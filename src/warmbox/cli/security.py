@@ -479,6 +479,14 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ("isolate",),
         ("test_isolate_escape.py::test_the_host_process_is_jailed",),
     ),
+    Guarantee(
+        "isolates",
+        "A WebAssembly run (wasmtime, in the same jail) has WASI without any preopened directory, is "
+        "ended at its timeout (epoch interruption and fuel), and its memories are capped at the sandbox's "
+        "memory_mb: a module past the cap is oom_killed, a grow past it fails, the host goes on.",
+        ("isolate",),
+        ("test_isolate_escape.py::test_wasm_has_no_files_and_is_bounded_in_time_and_memory",),
+    ),
 )
 
 

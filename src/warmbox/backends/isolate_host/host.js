@@ -9,6 +9,10 @@
 // isolate as to any guest agent: Ping, ContextCreate/Run/Delete, Configure, Reseed, GetUsage.
 // Everything else is refused (Failure "invalid"): an isolate has no commands, files or ports.
 //
+// WebAssembly (run_code(..., language="wasm"): context "default-wasm") runs in wasm_worker.py, a
+// wasmtime worker this host starts inside the same jail: fuel and epoch limits, memory capped at
+// the sandbox's memory_mb, WASI without any preopened directory.
+//
 // Inside an isolate there is only ECMAScript (no require, process, fetch, Deno, import()), plus a
 // console whose output is the run's stdout/stderr. Each isolate has a heap limit (the sandbox's
 // memory_mb; ArrayBuffers count): a run that passes it ends with oom_kills=1, the isolate is
@@ -16,6 +20,7 @@
 // MAX_RUN_S): a run past it is terminated (timed_out) and the isolate keeps its state.
 'use strict';
 
+const { spawn } = require('child_process');
 const net = require('net');
 const util = require('util');
 const ivm = require(process.env.WB_IVM);
@@ -58,6 +63,62 @@ const BOOTSTRAP = `(function () {
   return (v) => show(v, 1);
 })()`;
 
+// ---------------------------------------------------------------- WebAssembly
+
+// One wasmtime worker (wasm_worker.py, Python in this same jail), started at the first Wasm run;
+// jobs are JSON lines in, answers JSON lines out, in order.
+let worker = null;
+const jobs = new Map();
+let nextJob = 1;
+
+function wasmWorker() {
+  if (worker !== null) return worker;
+  const w = spawn('/usr/bin/python3', ['-I', '-S', '/opt/isolate-host/wasm_worker.py'], {
+    stdio: ['pipe', 'pipe', 'inherit'],
+    env: { PATH: '/usr/bin', WB_WASMTIME: process.env.WB_WASMTIME },
+  });
+  let buf = '';
+  w.stdout.setEncoding('utf8');
+  w.stdout.on('data', (data) => {
+    buf += data;
+    let nl;
+    while ((nl = buf.indexOf('\n')) >= 0) {
+      const line = buf.slice(0, nl);
+      buf = buf.slice(nl + 1);
+      let reply;
+      try {
+        reply = JSON.parse(line);
+      } catch (e) {
+        continue;
+      }
+      const job = jobs.get(reply.id);
+      if (job !== undefined) {
+        jobs.delete(reply.id);
+        job.resolve(reply);
+      }
+    }
+  });
+  const gone = () => {
+    if (worker !== w) return;
+    worker = null;
+    for (const job of jobs.values()) job.reject(new Error('the WebAssembly worker ended'));
+    jobs.clear();
+  };
+  w.on('exit', gone);
+  w.on('error', gone);
+  w.stdin.on('error', () => {});
+  worker = w;
+  return w;
+}
+
+function wasmRun(job) {
+  return new Promise((resolve, reject) => {
+    const id = nextJob++;
+    jobs.set(id, { resolve, reject });
+    wasmWorker().stdin.write(JSON.stringify({ ...job, id }) + '\n');
+  });
+}
+
 // ---------------------------------------------------------------- frames
 
 function frame(sock, header, body) {
@@ -92,6 +153,7 @@ class Sandbox {
     this.chain = Promise.resolve(); // runs of one sandbox take turns (one isolate thread)
     this.run = null; // the run in progress: { sock, id, sent, max, truncated }
     this.nextContext = 1;
+    this.wasm = { count: 0 }; // Wasm runs are stateless: each is a fresh wasmtime store
     this.fresh();
   }
 
@@ -134,7 +196,40 @@ class Sandbox {
     if (!this.isolate.isDisposed) this.isolate.dispose();
   }
 
+  async runWasm(sock, msg) {
+    const entry = this.wasm;
+    entry.count += 1;
+    this.runs += 1;
+    const t0 = process.hrtime.bigint();
+    let r;
+    try {
+      r = await wasmRun({ code: msg.code, timeout_s: msg.timeout_s, memory_mb: this.memoryMb, max_output: Math.max(0, msg.max_output) });
+    } catch (e) {
+      r = { error_name: 'WasmWorkerError', error_value: String(e.message || e), stdout: '', stderr: '' };
+    }
+    if (r.fatal) r = { error_name: 'WasmWorkerError', error_value: String(r.fatal), stdout: '', stderr: '' };
+    const ms = Number(process.hrtime.bigint() - t0) / 1e6;
+    this.busyMs += ms;
+    if (r.oom) this.ooms += 1;
+    sock.cork();
+    for (const [type, text] of [['Stdout', r.stdout], ['Stderr', r.stderr]]) {
+      const data = Buffer.from(String(text || ''), 'utf8');
+      for (let off = 0; off < data.length; off += 256 << 10) frame(sock, { type, id: msg.id }, data.subarray(off, off + (256 << 10)));
+    }
+    if (typeof r.text === 'string') {
+      frame(sock, { type: 'Display', id: msg.id, mime: 'text/plain', main: true, result: 0 }, Buffer.from(r.text, 'utf8'));
+    }
+    const name = String(r.error_name || '');
+    frame(sock, {
+      type: 'CodeDone', id: msg.id, error_name: bounded(name), error_value: bounded(r.error_value || ''),
+      traceback: bounded(name ? `${name}: ${r.error_value || ''}` : ''), timed_out: Boolean(r.timed_out),
+      truncated: Boolean(r.truncated), execution_count: entry.count, duration_ms: ms, oom_kills: r.oom ? 1 : 0,
+    });
+    sock.uncork();
+  }
+
   async runCode(sock, msg) {
+    if (msg.context === 'default-wasm') return this.runWasm(sock, msg);
     const entry = this.contexts.get(msg.context);
     if (entry === undefined) {
       const why = msg.context === 'default' ? 'language_unavailable' : 'context_not_found';
@@ -204,6 +299,7 @@ class Sandbox {
         this.chain = this.chain.then(() => this.runCode(sock, msg)).catch((e) => failure(sock, msg.id, 'internal', e));
         return undefined;
       case 'ContextCreate':
+        if (msg.language === 'wasm') return failure(sock, msg.id, 'invalid', 'WebAssembly runs are stateless: run_code(module, language="wasm") runs each module in a fresh store');
         if (msg.language !== 'javascript') return failure(sock, msg.id, 'language_unavailable', `no ${msg.language} contexts on the isolate tier`);
         this.chain = this.chain.then(() => {
           const name = this.addContext(`js-${this.nextContext++}`);
@@ -226,6 +322,7 @@ class Sandbox {
           this.busyMs = 0;
           this.runs = 0;
           for (const entry of this.contexts.values()) entry.count = 0;
+          this.wasm.count = 0;
         }
         return undefined;
       }
@@ -328,4 +425,7 @@ const server = net.createServer({ pauseOnConnect: true }, (conn) => {
   if (fd >= 0) require('fs').closeSync(fd);
   conn.end(JSON.stringify(reply) + '\n');
 });
-server.listen({ fd: 3 }, () => process.stdout.write('isolate host listening\n'));
+server.listen({ fd: 3 }, () => {
+  process.stdout.write('isolate host listening\n');
+  wasmWorker(); // started now (Python + wasmtime: ~0.1 s), off the first Wasm run's path
+});
