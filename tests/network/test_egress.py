@@ -389,7 +389,10 @@ def test_cli_run_with_allowlist_and_net_log(net_home, world):
     assert r.returncode == 125 and "WBT_NOPE" in r.stderr
 
 
-def test_pooled_sandbox_gets_its_network_at_claim(net_home, world):
+@pytest.mark.parametrize(
+    "tier,template", [("container", "shell"), pytest.param("microvm", "base", marks=pytest.mark.microvm, id="microvm")]
+)
+def test_pooled_sandbox_gets_its_network_at_claim(net_home, world, tier, template):
     from tests.conftest import wait_for
     from warmbox import Limits
 
@@ -399,15 +402,18 @@ def test_pooled_sandbox_gets_its_network_at_claim(net_home, world):
     cfg.write_text(
         old.replace(
             "[pools]\n",
-            '[pools.netpool]\ntemplate = "shell"\nmin = 1\nmax = 1\ntarget = 1\nlimits = { memory_mb = 384 }\n',
+            f'[pools.netpool-{tier}]\ntier = "{tier}"\ntemplate = "{template}"\nmin = 1\nmax = 1\ntarget = 1\n'
+            "limits = { memory_mb = 384 }\n",
         )
     )
     engine = Engine.for_home(net_home)
     try:
         engine.ensure_daemon()
-        wait_for(lambda: engine.registry.pool_counts("netpool")[0] >= 1, 60, "a pooled sandbox")
+        # a pool per tier: the other's sandboxes may still be pooled (retired by the daemon's next tick)
+        wait_for(lambda: engine.registry.pool_counts(f"netpool-{tier}")[0] >= 1, 120, "a pooled sandbox")
         with Sandbox.create(
-            template="shell",
+            tier,
+            template=template,
             limits=Limits(memory_mb=384),
             network=Network(allow=["allowed.test"]),
             timeout=60,
