@@ -161,8 +161,13 @@ def prepare(state: Path) -> Path:
 
 def remove(state: Path) -> None:
     """Delete the VM's namespace (its tap, rules and any egress link with it); idempotent."""
-    if netns_path(state).exists():
+    if not netns_path(state).exists():
+        return
+    try:
         _run(["ip", "netns", "del", netns_name(state)], "deleting it")
+    except SandboxStartError:
+        if netns_path(state).exists():  # (gone: a concurrent destroy of the same sandbox deleted it)
+            raise
 
 
 def enter(state: Path) -> list[str]:
