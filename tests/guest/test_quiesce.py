@@ -59,9 +59,18 @@ def agent(guest_lib: Path, tmp_path: Path):
     boot = f"import sys; sys.path.insert(0, {str(guest_lib)!r}); from warmbox.guest.agent import main; main()"
     proc = subprocess.Popen([BARE, "-I", "-S", "-c", boot, str(sock)], cwd=tmp_path)
     assert _wait_accepts(sock), "the agent did not listen"
+    asyncio.run(_ping(sock))  # answered: its SIGUSR1 handler is installed (a signal before would end it)
     yield proc, sock
     proc.kill()
     proc.wait()
+
+
+async def _ping(sock: Path) -> None:
+    c = await GuestClient.connect(str(sock), "sb")
+    try:
+        assert isinstance(await c.call(lambda i: p.Ping(i), p.Pong), p.Pong)
+    finally:
+        await c.close()
 
 
 async def _quiesce(sock: Path, other: socket.socket) -> None:
