@@ -560,11 +560,13 @@ class KeyInfo:
 
 @dataclasses.dataclass(frozen=True)
 class NetEvent:
-    """One egress attempt of a sandbox, as the proxy or resolver saw and decided it."""
+    """One egress attempt of a sandbox, as the proxy or resolver saw and decided it, or as the
+    egress rules refused it (a packet not for the proxy: kind "tcp"/"udp"/"icmp", rule "raw-ip"
+    or "port-not-allowed", the packets counted in ``detail``; logged at a bounded rate)."""
 
     sandbox_id: str
     at: float  # unix seconds
-    kind: str  # "http" (forward proxy), "connect" (HTTPS/CONNECT tunnel), "dns"
+    kind: str  # "http" (forward proxy), "connect" (HTTPS/CONNECT tunnel), "dns"; "tcp"/"udp"/"icmp" (refused)
     host: str  # destination name as asked for (or the IP literal)
     address: str  # the address the proxy resolved and used ("" if none)
     port: int

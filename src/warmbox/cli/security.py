@@ -332,6 +332,17 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ("test_microvm_egress.py::test_microvm_guest_root_cannot_route_around_the_proxy",),
     ),
     Guarantee(
+        "egress",
+        "Every attempt around the proxy (raw IPs, other ports of the gateway, UDP) is refused at once "
+        "and in network.log(); a sandbox flooding them is logged at a bounded rate into a bounded "
+        "table and row count: the host's memory stays flat.",
+        ("container",),
+        (
+            "test_egress_audit.py::test_raw_ip_other_port_and_udp_attempts_are_refused_and_audited",
+            "test_egress_audit.py::test_raw_ip_syn_flood_is_refused_audited_with_a_bound_and_host_memory_stays_flat",
+        ),
+    ),
+    Guarantee(
         "ports",
         "A port forward (get_host) is a way in only: while one is open and in use the sandbox still "
         "has no route out (not to the host, not anywhere); the agent dials only its own loopback.",

@@ -6,12 +6,13 @@ Topology (one egress namespace per warmbox runtime dir, made on demand)::
     eth0 10.239.x.y/32  ── veth ── wbs<slot>    (no uplink, no forwarding)   (host, or a test's)
     route: 10.239.0.1 only        lo 10.239.0.1: proxy :3128, DNS :53 ──► upstream sockets
 
-The sandbox has a route to the gateway address only, so any other destination fails at once
-(ENETUNREACH); IPv6 is disabled in it. The egress namespace has no route anywhere, forwarding
-off, and an nftables table that accepts from a sandbox only TCP to the proxy port and UDP to
-the DNS port, and only from the address assigned to that veth (no spoofing a neighbour).
-Everything else (other ports, ICMP, IPv6) is dropped or rejected. The proxy listens there but
-opens its upstream connections from its own namespace.
+The sandbox's routes all lead to the gateway; IPv6 is disabled in it. The egress namespace has
+no route anywhere, forwarding off, and an nftables table that accepts from a sandbox only TCP to
+the proxy port and UDP to the DNS port, and only from the address assigned to that veth (no
+spoofing a neighbour). Everything else (a raw IP, other ports, ICMP) is logged to NFLOG group
+:data:`~warmbox.network.nflog.GROUP` (rate-limited per sandbox; the proxy audits it, see
+:mod:`warmbox.network.nflog`) and refused at once. The proxy listens there but opens its
+upstream connections from its own namespace.
 """
 
 from __future__ import annotations
@@ -86,6 +87,37 @@ async def _run(argv: list[str], stdin: bytes | None = None) -> None:
         raise NetworkSetupError(f"{' '.join(argv[:4])}: {err.decode(errors='replace').strip()[:400]}")
 
 
+LOG_RATE = "50/second burst 100 packets"  # refused packets logged per sandbox address (kernel-side)
+
+
+def _refused_rules() -> str:
+    from warmbox.network import nflog
+
+    # ``refused`` runs before routing, so it sees packets to any address (forwarding is off: they
+    # would be dropped unseen): the ones not for the proxy or resolver are logged (rate-limited
+    # per sandbox address, headers only) for the audit, then refused at once (TCP reset, ICMP
+    # admin-prohibited) so the sandbox's connect fails fast. Only packets whose source matches
+    # their veth are logged (the address names the sandbox); any other is dropped.
+    peer = "ip saddr . iifname @peers"
+    return f"""
+table inet {TABLE} {{
+  set lograte {{ type ipv4_addr; size 65535; flags dynamic,timeout; timeout 60s; }}
+  chain refused {{
+    type filter hook prerouting priority -10; policy accept;
+    iifname != "wbs*" accept
+    {peer} ip daddr {GATEWAY} tcp dport {PROXY_PORT} accept
+    {peer} ip daddr {GATEWAY} udp dport {DNS_PORT} accept
+    {peer} ip daddr {GATEWAY} icmp type {{ destination-unreachable, time-exceeded, parameter-problem }} drop
+    {peer} update @lograte {{ ip saddr limit rate {LOG_RATE} }} \\
+      log prefix "{nflog.PREFIX}" group {nflog.GROUP} snaplen {nflog.SNAPLEN}
+    {peer} meta l4proto tcp reject with tcp reset
+    {peer} reject with icmpx admin-prohibited
+    drop
+  }}
+}}
+"""
+
+
 def _ruleset() -> str:
     return f"""
 table inet {TABLE} {{
@@ -102,13 +134,19 @@ table inet {TABLE} {{
     type filter hook forward priority 0; policy drop;
   }}
 }}
-"""
+""" + _refused_rules()
 
 
 async def ensure_egress(name: str) -> None:
     """Create the egress namespace with its gateway address and rules (idempotent)."""
     path = netns_path(name)
     if Path(path).exists():
+        # one made by an older warmbox (links may be live in it): add what it lacks
+        probe = ["ip", "netns", "exec", name, "nft", "list", "chain", "inet", TABLE, "refused"]
+        try:
+            await _run(probe)
+        except NetworkSetupError:
+            await _run(["ip", "netns", "exec", name, "nft", "-f", "-"], stdin=_refused_rules().encode())
         return
     await _run(["ip", "netns", "add", name])
     try:
@@ -154,7 +192,10 @@ async def attach(egress: str, link: Link, sandbox_netns: str) -> None:
             f"ip link add eth0 type veth peer name {link.host_ifname} netns {egress}\n"
             f"ip addr add {link.address}/32 dev eth0\n"
             "ip link set eth0 up\n"
-            f"ip route add {GATEWAY}/32 dev eth0 scope link\n",
+            f"ip route add {GATEWAY}/32 dev eth0 scope link\n"
+            # every other destination goes to the egress namespace too, where it is refused and
+            # audited (without it a raw IP failed in the sandbox, unseen: ENETUNREACH)
+            f"ip route add default via {GATEWAY} dev eth0\n",
         ]
     )
     try:

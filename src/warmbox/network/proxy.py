@@ -42,7 +42,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from warmbox import config
 from warmbox.errors import InvalidArgument, WarmboxError
 from warmbox.models import NetEvent
-from warmbox.network import dns, netns
+from warmbox.network import dns, netns, nflog
 from warmbox.network.policy import Policy, Secret, is_blocked, is_ip, normalize_host
 from warmbox.network.tls import SandboxCA
 from warmbox.storage.registry import Registry
@@ -52,6 +52,14 @@ HEAD_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
 IDLE_EXIT_S = 10.0
 MAX_CONTROL_LINE = 1 << 20
+# refused packets (NFLOG): at most this many distinct (sandbox, protocol, destination, port) are held
+# between two flushes (more: counted per sandbox, itemised no further), each flush writes one audit
+# row per key, and a sandbox gets at most REFUSED_ROWS itemised rows from one proxy; after that one
+# row counts the rest. The kernel's side is bounded by netns.LOG_RATE and nflog.RCVBUF.
+REFUSED_KEYS = 512
+REFUSED_ROWS = 1000
+REFUSED_FLUSH_S = 1.0
+REFUSED_READS = 64  # datagrams per wakeup, so a flood cannot starve the proxy's other work
 DECISIONS = ("allow_once", "allow_always", "deny")
 
 
@@ -229,7 +237,94 @@ class Proxy:
         self.last_control = time.monotonic()
         self.next_req = 0
         self.stopping = asyncio.Event()
+        self.refused: dict[tuple[str, str, str, int], int] = {}  # bounded by REFUSED_KEYS
+        self.refused_over: dict[str, int] = {}  # source -> packets past REFUSED_KEYS (bounded too)
+        self.refused_lost = 0
+        self.refused_rows: dict[str, int] = {}  # sandbox -> itemised rows written (<= REFUSED_ROWS)
+        self.refused_capped: dict[str, tuple[int, int]] = {}  # sandbox -> (its cap row, packets counted)
         self.upstream_ssl = ssl.create_default_context(cafile=self.net.upstream_ca or None)
+
+    # ---- refused packets (NFLOG): see nflog.py and the REFUSED_* bounds
+
+    def read_refused(self, sock: socket.socket) -> None:
+        for _ in range(REFUSED_READS):
+            try:
+                data = sock.recv(1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:  # ENOBUFS: the kernel's queue overflowed and dropped some
+                self.refused_lost += 1
+                continue
+            for p in nflog.parse(data):
+                key = (p.source, p.protocol, p.destination, p.port)
+                n = self.refused.get(key)
+                if n is None and len(self.refused) >= REFUSED_KEYS:
+                    if p.source in self.refused_over or len(self.refused_over) < REFUSED_KEYS:
+                        self.refused_over[p.source] = self.refused_over.get(p.source, 0) + 1
+                    continue
+                self.refused[key] = (n or 0) + 1
+
+    async def flush_refused_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REFUSED_FLUSH_S)
+            self.flush_refused()
+
+    def flush_refused(self) -> None:
+        """Audit what was refused since the last flush: one deny row per (protocol, destination,
+        port) of a sandbox, then its cap row once it had REFUSED_ROWS."""
+        held, over, lost = self.refused, self.refused_over, self.refused_lost
+        self.refused, self.refused_over, self.refused_lost = {}, {}, 0
+        if not held and not over:
+            return
+        now = time.time()
+        owners: dict[str, str | None] = {}
+
+        def owner(address: str) -> str | None:
+            if address not in owners:
+                found = self.policy_of(address)
+                owners[address] = found[0] if found is not None else None
+            return owners[address]
+
+        rows: list[NetEvent] = []
+        capped: dict[str, int] = dict(over)
+        for (src, proto, dst, port), n in held.items():
+            sid = owner(src)
+            if sid is None:
+                continue
+            if self.refused_rows.get(sid, 0) >= REFUSED_ROWS:
+                capped[src] = capped.get(src, 0) + n
+                continue
+            self.refused_rows[sid] = self.refused_rows.get(sid, 0) + 1
+            rule = "raw-ip" if dst != netns.GATEWAY else "port-not-allowed"
+            detail = f"{n} packet{'s' if n > 1 else ''} refused by the egress rules (not via the proxy)"
+            rows.append(NetEvent(sid, now, proto, "", dst, port, "deny", rule, 0, 0, detail))
+        if lost:
+            print(f"warmbox proxy: {lost} reads of refused packets overflowed", file=sys.stderr, flush=True)
+        try:
+            if rows:
+                self.registry.add_net_events(rows)
+            for src, n in capped.items():
+                sid = owner(src)
+                if sid is not None:
+                    self._count_capped(sid, n, now)
+        except WarmboxError:
+            pass
+
+    def _count_capped(self, sid: str, n: int, now: float) -> None:
+        """One row per sandbox counts the refused packets past its itemised ones."""
+        total = self.refused_capped.get(sid, (0, 0))[1] + n
+        detail = (
+            f"{total} more packets refused by the egress rules, not itemised (audit bound: "
+            f"{REFUSED_ROWS} rows; logging is rate-limited to {netns.LOG_RATE} per sandbox)"
+        )
+        event_id = self.refused_capped.get(sid, (0, 0))[0]
+        if event_id:
+            self.registry.deny_net_event(event_id, "audit-bound", detail)
+        else:
+            event_id = self.registry.add_net_event(
+                NetEvent(sid, now, "ip", "", "", 0, "deny", "audit-bound", 0, 0, detail)
+            )
+        self.refused_capped[sid] = (event_id, total)
 
     # ---- bookkeeping
 
@@ -710,6 +805,8 @@ class Proxy:
                 _close(w)
             for t in self.tasks.pop(sid, set()):
                 t.cancel()
+            self.refused_rows.pop(sid, None)
+            self.refused_capped.pop(sid, None)
             return {"ok": True}
         if op == "approvals":
             self.approvers.setdefault(str(msg["sandbox_id"]), []).append((reader, writer))
@@ -1033,6 +1130,11 @@ def main(argv: list[str]) -> int:
     tcp.listen(512)
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.bind((netns.GATEWAY, netns.DNS_PORT))
+    refused: list[socket.socket] = []
+    try:  # the packets the egress rules refuse (raw IPs, other ports), for the audit log
+        refused.append(nflog.open_socket())
+    except OSError as e:
+        print(f"warmbox proxy: refused packets are not audited (NFLOG: {e})", file=sys.stderr, flush=True)
     netns.setns(f"/proc/self/fd/{own_ns}")
     os.close(own_ns)
     ctl_path = control_path(home)
@@ -1045,7 +1147,7 @@ def main(argv: list[str]) -> int:
         os.umask(old)
     ctl.listen(128)
     _write_pid(supervisor_pid_path(home), os.getpid())
-    sup = Supervisor(home, [tcp, udp, ctl])
+    sup = Supervisor(home, [tcp, udp, ctl, *refused])
     # Linked sandboxes at a fresh start: their proxy died with its supervisor, or gave up
     # (an attach starts the proxy before it records its link), so egress was down for them.
     if prior is not None:
@@ -1064,7 +1166,7 @@ def main(argv: list[str]) -> int:
     try:
         rc = sup.run()
     finally:
-        for x in (tcp, udp, ctl):
+        for x in (tcp, udp, ctl, *refused):
             x.close()
         ctl_path.unlink(missing_ok=True)
         (home / "netproxy.pid").unlink(missing_ok=True)
@@ -1075,9 +1177,11 @@ def main(argv: list[str]) -> int:
 
 
 def serve(argv: list[str]) -> int:
-    """The proxy proper, a child of the supervisor: ``--serve HOME SUPERVISOR_PID TCP,UDP,CTL,KEEPER``."""
+    """The proxy proper, a child of the supervisor: ``--serve HOME SUPERVISOR_PID TCP,UDP,CTL[,NFLOG],KEEPER``."""
     home, parent = Path(argv[0]), int(argv[1])
-    tcp_fd, udp_fd, ctl_fd, keeper_fd = (int(x) for x in argv[2].split(","))
+    fds = [int(x) for x in argv[2].split(",")]
+    tcp_fd, udp_fd, ctl_fd, keeper_fd = fds[0], fds[1], fds[2], fds[-1]
+    nflog_fd = fds[3] if len(fds) == 5 else None
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -1091,6 +1195,7 @@ def serve(argv: list[str]) -> int:
     udp = socket.socket(fileno=udp_fd)
     ctl = socket.socket(fileno=ctl_fd)
     keeper = socket.socket(fileno=keeper_fd)
+    refused = socket.socket(fileno=nflog_fd) if nflog_fd is not None else None
     keeper.settimeout(10)
     with keeper.makefile("rb") as f:
         restore = json.loads(f.readline(1 << 24) or b"{}").get("restore", [])
@@ -1106,9 +1211,17 @@ def serve(argv: list[str]) -> int:
         server = await asyncio.start_server(proxy.serve_client, sock=tcp, limit=MAX_HEAD)
         await loop.create_datagram_endpoint(lambda: _Dns(proxy), sock=udp)
         control = await asyncio.start_unix_server(proxy.serve_control, sock=ctl, limit=MAX_CONTROL_LINE)
+        if refused is not None:
+            refused.setblocking(False)
+            loop.add_reader(refused, proxy.read_refused, refused)
         proxy.keep({"op": "ready", "pid": os.getpid()})
         watch = asyncio.ensure_future(proxy.idle_watch())
+        flusher = asyncio.ensure_future(proxy.flush_refused_loop())
         await proxy.stopping.wait()
+        if refused is not None:
+            loop.remove_reader(refused)
+        flusher.cancel()
+        proxy.flush_refused()
         watch.cancel()
         control.close()
         server.close()

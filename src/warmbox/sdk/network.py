@@ -27,7 +27,9 @@ class AsyncNetwork:
         return await self._sb._transport.handle(ops.NetworkPolicy(self._sb.sandbox_id))
 
     async def log(self) -> list[NetEvent]:
-        """Every egress attempt so far (connections and DNS lookups), oldest first."""
+        """Every egress attempt so far, oldest first: connections and DNS lookups (the proxy's
+        and resolver's), and packets sent around the proxy (raw IPs, other ports, UDP), which
+        are refused and logged at most ~50/s per sandbox (then a row counts the rest)."""
         return await self._sb._transport.handle(ops.NetworkLog(self._sb.sandbox_id))
 
 

@@ -1601,6 +1601,30 @@ class Registry:
                 ),
             ).lastrowid
 
+    def add_net_events(self, events: builtins.list[NetEvent]) -> None:
+        """Append several audit records in one transaction."""
+        with self._tx() as db:
+            db.executemany(
+                "INSERT INTO net_events (sandbox_id, at, kind, host, address, port, decision, rule,"
+                " bytes_up, bytes_down, detail) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                [
+                    (
+                        e.sandbox_id,
+                        e.at,
+                        e.kind,
+                        e.host,
+                        e.address,
+                        e.port,
+                        e.decision,
+                        e.rule,
+                        e.bytes_up,
+                        e.bytes_down,
+                        e.detail[:500],
+                    )
+                    for e in events
+                ],
+            )
+
     def finish_net_event(self, event_id: int, bytes_up: int, bytes_down: int, detail: str = "") -> None:
         with self._tx() as db:
             db.execute(
