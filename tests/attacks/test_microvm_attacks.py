@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.attacks.conftest import require_tier
-from tests.attacks.test_agent_memory import PROBE
+from tests.attacks.test_agent_memory import HELD, PROBE
 from tests.backends.conftest import qemu_pids
 from warmbox import Limits, Sandbox
 from warmbox.errors import FileTooLarge, NotARegularFile
@@ -35,6 +35,19 @@ def test_microvm_user_code_cannot_touch_the_agents_memory(vm):
     assert agent.isdigit(), agent
     r = vm.commands.run(["python3", "-c", PROBE, agent])
     assert r.exit_code == 0, r.stderr
+    assert "mem:refused" in r.stdout and "ptrace:refused" in r.stdout, r.stdout
+
+
+def test_microvm_code_context_holds_nothing_of_the_agent(vm):
+    """The VM's code context is forked from its agent (a cgroup of the guest's): its own socket and
+    /dev/null alone, in its own cgroup, and the agent's memory out of its reach."""
+    held = eval(vm.run_code(HELD).stdout)
+    sockets = [h for h in held if h.startswith("socket:")]
+    assert len(sockets) == 1 and all(h == "/dev/null" or h in sockets for h in held), held
+    cgroup = vm.run_code("open('/proc/self/cgroup').read().strip().rsplit('/', 1)[-1]").text
+    assert cgroup.strip("'").startswith("cmd-"), cgroup
+    agent = vm.commands.run("pgrep -u 1000 -o -f warmbox.guest.agent").stdout.strip()
+    r = vm.run_code(f"import sys\nsys.argv[1:] = [{agent!r}]\n" + PROBE)
     assert "mem:refused" in r.stdout and "ptrace:refused" in r.stdout, r.stdout
 
 

@@ -290,8 +290,11 @@ GUARANTEES: tuple[Guarantee, ...] = (
         "none of the agent's descriptors (host connections, the listener, the cgroup directory: each "
         "is /dev/null in it, its own socket alone stays), runs in its own cgroup, and cannot reach "
         "the agent's memory either.",
-        _SHARED,
-        ("test_agent_memory.py::test_a_code_context_holds_nothing_of_the_agent",),
+        _ALL,
+        (
+            "test_agent_memory.py::test_a_code_context_holds_nothing_of_the_agent",
+            "test_microvm_attacks.py::test_microvm_code_context_holds_nothing_of_the_agent",
+        ),
     ),
     Guarantee(
         "isolation",
