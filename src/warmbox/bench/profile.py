@@ -2,11 +2,12 @@
 
 Per available tier, in one run: a compute loop (``for x in data: calculate(x)``) and three syscall
 loops — fork + wait, a 4 KiB file created/written/closed/opened/read/closed/unlinked in the working
-directory (/workspace in a sandbox), a loopback TCP connect/accept/send/recv/close — each timed by
-the same script inside a sandbox of the tier and on the host (first, and after each tier: the
-fastest host run counts, as load on a shared host only slows), as microseconds per round: the
-least of many short batches, each loop bounded in rounds and in seconds. Reported as ratios
-sandbox / host; ``syscall`` is the geometric mean of the three syscall loops.
+directory (/workspace in a sandbox; on the host, a filesystem made as a sandbox's /workspace is), a
+loopback TCP connect/accept/send/recv/close — each timed by the same script inside a sandbox of the
+tier and on the host (first, and after each tier: the fastest host run counts, as load on a shared
+host only slows), as microseconds per round: the least of many short batches, each loop bounded in
+rounds and in seconds. Reported as ratios sandbox / host; ``syscall`` is the geometric mean of the
+three syscall loops.
 
 The result is cached in the home (``<home>/cache/tier-profile.json``, with the host's kernel, CPU
 and the time) and read by ``warmbox.choose_tier`` / ``warmbox advise`` / ``tier="auto"``.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import shutil
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +92,7 @@ print(json.dumps(out))
 """
 LOOP_NAMES = ("compute", "fork", "files", "socket")
 MAX_OUTPUT = 4096
+HOST_DISK_MB = 64
 
 
 def _parse(text: str, where: str) -> dict[str, float]:
@@ -108,14 +112,28 @@ def host_python() -> str:
     return shutil.which("python3", path="/usr/bin:/bin") or sys.executable
 
 
-def _host_loops(budget: float) -> dict[str, float]:
-    with tempfile.TemporaryDirectory(prefix="wbprofile-") as cwd:
-        r = subprocess.run(
-            [host_python(), "-c", LOOPS, str(budget)], cwd=cwd, capture_output=True, text=True, timeout=120
-        )
+def _host_loops(budget: float, cwd: Path) -> dict[str, float]:
+    r = subprocess.run([host_python(), "-c", LOOPS, str(budget)], cwd=cwd, capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         raise WarmboxError(f"bench profile: the loops failed on the host: {r.stderr[-300:]}")
     return _parse(r.stdout, "the host")
+
+
+@contextlib.contextmanager
+def _host_disk(runtime: Path) -> Iterator[Path]:
+    """A directory on the very kind of filesystem a sandbox's /workspace is (a sparse ext4 image
+    without a journal, loop-mounted with direct I/O: workspace_disk), for the host's file loop: on
+    the host's own journaled disk the same loop measured 22-200 us per round as other writers came
+    and went, which made every tier's file ratio noise. Unmounted and removed after."""
+    from warmbox.backends import workspace_disk
+
+    state = Path(tempfile.mkdtemp(prefix="profile-", dir=runtime))
+    try:
+        workspace_disk.attach(state, runtime / "images" / "disks", HOST_DISK_MB, 0, 0)
+        yield state / workspace_disk.MOUNT_POINT
+    finally:
+        workspace_disk.release(state)
+        shutil.rmtree(state, ignore_errors=True)
 
 
 async def _tier_loops(home: Path, tier: str, budget: float) -> tuple[dict[str, float], float]:
@@ -150,14 +168,21 @@ def _ratios(tier: str, cost_note: str, got: dict[str, float], host: dict[str, fl
 
 async def bench_profile(tiers: list[str] | None, budget: float) -> dict[str, Any]:
     """Measure, cache in the home, and return the report (the profile and each sandbox's create time)."""
-    from warmbox.engine import tierprofile
     from warmbox.engine.engine import Engine
     from warmbox.paths import default_home
 
     home = default_home()
     engine = Engine.for_home(home)
+    engine.runtime.mkdir(parents=True, exist_ok=True, mode=0o711)
+    with _host_disk(engine.runtime) as host_dir:
+        return await _measure(engine, home, host_dir, tiers, budget)
+
+
+async def _measure(engine: Any, home: Path, host_dir: Path, tiers: list[str] | None, budget: float) -> dict[str, Any]:
+    from warmbox.engine import tierprofile
+
     t_start = time.perf_counter()
-    hosts = [await asyncio.to_thread(_host_loops, budget)]
+    hosts = [await asyncio.to_thread(_host_loops, budget, host_dir)]
     cost_notes: dict[str, str] = {}
     skipped: dict[str, str] = {}
     created: dict[str, float] = {}
@@ -172,7 +197,7 @@ async def bench_profile(tiers: list[str] | None, budget: float) -> dict[str, Any
         else:
             sandbox_us[c.tier], created[c.tier] = await _tier_loops(home, c.tier, budget)
             cost_notes[c.tier] = c.capabilities.cost_note
-            hosts.append(await asyncio.to_thread(_host_loops, budget))  # interleaved: the host's load changes
+            hosts.append(await asyncio.to_thread(_host_loops, budget, host_dir))  # interleaved: the host's load changes
     host = {k: min(h[k] for h in hosts) for k in LOOP_NAMES}  # the fastest host run: load only slows
     rows = [_ratios(t, cost_notes[t], us, host) for t, us in sandbox_us.items()]
     kernel, model, cpus = tierprofile.host_facts()
