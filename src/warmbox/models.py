@@ -658,10 +658,6 @@ class Capabilities:
     # sandboxes run a template's image (root filesystem) and its warm-up; without: the template
     # names only a shape (the isolate tier: an isolate has no filesystem to put an image in)
     images: bool = True
-    # /workspace is ``<state dir>/workspace`` on the host, every file of it the sandbox user's (guest
-    # uid 1000, no root inside), readable while the sandbox runs: a files snapshot archives it there
-    # (tar as its owner) instead of streaming it out through the agent
-    workspace_on_host: bool = False
 
 
 ISOLATION_RANKS = {

@@ -170,61 +170,6 @@ async def tar_create(directory: str | Path, sink: Callable[[bytes], object], *, 
     return written
 
 
-async def tar_members(
-    parent: str | Path, name: str, sink: Callable[[bytes], object], *, owner_id: int, max_bytes: int, timeout: float
-) -> tuple[int, str]:
-    """Archive everything below ``parent/name`` as members ``name/...`` (``name`` itself is not one;
-    its own filesystem only; a top ``lost+found`` is skipped) into ``sink``, by find and tar running
-    as that directory's owner, each member recorded as owned by ``owner_id`` (uid and gid: the
-    guest's view). Returns tar's exit code (1: a file changed while it was read) and its stderr's
-    tail; StorageError past ``max_bytes`` (tar is killed) or ``timeout`` seconds (wall clock)."""
-    uid, gid = owner(Path(parent) / name)
-    kw: dict = {"cwd": str(parent), "umask": 0o077}
-    if uid != os.geteuid():
-        kw.update(user=uid, group=gid, extra_groups=[])
-    proc = await asyncio.create_subprocess_exec(
-        "/bin/sh",
-        "-c",
-        'find "$1" -xdev -mindepth 1 -path "$1/lost+found" -prune -o -print0 | '
-        f"{TAR} --null --no-recursion -T - --sparse --numeric-owner "
-        f"--owner=:{int(owner_id)} --group=:{int(owner_id)} --warning=no-file-ignored -cf -",
-        "sh",
-        name,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        **kw,
-    )
-    assert proc.stdout is not None and proc.stderr is not None
-    stdout = proc.stdout
-    written = 0
-    too_big = False
-
-    async def pump() -> None:
-        nonlocal written, too_big
-        while chunk := await stdout.read(_CHUNK):
-            written += len(chunk)
-            if written > max_bytes:
-                too_big = True
-                proc.kill()
-                return
-            sink(chunk)
-
-    err = b""
-    try:
-        _, err = await asyncio.wait_for(asyncio.gather(pump(), _tail(proc.stderr)), timeout)
-        rc = await asyncio.wait_for(proc.wait(), timeout)
-    except TimeoutError:
-        raise StorageError(f"archiving {name}: tar took longer than {timeout:.0f} s") from None
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    if too_big:
-        raise StorageError(f"archiving {name}: more than {max_bytes} bytes (WARMBOX_SNAPSHOT_MAX_BYTES)")
-    return rc, err.decode(errors="replace").strip()[-2000:]
-
-
 async def find_sockets(directory: str | Path, *, limit: int, timeout: float) -> list[str]:
     """Up to ``limit`` unix sockets below ``directory`` (paths relative to it, without ``./``), found
     by ``find`` running as the directory's owner; its own filesystem only (a mount below it is not

@@ -351,7 +351,6 @@ class RuncBackend:
             isolation_rank=1,
             cost_note="the host kernel serves every syscall",
             start_ms=100.0,
-            workspace_on_host=True,
         )
 
     def probe(self) -> Availability:

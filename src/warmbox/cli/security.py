@@ -66,14 +66,6 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ("test_host_paths.py::test_memory_snapshot_keeps_absolute_symlinks_and_sparse_files",),
     ),
     Guarantee(
-        "host paths",
-        "A container snapshot reads /workspace on the host by find and tar running as the sandbox's "
-        "uid: links to host files stay links (their targets' contents never enter the archive), "
-        "FIFOs are not opened, sparse files stay sparse.",
-        ("container",),
-        ("test_host_paths.py::test_container_files_snapshot_reads_the_workspace_on_the_host_without_following_links",),
-    ),
-    Guarantee(
         "lost work",
         "WARMBOX_SNAPSHOT_MAX_BYTES bounds every tier's snapshot; a pause that cannot be "
         "stored after its checkpoint continues the sandbox from its own image.",

@@ -250,7 +250,7 @@ async def snapshot(
     work = op.path
     own = session is None
     blob: snaps.BlobWriter | None = None
-    pickle_left = False  # the context's pickle in the guest's /tmp (the tar command removes it)
+    pickle_left = True  # the context's pickle in the guest's /tmp: removed by the tar command itself
     try:
         if session is None:
             session = await provision.connect(engine.backend(info.tier), handle)
@@ -263,32 +263,18 @@ async def snapshot(
             raise _storage_error(e, f"snapshot of {sandbox_id}") from None
         raise
     try:
-        # a tier whose /workspace is a host directory: the guest sends the rest, then the host
-        # archives /workspace itself (tar as its owner: as fast as a plain host tar, no agent hop)
-        on_host = engine.backend(info.tier).capabilities().workspace_on_host
-        guest_paths = tuple(x for x in TAR_PATHS if not (on_host and x == "workspace"))
-        context_saved = False
+        text, done = await _run_code(session, _SAVE, sandbox_id)
+        context_saved = done.error is None
         skipped: tuple[str, ...] = ()
+        if context_saved:
+            names = _names(text)
+            context_saved = names is not None
+            skipped = names or ()
         for last in (False, True):
             # compressed and hashed as it streams: the archive never lands on disk uncompressed
-            sink = _BoundedSink(blob, sandbox_id)
-            if not pickle_left:  # (again after a pass whose guest tar removed it)
-                pickle_left = True
-                text, done = await _run_code(session, _SAVE, sandbox_id)
-                context_saved = done.error is None
-                skipped = ()
-                if context_saved:
-                    names = _names(text)
-                    context_saved = names is not None
-                    skipped = names or ()
-            code, err = await _stream_tar(
-                session, sink, guest_paths, sandbox_id, remove="always" if last else "unless-changed", more=on_host
-            )
+            code, err = await _stream_tar(session, blob, sandbox_id, last=last)
             pickle_left = code == 1 and not last
-            if on_host and code == 0:
-                code, err = await _host_workspace(handle, sink)
-            sink.check()
-            if not (code == 1 and not last):
+            if not pickle_left:
                 break
             blob.discard()  # 1: a file changed while it was read: once more, then give up
             blob = snaps.BlobWriter(work)
@@ -399,78 +385,28 @@ def _names(text: str) -> tuple[str, ...] | None:
     return tuple(v)
 
 
-class _BoundedSink:
-    """Where a files snapshot's archive goes (the blob), bounded by MAX_SNAPSHOT_BYTES; the first
-    failure is kept and raised by ``check`` (a stream's remaining data is dropped meanwhile)."""
+async def _stream_tar(session: GuestSession, blob: snaps.BlobWriter, sandbox_id: str, *, last: bool) -> tuple[int, str]:
+    """tar the snapshot paths in the guest into ``blob``, bounded by MAX_SNAPSHOT_BYTES; (tar's exit
+    code, its stderr's tail). The same command then removes the context's pickle, unless tar's
+    1 (a file changed while read) is to be retried (``last`` False): one process, one round trip."""
+    failed: list[OSError] = []
+    written = 0
 
-    def __init__(self, blob: snaps.BlobWriter, sandbox_id: str) -> None:
-        self.blob = blob
-        self.sandbox_id = sandbox_id
-        self.written = 0
-        self.failed: list[OSError] = []
-
-    def __call__(self, data: bytes) -> None:
-        if self.failed:
+    def sink(data: bytes) -> None:
+        nonlocal written
+        if failed:
             return
-        self.written += len(data)
-        if self.written > MAX_SNAPSHOT_BYTES:
-            self.failed.append(OSError(27, "snapshot larger than WARMBOX_SNAPSHOT_MAX_BYTES"))
+        written += len(data)
+        if written > MAX_SNAPSHOT_BYTES:
+            failed.append(OSError(27, "snapshot larger than WARMBOX_SNAPSHOT_MAX_BYTES"))
             return
         try:
-            self.blob.write(data)
+            blob.write(data)
         except OSError as e:
-            self.failed.append(e)
+            failed.append(e)
 
-    def check(self) -> None:
-        if self.failed:
-            first = self.failed[0]
-            if first.errno == 27:
-                raise StorageError(
-                    f"snapshot of {self.sandbox_id}: more than {MAX_SNAPSHOT_BYTES} bytes of files "
-                    "(WARMBOX_SNAPSHOT_MAX_BYTES)"
-                )
-            raise _storage_error(first, f"snapshot of {self.sandbox_id}")
-
-
-async def _host_workspace(handle: BackendHandle, sink: _BoundedSink) -> tuple[int, str]:
-    """The archive's ``workspace/`` members, made on the host (``Capabilities.workspace_on_host``)."""
-    from warmbox.backends._host import GUEST_UID
-
-    try:
-        return await hostfs.tar_members(
-            Path(handle.state_dir),
-            "workspace",
-            sink,
-            owner_id=GUEST_UID,
-            max_bytes=MAX_SNAPSHOT_BYTES,
-            timeout=_TIMEOUT_S,
-        )
-    except OSError as e:
-        raise _storage_error(e, f"snapshot of {handle.sandbox_id}") from None
-    except StorageError as e:
-        raise StorageError(f"snapshot of {handle.sandbox_id}: {e}") from None
-
-
-async def _stream_tar(
-    session: GuestSession, sink: _BoundedSink, paths: tuple[str, ...], sandbox_id: str, *, remove: str, more: bool
-) -> tuple[int, str]:
-    """tar ``paths`` (of TAR_PATHS) in the guest into ``sink``; (tar's exit code, its stderr's tail).
-    more: other members follow in the same archive (the host's /workspace): the stream goes without
-    its end-of-archive blocks (512-byte records: they are its last 1024 bytes). The same command
-    then removes the context's pickle (one process, one round trip): ``remove`` is "always" or
-    "unless-changed" (kept when tar exits 1: the pass is repeated)."""
-    listing = " ".join(paths)
-    rm = {"always": "", "unless-changed": "[ $rc -eq 1 ] || "}[remove]
-    held = b""
-
-    def strip(data: bytes) -> None:  # keeps the last 1024 bytes back
-        nonlocal held
-        data = held + data
-        if len(data) > 1024:
-            sink(data[:-1024])
-            data = data[-1024:]
-        held = data
-
+    listing = " ".join(TAR_PATHS)
+    keep = "" if last else "[ $rc -eq 1 ] || "
     # the contents of each path, not the mount points themselves (their owner/mode is the tier's);
     # -xdev: a named volume mounted below one is external state, not part of the snapshot;
     # a workspace disk's lost+found (mkfs's, root's alone: the microVM's has one) is not the user's
@@ -481,16 +417,21 @@ async def _stream_tar(
             "-c",
             f"cd / && find {listing} -xdev -mindepth 1 -path workspace/lost+found -prune -o -print0 "
             "| /bin/tar --null "
-            f"--no-recursion -T - --sparse --numeric-owner {'--record-size=512 ' if more else ''}"
+            "--no-recursion -T - --sparse --numeric-owner "
             "--warning=no-file-ignored -cpf -; "
-            f"rc=$?; {rm}/bin/rm -f {STATE_FILE}; exit $rc",
+            f"rc=$?; {keep}/bin/rm -f {STATE_FILE}; exit $rc",
         ],
         sandbox_id,
-        sink=strip if more else sink,
+        sink=sink,
         max_output=MAX_SNAPSHOT_BYTES + 1,
     )
-    if more and code in (0, 1) and held != bytes(1024):
-        return 2, "the guest's archive did not end with its end-of-archive blocks"
+    if failed:
+        first = failed[0]
+        if first.errno == 27:
+            raise StorageError(
+                f"snapshot of {sandbox_id}: more than {MAX_SNAPSHOT_BYTES} bytes of files (WARMBOX_SNAPSHOT_MAX_BYTES)"
+            )
+        raise _storage_error(first, f"snapshot of {sandbox_id}")
     return code, err
 
 
