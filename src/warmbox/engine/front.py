@@ -551,6 +551,7 @@ class EngineFront:
     # ---- sessions
 
     async def _hold(self, got: Launched) -> ops.Opened:
+        self._tiers[got.sandbox_id] = got.info.tier
         old = self._sessions.pop(got.sandbox_id, None)
         self._sessions[got.sandbox_id] = got.session
         if old is not None and old is not got.session:

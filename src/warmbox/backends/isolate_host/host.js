@@ -154,23 +154,26 @@ class Sandbox {
     this.run = null; // the run in progress: { sock, id, sent, max, truncated }
     this.nextContext = 1;
     this.wasm = { count: 0 }; // Wasm runs are stateless: each is a fresh wasmtime store
-    this.fresh();
+    this.isolate = null;
+    this.contexts = new Map();
   }
 
-  // a new isolate with its default context: at start, and after an OOM disposed the last one
-  fresh() {
+  // a new isolate with its default context: at start, and after an OOM disposed the last one. The
+  // context is made and bootstrapped on the isolate's own thread (the host's loop serves the other
+  // sandboxes meanwhile: a pool refill does not stall a claimed sandbox's run)
+  async fresh() {
     this.isolate = new ivm.Isolate({ memoryLimit: this.memoryMb });
     this.contexts = new Map();
-    const { context } = this.contexts.get(this.addContext('default-javascript'));
+    const { context } = this.contexts.get(await this.addContext('default-javascript'));
     // one run on the isolate's own thread now (a pooled sandbox's first snippet: ~0.15 ms, not ~0.25)
-    this.chain = this.chain.then(() => context.eval("(() => 'x'.toUpperCase())()")).catch(() => {});
+    await context.eval("(() => 'x'.toUpperCase())()");
   }
 
-  addContext(name) {
-    const context = this.isolate.createContextSync();
+  async addContext(name) {
+    const context = await this.isolate.createContext();
     const write = new ivm.Callback((fd, text) => this.output(fd === 2 ? 'Stderr' : 'Stdout', text), { sync: true });
-    context.global.setSync('__wb_write', write);
-    const inspect = context.evalSync(BOOTSTRAP, { reference: true });
+    await context.global.set('__wb_write', write);
+    const inspect = await context.eval(BOOTSTRAP, { reference: true });
     this.contexts.set(name, { context, inspect, count: 0 });
     return name;
   }
@@ -193,7 +196,7 @@ class Sandbox {
     if (this.server !== null) this.server.close();
     for (const c of this.conns) c.destroy();
     this.conns.clear();
-    if (!this.isolate.isDisposed) this.isolate.dispose();
+    if (this.isolate !== null && !this.isolate.isDisposed) this.isolate.dispose();
   }
 
   async runWasm(sock, msg) {
@@ -269,7 +272,7 @@ class Sandbox {
         name = 'MemoryLimitError';
         value = `the isolate passed its memory limit (${this.memoryMb} MiB) and was disposed; a fresh one replaces it`;
         traceback = name + ': ' + value;
-        this.fresh();
+        await this.fresh();
       } else if (elapsedMs >= timeoutMs && /timed out/.test(String(e && e.message))) {
         timedOut = true;
       } else {
@@ -301,8 +304,8 @@ class Sandbox {
       case 'ContextCreate':
         if (msg.language === 'wasm') return failure(sock, msg.id, 'invalid', 'WebAssembly runs are stateless: run_code(module, language="wasm") runs each module in a fresh store');
         if (msg.language !== 'javascript') return failure(sock, msg.id, 'language_unavailable', `no ${msg.language} contexts on the isolate tier`);
-        this.chain = this.chain.then(() => {
-          const name = this.addContext(`js-${this.nextContext++}`);
+        this.chain = this.chain.then(async () => {
+          const name = await this.addContext(`js-${this.nextContext++}`);
           frame(sock, { type: 'ContextCreated', id: msg.id, context: name });
         }).catch((e) => failure(sock, msg.id, 'internal', e));
         return undefined;
@@ -366,7 +369,7 @@ class Sandbox {
 
 const sandboxes = new Map();
 
-function control(req, fd) {
+async function control(req, fd) {
   const id = typeof req.sandbox === 'string' ? req.sandbox : '';
   switch (req.op) {
     case 'add': {
@@ -376,10 +379,21 @@ function control(req, fd) {
       const mb = Number(req.memory_mb);
       if (!Number.isInteger(mb) || mb < 8 || mb > 65536) return { ok: false, error: 'memory_mb must be an integer from 8 to 65536' };
       const sb = new Sandbox(id, mb);
+      sandboxes.set(id, sb); // taken: a second add of the id is refused while this one runs
+      try {
+        await sb.fresh();
+      } catch (e) {
+        sandboxes.delete(id);
+        sb.dispose();
+        return { ok: false, error: `no isolate: ${(e && e.message) || e}` };
+      }
+      if (sandboxes.get(id) !== sb) { // removed meanwhile
+        sb.dispose();
+        return { ok: false, error: `sandbox ${id} was removed while it was made` };
+      }
       sb.server = net.createServer((sock) => sb.serve(sock));
       sb.server.on('error', () => {});
       sb.server.listen({ fd });
-      sandboxes.set(id, sb);
       return { ok: true };
     }
     case 'remove': {
@@ -397,7 +411,7 @@ function control(req, fd) {
       if (sb === undefined) return { ok: false, error: `no sandbox ${id}` };
       let heap = 0;
       let cpu = 0;
-      if (!sb.isolate.isDisposed) {
+      if (sb.isolate !== null && !sb.isolate.isDisposed) {
         const s = sb.isolate.getHeapStatisticsSync();
         heap = s.total_heap_size + s.externally_allocated_size;
         cpu = Number(sb.isolate.cpuTime);
@@ -411,13 +425,13 @@ function control(req, fd) {
   }
 }
 
-const server = net.createServer({ pauseOnConnect: true }, (conn) => {
+const server = net.createServer({ pauseOnConnect: true }, async (conn) => {
   let reply;
   let fd = -1;
   try {
     const [data, got] = fdpass.recv(conn._handle.fd, CONTROL_TIMEOUT_MS);
     fd = got;
-    reply = control(JSON.parse(data.toString('utf8')), fd);
+    reply = await control(JSON.parse(data.toString('utf8')), fd);
     if (reply.ok) fd = -1; // the sandbox's server owns it now
   } catch (e) {
     reply = { ok: false, error: String((e && e.message) || e) };
