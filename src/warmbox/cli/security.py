@@ -338,6 +338,14 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ),
     ),
     Guarantee(
+        "egress",
+        "Root in a gVisor sandbox, whose netstack gives it raw IP sockets on its link, gets no packet "
+        "past the egress rules: nothing is routed beyond the gateway, and a packet carrying a "
+        "neighbour's address (spoofed) is dropped before warmbox's resolver or proxy sees it.",
+        ("gvisor",),
+        ("test_egress_gvisor_raw.py::test_root_in_gvisor_cannot_get_raw_or_spoofed_packets_past_the_egress_rules",),
+    ),
+    Guarantee(
         "ports",
         "A port forward (get_host) is a way in only: while one is open and in use the sandbox still "
         "has no route out (not to the host, not anywhere); the agent dials only its own loopback.",
