@@ -285,6 +285,44 @@ def test_gvisor_link_is_made_at_create_and_its_policy_updates_in_place(net_home,
     assert [rec["path"] for rec in world.log("allowed")] == ["/hello.txt"]
 
 
+def test_gvisor_continued_in_place_after_its_checkpoint_keeps_its_link(net_home, world):
+    """A pause whose storing failed continues the sandbox from its own image in place
+    (snapshot._revive): runsc reads the namespace again, and the runtime that exited took eth0's
+    address with it, so the link is made again first. Same processes, same network."""
+    import asyncio
+    import tempfile
+    from pathlib import Path
+
+    from warmbox.engine import provision
+    from warmbox.engine import snapshot as snapshots
+
+    world.clear_logs()
+    engine = Engine.for_home(net_home)
+    net = Network(allow=["allowed.test"])
+    with Sandbox.create(tier="gvisor", template="shell", network=net, timeout=120, home=net_home) as sb:
+        sh(sb, "sleep 600 >/dev/null 2>&1 &")
+        address = engine.registry.link(sb.sandbox_id)[0]
+
+        async def checkpoint_and_continue() -> None:
+            _, handle = engine.info(sb.sandbox_id)
+            backend = engine.backend("gvisor")
+            session = await provision.connect(backend, handle)
+            try:
+                await session.quiesce()
+            finally:
+                await session.close()
+            with tempfile.TemporaryDirectory(dir=engine.runtime) as d:
+                await backend.checkpoint(handle, Path(d))  # the runtime exits, as in a pause
+                await snapshots._revive(engine, backend, handle, Path(d))
+
+        asyncio.run(checkpoint_and_continue())
+        assert sh(sb, "pgrep -x sleep").exit_code == 0
+        r = sh(sb, f"{CURL} http://allowed.test/hello.txt")
+        assert r.exit_code == 0 and r.stdout == "hello from the allowed site\n", r.stderr
+        assert engine.registry.link(sb.sandbox_id)[0] == address
+    assert [rec["path"] for rec in world.log("allowed")] == ["/hello.txt"]
+
+
 def test_approval_hook_allows_and_denies(net_home, world):
     world.clear_logs()
     asked = []

@@ -305,6 +305,21 @@ async def unprepare(engine: Engine, sandbox_id: str) -> None:
     await netns.remove_sandbox_netns(name)
 
 
+async def renew_prepared(engine: Engine, sandbox_id: str) -> None:
+    """A runtime continued in place (a checkpoint whose storing failed) reads its namespace again:
+    the one it ran in lost eth0's address to the runtime that exited, so the same link (address,
+    veth name, policy, the proxy's state) is made again in a new namespace at the same path.
+    Nothing to do for a sandbox without a prepared namespace."""
+    name = netns.sandbox_netns_name(sandbox_id)
+    row = engine.registry.link(sandbox_id)
+    if row is None or not os.path.exists(netns.netns_path(name)):
+        return
+    link = netns.Link(sandbox_id, row[0], row[1])
+    egress = netns.egress_name(engine.runtime)
+    await netns.detach(egress, link)
+    await netns.prepare(egress, link, name)
+
+
 def _prepared_link(engine: Engine, handle: BackendHandle) -> netns.Link:
     """The link :func:`prepare` made for this sandbox's start; Unsupported if it was started
     without one (its tier cannot add an interface to a running sandbox)."""

@@ -568,6 +568,9 @@ async def _revive(engine: Engine, backend: SnapshotCapable, handle: BackendHandl
             raise
         return session
 
+    from warmbox.engine import egress
+
+    await egress.renew_prepared(engine, handle.sandbox_id)  # a link made before the start: again
     session = await backend.restore(handle, image_dir, ready)
     await session.close()
 
