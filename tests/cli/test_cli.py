@@ -60,6 +60,30 @@ def test_bad_input_is_one_line_error(home):
         assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
 
 
+def test_a_reader_that_leaves_ends_the_cli_quietly(tmp_path):
+    """``warmbox advise ... | head -1``: the pipe's reader is gone when the CLI writes."""
+    import os
+    import subprocess
+    import sys
+
+    r, w = os.pipe()
+    os.close(r)  # every write to w now fails with EPIPE
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "warmbox.cli.main", "advise", "--language", "python", "--untrusted"],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            timeout=60,
+            env={**os.environ, "WARMBOX_HOME": str(tmp_path)},
+        )
+    finally:
+        os.close(w)
+    assert proc.returncode == 141, proc.stderr
+    assert proc.stderr == "", proc.stderr
+
+
 @pytest.mark.sandbox
 def test_doctor(home):
     r = cli("doctor", "--json")
@@ -67,4 +91,4 @@ def test_doctor(home):
     assert rows["container"]["available"] is True
     assert rows["gvisor"]["available"] is True
     assert rows["microvm"]["available"] is True and "accelerator" in rows["microvm"]["reason"]
-    assert rows["isolate"]["available"] is False and rows["isolate"]["reason"]
+    assert rows["isolate"]["available"] is True and rows["isolate"]["reason"]

@@ -982,6 +982,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("warmbox: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (``warmbox ls | head``): stop quietly, as Unix tools do
+        try:  # and let the final flush find somewhere to go
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
+        return 141  # 128 + SIGPIPE, what a shell shows for a writer its pipe ended
     except Exception as e:  # a bug of ours: one line, the traceback only on request
         if os.environ.get("WARMBOX_DEBUG"):
             raise
