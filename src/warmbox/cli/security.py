@@ -331,7 +331,7 @@ GUARANTEES: tuple[Guarantee, ...] = (
         "Every attempt around the proxy (raw IPs, other ports of the gateway, UDP) is refused at once "
         "and in network.log(); a sandbox flooding them is logged at a bounded rate into a bounded "
         "table and row count: the host's memory stays flat.",
-        ("container",),
+        ("container", "gvisor"),
         (
             "test_egress_audit.py::test_raw_ip_other_port_and_udp_attempts_are_refused_and_audited",
             "test_egress_audit.py::test_raw_ip_syn_flood_is_refused_audited_with_a_bound_and_host_memory_stays_flat",
