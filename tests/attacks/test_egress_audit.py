@@ -48,10 +48,12 @@ def rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-@pytest.mark.parametrize("tier", ["container", "gvisor"])
+@pytest.mark.parametrize(
+    "tier", ["container", "gvisor", pytest.param("microvm", marks=pytest.mark.microvm, id="microvm")]
+)
 def test_raw_ip_other_port_and_udp_attempts_are_refused_and_audited(net_home, world, tier):
     world.clear_logs()
-    with Sandbox.create(tier, network=Network(allow=["allowed.test"]), timeout=120, home=net_home) as sb:
+    with Sandbox.create(tier=tier, network=Network(allow=["allowed.test"]), timeout=120, home=net_home) as sb:
         r = py(
             sb,
             "import socket, time\n"
