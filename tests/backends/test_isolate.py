@@ -6,7 +6,7 @@ import base64
 
 import pytest
 
-from warmbox import Limits, Sandbox, Unsupported, UnsupportedLanguage
+from warmbox import InvalidArgument, Limits, Sandbox, Unsupported, UnsupportedLanguage
 from warmbox.backends.isolate import IsolateBackend
 from warmbox.engine.engine import Engine
 
@@ -67,6 +67,12 @@ def test_a_js_exception_is_the_typed_error_of_the_run(box):
     assert not e.timed_out and not e.oom_killed and e.text is None
     syntax = box.run_code("let = = 1", language="javascript")
     assert syntax.error is not None and syntax.error.name == "SyntaxError"
+
+
+@pytest.mark.sandbox
+def test_a_template_is_refused_not_ignored(iso_host):
+    with pytest.raises(InvalidArgument, match="takes no template"):
+        Sandbox.create(tier="isolate", template="pydata", timeout=60)
 
 
 @pytest.mark.sandbox

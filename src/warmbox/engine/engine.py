@@ -337,6 +337,11 @@ class Engine:
         t0 = time.perf_counter()
         settings = self.settings()
         tier = backends.canonical_tier(settings.defaults.tier if tier is None else tier)
+        if template is not None and image is None and not self.backend(tier).capabilities().images:
+            raise InvalidArgument(
+                f"tier {tier!r} runs no image, so it takes no template (asked: {template!r}); "
+                "leave template unset, or choose a tier with images (warmbox doctor)"
+            )
         policy = Policy.of(network)
         secret_map = egress.validate_secrets(secrets)
         if secret_map and not policy.enabled:
