@@ -331,7 +331,11 @@ def test_a_cancelled_sender_does_not_end_another_senders_wait_for_room(fake):
             a = asyncio.ensure_future(c.upload("/a", bytes(size), window=0))
             await asyncio.sleep(0)
             b = asyncio.ensure_future(c.upload("/b", bytes(size), window=0))
-            await asyncio.sleep(0.3)  # both wait for room by now
+            for _ in range(500):  # both wait for room soon (bounded: 10 s on a loaded host)
+                if c._paused is not None:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)
             assert c._paused is not None and not a.done() and not b.done()
             a.cancel()
             entry = await asyncio.wait_for(b, 60)
