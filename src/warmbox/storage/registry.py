@@ -388,6 +388,29 @@ class PoolRow:
     config_target: int | None
 
 
+_NET_EVENT_INSERT = (
+    "INSERT INTO net_events (sandbox_id, at, kind, host, address, port, decision, rule,"
+    " bytes_up, bytes_down, detail) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+)
+
+
+def _net_event_row(e: NetEvent) -> tuple:
+    """One audit record as add_net_event(s) insert it (its detail bounded)."""
+    return (
+        e.sandbox_id,
+        e.at,
+        e.kind,
+        e.host,
+        e.address,
+        e.port,
+        e.decision,
+        e.rule,
+        e.bytes_up,
+        e.bytes_down,
+        e.detail[:500],
+    )
+
+
 class Registry:
     """ledger: where uid slots are claimed (the host-wide one unless a test gives its own).
     check_limits: called with a sandbox's Limits before any row is written (raises to refuse).
@@ -1583,47 +1606,12 @@ class Registry:
 
     def add_net_event(self, e: NetEvent) -> int:
         with self._tx() as db:
-            return db.execute(
-                "INSERT INTO net_events (sandbox_id, at, kind, host, address, port, decision, rule,"
-                " bytes_up, bytes_down, detail) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                (
-                    e.sandbox_id,
-                    e.at,
-                    e.kind,
-                    e.host,
-                    e.address,
-                    e.port,
-                    e.decision,
-                    e.rule,
-                    e.bytes_up,
-                    e.bytes_down,
-                    e.detail[:500],
-                ),
-            ).lastrowid
+            return db.execute(_NET_EVENT_INSERT, _net_event_row(e)).lastrowid
 
     def add_net_events(self, events: builtins.list[NetEvent]) -> None:
         """Append several audit records in one transaction."""
         with self._tx() as db:
-            db.executemany(
-                "INSERT INTO net_events (sandbox_id, at, kind, host, address, port, decision, rule,"
-                " bytes_up, bytes_down, detail) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                [
-                    (
-                        e.sandbox_id,
-                        e.at,
-                        e.kind,
-                        e.host,
-                        e.address,
-                        e.port,
-                        e.decision,
-                        e.rule,
-                        e.bytes_up,
-                        e.bytes_down,
-                        e.detail[:500],
-                    )
-                    for e in events
-                ],
-            )
+            db.executemany(_NET_EVENT_INSERT, [_net_event_row(e) for e in events])
 
     def finish_net_event(self, event_id: int, bytes_up: int, bytes_down: int, detail: str = "") -> None:
         with self._tx() as db:
