@@ -290,6 +290,60 @@ class CommandResult:
         return self.exit_code == 0 and not self.timed_out and not self.oom_killed
 
 
+MAX_COMMAND_TEXT = 4096  # bytes of a command's or cell's text kept in its CommandRecord (UTF-8)
+COMMAND_KINDS = ("command", "code", "process")
+
+
+@dataclasses.dataclass(frozen=True)
+class CommandRecord:
+    """One command or code run of a sandbox, as the registry keeps it (``Registry.commands``).
+
+    Never its environment (it may hold secrets) and never its output: byte counts and outcome only.
+    kind: "command" (``commands.run``, foreground), "code" (``run_code``), "process" (a background
+    process, recorded when a client followed it to its end through the front that started it).
+    text: the command line (an argv list shell-quoted) or the cell's code, cut to MAX_COMMAND_TEXT
+    UTF-8 bytes (``text_truncated``). It is the caller's input: hostile to a browser showing it.
+    language: a cell's ("python", "javascript", "bash"); "" for commands.
+    started_at: unix seconds. duration_ms: the guest's measure (the host's wall clock if the call
+    failed before a result). exit_code: None for a cell, or when no exit was seen (an error).
+    error: "" if the call returned; a cell's exception name ("ZeroDivisionError"); for a call that
+    raised, the warmbox error's class name ("SandboxTimeout", "GuestConnectionError").
+    stdout_bytes / stderr_bytes: UTF-8 bytes of the output returned (after any truncation).
+    seq: 1, 2, ... within the sandbox, in the order the records were written.
+    """
+
+    sandbox_id: str
+    seq: int
+    kind: str
+    text: str
+    text_truncated: bool
+    language: str
+    started_at: float
+    duration_ms: float
+    exit_code: int | None
+    error: str
+    timed_out: bool
+    truncated: bool
+    oom_killed: bool
+    stdout_bytes: int
+    stderr_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CommandDurations:
+    """Every recorded command of one (tier, kind) as a histogram (``Registry.command_durations``).
+
+    buckets[i]: how many took at most the i-th bound asked for (ms, cumulative, Prometheus-style);
+    ``count`` is the +Inf bucket, ``sum_ms`` the total duration.
+    """
+
+    tier: str
+    kind: str
+    count: int
+    sum_ms: float
+    buckets: tuple[int, ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class Result:
     """One output of a code run (a displayed object, a chart, the last expression's value), in

@@ -20,6 +20,7 @@ from warmbox.backends.base import Backend, Configurable, SharedHost, TemplateCap
 from warmbox.config import PoolConfig, Settings, Template
 from warmbox.engine import egress, provision
 from warmbox.engine import volumes as volumes_mod
+from warmbox.engine.commandlog import CommandLog
 from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession
 from warmbox.errors import (
@@ -92,6 +93,7 @@ class Engine:
         self.runtime = runtime_dir(home)  # made when a backend first needs it
         # every allocation (create, pool refill, restore of a snapshot) checks its limits first
         self.registry = Registry(home / "registry.db", check_limits=self.check_limits)
+        self.command_log = CommandLog(self.registry)  # the fronts' command records, written in batches
         self._backends: dict[str, Backend] = {}
         self.owner = owner_tag(os.getpid())
 
@@ -770,6 +772,7 @@ class Engine:
         if info.state is State.DESTROYED:
             return False
         check(Operation.DESTROY, info.state, sandbox_id)
+        self.command_log.flush()  # its records are written before it is seen to end
         if info.state is not State.PAUSED:
             await self._read_meters(info, handle, None)  # last readings before the cgroup goes
         if info.state is not State.PAUSED or Path(handle.state_dir).exists():  # paused: leftovers only

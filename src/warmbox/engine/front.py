@@ -26,12 +26,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 from warmbox import operations as ops
-from warmbox.engine import egress, tierprofile, volumes
+from warmbox.engine import commandlog, egress, tierprofile, volumes
 from warmbox.engine import pool as pools
 from warmbox.engine import snapshot as snapshots
 from warmbox.engine.engine import Engine, validate_envs, validate_timeout
 from warmbox.engine.provision import Launched
-from warmbox.engine.session import GuestSession
+from warmbox.engine.session import GuestSession, ProcessOutput
 from warmbox.errors import (
     Forbidden,
     GuestConnectionError,
@@ -76,6 +76,7 @@ from warmbox.operations import sandbox_path
 from warmbox.storage.registry import unknown_sandbox
 
 R = TypeVar("R")
+MAX_TRACKED = 4096  # background processes (and code contexts) a front remembers for their records
 BUSY_AHEAD_S = 3600.0  # while an operation runs, its sandbox's last use is recorded this far ahead
 
 # The operations that count as use of a sandbox: each one resets the sandbox's idle time
@@ -321,6 +322,11 @@ class EngineFront:
         self._tiers: dict[str, str] = {}  # a sandbox's tier never changes: read once per front
         self._in_use: dict[str, int] = {}
         self._first_done: set[str] = set()
+        self._log = engine.command_log
+        # background processes started here, until a client follows one to its end: (text, started_at)
+        self._started: dict[tuple[str, int], tuple[tuple[str, bool], float]] = {}
+        self._contexts: dict[tuple[str, str], str] = {}  # code contexts made here: their language
+        self._default_language: dict[str, str] = {}  # a tier's "default" context's language
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[Any]]] = {
             ops.Create: self.create,
             ops.Connect: self.connect,
@@ -540,7 +546,8 @@ class EngineFront:
             raise unknown_snapshot(cast(str, ref))
 
     async def close(self) -> None:
-        """Let go of every sandbox this front holds (none is ended)."""
+        """Let go of every sandbox this front holds (none is ended); their records are written."""
+        self._log.flush()
         sessions, self._sessions = self._sessions, {}
         for s in sessions.values():
             await s.close()
@@ -677,6 +684,7 @@ class EngineFront:
 
     async def detach(self, r: ops.Detach) -> None:
         await self._drop(r.sandbox_id)
+        self._log.flush()
 
     async def list(self, r: ops.ListSandboxes) -> builtins.list[SandboxInfo]:
         if r.reap:
@@ -738,16 +746,24 @@ class EngineFront:
             raise InvalidArgument("stdin must be str or bytes")
         data = r.stdin.encode() if isinstance(r.stdin, str) else r.stdin
         session = await self._session(r.sandbox_id)
-        return await session.exec(
-            argv,
-            env=env,
-            cwd=cwd,
-            timeout_s=t,
-            max_output=cap,
-            stdin=data,
-            on_stdout=r.on_stdout,
-            on_stderr=r.on_stderr,
-        )
+        text = commandlog.command_text(r.cmd if isinstance(r.cmd, str) else argv)
+        started = time.time()
+        try:
+            got = await session.exec(
+                argv,
+                env=env,
+                cwd=cwd,
+                timeout_s=t,
+                max_output=cap,
+                stdin=data,
+                on_stdout=r.on_stdout,
+                on_stderr=r.on_stderr,
+            )
+        except BaseException as e:
+            self._log.add(commandlog.failed(r.sandbox_id, "command", text, "", started, e))
+            raise
+        self._log.add(commandlog.of_command(r.sandbox_id, "command", text, started, got))
+        return got
 
     async def start_process(self, r: ops.StartProcess) -> int:
         argv = _argv(r.cmd)
@@ -770,13 +786,32 @@ class EngineFront:
         if (cols == 0) != (rows == 0):
             raise InvalidArgument("a terminal needs both pty_cols and pty_rows (or neither)")
         session = await self._session(r.sandbox_id)
-        return await session.spawn(argv, env=env, cwd=cwd, tag=r.tag, user=r.user, cols=cols, rows=rows)
+        started = time.time()
+        pid = await session.spawn(argv, env=env, cwd=cwd, tag=r.tag, user=r.user, cols=cols, rows=rows)
+        if len(self._started) >= MAX_TRACKED:  # never followed to their end: forget the oldest
+            del self._started[next(iter(self._started))]
+        text = commandlog.command_text(r.cmd if isinstance(r.cmd, str) else argv)
+        self._started[(r.sandbox_id, pid)] = (text, started)
+        return pid
 
     async def connect_process(self, r: ops.ConnectProcess) -> ops.ProcessStream:
         pid = _pid(r.pid)
         if not isinstance(r.output, bool) or not isinstance(r.pty, bool):
             raise InvalidArgument("output and pty must be booleans")
-        return await (await self._session(r.sandbox_id)).attach(pid, output=r.output, pty=r.pty)
+        stream = await (await self._session(r.sandbox_id)).attach(pid, output=r.output, pty=r.pty)
+        if (r.sandbox_id, pid) in self._started:
+            stream.on_end = functools.partial(self._process_ended, r.sandbox_id)
+        return stream
+
+    def _process_ended(self, sandbox_id: str, result: CommandResult, stream: ProcessOutput) -> None:
+        """A background process this front started ended, seen by a client following it: its record
+        (once, whoever else follows it too)."""
+        got = self._started.pop((sandbox_id, result.pid), None)
+        if got is None:
+            return
+        text, started = got
+        record = commandlog.of_command(sandbox_id, "process", text, started, result)
+        self._log.add(dataclasses.replace(record, stdout_bytes=stream.stdout_bytes, stderr_bytes=stream.stderr_bytes))
 
     async def send_stdin(self, r: ops.SendStdin) -> None:
         pid = _pid(r.pid)
@@ -813,8 +848,10 @@ class EngineFront:
         t = optional_timeout(r.timeout)
         cap = _positive_int(r.max_output, "max_output")
         session = await self._session(r.sandbox_id)
+        text = commandlog.bounded_text(r.code)
+        started = time.time()
         try:
-            return await session.run_code(
+            got = await session.run_code(
                 r.code,
                 context=context,
                 timeout_s=t,
@@ -823,8 +860,33 @@ class EngineFront:
                 on_stderr=r.on_stderr,
                 on_result=r.on_result,
             )
-        except UnsupportedLanguage as e:
-            raise self._unsupported(r.sandbox_id, r.language or "", str(e)) from None
+        except BaseException as e:
+            language = self._context_language(r.sandbox_id, context)
+            self._log.add(commandlog.failed(r.sandbox_id, "code", text, language, started, e))
+            if isinstance(e, UnsupportedLanguage):
+                raise self._unsupported(r.sandbox_id, r.language or "", str(e)) from None
+            raise
+        language = self._context_language(r.sandbox_id, context)
+        self._log.add(commandlog.of_execution(r.sandbox_id, text, language, started, got))
+        return got
+
+    def _context_language(self, sandbox_id: str, context: str) -> str:
+        """The language of a code context, for its records ("" for another client's context)."""
+        got = self._contexts.get((sandbox_id, context))
+        if got is not None:
+            return got
+        if context.startswith("default-"):
+            return context[len("default-") :]
+        if context == "default":  # python where the tier has it, else the tier's first language
+            tier = self._tier(sandbox_id)
+            got = self._default_language.get(tier)
+            if got is None:
+                languages = self.engine.backend(tier).capabilities().context_languages
+                got = self._default_language[tier] = (
+                    "python" if "python" in languages else (languages[0] if languages else "")
+                )
+            return got
+        return ""
 
     def _language(self, sandbox_id: str, language: object) -> str:
         """The canonical name of a code-context language the sandbox's tier has, or UnsupportedLanguage."""
@@ -851,12 +913,16 @@ class EngineFront:
         env = dict(validate_envs(r.envs))
         language = self._language(r.sandbox_id, r.language)
         try:
-            return await (await self._session(r.sandbox_id)).create_context(language, cwd, env)
+            context = await (await self._session(r.sandbox_id)).create_context(language, cwd, env)
         except UnsupportedLanguage as e:
             raise self._unsupported(r.sandbox_id, language, str(e)) from None
+        if len(self._contexts) < MAX_TRACKED:
+            self._contexts[(r.sandbox_id, context)] = language
+        return context
 
     async def remove_context(self, r: ops.RemoveContext) -> None:
         await (await self._session(r.sandbox_id)).delete_context(r.context)
+        self._contexts.pop((r.sandbox_id, r.context), None)
 
     # ---- files
 

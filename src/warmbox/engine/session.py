@@ -313,6 +313,9 @@ class ProcessOutput:
         self._pty = pty
         self._result: CommandResult | None = None
         self._done = False
+        self.stdout_bytes = self.stderr_bytes = 0  # of the output received (what was lost is not here)
+        # called once with the result when the process's end arrives (the front records it)
+        self.on_end: Callable[[CommandResult, ProcessOutput], object] | None = None
         self._decoders = {
             p.Stdout: codecs.getincrementaldecoder("utf-8")("replace"),
             p.Stderr: codecs.getincrementaldecoder("utf-8")("replace"),
@@ -352,8 +355,15 @@ class ProcessOutput:
                     duration_ms=msg.duration_ms,
                     pid=self._pid,
                 )
+                on_end, self.on_end = self.on_end, None
+                if on_end is not None:
+                    on_end(self._result, self)
                 return None
             assert isinstance(msg, (p.Stdout, p.Stderr))
+            if isinstance(msg, p.Stdout):
+                self.stdout_bytes += len(msg.data)
+            else:
+                self.stderr_bytes += len(msg.data)
             if self._pty:
                 return ProcessEvent("pty", data=msg.data)
             text = self._decoders[type(msg)].decode(msg.data)

@@ -11,13 +11,14 @@ import contextlib
 import dataclasses
 import hashlib
 import hmac
+import itertools
 import json
 import math
 import re
 import secrets
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from warmbox.errors import (
@@ -33,7 +34,11 @@ from warmbox.errors import (
 )
 from warmbox.lifecycle import LIVE, RESUMING, check_transition
 from warmbox.models import (
+    COMMAND_KINDS,
+    MAX_COMMAND_TEXT,
     BackendHandle,
+    CommandDurations,
+    CommandRecord,
     KeyInfo,
     Lifecycle,
     Limits,
@@ -59,7 +64,7 @@ from warmbox.storage.uidslots import (  # noqa: F401 - MAX_SLOTS is re-exported 
 )
 from warmbox.tiers import canonical_tier
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -249,6 +254,24 @@ CREATE TABLE IF NOT EXISTS sandbox_volumes (
     PRIMARY KEY (sandbox_id, volume_id)
 );
 CREATE INDEX IF NOT EXISTS sandbox_volumes_volume ON sandbox_volumes(volume_id);
+CREATE TABLE IF NOT EXISTS commands (
+    sandbox_id     TEXT NOT NULL,
+    seq            INTEGER NOT NULL,
+    kind           TEXT NOT NULL,
+    text           TEXT NOT NULL,
+    text_truncated INTEGER NOT NULL,
+    language       TEXT NOT NULL,
+    started_at     REAL NOT NULL,
+    duration_ms    REAL NOT NULL,
+    exit_code      INTEGER,
+    error          TEXT NOT NULL,
+    timed_out      INTEGER NOT NULL,
+    truncated      INTEGER NOT NULL,
+    oom_killed     INTEGER NOT NULL,
+    stdout_bytes   INTEGER NOT NULL,
+    stderr_bytes   INTEGER NOT NULL,
+    PRIMARY KEY (sandbox_id, seq)
+);
 CREATE TABLE IF NOT EXISTS pool_costs (
     pool       TEXT NOT NULL,
     sandbox_id TEXT PRIMARY KEY,
@@ -291,6 +314,7 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE sandboxes ADD COLUMN requirements TEXT NOT NULL DEFAULT ''",
     "ALTER TABLE sandboxes ADD COLUMN tier_reasons TEXT NOT NULL DEFAULT '[]'",
     "ALTER TABLE sandboxes ADD COLUMN tier_rejected TEXT NOT NULL DEFAULT '{}'",
+    # version 13: commands (a new table, made by SCHEMA): every command and code run, its outcome
 )
 _COLUMNS = (
     "sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
@@ -392,6 +416,60 @@ _NET_EVENT_INSERT = (
     "INSERT INTO net_events (sandbox_id, at, kind, host, address, port, decision, rule,"
     " bytes_up, bytes_down, detail) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
 )
+
+
+_COMMAND_COLUMNS = (
+    "sandbox_id, seq, kind, text, text_truncated, language, started_at, duration_ms, exit_code, error, "
+    "timed_out, truncated, oom_killed, stdout_bytes, stderr_bytes"
+)
+MAX_COMMAND_ERROR = 200  # characters of a CommandRecord's error name kept
+MAX_HISTOGRAM_BUCKETS = 64
+
+
+def _command_row(c: CommandRecord, seq: int) -> tuple:
+    """One CommandRecord as its commands row (text and error bounded again: the registry's own rule)."""
+    text, cut = c.text, c.text_truncated
+    if len(text) > MAX_COMMAND_TEXT // 4:  # only then can it be over MAX_COMMAND_TEXT bytes
+        raw = text.encode("utf-8", "replace")
+        if len(raw) > MAX_COMMAND_TEXT:
+            text, cut = raw[:MAX_COMMAND_TEXT].decode("utf-8", "ignore"), True
+    return (
+        c.sandbox_id,
+        seq,
+        c.kind if c.kind in COMMAND_KINDS else "command",
+        text,
+        int(cut),
+        c.language[:32],
+        c.started_at,
+        c.duration_ms,
+        c.exit_code,
+        c.error[:MAX_COMMAND_ERROR],
+        int(c.timed_out),
+        int(c.truncated),
+        int(c.oom_killed),
+        c.stdout_bytes,
+        c.stderr_bytes,
+    )
+
+
+def _command(r: tuple) -> CommandRecord:
+    return CommandRecord(
+        sandbox_id=r[0],
+        seq=r[1],
+        kind=r[2],
+        text=r[3],
+        text_truncated=bool(r[4]),
+        language=r[5],
+        started_at=r[6],
+        duration_ms=r[7],
+        exit_code=r[8],
+        error=r[9],
+        timed_out=bool(r[10]),
+        truncated=bool(r[11]),
+        oom_killed=bool(r[12]),
+        stdout_bytes=r[13],
+        stderr_bytes=r[14],
+    )
 
 
 def _net_event_row(e: NetEvent) -> tuple:
@@ -1636,6 +1714,62 @@ class Registry:
             many=True,
         )
         return [NetEvent(*r) for r in rows]
+
+    # ---- commands and code runs (written in batches by the engine's CommandLog)
+
+    def add_commands(self, records: builtins.list[CommandRecord]) -> None:
+        """Append command records in one transaction; each gets the next ``seq`` of its sandbox
+        (the records' own seq is ignored), in the order given."""
+        if not records:
+            return
+        with self._tx() as db:
+            last: dict[str, int] = {}
+            rows = []
+            for c in records:
+                n = last.get(c.sandbox_id)
+                if n is None:
+                    n = db.execute(
+                        "SELECT COALESCE(MAX(seq), 0) FROM commands WHERE sandbox_id=?", (c.sandbox_id,)
+                    ).fetchone()[0]
+                last[c.sandbox_id] = n = n + 1
+                rows.append(_command_row(c, n))
+            db.executemany(f"INSERT INTO commands ({_COMMAND_COLUMNS}) VALUES ({','.join('?' * 15)})", rows)
+
+    def commands(
+        self, sandbox_id: str, limit: int = 1000, *, after_seq: int = 0, newest_first: bool = False
+    ) -> builtins.list[CommandRecord]:
+        """A sandbox's command records with seq > ``after_seq``, at most ``limit``: the oldest of
+        them in seq order, or (newest_first) the newest, newest first. Kept after the sandbox ended."""
+        for name, value in (("limit", limit), ("after_seq", after_seq)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgument(f"{name} must be an integer >= 0, got {value!r}")
+        rows = self._read(
+            f"SELECT {_COMMAND_COLUMNS} FROM commands WHERE sandbox_id=? AND seq>? "
+            f"ORDER BY seq {'DESC' if newest_first else 'ASC'} LIMIT ?",
+            (sandbox_id, after_seq, limit),
+            many=True,
+        )
+        return [_command(r) for r in rows]
+
+    def command_durations(self, buckets_ms: Sequence[float]) -> builtins.list[CommandDurations]:
+        """Every recorded command and code run, by (tier, kind), as a cumulative histogram over
+        ``buckets_ms`` (ascending upper bounds, ms): one read of the whole table, for a metrics scrape."""
+        bounds = tuple(buckets_ms)
+        ok = len(bounds) <= MAX_HISTOGRAM_BUCKETS and all(
+            not isinstance(b, bool) and isinstance(b, (int, float)) and math.isfinite(b) for b in bounds
+        )
+        if not ok or any(a >= b for a, b in itertools.pairwise(bounds)):
+            raise InvalidArgument(
+                f"buckets_ms must be at most {MAX_HISTOGRAM_BUCKETS} finite numbers, ascending, got {buckets_ms!r}"
+            )
+        counts = "".join(", SUM(c.duration_ms <= ?)" for _ in bounds)
+        rows = self._read(
+            f"SELECT s.tier, c.kind, COUNT(*), COALESCE(SUM(c.duration_ms), 0){counts} FROM commands c "
+            "JOIN sandboxes s ON s.sandbox_id = c.sandbox_id GROUP BY s.tier, c.kind ORDER BY s.tier, c.kind",
+            tuple(float(b) for b in bounds),
+            many=True,
+        )
+        return [CommandDurations(r[0], r[1], r[2], float(r[3]), tuple(int(x or 0) for x in r[4:])) for r in rows]
 
     # ---- named volumes (the tenant "" is the host's)
 

@@ -1,0 +1,119 @@
+"""The registry's command records (schema 13): written in batches, read per sandbox, summed for metrics."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from warmbox.errors import InvalidArgument
+from warmbox.models import MAX_COMMAND_TEXT, CommandDurations, CommandRecord, Limits
+from warmbox.storage.registry import SCHEMA_VERSION, Registry
+from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
+
+
+def _registry(tmp: Path) -> Registry:
+    # its own uid ledger: these rows never run, so they must not hold real ranges of the host
+    return Registry(tmp / "r.db", ledger=UidLedger(tmp / "uids", slots=16, first=MAX_SLOTS - 60))
+
+
+def _rec(sid: str, text: str = "true", *, kind: str = "command", ms: float = 1.0, **kw: object) -> CommandRecord:
+    fields: dict[str, object] = {
+        "sandbox_id": sid,
+        "seq": 0,
+        "kind": kind,
+        "text": text,
+        "text_truncated": False,
+        "language": "python" if kind == "code" else "",
+        "started_at": 1000.0,
+        "duration_ms": ms,
+        "exit_code": None if kind == "code" else 0,
+        "error": "",
+        "timed_out": False,
+        "truncated": False,
+        "oom_killed": False,
+        "stdout_bytes": 0,
+        "stderr_bytes": 0,
+    }
+    fields.update(kw)
+    return CommandRecord(**fields)  # type: ignore[arg-type]
+
+
+def test_records_get_a_seq_per_sandbox_in_write_order_and_read_back_whole(tmp_path):
+    reg = _registry(tmp_path)
+    failed = _rec("sb-a", "sleep 9", exit_code=137, timed_out=True, truncated=True, oom_killed=True, error="x")
+    reg.add_commands([_rec("sb-a", "echo 1", stdout_bytes=2), _rec("sb-b", "ls"), failed])
+    reg.add_commands([_rec("sb-a", "1/0", kind="code", error="ZeroDivisionError", stderr_bytes=90)])
+    got = reg.commands("sb-a")
+    assert [c.seq for c in got] == [1, 2, 3]
+    assert [c.text for c in got] == ["echo 1", "sleep 9", "1/0"]
+    assert got[0].stdout_bytes == 2 and got[0].exit_code == 0
+    assert got[1] == CommandRecord(**{**failed.__dict__, "seq": 2})
+    assert got[2].exit_code is None and got[2].language == "python" and got[2].error == "ZeroDivisionError"
+    assert [c.seq for c in reg.commands("sb-b")] == [1]
+    assert reg.commands("sb-none") == []
+
+
+def test_paging_and_newest_first(tmp_path):
+    reg = _registry(tmp_path)
+    reg.add_commands([_rec("sb-a", f"c{i}") for i in range(10)])
+    assert [c.text for c in reg.commands("sb-a", 3)] == ["c0", "c1", "c2"]
+    assert [c.text for c in reg.commands("sb-a", 3, after_seq=3)] == ["c3", "c4", "c5"]
+    assert [c.text for c in reg.commands("sb-a", 2, newest_first=True)] == ["c9", "c8"]
+    for bad in (-1, True, "3", 1.5):
+        with pytest.raises(InvalidArgument):
+            reg.commands("sb-a", bad)  # type: ignore[arg-type]
+
+
+def test_text_is_bounded_by_the_registry_too(tmp_path):
+    reg = _registry(tmp_path)
+    reg.add_commands([_rec("sb-a", "é" * MAX_COMMAND_TEXT), _rec("sb-a", "a" * MAX_COMMAND_TEXT)])
+    cut, full = reg.commands("sb-a")
+    assert cut.text_truncated and len(cut.text.encode()) <= MAX_COMMAND_TEXT and set(cut.text) == {"é"}
+    assert not full.text_truncated and len(full.text) == MAX_COMMAND_TEXT
+
+
+def test_command_durations_by_tier_and_kind(tmp_path):
+    reg = _registry(tmp_path)
+    for sid, tier in (("sb-c", "container"), ("sb-g", "gvisor")):
+        reg.allocate(sid, tier, "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
+    reg.add_commands(
+        [
+            _rec("sb-c", ms=1),
+            _rec("sb-c", ms=10),
+            _rec("sb-c", ms=500),
+            _rec("sb-c", kind="code", ms=5),
+            _rec("sb-g", ms=100),
+            _rec("sb-unknown", ms=1),  # no sandboxes row: no tier to count it under
+        ]
+    )
+    got = reg.command_durations([5, 50])
+    assert got == [
+        CommandDurations("container", "code", 1, 5.0, (1, 1)),
+        CommandDurations("container", "command", 3, 511.0, (1, 2)),
+        CommandDurations("gvisor", "command", 1, 100.0, (0, 0)),
+    ]
+    assert reg.command_durations([]) == [
+        CommandDurations("container", "code", 1, 5.0, ()),
+        CommandDurations("container", "command", 3, 511.0, ()),
+        CommandDurations("gvisor", "command", 1, 100.0, ()),
+    ]
+    for bad in ([5, 5], [50, 5], [float("inf")], ["1"], list(range(65))):
+        with pytest.raises(InvalidArgument):
+            reg.command_durations(bad)  # type: ignore[arg-type]
+
+
+def test_a_version_12_database_gains_the_commands_table(tmp_path):
+    assert SCHEMA_VERSION >= 13
+    reg = _registry(tmp_path)
+    reg._db.execute("DROP TABLE commands")
+    reg._db.execute("PRAGMA user_version=12")
+    reg.close()
+    db = sqlite3.connect(tmp_path / "r.db")
+    assert "commands" not in {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    db.close()
+    reg = _registry(tmp_path)
+    reg.add_commands([_rec("sb-a")])
+    assert [c.seq for c in reg.commands("sb-a")] == [1]
+    assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
