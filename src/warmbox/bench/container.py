@@ -547,6 +547,15 @@ async def bench_exec(home: Path, seconds: float) -> dict:
 
             await asyncio.gather(*(worker() for _ in range(conc)))
             rates[f"concurrency_{conc}"] = n / (time.perf_counter() - t0)
+        await sb.run_code("1")  # untimed: starts the code context
+        cells = 0
+        t0 = time.perf_counter()
+        while time.perf_counter() < t0 + seconds:
+            ex = await sb.run_code("1")
+            if ex.error is not None:
+                raise WarmboxError(f"run_code failed: {ex.error.name}")
+            cells += 1
+        code_rate = cells / (time.perf_counter() - t0)
         pings = []
         for _ in range(2000):
             t = time.perf_counter()
@@ -561,6 +570,7 @@ async def bench_exec(home: Path, seconds: float) -> dict:
     return {
         "bench": "exec",
         "true_per_second": rates,
+        "run_code_per_second": code_rate,
         "ping_sdk_asyncio": us(pings),
         "ping_blocking_client": us(blocking),
         "raw_unix_socket_rtt": us(raw),
@@ -573,6 +583,7 @@ def _print_exec(r: dict) -> None:
     print("bench exec: one warm sandbox")
     for k, v in r["true_per_second"].items():
         print(f"  `true` commands/s, {k.replace('_', ' ')}: {v:8.0f}")
+    print(f"  run_code('1') cells/s, concurrency 1: {r['run_code_per_second']:8.0f}")
     for k in ("ping_sdk_asyncio", "ping_blocking_client", "raw_unix_socket_rtt"):
         v = r[k]
         print(f"  {k:<22} p50 {v['p50_us']:8.1f} us   p99 {v['p99_us']:8.1f} us   min {v['min_us']:7.1f} us")
