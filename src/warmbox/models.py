@@ -139,6 +139,7 @@ class SandboxInfo:
     requirements: Requirements | None = None
     tier_reasons: tuple[str, ...] = ()
     tier_rejected: dict[str, str] = dataclasses.field(default_factory=dict)
+    tenant: str = ""  # whose it is ("": created without a key, by the host's root)
 
     @property
     def from_pool(self) -> bool:

@@ -388,8 +388,13 @@ class SetTimeout(Request[float]):
 
 @dataclasses.dataclass(frozen=True)
 class Metrics(Request[SandboxMetrics]):
+    """A sandbox's usage and cost so far. fresh=False: the meters as the daemon last sampled them
+    (at most ~1 s old while it lives; busy/idle as of its last command), without reading its
+    cgroup or asking its agent — what a page refreshing every second asks for every sandbox."""
+
     op: ClassVar[Op] = Op.METRICS
     sandbox_id: str
+    fresh: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

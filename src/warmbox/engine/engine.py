@@ -722,6 +722,10 @@ class Engine:
             await self._read_meters(info, handle, session)
         return self._metrics(info)
 
+    def metered(self, sandbox_id: str) -> SandboxMetrics:
+        """The cost of a sandbox as its meters last recorded it (no reading of the sandbox)."""
+        return self._metrics(self.info(sandbox_id)[0])
+
     async def _read_meters(self, info: SandboxInfo, handle: BackendHandle, session: GuestSession | None) -> None:
         try:
             u = await self.backend(info.tier).usage(handle)

@@ -719,6 +719,10 @@ class EngineFront:
         return self.engine.set_timeout(r.sandbox_id, r.timeout)
 
     async def metrics(self, r: ops.Metrics) -> SandboxMetrics:
+        if not isinstance(r.fresh, bool):
+            raise InvalidArgument(f"fresh must be True or False, got {r.fresh!r}")
+        if not r.fresh:
+            return self.engine.metered(r.sandbox_id)
         return await self.engine.metrics(r.sandbox_id, self._held(r.sandbox_id))
 
     async def record_first_command(self, r: ops.RecordFirstCommand) -> None:

@@ -319,8 +319,29 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
 _COLUMNS = (
     "sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
     "runtime_id, state_dir, socket_path, pool, claimed_at, parent_snapshot, metadata, "
-    "on_timeout, idle_pause_after, auto_resume, template_version, image_id, requirements, tier_reasons, tier_rejected"
+    "on_timeout, idle_pause_after, auto_resume, template_version, image_id, requirements, tier_reasons, tier_rejected, "
+    "tenant"
 )
+
+_KEY_TENANT = (
+    "SELECT k.secret_sha256, k.revoked_at, k.key_id, k.admin, t.name, t.max_sandboxes, t.max_memory_mb, "
+    "t.max_cpus, t.tiers, t.rate_per_s FROM api_keys k JOIN tenants t ON t.name=k.tenant "
+)
+
+
+def _key_tenant(row: tuple) -> Tenant:
+    """A key row (see _KEY_TENANT) as the Tenant a request with that key acts as."""
+    return Tenant(
+        name=row[4],
+        admin=bool(row[3]),
+        max_sandboxes=row[5],
+        max_memory_mb=row[6],
+        max_cpus=row[7],
+        tiers=_split(row[8]),
+        rate_per_s=row[9],
+        key_id=row[2],
+    )
+
 
 GIB = float(1 << 30)
 
@@ -1057,6 +1078,7 @@ class Registry:
             requirements,
             tier_reasons,
             tier_rejected,
+            tenant,
         ) = r
         info = SandboxInfo(
             sandbox_id=sid,
@@ -1082,6 +1104,7 @@ class Registry:
             requirements=_requirements(requirements),
             tier_reasons=_strings(tier_reasons),
             tier_rejected=_metadata(tier_rejected),
+            tenant=tenant or "",
         )
         handle = BackendHandle(
             sandbox_id=sid,
@@ -1354,24 +1377,20 @@ class Registry:
         if not isinstance(secret, str) or not secret.startswith(SECRET_PREFIX) or len(secret) > _MAX_SECRET:
             return None
         digest = _secret_hash(secret)
-        row = self._read(
-            "SELECT k.secret_sha256, k.revoked_at, k.key_id, k.admin, t.name, t.max_sandboxes, t.max_memory_mb, "
-            "t.max_cpus, t.tiers, t.rate_per_s FROM api_keys k JOIN tenants t ON t.name=k.tenant "
-            "WHERE k.secret_sha256=?",
-            (digest,),
-        )
+        row = self._read(_KEY_TENANT + "WHERE k.secret_sha256=?", (digest,))
         if row is None or not hmac.compare_digest(row[0], digest) or row[1]:
             return None
-        return Tenant(
-            name=row[4],
-            admin=bool(row[3]),
-            max_sandboxes=row[5],
-            max_memory_mb=row[6],
-            max_cpus=row[7],
-            tiers=_split(row[8]),
-            rate_per_s=row[9],
-            key_id=row[2],
-        )
+        return _key_tenant(row)
+
+    def key_tenant(self, key_id: str) -> Tenant | None:
+        """What :meth:`authenticate` answers for the key with this id (the console's sessions hold
+        the id, never the secret): None if the key is unknown or revoked. One indexed read."""
+        if not isinstance(key_id, str):
+            return None
+        row = self._read(_KEY_TENANT + "WHERE k.key_id=?", (key_id,))
+        if row is None or row[1]:
+            return None
+        return _key_tenant(row)
 
     def tenant(self, name: str) -> Tenant:
         """A tenant's quotas (admin False, no key); InvalidArgument if there is no such tenant."""
