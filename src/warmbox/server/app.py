@@ -156,6 +156,23 @@ class Service:
         for f in fronts.values():
             await f.close()
 
+    def authenticate_secret(self, secret: str) -> Tenant:
+        """The tenant of a live API key's secret, rate limited per key; Unauthenticated otherwise."""
+        tenant = self.engine.registry.authenticate(secret)
+        if tenant is None:
+            raise Unauthenticated("unknown or revoked API key")
+        self.limiter.take(tenant.key_id or tenant.name, tenant.rate_per_s)
+        return tenant
+
+    def authenticate_key_id(self, key_id: str) -> Tenant:
+        """What :meth:`authenticate_secret` answers for the key with this id (the console's
+        sessions hold a key's id, never its secret): a revoked key is refused at once."""
+        tenant = self.engine.registry.key_tenant(key_id)
+        if tenant is None:
+            raise Unauthenticated("the API key this session was opened with is revoked or unknown")
+        self.limiter.take(tenant.key_id or tenant.name, tenant.rate_per_s)
+        return tenant
+
     def authenticate(self, request: HTTPConnection) -> Tenant | None:
         """The caller's tenant (None: root on the unix socket); Unauthenticated otherwise."""
         header = request.headers.get("authorization", "")
@@ -163,11 +180,7 @@ class Service:
             scheme, _, secret = header.partition(" ")
             if scheme.lower() != "bearer" or not secret.strip():
                 raise Unauthenticated("the Authorization header must be 'Bearer <key>'")
-            tenant = self.engine.registry.authenticate(secret.strip())
-            if tenant is None:
-                raise Unauthenticated("unknown or revoked API key")
-            self.limiter.take(tenant.key_id or tenant.name, tenant.rate_per_s)
-            return tenant
+            return self.authenticate_secret(secret.strip())
         uid = request.scope.get(PEER_UID)
         if isinstance(uid, int):
             if uid == 0:
@@ -766,10 +779,15 @@ async def _internal(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": {"code": "warmbox_error", "message": "internal server error"}}, status_code=500)
 
 
-def build_app(engine: Engine, settings: ServerSettings, *, mcp: bool = True) -> Starlette:
-    """The ASGI app over ``engine``: the /v1 routes, and MCP (streamable HTTP) at /mcp."""
+def build_app(engine: Engine, settings: ServerSettings, *, mcp: bool = True, console: bool = True) -> Starlette:
+    """The ASGI app over ``engine``: the /v1 routes, MCP (streamable HTTP) at /mcp, and the
+    operator's console at /ui/ (``/`` redirects there)."""
     service = Service(engine, settings)
     extra: list[BaseRoute] = []
+    if console:
+        from warmbox.server import console as web_console
+
+        extra.extend(web_console.routes(service))
     mcp_running: Callable[[], contextlib.AbstractAsyncContextManager[Any]] | None = None
     if mcp:
         mount, mcp_running = _mcp(service)

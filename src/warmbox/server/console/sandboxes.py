@@ -1,0 +1,102 @@
+"""The sandbox list (refreshed every 1.5 s) and one sandbox's page."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from warmbox import operations as ops
+from warmbox.errors import SandboxNotFound, WarmboxError
+from warmbox.models import NetEvent, SandboxInfo, SandboxMetrics, StageTiming
+from warmbox.server.console.web import PREFIX, Console, Viewer
+
+NAV = ("Sandboxes", f"{PREFIX}/")
+MAX_ROWS = 200  # the list shows the newest this many (ended ones only when asked)
+MAX_NET_EVENTS = 500  # the newest egress attempts on a sandbox's page
+REFRESH_MS = 1500
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One line of the list: the sandbox and its cost so far (None: its meters could not be read)."""
+
+    info: SandboxInfo
+    metrics: SandboxMetrics | None
+
+
+async def _metered(viewer: Viewer, sandbox_id: str) -> SandboxMetrics | None:
+    try:
+        return await viewer.front.handle(ops.Metrics(sandbox_id, fresh=False))
+    except WarmboxError:
+        return None  # it went away between the list and this read
+
+
+async def rows(viewer: Viewer, ended: bool) -> list[Row]:
+    """The viewer's sandboxes, newest first (at most MAX_ROWS), each with its metered cost."""
+    infos = await viewer.front.handle(ops.ListSandboxes(include_dead=ended))
+    mine = sorted((i for i in infos if viewer.sees(i)), key=lambda i: i.created_at, reverse=True)[:MAX_ROWS]
+    return [Row(i, await _metered(viewer, i.sandbox_id)) for i in mine]
+
+
+def _ended(request: Request) -> bool:
+    return request.query_params.get("ended", "") in ("1", "true", "on")
+
+
+def routes(console: Console) -> list[BaseRoute]:
+    async def sandbox_list(request: Request, viewer: Viewer) -> Response:
+        ended = _ended(request)
+        return console.render(
+            request,
+            viewer,
+            "sandboxes.html",
+            rows=await rows(viewer, ended),
+            ended=ended,
+            refresh_ms=REFRESH_MS,
+            max_rows=MAX_ROWS,
+        )
+
+    async def sandbox_rows(request: Request, viewer: Viewer) -> Response:
+        ended = _ended(request)
+        return console.render(request, viewer, "_sandbox_rows.html", rows=await rows(viewer, ended), ended=ended)
+
+    async def _details(viewer: Viewer, sandbox_id: str) -> dict[str, object]:
+        info = await viewer.front.handle(ops.Info(sandbox_id))
+        if not viewer.sees(info):
+            raise SandboxNotFound(f"sandbox {sandbox_id} not found", sandbox_id)
+        events: list[NetEvent] = await viewer.front.handle(ops.NetworkLog(sandbox_id))
+        snapshots = [s for s in await viewer.front.handle(ops.ListSnapshots()) if s[1] == sandbox_id]
+        return {
+            "info": info,
+            "metrics": await _metered(viewer, sandbox_id),
+            "events": list(reversed(events[-MAX_NET_EVENTS:])),
+            "events_total": len(events),
+            "denied": sum(1 for e in events if e.decision != "allow"),
+            "snapshots": sorted(snapshots, key=lambda s: s[2], reverse=True),
+            "max_net_events": MAX_NET_EVENTS,
+        }
+
+    async def sandbox_page(request: Request, viewer: Viewer) -> Response:
+        sandbox_id = request.path_params["sandbox_id"]
+        details = await _details(viewer, sandbox_id)
+        timings: list[StageTiming] = await viewer.front.handle(ops.Timings(sandbox_id))
+        details["timings"] = timings
+        details["start_ms"] = sum(t.duration_ms for t in timings if t.on_request_path)
+        details["refresh_ms"] = REFRESH_MS
+        return console.render_with(request, viewer, "sandbox.html", details)
+
+    async def sandbox_live(request: Request, viewer: Viewer) -> Response:
+        details = await _details(viewer, request.path_params["sandbox_id"])
+        return console.render_with(request, viewer, "_sandbox_live.html", details)
+
+    return [
+        Route(f"{PREFIX}/", console.page(sandbox_list), methods=["GET"]),
+        Route(f"{PREFIX}/frag/sandboxes", console.fragment(sandbox_rows), methods=["GET"]),
+        Route(f"{PREFIX}/sandboxes/{{sandbox_id}}", console.page(sandbox_page), methods=["GET"]),
+        Route(f"{PREFIX}/frag/sandboxes/{{sandbox_id}}", console.fragment(sandbox_live), methods=["GET"]),
+    ]
+
+
+__all__ = ["NAV", "Row", "routes", "rows"]

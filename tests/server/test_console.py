@@ -1,0 +1,274 @@
+"""The console in process (Starlette's test client, a temp registry, no sandbox): sessions, the
+login cookie, CSRF and origin checks, security headers, tenant scoping and escaped rendering."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from starlette.testclient import TestClient
+
+from warmbox.config import ServerSettings
+from warmbox.engine.engine import Engine
+from warmbox.models import Limits, NetEvent, State, Tenant
+from warmbox.server.app import PEER_UID, build_app
+from warmbox.server.console import auth, web
+
+BASE = "http://127.0.0.1:7420"
+HOSTILE = '"><img src=x onerror=alert(1)><script>alert(2)</script>'
+
+
+@pytest.fixture
+def engine(tmp_path, monkeypatch):
+    monkeypatch.setenv("WARMBOX_RUNTIME_DIR", str(tmp_path / "rt"))
+    e = Engine.for_home(tmp_path / "home")
+    made: list[str] = []
+    e.made = made  # type: ignore[attr-defined]
+    yield e
+    for sid in made:  # registry rows hold host-wide uid slots until destroyed
+        e.registry.set_state(sid, State.DESTROYED, "test over")
+
+
+def _app(engine):
+    return build_app(engine, ServerSettings(), mcp=False)
+
+
+@pytest.fixture
+def client(engine):
+    with TestClient(_app(engine), base_url=BASE) as c:
+        yield c
+
+
+def _sandbox(engine, sid: str, tenant: str | None, **meta: str) -> str:
+    t = None if tenant is None else engine.registry.tenant(tenant)
+    engine.registry.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", tenant=t)
+    engine.made.append(sid)
+    engine.registry.set_state(sid, State.READY, "up")
+    if meta:
+        engine.registry.set_metadata(sid, meta)
+    return sid
+
+
+def _login(c: TestClient, key: str):
+    r = c.get("/ui/login")
+    assert r.status_code == 200, r.text
+    token = re.search(r'name="csrf" value="([^"]+)"', r.text).group(1)
+    return c.post("/ui/login", data={"csrf": token, "key": key}, follow_redirects=False)
+
+
+def _csrf(html: str) -> str:
+    return re.search(r'name="csrf" value="([^"]+)"', html).group(1)
+
+
+# ---- sessions (pure)
+
+
+def test_sessions_keep_only_a_digest_and_end():
+    now = [1000.0]
+    s = auth.Sessions(ttl_s=60, limit=3, clock=lambda: now[0])
+    token, session = s.open("key-a")
+    assert s.get(token) == session and session.expires_at == 1060
+    assert token not in repr(s._by_digest) and session.csrf != token  # the table holds no cookie value
+    assert s.get(token + "x") is None and s.get("") is None and s.get(None) is None and s.get("a" * 500) is None
+    now[0] = 1060.0
+    assert s.get(token) is None and len(s) == 0  # expired: gone
+    t1, _ = s.open("key-a")
+    t2, _ = s.open("key-b")
+    assert s.close(t1) and not s.close(t1) and s.get(t2) is not None
+    for _ in range(5):
+        s.open("key-c")
+    assert len(s) == 3 and s.get(t2) is None  # bounded: the oldest went
+    assert s.close_key("key-c") == 3 and len(s) == 0
+
+
+def test_csrf_tokens_compare_strictly():
+    assert auth.same_token("abc", "abc")
+    assert not auth.same_token("abd", "abc") and not auth.same_token("", "") and not auth.same_token(None, "abc")
+    p = auth.PeerTokens()
+    assert p.token("uid:0") == p.token("uid:0") != p.token("uid:1") != auth.PeerTokens().token("uid:1")
+
+
+# ---- login, cookie, logout
+
+
+def test_pages_need_a_login(client, engine):
+    r = client.get("/", follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/ui/"
+    for path in ("/ui/", "/ui/sandboxes/sb-0123456789ab"):
+        r = client.get(path, follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"] == "/ui/login", path
+    r = client.get("/ui/frag/sandboxes")
+    assert r.status_code == 401
+    # a key is not a session cookie, and a made-up cookie is nothing
+    _, key = engine.registry.create_key("acme")
+    client.cookies.set("warmbox_console", key)
+    assert client.get("/ui/", follow_redirects=False).status_code == 303
+
+
+def test_login_sets_an_opaque_strict_httponly_cookie(client, engine):
+    _, key = engine.registry.create_key("acme")
+    r = _login(client, key)
+    assert r.status_code == 303 and r.headers["location"] == "/ui/"
+    cookie = next(c for c in r.headers.get_list("set-cookie") if c.startswith("warmbox_console="))
+    value = cookie.split(";")[0].split("=", 1)[1]
+    assert key not in cookie and len(value) >= 40
+    attrs = {a.strip().split("=")[0].lower(): a for a in cookie.split(";")[1:]}
+    assert "httponly" in attrs and attrs["samesite"].strip() == "SameSite=Strict"
+    assert attrs["path"].strip() == "Path=/ui" and "secure" not in attrs and "domain" not in attrs
+    r = client.get("/ui/")
+    assert r.status_code == 200 and 'data-viewer="acme"' in r.text
+
+
+def test_login_over_tls_sets_a_secure_prefixed_cookie(engine):
+    _, key = engine.registry.create_key("acme")
+    with TestClient(_app(engine), base_url="https://console.example") as c:
+        r = _login(c, key)
+        assert r.status_code == 303
+        cookie = next(x for x in r.headers.get_list("set-cookie") if x.startswith("__Secure-warmbox_console="))
+        assert "; Secure" in cookie and "HttpOnly" in cookie
+        assert c.get("/ui/").status_code == 200
+
+
+def test_a_wrong_key_or_a_forged_login_form_is_refused(client, engine):
+    r = _login(client, "wbx_not-a-key")
+    assert r.status_code == 401 and 'id="login-error"' in r.text and "warmbox_console=" not in str(r.headers)
+    _, key = engine.registry.create_key("acme")
+    client.cookies.clear()
+    r = client.post("/ui/login", data={"csrf": "guess", "key": key}, follow_redirects=False)
+    assert r.status_code == 403 and not any(c.startswith("warmbox_console=") for c in r.headers.get_list("set-cookie"))
+    r = client.post("/ui/login", data={"key": key}, headers={"Origin": "https://evil.example"})
+    assert r.status_code == 403
+
+
+def test_logout_needs_the_csrf_token_and_ends_the_session(client, engine):
+    _, key = engine.registry.create_key("acme")
+    _login(client, key)
+    csrf = _csrf(client.get("/ui/").text)
+    assert client.post("/ui/logout", data={"x": "1"}, follow_redirects=False).status_code == 403
+    assert client.post("/ui/logout", data={"csrf": csrf + "x"}, follow_redirects=False).status_code == 403
+    r = client.post("/ui/logout", data={"csrf": csrf}, headers={"Origin": "null"}, follow_redirects=False)
+    assert r.status_code == 403  # an opaque origin (a sandbox preview) cannot post
+    r = client.post("/ui/logout", data={"csrf": csrf}, headers={"Sec-Fetch-Site": "cross-site"})
+    assert r.status_code == 403
+    assert client.get("/ui/", follow_redirects=False).status_code == 200  # none of those logged out
+    r = client.post("/ui/logout", data={"csrf": csrf}, headers={"Origin": BASE}, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/ui/login"
+    old = client.cookies.get("warmbox_console")
+    assert not old  # cleared
+    assert client.get("/ui/", follow_redirects=False).status_code == 303
+
+
+def test_a_revoked_key_ends_its_sessions(client, engine):
+    key_id, key = engine.registry.create_key("acme")
+    _login(client, key)
+    assert client.get("/ui/", follow_redirects=False).status_code == 200
+    engine.registry.revoke_key(key_id)
+    assert client.get("/ui/", follow_redirects=False).status_code == 303
+    assert client.get("/ui/frag/sandboxes").status_code == 401
+
+
+def test_console_responses_carry_the_security_headers(client, engine):
+    _, key = engine.registry.create_key("acme")
+    for r in (client.get("/ui/login"), _login(client, key), client.get("/ui/"), client.get("/ui/frag/sandboxes")):
+        assert r.headers["content-security-policy"] == web.CSP
+        assert "'unsafe-inline'" not in web.CSP and "frame-ancestors 'none'" in web.CSP
+        assert r.headers["x-frame-options"] == "DENY" and r.headers["cache-control"] == "no-store"
+        assert r.headers["x-content-type-options"] == "nosniff"
+    r = client.get("/ui/static/console.js")
+    assert r.status_code == 200 and r.headers["x-content-type-options"] == "nosniff"
+    html = client.get("/ui/").text
+    assert "<script>" not in html and not re.search(r"<script(?![^>]*\bsrc=)", html)  # no inline script
+    assert not re.search(r"\son[a-z]+=", html) and " style=" not in html
+
+
+def test_the_api_does_not_take_the_console_cookie(client, engine):
+    _, key = engine.registry.create_key("acme")
+    _login(client, key)
+    r = client.get("/v1/sandboxes")  # the cookie is scoped to /ui; even if sent, /v1 wants a key
+    assert r.status_code == 401
+    token = client.cookies.get("warmbox_console")
+    r = client.get("/v1/sandboxes", headers={"Cookie": f"warmbox_console={token}"})
+    assert r.status_code == 401
+
+
+# ---- who sees what
+
+
+def test_a_tenant_sees_only_its_sandboxes_and_an_admin_sees_all(engine):
+    _, acme = engine.registry.create_key("acme")
+    _, other = engine.registry.create_key("globex")
+    _, admin = engine.registry.create_key("ops", admin=True)
+    mine = _sandbox(engine, "sb-00000000a001", "acme")
+    theirs = _sandbox(engine, "sb-00000000b001", "globex")
+    with TestClient(_app(engine), base_url=BASE) as c:
+        _login(c, acme)
+        page = c.get("/ui/").text + c.get("/ui/frag/sandboxes").text
+        assert mine in page and theirs not in page and 'data-tenant="globex"' not in page
+        r = c.get(f"/ui/sandboxes/{theirs}")
+        assert r.status_code == 404 and theirs in r.text and "globex" not in r.text
+        r = c.get(f"/ui/frag/sandboxes/{theirs}")
+        assert r.status_code == 404
+        r = c.get("/ui/?tenant=globex")  # a tenant key's filter is its own tenant, whatever it asks
+        assert theirs not in r.text and mine in r.text
+        assert c.get(f"/ui/sandboxes/{mine}").status_code == 200
+    with TestClient(_app(engine), base_url=BASE) as c:
+        _login(c, other)
+        assert mine not in c.get("/ui/frag/sandboxes").text
+    with TestClient(_app(engine), base_url=BASE) as c:
+        _login(c, admin)
+        rows = c.get("/ui/frag/sandboxes").text
+        assert mine in rows and theirs in rows and ">globex<" in rows
+        rows = c.get("/ui/frag/sandboxes?tenant=acme").text
+        assert mine in rows and theirs not in rows
+        r = c.get(f"/ui/sandboxes/{theirs}")
+        assert r.status_code == 200 and 'data-field="tenant">globex<' in r.text
+
+
+def test_root_on_the_unix_socket_needs_no_login(engine):
+    sid = _sandbox(engine, "sb-00000000c001", None)
+    app = _app(engine)
+
+    async def as_uid(scope, receive, send, uid=0):
+        if scope["type"] == "http":
+            scope = {**scope, PEER_UID: uid}
+        await app(scope, receive, send)
+
+    with TestClient(as_uid, base_url="http://localhost") as c:
+        r = c.get("/ui/", follow_redirects=False)
+        assert r.status_code == 200 and sid in r.text and 'data-viewer="root"' in r.text
+        assert 'id="logout"' not in r.text
+        assert c.get("/ui/login", follow_redirects=False).status_code == 303  # nothing to log in to
+
+    async def as_stranger(scope, receive, send):
+        await as_uid(scope, receive, send, uid=4242)
+
+    with TestClient(as_stranger, base_url="http://localhost") as c:
+        r = c.get("/ui/", follow_redirects=False)
+        assert r.status_code == 401 and sid not in r.text
+
+
+# ---- escaping
+
+
+def test_what_a_sandbox_produced_is_rendered_escaped(engine):
+    _, key = engine.registry.create_key("acme")
+    sid = _sandbox(engine, "sb-00000000d001", "acme", note=HOSTILE, **{HOSTILE[:20]: "k"})
+    engine.registry.add_net_event(NetEvent(sid, 1.0, "http", HOSTILE, "", 80, "deny", "default-deny", detail=HOSTILE))
+    engine.registry.add_net_event(NetEvent(sid, 2.0, "connect", "pypi.org", "1.2.3.4", 443, "allow", "allow:pypi.org"))
+    with TestClient(_app(engine), base_url=BASE) as c:
+        _login(c, key)
+        for path in (f"/ui/sandboxes/{sid}", f"/ui/frag/sandboxes/{sid}"):
+            r = c.get(path)
+            assert r.status_code == 200
+            assert "<img" not in r.text and "<script>alert" not in r.text and "onerror=alert(1)>" not in r.text
+            assert "&lt;img src=x onerror=alert(1)&gt;" in r.text  # shown, as text
+        live = c.get(f"/ui/frag/sandboxes/{sid}").text
+        assert 'data-decision="deny"' in live and 'class="net-deny"' in live and 'data-count="1"' in live
+
+
+def test_viewer_query_keeps_only_an_admins_filter(engine):
+    front = object()
+    admin = web.Viewer(tenant=None, admin=True, front=front, actor=front, scope="a&b", csrf="x")  # type: ignore[arg-type]
+    assert admin.query == "?tenant=a%26b" and admin.with_query(ended=True) == "?tenant=a%26b&ended=1"
+    plain = web.Viewer(tenant=Tenant("acme"), admin=False, front=front, actor=front, scope="acme", csrf="x")  # type: ignore[arg-type]
+    assert plain.query == "" and plain.with_query(ended=False) == ""
