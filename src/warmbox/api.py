@@ -155,11 +155,15 @@ message {"eof": true} ends one side's data (a half-close); closing the WebSocket
 PREVIEW = f"{_S}/ports/{{port:int}}/{{path:path}}"
 PREVIEW_ROOT = f"{_S}/ports/{{port:int}}"  # the same, for "/" without the trailing slash
 
+# Not an operation: Prometheus metrics (text exposition), behind the same keys (server/metrics.py)
+METRICS = "/metrics"
+
 __all__ = [
     "APPROVALS",
     "APPROVAL_ANSWER",
     "BY_OP",
     "DECISIONS",
+    "METRICS",
     "PREFIX",
     "PREVIEW",
     "ROUTES",

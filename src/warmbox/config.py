@@ -45,6 +45,8 @@ An operator sees everything in one file::
     peers = { 1000 = "alice" }          # unix-socket callers without a key: uid -> tenant (root = admin)
     max_body_mb = 512                   # largest upload (files are written whole, never partially)
     body_timeout = 300                  # seconds a request body (and, up to 30, its head) may take to arrive
+    metrics = true                      # GET /metrics (Prometheus text; root, admin keys; a tenant key: its own)
+    log_format = "text"                 # "json": one JSON object per line (ts, level, msg, request_id, ...)
 
 Bad settings raise :class:`~warmbox.errors.ConfigError` naming the file and key.
 """
@@ -159,6 +161,9 @@ class MicroVMSettings:
     accel: str = "auto"
 
 
+LOG_FORMATS = ("text", "json")
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerSettings:
     """``[server]``: where ``warmbox serve`` listens and how it bounds requests."""
@@ -175,6 +180,8 @@ class ServerSettings:
     # any. The pull runs on the server's host, outside every sandbox's network policy: without this
     # list a tenant could make the host connect to anything it reaches (loopback, internal services).
     template_registries: tuple[str, ...] = ()
+    metrics: bool = True  # serve GET /metrics (Prometheus; root, admin keys, or a tenant key for its own series)
+    log_format: str = "text"  # "json": one JSON object per log line (request ids, tenant, route, status)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -636,6 +643,8 @@ def _server(t: dict, source: str) -> ServerSettings:
             "max_body_mb",
             "body_timeout",
             "template_registries",
+            "metrics",
+            "log_format",
         },
         "server",
         source,
@@ -649,6 +658,12 @@ def _server(t: dict, source: str) -> ServerSettings:
     key = _str(t.get("tls_key", ""), "server.tls_key", source)
     if bool(cert) != bool(key):
         raise ConfigError(f"{source}: server.tls_cert and server.tls_key go together (both or neither)")
+    metrics = t.get("metrics", True)
+    if not isinstance(metrics, bool):
+        raise ConfigError(f"{source}: server.metrics is true or false, got {metrics!r}")
+    log_format = t.get("log_format", "text")
+    if log_format not in LOG_FORMATS:
+        raise ConfigError(f"{source}: server.log_format must be one of {list(LOG_FORMATS)}, got {log_format!r}")
     peers = []
     for uid, tenant in _as_table(t.get("peers", {}), "server.peers", source).items():
         if not str(uid).isdigit() or not isinstance(tenant, str) or not tenant:
@@ -664,6 +679,8 @@ def _server(t: dict, source: str) -> ServerSettings:
         peers=tuple(peers),
         max_body_mb=_int(t.get("max_body_mb", 512), "server.max_body_mb", source, 1, 1 << 20),
         body_timeout_s=_num(t.get("body_timeout", 300.0), "server.body_timeout", source, 1, 86400),
+        metrics=metrics,
+        log_format=log_format,
     )
 
 

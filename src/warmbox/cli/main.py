@@ -211,6 +211,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", default=None, help="PEM certificate (required off loopback)")
     p.add_argument("--tls-key", default=None, help="PEM private key")
     p.add_argument("--no-mcp", action="store_true", help="do not serve MCP at /mcp")
+    p.add_argument(
+        "--log-format", choices=("text", "json"), default=None, help="json: one JSON object per log line (request ids)"
+    )
     p = sub.add_parser("run", help="run one command in a fresh sandbox")
     _add_sandbox_opts(p)
     _add_exec_opts(p)
@@ -617,7 +620,7 @@ async def _serve(args: argparse.Namespace) -> int:
     home = default_home()
     settings = load(home).server
     changes: dict[str, Any] = {}
-    for flag, field in (("host", "host"), ("port", "port"), ("socket", "socket")):
+    for flag, field in (("host", "host"), ("port", "port"), ("socket", "socket"), ("log_format", "log_format")):
         if getattr(args, flag) is not None:
             changes[field] = getattr(args, flag)
     if (args.tls_cert is None) != (args.tls_key is None):

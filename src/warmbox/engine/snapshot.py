@@ -450,7 +450,9 @@ async def pause(
     why: str = "",
 ) -> snaps.SnapshotManifest:
     """Snapshot, then release every resource; the sandbox is ``paused`` until resumed.
-    why: recorded with the transition (an automatic pause says what caused it)."""
+    why: recorded with the transition (an automatic pause says what caused it). Its duration is
+    recorded as the sandbox's "pause" timing (the latest pause's, like "resume")."""
+    t0 = time.perf_counter()
     _pausing[sandbox_id] = True
     try:
         m = await snapshot(engine, sandbox_id, session, memory=memory, parent=parent, env_names=env_names)
@@ -459,6 +461,10 @@ async def pause(
     if session is not None:
         await session.close()
     await _release_paused(engine, sandbox_id, m, why)
+    try:
+        engine.registry.add_timings([StageTiming(sandbox_id, "pause", (time.perf_counter() - t0) * 1e3, True)])
+    except WarmboxError:
+        pass  # the pause is done and recorded; a busy registry only loses its duration
     return m
 
 

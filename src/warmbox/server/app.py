@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
@@ -34,9 +35,12 @@ from warmbox import operations as ops
 from warmbox.config import ServerSettings
 from warmbox.engine.engine import Engine
 from warmbox.engine.front import EngineFront
+from warmbox.engine.stats import RegistryStats
 from warmbox.errors import InvalidArgument, RateLimited, Unauthenticated, WarmboxError
 from warmbox.models import ApprovalRequest, FilesystemEvent, ProcessEvent, Tenant
+from warmbox.server import logs
 from warmbox.server import tunnel as ports
+from warmbox.server.metrics import Exposition
 
 log = logging.getLogger("warmbox.server")
 MAX_JSON = 16 << 20  # a JSON body (a command's stdin is the largest thing in one)
@@ -140,6 +144,8 @@ class Service:
         self.limiter = RateLimiter()
         self._fronts: dict[tuple[str, bool], EngineFront] = {}
         self._pending: dict[str, _Pending] = {}
+        # /metrics: the registry's aggregates read on a connection of their own, and the HTTP counters
+        self.exposition = Exposition(RegistryStats(engine.registry.path)) if settings.metrics else None
 
     def front(self, tenant: Tenant | None) -> EngineFront:
         """The front of a tenant (None: the host's root, which sees every sandbox)."""
@@ -155,12 +161,15 @@ class Service:
         fronts, self._fronts = self._fronts, {}
         for f in fronts.values():
             await f.close()
+        if self.exposition is not None:
+            self.exposition.close()
 
     def authenticate_secret(self, secret: str) -> Tenant:
         """The tenant of a live API key's secret, rate limited per key; Unauthenticated otherwise."""
         tenant = self.engine.registry.authenticate(secret)
         if tenant is None:
             raise Unauthenticated("unknown or revoked API key")
+        logs.note_tenant(tenant.name)
         self.limiter.take(tenant.key_id or tenant.name, tenant.rate_per_s)
         return tenant
 
@@ -170,6 +179,7 @@ class Service:
         tenant = self.engine.registry.key_tenant(key_id)
         if tenant is None:
             raise Unauthenticated("the API key this session was opened with is revoked or unknown")
+        logs.note_tenant(tenant.name)
         self.limiter.take(tenant.key_id or tenant.name, tenant.rate_per_s)
         return tenant
 
@@ -184,9 +194,11 @@ class Service:
         uid = request.scope.get(PEER_UID)
         if isinstance(uid, int):
             if uid == 0:
+                logs.note_tenant("")
                 return None
             name = self.peers.get(uid)
             if name is not None:
+                logs.note_tenant(name)
                 try:
                     tenant = self.engine.registry.tenant(name)
                 except InvalidArgument:  # mapped in [server] peers but never given quotas: unlimited
@@ -751,7 +763,26 @@ def routes(service: Service) -> list[BaseRoute]:
     out.append(Route(api.APPROVALS, approvals_endpoint(service), methods=["GET"]))
     out.append(Route(api.APPROVAL_ANSWER, answer_endpoint(service), methods=["POST"]))
     out.append(Route(f"{api.PREFIX}/openapi.json", _openapi, methods=["GET"]))
+    if service.exposition is not None:
+        out.append(Route(api.METRICS, metrics_endpoint(service), methods=["GET"]))
     return out
+
+
+def metrics_endpoint(service: Service) -> Callable[[Request], Awaitable[Response]]:
+    """GET /metrics: every family for root and admin keys, a tenant's own series for its key (see
+    server/metrics.py). The registry's aggregates run in a worker thread, off the event loop."""
+    exposition = service.exposition
+    assert exposition is not None
+
+    async def scrape(request: Request) -> Response:
+        try:
+            tenant = service.authenticate(request)
+        except WarmboxError as e:
+            return error_response(e)
+        body, content_type = await asyncio.to_thread(exposition.render, tenant, request.headers.get("accept", ""))
+        return Response(body, headers={"Content-Type": content_type})
+
+    return scrape
 
 
 async def _openapi(request: Request) -> Response:
@@ -775,7 +806,8 @@ async def _not_allowed(request: Request, exc: Exception) -> Response:
 
 
 async def _internal(request: Request, exc: Exception) -> Response:
-    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    # only reached without RequestLog (which logs the error with the request's id and answers 500)
+    log.error("unhandled error on %s", logs.route_template(request.scope), exc_info=exc)
     return JSONResponse({"error": {"code": "warmbox_error", "message": "internal server error"}}, status_code=500)
 
 
@@ -808,6 +840,8 @@ def build_app(engine: Engine, settings: ServerSettings, *, mcp: bool = True, con
         routes=routes(service) + extra,
         exception_handlers={404: _not_found, 405: _not_allowed, 500: _internal},
         lifespan=lifespan,
+        # request ids, the access record and the HTTP metrics of every request
+        middleware=[Middleware(logs.RequestLog, metrics=service.exposition.http if service.exposition else None)],
     )
     app.state.service = service
     return app

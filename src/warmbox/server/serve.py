@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from uvicorn.config import LOGGING_CONFIG
 
 from warmbox.config import ServerSettings
 from warmbox.errors import ConfigError
@@ -234,7 +235,12 @@ async def serve(home: Path, settings: ServerSettings, *, mcp: bool = True) -> No
     check_listen(settings)
     import logging
 
+    from warmbox.server import logs
+
+    logs.configure(settings.log_format)
     logging.getLogger("mcp").setLevel(logging.WARNING)  # its session manager announces itself at INFO
+    # json: uvicorn's records go through the root's JSON handler (its own config would replace it)
+    log_config: Any = None if settings.log_format == "json" else LOGGING_CONFIG
     engine = Engine.for_home(home)
     app = build_app(engine, settings, mcp=mcp)
     protocol = peercred_protocol(min(settings.body_timeout_s, 30.0))  # a head is small: at most 30 s
@@ -260,6 +266,7 @@ async def serve(home: Path, settings: ServerSettings, *, mcp: bool = True) -> No
             limit_concurrency=MAX_CONNECTIONS,
             timeout_keep_alive=30,
             timeout_graceful_shutdown=5,
+            log_config=log_config,
             ssl_certfile=settings.tls_cert or None,
             ssl_keyfile=settings.tls_key or None,
         )
@@ -281,6 +288,7 @@ async def serve(home: Path, settings: ServerSettings, *, mcp: bool = True) -> No
             limit_concurrency=MAX_CONNECTIONS,
             timeout_keep_alive=30,
             timeout_graceful_shutdown=5,
+            log_config=log_config,
         )
         listeners.append((uvicorn.Server(cfg), unix))
     if not listeners:
