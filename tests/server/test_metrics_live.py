@@ -1,6 +1,7 @@
 """/metrics and the JSON logs of a real `warmbox serve` (--log-format json): a tenant creates a
-container sandbox, runs a command, pauses and resumes it, kills it; the scrape's counters are what
-it did, and the log has one record per request with its id, tenant, route and sandbox id."""
+container sandbox, runs a command, pauses and resumes it, kills it (which writes its command
+records); the scrape's counters are what it did, and the log has one record per request with its
+id, tenant, route and sandbox id."""
 
 from __future__ import annotations
 
@@ -105,6 +106,9 @@ def test_scrape_counts_what_a_tenant_did(json_server, home):
     assert _get(mine, "warmbox_pause_duration_seconds_count", tier="container") == 1
     assert _get(mine, "warmbox_resume_duration_seconds_count", tier="container") == 1
     assert (_get(mine, "warmbox_pause_duration_seconds_sum", tier="container") or 0) > 0
+    assert _get(mine, "warmbox_command_duration_seconds_count", kind="command", tier="container") == 1
+    assert (_get(mine, "warmbox_command_duration_seconds_sum", kind="command", tier="container") or 0) > 0
+    assert _get(mine, "warmbox_command_outcomes_total", kind="command", tier="container", outcome="nonzero_exit") == 0
     assert _get(mine, "warmbox_tenant_cpu_seconds_total", tenant=tenant) is not None
     assert _get(mine, "warmbox_http_requests_total", route="/v1/sandboxes") is None  # host-wide: root's and admins'
 
