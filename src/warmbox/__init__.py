@@ -51,6 +51,7 @@ from warmbox.errors import (
 )
 from warmbox.models import (
     ApprovalRequest,
+    CommandRecord,
     CommandResult,
     EntryInfo,
     Execution,
@@ -68,6 +69,7 @@ from warmbox.models import (
     SandboxInfo,
     SandboxMetrics,
     SandboxQuery,
+    SnapshotRecord,
     SnapshotRef,
     StageTiming,
     State,
@@ -75,6 +77,7 @@ from warmbox.models import (
     TemplateInfo,
     TierChoice,
     TierStatus,
+    Transcript,
     Volume,
     VolumeInfo,
     WriteEntry,
@@ -86,6 +89,9 @@ from warmbox.templates import Template
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommandRecord",
+    "SnapshotRecord",
+    "Transcript",
     "ArtifactCorrupt",
     "AsyncTemplates",
     "Template",

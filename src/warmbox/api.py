@@ -5,8 +5,9 @@ SDK's HTTP transport builds each request's URL from it, and the OpenAPI document
 it with the codec's schemas. Fields named in the path come from the path; the rest come from the
 JSON body (``body="json"``), the query string (``body="query"``), or, for file uploads, the query
 string with the file's bytes as the raw body (``body="raw"``). Responses are JSON, NDJSON streams
-(commands and code runs: output events, then the result), raw bytes (file reads), or a WebSocket
-(``ports.connect``: see :data:`TUNNEL_PROTOCOL`).
+(commands and code runs: output events, then the result; ``export``: a transcript's records, see
+:mod:`warmbox.transcript`), raw bytes (file reads), or a WebSocket (``ports.connect``: see
+:data:`TUNNEL_PROTOCOL`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,14 @@ ROUTES: tuple[Route, ...] = (
         idempotent=True,
         summary="Follow a background process's output (NDJSON stream)",
     ),
+    Route(
+        Op.COMMANDS_HISTORY,
+        "GET",
+        f"{_S}/commands/history",
+        "query",
+        idempotent=True,
+        summary="Recorded commands and code runs with their outcomes",
+    ),
     Route(Op.COMMANDS_SEND_STDIN, "POST", f"{_S}/processes/stdin", summary="Write to a background process's stdin"),
     Route(Op.COMMANDS_KILL, "POST", f"{_S}/processes/kill", summary="Signal a process and what it started"),
     Route(Op.PTY_RESIZE, "POST", f"{_S}/processes/resize", idempotent=True, summary="Resize a terminal"),
@@ -109,6 +118,15 @@ ROUTES: tuple[Route, ...] = (
     Route(Op.NETWORK_POLICY, "GET", f"{_S}/network", "query", idempotent=True, summary="Egress policy"),
     Route(Op.NETWORK_UPDATE, "PUT", f"{_S}/network", summary="Replace the egress policy"),
     Route(Op.NETWORK_LOG, "GET", f"{_S}/network/log", "query", idempotent=True, summary="Egress audit log"),
+    Route(
+        Op.EXPORT,
+        "GET",
+        f"{_S}/export",
+        "query",
+        "ndjson",
+        idempotent=True,
+        summary="The sandbox's transcript: one typed record per line (NDJSON)",
+    ),
     Route(Op.DOCTOR, "GET", f"{PREFIX}/doctor", "query", idempotent=True, summary="Which tiers this host runs"),
     Route(
         Op.CHOOSE_TIER,

@@ -578,6 +578,19 @@ class SnapshotRef:
 
 
 @dataclasses.dataclass(frozen=True)
+class SnapshotRecord:
+    """A snapshot as the registry keeps it: ``create(from_snapshot=snapshot_id)`` starts a new
+    sandbox from it (a replay from that checkpoint) while it exists. auto: made by an automatic
+    pause (idle or timeout), deleted with its sandbox."""
+
+    snapshot_id: str
+    sandbox_id: str
+    created_at: float  # unix seconds
+    size_bytes: int
+    auto: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Tenant:
     """Who a request is from: a tenant's name and quotas, and the API key it came with.
 
@@ -640,6 +653,26 @@ class ApprovalRequest:
     host: str
     port: int
     kind: str  # "http" | "connect"
+
+
+@dataclasses.dataclass(frozen=True)
+class Transcript:
+    """Everything the registry keeps of one sandbox, for an audit or a replay (``warmbox export``):
+    its record, its start's stage timings, every state change, command and code run, egress event
+    and snapshot (each kind oldest first), and its cost (final once it ended). Kept after the
+    sandbox was destroyed. Any ``snapshots[i].snapshot_id`` still present can start a new sandbox
+    at that checkpoint: ``Sandbox.create(from_snapshot=...)``. :mod:`warmbox.transcript` writes it
+    as one typed record per line (NDJSON)."""
+
+    sandbox: SandboxInfo
+    timings: tuple[StageTiming, ...]
+    transitions: tuple[Transition, ...]
+    commands: tuple[CommandRecord, ...]
+    net_events: tuple[NetEvent, ...]
+    snapshots: tuple[SnapshotRecord, ...]
+    metrics: SandboxMetrics
+    exported_at: float  # unix seconds
+    truncated: bool = False  # a kind had more records than one transcript holds (the oldest are here)
 
 
 # ---- records shared by the backends and the engine (a tier's description and its handles)

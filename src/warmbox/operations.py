@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from warmbox.errors import InvalidPath
 from warmbox.models import (
+    CommandRecord,
     CommandResult,
     EntryInfo,
     Execution,
@@ -40,6 +41,7 @@ from warmbox.models import (
     TemplateInfo,
     TierChoice,
     TierStatus,
+    Transcript,
     Volume,
     VolumeInfo,
     WriteEntry,
@@ -94,6 +96,7 @@ class Op(str, enum.Enum):
     COMMANDS_SEND_STDIN = "commands.send_stdin"
     COMMANDS_KILL = "commands.kill"
     COMMANDS_LIST = "commands.list"
+    COMMANDS_HISTORY = "commands.history"
     PTY_RESIZE = "pty.resize"
     FILES_READ = "files.read"
     FILES_READ_STREAM = "files.read_stream"
@@ -128,6 +131,7 @@ class Op(str, enum.Enum):
     TEMPLATE_GET = "templates.get"
     TEMPLATE_DELETE = "templates.delete"
     TEMPLATE_GC = "templates.gc"
+    EXPORT = "export"
 
 
 class Request(Generic[R]):
@@ -505,6 +509,18 @@ class ResizePty(Request[None]):
 
 
 @dataclasses.dataclass(frozen=True)
+class Commands(Request[list[CommandRecord]]):
+    """A sandbox's recorded commands, code runs and followed background processes (kept after it
+    ended): those with seq > ``after_seq``, oldest first, at most ``limit`` (1-10000). Each is its
+    outcome and byte counts, never its environment or output."""
+
+    op: ClassVar[Op] = Op.COMMANDS_HISTORY
+    sandbox_id: str
+    limit: int = 1000
+    after_seq: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class RunCode(Request[Execution]):
     """Run a cell in a code context ("default" unless named)."""
 
@@ -757,6 +773,17 @@ class NetworkLog(Request[list[NetEvent]]):
     sandbox_id: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Export(Request[Transcript]):
+    """Everything recorded of a sandbox, in any state (destroyed too): its record, stage timings,
+    state changes, commands and code runs, egress events, snapshots and cost
+    (:mod:`warmbox.transcript` writes it as NDJSON). Each snapshot's id starts a new sandbox at
+    that checkpoint: ``create(from_snapshot=id)``."""
+
+    op: ClassVar[Op] = Op.EXPORT
+    sandbox_id: str
+
+
 # ---- warm pools
 
 
@@ -955,5 +982,7 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         TemplateGet,
         TemplateDelete,
         TemplateGc,
+        Commands,
+        Export,
     )
 }

@@ -7,6 +7,7 @@ warmbox shell ID [opts] [-- CMD]  an interactive terminal in a sandbox (bash unl
 warmbox ls [--all] [--timings]    list sandboxes (--metadata K=V, --state paused: only those)
 warmbox kill ID...                destroy sandboxes
 warmbox metrics ID                cpu-s, memory GiB-s, wall/busy/idle seconds of a sandbox
+warmbox export ID [-o FILE]       its transcript: timings, transitions, commands, egress, snapshots, cost
 warmbox snapshot ID | pause ID    save files + code-context state (pause also releases the sandbox)
 warmbox resume ID|SNAP            a paused sandbox running again (same id), or a fork of a snapshot
 warmbox snapshots [ls|rm SNAP|gc] list, delete, collect unreferenced artifact blobs
@@ -315,6 +316,13 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("advise", help="which tier for your code (the four questions), and why")
     _add_requirement_opts(p, advise=True)
     p.add_argument("--json", action="store_true")
+    p = sub.add_parser(
+        "export",
+        help="a sandbox's transcript (also once it ended): one typed record per line, for an audit or a replay",
+    )
+    p.add_argument("sandbox_id")
+    p.add_argument("-o", "--output", metavar="FILE", help="write it there (default: standard output)")
+    p.add_argument("--format", choices=["ndjson", "json"], default="ndjson", help="NDJSON lines or one JSON array")
     p = sub.add_parser("logs", help="runtime logs of a sandbox (kept after it ended)")
     p.add_argument("sandbox_id")
     sub.add_parser("demo", help="a short tour")
@@ -831,6 +839,25 @@ async def _kill(args: argparse.Namespace) -> int:
     return status
 
 
+async def _export(args: argparse.Namespace) -> int:
+    from warmbox import transcript
+
+    got = await _engine().handle(ops.Export(args.sandbox_id))
+    data = transcript.dumps(got, args.format)
+    if args.output is None:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    else:
+        try:
+            with open(args.output, "wb") as f:
+                f.write(data)
+        except OSError as e:
+            raise WarmboxError(f"cannot write {args.output}: {e.strerror or e}") from None
+        n = len(got.commands)
+        print(f"{args.output}: {n} command{'s' * (n != 1)}, {len(got.snapshots)} snapshots", file=sys.stderr)
+    return 0
+
+
 async def _logs(args: argparse.Namespace) -> int:
     text = await _engine().handle(ops.Logs(args.sandbox_id))
     if not text:
@@ -950,6 +977,7 @@ _COMMANDS = {
     "advise": _advise,
     "template": _template,
     "logs": _logs,
+    "export": _export,
     "demo": _demo,
     "mcp": _mcp,
     "bench": _bench,

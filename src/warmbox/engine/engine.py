@@ -747,6 +747,10 @@ class Engine:
             if own and session is not None:
                 await session.close()
 
+    def recorded_metrics(self, info: SandboxInfo) -> SandboxMetrics:
+        """The user's cost of a sandbox in any state as last recorded, without reading it."""
+        return self._metrics(info)
+
     def _metrics(self, info: SandboxInfo) -> SandboxMetrics:
         m = self.registry.meter(info.sandbox_id)
         start = info.claimed_at or info.created_at

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 from warmbox import operations as ops
+from warmbox import transcript
 from warmbox.engine import commandlog, egress, tierprofile, volumes
 from warmbox.engine import pool as pools
 from warmbox.engine import snapshot as snapshots
@@ -48,6 +49,7 @@ from warmbox.models import (
     LANGUAGE_ALIASES,
     ApprovalRequest,
     Capabilities,
+    CommandRecord,
     CommandResult,
     EntryInfo,
     Execution,
@@ -65,6 +67,7 @@ from warmbox.models import (
     Tenant,
     TierChoice,
     TierStatus,
+    Transcript,
     VolumeInfo,
     WriteEntry,
     validate_lifecycle,
@@ -76,6 +79,7 @@ from warmbox.operations import sandbox_path
 from warmbox.storage.registry import unknown_sandbox
 
 R = TypeVar("R")
+MAX_HISTORY = 10000  # command records one Commands call returns at most
 MAX_TRACKED = 4096  # background processes (and code contexts) a front remembers for their records
 BUSY_AHEAD_S = 3600.0  # while an operation runs, its sandbox's last use is recorded this far ahead
 
@@ -130,6 +134,8 @@ NOT_USE: frozenset[type[Any]] = frozenset(
         ops.Pause,
         ops.NetworkPolicy,
         ops.NetworkLog,
+        ops.Commands,
+        ops.Export,
     }
 )
 # operations of USE that may run again after a pause cut them short (with auto_resume): reads that
@@ -386,6 +392,8 @@ class EngineFront:
             ops.TemplateGet: self.template_get,
             ops.TemplateDelete: self.template_delete,
             ops.TemplateGc: self.template_gc,
+            ops.Commands: self.commands,
+            ops.Export: self.export,
         }
 
     async def handle(self, request: ops.Request[R]) -> R:
@@ -737,6 +745,41 @@ class EngineFront:
 
     async def ping(self, r: ops.Ping) -> None:
         await (await self._session(r.sandbox_id)).ping()
+
+    # ---- records
+
+    async def commands(self, r: ops.Commands) -> builtins.list[CommandRecord]:
+        limit, after = r.limit, r.after_seq
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_HISTORY:
+            raise InvalidArgument(f"limit must be an integer from 1 to {MAX_HISTORY}, got {limit!r}")
+        if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+            raise InvalidArgument(f"after_seq must be an integer >= 0, got {after!r}")
+        self.engine.info(r.sandbox_id)  # an unknown id is SandboxNotFound, not an empty list
+        self._log.flush()
+        return self.engine.registry.commands(r.sandbox_id, limit, after_seq=after)
+
+    async def export(self, r: ops.Export) -> Transcript:
+        info, _ = self.engine.info(r.sandbox_id)
+        self._log.flush()
+        if info.state in (State.READY, State.RUNNING):  # read its meters now; else the last ones recorded
+            metrics = await self.engine.metrics(r.sandbox_id, self._held(r.sandbox_id))
+        else:
+            metrics = self.engine.recorded_metrics(info)
+        reg, n = self.engine.registry, transcript.MAX_RECORDS
+        commands = reg.commands(r.sandbox_id, n + 1)
+        events = reg.net_events(r.sandbox_id, n + 1)
+        transitions = reg.transitions(r.sandbox_id)
+        return Transcript(
+            sandbox=self.engine.info(r.sandbox_id)[0],
+            timings=tuple(reg.timings(r.sandbox_id)),
+            transitions=tuple(transitions[:n]),
+            commands=tuple(commands[:n]),
+            net_events=tuple(events[:n]),
+            snapshots=tuple(reg.snapshot_records(r.sandbox_id)),
+            metrics=metrics,
+            exported_at=time.time(),
+            truncated=max(len(commands), len(events), len(transitions)) > n,
+        )
 
     # ---- commands and code
 

@@ -8,6 +8,7 @@ from os import PathLike as PathLike
 from pathlib import Path as Path
 from typing import Literal as Literal
 from warmbox.models import ApprovalRequest as ApprovalRequest
+from warmbox.models import CommandRecord as CommandRecord
 from warmbox.models import CommandResult as CommandResult
 from warmbox.models import EntryInfo as EntryInfo
 from warmbox.models import Execution as Execution
@@ -27,6 +28,7 @@ from warmbox.models import StageTiming as StageTiming
 from warmbox.models import State as State
 from warmbox.models import TemplateInfo as TemplateInfo
 from warmbox.models import TierChoice as TierChoice
+from warmbox.models import Transcript as Transcript
 from warmbox.models import Volume as Volume
 from warmbox.models import VolumeInfo as VolumeInfo
 from warmbox.models import WriteEntry as WriteEntry
@@ -69,6 +71,7 @@ class CommandHandle:
 class Commands:
     """``sandbox.commands``: run processes inside the sandbox."""
     def connect(self, pid: int, *, on_stdout: Callable[[str], object] | None = ..., on_stderr: Callable[[str], object] | None = ..., max_output: int = ...) -> CommandHandle: ...
+    def history(self, limit: int = ..., *, after_seq: int = ...) -> builtins.list[CommandRecord]: ...
     def kill(self, pid: int) -> bool: ...
     def list(self) -> builtins.list[ProcessInfo]: ...
     @overload
@@ -156,6 +159,9 @@ class Sandbox:
     def create_volume(cls, name: str, size_mb: int, *, home: str | Path | None = ..., transport: Transport | None = ..., api_url: str | None = ..., api_key: str | None = ...) -> VolumeInfo: ...
     @classmethod
     def delete_volume(cls, name: str, *, home: str | Path | None = ..., transport: Transport | None = ..., api_url: str | None = ..., api_key: str | None = ...) -> None: ...
+    def export(self, path: str | PathLike[str] | None = ..., *, format: str = ...) -> Transcript: ...
+    @classmethod
+    def export_transcript(cls, sandbox_id: str, path: str | PathLike[str] | None = ..., *, format: str = ..., home: str | Path | None = ..., transport: Transport | None = ..., api_url: str | None = ..., api_key: str | None = ...) -> Transcript: ...
     @property
     def from_pool(self) -> bool: ...
     def get_host(self, port: int, *, unix: bool = ..., check: bool = ..., timeout: float = ...) -> str: ...

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp.http_exceptions import LineTooLong
 
-from warmbox import api, wire
+from warmbox import api, transcript, wire
 from warmbox import operations as ops
 from warmbox.errors import ConnectionLost, ContextError, InvalidArgument, SandboxNotFound, WarmboxError
 from warmbox.models import (
@@ -439,6 +439,12 @@ class HttpTransport:
                     return await self._follow(request, route, url, kwargs)  # type: ignore[return-value]
                 if isinstance(request, ops.WatchDir):
                     return await self._watch(request, route, url, kwargs)  # type: ignore[return-value]
+                if isinstance(request, ops.Export):  # NDJSON records: warmbox.transcript reads them
+                    async with self._client().request(route.method, url, **kwargs) as response:
+                        body = await response.read()
+                    if response.status >= 400:
+                        raise _error(response.status, body)
+                    return transcript.loads(body)  # type: ignore[return-value]
                 if route.response == "ndjson":
                     return await self._ndjson(request, route, url, kwargs)
                 if isinstance(request, (ops.ReadFileStream, ops.DownloadDir)):

@@ -11,10 +11,12 @@ import asyncio
 import builtins
 import time
 from collections.abc import Callable
+from os import PathLike
 from pathlib import Path
 from typing import Any, TypeVar
 
 from warmbox import operations as ops
+from warmbox import transcript
 from warmbox.errors import InvalidArgument, PortNotListening, SandboxNotFound
 from warmbox.models import (
     ApprovalRequest,
@@ -31,6 +33,7 @@ from warmbox.models import (
     StageTiming,
     State,
     TierChoice,
+    Transcript,
     Volume,
     VolumeInfo,
     validate_lifecycle,
@@ -100,6 +103,15 @@ async def _once(t: Transport, request: ops.Request[R], owned: bool) -> R:
     finally:
         if owned:
             await t.close()
+
+
+async def _export(t: Transport, request: ops.Export, path: str | PathLike[str] | None, fmt: str) -> Transcript:
+    if fmt not in ("ndjson", "json"):
+        raise InvalidArgument(f"format must be 'ndjson' or 'json', got {fmt!r}")
+    got = await t.handle(request)
+    if path is not None:
+        await asyncio.to_thread(transcript.write, got, path, "json" if fmt == "json" else "ndjson")
+    return got
 
 
 class AsyncSandbox:
@@ -473,6 +485,35 @@ class AsyncSandbox:
         """This sandbox's cost so far: cpu-s, memory GiB-s, wall/busy/idle seconds (final once
         destroyed). A pooled sandbox's warm-up is accounted to its pool, not here."""
         return await self._transport.handle(ops.Metrics(self.sandbox_id))
+
+    async def export(self, path: str | PathLike[str] | None = None, *, format: str = "ndjson") -> Transcript:
+        """Everything recorded of this sandbox (also once it ended): its record, stage timings,
+        state changes, every command and code run with its outcome and duration (never its
+        environment or output), egress events, snapshots and cost. ``path``: also write it there,
+        one typed record per line (``format="ndjson"``) or as a JSON array (``"json"``); see
+        :mod:`warmbox.transcript`. A snapshot's ``snapshot_id`` in it starts a new sandbox at that
+        checkpoint: ``create(from_snapshot=...)`` (a replay from a known state)."""
+        return await _export(self._transport, ops.Export(self.sandbox_id), path, format)
+
+    @classmethod
+    async def export_transcript(
+        cls,
+        sandbox_id: str,
+        path: str | PathLike[str] | None = None,
+        *,
+        format: str = "ndjson",
+        home: str | Path | None = None,
+        transport: Transport | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
+    ) -> Transcript:
+        """:meth:`export` of any sandbox of yours by id, in any state (a destroyed one's rows stay)."""
+        t = _transport(transport, home, api_url, api_key)
+        try:
+            return await _export(t, ops.Export(sandbox_id), path, format)
+        finally:
+            if transport is None:
+                await t.close()
 
     async def ping(self) -> None:
         """One empty round trip to the sandbox's agent: returns when it answered (a liveness check)."""

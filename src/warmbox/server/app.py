@@ -30,7 +30,7 @@ from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from warmbox import api, errors, wire
+from warmbox import api, errors, transcript, wire
 from warmbox import operations as ops
 from warmbox.config import ServerSettings
 from warmbox.engine.engine import Engine
@@ -553,6 +553,9 @@ def endpoint(service: Service, route: api.Route) -> Callable[[Request], Awaitabl
                 return await _stream_process(front, req)
             if isinstance(req, ops.WatchDir):
                 return await _watch(front, req)
+            if isinstance(req, ops.Export):  # NDJSON records (warmbox.transcript), not a run's stream
+                body = transcript.dumps(await front.handle(req))
+                return Response(body, media_type="application/x-ndjson")
             if route.response == "ndjson":
                 return await _ndjson(front, req, request.query_params.get("stream") in ("1", "true"))
             if isinstance(req, (ops.ReadFileStream, ops.DownloadDir)):

@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any
 
-from warmbox import api, wire
+from warmbox import api, transcript, wire
 from warmbox import operations as ops
 from warmbox.models import CommandResult, FilesystemEvent
 from warmbox.network.policy import Network, Secret
@@ -69,6 +69,28 @@ def _query_params(cls: type, skip: tuple[str, ...], defs: dict[str, Any]) -> lis
     return out
 
 
+def _export_line(defs: dict[str, Any]) -> dict[str, Any]:
+    """One line of an export: the header, or one record of warmbox.transcript.TYPES with its type."""
+
+    def typed(kind: str, schema: dict[str, Any]) -> dict[str, Any]:
+        tag = {"type": "object", "properties": {"type": {"const": kind}}, "required": ["type"]}
+        return {"allOf": [tag, schema]}
+
+    header = {
+        "type": "object",
+        "properties": {
+            "format": {"const": transcript.FORMAT},
+            "sandbox_id": {"type": "string"},
+            "exported_at": {"type": "number"},
+            "truncated": {"type": "boolean"},
+        },
+        "required": ["format", "sandbox_id", "exported_at", "truncated"],
+    }
+    lines = [typed("export", header)]
+    lines += [typed(kind, wire.schema(cls, defs)) for kind, cls in transcript.TYPES.items()]
+    return {"oneOf": lines}
+
+
 @functools.cache
 def document() -> dict[str, Any]:
     defs: dict[str, Any] = {"Error": _error_schema()}
@@ -116,6 +138,11 @@ def document() -> dict[str, Any]:
                         }
                     }
                 },
+            }
+        elif route.op is ops.Op.EXPORT:
+            ok = {
+                "description": transcript.__doc__,
+                "content": {"application/x-ndjson": {"schema": _export_line(defs)}},
             }
         elif route.response == "ndjson":
             params.append(

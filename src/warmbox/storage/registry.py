@@ -46,6 +46,7 @@ from warmbox.models import (
     PoolEvent,
     Requirements,
     SandboxInfo,
+    SnapshotRecord,
     StageTiming,
     State,
     TemplateInfo,
@@ -1187,6 +1188,16 @@ class Registry:
         """The tenant a snapshot belongs to; None if the registry has no such snapshot."""
         row = self._read("SELECT tenant FROM snapshots WHERE snapshot_id=?", (snapshot_id,))
         return None if row is None else row[0]
+
+    def snapshot_records(self, sandbox_id: str) -> builtins.list[SnapshotRecord]:
+        """The snapshots of ``sandbox_id`` the registry still holds, oldest first."""
+        rows = self._read(
+            "SELECT snapshot_id, sandbox_id, created_at, size_bytes, auto FROM snapshots WHERE sandbox_id=? "
+            "ORDER BY created_at",
+            (sandbox_id,),
+            many=True,
+        )
+        return [SnapshotRecord(r[0], r[1], r[2], r[3], bool(r[4])) for r in rows]
 
     def snapshots_of(self, sandbox_id: str) -> builtins.list[str]:
         rows = self._read(
