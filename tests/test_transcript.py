@@ -60,7 +60,7 @@ def _transcript(**kw: object) -> Transcript:
 
 
 def test_lines_are_typed_and_in_time_order():
-    lines = transcript.records(_transcript())
+    lines = transcript.lines(_transcript())
     kinds = [x["type"] for x in lines]
     assert kinds == [
         "export",
@@ -89,7 +89,7 @@ def test_ties_keep_the_kind_order():
         net_events=(),
         snapshots=(SnapshotRecord("snap-1", SID, 5.0, 1),),
     )
-    assert [x["type"] for x in transcript.records(t)[4:7]] == ["transition", "command", "snapshot"]
+    assert [x["type"] for x in transcript.lines(t)[4:7]] == ["transition", "command", "snapshot"]
 
 
 @pytest.mark.parametrize("fmt", ["ndjson", "json"])
@@ -99,7 +99,7 @@ def test_both_formats_read_back_exactly(fmt):
     assert transcript.loads(data) == t
     if fmt == "ndjson":
         assert all(json.loads(line)["type"] for line in data.decode().splitlines())
-        assert data.decode().count("\n") == len(transcript.records(t))  # newlines inside text are escaped
+        assert data.decode().count("\n") == len(transcript.lines(t))  # newlines inside text are escaped
     else:
         assert isinstance(json.loads(data), list)
 
@@ -124,7 +124,7 @@ def test_write(tmp_path):
     ],
 )
 def test_anything_else_is_refused_naming_the_line(mutate, match):
-    lines = mutate(transcript.records(_transcript()))
+    lines = mutate(transcript.lines(_transcript()))
     with pytest.raises(InvalidArgument, match=match):
         transcript.from_records(lines)
 

@@ -511,13 +511,15 @@ class ResizePty(Request[None]):
 @dataclasses.dataclass(frozen=True)
 class Commands(Request[list[CommandRecord]]):
     """A sandbox's recorded commands, code runs and followed background processes (kept after it
-    ended): those with seq > ``after_seq``, oldest first, at most ``limit`` (1-10000). Each is its
-    outcome and byte counts, never its environment or output."""
+    ended): those with seq > ``after_seq``, at most ``limit`` (1-10000), the oldest of them first
+    (newest_first: the newest, newest first). Each is its outcome and byte counts, never its
+    environment or output."""
 
     op: ClassVar[Op] = Op.COMMANDS_HISTORY
     sandbox_id: str
     limit: int = 1000
     after_seq: int = 0
+    newest_first: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,7 +65,7 @@ def _line(kind: str, record: object) -> dict[str, Any]:
     return {"type": kind, **wire.encode(record)}
 
 
-def records(t: Transcript) -> list[dict[str, Any]]:
+def lines(t: Transcript) -> list[dict[str, Any]]:
     """The transcript's lines as JSON-ready dicts, in file order (see the module docstring)."""
     timed: list[tuple[float, int, int, dict[str, Any]]] = []
     groups: tuple[tuple[str, Iterable[Any], str], ...] = (
@@ -133,12 +133,12 @@ def from_records(items: Iterable[object]) -> Transcript:
 
 def dumps(t: Transcript, fmt: Format = "ndjson") -> bytes:
     """The transcript as a file: NDJSON (one record a line) or JSON (an array of the same records)."""
-    lines = records(t)
+    out = lines(t)
     if fmt == "json":
-        return json.dumps(lines, ensure_ascii=False, indent=1).encode() + b"\n"
+        return json.dumps(out, ensure_ascii=False, indent=1).encode() + b"\n"
     if fmt != "ndjson":
         raise InvalidArgument(f"format must be 'ndjson' or 'json', got {fmt!r}")
-    return b"".join(json.dumps(x, ensure_ascii=False, separators=(",", ":")).encode() + b"\n" for x in lines)
+    return b"".join(json.dumps(x, ensure_ascii=False, separators=(",", ":")).encode() + b"\n" for x in out)
 
 
 def loads(data: bytes | str) -> Transcript:
@@ -160,4 +160,4 @@ def write(t: Transcript, path: str | os.PathLike[str], fmt: Format = "ndjson") -
     return out
 
 
-__all__ = ["FORMAT", "MAX_RECORDS", "TYPES", "dumps", "from_records", "loads", "records", "write"]
+__all__ = ["FORMAT", "MAX_RECORDS", "TYPES", "dumps", "from_records", "lines", "loads", "write"]

@@ -54,6 +54,7 @@ def test_every_run_is_recorded_and_the_transcript_outlives_the_sandbox(home, run
         assert (process.text, process.exit_code, process.stdout_bytes) == ("echo $((2 * 21))z; exit 3", 3, 4)
         assert any(c.text.endswith("echo from-the-cli") and c.exit_code == 0 for c in history[5:])
         assert history[1:2] == sb.commands.history(1, after_seq=1)
+        assert sb.commands.history(2, newest_first=True) == history[::-1][:2]
         for c in history:
             assert c.sandbox_id == sid and not c.oom_killed and 0 < c.started_at <= time.time()
         live = sb.export()

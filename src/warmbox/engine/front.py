@@ -754,9 +754,11 @@ class EngineFront:
             raise InvalidArgument(f"limit must be an integer from 1 to {MAX_HISTORY}, got {limit!r}")
         if isinstance(after, bool) or not isinstance(after, int) or after < 0:
             raise InvalidArgument(f"after_seq must be an integer >= 0, got {after!r}")
+        if not isinstance(r.newest_first, bool):
+            raise InvalidArgument(f"newest_first must be a boolean, got {r.newest_first!r}")
         self.engine.info(r.sandbox_id)  # an unknown id is SandboxNotFound, not an empty list
         self._log.flush()
-        return self.engine.registry.commands(r.sandbox_id, limit, after_seq=after)
+        return self.engine.registry.commands(r.sandbox_id, limit, after_seq=after, newest_first=r.newest_first)
 
     async def export(self, r: ops.Export) -> Transcript:
         info, _ = self.engine.info(r.sandbox_id)

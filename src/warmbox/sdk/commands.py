@@ -204,13 +204,15 @@ class AsyncCommands:
         how much was dropped), then live. Works after it ended too (its exit status is kept for a while)."""
         return await self._follow(pid, on_stdout, on_stderr, max_output)
 
-    async def history(self, limit: int = 1000, *, after_seq: int = 0) -> builtins.list[CommandRecord]:
+    async def history(
+        self, limit: int = 1000, *, after_seq: int = 0, newest_first: bool = False
+    ) -> builtins.list[CommandRecord]:
         """What ran in this sandbox (also once it ended): one record per ``run``, ``run_code`` cell
-        and background process followed to its end, oldest first, those with ``seq > after_seq``,
-        at most ``limit`` (1-10000). Each holds the command's text (cut at 4 KiB), duration and
-        outcome (exit code, timed_out, truncated, oom_killed, error, output byte counts): never its
-        environment or its output."""
-        return await self._sb._transport.handle(ops.Commands(self._sb.sandbox_id, limit, after_seq))
+        and background process followed to its end, those with ``seq > after_seq``, at most
+        ``limit`` (1-10000), oldest first (newest_first: the newest, newest first). Each holds the
+        command's text (cut at 4 KiB), duration and outcome (exit code, timed_out, truncated,
+        oom_killed, error, output byte counts): never its environment or its output."""
+        return await self._sb._transport.handle(ops.Commands(self._sb.sandbox_id, limit, after_seq, newest_first))
 
     async def list(self) -> builtins.list[ProcessInfo]:
         """The running background processes (and terminals) of the sandbox."""
