@@ -5,13 +5,17 @@
 - A non-admin key of a tenant borrows the admin flag of another key of the same tenant by
   sending its body slowly while the admin key makes a request (the fronts were shared).
 - A client trickles a request header and never finishes it (slowloris).
+- A tenant scrapes /metrics to learn about another tenant's sandboxes, and a sandbox's command
+  text tries to become a metric label or value.
 
 Each runs against a real `warmbox serve`.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import secrets
 import socket
 import time
 from pathlib import Path
@@ -109,3 +113,46 @@ def test_a_trickled_header_does_not_hold_a_connection(home: Path, runc_ready: No
             assert time.monotonic() - t0 < 10
     finally:
         srv.stop()
+
+
+def _http(url: str, method: str, path: str, key: str, body: dict | None = None) -> tuple[int, bytes]:
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    headers = {"Authorization": f"Bearer {key}"}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    try:
+        conn.request(method, path, body=None if body is None else json.dumps(body), headers=headers)
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def test_metrics_show_a_tenant_nothing_of_another_and_no_sandbox_data(server, home):
+    """Tenant "owner" runs a command in a real sandbox; tenant "spy" scrapes /metrics with its key
+    and sees only its own tenant's series (none of owner's, no host-wide families); the full
+    scrape (an admin key) carries no sandbox id and nothing of the command's text."""
+    registry = Engine.for_home(home).registry
+    _, owner = registry.create_key("metrics-owner")
+    _, spy = registry.create_key("metrics-spy")
+    _, ops = registry.create_key("metrics-ops", admin=True)
+    marker = "zq" + secrets.token_hex(4)
+    status, data = _http(server.url, "POST", "/v1/sandboxes", owner, {"timeout": 120})
+    assert status == 200, data
+    sid = json.loads(data)["info"]["sandbox_id"]
+    try:
+        status, data = _http(server.url, "POST", f"/v1/sandboxes/{sid}/commands", owner, {"cmd": f"echo {marker}"})
+        assert status == 200 and marker.encode() in data, data
+        status, spied_b = _http(server.url, "GET", "/metrics", spy)
+        assert status == 200
+    finally:
+        assert _http(server.url, "DELETE", f"/v1/sandboxes/{sid}", owner)[0] == 200
+    status, every_b = _http(server.url, "GET", "/metrics", ops)  # after the kill: its command is recorded
+    assert status == 200
+    spied, everything = spied_b.decode(), every_b.decode()
+    assert "metrics-owner" not in spied and sid not in spied and "warmbox_http_requests" not in spied
+    assert "warmbox_pool_" not in spied and "process_cpu" not in spied
+    # the full view has owner's series and its command (so the checks above and below mean something)
+    assert 'tenant="metrics-owner"' in everything and "warmbox_command_duration_seconds_count{" in everything
+    assert sid not in everything and marker not in everything

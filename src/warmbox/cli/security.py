@@ -48,6 +48,13 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ("test_api_server.py::test_a_trickled_header_does_not_hold_a_connection",),
     ),
     Guarantee(
+        "service",
+        "/metrics shows a tenant's key only its own tenant's series (no other tenant's, no host-wide ones); "
+        "no sandbox id or command text ever becomes a label or a value (labels are closed sets).",
+        _ALL,
+        ("test_api_server.py::test_metrics_show_a_tenant_nothing_of_another_and_no_sandbox_data",),
+    ),
+    Guarantee(
         "host paths",
         "The host never writes, truncates or chowns through a path the sandbox controls: "
         "gVisor's /run trigger is a new inode made by directory fd (O_EXCL|O_NOFOLLOW, fchown of that fd), "

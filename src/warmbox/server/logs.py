@@ -27,7 +27,7 @@ from typing import Any
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from warmbox.server.metrics import HttpMetrics
+from warmbox.server.metrics import HOST_TENANT, HttpMetrics
 
 REQUEST_ID_HEADER = b"x-request-id"
 ACCESS = logging.getLogger("warmbox.server.access")
@@ -179,7 +179,7 @@ class JsonFormatter(logging.Formatter):
         if ctx is not None:
             out["request_id"] = ctx.request_id
             if ctx.tenant is not None:
-                out["tenant"] = ctx.tenant or "_host"
+                out["tenant"] = ctx.tenant or HOST_TENANT
             if ctx.route:
                 out["route"] = ctx.route
             if ctx.sandbox_id:

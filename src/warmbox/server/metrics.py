@@ -223,7 +223,8 @@ class RegistryCollector:
             "Sandboxes whose rows this scrape aggregated (live or recently ended; settled ones are kept in memory)",
             value=totals.sandboxes_read,
         )
-        yield from families(totals)
+        # a family without series is left out (a tenant's view has no pool families at all)
+        yield from (m for m in families(totals) if m.samples)
 
 
 class HttpMetrics:
