@@ -84,6 +84,8 @@ def _known_rows(reg: Registry) -> None:
     _sandbox(reg, "sb-0000000000p1", "", pool="default")
     reg.set_state("sb-0000000000p1", State.POOLED, "warm")
     reg.pool_event("default", "warmed", "sb-0000000000p1")
+    _sandbox(reg, "sb-0000000000p2", "", pool="default")  # a warm-up that failed: the pool's, not a create's
+    reg.set_state("sb-0000000000p2", State.FAILED, "warm-up failed")
     reg.pool_event("default", "hit", "sb-x")
     reg.pool_event("default", "miss")
 
@@ -148,6 +150,7 @@ def test_the_registrys_rows_become_parsed_families(reg):
     assert v("warmbox_sandbox_creates", "warmbox_sandbox_creates_total", tenant="acme", source="cold") == 2
     assert v("warmbox_sandbox_creates", "warmbox_sandbox_creates_total", tenant="_host") is None
     assert v("warmbox_sandbox_create_failures", "warmbox_sandbox_create_failures_total", tenant="acme") == 1
+    assert v("warmbox_sandbox_create_failures", "warmbox_sandbox_create_failures_total", tenant="_host") == 0
     assert v("warmbox_sandbox_pauses", "warmbox_sandbox_pauses_total", tenant="beta", tier="gvisor") == 1
     # stage histogram: 400 ms runtime is in the 0.5 s bucket, not the 0.25 s one
     stage = {"stage": "runtime", "tier": "container", "request_path": "true"}
@@ -320,7 +323,7 @@ def test_settled_sandboxes_are_read_once_and_the_totals_stay_exact(reg):
     kept = RegistryStats(reg.path, settle_s=0)  # a destroyed sandbox settles at once
     try:
         first = kept.read()
-        assert first.sandboxes_read == 4  # every row of the fixture: nothing settled yet, none destroyed
+        assert first.sandboxes_read == 5  # every row of the fixture: nothing settled yet, none destroyed
         _sandbox(reg, "sb-0000000000a3", "acme")
         reg.set_state("sb-0000000000a3", State.READY, "started")
         reg.add_timings([StageTiming("sb-0000000000a3", "allocation", 1.5)])
@@ -335,7 +338,7 @@ def test_settled_sandboxes_are_read_once_and_the_totals_stay_exact(reg):
             finally:
                 fresh.close()
         again = kept.read()
-        assert again.sandboxes_read == 3  # a2 (failed), b1 (paused), p1 (pooled): the destroyed ones are kept
+        assert again.sandboxes_read == 4  # a2, p2 (failed), b1 (paused), p1 (pooled): the destroyed ones are kept
         hits = {v.labels: v.value for v in again.pool_events}
         assert hits[("default", "hit")] == 2
         acme = {v.labels: v.value for v in again.creates}

@@ -151,8 +151,9 @@ class _Family:
 # the planner would otherwise scan the large table and probe scope for each of its rows)
 _JOIN = "FROM scope x CROSS JOIN sandboxes s ON s.sandbox_id = x.sandbox_id"
 _FAMILIES = (
-    # a create is a sandbox handed to someone: made cold (or from a snapshot), or claimed from a
-    # pool; a pool's warm-up nobody claimed is the pool's (warmbox_pool_warmups_total)
+    # a create is a sandbox asked for by someone: made cold (or from a snapshot; a failed start
+    # counts, and in create_failures too), or claimed from a pool; a pool's warm-up nobody claimed
+    # is the pool's (warmbox_pool_warmups_total, its failures warmbox_pool_warmup_failures_total)
     _Family(
         "creates",
         "SELECT x.part, s.tenant, s.tier, CASE WHEN s.pool='' THEN 'cold' ELSE 'pool' END, COUNT(*) "
@@ -163,7 +164,7 @@ _FAMILIES = (
     _Family(
         "moves",
         "SELECT x.part, s.tenant, s.tier, "
-        "SUM(t.from_state='creating' AND t.to_state='failed'), "
+        "SUM(t.from_state='creating' AND t.to_state='failed' AND (s.pool='' OR s.claimed_at>0)), "
         "SUM(t.from_state IN ('ready','running') AND t.to_state='paused'), "
         "SUM(t.from_state='paused' AND t.to_state='creating'), "
         "SUM(t.from_state='creating' AND t.to_state='paused') "

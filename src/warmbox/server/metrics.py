@@ -87,13 +87,14 @@ def families(t: RegistryTotals) -> Iterator[Metric]:
     yield _gauge("warmbox_sandboxes", "Sandboxes by state (destroyed ones not counted)", "sandboxes", t.sandboxes)
     yield _counter(
         "warmbox_sandbox_creates",
-        "Sandboxes handed to a caller: made cold (source=cold, forks too) or claimed from a pool (source=pool)",
+        "Sandbox creates: started cold (source=cold, forks too; failed starts included) "
+        "or claimed from a pool (source=pool)",
         "creates",
         t.creates,
     )
     yield _counter(
         "warmbox_sandbox_create_failures",
-        "Starts that failed (creating -> failed)",
+        "Creates whose start failed (creating -> failed; a pool's warm-ups: warmbox_pool_warmup_failures_total)",
         "create_failures",
         t.create_failures,
     )
