@@ -54,7 +54,8 @@
     } else if (s.draw === "area-step") {
       o.paths = paths.stepped({ align: 1 });
       o.fill = alpha(color, 0.18);
-    } else if (s.draw === "points") {
+    } else if (s.draw === "points") { // a rate per bucket: dots, no line across empty buckets
+      o.paths = () => null;
       o.points = { show: true, size: 7, fill: color };
     } else if (s.draw === "bars" || s.draw === "bars-left" || s.draw === "bars-right") {
       const align = s.draw === "bars-left" ? -1 : s.draw === "bars-right" ? 1 : 0;
