@@ -1,6 +1,10 @@
 """warmbox: self-hosted sandboxes for running untrusted, model-generated code."""
 
 from warmbox.errors import (
+    ApprovalClosed,
+    ApprovalDenied,
+    ApprovalError,
+    ApprovalNotFound,
     ArtifactCorrupt,
     BackendUnavailable,
     CommandFailed,
@@ -50,7 +54,9 @@ from warmbox.errors import (
     WarmboxError,
 )
 from warmbox.models import (
+    Approval,
     ApprovalRequest,
+    BudgetStatus,
     CommandRecord,
     CommandResult,
     EntryInfo,
@@ -78,6 +84,7 @@ from warmbox.models import (
     TierChoice,
     TierStatus,
     Transcript,
+    UsageBucket,
     Volume,
     VolumeInfo,
     WriteEntry,
@@ -118,6 +125,13 @@ __all__ = [
     "StorageError",
     "StorageFull",
     "ApprovalRequest",
+    "Approval",
+    "ApprovalClosed",
+    "ApprovalDenied",
+    "ApprovalError",
+    "ApprovalNotFound",
+    "BudgetStatus",
+    "UsageBucket",
     "NetEvent",
     "Network",
     "NetworkError",

@@ -153,6 +153,13 @@ ROUTES: tuple[Route, ...] = (
     Route(Op.TEMPLATE_GET, "GET", f"{PREFIX}/templates/{{name}}", "query", idempotent=True, summary="A built template"),
     Route(Op.TEMPLATE_DELETE, "DELETE", f"{PREFIX}/templates/{{name}}", "query", summary="Remove a template"),
     Route(Op.TEMPLATE_GC, "POST", f"{PREFIX}/templates/gc", summary="Collect unused layers and microVM roots (admin)"),
+    Route(Op.APPROVALS_LIST, "GET", f"{PREFIX}/approvals", "query", idempotent=True, summary="The approval queue"),
+    Route(
+        Op.APPROVAL_ANSWER,
+        "POST",
+        f"{PREFIX}/approvals/{{approval_id}}",
+        summary="Answer an approval question (once)",
+    ),
 )
 
 BY_OP: dict[Op, Route] = {r.op: r for r in ROUTES}

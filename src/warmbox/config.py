@@ -155,6 +155,25 @@ class NetworkSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class ApprovalSettings:
+    """``[approvals]``: which steps wait for a human's answer in the approval queue, and for how long.
+
+    A start (create, fork, resume) waits when it would take its tenant past the daily budget;
+    a create also when it asks for more than ``memory_above_mb`` or runs on one of ``tiers``; a
+    pool resize when its target is above ``pool_target_above``. Unanswered after ``timeout_s``:
+    refused (ApprovalDenied)."""
+
+    timeout_s: float = 300.0  # how long a step waits for an answer (then: ApprovalDenied, state timed_out)
+    webhook: str = ""  # http(s) URL POSTed each new question (an Approval as JSON); may answer {"decision": ...}
+    webhook_timeout_s: float = 5.0  # how long the webhook's answer is waited for (none: the queue decides)
+    memory_above_mb: int = 0  # a create asking for more memory than this needs approval (0: never)
+    tiers: tuple[str, ...] = ()  # a create on one of these tiers needs approval
+    pool_target_above: int = 0  # a pool resize to a target above this needs approval (0: never)
+    budget_lookahead_s: float = 60.0  # a start counts this long of its full CPUs and memory against the budget
+    warn_ratio: float = 0.8  # the budget ratio from which a tenant's status warns (metrics, dashboard)
+
+
+@dataclasses.dataclass(frozen=True)
 class MicroVMSettings:
     """The microVM tier. accel: "auto" (probe: KVM when a guest boots under it, else TCG), "kvm" or "tcg"."""
 
@@ -418,6 +437,7 @@ class Settings:
     microvm: MicroVMSettings = MicroVMSettings()
     limits: LimitSettings = None  # type: ignore[assignment]  # None: [limits] defaults of this host
     server: ServerSettings = ServerSettings()
+    approvals: ApprovalSettings = ApprovalSettings()
 
     def __post_init__(self) -> None:
         if self.limits is None:
@@ -520,7 +540,18 @@ def parse(
 ) -> Settings:
     """env_keys: [limits] keys that came from WARMBOX_LIMITS__*; host: capacity to bound limits by
     (default: this host's)."""
-    known = {"defaults", "templates", "pools", "daemon", "network", "microvm", "limits", "server", "lifecycle"}
+    known = {
+        "defaults",
+        "templates",
+        "pools",
+        "daemon",
+        "network",
+        "microvm",
+        "limits",
+        "server",
+        "lifecycle",
+        "approvals",
+    }
     for k in raw:
         if k not in known:
             raise ConfigError(f"{source}: unknown section [{k}] (known: {', '.join(sorted(known))})")
@@ -627,6 +658,41 @@ def parse(
         microvm=_microvm(_table(raw, "microvm", source), source),
         limits=maxima,
         server=_server(_table(raw, "server", source), source),
+        approvals=_approvals(_table(raw, "approvals", source), source),
+    )
+
+
+def _approvals(t: dict, source: str) -> ApprovalSettings:
+    _only(
+        t,
+        {
+            "timeout",
+            "webhook",
+            "webhook_timeout",
+            "memory_above_mb",
+            "tiers",
+            "pool_target_above",
+            "budget_lookahead",
+            "warn_ratio",
+        },
+        "approvals",
+        source,
+    )
+    hook = _str(t.get("webhook", ""), "approvals.webhook", source)
+    if hook and not hook.startswith(("http://", "https://")):
+        raise ConfigError(f"{source}: approvals.webhook must be an http(s) URL, got {hook!r}")
+    tiers = t.get("tiers", [])
+    if not isinstance(tiers, list):
+        raise ConfigError(f"{source}: approvals.tiers must be a list of tier names, got {tiers!r}")
+    return ApprovalSettings(
+        timeout_s=_num(t.get("timeout", 300.0), "approvals.timeout", source, 0.1, 86400),
+        webhook=hook,
+        webhook_timeout_s=_num(t.get("webhook_timeout", 5.0), "approvals.webhook_timeout", source, 0.1, 60),
+        memory_above_mb=_int(t.get("memory_above_mb", 0), "approvals.memory_above_mb", source, 0, 1 << 30),
+        tiers=tuple(dict.fromkeys(_tier(x, "approvals.tiers", source) for x in tiers)),
+        pool_target_above=_int(t.get("pool_target_above", 0), "approvals.pool_target_above", source, 0, 1 << 20),
+        budget_lookahead_s=_num(t.get("budget_lookahead", 60.0), "approvals.budget_lookahead", source, 0, 86400),
+        warn_ratio=_num(t.get("warn_ratio", 0.8), "approvals.warn_ratio", source, 0.01, 1.0),
     )
 
 

@@ -49,6 +49,10 @@ WarmboxError
 │   └── VolumeInUse                     removal refused: a sandbox mounts it
 ├── Unsupported                         the sandbox's tier cannot do what was asked (``reason`` says why)
 ├── QuotaExceeded                       a tenant's quota (sandboxes, memory, cpus, tiers) refuses a start
+├── ApprovalError                       something about one approval question (``approval_id``)
+│   ├── ApprovalDenied                  a step that needed approval was denied, or its question timed out (``state``)
+│   ├── ApprovalNotFound (LookupError)  no approval question with that id (for this tenant)
+│   └── ApprovalClosed                  the question was answered already (or timed out): one answer each
 ├── Forbidden                           an admin-only operation asked for by a tenant that is not admin
 ├── Unauthenticated                     the server refused the key (none, unknown or revoked)
 ├── RateLimited                         too many requests for the key (``retry_after`` seconds)
@@ -335,6 +339,38 @@ class QuotaExceeded(WarmboxError):
         self.limit = limit
         self.value = value
         self.maximum = maximum
+
+
+class ApprovalError(WarmboxError):
+    """Something about one question of the approval queue: ``approval_id`` is its id."""
+
+    def __init__(self, message: str, *, approval_id: str = "") -> None:
+        super().__init__(message)
+        self.approval_id = approval_id
+
+
+class ApprovalDenied(ApprovalError):
+    """A step that needs a human's approval (a start over the tenant's budget, a large or
+    listed-tier create, a pool resize) was denied, or nobody answered by its deadline; nothing was
+    started. state: ``"denied"`` or ``"timed_out"``; reason: why it needed approval."""
+
+    def __init__(self, message: str, *, approval_id: str = "", state: str = "denied", reason: str = "") -> None:
+        super().__init__(message, approval_id=approval_id)
+        self.state = state
+        self.reason = reason
+
+
+class ApprovalNotFound(ApprovalError, LookupError):
+    """No approval question with that id (another tenant's is not found either)."""
+
+
+class ApprovalClosed(ApprovalError):
+    """An answer to a question no longer open: answered already (each is answered exactly once)
+    or timed out. state: what it is now."""
+
+    def __init__(self, message: str, *, approval_id: str = "", state: str = "") -> None:
+        super().__init__(message, approval_id=approval_id)
+        self.state = state
 
 
 class Forbidden(WarmboxError):

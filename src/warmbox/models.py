@@ -598,6 +598,8 @@ class Tenant:
     memory or CPU and does not count). 0 means unlimited. tiers: the tiers it may use (empty:
     every tier). rate_per_s: requests per second per key (the server enforces it). admin and
     key_id are the key's: an admin key may run admin-only operations (snapshot gc).
+    budget_cpu_h, budget_gib_h: what its sandboxes may use per UTC day (CPU-hours, GiB-hours of
+    memory; 0: no budget); a start that would go past it waits for an operator's approval.
     """
 
     name: str
@@ -608,6 +610,8 @@ class Tenant:
     tiers: tuple[str, ...] = ()
     rate_per_s: float = 0.0
     key_id: str = ""
+    budget_cpu_h: float = 0.0
+    budget_gib_h: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -624,6 +628,73 @@ class KeyInfo:
     max_cpus: float = 0.0
     tiers: tuple[str, ...] = ()
     rate_per_s: float = 0.0
+    budget_cpu_h: float = 0.0  # per UTC day; 0: no budget
+    budget_gib_h: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class UsageBucket:
+    """What one tenant's sandboxes used in one UTC hour (the meters' readings, as they came in).
+
+    tenant: "" for the host's own sandboxes and for warm pools before a claim (the pools' cost).
+    hour: unix seconds of the hour's start. cpu_s: CPU-seconds; gib_s: GiB-seconds of memory."""
+
+    tenant: str
+    hour: float
+    cpu_s: float
+    gib_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetStatus:
+    """A tenant's use today (since UTC midnight, ``day``) against its daily budget.
+
+    A limit of 0 is no budget (its ratio is 0). ratio = used / limit. warning: some ratio is at or
+    past ``[approvals] warn_ratio`` (0.8); exceeded: some ratio is at or past 1."""
+
+    tenant: str
+    day: float  # unix seconds of the UTC day's start
+    cpu_used_h: float
+    cpu_limit_h: float
+    cpu_ratio: float
+    gib_used_h: float
+    gib_limit_h: float
+    gib_ratio: float
+    warning: bool
+    exceeded: bool
+
+
+APPROVAL_KINDS = ("create", "resume", "pool_resize", "network")
+APPROVAL_STATES = ("pending", "approved", "denied", "timed_out")
+COST_DECISIONS = ("approve", "deny")  # the answers to a create, resume or pool_resize question
+NETWORK_DECISIONS = ("allow_once", "allow_always", "deny")  # the answers to a network question
+
+
+@dataclasses.dataclass(frozen=True)
+class Approval:
+    """A question for a human, in the approval queue (the registry's row is the truth).
+
+    kind: what waits — "create", "resume", "pool_resize" or "network" (an egress destination
+    outside the sandbox's allowlist, its policy on_unknown="ask"). subject: what is asked for, in
+    words (sandbox text is the sandbox's: escape it when shown). reason: why it needs approval.
+    deadline: unix seconds; unanswered by then it is "timed_out" (the waiter is refused).
+    decision: COST_DECISIONS or NETWORK_DECISIONS by kind ("" while pending or timed out).
+    answered_by: the key id that answered, "root" (the host), "webhook"; "" when it timed out,
+    "withdrawn" when its waiter gave up first (the caller went away).
+    """
+
+    approval_id: str
+    tenant: str  # "" : the host's
+    sandbox_id: str  # the sandbox concerned ("" for a create, which has none yet, or a pool resize)
+    kind: str
+    subject: str
+    reason: str
+    created_at: float
+    deadline: float
+    state: str = "pending"
+    decision: str = ""
+    answered_by: str = ""
+    answered_at: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

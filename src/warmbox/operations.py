@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from warmbox.errors import InvalidPath
 from warmbox.models import (
+    Approval,
     CommandRecord,
     CommandResult,
     EntryInfo,
@@ -132,6 +133,8 @@ class Op(str, enum.Enum):
     TEMPLATE_DELETE = "templates.delete"
     TEMPLATE_GC = "templates.gc"
     EXPORT = "export"
+    APPROVALS_LIST = "approvals.list"
+    APPROVAL_ANSWER = "approvals.answer"
 
 
 class Request(Generic[R]):
@@ -923,6 +926,30 @@ class TemplateGc(Request[TemplateGcReport]):
     dry_run: bool = False
 
 
+# ---- the approval queue (questions a step waits on: a start over budget, a large create, a network ask)
+
+
+@dataclasses.dataclass(frozen=True)
+class ApprovalsList(Request[list[Approval]]):
+    """The approval questions, newest first: a tenant key's own tenant's, an admin key's (and the
+    host's) every tenant's. pending_only: only those still open. limit: at most this many (1-1000)."""
+
+    op: ClassVar[Op] = Op.APPROVALS_LIST
+    pending_only: bool = False
+    limit: int = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class ApprovalAnswer(Request[Approval]):
+    """Answer an open question, once (ApprovalClosed for a second answer or after its deadline):
+    "approve"/"deny" a create, resume or pool resize (an admin key's, or the host's, to give),
+    "allow_once"/"allow_always"/"deny" a network question (its tenant's key may answer it)."""
+
+    op: ClassVar[Op] = Op.APPROVAL_ANSWER
+    approval_id: str
+    decision: str
+
+
 REQUESTS: dict[Op, type[Request[Any]]] = {
     cls.op: cls
     for cls in (
@@ -986,5 +1013,7 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         TemplateGc,
         Commands,
         Export,
+        ApprovalsList,
+        ApprovalAnswer,
     )
 }

@@ -255,6 +255,8 @@ _ATTRS = (
     "volume",
     "missing",
     "rejected",
+    "approval_id",
+    "state",
 )
 
 

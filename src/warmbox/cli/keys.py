@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import time
 
 from warmbox.errors import InvalidArgument, WarmboxError
@@ -23,8 +24,15 @@ def add_parser(sub: argparse._SubParsersAction, parser_class: type[argparse.Argu
     q.add_argument("--max-cpus", type=float, default=None, metavar="C", help="CPU cores of live sandboxes")
     q.add_argument("--tiers", default=None, metavar="T[,T]", help="the tiers it may use (default: every tier)")
     q.add_argument("--rate", type=float, default=None, metavar="R", help="requests per second per key (0: any)")
+    q.add_argument(
+        "--budget",
+        default=None,
+        metavar="cpu=10h,mem=40GiBh",
+        help="the tenant's use per UTC day: CPU-hours and memory GiB-hours (0: no budget); a start past "
+        "it waits for approval (warmbox approvals)",
+    )
     q.add_argument("--json", action="store_true")
-    q = ksub.add_parser("ls", help="every key (never a secret) and its tenant's quotas")
+    q = ksub.add_parser("ls", help="every key (never a secret), its tenant's quotas and budget")
     q.add_argument("--json", action="store_true")
     q = ksub.add_parser("revoke", help="revoke a key; its next request is refused")
     q.add_argument("key_id")
@@ -42,6 +50,29 @@ def _memory_mb(gb: float | None) -> int | None:
     if not math.isfinite(gb) or gb < 0:
         raise InvalidArgument(f"--max-memory-gb must be a number of GiB >= 0 (0: unlimited), got {gb!r}")
     return round(gb * 1024)
+
+
+_BUDGET = re.compile(r"^(cpu|mem)=(\d+(?:\.\d*)?|\.\d+)(h|gibh|gbh)?$", re.IGNORECASE)
+
+
+def parse_budget(text: str | None) -> tuple[float | None, float | None]:
+    """``cpu=10h,mem=40GiBh`` (either part; a bare number: hours) as (cpu_h, gib_h), None where unset."""
+    if text is None:
+        return None, None
+    got: dict[str, float] = {}
+    for part in text.replace(" ", "").split(","):
+        m = _BUDGET.match(part)
+        unit = (m.group(3) or "").lower() if m else ""
+        if (
+            not m
+            or (m.group(1).lower() == "cpu" and unit not in ("", "h"))
+            or (m.group(1).lower() == "mem" and unit == "h")
+        ):
+            raise InvalidArgument(
+                f"--budget takes cpu=HOURSh and/or mem=GiBh per day, e.g. cpu=10h,mem=40GiBh (0: none), got {text!r}"
+            )
+        got[m.group(1).lower()] = float(m.group(2))
+    return got.get("cpu"), got.get("mem")
 
 
 def _tiers(text: str | None) -> list[str] | None:
@@ -66,6 +97,7 @@ async def command(args: argparse.Namespace) -> int:
 
 def _create(args: argparse.Namespace) -> int:
     reg = _registry()
+    cpu_h, gib_h = parse_budget(args.budget)
     key_id, secret = reg.create_key(
         args.tenant,
         admin=args.admin,
@@ -74,6 +106,8 @@ def _create(args: argparse.Namespace) -> int:
         max_cpus=args.max_cpus,
         tiers=_tiers(args.tiers),
         rate_per_s=args.rate,
+        budget_cpu_h=cpu_h,
+        budget_gib_h=gib_h,
     )
     t = reg.tenant(args.tenant)
     if args.json:
@@ -92,8 +126,15 @@ def _quotas(t: Tenant) -> str:
         f"cpus {f'{t.max_cpus:g}' if t.max_cpus else 'any'}",
         f"tiers {','.join(t.tiers) if t.tiers else 'any'}",
         f"rate {f'{t.rate_per_s:g}/s' if t.rate_per_s else 'any'}",
+        f"budget {_budget(t.budget_cpu_h, t.budget_gib_h)} per day",
     ]
     return ", ".join(parts)
+
+
+def _budget(cpu_h: float, gib_h: float) -> str:
+    parts = [f"cpu={cpu_h:g}h"] if cpu_h else []
+    parts += [f"mem={gib_h:g}GiBh"] if gib_h else []
+    return ",".join(parts) or "none"
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -103,7 +144,7 @@ def _ls(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{'KEY':<16} {'TENANT':<16} {'ADMIN':<5} {'CREATED':<16} {'REVOKED':<16} {'SANDBOXES':>9} {'MEM GiB':>7} "
-        f"{'CPUS':>5} {'RATE/s':>6}  TIERS"
+        f"{'CPUS':>5} {'RATE/s':>6} {'BUDGET/day':<20} TIERS"
     )
     for k in keys:
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(k.created_at))
@@ -111,7 +152,8 @@ def _ls(args: argparse.Namespace) -> int:
         print(
             f"{k.key_id:<16} {k.tenant:<16} {'yes' if k.admin else 'no':<5} {created:<16} {revoked:<16} "
             f"{k.max_sandboxes or '-':>9} {f'{k.max_memory_mb / 1024:g}' if k.max_memory_mb else '-':>7} "
-            f"{f'{k.max_cpus:g}' if k.max_cpus else '-':>5} {f'{k.rate_per_s:g}' if k.rate_per_s else '-':>6}  "
+            f"{f'{k.max_cpus:g}' if k.max_cpus else '-':>5} {f'{k.rate_per_s:g}' if k.rate_per_s else '-':>6} "
+            f"{_budget(k.budget_cpu_h, k.budget_gib_h) if k.budget_cpu_h or k.budget_gib_h else '-':<20} "
             f"{','.join(k.tiers) if k.tiers else 'any'}"
         )
     return 0

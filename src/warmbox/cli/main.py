@@ -16,7 +16,8 @@ warmbox pool resize NAME [N]      set a pool's target (and --min/--max); --wait 
 warmbox pool warm [NAME...]       wait (with progress) until pools reach their targets
 warmbox down                      stop this home's daemon; pooled sandboxes are destroyed
 warmbox volume create NAME --size 1G | ls | show NAME | rm NAME   named volumes (run/create -v NAME:PATH[:ro])
-warmbox keys create|ls|revoke     API keys of tenants (secret shown once), their quotas
+warmbox keys create|ls|revoke     API keys of tenants (secret shown once), their quotas and budgets
+warmbox approvals ls|approve ID|deny ID   the approval queue (starts over budget, large creates, network asks)
 warmbox template build FILE|NAME  build a template (Dockerfile, .py, .toml, or a NAME); progress per step
 warmbox template ls|show|rm       built templates: versions, image ids, sizes; remove one
 warmbox template gc [--dry-run]   remove layers and microVM roots nothing uses; bytes freed (admin)
@@ -300,6 +301,9 @@ def _parser() -> argparse.ArgumentParser:
     from warmbox.cli import keys, templates
 
     keys.add_parser(sub, _Parser)
+    from warmbox.cli import approvals
+
+    approvals.add_parser(sub, _Parser)
     from warmbox.cli import volumes
 
     volumes.add_parser(sub, _Parser)
@@ -806,6 +810,12 @@ async def _down(args: argparse.Namespace) -> int:
     return await pools.down()
 
 
+async def _approvals(args: argparse.Namespace) -> int:
+    from warmbox.cli import approvals
+
+    return await approvals.command(args, _engine())
+
+
 async def _keys(args: argparse.Namespace) -> int:
     from warmbox.cli import keys
 
@@ -972,6 +982,7 @@ _COMMANDS = {
     "pool": _pool,
     "down": _down,
     "keys": _keys,
+    "approvals": _approvals,
     "config": _config,
     "doctor": _doctor,
     "advise": _advise,

@@ -27,7 +27,7 @@ from typing import Any, TypeVar, cast
 
 from warmbox import operations as ops
 from warmbox import transcript
-from warmbox.engine import commandlog, egress, tierprofile, volumes
+from warmbox.engine import approvals, commandlog, egress, tierprofile, volumes
 from warmbox.engine import pool as pools
 from warmbox.engine import snapshot as snapshots
 from warmbox.engine.engine import Engine, validate_envs, validate_timeout
@@ -47,6 +47,7 @@ from warmbox.errors import (
 from warmbox.lifecycle import Operation
 from warmbox.models import (
     LANGUAGE_ALIASES,
+    Approval,
     ApprovalRequest,
     Capabilities,
     CommandRecord,
@@ -54,6 +55,7 @@ from warmbox.models import (
     EntryInfo,
     Execution,
     Lifecycle,
+    Limits,
     NetEvent,
     PoolStatus,
     ProcessInfo,
@@ -77,6 +79,7 @@ from warmbox.models import (
 from warmbox.network.policy import Policy
 from warmbox.operations import sandbox_path
 from warmbox.storage.registry import unknown_sandbox
+from warmbox.tiers import canonical_tier
 
 R = TypeVar("R")
 MAX_HISTORY = 10000  # command records one Commands call returns at most
@@ -394,6 +397,8 @@ class EngineFront:
             ops.TemplateGc: self.template_gc,
             ops.Commands: self.commands,
             ops.Export: self.export,
+            ops.ApprovalsList: self.approvals_list,
+            ops.ApprovalAnswer: self.approval_answer,
         }
 
     async def handle(self, request: ops.Request[R]) -> R:
@@ -624,6 +629,7 @@ class EngineFront:
                 )
             )
             r = dataclasses.replace(r, tier=choice.tier, requirements=req)
+        await self._approve_create(r)
         got = await self._create(r)
         if metadata or lifecycle != Lifecycle() or choice is not None:
             try:
@@ -639,6 +645,27 @@ class EngineFront:
                 await self.engine.destroy(got.sandbox_id, "recording its metadata failed")
                 raise
         return await self._hold(got)
+
+    async def _approve_create(self, r: ops.Create) -> None:
+        """Wait for approval if this create needs it (engine.approvals): before anything is
+        claimed or made, so a denied one leaves nothing behind."""
+        if not approvals.needed(self.engine, self.tenant):
+            return
+        if r.from_snapshot is not None:
+            if not isinstance(r.from_snapshot, str):
+                return  # _create refuses it
+            _, _, tier, limits = snapshots.start_of(self.engine, r.from_snapshot)
+            await approvals.gate_start(self.engine, self.tenant, "create", tier, limits, sandbox_id=r.from_snapshot)
+            return
+        if r.limits is not None and not isinstance(r.limits, Limits):
+            return  # _create refuses it
+        settings = self.engine.settings()
+        tier = canonical_tier(settings.defaults.tier if r.tier is None else r.tier)
+        limits = r.limits or Limits()
+        settings.limits.check(limits)  # refusals that need nobody's approval come first
+        if self.tenant is not None:
+            self.engine.registry.check_quota(self.tenant, tier, limits)
+        await approvals.gate_start(self.engine, self.tenant, "create", tier, limits)
 
     async def _create(self, r: ops.Create) -> Launched:
         if r.from_snapshot is not None:
@@ -685,6 +712,9 @@ class EngineFront:
             return await self.resume(ops.Resume(r.sandbox_id))
 
     async def resume(self, r: ops.Resume) -> ops.Opened:
+        if isinstance(r.snapshot, str) and approvals.needed(self.engine, self.tenant):
+            kind, ref, tier, limits = snapshots.start_of(self.engine, r.snapshot)
+            await approvals.gate_start(self.engine, self.tenant, kind, tier, limits, sandbox_id=ref)
         got = await snapshots.resume(
             self.engine, r.snapshot, timeout=r.timeout, envs=r.envs, tenant=self.tenant, secrets=r.secrets
         )
@@ -1139,8 +1169,44 @@ class EngineFront:
     async def pools_resize(self, r: ops.PoolsResize) -> PoolStatus:
         if not isinstance(r.name, str) or not r.name:
             raise InvalidArgument(f"name must be a pool name, got {r.name!r}")
+        await approvals.gate_pool_resize(self.engine, self.tenant, r.name, r.target)
         # resize validates target/min/max, writes the registry and makes sure the daemon runs to act on it
         return pools.resize(self.engine, self.engine.settings(), r.name, r.target, r.min, r.max)
+
+    # ---- the approval queue: a tenant key sees its own tenant's questions and answers its network
+    # ones; a question about cost (a start over budget, a large create, a pool resize) is the
+    # operator's to answer: an admin key's (which sees every tenant's) or the host's
+
+    def _sees_all(self) -> bool:
+        return self.tenant is None or self.tenant.admin
+
+    async def approvals_list(self, r: ops.ApprovalsList) -> builtins.list[Approval]:
+        if not isinstance(r.pending_only, bool):
+            raise InvalidArgument(f"pending_only must be true or false, got {r.pending_only!r}")
+        if isinstance(r.limit, bool) or not isinstance(r.limit, int) or not 1 <= r.limit <= 1000:
+            raise InvalidArgument(f"limit must be an integer in [1, 1000], got {r.limit!r}")
+        tenant = None if self._sees_all() else self._tenant_name()
+        return self.engine.registry.approvals(tenant, pending_only=r.pending_only, limit=r.limit)
+
+    async def approval_answer(self, r: ops.ApprovalAnswer) -> Approval:
+        if not isinstance(r.approval_id, str) or not r.approval_id:
+            raise InvalidArgument(f"approval_id must be an approval id (ap-…), got {r.approval_id!r}")
+        if not isinstance(r.decision, str):
+            raise InvalidArgument(f"decision must be a string, got {r.decision!r}")
+        reg = self.engine.registry
+        scope = None if self._sees_all() else self._tenant_name()
+        a = reg.approval(r.approval_id, tenant=scope)  # another tenant's: not found
+        if a.kind != "network" and not self._sees_all():
+            assert self.tenant is not None
+            raise Forbidden(
+                f"a {a.kind} question is the operator's to answer (an admin key); "
+                f"tenant {self.tenant.name!r}'s key is not one"
+            )
+        if self.tenant is None:
+            by = "root"
+        else:
+            by = self.tenant.key_id or f"tenant:{self.tenant.name}"
+        return reg.answer_approval(r.approval_id, r.decision, by, tenant=scope)
 
     # ---- named volumes (the tenant's own; the host's front: the host's, tenant "")
 

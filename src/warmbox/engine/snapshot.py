@@ -1142,6 +1142,18 @@ async def fork(
     return got
 
 
+def start_of(engine: Engine, ref: str) -> tuple[str, str, str, Limits]:
+    """What ``resume(ref)`` would start, before it does: ("resume", sandbox_id, tier, limits) for a
+    paused sandbox continued under its id, ("create", snapshot_id, tier, limits) for a fork."""
+    if isinstance(ref, str) and ref.startswith("sb-"):
+        info, _ = engine.info(ref)
+        return "resume", ref, info.tier, engine.registry.limits(ref)
+    m = resolve(engine, ref)
+    if _pause_of_paused(engine, m):
+        return "resume", m.sandbox_id, m.tier, _limits_of(m)
+    return "create", m.snapshot_id, m.tier, _limits_of(m)
+
+
 def _pause_of_paused(engine: Engine, m: snaps.SnapshotManifest) -> bool:
     """Whether ``m`` is the latest snapshot of a sandbox that is paused: the one its pause made,
     so resuming it continues that sandbox (a fork would leave it paused until its retention)."""

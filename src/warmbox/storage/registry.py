@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from warmbox.errors import (
+    ApprovalClosed,
+    ApprovalNotFound,
     InvalidArgument,
     QuotaExceeded,
     RegistryError,
@@ -34,9 +36,14 @@ from warmbox.errors import (
 )
 from warmbox.lifecycle import LIVE, RESUMING, check_transition
 from warmbox.models import (
+    APPROVAL_KINDS,
     COMMAND_KINDS,
+    COST_DECISIONS,
     MAX_COMMAND_TEXT,
+    NETWORK_DECISIONS,
+    Approval,
     BackendHandle,
+    BudgetStatus,
     CommandDurations,
     CommandRecord,
     KeyInfo,
@@ -53,7 +60,9 @@ from warmbox.models import (
     Tenant,
     TierChoice,
     Transition,
+    UsageBucket,
 )
+from warmbox.paths import owner_alive
 from warmbox.storage.uidslots import (  # noqa: F401 - MAX_SLOTS is re-exported for cli/bench
     HOLDING_STATES,
     MAX_SLOTS,
@@ -65,7 +74,7 @@ from warmbox.storage.uidslots import (  # noqa: F401 - MAX_SLOTS is re-exported 
 )
 from warmbox.tiers import canonical_tier
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -124,7 +133,9 @@ CREATE TABLE IF NOT EXISTS tenants (
     max_memory_mb INTEGER NOT NULL DEFAULT 0,
     max_cpus      REAL NOT NULL DEFAULT 0,
     tiers         TEXT NOT NULL DEFAULT '',
-    rate_per_s    REAL NOT NULL DEFAULT 0
+    rate_per_s    REAL NOT NULL DEFAULT 0,
+    budget_cpu_h  REAL NOT NULL DEFAULT 0,
+    budget_gib_h  REAL NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS api_keys (
     key_id        TEXT PRIMARY KEY,
@@ -280,6 +291,31 @@ CREATE TABLE IF NOT EXISTS pool_costs (
     gib_s      REAL NOT NULL,
     wall_s     REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS usage (
+    tenant     TEXT NOT NULL,
+    hour       REAL NOT NULL,
+    cpu_s      REAL NOT NULL DEFAULT 0,
+    gib_s      REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (tenant, hour)
+);
+CREATE INDEX IF NOT EXISTS usage_hour ON usage(hour);
+CREATE TABLE IF NOT EXISTS approvals (
+    approval_id TEXT PRIMARY KEY,
+    tenant      TEXT NOT NULL,
+    sandbox_id  TEXT NOT NULL,
+    kind        TEXT NOT NULL,
+    subject     TEXT NOT NULL,
+    reason      TEXT NOT NULL,
+    created_at  REAL NOT NULL,
+    deadline    REAL NOT NULL,
+    state       TEXT NOT NULL,
+    decision    TEXT NOT NULL DEFAULT '',
+    answered_by TEXT NOT NULL DEFAULT '',
+    answered_at REAL NOT NULL DEFAULT 0,
+    waiter      TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS approvals_tenant ON approvals(tenant, created_at);
+CREATE INDEX IF NOT EXISTS approvals_state ON approvals(state, created_at);
 """
 _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE sandboxes ADD COLUMN pool TEXT NOT NULL DEFAULT ''",
@@ -316,6 +352,9 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE sandboxes ADD COLUMN tier_reasons TEXT NOT NULL DEFAULT '[]'",
     "ALTER TABLE sandboxes ADD COLUMN tier_rejected TEXT NOT NULL DEFAULT '{}'",
     # version 13: commands (a new table, made by SCHEMA): every command and code run, its outcome
+    # version 14: a tenant's daily budget (CPU-hours, GiB-hours); usage and approvals (new tables)
+    "ALTER TABLE tenants ADD COLUMN budget_cpu_h REAL NOT NULL DEFAULT 0",
+    "ALTER TABLE tenants ADD COLUMN budget_gib_h REAL NOT NULL DEFAULT 0",
 )
 _COLUMNS = (
     "sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
@@ -326,7 +365,8 @@ _COLUMNS = (
 
 _KEY_TENANT = (
     "SELECT k.secret_sha256, k.revoked_at, k.key_id, k.admin, t.name, t.max_sandboxes, t.max_memory_mb, "
-    "t.max_cpus, t.tiers, t.rate_per_s FROM api_keys k JOIN tenants t ON t.name=k.tenant "
+    "t.max_cpus, t.tiers, t.rate_per_s, t.budget_cpu_h, t.budget_gib_h FROM api_keys k "
+    "JOIN tenants t ON t.name=k.tenant "
 )
 
 
@@ -341,10 +381,15 @@ def _key_tenant(row: tuple) -> Tenant:
         tiers=_split(row[8]),
         rate_per_s=row[9],
         key_id=row[2],
+        budget_cpu_h=row[10],
+        budget_gib_h=row[11],
     )
 
 
 GIB = float(1 << 30)
+HOUR = 3600.0
+DAY = 86400.0
+_MAX_APPROVAL_TEXT = 500
 
 _LIVE = tuple(s.value for s in LIVE)
 _HOLDING = (*_LIVE, State.FAILED.value)  # states whose uid range is still in use
@@ -938,6 +983,7 @@ class Registry:
             ).fetchone()
             if m is not None:
                 gib_s = m[1] + m[4] / GIB * max(0.0, now - m[5])
+                _add_usage(db, "", now, 0.0, gib_s - m[1])  # the pool's, as a reading now would have
                 db.execute(
                     "UPDATE meters SET base_cpu_ns=?, base_gib_s=?, base_busy_ms=?, base_commands=?, "
                     "busy_ms=0, commands=0, gib_s=?, sampled_at=? WHERE sandbox_id=?",
@@ -1325,10 +1371,13 @@ class Registry:
         max_cpus: float | None = None,
         tiers: tuple[str, ...] | builtins.list[str] | None = None,
         rate_per_s: float | None = None,
+        budget_cpu_h: float | None = None,
+        budget_gib_h: float | None = None,
     ) -> tuple[str, str]:
         """A new API key of ``tenant`` (made if new); returns (key_id, secret). Only the secret's
-        SHA-256 is stored: the secret is shown to the caller once and never again. Quotas given
-        (not None) replace the tenant's; the others stay (a new tenant: 0 = unlimited, every tier)."""
+        SHA-256 is stored: the secret is shown to the caller once and never again. Quotas and
+        budgets given (not None) replace the tenant's; the others stay (a new tenant: 0 =
+        unlimited, every tier, no budget). budget_*: per UTC day, CPU-hours and GiB-hours."""
         if not isinstance(tenant, str) or not _TENANT_NAME.match(tenant):
             raise InvalidArgument(
                 f"tenant must be 1-64 characters (letters, digits, '_', '.', '@', '-'; not starting with "
@@ -1342,6 +1391,8 @@ class Registry:
             ("max_memory_mb", max_memory_mb, True),
             ("max_cpus", max_cpus, False),
             ("rate_per_s", rate_per_s, False),
+            ("budget_cpu_h", budget_cpu_h, False),
+            ("budget_gib_h", budget_gib_h, False),
         )
         for col, value, integer in quotas:
             if value is not None:
@@ -1366,11 +1417,14 @@ class Registry:
         """Every key, revoked ones too, oldest first (never a secret: the registry has none)."""
         rows = self._read(
             "SELECT k.key_id, k.tenant, k.created_at, k.revoked_at, k.admin, t.max_sandboxes, t.max_memory_mb, "
-            "t.max_cpus, t.tiers, t.rate_per_s FROM api_keys k JOIN tenants t ON t.name=k.tenant "
-            "ORDER BY k.created_at, k.key_id",
+            "t.max_cpus, t.tiers, t.rate_per_s, t.budget_cpu_h, t.budget_gib_h FROM api_keys k "
+            "JOIN tenants t ON t.name=k.tenant ORDER BY k.created_at, k.key_id",
             many=True,
         )
-        return [KeyInfo(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6], r[7], _split(r[8]), r[9]) for r in rows]
+        return [
+            KeyInfo(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6], r[7], _split(r[8]), r[9], r[10], r[11])
+            for r in rows
+        ]
 
     def revoke_key(self, key_id: str) -> bool:
         """Revoke a key at once (the next request with it is refused); False if unknown or already revoked."""
@@ -1406,7 +1460,8 @@ class Registry:
     def tenant(self, name: str) -> Tenant:
         """A tenant's quotas (admin False, no key); InvalidArgument if there is no such tenant."""
         row = self._read(
-            "SELECT name, max_sandboxes, max_memory_mb, max_cpus, tiers, rate_per_s FROM tenants WHERE name=?",
+            "SELECT name, max_sandboxes, max_memory_mb, max_cpus, tiers, rate_per_s, budget_cpu_h, budget_gib_h "
+            "FROM tenants WHERE name=?",
             (name,),
         )
         if row is None:
@@ -1418,6 +1473,8 @@ class Registry:
             max_cpus=row[3],
             tiers=_split(row[4]),
             rate_per_s=row[5],
+            budget_cpu_h=row[6],
+            budget_gib_h=row[7],
         )
 
     def check_quota(self, tenant: Tenant, tier: str, limits: Limits) -> None:
@@ -1514,10 +1571,13 @@ class Registry:
     def sample(self, samples: builtins.list[tuple[str, int, int]], now: float | None = None) -> None:
         """Fold (sandbox_id, memory_bytes, cpu_ns) readings into the meters (memory x time)."""
         now = time.time() if now is None else now
+        used: dict[str, builtins.list[float]] = {}  # tenant -> [cpu_s, gib_s] of this round
         with self._tx() as db:
             for sid, mem, cpu in samples:
                 row = db.execute(
-                    "SELECT sampled_at, memory_bytes, final FROM meters WHERE sandbox_id=?", (sid,)
+                    "SELECT m.sampled_at, m.memory_bytes, m.final, m.cpu_ns, s.tenant FROM meters m "
+                    "JOIN sandboxes s USING (sandbox_id) WHERE sandbox_id=?",
+                    (sid,),
                 ).fetchone()
                 if row is None or row[2]:
                     continue
@@ -1529,6 +1589,11 @@ class Registry:
                     "gib_s=gib_s+?, cpu_ns=MAX(cpu_ns, ?) WHERE sandbox_id=?",
                     (now, mem, mem, add, cpu, sid),
                 )
+                u = used.setdefault(row[4], [0.0, 0.0])
+                u[0] += max(0, cpu - row[3]) / 1e9
+                u[1] += add
+            for tenant, (cpu_s, gib_s) in used.items():
+                _add_usage(db, tenant, now, cpu_s, gib_s)
 
     def set_busy(self, sandbox_id: str, busy_ms: float, commands: int) -> None:
         with self._tx() as db:
@@ -1564,6 +1629,191 @@ class Registry:
     def ended_at(self, sandbox_id: str) -> float:
         row = self._db.execute("SELECT ended_at FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
         return row[0] if row else 0.0
+
+    # ---- usage and budgets
+
+    def usage(self, tenant: str | None, since: float, until: float | None = None) -> builtins.list[UsageBucket]:
+        """The hourly use of ``tenant``'s sandboxes (None: every tenant's) in the hours that start
+        in [since rounded down to its hour, until), oldest first. A reading is counted in the hour
+        it was taken (the daemon reads every second: an hour's edge moves at most that much)."""
+        lo = math.floor(since / HOUR) * HOUR
+        hi = math.inf if until is None else until
+        sql = "SELECT tenant, hour, cpu_s, gib_s FROM usage WHERE hour>=? AND hour<?"
+        args: tuple = (lo, hi)
+        if tenant is not None:
+            sql, args = sql + " AND tenant=?", (*args, tenant)
+        rows = self._read(sql + " ORDER BY hour, tenant", args, many=True)
+        return [UsageBucket(*r) for r in rows]
+
+    def set_budget(self, tenant: str, *, cpu_h: float | None = None, gib_h: float | None = None) -> None:
+        """A tenant's daily budget (CPU-hours, GiB-hours per UTC day; 0: none; None: keep);
+        InvalidArgument if there is no such tenant or a value is not a number >= 0."""
+        for name, v in (("budget cpu_h", cpu_h), ("budget gib_h", gib_h)):
+            if v is not None:
+                _quota(name, v, integer=False)
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM tenants WHERE name=?", (tenant,)).fetchone() is None:
+                raise InvalidArgument(f"no tenant {tenant!r}")
+            if cpu_h is not None:
+                db.execute("UPDATE tenants SET budget_cpu_h=? WHERE name=?", (cpu_h, tenant))
+            if gib_h is not None:
+                db.execute("UPDATE tenants SET budget_gib_h=? WHERE name=?", (gib_h, tenant))
+
+    def budget_status(self, tenant: str, now: float | None = None, *, warn_ratio: float = 0.8) -> BudgetStatus:
+        """``tenant``'s use since UTC midnight against its daily budget (a tenant with no row or
+        no budget: limits 0, ratios 0). warn_ratio: the ratio from which ``warning`` is set."""
+        now = time.time() if now is None else now
+        day = math.floor(now / DAY) * DAY
+        budget = self._read("SELECT budget_cpu_h, budget_gib_h FROM tenants WHERE name=?", (tenant,))
+        cpu_limit, gib_limit = budget if budget is not None else (0.0, 0.0)
+        cpu_s, gib_s = self._read(
+            "SELECT COALESCE(SUM(cpu_s), 0), COALESCE(SUM(gib_s), 0) FROM usage WHERE tenant=? AND hour>=?",
+            (tenant, day),
+        )
+        cpu_h, gib_h = cpu_s / HOUR, gib_s / HOUR
+        cpu_ratio = cpu_h / cpu_limit if cpu_limit else 0.0
+        gib_ratio = gib_h / gib_limit if gib_limit else 0.0
+        top = max(cpu_ratio, gib_ratio)
+        return BudgetStatus(
+            tenant, day, cpu_h, cpu_limit, cpu_ratio, gib_h, gib_limit, gib_ratio, top >= warn_ratio, top >= 1.0
+        )
+
+    # ---- the approval queue
+
+    def open_approval(
+        self,
+        tenant: str,
+        kind: str,
+        subject: str,
+        reason: str,
+        timeout_s: float,
+        *,
+        sandbox_id: str = "",
+        waiter: str = "",
+        now: float | None = None,
+    ) -> Approval:
+        """A new pending question, answerable until ``timeout_s`` from now. waiter: the owner tag
+        (paths.owner_tag) of the process that waits for it: if that process dies, the question
+        reads as timed out (nobody would act on an answer). Texts are bounded (500 characters)."""
+        if kind not in APPROVAL_KINDS:
+            raise InvalidArgument(f"kind must be one of {list(APPROVAL_KINDS)}, got {kind!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+            raise InvalidArgument(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+        now = time.time() if now is None else now
+        a = Approval(
+            "ap-" + secrets.token_hex(8),
+            tenant,
+            sandbox_id,
+            kind,
+            subject[:_MAX_APPROVAL_TEXT],
+            reason[:_MAX_APPROVAL_TEXT],
+            now,
+            now + timeout_s,
+        )
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO approvals (approval_id, tenant, sandbox_id, kind, subject, reason, created_at, deadline, "
+                "state, waiter) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (a.approval_id, a.tenant, a.sandbox_id, a.kind, a.subject, a.reason, now, a.deadline, a.state, waiter),
+            )
+        return a
+
+    def approval(self, approval_id: str, *, tenant: str | None = None, now: float | None = None) -> Approval:
+        """One question as it stands (ApprovalNotFound if unknown, or not ``tenant``'s when given)."""
+        row = self._read(f"SELECT {_APPROVAL_COLUMNS} FROM approvals WHERE approval_id=?", (approval_id,))
+        if row is None or (tenant is not None and row[1] != tenant):
+            raise ApprovalNotFound(f"no approval {approval_id}", approval_id=str(approval_id)[:80])
+        return _approval(row, time.time() if now is None else now)
+
+    def approvals(
+        self, tenant: str | None, *, pending_only: bool = False, limit: int = 200, now: float | None = None
+    ) -> builtins.list[Approval]:
+        """The questions of ``tenant`` (None: every tenant's), newest first; pending_only: only
+        those still open. A pending one past its deadline, or whose waiter died, reads as timed_out."""
+        now = time.time() if now is None else now
+        sql = f"SELECT {_APPROVAL_COLUMNS} FROM approvals"
+        where: builtins.list[str] = []
+        args: builtins.list[object] = []
+        if tenant is not None:
+            where.append("tenant=?")
+            args.append(tenant)
+        if pending_only:
+            where += ["state='pending'", "deadline>?"]
+            args.append(now)
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        rows = self._read(sql + " ORDER BY created_at DESC LIMIT ?", (*args, max(1, int(limit))), many=True)
+        out = [_approval(r, now) for r in rows]
+        return [a for a in out if a.state == "pending"] if pending_only else out
+
+    def answer_approval(
+        self, approval_id: str, decision: str, answered_by: str, *, tenant: str | None = None, now: float | None = None
+    ) -> Approval:
+        """Answer an open question, exactly once: a second answer (or one after its deadline, or
+        after its waiter died) is ApprovalClosed; an unknown id, or another tenant's when
+        ``tenant`` is given, ApprovalNotFound; a decision not of its kind, InvalidArgument."""
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            row = db.execute(
+                f"SELECT {_APPROVAL_COLUMNS} FROM approvals WHERE approval_id=?", (approval_id,)
+            ).fetchone()
+            if row is None or (tenant is not None and row[1] != tenant):
+                raise ApprovalNotFound(f"no approval {approval_id}", approval_id=str(approval_id)[:80])
+            a = _approval(row, now)
+            allowed = NETWORK_DECISIONS if a.kind == "network" else COST_DECISIONS
+            if decision not in allowed:
+                raise InvalidArgument(f"a {a.kind} question is answered with one of {list(allowed)}, got {decision!r}")
+            if a.state != "pending":
+                raise ApprovalClosed(
+                    f"approval {approval_id} is {a.state}"
+                    + (f" ({a.decision} by {a.answered_by})" if a.decision else "")
+                    + ": each question is answered once",
+                    approval_id=approval_id,
+                    state=a.state,
+                )
+            state = "denied" if decision == "deny" else "approved"
+            db.execute(
+                "UPDATE approvals SET state=?, decision=?, answered_by=?, answered_at=? "
+                "WHERE approval_id=? AND state='pending'",
+                (state, decision, answered_by[:200], now, approval_id),
+            )
+        return dataclasses.replace(a, state=state, decision=decision, answered_by=answered_by[:200], answered_at=now)
+
+    def _expire_approval(self, approval_id: str, now: float) -> None:
+        """Close a question whose deadline passed (timed_out), unless an answer came first."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE approvals SET state='timed_out', answered_at=? WHERE approval_id=? AND state='pending'",
+                (now, approval_id),
+            )
+
+    def withdraw_approval(self, approval_id: str) -> None:
+        """The waiter gave up (cancelled, or failed): close the question as timed_out, answered_by
+        "withdrawn", unless it was answered (nobody would act on a later answer)."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE approvals SET state='timed_out', answered_by='withdrawn', answered_at=? "
+                "WHERE approval_id=? AND state='pending'",
+                (time.time(), approval_id),
+            )
+
+    async def wait_approval(self, approval_id: str, *, poll_s: float = 0.5) -> Approval:
+        """Wait for a question's answer (from any process: the row is the truth) until its
+        deadline; returns it answered, or timed_out (then recorded so: a late answer is refused).
+        Reads the row every 50 ms at first, backing off to ``poll_s`` (one indexed read each)."""
+        import asyncio
+
+        delay = 0.05
+        while True:
+            now = time.time()
+            a = self.approval(approval_id, now=now)
+            if a.state == "timed_out":  # its deadline passed: recorded, unless an answer won the race
+                self._expire_approval(approval_id, now)
+                return self.approval(approval_id, now=now)
+            if a.state != "pending":
+                return a
+            await asyncio.sleep(min(delay, max(0.0, a.deadline - now)))
+            delay = min(poll_s, delay * 1.5)
 
     # ---- pools
 
@@ -2015,6 +2265,32 @@ def _template(r: tuple) -> TemplateInfo:
         tenant=r[14],
         description=r[15],
     )
+
+
+def _add_usage(db: sqlite3.Connection, tenant: str, at: float, cpu_s: float, gib_s: float) -> None:
+    """Count use in ``tenant``'s bucket of the UTC hour of ``at`` (in the caller's transaction)."""
+    if cpu_s <= 0 and gib_s <= 0:
+        return
+    db.execute(
+        "INSERT INTO usage (tenant, hour, cpu_s, gib_s) VALUES (?,?,?,?) "
+        "ON CONFLICT (tenant, hour) DO UPDATE SET cpu_s=cpu_s+excluded.cpu_s, gib_s=gib_s+excluded.gib_s",
+        (tenant, math.floor(at / HOUR) * HOUR, max(0.0, cpu_s), max(0.0, gib_s)),
+    )
+
+
+_APPROVAL_COLUMNS = (
+    "approval_id, tenant, sandbox_id, kind, subject, reason, created_at, deadline, state, decision, "
+    "answered_by, answered_at, waiter"
+)
+
+
+def _approval(r: tuple, now: float) -> Approval:
+    """A row as the record callers see: a pending question past its deadline, or whose waiting
+    process is gone, is timed_out (nobody acts on it any more)."""
+    state = r[8]
+    if state == "pending" and (r[7] <= now or (r[12] and not owner_alive(r[12]))):
+        state = "timed_out"
+    return Approval(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], state, r[9], r[10], r[11])
 
 
 def _split(tiers: str) -> tuple[str, ...]:

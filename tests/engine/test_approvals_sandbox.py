@@ -1,0 +1,137 @@
+"""Starts over a tenant's daily budget wait in the approval queue, with real container sandboxes:
+denied, nothing is left behind; approved (from another process: the CLI), the start finishes; a
+resume over budget likewise."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import _cgroup_leftovers, cli, set_config
+from warmbox import operations as ops
+from warmbox.engine.engine import Engine
+from warmbox.engine.front import EngineFront
+from warmbox.errors import ApprovalDenied
+from warmbox.models import Approval, Limits, State
+
+pytestmark = pytest.mark.sandbox
+LIMITS = Limits(memory_mb=256, cpus=1)
+
+
+@pytest.fixture
+def budgeted(home: Path, runc_ready: None):
+    """The home's engine and the front of a tenant whose budget (0.001 CPU-hours a day) any start
+    goes past; questions time out after 60 s (the tests answer each within a few)."""
+    set_config(home, "\n[approvals]\ntimeout = 60\n")
+    engine = Engine.for_home(home)
+    tenant = f"apv{time.time_ns() % 10**9}"
+    engine.registry.create_key(tenant, budget_cpu_h=0.001)
+    try:
+        yield engine, EngineFront(engine, tenant=engine.registry.tenant(tenant)), tenant
+    finally:
+        set_config(home)
+
+
+async def _asked(engine: Engine, tenant: str) -> Approval:
+    for _ in range(400):
+        pending = engine.registry.approvals(tenant, pending_only=True)
+        if pending:
+            return pending[0]
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"no question was asked for tenant {tenant}")
+
+
+async def _answered(engine: Engine, tenant: str, start: Awaitable[Any], answer: Any) -> tuple[Any, Approval]:
+    """Run ``start``, answer the question it asks with ``answer(approval)``; (its outcome, the question)."""
+    task = asyncio.ensure_future(start)
+    a = await _asked(engine, tenant)
+    assert not task.done()  # it waits for the answer
+    await answer(a)
+    try:
+        return await asyncio.wait_for(task, 120), engine.registry.approval(a.approval_id)
+    except ApprovalDenied as e:
+        return e, engine.registry.approval(a.approval_id)
+
+
+def _slots_of(engine: Engine) -> set[str]:
+    """The sandbox ids this home's registry holds uid slots for in the host-wide ledger."""
+    led = engine.registry.ledger
+    with led.locked():
+        entries = [led.holder(s) for s in led.held()]
+    return {e["sandbox_id"] for e in entries if e and e.get("registry") == engine.registry._key}
+
+
+def test_a_create_over_budget_is_denied_cleanly_then_approved_from_the_cli(budgeted):
+    engine, front, tenant = budgeted
+    operator = EngineFront(engine)
+    cgroups, slots = set(_cgroup_leftovers()), _slots_of(engine)
+
+    async def deny(a: Approval) -> None:
+        await operator.handle(ops.ApprovalAnswer(a.approval_id, "deny"))
+
+    async def approve_from_the_cli(a: Approval) -> None:  # another process, as an operator would
+        r = await asyncio.to_thread(cli, "approvals", "approve", a.approval_id)
+        assert r.returncode == 0 and "approved (approve)" in r.stdout, r.stderr
+
+    async def go() -> None:
+        err, a = await _answered(engine, tenant, front.handle(ops.Create(limits=LIMITS, pool=False)), deny)
+        assert isinstance(err, ApprovalDenied) and err.state == "denied" and a.kind == "create"
+        assert engine.list(include_dead=True, tenant=tenant) == []  # no row, so no slot, cgroup or dir
+        assert set(_cgroup_leftovers()) <= cgroups and _slots_of(engine) <= slots
+
+        opened, a = await _answered(
+            engine, tenant, front.handle(ops.Create(limits=LIMITS, pool=False)), approve_from_the_cli
+        )
+        sid = opened.info.sandbox_id
+        try:
+            assert (a.state, a.answered_by) == ("approved", "root")
+            r = await front.handle(ops.Exec(sid, "echo ok"))
+            assert r.stdout == "ok\n"
+            ls = await asyncio.to_thread(cli, "approvals", "ls", "--all")
+            assert a.approval_id in ls.stdout and "over budget" in ls.stdout
+        finally:
+            await operator.handle(ops.Kill(sid))
+            await front.close()
+
+    asyncio.run(go())
+
+
+def test_a_resume_over_budget_waits_denied_stays_paused_approved_runs(budgeted):
+    engine, front, tenant = budgeted
+    operator = EngineFront(engine)
+
+    async def deny(a: Approval) -> None:
+        assert a.kind == "resume" and a.sandbox_id == sid
+        await operator.handle(ops.ApprovalAnswer(a.approval_id, "deny"))
+
+    async def approve_from_another_thread(a: Approval) -> None:
+        answer = ops.ApprovalAnswer(a.approval_id, "approve")
+        await asyncio.to_thread(lambda: asyncio.run(EngineFront(Engine.for_home(engine.home)).handle(answer)))
+
+    engine.registry.set_budget(tenant, cpu_h=0)  # no budget while it is made and paused
+    sid = ""
+
+    async def go() -> None:
+        nonlocal sid
+        opened = await front.handle(ops.Create(limits=LIMITS, pool=False))
+        sid = opened.info.sandbox_id
+        try:
+            await front.handle(ops.WriteFile(sid, "/workspace/kept.txt", b"kept"))
+            await front.handle(ops.Pause(sid))
+            engine.registry.set_budget(tenant, cpu_h=0.001)
+            err, _ = await _answered(engine, tenant, front.handle(ops.Resume(sid)), deny)
+            assert isinstance(err, ApprovalDenied)
+            assert engine.info(sid)[0].state is State.PAUSED
+            opened, a = await _answered(engine, tenant, front.handle(ops.Resume(sid)), approve_from_another_thread)
+            assert a.state == "approved" and opened.info.sandbox_id == sid
+            assert await front.handle(ops.ReadFile(sid, "/workspace/kept.txt")) == b"kept"
+        finally:
+            await operator.handle(ops.Kill(sid))
+            await front.close()
+
+    asyncio.run(go())
