@@ -117,3 +117,23 @@ def test_a_version_12_database_gains_the_commands_table(tmp_path):
     reg.add_commands([_rec("sb-a")])
     assert [c.seq for c in reg.commands("sb-a")] == [1]
     assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_every_field_is_typed_and_bounded_by_the_registry(tmp_path):
+    """One row SQLite would refuse (NaN, a 70-bit integer, a lone surrogate) must not fail its batch."""
+    reg = _registry(tmp_path)
+    odd = _rec(
+        "sb-a",
+        "echo \ud800",
+        ms=float("nan"),
+        exit_code=1 << 70,
+        error="<b>" + "x" * 1000,
+        stdout_bytes=-5,
+        language="py<thon>",
+        started_at=float("inf"),
+    )
+    reg.add_commands([odd, _rec("sb-a", "next")])
+    got, nxt = reg.commands("sb-a")
+    assert (got.text, got.duration_ms, got.exit_code, got.stdout_bytes, got.started_at) == ("echo ?", 0.0, None, 0, 0.0)
+    assert got.error == "?b?" + "x" * 197 and got.language == "py?thon?"
+    assert nxt.text == "next"

@@ -24,6 +24,17 @@ _ALL = ("container", "gvisor", "microvm")
 
 GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee(
+        "audit trail",
+        "What a sandbox sends back cannot poison or inflate the command records: a cell's exception "
+        "name is cut to 200 characters of [A-Za-z0-9_.:-], a NaN duration or a 70-bit exit code from "
+        "the agent is stored as 0 / no exit code, and later records (and the sandbox's destroy) go on.",
+        _SHARED,
+        (
+            "test_command_records.py::test_a_cells_exception_name_is_bounded_and_inert_in_the_records",
+            "test_command_records.py::test_a_hostile_agents_numbers_cannot_block_the_records",
+        ),
+    ),
+    Guarantee(
         "host memory",
         "A code run's results are bounded on the host (count and bytes): a cell writing raw result "
         "frames to its kernel's socket gets a typed error, and the sandbox keeps working.",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import shlex
 import threading
 import time
@@ -21,9 +22,11 @@ from warmbox.errors import WarmboxError
 from warmbox.models import MAX_COMMAND_TEXT, CommandRecord, CommandResult, Execution
 from warmbox.storage.registry import Registry
 
+log = logging.getLogger("warmbox.commands")
 FLUSH_AFTER_S = 0.2  # a record reaches the registry this long after its call returned, at most
 FLUSH_AT = 256  # this many queued: written at the loop's next turn
 MAX_PENDING = 10000  # queued records kept while the registry refuses writes (the oldest go first)
+MAX_FAILURES = 3  # flushes refused in a row (each after the registry's own 30 s busy wait): then dropped
 
 _LOGS: weakref.WeakSet[CommandLog] = weakref.WeakSet()
 
@@ -126,6 +129,7 @@ class CommandLog:
         self._lock = threading.Lock()  # a sync SDK client runs its loop on a thread of its own
         self._timer: asyncio.TimerHandle | None = None
         self._timer_loop: asyncio.AbstractEventLoop | None = None
+        self._failures = 0  # flushes the registry refused in a row
         _LOGS.add(self)
 
     @property
@@ -164,10 +168,20 @@ class CommandLog:
             return
         try:
             self._registry.add_commands(batch)
+            self._failures = 0
         except WarmboxError:
+            self._failures += 1
+            if self._failures >= MAX_FAILURES:  # not a busy moment: never let one batch block every later one
+                log.error(
+                    "the registry refused %d command records %d times; they are dropped", len(batch), MAX_FAILURES
+                )
+                self._failures = 0
+                return
             with self._lock:
                 self._pending[:0] = batch
                 del self._pending[:-MAX_PENDING]
+        except Exception:  # a bug of ours, never a reason to fail a destroy or a close: the batch is lost
+            log.exception("writing %d command records failed; they are dropped", len(batch))
 
 
 @atexit.register

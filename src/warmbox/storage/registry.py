@@ -493,29 +493,47 @@ MAX_COMMAND_ERROR = 200  # characters of a CommandRecord's error name kept
 MAX_HISTOGRAM_BUCKETS = 64
 
 
+_NOT_A_NAME = re.compile(r"[^A-Za-z0-9_.:-]")
+_INT64 = (1 << 63) - 1
+
+
+def _finite(v: object) -> float:
+    """A number a SQLite REAL column keeps (a NaN would be stored as NULL): else 0."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else 0.0
+
+
+def _count(v: object) -> int:
+    return min(max(v, 0), _INT64) if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
 def _command_row(c: CommandRecord, seq: int) -> tuple:
-    """One CommandRecord as its commands row (text and error bounded again: the registry's own rule)."""
+    """One CommandRecord as its commands row. Every field is bounded and typed here again, the
+    registry's own rule: durations, exit codes and error names come from the guest (hostile), and
+    one row SQLite refuses (a NaN, an integer past 64 bits) would fail every record of its batch."""
     text, cut = c.text, c.text_truncated
     if len(text) > MAX_COMMAND_TEXT // 4:  # only then can it be over MAX_COMMAND_TEXT bytes
         raw = text.encode("utf-8", "replace")
         if len(raw) > MAX_COMMAND_TEXT:
             text, cut = raw[:MAX_COMMAND_TEXT].decode("utf-8", "ignore"), True
+    code = c.exit_code
+    if isinstance(code, bool) or not isinstance(code, int) or not -_INT64 <= code <= _INT64:
+        code = None
     return (
         c.sandbox_id,
         seq,
         c.kind if c.kind in COMMAND_KINDS else "command",
-        text,
-        int(cut),
-        c.language[:32],
-        c.started_at,
-        c.duration_ms,
-        c.exit_code,
-        c.error[:MAX_COMMAND_ERROR],
-        int(c.timed_out),
-        int(c.truncated),
-        int(c.oom_killed),
-        c.stdout_bytes,
-        c.stderr_bytes,
+        text.encode("utf-8", "replace").decode() if not text.isascii() else text,  # lone surrogates: SQLite refuses
+        int(bool(cut)),
+        _NOT_A_NAME.sub("?", c.language[:32]),
+        _finite(c.started_at),
+        max(0.0, _finite(c.duration_ms)),
+        code,
+        _NOT_A_NAME.sub("?", c.error[:MAX_COMMAND_ERROR]),  # an exception's name: a guest may choose any
+        int(bool(c.timed_out)),
+        int(bool(c.truncated)),
+        int(bool(c.oom_killed)),
+        _count(c.stdout_bytes),
+        _count(c.stderr_bytes),
     )
 
 
