@@ -27,11 +27,13 @@ class Row:
     metrics: SandboxMetrics | None
 
 
-async def _metered(viewer: Viewer, sandbox_id: str) -> SandboxMetrics | None:
+async def _metered(viewer: Viewer, sandbox_id: str, fresh: bool = False) -> SandboxMetrics | None:
+    """Its cost so far: fresh (its agent asked for busy time and command count: one sandbox's page)
+    or as last sampled (every row of the list); None if it went away meanwhile."""
     try:
-        return await viewer.front.handle(ops.Metrics(sandbox_id, fresh=False))
+        return await viewer.front.handle(ops.Metrics(sandbox_id, fresh=fresh))
     except WarmboxError:
-        return None  # it went away between the list and this read
+        return None
 
 
 async def rows(viewer: Viewer, ended: bool) -> list[Row]:
@@ -70,7 +72,7 @@ def routes(console: Console) -> list[BaseRoute]:
         snapshots = [s for s in await viewer.front.handle(ops.ListSnapshots()) if s[1] == sandbox_id]
         return {
             "info": info,
-            "metrics": await _metered(viewer, sandbox_id),
+            "metrics": await _metered(viewer, sandbox_id, fresh=True),
             "events": list(reversed(events[-MAX_NET_EVENTS:])),
             "events_total": len(events),
             "denied": sum(1 for e in events if e.decision != "allow"),
