@@ -3,6 +3,7 @@ login cookie, CSRF and origin checks, security headers, tenant scoping and escap
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -10,7 +11,7 @@ from starlette.testclient import TestClient
 
 from warmbox.config import ServerSettings
 from warmbox.engine.engine import Engine
-from warmbox.models import Limits, NetEvent, State, Tenant
+from warmbox.models import CommandRecord, Limits, NetEvent, State, Tenant
 from warmbox.server.app import PEER_UID, build_app
 from warmbox.server.console import auth, web
 
@@ -272,3 +273,57 @@ def test_viewer_query_keeps_only_an_admins_filter(engine):
     assert admin.query == "?tenant=a%26b" and admin.with_query(ended=True) == "?tenant=a%26b&ended=1"
     plain = web.Viewer(tenant=Tenant("acme"), admin=False, front=front, actor=front, scope="acme", csrf="x")  # type: ignore[arg-type]
     assert plain.query == "" and plain.with_query(ended=False) == ""
+
+
+def _command(sid: str, text: str, **outcome) -> CommandRecord:
+    fields = {"timed_out": False, "truncated": False, "oom_killed": False, "error": "", "exit_code": 0}
+    fields.update(outcome)
+    return CommandRecord(
+        sandbox_id=sid, seq=0, kind="command", text=text, text_truncated=False, language="", started_at=1.0,
+        duration_ms=12.5, stdout_bytes=3, stderr_bytes=0, **fields,
+    )  # fmt: skip
+
+
+def test_commands_show_their_outcomes_escaped(engine):
+    _, key = engine.registry.create_key("acme")
+    sid = _sandbox(engine, "sb-00000000e001", "acme")
+    engine.registry.add_commands(
+        [
+            _command(sid, f"echo {HOSTILE}"),
+            _command(sid, "sleep 99", timed_out=True, exit_code=None, error="SandboxTimeout"),
+            _command(sid, "python3 big.py", truncated=True),
+            _command(sid, "python3 hog.py", oom_killed=True, exit_code=137),
+        ]
+    )
+    with TestClient(_app(engine), base_url=BASE) as c:
+        _login(c, key)
+        html = c.get(f"/ui/sandboxes/{sid}").text
+        part = html.split('id="commands"')[1].split("</table>")[0]
+        assert "<img" not in part and "&lt;img src=x onerror=alert(1)&gt;" in part
+        rows = re.findall(
+            r'<tr data-seq="(\d)"[^>]*data-timed-out="(\d)" data-truncated="(\d)" data-oom-killed="(\d)"', part
+        )
+        assert rows == [("4", "0", "0", "1"), ("3", "0", "1", "0"), ("2", "1", "0", "0"), ("1", "0", "0", "0")]
+        for flag in ("flag-timed_out", "flag-truncated", "flag-oom_killed"):
+            assert flag in part
+
+
+def test_export_is_a_csrf_checked_download_of_the_viewers_sandboxes(engine):
+    _, key = engine.registry.create_key("acme")
+    engine.registry.create_key("globex")
+    sid = _sandbox(engine, "sb-00000000f001", "acme")
+    theirs = _sandbox(engine, "sb-00000000f002", "globex")
+    engine.registry.add_commands([_command(sid, f"echo {HOSTILE}")])
+    with TestClient(_app(engine), base_url=BASE) as c:
+        _login(c, key)
+        csrf = _csrf(c.get(f"/ui/sandboxes/{sid}").text)
+        assert 'id="export-button"' in c.get(f"/ui/sandboxes/{sid}").text
+        assert c.post(f"/ui/sandboxes/{sid}/export", data={"csrf": "nope"}).status_code == 403
+        r = c.post(f"/ui/sandboxes/{sid}/export", data={"csrf": csrf})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+        assert r.headers["content-disposition"] == f'attachment; filename="{sid}.ndjson"'
+        lines = [json.loads(line) for line in r.text.splitlines()]
+        assert {"sandbox", "command"} <= {x["type"] for x in lines}
+        assert any(x["type"] == "command" and x["text"] == f"echo {HOSTILE}" for x in lines)
+        r = c.post(f"/ui/sandboxes/{theirs}/export", data={"csrf": csrf})
+        assert r.status_code == 404 and "globex" not in r.text

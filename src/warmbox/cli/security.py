@@ -399,6 +399,16 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ("test_preview_cookies.py::test_preview_passes_no_cookie_either_way",),
     ),
     Guarantee(
+        "console",
+        "What a sandbox produced (its command lines, the host names it asked the resolver or proxy "
+        "for, its metadata) is shown by the operator's console as text: pages are rendered with "
+        "autoescaping under a Content-Security-Policy with no inline script, so an injected "
+        "<script> or onerror= attribute neither appears as markup nor could run. A tenant key's "
+        "console session lists only its tenant's sandboxes, and another tenant's page is 'not found'.",
+        ("container",),
+        ("test_console_xss.py::test_sandbox_output_is_escaped_and_other_tenants_are_invisible",),
+    ),
+    Guarantee(
         "ports",
         "A connection storm on a forward holds at most MAX_CONNECTIONS tunnels (the rest are dropped at "
         "once) and they all close; an agent flooding past a tunnel's window, acknowledging bytes never "

@@ -9,14 +9,16 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from warmbox import operations as ops
+from warmbox import transcript
 from warmbox.errors import SandboxNotFound, WarmboxError
-from warmbox.models import NetEvent, SandboxInfo, SandboxMetrics, StageTiming
+from warmbox.models import STAGES, NetEvent, SandboxInfo, SandboxMetrics, StageTiming
 from warmbox.server.console.web import PREFIX, Console, Viewer
 
 NAV = ("Sandboxes", f"{PREFIX}/")
 MAX_ROWS = 200  # the list shows the newest this many (ended ones only when asked)
 MAX_NET_EVENTS = 500  # the newest egress attempts on a sandbox's page
-REFRESH_MS = 1500
+MAX_COMMANDS = 200  # the newest commands and code runs on a sandbox's page
+REFRESH_MS = 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,7 @@ def routes(console: Console) -> list[BaseRoute]:
         if not viewer.sees(info):
             raise SandboxNotFound(f"sandbox {sandbox_id} not found", sandbox_id)
         events: list[NetEvent] = await viewer.front.handle(ops.NetworkLog(sandbox_id))
+        commands = await viewer.front.handle(ops.Commands(sandbox_id, limit=MAX_COMMANDS, newest_first=True))
         snapshots = [s for s in await viewer.front.handle(ops.ListSnapshots()) if s[1] == sandbox_id]
         return {
             "info": info,
@@ -78,6 +81,8 @@ def routes(console: Console) -> list[BaseRoute]:
             "denied": sum(1 for e in events if e.decision != "allow"),
             "snapshots": sorted(snapshots, key=lambda s: s[2], reverse=True),
             "max_net_events": MAX_NET_EVENTS,
+            "commands": commands,
+            "max_commands": MAX_COMMANDS,
         }
 
     async def sandbox_page(request: Request, viewer: Viewer) -> Response:
@@ -85,7 +90,8 @@ def routes(console: Console) -> list[BaseRoute]:
         details = await _details(viewer, sandbox_id)
         timings: list[StageTiming] = await viewer.front.handle(ops.Timings(sandbox_id))
         details["timings"] = timings
-        details["start_ms"] = sum(t.duration_ms for t in timings if t.on_request_path)
+        # a start's stages only: a resume or pause records a timing of its own (not part of the start)
+        details["start_ms"] = sum(t.duration_ms for t in timings if t.on_request_path and t.stage in STAGES)
         details["refresh_ms"] = REFRESH_MS
         return console.render_with(request, viewer, "sandbox.html", details)
 
@@ -93,8 +99,24 @@ def routes(console: Console) -> list[BaseRoute]:
         details = await _details(viewer, request.path_params["sandbox_id"])
         return console.render_with(request, viewer, "_sandbox_live.html", details)
 
+    async def export(request: Request, viewer: Viewer, form: dict[str, str]) -> Response:
+        """POST (CSRF-checked) /ui/sandboxes/{id}/export: the transcript of GET /v1/.../export as a
+        download (a browser has the console's cookie, never a key for /v1)."""
+        sandbox_id = request.path_params["sandbox_id"]
+        info = await viewer.front.handle(ops.Info(sandbox_id))
+        if not viewer.sees(info):
+            raise SandboxNotFound(f"sandbox {sandbox_id} not found", sandbox_id)
+        body = transcript.dumps(await viewer.front.handle(ops.Export(sandbox_id)), "ndjson")
+        # the id passed Info (sb- and 12 hex digits): safe in a header; served as a download, never rendered
+        return Response(
+            body,
+            media_type="application/x-ndjson",
+            headers={"content-disposition": f'attachment; filename="{info.sandbox_id}.ndjson"'},
+        )
+
     return [
         Route(f"{PREFIX}/", console.page(sandbox_list), methods=["GET"]),
+        Route(f"{PREFIX}/sandboxes/{{sandbox_id}}/export", console.action(export), methods=["POST"]),
         Route(f"{PREFIX}/frag/sandboxes", console.fragment(sandbox_rows), methods=["GET"]),
         Route(f"{PREFIX}/sandboxes/{{sandbox_id}}", console.page(sandbox_page), methods=["GET"]),
         Route(f"{PREFIX}/frag/sandboxes/{{sandbox_id}}", console.fragment(sandbox_live), methods=["GET"]),

@@ -4,6 +4,31 @@
 (function () {
   var LOGIN = "/ui/login";
 
+  // Put the server's fragment into el. When both are the same list of children with ids (the
+  // sections of a sandbox's page), only the sections that changed are replaced: a table the
+  // operator is reading or selecting in stays put while the usage numbers tick.
+  function swap(el, html) {
+    var t = document.createElement("template");
+    t.innerHTML = html;
+    var fresh = Array.prototype.slice.call(t.content.children);
+    var old = Array.prototype.slice.call(el.children);
+    var same =
+      fresh.length > 0 &&
+      fresh.length === old.length &&
+      fresh.every(function (c, i) {
+        return c.id && c.id === old[i].id;
+      });
+    if (!same) {
+      el.replaceChildren(t.content);
+      return;
+    }
+    fresh.forEach(function (c, i) {
+      if (c.outerHTML !== old[i].outerHTML) {
+        el.replaceChild(c, old[i]);
+      }
+    });
+  }
+
   function keepFresh(el) {
     var url = el.getAttribute("data-refresh");
     var every = Math.max(500, parseInt(el.getAttribute("data-interval") || "1500", 10));
@@ -31,7 +56,7 @@
           // an error answer is a small escaped note: shown in place, the region marked stale
           if (got.text !== last) {
             last = got.text;
-            el.innerHTML = got.text;
+            swap(el, got.text);
             el.dispatchEvent(new CustomEvent("console:refreshed", { bubbles: true }));
           }
           el.setAttribute("data-refreshed-at", String(Date.now()));
