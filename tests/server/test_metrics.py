@@ -287,18 +287,23 @@ def test_json_request_logs_carry_the_request_id_and_never_a_key(engine):
         with _client(engine) as c:
             r = c.get("/v1/sandboxes/sb-0000000000a1", headers={"Authorization": f"Bearer {acme}"})
             r2 = c.get("/v1/nowhere", headers={"Authorization": f"Bearer {acme}"})
+            c.get("/v1/sandboxes/x%0a%22y", headers={"Authorization": f"Bearer {acme}"})
+            c.get("/ui/static/console.css")
     finally:
         access.removeHandler(handler)
         access.setLevel(old)
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert len(lines) == 2
-    first, second = lines
+    assert len(lines) == 4
+    first, second, bad_id, static = lines
     assert first["request_id"] == r.headers["x-request-id"] and len(first["request_id"]) == 16
     assert second["request_id"] == r2.headers["x-request-id"] != first["request_id"]
     assert first["tenant"] == "acme" and first["sandbox_id"] == "sb-0000000000a1"
     assert first["route"] == "/v1/sandboxes/{sandbox_id}" and first["status"] == 200 and first["method"] == "GET"
     assert first["level"] == "info" and isinstance(first["duration_ms"], float) and first["ts"].endswith("+00:00")
     assert second["route"] == "unmatched" and second["status"] == 404
+    # a path parameter that is no id is not logged as one; a mounted app's template is its mount
+    assert bad_id["sandbox_id"] == "(invalid)" and bad_id["route"] == "/v1/sandboxes/{sandbox_id}"
+    assert static["route"] == "/ui/static" and "tenant" not in static
     assert acme not in out.getvalue() and acme.split("_", 1)[1] not in out.getvalue()
 
 

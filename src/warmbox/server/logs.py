@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from starlette.routing import BaseRoute
+from starlette.routing import BaseRoute, Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from warmbox.server.metrics import HOST_TENANT, HttpMetrics
@@ -75,7 +75,10 @@ def route_template(scope: Scope) -> str:
     if not isinstance(path, str):
         return "unmatched"
     root = scope.get("root_path", "")
-    full = (root if isinstance(root, str) else "") + path
+    root = root if isinstance(root, str) else ""
+    # inside a mounted app root_path holds the mount's prefix; a Mount matched last (static files)
+    # has its own path in root_path already
+    full = root if isinstance(route, Mount) else root + path
     return full.rstrip("/") or "/"
 
 
