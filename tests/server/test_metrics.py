@@ -7,9 +7,12 @@ import dataclasses
 import io
 import json
 import logging
+import re
 import time
+from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
@@ -17,7 +20,7 @@ from warmbox.config import ServerSettings, load
 from warmbox.engine.engine import Engine
 from warmbox.engine.stats import STAGE_BUCKETS_S, RegistryStats
 from warmbox.errors import ConfigError
-from warmbox.models import Limits, NetEvent, StageTiming, State, Tenant
+from warmbox.models import CommandRecord, Limits, NetEvent, StageTiming, State, Tenant
 from warmbox.server import logs
 from warmbox.server.app import build_app
 from warmbox.server.metrics import Exposition
@@ -44,6 +47,14 @@ def _sandbox(reg: Registry, sid: str, tenant: str, tier: str = "container", *, p
     )
 
 
+def _command(
+    sid: str, kind: str, ms: float, *, exit_code: int | None = None, timed_out: bool = False, error: str = ""
+) -> CommandRecord:
+    return CommandRecord(
+        sid, 0, kind, "echo secret-text", False, "", time.time(), ms, exit_code, error, timed_out, False, False, 3, 0
+    )
+
+
 def _known_rows(reg: Registry) -> None:
     """acme: a1 running with timings, egress and a command count; a2 failed at start. beta: b1
     paused with a 5 MiB snapshot. The host (tenant ""): a pool of 2 with a hit and a miss."""
@@ -56,6 +67,7 @@ def _known_rows(reg: Registry) -> None:
             StageTiming("sb-0000000000a1", "filesystem", 30.0),
             StageTiming("sb-0000000000a1", "runtime", 400.0),
             StageTiming("sb-0000000000a1", "first_command", 7.0),
+            StageTiming("sb-0000000000a1", "resume", 300.0),
         ]
     )
     reg.add_net_events(
@@ -71,8 +83,17 @@ def _known_rows(reg: Registry) -> None:
         ]
     )
     now = time.time()
+    reg.add_commands(
+        [
+            _command("sb-0000000000a1", "command", 40.0, exit_code=0),
+            _command("sb-0000000000a1", "command", 3000.0, exit_code=1),
+            _command("sb-0000000000a1", "code", 70000.0, timed_out=True, error="SandboxTimeout"),
+        ]
+    )
     reg.sample([("sb-0000000000a1", 1 << 30, 0)], now=now)
     reg.sample([("sb-0000000000a1", 1 << 30, 3_000_000_000)], now=now + 2)  # 3 cpu-s, 2 GiB-s
+    reg.create_key("acme")
+    reg.set_budget("acme", cpu_h=0.001, gib_h=1.0)  # 3 cpu-s of 3.6 a day: 83 %, over the 80 % warning
     _sandbox(reg, "sb-0000000000a2", "acme")
     reg.set_state("sb-0000000000a2", State.FAILED, "start failed")
     _sandbox(reg, "sb-0000000000b1", "beta", "gvisor")
@@ -187,6 +208,31 @@ def test_the_registrys_rows_become_parsed_families(reg):
     assert v("warmbox_pool_ready", "warmbox_pool_ready", pool="default") == 1
     assert v("warmbox_pool_hits", "warmbox_pool_hits_total", pool="default") == 1
     assert v("warmbox_pool_misses", "warmbox_pool_misses_total", pool="default") == 1
+    cmd = {"kind": "command", "tier": "container"}
+    assert v("warmbox_command_duration_seconds", "warmbox_command_duration_seconds_count", **cmd) == 2
+    assert v("warmbox_command_duration_seconds", "warmbox_command_duration_seconds_bucket", le="0.05", **cmd) == 1
+    assert v("warmbox_command_duration_seconds", "warmbox_command_duration_seconds_bucket", le="5.0", **cmd) == 2
+    assert v("warmbox_command_outcomes", "warmbox_command_outcomes_total", outcome="nonzero_exit", **cmd) == 1
+    code = {"kind": "code", "tier": "container"}
+    assert v("warmbox_command_duration_seconds", "warmbox_command_duration_seconds_bucket", le="60.0", **code) == 0
+    assert v("warmbox_command_outcomes", "warmbox_command_outcomes_total", outcome="timed_out", **code) == 1
+    assert v("warmbox_command_outcomes", "warmbox_command_outcomes_total", outcome="error", **code) == 1
+    assert "secret-text" not in text
+    status = reg.budget_status("acme")  # the approvals part's own reading: the gauges must agree with it
+    budget = {"tenant": "acme"}
+    assert v("warmbox_budget_usage_ratio", "warmbox_budget_usage_ratio", resource="cpu", **budget) == (
+        pytest.approx(status.cpu_ratio, rel=1e-6)
+    )
+    assert status.cpu_ratio == pytest.approx(0.833, abs=0.01)
+    assert v("warmbox_budget_usage_ratio", "warmbox_budget_usage_ratio", resource="memory", **budget) == (
+        pytest.approx(status.gib_ratio, rel=1e-6)
+    )
+    assert v("warmbox_budget_limit_hours", "warmbox_budget_limit_hours", resource="cpu", **budget) == 0.001
+    assert v("warmbox_budget_used_hours", "warmbox_budget_used_hours", resource="cpu", **budget) == (
+        pytest.approx(status.cpu_used_h, rel=1e-6)
+    )
+    assert v("warmbox_budget_warning", "warmbox_budget_warning", **budget) == 1
+    assert v("warmbox_budget_warning", "warmbox_budget_warning", tenant="beta") is None  # no budget, no series
     assert v("warmbox_registry_up", "warmbox_registry_up") == 1
     assert _check_histograms(text) >= 5
     assert "sb-0000000000" not in text  # no sandbox id is ever a label
@@ -350,3 +396,45 @@ def test_settled_sandboxes_are_read_once_and_the_totals_stay_exact(reg):
         assert acme[("acme", "container", "cold")] == 3
     finally:
         kept.close()
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "monitoring"
+_NAME = re.compile(r"\b(warmbox_[a-z_]+)(\{[^}]*\})?")
+_MATCHER = re.compile(r"([a-z_]+)\s*(?:=~|!~|!=|=)")
+_BY = re.compile(r"\bby \(([^)]*)\)")
+
+
+def _queries() -> list[str]:
+    dash = json.loads((DOCS / "warmbox-dashboard.json").read_text())
+    out = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    out += [v["definition"] for v in dash["templating"]["list"] if "definition" in v]
+    rules = yaml.safe_load((DOCS / "warmbox-rules.yml").read_text())
+    out += [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    return out
+
+
+def test_the_dashboard_and_alert_rules_name_only_exported_series(engine):
+    """docs/monitoring (a Grafana dashboard, Prometheus alert rules) query only sample names and
+    labels an admin scrape of the known rows has: a renamed metric fails here, not in Grafana."""
+    _, ops = engine.registry.create_key("ops", admin=True)
+    with _client(engine) as c:
+        c.get("/v1/sandboxes", headers={"Authorization": f"Bearer {ops}"})
+        text = c.get("/metrics", headers={"Authorization": f"Bearer {ops}"}).text
+    labels: dict[str, set[str]] = {}
+    for f in text_string_to_metric_families(text):
+        for s in f.samples:
+            labels.setdefault(s.name, set()).update(s.labels)
+    queries = _queries()
+    assert len(queries) >= 20
+    for q in queries:
+        names = _NAME.findall(q)
+        assert names, q
+        grouped = set()
+        for name, selector in names:
+            assert name in labels, (name, q)
+            used = set(_MATCHER.findall(selector))
+            assert used <= labels[name], (name, used - labels[name], q)
+            grouped |= labels[name]
+        for by in _BY.findall(q):
+            wanted = {x.strip() for x in by.split(",")} - {"le"}
+            assert wanted <= grouped, (wanted - grouped, q)

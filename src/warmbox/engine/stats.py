@@ -20,6 +20,7 @@ rule's host pattern is cut to its class: "allow:pypi.org" -> "allow").
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import sqlite3
 import threading
@@ -40,6 +41,8 @@ PAUSE_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 SETTLE_S = 300.0
 
 OWN_FAMILY_STAGES = ("pause", "resume")  # timings kept in their own families (not part of a start)
+DAY = 86400.0  # budgets are per UTC day
+_RESOURCES = (("cpu", 1, 2), ("memory", 3, 4))  # resource label, columns (used, limit) of a _budgets row
 COMMAND_OUTCOMES = ("timed_out", "oom_killed", "truncated", "error", "nonzero_exit")
 _SHOWN = tuple(s.value for s in State if s is not State.DESTROYED)  # destroyed: ever growing, a counter's job
 _LABEL = re.compile(r"^[a-z][a-z0-9_-]{0,31}(:[a-z][a-z0-9_-]{0,31})?$")
@@ -93,6 +96,9 @@ class RegistryTotals:
     egress_bytes: tuple[Value, ...]
     cpu_seconds: tuple[Value, ...]
     gib_seconds: tuple[Value, ...]
+    budget_used_hours: tuple[Value, ...]
+    budget_limit_hours: tuple[Value, ...]
+    budget_ratio: tuple[Value, ...]
     read_seconds: float  # how long the read took (wall clock)
     sandboxes_read: int  # how many sandboxes' rows this read aggregated (the rest came from memory)
 
@@ -122,6 +128,9 @@ LABELS: dict[str, tuple[str, ...]] = {
     "egress_bytes": ("tenant", "direction"),
     "cpu_seconds": ("tenant",),
     "gib_seconds": ("tenant",),
+    "budget_used_hours": ("tenant", "resource"),
+    "budget_limit_hours": ("tenant", "resource"),
+    "budget_ratio": ("tenant", "resource"),
 }
 
 
@@ -222,7 +231,7 @@ _COMMANDS = _Family(
     "SUM(c.error='' AND NOT c.timed_out AND NOT c.oom_killed AND c.exit_code<>0) "
     f"{_JOIN} CROSS JOIN commands c ON c.sandbox_id = x.sandbox_id GROUP BY 1, 2, 3, 4",
     3,
-    (False, True, False),
+    (False, True, True),
 )
 
 _Acc = dict[tuple[str, ...], list[float]]
@@ -354,6 +363,7 @@ class RegistryStats:
         moves, stages, own = merged("moves"), merged("stages"), merged("own_stages")
         egress, cost, commands = merged("egress"), merged("cost"), merged("commands")
         pools = self._pools(db, merged("pool_costs")) if tenant is None else ((),) * 6
+        budgets = self._budgets(db, tenant)
         n_cmd = len(COMMAND_BUCKETS_S)
         return RegistryTotals(
             sandboxes=_values((r[0], label(r[1]), label(r[2]), r[3]) for r in sandboxes),
@@ -386,9 +396,32 @@ class RegistryStats:
             ),
             cpu_seconds=_values((*k, v[0]) for k, v in cost.items()),
             gib_seconds=_values((*k, v[1]) for k, v in cost.items()),
+            budget_used_hours=_values((r[0], res, r[used]) for r in budgets for res, used, _ in _RESOURCES),
+            budget_limit_hours=_values((r[0], res, r[limit]) for r in budgets for res, _, limit in _RESOURCES),
+            budget_ratio=_values(
+                (r[0], res, r[used] / r[limit]) for r in budgets for res, used, limit in _RESOURCES if r[limit] > 0
+            ),
             read_seconds=time.perf_counter() - t0,
             sandboxes_read=scoped,
         )
+
+    @staticmethod
+    def _budgets(db: sqlite3.Connection, tenant: str | None) -> list[tuple[Any, ...]]:
+        """(tenant, cpu hours used today, cpu budget, GiB-hours used today, GiB-hours budget) of the
+        tenants with a daily budget: as Registry.budget_status counts them (the usage table's hours
+        since UTC midnight); none before the approvals part's tables exist."""
+        cols = {r[1] for r in db.execute("PRAGMA table_info(tenants)")}
+        has_usage = db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='usage'").fetchone()
+        if not has_usage or not {"budget_cpu_h", "budget_gib_h"} <= cols:
+            return []
+        day = math.floor(time.time() / DAY) * DAY
+        only = "" if tenant is None else " AND t.name=?"
+        return db.execute(
+            "SELECT t.name, COALESCE(SUM(u.cpu_s), 0) / 3600.0, t.budget_cpu_h, COALESCE(SUM(u.gib_s), 0) / 3600.0, "
+            "t.budget_gib_h FROM tenants t LEFT JOIN usage u ON u.tenant = t.name AND u.hour >= ? "
+            f"WHERE (t.budget_cpu_h > 0 OR t.budget_gib_h > 0){only} GROUP BY t.name",
+            (day,) if tenant is None else (day, tenant),
+        ).fetchall()
 
     def _pools(self, db: sqlite3.Connection, costs: _Acc) -> tuple[tuple[Value, ...], ...]:
         target = db.execute("SELECT name, target FROM pool_state").fetchall()

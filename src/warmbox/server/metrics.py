@@ -14,7 +14,7 @@ name cannot start with "_").
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
@@ -42,6 +42,7 @@ from warmbox.models import Tenant
 
 HOST_TENANT = "_host"  # the label of the registry's tenant "" (root's and the CLI's own sandboxes)
 HTTP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+WARN_RATIO = 0.8  # a budget's warning ratio when the server passes none ([approvals] warn_ratio)
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
@@ -199,13 +200,39 @@ def families(t: RegistryTotals) -> Iterator[Metric]:
     )
 
 
+def budget_families(t: RegistryTotals, warn_ratio: float) -> Iterator[Metric]:
+    """Today's use of the tenants with a daily budget (UTC day), and whether it warns."""
+    yield _gauge(
+        "warmbox_budget_used_hours",
+        "Use since UTC midnight: cpu-hours (resource=cpu), GiB-hours (resource=memory)",
+        "budget_used_hours",
+        t.budget_used_hours,
+    )
+    yield _gauge("warmbox_budget_limit_hours", "Daily budget (0: none)", "budget_limit_hours", t.budget_limit_hours)
+    yield _gauge("warmbox_budget_usage_ratio", "Use today / daily budget", "budget_ratio", t.budget_ratio)
+    warn = GaugeMetricFamily(
+        "warmbox_budget_warning",
+        f"1 when a tenant's use today reached {warn_ratio:g} of a budget ([approvals] warn_ratio)",
+        labels=["tenant"],
+    )
+    top: dict[str, float] = {}
+    for v in t.budget_ratio:
+        top[v.labels[0]] = max(top.get(v.labels[0], 0.0), v.value)
+    for name, ratio in sorted(top.items()):
+        warn.add_metric([_tenant_label(name)], 1.0 if ratio >= warn_ratio else 0.0)
+    yield warn
+
+
 class RegistryCollector:
     """A prometheus-client collector of the registry's aggregates, read at each scrape.
     tenant: only that tenant's series (None: every tenant's, and the pools)."""
 
-    def __init__(self, stats: RegistryStats, tenant: str | None = None) -> None:
+    def __init__(
+        self, stats: RegistryStats, tenant: str | None = None, warn_ratio: Callable[[], float] = lambda: WARN_RATIO
+    ) -> None:
         self.stats = stats
         self.tenant = tenant
+        self.warn_ratio = warn_ratio
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -226,6 +253,7 @@ class RegistryCollector:
         )
         # a family without series is left out (a tenant's view has no pool families at all)
         yield from (m for m in families(totals) if m.samples)
+        yield from (m for m in budget_families(totals, self.warn_ratio()) if m.samples)
 
 
 class HttpMetrics:
@@ -256,13 +284,14 @@ class HttpMetrics:
 class Exposition:
     """What /metrics serves: a collector registry of its own (not the library's global one)."""
 
-    def __init__(self, stats: RegistryStats) -> None:
+    def __init__(self, stats: RegistryStats, warn_ratio: Callable[[], float] = lambda: WARN_RATIO) -> None:
         self.stats = stats
+        self.warn_ratio = warn_ratio
         self.registry = CollectorRegistry()
         self.http = HttpMetrics(self.registry)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
-        self.registry.register(RegistryCollector(stats))
+        self.registry.register(RegistryCollector(stats, warn_ratio=warn_ratio))
 
     def render(self, tenant: Tenant | None, accept: str) -> tuple[bytes, str]:
         """The exposition for a caller (None: root), in the format its Accept header asks for
@@ -272,7 +301,7 @@ class Exposition:
         if tenant is None or tenant.admin:
             return encode(self.registry), content_type
         own = CollectorRegistry()
-        own.register(RegistryCollector(self.stats, tenant.name))
+        own.register(RegistryCollector(self.stats, tenant.name, self.warn_ratio))
         return encode(own), content_type
 
     def close(self) -> None:
