@@ -438,3 +438,15 @@ def test_the_dashboard_and_alert_rules_name_only_exported_series(engine):
         for by in _BY.findall(q):
             wanted = {x.strip() for x in by.split(",")} - {"le"}
             assert wanted <= grouped, (wanted - grouped, q)
+
+
+def test_the_budget_warning_follows_the_configured_ratio(engine, tmp_path):
+    """warmbox_budget_warning uses [approvals] warn_ratio, read at each scrape (acme is at 83 %)."""
+    _, ops = engine.registry.create_key("ops", admin=True)
+    auth = {"Authorization": f"Bearer {ops}"}
+    with _client(engine) as c:
+        fams = _parse(c.get("/metrics", headers=auth).text)
+        assert _value(fams, "warmbox_budget_warning", "warmbox_budget_warning", tenant="acme") == 1
+        (tmp_path / "home" / "warmbox.toml").write_text("[approvals]\nwarn_ratio = 0.9\n")
+        fams = _parse(c.get("/metrics", headers=auth).text)
+        assert _value(fams, "warmbox_budget_warning", "warmbox_budget_warning", tenant="acme") == 0

@@ -148,7 +148,11 @@ class Service:
         self._fronts: dict[tuple[str, bool], EngineFront] = {}
         self._pending: dict[str, _Pending] = {}
         # /metrics: the registry's aggregates read on a connection of their own, and the HTTP counters
-        self.exposition = Exposition(RegistryStats(engine.registry.path)) if settings.metrics else None
+        self.exposition = (
+            Exposition(RegistryStats(engine.registry.path), warn_ratio=lambda: engine.settings().approvals.warn_ratio)
+            if settings.metrics
+            else None
+        )
 
     def front(self, tenant: Tenant | None) -> EngineFront:
         """The front of a tenant (None: the host's root, which sees every sandbox)."""
