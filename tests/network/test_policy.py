@@ -8,7 +8,7 @@ import pytest
 
 from warmbox import InvalidArgument, Network, Secret
 from warmbox.network import dns
-from warmbox.network.policy import Policy, is_blocked
+from warmbox.network.policy import Policy, is_blocked, normalize_host
 from warmbox.network.proxy import BadRequest, parse_sni, split_head, split_hostport
 
 
@@ -156,3 +156,11 @@ def test_request_head_parsing_is_strict():
     for bad in ("a.test:0", "a.test:99999", "a.test:x"):
         with pytest.raises(BadRequest):
             split_hostport(bad, 443)
+
+
+@pytest.mark.parametrize("host", ["2606:4700::1%<img src=x onerror=alert(1)>", "[2001:db8::1%eth0]", "fe80::1%25lo"])
+def test_ipv6_zone_ids_are_refused(host):
+    # a zone id is free text: it must not reach the audit log or the operator's approval queue
+    with pytest.raises(InvalidArgument):
+        normalize_host(host)
+    assert normalize_host("[2606:4700::1]") == "2606:4700::1"

@@ -60,6 +60,8 @@ def normalize_host(host: object, what: str = "host") -> str:
     h = host.strip().rstrip(".").lower()
     if h.startswith("[") and h.endswith("]"):
         h = h[1:-1]
+    if "%" in h:  # an IPv6 zone id is free text (it would reach the audit log and the approval queue)
+        raise InvalidArgument(f"{what} {host!r} is not a host name or a global IP address (zone ids are refused)")
     try:
         return str(ipaddress.ip_address(h))
     except ValueError:
