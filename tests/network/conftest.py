@@ -10,6 +10,7 @@ namespace; nothing here has a route to the machine's real uplink.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import io
 import json
@@ -203,15 +204,15 @@ def world():
     assert not left, f"test namespaces left: {left}"
 
 
-@pytest.fixture(scope="session")
-def net_home(world, runc_ready):
-    """A warmbox home whose proxy gets out only into the fake world."""
+@contextlib.contextmanager
+def a_net_home(world, name: str, approval_timeout: float):
+    """A warmbox home at /tmp/``name`` whose proxy gets out only into the fake world."""
     from warmbox.engine import egress
     from warmbox.engine.daemon import down_home
     from warmbox.engine.engine import Engine
     from warmbox.network import netns
 
-    path = Path(f"/tmp/wbt-n{world.tag}")
+    path = Path(f"/tmp/{name}")
     path.mkdir(mode=0o700)
     (path / "warmbox.toml").write_text(f"""
 [daemon]
@@ -223,17 +224,26 @@ idle_exit = 3
 upstream_netns = "{world.up}"
 upstream_dns = ["192.0.2.2"]
 upstream_ca = "{world.dir / "ca.pem"}"
-approval_timeout = 5
+approval_timeout = {approval_timeout}
 """)
-    yield path
-    engine = Engine.for_home(path)
-    for info in engine.list():
-        asyncio.run(engine.destroy(info.sandbox_id, "test teardown"))
-    asyncio.run(down_home(path))
-    egress_ns = netns.egress_name(engine.runtime)
-    proxy_left = egress.proxy_pid(path)
-    ns_left = os.path.exists(netns.netns_path(egress_ns))
-    shutil.rmtree(path, ignore_errors=True)
-    shutil.rmtree(engine.runtime, ignore_errors=True)
+    try:
+        yield path
+    finally:
+        engine = Engine.for_home(path)
+        for info in engine.list():
+            asyncio.run(engine.destroy(info.sandbox_id, "test teardown"))
+        asyncio.run(down_home(path))
+        egress_ns = netns.egress_name(engine.runtime)
+        proxy_left = egress.proxy_pid(path)
+        ns_left = os.path.exists(netns.netns_path(egress_ns))
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(engine.runtime, ignore_errors=True)
     assert proxy_left is None, "the egress proxy outlived `warmbox down`"
     assert not ns_left, f"egress namespace {egress_ns} left"
+
+
+@pytest.fixture(scope="session")
+def net_home(world, runc_ready):
+    """A warmbox home whose proxy gets out only into the fake world (approval_timeout 5 s)."""
+    with a_net_home(world, f"wbt-n{world.tag}", 5) as path:
+        yield path

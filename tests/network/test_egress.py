@@ -348,6 +348,9 @@ def test_approval_hook_allows_and_denies(net_home, world):
         rules = [(e.host, e.rule) for e in sb.network.log() if e.kind == "http"]
         assert ("attacker.example.com", "approval:deny") in rules and ("allowed.test", "approval:allow_once") in rules
         assert ("api.test", "allow:api.test") in rules
+        # the live callback answered everything: nothing went to the approval queue
+        queued = Engine.for_home(net_home).registry.approvals(None)
+        assert [a for a in queued if a.sandbox_id == sb.sandbox_id] == []
     assert world.log("attacker") == []
 
 

@@ -569,6 +569,21 @@ async def _forget(engine: Engine, sandbox_id: str) -> None:
             pass
 
 
+async def approval_answered(home: Path, approval_id: str) -> None:
+    """Tell this home's proxy that a network question of the approval queue was answered, so the
+    waiting connection goes on at once (without this it sees the answer within asks.POLL_S)."""
+    if not _proxy_locked(home):
+        return  # no proxy: nothing waits for the answer
+    try:
+        c = await Control.open(home)
+        try:
+            await c.call({"op": "approval_answered", "approval_id": approval_id}, timeout=2.0)
+        finally:
+            await c.close()
+    except (TimeoutError, OSError, ValueError, EgressError):
+        pass
+
+
 def current_policy(engine: Engine, sandbox_id: str) -> Policy:
     row = engine.registry.link(sandbox_id)
     return Policy.from_json(row[2]) if row is not None else Policy("none")

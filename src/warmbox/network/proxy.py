@@ -6,7 +6,8 @@ inside the egress namespace (see :mod:`warmbox.network.netns`) and opens upstrea
 from its own namespace (the host's, or ``network.upstream_netns``).
 Per request it finds the sandbox by source address (the nftables table guarantees it is not
 spoofed), reads that sandbox's policy from the registry (so a policy update applies to the
-next connection), decides the name (by its rules, else by asking the approval hook) and only
+next connection), decides the name (by its rules, else by asking: the sandbox's live SDK
+callback, else a question in the approval queue, see :mod:`warmbox.network.asks`) and only
 then resolves it itself (a name not allowed never reaches the upstream resolver, nor does the
 resolver forward one), refuses blocked addresses, and records a flat
 :class:`~warmbox.models.NetEvent` for every attempt. Hosts a sandbox holds secrets for are
@@ -33,16 +34,17 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from warmbox import config
-from warmbox.errors import InvalidArgument, WarmboxError
-from warmbox.models import NetEvent
-from warmbox.network import dns, netns, nflog
+from warmbox import config, paths
+from warmbox.errors import ApprovalClosed, ApprovalNotFound, InvalidArgument, WarmboxError
+from warmbox.models import Approval, NetEvent
+from warmbox.network import asks, dns, netns, nflog
 from warmbox.network.policy import Policy, Secret, is_blocked, is_ip, normalize_host
 from warmbox.network.tls import SandboxCA
 from warmbox.storage.registry import Registry
@@ -61,6 +63,12 @@ REFUSED_ROWS = 1000
 REFUSED_FLUSH_S = 1.0
 REFUSED_READS = 64  # datagrams per wakeup, so a flood cannot starve the proxy's other work
 DECISIONS = ("allow_once", "allow_always", "deny")
+# questions (on_unknown="ask"): distinct host:port questions open at once per sandbox and in all;
+# past them a connection is denied unasked ("approval:queue-full"), itemised in the audit log up
+# to QUEUE_FULL_ROWS times per sandbox, then counted in one row
+ASK_OPEN_PER_SANDBOX = 8
+ASK_OPEN_TOTAL = 256
+QUEUE_FULL_ROWS = 100
 
 
 class BadRequest(Exception):
@@ -225,6 +233,7 @@ class Proxy:
         self.home = home
         self.keeper = keeper  # to the supervisor, which keeps the registrations for a restart
         self.net = settings.network
+        self.approvals = settings.approvals
         self.registry = Registry(home / "registry.db")
         self.secrets: dict[str, list[tuple[str, Secret]]] = {}  # sandbox -> [(placeholder, secret)]
         self.cas: dict[str, SandboxCA] = {}
@@ -232,6 +241,9 @@ class Proxy:
         self.pending: dict[int, asyncio.Future[str]] = {}
         self.asking: dict[tuple[str, str, int], asyncio.Future[tuple[bool, str]]] = {}
         self.tasks: dict[str, set[asyncio.Task]] = {}
+        self.watch: asks.AnswerWatch | None = None  # the approval queue's answers (see serve())
+        self.queued: dict[tuple[str, str, int], str] = {}  # question -> its open row in the approval queue
+        self.queue_full: dict[str, tuple[int, int, int]] = {}  # sandbox -> (rows, its count row, past them)
         self.own: set[str] = set()
         self.sni: dict[int, str] = {}
         self.last_control = time.monotonic()
@@ -338,6 +350,28 @@ class Proxy:
         except WarmboxError:
             return 0
 
+    def audit_queue_full(self, sid: str, kind: str, host: str, port: int, detail: str) -> None:
+        """A connection denied unasked (too many open questions): itemised QUEUE_FULL_ROWS times
+        per sandbox, then one row counts the rest (a flood of names cannot flood the log)."""
+        rows, event_id, past = self.queue_full.get(sid, (0, 0, 0))
+        if rows < QUEUE_FULL_ROWS:
+            self.queue_full[sid] = (rows + 1, event_id, past)
+            self.audit(sid, kind, host, "", port, "deny", "approval:queue-full", detail)
+            return
+        past += 1
+        text = (
+            f"{past} more connections denied unasked while too many questions were open, not itemised "
+            f"(audit bound: {QUEUE_FULL_ROWS} rows; the last: {host}:{port})"
+        )
+        try:
+            if event_id:
+                self.registry.deny_net_event(event_id, "approval:queue-full", text)
+            else:
+                event_id = self.audit(sid, kind, "*", "", 0, "deny", "approval:queue-full", text)
+        except WarmboxError:
+            pass
+        self.queue_full[sid] = (rows, event_id, past)
+
     def finish(self, conn: _Conn, detail: str = "") -> None:
         if conn.event_id:
             try:
@@ -410,7 +444,7 @@ class Proxy:
     async def decide(self, sid: str, pol: Policy, host: str, port: int, kind: str) -> tuple[bool, str, str, str]:
         """(allowed, rule, address to connect to, detail).
 
-        The name is decided (by a rule, else by the approval hook) before it is resolved: a
+        The name is decided (by a rule, else by asking) before it is resolved: a
         name that is not allowed never reaches the upstream resolver.
         """
         verdict, rule = pol.decide_name(host)
@@ -420,14 +454,14 @@ class Proxy:
             if self.blocked(host):
                 return False, "blocked-address", host, ""
             if verdict == "ask":
-                ok, rule = await self.ask(sid, host, port, kind)
+                ok, rule, detail = await self.ask(sid, host, port, kind)
                 if not ok:
-                    return False, rule, host, ""
+                    return False, rule, host, detail
             return True, rule, host, ""
         if verdict == "ask":
-            ok, rule = await self.ask(sid, host, port, kind)
+            ok, rule, detail = await self.ask(sid, host, port, kind)
             if not ok:
-                return False, rule, "", ""
+                return False, rule, "", detail
         addrs = await self._lookup(host)
         if not addrs:
             return False, "unresolvable", "", ""
@@ -441,17 +475,32 @@ class Proxy:
         v4 = [a for a in usable if ":" not in a]
         return True, rule, (v4 or usable)[0], ""
 
-    async def ask(self, sid: str, host: str, port: int, kind: str) -> tuple[bool, str]:
+    async def ask(self, sid: str, host: str, port: int, kind: str) -> tuple[bool, str, str]:
+        """(allowed, rule, detail) for a destination outside the sandbox's rules (on_unknown="ask").
+
+        Connections to the same host:port share one open question; a sandbox has at most
+        ASK_OPEN_PER_SANDBOX open (and the proxy ASK_OPEN_TOTAL), so dialling many names cannot
+        flood whoever answers: the rest are denied at once ("approval:queue-full").
+        """
         key = (sid, host, port)
         fut = self.asking.get(key)
         if fut is None:
+            mine = sum(1 for k in self.asking if k[0] == sid)
+            if mine >= ASK_OPEN_PER_SANDBOX or len(self.asking) >= ASK_OPEN_TOTAL:
+                bound = (
+                    f"{mine} questions of this sandbox are open (at most {ASK_OPEN_PER_SANDBOX})"
+                    if mine >= ASK_OPEN_PER_SANDBOX
+                    else f"{len(self.asking)} questions are open on this host (at most {ASK_OPEN_TOTAL})"
+                )
+                return False, "approval:queue-full", f"not asked: {bound}"
             fut = self.asking[key] = asyncio.ensure_future(self._ask(sid, host, port, kind))
             fut.add_done_callback(lambda _f: self.asking.pop(key, None))
-        return await asyncio.shield(fut)
+        ok, rule = await asyncio.shield(fut)
+        return ok, rule, ""
 
     async def _ask(self, sid: str, host: str, port: int, kind: str) -> tuple[bool, str]:
+        """Ask the sandbox's live SDK subscriber, else put the question in the approval queue."""
         timeout = self.net.approval_timeout_s
-        answer = ""
         approvers = self.approvers.get(sid) or []
         if approvers:
             _, w = approvers[-1]
@@ -473,16 +522,10 @@ class Proxy:
                 return False, "approval:timeout"
             finally:
                 self.pending.pop(req, None)
-        elif self.net.approval_webhook:
-            body = json.dumps({"sandbox_id": sid, "host": host, "port": port, "kind": kind}).encode()
-            try:
-                answer = await asyncio.wait_for(
-                    asyncio.to_thread(_post_json, self.net.approval_webhook, body, timeout), timeout + 1
-                )
-            except (TimeoutError, OSError, ValueError):
-                return False, "approval:timeout"
         else:
-            return False, "approval:no-hook"
+            answer = await self._queue(sid, host, port, kind, timeout)
+            if not answer:
+                return False, "approval:timeout"
         if answer not in DECISIONS:
             return False, "approval:invalid-answer"
         if answer == "deny":
@@ -492,6 +535,86 @@ class Proxy:
             if got is not None:
                 self.registry.set_policy(sid, Policy.from_json(got[2]).with_allowed(host).to_json())
         return True, f"approval:{answer}"
+
+    async def _queue(self, sid: str, host: str, port: int, kind: str, timeout: float) -> str:
+        """The decision for one question in the approval queue ("" if none came in ``timeout`` s).
+
+        The row is opened first, so the operator sees it at once; a webhook (``[network]
+        approval_webhook``, else ``[approvals] webhook``), if set, is POSTed the question with its
+        ``approval_id`` and may decide in its reply (or later, through the API, like any answer).
+        """
+        assert self.watch is not None  # made by serve() before the proxy serves
+        subject = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            row = self.registry.open_approval(
+                self.registry.sandbox_tenant(sid) or "",
+                "network",
+                subject,
+                f"egress ({kind}) to {subject}, which no rule of the sandbox's network policy allows",
+                timeout,
+                sandbox_id=sid,
+                waiter=paths.owner_tag(os.getpid()),  # the proxy gone, the question reads as timed out
+            )
+        except WarmboxError as e:
+            print(f"warmbox proxy: cannot queue an approval question: {e}", file=sys.stderr, flush=True)
+            return ""
+        key = (sid, host, port)
+        self.queued[key] = row.approval_id
+        answered = self.watch.wait(row.approval_id, row.deadline)
+        hook: asyncio.Future[str] | None = None
+        url, body, wait_s = self._webhook(row, host, port, kind)
+        if url:
+            hook = asyncio.ensure_future(asyncio.to_thread(_post_json, url, body, wait_s))
+        try:
+            if hook is not None:
+                first: list[asyncio.Future[Any]] = [hook, answered]
+                await asyncio.wait(
+                    first,
+                    timeout=max(0.0, row.deadline - time.time()) + 1,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                decided = _hook_answer(hook)
+                if decided and not answered.done():
+                    try:
+                        self.registry.answer_approval(row.approval_id, decided, "webhook")
+                    except (ApprovalClosed, ApprovalNotFound):
+                        pass  # answered (or timed out) first: that answer stands
+                    self.watch.nudge()
+            final = await asyncio.wait_for(answered, max(0.0, row.deadline - time.time()) + 2 * asks.POLL_S + 1)
+        except (TimeoutError, LookupError):  # (the watch settles it at the deadline: not expected)
+            self.watch.cancel(row.approval_id, withdraw=False)
+            return ""
+        except asyncio.CancelledError:
+            self.watch.cancel(row.approval_id)
+            raise
+        finally:
+            self.queued.pop(key, None)
+            if hook is not None:
+                hook.cancel()
+        if final.state in ("pending", "timed_out"):  # pending: read at its deadline
+            return ""
+        return "deny" if final.state == "denied" else final.decision
+
+    def _webhook(self, row: Approval, host: str, port: int, kind: str) -> tuple[str, bytes, float]:
+        """(url, body, seconds to wait for its reply) of the webhook told of a queued question,
+        or ("", b"", 0) if none is set."""
+        left = max(0.1, row.deadline - time.time())
+        if self.net.approval_webhook:  # the network's own: its body as before, with the row's id
+            body = {
+                "approval_id": row.approval_id,
+                "sandbox_id": row.sandbox_id,
+                "host": host,
+                "port": port,
+                "kind": kind,
+            }
+            return self.net.approval_webhook, json.dumps(body).encode(), left
+        if self.approvals.webhook:  # the queue's: the row, as for every other question
+            return (
+                self.approvals.webhook,
+                json.dumps(dataclasses.asdict(row)).encode(),
+                min(left, self.approvals.webhook_timeout_s),
+            )
+        return "", b"", 0.0
 
     # ---- the proxy
 
@@ -563,7 +686,10 @@ class Proxy:
             raise BadRequest(str(e)) from None
         ok, rule, address, detail = await self.decide(sid, pol, host, port, kind)
         if not ok:
-            self.audit(sid, kind, host, address, port, "deny", rule, detail)
+            if rule == "approval:queue-full":
+                self.audit_queue_full(sid, kind, host, port, detail)
+            else:
+                self.audit(sid, kind, host, address, port, "deny", rule, detail)
             await self._respond(writer, 403, f"egress to {host}:{port} denied ({rule})")
             return None
         conn.event_id = self.audit(sid, kind, host, address, port, "allow", rule)
@@ -805,11 +931,22 @@ class Proxy:
                 _close(w)
             for t in self.tasks.pop(sid, set()):
                 t.cancel()
+            for key, question in list(self.asking.items()):
+                if key[0] == sid:
+                    question.cancel()
+            for key, approval_id in list(self.queued.items()):
+                if key[0] == sid:  # withdrawn now: whoever reads the queue next sees no dead question
+                    asks.close(self.registry, approval_id)
+            self.queue_full.pop(sid, None)
             self.refused_rows.pop(sid, None)
             self.refused_capped.pop(sid, None)
             return {"ok": True}
         if op == "approvals":
             self.approvers.setdefault(str(msg["sandbox_id"]), []).append((reader, writer))
+            return {"ok": True}
+        if op == "approval_answered":  # a row of the approval queue was answered: look now
+            if self.watch is not None:
+                self.watch.nudge()
             return {"ok": True}
         if op == "stop":
             self.stopping.set()
@@ -855,6 +992,14 @@ def _restore_ca(directory: Path, key_pem: str, cert_pem: str) -> SandboxCA:
     ca._cert = x509.load_pem_x509_certificate(cert_pem.encode())
     ca._contexts = {}
     return ca
+
+
+def _hook_answer(hook: asyncio.Future[str]) -> str:
+    """The webhook's decision, if it replied with one ("" if it failed, is still running or said nothing)."""
+    if not hook.done() or hook.cancelled() or hook.exception() is not None:
+        return ""
+    answer = hook.result()
+    return answer if answer in DECISIONS else ""
 
 
 def _post_json(url: str, body: bytes, timeout: float) -> str:
@@ -1206,6 +1351,7 @@ def serve(argv: list[str]) -> int:
         proxy.restore(restore)
         proxy.refresh_own()
         loop = asyncio.get_running_loop()
+        answers = proxy.watch = asks.AnswerWatch(home / "registry.db", loop)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, proxy.stopping.set)
         server = await asyncio.start_server(proxy.serve_client, sock=tcp, limit=MAX_HEAD)
@@ -1230,6 +1376,7 @@ def serve(argv: list[str]) -> int:
                 t.cancel()
         for ca in proxy.cas.values():
             ca.close()
+        answers.stop()
 
     asyncio.run(run())
     return 0

@@ -193,7 +193,8 @@ class AsyncSandbox:
             placeholder; the proxy puts the value into request headers to those hosts only.
         on_approval: with on_unknown="ask", called with an ApprovalRequest for each destination
             outside the allowlist; return "allow_once", "allow_always" or "deny" (may be async).
-            The connection waits for it (network.approval_timeout, then denied).
+            The connection waits for it (network.approval_timeout, then denied). Without
+            one, the question waits in the approval queue (``warmbox approvals``, the dashboard).
         metadata: your own string keys and values (at most 64 entries, 16 KiB), shown in
             ``get_info().metadata`` and matched by ``list(query=SandboxQuery(metadata=...))``.
         lifecycle: Lifecycle(on_timeout="kill"|"pause", idle_pause_after=seconds|None,
