@@ -338,6 +338,16 @@ GUARANTEES: tuple[Guarantee, ...] = (
     ),
     Guarantee(
         "egress",
+        "A sandbox dialling many names (on_unknown='ask') cannot flood the operator's approval queue: "
+        "connections to one host:port share a question, a sandbox has at most 8 open, the rest are "
+        "denied at once (rule approval:queue-full, itemised in the audit log up to 100, then counted), "
+        "nothing is resolved upstream, and its questions are withdrawn when it stops; a host name in a "
+        "question is a checked name or IP literal, never free text (an IPv6 zone id is refused).",
+        ("container",),
+        ("test_egress_ask_flood.py::test_a_flood_of_names_cannot_flood_the_approval_queue",),
+    ),
+    Guarantee(
+        "egress",
         "A microVM's NIC leads only into a network namespace of its own: root in the guest, with "
         "routes and addresses of its choosing, reaches nothing without a policy (not even the proxy), "
         "and with one only the gateway's proxy and DNS ports, as the sandbox's own link address.",
