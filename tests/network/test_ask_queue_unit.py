@@ -117,3 +117,32 @@ def test_open_questions_are_bounded_per_sandbox_and_shared_per_destination(tmp_p
             t.cancel()
 
     run_proxy(tmp_path / "home", "[network]\napproval_timeout = 30\n", body)
+
+
+def test_a_late_sdk_callback_answers_a_question_waiting_in_the_queue(tmp_path):
+    from warmbox.engine import egress
+    from warmbox.network.proxy import control_path
+
+    asked: list[str] = []
+
+    def hook(req):
+        asked.append(f"{req.host}:{req.port}:{req.kind}")
+        return "allow_always"
+
+    async def body(proxy: Proxy) -> None:
+        server = await asyncio.start_unix_server(proxy.serve_control, path=str(control_path(proxy.home)))
+        asking = asyncio.ensure_future(proxy.ask("sb-1", "late.test", 80, "http"))
+        await asyncio.sleep(0.1)
+        [row] = proxy.registry.approvals(None, pending_only=True)  # nobody subscribed: queued
+        subscribed = asyncio.Event()
+        sub = asyncio.ensure_future(egress.approvals(proxy.home, "sb-1", hook, subscribed))
+        try:
+            assert await asyncio.wait_for(asking, 10) == (True, "approval:allow_always", "")
+            assert asked == ["late.test:80:http"]
+            done = proxy.registry.approval(row.approval_id)
+            assert (done.state, done.decision, done.answered_by) == ("approved", "allow_always", "sdk callback")
+        finally:
+            sub.cancel()
+            server.close()
+
+    run_proxy(tmp_path / "home", "[network]\napproval_timeout = 30\n", body)

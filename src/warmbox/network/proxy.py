@@ -242,7 +242,9 @@ class Proxy:
         self.asking: dict[tuple[str, str, int], asyncio.Future[tuple[bool, str]]] = {}
         self.tasks: dict[str, set[asyncio.Task]] = {}
         self.watch: asks.AnswerWatch | None = None  # the approval queue's answers (see serve())
-        self.queued: dict[tuple[str, str, int], str] = {}  # question -> its open row in the approval queue
+        # question -> (its open row in the approval queue, kind, deadline)
+        self.queued: dict[tuple[str, str, int], tuple[str, str, float]] = {}
+        self.handovers: set[asyncio.Task] = set()  # queued questions asked of a late SDK subscriber
         self.queue_full: dict[str, tuple[int, int, int]] = {}  # sandbox -> (rows, its count row, past them)
         self.own: set[str] = set()
         self.sni: dict[int, str] = {}
@@ -501,27 +503,11 @@ class Proxy:
     async def _ask(self, sid: str, host: str, port: int, kind: str) -> tuple[bool, str]:
         """Ask the sandbox's live SDK subscriber, else put the question in the approval queue."""
         timeout = self.net.approval_timeout_s
-        approvers = self.approvers.get(sid) or []
-        if approvers:
-            _, w = approvers[-1]
-            self.next_req += 1
-            req = self.next_req
-            fut = self.pending[req] = asyncio.get_running_loop().create_future()
+        if self.approvers.get(sid):
             try:
-                w.write(
-                    (
-                        json.dumps(
-                            {"op": "ask", "req": req, "sandbox_id": sid, "host": host, "port": port, "kind": kind}
-                        )
-                        + "\n"
-                    ).encode()
-                )
-                await w.drain()
-                answer = await asyncio.wait_for(fut, timeout)
+                answer = await self._ask_subscriber(sid, host, port, kind, timeout)
             except (TimeoutError, OSError, ConnectionError):
                 return False, "approval:timeout"
-            finally:
-                self.pending.pop(req, None)
         else:
             answer = await self._queue(sid, host, port, kind, timeout)
             if not answer:
@@ -535,6 +521,43 @@ class Proxy:
             if got is not None:
                 self.registry.set_policy(sid, Policy.from_json(got[2]).with_allowed(host).to_json())
         return True, f"approval:{answer}"
+
+    async def _ask_subscriber(self, sid: str, host: str, port: int, kind: str, timeout: float) -> str:
+        """The answer of the sandbox's last SDK subscriber (TimeoutError, OSError if none came)."""
+        _, w = self.approvers[sid][-1]
+        self.next_req += 1
+        req = self.next_req
+        fut = self.pending[req] = asyncio.get_running_loop().create_future()
+        try:
+            msg = {"op": "ask", "req": req, "sandbox_id": sid, "host": host, "port": port, "kind": kind}
+            w.write((json.dumps(msg) + "\n").encode())
+            await w.drain()
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.pending.pop(req, None)
+
+    def hand_over(self, sid: str) -> None:
+        """An SDK subscriber arrived: it is asked the sandbox's questions already waiting in the
+        queue as well (the first answer, its or the queue's, decides)."""
+        for (s, host, port), (approval_id, kind, deadline) in list(self.queued.items()):
+            if s == sid:
+                task = asyncio.ensure_future(self._hand_over(sid, host, port, kind, approval_id, deadline))
+                self.handovers.add(task)
+                task.add_done_callback(self.handovers.discard)
+
+    async def _hand_over(self, sid: str, host: str, port: int, kind: str, approval_id: str, deadline: float) -> None:
+        try:
+            answer = await self._ask_subscriber(sid, host, port, kind, max(0.1, deadline - time.time()))
+        except (TimeoutError, OSError, ConnectionError, KeyError, IndexError):
+            return
+        if answer not in DECISIONS:
+            answer = "deny"  # as the subscriber path decides an invalid answer
+        try:
+            self.registry.answer_approval(approval_id, answer, "sdk callback")
+        except WarmboxError:
+            return  # answered in the queue first (or gone): that answer stands
+        if self.watch is not None:
+            self.watch.nudge()
 
     async def _queue(self, sid: str, host: str, port: int, kind: str, timeout: float) -> str:
         """The decision for one question in the approval queue ("" if none came in ``timeout`` s).
@@ -559,7 +582,7 @@ class Proxy:
             print(f"warmbox proxy: cannot queue an approval question: {e}", file=sys.stderr, flush=True)
             return ""
         key = (sid, host, port)
-        self.queued[key] = row.approval_id
+        self.queued[key] = (row.approval_id, kind, row.deadline)
         answered = self.watch.wait(row.approval_id, row.deadline)
         hook: asyncio.Future[str] | None = None
         url, body, wait_s = self._webhook(row, host, port, kind)
@@ -934,7 +957,7 @@ class Proxy:
             for key, question in list(self.asking.items()):
                 if key[0] == sid:
                     question.cancel()
-            for key, approval_id in list(self.queued.items()):
+            for key, (approval_id, _, _) in list(self.queued.items()):
                 if key[0] == sid:  # withdrawn now: whoever reads the queue next sees no dead question
                     asks.close(self.registry, approval_id)
             self.queue_full.pop(sid, None)
@@ -943,6 +966,7 @@ class Proxy:
             return {"ok": True}
         if op == "approvals":
             self.approvers.setdefault(str(msg["sandbox_id"]), []).append((reader, writer))
+            self.hand_over(str(msg["sandbox_id"]))
             return {"ok": True}
         if op == "approval_answered":  # a row of the approval queue was answered: look now
             if self.watch is not None:
