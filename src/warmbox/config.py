@@ -137,8 +137,8 @@ class NetworkSettings:
     upstream_netns: str = ""  # netns name (/run/netns/NAME) or path the proxy connects from; "" = host's
     upstream_dns: tuple[str, ...] = ()  # resolvers the proxy asks; () = nameservers of /etc/resolv.conf
     upstream_ca: str = ""  # CA bundle for upstream TLS of intercepted hosts; "" = system store
-    approval_webhook: str = ""  # POSTed {sandbox_id, host, port, kind}; answers {"decision": ...}
-    approval_timeout_s: float = 30.0  # an egress attempt waits this long for an answer, then: deny
+    approval_webhook: str = ""  # POSTed {approval_id, sandbox_id, host, port, kind}; may answer {"decision": ...}
+    approval_timeout_s: float = 30.0  # an egress attempt waits this long for an answer (callback or queue), then: deny
 
     def resolvers(self) -> list[str]:
         if self.upstream_dns:

@@ -1206,7 +1206,10 @@ class EngineFront:
             by = "root"
         else:
             by = self.tenant.key_id or f"tenant:{self.tenant.name}"
-        return reg.answer_approval(r.approval_id, r.decision, by, tenant=scope)
+        answered = reg.answer_approval(r.approval_id, r.decision, by, tenant=scope)
+        if answered.kind == "network":  # the egress proxy waits for it: it looks at once
+            await egress.approval_answered(self.engine.home, answered.approval_id)
+        return answered
 
     # ---- named volumes (the tenant's own; the host's front: the host's, tenant "")
 
