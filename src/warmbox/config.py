@@ -685,7 +685,7 @@ def _approvals(t: dict, source: str) -> ApprovalSettings:
     if not isinstance(tiers, list):
         raise ConfigError(f"{source}: approvals.tiers must be a list of tier names, got {tiers!r}")
     return ApprovalSettings(
-        timeout_s=_num(t.get("timeout", 300.0), "approvals.timeout", source, 0.1, 86400),
+        timeout_s=_num(t.get("timeout", 300.0), "approvals.timeout", source, 0.1, 600),
         webhook=hook,
         webhook_timeout_s=_num(t.get("webhook_timeout", 5.0), "approvals.webhook_timeout", source, 0.1, 60),
         memory_above_mb=_int(t.get("memory_above_mb", 0), "approvals.memory_above_mb", source, 0, 1 << 30),

@@ -5,14 +5,20 @@ resume over budget likewise."""
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
-from tests.conftest import _cgroup_leftovers, cli, set_config
+from tests.conftest import _cgroup_leftovers, cli, set_config, start_server
 from warmbox import operations as ops
 from warmbox.engine.engine import Engine
 from warmbox.engine.front import EngineFront
@@ -135,3 +141,54 @@ def test_a_resume_over_budget_waits_denied_stays_paused_approved_runs(budgeted):
             await front.close()
 
     asyncio.run(go())
+
+
+def test_a_waiting_cli_gets_the_answer_given_after_the_server_restarted(home: Path, runc_ready: None):
+    """The CLI (the host's engine in its own process) waits on a create above [approvals]
+    memory_above_mb; the server restarts meanwhile, and an admin key approves through the new one:
+    the row is the truth, so the CLI's create finishes."""
+    set_config(home, "\n[approvals]\ntimeout = 60\nmemory_above_mb = 300\n")
+    _, admin = Engine.for_home(home).registry.create_key(f"apr-ops{time.time_ns() % 10**9}", admin=True)
+    srv = start_server(home, home / "apr.sock")
+    env = {k: v for k, v in os.environ.items() if k not in ("WARMBOX_API_URL", "WARMBOX_API_KEY")}
+    waiter = subprocess.Popen(
+        [sys.executable, "-m", "warmbox.cli.main", "create", "--memory", "320", "--no-pool"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    sid = ""
+    try:
+        engine = Engine.for_home(home)
+        q = asyncio.run(_asked(engine, ""))
+        assert q.kind == "create" and "320 MiB is above 300 MiB" in q.reason
+        assert srv.stop() == 0
+        srv = start_server(home, home / "apr.sock")
+        assert waiter.poll() is None  # still waiting
+        status, got = _post(srv.url, f"/v1/approvals/{q.approval_id}", admin, {"decision": "approve"})
+        assert status == 200 and got["state"] == "approved", got
+        out, err = waiter.communicate(timeout=120)
+        assert waiter.returncode == 0, err
+        sid = out.strip().splitlines()[-1]
+        assert engine.info(sid)[0].state in (State.READY, State.RUNNING)
+    finally:
+        if waiter.poll() is None:
+            waiter.kill()
+            waiter.wait(10)
+        if sid:
+            asyncio.run(Engine.for_home(home).destroy(sid))
+        srv.stop()
+        set_config(home)
+
+
+def _post(url: str, path: str, key: str, body: dict) -> tuple[int, Any]:
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Authorization": f"Bearer {key}"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()

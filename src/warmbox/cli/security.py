@@ -66,6 +66,17 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ("test_api_server.py::test_metrics_show_a_tenant_nothing_of_another_and_no_sandbox_data",),
     ),
     Guarantee(
+        "service",
+        "The approval queue: a tenant's key sees only its own tenant's questions, cannot answer another "
+        "tenant's (not found, as an unknown id) nor approve its own start over budget (cost questions are "
+        "an admin key's); each question is answered once, and a denied start leaves nothing behind.",
+        _ALL,
+        (
+            "test_approval_queue.py::test_a_tenant_can_neither_lift_its_own_budget_nor_see_or_answer_"
+            "another_tenants_questions",
+        ),
+    ),
+    Guarantee(
         "host paths",
         "The host never writes, truncates or chowns through a path the sandbox controls: "
         "gVisor's /run trigger is a new inode made by directory fd (O_EXCL|O_NOFOLLOW, fchown of that fd), "
