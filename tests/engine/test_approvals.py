@@ -230,3 +230,34 @@ def test_tenant_budget_from_keys_create(tmp_path):
             parse_budget(bad)
         assert type(e.value).__name__ == "InvalidArgument"
     assert Tenant("x").budget_cpu_h == 0.0
+
+
+def test_the_cli_sets_and_shows_budgets_and_answers_questions(tmp_path, monkeypatch, capsys):
+    from warmbox.cli.main import main
+
+    engine = _engine(tmp_path)
+    monkeypatch.setenv("WARMBOX_HOME", str(engine.home))
+    for k in ("WARMBOX_API_URL", "WARMBOX_API_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    assert main(["keys", "create", "--tenant", "acme", "--budget", "cpu=10h,mem=40GiBh"]) == 0
+    assert main(["keys", "ls"]) == 0
+    assert "cpu=10h,mem=40GiBh" in capsys.readouterr().out
+    assert main(["keys", "budget", "--tenant", "acme", "--set", "cpu=0.5", "--json"]) == 0
+    b = json.loads(capsys.readouterr().out)
+    assert (b["cpu_limit_h"], b["gib_limit_h"], b["warning"]) == (0.5, 40.0, False)
+    assert main(["keys", "create", "--tenant", "acme", "--budget", "gpu=1"]) == 125
+    net = engine.registry.open_approval("acme", "network", "x.example:443 (connect)", "on_unknown=ask", 60)
+    cost = engine.registry.open_approval("acme", "create", "create \x1b[31ma sandbox", "over budget", 60)
+    assert main(["approvals", "ls"]) == 0
+    out = capsys.readouterr().out
+    assert net.approval_id in out and cost.approval_id in out and "\x1b" not in out  # no terminal escapes
+    assert main(["approvals", "approve", net.approval_id, "--always"]) == 0
+    assert main(["approvals", "deny", cost.approval_id]) == 0
+    assert main(["approvals", "deny", cost.approval_id]) == 125  # answered once
+    assert capsys.readouterr().out.splitlines() == [
+        f"{net.approval_id}: approved (allow_always)",
+        f"{cost.approval_id}: denied (deny)",
+    ]
+    assert engine.registry.approval(net.approval_id).decision == "allow_always"
+    assert engine.registry.approval(cost.approval_id).decision == "deny"
+    assert main(["approvals", "ls"]) == 0 and net.approval_id not in capsys.readouterr().out  # pending only

@@ -36,6 +36,10 @@ def add_parser(sub: argparse._SubParsersAction, parser_class: type[argparse.Argu
     q.add_argument("--json", action="store_true")
     q = ksub.add_parser("revoke", help="revoke a key; its next request is refused")
     q.add_argument("key_id")
+    q = ksub.add_parser("budget", help="a tenant's use today against its daily budget (--set: change the budget)")
+    q.add_argument("--tenant", required=True, metavar="NAME")
+    q.add_argument("--set", default=None, metavar="cpu=10h,mem=40GiBh", help="the new budget (0: none)")
+    q.add_argument("--json", action="store_true")
 
 
 def _registry():
@@ -87,6 +91,8 @@ def _tiers(text: str | None) -> list[str] | None:
 async def command(args: argparse.Namespace) -> int:
     if args.keys_command == "create":
         return _create(args)
+    if args.keys_command == "budget":
+        return _budget_command(args)
     if args.keys_command == "revoke":
         if not _registry().revoke_key(args.key_id):
             raise WarmboxError(f"no live key {args.key_id!r} (`warmbox keys ls` lists them)")
@@ -129,6 +135,35 @@ def _quotas(t: Tenant) -> str:
         f"budget {_budget(t.budget_cpu_h, t.budget_gib_h)} per day",
     ]
     return ", ".join(parts)
+
+
+def _budget_command(args: argparse.Namespace) -> int:
+    from warmbox.engine.engine import Engine
+
+    engine = Engine.for_home()
+    reg = engine.registry
+    reg.tenant(args.tenant)  # InvalidArgument if there is none
+    if args.set is not None:
+        cpu_h, gib_h = parse_budget(args.set)
+        reg.set_budget(args.tenant, cpu_h=cpu_h, gib_h=gib_h)
+    b = reg.budget_status(args.tenant, warn_ratio=engine.settings().approvals.warn_ratio)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(b)))
+        return 0
+    day = time.strftime("%Y-%m-%d", time.gmtime(b.day))
+    print(f"tenant {b.tenant}, {day} (UTC): budget {_budget(b.cpu_limit_h, b.gib_limit_h)} per day")
+    for what, used, limit, ratio in (
+        ("cpu", b.cpu_used_h, b.cpu_limit_h, b.cpu_ratio),
+        ("mem", b.gib_used_h, b.gib_limit_h, b.gib_ratio),
+    ):
+        unit = "h" if what == "cpu" else "GiBh"
+        of = f" of {limit:g}{unit} ({ratio:.0%})" if limit else " (no budget)"
+        print(f"  {what}: {used:.4g}{unit} used{of}")
+    if b.exceeded:
+        print("  over budget: every start waits for approval (warmbox approvals ls)")
+    elif b.warning:
+        print("  warning: past the warning ratio ([approvals] warn_ratio)")
+    return 0
 
 
 def _budget(cpu_h: float, gib_h: float) -> str:

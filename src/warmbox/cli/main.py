@@ -16,7 +16,7 @@ warmbox pool resize NAME [N]      set a pool's target (and --min/--max); --wait 
 warmbox pool warm [NAME...]       wait (with progress) until pools reach their targets
 warmbox down                      stop this home's daemon; pooled sandboxes are destroyed
 warmbox volume create NAME --size 1G | ls | show NAME | rm NAME   named volumes (run/create -v NAME:PATH[:ro])
-warmbox keys create|ls|revoke     API keys of tenants (secret shown once), their quotas and budgets
+warmbox keys create|ls|revoke|budget  API keys of tenants (secret shown once), their quotas and daily budgets
 warmbox approvals ls|approve ID|deny ID   the approval queue (starts over budget, large creates, network asks)
 warmbox template build FILE|NAME  build a template (Dockerfile, .py, .toml, or a NAME); progress per step
 warmbox template ls|show|rm       built templates: versions, image ids, sizes; remove one
