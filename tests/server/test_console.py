@@ -327,3 +327,57 @@ def test_export_is_a_csrf_checked_download_of_the_viewers_sandboxes(engine):
         assert any(x["type"] == "command" and x["text"] == f"echo {HOSTILE}" for x in lines)
         r = c.post(f"/ui/sandboxes/{theirs}/export", data={"csrf": csrf})
         assert r.status_code == 404 and "globex" not in r.text
+
+
+# ---- approvals
+
+
+def test_approvals_page_scopes_buttons_and_answers(engine):
+    _, acme = engine.registry.create_key("acme")
+    _, admin = engine.registry.create_key("ops", admin=True)
+    engine.registry.create_key("globex")
+    sid = _sandbox(engine, "sb-0000000aa001", "acme")
+    net = engine.registry.open_approval(
+        "acme", "network", f"{HOSTILE}:443", "egress outside the allowlist", 300, sandbox_id=sid
+    )
+    cost = engine.registry.open_approval("acme", "create", "a microvm sandbox, 16384 MiB", "over the size rule", 300)
+    other = engine.registry.open_approval("globex", "create", "globex create", "over budget", 300)
+    with TestClient(_app(engine), base_url=BASE) as c:
+        _login(c, acme)
+        html = c.get("/ui/approvals").text
+        frag = c.get("/ui/frag/approvals").text
+        for page in (html, frag):
+            assert net.approval_id in page and cost.approval_id in page and other.approval_id not in page
+            assert "<img" not in page and "<script>alert" not in page
+            assert "&lt;img src=x onerror=alert(1)&gt;&lt;script&gt;alert(2)&lt;/script&gt;:443" in page
+        row = frag.split(f'data-approval-id="{net.approval_id}"')[1].split("</tr>")[0]
+        assert re.findall(r'data-decision="(\w+)"', row) == ["allow_once", "allow_always", "deny"]
+        row = frag.split(f'data-approval-id="{cost.approval_id}"')[1].split("</tr>")[0]
+        assert "data-decision" not in row  # a create is the operator's to answer
+        csrf = _csrf(html)
+        r = c.post(f"/ui/approvals/{net.approval_id}", data={"csrf": "x", "decision": "deny"})
+        assert r.status_code == 403 and engine.registry.approval(net.approval_id).state == "pending"
+        r = c.post(f"/ui/approvals/{cost.approval_id}", data={"csrf": csrf, "decision": "approve"})
+        assert r.status_code == 403 and engine.registry.approval(cost.approval_id).state == "pending"
+        r = c.post(f"/ui/approvals/{other.approval_id}", data={"csrf": csrf, "decision": "approve"})
+        assert r.status_code == 404 and engine.registry.approval(other.approval_id).state == "pending"
+        r = c.post(
+            f"/ui/approvals/{net.approval_id}", data={"csrf": csrf, "decision": "allow_once"}, follow_redirects=False
+        )
+        assert r.status_code == 303 and r.headers["location"] == "/ui/approvals"
+        got = engine.registry.approval(net.approval_id)
+        assert got.state == "approved" and got.decision == "allow_once"
+        r = c.post(f"/ui/approvals/{net.approval_id}", data={"csrf": csrf, "decision": "deny"})
+        assert r.status_code == 409  # answered once only
+    with TestClient(_app(engine), base_url=BASE) as c:
+        login = _login(c, admin)
+        assert login.status_code == 303
+        frag = c.get("/ui/frag/approvals?tenant=globex").text
+        assert other.approval_id in frag and cost.approval_id not in frag
+        csrf = _csrf(c.get("/ui/approvals").text)
+        r = c.post(f"/ui/approvals/{cost.approval_id}", data={"csrf": csrf, "decision": "deny"}, follow_redirects=False)
+        assert r.status_code == 303
+        got = engine.registry.approval(cost.approval_id)
+        assert got.state == "denied" and got.answered_by.startswith("key-")
+        closed = c.get("/ui/frag/approvals").text.split('id="approvals-closed"')[1]
+        assert f'data-approval-id="{cost.approval_id}"' in closed and f'data-approval-id="{net.approval_id}"' in closed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from markupsafe import Markup
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -11,7 +12,8 @@ from starlette.routing import BaseRoute, Route
 from warmbox import operations as ops
 from warmbox import transcript
 from warmbox.errors import SandboxNotFound, WarmboxError
-from warmbox.models import STAGES, NetEvent, SandboxInfo, SandboxMetrics, StageTiming
+from warmbox.models import NetEvent, SandboxInfo, SandboxMetrics, StageTiming
+from warmbox.server.console import charts
 from warmbox.server.console.web import PREFIX, Console, Viewer
 
 NAV = ("Sandboxes", f"{PREFIX}/")
@@ -89,9 +91,11 @@ def routes(console: Console) -> list[BaseRoute]:
         sandbox_id = request.path_params["sandbox_id"]
         details = await _details(viewer, sandbox_id)
         timings: list[StageTiming] = await viewer.front.handle(ops.Timings(sandbox_id))
+        start = charts.ordered(timings)  # a start's stages only (a pause or resume is timed apart)
         details["timings"] = timings
-        # a start's stages only: a resume or pause records a timing of its own (not part of the start)
-        details["start_ms"] = sum(t.duration_ms for t in timings if t.on_request_path and t.stage in STAGES)
+        details["start_ms"] = sum(t.duration_ms for t in start if t.on_request_path)
+        details["pooled_ms"] = sum(t.duration_ms for t in start if not t.on_request_path)
+        details["waterfall"] = Markup(charts.waterfall_svg(timings))  # charts escapes what it draws
         details["refresh_ms"] = REFRESH_MS
         return console.render_with(request, viewer, "sandbox.html", details)
 
