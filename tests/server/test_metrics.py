@@ -94,6 +94,12 @@ def _known_rows(reg: Registry) -> None:
     reg.sample([("sb-0000000000a1", 1 << 30, 3_000_000_000)], now=now + 2)  # 3 cpu-s, 2 GiB-s
     reg.create_key("acme")
     reg.set_budget("acme", cpu_h=0.001, gib_h=1.0)  # 3 cpu-s of 3.6 a day: 83 %, over the 80 % warning
+    # the approval queue: acme's create approved after 10 s, its network question open; beta's
+    # resume question past its deadline (it reads as timed out)
+    asked = reg.open_approval("acme", "create", "container, 8 GiB", "over budget", 300, now=now - 100)
+    reg.answer_approval(asked.approval_id, "approve", "ops", now=now - 90)
+    reg.open_approval("acme", "network", "api.test:443", "egress outside the allowlist", 3600)
+    reg.open_approval("beta", "resume", "sb-0000000000b1", "over budget", 5, now=now - 60)
     _sandbox(reg, "sb-0000000000a2", "acme")
     reg.set_state("sb-0000000000a2", State.FAILED, "start failed")
     _sandbox(reg, "sb-0000000000b1", "beta", "gvisor")
@@ -233,6 +239,17 @@ def test_the_registrys_rows_become_parsed_families(reg):
     )
     assert v("warmbox_budget_warning", "warmbox_budget_warning", **budget) == 1
     assert v("warmbox_budget_warning", "warmbox_budget_warning", tenant="beta") is None  # no budget, no series
+    assert v("warmbox_approvals_pending", "warmbox_approvals_pending", tenant="acme", kind="network") == 1
+    assert v("warmbox_approvals_pending", "warmbox_approvals_pending", tenant="beta") is None
+    assert v("warmbox_approvals_opened", "warmbox_approvals_opened_total", tenant="acme", kind="create") == 1
+    closed = "warmbox_approvals_closed_total"
+    assert v("warmbox_approvals_closed", closed, tenant="acme", kind="create", state="approved") == 1
+    assert v("warmbox_approvals_closed", closed, tenant="beta", kind="resume", state="timed_out") == 1
+    waited = {"kind": "create", "state": "approved"}
+    assert v("warmbox_approval_wait_seconds", "warmbox_approval_wait_seconds_bucket", le="5.0", **waited) == 0
+    assert v("warmbox_approval_wait_seconds", "warmbox_approval_wait_seconds_bucket", le="15.0", **waited) == 1
+    assert v("warmbox_approval_wait_seconds", "warmbox_approval_wait_seconds_sum", **waited) == pytest.approx(10)
+    assert "api.test" not in text and "over budget" not in text
     assert v("warmbox_registry_up", "warmbox_registry_up") == 1
     assert _check_histograms(text) >= 5
     assert "sb-0000000000" not in text  # no sandbox id is ever a label

@@ -35,6 +35,7 @@ from warmbox.models import State
 # bounds (seconds) of the histograms derived from rows: fixed, so a series never changes its buckets
 STAGE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 COMMAND_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
+APPROVAL_BUCKETS_S = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 14400.0)
 PAUSE_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # a destroyed sandbox's rows are final this long after it ended (its proxy's last byte counts and
 # its meters' final reading are written within seconds of the destroy)
@@ -99,6 +100,10 @@ class RegistryTotals:
     budget_used_hours: tuple[Value, ...]
     budget_limit_hours: tuple[Value, ...]
     budget_ratio: tuple[Value, ...]
+    approvals_pending: tuple[Value, ...]
+    approvals_opened: tuple[Value, ...]
+    approvals_closed: tuple[Value, ...]
+    approval_wait: tuple[Buckets, ...]
     read_seconds: float  # how long the read took (wall clock)
     sandboxes_read: int  # how many sandboxes' rows this read aggregated (the rest came from memory)
 
@@ -131,6 +136,10 @@ LABELS: dict[str, tuple[str, ...]] = {
     "budget_used_hours": ("tenant", "resource"),
     "budget_limit_hours": ("tenant", "resource"),
     "budget_ratio": ("tenant", "resource"),
+    "approvals_pending": ("tenant", "kind"),
+    "approvals_opened": ("tenant", "kind"),
+    "approvals_closed": ("tenant", "kind", "state"),
+    "approval_wait": ("kind", "state"),
 }
 
 
@@ -364,6 +373,8 @@ class RegistryStats:
         egress, cost, commands = merged("egress"), merged("cost"), merged("commands")
         pools = self._pools(db, merged("pool_costs")) if tenant is None else ((),) * 6
         budgets = self._budgets(db, tenant)
+        approvals = self._approvals(db, tenant)
+        n_ap = len(APPROVAL_BUCKETS_S)
         n_cmd = len(COMMAND_BUCKETS_S)
         return RegistryTotals(
             sandboxes=_values((r[0], label(r[1]), label(r[2]), r[3]) for r in sandboxes),
@@ -401,9 +412,32 @@ class RegistryStats:
             budget_ratio=_values(
                 (r[0], res, r[used] / r[limit]) for r in budgets for res, used, limit in _RESOURCES if r[limit] > 0
             ),
+            approvals_pending=_values((r[0], r[1], r[3]) for r in approvals if r[2] == "pending"),
+            approvals_opened=_values((r[0], r[1], r[3]) for r in approvals),
+            approvals_closed=_values((r[0], r[1], r[2], r[3]) for r in approvals if r[2] != "pending"),
+            approval_wait=_buckets(
+                ((r[1], r[2]), (*r[4 : 4 + n_ap], r[4 + n_ap] * 1e3, r[3])) for r in approvals if r[2] != "pending"
+            ),
             read_seconds=time.perf_counter() - t0,
             sandboxes_read=scoped,
         )
+
+    @staticmethod
+    def _approvals(db: sqlite3.Connection, tenant: str | None) -> list[tuple[Any, ...]]:
+        """(tenant, kind, state, count, wait buckets (cumulative)..., wait sum in s) of the approval
+        queue; a pending question past its deadline counts as timed_out (as Registry.approvals
+        reads it). The queue holds human-rate questions: one GROUP BY over it."""
+        if not db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='approvals'").fetchone():
+            return []
+        state = "CASE WHEN state='pending' AND deadline<:now THEN 'timed_out' ELSE state END"
+        wait = "(CASE WHEN answered_at>0 THEN answered_at ELSE deadline END - created_at)"
+        sums = ", ".join(f"SUM({wait} <= {b!r})" for b in APPROVAL_BUCKETS_S)
+        only = "" if tenant is None else " WHERE tenant=:tenant"
+        rows = db.execute(
+            f"SELECT tenant, kind, {state}, COUNT(*), {sums}, SUM({wait}) FROM approvals{only} GROUP BY 1, 2, 3",
+            {"now": time.time(), "tenant": tenant},
+        ).fetchall()
+        return [(r[0], label(r[1]), label(r[2]), *r[3:]) for r in rows]
 
     @staticmethod
     def _budgets(db: sqlite3.Connection, tenant: str | None) -> list[tuple[Any, ...]]:
@@ -480,6 +514,7 @@ def _buckets(rows: Iterable[tuple[tuple[str, ...], Sequence[float]]]) -> tuple[B
 
 
 __all__ = [
+    "APPROVAL_BUCKETS_S",
     "COMMAND_BUCKETS_S",
     "COMMAND_OUTCOMES",
     "LABELS",

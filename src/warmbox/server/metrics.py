@@ -28,6 +28,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from warmbox.engine.stats import (
+    APPROVAL_BUCKETS_S,
     COMMAND_BUCKETS_S,
     LABELS,
     PAUSE_BUCKETS_S,
@@ -223,6 +224,30 @@ def budget_families(t: RegistryTotals, warn_ratio: float) -> Iterator[Metric]:
     yield warn
 
 
+def approval_families(t: RegistryTotals) -> Iterator[Metric]:
+    """The approval queue: questions waiting, opened, closed (approved, denied, timed_out) and how long they waited."""
+    yield _gauge(
+        "warmbox_approvals_pending",
+        "Approval questions waiting for an answer",
+        "approvals_pending",
+        t.approvals_pending,
+    )
+    yield _counter("warmbox_approvals_opened", "Approval questions asked", "approvals_opened", t.approvals_opened)
+    yield _counter(
+        "warmbox_approvals_closed",
+        "Approval questions closed: approved, denied or timed_out (a pending one past its deadline counts)",
+        "approvals_closed",
+        t.approvals_closed,
+    )
+    yield _histogram(
+        "warmbox_approval_wait_seconds",
+        "How long a closed question waited (until its answer, or its deadline)",
+        "approval_wait",
+        t.approval_wait,
+        APPROVAL_BUCKETS_S,
+    )
+
+
 class RegistryCollector:
     """A prometheus-client collector of the registry's aggregates, read at each scrape.
     tenant: only that tenant's series (None: every tenant's, and the pools)."""
@@ -254,6 +279,7 @@ class RegistryCollector:
         # a family without series is left out (a tenant's view has no pool families at all)
         yield from (m for m in families(totals) if m.samples)
         yield from (m for m in budget_families(totals, self.warn_ratio()) if m.samples)
+        yield from (m for m in approval_families(totals) if m.samples)
 
 
 class HttpMetrics:
