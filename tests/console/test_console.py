@@ -8,8 +8,10 @@ import time
 
 import pytest
 
+from tests.conftest import wait_for
 from tests.console.conftest import SHOTS, UI_TIMEOUT_MS, Console
-from warmbox import Sandbox
+from warmbox import Limits, Sandbox
+from warmbox.engine.engine import Engine
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.console]
 
@@ -109,3 +111,30 @@ def test_other_tenants_sandboxes_are_invisible(browser, console: Console, acme_b
         shot(admin, "list-admin")
     finally:
         admin.context.close()
+
+
+def test_pools_page_charts_fill_and_hits(browser, console: Console):
+    engine = Engine.for_home(console.home)
+    engine.ensure_daemon()  # the daemon keeps pools warm; `warmbox serve` starts it at its first sandbox
+    wait_for(lambda: engine.registry.pool_counts("console")[0] >= 1, 120, "the console pool to fill")
+    page = login(browser, console, "ops")
+    try:
+        page.goto(console.url + "/ui/pools")
+        page.locator('section.pool-card[data-pool="console"]').wait_for(state="visible")
+        assert page.locator("#pool-console-ready").get_attribute("data-value") == "1"
+        hits = int(page.locator("#pool-console-hits").get_attribute("data-value") or "-1")
+        with Sandbox.create("container", limits=Limits(memory_mb=256), timeout=60, **console.sdk("acme")) as sb:
+            assert sb.from_pool, "the console pool had a ready sandbox but create() did not take it"
+        page.reload()
+        page.locator(f'#pool-console-hits[data-value="{hits + 1}"]').wait_for(state="attached")
+        for chart in ("pool-fill-console", "pool-hits-console"):
+            div = page.locator(f'div[data-chart-id="{chart}"][data-rendered="true"]')
+            div.wait_for(state="visible")
+            assert int(div.get_attribute("data-points") or "0") > 0, f"{chart} drew no data"
+            canvas = div.locator("canvas").first
+            box = canvas.bounding_box()
+            assert box is not None and box["width"] > 100 and box["height"] > 50, box
+        assert page.locator("[data-chart-id][data-error]").count() == 0
+        shot(page, "pools")
+    finally:
+        page.context.close()

@@ -70,6 +70,12 @@ def test_hostile_text_stays_text(browser, console: Console):
             text = meta.inner_text()
             for p in PAYLOADS:
                 assert p in text, f"not shown literally: {p!r}"
+            # the command's text (its argv, shell-quoted by the records) is in the commands table as text
+            cmd = page.locator('#commands tr[data-kind="command"] td.command').first
+            cmd.wait_for(state="visible")
+            assert all(p in cmd.inner_text() for p in ("<img src=x", "<script class=", "<svg class=", "<iframe")), (
+                cmd.inner_text()
+            )
             page.wait_for_function(  # the live region's refresh too
                 "() => document.querySelector('#sandbox-live').hasAttribute('data-refreshed-at')"
             )
