@@ -12,7 +12,7 @@ import pytest
 
 from warmbox import config
 from warmbox.network import asks
-from warmbox.network.proxy import ASK_OPEN_PER_SANDBOX, Proxy
+from warmbox.network.proxy import ASK_OPEN_PER_SANDBOX, ASK_OPEN_PER_TENANT, Proxy
 from warmbox.storage.registry import Registry
 
 
@@ -144,5 +144,22 @@ def test_a_late_sdk_callback_answers_a_question_waiting_in_the_queue(tmp_path):
         finally:
             sub.cancel()
             server.close()
+
+    run_proxy(tmp_path / "home", "[network]\napproval_timeout = 30\n", body)
+
+
+def test_one_tenants_many_sandboxes_are_bounded_together(tmp_path):
+    async def body(proxy: Proxy) -> None:
+        per = ASK_OPEN_PER_SANDBOX
+        n = ASK_OPEN_PER_TENANT // per  # sandboxes of one tenant (the host's here) that fill its bound
+        held = [
+            asyncio.ensure_future(proxy.ask(f"sb-{s}", f"h{i}.test", 80, "http")) for s in range(n) for i in range(per)
+        ]
+        await asyncio.sleep(0.2)
+        assert len(proxy.registry.approvals(None, pending_only=True, limit=1000)) == ASK_OPEN_PER_TENANT
+        ok, rule, detail = await proxy.ask(f"sb-{n}", "h0.test", 80, "http")  # a fresh sandbox, same tenant
+        assert (ok, rule) == (False, "approval:queue-full") and f"at most {ASK_OPEN_PER_TENANT}" in detail
+        for t in held:
+            t.cancel()
 
     run_proxy(tmp_path / "home", "[network]\napproval_timeout = 30\n", body)

@@ -350,7 +350,7 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee(
         "egress",
         "A sandbox dialling many names (on_unknown='ask') cannot flood the operator's approval queue: "
-        "connections to one host:port share a question, a sandbox has at most 8 open, the rest are "
+        "connections to one host:port share a question, a sandbox has at most 8 open (a tenant 64), the rest are "
         "denied at once (rule approval:queue-full, itemised in the audit log up to 100, then counted), "
         "nothing is resolved upstream, and its questions are withdrawn when it stops; a host name in a "
         "question is a checked name or IP literal, never free text (an IPv6 zone id is refused).",

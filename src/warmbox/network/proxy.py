@@ -63,11 +63,13 @@ REFUSED_ROWS = 1000
 REFUSED_FLUSH_S = 1.0
 REFUSED_READS = 64  # datagrams per wakeup, so a flood cannot starve the proxy's other work
 DECISIONS = ("allow_once", "allow_always", "deny")
-# questions (on_unknown="ask"): distinct host:port questions open at once per sandbox and in all;
-# past them a connection is denied unasked ("approval:queue-full"), itemised in the audit log up
-# to QUEUE_FULL_ROWS times per sandbox, then counted in one row
+# questions (on_unknown="ask"): distinct host:port questions open at once per sandbox, per tenant
+# (so one tenant's many sandboxes cannot crowd out another's) and in all (memory); past them a
+# connection is denied unasked ("approval:queue-full"), itemised in the audit log up to
+# QUEUE_FULL_ROWS times per sandbox, then counted in one row
 ASK_OPEN_PER_SANDBOX = 8
-ASK_OPEN_TOTAL = 256
+ASK_OPEN_PER_TENANT = 64
+ASK_OPEN_TOTAL = 4096
 QUEUE_FULL_ROWS = 100
 
 
@@ -245,6 +247,7 @@ class Proxy:
         # question -> (its open row in the approval queue, kind, deadline)
         self.queued: dict[tuple[str, str, int], tuple[str, str, float]] = {}
         self.handovers: set[asyncio.Task] = set()  # queued questions asked of a late SDK subscriber
+        self.tenants: dict[str, str] = {}  # sandbox -> its tenant, for the bound on open questions
         self.queue_full: dict[str, tuple[int, int, int]] = {}  # sandbox -> (rows, its count row, past them)
         self.own: set[str] = set()
         self.sni: dict[int, str] = {}
@@ -481,24 +484,44 @@ class Proxy:
         """(allowed, rule, detail) for a destination outside the sandbox's rules (on_unknown="ask").
 
         Connections to the same host:port share one open question; a sandbox has at most
-        ASK_OPEN_PER_SANDBOX open (and the proxy ASK_OPEN_TOTAL), so dialling many names cannot
-        flood whoever answers: the rest are denied at once ("approval:queue-full").
+        ASK_OPEN_PER_SANDBOX open, its tenant ASK_OPEN_PER_TENANT (the proxy ASK_OPEN_TOTAL), so
+        dialling many names cannot flood whoever answers: the rest are denied at once
+        ("approval:queue-full").
         """
         key = (sid, host, port)
         fut = self.asking.get(key)
         if fut is None:
-            mine = sum(1 for k in self.asking if k[0] == sid)
-            if mine >= ASK_OPEN_PER_SANDBOX or len(self.asking) >= ASK_OPEN_TOTAL:
-                bound = (
-                    f"{mine} questions of this sandbox are open (at most {ASK_OPEN_PER_SANDBOX})"
-                    if mine >= ASK_OPEN_PER_SANDBOX
-                    else f"{len(self.asking)} questions are open on this host (at most {ASK_OPEN_TOTAL})"
-                )
+            bound = self._over_bound(sid)
+            if bound:
                 return False, "approval:queue-full", f"not asked: {bound}"
             fut = self.asking[key] = asyncio.ensure_future(self._ask(sid, host, port, kind))
             fut.add_done_callback(lambda _f: self.asking.pop(key, None))
         ok, rule = await asyncio.shield(fut)
         return ok, rule, ""
+
+    def _over_bound(self, sid: str) -> str:
+        """Why ``sid`` may not open one more question ("" if it may)."""
+        tenant = self.tenant_of(sid)
+        mine = theirs = 0
+        for s, _, _ in self.asking:
+            mine += s == sid
+            theirs += self.tenants.get(s) == tenant
+        if mine >= ASK_OPEN_PER_SANDBOX:
+            return f"{mine} questions of this sandbox are open (at most {ASK_OPEN_PER_SANDBOX})"
+        if theirs >= ASK_OPEN_PER_TENANT:
+            return f"{theirs} questions of its tenant's sandboxes are open (at most {ASK_OPEN_PER_TENANT})"
+        if len(self.asking) >= ASK_OPEN_TOTAL:
+            return f"{len(self.asking)} questions are open on this host (at most {ASK_OPEN_TOTAL})"
+        return ""
+
+    def tenant_of(self, sid: str) -> str:
+        """The sandbox's tenant ("": the host's), read once (it never changes)."""
+        if sid not in self.tenants:
+            try:
+                self.tenants[sid] = self.registry.sandbox_tenant(sid) or ""
+            except WarmboxError:
+                return ""
+        return self.tenants[sid]
 
     async def _ask(self, sid: str, host: str, port: int, kind: str) -> tuple[bool, str]:
         """Ask the sandbox's live SDK subscriber, else put the question in the approval queue."""
@@ -570,7 +593,7 @@ class Proxy:
         subject = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             row = self.registry.open_approval(
-                self.registry.sandbox_tenant(sid) or "",
+                self.tenant_of(sid),
                 "network",
                 subject,
                 f"egress ({kind}) to {subject}, which no rule of the sandbox's network policy allows",
@@ -961,6 +984,7 @@ class Proxy:
                 if key[0] == sid:  # withdrawn now: whoever reads the queue next sees no dead question
                     asks.close(self.registry, approval_id)
             self.queue_full.pop(sid, None)
+            self.tenants.pop(sid, None)
             self.refused_rows.pop(sid, None)
             self.refused_capped.pop(sid, None)
             return {"ok": True}
