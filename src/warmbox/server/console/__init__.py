@@ -11,10 +11,10 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 
 from warmbox.server.app import Service
-from warmbox.server.console import approvals, pools, sandboxes
+from warmbox.server.console import approvals, cost, pools, sandboxes
 from warmbox.server.console.web import HOME, LOGIN, PREFIX, STATIC, Console, secured
 
-PAGES = (sandboxes, approvals, pools)  # in navigation order
+PAGES = (sandboxes, approvals, pools, cost)  # in navigation order
 
 
 async def _home(request: Request) -> Response:
