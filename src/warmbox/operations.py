@@ -932,11 +932,14 @@ class TemplateGc(Request[TemplateGcReport]):
 @dataclasses.dataclass(frozen=True)
 class ApprovalsList(Request[list[Approval]]):
     """The approval questions, newest first: a tenant key's own tenant's, an admin key's (and the
-    host's) every tenant's. pending_only: only those still open. limit: at most this many (1-1000)."""
+    host's) every tenant's. pending_only: only those still open. limit: at most this many (1-1000).
+    tenant: only that tenant's ("" the host's; None: all the caller may see; a tenant key naming
+    another tenant gets none)."""
 
     op: ClassVar[Op] = Op.APPROVALS_LIST
     pending_only: bool = False
     limit: int = 200
+    tenant: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -185,6 +185,9 @@ def test_tenants_see_their_own_questions_and_answer_only_network_ones(tmp_path):
     assert [a.approval_id for a in run(beta, ops.ApprovalsList(pending_only=True))] == [other.approval_id]
     everyone = EngineFront(engine, tenant=admin)
     assert len(run(everyone, ops.ApprovalsList())) == 3 == len(run(EngineFront(engine), ops.ApprovalsList()))
+    assert [a.approval_id for a in run(everyone, ops.ApprovalsList(tenant="beta"))] == [other.approval_id]
+    assert run(acme, ops.ApprovalsList(tenant="beta")) == []  # not its to see
+    assert len(run(acme, ops.ApprovalsList(tenant="acme"))) == 2
     with pytest.raises(Forbidden):  # its own budget is not its to lift
         run(acme, ops.ApprovalAnswer(cost.approval_id, "approve"))
     with pytest.raises(ApprovalNotFound):  # another tenant's: not found, whatever its kind

@@ -105,6 +105,7 @@ def url_of(route: api.Route, sandbox_id: str = FAKE_ID, **ids: str) -> str:
         "snapshot_id": "snap-x",
         "context": "ctx",
         "name": "default",
+        "approval_id": "ap-0000000000000000",
         **ids,
     }
     return route.path.format(**{f: values[f] for f in route.path_fields})

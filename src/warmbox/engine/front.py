@@ -1185,7 +1185,11 @@ class EngineFront:
             raise InvalidArgument(f"pending_only must be true or false, got {r.pending_only!r}")
         if isinstance(r.limit, bool) or not isinstance(r.limit, int) or not 1 <= r.limit <= 1000:
             raise InvalidArgument(f"limit must be an integer in [1, 1000], got {r.limit!r}")
-        tenant = None if self._sees_all() else self._tenant_name()
+        if r.tenant is not None and not isinstance(r.tenant, str):
+            raise InvalidArgument(f"tenant must be a tenant name, got {r.tenant!r}")
+        tenant = r.tenant if self._sees_all() else self._tenant_name()
+        if r.tenant is not None and tenant != r.tenant:
+            return []  # another tenant's: none (whether it has any is not said)
         return self.engine.registry.approvals(tenant, pending_only=r.pending_only, limit=r.limit)
 
     async def approval_answer(self, r: ops.ApprovalAnswer) -> Approval:

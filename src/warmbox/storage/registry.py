@@ -1815,10 +1815,10 @@ class Registry:
                 (time.time(), approval_id),
             )
 
-    async def wait_approval(self, approval_id: str, *, poll_s: float = 0.5) -> Approval:
+    async def wait_approval(self, approval_id: str, *, poll_s: float = 0.2) -> Approval:
         """Wait for a question's answer (from any process: the row is the truth) until its
         deadline; returns it answered, or timed_out (then recorded so: a late answer is refused).
-        Reads the row every 50 ms at first, backing off to ``poll_s`` (one indexed read each)."""
+        Reads the row every 50 ms at first, backing off to ``poll_s`` (one indexed read, ~20 µs, each)."""
         import asyncio
 
         delay = 0.05
