@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+from starlette.requests import Request
 from starlette.testclient import TestClient
 
 from warmbox.config import ServerSettings
@@ -381,3 +382,39 @@ def test_approvals_page_scopes_buttons_and_answers(engine):
         assert got.state == "denied" and got.answered_by.startswith("key-")
         closed = c.get("/ui/frag/approvals").text.split('id="approvals-closed"')[1]
         assert f'data-approval-id="{cost.approval_id}"' in closed and f'data-approval-id="{net.approval_id}"' in closed
+
+
+def test_same_origin_reads_the_browsers_headers():
+    def req(**headers: str):
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/ui/logout",
+            "query_string": b"",
+            "headers": [
+                (k.replace("_", "-").encode(), v.encode()) for k, v in {"host": "c.example", **headers}.items()
+            ],
+        }
+        return Request(scope)
+
+    assert web.same_origin(req())  # a non-browser client: the CSRF token decides
+    assert web.same_origin(req(origin="http://c.example")) and web.same_origin(req(sec_fetch_site="same-origin"))
+    assert web.same_origin(req(origin="https://c.example"))  # TLS ended by a proxy in front
+    for bad in ({"origin": "null"}, {"origin": "https://evil.example"}, {"origin": "http://c.example.evil"}):
+        assert not web.same_origin(req(**bad)), bad
+    assert not web.same_origin(req(sec_fetch_site="cross-site")) and not web.same_origin(
+        req(sec_fetch_site="same-site")
+    )
+
+
+def test_the_nav_badge_counts_open_questions_in_scope(engine):
+    _, acme = engine.registry.create_key("acme")
+    engine.registry.create_key("globex")
+    with TestClient(_app(engine), base_url=BASE) as c:
+        _login(c, acme)
+        assert 'id="approvals-badge-slot"' in c.get("/ui/").text
+        assert c.get("/ui/frag/approvals/count").text.strip() == ""
+        engine.registry.open_approval("acme", "network", "a.example:443", "ask", 300)
+        engine.registry.open_approval("globex", "network", "b.example:443", "ask", 300)
+        assert 'data-count="1"' in c.get("/ui/frag/approvals/count").text

@@ -15,6 +15,7 @@ from warmbox.models import COST_DECISIONS, NETWORK_DECISIONS, Approval
 from warmbox.server.console.web import PREFIX, Console, Viewer
 
 NAV = ("Approvals", f"{PREFIX}/approvals")
+BADGE = f"{PREFIX}/frag/approvals/count"  # the number waiting, next to the nav link on every page
 REFRESH_MS = 1000
 RECENT = 50  # answered or timed-out questions shown under the open ones
 MAX_PENDING = 1000  # open questions shown (the queue's own bounds keep it far below)
@@ -72,8 +73,14 @@ def routes(console: Console) -> list[BaseRoute]:
         await viewer.actor.handle(ops.ApprovalAnswer(approval_id, decision))
         return RedirectResponse(f"{PREFIX}/approvals{viewer.query}", status_code=303)
 
+    async def approvals_badge(request: Request, viewer: Viewer) -> Response:
+        open_ = await viewer.actor.handle(ops.ApprovalsList(pending_only=True, limit=MAX_PENDING))
+        n = sum(1 for a in open_ if viewer.scope is None or a.tenant == viewer.scope)
+        return console.render(request, viewer, "_approvals_badge.html", count=n)
+
     return [
         Route(f"{PREFIX}/approvals", console.page(approvals_page), methods=["GET"]),
+        Route(BADGE, console.fragment(approvals_badge), methods=["GET"]),
         Route(f"{PREFIX}/frag/approvals", console.fragment(approvals_rows), methods=["GET"]),
         Route(f"{PREFIX}/approvals/{{approval_id}}", console.action(answer), methods=["POST"]),
     ]

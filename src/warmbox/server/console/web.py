@@ -125,14 +125,17 @@ def secured(response: Response) -> Response:
 def same_origin(request: Request) -> bool:
     """A form post came from a console page: the browser's Sec-Fetch-Site and Origin say so when
     sent (a non-browser client sends neither; its CSRF token still has to match). A sandbox
-    preview is an opaque origin ("null"): refused."""
+    preview is an opaque origin ("null"): refused. Origin's host is compared with the Host header,
+    not its scheme: behind a TLS-terminating proxy the server itself sees plain http."""
     site = request.headers.get("sec-fetch-site")
     if site is not None and site not in ("same-origin", "none"):
         return False
     origin = request.headers.get("origin")
     if origin is None:
         return True
-    return origin == f"{request.url.scheme}://{request.headers.get('host', '')}"
+    scheme, sep, netloc = origin.partition("://")
+    host = request.headers.get("host", "")
+    return bool(sep) and scheme in ("http", "https") and bool(host) and netloc == host
 
 
 async def read_form(request: Request, timeout_s: float) -> dict[str, str]:

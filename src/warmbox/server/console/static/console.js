@@ -74,6 +74,9 @@
         });
     }
     window.setInterval(tick, every);
+    if (el.hasAttribute("data-refresh-now")) {
+      tick(); // rendered empty: fill it at once
+    }
   }
 
   function confirmForms() {
