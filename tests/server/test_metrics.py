@@ -467,3 +467,43 @@ def test_the_budget_warning_follows_the_configured_ratio(engine, tmp_path):
         (tmp_path / "home" / "warmbox.toml").write_text("[approvals]\nwarn_ratio = 0.9\n")
         fams = _parse(c.get("/metrics", headers=auth).text)
         assert _value(fams, "warmbox_budget_warning", "warmbox_budget_warning", tenant="acme") == 0
+
+
+def test_records_made_while_serving_carry_the_request_and_an_error_is_a_500_with_its_id():
+    """A record logged inside a handler has the request's id, route and sandbox id; an unhandled
+    error is logged with them (and its traceback) and answered with a JSON 500 carrying X-Request-Id."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.routing import Route
+
+    inner = logging.getLogger("warmbox.test.handler")
+
+    async def boom(request):
+        inner.warning("about to fail for %s", "wbx_abc")
+        raise RuntimeError("boom")
+
+    app = Starlette(routes=[Route("/v1/sandboxes/{sandbox_id}/boom", boom)], middleware=[Middleware(logs.RequestLog)])
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logs.JsonFormatter())
+    root = logging.getLogger()
+    root.addHandler(handler)
+    old = root.level
+    root.setLevel(logging.INFO)
+    try:
+        with TestClient(app, raise_server_exceptions=False) as c:
+            r = c.get("/v1/sandboxes/sb-0000000000a1/boom")
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "warmbox_error"
+    rid = r.headers["x-request-id"]
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    records = [r for r in records if r["logger"].startswith("warmbox.")]  # not the test client's own
+    warned, failed, access = records
+    assert warned["msg"] == "about to fail for wbx_[redacted]" and warned["level"] == "warning"
+    for rec in records:
+        assert rec["request_id"] == rid and rec["sandbox_id"] == "sb-0000000000a1"
+        assert rec["route"] == "/v1/sandboxes/{sandbox_id}/boom"
+    assert failed["level"] == "error" and "RuntimeError: boom" in failed["exc"]
+    assert access["status"] == 500 and access["level"] == "error"

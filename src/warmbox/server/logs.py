@@ -39,12 +39,20 @@ _SECRETS = re.compile(r"(wbx_|[Bb]earer\s+)[A-Za-z0-9_\-.~+/=]+")
 
 @dataclasses.dataclass
 class RequestContext:
-    """What the log records of one request carry; tenant is filled in once the caller is known."""
+    """What the log records of one request carry; tenant is filled in once the caller is known,
+    route and sandbox_id are read from the ASGI scope once the router has matched it."""
 
     request_id: str
-    route: str = ""
+    scope: Scope = dataclasses.field(repr=False)
     tenant: str | None = None
-    sandbox_id: str = ""
+
+    @property
+    def route(self) -> str:
+        return route_template(self.scope)
+
+    @property
+    def sandbox_id(self) -> str:
+        return _sandbox_id(self.scope)
 
 
 _CURRENT: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("warmbox_request", default=None)
@@ -102,38 +110,32 @@ class RequestLog:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        ctx = RequestContext(secrets.token_hex(8))
+        ctx = RequestContext(secrets.token_hex(8), scope)
         token = _CURRENT.set(ctx)
         status = 500  # what the client gets if the app fails before answering
+        started = False
         t0 = time.perf_counter()
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = int(message["status"])
+                status, started = int(message["status"]), True
                 message = {
                     **message,
                     "headers": [*message.get("headers", []), (REQUEST_ID_HEADER, ctx.request_id.encode())],
                 }
             await send(message)
 
-        started = False
-
-        async def send_with_id_(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send_with_id(message)
-
         if self.metrics is not None and scope["type"] == "http":
             self.metrics.in_progress.inc()
         try:
-            await self.app(scope, receive, send_with_id_)
+            await self.app(scope, receive, send_with_id)
         except Exception:
             # logged here, inside the request's context (its id); the client gets a typed 500
             LOG.error("unhandled error", exc_info=True)
             if started or scope["type"] != "http":
                 raise
-            await send_with_id_(
+            await send_with_id(
                 {
                     "type": "http.response.start",
                     "status": 500,
@@ -143,21 +145,20 @@ class RequestLog:
                     ],
                 }
             )
-            await send_with_id_({"type": "http.response.body", "body": _INTERNAL})
+            await send_with_id({"type": "http.response.body", "body": _INTERNAL})
         finally:
             seconds = time.perf_counter() - t0
-            ctx.route = route_template(scope)
-            ctx.sandbox_id = _sandbox_id(scope)
+            route = ctx.route
             if scope["type"] == "http":
                 if self.metrics is not None:
                     self.metrics.in_progress.dec()
-                    self.metrics.observe(str(scope.get("method", "")), ctx.route, status, seconds)
+                    self.metrics.observe(str(scope.get("method", "")), route, status, seconds)
                 method = str(scope.get("method", ""))[:16]
                 ACCESS.log(
                     logging.ERROR if status >= 500 else logging.INFO,
                     "%s %s %d %.1f ms",
                     method,
-                    ctx.route,
+                    route,
                     status,
                     seconds * 1e3,
                     extra={"method": method, "status": status, "duration_ms": seconds * 1e3},
@@ -183,10 +184,10 @@ class JsonFormatter(logging.Formatter):
             out["request_id"] = ctx.request_id
             if ctx.tenant is not None:
                 out["tenant"] = ctx.tenant or HOST_TENANT
-            if ctx.route:
-                out["route"] = ctx.route
-            if ctx.sandbox_id:
-                out["sandbox_id"] = ctx.sandbox_id
+            out["route"] = ctx.route
+            sandbox_id = ctx.sandbox_id
+            if sandbox_id:
+                out["sandbox_id"] = sandbox_id
         for k in _EXTRA:
             v = record.__dict__.get(k)
             if v is not None:
