@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from warmbox.errors import InvalidArgument
-from warmbox.models import PoolEvent, PoolStatus, StageTiming
+from warmbox.models import PoolEvent, PoolStatus, StageTiming, UsageBucket
 from warmbox.server.console import charts
 from warmbox.storage.registry import Registry
 from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
@@ -230,23 +230,16 @@ def test_names_become_safe_distinct_element_ids() -> None:
 # ---- cost
 
 
-class Bucket:
-    """Stands in for models.UsageBucket until it lands (same fields)."""
-
-    def __init__(self, tenant: str, hour: float, cpu_s: float, gib_s: float) -> None:
-        self.tenant, self.hour, self.cpu_s, self.gib_s = tenant, hour, cpu_s, gib_s
-
-
 DAY = 86400
 
 
 def test_cost_per_hour_per_tenant_with_budget_and_running_day_total() -> None:
     base = 10 * DAY  # midnight UTC
     usage = [
-        Bucket("acme", base + 22 * 3600, 3600.0, 7200.0),  # 1 cpu-h, 2 GiB-h
-        Bucket("acme", base + 23 * 3600, 1800.0, 0.0),
-        Bucket("acme", base + DAY, 7200.0, 3600.0),  # the next day starts the running total over
-        Bucket("other", base + 23 * 3600, 99999.0, 99999.0),  # not asked for
+        UsageBucket("acme", base + 22 * 3600, 3600.0, 7200.0),  # 1 cpu-h, 2 GiB-h
+        UsageBucket("acme", base + 23 * 3600, 1800.0, 0.0),
+        UsageBucket("acme", base + DAY, 7200.0, 3600.0),  # the next day starts the running total over
+        UsageBucket("other", base + 23 * 3600, 99999.0, 99999.0),  # not asked for
     ]
     cpu, gib = charts.cost_charts(
         usage,
@@ -266,18 +259,24 @@ def test_cost_per_hour_per_tenant_with_budget_and_running_day_total() -> None:
 
 def test_cost_per_day_for_every_tenant_has_no_budget_lines() -> None:
     base = 20 * DAY
-    usage = [Bucket("a", base + 3600, 3600.0, 0.0), Bucket("a", base + 7200, 3600.0, 0.0), Bucket("b", base, 0, 36.0)]
+    usage = [
+        UsageBucket("a", base + 3600, 3600.0, 0.0),
+        UsageBucket("a", base + 7200, 3600.0, 0.0),
+        UsageBucket("b", base, 0.0, 36.0),
+    ]
+    usage.append(UsageBucket("", base, 360.0, 0.0))  # the host's own and the pools' before a claim
     cpu, gib = charts.cost_charts(
-        usage, tenants=["a", "b", "c"], since=base, now=base + 2 * DAY, bucket_s=DAY, budget=charts.Budget(1, 1)
+        usage, tenants=["a", "b", "c", ""], since=base, now=base + 2 * DAY, bucket_s=DAY, budget=charts.Budget(1, 1)
     )
     assert cpu.x == (base, base + DAY)
-    assert [s.label for s in cpu.series] == ["a", "b", "c"]
+    assert [s.label for s in cpu.series] == ["a", "b", "c", "(host)"]
+    assert cpu.series[3].values == (0.1, 0.0)
     assert cpu.series[0].values == (2.0, 0.0) and cpu.series[2].values == (0.0, 0.0)
     assert gib.series[1].values == (0.01, 0.0)
     assert cpu.markers == ()  # a budget is one tenant's
     assert {s.draw for s in cpu.series} == {"line"}  # several tenants' bars would hide each other
-    assert charts.top_tenants(usage, 1) == (["a"], 2)
-    assert charts.top_tenants(usage) == (["a", "b"], 2)
+    assert charts.top_tenants(usage, 1) == (["a"], 3)
+    assert charts.top_tenants(usage) == (["a", "", "b"], 3)
     with pytest.raises(InvalidArgument):
         charts.cost_charts(usage, tenants=["a"], since=base, now=base + DAY, bucket_s=600)
 

@@ -16,10 +16,9 @@ import html
 import math
 import re
 from collections.abc import Iterable, Sequence
-from typing import Protocol
 
 from warmbox.errors import InvalidArgument
-from warmbox.models import STAGES, PoolEvent, PoolStatus, StageTiming
+from warmbox.models import STAGES, PoolEvent, PoolStatus, StageTiming, UsageBucket
 
 # the order a start's stages happen in: ``template`` (a template built on the way) first; an
 # unknown stage after the known ones, in its given order. ``pause`` and ``resume`` are timed too
@@ -399,19 +398,6 @@ def _span(s: int) -> str:
 # ---- cost per tenant over time
 
 
-class Usage(Protocol):
-    """One tenant's use in one hour, as ``Registry.usage`` returns it (``models.UsageBucket``)."""
-
-    @property
-    def tenant(self) -> str: ...
-    @property
-    def hour(self) -> float: ...  # the hour's start, unix seconds
-    @property
-    def cpu_s(self) -> float: ...
-    @property
-    def gib_s(self) -> float: ...
-
-
 @dataclasses.dataclass(frozen=True)
 class Budget:
     """A tenant's budget per UTC day (0: none) in cpu-hours and GiB-hours, and the share that warns."""
@@ -422,7 +408,7 @@ class Budget:
 
 
 def cost_charts(
-    usage: Sequence[Usage],
+    usage: Sequence[UsageBucket],
     *,
     tenants: Sequence[str],
     since: float,
@@ -460,7 +446,8 @@ def cost_charts(
         ("gib", gib, "GiB-hours", budget.gib_hours if budget else 0.0),
     ):
         draw = "bars" if len(tenants) == 1 else "line"  # several tenants' bars would hide each other
-        series = [Series(t, tuple(c), unit, draw) for t, c in zip(tenants, cols, strict=True)]
+        # tenant "": the host's own sandboxes and the pools' before a claim
+        series = [Series(t or "(host)", tuple(c), unit, draw) for t, c in zip(tenants, cols, strict=True)]
         markers: tuple[tuple[str, float], ...] = ()
         if budget is not None and len(tenants) == 1 and limit > 0:
             markers = (("budget per day", limit), (f"{budget.warn_ratio:.0%} of budget", budget.warn_ratio * limit))
@@ -490,7 +477,7 @@ def _per_day_running(xs: Sequence[float], values: Sequence[float]) -> tuple[floa
     return tuple(out)
 
 
-def top_tenants(usage: Iterable[Usage], n: int = 10) -> tuple[list[str], int]:
+def top_tenants(usage: Iterable[UsageBucket], n: int = 10) -> tuple[list[str], int]:
     """(the ``n`` tenants that used the most cpu, then memory, in ``usage``, by name on ties; how many used any)."""
     totals: dict[str, tuple[float, float]] = {}
     for u in usage:
