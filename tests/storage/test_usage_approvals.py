@@ -81,6 +81,12 @@ def test_budget_status_is_todays_use_against_the_daily_budget(tmp_path):
     assert b.cpu_ratio == pytest.approx(0.8) and b.warning and not b.exceeded
     assert b.gib_used_h == pytest.approx((0 + 8) / 2 * 3601 / 3600)  # trapezoid from 0 to 8 GiB over 3601 s
     assert not reg.budget_status("acme", now=day + 7200, warn_ratio=0.9).warning
+    reg.create_key("beta", budget_gib_h=1)
+    reg.create_key("gamma")  # no budget: not listed
+    assert reg.budgets(now=day + 7200) == [
+        reg.budget_status("acme", now=day + 7200),
+        reg.budget_status("beta", now=day + 7200),
+    ]
     reg.set_budget("acme", cpu_h=1.5)
     b = reg.budget_status("acme", now=day + 7200)
     assert b.exceeded and b.cpu_ratio > 1 and b.gib_limit_h == 10.0  # gib kept (None: unchanged)
@@ -96,7 +102,10 @@ def test_budget_status_is_todays_use_against_the_daily_budget(tmp_path):
     key = reg.create_key("acme", budget_gib_h=3)[1]
     t = reg.authenticate(key)
     assert t is not None and (t.budget_cpu_h, t.budget_gib_h) == (0.0, 3.0)
-    assert [(k.budget_cpu_h, k.budget_gib_h) for k in reg.list_keys()] == [(0.0, 3.0), (0.0, 3.0)]
+    assert [(k.tenant, k.budget_cpu_h, k.budget_gib_h) for k in reg.list_keys() if k.tenant == "acme"] == [
+        ("acme", 0.0, 3.0),
+        ("acme", 0.0, 3.0),
+    ]
 
 
 def test_a_version_12_registry_gains_the_budget_columns_and_the_new_tables(tmp_path):

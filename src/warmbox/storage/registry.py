@@ -1688,13 +1688,24 @@ class Registry:
             "SELECT COALESCE(SUM(cpu_s), 0), COALESCE(SUM(gib_s), 0) FROM usage WHERE tenant=? AND hour>=?",
             (tenant, day),
         )
-        cpu_h, gib_h = cpu_s / HOUR, gib_s / HOUR
-        cpu_ratio = cpu_h / cpu_limit if cpu_limit else 0.0
-        gib_ratio = gib_h / gib_limit if gib_limit else 0.0
-        top = max(cpu_ratio, gib_ratio)
-        return BudgetStatus(
-            tenant, day, cpu_h, cpu_limit, cpu_ratio, gib_h, gib_limit, gib_ratio, top >= warn_ratio, top >= 1.0
+        return _budget(tenant, day, cpu_s, gib_s, cpu_limit, gib_limit, warn_ratio)
+
+    def budgets(self, now: float | None = None, *, warn_ratio: float = 0.8) -> builtins.list[BudgetStatus]:
+        """:meth:`budget_status` of every tenant that has a budget, by name (two reads in all: for
+        a scrape or a dashboard page)."""
+        now = time.time() if now is None else now
+        day = math.floor(now / DAY) * DAY
+        limits = self._read(
+            "SELECT name, budget_cpu_h, budget_gib_h FROM tenants WHERE budget_cpu_h>0 OR budget_gib_h>0 ORDER BY name",
+            many=True,
         )
+        used = {
+            r[0]: (r[1], r[2])
+            for r in self._read(
+                "SELECT tenant, SUM(cpu_s), SUM(gib_s) FROM usage WHERE hour>=? GROUP BY tenant", (day,), many=True
+            )
+        }
+        return [_budget(name, day, *used.get(name, (0.0, 0.0)), cpu, gib, warn_ratio) for name, cpu, gib in limits]
 
     # ---- the approval queue
 
@@ -2293,6 +2304,18 @@ def _add_usage(db: sqlite3.Connection, tenant: str, at: float, cpu_s: float, gib
         "INSERT INTO usage (tenant, hour, cpu_s, gib_s) VALUES (?,?,?,?) "
         "ON CONFLICT (tenant, hour) DO UPDATE SET cpu_s=cpu_s+excluded.cpu_s, gib_s=gib_s+excluded.gib_s",
         (tenant, math.floor(at / HOUR) * HOUR, max(0.0, cpu_s), max(0.0, gib_s)),
+    )
+
+
+def _budget(
+    tenant: str, day: float, cpu_s: float, gib_s: float, cpu_limit: float, gib_limit: float, warn_ratio: float
+) -> BudgetStatus:
+    cpu_h, gib_h = cpu_s / HOUR, gib_s / HOUR
+    cpu_ratio = cpu_h / cpu_limit if cpu_limit else 0.0
+    gib_ratio = gib_h / gib_limit if gib_limit else 0.0
+    top = max(cpu_ratio, gib_ratio)
+    return BudgetStatus(
+        tenant, day, cpu_h, cpu_limit, cpu_ratio, gib_h, gib_limit, gib_ratio, top >= warn_ratio, top >= 1.0
     )
 
 
