@@ -8,6 +8,7 @@ type          record                      order
 ============  ==========================  ==============================================
 export        format, sandbox_id,         first: what the file is (``format`` = FORMAT),
               exported_at, truncated      truncated: a kind had more than MAX_RECORDS
+                                          (commands: or MAX_COMMAND_TEXT of text)
 sandbox       SandboxInfo                 second
 timing        StageTiming                 the start's stages, in stage order
 transition    Transition                  \\
@@ -48,6 +49,9 @@ from warmbox.models import (
 
 FORMAT = 1
 MAX_RECORDS = 100_000  # of each kind (commands, network events, transitions) in one transcript
+# the command text one transcript holds (a record's text is up to 4 KiB: 100k of them made a 440 MB
+# file and a 1.4 GB server process); past it the transcript ends early, ``truncated`` set
+MAX_COMMAND_TEXT = 32 << 20
 Format = Literal["ndjson", "json"]
 TYPES: dict[str, type] = {
     "sandbox": SandboxInfo,
@@ -160,4 +164,4 @@ def write(t: Transcript, path: str | os.PathLike[str], fmt: Format = "ndjson") -
     return out
 
 
-__all__ = ["FORMAT", "MAX_RECORDS", "TYPES", "dumps", "from_records", "lines", "loads", "write"]
+__all__ = ["FORMAT", "MAX_COMMAND_TEXT", "MAX_RECORDS", "TYPES", "dumps", "from_records", "lines", "loads", "write"]

@@ -36,6 +36,14 @@ GUARANTEES: tuple[Guarantee, ...] = (
     ),
     Guarantee(
         "host memory",
+        "A sandbox's command history cannot make its transcript export unbounded: an export holds at "
+        "most transcript.MAX_COMMAND_TEXT (32 MiB) of command text, read a page at a time, and says it "
+        "was truncated (100k 4 KiB cells were a 1.4 GB server process before).",
+        _SHARED,
+        ("test_export_bounds.py::test_many_large_commands_cannot_blow_up_an_export",),
+    ),
+    Guarantee(
+        "host memory",
         "A code run's results are bounded on the host (count and bytes): a cell writing raw result "
         "frames to its kernel's socket gets a typed error, and the sandbox keeps working.",
         _SHARED,

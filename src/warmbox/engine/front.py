@@ -78,7 +78,7 @@ from warmbox.models import (
 )
 from warmbox.network.policy import Policy
 from warmbox.operations import sandbox_path
-from warmbox.storage.registry import unknown_sandbox
+from warmbox.storage.registry import Registry, unknown_sandbox
 from warmbox.tiers import canonical_tier
 
 R = TypeVar("R")
@@ -312,6 +312,24 @@ class Subscription:
 
     def cancel(self) -> None:
         self._task.cancel()
+
+
+def _bounded_commands(reg: Registry, sandbox_id: str, limit: int, text_budget: int) -> tuple[list[CommandRecord], bool]:
+    """A sandbox's oldest command records, at most ``limit`` of them and ``text_budget`` characters
+    of text in all (read a page at a time: what a sandbox ran bounds no export's memory); and
+    whether there were more."""
+    out: list[CommandRecord] = []
+    after, left = 0, text_budget
+    while True:
+        page = reg.commands(sandbox_id, min(1000, limit + 1 - len(out)), after_seq=after)
+        for c in page:
+            left -= len(c.text)
+            if len(out) >= limit or left < 0:
+                return out, True
+            out.append(c)
+        if len(page) < 1000 or not page:
+            return out, False
+        after = page[-1].seq
 
 
 class EngineFront:
@@ -798,19 +816,19 @@ class EngineFront:
         else:
             metrics = self.engine.recorded_metrics(info)
         reg, n = self.engine.registry, transcript.MAX_RECORDS
-        commands = reg.commands(r.sandbox_id, n + 1)
+        commands, cut = _bounded_commands(reg, r.sandbox_id, n, transcript.MAX_COMMAND_TEXT)
         events = reg.net_events(r.sandbox_id, n + 1)
         transitions = reg.transitions(r.sandbox_id)
         return Transcript(
             sandbox=self.engine.info(r.sandbox_id)[0],
             timings=tuple(reg.timings(r.sandbox_id)),
             transitions=tuple(transitions[:n]),
-            commands=tuple(commands[:n]),
+            commands=tuple(commands),
             net_events=tuple(events[:n]),
             snapshots=tuple(reg.snapshot_records(r.sandbox_id)),
             metrics=metrics,
             exported_at=time.time(),
-            truncated=max(len(commands), len(events), len(transitions)) > n,
+            truncated=cut or max(len(events), len(transitions)) > n,
         )
 
     # ---- commands and code
