@@ -5,8 +5,9 @@ Debian chromium driven by Playwright, shared by every test of tests/console.
                                                                                    └─ egress proxy ─► fake world netns
 
 The server's home routes its egress proxy only into the fake internet of tests/network (never the
-machine's uplink). Tenants: ``acme`` and ``umbrella`` (tenant keys) and ``ops`` (an admin key), made
-with the real ``warmbox keys create``. Screenshots go to bench-results/console/ (ignored by git).
+machine's uplink). Tenants: ``acme`` and ``umbrella`` (tenant keys), ``spender`` (a tenant whose
+daily budget any start exceeds) and ``ops`` (an admin key), made with the real ``warmbox keys create``.
+Screenshots go to bench-results/console/ (ignored by git).
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ upstream_netns = "{world.up}"
 upstream_dns = ["192.0.2.2"]
 upstream_ca = "{world.dir / "ca.pem"}"
 approval_timeout = 60
+
+[approvals]
+timeout = 60
 """
 
 
@@ -111,6 +115,8 @@ def console(world, runc_ready: None) -> Iterator[Console]:  # noqa: F811
             "acme": _make_key(home, "acme"),
             "umbrella": _make_key(home, "umbrella"),
             "ops": _make_key(home, "ops", "--admin"),
+            # any start of this tenant goes past its budget (60 s of a CPU is 0.017 CPU-hours)
+            "spender": _make_key(home, "spender", "--budget", "cpu=0.001h"),
         }
         server = start_server(home, home / "api.sock")
         assert server.url.startswith("http://127.0.0.1:"), server.url

@@ -1,9 +1,10 @@
 """The operator's console in a real browser (headless Debian chromium, Playwright) against a real
-`warmbox serve` with real container sandboxes: login, the live list, tenant scoping. Each page's
-screenshot goes to bench-results/console/ (look at them)."""
+`warmbox serve` with real container sandboxes: login, the live list, tenant scoping, the stage
+waterfall (cold and pooled), the pools page. Each page's screenshot goes to bench-results/console/."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -12,6 +13,7 @@ from tests.conftest import wait_for
 from tests.console.conftest import SHOTS, UI_TIMEOUT_MS, Console
 from warmbox import Limits, Sandbox
 from warmbox.engine.engine import Engine
+from warmbox.models import STAGES
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.console]
 
@@ -113,6 +115,56 @@ def test_other_tenants_sandboxes_are_invisible(browser, console: Console, acme_b
         admin.context.close()
 
 
+def check_waterfall(page, console: Console, who: str, sandbox_id: str, start: str) -> None:
+    """The sandbox page's SVG waterfall against the Timings op: one bar per recorded start stage with
+    its recorded duration, on or off the request path as recorded, and drawn to scale: on-path bars
+    end to end from the request line in stage order, each as wide as its share of the time."""
+    timings = console.api(who, "GET", f"/v1/sandboxes/{sandbox_id}/timings")
+    assert isinstance(timings, list)
+    # in start order (a pooled sandbox records its claim's allocation last); pause/resume are no start stages
+    recorded = sorted((t for t in timings if t["stage"] in STAGES), key=lambda t: STAGES.index(t["stage"]))
+    assert recorded
+    page.goto(f"{console.url}/ui/sandboxes/{sandbox_id}")
+    svg = page.locator("svg#waterfall")
+    svg.wait_for(state="visible")
+    assert svg.get_attribute("data-start") == start
+    bars = page.locator("svg#waterfall g.stage")
+    drawn = []
+    for i in range(bars.count()):
+        g = bars.nth(i)
+        box = g.locator("rect").bounding_box()
+        assert box is not None and box["height"] > 0
+        drawn.append(
+            (
+                g.get_attribute("data-stage"),
+                float(g.get_attribute("data-ms") or "nan"),
+                g.get_attribute("data-on-path"),
+                box,
+            )
+        )
+    want = [(t["stage"], t["duration_ms"], "true" if t["on_request_path"] else "false") for t in recorded]
+    assert [d[:3] for d in drawn] == want
+    on = [(ms, box) for _s, ms, flag, box in drawn if flag == "true"]
+    total_ms, total_px = sum(ms for ms, _ in on), sum(box["width"] for _, box in on)
+    for (_, box), (_, nxt) in itertools.pairwise(on):
+        assert abs(box["x"] + box["width"] - nxt["x"]) < 2.5, "on-path bars must run end to end"
+    for ms, box in on:
+        if box["width"] > 3:  # (a tiny stage is drawn 2 px wide to stay visible)
+            assert abs(box["width"] / total_px - ms / total_ms) < 0.02, (ms, box, total_ms, total_px)
+    off = [box for _s, _ms, flag, box in drawn if flag == "false"]
+    if on and off:  # what the pool did is drawn left of the request line
+        assert max(b["x"] + b["width"] for b in off) <= on[0][1]["x"] + 2.5
+
+
+def test_waterfall_of_a_cold_start(browser, console: Console, acme_box):
+    page = login(browser, console, "acme")
+    try:
+        check_waterfall(page, console, "acme", acme_box.sandbox_id, "cold")
+        shot(page, "sandbox")
+    finally:
+        page.context.close()
+
+
 def test_pools_page_charts_fill_and_hits(browser, console: Console):
     engine = Engine.for_home(console.home)
     engine.ensure_daemon()  # the daemon keeps pools warm; `warmbox serve` starts it at its first sandbox
@@ -125,7 +177,9 @@ def test_pools_page_charts_fill_and_hits(browser, console: Console):
         hits = int(page.locator("#pool-console-hits").get_attribute("data-value") or "-1")
         with Sandbox.create("container", limits=Limits(memory_mb=256), timeout=60, **console.sdk("acme")) as sb:
             assert sb.from_pool, "the console pool had a ready sandbox but create() did not take it"
-        page.reload()
+            check_waterfall(page, console, "acme", sb.sandbox_id, "pooled")
+            shot(page, "sandbox-pooled")
+        page.goto(console.url + "/ui/pools")
         page.locator(f'#pool-console-hits[data-value="{hits + 1}"]').wait_for(state="attached")
         for chart in ("pool-fill-console", "pool-hits-console"):
             div = page.locator(f'div[data-chart-id="{chart}"][data-rendered="true"]')
