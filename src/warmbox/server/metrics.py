@@ -85,7 +85,8 @@ def _histogram(
 
 
 def families(t: RegistryTotals) -> Iterator[Metric]:
-    """The registry's totals as metric families (names listed in NOTES and the module docstring)."""
+    """The registry's totals as metric families. Their names and labels are what docs/monitoring's
+    dashboard and alert rules query (tests/server/test_metrics.py checks them against each other)."""
     yield _gauge("warmbox_sandboxes", "Sandboxes by state (destroyed ones not counted)", "sandboxes", t.sandboxes)
     yield _counter(
         "warmbox_sandbox_creates",
