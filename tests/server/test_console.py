@@ -418,3 +418,19 @@ def test_the_nav_badge_counts_open_questions_in_scope(engine):
         engine.registry.open_approval("acme", "network", "a.example:443", "ask", 300)
         engine.registry.open_approval("globex", "network", "b.example:443", "ask", 300)
         assert 'data-count="1"' in c.get("/ui/frag/approvals/count").text
+
+
+def test_a_flooding_tenant_cannot_hide_anothers_question_from_a_filtered_admin(engine, monkeypatch):
+    from warmbox.server.console import approvals
+
+    monkeypatch.setattr(approvals, "MAX_PENDING", 5)  # the page's bound, small for the test
+    _, admin = engine.registry.create_key("ops", admin=True)
+    victim = engine.registry.open_approval("victim", "create", "v", "over budget", 300)
+    for _ in range(8):
+        engine.registry.open_approval("evil", "create", "x", "y", 300)
+    with TestClient(_app(engine), base_url=BASE) as c:
+        _login(c, admin)
+        everyone = c.get("/ui/frag/approvals").text
+        assert victim.approval_id not in everyone and 'id="approvals-more"' in everyone  # says it is cut
+        assert victim.approval_id in c.get("/ui/frag/approvals?tenant=victim").text
+        assert 'data-count="1"' in c.get("/ui/frag/approvals/count?tenant=victim").text

@@ -35,14 +35,12 @@ def decisions(a: Approval, viewer: Viewer) -> tuple[str, ...]:
 
 async def queue(viewer: Viewer) -> tuple[list[Approval], list[Approval]]:
     """(open questions oldest first, the newest RECENT closed ones) in the viewer's scope."""
-    open_ = await viewer.actor.handle(ops.ApprovalsList(pending_only=True, limit=MAX_PENDING))
-    recent = await viewer.actor.handle(ops.ApprovalsList(limit=min(1000, len(open_) + RECENT)))
-
-    def mine(a: Approval) -> bool:
-        return viewer.scope is None or a.tenant == viewer.scope
-
-    pending = sorted((a for a in open_ if mine(a)), key=lambda a: a.created_at)
-    closed = [a for a in recent if a.state != "pending" and mine(a)][:RECENT]
+    # the scope goes into the query (not filtered after its limit): a tenant flooding the queue
+    # cannot push another tenant's questions off an admin's filtered page
+    open_ = await viewer.actor.handle(ops.ApprovalsList(pending_only=True, limit=MAX_PENDING, tenant=viewer.scope))
+    recent = await viewer.actor.handle(ops.ApprovalsList(limit=min(1000, len(open_) + RECENT), tenant=viewer.scope))
+    pending = sorted(open_, key=lambda a: a.created_at)
+    closed = [a for a in recent if a.state != "pending"][:RECENT]
     return pending, closed
 
 
@@ -50,6 +48,7 @@ def routes(console: Console) -> list[BaseRoute]:
     def context(viewer: Viewer, pending: list[Approval], closed: list[Approval]) -> dict[str, object]:
         return {
             "pending": [(a, decisions(a, viewer)) for a in pending],
+            "more": len(pending) >= MAX_PENDING,
             "closed": closed,
             "labels": LABELS,
             "refresh_ms": REFRESH_MS,
@@ -74,9 +73,9 @@ def routes(console: Console) -> list[BaseRoute]:
         return RedirectResponse(f"{PREFIX}/approvals{viewer.query}", status_code=303)
 
     async def approvals_badge(request: Request, viewer: Viewer) -> Response:
-        open_ = await viewer.actor.handle(ops.ApprovalsList(pending_only=True, limit=MAX_PENDING))
-        n = sum(1 for a in open_ if viewer.scope is None or a.tenant == viewer.scope)
-        return console.render(request, viewer, "_approvals_badge.html", count=n)
+        q = ops.ApprovalsList(pending_only=True, limit=MAX_PENDING, tenant=viewer.scope)
+        waiting: list[Approval] = await viewer.actor.handle(q)
+        return console.render(request, viewer, "_approvals_badge.html", count=len(waiting))
 
     return [
         Route(f"{PREFIX}/approvals", console.page(approvals_page), methods=["GET"]),
