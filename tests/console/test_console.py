@@ -192,3 +192,42 @@ def test_pools_page_charts_fill_and_hits(browser, console: Console):
         shot(page, "pools")
     finally:
         page.context.close()
+
+
+def _cpu_s(engine: Engine, tenant: str) -> float:
+    return sum(b.cpu_s for b in engine.registry.usage(tenant, time.time() - 86400))
+
+
+BURN = "import time\nwhile time.process_time() < 0.5: pass"  # 0.5 s of CPU, however loaded the host
+
+
+def test_cost_page_charts_a_tenants_use(browser, console: Console):
+    engine = Engine.for_home(console.home)
+    before = _cpu_s(engine, "acme")
+    with Sandbox.create("container", timeout=120, **console.sdk("acme")) as sb:
+        assert sb.commands.run(["python3", "-c", BURN], timeout=60).exit_code == 0
+        # the daemon's meter readings (every second) fill the hourly usage the page charts
+        wait_for(lambda: _cpu_s(engine, "acme") >= before + 0.4, 30, "acme's CPU use to be metered")
+    page = login(browser, console, "ops")
+    try:
+        page.goto(console.url + "/ui/cost")
+        page.select_option("select#cost-tenant", "acme")  # sends its form: the page of one tenant
+        page.wait_for_url("**/ui/cost?*tenant=acme*")
+        assert page.locator("#cost-tenant-name").inner_text() == "acme"
+        total = page.locator('table#cost-totals tr[data-tenant="acme"] td.cpu-h')
+        assert float(total.get_attribute("data-value") or "0") * 3600 >= before + 0.4
+        for chart in ("cost-cpu", "cost-gib"):
+            div = page.locator(f'div[data-chart-id="{chart}"][data-rendered="true"]')
+            div.wait_for(state="visible")
+            assert int(div.get_attribute("data-points") or "0") > 0, f"{chart} drew no data"
+            box = div.locator("canvas").first.bounding_box()
+            assert box is not None and box["width"] > 100 and box["height"] > 50, box
+        assert page.locator("[data-chart-id][data-error]").count() == 0
+        shot(page, "cost")
+        # a budgeted tenant's page shows today's use against its budget (spender: 0.001 CPU-hours a day)
+        page.select_option("select#cost-tenant", "spender")
+        page.wait_for_url("**/ui/cost?*tenant=spender*")
+        assert float(page.locator("#cost-budget").get_attribute("data-cpu-limit-h") or "0") == 0.001
+        shot(page, "cost-budget")
+    finally:
+        page.context.close()
