@@ -272,7 +272,7 @@ def test_cost_per_day_for_every_tenant_has_no_budget_lines() -> None:
     assert [s.label for s in cpu.series] == ["a", "b", "c", "(host)"]
     assert cpu.series[3].values == (0.1, 0.0)
     assert cpu.series[0].values == (2.0, 0.0) and cpu.series[2].values == (0.0, 0.0)
-    assert gib.series[1].values == (0.01, 0.0)
+    assert gib.series[1].values == (36.0, 0.0) and gib.series[1].unit == "GiB-seconds"  # peak 0.01 h: in seconds
     assert cpu.markers == ()  # a budget is one tenant's
     assert {s.draw for s in cpu.series} == {"line"}  # several tenants' bars would hide each other
     assert charts.top_tenants(usage, 1) == (["a"], 3)
@@ -294,3 +294,23 @@ def test_vendored_uplot_matches_its_readme_and_is_self_contained() -> None:
     assert "MIT" in (vendor / "LICENSE").read_text()
     js = (vendor / "uPlot.iife.min.js").read_text()
     assert "eval(" not in js and "new Function" not in js  # runs under a CSP without 'unsafe-eval'
+
+
+def test_a_small_tenants_cost_is_drawn_in_seconds_and_amounts_never_read_zero() -> None:
+    base = 30 * DAY
+    usage = [UsageBucket("tiny", base, 0.54, 9.0)]  # 0.00015 cpu-hours, 0.0025 GiB-hours
+    cpu, gib = charts.cost_charts(
+        usage, tenants=["tiny"], since=base, now=base + 3600, budget=charts.Budget(cpu_hours=0.001, gib_hours=5.0)
+    )
+    assert cpu.series[0].unit == "cpu-seconds" and cpu.series[0].values == (pytest.approx(0.54),)
+    assert cpu.markers == (("budget per day", pytest.approx(3.6)), ("80% of budget", pytest.approx(2.88)))
+    assert gib.series[0].unit == "GiB-hours"  # its budget (5 GiB-h) is on the same axis: hours stay
+    assert [charts.fmt_amount(v) for v in (0, 0.00015, 0.0000004, 42.748, 0.5, 123456.7, float("nan"))] == [
+        "0",
+        "0.00015",
+        "< 0.0001",
+        "42.7",
+        "0.5",
+        "123,457",
+        "?",
+    ]

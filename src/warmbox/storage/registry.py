@@ -1906,6 +1906,11 @@ class Registry:
         ).fetchall()
         return [PoolEvent(*r) for r in rows]
 
+    def pool_first_event(self, pool: str) -> float | None:
+        """When the pool's first recorded event happened (unix s; None: none yet): where its charts start."""
+        row = self._read("SELECT MIN(at) FROM pool_events WHERE pool=?", (pool,))  # index pool_events(pool, at)
+        return None if row is None or row[0] is None else float(row[0])
+
     def unseen_misses(self, pool: str, seen: int) -> tuple[int, int]:
         """(misses recorded after event ``seen``, newest event id) — for the autoscaler."""
         row = self._db.execute(

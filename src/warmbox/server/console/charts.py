@@ -445,6 +445,12 @@ def cost_charts(
         ("cpu", cpu, "cpu-hours", budget.cpu_hours if budget else 0.0),
         ("gib", gib, "GiB-hours", budget.gib_hours if budget else 0.0),
     ):
+        # a small tenant's hours read as 0.000…: below 0.1 h everything (its budget too) is in seconds
+        peak = max([v for c in cols for v in c] + [limit if budget is not None and len(tenants) == 1 else 0.0])
+        if 0 < peak < 0.1:
+            cols = [[v * 3600 for v in c] for c in cols]
+            limit *= 3600
+            unit = unit.replace("-hours", "-seconds")
         draw = "bars" if len(tenants) == 1 else "line"  # several tenants' bars would hide each other
         # tenant "": the host's own sandboxes and the pools' before a claim
         series = [Series(t or "(host)", tuple(c), unit, draw) for t, c in zip(tenants, cols, strict=True)]
@@ -475,6 +481,19 @@ def _per_day_running(xs: Sequence[float], values: Sequence[float]) -> tuple[floa
         total += v
         out.append(total)
     return tuple(out)
+
+
+def fmt_amount(v: float) -> str:
+    """An amount for a table or a label: 3 significant digits, thousands separated, no exponent."""
+    if not math.isfinite(v):
+        return "?"
+    if v == 0:
+        return "0"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    if abs(v) < 0.0001:
+        return "< 0.0001" if v > 0 else "> -0.0001"
+    return f"{v:.3g}"  # 0.0001 .. 999: never an exponent
 
 
 def top_tenants(usage: Iterable[UsageBucket], n: int = 10) -> tuple[list[str], int]:

@@ -137,6 +137,7 @@ def routes(console: Console) -> list[BaseRoute]:
             ranges=list(RANGES),
             src=f"{PREFIX}/cost.json?{q}",
             refresh_ms=REFRESH_MS,
+            amount=charts.fmt_amount,
         )
 
     async def data(request: Request, viewer: Viewer) -> Response:

@@ -90,6 +90,7 @@ def routes(console: Console) -> list[BaseRoute]:
             ranges=list(RANGES),
             src=f"{PREFIX}/pools.json?range={rng}",
             refresh_ms=REFRESH_MS,
+            amount=charts.fmt_amount,
         )
 
     async def data(request: Request, viewer: Viewer) -> Response:
@@ -100,19 +101,33 @@ def routes(console: Console) -> list[BaseRoute]:
         since = now - seconds
         pools = []
         for s in statuses:
-            events = registry.pool_events(s.name, since)
+            # a pool younger than the range starts at its first event, not with hours of "0 ready"
+            first = registry.pool_first_event(s.name)
+            start = now if first is None else min(now, max(since, first))
+            events = registry.pool_events(s.name, start)
+            card = PoolCard.of(s)
             pools.append(
                 {
                     "name": s.name,
-                    "id": charts.dom_id(s.name),
+                    "id": card.dom,
                     "ready": s.ready,
                     "target": s.target,
                     "hits": s.hits,
                     "misses": s.misses,
-                    "hit_rate": charts.hit_rate(s),
+                    "hit_rate": card.hit_rate,
+                    # what static/charts.js writes into the card's #pool-<id>-<field> elements at each reload
+                    "fields": {
+                        "ready": s.ready,
+                        "target": s.target,
+                        "warming": s.warming,
+                        "hits": s.hits,
+                        "misses": s.misses,
+                        "hit-rate": card.hit_rate,
+                        "failures": s.warmup_failures,
+                    },
                     "charts": [
-                        charts.pool_fill(s, events, since=since, now=now).to_json(),
-                        charts.pool_hit_rate(s, events, since=since, now=now).to_json(),
+                        charts.pool_fill(s, events, since=start, now=now).to_json(),
+                        charts.pool_hit_rate(s, events, since=start, now=now).to_json(),
                     ],
                 }
             )

@@ -37,6 +37,19 @@
     });
   }
 
+  // y ticks with as many decimals as their step needs (0.00005 apart: 5 decimals), never an exponent
+  function tickLabels(u, ticks) {
+    const step = ticks.length > 1 ? Math.abs(ticks[1] - ticks[0]) : 1;
+    const digits = step > 0 ? Math.min(8, Math.max(0, -Math.floor(Math.log10(step)))) : 0;
+    return ticks.map((t) => t.toFixed(digits));
+  }
+
+  // room for the longest tick label plus the axis title (so the title never covers the labels)
+  function axisSize(u, values) {
+    const longest = (values || []).reduce((n, v) => Math.max(n, String(v).length), 1);
+    return Math.ceil(longest * 7 + 30);
+  }
+
   function seriesOpts(s, i, units) {
     const color = /^#[0-9a-f]{6}$/.test(s.color || "") ? s.color : PALETTE[i % PALETTE.length];
     const o = {
@@ -80,7 +93,7 @@
     units.forEach((u, i) => {
       scales[u] = u === "%" ? { range: [0, 100] } : { range: (p, lo, hi) => [0, hi > 0 ? hi * 1.15 : 1] };
       axes.push({ scale: u, side: i === 0 ? 3 : 1, label: u === "y" ? "" : u, grid: { show: i === 0 },
-        size: 56, values: (p, ticks) => ticks.map((t) => fmt(t, "")) });
+        size: axisSize, values: tickLabels });
     });
     const series = [{ value: (u, v) => (v == null ? "–" : new Date(v * 1000).toISOString().slice(0, 16).replace("T", " ") + " UTC") }];
     chart.series.forEach((s, i) => series.push(seriesOpts(s, i, units)));
@@ -124,6 +137,28 @@
     delete el.dataset.error;
   }
 
+  // a pool card's numbers follow each reload: pools[].fields -> #pool-<id>-<field> (text and data-value)
+  function updateFields(j) {
+    for (const p of j.pools || []) {
+      for (const [k, v] of Object.entries(p.fields || {})) {
+        const el = document.getElementById("pool-" + p.id + "-" + k);
+        if (!el) continue;
+        if (k === "hit-rate") {
+          el.dataset.value = v == null ? "" : v.toFixed(1);
+          el.textContent = v == null ? "–" : v.toFixed(1) + " %";
+        } else {
+          el.dataset.value = String(v);
+          el.textContent = String(v);
+        }
+      }
+      const meter = document.getElementById("pool-" + p.id + "-fill");
+      if (meter && p.fields) {
+        meter.max = Math.max(p.fields.target, p.fields.ready, 1);
+        meter.value = p.fields.ready;
+      }
+    }
+  }
+
   function chartsOf(j) {
     const out = [].concat(j.charts || []);
     for (const p of j.pools || []) out.push(...(p.charts || []));
@@ -136,6 +171,7 @@
       const r = await fetch(src, { credentials: "same-origin", headers: { Accept: "application/json" } });
       if (!r.ok) throw new Error("HTTP " + r.status);
       const j = await r.json();
+      updateFields(j);
       for (const c of chartsOf(j)) {
         for (const el of root.querySelectorAll("[data-chart-id]")) {
           if (el.dataset.chartId === c.id) draw(el, c);
