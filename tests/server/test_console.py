@@ -191,6 +191,9 @@ def test_the_api_does_not_take_the_console_cookie(client, engine):
     token = client.cookies.get("warmbox_console")
     r = client.get("/v1/sandboxes", headers={"Cookie": f"warmbox_console={token}"})
     assert r.status_code == 401
+    # nor does a sandbox's port preview (the only /v1 route serving sandbox content to a browser)
+    r = client.get("/v1/sandboxes/sb-0123456789ab/ports/8000/", headers={"Cookie": f"warmbox_console={token}"})
+    assert r.status_code == 401
 
 
 # ---- who sees what
