@@ -229,6 +229,19 @@ def test_the_waiter_gets_an_answer_given_by_another_registry_and_another_process
     assert (got.state, got.decision, got.answered_by) == ("denied", "deny", "key-9")
     assert latency < 2.0  # polled: at most poll_s (0.2 s) after the answer, with room for a loaded host
 
+    # answered through the waiter's own Registry (one process: the server's waiter and its dashboard),
+    # from another thread: woken at once, not at the next poll
+    c = waiter.open_approval("acme", "create", "s", "r", 30)
+
+    async def same_object() -> object:
+        task = asyncio.ensure_future(waiter.wait_approval(c.approval_id, poll_s=60, first_poll_s=60))
+        await asyncio.sleep(0.2)  # it read the row once and sleeps (a poll would come after 60 s)
+        await asyncio.to_thread(waiter.answer_approval, c.approval_id, "approve", "here")
+        return await asyncio.wait_for(task, 5)
+
+    assert asyncio.run(same_object()).state == "approved"  # type: ignore[attr-defined]
+    assert waiter._approval_waiters == {}
+
     # the answerer is another process (the server, say) that starts after the question was asked
     b = waiter.open_approval("acme", "create", "s", "r", 30)
     code = (

@@ -587,6 +587,9 @@ class Registry:
         self.check_limits = check_limits
         self._key = str(Path(path).resolve())  # how the ledger names this registry
         self._adopted = False
+        # waiters of this process on approval questions: an answer given through this object wakes
+        # them at once (others' answers are seen by polling). approval_id -> wake-ups.
+        self._approval_waiters: dict[str, builtins.list[Callable[[], object]]] = {}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
@@ -1806,6 +1809,8 @@ class Registry:
                 "WHERE approval_id=? AND state='pending'",
                 (state, decision, answered_by[:200], now, approval_id),
             )
+        for wake in self._approval_waiters.get(approval_id, ()):
+            wake()
         return dataclasses.replace(a, state=state, decision=decision, answered_by=answered_by[:200], answered_at=now)
 
     def _expire_approval(self, approval_id: str, now: float) -> None:
@@ -1826,23 +1831,40 @@ class Registry:
                 (time.time(), approval_id),
             )
 
-    async def wait_approval(self, approval_id: str, *, poll_s: float = 0.2) -> Approval:
+    async def wait_approval(self, approval_id: str, *, poll_s: float = 0.2, first_poll_s: float = 0.05) -> Approval:
         """Wait for a question's answer (from any process: the row is the truth) until its
         deadline; returns it answered, or timed_out (then recorded so: a late answer is refused).
-        Reads the row every 50 ms at first, backing off to ``poll_s`` (one indexed read, ~20 µs, each)."""
+        Reads the row every ``first_poll_s`` at first, backing off to ``poll_s`` (one indexed read, ~20 µs, each);
+        an answer given through this Registry object (this process's server, say) wakes it at once."""
         import asyncio
 
-        delay = 0.05
-        while True:
-            now = time.time()
-            a = self.approval(approval_id, now=now)
-            if a.state == "timed_out":  # its deadline passed: recorded, unless an answer won the race
-                self._expire_approval(approval_id, now)
-                return self.approval(approval_id, now=now)
-            if a.state != "pending":
-                return a
-            await asyncio.sleep(min(delay, max(0.0, a.deadline - now)))
-            delay = min(poll_s, delay * 1.5)
+        loop = asyncio.get_running_loop()
+        answered = asyncio.Event()
+
+        def wake() -> None:  # answer_approval may run on another thread: hand the wake-up to our loop
+            loop.call_soon_threadsafe(answered.set)
+
+        waiters = self._approval_waiters.setdefault(approval_id, [])
+        waiters.append(wake)
+        delay = first_poll_s
+        try:
+            while True:
+                now = time.time()
+                a = self.approval(approval_id, now=now)
+                if a.state == "timed_out":  # its deadline passed: recorded, unless an answer won the race
+                    self._expire_approval(approval_id, now)
+                    return self.approval(approval_id, now=now)
+                if a.state != "pending":
+                    return a
+                try:
+                    await asyncio.wait_for(answered.wait(), min(delay, max(0.0, a.deadline - now)))
+                except TimeoutError:
+                    pass
+                delay = min(poll_s, delay * 1.5)
+        finally:
+            waiters.remove(wake)
+            if not waiters:
+                self._approval_waiters.pop(approval_id, None)
 
     # ---- pools
 
