@@ -35,6 +35,13 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ),
     ),
     Guarantee(
+        "service",
+        "One tenant cannot bury the approval queue: at most 32 of its create/resume questions wait at once "
+        "(more are refused at once with ApprovalDenied), so another tenant's question stays on the operator's page.",
+        _SHARED,
+        ("test_approval_flood.py::test_a_tenant_cannot_bury_the_queue_in_its_own_questions",),
+    ),
+    Guarantee(
         "host memory",
         "A sandbox's command history cannot make its transcript export unbounded: an export holds at "
         "most transcript.MAX_COMMAND_TEXT (32 MiB) of command text, read a page at a time, and says it "

@@ -23,6 +23,10 @@ from warmbox.models import COST_DECISIONS, NETWORK_DECISIONS, Approval, BudgetSt
 
 HOUR = 3600.0
 _MAX_WEBHOOK_REPLY = 4096
+# open cost questions (create, resume, pool resize) one tenant may have waiting: each is a held
+# request, and an unbounded number of them buried every other tenant's questions in the queue
+# (the operator's page shows the newest 1000); network asks have their own bound (the proxy's)
+MAX_OPEN_PER_TENANT = 32
 
 
 def start_reasons(
@@ -139,9 +143,19 @@ async def ask(
     """Open a question in the queue, tell the webhook, and wait for its answer (or deadline:
     ``timeout_s``, default ``[approvals] timeout``). Returns the question as it ended: approved,
     denied or timed_out (a network question's ``decision`` says which allow). A cancelled wait
-    (the caller went away) withdraws the question: it reads as timed_out."""
+    (the caller went away) withdraws the question: it reads as timed_out. ApprovalDenied at once,
+    with no question asked, when MAX_OPEN_PER_TENANT of the tenant's cost questions already wait."""
     settings = engine.settings().approvals
     reg = engine.registry
+    if kind != "network":  # no await between this count and the row's insert below
+        waiting = reg.approvals(tenant, pending_only=True, limit=1000)
+        if sum(1 for q in waiting if q.kind != "network") >= MAX_OPEN_PER_TENANT:
+            raise ApprovalDenied(
+                f"{subject}: needs approval ({reason}), but {MAX_OPEN_PER_TENANT} questions of "
+                f"{'the host' if not tenant else 'tenant ' + repr(tenant)} already wait for an answer",
+                state="denied",
+                reason="too many questions waiting",
+            )
     a = reg.open_approval(
         tenant,
         kind,
