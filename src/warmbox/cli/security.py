@@ -36,6 +36,13 @@ GUARANTEES: tuple[Guarantee, ...] = (
     ),
     Guarantee(
         "service",
+        "A tenant's key cannot log the operator (or another tenant) out of the console: sessions are "
+        "bounded per key (16; a key's own oldest go first), not only in total.",
+        _ALL,
+        ("test_console_sessions.py::test_a_tenant_cannot_log_the_operator_out",),
+    ),
+    Guarantee(
+        "service",
         "One tenant cannot bury the approval queue: at most 32 of its create/resume questions wait at once "
         "(more are refused at once with ApprovalDenied), so another tenant's question stays on the operator's page.",
         _SHARED,

@@ -16,6 +16,9 @@ from collections.abc import Callable
 
 SESSION_TTL_S = 8 * 3600.0  # a session's whole life, however busy (the list refreshes every 1.5 s)
 MAX_SESSIONS = 4096  # past this, the oldest sessions are dropped (each login adds one)
+# one key's open sessions: its own oldest go first (without it, a tenant logging in MAX_SESSIONS
+# times dropped everyone's session, the operator's too)
+MAX_SESSIONS_PER_KEY = 16
 LOGIN_TTL_S = 600.0  # the login form's CSRF cookie
 COOKIE = "warmbox_console"  # over TLS: "__Secure-" + COOKIE (the browser then refuses it without Secure)
 LOGIN_COOKIE = "warmbox_console_login"
@@ -41,10 +44,15 @@ class Sessions:
     """Open sessions by the SHA-256 of their token (a leaked table holds no usable cookie)."""
 
     def __init__(
-        self, ttl_s: float = SESSION_TTL_S, limit: int = MAX_SESSIONS, clock: Callable[[], float] = time.time
+        self,
+        ttl_s: float = SESSION_TTL_S,
+        limit: int = MAX_SESSIONS,
+        clock: Callable[[], float] = time.time,
+        per_key: int = MAX_SESSIONS_PER_KEY,
     ) -> None:
         self.ttl_s = ttl_s
         self.limit = limit
+        self.per_key = per_key
         self._clock = clock
         self._by_digest: dict[str, Session] = {}  # insertion order: oldest first
 
@@ -55,6 +63,9 @@ class Sessions:
         """A new session for ``key_id``: (the token for the cookie, the session)."""
         now = self._clock()
         self._expire(now)
+        mine = [d for d, s in self._by_digest.items() if s.key_id == key_id]  # oldest first
+        for d in mine[: max(0, len(mine) - self.per_key + 1)]:
+            del self._by_digest[d]
         while len(self._by_digest) >= self.limit:
             del self._by_digest[next(iter(self._by_digest))]
         token = secrets.token_urlsafe(32)
