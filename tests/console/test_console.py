@@ -5,7 +5,9 @@ waterfall (cold and pooled), the pools page. Each page's screenshot goes to benc
 from __future__ import annotations
 
 import itertools
+import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -161,6 +163,24 @@ def test_waterfall_of_a_cold_start(browser, console: Console, acme_box):
     try:
         check_waterfall(page, console, "acme", acme_box.sandbox_id, "cold")
         shot(page, "sandbox")
+    finally:
+        page.context.close()
+
+
+def test_export_button_downloads_the_transcript(browser, console: Console, acme_box):
+    page = login(browser, console, "acme")
+    try:
+        page.goto(f"{console.url}/ui/sandboxes/{acme_box.sandbox_id}")
+        with page.expect_download() as got:
+            page.click("#export-button")
+        download = got.value
+        assert download.suggested_filename == f"{acme_box.sandbox_id}.ndjson"
+        lines = [json.loads(line) for line in Path(download.path()).read_text().splitlines()]
+        assert lines[0]["type"] == "export" and lines[0]["sandbox_id"] == acme_box.sandbox_id
+        kinds = {line["type"] for line in lines}
+        assert {"sandbox", "timing", "command"} <= kinds, kinds
+        commands = [line for line in lines if line["type"] == "command"]
+        assert any(c["text"] == "true" and c["exit_code"] == 0 for c in commands), commands
     finally:
         page.context.close()
 
