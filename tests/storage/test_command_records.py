@@ -137,3 +137,21 @@ def test_every_field_is_typed_and_bounded_by_the_registry(tmp_path):
     assert (got.text, got.duration_ms, got.exit_code, got.stdout_bytes, got.started_at) == ("echo ?", 0.0, None, 0, 0.0)
     assert got.error == "?b?" + "x" * 197 and got.language == "py?thon?"
     assert nxt.text == "next"
+
+
+def test_a_sandbox_keeps_its_first_and_latest_records_and_an_export_says_some_are_missing(tmp_path, monkeypatch):
+    from warmbox.engine.front import _bounded_commands
+    from warmbox.storage import registry
+
+    monkeypatch.setattr(registry, "COMMANDS_HEAD", 3)
+    monkeypatch.setattr(registry, "COMMANDS_TAIL", 5)
+    reg = _registry(tmp_path)
+    for start in range(0, 25, 4):  # batches, as the command log writes them
+        reg.add_commands([_rec("sb-a", f"c{i}") for i in range(start, min(start + 4, 25))] + [_rec("sb-b", "x")])
+    assert [c.seq for c in reg.commands("sb-a")] == [1, 2, 3, 21, 22, 23, 24, 25]
+    assert [c.text for c in reg.commands("sb-a")][-1] == "c24"
+    assert [c.seq for c in reg.commands("sb-b")] == list(range(1, 8))  # another sandbox's untouched
+    kept, missing = _bounded_commands(reg, "sb-a", 100, 1 << 20)
+    assert len(kept) == 8 and missing
+    kept, missing = _bounded_commands(reg, "sb-b", 100, 1 << 20)
+    assert len(kept) == 7 and not missing

@@ -317,18 +317,20 @@ class Subscription:
 def _bounded_commands(reg: Registry, sandbox_id: str, limit: int, text_budget: int) -> tuple[list[CommandRecord], bool]:
     """A sandbox's oldest command records, at most ``limit`` of them and ``text_budget`` characters
     of text in all (read a page at a time: what a sandbox ran bounds no export's memory); and
-    whether there were more."""
+    whether some are missing (more than those bounds, or the registry kept only its first and
+    latest records)."""
     out: list[CommandRecord] = []
-    after, left = 0, text_budget
+    after, left, gap = 0, text_budget, False
     while True:
         page = reg.commands(sandbox_id, min(1000, limit + 1 - len(out)), after_seq=after)
         for c in page:
             left -= len(c.text)
             if len(out) >= limit or left < 0:
                 return out, True
+            gap = gap or c.seq != (out[-1].seq if out else 0) + 1  # the registry dropped middle records
             out.append(c)
         if len(page) < 1000 or not page:
-            return out, False
+            return out, gap
         after = page[-1].seq
 
 
