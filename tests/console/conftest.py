@@ -126,9 +126,11 @@ def console(world, runc_ready: None) -> Iterator[Console]:  # noqa: F811
         engine = Engine.for_home(home)
         # the tests end what they make; the pool's sandboxes are the daemon's (down_home ends them)
         left = [i.sandbox_id for i in engine.list() if not i.pool]
-        for info in engine.list():
-            asyncio.run(engine.destroy(info.sandbox_id, "console lane teardown"))
-        asyncio.run(down_home(home))
+        try:
+            for info in engine.list():
+                asyncio.run(engine.destroy(info.sandbox_id, "console lane teardown"))
+        finally:  # the daemon and proxy end even if a destroy failed (they would keep the pool's sandbox)
+            asyncio.run(down_home(home))
         egress_ns = netns.egress_name(engine.runtime)
         proxy_left = egress.proxy_pid(home)
         ns_left = os.path.exists(netns.netns_path(egress_ns))
