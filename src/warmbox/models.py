@@ -331,21 +331,6 @@ class CommandRecord:
 
 
 @dataclasses.dataclass(frozen=True)
-class CommandDurations:
-    """Every recorded command of one (tier, kind) as a histogram (``Registry.command_durations``).
-
-    buckets[i]: how many took at most the i-th bound asked for (ms, cumulative, Prometheus-style);
-    ``count`` is the +Inf bucket, ``sum_ms`` the total duration.
-    """
-
-    tier: str
-    kind: str
-    count: int
-    sum_ms: float
-    buckets: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
 class Result:
     """One output of a code run (a displayed object, a chart, the last expression's value), in
     every representation the object offered: E2B's ``Result``.

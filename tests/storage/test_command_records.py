@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from warmbox.errors import InvalidArgument
-from warmbox.models import MAX_COMMAND_TEXT, CommandDurations, CommandRecord, Limits
+from warmbox.models import MAX_COMMAND_TEXT, CommandRecord
 from warmbox.storage.registry import SCHEMA_VERSION, Registry
 from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
 
@@ -72,36 +72,6 @@ def test_text_is_bounded_by_the_registry_too(tmp_path):
     cut, full = reg.commands("sb-a")
     assert cut.text_truncated and len(cut.text.encode()) <= MAX_COMMAND_TEXT and set(cut.text) == {"é"}
     assert not full.text_truncated and len(full.text) == MAX_COMMAND_TEXT
-
-
-def test_command_durations_by_tier_and_kind(tmp_path):
-    reg = _registry(tmp_path)
-    for sid, tier in (("sb-c", "container"), ("sb-g", "gvisor")):
-        reg.allocate(sid, tier, "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
-    reg.add_commands(
-        [
-            _rec("sb-c", ms=1),
-            _rec("sb-c", ms=10),
-            _rec("sb-c", ms=500),
-            _rec("sb-c", kind="code", ms=5),
-            _rec("sb-g", ms=100),
-            _rec("sb-unknown", ms=1),  # no sandboxes row: no tier to count it under
-        ]
-    )
-    got = reg.command_durations([5, 50])
-    assert got == [
-        CommandDurations("container", "code", 1, 5.0, (1, 1)),
-        CommandDurations("container", "command", 3, 511.0, (1, 2)),
-        CommandDurations("gvisor", "command", 1, 100.0, (0, 0)),
-    ]
-    assert reg.command_durations([]) == [
-        CommandDurations("container", "code", 1, 5.0, ()),
-        CommandDurations("container", "command", 3, 511.0, ()),
-        CommandDurations("gvisor", "command", 1, 100.0, ()),
-    ]
-    for bad in ([5, 5], [50, 5], [float("inf")], ["1"], list(range(65))):
-        with pytest.raises(InvalidArgument):
-            reg.command_durations(bad)  # type: ignore[arg-type]
 
 
 def test_a_version_12_database_gains_the_commands_table(tmp_path):

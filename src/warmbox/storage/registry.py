@@ -11,14 +11,13 @@ import contextlib
 import dataclasses
 import hashlib
 import hmac
-import itertools
 import json
 import math
 import re
 import secrets
 import sqlite3
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from warmbox.errors import (
@@ -44,7 +43,6 @@ from warmbox.models import (
     Approval,
     BackendHandle,
     BudgetStatus,
-    CommandDurations,
     CommandRecord,
     KeyInfo,
     Lifecycle,
@@ -492,7 +490,6 @@ _COMMAND_COLUMNS = (
     "timed_out, truncated, oom_killed, stdout_bytes, stderr_bytes"
 )
 MAX_COMMAND_ERROR = 200  # characters of a CommandRecord's error name kept
-MAX_HISTOGRAM_BUCKETS = 64
 
 
 _NOT_A_NAME = re.compile(r"[^A-Za-z0-9_.:-]")
@@ -2097,26 +2094,6 @@ class Registry:
             many=True,
         )
         return [_command(r) for r in rows]
-
-    def command_durations(self, buckets_ms: Sequence[float]) -> builtins.list[CommandDurations]:
-        """Every recorded command and code run, by (tier, kind), as a cumulative histogram over
-        ``buckets_ms`` (ascending upper bounds, ms): one read of the whole table, for a metrics scrape."""
-        bounds = tuple(buckets_ms)
-        ok = len(bounds) <= MAX_HISTOGRAM_BUCKETS and all(
-            not isinstance(b, bool) and isinstance(b, (int, float)) and math.isfinite(b) for b in bounds
-        )
-        if not ok or any(a >= b for a, b in itertools.pairwise(bounds)):
-            raise InvalidArgument(
-                f"buckets_ms must be at most {MAX_HISTOGRAM_BUCKETS} finite numbers, ascending, got {buckets_ms!r}"
-            )
-        counts = "".join(", SUM(c.duration_ms <= ?)" for _ in bounds)
-        rows = self._read(
-            f"SELECT s.tier, c.kind, COUNT(*), COALESCE(SUM(c.duration_ms), 0){counts} FROM commands c "
-            "JOIN sandboxes s ON s.sandbox_id = c.sandbox_id GROUP BY s.tier, c.kind ORDER BY s.tier, c.kind",
-            tuple(float(b) for b in bounds),
-            many=True,
-        )
-        return [CommandDurations(r[0], r[1], r[2], float(r[3]), tuple(int(x or 0) for x in r[4:])) for r in rows]
 
     # ---- named volumes (the tenant "" is the host's)
 
