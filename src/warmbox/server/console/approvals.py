@@ -21,6 +21,7 @@ RECENT = 50  # answered or timed-out questions shown under the open ones
 MAX_PENDING = 1000  # open questions shown (the queue's own bounds keep it far below)
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 LABELS = {"approve": "Approve", "deny": "Deny", "allow_once": "Allow once", "allow_always": "Allow always"}
+OUTCOMES = {"approve": "approved", "deny": "denied", "allow_once": "allowed once", "allow_always": "allowed always"}
 
 
 def decisions(a: Approval, viewer: Viewer) -> tuple[str, ...]:
@@ -51,6 +52,7 @@ def routes(console: Console) -> list[BaseRoute]:
             "more": len(pending) >= MAX_PENDING,
             "closed": closed,
             "labels": LABELS,
+            "outcomes": OUTCOMES,
             "refresh_ms": REFRESH_MS,
         }
 
