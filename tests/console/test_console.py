@@ -146,6 +146,8 @@ def check_waterfall(page, console: Console, who: str, sandbox_id: str, start: st
         )
     want = [(t["stage"], t["duration_ms"], "true" if t["on_request_path"] else "false") for t in recorded]
     assert [d[:3] for d in drawn] == want
+    table = page.locator("#timings tbody tr td:first-child").all_inner_texts()
+    assert table[: len(want)] == [w[0] for w in want], table  # the table lists them in the waterfall's order
     on = [(ms, box) for _s, ms, flag, box in drawn if flag == "true"]
     total_ms, total_px = sum(ms for ms, _ in on), sum(box["width"] for _, box in on)
     for (_, box), (_, nxt) in itertools.pairwise(on):

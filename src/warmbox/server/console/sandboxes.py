@@ -92,7 +92,7 @@ def routes(console: Console) -> list[BaseRoute]:
         details = await _details(viewer, sandbox_id)
         timings: list[StageTiming] = await viewer.front.handle(ops.Timings(sandbox_id))
         start = charts.ordered(timings)  # a start's stages only (a pause or resume is timed apart)
-        details["timings"] = timings
+        details["timings"] = start + [t for t in timings if t not in start]  # the waterfall's order, then pause/resume
         details["start_ms"] = sum(t.duration_ms for t in start if t.on_request_path)
         details["pooled_ms"] = sum(t.duration_ms for t in start if not t.on_request_path)
         details["waterfall"] = Markup(charts.waterfall_svg(timings))  # charts escapes what it draws
