@@ -51,6 +51,10 @@ def test_start_reasons():
     assert r.startswith("over budget: 9.1 of 10 CPU-hours")
     assert start_reasons(s, "create", "container", lim, _status(gib_used=38.9, gib_limit=40)) == []
     assert len(start_reasons(s, "create", "container", lim, _status(gib_used=39.1, gib_limit=40))) == 1
+    # the tenant's live sandboxes count too: 0.5 + 1 h of the new one + 1 h of 9 running CPUs > 10
+    [r] = start_reasons(s, "create", "container", lim, _status(cpu_used=0.5, cpu_limit=10), (1024, 9.0))
+    assert r.startswith("over budget: 0.5 of 10 CPU-hours") and "+9 for the ones running" in r
+    assert start_reasons(s, "create", "container", lim, _status(cpu_used=0.5, cpu_limit=10), (1024, 8.0)) == []
     none = ApprovalSettings(budget_lookahead_s=0)
     assert start_reasons(none, "create", "container", lim, _status(cpu_used=10, cpu_limit=10)) != []  # at it: asks
     assert start_reasons(none, "create", "container", lim, _status(cpu_used=5, cpu_limit=0)) == []  # 0: no budget

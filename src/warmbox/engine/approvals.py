@@ -30,13 +30,20 @@ MAX_OPEN_PER_TENANT = 32
 
 
 def start_reasons(
-    settings: ApprovalSettings, kind: str, tier: str, limits: Limits, budget: BudgetStatus | None
+    settings: ApprovalSettings,
+    kind: str,
+    tier: str,
+    limits: Limits,
+    budget: BudgetStatus | None,
+    running: tuple[int, float] = (0, 0.0),
 ) -> list[str]:
     """Why a start of ``kind`` ("create" or "resume") of a ``tier`` sandbox with ``limits`` needs
     approval (empty: it does not). budget: the tenant's status today (None: no tenant, no budget).
+    running: the memory (MiB) and CPUs of the tenant's sandboxes already live.
 
-    Over budget: today's use plus what the new sandbox would use in ``budget_lookahead_s`` at its
-    full CPUs and memory goes past a daily limit (a tenant at or over its budget always asks)."""
+    Over budget: today's use plus what the new sandbox *and the live ones* would use in
+    ``budget_lookahead_s`` at their full CPUs and memory goes past a daily limit (a tenant at or over
+    its budget always asks). Counting only the new one let a burst of starts each pass alone."""
     out: list[str] = []
     if kind == "create":
         if settings.memory_above_mb and limits.memory_mb > settings.memory_above_mb:
@@ -45,12 +52,20 @@ def start_reasons(
             out.append(f"the {tier} tier needs approval")
     if budget is not None:
         ahead = settings.budget_lookahead_s / HOUR
-        for what, used, limit, more in (
-            ("CPU-hours", budget.cpu_used_h, budget.cpu_limit_h, limits.cpus * ahead),
-            ("GiB-hours", budget.gib_used_h, budget.gib_limit_h, limits.memory_mb / 1024 * ahead),
+        live_mb, live_cpus = running
+        for what, used, limit, more, live in (
+            ("CPU-hours", budget.cpu_used_h, budget.cpu_limit_h, limits.cpus * ahead, live_cpus * ahead),
+            (
+                "GiB-hours",
+                budget.gib_used_h,
+                budget.gib_limit_h,
+                limits.memory_mb / 1024 * ahead,
+                live_mb / 1024 * ahead,
+            ),
         ):
-            if limit and (used + more > limit or used >= limit):
-                out.append(f"over budget: {used:.3g} of {limit:g} {what} used today (+{more:.2g} for this start)")
+            if limit and (used + live + more > limit or used >= limit):
+                also = f", +{live:.2g} for the ones running" if live else ""
+                out.append(f"over budget: {used:.3g} of {limit:g} {what} used today (+{more:.2g} for this start{also})")
     return out
 
 
@@ -77,7 +92,8 @@ async def gate_start(
         budget = engine.registry.budget_status(tenant.name, warn_ratio=settings.warn_ratio)
         if not (budget.cpu_limit_h or budget.gib_limit_h):
             budget = None
-    reasons = start_reasons(settings, kind, tier, limits, budget)
+    running = engine.registry.live_footprint(tenant.name) if budget is not None and tenant is not None else (0, 0.0)
+    reasons = start_reasons(settings, kind, tier, limits, budget, running)
     if not reasons:
         return None
     what = "resume sandbox " + sandbox_id if kind == "resume" else "create a sandbox"

@@ -1692,6 +1692,16 @@ class Registry:
         )
         return _budget(tenant, day, cpu_s, gib_s, cpu_limit, gib_limit, warn_ratio)
 
+    def live_footprint(self, tenant: str) -> tuple[int, float]:
+        """The memory (MiB) and CPUs of ``tenant``'s live sandboxes (creating, ready, running: the
+        ones its quotas count)."""
+        mb, cpus = self._read(
+            f"SELECT COALESCE(SUM(memory_mb), 0), COALESCE(SUM(cpus), 0) FROM sandboxes "
+            f"WHERE tenant=? AND state IN {_in(_QUOTA)}",
+            (tenant, *_QUOTA),
+        )
+        return int(mb), float(cpus)
+
     def budgets(self, now: float | None = None, *, warn_ratio: float = 0.8) -> builtins.list[BudgetStatus]:
         """:meth:`budget_status` of every tenant that has a budget, by name (two reads in all: for
         a scrape or a dashboard page)."""
