@@ -437,3 +437,33 @@ def test_a_flooding_tenant_cannot_hide_anothers_question_from_a_filtered_admin(e
         assert victim.approval_id not in everyone and 'id="approvals-more"' in everyone  # says it is cut
         assert victim.approval_id in c.get("/ui/frag/approvals?tenant=victim").text
         assert 'data-count="1"' in c.get("/ui/frag/approvals/count?tenant=victim").text
+
+
+def test_the_nav_shows_a_budget_past_its_warning_on_every_page(engine):
+    import time
+
+    from warmbox.storage.registry import _add_usage
+
+    _, acme = engine.registry.create_key("acme")
+    _, globex = engine.registry.create_key("globex")
+    _, admin = engine.registry.create_key("ops", admin=True)
+    engine.registry.set_budget("acme", cpu_h=0.01)  # 36 cpu-seconds a day
+    engine.registry.set_budget("globex", cpu_h=1)
+    with TestClient(_app(engine), base_url=BASE) as c:
+        _login(c, acme)
+        assert 'id="budget-badge-slot"' in c.get("/ui/").text
+        assert c.get("/ui/frag/cost/budget").text.strip() == ""  # nothing used yet
+        with engine.registry._tx() as db:
+            _add_usage(db, "acme", time.time(), 30.0, 0.0)  # 83 % of acme's day
+        got = c.get("/ui/frag/cost/budget").text
+        assert 'id="budget-badge"' in got and ">83 %<" in got and 'data-exceeded="false"' in got
+    with TestClient(_app(engine), base_url=BASE) as c:
+        _login(c, globex)  # another tenant's warning is not its own
+        assert c.get("/ui/frag/cost/budget").text.strip() == ""
+    with TestClient(_app(engine), base_url=BASE) as c:
+        _login(c, admin)
+        assert 'data-count="1"' in c.get("/ui/frag/cost/budget").text  # tenants past the warning
+        assert c.get("/ui/frag/cost/budget?tenant=globex").text.strip() == ""
+        with engine.registry._tx() as db:
+            _add_usage(db, "acme", time.time(), 10.0, 0.0)  # 111 %
+        assert 'data-exceeded="true"' in c.get("/ui/frag/cost/budget?tenant=acme").text

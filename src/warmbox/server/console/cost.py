@@ -22,6 +22,7 @@ from warmbox.server.console import charts
 from warmbox.server.console.web import PREFIX, Console, Viewer
 
 NAV = ("Cost", f"{PREFIX}/cost")
+BADGE = f"{PREFIX}/frag/cost/budget"
 # range -> (seconds shown, bucket seconds)
 RANGES = {"24h": (86400, 3600), "7d": (7 * 86400, 3600), "30d": (30 * 86400, 86400)}
 DEFAULT_RANGE = "24h"
@@ -161,7 +162,25 @@ def routes(console: Console) -> list[BaseRoute]:
             }
         )
 
+    async def badge(request: Request, viewer: Viewer) -> Response:
+        # the budget warning on every page (the nav's Cost link): the viewer's tenant's, or for an
+        # admin, how many tenants (in its filter) passed [approvals] warn_ratio of today's budget
+        warn = console.service.engine.settings().approvals.warn_ratio
+        who = scope(viewer)
+        statuses = [b for b in console.service.engine.registry.budgets(warn_ratio=warn) if who in (None, b.tenant)]
+        hot = [b for b in statuses if b.warning or b.exceeded]
+        return console.render(
+            request,
+            viewer,
+            "_budget_badge.html",
+            count=len(hot),
+            exceeded=any(b.exceeded for b in hot),
+            ratio=max((max(b.cpu_ratio, b.gib_ratio) for b in hot), default=0.0),
+            one=who is not None,
+        )
+
     return [
         Route(f"{PREFIX}/cost", console.page(page)),
         Route(f"{PREFIX}/cost.json", console.data(data)),
+        Route(BADGE, console.fragment(badge), methods=["GET"]),
     ]
