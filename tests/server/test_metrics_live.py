@@ -8,7 +8,6 @@ from __future__ import annotations
 import http.client
 import json
 import secrets
-import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -16,27 +15,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ServerProc, start_server
+from tests.server.test_api import UnixHTTPConnection
 from warmbox.engine.engine import Engine
 
 pytestmark = pytest.mark.sandbox
 
 
-class _Unix(http.client.HTTPConnection):
-    def __init__(self, path: Path) -> None:
-        super().__init__("warmbox", timeout=120)
-        self._path = path
-
-    def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        s.connect(str(self._path))
-        self.sock = s
-
-
 def _call(server: ServerProc, method: str, path: str, body: dict | None = None, key: str | None = None):
     """(status, body bytes, X-Request-Id); over TCP with ``key``, else the unix socket as root."""
     if key is None:
-        conn: http.client.HTTPConnection = _Unix(server.socket)
+        conn: http.client.HTTPConnection = UnixHTTPConnection(server.socket, timeout=120)
     else:
         u = urlsplit(server.url)
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)

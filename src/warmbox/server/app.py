@@ -176,9 +176,7 @@ class Service:
         tenant = self.engine.registry.authenticate(secret)
         if tenant is None:
             raise Unauthenticated("unknown or revoked API key")
-        logs.note_tenant(tenant.name)
-        self.limiter.take(tenant.key_id or tenant.name, tenant.rate_per_s)
-        return tenant
+        return self._admit(tenant, tenant.key_id or tenant.name)
 
     def authenticate_key_id(self, key_id: str) -> Tenant:
         """What :meth:`authenticate_secret` answers for the key with this id (the console's
@@ -186,8 +184,13 @@ class Service:
         tenant = self.engine.registry.key_tenant(key_id)
         if tenant is None:
             raise Unauthenticated("the API key this session was opened with is revoked or unknown")
+        return self._admit(tenant, tenant.key_id or tenant.name)
+
+    def _admit(self, tenant: Tenant, bucket: str) -> Tenant:
+        """An authenticated caller: named in this request's log records, and rate limited per
+        ``bucket`` (its key, or its uid on the unix socket)."""
         logs.note_tenant(tenant.name)
-        self.limiter.take(tenant.key_id or tenant.name, tenant.rate_per_s)
+        self.limiter.take(bucket, tenant.rate_per_s)
         return tenant
 
     def authenticate(self, request: HTTPConnection) -> Tenant | None:
@@ -205,13 +208,11 @@ class Service:
                 return None
             name = self.peers.get(uid)
             if name is not None:
-                logs.note_tenant(name)
                 try:
                     tenant = self.engine.registry.tenant(name)
                 except InvalidArgument:  # mapped in [server] peers but never given quotas: unlimited
                     tenant = Tenant(name=name)
-                self.limiter.take(f"uid:{uid}", tenant.rate_per_s)
-                return tenant
+                return self._admit(tenant, f"uid:{uid}")
             raise Unauthenticated(f"uid {uid} is not mapped to a tenant ([server] peers) and sent no key")
         raise Unauthenticated("an API key is required: 'Authorization: Bearer <key>'")
 
