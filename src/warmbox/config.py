@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -426,6 +427,19 @@ PAUSED_RETENTION_S = 7 * 24 * 3600.0
 
 
 @dataclasses.dataclass(frozen=True)
+class ClusterSettings:
+    """``[cluster]``: this home as one node of a warmbox cluster (Ray for membership and liveness,
+    PostgreSQL for the registry, S3 for snapshots). Every field empty: one host, embedded defaults."""
+
+    registry: str = ""  # "" = SQLite in the home; "postgresql://…" = the cluster's shared registry
+    ray: str = ""  # the Ray head's GCS address, HOST:PORT ("ray://HOST:PORT" accepted)
+    node: str = ""  # this node's name in the cluster ("" = not a cluster node)
+    object_store: str = ""  # "s3://bucket/prefix" shared by every node ("" = WARMBOX_OBJECT_STORE or local)
+    token_file: str = ""  # the file holding the secret the API tier and the nodes share (peer auth)
+    slots: int = 0  # sandboxes this node offers (0 = from the host's capacity)
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     source: str  # the file read, or "built-in defaults"
     defaults: Defaults
@@ -438,6 +452,7 @@ class Settings:
     limits: LimitSettings = None  # type: ignore[assignment]  # None: [limits] defaults of this host
     server: ServerSettings = ServerSettings()
     approvals: ApprovalSettings = ApprovalSettings()
+    cluster: ClusterSettings = ClusterSettings()
 
     def __post_init__(self) -> None:
         if self.limits is None:
@@ -551,6 +566,7 @@ def parse(
         "server",
         "lifecycle",
         "approvals",
+        "cluster",
     }
     for k in raw:
         if k not in known:
@@ -659,6 +675,32 @@ def parse(
         limits=maxima,
         server=_server(_table(raw, "server", source), source),
         approvals=_approvals(_table(raw, "approvals", source), source),
+        cluster=_cluster(_table(raw, "cluster", source), source),
+    )
+
+
+_NODE_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+def _cluster(t: dict, source: str) -> ClusterSettings:
+    _only(t, {f.name for f in dataclasses.fields(ClusterSettings)}, "cluster", source)
+    registry = _str(t.get("registry", ""), "cluster.registry", source)
+    if registry and not registry.startswith(("postgresql://", "postgres://")):
+        raise ConfigError(f"{source}: cluster.registry must be a postgresql:// URL (or empty for SQLite in the home)")
+    ray = _str(t.get("ray", ""), "cluster.ray", source).removeprefix("ray://")
+    node = _str(t.get("node", ""), "cluster.node", source)
+    if node and not _NODE_NAME.match(node):
+        raise ConfigError(f"{source}: cluster.node {node!r}: lower-case letters, digits and '-', at most 63")
+    store = _str(t.get("object_store", ""), "cluster.object_store", source)
+    if store and not store.startswith("s3://"):
+        raise ConfigError(f"{source}: cluster.object_store must be an s3:// URL")
+    return ClusterSettings(
+        registry=registry,
+        ray=ray,
+        node=node,
+        object_store=store,
+        token_file=_str(t.get("token_file", ""), "cluster.token_file", source),
+        slots=_int(t.get("slots", 0), "cluster.slots", source, 0, 100000),
     )
 
 
