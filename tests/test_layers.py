@@ -34,9 +34,12 @@ ALLOWED: dict[str, set[str]] = {
     "sdk": set(),
     # beside the SDK: adapters (HTTP routes, MCP tools) over the engine front; network: the policy records
     "server": {"engine", "sdk", "network"},
-    "cli": {"sdk", "engine", "bench", "server"},  # the engine: its front, and the daemon/pool managers (pools, down)
+    # a cluster node runs an engine and its API server; the router forwards over the SDK's HTTP transport
+    "cluster": {"engine", "sdk", "server", "storage", "network"},
+    # the engine: its front, and the daemon/pool managers (pools, down)
+    "cli": {"sdk", "engine", "bench", "server", "cluster"},
     # benchmarks drive raw runtimes as baselines (backends) beside sandboxes made through the SDK
-    "bench": {"sdk", "engine", "backends", "storage"},
+    "bench": {"sdk", "engine", "backends", "storage", "cluster"},
 }
 # the in-process transport is where the SDK meets the engine front (a remote one does not);
 # the SDK names the public policy types (warmbox.Network, warmbox.Secret: plain records)

@@ -50,6 +50,8 @@ def test_exported_members():
             "TierChoice",
             "Requirements",
             "NoSuitableTier",
+            "NoCapacity",
+            "ClusterError",
             "choose_tier",
             "UnsupportedLanguage",
             "WarmboxError",

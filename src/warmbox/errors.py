@@ -56,7 +56,9 @@ WarmboxError
 ├── Forbidden                           an admin-only operation asked for by a tenant that is not admin
 ├── Unauthenticated                     the server refused the key (none, unknown or revoked)
 ├── RateLimited                         too many requests for the key (``retry_after`` seconds)
-└── ConnectionLost                      the connection to the server failed or dropped mid-operation
+├── ConnectionLost                      the connection to the server failed or dropped mid-operation
+└── ClusterError                        something about a warmbox cluster (its nodes, placement, routing)
+    └── NoCapacity                      no node can take a create now (``rejected``: each node, why not)
 """
 
 from __future__ import annotations
@@ -392,3 +394,17 @@ class RateLimited(WarmboxError):
 class ConnectionLost(WarmboxError):
     """The connection to the warmbox server failed or dropped. For an operation that is not safe to
     repeat (a command, a create, a write) the outcome is unknown: the message says which it was."""
+
+
+class ClusterError(WarmboxError):
+    """Something about a warmbox cluster: its nodes, placement or routing."""
+
+
+class NoCapacity(ClusterError):
+    """A cluster has no node that can take this create now: none is up, runs the tier, or has a free
+    slot and the memory (HTTP 503: retry later, or add nodes). Nothing was created. ``rejected``:
+    one ``"node: why not"`` per node."""
+
+    def __init__(self, message: str, rejected: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.rejected = rejected

@@ -91,6 +91,7 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.Unsupported, 422),
     (errors.SandboxTimeout, 504),
     (errors.BackendUnavailable, 503),
+    (errors.NoCapacity, 503),
     (errors.NoSuitableTier, 422),
     (errors.GuestConnectionError, 502),
 )
