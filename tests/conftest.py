@@ -45,6 +45,10 @@ POOLED_LIMITS_MB = 500
 #    e.g. Sandbox.create() with no such fixture. It is armed only there because in the full lane a
 #    marked test's background teardown may still spawn runc while an unmarked test runs.
 SANDBOX_FIXTURES = frozenset({"runc_ready", "world"})
+# A test of a real cluster (Ray, PostgreSQL, nodes, the router: tests/cluster, and the --api=cluster
+# lane) carries ``cluster`` as well as ``sandbox``: the main suite runs -m "not cluster", the
+# cluster lane is its own CI step. Every fixture that starts a cluster depends on ``cluster``.
+CLUSTER_FIXTURES = frozenset({"cluster"})
 
 
 def _sandbox_process(argv: object) -> str | None:
@@ -60,6 +64,12 @@ def _sandbox_process(argv: object) -> str | None:
         return "a network namespace (ip netns)"
     if any("warmbox.engine.daemon" in w or "warmbox.network.proxy" in w for w in words):
         return "the warmbox daemon or proxy"
+    if names & {"raylet", "gcs_server"} or (names & {"ray", "ray.scripts.scripts"} and "start" in words):
+        return "Ray"
+    if names & {"postgres", "pg_ctl", "initdb", "pg_ctlcluster"}:
+        return "PostgreSQL"
+    if ("node" in words and "join" in words) or ("serve" in words and "--cluster" in words):
+        return "a warmbox cluster node or router"
     return None
 
 
@@ -88,44 +98,73 @@ FAST_LANE_GUARD = pytest.StashKey[FastLaneGuard]()
 # goes over HTTP through WARMBOX_API_URL). Such a test starts a server with an engine, so it is a
 # ``sandbox`` test in that lane. A test that needs the in-process engine (home=, engine internals)
 # carries @pytest.mark.in_process(reason) and is skipped there.
+# `pytest tests/sdk tests/cluster --api=cluster` does the same against the router of a real cluster
+# (`warmbox serve --cluster`, tests/cluster/conftest.py) with a tenant key; there a test is also
+# ``cluster``, and one that needs the server to run on the session's home (its daemon, its pools,
+# its registry) carries @pytest.mark.one_host(reason) and is skipped there.
 HTTP_LANE_DIRS = ("tests/sdk/", "tests/cli/")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--api",
-        choices=("local", "http"),
+        choices=("local", "http", "cluster"),
         default="local",
-        help="how tests/sdk and tests/cli reach the engine: in process (local) or a real `warmbox serve` (http)",
+        help="how tests/sdk and tests/cli reach the engine: in process (local), a real `warmbox serve` (http) "
+        "or the router of a real cluster, `warmbox serve --cluster` (cluster)",
     )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "in_process(reason): needs the in-process engine; skipped under --api=http with the reason"
+        "markers", "in_process(reason): needs the in-process engine; skipped under --api=http|cluster with the reason"
+    )
+    config.addinivalue_line(
+        "markers",
+        "one_host(reason): needs its server to run on the session's home (daemon, pools, registry file); "
+        "skipped under --api=cluster with the reason",
     )
 
 
-def over_http(node: pytest.Item | pytest.Collector) -> bool:
-    """Whether ``node`` runs against the session's HTTP server (--api=http, tests/sdk or tests/cli)."""
-    if node.config.getoption("api") != "http":
-        return False
+def api_lane(node: pytest.Item | pytest.Collector) -> str:
+    """The --api lane ``node`` runs in over HTTP ("http" or "cluster": tests/sdk, tests/cli), else ""."""
+    lane = node.config.getoption("api")
+    if lane == "local":
+        return ""
     try:
         rel = Path(str(node.path)).resolve().relative_to(ROOT).as_posix()
     except ValueError:
-        return False
-    return rel.startswith(HTTP_LANE_DIRS)
+        return ""
+    return lane if rel.startswith(HTTP_LANE_DIRS) else ""
+
+
+def over_http(node: pytest.Item | pytest.Collector) -> bool:
+    """Whether ``node`` runs against a server over HTTP (--api=http or --api=cluster, tests/sdk or tests/cli)."""
+    return bool(api_lane(node))
+
+
+def over_cluster(node: pytest.Item | pytest.Collector) -> bool:
+    """Whether ``node`` runs against the cluster's router (--api=cluster, tests/sdk or tests/cli)."""
+    return api_lane(node) == "cluster"
+
+
+def _skip_marked(item: pytest.Item, mark: str, lane: str, default: str) -> None:
+    found = item.get_closest_marker(mark)
+    if found is not None:
+        reason = found.args[0] if found.args else default
+        item.add_marker(pytest.mark.skip(reason=f"--api={lane}: {reason}"))
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: the marks must be right in every lane
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if over_http(item):
+        lane = api_lane(item)
+        if lane:
             item.add_marker(pytest.mark.sandbox)  # it talks to a server that runs an engine
-            local = item.get_closest_marker("in_process")
-            if local is not None:
-                reason = local.args[0] if local.args else "needs the in-process engine"
-                item.add_marker(pytest.mark.skip(reason=f"--api=http: {reason}"))
+            _skip_marked(item, "in_process", lane, "needs the in-process engine")
+        if lane == "cluster":
+            item.add_marker(pytest.mark.cluster)
+            _skip_marked(item, "one_host", lane, "needs a server on the session's home")
     unmarked = [
         f"{item.nodeid} (uses {', '.join(sorted(SANDBOX_FIXTURES & set(item.fixturenames)))})"
         for item in items
@@ -133,9 +172,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         and SANDBOX_FIXTURES & set(item.fixturenames)
         and not item.get_closest_marker("sandbox")
     ]
+    unmarked += [
+        f"{item.nodeid} (a cluster test: needs both cluster and sandbox)"
+        for item in items
+        if isinstance(item, pytest.Function)
+        and (CLUSTER_FIXTURES & set(item.fixturenames) or item.get_closest_marker("cluster"))
+        and not (item.get_closest_marker("cluster") and item.get_closest_marker("sandbox"))
+    ]
     if unmarked:
         raise pytest.UsageError(
-            "tests that start sandboxes must be marked @pytest.mark.sandbox:\n  " + "\n  ".join(unmarked)
+            "tests that start sandboxes must be marked @pytest.mark.sandbox, and those that start a cluster "
+            "@pytest.mark.cluster too:\n  " + "\n  ".join(unmarked)
         )
 
 
@@ -420,12 +467,14 @@ def api_server(home: Path):
 
 @pytest.fixture(scope="module", autouse=True)
 def _api_lane(request: pytest.FixtureRequest):
-    """In the --api=http lane: WARMBOX_API_URL (+ KEY) set for the module (before its module-scoped
-    fixtures make sandboxes), so every Sandbox.create()/connect() and cli(...) goes over HTTP."""
-    if not over_http(request.node):
+    """In the --api=http|cluster lanes: WARMBOX_API_URL (+ KEY) set for the module (before its
+    module-scoped fixtures make sandboxes), so every Sandbox.create()/connect() and cli(...) goes over
+    HTTP, to the session's server or to the cluster's router."""
+    lane = api_lane(request.node)
+    if not lane:
         yield
         return
-    server = request.getfixturevalue("api_server")
+    server = request.getfixturevalue("api_server" if lane == "http" else "cluster")
     saved = {k: os.environ.get(k) for k in ("WARMBOX_API_URL", "WARMBOX_API_KEY")}
     os.environ.pop("WARMBOX_API_KEY", None)
     os.environ.update(server.client_env)
@@ -437,3 +486,19 @@ def _api_lane(request: pytest.FixtureRequest):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# ---- shared services
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 (bucket tests.s3server.BUCKET), one per session; ``.env``: what a
+    client process sets to reach it. Leaves os.environ alone. Ended by PID."""
+    from tests.s3server import S3Server
+
+    server = S3Server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

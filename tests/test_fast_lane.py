@@ -21,6 +21,13 @@ from warmbox.network.proxy import launch_argv
         [sys.executable, "-m", "warmbox.engine.daemon", "/tmp/home"],
         [*launch_argv(), "/tmp/home"],
         b"/usr/sbin/runc",
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head"],
+        ["/venv/bin/ray", "start", "--address", "192.0.2.2:6379", "--block"],
+        ["/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet", "--node_ip_address=192.0.2.2"],
+        ["setpriv", "--reuid=postgres", "/usr/lib/postgresql/15/bin/initdb", "-D", "/tmp/pg/data"],
+        ["/usr/lib/postgresql/15/bin/pg_ctl", "-D", "/tmp/pg/data", "start"],
+        [sys.executable, "-m", "warmbox.cli.main", "node", "join", "192.0.2.2:6379"],
+        [sys.executable, "-m", "warmbox.cli.main", "serve", "--cluster", "192.0.2.2:6379"],
     ],
 )
 def test_sandbox_command_lines_are_recognised(argv):
@@ -35,6 +42,9 @@ def test_sandbox_command_lines_are_recognised(argv):
         [sys.executable, "-m", "warmbox.cli.main", "doctor"],
         ["sh", "-c", "echo runcible"],
         [sys.executable, "-I", "-S", "vmrelay.py", "a.sock", "b.sock"],
+        [sys.executable, "-m", "warmbox.cli.main", "node", "ls"],
+        [sys.executable, "-m", "warmbox.cli.main", "serve", "--port", "0"],
+        ["psql", "postgresql://warmbox@/postgres?host=/tmp/pg"],
     ],
 )
 def test_pure_command_lines_are_not(argv):

@@ -3,75 +3,25 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.s3server import BUCKET, CLIENT_ENV, S3Server
 from warmbox import ArtifactCorrupt, Sandbox, StorageError
 from warmbox.storage.objects import LocalObjectStore, S3ObjectStore
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def s3_endpoint():
-    """moto's S3 server on 127.0.0.1 only; fake credentials; no metadata-service lookups."""
-    port = _free_port()
-    env = {
-        **os.environ,
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
-    server = Path(sys.executable).parent / "moto_server"
-    proc = subprocess.Popen(
-        [str(server), "-H", "127.0.0.1", "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    saved = {
-        k: os.environ.get(k)
-        for k in (
-            "AWS_ACCESS_KEY_ID",
-            "AWS_SECRET_ACCESS_KEY",
-            "AWS_EC2_METADATA_DISABLED",
-            "AWS_CONFIG_FILE",
-            "AWS_SHARED_CREDENTIALS_FILE",
-        )
-    }
-    os.environ.update(
-        {
-            "AWS_ACCESS_KEY_ID": "test",
-            "AWS_SECRET_ACCESS_KEY": "test",
-            "AWS_EC2_METADATA_DISABLED": "true",
-            "AWS_CONFIG_FILE": "/dev/null",
-            "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
-        }
-    )
+def s3_endpoint(s3_server: S3Server):
+    """The session's moto S3 server (tests/s3server.py), its fake credentials in os.environ for
+    this module (the engine's S3 store reads them from there)."""
+    saved = {k: os.environ.get(k) for k in CLIENT_ENV}
+    os.environ.update(CLIENT_ENV)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError as e:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("moto_server did not start") from e
-                time.sleep(0.1)
-        url = f"http://127.0.0.1:{port}"
-        import boto3
-
-        boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="wb-test")
-        yield url
+        yield s3_server.url
     finally:
-        proc.terminate()
-        proc.wait(10)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -83,7 +33,7 @@ def s3_endpoint():
 def store(request, tmp_path):
     if request.param == "local":
         return LocalObjectStore(tmp_path / "objects")
-    return S3ObjectStore("wb-test", f"t-{os.urandom(4).hex()}", endpoint_url=request.getfixturevalue("s3_endpoint"))
+    return S3ObjectStore(BUCKET, f"t-{os.urandom(4).hex()}", endpoint_url=request.getfixturevalue("s3_endpoint"))
 
 
 def test_store_contract(store, tmp_path):
@@ -110,7 +60,7 @@ def test_store_contract(store, tmp_path):
 @pytest.mark.sandbox
 def test_snapshot_round_trip_through_s3(home, runc_ready, s3_endpoint):
     old = {k: os.environ.get(k) for k in ("WARMBOX_OBJECT_STORE", "WARMBOX_S3_ENDPOINT")}
-    os.environ["WARMBOX_OBJECT_STORE"] = f"s3://wb-test/snaps-{os.urandom(3).hex()}"
+    os.environ["WARMBOX_OBJECT_STORE"] = f"s3://{BUCKET}/snaps-{os.urandom(3).hex()}"
     os.environ["WARMBOX_S3_ENDPOINT"] = s3_endpoint
     try:
         with Sandbox.create(timeout=60, template="base") as sb:
