@@ -18,3 +18,33 @@ def test_an_illegal_operation_names_itself_and_the_state():
     with pytest.raises(SandboxNotFound):
         check(Operation.EXEC, State.DESTROYED, "sb-1")
     check(Operation.RESUME, State.PAUSED, "sb-1")
+
+
+def test_a_lost_sandbox_allows_only_kill_and_its_error_names_the_node():
+    from warmbox.errors import SandboxLost
+    from warmbox.lifecycle import LOSABLE, TRANSITIONS, lost
+
+    for op in Operation:
+        if op is Operation.DESTROY:
+            check(op, State.LOST, "sb-1")
+            continue
+        with pytest.raises(SandboxLost, match="sandbox sb-1 was lost with node 'n2' \\(node n2 down: gone\\)") as e:
+            check(op, State.LOST, "sb-1", "node n2 down: gone", "n2")
+        assert (e.value.node, e.value.reason) == ("n2", "node n2 down: gone")
+    assert TRANSITIONS[State.LOST] == {State.DESTROYED}
+    assert all(State.LOST in TRANSITIONS[s] for s in LOSABLE) and State.PAUSED not in LOSABLE
+    assert State.LOST not in TRANSITIONS[State.PAUSED]  # a paused sandbox survives its node
+    assert not isinstance(lost("sb-1", ""), SandboxNotFound) and "its node" in str(lost("sb-1", ""))
+
+
+def test_a_lost_sandbox_is_http_410_and_comes_back_as_itself_over_the_wire():
+    from warmbox import wire
+    from warmbox.errors import SandboxLost
+    from warmbox.lifecycle import lost
+    from warmbox.server.app import status_of
+
+    err = lost("sb-1", "n2", "node n2 down: gone")
+    assert status_of(err) == 410
+    back = wire.error_from_wire(wire.error_to_wire(err))
+    assert isinstance(back, SandboxLost) and (back.sandbox_id, back.node, back.reason) == ("sb-1", "n2", err.reason)
+    assert wire.error_code(err) == "sandbox_lost"

@@ -36,6 +36,7 @@ def test_exported_members():
             "Sandbox",
             "SandboxError",
             "SandboxInfo",
+            "SandboxLost",
             "SandboxNotFound",
             "SandboxPaused",
             "SecretsRequired",

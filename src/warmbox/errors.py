@@ -12,6 +12,7 @@ WarmboxError
 │   ├── SandboxStateError               operation illegal in the sandbox's current state
 │   │   └── SandboxPaused                   the sandbox is paused (and not created to auto-resume)
 │   │       └── SecretsRequired                 a resume or fork lacks secret values (``missing``: their names)
+│   ├── SandboxLost                     its node died or was fenced (``node``, ``reason``); only kill is allowed
 │   ├── SandboxStartError               the backend failed to bring the sandbox up
 │   ├── GuestConnectionError            the guest agent cannot be reached / went away
 │   ├── GuestProtocolError              the guest sent something outside the protocol
@@ -138,6 +139,17 @@ class SandboxStateError(SandboxError):
 class SandboxPaused(SandboxStateError):
     """The sandbox is paused (by pause(), its idle time or its timeout) and was not created with
     ``Lifecycle(auto_resume=True)``: ``Sandbox.connect(id)`` or ``resume(id)`` runs it again."""
+
+
+class SandboxLost(SandboxError):
+    """The sandbox's node died (or was fenced off the cluster) while it ran: its processes and
+    memory are gone. Every operation but kill raises this; kill forgets it. node: the node it
+    ran on; reason: why the node was marked down."""
+
+    def __init__(self, message: str, sandbox_id: str | None = None, *, node: str = "", reason: str = "") -> None:
+        super().__init__(message, sandbox_id)
+        self.node = node
+        self.reason = reason
 
 
 class SecretsRequired(SandboxPaused):

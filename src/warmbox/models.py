@@ -81,6 +81,50 @@ class State(str, enum.Enum):
     RUNNING = "running"
     DESTROYED = "destroyed"
     FAILED = "failed"
+    LOST = "lost"  # its node died (or was fenced): every operation but kill raises SandboxLost
+
+
+NODE_STATES = ("up", "draining", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeInfo:
+    """One node of a cluster, as the registry's ``nodes`` table holds it.
+
+    name: the node's name (``[cluster] node``); address: its API server (URL or host:port);
+    ray_node_id: its raylet's node id ("" if unknown); epoch: bumped at every join and every
+    mark-down (a heartbeat with an older epoch is fenced); state: one of NODE_STATES; slots:
+    sandboxes it offers; memory_mb: memory it offers; tiers: the tiers it runs; joined_at,
+    heartbeat_at: unix seconds; pooled, live: its pooled and live (not pooled) sandboxes at its
+    last heartbeat.
+    """
+
+    name: str
+    address: str = ""
+    ray_node_id: str = ""
+    epoch: int = 0
+    state: str = "up"
+    slots: int = 0
+    memory_mb: int = 0
+    tiers: tuple[str, ...] = ()
+    joined_at: float = 0.0
+    heartbeat_at: float = 0.0
+    pooled: int = 0
+    live: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeUsage:
+    """What one node holds now, from the registry's rows (placement reads it).
+
+    live: its creating, retiring, ready and running sandboxes; memory_mb: their memory limits
+    summed; pooled: (pool name, ready pooled sandboxes) per pool.
+    """
+
+    node: str
+    live: int = 0
+    memory_mb: int = 0
+    pooled: tuple[tuple[str, int], ...] = ()
 
 
 STAGES = ("allocation", "filesystem", "runtime", "dependencies", "network", "first_command")
@@ -1173,6 +1217,7 @@ class BackendHandle:
     state_dir: str
     socket_path: str
     uid_base: int
+    node: str = ""  # the cluster node where it runs and these paths exist ("" = one host)
 
 
 @dataclasses.dataclass(frozen=True)

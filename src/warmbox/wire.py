@@ -257,6 +257,7 @@ _ATTRS = (
     "rejected",
     "approval_id",
     "state",
+    "node",
 )
 
 

@@ -14,7 +14,8 @@ from warmbox.storage.registry import SCHEMA_VERSION, Registry
 from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
 
 NEW_COLUMNS = {"timeout_s", "metadata", "on_timeout", "idle_pause_after", "auto_resume", "last_used", "egress"}
-LATER_COLUMNS = ("auto", "template_version", "image_id", "requirements", "tier_reasons", "tier_rejected")  # 8, 11, 12
+# added by versions 8, 11, 12 and 15
+LATER_COLUMNS = ("auto", "template_version", "image_id", "requirements", "tier_reasons", "tier_rejected", "node")
 
 
 def _registry(tmp: Path) -> Registry:
@@ -29,8 +30,10 @@ def _v6_schema() -> str:
         for line in registry_mod.SCHEMA.splitlines()
         if not any(line.strip().startswith(c + " ") for c in (*NEW_COLUMNS, *LATER_COLUMNS))
     ]
+    lines = [line for line in lines if "(node" not in line]  # version 15's index and net_links' unique pair
     last = "tenant      TEXT NOT NULL DEFAULT ''"
     text = "\n".join(lines).replace(last + ",\n);", last + "\n);")
+    text = text.replace("updated_at  REAL NOT NULL,\n);", "updated_at  REAL NOT NULL\n);")
     assert text.count(last + "\n);") == 2  # the sandboxes and snapshots tables end there again
     return text
 

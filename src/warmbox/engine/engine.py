@@ -29,6 +29,7 @@ from warmbox.errors import (
     InvalidArgument,
     SandboxNotFound,
     SandboxPaused,
+    SandboxStateError,
     SnapshotUnsupported,
     WarmboxError,
 )
@@ -81,6 +82,17 @@ def validate_envs(envs: object) -> tuple[tuple[str, str], ...]:
 
 
 CREATE_DEADLINE_S = provision.WARMUP_TIMEOUT_S + 300.0
+
+
+def _node_name(home: Path) -> str:
+    """This home's ``[cluster] node`` ("" on one host, or when the config cannot be read: the
+    operations that need it load the config again and report what is wrong)."""
+    try:
+        return config.load(home).cluster.node
+    except WarmboxError:
+        return ""
+
+
 TEMPLATE_VMS_KEY = "template-vms"  # see Engine.mark_template_vm
 
 
@@ -91,8 +103,10 @@ class Engine:
         self.home = home
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.runtime = runtime_dir(home)  # made when a backend first needs it
-        # every allocation (create, pool refill, restore of a snapshot) checks its limits first
-        self.registry = Registry(home / "registry.db", check_limits=self.check_limits)
+        # every allocation (create, pool refill, restore of a snapshot) checks its limits first;
+        # the rows it creates are this node's ([cluster] node, "" on one host)
+        self.registry = Registry(home / "registry.db", _node_name(home), check_limits=self.check_limits)
+        self.node = self.registry.node
         self.command_log = CommandLog(self.registry)  # the fronts' command records, written in batches
         self._backends: dict[str, Backend] = {}
         self.owner = owner_tag(os.getpid())
@@ -119,7 +133,7 @@ class Engine:
     def stop_shared_hosts(self) -> None:
         """Stop the host process of each tier that has one (``SharedHost``) and no live or pooled
         sandbox left."""
-        live = {i.tier for i in self.list(include_pooled=True)}
+        live = {i.tier for i, _ in self.registry.list(include_pooled=True, local=True)}
         for tier in backends.TIERS:
             if tier in live:
                 continue
@@ -557,11 +571,21 @@ class Engine:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} (ids look like sb-0123456789ab)", str(sandbox_id))
         return self.registry.get(sandbox_id)
 
-    def check(self, op: Operation, info: SandboxInfo) -> None:
+    def check(self, op: Operation, info: SandboxInfo, handle: BackendHandle | None = None) -> None:
         """A typed error if ``op`` is illegal in the sandbox's state (a destroyed one that ran
-        out of time: SandboxNotFound saying it expired)."""
-        ended = self.registry.ended_reason(info.sandbox_id) if info.state is State.DESTROYED else ""
-        check(op, info.state, info.sandbox_id, ended)
+        out of time: SandboxNotFound saying it expired; a lost one: SandboxLost naming its node).
+        handle: given, a live sandbox of another node is refused (SandboxStateError): its
+        processes and directories are that node's, never judged or touched from here."""
+        lost = info.state in (State.DESTROYED, State.LOST)
+        ended = self.registry.ended_reason(info.sandbox_id) if lost else ""
+        node = self.registry.node_of(info.sandbox_id) if info.state is State.LOST else ""
+        check(op, info.state, info.sandbox_id, ended, node)
+        if handle is not None and handle.node != self.node and info.state is not State.PAUSED:
+            raise SandboxStateError(
+                f"sandbox {info.sandbox_id} runs on node {handle.node or '(none)'!r}, not on this one "
+                f"({self.node or '(none)'!r})",
+                info.sandbox_id,
+            )
 
     def paused_error(self, sandbox_id: str) -> SandboxPaused:
         """The error for an operation on a paused sandbox that does not resume by itself."""
@@ -618,7 +642,7 @@ class Engine:
         info, handle = self.info(sandbox_id)
         if info.state is State.PAUSED:
             raise self.paused_error(sandbox_id)
-        self.check(Operation.EXEC, info)
+        self.check(Operation.EXEC, info, handle)
         if info.expires_at <= time.time():
             await self.expire(info)
         self.ensure_daemon()  # a live sandbox has a reaper (one flock probe when it runs)
@@ -659,7 +683,7 @@ class Engine:
     def set_timeout(self, sandbox_id: str, timeout: float) -> float:
         timeout = validate_timeout(timeout)
         info, _ = self.info(sandbox_id)
-        check(Operation.SET_TIMEOUT, info.state, sandbox_id)
+        self.check(Operation.SET_TIMEOUT, info)
         expires = time.time() + timeout
         self.registry.set_expiry(sandbox_id, expires)
         self.ensure_daemon()  # someone must enforce the new deadline
@@ -674,7 +698,7 @@ class Engine:
         """
         policy = Policy.of(network)
         info, handle = self.info(sandbox_id)
-        check(Operation.EXEC, info.state, sandbox_id)
+        self.check(Operation.EXEC, info, handle)
         egress.check_tier(self, info.tier, policy)
         if self.registry.link(sandbox_id) is not None:
             self.registry.set_policy(sandbox_id, policy.to_json())
@@ -703,7 +727,7 @@ class Engine:
     async def sample(self) -> None:
         """One memory/cpu reading of every live sandbox, folded into its meter (the daemon's job)."""
         readings = []
-        for info, handle in self.registry.list(include_pooled=True):
+        for info, handle in self.registry.list(include_pooled=True, local=True):
             if info.state is State.CREATING:
                 continue
             try:
@@ -718,7 +742,7 @@ class Engine:
         """The user's cost of a sandbox so far (or final, once it ended)."""
         info, handle = self.info(sandbox_id)
         if info.state is not State.DESTROYED:
-            check(Operation.METRICS, info.state, sandbox_id)
+            self.check(Operation.METRICS, info, handle)
             await self._read_meters(info, handle, session)
         return self._metrics(info)
 
@@ -779,8 +803,14 @@ class Engine:
         info, handle = self.info(sandbox_id)
         if info.state is State.DESTROYED:
             return False
-        check(Operation.DESTROY, info.state, sandbox_id)
+        self.check(Operation.DESTROY, info, None if info.state is State.LOST else handle)
         self.command_log.flush()  # its records are written before it is seen to end
+        if info.state is State.LOST:  # its runtime died with its node: only its records end here
+            self.registry.drop_link(sandbox_id)
+            self.registry.set_state(sandbox_id, State.DESTROYED, reason)
+            self.registry.finalize(sandbox_id)
+            self._forget_auto_snapshots(info)
+            return True
         if info.state is not State.PAUSED:
             await self._read_meters(info, handle, None)  # last readings before the cgroup goes
         if info.state is not State.PAUSED or Path(handle.state_dir).exists():  # paused: leftovers only
@@ -788,15 +818,18 @@ class Engine:
         await egress.release(self, sandbox_id)
         self.registry.set_state(sandbox_id, State.DESTROYED, reason)
         self.registry.finalize(sandbox_id)
+        self._forget_auto_snapshots(info)
+        return True
+
+    def _forget_auto_snapshots(self, info: SandboxInfo) -> None:
         if info.lifecycle.pauses:  # what automatic pauses saved of it ends with it
             from warmbox.engine import snapshot
 
-            for snap in self.registry.auto_snapshots_of(sandbox_id):
+            for snap in self.registry.auto_snapshots_of(info.sandbox_id):
                 try:
                     snapshot.delete(self, snap)
                 except WarmboxError:
                     pass
-        return True
 
     async def reap(self) -> builtins.list[str]:
         """Destroy expired sandboxes, failed teardowns and creations whose creator died; first
@@ -808,7 +841,7 @@ class Engine:
         now = time.time()
         reaped += await self._reap_template_vms()
         orphans = {sid for sid, owner in self.registry.creating_with_owner() if owner and not owner_alive(owner)}
-        for info, _ in self.registry.list(include_pooled=True):
+        for info, _ in self.registry.list(include_pooled=True, local=True):
             if info.state in (State.CREATING, State.RETIRING) and info.sandbox_id not in orphans:
                 # its creator lives and will finish or clean up; only a start stuck far beyond
                 # any real one is taken away from it

@@ -44,7 +44,7 @@ from warmbox.errors import (
     TemplateMismatch,
     WarmboxError,
 )
-from warmbox.lifecycle import Operation, check
+from warmbox.lifecycle import Operation
 from warmbox.models import (
     BackendHandle,
     Execution,
@@ -229,7 +229,7 @@ async def snapshot(
 ) -> snaps.SnapshotManifest:
     """Write a snapshot of a running sandbox (it keeps running)."""
     info, handle = engine.info(sandbox_id)
-    check(Operation.SNAPSHOT, info.state, sandbox_id)
+    engine.check(Operation.SNAPSHOT, info, handle)
     caps = engine.backend(info.tier).capabilities()
     if not caps.filesystem_snapshot:
         raise SnapshotUnsupported(f"tier {info.tier!r} cannot take snapshots")
@@ -1087,7 +1087,7 @@ async def resume(
     t0 = time.perf_counter()
     info, _ = engine.info(ref)
     if info.state is not State.PAUSED:
-        check(Operation.RESUME, info.state, ref, engine.registry.ended_reason(ref))
+        engine.check(Operation.RESUME, info)
     record = egress.paused_record(engine, ref)
     secret_map = egress.secrets_for(record, secrets, ref, f"sandbox {ref}")
     m = resolve(engine, ref)

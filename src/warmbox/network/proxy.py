@@ -236,7 +236,7 @@ class Proxy:
         self.keeper = keeper  # to the supervisor, which keeps the registrations for a restart
         self.net = settings.network
         self.approvals = settings.approvals
-        self.registry = Registry(home / "registry.db")
+        self.registry = Registry(home / "registry.db", settings.cluster.node)  # links: this node's
         self.secrets: dict[str, list[tuple[str, Secret]]] = {}  # sandbox -> [(placeholder, secret)]
         self.cas: dict[str, SandboxCA] = {}
         self.approvers: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}

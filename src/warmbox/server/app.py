@@ -75,6 +75,7 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.LimitTooHigh, 422),
     (errors.InvalidArgument, 400),
     (errors.SandboxNotFound, 404),
+    (errors.SandboxLost, 410),
     (errors.PathNotFound, 404),
     (errors.ContextError, 404),
     (errors.PortNotListening, 502),

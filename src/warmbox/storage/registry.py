@@ -33,13 +33,14 @@ from warmbox.errors import (
     VolumeInUse,
     VolumeNotFound,
 )
-from warmbox.lifecycle import LIVE, RESUMING, check_transition
+from warmbox.lifecycle import LIVE, LOSABLE, RESUMING, check_transition
 from warmbox.models import (
     APPROVAL_KINDS,
     COMMAND_KINDS,
     COST_DECISIONS,
     MAX_COMMAND_TEXT,
     NETWORK_DECISIONS,
+    NODE_STATES,
     Approval,
     BackendHandle,
     BudgetStatus,
@@ -48,6 +49,8 @@ from warmbox.models import (
     Lifecycle,
     Limits,
     NetEvent,
+    NodeInfo,
+    NodeUsage,
     PoolEvent,
     Requirements,
     SandboxInfo,
@@ -74,7 +77,7 @@ from warmbox.tiers import canonical_tier
 
 COMMANDS_HEAD = 5_000  # command records a sandbox keeps from its start (its setup) ...
 COMMANDS_TAIL = 5_000  # ... and from its latest (at most 10,000 rows, 40 MiB of text, per sandbox)
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -112,7 +115,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     image_id    TEXT NOT NULL DEFAULT '',
     requirements TEXT NOT NULL DEFAULT '',
     tier_reasons TEXT NOT NULL DEFAULT '[]',
-    tier_rejected TEXT NOT NULL DEFAULT '{}'
+    tier_rejected TEXT NOT NULL DEFAULT '{}',
+    node        TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS snapshots (
     snapshot_id TEXT PRIMARY KEY,
@@ -126,6 +130,21 @@ CREATE TABLE IF NOT EXISTS snapshots (
 CREATE INDEX IF NOT EXISTS snapshots_sandbox ON snapshots(sandbox_id, created_at);
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 CREATE INDEX IF NOT EXISTS sandboxes_tenant ON sandboxes(tenant, state);
+CREATE INDEX IF NOT EXISTS sandboxes_node ON sandboxes(node, state);
+CREATE TABLE IF NOT EXISTS nodes (
+    name         TEXT PRIMARY KEY,
+    address      TEXT NOT NULL DEFAULT '',
+    ray_node_id  TEXT NOT NULL DEFAULT '',
+    epoch        INTEGER NOT NULL DEFAULT 0,
+    state        TEXT NOT NULL DEFAULT 'up',
+    slots        INTEGER NOT NULL DEFAULT 0,
+    memory_mb    INTEGER NOT NULL DEFAULT 0,
+    tiers        TEXT NOT NULL DEFAULT '',
+    joined_at    REAL NOT NULL DEFAULT 0,
+    heartbeat_at REAL NOT NULL DEFAULT 0,
+    pooled       INTEGER NOT NULL DEFAULT 0,
+    live         INTEGER NOT NULL DEFAULT 0
+);
 CREATE TABLE IF NOT EXISTS tenants (
     name          TEXT PRIMARY KEY,
     created_at    REAL NOT NULL,
@@ -204,10 +223,12 @@ CREATE TABLE IF NOT EXISTS meta_text (
 );
 CREATE TABLE IF NOT EXISTS net_links (
     sandbox_id  TEXT PRIMARY KEY,
-    address     TEXT NOT NULL UNIQUE,
+    address     TEXT NOT NULL,
     ifname      TEXT NOT NULL,
     policy      TEXT NOT NULL,
-    updated_at  REAL NOT NULL
+    updated_at  REAL NOT NULL,
+    node        TEXT NOT NULL DEFAULT '',
+    UNIQUE (node, address)
 );
 CREATE TABLE IF NOT EXISTS net_events (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -355,12 +376,19 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     # version 14: a tenant's daily budget (CPU-hours, GiB-hours); usage and approvals (new tables)
     "ALTER TABLE tenants ADD COLUMN budget_cpu_h REAL NOT NULL DEFAULT 0",
     "ALTER TABLE tenants ADD COLUMN budget_gib_h REAL NOT NULL DEFAULT 0",
+    # version 15: the node owning each sandbox ("" = one host), and nodes (a new table, made by
+    # SCHEMA); net_links' address is unique per node (rebuilt by _migrate)
+    "ALTER TABLE sandboxes ADD COLUMN node TEXT NOT NULL DEFAULT ''",
+)
+_NET_LINK_COLUMNS = "sandbox_id, address, ifname, policy, updated_at, node"
+_NODE_COLUMNS = (
+    "name, address, ray_node_id, epoch, state, slots, memory_mb, tiers, joined_at, heartbeat_at, pooled, live"
 )
 _COLUMNS = (
     "sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
     "runtime_id, state_dir, socket_path, pool, claimed_at, parent_snapshot, metadata, "
     "on_timeout, idle_pause_after, auto_resume, template_version, image_id, requirements, tier_reasons, tier_rejected, "
-    "tenant"
+    "tenant, node"
 )
 
 _KEY_TENANT = (
@@ -398,6 +426,9 @@ _USER = (*(s.value for s in LIVE if s not in (State.POOLED, State.RETIRING)), St
 assert set(_HOLDING) == set(HOLDING_STATES), "the uid ledger and the registry must agree on what holds a slot"
 # what counts against a tenant's quotas: sandboxes holding (or about to hold) memory and CPU. A
 # paused one has released its runtime (it is a snapshot until resumed, and the resume counts).
+# a paused sandbox this node looks after (its retention): its own, and those of nodes marked down
+_PAUSED_HERE = "(node=? OR node IN (SELECT name FROM nodes WHERE state='down'))"
+_LOSABLE = tuple(s.value for s in LOSABLE)
 _QUOTA = (State.CREATING.value, State.READY.value, State.RUNNING.value)
 # a volume mounted by a sandbox in one of these states is in use (paused: it is mounted again on
 # resume; failed: its teardown, which unmounts it, is still owed)
@@ -574,14 +605,24 @@ def _net_event_row(e: NetEvent) -> tuple:
 
 
 class Registry:
-    """ledger: where uid slots are claimed (the host-wide one unless a test gives its own).
+    """node: the cluster node this process is ("" = one host): the sandboxes it creates are its,
+    and the queries about what runs here (uid slots in use, network links, pool claims and
+    retirements, the reaper's views) see only its rows: a row of another node is never judged
+    by this host's processes or directories.
+    ledger: where uid slots are claimed (the host-wide one unless a test gives its own).
     check_limits: called with a sandbox's Limits before any row is written (raises to refuse).
     """
 
     def __init__(
-        self, path: Path, *, ledger: UidLedger | None = None, check_limits: Callable[[Limits], None] | None = None
+        self,
+        path: Path,
+        node: str = "",
+        *,
+        ledger: UidLedger | None = None,
+        check_limits: Callable[[Limits], None] | None = None,
     ) -> None:
         self.path = path
+        self.node = node
         self.ledger = ledger if ledger is not None else UidLedger()
         self.check_limits = check_limits
         self._key = str(Path(path).resolve())  # how the ledger names this registry
@@ -605,7 +646,8 @@ class Registry:
     def _adopt(self) -> None:
         """Record in the host ledger the slots this home's sandboxes from before it hold."""
         rows = self._db.execute(
-            f"SELECT sandbox_id, uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)}", _HOLDING
+            f"SELECT sandbox_id, uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)} AND node=?",
+            (*_HOLDING, self.node),
         ).fetchall()
         if any(self.ledger.holder(slot) is None for _, slot in rows):
             with self.ledger.locked() as ledger:
@@ -643,9 +685,18 @@ class Registry:
                 cols = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
                 if cols and column not in cols:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}")
+            link_cols = {r[1] for r in self._db.execute("PRAGMA table_info(net_links)")}
+            if link_cols and "node" not in link_cols:  # version 15: address unique per node, not globally
+                self._db.execute("ALTER TABLE net_links RENAME TO net_links_old")
             for stmt in SCHEMA.split(";"):
                 if stmt.strip():
                     self._db.execute(stmt)
+            if link_cols and "node" not in link_cols:
+                self._db.execute(
+                    f"INSERT INTO net_links ({_NET_LINK_COLUMNS}) "
+                    "SELECT sandbox_id, address, ifname, policy, updated_at, '' FROM net_links_old"
+                )
+                self._db.execute("DROP TABLE net_links_old")
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self._db.execute("COMMIT")
         except BaseException:
@@ -713,7 +764,10 @@ class Registry:
             if tenant is not None:
                 self._check_quota(db, tenant, tier, limits.memory_mb, limits.cpus)
             used = {
-                r[0] for r in db.execute(f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)}", _HOLDING)
+                r[0]
+                for r in db.execute(
+                    f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)} AND node=?", (*_HOLDING, self.node)
+                )
             }
             slot = ledger.claim(self._key, sandbox_id, skip=used, check=self._holds)
             try:
@@ -721,7 +775,7 @@ class Registry:
                     "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, "
                     "memory_mb, cpus, pids, uid_slot, runtime_id, state_dir, socket_path, pool, owner, shape, "
                     "file_size_mb, open_files, tmp_mb, disk_mb, tenant, timeout_s, last_used, template_version, "
-                    "image_id) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    "image_id, node) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (
                         sandbox_id,
                         tier,
@@ -748,6 +802,7 @@ class Registry:
                         now,
                         template_version,
                         image_id,
+                        self.node,
                     ),
                 )
                 db.execute(
@@ -764,7 +819,8 @@ class Registry:
         self, sandbox_id: str, timeout_s: float, limits: Limits, *, owner: str = "", tenant: Tenant | None = None
     ) -> int:
         """Take a paused sandbox back to ``creating`` under its own id (a resume): a uid slot free
-        on the whole host, a new deadline, its meters open again; returns the slot.
+        on the whole host, a new deadline, its meters open again; returns the slot. It becomes
+        this registry's node's (a sandbox paused on one node resumes on any).
 
         Exactly one caller wins (SandboxStateError for the others: it is no longer paused).
         limits: the snapshot's, checked (check_limits) first, as at an allocate: maxima lowered
@@ -786,14 +842,17 @@ class Registry:
                 self._check_quota(db, tenant, row[1], row[2], row[3])
             ledger.release(row[4], self._key, sandbox_id)  # its old range (released by its pause)
             used = {
-                r[0] for r in db.execute(f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)}", _HOLDING)
+                r[0]
+                for r in db.execute(
+                    f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)} AND node=?", (*_HOLDING, self.node)
+                )
             }
             slot = ledger.claim(self._key, sandbox_id, skip=used, check=self._holds)
             try:
                 db.execute(
                     "UPDATE sandboxes SET state=?, uid_slot=?, expires_at=?, owner=?, ended_at=0, "
-                    "timeout_s=?, last_used=? WHERE sandbox_id=?",
-                    (State.CREATING.value, slot, now + timeout_s, owner, timeout_s, now, sandbox_id),
+                    "timeout_s=?, last_used=?, node=? WHERE sandbox_id=?",
+                    (State.CREATING.value, slot, now + timeout_s, owner, timeout_s, now, self.node, sandbox_id),
                 )
                 db.execute(
                     "INSERT INTO transitions VALUES (?,?,?,?,?)",
@@ -856,13 +915,14 @@ class Registry:
         usable = (State.READY.value, State.RUNNING.value)
         rows = self._read(
             f"SELECT sandbox_id FROM sandboxes WHERE state IN {_in(usable)} AND idle_pause_after>0 "
-            "AND last_used+idle_pause_after<=? AND expires_at>? ORDER BY created_at",
-            (*usable, now, now),
+            "AND last_used+idle_pause_after<=? AND expires_at>? AND node=? ORDER BY created_at",
+            (*usable, now, now, self.node),
             many=True,
         )
         old = self._read(
-            "SELECT sandbox_id FROM sandboxes WHERE state=? AND ended_at>0 AND ended_at+?<=? ORDER BY ended_at",
-            (State.PAUSED.value, retention_s, now),
+            f"SELECT sandbox_id FROM sandboxes WHERE state=? AND ended_at>0 AND ended_at+?<=? AND {_PAUSED_HERE} "
+            "ORDER BY ended_at",
+            (State.PAUSED.value, retention_s, now, self.node),
             many=True,
         )
         return [r[0] for r in rows], [r[0] for r in old]
@@ -872,11 +932,12 @@ class Registry:
         usable = (State.READY.value, State.RUNNING.value)
         idle = self._read(
             "SELECT MIN(last_used+idle_pause_after) FROM sandboxes "
-            f"WHERE state IN {_in(usable)} AND idle_pause_after>0",
-            usable,
+            f"WHERE state IN {_in(usable)} AND idle_pause_after>0 AND node=?",
+            (*usable, self.node),
         )
         paused = self._read(
-            "SELECT MIN(ended_at+?) FROM sandboxes WHERE state=? AND ended_at>0", (retention_s, State.PAUSED.value)
+            f"SELECT MIN(ended_at+?) FROM sandboxes WHERE state=? AND ended_at>0 AND {_PAUSED_HERE}",
+            (retention_s, State.PAUSED.value, self.node),
         )
         found = [v for v in (idle[0] if idle else None, paused[0] if paused else None) if v is not None]
         return min(found) if found else None
@@ -971,9 +1032,9 @@ class Registry:
         now = time.time()
         with self._tx() as db:
             row = db.execute(
-                "SELECT sandbox_id FROM sandboxes WHERE pool=? AND shape=? AND state=? AND expires_at>? "
+                "SELECT sandbox_id FROM sandboxes WHERE pool=? AND shape=? AND state=? AND expires_at>? AND node=? "
                 "ORDER BY created_at LIMIT 1",
-                (pool, shape, State.POOLED.value, now + 1),
+                (pool, shape, State.POOLED.value, now + 1, self.node),
             ).fetchone()
             db.execute("UPDATE pool_state SET last_demand_at=? WHERE name=?", (now, pool))
             if row is None:
@@ -1024,17 +1085,19 @@ class Registry:
         limit: at most this many, oldest first. Returns their ids; the caller destroys them.
         """
         now = time.time()
-        probe = "SELECT 1 FROM sandboxes WHERE pool=? AND state=?" + (" AND shape<>?" if keep_shape is not None else "")
+        probe = "SELECT 1 FROM sandboxes WHERE pool=? AND state=? AND node=?" + (
+            " AND shape<>?" if keep_shape is not None else ""
+        )
         if (
             self._db.execute(
-                probe, (pool, State.POOLED.value, *(() if keep_shape is None else (keep_shape,)))
+                probe, (pool, State.POOLED.value, self.node, *(() if keep_shape is None else (keep_shape,)))
             ).fetchone()
             is None
         ):
             return []  # the common case, without a write transaction
         with self._tx() as db:
-            q = "SELECT sandbox_id FROM sandboxes WHERE pool=? AND state=?"
-            args: list = [pool, State.POOLED.value]
+            q = "SELECT sandbox_id FROM sandboxes WHERE pool=? AND state=? AND node=?"
+            args: list = [pool, State.POOLED.value, self.node]
             if keep_shape is not None:
                 q += " AND shape<>?"
                 args.append(keep_shape)
@@ -1074,12 +1137,16 @@ class Registry:
         tenant: str | None = None,
         states: tuple[State, ...] | None = None,
         metadata: dict[str, str] | None = None,
+        local: bool = False,
     ) -> list[tuple[SandboxInfo, BackendHandle]]:
         """tenant: only that tenant's sandboxes (None: everyone's). states: only these (instead of
         the live ones, or all with include_dead). metadata: only those whose metadata holds every
-        one of these pairs."""
+        one of these pairs. local: only this node's (else every node's)."""
         where: builtins.list[str] = []
         args: builtins.list[object] = []
+        if local:
+            where.append("node=?")
+            args.append(self.node)
         if states is not None:
             values = tuple(s.value for s in states)
             where.append(f"state IN {_in(values)}" if values else "0")
@@ -1100,20 +1167,27 @@ class Registry:
         return out
 
     def holding(self) -> builtins.list[tuple[SandboxInfo, BackendHandle]]:
-        """Live sandboxes (pooled too) plus failed ones whose teardown is still owed."""
+        """This node's live sandboxes (pooled too) plus failed ones whose teardown is still owed."""
         rows = self._db.execute(
-            f"SELECT {_COLUMNS} FROM sandboxes WHERE state IN {_in(_HOLDING)} ORDER BY created_at", _HOLDING
+            f"SELECT {_COLUMNS} FROM sandboxes WHERE state IN {_in(_HOLDING)} AND node=? ORDER BY created_at",
+            (*_HOLDING, self.node),
         ).fetchall()
         return [self._row(r) for r in rows]
 
     def paused_with_owner(self) -> builtins.list[tuple[str, str]]:
-        rows = self._read("SELECT sandbox_id, owner FROM sandboxes WHERE state=?", (State.PAUSED.value,), many=True)
+        """This node's paused sandboxes, with the tag of the process still releasing each ("": none)."""
+        rows = self._read(
+            "SELECT sandbox_id, owner FROM sandboxes WHERE state=? AND node=?",
+            (State.PAUSED.value, self.node),
+            many=True,
+        )
         return [(r[0], r[1]) for r in rows]
 
     def creating_with_owner(self) -> builtins.list[tuple[str, str]]:
-        """Sandboxes some process is creating or retiring right now, with that process's tag."""
+        """This node's sandboxes some process is creating or retiring right now, with that process's tag."""
         rows = self._db.execute(
-            "SELECT sandbox_id, owner FROM sandboxes WHERE state IN (?,?)", (State.CREATING.value, State.RETIRING.value)
+            "SELECT sandbox_id, owner FROM sandboxes WHERE state IN (?,?) AND node=?",
+            (State.CREATING.value, State.RETIRING.value, self.node),
         ).fetchall()
         return [(r[0], r[1]) for r in rows]
 
@@ -1146,6 +1220,7 @@ class Registry:
             tier_reasons,
             tier_rejected,
             tenant,
+            node,
         ) = r
         info = SandboxInfo(
             sandbox_id=sid,
@@ -1180,6 +1255,7 @@ class Registry:
             state_dir=state_dir,
             socket_path=socket_path,
             uid_base=UID_BASE + slot * UID_RANGE,
+            node=node,
         )
         return info, handle
 
@@ -1199,6 +1275,142 @@ class Registry:
     def set_meta_text(self, key: str, value: str) -> None:
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO meta_text VALUES (?,?)", (key, value))
+
+    # ---- nodes (a cluster: every node and the API tier share this registry)
+
+    def join_node(self, info: NodeInfo) -> int:
+        """Record ``info.name`` as up with what it offers (its epoch, joined_at, heartbeat_at,
+        pooled and live as given are ignored); returns its new epoch, one past any it had: a
+        process of its previous life heartbeating with the old epoch is fenced."""
+        _node_name(info.name)
+        now = time.time()
+        with self._tx() as db:
+            row = db.execute("SELECT epoch FROM nodes WHERE name=?", (info.name,)).fetchone()
+            epoch = (row[0] if row else 0) + 1
+            db.execute(
+                f"INSERT INTO nodes ({_NODE_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,0,0) ON CONFLICT (name) DO UPDATE "
+                "SET address=excluded.address, ray_node_id=excluded.ray_node_id, epoch=excluded.epoch, "
+                "state=excluded.state, slots=excluded.slots, memory_mb=excluded.memory_mb, tiers=excluded.tiers, "
+                "joined_at=excluded.joined_at, heartbeat_at=excluded.heartbeat_at, pooled=0, live=0",
+                (
+                    info.name,
+                    info.address,
+                    info.ray_node_id,
+                    epoch,
+                    "up",
+                    max(0, int(info.slots)),
+                    max(0, int(info.memory_mb)),
+                    ",".join(info.tiers),
+                    now,
+                    now,
+                ),
+            )
+        return epoch
+
+    def heartbeat(self, name: str, epoch: int, live: int, pooled: int) -> bool:
+        """A node says it is alive, with its live and pooled sandbox counts. False: it is fenced
+        (marked down, or rejoined under a newer epoch): that process must stop serving and exit."""
+        with self._tx() as db:
+            n = db.execute(
+                "UPDATE nodes SET heartbeat_at=?, live=?, pooled=? WHERE name=? AND epoch=? AND state<>'down'",
+                (time.time(), max(0, int(live)), max(0, int(pooled)), name, epoch),
+            ).rowcount
+        return n == 1
+
+    def nodes(self) -> builtins.list[NodeInfo]:
+        """Every node that ever joined (down ones too), by name."""
+        rows = self._read(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY name", many=True)
+        return [
+            NodeInfo(r[0], r[1], r[2], r[3], r[4], r[5], r[6], _split(r[7]), r[8], r[9], r[10], r[11]) for r in rows
+        ]
+
+    def node_usage(self) -> builtins.list[NodeUsage]:
+        """Per node with any: its live sandboxes, their memory, its pooled ones by pool (by name)."""
+        busy = (State.CREATING.value, State.RETIRING.value, State.READY.value, State.RUNNING.value)
+        rows = self._read(
+            f"SELECT node, COUNT(*), COALESCE(SUM(memory_mb),0) FROM sandboxes WHERE state IN {_in(busy)} "
+            "GROUP BY node",
+            busy,
+            many=True,
+        )
+        pools = self._read(
+            "SELECT node, pool, COUNT(*) FROM sandboxes WHERE state=? GROUP BY node, pool ORDER BY node, pool",
+            (State.POOLED.value,),
+            many=True,
+        )
+        live = {r[0]: (int(r[1]), int(r[2])) for r in rows}
+        pooled: dict[str, builtins.list[tuple[str, int]]] = {}
+        for node, pool, n in pools:
+            pooled.setdefault(node, []).append((pool, int(n)))
+        return [
+            NodeUsage(node, *live.get(node, (0, 0)), tuple(pooled.get(node, ())))
+            for node in sorted(set(live) | set(pooled))
+        ]
+
+    def node_of(self, sandbox_id: str) -> str:
+        """The node that owns a sandbox ("" = one host); SandboxNotFound if there is no such row."""
+        row = self._read("SELECT node FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
+        if row is None:
+            raise unknown_sandbox(sandbox_id)
+        return row[0]
+
+    def set_node_state(self, name: str, state: str) -> None:
+        """Set a node up or draining (a draining node takes no new sandboxes). "down" is
+        :meth:`mark_node_down`: no live sandbox stays on a node that is down."""
+        if state not in NODE_STATES:
+            raise InvalidArgument(f"a node state is one of {', '.join(NODE_STATES)}, got {state!r}")
+        if state == "down":
+            self.mark_node_down(name, "set down")
+            return
+        with self._tx() as db:
+            if db.execute("UPDATE nodes SET state=? WHERE name=?", (state, name)).rowcount != 1:
+                raise InvalidArgument(f"no node {name!r}")
+
+    def mark_node_down(self, name: str, reason: str) -> builtins.list[str]:
+        """Node ``name`` is gone (Ray lost it, its heartbeat stopped, it left): its epoch is bumped
+        (its process, if it still runs, is fenced at its next heartbeat), its creating, pooled,
+        retiring, ready and running sandboxes become ``lost`` with ``reason``; returns their ids.
+        Its paused sandboxes stay paused (their snapshots are in the shared store): any node
+        resumes them. A node that never joined gets a row, down."""
+        _node_name(name)
+        reason = f"node {name} down: {reason}"[:_MAX_APPROVAL_TEXT]
+        now = time.time()
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO nodes (name, epoch, state) VALUES (?,1,'down') ON CONFLICT (name) DO UPDATE "
+                "SET epoch=nodes.epoch+1, state='down'",
+                (name,),
+            )
+            rows = db.execute(
+                f"SELECT sandbox_id, state FROM sandboxes WHERE node=? AND state IN {_in(_LOSABLE)} "
+                "ORDER BY created_at",
+                (name, *_LOSABLE),
+            ).fetchall()
+            for sid, old in rows:
+                db.execute(
+                    "UPDATE sandboxes SET state=?, ended_at=?, owner='' WHERE sandbox_id=?",
+                    (State.LOST.value, now, sid),
+                )
+                db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)", (sid, now, old, State.LOST.value, reason))
+            # a pause its process did not finish releasing: that process is gone with the node
+            db.execute(
+                "UPDATE sandboxes SET owner='' WHERE node=? AND state=?",
+                (name, State.PAUSED.value),
+            )
+            db.execute("DELETE FROM net_links WHERE node=?", (name,))
+        return [r[0] for r in rows]
+
+    def move(self, sandbox_id: str, node: str) -> None:
+        """Give a paused sandbox to ``node`` (the one resuming it). SandboxStateError if it is
+        not paused: a running sandbox's processes cannot move."""
+        _node_name(node, empty=True)
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
+            if row is None:
+                raise unknown_sandbox(sandbox_id)
+            if row[0] != State.PAUSED.value:
+                raise SandboxStateError(f"sandbox {sandbox_id} is {row[0]}, not paused: it cannot move", sandbox_id)
+            db.execute("UPDATE sandboxes SET node=? WHERE sandbox_id=?", (node, sandbox_id))
 
     # ---- snapshots
 
@@ -1955,22 +2167,24 @@ class Registry:
             db.execute("UPDATE pool_state SET events_seen=? WHERE name=?", (seen, pool))
 
     def pool_counts(self, pool: str, shape: str | None = None) -> tuple[int, int]:
-        """(pooled, of ``shape`` if given, and not expiring within a second; being created)."""
+        """This node's (pooled, of ``shape`` if given, and not expiring within a second; being created)."""
         now = time.time()
-        q = "SELECT COUNT(*) FROM sandboxes WHERE pool=? AND state=? AND expires_at>?"
-        args: list = [pool, State.POOLED.value, now + 1]
+        q = "SELECT COUNT(*) FROM sandboxes WHERE pool=? AND state=? AND expires_at>? AND node=?"
+        args: list = [pool, State.POOLED.value, now + 1, self.node]
         if shape is not None:
             q += " AND shape=?"
             args.append(shape)
         ready = self._db.execute(q, args).fetchone()[0]
         warming = self._db.execute(
-            "SELECT COUNT(*) FROM sandboxes WHERE pool=? AND state=?", (pool, State.CREATING.value)
+            "SELECT COUNT(*) FROM sandboxes WHERE pool=? AND state=? AND node=?",
+            (pool, State.CREATING.value, self.node),
         ).fetchone()[0]
         return ready, warming
 
     def pooled(self, pool: str) -> builtins.list[str]:
         rows = self._db.execute(
-            "SELECT sandbox_id FROM sandboxes WHERE pool=? AND state=? ORDER BY created_at", (pool, State.POOLED.value)
+            "SELECT sandbox_id FROM sandboxes WHERE pool=? AND state=? AND node=? ORDER BY created_at",
+            (pool, State.POOLED.value, self.node),
         ).fetchall()
         return [r[0] for r in rows]
 
@@ -1992,8 +2206,8 @@ class Registry:
     def set_link(self, sandbox_id: str, address: str, ifname: str, policy: str) -> None:
         with self._tx() as db:
             db.execute(
-                "INSERT OR REPLACE INTO net_links VALUES (?,?,?,?,?)",
-                (sandbox_id, address, ifname, policy, time.time()),
+                f"INSERT OR REPLACE INTO net_links ({_NET_LINK_COLUMNS}) VALUES (?,?,?,?,?,?)",
+                (sandbox_id, address, ifname, policy, time.time(), self.node),
             )
 
     def set_policy(self, sandbox_id: str, policy: str) -> bool:
@@ -2010,11 +2224,11 @@ class Registry:
         return self._read("SELECT address, ifname, policy FROM net_links WHERE sandbox_id=?", (sandbox_id,))
 
     def link_by_address(self, address: str) -> tuple[str, str] | None:
-        """(sandbox_id, policy json) of the live sandbox holding ``address``."""
+        """(sandbox_id, policy json) of this node's live sandbox holding ``address``."""
         return self._read(
             "SELECT l.sandbox_id, l.policy FROM net_links l JOIN sandboxes s USING (sandbox_id) "
-            "WHERE l.address=? AND s.state NOT IN ('destroyed','failed')",
-            (address,),
+            "WHERE l.address=? AND l.node=? AND s.state NOT IN ('destroyed','failed','lost')",
+            (address, self.node),
         )
 
     def drop_link(self, sandbox_id: str) -> None:
@@ -2022,9 +2236,11 @@ class Registry:
             db.execute("DELETE FROM net_links WHERE sandbox_id=?", (sandbox_id,))
 
     def live_links(self) -> int:
+        """How many of this node's sandboxes have a network link (the egress proxy runs for them)."""
         return self._read(
             "SELECT COUNT(*) FROM net_links l JOIN sandboxes s USING (sandbox_id) "
-            "WHERE s.state NOT IN ('destroyed','failed')"
+            "WHERE l.node=? AND s.state NOT IN ('destroyed','failed','lost')",
+            (self.node,),
         )[0]
 
     def add_net_event(self, e: NetEvent) -> int:
@@ -2357,6 +2573,17 @@ def _approval(r: tuple, now: float) -> Approval:
     if state == "pending" and (r[7] <= now or (r[12] and not owner_alive(r[12]))):
         state = "timed_out"
     return Approval(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], state, r[9], r[10], r[11])
+
+
+_NODE_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # as config's [cluster] node
+
+
+def _node_name(name: object, *, empty: bool = False) -> None:
+    if isinstance(name, str) and ((empty and name == "") or _NODE_NAME.match(name)):
+        return
+    raise InvalidArgument(
+        f"a node name is 1-63 lower-case letters, digits and '-' (not starting with '-'), got {name!r}"
+    )
 
 
 def _split(tiers: str) -> tuple[str, ...]:

@@ -237,7 +237,9 @@ def row_holds(row: tuple | None, slot: int) -> bool:
         return False
     if state in HOLDING_STATES:
         return True
-    return state == "paused" and Path(state_dir).exists()  # its release did not finish yet
+    # paused: its release did not finish yet; lost (its node marked down while it ran on this
+    # host): the node's reconcile has not torn it down yet
+    return state in ("paused", "lost") and Path(state_dir).exists()
 
 
 def _slots_with_processes() -> set[int]:
