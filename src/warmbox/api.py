@@ -160,9 +160,15 @@ ROUTES: tuple[Route, ...] = (
         f"{PREFIX}/approvals/{{approval_id}}",
         summary="Answer an approval question (once)",
     ),
+    Route(Op.NODE_DRAIN, "POST", f"{PREFIX}/nodes/{{name}}/drain", summary="Drain a cluster node (admin)"),
 )
 
 BY_OP: dict[Op, Route] = {r.op: r for r in ROUTES}
+
+# Not operations: a process's health (it runs) and readiness (it can serve: for a cluster's API
+# tier, its registry answers and at least one node is up), for load balancers and orchestrators.
+HEALTHZ = "/healthz"
+READYZ = "/readyz"
 
 # Not operations: the approval questions of a sandbox's egress proxy (on_unknown="ask"), as a
 # stream of questions and one answer per question.

@@ -59,7 +59,11 @@ WarmboxError
 ├── RateLimited                         too many requests for the key (``retry_after`` seconds)
 ├── ConnectionLost                      the connection to the server failed or dropped mid-operation
 └── ClusterError                        something about a warmbox cluster (its nodes, placement, routing)
-    └── NoCapacity                      no node can take a create now (``rejected``: each node, why not)
+    ├── NoCapacity                      no node can take a create now (``rejected``: each node, why not)
+    └── NodeError                       something about one node (``node``: its name)
+        ├── NodeNotFound (LookupError)  no node of that name in the cluster's registry
+        ├── DrainRefused                a drain of the last node up, or of a node that is down
+        └── NotACluster                 a cluster operation (a drain) sent to a single host's server
 """
 
 from __future__ import annotations
@@ -420,3 +424,25 @@ class NoCapacity(ClusterError):
     def __init__(self, message: str, rejected: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.rejected = rejected
+
+
+class NodeError(ClusterError):
+    """Something about one node of a cluster; ``node``: its name."""
+
+    def __init__(self, message: str, node: str = "") -> None:
+        super().__init__(message)
+        self.node = node
+
+
+class NodeNotFound(NodeError, LookupError):
+    """No node of that name in the cluster's registry (HTTP 404)."""
+
+
+class DrainRefused(NodeError):
+    """A drain that cannot be done: the node is the last one up (its sandboxes would have nowhere
+    to go), or it is already down (HTTP 409). Nothing was changed."""
+
+
+class NotACluster(NodeError):
+    """A cluster operation (draining a node) sent to a server that is not a cluster's API tier
+    (``warmbox serve --cluster``) (HTTP 422)."""

@@ -135,6 +135,7 @@ class Op(str, enum.Enum):
     EXPORT = "export"
     APPROVALS_LIST = "approvals.list"
     APPROVAL_ANSWER = "approvals.answer"
+    NODE_DRAIN = "nodes.drain"
 
 
 class Request(Generic[R]):
@@ -953,6 +954,33 @@ class ApprovalAnswer(Request[Approval]):
     decision: str
 
 
+# ---- cluster nodes (the API tier of a cluster, ``warmbox serve --cluster``; a single host refuses them)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainReport:
+    """What a node drain did: the sandboxes moved to other nodes (paused there, resumed here: the
+    same ids, files and code-context state kept), those already paused (left paused: any node
+    resumes them), those it could not move (``failed``: "id: why"), and the node's state after."""
+
+    node: str
+    moved: tuple[str, ...]
+    paused: tuple[str, ...]
+    failed: tuple[str, ...]
+    state: str
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeDrain(Request[DrainReport]):
+    """Take a node out of service (admin): no new sandbox is placed on it; each of its live
+    sandboxes is paused and resumed on another node; then it is marked down. DrainRefused for the
+    last node that is up; NodeNotFound for an unknown name. timeout: seconds for the whole drain."""
+
+    op: ClassVar[Op] = Op.NODE_DRAIN
+    name: str
+    timeout: float = 600.0
+
+
 REQUESTS: dict[Op, type[Request[Any]]] = {
     cls.op: cls
     for cls in (
@@ -1018,5 +1046,6 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         Export,
         ApprovalsList,
         ApprovalAnswer,
+        NodeDrain,
     )
 }

@@ -37,6 +37,7 @@ from warmbox.errors import (
     Forbidden,
     GuestConnectionError,
     InvalidArgument,
+    NotACluster,
     SandboxNotFound,
     SandboxPaused,
     TemplateInUse,
@@ -419,6 +420,7 @@ class EngineFront:
             ops.Export: self.export,
             ops.ApprovalsList: self.approvals_list,
             ops.ApprovalAnswer: self.approval_answer,
+            ops.NodeDrain: self.node_drain,
         }
 
     async def handle(self, request: ops.Request[R]) -> R:
@@ -557,6 +559,8 @@ class EngineFront:
             raise Forbidden(f"template gc is for admin keys; tenant {tenant.name!r}'s key is not one")
         elif isinstance(request, ops.PoolsResize) and not tenant.admin:
             raise Forbidden(f"resizing a pool is for admin keys; tenant {tenant.name!r}'s key is not one")
+        elif isinstance(request, ops.NodeDrain) and not tenant.admin:
+            raise Forbidden(f"draining a node is for admin keys; tenant {tenant.name!r}'s key is not one")
 
     def _own(self, sandbox_id: object) -> None:
         """Pass if the sandbox is this front's tenant's; otherwise the error of an unknown id."""
@@ -1234,6 +1238,13 @@ class EngineFront:
         if answered.kind == "network":  # the egress proxy waits for it: it looks at once
             await egress.approval_answered(self.engine.home, answered.approval_id)
         return answered
+
+    async def node_drain(self, r: ops.NodeDrain) -> ops.DrainReport:
+        raise NotACluster(
+            f"this server runs one host's engine: drain node {r.name!r} through the cluster's API tier "
+            "(warmbox serve --cluster)",
+            node=r.name if isinstance(r.name, str) else "",
+        )
 
     # ---- named volumes (the tenant's own; the host's front: the host's, tenant "")
 
