@@ -144,3 +144,22 @@ def test_listen_refuses_clear_text_off_loopback():
     with pytest.raises(ConfigError, match="without TLS"):
         check_listen(ServerSettings(host="0.0.0.0"))
     check_listen(ServerSettings(host="0.0.0.0", tls_cert="c.pem", tls_key="k.pem"))
+
+
+def test_health_and_readiness_need_no_key_and_say_nothing_of_tenants(client, engine):
+    r = client.get("/healthz")
+    assert r.status_code == 200 and r.json() == {"ok": True}
+    r = client.get("/readyz")
+    assert r.status_code == 200 and r.json() == {"ok": True}
+    client.app.state.service.stopping = True  # SIGTERM: load balancers stop sending while it finishes
+    r = client.get("/readyz")
+    assert r.status_code == 503 and r.json() == {"ok": False, "reason": "shutting down"}
+
+
+def test_a_node_drain_on_one_host_is_a_typed_refusal(client, engine):
+    _, plain = engine.registry.create_key("acme")
+    _, admin = engine.registry.create_key("ops", admin=True)
+    r = client.post("/v1/nodes/n1/drain", headers={"Authorization": f"Bearer {plain}"}, json={})
+    assert r.status_code == 403 and _error(r) == "forbidden"
+    r = client.post("/v1/nodes/n1/drain", headers={"Authorization": f"Bearer {admin}"}, json={})
+    assert r.status_code == 422 and _error(r) == "not_a_cluster" and r.json()["error"]["node"] == "n1"

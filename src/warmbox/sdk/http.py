@@ -288,12 +288,14 @@ class HttpTransport:
         *,
         verify: bool | str | ssl.SSLContext = True,
         connect_timeout: float = 10.0,
+        headers: collections.abc.Mapping[str, str] | None = None,
     ) -> None:
         url = api_url or default_url()
         if not url:
             raise InvalidArgument("api_url (or WARMBOX_API_URL) is required for the HTTP transport")
         key = api_key if api_key is not None else os.environ.get("WARMBOX_API_KEY")
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._headers.update(headers or {})  # sent with every request (a cluster's router: who the caller is)
         if url.startswith("unix:"):
             self._uds: str | None = url[5:]
             self._base = "http://warmbox"

@@ -20,7 +20,7 @@ import logging
 import secrets as _secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -43,6 +43,7 @@ from warmbox.server import tunnel as ports
 from warmbox.server.metrics import Exposition
 
 log = logging.getLogger("warmbox.server")
+R = TypeVar("R")
 MAX_JSON = 16 << 20  # a JSON body (a command's stdin is the largest thing in one)
 HEARTBEAT_S = 15.0  # a blank line on a silent stream this often
 PEER_UID = "warmbox.peer_uid"  # ASGI scope key: the caller's uid on the unix socket (SO_PEERCRED), set
@@ -95,6 +96,10 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.NoCapacity, 503),
     (errors.NoSuitableTier, 422),
     (errors.GuestConnectionError, 502),
+    (errors.NodeNotFound, 404),
+    (errors.DrainRefused, 409),
+    (errors.NotACluster, 422),
+    (errors.ConnectionLost, 502),  # a cluster's router could not reach (or lost) the node
 )
 
 
@@ -138,16 +143,43 @@ class _Pending:
     answer: asyncio.Future[str]
 
 
-class Service:
-    """The state behind the app: the engine, one front per tenant, the limiter, open approvals."""
+class Front(Protocol):
+    """What the server runs an operation on: one host's EngineFront, or a cluster's ClusterFront
+    (warmbox.cluster.router), which forwards it to the node that should run it."""
 
-    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
+    async def handle(self, request: ops.Request[R]) -> R: ...
+
+    async def subscribe_approvals(self, sandbox_id: str, hook: Callable[[ApprovalRequest], object]) -> Any: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Fronts:
+    """Where a server's operations run, when not on this host's engine: ``make(tenant)`` builds a
+    tenant's front; ``ready()`` is "" when the server can serve, else why not (``/readyz``);
+    ``start``/``stop`` run with the app (a cluster's monitor)."""
+
+    make: Callable[[Tenant | None], Front]
+    ready: Callable[[], str]
+    start: Callable[[], Awaitable[None]]
+    stop: Callable[[], Awaitable[None]]
+
+
+class Service:
+    """The state behind the app: the engine, one front per tenant, the limiter, open approvals.
+
+    fronts: a cluster's (the engine then only authenticates: its registry is the cluster's)."""
+
+    def __init__(self, engine: Engine, settings: ServerSettings, fronts: Fronts | None = None) -> None:
         self.engine = engine
         self.settings = settings
+        self.fronts = fronts
+        self.stopping = False  # SIGTERM: /readyz says so while the last requests finish
         self.peers = dict(settings.peers)
         self.approval_timeout_s = engine.settings().network.approval_timeout_s + 1  # the proxy's wait, and a margin
         self.limiter = RateLimiter()
-        self._fronts: dict[tuple[str, bool], EngineFront] = {}
+        self._fronts: dict[tuple[str, bool, str], Front] = {}
         self._pending: dict[str, _Pending] = {}
         # /metrics: the registry's aggregates read on a connection of their own, and the HTTP counters
         self.exposition = (
@@ -156,15 +188,33 @@ class Service:
             else None
         )
 
-    def front(self, tenant: Tenant | None) -> EngineFront:
+    def front(self, tenant: Tenant | None) -> Front:
         """The front of a tenant (None: the host's root, which sees every sandbox)."""
         # a front per tenant and admin flag (the flag is a key's, not the tenant's); never mutated, so
         # one request's key cannot lend its rights to another's. Quotas are re-read at each start.
-        name = ("", True) if tenant is None else (tenant.name, tenant.admin)
+        # A cluster's front also tells the node the key's id, so it is one per key there.
+        if tenant is None:
+            name = ("", True, "")
+        else:
+            name = (tenant.name, tenant.admin, tenant.key_id if self.fronts is not None else "")
         f = self._fronts.get(name)
         if f is None:
-            f = self._fronts[name] = EngineFront(self.engine, tenant=tenant)
+            f = self._fronts[name] = (
+                EngineFront(self.engine, tenant=tenant) if self.fronts is None else self.fronts.make(tenant)
+            )
         return f
+
+    def ready(self) -> str:
+        """ "" when this server can take requests (/readyz), else why not."""
+        if self.stopping:
+            return "shutting down"
+        if self.fronts is not None:
+            return self.fronts.ready()
+        try:
+            self.engine.registry.sandbox_tenant("sb-000000000000")  # one indexed read
+        except WarmboxError as e:
+            return f"the registry does not answer: {e}"
+        return ""
 
     async def close(self) -> None:
         fronts, self._fronts = self._fronts, {}
@@ -383,7 +433,7 @@ async def _next(queue: asyncio.Queue[tuple[str, object]]) -> tuple[str, object]:
         return ("heartbeat", None)
 
 
-async def _ndjson(front: EngineFront, req: ops.Request[Any], stream: bool) -> Response:
+async def _ndjson(front: Front, req: ops.Request[Any], stream: bool) -> Response:
     """A command or code run: output events while it runs (when asked), then its result or error.
     Errors before anything was sent are a plain error response with the right status."""
     assert isinstance(req, (ops.Exec, ops.RunCode, ops.TemplateBuild))
@@ -445,7 +495,7 @@ async def _ndjson(front: EngineFront, req: ops.Request[Any], stream: bool) -> Re
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
-async def _stream_file(front: EngineFront, req: ops.ReadFileStream | ops.DownloadDir) -> Response:
+async def _stream_file(front: Front, req: ops.ReadFileStream | ops.DownloadDir) -> Response:
     """A file as a chunked raw body. Errors before the first byte are error responses; an error
     after it ends the connection without the closing chunk, so no client takes it as complete."""
     stream = await front.handle(req)
@@ -475,7 +525,7 @@ def _event_line(ev: ProcessEvent) -> bytes:
     return _line({ev.kind: ev.text})
 
 
-async def _stream_process(front: EngineFront, req: ops.ConnectProcess) -> Response:
+async def _stream_process(front: Front, req: ops.ConnectProcess) -> Response:
     """A background process's output as NDJSON events ({"stdout"|"stderr": text}, {"pty": base64},
     {"lost": bytes}), blank heartbeat lines, then {"result": CommandResult} or {"error": ...}. The
     process is not touched when the client goes away."""
@@ -515,7 +565,7 @@ async def _stream_process(front: EngineFront, req: ops.ConnectProcess) -> Respon
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
-async def _watch(front: EngineFront, req: ops.WatchDir) -> Response:
+async def _watch(front: Front, req: ops.WatchDir) -> Response:
     """A directory watch as NDJSON: {"watching": path}, then {"event": FilesystemEvent} lines and
     blank heartbeats, then {"end": null} when the directory goes or {"error": ...}. A slow client
     slows the watch (the bounded queue holds back the acks; the sandbox's kernel drops a flood)."""
@@ -708,7 +758,7 @@ TENANT_KEY = "warmbox.tenant"  # the ASGI scope key where _Authenticated puts th
 class FrontTransport:
     """A tenant's engine front as a Transport (what the server's MCP tools run on)."""
 
-    def __init__(self, front: EngineFront) -> None:
+    def __init__(self, front: Front) -> None:
         self.front = front
 
     async def handle(self, request: ops.Request[Any]) -> Any:
@@ -776,6 +826,8 @@ def routes(service: Service) -> list[BaseRoute]:
     out.append(Route(api.APPROVALS, approvals_endpoint(service), methods=["GET"]))
     out.append(Route(api.APPROVAL_ANSWER, answer_endpoint(service), methods=["POST"]))
     out.append(Route(f"{api.PREFIX}/openapi.json", _openapi, methods=["GET"]))
+    out.append(Route(api.HEALTHZ, _healthz, methods=["GET"]))
+    out.append(Route(api.READYZ, readyz_endpoint(service), methods=["GET"]))
     if service.exposition is not None:
         out.append(Route(api.METRICS, metrics_endpoint(service), methods=["GET"]))
     return out
@@ -796,6 +848,27 @@ def metrics_endpoint(service: Service) -> Callable[[Request], Awaitable[Response
         return Response(body, headers={"Content-Type": content_type})
 
     return scrape
+
+
+# ---- health (no key: what a load balancer or an orchestrator probes; they say nothing about tenants)
+
+
+async def _healthz(request: Request) -> Response:
+    """GET /healthz: the process serves requests (its event loop turns)."""
+    return JSONResponse({"ok": True})
+
+
+def readyz_endpoint(service: Service) -> Callable[[Request], Awaitable[Response]]:
+    """GET /readyz: 200 when requests can be served (the registry answers; a cluster's router: and
+    a node is up), else 503 with the reason; 503 from SIGTERM on, while the last requests finish."""
+
+    async def readyz(request: Request) -> Response:
+        why = await asyncio.to_thread(service.ready)
+        if why:
+            return JSONResponse({"ok": False, "reason": why}, status_code=503)
+        return JSONResponse({"ok": True})
+
+    return readyz
 
 
 async def _openapi(request: Request) -> Response:
@@ -824,10 +897,13 @@ async def _internal(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": {"code": "warmbox_error", "message": "internal server error"}}, status_code=500)
 
 
-def build_app(engine: Engine, settings: ServerSettings, *, mcp: bool = True, console: bool = True) -> Starlette:
+def build_app(
+    engine: Engine, settings: ServerSettings, *, mcp: bool = True, console: bool = True, fronts: Fronts | None = None
+) -> Starlette:
     """The ASGI app over ``engine``: the /v1 routes, MCP (streamable HTTP) at /mcp, and the
-    operator's console at /ui/ (``/`` redirects there)."""
-    service = Service(engine, settings)
+    operator's console at /ui/ (``/`` redirects there). fronts: a cluster's (the operations run on
+    its nodes; ``engine`` only authenticates, on the cluster's registry)."""
+    service = Service(engine, settings, fronts)
     extra: list[BaseRoute] = []
     if console:
         from warmbox.server import console as web_console
@@ -840,6 +916,8 @@ def build_app(engine: Engine, settings: ServerSettings, *, mcp: bool = True, con
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if fronts is not None:
+            await fronts.start()
         try:
             if mcp_running is not None:
                 async with mcp_running():  # a mounted app's own lifespan does not run
@@ -848,6 +926,8 @@ def build_app(engine: Engine, settings: ServerSettings, *, mcp: bool = True, con
                 yield
         finally:
             await service.close()
+            if fronts is not None:
+                await fronts.stop()
 
     app = Starlette(
         routes=routes(service) + extra,
@@ -860,4 +940,4 @@ def build_app(engine: Engine, settings: ServerSettings, *, mcp: bool = True, con
     return app
 
 
-__all__ = ["PEER_UID", "FrontTransport", "RateLimiter", "Service", "build_app", "status_of"]
+__all__ = ["PEER_UID", "Front", "FrontTransport", "Fronts", "RateLimiter", "Service", "build_app", "status_of"]

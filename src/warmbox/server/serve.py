@@ -16,6 +16,7 @@ import socket
 import ssl
 import struct
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,10 @@ import uvicorn
 from uvicorn.config import LOGGING_CONFIG
 
 from warmbox.config import ServerSettings
+from warmbox.engine.engine import Engine
 from warmbox.errors import ConfigError
 from warmbox.paths import runtime_dir
-from warmbox.server.app import PEER_UID, build_app
+from warmbox.server.app import PEER_UID, Fronts, build_app
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -228,10 +230,17 @@ def _ssl_context(settings: ServerSettings) -> ssl.SSLContext | None:
     return ctx
 
 
-async def serve(home: Path, settings: ServerSettings, *, mcp: bool = True) -> None:
-    """Listen until SIGTERM/SIGINT; prints one ``listening`` line with the addresses when ready."""
-    from warmbox.engine.engine import Engine
+async def serve(
+    home: Path,
+    settings: ServerSettings,
+    *,
+    mcp: bool = True,
+    fronts: Callable[[Engine], Awaitable[Fronts]] | None = None,
+) -> None:
+    """Listen until SIGTERM/SIGINT; prints one ``listening`` line with the addresses when ready.
 
+    fronts: where the operations run instead of this host's engine, built on it (a cluster's API
+    tier: ``warmbox serve --cluster``, warmbox.cluster.api); the engine then only authenticates."""
     check_listen(settings)
     import logging
 
@@ -242,7 +251,7 @@ async def serve(home: Path, settings: ServerSettings, *, mcp: bool = True) -> No
     # json: uvicorn's records go through the root's JSON handler (its own config would replace it)
     log_config: Any = None if settings.log_format == "json" else LOGGING_CONFIG
     engine = Engine.for_home(home)
-    app = build_app(engine, settings, mcp=mcp)
+    app = build_app(engine, settings, mcp=mcp, fronts=None if fronts is None else await fronts(engine))
     protocol = peercred_protocol(min(settings.body_timeout_s, 30.0))  # a head is small: at most 30 s
     ws_protocol = peercred_ws_protocol() or "none"
     listeners: list[tuple[uvicorn.Server, socket.socket]] = []
@@ -309,6 +318,7 @@ async def serve(home: Path, settings: ServerSettings, *, mcp: bool = True) -> No
             loops.append(asyncio.ensure_future(server.main_loop()))  # keeps the Date header current
         print("listening on " + " and ".join(addresses), flush=True)
         await stop.wait()
+        app.state.service.stopping = True  # /readyz: 503 while the requests in flight finish
     finally:
         for t in loops:
             t.cancel()

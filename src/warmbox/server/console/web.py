@@ -25,10 +25,9 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
-from warmbox.engine.front import EngineFront
 from warmbox.errors import InvalidArgument, Unauthenticated, WarmboxError
 from warmbox.models import SandboxInfo, Tenant
-from warmbox.server.app import PEER_UID, Service, _body, error_response, status_of
+from warmbox.server.app import PEER_UID, Front, Service, _body, error_response, status_of
 from warmbox.server.console import auth
 from warmbox.wire import error_code
 
@@ -76,8 +75,8 @@ class Viewer:
 
     tenant: Tenant | None
     admin: bool
-    front: EngineFront
-    actor: EngineFront
+    front: Front
+    actor: Front
     scope: str | None
     csrf: str
     session: bool = False  # logged in with a cookie (it can log out); False: root, a uid or a bearer key
