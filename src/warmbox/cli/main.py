@@ -29,6 +29,7 @@ warmbox demo                      a short tour on the embedded defaults
 warmbox mcp                       an MCP server on stdin/stdout (sandbox tools for an agent)
 warmbox bench start|burst|exec|density|api|template|profile   benchmarks, ratios against raw runtimes or the host
 warmbox serve [--host H --port P]  the HTTP API (/v1) on 127.0.0.1:7420 and a unix socket (+ MCP at /mcp)
+warmbox serve --cluster HEAD      the same API as a cluster's API tier: each call runs on its sandbox's node
 
 --api-url URL (or WARMBOX_API_URL) sends every command to a warmbox server instead of the
 in-process engine, with --api-key KEY (or WARMBOX_API_KEY).
@@ -213,6 +214,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", default=None, help="PEM certificate (required off loopback)")
     p.add_argument("--tls-key", default=None, help="PEM private key")
     p.add_argument("--no-mcp", action="store_true", help="do not serve MCP at /mcp")
+    p.add_argument(
+        "--cluster",
+        default="",
+        metavar="HEAD",
+        help="serve as a cluster's API tier: HEAD is the Ray head (HOST:PORT); [cluster] gives the registry and token",
+    )
     p.add_argument(
         "--log-format", choices=("text", "json"), default=None, help="json: one JSON object per log line (request ids)"
     )
@@ -639,7 +646,14 @@ async def _serve(args: argparse.Namespace) -> int:
         raise WarmboxError("--tls-cert and --tls-key go together")
     if args.tls_cert is not None:
         changes.update(tls_cert=args.tls_cert, tls_key=args.tls_key)
-    await serve(home, dataclasses.replace(settings, **changes), mcp=not args.no_mcp)
+    fronts = None
+    if args.cluster:
+        from warmbox.cluster.api import cluster_fronts
+
+        def fronts(engine: Any) -> Any:
+            return cluster_fronts(engine, args.cluster)
+
+    await serve(home, dataclasses.replace(settings, **changes), mcp=not args.no_mcp, fronts=fronts)
     return 0
 
 

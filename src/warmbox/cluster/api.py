@@ -1,0 +1,45 @@
+"""``warmbox serve --cluster HEAD``: the server's fronts for a cluster (router, monitor, readiness)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from warmbox.cluster.monitor import Monitor, connect_ray
+from warmbox.cluster.router import Cluster, ClusterFront, read_token
+from warmbox.engine.engine import Engine
+from warmbox.errors import ConfigError
+from warmbox.models import Tenant
+from warmbox.server.app import Fronts
+
+
+async def cluster_fronts(engine: Engine, ray_address: str) -> Fronts:
+    """The fronts of a cluster's API tier on ``engine``'s registry (the cluster's shared one, from
+    ``[cluster] registry``), watching the Ray cluster at ``ray_address`` (HOST:PORT)."""
+    settings = engine.settings()
+    if not settings.cluster.registry:
+        raise ConfigError(
+            "a cluster's router needs the cluster's registry: [cluster] registry = \"postgresql://…\" "
+            "(or WARMBOX_CLUSTER__REGISTRY)"
+        )
+    if not ray_address:
+        raise ConfigError("--cluster needs the Ray head's address, HOST:PORT")
+    token = read_token(settings.cluster.token_file)
+    await asyncio.to_thread(connect_ray, ray_address)
+    cluster = Cluster(engine.registry, token, engine.settings)
+    monitor = Monitor(cluster)
+
+    def make(tenant: Tenant | None) -> ClusterFront:
+        return ClusterFront(cluster, tenant)
+
+    async def start() -> None:
+        await monitor.tick()  # the first view before the first request
+        monitor.start()
+
+    async def stop() -> None:
+        await monitor.stop()
+        await cluster.close()
+
+    return Fronts(make=make, ready=cluster.ready, start=start, stop=stop)
+
+
+__all__ = ["cluster_fronts"]

@@ -1,0 +1,324 @@
+"""The router's decisions without Ray or nodes: which node an operation goes to, the monitor's rule,
+drain refusals, and that a call in flight to a node that goes down ends at once (never a hang).
+
+The registry is a real one (SQLite in a temp dir: the same class and SQL the cluster uses on
+PostgreSQL, shared here by "nodes" that are Registry objects with their node names)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import time
+
+import pytest
+
+from warmbox import operations as ops
+from warmbox.cluster import drain as draining
+from warmbox.cluster.monitor import Monitor, verdict
+from warmbox.cluster.router import (
+    ADMIN_HEADER,
+    KEY_HEADER,
+    RULES_BY_OP,
+    TENANT_HEADER,
+    Cluster,
+    ClusterFront,
+    Rule,
+    merge_doctor,
+    merge_gc,
+    peer_headers,
+    rule_of,
+)
+from warmbox.config import load
+from warmbox.errors import (
+    ConnectionLost,
+    DrainRefused,
+    Forbidden,
+    InvalidArgument,
+    NoCapacity,
+    NodeNotFound,
+    SandboxLost,
+    SandboxNotFound,
+)
+from warmbox.models import Limits, NodeInfo, State, Tenant, TierStatus
+from warmbox.storage.registry import Registry
+
+TOKEN = "t" * 32
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    """A registry shared by the router and two nodes a and b (both up, container tier, 4 slots)."""
+    path = tmp_path / "registry.db"
+    router = Registry(path)
+    nodes = {n: Registry(path, n) for n in ("a", "b")}
+    for i, n in enumerate(nodes):
+        router.join_node(
+            NodeInfo(
+                name=n,
+                address=f"http://127.0.0.1:{9 + i}",
+                ray_node_id=f"ray-{n}",
+                slots=4,
+                memory_mb=4096,
+                tiers=("container",),
+            )
+        )
+    cluster = Cluster(router, TOKEN, lambda: load(tmp_path / "home"))
+    yield cluster, nodes
+    for r in (router, *nodes.values()):
+        r.close()
+
+
+def _sandbox(reg: Registry, n: int, tenant: Tenant | None = None, state: State = State.READY) -> str:
+    sid = f"sb-{n:012x}"
+    reg.allocate(sid, "container", "base", 3600, Limits(), "/nonexistent", "/nonexistent", tenant=tenant)
+    reg.set_state(sid, State.READY, "started")
+    if state is State.PAUSED:
+        reg.set_state(sid, State.PAUSED, "paused")
+    return sid
+
+
+def test_every_operation_has_exactly_one_rule():
+    for op, cls in ops.REQUESTS.items():
+        rule = rule_of(cls)
+        names_sandbox = any(f.name == "sandbox_id" for f in dataclasses.fields(cls))
+        assert (rule is Rule.OWNER) == (names_sandbox and cls not in RULES_BY_OP), op
+    assert rule_of(ops.Create) is Rule.PLACE and rule_of(ops.Resume) is Rule.RESUME
+    assert rule_of(ops.NodeDrain) is Rule.ROUTER
+    with pytest.raises(InvalidArgument):
+        rule_of(int)  # type: ignore[arg-type]
+
+
+def test_peer_headers_name_the_caller_and_root_is_no_header():
+    assert peer_headers(None) == {}
+    assert peer_headers(Tenant("acme")) == {TENANT_HEADER: "acme"}
+    assert peer_headers(Tenant("acme", admin=True, key_id="k-1")) == {
+        TENANT_HEADER: "acme",
+        ADMIN_HEADER: "1",
+        KEY_HEADER: "k-1",
+    }
+
+
+def test_merges_of_per_host_answers():
+    got = merge_doctor(
+        [
+            ("a", [TierStatus("container", True, "runc 1.1"), TierStatus("microvm", False, "no qemu")]),
+            ("b", [TierStatus("container", False, "no runc"), TierStatus("microvm", False, "no kvm")]),
+        ]
+    )
+    assert got == [
+        TierStatus("container", True, "on a: runc 1.1"),
+        TierStatus("microvm", False, "a: no qemu; b: no kvm"),
+    ]
+    r = merge_gc([ops.TemplateGcReport(("l1",), (), 10, True), ops.TemplateGcReport(("l2",), ("r",), 5, True, ("k",))])
+    assert r == ops.TemplateGcReport(("l1", "l2"), ("r",), 15, True, ("k",))
+
+
+def test_monitor_verdict():
+    now = time.time()
+    n = NodeInfo(name="a", ray_node_id="ray-a", heartbeat_at=now - 1)
+    assert verdict(n, frozenset({"ray-a"}), now, 10) == ""
+    assert verdict(n, None, now, 10) == ""  # Ray's view unknown: heartbeats alone
+    assert "Ray reports" in verdict(n, frozenset({"ray-b"}), now, 10)
+    assert "no heartbeat for 11" in verdict(dataclasses.replace(n, heartbeat_at=now - 11), None, now, 10)
+    assert verdict(dataclasses.replace(n, state="down"), frozenset(), now, 10) == ""
+
+
+def test_operations_go_to_the_owner_and_paused_ones_move_off_a_down_node(two_nodes):
+    async def main() -> None:
+        cluster, nodes = two_nodes
+        front = ClusterFront(cluster, None)
+        on_a = _sandbox(nodes["a"], 1)
+        paused = _sandbox(nodes["a"], 2, state=State.PAUSED)
+        assert (await front._target(on_a)).name == "a"
+        assert (await front._target(paused)).name == "a"  # its node is up: resumed there
+        with pytest.raises(SandboxNotFound):
+            await front._target("sb-0000000000ff")
+        cluster.registry.mark_node_down("a", "test")
+        cluster.nodes(fresh=True)
+        # a lost one: any up node answers from the registry (SandboxLost there); the paused one moves
+        assert (await front._target(on_a)).name == "b"
+        assert cluster.registry.get(on_a)[0].state is State.LOST
+        assert (await front._target(paused)).name == "b"
+        assert cluster.registry.node_of(paused) == "b"
+
+    asyncio.run(main())
+
+
+def test_a_paused_sandbox_of_a_draining_node_moves_but_a_live_one_stays(two_nodes):
+    async def main() -> None:
+        cluster, nodes = two_nodes
+        front = ClusterFront(cluster, None)
+        live = _sandbox(nodes["a"], 1)
+        paused = _sandbox(nodes["a"], 2, state=State.PAUSED)
+        cluster.registry.set_node_state("a", "draining")
+        cluster.nodes(fresh=True)
+        assert (await front._target(live)).name == "a"
+        assert (await front._target(paused)).name == "b"
+
+    asyncio.run(main())
+
+
+def test_another_tenants_paused_sandbox_is_not_moved(two_nodes):
+    async def main() -> None:
+        cluster, nodes = two_nodes
+        theirs = _sandbox(nodes["a"], 3, tenant=Tenant("other"), state=State.PAUSED)
+        cluster.registry.mark_node_down("a", "test")
+        cluster.nodes(fresh=True)
+        with pytest.raises(SandboxNotFound):
+            await ClusterFront(cluster, Tenant("me"))._target(theirs)
+        assert cluster.registry.node_of(theirs) == "a"
+
+    asyncio.run(main())
+
+
+def test_placement_spreads_a_burst_and_skips_dead_draining_and_full_nodes(two_nodes):
+    cluster, _ = two_nodes
+    from warmbox.cluster.placement import Want
+
+    want = Want("container", memory_mb=512)
+    got = [cluster.place(want).name for _ in range(4)]
+    assert sorted(got) == ["a", "a", "b", "b"]  # booked between reads: not all on the "best" node
+    cluster.nodes(fresh=True)
+    cluster.ray_alive = frozenset({"ray-b"})  # Ray says a's raylet is dead
+    assert {cluster.place(want).name for _ in range(3)} == {"b"}
+    cluster.ray_alive = None
+    cluster.registry.set_node_state("b", "draining")
+    cluster.nodes(fresh=True)
+    assert {cluster.place(want).name for _ in range(3)} == {"a"}
+    with pytest.raises(NoCapacity, match="does not run tier gvisor"):
+        cluster.place(Want("gvisor"))
+
+
+def test_placement_prefers_a_node_with_a_ready_pooled_sandbox_of_the_shape(two_nodes):
+    cluster, nodes = two_nodes
+    from warmbox.cluster.placement import Want
+
+    for i in range(2):  # a holds more: without the pool, b (more free slots) would win
+        _sandbox(nodes["a"], 10 + i)
+    nodes["b"].allocate("sb-0000000000aa", "container", "base", 3600, Limits(), "/x", "/x", pool="p")
+    nodes["b"].allocate("sb-0000000000ab", "container", "base", 3600, Limits(), "/x", "/x", pool="p")
+    nodes["a"].allocate("sb-0000000000ac", "container", "base", 3600, Limits(), "/x", "/x", pool="p")
+    for sid in ("sb-0000000000aa", "sb-0000000000ab", "sb-0000000000ac"):
+        cluster.registry.set_state(sid, State.POOLED, "warm")
+    cluster.registry.set_state("sb-0000000000ac", State.READY, "claimed")
+    cluster.nodes(fresh=True)
+    assert cluster.usage()["a"].live == 3 and cluster.usage()["b"].pooled == (("p", 2),)
+    assert cluster.place(Want("container", shape="p")).name == "b"
+    assert cluster.place(Want("container", shape="p")).name == "b"
+    assert cluster.place(Want("container", shape="p")).name == "b"  # none left there: b still has more free slots
+    assert cluster.place(Want("container")).name == "b"
+    assert cluster.place(Want("container")).name == "a"
+
+
+def test_ready_needs_an_up_node(two_nodes):
+    cluster, _ = two_nodes
+    assert cluster.ready() == ""
+    for n in ("a", "b"):
+        cluster.registry.mark_node_down(n, "test")
+    assert "no node of the cluster is up" in cluster.ready()
+
+
+def test_drain_refusals(two_nodes):
+    async def main() -> None:
+        cluster, _ = two_nodes
+        with pytest.raises(NodeNotFound):
+            await draining.drain(cluster, "zz")
+        with pytest.raises(Forbidden):
+            await ClusterFront(cluster, Tenant("acme")).handle(ops.NodeDrain("a"))
+        cluster.registry.mark_node_down("b", "test")
+        with pytest.raises(DrainRefused, match="last node up"):
+            await draining.drain(cluster, "a")
+        with pytest.raises(DrainRefused, match="down already"):
+            await draining.drain(cluster, "b")
+        assert cluster.nodes(fresh=True)["a"].state == "up"  # a refused drain changes nothing
+
+    asyncio.run(main())
+
+
+def test_a_call_in_flight_to_a_node_that_goes_down_ends_at_once(two_nodes):
+    """A node that accepts the connection and never answers (a host that froze): when the node is
+    marked down the call ends with SandboxLost (its sandbox) or ConnectionLost (anything else)."""
+
+    async def main() -> None:
+        cluster, nodes = two_nodes
+        hung = socket.socket()
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)
+        try:
+            port = hung.getsockname()[1]
+            nodes["a"].join_node(
+                NodeInfo(
+                    name="a",
+                    address=f"http://127.0.0.1:{port}",
+                    ray_node_id="ray-a",
+                    slots=4,
+                    memory_mb=4096,
+                    tiers=("container",),
+                )
+            )
+            cluster.registry.set_node_state("b", "draining")  # only a takes "any node" operations
+            cluster.nodes(fresh=True)
+            sid = _sandbox(nodes["a"], 5)
+            front = ClusterFront(cluster, None)
+            calls = [
+                asyncio.ensure_future(front.handle(ops.Exec(sid, "sleep 1000"))),
+                asyncio.ensure_future(front.handle(ops.ListSnapshots())),
+            ]
+            await asyncio.sleep(0.3)
+            assert not any(c.done() for c in calls)
+            t0 = time.monotonic()
+            cluster.node_down("a", "test: its raylet died")
+            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)
+            assert time.monotonic() - t0 < 1.0
+            assert isinstance(results[0], SandboxLost) and results[0].node == "a" and results[0].sandbox_id == sid
+            assert isinstance(results[1], ConnectionLost) and "node 'a' went down" in str(results[1])
+        finally:
+            hung.close()
+            await cluster.close()
+
+    asyncio.run(main())
+
+
+def test_monitor_marks_a_silent_node_down_once(two_nodes):
+    async def main() -> None:
+        cluster, nodes = two_nodes
+        sid = _sandbox(nodes["a"], 6)
+        paused = _sandbox(nodes["a"], 7, state=State.PAUSED)
+        assert nodes["b"].heartbeat("b", cluster.registry.nodes()[1].epoch, 0, 0)
+        mon = Monitor(cluster, lambda: frozenset({"ray-b"}), heartbeat_timeout_s=60)
+        assert await mon.tick() == ["a"]  # Ray: a's raylet is dead
+        assert cluster.registry.get(sid)[0].state is State.LOST
+        assert cluster.registry.get(paused)[0].state is State.PAUSED
+        assert await mon.tick() == []  # already down: nothing more to do
+        assert [n.name for n in cluster.up()] == ["b"]
+
+    asyncio.run(main())
+
+
+def test_a_node_that_stops_answering_gives_the_monitors_verdict(two_nodes):
+    """Connections to a's address are refused (its process died) and another router's monitor marks
+    it down a second later: the caller gets SandboxLost, not a bare connection error."""
+    cluster, nodes = two_nodes
+
+    async def main() -> None:
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        closed.close()  # nothing listens there now
+        nodes["a"].join_node(
+            NodeInfo(name="a", address=f"http://127.0.0.1:{port}", ray_node_id="ray-a", slots=4, memory_mb=4096)
+        )
+        cluster.nodes(fresh=True)
+        sid = _sandbox(nodes["a"], 8)
+        call = asyncio.ensure_future(ClusterFront(cluster, None).handle(ops.Info(sid)))
+        await asyncio.sleep(1.0)
+        assert not call.done()  # the transport retries a refused connection for ~3 s
+        nodes["b"].mark_node_down("a", "raylet gone")  # another router's monitor, on the shared registry
+        t0 = time.monotonic()
+        with pytest.raises(SandboxLost) as e:
+            await asyncio.wait_for(call, 15)
+        assert time.monotonic() - t0 < 5 and e.value.node == "a"
+        await cluster.close()
+
+    asyncio.run(main())
