@@ -38,13 +38,14 @@ POOLED_LIMITS_MB = 500
 # lane into the whole suite, so two checks:
 # 1. At collection, in every lane: a test whose fixtures (directly or through other fixtures) start
 #    such things is refused unless marked. Every such fixture depends on ``runc_ready`` (sandboxes,
-#    the daemon, the proxy) or ``world`` (the test network namespaces), so these names suffice.
+#    the daemon, the proxy), ``world`` (the test network namespaces) or ``pg_server`` (a real
+#    PostgreSQL), so these names suffice.
 # 2. At run time, in a session that runs no marked test (the fast lane): an audit hook
 #    (sys.addaudithook sees subprocess, posix_spawn and exec from any thread of this process) refuses
 #    to start runc, runsc, QEMU, `ip netns`, the daemon or the proxy. This catches a test that calls
 #    e.g. Sandbox.create() with no such fixture. It is armed only there because in the full lane a
 #    marked test's background teardown may still spawn runc while an unmarked test runs.
-SANDBOX_FIXTURES = frozenset({"runc_ready", "world"})
+SANDBOX_FIXTURES = frozenset({"runc_ready", "world", "pg_server"})
 # A test of a real cluster (Ray, PostgreSQL, nodes, the router: tests/cluster, and the --api=cluster
 # lane) carries ``cluster`` as well as ``sandbox``: the main suite runs -m "not cluster", the
 # cluster lane is its own CI step. Every fixture that starts a cluster depends on ``cluster``.
@@ -502,3 +503,39 @@ def s3_server():
         yield server
     finally:
         server.stop()
+
+
+# ---- PostgreSQL: one real server per session (tests/pgserver.py), a database per use
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """The session's PostgreSQL server (Debian's, as user postgres, on a unix socket in a temp dir)."""
+    from tests.pgserver import PgServer
+
+    pg = PgServer()
+    yield pg
+    pg.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_dsn(pg_server) -> str:
+    """A database made once for the session (shared by everything that uses it: a cluster's nodes)."""
+    return pg_server.create_database("warmbox")
+
+
+@pytest.fixture
+def pg_fresh_dsn(pg_server):
+    """A new empty database for one test (~35 ms), dropped after it."""
+    dsn = pg_server.create_database()
+    yield dsn
+    pg_server.drop_database(dsn)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.sandbox)])
+def registry_at(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where a test's registry lives, once per kind: a SQLite file, or a fresh PostgreSQL database
+    (its DSN; that variant is marked sandbox: it starts the session's server)."""
+    if request.param == "sqlite":
+        return str(tmp_path / "r.db")
+    return request.getfixturevalue("pg_fresh_dsn")

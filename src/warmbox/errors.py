@@ -31,7 +31,8 @@ WarmboxError
 │   ├── ContextError                    a code context is unknown or died
 │   ├── PortNotListening (ConnectionRefusedError)  get_host/a tunnel: nothing listens on that port
 │   └── ProcessNotFound (LookupError)   no background process with that pid (commands.connect, ...)
-├── RegistryError                       the embedded state database failed
+├── RegistryError                       the registry's database (SQLite file or PostgreSQL) failed
+│   └── RegistrySchemaError             its schema is older (``warmbox db migrate``) or newer than this warmbox
 ├── ConfigError                         warmbox.toml or a WARMBOX_* override is invalid
 ├── NetworkError                        egress setup (namespace, link, rules) or the egress proxy failed
 ├── StorageError                        the object store (snapshot artifacts) failed
@@ -244,6 +245,16 @@ class ProcessNotFound(SandboxError, LookupError):
 
 class RegistryError(WarmboxError):
     pass
+
+
+class RegistrySchemaError(RegistryError):
+    """A shared (PostgreSQL) registry whose schema version is not this warmbox's: ``found``, the
+    registry's; ``expected``, this warmbox's. Older: run ``warmbox db migrate``; newer: upgrade."""
+
+    def __init__(self, message: str, *, found: int, expected: int) -> None:
+        super().__init__(message)
+        self.found = found
+        self.expected = expected
 
 
 class ConfigError(WarmboxError):

@@ -13,9 +13,9 @@ from warmbox.storage.registry import SCHEMA_VERSION, Registry
 from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
 
 
-def _registry(tmp: Path) -> Registry:
+def _registry(tmp: Path, at: str | None = None) -> Registry:
     # its own uid ledger: these rows never run, so they must not hold real ranges of the host
-    return Registry(tmp / "r.db", ledger=UidLedger(tmp / "uids", slots=16, first=MAX_SLOTS - 60))
+    return Registry(at or tmp / "r.db", ledger=UidLedger(tmp / "uids", slots=16, first=MAX_SLOTS - 60))
 
 
 def _rec(sid: str, text: str = "true", *, kind: str = "command", ms: float = 1.0, **kw: object) -> CommandRecord:
@@ -40,8 +40,8 @@ def _rec(sid: str, text: str = "true", *, kind: str = "command", ms: float = 1.0
     return CommandRecord(**fields)  # type: ignore[arg-type]
 
 
-def test_records_get_a_seq_per_sandbox_in_write_order_and_read_back_whole(tmp_path):
-    reg = _registry(tmp_path)
+def test_records_get_a_seq_per_sandbox_in_write_order_and_read_back_whole(tmp_path, registry_at):
+    reg = _registry(tmp_path, at=registry_at)
     failed = _rec("sb-a", "sleep 9", exit_code=137, timed_out=True, truncated=True, oom_killed=True, error="x")
     reg.add_commands([_rec("sb-a", "echo 1", stdout_bytes=2), _rec("sb-b", "ls"), failed])
     reg.add_commands([_rec("sb-a", "1/0", kind="code", error="ZeroDivisionError", stderr_bytes=90)])
@@ -55,8 +55,8 @@ def test_records_get_a_seq_per_sandbox_in_write_order_and_read_back_whole(tmp_pa
     assert reg.commands("sb-none") == []
 
 
-def test_paging_and_newest_first(tmp_path):
-    reg = _registry(tmp_path)
+def test_paging_and_newest_first(tmp_path, registry_at):
+    reg = _registry(tmp_path, at=registry_at)
     reg.add_commands([_rec("sb-a", f"c{i}") for i in range(10)])
     assert [c.text for c in reg.commands("sb-a", 3)] == ["c0", "c1", "c2"]
     assert [c.text for c in reg.commands("sb-a", 3, after_seq=3)] == ["c3", "c4", "c5"]
@@ -66,8 +66,8 @@ def test_paging_and_newest_first(tmp_path):
             reg.commands("sb-a", bad)  # type: ignore[arg-type]
 
 
-def test_text_is_bounded_by_the_registry_too(tmp_path):
-    reg = _registry(tmp_path)
+def test_text_is_bounded_by_the_registry_too(tmp_path, registry_at):
+    reg = _registry(tmp_path, at=registry_at)
     reg.add_commands([_rec("sb-a", "é" * MAX_COMMAND_TEXT), _rec("sb-a", "a" * MAX_COMMAND_TEXT)])
     cut, full = reg.commands("sb-a")
     assert cut.text_truncated and len(cut.text.encode()) <= MAX_COMMAND_TEXT and set(cut.text) == {"é"}
@@ -89,9 +89,9 @@ def test_a_version_12_database_gains_the_commands_table(tmp_path):
     assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 
-def test_every_field_is_typed_and_bounded_by_the_registry(tmp_path):
+def test_every_field_is_typed_and_bounded_by_the_registry(tmp_path, registry_at):
     """One row SQLite would refuse (NaN, a 70-bit integer, a lone surrogate) must not fail its batch."""
-    reg = _registry(tmp_path)
+    reg = _registry(tmp_path, at=registry_at)
     odd = _rec(
         "sb-a",
         "echo \ud800",
@@ -109,13 +109,15 @@ def test_every_field_is_typed_and_bounded_by_the_registry(tmp_path):
     assert nxt.text == "next"
 
 
-def test_a_sandbox_keeps_its_first_and_latest_records_and_an_export_says_some_are_missing(tmp_path, monkeypatch):
+def test_a_sandbox_keeps_its_first_and_latest_records_and_an_export_says_some_are_missing(
+    tmp_path, monkeypatch, registry_at
+):
     from warmbox.engine.front import _bounded_commands
     from warmbox.storage import registry
 
     monkeypatch.setattr(registry, "COMMANDS_HEAD", 3)
     monkeypatch.setattr(registry, "COMMANDS_TAIL", 5)
-    reg = _registry(tmp_path)
+    reg = _registry(tmp_path, at=registry_at)
     for start in range(0, 25, 4):  # batches, as the command log writes them
         reg.add_commands([_rec("sb-a", f"c{i}") for i in range(start, min(start + 4, 25))] + [_rec("sb-b", "x")])
     assert [c.seq for c in reg.commands("sb-a")] == [1, 2, 3, 21, 22, 23, 24, 25]

@@ -18,9 +18,9 @@ NEW_COLUMNS = {"timeout_s", "metadata", "on_timeout", "idle_pause_after", "auto_
 LATER_COLUMNS = ("auto", "template_version", "image_id", "requirements", "tier_reasons", "tier_rejected", "node")
 
 
-def _registry(tmp: Path) -> Registry:
+def _registry(tmp: Path, at: str | None = None) -> Registry:
     # its own uid ledger: these rows never run, so they must not hold real ranges of the host
-    return Registry(tmp / "r.db", ledger=UidLedger(tmp / "uids", slots=16, first=MAX_SLOTS - 60))
+    return Registry(at or tmp / "r.db", ledger=UidLedger(tmp / "uids", slots=16, first=MAX_SLOTS - 60))
 
 
 def _v6_schema() -> str:
@@ -80,8 +80,8 @@ def test_a_version_6_database_migrates_and_its_paused_sandbox_resumes_under_its_
     reg.close()
 
 
-def test_only_one_resume_takes_a_paused_sandbox_and_a_live_one_cannot_be_reallocated(tmp_path):
-    reg = _registry(tmp_path)
+def test_only_one_resume_takes_a_paused_sandbox_and_a_live_one_cannot_be_reallocated(tmp_path, registry_at):
+    reg = _registry(tmp_path, at=registry_at)
     sid = "sb-00000000000c"
     reg.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
     assert reg.timeout_of(sid) == 300.0
@@ -99,8 +99,8 @@ def test_only_one_resume_takes_a_paused_sandbox_and_a_live_one_cannot_be_realloc
     reg.close()
 
 
-def test_list_filters_by_metadata_subset_and_by_state(tmp_path):
-    reg = _registry(tmp_path)
+def test_list_filters_by_metadata_subset_and_by_state(tmp_path, registry_at):
+    reg = _registry(tmp_path, at=registry_at)
     a, b = "sb-00000000000d", "sb-00000000000e"
     for sid in (a, b):
         reg.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
@@ -138,10 +138,10 @@ def test_metadata_and_query_checks():
         validate_query(SandboxQuery(state=("asleep",)))  # type: ignore[arg-type]
 
 
-def test_a_tier_choice_is_recorded_and_read_back(tmp_path):
+def test_a_tier_choice_is_recorded_and_read_back(tmp_path, registry_at):
     from warmbox.models import Requirements, TierChoice
 
-    reg = _registry(tmp_path)
+    reg = _registry(tmp_path, at=registry_at)
     sid = "sb-00000000000d"
     reg.allocate(sid, "gvisor", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
     req = Requirements("node", trusted=False, io="compute")

@@ -15,9 +15,9 @@ from warmbox.storage.registry import SCHEMA_VERSION, Registry
 from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
 
 
-def _registry(tmp: Path, node: str = "", host: str = "h1") -> Registry:
+def _registry(tmp: Path, node: str = "", host: str = "h1", at: str | None = None) -> Registry:
     # one uid ledger per simulated host: these rows never run, so they hold no real range of this host
-    return Registry(tmp / "r.db", node, ledger=UidLedger(tmp / f"uids-{host}", slots=16, first=MAX_SLOTS - 60))
+    return Registry(at or tmp / "r.db", node, ledger=UidLedger(tmp / f"uids-{host}", slots=16, first=MAX_SLOTS - 60))
 
 
 def _sandbox(reg: Registry, sid: str, state: State, *, pool: str = "", owner: str = "") -> int:
@@ -84,8 +84,8 @@ def test_a_version_14_registry_migrates_its_rows_to_the_single_host_node(tmp_pat
     reg.close()
 
 
-def test_join_heartbeat_and_fencing_by_epoch_and_by_down(tmp_path):
-    reg = _registry(tmp_path)
+def test_join_heartbeat_and_fencing_by_epoch_and_by_down(tmp_path, registry_at):
+    reg = _registry(tmp_path, at=registry_at)
     e1 = reg.join_node(NodeInfo("n1", address="http://127.0.0.1:9001", slots=8, memory_mb=4096, tiers=("container",)))
     assert e1 == 1
     assert reg.heartbeat("n1", e1, live=2, pooled=1)
@@ -124,9 +124,11 @@ def test_join_heartbeat_and_fencing_by_epoch_and_by_down(tmp_path):
     reg.close()
 
 
-def test_a_node_marked_down_loses_its_running_sandboxes_and_leaves_paused_ones_resumable_anywhere(tmp_path):
-    a = _registry(tmp_path, "a", host="h1")
-    b = _registry(tmp_path, "b", host="h2")
+def test_a_node_marked_down_loses_its_running_sandboxes_and_leaves_paused_ones_resumable_anywhere(
+    tmp_path, registry_at
+):
+    a = _registry(tmp_path, "a", at=registry_at, host="h1")
+    b = _registry(tmp_path, "b", at=registry_at, host="h2")
     a.join_node(NodeInfo("a"))
     b.join_node(NodeInfo("b"))
     ids = {s: f"sb-00000000a{i:03x}" for i, s in enumerate(State) if s is not State.DESTROYED}
@@ -165,9 +167,9 @@ def test_a_node_marked_down_loses_its_running_sandboxes_and_leaves_paused_ones_r
     b.close()
 
 
-def test_node_scoped_queries_see_only_their_own_rows(tmp_path):
-    a = _registry(tmp_path, "a", host="h1")
-    b = _registry(tmp_path, "b", host="h2")
+def test_node_scoped_queries_see_only_their_own_rows(tmp_path, registry_at):
+    a = _registry(tmp_path, "a", at=registry_at, host="h1")
+    b = _registry(tmp_path, "b", at=registry_at, host="h2")
     # two hosts: their uid slots are independent (each its own ledger; the used set is per node)
     sa = _sandbox(a, "sb-0000000000a1", State.RUNNING, owner="1:1")
     sb = _sandbox(b, "sb-0000000000b1", State.RUNNING, owner="1:1")
@@ -199,8 +201,8 @@ def test_node_scoped_queries_see_only_their_own_rows(tmp_path):
     b.close()
 
 
-def test_move_only_a_paused_sandbox_and_node_usage(tmp_path):
-    a = _registry(tmp_path, "a")
+def test_move_only_a_paused_sandbox_and_node_usage(tmp_path, registry_at):
+    a = _registry(tmp_path, "a", at=registry_at)
     _sandbox(a, "sb-0000000000c1", State.RUNNING)
     _sandbox(a, "sb-0000000000c2", State.PAUSED)
     _sandbox(a, "sb-0000000000c3", State.POOLED, pool="p")
@@ -220,9 +222,9 @@ def test_move_only_a_paused_sandbox_and_node_usage(tmp_path):
     a.close()
 
 
-def test_paused_retention_of_a_down_node_falls_to_the_nodes_still_up(tmp_path):
-    a = _registry(tmp_path, "a", host="h1")
-    b = _registry(tmp_path, "b", host="h2")
+def test_paused_retention_of_a_down_node_falls_to_the_nodes_still_up(tmp_path, registry_at):
+    a = _registry(tmp_path, "a", at=registry_at, host="h1")
+    b = _registry(tmp_path, "b", at=registry_at, host="h2")
     _sandbox(a, "sb-0000000000d1", State.PAUSED)
     _sandbox(a, "sb-0000000000d2", State.RUNNING)
     far = 9e9

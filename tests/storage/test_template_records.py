@@ -15,8 +15,8 @@ from warmbox.storage.registry import SCHEMA_VERSION, Registry
 from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
 
 
-def _registry(tmp: Path) -> Registry:
-    return Registry(tmp / "r.db", ledger=UidLedger(tmp / "uids", slots=16, first=MAX_SLOTS - 60))
+def _registry(tmp: Path, at: str | None = None) -> Registry:
+    return Registry(at or tmp / "r.db", ledger=UidLedger(tmp / "uids", slots=16, first=MAX_SLOTS - 60))
 
 
 def _info(name: str = "web", image: str = "sha256:" + "a" * 64, spec: str = "s1", tenant: str = "") -> TemplateInfo:
@@ -40,8 +40,8 @@ def _info(name: str = "web", image: str = "sha256:" + "a" * 64, spec: str = "s1"
     )
 
 
-def test_versions_count_up_per_name_and_tenant_and_are_never_reused(tmp_path):
-    reg = _registry(tmp_path)
+def test_versions_count_up_per_name_and_tenant_and_are_never_reused(tmp_path, registry_at):
+    reg = _registry(tmp_path, at=registry_at)
     v1 = reg.template_add(_info())
     assert v1.version == 1 and v1 == _info().__class__(**{**_info().__dict__, "version": 1})
     assert reg.template_add(_info()) == v1  # the same spec and image: the latest, unchanged
@@ -75,7 +75,7 @@ def test_versions_count_up_per_name_and_tenant_and_are_never_reused(tmp_path):
     with pytest.raises(InvalidArgument):
         reg.template_add(_info(name="../x"))
     reg.close()
-    again = _registry(tmp_path)
+    again = _registry(tmp_path, at=registry_at)
     assert again.template_get("web").version == 5 and again.template_get("web").env == _info().env
 
 
@@ -91,7 +91,7 @@ def test_a_version_8_database_gains_the_template_tables(tmp_path):
     assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 
-def test_template_versions_pin_their_layers_for_every_homes_gc(tmp_path):
+def test_template_versions_pin_their_layers_for_every_homes_gc(tmp_path, registry_at):
     from warmbox.storage.layers import LayerStore
     from warmbox.storage.templates import add_template, collect, delete_template
 

@@ -21,22 +21,22 @@ GIB = 1 << 30
 H0 = 1_800_000_000.0  # an hour's start (divisible by 3600), 2027-01-15 08:00 UTC
 
 
-def _registry(tmp: Path) -> Registry:
-    return Registry(tmp / "r.db", ledger=UidLedger(tmp / "uids", slots=8, first=MAX_SLOTS - 50))
+def _registry(tmp: Path, at: str | None = None) -> Registry:
+    return Registry(at or tmp / "r.db", ledger=UidLedger(tmp / "uids", slots=8, first=MAX_SLOTS - 50))
 
 
 def _start(reg: Registry, sid: str, tenant: str | None, at: float) -> None:
     t = None if tenant is None else Tenant(tenant)
     reg.allocate(sid, "container", "base", 86400, Limits(), "/nonexistent", "/nonexistent", tenant=t)
-    with sqlite3.connect(reg.path) as db:  # the meter starts at ``at`` (allocate stamps the wall clock)
-        db.execute("UPDATE meters SET sampled_at=? WHERE sandbox_id=?", (at, sid))
+    # the meter starts at ``at`` (allocate stamps the wall clock); written as any client would
+    reg._db.execute("UPDATE meters SET sampled_at=? WHERE sandbox_id=?", (at, sid))
 
 
 # ---- usage
 
 
-def test_readings_fold_into_hourly_buckets_per_tenant(tmp_path):
-    reg = _registry(tmp_path)
+def test_readings_fold_into_hourly_buckets_per_tenant(tmp_path, registry_at):
+    reg = _registry(tmp_path, at=registry_at)
     _start(reg, "sb-00000000000a", "acme", H0)
     _start(reg, "sb-00000000000b", "beta", H0)
     _start(reg, "sb-00000000000c", None, H0)  # the host's: tenant ""
@@ -57,8 +57,8 @@ def test_readings_fold_into_hourly_buckets_per_tenant(tmp_path):
     assert reg.usage("nobody", since=0) == []
 
 
-def test_a_counter_that_goes_back_counts_nothing_and_a_resume_counts_again(tmp_path):
-    reg = _registry(tmp_path)
+def test_a_counter_that_goes_back_counts_nothing_and_a_resume_counts_again(tmp_path, registry_at):
+    reg = _registry(tmp_path, at=registry_at)
     _start(reg, "sb-00000000000a", "acme", H0)
     reg.sample([("sb-00000000000a", 0, 4_000_000_000)], now=H0 + 1)
     reg.sample([("sb-00000000000a", 0, 1_000_000_000)], now=H0 + 2)  # a stale reading: no negative use
@@ -68,8 +68,8 @@ def test_a_counter_that_goes_back_counts_nothing_and_a_resume_counts_again(tmp_p
 # ---- budgets
 
 
-def test_budget_status_is_todays_use_against_the_daily_budget(tmp_path):
-    reg = _registry(tmp_path)
+def test_budget_status_is_todays_use_against_the_daily_budget(tmp_path, registry_at):
+    reg = _registry(tmp_path, at=registry_at)
     reg.create_key("acme", budget_cpu_h=2.0, budget_gib_h=10.0)
     day = H0 - H0 % 86400
     _start(reg, "sb-00000000000a", "acme", day - 100)
@@ -128,8 +128,8 @@ def test_a_version_12_registry_gains_the_budget_columns_and_the_new_tables(tmp_p
 # ---- the approval queue
 
 
-def test_a_question_is_answered_exactly_once(tmp_path):
-    reg = _registry(tmp_path)
+def test_a_question_is_answered_exactly_once(tmp_path, registry_at):
+    reg = _registry(tmp_path, at=registry_at)
     a = reg.open_approval("acme", "create", "create a sandbox: container", "over budget", 60)
     assert a.state == "pending" and a.approval_id.startswith("ap-") and a.deadline == pytest.approx(a.created_at + 60)
     assert reg.approvals("acme", pending_only=True) == [a]
@@ -159,8 +159,8 @@ def test_a_question_is_answered_exactly_once(tmp_path):
         reg.open_approval("acme", "lunch", "s", "r", 60)
 
 
-def test_two_racing_answers_have_one_winner(tmp_path):
-    regs = [_registry(tmp_path) for _ in range(4)]
+def test_two_racing_answers_have_one_winner(tmp_path, registry_at):
+    regs = [_registry(tmp_path, at=registry_at) for _ in range(4)]
     a = regs[0].open_approval("acme", "create", "s", "r", 60)
     import threading
 
@@ -183,19 +183,21 @@ def test_two_racing_answers_have_one_winner(tmp_path):
     assert regs[1].approval(a.approval_id).decision == won[0].decision
 
 
-def test_an_unanswered_question_times_out_and_a_late_answer_is_refused(tmp_path):
-    reg = _registry(tmp_path)
+def test_an_unanswered_question_times_out_and_a_late_answer_is_refused(tmp_path, registry_at):
+    reg = _registry(tmp_path, at=registry_at)
     a = reg.open_approval("acme", "create", "s", "r", 0.3)
     t0 = time.monotonic()
     got = asyncio.run(reg.wait_approval(a.approval_id))
     assert got.state == "timed_out" and got.decision == "" and 0.25 <= time.monotonic() - t0 < 5
     with pytest.raises(ApprovalClosed):
         reg.answer_approval(a.approval_id, "approve", "key-1")
-    assert _registry(tmp_path).approval(a.approval_id).state == "timed_out"  # recorded, not only computed
+    assert (
+        _registry(tmp_path, at=registry_at).approval(a.approval_id).state == "timed_out"
+    )  # recorded, not only computed
 
 
-def test_a_question_whose_waiter_died_reads_as_timed_out(tmp_path):
-    reg = _registry(tmp_path)
+def test_a_question_whose_waiter_died_reads_as_timed_out(tmp_path, registry_at):
+    reg = _registry(tmp_path, at=registry_at)
     from warmbox.paths import owner_tag
 
     proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
@@ -212,8 +214,9 @@ def test_a_question_whose_waiter_died_reads_as_timed_out(tmp_path):
     assert (w.state, w.answered_by) == ("timed_out", "withdrawn")
 
 
-def test_the_waiter_gets_an_answer_given_by_another_registry_and_another_process(tmp_path):
-    waiter, answerer = _registry(tmp_path), _registry(tmp_path)  # two connections to one file
+def test_the_waiter_gets_an_answer_given_by_another_registry_and_another_process(tmp_path, registry_at):
+    # two connections to one registry
+    waiter, answerer = _registry(tmp_path, at=registry_at), _registry(tmp_path, at=registry_at)
     a = waiter.open_approval("acme", "resume", "resume sb-1", "over budget", 30, sandbox_id="sb-1")
 
     async def wait_and_answer() -> tuple:
@@ -247,7 +250,7 @@ def test_the_waiter_gets_an_answer_given_by_another_registry_and_another_process
     code = (
         "import sys; from pathlib import Path; from warmbox.storage.registry import Registry; "
         "from warmbox.storage.uidslots import UidLedger; "
-        f"r = Registry(Path({str(tmp_path / 'r.db')!r}), ledger=UidLedger(Path({str(tmp_path / 'uids')!r}), slots=8)); "
+        f"r = Registry({registry_at!r}, ledger=UidLedger(Path({str(tmp_path / 'uids')!r}), slots=8)); "
         f"print(r.answer_approval({b.approval_id!r}, 'approve', 'other-process').state)"
     )
 

@@ -51,7 +51,7 @@ from warmbox.models import (
 )
 from warmbox.network.policy import Policy
 from warmbox.paths import default_home, owner_alive, owner_tag, runtime_dir
-from warmbox.storage.registry import Registry
+from warmbox.storage.registry import open_registry
 
 DEFAULT_TIMEOUT_S = 300.0
 MAX_TIMEOUT_S = 24 * 3600.0
@@ -84,13 +84,13 @@ def validate_envs(envs: object) -> tuple[tuple[str, str], ...]:
 CREATE_DEADLINE_S = provision.WARMUP_TIMEOUT_S + 300.0
 
 
-def _node_name(home: Path) -> str:
-    """This home's ``[cluster] node`` ("" on one host, or when the config cannot be read: the
+def _cluster(home: Path) -> config.ClusterSettings:
+    """This home's ``[cluster]`` (none: one host, also when the config cannot be read: the
     operations that need it load the config again and report what is wrong)."""
     try:
-        return config.load(home).cluster.node
+        return config.load(home).cluster
     except WarmboxError:
-        return ""
+        return config.ClusterSettings()
 
 
 TEMPLATE_VMS_KEY = "template-vms"  # see Engine.mark_template_vm
@@ -104,8 +104,9 @@ class Engine:
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.runtime = runtime_dir(home)  # made when a backend first needs it
         # every allocation (create, pool refill, restore of a snapshot) checks its limits first;
-        # the rows it creates are this node's ([cluster] node, "" on one host)
-        self.registry = Registry(home / "registry.db", _node_name(home), check_limits=self.check_limits)
+        # the rows it creates are this node's ([cluster] node, "" on one host); [cluster]
+        # registry: the cluster's shared PostgreSQL registry instead of the home's file
+        self.registry = open_registry(home, _cluster(home), check_limits=self.check_limits)
         self.node = self.registry.node
         self.command_log = CommandLog(self.registry)  # the fronts' command records, written in batches
         self._backends: dict[str, Backend] = {}

@@ -5,6 +5,8 @@ daemon fills pools), so the server derives its domain metrics from it at scrape 
 counting in its own process. Every family is an SQL aggregate over bounded label sets, all read in
 one read transaction on a read-only connection of its own: the families agree with each other, and
 the engine's connection (its writes and transactions) is never shared with the scraping thread.
+SQLite: one BEGIN on a ``mode=ro`` connection (one WAL snapshot); PostgreSQL (a cluster's shared
+registry): ``REPEATABLE READ READ ONLY`` (one snapshot). The SQL is written once for both.
 
 The cost of a scrape is bounded by what is alive, not by history: the rows of a sandbox destroyed
 more than SETTLE_S ago never change again, so they are aggregated once, at the first scrape that
@@ -31,6 +33,7 @@ from typing import Any
 
 from warmbox.errors import RegistryError
 from warmbox.models import State
+from warmbox.storage.sql import is_url, pg_sql
 
 # bounds (seconds) of the histograms derived from rows: fixed, so a series never changes its buckets
 STAGE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -148,10 +151,19 @@ def label(value: object) -> str:
     return value if isinstance(value, str) and _LABEL.match(value) else "other"
 
 
+def _count_if(cond: str) -> str:
+    """How many rows of the group meet ``cond`` (portable: PostgreSQL cannot SUM a boolean)."""
+    return f"SUM(CASE WHEN {cond} THEN 1 ELSE 0 END)"
+
+
 def _bucket_sql(expr: str, bounds: tuple[float, ...]) -> str:
     """One SUM per bound (cumulative counts), then the sum and the count; ``expr`` in milliseconds."""
-    sums = ", ".join(f"SUM({expr} <= {b * 1e3!r})" for b in bounds)
+    sums = ", ".join(_count_if(f"{expr} <= {b * 1e3!r}") for b in bounds)
     return f"{sums}, SUM({expr}), COUNT(*)"
+
+
+def _positive(expr: str) -> str:
+    return f"CASE WHEN {expr} > 0 THEN {expr} ELSE 0 END"
 
 
 # Per-sandbox families: each query selects (part, tenant, labels..., values...) over the sandboxes
@@ -166,7 +178,8 @@ class _Family:
 
 
 # CROSS JOIN: SQLite then keeps this order (scope outermost; the temp table has no statistics and
-# the planner would otherwise scan the large table and probe scope for each of its rows)
+# the planner would otherwise scan the large table and probe scope for each of its rows). PostgreSQL
+# has no CROSS JOIN ... ON: there it reads as a plain JOIN (its planner has the statistics).
 _JOIN = "FROM scope x CROSS JOIN sandboxes s ON s.sandbox_id = x.sandbox_id"
 _FAMILIES = (
     # a create is a sandbox asked for by someone: made cold (or from a snapshot; a failed start
@@ -182,17 +195,21 @@ _FAMILIES = (
     _Family(
         "moves",
         "SELECT x.part, s.tenant, s.tier, "
-        "SUM(t.from_state='creating' AND t.to_state='failed' AND (s.pool='' OR s.claimed_at>0)), "
-        "SUM(t.from_state IN ('ready','running') AND t.to_state='paused'), "
-        "SUM(t.from_state='paused' AND t.to_state='creating'), "
-        "SUM(t.from_state='creating' AND t.to_state='paused') "
+        + _count_if("t.from_state='creating' AND t.to_state='failed' AND (s.pool='' OR s.claimed_at>0)")
+        + ", "
+        + _count_if("t.from_state IN ('ready','running') AND t.to_state='paused'")
+        + ", "
+        + _count_if("t.from_state='paused' AND t.to_state='creating'")
+        + ", "
+        + _count_if("t.from_state='creating' AND t.to_state='paused'")
+        + " "
         f"{_JOIN} CROSS JOIN transitions t ON t.sandbox_id = x.sandbox_id GROUP BY 1, 2, 3",
         2,
         (False, True),
     ),
     _Family(
         "stages",
-        "SELECT x.part, s.tenant, t.stage, s.tier, CASE WHEN t.on_path THEN 'true' ELSE 'false' END, "
+        "SELECT x.part, s.tenant, t.stage, s.tier, CASE WHEN t.on_path<>0 THEN 'true' ELSE 'false' END, "
         f"{_bucket_sql('t.duration_ms', STAGE_BUCKETS_S)} {_JOIN} CROSS JOIN timings t ON t.sandbox_id = x.sandbox_id "
         f"WHERE t.stage NOT IN {OWN_FAMILY_STAGES!r} GROUP BY 1, 2, 3, 4, 5",
         4,
@@ -217,7 +234,8 @@ _FAMILIES = (
     ),
     _Family(
         "cost",
-        "SELECT x.part, s.tenant, SUM(MAX(0, m.cpu_ns - m.base_cpu_ns)) / 1e9, SUM(MAX(0.0, m.gib_s - m.base_gib_s)) "
+        f"SELECT x.part, s.tenant, SUM({_positive('m.cpu_ns - m.base_cpu_ns')}) / 1e9, "
+        f"SUM({_positive('m.gib_s - m.base_gib_s')}) "
         f"{_JOIN} CROSS JOIN meters m ON m.sandbox_id = x.sandbox_id WHERE s.pool='' OR s.claimed_at>0 GROUP BY 1, 2",
         1,
         (False,),
@@ -236,8 +254,11 @@ _COMMANDS = _Family(
     "commands",
     "SELECT x.part, s.tenant, c.kind, s.tier, "
     f"{_bucket_sql('c.duration_ms', COMMAND_BUCKETS_S)}, "
-    "SUM(c.timed_out), SUM(c.oom_killed), SUM(c.truncated), SUM(c.error<>''), "
-    "SUM(c.error='' AND NOT c.timed_out AND NOT c.oom_killed AND c.exit_code<>0) "
+    "SUM(c.timed_out), SUM(c.oom_killed), SUM(c.truncated), "
+    + _count_if("c.error<>''")
+    + ", "
+    + _count_if("c.error='' AND c.timed_out=0 AND c.oom_killed=0 AND c.exit_code<>0")
+    + " "
     f"{_JOIN} CROSS JOIN commands c ON c.sandbox_id = x.sandbox_id GROUP BY 1, 2, 3, 4",
     3,
     (False, True, True),
@@ -257,13 +278,15 @@ def _add(acc: _Acc, key: tuple[str, ...], values: Sequence[Any]) -> None:
 
 
 class RegistryStats:
-    """Reads :class:`RegistryTotals` from the registry file at ``path``, one read at a time (a lock:
-    concurrent scrapes wait rather than run the aggregates twice), keeping the settled aggregates."""
+    """Reads :class:`RegistryTotals` from the registry at ``path`` (a SQLite file, or a PostgreSQL
+    URL: Registry.location), one read at a time (a lock: concurrent scrapes wait rather than run
+    the aggregates twice), keeping the settled aggregates."""
 
-    def __init__(self, path: Path, settle_s: float = SETTLE_S) -> None:
+    def __init__(self, path: Path | str, settle_s: float = SETTLE_S) -> None:
         self.path = path
         self.settle_s = settle_s
-        self._db: sqlite3.Connection | None = None
+        self._pg = is_url(path)
+        self._db: Any = None
         self._lock = threading.Lock()
         self._reset()
 
@@ -279,10 +302,13 @@ class RegistryStats:
                 self._db.close()
                 self._db = None
 
-    def _conn(self) -> sqlite3.Connection:
+    def _conn(self) -> Any:
         if self._db is None:
             # read-only: a scrape can never change the registry, whatever its SQL says (the temp
             # table of the sandboxes in scope lives in this connection's own memory)
+            if self._pg:
+                self._db = _PgStatsConn(str(self.path))
+                return self._db
             db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=5, check_same_thread=False)
             db.isolation_level = None  # transactions are explicit (BEGIN ... COMMIT below)
             db.execute("PRAGMA temp_store=MEMORY")
@@ -296,36 +322,54 @@ class RegistryStats:
             t0 = time.perf_counter()
             try:
                 db = self._conn()
-                db.execute("BEGIN")  # one snapshot of the WAL for every family
+                # one snapshot for every family (SQLite: of the WAL)
+                db.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY" if self._pg else "BEGIN")
                 try:
                     return self._read(db, tenant, t0)
                 finally:
                     db.execute("DELETE FROM scope")
                     db.execute("COMMIT")
-            except sqlite3.Error as e:
+            except _ERRORS as e:
                 if self._db is not None:
                     self._db.close()
                     self._db = None
                 self._reset()  # a half-applied read must not stay in the settled aggregates
                 raise RegistryError(f"registry read for the metrics failed: {e}") from None
 
-    def _read(self, db: sqlite3.Connection, tenant: str | None, t0: float) -> RegistryTotals:
+    def _has_table(self, db: Any, name: str) -> bool:
+        if self._pg:
+            return bool(db.execute("SELECT to_regclass(?) IS NOT NULL", (name,)).fetchone()[0])
+        return bool(db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?", (name,)).fetchone())
+
+    def _columns(self, db: Any, table: str) -> set[str]:
+        if self._pg:
+            rows = db.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_name=? "
+                "AND table_schema=current_schema()",
+                (table,),
+            ).fetchall()
+            return {r[0] for r in rows}
+        return {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+
+    def _read(self, db: Any, tenant: str | None, t0: float) -> RegistryTotals:
         def q(sql: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
-            return db.execute(sql, args).fetchall()
+            return db.execute(sql.replace("CROSS JOIN", "JOIN") if self._pg else sql, args).fetchall()
 
         # the sandboxes to read: those settling now (part 1, every tenant's: then kept), and those
         # not settled (part 0, only ``tenant``'s if given)
         before = self._settled_until
         until = max(before, time.time() - self.settle_s)
-        settles = "(state=:destroyed AND ended_at>:before AND ended_at<=:until)"
+        destroyed = State.DESTROYED.value
+        settles = "(state=? AND ended_at>? AND ended_at<=?)"
+        only_tenant = "" if tenant is None else " AND tenant=?"
         db.execute(
-            f"INSERT INTO scope SELECT sandbox_id, {settles} FROM sandboxes WHERE {settles} OR "
-            "((state<>:destroyed OR ended_at>:until) AND (:tenant IS NULL OR tenant=:tenant))",
-            {"destroyed": State.DESTROYED.value, "before": before, "until": until, "tenant": tenant},
+            f"INSERT INTO scope SELECT sandbox_id, CASE WHEN {settles} THEN 1 ELSE 0 END FROM sandboxes "
+            f"WHERE {settles} OR ((state<>? OR ended_at>?){only_tenant})",
+            (destroyed, before, until) * 2 + (destroyed, until) + (() if tenant is None else (tenant,)),
         )
         scoped = q("SELECT COUNT(*) FROM scope")[0][0]
         families = [*_FAMILIES]
-        if q("SELECT 1 FROM sqlite_master WHERE type='table' AND name='commands'"):
+        if self._has_table(db, "commands"):
             families.append(_COMMANDS)
         fresh: dict[str, _Acc] = {}
         settling: dict[str, _Acc] = {}
@@ -366,14 +410,14 @@ class RegistryStats:
             (*_SHOWN, *targs),
         )
         snaps = q(
-            f"SELECT tenant, COUNT(*), SUM(size_bytes), MAX(size_bytes) FROM snapshots WHERE 1{only} GROUP BY tenant",
+            f"SELECT tenant, COUNT(*), SUM(size_bytes), MAX(size_bytes) FROM snapshots WHERE 1=1{only} GROUP BY tenant",
             targs,
         )
         moves, stages, own = merged("moves"), merged("stages"), merged("own_stages")
         egress, cost, commands = merged("egress"), merged("cost"), merged("commands")
         pools = self._pools(db, merged("pool_costs")) if tenant is None else ((),) * 6
-        budgets = self._budgets(db, tenant)
-        approvals = self._approvals(db, tenant)
+        budgets = self._budgets(db, tenant) if self._has_table(db, "usage") else []
+        approvals = self._approvals(db, tenant) if self._has_table(db, "approvals") else []
         n_ap = len(APPROVAL_BUCKETS_S)
         n_cmd = len(COMMAND_BUCKETS_S)
         return RegistryTotals(
@@ -423,30 +467,25 @@ class RegistryStats:
         )
 
     @staticmethod
-    def _approvals(db: sqlite3.Connection, tenant: str | None) -> list[tuple[Any, ...]]:
+    def _approvals(db: Any, tenant: str | None) -> list[tuple[Any, ...]]:
         """(tenant, kind, state, count, wait buckets (cumulative)..., wait sum in s) of the approval
         queue; a pending question past its deadline counts as timed_out (as Registry.approvals
         reads it). The queue holds human-rate questions: one GROUP BY over it."""
-        if not db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='approvals'").fetchone():
-            return []
-        state = "CASE WHEN state='pending' AND deadline<:now THEN 'timed_out' ELSE state END"
+        state = "CASE WHEN state='pending' AND deadline<? THEN 'timed_out' ELSE state END"
         wait = "(CASE WHEN answered_at>0 THEN answered_at ELSE deadline END - created_at)"
-        sums = ", ".join(f"SUM({wait} <= {b!r})" for b in APPROVAL_BUCKETS_S)
-        only = "" if tenant is None else " WHERE tenant=:tenant"
+        sums = ", ".join(_count_if(f"{wait} <= {b!r}") for b in APPROVAL_BUCKETS_S)
+        only = "" if tenant is None else " WHERE tenant=?"
         rows = db.execute(
             f"SELECT tenant, kind, {state}, COUNT(*), {sums}, SUM({wait}) FROM approvals{only} GROUP BY 1, 2, 3",
-            {"now": time.time(), "tenant": tenant},
+            (time.time(), *(() if tenant is None else (tenant,))),
         ).fetchall()
         return [(r[0], label(r[1]), label(r[2]), *r[3:]) for r in rows]
 
-    @staticmethod
-    def _budgets(db: sqlite3.Connection, tenant: str | None) -> list[tuple[Any, ...]]:
+    def _budgets(self, db: Any, tenant: str | None) -> list[tuple[Any, ...]]:
         """(tenant, cpu hours used today, cpu budget, GiB-hours used today, GiB-hours budget) of the
         tenants with a daily budget: as Registry.budget_status counts them (the usage table's hours
         since UTC midnight); none before the approvals part's tables exist."""
-        cols = {r[1] for r in db.execute("PRAGMA table_info(tenants)")}
-        has_usage = db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='usage'").fetchone()
-        if not has_usage or not {"budget_cpu_h", "budget_gib_h"} <= cols:
+        if not {"budget_cpu_h", "budget_gib_h"} <= self._columns(db, "tenants"):
             return []
         day = math.floor(time.time() / DAY) * DAY
         only = "" if tenant is None else " AND t.name=?"
@@ -457,7 +496,7 @@ class RegistryStats:
             (day,) if tenant is None else (day, tenant),
         ).fetchall()
 
-    def _pools(self, db: sqlite3.Connection, costs: _Acc) -> tuple[tuple[Value, ...], ...]:
+    def _pools(self, db: Any, costs: _Acc) -> tuple[tuple[Value, ...], ...]:
         target = db.execute("SELECT name, target FROM pool_state").fetchall()
         names = [r[0] for r in target]
         ready = dict(
@@ -494,6 +533,38 @@ class RegistryStats:
             _values((k[1], v[0]) for k, v in costs.items()),
             _values((k[1], v[1]) for k, v in costs.items()),
         )
+
+
+class _PgStatsConn:
+    """The scrape's own PostgreSQL connection (autocommit: read() opens its one transaction), with
+    its temp table ``scope``, speaking the registry's ``?`` paramstyle."""
+
+    def __init__(self, url: str) -> None:
+        import psycopg
+
+        from warmbox.storage.sql import numeric_loader
+
+        self.conn = psycopg.connect(url, autocommit=True, connect_timeout=10, application_name="warmbox-metrics")
+        self.conn.adapters.register_loader("numeric", numeric_loader())
+        # made outside the read-only transactions (which may write only to temp tables)
+        self.conn.execute("CREATE TEMP TABLE scope (sandbox_id TEXT PRIMARY KEY, part INTEGER NOT NULL)")
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> Any:
+        return self.conn.execute(pg_sql(sql), tuple(args))
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _pg_errors() -> tuple[type[Exception], ...]:
+    try:
+        import psycopg
+    except ImportError:
+        return ()
+    return (psycopg.Error,)
+
+
+_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, *_pg_errors())
 
 
 def _values(rows: Iterable[Sequence[Any]]) -> tuple[Value, ...]:

@@ -25,6 +25,7 @@ from warmbox.engine import images
 from warmbox.engine.engine import Engine
 from warmbox.storage import templates as stored
 from warmbox.storage.layers import LayerStore, hex_of
+from warmbox.storage.registry import PG_KEY_PREFIX, Registry
 
 _ROOT_NAME = re.compile(r"([0-9a-f]{16,32})-([0-9a-f]{16})\.ext4")
 
@@ -55,18 +56,23 @@ def recorded_images(engine: Engine) -> set[str]:
     return engine.registry.recorded_image_ids()
 
 
-def _other_homes_images(store: LayerStore, own: Path) -> set[str] | None:
+def _other_homes_images(store: LayerStore, own: Registry) -> set[str] | None:
     """Image ids the other homes that pin layers (their registries) record: template versions,
-    sandboxes not destroyed, snapshots; None when one cannot be read (then nothing is known)."""
+    sandboxes not destroyed, snapshots; None when one cannot be read (then nothing is known).
+    Another node of the same cluster shares this registry (read already); another PostgreSQL
+    registry cannot be read from here (its key holds no URL): then nothing is known."""
     out: set[str] = set()
     paths = set()
+    cluster = own.key.rpartition("/")[0] + "/" if own.shared else None
     for pin in store.pinned():
-        if pin.startswith(stored.PIN_PREFIX):
-            path = pin[len(stored.PIN_PREFIX) :].rpartition("#")[0]
-            if path and Path(path) != own:
-                paths.add(path)
+        key = stored.pin_registry(pin)
+        if not key or key == own.key or (cluster is not None and key.startswith(cluster)):
+            continue
+        if key.startswith(PG_KEY_PREFIX):
+            return None
+        paths.add(key)
     for path in sorted(paths):
-        if not Path(path).exists():
+        if stored.registry_gone(path):
             continue  # a removed home: collect drops its pins
         try:
             db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
@@ -116,7 +122,7 @@ def gc(engine: Engine, *, dry_run: bool = False, min_age_s: float = 0.0) -> ops.
             layers = stored.collect(engine.registry, store, keep=keep, min_age_s=min_age_s)
             freed = sum(sizes.get(d, 0) for d in layers)
         ids = used_ids | {i.image_id for i in infos} | {r.image_id for r in builtin}
-        others = _other_homes_images(store, Path(engine.registry.path).resolve())
+        others = _other_homes_images(store, engine.registry)
         roots, kept, root_bytes = _roots(cache, ids, others, dry_run)
     finally:
         os.close(fd)
@@ -127,10 +133,8 @@ def _live_pins(store: LayerStore) -> dict[str, tuple[str, ...]]:
     """The pins a collect keeps (those of removed homes go)."""
     out = {}
     for name, ds in store.pinned().items():
-        if name.startswith(stored.PIN_PREFIX):
-            path = name[len(stored.PIN_PREFIX) :].rpartition("#")[0]
-            if path and not Path(path).exists():
-                continue
+        if stored.registry_gone(stored.pin_registry(name)):
+            continue
         out[name] = ds
     return out
 

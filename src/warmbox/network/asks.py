@@ -33,6 +33,7 @@ def close(registry: Registry, approval_id: str) -> None:
 
 class AnswerWatch:
     """Futures for queue rows, resolved (on the loop) with the row once it is no longer pending.
+    db: the registry's location (Registry.location: a file, or a PostgreSQL URL).
 
     A row still pending at its deadline resolves as it is (the registry reads it as timed out
     from then on, as it does once the proxy is gone); ``cancel`` withdraws one the proxy stopped
@@ -40,7 +41,7 @@ class AnswerWatch:
     Thread-safe; the thread starts with the first row.
     """
 
-    def __init__(self, db: Path, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, db: Path | str, loop: asyncio.AbstractEventLoop) -> None:
         self.db = db
         self.loop = loop
         self.lock = threading.Lock()

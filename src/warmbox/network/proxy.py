@@ -47,7 +47,7 @@ from warmbox.models import Approval, NetEvent
 from warmbox.network import asks, dns, netns, nflog
 from warmbox.network.policy import Policy, Secret, is_blocked, is_ip, normalize_host
 from warmbox.network.tls import SandboxCA
-from warmbox.storage.registry import Registry
+from warmbox.storage.registry import open_registry
 
 MAX_HEAD = 64 * 1024
 HEAD_TIMEOUT_S = 30.0
@@ -236,7 +236,7 @@ class Proxy:
         self.keeper = keeper  # to the supervisor, which keeps the registrations for a restart
         self.net = settings.network
         self.approvals = settings.approvals
-        self.registry = Registry(home / "registry.db", settings.cluster.node)  # links: this node's
+        self.registry = open_registry(home, settings)  # links: this node's
         self.secrets: dict[str, list[tuple[str, Secret]]] = {}  # sandbox -> [(placeholder, secret)]
         self.cas: dict[str, SandboxCA] = {}
         self.approvers: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
@@ -1111,7 +1111,7 @@ class Supervisor:
     def __init__(self, home: Path, socks: list[socket.socket]) -> None:
         self.home = home
         self.socks = socks
-        self.registry = Registry(home / "registry.db")
+        self.registry = open_registry(home, config.load(home))
         self.state: dict[str, dict] = {}  # sandbox -> its last registration (memory only)
         self.stopping = False
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -1399,7 +1399,7 @@ def serve(argv: list[str]) -> int:
         proxy.restore(restore)
         proxy.refresh_own()
         loop = asyncio.get_running_loop()
-        answers = proxy.watch = asks.AnswerWatch(home / "registry.db", loop)
+        answers = proxy.watch = asks.AnswerWatch(proxy.registry.location, loop)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, proxy.stopping.set)
         server = await asyncio.start_server(proxy.serve_client, sock=tcp, limit=MAX_HEAD)

@@ -183,7 +183,9 @@ class Service:
         self._pending: dict[str, _Pending] = {}
         # /metrics: the registry's aggregates read on a connection of their own, and the HTTP counters
         self.exposition = (
-            Exposition(RegistryStats(engine.registry.path), warn_ratio=lambda: engine.settings().approvals.warn_ratio)
+            Exposition(
+                RegistryStats(engine.registry.location), warn_ratio=lambda: engine.settings().approvals.warn_ratio
+            )
             if settings.metrics
             else None
         )

@@ -1,7 +1,9 @@
-"""The registry: an embedded SQLite file holding every sandbox, its transitions and stage timings,
-and the tenants, their quotas and API keys (hashes only).
+"""The registry: every sandbox, its transitions and stage timings, and the tenants, their quotas
+and API keys (hashes only). An embedded SQLite file in the home by default; a PostgreSQL database
+shared by the nodes of a cluster when ``[cluster] registry`` names one (storage/sql.py: the dialect).
 
-It is the source of truth shared by every warmbox process on the host (CLI, SDK, reaper).
+It is the source of truth shared by every warmbox process on the host (CLI, SDK, reaper) or, on
+PostgreSQL, in the cluster.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -17,15 +20,18 @@ import re
 import secrets
 import sqlite3
 import time
+import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from warmbox.config import ClusterSettings
 from warmbox.errors import (
     ApprovalClosed,
     ApprovalNotFound,
     InvalidArgument,
     QuotaExceeded,
     RegistryError,
+    RegistrySchemaError,
     SandboxNotFound,
     SandboxStateError,
     TemplateNotFound,
@@ -64,6 +70,7 @@ from warmbox.models import (
     UsageBucket,
 )
 from warmbox.paths import owner_alive
+from warmbox.storage.sql import Conn, PostgresDialect, SqliteDialect, dialect_for, is_url
 from warmbox.storage.uidslots import (  # noqa: F401 - MAX_SLOTS is re-exported for cli/bench
     HOLDING_STATES,
     MAX_SLOTS,
@@ -74,6 +81,9 @@ from warmbox.storage.uidslots import (  # noqa: F401 - MAX_SLOTS is re-exported 
     row_holds,
 )
 from warmbox.tiers import canonical_tier
+
+if typing.TYPE_CHECKING:
+    from warmbox.config import Settings
 
 COMMANDS_HEAD = 5_000  # command records a sandbox keeps from its start (its setup) ...
 COMMANDS_TAIL = 5_000  # ... and from its latest (at most 10,000 rows, 40 MiB of text, per sandbox)
@@ -253,7 +263,7 @@ CREATE TABLE IF NOT EXISTS templates (
     layers      TEXT NOT NULL,
     env         TEXT NOT NULL,
     workdir     TEXT NOT NULL,
-    user        TEXT NOT NULL,
+    "user"      TEXT NOT NULL,
     warmup_code TEXT,
     warmup_commands TEXT NOT NULL,
     source      TEXT NOT NULL,
@@ -605,7 +615,8 @@ def _net_event_row(e: NetEvent) -> tuple:
 
 
 class Registry:
-    """node: the cluster node this process is ("" = one host): the sandboxes it creates are its,
+    """location: a SQLite file path, or a ``postgresql://`` URL (a registry shared by a cluster).
+    node: the cluster node this process is ("" = one host): the sandboxes it creates are its,
     and the queries about what runs here (uid slots in use, network links, pool claims and
     retirements, the reaper's views) see only its rows: a row of another node is never judged
     by this host's processes or directories.
@@ -615,33 +626,63 @@ class Registry:
 
     def __init__(
         self,
-        path: Path,
+        location: Path | str,
         node: str = "",
         *,
         ledger: UidLedger | None = None,
         check_limits: Callable[[Limits], None] | None = None,
     ) -> None:
-        self.path = path
+        url = is_url(location)
+        self.location = location  # what it was opened with (RegistryStats opens its own connection there)
+        # the file (None for PostgreSQL: there is no file, and its URL may hold a password)
+        self.path: Path | None = None if url else Path(location)
         self.node = node
         self.ledger = ledger if ledger is not None else UidLedger()
         self.check_limits = check_limits
-        self._key = str(Path(path).resolve())  # how the ledger names this registry
         self._adopted = False
         # waiters of this process on approval questions: an answer given through this object wakes
         # them at once (others' answers are seen by polling). approval_id -> wake-ups.
         self._approval_waiters: dict[str, builtins.list[Callable[[], object]]] = {}
+        where = _redacted(str(location)) if url else str(location)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._sql = dialect_for(location)
+            self._errors: tuple[type[Exception], ...] = self._sql.errors
+            self._db: Conn = self._sql.reader()
             self._migrate()
         except (sqlite3.Error, OSError) as e:
-            raise RegistryError(f"cannot open the registry at {path}: {e}") from None
+            raise RegistryError(f"cannot open the registry at {where}: {e}") from None
+        except RegistryError as e:
+            if isinstance(e, RegistrySchemaError):
+                raise
+            raise RegistryError(f"cannot open the registry at {where}: {e}") from None
+        self._cluster = ""
+        if self.path is not None:
+            self._key = str(self.path.resolve())  # how the ledger names this registry
+        else:
+            # never the URL: the cluster's own id (made by its first migration) and this node
+            self._cluster = self.meta_text("cluster_id")
+            self._key = f"{PG_KEY_PREFIX}{self._cluster}/{node}"
+        retried: tuple[type[BaseException], ...] = (*self._errors, OSError, RegistryError)
         try:
             self._adopt()
-        except (sqlite3.Error, OSError, RegistryError):
+        except retried:
             pass  # retried at the first allocate
+
+    @property
+    def key(self) -> str:
+        """How the host's uid ledger and layer pins name this registry: its file's resolved path,
+        or ``pg:<cluster id>/<node>`` for a PostgreSQL one (never its URL)."""
+        return self._key
+
+    @property
+    def shared(self) -> bool:
+        """Whether the registry is a PostgreSQL database (shared by a cluster's nodes)."""
+        return isinstance(self._sql, PostgresDialect)
+
+    @property
+    def dialect(self) -> SqliteDialect | PostgresDialect:
+        assert isinstance(self._sql, (SqliteDialect, PostgresDialect))
+        return self._sql
 
     def _adopt(self) -> None:
         """Record in the host ledger the slots this home's sandboxes from before it hold."""
@@ -659,76 +700,101 @@ class Registry:
                         ledger.adopt(slot, self._key, sid)
         self._adopted = True
 
-    def _holds(self, registry: str, sandbox_id: str, slot: int) -> bool | None:
-        if registry != self._key:
+    def _holds(self, registry: str, sandbox_id: str, slot: int, db: Conn | None = None) -> bool | None:
+        """Whether the registry ``registry`` (a ledger key) still counts ``slot`` as held by
+        ``sandbox_id``; db: the caller's transaction, if any. Another node of this cluster (same
+        host, same ledger) is answered from this same shared database."""
+        if registry != self._key and not (self._cluster and registry.startswith(f"{PG_KEY_PREFIX}{self._cluster}/")):
             return registry_holds(registry, sandbox_id, slot)
-        row = self._db.execute(
-            "SELECT state, uid_slot, state_dir FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)
-        ).fetchone()
+        row = (
+            (db or self._db)
+            .execute("SELECT state, uid_slot, state_dir FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
+            .fetchone()
+        )
         return row_holds(row, slot)
 
     def _migrate(self) -> None:
-        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if isinstance(self._sql, PostgresDialect):
+            self._sql.check_schema(schema_statements(), SCHEMA_VERSION, now=time.time())
+            return
+        assert isinstance(self._sql, SqliteDialect)
+        db = self._sql.conn
+        version = db.execute("PRAGMA user_version").fetchone()[0]
         if version >= SCHEMA_VERSION:
             return
-        self._db.execute("BEGIN IMMEDIATE")
+        db.execute("BEGIN IMMEDIATE")
         try:
             for stmt in _ADDED_COLUMNS:  # "ALTER TABLE t ADD COLUMN c ..."
                 table, column = stmt.split()[2], stmt.split()[5]
-                cols = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+                cols = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
                 if cols and column not in cols:
-                    self._db.execute(stmt)
+                    db.execute(stmt)
             for table, column, ddl in (
                 ("pool_state", "events_seen", "INTEGER NOT NULL DEFAULT 0"),
                 ("pool_state", "config_target", "INTEGER"),
             ):
-                cols = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+                cols = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
                 if cols and column not in cols:
-                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}")
-            link_cols = {r[1] for r in self._db.execute("PRAGMA table_info(net_links)")}
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}")
+            link_cols = {r[1] for r in db.execute("PRAGMA table_info(net_links)")}
             if link_cols and "node" not in link_cols:  # version 15: address unique per node, not globally
-                self._db.execute("ALTER TABLE net_links RENAME TO net_links_old")
+                db.execute("ALTER TABLE net_links RENAME TO net_links_old")
             for stmt in SCHEMA.split(";"):
                 if stmt.strip():
-                    self._db.execute(stmt)
+                    db.execute(stmt)
             if link_cols and "node" not in link_cols:
-                self._db.execute(
+                db.execute(
                     f"INSERT INTO net_links ({_NET_LINK_COLUMNS}) "
                     "SELECT sandbox_id, address, ifname, policy, updated_at, '' FROM net_links_old"
                 )
-                self._db.execute("DROP TABLE net_links_old")
-            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            self._db.execute("COMMIT")
+                db.execute("DROP TABLE net_links_old")
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            db.execute("COMMIT")
         except BaseException:
-            self._db.execute("ROLLBACK")
+            db.execute("ROLLBACK")
             raise
 
     def close(self) -> None:
-        self._db.close()
+        self._sql.close()
 
-    def _read(self, sql: str, args: tuple = (), *, many: bool = False):
+    def _read(self, sql: str, args: tuple = (), *, many: bool = False) -> typing.Any:
         try:
             cur = self._db.execute(sql, args)
             return cur.fetchall() if many else cur.fetchone()
-        except sqlite3.Error as e:
+        except self._errors as e:
             raise RegistryError(f"registry read failed: {e}") from None
 
-    def _tx(self):
-        return _Tx(self._db)
+    def _tx(self, *locks: str) -> contextlib.AbstractContextManager[Conn]:
+        """A write transaction; ``locks``: names of advisory locks it holds (PostgreSQL; SQLite's
+        BEGIN IMMEDIATE already serializes every writer): "tenant:<name>" around a quota's check
+        and the write it allows."""
+        return self._sql.transaction(locks)
+
+    def _lock(self, db: Conn, name: str) -> None:
+        """Take the advisory lock ``name`` in the transaction ``db`` (PostgreSQL; held to its end)."""
+        if isinstance(self._sql, PostgresDialect):
+            db.execute("SELECT pg_advisory_xact_lock(hashtextextended(?, 0))", (name,))
+
+    def _pool_event(self, db: Conn, row: tuple[str, float, str, str, str]) -> None:
+        """Append a pool event, last in its transaction: on PostgreSQL under one lock to the commit,
+        so events commit in rowid order (the autoscaler and the metrics read them by rowid cursor:
+        a row committed late under a lower rowid would be skipped)."""
+        self._lock(db, "pool_events")
+        db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", row)
 
     @contextlib.contextmanager
-    def _claiming(self) -> Iterator[tuple[UidLedger, sqlite3.Connection]]:
+    def _claiming(self, *locks: str) -> Iterator[tuple[UidLedger, Conn]]:
         """The host-wide uid ledger's lock and a transaction for claiming a slot: the lock is held
         until the row is committed (whoever looks at the slot to reclaim it then sees the sandbox
         holding it); a ledger or database failure is a RegistryError."""
         try:
             if not self._adopted:
                 self._adopt()
-            with self.ledger.locked() as ledger, self._tx() as db:
+            with self.ledger.locked() as ledger, self._tx(*locks) as db:
                 yield ledger, db
         except OSError as e:
             raise RegistryError(f"cannot claim a uid range in {self.ledger.dir}: {e}") from None
-        except sqlite3.Error as e:
+        except self._errors as e:
             raise RegistryError(f"registry error: {e}") from None
 
     # ---- sandboxes
@@ -760,7 +826,7 @@ class Registry:
         if self.check_limits is not None:
             self.check_limits(limits)
         now = time.time()
-        with self._claiming() as (ledger, db):
+        with self._claiming(*_tenant_lock(tenant)) as (ledger, db):
             if tenant is not None:
                 self._check_quota(db, tenant, tier, limits.memory_mb, limits.cpus)
             used = {
@@ -769,7 +835,7 @@ class Registry:
                     f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)} AND node=?", (*_HOLDING, self.node)
                 )
             }
-            slot = ledger.claim(self._key, sandbox_id, skip=used, check=self._holds)
+            slot = ledger.claim(self._key, sandbox_id, skip=used, check=functools.partial(self._holds, db=db))
             try:
                 db.execute(
                     "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, "
@@ -830,9 +896,11 @@ class Registry:
         if self.check_limits is not None:
             self.check_limits(limits)
         now = time.time()
-        with self._claiming() as (ledger, db):
+        with self._claiming(*_tenant_lock(tenant)) as (ledger, db):
             row = db.execute(
-                "SELECT state, tier, memory_mb, cpus, uid_slot FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)
+                "SELECT state, tier, memory_mb, cpus, uid_slot FROM sandboxes WHERE sandbox_id=?"
+                + self._sql.for_update(),
+                (sandbox_id,),
             ).fetchone()
             if row is None:
                 raise unknown_sandbox(sandbox_id)
@@ -847,7 +915,7 @@ class Registry:
                     f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)} AND node=?", (*_HOLDING, self.node)
                 )
             }
-            slot = ledger.claim(self._key, sandbox_id, skip=used, check=self._holds)
+            slot = ledger.claim(self._key, sandbox_id, skip=used, check=functools.partial(self._holds, db=db))
             try:
                 db.execute(
                     "UPDATE sandboxes SET state=?, uid_slot=?, expires_at=?, owner=?, ended_at=0, "
@@ -989,7 +1057,9 @@ class Registry:
         expected: only move if the current state is this one (else SandboxStateError).
         """
         with self._tx() as db:
-            row = db.execute("SELECT state, uid_slot FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
+            row = db.execute(
+                "SELECT state, uid_slot FROM sandboxes WHERE sandbox_id=?" + self._sql.for_update(), (sandbox_id,)
+            ).fetchone()
             if row is None:
                 raise SandboxNotFound(f"no sandbox {sandbox_id}", sandbox_id)
             old = State(row[0])
@@ -1030,15 +1100,16 @@ class Registry:
         the sandbox stays in the pool).
         """
         now = time.time()
-        with self._tx() as db:
+        with self._tx(*_tenant_lock(tenant)) as db:
+            # SKIP LOCKED (PostgreSQL): concurrent claims take different rows instead of queueing
             row = db.execute(
                 "SELECT sandbox_id FROM sandboxes WHERE pool=? AND shape=? AND state=? AND expires_at>? AND node=? "
-                "ORDER BY created_at LIMIT 1",
+                "ORDER BY created_at LIMIT 1" + self._sql.for_update(skip_locked=True),
                 (pool, shape, State.POOLED.value, now + 1, self.node),
             ).fetchone()
             db.execute("UPDATE pool_state SET last_demand_at=? WHERE name=?", (now, pool))
             if row is None:
-                db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, now, "miss", "", ""))
+                self._pool_event(db, (pool, now, "miss", "", ""))
                 return None
             sid = row[0]
             if tenant is not None:
@@ -1054,7 +1125,6 @@ class Registry:
                 "INSERT INTO transitions VALUES (?,?,?,?,?)",
                 (sid, now, State.POOLED.value, State.READY.value, f"claimed from pool {pool}"),
             )
-            db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, now, "hit", sid, ""))
             # What it cost so far is the pool's: the meter, brought up to now from its last
             # reading (an idle pooled sandbox's memory is flat, its CPU ~0), becomes the
             # user's zero, and the pool is billed for it.
@@ -1064,18 +1134,20 @@ class Registry:
             ).fetchone()
             if m is not None:
                 gib_s = m[1] + m[4] / GIB * max(0.0, now - m[5])
-                _add_usage(db, "", now, 0.0, gib_s - m[1])  # the pool's, as a reading now would have
+                # the meters row before the usage row, as sample() takes them (no lock-order cycle)
                 db.execute(
                     "UPDATE meters SET base_cpu_ns=?, base_gib_s=?, base_busy_ms=?, base_commands=?, "
                     "busy_ms=0, commands=0, gib_s=?, sampled_at=? WHERE sandbox_id=?",
                     (m[0], gib_s, m[2], m[3], gib_s, now, sid),
                 )
+                _add_usage(db, "", now, 0.0, gib_s - m[1])  # the pool's, as a reading now would have
                 created = db.execute("SELECT created_at FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()[0]
                 db.execute(
-                    "INSERT OR REPLACE INTO pool_costs VALUES (?,?,?,?,?)",
+                    self._sql.upsert("pool_costs", _POOL_COST_COLUMNS, ("sandbox_id",)),
                     (pool, sid, m[0] / 1e9, gib_s, max(0.0, now - created)),
                 )
             r = db.execute(f"SELECT {_COLUMNS} FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()
+            self._pool_event(db, (pool, now, "hit", sid, ""))
         return self._row(r)
 
     def retire(self, pool: str, owner: str, *, keep_shape: str | None = None, limit: int | None = None) -> list[str]:
@@ -1105,7 +1177,8 @@ class Registry:
             if limit is not None:
                 q += " LIMIT ?"
                 args.append(limit)
-            ids = [r[0] for r in db.execute(q, args).fetchall()]
+            # SKIP LOCKED (PostgreSQL): a row a claim holds right now is not retired (it is leaving)
+            ids = [r[0] for r in db.execute(q + self._sql.for_update(skip_locked=True), args).fetchall()]
             for sid in ids:
                 db.execute(
                     "UPDATE sandboxes SET state=?, owner=? WHERE sandbox_id=?", (State.RETIRING.value, owner, sid)
@@ -1114,7 +1187,8 @@ class Registry:
                     "INSERT INTO transitions VALUES (?,?,?,?,?)",
                     (sid, now, State.POOLED.value, State.RETIRING.value, f"retired from pool {pool}"),
                 )
-                db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, now, "retired", sid, ""))
+            for sid in ids:
+                self._pool_event(db, (pool, now, "retired", sid, ""))
         return ids
 
     def get(self, sandbox_id: str) -> tuple[SandboxInfo, BackendHandle]:
@@ -1149,7 +1223,7 @@ class Registry:
             args.append(self.node)
         if states is not None:
             values = tuple(s.value for s in states)
-            where.append(f"state IN {_in(values)}" if values else "0")
+            where.append(f"state IN {_in(values)}" if values else "1=0")
             args.extend(values)
         elif not include_dead:
             live = _LIVE if include_pooled else _USER
@@ -1274,7 +1348,7 @@ class Registry:
 
     def set_meta_text(self, key: str, value: str) -> None:
         with self._tx() as db:
-            db.execute("INSERT OR REPLACE INTO meta_text VALUES (?,?)", (key, value))
+            db.execute(self._sql.upsert("meta_text", ("key", "value"), ("key",)), (key, value))
 
     # ---- nodes (a cluster: every node and the API tier share this registry)
 
@@ -1284,7 +1358,7 @@ class Registry:
         process of its previous life heartbeating with the old epoch is fenced."""
         _node_name(info.name)
         now = time.time()
-        with self._tx() as db:
+        with self._tx(f"node:{info.name}") as db:  # two joins of one name: two epochs
             row = db.execute("SELECT epoch FROM nodes WHERE name=?", (info.name,)).fetchone()
             epoch = (row[0] if row else 0) + 1
             db.execute(
@@ -1383,7 +1457,7 @@ class Registry:
             )
             rows = db.execute(
                 f"SELECT sandbox_id, state FROM sandboxes WHERE node=? AND state IN {_in(_LOSABLE)} "
-                "ORDER BY created_at",
+                "ORDER BY created_at" + self._sql.for_update(),  # no state change slips in meanwhile
                 (name, *_LOSABLE),
             ).fetchall()
             for sid, old in rows:
@@ -1405,7 +1479,9 @@ class Registry:
         not paused: a running sandbox's processes cannot move."""
         _node_name(node, empty=True)
         with self._tx() as db:
-            row = db.execute("SELECT state FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()
+            row = db.execute(
+                "SELECT state FROM sandboxes WHERE sandbox_id=?" + self._sql.for_update(), (sandbox_id,)
+            ).fetchone()
             if row is None:
                 raise unknown_sandbox(sandbox_id)
             if row[0] != State.PAUSED.value:
@@ -1513,7 +1589,7 @@ class Registry:
         never reused, even after a removal). If the latest version has the same spec_hash and
         image_id, nothing is added and that version is returned."""
         _template_name(info.name)
-        with self._tx() as db:
+        with self._tx(f"template:{info.tenant}/{info.name}") as db:  # two builds of one name: one version each
             row = db.execute(
                 f"SELECT {_TEMPLATE_COLUMNS} FROM templates WHERE tenant=? AND name=? ORDER BY version DESC LIMIT 1",
                 (info.tenant, info.name),
@@ -1529,7 +1605,7 @@ class Registry:
             out = dataclasses.replace(info, version=version)
             db.execute(f"INSERT INTO templates ({_TEMPLATE_COLUMNS}) VALUES ({','.join('?' * 16)})", _template_row(out))
             db.execute(
-                "INSERT OR REPLACE INTO template_versions (tenant, name, last) VALUES (?,?,?)",
+                self._sql.upsert("template_versions", ("tenant", "name", "last"), ("tenant", "name")),
                 (info.tenant, info.name, version),
             )
         return out
@@ -1636,7 +1712,7 @@ class Registry:
         secret = SECRET_PREFIX + secrets.token_urlsafe(32)
         now = time.time()
         with self._tx() as db:
-            db.execute("INSERT OR IGNORE INTO tenants (name, created_at) VALUES (?,?)", (tenant, now))
+            db.execute(self._sql.upsert("tenants", ("name", "created_at"), ("name",), ()), (tenant, now))
             for col, value in updates:  # col: one of the fixed names above
                 db.execute(f"UPDATE tenants SET {col}=? WHERE name=?", (value, tenant))
             db.execute(
@@ -1714,13 +1790,14 @@ class Registry:
         its quotas now. An early refusal only: the insert or claim checks again, atomically."""
         try:
             self._check_quota(self._db, tenant, tier, limits.memory_mb, limits.cpus)
-        except sqlite3.Error as e:
+        except self._errors as e:
             raise RegistryError(f"registry read failed: {e}") from None
 
-    def _check_quota(self, db: sqlite3.Connection, tenant: Tenant, tier: str, memory_mb: int, cpus: float) -> None:
+    def _check_quota(self, db: Conn, tenant: Tenant, tier: str, memory_mb: int, cpus: float) -> None:
         """In the caller's transaction. The tenants table's quotas win over the Tenant record's (a
         quota changed by ``keys create`` applies to the next start); a tenant with no row (made in
-        code, not by a key) is held to the record's."""
+        code, not by a key) is held to the record's. On PostgreSQL the caller's transaction holds
+        the tenant's advisory lock (_tenant_lock): its count and the write it allows are one step."""
         row = db.execute(
             "SELECT max_sandboxes, max_memory_mb, max_cpus, tiers FROM tenants WHERE name=?", (tenant.name,)
         ).fetchone()
@@ -1782,12 +1859,15 @@ class Registry:
 
     def add_timing(self, sandbox_id: str, stage: str, duration_ms: float) -> None:
         with self._tx() as db:
-            db.execute("INSERT OR IGNORE INTO timings VALUES (?,?,?,1)", (sandbox_id, stage, duration_ms))
+            db.execute(
+                self._sql.upsert("timings", _TIMING_COLUMNS, ("sandbox_id", "stage"), ()),
+                (sandbox_id, stage, duration_ms, 1),
+            )
 
     def add_timings(self, timings: builtins.list[StageTiming]) -> None:
         with self._tx() as db:
             db.executemany(
-                "INSERT OR REPLACE INTO timings VALUES (?,?,?,?)",
+                self._sql.upsert("timings", _TIMING_COLUMNS, ("sandbox_id", "stage")),
                 [(t.sandbox_id, t.stage, t.duration_ms, int(t.on_request_path)) for t in timings],
             )
 
@@ -1816,21 +1896,24 @@ class Registry:
                 dt = max(0.0, now - row[0])
                 # trapezoid between the last reading and this one
                 add = (row[1] + mem) / 2 / GIB * dt
+                top = self._sql.greatest
                 db.execute(
-                    "UPDATE meters SET sampled_at=?, memory_bytes=?, peak_bytes=MAX(peak_bytes, ?), "
-                    "gib_s=gib_s+?, cpu_ns=MAX(cpu_ns, ?) WHERE sandbox_id=?",
+                    f"UPDATE meters SET sampled_at=?, memory_bytes=?, peak_bytes={top}(peak_bytes, ?), "
+                    f"gib_s=gib_s+?, cpu_ns={top}(cpu_ns, ?) WHERE sandbox_id=?",
                     (now, mem, mem, add, cpu, sid),
                 )
                 u = used.setdefault(row[4], [0.0, 0.0])
                 u[0] += max(0, cpu - row[3]) / 1e9
                 u[1] += add
-            for tenant, (cpu_s, gib_s) in used.items():
+            for tenant, (cpu_s, gib_s) in sorted(used.items()):  # one row order for every writer
                 _add_usage(db, tenant, now, cpu_s, gib_s)
 
     def set_busy(self, sandbox_id: str, busy_ms: float, commands: int) -> None:
         with self._tx() as db:
+            top = self._sql.greatest
             db.execute(
-                "UPDATE meters SET busy_ms=MAX(busy_ms, ?), commands=MAX(commands, ?) WHERE sandbox_id=? AND final=0",
+                f"UPDATE meters SET busy_ms={top}(busy_ms, ?), commands={top}(commands, ?) "
+                "WHERE sandbox_id=? AND final=0",
                 (busy_ms, commands, sandbox_id),
             )
 
@@ -1846,7 +1929,7 @@ class Registry:
             if row and row[0] and not row[1]:
                 end = row[3] or time.time()
                 db.execute(
-                    "INSERT OR REPLACE INTO pool_costs VALUES (?,?,?,?,?)",
+                    self._sql.upsert("pool_costs", _POOL_COST_COLUMNS, ("sandbox_id",)),
                     (row[0], sandbox_id, row[4] / 1e9, row[5], max(0.0, end - row[2])),
                 )
 
@@ -2008,7 +2091,8 @@ class Registry:
         now = time.time() if now is None else now
         with self._tx() as db:
             row = db.execute(
-                f"SELECT {_APPROVAL_COLUMNS} FROM approvals WHERE approval_id=?", (approval_id,)
+                f"SELECT {_APPROVAL_COLUMNS} FROM approvals WHERE approval_id=?" + self._sql.for_update(),
+                (approval_id,),
             ).fetchone()
             if row is None or (tenant is not None and row[1] != tenant):
                 raise ApprovalNotFound(f"no approval {approval_id}", approval_id=str(approval_id)[:80])
@@ -2100,7 +2184,7 @@ class Registry:
         """Create the pool's row, or reset its target when the configured target changed."""
         with self._tx() as db:
             db.execute(
-                "INSERT OR IGNORE INTO pool_state (name, target, last_demand_at, config_target) VALUES (?,?,?,?)",
+                self._sql.upsert("pool_state", ("name", "target", "last_demand_at", "config_target"), ("name",), ()),
                 (name, target, time.time(), target),
             )
             db.execute(
@@ -2124,7 +2208,7 @@ class Registry:
         now = time.time()
         with self._tx() as db:
             db.execute(
-                "INSERT OR IGNORE INTO pool_state (name, target, last_demand_at) VALUES (?,?,?)",
+                self._sql.upsert("pool_state", ("name", "target", "last_demand_at"), ("name",), ()),
                 (name, target or 0, now),
             )
             if target is not None:
@@ -2136,11 +2220,11 @@ class Registry:
             if error is not None:
                 db.execute("UPDATE pool_state SET last_error=?, last_error_at=? WHERE name=?", (error, now, name))
             if kind:
-                db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (name, now, kind, "", detail))
+                self._pool_event(db, (name, now, kind, "", detail))
 
     def pool_event(self, pool: str, kind: str, sandbox_id: str = "", detail: str = "") -> None:
         with self._tx() as db:
-            db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", (pool, time.time(), kind, sandbox_id, detail))
+            self._pool_event(db, (pool, time.time(), kind, sandbox_id, detail))
 
     def pool_events(self, pool: str, since: float = 0.0) -> builtins.list[PoolEvent]:
         rows = self._db.execute(
@@ -2205,8 +2289,12 @@ class Registry:
 
     def set_link(self, sandbox_id: str, address: str, ifname: str, policy: str) -> None:
         with self._tx() as db:
+            # what SQLite's REPLACE did for the UNIQUE (node, address) too (PostgreSQL's upsert would not)
             db.execute(
-                f"INSERT OR REPLACE INTO net_links ({_NET_LINK_COLUMNS}) VALUES (?,?,?,?,?,?)",
+                "DELETE FROM net_links WHERE node=? AND address=? AND sandbox_id<>?", (self.node, address, sandbox_id)
+            )
+            db.execute(
+                self._sql.upsert("net_links", tuple(_NET_LINK_COLUMNS.split(", ")), ("sandbox_id",)),
                 (sandbox_id, address, ifname, policy, time.time(), self.node),
             )
 
@@ -2245,7 +2333,7 @@ class Registry:
 
     def add_net_event(self, e: NetEvent) -> int:
         with self._tx() as db:
-            return db.execute(_NET_EVENT_INSERT, _net_event_row(e)).lastrowid
+            return int(db.execute(_NET_EVENT_INSERT + " RETURNING id", _net_event_row(e)).fetchone()[0])
 
     def add_net_events(self, events: builtins.list[NetEvent]) -> None:
         """Append several audit records in one transaction."""
@@ -2286,7 +2374,7 @@ class Registry:
         without bound (about 900 calls/s with 4 KiB of text each was 12 GB an hour)."""
         if not records:
             return
-        with self._tx() as db:
+        with self._tx(*{f"commands:{c.sandbox_id}" for c in records}) as db:  # the next seq, one writer each
             last: dict[str, int] = {}
             rows = []
             for c in records:
@@ -2326,14 +2414,14 @@ class Registry:
     def add_volume(self, tenant: str, name: str, volume_id: str, size_mb: int, created_at: float) -> None:
         """Record a new volume; VolumeError if the tenant has one of that name."""
         try:
-            with self._tx() as db:
+            with self._tx(f"volume:{tenant}/{name}") as db:
                 if db.execute("SELECT 1 FROM volumes WHERE tenant=? AND name=?", (tenant, name)).fetchone():
                     raise VolumeError(f"a volume named {name!r} exists already", volume=name)
                 db.execute(
                     "INSERT INTO volumes (tenant, name, volume_id, size_mb, created_at) VALUES (?,?,?,?,?)",
                     (tenant, name, volume_id, size_mb, created_at),
                 )
-        except sqlite3.Error as e:
+        except self._errors as e:
             raise RegistryError(f"registry error: {e}") from None
 
     def volume(self, tenant: str, name: str) -> tuple[str, int, float]:
@@ -2371,7 +2459,9 @@ class Registry:
         against the one that records a mount: neither can slip between the other's check and write)."""
         try:
             with self._tx() as db:
-                row = db.execute("SELECT volume_id FROM volumes WHERE tenant=? AND name=?", (tenant, name)).fetchone()
+                row = db.execute(
+                    "SELECT volume_id FROM volumes WHERE tenant=? AND name=?" + self._sql.for_update(), (tenant, name)
+                ).fetchone()
                 if row is None:
                     raise VolumeNotFound(f"no volume named {name!r}", volume=name)
                 users = db.execute(
@@ -2386,7 +2476,7 @@ class Registry:
                     )
                 db.execute("DELETE FROM volumes WHERE volume_id=?", (row[0],))
                 return str(row[0])
-        except sqlite3.Error as e:
+        except self._errors as e:
             raise RegistryError(f"registry error: {e}") from None
 
     def mount_volumes(
@@ -2406,6 +2496,13 @@ class Registry:
         """
         try:
             with self._tx() as db:
+                if mounts and self._sql.for_update():  # PostgreSQL: against remove_volume and other mounts
+                    ids = sorted({m[0] for m in mounts})  # one lock order
+                    db.execute(
+                        f"SELECT volume_id FROM volumes WHERE volume_id IN {_in(tuple(ids))} ORDER BY volume_id"
+                        + self._sql.for_update(),
+                        ids,
+                    ).fetchall()
                 for volume_id, name, _, read_only in mounts:
                     if not db.execute("SELECT 1 FROM volumes WHERE volume_id=?", (volume_id,)).fetchone():
                         raise VolumeNotFound(f"no volume named {name!r} (deleted)", volume=name)
@@ -2430,7 +2527,7 @@ class Registry:
                         "VALUES (?,?,?,?,?)",
                         (sandbox_id, volume_id, path, int(read_only), int(exclusive)),
                     )
-        except sqlite3.Error as e:
+        except self._errors as e:
             raise RegistryError(f"registry error: {e}") from None
 
     def volumes_of(self, sandbox_id: str) -> builtins.list[tuple[str, str, str, bool]]:
@@ -2465,7 +2562,7 @@ def _metadata(text: str) -> dict[str, str]:
 
 
 _TEMPLATE_COLUMNS = (
-    "name, version, image_id, layers, env, workdir, user, warmup_code, warmup_commands, source, "
+    'name, version, image_id, layers, env, workdir, "user", warmup_code, warmup_commands, source, '
     "spec_hash, size_bytes, created_at, build_log, tenant, description"
 )
 _TEMPLATE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -2537,13 +2634,13 @@ def _template(r: tuple) -> TemplateInfo:
     )
 
 
-def _add_usage(db: sqlite3.Connection, tenant: str, at: float, cpu_s: float, gib_s: float) -> None:
+def _add_usage(db: Conn, tenant: str, at: float, cpu_s: float, gib_s: float) -> None:
     """Count use in ``tenant``'s bucket of the UTC hour of ``at`` (in the caller's transaction)."""
     if cpu_s <= 0 and gib_s <= 0:
         return
     db.execute(
-        "INSERT INTO usage (tenant, hour, cpu_s, gib_s) VALUES (?,?,?,?) "
-        "ON CONFLICT (tenant, hour) DO UPDATE SET cpu_s=cpu_s+excluded.cpu_s, gib_s=gib_s+excluded.gib_s",
+        "INSERT INTO usage (tenant, hour, cpu_s, gib_s) VALUES (?,?,?,?) ON CONFLICT (tenant, hour) "
+        "DO UPDATE SET cpu_s=usage.cpu_s+excluded.cpu_s, gib_s=usage.gib_s+excluded.gib_s",
         (tenant, math.floor(at / HOUR) * HOUR, max(0.0, cpu_s), max(0.0, gib_s)),
     )
 
@@ -2590,26 +2687,57 @@ def _split(tiers: str) -> tuple[str, ...]:
     return tuple(t for t in tiers.split(",") if t)
 
 
-class _Tx:
-    """BEGIN IMMEDIATE ... COMMIT, translating sqlite errors at this one boundary."""
+PG_KEY_PREFIX = "pg:"
+_TIMING_COLUMNS = ("sandbox_id", "stage", "duration_ms", "on_path")
+_POOL_COST_COLUMNS = ("pool", "sandbox_id", "cpu_s", "gib_s", "wall_s")
 
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
 
-    def __enter__(self) -> sqlite3.Connection:
+def _tenant_lock(tenant: Tenant | None) -> tuple[str, ...]:
+    """The advisory lock around a tenant's quota check and the write it allows (PostgreSQL)."""
+    return () if tenant is None else (f"tenant:{tenant.name}",)
+
+
+def _redacted(url: str) -> str:
+    """A PostgreSQL URL as an error may show it: no password."""
+    return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
+
+
+def schema_statements() -> builtins.list[str]:
+    """The registry's DDL in the order a migration runs it: the columns added since version 1
+    (each where missing), then every table and index (where missing)."""
+    return [*_ADDED_COLUMNS, *(stmt.strip() for stmt in SCHEMA.split(";") if stmt.strip())]
+
+
+def open_registry(
+    home: Path, settings: Settings | ClusterSettings, *, check_limits: Callable[[Limits], None] | None = None
+) -> Registry:
+    """The registry of a home: ``[cluster] registry`` (a PostgreSQL URL shared by a cluster), else
+    the SQLite file in the home; as ``[cluster] node``. Every part of warmbox opens it here
+    (engine, proxy, approvals). settings: the home's Settings, or just their ``cluster``."""
+    cluster = settings if isinstance(settings, ClusterSettings) else settings.cluster
+    return Registry(cluster.registry or home / "registry.db", cluster.node, check_limits=check_limits)
+
+
+def migrate(location: Path | str) -> tuple[int, int]:
+    """Bring a registry's schema to this warmbox's (``warmbox db migrate``): (version before, after).
+    PostgreSQL: one transaction under an advisory lock (nodes starting together migrate once);
+    SQLite migrates itself at every open already."""
+    if is_url(location):
+        d = PostgresDialect(str(location))
         try:
-            self.db.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as e:
-            raise RegistryError(f"registry unavailable: {e}") from None
-        return self.db
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
+            return d.migrate(schema_statements(), SCHEMA_VERSION, now=time.time())
+        finally:
+            d.close()
+    path = Path(location)
+    before = 0
+    if path.exists():
+        try:
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
             try:
-                self.db.execute("COMMIT")
-            except sqlite3.Error as e:
-                raise RegistryError(f"registry commit failed: {e}") from None
-        else:
-            self.db.execute("ROLLBACK")
-            if isinstance(exc, sqlite3.Error):
-                raise RegistryError(f"registry error: {exc}") from None
+                before = int(db.execute("PRAGMA user_version").fetchone()[0])
+            finally:
+                db.close()
+        except sqlite3.Error as e:
+            raise RegistryError(f"cannot read the registry at {path}: {e}") from None
+    Registry(path).close()
+    return before, SCHEMA_VERSION

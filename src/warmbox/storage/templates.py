@@ -10,14 +10,26 @@ from pathlib import Path
 
 from warmbox.models import TemplateInfo
 from warmbox.storage.layers import LayerStore
-from warmbox.storage.registry import Registry
+from warmbox.storage.registry import PG_KEY_PREFIX, Registry
 
 PIN_PREFIX = "template:"
 
 
 def pin_name(registry: Registry, tenant: str, name: str, version: int) -> str:
-    """The pin of one template version: its registry's path, tenant, name and version."""
-    return f"{PIN_PREFIX}{Path(registry.path).resolve()}#{tenant}/{name}/{version}"
+    """The pin of one template version: its registry's key (the SQLite file's path, or
+    ``pg:<cluster id>/<node>``), tenant, name and version."""
+    return f"{PIN_PREFIX}{registry.key}#{tenant}/{name}/{version}"
+
+
+def pin_registry(pin: str) -> str:
+    """The registry key a template pin names ("" if it is not a template pin)."""
+    return pin[len(PIN_PREFIX) :].rpartition("#")[0] if pin.startswith(PIN_PREFIX) else ""
+
+
+def registry_gone(key: str) -> bool:
+    """Whether the registry a pin names is gone (a removed home's file). A PostgreSQL registry's
+    key names no file: never gone from here (its pins go with its template versions)."""
+    return bool(key) and not key.startswith(PG_KEY_PREFIX) and not Path(key).exists()
 
 
 def add_template(registry: Registry, store: LayerStore, info: TemplateInfo) -> TemplateInfo:
@@ -45,11 +57,9 @@ def collect(
     template versions whose registry file is gone (a removed home) are dropped first. Run it
     under the build lock, or with ``min_age_s``, so an in-flight build's layers stay."""
     for pin in store.pinned():
-        if pin.startswith(PIN_PREFIX):
-            path = pin[len(PIN_PREFIX) :].rpartition("#")[0]
-            if path and not Path(path).exists():
-                store.unpin(pin)
+        if registry_gone(pin_registry(pin)):
+            store.unpin(pin)
     return store.gc({*registry.template_layers(), *keep}, min_age_s=min_age_s)
 
 
-__all__ = ["PIN_PREFIX", "add_template", "collect", "delete_template", "pin_name"]
+__all__ = ["PIN_PREFIX", "add_template", "collect", "delete_template", "pin_name", "pin_registry", "registry_gone"]

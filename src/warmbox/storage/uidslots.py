@@ -39,7 +39,8 @@ MAX_SLOTS = (2**32 - UID_BASE) // UID_RANGE - 1  # slots 0 .. MAX_SLOTS-1; slot 
 # a row of a registry, in one of these states, holds its slot (paused: while its leftovers exist)
 HOLDING_STATES = ("creating", "pooled", "retiring", "ready", "running", "failed")
 
-# (registry path, sandbox id, slot) -> held? ; None: cannot tell (then it is held)
+# (registry key: a SQLite file's path or pg:<cluster>/<node>, sandbox id, slot) -> held? ; None:
+# cannot tell (then it is held)
 HolderCheck = Callable[[str, str, int], "bool | None"]
 
 
@@ -210,8 +211,12 @@ def registry_holds(registry: str, sandbox_id: str, slot: int) -> bool | None:
     """Whether another home's registry still counts ``slot`` as held by ``sandbox_id``.
 
     False when the registry file is gone, the row is gone, has another slot, or its state no
-    longer holds one; None when the registry cannot be read (then nobody takes the slot).
+    longer holds one; None when the registry cannot be read (then nobody takes the slot). A
+    PostgreSQL registry's key (``pg:<cluster>/<node>``) names no file and no URL: None (a missing
+    file must never free the slot of a live sandbox; that registry answers for its own keys).
     """
+    if registry.startswith("pg:"):
+        return None
     path = Path(registry)
     if not path.exists():
         return False
