@@ -163,3 +163,27 @@ def test_a_node_drain_on_one_host_is_a_typed_refusal(client, engine):
     assert r.status_code == 403 and _error(r) == "forbidden"
     r = client.post("/v1/nodes/n1/drain", headers={"Authorization": f"Bearer {admin}"}, json={})
     assert r.status_code == 422 and _error(r) == "not_a_cluster" and r.json()["error"]["node"] == "n1"
+
+
+def test_tcp_connections_are_served_without_nagle():
+    """A response goes out in pieces (head, then body): with Nagle on, each kept-alive request
+    waited ~40 ms for the client's delayed ACK (a cluster's router forwards every call over TCP).
+    asyncio turns Nagle off only on sockets made with proto=IPPROTO_TCP; ours are made with 0."""
+    import socket
+
+    from warmbox.server.serve import _no_delay, _tcp_socket
+
+    listener = _tcp_socket("127.0.0.1", 0)
+    client = socket.create_connection(listener.getsockname())
+    conn, _ = listener.accept()
+    try:
+        assert conn.proto == 0 and conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0
+        _no_delay(conn)
+        assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        a, b = socket.socketpair()  # a unix socket: left alone
+        _no_delay(a)
+        a.close()
+        b.close()
+    finally:
+        for s in (conn, client, listener):
+            s.close()

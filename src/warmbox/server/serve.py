@@ -40,6 +40,15 @@ def _unix_peer_uid(sock: socket.socket | None) -> int | None:
     return int(uid)
 
 
+def _no_delay(sock: socket.socket | None) -> None:
+    """TCP_NODELAY on a TCP connection: a response is written in pieces (head, then body), and
+    with Nagle the second waits for the client's delayed ACK, ~40 ms per request on a kept-alive
+    connection. asyncio sets it only on sockets made with proto=IPPROTO_TCP; a listener made with
+    proto 0 (ours, and most) hands out connections without it."""
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 def _protocol_base() -> type[asyncio.Protocol]:
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -81,7 +90,9 @@ def peercred_protocol(head_timeout_s: float = 30.0) -> type[asyncio.Protocol]:
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
-            self._peer_uid = _unix_peer_uid(transport.get_extra_info("socket"))
+            sock = transport.get_extra_info("socket")
+            self._peer_uid = _unix_peer_uid(sock)
+            _no_delay(sock)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -145,10 +156,7 @@ def peercred_ws_protocol() -> type[asyncio.Protocol] | None:
             super().connection_made(transport)
             sock = transport.get_extra_info("socket")
             self._peer_uid = _unix_peer_uid(sock)
-            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-                # a tunnel's small messages (a request, then its end of data) must not wait for the
-                # peer's delayed ACK (Nagle: ~40 ms per exchange)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _no_delay(sock)
 
         async def run_asgi(self) -> None:
             if self._peer_uid is not None:
