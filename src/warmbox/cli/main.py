@@ -30,6 +30,8 @@ warmbox mcp                       an MCP server on stdin/stdout (sandbox tools f
 warmbox bench start|burst|exec|density|api|template|profile   benchmarks, ratios against raw runtimes or the host
 warmbox serve [--host H --port P]  the HTTP API (/v1) on 127.0.0.1:7420 and a unix socket (+ MCP at /mcp)
 warmbox serve --cluster HEAD      the same API as a cluster's API tier: each call runs on its sandbox's node
+warmbox node ls | drain NAME      the cluster's nodes; move a node's sandboxes off it (through the router)
+warmbox cluster head | token [FILE]   run a Ray head for a cluster; make the peer token file
 
 --api-url URL (or WARMBOX_API_URL) sends every command to a warmbox server instead of the
 in-process engine, with --api-key KEY (or WARMBOX_API_KEY).
@@ -315,6 +317,9 @@ def _parser() -> argparse.ArgumentParser:
 
     volumes.add_parser(sub, _Parser)
     templates.add_parser(sub, _Parser)
+    from warmbox.cli import cluster
+
+    cluster.add_parser(sub, _Parser)
     p = sub.add_parser("config", help="show the effective settings")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("doctor", help="which tiers this host can run")
@@ -830,6 +835,12 @@ async def _approvals(args: argparse.Namespace) -> int:
     return await approvals.command(args, _engine())
 
 
+async def _cluster(args: argparse.Namespace) -> int:
+    from warmbox.cli import cluster
+
+    return await cluster.command(args)
+
+
 async def _keys(args: argparse.Namespace) -> int:
     from warmbox.cli import keys
 
@@ -996,6 +1007,8 @@ _COMMANDS = {
     "pool": _pool,
     "down": _down,
     "keys": _keys,
+    "node": _cluster,
+    "cluster": _cluster,
     "approvals": _approvals,
     "config": _config,
     "doctor": _doctor,

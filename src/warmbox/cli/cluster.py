@@ -1,0 +1,100 @@
+"""``warmbox node join|ls|drain`` and ``warmbox cluster head|token``: a home as a cluster node, and
+the cluster's Ray head and peer token."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+
+from warmbox.errors import InvalidArgument
+
+
+def add_parser(sub: argparse._SubParsersAction, parser_class: type[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("node", help="the cluster's nodes: ls, drain")
+    nsub = p.add_subparsers(dest="node_command", required=True, parser_class=parser_class)
+    q = nsub.add_parser("ls", help="the cluster's nodes as the registry has them")
+    q.add_argument("--json", action="store_true")
+    q = nsub.add_parser("drain", help="move a node's sandboxes to other nodes, then take it out (through the router)")
+    q.add_argument("name")
+    q.add_argument("--timeout", type=float, default=600.0, help="seconds (default 600)")
+    p = sub.add_parser("cluster", help="a cluster's Ray head and peer token")
+    csub = p.add_subparsers(dest="cluster_command", required=True, parser_class=parser_class)
+    q = csub.add_parser("head", help="run a Ray head (the cluster's membership) until SIGTERM; prints its address")
+    q.add_argument("--port", type=int, default=0, help="its GCS port (default 0: any free)")
+    q.add_argument("--temp-dir", default=None, help="Ray's temp dir (short; default /tmp/wbray-head-<port>)")
+    q = csub.add_parser("token", help="make the peer token file (0600) the router and nodes share")
+    q.add_argument("file", nargs="?", default=None, help="default [cluster] token_file")
+
+
+async def command(args: argparse.Namespace) -> int:
+    if args.command == "cluster":
+        return await (_head(args) if args.cluster_command == "head" else _token(args))
+    if args.node_command == "ls":
+        return _ls(args)
+    return await _drain(args)
+
+
+def _ls(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from warmbox.engine.engine import Engine
+
+    nodes = Engine.for_home().registry.nodes()
+    if args.json:
+        print(json.dumps([dataclasses.asdict(n) for n in nodes], indent=2))
+        return 0
+    now = time.time()
+    head = ("NAME", "STATE", "EPOCH", "SLOTS", "LIVE", "POOLED", "BEAT", "TIERS")
+    print("{:<16} {:<9} {:>5} {:>5} {:>5} {:>6} {:>6}  {:<24} ADDRESS".format(*head))
+    for n in nodes:
+        beat = f"{now - n.heartbeat_at:.0f}s" if n.heartbeat_at else "-"
+        print(
+            f"{n.name:<16} {n.state:<9} {n.epoch:>5} {n.slots:>5} {n.live:>5} {n.pooled:>6} {beat:>6}  "
+            f"{','.join(n.tiers):<24} {n.address}"
+        )
+    return 0
+
+
+async def _drain(args: argparse.Namespace) -> int:
+    raise InvalidArgument("warmbox node drain goes through the router: not available yet")
+
+
+async def _head(args: argparse.Namespace) -> int:
+    from warmbox.cluster import membership
+
+    tmp = Path(args.temp_dir) if args.temp_dir else Path("/tmp") / f"wbray-head-{args.port or 'any'}"
+    # on the main thread (not to_thread): the head's PR_SET_PDEATHSIG follows the starting thread
+    head = membership.start_head(tmp, port=args.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        print(f"ray head at {head.address} (temp dir {tmp}); stop the nodes before it", flush=True)
+        while not stop.is_set() and head.alive():
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except TimeoutError:
+                pass
+    finally:
+        head.stop()
+    return 0 if stop.is_set() else 1
+
+
+async def _token(args: argparse.Namespace) -> int:
+    from warmbox import config
+    from warmbox.errors import ConfigError
+    from warmbox.paths import default_home
+    from warmbox.server import peer
+
+    path = args.file or config.load(default_home()).cluster.token_file
+    if not path:
+        raise ConfigError("give the token file: warmbox cluster token FILE (or set [cluster] token_file)")
+    existed = Path(path).exists()
+    peer.ensure_token(path)
+    print(f"{path}: {'kept (it exists)' if existed else 'made (0600)'}")
+    return 0

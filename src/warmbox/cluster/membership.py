@@ -1,0 +1,366 @@
+"""Ray as a warmbox cluster's membership: the head, a node's raylet (a fate-shared child of the
+node process), and the list of nodes with the capacity each advertises, read from Ray's GCS.
+
+Ray supplies only membership, advertised capacity and liveness; warmbox places sandboxes itself.
+Each raylet runs as ``ray start --address HEAD --block`` in the caller's process group, with
+PR_SET_PDEATHSIG, so a node process SIGKILLed (alone or with its group) takes its Ray node down:
+Ray then reports the node dead within the head's health check (``HEALTH_CHECK``: ~3 s).
+
+Every Ray process started here has usage stats off and its own temp dir (``RAY_TMPDIR`` and
+``--temp-dir``: the ``ray_current_cluster`` file and session sockets stay in it). Processes are
+stopped by PID, never with ``ray stop`` (it kills every Ray process on the host, other clusters'
+too). Nothing here imports ``ray`` except :func:`nodes` (a GCS client, no driver: it needs no
+raylet on the caller's host, and costs ~60 MB RSS, imported on first use).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from warmbox.errors import ClusterError
+
+SLOTS = "warmbox_slots"  # sandboxes a node offers
+MEMORY_MB = "warmbox_memory_mb"  # MiB a node offers to sandboxes
+TIER_PREFIX = "warmbox_tier_"  # one per tier the node's doctor says runs: warmbox_tier_container = 1
+NODE_PREFIX = "wbnode-"  # wbnode-<name> = 1: pins a Ray node to a warmbox node name
+
+# on the head only: a dead raylet is reported in ~2.4 s instead of Ray's default ~12.5 s
+HEALTH_CHECK: Mapping[str, int] = {
+    "health_check_period_ms": 1000,
+    "health_check_failure_threshold": 3,
+    "health_check_timeout_ms": 1000,
+}
+OBJECT_STORE_MB = 80  # warmbox puts nothing in Ray's object store; Ray's default is 30 % of RAM
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+ADDRESS = re.compile(r"^[A-Za-z0-9.\-]+:\d{1,5}$|^\[[0-9A-Fa-f:]+\]:\d{1,5}$")
+
+# run as ``python -I -S -c _EXEC_WITH_PDEATHSIG PARENT_PID ARGV...``: ask the kernel to SIGTERM the
+# child when its parent thread dies, then exec (a preexec_fn is unsafe in a threaded parent)
+_EXEC_WITH_PDEATHSIG = (
+    "import ctypes,os,signal,sys\n"
+    "ctypes.CDLL(None,use_errno=True).prctl(1,signal.SIGTERM,0,0,0)\n"  # PR_SET_PDEATHSIG
+    "os.getppid()==int(sys.argv[1]) or os._exit(1)\n"  # the parent died before the prctl
+    "os.execv(sys.argv[2],sys.argv[2:])\n"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """What a node advertises to Ray: its name, sandbox slots, memory for sandboxes, tiers."""
+
+    name: str
+    slots: int
+    memory_mb: int
+    tiers: tuple[str, ...]
+
+    def resources(self) -> dict[str, float]:
+        out: dict[str, float] = {
+            SLOTS: float(self.slots),
+            MEMORY_MB: float(self.memory_mb),
+            NODE_PREFIX + self.name: 1.0,
+        }
+        out.update({TIER_PREFIX + t: 1.0 for t in self.tiers})
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RayNode:
+    """One Ray node as the GCS reports it (dead ones keep the resources they advertised)."""
+
+    node_id: str  # hex
+    alive: bool
+    ip: str  # its node manager's address
+    is_head: bool
+    name: str  # the warmbox node name of its wbnode-<name> resource; "" for the head and others
+    slots: int
+    memory_mb: int
+    tiers: tuple[str, ...]
+
+
+def normalize_address(address: str) -> str:
+    """A head's GCS address, HOST:PORT (``ray://`` accepted); InvalidArgument-free: ClusterError."""
+    addr = address.strip().removeprefix("ray://")
+    if not ADDRESS.match(addr):
+        raise ClusterError(f"the Ray head address must be HOST:PORT, got {address!r}")
+    return addr
+
+
+def ray_env(tmpdir: Path) -> dict[str, str]:
+    """The environment of every Ray process warmbox starts: usage stats off, its own temp dir."""
+    env = dict(os.environ)
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env["RAY_TMPDIR"] = str(tmpdir)
+    return env
+
+
+def ray_binary() -> str:
+    """The ``ray`` CLI of this interpreter's environment."""
+    here = Path(sys.executable).with_name("ray")
+    if here.exists():
+        return str(here)
+    found = shutil.which("ray")
+    if found is None:
+        raise ClusterError("the ray command is not installed (pip install 'warmbox[cluster]')")
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def _running(pid: int) -> bool:
+    """The pid exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X")
+
+
+def processes_in(tmpdir: Path) -> list[int]:
+    """PIDs of running processes whose command line names ``tmpdir`` (a Ray node's processes all
+    do: --temp-dir, --session-dir, --log-dir ...). Never this process."""
+    needle = str(tmpdir)
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        pid = int(entry.name)
+        # the dir itself or a path under it (not a sibling whose name it prefixes)
+        if any(a.endswith(needle) or needle + "/" in a for a in _cmdline(pid)) and _running(pid):
+            out.append(pid)
+    return out
+
+
+class RayProcess:
+    """A ``ray start --block`` child (a head or a node's raylet) and the temp dir it owns."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], tmpdir: Path, log: Path, head: bool) -> None:
+        self.proc = proc
+        self.tmpdir = tmpdir
+        self.log = log
+        self.head = head
+        self.address = ""  # the head's GCS address HOST:PORT
+        self.node_id = ""  # this Ray node's id (hex), from its raylet's command line
+        self.node_ip = ""  # the address Ray gave this node (its raylet's --node_ip_address)
+        self.raylet_pid: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        """Its ``ray start`` and its raylet both run (``ray start --block`` exits within ~1 s of a
+        subprocess dying unasked; a raylet that exits on its own, e.g. told by the GCS it was
+        declared dead, is seen here at once)."""
+        if self.proc.poll() is not None:
+            return False
+        return self.raylet_pid is None or _running(self.raylet_pid)
+
+    def _wait_started(self, timeout_s: float) -> None:
+        marker = self.tmpdir / "ray_current_cluster"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ClusterError(f"ray start exited with status {self.proc.returncode}: {self._tail()}")
+            if marker.exists():
+                raylet = self._find_raylet()
+                if raylet is not None:
+                    self.raylet_pid, self.node_id, self.node_ip = raylet
+                    if self.head:
+                        self.address = marker.read_text().strip()
+                    return
+            time.sleep(0.1)
+        self.stop()
+        raise ClusterError(f"ray start did not come up within {timeout_s:g} s: {self._tail()}")
+
+    def _find_raylet(self) -> tuple[int, str, str] | None:
+        """(pid, node id, node IP) of the raylet ``ray start`` runs, once it runs."""
+        for child in _children(self.pid):
+            argv = _cmdline(child)
+            if argv and argv[0].endswith("/raylet"):
+                flags = dict(a[2:].split("=", 1) for a in argv[1:] if a.startswith("--") and "=" in a)
+                if flags.get("node_id"):
+                    return child, flags["node_id"], flags.get("node_ip_address", "")
+        return None
+
+    def _tail(self) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        errs = [ln for ln in lines if "ERROR" in ln or "Error" in ln]
+        return (errs or lines or ["(empty log)"])[-1][-300:]
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM ``ray start`` (it stops its processes), wait, then SIGKILL whatever still runs
+        with this temp dir in its command line (by PID). Returns ray start's exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in processes_in(self.tmpdir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return self.proc.returncode
+
+
+def _start(args: list[str], tmpdir: Path, head: bool, timeout_s: float) -> RayProcess:
+    tmpdir.mkdir(parents=True, exist_ok=True)
+    (tmpdir / "ray_current_cluster").unlink(missing_ok=True)
+    log = tmpdir / ("head.log" if head else "raylet.log")
+    argv = [
+        ray_binary(),
+        "start",
+        "--block",
+        f"--temp-dir={tmpdir}",
+        "--disable-usage-stats",
+        f"--object-store-memory={OBJECT_STORE_MB << 20}",
+        "--include-log-monitor=False",  # it streams worker output to drivers: warmbox runs no Ray workers
+        *args,
+    ]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=ray_env(tmpdir),
+            close_fds=True,
+        )
+    rp = RayProcess(proc, tmpdir, log, head)
+    rp._wait_started(timeout_s)
+    return rp
+
+
+def start_head(
+    tmpdir: Path,
+    system_config: Mapping[str, int] | None = None,
+    *,
+    port: int = 0,
+    num_cpus: int = 0,
+    timeout_s: float = START_TIMEOUT_S,
+) -> RayProcess:
+    """A Ray head (GCS) as a child of this process; ``.address`` is its HOST:PORT. system_config:
+    Ray's on the head (default HEALTH_CHECK). port 0: any free port. ``.stop()`` ends it: stop
+    every node first (a node whose head went first drains for 30 s)."""
+    config = dict(HEALTH_CHECK if system_config is None else system_config)
+    args = ["--head", f"--port={port}", f"--num-cpus={num_cpus}", "--include-dashboard=False"]
+    if config:
+        args.append("--system-config=" + json.dumps(config, separators=(",", ":")))
+    return _start(args, Path(tmpdir), True, timeout_s)
+
+
+def start_raylet(
+    address: str, tmpdir: Path, capacity: Capacity, *, num_cpus: int = 0, timeout_s: float = START_TIMEOUT_S
+) -> RayProcess:
+    """This node's raylet joined to the head at ``address``, advertising ``capacity`` as custom
+    resources, as a fate-shared child: same process group as the caller, and SIGTERMed by the
+    kernel when the caller dies. num_cpus 0: Ray schedules no task or actor here (and prestarts
+    no worker processes). ``.node_id`` is the Ray node's id."""
+    addr = normalize_address(address)
+    args = [
+        f"--address={addr}",
+        f"--num-cpus={num_cpus}",
+        "--resources=" + json.dumps(capacity.resources(), separators=(",", ":"), sort_keys=True),
+    ]
+    return _start(args, Path(tmpdir), False, timeout_s)
+
+
+def _gcs(address: str) -> Any:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        from ray._raylet import GcsClient  # type: ignore[attr-defined]  # compiled, no stub
+    except ImportError:
+        raise ClusterError("ray is not installed (pip install 'warmbox[cluster]')") from None
+    try:
+        return GcsClient(address=normalize_address(address))
+    except Exception as e:  # ray's RpcError and friends: the head is not reachable
+        raise ClusterError(f"cannot reach the Ray head at {address}: {e}") from None
+
+
+class Membership:
+    """A connection to a head's GCS (no Ray driver): the nodes and their advertised capacity."""
+
+    def __init__(self, address: str) -> None:
+        self.address = normalize_address(address)
+        self._client = _gcs(self.address)
+
+    def nodes(self, timeout_s: float = 5.0) -> list[RayNode]:
+        """Every node the GCS knows, alive and dead (a dead one keeps its resources)."""
+        try:
+            infos = self._client.get_all_node_info(timeout=timeout_s)
+        except Exception as e:
+            raise ClusterError(f"the Ray head at {self.address} did not answer: {e}") from None
+        return [_node(info) for info in infos.values()]
+
+    def alive(self, timeout_s: float = 5.0) -> list[RayNode]:
+        return [n for n in self.nodes(timeout_s) if n.alive]
+
+    def find(self, name: str, timeout_s: float = 5.0) -> RayNode | None:
+        """The Ray node advertising ``wbnode-<name>``: the alive one if any, else the newest dead."""
+        found = [n for n in self.nodes(timeout_s) if n.name == name]
+        found.sort(key=lambda n: n.alive)
+        return found[-1] if found else None
+
+
+def _node(info: Any) -> RayNode:
+    res = dict(info.resources_total)
+    names = [k.removeprefix(NODE_PREFIX) for k in res if k.startswith(NODE_PREFIX)]
+    return RayNode(
+        node_id=info.node_id.hex(),
+        alive=info.state == 0,  # GcsNodeInfo.ALIVE
+        ip=info.node_manager_address,
+        is_head=bool(info.is_head_node),
+        name=names[0] if len(names) == 1 else "",
+        slots=int(res.get(SLOTS, 0)),
+        memory_mb=int(res.get(MEMORY_MB, 0)),
+        tiers=tuple(sorted(k.removeprefix(TIER_PREFIX) for k in res if k.startswith(TIER_PREFIX))),
+    )
+
+
+__all__ = [
+    "HEALTH_CHECK",
+    "MEMORY_MB",
+    "NODE_PREFIX",
+    "SLOTS",
+    "TIER_PREFIX",
+    "Capacity",
+    "Membership",
+    "RayNode",
+    "RayProcess",
+    "normalize_address",
+    "processes_in",
+    "ray_env",
+    "start_head",
+    "start_raylet",
+]
