@@ -75,6 +75,19 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ),
     ),
     Guarantee(
+        "cluster",
+        "A node's API takes the peer headers (X-Warmbox-Tenant, -Admin, -Key-Id) only with the cluster "
+        "token (compared in constant time): a tenant's key, a guessed token, or any key on a server with "
+        "no [cluster] token_file that sends them is refused (401), so no caller acts as another tenant, "
+        "an admin, or the host's root through them.",
+        _ALL,
+        (
+            "test_peer_auth.py::test_a_tenant_key_with_peer_headers_cannot_act_as_another_tenant_or_admin",
+            "test_peer_auth.py::test_a_guessed_token_is_refused",
+            "test_peer_auth.py::test_a_server_without_a_cluster_token_refuses_peer_headers",
+        ),
+    ),
+    Guarantee(
         "service",
         "A client cannot hold a server connection by trickling a request head: it is closed once the head is overdue.",
         _ALL,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
 import secrets as _secrets
@@ -38,7 +39,7 @@ from warmbox.engine.front import EngineFront
 from warmbox.engine.stats import RegistryStats
 from warmbox.errors import InvalidArgument, RateLimited, Unauthenticated, WarmboxError
 from warmbox.models import ApprovalRequest, FilesystemEvent, ProcessEvent, Tenant
-from warmbox.server import logs
+from warmbox.server import logs, peer
 from warmbox.server import tunnel as ports
 from warmbox.server.metrics import Exposition
 
@@ -179,6 +180,9 @@ class Service:
         self.peers = dict(settings.peers)
         self.approval_timeout_s = engine.settings().network.approval_timeout_s + 1  # the proxy's wait, and a margin
         self.limiter = RateLimiter()
+        # a cluster node: the secret the router presents for requests it forwards (None: no peers)
+        token_file = engine.settings().cluster.token_file
+        self.peer_token: bytes | None = peer.read_token(token_file).encode() if token_file else None
         self._fronts: dict[tuple[str, bool, str], Front] = {}
         self._pending: dict[str, _Pending] = {}
         # /metrics: the registry's aggregates read on a connection of their own, and the HTTP counters
@@ -247,14 +251,46 @@ class Service:
         self.limiter.take(bucket, tenant.rate_per_s)
         return tenant
 
+    def authenticate_peer(self, request: HTTPConnection, secret: str) -> Tenant | None:
+        """A request a cluster peer (the router) forwards: the cluster token, and the tenant it
+        authenticated in ``X-Warmbox-Tenant`` (absent: the host's root). Not rate limited here:
+        the router limited the caller's own key. Unauthenticated without a configured token or
+        with another secret."""
+        if self.peer_token is None:
+            raise Unauthenticated("cluster peer headers are refused: this server has no [cluster] token_file")
+        if not hmac.compare_digest(secret.encode(), self.peer_token):
+            raise Unauthenticated("cluster peer headers need the cluster token as the bearer key")
+        name = request.headers.get(peer.TENANT)
+        if name is None:
+            logs.note_tenant("")
+            return None
+        if not peer.TENANT_NAME.match(name):
+            raise Unauthenticated(f"{peer.TENANT} must name a tenant (letters, digits, '_', '.', '@', '-')")
+        try:
+            tenant = self.engine.registry.tenant(name)
+        except InvalidArgument:  # no quotas recorded for it: unlimited, as a mapped uid's tenant
+            tenant = Tenant(name=name)
+        admin = request.headers.get(peer.ADMIN, "") == "1"
+        key_id = request.headers.get(peer.KEY_ID, "")
+        logs.note_tenant(tenant.name)
+        return dataclasses.replace(tenant, admin=admin, key_id=key_id)
+
     def authenticate(self, request: HTTPConnection) -> Tenant | None:
-        """The caller's tenant (None: root on the unix socket); Unauthenticated otherwise."""
+        """The caller's tenant (None: root on the unix socket or a cluster peer without a
+        tenant); Unauthenticated otherwise."""
         header = request.headers.get("authorization", "")
         if header:
             scheme, _, secret = header.partition(" ")
             if scheme.lower() != "bearer" or not secret.strip():
                 raise Unauthenticated("the Authorization header must be 'Bearer <key>'")
-            return self.authenticate_secret(secret.strip())
+            secret = secret.strip()
+            if self.peer_token is not None and hmac.compare_digest(secret.encode(), self.peer_token):
+                return self.authenticate_peer(request, secret)
+            if any(h in request.headers for h in peer.HEADERS):
+                return self.authenticate_peer(request, secret)  # refused: only the token may carry them
+            return self.authenticate_secret(secret)
+        if any(h in request.headers for h in peer.HEADERS):
+            raise Unauthenticated("cluster peer headers need the cluster token as the bearer key")
         uid = request.scope.get(PEER_UID)
         if isinstance(uid, int):
             if uid == 0:
