@@ -432,6 +432,41 @@ async def run(home: Path) -> None:
             os.close(fd)
 
 
+async def tend(engine, pools, stop: asyncio.Event) -> None:
+    """The daemon's duties (reap, pools, meters) in the calling process until ``stop`` is set: a
+    cluster node runs them beside its API, for as long as it runs (no idle exit, no guard: a node
+    killed takes them with it, and its sandboxes are then the cluster's to mark lost). The
+    caller holds ``daemon.lock`` (:func:`hold_lock`), so no standalone daemon starts meanwhile,
+    and drains the pools itself when it stops."""
+    last_sample = 0.0
+    last_complaint = ""
+    while not stop.is_set():
+        try:
+            settings, wanted, nxt = await _iteration(engine, pools, last_complaint)
+        except Exception as e:  # a transient registry/IO error must not end the duties
+            print(f"warmbox node: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            await _sleep(stop, 1.0)
+            continue
+        if isinstance(settings, str):
+            last_complaint = settings
+        now = time.time()
+        if now - last_sample >= SAMPLE_S:
+            last_sample = now
+            try:
+                await engine.sample()
+            except Exception as e:
+                print(f"warmbox node: sampling: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        delay = TICK_S if wanted else POLL_S
+        if nxt is not None:
+            delay = min(delay, max(nxt - now, 0.02))
+        await _sleep(stop, delay)
+
+
+def hold_lock(home: Path) -> int | None:
+    """Take ``home``'s daemon lock for this process (:func:`tend`); None: a daemon holds it."""
+    return _lock(home / "daemon.lock")
+
+
 async def _iteration(engine, pools, last_complaint: str):
     """Reap, then tend the pools. Returns (settings or a new complaint, pools want work, next expiry)."""
     from warmbox.errors import WarmboxError

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from warmbox.config import PoolConfig, Settings
 from warmbox.errors import InvalidArgument, WarmboxError
@@ -111,11 +111,27 @@ def resize(
     return next(s for s in status(engine, settings) if s.name == name)
 
 
-class PoolManager:
-    """The daemon's half of the pools: refill, retire, autoscale. One per daemon."""
+class PoolShare(Protocol):
+    """How a cluster node takes part in pools shared by every node of the registry (a pool's
+    target is cluster-wide there): the daemon of a node keeps only its share ready."""
 
-    def __init__(self, engine: Engine) -> None:
+    def share(self, pool: PoolConfig, target: int) -> int:
+        """This node's part of the cluster-wide ``target`` of ``pool`` (0 while it is not up)."""
+        ...
+
+    def scales(self) -> bool:
+        """Whether this node autoscales the shared targets (exactly one up node does, so a miss
+        raises a target once, not once per node)."""
+        ...
+
+
+class PoolManager:
+    """The daemon's half of the pools: refill, retire, autoscale. One per daemon. split: on a
+    cluster node, its share of each pool (None: one host, the whole target)."""
+
+    def __init__(self, engine: Engine, split: PoolShare | None = None) -> None:
         self.engine = engine
+        self.split = split
         self.refills: dict[str, set[asyncio.Task]] = {}
         self.failures: dict[str, int] = {}
         self.retry_at: dict[str, float] = {}
@@ -134,7 +150,11 @@ class PoolManager:
             if row is None or row.config_target != pc.target:
                 reg.ensure_pool(pc.name, pc.target)  # new pool, or its configured target changed
                 row = reg.pool_rows()[pc.name]
-            target = self._autoscale(pc, row)
+            if self.split is None:
+                target = self._autoscale(pc, row)
+            else:
+                target = self._autoscale(pc, row) if self.split.scales() else row.target
+                target = self.split.share(pc, target)
             try:  # off the loop: a fresh host builds the built-in image first
                 shape = await asyncio.to_thread(self.engine.pool_shape, pc)
             except WarmboxError as e:  # no image for its template now: tried again next tick

@@ -238,17 +238,56 @@ def _ssl_context(settings: ServerSettings) -> ssl.SSLContext | None:
     return ctx
 
 
-async def serve(
-    home: Path,
-    settings: ServerSettings,
-    *,
-    mcp: bool = True,
-    fronts: Callable[[Engine], Awaitable[Fronts]] | None = None,
-) -> None:
-    """Listen until SIGTERM/SIGINT; prints one ``listening`` line with the addresses when ready.
+class Listening:
+    """The app served on its listeners (see :func:`listen`); ``addresses``: ``http(s)://HOST:PORT``
+    and/or ``unix:/path``, the TCP one first."""
 
-    fronts: where the operations run instead of this host's engine, built on it (a cluster's API
-    tier: ``warmbox serve --cluster``, warmbox.cluster.api); the engine then only authenticates."""
+    def __init__(
+        self, app: Any, listeners: list[tuple[uvicorn.Server, socket.socket]], addresses: list[str], unix: Path | None
+    ) -> None:
+        self.app = app
+        self._listeners = listeners
+        self.addresses = addresses
+        self._unix = unix
+        self._loops: list[asyncio.Task[None]] = []
+
+    async def _start(self) -> None:
+        for server, sock in self._listeners:
+            if not server.config.loaded:
+                server.config.load()
+            server.lifespan = server.config.lifespan_class(server.config)
+            await server.startup(sockets=[sock])
+            if server.should_exit:
+                raise ConfigError("the server could not start (see the log above)")
+            self._loops.append(asyncio.ensure_future(server.main_loop()))  # keeps the Date header current
+
+    def stopping(self) -> None:
+        """From now on /readyz answers 503 (the requests in flight still finish)."""
+        self.app.state.service.stopping = True
+
+    async def close(self) -> None:
+        """Stop accepting, let requests in flight finish (uvicorn's graceful timeout), run the
+        app's shutdown (it closes the tenants' fronts) and remove the unix socket."""
+        for t in self._loops:
+            t.cancel()
+        for server, sock in self._listeners:
+            server.should_exit = True
+            try:
+                await server.shutdown(sockets=[sock])
+            except Exception as e:  # one listener failing to close must not keep the other open
+                print(f"warmbox serve: closing a listener failed: {e}", file=sys.stderr)
+        if self._unix is not None:
+            try:
+                self._unix.unlink()
+            except OSError:
+                pass
+
+
+async def listen(
+    engine: Engine, home: Path, settings: ServerSettings, *, mcp: bool = True, fronts: Fronts | None = None
+) -> Listening:
+    """Serve ``engine``'s API on ``settings``' TCP address and unix socket (``warmbox serve``, and a
+    cluster node's API); returns once both accept. ``close()`` it when done. fronts: see serve()."""
     check_listen(settings)
     import logging
 
@@ -258,8 +297,7 @@ async def serve(
     logging.getLogger("mcp").setLevel(logging.WARNING)  # its session manager announces itself at INFO
     # json: uvicorn's records go through the root's JSON handler (its own config would replace it)
     log_config: Any = None if settings.log_format == "json" else LOGGING_CONFIG
-    engine = Engine.for_home(home)
-    app = build_app(engine, settings, mcp=mcp, fronts=None if fronts is None else await fronts(engine))
+    app = build_app(engine, settings, mcp=mcp, fronts=fronts)
     protocol = peercred_protocol(min(settings.body_timeout_s, 30.0))  # a head is small: at most 30 s
     ws_protocol = peercred_ws_protocol() or "none"
     listeners: list[tuple[uvicorn.Server, socket.socket]] = []
@@ -269,7 +307,8 @@ async def serve(
         tcp = _tcp_socket(settings.host, settings.port)
         port = tcp.getsockname()[1]
         scheme = "https" if tls else "http"
-        addresses.append(f"{scheme}://{settings.host}:{port}")
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        addresses.append(f"{scheme}://{host}:{port}")
         cfg = uvicorn.Config(
             app,
             http=protocol,
@@ -289,8 +328,10 @@ async def serve(
         )
         listeners.append((uvicorn.Server(cfg), tcp))
     upath = socket_path(home, settings)
+    unix_path: Path | None = None
     if str(upath) != "-":
         unix = _unix_socket(upath)
+        unix_path = upath
         addresses.append(f"unix:{upath}")
         cfg = uvicorn.Config(
             app,
@@ -310,37 +351,39 @@ async def serve(
         listeners.append((uvicorn.Server(cfg), unix))
     if not listeners:
         raise ConfigError("nothing to listen on: give a host or a unix socket")
+    served = Listening(app, listeners, addresses, unix_path)
+    try:
+        await served._start()
+    except BaseException:
+        await served.close()
+        raise
+    return served
+
+
+async def serve(
+    home: Path,
+    settings: ServerSettings,
+    *,
+    mcp: bool = True,
+    fronts: Callable[[Engine], Awaitable[Fronts]] | None = None,
+) -> None:
+    """Listen until SIGTERM/SIGINT; prints one ``listening`` line with the addresses when ready.
+
+    fronts: where the operations run instead of this host's engine, built on it (a cluster's API
+    tier: ``warmbox serve --cluster``, warmbox.cluster.api); the engine then only authenticates."""
+    check_listen(settings)
+    engine = Engine.for_home(home)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loops: list[asyncio.Task[None]] = []
+    served = await listen(engine, home, settings, mcp=mcp, fronts=None if fronts is None else await fronts(engine))
     try:
-        for server, sock in listeners:
-            if not server.config.loaded:
-                server.config.load()
-            server.lifespan = server.config.lifespan_class(server.config)
-            await server.startup(sockets=[sock])
-            if server.should_exit:
-                raise ConfigError("the server could not start (see the log above)")
-            loops.append(asyncio.ensure_future(server.main_loop()))  # keeps the Date header current
-        print("listening on " + " and ".join(addresses), flush=True)
+        print("listening on " + " and ".join(served.addresses), flush=True)
         await stop.wait()
-        app.state.service.stopping = True  # /readyz: 503 while the requests in flight finish
+        served.stopping()  # /readyz: 503 while the requests in flight finish
     finally:
-        for t in loops:
-            t.cancel()
-        for server, sock in listeners:
-            server.should_exit = True
-            try:
-                await server.shutdown(sockets=[sock])
-            except Exception as e:  # one listener failing to close must not keep the other open
-                print(f"warmbox serve: closing a listener failed: {e}", file=sys.stderr)
-        if str(upath) != "-":
-            try:
-                upath.unlink()
-            except OSError:
-                pass
+        await served.close()
 
 
-__all__ = ["check_listen", "is_loopback", "peercred_protocol", "serve", "socket_path"]
+__all__ = ["Listening", "check_listen", "is_loopback", "listen", "peercred_protocol", "serve", "socket_path"]
