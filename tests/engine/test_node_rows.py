@@ -4,6 +4,7 @@ are never judged or touched here, and a lost sandbox answers SandboxLost until i
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,36 @@ def test_an_engine_writes_its_node_and_refuses_another_nodes_live_sandbox(tmp_pa
     assert n1.info(sid)[0].state is State.DESTROYED
     assert [t.to_state for t in n1.registry.transitions(sid)][-2:] == ["lost", "destroyed"]
     assert asyncio.run(n1.destroy(sid)) is False
+
+
+def test_reconcile_ends_only_what_the_registry_no_longer_gives_this_node(tmp_path):
+    n1, n2 = _engine(tmp_path, "n1"), _engine(tmp_path, "n2")
+    mine = n1.runtime / "sandboxes"
+    mine.mkdir(parents=True)
+    theirs = tmp_path / "n2-runtime"  # n2's state directories, visible here: n2 runs on this same host
+    rows = {
+        "sb-00000000f001": ("n1", State.RUNNING, ""),  # its own, live: kept
+        "sb-00000000f002": ("n1", State.LOST, ""),  # lost when n1 was marked down: ended
+        "sb-00000000f003": ("n2", State.RUNNING, "here"),  # n2 runs it on this host now: kept
+        "sb-00000000f004": ("n2", State.RUNNING, "elsewhere"),  # n2 runs it on another host: ended
+        "sb-00000000f005": ("n1", State.DESTROYED, ""),  # killed from another node meanwhile: ended
+        "sb-00000000f006": ("n1", State.PAUSED, "9:9"),  # its pauser is still releasing it: kept
+    }
+    for sid, (node, state, extra) in rows.items():
+        reg = n1.registry if node == "n1" else n2.registry
+        state_dir = theirs / sid if extra == "here" else mine / sid
+        reg.allocate(sid, "container", "base", 300.0, Limits(), str(state_dir), "/nonexistent")
+        reg.set_state(sid, State.READY, "up")
+        if state is State.LOST:
+            reg.set_state(sid, State.LOST, "node n1 down: test")
+        elif state is not State.RUNNING:
+            reg.set_state(sid, state, "test", owner=extra or None)
+        (mine / sid / "run").mkdir(parents=True)  # what this node's runtime holds of each
+        if extra == "here":
+            (theirs / sid).mkdir(parents=True)
+    (mine / "not-a-sandbox").mkdir()
+    ended = asyncio.run(n1.reconcile_node())
+    assert sorted(ended) == ["sb-00000000f002", "sb-00000000f004", "sb-00000000f005"]
+    assert sorted(os.listdir(mine)) == ["not-a-sandbox", "sb-00000000f001", "sb-00000000f003", "sb-00000000f006"]
+    for sid, (_, state, _) in rows.items():
+        assert n1.info(sid)[0].state is (State.READY if state is State.RUNNING else state)  # rows untouched

@@ -195,7 +195,12 @@ def test_node_scoped_queries_see_only_their_own_rows(tmp_path, registry_at):
     assert b.link_by_address("10.200.0.9") == ("sb-0000000000b1", '{"b":1}')
     assert a.live_links() == b.live_links() == 1
     a.mark_node_down("a", "gone")
-    assert a.link("sb-0000000000a1") is None and b.link("sb-0000000000b1") is not None
+    # a lost sandbox's link is no longer live (its address serves nobody), but its record stays for
+    # its node's reconcile, which removes the link itself
+    assert a.live_links() == 0 and a.link_by_address("10.200.0.9") is None
+    assert a.link("sb-0000000000a1") is not None and a.link_node("sb-0000000000a1") == "a"
+    assert b.link_by_address("10.200.0.9") == ("sb-0000000000b1", '{"b":1}') and b.live_links() == 1
+    assert b.local_counts() == (1, 0) and a.local_counts() == (0, 0)
     assert b.node_usage() == [NodeUsage("b", live=1, memory_mb=512)]
     a.close()
     b.close()

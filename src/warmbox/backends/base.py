@@ -116,3 +116,14 @@ class SharedHost(Protocol):
     def stop_host(self) -> None:
         """End the host process and everything in it; remove its runtime state (idempotent)."""
         ...
+
+
+@runtime_checkable
+class Inventory(Protocol):
+    """A tier whose runtime keeps its own record of each sandbox under the runtime dir (runc's and
+    runsc's state directories), which can outlive the sandbox's state directory (a teardown cut
+    short). A node's reconcile reads it so no such sandbox is left behind."""
+
+    def held(self) -> set[str]:
+        """Ids of the sandboxes the runtime has a record of under this runtime dir."""
+        ...

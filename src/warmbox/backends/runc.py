@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -38,6 +39,7 @@ from warmbox.errors import GuestConnectionError, SandboxError, SandboxStartError
 from warmbox.models import LAYER_UID_BASE, ImageRef
 
 T = TypeVar("T")
+_SANDBOX_ID = re.compile(r"sb-[0-9a-f]{12}")
 ID_RANGE = 65536
 HOSTNAME = "sandbox"
 GUEST_LIB = "/opt/warmbox"
@@ -775,6 +777,14 @@ class RuncBackend:
                 raise r
         if not cgroup.try_remove():  # runc and runsc remove their cgroups: this finds none, unless one failed
             await asyncio.to_thread(cgroup.remove)
+
+    def held(self) -> set[str]:
+        """Ids of the containers the runtime has a record of (``Inventory``)."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return set()
+        return {n for n in names if _SANDBOX_ID.fullmatch(n)}
 
     async def delete_container(self, handle: BackendHandle) -> None:
         """Delete the runtime's record of a container whose processes are gone (``destroy`` killed

@@ -556,6 +556,18 @@ async def release(engine: Engine, sandbox_id: str) -> None:
     await _forget(engine, sandbox_id)
 
 
+async def discard(engine: Engine, sandbox_id: str) -> None:
+    """The network a sandbox this node no longer runs left here (a node's reconcile): its prepared
+    namespace, and its link if the registry records one on this node (then that record goes). What
+    the row keeps for a resume (its egress record) is left alone. Idempotent."""
+    row = engine.registry.link(sandbox_id)
+    if row is not None and engine.registry.link_node(sandbox_id) == engine.node:
+        await netns.detach(netns.egress_name(engine.runtime), netns.Link(sandbox_id, row[0], row[1]))
+        engine.registry.drop_link(sandbox_id)
+    await netns.remove_sandbox_netns(netns.sandbox_netns_name(sandbox_id))
+    await _forget(engine, sandbox_id)
+
+
 async def _forget(engine: Engine, sandbox_id: str) -> None:
     """The proxy (and its supervisor) drop the sandbox's secret values, CA and approval hooks."""
     if _proxy_locked(engine.home):  # (a proxy being restarted takes the message when it serves)

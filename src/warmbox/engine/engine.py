@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from warmbox import backends, config
-from warmbox.backends.base import Backend, Configurable, SharedHost, TemplateCapable
+from warmbox.backends.base import Backend, Configurable, Inventory, SharedHost, TemplateCapable
 from warmbox.config import PoolConfig, Settings, Template
 from warmbox.engine import egress, provision
 from warmbox.engine import volumes as volumes_mod
@@ -56,6 +56,7 @@ from warmbox.storage.registry import open_registry
 DEFAULT_TIMEOUT_S = 300.0
 MAX_TIMEOUT_S = 24 * 3600.0
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SANDBOX_ID = re.compile(r"sb-[0-9a-f]{12}")
 
 
 def validate_timeout(timeout: object, name: str = "timeout") -> float:
@@ -807,7 +808,7 @@ class Engine:
         self.check(Operation.DESTROY, info, None if info.state is State.LOST else handle)
         self.command_log.flush()  # its records are written before it is seen to end
         if info.state is State.LOST:  # its runtime died with its node: only its records end here
-            self.registry.drop_link(sandbox_id)
+            # (its link record stays for that node's reconcile, which removes the link itself)
             self.registry.set_state(sandbox_id, State.DESTROYED, reason)
             self.registry.finalize(sandbox_id)
             self._forget_auto_snapshots(info)
@@ -901,6 +902,85 @@ class Engine:
                 except Exception:
                     continue
         return reaped
+
+    # ---- cluster node
+
+    async def reconcile_node(self) -> builtins.list[str]:
+        """End what this home's runtime still holds that the registry does not give this node to
+        run: a sandbox lost when the node was marked down, destroyed meanwhile, or handed to
+        another node (a paused one resumed elsewhere); also the leftovers of a pause of this
+        node's that its dead process did not release. Only local things go (processes, runtime
+        records, state directory, network); the registry rows are left as they are. Called at a
+        node's start, and when a heartbeat finds it fenced. Returns the ids ended."""
+        sandboxes = self.runtime / "sandboxes"
+        found: dict[str, str] = {}  # sandbox id -> tier, "" until the row or a runtime says
+        try:
+            names = os.listdir(sandboxes)
+        except FileNotFoundError:
+            names = []
+        for name in names:
+            if _SANDBOX_ID.fullmatch(name):
+                found.setdefault(name, "")
+        for tier in backends.TIERS:
+            try:
+                b = self.backend(tier)
+            except WarmboxError:
+                continue
+            if isinstance(b, Inventory):
+                for sid in b.held():
+                    found[sid] = tier
+        ended: builtins.list[str] = []
+        for sid, tier in sorted(found.items()):
+            state_dir = sandboxes / sid
+            uid_base = 0
+            try:
+                info, handle = self.registry.get(sid)
+            except SandboxNotFound:
+                pass  # no row: this node's runtime alone knows it, and nobody can use it
+            else:
+                if not self._reconcile_ends(info, handle, state_dir):
+                    continue
+                tier, uid_base = info.tier, handle.uid_base
+            if not tier:
+                continue  # a bare directory without a row: nothing says which tier removes it
+            local = BackendHandle(
+                sid, tier, sid, str(state_dir), str(state_dir / "run" / "agent.sock"), uid_base, self.node
+            )
+            try:
+                await self.backend(tier).destroy(local)
+                await egress.discard(self, sid)
+            except (WarmboxError, OSError):
+                continue  # tried again at the next reconcile
+            ended.append(sid)
+        return ended
+
+    def _reconcile_ends(self, info: SandboxInfo, handle: BackendHandle, state_dir: Path) -> bool:
+        """Whether the reconcile ends this home's copy of a sandbox whose row is ``info``."""
+        if handle.node == self.node:
+            if info.state in LIVE or info.state is State.FAILED:
+                return False  # this node's: its own duties (the reaper) look after it
+            if info.state is State.PAUSED:
+                return not self.registry.owner_of(info.sandbox_id)  # a pauser still releasing it: its job
+            return True  # lost or destroyed
+        if info.state in LIVE or info.state is State.FAILED or info.state is State.PAUSED:
+            # Another node's now. Cgroups and named network namespaces are named by sandbox id
+            # host-wide: when that node runs on this same host (its state directory is here, and is
+            # not ours), ending our copy would end its sandbox too; its resume removes what it must.
+            theirs = Path(handle.state_dir)
+            if theirs != state_dir and theirs.exists():
+                return False
+        return True
+
+    async def node_heartbeat(self, epoch: int) -> bool:
+        """One heartbeat of this node (``[cluster] node``), joined under ``epoch``: its live and
+        pooled counts go to the registry. False: the node is fenced (marked down, or joined again
+        under a newer epoch): what it ran is no longer its own, so it is ended here at once
+        (``reconcile_node``) and the node process must stop serving and exit."""
+        live, pooled = self.registry.local_counts()
+        if self.registry.heartbeat(self.node, epoch, live, pooled):
+            return True
+        await self.reconcile_node()
+        return False
 
     async def _unresume(self, sandbox_id: str) -> None:
         """Take back a resume whose process died: its runtime (if any) torn down, paused again."""

@@ -1398,6 +1398,13 @@ class Registry:
             NodeInfo(r[0], r[1], r[2], r[3], r[4], r[5], r[6], _split(r[7]), r[8], r[9], r[10], r[11]) for r in rows
         ]
 
+    def local_counts(self) -> tuple[int, int]:
+        """This node's (live sandboxes: creating, retiring, ready, running; pooled ones)."""
+        busy = (State.CREATING.value, State.RETIRING.value, State.READY.value, State.RUNNING.value)
+        live = self._read(f"SELECT COUNT(*) FROM sandboxes WHERE node=? AND state IN {_in(busy)}", (self.node, *busy))
+        pooled = self._read("SELECT COUNT(*) FROM sandboxes WHERE node=? AND state=?", (self.node, State.POOLED.value))
+        return int(live[0]), int(pooled[0])
+
     def node_usage(self) -> builtins.list[NodeUsage]:
         """Per node with any: its live sandboxes, their memory, its pooled ones by pool (by name)."""
         busy = (State.CREATING.value, State.RETIRING.value, State.READY.value, State.RUNNING.value)
@@ -1471,7 +1478,6 @@ class Registry:
                 "UPDATE sandboxes SET owner='' WHERE node=? AND state=?",
                 (name, State.PAUSED.value),
             )
-            db.execute("DELETE FROM net_links WHERE node=?", (name,))
         return [r[0] for r in rows]
 
     def move(self, sandbox_id: str, node: str) -> None:
@@ -2318,6 +2324,11 @@ class Registry:
             "WHERE l.address=? AND l.node=? AND s.state NOT IN ('destroyed','failed','lost')",
             (address, self.node),
         )
+
+    def link_node(self, sandbox_id: str) -> str | None:
+        """The node whose link a sandbox's link record is (None: it has none)."""
+        row = self._read("SELECT node FROM net_links WHERE sandbox_id=?", (sandbox_id,))
+        return None if row is None else row[0]
 
     def drop_link(self, sandbox_id: str) -> None:
         with self._tx() as db:
