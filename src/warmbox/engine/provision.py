@@ -128,8 +128,16 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
     if len(socket_path) > MAX_SOCKET_PATH:
         raise InvalidArgument(f"runtime dir {engine.runtime} is too long for a unix socket path")
     lim = spec.limits
-    if spec.resume_of:  # the same row, id, state directory and socket path; a new uid range
-        engine.registry.reallocate(sandbox_id, spec.timeout_s, lim, owner=engine.owner, tenant=spec.tenant)
+    if spec.resume_of:  # the same row and id; a new uid range, this node's directory and socket
+        engine.registry.reallocate(
+            sandbox_id,
+            spec.timeout_s,
+            lim,
+            owner=engine.owner,
+            tenant=spec.tenant,
+            state_dir=str(state_dir),
+            socket_path=socket_path,
+        )
     else:
         engine.registry.allocate(
             sandbox_id,

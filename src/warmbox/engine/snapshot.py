@@ -115,8 +115,9 @@ del __warmbox_load
 
 
 def store_for(engine: Engine) -> ObjectStore:
-    """The configured object store (a local directory under WARMBOX_HOME by default)."""
-    url = os.environ.get("WARMBOX_OBJECT_STORE", "")
+    """The configured object store: ``[cluster] object_store`` (the one every node shares), else
+    WARMBOX_OBJECT_STORE, else a local directory under WARMBOX_HOME."""
+    url = engine.settings().cluster.object_store or os.environ.get("WARMBOX_OBJECT_STORE", "")
     if url.startswith("s3://"):
         from warmbox.storage.objects import S3ObjectStore
 

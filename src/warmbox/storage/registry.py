@@ -882,11 +882,20 @@ class Registry:
         return slot
 
     def reallocate(
-        self, sandbox_id: str, timeout_s: float, limits: Limits, *, owner: str = "", tenant: Tenant | None = None
+        self,
+        sandbox_id: str,
+        timeout_s: float,
+        limits: Limits,
+        *,
+        owner: str = "",
+        tenant: Tenant | None = None,
+        state_dir: str | None = None,
+        socket_path: str | None = None,
     ) -> int:
         """Take a paused sandbox back to ``creating`` under its own id (a resume): a uid slot free
         on the whole host, a new deadline, its meters open again; returns the slot. It becomes
-        this registry's node's (a sandbox paused on one node resumes on any).
+        this registry's node's (a sandbox paused on one node resumes on any), with the state
+        directory and agent socket given (the resuming node's; None: the ones it had).
 
         Exactly one caller wins (SandboxStateError for the others: it is no longer paused).
         limits: the snapshot's, checked (check_limits) first, as at an allocate: maxima lowered
@@ -922,6 +931,12 @@ class Registry:
                     "timeout_s=?, last_used=?, node=? WHERE sandbox_id=?",
                     (State.CREATING.value, slot, now + timeout_s, owner, timeout_s, now, self.node, sandbox_id),
                 )
+                if state_dir is not None or socket_path is not None:
+                    db.execute(
+                        "UPDATE sandboxes SET state_dir=COALESCE(?, state_dir), socket_path=COALESCE(?, socket_path) "
+                        "WHERE sandbox_id=?",
+                        (state_dir, socket_path, sandbox_id),
+                    )
                 db.execute(
                     "INSERT INTO transitions VALUES (?,?,?,?,?)",
                     (sandbox_id, now, State.PAUSED.value, State.CREATING.value, RESUMING),
