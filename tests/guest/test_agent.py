@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -100,10 +101,15 @@ def test_exec_streams_before_exit_and_reports_status(agent):
 
 
 def test_timeout_kills_the_tree_even_after_setsid(agent):
+    # durations unique to this run: the check below reads the whole host's process list, where a
+    # sandbox of another test (or person) may run its own `sleep 1000`
+    tag = f"{secrets.randbelow(10**6):06d}"
+
     async def go():
         c = await GuestClient.connect(agent, "t")
         t0 = time.monotonic()
-        frames = await _exec(c, ["sh", "-c", "sleep 1000 & setsid sleep 1001 & sleep 1002; wait"], timeout_s=0.5)
+        script = f"sleep 1000.{tag} & setsid sleep 1001.{tag} & sleep 1002.{tag}; wait"
+        frames = await _exec(c, ["sh", "-c", script], timeout_s=0.5)
         took = time.monotonic() - t0
         await c.close()
         return frames, took
@@ -112,7 +118,7 @@ def test_timeout_kills_the_tree_even_after_setsid(agent):
     ex = frames[-1][1]
     assert ex.timed_out and ex.signal == 9 and took < 3
     time.sleep(0.1)
-    leftover = subprocess.run(["pgrep", "-f", "sleep 100[012]"], capture_output=True, text=True).stdout.split()
+    leftover = subprocess.run(["pgrep", "-f", f"sleep 100[012][.]{tag}"], capture_output=True, text=True).stdout.split()
     assert leftover == [], f"processes of the timed-out command survived: {leftover}"
 
 
