@@ -52,6 +52,7 @@ def test_exported_members():
             "Requirements",
             "NoSuitableTier",
             "NoCapacity",
+            "NodeFenced",
             "ClusterError",
             "choose_tier",
             "UnsupportedLanguage",

@@ -64,6 +64,7 @@ WarmboxError
     └── NodeError                       something about one node (``node``: its name)
         ├── NodeNotFound (LookupError)  no node of that name in the cluster's registry
         ├── DrainRefused                a drain of the last node up, or of a node that is down
+        ├── NodeFenced                  this node was marked down or joined again: it starts no sandbox
         └── NotACluster                 a cluster operation (a drain) sent to a single host's server
 """
 
@@ -452,6 +453,13 @@ class NodeNotFound(NodeError, LookupError):
 class DrainRefused(NodeError):
     """A drain that cannot be done: the node is the last one up (its sandboxes would have nowhere
     to go), or it is already down (HTTP 409). Nothing was changed."""
+
+
+class NodeFenced(NodeError):
+    """This node was marked down (or its name joined again under a newer epoch) while this
+    process still ran: it starts no sandbox (create, pool refill, claim, resume) (HTTP 503: the
+    cluster places it on another node). Nothing was changed; the node process exits at its next
+    heartbeat."""
 
 
 class NotACluster(NodeError):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from warmbox.errors import InvalidArgument, SandboxLost, SandboxNotFound, SandboxStateError
+from warmbox.errors import InvalidArgument, NodeFenced, SandboxLost, SandboxNotFound, SandboxStateError
 from warmbox.lifecycle import Operation, check
 from warmbox.models import Limits, NodeInfo, NodeUsage, State
 from warmbox.storage import registry as registry_mod
@@ -240,3 +240,52 @@ def test_paused_retention_of_a_down_node_falls_to_the_nodes_still_up(tmp_path, r
     assert b.next_lifecycle_deadline(0.0) is not None
     a.close()
     b.close()
+
+
+def test_a_fenced_node_starts_no_sandbox(tmp_path, registry_at):
+    """A node marked down, or whose name joined again elsewhere, while its process still runs: its
+    creates, claims and resumes are refused in the transaction that would write them."""
+    a = _registry(tmp_path, "a", at=registry_at, host="h1")
+    _sandbox(a, "sb-0000000000e1", State.PAUSED)
+    _sandbox(a, "sb-0000000000e2", State.POOLED, pool="p")
+    epoch = a.join_node(NodeInfo("a"))
+    assert a.epoch == epoch
+    _sandbox(a, "sb-0000000000e3", State.RUNNING)  # up: it starts sandboxes
+    assert sorted(a.mark_node_down("a", "late heartbeat")) == ["sb-0000000000e2", "sb-0000000000e3"]
+    held = a.ledger.held()
+    with pytest.raises(NodeFenced, match="node 'a' was marked down") as e:
+        _sandbox(a, "sb-0000000000e4", State.CREATING)
+    assert e.value.node == "a"
+    with pytest.raises(NodeFenced):
+        a.reallocate("sb-0000000000e1", 60.0, Limits())
+    with pytest.raises(NodeFenced):
+        a.claim("p", "", 60.0, "1:1")
+    with pytest.raises(SandboxNotFound):
+        a.get("sb-0000000000e4")  # nothing was written
+    assert a.get("sb-0000000000e1")[0].state is State.PAUSED and a.ledger.held() == held  # no slot taken
+    # the node's name joins again from another process: this one stays fenced, the new one starts
+    again = _registry(tmp_path, "a", at=registry_at, host="h1")
+    again.join_node(NodeInfo("a"))
+    with pytest.raises(NodeFenced, match="joined again"):
+        _sandbox(a, "sb-0000000000e4", State.CREATING)
+    _sandbox(again, "sb-0000000000e4", State.CREATING)
+    # a node that never joined (one host, tests) is not checked
+    _sandbox(_registry(tmp_path, "z", at=registry_at, host="h2"), "sb-0000000000e5", State.CREATING)
+    a.close()
+    again.close()
+
+
+def test_a_stale_verdict_marks_nothing_down(tmp_path, registry_at):
+    reg = _registry(tmp_path, "", at=registry_at)
+    _sandbox(_registry(tmp_path, "n1", at=registry_at), "sb-0000000000f1", State.RUNNING)
+    first = reg.join_node(NodeInfo("n1"))
+    second = reg.join_node(NodeInfo("n1"))  # it restarted after the monitor read `first`
+    assert reg.mark_node_down("n1", "old news", epoch=first) == []
+    assert reg.nodes()[0].state == "up" and reg.nodes()[0].epoch == second
+    assert reg.mark_node_down("n1", "gone", epoch=second) == ["sb-0000000000f1"]
+    assert reg.nodes()[0].epoch == second + 1
+    assert reg.mark_node_down("n1", "gone too", epoch=second) == []  # a second monitor: one bump
+    assert reg.mark_node_down("n1", "gone too", epoch=second + 1) == []  # already down
+    assert reg.nodes()[0].epoch == second + 1
+    assert reg.mark_node_down("nobody", "x", epoch=1) == [] and [n.name for n in reg.nodes()] == ["n1"]
+    reg.close()

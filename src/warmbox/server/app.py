@@ -95,6 +95,7 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.SandboxTimeout, 504),
     (errors.BackendUnavailable, 503),
     (errors.NoCapacity, 503),
+    (errors.NodeFenced, 503),
     (errors.NoSuitableTier, 422),
     (errors.GuestConnectionError, 502),
     (errors.NodeNotFound, 404),

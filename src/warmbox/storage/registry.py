@@ -29,6 +29,7 @@ from warmbox.errors import (
     ApprovalClosed,
     ApprovalNotFound,
     InvalidArgument,
+    NodeFenced,
     QuotaExceeded,
     RegistryError,
     RegistrySchemaError,
@@ -637,6 +638,7 @@ class Registry:
         # the file (None for PostgreSQL: there is no file, and its URL may hold a password)
         self.path: Path | None = None if url else Path(location)
         self.node = node
+        self.epoch: int | None = None  # this node's, from this object's join_node (None: not joined here)
         self.ledger = ledger if ledger is not None else UidLedger()
         self.check_limits = check_limits
         self._adopted = False
@@ -791,11 +793,28 @@ class Registry:
             if not self._adopted:
                 self._adopt()
             with self.ledger.locked() as ledger, self._tx(*locks) as db:
+                self._check_fence(db)
                 yield ledger, db
         except OSError as e:
             raise RegistryError(f"cannot claim a uid range in {self.ledger.dir}: {e}") from None
         except self._errors as e:
             raise RegistryError(f"registry error: {e}") from None
+
+    def _check_fence(self, db: Conn) -> None:
+        """NodeFenced if this node may start no sandbox: its row says down, or another process
+        joined under its name since this object's join_node. Read in the transaction that would
+        write the sandbox (PostgreSQL: a share lock, so mark_node_down waits for it and then
+        sees the row it wrote). One host (node ""), or a node that never joined: nothing to check."""
+        if not self.node:
+            return
+        row = db.execute(
+            "SELECT state, epoch FROM nodes WHERE name=?" + (" FOR SHARE" if self.shared else ""), (self.node,)
+        ).fetchone()
+        if row is None:
+            return
+        if row[0] == "down" or (self.epoch is not None and row[1] != self.epoch):
+            why = "marked down" if row[0] == "down" else f"joined again (epoch {row[1]}, this process has {self.epoch})"
+            raise NodeFenced(f"node {self.node!r} was {why}: it starts no sandbox", self.node)
 
     # ---- sandboxes
 
@@ -1116,6 +1135,7 @@ class Registry:
         """
         now = time.time()
         with self._tx(*_tenant_lock(tenant)) as db:
+            self._check_fence(db)
             # SKIP LOCKED (PostgreSQL): concurrent claims take different rows instead of queueing
             row = db.execute(
                 "SELECT sandbox_id FROM sandboxes WHERE pool=? AND shape=? AND state=? AND expires_at>? AND node=? "
@@ -1394,6 +1414,8 @@ class Registry:
                     now,
                 ),
             )
+        if info.name == self.node:
+            self.epoch = epoch  # what this process's starts are checked against (_check_fence)
         return epoch
 
     def heartbeat(self, name: str, epoch: int, live: int, pooled: int) -> bool:
@@ -1462,16 +1484,25 @@ class Registry:
             if db.execute("UPDATE nodes SET state=? WHERE name=?", (state, name)).rowcount != 1:
                 raise InvalidArgument(f"no node {name!r}")
 
-    def mark_node_down(self, name: str, reason: str) -> builtins.list[str]:
+    def mark_node_down(self, name: str, reason: str, *, epoch: int | None = None) -> builtins.list[str]:
         """Node ``name`` is gone (Ray lost it, its heartbeat stopped, it left): its epoch is bumped
-        (its process, if it still runs, is fenced at its next heartbeat), its creating, pooled,
-        retiring, ready and running sandboxes become ``lost`` with ``reason``; returns their ids.
-        Its paused sandboxes stay paused (their snapshots are in the shared store): any node
-        resumes them. A node that never joined gets a row, down."""
+        (its process, if it still runs, is fenced: it starts no sandbox, and its next heartbeat
+        says so), its creating, pooled, retiring, ready and running sandboxes become ``lost`` with
+        ``reason``; returns their ids. Its paused sandboxes stay paused (their snapshots are in
+        the shared store): any node resumes them. A node that never joined gets a row, down.
+        epoch: the epoch the caller judged dead: if the node is down already or has joined again
+        since (another epoch), nothing changes and [] is returned (a stale verdict, or a second
+        monitor marking the same death)."""
         _node_name(name)
         reason = f"node {name} down: {reason}"[:_MAX_APPROVAL_TEXT]
         now = time.time()
         with self._tx() as db:
+            if epoch is not None:
+                row = db.execute(
+                    "SELECT state, epoch FROM nodes WHERE name=?" + self._sql.for_update(), (name,)
+                ).fetchone()
+                if row is None or row[0] == "down" or row[1] != epoch:
+                    return []
             db.execute(
                 "INSERT INTO nodes (name, epoch, state) VALUES (?,1,'down') ON CONFLICT (name) DO UPDATE "
                 "SET epoch=nodes.epoch+1, state='down'",
