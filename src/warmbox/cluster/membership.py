@@ -141,17 +141,38 @@ def _running(pid: int) -> bool:
     return stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X")
 
 
+def _names(path: str, needle: str) -> bool:
+    """``path`` (or a ``--flag=path`` argument) is ``needle`` or under it (not a sibling it prefixes)."""
+    return path.endswith(needle) or needle + "/" in path
+
+
+def _open_files(pid: int) -> list[str]:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    out = []
+    for fd in fds:
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return out
+
+
 def processes_in(tmpdir: Path) -> list[int]:
-    """PIDs of running processes whose command line names ``tmpdir`` (a Ray node's processes all
-    do: --temp-dir, --session-dir, --log-dir ...). Never this process."""
+    """PIDs of running processes of the Ray node living in ``tmpdir``: their command line names it
+    (--temp-dir, --session-dir ...) or they hold a file under it open (Ray's agents retitle
+    themselves ``ray::DashboardAgent``, but keep their logs and sockets there). Never this process."""
     needle = str(tmpdir)
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         pid = int(entry.name)
-        # the dir itself or a path under it (not a sibling whose name it prefixes)
-        if any(a.endswith(needle) or needle + "/" in a for a in _cmdline(pid)) and _running(pid):
+        if not _running(pid):
+            continue
+        if any(_names(a, needle) for a in _cmdline(pid)) or any(_names(f, needle) for f in _open_files(pid)):
             out.append(pid)
     return out
 
