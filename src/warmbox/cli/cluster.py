@@ -14,8 +14,17 @@ from warmbox.errors import InvalidArgument
 
 
 def add_parser(sub: argparse._SubParsersAction, parser_class: type[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("node", help="the cluster's nodes: ls, drain")
+    p = sub.add_parser("node", help="this home as a cluster node: join; the cluster's nodes: ls, drain")
     nsub = p.add_subparsers(dest="node_command", required=True, parser_class=parser_class)
+    q = nsub.add_parser("join", help="run this home's engine as a node of the cluster at HEAD until SIGTERM")
+    q.add_argument("head", nargs="?", default="", help="the Ray head's HOST:PORT (default [cluster] ray)")
+    q.add_argument("--name", default="", help="the node's name (default [cluster] node)")
+    q.add_argument(
+        "--slots", type=int, default=0, help="sandboxes it offers (default [cluster] slots, else from memory)"
+    )
+    q.add_argument("--host", default=None, help="its API's TCP address (default [server] host)")
+    q.add_argument("--port", type=int, default=0, help="its API's TCP port (default 0: any free; the registry has it)")
+    q.add_argument("--socket", default=None, help="its API's unix socket ('-' for none)")
     q = nsub.add_parser("ls", help="the cluster's nodes as the registry has them")
     q.add_argument("--json", action="store_true")
     q = nsub.add_parser("drain", help="move a node's sandboxes to other nodes, then take it out (through the router)")
@@ -33,6 +42,16 @@ def add_parser(sub: argparse._SubParsersAction, parser_class: type[argparse.Argu
 async def command(args: argparse.Namespace) -> int:
     if args.command == "cluster":
         return await (_head(args) if args.cluster_command == "head" else _token(args))
+    if args.node_command == "join":
+        from warmbox.cluster import node
+        from warmbox.paths import default_home
+
+        if args.slots < 0:
+            raise InvalidArgument(f"--slots must be >= 0, got {args.slots}")
+        opts = node.NodeOptions(
+            head=args.head, name=args.name, slots=args.slots, host=args.host, port=args.port, socket=args.socket
+        )
+        return await node.join(default_home(), opts)
     if args.node_command == "ls":
         return _ls(args)
     return await _drain(args)
@@ -60,7 +79,23 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 async def _drain(args: argparse.Namespace) -> int:
-    raise InvalidArgument("warmbox node drain goes through the router: not available yet")
+    """Through the router (--api-url / WARMBOX_API_URL, an admin key): on one host's engine the
+    operation answers NotACluster."""
+    from warmbox import operations as ops
+    from warmbox.sdk.http import HttpTransport, default_url
+    from warmbox.sdk.transport import LocalTransport
+
+    t: HttpTransport | LocalTransport = HttpTransport() if default_url() else LocalTransport()
+    try:
+        report = await t.handle(ops.NodeDrain(args.name, timeout=args.timeout))
+    finally:
+        await t.close()
+    print(f"node {report.node}: {report.state}; moved {len(report.moved)}, left paused {len(report.paused)}")
+    for sid in report.moved:
+        print(f"  moved {sid}")
+    for why in report.failed:
+        print(f"  NOT moved {why}")
+    return 0 if not report.failed else 1
 
 
 async def _head(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ warmbox mcp                       an MCP server on stdin/stdout (sandbox tools f
 warmbox bench start|burst|exec|density|api|template|profile   benchmarks, ratios against raw runtimes or the host
 warmbox serve [--host H --port P]  the HTTP API (/v1) on 127.0.0.1:7420 and a unix socket (+ MCP at /mcp)
 warmbox serve --cluster HEAD      the same API as a cluster's API tier: each call runs on its sandbox's node
+warmbox node join HEAD [--name N --slots K]   this home's engine as a cluster node (Ray head HEAD) until SIGTERM
 warmbox node ls | drain NAME      the cluster's nodes; move a node's sandboxes off it (through the router)
 warmbox cluster head | token [FILE]   run a Ray head for a cluster; make the peer token file
 
