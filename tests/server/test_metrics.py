@@ -28,9 +28,9 @@ from warmbox.storage.registry import Registry
 from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
 
 
-def _registry(path) -> Registry:
+def _registry(at, tmp) -> Registry:
     # its own uid ledger: these rows never run, so they must not hold real ranges of the host
-    return Registry(path, ledger=UidLedger(path.parent / "uids", slots=16, first=MAX_SLOTS - 60))
+    return Registry(at, ledger=UidLedger(tmp / "uids", slots=16, first=MAX_SLOTS - 60))
 
 
 def _sandbox(reg: Registry, sid: str, tenant: str, tier: str = "container", *, pool: str = "") -> None:
@@ -152,15 +152,16 @@ def _check_histograms(text: str) -> int:
 
 
 @pytest.fixture
-def reg(tmp_path):
-    r = _registry(tmp_path / "r.db")
+def reg(tmp_path, registry_at):
+    """The known rows, in a SQLite registry and in a PostgreSQL one (the same families from both)."""
+    r = _registry(registry_at, tmp_path)
     _known_rows(r)
     yield r
     r.close()
 
 
 def test_the_registrys_rows_become_parsed_families(reg):
-    exposition = Exposition(RegistryStats(reg.path))
+    exposition = Exposition(RegistryStats(reg.location))
     try:
         body, content_type = exposition.render(None, "")
     finally:
@@ -256,7 +257,7 @@ def test_the_registrys_rows_become_parsed_families(reg):
 
 
 def test_a_tenants_view_has_only_its_own_series(reg):
-    exposition = Exposition(RegistryStats(reg.path))
+    exposition = Exposition(RegistryStats(reg.location))
     try:
         text = exposition.render(Tenant("beta"), "")[0].decode()
         admin = exposition.render(Tenant("ops", admin=True), "")[0].decode()
@@ -278,7 +279,7 @@ def test_a_tenants_view_has_only_its_own_series(reg):
 def engine(tmp_path, monkeypatch):
     monkeypatch.setenv("WARMBOX_RUNTIME_DIR", str(tmp_path / "rt"))
     e = Engine.for_home(tmp_path / "home")
-    r = _registry(e.registry.path)  # the same file, with a private uid ledger for the fake rows
+    r = _registry(e.registry.location, tmp_path)  # the same file, with a private uid ledger for the fake rows
     _known_rows(r)
     r.close()
     return e
@@ -388,7 +389,7 @@ def _comparable(t) -> dict:
 def test_settled_sandboxes_are_read_once_and_the_totals_stay_exact(reg):
     """A scrape reads only sandboxes not settled (live, paused, recently ended); the settled ones'
     aggregates are kept: after more rows, the kept + fresh totals equal a new reader's full read."""
-    kept = RegistryStats(reg.path, settle_s=0)  # a destroyed sandbox settles at once
+    kept = RegistryStats(reg.location, settle_s=0)  # a destroyed sandbox settles at once
     try:
         first = kept.read()
         assert first.sandboxes_read == 5  # every row of the fixture: nothing settled yet, none destroyed
@@ -400,7 +401,7 @@ def test_settled_sandboxes_are_read_once_and_the_totals_stay_exact(reg):
         reg.set_state("sb-0000000000a1", State.DESTROYED, "killed")
         reg.pool_event("default", "hit", "sb-y")
         for tenant in (None, "acme", "beta"):
-            fresh = RegistryStats(reg.path)  # no memory: reads every row
+            fresh = RegistryStats(reg.location)  # no memory: reads every row
             try:
                 assert _comparable(kept.read(tenant)) == _comparable(fresh.read(tenant)), tenant
             finally:

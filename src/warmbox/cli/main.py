@@ -314,9 +314,10 @@ def _parser() -> argparse.ArgumentParser:
     from warmbox.cli import approvals
 
     approvals.add_parser(sub, _Parser)
-    from warmbox.cli import volumes
+    from warmbox.cli import db, volumes
 
     volumes.add_parser(sub, _Parser)
+    db.add_parser(sub, _Parser)
     templates.add_parser(sub, _Parser)
     from warmbox.cli import cluster
 
@@ -824,6 +825,12 @@ async def _volume(args: argparse.Namespace) -> int:
     return await volumes.command(args)
 
 
+async def _db(args: argparse.Namespace) -> int:
+    from warmbox.cli import db
+
+    return await db.command(args)
+
+
 async def _down(args: argparse.Namespace) -> int:
     from warmbox.cli import pools
 
@@ -1021,6 +1028,7 @@ _COMMANDS = {
     "mcp": _mcp,
     "bench": _bench,
     "volume": _volume,
+    "db": _db,
 }
 
 

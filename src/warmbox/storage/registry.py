@@ -645,7 +645,7 @@ class Registry:
         # waiters of this process on approval questions: an answer given through this object wakes
         # them at once (others' answers are seen by polling). approval_id -> wake-ups.
         self._approval_waiters: dict[str, builtins.list[Callable[[], object]]] = {}
-        where = _redacted(str(location)) if url else str(location)
+        where = redacted(str(location)) if url else str(location)
         try:
             self._sql = dialect_for(location)
             self._errors: tuple[type[Exception], ...] = self._sql.errors
@@ -2754,7 +2754,7 @@ def _tenant_lock(tenant: Tenant | None) -> tuple[str, ...]:
     return () if tenant is None else (f"tenant:{tenant.name}",)
 
 
-def _redacted(url: str) -> str:
+def redacted(url: str) -> str:
     """A PostgreSQL URL as an error may show it: no password."""
     return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
 
@@ -2775,6 +2775,27 @@ def open_registry(
     return Registry(cluster.registry or home / "registry.db", cluster.node, check_limits=check_limits)
 
 
+def schema_version(location: Path | str) -> int | None:
+    """A registry's schema version without opening (or migrating) it; None: no registry there yet."""
+    if is_url(location):
+        d = PostgresDialect(str(location))
+        try:
+            return d.schema_version()
+        finally:
+            d.close()
+    path = Path(location)
+    if not path.exists():
+        return None
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        try:
+            return int(db.execute("PRAGMA user_version").fetchone()[0])
+        finally:
+            db.close()
+    except sqlite3.Error as e:
+        raise RegistryError(f"cannot read the registry at {path}: {e}") from None
+
+
 def migrate(location: Path | str) -> tuple[int, int]:
     """Bring a registry's schema to this warmbox's (``warmbox db migrate``): (version before, after).
     PostgreSQL: one transaction under an advisory lock (nodes starting together migrate once);
@@ -2786,15 +2807,6 @@ def migrate(location: Path | str) -> tuple[int, int]:
         finally:
             d.close()
     path = Path(location)
-    before = 0
-    if path.exists():
-        try:
-            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
-            try:
-                before = int(db.execute("PRAGMA user_version").fetchone()[0])
-            finally:
-                db.close()
-        except sqlite3.Error as e:
-            raise RegistryError(f"cannot read the registry at {path}: {e}") from None
-    Registry(path).close()
+    before = schema_version(path) or 0
+    Registry(path).close()  # a SQLite registry migrates itself at its open
     return before, SCHEMA_VERSION

@@ -170,8 +170,8 @@ def _clean(v: object) -> object:
             return v.replace("\x00", "\ufffd") if "\x00" in v else v
         try:
             v.encode()
-        except UnicodeEncodeError:
-            v = v.encode("utf-8", "replace").decode()
+        except UnicodeEncodeError:  # lone surrogates (the only str UTF-8 cannot encode)
+            v = "".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in v)
         return v.replace("\x00", "\ufffd") if "\x00" in v else v
     if type(v) is bool:
         return int(v)
