@@ -589,6 +589,14 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ("isolate",),
         ("test_isolate_escape.py::test_wasm_has_no_files_and_is_bounded_in_time_and_memory",),
     ),
+    Guarantee(
+        "cluster",
+        "A sandbox cannot reach another member of its cluster, whatever its egress policy (even "
+        '"internet", even when the nodes have public addresses): the proxy refuses the hosts of every '
+        "node's API in the registry, the Ray head and the registry's PostgreSQL host, as it refuses its own.",
+        _SHARED,
+        ("test_cluster_egress.py::test_a_sandbox_cannot_reach_another_cluster_node",),
+    ),
 )
 
 

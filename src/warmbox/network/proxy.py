@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import fcntl
+import ipaddress
 import json
 import os
 import selectors
@@ -35,7 +36,7 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -53,6 +54,7 @@ MAX_HEAD = 64 * 1024
 HEAD_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
 IDLE_EXIT_S = 10.0
+OWN_REFRESH_S = 10.0  # this host's addresses and the cluster's members are re-read this often
 MAX_CONTROL_LINE = 1 << 20
 # refused packets (NFLOG): at most this many distinct (sandbox, protocol, destination, port) are held
 # between two flushes (more: counted per sandbox, itemised no further), each flush writes one audit
@@ -236,6 +238,7 @@ class Proxy:
         self.keeper = keeper  # to the supervisor, which keeps the registrations for a restart
         self.net = settings.network
         self.approvals = settings.approvals
+        self.cluster = settings.cluster
         self.registry = open_registry(home, settings)  # links: this node's
         self.secrets: dict[str, list[tuple[str, Secret]]] = {}  # sandbox -> [(placeholder, secret)]
         self.cas: dict[str, SandboxCA] = {}
@@ -420,6 +423,10 @@ class Proxy:
             return row[0], Policy("none")
 
     def refresh_own(self) -> None:
+        """The addresses no sandbox may reach whatever its policy: this host's own and, on a
+        cluster node, every member's of the cluster (its nodes' API hosts, the Ray head, the
+        registry's host): from another node's sandbox, a public or IPv6 node address is not
+        private, and behind it are the node API, Ray's GCS and raylets, PostgreSQL."""
         out = subprocess.run(["ip", "-j", "addr", "show"], capture_output=True, text=True).stdout
         own = set()
         try:
@@ -428,7 +435,12 @@ class Proxy:
                     own.add(str(a.get("local", "")))
         except ValueError:
             pass
-        self.own = own
+        try:
+            nodes = [n.address for n in self.registry.nodes()]  # none on one host
+        except WarmboxError:
+            nodes = []  # the registry does not answer this round: what was blocked stays blocked
+            own |= self.own
+        self.own = own | cluster_members(nodes, self.cluster)
 
     # ---- decisions
 
@@ -1011,9 +1023,41 @@ class Proxy:
                 continue
             if not live and time.monotonic() - self.last_control > IDLE_EXIT_S and not self.approvers:
                 self.stopping.set()
-            if time.monotonic() - refreshed > 30:  # the host's own addresses may change
+            if time.monotonic() - refreshed > OWN_REFRESH_S:  # the host's addresses, the cluster's nodes
                 self.refresh_own()
                 refreshed = time.monotonic()
+
+
+def cluster_members(addresses: list[str], cluster: config.ClusterSettings) -> set[str]:
+    """The IP addresses of a cluster's members: the hosts of its nodes' API ``addresses`` (URLs
+    or HOST:PORT), of the Ray head (``[cluster] ray``) and of the registry's PostgreSQL URL; a
+    name is resolved here (a member whose name does not resolve now is skipped)."""
+    hosts: set[str] = set()
+    for a in addresses:
+        if a.startswith("unix:"):
+            continue
+        url = urlsplit(a if "://" in a else f"//{a}")
+        hosts.add(url.hostname or "")
+    if cluster.ray:
+        hosts.add(urlsplit("//" + cluster.ray.removeprefix("ray://")).hostname or "")
+    if cluster.registry.startswith(("postgresql://", "postgres://")):
+        url = urlsplit(cluster.registry)
+        for h in [url.hostname or "", *parse_qs(url.query).get("host", [])]:
+            hosts.update(x.strip() for x in h.split(","))
+    out: set[str] = set()
+    for h in hosts:
+        if not h or h.startswith("/"):  # no host, or PostgreSQL's unix socket directory
+            continue
+        try:
+            out.add(str(ipaddress.ip_address(h.strip("[]"))))
+            continue
+        except ValueError:
+            pass
+        try:
+            out.update(str(ai[4][0]).split("%")[0] for ai in socket.getaddrinfo(h, None, proto=socket.IPPROTO_TCP))
+        except OSError:
+            continue
+    return out
 
 
 def _ca_pems(ca: SandboxCA) -> list[str]:
