@@ -5,7 +5,8 @@
    object store) and resumed on the node placement picks: the same id, the same files; a client
    that holds it sees one slower call. A sandbox still being created is waited for; one that
    cannot be resumed without its secrets' values (never stored) stays paused, resumable by its
-   owner on any node; one whose move fails is reported in ``failed``.
+   owner on any node; one that mounts named volumes (their disks are this host's) stays paused,
+   its files saved; one whose move fails is reported in ``failed``.
 3. The node is marked down (its epoch moves on: it is fenced and leaves; its pooled sandboxes go
    with it, the other nodes' pool shares grow to the cluster's target).
 
@@ -69,6 +70,9 @@ async def drain(cluster: Cluster, name: str, timeout: float = 600.0) -> ops.Drai
                 await root.handle(ops.Pause(sid))
             except WarmboxError as e:
                 failed.append(f"{sid}: pause failed: {e}")
+                continue
+            if cluster.registry.volumes_of(sid):
+                paused.append(sid)  # its volumes' disks are this node's: it resumes where they are
                 continue
             try:
                 await root.handle(ops.Resume(sid))
