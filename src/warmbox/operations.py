@@ -973,8 +973,9 @@ class DrainReport:
 @dataclasses.dataclass(frozen=True)
 class NodeDrain(Request[DrainReport]):
     """Take a node out of service (admin): no new sandbox is placed on it; each of its live
-    sandboxes is paused and resumed on another node; then it is marked down. DrainRefused for the
-    last node that is up; NodeNotFound for an unknown name. timeout: seconds for the whole drain."""
+    sandboxes is paused and resumed on another node; then it is marked down (it stays draining,
+    the report's ``state``, if a sandbox could not be paused: run the drain again). DrainRefused for
+    the last node that is up; NodeNotFound for an unknown name. timeout: seconds for the whole drain."""
 
     op: ClassVar[Op] = Op.NODE_DRAIN
     name: str

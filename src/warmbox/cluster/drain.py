@@ -8,7 +8,8 @@
    owner on any node; one that mounts named volumes (their disks are this host's) stays paused,
    its files saved; one whose move fails is reported in ``failed``.
 3. The node is marked down (its epoch moves on: it is fenced and leaves; its pooled sandboxes go
-   with it, the other nodes' pool shares grow to the cluster's target).
+   with it, the other nodes' pool shares grow to the cluster's target) — unless a sandbox could
+   not be paused: then it stays ``draining`` (nothing lost; the drain can be run again).
 
 Refused with DrainRefused when the node is the last one up (its sandboxes would have nowhere to go)
 or is already down; NodeNotFound for a name the registry does not know.
@@ -54,6 +55,7 @@ async def drain(cluster: Cluster, name: str, timeout: float = 600.0) -> ops.Drai
     moved: list[str] = []
     paused: list[str] = []
     failed: list[str] = []
+    still_running: list[str] = []
     done: set[str] = set()
     deadline = time.monotonic() + timeout
     while True:
@@ -69,7 +71,8 @@ async def drain(cluster: Cluster, name: str, timeout: float = 600.0) -> ops.Drai
             try:
                 await root.handle(ops.Pause(sid))
             except WarmboxError as e:
-                failed.append(f"{sid}: pause failed: {e}")
+                failed.append(f"{sid}: pause failed (it runs on, on this node): {e}")
+                still_running.append(sid)
                 continue
             if cluster.registry.volumes_of(sid):
                 paused.append(sid)  # its volumes' disks are this node's: it resumes where they are
@@ -93,14 +96,20 @@ async def drain(cluster: Cluster, name: str, timeout: float = 600.0) -> ops.Drai
             break
         await asyncio.sleep(WAIT_S)
     for info, _ in cluster.registry.list(states=(State.PAUSED,)):
-        if cluster.registry.node_of(info.sandbox_id) == name:
-            paused.append(info.sandbox_id)  # any node resumes it: the next call on it moves it
-    lost = cluster.registry.mark_node_down(name, "drained")
-    cluster.node_down(name, "drained")
+        sid = info.sandbox_id
+        if sid not in done and cluster.registry.node_of(sid) == name:
+            paused.append(sid)  # any node resumes it: the next call on it moves it
+    if still_running:  # marking the node down would lose them: it stays draining, the drain can be run again
+        log.warning("drain %s: %d sandbox(es) could not be paused; the node stays draining", name, len(still_running))
+        state = DRAINING
+    else:
+        lost = cluster.registry.mark_node_down(name, "drained")
+        cluster.node_down(name, "drained")
+        state = DOWN
+        if lost:
+            log.info("drain %s: %d sandbox(es) left on it (pooled or late) marked lost", name, len(lost))
     cluster.nodes(fresh=True)
-    if lost:
-        log.info("drain %s: %d sandbox(es) left on it (pooled or late) marked lost", name, len(lost))
-    return ops.DrainReport(node=name, moved=tuple(moved), paused=tuple(paused), failed=tuple(failed), state=DOWN)
+    return ops.DrainReport(node=name, moved=tuple(moved), paused=tuple(paused), failed=tuple(failed), state=state)
 
 
 __all__ = ["drain"]

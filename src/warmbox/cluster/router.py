@@ -125,14 +125,16 @@ def peer_headers(tenant: Tenant | None) -> dict[str, str]:
     return out
 
 
-def node_load(node: NodeInfo, usage: NodeUsage | None) -> NodeLoad:
+def node_load(node: NodeInfo, usage: NodeUsage | None, pool_yields: bool = False) -> NodeLoad:
     """A node as placement sees it: its registry row (capacity, state) and what its sandboxes' rows
-    hold now (``usage``; None: it holds none). Pooled sandboxes hold a slot too."""
+    hold now (``usage``; None: it holds none). Pooled sandboxes hold a slot too, unless
+    ``pool_yields``: a user's paused sandbox coming back goes before a node's warm spares (its
+    pool shrinks to make room)."""
     live = memory = 0
     pooled: tuple[tuple[str, int], ...] = ()
     if usage is not None:
         pooled = usage.pooled
-        live = usage.live + sum(n for _, n in pooled)
+        live = usage.live + (0 if pool_yields else sum(n for _, n in pooled))
         memory = usage.memory_mb
     return NodeLoad(
         node=node.name,
@@ -268,11 +270,12 @@ class Cluster:
             for n in sorted(view.values(), key=lambda n: n.name)
         )
 
-    def place(self, want: Want, exclude: str = "") -> NodeInfo:
-        """The up node that should take ``want`` (NoCapacity naming why each node cannot)."""
+    def place(self, want: Want, exclude: str = "", *, pool_yields: bool = False) -> NodeInfo:
+        """The up node that should take ``want`` (NoCapacity naming why each node cannot).
+        pool_yields: pooled sandboxes hold no slot (a paused sandbox moving: see node_load)."""
         up = [n for n in self.up() if n.name != exclude]
         usage = self.usage() if up else {}
-        loads = [self._booked.get(n.name) or node_load(n, usage.get(n.name)) for n in up]
+        loads = [self._booked.get(n.name) or node_load(n, usage.get(n.name), pool_yields) for n in up]
         if not loads:
             raise NoCapacity(self.no_node_message())
         name = place(loads, want)
@@ -424,7 +427,8 @@ class ClusterFront:
         return info
 
     def _move(self, sid: str, tier: str, memory_mb: int, exclude: str = "") -> NodeInfo:
-        target = self.cluster.place(Want(tier=canonical_tier(tier), memory_mb=max(1, memory_mb)), exclude=exclude)
+        want = Want(tier=canonical_tier(tier), memory_mb=max(1, memory_mb))
+        target = self.cluster.place(want, exclude=exclude, pool_yields=True)
         self.cluster.registry.move(sid, target.name)
         log.info("sandbox %s moves to node %s", sid, target.name)
         return target
