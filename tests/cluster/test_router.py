@@ -322,3 +322,49 @@ def test_a_node_that_stops_answering_gives_the_monitors_verdict(two_nodes):
         await cluster.close()
 
     asyncio.run(main())
+
+
+def test_the_monitors_verdict_while_a_caller_waits_for_it_is_a_typed_error(two_nodes):
+    """The connection broke and the caller waits for the monitor; this router's monitor then marks
+    the node down (and ends the calls in flight): the waiting caller gets SandboxLost, not a
+    cancellation (which the server would answer with a 500)."""
+    cluster, nodes = two_nodes
+
+    async def main() -> None:
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        closed.close()
+        nodes["a"].join_node(NodeInfo(name="a", address=f"http://127.0.0.1:{port}", slots=4, memory_mb=4096))
+        cluster.nodes(fresh=True)
+        sid = _sandbox(nodes["a"], 9)
+        call = asyncio.ensure_future(ClusterFront(cluster, None).handle(ops.Exec(sid, "true")))
+        for _ in range(100):  # the transport's retries of a refused connection (~3 s), then the wait
+            await asyncio.sleep(0.1)
+            if not cluster._inflight.get("a"):
+                break
+        assert not call.done()
+        cluster.node_down("a", "Ray reports its raylet dead")
+        with pytest.raises(SandboxLost, match="raylet dead"):
+            await asyncio.wait_for(call, 5)
+        await cluster.close()
+
+    asyncio.run(main())
+
+
+def test_a_lost_sandbox_is_said_lost_by_the_router_even_with_no_node_up(two_nodes):
+    cluster, nodes = two_nodes
+
+    async def main() -> None:
+        sid = _sandbox(nodes["a"], 4)
+        for n in ("a", "b"):
+            cluster.registry.mark_node_down(n, "power cut")
+        cluster.nodes(fresh=True)
+        front = ClusterFront(cluster, None)
+        with pytest.raises(SandboxLost, match="power cut") as e:
+            await front.handle(ops.Exec(sid, "true"))
+        assert e.value.node == "a" and e.value.sandbox_id == sid
+        with pytest.raises(NoCapacity, match="no node of the cluster is up"):
+            await front.handle(ops.Info(sid))  # a node reads its record: none is up
+
+    asyncio.run(main())

@@ -75,6 +75,12 @@ class Rule(enum.Enum):
     ROUTER = "router"  # the router itself (a drain)
 
 
+# What a node answers on a lost sandbox (from the shared registry): its record and history, and a
+# kill (which forgets it). Every other operation on it is SandboxLost, said by the router itself.
+LOST_ANSWERED: frozenset[type[ops.Request[Any]]] = frozenset(
+    {ops.Info, ops.Timings, ops.Logs, ops.Metrics, ops.Commands, ops.Export, ops.NetworkLog, ops.Kill, ops.Detach}
+)
+
 # Operations without a sandbox id, and why they run where they do. Every operation naming a
 # sandbox (a ``sandbox_id`` field) is Rule.OWNER.
 RULES_BY_OP: dict[type[ops.Request[Any]], Rule] = {
@@ -400,9 +406,9 @@ class ClusterFront:
         sid = cast(Any, request).sandbox_id
         if not isinstance(sid, str) or not sid.startswith("sb-"):
             return await self._forward(self.cluster.any_up(), request)  # it refuses the id, typed
-        return await self._forward(await self._target(sid), request, sid)
+        return await self._forward(await self._target(sid, type(request)), request, sid)
 
-    async def _target(self, sid: str) -> NodeInfo:
+    async def _target(self, sid: str, request: type[ops.Request[Any]] = ops.Info) -> NodeInfo:
         """The node to send an operation on ``sid`` to: its owner while that node serves; a paused
         sandbox whose node is gone or draining moves to the node placement picks (any node resumes
         it from the shared store); anything else on a node that is gone goes to any up node, which
@@ -416,6 +422,8 @@ class ClusterFront:
             return self._move(sid, info.tier, info.memory_mb, exclude=owner)
         if node is not None:  # draining: it still runs its sandboxes
             return node
+        if info.state is State.LOST and request not in LOST_ANSWERED:
+            raise lost(sid, owner, self.cluster.registry.ended_reason(sid))  # no node needed to say so
         return self.cluster.any_up(exclude=owner)
 
     def _own(self, sid: str) -> SandboxInfo:
@@ -523,7 +531,10 @@ class ClusterFront:
         assert task is not None
         self.cluster.enter(node.name, task)
         try:
-            return await self.cluster.transport(node, self.tenant).handle(request)
+            try:
+                return await self.cluster.transport(node, self.tenant).handle(request)
+            finally:
+                self.cluster.leave(node.name, task)  # before any wait below: node_down cancels only calls
         except asyncio.CancelledError:
             why = self.cluster.aborted(task)
             if why is None:
@@ -537,8 +548,6 @@ class ClusterFront:
             if reason is None:
                 raise
             raise self._node_lost(node.name, reason, request, sandbox_id) from None
-        finally:
-            self.cluster.leave(node.name, task)
 
     def _node_lost(self, node: str, why: str, request: ops.Request[Any], sandbox_id: str) -> WarmboxError:
         if sandbox_id:
