@@ -35,23 +35,31 @@ def runtime_dir(home: Path) -> Path:
     return Path(DEFAULT_RUNTIME_ROOT) / hashlib.sha256(str(home).encode()).hexdigest()[:12]
 
 
-def owner_tag(pid: int) -> str:
-    """``pid:starttime`` — names a process uniquely across pid reuse ("" if gone or a zombie)."""
+def owner_tag(pid: int, node: str = "") -> str:
+    """``pid:starttime`` — names a process uniquely across pid reuse ("" if gone or a zombie);
+    ``node/pid:starttime`` for a process of cluster node ``node`` (the registry is shared: other
+    hosts read the tag)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
         fields = stat[stat.rindex(b")") + 2 :].split()
         if fields[0] in (b"Z", b"X"):
             return ""
-        return f"{pid}:{int(fields[19])}"
+        tag = f"{pid}:{int(fields[19])}"
     except (OSError, ValueError, IndexError):
         return ""
+    return f"{node}/{tag}" if node else tag
 
 
-def owner_alive(owner: str) -> bool:
-    """Whether the process an :func:`owner_tag` named still runs (the same one, not a reused pid)."""
-    pid, _, _ = owner.partition(":")
-    return pid.isdigit() and owner_tag(int(pid)) == owner
+def owner_alive(owner: str, node: str = "") -> bool:
+    """Whether the process an :func:`owner_tag` named still runs (the same one, not a reused pid).
+    node: the cluster node asking. A tag of another node's process cannot be judged from this
+    host's /proc: it counts as alive (that node's own duties, or its mark-down, settle it)."""
+    where, _, tag = owner.rpartition("/")
+    if where and where != node:
+        return True
+    pid, _, _ = tag.partition(":")
+    return pid.isdigit() and owner_tag(int(pid), where) == owner
 
 
 def cache_dir(home: Path) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from warmbox.errors import InvalidArgument, NodeFenced, SandboxLost, SandboxNotFound, SandboxStateError
 from warmbox.lifecycle import Operation, check
 from warmbox.models import Limits, NodeInfo, NodeUsage, State
+from warmbox.paths import owner_alive, owner_tag
 from warmbox.storage import registry as registry_mod
 from warmbox.storage.registry import SCHEMA_VERSION, Registry
 from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
@@ -289,3 +291,19 @@ def test_a_stale_verdict_marks_nothing_down(tmp_path, registry_at):
     assert reg.nodes()[0].epoch == second + 1
     assert reg.mark_node_down("nobody", "x", epoch=1) == [] and [n.name for n in reg.nodes()] == ["n1"]
     reg.close()
+
+
+def test_a_process_tag_of_another_node_is_never_judged_by_this_hosts_proc(tmp_path, registry_at):
+    me = owner_tag(os.getpid(), "n1")
+    assert me.startswith("n1/") and owner_alive(me, "n1")
+    dead = "n1/999999999:1"  # no such pid here
+    assert not owner_alive(dead, "n1")  # its own node judges it: gone
+    assert owner_alive(dead, "n2") and owner_alive(dead, "")  # elsewhere: cannot tell, so alive
+    assert not owner_alive("999999999:1", "n1")  # a one-host tag is judged here
+    # a network question a node's proxy waits on stays pending for the router (another host)
+    router, node = _registry(tmp_path, "", at=registry_at), _registry(tmp_path, "n1", at=registry_at)
+    a = node.open_approval("t", "network", "x.test:443", "egress", 60, waiter=dead)
+    assert router.approval(a.approval_id).state == "pending"
+    assert node.approval(a.approval_id).state == "timed_out"  # its own node sees the proxy gone
+    router.close()
+    node.close()

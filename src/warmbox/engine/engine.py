@@ -111,7 +111,7 @@ class Engine:
         self.node = self.registry.node
         self.command_log = CommandLog(self.registry)  # the fronts' command records, written in batches
         self._backends: dict[str, Backend] = {}
-        self.owner = owner_tag(os.getpid())
+        self.owner = owner_tag(os.getpid(), self.node)  # node/pid:start on a cluster node
 
     @classmethod
     def for_home(cls, home: Path | str | None = None) -> Engine:
@@ -842,7 +842,9 @@ class Engine:
         reaped = await self.lifecycle_duties()
         now = time.time()
         reaped += await self._reap_template_vms()
-        orphans = {sid for sid, owner in self.registry.creating_with_owner() if owner and not owner_alive(owner)}
+        orphans = {
+            sid for sid, owner in self.registry.creating_with_owner() if owner and not owner_alive(owner, self.node)
+        }
         for info, _ in self.registry.list(include_pooled=True, local=True):
             if info.state in (State.CREATING, State.RETIRING) and info.sandbox_id not in orphans:
                 # its creator lives and will finish or clean up; only a start stuck far beyond
@@ -884,7 +886,7 @@ class Engine:
                 except Exception:  # one bad sandbox must not stop the reaper; retried next round
                     continue
         for sid, owner in self.registry.paused_with_owner():  # a pause killed while releasing
-            if owner and not owner_alive(owner):
+            if owner and not owner_alive(owner, self.node):
                 info, handle = self.registry.get(sid)
                 try:
                     if Path(handle.state_dir).exists():
@@ -1089,7 +1091,7 @@ class Engine:
         reaped = []
         for sid, mark in self._template_marks().items():
             owner = mark.get("owner") if isinstance(mark, dict) else None
-            if isinstance(owner, str) and owner and owner_alive(owner):
+            if isinstance(owner, str) and owner and owner_alive(owner, self.node):
                 continue  # its creator is still at it
             try:
                 info, handle = self.registry.get(sid)

@@ -1177,7 +1177,7 @@ async def _released(engine: Engine, sandbox_id: str) -> None:
     deadline = time.monotonic() + RELEASE_WAIT_S
     while time.monotonic() < deadline:
         owner = engine.registry.owner_of(sandbox_id)
-        if not owner or not owner_alive(owner) or (owner == engine.owner and sandbox_id not in _releasing):
+        if not owner or not owner_alive(owner, engine.node) or (owner == engine.owner and sandbox_id not in _releasing):
             return  # released, its pauser is gone, or this process's release ended (a failed one)
         if engine.info(sandbox_id)[0].state is not State.PAUSED:
             return  # resumed or ended meanwhile: the resume's own checks say so

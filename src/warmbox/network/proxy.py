@@ -611,7 +611,7 @@ class Proxy:
                 f"egress ({kind}) to {subject}, which no rule of the sandbox's network policy allows",
                 timeout,
                 sandbox_id=sid,
-                waiter=paths.owner_tag(os.getpid()),  # the proxy gone, the question reads as timed out
+                waiter=paths.owner_tag(os.getpid(), self.registry.node),  # the proxy gone: reads as timed out
             )
         except WarmboxError as e:
             print(f"warmbox proxy: cannot queue an approval question: {e}", file=sys.stderr, flush=True)

@@ -2111,7 +2111,7 @@ class Registry:
         row = self._read(f"SELECT {_APPROVAL_COLUMNS} FROM approvals WHERE approval_id=?", (approval_id,))
         if row is None or (tenant is not None and row[1] != tenant):
             raise ApprovalNotFound(f"no approval {approval_id}", approval_id=str(approval_id)[:80])
-        return _approval(row, time.time() if now is None else now)
+        return _approval(row, time.time() if now is None else now, self.node)
 
     def approvals(
         self, tenant: str | None, *, pending_only: bool = False, limit: int = 200, now: float | None = None
@@ -2131,7 +2131,7 @@ class Registry:
         if where:
             sql += " WHERE " + " AND ".join(where)
         rows = self._read(sql + " ORDER BY created_at DESC LIMIT ?", (*args, max(1, int(limit))), many=True)
-        out = [_approval(r, now) for r in rows]
+        out = [_approval(r, now, self.node) for r in rows]
         return [a for a in out if a.state == "pending"] if pending_only else out
 
     def answer_approval(
@@ -2148,7 +2148,7 @@ class Registry:
             ).fetchone()
             if row is None or (tenant is not None and row[1] != tenant):
                 raise ApprovalNotFound(f"no approval {approval_id}", approval_id=str(approval_id)[:80])
-            a = _approval(row, now)
+            a = _approval(row, now, self.node)
             allowed = NETWORK_DECISIONS if a.kind == "network" else COST_DECISIONS
             if decision not in allowed:
                 raise InvalidArgument(f"a {a.kind} question is answered with one of {list(allowed)}, got {decision!r}")
@@ -2720,11 +2720,12 @@ _APPROVAL_COLUMNS = (
 )
 
 
-def _approval(r: tuple, now: float) -> Approval:
+def _approval(r: tuple, now: float, node: str = "") -> Approval:
     """A row as the record callers see: a pending question past its deadline, or whose waiting
-    process is gone, is timed_out (nobody acts on it any more)."""
+    process is gone, is timed_out (nobody acts on it any more). node: the reader's (a waiter on
+    another node is judged alive: this host's /proc cannot tell)."""
     state = r[8]
-    if state == "pending" and (r[7] <= now or (r[12] and not owner_alive(r[12]))):
+    if state == "pending" and (r[7] <= now or (r[12] and not owner_alive(r[12], node))):
         state = "timed_out"
     return Approval(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], state, r[9], r[10], r[11])
 
