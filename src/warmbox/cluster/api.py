@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-from warmbox.cluster.monitor import Monitor, connect_ray
-from warmbox.cluster.router import Cluster, ClusterFront, read_token
+from warmbox.cluster.monitor import Monitor, ray_alive
+from warmbox.cluster.router import Cluster, ClusterFront
 from warmbox.engine.engine import Engine
 from warmbox.errors import ConfigError
 from warmbox.models import Tenant
+from warmbox.server import peer
 from warmbox.server.app import Fronts
 
 
@@ -23,10 +24,12 @@ async def cluster_fronts(engine: Engine, ray_address: str) -> Fronts:
         )
     if not ray_address:
         raise ConfigError("--cluster needs the Ray head's address, HOST:PORT")
-    token = read_token(settings.cluster.token_file)
-    await asyncio.to_thread(connect_ray, ray_address)
+    if not settings.cluster.token_file:
+        raise ConfigError("[cluster] token_file is required: the secret the router and the nodes share")
+    token = peer.read_token(settings.cluster.token_file)
+    alive = await asyncio.to_thread(ray_alive, ray_address)
     cluster = Cluster(engine.registry, token, engine.settings)
-    monitor = Monitor(cluster)
+    monitor = Monitor(cluster, alive)
 
     def make(tenant: Tenant | None) -> ClusterFront:
         return ClusterFront(cluster, tenant)

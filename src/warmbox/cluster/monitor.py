@@ -15,19 +15,19 @@ Ray's view unknown (the head unreachable): heartbeats alone decide, and Ray's si
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import os
 import time
 from collections.abc import Callable
 
 from warmbox.cluster.router import DOWN, UP, Cluster
-from warmbox.errors import WarmboxError
+from warmbox.errors import ClusterError, WarmboxError
 from warmbox.models import NodeInfo
 
 log = logging.getLogger("warmbox.cluster.monitor")
 PERIOD_S = 0.5
 HEARTBEAT_TIMEOUT_S = 10.0  # a node heartbeats every second or so: ten missed ones and it is down
-RAY_TIMEOUT_S = 2.0  # one ray.nodes() call longer than this: Ray's view is unknown this round
+RAY_TIMEOUT_S = 2.0  # a GCS answer later than this: Ray's view is unknown this round
 
 AliveIds = Callable[[], frozenset[str] | None]
 
@@ -44,28 +44,20 @@ def verdict(node: NodeInfo, alive: frozenset[str] | None, now: float, heartbeat_
     return ""
 
 
-def connect_ray(address: str) -> None:
-    """Join the Ray cluster at ``address`` (HOST:PORT, "ray://" accepted) as a driver, with usage
-    stats off; idempotent."""
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    import ray
+def ray_alive(address: str) -> AliveIds:
+    """What Ray says is alive, from the head's GCS at ``address`` (HOST:PORT): a client of its own,
+    no Ray driver in the router. None for a round whose answer did not come (Ray unknown)."""
+    from warmbox.cluster.membership import Membership
 
-    if ray.is_initialized():
-        return
-    addr = address.removeprefix("ray://")
-    ray.init(address=addr, logging_level=logging.WARNING, log_to_driver=False, configure_logging=False)
+    membership = Membership(address)  # ClusterError if the head cannot be reached at start
 
+    def alive() -> frozenset[str] | None:
+        try:
+            return frozenset(n.node_id for n in membership.alive(timeout_s=RAY_TIMEOUT_S))
+        except ClusterError:
+            return None  # the head is unreachable: Ray's view is unknown, never "all dead"
 
-def ray_alive_ids() -> frozenset[str] | None:
-    """The node ids of the raylets Ray reports alive (None when Ray is not connected or fails)."""
-    import ray
-
-    if not ray.is_initialized():
-        return None
-    try:
-        return frozenset(str(n["NodeID"]) for n in ray.nodes() if n.get("Alive"))
-    except Exception:  # the GCS is unreachable: Ray's view is unknown, never "all dead"
-        return None
+    return alive
 
 
 class Monitor:
@@ -74,7 +66,7 @@ class Monitor:
     def __init__(
         self,
         cluster: Cluster,
-        alive: AliveIds | None = ray_alive_ids,
+        alive: AliveIds | None,
         *,
         heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
         period_s: float = PERIOD_S,
@@ -139,11 +131,13 @@ class Monitor:
                 continue
             found.append(node.name)
             self.cluster.node_down(node.name, why)  # this router's calls end now, whoever marks it
-            lost = await asyncio.to_thread(self.cluster.registry.mark_node_down, node.name, why)
+            lost = await asyncio.to_thread(
+                functools.partial(self.cluster.registry.mark_node_down, node.name, why, epoch=node.epoch)
+            )
             log.warning("node %s marked down (%s): %d sandbox(es) lost", node.name, why, len(lost))
         if found:
             self.cluster.set_view(await asyncio.to_thread(self.cluster.registry.nodes))
         return found
 
 
-__all__ = ["HEARTBEAT_TIMEOUT_S", "Monitor", "connect_ray", "ray_alive_ids", "verdict"]
+__all__ = ["HEARTBEAT_TIMEOUT_S", "Monitor", "ray_alive", "verdict"]

@@ -37,6 +37,7 @@ from warmbox.errors import (
     Forbidden,
     InvalidArgument,
     NoCapacity,
+    NodeFenced,
     SandboxNotFound,
     WarmboxError,
 )
@@ -44,6 +45,7 @@ from warmbox.lifecycle import lost
 from warmbox.models import ApprovalRequest, Limits, NodeInfo, NodeUsage, SandboxInfo, State, Tenant, TierStatus
 from warmbox.sdk.http import HttpTransport
 from warmbox.sdk.transport import Cancellable
+from warmbox.server import peer
 from warmbox.storage.registry import Registry, unknown_sandbox
 from warmbox.tiers import canonical_tier
 
@@ -58,10 +60,10 @@ SETTLE_S = 12.0
 SETTLE_POLL_S = 0.25
 
 # headers of a forwarded request (with ``Authorization: Bearer <cluster token>``): who the caller
-# is. A node believes them only from a request bearing the cluster's token (server/app.py).
-TENANT_HEADER = "X-Warmbox-Tenant"  # absent: the host's root
-ADMIN_HEADER = "X-Warmbox-Admin"  # "1": the caller's key is an admin key
-KEY_HEADER = "X-Warmbox-Key-Id"  # the caller's key id (for logs and approvals)
+# is. A node believes them only from a request bearing the cluster's token (server/peer.py).
+TENANT_HEADER = peer.TENANT  # absent: the host's root
+ADMIN_HEADER = peer.ADMIN  # "1": the caller's key is an admin key
+KEY_HEADER = peer.KEY_ID  # the caller's key id (for logs and approvals)
 
 
 class Rule(enum.Enum):
@@ -272,7 +274,7 @@ class Cluster:
         if not view:
             return "the cluster has no node: start one with `warmbox node join HEAD`"
         return "no node of the cluster is up: " + "; ".join(
-            f"{n.name}: {n.state if self.alive(n) else 'dead (Ray)'}"
+            f"{n.name}: {n.state if n.state == DOWN or self.alive(n) else 'dead (Ray)'}"
             for n in sorted(view.values(), key=lambda n: n.name)
         )
 
@@ -457,7 +459,11 @@ class ClusterFront:
             want = want_of(settings, tier, limits, template, r.pool and not r.volumes and r.from_snapshot is None)
         except InvalidArgument:
             return await self._forward(self.cluster.any_up(), r)  # the node refuses it, typed
-        return await self._forward(self.cluster.place(want), r)
+        node = self.cluster.place(want)
+        try:
+            return await self._forward(node, r)
+        except NodeFenced:  # marked down since this router's last look: nothing was made there
+            return await self._forward(self.cluster.place(want, exclude=node.name), r)
 
     def _snapshot_shape(self, ref: str) -> tuple[str, Limits | None]:
         """The tier and memory of the sandbox a snapshot (or a paused sandbox's id) was taken of."""
@@ -484,7 +490,11 @@ class ClusterFront:
                 return await self._forward(node, r, ref)
             info = self._own(ref)
             if info.state is State.PAUSED:
-                return await self._forward(self._move(ref, info.tier, info.memory_mb, exclude=owner), r, ref)
+                node = self._move(ref, info.tier, info.memory_mb, exclude=owner)
+                try:
+                    return await self._forward(node, r, ref)
+                except NodeFenced:  # as for a create: nothing was resumed there
+                    return await self._forward(self._move(ref, info.tier, info.memory_mb, exclude=node.name), r, ref)
             return await self._forward(node or self.cluster.any_up(), r, ref)  # refused there, typed
         if isinstance(ref, str):
             tier, limits = self._snapshot_shape(ref)
@@ -581,33 +591,3 @@ __all__ = [
     "peer_headers",
     "rule_of",
 ]
-
-
-def read_token(path: str) -> str:
-    """The cluster's peer token from ``[cluster] token_file`` (ConfigError if it is missing, empty,
-    or readable by others than its owner)."""
-    import os
-    import stat
-
-    from warmbox.errors import ConfigError
-
-    if not path:
-        raise ConfigError("[cluster] token_file is required: the secret the router and the nodes share")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise ConfigError(f"cannot read [cluster] token_file {path}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"[cluster] token_file {path} is not a regular file")
-        if st.st_mode & 0o077:
-            raise ConfigError(
-                f"[cluster] token_file {path} is readable by others (mode {st.st_mode & 0o777:o}): chmod 600"
-            )
-        token = os.read(fd, 4096).decode("utf-8", "replace").strip()
-    finally:
-        os.close(fd)
-    if len(token) < 16:
-        raise ConfigError(f"[cluster] token_file {path} holds no token of at least 16 characters")
-    return token
