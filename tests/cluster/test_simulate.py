@@ -55,6 +55,12 @@ def test_a_spike_past_the_pools_misses_and_deeper_pools_cover_it(sim):
     assert deep["pooled_shape_ms_p99"] < shallow["pooled_shape_ms_p99"]
 
 
+def test_a_spike_queues_on_a_small_router_tier(sim):
+    unbounded = run(sim, "spike", minutes=2.0)
+    small = run(sim, "spike", minutes=2.0, router_cores=1)
+    assert small["create_ms_p99"] > 2 * unbounded["create_ms_p99"]
+
+
 def test_a_full_cluster_refuses_with_no_capacity(sim):
     r = run(sim, "steady", util=1.5, pool_per_node=0.0, minutes=2.0)
     assert r["placement_failures"] > 0
