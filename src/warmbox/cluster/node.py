@@ -218,7 +218,7 @@ async def _main(home: Path, opts: NodeOptions) -> int:
         async with asyncio.timeout(LEAVE_TIMEOUT_S):
             if code != EXIT_FENCED:
                 await pools.drain()  # its pooled sandboxes go (they are this node's)
-                lost = registry.mark_node_down(name, "left" if code == 0 else "its raylet is gone")
+                lost = registry.mark_node_down(name, "left" if code == 0 else "its raylet is gone", epoch=epoch)
                 if lost:
                     _say(f"left with {len(lost)} live sandboxes, now lost: {', '.join(lost[:10])}")
             await engine.reconcile_node()  # the local runtime of what is no longer this node's goes
