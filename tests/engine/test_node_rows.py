@@ -89,3 +89,17 @@ def test_reconcile_ends_only_what_the_registry_no_longer_gives_this_node(tmp_pat
     assert sorted(os.listdir(mine)) == ["not-a-sandbox", "sb-00000000f001", "sb-00000000f003", "sb-00000000f006"]
     for sid, (_, state, _) in rows.items():
         assert n1.info(sid)[0].state is (State.READY if state is State.RUNNING else state)  # rows untouched
+
+
+def test_a_paused_sandbox_of_another_node_is_forgotten_here_and_its_leftovers_go_with_its_node(tmp_path):
+    n1, n2 = _engine(tmp_path, "n1"), _engine(tmp_path, "n2")
+    sid = "sb-00000000e002"
+    left = n2.runtime / "sandboxes" / sid
+    n2.registry.allocate(sid, "container", "base", 300.0, Limits(), str(left), str(left / "run" / "agent.sock"))
+    n2.registry.set_state(sid, State.READY, "up")
+    n2.registry.set_state(sid, State.PAUSED, "paused", owner="")
+    (left / "run").mkdir(parents=True)  # what a pause cut short left on n2
+    assert asyncio.run(n1.destroy(sid, "retention")) is True  # n1's duties delete it (n2 is down, say)
+    assert n1.info(sid)[0].state is State.DESTROYED
+    assert left.exists()  # n1 never touches n2's runtime
+    assert asyncio.run(n2.reconcile_node()) == [sid] and not left.exists()

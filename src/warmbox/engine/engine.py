@@ -807,10 +807,14 @@ class Engine:
             return False
         self.check(Operation.DESTROY, info, None if info.state is State.LOST else handle)
         self.command_log.flush()  # its records are written before it is seen to end
-        if info.state is State.LOST:  # its runtime died with its node: only its records end here
-            # (its link record stays for that node's reconcile, which removes the link itself)
+        if info.state is State.LOST or handle.node != self.node:
+            # lost: its runtime died with its node; another node's paused one: what its pause
+            # left is on that node. Only its records end here; that node's reconcile removes the
+            # rest (its link record stays for it: the link's address and name are that node's).
             self.registry.set_state(sandbox_id, State.DESTROYED, reason)
             self.registry.finalize(sandbox_id)
+            if info.state is State.PAUSED:
+                self.registry.set_egress(sandbox_id, "")  # the kept record of a paused one
             self._forget_auto_snapshots(info)
             return True
         if info.state is not State.PAUSED:
