@@ -18,6 +18,7 @@ import pytest
 from warmbox.cluster import membership
 from warmbox.cluster.membership import Capacity, Membership, RayProcess
 from warmbox.errors import ClusterError
+from warmbox.server import peer
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.cluster]
 DEAD_WITHIN_S = 15.0  # tuned health check: ~2.4 s measured; the bound leaves room for a loaded host
@@ -31,8 +32,15 @@ def ray_tmp() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def head(ray_tmp: Path) -> Iterator[RayProcess]:
-    h = membership.start_head(ray_tmp / "head")
+def token(ray_tmp: Path) -> Path:
+    path = ray_tmp / "cluster.token"
+    peer.ensure_token(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def head(ray_tmp: Path, token: Path) -> Iterator[RayProcess]:
+    h = membership.start_head(ray_tmp / "head", token_file=token)
     try:
         yield h
     finally:
@@ -53,14 +61,16 @@ def _gone(tmp: Path) -> bool:
     return membership.processes_in(tmp) == []
 
 
-def test_a_node_advertises_its_capacity_and_a_graceful_stop_leaves_nothing(head: RayProcess, ray_tmp: Path) -> None:
+def test_a_node_advertises_its_capacity_and_a_graceful_stop_leaves_nothing(
+    head: RayProcess, ray_tmp: Path, token: Path
+) -> None:
     tmp = ray_tmp / "n1"
     cap = Capacity(name="n1", slots=3, memory_mb=2048, tiers=("container", "isolate"))
-    node = membership.start_raylet(head.address, tmp, cap)
+    node = membership.start_raylet(head.address, tmp, cap, token_file=token)
     try:
         assert node.alive() and node.node_id and node.raylet_pid
         assert os.getpgid(node.raylet_pid) == os.getpgid(0)  # fate-shared: in our process group
-        mem = Membership(head.address)
+        mem = Membership(head.address, token)
         _until(lambda: (n := mem.find("n1")) is not None and n.alive, 10)
         found = mem.find("n1")
         assert found is not None
@@ -81,17 +91,18 @@ NODE_PROCESS = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from warmbox.cluster import membership
-    node = membership.start_raylet(sys.argv[1], Path(sys.argv[2]), membership.Capacity(sys.argv[3], 1, 512, ()))
+    cap = membership.Capacity(sys.argv[3], 1, 512, ())
+    node = membership.start_raylet(sys.argv[1], Path(sys.argv[2]), cap, token_file=sys.argv[4])
     print(node.node_id, flush=True)
     time.sleep(600)
     """
 )
 
 
-def _node_process(head: RayProcess, tmp: Path, name: str) -> tuple[subprocess.Popen[str], str]:
+def _node_process(head: RayProcess, tmp: Path, name: str, token: Path) -> tuple[subprocess.Popen[str], str]:
     env = dict(os.environ, PYTHONPATH=str(Path(membership.__file__).parents[2]))
     proc = subprocess.Popen(
-        [sys.executable, "-c", NODE_PROCESS, head.address, str(tmp), name],
+        [sys.executable, "-c", NODE_PROCESS, head.address, str(tmp), name, str(token)],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
@@ -104,14 +115,14 @@ def _node_process(head: RayProcess, tmp: Path, name: str) -> tuple[subprocess.Po
 
 
 @pytest.mark.parametrize("what", ["group", "process"])
-def test_sigkill_of_the_node_takes_its_ray_node_down(head: RayProcess, ray_tmp: Path, what: str) -> None:
+def test_sigkill_of_the_node_takes_its_ray_node_down(head: RayProcess, ray_tmp: Path, token: Path, what: str) -> None:
     """SIGKILL of the node's process group (everything dies at once), or of the node process alone
     (its raylet is told by PR_SET_PDEATHSIG): Ray reports the node dead, nothing of it is left."""
     tmp = ray_tmp / f"k-{what}"
     name = f"k-{what}"
-    proc, node_id = _node_process(head, tmp, name)
+    proc, node_id = _node_process(head, tmp, name, token)
     try:
-        mem = Membership(head.address)
+        mem = Membership(head.address, token)
         _until(lambda: (n := mem.find(name)) is not None and n.alive, 10)
         assert mem.find(name).node_id == node_id  # type: ignore[union-attr]
         if what == "group":
@@ -136,11 +147,21 @@ def test_a_bad_head_address_is_a_typed_error() -> None:
     assert membership.normalize_address("ray://10.0.0.1:6379") == "10.0.0.1:6379"
 
 
-def test_warmbox_cluster_head_runs_until_sigterm(ray_tmp: Path) -> None:
+def test_warmbox_cluster_head_runs_until_sigterm(ray_tmp: Path, token: Path) -> None:
     tmp = ray_tmp / "cli-head"
     env = dict(os.environ, PYTHONPATH=str(Path(membership.__file__).parents[2]))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "warmbox.cli.main", "cluster", "head", "--temp-dir", str(tmp)],
+        [
+            sys.executable,
+            "-m",
+            "warmbox.cli.main",
+            "cluster",
+            "head",
+            "--temp-dir",
+            str(tmp),
+            "--token-file",
+            str(token),
+        ],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
@@ -150,7 +171,7 @@ def test_warmbox_cluster_head_runs_until_sigterm(ray_tmp: Path) -> None:
         line = proc.stdout.readline()
         assert line.startswith("ray head at "), line
         address = line.split()[3]
-        heads = [n for n in Membership(address).alive() if n.is_head]
+        heads = [n for n in Membership(address, token).alive() if n.is_head]
         assert len(heads) == 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

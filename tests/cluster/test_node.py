@@ -113,9 +113,9 @@ def _until(pred, timeout_s: float, what: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def head() -> Iterator[RayProcess]:
+def head(token: Path) -> Iterator[RayProcess]:
     with tempfile.TemporaryDirectory(prefix="wbnh-", dir="/tmp") as d:
-        h = membership.start_head(Path(d) / "h")
+        h = membership.start_head(Path(d) / "h", token_file=token)
         try:
             yield h
         finally:
@@ -157,7 +157,7 @@ def test_two_nodes_register_and_advertise_their_capacity(head, dsn, token, nodes
     a, b = _start(head, dsn, token, nodes, f"a{secrets.token_hex(2)}", f"b{secrets.token_hex(2)}")
     reg = Registry(dsn)
     rows = {n.name: n for n in reg.nodes()}
-    mem = Membership(head.address)
+    mem = Membership(head.address, token)
     for node, slots in ((a, 2), (b, 3)):
         row = rows[node.name]
         assert (row.state, row.address, row.ray_node_id, row.slots) == ("up", node.address, node.ray_node_id, slots)
@@ -178,7 +178,7 @@ def test_two_nodes_register_and_advertise_their_capacity(head, dsn, token, nodes
 
 def test_sigkill_of_a_nodes_group_takes_its_ray_node_down(head, dsn, token, nodes) -> None:
     (a,) = _start(head, dsn, token, nodes, f"k{secrets.token_hex(2)}")
-    mem = Membership(head.address)
+    mem = Membership(head.address, token)
     assert mem.find(a.name).alive  # type: ignore[union-attr]
     os.killpg(a.proc.pid, signal.SIGKILL)
     a.proc.wait(10)
@@ -189,7 +189,7 @@ def test_sigkill_of_a_nodes_group_takes_its_ray_node_down(head, dsn, token, node
 
 def test_sigterm_is_a_graceful_leave(head, dsn, token, nodes) -> None:
     (a,) = _start(head, dsn, token, nodes, f"t{secrets.token_hex(2)}")
-    mem = Membership(head.address)
+    mem = Membership(head.address, token)
     pids = a.pids()
     assert len(pids) >= 3, pids  # the node, ray start, its raylet (and Ray's agents)
     t0 = time.monotonic()

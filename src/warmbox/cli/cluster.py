@@ -35,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction, parser_class: type[argparse.Argu
     q = csub.add_parser("head", help="run a Ray head (the cluster's membership) until SIGTERM; prints its address")
     q.add_argument("--port", type=int, default=0, help="its GCS port (default 0: any free)")
     q.add_argument("--temp-dir", default=None, help="Ray's temp dir (short; default /tmp/wbray-head-<port>)")
+    q.add_argument(
+        "--token-file", default=None, help="the cluster's token, Ray's auth too (default [cluster] token_file)"
+    )
     q = csub.add_parser("token", help="make the peer token file (0600) the router and nodes share")
     q.add_argument("file", nargs="?", default=None, help="default [cluster] token_file")
 
@@ -99,11 +102,21 @@ async def _drain(args: argparse.Namespace) -> int:
 
 
 async def _head(args: argparse.Namespace) -> int:
+    from warmbox import config
     from warmbox.cluster import membership
+    from warmbox.errors import ConfigError
+    from warmbox.paths import default_home
+    from warmbox.server import peer
 
+    token_file = args.token_file or config.load(default_home()).cluster.token_file
+    if not token_file:
+        raise ConfigError(
+            "the head needs the cluster's token (Ray's authentication): --token-file FILE or [cluster] token_file"
+        )
+    peer.ensure_token(token_file)
     tmp = Path(args.temp_dir) if args.temp_dir else Path("/tmp") / f"wbray-head-{args.port or 'any'}"
     # on the main thread (not to_thread): the head's PR_SET_PDEATHSIG follows the starting thread
-    head = membership.start_head(tmp, port=args.port)
+    head = membership.start_head(tmp, port=args.port, token_file=token_file)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -597,6 +597,19 @@ GUARANTEES: tuple[Guarantee, ...] = (
         _SHARED,
         ("test_cluster_egress.py::test_a_sandbox_cannot_reach_another_cluster_node",),
     ),
+    Guarantee(
+        "cluster",
+        "Someone who reaches a cluster's Ray ports cannot run code on its nodes nor read or change its "
+        "membership: every Ray process warmbox starts (head, raylets) and its own clients use Ray's token "
+        "authentication with the cluster's token file, and none starts without one (missing, readable by "
+        "others, or owned by another user: a planted token is refused).",
+        _SHARED,
+        (
+            "test_ray_auth.py::test_a_driver_without_the_token_cannot_run_code_on_the_cluster",
+            "test_ray_auth.py::test_a_gcs_client_without_the_token_cannot_read_or_change_the_cluster",
+            "test_ray_auth.py::test_ray_is_never_started_without_a_valid_token",
+        ),
+    ),
 )
 
 

@@ -27,7 +27,7 @@ async def cluster_fronts(engine: Engine, ray_address: str) -> Fronts:
     if not settings.cluster.token_file:
         raise ConfigError("[cluster] token_file is required: the secret the router and the nodes share")
     token = peer.read_token(settings.cluster.token_file)
-    alive = await asyncio.to_thread(ray_alive, ray_address)
+    alive = await asyncio.to_thread(ray_alive, ray_address, settings.cluster.token_file)
     cluster = Cluster(engine.registry, token, engine.settings)
     monitor = Monitor(cluster, alive)
 

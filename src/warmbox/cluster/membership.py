@@ -6,8 +6,11 @@ Each raylet runs as ``ray start --address HEAD --block`` in the caller's process
 PR_SET_PDEATHSIG, so a node process SIGKILLed (alone or with its group) takes its Ray node down:
 Ray then reports the node dead within the head's health check (``HEALTH_CHECK``: ~3 s).
 
-Every Ray process started here has usage stats off and its own temp dir (``RAY_TMPDIR`` and
-``--temp-dir``: the ``ray_current_cluster`` file and session sockets stay in it). Processes are
+Every Ray process started here has usage stats off, its own temp dir (``RAY_TMPDIR`` and
+``--temp-dir``: the ``ray_current_cluster`` file and session sockets stay in it) and Ray's token
+authentication on, with the cluster's token file (``[cluster] token_file``, the peer token): Ray
+listens on every address, and without it anyone reaching the head's port ran code as root on
+every node (a ``num_cpus=0`` task is placed even on nodes that offer no CPU). Processes are
 stopped by PID, never with ``ray stop`` (it kills every Ray process on the host, other clusters'
 too). Nothing here imports ``ray`` except :func:`nodes` (a GCS client, no driver: it needs no
 raylet on the caller's host, and costs ~60 MB RSS, imported on first use).
@@ -44,6 +47,7 @@ HEALTH_CHECK: Mapping[str, int] = {
 OBJECT_STORE_MB = 80  # warmbox puts nothing in Ray's object store; Ray's default is 30 % of RAM
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
+AUTH_MODE, AUTH_TOKEN_PATH, AUTH_TOKEN = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"
 ADDRESS = re.compile(r"^[A-Za-z0-9.\-]+:\d{1,5}$|^\[[0-9A-Fa-f:]+\]:\d{1,5}$")
 
 # run as ``python -I -S -c _EXEC_WITH_PDEATHSIG PARENT_PID ARGV...``: ask the kernel to SIGTERM the
@@ -97,9 +101,43 @@ def normalize_address(address: str) -> str:
     return addr
 
 
-def ray_env(tmpdir: Path) -> dict[str, str]:
-    """The environment of every Ray process warmbox starts: usage stats off, its own temp dir."""
+def auth_env(token_file: str | Path) -> dict[str, str]:
+    """Ray's token authentication with the cluster's token file (checked as the peer token is:
+    a regular file of the caller's, 0600, long enough; ClusterError otherwise)."""
+    if not token_file:
+        raise ClusterError(
+            "Ray needs the cluster's token ([cluster] token_file): without it anyone reaching the head "
+            "runs code on every node"
+        )
+    from warmbox.server.peer import read_token
+
+    read_token(token_file)
+    return {AUTH_MODE: "token", AUTH_TOKEN_PATH: str(Path(token_file).absolute())}
+
+
+def use_auth(token_file: str | Path) -> None:
+    """This process's own Ray clients (a GCS client, ``ray.init``) authenticate with
+    ``token_file``. Ray reads its auth settings once per process: they are refreshed here when
+    they change (a process talks to one cluster; tests switch between clusters)."""
+    want = auth_env(token_file)
+    if all(os.environ.get(k) == v for k, v in want.items()) and AUTH_TOKEN not in os.environ:
+        return
+    os.environ.update(want)
+    os.environ.pop(AUTH_TOKEN, None)
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+    except ImportError:
+        return
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def ray_env(tmpdir: Path, token_file: str | Path) -> dict[str, str]:
+    """The environment of every Ray process warmbox starts: usage stats off, its own temp dir,
+    token authentication with ``token_file``."""
     env = dict(os.environ)
+    env.pop(AUTH_TOKEN, None)
+    env.update(auth_env(token_file))
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     env["RAY_TMPDIR"] = str(tmpdir)
     return env
@@ -255,7 +293,8 @@ class RayProcess:
         return self.proc.returncode
 
 
-def _start(args: list[str], tmpdir: Path, head: bool, timeout_s: float) -> RayProcess:
+def _start(args: list[str], tmpdir: Path, head: bool, timeout_s: float, token_file: str | Path) -> RayProcess:
+    env = ray_env(tmpdir, token_file)  # refused before anything starts without a valid token
     tmpdir.mkdir(parents=True, exist_ok=True)
     (tmpdir / "ray_current_cluster").unlink(missing_ok=True)
     log = tmpdir / ("head.log" if head else "raylet.log")
@@ -275,7 +314,7 @@ def _start(args: list[str], tmpdir: Path, head: bool, timeout_s: float) -> RayPr
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=ray_env(tmpdir),
+            env=env,
             close_fds=True,
         )
     rp = RayProcess(proc, tmpdir, log, head)
@@ -287,38 +326,48 @@ def start_head(
     tmpdir: Path,
     system_config: Mapping[str, int] | None = None,
     *,
+    token_file: str | Path,
     port: int = 0,
     num_cpus: int = 0,
     timeout_s: float = START_TIMEOUT_S,
 ) -> RayProcess:
     """A Ray head (GCS) as a child of this process; ``.address`` is its HOST:PORT. system_config:
-    Ray's on the head (default HEALTH_CHECK). port 0: any free port. ``.stop()`` ends it: stop
-    every node first (a node whose head went first drains for 30 s)."""
+    Ray's on the head (default HEALTH_CHECK). token_file: the cluster's token (Ray's token
+    authentication; required). port 0: any free port. ``.stop()`` ends it: stop every node first
+    (a node whose head went first drains for 30 s)."""
     config = dict(HEALTH_CHECK if system_config is None else system_config)
     args = ["--head", f"--port={port}", f"--num-cpus={num_cpus}", "--include-dashboard=False"]
     if config:
         args.append("--system-config=" + json.dumps(config, separators=(",", ":")))
-    return _start(args, Path(tmpdir), True, timeout_s)
+    return _start(args, Path(tmpdir), True, timeout_s, token_file)
 
 
 def start_raylet(
-    address: str, tmpdir: Path, capacity: Capacity, *, num_cpus: int = 0, timeout_s: float = START_TIMEOUT_S
+    address: str,
+    tmpdir: Path,
+    capacity: Capacity,
+    *,
+    token_file: str | Path,
+    num_cpus: int = 0,
+    timeout_s: float = START_TIMEOUT_S,
 ) -> RayProcess:
     """This node's raylet joined to the head at ``address``, advertising ``capacity`` as custom
     resources, as a fate-shared child: same process group as the caller, and SIGTERMed by the
-    kernel when the caller dies. num_cpus 0: Ray schedules no task or actor here (and prestarts
-    no worker processes). ``.node_id`` is the Ray node's id."""
+    kernel when the caller dies. token_file: the cluster's token (required). num_cpus 0: Ray
+    prestarts no worker processes here (a task asking for no CPU could still be placed: only
+    the token keeps strangers from submitting one). ``.node_id`` is the Ray node's id."""
     addr = normalize_address(address)
     args = [
         f"--address={addr}",
         f"--num-cpus={num_cpus}",
         "--resources=" + json.dumps(capacity.resources(), separators=(",", ":"), sort_keys=True),
     ]
-    return _start(args, Path(tmpdir), False, timeout_s)
+    return _start(args, Path(tmpdir), False, timeout_s, token_file)
 
 
-def _gcs(address: str) -> Any:
+def _gcs(address: str, token_file: str | Path) -> Any:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    use_auth(token_file)
     try:
         from ray._raylet import GcsClient  # type: ignore[attr-defined]  # compiled, no stub
     except ImportError:
@@ -330,11 +379,12 @@ def _gcs(address: str) -> Any:
 
 
 class Membership:
-    """A connection to a head's GCS (no Ray driver): the nodes and their advertised capacity."""
+    """A connection to a head's GCS (no Ray driver): the nodes and their advertised capacity.
+    token_file: the cluster's token (Ray's token authentication)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token_file: str | Path) -> None:
         self.address = normalize_address(address)
-        self._client = _gcs(self.address)
+        self._client = _gcs(self.address, token_file)
 
     def nodes(self, timeout_s: float = 5.0) -> list[RayNode]:
         """Every node the GCS knows, alive and dead (a dead one keeps its resources)."""
@@ -379,9 +429,11 @@ __all__ = [
     "Membership",
     "RayNode",
     "RayProcess",
+    "auth_env",
     "normalize_address",
     "processes_in",
     "ray_env",
     "start_head",
     "start_raylet",
+    "use_auth",
 ]

@@ -44,12 +44,13 @@ def verdict(node: NodeInfo, alive: frozenset[str] | None, now: float, heartbeat_
     return ""
 
 
-def ray_alive(address: str) -> AliveIds:
+def ray_alive(address: str, token_file: str) -> AliveIds:
     """What Ray says is alive, from the head's GCS at ``address`` (HOST:PORT): a client of its own,
-    no Ray driver in the router. None for a round whose answer did not come (Ray unknown)."""
+    no Ray driver in the router, authenticated with the cluster's token. None for a round whose
+    answer did not come (Ray unknown)."""
     from warmbox.cluster.membership import Membership
 
-    membership = Membership(address)  # ClusterError if the head cannot be reached at start
+    membership = Membership(address, token_file)  # ClusterError if the head cannot be reached at start
 
     def alive() -> frozenset[str] | None:
         try:

@@ -191,7 +191,7 @@ async def _main(home: Path, opts: NodeOptions) -> int:
     slots = opts.slots or settings.cluster.slots or default_slots(memory_mb)
     capacity = Capacity(name=name, slots=slots, memory_mb=memory_mb, tiers=tiers)
     # from this (the main) thread: PR_SET_PDEATHSIG follows the thread that started the child
-    raylet = membership.start_raylet(head, ray_tmpdir(home), capacity)
+    raylet = membership.start_raylet(head, ray_tmpdir(home), capacity, token_file=settings.cluster.token_file)
     served = None
     code = 0
     try:

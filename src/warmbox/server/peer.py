@@ -27,8 +27,8 @@ MAX_TOKEN = 4096
 
 
 def read_token(path: str | Path) -> str:
-    """The token in ``path``; ClusterError if it is missing, unreadable, too short, or readable
-    by others than its owner (it lets its holder act as any tenant)."""
+    """The token in ``path``; ClusterError if it is missing, unreadable, too short, readable by
+    others than its owner, or owned by another user (it lets its holder act as any tenant)."""
     p = Path(path)
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -38,6 +38,10 @@ def read_token(path: str | Path) -> str:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ClusterError(f"the cluster token {p} is not a regular file")
+        if st.st_uid != os.geteuid():
+            # whoever owns it chose the token (a file planted where the token was expected, in a
+            # directory others can write): it would let them act as any tenant, as root
+            raise ClusterError(f"the cluster token {p} is owned by uid {st.st_uid}, not by this process's user")
         if st.st_mode & 0o077:
             raise ClusterError(
                 f"the cluster token {p} is readable by others (mode {st.st_mode & 0o777:o}): chmod 600 it"
