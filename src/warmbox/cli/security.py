@@ -610,6 +610,14 @@ GUARANTEES: tuple[Guarantee, ...] = (
             "test_ray_auth.py::test_ray_is_never_started_without_a_valid_token",
         ),
     ),
+    Guarantee(
+        "cluster",
+        "A node marked down (late heartbeat, drain, Ray lost it) while its process still serves starts no "
+        "sandbox: a create it receives is NodeFenced (503) with no row, no uid slot and no quota taken, so no "
+        "sandbox is stranded on a down node where it would be neither lost nor reachable.",
+        _SHARED,
+        ("test_fenced_node.py::test_a_node_marked_down_starts_nothing",),
+    ),
 )
 
 

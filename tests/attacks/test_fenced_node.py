@@ -1,0 +1,108 @@
+"""A node marked down while its process still serves keeps taking creates (issue 20).
+
+The router's monitor marks a node down when Ray loses it or its heartbeat is late; the node's own
+process may still run (a stalled event loop, a partition from Ray but not from PostgreSQL, a drain)
+and serve the requests already on their way until its next heartbeat. Before the fix a create it
+served then left a live row on a down node: mark_node_down had already run and never runs again
+for a down node, so the sandbox was neither lost nor reachable (the router answered "runs on node
+n1"), its tenant's quota stayed consumed, a host uid slot stayed held. Now every start checks the
+node's row in its own transaction: NodeFenced (503), nothing written, no slot taken.
+
+Against a real `warmbox serve` whose engine is node "n1" of a real PostgreSQL registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import start_server
+from warmbox.models import NodeInfo
+from warmbox.paths import runtime_dir
+from warmbox.storage.registry import Registry
+from warmbox.storage.uidslots import UidLedger
+
+pytestmark = pytest.mark.sandbox
+
+
+def _create(url: str, key: str) -> tuple[int, dict]:
+    body = json.dumps({"tier": "container", "timeout": 60}).encode()
+    req = urllib.request.Request(
+        url + "/v1/sandboxes",
+        data=body,
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _kill(url: str, key: str, sid: str) -> None:
+    req = urllib.request.Request(
+        f"{url}/v1/sandboxes/{sid}", headers={"Authorization": f"Bearer {key}"}, method="DELETE"
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status in (200, 204)
+
+
+def _slots_of(key: str) -> list[int]:
+    ledger = UidLedger()
+    out = []
+    for entry in sorted(ledger.dir.glob("[0-9]*")):
+        try:
+            holder = json.loads(entry.read_text())
+        except (OSError, ValueError):
+            continue
+        if holder.get("registry") == key:
+            out.append(int(entry.name))
+    return out
+
+
+def test_a_node_marked_down_starts_nothing(pg_fresh_dsn, runc_ready):
+    home = Path(tempfile.mkdtemp(prefix="wbfn-", dir="/tmp"))
+    (home / "warmbox.toml").write_text("[daemon]\nidle_exit = 3\n\n[pools]\n")
+    router = Registry(pg_fresh_dsn)  # the router's view of the shared registry
+    router.join_node(NodeInfo("n1", address="http://127.0.0.1:1", slots=4, tiers=("container",)))
+    _, key = router.create_key("acme")
+    env = {"WARMBOX_CLUSTER__REGISTRY": pg_fresh_dsn, "WARMBOX_CLUSTER__NODE": "n1"}
+    srv = start_server(home, home / "api.sock", env=env)
+    node_key = Registry(pg_fresh_dsn, "n1").key
+    try:
+        # control: while the node is up, a create is served (so the refusal below is the fence)
+        status, opened = _create(srv.url, key)
+        assert status in (200, 201), opened
+        sid = opened["info"]["sandbox_id"]
+        assert router.node_of(sid) == "n1"
+        _kill(srv.url, key, sid)
+
+        router.mark_node_down("n1", "redteam: its heartbeat was late")
+        before = {i.sandbox_id for i, _ in router.list(include_dead=True)}
+        for _ in range(3):
+            status, err = _create(srv.url, key)
+            assert (status, err["error"]["code"]) == (503, "node_fenced"), err
+        assert {i.sandbox_id for i, _ in router.list(include_dead=True)} == before  # no row written
+        assert _slots_of(node_key) == []  # no host uid slot taken
+        assert router.list(tenant="acme") == []  # nothing live counts against its quota
+    finally:
+        for info, _ in router.list(include_pooled=True):  # whatever a failed run left, ended by the server
+            try:
+                _kill(srv.url, key, info.sandbox_id)
+            except (OSError, urllib.error.HTTPError):
+                pass
+        srv.stop()
+        from warmbox.engine.daemon import down_home
+
+        asyncio.run(down_home(home))
+        shutil.rmtree(runtime_dir(home), ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
+        router.close()
