@@ -909,13 +909,16 @@ class TemplateDelete(Request[list[TemplateInfo]]):
 @dataclasses.dataclass(frozen=True)
 class TemplateGcReport:
     """What a template gc removed (dry_run: would remove): layer digests, microVM root files, the
-    bytes they took; roots kept only because another home's registry could not be read."""
+    bytes they took; roots kept only because another home's registry could not be read;
+    shared_layers: the layer blobs deleted from the cluster's object store (no template version
+    of the shared registry names them; older than the grace period)."""
 
     layers: tuple[str, ...]
     roots: tuple[str, ...]
     bytes_freed: int
     dry_run: bool
     kept_roots: tuple[str, ...] = ()
+    shared_layers: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -553,6 +553,21 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ),
     ),
     Guarantee(
+        "files",
+        "A cluster node trusts no template layer it fetches from the shared object store: it reads at most "
+        "a bound (the object's size first, then the stream), re-hashes the bytes against the digest the "
+        "registry recorded and unpacks them as a hostile archive; a tampered, missing, oversized or "
+        "escaping layer is refused (CorruptLayer / TemplateError) and nothing of it stays in the node's "
+        "layer store. Object keys are made from validated digests only.",
+        ("container", "gvisor", "microvm"),
+        (
+            "test_shared_layers.py::test_a_tampered_layer_in_the_object_store_is_refused_on_another_node",
+            "test_shared_layers.py::test_a_layer_object_that_is_not_its_digest_is_refused_and_nothing_stays",
+            "test_shared_layers.py::test_a_hostile_archive_stored_under_its_own_digest_is_refused",
+            "test_shared_layers.py::test_layer_keys_are_digests_only",
+        ),
+    ),
+    Guarantee(
         "isolates",
         "JavaScript in an isolate sees ECMAScript only: no require, process, fetch, Deno, Buffer, timers or "
         "module loader (import() is rejected), and the Function constructor reaches only its own isolate's "

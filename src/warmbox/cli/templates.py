@@ -230,6 +230,8 @@ async def command(args: argparse.Namespace) -> int:
             print(f"{verb} microVM root {r}")
         for r in rep.kept_roots:
             print(f"kept microVM root {r}: another home's registry could not be read")
+        for d in rep.shared_layers:
+            print(f"{verb} shared layer {d} from the cluster's object store")
         print(
             f"{verb} {len(rep.layers)} layer(s), {len(rep.roots)} microVM root(s): "
             f"{rep.bytes_freed / (1 << 20):.1f} MiB ({rep.bytes_freed} bytes)"

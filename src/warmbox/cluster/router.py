@@ -195,6 +195,7 @@ def merge_gc(reports: list[ops.TemplateGcReport]) -> ops.TemplateGcReport:
         bytes_freed=sum(r.bytes_freed for r in reports),
         dry_run=all(r.dry_run for r in reports),
         kept_roots=tuple(x for r in reports for x in r.kept_roots),
+        shared_layers=tuple(sorted({x for r in reports for x in r.shared_layers})),
     )
 
 

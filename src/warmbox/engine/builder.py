@@ -51,6 +51,7 @@ from warmbox.errors import (
 from warmbox.models import ImageRef, Limits, TemplateBuildEvent, TemplateInfo, Tenant
 from warmbox.storage import layers as layer_store
 from warmbox.storage import templates as storage_templates
+from warmbox.storage.objects import open_store
 from warmbox.storage.uidslots import LAYER_UID_BASE
 from warmbox.templates import keys
 from warmbox.templates import spec as ts
@@ -640,6 +641,9 @@ class Build:
             tenant=self.tenant.name if self.tenant is not None else "",
             description=self.description,
         )
+        url = self.engine.settings().cluster.object_store
+        if url:  # a cluster: the blobs go first, so no node sees a version it cannot fetch
+            await asyncio.to_thread(storage_templates.share_layers, open_store(url), self.store, info.layers)
         recorded = storage_templates.add_template(self.engine.registry, self.store, info)  # its layers pinned
         self._write(f"\n# recorded {recorded.name} version {recorded.version} ({recorded.image_id})\n")
         return recorded

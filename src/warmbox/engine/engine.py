@@ -245,7 +245,7 @@ class Engine:
 
         info = self._built_template(template, None, tenant)
         if info is not None:
-            return images.image_ref(info)
+            return images.image_ref(info, self.settings().cluster.object_store)
         spec = builtin(template)
         if (spec is not None and spec.spec is not None) or (
             template in self.settings().templates and self.settings().template(template).build is not None
@@ -288,7 +288,7 @@ class Engine:
                 + ("no longer exists" if info is None else f"now names another image ({info.image_id})"),
                 template=template,
             )
-        return images.image_ref(info)
+        return images.image_ref(info, self.settings().cluster.object_store)
 
     def layers_in_use(self) -> set[str]:
         """Layer digests a layer gc must keep for this home: every template version's (of any

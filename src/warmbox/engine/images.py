@@ -235,11 +235,19 @@ def _warmbox_files(debian: Path, out: Path) -> None:
         shutil.rmtree(debian / seed.lstrip("/"), ignore_errors=True)
 
 
-def image_ref(info) -> ImageRef:
+def image_ref(info, object_store: str = "") -> ImageRef:
     """The ImageRef of a built template version (``models.TemplateInfo``): its layers in the store
-    (TemplateMismatch if one is gone, CorruptLayer if one fails its digest)."""
+    (TemplateMismatch if one is gone, CorruptLayer if one fails its digest). ``object_store``: the
+    cluster's shared store URL (``[cluster] object_store``); the layers this host lacks are fetched
+    from it first (storage.templates.fetch_layers: bounded, re-hashed; CorruptLayer if refused)."""
+    st = store()
+    if object_store and any(not st.has(d) for d in info.layers):
+        from warmbox.storage import templates
+        from warmbox.storage.objects import open_store
+
+        templates.fetch_layers(open_store(object_store), st, info.layers)
     _layer_dirs(info.name, info.version, info.image_id, info.layers)
-    return layers.image_ref(store(), info)
+    return layers.image_ref(st, info)
 
 
 def main() -> int:

@@ -25,6 +25,7 @@ from warmbox.engine import images
 from warmbox.engine.engine import Engine
 from warmbox.storage import templates as stored
 from warmbox.storage.layers import LayerStore, hex_of
+from warmbox.storage.objects import open_store
 from warmbox.storage.registry import PG_KEY_PREFIX, Registry
 
 _ROOT_NAME = re.compile(r"([0-9a-f]{16,32})-([0-9a-f]{16})\.ext4")
@@ -124,9 +125,13 @@ def gc(engine: Engine, *, dry_run: bool = False, min_age_s: float = 0.0) -> ops.
         ids = used_ids | {i.image_id for i in infos} | {r.image_id for r in builtin}
         others = _other_homes_images(store, engine.registry)
         roots, kept, root_bytes = _roots(cache, ids, others, dry_run)
+        url = engine.settings().cluster.object_store
+        shared = stored.collect_shared(open_store(url), engine.registry, dry_run=dry_run) if url else []
     finally:
         os.close(fd)
-    return ops.TemplateGcReport(tuple(layers), tuple(roots), freed + root_bytes, dry_run, tuple(kept))
+    return ops.TemplateGcReport(
+        tuple(layers), tuple(roots), freed + root_bytes, dry_run, tuple(kept), shared_layers=tuple(shared)
+    )
 
 
 def _live_pins(store: LayerStore) -> dict[str, tuple[str, ...]]:

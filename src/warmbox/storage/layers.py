@@ -115,6 +115,12 @@ class LayerStore:
     def _temp(self, kind: str) -> Path:
         return self.tmp / f"{kind}-{os.getpid()}-{time.monotonic_ns()}"
 
+    def work_file(self, kind: str) -> Path:
+        """A new path under the store's ``tmp/`` (root's alone) for work in progress, e.g. a
+        download that add_blob then verifies; the caller removes it (gc removes old ones)."""
+        self._ensure()
+        return self._temp(kind)
+
     def _info(self, hexd: str) -> LayerInfo:
         blob = self.blobs / hexd
         try:

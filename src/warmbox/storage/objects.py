@@ -13,7 +13,7 @@ import re
 import secrets
 import shutil
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 from warmbox.errors import ArtifactCorrupt, StorageError, StorageFull
 
@@ -37,6 +37,11 @@ class ObjectStore(Protocol):
         """Write the object to ``dest``; ArtifactCorrupt if it does not exist."""
         ...
 
+    def get_bounded(self, key: str, out: BinaryIO, max_bytes: int) -> int:
+        """Write the object into ``out``; its byte count. ArtifactCorrupt if it does not exist or
+        holds more than ``max_bytes`` (nothing past the bound is read)."""
+        ...
+
     def exists(self, key: str) -> bool: ...
 
     def delete(self, key: str) -> None: ...
@@ -54,6 +59,27 @@ def _translate(e: OSError, what: str) -> Exception:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return StorageFull(f"{what}: no space left on the object store ({e.strerror})")
     return StorageError(f"{what}: {e.strerror or e}")
+
+
+def _copy_bounded(chunks, out: BinaryIO, key: str, max_bytes: int) -> int:
+    n = 0
+    for chunk in chunks:
+        n += len(chunk)
+        if n > max_bytes:
+            raise ArtifactCorrupt(f"object {key} holds more than {max_bytes} bytes")
+        out.write(chunk)
+    return n
+
+
+def open_store(url: str) -> ObjectStore:
+    """The store an object-store URL names: ``s3://bucket[/prefix]`` (endpoint from
+    WARMBOX_S3_ENDPOINT), else a local directory path."""
+    if url.startswith("s3://"):
+        bucket, _, prefix = url[5:].partition("/")
+        return S3ObjectStore(bucket, prefix, endpoint_url=os.environ.get("WARMBOX_S3_ENDPOINT") or None)
+    if not url:
+        raise StorageError("no object store configured")
+    return LocalObjectStore(Path(url))
 
 
 class LocalObjectStore:
@@ -108,6 +134,16 @@ class LocalObjectStore:
             raise ArtifactCorrupt(f"object {key} is missing from {self.describe()}") from None
         except OSError as e:
             raise _translate(e, f"reading {key}") from None
+
+    def get_bounded(self, key: str, out: BinaryIO, max_bytes: int) -> int:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ArtifactCorrupt(f"object {key} is missing from {self.describe()}") from None
+        except OSError as e:
+            raise _translate(e, f"reading {key}") from None
+        with os.fdopen(fd, "rb") as src:
+            return _copy_bounded(iter(lambda: src.read(1 << 20), b""), out, key, max_bytes)
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -189,6 +225,23 @@ class S3ObjectStore:
             self._s3.download_file(self.bucket, self._k(key), str(dest))
         except Exception as e:
             raise self._err(e, key) from None
+
+    def get_bounded(self, key: str, out: BinaryIO, max_bytes: int) -> int:
+        try:
+            got = self._s3.get_object(Bucket=self.bucket, Key=self._k(key))
+        except Exception as e:
+            raise self._err(e, key) from None
+        body = got["Body"]
+        try:
+            if int(got.get("ContentLength") or 0) > max_bytes:
+                raise ArtifactCorrupt(f"object {key} holds {got['ContentLength']} bytes, more than {max_bytes}")
+            return _copy_bounded(body.iter_chunks(1 << 20), out, key, max_bytes)
+        except (ArtifactCorrupt, OSError):
+            raise
+        except Exception as e:  # a connection cut mid-body
+            raise self._err(e, key) from None
+        finally:
+            body.close()
 
     def exists(self, key: str) -> bool:
         try:
