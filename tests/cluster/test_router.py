@@ -368,3 +368,24 @@ def test_a_lost_sandbox_is_said_lost_by_the_router_even_with_no_node_up(two_node
             await front.handle(ops.Info(sid))  # a node reads its record: none is up
 
     asyncio.run(main())
+
+
+def test_transports_per_key_are_bounded_by_closing_idle_ones(two_nodes):
+    cluster, _ = two_nodes
+
+    async def main() -> None:
+        node = cluster.nodes()["a"]
+        cluster.max_transports = 2
+        first = cluster.transport(node, Tenant("t", key_id="k1"))
+        assert cluster.transport(node, Tenant("t", key_id="k1")) is first  # one per node and key
+        cluster.transport(node, Tenant("t", key_id="k2"))
+        cluster.evict_idle_s = 60.0
+        cluster.transport(node, Tenant("t", key_id="k3"))
+        assert len(cluster._transports) == 3  # none idle long enough: kept
+        cluster.evict_idle_s = 0.0
+        cluster.transport(node, Tenant("t", key_id="k4"))
+        assert len(cluster._transports) == 2  # the two least recently used went
+        assert cluster.transport(node, Tenant("t", key_id="k1")) is not first
+        await cluster.close()
+
+    asyncio.run(main())

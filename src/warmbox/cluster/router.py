@@ -57,6 +57,8 @@ UP, DRAINING, DOWN = "up", "draining", "down"
 # heartbeat limit, 10 s, and a margin; Ray's health check usually decides in 1-6 s) before the
 # connection's own error is raised instead of SandboxLost
 SETTLE_S = 12.0
+MAX_TRANSPORTS = 1024  # transports (HTTP sessions) to nodes kept open: one per node and caller's key
+EVICT_IDLE_S = 300.0  # past MAX_TRANSPORTS, one unused this long is closed (an open stream on it ends)
 SETTLE_POLL_S = 0.25
 
 # headers of a forwarded request (with ``Authorization: Bearer <cluster token>``): who the caller
@@ -217,6 +219,9 @@ class Cluster:
         self._usage: dict[str, NodeUsage] | None = None
         self._booked: dict[str, NodeLoad] = {}  # placements made since the last read of the view
         self._transports: dict[tuple[str, str, tuple[tuple[str, str], ...]], HttpTransport] = {}
+        self._used: dict[tuple[str, str, tuple[tuple[str, str], ...]], float] = {}
+        self.max_transports = MAX_TRANSPORTS
+        self.evict_idle_s = EVICT_IDLE_S
         self._inflight: dict[str, set[asyncio.Task[Any]]] = {}
         self._aborted: dict[asyncio.Task[Any], tuple[str, str]] = {}
         self._down: dict[str, str] = {}  # node -> why, as this router learned it
@@ -303,14 +308,34 @@ class Cluster:
     # ---- transports and calls in flight
 
     def transport(self, node: NodeInfo, tenant: Tenant | None) -> HttpTransport:
+        """The transport to ``node`` as ``tenant`` (one per node and key: the key's id travels in
+        its headers). At most ``max_transports``: past that, those unused ``evict_idle_s`` are closed."""
         headers = tuple(sorted(peer_headers(tenant).items()))
         key = (node.name, node.address, headers)
-        t = self._transports.get(key)
+        t = self._transports.pop(key, None)  # re-inserted last: the dict is in order of use
         if t is None:
             if self._closed:
                 raise ConnectionLost("the router is shutting down")
-            t = self._transports[key] = HttpTransport(node.address, self._token, headers=dict(headers))
+            t = HttpTransport(node.address, self._token, headers=dict(headers))
+            self._evict()
+        self._transports[key] = t
+        self._used[key] = time.monotonic()
         return t
+
+    def _evict(self) -> None:
+        if len(self._transports) < self.max_transports:
+            return
+        now = time.monotonic()
+        for key in list(self._transports)[: len(self._transports) - self.max_transports + 1]:
+            if now - self._used.get(key, now) < self.evict_idle_s:
+                break  # in order of use: the rest are newer
+            self._close_later(self._transports.pop(key))
+            self._used.pop(key, None)
+
+    def _close_later(self, t: HttpTransport) -> None:
+        closing = asyncio.ensure_future(t.close())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
 
     def enter(self, node: str, task: asyncio.Task[Any]) -> None:
         self._inflight.setdefault(node, set()).add(task)
@@ -333,9 +358,8 @@ class Cluster:
                 self._aborted[task] = (name, reason)
                 task.cancel()
         for key in [k for k in self._transports if k[0] == name]:
-            closing = asyncio.ensure_future(self._transports.pop(key).close())
-            self._closing.add(closing)
-            closing.add_done_callback(self._closing.discard)
+            self._close_later(self._transports.pop(key))
+            self._used.pop(key, None)
 
     def node_back(self, name: str) -> None:
         """``name`` rejoined (a new epoch, state up): calls go to it again."""
