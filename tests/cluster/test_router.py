@@ -26,6 +26,7 @@ from warmbox.cluster.router import (
     Rule,
     merge_doctor,
     merge_gc,
+    merge_pools,
     peer_headers,
     rule_of,
 )
@@ -40,7 +41,7 @@ from warmbox.errors import (
     SandboxLost,
     SandboxNotFound,
 )
-from warmbox.models import Limits, NodeInfo, State, Tenant, TierStatus
+from warmbox.models import Limits, NodeInfo, PoolStatus, State, Tenant, TierStatus
 from warmbox.storage.registry import Registry
 
 TOKEN = "t" * 32
@@ -112,6 +113,12 @@ def test_merges_of_per_host_answers():
     ]
     r = merge_gc([ops.TemplateGcReport(("l1",), (), 10, True), ops.TemplateGcReport(("l2",), ("r",), 5, True, ("k",))])
     assert r == ops.TemplateGcReport(("l1", "l2"), ("r",), 15, True, ("k",))
+    p = PoolStatus("p", "container", "base", 0, 4, 3, 1, 1, 7, 2, 0, "", 1.0, 2.0, 3.0)
+    q = dataclasses.replace(p, ready=2, warming=0)
+    assert merge_pools([[p], [q, dataclasses.replace(p, name="o")]]) == [
+        dataclasses.replace(p, ready=3, warming=1),  # each node's own counts summed; the shared rest once
+        dataclasses.replace(p, name="o"),
+    ]
 
 
 def test_monitor_verdict():

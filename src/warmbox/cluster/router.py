@@ -42,7 +42,17 @@ from warmbox.errors import (
     WarmboxError,
 )
 from warmbox.lifecycle import lost
-from warmbox.models import ApprovalRequest, Limits, NodeInfo, NodeUsage, SandboxInfo, State, Tenant, TierStatus
+from warmbox.models import (
+    ApprovalRequest,
+    Limits,
+    NodeInfo,
+    NodeUsage,
+    PoolStatus,
+    SandboxInfo,
+    State,
+    Tenant,
+    TierStatus,
+)
 from warmbox.sdk.http import HttpTransport
 from warmbox.sdk.transport import Cancellable
 from warmbox.server import peer
@@ -96,7 +106,7 @@ RULES_BY_OP: dict[type[ops.Request[Any]], Rule] = {
     ops.ListSnapshots: Rule.ANY,  # registry + shared object store
     ops.DeleteSnapshot: Rule.ANY,
     ops.GcSnapshots: Rule.ANY,  # one node sweeps the shared store (two at once would race)
-    ops.PoolsList: Rule.ANY,  # pool rows are in the shared registry
+    ops.PoolsList: Rule.ALL,  # targets, hits and costs are the registry's; ready/warming each node's: summed
     ops.PoolsResize: Rule.ANY,  # a cluster-wide target in the registry; nodes split it
     ops.VolumeCreate: Rule.ANY,  # volumes are host-local disks: see docs (not cluster-aware yet)
     ops.VolumeList: Rule.ANY,
@@ -188,6 +198,21 @@ def merge_doctor(answers: list[tuple[str, list[TierStatus]]]) -> list[TierStatus
         else:
             out.append(TierStatus(tier, False, "; ".join(f"{n}: {s.reason}" for n, s in per)))
     return out
+
+
+def merge_pools(answers: list[list[PoolStatus]]) -> list[PoolStatus]:
+    """The cluster's pools: each node counts its own ready and warming sandboxes (summed here);
+    target, bounds, hits, misses and costs are the shared registry's (the same from every node)."""
+    out: dict[str, PoolStatus] = {}
+    for statuses in answers:
+        for p in statuses:
+            got = out.get(p.name)
+            out[p.name] = (
+                p
+                if got is None
+                else dataclasses.replace(got, ready=got.ready + p.ready, warming=got.warming + p.warming)
+            )
+    return list(out.values())
 
 
 def merge_gc(reports: list[ops.TemplateGcReport]) -> ops.TemplateGcReport:
@@ -548,6 +573,8 @@ class ClusterFront:
             )
         if isinstance(request, ops.TemplateGc):
             return cast(R, merge_gc(cast(list[ops.TemplateGcReport], answers)))
+        if isinstance(request, ops.PoolsList):
+            return cast(R, merge_pools(cast(list[list[PoolStatus]], answers)))
         return answers[0]  # list(reap=True): every node reaped its own; the registry's list is one
 
     async def _drain(self, r: ops.NodeDrain) -> ops.DrainReport:
@@ -612,6 +639,7 @@ __all__ = [
     "Rule",
     "merge_doctor",
     "merge_gc",
+    "merge_pools",
     "node_load",
     "peer_headers",
     "rule_of",
