@@ -112,7 +112,7 @@ RULES_BY_OP: dict[type[ops.Request[Any]], Rule] = {
     ops.VolumeList: Rule.ANY,
     ops.VolumeGet: Rule.ANY,
     ops.VolumeDelete: Rule.ANY,
-    ops.TemplateBuild: Rule.ANY,  # versions are registry rows; layers stay on the builder (open)
+    ops.TemplateBuild: Rule.ANY,  # versions are registry rows; layers go to the object store
     ops.TemplateList: Rule.ANY,
     ops.TemplateGet: Rule.ANY,
     ops.TemplateDelete: Rule.ANY,
