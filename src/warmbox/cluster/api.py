@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from warmbox.cluster.monitor import Monitor, ray_alive
 from warmbox.cluster.router import Cluster, ClusterFront
 from warmbox.engine.engine import Engine
-from warmbox.errors import ConfigError
+from warmbox.errors import ConfigError, WarmboxError
 from warmbox.models import Tenant
 from warmbox.server import peer
 from warmbox.server.app import Fronts
+
+log = logging.getLogger("warmbox.cluster")
 
 
 async def cluster_fronts(engine: Engine, ray_address: str) -> Fronts:
@@ -35,7 +38,10 @@ async def cluster_fronts(engine: Engine, ray_address: str) -> Fronts:
         return ClusterFront(cluster, tenant)
 
     async def start() -> None:
-        await monitor.tick()  # the first view before the first request
+        try:
+            await monitor.tick()  # the first view before the first request
+        except WarmboxError as e:  # the registry is not there yet: /readyz says so until it is
+            log.warning("cluster router: first look at the nodes failed: %s", e)
         monitor.start()
 
     async def stop() -> None:
