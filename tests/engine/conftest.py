@@ -43,6 +43,7 @@ class NodeHomes:
             for info, _ in engine.registry.list(include_pooled=True, local=True):
                 asyncio.run(engine.destroy(info.sandbox_id, "test over"))
             asyncio.run(down_home(engine.home))
+            asyncio.run(engine.reconcile_node())  # what a failed test left lost (no list shows it) goes too
             for sub in ("sandboxes", "runc"):
                 d = engine.runtime / sub
                 left += [f"{engine.node}:{sub}/{n}" for n in (sorted(os.listdir(d)) if d.is_dir() else [])]

@@ -53,7 +53,7 @@ from warmbox.backends import _host as host
 from warmbox.backends import hostfs
 from warmbox.backends._host import GUEST_GID, GUEST_UID
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, SandboxSpec
-from warmbox.backends.runc import RuncBackend, agent_command, build_image
+from warmbox.backends.runc import SANDBOX_ID, RuncBackend, agent_command, build_image
 from warmbox.errors import SandboxError, SandboxStartError
 from warmbox.models import ImageRef
 
@@ -423,6 +423,14 @@ class GvisorBackend(RuncBackend):
         (runsc/container/state_file.go); the one container is the sandbox's root, of the same id."""
         stem = f"{handle.runtime_id}_sandbox:{handle.runtime_id}"
         return self.root / f"{stem}.state", self.root / f"{stem}.lock"
+
+    def held(self) -> set[str]:
+        """Ids of the sandboxes runsc has a record of (``Inventory``): ``<id>_sandbox:<id>.state``."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return set()
+        return {n.partition("_")[0] for n in names if SANDBOX_ID.fullmatch(n.partition("_")[0])}
 
     def _recorded(self, handle: BackendHandle) -> set[Path]:
         return set(self.root.glob(glob.escape(handle.runtime_id) + "*")) if self.root.is_dir() else set()

@@ -39,7 +39,7 @@ from warmbox.errors import GuestConnectionError, SandboxError, SandboxStartError
 from warmbox.models import LAYER_UID_BASE, ImageRef
 
 T = TypeVar("T")
-_SANDBOX_ID = re.compile(r"sb-[0-9a-f]{12}")
+SANDBOX_ID = re.compile(r"sb-[0-9a-f]{12}")  # a sandbox id (runtime ids are sandbox ids)
 ID_RANGE = 65536
 HOSTNAME = "sandbox"
 GUEST_LIB = "/opt/warmbox"
@@ -784,7 +784,7 @@ class RuncBackend:
             names = os.listdir(self.root)
         except FileNotFoundError:
             return set()
-        return {n for n in names if _SANDBOX_ID.fullmatch(n)}
+        return {n for n in names if SANDBOX_ID.fullmatch(n)}
 
     async def delete_container(self, handle: BackendHandle) -> None:
         """Delete the runtime's record of a container whose processes are gone (``destroy`` killed
