@@ -61,6 +61,12 @@ def test_a_spike_queues_on_a_small_router_tier(sim):
     assert small["create_ms_p99"] > 2 * unbounded["create_ms_p99"]
 
 
+def test_routers_with_their_own_views_lose_pool_hits(sim):
+    exact = run(sim, "steady", minutes=2.0)
+    herd = run(sim, "steady", minutes=2.0, routers=4)
+    assert exact["pool_hit_rate"] == 1.0 > herd["pool_hit_rate"]
+
+
 def test_a_full_cluster_refuses_with_no_capacity(sim):
     r = run(sim, "steady", util=1.5, pool_per_node=0.0, minutes=2.0)
     assert r["placement_failures"] > 0
