@@ -38,8 +38,9 @@ ALLOWED: dict[str, set[str]] = {
     "cluster": {"engine", "sdk", "server", "storage", "network"},
     # the engine: its front, and the daemon/pool managers (pools, down)
     "cli": {"sdk", "engine", "bench", "server", "cluster"},
-    # benchmarks drive raw runtimes as baselines (backends) beside sandboxes made through the SDK
-    "bench": {"sdk", "engine", "backends", "storage", "cluster"},
+    # benchmarks drive raw runtimes as baselines (backends) beside sandboxes made through the SDK;
+    # bench cluster reaches a node's API as a cluster peer (server.peer's header names)
+    "bench": {"sdk", "engine", "backends", "storage", "cluster", "server"},
 }
 # the in-process transport is where the SDK meets the engine front (a remote one does not);
 # the SDK names the public policy types (warmbox.Network, warmbox.Secret: plain records)

@@ -1098,6 +1098,10 @@ async def _command_api(args: argparse.Namespace) -> int:
 async def command(args: argparse.Namespace) -> int:
     if args.bench == "api":
         return await _command_api(args)
+    if args.bench == "cluster":
+        from warmbox.bench import cluster
+
+        return await cluster.command(args)
     if args.bench == "template":
         from warmbox.bench import template
 

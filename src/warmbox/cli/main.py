@@ -27,7 +27,7 @@ warmbox advise [--language L --untrusted|--trusted --io compute|syscall-heavy|ne
                                   which tier for such code here, why, and why not the others
 warmbox demo                      a short tour on the embedded defaults
 warmbox mcp                       an MCP server on stdin/stdout (sandbox tools for an agent)
-warmbox bench start|burst|exec|density|api|template|profile   benchmarks, ratios against raw runtimes or the host
+warmbox bench start|burst|exec|density|api|cluster|template|profile   benchmarks, ratios against raw runtimes
 warmbox serve [--host H --port P]  the HTTP API (/v1) on 127.0.0.1:7420 and a unix socket (+ MCP at /mcp)
 warmbox serve --cluster HEAD      the same API as a cluster's API tier: each call runs on its sandbox's node
 warmbox node join HEAD [--name N --slots K]   this home's engine as a cluster node (Ray head HEAD) until SIGTERM
@@ -399,6 +399,19 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=1, help="burst: rounds per side, alternating")
     b.add_argument("--refill-concurrency", type=int, default=2, help="sandboxes the pool warms at once")
     b.add_argument("--tcp", action="store_true", help="over 127.0.0.1 with an admin key instead of the unix socket")
+    b.add_argument("--json", action="store_true")
+    b = bsub.add_parser(
+        "cluster",
+        help="a cluster of 1, 2, 3 nodes on this host: warm create, creates/s, failover (router, PostgreSQL, Ray)",
+    )
+    b.add_argument("--nodes", type=int, default=3, help="measure with 1 .. this many nodes (at most 3)")
+    b.add_argument("--runs", type=int, default=20, help="warm create->first run_code samples per step")
+    b.add_argument("--creates", type=int, default=24, help="burst: creates per step")
+    b.add_argument("--clients", type=int, default=2, help="burst: client processes")
+    b.add_argument("--concurrency", type=int, default=4, help="burst: creates in flight per client")
+    b.add_argument("--failovers", type=int, default=3, help="node kills (with all nodes up); 0: none")
+    b.add_argument("--slots", type=int, default=32, help="sandboxes per node")
+    b.add_argument("--pool", type=int, default=0, help="cluster-wide pool target (default: --creates)")
     b.add_argument("--json", action="store_true")
     return ap
 
