@@ -132,6 +132,8 @@ def test_bench_template_short(runc_ready):
         ["exec", "--seconds", "-1"],
         ["snapshot", "--mb", "-1"],
         ["template", "--runs", "0"],
+        ["cluster", "--nodes", "4"],
+        ["cluster", "--failovers", "-1"],
     ],
 )
 def test_bench_bad_arguments_are_typed(args):
