@@ -321,14 +321,23 @@ def wait_for(pred, timeout: float = 60.0, what: str = "condition", interval: flo
         time.sleep(interval)
 
 
-def pooled_sandbox(home: Path, **kw):
-    """A sandbox handed out by the ``iso`` warm pool (waits for the pool to have one)."""
-    from warmbox import Limits, Sandbox
+def pooled_sandbox(home: Path, cluster=None, **kw):
+    """A sandbox handed out by the ``iso`` warm pool (waits for the pool to have one): the home's,
+    or with ``cluster`` (tests/cluster/harness.py) the cluster's, which its nodes share."""
+    from warmbox import Limits, Sandbox, State
     from warmbox.engine.engine import Engine
 
-    engine = Engine.for_home(home)
-    engine.ensure_daemon()
-    wait_for(lambda: engine.registry.pool_counts("iso")[0] >= 1, 120, "the iso pool to fill")
+    if cluster is None:
+        engine = Engine.for_home(home)
+        engine.ensure_daemon()
+        wait_for(lambda: engine.registry.pool_counts("iso")[0] >= 1, 120, "the iso pool to fill")
+    else:
+
+        def ready() -> bool:
+            rows = cluster.registry().list(include_pooled=True, states=(State.POOLED,))
+            return any(info.pool == "iso" for info, _h in rows)
+
+        wait_for(ready, 120, "the cluster's iso pool to fill")
     box = Sandbox.create(limits=Limits(memory_mb=POOLED_LIMITS_MB), **kw)
     assert box.from_pool, "the iso pool had a ready sandbox but create() did not take it"
     return box
@@ -343,7 +352,8 @@ def sb(request, home: Path, runc_ready: None):
         box = Sandbox.create(timeout=600, envs={"GREETING": "hi"})
         assert not box.from_pool
     else:
-        box = pooled_sandbox(home, timeout=600, envs={"GREETING": "hi"})
+        cluster = request.getfixturevalue("cluster") if over_cluster(request.node) else None
+        box = pooled_sandbox(home, cluster, timeout=600, envs={"GREETING": "hi"})
     with box:
         yield box
 
@@ -419,16 +429,18 @@ def start_server(
     tcp: bool = True,
     env: dict[str, str] | None = None,
     timeout: float = 60.0,
+    args: tuple[str, ...] = (),
 ) -> ServerProc:
-    """Start `python -m warmbox.cli.main serve` on ``home`` and wait (bounded) for its listening line."""
+    """Start `python -m warmbox.cli.main serve` on ``home`` and wait (bounded) for its listening line;
+    ``args``: more of serve's options (e.g. ``("--cluster", HEAD)``: the cluster's router)."""
     socket = socket or home / "api.sock"
     log = home / f"serve-{secrets.token_hex(3)}.log"
-    args = ["--port", "0"] if tcp else ["--host", ""]
+    where = ["--port", "0"] if tcp else ["--host", ""]
     child_env = {k: v for k, v in os.environ.items() if k not in ("WARMBOX_API_URL", "WARMBOX_API_KEY")}
     child_env.update(WARMBOX_HOME=str(home), **(env or {}))
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "warmbox.cli.main", "serve", *args, "--socket", str(socket), "--no-mcp"],
+            [sys.executable, "-m", "warmbox.cli.main", "serve", *where, "--socket", str(socket), "--no-mcp", *args],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -539,3 +551,18 @@ def registry_at(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return str(tmp_path / "r.db")
     return request.getfixturevalue("pg_fresh_dsn")
+
+
+@pytest.fixture(scope="session")
+def cluster(runc_ready: None, pg_dsn: str, s3_server):
+    """A real cluster on this host (tests/cluster/harness.py): PostgreSQL, moto S3, a Ray head, 3
+    `warmbox node join` processes, the router. One per session (the --api=cluster lane's server and
+    tests/cluster's subject). Its teardown proves nothing is left (processes, containers, dirs)."""
+    from tests.cluster.harness import Cluster
+
+    c = Cluster.start(pg_dsn, s3_server)
+    try:
+        yield c
+    finally:
+        problems = c.stop()
+        assert not problems, "the cluster's teardown found:\n" + "\n".join(problems)

@@ -177,6 +177,7 @@ def test_other_tiers(home, runc_ready, tier):
 
 
 @pytest.mark.sandbox
+@pytest.mark.one_host("watches the sandbox's state in the session home's engine")
 def test_an_open_connection_keeps_an_idle_sandbox_from_pausing(home, runc_ready):
     from warmbox import Lifecycle, State
     from warmbox.engine.engine import Engine

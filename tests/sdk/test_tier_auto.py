@@ -10,6 +10,7 @@ from warmbox import InvalidArgument, NoSuitableTier, Requirements, Sandbox
 
 
 @pytest.mark.sandbox
+@pytest.mark.one_host("the tier profile it measures is in the session home; the cluster's nodes choose by their own")
 def test_auto_puts_untrusted_compute_on_gvisor_and_says_why(profiled, runc_ready):  # noqa: F811
     req = Requirements("python", trusted=False, io="compute")
     sb = Sandbox.create(tier="auto", requirements=req, template="shell", timeout=120, pool=False)
