@@ -72,6 +72,7 @@ def test_exported_members():
             "TemplateMismatch",
             "TemplateNotFound",
             "VolumeError",
+            "VolumeElsewhere",
             "VolumeInUse",
             "VolumeNotFound",
             "Volume",

@@ -48,7 +48,8 @@ WarmboxError
 ├── CorruptLayer (ArtifactCorrupt)      an image layer whose content does not match its digest
 ├── VolumeError                         a named volume (``volume``: its name)
 │   ├── VolumeNotFound (LookupError)    no volume of that name (for this tenant)
-│   └── VolumeInUse                     removal refused: a sandbox mounts it
+│   ├── VolumeInUse                     removal refused: a sandbox mounts it
+│   └── VolumeElsewhere                 its disk is on another node (``node``): mount or delete it there
 ├── Unsupported                         the sandbox's tier cannot do what was asked (``reason`` says why)
 ├── QuotaExceeded                       a tenant's quota (sandboxes, memory, cpus, tiers) refuses a start
 ├── ApprovalError                       something about one approval question (``approval_id``)
@@ -350,6 +351,16 @@ class VolumeNotFound(VolumeError, LookupError):
 
 class VolumeInUse(VolumeError):
     """Removal refused: a sandbox mounts the volume."""
+
+
+class VolumeElsewhere(VolumeError):
+    """In a cluster, a volume's disk lives on the node that made it (``node``): a sandbox mounting
+    it (a create, resume or fork) runs there, and only that node deletes it. Asked of another
+    node: refused, nothing done (a router places such a create on ``node``)."""
+
+    def __init__(self, message: str, *, volume: str = "", node: str = "") -> None:
+        super().__init__(message, volume=volume)
+        self.node = node
 
 
 class NetworkError(WarmboxError):

@@ -1175,7 +1175,9 @@ class VolumeInfo:
     the limit of what it holds (a writer inside gets NoSpace). created_at: epoch seconds.
     disk: the host path of its ext4 image (sparse). allocated_mb: what the image takes on the
     host's disk now (MiB, rounded up). mounted_by: the ids of the live or paused sandboxes
-    mounting it.
+    mounting it. node: in a cluster, the node holding its disk, where every sandbox mounting it
+    runs ("" on a single host); disk and allocated_mb are that node's (allocated_mb 0 when read
+    on another node).
     """
 
     name: str
@@ -1185,6 +1187,7 @@ class VolumeInfo:
     disk: str
     allocated_mb: int = 0
     mounted_by: tuple[str, ...] = ()
+    node: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

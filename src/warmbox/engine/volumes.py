@@ -9,6 +9,11 @@ deleted (VolumeInUse), and a microVM's read-write mount stays its only one.
 A volume is external state: snapshots do not hold its files (their archive stops at its mount
 point), and a sandbox started again from one (a resume, or a fork) mounts the volumes its origin
 mounted, as they are now, under the same checks as a create.
+
+In a cluster a volume's disk stays on the node that made it (the registry records that node):
+every sandbox mounting it runs there, and only that node deletes it. Another node refuses such a
+create, resume, fork or delete with VolumeElsewhere naming the node, before anything is done (an
+ext4 image has one writer host; moving one through the object store is not done).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from warmbox.backends import volume_disk
-from warmbox.errors import LimitTooHigh, VolumeError, VolumeNotFound
+from warmbox.errors import LimitTooHigh, VolumeElsewhere, VolumeError, VolumeNotFound
 from warmbox.models import (
     VolumeInfo,
     VolumeMount,
@@ -44,10 +49,12 @@ def disk_of(engine: Engine, volume_id: str) -> Path:
     return volumes_dir(engine) / f"{volume_id}.img"
 
 
-def _info(engine: Engine, tenant: str, name: str, volume_id: str, size_mb: int, created_at: float) -> VolumeInfo:
+def _info(
+    engine: Engine, tenant: str, name: str, volume_id: str, size_mb: int, created_at: float, node: str
+) -> VolumeInfo:
     disk = disk_of(engine, volume_id)
     try:
-        allocated = -(-(os.stat(disk).st_blocks * 512) // (1 << 20))
+        allocated = -(-(os.stat(disk).st_blocks * 512) // (1 << 20)) if _local(engine, node) else 0
     except OSError:
         allocated = 0
     return VolumeInfo(
@@ -58,7 +65,26 @@ def _info(engine: Engine, tenant: str, name: str, volume_id: str, size_mb: int, 
         disk=str(disk),
         allocated_mb=allocated,
         mounted_by=tuple(engine.registry.volume_users(volume_id)),
+        node=node,
     )
+
+
+def _local(engine: Engine, node: str) -> bool:
+    """Whether a volume of ``node`` has its disk here ("" : a single host's volume: this home's)."""
+    return not node or node == engine.node
+
+
+def check_here(engine: Engine, name: str, volume_id: str) -> None:
+    """VolumeElsewhere when the volume's disk is on another node of the cluster."""
+    node = engine.registry.volume_node(volume_id)
+    if not _local(engine, node):
+        here = f"node {engine.node!r}" if engine.node else "a host outside the cluster's nodes"
+        raise VolumeElsewhere(
+            f"volume {name!r} is a disk on node {node!r}, not on {here}: a sandbox mounting it runs "
+            f"on {node!r}, and only {node!r} deletes it (volumes do not move between nodes)",
+            volume=name,
+            node=node,
+        )
 
 
 def _check_room(where: Path, size_mb: int) -> None:
@@ -93,27 +119,32 @@ async def create(engine: Engine, tenant: str, name: object, size_mb: object) -> 
     await asyncio.to_thread(volume_disk.make_image, disk, size)
     now = time.time()
     try:
-        engine.registry.add_volume(tenant, name, volume_id, size, now)
+        engine.registry.add_volume(tenant, name, volume_id, size, now)  # on this node
     except BaseException:
         _remove_files(disk)
         raise
-    return _info(engine, tenant, name, volume_id, size, now)
+    return _info(engine, tenant, name, volume_id, size, now, engine.registry.node)
 
 
 def get(engine: Engine, tenant: str, name: object) -> VolumeInfo:
     name = validate_volume_name(name)
     volume_id, size_mb, created_at = engine.registry.volume(tenant, name)
-    return _info(engine, tenant, name, volume_id, size_mb, created_at)
+    return _info(engine, tenant, name, volume_id, size_mb, created_at, engine.registry.volume_node(volume_id))
 
 
 def list(engine: Engine, tenant: str | None) -> builtins.list[VolumeInfo]:
     """A tenant's volumes by name (None: every tenant's)."""
-    return [_info(engine, t, n, vid, size, at) for t, n, vid, size, at in engine.registry.volumes(tenant)]
+    nodes = engine.registry.volume_nodes()
+    return [
+        _info(engine, t, n, vid, size, at, nodes.get(vid, ""))
+        for t, n, vid, size, at in engine.registry.volumes(tenant)
+    ]
 
 
 def delete(engine: Engine, tenant: str, name: object) -> None:
     """Delete a volume and its files; VolumeInUse while a live or paused sandbox mounts it."""
     name = validate_volume_name(name)
+    check_here(engine, name, engine.registry.volume(tenant, name)[0])
     volume_id = engine.registry.remove_volume(tenant, name)
     _remove_files(disk_of(engine, volume_id))
 
@@ -130,6 +161,7 @@ def resolve(engine: Engine, tenant: str, volumes: object) -> tuple[VolumeMount, 
     out = []
     for v in validate_volumes(volumes):
         volume_id, _, _ = engine.registry.volume(tenant, v.name)
+        check_here(engine, v.name, volume_id)
         out.append(VolumeMount(v.name, v.path, v.read_only, str(disk_of(engine, volume_id))))
     return tuple(out)
 
@@ -146,6 +178,7 @@ def of_sandbox(engine: Engine, sandbox_id: str) -> tuple[VolumeMount, ...]:
     for name, volume_id, path, read_only in engine.registry.volumes_of(sandbox_id):
         if not name:
             raise VolumeNotFound(f"a volume sandbox {sandbox_id} mounted at {path} was deleted", volume=volume_id)
+        check_here(engine, name, volume_id)
         out.append(VolumeMount(name, path, read_only, str(disk_of(engine, volume_id))))
     return tuple(out)
 

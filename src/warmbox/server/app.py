@@ -73,6 +73,7 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.CorruptLayer, 500),
     (errors.VolumeNotFound, 404),
     (errors.VolumeInUse, 409),
+    (errors.VolumeElsewhere, 409),
     (errors.UnsafeArchive, 422),
     (errors.LimitTooHigh, 422),
     (errors.InvalidArgument, 400),

@@ -88,7 +88,7 @@ if typing.TYPE_CHECKING:
 
 COMMANDS_HEAD = 5_000  # command records a sandbox keeps from its start (its setup) ...
 COMMANDS_TAIL = 5_000  # ... and from its latest (at most 10,000 rows, 40 MiB of text, per sandbox)
-SCHEMA_VERSION = 15
+SCHEMA_VERSION = 16
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -287,6 +287,7 @@ CREATE TABLE IF NOT EXISTS volumes (
     volume_id   TEXT NOT NULL UNIQUE,
     size_mb     INTEGER NOT NULL,
     created_at  REAL NOT NULL,
+    node        TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (tenant, name)
 );
 CREATE TABLE IF NOT EXISTS sandbox_volumes (
@@ -390,6 +391,8 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     # version 15: the node owning each sandbox ("" = one host), and nodes (a new table, made by
     # SCHEMA); net_links' address is unique per node (rebuilt by _migrate)
     "ALTER TABLE sandboxes ADD COLUMN node TEXT NOT NULL DEFAULT ''",
+    # version 16: the node holding each volume's disk ("" = one host)
+    "ALTER TABLE volumes ADD COLUMN node TEXT NOT NULL DEFAULT ''",
 )
 _NET_LINK_COLUMNS = "sandbox_id, address, ifname, policy, updated_at, node"
 _NODE_COLUMNS = (
@@ -2475,8 +2478,8 @@ class Registry:
                 if db.execute("SELECT 1 FROM volumes WHERE tenant=? AND name=?", (tenant, name)).fetchone():
                     raise VolumeError(f"a volume named {name!r} exists already", volume=name)
                 db.execute(
-                    "INSERT INTO volumes (tenant, name, volume_id, size_mb, created_at) VALUES (?,?,?,?,?)",
-                    (tenant, name, volume_id, size_mb, created_at),
+                    "INSERT INTO volumes (tenant, name, volume_id, size_mb, created_at, node) VALUES (?,?,?,?,?,?)",
+                    (tenant, name, volume_id, size_mb, created_at, self.node),
                 )
         except self._errors as e:
             raise RegistryError(f"registry error: {e}") from None
@@ -2596,6 +2599,19 @@ class Registry:
             many=True,
         )
         return [(r[0], r[1], r[2], bool(r[3])) for r in rows]
+
+    # ---- where a volume's disk is: the node that made it (add_volume records self.node)
+
+    def volume_node(self, volume_id: str) -> str:
+        """The node holding the volume's disk ("": a single host's); VolumeNotFound if no such volume."""
+        row = self._read("SELECT node FROM volumes WHERE volume_id=?", (volume_id,))
+        if row is None:
+            raise VolumeNotFound(f"no volume {volume_id!r}", volume=volume_id)
+        return str(row[0])
+
+    def volume_nodes(self) -> dict[str, str]:
+        """volume_id -> the node holding its disk, of every volume."""
+        return {r[0]: r[1] for r in self._read("SELECT volume_id, node FROM volumes", many=True)}
 
 
 def _requirements(text: str) -> Requirements | None:
