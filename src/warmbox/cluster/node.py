@@ -30,6 +30,7 @@ import hashlib
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -231,23 +232,54 @@ async def _main(home: Path, opts: NodeOptions) -> int:
 
 
 async def _heartbeat(engine: Engine, epoch: int, raylet: RayProcess, stop: asyncio.Event) -> int:
-    """Heartbeat until ``stop`` (0), a fence (EXIT_FENCED: the engine has already ended what is
-    no longer this node's) or the raylet's end (EXIT_RAYLET)."""
-    while not stop.is_set():
-        if not raylet.alive():
-            _say("its raylet is gone: leaving")
-            return EXIT_RAYLET
-        try:
-            if not await engine.node_heartbeat(epoch):
-                _say(f"fenced by the registry (epoch {epoch} is no longer this node's): leaving")
-                return EXIT_FENCED
-        except WarmboxError as e:  # a registry hiccup: the next beat tries again
-            _say(f"heartbeat: {e}")
-        try:
-            await asyncio.wait_for(stop.wait(), HEARTBEAT_S)
-        except TimeoutError:
-            pass
-    return 0
+    """Heartbeat until ``stop`` (0), a fence (EXIT_FENCED: what is no longer this node's is ended
+    here first) or the raylet's end (EXIT_RAYLET).
+
+    The beats come from a thread of their own, not from the event loop the node's API and duties
+    share: a burst of heavy requests (one tenant's 24 concurrent exports held the loop ~13 s)
+    would otherwise age the heartbeat past the monitor's limit, and a node marked down loses every
+    tenant's live sandboxes. A slow loop is a slow node; a dead one stops beating (its process,
+    its raylet, or its way to the registry)."""
+    loop = asyncio.get_running_loop()
+    verdict: asyncio.Future[int] = loop.create_future()
+    halt = threading.Event()
+
+    def settle(code: int) -> None:
+        if not verdict.done():
+            verdict.set_result(code)
+
+    def beat() -> None:
+        code = 0
+        while not halt.is_set():
+            if not raylet.alive():
+                code = EXIT_RAYLET
+                break
+            try:
+                live, pooled = engine.registry.local_counts()
+                if not engine.registry.heartbeat(engine.node, epoch, live, pooled):
+                    code = EXIT_FENCED
+                    break
+            except WarmboxError as e:  # a registry hiccup: the next beat tries again
+                _say(f"heartbeat: {e}")
+            halt.wait(HEARTBEAT_S)
+        loop.call_soon_threadsafe(settle, code)
+
+    thread = threading.Thread(target=beat, name="warmbox-heartbeat", daemon=True)
+    thread.start()
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((verdict, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        halt.set()
+        stopped.cancel()
+        await asyncio.to_thread(thread.join)
+    code = verdict.result() if verdict.done() else 0
+    if code == EXIT_RAYLET:
+        _say("its raylet is gone: leaving")
+    elif code == EXIT_FENCED:
+        _say(f"fenced by the registry (epoch {epoch} is no longer this node's): leaving")
+        await engine.reconcile_node()  # what it ran is no longer its own: ended here at once
+    return code
 
 
 async def join(home: Path, opts: NodeOptions) -> int:
