@@ -1598,6 +1598,12 @@ class Registry:
         row = self._read("SELECT tenant FROM snapshots WHERE snapshot_id=?", (snapshot_id,))
         return None if row is None else row[0]
 
+    def snapshot_sandbox(self, snapshot_id: str) -> str | None:
+        """The sandbox a snapshot was taken of; None if the registry has no such snapshot (one
+        read by the primary key: a router resolves a create's snapshot with it)."""
+        row = self._read("SELECT sandbox_id FROM snapshots WHERE snapshot_id=?", (snapshot_id,))
+        return None if row is None else row[0]
+
     def snapshot_records(self, sandbox_id: str) -> builtins.list[SnapshotRecord]:
         """The snapshots of ``sandbox_id`` the registry still holds, oldest first."""
         rows = self._read(
