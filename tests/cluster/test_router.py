@@ -280,6 +280,14 @@ def test_a_call_in_flight_to_a_node_that_goes_down_ends_at_once(two_nodes):
             assert time.monotonic() - t0 < 1.0
             assert isinstance(results[0], SandboxLost) and results[0].node == "a" and results[0].sandbox_id == sid
             assert isinstance(results[1], ConnectionLost) and "node 'a' went down" in str(results[1])
+            # another tenant's call on that sandbox, cut the same way, learns nothing of it
+            cluster.node_back("a")
+            other = asyncio.ensure_future(ClusterFront(cluster, Tenant("other")).handle(ops.Exec(sid, "true")))
+            await asyncio.sleep(0.3)
+            assert not other.done()  # forwarded: the node would judge the caller
+            cluster.node_down("a", "test: again")
+            with pytest.raises(SandboxNotFound):
+                await asyncio.wait_for(other, 5)
         finally:
             hung.close()
             await cluster.close()

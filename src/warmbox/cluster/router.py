@@ -610,6 +610,10 @@ class ClusterFront:
 
     def _node_lost(self, node: str, why: str, request: ops.Request[Any], sandbox_id: str) -> WarmboxError:
         if sandbox_id:
+            try:
+                self._own(sandbox_id)  # the node never judged the caller: another tenant's id stays unknown
+            except WarmboxError as e:
+                return e
             return lost(sandbox_id, node, why)
         return ConnectionLost(f"node {node!r} went down during {request.op.value} ({why}): its outcome is unknown")
 
