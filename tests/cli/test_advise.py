@@ -24,6 +24,7 @@ def profiled(home):
     path.unlink(missing_ok=True)
 
 
+@pytest.mark.one_host("the tier profile it measures is in the session home; the cluster's nodes choose by their own")
 def test_advise_prints_the_tier_why_and_why_not(profiled):
     r = cli("advise", "--language", "python", "--untrusted", "--io", "syscall-heavy")
     assert r.returncode == 0, r.stderr

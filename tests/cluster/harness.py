@@ -340,12 +340,21 @@ class Cluster:
         return node
 
     def ensure_all_up(self) -> None:
-        """Restart any node a test left dead or drained (the next test starts from 3 up nodes)."""
+        """Restart any node a test left dead, drained or fenced (the next module starts from 3 up
+        nodes); set back up one left draining. A node marked down that still runs is leaving (it was
+        fenced): it is let exit first, never set up again under its old life (its raylet is going)."""
         for name, node in self.nodes.items():
+            if node.alive and self.node_state(name) == "down":
+                try:
+                    node.proc.wait(STOP_TIMEOUT_S)  # type: ignore[union-attr]
+                except subprocess.TimeoutExpired:
+                    pass  # a fenced node that does not leave: ended below like a dead host
+                if node.alive:
+                    node.kill9()
             if not node.alive:
                 node.kill9()  # its stragglers, if any
                 self.restart_node(name)
-            elif self.node_state(name) != "up":
+            elif self.node_state(name) == "draining":
                 self.registry().set_node_state(name, "up")
 
     # ---- stop

@@ -7,7 +7,7 @@ import pytest
 
 from tests.cluster.conftest import on_node, sdk
 from tests.cluster.harness import Cluster
-from tests.conftest import cli
+from tests.conftest import cli, wait_for
 from warmbox import Sandbox
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.cluster]
@@ -28,6 +28,7 @@ def test_drain_moves_every_sandbox_off_the_node_with_nothing_lost(cluster: Clust
         r = cli("node", "drain", node, env=env, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
         cluster.wait_state(node, "down")
+        wait_for(lambda: not cluster.nodes[node].alive, 30, f"the drained node {node} to leave")
 
         for b in moving:
             now = cluster.node_of(b.sandbox_id)
