@@ -40,6 +40,8 @@ from warmbox.errors import (
     NodeNotFound,
     SandboxLost,
     SandboxNotFound,
+    VolumeElsewhere,
+    VolumeNotFound,
 )
 from warmbox.models import Limits, NodeInfo, PoolStatus, State, Tenant, TierStatus
 from warmbox.storage.registry import Registry
@@ -402,5 +404,36 @@ def test_transports_per_key_are_bounded_by_closing_idle_ones(two_nodes):
         assert len(cluster._transports) == 2  # the two least recently used went
         assert cluster.transport(node, Tenant("t", key_id="k1")) is not first
         await cluster.close()
+
+    asyncio.run(main())
+
+
+def test_what_mounts_a_volume_goes_to_the_volumes_node(two_nodes):
+    cluster, nodes = two_nodes
+    t = Tenant("t")
+    front = ClusterFront(cluster, t)
+    nodes["b"].add_volume("t", "data", "vol-0000000001", 16, time.time())
+    nodes["a"].add_volume("t", "logs", "vol-0000000002", 16, time.time())
+    assert front._volume_home(front._named_volumes(["data"])).name == "b"
+    with pytest.raises(VolumeNotFound):
+        front._named_volumes(["nope"])
+    with pytest.raises(VolumeElsewhere, match="different nodes") as e:
+        front._volume_home(front._named_volumes(["data", "logs"]))
+    assert e.value.node == "a"
+    # a paused sandbox mounting b's volume resumes on b, never where placement would put it
+    sid = _sandbox(nodes["a"], 20, tenant=t)
+    nodes["a"].mount_volumes(sid, [("vol-0000000001", "data", "/data", False)], exclusive=False)
+    nodes["a"].set_state(sid, State.PAUSED, "paused")
+    cluster.registry.mark_node_down("a", "test")
+    cluster.nodes(fresh=True)
+
+    async def main() -> None:
+        assert (await front._target(sid)).name == "b"
+        assert cluster.registry.node_of(sid) == "b"
+        cluster.registry.mark_node_down("b", "test")
+        cluster.nodes(fresh=True)
+        with pytest.raises(VolumeElsewhere, match="on node b, which is down") as e:
+            await front._target(sid)
+        assert e.value.volume == "data" and e.value.node == "b"
 
     asyncio.run(main())

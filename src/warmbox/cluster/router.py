@@ -39,6 +39,7 @@ from warmbox.errors import (
     NoCapacity,
     NodeFenced,
     SandboxNotFound,
+    VolumeElsewhere,
     WarmboxError,
 )
 from warmbox.lifecycle import lost
@@ -52,6 +53,7 @@ from warmbox.models import (
     State,
     Tenant,
     TierStatus,
+    Volume,
 )
 from warmbox.sdk.http import HttpTransport
 from warmbox.sdk.transport import Cancellable
@@ -86,6 +88,7 @@ class Rule(enum.Enum):
     RESUME = "resume"  # a paused sandbox: its own node if up, else the node placement picks
     ANY = "any"  # the answer is in the shared registry or object store: any up node (round robin)
     ALL = "all"  # per-host state: every up node, the answers merged
+    VOLUME = "volume"  # a named volume's own node (its disk is there)
     ROUTER = "router"  # the router itself (a drain)
 
 
@@ -108,10 +111,10 @@ RULES_BY_OP: dict[type[ops.Request[Any]], Rule] = {
     ops.GcSnapshots: Rule.ANY,  # one node sweeps the shared store (two at once would race)
     ops.PoolsList: Rule.ALL,  # targets, hits and costs are the registry's; ready/warming each node's: summed
     ops.PoolsResize: Rule.ANY,  # a cluster-wide target in the registry; nodes split it
-    ops.VolumeCreate: Rule.ANY,  # volumes are host-local disks: see docs (not cluster-aware yet)
-    ops.VolumeList: Rule.ANY,
+    ops.VolumeCreate: Rule.ANY,  # its disk is made on that node; sandboxes mounting it run there
+    ops.VolumeList: Rule.ANY,  # registry rows
     ops.VolumeGet: Rule.ANY,
-    ops.VolumeDelete: Rule.ANY,
+    ops.VolumeDelete: Rule.VOLUME,  # only the node holding the disk deletes it
     ops.TemplateBuild: Rule.ANY,  # versions are registry rows; layers go to the object store
     ops.TemplateList: Rule.ANY,
     ops.TemplateGet: Rule.ANY,
@@ -441,6 +444,10 @@ class ClusterFront:
             return cast(R, await self._resume(cast(ops.Resume, request)))
         if rule is Rule.ROUTER:
             return cast(R, await self._drain(cast(ops.NodeDrain, request)))
+        if rule is Rule.VOLUME:
+            name = cast(ops.VolumeDelete, request).name
+            node = self._volume_home(self._named_volumes([name])) if isinstance(name, str) else None
+            return await self._forward(node or self.cluster.any_up(), request)
         if rule is Rule.ALL or (isinstance(request, ops.ListSandboxes) and request.reap):
             return await self._all(request)
         return await self._any(request)
@@ -487,6 +494,13 @@ class ClusterFront:
         return info
 
     def _move(self, sid: str, tier: str, memory_mb: int, exclude: str = "") -> NodeInfo:
+        """Where a paused sandbox resumes, its row given to that node first: its volumes' node if
+        it mounts any (VolumeElsewhere if that is not up), else the node placement picks."""
+        home = self._volume_home(self._mounted(sid))
+        if home is not None:
+            if home.name != self.cluster.registry.node_of(sid):
+                self.cluster.registry.move(sid, home.name)
+            return home
         want = Want(tier=canonical_tier(tier), memory_mb=max(1, memory_mb))
         target = self.cluster.place(want, exclude=exclude, pool_yields=True)
         self.cluster.registry.move(sid, target.name)
@@ -496,15 +510,23 @@ class ClusterFront:
     async def _create(self, r: ops.Create) -> ops.Opened:
         settings = self.cluster.settings()
         template: object = r.template
+        home: NodeInfo | None = None  # the node holding its volumes' disks: it runs there
         if isinstance(r.from_snapshot, str):
             tier, limits = self._snapshot_shape(r.from_snapshot)
             template = None
+            sid = self._snapshot_sandbox(r.from_snapshot)
+            if sid:
+                home = self._volume_home(self._mounted(sid))
         else:
             tier = r.tier if isinstance(r.tier, str) and r.tier else settings.defaults.tier
             limits = r.limits if isinstance(r.limits, Limits) else None
-            if tier == "auto" or r.requirements is not None:
-                choice = await self._any(ops.ChooseTier(r.requirements or _default_requirements()))
-                tier = choice.tier
+            if isinstance(r.volumes, (tuple, list)) and r.volumes:
+                home = self._volume_home(self._named_volumes([v.name for v in r.volumes if isinstance(v, Volume)]))
+        if home is not None:
+            return await self._forward(home, r)
+        if not isinstance(r.from_snapshot, str) and (tier == "auto" or r.requirements is not None):
+            choice = await self._any(ops.ChooseTier(r.requirements or _default_requirements()))
+            tier = choice.tier
         try:
             want = want_of(settings, tier, limits, template, r.pool and not r.volumes and r.from_snapshot is None)
         except InvalidArgument:
@@ -514,6 +536,56 @@ class ClusterFront:
             return await self._forward(node, r)
         except NodeFenced:  # marked down since this router's last look: nothing was made there
             return await self._forward(self.cluster.place(want, exclude=node.name), r)
+
+    # ---- named volumes: a volume's disk is on the node that made it; what mounts it runs there
+
+    def _named_volumes(self, names: list[str]) -> list[tuple[str, str]]:
+        """(name, volume id) of the caller's volumes of these names (VolumeNotFound for one it has not)."""
+        owner = "" if self.tenant is None else self.tenant.name
+        return [(name, self.cluster.registry.volume(owner, name)[0]) for name in names if isinstance(name, str)]
+
+    def _mounted(self, sid: str) -> list[tuple[str, str]]:
+        """(name, volume id) of what the sandbox ``sid`` mounts."""
+        return [(name or vid, vid) for name, vid, _, _ in self.cluster.registry.volumes_of(sid)]
+
+    def _volume_home(self, volumes: list[tuple[str, str]]) -> NodeInfo | None:
+        """The node holding these volumes' disks, up (None: no volume, or a single host's).
+        VolumeElsewhere when they are on several nodes, or on one that is not up."""
+        homes: dict[str, str] = {}
+        for name, vid in volumes:
+            holder = self.cluster.registry.volume_node(vid)
+            if holder:
+                homes.setdefault(holder, name)
+        if not homes:
+            return None
+        if len(homes) > 1:
+            where = ", ".join(f"{name} on {node}" for node, name in sorted(homes.items()))
+            first_node, first_name = next(iter(sorted(homes.items())))
+            raise VolumeElsewhere(
+                f"these volumes' disks are on different nodes ({where}): one sandbox mounts volumes of one node",
+                volume=first_name,
+                node=first_node,
+            )
+        node_name, name = next(iter(homes.items()))
+        home = self.cluster.serving(node_name)
+        if home is None or home.state != UP:
+            row = self.cluster.nodes().get(node_name)
+            state = "gone" if row is None else row.state if row.state != UP else "dead (Ray)"
+            raise VolumeElsewhere(
+                f"volume {name}'s disk is on node {node_name}, which is {state}: what mounts it runs there only",
+                volume=name,
+                node=node_name,
+            )
+        return home
+
+    def _snapshot_sandbox(self, ref: str) -> str:
+        """The sandbox a snapshot (or a paused sandbox's id) was taken of ("" if unknown)."""
+        if ref.startswith("sb-"):
+            return ref
+        for snap, owner, _, _ in self.cluster.registry.all_snapshots():
+            if snap == ref:
+                return owner
+        return ""
 
     def _snapshot_shape(self, ref: str) -> tuple[str, Limits | None]:
         """The tier and memory of the sandbox a snapshot (or a paused sandbox's id) was taken of."""
@@ -544,6 +616,10 @@ class ClusterFront:
                     return await self._forward(self._move(ref, info.tier, info.memory_mb, exclude=node.name), r, ref)
             return await self._forward(node or self.cluster.any_up(), r, ref)  # refused there, typed
         if isinstance(ref, str):
+            sid = self._snapshot_sandbox(ref)
+            home = self._volume_home(self._mounted(sid)) if sid else None
+            if home is not None:
+                return await self._forward(home, r)
             tier, limits = self._snapshot_shape(ref)
             return await self._forward(
                 self.cluster.place(want_of(self.cluster.settings(), tier, limits, pool=False)), r
