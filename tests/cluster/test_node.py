@@ -198,6 +198,7 @@ def test_sigterm_is_a_graceful_leave(head, dsn, token, nodes) -> None:
     print(f"SIGTERM: the node left in {time.monotonic() - t0:.2f} s")
     _until(lambda: not any(membership._running(p) for p in pids), 10, "none of its processes runs")
     assert not mem.find(a.name).alive  # type: ignore[union-attr]
+    assert not ray_tmpdir(a.home).exists(), "a node leaving on SIGTERM removes its Ray temp dir"
     row = {n.name: n for n in Registry(dsn).nodes()}[a.name]
     assert row.state == "down"
 

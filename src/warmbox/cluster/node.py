@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import hashlib
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -192,7 +193,10 @@ async def _main(home: Path, opts: NodeOptions) -> int:
     slots = opts.slots or settings.cluster.slots or default_slots(memory_mb)
     capacity = Capacity(name=name, slots=slots, memory_mb=memory_mb, tiers=tiers)
     # from this (the main) thread: PR_SET_PDEATHSIG follows the thread that started the child
-    raylet = membership.start_raylet(head, ray_tmpdir(home), capacity, token_file=settings.cluster.token_file)
+    tmp = ray_tmpdir(home)
+    if tmp.exists() and not membership.processes_in(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)  # what a killed life left (logs, sockets): nothing runs in it
+    raylet = membership.start_raylet(head, tmp, capacity, token_file=settings.cluster.token_file)
     served = None
     code = 0
     try:
@@ -227,6 +231,8 @@ async def _main(home: Path, opts: NodeOptions) -> int:
         if served is not None:
             await served.close()
         raylet.stop()
+        if not membership.processes_in(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
         os.close(lock)
     return code
 
