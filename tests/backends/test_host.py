@@ -129,6 +129,24 @@ def test_tail_of_a_log(tmp_path):
     assert host.tail(log, 6) == "line 5"
 
 
+def test_a_go_panic_keeps_its_cause_not_only_the_rpc_frames():
+    # the shape of a failed ``runsc checkpoint``: the cause at the head, 60 frames, the RPC server's last
+    frames = "".join(f"gvisor.dev/gvisor/pkg/sentry/x.f{i}(0xc000)\n\t/x.go:{i} +0x1\n" for i in range(60))
+    out = (
+        "W1205 checkpoint: urpc error\n"
+        "panic: endpoint cannot be saved in connected state: local 10.0.0.2:4242\x1b[31m\n\n"
+        "goroutine 1 [running]:\n" + frames + "gvisor.dev/gvisor/pkg/urpc.(*Server).StartHandling.func1()\n"
+    )
+    msg = host.failure_excerpt(out)
+    assert "panic: endpoint cannot be saved in connected state: local 10.0.0.2:4242" in msg
+    assert "goroutine 1 [running]: | gvisor.dev/gvisor/pkg/sentry/x.f0" in msg  # the first frames
+    assert msg.endswith("StartHandling.func1()")  # and the tail
+    assert len(msg) <= 1200 and "\x1b" not in msg and "\n" not in msg
+    assert host.failure_excerpt("short failure\n") == "short failure"
+    assert host.failure_excerpt("x" * 5000).endswith("x" * 300) and len(host.failure_excerpt("x" * 5000)) <= 1200
+    assert host.failure_excerpt("") == "(no output)"
+
+
 def test_running_and_kill():
     assert host.running(os.getpid())
     assert not host.running(2**22 + 12345)  # above pid_max: never a process

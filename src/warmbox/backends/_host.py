@@ -374,6 +374,23 @@ def kill(pid: int, sig: int = signal.SIGKILL) -> None:
         pass
 
 
+def failure_excerpt(text: str, limit: int = 1200, tail_chars: int = 300) -> str:
+    """A bounded, one-line excerpt of a runtime's failure output for an error message.
+
+    A Go panic's cause is at its head (the ``panic:`` / ``fatal error:`` line and the first
+    goroutine's frames), not at the end, where only the RPC server's frames are: keep the text
+    from that line (or from the start) and the last ``tail_chars``, with control characters
+    replaced (the output can hold text the guest influenced)."""
+    clean = "".join(c if c.isprintable() or c == "\n" else "?" for c in text)
+    lines = [ln.strip() for ln in clean.splitlines() if ln.strip()]
+    start = next((i for i, ln in enumerate(lines) if ln.startswith(("panic:", "fatal error:")) or "panic:" in ln), 0)
+    head = " | ".join(lines[start:])
+    if len(head) <= limit:
+        return head or "(no output)"
+    rest = " | ".join(lines)
+    return head[: limit - tail_chars - 5] + " ... " + rest[-tail_chars:]
+
+
 def tail(path: Path, limit: int = 600) -> str:
     """The last lines of a log, on one line, for an error message."""
     try:

@@ -62,6 +62,7 @@ SOCKET_DIR = "/run"
 SHIM = "/opt/warmbox/statx_shim.so"
 _SHIM_SOURCE = Path(__file__).with_name("gvisor_statx.c")
 START_TIMEOUT_S = 60.0
+CHECKPOINT_ERR_MAX = 64 * 1024  # bytes of a failed ``runsc checkpoint``'s stderr kept (in agent.log)
 
 
 # what a syscall loop costs against the host per runsc platform (declared; a measured profile wins):
@@ -319,10 +320,27 @@ class GvisorBackend(RuncBackend):
         _, err = await proc.communicate()
         image = image_dir / "checkpoint.img"
         if proc.returncode != 0 or not image.is_file():
-            raise SandboxStartError(
-                f"runsc checkpoint failed: {err.decode(errors='replace').strip()[-400:]}", handle.sandbox_id
-            )
+            text = err[:CHECKPOINT_ERR_MAX].decode(errors="replace")
+            self._log_failure(handle, "checkpoint", text)
+            raise SandboxStartError(f"runsc checkpoint failed: {host.failure_excerpt(text)}", handle.sandbox_id)
         return image
+
+    @staticmethod
+    def _log_failure(handle: BackendHandle, what: str, text: str) -> None:
+        """Append runsc's whole (bounded) failure output to the sandbox's agent.log, which is kept
+        after the sandbox is gone (``runtime_logs``): a Go panic's full stack, beyond the excerpt
+        in the error. agent.log is host-only (state/, not run/); opened without following links."""
+        clean = "".join(c if c.isprintable() or c in "\n\t" else "?" for c in text)
+        try:
+            fd = os.open(Path(handle.state_dir) / "agent.log", os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            os.write(fd, f"\n--- runsc {what} failed ---\n{clean}\n".encode(errors="replace"))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     async def resume_listening(self, handle: BackendHandle) -> None:
         """Tell a quiesced agent to listen again: a new, empty ``resume`` file next to its socket.

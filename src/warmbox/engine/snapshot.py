@@ -543,7 +543,7 @@ async def _memory_snapshot(
                     pass
                 raise SandboxError(
                     f"sandbox {sid} died in a failed memory checkpoint and was destroyed "
-                    f"(its files are gone with it): {str(e)[:300]}",
+                    f"(its files are gone with it; the runtime's output is in its kept logs): {str(e)[:1400]}",
                     sid,
                 ) from None
         elif isinstance(e, Exception) and (image_dir / "checkpoint.img").is_file():
