@@ -140,11 +140,22 @@ def test_a_go_panic_keeps_its_cause_not_only_the_rpc_frames():
     msg = host.failure_excerpt(out)
     assert "panic: endpoint cannot be saved in connected state: local 10.0.0.2:4242" in msg
     assert "goroutine 1 [running]: | gvisor.dev/gvisor/pkg/sentry/x.f0" in msg  # the first frames
+    assert "| /x.go:0 +0x1 |" in msg  # a frame's tab-indented line
     assert msg.endswith("StartHandling.func1()")  # and the tail
     assert len(msg) <= 1200 and "\x1b" not in msg and "\n" not in msg
     assert host.failure_excerpt("short failure\n") == "short failure"
     assert host.failure_excerpt("x" * 5000).endswith("x" * 300) and len(host.failure_excerpt("x" * 5000)) <= 1200
     assert host.failure_excerpt("") == "(no output)"
+
+
+def test_a_go_value_dump_does_not_push_the_cause_out():
+    # a failed ``runsc checkpoint`` of a sandbox with a TCP connection open: the object dump is kilobytes
+    dump = "tcp.endpoint{TSOffset:tcp.TSOffset{milliseconds:0xa7}, " + ", ".join(f"f{i}:{i}" for i in range(900)) + "}"
+    out = f"checkpoint failed: encoding error at object {dump}: endpoint cannot be saved in connected state\n"
+    msg = host.failure_excerpt(out + "goroutine 7 [running]:\n" + "x.f()\n\t/x.go:1\n" * 80)
+    assert "encoding error at object tcp.endpoint{TSOffset:tcp.TSOffset{milliseconds:0xa7}, f0:0" in msg
+    assert "...}: endpoint cannot be saved in connected state" in msg and len(msg) <= 1200
+    assert host.failure_excerpt("a {b} {c{d}e} {") == "a {b} {c{d}e} {"  # short values and a stray brace
 
 
 def test_running_and_kill():

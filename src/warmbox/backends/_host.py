@@ -379,16 +379,39 @@ def failure_excerpt(text: str, limit: int = 1200, tail_chars: int = 300) -> str:
 
     A Go panic's cause is at its head (the ``panic:`` / ``fatal error:`` line and the first
     goroutine's frames), not at the end, where only the RPC server's frames are: keep the text
-    from that line (or from the start) and the last ``tail_chars``, with control characters
-    replaced (the output can hold text the guest influenced)."""
-    clean = "".join(c if c.isprintable() or c == "\n" else "?" for c in text)
-    lines = [ln.strip() for ln in clean.splitlines() if ln.strip()]
-    start = next((i for i, ln in enumerate(lines) if ln.startswith(("panic:", "fatal error:")) or "panic:" in ln), 0)
+    from that line (or from the start) and the last ``tail_chars``. A Go value dumped in the
+    message (``encoding error at object tcp.endpoint{...}: <cause>``, kilobytes) is cut to its
+    head so that the cause after it stays in. Control characters are replaced (the output can
+    hold text the guest influenced)."""
+    clean = "".join(c if c.isprintable() or c == "\n" else " " if c == "\t" else "?" for c in text)
+    lines = [_cut_values(ln.strip()) for ln in clean.splitlines() if ln.strip()]
+    start = next((i for i, ln in enumerate(lines) if "panic:" in ln or ln.startswith("fatal error:")), 0)
     head = " | ".join(lines[start:])
     if len(head) <= limit:
         return head or "(no output)"
     rest = " | ".join(lines)
     return head[: limit - tail_chars - 5] + " ... " + rest[-tail_chars:]
+
+
+def _cut_values(line: str, keep: int = 120) -> str:
+    """``line`` with each outermost ``{...}`` longer than ``keep`` cut to its first ``keep``
+    characters and ``...}``; braces inside quotes count too (a cut only shortens)."""
+    out: list[str] = []
+    depth = 0
+    kept = 0
+    for c in line:
+        if depth == 0:
+            out.append(c)
+            if c == "{":
+                depth, kept = 1, 0
+            continue
+        depth += (c == "{") - (c == "}")
+        if depth == 0:
+            out.append("...}" if kept > keep else "}")
+        elif kept < keep:
+            out.append(c)
+        kept += 1
+    return "".join(out)
 
 
 def tail(path: Path, limit: int = 600) -> str:
