@@ -582,10 +582,7 @@ class ClusterFront:
         """The sandbox a snapshot (or a paused sandbox's id) was taken of ("" if unknown)."""
         if ref.startswith("sb-"):
             return ref
-        for snap, owner, _, _ in self.cluster.registry.all_snapshots():
-            if snap == ref:
-                return owner
-        return ""
+        return self.cluster.registry.snapshot_sandbox(ref) or ""  # one read by its key, never a scan
 
     def _snapshot_shape(self, ref: str) -> tuple[str, Limits | None]:
         """The tier and memory of the sandbox a snapshot (or a paused sandbox's id) was taken of."""
