@@ -183,7 +183,10 @@ def test_a_creator_killed_with_the_disk_mounted_leaves_nothing_once_reaped(home,
     )
     assert r.returncode == -9, r.stderr[-2000:]
     sid = r.stdout.split()[0]
-    assert _leftovers(engine, sid)[0], "the disk was not mounted when the creator died"
+    if not _leftovers(engine, sid)[0]:
+        # the session's pool daemon reaps orphans too, and on a loaded host it can get there before
+        # this line (CI, 2026-12-05): then the row must already say so, and nothing may be left
+        assert engine.info(sid)[0].state is State.DESTROYED, "the disk was not mounted when the creator died"
 
     def reaped() -> bool:
         try:
