@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from warmbox.bench.common import _pct, _stats
+from warmbox.bench.common import _pct, _stats, check_ranges
 from warmbox.errors import InvalidArgument, WarmboxError
 
 POOL = "bench-api"
@@ -525,20 +525,20 @@ async def part_burst(
 
 
 def validate(args: argparse.Namespace) -> None:
-    for name, lo, hi in (
-        ("runs", 1, 10000),
-        ("execs", 1, 100000),
-        ("file_mb", 1, 256),
-        ("file_runs", 1, 1000),
-        ("creates", 1, 1000),
-        ("clients", 1, 32),
-        ("concurrency", 1, 256),
-        ("rounds", 1, 100),
-        ("refill_concurrency", 1, 64),
-    ):
-        v = getattr(args, name)
-        if not lo <= v <= hi:
-            raise InvalidArgument(f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {v}")
+    check_ranges(
+        args,
+        (
+            ("runs", 1, 10000),
+            ("execs", 1, 100000),
+            ("file_mb", 1, 256),
+            ("file_runs", 1, 1000),
+            ("creates", 1, 1000),
+            ("clients", 1, 32),
+            ("concurrency", 1, 256),
+            ("rounds", 1, 100),
+            ("refill_concurrency", 1, 64),
+        ),
+    )
     if args.pool is not None and not 0 <= args.pool <= 1000:
         raise InvalidArgument(f"--pool must be in [0, 1000], got {args.pool}")
     if args.clients > args.creates:

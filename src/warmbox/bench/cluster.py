@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from warmbox.bench.api import CODE, Server, _remote_burst, _warm_once
-from warmbox.bench.common import _stats
-from warmbox.errors import InvalidArgument, WarmboxError
+from warmbox.bench.common import _stats, check_ranges
+from warmbox.errors import WarmboxError
 
 POOL = "bench-cluster"
 NODE_NAMES = ("n1", "n2", "n3")
@@ -564,19 +564,19 @@ def _wait_down(cluster: LocalCluster, name: str) -> float:
 
 
 def validate(args: argparse.Namespace) -> None:
-    for name, lo, hi in (
-        ("nodes", 1, 3),
-        ("runs", 1, 1000),
-        ("creates", 1, 500),
-        ("clients", 1, 16),
-        ("concurrency", 1, 64),
-        ("failovers", 0, 20),
-        ("slots", 2, 256),
-        ("pool", 0, 500),
-    ):
-        v = getattr(args, name)
-        if not lo <= v <= hi:
-            raise InvalidArgument(f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {v}")
+    check_ranges(
+        args,
+        (
+            ("nodes", 1, 3),
+            ("runs", 1, 1000),
+            ("creates", 1, 500),
+            ("clients", 1, 16),
+            ("concurrency", 1, 64),
+            ("failovers", 0, 20),
+            ("slots", 2, 256),
+            ("pool", 0, 500),
+        ),
+    )
 
 
 async def bench_cluster(args: argparse.Namespace) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
+from collections.abc import Iterable
 
 EMPTY = ["python3", "-c", "print(2+2)"]
 AGENT_CODE = (
@@ -28,3 +30,13 @@ def _stats(v: list[float]) -> dict[str, float]:
         "min_ms": min(v),
         "n": len(v),
     }
+
+
+def check_ranges(args: argparse.Namespace, ranges: Iterable[tuple[str, float, float]]) -> None:
+    """InvalidArgument naming the first option of ``ranges`` (attribute, lowest, highest) outside its range."""
+    from warmbox.errors import InvalidArgument
+
+    for name, lo, hi in ranges:
+        v = getattr(args, name)
+        if not lo <= v <= hi:
+            raise InvalidArgument(f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {v}")

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from warmbox.bench.common import AGENT, AGENT_CODE, EMPTY, VARIANTS, _pct, _stats  # noqa: F401 - used below
+from warmbox.bench.common import AGENT, AGENT_CODE, EMPTY, VARIANTS, _pct, _stats, check_ranges  # noqa: F401 - used below
 from warmbox.errors import WarmboxError
 
 
@@ -1070,11 +1070,7 @@ def _validate(args: argparse.Namespace) -> None:
         "snapshot": [("runs", 1, 1000), ("mb", 0, 4096)],
         "density": [("max", 1, 2000), ("step", 1, 2000), ("memory_bound_gib", 0.01, 1024)],
     }
-    checks = table[args.bench]
-    for name, lo, hi in checks:
-        v = getattr(args, name)
-        if not lo <= v <= hi:
-            raise InvalidArgument(f"--{name.replace('_', '-')} must be in [{lo}, {hi}], got {v}")
+    check_ranges(args, table[args.bench])
     if args.bench == "burst" and (not args.pools or any(not 0 <= n <= 500 for n in args.pools)):
         raise InvalidArgument("--pools sizes must be in [0, 500]")
 
