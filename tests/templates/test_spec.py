@@ -6,8 +6,10 @@ import pytest
 
 from warmbox import wire
 from warmbox.errors import DockerfileError, InvalidArgument
+from warmbox.network.policy import Network, Secret
 from warmbox.templates import (
     AptInstall,
+    BuildNetwork,
     BuiltSource,
     Copy,
     DebianSource,
@@ -25,7 +27,7 @@ from warmbox.templates import (
     spec_hash,
     step_key,
 )
-from warmbox.templates.keys import tree_hash
+from warmbox.templates.keys import HOST_OWNER, owner, run_key, tree_hash
 
 
 def test_fluent_spec_is_immutable_and_ordered():
@@ -204,6 +206,36 @@ def test_step_keys_chain():
     t = Template.from_template("base").run("make")
     assert spec_hash(t) == spec_hash(Template.from_template("base").run("make"))
     assert spec_hash(t) != spec_hash(t.warmup(code="import x"))
+
+
+def test_a_run_steps_key_holds_its_owner_and_the_build_network():
+    step, none = Run(shell="make"), BuildNetwork()
+    listed = BuildNetwork("allowlist", ("a.example", "b.example"))
+    k = run_key("root", step, owner("t1"), listed)
+    assert k == run_key("root", step, owner("t1"), BuildNetwork("allowlist", ("b.example", "a.example", "a.example")))
+    assert k != run_key("root", step, owner("t2"), listed)  # another tenant
+    assert k != run_key("root", step, owner(None), listed)  # the in-process SDK: an owner of its own
+    assert owner(None) == HOST_OWNER != owner("host")  # no tenant name can be the host
+    assert k != run_key("root", step, owner("t1"), none)  # another network
+    assert k != run_key("root", step, owner("t1"), BuildNetwork("internet"))
+    assert run_key("root", step, owner("t1"), none) != step_key("root", step)
+
+
+@pytest.mark.parametrize(
+    "policy, secrets, match",
+    [
+        (["a.example"], {"TOKEN": Secret("v", hosts=["a.example"])}, "takes no secrets"),
+        ("internet", {"TOKEN": "v"}, "takes no secrets"),
+        ({"allow": ["a.example"], "secrets": {"TOKEN": "v"}}, None, "takes no secrets"),
+        (Network(allow=["a.example"], on_unknown="ask"), None, "cannot ask"),
+        (Network(allow=["a.example"], deny=["b.example"]), None, "allow list only"),
+    ],
+)
+def test_a_build_network_is_never_narrowed_quietly(policy, secrets, match):
+    with pytest.raises(InvalidArgument, match=match):
+        Template.from_template("base").network(policy, secrets=secrets)
+    t = Template.from_template("base").network(Network(allow=["a.example"]), secrets={})
+    assert t.build_network == BuildNetwork("allowlist", ("a.example",))
 
 
 def test_tree_hash_sees_content_modes_and_links_never_follows(tmp_path):

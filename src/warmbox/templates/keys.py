@@ -1,5 +1,10 @@
 """Cache keys of template steps: each is sha256(previous key, the step's canonical form, the content
-hash of what it copies), so a changed step (or anything before it) changes every key after it."""
+hash of what it copies), so a changed step (or anything before it) changes every key after it.
+
+A step that runs code (RUN, apt, pip, npm) is keyed on who builds it and with what egress too
+(:func:`run_key`): its output is whatever the code fetched or made, so it is reused only by the
+same owner with the same build network. A COPY's key stays the content's (:func:`step_key`): both
+sides of a cross-owner hit hold those bytes."""
 
 from __future__ import annotations
 
@@ -26,8 +31,31 @@ def source_key(source: spec.Source, resolved: str) -> str:
     return hashlib.sha256(f"source\n{canonical(source)}\n{resolved}".encode()).hexdigest()
 
 
+HOST_OWNER = "host"  # the in-process engine (no tenant: the host's operator), one owner of its own
+
+
+def owner(tenant: str | None) -> str:
+    """Who a build step belongs to: ``tenant:<name>``, or :data:`HOST_OWNER` without a tenant (the
+    in-process SDK, root on the unix socket). Never equal for two different callers."""
+    return HOST_OWNER if tenant is None else f"tenant:{tenant}"
+
+
+def network_text(net: spec.BuildNetwork) -> str:
+    """A build network as it enters a key: its mode and its allow list, sorted and deduplicated
+    (the same policy written in another order is the same policy)."""
+    return json.dumps([net.mode, sorted(set(net.allow))], separators=(",", ":"))
+
+
 def step_key(previous: str, step: spec.Step, content: str = "") -> str:
+    """The key of a config step (ENV, WORKDIR, USER) or a COPY (``content``: its tree hash)."""
     return hashlib.sha256(f"{previous}\n{canonical(step)}\n{content}".encode()).hexdigest()
+
+
+def run_key(previous: str, step: spec.Step, owner: str, net: spec.BuildNetwork) -> str:
+    """The key of a step that runs code: the step, its owner (:func:`owner`) and the build network,
+    so another tenant, or the same one with another egress, never gets its layer."""
+    text = f"{previous}\n{canonical(step)}\nowner {owner}\nnetwork {network_text(net)}"
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def spec_hash(t: spec.Template) -> str:
