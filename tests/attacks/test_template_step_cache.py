@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import secrets
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -124,6 +125,17 @@ def test_a_copy_of_the_same_bytes_is_shared_but_reported_done_to_another_tenant(
         # B's own now: cached for B
         _, steps = _build(url, b, name_b, t)
         assert steps[1] == {"cached"}, steps
+
+        # the same bytes with another mtime: not A's layer (its mtimes would tell B when A's file
+        # changed); B's own copy, reported done
+        t2 = Template.from_template("base").env({"WB_SCENARIO": tok}).copy("data.txt", f"/opt/wb-copy-{tok}.txt")
+        t2 = t2.with_context(tmp_path)
+        info_a2, steps = _build(url, a, name_a, t2)
+        assert steps[2] == {"running", "done"}, steps
+        os.utime(tmp_path / "data.txt", (1_000_000_000, 1_000_000_000))
+        info_b2, steps = _build(url, b, name_b, t2)
+        assert steps[2] == {"running", "done"}, steps
+        assert info_b2.layers[-1] != info_a2.layers[-1]
     finally:
         _drop(url, a, name_a)
         _drop(url, b, name_b)

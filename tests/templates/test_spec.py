@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from warmbox import wire
@@ -27,7 +29,7 @@ from warmbox.templates import (
     spec_hash,
     step_key,
 )
-from warmbox.templates.keys import HOST_OWNER, owner, run_key, tree_hash
+from warmbox.templates.keys import HOST_OWNER, owner, run_key, tree_hash, tree_hashes
 
 
 def test_fluent_spec_is_immutable_and_ordered():
@@ -252,3 +254,19 @@ def test_tree_hash_sees_content_modes_and_links_never_follows(tmp_path):
     h3 = tree_hash(str(tmp_path / "d"))
     (tmp_path / "outside").write_text("changed")
     assert tree_hash(str(tmp_path / "d")) == h3  # the link's target, not what it points to
+
+
+def test_tree_hashes_second_sees_the_mtimes_a_layer_keeps(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_text("x")
+    os.symlink("f", tmp_path / "d" / "l")
+    plain, timed = tree_hashes(str(tmp_path / "d"))
+    assert plain == tree_hash(str(tmp_path / "d")) and timed != plain
+    os.utime(tmp_path / "d" / "f", (1_000_000_000, 1_000_000_000))
+    p2, t2 = tree_hashes(str(tmp_path / "d"))
+    assert p2 == plain and t2 != timed
+    os.utime(tmp_path / "d" / "l", (1_000_000_000, 1_000_000_000), follow_symlinks=False)
+    p3, t3 = tree_hashes(str(tmp_path / "d"))
+    assert p3 == plain and t3 != t2
+    os.utime(tmp_path / "d", (5, 5))  # a layer keeps no directory mtime
+    assert tree_hashes(str(tmp_path / "d")) == (p3, t3)

@@ -558,8 +558,9 @@ GUARANTEES: tuple[Guarantee, ...] = (
         "it with the same build network: its cache key holds the owner (the in-process SDK is one owner of "
         "its own) and the allow list, and a tenant's step cache is its own registry rows. Another tenant "
         "building the same step text runs it itself and never reads the first one's output; a COPY of the "
-        "same bytes may share its layer, but is reported done, never cached, so progress tells a tenant "
-        "nothing of another's builds. A build network carrying secrets is refused, never dropped.",
+        "same files (bytes, modes, mtimes) may share its layer, but is reported done, never cached, so "
+        "progress and the image tell a tenant nothing of another's builds. A build network carrying "
+        "secrets is refused, never dropped.",
         ("container",),
         (
             "test_template_step_cache.py::test_another_tenant_runs_the_same_step_itself_and_never_reads_its_output",

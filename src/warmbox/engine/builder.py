@@ -8,8 +8,9 @@ of what it copies), and for a step that runs code also its owner and the build n
 registry (``build_steps``), the host's (no tenant: the in-process SDK, root on the unix socket)
 in the host-wide layer store, so the operator's builds (the built-in ``browser``) are found by every
 home of the host. A key the owner's cache knows reuses its layer (no sandbox; reported
-``cached``). A COPY is pure content: one another owner made from the same bytes over the same
-image is reused too, but reported ``done`` (progress never tells a tenant what another built).
+``cached``). A COPY is pure content: one another owner made from the same files (bytes, modes and
+mtimes: all a COPY layer takes from them) over the same image is reused too, but reported
+``done`` (progress never tells a tenant what another built).
 Otherwise
 
 - RUN / apt / pip / npm run as root (or the spec's USER) in a *build sandbox*: a container-tier
@@ -287,6 +288,8 @@ def copy_layer(out: Path, context: Path, step: ts.Copy, index: int, layer_dirs: 
                 raise TemplateBuildError(f"COPY: two sources land on {target}")
             if os.path.islink(src):
                 os.symlink(os.readlink(src), final)
+                st = os.lstat(src)  # the link's own mtime, as copy2 keeps a file's: the layer is the tree's
+                os.utime(final, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
             else:
                 shutil.copy2(src, final)
             os.lchown(final, *owner)
@@ -459,13 +462,15 @@ class Build:
                 await self._event(n, text, "config")
                 continue
             # ENV/WORKDIR/USER before it are in the chain
+            shared_key = ""  # a COPY's key in the content cache (every owner's)
             if isinstance(step, ts.Copy):
                 if context is None or not (context / str(i)).is_dir():
                     raise TemplateBuildError(
                         f"{label}: its files are missing from the build context (build with the SDK or CLI)",
                         step=label,
                     )
-                content = await asyncio.to_thread(keys.tree_hash, str(context / str(i)))
+                content, timed = await asyncio.to_thread(keys.tree_hashes, str(context / str(i)))
+                shared_key = _CONTENT_STEPS + keys.step_key(key, step, timed)
                 key = keys.step_key(key, step, content)
             else:
                 key = keys.run_key(key, step, self.owner, t.build_network)
@@ -476,8 +481,8 @@ class Build:
                 await self._event(n, text, "cached", time.monotonic() - t1, cached)
                 continue
             await self._event(n, text, "running")
-            shared = self.store.cached_step(_CONTENT_STEPS + key) if isinstance(step, ts.Copy) else None
-            if shared is not None:  # the same bytes over the same image, copied by another owner
+            shared = self.store.cached_step(shared_key) if shared_key else None
+            if shared is not None:  # the same files (mtimes too) over the same image, copied by another owner
                 await asyncio.to_thread(self._remember, key, shared)
                 image.layers.append(shared)
                 _after(step, image)
@@ -500,8 +505,8 @@ class Build:
                 raise TemplateBuildError(
                     f"step {label} failed: {type(e).__name__}: {e}", template=self.name, step=label
                 ) from None
-            if isinstance(step, ts.Copy):
-                self.store.cache_step(_CONTENT_STEPS + key, digest)
+            if shared_key:
+                self.store.cache_step(shared_key, digest)
             await asyncio.to_thread(self._remember, key, digest)
             image.layers.append(digest)
             _after(step, image)

@@ -68,8 +68,21 @@ def spec_hash(t: spec.Template) -> str:
 def tree_hash(root: str) -> str:
     """sha256 over a tree's names, types, modes, symlink targets and file contents, sorted; walked
     with directory fds, never following a symlink. ``root`` may be a file."""
-    h = hashlib.sha256()
+    return tree_hashes(root)[0]
+
+
+def tree_hashes(root: str) -> tuple[str, str]:
+    """(:func:`tree_hash`, the same with the files' and links' mtimes, in whole seconds as a layer
+    keeps them): the second is everything a COPY layer takes from the tree, so a layer shared by
+    it is the very layer the other side would have made (a layer copied from the same bytes with
+    other mtimes would tell a tenant when another one's files changed). One walk."""
+    h, ht = hashlib.sha256(), hashlib.sha256()
     count = 0
+
+    def add(line: str, mtime: float) -> None:
+        data = line.encode("utf-8", "surrogateescape")
+        h.update(data)
+        ht.update((data[:-1] + f" {max(0, int(mtime))}\n".encode()) if mtime >= 0 else data)
 
     def entry(dir_fd: int | None, name: str, rel: str) -> None:
         nonlocal count
@@ -79,7 +92,7 @@ def tree_hash(root: str) -> str:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         mode = stat.S_IMODE(st.st_mode)
         if stat.S_ISLNK(st.st_mode):
-            h.update(f"L {rel} {os.readlink(name, dir_fd=dir_fd)}\n".encode("utf-8", "surrogateescape"))
+            add(f"L {rel} {os.readlink(name, dir_fd=dir_fd)}\n", st.st_mtime)
         elif stat.S_ISREG(st.st_mode):
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
             try:
@@ -90,9 +103,9 @@ def tree_hash(root: str) -> str:
                     fh.update(chunk)
             finally:
                 os.close(fd)
-            h.update(f"F {rel} {mode:o} {fh.hexdigest()}\n".encode("utf-8", "surrogateescape"))
+            add(f"F {rel} {mode:o} {fh.hexdigest()}\n", st.st_mtime)
         elif stat.S_ISDIR(st.st_mode):
-            h.update(f"D {rel} {mode:o}\n".encode("utf-8", "surrogateescape"))
+            add(f"D {rel} {mode:o}\n", -1)  # a layer keeps no directory mtime
             fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
             try:
                 for child in sorted(os.listdir(fd)):
@@ -102,4 +115,4 @@ def tree_hash(root: str) -> str:
         # FIFOs, devices, sockets: not copied, not hashed
 
     entry(None, root, ".")
-    return h.hexdigest()
+    return h.hexdigest(), ht.hexdigest()
