@@ -4,6 +4,7 @@ with its own image cache, so b fetches the layers it lacks from the object store
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import secrets
@@ -13,8 +14,13 @@ import pytest
 
 from tests import layershare
 from warmbox import Sandbox
+from warmbox import operations as ops
+from warmbox.engine.front import EngineFront
+from warmbox.models import Tenant
 from warmbox.storage import templates
 from warmbox.storage.layers import LayerStore
+from warmbox.templates import Template
+from warmbox.templates.context import pack_context
 
 pytestmark = pytest.mark.sandbox
 
@@ -58,3 +64,41 @@ def test_a_template_built_on_node_a_runs_on_node_b_from_the_object_store(
         assert os.listdir(b_store.tmp) == []
     finally:
         sb.kill()
+
+
+def _build_as(engine, tenant, name: str, t):  # type: ignore[no-untyped-def]
+    events: list = []
+
+    async def go():  # type: ignore[no-untyped-def]
+        front = EngineFront(engine, tenant)
+        try:
+            return await front.handle(ops.TemplateBuild(name, t, pack_context(t), events.append))
+        finally:
+            await front.close()
+
+    info = asyncio.run(go())
+    return info, {e.status for e in events if e.step == 1}
+
+
+def test_a_tenants_step_cache_is_the_clusters_and_another_tenants_is_not(
+    shared, node_homes, monkeypatch, cache_b, runc_ready
+):
+    """A tenant's step rows live in the shared registry: its step built on node a is a cache hit on
+    node b (the layer fetched from the object store); another tenant's same step runs on b."""
+    a = node_homes.add("a")
+    b = node_homes.add("b", share=a)
+    shared.seed_builtin(cache_b)
+    tok = secrets.token_hex(4)
+    alice, bob = Tenant(f"alice-{tok}"), Tenant(f"bob-{tok}")
+    t = Template.from_template("base").run(f"head -c 16 /dev/urandom | base64 > /etc/step-{tok}")
+    info, statuses = _build_as(a, alice, f"t-step-{tok}", t)
+    assert statuses == {"running", "done"}
+    mine = info.layers[-1]
+
+    monkeypatch.setenv("WARMBOX_IMAGE_CACHE", str(cache_b))  # from here on: node b's host
+    assert not LayerStore(cache_b).has(mine)
+    again, statuses = _build_as(b, alice, f"t-step-{tok}", t)
+    assert statuses == {"cached"} and again.layers == info.layers
+    assert LayerStore(cache_b).has(mine)  # fetched, checked against its digest
+    other, statuses = _build_as(b, bob, f"t-step-{tok}", t)
+    assert statuses == {"running", "done"} and other.layers[-1] != mine

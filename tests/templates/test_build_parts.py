@@ -161,6 +161,10 @@ def test_toml_form(tmp_path: Path):
         spec_from_table({"apt": ["x"]}, str(tmp_path))
     with pytest.raises(InvalidArgument, match="one source"):
         spec_from_table({"from": "base", "debian": "bookworm"}, str(tmp_path))
+    with pytest.raises(InvalidArgument, match="takes no secrets"):  # never ignored
+        spec_from_table({"from": "base", "run": ["true"], "secrets": {"TOKEN": "v"}}, str(tmp_path))
+    with pytest.raises(InvalidArgument, match="takes no secrets"):
+        spec_from_table({"dockerfile": "Dockerfile", "secrets": {"TOKEN": "v"}}, str(tmp_path))
     (tmp_path / "Dockerfile").write_text("FROM base\nRUN true\n")
     assert spec_from_table({"dockerfile": "Dockerfile"}, str(tmp_path)).steps == (Run(shell="true"),)  # type: ignore[union-attr]
 

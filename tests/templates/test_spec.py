@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from warmbox import wire
 from warmbox.errors import DockerfileError, InvalidArgument
+from warmbox.network.policy import Network, Secret
 from warmbox.templates import (
     AptInstall,
+    BuildNetwork,
     BuiltSource,
     Copy,
     DebianSource,
@@ -25,7 +29,7 @@ from warmbox.templates import (
     spec_hash,
     step_key,
 )
-from warmbox.templates.keys import tree_hash
+from warmbox.templates.keys import HOST_OWNER, owner, run_key, tree_hash, tree_hashes
 
 
 def test_fluent_spec_is_immutable_and_ordered():
@@ -206,6 +210,36 @@ def test_step_keys_chain():
     assert spec_hash(t) != spec_hash(t.warmup(code="import x"))
 
 
+def test_a_run_steps_key_holds_its_owner_and_the_build_network():
+    step, none = Run(shell="make"), BuildNetwork()
+    listed = BuildNetwork("allowlist", ("a.example", "b.example"))
+    k = run_key("root", step, owner("t1"), listed)
+    assert k == run_key("root", step, owner("t1"), BuildNetwork("allowlist", ("b.example", "a.example", "a.example")))
+    assert k != run_key("root", step, owner("t2"), listed)  # another tenant
+    assert k != run_key("root", step, owner(None), listed)  # the in-process SDK: an owner of its own
+    assert owner(None) == HOST_OWNER != owner("host")  # no tenant name can be the host
+    assert k != run_key("root", step, owner("t1"), none)  # another network
+    assert k != run_key("root", step, owner("t1"), BuildNetwork("internet"))
+    assert run_key("root", step, owner("t1"), none) != step_key("root", step)
+
+
+@pytest.mark.parametrize(
+    "policy, secrets, match",
+    [
+        (["a.example"], {"TOKEN": Secret("v", hosts=["a.example"])}, "takes no secrets"),
+        ("internet", {"TOKEN": "v"}, "takes no secrets"),
+        ({"allow": ["a.example"], "secrets": {"TOKEN": "v"}}, None, "takes no secrets"),
+        (Network(allow=["a.example"], on_unknown="ask"), None, "cannot ask"),
+        (Network(allow=["a.example"], deny=["b.example"]), None, "allow list only"),
+    ],
+)
+def test_a_build_network_is_never_narrowed_quietly(policy, secrets, match):
+    with pytest.raises(InvalidArgument, match=match):
+        Template.from_template("base").network(policy, secrets=secrets)
+    t = Template.from_template("base").network(Network(allow=["a.example"]), secrets={})
+    assert t.build_network == BuildNetwork("allowlist", ("a.example",))
+
+
 def test_tree_hash_sees_content_modes_and_links_never_follows(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "f").write_text("one")
@@ -220,3 +254,19 @@ def test_tree_hash_sees_content_modes_and_links_never_follows(tmp_path):
     h3 = tree_hash(str(tmp_path / "d"))
     (tmp_path / "outside").write_text("changed")
     assert tree_hash(str(tmp_path / "d")) == h3  # the link's target, not what it points to
+
+
+def test_tree_hashes_second_sees_the_mtimes_a_layer_keeps(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_text("x")
+    os.symlink("f", tmp_path / "d" / "l")
+    plain, timed = tree_hashes(str(tmp_path / "d"))
+    assert plain == tree_hash(str(tmp_path / "d")) and timed != plain
+    os.utime(tmp_path / "d" / "f", (1_000_000_000, 1_000_000_000))
+    p2, t2 = tree_hashes(str(tmp_path / "d"))
+    assert p2 == plain and t2 != timed
+    os.utime(tmp_path / "d" / "l", (1_000_000_000, 1_000_000_000), follow_symlinks=False)
+    p3, t3 = tree_hashes(str(tmp_path / "d"))
+    assert p3 == plain and t3 != t2
+    os.utime(tmp_path / "d", (5, 5))  # a layer keeps no directory mtime
+    assert tree_hashes(str(tmp_path / "d")) == (p3, t3)

@@ -553,6 +553,22 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ),
     ),
     Guarantee(
+        "tenants",
+        "A template build step that runs code (RUN, apt, pip, npm) is reused only by the tenant that built "
+        "it with the same build network: its cache key holds the owner (the in-process SDK is one owner of "
+        "its own) and the allow list, and a tenant's step cache is its own registry rows. Another tenant "
+        "building the same step text runs it itself and never reads the first one's output; a COPY of the "
+        "same files (bytes, modes, mtimes) may share its layer, but is reported done, never cached, so "
+        "progress and the image tell a tenant nothing of another's builds. A build network carrying "
+        "secrets is refused, never dropped.",
+        ("container",),
+        (
+            "test_template_step_cache.py::test_another_tenant_runs_the_same_step_itself_and_never_reads_its_output",
+            "test_template_step_cache.py::test_a_copy_of_the_same_bytes_is_shared_but_reported_done_to_another_tenant",
+            "test_template_step_cache.py::test_a_build_network_carrying_secrets_is_refused",
+        ),
+    ),
+    Guarantee(
         "files",
         "A cluster node trusts no template layer it fetches from the shared object store: it reads at most "
         "a bound (the object's size first, then the stream), re-hashes the bytes against the digest the "

@@ -3,8 +3,15 @@ store and a version in the registry.
 
 The source resolves to layers (a built template's, an OCI archive's or registry image's, a Debian
 tree). Then each step, in order: its cache key is sha256(previous key, the step, the content hash
-of what it copies) (:mod:`warmbox.templates.keys`); a key the step cache knows reuses its layer
-(no sandbox); otherwise
+of what it copies), and for a step that runs code also its owner and the build network
+(:mod:`warmbox.templates.keys`). The step cache is the owner's own: a tenant's rows in the
+registry (``build_steps``), the host's (no tenant: the in-process SDK, root on the unix socket)
+in the host-wide layer store, so the operator's builds (the built-in ``browser``) are found by every
+home of the host. A key the owner's cache knows reuses its layer (no sandbox; reported
+``cached``). A COPY is pure content: one another owner made from the same files (bytes, modes and
+mtimes: all a COPY layer takes from them) over the same image is reused too, but reported
+``done`` (progress never tells a tenant what another built).
+Otherwise
 
 - RUN / apt / pip / npm run as root (or the spec's USER) in a *build sandbox*: a container-tier
   sandbox over the layers so far whose writable upper layer is a fresh host directory
@@ -43,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from warmbox.backends import workspace_disk
 from warmbox.config import Template as WarmupTemplate
 from warmbox.errors import (
+    StorageError,
     TemplateBuildError,
     TemplateError,
     TemplateNotFound,
@@ -68,6 +76,10 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LOG_TAIL = 2000  # characters of a failed step's output in its error
 _BUILD_WARMUP = WarmupTemplate(name="template-build", warmup_code=None)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# namespaces of the host-wide step cache (LayerStore.cached_step): the host owner's own steps, and
+# COPY layers by content (any owner's). The bare keys of earlier versions are never read again.
+_HOST_STEPS = keys.HOST_OWNER + "\n"
+_CONTENT_STEPS = "content\n"
 
 
 @dataclasses.dataclass
@@ -276,6 +288,8 @@ def copy_layer(out: Path, context: Path, step: ts.Copy, index: int, layer_dirs: 
                 raise TemplateBuildError(f"COPY: two sources land on {target}")
             if os.path.islink(src):
                 os.symlink(os.readlink(src), final)
+                st = os.lstat(src)  # the link's own mtime, as copy2 keeps a file's: the layer is the tree's
+                os.utime(final, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
             else:
                 shutil.copy2(src, final)
             os.lchown(final, *owner)
@@ -356,6 +370,7 @@ class Build:
         self.context_data = context
         self.on_progress = on_progress
         self.tenant = tenant
+        self.owner = keys.owner(tenant.name if tenant is not None else None)
         self.description = description
         self.disk_mb = disk_mb
         self.store = layer_store.LayerStore(image_cache())
@@ -446,22 +461,33 @@ class Build:
                 key = keys.step_key(key, step)
                 await self._event(n, text, "config")
                 continue
-            content = ""
+            # ENV/WORKDIR/USER before it are in the chain
+            shared_key = ""  # a COPY's key in the content cache (every owner's)
             if isinstance(step, ts.Copy):
                 if context is None or not (context / str(i)).is_dir():
                     raise TemplateBuildError(
                         f"{label}: its files are missing from the build context (build with the SDK or CLI)",
                         step=label,
                     )
-                content = await asyncio.to_thread(keys.tree_hash, str(context / str(i)))
-            key = keys.step_key(key, step, content)  # ENV/WORKDIR/USER before it are in the chain
-            cached = self.store.cached_step(key)
+                content, timed = await asyncio.to_thread(keys.tree_hashes, str(context / str(i)))
+                shared_key = _CONTENT_STEPS + keys.step_key(key, step, timed)
+                key = keys.step_key(key, step, content)
+            else:
+                key = keys.run_key(key, step, self.owner, t.build_network)
+            cached = await asyncio.to_thread(self._own_step, key)
             if cached is not None:
                 image.layers.append(cached)
                 _after(step, image)
                 await self._event(n, text, "cached", time.monotonic() - t1, cached)
                 continue
             await self._event(n, text, "running")
+            shared = self.store.cached_step(shared_key) if shared_key else None
+            if shared is not None:  # the same files (mtimes too) over the same image, copied by another owner
+                await asyncio.to_thread(self._remember, key, shared)
+                image.layers.append(shared)
+                _after(step, image)
+                await self._event(n, text, "done", time.monotonic() - t1, shared)
+                continue
             self._write(f"\n## step {label}\n")
             try:
                 if isinstance(step, ts.Copy):
@@ -479,11 +505,38 @@ class Build:
                 raise TemplateBuildError(
                     f"step {label} failed: {type(e).__name__}: {e}", template=self.name, step=label
                 ) from None
-            self.store.cache_step(key, digest)
+            if shared_key:
+                self.store.cache_step(shared_key, digest)
+            await asyncio.to_thread(self._remember, key, digest)
             image.layers.append(digest)
             _after(step, image)
             await self._event(n, text, "done", time.monotonic() - t1, digest)
         return await self._record(image)
+
+    # -- the owner's step cache
+
+    def _own_step(self, key: str) -> str | None:
+        """The layer this build's owner made for step ``key`` before, if its blob is here (or, in a
+        cluster, fetched from the shared object store); None otherwise. Never another owner's."""
+        if self.tenant is None:
+            return self.store.cached_step(_HOST_STEPS + key)  # None if its blob is gone
+        digest = self.engine.registry.build_step(self.tenant.name, key)
+        if digest is None or self.store.has(digest):
+            return digest
+        url = self.engine.settings().cluster.object_store
+        if not url:
+            return None  # collected since: the step runs again
+        try:  # another node of the cluster made it (blobs travel content-addressed)
+            storage_templates.fetch_layer(open_store(url), self.store, digest)
+        except (StorageError, TemplateError):  # CorruptLayer included: refused, nothing kept
+            return None
+        return digest
+
+    def _remember(self, key: str, digest: str) -> None:
+        if self.tenant is None:
+            self.store.cache_step(_HOST_STEPS + key, digest)
+        else:
+            self.engine.registry.record_build_step(self.tenant.name, key, digest)
 
     async def _source(self) -> tuple[_Image, str]:
         """The source's layers and config, and what it resolved to (for the first cache key)."""

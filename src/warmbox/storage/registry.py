@@ -88,7 +88,7 @@ if typing.TYPE_CHECKING:
 
 COMMANDS_HEAD = 5_000  # command records a sandbox keeps from its start (its setup) ...
 COMMANDS_TAIL = 5_000  # ... and from its latest (at most 10,000 rows, 40 MiB of text, per sandbox)
-SCHEMA_VERSION = 16
+SCHEMA_VERSION = 17
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -281,6 +281,13 @@ CREATE TABLE IF NOT EXISTS template_versions (
     last        INTEGER NOT NULL,
     PRIMARY KEY (tenant, name)
 );
+CREATE TABLE IF NOT EXISTS build_steps (
+    tenant      TEXT NOT NULL,
+    step_key    TEXT NOT NULL,
+    digest      TEXT NOT NULL,
+    created_at  REAL NOT NULL,
+    PRIMARY KEY (tenant, step_key)
+);
 CREATE TABLE IF NOT EXISTS volumes (
     tenant      TEXT NOT NULL,
     name        TEXT NOT NULL,
@@ -393,6 +400,8 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE sandboxes ADD COLUMN node TEXT NOT NULL DEFAULT ''",
     # version 16: the node holding each volume's disk ("" = one host)
     "ALTER TABLE volumes ADD COLUMN node TEXT NOT NULL DEFAULT ''",
+    # version 17: build_steps (a new table, made by SCHEMA): a tenant's template build step cache,
+    # keyed by tenant; the host-wide step cache of earlier versions is never read for a tenant
 )
 _NET_LINK_COLUMNS = "sandbox_id, address, ifname, policy, updated_at, node"
 _NODE_COLUMNS = (
@@ -410,6 +419,12 @@ _KEY_TENANT = (
     "t.max_cpus, t.tiers, t.rate_per_s, t.budget_cpu_h, t.budget_gib_h FROM api_keys k "
     "JOIN tenants t ON t.name=k.tenant "
 )
+
+
+def _build_step_tenant(tenant: str) -> None:
+    # the host's own steps (no tenant) live in the host-wide layer store, never here
+    if not isinstance(tenant, str) or not tenant:
+        raise InvalidArgument("a build step recorded in the registry belongs to a tenant (a non-empty name)")
 
 
 def _key_tenant(row: tuple) -> Tenant:
@@ -1719,6 +1734,29 @@ class Registry:
             many=True,
         )
         return {r[0] for r in rows if r[0]}
+
+    def build_step(self, tenant: str, key: str) -> str | None:
+        """The layer digest ``tenant``'s build step ``key`` made (engine/builder.py), or None. Only
+        that tenant's own rows are read: another tenant's step is never found."""
+        _build_step_tenant(tenant)
+        row = self._read("SELECT digest FROM build_steps WHERE tenant=? AND step_key=?", (tenant, key))
+        return row[0] if row else None
+
+    def record_build_step(self, tenant: str, key: str, digest: str) -> None:
+        """Record that ``tenant``'s build step ``key`` made the layer ``digest`` (replacing any earlier)."""
+        _build_step_tenant(tenant)
+        if not isinstance(key, str) or not re.fullmatch(r"[0-9a-f]{64}", key):
+            raise InvalidArgument(f"a build step key is 64 hex digits, got {str(key)[:80]!r}")
+        if not isinstance(digest, str) or not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
+            raise InvalidArgument(f"not a layer digest (sha256:<64 hex>): {str(digest)[:80]!r}")
+        cols = ("tenant", "step_key", "digest", "created_at")
+        try:
+            with self._tx() as db:
+                db.execute(
+                    self._sql.upsert("build_steps", cols, ("tenant", "step_key")), (tenant, key, digest, time.time())
+                )
+        except self._errors as e:
+            raise RegistryError(f"registry error: {e}") from None
 
     def template_layers(self) -> set[str]:
         """Every layer digest some template version (of any tenant) records: what layer gc keeps."""

@@ -431,10 +431,12 @@ class Template:
             _text(c, "warmup command", MAX_TEXT)
         return dataclasses.replace(self, warmup_code=code, warmup_commands=cmds)
 
-    def network(self, policy: object) -> Template:
+    def network(self, policy: object, *, secrets: object = None) -> Template:
         """The build's egress (RUN/apt/pip/npm steps): "none" (default), "internet", a list of host
-        patterns, or a :class:`warmbox.Network` (its allow list)."""
-        return dataclasses.replace(self, build_network=to_build_network(policy))
+        patterns, or a :class:`warmbox.Network` (its allow list). A build takes no secrets: any
+        given are refused (InvalidArgument), never dropped. The policy is part of each such step's
+        cache key: another network runs the step again."""
+        return dataclasses.replace(self, build_network=to_build_network(policy, secrets))
 
     def with_context(self, context: str | os.PathLike[str]) -> Template:
         return dataclasses.replace(self, context=os.fspath(context))
@@ -448,7 +450,20 @@ class Template:
         return ["FROM " + describe_source(self.source)] + [describe(s) for s in self.steps]
 
 
-def to_build_network(policy: object) -> BuildNetwork:
+NO_BUILD_SECRETS = (
+    "a template build takes no secrets: what its steps fetch or write becomes a layer that every "
+    "sandbox of the template reads. Give secrets to the sandboxes (Sandbox.create(secrets=...)), "
+    "or COPY what the build needs from the build context"
+)
+
+
+def to_build_network(policy: object, secrets: object = None) -> BuildNetwork:
+    """A build's network as its record; InvalidArgument for anything a build cannot honour (deny
+    rules, ``on_unknown="ask"``, secrets) rather than a policy quietly narrower than the one asked."""
+    if secrets is not None and secrets != {} and secrets != ():
+        raise InvalidArgument(NO_BUILD_SECRETS)
+    if isinstance(policy, Mapping) and "secrets" in policy:
+        raise InvalidArgument(NO_BUILD_SECRETS)
     if isinstance(policy, BuildNetwork):
         return policy
     if policy in ("none", None):
@@ -466,6 +481,11 @@ def to_build_network(policy: object) -> BuildNetwork:
             )
         if policy.deny:
             raise InvalidArgument("a build's network takes an allow list only (deny rules are not supported)")
+        if policy.on_unknown != "deny":
+            raise InvalidArgument(
+                "a build's network cannot ask about unknown hosts (no one answers during a build): "
+                "on_unknown must be 'deny'"
+            )
         hosts = tuple(policy.allow)
     for h in hosts:
         _text(h, "network host", 253)

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from warmbox.errors import InvalidArgument
-from warmbox.templates.spec import Template
+from warmbox.templates.spec import NO_BUILD_SECRETS, Template
 
 SOURCE_KEYS = ("from", "dockerfile", "debian", "oci", "registry")
 STEP_KEYS = (
@@ -72,6 +72,8 @@ def spec_from_table(table: Mapping[str, Any], base_dir: str) -> Template | None:
         return None
     if len(given) > 1:
         raise InvalidArgument(f"give one source, not {' and '.join(given)}")
+    if "secrets" in table:  # refused, never ignored
+        raise InvalidArgument(NO_BUILD_SECRETS)
     key = given[0]
     value = _str(table[key], key)
     if key == "dockerfile":
