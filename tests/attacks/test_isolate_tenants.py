@@ -35,8 +35,8 @@ from warmbox.storage.uidslots import LEDGER_DIR, UidLedger, slot_of_uid
 pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(240)]
 
 SPIN_S = 6.0  # A's spinning runs' timeout
-# B's `2+2` while A spins 3 isolates and a Wasm loop: measured here 4-30 ms (median ~8 ms) on this
-# loaded 2-core host; the bound leaves room for the load of other processes
+# B's `2+2` while A spins 3 isolates and a Wasm loop: measured on this shared 2-core host 14 ms
+# median, 86 ms at most (2.4 ms before the spin); the bound leaves room for other processes' load
 STALL_BOUND_S = 1.0
 WATCHDOG_S = 2.0 + 2.0  # a spinning run ends by its timeout + the host's watchdog (+ slack for load)
 WASM_LOOP = '(module (func (export "main") (loop $l (br $l))))'

@@ -124,7 +124,7 @@ function newWorker() {
       }
     }
   });
-  const gone = () => {
+  const gone = (code, signal) => {
     if (w.dead) return;
     w.dead = true;
     liveWorkers -= 1;
@@ -134,7 +134,8 @@ function newWorker() {
     w.job = null;
     if (job !== null) {
       clearTimeout(job.timer);
-      if (job.killed) job.resolve({ timed_out: true, stdout: '', stderr: '', error_name: '', error_value: '' });
+      // SIGKILL: the watchdog; SIGXCPU: the job's CPU budget (RLIMIT_CPU, set by the worker)
+      if (job.killed || signal === 'SIGXCPU') job.resolve({ timed_out: true, stdout: '', stderr: '', error_name: '', error_value: '' });
       else job.reject(new Error('the WebAssembly worker ended'));
     }
     pumpWasm();

@@ -10,10 +10,12 @@ a module as WebAssembly text (``(module ...)``) or base64 of its binary. Each ru
   ``proc_exit`` is the run's error (``WasiExit``);
 - otherwise a ``main`` export taking no parameters is called, and its results are the run's text.
 
-Limits: the store's linear memories and tables are capped at the sandbox's memory_mb (a grow past
+Limits: the store's linear memories and tables are capped at the job's memory_mb (a grow past
 it fails; a module whose memory starts past it, or that traps with its memory at the cap, is
 ``oom``); time by epoch interruption (a timer thread bumps the epoch at the deadline: ``timed_out``)
-and fuel (FUEL_PER_S units of fuel per second of timeout: a run that exhausts it is timed out too).
+and fuel (FUEL_PER_S units of fuel per second of timeout: a run that exhausts it is timed out too);
+and, should both fail, by the kernel: RLIMIT_CPU is set to the CPU time used so far plus the
+timeout and CPU_GRACE_S, so a run past it ends the worker (SIGXCPU; the host reports timed_out).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import base64
 import binascii
 import json
 import os
+import resource
 import sys
 import threading
 import time
@@ -34,6 +37,7 @@ FUEL_PER_S = 2_000_000_000  # fuel units (~wasm instructions) a run may use per 
 MAX_RUN_S = 3600.0
 MAX_TEXT = 64 << 10
 WASM_PAGE = 64 << 10
+CPU_GRACE_S = 3
 
 config = wasmtime.Config()
 config.epoch_interruption = True
@@ -93,6 +97,9 @@ def run(job: dict) -> dict:
     budget, truncated = [max(0, int(job["max_output"]))], [False]
     out, err = Output(budget, truncated), Output(budget, truncated)
     result = {"id": job["id"], "text": None, "error_name": "", "error_value": "", "timed_out": False, "oom": False}
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    budget_s = int(used.ru_utime + used.ru_stime + timeout) + CPU_GRACE_S
+    resource.setrlimit(resource.RLIMIT_CPU, (budget_s, resource.getrlimit(resource.RLIMIT_CPU)[1]))
     store = wasmtime.Store(engine)
     store.set_limits(memory_size=cap, table_elements=1 << 20, instances=16, tables=16, memories=16)
     store.set_fuel(int(FUEL_PER_S * timeout))
