@@ -252,8 +252,10 @@ def test_a_host_ends_on_sigterm_and_when_its_home_is_deleted(tenants, runc_ready
         assert pid is not None
         shutil.rmtree(other)
         wait_for(lambda: not host.running(pid), 5, "the host to end with its home")
-        assert host_id in backend.sweep_orphans() or not any(d.exists() for d in host.SandboxCgroup(host_id).dirs())
+        wait_for(lambda: host_id in backend.sweep_orphans(), 10, "the sweep of the host whose home is gone")
         assert not any(d.exists() for d in host.SandboxCgroup(host_id).dirs())
+        ledger = UidLedger(LEDGER_DIR)
+        assert not [s for s in ledger.held() if (ledger.holder(s) or {}).get("sandbox_id") == f"isolate-host:{host_id}"]
     finally:
         shutil.rmtree(other, ignore_errors=True)
         shutil.rmtree(engine.runtime, ignore_errors=True)

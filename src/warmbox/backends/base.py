@@ -135,6 +135,11 @@ class UidSlots(Protocol):
         """Give the range back, if (and only if) the ledger still records it as ``holder``'s."""
         ...
 
+    def forget_gone(self, holder: str) -> bool:
+        """Give back the ranges recorded as ``holder``'s by a home that is gone (nothing runs in
+        them); True when none of ``holder``'s is left."""
+        ...
+
 
 @runtime_checkable
 class HostUids(Protocol):

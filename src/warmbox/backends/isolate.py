@@ -595,7 +595,8 @@ class IsolateBackend:
 
     def sweep_orphans(self) -> list[str]:
         """End the hosts (of any home on this machine) whose home is gone (the file each holds
-        open there): their processes, if one outlived its home, and their cgroups. Returns their ids."""
+        open there): their processes, if one outlived its home, their cgroups and their uid
+        ranges in the ledger. Returns their ids."""
         swept = []
         try:
             names = os.listdir(HOSTS_RECORD)
@@ -606,7 +607,7 @@ class IsolateBackend:
                 mark = (HOSTS_RECORD / name).read_text()
             except OSError:
                 continue
-            if os.path.exists(mark) or not name.startswith("iso-"):
+            if not mark.startswith("/") or os.path.exists(mark) or not name.startswith("iso-"):
                 continue
             cgroup = host.SandboxCgroup(name)
             cgroup.kill_all()
@@ -614,6 +615,10 @@ class IsolateBackend:
                 cgroup.remove()
             except SandboxError:
                 continue  # retried at the next sweep
+            # its range, once nothing runs in it (its init may still be an unreaped zombie: then
+            # the record stays for the next sweep)
+            if self.uid_slots is not None and not self.uid_slots.forget_gone(f"isolate-host:{name}"):
+                continue
             with contextlib.suppress(FileNotFoundError):
                 (HOSTS_RECORD / name).unlink()
             swept.append(name)

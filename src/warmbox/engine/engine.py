@@ -75,6 +75,10 @@ class LedgerSlots:
         if slot is not None:
             self.registry.release_host_slot(holder, slot)
 
+    def forget_gone(self, holder: str) -> bool:
+        with self.registry.ledger.locked() as ledger:
+            return ledger.forget_gone(holder)
+
 
 def validate_timeout(timeout: object, name: str = "timeout") -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout):
@@ -670,8 +674,9 @@ class Engine:
         try:
             session = await provision.connect(self.backend(info.tier), handle)
         except GuestConnectionError:
-            if isinstance(self.backend(info.tier), SharedHost) and sandbox_id in await self.lost_hosts():
-                self.check(Operation.EXEC, self.info(sandbox_id)[0])  # SandboxLost
+            if isinstance(self.backend(info.tier), SharedHost):
+                await self.lost_hosts()  # its host process ended: lost (here, or by the reaper meanwhile)
+                self.check(Operation.EXEC, self.info(sandbox_id)[0])  # SandboxLost if so
             if not await self.backend(info.tier).alive(handle):
                 await self.destroy(sandbox_id, "found dead")
                 raise SandboxNotFound(f"sandbox {sandbox_id} is no longer running", sandbox_id) from None

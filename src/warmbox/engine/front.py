@@ -536,8 +536,8 @@ class EngineFront:
             await self._drop(sandbox_id)
             await self.engine.expire(info)
         if info.state in (State.READY, State.RUNNING) and isinstance(self.engine.backend(info.tier), SharedHost):
-            if sandbox_id in await self.engine.lost_hosts():  # its host process ended: lost, at once
-                info, _ = self.engine.info(sandbox_id)
+            await self.engine.lost_hosts()  # its host process ended: lost, at once (here or by the reaper)
+            info, _ = self.engine.info(sandbox_id)
         if info.state is State.PAUSED:
             await self._drop(sandbox_id)
             raise self.engine.paused_error(sandbox_id) from None
