@@ -26,7 +26,7 @@ import pytest
 from tests.conftest import start_server, wait_for
 from warmbox import Limits, Sandbox
 from warmbox.backends import _host as host
-from warmbox.backends.isolate import HOST_BUDGET_MB, HOST_UID, ISOLATE_OVERHEAD_MB, IsolateBackend
+from warmbox.backends.isolate import HOST_BUDGET_MB, HOST_IDLE_S, HOST_UID, ISOLATE_OVERHEAD_MB, IsolateBackend
 from warmbox.engine.engine import Engine
 from warmbox.errors import LimitTooHigh, SandboxLost
 from warmbox.models import State
@@ -230,7 +230,7 @@ def test_a_killed_host_marks_its_tenants_sandboxes_lost_at_once_and_no_other(ten
     assert tenants.engine.registry.get(a2.sandbox_id)[0].state is State.LOST
 
 
-def test_a_host_ends_on_sigterm_and_when_its_home_is_deleted(tenants, runc_ready):
+def test_a_host_ends_on_sigterm_when_idle_and_when_its_home_is_deleted(tenants, runc_ready):
     backend = tenants.backend
     name = f"iso-term-{secrets.token_hex(3)}"
     backend.ensure_host(name)
@@ -239,6 +239,20 @@ def test_a_host_ends_on_sigterm_and_when_its_home_is_deleted(tenants, runc_ready
     os.kill(pid, signal.SIGTERM)
     wait_for(lambda: not host.running(pid), 5, "the host to end on SIGTERM")
     backend.end_host(name)
+    # a host that held nothing for HOST_IDLE_S is ended by the reaper's tend_hosts
+    backend.ensure_host(name)
+    pid = backend.host_pid(name)
+    live = [
+        h
+        for i, h in tenants.engine.registry.list(include_pooled=True, local=True)
+        if i.tier == "isolate" and i.state in (State.READY, State.RUNNING, State.POOLED)
+    ]
+    backend.tend_hosts(live)
+    assert backend.host_pid(name) == pid  # idle from now on
+    idle = backend.host(name).idle
+    idle.write_text(str(time.time() - HOST_IDLE_S - 1))  # as if that was a while ago
+    backend.tend_hosts(live)
+    assert backend.host_pid(name) is None and not host.running(pid)
     # a home of its own, deleted under its running host
     other = Path(f"/tmp/wbiso-{secrets.token_hex(3)}")
     other.mkdir(mode=0o700)

@@ -741,9 +741,13 @@ class IsolateBackend:
         except (OSError, ValueError, KeyError, TypeError):
             raise SandboxStartError("the sandbox's limits are gone", handle.sandbox_id) from None
         h = self.host(tenant)
-        if self._pid(h) is None or not h.control_path.exists():
-            await asyncio.to_thread(self.ensure_host, tenant)
-        reply = await asyncio.to_thread(self._add, h, handle, memory_mb)
+        reply: dict = {"ended": True}
+        for _ in range(3):  # a host ended as idle between its start check and the add: start it again
+            if self._pid(h) is None or not h.control_path.exists():
+                await asyncio.to_thread(self.ensure_host, tenant)
+            reply = await asyncio.to_thread(self._add, h, handle, memory_mb)
+            if not reply.get("ended"):
+                break
         if not reply.get("ok"):
             if reply.get("code") == "memory":
                 most = int(reply.get("maximum", 0))
@@ -768,6 +772,11 @@ class IsolateBackend:
         stop meanwhile); record which host (and which start of it) holds the sandbox."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with self._locked(h, fcntl.LOCK_SH):
+            if self._pid(h) is None or not h.control_path.exists():
+                listener.close()
+                return {"ok": False, "ended": True, "error": "the host ended before the sandbox was added"}
+            with contextlib.suppress(FileNotFoundError):
+                h.idle.unlink()  # in use again: its idle time starts over
             try:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(handle.socket_path)

@@ -630,10 +630,11 @@ GUARANTEES: tuple[Guarantee, ...] = (
     ),
     Guarantee(
         "isolates",
-        "An isolate host ends on SIGTERM and when its home is deleted; a host whose home is gone is swept "
-        "with its cgroup by the next host start of any home.",
+        "An isolate host ends on SIGTERM, after a minute holding no isolate, and when its home is deleted; "
+        "a host whose home is gone is swept with its cgroup and uid range by the next host start of any "
+        "home.",
         ("isolate",),
-        ("test_isolate_tenants.py::test_a_host_ends_on_sigterm_and_when_its_home_is_deleted",),
+        ("test_isolate_tenants.py::test_a_host_ends_on_sigterm_when_idle_and_when_its_home_is_deleted",),
     ),
     Guarantee(
         "isolates",
