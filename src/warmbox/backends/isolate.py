@@ -242,9 +242,9 @@ class IsolateBackend:
     def capabilities(self) -> Capabilities:
         return Capabilities(
             tier=self.tier,
-            isolation="a V8 isolate (isolated-vm) per sandbox, WebAssembly in wasmtime stores, in one host "
-            "process jailed by Linux namespaces (user, pid, mount, net, ipc, uts, cgroup) + seccomp + cgroup, "
-            "no capabilities",
+            isolation="a V8 isolate (isolated-vm) per sandbox, WebAssembly in wasmtime stores, in a host "
+            "process per tenant jailed by Linux namespaces (user, pid, mount, net, ipc, uts, cgroup) + seccomp "
+            "+ cgroup, no capabilities",
             memory_snapshot=False,
             filesystem_snapshot=False,
             custom_kernel=False,

@@ -1,9 +1,10 @@
 """The isolate host's WebAssembly worker: runs Wasm modules with wasmtime, inside the host's jail.
 
-Started once by host.js (``python3 -I -S wasm_worker.py``; wasmtime from the read-only
-``WB_WASMTIME`` dir), it reads one JSON job per line on stdin -- ``{"id", "code", "timeout_s",
-"memory_mb", "max_output"}`` -- and answers one JSON line on stdout per job, in order. ``code`` is
-a module as WebAssembly text (``(module ...)``) or base64 of its binary. Each run is a fresh store:
+Started by host.js (``python3 -I -S wasm_worker.py``; wasmtime from the read-only
+``WB_WASMTIME`` dir; up to WB_WASM_WORKERS of them, each given one job at a time), it reads one
+JSON job per line on stdin -- ``{"id", "code", "timeout_s", "memory_mb", "max_output"}`` -- and
+answers one JSON line on stdout per job, in order. ``code`` is a module as WebAssembly text
+(``(module ...)``) or base64 of its binary. Each run is a fresh store:
 
 - a WASI command (exporting ``_start``) runs with no arguments, no environment, no preopened
   directory and no stdin; its stdout and stderr are the run's (bounded by max_output); a nonzero
