@@ -178,7 +178,9 @@ def machine_memory_mb() -> int:
 
 def tenant_key(tenant: str) -> str:
     """The host key of a tenant's isolates ("" -- the in-process SDK's -- is a tenant of its own)."""
-    return hashlib.sha256(b"tenant\0" + tenant.encode()).hexdigest()[:10]
+    return hashlib.sha256(b"tenant\0" + tenant.encode("utf-8", "surrogatepass")).hexdigest()[
+        :16
+    ]  # 64 bits: no two tenants share
 
 
 class TenantHost:
