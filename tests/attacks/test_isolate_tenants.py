@@ -237,6 +237,11 @@ def test_a_killed_host_marks_its_tenants_sandboxes_lost_at_once_and_no_other(ten
     with pytest.raises(SandboxLost):
         a2.run_code("1", language="javascript")
     assert tenants.engine.registry.get(a2.sandbox_id)[0].state is State.LOST
+    # nothing of them is left on the host; a kill ends their records
+    for sb in (a1, a2):
+        assert not Path(tenants.engine.registry.get(sb.sandbox_id)[1].state_dir).exists()
+        sb.kill()
+        assert tenants.engine.registry.get(sb.sandbox_id)[0].state is State.DESTROYED
 
 
 def test_a_host_ends_on_sigterm_when_idle_and_when_its_home_is_deleted(tenants, runc_ready):

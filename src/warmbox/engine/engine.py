@@ -837,6 +837,15 @@ class Engine:
             # lost: its runtime died with its node; another node's paused one: what its pause
             # left is on that node. Only its records end here; that node's reconcile removes the
             # rest (its link record stays for it: the link's address and name are that node's).
+            # One lost here with its host process (SharedHost.tend_hosts) on this very node: what
+            # is left of it here (its state dir) goes now, if marking it lost could not remove it.
+            if info.state is State.LOST and handle.node == self.node and Path(handle.state_dir).exists():
+                backend = self.backend(info.tier)
+                if isinstance(backend, SharedHost):
+                    try:
+                        await backend.destroy(handle)
+                    except WarmboxError:
+                        pass  # best effort: its records end either way
             self.registry.set_state(sandbox_id, State.DESTROYED, reason)
             self.registry.finalize(sandbox_id)
             if info.state is State.PAUSED:
