@@ -26,7 +26,15 @@ import pytest
 from tests.conftest import start_server, wait_for
 from warmbox import Limits, Sandbox
 from warmbox.backends import _host as host
-from warmbox.backends.isolate import HOST_BUDGET_MB, HOST_IDLE_S, HOST_UID, ISOLATE_OVERHEAD_MB, IsolateBackend
+from warmbox.backends.isolate import (
+    HOST_BUDGET_MB,
+    HOST_IDLE_S,
+    HOST_UID,
+    ISOLATE_OVERHEAD_MB,
+    MACHINE_SHARE,
+    IsolateBackend,
+    machine_memory_mb,
+)
 from warmbox.engine.engine import Engine
 from warmbox.errors import LimitTooHigh, SandboxLost
 from warmbox.models import State
@@ -153,6 +161,50 @@ def test_limits_past_a_tenants_host_are_refused_and_an_oom_stays_in_its_isolate(
     assert after[-1].text == "'fresh'", after
     assert tenants.host_pid("a") == pa and tenants.host_pid("b") == pb
     assert b.run_code("kept", language="javascript").text == "'b is here'"
+
+
+def test_the_isolates_of_every_tenant_together_stay_within_the_machines_share(tenants):
+    """Many tenants each within their own budget cannot together promise more memory than the
+    isolate tier's share of the machine: the create past it is LimitTooHigh, nothing is made.
+    Admitted, not allocated: the isolates take ~1 MiB each; the hosts ~65 MiB each."""
+    share = int(machine_memory_mb() * MACHINE_SHARE)
+    size = HOST_BUDGET_MB // 2 - ISOLATE_OVERHEAD_MB  # two fill a tenant's host
+    stamp = secrets.token_hex(3)
+    names = []
+    refused = None
+    made = []
+    try:
+        for n in range(share // HOST_BUDGET_MB + 2):
+            name = f"iso-m{n}-{stamp}"
+            names.append(name)
+            key = tenants.engine.registry.create_key(name)[1]
+            for _ in range(2):
+                try:
+                    made.append(
+                        Sandbox.create(
+                            "isolate",
+                            timeout=120,
+                            pool=False,
+                            limits=Limits(memory_mb=size),
+                            api_url=tenants.url,
+                            api_key=key,
+                        )
+                    )
+                except LimitTooHigh as e:
+                    refused = e
+                    break
+            if refused is not None:
+                break
+        assert refused is not None, f"{len(made)} isolates of {size} MiB were admitted past {share} MiB"
+        assert refused.source == "the isolate tier's share of this machine's memory", refused
+        assert refused.maximum < size and len(made) * (size + ISOLATE_OVERHEAD_MB) <= share
+        print(f"machine share {share} MiB: {len(made)} isolates of {size} MiB admitted, then {refused}")
+        assert made[0].run_code("1 + 1", language="javascript").text == "2"
+    finally:
+        for sb in made:
+            sb.kill()
+        for name in names:
+            tenants.backend.end_host(name)
 
 
 def test_a_tenants_spinning_isolates_neither_end_nor_stall_another_tenants(tenants):

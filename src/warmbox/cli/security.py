@@ -610,7 +610,10 @@ GUARANTEES: tuple[Guarantee, ...] = (
         "isolate tier's share of the machine): past it, LimitTooHigh at create, never an OOM of the host; "
         "a tenant filling its own isolate ends only that isolate, and another tenant's isolates go on.",
         ("isolate",),
-        ("test_isolate_tenants.py::test_limits_past_a_tenants_host_are_refused_and_an_oom_stays_in_its_isolate",),
+        (
+            "test_isolate_tenants.py::test_limits_past_a_tenants_host_are_refused_and_an_oom_stays_in_its_isolate",
+            "test_isolate_tenants.py::test_the_isolates_of_every_tenant_together_stay_within_the_machines_share",
+        ),
     ),
     Guarantee(
         "tenants",
