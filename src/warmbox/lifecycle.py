@@ -90,10 +90,11 @@ def gone(sandbox_id: str, ended: str = "") -> SandboxNotFound:
 
 
 def lost(sandbox_id: str, node: str, reason: str = "") -> SandboxLost:
-    """The error for a sandbox whose node died: only kill is allowed on it."""
-    where = f"node {node!r}" if node else "its node"
+    """The error for a sandbox whose node (or, on one host, its runtime's host process) died: only
+    kill is allowed on it."""
+    where = f" with node {node!r}" if node else "" if reason else " with its node"
     return SandboxLost(
-        f"sandbox {sandbox_id} was lost with {where}" + (f" ({reason})" if reason else "") + "; only kill is allowed",
+        f"sandbox {sandbox_id} was lost{where}" + (f" ({reason})" if reason else "") + "; only kill is allowed",
         sandbox_id,
         node=node,
         reason=reason,

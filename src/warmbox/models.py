@@ -978,10 +978,8 @@ class Availability:
 # Image layers are stored with their owners shifted into this range: an image's uid u is host uid
 # LAYER_UID_BASE + u (storage.uidslots re-exports it; backends read it here, below storage).
 LAYER_UID_BASE = 1_000_000
-# The isolate tier's host process (one per runtime dir, holding every isolate sandbox) runs as host uid
-# ISOLATE_UID_BASE + 1000 in its own user namespace (this range mapped): above the layers' range,
-# below storage.uidslots.UID_BASE (the sandboxes' slots).
-ISOLATE_UID_BASE = 1_900_000
+# The isolate tier's host processes (one per tenant) each run as uid 1000 of a range of this size,
+# a slot of the host-wide uid ledger (storage.uidslots) mapped in their own user namespace.
 ISOLATE_UID_RANGE = 65536
 
 
@@ -1208,6 +1206,9 @@ class SandboxSpec:
     # a network namespace the engine prepared (its egress link already in it) for the runtime to run
     # in, on a tier with Capabilities.link_before_start; "": the runtime's own, empty one
     netns: str = ""
+    # whose sandbox it is: the tenant's name ("": the in-process SDK's, a tenant of its own); a tier
+    # with host processes shared by sandboxes runs one per tenant
+    tenant: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

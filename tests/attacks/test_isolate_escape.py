@@ -11,7 +11,7 @@ import pytest
 from warmbox import Limits, Sandbox
 from warmbox.backends.isolate import HOST_UID, IsolateBackend
 from warmbox.engine.engine import Engine
-from warmbox.models import ISOLATE_UID_BASE
+from warmbox.storage.uidslots import LEDGER_DIR, UidLedger, slot_of_uid, uid_base
 
 pytestmark = pytest.mark.sandbox
 
@@ -121,13 +121,19 @@ def test_the_host_process_is_jailed(box, iso_host):
     st = status(pid)
     assert st["CapEff"] == st["CapPrm"] == st["CapBnd"] == "0000000000000000"
     assert st["Seccomp"] == "2" and st["NoNewPrivs"] == "1"
-    uid = ISOLATE_UID_BASE + HOST_UID
+    # uid 1000 of a range of the host-wide uid ledger, recorded as this host's (no other home or
+    # tenant runs as it)
+    uid = int(st["Uid"].split()[0])
     assert st["Uid"].split() == [str(uid)] * 4 and st["Gid"].split() == [str(uid)] * 4
+    slot = slot_of_uid(uid - HOST_UID)
+    assert slot is not None and uid_base(slot) == uid - HOST_UID
+    entry = UidLedger(LEDGER_DIR).holder(slot)
+    assert entry and entry["sandbox_id"] == iso_host.host("").holder
     for ns in ("net", "mnt", "pid", "user", "ipc", "uts", "cgroup"):
         assert os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}"), ns
     # its own cgroup, with a memory bound
     cgroup = Path(f"/proc/{pid}/cgroup").read_text()
-    assert iso_host.host_id in cgroup
+    assert iso_host.host("").id in cgroup
     # its network namespace holds a loopback only, down
     net = Path(f"/proc/{pid}/net/dev").read_text()
     assert [line.split(":")[0].strip() for line in net.splitlines()[2:]] == ["lo"]

@@ -171,3 +171,24 @@ def test_wasm_modules_run_as_text_or_binary_with_wasi_output(box):
     )
     assert exit3.error is not None and (exit3.error.name, exit3.error.value) == ("WasiExit", "exit code 3")
     assert box.run_code("'js and wasm side by side'", language="javascript").error is None
+
+
+@pytest.mark.sandbox
+def test_a_control_client_that_leaves_early_never_ends_the_host(box, iso_host):
+    """The engine giving up on a control answer (its socket closed before the host writes) once
+    ended the host: an EPIPE on a socket without an 'error' handler ends Node.js."""
+    import json
+    import socket
+
+    pid = iso_host.host_pid()
+    path = str(iso_host.host("").control_path)
+    for _ in range(40):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(path)
+            s.sendall(json.dumps({"op": "stats"}).encode())
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # one that never sends: answered, not waited on
+        s.connect(path)
+        s.settimeout(10)
+        assert b"no request" in s.recv(4096)
+    assert iso_host.host_pid() == pid
+    assert box.run_code("'still here'", language="javascript").text == "'still here'"

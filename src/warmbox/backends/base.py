@@ -7,7 +7,7 @@ records the engine persists, so any warmbox process can operate on any sandbox.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar, runtime_checkable
 
@@ -109,13 +109,45 @@ class TemplateCapable(Protocol):
 
 @runtime_checkable
 class SharedHost(Protocol):
-    """A tier whose sandboxes live in one long-running host process per runtime dir (the isolate
-    tier's jailed V8 host). The engine stops it once no sandbox of the tier is left (``warmbox down``,
-    the daemon's idle exit); the next sandbox starts it again."""
+    """A tier whose sandboxes live in long-running host processes under the runtime dir (the
+    isolate tier's jailed V8 host, one per tenant). The engine stops them once no sandbox of the
+    tier is left (``warmbox down``, the daemon's idle exit); the next sandbox starts one again."""
 
     def stop_host(self) -> None:
-        """End the host process and everything in it; remove its runtime state (idempotent)."""
+        """End every host process and everything in them; remove their runtime state (idempotent)."""
         ...
+
+    def tend_hosts(self, handles: Sequence[BackendHandle]) -> list[str]:
+        """Given the tier's live sandboxes of this runtime dir (ready, running, pooled): the ids of
+        those whose host process has ended (the engine marks them lost), after ending the hosts
+        that held none of them for a while. Cheap: the reaper calls it every tick."""
+        ...
+
+
+class UidSlots(Protocol):
+    """The host-wide uid ledger, for a tier's own host processes (no sandbox row holds them)."""
+
+    def claim(self, holder: str) -> int:
+        """The first host uid of a free 65536-uid range, recorded as ``holder``'s."""
+        ...
+
+    def release(self, holder: str, uid_base: int) -> None:
+        """Give the range back, if (and only if) the ledger still records it as ``holder``'s."""
+        ...
+
+    def forget_gone(self, holder: str) -> bool:
+        """Give back the ranges recorded as ``holder``'s by a home that is gone (nothing runs in
+        them); True when none of ``holder``'s is left."""
+        ...
+
+
+@runtime_checkable
+class HostUids(Protocol):
+    """A tier that runs host processes of its own (the isolate tier's tenant hosts): the engine
+    hands it the ledger when it loads the tier, so those run as uid ranges no one else has, and
+    its WARMBOX_HOME, so they end with it."""
+
+    def use_home(self, home: Path, slots: UidSlots) -> None: ...
 
 
 @runtime_checkable

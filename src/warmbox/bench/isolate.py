@@ -28,7 +28,7 @@ SNIPPET = "(() => { return 'ab'.toUpperCase() })()"
 POOL = "bench-isolate"
 POOL_SIZE = 8
 MEMORY_MB = 64
-IDLE_COUNT = 200
+IDLE_COUNT = 50  # x MEMORY_MB (+2): within one tenant host's isolate budget (backends.isolate.HOST_BUDGET_MB)
 RATE_SECONDS = 2.0
 CONCURRENCY = 4
 

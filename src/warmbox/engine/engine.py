@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from warmbox import backends, config
-from warmbox.backends.base import Backend, Configurable, Inventory, SharedHost, TemplateCapable
+from warmbox.backends.base import Backend, Configurable, HostUids, Inventory, SharedHost, TemplateCapable
 from warmbox.config import PoolConfig, Settings, Template
 from warmbox.engine import egress, provision
 from warmbox.engine import volumes as volumes_mod
@@ -51,12 +51,33 @@ from warmbox.models import (
 )
 from warmbox.network.policy import Policy
 from warmbox.paths import default_home, owner_alive, owner_tag, runtime_dir
-from warmbox.storage.registry import open_registry
+from warmbox.storage import uidslots
+from warmbox.storage.registry import Registry, open_registry
 
 DEFAULT_TIMEOUT_S = 300.0
 MAX_TIMEOUT_S = 24 * 3600.0
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SANDBOX_ID = re.compile(r"sb-[0-9a-f]{12}")
+
+
+class LedgerSlots:
+    """The host-wide uid ledger for a tier's own host processes (``backends.base.UidSlots``),
+    recorded under this home's registry."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def claim(self, holder: str) -> int:
+        return uidslots.uid_base(self.registry.claim_host_slot(holder))
+
+    def release(self, holder: str, uid_base: int) -> None:
+        slot = uidslots.slot_of_uid(uid_base)
+        if slot is not None:
+            self.registry.release_host_slot(holder, slot)
+
+    def forget_gone(self, holder: str) -> bool:
+        with self.registry.ledger.locked() as ledger:
+            return ledger.forget_gone(holder)
 
 
 def validate_timeout(timeout: object, name: str = "timeout") -> float:
@@ -130,6 +151,8 @@ class Engine:
             b = self._backends[tier] = backends.load(tier, self.runtime)
             if isinstance(b, Configurable):
                 b.configure(self.settings())
+            if isinstance(b, HostUids):
+                b.use_home(self.home, LedgerSlots(self.registry))
         return b
 
     def stop_shared_hosts(self) -> None:
@@ -651,6 +674,9 @@ class Engine:
         try:
             session = await provision.connect(self.backend(info.tier), handle)
         except GuestConnectionError:
+            if isinstance(self.backend(info.tier), SharedHost):
+                await self.lost_hosts()  # its host process ended: lost (here, or by the reaper meanwhile)
+                self.check(Operation.EXEC, self.info(sandbox_id)[0])  # SandboxLost if so
             if not await self.backend(info.tier).alive(handle):
                 await self.destroy(sandbox_id, "found dead")
                 raise SandboxNotFound(f"sandbox {sandbox_id} is no longer running", sandbox_id) from None
@@ -811,6 +837,15 @@ class Engine:
             # lost: its runtime died with its node; another node's paused one: what its pause
             # left is on that node. Only its records end here; that node's reconcile removes the
             # rest (its link record stays for it: the link's address and name are that node's).
+            # One lost here with its host process (SharedHost.tend_hosts) on this very node: what
+            # is left of it here (its state dir) goes now, if marking it lost could not remove it.
+            if info.state is State.LOST and handle.node == self.node and Path(handle.state_dir).exists():
+                backend = self.backend(info.tier)
+                if isinstance(backend, SharedHost):
+                    try:
+                        await backend.destroy(handle)
+                    except WarmboxError:
+                        pass  # best effort: its records end either way
             self.registry.set_state(sandbox_id, State.DESTROYED, reason)
             self.registry.finalize(sandbox_id)
             if info.state is State.PAUSED:
@@ -907,7 +942,39 @@ class Engine:
                         reaped.append(info.sandbox_id)
                 except Exception:
                     continue
+        await self.lost_hosts()
         return reaped
+
+    async def lost_hosts(self) -> builtins.list[str]:
+        """Mark ``lost``, at once, the sandboxes whose host process ended under them (a tier with
+        shared host processes: ``SharedHost.tend_hosts``, which also ends hosts idle for a while),
+        and remove what is left of them here; returns their ids. Every reap runs it (the daemon:
+        each tick), and so does a call that finds its sandbox's connection gone."""
+        live: dict[str, builtins.list[BackendHandle]] = {}
+        for info, handle in self.registry.list(include_pooled=True, local=True):
+            if info.state in (State.READY, State.RUNNING, State.POOLED):
+                live.setdefault(info.tier, []).append(handle)
+        lost: builtins.list[str] = []
+        for tier in backends.TIERS:
+            try:
+                b = self.backend(tier)
+            except WarmboxError:
+                continue
+            if not isinstance(b, SharedHost):
+                continue
+            handles = live.get(tier, [])
+            dead = await asyncio.to_thread(b.tend_hosts, handles)
+            if not dead:
+                continue
+            changed = self.registry.mark_lost(dead, f"the {tier} tier's host process that held it ended")
+            for handle in handles:
+                if handle.sandbox_id in changed:
+                    try:
+                        await b.destroy(handle)  # its state dir; nothing of it runs any more
+                    except WarmboxError:
+                        pass
+            lost += changed
+        return lost
 
     # ---- cluster node
 

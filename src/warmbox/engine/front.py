@@ -27,6 +27,7 @@ from typing import Any, TypeVar, cast
 
 from warmbox import operations as ops
 from warmbox import transcript
+from warmbox.backends.base import SharedHost
 from warmbox.engine import approvals, commandlog, egress, tierprofile, volumes
 from warmbox.engine import pool as pools
 from warmbox.engine import snapshot as snapshots
@@ -534,6 +535,9 @@ class EngineFront:
         if info.state in (State.READY, State.RUNNING) and info.expires_at <= time.time():
             await self._drop(sandbox_id)
             await self.engine.expire(info)
+        if info.state in (State.READY, State.RUNNING) and isinstance(self.engine.backend(info.tier), SharedHost):
+            await self.engine.lost_hosts()  # its host process ended: lost, at once (here or by the reaper)
+            info, _ = self.engine.info(sandbox_id)
         if info.state is State.PAUSED:
             await self._drop(sandbox_id)
             raise self.engine.paused_error(sandbox_id) from None

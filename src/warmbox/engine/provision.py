@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from warmbox.backends.base import Backend, SnapshotCapable
+from warmbox.backends.base import Backend, SharedHost, SnapshotCapable
 from warmbox.config import PoolConfig, Template
 from warmbox.engine import egress, volumes
 from warmbox.engine.session import GuestSession, OomCounter
@@ -188,6 +188,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
                 volumes=spec.volumes,
                 build_upper=spec.build_upper,
                 netns=ns,
+                tenant=spec.tenant.name if spec.tenant is not None else "",
             )
         )
         if isinstance(boot, Restore):
@@ -300,7 +301,11 @@ async def claim(
 ) -> Launched | None:
     """A ready sandbox of pool ``pc`` for a caller, or None if the pool has none. A pooled sandbox
     that fails its check is destroyed and the next one taken. tenant: the caller's (the claim
-    stamps it; QuotaExceeded leaves the sandbox in the pool)."""
+    stamps it; QuotaExceeded leaves the sandbox in the pool). A tier whose sandboxes live in host
+    processes per tenant (SharedHost) hands its pooled ones, made in the in-process SDK's host,
+    to that tenant (None) only: another tenant's sandbox must not live in that host."""
+    if tenant is not None and isinstance(engine.backend(pc.tier), SharedHost):
+        return None
     while True:
         got = engine.registry.claim(pc.name, shape, timeout_s, engine.owner, tenant)
         if got is None:

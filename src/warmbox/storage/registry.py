@@ -1544,6 +1544,49 @@ class Registry:
             )
         return [r[0] for r in rows]
 
+    def mark_lost(self, sandbox_ids: builtins.list[str], reason: str) -> builtins.list[str]:
+        """These sandboxes' runtime ended under them (on this host: the isolate host process that
+        held them died): each still creating, pooled, retiring, ready or running becomes ``lost``
+        with ``reason`` (every operation but kill then raises SandboxLost). Returns those changed."""
+        reason = reason[:_MAX_APPROVAL_TEXT]
+        now = time.time()
+        changed = []
+        with self._tx() as db:
+            for sid in sandbox_ids:
+                row = db.execute(
+                    "SELECT state FROM sandboxes WHERE sandbox_id=?" + self._sql.for_update(), (sid,)
+                ).fetchone()
+                if row is None or row[0] not in _LOSABLE:
+                    continue
+                db.execute(
+                    "UPDATE sandboxes SET state=?, ended_at=?, owner='' WHERE sandbox_id=?",
+                    (State.LOST.value, now, sid),
+                )
+                db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)", (sid, now, row[0], State.LOST.value, reason))
+                changed.append(sid)
+        return changed
+
+    def claim_host_slot(self, holder: str) -> int:
+        """A uid slot of the host-wide ledger for a process of this home that is no sandbox (the
+        isolate tier's host of one tenant), recorded as ``holder``'s; returns the slot. While its
+        process runs no one reclaims it (a process in its range); released by release_host_slot."""
+        with self._claiming() as (ledger, db):
+            used = {
+                r[0]
+                for r in db.execute(
+                    f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)} AND node=?", (*_HOLDING, self.node)
+                )
+            }
+            return ledger.claim(self._key, holder, skip=used, check=functools.partial(self._holds, db=db))
+
+    def release_host_slot(self, holder: str, slot: int) -> None:
+        """Give back a slot claim_host_slot took, if the ledger still records it as ``holder``'s."""
+        try:
+            with self.ledger.locked() as ledger:
+                ledger.release(slot, self._key, holder)
+        except OSError as e:
+            raise RegistryError(f"cannot release a uid range in {self.ledger.dir}: {e}") from None
+
     def move(self, sandbox_id: str, node: str) -> None:
         """Give a paused sandbox to ``node`` (the one resuming it). SandboxStateError if it is
         not paused: a running sandbox's processes cannot move."""

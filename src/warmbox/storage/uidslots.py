@@ -171,6 +171,22 @@ class UidLedger:
         self._entry(slot).unlink(missing_ok=True)
         return True
 
+    def forget_gone(self, holder: str) -> bool:
+        """Free the slots recorded as ``holder``'s (a host process of a home, not a sandbox) whose
+        registry is gone and in whose range no process runs (a zombie still counts); True when
+        none of ``holder``'s is left. Call under locked()."""
+        busy = _slots_with_processes()
+        left = False
+        for slot in self.held():
+            entry = self.holder(slot)
+            if not entry or entry["sandbox_id"] != holder:
+                continue
+            if slot in busy or entry["registry"].startswith("pg:") or Path(entry["registry"]).exists():
+                left = True
+                continue
+            self._entry(slot).unlink(missing_ok=True)
+        return not left
+
     def reclaim(self, check: HolderCheck | None = None, *, start: int = 0) -> list[int]:
         """Free every slot whose holder no longer holds it; returns them, in round-robin order from ``start``."""
         busy = _slots_with_processes()

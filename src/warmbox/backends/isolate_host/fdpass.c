@@ -1,5 +1,7 @@
 // recvmsg with one SCM_RIGHTS fd, for the isolate host (Node.js has no way to receive a file
-// descriptor on a unix socket): recv(fd, timeoutMs) -> [Buffer data, received fd or -1].
+// descriptor on a unix socket): recv(fd, timeoutMs) -> [Buffer data, received fd or -1]. The host
+// calls it with timeoutMs 0 (never blocking its loop: "timed out" if nothing is there yet), and
+// the read itself never waits either (MSG_DONTWAIT).
 // Built with gcc against the host's Node.js headers (backends/isolate.py: install).
 #include <errno.h>
 #include <node_api.h>
@@ -31,7 +33,8 @@ static napi_value recv_fd(napi_env env, napi_callback_info info) {
   struct iovec iov = {.iov_base = data, .iov_len = sizeof(data)};
   struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof(control)};
   ssize_t n;
-  do n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC); while (n < 0 && errno == EINTR);
+  do n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT); while (n < 0 && errno == EINTR);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return fail(env, "timed out");
   if (n < 0) return fail(env, strerror(errno));
   int got = -1;
   for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {

@@ -9,18 +9,31 @@
 // isolate as to any guest agent: Ping, ContextCreate/Run/Delete, Configure, Reseed, GetUsage.
 // Everything else is refused (Failure "invalid"): an isolate has no commands, files or ports.
 //
-// WebAssembly (run_code(..., language="wasm"): context "default-wasm") runs in wasm_worker.py, a
-// wasmtime worker this host starts inside the same jail: fuel and epoch limits, memory capped at
-// the sandbox's memory_mb, WASI without any preopened directory.
+// One host per tenant: a fault in one tenant's code (an OOM of the host, a crash) ends only that
+// tenant's isolates. The host admits each isolate's memory_mb against its budget (WB_BUDGET_MB: its
+// cgroup's memory minus what Node.js and the Wasm workers take): past it, "add" is refused with
+// code "memory" (the backend raises LimitTooHigh). The control path never waits on user code: no
+// synchronous call on a busy isolate, the fd receive never blocks the loop, and a socket error is
+// handled (never the host's end). It exits on SIGTERM/SIGINT/SIGHUP, and when its home is deleted
+// (fd 4: a root-owned empty file in the home, watched for a link count of 0).
+//
+// WebAssembly (run_code(..., language="wasm"): context "default-wasm") runs in wasm_worker.py
+// processes this host starts inside the same jail (up to WB_WASM_WORKERS at once, one job each: a
+// spinning module holds one worker, never the queue): fuel and epoch limits, memory capped at the
+// sandbox's memory_mb less its isolate's heap, WASI without any preopened directory. A job still
+// running WATCHDOG_MS past its timeout has its worker SIGKILLed (timed_out).
 //
 // Inside an isolate there is only ECMAScript (no require, process, fetch, Deno, import()), plus a
 // console whose output is the run's stdout/stderr. Each isolate has a heap limit (the sandbox's
 // memory_mb; ArrayBuffers count): a run that passes it ends with oom_kills=1, the isolate is
 // disposed and a fresh one takes its place. Each run has a time limit (its timeout_s, at most
-// MAX_RUN_S): a run past it is terminated (timed_out) and the isolate keeps its state.
+// MAX_RUN_S): a run past it is terminated (timed_out) and the isolate keeps its state; a run still
+// going WATCHDOG_MS after that (isolated-vm's own timer did not end it) has its isolate disposed
+// (timed_out; a fresh isolate takes its place), never the host.
 'use strict';
 
 const { spawn } = require('child_process');
+const fs = require('fs');
 const net = require('net');
 const util = require('util');
 const ivm = require(process.env.WB_IVM);
@@ -32,7 +45,13 @@ const MAX_BODY = 4 << 20;
 const MAX_TEXT = 64 << 10;
 const MAX_RUN_S = 3600; // a run without a timeout_s (0) is still bounded
 const CONTROL_TIMEOUT_MS = 2000;
-const MAX_SANDBOXES = Number(process.env.WB_MAX_SANDBOXES || 4096);
+const MAX_SANDBOXES = Number(process.env.WB_MAX_SANDBOXES || 1024);
+const BUDGET_MB = Number(process.env.WB_BUDGET_MB || 3584); // isolates' memory_mb together
+const ISOLATE_OVERHEAD_MB = 2; // an isolate's own structures beside its heap limit
+const WASM_WORKERS = Number(process.env.WB_WASM_WORKERS || 4);
+const WATCHDOG_MS = 2000;
+const ALIVE_FD = 4;
+let reservedMb = 0;
 const started = Date.now();
 
 // the console inside every context: output goes to the host through one synchronous callback
@@ -65,18 +84,22 @@ const BOOTSTRAP = `(function () {
 
 // ---------------------------------------------------------------- WebAssembly
 
-// One wasmtime worker (wasm_worker.py, Python in this same jail), started at the first Wasm run;
-// jobs are JSON lines in, answers JSON lines out, in order.
-let worker = null;
-const jobs = new Map();
+// wasmtime workers (wasm_worker.py, Python in this same jail), one job at a time each: a job takes
+// an idle worker, or a new one up to WASM_WORKERS, or waits its turn. A job line in, a reply line
+// out. A worker still busy WATCHDOG_MS past the job's timeout is SIGKILLed (its job timed out).
+const idleWorkers = [];
+const waitingJobs = [];
+let liveWorkers = 0;
 let nextJob = 1;
 
-function wasmWorker() {
-  if (worker !== null) return worker;
+function newWorker() {
   const w = spawn('/usr/bin/python3', ['-I', '-S', '/opt/isolate-host/wasm_worker.py'], {
     stdio: ['pipe', 'pipe', 'inherit'],
     env: { PATH: '/usr/bin', WB_WASMTIME: process.env.WB_WASMTIME },
   });
+  liveWorkers += 1;
+  w.job = null;
+  w.dead = false;
   let buf = '';
   w.stdout.setEncoding('utf8');
   w.stdout.on('data', (data) => {
@@ -91,31 +114,61 @@ function wasmWorker() {
       } catch (e) {
         continue;
       }
-      const job = jobs.get(reply.id);
-      if (job !== undefined) {
-        jobs.delete(reply.id);
+      const job = w.job;
+      if (job !== null && reply !== null && reply.id === job.msg.id) {
+        w.job = null;
+        clearTimeout(job.timer);
         job.resolve(reply);
+        idleWorkers.push(w);
+        pumpWasm();
       }
     }
   });
-  const gone = () => {
-    if (worker !== w) return;
-    worker = null;
-    for (const job of jobs.values()) job.reject(new Error('the WebAssembly worker ended'));
-    jobs.clear();
+  const gone = (code, signal) => {
+    if (w.dead) return;
+    w.dead = true;
+    liveWorkers -= 1;
+    const i = idleWorkers.indexOf(w);
+    if (i >= 0) idleWorkers.splice(i, 1);
+    const job = w.job;
+    w.job = null;
+    if (job !== null) {
+      clearTimeout(job.timer);
+      // SIGKILL: the watchdog; SIGXCPU: the job's CPU budget (RLIMIT_CPU, set by the worker)
+      if (job.killed || signal === 'SIGXCPU') job.resolve({ timed_out: true, stdout: '', stderr: '', error_name: '', error_value: '' });
+      else job.reject(new Error('the WebAssembly worker ended'));
+    }
+    pumpWasm();
   };
   w.on('exit', gone);
   w.on('error', gone);
   w.stdin.on('error', () => {});
-  worker = w;
+  w.stdout.on('error', () => {});
   return w;
 }
 
-function wasmRun(job) {
+function pumpWasm() {
+  while (waitingJobs.length > 0) {
+    let w = idleWorkers.pop();
+    if (w === undefined) {
+      if (liveWorkers >= WASM_WORKERS) return;
+      w = newWorker();
+    }
+    const job = waitingJobs.shift();
+    w.job = job;
+    const worker = w;
+    job.timer = setTimeout(() => {
+      job.killed = true;
+      worker.kill('SIGKILL');
+    }, job.limitMs + WATCHDOG_MS);
+    w.stdin.write(JSON.stringify(job.msg) + '\n');
+  }
+}
+
+function wasmRun(msg, limitMs) {
   return new Promise((resolve, reject) => {
-    const id = nextJob++;
-    jobs.set(id, { resolve, reject });
-    wasmWorker().stdin.write(JSON.stringify({ ...job, id }) + '\n');
+    waitingJobs.push({ msg: { ...msg, id: nextJob++ }, limitMs, resolve, reject, timer: null, killed: false });
+    pumpWasm();
   });
 }
 
@@ -156,6 +209,25 @@ class Sandbox {
     this.wasm = { count: 0 }; // Wasm runs are stateless: each is a fresh wasmtime store
     this.isolate = null;
     this.contexts = new Map();
+    this.busy = 0; // calls on the isolate's thread in progress: no synchronous call then
+    this.heap = 0; // its last heap reading (bytes) and CPU time (ns): what usage answers while busy
+    this.cpu = 0;
+    this.killed = false; // the watchdog disposed its isolate
+  }
+
+  // heap and CPU readings, taken only while the isolate is idle (a synchronous call on a busy
+  // isolate waits for its run: the control path must not)
+  readings() {
+    if (this.busy === 0 && this.isolate !== null && !this.isolate.isDisposed) {
+      try {
+        const s = this.isolate.getHeapStatisticsSync();
+        this.heap = s.total_heap_size + s.externally_allocated_size;
+        this.cpu = Number(this.isolate.cpuTime);
+      } catch (e) {
+        // disposed meanwhile: the last readings stand
+      }
+    }
+    return { heap: this.heap, cpu: this.cpu };
   }
 
   // a new isolate with its default context: at start, and after an OOM disposed the last one. The
@@ -164,18 +236,29 @@ class Sandbox {
   async fresh() {
     this.isolate = new ivm.Isolate({ memoryLimit: this.memoryMb });
     this.contexts = new Map();
+    this.killed = false;
     const { context } = this.contexts.get(await this.addContext('default-javascript'));
     // one run on the isolate's own thread now (a pooled sandbox's first snippet: ~0.15 ms, not ~0.25)
-    await context.eval("(() => 'x'.toUpperCase())()");
+    this.busy += 1;
+    try {
+      await context.eval("(() => 'x'.toUpperCase())()", { timeout: 10000 });
+    } finally {
+      this.busy -= 1;
+    }
   }
 
   async addContext(name) {
-    const context = await this.isolate.createContext();
-    const write = new ivm.Callback((fd, text) => this.output(fd === 2 ? 'Stderr' : 'Stdout', text), { sync: true });
-    await context.global.set('__wb_write', write);
-    const inspect = await context.eval(BOOTSTRAP, { reference: true });
-    this.contexts.set(name, { context, inspect, count: 0 });
-    return name;
+    this.busy += 1;
+    try {
+      const context = await this.isolate.createContext();
+      const write = new ivm.Callback((fd, text) => this.output(fd === 2 ? 'Stderr' : 'Stdout', text), { sync: true });
+      await context.global.set('__wb_write', write);
+      const inspect = await context.eval(BOOTSTRAP, { reference: true, timeout: 10000 });
+      this.contexts.set(name, { context, inspect, count: 0 });
+      return name;
+    } finally {
+      this.busy -= 1;
+    }
   }
 
   output(type, text) {
@@ -205,8 +288,13 @@ class Sandbox {
     this.runs += 1;
     const t0 = process.hrtime.bigint();
     let r;
+    // the sandbox's memory_mb covers its isolate and its Wasm store together: the store gets what
+    // the isolate's heap leaves (runs of one sandbox take turns, so the heap is idle and read now)
+    const heapMb = Math.ceil(this.readings().heap / (1 << 20));
+    const capMb = Math.max(1, this.memoryMb - heapMb);
+    const limitMs = 1000 * (msg.timeout_s > 0 ? Math.min(msg.timeout_s, MAX_RUN_S) : MAX_RUN_S);
     try {
-      r = await wasmRun({ code: msg.code, timeout_s: msg.timeout_s, memory_mb: this.memoryMb, max_output: Math.max(0, msg.max_output) });
+      r = await wasmRun({ code: msg.code, timeout_s: msg.timeout_s, memory_mb: capMb, max_output: Math.max(0, msg.max_output) }, limitMs);
     } catch (e) {
       r = { error_name: 'WasmWorkerError', error_value: String(e.message || e), stdout: '', stderr: '' };
     }
@@ -246,18 +334,29 @@ class Sandbox {
     this.run = { sock, id: msg.id, sent: 0, max: Math.max(0, msg.max_output), truncated: false };
     let corked = false; // the result and CodeDone leave in one write: one wake-up of the engine
     let name = '', value = '', traceback = '', timedOut = false, oom = 0;
+    const isolate = this.isolate;
+    // the watchdog: a run isolated-vm's timer did not end is ended with its isolate
+    const watchdog = setTimeout(() => {
+      if (this.isolate === isolate && !isolate.isDisposed) {
+        this.killed = true;
+        isolate.dispose();
+      }
+    }, timeoutMs + WATCHDOG_MS);
+    this.busy += 1;
     try {
       const ref = await entry.context.eval(msg.code, { timeout: timeoutMs, reference: true });
       try {
-        sock.cork();
-        corked = true;
         if (ref.typeof !== 'undefined') {
+          // copied and shown on the isolate's thread (a getter is user code: never on the host's)
           let text;
           try {
-            text = util.inspect(ref.copySync());
+            text = util.inspect(await ref.copy());
           } catch (e) {
-            text = String(entry.inspect.applySync(undefined, [ref.derefInto()], { timeout: 1000 }));
+            if (this.killed || this.isolate.isDisposed) throw e;
+            text = String(await entry.inspect.apply(undefined, [ref.derefInto()], { timeout: 1000 }));
           }
+          sock.cork();
+          corked = true;
           frame(sock, { type: 'Display', id: msg.id, mime: 'text/plain', main: true, result: 0 },
             Buffer.from(text, 'utf8').subarray(0, MAX_BODY));
         }
@@ -266,13 +365,23 @@ class Sandbox {
       }
     } catch (e) {
       const elapsedMs = Number(process.hrtime.bigint() - t0) / 1e6;
-      if (this.isolate.isDisposed) { // the heap limit: isolated-vm disposed the isolate
+      if (this.killed) { // the watchdog ended it
+        timedOut = true;
+        name = 'TimeoutError';
+        value = `the run did not stop at its timeout; its isolate was disposed and a fresh one replaces it`;
+        traceback = name + ': ' + value;
+        this.busy -= 1;
+        await this.fresh().catch((err) => process.stderr.write(`no fresh isolate for ${this.id}: ${err && err.message}\n`));
+        this.busy += 1;
+      } else if (this.isolate.isDisposed) { // the heap limit: isolated-vm disposed the isolate
         oom = 1;
         this.ooms += 1;
         name = 'MemoryLimitError';
         value = `the isolate passed its memory limit (${this.memoryMb} MiB) and was disposed; a fresh one replaces it`;
         traceback = name + ': ' + value;
-        await this.fresh();
+        this.busy -= 1;
+        await this.fresh().catch((err) => process.stderr.write(`no fresh isolate for ${this.id}: ${err && err.message}\n`));
+        this.busy += 1;
       } else if (elapsedMs >= timeoutMs && /timed out/.test(String(e && e.message))) {
         timedOut = true;
       } else {
@@ -281,6 +390,9 @@ class Sandbox {
         // the frames of the isolate only: the host's side of the boundary is nobody's business
         traceback = String((e && e.stack) || `${name}: ${value}`).split('\n    at (<isolated-vm boundary>)')[0];
       }
+    } finally {
+      clearTimeout(watchdog);
+      this.busy -= 1;
     }
     const ms = Number(process.hrtime.bigint() - t0) / 1e6;
     this.busyMs += ms;
@@ -378,12 +490,26 @@ async function control(req, fd) {
       if (sandboxes.size >= MAX_SANDBOXES) return { ok: false, error: `the isolate host holds its maximum of ${MAX_SANDBOXES} sandboxes` };
       const mb = Number(req.memory_mb);
       if (!Number.isInteger(mb) || mb < 8 || mb > 65536) return { ok: false, error: 'memory_mb must be an integer from 8 to 65536' };
+      // admitted against the host's budget before anything is made: past it the host's cgroup
+      // could be OOM-killed, with every isolate of the tenant in it
+      const cost = mb + ISOLATE_OVERHEAD_MB;
+      if (reservedMb + cost > BUDGET_MB) {
+        return {
+          ok: false, code: 'memory', reserved_mb: reservedMb, budget_mb: BUDGET_MB,
+          maximum: Math.max(0, BUDGET_MB - reservedMb - ISOLATE_OVERHEAD_MB),
+          error: `the tenant's isolates hold ${reservedMb} of their ${BUDGET_MB} MiB`,
+        };
+      }
       const sb = new Sandbox(id, mb);
       sandboxes.set(id, sb); // taken: a second add of the id is refused while this one runs
+      reservedMb += cost;
       try {
         await sb.fresh();
       } catch (e) {
-        sandboxes.delete(id);
+        if (sandboxes.get(id) === sb) {
+          sandboxes.delete(id);
+          reservedMb -= cost;
+        }
         sb.dispose();
         return { ok: false, error: `no isolate: ${(e && e.message) || e}` };
       }
@@ -394,52 +520,94 @@ async function control(req, fd) {
       sb.server = net.createServer((sock) => sb.serve(sock));
       sb.server.on('error', () => {});
       sb.server.listen({ fd });
-      return { ok: true };
+      return { ok: true, reserved_mb: reservedMb };
     }
     case 'remove': {
       const sb = sandboxes.get(id);
       if (sb !== undefined) {
         sandboxes.delete(id);
+        reservedMb -= sb.memoryMb + ISOLATE_OVERHEAD_MB;
         sb.dispose();
       }
-      return { ok: true };
+      return { ok: true, reserved_mb: reservedMb };
     }
     case 'has':
       return { ok: true, has: sandboxes.has(id) };
     case 'usage': {
       const sb = sandboxes.get(id);
       if (sb === undefined) return { ok: false, error: `no sandbox ${id}` };
-      let heap = 0;
-      let cpu = 0;
-      if (sb.isolate !== null && !sb.isolate.isDisposed) {
-        const s = sb.isolate.getHeapStatisticsSync();
-        heap = s.total_heap_size + s.externally_allocated_size;
-        cpu = Number(sb.isolate.cpuTime);
-      }
+      const { heap, cpu } = sb.readings();
       return { ok: true, memory_bytes: heap, cpu_ns: cpu, oom_kills: sb.ooms };
     }
     case 'stats':
-      return { ok: true, sandboxes: sandboxes.size, rss: process.memoryUsage().rss, pid: process.pid };
+      return {
+        ok: true, sandboxes: sandboxes.size, rss: process.memoryUsage().rss, pid: process.pid,
+        reserved_mb: reservedMb, budget_mb: BUDGET_MB, wasm_workers: liveWorkers,
+      };
     default:
       return { ok: false, error: `unknown op ${req.op}` };
   }
 }
 
+// One control request: its line (and a sandbox's listening socket) read without blocking the
+// loop: recvmsg only once the connection is readable, polled every millisecond up to
+// CONTROL_TIMEOUT_MS (Node.js cannot receive an fd itself, and a blocking poll would stall every
+// isolate's I/O meanwhile).
+function receive(conn) {
+  const deadline = Date.now() + CONTROL_TIMEOUT_MS;
+  return new Promise((resolve, reject) => {
+    const attempt = () => {
+      if (conn.destroyed || conn._handle === null) return reject(new Error('the control connection closed'));
+      try {
+        return resolve(fdpass.recv(conn._handle.fd, 0));
+      } catch (e) {
+        if (String(e && e.message) !== 'timed out') return reject(e);
+        if (Date.now() > deadline) return reject(new Error('no request within 2 s'));
+        return setTimeout(attempt, 1);
+      }
+    };
+    attempt();
+  });
+}
+
 const server = net.createServer({ pauseOnConnect: true }, async (conn) => {
+  conn.on('error', () => conn.destroy()); // EPIPE, ECONNRESET: that connection's end, never the host's
   let reply;
   let fd = -1;
   try {
-    const [data, got] = fdpass.recv(conn._handle.fd, CONTROL_TIMEOUT_MS);
+    const [data, got] = await receive(conn);
     fd = got;
     reply = await control(JSON.parse(data.toString('utf8')), fd);
     if (reply.ok) fd = -1; // the sandbox's server owns it now
   } catch (e) {
     reply = { ok: false, error: String((e && e.message) || e) };
   }
-  if (fd >= 0) require('fs').closeSync(fd);
-  conn.end(JSON.stringify(reply) + '\n');
+  if (fd >= 0) {
+    try {
+      fs.closeSync(fd);
+    } catch (e) {
+      // gone already
+    }
+  }
+  if (!conn.destroyed) conn.end(JSON.stringify(reply) + '\n');
 });
+server.on('error', () => {});
+
+// the end: on SIGTERM (as the pid namespace's init, a signal without a handler is ignored), and
+// once the home is deleted (fd 4: a file in it; a link count of 0 once it is removed)
+for (const sig of ['SIGTERM', 'SIGINT', 'SIGHUP']) process.on(sig, () => process.exit(0));
+setInterval(() => {
+  let gone;
+  try {
+    gone = fs.fstatSync(ALIVE_FD).nlink === 0;
+  } catch (e) {
+    gone = true;
+  }
+  if (gone) process.exit(0);
+}, 1000);
+
 server.listen({ fd: 3 }, () => {
   process.stdout.write('isolate host listening\n');
-  wasmWorker(); // started now (Python + wasmtime: ~0.1 s), off the first Wasm run's path
+  // one Wasm worker started now (Python + wasmtime: ~0.1 s), off the first Wasm run's path
+  idleWorkers.push(newWorker());
 });

@@ -1,19 +1,22 @@
 """The isolate host's WebAssembly worker: runs Wasm modules with wasmtime, inside the host's jail.
 
-Started once by host.js (``python3 -I -S wasm_worker.py``; wasmtime from the read-only
-``WB_WASMTIME`` dir), it reads one JSON job per line on stdin -- ``{"id", "code", "timeout_s",
-"memory_mb", "max_output"}`` -- and answers one JSON line on stdout per job, in order. ``code`` is
-a module as WebAssembly text (``(module ...)``) or base64 of its binary. Each run is a fresh store:
+Started by host.js (``python3 -I -S wasm_worker.py``; wasmtime from the read-only
+``WB_WASMTIME`` dir; up to WB_WASM_WORKERS of them, each given one job at a time), it reads one
+JSON job per line on stdin -- ``{"id", "code", "timeout_s", "memory_mb", "max_output"}`` -- and
+answers one JSON line on stdout per job, in order. ``code`` is a module as WebAssembly text
+(``(module ...)``) or base64 of its binary. Each run is a fresh store:
 
 - a WASI command (exporting ``_start``) runs with no arguments, no environment, no preopened
   directory and no stdin; its stdout and stderr are the run's (bounded by max_output); a nonzero
   ``proc_exit`` is the run's error (``WasiExit``);
 - otherwise a ``main`` export taking no parameters is called, and its results are the run's text.
 
-Limits: the store's linear memories and tables are capped at the sandbox's memory_mb (a grow past
+Limits: the store's linear memories and tables are capped at the job's memory_mb (a grow past
 it fails; a module whose memory starts past it, or that traps with its memory at the cap, is
 ``oom``); time by epoch interruption (a timer thread bumps the epoch at the deadline: ``timed_out``)
-and fuel (FUEL_PER_S units of fuel per second of timeout: a run that exhausts it is timed out too).
+and fuel (FUEL_PER_S units of fuel per second of timeout: a run that exhausts it is timed out too);
+and, should both fail, by the kernel: RLIMIT_CPU is set to the CPU time used so far plus the
+timeout and CPU_GRACE_S, so a run past it ends the worker (SIGXCPU; the host reports timed_out).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import base64
 import binascii
 import json
 import os
+import resource
 import sys
 import threading
 import time
@@ -34,6 +38,7 @@ FUEL_PER_S = 2_000_000_000  # fuel units (~wasm instructions) a run may use per 
 MAX_RUN_S = 3600.0
 MAX_TEXT = 64 << 10
 WASM_PAGE = 64 << 10
+CPU_GRACE_S = 3
 
 config = wasmtime.Config()
 config.epoch_interruption = True
@@ -93,6 +98,9 @@ def run(job: dict) -> dict:
     budget, truncated = [max(0, int(job["max_output"]))], [False]
     out, err = Output(budget, truncated), Output(budget, truncated)
     result = {"id": job["id"], "text": None, "error_name": "", "error_value": "", "timed_out": False, "oom": False}
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    budget_s = int(used.ru_utime + used.ru_stime + timeout) + CPU_GRACE_S
+    resource.setrlimit(resource.RLIMIT_CPU, (budget_s, resource.getrlimit(resource.RLIMIT_CPU)[1]))
     store = wasmtime.Store(engine)
     store.set_limits(memory_size=cap, table_elements=1 << 20, instances=16, tables=16, memories=16)
     store.set_fuel(int(FUEL_PER_S * timeout))
