@@ -58,6 +58,7 @@ WarmboxError
 │   └── ApprovalClosed                  the question was answered already (or timed out): one answer each
 ├── Forbidden                           an admin-only operation asked for by a tenant that is not admin
 ├── Unauthenticated                     the server refused the key (none, unknown or revoked)
+├── RouteNotFound (LookupError)         the server has no such route, or not for that method (HTTP 404/405)
 ├── RateLimited                         too many requests for the key (``retry_after`` seconds)
 ├── ConnectionLost                      the connection to the server failed or dropped mid-operation
 └── ClusterError                        something about a warmbox cluster (its nodes, placement, routing)
@@ -420,6 +421,11 @@ class Forbidden(WarmboxError):
 
 class Unauthenticated(WarmboxError):
     """The warmbox server refused the request: no key, an unknown or a revoked key (HTTP 401)."""
+
+
+class RouteNotFound(WarmboxError, LookupError):
+    """The server has no route of that path (HTTP 404), or not for that method (HTTP 405): a
+    mistyped URL, or a server older than its client. Nothing was done."""
 
 
 class RateLimited(WarmboxError):

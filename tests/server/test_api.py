@@ -320,9 +320,9 @@ def test_absurd_set_timeout_is_typed(server, live):
 def test_unknown_route_and_method_are_json(server):
     for path in ("/v1/nope", "/nope", f"{api.PREFIX}/sandboxes/{FAKE_ID}/nope", "/v1/../../etc/passwd"):
         status, data = call(server, "GET", path)
-        assert status == 404 and code_of(data) == "invalid_argument", (path, status, data)
+        assert status == 404 and code_of(data) == "route_not_found", (path, status, data)
     status, data = call(server, "PATCH", f"{api.PREFIX}/sandboxes")
-    assert status == 405 and code_of(data) == "invalid_argument", (status, data)
+    assert status == 405 and code_of(data) == "route_not_found", (status, data)
     alive(server)
 
 
