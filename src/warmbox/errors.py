@@ -41,7 +41,7 @@ WarmboxError
 ├── SnapshotUnsupported                 the tier cannot take the snapshot asked for (e.g. memory)
 ├── TemplateError                       a template (``template``: its name; ``step``: the step, if any)
 │   ├── TemplateNotFound (LookupError)  no built template of that name (or that version/image)
-│   ├── TemplateBuildError              a build step failed (``step``; ``log``: the build log's path)
+│   ├── TemplateBuildError              a build step failed (``step``; ``log``: the build log's name)
 │   ├── TemplateInUse                   removal refused: a sandbox, pool or snapshot uses it
 │   └── TemplateMismatch                a pool, snapshot or restore recorded another image than the one at hand
 ├── DockerfileError (InvalidArgument)   an unsupported or malformed instruction (``line``: its number)
@@ -305,7 +305,8 @@ class TemplateNotFound(TemplateError, LookupError):
 
 
 class TemplateBuildError(TemplateError):
-    """A build step failed; ``step`` names it (index and text), ``log`` is the build log's path."""
+    """A build step failed; ``step`` names it (index and text), ``log`` is the build log's file
+    name in the server's build log directory (``<home>/templates/logs``), not a host path."""
 
     def __init__(self, message: str, *, template: str = "", step: str = "", log: str = "") -> None:
         super().__init__(message, template=template, step=step)

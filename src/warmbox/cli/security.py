@@ -130,6 +130,21 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ("test_host_paths.py::test_memory_snapshot_keeps_absolute_symlinks_and_sparse_files",),
     ),
     Guarantee(
+        "host paths",
+        "No host path reaches a tenant through the API: every route (walked from the server's own route "
+        "table, MCP's tools and the console's pages included, with real sandboxes, a mounted volume, a "
+        "snapshot and built templates, then with unknown and other tenants' ids and refused values) answers "
+        "without the home, runtime or image directories, /var/lib/warmbox, a /tmp path or a host binary. "
+        "A volume's record has no disk path, a template's build log is a name, LimitTooHigh names no "
+        "directory, runtime logs and typed errors have the host's directories replaced by <home>, "
+        "<runtime>, <images>, and a tenant's doctor and tier choice say <host path>.",
+        _SHARED,
+        (
+            "test_api_host_paths.py::test_no_route_answers_a_host_path",
+            "test_api_host_paths.py::test_the_walk_sees_what_the_server_answered_before",
+        ),
+    ),
+    Guarantee(
         "lost work",
         "WARMBOX_SNAPSHOT_MAX_BYTES bounds every tier's snapshot; a pause that cannot be "
         "stored after its checkpoint continues the sandbox from its own image.",
