@@ -17,7 +17,7 @@ import posixpath
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from warmbox.errors import InvalidPath
+from warmbox.errors import InvalidArgument, InvalidPath
 from warmbox.models import (
     Approval,
     CommandRecord,
@@ -65,6 +65,39 @@ def sandbox_path(path: object) -> str:
     if ".." in path.split("/"):
         raise InvalidPath(f"path {path!r} contains a '..' component")
     return posixpath.normpath(posixpath.join(WORKDIR, path))
+
+
+_MAX_TEXT_DEPTH = 16
+
+
+def check_text(value: object, where: str = "request", depth: int = 0) -> None:
+    """InvalidArgument naming the place if a string anywhere in ``value`` (a request, its records,
+    lists, tuples and dicts, keys included) cannot be UTF-8: a lone UTF-16 surrogate such as
+    "\\ud800", which JSON's \\u escapes can carry. Nothing below (the registry, the guest protocol,
+    a log) can store or send one, so every operation is refused here, before anything is claimed."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidArgument(
+                    f"{where} is not valid Unicode text: a lone surrogate ({value[e.start]!r}) at character {e.start}"
+                ) from None
+        return
+    if depth > _MAX_TEXT_DEPTH:
+        raise InvalidArgument(f"{where}: nested too deeply")
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_text(item, f"{where}[{i}]", depth + 1)
+    elif isinstance(value, dict):
+        for k, item in value.items():
+            check_text(k, f"{where} key", depth + 1)
+            check_text(item, f"{where}[{k!r}]", depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        prefix = "" if where == "request" else f"{where}."
+        for f in dataclasses.fields(value):
+            if not f.metadata.get("local"):
+                check_text(getattr(value, f.name, None), prefix + f.name, depth + 1)
 
 
 LOCAL = {"local": True}  # field metadata of a streaming callback: never serialised, fed by the transport

@@ -145,6 +145,20 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ),
     ),
     Guarantee(
+        "service",
+        "A string no UTF-8 can hold (a lone surrogate, a JSON \\ud800 escape) in any field of any operation "
+        "is a 400 invalid_argument naming the field, where requests are decoded (and in the in-process "
+        "front), before anything is looked up or claimed: no 500, no traceback, no pooled sandbox claimed "
+        "and destroyed. Every string field of every operation (records, lists, dict keys) is fuzzed with "
+        "it, a NUL and 100,000 characters over a real server: always a typed answer.",
+        _ALL,
+        (
+            "test_api_hostile_strings.py::test_a_hostile_string_in_any_field_is_a_typed_answer",
+            "test_api_hostile_strings.py::test_every_operation_with_a_string_is_fuzzed",
+            "test_api_hostile_strings.py::test_the_in_process_front_refuses_before_claiming",
+        ),
+    ),
+    Guarantee(
         "lost work",
         "WARMBOX_SNAPSHOT_MAX_BYTES bounds every tier's snapshot; a pause that cannot be "
         "stored after its checkpoint continues the sandbox from its own image.",

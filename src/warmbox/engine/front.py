@@ -437,6 +437,7 @@ class EngineFront:
         handler = self._handlers.get(type(request))
         if handler is None:
             raise InvalidArgument(f"not an operation: {type(request).__name__}")
+        ops.check_text(request)  # before anything is looked up, claimed or made
         if self.tenant is not None:
             self._scope(request, self.tenant)
         need = NEEDS.get(type(request))

@@ -416,6 +416,7 @@ async def decode_request(route: api.Route, request: Request, settings: ServerSet
         req = wire.decode_record(cls, data, "query", **given, data=payload)
     else:
         req = wire.decode_record(cls, data, "body" if route.body == "json" else "query", **given)
+    ops.check_text(req)  # a lone surrogate (a JSON "\ud800" escape) anywhere: refused before the front
     return _bound(_adapt(req), settings)
 
 
