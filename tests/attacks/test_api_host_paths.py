@@ -4,7 +4,7 @@ tenant's key while real sandboxes (container and gVisor), a named volume mounted
 and built templates exist; then with unknown ids, another tenant's ids and values that raise typed
 errors (LimitTooHigh of a volume or a disk, a failed build, a volume in use, an unknown route).
 MCP's tools and the console's pages too. No answer may hold the home, the runtime or image
-directories, /var/lib/warmbox, a /tmp path, the operator's home or the server's source tree (a
+directories, /var/lib/warmbox, a host temporary directory, the operator's home or the server's source tree (a
 traceback), and the server logs no traceback.
 
 Before: ``POST /v1/volumes`` and ``GET /v1/volumes/{name}`` answered ``"disk": "<home>/volumes/
@@ -56,7 +56,8 @@ def forbidden(home: Path) -> list[str]:
             str(engine.runtime),
             str(microvm_image.cache_dir()),
             paths.DEFAULT_RUNTIME_ROOT,
-            "/tmp/",
+            "/tmp/wb",  # test homes, WARMBOX_RUNTIME_DIRs (a sandbox's own /tmp is its business)
+            "/tmp/tmp",  # Python's tempfile directories (a build's context, a download)
             str(Path.home()) + "/",
             str(Path(warmbox.__file__).parent),
             sys.prefix,

@@ -134,7 +134,7 @@ GUARANTEES: tuple[Guarantee, ...] = (
         "No host path reaches a tenant through the API: every route (walked from the server's own route "
         "table, MCP's tools and the console's pages included, with real sandboxes, a mounted volume, a "
         "snapshot and built templates, then with unknown and other tenants' ids and refused values) answers "
-        "without the home, runtime or image directories, /var/lib/warmbox, a /tmp path or a host binary. "
+        "without the home, runtime or image directories, /var/lib/warmbox, a host temp directory or a host binary. "
         "A volume's record has no disk path, a template's build log is a name, LimitTooHigh names no "
         "directory, runtime logs and typed errors have the host's directories replaced by <home>, "
         "<runtime>, <images>, and a tenant's doctor and tier choice say <host path>.",
