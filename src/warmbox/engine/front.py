@@ -1349,6 +1349,9 @@ class EngineFront:
         if not callable(hook):
             raise InvalidArgument("on_approval must be a callable")
         self._own(sandbox_id)
+        info, _ = self.engine.info(sandbox_id)
+        if info.state in (State.DESTROYED, State.LOST, State.FAILED):  # its proxy will never ask
+            self.engine.check(Operation.EXEC, info)  # SandboxNotFound "was destroyed", SandboxLost, ...
         subscribed = asyncio.Event()
         task = asyncio.ensure_future(egress.approvals(self.engine.home, sandbox_id, hook, subscribed))  # type: ignore[arg-type]
         try:
