@@ -430,17 +430,20 @@ def start_server(
     env: dict[str, str] | None = None,
     timeout: float = 60.0,
     args: tuple[str, ...] = (),
+    mcp: bool = False,
 ) -> ServerProc:
     """Start `python -m warmbox.cli.main serve` on ``home`` and wait (bounded) for its listening line;
-    ``args``: more of serve's options (e.g. ``("--cluster", HEAD)``: the cluster's router)."""
+    ``args``: more of serve's options (e.g. ``("--cluster", HEAD)``: the cluster's router); ``mcp``:
+    serve MCP at /mcp too."""
     socket = socket or home / "api.sock"
     log = home / f"serve-{secrets.token_hex(3)}.log"
     where = ["--port", "0"] if tcp else ["--host", ""]
     child_env = {k: v for k, v in os.environ.items() if k not in ("WARMBOX_API_URL", "WARMBOX_API_KEY")}
     child_env.update(WARMBOX_HOME=str(home), **(env or {}))
+    no_mcp = () if mcp else ("--no-mcp",)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "warmbox.cli.main", "serve", *where, "--socket", str(socket), "--no-mcp", *args],
+            [sys.executable, "-m", "warmbox.cli.main", "serve", *where, "--socket", str(socket), *no_mcp, *args],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,

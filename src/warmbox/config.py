@@ -295,7 +295,7 @@ def check_disk_free(limits: Limits, runtime: Path) -> None:
         _too_high(
             "disk_mb",
             limits.disk_mb,
-            f"the free space of the disk holding {where}",
+            "the free space of the disk holding the sandboxes",  # never its host path: tenants read this
             most,
             "MiB",
             f"{free} MiB free of {total} MiB, less a reserve of {reserve} MiB: a sandbox's disk must fit "

@@ -41,7 +41,7 @@ WarmboxError
 ├── SnapshotUnsupported                 the tier cannot take the snapshot asked for (e.g. memory)
 ├── TemplateError                       a template (``template``: its name; ``step``: the step, if any)
 │   ├── TemplateNotFound (LookupError)  no built template of that name (or that version/image)
-│   ├── TemplateBuildError              a build step failed (``step``; ``log``: the build log's path)
+│   ├── TemplateBuildError              a build step failed (``step``; ``log``: the build log's name)
 │   ├── TemplateInUse                   removal refused: a sandbox, pool or snapshot uses it
 │   └── TemplateMismatch                a pool, snapshot or restore recorded another image than the one at hand
 ├── DockerfileError (InvalidArgument)   an unsupported or malformed instruction (``line``: its number)
@@ -58,6 +58,7 @@ WarmboxError
 │   └── ApprovalClosed                  the question was answered already (or timed out): one answer each
 ├── Forbidden                           an admin-only operation asked for by a tenant that is not admin
 ├── Unauthenticated                     the server refused the key (none, unknown or revoked)
+├── RouteNotFound (LookupError)         the server has no such route, or not for that method (HTTP 404/405)
 ├── RateLimited                         too many requests for the key (``retry_after`` seconds)
 ├── ConnectionLost                      the connection to the server failed or dropped mid-operation
 └── ClusterError                        something about a warmbox cluster (its nodes, placement, routing)
@@ -304,7 +305,8 @@ class TemplateNotFound(TemplateError, LookupError):
 
 
 class TemplateBuildError(TemplateError):
-    """A build step failed; ``step`` names it (index and text), ``log`` is the build log's path."""
+    """A build step failed; ``step`` names it (index and text), ``log`` is the build log's file
+    name in the server's build log directory (``<home>/templates/logs``), not a host path."""
 
     def __init__(self, message: str, *, template: str = "", step: str = "", log: str = "") -> None:
         super().__init__(message, template=template, step=step)
@@ -420,6 +422,11 @@ class Forbidden(WarmboxError):
 
 class Unauthenticated(WarmboxError):
     """The warmbox server refused the request: no key, an unknown or a revoked key (HTTP 401)."""
+
+
+class RouteNotFound(WarmboxError, LookupError):
+    """The server has no route of that path (HTTP 404), or not for that method (HTTP 405): a
+    mistyped URL, or a server older than its client. Nothing was done."""
 
 
 class RateLimited(WarmboxError):

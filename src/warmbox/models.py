@@ -1039,7 +1039,8 @@ class TemplateInfo:
     layers: layer digests, bottom first. source: where the bottom came from ("debian:bookworm",
     "dockerfile:/path", "oci:/path", "registry:host/x:tag"). spec_hash: the build spec's hash (the
     same spec and image as the latest version adds no version). size_bytes: the layers' blobs.
-    created_at: epoch seconds. build_log: the build log's host path ("" if none).
+    created_at: epoch seconds. build_log: the build log's file name in the server's build log
+    directory (``<home>/templates/logs``; "" if none): a name, never a host path.
     """
 
     name: str
@@ -1082,7 +1083,8 @@ class TemplateBuildEvent:
 @dataclasses.dataclass(frozen=True)
 class VolumeMount:
     """A named volume mounted into one sandbox: ``disk`` is the host path of the volume's ext4
-    image (its size is the volume's limit), ``path`` where the sandbox sees it."""
+    image (its size is the volume's limit), ``path`` where the sandbox sees it. Host-internal:
+    what a backend gets in its SandboxSpec, never part of an operation's result."""
 
     name: str
     path: str
@@ -1171,18 +1173,17 @@ class VolumeInfo:
 
     name: its name (unique per tenant). tenant: whose ("" : the host's). size_mb: its size, MiB:
     the limit of what it holds (a writer inside gets NoSpace). created_at: epoch seconds.
-    disk: the host path of its ext4 image (sparse). allocated_mb: what the image takes on the
-    host's disk now (MiB, rounded up). mounted_by: the ids of the live or paused sandboxes
-    mounting it. node: in a cluster, the node holding its disk, where every sandbox mounting it
-    runs ("" on a single host); disk and allocated_mb are that node's (allocated_mb 0 when read
-    on another node).
+    allocated_mb: what its disk (a sparse ext4 image) takes on the host's disk now (MiB, rounded
+    up). mounted_by: the ids of the live or paused sandboxes mounting it. node: in a cluster, the
+    node holding its disk, where every sandbox mounting it runs ("" on a single host);
+    allocated_mb is that node's (0 when read on another node). Where the disk is on the host is
+    the host's own business (``engine.volumes.disk_of``): no caller is told a host path.
     """
 
     name: str
     tenant: str
     size_mb: int
     created_at: float
-    disk: str
     allocated_mb: int = 0
     mounted_by: tuple[str, ...] = ()
     node: str = ""

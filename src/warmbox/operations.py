@@ -17,7 +17,7 @@ import posixpath
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from warmbox.errors import InvalidPath
+from warmbox.errors import InvalidArgument, InvalidPath
 from warmbox.models import (
     Approval,
     CommandRecord,
@@ -65,6 +65,83 @@ def sandbox_path(path: object) -> str:
     if ".." in path.split("/"):
         raise InvalidPath(f"path {path!r} contains a '..' component")
     return posixpath.normpath(posixpath.join(WORKDIR, path))
+
+
+_MAX_TEXT_DEPTH = 16
+
+
+def check_text(value: object, where: str = "request") -> None:
+    """InvalidArgument naming the place if a string anywhere in ``value`` (a request, its records,
+    lists, tuples and dicts, keys included) cannot be UTF-8: a lone UTF-16 surrogate such as
+    "\\ud800", which JSON's \\u escapes can carry. Nothing below (the registry, the guest protocol,
+    a log) can store or send one, so every operation is refused here, before anything is claimed."""
+    found = _bad_text(value, 0)
+    if found is None:
+        return
+    at, text = found
+    for part in reversed(at):
+        if isinstance(part, int):
+            where += f"[{part}]"
+        elif isinstance(part, tuple):  # ("key", k): the key k itself; ("value", k): what k holds
+            where += " key" if part[0] == "key" else f"[{part[1]!r}]"
+        else:
+            where = part if where == "request" else f"{where}.{part}"
+    if text is None:
+        raise InvalidArgument(f"{where}: nested too deeply")
+    pos = next(i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff")
+    raise InvalidArgument(f"{where} is not valid Unicode text: a lone surrogate ({text[pos]!r}) at character {pos}")
+
+
+_Where = list[str | int | tuple[str, object]]
+
+
+def _bad_text(value: object, depth: int) -> tuple[_Where, str | None] | None:
+    """(where, the string) of the first string UTF-8 cannot hold in ``value``, its path reversed
+    (built only when there is one: every request is checked); the string is None when ``value``
+    nests deeper than _MAX_TEXT_DEPTH."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return [], value
+        return None
+    if value is None or isinstance(value, (int, float, bytes)):
+        return None
+    if depth > _MAX_TEXT_DEPTH:
+        return [], None
+    found: tuple[_Where, str | None] | None = None
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            if (found := _bad_text(item, depth + 1)) is not None:
+                found[0].append(i)
+                return found
+    elif isinstance(value, dict):
+        for k, item in value.items():
+            if (found := _bad_text(k, depth + 1)) is not None:
+                found[0].append(("key", k))
+                return found
+            if (found := _bad_text(item, depth + 1)) is not None:
+                found[0].append(("value", k))
+                return found
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for name in _data_fields(type(value)):
+            if (found := _bad_text(getattr(value, name, None), depth + 1)) is not None:
+                found[0].append(name)
+                return found
+    return None
+
+
+_DATA_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _data_fields(cls: type) -> tuple[str, ...]:
+    """A record's fields that hold data (not streaming callbacks); cached: every request is checked."""
+    names = _DATA_FIELDS.get(cls)
+    if names is None:
+        names = _DATA_FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get("local"))
+    return names
 
 
 LOCAL = {"local": True}  # field metadata of a streaming callback: never serialised, fed by the transport

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 DEFAULT_HOME = "~/.local/share/warmbox"
@@ -33,6 +34,46 @@ def runtime_dir(home: Path) -> Path:
     if env:
         return Path(env).expanduser().resolve()
     return Path(DEFAULT_RUNTIME_ROOT) / hashlib.sha256(str(home).encode()).hexdigest()[:12]
+
+
+def image_cache_dir() -> Path:
+    """The host-wide image and layer cache (``WARMBOX_IMAGE_CACHE`` overrides): content-named,
+    shared by every warmbox home on the host."""
+    return Path(os.environ.get("WARMBOX_IMAGE_CACHE") or f"{DEFAULT_RUNTIME_ROOT}/images")
+
+
+def host_roots(home: Path) -> tuple[tuple[str, str], ...]:
+    """The host directories a caller is never told, each with the word that stands for it in text
+    a caller reads (a runtime log, an error's message), most specific first."""
+    roots = {
+        str(runtime_dir(home)): "<runtime>",
+        str(home): "<home>",
+        str(image_cache_dir()): "<images>",
+        DEFAULT_RUNTIME_ROOT: "<warmbox>",
+    }
+    return tuple(sorted(((r, w) for r, w in roots.items() if r.strip("/")), key=lambda rw: -len(rw[0])))
+
+
+def redact(text: str, roots: tuple[tuple[str, str], ...]) -> str:
+    """``text`` with each of ``roots`` (see :func:`host_roots`) replaced by its word: what is below
+    a root stays readable (``<runtime>/sandboxes/sb-…/config.json``), where it is on the host does not."""
+    for root, word in roots:
+        if root in text:
+            text = text.replace(root, word)
+    return text
+
+
+_HOST_PATH = re.compile(
+    r"(?<![\w/.<>-])/(?:usr|bin|sbin|lib|lib64|etc|var|opt|dev|sys|proc|root|home|srv|run|tmp|mnt|nix|snap)"
+    r"(?:/[\w.+@:-]+)+"
+)
+
+
+def hide_host_paths(text: str) -> str:
+    """``text`` about the host itself (which tiers it runs and why) as a tenant reads it: every
+    absolute path under a system directory (``/usr/sbin/runc``, ``/dev/kvm``) becomes
+    ``<host path>``. Not for text about a sandbox, whose own /usr and /tmp are its business."""
+    return _HOST_PATH.sub("<host path>", text)
 
 
 def owner_tag(pid: int, node: str = "") -> str:

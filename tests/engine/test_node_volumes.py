@@ -9,6 +9,7 @@ import os
 import pytest
 
 from warmbox import Sandbox, Volume, VolumeElsewhere
+from warmbox.engine import volumes
 from warmbox.models import State
 
 pytestmark = pytest.mark.sandbox
@@ -19,7 +20,8 @@ def test_a_volume_made_on_node_a_is_refused_by_node_b_naming_node_a(node_homes, 
     a = node_homes.add("a")
     b = node_homes.add("b", share=a)
     vol = Sandbox.create_volume("data", 64, home=a.home)
-    assert vol.node == "a" and os.path.isfile(vol.disk)
+    disk = volumes.disk_of_name(a, "", "data")
+    assert vol.node == "a" and os.path.isfile(disk)
     sb = Sandbox.create(
         tier="container", template="shell", timeout=120, pool=False, home=a.home, volumes=[Volume("data", "/data")]
     )
@@ -50,6 +52,6 @@ def test_a_volume_made_on_node_a_is_refused_by_node_b_naming_node_a(node_homes, 
 
     with pytest.raises(VolumeElsewhere):  # only a deletes its disk
         Sandbox.delete_volume("data", home=b.home)
-    assert os.path.isfile(vol.disk) and Sandbox.get_volume("data", home=a.home).node == "a"
+    assert os.path.isfile(disk) and Sandbox.get_volume("data", home=a.home).node == "a"
     Sandbox.delete_volume("data", home=a.home)
-    assert not os.path.exists(vol.disk)
+    assert not os.path.exists(disk)

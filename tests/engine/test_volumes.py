@@ -19,6 +19,7 @@ from tests.conftest import cli, wait_for
 from warmbox import AsyncSandbox, Sandbox, Volume
 from warmbox import operations as ops
 from warmbox.backends import workspace_disk
+from warmbox.engine import volumes
 from warmbox.engine.engine import Engine
 from warmbox.engine.front import EngineFront
 from warmbox.errors import (
@@ -109,11 +110,9 @@ def test_registry_volume_in_use_and_the_microvm_sharing_rule(tmp_path):
 
 
 def test_a_volume_image_is_a_sparse_ext4_of_its_size_owned_by_the_sandbox_user(tmp_path):
-    from warmbox.engine import volumes
-
     engine = Engine(tmp_path / "home")
     info = asyncio.run(volumes.create(engine, "", "data", 64))
-    disk = Path(info.disk)
+    disk = volumes.disk_of_name(engine, "", "data")
     assert disk.stat().st_size == 64 << 20 and disk.stat().st_mode & 0o777 == 0o600
     assert info.allocated_mb < 8, "the image is not sparse"
     r = subprocess.run(["debugfs", "-R", "stat /", str(disk)], capture_output=True, text=True, check=True)
@@ -151,7 +150,8 @@ def test_a_volume_is_shared_by_sandboxes_with_the_right_owners_and_left_unmounte
     name = _name()
     info = Sandbox.create_volume(name, 64, home=home)
     assert info.size_mb == 64 and info.tenant == "" and info.mounted_by == ()
-    assert Path(info.disk).stat().st_blocks * 512 < 8 << 20, "the image is not sparse"
+    disk = volumes.disk_of_name(engine, "", name)
+    assert disk.stat().st_blocks * 512 < 8 << 20, "the image is not sparse"
     try:
         with Sandbox.create(tier, pool=False, template="shell", home=home, volumes=[Volume(name, "/data")]) as a:
             r = a.commands.run("id -u; stat -c '%u %a' /data; echo hi > /data/f; mkdir /data/d; stat -c %u /data/f")
@@ -180,7 +180,7 @@ def test_a_volume_is_shared_by_sandboxes_with_the_right_owners_and_left_unmounte
             assert r.stdout.split() == ["hi", "user"], r.stdout
     finally:
         Sandbox.delete_volume(name, home=home)
-    assert not Path(info.disk).exists()
+    assert not disk.exists()
     assert not _loops(engine)
 
 

@@ -317,12 +317,27 @@ def test_absurd_set_timeout_is_typed(server, live):
     alive(server)
 
 
+def test_approval_questions_of_an_ended_sandbox_are_not_found_at_once(server):
+    """Its proxy will never ask: 404 sandbox_not_found, not a 500 network_error after a 10 s wait."""
+
+    async def make() -> str:
+        sb = await AsyncSandbox.create(api_url=server.unix_url, timeout=120, pool=False)
+        await sb.kill()
+        return sb.sandbox_id
+
+    sid = asyncio.run(make())
+    t0 = time.monotonic()
+    status, data = call(server, "GET", f"{api.PREFIX}/sandboxes/{sid}/network/approvals")
+    assert status == 404 and code_of(data) == "sandbox_not_found", (status, data)
+    assert time.monotonic() - t0 < 5
+
+
 def test_unknown_route_and_method_are_json(server):
     for path in ("/v1/nope", "/nope", f"{api.PREFIX}/sandboxes/{FAKE_ID}/nope", "/v1/../../etc/passwd"):
         status, data = call(server, "GET", path)
-        assert status == 404 and code_of(data) == "invalid_argument", (path, status, data)
+        assert status == 404 and code_of(data) == "route_not_found", (path, status, data)
     status, data = call(server, "PATCH", f"{api.PREFIX}/sandboxes")
-    assert status == 405 and code_of(data) == "invalid_argument", (status, data)
+    assert status == 405 and code_of(data) == "route_not_found", (status, data)
     alive(server)
 
 

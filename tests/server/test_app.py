@@ -100,8 +100,8 @@ def test_rate_limiter_refills():
         ("POST", "/v1/sandboxes", {"content": b'{"timeout": Infinity}'}, "invalid_argument", 400),
         ("POST", "/v1/sandboxes", {"content": b"[" * 5000 + b"]" * 5000}, "invalid_argument", 400),
         ("GET", "/v1/snapshots?bogus=" + "9" * 500, {}, "invalid_argument", 400),
-        ("GET", "/v1/nowhere", {}, "invalid_argument", 404),
-        ("PATCH", "/v1/sandboxes", {}, "invalid_argument", 405),
+        ("GET", "/v1/nowhere", {}, "route_not_found", 404),
+        ("PATCH", "/v1/sandboxes", {}, "route_not_found", 405),
     ],
 )
 def test_bad_input_is_a_typed_4xx(client, engine, method, path, kw, code, status):

@@ -34,7 +34,7 @@ def _info(name: str = "web", image: str = "sha256:" + "a" * 64, spec: str = "s1"
         spec_hash=spec,
         size_bytes=123,
         created_at=1700000000.5,
-        build_log="/var/log/b.log",
+        build_log="web-1.log",  # a name in <home>/templates/logs (rows of older builds: their path, read as this)
         tenant=tenant,
         description="a web image",
     )

@@ -18,6 +18,7 @@ import pytest
 
 from warmbox import Sandbox
 from warmbox import operations as ops
+from warmbox.engine.builder import log_dir
 from warmbox.engine.engine import Engine
 from warmbox.engine.front import EngineFront
 from warmbox.errors import DockerfileError, TemplateBuildError, TemplateInUse, TemplateNotFound
@@ -121,7 +122,9 @@ def test_fluent_build_cache_and_sandbox(engine: Engine, repo: Path, tmp_path: Pa
     info, events = asyncio.run(_build(engine, name, t))
     try:
         assert info.version == 1 and len(info.layers) > 1
-        assert Path(info.build_log).is_file() and "hello" in Path(info.build_log).read_text()
+        assert "/" not in info.build_log  # a name: no host path reaches a caller
+        log = log_dir(engine) / info.build_log
+        assert log.is_file() and "hello" in log.read_text()
         layer_steps = _layer_events(events)
         assert all("running" in s and "done" in s for s in layer_steps.values()), layer_steps
         assert dict(info.env)["GREETING"] == "hello from the template"
@@ -220,7 +223,9 @@ def test_failing_run_names_the_step_and_keeps_its_log(engine: Engine):
         asyncio.run(_build(engine, name, t))
     assert e.value.step.startswith("2: RUN echo about to fail")
     assert "exited 3" in str(e.value) and "oops" in str(e.value)
-    assert Path(e.value.log).is_file() and "about to fail" in Path(e.value.log).read_text()
+    assert "/" not in e.value.log and str(engine.home) not in str(e.value)
+    log = log_dir(engine) / e.value.log
+    assert log.is_file() and "about to fail" in log.read_text()
     with pytest.raises(TemplateNotFound):  # nothing recorded
         asyncio.run(EngineFront(engine).handle(ops.TemplateGet(name)))
     # (a pool's sandboxes may be warming meanwhile: the session's other tests grew the default pool)
@@ -291,7 +296,7 @@ def test_cli_over_http_progress_ls_show_rm(engine: Engine, home: Path, tmp_path:
 
         shown = json.loads(r.stdout)
         assert shown["tenant"] == "tmpl-owner" and shown["version"] == 1
-        assert "copied over http" in Path(shown["build_log"]).read_text()
+        assert "copied over http" in (log_dir(engine) / shown["build_log"]).read_text()
         r = cli("template", "show", name, env={**env, "WARMBOX_API_KEY": other})
         assert r.returncode == 125 and "no template" in r.stderr
         r = cli("template", "rm", name, env=env)

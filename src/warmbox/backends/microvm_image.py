@@ -40,6 +40,7 @@ from warmbox.backends.runc import GUEST_SOURCES, MATPLOTLIBRC, guest_sources, in
 from warmbox.errors import SandboxStartError
 from warmbox.images import BUILTIN_EXCLUDES, BUILTIN_PACKAGES, debian_key, suite
 from warmbox.models import LAYER_UID_BASE, ImageRef
+from warmbox.paths import image_cache_dir
 
 BUILD_VERSION = "microvm-image-v4"
 # the built-in image's packages (warmbox.images: one list, the same tree on every tier). pip and
@@ -202,7 +203,7 @@ def content_hash() -> str:
 def cache_dir() -> Path:
     """Shared by every warmbox home on the host: the images are immutable and content-named.
     ``WARMBOX_IMAGE_CACHE`` overrides."""
-    return Path(os.environ.get("WARMBOX_IMAGE_CACHE") or "/var/lib/warmbox/images")
+    return image_cache_dir()
 
 
 def image_dir(images: Path) -> Path:

@@ -130,6 +130,35 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ("test_host_paths.py::test_memory_snapshot_keeps_absolute_symlinks_and_sparse_files",),
     ),
     Guarantee(
+        "host paths",
+        "No host path reaches a tenant through the API: every route (walked from the server's own route "
+        "table, MCP's tools and the console's pages included, with real sandboxes, a mounted volume, a "
+        "snapshot and built templates, then with unknown and other tenants' ids and refused values) answers "
+        "without the home, runtime or image directories, /var/lib/warmbox, a host temp directory or a host binary. "
+        "A volume's record has no disk path, a template's build log is a name, LimitTooHigh names no "
+        "directory, runtime logs and typed errors have the host's directories replaced by <home>, "
+        "<runtime>, <images>, and a tenant's doctor and tier choice say <host path>.",
+        _SHARED,
+        (
+            "test_api_host_paths.py::test_no_route_answers_a_host_path",
+            "test_api_host_paths.py::test_the_walk_sees_what_the_server_answered_before",
+        ),
+    ),
+    Guarantee(
+        "service",
+        "A string no UTF-8 can hold (a lone surrogate, a JSON \\ud800 escape) in any field of any operation "
+        "is a 400 invalid_argument naming the field, where requests are decoded (and in the in-process "
+        "front), before anything is looked up or claimed: no 500, no traceback, no pooled sandbox claimed "
+        "and destroyed. Every string field of every operation (records, lists, dict keys) is fuzzed with "
+        "it, a NUL and 100,000 characters over a real server: always a typed answer.",
+        _ALL,
+        (
+            "test_api_hostile_strings.py::test_a_hostile_string_in_any_field_is_a_typed_answer",
+            "test_api_hostile_strings.py::test_every_operation_with_a_string_is_fuzzed",
+            "test_api_hostile_strings.py::test_the_in_process_front_refuses_before_claiming",
+        ),
+    ),
+    Guarantee(
         "lost work",
         "WARMBOX_SNAPSHOT_MAX_BYTES bounds every tier's snapshot; a pause that cannot be "
         "stored after its checkpoint continues the sandbox from its own image.",

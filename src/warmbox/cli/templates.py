@@ -174,6 +174,17 @@ class _Progress:
         self.drawn = sum(1 + line.count("\n") for line in lines)
 
 
+def _log_path(t: object, name: str) -> str:
+    """Where a build log is: its full path on this host (the engine in process), else its name in
+    the server's build log directory."""
+    from warmbox.engine.builder import log_dir
+    from warmbox.sdk.transport import LocalTransport
+
+    if isinstance(t, LocalTransport) and name:
+        return str(log_dir(t.front.engine) / name)
+    return f"{name} (in the server's build log directory)" if name else "none"
+
+
 def _row(i: TemplateInfo) -> str:
     age = time.time() - i.created_at
     return (
@@ -199,7 +210,7 @@ async def command(args: argparse.Namespace) -> int:
         else:
             print(
                 f"built {info.name} version {info.version} ({info.image_id}) in {time.monotonic() - t0:.1f} s; "
-                f"log: {info.build_log}"
+                f"log: {_log_path(t, info.build_log)}"
             )
         return 0
     if args.template_command == "ls":

@@ -435,6 +435,7 @@ class ClusterFront:
         self.tenant = tenant
 
     async def handle(self, request: ops.Request[R]) -> R:
+        ops.check_text(request)  # before a node is chosen (the node's own front checks again)
         rule = rule_of(type(request))
         if rule is Rule.OWNER:
             return await self._owner(request)

@@ -319,6 +319,7 @@ def sweep(builds: Path) -> None:
 
 
 def log_dir(engine: Engine) -> Path:
+    """Where build logs are: TemplateInfo.build_log and TemplateBuildError.log name a file here."""
     return engine.home / "templates" / "logs"
 
 
@@ -421,7 +422,7 @@ class Build:
             except TemplateBuildError as e:
                 self._write(f"\n# FAILED: {e}\n")
                 if not e.log:
-                    e.log = str(self.log_path)
+                    e.log = self.log_path.name
                 if not e.template:
                     e.template = self.name
                 raise
@@ -656,10 +657,10 @@ class Build:
                 else f"exited {r.exit_code}"
             )
             raise TemplateBuildError(
-                f"step {label} {why}; the end of its output:\n{self._tail.strip()}\n(build log: {self.log_path})",
+                f"step {label} {why}; the end of its output:\n{self._tail.strip()}\n(build log: {self.log_path.name})",
                 template=self.name,
                 step=label,
-                log=str(self.log_path),
+                log=self.log_path.name,
             )
         info = await asyncio.to_thread(self.store.add_tree, upper, owner_base=LAYER_UID_BASE)
         return info.digest
@@ -690,7 +691,7 @@ class Build:
             spec_hash=keys.spec_hash(t),
             size_bytes=size,
             created_at=time.time(),
-            build_log=str(self.log_path),
+            build_log=self.log_path.name,  # a name in log_dir(): no host path reaches a caller
             tenant=self.tenant.name if self.tenant is not None else "",
             description=self.description,
         )

@@ -50,7 +50,7 @@ from warmbox.models import (
     VolumeMount,
 )
 from warmbox.network.policy import Policy
-from warmbox.paths import default_home, owner_alive, owner_tag, runtime_dir
+from warmbox.paths import default_home, host_roots, owner_alive, owner_tag, redact, runtime_dir
 from warmbox.storage import uidslots
 from warmbox.storage.registry import Registry, open_registry
 
@@ -125,6 +125,7 @@ class Engine:
         self.home = home
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.runtime = runtime_dir(home)  # made when a backend first needs it
+        self._roots = host_roots(home)  # what redact() hides
         # every allocation (create, pool refill, restore of a snapshot) checks its limits first;
         # the rows it creates are this node's ([cluster] node, "" on one host); [cluster]
         # registry: the cluster's shared PostgreSQL registry instead of the home's file
@@ -206,7 +207,24 @@ class Engine:
                     data = f.read(1 << 20)
             except OSError:
                 pass
-        return data.decode("utf-8", "replace")
+        return self.redact(data.decode("utf-8", "replace"))  # the runtimes name host paths: never shown
+
+    def redact(self, text: str) -> str:
+        """``text`` (a runtime log, an error's message) as a caller may read it: the host
+        directories of this engine (its home, runtime dir, the image cache) replaced by words."""
+        return redact(text, self._roots)
+
+    def redact_error(self, e: WarmboxError) -> WarmboxError:
+        """``e`` with its message and string attributes redacted (in place: its class, traceback
+        and attributes stay); the same object."""
+        if e.args and isinstance(e.args[0], str):
+            e.args = (self.redact(e.args[0]), *e.args[1:])
+        for name, v in vars(e).items():
+            if isinstance(v, str):
+                setattr(e, name, self.redact(v))
+            elif isinstance(v, tuple) and all(isinstance(x, str) for x in v):
+                setattr(e, name, tuple(self.redact(x) for x in v))
+        return e
 
     def settings(self) -> Settings:
         return config.load(self.home)

@@ -80,6 +80,7 @@ from warmbox.models import (
 )
 from warmbox.network.policy import Policy
 from warmbox.operations import sandbox_path
+from warmbox.paths import hide_host_paths
 from warmbox.storage.registry import Registry, unknown_sandbox
 from warmbox.tiers import canonical_tier
 
@@ -425,10 +426,19 @@ class EngineFront:
         }
 
     async def handle(self, request: ops.Request[R]) -> R:
-        """Run one operation."""
+        """Run one operation. Its typed errors name no host directory (Engine.redact_error): a
+        runtime's or the kernel's message may, and every caller, in process or remote, reads them."""
+        try:
+            return await self._handle(request)
+        except WarmboxError as e:
+            self.engine.redact_error(e)
+            raise
+
+    async def _handle(self, request: ops.Request[R]) -> R:
         handler = self._handlers.get(type(request))
         if handler is None:
             raise InvalidArgument(f"not an operation: {type(request).__name__}")
+        ops.check_text(request)  # before anything is looked up, claimed or made
         if self.tenant is not None:
             self._scope(request, self.tenant)
         need = NEEDS.get(type(request))
@@ -769,13 +779,27 @@ class EngineFront:
         return self.engine.logs(r.sandbox_id)
 
     async def doctor(self, r: ops.Doctor) -> builtins.list[TierStatus]:
-        return await asyncio.to_thread(self.engine.doctor)  # a first probe may boot a probe guest
+        got = await asyncio.to_thread(self.engine.doctor)  # a first probe may boot a probe guest
+        if self.tenant is None:
+            return got  # the host's own operator: where runc or /dev/kvm are is what it asks
+        return [dataclasses.replace(t, reason=self._about_host(t.reason)) for t in got]
+
+    def _about_host(self, text: str) -> str:
+        """Text about this host as a tenant reads it: no host path (see paths.hide_host_paths)."""
+        return hide_host_paths(self.engine.redact(text))
 
     async def choose_tier(self, r: ops.ChooseTier) -> TierChoice:
         if not isinstance(r.requirements, Requirements):
             raise InvalidArgument(f"requirements must be a warmbox.Requirements, got {type(r.requirements).__name__}")
         # a first probe may boot a probe guest (doctor's reason for a thread)
-        return await asyncio.to_thread(tierprofile.choose, self.engine, r.requirements, self.tenant)
+        got = await asyncio.to_thread(tierprofile.choose, self.engine, r.requirements, self.tenant)
+        if self.tenant is None:
+            return got
+        return dataclasses.replace(
+            got,
+            reasons=tuple(self._about_host(x) for x in got.reasons),
+            rejected={k: self._about_host(v) for k, v in got.rejected.items()},
+        )
 
     async def kill(self, r: ops.Kill) -> bool:
         await self._drop(r.sandbox_id)
@@ -1162,7 +1186,8 @@ class EngineFront:
 
     async def gc_snapshots(self, r: ops.GcSnapshots) -> ops.GcReport:
         removed, broken = await snapshots.gc(self.engine, 0.0 if r.now else None)
-        return ops.GcReport(removed, tuple(broken), snapshots.store_for(self.engine).describe())
+        store = self.engine.redact(snapshots.store_for(self.engine).describe())  # an admin key's, yet no host path
+        return ops.GcReport(removed, tuple(broken), store)
 
     # ---- network
 
@@ -1328,6 +1353,9 @@ class EngineFront:
         if not callable(hook):
             raise InvalidArgument("on_approval must be a callable")
         self._own(sandbox_id)
+        info, _ = self.engine.info(sandbox_id)
+        if info.state in (State.DESTROYED, State.LOST, State.FAILED):  # its proxy will never ask
+            self.engine.check(Operation.EXEC, info)  # SandboxNotFound "was destroyed", SandboxLost, ...
         subscribed = asyncio.Event()
         task = asyncio.ensure_future(egress.approvals(self.engine.home, sandbox_id, hook, subscribed))  # type: ignore[arg-type]
         try:

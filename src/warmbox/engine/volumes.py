@@ -49,6 +49,12 @@ def disk_of(engine: Engine, volume_id: str) -> Path:
     return volumes_dir(engine) / f"{volume_id}.img"
 
 
+def disk_of_name(engine: Engine, tenant: str, name: str) -> Path:
+    """The host path of a tenant's volume's image, for the host's own use (an operator's tools,
+    tests): no VolumeInfo carries it. VolumeNotFound if the tenant has no volume of that name."""
+    return disk_of(engine, engine.registry.volume(tenant, validate_volume_name(name))[0])
+
+
 def _info(
     engine: Engine, tenant: str, name: str, volume_id: str, size_mb: int, created_at: float, node: str
 ) -> VolumeInfo:
@@ -62,7 +68,6 @@ def _info(
         tenant=tenant,
         size_mb=size_mb,
         created_at=created_at,
-        disk=str(disk),
         allocated_mb=allocated,
         mounted_by=tuple(engine.registry.volume_users(volume_id)),
         node=node,
@@ -92,12 +97,12 @@ def _check_room(where: Path, size_mb: int) -> None:
     st = os.statvfs(where)
     free = st.f_bavail * st.f_frsize >> 20
     if size_mb > free:
-        raise LimitTooHigh(
-            f"size_mb={size_mb} is more than the {free} MiB free on the disk holding {where}",
+        raise LimitTooHigh(  # no host path: a tenant reads this
+            f"size_mb={size_mb} is more than the {free} MiB free on the disk holding the volumes",
             limit="size_mb",
             value=size_mb,
             maximum=free,
-            source=str(where),
+            source="the free space of the disk holding the volumes",
         )
 
 

@@ -100,6 +100,7 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.NoSuitableTier, 422),
     (errors.GuestConnectionError, 502),
     (errors.NodeNotFound, 404),
+    (errors.RouteNotFound, 404),  # 405 where the path is known (_not_allowed)
     (errors.DrainRefused, 409),
     (errors.NotACluster, 422),
     (errors.ConnectionLost, 502),  # a cluster's router could not reach (or lost) the node
@@ -415,6 +416,7 @@ async def decode_request(route: api.Route, request: Request, settings: ServerSet
         req = wire.decode_record(cls, data, "query", **given, data=payload)
     else:
         req = wire.decode_record(cls, data, "body" if route.body == "json" else "query", **given)
+    ops.check_text(req)  # a lone surrogate (a JSON "\ud800" escape) anywhere: refused before the front
     return _bound(_adapt(req), settings)
 
 
@@ -918,17 +920,12 @@ async def _openapi(request: Request) -> Response:
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
-    return JSONResponse(
-        {"error": {"code": "invalid_argument", "message": f"no route {request.method} {request.url.path}"}},
-        status_code=404,
-    )
+    return error_response(errors.RouteNotFound(f"no route {request.method} {request.url.path}"))
 
 
 async def _not_allowed(request: Request, exc: Exception) -> Response:
-    return JSONResponse(
-        {"error": {"code": "invalid_argument", "message": f"{request.method} is not allowed on {request.url.path}"}},
-        status_code=405,
-    )
+    e = errors.RouteNotFound(f"{request.method} is not allowed on {request.url.path}")
+    return JSONResponse({"error": wire.error_to_wire(e)}, status_code=405)
 
 
 async def _internal(request: Request, exc: Exception) -> Response:

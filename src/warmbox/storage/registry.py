@@ -2788,7 +2788,7 @@ def _template(r: tuple) -> TemplateInfo:
         spec_hash=r[10],
         size_bytes=r[11],
         created_at=r[12],
-        build_log=r[13],
+        build_log=Path(r[13]).name,  # rows before names were recorded hold the log's host path
         tenant=r[14],
         description=r[15],
     )
