@@ -78,12 +78,15 @@ CONFINE_CAPABILITIES = ["CAP_SYS_ADMIN", "CAP_DAC_OVERRIDE", "CAP_SETUID", "CAP_
 
 # The host pids cgroup's bound (host_pids). Measured on this host (runsc 2022, ptrace, 2 cores): an
 # idle sandbox is 70 host tasks, 125 after a pipeline and 216 Python threads; each process the
-# sandbox starts costs 8-10 (its stub process, stub threads, a Sentry thread). A fork bomb held at
-# limits.pids = 256 by the Sentry's pids cgroup still adds 300-550 host tasks a second: ptrace gives
-# every address space a stub thread per Sentry thread that ever ran it, and keeps released stubs
-# with their threads for reuse, so it crosses this bound after ~8 s (and the sandbox is lost).
+# sandbox starts costs 8-10 (its stub process, stub threads, a Sentry thread). A Python fork bomb
+# reached limits.pids = 128 after 5.4 s with 2206 host tasks, 256 after 6 s with 2647, and held
+# there by the Sentry's pids cgroup it still adds 300-550 host tasks a second: ptrace gives every
+# address space a stub thread per Sentry thread that ever ran it, and keeps released stubs with
+# their threads for reuse. A bomb that runs on crosses any bound (a shell bomb at 256: after ~30 s), and
+# the sandbox is lost; nothing else is.
 SENTRY_PIDS = 512
-PIDS_PER_TASK = 16
+PIDS_PER_TASK = 32
+HOST_SHARE = 4  # at most a quarter of the host's pids (the default [limits] max_pids of one sandbox)
 
 # what a syscall loop costs against the host per runsc platform (declared; a measured profile wins):
 # ptrace measured 10-50x per syscall kind on a 2-core PVM host (fork 46x, files 17x, socket 10x)
@@ -97,8 +100,9 @@ def host_pids(pids: int) -> int:
     the sandbox's processes get EAGAIN there. The host cgroup holds what serves them: the Sentry's
     threads, the gofer and the platform's stub processes and threads, none of which may ever fail to
     start (the Go runtime or the platform then panics and the sandbox is lost). It is bounded all
-    the same, so that one sandbox cannot take the host's pids."""
-    return SENTRY_PIDS + PIDS_PER_TASK * pids
+    the same, so that one sandbox cannot take the host's pids: by a quarter of them, unless
+    ``limits.pids`` itself is above that (an admin's ``[limits] max_pids``)."""
+    return max(pids + SENTRY_PIDS, min(SENTRY_PIDS + PIDS_PER_TASK * pids, host.host_pids() // HOST_SHARE))
 
 
 def _platform() -> str:
