@@ -40,8 +40,8 @@ def test_output_flood_with_no_reader_keeps_the_agent_bounded(home, runc_ready):
         assert r.truncated and r.signal == 9
 
 
-def test_background_processes_up_to_the_pids_limit(home, runc_ready):
-    with Sandbox.create("container", timeout=300, pool=False, limits=Limits(pids=64)) as sb:
+def test_background_processes_up_to_the_pids_limit(tier):
+    with Sandbox.create(tier, timeout=300, pool=False, limits=Limits(pids=64)) as sb:
         started: list[int] = []
         refused: SandboxError | None = None
         for _ in range(10_000):

@@ -14,7 +14,7 @@ import zipfile
 import pytest
 
 from tests.network.conftest import net_home, world  # noqa: F401  (fixtures: the fake internet)
-from warmbox import BackendUnavailable, Limits, Network, Sandbox
+from warmbox import BackendUnavailable, Network, Sandbox
 from warmbox.guest import userenv
 
 pytestmark = pytest.mark.sandbox
@@ -56,10 +56,7 @@ def npm_tarball(name: str) -> bytes:
 
 def open_tier(tier: str) -> Sandbox:
     try:
-        # pids: gVisor's ptrace platform counts its host threads against the sandbox's pids limit and
-        # its Sentry panics ("error initializing first thread") instead of failing a clone; node, pip
-        # and a code context together come near the default 256
-        return Sandbox.create(tier=tier, timeout=600, limits=Limits(pids=1024))
+        return Sandbox.create(tier=tier, timeout=600)
     except BackendUnavailable as e:
         pytest.skip(f"the {tier} tier is not available here: {e}")
 

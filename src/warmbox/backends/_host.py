@@ -48,6 +48,17 @@ KILL_AGAIN_S = 0.5
 # --------------------------------------------------------------------------- cgroups
 
 
+def host_pids() -> int:
+    """How many tasks the host can hold: min(kernel.pid_max, kernel.threads-max)."""
+    out = []
+    for name in ("pid_max", "threads-max"):
+        try:
+            out.append(int(Path("/proc/sys/kernel", name).read_text()))
+        except (OSError, ValueError):
+            out.append(32768)
+    return min(out)
+
+
 @functools.lru_cache(maxsize=1)
 def cgroup_v2() -> bool:
     """The host mounts only the unified hierarchy. Read on every command's OOM check: the layout

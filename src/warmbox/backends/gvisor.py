@@ -27,6 +27,13 @@ inside are served by gVisor's Sentry, not the host kernel (``uname`` says 4.4.0,
   which kernels since 6.x have in every namespace; ``run``/``restore`` therefore run in a mount
   namespace of their own with an empty tmpfs over that directory of the sandbox's namespace
   (``_in_netns``). Nothing else reads it; every other runsc command is unaffected.
+- ``limits.pids`` is enforced by the Sentry's own pids controller, not by the host cgroup: the
+  first process is ``wb-init --confine`` (root of the Sentry with five capabilities there, none on
+  the host), which mounts that controller at /sys/fs/cgroup, joins a cgroup of ``limits.pids``,
+  becomes the sandbox user and execs the agent. A fork or clone past the limit gets EAGAIN inside,
+  as on Tier 2. The host cgroup bounds the Sentry's own host threads, the gofer and the platform's
+  stubs (``host_pids``): counted against ``limits.pids``, a pipeline at 128 made the Go runtime or
+  the ptrace platform fail to start a thread, which ends the whole sandbox.
 - Teardown kills the Sentry, gofer and stubs through their cgroup and removes runsc's record of the
   stopped sandbox itself (``delete_container``): ``runsc delete`` waits until the host's init has
   reaped them, which took 1.2-1.7 s here.
@@ -53,7 +60,7 @@ from warmbox.backends import _host as host
 from warmbox.backends import hostfs
 from warmbox.backends._host import GUEST_GID, GUEST_UID
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, SandboxSpec
-from warmbox.backends.runc import SANDBOX_ID, RuncBackend, agent_command, build_image
+from warmbox.backends.runc import GUEST_LIB, SANDBOX_ID, RuncBackend, agent_command, build_image
 from warmbox.errors import SandboxError, SandboxStartError
 from warmbox.models import ImageRef
 
@@ -63,11 +70,39 @@ SHIM = "/opt/warmbox/statx_shim.so"
 _SHIM_SOURCE = Path(__file__).with_name("gvisor_statx.c")
 START_TIMEOUT_S = 60.0
 CHECKPOINT_ERR_MAX = 64 * 1024  # bytes of a failed ``runsc checkpoint``'s stderr kept (in agent.log)
+INIT = GUEST_LIB + "/warmbox/guest/wb-init"  # its --confine mode starts the agent (guest/init.c)
+# what the first process holds, in the Sentry only, until it has confined itself and become the
+# sandbox user (wb-init --confine); the host sees none of them
+CONFINE_CAPABILITIES = ["CAP_SYS_ADMIN", "CAP_DAC_OVERRIDE", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"]
 
+
+# The host pids cgroup's bound (host_pids). Measured on this host (runsc 2022, ptrace, 2 cores): an
+# idle sandbox is 70 host tasks, 125 after a pipeline and 216 Python threads; each process the
+# sandbox starts costs 8-10 (its stub process, stub threads, a Sentry thread). A Python fork bomb
+# reached limits.pids = 128 after 5.4 s with 2206 host tasks, 256 after 6 s with 2647, and held
+# there by the Sentry's pids cgroup it still adds 300-550 host tasks a second: ptrace gives every
+# address space a stub thread per Sentry thread that ever ran it, and keeps released stubs with
+# their threads for reuse. A bomb that runs on crosses any bound (a shell bomb at 256: after ~30 s), and
+# the sandbox is lost; nothing else is.
+SENTRY_PIDS = 512
+PIDS_PER_TASK = 32
+HOST_SHARE = 4  # at most a quarter of the host's pids (the default [limits] max_pids of one sandbox)
 
 # what a syscall loop costs against the host per runsc platform (declared; a measured profile wins):
 # ptrace measured 10-50x per syscall kind on a 2-core PVM host (fork 46x, files 17x, socket 10x)
 _SYSCALL_SLOWDOWN = {"ptrace": 20.0, "systrap": 5.0, "kvm": 3.0}
+
+
+def host_pids(pids: int) -> int:
+    """The host pids cgroup's bound for a sandbox whose ``limits.pids`` is ``pids``.
+
+    ``limits.pids`` is enforced inside, by the Sentry's own pids controller (``wb-init --confine``):
+    the sandbox's processes get EAGAIN there. The host cgroup holds what serves them: the Sentry's
+    threads, the gofer and the platform's stub processes and threads, none of which may ever fail to
+    start (the Go runtime or the platform then panics and the sandbox is lost). It is bounded all
+    the same, so that one sandbox cannot take the host's pids: by a quarter of them, unless
+    ``limits.pids`` itself is above that (an admin's ``[limits] max_pids``)."""
+    return max(pids + SENTRY_PIDS, min(SENTRY_PIDS + PIDS_PER_TASK * pids, host.host_pids() // HOST_SHARE))
 
 
 def _platform() -> str:
@@ -104,7 +139,8 @@ class GvisorBackend(RuncBackend):
         return Capabilities(
             tier=self.tier,
             isolation=f"gVisor user-space kernel (Sentry, {platform} platform) + gofer for files; Linux namespaces "
-            "and cgroups around it; the host kernel sees only the Sentry's syscalls",
+            "and cgroups around it; the host kernel sees only the Sentry's syscalls; limits.pids is the Sentry's own "
+            "pids cgroup (EAGAIN past it), the host's bounds the Sentry's threads and stubs",
             memory_snapshot=True,
             filesystem_snapshot=True,
             custom_kernel=False,
@@ -190,6 +226,17 @@ class GvisorBackend(RuncBackend):
             }
         )
         cfg["linux"].pop("seccomp", None)
+        cfg["linux"]["resources"]["pids"]["limit"] = host_pids(spec.limits.pids)
+        # the first process confines the sandbox to limits.pids inside, then becomes the sandbox
+        # user and execs the agent (the spec's user: what it becomes; gVisor-only capabilities)
+        process = cfg["process"]
+        uid, gid = process["user"]["uid"], process["user"]["gid"]
+        process["args"] = [INIT, "--confine", str(spec.limits.pids), str(uid), str(gid), *process["args"]]
+        process["user"] = {"uid": 0, "gid": 0, "additionalGids": []}
+        process["capabilities"] = {
+            k: (CONFINE_CAPABILITIES if k in ("bounding", "effective", "permitted") else [])
+            for k in ("bounding", "effective", "inheritable", "permitted", "ambient")
+        }
         return cfg
 
     def _global(self, network: str = "none") -> list[str]:

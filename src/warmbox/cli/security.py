@@ -338,6 +338,23 @@ GUARANTEES: tuple[Guarantee, ...] = (
     ),
     Guarantee(
         "crashes",
+        "A sandbox lives through its own limits.pids: a fork or clone past it gets EAGAIN (gVisor: the "
+        "Sentry's own pids cgroup, while the host cgroup bounds the Sentry's threads and stubs apart, at "
+        "512 + 32 per pid and at most a quarter of the host's), so pids=64 creates, pids=128 runs "
+        "pipelines and a fork bomb held at the default 256 is killed with its command and the sandbox "
+        "answers; the sandbox user cannot raise the limit or leave the cgroup. On gVisor's ptrace "
+        "platform a bomb left running still grows the Sentry's host threads until that bound ends the "
+        "sandbox (a shell bomb: after ~30 s here), never the host.",
+        _SHARED,
+        (
+            "test_pids_limit.py::test_low_pids_limits_create_and_run_pipelines",
+            "test_pids_limit.py::test_fork_bomb_gets_eagain_and_the_sandbox_lives",
+            "test_pids_limit.py::test_shell_fork_bomb_at_the_default_limits",
+            "test_pids_limit.py::test_the_sandbox_user_cannot_raise_or_leave_its_pids_cgroup",
+        ),
+    ),
+    Guarantee(
+        "crashes",
         "Background processes cannot take the agent down: output nobody reads stays in a bounded "
         "ring (32 MiB for all) and never blocks it; starting them until limits.pids is a typed "
         "error, and the sandbox still answers and recovers.",

@@ -23,6 +23,19 @@
  * and KEEPFD's file (when not -1) as SCM_RIGHTS; each gets a 4-byte answer: the init's pid or
  * -errno. The inits are clones of this process, reaped by the kernel (SA_NOCLDWAIT).
  * Processes of the commands live in other user namespaces and cannot trace or read this one.
+ *
+ *   wb-init --confine PIDS UID GID EXE ARG...
+ *
+ * gVisor's first process, started as root of the sandbox's kernel (CAP_SYS_ADMIN, CAP_DAC_OVERRIDE,
+ * CAP_SETUID, CAP_SETGID and CAP_SETPCAP there; nothing on the host): mounts the sandbox kernel's pids
+ * controller at /sys/fs/cgroup, makes the cgroup "sandbox" there with pids.max = PIDS and moves
+ * itself into it, empties its capability bounding set, becomes UID:GID with no supplementary
+ * group and no capability, and execs EXE (the agent, which keeps PID 1). Everything started in
+ * the sandbox is then counted against PIDS by the Sentry, and a fork or clone past it gets EAGAIN,
+ * as in a container's pids cgroup, while the host's pids cgroup holds the Sentry and its host
+ * threads with room to spare (a host thread the Sentry cannot make ends the whole sandbox). The
+ * cgroup's files stay root's: the sandbox user can read them, not raise the limit or leave.
+ * Any failure: the reason on stderr and exit 125, so the sandbox does not start unconfined.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -31,7 +44,11 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <grp.h>
+#include <linux/capability.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -68,12 +85,17 @@ static int write_file(const char *path, const char *text) {
     return r;
 }
 
-static void fmt_map(char *out, unsigned id) { /* "ID ID 1" */
+static char *fmt_uint(char *out, unsigned id) { /* decimal, not terminated: returns its end */
     char digits[16];
     int n = 0;
     do { digits[n++] = (char)('0' + id % 10); id /= 10; } while (id);
+    for (int i = n - 1; i >= 0; i--) *out++ = digits[i];
+    return out;
+}
+
+static void fmt_map(char *out, unsigned id) { /* "ID ID 1" */
     for (int pass = 0; pass < 2; pass++) {
-        for (int i = n - 1; i >= 0; i--) *out++ = digits[i];
+        out = fmt_uint(out, id);
         *out++ = ' ';
     }
     *out++ = '1';
@@ -331,7 +353,45 @@ static void serve(int sock, int argc, char **argv) {
     }
 }
 
+static void refuse(const char *what) { /* never returns */
+    const char *why = strerrordesc_np(errno);
+    put(2, "wb-init --confine: ");
+    put(2, what);
+    put(2, ": ");
+    put(2, why ? why : "failed");
+    put(2, "\n");
+    _exit(125);
+}
+
+static void confine(char **argv) { /* PIDS UID GID EXE ARG...; never returns */
+    const char *pids = argv[0];
+    unsigned uid = (unsigned)atoi(argv[1]), gid = (unsigned)atoi(argv[2]);
+    char self[16];
+    if (atoi(pids) < 1) {
+        errno = EINVAL;
+        refuse("PIDS");
+    }
+    if (mount("pids", "/sys/fs/cgroup", "cgroup", MS_NOSUID | MS_NODEV | MS_NOEXEC, "pids") != 0)
+        refuse("mount the pids controller at /sys/fs/cgroup");
+    if (mkdir("/sys/fs/cgroup/sandbox", 0755) != 0 && errno != EEXIST) refuse("mkdir /sys/fs/cgroup/sandbox");
+    if (write_file("/sys/fs/cgroup/sandbox/pids.max", pids) != 0) refuse("write pids.max");
+    *fmt_uint(self, (unsigned)getpid()) = 0;
+    if (write_file("/sys/fs/cgroup/sandbox/cgroup.procs", self) != 0) refuse("join the cgroup");
+    drop_bounding_set();
+    if (prctl(PR_CAPBSET_READ, CAP_SYS_ADMIN, 0, 0, 0) != 0) refuse("empty the capability bounding set");
+    if (setgroups(0, 0) != 0) refuse("setgroups");
+    if (setresgid(gid, gid, gid) != 0) refuse("setresgid");
+    if (setresuid(uid, uid, uid) != 0) refuse("setresuid"); /* from root to another uid: no capability left */
+    if (getuid() != uid || geteuid() != uid || getgid() != gid || getegid() != gid) {
+        errno = EPERM;
+        refuse("become the sandbox user");
+    }
+    execv(argv[3], argv + 3);
+    refuse(argv[3]);
+}
+
 int main(int argc, char **argv) {
+    if (argc >= 6 && strcmp(argv[1], "--confine") == 0) confine(argv + 2);
     if (argc == 3 && strcmp(argv[1], "--serve") == 0) {
         actions(SIG_IGN);
         serve(atoi(argv[2]), argc, argv);
