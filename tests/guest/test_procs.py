@@ -81,6 +81,11 @@ def test_background_process_outlives_its_connection_and_is_read_later(agent):
         assert _out(again) == b"got hello\n" or _out(again).endswith(b"got hello\n")
         gone = await c.call(lambda i: p.ProcInput(i, pid=pid, data=b"x", eof=False), p.Ok)
         assert isinstance(gone, p.Failure)
+        # closing the input of a process that ended is no error (a foreground run closes its
+        # stdin right after the start, and a quick command may have ended by then)
+        for _ in range(2):
+            closed = await c.call(lambda i: p.ProcInput(i, pid=pid, data=b"", eof=True), p.Ok)
+            assert isinstance(closed, p.Ok), closed
         await c.close()
 
     asyncio.run(main())

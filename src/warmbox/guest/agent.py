@@ -2279,6 +2279,9 @@ def _proc_input(agent: Agent, conn: Connection, msg: p.ProcInput) -> None:
     with proc.stdin_lock:
         fd = None if proc.stdin is None else os.dup(proc.stdin)  # closing the original cannot hit us
     if fd is None:
+        if msg.eof and not msg.data:  # closing a closed input is done: a start that ended first races it
+            conn.send(p.Ok(id=msg.id))
+            return
         raise _Fail(p.ErrorCode.INVALID, f"the input of process {msg.pid} is closed (it ended, or got eof)")
     try:
         data = memoryview(msg.data + (b"\x04" if msg.eof and proc.master is not None else b""))
