@@ -332,6 +332,21 @@ def test_approval_questions_of_an_ended_sandbox_are_not_found_at_once(server):
     assert time.monotonic() - t0 < 5
 
 
+def test_approval_questions_with_no_egress_proxy_are_a_typed_503(server):
+    """A live sandbox with no network has no proxy to ask: 503 network_error, never a 500."""
+
+    async def make() -> str:
+        sb = await AsyncSandbox.create(api_url=server.unix_url, timeout=120, pool=False)
+        return sb.sandbox_id
+
+    sid = asyncio.run(make())
+    try:
+        status, data = call(server, "GET", f"{api.PREFIX}/sandboxes/{sid}/network/approvals")
+        assert status == 503 and code_of(data) == "network_error", (status, data)
+    finally:
+        call(server, "DELETE", f"{api.PREFIX}/sandboxes/{sid}")
+
+
 def test_unknown_route_and_method_are_json(server):
     for path in ("/v1/nope", "/nope", f"{api.PREFIX}/sandboxes/{FAKE_ID}/nope", "/v1/../../etc/passwd"):
         status, data = call(server, "GET", path)

@@ -104,6 +104,7 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.DrainRefused, 409),
     (errors.NotACluster, 422),
     (errors.ConnectionLost, 502),  # a cluster's router could not reach (or lost) the node
+    (errors.NetworkError, 503),  # the egress proxy could not be reached (e.g. none runs for a no-network sandbox)
 )
 
 
