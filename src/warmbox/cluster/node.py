@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from warmbox import config
-from warmbox.cluster import membership
+from warmbox.cluster import membership, tls
 from warmbox.cluster.membership import Capacity, RayProcess
 from warmbox.cluster.placement import NodeLoad, split_target
 from warmbox.config import PoolConfig, ServerSettings
@@ -142,12 +142,19 @@ def _settings(home: Path, opts: NodeOptions) -> tuple[config.Settings, str, str]
     return settings, name, settings.cluster.ray
 
 
-def _api_settings(settings: ServerSettings, opts: NodeOptions) -> ServerSettings:
+def _api_settings(settings: ServerSettings, opts: NodeOptions, member: tls.Member, direct: bool) -> ServerSettings:
+    """The node API's listeners: TLS with the node's cluster certificate, and a client certificate
+    signed by the cluster's CA asked of every TCP caller (the router's; only checked when given
+    with ``direct`` access). The unix socket stays for root and admins on the host."""
     return dataclasses.replace(
         settings,
         host=settings.host if opts.host is None else opts.host,
         port=opts.port,
         socket=settings.socket if opts.socket is None else opts.socket,
+        tls_cert=str(member.cert),
+        tls_key=str(member.key),
+        tls_client_ca=str(member.ca),
+        tls_client_optional=direct,
     )
 
 
@@ -172,6 +179,8 @@ async def _main(home: Path, opts: NodeOptions) -> int:
 
     settings, name, head = _settings(home, opts)
     peer.ensure_token(settings.cluster.token_file)
+    # the node's certificate from the cluster's CA (`warmbox cluster cert NAME`): its API's TLS and Ray's
+    member = tls.member(tls.directory(settings.cluster.tls_dir, settings.cluster.token_file), tls.node_member(name))
     lock = daemon.hold_lock(home)
     if lock is None:  # a standalone daemon runs for this home: the node takes its duties over
         await daemon.down_home(home)
@@ -196,11 +205,12 @@ async def _main(home: Path, opts: NodeOptions) -> int:
     tmp = ray_tmpdir(home)
     if tmp.exists() and not membership.processes_in(tmp):
         shutil.rmtree(tmp, ignore_errors=True)  # what a killed life left (logs, sockets): nothing runs in it
-    raylet = membership.start_raylet(head, tmp, capacity, token_file=settings.cluster.token_file)
+    raylet = membership.start_raylet(head, tmp, capacity, token_file=settings.cluster.token_file, tls=member)
     served = None
     code = 0
     try:
-        served = await listen(engine, home, _api_settings(settings.server, opts), mcp=False)
+        api = _api_settings(settings.server, opts, member, settings.cluster.direct_access)
+        served = await listen(engine, home, api, mcp=False)
         address = _advertised(served.addresses[0], raylet)
         epoch = registry.join_node(
             NodeInfo(
