@@ -79,7 +79,7 @@ def one_node(dsn: str, *, slots: int = 4, config: str = "[daemon]\nidle_exit = 3
     peer.ensure_token(token)
     head = membership.start_head(d / "h", token_file=token, tls=tls.head_member(d, tls.local_ips()))
     tls.issue(d, tls.ROUTER)
-    tls.issue(d, tls.node_member("n1"))
+    tls.issue(d, tls.node_member("n1"), tls.local_ips())  # its Ray address: the GCS checks it
     home = d / "n1"
     home.mkdir()
     (home / "warmbox.toml").write_text(config)

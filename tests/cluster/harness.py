@@ -257,7 +257,7 @@ class Cluster:
 
         home = self.dir / name
         home.mkdir(mode=0o700, exist_ok=True)
-        tls.issue(self.dir, tls.node_member(name))
+        tls.issue(self.dir, tls.node_member(name), tls.local_ips())  # its Ray address: the GCS checks it
         (home / "warmbox.toml").write_text(NODE_CONFIG)
         from warmbox.paths import runtime_dir
 

@@ -72,7 +72,7 @@ def test_a_node_advertises_its_capacity_and_a_graceful_stop_leaves_nothing(
     tmp = ray_tmp / "n1"
     cap = Capacity(name="n1", slots=3, memory_mb=2048, tiers=("container", "isolate"))
     node = membership.start_raylet(
-        head.address, tmp, cap, token_file=token, tls=tls.issue(ray_tmp, tls.node_member("n1"))
+        head.address, tmp, cap, token_file=token, tls=tls.issue(ray_tmp, tls.node_member("n1"), tls.local_ips())
     )
     try:
         assert node.alive() and node.node_id and node.raylet_pid
@@ -109,7 +109,7 @@ NODE_PROCESS = textwrap.dedent(
 
 def _node_process(head: RayProcess, tmp: Path, name: str, token: Path) -> tuple[subprocess.Popen[str], str]:
     env = dict(os.environ, PYTHONPATH=str(Path(membership.__file__).parents[2]))
-    tls.issue(token.parent, tls.node_member(name))
+    tls.issue(token.parent, tls.node_member(name), tls.local_ips())
     proc = subprocess.Popen(
         [sys.executable, "-c", NODE_PROCESS, head.address, str(tmp), name, str(token)],
         stdout=subprocess.PIPE,

@@ -38,7 +38,7 @@ class NodeProc:
     def __init__(self, name: str, head: str, dsn: str, token: Path, slots: int = 2) -> None:
         self.name = name
         self.home = Path(tempfile.mkdtemp(prefix=f"wbn-{name}-", dir="/tmp"))
-        tls.issue(token.parent, tls.node_member(name))  # `warmbox cluster cert NAME`, beside the token
+        tls.issue(token.parent, tls.node_member(name), tls.local_ips())  # `warmbox cluster cert NAME --ip IP`
         (self.home / "warmbox.toml").write_text("[daemon]\nidle_exit = 3\n")
         self.log = self.home / "node.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("WARMBOX_")}

@@ -319,7 +319,7 @@ class LocalCluster:
         name = NODE_NAMES[len(self.nodes)]
         home = self.dir / name
         home.mkdir(mode=0o700)
-        tls.issue(self.dir, tls.node_member(name))  # `warmbox cluster cert NAME`
+        tls.issue(self.dir, tls.node_member(name), tls.local_ips())  # `warmbox cluster cert NAME --ip IP`
         self._write_config(home)
         env = {**self.env(), "WARMBOX_HOME": str(home), "WARMBOX_CLUSTER__NODE": name}
         env["WARMBOX_CLUSTER__SLOTS"] = str(self.slots)

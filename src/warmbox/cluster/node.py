@@ -33,6 +33,7 @@ import signal
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -209,9 +210,13 @@ async def _main(home: Path, opts: NodeOptions) -> int:
     served = None
     code = 0
     try:
+        # Ray's GCS checks the raylet's certificate against the address Ray gave it; the router, the API's
+        tls.check_covers(member, name, (raylet.node_ip,))
         api = _api_settings(settings.server, opts, member, settings.cluster.direct_access)
         served = await listen(engine, home, api, mcp=False)
         address = _advertised(served.addresses[0], raylet)
+        if address.startswith("https://"):
+            tls.check_covers(member, name, (urllib.parse.urlsplit(address).hostname or "",))
         epoch = registry.join_node(
             NodeInfo(
                 name=name, address=address, ray_node_id=raylet.node_id, slots=slots, memory_mb=memory_mb, tiers=tiers

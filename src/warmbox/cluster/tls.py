@@ -270,6 +270,42 @@ def member(tls_dir: Path, name: str) -> Member:
     return m
 
 
+def names(m: Member) -> frozenset[str]:
+    """The DNS names and IP addresses ``m``'s certificate is valid for."""
+    cert = x509.load_pem_x509_certificate(_read(m.cert, private=False))
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return frozenset()
+    return frozenset(
+        [*san.get_values_for_type(x509.DNSName), *(str(a) for a in san.get_values_for_type(x509.IPAddress))]
+    )
+
+
+def check_covers(m: Member, member_name: str, addresses: tuple[str, ...]) -> None:
+    """ClusterError unless ``m``'s certificate names every one of ``addresses`` (hosts others dial:
+    the router checks a node API's, Ray's GCS a raylet's), saying how to reissue it."""
+    have = names(m)
+    missing = [a for a in dict.fromkeys(addresses) if a and a not in have]
+    if missing:
+        flags = " ".join(f"--ip {a}" for a in sorted(set(missing) | {a for a in have if _is_ip(a)} - _LOOPBACK))
+        raise ClusterError(
+            f"the cluster certificate {m.cert} does not name {', '.join(missing)}, where other members reach "
+            f"this one (its peers check it): reissue it with `warmbox cluster cert {member_name} {flags}`"
+        )
+
+
+_LOOPBACK = frozenset({"127.0.0.1", "::1"})
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def head_member(tls_dir: Path, ips: tuple[str, ...] = ()) -> Member:
     """The head's files: the CA made if there is none, the head's certificate issued when it has
     none or it expires within RENEW_DAYS (the head holds the CA key)."""
@@ -314,5 +350,7 @@ __all__ = [
     "issue",
     "local_ips",
     "member",
+    "names",
+    "check_covers",
     "node_member",
 ]
