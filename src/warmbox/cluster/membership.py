@@ -7,7 +7,9 @@ PR_SET_PDEATHSIG, so a node process SIGKILLed (alone or with its group) takes it
 Ray then reports the node dead within the head's health check (``HEALTH_CHECK``: ~3 s).
 
 Every Ray process started here has usage stats off, its own temp dir (``RAY_TMPDIR`` and
-``--temp-dir``: the ``ray_current_cluster`` file and session sockets stay in it) and Ray's token
+``--temp-dir``: the ``ray_current_cluster`` file and session sockets stay in it), Ray's TLS on
+with the member's certificate of the cluster's CA (cluster/tls.py: the GCS checks a raylet's
+certificate against the address Ray gives it) and Ray's token
 authentication on, with the cluster's token file (``[cluster] token_file``, the peer token): Ray
 listens on every address, and without it anyone reaching the head's port ran code as root on
 every node (a ``num_cpus=0`` task is placed even on nodes that offer no CPU). Processes are

@@ -5,8 +5,9 @@ What the node process does, in order:
    this node as live (a previous life was marked down meanwhile);
 2. starts its raylet as a fate-shared child (membership.start_raylet), advertising its capacity as
    Ray custom resources (slots, memory, the tiers its ``doctor`` says run, ``wbnode-<name>``);
-3. serves the node API (server/serve.listen: the same app as ``warmbox serve``; the router reaches
-   it with the cluster token, see server/peer.py);
+3. serves the node API (server/serve.listen: the same app as ``warmbox serve``) over mutual TLS
+   with its cluster certificate (cluster/tls.py); the router reaches it with the cluster token
+   (server/peer.py); tenant keys are refused unless ``[cluster] direct_access``;
 4. joins the registry (``join_node``: address, Ray node id, slots, tiers; a new epoch);
 5. runs the daemon's duties for its home in process (reaper, its share of the pools, meters),
    and heartbeats every HEARTBEAT_S. It exits when the registry says it is fenced (marked down,
