@@ -250,7 +250,8 @@ def member(tls_dir: Path, name: str) -> Member:
     certificate, the member's certificate signed by it and still valid, and its key."""
     _check_name(name)
     m = Member(tls_dir / CA_CERT, tls_dir / f"{name}.crt", tls_dir / f"{name}.key")
-    hint = f"make it where the CA key is with `warmbox cluster cert {name} --ip ADDRESS` and copy it to {tls_dir}"
+    how = "--router" if name == ROUTER else f"{name.removeprefix(NODE_PREFIX)} --ip ADDRESS"
+    hint = f"make it where the CA key is with `warmbox cluster cert {how}` and copy it to {tls_dir}"
     if not m.cert.exists():
         raise ClusterError(f"this member has no cluster certificate {m.cert}: {hint}")
     try:
