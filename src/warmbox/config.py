@@ -42,6 +42,7 @@ An operator sees everything in one file::
     socket = "/run/warmbox/api.sock"    # also listen here; "" = no unix socket
     tls_cert = ""                       # PEM files; both or neither
     tls_key = ""
+    tls_client_ca = ""                  # PEM CA: TCP clients must present a certificate it signed
     peers = { 1000 = "alice" }          # unix-socket callers without a key: uid -> tenant (root = admin)
     max_body_mb = 512                   # largest upload (files are written whole, never partially)
     body_timeout = 300                  # seconds a request body (and, up to 30, its head) may take to arrive
@@ -193,6 +194,11 @@ class ServerSettings:
     socket: str = ""  # "" = the home's run/api.sock
     tls_cert: str = ""
     tls_key: str = ""
+    # with tls_cert: TCP clients must present a certificate signed by this CA (PEM file; "" = none
+    # asked). tls_client_optional: one is checked when presented, not required (a cluster node
+    # with [cluster] direct_access)
+    tls_client_ca: str = ""
+    tls_client_optional: bool = False
     peers: tuple[tuple[int, str], ...] = ()  # unix-socket uid -> tenant
     max_body_mb: int = 512
     body_timeout_s: float = 300.0
@@ -437,6 +443,12 @@ class ClusterSettings:
     object_store: str = ""  # "s3://bucket/prefix" shared by every node ("" = WARMBOX_OBJECT_STORE or local)
     token_file: str = ""  # the file holding the secret the API tier and the nodes share (peer auth)
     slots: int = 0  # sandboxes this node offers (0 = from the host's capacity)
+    # the cluster's certificates (docs/cluster.md): ca.crt (every member), ca.key (the head's host
+    # only), and each member's own <member>.crt/.key ("" = the token file's directory)
+    tls_dir: str = ""
+    # a node's API takes tenant keys too (not only the router's peer requests and admin keys), and
+    # TCP callers without a cluster certificate; it still holds every create to its slots
+    direct_access: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -701,6 +713,8 @@ def _cluster(t: dict, source: str) -> ClusterSettings:
         object_store=store,
         token_file=_str(t.get("token_file", ""), "cluster.token_file", source),
         slots=_int(t.get("slots", 0), "cluster.slots", source, 0, 100000),
+        tls_dir=_str(t.get("tls_dir", ""), "cluster.tls_dir", source),
+        direct_access=_bool(t.get("direct_access", False), "cluster.direct_access", source),
     )
 
 
@@ -747,6 +761,7 @@ def _server(t: dict, source: str) -> ServerSettings:
             "socket",
             "tls_cert",
             "tls_key",
+            "tls_client_ca",
             "peers",
             "max_body_mb",
             "body_timeout",
@@ -766,6 +781,11 @@ def _server(t: dict, source: str) -> ServerSettings:
     key = _str(t.get("tls_key", ""), "server.tls_key", source)
     if bool(cert) != bool(key):
         raise ConfigError(f"{source}: server.tls_cert and server.tls_key go together (both or neither)")
+    client_ca = _str(t.get("tls_client_ca", ""), "server.tls_client_ca", source)
+    if client_ca and not cert:
+        raise ConfigError(
+            f"{source}: server.tls_client_ca asks TCP clients for a certificate: it needs tls_cert/tls_key"
+        )
     metrics = t.get("metrics", True)
     if not isinstance(metrics, bool):
         raise ConfigError(f"{source}: server.metrics is true or false, got {metrics!r}")
@@ -783,6 +803,7 @@ def _server(t: dict, source: str) -> ServerSettings:
         socket=_str(t.get("socket", ""), "server.socket", source),
         tls_cert=cert,
         tls_key=key,
+        tls_client_ca=client_ca,
         template_registries=tuple(r.lower() for r in registries),
         peers=tuple(peers),
         max_body_mb=_int(t.get("max_body_mb", 512), "server.max_body_mb", source, 1, 1 << 20),
@@ -850,6 +871,12 @@ def _only(t: dict, allowed: set[str], where: str, source: str) -> None:
 def _str(v: object, where: str, source: str) -> str:
     if not isinstance(v, str):
         raise ConfigError(f"{source}: {where} must be a string, got {v!r}")
+    return v
+
+
+def _bool(v: object, where: str, source: str) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{source}: {where} must be true or false, got {v!r}")
     return v
 
 

@@ -201,9 +201,12 @@ class Cluster:
         token.chmod(0o600)
         c = cls(root, tag, dsn, s3, f"c-{tag}", token)
         try:
-            from warmbox.cluster import membership
+            from warmbox.cluster import membership, tls
 
-            c.head = membership.start_head(root / "ray", token_file=token)
+            # the cluster's CA beside the token, as `warmbox cluster head` makes it; every member's
+            # certificate as `warmbox cluster cert` issues it: all of the lane runs on mutual TLS
+            c.head = membership.start_head(root / "ray", token_file=token, tls=tls.head_member(root, tls.local_ips()))
+            tls.issue(root, tls.ROUTER)
             for name in NODE_NAMES:  # all three at once: their raylets start in parallel
                 c._node(name).start(c.head.address)
             for name in NODE_NAMES:
@@ -250,8 +253,11 @@ class Cluster:
         return env
 
     def _node(self, name: str) -> Node:
+        from warmbox.cluster import tls
+
         home = self.dir / name
         home.mkdir(mode=0o700, exist_ok=True)
+        tls.issue(self.dir, tls.node_member(name), tls.local_ips())  # its Ray address: the GCS checks it
         (home / "warmbox.toml").write_text(NODE_CONFIG)
         from warmbox.paths import runtime_dir
 
@@ -269,6 +275,12 @@ class Cluster:
         return node
 
     # ---- the registry and the nodes' states
+
+    def member(self, name: str) -> Any:
+        """A member's TLS files (warmbox.cluster.tls.Member): "router", "head" or "node-NAME"."""
+        from warmbox.cluster import tls
+
+        return tls.member(self.dir, name)
 
     def registry(self) -> Any:
         """The shared PostgreSQL registry, as any non-node process sees it (node "")."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from warmbox.cluster import membership
+from warmbox.cluster import membership, tls
 from warmbox.cluster.membership import Membership, RayProcess
 from warmbox.cluster.node import EXIT_FENCED, EXIT_RAYLET, ray_tmpdir
 from warmbox.paths import runtime_dir
@@ -38,6 +38,7 @@ class NodeProc:
     def __init__(self, name: str, head: str, dsn: str, token: Path, slots: int = 2) -> None:
         self.name = name
         self.home = Path(tempfile.mkdtemp(prefix=f"wbn-{name}-", dir="/tmp"))
+        tls.issue(token.parent, tls.node_member(name), tls.local_ips())  # `warmbox cluster cert NAME --ip IP`
         (self.home / "warmbox.toml").write_text("[daemon]\nidle_exit = 3\n")
         self.log = self.home / "node.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("WARMBOX_")}
@@ -115,7 +116,7 @@ def _until(pred, timeout_s: float, what: str) -> float:
 @pytest.fixture(scope="module")
 def head(token: Path) -> Iterator[RayProcess]:
     with tempfile.TemporaryDirectory(prefix="wbnh-", dir="/tmp") as d:
-        h = membership.start_head(Path(d) / "h", token_file=token)
+        h = membership.start_head(Path(d) / "h", token_file=token, tls=tls.head_member(token.parent, tls.local_ips()))
         try:
             yield h
         finally:
@@ -134,6 +135,11 @@ def token(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("node-token") / "cluster.token"
     peer.ensure_token(path)
     return path
+
+
+def _router(token: Path) -> tls.Member:
+    """The router's certificate: Ray's GCS and the nodes' APIs take no caller without one."""
+    return tls.issue(token.parent, tls.ROUTER)
 
 
 @pytest.fixture
@@ -157,7 +163,8 @@ def test_two_nodes_register_and_advertise_their_capacity(head, dsn, token, nodes
     a, b = _start(head, dsn, token, nodes, f"a{secrets.token_hex(2)}", f"b{secrets.token_hex(2)}")
     reg = Registry(dsn)
     rows = {n.name: n for n in reg.nodes()}
-    mem = Membership(head.address, token)
+    router = _router(token)
+    mem = Membership(head.address, token, router)
     for node, slots in ((a, 2), (b, 3)):
         row = rows[node.name]
         assert (row.state, row.address, row.ray_node_id, row.slots) == ("up", node.address, node.ray_node_id, slots)
@@ -171,14 +178,15 @@ def test_two_nodes_register_and_advertise_their_capacity(head, dsn, token, nodes
             node.address + "/v1/sandboxes",
             headers={"Authorization": f"Bearer {peer.read_token(token)}", peer.TENANT: "acme"},
         )
-        with urllib.request.urlopen(req, timeout=30) as r:
+        assert node.address.startswith("https://")
+        with urllib.request.urlopen(req, timeout=30, context=router.client_context()) as r:
             assert r.status == 200 and json.loads(r.read()) == []
     _until(lambda: all(n.heartbeat_at > rows[n.name].heartbeat_at for n in reg.nodes() if n.name in rows), 10, "beat")
 
 
 def test_sigkill_of_a_nodes_group_takes_its_ray_node_down(head, dsn, token, nodes) -> None:
     (a,) = _start(head, dsn, token, nodes, f"k{secrets.token_hex(2)}")
-    mem = Membership(head.address, token)
+    mem = Membership(head.address, token, _router(token))
     assert mem.find(a.name).alive  # type: ignore[union-attr]
     os.killpg(a.proc.pid, signal.SIGKILL)
     a.proc.wait(10)
@@ -189,7 +197,7 @@ def test_sigkill_of_a_nodes_group_takes_its_ray_node_down(head, dsn, token, node
 
 def test_sigterm_is_a_graceful_leave(head, dsn, token, nodes) -> None:
     (a,) = _start(head, dsn, token, nodes, f"t{secrets.token_hex(2)}")
-    mem = Membership(head.address, token)
+    mem = Membership(head.address, token, _router(token))
     pids = a.pids()
     assert len(pids) >= 3, pids  # the node, ray start, its raylet (and Ray's agents)
     t0 = time.monotonic()
@@ -236,7 +244,9 @@ def test_a_nodes_sandbox_works_through_its_api_and_is_lost_when_it_leaves(head, 
     (a,) = _start(head, dsn, token, nodes, f"s{secrets.token_hex(2)}")
 
     async def run() -> str:
-        t = HttpTransport(a.address, peer.read_token(token), headers={peer.TENANT: "acme"})
+        t = HttpTransport(
+            a.address, peer.read_token(token), headers={peer.TENANT: "acme"}, verify=_router(token).client_context()
+        )
         try:
             opened = await t.handle(ops.Create(tier="container", timeout=300, pool=False))
             sid = opened.info.sandbox_id

@@ -274,6 +274,12 @@ class LocalCluster:
     def peer_token(self) -> str:
         return self.token.read_text().strip()
 
+    def router_tls(self) -> Any:
+        """The router's side of the mutual TLS to a node (an ssl.SSLContext)."""
+        from warmbox.cluster import tls
+
+        return tls.member(self.dir, tls.ROUTER).client_context()
+
     def registry(self) -> Any:
         if self._registry is None:
             from warmbox.storage.registry import Registry
@@ -282,11 +288,15 @@ class LocalCluster:
         return self._registry
 
     def start(self) -> None:
-        from warmbox.cluster import membership
+        from warmbox.cluster import membership, tls
 
         self.pg.start()
         self.registry()  # the schema, made once here before any node opens it
-        self.head = membership.start_head(self.dir / "ray", token_file=self.token)
+        # the cluster CA beside the token (as `warmbox cluster head` makes it), the head and router certificates
+        self.head = membership.start_head(
+            self.dir / "ray", token_file=self.token, tls=tls.head_member(self.dir, tls.local_ips())
+        )
+        tls.issue(self.dir, tls.ROUTER)
         self.add_node()
         router_home = self.dir / "router"
         router_home.mkdir(mode=0o700)
@@ -304,9 +314,12 @@ class LocalCluster:
         )
 
     def add_node(self) -> str:
+        from warmbox.cluster import tls
+
         name = NODE_NAMES[len(self.nodes)]
         home = self.dir / name
         home.mkdir(mode=0o700)
+        tls.issue(self.dir, tls.node_member(name), tls.local_ips())  # `warmbox cluster cert NAME --ip IP`
         self._write_config(home)
         env = {**self.env(), "WARMBOX_HOME": str(home), "WARMBOX_CLUSTER__NODE": name}
         env["WARMBOX_CLUSTER__SLOTS"] = str(self.slots)
@@ -429,7 +442,7 @@ async def part_warm(cluster: LocalCluster, runs: int) -> dict[str, Any]:
                 ms, hit, sandbox_id = await _warm_on(via_router)
                 nodes[await asyncio.to_thread(cluster.registry().node_of, sandbox_id)] += 1
             else:
-                ms, hit, sandbox_id = await _warm_direct(direct, cluster.peer_token())
+                ms, hit, sandbox_id = await _warm_direct(direct, cluster.peer_token(), cluster.router_tls())
             samples[side].append(ms)
             misses += not hit
     router_stats, direct_stats = _stats(samples["router"]), _stats(samples["direct"])
@@ -443,11 +456,12 @@ async def part_warm(cluster: LocalCluster, runs: int) -> dict[str, Any]:
     }
 
 
-async def _warm_direct(url: str, token: str) -> tuple[float, bool, str]:
+async def _warm_direct(url: str, token: str, verify: Any) -> tuple[float, bool, str]:
     from warmbox.sdk.http import HttpTransport
     from warmbox.server import peer
 
-    transport = HttpTransport(url, token, headers={peer.TENANT: "bench"})  # one per sandbox, as the SDK makes
+    # one per sandbox, as the SDK makes; over the mutual TLS the router uses
+    transport = HttpTransport(url, token, headers={peer.TENANT: "bench"}, verify=verify)
     try:
         return await _warm_on({"transport": transport})
     finally:

@@ -1,5 +1,5 @@
-"""``warmbox node join|ls|drain`` and ``warmbox cluster head|token``: a home as a cluster node, and
-the cluster's Ray head and peer token."""
+"""``warmbox node join|ls|drain`` and ``warmbox cluster head|token|cert``: a home as a cluster node,
+and the cluster's Ray head, peer token and certificates."""
 
 from __future__ import annotations
 
@@ -40,10 +40,25 @@ def add_parser(sub: argparse._SubParsersAction, parser_class: type[argparse.Argu
     )
     q = csub.add_parser("token", help="make the peer token file (0600) the router and nodes share")
     q.add_argument("file", nargs="?", default=None, help="default [cluster] token_file")
+    q = csub.add_parser(
+        "cert",
+        help="issue a node's (or the router's) certificate from the cluster CA (run where ca.key is; copy the "
+        "files to that member)",
+    )
+    who = q.add_mutually_exclusive_group(required=True)
+    who.add_argument("node", nargs="?", default=None, help="the node's name (its files: node-NAME.crt/.key)")
+    who.add_argument("--router", action="store_true", help="the router's (router.crt/.key)")
+    q.add_argument("--ip", action="append", default=[], help="an address others dial it at (its API's host; repeat)")
+    q.add_argument("--dns", action="append", default=[], help="a DNS name others dial it by (repeat)")
+    q.add_argument(
+        "--tls-dir", default=None, help="the CA's directory (default [cluster] tls_dir, else the token file's)"
+    )
 
 
 async def command(args: argparse.Namespace) -> int:
     if args.command == "cluster":
+        if args.cluster_command == "cert":
+            return _cert(args)
         return await (_head(args) if args.cluster_command == "head" else _token(args))
     if args.node_command == "join":
         from warmbox.cluster import node
@@ -103,20 +118,27 @@ async def _drain(args: argparse.Namespace) -> int:
 
 async def _head(args: argparse.Namespace) -> int:
     from warmbox import config
-    from warmbox.cluster import membership
+    from warmbox.cluster import membership, tls
     from warmbox.errors import ConfigError
     from warmbox.paths import default_home
     from warmbox.server import peer
 
-    token_file = args.token_file or config.load(default_home()).cluster.token_file
+    settings = config.load(default_home())
+    token_file = args.token_file or settings.cluster.token_file
     if not token_file:
         raise ConfigError(
             "the head needs the cluster's token (Ray's authentication): --token-file FILE or [cluster] token_file"
         )
     peer.ensure_token(token_file)
+    # the cluster's CA beside the token (made at the first start), and the head's own certificate
+    tls_dir = tls.directory(settings.cluster.tls_dir, token_file)
+    made = not (tls_dir / tls.CA_CERT).exists()
+    member = tls.head_member(tls_dir, tls.local_ips())
+    if made:
+        print(f"cluster CA made in {tls_dir} (ca.key stays here: `warmbox cluster cert NODE --ip IP` issues members)")
     tmp = Path(args.temp_dir) if args.temp_dir else Path("/tmp") / f"wbray-head-{args.port or 'any'}"
     # on the main thread (not to_thread): the head's PR_SET_PDEATHSIG follows the starting thread
-    head = membership.start_head(tmp, port=args.port, token_file=token_file)
+    head = membership.start_head(tmp, port=args.port, token_file=token_file, tls=member)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -145,4 +167,22 @@ async def _token(args: argparse.Namespace) -> int:
     existed = Path(path).exists()
     peer.ensure_token(path)
     print(f"{path}: {'kept (it exists)' if existed else 'made (0600)'}")
+    return 0
+
+
+def _cert(args: argparse.Namespace) -> int:
+    """A member's certificate and key (0600) from the CA in the cluster's TLS directory."""
+    from warmbox import config
+    from warmbox.cluster import tls
+    from warmbox.paths import default_home
+
+    cluster = config.load(default_home()).cluster
+    tls_dir = Path(args.tls_dir).absolute() if args.tls_dir else tls.directory(cluster.tls_dir, cluster.token_file)
+    if not (tls_dir / tls.CA_KEY).exists():
+        raise InvalidArgument(
+            f"no cluster CA key in {tls_dir}: run this where `warmbox cluster head` made it (or give --tls-dir)"
+        )
+    name = tls.ROUTER if args.router else tls.node_member(args.node)
+    m = tls.issue(tls_dir, name, tuple(args.ip), tuple(args.dns))
+    print(f"{m.cert} and {m.key} (0600), signed by {m.ca}: copy the three to that member's [cluster] tls_dir")
     return 0

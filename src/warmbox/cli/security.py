@@ -756,6 +756,32 @@ GUARANTEES: tuple[Guarantee, ...] = (
         _SHARED,
         ("test_router_snapshot_scan.py::test_a_create_from_an_unknown_snapshot_reads_one_row_not_the_table",),
     ),
+    Guarantee(
+        "cluster",
+        "A tenant cannot go around the router to a node: a node's API refuses a tenant key (403 Forbidden, "
+        "nothing made; admin keys and root on its socket are served) unless the operator sets [cluster] "
+        "direct_access, and a forged peer header is refused (401). Either way the node holds creates to its "
+        "own slots (NoCapacity, 503, nothing made), whatever the router's view or the caller.",
+        _SHARED,
+        (
+            "test_node_access.py::test_a_tenant_key_at_a_node_is_refused",
+            "test_node_access.py::test_a_node_holds_creates_to_its_slots",
+            "test_node_access.py::test_with_direct_access_a_tenant_key_is_served_and_slots_still_hold",
+        ),
+    ),
+    Guarantee(
+        "cluster",
+        "Traffic between a cluster's members is mutual TLS with the cluster's own CA: a node's API answers no "
+        "plain-HTTP connection and no TLS one without a certificate of that CA, the router sends the token to "
+        "no node whose certificate is not of it (nor to a plain http:// address), and Ray's gRPC (head, "
+        "raylets, the router's GCS client) refuses a client holding the token but no certificate of the CA.",
+        _SHARED,
+        (
+            "test_node_access.py::test_a_node_refuses_plaintext_and_callers_without_a_cluster_certificate",
+            "test_node_access.py::test_the_router_refuses_a_node_that_is_not_of_the_cluster",
+            "test_ray_auth.py::test_a_gcs_client_with_the_token_but_no_cluster_certificate_is_refused",
+        ),
+    ),
 )
 
 

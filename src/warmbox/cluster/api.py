@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from warmbox.cluster import tls
 from warmbox.cluster.monitor import Monitor, ray_alive
 from warmbox.cluster.router import Cluster, ClusterFront
 from warmbox.engine.engine import Engine
@@ -30,8 +31,11 @@ async def cluster_fronts(engine: Engine, ray_address: str) -> Fronts:
     if not settings.cluster.token_file:
         raise ConfigError("[cluster] token_file is required: the secret the router and the nodes share")
     token = peer.read_token(settings.cluster.token_file)
-    alive = await asyncio.to_thread(ray_alive, ray_address, settings.cluster.token_file)
-    cluster = Cluster(engine.registry, token, engine.settings)
+    # the router's certificate (`warmbox cluster cert --router`): presented to every node's API and
+    # to Ray's GCS; the nodes' certificates are checked against the cluster's CA
+    member = tls.member(tls.directory(settings.cluster.tls_dir, settings.cluster.token_file), tls.ROUTER)
+    alive = await asyncio.to_thread(ray_alive, ray_address, settings.cluster.token_file, member)
+    cluster = Cluster(engine.registry, token, engine.settings, member.client_context())
     monitor = Monitor(cluster, alive)
 
     def make(tenant: Tenant | None) -> ClusterFront:

@@ -7,7 +7,9 @@ PR_SET_PDEATHSIG, so a node process SIGKILLed (alone or with its group) takes it
 Ray then reports the node dead within the head's health check (``HEALTH_CHECK``: ~3 s).
 
 Every Ray process started here has usage stats off, its own temp dir (``RAY_TMPDIR`` and
-``--temp-dir``: the ``ray_current_cluster`` file and session sockets stay in it) and Ray's token
+``--temp-dir``: the ``ray_current_cluster`` file and session sockets stay in it), Ray's TLS on
+with the member's certificate of the cluster's CA (cluster/tls.py: the GCS checks a raylet's
+certificate against the address Ray gives it) and Ray's token
 authentication on, with the cluster's token file (``[cluster] token_file``, the peer token): Ray
 listens on every address, and without it anyone reaching the head's port ran code as root on
 every node (a ``num_cpus=0`` task is placed even on nodes that offer no CPU). Processes are
@@ -31,6 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from warmbox.cluster.tls import Member
 from warmbox.errors import ClusterError
 
 SLOTS = "warmbox_slots"  # sandboxes a node offers
@@ -115,11 +118,12 @@ def auth_env(token_file: str | Path) -> dict[str, str]:
     return {AUTH_MODE: "token", AUTH_TOKEN_PATH: str(Path(token_file).absolute())}
 
 
-def use_auth(token_file: str | Path) -> None:
+def use_auth(token_file: str | Path, tls: Member) -> None:
     """This process's own Ray clients (a GCS client, ``ray.init``) authenticate with
-    ``token_file``. Ray reads its auth settings once per process: they are refreshed here when
-    they change (a process talks to one cluster; tests switch between clusters)."""
-    want = auth_env(token_file)
+    ``token_file`` and speak TLS with ``tls`` (its certificate presented, the cluster's CA the only
+    root). Ray reads these settings once per process: they are refreshed here when they change (a
+    process talks to one cluster; tests switch between clusters)."""
+    want = {**auth_env(token_file), **tls.ray_env()}
     if all(os.environ.get(k) == v for k, v in want.items()) and AUTH_TOKEN not in os.environ:
         return
     os.environ.update(want)
@@ -132,12 +136,14 @@ def use_auth(token_file: str | Path) -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
-def ray_env(tmpdir: Path, token_file: str | Path) -> dict[str, str]:
+def ray_env(tmpdir: Path, token_file: str | Path, tls: Member) -> dict[str, str]:
     """The environment of every Ray process warmbox starts: usage stats off, its own temp dir,
-    token authentication with ``token_file``."""
+    token authentication with ``token_file``, TLS on every gRPC channel with ``tls`` (the member's
+    certificate as server and client, the cluster's CA as the only root)."""
     env = dict(os.environ)
     env.pop(AUTH_TOKEN, None)
     env.update(auth_env(token_file))
+    env.update(tls.ray_env())
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     env["RAY_TMPDIR"] = str(tmpdir)
     return env
@@ -293,8 +299,10 @@ class RayProcess:
         return self.proc.returncode
 
 
-def _start(args: list[str], tmpdir: Path, head: bool, timeout_s: float, token_file: str | Path) -> RayProcess:
-    env = ray_env(tmpdir, token_file)  # refused before anything starts without a valid token
+def _start(
+    args: list[str], tmpdir: Path, head: bool, timeout_s: float, token_file: str | Path, tls: Member
+) -> RayProcess:
+    env = ray_env(tmpdir, token_file, tls)  # refused before anything starts without a valid token
     tmpdir.mkdir(parents=True, exist_ok=True)
     (tmpdir / "ray_current_cluster").unlink(missing_ok=True)
     log = tmpdir / ("head.log" if head else "raylet.log")
@@ -327,19 +335,21 @@ def start_head(
     system_config: Mapping[str, int] | None = None,
     *,
     token_file: str | Path,
+    tls: Member,
     port: int = 0,
     num_cpus: int = 0,
     timeout_s: float = START_TIMEOUT_S,
 ) -> RayProcess:
     """A Ray head (GCS) as a child of this process; ``.address`` is its HOST:PORT. system_config:
     Ray's on the head (default HEALTH_CHECK). token_file: the cluster's token (Ray's token
-    authentication; required). port 0: any free port. ``.stop()`` ends it: stop every node first
-    (a node whose head went first drains for 30 s)."""
+    authentication; required). tls: the head's certificate (cluster.tls.head_member; Ray's TLS).
+    port 0: any free port. ``.stop()`` ends it: stop every node first (a node whose head went
+    first drains for 30 s)."""
     config = dict(HEALTH_CHECK if system_config is None else system_config)
     args = ["--head", f"--port={port}", f"--num-cpus={num_cpus}", "--include-dashboard=False"]
     if config:
         args.append("--system-config=" + json.dumps(config, separators=(",", ":")))
-    return _start(args, Path(tmpdir), True, timeout_s, token_file)
+    return _start(args, Path(tmpdir), True, timeout_s, token_file, tls)
 
 
 def start_raylet(
@@ -348,12 +358,14 @@ def start_raylet(
     capacity: Capacity,
     *,
     token_file: str | Path,
+    tls: Member,
     num_cpus: int = 0,
     timeout_s: float = START_TIMEOUT_S,
 ) -> RayProcess:
     """This node's raylet joined to the head at ``address``, advertising ``capacity`` as custom
     resources, as a fate-shared child: same process group as the caller, and SIGTERMed by the
-    kernel when the caller dies. token_file: the cluster's token (required). num_cpus 0: Ray
+    kernel when the caller dies. token_file: the cluster's token (required); tls: the node's
+    certificate (Ray's TLS). num_cpus 0: Ray
     prestarts no worker processes here (a task asking for no CPU could still be placed: only
     the token keeps strangers from submitting one). ``.node_id`` is the Ray node's id."""
     addr = normalize_address(address)
@@ -362,12 +374,12 @@ def start_raylet(
         f"--num-cpus={num_cpus}",
         "--resources=" + json.dumps(capacity.resources(), separators=(",", ":"), sort_keys=True),
     ]
-    return _start(args, Path(tmpdir), False, timeout_s, token_file)
+    return _start(args, Path(tmpdir), False, timeout_s, token_file, tls)
 
 
-def _gcs(address: str, token_file: str | Path) -> Any:
+def _gcs(address: str, token_file: str | Path, tls: Member) -> Any:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    use_auth(token_file)
+    use_auth(token_file, tls)
     try:
         from ray._raylet import GcsClient  # type: ignore[attr-defined]  # compiled, no stub
     except ImportError:
@@ -380,11 +392,12 @@ def _gcs(address: str, token_file: str | Path) -> Any:
 
 class Membership:
     """A connection to a head's GCS (no Ray driver): the nodes and their advertised capacity.
-    token_file: the cluster's token (Ray's token authentication)."""
+    token_file: the cluster's token (Ray's token authentication); tls: this member's certificate
+    (Ray's TLS: the GCS accepts no other)."""
 
-    def __init__(self, address: str, token_file: str | Path) -> None:
+    def __init__(self, address: str, token_file: str | Path, tls: Member) -> None:
         self.address = normalize_address(address)
-        self._client = _gcs(self.address, token_file)
+        self._client = _gcs(self.address, token_file, tls)
 
     def nodes(self, timeout_s: float = 5.0) -> list[RayNode]:
         """Every node the GCS knows, alive and dead (a dead one keeps its resources)."""

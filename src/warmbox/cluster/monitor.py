@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from warmbox.cluster.router import DOWN, UP, Cluster
+from warmbox.cluster.tls import Member
 from warmbox.errors import ClusterError, WarmboxError
 from warmbox.models import NodeInfo
 
@@ -44,13 +45,13 @@ def verdict(node: NodeInfo, alive: frozenset[str] | None, now: float, heartbeat_
     return ""
 
 
-def ray_alive(address: str, token_file: str) -> AliveIds:
+def ray_alive(address: str, token_file: str, tls: Member) -> AliveIds:
     """What Ray says is alive, from the head's GCS at ``address`` (HOST:PORT): a client of its own,
-    no Ray driver in the router, authenticated with the cluster's token. None for a round whose
-    answer did not come (Ray unknown)."""
+    no Ray driver in the router, authenticated with the cluster's token over TLS with the router's
+    certificate. None for a round whose answer did not come (Ray unknown)."""
     from warmbox.cluster.membership import Membership
 
-    membership = Membership(address, token_file)  # ClusterError if the head cannot be reached at start
+    membership = Membership(address, token_file, tls)  # ClusterError if the head cannot be reached at start
 
     def alive() -> frozenset[str] | None:
         try:

@@ -5,8 +5,9 @@ What the node process does, in order:
    this node as live (a previous life was marked down meanwhile);
 2. starts its raylet as a fate-shared child (membership.start_raylet), advertising its capacity as
    Ray custom resources (slots, memory, the tiers its ``doctor`` says run, ``wbnode-<name>``);
-3. serves the node API (server/serve.listen: the same app as ``warmbox serve``; the router reaches
-   it with the cluster token, see server/peer.py);
+3. serves the node API (server/serve.listen: the same app as ``warmbox serve``) over mutual TLS
+   with its cluster certificate (cluster/tls.py); the router reaches it with the cluster token
+   (server/peer.py); tenant keys are refused unless ``[cluster] direct_access``;
 4. joins the registry (``join_node``: address, Ray node id, slots, tiers; a new epoch);
 5. runs the daemon's duties for its home in process (reaper, its share of the pools, meters),
    and heartbeats every HEARTBEAT_S. It exits when the registry says it is fenced (marked down,
@@ -33,11 +34,12 @@ import signal
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from warmbox import config
-from warmbox.cluster import membership
+from warmbox.cluster import membership, tls
 from warmbox.cluster.membership import Capacity, RayProcess
 from warmbox.cluster.placement import NodeLoad, split_target
 from warmbox.config import PoolConfig, ServerSettings
@@ -142,12 +144,19 @@ def _settings(home: Path, opts: NodeOptions) -> tuple[config.Settings, str, str]
     return settings, name, settings.cluster.ray
 
 
-def _api_settings(settings: ServerSettings, opts: NodeOptions) -> ServerSettings:
+def _api_settings(settings: ServerSettings, opts: NodeOptions, member: tls.Member, direct: bool) -> ServerSettings:
+    """The node API's listeners: TLS with the node's cluster certificate, and a client certificate
+    signed by the cluster's CA asked of every TCP caller (the router's; only checked when given
+    with ``direct`` access). The unix socket stays for root and admins on the host."""
     return dataclasses.replace(
         settings,
         host=settings.host if opts.host is None else opts.host,
         port=opts.port,
         socket=settings.socket if opts.socket is None else opts.socket,
+        tls_cert=str(member.cert),
+        tls_key=str(member.key),
+        tls_client_ca=str(member.ca),
+        tls_client_optional=direct,
     )
 
 
@@ -172,6 +181,8 @@ async def _main(home: Path, opts: NodeOptions) -> int:
 
     settings, name, head = _settings(home, opts)
     peer.ensure_token(settings.cluster.token_file)
+    # the node's certificate from the cluster's CA (`warmbox cluster cert NAME`): its API's TLS and Ray's
+    member = tls.member(tls.directory(settings.cluster.tls_dir, settings.cluster.token_file), tls.node_member(name))
     lock = daemon.hold_lock(home)
     if lock is None:  # a standalone daemon runs for this home: the node takes its duties over
         await daemon.down_home(home)
@@ -196,12 +207,17 @@ async def _main(home: Path, opts: NodeOptions) -> int:
     tmp = ray_tmpdir(home)
     if tmp.exists() and not membership.processes_in(tmp):
         shutil.rmtree(tmp, ignore_errors=True)  # what a killed life left (logs, sockets): nothing runs in it
-    raylet = membership.start_raylet(head, tmp, capacity, token_file=settings.cluster.token_file)
+    raylet = membership.start_raylet(head, tmp, capacity, token_file=settings.cluster.token_file, tls=member)
     served = None
     code = 0
     try:
-        served = await listen(engine, home, _api_settings(settings.server, opts), mcp=False)
+        # Ray's GCS checks the raylet's certificate against the address Ray gave it; the router, the API's
+        tls.check_covers(member, name, (raylet.node_ip,))
+        api = _api_settings(settings.server, opts, member, settings.cluster.direct_access)
+        served = await listen(engine, home, api, mcp=False)
         address = _advertised(served.addresses[0], raylet)
+        if address.startswith("https://"):
+            tls.check_covers(member, name, (urllib.parse.urlsplit(address).hostname or "",))
         epoch = registry.join_node(
             NodeInfo(
                 name=name, address=address, ray_node_id=raylet.node_id, slots=slots, memory_mb=memory_mb, tiers=tiers

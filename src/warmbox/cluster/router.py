@@ -25,6 +25,7 @@ import dataclasses
 import enum
 import itertools
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -235,11 +236,17 @@ class Cluster:
     caller, and the calls in flight to each node.
 
     ray_alive: the Ray node ids Ray reports alive (None: Ray's view is unknown, the registry's
-    state alone counts). settings: this router's settings (its defaults for a create's tier)."""
+    state alone counts). settings: this router's settings (its defaults for a create's tier).
+    tls: the router's side of the mutual TLS to the nodes (cluster.tls.Member.client_context: its
+    certificate, the cluster's CA as the only root); with it, a node advertising a plain http://
+    address is never sent the token (None: no TLS, for a test of the router alone)."""
 
-    def __init__(self, registry: Registry, token: str, settings: Callable[[], Settings]) -> None:
+    def __init__(
+        self, registry: Registry, token: str, settings: Callable[[], Settings], tls: ssl.SSLContext | None = None
+    ) -> None:
         self.registry = registry
         self._token = token
+        self._tls = tls
         self._settings = settings
         self.ray_alive: frozenset[str] | None = None
         self._view: dict[str, NodeInfo] = {}
@@ -344,7 +351,10 @@ class Cluster:
         if t is None:
             if self._closed:
                 raise ConnectionLost("the router is shutting down")
-            t = HttpTransport(node.address, self._token, headers=dict(headers))
+            if self._tls is not None and not node.address.startswith("https://"):
+                # the token would travel in clear to whoever answers there: refused, typed
+                raise ConnectionLost(f"node {node.name!r} serves its API without TLS ({node.address}): not used")
+            t = HttpTransport(node.address, self._token, headers=dict(headers), verify=self._tls or True)
             self._evict()
         self._transports[key] = t
         self._used[key] = time.monotonic()

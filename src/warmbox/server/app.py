@@ -37,7 +37,7 @@ from warmbox.config import ServerSettings
 from warmbox.engine.engine import Engine
 from warmbox.engine.front import EngineFront
 from warmbox.engine.stats import RegistryStats
-from warmbox.errors import InvalidArgument, RateLimited, Unauthenticated, WarmboxError
+from warmbox.errors import Forbidden, InvalidArgument, RateLimited, Unauthenticated, WarmboxError
 from warmbox.models import ApprovalRequest, FilesystemEvent, ProcessEvent, Tenant
 from warmbox.server import logs, peer
 from warmbox.server import tunnel as ports
@@ -187,6 +187,10 @@ class Service:
         # a cluster node: the secret the router presents for requests it forwards (None: no peers)
         token_file = engine.settings().cluster.token_file
         self.peer_token: bytes | None = peer.read_token(token_file).encode() if token_file else None
+        # a cluster node's own API (not a router's): it answers the router (the token), admin keys and
+        # root on its socket; a tenant's key or mapped uid goes to the router, which places and limits
+        cluster = engine.settings().cluster
+        self.node_only = "" if fronts is not None or cluster.direct_access else cluster.node
         self._fronts: dict[tuple[str, bool, str], Front] = {}
         self._pending: dict[str, _Pending] = {}
         # /metrics: the registry's aggregates read on a connection of their own, and the HTTP counters
@@ -252,6 +256,11 @@ class Service:
         """An authenticated caller: named in this request's log records, and rate limited per
         ``bucket`` (its key, or its uid on the unix socket)."""
         logs.note_tenant(tenant.name)
+        if self.node_only and not tenant.admin:
+            raise Forbidden(
+                f"this is cluster node {self.node_only!r}: tenant keys go to the cluster's router (its API "
+                "answers only the router and admin keys, unless [cluster] direct_access = true)"
+            )
         self.limiter.take(bucket, tenant.rate_per_s)
         return tenant
 

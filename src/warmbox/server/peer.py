@@ -5,6 +5,8 @@ limited it); the token without a tenant header is the host's root (the router's 
 
 The token lives in ``[cluster] token_file`` (mode 0600, created by ``warmbox cluster token`` or by
 the first node or router that starts without one). A server with no token refuses peer headers.
+In a cluster the token only travels inside mutual TLS (cluster/tls.py): a node's API asks every
+caller for a certificate of the cluster's CA, and the router checks the node's.
 """
 
 from __future__ import annotations

@@ -227,14 +227,26 @@ def _unix_socket(path: Path) -> socket.socket:
     return sock
 
 
+def _client_cert_reqs(settings: ServerSettings) -> ssl.VerifyMode:
+    """What a TCP client must show: a certificate signed by ``tls_client_ca`` (required, or checked
+    when presented with ``tls_client_optional``), or nothing without a client CA."""
+    if not settings.tls_client_ca:
+        return ssl.CERT_NONE
+    return ssl.CERT_OPTIONAL if settings.tls_client_optional else ssl.CERT_REQUIRED
+
+
 def _ssl_context(settings: ServerSettings) -> ssl.SSLContext | None:
+    """The listener's TLS, loaded once here so a bad file is a ConfigError before anything listens."""
     if not settings.tls_cert:
         return None
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
         ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
+        if settings.tls_client_ca:
+            ctx.load_verify_locations(settings.tls_client_ca)
     except (OSError, ssl.SSLError) as e:
-        raise ConfigError(f"cannot load the TLS certificate/key: {e}") from None
+        raise ConfigError(f"cannot load the TLS certificate/key/client CA: {e}") from None
+    ctx.verify_mode = _client_cert_reqs(settings)
     return ctx
 
 
@@ -325,6 +337,8 @@ async def listen(
             log_config=log_config,
             ssl_certfile=settings.tls_cert or None,
             ssl_keyfile=settings.tls_key or None,
+            ssl_ca_certs=settings.tls_client_ca or None,
+            ssl_cert_reqs=_client_cert_reqs(settings),
         )
         listeners.append((uvicorn.Server(cfg), tcp))
     upath = socket_path(home, settings)

@@ -29,6 +29,7 @@ from warmbox.errors import (
     ApprovalClosed,
     ApprovalNotFound,
     InvalidArgument,
+    NoCapacity,
     NodeFenced,
     QuotaExceeded,
     RegistryError,
@@ -450,6 +451,7 @@ _MAX_APPROVAL_TEXT = 500
 
 _LIVE = tuple(s.value for s in LIVE)
 _HOLDING = (*_LIVE, State.FAILED.value)  # states whose uid range is still in use
+_SPARE = (State.POOLED.value, State.RETIRING.value)  # a pool's warm spares (they yield a slot to a user's sandbox)
 # what `warmbox ls` shows: the caller's sandboxes, running or paused (not the pools')
 _USER = (*(s.value for s in LIVE if s not in (State.POOLED, State.RETIRING)), State.PAUSED.value)
 assert set(_HOLDING) == set(HOLDING_STATES), "the uid ledger and the registry must agree on what holds a slot"
@@ -657,6 +659,7 @@ class Registry:
         self.path: Path | None = None if url else Path(location)
         self.node = node
         self.epoch: int | None = None  # this node's, from this object's join_node (None: not joined here)
+        self.slots = 0  # the sandboxes this node offers, from this object's join_node (0: no bound here)
         self.ledger = ledger if ledger is not None else UidLedger()
         self.check_limits = check_limits
         self._adopted = False
@@ -834,6 +837,22 @@ class Registry:
             why = "marked down" if row[0] == "down" else f"joined again (epoch {row[1]}, this process has {self.epoch})"
             raise NodeFenced(f"node {self.node!r} was {why}: it starts no sandbox", self.node)
 
+    def _check_slots(self, states: builtins.list[str], spare: bool) -> None:
+        """NoCapacity if this node has no slot for one more sandbox (its own bound, whoever placed
+        the create: the router, or a caller with direct access). ``states``: those of the sandboxes
+        holding a uid range here. A warm spare (``spare``) counts every one of them; a user's
+        sandbox (a create or a resume) counts all but the pool's spares: the pool shrinks to make
+        room, as the router's placement assumes. One host, or a node that never joined: no bound."""
+        if not self.node or self.slots <= 0:
+            return
+        held = len(states) if spare else sum(1 for s in states if s not in _SPARE)
+        if held >= self.slots:
+            what = "sandboxes" if spare else "sandboxes besides its warm spares"
+            raise NoCapacity(
+                f"node {self.node!r} has no free slot: {held} {what} hold its {self.slots} (nothing was created)",
+                (f"{self.node}: {held} of {self.slots} slots taken",),
+            )
+
     # ---- sandboxes
 
     def allocate(
@@ -866,12 +885,12 @@ class Registry:
         with self._claiming(*_tenant_lock(tenant)) as (ledger, db):
             if tenant is not None:
                 self._check_quota(db, tenant, tier, limits.memory_mb, limits.cpus)
-            used = {
-                r[0]
-                for r in db.execute(
-                    f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)} AND node=?", (*_HOLDING, self.node)
-                )
-            }
+            held = db.execute(
+                f"SELECT uid_slot, state FROM sandboxes WHERE state IN {_in(_HOLDING)} AND node=?",
+                (*_HOLDING, self.node),
+            ).fetchall()
+            self._check_slots([r[1] for r in held], spare=bool(pool))
+            used = {r[0] for r in held}
             slot = ledger.claim(self._key, sandbox_id, skip=used, check=functools.partial(self._holds, db=db))
             try:
                 db.execute(
@@ -955,12 +974,12 @@ class Registry:
             if tenant is not None:
                 self._check_quota(db, tenant, row[1], row[2], row[3])
             ledger.release(row[4], self._key, sandbox_id)  # its old range (released by its pause)
-            used = {
-                r[0]
-                for r in db.execute(
-                    f"SELECT uid_slot FROM sandboxes WHERE state IN {_in(_HOLDING)} AND node=?", (*_HOLDING, self.node)
-                )
-            }
+            held = db.execute(
+                f"SELECT uid_slot, state FROM sandboxes WHERE state IN {_in(_HOLDING)} AND node=?",
+                (*_HOLDING, self.node),
+            ).fetchall()
+            self._check_slots([r[1] for r in held], spare=False)
+            used = {r[0] for r in held}
             slot = ledger.claim(self._key, sandbox_id, skip=used, check=functools.partial(self._holds, db=db))
             try:
                 db.execute(
@@ -1434,6 +1453,7 @@ class Registry:
             )
         if info.name == self.node:
             self.epoch = epoch  # what this process's starts are checked against (_check_fence)
+            self.slots = max(0, int(info.slots))  # and the bound they are held to (_check_slots)
         return epoch
 
     def heartbeat(self, name: str, epoch: int, live: int, pooled: int) -> bool:
