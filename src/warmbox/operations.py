@@ -304,10 +304,14 @@ class Create(Request[Opened]):
 
 @dataclasses.dataclass(frozen=True)
 class Connect(Request[Opened]):
-    """Attach to a live sandbox by id (legal while ready/running)."""
+    """Attach to a live sandbox by id (legal while ready/running); a paused one is resumed.
+
+    timeout: seconds; a paused sandbox resumes with it (None: its own), a running one lives at
+    least that long from now (a later deadline is kept, as E2B's connect does)."""
 
     op: ClassVar[Op] = Op.CONNECT
     sandbox_id: str
+    timeout: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

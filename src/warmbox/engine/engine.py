@@ -687,7 +687,7 @@ class Engine:
         info, _ = self.info(sandbox_id)
         self.check(Operation.SET_TIMEOUT, info)
         expires = time.time() + timeout
-        self.registry.set_expiry(sandbox_id, expires)
+        self.registry.set_expiry(sandbox_id, expires, timeout)  # its lifetime now: a resume renews this one
         self.ensure_daemon()  # someone must enforce the new deadline
         return expires
 

@@ -395,15 +395,20 @@ class AsyncSandbox:
         cls,
         sandbox_id: str,
         *,
+        timeout: float | None = None,
         home: str | Path | None = None,
         transport: Transport | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
     ) -> AsyncSandbox:
         """Attach to a live sandbox created by any process (or, through a server, any machine);
-        a paused one is resumed first (same id, as ``resume``)."""
+        a paused one is resumed first (same id, as ``resume``).
+
+        timeout: seconds. A paused sandbox resumes with it (None: the timeout it was created with,
+        or last given by ``set_timeout``); a running one lives at least that long from now (a
+        later deadline is kept, as in E2B)."""
         return await cls._open(
-            _transport(transport, home, api_url, api_key), transport is None, ops.Connect(sandbox_id)
+            _transport(transport, home, api_url, api_key), transport is None, ops.Connect(sandbox_id, timeout=timeout)
         )
 
     @classmethod
@@ -536,7 +541,8 @@ class AsyncSandbox:
         return ref
 
     async def set_timeout(self, timeout: float) -> None:
-        """Let the sandbox live ``timeout`` more seconds from now."""
+        """Let the sandbox live ``timeout`` more seconds from now; a resume after a pause gives it
+        ``timeout`` seconds again."""
         await self._transport.handle(ops.SetTimeout(self.sandbox_id, timeout))
 
     async def kill(self) -> bool:
