@@ -538,6 +538,8 @@ class AsyncSandbox:
         ref = await self._run(ops.Pause(self.sandbox_id, memory=memory, env_names=self._env_names))
         self._paused = True
         await self._close_forwards()
+        if self._owns_transport:  # it holds nothing now: neither do we (a later call connects again)
+            await self._transport.close()
         return ref
 
     async def set_timeout(self, timeout: float) -> None:
