@@ -580,12 +580,13 @@ class ReadFile(Request[bytes]):
 
 @dataclasses.dataclass(frozen=True)
 class ReadFileStream(Request[ChunkStream]):
-    """A file in flow-controlled chunks; timeout: seconds per chunk (None: none)."""
+    """A file in flow-controlled chunks; max_bytes: None for no cap (a stream is never held
+    whole); timeout: seconds per chunk (None: none)."""
 
     op: ClassVar[Op] = Op.FILES_READ_STREAM
     sandbox_id: str
     path: str
-    max_bytes: int = 100 << 20
+    max_bytes: int | None = None
     timeout: float | None = 60.0
 
 

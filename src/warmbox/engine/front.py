@@ -1050,7 +1050,8 @@ class EngineFront:
 
     async def read_file_stream(self, r: ops.ReadFileStream) -> ops.ChunkStream:
         path = sandbox_path(r.path)
-        _positive_int(r.max_bytes, "max_bytes")
+        if r.max_bytes is not None:  # None: no cap
+            _positive_int(r.max_bytes, "max_bytes")
         t = optional_timeout(r.timeout) or None
         return await (await self._session(r.sandbox_id)).read_stream(path, max_bytes=r.max_bytes, timeout=t)
 
