@@ -677,7 +677,25 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn_config() -> None:
+    """A broken warmbox.toml said on stderr (a command that does not need the settings still runs)."""
+    from warmbox.config import load
+    from warmbox.errors import ConfigError
+    from warmbox.paths import default_home
+    from warmbox.sdk.http import default_url
+
+    if default_url():  # the server's settings count, not this host's file
+        return
+    try:
+        load(default_home())
+    except ConfigError as e:
+        print(
+            f"warmbox: warning: {e} (the listing does not need it; commands that start sandboxes fail)", file=sys.stderr
+        )
+
+
 async def _ls(args: argparse.Namespace) -> int:
+    _warn_config()
     t = _engine()
     query = None
     if args.metadata or args.state:
