@@ -130,7 +130,7 @@ def show_config(as_json: bool) -> int:
         settings = _engine().settings()
     except ConfigError as e:
         raise ConfigError(
-            f"{e}\n  (a warmbox serve or daemon of this home that read it before keeps its last good settings "
+            f"{e} (a warmbox serve or daemon of this home that read it before keeps its last good settings "
             "until it is fixed)"
         ) from None
     if as_json:
