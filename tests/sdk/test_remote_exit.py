@@ -15,6 +15,7 @@ sb = Sandbox.create(timeout=120, pool=False)
 print(sb.sandbox_id, flush=True)
 sb.commands.run("true")
 sb.pause()
+assert sb.get_info().state.value == "paused" and not sb.is_running()  # questions that do not resume it
 """
 
 
