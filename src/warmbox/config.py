@@ -359,6 +359,12 @@ def _too_high(field: str, value: float, key: str, most: float, unit: str, source
 
 def _limits(t: dict, source: str, env_keys: frozenset[str], host: HostCapacity | None = None) -> LimitSettings:
     """[limits]: each maximum is the admin's value if set, else a default; never above the host."""
+    for k in t:
+        if f"max_{k}" in LIMIT_KEYS:  # a sandbox's limit where the most one may ask for goes
+            raise ConfigError(
+                f"{source}: unknown key limits.{k}: [limits] holds the most one sandbox may ask for "
+                f"(max_{k} = ...); a sandbox's own limits are given at create, a pool's in its limits table"
+            )
     _only(t, set(LIMIT_KEYS), "limits", source)
     host = host_capacity() if host is None else host
     reserve = memory_reserve_mb(host.memory_mb)
@@ -640,6 +646,7 @@ def parse(
             raise ConfigError(f"{source}: {where}: max ({hi}) is below min ({lo})")
         target = _int(body.get("target", lo), f"{where}.target", source, 0, 1000)
         limits_raw = _as_table(body.get("limits", {}), f"{where}.limits", source)
+        _only(limits_raw, {f.name for f in dataclasses.fields(Limits)}, f"{where}.limits", source)
         try:
             limits = Limits(**limits_raw)
         except TypeError as e:

@@ -381,10 +381,14 @@ class Create(Request[Opened]):
 
 @dataclasses.dataclass(frozen=True)
 class Connect(Request[Opened]):
-    """Attach to a live sandbox by id (legal while ready/running)."""
+    """Attach to a live sandbox by id (legal while ready/running); a paused one is resumed.
+
+    timeout: seconds; a paused sandbox resumes with it (None: its own), a running one lives at
+    least that long from now (a later deadline is kept, as E2B's connect does)."""
 
     op: ClassVar[Op] = Op.CONNECT
     sandbox_id: str
+    timeout: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -653,12 +657,13 @@ class ReadFile(Request[bytes]):
 
 @dataclasses.dataclass(frozen=True)
 class ReadFileStream(Request[ChunkStream]):
-    """A file in flow-controlled chunks; timeout: seconds per chunk (None: none)."""
+    """A file in flow-controlled chunks; max_bytes: None for no cap (a stream is never held
+    whole); timeout: seconds per chunk (None: none)."""
 
     op: ClassVar[Op] = Op.FILES_READ_STREAM
     sandbox_id: str
     path: str
-    max_bytes: int = 100 << 20
+    max_bytes: int | None = None
     timeout: float | None = 60.0
 
 

@@ -108,6 +108,21 @@ def test_bench_api_short(runc_ready):
 
 
 @pytest.mark.sandbox
+def test_bench_api_over_tcp_smallest(runc_ready):
+    """--tcp: the server's admin key is a tenant's, and every part still reaches its sandboxes
+    (issue 34: it stopped at `no sandbox sb-…`)."""
+    rep = _bench(
+        "api", "--tcp", "--runs", "1", "--execs", "1", "--file-mb", "1", "--file-runs", "1",
+        "--creates", "1", "--clients", "1", "--concurrency", "1",
+    )  # fmt: skip
+    assert rep["transport"] == "tcp" and rep["url"].startswith("http://127.0.0.1:")
+    for part in ("warm", "exec", "info"):
+        assert all(s["n"] == 1 and s["p50_ms"] > 0 for s in rep[part]["stats"].values())
+    assert all(r["p50_mib_s"] > 0 for r in rep["files"]["download"]["rates"].values())
+    assert rep["burst"]["http"]["pool_hits"] == 1
+
+
+@pytest.mark.sandbox
 def test_bench_template_short(runc_ready):
     """A cold build that starts build sandboxes, a rebuild that starts none, both templates started
     cold and claimed from their pools (every claim a hit), the goals reported."""

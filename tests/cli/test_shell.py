@@ -97,3 +97,24 @@ def test_shell_in_a_terminal_types_reads_and_resizes(home, runc_ready):
 def test_shell_needs_a_terminal(home):
     r = cli("shell", "sb-000000000000", input="echo hi\n")
     assert r.returncode == 125 and "needs a terminal" in r.stderr
+
+
+@pytest.mark.sandbox
+def test_exec_it_is_a_terminal_as_docker_exec_it(home, runc_ready):
+    """Issue 34: `warmbox exec -it ID bash` (docker's habit) was "unrecognized arguments"."""
+    r = cli("create", "--timeout", "300")
+    assert r.returncode == 0, r.stderr
+    sid = r.stdout.strip()
+    env = {k: v for k, v in os.environ.items() if k.startswith("WARMBOX_")}
+    command = shlex.join(["env", *(f"{k}={v}" for k, v in env.items()), sys.executable, "-m", "warmbox.cli.main"])
+    pane = Pane(f"{command} exec -it {sid} bash -l; echo exec-exited-$?; sleep 30", cols=100, rows=30)
+    try:
+        pane.wait_for("user@sandbox:/workspace$")
+        pane.type("tty; exit 3")
+        pane.wait_for("exec-exited-3")
+        assert "/dev/pts/" in pane.screen()
+    finally:
+        pane.close()
+        cli("kill", sid)
+    r = cli("exec", "-it", "sb-000000000000", "bash", input="echo hi\n")
+    assert r.returncode == 125 and "exec -t needs a terminal" in r.stderr

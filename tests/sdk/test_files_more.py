@@ -17,6 +17,7 @@ from warmbox import (
     UnsafeArchive,
     WriteEntry,
 )
+from warmbox.errors import FileTooLarge
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,26 @@ def test_write_files_checks_every_entry_before_writing(box):
     with pytest.raises(IsADirectory):  # the sandbox's own refusal, typed; the first file stays written
         box.files.write_files([WriteEntry("before-dir.txt", "1"), WriteEntry("a-dir", "2")])
     assert box.files.read("before-dir.txt") == "1"
+
+
+@pytest.mark.sandbox
+def test_a_streamed_read_of_200_mb_has_no_cap_and_too_large_names_max_bytes(box):
+    """Issue 34: files.read(p, format="stream") of a 200 MB file raised FileTooLarge at 100 MiB."""
+    size = 200 * 10**6
+    assert box.commands.run(f"truncate -s {size} /workspace/big.bin").exit_code == 0  # sparse: no disk
+    try:
+        total = 0
+        with box.files.read("/workspace/big.bin", format="stream") as stream:
+            for chunk in stream:
+                total += len(chunk)
+        assert total == size
+        # a whole read still holds at most 100 MiB by default; its error says how to read more
+        with pytest.raises(FileTooLarge, match=r'max_bytes=N, or read it as format="stream"'):
+            box.files.read("/workspace/big.bin", format="bytes")
+        with pytest.raises(FileTooLarge, match=r"a larger max_bytes=N"):  # a stream given a cap keeps it
+            box.files.read("/workspace/big.bin", format="stream", max_bytes=1 << 20)
+    finally:
+        box.files.remove("/workspace/big.bin")
 
 
 @pytest.mark.sandbox

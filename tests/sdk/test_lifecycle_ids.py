@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import over_cluster, pooled_sandbox, wait_for
 from warmbox import Lifecycle, Limits, Sandbox, SandboxNotFound, SandboxPaused, State
 from warmbox.engine.engine import Engine
 
@@ -135,5 +135,66 @@ def test_resuming_the_ref_pause_returned_continues_that_sandbox(home, runc_ready
             with Sandbox.resume(older) as fork:
                 assert fork.sandbox_id != sid
                 assert fork.files.read("/workspace/v.txt") == "1"
+    finally:
+        sb.kill()
+
+
+def _left(sb) -> float:
+    """Seconds until ``sb`` expires, by its record."""
+    return sb.get_info().expires_at - time.time()
+
+
+def _lifetime_sandbox(home, request, kind: str, timeout: float):
+    """A sandbox created with ``timeout``: cold, or claimed from the ``iso`` pool (whose sandboxes
+    wait there under the pool's max_age of 3600 s)."""
+    if kind == "cold":
+        return Sandbox.create(timeout=timeout, pool=False)
+    cluster = request.getfixturevalue("cluster") if over_cluster(request.node) else None
+    return pooled_sandbox(home, cluster, timeout=timeout)
+
+
+# Issue 34: a sandbox claimed from a pool came back from a pause with the pool's 3600 s.
+@pytest.mark.sandbox
+@pytest.mark.parametrize("kind", ["cold", "pooled"])
+def test_connect_resumes_with_the_sandboxs_own_timeout_or_the_one_given(home, runc_ready, request, kind):
+    sb = _lifetime_sandbox(home, request, kind, 120)
+    try:
+        sid = sb.sandbox_id
+        assert 60 < _left(sb) <= 121
+        sb.pause()
+        back = Sandbox.connect(sid)  # its own timeout, counted from the resume
+        assert 60 < _left(back) <= 121, "not the 120 s it was created with"
+        back.pause()
+        back = Sandbox.connect(sid, timeout=200)  # told otherwise: that one, and it keeps it
+        assert 140 < _left(back) <= 201
+        back.pause()
+        back = Sandbox.connect(sid)
+        assert 140 < _left(back) <= 201
+        # a running sandbox: a longer timeout extends it, a shorter one never cuts it short
+        again = Sandbox.connect(sid, timeout=900)
+        assert 840 < _left(again) <= 901
+        again.close()
+        again = Sandbox.connect(sid, timeout=30)
+        assert 840 < _left(again) <= 901
+        again.close()
+        back.close()
+    finally:
+        sb.kill()
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("kind", ["cold", "pooled"])
+def test_resume_keeps_the_sandboxs_own_timeout_or_takes_the_one_given(home, runc_ready, request, kind):
+    sb = _lifetime_sandbox(home, request, kind, 120)
+    try:
+        sid = sb.sandbox_id
+        sb.set_timeout(150)  # its lifetime from now on
+        sb.pause()
+        back = Sandbox.resume(sid)
+        assert 90 < _left(back) <= 151, "not the 150 s it was last given"
+        back.pause()
+        back = Sandbox.resume(sid, timeout=200)
+        assert 140 < _left(back) <= 201
+        back.close()
     finally:
         sb.kill()

@@ -394,10 +394,14 @@ async def part_warm(home: Path, server: Server, runs: int) -> dict[str, Any]:
 async def part_exec_files(home: Path, server: Server, runs: int, file_mib: int, file_runs: int) -> dict[str, Any]:
     from warmbox.sdk.sandbox import AsyncSandbox
 
-    local = await AsyncSandbox.create("container", timeout=600, template="base", home=home)
-    remote = None
+    # made through the server: with --tcp it is the key's tenant's, which the host's in-process
+    # front sees too (a sandbox made in process would be no tenant's: unknown to the key)
+    remote = await AsyncSandbox.create(
+        "container", timeout=600, template="base", api_url=server.url, api_key=server.key
+    )
+    local = None
     try:
-        remote = await AsyncSandbox.connect(local.sandbox_id, api_url=server.url, api_key=server.key)
+        local = await AsyncSandbox.connect(remote.sandbox_id, home=home)
         sbs = {"http": remote, "in_process": local}
         for sb in sbs.values():  # untimed: the connections and the agent's first exec
             for _ in range(5):
@@ -437,11 +441,11 @@ async def part_exec_files(home: Path, server: Server, runs: int, file_mib: int, 
                     raise WarmboxError(f"{side}: the file read back differs from the one written")
     finally:
         try:
-            await local.kill()
+            await remote.kill()
         finally:
-            await local.close()
-            if remote is not None:
-                await remote.close()
+            await remote.close()
+            if local is not None:
+                await local.close()
     mib = file_mib
 
     def rates(v: dict[str, list[float]]) -> dict[str, dict[str, float]]:

@@ -1,11 +1,12 @@
 """The ``warmbox`` command line. Every error is one line on stderr and exit status 125.
 
-warmbox run [opts] -- CMD...      create, run, destroy; exits with the command's status
+warmbox run [opts] [--] CMD...    create, run, destroy; exits with the command's status
 warmbox create [opts]             print the id of a new sandbox that outlives this process
-warmbox exec ID [opts] -- CMD...  run in an existing sandbox (a piped stdin is forwarded)
+warmbox exec ID [opts] [--] CMD   run in an existing sandbox (a piped stdin is forwarded; -it: a terminal)
 warmbox shell ID [opts] [-- CMD]  an interactive terminal in a sandbox (bash unless CMD; -u root where offered)
-warmbox ls [--all] [--timings]    list sandboxes (--metadata K=V, --state paused: only those)
-warmbox kill ID...                destroy sandboxes
+warmbox ls|ps [-a] [--timings]    list sandboxes (--metadata K=V, --state paused: only those)
+warmbox kill ID... | --all        destroy sandboxes
+warmbox logs [-f] ID              runtime logs, background processes' output (-f: follow it)
 warmbox metrics ID                cpu-s, memory GiB-s, wall/busy/idle seconds of a sandbox
 warmbox export ID [-o FILE]       its transcript: timings, transitions, commands, egress, snapshots, cost
 warmbox snapshot ID | pause ID    save files + code-context state (pause also releases the sandbox)
@@ -52,12 +53,16 @@ from typing import Any, NoReturn
 from warmbox import operations as ops
 from warmbox.cli.volumes import parse_mount
 from warmbox.errors import WarmboxError
-from warmbox.models import Lifecycle, Limits, SandboxQuery, validate_query
+from warmbox.models import Lifecycle, Limits, SandboxQuery, State, validate_query
 
 EXIT_ERROR = 125
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.subcommands: dict[str, argparse.ArgumentParser] = {}  # the top parser's, by name
+
     def error(self, message: str) -> NoReturn:  # one line, our exit status, no usage dump
         print(f"warmbox: error: {message}", file=sys.stderr)
         sys.exit(EXIT_ERROR)
@@ -202,10 +207,10 @@ def _add_exec_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON record instead of the output")
     p.add_argument("--cmd-timeout", type=float, default=60.0, metavar="S", help="command timeout, seconds (0: none)")
     p.add_argument("--cwd", default=None, help="working directory inside the sandbox")
-    p.add_argument("cmd", nargs="*", help="-- then the command and its arguments")
+    p.add_argument("cmd", nargs="*", help="the command and its arguments (after -- if one starts with -)")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> _Parser:
     ap = _Parser(prog="warmbox", description="Sandboxes for untrusted code.")
     ap.add_argument("--api-url", default=None, help="a warmbox server (http(s)://host:port or unix:/path)")
     ap.add_argument("--api-key", default=None, help="its API key (default: WARMBOX_API_KEY)")
@@ -236,26 +241,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("sandbox_id")
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE", help="environment variable of the command")
     p.add_argument("-u", "--user", choices=("user", "root"), default="user", help="root: where the tier offers it")
+    p.add_argument(
+        "-i", "--interactive", action="store_true", help="forward stdin even from a terminal (a pipe always is)"
+    )
+    p.add_argument("-t", "--tty", action="store_true", help="a terminal in the sandbox, as warmbox shell (-it)")
     _add_exec_opts(p)
     p = sub.add_parser("shell", help="an interactive terminal in an existing sandbox")
     p.add_argument("sandbox_id")
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE", help="environment variable")
     p.add_argument("--cwd", default=None, help="working directory inside the sandbox")
     p.add_argument("-u", "--user", choices=("user", "root"), default="user", help="root: where the tier offers it")
-    p.add_argument("cmd", nargs="*", help="-- then a command instead of bash")
+    p.add_argument("cmd", nargs="*", help="a command instead of bash (after -- if it starts with -)")
     p = sub.add_parser("port-forward", help="reach a port of a sandbox from this host until interrupted")
     p.add_argument("sandbox_id")
     p.add_argument("port", type=int, help="the TCP port inside the sandbox")
     p.add_argument("--unix", action="store_true", help="a unix socket (in a 0700 directory) instead of 127.0.0.1:N")
     p.add_argument("--check", action="store_true", help="first wait (30 s at most) until something listens")
-    p = sub.add_parser("ls", help="list sandboxes")
-    p.add_argument("--all", action="store_true", help="include destroyed sandboxes")
-    p.add_argument("--timings", action="store_true", help="show stage timings")
-    p.add_argument("--metadata", action="append", metavar="KEY=VALUE", help="only sandboxes with this label")
-    p.add_argument("--state", action="append", metavar="STATE", help="only sandboxes in this state (e.g. paused)")
-    p.add_argument("--json", action="store_true")
+    for name, help_ in (("ls", "list sandboxes"), ("ps", "list sandboxes (as ls)")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("-a", "--all", action="store_true", help="include destroyed sandboxes")
+        p.add_argument("--timings", action="store_true", help="show stage timings")
+        p.add_argument("--metadata", action="append", metavar="KEY=VALUE", help="only sandboxes with this label")
+        p.add_argument("--state", action="append", metavar="STATE", help="only sandboxes in this state (e.g. paused)")
+        p.add_argument("--json", action="store_true")
     p = sub.add_parser("kill", help="destroy sandboxes")
-    p.add_argument("sandbox_ids", nargs="+")
+    p.add_argument("sandbox_ids", nargs="*")
+    p.add_argument("--all", action="store_true", help="every sandbox you have, running or paused")
     p = sub.add_parser("metrics", help="cost of a sandbox so far (or final)")
     p.add_argument("sandbox_id")
     p.add_argument("--json", action="store_true")
@@ -341,8 +352,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("sandbox_id")
     p.add_argument("-o", "--output", metavar="FILE", help="write it there (default: standard output)")
     p.add_argument("--format", choices=["ndjson", "json"], default="ndjson", help="NDJSON lines or one JSON array")
-    p = sub.add_parser("logs", help="runtime logs of a sandbox (kept after it ended)")
+    p = sub.add_parser(
+        "logs", help="a sandbox's runtime logs (kept after it ended) and its background processes' output"
+    )
     p.add_argument("sandbox_id")
+    p.add_argument("-f", "--follow", action="store_true", help="then follow the processes' output until they end")
     sub.add_parser("demo", help="a short tour")
     sub.add_parser("mcp", help="serve the sandbox tools over MCP on stdin/stdout (for an agent's MCP client)")
     p = sub.add_parser("bench", help="benchmarks")
@@ -413,6 +427,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--slots", type=int, default=32, help="sandboxes per node")
     b.add_argument("--pool", type=int, default=0, help="cluster-wide pool target (default: --creates)")
     b.add_argument("--json", action="store_true")
+    ap.subcommands.update(sub.choices)
     return ap
 
 
@@ -421,7 +436,7 @@ def _cmd(args: argparse.Namespace) -> list[str]:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        raise WarmboxError("no command given (put it after --)")
+        raise WarmboxError("no command given (warmbox run [OPTIONS] CMD [ARGS...])")
     return cmd
 
 
@@ -481,16 +496,17 @@ def _record(result: Any, sb: Any) -> dict:
     return rec
 
 
-def _piped_stdin() -> Any:
+def _piped_stdin(interactive: bool = False) -> Any:
     """This process's stdin as chunks when it is a pipe or a file (``echo ... | warmbox exec``);
-    None for a terminal (interactive: ``warmbox shell``) or a device such as /dev/null."""
+    None for a terminal (interactive: ``warmbox shell``) or a device such as /dev/null.
+    interactive (``exec -i``): a terminal's too, line by line until ^D."""
     import stat
 
     try:
         mode = os.fstat(0).st_mode
     except OSError:
         return None
-    if not (stat.S_ISFIFO(mode) or stat.S_ISREG(mode)):
+    if not (stat.S_ISFIFO(mode) or stat.S_ISREG(mode) or (interactive and os.isatty(0))):
         return None
 
     def chunks() -> Any:
@@ -506,7 +522,7 @@ async def _exec_in(sb: Any, args: argparse.Namespace, cmd: list[str]) -> int:
         cmd,
         envs=_env_pairs(getattr(args, "env", None)) if args.command == "exec" else None,
         user=getattr(args, "user", "user"),
-        stdin=_piped_stdin(),
+        stdin=_piped_stdin(getattr(args, "interactive", False)),
         cwd=args.cwd,
         timeout=args.cmd_timeout or None,
         on_stdout=(lambda s: (sys.stdout.write(s), sys.stdout.flush())) if stream else None,
@@ -555,6 +571,10 @@ async def _create(args: argparse.Namespace) -> int:
 async def _exec(args: argparse.Namespace) -> int:
     from warmbox.sdk.sandbox import AsyncSandbox
 
+    if args.tty:  # docker's exec -it: a terminal, as warmbox shell
+        if args.json:
+            raise WarmboxError("--json and -t do not go together: a terminal's output is a screen")
+        return await _shell(args)
     cmd = _cmd(args)
     sb = await AsyncSandbox.connect(args.sandbox_id)
     try:
@@ -574,7 +594,8 @@ async def _shell(args: argparse.Namespace) -> int:
     from warmbox.sdk.sandbox import AsyncSandbox
 
     if not os.isatty(0) or not os.isatty(1):
-        raise WarmboxError("warmbox shell needs a terminal (for pipes: warmbox exec ID -- CMD)")
+        what = "exec -t" if args.command == "exec" else "warmbox shell"
+        raise WarmboxError(f"{what} needs a terminal (for pipes: warmbox exec ID CMD, without -t)")
     cmd = list(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd) or None
     size = os.get_terminal_size(1)
     loop = asyncio.get_running_loop()
@@ -677,7 +698,25 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn_config() -> None:
+    """A broken warmbox.toml said on stderr (a command that does not need the settings still runs)."""
+    from warmbox.config import load
+    from warmbox.errors import ConfigError
+    from warmbox.paths import default_home
+    from warmbox.sdk.http import default_url
+
+    if default_url():  # the server's settings count, not this host's file
+        return
+    try:
+        load(default_home())
+    except ConfigError as e:
+        print(
+            f"warmbox: warning: {e} (the listing does not need it; commands that start sandboxes fail)", file=sys.stderr
+        )
+
+
 async def _ls(args: argparse.Namespace) -> int:
+    _warn_config()
     t = _engine()
     query = None
     if args.metadata or args.state:
@@ -716,9 +755,12 @@ async def _ls(args: argparse.Namespace) -> int:
         header += "  TIMINGS ms ([done by the pool before the request])"
     print(header)
     for i in infos:
+        # a paused sandbox has no deadline running (a resume gives it its timeout again), an ended one none at all
+        ticking = i.state in (State.CREATING, State.READY, State.RUNNING)
+        expires = f"{max(0, i.expires_at - now):>7.0f}s" if ticking else f"{'-':>8}"
         line = (
             f"{i.sandbox_id:<16} {i.tier:<10} {i.template:<9} {i.state.value:<10} {i.pool or '-':<8} "
-            f"{now - i.created_at:>6.0f}s {max(0, i.expires_at - now):>7.0f}s {i.memory_mb:>5}M {i.cpus:>5.2f}"
+            f"{now - i.created_at:>6.0f}s {expires} {i.memory_mb:>5}M {i.cpus:>5.2f}"
         )
         if args.timings:
             line += "  " + _timings_text(timings[i.sandbox_id])
@@ -735,6 +777,12 @@ async def _port_forward(args: argparse.Namespace) -> int:
 
     sb = await AsyncSandbox.connect(args.sandbox_id)
     try:
+        if args.check:
+            print(
+                f"warmbox: waiting (30 s at most) for a server to listen on port {args.port} in {args.sandbox_id}",
+                file=sys.stderr,
+                flush=True,
+            )
         host = await sb.get_host(args.port, unix=args.unix, check=args.check, timeout=30.0)
         print(host, flush=True)
         stop = asyncio.Event()
@@ -882,8 +930,15 @@ async def _config(args: argparse.Namespace) -> int:
 
 async def _kill(args: argparse.Namespace) -> int:
     t = _engine()
+    if args.all == bool(args.sandbox_ids):
+        raise WarmboxError("warmbox kill takes sandbox ids, or --all (every sandbox you have, running or paused)")
+    ids = args.sandbox_ids
+    if args.all:
+        ids = [i.sandbox_id for i in await t.handle(ops.ListSandboxes(reap=True))]
+        if not ids:
+            print("no sandboxes to destroy")
     status = 0
-    for sid in args.sandbox_ids:
+    for sid in ids:
         try:
             if await t.handle(ops.Kill(sid)):
                 print(f"{sid} destroyed")
@@ -914,13 +969,61 @@ async def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+LOGS_QUIET_S = 0.5  # logs without -f: a process's output is taken until it is this long quiet
+
+
 async def _logs(args: argparse.Namespace) -> int:
-    text = await _engine().handle(ops.Logs(args.sandbox_id))
-    if not text:
-        print(f"no runtime logs kept for {args.sandbox_id}", file=sys.stderr)
+    """The runtime logs, then what each running background process printed (its kept output; a
+    foreground command's output went to its caller); -f: then follow them until they end."""
+    t = _engine()
+    sid = args.sandbox_id
+    text = await t.handle(ops.Logs(sid))
+    info = await t.handle(ops.Info(sid))
+    procs = []
+    if info.state in (State.READY, State.RUNNING):  # never resume a paused one to look
+        procs = [p for p in await t.handle(ops.ListProcesses(sid)) if not p.pty]
+    if not text and not procs:
+        print(f"no runtime logs kept and no background process running in {sid}", file=sys.stderr)
         return 1
     sys.stdout.write(text)
+    sys.stdout.flush()
+    await asyncio.gather(*(_process_output(t, sid, p, args.follow, len(procs) > 1) for p in procs))
     return 0
+
+
+async def _process_output(t: Any, sid: str, proc: Any, follow: bool, label: bool) -> None:
+    """A background process's output to our stdout and stderr (each line led by ``[PID]`` when
+    ``label``); until it ends with ``follow``, else until it is LOGS_QUIET_S quiet."""
+    stream = await t.handle(ops.ConnectProcess(sid, proc.pid))
+    partial = {"stdout": "", "stderr": ""}
+
+    def write(kind: str, text: str) -> None:
+        out = sys.stdout if kind == "stdout" else sys.stderr
+        if label:
+            lines = (partial[kind] + text).split("\n")
+            partial[kind] = lines.pop()
+            text = "".join(f"[{proc.pid}] {line}\n" for line in lines)
+        out.write(text)
+        out.flush()
+
+    try:
+        while True:
+            try:
+                ev = await (stream.next() if follow else asyncio.wait_for(stream.next(), LOGS_QUIET_S))
+            except TimeoutError:
+                break  # what it printed so far
+            if ev is None:
+                break
+            if ev.kind == "lost":
+                print(f"warmbox: {ev.size} bytes of process {proc.pid}'s output were dropped", file=sys.stderr)
+            elif ev.kind in partial:
+                write(ev.kind, ev.text)
+    finally:
+        stream.cancel()
+    for kind in partial:  # a last line without its newline
+        rest, partial[kind] = partial[kind], ""
+        if rest:
+            write(kind, rest + "\n")
 
 
 async def _doctor(args: argparse.Namespace) -> int:
@@ -1019,6 +1122,7 @@ _COMMANDS = {
     "shell": _shell,
     "port-forward": _port_forward,
     "ls": _ls,
+    "ps": _ls,
     "kill": _kill,
     "metrics": _metrics,
     "snapshot": _snapshot,
@@ -1045,14 +1149,65 @@ _COMMANDS = {
 }
 
 
+_COMMAND_AFTER = {"run": 0, "exec": 1, "shell": 1}  # our positionals before the command's first word
+
+
+def _option_words(p: argparse.ArgumentParser, argv: list[str], i: int) -> int | None:
+    """The index of the first word at or after ``i`` that is neither an option of ``p`` nor an
+    option's value; None at an option ``p`` does not have (argparse then says so)."""
+    options = p._option_string_actions
+    while i < len(argv):
+        word = argv[i]
+        if not word.startswith("-") or word in ("-", "--"):
+            return i
+        if word.startswith("--"):
+            name, eq, _ = word.partition("=")
+            found = [o for o in options if o.startswith("--") and o.startswith(name)]  # argparse takes a prefix
+            if name not in options and len(found) != 1:
+                return None
+            action = options[name if name in options else found[0]]
+            i += 1 if eq or action.nargs == 0 else 2
+            continue
+        i += 1
+        for j in range(1, len(word)):  # -x, -xVALUE, or flags together (-it)
+            short = options.get("-" + word[j])
+            if short is None:
+                return None
+            if short.nargs != 0:
+                i += j + 1 == len(word)  # its value is the next word
+                break
+    return i
+
+
+def _separate(ap: _Parser, argv: list[str]) -> list[str]:
+    """``warmbox run python3 -c 'print(1)'`` as ``docker run`` reads it: the command starts at the
+    first word that is not ours (an option, its value, the sandbox id), and a ``--`` goes there,
+    so its own options (``-c``) are never read as ours. argv as it was when a ``--`` is there already."""
+    i = _option_words(ap, argv, 0)
+    if i is None or i >= len(argv) or argv[i] not in _COMMAND_AFTER:
+        return argv
+    sub, ours = ap.subcommands[argv[i]], _COMMAND_AFTER[argv[i]]
+    i += 1
+    while True:
+        found = _option_words(sub, argv, i)
+        if found is None or found >= len(argv) or argv[found] == "--":
+            return argv
+        if ours == 0:
+            return [*argv[:found], "--", *argv[found:]]
+        ours, i = ours - 1, found + 1
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     """Everything after the first ``--`` is the command, so options may follow the sandbox id
-    (``warmbox exec ID --cwd /tmp -e A=1 -- pwd``) and the command's own are never read as ours."""
+    (``warmbox exec ID --cwd /tmp -e A=1 -- pwd``) and the command's own are never read as ours;
+    without a ``--``, the command starts at the first word that is not ours (:func:`_separate`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    ap = _parser()
+    argv = _separate(ap, argv)
     if "--" not in argv:
-        return _parser().parse_args(argv)
+        return ap.parse_args(argv)
     cut = argv.index("--")
-    args = _parser().parse_args(argv[:cut])
+    args = ap.parse_args(argv[:cut])
     if not hasattr(args, "cmd") or args.cmd:
         return _parser().parse_args(argv)  # no command here, or one before the --: argparse says why
     args.cmd = argv[cut + 1 :]

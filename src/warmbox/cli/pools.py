@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from warmbox import operations as ops
-from warmbox.errors import WarmboxError
+from warmbox.errors import ConfigError, WarmboxError
 
 
 def _engine():
@@ -126,7 +126,13 @@ async def down() -> int:
 
 
 def show_config(as_json: bool) -> int:
-    settings = _engine().settings()
+    try:
+        settings = _engine().settings()
+    except ConfigError as e:
+        raise ConfigError(
+            f"{e} (a warmbox serve or daemon of this home that read it before keeps its last good settings "
+            "until it is fixed)"
+        ) from None
     if as_json:
         print(json.dumps(dataclasses.asdict(settings)))
         return 0

@@ -193,6 +193,24 @@ def _row(i: TemplateInfo) -> str:
     )
 
 
+def _shown(field: str, value: object) -> list[str]:
+    """A TemplateInfo field as lines for people (no Python reprs): a list one item a line, env as
+    NAME=VALUE, the size in MiB, the time in UTC; [] for an empty value."""
+    if field == "warmup_code" and not value:
+        return ["(no code context)" if value is None else "(a code context, no code)"]
+    if value is None or value == "" or value == ():
+        return []
+    if isinstance(value, tuple):  # env: (name, value) pairs; layers, warmup_commands: strings
+        return [f"{v[0]}={v[1]}" if isinstance(v, tuple) else str(v) for v in value]
+    if field == "size_bytes" and isinstance(value, int):
+        return [f"{value / (1 << 20):.1f} MiB ({value} bytes)"]
+    if field == "created_at" and isinstance(value, float):
+        return [time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(value))]
+    if isinstance(value, str):
+        return value.splitlines() or [value]
+    return [str(value)]
+
+
 async def command(args: argparse.Namespace) -> int:
     from warmbox.cli.main import _engine, _pairs
 
@@ -254,7 +272,10 @@ async def command(args: argparse.Namespace) -> int:
             print(json.dumps(dataclasses.asdict(info)))
             return 0
         for f in dataclasses.fields(info):
-            print(f"{f.name:<16} {getattr(info, f.name)}")
+            lines = _shown(f.name, getattr(info, f.name))
+            print(f"{f.name:<16} {lines[0] if lines else '-'}")
+            for line in lines[1:]:
+                print(f"{'':<16} {line}")
         return 0
     status = 0
     for name in args.names:

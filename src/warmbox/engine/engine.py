@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import logging
 import math
 import os
 import re
@@ -25,6 +26,7 @@ from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession
 from warmbox.errors import (
     BackendUnavailable,
+    ConfigError,
     GuestConnectionError,
     InvalidArgument,
     SandboxNotFound,
@@ -53,6 +55,8 @@ from warmbox.network.policy import Policy
 from warmbox.paths import default_home, host_roots, owner_alive, owner_tag, redact, runtime_dir
 from warmbox.storage import uidslots
 from warmbox.storage.registry import Registry, open_registry
+
+log = logging.getLogger("warmbox.config")
 
 DEFAULT_TIMEOUT_S = 300.0
 MAX_TIMEOUT_S = 24 * 3600.0
@@ -134,6 +138,8 @@ class Engine:
         self.command_log = CommandLog(self.registry)  # the fronts' command records, written in batches
         self._backends: dict[str, Backend] = {}
         self.owner = owner_tag(os.getpid(), self.node)  # node/pid:start on a cluster node
+        self._good: Settings | None = None  # the last settings read without error
+        self._config_error = ""  # why the current warmbox.toml is not in use ("": it is)
 
     @classmethod
     def for_home(cls, home: Path | str | None = None) -> Engine:
@@ -227,7 +233,26 @@ class Engine:
         return e
 
     def settings(self) -> Settings:
-        return config.load(self.home)
+        """warmbox.toml's settings, read again when it changes. A file broken after a good one
+        was read keeps the good one in use (a running server or daemon goes on serving) and is
+        reported: logged once, and :meth:`config_error`; ConfigError if none was ever good."""
+        try:
+            s = config.load(self.home)
+        except ConfigError as e:
+            if self._good is None:
+                raise
+            if str(e) != self._config_error:
+                log.warning("%s: keeping the last good settings", e)
+                self._config_error = str(e)
+            return self._good
+        self._good, self._config_error = s, ""
+        return s
+
+    def config_error(self) -> str:
+        """Why warmbox.toml (or a WARMBOX_* override) is not in use, "" when it is: the settings in
+        use are then the last good ones (ConfigError if there were none)."""
+        self.settings()
+        return self._config_error
 
     def check_limits(self, limits: Limits) -> None:
         """LimitTooHigh if ``limits`` ask for more than this host has or ``[limits]`` allows, or
@@ -731,7 +756,7 @@ class Engine:
         info, _ = self.info(sandbox_id)
         self.check(Operation.SET_TIMEOUT, info)
         expires = time.time() + timeout
-        self.registry.set_expiry(sandbox_id, expires)
+        self.registry.set_expiry(sandbox_id, expires, timeout)  # its lifetime now: a resume renews this one
         self.ensure_daemon()  # someone must enforce the new deadline
         return expires
 

@@ -736,18 +736,31 @@ class EngineFront:
         return got
 
     async def connect(self, r: ops.Connect) -> ops.Opened:
+        timeout = None if r.timeout is None else validate_timeout(r.timeout)
         info, _ = self.engine.info(r.sandbox_id)
         if info.state is State.PAUSED:  # connecting to a paused sandbox resumes it (its id, its timeout)
-            return await self.resume(ops.Resume(r.sandbox_id))
+            return await self.resume(ops.Resume(r.sandbox_id, timeout=timeout))
         held = self._sessions.get(r.sandbox_id)
-        if held is not None and not held.closed:  # another client of this front holds it: share, never replace
-            if info.expires_at > time.time():
-                self.engine.check(Operation.EXEC, info)
-                return ops.Opened(info, tuple(self.engine.registry.timings(r.sandbox_id)))
         try:
-            return await self._hold(await self.engine.open(r.sandbox_id))
+            if held is not None and not held.closed:  # another client of this front holds it: share, never replace
+                if info.expires_at > time.time():
+                    self.engine.check(Operation.EXEC, info)
+                    self._extend(r.sandbox_id, info.expires_at, timeout)
+                    info = self.engine.info(r.sandbox_id)[0]
+                    return ops.Opened(info, tuple(self.engine.registry.timings(r.sandbox_id)))
+            opened = await self._hold(await self.engine.open(r.sandbox_id))
         except SandboxPaused:  # its timeout ran out and it was paused (Lifecycle(on_timeout="pause")) just now
-            return await self.resume(ops.Resume(r.sandbox_id))
+            return await self.resume(ops.Resume(r.sandbox_id, timeout=timeout))
+        if self._extend(r.sandbox_id, opened.info.expires_at, timeout):
+            opened = dataclasses.replace(opened, info=self.engine.info(r.sandbox_id)[0])
+        return opened
+
+    def _extend(self, sandbox_id: str, expires_at: float, timeout: float | None) -> bool:
+        """A connect given ``timeout`` to a running sandbox: it lives at least that long from now."""
+        if timeout is None or time.time() + timeout <= expires_at:
+            return False
+        self.engine.set_timeout(sandbox_id, timeout)
+        return True
 
     async def resume(self, r: ops.Resume) -> ops.Opened:
         if isinstance(r.snapshot, str) and approvals.needed(self.engine, self.tenant):
@@ -1065,7 +1078,8 @@ class EngineFront:
 
     async def read_file_stream(self, r: ops.ReadFileStream) -> ops.ChunkStream:
         path = sandbox_path(r.path)
-        _positive_int(r.max_bytes, "max_bytes")
+        if r.max_bytes is not None:  # None: no cap
+            _positive_int(r.max_bytes, "max_bytes")
         t = optional_timeout(r.timeout) or None
         return await (await self._session(r.sandbox_id)).read_stream(path, max_bytes=r.max_bytes, timeout=t)
 

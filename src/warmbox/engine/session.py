@@ -71,6 +71,7 @@ PING_TIMEOUT_S = 30.0
 QUIESCE_CLOSE_S = 5.0  # a quiesced agent closes its last connection within this (else: checkpoint anyway)
 _ERR_TAIL = 64 << 10
 TAR_MAX = 1 << 50  # a directory's tar stream has no size bound of its own (the sandbox's disk has)
+UNCAPPED_READ = 1 << 50  # a streamed read without max_bytes: no bound of its own, as TAR_MAX
 
 OomCounter = Callable[[], Awaitable[int]]
 TextSink = Callable[[str], object]
@@ -718,9 +719,10 @@ class GuestSession:
 
     # ---- files (paths already normalised by the caller)
 
-    async def read_stream(self, path: str, *, max_bytes: int, timeout: float | None) -> FileChunks:
-        """Start a flow-controlled read; ``timeout`` bounds each chunk's wait."""
-        return FileChunks(self.sandbox_id, path, await self._client.read_file(path, max_bytes=max_bytes), timeout)
+    async def read_stream(self, path: str, *, max_bytes: int | None, timeout: float | None) -> FileChunks:
+        """Start a flow-controlled read (``max_bytes`` None: no cap); ``timeout`` bounds each chunk's wait."""
+        cap = UNCAPPED_READ if max_bytes is None else max_bytes
+        return FileChunks(self.sandbox_id, path, await self._client.read_file(path, max_bytes=cap), timeout)
 
     async def read(self, path: str, *, max_bytes: int, timeout: float | None) -> bytes:
         """A whole file; ``timeout`` bounds the whole read (SandboxTimeout; the read stops in the guest)."""

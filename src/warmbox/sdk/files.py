@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from warmbox import operations as ops
 from warmbox import safetar
-from warmbox.errors import GuestProtocolError, InvalidArgument, PathNotFound, UnsafeArchive
+from warmbox.errors import FileTooLarge, GuestProtocolError, InvalidArgument, PathNotFound, UnsafeArchive
 from warmbox.models import EntryInfo, FilesystemEvent, WriteEntry
 from warmbox.sdk._sync import synchronize
 
@@ -40,7 +40,7 @@ class AsyncFiles:
         path: str,
         *,
         format: str = "text",
-        max_bytes: int = DEFAULT_READ_MAX_BYTES,
+        max_bytes: int | None = None,
         timeout: float | None = DEFAULT_READ_TIMEOUT_S,
     ) -> str | bytes | AsyncFileStream:
         """A regular file's contents: ``format`` "text" (UTF-8), "bytes", or "stream" (an async
@@ -48,20 +48,31 @@ class AsyncFiles:
 
         Symlinks are followed; a FIFO, device or socket raises NotARegularFile without being
         read. max_bytes: a larger file raises FileTooLarge (nothing partial is returned; a
-        stream raises it after what fits), at most that much is ever held. A stream holds a few
-        MiB at most however slowly it is consumed: use it for large files; close() it (or use
-        ``with``) to stop early. timeout: seconds (None: no bound) for the whole read, or, for
-        a stream, for each chunk; on expiry SandboxTimeout, and the read stops in the sandbox.
+        stream raises it after what fits). None: 100 MiB for "text" and "bytes" (what is read
+        is held whole), no cap for a stream. A stream holds a few MiB at most however slowly
+        it is consumed: use it for large files; close() it (or use ``with``) to stop early.
+        timeout: seconds (None: no bound) for the whole read, or, for a stream, for each chunk;
+        on expiry SandboxTimeout, and the read stops in the sandbox.
         """
         sb = self._sb
         if format not in ("text", "bytes", "stream"):
             raise InvalidArgument(f"format must be 'text', 'bytes' or 'stream', got {format!r}")
         if format == "stream":
-            chunks = await sb._run(ops.ReadFileStream(sb.sandbox_id, path, max_bytes=max_bytes, timeout=timeout))
+            try:  # (over HTTP, a file known to be too large is refused here)
+                chunks = await sb._run(ops.ReadFileStream(sb.sandbox_id, path, max_bytes=max_bytes, timeout=timeout))
+            except FileTooLarge as e:
+                raise _stream_too_large(e) from None
             stream = AsyncFileStream(chunks)
             await stream._start()
             return stream
-        data = await sb._run(ops.ReadFile(sb.sandbox_id, path, max_bytes=max_bytes, timeout=timeout))
+        cap = DEFAULT_READ_MAX_BYTES if max_bytes is None else max_bytes
+        try:
+            data = await sb._run(ops.ReadFile(sb.sandbox_id, path, max_bytes=cap, timeout=timeout))
+        except FileTooLarge as e:
+            raise FileTooLarge(
+                f'{e} (read more with max_bytes=N, or read it as format="stream": no cap unless given one)',
+                e.sandbox_id,
+            ) from None
         if format == "bytes":
             return data
         return str(data, "utf-8", "replace")
@@ -350,6 +361,11 @@ def _as_bytes(chunk: object) -> bytes:
     raise InvalidArgument(f"a streamed write's chunks must be bytes, got {type(chunk).__name__}")
 
 
+def _stream_too_large(e: FileTooLarge) -> FileTooLarge:
+    """A stream's FileTooLarge (only with a max_bytes given), saying which argument to change."""
+    return FileTooLarge(f"{e} (a larger max_bytes=N, or none: a stream has no cap)", e.sandbox_id)
+
+
 class AsyncFileStream:
     """What ``files.read(path, format="stream")`` returns: the file's bytes in chunks (up to
     256 KiB each) for ``async for`` (the sync Sandbox's twin: ``for``). Flow-controlled: the
@@ -375,7 +391,13 @@ class AsyncFileStream:
 
     async def _start(self) -> None:
         """Wait for the first answer, so a missing file or a FIFO raises from files.read itself."""
-        self._first = await self._chunks.next()
+        self._first = await self._next()
+
+    async def _next(self) -> bytes | None:
+        try:
+            return await self._chunks.next()
+        except FileTooLarge as e:
+            raise _stream_too_large(e) from None
 
     def __aiter__(self) -> AsyncFileStream:
         return self
@@ -383,7 +405,7 @@ class AsyncFileStream:
     async def __anext__(self) -> bytes:
         data, self._first = self._first, None
         if data is None and not self._chunks.done:
-            data = await self._chunks.next()
+            data = await self._next()
         if data is None:
             raise StopAsyncIteration
         return data

@@ -395,15 +395,20 @@ class AsyncSandbox:
         cls,
         sandbox_id: str,
         *,
+        timeout: float | None = None,
         home: str | Path | None = None,
         transport: Transport | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
     ) -> AsyncSandbox:
         """Attach to a live sandbox created by any process (or, through a server, any machine);
-        a paused one is resumed first (same id, as ``resume``)."""
+        a paused one is resumed first (same id, as ``resume``).
+
+        timeout: seconds. A paused sandbox resumes with it (None: the timeout it was created with,
+        or last given by ``set_timeout``); a running one lives at least that long from now (a
+        later deadline is kept, as in E2B)."""
         return await cls._open(
-            _transport(transport, home, api_url, api_key), transport is None, ops.Connect(sandbox_id)
+            _transport(transport, home, api_url, api_key), transport is None, ops.Connect(sandbox_id, timeout=timeout)
         )
 
     @classmethod
@@ -468,24 +473,24 @@ class AsyncSandbox:
     # ---- lifecycle
 
     async def get_info(self) -> SandboxInfo:
-        return await self._transport.handle(ops.Info(self.sandbox_id))
+        return await self._ask(ops.Info(self.sandbox_id))
 
     async def get_timings(self) -> dict[str, float]:
         """Every stage timing the engine recorded for this sandbox, ms (``timings`` holds those of
         this object's start): also ``resume``, the last resume's (an automatic one's too)."""
-        stages = await self._transport.handle(ops.Timings(self.sandbox_id))
+        stages = await self._ask(ops.Timings(self.sandbox_id))
         return {t.stage: t.duration_ms for t in stages}
 
     async def is_running(self) -> bool:
         if self._killed:
             return False
-        info = await self._transport.handle(ops.Info(self.sandbox_id))
+        info = await self._ask(ops.Info(self.sandbox_id))
         return info.state in (State.READY, State.RUNNING) and info.expires_at > time.time()
 
     async def metrics(self) -> SandboxMetrics:
         """This sandbox's cost so far: cpu-s, memory GiB-s, wall/busy/idle seconds (final once
         destroyed). A pooled sandbox's warm-up is accounted to its pool, not here."""
-        return await self._transport.handle(ops.Metrics(self.sandbox_id))
+        return await self._ask(ops.Metrics(self.sandbox_id))
 
     async def export(self, path: str | PathLike[str] | None = None, *, format: str = "ndjson") -> Transcript:
         """Everything recorded of this sandbox (also once it ended): its record, stage timings,
@@ -533,10 +538,25 @@ class AsyncSandbox:
         ref = await self._run(ops.Pause(self.sandbox_id, memory=memory, env_names=self._env_names))
         self._paused = True
         await self._close_forwards()
+        await self._let_go_if_paused()
         return ref
 
+    async def _ask(self, request: ops.Request[R]) -> R:
+        """A question about the sandbox that never resumes it (its record, timings, cost)."""
+        try:
+            return await self._transport.handle(request)
+        finally:
+            await self._let_go_if_paused()
+
+    async def _let_go_if_paused(self) -> None:
+        """A paused sandbox holds nothing: neither does a transport made for it between calls
+        (a later call connects again), so a script that ends there leaves no connection open."""
+        if self._paused and self._owns_transport:
+            await self._transport.close()
+
     async def set_timeout(self, timeout: float) -> None:
-        """Let the sandbox live ``timeout`` more seconds from now."""
+        """Let the sandbox live ``timeout`` more seconds from now; a resume after a pause gives it
+        ``timeout`` seconds again."""
         await self._transport.handle(ops.SetTimeout(self.sandbox_id, timeout))
 
     async def kill(self) -> bool:

@@ -912,13 +912,22 @@ async def _healthz(request: Request) -> Response:
 
 def readyz_endpoint(service: Service) -> Callable[[Request], Awaitable[Response]]:
     """GET /readyz: 200 when requests can be served (the registry answers; a cluster's router: and
-    a node is up), else 503 with the reason; 503 from SIGTERM on, while the last requests finish."""
+    a node is up), else 503 with the reason; 503 from SIGTERM on, while the last requests finish.
+    A warmbox.toml broken since the server read it is ``config_error`` in the 200: it serves on
+    the last good settings. Anyone may ask, so it says where the reason is, not the reason (it
+    holds a host path, and may quote a value)."""
 
     async def readyz(request: Request) -> Response:
         why = await asyncio.to_thread(service.ready)
         if why:
             return JSONResponse({"ok": False, "reason": why}, status_code=503)
-        return JSONResponse({"ok": True})
+        body: dict[str, object] = {"ok": True}
+        if await asyncio.to_thread(service.engine.config_error):  # still serving, on the last good settings
+            body["config_error"] = (
+                "the settings file changed and cannot be used: serving on the last good settings "
+                "(why: the server's log, or warmbox config on its host)"
+            )
+        return JSONResponse(body)
 
     return readyz
 

@@ -1095,7 +1095,8 @@ class Registry:
             )
 
     def timeout_of(self, sandbox_id: str) -> float:
-        """The lifetime a sandbox was given at its start (0: unknown, a row from before version 7)."""
+        """The lifetime a sandbox was last given (at its start, its claim from a pool, a set_timeout or
+        a resume given one); 0: unknown, a row from before version 7."""
         row = self._read("SELECT timeout_s FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
         return float(row[0]) if row else 0.0
 
@@ -1151,9 +1152,16 @@ class Registry:
             self._release(sandbox_id, row[1])
         return old
 
-    def set_expiry(self, sandbox_id: str, expires_at: float) -> None:
+    def set_expiry(self, sandbox_id: str, expires_at: float, timeout_s: float | None = None) -> None:
+        """A new deadline; ``timeout_s``: also the lifetime a resume gives it from now on."""
         with self._tx() as db:
-            db.execute("UPDATE sandboxes SET expires_at=? WHERE sandbox_id=?", (expires_at, sandbox_id))
+            if timeout_s is None:
+                db.execute("UPDATE sandboxes SET expires_at=? WHERE sandbox_id=?", (expires_at, sandbox_id))
+            else:
+                db.execute(
+                    "UPDATE sandboxes SET expires_at=?, timeout_s=? WHERE sandbox_id=?",
+                    (expires_at, timeout_s, sandbox_id),
+                )
 
     def claim(
         self,
@@ -1190,8 +1198,10 @@ class Registry:
                 ).fetchone()
                 self._check_quota(db, tenant, tier, mem, cpus)
             db.execute(
-                "UPDATE sandboxes SET state=?, claimed_at=?, expires_at=?, owner=?, tenant=? WHERE sandbox_id=?",
-                (State.READY.value, now, now + timeout_s, owner, tenant.name if tenant is not None else "", sid),
+                # its timeout becomes the caller's (it had the pool's max_age): a resume renews that one
+                "UPDATE sandboxes SET state=?, claimed_at=?, expires_at=?, timeout_s=?, owner=?, tenant=? "
+                "WHERE sandbox_id=?",
+                (State.READY.value, now, now + timeout_s, timeout_s, owner, tenant.name if tenant else "", sid),
             )
             db.execute(
                 "INSERT INTO transitions VALUES (?,?,?,?,?)",
