@@ -30,7 +30,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from warmbox import operations as ops
-from warmbox.errors import InvalidArgument, SandboxNotFound, Unauthenticated, WarmboxError
+from warmbox.errors import InvalidArgument, ProcessNotFound, SandboxNotFound, Unauthenticated, WarmboxError
 from warmbox.models import CommandResult, EntryInfo, State
 from warmbox.server.e2b.common import Service, Target, Tokens, connect_error, data_target, error_response
 from warmbox.server.e2b.common import warmbox_error_response as http_error
@@ -168,7 +168,12 @@ class ProcessService(_Rpc):
         pid = await self.run(t, start)
         # stdin: unset means open (envd's default for old SDKs); the SDKs send false unless asked
         if request.has_field("stdin") and not request.stdin and not cols:
-            await self.run(t, ops.SendStdin(t.sandbox_id, pid, b"", eof=True))
+            try:
+                await t.front.handle(ops.SendStdin(t.sandbox_id, pid, b"", eof=True))
+            except (InvalidArgument, ProcessNotFound):
+                pass  # it ended already (its stdin with it)
+            except WarmboxError as e:
+                raise connect_error(e) from None
         yield ppb.StartResponse(event=ppb.ProcessEvent(event=Oneof("start", ppb.ProcessEvent.StartEvent(pid=pid))))
         async for ev in self._follow(t, pid, bool(cols), ctx):
             yield ppb.StartResponse(event=ev)

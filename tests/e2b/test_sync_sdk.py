@@ -1,0 +1,159 @@
+"""The official E2B Python SDKs (sync) against a real `warmbox serve`: commands, files, code, the
+control plane, and two tenants' walls. One code-interpreter sandbox serves the module."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+
+import pytest
+
+pytestmark = pytest.mark.sandbox
+
+e2b = pytest.importorskip("e2b", reason="the e2b extra (pip install -e '.[e2b]')")
+from e2b_code_interpreter import Sandbox  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def sb(e2b_server):
+    tag = uuid.uuid4().hex[:8]
+    sandbox = Sandbox.create(timeout=600, metadata={"lane": "e2b-sync", "tag": tag})
+    sandbox.test_tag = tag  # type: ignore[attr-defined]
+    try:
+        yield sandbox
+    finally:
+        sandbox.kill()
+
+
+# ---- commands
+
+
+def test_foreground_command_output_exit_code_envs_and_cwd(sb):
+    r = sb.commands.run("echo out; echo err >&2; echo $GREETING; pwd", envs={"GREETING": "hej"}, cwd="/tmp")
+    assert (r.stdout, r.stderr, r.exit_code) == ("out\nhej\n/tmp\n", "err\n", 0)
+    with pytest.raises(e2b.CommandExitException) as info:
+        sb.commands.run("echo no >&2; exit 3")
+    assert info.value.exit_code == 3 and info.value.stderr == "no\n"
+
+
+def test_streamed_output_reaches_the_callbacks(sb):
+    got: list[str] = []
+    sb.commands.run("for i in 1 2 3; do echo $i; done", on_stdout=got.append)
+    assert "".join(got) == "1\n2\n3\n"
+
+
+def test_stdin_is_closed_unless_asked_for(sb):
+    r = sb.commands.run("cat; echo done")  # E2B: stdin=False gives the command EOF at once
+    assert r.stdout == "done\n"
+
+
+def test_background_command_stdin_list_connect_and_kill(sb):
+    h = sb.commands.run("cat", background=True, stdin=True)
+    assert h.pid > 0
+    assert h.pid in [p.pid for p in sb.commands.list()]
+    sb.commands.send_stdin(h.pid, "line one\n")
+    sb.commands.close_stdin(h.pid)
+    assert h.wait().stdout == "line one\n"
+
+    sleeper = sb.commands.run("echo started; sleep 600", background=True)
+    again = sb.commands.connect(sleeper.pid)
+    assert again.pid == sleeper.pid
+    assert sb.commands.kill(sleeper.pid) is True
+    with pytest.raises(e2b.CommandExitException):
+        again.wait()
+    assert sleeper.pid not in [p.pid for p in sb.commands.list()]
+    assert sb.commands.kill(sleeper.pid) is False  # not running any more
+
+
+# ---- files
+
+
+def test_files_write_read_list_stat_rename_remove(sb):
+    info = sb.files.write("/workspace/e2b/notes.txt", "hello\n")
+    assert info.path == "/workspace/e2b/notes.txt"
+    sb.files.write_files([{"path": "/workspace/e2b/a.bin", "data": b"\x00\x01"}, {"path": "/workspace/e2b/b.txt", "data": "b"}])
+    assert sb.files.read("/workspace/e2b/notes.txt") == "hello\n"
+    assert bytes(sb.files.read("/workspace/e2b/a.bin", format="bytes")) == b"\x00\x01"
+    assert sorted(e.name for e in sb.files.list("/workspace/e2b")) == ["a.bin", "b.txt", "notes.txt"]
+    st = sb.files.get_info("/workspace/e2b/notes.txt")
+    assert (st.size, st.type, st.permissions) == (6, e2b.FileType.FILE, "-rw-r--r--")
+    assert sb.files.make_dir("/workspace/e2b/sub") is True
+    assert sb.files.make_dir("/workspace/e2b/sub") is False
+    moved = sb.files.rename("/workspace/e2b/notes.txt", "/workspace/e2b/sub/notes.txt")
+    assert moved.path == "/workspace/e2b/sub/notes.txt"
+    assert sb.files.exists("/workspace/e2b/sub/notes.txt") and not sb.files.exists("/workspace/e2b/notes.txt")
+    sb.files.remove("/workspace/e2b/sub")
+    assert not sb.files.exists("/workspace/e2b/sub")
+    with pytest.raises(e2b.NotFoundException):
+        sb.files.read("/workspace/e2b/missing.txt")
+    # what the commands see is what the files API wrote
+    assert sb.commands.run("cat /workspace/e2b/b.txt").stdout == "b"
+
+
+# ---- code
+
+
+def test_run_code_text_stdout_and_state(sb):
+    ex = sb.run_code("x = 40\nprint('side')\nx + 2")
+    assert ex.text == "42" and "".join(ex.logs.stdout) == "side\n" and ex.error is None
+    assert sb.run_code("x").text == "40"
+
+
+def test_run_code_error(sb):
+    ex = sb.run_code("1 / 0")
+    assert ex.error is not None and ex.error.name == "ZeroDivisionError"
+    assert "division by zero" in ex.error.value
+
+
+def test_run_code_matplotlib_png(sb):
+    ex = sb.run_code("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [3, 1, 2])\nplt.show()")
+    assert ex.error is None, ex.error
+    pngs = [r.png for r in ex.results if r.png]
+    assert pngs and base64.b64decode(pngs[0]).startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_code_contexts(sb):
+    ctx = sb.create_code_context(cwd="/tmp")
+    assert ctx.id and ctx.language == "python" and ctx.cwd == "/tmp"
+    assert sb.run_code("import os\nos.getcwd()", context=ctx).text == "'/tmp'"
+    sb.run_code("only_here = 1", context=ctx)
+    assert sb.run_code("'only_here' in globals()").text == "False"
+    sb.remove_code_context(ctx)
+    with pytest.raises(e2b.SandboxException):
+        sb.run_code("1", context=ctx)
+
+
+# ---- the control plane
+
+
+def test_info_set_timeout_and_list_by_metadata(sb):
+    info = sb.get_info()
+    assert (info.sandbox_id, info.template_id, info.state) == (sb.sandbox_id, "code-interpreter-v1", "running")
+    assert info.metadata["tag"] == sb.test_tag
+    sb.set_timeout(900)
+    assert 850 < (sb.get_info().end_at.timestamp() - time.time()) <= 900
+    found = Sandbox.list(query=e2b.SandboxQuery(metadata={"tag": sb.test_tag})).next_items()
+    assert [s.sandbox_id for s in found] == [sb.sandbox_id]
+    assert Sandbox.list(query=e2b.SandboxQuery(metadata={"tag": "no-such-tag"})).next_items() == []
+    assert sb.is_running()
+
+
+# ---- two tenants
+
+
+def test_another_key_cannot_see_or_touch_the_sandbox(sb, e2b_server):
+    other = {"api_key": e2b_server.key_b}
+    assert sb.sandbox_id not in [s.sandbox_id for s in Sandbox.list(**other).next_items()]
+    with pytest.raises(e2b.NotFoundException):
+        Sandbox.get_info(sb.sandbox_id, **other)
+    with pytest.raises(e2b.NotFoundException):
+        Sandbox.set_timeout(sb.sandbox_id, 10, **other)
+    with pytest.raises(e2b.NotFoundException):
+        Sandbox.connect(sb.sandbox_id, **other)
+    assert Sandbox.kill(sb.sandbox_id, **other) is False
+    with pytest.raises(e2b.NotFoundException):
+        Sandbox.pause(sb.sandbox_id, **other)
+    with pytest.raises(e2b.AuthenticationException):
+        Sandbox.list(api_key="wbx_not_a_key").next_items()
+    assert sb.is_running() and sb.commands.run("true").exit_code == 0
