@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 import json
 import re
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -318,7 +319,7 @@ class Control:
         if info.state == State.PAUSED:
             opened = await call.front.handle(ops.Resume(call.sandbox_id, timeout=float(timeout) or None))
             return self._json(self._sandbox(call, opened.info), 201)
-        if timeout:
+        if timeout and time.time() + timeout > info.expires_at:  # E2B: a connect only lengthens it
             try:
                 await call.front.handle(ops.SetTimeout(call.sandbox_id, float(timeout)))
             except SandboxStateError:
