@@ -72,7 +72,9 @@ def test_background_command_stdin_list_connect_and_kill(sb):
 def test_files_write_read_list_stat_rename_remove(sb):
     info = sb.files.write("/workspace/e2b/notes.txt", "hello\n")
     assert info.path == "/workspace/e2b/notes.txt"
-    sb.files.write_files([{"path": "/workspace/e2b/a.bin", "data": b"\x00\x01"}, {"path": "/workspace/e2b/b.txt", "data": "b"}])
+    sb.files.write_files(
+        [{"path": "/workspace/e2b/a.bin", "data": b"\x00\x01"}, {"path": "/workspace/e2b/b.txt", "data": "b"}]
+    )
     assert sb.files.read("/workspace/e2b/notes.txt") == "hello\n"
     assert bytes(sb.files.read("/workspace/e2b/a.bin", format="bytes")) == b"\x00\x01"
     assert sorted(e.name for e in sb.files.list("/workspace/e2b")) == ["a.bin", "b.txt", "notes.txt"]
@@ -157,3 +159,39 @@ def test_another_key_cannot_see_or_touch_the_sandbox(sb, e2b_server):
     with pytest.raises(e2b.AuthenticationException):
         Sandbox.list(api_key="wbx_not_a_key").next_items()
     assert sb.is_running() and sb.commands.run("true").exit_code == 0
+
+
+def test_data_plane_routes_refuse_another_tenant(sb, e2b_server):
+    """envd and the code interpreter, called as E2B's SDKs call them but with tenant B's key (or A's
+    token on another id, or nothing): never A's sandbox."""
+    import httpx
+
+    url = e2b_server.server.url
+    envd = {"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "49983"}
+    jupyter = {"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "49999"}
+    b = {"X-API-KEY": e2b_server.key_b}
+    rpc = {"Content-Type": "application/json", "Connect-Protocol-Version": "1"}
+    with httpx.Client(base_url=url, timeout=30) as http:
+        r = http.post("/process.Process/List", content=b"{}", headers={**envd, **b, **rpc})
+        assert (r.status_code, r.json()["code"]) == (404, "not_found")
+        r = http.post("/filesystem.Filesystem/Stat", json={"path": "/workspace"}, headers={**envd, **b, **rpc})
+        assert (r.status_code, r.json()["code"]) == (404, "not_found")
+        r = http.get("/files", params={"path": "/workspace/e2b/b.txt"}, headers={**envd, **b})
+        assert (r.status_code, r.json()["code"]) == (404, 404)
+        r = http.post("/execute", json={"code": "1"}, headers={**jupyter, **b})
+        assert r.status_code == 404
+        r = http.post("/contexts", json={}, headers={**jupyter, **b})
+        assert r.status_code == 404
+        # A's token is bound to A's sandbox: on another id it is refused, not mapped to A's front
+        token = {"X-Access-Token": sb._envd_access_token}
+        other = {**envd, "E2b-Sandbox-Id": "sb-000000000000"}
+        r = http.post("/process.Process/List", content=b"{}", headers={**other, **token, **rpc})
+        assert (r.status_code, r.json()["code"]) == (401, "unauthenticated")
+        r = http.get("/files", params={"path": "/etc/hostname"}, headers=envd)  # no credentials at all
+        assert r.status_code == 401
+        # and the same calls with A's own token work
+        r = http.post("/process.Process/List", content=b"{}", headers={**envd, **token, **rpc})
+        assert r.status_code == 200, r.text
+        # an unknown control-plane route is E2B's 404, not warmbox's invalid_argument
+        r = http.get("/no-such-e2b-route", headers={"X-API-KEY": e2b_server.key_a})
+        assert (r.status_code, r.json()["code"]) == (404, 404)

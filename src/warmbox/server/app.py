@@ -40,8 +40,8 @@ from warmbox.engine.stats import RegistryStats
 from warmbox.errors import InvalidArgument, RateLimited, Unauthenticated, WarmboxError
 from warmbox.models import ApprovalRequest, FilesystemEvent, ProcessEvent, Tenant
 from warmbox.server import logs, peer
-from warmbox.server.e2b import Dialect
 from warmbox.server import tunnel as ports
+from warmbox.server.e2b import Dialect
 from warmbox.server.metrics import Exposition
 
 log = logging.getLogger("warmbox.server")

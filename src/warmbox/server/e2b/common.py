@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import posixpath
 import secrets
 from collections.abc import Mapping
 from typing import Any, Protocol, TypeVar
@@ -33,6 +34,17 @@ API_KEY_HEADER = "x-api-key"
 ACCESS_TOKEN_HEADER = "x-access-token"
 TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"
 _TOKEN_PREFIX = "wbe2b_"
+# E2B resolves relative paths, and runs commands and code contexts, in the user's home (warmbox's
+# sandbox user has the same home, kept by pause and snapshots as /workspace is)
+HOME = "/home/user"
+
+
+def e2b_path(path: object) -> str:
+    """A path as E2B means it: a relative one is under the user's home (warmbox's own API puts it
+    under /workspace); anything else is left for the operation to check."""
+    if isinstance(path, str) and path and not path.startswith("/"):
+        return posixpath.join(HOME, path)
+    return path if isinstance(path, str) else ""
 
 
 class Front(Protocol):
@@ -194,6 +206,7 @@ __all__ = [
     "Tokens",
     "connect_error",
     "data_target",
+    "e2b_path",
     "error_response",
     "status_of",
     "warmbox_error_response",

@@ -12,15 +12,15 @@ import json
 import stat as statmod
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 from e2b.envd.filesystem import filesystem_pb as fpb
-from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
+from e2b.envd.filesystem.filesystem_connect import Filesystem, FilesystemASGIApplication
 from e2b.envd.process import process_pb as ppb
-from e2b.envd.process.process_connect import ProcessASGIApplication
+from e2b.envd.process.process_connect import Process, ProcessASGIApplication
 from protobuf import Oneof
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 from python_multipart.multipart import parse_options_header
@@ -32,7 +32,16 @@ from starlette.types import Receive, Scope, Send
 from warmbox import operations as ops
 from warmbox.errors import InvalidArgument, ProcessNotFound, SandboxNotFound, Unauthenticated, WarmboxError
 from warmbox.models import CommandResult, EntryInfo, State
-from warmbox.server.e2b.common import Service, Target, Tokens, connect_error, data_target, error_response
+from warmbox.server.e2b.common import (
+    HOME,
+    Service,
+    Target,
+    Tokens,
+    connect_error,
+    data_target,
+    e2b_path,
+    error_response,
+)
 from warmbox.server.e2b.common import warmbox_error_response as http_error
 
 T = TypeVar("T")
@@ -58,7 +67,7 @@ def username(headers: Any) -> str:
     return user or "user"
 
 
-def entry_pb(e: EntryInfo) -> Any:
+def entry_pb(e: EntryInfo) -> fpb.EntryInfo:
     """A warmbox entry as envd's EntryInfo."""
     seconds = int(e.modified)
     return fpb.EntryInfo(
@@ -76,16 +85,47 @@ def entry_pb(e: EntryInfo) -> Any:
     )
 
 
-def end_event(result: CommandResult | None) -> Any:
+def end_event(result: CommandResult | None) -> ppb.ProcessEvent.EndEvent:
     """How a process ended, as envd says it (killed by a signal: exit code -1, ``signal: <name>``)."""
     if result is None:
-        return ppb.ProcessEvent.EndEvent(exit_code=-1, exited=False, status="unknown", error="the process's end was not seen")
+        return ppb.ProcessEvent.EndEvent(
+            exit_code=-1, exited=False, status="unknown", error="the process's end was not seen"
+        )
     if result.signal:
         names = {9: "killed", 15: "terminated", 2: "interrupt", 1: "hangup"}
         return ppb.ProcessEvent.EndEvent(
             exit_code=-1, exited=False, status=f"signal: {names.get(result.signal, str(result.signal))}"
         )
     return ppb.ProcessEvent.EndEvent(exit_code=result.exit_code, exited=True, status=f"exit status {result.exit_code}")
+
+
+def _started(pid: int) -> ppb.ProcessEvent:
+    event: Oneof[Literal["start"], ppb.ProcessEvent.StartEvent] = Oneof("start", ppb.ProcessEvent.StartEvent(pid=pid))
+    return ppb.ProcessEvent(event=event)
+
+
+def _keepalive() -> ppb.ProcessEvent:
+    event: Oneof[Literal["keepalive"], ppb.ProcessEvent.KeepAlive] = Oneof("keepalive", ppb.ProcessEvent.KeepAlive())
+    return ppb.ProcessEvent(event=event)
+
+
+def _ended(result: CommandResult | None) -> ppb.ProcessEvent:
+    event: Oneof[Literal["end"], ppb.ProcessEvent.EndEvent] = Oneof("end", end_event(result))
+    return ppb.ProcessEvent(event=event)
+
+
+def _data(kind: str, chunk: bytes) -> ppb.ProcessEvent:
+    if kind == "stdout":
+        out: Oneof[Literal["stdout"], bytes] = Oneof("stdout", chunk)
+        data = ppb.ProcessEvent.DataEvent(output=out)
+    elif kind == "stderr":
+        err: Oneof[Literal["stderr"], bytes] = Oneof("stderr", chunk)
+        data = ppb.ProcessEvent.DataEvent(output=err)
+    else:
+        pty: Oneof[Literal["pty"], bytes] = Oneof("pty", chunk)
+        data = ppb.ProcessEvent.DataEvent(output=pty)
+    event: Oneof[Literal["data"], ppb.ProcessEvent.DataEvent] = Oneof("data", data)
+    return ppb.ProcessEvent(event=event)
 
 
 class _Rpc:
@@ -117,7 +157,7 @@ def _selector_pid(selector: Any) -> tuple[int | None, str | None]:
     raise ConnectError(Code.INVALID_ARGUMENT, "a process selector (pid or tag) is required")
 
 
-class ProcessService(_Rpc):
+class ProcessService(_Rpc, Process):
     """``process.Process``: commands are warmbox background processes (commands.*)."""
 
     async def _pid(self, t: Target, selector: Any) -> int:
@@ -159,23 +199,36 @@ class ProcessService(_Rpc):
             t.sandbox_id,
             [cfg.cmd, *cfg.args],
             envs=dict(cfg.envs) or None,
-            cwd=cfg.cwd if cfg.has_field("cwd") else None,
+            cwd=e2b_path(cfg.cwd) if cfg.has_field("cwd") and cfg.cwd else HOME,
             tag=request.tag if request.has_field("tag") else "",
             user=user,
             pty_cols=cols,
             pty_rows=rows,
         )
         pid = await self.run(t, start)
-        # stdin: unset means open (envd's default for old SDKs); the SDKs send false unless asked
+        follow = asyncio.ensure_future(self.run(t, ops.ConnectProcess(t.sandbox_id, pid, pty=bool(cols))))
+        # stdin: unset means open (envd's default for old SDKs); the SDKs send false unless asked.
+        # Closed while the output is being attached: one round trip to the sandbox, not two.
+        closed: BaseException | None = None
         if request.has_field("stdin") and not request.stdin and not cols:
             try:
                 await t.front.handle(ops.SendStdin(t.sandbox_id, pid, b"", eof=True))
             except (InvalidArgument, ProcessNotFound):
                 pass  # it ended already (its stdin with it)
             except WarmboxError as e:
-                raise connect_error(e) from None
-        yield ppb.StartResponse(event=ppb.ProcessEvent(event=Oneof("start", ppb.ProcessEvent.StartEvent(pid=pid))))
-        async for ev in self._follow(t, pid, bool(cols), ctx):
+                closed = connect_error(e)
+            except BaseException as e:
+                closed = e
+        try:
+            stream = await follow
+        except BaseException:
+            follow.cancel()
+            raise
+        if closed is not None:
+            stream.cancel()
+            raise closed
+        yield ppb.StartResponse(event=_started(pid))
+        async for ev in self._follow(stream, ctx):
             yield ppb.StartResponse(event=ev)
 
     async def connect(self, request: Any, ctx: RequestContext[Any, Any]) -> AsyncIterator[Any]:
@@ -183,21 +236,20 @@ class ProcessService(_Rpc):
         pid = await self._pid(t, request.process)
         procs = await self.run(t, ops.ListProcesses(t.sandbox_id))
         pty = any(p.pid == pid and p.pty for p in procs)
-        events = self._follow(t, pid, pty, ctx)
+        events = self._follow(await self.run(t, ops.ConnectProcess(t.sandbox_id, pid, pty=pty)), ctx)
         first = await anext(events)  # a process that is not there fails before the start event
-        yield ppb.ConnectResponse(event=ppb.ProcessEvent(event=Oneof("start", ppb.ProcessEvent.StartEvent(pid=pid))))
+        yield ppb.ConnectResponse(event=_started(pid))
         yield ppb.ConnectResponse(event=first)
         async for ev in events:
             yield ppb.ConnectResponse(event=ev)
 
-    async def _follow(self, t: Target, pid: int, pty: bool, ctx: RequestContext[Any, Any]) -> AsyncIterator[Any]:
+    async def _follow(self, stream: ops.ProcessStream, ctx: RequestContext[Any, Any]) -> AsyncIterator[Any]:
         """The process's output events, keepalives while it is silent, then its end event."""
         try:
             interval = float(ctx.request_headers.get(KEEPALIVE_HEADER, "") or 0)
         except ValueError:
             interval = 0.0
         interval = min(max(interval, 1.0), 300.0) if interval else 30.0
-        stream = await self.run(t, ops.ConnectProcess(t.sandbox_id, pid, pty=pty))
         nxt: asyncio.Future[Any] | None = None
         try:
             while True:
@@ -205,7 +257,7 @@ class ProcessService(_Rpc):
                     nxt = asyncio.ensure_future(stream.next())
                 done, _ = await asyncio.wait({nxt}, timeout=interval)
                 if not done:
-                    yield ppb.ProcessEvent(event=Oneof("keepalive", ppb.ProcessEvent.KeepAlive()))
+                    yield _keepalive()
                     continue
                 try:
                     ev = nxt.result()
@@ -213,13 +265,12 @@ class ProcessService(_Rpc):
                     raise connect_error(e) from None
                 nxt = None
                 if ev is None:
-                    yield ppb.ProcessEvent(event=Oneof("end", end_event(stream.result)))
+                    yield _ended(stream.result)
                     return
                 if ev.kind in ("stdout", "stderr"):
-                    data = ev.text.encode("utf-8", "surrogateescape")
-                    yield ppb.ProcessEvent(event=Oneof("data", ppb.ProcessEvent.DataEvent(output=Oneof(ev.kind, data))))
+                    yield _data(ev.kind, ev.text.encode("utf-8", "surrogateescape"))
                 elif ev.kind == "pty":
-                    yield ppb.ProcessEvent(event=Oneof("data", ppb.ProcessEvent.DataEvent(output=Oneof("pty", ev.data))))
+                    yield _data("pty", ev.data)
                 # "lost" (output dropped from the agent's ring before anyone read it): envd has no such event
         finally:
             if nxt is not None:
@@ -277,33 +328,33 @@ def _input_bytes(given: Any) -> bytes:
     raise ConnectError(Code.INVALID_ARGUMENT, "ProcessInput needs stdin or pty bytes")
 
 
-class FilesystemService(_Rpc):
+class FilesystemService(_Rpc, Filesystem):
     """``filesystem.Filesystem``: warmbox's files.* operations."""
 
     async def stat(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
         t = self.target(ctx)
-        return fpb.StatResponse(entry=entry_pb(await self.run(t, ops.Stat(t.sandbox_id, request.path))))
+        return fpb.StatResponse(entry=entry_pb(await self.run(t, ops.Stat(t.sandbox_id, e2b_path(request.path)))))
 
     async def make_dir(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
         t = self.target(ctx)
-        if not await self.run(t, ops.MakeDir(t.sandbox_id, request.path)):
+        if not await self.run(t, ops.MakeDir(t.sandbox_id, e2b_path(request.path))):
             raise ConnectError(Code.ALREADY_EXISTS, f"directory {request.path!r} already exists")
-        return fpb.MakeDirResponse(entry=entry_pb(await self.run(t, ops.Stat(t.sandbox_id, request.path))))
+        return fpb.MakeDirResponse(entry=entry_pb(await self.run(t, ops.Stat(t.sandbox_id, e2b_path(request.path)))))
 
     async def move(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
         t = self.target(ctx)
-        entry = await self.run(t, ops.Rename(t.sandbox_id, request.source, request.destination))
+        entry = await self.run(t, ops.Rename(t.sandbox_id, e2b_path(request.source), e2b_path(request.destination)))
         return fpb.MoveResponse(entry=entry_pb(entry))
 
     async def list_dir(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
         t = self.target(ctx)
         depth = request.depth or 1
-        entries = await self.run(t, ops.ListDir(t.sandbox_id, request.path, depth=depth))
+        entries = await self.run(t, ops.ListDir(t.sandbox_id, e2b_path(request.path), depth=depth))
         return fpb.ListDirResponse(entries=[entry_pb(e) for e in entries])
 
     async def remove(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
         t = self.target(ctx)
-        await self.run(t, ops.Remove(t.sandbox_id, request.path))
+        await self.run(t, ops.Remove(t.sandbox_id, e2b_path(request.path)))
         return fpb.RemoveResponse()
 
     async def watch_dir(self, request: Any, ctx: RequestContext[Any, Any]) -> AsyncIterator[Any]:
@@ -354,7 +405,7 @@ class Files:
             raise Unauthenticated("signed file URLs are not supported by warmbox yet: send the access token")
         username(request.headers)  # checked; the files API acts as the sandbox's user
         if request.method == "GET":
-            path = request.query_params.get("path", "")
+            path = e2b_path(request.query_params.get("path", ""))
             data = await t.front.handle(ops.ReadFile(t.sandbox_id, path, max_bytes=self._max))
             return Response(data, media_type="application/octet-stream")
         if request.method != "POST":
@@ -363,7 +414,7 @@ class Files:
         if ctype == b"multipart/form-data":
             written = await self._multipart(t, request)
         else:
-            path = request.query_params.get("path", "")
+            path = e2b_path(request.query_params.get("path", ""))
             body = await self._body(request)
             written = [await t.front.handle(ops.WriteFile(t.sandbox_id, path, body))]
         return Response(json.dumps([_written(e) for e in written]), media_type="application/json")
@@ -388,7 +439,7 @@ class Files:
     async def _multipart(self, t: Target, request: Request) -> list[EntryInfo]:
         fallback = request.query_params.get("path", "")
         async with request.form(max_files=1000, max_fields=1000, max_part_size=self._max) as form:
-            files = [(v.filename or fallback, v) for _, v in form.multi_items() if isinstance(v, UploadFile)]
+            files = [(e2b_path(v.filename or fallback), v) for _, v in form.multi_items() if isinstance(v, UploadFile)]
             if not files:
                 raise InvalidArgument("the multipart body holds no file part")
             written = []

@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 from warmbox import operations as ops
 from warmbox.errors import InvalidArgument, WarmboxError
 from warmbox.models import Execution, Result
-from warmbox.server.e2b.common import Service, Target, Tokens, data_target, error_response
+from warmbox.server.e2b.common import HOME, Service, Target, Tokens, data_target, e2b_path, error_response
 from warmbox.server.e2b.common import warmbox_error_response as http_error
 
 MAX_JSON = 16 << 20  # an /execute body (the code is the largest thing in it)
@@ -108,9 +108,11 @@ class Interpreter:
         if parts == ["contexts"] and method == "POST":
             body = await _json_body(request)
             language = _optional_str(body, "language") or "python"
-            cwd = _optional_str(body, "cwd") or ops.WORKDIR
+            cwd = e2b_path(_optional_str(body, "cwd") or HOME)
             context = await t.front.handle(ops.CreateContext(t.sandbox_id, language=language, cwd=cwd))
-            return Response(json.dumps({"id": context, "language": language, "cwd": cwd}), media_type="application/json")
+            return Response(
+                json.dumps({"id": context, "language": language, "cwd": cwd}), media_type="application/json"
+            )
         if len(parts) == 2 and parts[0] == "contexts" and method == "DELETE":
             await t.front.handle(ops.RemoveContext(t.sandbox_id, parts[1]))
             return Response(status_code=204)

@@ -48,8 +48,13 @@ ROUTES: tuple[Route, ...] = (
     Route("api", "POST", _S + "/snapshots", (), unsupported="snapshots through E2B's API are not mapped yet"),
     Route("api", "GET", "/snapshots", (), unsupported="snapshots through E2B's API are not mapped yet"),
     # ---- envd: process.Process
-    Route("envd", "POST", "/process.Process/Start", (Op.COMMANDS_START, Op.COMMANDS_SEND_STDIN, Op.COMMANDS_CONNECT),
-          "server stream; stdin=false closes stdin at once"),
+    Route(
+        "envd",
+        "POST",
+        "/process.Process/Start",
+        (Op.COMMANDS_START, Op.COMMANDS_SEND_STDIN, Op.COMMANDS_CONNECT),
+        "server stream; stdin=false closes stdin at once",
+    ),
     Route("envd", "POST", "/process.Process/Connect", (Op.COMMANDS_CONNECT,), "server stream; by pid or tag"),
     Route("envd", "POST", "/process.Process/List", (Op.COMMANDS_LIST,)),
     Route("envd", "POST", "/process.Process/SendInput", (Op.COMMANDS_SEND_STDIN,)),
