@@ -66,6 +66,16 @@ def test_background_command_stdin_list_connect_and_kill(sb):
     assert sb.commands.kill(sleeper.pid) is False  # not running any more
 
 
+def test_pty_runs_an_interactive_shell(sb):
+    h = sb.pty.create(e2b.PtySize(rows=24, cols=80))
+    sb.pty.resize(h.pid, e2b.PtySize(rows=30, cols=100))
+    sb.pty.send_stdin(h.pid, b"stty size; echo pty-$((40 + 2)); exit\n")
+    seen = bytearray()
+    h.wait(on_pty=seen.extend)
+    text = seen.decode(errors="replace")
+    assert "30 100" in text and "pty-42" in text
+
+
 # ---- files
 
 
@@ -98,7 +108,7 @@ def test_files_write_read_list_stat_rename_remove(sb):
 
 def test_run_code_text_stdout_and_state(sb):
     ex = sb.run_code("x = 40\nprint('side')\nx + 2")
-    assert ex.text == "42" and "".join(ex.logs.stdout) == "side\n" and ex.error is None
+    assert ex.text == "42" and ex.logs.stdout == ["side\n"] and ex.error is None  # one line, as Jupyter sends it
     assert sb.run_code("x").text == "40"
 
 
@@ -195,3 +205,35 @@ def test_data_plane_routes_refuse_another_tenant(sb, e2b_server):
         # an unknown control-plane route is E2B's 404, not warmbox's invalid_argument
         r = http.get("/no-such-e2b-route", headers={"X-API-KEY": e2b_server.key_a})
         assert (r.status_code, r.json()["code"]) == (404, 404)
+
+
+def test_raw_control_plane_v1_routes_paging_and_bad_input(sb, e2b_server):
+    """What SDKs before the /v2 routes send, x-next-token paging, and E2B's 400/404 shapes."""
+    import httpx
+
+    a = {"X-API-KEY": e2b_server.key_a}
+    with httpx.Client(base_url=e2b_server.server.url, timeout=60, headers=a) as http:
+        r = http.post("/sandboxes", json={"templateID": "base", "timeout": 60, "metadata": {"lane": "e2b-v1"}})
+        assert r.status_code == 201, r.text
+        made = r.json()
+        assert made["envdVersion"] and made["envdAccessToken"] and made["templateID"] == "base"
+        try:
+            running = http.get("/sandboxes").json()
+            assert {made["sandboxID"], sb.sandbox_id} <= {s["sandboxID"] for s in running}
+            first = http.get("/v2/sandboxes", params={"limit": 1, "state": "running"})
+            assert first.status_code == 200 and len(first.json()) == 1
+            token = first.headers["x-next-token"]
+            second = http.get("/v2/sandboxes", params={"limit": 1, "state": "running", "nextToken": token})
+            assert second.json()[0]["sandboxID"] != first.json()[0]["sandboxID"]
+            for bad in (b"[1]", b"{", b'{"templateID": 5}', b'{"templateID": "base", "timeout": "x"}'):
+                r = http.post("/v2/sandboxes", content=bad, headers={"Content-Type": "application/json"})
+                assert (r.status_code, r.json()["code"]) == (400, 400), bad
+            r = http.post("/v2/sandboxes", json={"templateID": "no-such-template"})
+            assert (r.status_code, r.json()["code"]) == (400, 400) and "no-such-template" in r.json()["message"]
+            r = http.post(f"/sandboxes/{made['sandboxID']}/fork", json={})
+            assert r.status_code == 400 and "not" in r.json()["message"]
+            r = http.put("/v2/sandboxes", json={})
+            assert (r.status_code, r.json()["code"]) == (405, 405)
+        finally:
+            assert http.delete(f"/sandboxes/{made['sandboxID']}").status_code == 204
+        assert http.get(f"/sandboxes/{made['sandboxID']}").status_code == 404

@@ -21,6 +21,8 @@ from warmbox.server.e2b.common import HOME, Service, Target, Tokens, data_target
 from warmbox.server.e2b.common import warmbox_error_response as http_error
 
 MAX_JSON = 16 << 20  # an /execute body (the code is the largest thing in it)
+FLUSH_S = 0.05  # a partial line of output waits at most this long for the rest of it
+FLUSH_BYTES = 64 << 10
 _MIME = ("text", "html", "markdown", "svg", "png", "jpeg", "pdf", "latex", "javascript")
 
 
@@ -152,11 +154,30 @@ class Interpreter:
             raise failed  # before any byte: a plain error answer with its status
 
         async def lines() -> AsyncIterator[bytes]:
+            # Output comes as the cell writes it (print's text and its newline are two writes);
+            # like Jupyter's kernel, a stream's pieces are joined up to a line end or a short pause.
+            pending: dict[str, Any] | None = None
             item = first
             try:
                 while item is not None:
-                    yield _line(item)
-                    item = await queue.get()
+                    if pending is not None and pending["type"] == item["type"]:
+                        pending["text"] += item["text"]
+                    else:
+                        if pending is not None:
+                            yield _line(pending)
+                        pending = item
+                    if pending["text"].endswith("\n") or len(pending["text"]) > FLUSH_BYTES:
+                        yield _line(pending)
+                        pending = None
+                    try:
+                        item = await (queue.get() if pending is None else asyncio.wait_for(queue.get(), FLUSH_S))
+                    except TimeoutError:
+                        assert pending is not None
+                        yield _line(pending)
+                        pending = None
+                        item = await queue.get()
+                if pending is not None:
+                    yield _line(pending)
                 exc = task.exception()
                 if exc is None:
                     for ev in end_events(task.result()):
