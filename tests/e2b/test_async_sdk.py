@@ -24,7 +24,13 @@ def test_base_sandbox_commands_files_pause_connect_and_kill(e2b_server):
             h = await sb.commands.run("read line; echo got:$line", background=True, stdin=True)
             await sb.commands.send_stdin(h.pid, "hi\n")
             assert (await h.wait()).stdout == "got:hi\n"
+            events: asyncio.Queue = asyncio.Queue()
+            watch = await sb.files.watch_dir("/workspace", on_event=events.put_nowait)
             await sb.files.write("/workspace/kept.txt", "kept across a pause")
+            while (ev := await asyncio.wait_for(events.get(), 30)).name != "kept.txt":
+                pass
+            assert ev.type in (e2b.FilesystemEventType.CREATE, e2b.FilesystemEventType.WRITE)
+            await watch.stop()
             assert [e.name for e in await sb.files.list("/workspace")] == ["kept.txt"]
 
             await sb.pause()

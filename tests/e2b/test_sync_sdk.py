@@ -103,6 +103,23 @@ def test_files_write_read_list_stat_rename_remove(sb):
     assert sb.commands.run("cat /workspace/e2b/b.txt").stdout == "b"
 
 
+def test_watch_dir_polled(sb):
+    sb.files.make_dir("/workspace/watched")
+    handle = sb.files.watch_dir("/workspace/watched")
+    try:
+        sb.files.write("/workspace/watched/new.txt", "x")
+        seen: list = []
+        deadline = time.monotonic() + 30
+        while not any(e.name == "new.txt" and e.type == e2b.FilesystemEventType.CREATE for e in seen):
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.1)
+            seen += handle.get_new_events()
+    finally:
+        handle.stop()
+    with pytest.raises(e2b.SandboxException):
+        handle.get_new_events()  # stopped
+
+
 # ---- code
 
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import collections
+import dataclasses
 import json
+import secrets
 import stat as statmod
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,7 +34,7 @@ from starlette.types import Receive, Scope, Send
 
 from warmbox import operations as ops
 from warmbox.errors import InvalidArgument, ProcessNotFound, SandboxNotFound, Unauthenticated, WarmboxError
-from warmbox.models import CommandResult, EntryInfo, State
+from warmbox.models import CommandResult, EntryInfo, FilesystemEvent, FilesystemEventType, State
 from warmbox.server.e2b.common import (
     HOME,
     Service,
@@ -126,6 +129,15 @@ def _data(kind: str, chunk: bytes) -> ppb.ProcessEvent:
         data = ppb.ProcessEvent.DataEvent(output=pty)
     event: Oneof[Literal["data"], ppb.ProcessEvent.DataEvent] = Oneof("data", data)
     return ppb.ProcessEvent(event=event)
+
+
+def _keepalive_s(ctx: RequestContext[Any, Any]) -> float:
+    """How often a silent stream sends a keepalive: the client's Keepalive-Ping-Interval (1-300 s)."""
+    try:
+        interval = float(ctx.request_headers.get(KEEPALIVE_HEADER, "") or 0)
+    except ValueError:
+        interval = 0.0
+    return min(max(interval, 1.0), 300.0) if interval else 30.0
 
 
 class _Rpc:
@@ -245,11 +257,7 @@ class ProcessService(_Rpc, Process):
 
     async def _follow(self, stream: ops.ProcessStream, ctx: RequestContext[Any, Any]) -> AsyncIterator[Any]:
         """The process's output events, keepalives while it is silent, then its end event."""
-        try:
-            interval = float(ctx.request_headers.get(KEEPALIVE_HEADER, "") or 0)
-        except ValueError:
-            interval = 0.0
-        interval = min(max(interval, 1.0), 300.0) if interval else 30.0
+        interval = _keepalive_s(ctx)
         nxt: asyncio.Future[Any] | None = None
         try:
             while True:
@@ -331,6 +339,10 @@ def _input_bytes(given: Any) -> bytes:
 class FilesystemService(_Rpc, Filesystem):
     """``filesystem.Filesystem``: warmbox's files.* operations."""
 
+    def __init__(self, service: Service, tokens: Tokens) -> None:
+        super().__init__(service, tokens)
+        self._watchers = Watchers()
+
     async def stat(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
         t = self.target(ctx)
         return fpb.StatResponse(entry=entry_pb(await self.run(t, ops.Stat(t.sandbox_id, e2b_path(request.path)))))
@@ -358,21 +370,134 @@ class FilesystemService(_Rpc, Filesystem):
         return fpb.RemoveResponse()
 
     async def watch_dir(self, request: Any, ctx: RequestContext[Any, Any]) -> AsyncIterator[Any]:
-        self.target(ctx)
-        raise ConnectError(Code.UNIMPLEMENTED, "directory watch through E2B's envd API is not supported by warmbox yet")
-        yield  # an async generator: a server stream
+        t = self.target(ctx)
+        interval = _keepalive_s(ctx)
+        queue: asyncio.Queue[FilesystemEvent] = asyncio.Queue(maxsize=64)  # a slow client slows the watch
+        req = ops.WatchDir(t.sandbox_id, e2b_path(request.path), recursive=request.recursive, on_event=queue.put)
+        watch = await self.run(t, req)
+        ended = asyncio.ensure_future(watch.wait())
+        try:
+            started: Oneof[Literal["start"], fpb.WatchDirResponse.StartEvent] = Oneof(
+                "start", fpb.WatchDirResponse.StartEvent()
+            )
+            yield fpb.WatchDirResponse(event=started)
+            while True:
+                got = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({got, ended}, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
+                if got in done:
+                    yield _fs_response(got.result())
+                    continue
+                got.cancel()
+                if ended not in done:
+                    alive: Oneof[Literal["keepalive"], fpb.WatchDirResponse.KeepAlive] = Oneof(
+                        "keepalive", fpb.WatchDirResponse.KeepAlive()
+                    )
+                    yield fpb.WatchDirResponse(event=alive)
+                    continue
+                while not queue.empty():
+                    yield _fs_response(queue.get_nowait())
+                exc = ended.exception()
+                if isinstance(exc, WarmboxError):
+                    raise connect_error(exc)
+                return
+        finally:
+            ended.cancel()
+            watch.stop()  # the client went away, or the watch is over
 
     async def create_watcher(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
-        self.target(ctx)
-        raise ConnectError(Code.UNIMPLEMENTED, "directory watch through E2B's envd API is not supported by warmbox yet")
+        t = self.target(ctx)
+        watcher_id = await self._watchers.create(t, e2b_path(request.path), request.recursive)
+        return fpb.CreateWatcherResponse(watcher_id=watcher_id)
 
     async def get_watcher_events(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
-        self.target(ctx)
-        raise ConnectError(Code.UNIMPLEMENTED, "directory watch through E2B's envd API is not supported by warmbox yet")
+        t = self.target(ctx)
+        return fpb.GetWatcherEventsResponse(events=[_fs_event(e) for e in self._watchers.take(t, request.watcher_id)])
 
     async def remove_watcher(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
-        self.target(ctx)
-        raise ConnectError(Code.UNIMPLEMENTED, "directory watch through E2B's envd API is not supported by warmbox yet")
+        t = self.target(ctx)
+        self._watchers.remove(t, request.watcher_id)
+        return fpb.RemoveWatcherResponse()
+
+
+_EVENT_TYPES = {
+    FilesystemEventType.CREATE: fpb.EventType.CREATE,
+    FilesystemEventType.WRITE: fpb.EventType.WRITE,
+    FilesystemEventType.REMOVE: fpb.EventType.REMOVE,
+    FilesystemEventType.RENAME: fpb.EventType.RENAME,
+    FilesystemEventType.CHMOD: fpb.EventType.CHMOD,
+}
+
+
+def _fs_event(e: FilesystemEvent) -> fpb.FilesystemEvent:
+    return fpb.FilesystemEvent(name=e.name, type=_EVENT_TYPES.get(e.type, fpb.EventType.UNSPECIFIED))
+
+
+def _fs_response(e: FilesystemEvent) -> fpb.WatchDirResponse:
+    event: Oneof[Literal["filesystem"], fpb.FilesystemEvent] = Oneof("filesystem", _fs_event(e))
+    return fpb.WatchDirResponse(event=event)
+
+
+@dataclasses.dataclass
+class _Watcher:
+    front: Any
+    sandbox_id: str
+    watch: ops.DirWatch
+    events: collections.deque[FilesystemEvent]
+
+
+class Watchers:
+    """E2B's polled watchers (CreateWatcher / GetWatcherEvents / RemoveWatcher): dialect state
+    warmbox itself does not need, so it lives here, bounded. Each is a ``files.watch_dir`` of the
+    creator's front whose events wait in a ring (the oldest dropped past MAX_EVENTS); its id is
+    random and answers only the same tenant's calls for the same sandbox (anything else: not
+    found). A watcher whose watch ended (the directory went, the sandbox ended) is dropped once
+    its last events were taken, and at each create."""
+
+    MAX_PER_SANDBOX = 32
+    MAX_TOTAL = 1024
+    MAX_EVENTS = 10_000
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, _Watcher] = {}
+
+    def _sweep(self) -> None:
+        for wid in [w for w, v in self._by_id.items() if v.watch.done and not v.events]:
+            del self._by_id[wid]
+
+    async def create(self, t: Target, path: str, recursive: bool) -> str:
+        self._sweep()
+        mine = sum(1 for w in self._by_id.values() if w.sandbox_id == t.sandbox_id)
+        if mine >= self.MAX_PER_SANDBOX or len(self._by_id) >= self.MAX_TOTAL:
+            raise ConnectError(Code.RESOURCE_EXHAUSTED, f"too many watchers (at most {self.MAX_PER_SANDBOX} a sandbox)")
+        events: collections.deque[FilesystemEvent] = collections.deque(maxlen=self.MAX_EVENTS)
+        try:
+            watch = await t.front.handle(ops.WatchDir(t.sandbox_id, path, recursive=recursive, on_event=events.append))
+        except WarmboxError as e:
+            raise connect_error(e) from None
+        watcher_id = secrets.token_urlsafe(16)
+        self._by_id[watcher_id] = _Watcher(t.front, t.sandbox_id, watch, events)
+        return watcher_id
+
+    def _get(self, t: Target, watcher_id: str) -> _Watcher:
+        w = self._by_id.get(watcher_id)
+        if w is None or w.sandbox_id != t.sandbox_id or w.front is not t.front:
+            raise ConnectError(Code.NOT_FOUND, f"watcher {watcher_id[:40]!r} not found")
+        return w
+
+    def take(self, t: Target, watcher_id: str) -> list[FilesystemEvent]:
+        """The events since the last call; NOT_FOUND once the watch ended and all were taken."""
+        w = self._get(t, watcher_id)
+        if w.watch.done and not w.events:
+            del self._by_id[watcher_id]
+            raise ConnectError(Code.NOT_FOUND, f"watcher {watcher_id[:40]!r} ended (the directory or sandbox went)")
+        out = list(w.events)
+        w.events.clear()
+        return out
+
+    def remove(self, t: Target, watcher_id: str) -> None:
+        w = self._get(t, watcher_id)
+        w.watch.stop()
+        del self._by_id[watcher_id]
 
 
 # ---- plain HTTP: /files and /health

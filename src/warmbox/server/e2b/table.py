@@ -68,10 +68,12 @@ ROUTES: tuple[Route, ...] = (
     Route("envd", "POST", "/filesystem.Filesystem/Move", (Op.FILES_RENAME,)),
     Route("envd", "POST", "/filesystem.Filesystem/ListDir", (Op.FILES_LIST,)),
     Route("envd", "POST", "/filesystem.Filesystem/Remove", (Op.FILES_REMOVE,)),
-    Route("envd", "POST", "/filesystem.Filesystem/WatchDir", (), unsupported="watch through E2B's RPC: not yet"),
-    Route("envd", "POST", "/filesystem.Filesystem/CreateWatcher", (), unsupported="watch through E2B's RPC: not yet"),
-    Route("envd", "POST", "/filesystem.Filesystem/GetWatcherEvents", (), unsupported="watch: not yet"),
-    Route("envd", "POST", "/filesystem.Filesystem/RemoveWatcher", (), unsupported="watch: not yet"),
+    Route("envd", "POST", "/filesystem.Filesystem/WatchDir", (Op.FILES_WATCH,), "server stream"),
+    Route(
+        "envd", "POST", "/filesystem.Filesystem/CreateWatcher", (Op.FILES_WATCH,), "events kept in the adapter, bounded"
+    ),
+    Route("envd", "POST", "/filesystem.Filesystem/GetWatcherEvents", (), "no operation: the watcher's kept events"),
+    Route("envd", "POST", "/filesystem.Filesystem/RemoveWatcher", (), "no operation: stops the watch"),
     # ---- envd: plain HTTP
     Route("envd", "GET", "/files", (Op.FILES_READ,), "?path=; signed URLs are not accepted yet"),
     Route("envd", "POST", "/files", (Op.FILES_WRITE,), "multipart (field file, filename = path) or octet-stream"),
@@ -105,3 +107,6 @@ def markdown() -> str:
 
 
 __all__ = ["ROUTES", "Route", "find", "markdown"]
+
+if __name__ == "__main__":  # docs/e2b.md's table: python -m warmbox.server.e2b.table
+    print(markdown(), end="")
