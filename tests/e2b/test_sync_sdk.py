@@ -66,6 +66,12 @@ def test_background_command_stdin_list_connect_and_kill(sb):
     assert sb.commands.kill(sleeper.pid) is False  # not running any more
 
 
+def test_root_is_refused_on_a_tier_without_it_naming_the_tier(sb):
+    with pytest.raises(e2b.InvalidArgumentException, match="container"):
+        sb.commands.run("id -u", user="root")
+    assert sb.commands.run("id -un", user="user").stdout == "user\n"
+
+
 def test_pty_runs_an_interactive_shell(sb):
     h = sb.pty.create(e2b.PtySize(rows=24, cols=80))
     sb.pty.resize(h.pid, e2b.PtySize(rows=30, cols=100))
