@@ -224,3 +224,25 @@ def test_raw_control_plane_v1_routes_paging_and_bad_input(sb, e2b_server):
         finally:
             assert http.delete(f"/sandboxes/{made['sandboxID']}").status_code == 204
         assert http.get(f"/sandboxes/{made['sandboxID']}").status_code == 404
+
+
+def test_metrics_sample(sb):
+    (m,) = sb.get_metrics()
+    assert m.cpu_count >= 1 and 0 < m.mem_used <= m.mem_total and m.timestamp.year >= 2025
+
+
+def test_auto_pause_on_timeout_and_auto_resume(e2b_server):
+    from e2b import Sandbox as CoreSandbox
+
+    sb = CoreSandbox.create(timeout=3, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        sb.files.write("/workspace/k.txt", "kept")
+        deadline = time.monotonic() + 60
+        while CoreSandbox.get_info(sb.sandbox_id).state != "paused":
+            assert time.monotonic() < deadline, "the timeout did not pause the sandbox"
+            time.sleep(0.3)
+        assert sb.get_metrics() == []  # nothing runs
+        assert sb.files.read("/workspace/k.txt") == "kept"  # the next use resumes it, same id
+        assert CoreSandbox.get_info(sb.sandbox_id).state == "running"
+    finally:
+        sb.kill()

@@ -336,6 +336,8 @@ class Control:
 
     async def metrics(self, call: Call) -> Response:
         info = await self._live(call)
+        if info.state == State.PAUSED:
+            return self._json([])  # nothing runs: no sample
         m = await call.front.handle(ops.Metrics(call.sandbox_id))
         now = datetime.datetime.now(datetime.UTC)
         sample = {
