@@ -63,6 +63,18 @@ class Service(Protocol):
     def front(self, tenant: Tenant | None) -> Any: ...
 
 
+def api_secret(api_key: str) -> str:
+    """The warmbox secret an X-API-KEY carries: the key itself (``wbx_...``), or its E2B form
+    ``e2b_`` + the key's bytes in hex, which E2B's SDKs that check the key's shape accept (e2b
+    before 2.5x refuses anything but ``e2b_<hex>`` before sending it)."""
+    if not api_key.startswith("e2b_"):
+        return api_key
+    try:
+        return bytes.fromhex(api_key[4:]).decode("ascii")
+    except (ValueError, UnicodeDecodeError):
+        raise Unauthenticated("an e2b_ key must be e2b_ + a warmbox key's bytes in hex") from None
+
+
 class Tokens:
     """Sandbox access tokens: what E2B calls envdAccessToken and trafficAccessToken.
 
@@ -114,7 +126,7 @@ def data_target(service: Service, tokens: Tokens, headers: Mapping[str, str]) ->
     if token:
         tenant = service.authenticate_key_id(tokens.key_id(token, sandbox_id))
     elif headers.get(API_KEY_HEADER):
-        tenant = service.authenticate_secret(headers[API_KEY_HEADER])
+        tenant = service.authenticate_secret(api_secret(headers[API_KEY_HEADER]))
     else:
         raise Unauthenticated("a sandbox access token (X-Access-Token) or an API key (X-API-KEY) is required")
     return Target(service.front(tenant), sandbox_id)
@@ -204,6 +216,7 @@ __all__ = [
     "Service",
     "Target",
     "Tokens",
+    "api_secret",
     "connect_error",
     "data_target",
     "e2b_path",

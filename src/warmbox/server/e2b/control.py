@@ -23,7 +23,7 @@ from warmbox import operations as ops
 from warmbox.errors import InvalidArgument, SandboxNotFound, SandboxStateError, Unauthenticated, WarmboxError
 from warmbox.models import Lifecycle, SandboxInfo, SandboxQuery, State
 from warmbox.server.e2b import table
-from warmbox.server.e2b.common import ENVD_VERSION, Front, Service, Tokens, error_response
+from warmbox.server.e2b.common import ENVD_VERSION, Front, Service, Tokens, api_secret, error_response
 from warmbox.server.e2b.common import warmbox_error_response as http_error
 
 MAX_BODY = 1 << 20
@@ -146,7 +146,7 @@ class Control:
         secret = request.headers.get("x-api-key", "")
         if not secret:
             raise Unauthenticated("an API key is required: the X-API-KEY header (E2B_API_KEY)")
-        return self._service.authenticate_secret(secret)
+        return self._service.authenticate_secret(api_secret(secret))
 
     async def _body(self, request: Request) -> dict[str, Any]:
         raw = b""
