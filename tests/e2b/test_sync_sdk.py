@@ -4,6 +4,8 @@ control plane, and two tenants' walls. One code-interpreter sandbox serves the m
 from __future__ import annotations
 
 import base64
+import io
+import os
 import time
 import uuid
 
@@ -107,6 +109,17 @@ def test_files_write_read_list_stat_rename_remove(sb):
         sb.files.read("/workspace/e2b/missing.txt")
     # what the commands see is what the files API wrote
     assert sb.commands.run("cat /workspace/e2b/b.txt").stdout == "b"
+
+
+def test_large_gzip_and_streamed_transfers(sb):
+    data = os.urandom(3 << 20)
+    sb.files.write("/workspace/big.bin", data)  # multipart
+    assert bytes(sb.files.read("/workspace/big.bin", format="bytes")) == data
+    assert b"".join(sb.files.read("/workspace/big.bin", format="stream")) == data
+    sb.files.write("/workspace/gz.txt", "z" * 100_000, gzip=True)  # octet-stream, gzip-encoded
+    assert sb.files.read("/workspace/gz.txt") == "z" * 100_000
+    sb.files.write("/workspace/io.bin", io.BytesIO(b"from a file object"))  # streamed octet-stream
+    assert sb.files.read("/workspace/io.bin") == "from a file object"
 
 
 def test_watch_dir_polled(sb):

@@ -29,7 +29,7 @@ from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 from python_multipart.multipart import parse_options_header
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from warmbox import operations as ops
@@ -508,8 +508,13 @@ def _written(e: EntryInfo) -> dict[str, str]:
 
 
 class Files:
-    """``GET /files?path=`` (a file's bytes) and ``POST /files`` (multipart: each part's filename is
-    its path; or the octet-stream body for ``?path=``, gzip allowed): JSON ``[{name, type, path}]``."""
+    """``GET /files?path=`` (a file's bytes, streamed from the sandbox as the client takes them) and
+    ``POST /files`` (multipart: each part's filename is its path; or the octet-stream body for
+    ``?path=``, gzip allowed), each file streamed into the sandbox a piece at a time (files.write_stream:
+    it replaces the path only when complete): JSON ``[{name, type, path}]``. At most ``max_bytes``
+    a file ([server] max_body_mb)."""
+
+    CHUNK = 1 << 20
 
     def __init__(self, service: Service, tokens: Tokens, max_bytes: int) -> None:
         self._service = service
@@ -530,9 +535,7 @@ class Files:
             raise Unauthenticated("signed file URLs are not supported by warmbox yet: send the access token")
         username(request.headers)  # checked; the files API acts as the sandbox's user
         if request.method == "GET":
-            path = e2b_path(request.query_params.get("path", ""))
-            data = await t.front.handle(ops.ReadFile(t.sandbox_id, path, max_bytes=self._max))
-            return Response(data, media_type="application/octet-stream")
+            return await self._download(t, e2b_path(request.query_params.get("path", "")))
         if request.method != "POST":
             return error_response(405, f"{request.method} is not allowed on /files")
         ctype, _ = parse_options_header(request.headers.get("content-type", ""))
@@ -540,14 +543,33 @@ class Files:
             written = await self._multipart(t, request)
         else:
             path = e2b_path(request.query_params.get("path", ""))
-            body = await self._body(request)
-            written = [await t.front.handle(ops.WriteFile(t.sandbox_id, path, body))]
+            write = ops.WriteFileStream(t.sandbox_id, path, self._body(request))
+            written = [await t.front.handle(write)]
         return Response(json.dumps([_written(e) for e in written]), media_type="application/json")
 
-    async def _body(self, request: Request) -> bytes:
+    async def _download(self, t: Target, path: str) -> Response:
+        stream = await t.front.handle(ops.ReadFileStream(t.sandbox_id, path, max_bytes=self._max))
+        try:
+            first = await stream.next()  # errors before the first byte are a plain error answer
+        except BaseException:
+            stream.cancel()
+            raise
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                chunk = first
+                while chunk is not None:
+                    yield chunk
+                    chunk = await stream.next()
+            finally:
+                stream.cancel()
+
+        return StreamingResponse(chunks(), media_type="application/octet-stream")
+
+    async def _body(self, request: Request) -> AsyncIterator[bytes]:
+        """The request body as it arrives (gunzipped for Content-Encoding: gzip), bounded."""
         gz = request.headers.get("content-encoding", "").lower() == "gzip"
         inflate = zlib.decompressobj(wbits=31) if gz else None
-        parts: list[bytes] = []
         size = 0
         async for chunk in request.stream():
             if inflate is not None:
@@ -558,22 +580,24 @@ class Files:
             size += len(chunk)
             if size > self._max:
                 raise InvalidArgument(f"the upload is larger than the server's limit of {self._max} bytes")
-            parts.append(chunk)
-        return b"".join(parts)
+            if chunk:
+                yield chunk
 
     async def _multipart(self, t: Target, request: Request) -> list[EntryInfo]:
         fallback = request.query_params.get("path", "")
+        # the parser spools each part to a temporary file past 1 MiB; each is then streamed on
         async with request.form(max_files=1000, max_fields=1000, max_part_size=self._max) as form:
             files = [(e2b_path(v.filename or fallback), v) for _, v in form.multi_items() if isinstance(v, UploadFile)]
             if not files:
                 raise InvalidArgument("the multipart body holds no file part")
             written = []
             for path, upload in files:
-                data = await upload.read(self._max + 1)
-                if len(data) > self._max:
-                    raise InvalidArgument(f"{path!r} is larger than the server's limit of {self._max} bytes")
-                written.append(await t.front.handle(ops.WriteFile(t.sandbox_id, path, data)))
+                written.append(await t.front.handle(ops.WriteFileStream(t.sandbox_id, path, self._part(upload))))
         return written
+
+    async def _part(self, upload: UploadFile) -> AsyncIterator[bytes]:
+        while chunk := await upload.read(self.CHUNK):
+            yield chunk
 
 
 class Envd:

@@ -62,11 +62,14 @@ def end_events(got: Execution) -> list[dict[str, Any]]:
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
-    raw = b""
+    parts: list[bytes] = []
+    size = 0
     async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_JSON:
+        size += len(chunk)
+        if size > MAX_JSON:
             raise InvalidArgument(f"the request body is larger than {MAX_JSON} bytes")
+        parts.append(chunk)
+    raw = b"".join(parts)
     if not raw.strip():
         return {}
     try:

@@ -75,8 +75,10 @@ ROUTES: tuple[Route, ...] = (
     Route("envd", "POST", "/filesystem.Filesystem/GetWatcherEvents", (), "no operation: the watcher's kept events"),
     Route("envd", "POST", "/filesystem.Filesystem/RemoveWatcher", (), "no operation: stops the watch"),
     # ---- envd: plain HTTP
-    Route("envd", "GET", "/files", (Op.FILES_READ,), "?path=; signed URLs are not accepted yet"),
-    Route("envd", "POST", "/files", (Op.FILES_WRITE,), "multipart (field file, filename = path) or octet-stream"),
+    Route("envd", "GET", "/files", (Op.FILES_READ_STREAM,), "?path=, streamed; signed URLs are not accepted yet"),
+    Route(
+        "envd", "POST", "/files", (Op.FILES_WRITE_STREAM,), "multipart (field file, filename = path) or octet-stream"
+    ),
     Route("envd", "GET", "/health", (), "204, no operation: the server answers for every sandbox"),
     # ---- the code interpreter
     Route("interpreter", "POST", "/execute", (Op.RUN_CODE,), "NDJSON events"),
