@@ -259,3 +259,25 @@ def test_auto_pause_on_timeout_and_auto_resume(e2b_server):
         assert CoreSandbox.get_info(sb.sandbox_id).state == "running"
     finally:
         sb.kill()
+
+
+def test_network_allow_out_is_warmbox_allowlist(e2b_server):
+    from e2b import Sandbox as CoreSandbox
+
+    from warmbox import Sandbox as WbSandbox
+
+    sb = CoreSandbox.create(network={"allow_out": ["example.com", "10.1.2.0/24"], "deny_out": ["0.0.0.0/0"]})
+    try:
+        same = WbSandbox.connect(sb.sandbox_id, api_url=e2b_server.server.url, api_key=e2b_server.key_a)
+        policy = same.network.policy()
+        assert "example.com" in policy and "10.1.2.0/24" in policy and policy.startswith("allow"), policy
+        same.close()
+    finally:
+        sb.kill()
+    plain = CoreSandbox.create(allow_internet_access=True)  # deny-all stays warmbox's default
+    try:
+        same = WbSandbox.connect(plain.sandbox_id, api_url=e2b_server.server.url, api_key=e2b_server.key_a)
+        assert same.network.policy() == "none"
+        same.close()
+    finally:
+        plain.kill()

@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from warmbox import operations as ops
 from warmbox.errors import InvalidArgument, SandboxNotFound, SandboxStateError, Unauthenticated, WarmboxError
 from warmbox.models import Lifecycle, SandboxInfo, SandboxQuery, State
+from warmbox.network.policy import Network
 from warmbox.server.e2b import table
 from warmbox.server.e2b.common import ENVD_VERSION, Front, Service, Tokens, api_secret, error_response
 from warmbox.server.e2b.common import warmbox_error_response as http_error
@@ -73,6 +74,28 @@ def _str_map(body: dict[str, Any], key: str) -> dict[str, str] | None:
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise InvalidArgument(f"{key} must be an object of string values")
     return value
+
+
+_NETWORK_FIELDS = {"allowOut", "denyOut", "allowPublicTraffic"}
+
+
+def _network(given: object) -> str | Network:
+    """E2B's ``network`` as a warmbox egress policy. E2B allows everything unless denied, and an
+    ``allowOut`` entry wins over a ``denyOut`` one; warmbox denies everything not allowed. So
+    ``allowOut`` becomes warmbox's allowlist, and the rest stays denied (denyOut adds nothing)."""
+    if not given:
+        return "none"
+    if not isinstance(given, dict):
+        raise InvalidArgument("network must be an object")
+    unknown = sorted(set(given) - _NETWORK_FIELDS)
+    if unknown:
+        raise InvalidArgument(f"network fields {unknown} are not mapped onto warmbox's egress policies yet")
+    for key in ("allowOut", "denyOut"):
+        value = given.get(key)
+        if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
+            raise InvalidArgument(f"network.{key} must be a list of strings")
+    allow = given.get("allowOut") or []
+    return Network(allow=tuple(allow)) if allow else "none"
 
 
 class Control:
@@ -214,10 +237,10 @@ class Control:
         if not isinstance(template, str) or not template:
             raise InvalidArgument("templateID is required")
         timeout = _number(body, "timeout", DEFAULT_TIMEOUT_S, low=1)
-        if body.get("network"):
-            raise InvalidArgument("the network field is not mapped onto warmbox's egress policies yet")
-        if body.get("volumeMounts") or body.get("mcp"):
-            raise InvalidArgument("volumeMounts and mcp are not supported by warmbox's E2B API yet")
+        network = _network(body.get("network"))
+        for field in ("volumeMounts", "mcp", "iam"):
+            if body.get(field):
+                raise InvalidArgument(f"{field} is not supported by warmbox's E2B API yet")
         auto_pause = body.get("autoPause", False)
         resume = body.get("autoResume")
         auto_resume = isinstance(resume, dict) and resume.get("enabled") is True
@@ -232,7 +255,7 @@ class Control:
                 metadata=_str_map(body, "metadata"),
                 lifecycle=lifecycle if lifecycle != Lifecycle() else None,
                 # deny-all stays warmbox's default whatever allow_internet_access says (docs/e2b.md)
-                network="none",
+                network=network,
             )
         )
         return self._json(self._sandbox(call, opened.info), 201)
