@@ -16,9 +16,12 @@ from e2b_code_interpreter import AsyncSandbox as AsyncCodeSandbox  # noqa: E402
 
 def test_base_sandbox_commands_files_pause_connect_and_kill(e2b_server):
     async def main() -> None:
-        sb = await AsyncSandbox.create(timeout=300, metadata={"lane": "e2b-async"})
+        sb = await AsyncSandbox.create(timeout=300, metadata={"lane": "e2b-async"}, envs={"FROM_CREATE": "yes"})
         try:
             assert (await sb.get_info()).template_id == "base"
+            assert (await sb.commands.run("echo $FROM_CREATE")).stdout == "yes\n"
+            with pytest.raises(e2b.TimeoutException):
+                await sb.commands.run("sleep 30", timeout=1)
             r = await sb.commands.run("echo $((6 * 7))")
             assert r.stdout == "42\n"
             h = await sb.commands.run("read line; echo got:$line", background=True, stdin=True)

@@ -140,6 +140,12 @@ def _keepalive_s(ctx: RequestContext[Any, Any]) -> float:
     return min(max(interval, 1.0), 300.0) if interval else 30.0
 
 
+def _left_s(ctx: RequestContext[Any, Any]) -> float | None:
+    """Seconds left of the call's deadline (the client's Connect-Timeout-Ms), or None."""
+    left = ctx.timeout_ms
+    return None if left is None else max(left / 1000.0, 0.0)
+
+
 class _Rpc:
     """What both services share: the call's target, and warmbox errors as Connect errors."""
 
@@ -263,8 +269,12 @@ class ProcessService(_Rpc, Process):
             while True:
                 if nxt is None:
                     nxt = asyncio.ensure_future(stream.next())
-                done, _ = await asyncio.wait({nxt}, timeout=interval)
+                left = _left_s(ctx)
+                done, _ = await asyncio.wait({nxt}, timeout=interval if left is None else min(interval, left))
                 if not done:
+                    if (left := _left_s(ctx)) is not None and left <= 0:
+                        # the call's deadline (the SDK's timeout): the stream ends, the process runs on
+                        raise ConnectError(Code.DEADLINE_EXCEEDED, "the call's timeout passed; the process runs on")
                     yield _keepalive()
                     continue
                 try:
@@ -383,11 +393,15 @@ class FilesystemService(_Rpc, Filesystem):
             yield fpb.WatchDirResponse(event=started)
             while True:
                 got = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait({got, ended}, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
+                left = _left_s(ctx)
+                wait = interval if left is None else min(interval, left)
+                done, _ = await asyncio.wait({got, ended}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if got in done:
                     yield _fs_response(got.result())
                     continue
                 got.cancel()
+                if ended not in done and (left := _left_s(ctx)) is not None and left <= 0:
+                    raise ConnectError(Code.DEADLINE_EXCEEDED, "the watch's timeout passed")
                 if ended not in done:
                     alive: Oneof[Literal["keepalive"], fpb.WatchDirResponse.KeepAlive] = Oneof(
                         "keepalive", fpb.WatchDirResponse.KeepAlive()
