@@ -58,6 +58,11 @@ def test_background_command_stdin_list_connect_and_kill(sb):
     sb.commands.close_stdin(h.pid)
     assert h.wait().stdout == "line one\n"
 
+    streamed = sb.commands.run("cat", background=True, stdin=True)
+    sb.commands.stream_input(streamed.pid, ["a\n", b"b\n"])  # StreamInput: a client stream
+    sb.commands.close_stdin(streamed.pid)
+    assert streamed.wait().stdout == "a\nb\n"
+
     sleeper = sb.commands.run("echo started; sleep 600", background=True)
     again = sb.commands.connect(sleeper.pid)
     assert again.pid == sleeper.pid
@@ -146,6 +151,12 @@ def test_run_code_text_stdout_and_state(sb):
     ex = sb.run_code("x = 40\nprint('side')\nx + 2")
     assert ex.text == "42" and ex.logs.stdout == ["side\n"] and ex.error is None  # one line, as Jupyter sends it
     assert sb.run_code("x").text == "40"
+
+
+def test_run_code_other_languages(sb):
+    assert sb.run_code("[1, 2, 3].map((n) => n * 2).length", language="js").text == "3"
+    ex = sb.run_code("echo from-bash", language="bash")
+    assert ex.logs.stdout == ["from-bash\n"] and ex.error is None
 
 
 def test_run_code_error(sb):
