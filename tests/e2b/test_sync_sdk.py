@@ -243,6 +243,10 @@ def test_raw_control_plane_v1_routes_paging_and_bad_input(sb, e2b_server):
             assert (r.status_code, r.json()["code"]) == (400, 400) and "no-such-template" in r.json()["message"]
             r = http.post(f"/sandboxes/{made['sandboxID']}/fork", json={})
             assert r.status_code == 400 and "not" in r.json()["message"]
+            many = "&".join(f"k{i}=v" for i in range(65))
+            for bad_query in ({"metadata": many}, {"metadata": "no-equals-sign"}, {"state": "dead"}, {"limit": "0"}):
+                r = http.get("/v2/sandboxes", params=bad_query)
+                assert (r.status_code, r.json()["code"]) == (400, 400), bad_query
             r = http.put("/v2/sandboxes", json={})
             assert (r.status_code, r.json()["code"]) == (405, 405)
         finally:

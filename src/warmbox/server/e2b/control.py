@@ -289,7 +289,10 @@ class Control:
         raw = params.get("metadata")
         if not raw:
             return None
-        pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True, max_num_fields=64, strict_parsing=False)
+        try:
+            pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True, max_num_fields=64, strict_parsing=True)
+        except ValueError as e:
+            raise InvalidArgument(f"metadata must be key=value pairs (at most 64): {e}") from None
         return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
 
     async def list_v1(self, call: Call) -> Response:
