@@ -252,6 +252,18 @@ def test_raw_control_plane_v1_routes_paging_and_bad_input(sb, e2b_server):
         finally:
             assert http.delete(f"/sandboxes/{made['sandboxID']}").status_code == 204
         assert http.get(f"/sandboxes/{made['sandboxID']}").status_code == 404
+        # a malformed multipart upload is E2B's 400, never a 500
+        envd = {"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "49983", "X-Access-Token": sb._envd_access_token}
+        broken = {"Content-Type": "multipart/form-data; boundary=xyz"}
+        r = http.post(
+            "/files", content=b'--xyz\r\nContent-Disposition: form-data; name="file"', headers={**envd, **broken}
+        )
+        assert r.status_code == 400, r.text
+        fields = b"".join(b'--xyz\r\nContent-Disposition: form-data; name="f%d"\r\n\r\nv\r\n' % i for i in range(1001))
+        r = http.post("/files", content=fields + b"--xyz--\r\n", headers={**envd, **broken})  # the parser's limit
+        assert (r.status_code, r.json()["code"]) == (400, 400), r.text
+        r = http.post("/execute", content=b"[]", headers={**envd, "E2b-Sandbox-Port": "49999"})
+        assert (r.status_code, r.json()["code"]) == (400, 400)
 
 
 def test_metrics_sample(sb):

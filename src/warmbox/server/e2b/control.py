@@ -15,6 +15,7 @@ import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -142,6 +143,8 @@ class Control:
             response = await self._dispatch(request)
         except WarmboxError as e:
             response = http_error(e)
+        except HTTPException as e:  # Starlette's parsers (a malformed multipart body): outside its handlers here
+            response = error_response(e.status_code, str(e.detail))
         await response(scope, receive, send)
 
     async def _dispatch(self, request: Request) -> Response:

@@ -28,6 +28,7 @@ from protobuf import Oneof
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 from python_multipart.multipart import parse_options_header
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -541,6 +542,8 @@ class Files:
             response = await self._handle(request)
         except WarmboxError as e:
             response = http_error(e)
+        except HTTPException as e:  # Starlette's parsers (a malformed multipart body): outside its handlers here
+            response = error_response(e.status_code, str(e.detail))
         await response(scope, receive, send)
 
     async def _handle(self, request: Request) -> Response:

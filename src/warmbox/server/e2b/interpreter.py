@@ -10,6 +10,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -101,6 +102,8 @@ class Interpreter:
             response = await self._route(request)
         except WarmboxError as e:
             response = http_error(e)
+        except HTTPException as e:  # Starlette's parsers (a malformed multipart body): outside its handlers here
+            response = error_response(e.status_code, str(e.detail))
         await response(scope, receive, send)
 
     async def _route(self, request: Request) -> Response:
