@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -145,6 +145,8 @@ class Control:
             response = http_error(e)
         except HTTPException as e:  # Starlette's parsers (a malformed multipart body): outside its handlers here
             response = error_response(e.status_code, str(e.detail))
+        except ClientDisconnect:  # the client went before its body arrived: nobody to answer
+            response = Response(status_code=400)
         await response(scope, receive, send)
 
     async def _dispatch(self, request: Request) -> Response:

@@ -29,7 +29,7 @@ from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 from python_multipart.multipart import parse_options_header
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -544,6 +544,8 @@ class Files:
             response = http_error(e)
         except HTTPException as e:  # Starlette's parsers (a malformed multipart body): outside its handlers here
             response = error_response(e.status_code, str(e.detail))
+        except ClientDisconnect:  # the client went before its body arrived: nobody to answer
+            response = Response(status_code=400)
         await response(scope, receive, send)
 
     async def _handle(self, request: Request) -> Response:

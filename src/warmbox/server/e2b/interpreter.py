@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -104,6 +104,8 @@ class Interpreter:
             response = http_error(e)
         except HTTPException as e:  # Starlette's parsers (a malformed multipart body): outside its handlers here
             response = error_response(e.status_code, str(e.detail))
+        except ClientDisconnect:  # the client went before its body arrived: nobody to answer
+            response = Response(status_code=400)
         await response(scope, receive, send)
 
     async def _route(self, request: Request) -> Response:
