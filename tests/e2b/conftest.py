@@ -25,10 +25,11 @@ class E2BServer:
         return {"E2B_API_URL": self.server.url, "E2B_SANDBOX_URL": self.server.url, "E2B_API_KEY": self.key_a}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def e2b_server(home: Path, runc_ready: None):
-    """One `warmbox serve` for the lane; tenant A's key in E2B_API_KEY for the session (the SDKs read
-    their settings from the environment, as E2B's documentation has users do). Ended by PID."""
+    """One `warmbox serve` for the lane (this package's modules share it; it stops when they are
+    done); tenant A's key in E2B_API_KEY meanwhile (the SDKs read their settings from the
+    environment, as E2B's documentation has users do). Ended by PID."""
     from warmbox.engine.engine import Engine
 
     server = start_server(home, home / "e2b-api.sock")
