@@ -3,8 +3,8 @@
 A request with an ``E2b-Sandbox-Id`` header is for a sandbox's data plane, by ``E2b-Sandbox-Port``:
 49983 is envd (:mod:`.envd`: Connect RPC and ``/files``), 49999 the code interpreter
 (:mod:`.interpreter`). A request for ``/sandboxes``, ``/v2/sandboxes`` (...) or carrying
-``X-API-KEY`` is for the control plane (:mod:`.control`). Anything else goes on to warmbox's own
-routes. Every call runs as operations on the tenant front of the caller's key (the control plane's
+``X-API-KEY`` (to a path that is not warmbox's own: /v1, /mcp, the console, health, metrics) is
+for the control plane (:mod:`.control`). Anything else goes on to warmbox's own routes. Every call runs as operations on the tenant front of the caller's key (the control plane's
 ``X-API-KEY``; the data plane's sandbox access token names the key that got it): the adapter has no
 other way into the engine and no tenant check of its own. :mod:`.table` lists every E2B call with
 its operations."""
@@ -27,6 +27,9 @@ from warmbox.server.e2b.common import (
 from warmbox.server.e2b.control import Control
 from warmbox.server.e2b.envd import Envd
 from warmbox.server.e2b.interpreter import Interpreter
+
+# warmbox's own routes: a request for them goes on to them, whatever E2B header it carries
+WARMBOX_PATHS = ("/v1/", "/mcp", "/ui", "/healthz", "/readyz", "/metrics")
 
 
 class Dialect:
@@ -58,7 +61,9 @@ class Dialect:
                 )
                 await answer(scope, receive, send)
             return
-        if Control.claims(scope["path"]) or API_KEY_HEADER in headers:
+        path = scope["path"]
+        ours = path == "/" or path.startswith(WARMBOX_PATHS)
+        if Control.claims(path) or (API_KEY_HEADER in headers and not ours):
             await self.control(scope, receive, send)
             return
         await self.app(scope, receive, send)
