@@ -4,7 +4,9 @@ A request with an ``E2b-Sandbox-Id`` header is for a sandbox's data plane, by ``
 49983 is envd (:mod:`.envd`: Connect RPC and ``/files``), 49999 the code interpreter
 (:mod:`.interpreter`). A request for ``/sandboxes``, ``/v2/sandboxes`` (...) or carrying
 ``X-API-KEY`` (to a path that is not warmbox's own: /v1, /mcp, the console, health, metrics) is
-for the control plane (:mod:`.control`). Anything else goes on to warmbox's own routes. Every call runs as operations on the tenant front of the caller's key (the control plane's
+for the control plane (:mod:`.control`). Anything else goes on to warmbox's own routes.
+
+Every call runs as operations on the tenant front of the caller's key (the control plane's
 ``X-API-KEY``; the data plane's sandbox access token names the key that got it): the adapter has no
 other way into the engine and no tenant check of its own. :mod:`.table` lists every E2B call with
 its operations."""
