@@ -42,6 +42,7 @@ from warmbox.models import ApprovalRequest, FilesystemEvent, ProcessEvent, Tenan
 from warmbox.server import logs, peer
 from warmbox.server import tunnel as ports
 from warmbox.server.e2b import Dialect
+from warmbox.server.e2b import token_key as e2b_token_key
 from warmbox.server.metrics import Exposition
 
 log = logging.getLogger("warmbox.server")
@@ -978,7 +979,9 @@ def build_app(
         # (warmbox.server.e2b: its control plane and sandbox data planes, on the tenant fronts)
         middleware=[
             Middleware(logs.RequestLog, metrics=service.exposition.http if service.exposition else None),
-            Middleware(Dialect, service=service, max_body_mb=settings.max_body_mb),
+            Middleware(
+                Dialect, service=service, max_body_mb=settings.max_body_mb, token_key=e2b_token_key(engine.home)
+            ),
         ],
     )
     app.state.service = service

@@ -25,6 +25,7 @@ from warmbox.server.e2b.common import (
     Service,
     Tokens,
     error_response,
+    token_key,
 )
 from warmbox.server.e2b.control import Control
 from warmbox.server.e2b.envd import Envd
@@ -37,11 +38,12 @@ WARMBOX_PATHS = ("/v1/", "/mcp", "/ui", "/healthz", "/readyz", "/metrics")
 class Dialect:
     """ASGI middleware in front of warmbox's routes: E2B's requests go to their plane, the rest on.
 
-    max_body_mb: the largest file ``POST /files`` and ``GET /files`` move ([server] max_body_mb)."""
+    max_body_mb: the largest file ``POST /files`` and ``GET /files`` move ([server] max_body_mb).
+    token_key: what the sandbox access tokens are signed with (:func:`.common.token_key`)."""
 
-    def __init__(self, app: ASGIApp, service: Service, max_body_mb: int) -> None:
+    def __init__(self, app: ASGIApp, service: Service, max_body_mb: int, token_key: bytes) -> None:
         self.app = app
-        tokens = Tokens()
+        tokens = Tokens(token_key)
         self.control = Control(service, tokens)
         self.envd = Envd(service, tokens, max_body_mb << 20)
         self.interpreter = Interpreter(service, tokens)
@@ -71,4 +73,4 @@ class Dialect:
         await self.app(scope, receive, send)
 
 
-__all__ = ["Dialect"]
+__all__ = ["Dialect", "token_key"]

@@ -8,9 +8,12 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import os
 import posixpath
 import secrets
+import stat as statmod
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from connectrpc.code import Code
@@ -19,7 +22,7 @@ from starlette.responses import Response
 
 from warmbox import errors
 from warmbox import operations as ops
-from warmbox.errors import InvalidArgument, Unauthenticated, WarmboxError
+from warmbox.errors import ConfigError, InvalidArgument, Unauthenticated, WarmboxError
 from warmbox.models import Tenant
 
 R = TypeVar("R")
@@ -63,6 +66,46 @@ class Service(Protocol):
     def front(self, tenant: Tenant | None) -> Any: ...
 
 
+TOKEN_KEY_FILE = "e2b-token.key"
+_KEY_BYTES = 32
+
+
+def token_key(home: Path) -> bytes:
+    """The key the access tokens are signed with: ``<home>/e2b-token.key``, 32 random bytes made
+    once (mode 0600, created exclusively: two servers starting together agree on one). Refused
+    (ConfigError) if it is not a regular file of this user's, readable by others, or not 32 bytes."""
+    path = home / TOKEN_KEY_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        tmp = home / f".{TOKEN_KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+        wfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(wfd, secrets.token_bytes(_KEY_BYTES))
+            os.fsync(wfd)
+        finally:
+            os.close(wfd)
+        try:
+            os.link(tmp, path)  # never replaces one another server made meanwhile
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError(f"cannot read the E2B token key {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not statmod.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise ConfigError(f"the E2B token key {path} must be a regular file of this user's, mode 600")
+        key = os.read(fd, _KEY_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(key) != _KEY_BYTES:
+        raise ConfigError(f"the E2B token key {path} must hold {_KEY_BYTES} bytes (remove it to make a new one)")
+    return key
+
+
 def api_secret(api_key: str) -> str:
     """The warmbox secret an X-API-KEY carries: the key itself (``wbx_...``), or its E2B form
     ``e2b_`` + the key's bytes in hex, which E2B's SDKs that check the key's shape accept (e2b
@@ -79,14 +122,16 @@ class Tokens:
     """Sandbox access tokens: what E2B calls envdAccessToken and trafficAccessToken.
 
     A token names the API key that created or connected to the sandbox and is bound to that
-    sandbox's id by an HMAC under a secret of this server process (so it holds no state and ends
-    with its sandbox: another id, or a gone sandbox, fails the front's own checks). Data-plane
-    requests carry no API key, only the token: it says whose front runs them. A revoked key's
-    tokens stop working at once; a restarted server issues new ones (``Sandbox.connect`` gets one).
+    sandbox's id by an HMAC under the home's token key (:func:`token_key`), so it holds no state,
+    outlives a server restart and ends with its sandbox (another id, or a gone sandbox, fails the
+    front's own checks). Data-plane requests carry no API key, only the token: it says whose front
+    runs them. A revoked key's tokens stop working at once.
     """
 
-    def __init__(self) -> None:
-        self._secret = secrets.token_bytes(32)
+    def __init__(self, key: bytes) -> None:
+        if len(key) < 32:
+            raise ConfigError("the E2B token key must be at least 32 bytes")
+        self._secret = key
 
     def issue(self, tenant: Tenant, sandbox_id: str) -> str:
         key_id = tenant.key_id
@@ -222,5 +267,6 @@ __all__ = [
     "e2b_path",
     "error_response",
     "status_of",
+    "token_key",
     "warmbox_error_response",
 ]
