@@ -1094,6 +1094,10 @@ async def _command_api(args: argparse.Namespace) -> int:
 async def command(args: argparse.Namespace) -> int:
     if args.bench == "api":
         return await _command_api(args)
+    if args.bench == "e2b":
+        from warmbox.bench import e2b
+
+        return await e2b.command(args)
     if args.bench == "cluster":
         from warmbox.bench import cluster
 

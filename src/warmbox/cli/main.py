@@ -28,7 +28,7 @@ warmbox advise [--language L --untrusted|--trusted --io compute|syscall-heavy|ne
                                   which tier for such code here, why, and why not the others
 warmbox demo                      a short tour on the embedded defaults
 warmbox mcp                       an MCP server on stdin/stdout (sandbox tools for an agent)
-warmbox bench start|burst|exec|density|api|cluster|template|profile   benchmarks, ratios against raw runtimes
+warmbox bench start|burst|exec|density|api|e2b|cluster|template|profile   benchmarks, ratios against raw runtimes
 warmbox serve [--host H --port P]  the HTTP API (/v1) on 127.0.0.1:7420 and a unix socket (+ MCP at /mcp)
 warmbox serve --cluster HEAD      the same API as a cluster's API tier: each call runs on its sandbox's node
 warmbox node join HEAD [--name N --slots K]   this home's engine as a cluster node (Ray head HEAD) until SIGTERM
@@ -400,6 +400,10 @@ def _parser() -> _Parser:
     )
     b.add_argument("--tier", action="append", metavar="TIER", help="only this tier (repeatable; default: every one)")
     b.add_argument("--budget", type=float, default=0.5, help="seconds per loop and place (default 0.5)")
+    b.add_argument("--json", action="store_true")
+    b = bsub.add_parser("e2b", help="E2B's official SDK vs warmbox's own over HTTP: warm create, exec")
+    b.add_argument("--runs", type=int, default=20, help="warm create->first run_code samples per SDK")
+    b.add_argument("--execs", type=int, default=50, help='commands.run("true") round trips per SDK')
     b.add_argument("--json", action="store_true")
     b = bsub.add_parser("api", help="warmbox serve (HTTP) vs in process: warm create, exec, files, burst")
     b.add_argument("--runs", type=int, default=20, help="warm create->first run_code samples per side")

@@ -41,6 +41,8 @@ from warmbox.errors import Forbidden, InvalidArgument, RateLimited, Unauthentica
 from warmbox.models import ApprovalRequest, FilesystemEvent, ProcessEvent, Tenant
 from warmbox.server import logs, peer
 from warmbox.server import tunnel as ports
+from warmbox.server.e2b import Dialect
+from warmbox.server.e2b import token_key as e2b_token_key
 from warmbox.server.metrics import Exposition
 
 log = logging.getLogger("warmbox.server")
@@ -989,8 +991,14 @@ def build_app(
         routes=routes(service) + extra,
         exception_handlers={404: _not_found, 405: _not_allowed, 500: _internal},
         lifespan=lifespan,
-        # request ids, the access record and the HTTP metrics of every request
-        middleware=[Middleware(logs.RequestLog, metrics=service.exposition.http if service.exposition else None)],
+        # request ids, the access record and the HTTP metrics of every request; then E2B's wire dialect
+        # (warmbox.server.e2b: its control plane and sandbox data planes, on the tenant fronts)
+        middleware=[
+            Middleware(logs.RequestLog, metrics=service.exposition.http if service.exposition else None),
+            Middleware(
+                Dialect, service=service, max_body_mb=settings.max_body_mb, token_key=e2b_token_key(engine.home)
+            ),
+        ],
     )
     app.state.service = service
     return app

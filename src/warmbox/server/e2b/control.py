@@ -1,0 +1,389 @@
+"""E2B's control plane (REST, JSON; the key in ``X-API-KEY``) as operations on the key's tenant
+front: create, connect/resume, list, info, kill, timeouts, pause, metrics. Errors are E2B's
+``{code, message}`` with the statuses its SDKs turn into their exceptions."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import datetime
+import json
+import re
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from warmbox import operations as ops
+from warmbox.errors import InvalidArgument, SandboxNotFound, SandboxStateError, Unauthenticated, WarmboxError
+from warmbox.models import Lifecycle, SandboxInfo, SandboxQuery, State
+from warmbox.network.policy import Network
+from warmbox.server.e2b import table
+from warmbox.server.e2b.common import ENVD_VERSION, Front, Service, Tokens, api_secret, error_response
+from warmbox.server.e2b.common import warmbox_error_response as http_error
+
+MAX_BODY = 1 << 20
+# E2B's template names -> warmbox's built-in templates (any other name: a warmbox template of that name)
+TEMPLATES = {"base": "base", "code-interpreter-v1": "pydata", "code-interpreter": "pydata"}
+DEFAULT_TIMEOUT_S = 300  # E2B's default sandbox timeout
+MAX_PAGE = 1000
+_ALIVE = (State.CREATING, State.READY, State.RUNNING)
+Handler = Callable[["Call"], Awaitable[Response]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One control-plane request: its front, tenant key's tokens, path parameter and body."""
+
+    request: Request
+    front: Front
+    tenant: Any
+    sandbox_id: str
+    body: dict[str, Any]
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+def _state(info: SandboxInfo) -> str:
+    return "paused" if info.state == State.PAUSED else "running"
+
+
+def _template_id(info: SandboxInfo) -> str:
+    reverse = {"pydata": "code-interpreter-v1"}
+    return reverse.get(info.template, info.template)
+
+
+def _number(body: dict[str, Any], key: str, default: int | None = None, *, low: int = 0, high: int = 86400 * 30) -> int:
+    value = body.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise InvalidArgument(f"{key} must be a number from {low} to {high}, got {value!r}")
+    return int(value)
+
+
+def _str_map(body: dict[str, Any], key: str) -> dict[str, str] | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise InvalidArgument(f"{key} must be an object of string values")
+    return value
+
+
+_NETWORK_FIELDS = {"allowOut", "denyOut", "allowPublicTraffic"}
+
+
+def _network(given: object) -> str | Network:
+    """E2B's ``network`` as a warmbox egress policy. E2B allows everything unless denied, and an
+    ``allowOut`` entry wins over a ``denyOut`` one; warmbox denies everything not allowed. So
+    ``allowOut`` becomes warmbox's allowlist, and the rest stays denied (denyOut adds nothing)."""
+    if not given:
+        return "none"
+    if not isinstance(given, dict):
+        raise InvalidArgument("network must be an object")
+    unknown = sorted(set(given) - _NETWORK_FIELDS)
+    if unknown:
+        raise InvalidArgument(f"network fields {unknown} are not mapped onto warmbox's egress policies yet")
+    for key in ("allowOut", "denyOut"):
+        value = given.get(key)
+        if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
+            raise InvalidArgument(f"network.{key} must be a list of strings")
+    allow = given.get("allowOut") or []
+    return Network(allow=tuple(allow)) if allow else "none"
+
+
+class Control:
+    """The control plane's routes (table.ROUTES, plane "api") and its ASGI entry."""
+
+    def __init__(self, service: Service, tokens: Tokens) -> None:
+        self._service = service
+        self._tokens = tokens
+        handlers: dict[tuple[str, str], Handler] = {
+            ("POST", "/sandboxes"): self.create,
+            ("POST", "/v2/sandboxes"): self.create,
+            ("GET", "/sandboxes"): self.list_v1,
+            ("GET", "/v2/sandboxes"): self.list_v2,
+            ("GET", "/sandboxes/{id}"): self.info,
+            ("DELETE", "/sandboxes/{id}"): self.kill,
+            ("POST", "/sandboxes/{id}/timeout"): self.set_timeout,
+            ("POST", "/sandboxes/{id}/refreshes"): self.refresh,
+            ("POST", "/sandboxes/{id}/pause"): self.pause,
+            ("POST", "/sandboxes/{id}/connect"): self.connect,
+            ("POST", "/v2/sandboxes/{id}/connect"): self.connect,
+            ("POST", "/sandboxes/{id}/resume"): self.resume,
+            ("GET", "/sandboxes/{id}/metrics"): self.metrics,
+        }
+        self._routes: list[tuple[re.Pattern[str], str, str, Handler | None, str]] = []
+        for r in table.ROUTES:
+            if r.plane != "api":
+                continue
+            handler = handlers.pop((r.method, r.path), None)
+            if handler is None and not r.unsupported:
+                raise AssertionError(f"the E2B table's {r.method} {r.path} has no handler")
+            pattern = re.compile("^" + "(?P<id>[^/]+)".join(re.escape(p) for p in r.path.split("{id}")) + "$")
+            self._routes.append((pattern, r.method, r.path, handler, r.unsupported))
+        if handlers:
+            raise AssertionError(f"handlers missing from the E2B table: {sorted(handlers)}")
+
+    @staticmethod
+    def claims(path: str) -> bool:
+        """Whether a request without a sandbox header is for E2B's control plane."""
+        return path.startswith(("/sandboxes", "/v2/sandboxes", "/snapshots", "/templates", "/v2/templates"))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        try:
+            response = await self._dispatch(request)
+        except WarmboxError as e:
+            response = http_error(e)
+        except HTTPException as e:  # Starlette's parsers (a malformed multipart body): outside its handlers here
+            response = error_response(e.status_code, str(e.detail))
+        except ClientDisconnect:  # the client went before its body arrived: nobody to answer
+            response = Response(status_code=400)
+        await response(scope, receive, send)
+
+    async def _dispatch(self, request: Request) -> Response:
+        path, method = request.url.path.rstrip("/") or "/", request.method
+        allowed = []
+        for pattern, m, _, handler, unsupported in self._routes:
+            match = pattern.match(path)
+            if match is None:
+                continue
+            if m != method:
+                allowed.append(m)
+                continue
+            tenant = self._authenticate(request)
+            if handler is None:
+                return error_response(400, f"{method} {path}: {unsupported} (warmbox)")
+            sandbox_id = match.groupdict().get("id") or ""
+            body = await self._body(request) if method in ("POST", "PUT") else {}
+            return await handler(Call(request, self._service.front(tenant), tenant, sandbox_id, body))
+        if allowed:
+            return error_response(405, f"{method} is not allowed on {path} (allowed: {', '.join(allowed)})")
+        self._authenticate(request)  # an unknown route says so only to a caller with a key
+        return error_response(404, f"E2B's API route {method} {path} is not served by warmbox")
+
+    def _authenticate(self, request: Request) -> Any:
+        secret = request.headers.get("x-api-key", "")
+        if not secret:
+            raise Unauthenticated("an API key is required: the X-API-KEY header (E2B_API_KEY)")
+        return self._service.authenticate_secret(api_secret(secret))
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY:
+                raise InvalidArgument(f"the request body is larger than {MAX_BODY} bytes")
+        if not raw.strip():
+            return {}
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise InvalidArgument(f"the request body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise InvalidArgument("the request body must be a JSON object")
+        return body
+
+    # ---- shapes
+
+    def _sandbox(self, call: Call, info: SandboxInfo) -> dict[str, Any]:
+        """E2B's Sandbox (what create and connect answer): the ids, envd's version, the tokens."""
+        token = self._tokens.issue(call.tenant, info.sandbox_id)
+        return {
+            "templateID": _template_id(info),
+            "sandboxID": info.sandbox_id,
+            "clientID": "warmbox",
+            "envdVersion": ENVD_VERSION,
+            "envdAccessToken": token,
+            "trafficAccessToken": token,
+            "domain": None,
+        }
+
+    @staticmethod
+    def _listed(info: SandboxInfo) -> dict[str, Any]:
+        return {
+            "templateID": _template_id(info),
+            "sandboxID": info.sandbox_id,
+            "clientID": "warmbox",
+            "startedAt": _iso(info.created_at),
+            "endAt": _iso(info.expires_at),
+            "cpuCount": max(1, round(info.cpus)),
+            "memoryMB": info.memory_mb,
+            "diskSizeMB": 0,
+            "state": _state(info),
+            "envdVersion": ENVD_VERSION,
+            "metadata": dict(info.metadata),
+        }
+
+    @staticmethod
+    def _json(value: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+        return Response(json.dumps(value), status_code=status, media_type="application/json", headers=headers)
+
+    async def _live(self, call: Call) -> SandboxInfo:
+        """The sandbox's record while it is alive or paused; SandboxNotFound once it ended."""
+        info = await call.front.handle(ops.Info(call.sandbox_id))
+        if info.state not in (*_ALIVE, State.PAUSED):
+            raise SandboxNotFound(f"sandbox {call.sandbox_id} is {info.state.value}")
+        return info
+
+    # ---- routes
+
+    async def create(self, call: Call) -> Response:
+        body = call.body
+        template = body.get("templateID")
+        if not isinstance(template, str) or not template:
+            raise InvalidArgument("templateID is required")
+        timeout = _number(body, "timeout", DEFAULT_TIMEOUT_S, low=1)
+        network = _network(body.get("network"))
+        for field in ("volumeMounts", "mcp", "iam"):
+            if body.get(field):
+                raise InvalidArgument(f"{field} is not supported by warmbox's E2B API yet")
+        auto_pause = body.get("autoPause", False)
+        resume = body.get("autoResume")
+        auto_resume = isinstance(resume, dict) and resume.get("enabled") is True
+        if not isinstance(auto_pause, bool):
+            raise InvalidArgument("autoPause must be true or false")
+        lifecycle = Lifecycle(on_timeout="pause" if auto_pause else "kill", auto_resume=auto_resume)
+        opened = await call.front.handle(
+            ops.Create(
+                template=TEMPLATES.get(template, template),
+                timeout=float(timeout),
+                envs=_str_map(body, "envVars"),
+                metadata=_str_map(body, "metadata"),
+                lifecycle=lifecycle if lifecycle != Lifecycle() else None,
+                # deny-all stays warmbox's default whatever allow_internet_access says (docs/e2b.md)
+                network=network,
+            )
+        )
+        return self._json(self._sandbox(call, opened.info), 201)
+
+    async def _page(self, call: Call, query: SandboxQuery, default_limit: int | None) -> Response:
+        params = call.request.query_params
+        limit = default_limit
+        if "limit" in params:
+            try:
+                limit = int(params["limit"])
+            except ValueError:
+                raise InvalidArgument(f"limit must be a number, got {params['limit']!r}") from None
+            if not 1 <= limit <= MAX_PAGE:
+                raise InvalidArgument(f"limit must be from 1 to {MAX_PAGE}")
+        start = 0
+        if params.get("nextToken"):
+            try:
+                start = int(base64.urlsafe_b64decode(params["nextToken"].encode()).decode())
+            except (ValueError, binascii.Error, UnicodeDecodeError):
+                raise InvalidArgument("nextToken is not one this server gave") from None
+        infos = await call.front.handle(ops.ListSandboxes(query=query))
+        infos = sorted(infos, key=lambda i: (-i.created_at, i.sandbox_id))
+        page = infos[start : start + limit] if limit else infos[start:]
+        headers = {}
+        if limit and start + limit < len(infos):
+            headers["x-next-token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
+        return self._json([self._listed(i) for i in page], headers=headers)
+
+    @staticmethod
+    def _metadata(params: Any) -> dict[str, str] | None:
+        raw = params.get("metadata")
+        if not raw:
+            return None
+        try:
+            pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True, max_num_fields=64, strict_parsing=True)
+        except ValueError as e:
+            raise InvalidArgument(f"metadata must be key=value pairs (at most 64): {e}") from None
+        return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
+
+    async def list_v1(self, call: Call) -> Response:
+        query = SandboxQuery(metadata=self._metadata(call.request.query_params), state=(State.RUNNING,))
+        return await self._page(call, query, None)
+
+    async def list_v2(self, call: Call) -> Response:
+        params = call.request.query_params
+        states: tuple[State, ...] | None = None
+        if params.get("state"):
+            names = [s for s in params["state"].split(",") if s]
+            if not set(names) <= {"running", "paused"}:
+                raise InvalidArgument(f"state must be running and/or paused, got {params['state']!r}")
+            states = tuple(State(s) for s in names)
+        return await self._page(call, SandboxQuery(metadata=self._metadata(params), state=states), 100)
+
+    async def info(self, call: Call) -> Response:
+        info = await self._live(call)
+        detail = self._listed(info)
+        detail["envdAccessToken"] = self._tokens.issue(call.tenant, info.sandbox_id)
+        detail["allowInternetAccess"] = False
+        return self._json(detail)
+
+    async def kill(self, call: Call) -> Response:
+        await self._live(call)
+        if not await call.front.handle(ops.Kill(call.sandbox_id)):
+            raise SandboxNotFound(f"sandbox {call.sandbox_id} not found")
+        return Response(status_code=204)
+
+    async def set_timeout(self, call: Call) -> Response:
+        timeout = _number(call.body, "timeout", low=0)
+        await call.front.handle(ops.SetTimeout(call.sandbox_id, float(timeout)))
+        return Response(status_code=204)
+
+    async def refresh(self, call: Call) -> Response:
+        duration = _number(call.body, "duration", 0, low=0, high=3600)
+        await call.front.handle(ops.SetTimeout(call.sandbox_id, float(duration or 60)))
+        return Response(status_code=204)
+
+    async def pause(self, call: Call) -> Response:
+        info = await self._live(call)
+        if info.state == State.PAUSED:
+            return error_response(409, f"sandbox {call.sandbox_id} is already paused")
+        await call.front.handle(ops.Pause(call.sandbox_id))
+        return Response(status_code=204)
+
+    async def connect(self, call: Call) -> Response:
+        timeout = _number(call.body, "timeout", DEFAULT_TIMEOUT_S, low=0)
+        info = await self._live(call)
+        if info.state == State.PAUSED:
+            opened = await call.front.handle(ops.Resume(call.sandbox_id, timeout=float(timeout) or None))
+            return self._json(self._sandbox(call, opened.info), 201)
+        if timeout and time.time() + timeout > info.expires_at:  # E2B: a connect only lengthens it
+            try:
+                await call.front.handle(ops.SetTimeout(call.sandbox_id, float(timeout)))
+            except SandboxStateError:
+                pass  # it is being paused or ended right now: its record says what it is
+        return self._json(self._sandbox(call, await self._live(call)))
+
+    async def resume(self, call: Call) -> Response:
+        timeout = _number(call.body, "timeout", DEFAULT_TIMEOUT_S, low=0)
+        info = await self._live(call)
+        if info.state != State.PAUSED:
+            return error_response(409, f"sandbox {call.sandbox_id} is not paused")
+        opened = await call.front.handle(ops.Resume(call.sandbox_id, timeout=float(timeout) or None))
+        return self._json(self._sandbox(call, opened.info), 201)
+
+    async def metrics(self, call: Call) -> Response:
+        info = await self._live(call)
+        if info.state == State.PAUSED:
+            return self._json([])  # nothing runs: no sample
+        m = await call.front.handle(ops.Metrics(call.sandbox_id))
+        now = datetime.datetime.now(datetime.UTC)
+        sample = {
+            "timestamp": now.isoformat().replace("+00:00", "Z"),
+            "timestampUnix": int(now.timestamp()),
+            "cpuCount": max(1, round(info.cpus)),
+            # E2B samples CPU use now; warmbox's meter is the average since the start
+            "cpuUsedPct": round(100.0 * m.cpu_s / m.wall_s / max(info.cpus, 1e-9), 2) if m.wall_s > 0 else 0.0,
+            "memUsed": m.memory_bytes,
+            "memTotal": info.memory_mb << 20,
+            "memCache": 0,
+            "diskUsed": 0,
+            "diskTotal": 0,
+        }
+        return self._json([sample])
+
+
+__all__ = ["TEMPLATES", "Control"]

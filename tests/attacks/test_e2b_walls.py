@@ -1,0 +1,112 @@
+"""Attacks through E2B's wire dialect on a real `warmbox serve`: tenant B (its own key, its own
+sandbox's access token, a forged token) goes for tenant A's sandbox through every E2B plane: the
+control plane (X-API-KEY), envd's Connect RPC and /files, the code interpreter. Each answer is the
+one an unknown sandbox gets (404) or a refused credential (401); A's sandbox is untouched."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import start_server
+from warmbox.engine.engine import Engine
+
+pytestmark = pytest.mark.sandbox
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("e2b", reason="the e2b extra (pip install -e '.[e2b]')")
+
+RPC = {"Content-Type": "application/json", "Connect-Protocol-Version": "1"}
+
+
+@pytest.fixture(scope="module")
+def two_tenants(home, runc_ready):
+    """A server; tenants A and B, each with a base sandbox made through E2B's create route."""
+    server = start_server(home, home / "e2b-walls.sock")
+    made: list[tuple[httpx.Client, str]] = []
+    try:
+        registry = Engine.for_home(home).registry
+        out = {}
+        for name in ("wall-a", "wall-b"):
+            _k, key = registry.create_key(name)
+            client = httpx.Client(base_url=server.url, timeout=60, headers={"X-API-KEY": key})
+            r = client.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
+            assert r.status_code == 201, r.text
+            body = r.json()
+            made.append((client, body["sandboxID"]))
+            out[name] = (key, body["sandboxID"], body["envdAccessToken"])
+        yield server.url, out
+    finally:
+        for client, sid in made:
+            client.delete(f"/sandboxes/{sid}")
+            client.close()
+        server.stop()
+
+
+def _data(sid: str, port: int, **extra: str) -> dict[str, str]:
+    return {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(port), **extra}
+
+
+def test_another_tenants_key_gets_not_found_on_every_plane(two_tenants):
+    url, t = two_tenants
+    key_b = t["wall-b"][0]
+    _key_a, sid_a, _token_a = t["wall-a"]
+    with httpx.Client(base_url=url, timeout=60, headers={"X-API-KEY": key_b}) as b:
+        assert sid_a not in {s["sandboxID"] for s in b.get("/v2/sandboxes").json()}
+        for method, path, body in (
+            ("GET", f"/sandboxes/{sid_a}", None),
+            ("DELETE", f"/sandboxes/{sid_a}", None),
+            ("POST", f"/sandboxes/{sid_a}/timeout", {"timeout": 1}),
+            ("POST", f"/sandboxes/{sid_a}/pause", {}),
+            ("POST", f"/v2/sandboxes/{sid_a}/connect", {"timeout": 10}),
+            ("GET", f"/sandboxes/{sid_a}/metrics", None),
+        ):
+            r = b.request(method, path, json=body)
+            assert (r.status_code, r.json()["code"]) == (404, 404), (method, path, r.text)
+        envd = _data(sid_a, 49983)
+        for rpc, body in (
+            ("/process.Process/List", {}),
+            ("/filesystem.Filesystem/ListDir", {"path": "/workspace"}),
+            ("/filesystem.Filesystem/Remove", {"path": "/workspace"}),
+        ):
+            r = b.post(rpc, json=body, headers={**envd, **RPC})
+            assert (r.status_code, r.json()["code"]) == (404, "not_found"), (rpc, r.text)
+        r = b.get("/files", params={"path": "/etc/hostname"}, headers=envd)
+        assert r.status_code == 404
+        r = b.post(
+            "/files",
+            params={"path": "/workspace/planted"},
+            content=b"x",
+            headers={**envd, "Content-Type": "application/octet-stream"},
+        )
+        assert r.status_code == 404
+        jupyter = _data(sid_a, 49999)
+        assert b.post("/execute", json={"code": "open('/workspace/x','w')"}, headers=jupyter).status_code == 404
+        assert b.post("/contexts", json={}, headers=jupyter).status_code == 404
+
+
+def test_a_sandbox_token_opens_only_its_own_sandbox(two_tenants):
+    url, t = two_tenants
+    _key_a, sid_a, token_a = t["wall-a"]
+    _key_b, sid_b, token_b = t["wall-b"]
+    with httpx.Client(base_url=url, timeout=60) as http:
+        # B's token, its key's id, a forged MAC, no credential: never A's front
+        forged = token_b.rsplit(".", 1)[0] + "." + token_a.rsplit(".", 1)[1]
+        for token in (token_b, forged, token_a + "x", ""):
+            headers = {**_data(sid_a, 49983), **RPC}
+            if token:
+                headers["X-Access-Token"] = token
+            r = http.post("/process.Process/List", json={}, headers=headers)
+            assert (r.status_code, r.json()["code"]) == (401, "unauthenticated"), (token[:12], r.text)
+            r = http.post(
+                "/execute", json={"code": "1"}, headers={**_data(sid_a, 49999), "E2B-Traffic-Access-Token": token}
+            )
+            assert r.status_code == 401, r.text
+        # A's token on B's sandbox is refused too; each token works on its own sandbox
+        r = http.post(
+            "/process.Process/List", json={}, headers={**_data(sid_b, 49983), "X-Access-Token": token_a, **RPC}
+        )
+        assert r.status_code == 401
+        for sid, token in ((sid_a, token_a), (sid_b, token_b)):
+            r = http.post(
+                "/process.Process/List", json={}, headers={**_data(sid, 49983), "X-Access-Token": token, **RPC}
+            )
+            assert r.status_code == 200, r.text
