@@ -13,6 +13,9 @@ its operations."""
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -28,8 +31,10 @@ from warmbox.server.e2b.common import (
     token_key,
 )
 from warmbox.server.e2b.control import Control
-from warmbox.server.e2b.envd import Envd
 from warmbox.server.e2b.interpreter import Interpreter
+
+if TYPE_CHECKING:
+    from warmbox.server.e2b.envd import Envd
 
 # warmbox's own routes: a request for them goes on to them, whatever E2B header it carries
 WARMBOX_PATHS = ("/v1/", "/mcp", "/ui", "/healthz", "/readyz", "/metrics")
@@ -45,8 +50,17 @@ class Dialect:
         self.app = app
         tokens = Tokens(token_key)
         self.control = Control(service, tokens)
-        self.envd = Envd(service, tokens, max_body_mb << 20)
+        self._envd: Envd | None = None
+        self._envd_args = (service, tokens, max_body_mb << 20)
         self.interpreter = Interpreter(service, tokens)
+
+    @property
+    def envd(self) -> Envd:
+        """envd's plane, made at its first request: its modules come from the ``e2b`` package, whose
+        import loads the whole E2B SDK (about 0.6 s), which no server that never sees one should pay."""
+        if self._envd is None:
+            self._envd = importlib.import_module("warmbox.server.e2b.envd").Envd(*self._envd_args)
+        return self._envd
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
