@@ -21,9 +21,7 @@ import dns.flags
 import dns.message
 import dns.name
 import dns.opcode
-import dns.rcode
 import dns.rdataclass
-import dns.rdatatype
 
 A, AAAA, CNAME = 1, 28, 5
 NOERROR, FORMERR, SERVFAIL, NXDOMAIN, NOTIMP, REFUSED = 0, 1, 2, 3, 4, 5
@@ -77,16 +75,20 @@ def format_error(buf: bytes) -> bytes | None:
     return struct.pack("!6H", txid, 0x8000 | (flags & 0x7800) | (flags & 0x0100) | 0x0080 | FORMERR, 0, 0, 0, 0)
 
 
-def _query_message(name: str, qtype: int, txid: int, rd: bool = True) -> dns.message.Message:
-    msg = dns.message.make_query(dns.name.from_text(name or "."), dns.rdatatype.RdataType.make(qtype))
-    msg.id = txid
-    if not rd:
-        msg.flags &= ~dns.flags.RD
-    return msg
+def _encode_name(name: str) -> bytes:
+    out = bytearray()
+    for label in name.split(".") if name else []:
+        raw = label.encode("ascii")
+        if not 0 < len(raw) < 64:
+            raise ValueError(f"bad DNS label in {name!r}")
+        out += bytes([len(raw)]) + raw
+    return bytes(out) + b"\0"
 
 
 def build_query(name: str, qtype: int, txid: int) -> bytes:
-    return _query_message(name, qtype, txid).to_wire()
+    """A recursive query for ``name`` (checked by the caller: normalize_host). Written with struct,
+    as answers are (dnspython's renderer cost more than the rest of a lookup)."""
+    return struct.pack("!6H", txid, 0x0100, 1, 0, 0, 0) + _encode_name(name) + struct.pack("!2H", qtype, 1)
 
 
 def build_response(q: Question, rcode: int, addresses: Sequence[str] = (), ttl: int = 30) -> bytes:
@@ -94,7 +96,7 @@ def build_response(q: Question, rcode: int, addresses: Sequence[str] = (), ttl: 
 
     Written with struct, not dnspython's renderer (15x its cost here, on every sandbox query):
     only the question is echoed, as dnspython read it, and every record points at it."""
-    qname = q.wire or dns.name.from_text(q.name or ".").to_wire() or b"\0"
+    qname = q.wire or _encode_name(q.name)
     answers = bytearray()
     count = 0
     for a in addresses:
@@ -114,14 +116,30 @@ def _addresses(msg: dns.message.Message, qtype: int) -> list[str]:
     return out[:MAX_ANSWERS]
 
 
-def parse_answer(buf: bytes, txid: int, qtype: int) -> tuple[int, list[str]]:
-    """(rcode, addresses of type ``qtype`` in the answer section) of an upstream response."""
+def _answer(buf: bytes, txid: int, name: str, qtype: int) -> dns.message.Message:
+    """The upstream response ``buf``, read by dnspython, if it answers our query (same id, a
+    response, our one question), else DnsFormatError."""
     try:
         msg = dns.message.from_wire(buf)
     except (dns.exception.DNSException, ValueError, UnicodeError) as e:
         raise DnsFormatError(f"malformed response: {type(e).__name__}") from None
-    if msg.id != txid or not msg.flags & dns.flags.QR:
+    if msg.id != txid or not msg.flags & dns.flags.QR or len(msg.question) != 1:
         raise DnsFormatError("not the response to our query")
+    q = msg.question[0]
+    if q.rdtype != qtype or q.rdclass != dns.rdataclass.IN or _text(q.name) != name.lower():
+        raise DnsFormatError("the response is to another question")
+    return msg
+
+
+def parse_answer(buf: bytes, txid: int, qtype: int, name: str | None = None) -> tuple[int, list[str]]:
+    """(rcode, addresses of type ``qtype`` in the answer section) of an upstream response (to
+    the question for ``name``, when given)."""
+    if name is None:
+        try:
+            name = _text(dns.message.from_wire(buf, question_only=True).question[0].name)
+        except (dns.exception.DNSException, ValueError, UnicodeError, IndexError) as e:
+            raise DnsFormatError(f"malformed response: {type(e).__name__}") from None
+    msg = _answer(buf, txid, name, qtype)
     return int(msg.rcode()), _addresses(msg, qtype)
 
 
@@ -148,21 +166,18 @@ async def query(servers: list[str], name: str, qtype: int, timeout: float = 2.0)
     loop = asyncio.get_running_loop()
     last: Exception = TimeoutError("no DNS server configured")
     for server in servers:
-        q = _query_message(name, qtype, secrets.randbelow(65536))
+        txid = secrets.randbelow(65536)
         family = socket.AF_INET6 if ":" in server else socket.AF_INET
         transport, proto = await loop.create_datagram_endpoint(_Once, remote_addr=(server, 53), family=family)
         try:
-            transport.sendto(q.to_wire())
+            transport.sendto(build_query(name, qtype, txid))
             deadline = loop.time() + timeout
             while True:
                 data = await asyncio.wait_for(asyncio.shield(proto.reply), max(0.01, deadline - loop.time()))
                 try:
-                    resp = dns.message.from_wire(data)
-                    if q.is_response(resp):
-                        return int(resp.rcode()), _addresses(resp, qtype)
-                except (dns.exception.DNSException, ValueError, UnicodeError):
-                    pass
-                proto.reply = loop.create_future()  # spoofed, stray or malformed: keep waiting
+                    return parse_answer(data, txid, qtype, name)
+                except DnsFormatError:
+                    proto.reply = loop.create_future()  # spoofed, stray or malformed: keep waiting
         except (TimeoutError, OSError) as e:
             last = e
         finally:

@@ -399,12 +399,13 @@ class Proxy:
     async def _lookup(self, host: str) -> list[str]:
         """The upstream addresses of ``host``: call only for a name a rule or an approval allows."""
         out = []
-        for qtype in (dns.A, dns.AAAA):
-            try:
-                _, addrs = await dns.query(self.net.resolvers(), host, qtype, timeout=2.0)
-                out += addrs
-            except (OSError, TimeoutError, dns.DnsFormatError):
+        asked = [dns.query(self.net.resolvers(), host, qtype, timeout=2.0) for qtype in (dns.A, dns.AAAA)]
+        for got in await asyncio.gather(*asked, return_exceptions=True):  # both at once: one round trip
+            if isinstance(got, BaseException):
+                if not isinstance(got, (OSError, TimeoutError, ValueError)):
+                    raise got
                 continue
+            out += got[1]
         return out
 
     def blocked(self, address: str) -> bool:
