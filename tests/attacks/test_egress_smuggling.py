@@ -20,18 +20,26 @@ import time
 import pytest
 
 from tests.network.conftest import net_home, world  # noqa: F401 - the fake internet fixtures
-from warmbox import Network, Sandbox
+from warmbox import Network, Sandbox, Secret
 from warmbox.network import netns
 
 pytestmark = pytest.mark.sandbox
 
 CLIENT = r"""
-import json, socket, sys
+import json, os, socket, ssl, sys
 forms = json.loads(sys.argv[1])
+gateway, port, tls = sys.argv[2], int(sys.argv[3]), sys.argv[4] == "tls"
 out = {}
 for name, wire in forms.items():
-    s = socket.create_connection((sys.argv[2], int(sys.argv[3])), timeout=8)
-    s.sendall(wire.encode("latin-1"))
+    s = socket.create_connection((gateway, port), timeout=8)
+    if tls:  # through a CONNECT the proxy intercepts (the sandbox holds a secret for the host)
+        s.sendall(b"CONNECT allowed.test:8443 HTTP/1.1\r\nHost: allowed.test:8443\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += s.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer
+        s = ssl.create_default_context().wrap_socket(s, server_hostname="allowed.test")
+    s.sendall(wire.replace("{KEY}", os.environ.get("TOKEN", "")).encode("latin-1"))
     got, closed = b"", False
     try:
         while True:
@@ -40,7 +48,7 @@ for name, wire in forms.items():
                 closed = True
                 break
             got += data
-    except ConnectionResetError:
+    except (ConnectionResetError, ssl.SSLError):
         closed = True
     except OSError:
         pass
@@ -50,11 +58,10 @@ print(json.dumps(out))
 """
 
 
-def forms(token: str) -> dict[str, str]:
-    """Each smuggling form, for the proxy (absolute-form), carrying GET /smuggled-<token>."""
-    smuggle = f"GET /smuggled-{token} HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+def forms(token: str, start: str) -> dict[str, str]:
+    """Each smuggling form, after the request line and Host of ``start``, carrying GET /smuggled-<token>."""
+    smuggle = f"GET /smuggled-{token} HTTP/1.1\r\nHost: allowed.test\r\nX-Key: {{KEY}}\r\n\r\n"
     chunked = f"{len(smuggle):x}\r\n{smuggle}\r\n0\r\n\r\n"
-    start = "POST http://allowed.test:8080/up HTTP/1.1\r\nHost: allowed.test:8080\r\n"
     return {
         "cl-te": start + "Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked,
         "te-cl": start + "Transfer-Encoding: chunked\r\nContent-Length: 4\r\n\r\n" + chunked,
@@ -68,33 +75,53 @@ def forms(token: str) -> dict[str, str]:
     }
 
 
+def attack(sb, world, mode: str, start: str) -> None:
+    """A well-formed request reaches the lax server through the proxy; every smuggling form is
+    the proxy's 400 and a close, audited, and the server reads nothing of the smuggled request."""
+    token = secrets.token_hex(6)
+    attacks = forms(token, start)
+    sb.files.write("/tmp/smuggle.py", CLIENT)
+
+    def send(wires: dict[str, str]) -> dict[str, dict]:
+        argv = ["python3", "/tmp/smuggle.py", json.dumps(wires), netns.GATEWAY, str(netns.PROXY_PORT), mode]
+        r = sb.commands.run(argv, timeout=300)
+        assert r.exit_code == 0, r.stderr
+        return json.loads(r.stdout)
+
+    control = send({"control": start.replace("/up ", "/control ") + "X-Key: {KEY}\r\nContent-Length: 2\r\n\r\nhi"})
+    assert control["control"]["response"].startswith("HTTP/1.1 200 OK"), control
+    got = send(attacks)
+    passed = {
+        name: seen["response"].split("\r\n\r\n")[0]
+        for name, seen in got.items()
+        if not (seen["response"].startswith("HTTP/1.1 400 Bad Request\r\n") and seen["closed"])
+        or "X-Warmbox-Egress: error" not in seen["response"].split("\r\n\r\n")[0]
+    }
+    assert not passed, f"not refused with the proxy's 400 and a close: {passed}"
+    time.sleep(1.0)  # the lax server logs a connection's bytes when it ends (0.5 s after a close)
+    lines = [rec["line"] for rec in world.log("lax")]
+    assert lines == ["POST /control HTTP/1.1"], f"the upstream read these requests: {lines}"
+    assert not [rec for rec in world.log("lax-raw") if token in rec["raw"]]
+    # every attempt is audited
+    refused = [e for e in sb.network.log() if e.rule == "bad-request" or "bad request" in e.detail]
+    assert len(refused) == len(attacks), [(e.rule, e.detail) for e in sb.network.log()]
+
+
 @pytest.mark.parametrize("tier", ["container", "gvisor"])
 def test_request_smuggling_through_the_proxy_is_refused(net_home, world, tier):
     world.clear_logs()
-    token = secrets.token_hex(6)
-    attacks = forms(token)
-    control = "POST http://allowed.test:8080/control HTTP/1.1\r\nHost: allowed.test:8080\r\nContent-Length: 2\r\n\r\nhi"
     with Sandbox.create(tier, network=Network(allow=["allowed.test"]), timeout=300, home=net_home) as sb:
-        sb.files.write("/tmp/smuggle.py", CLIENT)
-        run = ["python3", "/tmp/smuggle.py", "", netns.GATEWAY, str(netns.PROXY_PORT)]
-        # the path works: a well-formed request through the proxy reaches the lax server
-        r = sb.commands.run([*run[:2], json.dumps({"control": control}), *run[3:]], timeout=60)
-        assert r.exit_code == 0, r.stderr
-        assert json.loads(r.stdout)["control"]["response"].startswith("HTTP/1.1 200 OK"), r.stdout
-        r = sb.commands.run([*run[:2], json.dumps(attacks), *run[3:]], timeout=300)
-        assert r.exit_code == 0, r.stderr
-        got = json.loads(r.stdout)
-        passed = {
-            name: seen["response"].split("\r\n\r\n")[0]
-            for name, seen in got.items()
-            if not (seen["response"].startswith("HTTP/1.1 400 Bad Request\r\n") and seen["closed"])
-            or "X-Warmbox-Egress: error" not in seen["response"].split("\r\n\r\n")[0]
-        }
-        assert not passed, f"not refused with the proxy's 400 and a close: {passed}"
-        time.sleep(1.0)  # the lax server logs a connection's bytes when it ends (0.5 s after a close)
-        lines = [rec["line"] for rec in world.log("lax")]
-        assert lines == ["POST /control HTTP/1.1"], f"the upstream read these requests: {lines}"
-        assert not [rec for rec in world.log("lax-raw") if token in rec["raw"]]
-        # every attempt is audited
-        refused = [e for e in sb.network.log() if e.rule == "bad-request" or "bad request" in e.detail]
-        assert len(refused) == len(attacks), [(e.rule, e.detail) for e in sb.network.log()]
+        attack(sb, world, "http", "POST http://allowed.test:8080/up HTTP/1.1\r\nHost: allowed.test:8080\r\n")
+
+
+@pytest.mark.parametrize("tier", ["container", "gvisor"])
+def test_request_smuggling_inside_an_intercepted_tunnel_is_refused(net_home, world, tier):
+    """Where the proxy swaps a secret into the headers: a request it read as body but the server
+    as a request (or the reverse) would carry the secret where the sandbox can read it back."""
+    world.clear_logs()
+    value = "sk-REAL-" + secrets.token_hex(8)
+    net = Network(allow=["allowed.test"])
+    secret = {"TOKEN": Secret(value, hosts=["allowed.test"])}
+    with Sandbox.create(tier, network=net, secrets=secret, timeout=300, home=net_home) as sb:
+        attack(sb, world, "tls", "POST /up HTTP/1.1\r\nHost: allowed.test:8443\r\n")
+        assert value not in json.dumps([e.__dict__ for e in sb.network.log()])

@@ -4,7 +4,7 @@ Serves (addresses exist only in that namespace):
   198.51.100.10 :80 and :443  allowed.test / api.test: static files from DIR/site, POST echo
   203.0.113.66  :80 and :443  attacker.example.com: accepts uploads
   169.254.169.254 :80         fake cloud metadata
-  198.51.100.10 :8080         a lax keep-alive HTTP/1.1 server, as a smuggling victim would be
+  198.51.100.10 :8080, :8443  a lax keep-alive HTTP/1.1 server (plain, TLS), as a smuggling victim would be
   192.0.2.2     :53/udp       DNS for the names in DIR/zone.json (re-read on every query)
 Every request is appended to DIR/<server>.jsonl with its headers and body size (the lax server's
 to lax.jsonl, and every byte it receives, per connection, to lax-raw.jsonl).
@@ -79,16 +79,22 @@ def serve(name: str, addr: str, port: int, cert: str | None = None):
     threading.Thread(target=srv.serve_forever, daemon=True).start()
 
 
-def lax_server(addr: str, port: int) -> None:
+def lax_server(addr: str, port: int, cert: str | None = None) -> None:
     """Reads requests the lax way of servers that smuggling exploits: bare LF ends a line, obs-fold
     continues a header, the first Content-Length decides the body and Transfer-Encoding is ignored;
     it answers each request, and serves what follows a Connection: close that came within 0.5 s."""
     srv = socket.create_server((addr, port))
+    ctx = None
+    if cert:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(cert)
 
     def serve(conn: socket.socket) -> None:
         raw = b""
         conn.settimeout(20)
         try:
+            if ctx is not None:
+                conn = ctx.wrap_socket(conn, server_side=True)
             buf = b""
             while True:
                 scanned = 0  # (a large body it takes for a head is searched once)
@@ -129,7 +135,7 @@ def lax_server(addr: str, port: int) -> None:
                     raw += data
                     buf += data
                     conn.settimeout(20)
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # (ssl.SSLError is an OSError)
             pass
         finally:
             with open(DIR / "lax-raw.jsonl", "a") as f:
@@ -178,5 +184,6 @@ if __name__ == "__main__":
     serve("metadata", "169.254.169.254", 80)
     threading.Thread(target=dns_server, daemon=True).start()
     threading.Thread(target=lax_server, args=("198.51.100.10", 8080), daemon=True).start()
+    threading.Thread(target=lax_server, args=("198.51.100.10", 8443, str(DIR / "allowed.pem")), daemon=True).start()
     (DIR / "ready").write_text("ok")
     threading.Event().wait()

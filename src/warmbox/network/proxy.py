@@ -136,7 +136,16 @@ async def relay_body(rr: RequestReader, request: Request, writer: asyncio.Stream
         await writer.drain()
 
 
-async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn, down: bool) -> None:
+async def pipe(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    conn: _Conn,
+    down: bool,
+    leave_on_cancel: bool = False,
+) -> None:
+    """Copy until EOF, then pass the EOF on (also when cancelled, unless ``leave_on_cancel``: then
+    ``writer`` is left to its owner, which may still have the proxy's 400 to send on it)."""
+    end = True
     try:
         while True:
             data = await reader.read(65536)
@@ -150,9 +159,14 @@ async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn:
             await writer.drain()
     except (ConnectionError, OSError, asyncio.IncompleteReadError):
         pass
+    except asyncio.CancelledError:
+        end = not leave_on_cancel
+        raise
     finally:
         try:
-            if writer.can_write_eof():
+            if not end:
+                pass
+            elif writer.can_write_eof():
                 writer.write_eof()
             else:
                 writer.close()
@@ -812,7 +826,7 @@ class Proxy:
         except (TimeoutError, OSError, ssl.SSLError) as e:
             self.finish(conn, f"upstream TLS to {host} failed: {e}"[:300])
             return None
-        down = asyncio.ensure_future(pipe(up_r, writer, conn, down=True))
+        down = asyncio.ensure_future(pipe(up_r, writer, conn, down=True, leave_on_cancel=True))
         injected = 0
         rr = RequestReader(reader)  # the requests inside the TLS stream, one after the other (keep-alive)
         try:
