@@ -189,7 +189,7 @@ def test_bodies_reach_upstream_in_the_proxys_own_framing():
     wire = (
         b"POST /a HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nabc"
         b"POST /b HTTP/1.1\r\nHost: a\r\ntransfer-encoding: Chunked\r\n\r\n"
-        b"2;ext=x\r\nde\r\n1\r\nf\r\n0\r\nX-T: 1\r\n\r\n"
+        b"2;ext=x\r\nde\r\n1\r\nf\r\n0\r\nX-T: 1\r\nHost: b\r\n\r\n"
         b"GET /c HTTP/1.0\r\n\r\n"
     )
     for chunks in (1, 5, len(wire)):

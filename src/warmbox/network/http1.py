@@ -24,7 +24,8 @@ import httptools
 
 MAX_HEAD = 64 * 1024
 READ_SIZE = 65536
-FRAMING = ("content-length", "transfer-encoding")
+# trailers a server that merges them into the head could take for framing or routing: not passed on
+TRAILERS_DROPPED = frozenset({"content-length", "transfer-encoding", "host", "connection", "trailer"})
 
 
 class BadRequest(Exception):
@@ -81,7 +82,7 @@ class RequestReader:
         self._grow(len(name) + len(value) + 4)
         if self._in_head:
             self._headers.append((name, value))
-        else:  # a chunked body's trailer
+        elif name.lower().decode("latin-1") not in TRAILERS_DROPPED:  # a chunked body's trailer
             self._events.append(("trailer", (name, value)))
 
     def on_headers_complete(self) -> None:
