@@ -4,14 +4,17 @@ Serves (addresses exist only in that namespace):
   198.51.100.10 :80 and :443  allowed.test / api.test: static files from DIR/site, POST echo
   203.0.113.66  :80 and :443  attacker.example.com: accepts uploads
   169.254.169.254 :80         fake cloud metadata
+  198.51.100.10 :8080, :8443  a lax keep-alive HTTP/1.1 server (plain, TLS), as a smuggling victim would be
   192.0.2.2     :53/udp       DNS for the names in DIR/zone.json (re-read on every query)
-Every request is appended to DIR/<server>.jsonl with its headers and body size.
+Every request is appended to DIR/<server>.jsonl with its headers and body size (the lax server's
+to lax.jsonl, and every byte it receives, per connection, to lax-raw.jsonl).
 """
 
 from __future__ import annotations
 
 import http.server
 import json
+import re
 import socket
 import ssl
 import struct
@@ -76,6 +79,74 @@ def serve(name: str, addr: str, port: int, cert: str | None = None):
     threading.Thread(target=srv.serve_forever, daemon=True).start()
 
 
+def lax_server(addr: str, port: int, cert: str | None = None) -> None:
+    """Reads requests the lax way of servers that smuggling exploits: bare LF ends a line, obs-fold
+    continues a header, the first Content-Length decides the body and Transfer-Encoding is ignored;
+    it answers each request, and serves what follows a Connection: close that came within 0.5 s."""
+    srv = socket.create_server((addr, port))
+    ctx = None
+    if cert:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(cert)
+
+    def serve(conn: socket.socket) -> None:
+        raw = b""
+        conn.settimeout(20)
+        try:
+            if ctx is not None:
+                conn = ctx.wrap_socket(conn, server_side=True)
+            buf = b""
+            while True:
+                scanned = 0  # (a large body it takes for a head is searched once)
+                while (end := re.compile(rb"\r?\n\r?\n").search(buf, scanned)) is None:
+                    scanned = max(0, len(buf) - 3)
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    raw += data
+                    buf += data
+                head, rest = buf[: end.start()], buf[end.end() :]
+                lines = re.sub(rb"\r?\n[ \t]", b" ", head).split(b"\n")
+                length, close = None, False
+                for line in lines[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length" and length is None:
+                        length = int(value.strip() or b"0")
+                    close |= name.strip().lower() == b"connection" and value.strip().lower() == b"close"
+                length = length or 0
+                while len(rest) < length:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    raw += data
+                    rest += data
+                body, buf = rest[:length], rest[length:]
+                with open(DIR / "lax.jsonl", "a") as f:
+                    f.write(json.dumps({"line": lines[0].strip().decode("latin-1"), "body": len(body)}) + "\n")
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nok\n")
+                if close and not buf:  # closes once nothing more came within 0.5 s (pipelined bytes are served)
+                    conn.settimeout(0.5)
+                    try:
+                        data = conn.recv(65536)
+                    except TimeoutError:
+                        return
+                    if not data:
+                        return
+                    raw += data
+                    buf += data
+                    conn.settimeout(20)
+        except (OSError, ValueError):  # (ssl.SSLError is an OSError)
+            pass
+        finally:
+            with open(DIR / "lax-raw.jsonl", "a") as f:
+                f.write(json.dumps({"raw": raw.decode("latin-1")}) + "\n")
+            conn.close()
+
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
 def dns_server():
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.bind(("192.0.2.2", 53))
@@ -112,5 +183,7 @@ if __name__ == "__main__":
     serve("attacker", "203.0.113.66", 443, str(DIR / "attacker.pem"))
     serve("metadata", "169.254.169.254", 80)
     threading.Thread(target=dns_server, daemon=True).start()
+    threading.Thread(target=lax_server, args=("198.51.100.10", 8080), daemon=True).start()
+    threading.Thread(target=lax_server, args=("198.51.100.10", 8443, str(DIR / "allowed.pem")), daemon=True).start()
     (DIR / "ready").write_text("ok")
     threading.Event().wait()

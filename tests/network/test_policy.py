@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import ssl
+import struct
 
 import pytest
 
 from warmbox import InvalidArgument, Network, Secret
 from warmbox.network import dns
+from warmbox.network.http1 import MAX_HEAD, Request, RequestReader
 from warmbox.network.policy import Policy, is_blocked, normalize_host
-from warmbox.network.proxy import BadRequest, parse_sni, split_head, split_hostport
+from warmbox.network.proxy import BadRequest, parse_sni, split_hostport
 
 
 @pytest.mark.parametrize(
@@ -109,6 +112,33 @@ def test_secret_validation_and_repr_hides_value():
             Secret(**bad)
 
 
+def _dns_header(qd: int = 1, an: int = 0, ar: int = 0, flags: int = 0x0100) -> bytes:
+    return struct.pack("!6H", 0x1234, flags, qd, an, 0, ar)
+
+
+# malformed queries (tests/attacks/test_egress_dns_malformed.py sends them from a sandbox)
+MALFORMED_DNS = {
+    "truncated": _dns_header() + b"\x07allowed\x04te",
+    "no-question": _dns_header() + b"\x07allowed\x04test\x00\x00\x01",
+    "compression-loop": _dns_header() + b"\xc0\x0e\xc0\x0c\x00\x01\x00\x01",
+    "self-pointer": _dns_header() + b"\xc0\x0c\x00\x01\x00\x01",
+    "oversize-label": _dns_header() + b"\x40" + b"a" * 64 + b"\x00\x00\x01\x00\x01",
+    "long-name": _dns_header()
+    + b"\x3f"
+    + b"a" * 63
+    + b"\x3f"
+    + b"b" * 63
+    + b"\x3f"
+    + b"c" * 63
+    + b"\x3f"
+    + b"d" * 63
+    + b"\x00\x00\x01\x00\x01",
+    "two-questions-one-sent": _dns_header(qd=2) + b"\x07allowed\x04test\x00\x00\x01\x00\x01",
+    "answer-count-no-answer": _dns_header(an=3) + b"\x07allowed\x04test\x00\x00\x01\x00\x01",
+    "trailing-junk": _dns_header() + b"\x07allowed\x04test\x00\x00\x01\x00\x01" + b"junk",
+}
+
+
 def test_dns_round_trip_and_malformed_input():
     q = dns.parse_query(dns.build_query("Allowed.Test", dns.A, 4242))
     assert (q.txid, q.name, q.qtype) == (4242, "allowed.test", dns.A)
@@ -120,11 +150,62 @@ def test_dns_round_trip_and_malformed_input():
         b"\x00" * 11,
         b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\xc0\x0c\x00\x01\x00\x01",
         b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\x3fabc",
+        *MALFORMED_DNS.values(),
     ):
         with pytest.raises(dns.DnsFormatError):
             dns.parse_query(junk)
     with pytest.raises(dns.DnsFormatError):
         dns.parse_answer(resp, 1, dns.A)  # not the response to our query
+
+
+# the request smuggling forms (tests/attacks/test_egress_smuggling.py sends them from a sandbox)
+SMUGGLE = "GET /smuggled HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+SMUGGLING = {
+    "cl-te": f"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+    f"{len(SMUGGLE):x}\r\n{SMUGGLE}\r\n0\r\n\r\n",
+    "te-cl": f"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nContent-Length: 4\r\n\r\n"
+    f"{len(SMUGGLE):x}\r\n{SMUGGLE}\r\n0\r\n\r\n",
+    "obs-fold": f"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding:\r\n chunked\r\nContent-Length: 4\r\n\r\n"
+    f"{len(SMUGGLE):x}\r\n{SMUGGLE}\r\n0\r\n\r\n",
+    "bare-lf": f"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nX-Pad: a\nContent-Length: 4\r\n\r\n"
+    f"{len(SMUGGLE):x}\r\n{SMUGGLE}\r\n0\r\n\r\n",
+    "cl-cl": f"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\nContent-Length: {4 + len(SMUGGLE)}\r\n\r\n"
+    f"abcd{SMUGGLE}",
+    "te-gzip": f"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+    f"{len(SMUGGLE):x}\r\n{SMUGGLE}\r\n0\r\n\r\n",
+    "chunk-overflow": "POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    f"1{0:016x}\r\n{SMUGGLE}\r\n0\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("form", sorted(SMUGGLING))
+def test_request_smuggling_forms_are_bad_requests(form):
+    for chunks in (1, 7):
+        with pytest.raises(BadRequest):
+            read_requests(SMUGGLING[form].encode(), chunks)
+
+
+def test_bodies_reach_upstream_in_the_proxys_own_framing():
+    wire = (
+        b"POST /a HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nabc"
+        b"POST /b HTTP/1.1\r\nHost: a\r\ntransfer-encoding: Chunked\r\n\r\n"
+        b"2;ext=x\r\nde\r\n1\r\nf\r\n0\r\nX-T: 1\r\nHost: b\r\n\r\n"
+        b"GET /c HTTP/1.0\r\n\r\n"
+    )
+    for chunks in (1, 5, len(wire)):
+        (a, body_a), (b, body_b), (c, body_c) = read_requests(wire, chunks)
+        assert (a.target, a.length, a.chunked, body_a) == ("/a", 3, False, b"abc")
+        assert (
+            a.encode_head("POST /a HTTP/1.1", a.headers) == b"POST /a HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\n"
+        )
+        assert (b.target, b.length, b.chunked, body_b) == (
+            "/b",
+            None,
+            True,
+            b"2\r\nde\r\n1\r\nf\r\n0\r\nX-T: 1\r\n\r\n",
+        )
+        assert b.encode_head("POST /b HTTP/1.1", b.headers).endswith(b"Host: a\r\nTransfer-Encoding: chunked\r\n\r\n")
+        assert (c.target, c.version, c.length, body_c) == ("/c", "HTTP/1.0", None, b"")
 
 
 def test_sni_parse_from_a_real_client_hello():
@@ -140,17 +221,45 @@ def test_sni_parse_from_a_real_client_hello():
         parse_sni(b"GET / HTTP/1.1\r\n")
 
 
+def read_requests(wire: bytes, chunks: int = 1) -> list[tuple[Request, bytes]]:
+    """Every request (head, body as the upstream gets it) llhttp reads from ``wire``, fed to it in
+    ``chunks`` pieces; the first BadRequest is raised."""
+
+    async def run() -> list[tuple[Request, bytes]]:
+        reader = asyncio.StreamReader()
+        step = max(1, len(wire) // chunks)
+        for i in range(0, len(wire), step):
+            reader.feed_data(wire[i : i + step])
+        reader.feed_eof()
+        rr, out = RequestReader(reader), []
+        while (req := await rr.head(5)) is not None:
+            out.append((req, b"".join([piece async for piece in rr.body(req)])))
+            if req.upgrade:
+                break
+        return out
+
+    return asyncio.run(run())
+
+
 def test_request_head_parsing_is_strict():
-    head = split_head(b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test\r\n\r\n")
-    assert head[:3] == ("CONNECT", "a.test:443", "HTTP/1.1")
+    [(head, body)] = read_requests(b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test\r\n\r\n")
+    assert (head.method, head.target, head.version, head.upgrade, body) == (
+        "CONNECT",
+        "a.test:443",
+        "HTTP/1.1",
+        True,
+        b"",
+    )
     for bad in (
         b"GET\r\n\r\n",
         b"GET / HTTP/2\r\n\r\n",
         b"GET / HTTP/1.1\r\nNoColon\r\n\r\n",
         b"GET / HTTP/1.1\r\nBad Name: x\r\n\r\n",
+        b"GET / HTTP/1.1\r\nX: " + b"a" * MAX_HEAD + b"\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: a",  # the client left mid-head
     ):
         with pytest.raises(BadRequest):
-            split_head(bad)
+            read_requests(bad, chunks=3)
     assert split_hostport("[2001:db8::1]:8443", 443) == ("2001:db8::1", 8443)
     assert split_hostport("a.test", 443) == ("a.test", 443)
     for bad in ("a.test:0", "a.test:99999", "a.test:x"):

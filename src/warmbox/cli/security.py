@@ -442,6 +442,23 @@ GUARANTEES: tuple[Guarantee, ...] = (
     ),
     Guarantee(
         "egress",
+        "A sandbox cannot smuggle a request past the egress proxy: llhttp reads every request strictly "
+        "(Content-Length with Transfer-Encoding, two Content-Lengths, obs-fold, bare LF, a Transfer-Encoding "
+        "other than chunked, a chunk size past 64 bits are a 400 and a closed connection, audited) and the "
+        "upstream gets the proxy's own framing, so a lax server behind it never reads a second request, "
+        "also inside a TLS tunnel the proxy intercepts to swap in a secret. "
+        "Malformed DNS queries (truncated, looping compression, labels over 63 bytes, names over 255, "
+        "counts the packet does not hold) are read by dnspython: FORMERR or dropped, audited, never sent "
+        "upstream, and the resolver answers the next query.",
+        ("container", "gvisor"),
+        (
+            "test_egress_smuggling.py::test_request_smuggling_through_the_proxy_is_refused",
+            "test_egress_smuggling.py::test_request_smuggling_inside_an_intercepted_tunnel_is_refused",
+            "test_egress_dns_malformed.py::test_malformed_queries_get_formerr_and_the_resolver_goes_on",
+        ),
+    ),
+    Guarantee(
+        "egress",
         "A sandbox dialling many names (on_unknown='ask') cannot flood the operator's approval queue: "
         "connections to one host:port share a question, a sandbox has at most 8 open (a tenant 64), the rest are "
         "denied at once (rule approval:queue-full, itemised in the audit log up to 100, then counted), "

@@ -14,8 +14,9 @@ resolver forward one), refuses blocked addresses, and records a flat
 terminated with that sandbox's CA so the placeholder in a request header can be swapped for
 the value; every other TLS connection is tunnelled untouched after an SNI check.
 
-Everything a sandbox sends is hostile: heads are bounded, parsed strictly, and any parse
-failure is a 400 and a closed connection, never a crash of the proxy.
+Everything a sandbox sends is hostile: requests are bounded and parsed by llhttp (see
+:mod:`warmbox.network.http1`), queries by dnspython (see :mod:`warmbox.network.dns`); a bad
+request is a 400 and a closed connection, a bad query a FORMERR, never a crash of the proxy.
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ from warmbox import config, paths
 from warmbox.errors import ApprovalClosed, ApprovalNotFound, InvalidArgument, WarmboxError
 from warmbox.models import Approval, NetEvent
 from warmbox.network import asks, dns, netns, nflog
+from warmbox.network.http1 import MAX_HEAD, BadRequest, Request, RequestReader
 from warmbox.network.policy import Policy, Secret, is_blocked, is_ip, normalize_host
 from warmbox.network.tls import SandboxCA
 from warmbox.storage.registry import open_registry
 
-MAX_HEAD = 64 * 1024
 HEAD_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
 IDLE_EXIT_S = 10.0
@@ -75,10 +76,6 @@ ASK_OPEN_PER_SANDBOX = 8
 ASK_OPEN_PER_TENANT = 64
 ASK_OPEN_TOTAL = 4096
 QUEUE_FULL_ROWS = 100
-
-
-class BadRequest(Exception):
-    pass
 
 
 @dataclasses.dataclass
@@ -117,30 +114,6 @@ def parse_sni(hello: bytes) -> str | None:
         raise BadRequest("malformed ClientHello") from None
 
 
-def split_head(head: bytes) -> tuple[str, str, str, list[tuple[str, str]]]:
-    try:
-        text = head.decode("latin-1")
-    except UnicodeDecodeError:
-        raise BadRequest("undecodable head") from None
-    lines = text.split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-        raise BadRequest("bad request line")
-    headers = []
-    for line in lines[1:]:
-        if not line:
-            continue
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip() or any(c in name for c in " \t"):
-            raise BadRequest("bad header line")
-        headers.append((name, value.strip()))
-    return parts[0], parts[1], parts[2], headers
-
-
-def join_head(start: str, headers: list[tuple[str, str]]) -> bytes:
-    return (start + "\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers) + "\r\n").encode("latin-1")
-
-
 def split_hostport(target: str, default: int) -> tuple[str, int]:
     if target.startswith("["):
         host, _, rest = target[1:].partition("]")
@@ -155,55 +128,24 @@ def split_hostport(target: str, default: int) -> tuple[str, int]:
     return host, p
 
 
-async def read_head(reader: asyncio.StreamReader) -> bytes:
-    try:
-        return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
-    except asyncio.LimitOverrunError:
-        raise BadRequest("head too large") from None
-    except asyncio.IncompleteReadError as e:
-        if not e.partial:
-            raise EOFError from None
-        raise BadRequest("incomplete head") from None
+async def relay_body(rr: RequestReader, request: Request, writer: asyncio.StreamWriter, conn: _Conn) -> None:
+    """Copy one request's body, as llhttp read it (see :mod:`warmbox.network.http1`), to upstream."""
+    async for piece in rr.body(request):
+        writer.write(piece)
+        conn.up += len(piece)
+        await writer.drain()
 
 
-async def relay_body(
-    headers: list[tuple[str, str]], reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn
+async def pipe(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    conn: _Conn,
+    down: bool,
+    leave_on_cancel: bool = False,
 ) -> None:
-    """Copy exactly one request body (Content-Length or chunked) from client to upstream."""
-    h = {k.lower(): v for k, v in headers}
-    if "chunked" in h.get("transfer-encoding", "").lower():
-        while True:
-            line = await reader.readuntil(b"\r\n")
-            size = int(line.split(b";")[0].strip() or b"x", 16)
-            writer.write(line)
-            conn.up += len(line)
-            if size == 0:
-                while True:  # trailers, up to the empty line
-                    t = await reader.readuntil(b"\r\n")
-                    writer.write(t)
-                    if t == b"\r\n":
-                        break
-                break
-            data = await reader.readexactly(size + 2)
-            writer.write(data)
-            conn.up += len(data)
-            await writer.drain()
-    elif "content-length" in h:
-        left = int(h["content-length"])
-        if left < 0:
-            raise BadRequest("bad content-length")
-        while left:
-            data = await reader.read(min(left, 65536))
-            if not data:
-                raise BadRequest("body ended early")
-            writer.write(data)
-            conn.up += len(data)
-            left -= len(data)
-            await writer.drain()
-    await writer.drain()
-
-
-async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn, down: bool) -> None:
+    """Copy until EOF, then pass the EOF on (also when cancelled, unless ``leave_on_cancel``: then
+    ``writer`` is left to its owner, which may still have the proxy's 400 to send on it)."""
+    end = True
     try:
         while True:
             data = await reader.read(65536)
@@ -217,9 +159,14 @@ async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn:
             await writer.drain()
     except (ConnectionError, OSError, asyncio.IncompleteReadError):
         pass
+    except asyncio.CancelledError:
+        end = not leave_on_cancel
+        raise
     finally:
         try:
-            if writer.can_write_eof():
+            if not end:
+                pass
+            elif writer.can_write_eof():
                 writer.write_eof()
             else:
                 writer.close()
@@ -466,12 +413,13 @@ class Proxy:
     async def _lookup(self, host: str) -> list[str]:
         """The upstream addresses of ``host``: call only for a name a rule or an approval allows."""
         out = []
-        for qtype in (dns.A, dns.AAAA):
-            try:
-                _, addrs = await dns.query(self.net.resolvers(), host, qtype, timeout=2.0)
-                out += addrs
-            except (OSError, TimeoutError, dns.DnsFormatError):
+        asked = [dns.query(self.net.resolvers(), host, qtype, timeout=2.0) for qtype in (dns.A, dns.AAAA)]
+        for got in await asyncio.gather(*asked, return_exceptions=True):  # both at once: one round trip
+            if isinstance(got, BaseException):
+                if not isinstance(got, (OSError, TimeoutError, ValueError)):
+                    raise got
                 continue
+            out += got[1]
         return out
 
     def blocked(self, address: str) -> bool:
@@ -711,7 +659,10 @@ class Proxy:
             upstream = await self._serve(sid, pol, reader, writer, conn)
         except (BadRequest, ValueError) as e:
             await self._respond(writer, 400, f"bad request: {e}")
-            self.finish(conn, f"bad request: {e}")
+            if conn.event_id:
+                self.finish(conn, f"bad request: {e}"[:300])
+            else:  # refused before its destination was known: audited all the same
+                self.audit(sid, "http", "", "", 0, "deny", "bad-request", str(e)[:300])
         except (
             EOFError,
             asyncio.IncompleteReadError,
@@ -748,7 +699,11 @@ class Proxy:
     async def _serve(
         self, sid: str, pol: Policy, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn
     ) -> asyncio.StreamWriter | None:
-        method, target, version, headers = split_head(await read_head(reader))
+        rr = RequestReader(reader)
+        req = await rr.head(HEAD_TIMEOUT_S)
+        if req is None:
+            raise EOFError
+        method, target = req.method, req.target
         if method == "CONNECT":
             kind = "connect"
             raw_host, port = split_hostport(target, 443)
@@ -772,7 +727,7 @@ class Proxy:
             return None
         conn.event_id = self.audit(sid, kind, host, address, port, "allow", rule)
         if kind == "connect":
-            return await self._tunnel(sid, host, address, port, reader, writer, conn)
+            return await self._tunnel(sid, host, address, port, rr, writer, conn)
         try:
             up_r, up_w = await asyncio.wait_for(asyncio.open_connection(address, port), CONNECT_TIMEOUT_S)
         except (TimeoutError, OSError) as e:
@@ -783,13 +738,17 @@ class Proxy:
         path = (u.path or "/") + (f"?{u.query}" if u.query else "")
         keep = [
             (k, v)
-            for k, v in headers
+            for k, v in req.headers
             if k.lower() not in ("proxy-connection", "proxy-authorization", "connection", "keep-alive")
         ]
-        out = join_head(f"{method} {path} {version}", [*keep, ("Connection", "close")])
+        out = req.encode_head(f"{method} {path} {req.version}", [*keep, ("Connection", "close")])
         up_w.write(out)
         conn.up += len(out)
-        await relay_body(headers, reader, up_w, conn)
+        try:
+            await relay_body(rr, req, up_w, conn)
+        except BaseException:
+            _close(up_w)  # the upstream sees a request cut short, never what followed it
+            raise
         await pipe(up_r, writer, conn, down=True)
         self.finish(conn)
         return up_w
@@ -800,15 +759,19 @@ class Proxy:
         host: str,
         address: str,
         port: int,
-        reader: asyncio.StreamReader,
+        rr: RequestReader,
         writer: asyncio.StreamWriter,
         conn: _Conn,
     ) -> asyncio.StreamWriter | None:
+        reader = rr.reader
+        intercept = any(s.applies_to(host) for _, s in self.secrets.get(sid, [])) and sid in self.cas
+        if intercept and rr.leftover:  # TLS bytes before the answer would bypass the interception
+            raise BadRequest("data sent before the tunnel was established")
         writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         await writer.drain()
-        if any(s.applies_to(host) for _, s in self.secrets.get(sid, [])) and sid in self.cas:
+        if intercept:
             return await self._intercept(sid, host, address, port, reader, writer, conn)
-        first = await asyncio.wait_for(reader.read(16384), HEAD_TIMEOUT_S)
+        first = rr.leftover or await asyncio.wait_for(reader.read(16384), HEAD_TIMEOUT_S)
         if not first:
             self.finish(conn, "client sent nothing")
             return None
@@ -863,25 +826,34 @@ class Proxy:
         except (TimeoutError, OSError, ssl.SSLError) as e:
             self.finish(conn, f"upstream TLS to {host} failed: {e}"[:300])
             return None
-        down = asyncio.ensure_future(pipe(up_r, writer, conn, down=True))
+        down = asyncio.ensure_future(pipe(up_r, writer, conn, down=True, leave_on_cancel=True))
         injected = 0
+        rr = RequestReader(reader)  # the requests inside the TLS stream, one after the other (keep-alive)
         try:
             while True:
-                try:
-                    head = await read_head(reader)
-                except EOFError:
+                req = await rr.head(HEAD_TIMEOUT_S)
+                if req is None:
                     break
-                method, target, version, headers = split_head(head)
                 out = []
-                for k, v in headers:
+                for k, v in req.headers:
                     for placeholder, secret in self.secrets.get(sid, []):
                         if placeholder in v and secret.applies_to(host):
                             v = v.replace(placeholder, secret.value)
                             injected += 1
                     out.append((k, v))
-                up_w.write(join_head(f"{method} {target} {version}", out))
+                head = req.encode_head(f"{req.method} {req.target} {req.version}", out)
+                up_w.write(head)
                 conn.up += len(head)
-                await relay_body(headers, reader, up_w, conn)
+                await relay_body(rr, req, up_w, conn)
+                if req.upgrade:  # what follows is not HTTP/1 (a WebSocket): passed through as is
+                    up_w.write(rr.leftover)
+                    conn.up += len(rr.leftover)
+                    await pipe(reader, up_w, conn, down=False)
+                    break
+        except BadRequest:
+            down.cancel()  # the upstream's answer is cut too: the client gets the proxy's 400 now
+            _close(up_w)
+            raise
         finally:
             try:
                 if up_w.can_write_eof():
@@ -907,8 +879,11 @@ class Proxy:
         sid, pol = found
         try:
             q = dns.parse_query(data)
-        except dns.DnsFormatError:
-            self.audit(sid, "dns", "", "", 53, "deny", "malformed-query")
+        except dns.DnsFormatError as e:
+            self.audit(sid, "dns", "", "", 53, "deny", "malformed-query", str(e)[:200])
+            answer = dns.format_error(data)
+            if answer is not None:
+                transport.sendto(answer, addr)
             return
         try:
             name = normalize_host(q.name, "DNS name")
