@@ -75,11 +75,24 @@ def forms(token: str, start: str) -> dict[str, str]:
     }
 
 
-def attack(sb, world, mode: str, start: str) -> None:
-    """A well-formed request reaches the lax server through the proxy; every smuggling form is
-    the proxy's 400 and a close, audited, and the server reads nothing of the smuggled request."""
+def fronted(token: str) -> dict[str, str]:
+    """Requests inside a tunnel to allowed.test:8443 that name another host (a CDN's address routes
+    by Host: the other name would get the request, with the secret swapped in for allowed.test)."""
+    ask = f"/fronted-{token} HTTP/1.1\r\nX-Key: {{KEY}}\r\n"
+    return {
+        "host-other": f"GET {ask}Host: other.example\r\n\r\n",
+        "host-other-port": f"GET {ask}Host: allowed.test:9443\r\n\r\n",
+        "host-two": f"GET {ask}Host: allowed.test:8443\r\nHost: other.example\r\n\r\n",
+        "host-none": f"GET {ask}\r\n",
+        "absolute-form": f"GET https://other.example{ask}Host: allowed.test:8443\r\n\r\n",
+    }
+
+
+def attack(sb, world, mode: str, start: str, extra: dict[str, str] | None = None) -> None:
+    """A well-formed request reaches the lax server through the proxy; every smuggling form (and
+    each of ``extra``) is the proxy's 400 and a close, audited, and the server reads nothing of it."""
     token = secrets.token_hex(6)
-    attacks = forms(token, start)
+    attacks = forms(token, start) | (extra or {})
     sb.files.write("/tmp/smuggle.py", CLIENT)
 
     def send(wires: dict[str, str]) -> dict[str, dict]:
@@ -123,5 +136,33 @@ def test_request_smuggling_inside_an_intercepted_tunnel_is_refused(net_home, wor
     net = Network(allow=["allowed.test"])
     secret = {"TOKEN": Secret(value, hosts=["allowed.test"])}
     with Sandbox.create(tier, network=net, secrets=secret, timeout=300, home=net_home) as sb:
-        attack(sb, world, "tls", "POST /up HTTP/1.1\r\nHost: allowed.test:8443\r\n")
+        token = secrets.token_hex(6)
+        attack(sb, world, "tls", "POST /up HTTP/1.1\r\nHost: allowed.test:8443\r\n", fronted(token))
         assert value not in json.dumps([e.__dict__ for e in sb.network.log()])
+        assert not [rec for rec in world.log("lax-raw") if token in rec["raw"] or value in rec["raw"]]
+
+
+def test_a_plain_requests_host_is_the_urls(net_home, world):
+    """Plain HTTP through the proxy: the upstream gets the Host of the URL the policy decided on,
+    never the client's own (another name on the same address). The proxy is the same for every
+    tier: one tier is enough."""
+    world.clear_logs()
+    token = secrets.token_hex(6)
+    wire = f"GET http://allowed.test:8080/fronted-{token} HTTP/1.1\r\nHost: other.example\r\nConnection: close\r\n\r\n"
+    with Sandbox.create("container", network=Network(allow=["allowed.test"]), timeout=300, home=net_home) as sb:
+        sb.files.write("/tmp/smuggle.py", CLIENT)
+        argv = [
+            "python3",
+            "/tmp/smuggle.py",
+            json.dumps({"fronted": wire}),
+            netns.GATEWAY,
+            str(netns.PROXY_PORT),
+            "http",
+        ]
+        r = sb.commands.run(argv, timeout=120)
+        assert r.exit_code == 0, r.stderr
+        assert json.loads(r.stdout)["fronted"]["response"].startswith("HTTP/1.1 200 OK"), r.stdout
+    time.sleep(1.0)  # the lax server logs a connection's bytes when it ends
+    raw = [rec["raw"] for rec in world.log("lax-raw") if token in rec["raw"]]
+    assert len(raw) == 1 and "\r\nHost: allowed.test:8080\r\n" in raw[0], raw
+    assert "other.example" not in raw[0], raw

@@ -459,6 +459,18 @@ GUARANTEES: tuple[Guarantee, ...] = (
     ),
     Guarantee(
         "egress",
+        "A sandbox cannot reach another name on an allowed host's address (a CDN's, routed by Host): plain "
+        "HTTP goes upstream with the Host of the URL the policy decided on, and a request inside a tunnel "
+        "whose secrets the proxy swaps in must be origin-form with one Host naming the tunnel's host and port "
+        "(else 400 and a close; the secret never goes to another name).",
+        ("container", "gvisor"),
+        (
+            "test_egress_smuggling.py::test_a_plain_requests_host_is_the_urls",
+            "test_egress_smuggling.py::test_request_smuggling_inside_an_intercepted_tunnel_is_refused",
+        ),
+    ),
+    Guarantee(
+        "egress",
         "A sandbox dialling many names (on_unknown='ask') cannot flood the operator's approval queue: "
         "connections to one host:port share a question, a sandbox has at most 8 open (a tenant 64), the rest are "
         "denied at once (rule approval:queue-full, itemised in the audit log up to 100, then counted), "

@@ -128,6 +128,32 @@ def split_hostport(target: str, default: int) -> tuple[str, int]:
     return host, p
 
 
+def authority(host: str, port: int, default: int) -> str:
+    """``host`` (normalised) and ``port`` as a Host header writes them."""
+    name = f"[{host}]" if ":" in host else host
+    return name if port == default else f"{name}:{port}"
+
+
+def check_host(request: Request, host: str, port: int, default: int) -> None:
+    """A request inside a tunnel must be for the host the tunnel was allowed to: origin-form, with
+    one Host naming that host and port. A server on a shared address (a CDN's) routes by Host, so
+    another name there would get the request, and the secrets swapped in for ``host``."""
+    if not (request.target.startswith("/") or (request.target == "*" and request.method == "OPTIONS")):
+        raise BadRequest(
+            f"a request inside the tunnel to {host} must be origin-form (a path), not {request.target[:100]!r}"
+        )
+    values = [v for k, v in request.headers if k.lower() == "host"]
+    if len(values) != 1:
+        raise BadRequest(f"a request inside the tunnel to {host} needs exactly one Host header, got {len(values)}")
+    try:
+        name, p = split_hostport(values[0].strip(), default)
+        same = normalize_host(name) == host and p == port
+    except (BadRequest, InvalidArgument):
+        same = False
+    if not same:
+        raise BadRequest(f"Host {values[0][:100]!r} inside the tunnel is not {authority(host, port, default)}")
+
+
 async def relay_body(rr: RequestReader, request: Request, writer: asyncio.StreamWriter, conn: _Conn) -> None:
     """Copy one request's body, as llhttp read it (see :mod:`warmbox.network.http1`), to upstream."""
     async for piece in rr.body(request):
@@ -736,12 +762,15 @@ class Proxy:
             return None
         u = urlsplit(target)
         path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        # the Host is the URL's, as RFC 9112 3.2.2 has a proxy do: the client's own (another name
+        # on a shared address) would route the request past the host the policy allowed
         keep = [
             (k, v)
             for k, v in req.headers
-            if k.lower() not in ("proxy-connection", "proxy-authorization", "connection", "keep-alive")
+            if k.lower() not in ("host", "proxy-connection", "proxy-authorization", "connection", "keep-alive")
         ]
-        out = req.encode_head(f"{method} {path} {req.version}", [*keep, ("Connection", "close")])
+        head = [("Host", authority(host, port, 80)), *keep, ("Connection", "close")]
+        out = req.encode_head(f"{method} {path} {req.version}", head)
         up_w.write(out)
         conn.up += len(out)
         try:
@@ -834,6 +863,7 @@ class Proxy:
                 req = await rr.head(HEAD_TIMEOUT_S)
                 if req is None:
                     break
+                check_host(req, host, port, 443)
                 out = []
                 for k, v in req.headers:
                     for placeholder, secret in self.secrets.get(sid, []):
