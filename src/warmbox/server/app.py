@@ -44,6 +44,7 @@ from warmbox.server import tunnel as ports
 from warmbox.server.e2b import Dialect
 from warmbox.server.e2b import token_key as e2b_token_key
 from warmbox.server.metrics import Exposition
+from warmbox.server.streams import raw_body
 
 log = logging.getLogger("warmbox.server")
 R = TypeVar("R")
@@ -553,22 +554,8 @@ async def _stream_file(front: Front, req: ops.ReadFileStream | ops.DownloadDir) 
     """A file as a chunked raw body. Errors before the first byte are error responses; an error
     after it ends the connection without the closing chunk, so no client takes it as complete."""
     stream = await front.handle(req)
-    try:
-        first = await stream.next()
-    except BaseException:
-        stream.cancel()
-        raise
-
-    async def chunks() -> AsyncIterator[bytes]:
-        try:
-            chunk = first
-            while chunk is not None:
-                yield chunk
-                chunk = await stream.next()
-        finally:
-            stream.cancel()
-
-    return StreamingResponse(chunks(), media_type="application/octet-stream", headers={"X-Warmbox-Path": stream.path})
+    body = await raw_body(stream)
+    return StreamingResponse(body, media_type="application/octet-stream", headers={"X-Warmbox-Path": stream.path})
 
 
 def _event_line(ev: ProcessEvent) -> bytes:

@@ -12,13 +12,16 @@ import os
 import posixpath
 import secrets
 import stat as statmod
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from warmbox import errors
 from warmbox import operations as ops
@@ -246,6 +249,20 @@ def warmbox_error_response(exc: WarmboxError) -> Response:
     return error_response(status_of(exc), str(exc), headers)
 
 
+async def answer(handler: Callable[[Request], Awaitable[Response]], scope: Scope, receive: Receive, send: Send) -> None:
+    """One plane's request: ``handler``'s response, or E2B's error body for what it raised."""
+    request = Request(scope, receive)
+    try:
+        response = await handler(request)
+    except WarmboxError as e:
+        response = warmbox_error_response(e)
+    except HTTPException as e:  # Starlette's parsers (a malformed multipart body): outside its handlers here
+        response = error_response(e.status_code, str(e.detail))
+    except ClientDisconnect:  # the client went before its body arrived: nobody to answer
+        response = Response(status_code=400)
+    await response(scope, receive, send)
+
+
 def connect_error(exc: WarmboxError) -> ConnectError:
     """A warmbox error as the Connect error E2B's envd would answer."""
     if isinstance(exc, errors.PathExists):
@@ -254,6 +271,7 @@ def connect_error(exc: WarmboxError) -> ConnectError:
 
 
 __all__ = [
+    "answer",
     "ENVD_PORT",
     "ENVD_VERSION",
     "INTERPRETER_PORT",

@@ -15,18 +15,16 @@ import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from warmbox import operations as ops
-from warmbox.errors import InvalidArgument, SandboxNotFound, SandboxStateError, Unauthenticated, WarmboxError
+from warmbox.errors import InvalidArgument, SandboxNotFound, SandboxStateError, Unauthenticated
 from warmbox.models import Lifecycle, SandboxInfo, SandboxQuery, State
 from warmbox.network.policy import Network
 from warmbox.server.e2b import table
-from warmbox.server.e2b.common import ENVD_VERSION, Front, Service, Tokens, api_secret, error_response
-from warmbox.server.e2b.common import warmbox_error_response as http_error
+from warmbox.server.e2b.common import ENVD_VERSION, Front, Service, Tokens, answer, api_secret, error_response
 
 MAX_BODY = 1 << 20
 # E2B's template names -> warmbox's built-in templates (any other name: a warmbox template of that name)
@@ -138,16 +136,7 @@ class Control:
         return path.startswith(("/sandboxes", "/v2/sandboxes", "/snapshots", "/templates", "/v2/templates"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = Request(scope, receive)
-        try:
-            response = await self._dispatch(request)
-        except WarmboxError as e:
-            response = http_error(e)
-        except HTTPException as e:  # Starlette's parsers (a malformed multipart body): outside its handlers here
-            response = error_response(e.status_code, str(e.detail))
-        except ClientDisconnect:  # the client went before its body arrived: nobody to answer
-            response = Response(status_code=400)
-        await response(scope, receive, send)
+        await answer(self._dispatch, scope, receive, send)
 
     async def _dispatch(self, request: Request) -> Response:
         path, method = request.url.path.rstrip("/") or "/", request.method

@@ -28,8 +28,7 @@ from protobuf import Oneof
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 from python_multipart.multipart import parse_options_header
 from starlette.datastructures import UploadFile
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -41,12 +40,14 @@ from warmbox.server.e2b.common import (
     Service,
     Target,
     Tokens,
+    answer,
     connect_error,
     data_target,
     e2b_path,
     error_response,
 )
 from warmbox.server.e2b.common import warmbox_error_response as http_error
+from warmbox.server.streams import raw_body
 
 T = TypeVar("T")
 MAX_MESSAGE = 16 << 20  # one Connect message (a stdin chunk is the largest)
@@ -537,16 +538,7 @@ class Files:
         self._max = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = Request(scope, receive)
-        try:
-            response = await self._handle(request)
-        except WarmboxError as e:
-            response = http_error(e)
-        except HTTPException as e:  # Starlette's parsers (a malformed multipart body): outside its handlers here
-            response = error_response(e.status_code, str(e.detail))
-        except ClientDisconnect:  # the client went before its body arrived: nobody to answer
-            response = Response(status_code=400)
-        await response(scope, receive, send)
+        await answer(self._handle, scope, receive, send)
 
     async def _handle(self, request: Request) -> Response:
         t = data_target(self._service, self._tokens, request.headers)
@@ -568,22 +560,8 @@ class Files:
 
     async def _download(self, t: Target, path: str) -> Response:
         stream = await t.front.handle(ops.ReadFileStream(t.sandbox_id, path, max_bytes=self._max))
-        try:
-            first = await stream.next()  # errors before the first byte are a plain error answer
-        except BaseException:
-            stream.cancel()
-            raise
-
-        async def chunks() -> AsyncIterator[bytes]:
-            try:
-                chunk = first
-                while chunk is not None:
-                    yield chunk
-                    chunk = await stream.next()
-            finally:
-                stream.cancel()
-
-        return StreamingResponse(chunks(), media_type="application/octet-stream")
+        body = await raw_body(stream)  # errors before the first byte are a plain error answer
+        return StreamingResponse(body, media_type="application/octet-stream")
 
     async def _body(self, request: Request) -> AsyncIterator[bytes]:
         """The request body as it arrives (gunzipped for Content-Encoding: gzip), bounded."""

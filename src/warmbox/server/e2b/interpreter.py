@@ -10,16 +10,14 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from warmbox import operations as ops
 from warmbox.errors import InvalidArgument, WarmboxError
 from warmbox.models import Execution, Result
-from warmbox.server.e2b.common import HOME, Service, Target, Tokens, data_target, e2b_path, error_response
-from warmbox.server.e2b.common import warmbox_error_response as http_error
+from warmbox.server.e2b.common import HOME, Service, Target, Tokens, answer, data_target, e2b_path, error_response
 
 MAX_JSON = 16 << 20  # an /execute body (the code is the largest thing in it)
 FLUSH_S = 0.05  # a partial line of output waits at most this long for the rest of it
@@ -97,16 +95,7 @@ class Interpreter:
         self._tokens = tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = Request(scope, receive)
-        try:
-            response = await self._route(request)
-        except WarmboxError as e:
-            response = http_error(e)
-        except HTTPException as e:  # Starlette's parsers (a malformed multipart body): outside its handlers here
-            response = error_response(e.status_code, str(e.detail))
-        except ClientDisconnect:  # the client went before its body arrived: nobody to answer
-            response = Response(status_code=400)
-        await response(scope, receive, send)
+        await answer(self._route, scope, receive, send)
 
     async def _route(self, request: Request) -> Response:
         method, parts = request.method, [p for p in request.url.path.split("/") if p]
