@@ -5,7 +5,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 from pathlib import Path
+
+from warmbox.errors import ClusterError
 
 DEFAULT_HOME = "~/.local/share/warmbox"
 DEFAULT_RUNTIME_ROOT = "/var/lib/warmbox"
@@ -106,3 +109,31 @@ def owner_alive(owner: str, node: str = "") -> bool:
 def cache_dir(home: Path) -> Path:
     """What a home keeps that can be measured again (the tier profile of ``warmbox bench profile``)."""
     return home / "cache"
+
+
+def read_member_file(path: Path, what: str, max_bytes: int, *, private: bool) -> bytes:
+    """A cluster member's file (its token, a certificate, a key), never through a symlink: a
+    regular file of at most ``max_bytes``; a ``private`` one must be this process's user's and
+    readable by no one else (whoever owns it chose it: a file planted where a secret was expected
+    would let them act as any tenant), any other one writable by no one else. ``what`` names the
+    file in the ClusterError raised otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ClusterError(f"cannot read {what}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ClusterError(f"{what} is not a regular file")
+        if private and st.st_uid != os.geteuid():
+            raise ClusterError(f"{what} is owned by uid {st.st_uid}, not by this process's user")
+        if private and st.st_mode & 0o077:
+            raise ClusterError(f"{what} is readable by others (mode {st.st_mode & 0o777:o}): chmod 600 it")
+        if not private and st.st_mode & 0o022:
+            raise ClusterError(f"{what} is writable by others (mode {st.st_mode & 0o777:o})")
+        data = os.read(fd, max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise ClusterError(f"{what} is larger than {max_bytes} bytes")
+    return data

@@ -29,7 +29,6 @@ import os
 import re
 import secrets
 import ssl
-import stat
 from pathlib import Path
 
 from cryptography import x509
@@ -38,6 +37,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from warmbox import paths
 from warmbox.errors import ClusterError
 
 CA_CERT, CA_KEY = "ca.crt", "ca.key"
@@ -98,28 +98,8 @@ def _check_name(member: str) -> str:
 
 
 def _read(path: Path, private: bool) -> bytes:
-    """A PEM file, never through a symlink: a regular file, at most MAX_PEM bytes; a private one
-    must be this process's user's and readable by no one else (ClusterError otherwise)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise ClusterError(f"cannot read {path}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ClusterError(f"{path} is not a regular file")
-        if private and st.st_uid != os.geteuid():
-            raise ClusterError(f"{path} is owned by uid {st.st_uid}, not by this process's user")
-        if private and st.st_mode & 0o077:
-            raise ClusterError(f"{path} is readable by others (mode {st.st_mode & 0o777:o}): chmod 600 it")
-        if not private and st.st_mode & 0o022:
-            raise ClusterError(f"{path} is writable by others (mode {st.st_mode & 0o777:o})")
-        data = os.read(fd, MAX_PEM + 1)
-    finally:
-        os.close(fd)
-    if len(data) > MAX_PEM:
-        raise ClusterError(f"{path} is larger than {MAX_PEM} bytes: not a PEM certificate or key")
-    return data
+    """A PEM file (:func:`warmbox.paths.read_member_file`), at most MAX_PEM bytes."""
+    return paths.read_member_file(path, str(path), MAX_PEM, private=private)
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:

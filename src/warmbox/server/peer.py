@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import stat
 from pathlib import Path
 
+from warmbox import paths
 from warmbox.errors import ClusterError
 
 TENANT = "x-warmbox-tenant"  # the tenant a peer request acts as (absent: the host's root)
@@ -32,27 +32,9 @@ def read_token(path: str | Path) -> str:
     """The token in ``path``; ClusterError if it is missing, unreadable, too short, readable by
     others than its owner, or owned by another user (it lets its holder act as any tenant)."""
     p = Path(path)
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise ClusterError(f"cannot read the cluster token {p}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ClusterError(f"the cluster token {p} is not a regular file")
-        if st.st_uid != os.geteuid():
-            # whoever owns it chose the token (a file planted where the token was expected, in a
-            # directory others can write): it would let them act as any tenant, as root
-            raise ClusterError(f"the cluster token {p} is owned by uid {st.st_uid}, not by this process's user")
-        if st.st_mode & 0o077:
-            raise ClusterError(
-                f"the cluster token {p} is readable by others (mode {st.st_mode & 0o777:o}): chmod 600 it"
-            )
-        raw = os.read(fd, MAX_TOKEN + 1)
-    finally:
-        os.close(fd)
+    raw = paths.read_member_file(p, f"the cluster token {p}", MAX_TOKEN, private=True)
     token = raw.decode(errors="replace").strip()
-    if len(raw) > MAX_TOKEN or len(token) < MIN_TOKEN or not token.isprintable():
+    if len(token) < MIN_TOKEN or not token.isprintable():
         raise ClusterError(f"the cluster token {p} must be {MIN_TOKEN}-{MAX_TOKEN} printable characters")
     return token
 
