@@ -74,7 +74,13 @@ def test_a_node_marked_down_starts_nothing(pg_fresh_dsn, runc_ready):
     router = Registry(pg_fresh_dsn)  # the router's view of the shared registry
     router.join_node(NodeInfo("n1", address="http://127.0.0.1:1", slots=4, tiers=("container",)))
     _, key = router.create_key("acme")
-    env = {"WARMBOX_CLUSTER__REGISTRY": pg_fresh_dsn, "WARMBOX_CLUSTER__NODE": "n1"}
+    # the tenant's key straight to the node (direct access on): the fence must refuse, not the
+    # node-only rule (tests/attacks/test_node_access.py)
+    env = {
+        "WARMBOX_CLUSTER__REGISTRY": pg_fresh_dsn,
+        "WARMBOX_CLUSTER__NODE": "n1",
+        "WARMBOX_CLUSTER__DIRECT_ACCESS": "true",
+    }
     srv = start_server(home, home / "api.sock", env=env)
     node_key = Registry(pg_fresh_dsn, "n1").key
     try:
