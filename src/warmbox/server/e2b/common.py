@@ -208,6 +208,7 @@ _STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.NoCapacity, 503),
     (errors.BackendUnavailable, 503),
     (errors.GuestConnectionError, 502),
+    (errors.PortNotListening, 502),
     (errors.ConnectionLost, 502),
 )
 

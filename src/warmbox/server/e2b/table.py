@@ -11,7 +11,8 @@ from warmbox.operations import Op
 @dataclasses.dataclass(frozen=True)
 class Route:
     """One E2B call. plane: "api" (the control plane, key in X-API-KEY), "envd" (port 49983 of a
-    sandbox: Connect RPC and plain HTTP) or "interpreter" (port 49999: the code interpreter).
+    sandbox: Connect RPC and plain HTTP), "interpreter" (port 49999: the code interpreter) or "port"
+    (any other port: ``get_host(port)``, a server inside the sandbox).
     method: the HTTP method ("POST" for a Connect RPC). path: the route, ``{id}`` for a path
     parameter. ops: the operations it runs, in order; empty with ``unsupported`` set: answered
     with a typed error saying why (never a 404)."""
@@ -87,6 +88,14 @@ ROUTES: tuple[Route, ...] = (
     Route("interpreter", "GET", "/contexts", (), unsupported="listing code contexts needs an operation: not yet"),
     Route("interpreter", "POST", "/contexts/{id}/restart", (), unsupported="restarting a context: not yet"),
     Route("interpreter", "GET", "/health", (), "200, no operation"),
+    # ---- any other port: a server inside the sandbox (get_host)
+    Route(
+        "port",
+        "*",
+        "/{path}",
+        (Op.INFO, Op.PORTS_CONNECT),
+        "one HTTP request relayed; the sandbox's access token or its tenant's key required",
+    ),
 )
 
 
