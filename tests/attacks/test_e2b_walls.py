@@ -110,3 +110,23 @@ def test_a_sandbox_token_opens_only_its_own_sandbox(two_tenants):
                 "/process.Process/List", json={}, headers={**_data(sid, 49983), "X-Access-Token": token, **RPC}
             )
             assert r.status_code == 200, r.text
+
+
+def test_another_tenant_reaches_no_port_of_a_sandbox(two_tenants):
+    """get_host's ports (domain mode's Host, or the routing headers): B's key is not found, B's own
+    sandbox's token is refused, no credential is refused, on A's sandbox; A's own token gets through
+    to the port (nothing listens there: 502)."""
+    url, t = two_tenants
+    key_b, _sid_b, token_b = t["wall-b"]
+    _key_a, sid_a, token_a = t["wall-a"]
+    host = {"Host": f"8000-{sid_a}.e2b.test"}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for routing in (host, _data(sid_a, 8000)):
+            assert c.get("/", headers={**routing, "X-API-KEY": key_b}).status_code == 404
+            assert c.get("/", headers={**routing, "E2B-Traffic-Access-Token": token_b}).status_code == 401
+            assert c.get("/", headers=routing).status_code == 401
+        # the Host wins over headers naming B's own sandbox
+        spoof = {**host, "E2b-Sandbox-Id": _sid_b, "X-API-KEY": key_b}
+        assert c.get("/", headers=spoof).status_code == 404
+        r = c.get("/", headers={**host, "E2B-Traffic-Access-Token": token_a})
+        assert r.status_code == 502, r.text
