@@ -253,6 +253,17 @@ try:
     print("code", sb.run_code("print(6 * 7)").logs.stdout)
     missing = host.replace(sb.sandbox_id, "sb-000000000000")
     print("gone", httpx.get(f"https://{missing}/", headers=token).status_code)
+    # signed file URLs: the URL alone is the credential, for its path, operation and time
+    up = sb.upload_url("up/new.txt")
+    r = httpx.post(up, files={"file": ("/home/user/echo.py", b"uploaded")})  # the part's name is not the path
+    print("upload", r.status_code, sb.files.read("up/new.txt"), sb.files.read("echo.py") == sys.argv[2])
+    print("download", httpx.get(sb.download_url("up/new.txt", use_signature_expiration=60)).text)
+    print("as_write", httpx.post(sb.download_url("up/new.txt"), files={"file": ("x", b"x")}).status_code)
+    print("other_path", httpx.get(sb.download_url("up/new.txt").replace("new.txt", "..%2Fecho.py")).status_code)
+    from e2b.sandbox.signature import get_signature
+    old = get_signature("up/new.txt", "read", None, sb._envd_access_token, -5)
+    print("expired", httpx.get(sb._file_url("up/new.txt", None, old["signature"], old["expiration"])).status_code)
+    print("forged", httpx.get(sb._file_url("up/new.txt", None, "v1_" + "A" * 43)).status_code)
 finally:
     sb.kill()
 print("done")
@@ -285,6 +296,9 @@ def test_python_sdk_in_domain_mode_with_tls(domain_net, tmp_path: Path) -> None:
     assert lines["other"] == "404"  # another tenant's key: not found
     assert lines["code"] == "['42\\n']"
     assert lines["gone"] == "401"  # the token is bound to its sandbox
+    assert lines["upload"] == "200 uploaded True"  # written to the signed path, nowhere else
+    assert lines["download"] == "uploaded"
+    assert lines["as_write"] == lines["other_path"] == lines["expired"] == lines["forged"] == "401"
     assert "done" in out
 
 
@@ -310,6 +324,11 @@ try {
   console.log('anon', (await fetch(`https://${host}/`)).status)
   console.log('other', (await fetch(`https://${host}/`, { headers: { 'x-api-key': keyB } })).status)
   console.log('code', JSON.stringify((await sb.runCode('print(6 * 7)')).logs.stdout))
+  const form = new FormData()
+  form.append('file', new Blob(['from js']), 'js.txt')
+  const put = await fetch(await sb.uploadUrl('js.txt', { useSignatureExpiration: 60 }), { method: 'POST', body: form })
+  console.log('upload', put.status, await sb.files.read('js.txt'))
+  console.log('download', await (await fetch(await sb.downloadUrl('js.txt'))).text())
 } finally {
   await sb.kill()
 }
@@ -335,4 +354,6 @@ def test_javascript_sdk_in_domain_mode_with_tls(domain_net, tmp_path: Path) -> N
     assert lines["anon"] == "401"
     assert lines["other"] == "404"
     assert lines["code"] == '["42\\n"]'
+    assert lines["upload"] == "200 from js"
+    assert lines["download"] == "from js"
     assert "done" in out
