@@ -244,6 +244,7 @@ _STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.NoSpace, 507),
     (errors.StorageFull, 507),
     (errors.Unsupported, 400),
+    (errors.SnapshotUnsupported, 400),
     (errors.LimitTooHigh, 400),
     (errors.SandboxTimeout, 504),
     (errors.NoCapacity, 503),

@@ -36,7 +36,7 @@ ROUTES: tuple[Route, ...] = (
     Route("api", "GET", _S, (Op.INFO,)),
     Route("api", "DELETE", _S, (Op.KILL,)),
     Route("api", "POST", _S + "/timeout", (Op.SET_TIMEOUT,)),
-    Route("api", "POST", _S + "/pause", (Op.PAUSE,), "409 when already paused"),
+    Route("api", "POST", _S + "/pause", (Op.PAUSE,), "409 when already paused; memory where the tier snapshots it"),
     Route("api", "POST", _S + "/connect", (Op.INFO, Op.RESUME, Op.SET_TIMEOUT), "resumes a paused one: same id"),
     Route("api", "POST", "/v2" + _S + "/connect", (Op.INFO, Op.RESUME, Op.SET_TIMEOUT), "as /sandboxes/{id}/connect"),
     Route("api", "POST", _S + "/resume", (Op.RESUME,), "E2B's older resume"),
@@ -76,9 +76,13 @@ ROUTES: tuple[Route, ...] = (
     Route("envd", "POST", "/filesystem.Filesystem/GetWatcherEvents", (), "no operation: the watcher's kept events"),
     Route("envd", "POST", "/filesystem.Filesystem/RemoveWatcher", (), "no operation: stops the watch"),
     # ---- envd: plain HTTP
-    Route("envd", "GET", "/files", (Op.FILES_READ_STREAM,), "?path=, streamed; signed URLs are not accepted yet"),
+    Route("envd", "GET", "/files", (Op.FILES_READ_STREAM,), "?path=, streamed; or a signed URL (E2B's v1 scheme)"),
     Route(
-        "envd", "POST", "/files", (Op.FILES_WRITE_STREAM,), "multipart (field file, filename = path) or octet-stream"
+        "envd",
+        "POST",
+        "/files",
+        (Op.FILES_WRITE_STREAM,),
+        "multipart (field file, filename = path) or octet-stream; or a signed URL",
     ),
     Route("envd", "GET", "/health", (), "204, no operation: the server answers for every sandbox"),
     # ---- the code interpreter
