@@ -156,6 +156,8 @@ class _TlsRelay:
             dst.shutdown(socket.SHUT_WR)
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() (close alone does not)
         self._listener.close()
         with self._lock:
             for c in self._conns:
