@@ -110,3 +110,58 @@ def test_a_sandbox_token_opens_only_its_own_sandbox(two_tenants):
                 "/process.Process/List", json={}, headers={**_data(sid, 49983), "X-Access-Token": token, **RPC}
             )
             assert r.status_code == 200, r.text
+
+
+def test_another_tenant_reaches_no_port_of_a_sandbox(two_tenants):
+    """get_host's ports (domain mode's Host, or the routing headers): B's key is not found, B's own
+    sandbox's token is refused, no credential is refused, on A's sandbox; A's own token gets through
+    to the port (nothing listens there: 502)."""
+    url, t = two_tenants
+    key_b, _sid_b, token_b = t["wall-b"]
+    _key_a, sid_a, token_a = t["wall-a"]
+    host = {"Host": f"8000-{sid_a}.e2b.test"}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for routing in (host, _data(sid_a, 8000)):
+            assert c.get("/", headers={**routing, "X-API-KEY": key_b}).status_code == 404
+            assert c.get("/", headers={**routing, "E2B-Traffic-Access-Token": token_b}).status_code == 401
+            assert c.get("/", headers=routing).status_code == 401
+        # the Host wins over headers naming B's own sandbox
+        spoof = {**host, "E2b-Sandbox-Id": _sid_b, "X-API-KEY": key_b}
+        assert c.get("/", headers=spoof).status_code == 404
+        r = c.get("/", headers={**host, "E2B-Traffic-Access-Token": token_a})
+        assert r.status_code == 502, r.text
+
+
+def _signed(path: str, operation: str, token: str, expiration: int | None = None) -> dict[str, str]:
+    from e2b.sandbox.signature import get_signature  # E2B's own signer, as its SDKs sign
+
+    sig = get_signature(path, operation, None, token, None if expiration is None else expiration)
+    query = {"path": path, "signature": sig["signature"]}
+    if sig["expiration"] is not None:
+        query["signature_expiration"] = str(sig["expiration"])
+    return query
+
+
+def test_a_signed_file_url_opens_only_what_it_was_signed_for(two_tenants):
+    """Signed /files URLs: B's token signing for A's sandbox, A's read URL used to write, for
+    another path, or expired, are 401 and touch nothing; A's own read URL works."""
+    url, t = two_tenants
+    _key_b, _sid_b, token_b = t["wall-b"]
+    _key_a, sid_a, token_a = t["wall-a"]
+    envd = _data(sid_a, 49983)
+    with httpx.Client(base_url=url, timeout=60) as c:
+        assert c.get("/files", params=_signed("/etc/hostname", "read", token_a), headers=envd).status_code == 200
+        assert c.get("/files", params=_signed("/etc/hostname", "read", token_b), headers=envd).status_code == 401
+        planted = {**_signed("/home/user/planted", "write", token_b), "username": ""}
+        r = c.post("/files", params=planted, files={"file": ("planted", b"x")}, headers=envd)
+        assert r.status_code == 401
+        as_write = _signed("/home/user/planted", "read", token_a)
+        r = c.post("/files", params=as_write, files={"file": ("planted", b"x")}, headers=envd)
+        assert r.status_code == 401
+        moved = {**_signed("/etc/hostname", "read", token_a), "path": "/etc/passwd"}
+        assert c.get("/files", params=moved, headers=envd).status_code == 401
+        expired = _signed("/etc/hostname", "read", token_a, -5)
+        assert c.get("/files", params=expired, headers=envd).status_code == 401
+        # nothing was written by the refused uploads
+        r = c.get("/files", params={"path": "/home/user/planted"}, headers={**envd, "X-Access-Token": token_a})
+        assert r.status_code == 404

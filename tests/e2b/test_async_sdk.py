@@ -46,6 +46,12 @@ def test_base_sandbox_commands_files_pause_connect_and_kill(e2b_server):
             assert (await again.get_info()).state == "running"
             assert await again.files.read("/workspace/kept.txt") == "kept across a pause"
             assert (await again.commands.run("true")).exit_code == 0
+            # a filesystem-only pause (E2B's memory: false); the default above asked for memory,
+            # which the container tier answers with this same pause
+            assert await again.pause(mode="filesystem")
+            assert (await AsyncSandbox.get_info(sb.sandbox_id)).state == "paused"
+            again = await AsyncSandbox.connect(sb.sandbox_id, timeout=300)
+            assert await again.files.read("/workspace/kept.txt") == "kept across a pause"
         finally:
             assert await AsyncSandbox.kill(sb.sandbox_id) is True
         assert await AsyncSandbox.kill(sb.sandbox_id) is False

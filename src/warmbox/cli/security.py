@@ -26,13 +26,17 @@ GUARANTEES: tuple[Guarantee, ...] = (
     Guarantee(
         "tenants",
         "E2B's wire dialect is no way around the tenant walls: through its control plane (X-API-KEY), "
-        "envd's Connect RPC and /files, and the code interpreter, another tenant's key finds none of a "
+        "envd's Connect RPC and /files, the code interpreter and any other sandbox port (get_host, by "
+        "Host or headers), another tenant's key finds none of a "
         "sandbox (404, absent from lists), and a sandbox access token opens only the sandbox it was "
-        "issued for (an HMAC binds it to that id: another id, a forged or no token is 401).",
+        "issued for (an HMAC binds it to that id: another id, a forged or no token is 401); a signed "
+        "file URL opens only the path, operation and time its owner's token signed.",
         _ALL,
         (
             "test_e2b_walls.py::test_another_tenants_key_gets_not_found_on_every_plane",
             "test_e2b_walls.py::test_a_sandbox_token_opens_only_its_own_sandbox",
+            "test_e2b_walls.py::test_another_tenant_reaches_no_port_of_a_sandbox",
+            "test_e2b_walls.py::test_a_signed_file_url_opens_only_what_it_was_signed_for",
         ),
     ),
     Guarantee(

@@ -41,6 +41,7 @@ from warmbox.errors import (
     NotACluster,
     SandboxNotFound,
     SandboxPaused,
+    SnapshotUnsupported,
     TemplateInUse,
     Unsupported,
     UnsupportedLanguage,
@@ -1169,6 +1170,10 @@ class EngineFront:
                 parent=self.engine.registry.parent(r.sandbox_id),
                 env_names=r.env_names,
             )
+        except SnapshotUnsupported:
+            if session is not None:  # refused before the snapshot began: the session is as it was
+                self._sessions[r.sandbox_id] = session
+            raise
         except BaseException:
             if session is not None:
                 self._sessions[r.sandbox_id] = session

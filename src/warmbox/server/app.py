@@ -247,6 +247,14 @@ class Service:
             raise Unauthenticated("unknown or revoked API key")
         return self._admit(tenant, tenant.key_id or tenant.name)
 
+    def sandbox_key_ids(self, sandbox_id: str) -> list[str]:
+        """The live API keys of the tenant a sandbox belongs to (none for an unknown sandbox or one
+        of the host's): whose access tokens may have signed an E2B file URL for it."""
+        tenant = self.engine.registry.sandbox_tenant(sandbox_id)
+        if not tenant:
+            return []
+        return [k.key_id for k in self.engine.registry.list_keys() if k.tenant == tenant and not k.revoked_at]
+
     def authenticate_key_id(self, key_id: str) -> Tenant:
         """What :meth:`authenticate_secret` answers for the key with this id (the console's
         sessions hold a key's id, never its secret): a revoked key is refused at once."""

@@ -1,8 +1,10 @@
 """E2B's wire dialect on warmbox serve's port: one more adapter over the one list of operations.
 
-A request with an ``E2b-Sandbox-Id`` header is for a sandbox's data plane, by ``E2b-Sandbox-Port``:
-49983 is envd (:mod:`.envd`: Connect RPC and ``/files``), 49999 the code interpreter
-(:mod:`.interpreter`). A request for ``/sandboxes``, ``/v2/sandboxes`` (...) or carrying
+A request with an ``E2b-Sandbox-Id`` header, or whose Host is ``{port}-{sandboxID}.{domain}`` (E2B's
+domain mode: ``E2B_DOMAIN`` with wildcard DNS and TLS; the Host wins over the headers), is for a
+sandbox's data plane, by port: 49983 is envd (:mod:`.envd`: Connect RPC and ``/files``), 49999 the
+code interpreter (:mod:`.interpreter`), any other a server inside the sandbox (:mod:`.ports`).
+A request for ``/sandboxes``, ``/v2/sandboxes`` (...) or carrying
 ``X-API-KEY`` (to a path that is not warmbox's own: /v1, /mcp, the console, health, metrics) is
 for the control plane (:mod:`.control`). Anything else goes on to warmbox's own routes.
 
@@ -14,6 +16,7 @@ its operations."""
 from __future__ import annotations
 
 import importlib
+import re
 from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers
@@ -32,12 +35,28 @@ from warmbox.server.e2b.common import (
 )
 from warmbox.server.e2b.control import Control
 from warmbox.server.e2b.interpreter import Interpreter
+from warmbox.server.e2b.ports import Ports
 
 if TYPE_CHECKING:
     from warmbox.server.e2b.envd import Envd
 
 # warmbox's own routes: a request for them goes on to them, whatever E2B header it carries
 WARMBOX_PATHS = ("/v1/", "/mcp", "/ui", "/healthz", "/readyz", "/metrics")
+# domain mode's Host: its first label is {port}-{sandboxID} (warmbox's ids are sb- and 12 hex digits)
+_DOMAIN_HOST = re.compile(rb"([0-9]{1,5})-(sb-[0-9a-f]{12})\.[^:]+(?::[0-9]{1,5})?")
+_ROUTING = (SANDBOX_HEADER.encode(), PORT_HEADER.encode())
+
+
+def domain_route(scope: Scope) -> Scope | None:
+    """``scope`` with the E2b-Sandbox-Id/Port headers its Host names (``{port}-{sandboxID}.{domain}``,
+    any headers of those names dropped), or None when the Host is not of that form."""
+    host = next((v for k, v in scope["headers"] if k == b"host"), b"")
+    m = _DOMAIN_HOST.fullmatch(host.lower())
+    if m is None:
+        return None
+    headers = [(k, v) for k, v in scope["headers"] if k not in _ROUTING]
+    headers += [(_ROUTING[0], m.group(2)), (_ROUTING[1], m.group(1))]
+    return {**scope, "headers": headers}
 
 
 class Dialect:
@@ -53,6 +72,7 @@ class Dialect:
         self._envd: Envd | None = None
         self._envd_args = (service, tokens, max_body_mb << 20)
         self.interpreter = Interpreter(service, tokens)
+        self.ports = Ports(service, tokens, max_body_mb << 20)
 
     @property
     def envd(self) -> Envd:
@@ -66,6 +86,7 @@ class Dialect:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope = domain_route(scope) or scope
         headers = Headers(scope=scope)
         if SANDBOX_HEADER in headers:
             port = headers.get(PORT_HEADER, str(ENVD_PORT))
@@ -73,11 +94,10 @@ class Dialect:
                 await self.envd(scope, receive, send)
             elif port == str(INTERPRETER_PORT):
                 await self.interpreter(scope, receive, send)
+            elif port.isdigit() and len(port) <= 5:
+                await self.ports(scope, receive, send, int(port))
             else:
-                answer = error_response(
-                    502, f"port {port[:16]!r} of a sandbox is reached through get_host's domain mode: not supported yet"
-                )
-                await answer(scope, receive, send)
+                await error_response(400, "E2b-Sandbox-Port must be a port number")(scope, receive, send)
             return
         path = scope["path"]
         ours = path == "/" or path.startswith(WARMBOX_PATHS)

@@ -12,6 +12,7 @@ import os
 import posixpath
 import secrets
 import stat as statmod
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -65,6 +66,8 @@ class Service(Protocol):
     def authenticate_secret(self, secret: str) -> Tenant: ...
 
     def authenticate_key_id(self, key_id: str) -> Tenant: ...
+
+    def sandbox_key_ids(self, sandbox_id: str) -> list[str]: ...
 
     def front(self, tenant: Tenant | None) -> Any: ...
 
@@ -140,6 +143,9 @@ class Tokens:
         key_id = tenant.key_id
         if not key_id:
             raise Unauthenticated("E2B's API needs a tenant API key (X-API-KEY)")
+        return self.issue_for(key_id, sandbox_id)
+
+    def issue_for(self, key_id: str, sandbox_id: str) -> str:
         return f"{_TOKEN_PREFIX}{key_id}.{self._mac(key_id, sandbox_id)}"
 
     def key_id(self, token: str, sandbox_id: str) -> str:
@@ -180,6 +186,41 @@ def data_target(service: Service, tokens: Tokens, headers: Mapping[str, str]) ->
     return Target(service.front(tenant), sandbox_id)
 
 
+MAX_SIGNERS = 64  # the keys of one tenant a signed URL is checked against
+
+
+def file_signature(path: str, operation: str, user: str, token: str, expiration: int | None) -> str:
+    """E2B's v1 signature of a file URL: ``v1_`` + unpadded base64 of SHA-256 over
+    ``path:operation:user:token[:expiration]`` (operation "read" or "write"; user "" for the
+    default user; token the sandbox's envdAccessToken; expiration unix seconds)."""
+    raw = f"{path}:{operation}:{user}:{token}" + ("" if expiration is None else f":{expiration}")
+    return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).decode().rstrip("=")
+
+
+def signed_target(service: Service, tokens: Tokens, headers: Mapping[str, str], query: Mapping[str, str]) -> Target:
+    """Who a signed ``/files`` URL is from: the key whose access token for this sandbox signed its
+    path, operation (GET read, POST write, by ``operation``), user and expiration; Unauthenticated
+    if none did or it expired. The URL's holder needs nothing else, as on E2B."""
+    sandbox_id = headers.get(SANDBOX_HEADER, "")
+    if not sandbox_id or len(sandbox_id) > 128:
+        raise InvalidArgument("the E2b-Sandbox-Id header (or the Host of domain mode) must name a sandbox")
+    signature = query.get("signature", "")
+    expires = query.get("signature_expiration")
+    expiration: int | None = None
+    if expires is not None:
+        if not expires.isdigit() or len(expires) > 12:
+            raise InvalidArgument("signature_expiration must be unix seconds")
+        expiration = int(expires)
+        if expiration < time.time():
+            raise Unauthenticated("the signed URL has expired")
+    path, user, operation = query.get("path", ""), query.get("username", ""), query.get("operation", "")
+    for key_id in service.sandbox_key_ids(sandbox_id)[:MAX_SIGNERS]:
+        want = file_signature(path, operation, user, tokens.issue_for(key_id, sandbox_id), expiration)
+        if hmac.compare_digest(want.encode(), signature.encode()):
+            return Target(service.front(service.authenticate_key_id(key_id)), sandbox_id)
+    raise Unauthenticated("the URL's signature is not valid for this sandbox, path, operation and user")
+
+
 # ---- errors
 
 # the status E2B's SDKs turn into their own exception, by warmbox error class (the first match)
@@ -206,11 +247,13 @@ _STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.NoSpace, 507),
     (errors.StorageFull, 507),
     (errors.Unsupported, 400),
+    (errors.SnapshotUnsupported, 400),
     (errors.LimitTooHigh, 400),
     (errors.SandboxTimeout, 504),
     (errors.NoCapacity, 503),
     (errors.BackendUnavailable, 503),
     (errors.GuestConnectionError, 502),
+    (errors.PortNotListening, 502),
     (errors.ConnectionLost, 502),
 )
 
@@ -284,6 +327,8 @@ __all__ = [
     "data_target",
     "e2b_path",
     "error_response",
+    "file_signature",
+    "signed_target",
     "status_of",
     "token_key",
     "warmbox_error_response",

@@ -20,7 +20,13 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from warmbox import operations as ops
-from warmbox.errors import InvalidArgument, SandboxNotFound, SandboxStateError, Unauthenticated
+from warmbox.errors import (
+    InvalidArgument,
+    SandboxNotFound,
+    SandboxStateError,
+    SnapshotUnsupported,
+    Unauthenticated,
+)
 from warmbox.models import Lifecycle, SandboxInfo, SandboxQuery, State
 from warmbox.network.policy import Network
 from warmbox.server.e2b import table
@@ -330,7 +336,17 @@ class Control:
         info = await self._live(call)
         if info.state == State.PAUSED:
             return error_response(409, f"sandbox {call.sandbox_id} is already paused")
-        await call.front.handle(ops.Pause(call.sandbox_id))
+        memory = call.body.get("memory", True)  # E2B's default: a full memory snapshot
+        if not isinstance(memory, bool):
+            raise InvalidArgument("memory must be true or false")
+        try:
+            # where the sandbox's tier snapshots memory (gVisor, microVM) its processes are kept too
+            await call.front.handle(ops.Pause(call.sandbox_id, memory=memory))
+        except SnapshotUnsupported:
+            if not memory:
+                raise
+            # refused before anything was done: this tier (the container's) keeps files and contexts
+            await call.front.handle(ops.Pause(call.sandbox_id))
         return Response(status_code=204)
 
     async def connect(self, call: Call) -> Response:

@@ -33,7 +33,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from warmbox import operations as ops
-from warmbox.errors import InvalidArgument, ProcessNotFound, SandboxNotFound, Unauthenticated, WarmboxError
+from warmbox.errors import InvalidArgument, ProcessNotFound, SandboxNotFound, WarmboxError
 from warmbox.models import CommandResult, EntryInfo, FilesystemEvent, FilesystemEventType, State
 from warmbox.server.e2b.common import (
     HOME,
@@ -45,6 +45,7 @@ from warmbox.server.e2b.common import (
     data_target,
     e2b_path,
     error_response,
+    signed_target,
 )
 from warmbox.server.e2b.common import warmbox_error_response as http_error
 from warmbox.server.streams import raw_body
@@ -541,17 +542,22 @@ class Files:
         await answer(self._handle, scope, receive, send)
 
     async def _handle(self, request: Request) -> Response:
-        t = data_target(self._service, self._tokens, request.headers)
-        if "signature" in request.query_params:
-            raise Unauthenticated("signed file URLs are not supported by warmbox yet: send the access token")
+        if request.method not in ("GET", "POST"):
+            return error_response(405, f"{request.method} is not allowed on /files")
+        signed = "signature" in request.query_params
+        if signed:
+            operation = "read" if request.method == "GET" else "write"
+            query = {**request.query_params, "operation": operation}
+            t = signed_target(self._service, self._tokens, request.headers, query)
+        else:
+            t = data_target(self._service, self._tokens, request.headers)
         username(request.headers)  # checked; the files API acts as the sandbox's user
         if request.method == "GET":
             return await self._download(t, e2b_path(request.query_params.get("path", "")))
-        if request.method != "POST":
-            return error_response(405, f"{request.method} is not allowed on /files")
         ctype, _ = parse_options_header(request.headers.get("content-type", ""))
         if ctype == b"multipart/form-data":
-            written = await self._multipart(t, request)
+            # a signed URL writes the path it was signed for, whatever the part's filename says
+            written = await self._multipart(t, request, only=signed)
         else:
             path = e2b_path(request.query_params.get("path", ""))
             write = ops.WriteFileStream(t.sandbox_id, path, self._body(request))
@@ -580,11 +586,15 @@ class Files:
             if chunk:
                 yield chunk
 
-    async def _multipart(self, t: Target, request: Request) -> list[EntryInfo]:
+    async def _multipart(self, t: Target, request: Request, only: bool = False) -> list[EntryInfo]:
+        """only: every part is written to the ``path`` parameter (a signed URL's), and there is one."""
         fallback = request.query_params.get("path", "")
         # the parser spools each part to a temporary file past 1 MiB; each is then streamed on
         async with request.form(max_files=1000, max_fields=1000, max_part_size=self._max) as form:
-            files = [(e2b_path(v.filename or fallback), v) for _, v in form.multi_items() if isinstance(v, UploadFile)]
+            parts = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
+            if only and (len(parts) != 1 or not fallback):
+                raise InvalidArgument("a signed upload URL takes one file part, written to the path it names")
+            files = [(e2b_path(fallback if only else (v.filename or fallback)), v) for v in parts]
             if not files:
                 raise InvalidArgument("the multipart body holds no file part")
             written = []

@@ -11,7 +11,8 @@ from warmbox.operations import Op
 @dataclasses.dataclass(frozen=True)
 class Route:
     """One E2B call. plane: "api" (the control plane, key in X-API-KEY), "envd" (port 49983 of a
-    sandbox: Connect RPC and plain HTTP) or "interpreter" (port 49999: the code interpreter).
+    sandbox: Connect RPC and plain HTTP), "interpreter" (port 49999: the code interpreter) or "port"
+    (any other port: ``get_host(port)``, a server inside the sandbox).
     method: the HTTP method ("POST" for a Connect RPC). path: the route, ``{id}`` for a path
     parameter. ops: the operations it runs, in order; empty with ``unsupported`` set: answered
     with a typed error saying why (never a 404)."""
@@ -35,7 +36,7 @@ ROUTES: tuple[Route, ...] = (
     Route("api", "GET", _S, (Op.INFO,)),
     Route("api", "DELETE", _S, (Op.KILL,)),
     Route("api", "POST", _S + "/timeout", (Op.SET_TIMEOUT,)),
-    Route("api", "POST", _S + "/pause", (Op.PAUSE,), "409 when already paused"),
+    Route("api", "POST", _S + "/pause", (Op.PAUSE,), "409 when already paused; memory where the tier snapshots it"),
     Route("api", "POST", _S + "/connect", (Op.INFO, Op.RESUME, Op.SET_TIMEOUT), "resumes a paused one: same id"),
     Route("api", "POST", "/v2" + _S + "/connect", (Op.INFO, Op.RESUME, Op.SET_TIMEOUT), "as /sandboxes/{id}/connect"),
     Route("api", "POST", _S + "/resume", (Op.RESUME,), "E2B's older resume"),
@@ -75,9 +76,13 @@ ROUTES: tuple[Route, ...] = (
     Route("envd", "POST", "/filesystem.Filesystem/GetWatcherEvents", (), "no operation: the watcher's kept events"),
     Route("envd", "POST", "/filesystem.Filesystem/RemoveWatcher", (), "no operation: stops the watch"),
     # ---- envd: plain HTTP
-    Route("envd", "GET", "/files", (Op.FILES_READ_STREAM,), "?path=, streamed; signed URLs are not accepted yet"),
+    Route("envd", "GET", "/files", (Op.FILES_READ_STREAM,), "?path=, streamed; or a signed URL (E2B's v1 scheme)"),
     Route(
-        "envd", "POST", "/files", (Op.FILES_WRITE_STREAM,), "multipart (field file, filename = path) or octet-stream"
+        "envd",
+        "POST",
+        "/files",
+        (Op.FILES_WRITE_STREAM,),
+        "multipart (field file, filename = path) or octet-stream; or a signed URL",
     ),
     Route("envd", "GET", "/health", (), "204, no operation: the server answers for every sandbox"),
     # ---- the code interpreter
@@ -87,6 +92,14 @@ ROUTES: tuple[Route, ...] = (
     Route("interpreter", "GET", "/contexts", (), unsupported="listing code contexts needs an operation: not yet"),
     Route("interpreter", "POST", "/contexts/{id}/restart", (), unsupported="restarting a context: not yet"),
     Route("interpreter", "GET", "/health", (), "200, no operation"),
+    # ---- any other port: a server inside the sandbox (get_host)
+    Route(
+        "port",
+        "*",
+        "/{path}",
+        (Op.INFO, Op.PORTS_CONNECT),
+        "one HTTP request relayed; the sandbox's access token or its tenant's key required",
+    ),
 )
 
 
