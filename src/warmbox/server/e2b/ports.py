@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from warmbox import operations as ops
-from warmbox.errors import InvalidArgument, WarmboxError
+from warmbox.errors import InvalidArgument
 from warmbox.server import tunnel
 from warmbox.server.e2b.common import (
     ACCESS_TOKEN_HEADER,
@@ -25,9 +25,9 @@ from warmbox.server.e2b.common import (
     TRAFFIC_TOKEN_HEADER,
     Service,
     Tokens,
+    answer,
     data_target,
     error_response,
-    warmbox_error_response,
 )
 
 # what says who may reach the sandbox and which one: the sandbox's server never sees them
@@ -54,14 +54,7 @@ class Ports:
         self._max_body = max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, port: int) -> None:
-        request = Request(scope, receive)
-        try:
-            response = await self._relay(request, port)
-        except WarmboxError as e:
-            response = warmbox_error_response(e)
-        except ClientDisconnect:
-            response = Response(status_code=400)
-        await response(scope, receive, send)
+        await answer(lambda request: self._relay(request, port), scope, receive, send)
 
     async def _relay(self, request: Request, port: int) -> Response:
         if not 1 <= port <= 65535:
