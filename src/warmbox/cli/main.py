@@ -1053,7 +1053,7 @@ def _trust_note() -> str:
     verify without extra_ca."""
     from warmbox.config import load
     from warmbox.errors import ConfigError
-    from warmbox.network.tls import SYSTEM_BUNDLE, host_only_cas
+    from warmbox.network.tls import host_only_cas
     from warmbox.paths import default_home
     from warmbox.sdk.http import default_url
 
@@ -1071,8 +1071,8 @@ def _trust_note() -> str:
     shown = "; ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
     return (
         f"{'tls':<10} {'warn':<4} the host trusts {len(missing)} CA(s) that sandboxes do not ({shown}); behind a "
-        f"TLS-intercepting upstream, pip/npm/curl in a sandbox fail to verify: set [network] extra_ca = "
-        f'"{SYSTEM_BUNDLE}" (or a file of those CAs) in warmbox.toml'
+        "TLS-intercepting upstream, pip/npm/curl in a sandbox fail to verify: set [network] extra_ca in "
+        "warmbox.toml to a file of those CAs (Debian keeps a host's own in /usr/local/share/ca-certificates)"
     )
 
 
