@@ -205,7 +205,7 @@ def test_a_refusal_says_which_host_which_rule_and_how_to_allow_it(net_home, worl
             "Tunnel connection failed: 403 Forbidden by warmbox: "
             "unlisted.test:443 is not on the allowlist of this sandbox" in out
         ), out
-        assert 'Network(allow=["unlisted.test"]), warmbox run --allow unlisted.test' in out, out
+        assert 'Network(allow=[..., "unlisted.test"]) or warmbox run --allow unlisted.test' in out, out
         # a registry's host suggests its preset
         r = sh(sb, "curl -sSv --max-time 8 https://files.pythonhosted.org/x 2>&1")
         assert r.exit_code != 0

@@ -54,6 +54,7 @@ from warmbox import operations as ops
 from warmbox.cli.volumes import parse_mount
 from warmbox.errors import WarmboxError
 from warmbox.models import Lifecycle, Limits, SandboxQuery, State, validate_query
+from warmbox.network.policy import PRESETS
 
 EXIT_ERROR = 125
 
@@ -158,8 +159,15 @@ def _add_network_opts(p: argparse.ArgumentParser) -> None:
         default=None,
         help="egress: none (default; loopback only) or internet (public addresses only)",
     )
-    p.add_argument("--allow", action="append", metavar="HOST|*.DOMAIN|CIDR", help="allow egress to (repeatable)")
-    p.add_argument("--deny", action="append", metavar="HOST|*.DOMAIN|CIDR", help="deny egress to (wins over allow)")
+    p.add_argument(
+        "--allow",
+        action="append",
+        metavar="HOST|*.DOMAIN|CIDR|PRESET",
+        help="allow egress to (repeatable); a preset names a registry's hosts: " + ", ".join(PRESETS),
+    )
+    p.add_argument(
+        "--deny", action="append", metavar="HOST|*.DOMAIN|CIDR|PRESET", help="deny egress to (wins over allow)"
+    )
 
 
 def _network(args: argparse.Namespace) -> Any:

@@ -272,7 +272,7 @@ def refusal(host: str, port: int, rule: str) -> str:
     printable ASCII (it is the 403's reason phrase, which pip and curl -v print)."""
     dest = f"{host}:{port}"
     name = preset_of(host) or host
-    allow = f'allow it: Network(allow=["{name}"]), warmbox run --allow {name}, or warmbox net set ID --allow {name}'
+    allow = f'add it to the allowlist: Network(allow=[..., "{name}"]) or warmbox run --allow {name}'
     if rule == "default-deny":
         why = f"{dest} is not on the allowlist of this sandbox; {allow}"
     elif rule.startswith("deny:"):
