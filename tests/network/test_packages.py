@@ -215,3 +215,14 @@ def test_a_refusal_says_which_host_which_rule_and_how_to_allow_it(net_home, worl
         r = sh(sb, "curl -sS --max-time 8 http://attacker.example.com/")
         assert "matches the deny rule *.example.com" in r.stdout, r.stdout
     assert world.log("attacker") == [] and world.log("allowed") == []
+
+
+@pytest.mark.parametrize("tier", ["gvisor", pytest.param("microvm", marks=pytest.mark.microvm)])
+def test_extra_ca_on_the_other_tiers(net_home, world, tier):
+    # the same bundle and env through each tier's link (gVisor's is made before runsc starts it)
+    world.clear_logs()
+    with network_settings(net_home, extra_ca=str(world.dir / "ca.pem")):
+        with Sandbox.create(tier=tier, network=Network(allow=["allowed.test"]), timeout=300, home=net_home) as sb:
+            r = sh(sb, "curl -sS --max-time 20 https://allowed.test/hello.txt")
+            assert r.exit_code == 0 and r.stdout == "hello from the allowed site\n", r.stderr
+    assert [e["path"] for e in world.log("allowed") if e["tls"]] == ["/hello.txt"]
