@@ -149,9 +149,11 @@ class Rule:
 @dataclasses.dataclass(frozen=True)
 class Network:
     """An allowlist policy. ``allow``/``deny``: host names, ``*.example.com`` (its subdomains),
-    IP addresses or CIDRs; deny wins. An allowed CIDR opens IP literals in it, not names that
-    happen to resolve into it. ``on_unknown``: ``"deny"`` or ``"ask"`` (an approval hook
-    decides, before the name is looked up; without an answer in time, deny)."""
+    IP addresses, CIDRs or a preset's name (``pypi``, ``npm``, ``github``, ...: the hosts that
+    registry's client needs, :data:`PRESETS` and ``[network.presets]``); deny wins. An allowed
+    CIDR opens IP literals in it, not names that happen to resolve into it. ``on_unknown``:
+    ``"deny"`` or ``"ask"`` (an approval hook decides, before the name is looked up; without an
+    answer in time, deny)."""
 
     allow: Sequence[str] = ()
     deny: Sequence[str] = ()

@@ -218,7 +218,8 @@ class AsyncSandbox:
             snapshots: pass envs, and secrets as for ``resume`` (SecretsRequired names the missing).
         network: "none" (default: loopback only), "internet" (any public address; never cloud
             metadata, private, link-local or the host's own), or warmbox.Network(allow=[...],
-            deny=[...], on_unknown="deny"|"ask"). Egress goes through warmbox's proxy, whose
+            deny=[...], on_unknown="deny"|"ask"); an entry may name a registry's preset
+            ("pypi", "npm", "github", ...). Egress goes through warmbox's proxy, whose
             address is in HTTP(S)_PROXY; every attempt is in ``network.log()``.
         secrets: env name -> warmbox.Secret(value, hosts=[...]): the sandbox's env gets only a
             placeholder; the proxy puts the value into request headers to those hosts only.
