@@ -61,9 +61,11 @@ import re
 import tomllib
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from warmbox.errors import ConfigError, InvalidArgument, LimitTooHigh
 from warmbox.models import Limits
+from warmbox.network.policy import PRESETS, Rule
 from warmbox.templates import toml as template_toml
 from warmbox.templates.spec import Template as ImageSpec
 from warmbox.tiers import canonical_tier
@@ -139,8 +141,34 @@ class NetworkSettings:
     upstream_netns: str = ""  # netns name (/run/netns/NAME) or path the proxy connects from; "" = host's
     upstream_dns: tuple[str, ...] = ()  # resolvers the proxy asks; () = nameservers of /etc/resolv.conf
     upstream_ca: str = ""  # CA bundle for upstream TLS of intercepted hosts; "" = system store
+    # PEM bundle every linked sandbox trusts beside the host's system CAs (a TLS-intercepting
+    # upstream's CA): written into the sandbox with SSL_CERT_FILE, PIP_CERT, ... pointing at it
+    extra_ca: str = ""
+    presets: tuple[tuple[str, tuple[str, ...]], ...] = ()  # [network.presets]: name -> hosts, over policy.PRESETS
+    pip_index_url: str = ""  # the host's PyPI mirror: PIP_INDEX_URL in every linked sandbox, its host allowed
+    npm_registry: str = ""  # the host's npm mirror: npm_config_registry in every linked sandbox, its host allowed
     approval_webhook: str = ""  # POSTed {approval_id, sandbox_id, host, port, kind}; may answer {"decision": ...}
     approval_timeout_s: float = 30.0  # an egress attempt waits this long for an answer (callback or queue), then: deny
+
+    def preset_map(self) -> dict[str, tuple[str, ...]]:
+        """The presets an allow or deny entry may name: the built-in ones, then warmbox.toml's."""
+        return {**PRESETS, **dict(self.presets)}
+
+    def mirror_hosts(self) -> tuple[str, ...]:
+        """The hosts of the configured package mirrors (allowed to every sandbox with a network)."""
+        return tuple(dict.fromkeys(h for u in (self.pip_index_url, self.npm_registry) if (h := urlsplit(u).hostname)))
+
+    def mirror_env(self) -> dict[str, str]:
+        """The environment that points a sandbox's pip and npm at the configured mirrors."""
+        env = {}
+        if self.pip_index_url:
+            env["PIP_INDEX_URL"] = self.pip_index_url
+            u = urlsplit(self.pip_index_url)
+            if u.scheme == "http":  # pip ignores a plain-HTTP index unless its host is trusted
+                env["PIP_TRUSTED_HOST"] = u.netloc
+        if self.npm_registry:
+            env["npm_config_registry"] = self.npm_registry
+        return env
 
     def resolvers(self) -> list[str]:
         if self.upstream_dns:
@@ -832,7 +860,20 @@ def _network(n: dict, source: str) -> NetworkSettings:
     import ipaddress
 
     _only(
-        n, {"upstream_netns", "upstream_dns", "upstream_ca", "approval_webhook", "approval_timeout"}, "network", source
+        n,
+        {
+            "upstream_netns",
+            "upstream_dns",
+            "upstream_ca",
+            "extra_ca",
+            "presets",
+            "pip_index_url",
+            "npm_registry",
+            "approval_webhook",
+            "approval_timeout",
+        },
+        "network",
+        source,
     )
     dns = n.get("upstream_dns", [])
     if isinstance(dns, str):
@@ -850,13 +891,52 @@ def _network(n: dict, source: str) -> NetworkSettings:
     ca = _str(n.get("upstream_ca", ""), "network.upstream_ca", source)
     if ca and not Path(ca).is_file():
         raise ConfigError(f"{source}: network.upstream_ca {ca!r} is not a file")
+    extra = _str(n.get("extra_ca", ""), "network.extra_ca", source)
+    if extra:
+        _check_pem_bundle(extra, "network.extra_ca", source)
+    presets = []
+    for name, hosts in _as_table(n.get("presets", {}), "network.presets", source).items():
+        if not isinstance(hosts, list) or not hosts:
+            raise ConfigError(f"{source}: network.presets.{name} must be a non-empty list of host names")
+        try:
+            presets.append((name, tuple(Rule.parse(h, f"network.presets.{name}").pattern for h in hosts)))
+        except InvalidArgument as e:
+            raise ConfigError(f"{source}: {e}") from None
+    mirrors = {}
+    for key in ("pip_index_url", "npm_registry"):
+        url = _str(n.get(key, ""), f"network.{key}", source)
+        if url:
+            u = urlsplit(url)
+            if u.scheme not in ("http", "https") or not u.hostname or any(c in url for c in " \r\n\t\0"):
+                raise ConfigError(f"{source}: network.{key} must be an http(s) URL, got {url!r}")
+            if u.username or u.password:
+                raise ConfigError(f"{source}: network.{key}: no credentials in the URL (it enters every sandbox)")
+        mirrors[key] = url
     return NetworkSettings(
         upstream_netns=_str(n.get("upstream_netns", ""), "network.upstream_netns", source),
         upstream_dns=tuple(dns),
         upstream_ca=ca,
+        extra_ca=extra,
+        presets=tuple(presets),
+        pip_index_url=mirrors["pip_index_url"],
+        npm_registry=mirrors["npm_registry"],
         approval_webhook=hook,
         approval_timeout_s=_num(n.get("approval_timeout", 30.0), "network.approval_timeout", source, 0.1, 600),
     )
+
+
+def _check_pem_bundle(path: str, where: str, source: str) -> None:
+    """``path`` is a readable file of one or more PEM certificates (ConfigError otherwise)."""
+    from cryptography import x509
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{source}: {where} {path!r} cannot be read: {e.strerror}") from None
+    try:
+        x509.load_pem_x509_certificates(data)
+    except ValueError:
+        raise ConfigError(f"{source}: {where} {path!r} is not a bundle of PEM certificates") from None
 
 
 def _table(raw: dict, key: str, source: str) -> dict:

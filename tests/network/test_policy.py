@@ -273,3 +273,37 @@ def test_ipv6_zone_ids_are_refused(host):
     with pytest.raises(InvalidArgument):
         normalize_host(host)
     assert normalize_host("[2606:4700::1]") == "2606:4700::1"
+
+
+def test_presets_stand_for_their_hosts_and_warmbox_toml_adds_its_own(tmp_path):
+    from warmbox import config
+    from warmbox.errors import ConfigError
+    from warmbox.network.policy import PRESETS, refusal
+
+    p = Policy.of(Network(allow=["pypi", "example.org"], deny=["github"]))
+    assert p.allow == ("pypi.org", "files.pythonhosted.org", "example.org")
+    assert p.deny == PRESETS["github"]
+    (tmp_path / "warmbox.toml").write_text(
+        '[network]\npip_index_url = "http://mirror.example/simple"\n'
+        '[network.presets]\npypi = ["mirror.example"]\ninternal = ["git.corp.example"]\n'
+    )
+    net = config.load(tmp_path).network
+    p = Policy.of(Network(allow=["pypi", "internal"]), net.preset_map(), net.mirror_hosts())
+    assert p.allow == ("mirror.example", "git.corp.example")
+    assert net.mirror_env() == {"PIP_INDEX_URL": "http://mirror.example/simple", "PIP_TRUSTED_HOST": "mirror.example"}
+    assert Policy.of("internet", net.preset_map(), net.mirror_hosts()).allow == ()
+    for bad, why in (
+        ('extra_ca = "/nonexistent.pem"', "cannot be read"),
+        (f'extra_ca = "{tmp_path / "warmbox.toml"}"', "not a bundle of PEM certificates"),
+        ('pip_index_url = "ftp://x.example/"', "http"),
+        ('npm_registry = "https://u:p@x.example/"', "no credentials"),
+        ("presets = { x = [] }", "non-empty list"),
+        ('presets = { x = ["not a host"] }', "not a valid host name"),
+    ):
+        (tmp_path / "warmbox.toml").write_text(f"[network]\n{bad}\n")
+        with pytest.raises(ConfigError, match=why):
+            config.load(tmp_path)
+    # the refusal is one line of printable ASCII naming the host, the rule and the fix
+    line = refusal("files.pythonhosted.org", 443, "default-deny")
+    assert line.isascii() and line.isprintable() and "--allow pypi" in line
+    assert "deny rule *.example.com" in refusal("a.example.com", 80, "deny:*.example.com")

@@ -216,6 +216,38 @@ EXPOSE 8080
     assert pin not in images.store().pinned()
 
 
+def test_dockerfile_run_pip_install_installs_where_the_sandbox_python_looks(engine: Engine, repo: Path):
+    # what a Docker user writes (issue 34, item 7): it was "error: externally-managed-environment"
+    name = f"t-{os.getpid()}-runpip"
+    wheels = repo / "wheels-runpip"
+    wheels.mkdir(exist_ok=True)
+    _wheel(wheels, "wbrunpip", body="WHO = 'run pip'\n")
+    _wheel(wheels, "wbrunmod", body="WHO = 'run python3 -m pip'\n")
+    (repo / "Dockerfile.runpip").write_text(
+        f"""\
+FROM base
+RUN echo {TOKEN} > /etc/build-token
+COPY wheels-runpip/ /opt/wheels-runpip/
+RUN pip install --no-cache-dir --no-index --find-links /opt/wheels-runpip wbrunpip
+RUN python3 -m pip install --no-index --find-links /opt/wheels-runpip wbrunmod && python3 -c 'import wbrunpip'
+"""
+    )
+    t = Template.from_dockerfile(repo / "Dockerfile.runpip")
+    try:
+        asyncio.run(_build(engine, name, t))
+        with Sandbox.create(template=name, pool=False, timeout=300) as sb:
+            r = sb.commands.run("python3 -c 'import wbrunpip, wbrunmod; print(wbrunpip.WHO, wbrunmod.WHO, sep=\",\")'")
+            assert r.exit_code == 0 and r.stdout == "run pip,run python3 -m pip\n", r
+            r = sb.run_code("import wbrunpip; wbrunpip.WHO")
+            assert r.text == "'run pip'", r
+            # the sandbox's own pip still installs into its own venv, over the template's
+            r = sb.commands.run("command -v pip")
+            assert r.stdout == "/home/user/.venv/bin/pip\n", r
+    finally:
+        with contextlib.suppress(Exception):
+            asyncio.run(EngineFront(engine).handle(ops.TemplateDelete(name)))
+
+
 def test_failing_run_names_the_step_and_keeps_its_log(engine: Engine):
     name = f"t-{os.getpid()}-fail"
     t = Template.from_template("base").run(f"echo {TOKEN}").run("echo about to fail; echo oops >&2; exit 3")
@@ -234,7 +266,7 @@ def test_failing_run_names_the_step_and_keeps_its_log(engine: Engine):
 
 def test_a_build_trusts_the_hosts_ca_bundle_and_keeps_it_out_of_the_layer(engine: Engine):
     name = f"t-{os.getpid()}-ca"
-    # its two RUN steps change no file: the same (empty) layer twice, which one overlay mount takes once
+    # its two RUN steps change no file but the first one's /opt/venv (every RUN runs with it active)
     host = hashlib.sha256(Path("/etc/ssl/certs/ca-certificates.crt").read_bytes()).hexdigest()
     t = (
         Template.from_template("base")

@@ -124,7 +124,9 @@ def test_step_commands_run_in_the_workdir_as_the_user():
     assert argv[:3] == ["/bin/sh", "-c", 'mkdir -p "$1" && cd "$1" && shift && exec "$@"']
     assert argv[4] == "/app" and argv[5:9] == ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups"]
     assert argv[-3:] == ["/bin/bash", "-c", "make"]
-    assert wrapped_argv(Run(argv=("id",)), "", "root")[4:] == ["/", "id"]
+    argv = wrapped_argv(Run(argv=("id",)), "", "root")
+    assert argv[4] == "/" and argv[-2:] == ["sh", "id"]  # a RUN runs with the template's venv active
+    assert "/opt/venv" in argv[-3] and 'exec "$@"' in argv[-3]
     assert "runuser" in wrapped_argv(Run(argv=("id",)), "/", "user:staff")
     pip = wrapped_argv(PipInstall(("six",), find_links="/w x"), "/", "")[-1]
     assert "--find-links '/w x'" in pip and "/opt/venv" in pip and ".pth" in pip

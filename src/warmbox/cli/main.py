@@ -54,6 +54,7 @@ from warmbox import operations as ops
 from warmbox.cli.volumes import parse_mount
 from warmbox.errors import WarmboxError
 from warmbox.models import Lifecycle, Limits, SandboxQuery, State, validate_query
+from warmbox.network.policy import PRESETS
 
 EXIT_ERROR = 125
 
@@ -158,8 +159,15 @@ def _add_network_opts(p: argparse.ArgumentParser) -> None:
         default=None,
         help="egress: none (default; loopback only) or internet (public addresses only)",
     )
-    p.add_argument("--allow", action="append", metavar="HOST|*.DOMAIN|CIDR", help="allow egress to (repeatable)")
-    p.add_argument("--deny", action="append", metavar="HOST|*.DOMAIN|CIDR", help="deny egress to (wins over allow)")
+    p.add_argument(
+        "--allow",
+        action="append",
+        metavar="HOST|*.DOMAIN|CIDR|PRESET",
+        help="allow egress to (repeatable); a preset names a registry's hosts: " + ", ".join(PRESETS),
+    )
+    p.add_argument(
+        "--deny", action="append", metavar="HOST|*.DOMAIN|CIDR|PRESET", help="deny egress to (wins over allow)"
+    )
 
 
 def _network(args: argparse.Namespace) -> Any:
@@ -1041,7 +1049,39 @@ async def _doctor(args: argparse.Namespace) -> int:
     else:
         for r in rows:
             print(f"{r.tier:<10} {'yes' if r.available else 'no':<4} {r.reason}")
+        note = _trust_note()
+        if note:
+            print(note)
     return 0 if any(r.available for r in rows) else 1
+
+
+def _trust_note() -> str:
+    """Does a sandbox trust what the host trusts? ("" when there is nothing to say.) A host-only CA
+    is usually a TLS-intercepting upstream's: behind one, every download in a sandbox fails to
+    verify without extra_ca."""
+    from warmbox.config import load
+    from warmbox.errors import ConfigError
+    from warmbox.network.tls import host_only_cas
+    from warmbox.paths import default_home
+    from warmbox.sdk.http import default_url
+
+    if default_url():  # the server's host is another one
+        return ""
+    try:
+        extra = load(default_home()).network.extra_ca
+    except ConfigError:
+        return ""
+    missing = host_only_cas(extra)
+    if not missing:
+        return f"{'tls':<10} {'yes':<4} sandboxes trust every CA the host does" + (
+            f" (extra_ca {extra})" if extra else ""
+        )
+    shown = "; ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    return (
+        f"{'tls':<10} {'warn':<4} the host trusts {len(missing)} CA(s) that sandboxes do not ({shown}); behind a "
+        "TLS-intercepting upstream, pip/npm/curl in a sandbox fail to verify: set [network] extra_ca in "
+        "warmbox.toml to a file of those CAs (Debian keeps a host's own in /usr/local/share/ca-certificates)"
+    )
 
 
 async def _advise(args: argparse.Namespace) -> int:

@@ -93,8 +93,9 @@ class _Image:
 
 
 def _after(step: ts.Step, image: _Image) -> None:
-    """What a layer step changes in the config: pip_install puts its venv's commands on PATH."""
-    if isinstance(step, ts.PipInstall):
+    """What a layer step changes in the config: pip_install (and a RUN, whose ``pip`` is the
+    venv's) puts the venv's commands on PATH."""
+    if isinstance(step, (ts.PipInstall, ts.Run)):
         path = image.env.get("PATH", DEFAULT_PATH)
         if f"{ts.VENV}/bin" not in path.split(":"):
             image.env["PATH"] = f"{ts.VENV}/bin:{path}"
@@ -137,6 +138,23 @@ echo "$SITE" > "$DIST/warmbox-template-venv.pth"
 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore \\
   "$V/bin/python3" -m pip install --no-input {options}{packages}
 """
+# a RUN (a Dockerfile's, or .run()) runs with the same venv active, made first if the image has
+# pip: `RUN pip install x` and `RUN python3 -m pip install x` install where pip_install does
+# (Debian's python3 is externally managed: pip refuses to install into it), and the console
+# scripts land on the image's PATH (_after)
+_RUN = """V={venv}
+if [ ! -e "$V/bin/pip" ] && command -v python3 >/dev/null && python3 -c 'import pip' 2>/dev/null \\
+  && mkdir -p "$V" 2>/dev/null && [ -w "$V" ]; then
+  [ -x "$V/bin/python3" ] || python3 -m venv --system-site-packages --without-pip "$V"
+  SITE=$("$V/bin/python3" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  DIST=$(python3 -c 'import sys; print("/usr/local/lib/python%d.%d/dist-packages" % sys.version_info[:2])')
+  mkdir -p "$DIST" && echo "$SITE" > "$DIST/warmbox-template-venv.pth"
+  printf '#!/bin/sh\\nexec "%s/bin/python3" -m pip "$@"\\n' "$V" > "$V/bin/pip"
+  chmod 755 "$V/bin/pip" && ln -sf pip "$V/bin/pip3"
+fi
+if [ -x "$V/bin/pip" ]; then export VIRTUAL_ENV="$V" PATH="$V/bin:$PATH"; fi
+exec "$@"
+"""
 _NPM = """set -e
 if ! command -v npm >/dev/null; then
   echo "warmbox: npm_install needs npm in the image: apt_install(['npm']) first" >&2; exit 1
@@ -161,7 +179,8 @@ def step_argv(step: ts.Step) -> list[str]:
         opts = "-g " if step.global_ else ""
         return ["/bin/bash", "-c", _NPM.format(options=opts, packages=shlex.join(step.packages))]
     assert isinstance(step, ts.Run)
-    return ["/bin/bash", "-c", step.shell] if step.shell else list(step.argv)
+    inner = ["/bin/bash", "-c", step.shell] if step.shell else list(step.argv)
+    return ["/bin/sh", "-c", _RUN.format(venv=ts.VENV), "sh", *inner]
 
 
 def wrapped_argv(step: ts.Step, workdir: str, user: str) -> list[str]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from warmbox.config import NetworkSettings
 from warmbox.engine.session import GuestSession
 from warmbox.errors import BackendUnavailable, InvalidArgument, NetworkError, SecretsRequired, Unsupported
 from warmbox.models import ApprovalRequest, BackendHandle, StageTiming
@@ -85,7 +86,30 @@ def check_tier(engine: Engine, tier: str, policy: Policy) -> None:
         require_serving(engine.home)
 
 
-def proxy_env(placeholders: dict[str, str], ca: bool) -> dict[str, str]:
+def policy_of(settings: NetworkSettings, network: object) -> Policy:
+    """The policy ``network`` asks for under the host's settings: preset names (pypi, npm, ...,
+    and ``[network.presets]``) become their hosts, and an allowlist reaches the package mirrors."""
+    return Policy.of(network, settings.preset_map(), settings.mirror_hosts())
+
+
+def trust_bundle(settings: NetworkSettings, ca_pem: str) -> str:
+    """What a linked sandbox trusts ("" when that is only its image's store): the host's system
+    CAs, ``[network] extra_ca`` and the sandbox's own proxy CA (``ca_pem``, when it has secrets)."""
+    extra = ""
+    if settings.extra_ca:
+        try:
+            extra = Path(settings.extra_ca).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise EgressError(f"[network] extra_ca {settings.extra_ca} cannot be read: {e}") from None
+    pems = "\n".join(p for p in (extra, ca_pem) if p)
+    if not pems:
+        return ""
+    from warmbox.network.tls import bundle_with_system
+
+    return bundle_with_system(pems)
+
+
+def proxy_env(placeholders: dict[str, str], ca: bool, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict.fromkeys(
         ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "npm_config_proxy", "npm_config_https_proxy"),
         PROXY_URL,
@@ -105,6 +129,7 @@ def proxy_env(placeholders: dict[str, str], ca: bool) -> dict[str, str]:
             "npm_config_cafile",
         ):
             env[k] = CA_PATH
+    env.update(extra or {})
     env.update(placeholders)
     return env
 
@@ -490,12 +515,12 @@ async def attach(
             await c.close()
         if not r.get("ok"):
             raise EgressError(f"the egress proxy refused sandbox {sid}: {r.get('error')}")
-        ca_pem = r.get("ca_pem") or ""
-        if ca_pem:
-            from warmbox.network.tls import bundle_with_system
-
-            await session.write(CA_PATH, bundle_with_system(ca_pem).encode())
-        await asyncio.wait_for(session.configure(proxy_env(named, bool(ca_pem)), reset_counts=False), 10)
+        net = engine.settings().network
+        bundle = trust_bundle(net, r.get("ca_pem") or "")
+        if bundle:
+            await session.write(CA_PATH, bundle.encode())
+        env = proxy_env(named, bool(bundle), net.mirror_env())
+        await asyncio.wait_for(session.configure(env, reset_counts=False), 10)
     except BaseException:
         await release(engine, sid)
         if before:

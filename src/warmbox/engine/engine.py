@@ -426,7 +426,7 @@ class Engine:
                 f"tier {tier!r} runs no image, so it takes no template (asked: {template!r}); "
                 "leave template unset, or choose a tier with images (warmbox doctor)"
             )
-        policy = Policy.of(network)
+        policy = egress.policy_of(settings.network, network)
         secret_map = egress.validate_secrets(secrets)
         if secret_map and not policy.enabled:
             raise InvalidArgument("secrets are only usable with a network policy that allows their hosts")
@@ -767,7 +767,7 @@ class Engine:
 
         Legal while ready/running. A sandbox without a link gets one (and its proxy env) first.
         """
-        policy = Policy.of(network)
+        policy = egress.policy_of(self.settings().network, network)
         info, handle = self.info(sandbox_id)
         self.check(Operation.EXEC, info, handle)
         egress.check_tier(self, info.tier, policy)

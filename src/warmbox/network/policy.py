@@ -10,6 +10,10 @@ addresses in :data:`ALWAYS_BLOCKED` (cloud metadata, loopback, private, link-loc
 multicast) and the proxy host's own addresses are never reachable: the check is made on the
 address the proxy itself resolved and connects to, so re-pointing a name (DNS rebinding) does
 not help.
+
+Presets name the hosts a package registry needs (``pypi``: pypi.org and files.pythonhosted.org);
+an allow or deny entry that is a preset's name stands for its hosts (:meth:`Policy.of`).
+``[network.presets]`` in warmbox.toml adds presets or redefines one.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import dataclasses
 import ipaddress
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from warmbox.errors import InvalidArgument
@@ -49,6 +53,20 @@ ALWAYS_BLOCKED = tuple(
         "ff00::/8",
     )
 )
+
+# name -> the hosts a registry's client reaches (its index, its downloads, its redirects)
+PRESETS: dict[str, tuple[str, ...]] = {
+    "pypi": ("pypi.org", "files.pythonhosted.org"),
+    "npm": ("registry.npmjs.org",),
+    "yarn": ("registry.yarnpkg.com", "registry.npmjs.org"),
+    "github": ("github.com", "codeload.github.com", "objects.githubusercontent.com", "raw.githubusercontent.com"),
+    "gitlab": ("gitlab.com",),
+    "debian": ("deb.debian.org", "security.debian.org"),
+    "crates": ("crates.io", "index.crates.io", "static.crates.io"),
+    "go": ("proxy.golang.org", "sum.golang.org"),
+    "huggingface": ("huggingface.co", "cdn-lfs.huggingface.co", "cas-bridge.xethub.hf.co"),
+    "conda": ("conda.anaconda.org", "repo.anaconda.com"),
+}
 
 _LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 
@@ -131,9 +149,11 @@ class Rule:
 @dataclasses.dataclass(frozen=True)
 class Network:
     """An allowlist policy. ``allow``/``deny``: host names, ``*.example.com`` (its subdomains),
-    IP addresses or CIDRs; deny wins. An allowed CIDR opens IP literals in it, not names that
-    happen to resolve into it. ``on_unknown``: ``"deny"`` or ``"ask"`` (an approval hook
-    decides, before the name is looked up; without an answer in time, deny)."""
+    IP addresses, CIDRs or a preset's name (``pypi``, ``npm``, ``github``, ...: the hosts that
+    registry's client needs, :data:`PRESETS` and ``[network.presets]``); deny wins. An allowed
+    CIDR opens IP literals in it, not names that happen to resolve into it. ``on_unknown``:
+    ``"deny"`` or ``"ask"`` (an approval hook decides, before the name is looked up; without an
+    answer in time, deny)."""
 
     allow: Sequence[str] = ()
     deny: Sequence[str] = ()
@@ -159,7 +179,10 @@ class Policy:
     on_unknown: OnUnknown = "deny"
 
     @staticmethod
-    def of(spec: object) -> Policy:
+    def of(spec: object, presets: Mapping[str, Sequence[str]] = PRESETS, always: Sequence[str] = ()) -> Policy:
+        """The policy ``spec`` asks for, an allow or deny entry naming one of ``presets`` replaced
+        by its hosts; ``always``: hosts an allowlist gets whatever it says (the operator's package
+        mirrors: ``[network]`` ``pip_index_url``, ``npm_registry``)."""
         if spec is None or spec == "none":
             return Policy("none")
         if spec == "internet":
@@ -167,7 +190,8 @@ class Policy:
         if isinstance(spec, Policy):
             return spec
         if isinstance(spec, Network):
-            return Policy("allowlist", tuple(spec.allow), tuple(spec.deny), spec.on_unknown)
+            allow = (*expand(spec.allow, presets), *always)
+            return Policy("allowlist", tuple(dict.fromkeys(allow)), expand(spec.deny, presets), spec.on_unknown)
         raise InvalidArgument(f"network must be 'none', 'internet' or warmbox.Network(...), got {spec!r}")
 
     @property
@@ -230,6 +254,42 @@ class Policy:
         name ("" if none: allow rules add nothing to a name already allowed)."""
         hit = _first(self.deny, lambda r: r.matches_address(address))
         return f"deny:{hit}" if hit else ""
+
+
+def expand(patterns: Sequence[str], presets: Mapping[str, Sequence[str]] = PRESETS) -> tuple[str, ...]:
+    """``patterns`` with each preset's name replaced by its hosts (order kept, no repeats)."""
+    out: list[str] = []
+    for x in patterns:
+        out.extend(presets.get(x, (x,)))
+    return tuple(dict.fromkeys(out))
+
+
+def preset_of(host: str, presets: Mapping[str, Sequence[str]] = PRESETS) -> str:
+    """The name of a preset that has ``host`` ("" if none)."""
+    return next((name for name, hosts in presets.items() if host in hosts), "")
+
+
+def refusal(host: str, port: int, rule: str) -> str:
+    """Why the proxy refused ``host:port`` under ``rule``, and how to allow it, in one line of
+    printable ASCII (it is the 403's reason phrase, which pip and curl -v print)."""
+    dest = f"{host}:{port}"
+    name = preset_of(host) or host
+    allow = f'add it to the allowlist: Network(allow=[..., "{name}"]) or warmbox run --allow {name}'
+    if rule == "default-deny":
+        why = f"{dest} is not on the allowlist of this sandbox; {allow}"
+    elif rule.startswith("deny:"):
+        why = f"{dest} matches the deny rule {rule[5:]} (deny wins over allow); remove it from Network(deny=[...])"
+    elif rule == "policy:none":
+        why = f"this sandbox has no network (policy none); {allow}"
+    elif rule == "blocked-address":
+        why = f"{dest} is a private, loopback, link-local or metadata address, which no policy opens"
+    elif rule == "unresolvable":
+        why = f"{host} does not resolve"
+    elif rule.startswith("approval:"):
+        why = f"{dest} was not approved ({rule}); {allow}"
+    else:
+        why = f"{dest} refused ({rule})"
+    return "".join(c if " " <= c <= "~" else "?" for c in why)[:400]
 
 
 def is_ip(host: str) -> bool:

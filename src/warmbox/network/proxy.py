@@ -50,7 +50,7 @@ from warmbox.errors import ApprovalClosed, ApprovalNotFound, InvalidArgument, Wa
 from warmbox.models import Approval, NetEvent
 from warmbox.network import asks, dns, netns, nflog
 from warmbox.network.http1 import MAX_HEAD, BadRequest, Request, RequestReader
-from warmbox.network.policy import Policy, Secret, is_blocked, is_ip, normalize_host
+from warmbox.network.policy import Policy, Secret, is_blocked, is_ip, normalize_host, refusal
 from warmbox.network.tls import SandboxCA
 from warmbox.storage.registry import open_registry
 
@@ -708,8 +708,9 @@ class Proxy:
             if upstream is not None:
                 _close(upstream)
 
-    async def _respond(self, writer: asyncio.StreamWriter, code: int, text: str) -> None:
-        reason = {400: "Bad Request", 403: "Forbidden", 502: "Bad Gateway"}.get(code, "Error")
+    async def _respond(self, writer: asyncio.StreamWriter, code: int, text: str, reason: str = "") -> None:
+        # a refusal's reason phrase says why (policy.refusal): pip and curl -v print it, not the body
+        reason = reason or {400: "Bad Request", 403: "Forbidden", 502: "Bad Gateway"}.get(code, "Error")
         body = f"warmbox egress proxy: {text}\n".encode()
         try:
             writer.write(
@@ -749,7 +750,10 @@ class Proxy:
                 self.audit_queue_full(sid, kind, host, port, detail)
             else:
                 self.audit(sid, kind, host, address, port, "deny", rule, detail)
-            await self._respond(writer, 403, f"egress to {host}:{port} denied ({rule})")
+            why = refusal(host, port, rule)
+            await self._respond(
+                writer, 403, f"egress to {host}:{port} denied ({rule}): {why}", f"Forbidden by warmbox: {why}"
+            )
             return None
         conn.event_id = self.audit(sid, kind, host, address, port, "allow", rule)
         if kind == "connect":

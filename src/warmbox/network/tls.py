@@ -11,6 +11,7 @@ import ipaddress
 import os
 import shutil
 import ssl
+import warnings
 from pathlib import Path
 
 from cryptography import x509
@@ -106,9 +107,47 @@ class SandboxCA:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+SYSTEM_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+PACKAGED_CAS = "/usr/share/ca-certificates"  # Debian's ca-certificates: the set the built-in image has too
+
+
+def _certs(data: bytes) -> list[x509.Certificate]:
+    try:
+        with warnings.catch_warnings():  # a store's old CAs (serial 0) are read, not judged
+            warnings.simplefilter("ignore")
+            return x509.load_pem_x509_certificates(data)
+    except ValueError:
+        return []
+
+
+def host_only_cas(extra_ca: str = "", bundle: str = SYSTEM_BUNDLE, packaged: str = PACKAGED_CAS) -> list[str]:
+    """The subjects of the CAs the host's ``bundle`` trusts that a sandbox does not: neither in
+    the distribution's set (``packaged``, which the built-in image has) nor in ``extra_ca``.
+    Such a CA is usually a TLS-intercepting upstream's, and then every TLS download in a
+    sandbox fails to verify until ``[network] extra_ca`` names it."""
+    try:
+        host = _certs(Path(bundle).read_bytes())
+    except OSError:
+        return []
+    known: set[bytes] = set()
+    for root, _dirs, files in os.walk(packaged):
+        for f in files:
+            if f.endswith(".crt"):
+                try:
+                    known.update(c.public_bytes(serialization.Encoding.DER) for c in _certs(Path(root, f).read_bytes()))
+                except OSError:
+                    continue
+    if extra_ca:
+        try:
+            known.update(c.public_bytes(serialization.Encoding.DER) for c in _certs(Path(extra_ca).read_bytes()))
+        except OSError:
+            pass
+    return [c.subject.rfc4514_string() for c in host if c.public_bytes(serialization.Encoding.DER) not in known]
+
+
 def bundle_with_system(ca_pem: str) -> str:
-    """The sandbox's trust bundle: the host's system CAs plus the sandbox CA."""
-    for p in ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt"):
+    """The sandbox's trust bundle: the host's system CAs plus ``ca_pem`` (its proxy CA, extra CAs)."""
+    for p in (SYSTEM_BUNDLE, "/etc/pki/tls/certs/ca-bundle.crt"):
         try:
             return Path(p).read_text() + "\n" + ca_pem
         except OSError:

@@ -29,6 +29,7 @@ from warmbox.sdk import (
     AsyncTemplates,
     AsyncWatchHandle,
 )
+from warmbox.sdk._sync import either
 
 STUB = Path(__file__).with_name("__init__.pyi")
 # async class -> sync twin's name (as warmbox.sdk names them)
@@ -117,6 +118,10 @@ def _class(cls: type, name: str, names: set[str]) -> list[str]:
         if attr.startswith("_"):
             continue
         raw = inspect.getattr_static(cls, attr)
+        if isinstance(raw, either):  # on the class or an instance: a descriptor of its own (_either)
+            lines.append(f"    {attr}: _{name}_{attr} = ...")
+            names.update(_IDENT.findall(_either(name, attr, raw)))
+            continue
         if isinstance(raw, classmethod) and inspect.iscoroutinefunction(raw.__func__):
             fn = raw.__func__
             lines += ["    @classmethod", f"    def {attr}({_params(fn, True)}) -> {_ret(fn)}: ..."]
@@ -142,10 +147,37 @@ def _class(cls: type, name: str, names: set[str]) -> list[str]:
     return lines
 
 
+def _either(name: str, attr: str, raw: either) -> str:
+    """The descriptor a stub states for an :class:`either` method: its ``__get__`` gives the
+    class's signature on the class and the instance's on an instance."""
+    kind = f"_{name}_{attr}"
+    out = []
+    for side, fn in (("on_class", raw.on_class), ("on_instance", raw.on_instance)):
+        params = _params(fn, True).split(", ", 1)
+        out += [
+            f"class {kind}_{side}(Protocol):",
+            f"    def __call__({', '.join(['self', *params[1:]])}) -> {_ret(fn)}: ...",
+        ]
+    return "\n".join(
+        [
+            *out,
+            f"class {kind}:",
+            "    @overload",
+            f"    def __get__(self, obj: None, owner: type, /) -> {kind}_on_class: ...",
+            "    @overload",
+            f"    def __get__(self, obj: object, owner: type | None = ..., /) -> {kind}_on_instance: ...",
+        ]
+    )
+
+
 def render() -> str:
     names: set[str] = set()
     body: list[str] = []
     for cls, name in PAIRS:
+        for attr in sorted(dir(cls)):
+            raw = inspect.getattr_static(cls, attr)
+            if isinstance(raw, either):
+                body += ["", "", _either(name, attr, raw)]
         body += ["", "", *_class(cls, name, names)]
     for fname in FUNCTIONS:
         fn = getattr(sdk, fname)
@@ -173,11 +205,12 @@ def render() -> str:
         "import builtins",
         "from collections.abc import Callable as Callable",
         "from typing import Any as Any",
+        "from typing import Protocol as Protocol",
         "from typing import overload as overload",
         "",
     ]
     for module in sorted(imports):
-        for ident in sorted(imports[module] - {"Callable", "Any", "overload"}):
+        for ident in sorted(imports[module] - {"Callable", "Any", "overload", "Protocol"}):
             head.append(f"from {module} import {ident} as {ident}")
     head += [
         "from warmbox.sdk.code import CodeContext as CodeContext",

@@ -18,6 +18,34 @@ from typing import Any
 _SYNC_OF: dict[type, type] = {}
 
 
+class either:
+    """A coroutine method callable on the class or on an instance, as E2B's ``Sandbox.kill``:
+    ``AsyncSandbox.kill(sandbox_id)`` runs ``on_class(cls, ...)``, ``sb.kill()`` runs ``on_instance(sb, ...)``."""
+
+    def __init__(self, on_instance: Any, on_class: Any) -> None:
+        self.on_instance, self.on_class = on_instance, on_class
+        self.__doc__ = on_instance.__doc__
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return functools.partial(self.on_class, owner)
+        return functools.partial(self.on_instance, obj)
+
+
+def _either(owner: type, name: str, raw: either) -> either:
+    """The blocking twin of an :class:`either` method of ``owner``."""
+
+    @functools.wraps(raw.on_instance)
+    def on_instance(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return _wrap(_RUNNER.run(getattr(self._async, name)(*args, **kwargs)))
+
+    @functools.wraps(raw.on_class)
+    def on_class(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        return _wrap(_RUNNER.run(getattr(owner, name)(*args, **kwargs)))
+
+    return either(on_instance, on_class)
+
+
 class _LoopThread:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -97,7 +125,9 @@ def synchronize(async_cls: type, name: str | None = None) -> type:
         if attr.startswith("_"):
             continue
         raw = inspect.getattr_static(async_cls, attr)
-        if isinstance(raw, classmethod) and inspect.iscoroutinefunction(raw.__func__):
+        if isinstance(raw, either):
+            ns[attr] = _either(async_cls, attr, raw)
+        elif isinstance(raw, classmethod) and inspect.iscoroutinefunction(raw.__func__):
             ns[attr] = _classmethod(async_cls, attr, raw.__func__)
         elif inspect.iscoroutinefunction(raw):
             ns[attr] = _method(attr, raw)

@@ -289,7 +289,10 @@ class HttpTransport:
         verify: bool | str | ssl.SSLContext = True,
         connect_timeout: float = 10.0,
         headers: collections.abc.Mapping[str, str] | None = None,
+        request_timeout: float | None = None,
     ) -> None:
+        """request_timeout: seconds one JSON request may take in all (E2B's name; a stream, a
+        process followed, a watch keep their own bounds); None: up to 900 s of silence."""
         url = api_url or default_url()
         if not url:
             raise InvalidArgument("api_url (or WARMBOX_API_URL) is required for the HTTP transport")
@@ -308,6 +311,7 @@ class HttpTransport:
             verify = ssl.create_default_context(cafile=verify)
         self._verify = verify
         self._connect_timeout = connect_timeout
+        self._request_timeout = request_timeout
         self.url = url
         self._session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -324,7 +328,9 @@ class HttpTransport:
                 base_url=self._base,
                 connector=connector,
                 headers=self._headers,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout, sock_read=JSON_READ_S),
+                timeout=aiohttp.ClientTimeout(
+                    total=self._request_timeout, sock_connect=self._connect_timeout, sock_read=JSON_READ_S
+                ),
                 auto_decompress=False,
             )
         return self._session

@@ -41,6 +41,7 @@ from warmbox.models import (
     validate_query,
     validate_volumes,
 )
+from warmbox.sdk._sync import either
 from warmbox.sdk.code import CodeContext, context_id
 from warmbox.sdk.commands import DEFAULT_COMMAND_TIMEOUT_S, DEFAULT_MAX_OUTPUT, AsyncCommands
 from warmbox.sdk.files import WORKDIR, AsyncFiles
@@ -62,16 +63,25 @@ def _snapshot_id(ref: object) -> str:
 
 
 def _transport(
-    transport: Transport | None, home: str | Path | None, api_url: str | None = None, api_key: str | None = None
+    transport: Transport | None,
+    home: str | Path | None,
+    api_url: str | None = None,
+    api_key: str | None = None,
+    request_timeout: float | None = None,
 ) -> Transport:
     """The transport a call uses: the one given; a warmbox server (api_url, or WARMBOX_API_URL when
-    no home is given); else the in-process engine of ``home``."""
+    no home is given); else the in-process engine of ``home``. request_timeout: seconds one request
+    to a server may take (E2B's name; None: each operation's own bound)."""
+    if request_timeout is not None and (
+        isinstance(request_timeout, bool) or not isinstance(request_timeout, (int, float)) or not request_timeout > 0
+    ):
+        raise InvalidArgument(f"request_timeout must be a positive number of seconds, got {request_timeout!r}")
     if sum(x is not None for x in (transport, home, api_url)) > 1:
         raise InvalidArgument("pass one of home (the in-process engine), api_url (a server) or transport")
     if transport is not None:
         return transport
     if api_url is not None or (home is None and default_url()):
-        return HttpTransport(api_url, api_key)
+        return HttpTransport(api_url, api_key, request_timeout=request_timeout)
     if api_key is not None:
         raise InvalidArgument("api_key needs api_url (or WARMBOX_API_URL): the in-process engine takes no key")
     return LocalTransport(home)
@@ -112,6 +122,26 @@ async def _export(t: Transport, request: ops.Export, path: str | PathLike[str] |
     if path is not None:
         await asyncio.to_thread(transcript.write, got, path, "json" if fmt == "json" else "ndjson")
     return got
+
+
+async def _kill_by_id(
+    cls: type,
+    sandbox_id: str,
+    *,
+    home: str | Path | None = None,
+    transport: Transport | None = None,
+    api_url: str | None = None,
+    api_key: str | None = None,
+    request_timeout: float | None = None,
+) -> bool:
+    """``Sandbox.kill(sandbox_id)``: destroy a sandbox by id (False: there was none of that id)."""
+    if not isinstance(sandbox_id, str) or not sandbox_id:
+        raise InvalidArgument(f"kill on the class takes a sandbox id, got {sandbox_id!r}")
+    t = _transport(transport, home, api_url, api_key, request_timeout)
+    try:
+        return await _once(t, ops.Kill(sandbox_id), transport is None)
+    except SandboxNotFound:
+        return False
 
 
 class AsyncSandbox:
@@ -166,6 +196,7 @@ class AsyncSandbox:
         transport: Transport | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
+        request_timeout: float | None = None,
     ) -> AsyncSandbox:
         """Create and start a sandbox (defaults for tier, timeout and template: warmbox.toml).
 
@@ -187,7 +218,8 @@ class AsyncSandbox:
             snapshots: pass envs, and secrets as for ``resume`` (SecretsRequired names the missing).
         network: "none" (default: loopback only), "internet" (any public address; never cloud
             metadata, private, link-local or the host's own), or warmbox.Network(allow=[...],
-            deny=[...], on_unknown="deny"|"ask"). Egress goes through warmbox's proxy, whose
+            deny=[...], on_unknown="deny"|"ask"); an entry may name a registry's preset
+            ("pypi", "npm", "github", ...). Egress goes through warmbox's proxy, whose
             address is in HTTP(S)_PROXY; every attempt is in ``network.log()``.
         secrets: env name -> warmbox.Secret(value, hosts=[...]): the sandbox's env gets only a
             placeholder; the proxy puts the value into request headers to those hosts only.
@@ -211,6 +243,8 @@ class AsyncSandbox:
         api_url, api_key: a warmbox server (``warmbox serve``: ``http(s)://host:port`` or
             ``unix:/path``) and its key; default WARMBOX_API_URL / WARMBOX_API_KEY when no home is
             given. transport: any other way to reach an engine. At most one of home, api_url, transport.
+        request_timeout: seconds each request to a server may take (E2B's name; ConnectionLost
+            after it); the in-process engine sends no requests, so it bounds nothing there.
         """
         if on_approval is not None and not callable(on_approval):
             raise InvalidArgument("on_approval must be a callable")
@@ -220,7 +254,7 @@ class AsyncSandbox:
             validate_lifecycle(lifecycle)
         if requirements is not None and not isinstance(requirements, Requirements):
             raise InvalidArgument(f"requirements must be a warmbox.Requirements, got {type(requirements).__name__}")
-        t = _transport(transport, home, api_url, api_key)
+        t = _transport(transport, home, api_url, api_key, request_timeout)
         snap = _snapshot_id(from_snapshot) if from_snapshot is not None else None
         sb = await cls._open(
             t,
@@ -278,6 +312,7 @@ class AsyncSandbox:
         transport: Transport | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
+        request_timeout: float | None = None,
     ) -> AsyncSandbox:
         """Bring back a paused sandbox by its id: the same ``sandbox_id`` runs again, with the
         timeout it was created with unless ``timeout`` is given, and its network policy.
@@ -294,7 +329,7 @@ class AsyncSandbox:
         snapshots, processes that ran before the pause are not (they start fresh). The stage
         ``resume`` in ``timings`` is how long the resume took (ms).
         """
-        t = _transport(transport, home, api_url, api_key)
+        t = _transport(transport, home, api_url, api_key, request_timeout)
         request = ops.Resume(_snapshot_id(snapshot), timeout=timeout, envs=envs, secrets=secrets)
         return await cls._open(t, transport is None, request, tuple(envs or ()))
 
@@ -307,6 +342,7 @@ class AsyncSandbox:
         transport: Transport | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
+        request_timeout: float | None = None,
     ) -> TierChoice:
         """The tier for code of ``requirements`` (default: untrusted Python, compute) on the engine's
         host: the four questions (language, trusted, io, guest_kernel) against each tier's declared
@@ -315,7 +351,7 @@ class AsyncSandbox:
         is strong enough (never a weaker one). ``create(tier="auto", requirements=...)`` uses it."""
         if requirements is not None and not isinstance(requirements, Requirements):
             raise InvalidArgument(f"requirements must be a warmbox.Requirements, got {type(requirements).__name__}")
-        t = _transport(transport, home, api_url, api_key)
+        t = _transport(transport, home, api_url, api_key, request_timeout)
         return await _once(t, ops.ChooseTier(requirements or Requirements()), transport is None)
 
     @classmethod
@@ -326,10 +362,11 @@ class AsyncSandbox:
         transport: Transport | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
+        request_timeout: float | None = None,
     ) -> builtins.list[tuple[str, str, float, int]]:
         """(snapshot_id, sandbox_id, created_at, size_bytes) of every snapshot in this home (or,
         on a server, of the key's tenant)."""
-        t = _transport(transport, home, api_url, api_key)
+        t = _transport(transport, home, api_url, api_key, request_timeout)
         return await _once(t, ops.ListSnapshots(), transport is None)
 
     @classmethod
@@ -342,11 +379,12 @@ class AsyncSandbox:
         transport: Transport | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
+        request_timeout: float | None = None,
     ) -> VolumeInfo:
         """A new empty named volume of ``size_mb`` MiB (its limit: a writer inside gets NoSpace;
         the host's disk pays only for what is written). Mount it with ``create(volumes=[Volume(name,
         "/data")])``. name: 1-63 letters, digits, ``_ . -``; VolumeError if you have one of that name."""
-        t = _transport(transport, home, api_url, api_key)
+        t = _transport(transport, home, api_url, api_key, request_timeout)
         return await _once(t, ops.VolumeCreate(name, size_mb), transport is None)
 
     @classmethod
@@ -357,9 +395,10 @@ class AsyncSandbox:
         transport: Transport | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
+        request_timeout: float | None = None,
     ) -> builtins.list[VolumeInfo]:
         """Your named volumes, by name (``mounted_by``: the live or paused sandboxes mounting each)."""
-        t = _transport(transport, home, api_url, api_key)
+        t = _transport(transport, home, api_url, api_key, request_timeout)
         return await _once(t, ops.VolumeList(), transport is None)
 
     @classmethod
@@ -371,9 +410,10 @@ class AsyncSandbox:
         transport: Transport | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
+        request_timeout: float | None = None,
     ) -> VolumeInfo:
         """One of your volumes (VolumeNotFound if you have none of that name)."""
-        t = _transport(transport, home, api_url, api_key)
+        t = _transport(transport, home, api_url, api_key, request_timeout)
         return await _once(t, ops.VolumeGet(name), transport is None)
 
     @classmethod
@@ -385,9 +425,10 @@ class AsyncSandbox:
         transport: Transport | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
+        request_timeout: float | None = None,
     ) -> None:
         """Delete a volume and its files (VolumeInUse while a live or paused sandbox mounts it)."""
-        t = _transport(transport, home, api_url, api_key)
+        t = _transport(transport, home, api_url, api_key, request_timeout)
         await _once(t, ops.VolumeDelete(name), transport is None)
 
     @classmethod
@@ -400,6 +441,7 @@ class AsyncSandbox:
         transport: Transport | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
+        request_timeout: float | None = None,
     ) -> AsyncSandbox:
         """Attach to a live sandbox created by any process (or, through a server, any machine);
         a paused one is resumed first (same id, as ``resume``).
@@ -408,7 +450,9 @@ class AsyncSandbox:
         or last given by ``set_timeout``); a running one lives at least that long from now (a
         later deadline is kept, as in E2B)."""
         return await cls._open(
-            _transport(transport, home, api_url, api_key), transport is None, ops.Connect(sandbox_id, timeout=timeout)
+            _transport(transport, home, api_url, api_key, request_timeout),
+            transport is None,
+            ops.Connect(sandbox_id, timeout=timeout),
         )
 
     @classmethod
@@ -421,11 +465,12 @@ class AsyncSandbox:
         transport: Transport | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
+        request_timeout: float | None = None,
     ) -> builtins.list[SandboxInfo]:
         """Your sandboxes, running and paused (include_dead: ended ones too). query: only those
         matching a SandboxQuery(metadata={...}, state=[...]) or a dict with those keys (E2B's)."""
         q = _sandbox_query(query)
-        t = _transport(transport, home, api_url, api_key)
+        t = _transport(transport, home, api_url, api_key, request_timeout)
         return await _once(t, ops.ListSandboxes(include_dead, query=q), transport is None)
 
     # ---- properties
@@ -512,9 +557,10 @@ class AsyncSandbox:
         transport: Transport | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
+        request_timeout: float | None = None,
     ) -> Transcript:
         """:meth:`export` of any sandbox of yours by id, in any state (a destroyed one's rows stay)."""
-        t = _transport(transport, home, api_url, api_key)
+        t = _transport(transport, home, api_url, api_key, request_timeout)
         try:
             return await _export(t, ops.Export(sandbox_id), path, format)
         finally:
@@ -559,8 +605,11 @@ class AsyncSandbox:
         ``timeout`` seconds again."""
         await self._transport.handle(ops.SetTimeout(self.sandbox_id, timeout))
 
-    async def kill(self) -> bool:
-        """Destroy the sandbox and everything it holds. False if it was already gone."""
+    async def _kill(self) -> bool:
+        """Destroy the sandbox and everything it holds. False if it was already gone.
+
+        Also a class method, as in E2B: ``Sandbox.kill(sandbox_id, home=..., api_url=...)``
+        destroys a sandbox by id without connecting to it (False: there was none of that id)."""
         self._killed = True
         if self._approvals is not None:
             self._approvals.cancel()
@@ -570,6 +619,8 @@ class AsyncSandbox:
         finally:
             if self._owns_transport:  # nothing is left to do with it: let go of its connections
                 await self.close()
+
+    kill = either(_kill, _kill_by_id)
 
     async def close(self) -> None:
         """Let go of the sandbox without ending it: its connection closes, it runs on until its

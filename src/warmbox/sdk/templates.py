@@ -43,6 +43,7 @@ class AsyncTemplates:
         home: str | Path | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
+        request_timeout: float | None = None,
         transport: Transport | None = None,
     ) -> TemplateInfo:
         """Build ``template`` (a Template, or a Dockerfile's path) as the next version of ``name``
@@ -60,7 +61,7 @@ class AsyncTemplates:
         if target is None:
             raise InvalidArgument("a template build needs a name (name= or alias=)")
         context = pack_context(template)
-        t = _transport(transport, home, api_url, api_key)
+        t = _transport(transport, home, api_url, api_key, request_timeout)
         return await _once(t, ops.TemplateBuild(target, template, context, on_progress), transport is None)
 
     @classmethod
@@ -70,10 +71,11 @@ class AsyncTemplates:
         home: str | Path | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
+        request_timeout: float | None = None,
         transport: Transport | None = None,
     ) -> builtins.list[TemplateInfo]:
         """Every built template version (by name, then version)."""
-        t = _transport(transport, home, api_url, api_key)
+        t = _transport(transport, home, api_url, api_key, request_timeout)
         return await _once(t, ops.TemplateList(), transport is None)
 
     @classmethod
@@ -85,10 +87,11 @@ class AsyncTemplates:
         home: str | Path | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
+        request_timeout: float | None = None,
         transport: Transport | None = None,
     ) -> TemplateInfo:
         """A template's latest version (or ``version``); TemplateNotFound if none."""
-        t = _transport(transport, home, api_url, api_key)
+        t = _transport(transport, home, api_url, api_key, request_timeout)
         return await _once(t, ops.TemplateGet(name, version), transport is None)
 
     @classmethod
@@ -100,10 +103,11 @@ class AsyncTemplates:
         home: str | Path | None = None,
         api_url: str | None = None,
         api_key: str | None = None,
+        request_timeout: float | None = None,
         transport: Transport | None = None,
     ) -> builtins.list[TemplateInfo]:
         """Remove a template (every version, or ``version``); TemplateInUse while something uses it."""
-        t = _transport(transport, home, api_url, api_key)
+        t = _transport(transport, home, api_url, api_key, request_timeout)
         return await _once(t, ops.TemplateDelete(name, version), transport is None)
 
 
