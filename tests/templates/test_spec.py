@@ -221,6 +221,11 @@ def test_a_run_steps_key_holds_its_owner_and_the_build_network():
     assert k != run_key("root", step, owner("t1"), none)  # another network
     assert k != run_key("root", step, owner("t1"), BuildNetwork("internet"))
     assert run_key("root", step, owner("t1"), none) != step_key("root", step)
+    # what the builder runs for the step (its wrapper) is in the key: a builder that runs it
+    # otherwise (a RUN's pip going to the image's venv) never takes an older builder's layer
+    assert run_key("root", step, owner("t1"), listed, ["sh", "-c", "a"]) != run_key(
+        "root", step, owner("t1"), listed, ["sh", "-c", "b"]
+    )
 
 
 @pytest.mark.parametrize(

@@ -493,7 +493,7 @@ class Build:
                 shared_key = _CONTENT_STEPS + keys.step_key(key, step, timed)
                 key = keys.step_key(key, step, content)
             else:
-                key = keys.run_key(key, step, self.owner, t.build_network)
+                key = keys.run_key(key, step, self.owner, t.build_network, step_argv(step))
             cached = await asyncio.to_thread(self._own_step, key)
             if cached is not None:
                 image.layers.append(cached)

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import stat
+from collections.abc import Sequence
 
 from warmbox.templates import spec
 
@@ -51,10 +52,14 @@ def step_key(previous: str, step: spec.Step, content: str = "") -> str:
     return hashlib.sha256(f"{previous}\n{canonical(step)}\n{content}".encode()).hexdigest()
 
 
-def run_key(previous: str, step: spec.Step, owner: str, net: spec.BuildNetwork) -> str:
+def run_key(previous: str, step: spec.Step, owner: str, net: spec.BuildNetwork, runs: Sequence[str] = ()) -> str:
     """The key of a step that runs code: the step, its owner (:func:`owner`) and the build network,
-    so another tenant, or the same one with another egress, never gets its layer."""
+    so another tenant, or the same one with another egress, never gets its layer; ``runs``, the
+    command the builder runs for it (its wrapper: what a RUN's pip installs into), so a builder
+    that runs a step otherwise never takes a layer an older one made."""
     text = f"{previous}\n{canonical(step)}\nowner {owner}\nnetwork {network_text(net)}"
+    if runs:
+        text += "\nruns " + json.dumps(list(runs))
     return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
 
 
