@@ -99,6 +99,7 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.BackendUnavailable, 503),
     (errors.NoCapacity, 503),
     (errors.NodeFenced, 503),
+    (errors.RegistryBusy, 503),  # a registry lock held past its bound (a stopped node): retry later
     (errors.NoSuitableTier, 422),
     (errors.GuestConnectionError, 502),
     (errors.NodeNotFound, 404),

@@ -1,0 +1,161 @@
+"""Every wait on a PostgreSQL registry is bounded (issue 39, item 3): a node stopped (SIGSTOP)
+while it holds a registry lock blocks the other nodes only until the server ends its session
+(idle_in_transaction_session_timeout), a lock held longer fails a write with RegistryBusy after its
+retry budget, a statement past statement_timeout is RegistryBusy too. Real PostgreSQL (tests/pgserver.py),
+real processes; each registry has its own uid ledger (another host)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from warmbox.errors import RegistryBusy
+from warmbox.models import Limits, NodeInfo, State
+from warmbox.storage.registry import Registry
+from warmbox.storage.sql import Bounds
+from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
+
+pytestmark = pytest.mark.sandbox  # a real PostgreSQL server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A node's registry process that takes the tenant's quota lock and a row lock, says so, and waits
+# (the parent stops it there): what a node stopped in the middle of a create holds.
+_HOLDER = """
+import sys
+from pathlib import Path
+from warmbox.storage.registry import Registry
+from warmbox.storage.sql import Bounds
+from warmbox.storage.uidslots import UidLedger, MAX_SLOTS
+dsn, tmp, idle_s = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
+reg = Registry(dsn, "n1", ledger=UidLedger(tmp / "uids-n1", slots=8, first=MAX_SLOTS - 30),
+               bounds=Bounds(lock_s=1, statement_s=10, idle_s=idle_s))
+with reg.dialect.transaction(["tenant:acme"]) as db:
+    db.execute("SELECT name FROM tenants WHERE name=? FOR UPDATE", ("acme",))
+    pid = db.execute("SELECT pg_backend_pid()").fetchone()[0]
+    print(pid, flush=True)
+    sys.stdin.readline()  # stopped here; woken, it goes on with its transaction
+    db.execute("SELECT 1")
+"""
+
+
+def _registry(dsn: str, tmp: Path, node: str, bounds: Bounds) -> Registry:
+    return Registry(dsn, node, ledger=UidLedger(tmp / f"uids-{node}", slots=8, first=MAX_SLOTS - 20), bounds=bounds)
+
+
+def _holder(dsn: str, tmp: Path, idle_s: float) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, dsn, str(tmp), str(idle_s)],
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # the holder's backend pid, once it holds both locks
+    assert line.strip().isdigit(), f"the holder did not start (exit {proc.poll()})"
+    return proc, int(line)
+
+
+def _end(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)  # a stopped process dies of SIGKILL too
+    proc.wait(30)
+    for f in (proc.stdin, proc.stdout):
+        if f is not None:
+            f.close()
+
+
+def _backend_alive(dsn: str, pid: int) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as db:
+        return db.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE pid=%s", (pid,)).fetchone()[0] == 1
+
+
+def _locks_of(dsn: str, pid: int) -> set[str]:
+    with psycopg.connect(dsn, autocommit=True) as db:
+        return {r[0] for r in db.execute("SELECT locktype FROM pg_locks WHERE pid=%s AND granted", (pid,))}
+
+
+def test_a_stopped_node_holding_a_quota_lock_blocks_the_others_only_until_its_session_ends(pg_fresh_dsn, tmp_path):
+    dsn = pg_fresh_dsn
+    idle_s = 3.0
+    bounds = Bounds(lock_s=1, statement_s=10, idle_s=idle_s, retry_budget_s=30)
+    n2 = _registry(dsn, tmp_path, "n2", bounds)
+    n2.join_node(NodeInfo("n2", address="http://127.0.0.1:1", slots=8, tiers=("container",)))
+    n2.create_key("acme")
+    acme = n2.tenant("acme")
+    proc, backend = _holder(dsn, tmp_path, idle_s)
+    try:
+        assert {"advisory", "transactionid"} <= _locks_of(dsn, backend)  # it holds them, really
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        made = []
+        for i in range(3):  # node n2 keeps creating for the same tenant
+            sid = f"sb-00000000{i:04x}"
+            n2.allocate(sid, "container", "base", 60, Limits(), "/nonexistent", "/nonexistent", tenant=acme)
+            made.append((sid, time.monotonic() - t0))
+        took = made[0][1]
+        # the first waited for the stopped node's session to be ended (idle_s), no more than the
+        # budget; the ones after it did not wait at all
+        assert took < bounds.retry_budget_s, made
+        assert made[-1][1] - took < 5, made
+        assert not _backend_alive(dsn, backend)  # the server ended the stopped node's session
+        assert [n2.get(sid)[0].state for sid, _ in made] == [State.CREATING] * 3
+        os.kill(proc.pid, signal.SIGCONT)  # woken, it finds its transaction gone: it committed nothing
+        assert proc.stdin is not None
+        proc.stdin.write("go on\n")
+        proc.stdin.flush()
+        assert proc.wait(30) != 0
+        print("creates done at (s after the stop):", [round(t, 2) for _, t in made])
+    finally:
+        _end(proc)
+        n2.close()
+
+
+def test_a_lock_held_past_the_retry_budget_is_registry_busy_and_writes_nothing(pg_fresh_dsn, tmp_path):
+    dsn = pg_fresh_dsn
+    bounds = Bounds(lock_s=0.3, statement_s=10, idle_s=10, retry_budget_s=2)
+    reg = _registry(dsn, tmp_path, "n2", bounds)
+    reg.create_key("acme")
+    acme = reg.tenant("acme")
+    # a live holder the server does not end (it is not idle: it sleeps inside a statement)
+    holder = psycopg.connect(dsn, autocommit=True)
+    try:
+        holder.execute("BEGIN")
+        holder.execute("SELECT pg_advisory_xact_lock(hashtextextended('tenant:acme', 0))")
+        t0 = time.monotonic()
+        with pytest.raises(RegistryBusy, match=r"lock timeout.*tried") as e:
+            reg.allocate(
+                "sb-0000000000b1", "container", "base", 60, Limits(), "/nonexistent", "/nonexistent", tenant=acme
+            )
+        waited = time.monotonic() - t0
+        assert 1.5 <= waited < 10 and 1.5 <= e.value.waited_s <= waited
+        assert "retry later" in str(e.value)
+        assert reg.list(include_dead=True) == []  # nothing written
+        assert list((tmp_path / "uids-n2").glob("[0-9]*")) == []  # no uid slot kept
+        holder.execute("ROLLBACK")
+        reg.allocate("sb-0000000000b1", "container", "base", 60, Limits(), "/nonexistent", "/nonexistent", tenant=acme)
+    finally:
+        holder.close()
+        reg.close()
+
+
+def test_a_statement_past_its_bound_is_registry_busy(pg_fresh_dsn, tmp_path):
+    reg = _registry(pg_fresh_dsn, tmp_path, "n2", Bounds(statement_s=0.5))
+    try:
+        with pytest.raises(RegistryBusy, match="statement timeout"):
+            reg._read("SELECT pg_sleep(3)")
+        with reg.dialect.connection() as c:  # the session's settings, as PostgreSQL has them
+            got = [
+                c.execute(f"SHOW {n}").fetchone()[0] for n in ("lock_timeout", "idle_in_transaction_session_timeout")
+            ]
+        assert got == ["5s", "10s"]
+    finally:
+        reg.close()
