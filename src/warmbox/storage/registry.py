@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import json
 import math
+import os
 import random
 import re
 import secrets
@@ -706,6 +707,7 @@ class Registry:
         self.ledger = ledger if ledger is not None else UidLedger()
         self.check_limits = check_limits
         self._adopted = False
+        self._lease: int | None = None  # this PostgreSQL registry's lease in the uid ledger (an fd)
         # waiters of this process on approval questions: an answer given through this object wakes
         # them at once (others' answers are seen by polling). approval_id -> wake-ups.
         self._approval_waiters: dict[str, builtins.list[Callable[[], object]]] = {}
@@ -763,7 +765,7 @@ class Registry:
                         "SELECT state, uid_slot, state_dir FROM sandboxes WHERE sandbox_id=?", (sid,)
                     ).fetchone()
                     if row_holds(row, slot):  # still (a destroy may have released it meanwhile)
-                        ledger.adopt(slot, self._key, sid)
+                        ledger.adopt(slot, self._key, sid, row[2])
         self._adopted = True
 
     def _holds(self, registry: str, sandbox_id: str, slot: int, db: Conn | None = None) -> bool | None:
@@ -822,6 +824,9 @@ class Registry:
 
     def close(self) -> None:
         self._sql.close()
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            os.close(lease)
 
     def _read(self, sql: str, args: tuple = (), *, many: bool = False) -> typing.Any:
         try:
@@ -857,6 +862,8 @@ class Registry:
             if not self._adopted:
                 self._adopt()
             with self.ledger.locked() as ledger, self._tx(*locks) as db:
+                if self._lease is None and self.shared:  # held to close(): no claim of ours is judged gone
+                    self._lease = ledger.lease(self._key)
                 self._check_fence(db)
                 yield ledger, db
         except OSError as e:
@@ -935,7 +942,9 @@ class Registry:
             ).fetchall()
             self._check_slots([r[1] for r in held], spare=bool(pool))
             used = {r[0] for r in held}
-            slot = ledger.claim(self._key, sandbox_id, skip=used, check=functools.partial(self._holds, db=db))
+            slot = ledger.claim(
+                self._key, sandbox_id, skip=used, check=functools.partial(self._holds, db=db), state_dir=state_dir
+            )
             try:
                 db.execute(
                     "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, "
@@ -1008,7 +1017,7 @@ class Registry:
         now = time.time()
         with self._claiming(*_tenant_lock(tenant)) as (ledger, db):
             row = db.execute(
-                "SELECT state, tier, memory_mb, cpus, uid_slot FROM sandboxes WHERE sandbox_id=?"
+                "SELECT state, tier, memory_mb, cpus, uid_slot, state_dir FROM sandboxes WHERE sandbox_id=?"
                 + self._sql.for_update(),
                 (sandbox_id,),
             ).fetchone()
@@ -1025,7 +1034,13 @@ class Registry:
             ).fetchall()
             self._check_slots([r[1] for r in held], spare=False)
             used = {r[0] for r in held}
-            slot = ledger.claim(self._key, sandbox_id, skip=used, check=functools.partial(self._holds, db=db))
+            slot = ledger.claim(
+                self._key,
+                sandbox_id,
+                skip=used,
+                check=functools.partial(self._holds, db=db),
+                state_dir=row[5] if state_dir is None else state_dir,
+            )
             try:
                 db.execute(
                     "UPDATE sandboxes SET state=?, uid_slot=?, expires_at=?, owner=?, ended_at=0, "
