@@ -73,9 +73,16 @@ def _end(proc: subprocess.Popen[str]) -> None:
             f.close()
 
 
-def _backend_alive(dsn: str, pid: int) -> bool:
+def _backend_alive(dsn: str, pid: int, wait_s: float = 10.0) -> bool:
+    """Whether the backend ``pid`` still runs after ``wait_s`` (it lets its locks go as it aborts,
+    a moment before its process has exited)."""
+    deadline = time.monotonic() + wait_s
     with psycopg.connect(dsn, autocommit=True) as db:
-        return db.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE pid=%s", (pid,)).fetchone()[0] == 1
+        while db.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE pid=%s", (pid,)).fetchone()[0]:
+            if time.monotonic() > deadline:
+                return True
+            time.sleep(0.05)
+    return False
 
 
 def _locks_of(dsn: str, pid: int) -> set[str]:
@@ -159,3 +166,30 @@ def test_a_statement_past_its_bound_is_registry_busy(pg_fresh_dsn, tmp_path):
         assert got == ["5s", "10s"]
     finally:
         reg.close()
+
+
+def test_pool_events_take_no_cluster_wide_lock_and_one_committed_late_is_counted_once(pg_fresh_dsn, tmp_path):
+    dsn = pg_fresh_dsn
+    bounds = Bounds(lock_s=2, retry_budget_s=0)  # a wait for a lock would fail this test
+    n1 = _registry(dsn, tmp_path, "n1", bounds)
+    n2 = _registry(dsn, tmp_path, "n2", bounds)
+    try:
+        n2.ensure_pool("p", 1)
+        seen, counted = 0, 0
+        # node n1's claim is slow to commit: its miss has the lower rowid but commits last
+        with n1.dialect.transaction() as db:
+            n1._pool_event(db, ("p", time.time(), "miss", "", "n1"))
+            t0 = time.monotonic()
+            n2.pool_event("p", "miss", detail="n2")  # no wait for n1's transaction
+            assert time.monotonic() - t0 < bounds.lock_s
+            misses, seen = n2.unseen_misses("p", seen)  # what an autoscaler on n2 reads meanwhile
+            counted += misses
+        rowids = n2._read("SELECT detail, rowid FROM pool_events ORDER BY rowid", many=True)
+        assert [r[0] for r in rowids] == ["n1", "n2"]  # n1's row: lower rowid, committed later
+        for _ in range(2):
+            misses, seen = n2.unseen_misses("p", seen)
+            counted += misses
+        assert counted == 2  # each miss once: a rowid cursor would have skipped n1's
+    finally:
+        n1.close()
+        n2.close()

@@ -33,7 +33,7 @@ from typing import Any
 
 from warmbox.errors import RegistryError
 from warmbox.models import State
-from warmbox.storage.sql import is_url, pg_sql
+from warmbox.storage.sql import PG_XACT_HORIZON, is_url, pg_sql
 
 # bounds (seconds) of the histograms derived from rows: fixed, so a series never changes its buckets
 STAGE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -294,7 +294,7 @@ class RegistryStats:
         self._settled: dict[str, _Acc] = {}  # family -> aggregates of the settled sandboxes
         self._settled_until = 0.0  # destroyed sandboxes that ended at or before this are in _settled
         self._pool_events: _Acc = {}
-        self._pool_rowid = 0  # pool events up to this rowid are in _pool_events
+        self._pool_rowid = 0  # pool events up to this rowid (PostgreSQL: below this xid) are in _pool_events
 
     def close(self) -> None:
         with self._lock:
@@ -377,12 +377,20 @@ class RegistryStats:
             for row in q(f.sql):
                 key = tuple(label(v) if c else str(v) for v, c in zip(row[1 : 1 + f.width], f.clean, strict=True))
                 _add((settling if row[0] else fresh).setdefault(f.name, {}), key, row[1 + f.width :])
-        # pool events: append-only, read from the last row seen
-        last = q("SELECT COALESCE(MAX(rowid), 0) FROM pool_events")[0][0]
-        new_events = q(
-            "SELECT pool, kind, COUNT(*) FROM pool_events WHERE rowid>? AND rowid<=? GROUP BY pool, kind",
-            (self._pool_rowid, last),
-        )
+        # pool events: append-only, read from the last one seen (SQLite: by rowid, committed in
+        # that order; PostgreSQL: by writing transaction, up to the oldest one still running)
+        if self._pg and "xid" in self._columns(db, "pool_events"):
+            last = q(f"SELECT {PG_XACT_HORIZON}")[0][0]
+            new_events = q(
+                "SELECT pool, kind, COUNT(*) FROM pool_events WHERE xid>=? AND xid<? GROUP BY pool, kind",
+                (self._pool_rowid, last),
+            )
+        else:
+            last = q("SELECT COALESCE(MAX(rowid), 0) FROM pool_events")[0][0]
+            new_events = q(
+                "SELECT pool, kind, COUNT(*) FROM pool_events WHERE rowid>? AND rowid<=? GROUP BY pool, kind",
+                (self._pool_rowid, last),
+            )
         # everything read: only now fold the settled part in (an error above leaves the state as it was)
         for name, acc in settling.items():
             into = self._settled.setdefault(name, {})

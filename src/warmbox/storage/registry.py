@@ -76,7 +76,16 @@ from warmbox.models import (
     UsageBucket,
 )
 from warmbox.paths import owner_alive
-from warmbox.storage.sql import DEFAULT_BOUNDS, Bounds, Conn, PostgresDialect, SqliteDialect, dialect_for, is_url
+from warmbox.storage.sql import (
+    DEFAULT_BOUNDS,
+    PG_XACT_HORIZON,
+    Bounds,
+    Conn,
+    PostgresDialect,
+    SqliteDialect,
+    dialect_for,
+    is_url,
+)
 from warmbox.storage.uidslots import (  # noqa: F401 - MAX_SLOTS is re-exported for cli/bench
     HOLDING_STATES,
     MAX_SLOTS,
@@ -93,7 +102,7 @@ if typing.TYPE_CHECKING:
 
 COMMANDS_HEAD = 5_000  # command records a sandbox keeps from its start (its setup) ...
 COMMANDS_TAIL = 5_000  # ... and from its latest (at most 10,000 rows, 40 MiB of text, per sandbox)
-SCHEMA_VERSION = 17
+SCHEMA_VERSION = 18
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -407,6 +416,7 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE volumes ADD COLUMN node TEXT NOT NULL DEFAULT ''",
     # version 17: build_steps (a new table, made by SCHEMA): a tenant's template build step cache,
     # keyed by tenant; the host-wide step cache of earlier versions is never read for a tenant
+    # version 18 (PostgreSQL only, storage/sql.py): pool_events.xid, the transaction of each event
 )
 _NET_LINK_COLUMNS = "sandbox_id, address, ifname, policy, updated_at, node"
 _NODE_COLUMNS = (
@@ -841,16 +851,12 @@ class Registry:
         and the write it allows."""
         return self._sql.transaction(locks)
 
-    def _lock(self, db: Conn, name: str) -> None:
-        """Take the advisory lock ``name`` in the transaction ``db`` (PostgreSQL; held to its end)."""
-        if isinstance(self._sql, PostgresDialect):
-            db.execute("SELECT pg_advisory_xact_lock(hashtextextended(?, 0))", (name,))
-
     def _pool_event(self, db: Conn, row: tuple[str, float, str, str, str]) -> None:
-        """Append a pool event, last in its transaction: on PostgreSQL under one lock to the commit,
-        so events commit in rowid order (the autoscaler and the metrics read them by rowid cursor:
-        a row committed late under a lower rowid would be skipped)."""
-        self._lock(db, "pool_events")
+        """Append a pool event in the transaction ``db``. Its readers follow events by cursor: on
+        SQLite by rowid (the one writer lock commits them in rowid order); on PostgreSQL by the
+        transaction that wrote each (its ``xid`` column's default), up to the oldest one still
+        running, so events need no cluster-wide lock (a row committed late under a lower rowid is
+        still read, once)."""
         db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", row)
 
     @contextlib.contextmanager
@@ -2511,7 +2517,16 @@ class Registry:
         return None if row is None or row[0] is None else float(row[0])
 
     def unseen_misses(self, pool: str, seen: int) -> tuple[int, int]:
-        """(misses recorded after event ``seen``, newest event id) — for the autoscaler."""
+        """(misses recorded past the cursor ``seen``, the new cursor) — for the autoscaler. The
+        cursor: SQLite, the newest event's rowid; PostgreSQL, the oldest transaction still running
+        (every event of a transaction below it is committed or never will be)."""
+        if self.shared:
+            count, horizon = self._db.execute(
+                f"SELECT (SELECT COUNT(*) FROM pool_events WHERE pool=? AND kind='miss' AND xid>=? AND xid<h.x), "
+                f"h.x FROM (SELECT {PG_XACT_HORIZON} AS x) h",
+                (pool, seen),
+            ).fetchone()
+            return count, max(horizon, seen)
         row = self._db.execute(
             "SELECT COUNT(*), MAX(rowid) FROM pool_events WHERE pool=? AND rowid>? AND kind='miss'", (pool, seen)
         ).fetchone()

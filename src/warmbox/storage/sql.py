@@ -38,6 +38,14 @@ PG_SCHEMES = ("postgresql://", "postgres://")
 # tables whose readers order by SQLite's implicit rowid: PostgreSQL gets a real column of that name
 ROWID_TABLES = ("transitions", "timings", "pool_events", "sandbox_volumes")
 MIGRATE_COMMAND = "warmbox db migrate"
+# version 18: each pool event records the transaction that wrote it (PostgreSQL): readers follow
+# events up to the oldest transaction still running (storage/registry.py, engine/stats.py), so
+# inserting one takes no cluster-wide lock
+POOL_EVENT_XID_VERSION = 18
+# the id of the current transaction (assigned if it has none), and the horizon: every transaction
+# below it has ended, so no event below it can still appear
+PG_XACT_ID = "pg_current_xact_id()::text::bigint"
+PG_XACT_HORIZON = "pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
 MIGRATE_BOUND_S = 600  # a migration's own lock wait and statements (DDL on big tables): ten minutes
 
 
@@ -444,6 +452,12 @@ class PostgresDialect(Dialect):
                             for table in ROWID_TABLES:  # what ORDER BY rowid reads (last: positional inserts)
                                 c.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS rowid BIGSERIAL")
                             c.execute(
+                                "ALTER TABLE pool_events ADD COLUMN IF NOT EXISTS xid BIGINT NOT NULL "
+                                f"DEFAULT ({PG_XACT_ID})"
+                            )
+                            if 0 < before < POOL_EVENT_XID_VERSION:  # the autoscaler's cursor: rowids -> xids
+                                c.execute(f"UPDATE pool_state SET events_seen = {PG_XACT_ID} + 1")
+                            c.execute(
                                 "INSERT INTO meta_text (key, value) VALUES ('cluster_id', md5(random()::text)) "
                                 "ON CONFLICT DO NOTHING"
                             )
@@ -488,6 +502,8 @@ def dialect_for(location: str | Path, bounds: Bounds = DEFAULT_BOUNDS) -> Dialec
 __all__ = [
     "DEFAULT_BOUNDS",
     "MIGRATE_COMMAND",
+    "PG_XACT_HORIZON",
+    "POOL_EVENT_XID_VERSION",
     "Bounds",
     "PG_SCHEMES",
     "Conn",
