@@ -193,3 +193,28 @@ def test_pool_events_take_no_cluster_wide_lock_and_one_committed_late_is_counted
     finally:
         n1.close()
         n2.close()
+
+
+def test_migrating_to_event_transactions_counts_no_old_miss_again(pg_fresh_dsn, tmp_path):
+    from warmbox.storage import registry as registry_mod
+
+    dsn = pg_fresh_dsn
+    reg = _registry(dsn, tmp_path, "n1", Bounds())
+    reg.ensure_pool("p", 1)
+    for _ in range(3):
+        reg.pool_event("p", "miss")
+    reg.close()
+    with psycopg.connect(dsn, autocommit=True) as db:  # the registry as version 17 left it: rowid cursors
+        db.execute("ALTER TABLE pool_events DROP COLUMN xid")
+        db.execute("UPDATE pool_state SET events_seen = 2")  # the autoscaler saw two of the three
+        db.execute("DELETE FROM schema_version")
+        db.execute("INSERT INTO schema_version VALUES (17, 0)")
+    assert registry_mod.migrate(dsn) == (17, registry_mod.SCHEMA_VERSION)
+    reg = _registry(dsn, tmp_path, "n1", Bounds())
+    try:
+        seen = reg.pool_rows()["p"].events_seen
+        assert reg.unseen_misses("p", seen)[0] == 0  # the old events are behind the cursor now
+        reg.pool_event("p", "miss")
+        assert reg.unseen_misses("p", seen)[0] == 1
+    finally:
+        reg.close()
