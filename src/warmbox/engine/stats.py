@@ -33,7 +33,7 @@ from typing import Any
 
 from warmbox.errors import RegistryError
 from warmbox.models import State
-from warmbox.storage.sql import PG_XACT_HORIZON, is_url, pg_sql
+from warmbox.storage.sql import DEFAULT_BOUNDS, PG_XACT_HORIZON, Bounds, is_url, pg_sql
 
 # bounds (seconds) of the histograms derived from rows: fixed, so a series never changes its buckets
 STAGE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -280,11 +280,13 @@ def _add(acc: _Acc, key: tuple[str, ...], values: Sequence[Any]) -> None:
 class RegistryStats:
     """Reads :class:`RegistryTotals` from the registry at ``path`` (a SQLite file, or a PostgreSQL
     URL: Registry.location), one read at a time (a lock: concurrent scrapes wait rather than run
-    the aggregates twice), keeping the settled aggregates."""
+    the aggregates twice), keeping the settled aggregates. bounds: its PostgreSQL connection's
+    waits (the registry's)."""
 
-    def __init__(self, path: Path | str, settle_s: float = SETTLE_S) -> None:
+    def __init__(self, path: Path | str, settle_s: float = SETTLE_S, bounds: Bounds = DEFAULT_BOUNDS) -> None:
         self.path = path
         self.settle_s = settle_s
+        self.bounds = bounds
         self._pg = is_url(path)
         self._db: Any = None
         self._lock = threading.Lock()
@@ -307,7 +309,7 @@ class RegistryStats:
             # read-only: a scrape can never change the registry, whatever its SQL says (the temp
             # table of the sandboxes in scope lives in this connection's own memory)
             if self._pg:
-                self._db = _PgStatsConn(str(self.path))
+                self._db = _PgStatsConn(str(self.path), self.bounds)
                 return self._db
             db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=5, check_same_thread=False)
             db.isolation_level = None  # transactions are explicit (BEGIN ... COMMIT below)
@@ -547,12 +549,14 @@ class _PgStatsConn:
     """The scrape's own PostgreSQL connection (autocommit: read() opens its one transaction), with
     its temp table ``scope``, speaking the registry's ``?`` paramstyle."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, bounds: Bounds) -> None:
         import psycopg
 
         from warmbox.storage.sql import numeric_loader
 
-        self.conn = psycopg.connect(url, autocommit=True, connect_timeout=10, application_name="warmbox-metrics")
+        self.conn = psycopg.connect(
+            url, autocommit=True, connect_timeout=10, application_name="warmbox-metrics", options=bounds.pg_options()
+        )
         self.conn.adapters.register_loader("numeric", numeric_loader())
         # made outside the read-only transactions (which may write only to temp tables)
         self.conn.execute("CREATE TEMP TABLE scope (sandbox_id TEXT PRIMARY KEY, part INTEGER NOT NULL)")

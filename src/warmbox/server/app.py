@@ -199,7 +199,8 @@ class Service:
         # /metrics: the registry's aggregates read on a connection of their own, and the HTTP counters
         self.exposition = (
             Exposition(
-                RegistryStats(engine.registry.location), warn_ratio=lambda: engine.settings().approvals.warn_ratio
+                RegistryStats(engine.registry.location, bounds=engine.registry.bounds),
+                warn_ratio=lambda: engine.settings().approvals.warn_ratio,
             )
             if settings.metrics
             else None
