@@ -22,7 +22,7 @@ from warmbox.storage.registry import Registry
 from warmbox.storage.sql import Bounds
 from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
 
-pytestmark = pytest.mark.sandbox  # a real PostgreSQL server
+PG = pytest.mark.sandbox  # a real PostgreSQL server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,6 +90,7 @@ def _locks_of(dsn: str, pid: int) -> set[str]:
         return {r[0] for r in db.execute("SELECT locktype FROM pg_locks WHERE pid=%s AND granted", (pid,))}
 
 
+@PG
 def test_a_stopped_node_holding_a_quota_lock_blocks_the_others_only_until_its_session_ends(pg_fresh_dsn, tmp_path):
     dsn = pg_fresh_dsn
     idle_s = 3.0
@@ -126,6 +127,7 @@ def test_a_stopped_node_holding_a_quota_lock_blocks_the_others_only_until_its_se
         n2.close()
 
 
+@PG
 def test_a_lock_held_past_the_retry_budget_is_registry_busy_and_writes_nothing(pg_fresh_dsn, tmp_path):
     dsn = pg_fresh_dsn
     bounds = Bounds(lock_s=0.3, statement_s=10, idle_s=10, retry_budget_s=2)
@@ -154,6 +156,7 @@ def test_a_lock_held_past_the_retry_budget_is_registry_busy_and_writes_nothing(p
         reg.close()
 
 
+@PG
 def test_a_statement_past_its_bound_is_registry_busy(pg_fresh_dsn, tmp_path):
     reg = _registry(pg_fresh_dsn, tmp_path, "n2", Bounds(statement_s=0.5))
     try:
@@ -168,6 +171,7 @@ def test_a_statement_past_its_bound_is_registry_busy(pg_fresh_dsn, tmp_path):
         reg.close()
 
 
+@PG
 def test_pool_events_take_no_cluster_wide_lock_and_one_committed_late_is_counted_once(pg_fresh_dsn, tmp_path):
     dsn = pg_fresh_dsn
     bounds = Bounds(lock_s=2, retry_budget_s=0)  # a wait for a lock would fail this test
@@ -195,6 +199,7 @@ def test_pool_events_take_no_cluster_wide_lock_and_one_committed_late_is_counted
         n2.close()
 
 
+@PG
 def test_migrating_to_event_transactions_counts_no_old_miss_again(pg_fresh_dsn, tmp_path):
     from warmbox.storage import registry as registry_mod
 
@@ -218,3 +223,32 @@ def test_migrating_to_event_transactions_counts_no_old_miss_again(pg_fresh_dsn, 
         assert reg.unseen_misses("p", seen)[0] == 1
     finally:
         reg.close()
+
+
+@pytest.mark.parametrize("where", ["file", "env"])
+def test_the_bounds_are_cluster_settings(tmp_path, monkeypatch, where):
+    from warmbox.config import load
+    from warmbox.errors import ConfigError
+    from warmbox.storage.registry import bounds_of
+
+    monkeypatch.delenv("WARMBOX_CONFIG", raising=False)
+    home = tmp_path / "h"
+    home.mkdir()
+    assert bounds_of(load(home).cluster) == Bounds()  # 5 s lock, 30 s statement, 10 s idle, 30 s retries
+    settings = {"lock_timeout": "2", "statement_timeout": "20", "idle_timeout": "4.5", "retry_budget": "12"}
+    for k, v in settings.items():
+        if where == "env":
+            monkeypatch.setenv(f"WARMBOX_CLUSTER__{k.upper()}", v)
+    if where == "file":
+        (home / "warmbox.toml").write_text("[cluster]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items()))
+    b = bounds_of(load(home).cluster)
+    assert (b.lock_s, b.statement_s, b.idle_s, b.retry_budget_s) == (2, 20, 4.5, 12)
+    assert (
+        b.pg_options() == "-c lock_timeout=2000 -c statement_timeout=20000 -c idle_in_transaction_session_timeout=4500"
+    )
+    for k in settings:
+        monkeypatch.delenv(f"WARMBOX_CLUSTER__{k.upper()}", raising=False)
+    for bad in ("lock_timeout = 0", 'idle_timeout = "10s"', "statement_timeout = -1"):
+        (home / "warmbox.toml").write_text(f"[cluster]\n{bad}\n")
+        with pytest.raises(ConfigError, match="cluster\\."):
+            load(home)
