@@ -252,3 +252,22 @@ def test_the_bounds_are_cluster_settings(tmp_path, monkeypatch, where):
         (home / "warmbox.toml").write_text(f"[cluster]\n{bad}\n")
         with pytest.raises(ConfigError, match="cluster\\."):
             load(home)
+
+
+def test_a_sqlite_writer_lock_held_past_the_busy_timeout_is_registry_busy(tmp_path):
+    import sqlite3
+
+    bounds = Bounds(sqlite_busy_s=0.2, retry_budget_s=1)
+    reg = Registry(tmp_path / "r.db", ledger=UidLedger(tmp_path / "uids", slots=8, first=MAX_SLOTS - 20), bounds=bounds)
+    other = sqlite3.connect(tmp_path / "r.db", isolation_level=None)  # another process's writer, holding on
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        t0 = time.monotonic()
+        with pytest.raises(RegistryBusy, match=r"busy timeout.*tried") as e:
+            reg.create_key("acme")
+        assert 0.8 <= e.value.waited_s <= time.monotonic() - t0 < 10
+        other.execute("ROLLBACK")
+        reg.create_key("acme")  # the lock gone, the same write goes through
+    finally:
+        other.close()
+        reg.close()
