@@ -31,6 +31,7 @@ def test_exported_members():
             "PathExists",
             "PathNotFound",
             "PathPermissionDenied",
+            "RegistryBusy",
             "RegistryError",
             "Result",
             "Sandbox",

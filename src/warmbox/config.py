@@ -483,6 +483,16 @@ class ClusterSettings:
     # a node's API takes tenant keys too (not only the router's peer requests and admin keys), and
     # TCP callers without a cluster certificate; it still holds every create to its slots
     direct_access: bool = False
+    # every wait on the registry is bounded (seconds, wall clock; PostgreSQL's session settings of
+    # each registry connection): a lock (lock_timeout), a statement (statement_timeout), and a
+    # transaction left open between statements (idle_in_transaction_session_timeout: the server
+    # ends the session of a stopped or vanished node, so its locks go). A transaction that timed out
+    # is retried until retry_budget, then fails RegistryBusy (HTTP 503). SQLite: busy timeout =
+    # lock_timeout, retried the same way.
+    lock_timeout: float = 5.0
+    statement_timeout: float = 30.0
+    idle_timeout: float = 10.0
+    retry_budget: float = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -750,6 +760,10 @@ def _cluster(t: dict, source: str) -> ClusterSettings:
         slots=_int(t.get("slots", 0), "cluster.slots", source, 0, 100000),
         tls_dir=_str(t.get("tls_dir", ""), "cluster.tls_dir", source),
         direct_access=_bool(t.get("direct_access", False), "cluster.direct_access", source),
+        lock_timeout=_num(t.get("lock_timeout", 5.0), "cluster.lock_timeout", source, 0.1, 600),
+        statement_timeout=_num(t.get("statement_timeout", 30.0), "cluster.statement_timeout", source, 1, 3600),
+        idle_timeout=_num(t.get("idle_timeout", 10.0), "cluster.idle_timeout", source, 1, 3600),
+        retry_budget=_num(t.get("retry_budget", 30.0), "cluster.retry_budget", source, 0, 3600),
     )
 
 

@@ -32,7 +32,8 @@ WarmboxError
 │   ├── PortNotListening (ConnectionRefusedError)  get_host/a tunnel: nothing listens on that port
 │   └── ProcessNotFound (LookupError)   no background process with that pid (commands.connect, ...)
 ├── RegistryError                       the registry's database (SQLite file or PostgreSQL) failed
-│   └── RegistrySchemaError             its schema is older (``warmbox db migrate``) or newer than this warmbox
+│   ├── RegistrySchemaError             its schema is older (``warmbox db migrate``) or newer than this warmbox
+│   └── RegistryBusy                    a lock or statement timed out, retried until its budget: nothing was changed
 ├── ConfigError                         warmbox.toml or a WARMBOX_* override is invalid
 ├── NetworkError                        egress setup (namespace, link, rules) or the egress proxy failed
 ├── StorageError                        the object store (snapshot artifacts) failed
@@ -258,6 +259,16 @@ class RegistrySchemaError(RegistryError):
         super().__init__(message)
         self.found = found
         self.expected = expected
+
+
+class RegistryBusy(RegistryError):
+    """A registry transaction waited past its bound (PostgreSQL's lock_timeout or statement_timeout,
+    SQLite's busy timeout) on every try within its retry budget: nothing it would have written was
+    committed (HTTP 503: retry later). ``waited_s``: seconds spent, wall clock."""
+
+    def __init__(self, message: str, *, waited_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.waited_s = waited_s
 
 
 class ConfigError(WarmboxError):

@@ -787,6 +787,16 @@ GUARANTEES: tuple[Guarantee, ...] = (
     ),
     Guarantee(
         "cluster",
+        "A node stopped (SIGSTOP, a frozen host) while it holds a registry lock, such as a tenant's quota "
+        "lock in the middle of a create, blocks the other nodes only until PostgreSQL ends its session "
+        "([cluster] idle_timeout, 10 s): every registry connection has lock, statement and idle-transaction "
+        "timeouts, and a write that timed out is retried within [cluster] retry_budget, then refused "
+        "RegistryBusy (503) with nothing changed; the stopped node, woken, finds its transaction gone.",
+        _SHARED,
+        ("test_stopped_node.py::test_a_stopped_node_holding_a_tenants_lock_does_not_block_the_other_nodes",),
+    ),
+    Guarantee(
+        "cluster",
         "One tenant's key cannot get a node marked down (and every tenant's sandboxes on it lost): the node's "
         "heartbeat beats from a thread of its own, so a burst of heavy requests holding its event loop (32 "
         "concurrent exports: 15-25 s) leaves the heartbeat's age at ~1 s, not past the monitor's 10 s.",

@@ -33,7 +33,7 @@ from typing import Any
 
 from warmbox.errors import RegistryError
 from warmbox.models import State
-from warmbox.storage.sql import is_url, pg_sql
+from warmbox.storage.sql import DEFAULT_BOUNDS, PG_XACT_HORIZON, Bounds, is_url, pg_sql
 
 # bounds (seconds) of the histograms derived from rows: fixed, so a series never changes its buckets
 STAGE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -280,11 +280,13 @@ def _add(acc: _Acc, key: tuple[str, ...], values: Sequence[Any]) -> None:
 class RegistryStats:
     """Reads :class:`RegistryTotals` from the registry at ``path`` (a SQLite file, or a PostgreSQL
     URL: Registry.location), one read at a time (a lock: concurrent scrapes wait rather than run
-    the aggregates twice), keeping the settled aggregates."""
+    the aggregates twice), keeping the settled aggregates. bounds: its PostgreSQL connection's
+    waits (the registry's)."""
 
-    def __init__(self, path: Path | str, settle_s: float = SETTLE_S) -> None:
+    def __init__(self, path: Path | str, settle_s: float = SETTLE_S, bounds: Bounds = DEFAULT_BOUNDS) -> None:
         self.path = path
         self.settle_s = settle_s
+        self.bounds = bounds
         self._pg = is_url(path)
         self._db: Any = None
         self._lock = threading.Lock()
@@ -294,7 +296,7 @@ class RegistryStats:
         self._settled: dict[str, _Acc] = {}  # family -> aggregates of the settled sandboxes
         self._settled_until = 0.0  # destroyed sandboxes that ended at or before this are in _settled
         self._pool_events: _Acc = {}
-        self._pool_rowid = 0  # pool events up to this rowid are in _pool_events
+        self._pool_rowid = 0  # pool events up to this rowid (PostgreSQL: below this xid) are in _pool_events
 
     def close(self) -> None:
         with self._lock:
@@ -307,7 +309,7 @@ class RegistryStats:
             # read-only: a scrape can never change the registry, whatever its SQL says (the temp
             # table of the sandboxes in scope lives in this connection's own memory)
             if self._pg:
-                self._db = _PgStatsConn(str(self.path))
+                self._db = _PgStatsConn(str(self.path), self.bounds)
                 return self._db
             db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=5, check_same_thread=False)
             db.isolation_level = None  # transactions are explicit (BEGIN ... COMMIT below)
@@ -377,12 +379,20 @@ class RegistryStats:
             for row in q(f.sql):
                 key = tuple(label(v) if c else str(v) for v, c in zip(row[1 : 1 + f.width], f.clean, strict=True))
                 _add((settling if row[0] else fresh).setdefault(f.name, {}), key, row[1 + f.width :])
-        # pool events: append-only, read from the last row seen
-        last = q("SELECT COALESCE(MAX(rowid), 0) FROM pool_events")[0][0]
-        new_events = q(
-            "SELECT pool, kind, COUNT(*) FROM pool_events WHERE rowid>? AND rowid<=? GROUP BY pool, kind",
-            (self._pool_rowid, last),
-        )
+        # pool events: append-only, read from the last one seen (SQLite: by rowid, committed in
+        # that order; PostgreSQL: by writing transaction, up to the oldest one still running)
+        if self._pg and "xid" in self._columns(db, "pool_events"):
+            last = q(f"SELECT {PG_XACT_HORIZON}")[0][0]
+            new_events = q(
+                "SELECT pool, kind, COUNT(*) FROM pool_events WHERE xid>=? AND xid<? GROUP BY pool, kind",
+                (self._pool_rowid, last),
+            )
+        else:
+            last = q("SELECT COALESCE(MAX(rowid), 0) FROM pool_events")[0][0]
+            new_events = q(
+                "SELECT pool, kind, COUNT(*) FROM pool_events WHERE rowid>? AND rowid<=? GROUP BY pool, kind",
+                (self._pool_rowid, last),
+            )
         # everything read: only now fold the settled part in (an error above leaves the state as it was)
         for name, acc in settling.items():
             into = self._settled.setdefault(name, {})
@@ -539,12 +549,14 @@ class _PgStatsConn:
     """The scrape's own PostgreSQL connection (autocommit: read() opens its one transaction), with
     its temp table ``scope``, speaking the registry's ``?`` paramstyle."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, bounds: Bounds) -> None:
         import psycopg
 
         from warmbox.storage.sql import numeric_loader
 
-        self.conn = psycopg.connect(url, autocommit=True, connect_timeout=10, application_name="warmbox-metrics")
+        self.conn = psycopg.connect(
+            url, autocommit=True, connect_timeout=10, application_name="warmbox-metrics", options=bounds.pg_options()
+        )
         self.conn.adapters.register_loader("numeric", numeric_loader())
         # made outside the read-only transactions (which may write only to temp tables)
         self.conn.execute("CREATE TEMP TABLE scope (sandbox_id TEXT PRIMARY KEY, part INTEGER NOT NULL)")

@@ -100,6 +100,7 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.BackendUnavailable, 503),
     (errors.NoCapacity, 503),
     (errors.NodeFenced, 503),
+    (errors.RegistryBusy, 503),  # a registry lock held past its bound (a stopped node): retry later
     (errors.NoSuitableTier, 422),
     (errors.GuestConnectionError, 502),
     (errors.NodeNotFound, 404),
@@ -199,7 +200,8 @@ class Service:
         # /metrics: the registry's aggregates read on a connection of their own, and the HTTP counters
         self.exposition = (
             Exposition(
-                RegistryStats(engine.registry.location), warn_ratio=lambda: engine.settings().approvals.warn_ratio
+                RegistryStats(engine.registry.location, bounds=engine.registry.bounds),
+                warn_ratio=lambda: engine.settings().approvals.warn_ratio,
             )
             if settings.metrics
             else None

@@ -16,9 +16,12 @@ import hashlib
 import hmac
 import json
 import math
+import os
+import random
 import re
 import secrets
 import sqlite3
+import threading
 import time
 import typing
 from collections.abc import Callable, Iterator
@@ -32,6 +35,7 @@ from warmbox.errors import (
     NoCapacity,
     NodeFenced,
     QuotaExceeded,
+    RegistryBusy,
     RegistryError,
     RegistrySchemaError,
     SandboxNotFound,
@@ -72,7 +76,16 @@ from warmbox.models import (
     UsageBucket,
 )
 from warmbox.paths import owner_alive
-from warmbox.storage.sql import Conn, PostgresDialect, SqliteDialect, dialect_for, is_url
+from warmbox.storage.sql import (
+    DEFAULT_BOUNDS,
+    PG_XACT_HORIZON,
+    Bounds,
+    Conn,
+    PostgresDialect,
+    SqliteDialect,
+    dialect_for,
+    is_url,
+)
 from warmbox.storage.uidslots import (  # noqa: F401 - MAX_SLOTS is re-exported for cli/bench
     HOLDING_STATES,
     MAX_SLOTS,
@@ -89,7 +102,7 @@ if typing.TYPE_CHECKING:
 
 COMMANDS_HEAD = 5_000  # command records a sandbox keeps from its start (its setup) ...
 COMMANDS_TAIL = 5_000  # ... and from its latest (at most 10,000 rows, 40 MiB of text, per sandbox)
-SCHEMA_VERSION = 17
+SCHEMA_VERSION = 18
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -403,6 +416,7 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE volumes ADD COLUMN node TEXT NOT NULL DEFAULT ''",
     # version 17: build_steps (a new table, made by SCHEMA): a tenant's template build step cache,
     # keyed by tenant; the host-wide step cache of earlier versions is never read for a tenant
+    # version 18 (PostgreSQL only, storage/sql.py): pool_events.xid, the transaction of each event
 )
 _NET_LINK_COLUMNS = "sandbox_id, address, ifname, policy, updated_at, node"
 _NODE_COLUMNS = (
@@ -635,6 +649,43 @@ def _net_event_row(e: NetEvent) -> tuple:
     )
 
 
+_F = typing.TypeVar("_F", bound=Callable[..., typing.Any])
+_retrying = threading.local()  # .active: this thread is inside a retried write (inner writes do not retry)
+
+
+def _retried(method: _F) -> _F:
+    """A registry write whose transaction timed out (RegistryBusy: a lock or statement past its
+    bound, the transaction rolled back, nothing of it written) runs again after a growing, jittered
+    pause, until the registry's retry budget; then the last RegistryBusy, saying how long it waited.
+    Each method so marked writes in exactly one transaction (running it again repeats nothing)."""
+
+    @functools.wraps(method)
+    def run(self: Registry, *args: typing.Any, **kwargs: typing.Any) -> typing.Any:
+        if getattr(_retrying, "active", False):
+            return method(self, *args, **kwargs)
+        _retrying.active = True
+        try:
+            start = time.monotonic()
+            pause, tries = 0.05, 0
+            while True:
+                tries += 1
+                try:
+                    return method(self, *args, **kwargs)
+                except RegistryBusy as e:
+                    waited = time.monotonic() - start
+                    if waited + pause > self.bounds.retry_budget_s:
+                        raise RegistryBusy(
+                            f"{e} (tried {tries} times in {waited:.1f} s; nothing was changed: retry later)",
+                            waited_s=waited,
+                        ) from None
+                    time.sleep(pause * (0.5 + random.random()))
+                    pause = min(pause * 2, 1.0)
+        finally:
+            _retrying.active = False
+
+    return typing.cast(_F, run)
+
+
 class Registry:
     """location: a SQLite file path, or a ``postgresql://`` URL (a registry shared by a cluster).
     node: the cluster node this process is ("" = one host): the sandboxes it creates are its,
@@ -643,6 +694,7 @@ class Registry:
     by this host's processes or directories.
     ledger: where uid slots are claimed (the host-wide one unless a test gives its own).
     check_limits: called with a sandbox's Limits before any row is written (raises to refuse).
+    bounds: how long it waits for a lock or a statement, and retries a write that timed out.
     """
 
     def __init__(
@@ -652,8 +704,10 @@ class Registry:
         *,
         ledger: UidLedger | None = None,
         check_limits: Callable[[Limits], None] | None = None,
+        bounds: Bounds = DEFAULT_BOUNDS,
     ) -> None:
         url = is_url(location)
+        self.bounds = bounds
         self.location = location  # what it was opened with (RegistryStats opens its own connection there)
         # the file (None for PostgreSQL: there is no file, and its URL may hold a password)
         self.path: Path | None = None if url else Path(location)
@@ -663,12 +717,13 @@ class Registry:
         self.ledger = ledger if ledger is not None else UidLedger()
         self.check_limits = check_limits
         self._adopted = False
+        self._lease: int | None = None  # this PostgreSQL registry's lease in the uid ledger (an fd)
         # waiters of this process on approval questions: an answer given through this object wakes
         # them at once (others' answers are seen by polling). approval_id -> wake-ups.
         self._approval_waiters: dict[str, builtins.list[Callable[[], object]]] = {}
         where = redacted(str(location)) if url else str(location)
         try:
-            self._sql = dialect_for(location)
+            self._sql = dialect_for(location, bounds)
             self._errors: tuple[type[Exception], ...] = self._sql.errors
             self._db: Conn = self._sql.reader()
             self._migrate()
@@ -720,7 +775,7 @@ class Registry:
                         "SELECT state, uid_slot, state_dir FROM sandboxes WHERE sandbox_id=?", (sid,)
                     ).fetchone()
                     if row_holds(row, slot):  # still (a destroy may have released it meanwhile)
-                        ledger.adopt(slot, self._key, sid)
+                        ledger.adopt(slot, self._key, sid, row[2])
         self._adopted = True
 
     def _holds(self, registry: str, sandbox_id: str, slot: int, db: Conn | None = None) -> bool | None:
@@ -779,6 +834,9 @@ class Registry:
 
     def close(self) -> None:
         self._sql.close()
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            os.close(lease)
 
     def _read(self, sql: str, args: tuple = (), *, many: bool = False) -> typing.Any:
         try:
@@ -793,16 +851,12 @@ class Registry:
         and the write it allows."""
         return self._sql.transaction(locks)
 
-    def _lock(self, db: Conn, name: str) -> None:
-        """Take the advisory lock ``name`` in the transaction ``db`` (PostgreSQL; held to its end)."""
-        if isinstance(self._sql, PostgresDialect):
-            db.execute("SELECT pg_advisory_xact_lock(hashtextextended(?, 0))", (name,))
-
     def _pool_event(self, db: Conn, row: tuple[str, float, str, str, str]) -> None:
-        """Append a pool event, last in its transaction: on PostgreSQL under one lock to the commit,
-        so events commit in rowid order (the autoscaler and the metrics read them by rowid cursor:
-        a row committed late under a lower rowid would be skipped)."""
-        self._lock(db, "pool_events")
+        """Append a pool event in the transaction ``db``. Its readers follow events by cursor: on
+        SQLite by rowid (the one writer lock commits them in rowid order); on PostgreSQL by the
+        transaction that wrote each (its ``xid`` column's default), up to the oldest one still
+        running, so events need no cluster-wide lock (a row committed late under a lower rowid is
+        still read, once)."""
         db.execute("INSERT INTO pool_events VALUES (?,?,?,?,?)", row)
 
     @contextlib.contextmanager
@@ -814,6 +868,8 @@ class Registry:
             if not self._adopted:
                 self._adopt()
             with self.ledger.locked() as ledger, self._tx(*locks) as db:
+                if self._lease is None and self.shared:  # held to close(): no claim of ours is judged gone
+                    self._lease = ledger.lease(self._key)
                 self._check_fence(db)
                 yield ledger, db
         except OSError as e:
@@ -855,6 +911,7 @@ class Registry:
 
     # ---- sandboxes
 
+    @_retried
     def allocate(
         self,
         sandbox_id: str,
@@ -891,7 +948,9 @@ class Registry:
             ).fetchall()
             self._check_slots([r[1] for r in held], spare=bool(pool))
             used = {r[0] for r in held}
-            slot = ledger.claim(self._key, sandbox_id, skip=used, check=functools.partial(self._holds, db=db))
+            slot = ledger.claim(
+                self._key, sandbox_id, skip=used, check=functools.partial(self._holds, db=db), state_dir=state_dir
+            )
             try:
                 db.execute(
                     "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, "
@@ -937,6 +996,7 @@ class Registry:
                 raise
         return slot
 
+    @_retried
     def reallocate(
         self,
         sandbox_id: str,
@@ -963,7 +1023,7 @@ class Registry:
         now = time.time()
         with self._claiming(*_tenant_lock(tenant)) as (ledger, db):
             row = db.execute(
-                "SELECT state, tier, memory_mb, cpus, uid_slot FROM sandboxes WHERE sandbox_id=?"
+                "SELECT state, tier, memory_mb, cpus, uid_slot, state_dir FROM sandboxes WHERE sandbox_id=?"
                 + self._sql.for_update(),
                 (sandbox_id,),
             ).fetchone()
@@ -980,7 +1040,13 @@ class Registry:
             ).fetchall()
             self._check_slots([r[1] for r in held], spare=False)
             used = {r[0] for r in held}
-            slot = ledger.claim(self._key, sandbox_id, skip=used, check=functools.partial(self._holds, db=db))
+            slot = ledger.claim(
+                self._key,
+                sandbox_id,
+                skip=used,
+                check=functools.partial(self._holds, db=db),
+                state_dir=row[5] if state_dir is None else state_dir,
+            )
             try:
                 db.execute(
                     "UPDATE sandboxes SET state=?, uid_slot=?, expires_at=?, owner=?, ended_at=0, "
@@ -1008,6 +1074,7 @@ class Registry:
                 raise
         return slot
 
+    @_retried
     def set_metadata(self, sandbox_id: str, metadata: dict[str, str]) -> None:
         """A sandbox's metadata (checked by the engine: string keys and values, bounded)."""
         with self._tx() as db:
@@ -1016,6 +1083,7 @@ class Registry:
                 (json.dumps(metadata, sort_keys=True, ensure_ascii=False), sandbox_id),
             )
 
+    @_retried
     def set_tier_choice(self, sandbox_id: str, requirements: Requirements, choice: TierChoice) -> None:
         """What a tier="auto" create asked and why its tier was chosen (shown by get_info)."""
         with self._tx() as db:
@@ -1029,6 +1097,7 @@ class Registry:
                 ),
             )
 
+    @_retried
     def set_lifecycle(self, sandbox_id: str, lifecycle: Lifecycle) -> None:
         """A sandbox's lifecycle policy (checked by the engine: models.validate_lifecycle)."""
         with self._tx() as db:
@@ -1043,6 +1112,7 @@ class Registry:
                 ),
             )
 
+    @_retried
     def touch(self, sandbox_id: str, until: float) -> None:
         """The sandbox is used until ``until`` (unix seconds): its idle time counts from then."""
         with self._tx() as db:
@@ -1086,6 +1156,7 @@ class Registry:
         row = self._read("SELECT owner FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
         return row[0] if row else ""
 
+    @_retried
     def released(self, sandbox_id: str, owner: str) -> None:
         """The pause ``owner`` recorded has released everything: a resume may begin."""
         with self._tx() as db:
@@ -1110,6 +1181,7 @@ class Registry:
         row = self._read("SELECT egress FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
         return row[0] if row else ""
 
+    @_retried
     def set_egress(self, sandbox_id: str, egress: str) -> None:
         with self._tx() as db:
             db.execute("UPDATE sandboxes SET egress=? WHERE sandbox_id=?", (egress, sandbox_id))
@@ -1121,6 +1193,7 @@ class Registry:
         except OSError:
             pass  # left for a reclaim: the registry says it no longer holds the slot
 
+    @_retried
     def set_state(
         self, sandbox_id: str, new: State, reason: str, *, expected: State | None = None, owner: str | None = None
     ) -> State:
@@ -1152,6 +1225,7 @@ class Registry:
             self._release(sandbox_id, row[1])
         return old
 
+    @_retried
     def set_expiry(self, sandbox_id: str, expires_at: float, timeout_s: float | None = None) -> None:
         """A new deadline; ``timeout_s``: also the lifetime a resume gives it from now on."""
         with self._tx() as db:
@@ -1163,6 +1237,7 @@ class Registry:
                     (expires_at, timeout_s, sandbox_id),
                 )
 
+    @_retried
     def claim(
         self,
         pool: str,
@@ -1232,6 +1307,7 @@ class Registry:
             self._pool_event(db, (pool, now, "hit", sid, ""))
         return self._row(r)
 
+    @_retried
     def retire(self, pool: str, owner: str, *, keep_shape: str | None = None, limit: int | None = None) -> list[str]:
         """Atomically move pooled sandboxes of ``pool`` to ``retiring`` (never connectable again).
 
@@ -1428,12 +1504,14 @@ class Registry:
         row = self._read("SELECT value FROM meta_text WHERE key=?", (key,))
         return row[0] if row else ""
 
+    @_retried
     def set_meta_text(self, key: str, value: str) -> None:
         with self._tx() as db:
             db.execute(self._sql.upsert("meta_text", ("key", "value"), ("key",)), (key, value))
 
     # ---- nodes (a cluster: every node and the API tier share this registry)
 
+    @_retried
     def join_node(self, info: NodeInfo) -> int:
         """Record ``info.name`` as up with what it offers (its epoch, joined_at, heartbeat_at,
         pooled and live as given are ignored); returns its new epoch, one past any it had: a
@@ -1466,6 +1544,7 @@ class Registry:
             self.slots = max(0, int(info.slots))  # and the bound they are held to (_check_slots)
         return epoch
 
+    @_retried
     def heartbeat(self, name: str, epoch: int, live: int, pooled: int) -> bool:
         """A node says it is alive, with its live and pooled sandbox counts. False: it is fenced
         (marked down, or rejoined under a newer epoch): that process must stop serving and exit."""
@@ -1520,6 +1599,7 @@ class Registry:
             raise unknown_sandbox(sandbox_id)
         return row[0]
 
+    @_retried
     def set_node_state(self, name: str, state: str) -> None:
         """Set a node up or draining (a draining node takes no new sandboxes). "down" is
         :meth:`mark_node_down`: no live sandbox stays on a node that is down."""
@@ -1532,6 +1612,7 @@ class Registry:
             if db.execute("UPDATE nodes SET state=? WHERE name=?", (state, name)).rowcount != 1:
                 raise InvalidArgument(f"no node {name!r}")
 
+    @_retried
     def mark_node_down(self, name: str, reason: str, *, epoch: int | None = None) -> builtins.list[str]:
         """Node ``name`` is gone (Ray lost it, its heartbeat stopped, it left): its epoch is bumped
         (its process, if it still runs, is fenced: it starts no sandbox, and its next heartbeat
@@ -1574,6 +1655,7 @@ class Registry:
             )
         return [r[0] for r in rows]
 
+    @_retried
     def mark_lost(self, sandbox_ids: builtins.list[str], reason: str) -> builtins.list[str]:
         """These sandboxes' runtime ended under them (on this host: the isolate host process that
         held them died): each still creating, pooled, retiring, ready or running becomes ``lost``
@@ -1596,6 +1678,7 @@ class Registry:
                 changed.append(sid)
         return changed
 
+    @_retried
     def claim_host_slot(self, holder: str) -> int:
         """A uid slot of the host-wide ledger for a process of this home that is no sandbox (the
         isolate tier's host of one tenant), recorded as ``holder``'s; returns the slot. While its
@@ -1617,6 +1700,7 @@ class Registry:
         except OSError as e:
             raise RegistryError(f"cannot release a uid range in {self.ledger.dir}: {e}") from None
 
+    @_retried
     def move(self, sandbox_id: str, node: str) -> None:
         """Give a paused sandbox to ``node`` (the one resuming it). SandboxStateError if it is
         not paused: a running sandbox's processes cannot move."""
@@ -1633,6 +1717,7 @@ class Registry:
 
     # ---- snapshots
 
+    @_retried
     def add_snapshot(self, snapshot_id: str, sandbox_id: str, created_at: float, size: int) -> None:
         """Record a snapshot; it belongs to its sandbox's tenant."""
         with self._tx() as db:
@@ -1667,6 +1752,7 @@ class Registry:
         pools = sorted({r[1] for r in live if r[1] and r[2] == State.POOLED.value})
         return [r[0] for r in live], pools, [r[0] for r in snaps]
 
+    @_retried
     def mark_auto(self, snapshot_id: str) -> None:
         """The snapshot was made by an automatic pause (idle, timeout): internal to its sandbox."""
         with self._tx() as db:
@@ -1718,10 +1804,12 @@ class Registry:
         )
         return [tuple(r) for r in rows]
 
+    @_retried
     def remove_snapshot(self, snapshot_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM snapshots WHERE snapshot_id=?", (snapshot_id,))
 
+    @_retried
     def set_parent(self, sandbox_id: str, snapshot_id: str) -> None:
         with self._tx() as db:
             db.execute("UPDATE sandboxes SET parent_snapshot=? WHERE sandbox_id=?", (snapshot_id, sandbox_id))
@@ -1732,6 +1820,7 @@ class Registry:
 
     # ---- templates
 
+    @_retried
     def template_add(self, info: TemplateInfo) -> TemplateInfo:
         """Record a built template as the next version of its (tenant, name): the record returned
         has ``version`` = the last version ever given + 1 (``info.version`` is ignored; numbers are
@@ -1786,6 +1875,7 @@ class Registry:
         )
         return [_template(r) for r in rows]
 
+    @_retried
     def template_delete(self, name: str, version: int | None = None, tenant: str = "") -> builtins.list[TemplateInfo]:
         """Remove one version (None: every version) of a template; the records removed.
         TemplateNotFound if there was none. Whether something still uses it is the caller's check."""
@@ -1815,6 +1905,7 @@ class Registry:
         row = self._read("SELECT digest FROM build_steps WHERE tenant=? AND step_key=?", (tenant, key))
         return row[0] if row else None
 
+    @_retried
     def record_build_step(self, tenant: str, key: str, digest: str) -> None:
         """Record that ``tenant``'s build step ``key`` made the layer ``digest`` (replacing any earlier)."""
         _build_step_tenant(tenant)
@@ -1841,6 +1932,7 @@ class Registry:
 
     # ---- tenants and API keys
 
+    @_retried
     def create_key(
         self,
         tenant: str,
@@ -1906,6 +1998,7 @@ class Registry:
             for r in rows
         ]
 
+    @_retried
     def revoke_key(self, key_id: str) -> bool:
         """Revoke a key at once (the next request with it is refused); False if unknown or already revoked."""
         if not isinstance(key_id, str):
@@ -2029,6 +2122,7 @@ class Registry:
         ).fetchall()
         return [Transition(*r) for r in rows]
 
+    @_retried
     def add_timing(self, sandbox_id: str, stage: str, duration_ms: float) -> None:
         with self._tx() as db:
             db.execute(
@@ -2036,6 +2130,7 @@ class Registry:
                 (sandbox_id, stage, duration_ms, 1),
             )
 
+    @_retried
     def add_timings(self, timings: builtins.list[StageTiming]) -> None:
         with self._tx() as db:
             db.executemany(
@@ -2052,6 +2147,7 @@ class Registry:
 
     # ---- metering
 
+    @_retried
     def sample(self, samples: builtins.list[tuple[str, int, int]], now: float | None = None) -> None:
         """Fold (sandbox_id, memory_bytes, cpu_ns) readings into the meters (memory x time)."""
         now = time.time() if now is None else now
@@ -2080,6 +2176,7 @@ class Registry:
             for tenant, (cpu_s, gib_s) in sorted(used.items()):  # one row order for every writer
                 _add_usage(db, tenant, now, cpu_s, gib_s)
 
+    @_retried
     def set_busy(self, sandbox_id: str, busy_ms: float, commands: int) -> None:
         with self._tx() as db:
             top = self._sql.greatest
@@ -2089,6 +2186,7 @@ class Registry:
                 (busy_ms, commands, sandbox_id),
             )
 
+    @_retried
     def finalize(self, sandbox_id: str) -> None:
         """Freeze the meters of an ended sandbox; an unclaimed pooled one is all the pool's cost."""
         with self._tx() as db:
@@ -2132,6 +2230,7 @@ class Registry:
         rows = self._read(sql + " ORDER BY hour, tenant", args, many=True)
         return [UsageBucket(*r) for r in rows]
 
+    @_retried
     def set_budget(self, tenant: str, *, cpu_h: float | None = None, gib_h: float | None = None) -> None:
         """A tenant's daily budget (CPU-hours, GiB-hours per UTC day; 0: none; None: keep);
         InvalidArgument if there is no such tenant or a value is not a number >= 0."""
@@ -2188,6 +2287,7 @@ class Registry:
 
     # ---- the approval queue
 
+    @_retried
     def open_approval(
         self,
         tenant: str,
@@ -2254,6 +2354,7 @@ class Registry:
         out = [_approval(r, now, self.node) for r in rows]
         return [a for a in out if a.state == "pending"] if pending_only else out
 
+    @_retried
     def answer_approval(
         self, approval_id: str, decision: str, answered_by: str, *, tenant: str | None = None, now: float | None = None
     ) -> Approval:
@@ -2290,6 +2391,7 @@ class Registry:
             wake()
         return dataclasses.replace(a, state=state, decision=decision, answered_by=answered_by[:200], answered_at=now)
 
+    @_retried
     def _expire_approval(self, approval_id: str, now: float) -> None:
         """Close a question whose deadline passed (timed_out), unless an answer came first."""
         with self._tx() as db:
@@ -2298,6 +2400,7 @@ class Registry:
                 (now, approval_id),
             )
 
+    @_retried
     def withdraw_approval(self, approval_id: str) -> None:
         """The waiter gave up (cancelled, or failed): close the question as timed_out, answered_by
         "withdrawn", unless it was answered (nobody would act on a later answer)."""
@@ -2352,6 +2455,7 @@ class Registry:
         ).fetchall()
         return {r[0]: PoolRow(*r) for r in rows}
 
+    @_retried
     def ensure_pool(self, name: str, target: int) -> None:
         """Create the pool's row, or reset its target when the configured target changed."""
         with self._tx() as db:
@@ -2365,6 +2469,7 @@ class Registry:
                 (target, target, name, target),
             )
 
+    @_retried
     def set_pool(
         self,
         name: str,
@@ -2394,6 +2499,7 @@ class Registry:
             if kind:
                 self._pool_event(db, (name, now, kind, "", detail))
 
+    @_retried
     def pool_event(self, pool: str, kind: str, sandbox_id: str = "", detail: str = "") -> None:
         with self._tx() as db:
             self._pool_event(db, (pool, time.time(), kind, sandbox_id, detail))
@@ -2411,13 +2517,23 @@ class Registry:
         return None if row is None or row[0] is None else float(row[0])
 
     def unseen_misses(self, pool: str, seen: int) -> tuple[int, int]:
-        """(misses recorded after event ``seen``, newest event id) — for the autoscaler."""
+        """(misses recorded past the cursor ``seen``, the new cursor) — for the autoscaler. The
+        cursor: SQLite, the newest event's rowid; PostgreSQL, the oldest transaction still running
+        (every event of a transaction below it is committed or never will be)."""
+        if self.shared:
+            count, horizon = self._db.execute(
+                f"SELECT (SELECT COUNT(*) FROM pool_events WHERE pool=? AND kind='miss' AND xid>=? AND xid<h.x), "
+                f"h.x FROM (SELECT {PG_XACT_HORIZON} AS x) h",
+                (pool, seen),
+            ).fetchone()
+            return count, max(horizon, seen)
         row = self._db.execute(
             "SELECT COUNT(*), MAX(rowid) FROM pool_events WHERE pool=? AND rowid>? AND kind='miss'", (pool, seen)
         ).fetchone()
         newest = self._db.execute("SELECT COALESCE(MAX(rowid), 0) FROM pool_events").fetchone()[0]
         return row[0], max(newest, seen)
 
+    @_retried
     def set_events_seen(self, pool: str, seen: int) -> None:
         with self._tx() as db:
             db.execute("UPDATE pool_state SET events_seen=? WHERE name=?", (seen, pool))
@@ -2459,6 +2575,7 @@ class Registry:
 
     # ---- network (the proxy reads policies and appends audit records; the engine owns links)
 
+    @_retried
     def set_link(self, sandbox_id: str, address: str, ifname: str, policy: str) -> None:
         with self._tx() as db:
             # what SQLite's REPLACE did for the UNIQUE (node, address) too (PostgreSQL's upsert would not)
@@ -2470,6 +2587,7 @@ class Registry:
                 (sandbox_id, address, ifname, policy, time.time(), self.node),
             )
 
+    @_retried
     def set_policy(self, sandbox_id: str, policy: str) -> bool:
         with self._tx() as db:
             return (
@@ -2496,6 +2614,7 @@ class Registry:
         row = self._read("SELECT node FROM net_links WHERE sandbox_id=?", (sandbox_id,))
         return None if row is None else row[0]
 
+    @_retried
     def drop_link(self, sandbox_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM net_links WHERE sandbox_id=?", (sandbox_id,))
@@ -2508,15 +2627,18 @@ class Registry:
             (self.node,),
         )[0]
 
+    @_retried
     def add_net_event(self, e: NetEvent) -> int:
         with self._tx() as db:
             return int(db.execute(_NET_EVENT_INSERT + " RETURNING id", _net_event_row(e)).fetchone()[0])
 
+    @_retried
     def add_net_events(self, events: builtins.list[NetEvent]) -> None:
         """Append several audit records in one transaction."""
         with self._tx() as db:
             db.executemany(_NET_EVENT_INSERT, [_net_event_row(e) for e in events])
 
+    @_retried
     def finish_net_event(self, event_id: int, bytes_up: int, bytes_down: int, detail: str = "") -> None:
         with self._tx() as db:
             db.execute(
@@ -2525,6 +2647,7 @@ class Registry:
                 (bytes_up, bytes_down, detail, detail[:500], event_id),
             )
 
+    @_retried
     def deny_net_event(self, event_id: int, rule: str, detail: str) -> None:
         """Turn an attempt first allowed by name into a denial (e.g. its TLS SNI did not match)."""
         with self._tx() as db:
@@ -2543,6 +2666,7 @@ class Registry:
 
     # ---- commands and code runs (written in batches by the engine's CommandLog)
 
+    @_retried
     def add_commands(self, records: builtins.list[CommandRecord]) -> None:
         """Append command records in one transaction; each gets the next ``seq`` of its sandbox
         (the records' own seq is ignored), in the order given. A sandbox keeps its first
@@ -2588,6 +2712,7 @@ class Registry:
 
     # ---- named volumes (the tenant "" is the host's)
 
+    @_retried
     def add_volume(self, tenant: str, name: str, volume_id: str, size_mb: int, created_at: float) -> None:
         """Record a new volume; VolumeError if the tenant has one of that name."""
         try:
@@ -2630,6 +2755,7 @@ class Registry:
         )
         return [r[0] for r in rows]
 
+    @_retried
     def remove_volume(self, tenant: str, name: str) -> str:
         """Forget a volume; its volume_id (whose image the caller deletes). VolumeNotFound, or
         VolumeInUse while a sandbox mounts it (checked in the transaction that removes the row,
@@ -2656,6 +2782,7 @@ class Registry:
         except self._errors as e:
             raise RegistryError(f"registry error: {e}") from None
 
+    @_retried
     def mount_volumes(
         self, sandbox_id: str, mounts: builtins.list[tuple[str, str, str, bool]], *, exclusive: bool
     ) -> None:
@@ -2906,7 +3033,19 @@ def open_registry(
     the SQLite file in the home; as ``[cluster] node``. Every part of warmbox opens it here
     (engine, proxy, approvals). settings: the home's Settings, or just their ``cluster``."""
     cluster = settings if isinstance(settings, ClusterSettings) else settings.cluster
-    return Registry(cluster.registry or home / "registry.db", cluster.node, check_limits=check_limits)
+    return Registry(
+        cluster.registry or home / "registry.db", cluster.node, check_limits=check_limits, bounds=bounds_of(cluster)
+    )
+
+
+def bounds_of(cluster: ClusterSettings) -> Bounds:
+    """The registry's waits as ``[cluster]`` sets them (SQLite keeps its own busy timeout)."""
+    return Bounds(
+        lock_s=cluster.lock_timeout,
+        statement_s=cluster.statement_timeout,
+        idle_s=cluster.idle_timeout,
+        retry_budget_s=cluster.retry_budget,
+    )
 
 
 def schema_version(location: Path | str) -> int | None:

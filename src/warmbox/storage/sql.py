@@ -10,6 +10,11 @@ the caller (``transaction("tenant:acme")``: a quota's count and its insert; two 
 counting at once would both pass a quota of 3 and reach 6). Locks are taken in sorted order at
 the start of the transaction, before any row lock.
 
+Every wait is bounded (Bounds): PostgreSQL's lock_timeout, statement_timeout and
+idle_in_transaction_session_timeout are set on every connection (the last ends the session of a
+node stopped or gone mid-transaction, so the locks it held go); SQLite's busy timeout. A wait past
+its bound is RegistryBusy (the transaction rolled back: the registry retries it, storage/registry.py).
+
 Foreign errors (sqlite3.Error, psycopg.Error) become RegistryError at the transaction boundary
 and (PostgreSQL) at each read; PostgreSQL's SUM of an integer column (numeric) reads as an int,
 as SQLite's does, not a Decimal.
@@ -18,6 +23,7 @@ as SQLite's does, not a Decimal.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import re
 import sqlite3
@@ -26,12 +32,50 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from warmbox.errors import RegistryError, RegistrySchemaError
+from warmbox.errors import RegistryBusy, RegistryError, RegistrySchemaError
 
 PG_SCHEMES = ("postgresql://", "postgres://")
 # tables whose readers order by SQLite's implicit rowid: PostgreSQL gets a real column of that name
 ROWID_TABLES = ("transitions", "timings", "pool_events", "sandbox_volumes")
 MIGRATE_COMMAND = "warmbox db migrate"
+# version 18: each pool event records the transaction that wrote it (PostgreSQL): readers follow
+# events up to the oldest transaction still running (storage/registry.py, engine/stats.py), so
+# inserting one takes no cluster-wide lock
+POOL_EVENT_XID_VERSION = 18
+# the id of the current transaction (assigned if it has none), and the horizon: every transaction
+# below it has ended, so no event below it can still appear
+PG_XACT_ID = "pg_current_xact_id()::text::bigint"
+PG_XACT_HORIZON = "pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
+MIGRATE_BOUND_S = 600  # a migration's own lock wait and statements (DDL on big tables): ten minutes
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """How long a registry waits (seconds, wall clock; ``[cluster]`` settings, docs/cluster.md).
+    lock_s: for a lock (PostgreSQL lock_timeout); statement_s: for one statement
+    (statement_timeout); idle_s: a transaction open between statements before the server ends its
+    session (idle_in_transaction_session_timeout); sqlite_busy_s: SQLite's busy timeout (the
+    database-wide writer lock); retry_budget_s: how long a write that timed out is retried."""
+
+    lock_s: float = 5.0
+    statement_s: float = 30.0
+    idle_s: float = 10.0
+    sqlite_busy_s: float = 30.0
+    retry_budget_s: float = 30.0
+
+    def pg_options(self) -> str:
+        """The libpq ``options`` that set them on a PostgreSQL session (milliseconds)."""
+        return " ".join(
+            f"-c {name}={max(1, round(s * 1000))}"
+            for name, s in (
+                ("lock_timeout", self.lock_s),
+                ("statement_timeout", self.statement_s),
+                ("idle_in_transaction_session_timeout", self.idle_s),
+            )
+        )
+
+
+DEFAULT_BOUNDS = Bounds()
 
 
 def is_url(location: str | Path) -> bool:
@@ -90,10 +134,12 @@ class SqliteDialect(Dialect):
     name = "sqlite"
     errors = (sqlite3.Error,)
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, bounds: Bounds = DEFAULT_BOUNDS) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.conn = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
+        self.conn = sqlite3.connect(
+            str(path), timeout=bounds.sqlite_busy_s, isolation_level=None, check_same_thread=False
+        )
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
 
@@ -121,7 +167,7 @@ class _SqliteTx:
         try:
             self.db.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as e:
-            raise RegistryError(f"registry unavailable: {e}") from None
+            raise _sqlite_error("registry unavailable", e) from None
         return self.db
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
@@ -129,11 +175,18 @@ class _SqliteTx:
             try:
                 self.db.execute("COMMIT")
             except sqlite3.Error as e:
-                raise RegistryError(f"registry commit failed: {e}") from None
+                raise _sqlite_error("registry commit failed", e) from None
         else:
             self.db.execute("ROLLBACK")
             if isinstance(exc, sqlite3.Error):
-                raise RegistryError(f"registry error: {exc}") from None
+                raise _sqlite_error("registry error", exc) from None
+
+
+def _sqlite_error(what: str, e: sqlite3.Error) -> RegistryError:
+    """RegistryBusy for SQLite's busy timeout (another writer held the database past it), else RegistryError."""
+    if getattr(e, "sqlite_errorcode", None) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        return RegistryBusy(f"{what}: the registry's writer lock was held past its busy timeout ({e})")
+    return RegistryError(f"{what}: {e}")
 
 
 # ---- PostgreSQL
@@ -230,7 +283,7 @@ class _PgReader:
                 cur = c.execute(pg_sql(sql), _args(parameters))
                 return _Rows(cur.fetchall() if cur.description else [], cur.rowcount)
         except psycopg.Error as e:
-            raise RegistryError(f"registry read failed: {_pg_message(e)}") from None
+            raise _pg_error("registry read failed", e) from None
 
     def executemany(self, sql: str, seq_of_parameters: Iterable[Any], /) -> None:
         raise RegistryError("a write outside a transaction")  # the registry writes only in transactions
@@ -238,6 +291,19 @@ class _PgReader:
 
 def _pg_message(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+# SQLSTATEs after which PostgreSQL has rolled the transaction back, so running it again is safe:
+# lock_not_available (lock_timeout), query_canceled (statement_timeout), deadlock_detected,
+# serialization_failure, idle_in_transaction_session_timeout (this session's transaction was ended)
+_RETRIABLE = ("55P03", "57014", "40P01", "40001", "25P03")
+
+
+def _pg_error(what: str, e: Exception) -> RegistryError:
+    """RegistryBusy for a wait past its bound (or a deadlock), else RegistryError."""
+    if getattr(e, "sqlstate", None) in _RETRIABLE:
+        return RegistryBusy(f"{what}: {_pg_message(e)}")
+    return RegistryError(f"{what}: {_pg_message(e)}")
 
 
 def numeric_loader() -> type:
@@ -264,7 +330,9 @@ class PostgresDialect(Dialect):
     greatest = "GREATEST"
     cross_join = "JOIN"
 
-    def __init__(self, url: str, *, idle_max: int = 4, connect_timeout_s: int = 10) -> None:
+    def __init__(
+        self, url: str, *, idle_max: int = 4, connect_timeout_s: int = 10, bounds: Bounds = DEFAULT_BOUNDS
+    ) -> None:
         try:
             import psycopg
         except ImportError:
@@ -273,17 +341,22 @@ class PostgresDialect(Dialect):
         self.errors = (psycopg.Error,)
         self.idle_max = idle_max
         self.connect_timeout_s = connect_timeout_s
+        self.bounds = bounds
         self._idle: list[Any] = []
         self._lock = threading.Lock()
         self._loader = numeric_loader()
         self._reader = _PgReader(self)
         self._closed = False
 
-    def _connect(self) -> Any:
+    def _connect(self, bounds: Bounds | None = None) -> Any:
         import psycopg
 
         c = psycopg.connect(
-            self.url, autocommit=True, connect_timeout=self.connect_timeout_s, application_name="warmbox"
+            self.url,
+            autocommit=True,
+            connect_timeout=self.connect_timeout_s,
+            application_name="warmbox",
+            options=(bounds or self.bounds).pg_options(),
         )
         c.adapters.register_loader("numeric", self._loader)
         return c
@@ -323,7 +396,7 @@ class PostgresDialect(Dialect):
                     c.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (name,))
                 yield _PgTxConn(c)
         except psycopg.Error as e:
-            raise RegistryError(f"registry error: {_pg_message(e)}") from None
+            raise _pg_error("registry error", e) from None
 
     def for_update(self, *, skip_locked: bool = False) -> str:
         return " FOR UPDATE SKIP LOCKED" if skip_locked else " FOR UPDATE"
@@ -360,8 +433,9 @@ class PostgresDialect(Dialect):
         RegistrySchemaError if the database is newer than ``version``."""
         import psycopg
 
+        long = Bounds(lock_s=MIGRATE_BOUND_S, statement_s=MIGRATE_BOUND_S, idle_s=MIGRATE_BOUND_S)
         try:
-            with self.connection() as c:
+            with contextlib.closing(self._connect(long)) as c:  # its own bounds; never pooled
                 c.execute("SELECT pg_advisory_lock(hashtextextended('warmbox:migrate', 0))")
                 try:
                     with c.transaction():
@@ -377,6 +451,12 @@ class PostgresDialect(Dialect):
                                 c.execute(pg_ddl(stmt))
                             for table in ROWID_TABLES:  # what ORDER BY rowid reads (last: positional inserts)
                                 c.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS rowid BIGSERIAL")
+                            c.execute(
+                                "ALTER TABLE pool_events ADD COLUMN IF NOT EXISTS xid BIGINT NOT NULL "
+                                f"DEFAULT ({PG_XACT_ID})"
+                            )
+                            if 0 < before < POOL_EVENT_XID_VERSION:  # the autoscaler's cursor: rowids -> xids
+                                c.execute(f"UPDATE pool_state SET events_seen = {PG_XACT_ID} + 1")
                             c.execute(
                                 "INSERT INTO meta_text (key, value) VALUES ('cluster_id', md5(random()::text)) "
                                 "ON CONFLICT DO NOTHING"
@@ -412,15 +492,19 @@ def _newer(found: int, version: int) -> str:
     )
 
 
-def dialect_for(location: str | Path) -> Dialect:
+def dialect_for(location: str | Path, bounds: Bounds = DEFAULT_BOUNDS) -> Dialect:
     """The dialect of a registry location: a ``postgresql://`` URL or a SQLite file path."""
     if is_url(location):
-        return PostgresDialect(str(location))
-    return SqliteDialect(Path(location))
+        return PostgresDialect(str(location), bounds=bounds)
+    return SqliteDialect(Path(location), bounds)
 
 
 __all__ = [
+    "DEFAULT_BOUNDS",
     "MIGRATE_COMMAND",
+    "PG_XACT_HORIZON",
+    "POOL_EVENT_XID_VERSION",
+    "Bounds",
     "PG_SCHEMES",
     "Conn",
     "Cursor",

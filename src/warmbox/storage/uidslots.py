@@ -11,12 +11,21 @@ A slot is released when its sandbox is destroyed. One whose holder crashed, or w
 away, is reclaimed only when the host runs out of free slots, and only if the holder's registry
 says that sandbox no longer holds it (its row is destroyed, paused with nothing left, or gone,
 or the registry itself is gone) and no host process runs in its range.
+
+A PostgreSQL registry (``pg:<cluster id>/<node>``) has no file here and its URL is never written
+down, so only a registry of the same cluster can read its rows. Another one judges it gone when
+no process of this host has it open (each holds a shared flock on its lease file,
+``registries/<sha256 of the key>``, from its first claim to its close: a claim in progress, whose
+sandbox has no state directory yet, is never judged) and the sandbox's state directory, recorded
+in the entry, is gone too (a paused or stopped sandbox's leftovers still hold the range). Entries
+without a state directory (host processes, older warmbox) are never judged so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import sqlite3
@@ -111,7 +120,44 @@ class UidLedger:
         except FileNotFoundError:
             return []
 
-    def _create(self, slot: int, registry: str, sandbox_id: str) -> bool:
+    def lease(self, registry: str) -> int:
+        """Hold ``registry``'s lease (a shared flock, see the module's docstring) until the fd
+        returned is closed: while it is held, no slot of that PostgreSQL registry is judged gone."""
+        leases = self.dir / "registries"
+        leases.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(leases / _lease_name(registry), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _leased(self, registry: str) -> bool:
+        """Whether a process of this host holds ``registry``'s lease (unsure: True)."""
+        try:
+            fd = os.open(self.dir / "registries" / _lease_name(registry), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        finally:
+            os.close(fd)  # drops the probe's lock
+        return False
+
+    def _pg_gone(self, entry: dict) -> bool:
+        """Whether the PostgreSQL registry of ``entry`` no longer holds its slot on this host: no
+        process here has it open and the sandbox's recorded state directory is gone."""
+        state_dir = entry.get("state_dir")
+        if not entry["registry"].startswith("pg:") or not isinstance(state_dir, str) or not state_dir:
+            return False
+        return not self._leased(entry["registry"]) and not os.path.lexists(state_dir)
+
+    def _create(self, slot: int, registry: str, sandbox_id: str, state_dir: str = "") -> bool:
         """Create the slot's entry; False if it exists. Under the lock nobody reads it half-written
         (one left half-written by a crash reads as unreadable: stale unless its range is in use)."""
         try:
@@ -122,7 +168,13 @@ class UidLedger:
             os.write(
                 fd,
                 json.dumps(
-                    {"registry": registry, "sandbox_id": sandbox_id, "pid": os.getpid(), "at": time.time()}
+                    {
+                        "registry": registry,
+                        "sandbox_id": sandbox_id,
+                        "pid": os.getpid(),
+                        "at": time.time(),
+                        "state_dir": state_dir,
+                    }
                 ).encode(),
             )
         finally:
@@ -136,32 +188,34 @@ class UidLedger:
         *,
         skip: frozenset[int] | set[int] = frozenset(),
         check: HolderCheck | None = None,
+        state_dir: str = "",
     ) -> int:
         """Take a free slot for ``sandbox_id`` of ``registry`` (round robin over the host: a slot
         just released is the last to be handed out again); reclaims stale ones when none is free.
 
         skip: slots the caller knows are in use (its own sandboxes from before the ledger).
+        state_dir: the sandbox's state directory (recorded: while it exists, the slot is held).
         Raises LedgerError when every slot is held.
         """
         start = self._next()
         for i in range(self.slots):
             slot = self.first + (start - self.first + i) % self.slots
-            if slot not in skip and self._create(slot, registry, sandbox_id):
+            if slot not in skip and self._create(slot, registry, sandbox_id, state_dir):
                 self._set_next(slot + 1)
                 return slot
         for slot in self.reclaim(check, start=start):
-            if slot not in skip and self._create(slot, registry, sandbox_id):
+            if slot not in skip and self._create(slot, registry, sandbox_id, state_dir):
                 self._set_next(slot + 1)
                 return slot
         raise LedgerError(f"all {self.slots} uid ranges of this host are held ({self.dir})")
 
-    def adopt(self, slot: int, registry: str, sandbox_id: str) -> bool:
+    def adopt(self, slot: int, registry: str, sandbox_id: str, state_dir: str = "") -> bool:
         """Record a slot a sandbox already holds (made before the ledger existed); False if
         another holder has it."""
         entry = self.holder(slot)
         if entry is not None:
             return bool(entry) and entry["registry"] == registry and entry["sandbox_id"] == sandbox_id
-        return self._create(slot, registry, sandbox_id)
+        return self._create(slot, registry, sandbox_id, state_dir)
 
     def release(self, slot: int, registry: str, sandbox_id: str) -> bool:
         """Free ``slot`` if (and only if) it is still recorded as this sandbox's."""
@@ -200,7 +254,9 @@ class UidLedger:
                 continue
             if entry:  # an unreadable entry is stale only if nothing runs in its range
                 held = (check or registry_holds)(entry["registry"], entry["sandbox_id"], slot)
-                if held is None or held:
+                if held is None:  # its registry cannot be read from here: gone, or not judged
+                    held = not self._pg_gone(entry)
+                if held:
                     continue
             self._entry(slot).unlink(missing_ok=True)
             freed.append(slot)
@@ -221,6 +277,10 @@ class UidLedger:
         if self._lock_fd is None:
             raise RuntimeError("the uid ledger's position is written only under locked()")
         os.pwrite(self._lock_fd, f"{self.first + (n - self.first) % self.slots:<20}\n".encode(), 0)
+
+
+def _lease_name(registry: str) -> str:
+    return hashlib.sha256(registry.encode()).hexdigest()[:32]
 
 
 def registry_holds(registry: str, sandbox_id: str, slot: int) -> bool | None:
