@@ -82,6 +82,7 @@ def test_exported_members():
             "SandboxMetrics",
             "SnapshotRef",
             "SnapshotUnsupported",
+            "SnapshotRuntimeMismatch",
             "StorageError",
             "StorageFull",
             "ApprovalRequest",

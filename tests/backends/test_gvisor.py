@@ -229,3 +229,94 @@ limits = { memory_mb = 444 }
     finally:
         set_config(home)
     wait_for(lambda: not engine.registry.pooled("t-gv"), 60, "the gvisor pool to be retired")
+
+
+OLD_RUNSC = "/usr/bin/runsc"  # Debian 12's (0.0~20221219.0): ptrace only
+
+
+def _old_runsc() -> str:
+    from warmbox.backends.gvisor import LEGACY_RUNSC_VERSION, runsc_version
+
+    if not os.access(OLD_RUNSC, os.X_OK) or runsc_version(OLD_RUNSC) != LEGACY_RUNSC_VERSION:
+        pytest.skip(f"needs Debian 12's runsc {LEGACY_RUNSC_VERSION} at {OLD_RUNSC}")
+    return OLD_RUNSC
+
+
+@pytest.mark.sandbox
+def test_the_tier_runs_systrap_where_the_probe_runs_it_and_doctor_says_why(home, runc_ready, monkeypatch):
+    from warmbox.backends.gvisor import RUNSC_LOCAL, GvisorBackend, find_runsc
+
+    monkeypatch.delenv("WARMBOX_RUNSC_PLATFORM", raising=False)
+    monkeypatch.delenv("WARMBOX_RUNSC", raising=False)
+    if not os.access(RUNSC_LOCAL, os.X_OK):
+        pytest.fail(f"scripts/bootstrap installs runsc 2024 at {RUNSC_LOCAL}")
+    assert find_runsc() == RUNSC_LOCAL
+    engine = Engine.for_home(home)
+    backend = engine.backend("gvisor")
+    assert isinstance(backend, GvisorBackend)
+    platform, why = backend.platform()
+    # this host has no hardware KVM (PVM): systrap, because the probe ran a sandbox on it
+    assert (platform, why) == ("systrap", "no hardware KVM; systrap probe (runsc do /bin/true) succeeded")
+    status = {s.tier: s for s in engine.doctor()}["gvisor"]
+    assert status.available and f"runsc {backend.version()} at {RUNSC_LOCAL}, platform systrap" in status.reason
+    assert "probe" in status.reason and backend.version() >= "0.0~20240729"
+    assert f"--platform={platform}" in backend.runtime_argv()
+    # the probe's result is kept: capabilities and probe (the tier selector's) start no runsc
+    assert backend.known_platform() == (platform, why) and f"platform {platform}" in backend.probe().reason
+    # the override still wins, and says so
+    monkeypatch.setenv("WARMBOX_RUNSC_PLATFORM", "ptrace")
+    assert backend.platform() == ("ptrace", "WARMBOX_RUNSC_PLATFORM")
+
+
+@pytest.mark.sandbox
+def test_a_runsc_without_systrap_falls_back_to_ptrace_and_says_why(tmp_path, monkeypatch):
+    from warmbox.backends.gvisor import GvisorBackend
+
+    monkeypatch.delenv("WARMBOX_RUNSC_PLATFORM", raising=False)
+    backend = GvisorBackend(tmp_path, runsc=_old_runsc())
+    platform, why = backend.platform()
+    assert platform == "ptrace" and "systrap probe failed" in why and "unknown platform" in why
+    assert backend.diagnose().available and "platform ptrace" in backend.diagnose().reason
+    assert "runsc 0.0~20221219.0" in backend.diagnose().reason
+
+
+@pytest.mark.sandbox
+def test_a_memory_snapshot_of_another_runsc_is_refused_naming_both_versions(home, runc_ready, monkeypatch):
+    """A runsc image loads only into the runsc that made it: the snapshot records it (manifest and
+    registry); another version's resume is refused typed and the sandbox stays paused; a snapshot
+    from before versions were recorded counts as runsc 2022's; a files-only snapshot restores anywhere."""
+    import dataclasses
+
+    from warmbox import SnapshotRuntimeMismatch
+    from warmbox.engine import snapshot
+
+    old_runsc = _old_runsc()
+    engine = Engine.for_home(home)
+    here = engine.backend("gvisor").runtime_version()
+    sb = Sandbox.create("gvisor", timeout=120)
+    sb.run_code("counter = 41")
+    files_only = sb.snapshot()
+    ref = sb.pause(memory=True)
+    m = snapshot.resolve(engine, ref.snapshot_id)
+    assert m.runtime == here != "runsc unknown" and engine.registry.snapshot_runtime(ref.snapshot_id) == here
+    assert engine.registry.snapshot_runtime(files_only.snapshot_id) == ""
+    monkeypatch.setenv("WARMBOX_RUNSC", old_runsc)
+    old = Engine(home)  # this home with Debian 12's runsc
+    try:
+        with pytest.raises(SnapshotRuntimeMismatch) as e:
+            asyncio.run(snapshot.restore(old, m, timeout=60, envs=None, resume_of=sb.sandbox_id))
+        assert (e.value.recorded, e.value.runtime) == (here, "runsc 0.0~20221219.0")
+        assert here in str(e.value) and "runsc 0.0~20221219.0" in str(e.value)
+        assert engine.info(sb.sandbox_id)[0].state is State.PAUSED
+        legacy = dataclasses.replace(m, runtime="")  # taken before the runtime was recorded
+        snapshot.check_runtime(old, legacy)
+        with pytest.raises(SnapshotRuntimeMismatch, match=r"made by runsc 0\.0~20221219\.0"):
+            snapshot.check_runtime(engine, legacy)
+        snapshot.check_runtime(old, snapshot.resolve(engine, files_only.snapshot_id))  # files only: no check
+    finally:
+        old.registry.close()
+        monkeypatch.delenv("WARMBOX_RUNSC")
+    with Sandbox.resume(sb.sandbox_id, timeout=120) as back:  # the runsc that made it resumes it
+        assert back.run_code("counter + 1").text == "42"
+    with Sandbox.create(from_snapshot=files_only.snapshot_id, timeout=120) as copy:
+        assert copy.commands.run("true").exit_code == 0
