@@ -95,9 +95,14 @@ SENTRY_PIDS = 512
 PIDS_PER_TASK = 32
 HOST_SHARE = 4  # at most a quarter of the host's pids (the default [limits] max_pids of one sandbox)
 
-# what a syscall loop costs against the host per runsc platform (declared; a measured profile wins):
-# ptrace measured 10-50x per syscall kind on a 2-core PVM host (fork 46x, files 17x, socket 10x)
-_SYSCALL_SLOWDOWN = {"ptrace": 20.0, "systrap": 5.0, "kvm": 3.0}
+# what a syscall loop costs against the host per runsc platform (declared; a measured profile wins).
+# `warmbox bench profile` (geometric mean of fork, files, socket; against the host in the same run) on
+# this 2-core PVM host at load 4-6: runsc 2024 systrap 27-31x (once 15x; fork 50-75x, files 22x,
+# socket 19-23x), runsc 2024 ptrace 24x (fork 25x), runsc 2022 ptrace 29x. An os.stat loop in `runsc
+# do` at the same load: systrap 2.8-3.3 s, ptrace 3.2-3.5 s, host 0.17-0.24 s per 100,000 (at a
+# quieter moment systrap was 0.91 s): systrap's stub hand-off needs the Sentry scheduled at once,
+# which a loaded 2-CPU nested host does not give. kvm: not measurable here (no hardware KVM).
+_SYSCALL_SLOWDOWN = {"ptrace": 24.0, "systrap": 28.0, "kvm": 3.0}
 
 
 def host_pids(pids: int) -> int:
