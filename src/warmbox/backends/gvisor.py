@@ -2,9 +2,15 @@
 
 Same image, namespaces, cgroups, mounts and guest agent as Tier 2; the syscalls of the code
 inside are served by gVisor's Sentry, not the host kernel (``uname`` says 4.4.0, ``dmesg``
-"Starting gVisor..."). Decisions, each forced by this host's runsc (Debian 0.0~20221219):
-- Platform by probing (``_platform``): ptrace unless the host has hardware KVM (the kvm platform
-  hangs under this host's PVM ``/dev/kvm``); ``WARMBOX_RUNSC_PLATFORM`` overrides.
+"Starting gVisor..."). Decisions, each forced by this host's runsc (Debian 0.0~20221219; Debian
+13's 0.0~20240729, which scripts/bootstrap installs, runs with ``WARMBOX_RUNSC``: see ``find_runsc``):
+- Platform by probing (``_platform_choice``): kvm on hardware KVM (the kvm platform hangs under this
+  host's PVM ``/dev/kvm``), else systrap where ``runsc do`` runs on it (runsc 2024; 2022's has none),
+  else ptrace; ``WARMBOX_RUNSC_PLATFORM`` overrides. ``warmbox doctor`` shows the version, the
+  platform and why.
+- What runsc 2024 changes, examined: coreutils' statx works without the shim (``stat /`` under
+  ``runsc do``), it has ``--pass-fd`` (not ``--preserve-fds``) and ``--oci-seccomp``; the shim, the
+  socket directory and the missing OCI profile are kept while runsc 2022 is the default.
 - No ``--preserve-fds`` in this runsc, so the agent cannot inherit a host listener as on
   Tier 2. It listens on ``/run/agent.sock`` inside a per-sandbox bind-mounted directory
   (``--host-uds=create`` makes that a real host socket). The directory belongs to the sandbox
@@ -118,13 +124,16 @@ def host_pids(pids: int) -> int:
 
 
 def find_runsc() -> str:
-    """The runsc the tier runs: ``WARMBOX_RUNSC`` if set; else the one scripts/bootstrap installs
-    (Debian 13's, with systrap: ``RUNSC_LOCAL``); else the one on ``PATH``."""
+    """The runsc the tier runs: ``WARMBOX_RUNSC`` if set (``RUNSC_LOCAL``: Debian 13's, which
+    scripts/bootstrap installs), else the one on ``PATH`` (Debian 12's).
+
+    Debian 13's runsc (0.0~20240729) is not the default: its pids cgroup leaks. A fork it refused
+    with EAGAIN, retried, succeeds past ``pids.max`` (measured: 221 processes running in a sandbox
+    of limits.pids = 64, pids.current 276), so limits.pids would be bounded only by the host cgroup
+    (``host_pids``). tests/backends/test_gvisor.py keeps a test that shows it."""
     forced = os.environ.get("WARMBOX_RUNSC")
     if forced:
         return forced
-    if os.access(RUNSC_LOCAL, os.X_OK):
-        return RUNSC_LOCAL
     return shutil.which("runsc") or "runsc"
 
 
