@@ -83,6 +83,7 @@ def test_exported_members():
             "SandboxMetrics",
             "SnapshotRef",
             "SnapshotUnsupported",
+            "SnapshotRuntimeMismatch",
             "StorageError",
             "StorageFull",
             "ApprovalRequest",

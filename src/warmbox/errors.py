@@ -40,6 +40,7 @@ WarmboxError
 │   ├── StorageFull                     no space left where artifacts are written
 │   └── ArtifactCorrupt                 an artifact is missing, truncated or fails its checksum
 ├── SnapshotUnsupported                 the tier cannot take the snapshot asked for (e.g. memory)
+│   └── SnapshotRuntimeMismatch         a memory snapshot made by another runtime version (``recorded``, ``runtime``)
 ├── TemplateError                       a template (``template``: its name; ``step``: the step, if any)
 │   ├── TemplateNotFound (LookupError)  no built template of that name (or that version/image)
 │   ├── TemplateBuildError              a build step failed (``step``; ``log``: the build log's name)
@@ -300,6 +301,17 @@ class Unsupported(WarmboxError):
 
 class SnapshotUnsupported(WarmboxError):
     """The sandbox's tier cannot take this kind of snapshot (``capabilities()`` says what it can)."""
+
+
+class SnapshotRuntimeMismatch(SnapshotUnsupported):
+    """A memory snapshot's image was made by another runtime or version than this host's, which
+    cannot load it: ``recorded`` is what made it ("runsc 0.0~20221219.0"), ``runtime`` what runs
+    here. Its files still restore (a files-only snapshot of them, or a new sandbox)."""
+
+    def __init__(self, message: str, *, recorded: str = "", runtime: str = "") -> None:
+        super().__init__(message)
+        self.recorded = recorded
+        self.runtime = runtime
 
 
 class TemplateError(WarmboxError):

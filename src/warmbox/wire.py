@@ -258,6 +258,8 @@ _ATTRS = (
     "approval_id",
     "state",
     "node",
+    "recorded",
+    "runtime",
 )
 
 

@@ -14,8 +14,17 @@ from warmbox.storage.registry import SCHEMA_VERSION, Registry
 from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
 
 NEW_COLUMNS = {"timeout_s", "metadata", "on_timeout", "idle_pause_after", "auto_resume", "last_used", "egress"}
-# added by versions 8, 11, 12 and 15
-LATER_COLUMNS = ("auto", "template_version", "image_id", "requirements", "tier_reasons", "tier_rejected", "node")
+# added by versions 8, 11, 12, 15 and 18
+LATER_COLUMNS = (
+    "auto",
+    "template_version",
+    "image_id",
+    "requirements",
+    "tier_reasons",
+    "tier_rejected",
+    "node",
+    "runtime",
+)
 
 
 def _registry(tmp: Path, at: str | None = None) -> Registry:

@@ -108,6 +108,29 @@ class TemplateCapable(Protocol):
 
 
 @runtime_checkable
+class Diagnosable(Protocol):
+    """A tier whose ``warmbox doctor`` line needs more than ``probe`` (which stays cheap and starts
+    nothing): e.g. gVisor runs runsc once to learn its version and which platform works."""
+
+    def diagnose(self) -> Availability:
+        """``probe()``'s answer with what only starting the runtime tells."""
+        ...
+
+
+@runtime_checkable
+class RuntimeVersioned(Protocol):
+    """A tier whose memory images load only into the runtime version that made them (gVisor: a
+    runsc image holds the Sentry's own state, in that version's format)."""
+
+    # what made the memory images recorded before versions were (schema < 18)
+    legacy_runtime: ClassVar[str]
+
+    def runtime_version(self) -> str:
+        """This host's runtime and version as a snapshot records it ("runsc 0.0~20240729.0")."""
+        ...
+
+
+@runtime_checkable
 class SharedHost(Protocol):
     """A tier whose sandboxes live in long-running host processes under the runtime dir (the
     isolate tier's jailed V8 host, one per tenant). The engine stops them once no sandbox of the

@@ -2,9 +2,15 @@
 
 Same image, namespaces, cgroups, mounts and guest agent as Tier 2; the syscalls of the code
 inside are served by gVisor's Sentry, not the host kernel (``uname`` says 4.4.0, ``dmesg``
-"Starting gVisor..."). Decisions, each forced by this host's runsc (Debian 0.0~20221219):
-- Platform by probing (``_platform``): ptrace unless the host has hardware KVM (the kvm platform
-  hangs under this host's PVM ``/dev/kvm``); ``WARMBOX_RUNSC_PLATFORM`` overrides.
+"Starting gVisor..."). Decisions, each forced by this host's runsc (Debian 0.0~20221219; Debian
+13's 0.0~20240729, which scripts/bootstrap installs, runs with ``WARMBOX_RUNSC``: see ``find_runsc``):
+- Platform by probing (``_platform_choice``): kvm on hardware KVM (the kvm platform hangs under this
+  host's PVM ``/dev/kvm``), else systrap where ``runsc do`` runs on it (runsc 2024; 2022's has none),
+  else ptrace; ``WARMBOX_RUNSC_PLATFORM`` overrides. ``warmbox doctor`` shows the version, the
+  platform and why.
+- What runsc 2024 changes, examined: coreutils' statx works without the shim (``stat /`` under
+  ``runsc do``), it has ``--pass-fd`` (not ``--preserve-fds``) and ``--oci-seccomp``; the shim, the
+  socket directory and the missing OCI profile are kept while runsc 2022 is the default.
 - No ``--preserve-fds`` in this runsc, so the agent cannot inherit a host listener as on
   Tier 2. It listens on ``/run/agent.sock`` inside a per-sandbox bind-mounted directory
   (``--host-uds=create`` makes that a real host socket). The directory belongs to the sandbox
@@ -46,12 +52,14 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import functools
 import glob
 import hashlib
 import json
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import ClassVar, TypeVar
@@ -69,6 +77,11 @@ SOCKET_DIR = "/run"
 SHIM = "/opt/warmbox/statx_shim.so"
 _SHIM_SOURCE = Path(__file__).with_name("gvisor_statx.c")
 START_TIMEOUT_S = 60.0
+PROBE_FILE = "runsc-platform.json"  # the probe's result, in the runtime dir (GvisorBackend.platform)
+PROBE_TIMEOUT_S = 30.0  # the systrap probe (one ``runsc do``: 0.3 s on this host, idle)
+# where scripts/bootstrap installs Debian 13's runsc (0.0~20240729: systrap; Debian 12's has ptrace only)
+RUNSC_LOCAL = "/usr/local/lib/warmbox/runsc"
+LEGACY_RUNSC_VERSION = "0.0~20221219.0"  # Debian 12's: what made memory snapshots recorded without one
 CHECKPOINT_ERR_MAX = 64 * 1024  # bytes of a failed ``runsc checkpoint``'s stderr kept (in agent.log)
 INIT = GUEST_LIB + "/warmbox/guest/wb-init"  # its --confine mode starts the agent (guest/init.c)
 # what the first process holds, in the Sentry only, until it has confined itself and become the
@@ -88,9 +101,14 @@ SENTRY_PIDS = 512
 PIDS_PER_TASK = 32
 HOST_SHARE = 4  # at most a quarter of the host's pids (the default [limits] max_pids of one sandbox)
 
-# what a syscall loop costs against the host per runsc platform (declared; a measured profile wins):
-# ptrace measured 10-50x per syscall kind on a 2-core PVM host (fork 46x, files 17x, socket 10x)
-_SYSCALL_SLOWDOWN = {"ptrace": 20.0, "systrap": 5.0, "kvm": 3.0}
+# what a syscall loop costs against the host per runsc platform (declared; a measured profile wins).
+# `warmbox bench profile` (geometric mean of fork, files, socket; against the host in the same run) on
+# this 2-core PVM host at load 4-6: runsc 2024 systrap 27-31x (once 15x; fork 50-75x, files 22x,
+# socket 19-23x), runsc 2024 ptrace 24x (fork 25x), runsc 2022 ptrace 29x. An os.stat loop in `runsc
+# do` at the same load: systrap 2.8-3.3 s, ptrace 3.2-3.5 s, host 0.17-0.24 s per 100,000 (at a
+# quieter moment systrap was 0.91 s): systrap's stub hand-off needs the Sentry scheduled at once,
+# which a loaded 2-CPU nested host does not give. kvm: not measurable here (no hardware KVM).
+_SYSCALL_SLOWDOWN = {"ptrace": 24.0, "systrap": 28.0, "kvm": 3.0}
 
 
 def host_pids(pids: int) -> int:
@@ -105,37 +123,156 @@ def host_pids(pids: int) -> int:
     return max(pids + SENTRY_PIDS, min(SENTRY_PIDS + PIDS_PER_TASK * pids, host.host_pids() // HOST_SHARE))
 
 
-def _platform() -> str:
-    """``WARMBOX_RUNSC_PLATFORM`` if set; else kvm only on real hardware KVM, ptrace otherwise.
+def find_runsc() -> str:
+    """The runsc the tier runs: ``WARMBOX_RUNSC`` if set (``RUNSC_LOCAL``: Debian 13's, which
+    scripts/bootstrap installs), else the one on ``PATH`` (Debian 12's).
 
-    Probed, not tried: under PVM (``kvm_pvm``, paravirtual nested KVM, as on this host) or
-    without /dev/kvm, runsc's kvm platform hangs instead of failing, so it is never attempted.
+    Debian 13's runsc (0.0~20240729) is not the default: its pids cgroup leaks. A fork it refused
+    with EAGAIN, retried, succeeds past ``pids.max`` (measured: 221 processes running in a sandbox
+    of limits.pids = 64, pids.current 276), so limits.pids would be bounded only by the host cgroup
+    (``host_pids``). tests/backends/test_gvisor.py keeps a test that shows it."""
+    forced = os.environ.get("WARMBOX_RUNSC")
+    if forced:
+        return forced
+    return shutil.which("runsc") or "runsc"
+
+
+@functools.cache
+def runsc_version(runsc: str) -> str:
+    """``runsc --version``'s version (``0.0~20240729.0``), "" if it does not answer (cached per path)."""
+    try:
+        out = subprocess.run([runsc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    for line in out.splitlines():
+        if line.startswith("runsc version "):
+            return line.removeprefix("runsc version ").strip()
+    return ""
+
+
+@functools.cache
+def _systrap_probe(runsc: str) -> tuple[bool, str]:
+    """Whether ``runsc --platform=systrap do /bin/true`` succeeds on this host (once per process and
+    runsc): systrap needs seccomp's user-notify return and a runsc that has it (2022's has not)."""
+    with tempfile.TemporaryDirectory(prefix="wb-runsc-probe-") as d:
+        try:
+            r = subprocess.run(
+                [runsc, "--root", d, "--platform=systrap", "--network=none", "do", "/bin/true"],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=PROBE_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired:
+            return False, f"systrap probe timed out after {PROBE_TIMEOUT_S:.0f} s"
+        except OSError as e:
+            return False, f"systrap probe could not run runsc: {e.strerror or e}"
+    if r.returncode == 0:
+        return True, "systrap probe (runsc do /bin/true) succeeded"
+    tail = (r.stderr.strip().splitlines() or ["no output"])[-1][-160:]
+    return False, f"systrap probe failed (exit {r.returncode}: {tail})"
+
+
+def _platform_choice(runsc: str) -> tuple[str, str]:
+    """(platform, why): ``WARMBOX_RUNSC_PLATFORM`` if set; kvm on real hardware KVM; else systrap if
+    the probe runs it, ptrace otherwise.
+
+    kvm is decided by looking, not by trying: under PVM (``kvm_pvm``, paravirtual nested KVM, as on
+    this host) or without /dev/kvm, runsc's kvm platform hangs instead of failing.
     """
     forced = os.environ.get("WARMBOX_RUNSC_PLATFORM")
     if forced:
-        return forced
-    if not os.path.exists("/dev/kvm") or os.path.isdir("/sys/module/kvm_pvm"):
-        return "ptrace"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "ptrace"
-    return "kvm" if (" vmx" in flags or " svm" in flags) else "ptrace"
+        return forced, "WARMBOX_RUNSC_PLATFORM"
+    if os.path.exists("/dev/kvm") and not os.path.isdir("/sys/module/kvm_pvm"):
+        try:
+            flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            flags = ""
+        if " vmx" in flags or " svm" in flags:
+            return "kvm", "hardware KVM"
+    ok, why = _systrap_probe(runsc)
+    return ("systrap" if ok else "ptrace"), f"no hardware KVM; {why}"
+
+
+def _platform(runsc: str | None = None) -> str:
+    return _platform_choice(runsc or find_runsc())[0]
 
 
 class GvisorBackend(RuncBackend):
     """Tier 3 (``gvisor``): runsc, ptrace platform, the Tier 2 bundle minus host-kernel syscalls."""
 
     tier: ClassVar[str] = "gvisor"
+    legacy_runtime: ClassVar[str] = "runsc " + LEGACY_RUNSC_VERSION
     template_warmup: ClassVar[tuple[tuple[str, ...], ...]] = ()  # the template's own warm-up is enough
 
     def __init__(self, runtime: Path, runsc: str | None = None) -> None:
         super().__init__(runtime)
-        self.runsc = runsc or shutil.which("runsc") or "runsc"
+        self.runsc = runsc or find_runsc()
         self.root = runtime / "runsc"
 
+    def platform(self) -> tuple[str, str]:
+        """(runsc platform, why it was chosen), probed once per runsc binary and kernel; the result
+        is kept in the runtime dir for ``known_platform`` (no runsc is started there)."""
+        key = self._probe_key()
+        known = self._read_probe(key)
+        if known is not None:
+            return known
+        got = _platform_choice(self.runsc)
+        if not os.environ.get("WARMBOX_RUNSC_PLATFORM"):
+            self._write_probe(key, got)
+        return got
+
+    def known_platform(self) -> tuple[str, str]:
+        """The platform without starting runsc (``capabilities``: the tier selector asks it often):
+        the override, hardware KVM, or the probe's kept result; ptrace before any probe ran here
+        (the slowest, so no cost is understated)."""
+        forced = os.environ.get("WARMBOX_RUNSC_PLATFORM")
+        if forced:
+            return forced, "WARMBOX_RUNSC_PLATFORM"
+        return self._read_probe(self._probe_key()) or ("ptrace", "platform not probed yet (warmbox doctor probes it)")
+
+    def _probe_key(self) -> str:
+        """What the probe's result depends on: the runsc binary (path, size, mtime) and the kernel."""
+        path = shutil.which(self.runsc) or self.runsc
+        try:
+            st = os.stat(path)
+        except OSError:
+            return ""
+        return f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}:{os.uname().release}"
+
+    def _read_probe(self, key: str) -> tuple[str, str] | None:
+        forced = os.environ.get("WARMBOX_RUNSC_PLATFORM")
+        if forced:
+            return forced, "WARMBOX_RUNSC_PLATFORM"
+        try:
+            data = json.loads((self.runtime / PROBE_FILE).read_bytes())
+            if key and data["key"] == key and data["platform"] in ("systrap", "ptrace", "kvm"):
+                return str(data["platform"]), str(data["why"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return None
+
+    def _write_probe(self, key: str, got: tuple[str, str]) -> None:
+        if not key:
+            return
+        try:
+            self.runtime.mkdir(parents=True, exist_ok=True)
+            tmp = self.runtime / f".{PROBE_FILE}.{os.getpid()}"
+            tmp.write_text(json.dumps({"key": key, "platform": got[0], "why": got[1]}))
+            os.replace(tmp, self.runtime / PROBE_FILE)
+        except OSError:
+            pass
+
+    def version(self) -> str:
+        """This runsc's version ("" if it does not answer)."""
+        return runsc_version(self.runsc)
+
+    def runtime_version(self) -> str:
+        """What a memory snapshot records: a runsc image loads only into the runsc that made it."""
+        return f"runsc {self.version() or 'unknown'}"
+
     def capabilities(self) -> Capabilities:
-        platform = _platform()
+        platform = self.known_platform()[0]
         return Capabilities(
             tier=self.tier,
             isolation=f"gVisor user-space kernel (Sentry, {platform} platform) + gofer for files; Linux namespaces "
@@ -166,14 +303,20 @@ class GvisorBackend(RuncBackend):
             return Availability(False, "needs root (runsc creates namespaces and cgroups)")
         if not shutil.which("gcc") and not self._shim_built():
             return Availability(False, "needs gcc once, to build the statx shim this runsc requires")
-        why = (
-            "WARMBOX_RUNSC_PLATFORM"
-            if os.environ.get("WARMBOX_RUNSC_PLATFORM")
-            else "hardware KVM"
-            if _platform() == "kvm"
-            else "no hardware KVM (PVM or none): kvm would hang"
+        platform, why = self.known_platform()
+        return Availability(True, f"runsc at {path}, platform {platform} ({why})")
+
+    def diagnose(self) -> Availability:
+        """``probe`` plus what starts runsc (``warmbox doctor``): its version, and the platform the
+        probe chose and why (the probe runs here if it has not on this host yet)."""
+        avail = self.probe()
+        if not avail.available:
+            return avail
+        platform, why = self.platform()
+        path = shutil.which(self.runsc) or self.runsc
+        return Availability(
+            True, f"runsc {self.version() or '(unknown version)'} at {path}, platform {platform} ({why})"
         )
-        return Availability(True, f"runsc at {path}, platform {_platform()} ({why})")
 
     # ---- image
 
@@ -206,8 +349,9 @@ class GvisorBackend(RuncBackend):
     def template_fingerprint(self, image: ImageRef | None = None) -> str:
         """A template's memory image holds a running guest agent: it restores only into the same
         root (the built-in image's name is the hash of the agent's sources and the shim; an
-        image's root is its layers under this tier's agent layer)."""
-        return self.image().name if image is None else self.image_fingerprint(image)
+        image's root is its layers under this tier's agent layer), by the same runsc version."""
+        root = self.image().name if image is None else self.image_fingerprint(image)
+        return f"{root}:runsc-{self.version()}"
 
     # ---- lifecycle
 
@@ -245,7 +389,7 @@ class GvisorBackend(RuncBackend):
             self.runsc,
             "--root",
             str(self.root),
-            f"--platform={_platform()}",
+            f"--platform={self.platform()[0]}",
             f"--network={network}",
             "--host-uds=create",
         ]

@@ -1009,7 +1009,8 @@ async def bench_snapshot_gvisor(home: Path, runs: int) -> dict:
             "restore_first/raw_restore": ratio("restore_first_ms", "raw_restore_ms"),
             "cold_start_first/restore_first": ratio("cold_start_first_ms", "restore_first_ms"),
         },
-        "platform": os.environ.get("WARMBOX_RUNSC_PLATFORM", "ptrace"),
+        "platform": raw.backend.platform()[0],
+        "runsc_version": raw.backend.version(),
         "note": "pause = quiesce + host tar of /workspace + runsc checkpoint + compress/store + destroy; "
         "raw runsc rows: the same bundle with a plain python process that ran the template's warm-up "
         "(pydata: numpy, pandas, requests, matplotlib.pyplot imported), same run",

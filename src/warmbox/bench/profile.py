@@ -196,7 +196,8 @@ async def _measure(engine: Any, home: Path, host_dir: Path, tiers: list[str] | N
             skipped[c.tier] = "runs code only: the loops need processes and files"
         else:
             sandbox_us[c.tier], created[c.tier] = await _tier_loops(home, c.tier, budget)
-            cost_notes[c.tier] = c.capabilities.cost_note
+            # asked after the run: what the sandbox ran on (gVisor's platform is probed at its first start)
+            cost_notes[c.tier] = engine.backend(c.tier).capabilities().cost_note
             hosts.append(await asyncio.to_thread(_host_loops, budget, host_dir))  # interleaved: the host's load changes
     host = {k: min(h[k] for h in hosts) for k in LOOP_NAMES}  # the fastest host run: load only slows
     rows = [_ratios(t, cost_notes[t], us, host) for t, us in sandbox_us.items()]

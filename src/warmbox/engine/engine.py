@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import ClassVar
 
 from warmbox import backends, config
-from warmbox.backends.base import Backend, Configurable, HostUids, Inventory, SharedHost, TemplateCapable
+from warmbox.backends.base import (
+    Backend,
+    Configurable,
+    Diagnosable,
+    HostUids,
+    Inventory,
+    SharedHost,
+    TemplateCapable,
+)
 from warmbox.config import PoolConfig, Settings, Template
 from warmbox.engine import egress, provision
 from warmbox.engine import volumes as volumes_mod
@@ -191,7 +199,8 @@ class Engine:
         out = []
         for tier in backends.TIERS:
             try:
-                avail = self.backend(tier).probe()
+                b = self.backend(tier)
+                avail = b.diagnose() if isinstance(b, Diagnosable) else b.probe()
                 reason = f"{avail.reason}; {image}" if avail.available else avail.reason
                 out.append(TierStatus(tier, avail.available, reason))
             except BackendUnavailable as e:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from warmbox.backends import hostfs
-from warmbox.backends.base import SnapshotCapable, TemplateCapable
+from warmbox.backends.base import RuntimeVersioned, SnapshotCapable, TemplateCapable
 from warmbox.engine import provision
 from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession
@@ -38,6 +38,7 @@ from warmbox.errors import (
     SandboxError,
     SandboxNotFound,
     SandboxStartError,
+    SnapshotRuntimeMismatch,
     SnapshotUnsupported,
     StorageError,
     StorageFull,
@@ -366,7 +367,34 @@ def _manifest(
         image_id=info.image_id,
         template_version=info.template_version,
         network=record.to_json() if record is not None else "",
+        runtime=runtime_of(engine, info.tier) if memory is not None else "",
     )
+
+
+def runtime_of(engine: Engine, tier: str) -> str:
+    """What makes a memory image on this host for ``tier`` ("runsc 0.0~20240729.0"; "" : a tier
+    whose images are not tied to a runtime version)."""
+    backend = engine.backend(tier)
+    return backend.runtime_version() if isinstance(backend, RuntimeVersioned) else ""
+
+
+def check_runtime(engine: Engine, m: snaps.SnapshotManifest) -> None:
+    """SnapshotRuntimeMismatch unless this host's runtime made ``m``'s memory image (a snapshot
+    recorded without one was made by the tier's ``legacy_runtime``). Files-only snapshots pass."""
+    if not m.memory:
+        return
+    backend = engine.backend(m.tier)
+    if not isinstance(backend, RuntimeVersioned):
+        return
+    recorded, here = m.runtime or backend.legacy_runtime, backend.runtime_version()
+    if recorded != here:
+        raise SnapshotRuntimeMismatch(
+            f"snapshot {m.snapshot_id} holds memory made by {recorded}, and this host runs {here}, which cannot "
+            "load it: restore its files instead (a new sandbox from a files-only snapshot) or resume it on a "
+            f"host with {recorded}",
+            recorded=recorded,
+            runtime=here,
+        )
 
 
 def _storage_error(e: OSError, what: str) -> StorageError:
@@ -631,7 +659,7 @@ async def _store_checkpoint(
         context_skipped=(),
     )
     snaps.save_manifest(store, m, work)
-    engine.registry.add_snapshot(m.snapshot_id, sid, m.created_at, m.size_bytes)
+    engine.registry.add_snapshot(m.snapshot_id, sid, m.created_at, m.size_bytes, m.runtime)
     # kept unpacked, once stored (until then a failure continues the sandbox from it): a tier that
     # starts every sandbox from a template reads it in place on each restore; another tier's
     # resume of this pause takes it (and drops it) instead of unpacking the blob
@@ -702,6 +730,7 @@ async def restore_memory(
         ws_tar = work / "workspace.tar"
         limits = _limits_of(m)
         _check_fits(m, limits.disk_mb << 20)  # before anything is fetched
+        check_runtime(engine, m)
         if tenant is not None:
             engine.registry.check_quota(tenant, m.tier, limits)
         image = await asyncio.to_thread(image_of, engine, m, tenant)  # gone: refused before the fetch

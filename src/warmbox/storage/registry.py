@@ -102,7 +102,7 @@ if typing.TYPE_CHECKING:
 
 COMMANDS_HEAD = 5_000  # command records a sandbox keeps from its start (its setup) ...
 COMMANDS_TAIL = 5_000  # ... and from its latest (at most 10,000 rows, 40 MiB of text, per sandbox)
-SCHEMA_VERSION = 18
+SCHEMA_VERSION = 19
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -150,7 +150,8 @@ CREATE TABLE IF NOT EXISTS snapshots (
     size_bytes  INTEGER NOT NULL,
     tenant      TEXT NOT NULL DEFAULT '',
     auto        INTEGER NOT NULL DEFAULT 0,
-    image_id    TEXT NOT NULL DEFAULT ''
+    image_id    TEXT NOT NULL DEFAULT '',
+    runtime     TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS snapshots_sandbox ON snapshots(sandbox_id, created_at);
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
@@ -417,6 +418,9 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     # version 17: build_steps (a new table, made by SCHEMA): a tenant's template build step cache,
     # keyed by tenant; the host-wide step cache of earlier versions is never read for a tenant
     # version 18 (PostgreSQL only, storage/sql.py): pool_events.xid, the transaction of each event
+    # version 19: the runtime and version that made each memory snapshot ("runsc 0.0~20240729.0";
+    # "": files only, or made before it was recorded: a gVisor one then counts as runsc 2022's)
+    "ALTER TABLE snapshots ADD COLUMN runtime TEXT NOT NULL DEFAULT ''",
 )
 _NET_LINK_COLUMNS = "sandbox_id, address, ifname, policy, updated_at, node"
 _NODE_COLUMNS = (
@@ -1718,15 +1722,22 @@ class Registry:
     # ---- snapshots
 
     @_retried
-    def add_snapshot(self, snapshot_id: str, sandbox_id: str, created_at: float, size: int) -> None:
-        """Record a snapshot; it belongs to its sandbox's tenant."""
+    def add_snapshot(self, snapshot_id: str, sandbox_id: str, created_at: float, size: int, runtime: str = "") -> None:
+        """Record a snapshot; it belongs to its sandbox's tenant. runtime: what made its memory image
+        ("runsc 0.0~20240729.0"; "" for a files-only snapshot)."""
         with self._tx() as db:
             db.execute(
-                "INSERT INTO snapshots (snapshot_id, sandbox_id, created_at, size_bytes, tenant, image_id) VALUES "
-                "(?,?,?,?, COALESCE((SELECT tenant FROM sandboxes WHERE sandbox_id=?), ''), "
-                "COALESCE((SELECT image_id FROM sandboxes WHERE sandbox_id=?), ''))",
-                (snapshot_id, sandbox_id, created_at, size, sandbox_id, sandbox_id),
+                "INSERT INTO snapshots (snapshot_id, sandbox_id, created_at, size_bytes, tenant, image_id, runtime) "
+                "VALUES (?,?,?,?, COALESCE((SELECT tenant FROM sandboxes WHERE sandbox_id=?), ''), "
+                "COALESCE((SELECT image_id FROM sandboxes WHERE sandbox_id=?), ''), ?)",
+                (snapshot_id, sandbox_id, created_at, size, sandbox_id, sandbox_id, runtime),
             )
+
+    def snapshot_runtime(self, snapshot_id: str) -> str | None:
+        """The runtime recorded for a snapshot ("" : files only or recorded before version 19);
+        None if the registry has no such snapshot."""
+        row = self._read("SELECT runtime FROM snapshots WHERE snapshot_id=?", (snapshot_id,))
+        return None if row is None else str(row[0])
 
     def template_users(
         self, template: str, version: int | None = None, tenant: str = ""

@@ -69,6 +69,9 @@ class SnapshotManifest:
     # the sandbox's egress (engine.egress.EgressRecord JSON: policy and secret slots, never a
     # value); a resume or fork comes back with it. "": no network
     network: str = ""
+    # the runtime and version that made the memory image ("runsc 0.0~20240729.0"; "" : files only,
+    # or a memory snapshot from before it was recorded, which the tier's legacy_runtime made)
+    runtime: str = ""
 
     @property
     def size_bytes(self) -> int:
@@ -234,6 +237,7 @@ def load_manifest(store: ObjectStore, snapshot_id: str, workdir: Path) -> Snapsh
                 raw.setdefault("image_id", "")  # ... and from before images were recorded
                 raw.setdefault("template_version", 0)
                 raw.setdefault("network", "")  # ... and from before a snapshot kept its network
+                raw.setdefault("runtime", "")  # ... and from before its runtime was recorded
             if not isinstance(raw, dict) or set(raw) != set(fields):
                 raise ValueError("unexpected fields")
             for k in ("context_skipped", "env_names"):
