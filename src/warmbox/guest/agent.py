@@ -322,6 +322,25 @@ class _CgroupScope(_ReapedScope):
         self.scopes.release(self.name)
 
 
+_STARTED, _NOT_STARTED = 0x7FFFFFFE, 0x7FFFFFFD  # init.c's first word on its report pipe
+
+
+def _started(report: int) -> bool:
+    """Whether the init's command runs (init.c writes it first, then the wait status); an init
+    that died first (or says nothing in 10 s) counts as started: its wait tells the rest."""
+    data = b""
+    deadline = time.monotonic() + 10.0
+    while len(data) < 4:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([report], [], [], left)[0]:
+            return True
+        chunk = os.read(report, 4 - len(data))
+        if not chunk:
+            return True
+        data += chunk
+    return int.from_bytes(data, sys.byteorder, signed=True) != _NOT_STARTED
+
+
 class _PidnsScope(Scope):
     """The command is PID 2 of its own PID namespace under an init (init.c) re-parented to the
     agent; ``pid`` is that init. It writes the command's wait status on a pipe (``wake_fd``) and
@@ -592,6 +611,9 @@ class Scopes:
             os.close(report_r)
             raise
         if init > 0:
+            if not _started(report_r):
+                os.close(report_r)
+                raise BlockingIOError(errno.EAGAIN, "no process could be started")
             return _PidnsScope(self.agent, init, report_r)
         os.close(report_r)
         if -init in (errno.EPERM, errno.EACCES, errno.EINVAL, errno.ENOSYS, errno.EUSERS, errno.ENOSPC):

@@ -188,6 +188,8 @@ static void drop_bounding_set(void) {
 }
 
 static volatile pid_t command = 0;
+#define STARTED 0x7ffffffe     /* first word on the report pipe: the command runs (agent.py _STARTED) */
+#define NOT_STARTED 0x7ffffffd /* ... or no process was left for it (agent.py _NOT_STARTED) */
 
 static void forward(int sig) {
     if (command > 0) kill(command, sig);
@@ -199,12 +201,12 @@ static void init(int report, const char *cwd, const char *exe, char **cmd_argv, 
     signal(SIGCHLD, SIG_DFL); /* the server's children are reaped by the kernel, this one's not */
     pid_t pid = vfork();
     if (pid == 0) run(cwd, exe, cmd_argv);
-    if (pid < 0) {
-        put(2, "cannot start the command: no process left\n");
-        int status = 126 << 8;
-        if (full_write(report, &status, sizeof status) != 0) _exit(0);
-        _exit(0);
-    }
+    /* the first word on the report pipe says whether the command runs: at the pids limit this
+     * vfork is what fails (this init took the last pid), and the agent's start must fail then,
+     * as it does when the init itself cannot be made; the command's wait status comes after */
+    int started = pid < 0 ? NOT_STARTED : STARTED;
+    if (report >= 0 && full_write(report, &started, sizeof started) != 0) _exit(0);
+    if (pid < 0) _exit(0);
     command = pid;
     actions(SIG_IGN);
     struct sigaction sa;
