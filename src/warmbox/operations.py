@@ -68,6 +68,9 @@ def sandbox_path(path: object) -> str:
 
 
 _MAX_TEXT_DEPTH = 16
+# a command's argv may carry bytes that are not UTF-8, as Python spells them (os.fsdecode's
+# surrogateescape: U+DC80..U+DCFF): they reach the sandbox as those bytes
+_OS_BYTES_FIELDS = frozenset({"cmd"})
 
 
 def check_text(value: object, where: str = "request") -> None:
@@ -75,7 +78,7 @@ def check_text(value: object, where: str = "request") -> None:
     lists, tuples and dicts, keys included) cannot be UTF-8: a lone UTF-16 surrogate such as
     "\\ud800", which JSON's \\u escapes can carry. Nothing below (the registry, the guest protocol,
     a log) can store or send one, so every operation is refused here, before anything is claimed."""
-    found = _bad_text(value, 0)
+    found = _bad_text(value, 0, False)
     if found is None:
         return
     at, text = found
@@ -95,15 +98,16 @@ def check_text(value: object, where: str = "request") -> None:
 _Where = list[str | int | tuple[str, object]]
 
 
-def _bad_text(value: object, depth: int) -> tuple[_Where, str | None] | None:
+def _bad_text(value: object, depth: int, os_bytes: bool) -> tuple[_Where, str | None] | None:
     """(where, the string) of the first string UTF-8 cannot hold in ``value``, its path reversed
     (built only when there is one: every request is checked); the string is None when ``value``
-    nests deeper than _MAX_TEXT_DEPTH."""
+    nests deeper than _MAX_TEXT_DEPTH. ``os_bytes``: an argv's strings, which may spell non-UTF-8
+    bytes with surrogateescape."""
     if isinstance(value, str):
         if value.isascii():
             return None
         try:
-            value.encode("utf-8")
+            value.encode("utf-8", "surrogateescape" if os_bytes else "strict")
         except UnicodeEncodeError:
             return [], value
         return None
@@ -114,20 +118,21 @@ def _bad_text(value: object, depth: int) -> tuple[_Where, str | None] | None:
     found: tuple[_Where, str | None] | None = None
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            if (found := _bad_text(item, depth + 1)) is not None:
+            if (found := _bad_text(item, depth + 1, os_bytes)) is not None:
                 found[0].append(i)
                 return found
     elif isinstance(value, dict):
         for k, item in value.items():
-            if (found := _bad_text(k, depth + 1)) is not None:
+            if (found := _bad_text(k, depth + 1, False)) is not None:
                 found[0].append(("key", k))
                 return found
-            if (found := _bad_text(item, depth + 1)) is not None:
+            if (found := _bad_text(item, depth + 1, False)) is not None:
                 found[0].append(("value", k))
                 return found
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for name in _data_fields(type(value)):
-            if (found := _bad_text(getattr(value, name, None), depth + 1)) is not None:
+            field = getattr(value, name, None)
+            if (found := _bad_text(field, depth + 1, name in _OS_BYTES_FIELDS and isinstance(field, list))) is not None:
                 found[0].append(name)
                 return found
     return None

@@ -142,3 +142,16 @@ def test_openapi_document_is_committed_and_valid():
     )
     ops_in_doc = {m["operationId"] for p in doc["paths"].values() for m in p.values()}
     assert ops_in_doc == {op.value for op in ops.REQUESTS}
+
+
+def test_only_an_argv_may_spell_non_utf8_bytes():
+    """An argv's strings may carry surrogate-escaped bytes (os.fsdecode's U+DC80..U+DCFF): they
+    reach the sandbox as those bytes. Anywhere else, and any other lone surrogate, is refused."""
+    ops.check_text(ops.Exec("sb-1", ["printf", "%s", "caf\udce9"]))
+    for bad in (
+        ops.Exec("sb-1", ["printf", "\ud800"]),  # no byte is spelled so
+        ops.Exec("sb-1", "printf caf\udce9"),  # a bash string is text
+        ops.Exec("sb-1", ["true"], envs={"K": "caf\udce9"}),
+    ):
+        with pytest.raises(errors.InvalidArgument, match="lone surrogate"):
+            ops.check_text(bad)
