@@ -7,12 +7,15 @@ test that proves each guarantee. Tests are parametrised over the tiers an attack
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import shutil
 import signal
 import socket
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -138,3 +141,27 @@ def private_home(runc_ready):
         shutil.rmtree(engine.runtime, ignore_errors=True)
         shutil.rmtree(h, ignore_errors=True)
         assert not left, f"QEMU or relay processes left behind: {left}"
+
+
+def create_over_api(url: str, key: str) -> tuple[int, dict]:
+    """POST /v1/sandboxes (a container, 60 s) with ``key``: (status, JSON answer)."""
+    body = json.dumps({"tier": "container", "timeout": 60}).encode()
+    req = urllib.request.Request(
+        url + "/v1/sandboxes",
+        data=body,
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def kill_over_api(url: str, key: str, sid: str) -> None:
+    req = urllib.request.Request(
+        f"{url}/v1/sandboxes/{sid}", headers={"Authorization": f"Bearer {key}"}, method="DELETE"
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status in (200, 204)

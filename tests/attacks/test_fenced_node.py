@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.attacks.conftest import create_over_api, kill_over_api
 from tests.conftest import start_server
 from warmbox.models import NodeInfo
 from warmbox.paths import runtime_dir
@@ -30,29 +31,6 @@ from warmbox.storage.registry import Registry
 from warmbox.storage.uidslots import UidLedger
 
 pytestmark = pytest.mark.sandbox
-
-
-def _create(url: str, key: str) -> tuple[int, dict]:
-    body = json.dumps({"tier": "container", "timeout": 60}).encode()
-    req = urllib.request.Request(
-        url + "/v1/sandboxes",
-        data=body,
-        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def _kill(url: str, key: str, sid: str) -> None:
-    req = urllib.request.Request(
-        f"{url}/v1/sandboxes/{sid}", headers={"Authorization": f"Bearer {key}"}, method="DELETE"
-    )
-    with urllib.request.urlopen(req, timeout=60) as r:
-        assert r.status in (200, 204)
 
 
 def _slots_of(key: str) -> list[int]:
@@ -85,16 +63,16 @@ def test_a_node_marked_down_starts_nothing(pg_fresh_dsn, runc_ready):
     node_key = Registry(pg_fresh_dsn, "n1").key
     try:
         # control: while the node is up, a create is served (so the refusal below is the fence)
-        status, opened = _create(srv.url, key)
+        status, opened = create_over_api(srv.url, key)
         assert status in (200, 201), opened
         sid = opened["info"]["sandbox_id"]
         assert router.node_of(sid) == "n1"
-        _kill(srv.url, key, sid)
+        kill_over_api(srv.url, key, sid)
 
         router.mark_node_down("n1", "redteam: its heartbeat was late")
         before = {i.sandbox_id for i, _ in router.list(include_dead=True)}
         for _ in range(3):
-            status, err = _create(srv.url, key)
+            status, err = create_over_api(srv.url, key)
             assert (status, err["error"]["code"]) == (503, "node_fenced"), err
         assert {i.sandbox_id for i, _ in router.list(include_dead=True)} == before  # no row written
         assert _slots_of(node_key) == []  # no host uid slot taken
@@ -102,7 +80,7 @@ def test_a_node_marked_down_starts_nothing(pg_fresh_dsn, runc_ready):
     finally:
         for info, _ in router.list(include_pooled=True):  # whatever a failed run left, ended by the server
             try:
-                _kill(srv.url, key, info.sandbox_id)
+                kill_over_api(srv.url, key, info.sandbox_id)
             except (OSError, urllib.error.HTTPError):
                 pass
         srv.stop()

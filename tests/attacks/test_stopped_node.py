@@ -15,7 +15,6 @@ real container sandboxes; node "n1" is a real process holding the lock in a real
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import signal
@@ -30,6 +29,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from tests.attacks.conftest import create_over_api, kill_over_api
 from tests.conftest import start_server
 from warmbox.models import NodeInfo
 from warmbox.paths import runtime_dir
@@ -56,29 +56,6 @@ with reg.dialect.transaction(["tenant:acme"]) as db:
     sys.stdin.readline()
     db.execute("SELECT 1")
 """
-
-
-def _create(url: str, key: str) -> tuple[int, dict]:
-    body = json.dumps({"tier": "container", "timeout": 60}).encode()
-    req = urllib.request.Request(
-        url + "/v1/sandboxes",
-        data=body,
-        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def _kill(url: str, key: str, sid: str) -> None:
-    req = urllib.request.Request(
-        f"{url}/v1/sandboxes/{sid}", headers={"Authorization": f"Bearer {key}"}, method="DELETE"
-    )
-    with urllib.request.urlopen(req, timeout=60) as r:
-        assert r.status in (200, 204)
 
 
 def test_a_stopped_node_holding_a_tenants_lock_does_not_block_the_other_nodes(pg_fresh_dsn, runc_ready):
@@ -114,7 +91,7 @@ def test_a_stopped_node_holding_a_tenants_lock_does_not_block_the_other_nodes(pg
         t0 = time.monotonic()
         took = []
         for _ in range(3):
-            status, opened = _create(srv.url, key)
+            status, opened = create_over_api(srv.url, key)
             assert status in (200, 201), opened
             made.append(opened["info"]["sandbox_id"])
             took.append(round(time.monotonic() - t0, 1))
@@ -142,7 +119,7 @@ def test_a_stopped_node_holding_a_tenants_lock_does_not_block_the_other_nodes(pg
                 f.close()
         for info, _ in router.list(include_pooled=True):
             try:
-                _kill(srv.url, key, info.sandbox_id)
+                kill_over_api(srv.url, key, info.sandbox_id)
             except (OSError, urllib.error.HTTPError):
                 pass
         srv.stop()
