@@ -50,8 +50,9 @@ def test_bench_exec_short(runc_ready):
 def test_bench_burst_short(runc_ready):
     rep = _bench("burst", "--burst", "4", "--pools", "4", "2")
     covered, short = rep["runs"]
-    assert covered["pool"] == 4 and covered["hits"] == 4 and covered["cold"] == 0
-    assert short["pool"] == 2 and short["hits"] + short["cold"] == 4 and short["cold"] >= 1
+    # (the whole report on failure: a clean-clone run once had a filled pool of 4 give 0 hits)
+    assert covered["pool"] == 4 and covered["hits"] == 4 and covered["cold"] == 0, rep
+    assert short["pool"] == 2 and short["hits"] + short["cold"] == 4 and short["cold"] >= 1, rep
     assert covered["p99_over_p50"] >= 1
 
 
