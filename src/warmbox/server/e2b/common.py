@@ -292,6 +292,28 @@ def warmbox_error_response(exc: WarmboxError) -> Response:
     return error_response(status_of(exc), str(exc), headers)
 
 
+async def json_body(request: Request, max_bytes: int) -> dict[str, Any]:
+    """A request's JSON object body, read up to ``max_bytes`` (an empty body is ``{}``);
+    InvalidArgument for a larger body, one that is not JSON, or JSON that is not an object."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise InvalidArgument(f"the request body is larger than {max_bytes} bytes")
+        parts.append(chunk)
+    raw = b"".join(parts)
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise InvalidArgument(f"the request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidArgument("the request body must be a JSON object")
+    return body
+
+
 async def answer(handler: Callable[[Request], Awaitable[Response]], scope: Scope, receive: Receive, send: Send) -> None:
     """One plane's request: ``handler``'s response, or E2B's error body for what it raised."""
     request = Request(scope, receive)
@@ -315,6 +337,7 @@ def connect_error(exc: WarmboxError) -> ConnectError:
 
 __all__ = [
     "answer",
+    "json_body",
     "ENVD_PORT",
     "ENVD_VERSION",
     "INTERPRETER_PORT",

@@ -30,7 +30,16 @@ from warmbox.errors import (
 from warmbox.models import Lifecycle, SandboxInfo, SandboxQuery, State
 from warmbox.network.policy import Network
 from warmbox.server.e2b import table
-from warmbox.server.e2b.common import ENVD_VERSION, Front, Service, Tokens, answer, api_secret, error_response
+from warmbox.server.e2b.common import (
+    ENVD_VERSION,
+    Front,
+    Service,
+    Tokens,
+    answer,
+    api_secret,
+    error_response,
+    json_body,
+)
 
 MAX_BODY = 1 << 20
 # E2B's template names -> warmbox's built-in templates (any other name: a warmbox template of that name)
@@ -158,7 +167,7 @@ class Control:
             if handler is None:
                 return error_response(400, f"{method} {path}: {unsupported} (warmbox)")
             sandbox_id = match.groupdict().get("id") or ""
-            body = await self._body(request) if method in ("POST", "PUT") else {}
+            body = await json_body(request, MAX_BODY) if method in ("POST", "PUT") else {}
             return await handler(Call(request, self._service.front(tenant), tenant, sandbox_id, body))
         if allowed:
             return error_response(405, f"{method} is not allowed on {path} (allowed: {', '.join(allowed)})")
@@ -170,22 +179,6 @@ class Control:
         if not secret:
             raise Unauthenticated("an API key is required: the X-API-KEY header (E2B_API_KEY)")
         return self._service.authenticate_secret(api_secret(secret))
-
-    async def _body(self, request: Request) -> dict[str, Any]:
-        raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY:
-                raise InvalidArgument(f"the request body is larger than {MAX_BODY} bytes")
-        if not raw.strip():
-            return {}
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise InvalidArgument(f"the request body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise InvalidArgument("the request body must be a JSON object")
-        return body
 
     # ---- shapes
 

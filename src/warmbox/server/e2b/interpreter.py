@@ -17,7 +17,17 @@ from starlette.types import Receive, Scope, Send
 from warmbox import operations as ops
 from warmbox.errors import InvalidArgument, WarmboxError
 from warmbox.models import Execution, Result
-from warmbox.server.e2b.common import HOME, Service, Target, Tokens, answer, data_target, e2b_path, error_response
+from warmbox.server.e2b.common import (
+    HOME,
+    Service,
+    Target,
+    Tokens,
+    answer,
+    data_target,
+    e2b_path,
+    error_response,
+    json_body,
+)
 
 MAX_JSON = 16 << 20  # an /execute body (the code is the largest thing in it)
 FLUSH_S = 0.05  # a partial line of output waits at most this long for the rest of it
@@ -60,26 +70,6 @@ def end_events(got: Execution) -> list[dict[str, Any]]:
     return events
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_JSON:
-            raise InvalidArgument(f"the request body is larger than {MAX_JSON} bytes")
-        parts.append(chunk)
-    raw = b"".join(parts)
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise InvalidArgument(f"the request body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise InvalidArgument("the request body must be a JSON object")
-    return body
-
-
 def _optional_str(body: dict[str, Any], key: str) -> str | None:
     value = body.get(key)
     if value is not None and not isinstance(value, str):
@@ -103,9 +93,9 @@ class Interpreter:
             return Response(status_code=200)
         t = data_target(self._service, self._tokens, request.headers)
         if parts == ["execute"] and method == "POST":
-            return await self._execute(t, await _json_body(request))
+            return await self._execute(t, await json_body(request, MAX_JSON))
         if parts == ["contexts"] and method == "POST":
-            body = await _json_body(request)
+            body = await json_body(request, MAX_JSON)
             language = _optional_str(body, "language") or "python"
             cwd = e2b_path(_optional_str(body, "cwd") or HOME)
             context = await t.front.handle(ops.CreateContext(t.sandbox_id, language=language, cwd=cwd))
