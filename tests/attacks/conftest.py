@@ -25,7 +25,9 @@ from tests.backends.conftest import debian_layer, qemu_pids  # noqa: F401  (debi
 from tests.conftest import wait_for
 from tests.templates.conftest import oci_layout, python_rootfs  # noqa: F401  (fixtures: an OCI image with python3)
 from warmbox import protocol as p
+from warmbox.engine.daemon import down_home
 from warmbox.engine.engine import Engine
+from warmbox.paths import runtime_dir
 
 pytestmark = pytest.mark.sandbox
 
@@ -165,3 +167,18 @@ def kill_over_api(url: str, key: str, sid: str) -> None:
     )
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.status in (200, 204)
+
+
+def end_node_server(srv, router, key: str, home: Path) -> None:
+    """Teardown of a test's node server: whatever a failed run left is ended by the server
+    (``key``'s sandboxes), then the server, its home's daemon, runtime dir and home."""
+    for info, _ in router.list(include_pooled=True):
+        try:
+            kill_over_api(srv.url, key, info.sandbox_id)
+        except (OSError, urllib.error.HTTPError):
+            pass
+    srv.stop()
+    asyncio.run(down_home(home))
+    shutil.rmtree(runtime_dir(home), ignore_errors=True)
+    shutil.rmtree(home, ignore_errors=True)
+    router.close()

@@ -13,20 +13,15 @@ Against a real `warmbox serve` whose engine is node "n1" of a real PostgreSQL re
 
 from __future__ import annotations
 
-import asyncio
 import json
-import shutil
 import tempfile
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.attacks.conftest import create_over_api, kill_over_api
+from tests.attacks.conftest import create_over_api, end_node_server, kill_over_api
 from tests.conftest import start_server
 from warmbox.models import NodeInfo
-from warmbox.paths import runtime_dir
 from warmbox.storage.registry import Registry
 from warmbox.storage.uidslots import UidLedger
 
@@ -78,15 +73,4 @@ def test_a_node_marked_down_starts_nothing(pg_fresh_dsn, runc_ready):
         assert _slots_of(node_key) == []  # no host uid slot taken
         assert router.list(tenant="acme") == []  # nothing live counts against its quota
     finally:
-        for info, _ in router.list(include_pooled=True):  # whatever a failed run left, ended by the server
-            try:
-                kill_over_api(srv.url, key, info.sandbox_id)
-            except (OSError, urllib.error.HTTPError):
-                pass
-        srv.stop()
-        from warmbox.engine.daemon import down_home
-
-        asyncio.run(down_home(home))
-        shutil.rmtree(runtime_dir(home), ignore_errors=True)
-        shutil.rmtree(home, ignore_errors=True)
-        router.close()
+        end_node_server(srv, router, key, home)

@@ -14,25 +14,20 @@ real container sandboxes; node "n1" is a real process holding the lock in a real
 
 from __future__ import annotations
 
-import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import psycopg
 import pytest
 
-from tests.attacks.conftest import create_over_api, kill_over_api
+from tests.attacks.conftest import create_over_api, end_node_server
 from tests.conftest import start_server
 from warmbox.models import NodeInfo
-from warmbox.paths import runtime_dir
 from warmbox.storage.registry import Registry
 
 pytestmark = pytest.mark.sandbox
@@ -117,15 +112,4 @@ def test_a_stopped_node_holding_a_tenants_lock_does_not_block_the_other_nodes(pg
         for f in (holder.stdin, holder.stdout):
             if f is not None:
                 f.close()
-        for info, _ in router.list(include_pooled=True):
-            try:
-                kill_over_api(srv.url, key, info.sandbox_id)
-            except (OSError, urllib.error.HTTPError):
-                pass
-        srv.stop()
-        from warmbox.engine.daemon import down_home
-
-        asyncio.run(down_home(home))
-        shutil.rmtree(runtime_dir(home), ignore_errors=True)
-        shutil.rmtree(home, ignore_errors=True)
-        router.close()
+        end_node_server(srv, router, key, home)
