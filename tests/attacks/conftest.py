@@ -182,3 +182,19 @@ def end_node_server(srv, router, key: str, home: Path) -> None:
     shutil.rmtree(runtime_dir(home), ignore_errors=True)
     shutil.rmtree(home, ignore_errors=True)
     router.close()
+
+
+def read_answer(conn, r, stream_s: float | None) -> bytes:
+    """``r``'s body; an NDJSON stream (endless: approvals, process output) is read for
+    ``stream_s`` seconds only (None: to its end)."""
+    if stream_s is None or not r.getheader("content-type", "").startswith("application/x-ndjson"):
+        return r.read()
+    assert conn.sock is not None
+    conn.sock.settimeout(stream_s)
+    data = b""
+    try:
+        while chunk := r.read1(65536):
+            data += chunk
+    except TimeoutError:
+        pass
+    return data

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import pytest
 
 import warmbox
-from tests.attacks.conftest import require_tier
+from tests.attacks.conftest import read_answer, require_tier
 from tests.conftest import ServerProc, start_server
 from tests.server.test_api import request_parts, required
 from warmbox import api, paths, wire
@@ -107,17 +107,7 @@ class Walker:
         try:
             conn.request(method, path, body=body, headers=h)
             r = conn.getresponse()
-            if not finite and r.getheader("content-type", "").startswith("application/x-ndjson"):
-                assert conn.sock is not None
-                conn.sock.settimeout(ENDLESS_S)
-                data = b""
-                try:
-                    while chunk := r.read1(65536):
-                        data += chunk
-                except TimeoutError:
-                    pass
-            else:
-                data = r.read()
+            data = read_answer(conn, r, None if finite else ENDLESS_S)
         finally:
             conn.close()
         a = Answer(label or f"{method} {path}", r.status, data)

@@ -27,6 +27,7 @@ from urllib.parse import quote, urlsplit
 
 import pytest
 
+from tests.attacks.conftest import read_answer
 from tests.conftest import ServerProc, start_server
 from warmbox import api, wire
 from warmbox import operations as ops
@@ -185,17 +186,7 @@ def _call(w: World, method: str, url: str, body: bytes | None, headers: dict[str
     try:
         conn.request(method, url, body=body, headers={"Authorization": f"Bearer {w.key}", **headers})
         r = conn.getresponse()
-        if r.getheader("content-type", "").startswith("application/x-ndjson") and r.status == 200:
-            assert conn.sock is not None
-            conn.sock.settimeout(3)
-            data = b""
-            try:
-                while chunk := r.read1(65536):
-                    data += chunk
-            except TimeoutError:
-                pass
-        else:
-            data = r.read()
+        data = read_answer(conn, r, 3 if r.status == 200 else None)
     finally:
         conn.close()
     return r.status, data
