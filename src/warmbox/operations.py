@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 from warmbox.errors import InvalidArgument, InvalidPath
 from warmbox.models import (
     Approval,
+    CodeContext,
     CommandRecord,
     CommandResult,
     EntryInfo,
@@ -174,6 +175,8 @@ class Op(str, enum.Enum):
     RUN_CODE = "run_code"
     CREATE_CONTEXT = "contexts.create"
     REMOVE_CONTEXT = "contexts.remove"
+    LIST_CONTEXTS = "contexts.list"
+    RESTART_CONTEXT = "contexts.restart"
     COMMANDS_START = "commands.start"
     COMMANDS_CONNECT = "commands.connect"
     COMMANDS_SEND_STDIN = "commands.send_stdin"
@@ -614,7 +617,8 @@ class Commands(Request[list[CommandRecord]]):
 
 @dataclasses.dataclass(frozen=True)
 class RunCode(Request[Execution]):
-    """Run a cell in a code context ("default" unless named)."""
+    """Run a cell in a code context ("default" unless named). ``envs``: variables for this run
+    only; after it each is back as it was (unless the cell itself changed it)."""
 
     op: ClassVar[Op] = Op.RUN_CODE
     sandbox_id: str
@@ -626,6 +630,7 @@ class RunCode(Request[Execution]):
     on_stderr: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
     on_result: ResultSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
     language: str | None = None  # with no context: the default context of this language
+    envs: dict[str, str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,6 +647,24 @@ class CreateContext(Request[str]):
 @dataclasses.dataclass(frozen=True)
 class RemoveContext(Request[None]):
     op: ClassVar[Op] = Op.REMOVE_CONTEXT
+    sandbox_id: str
+    context: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ListContexts(Request[list[CodeContext]]):
+    """The sandbox's code contexts: those created, and the default ones that have run."""
+
+    op: ClassVar[Op] = Op.LIST_CONTEXTS
+    sandbox_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartContext(Request[None]):
+    """A fresh interpreter for a code context: same id, language, working directory and creation
+    variables, no state; what its cells started ends, a run in progress with it."""
+
+    op: ClassVar[Op] = Op.RESTART_CONTEXT
     sandbox_id: str
     context: str
 
@@ -1100,6 +1123,8 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         RunCode,
         CreateContext,
         RemoveContext,
+        ListContexts,
+        RestartContext,
         ReadFile,
         ReadFileStream,
         WriteFile,

@@ -53,6 +53,7 @@ from warmbox.models import (
     Approval,
     ApprovalRequest,
     Capabilities,
+    CodeContext,
     CommandRecord,
     CommandResult,
     EntryInfo,
@@ -109,6 +110,8 @@ USE: frozenset[type[Any]] = frozenset(
         ops.RunCode,
         ops.CreateContext,
         ops.RemoveContext,
+        ops.ListContexts,
+        ops.RestartContext,
         ops.ReadFile,
         ops.ReadFileStream,
         ops.WriteFile,
@@ -386,6 +389,8 @@ class EngineFront:
             ops.RunCode: self.run_code,
             ops.CreateContext: self.create_context,
             ops.RemoveContext: self.remove_context,
+            ops.ListContexts: self.list_contexts,
+            ops.RestartContext: self.restart_context,
             ops.ReadFile: self.read_file,
             ops.ReadFileStream: self.read_file_stream,
             ops.WriteFile: self.write_file,
@@ -992,6 +997,7 @@ class EngineFront:
             context = "default" if language == "python" else f"default-{language}"
         t = optional_timeout(r.timeout)
         cap = _positive_int(r.max_output, "max_output")
+        env = dict(validate_envs(r.envs)) or None
         session = await self._session(r.sandbox_id)
         text = commandlog.bounded_text(r.code)
         started = time.time()
@@ -1004,6 +1010,7 @@ class EngineFront:
                 on_stdout=r.on_stdout,
                 on_stderr=r.on_stderr,
                 on_result=r.on_result,
+                env=env,
             )
         except BaseException as e:
             language = self._context_language(r.sandbox_id, context)
@@ -1068,6 +1075,14 @@ class EngineFront:
     async def remove_context(self, r: ops.RemoveContext) -> None:
         await (await self._session(r.sandbox_id)).delete_context(r.context)
         self._contexts.pop((r.sandbox_id, r.context), None)
+
+    async def list_contexts(self, r: ops.ListContexts) -> builtins.list[CodeContext]:
+        return await (await self._session(r.sandbox_id)).list_contexts()
+
+    async def restart_context(self, r: ops.RestartContext) -> None:
+        if not isinstance(r.context, str) or not r.context:
+            raise InvalidArgument(f"context must be a context id, got {r.context!r}")
+        await (await self._session(r.sandbox_id)).restart_context(r.context)
 
     # ---- files
 
