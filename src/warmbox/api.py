@@ -67,6 +67,13 @@ ROUTES: tuple[Route, ...] = (
     Route(Op.COMMANDS_START, "POST", f"{_S}/processes", summary="Start a background command or terminal"),
     Route(Op.COMMANDS_LIST, "GET", f"{_S}/processes", "query", idempotent=True, summary="Running background processes"),
     Route(
+        Op.COMMANDS_START_CONNECT,
+        "POST",
+        f"{_S}/processes/follow",
+        response="ndjson",
+        summary="Start a background command or terminal and follow it (NDJSON stream: its pid first)",
+    ),
+    Route(
         Op.COMMANDS_CONNECT,
         "GET",
         f"{_S}/processes/output",

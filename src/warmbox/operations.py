@@ -179,6 +179,7 @@ class Op(str, enum.Enum):
     RESTART_CONTEXT = "contexts.restart"
     COMMANDS_START = "commands.start"
     COMMANDS_CONNECT = "commands.connect"
+    COMMANDS_START_CONNECT = "commands.start_connect"
     COMMANDS_SEND_STDIN = "commands.send_stdin"
     COMMANDS_KILL = "commands.kill"
     COMMANDS_LIST = "commands.list"
@@ -545,6 +546,25 @@ class StartProcess(Request[int]):
     user: str = "user"
     pty_cols: int = 0
     pty_rows: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StartAndConnect(Request[ProcessStream]):
+    """StartProcess and ConnectProcess in one step, one round trip to the sandbox: the stream of
+    the new background process (its ``pid`` at once), from its first byte. It is a background
+    process like any (list, connect, send_stdin, kill reach it); cancelling the stream leaves it
+    running. ``stdin`` false: its stdin is closed at the start."""
+
+    op: ClassVar[Op] = Op.COMMANDS_START_CONNECT
+    sandbox_id: str
+    cmd: str | list[str]
+    envs: dict[str, str] | None = None
+    cwd: str | None = None
+    tag: str = ""
+    user: str = "user"
+    pty_cols: int = 0
+    pty_rows: int = 0
+    stdin: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1116,6 +1136,7 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         Exec,
         StartProcess,
         ConnectProcess,
+        StartAndConnect,
         SendStdin,
         KillProcess,
         ListProcesses,

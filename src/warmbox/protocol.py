@@ -256,6 +256,15 @@ class Spawn(Message):
     pty_rows: int
 
 
+class SpawnFollow(Spawn):
+    """Start a background process as :class:`Spawn` does and follow it as :class:`Attach` does, in
+    one request (v7): :class:`Started`, its output from the first byte, then :class:`Exited`. It
+    is a background process like any (ProcList, Attach, ProcInput, Signal reach it; a Cancel stops
+    the following only). ``stdin`` false: its stdin is closed at the start."""
+
+    stdin: bool
+
+
 class Attach(Message):
     """Stream a background process's output (Stdout/Stderr frames) from byte ``offset`` of it (0:
     all the ring still holds; :class:`OutputLost` first when bytes before the ring's start were
@@ -631,6 +640,7 @@ HOST_TO_GUEST: tuple[type[Message], ...] = (
     StdinData,
     Signal,
     Spawn,
+    SpawnFollow,
     Attach,
     ProcInput,
     ProcResize,

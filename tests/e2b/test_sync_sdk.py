@@ -186,7 +186,7 @@ def test_code_contexts(sb):
     ex = sb.run_code("import os\nos.environ['ONE_RUN']", context=ctx, envs={"ONE_RUN": "yes"})
     assert ex.text == "'yes'", ex.error
     assert sb.run_code("os.environ.get('ONE_RUN')", context=ctx).text is None
-    with pytest.raises(e2b.SandboxException, match="400.*'NOT=VALID' is not valid"):
+    with pytest.raises(e2b.SandboxException, match=r"400.*'NOT=VALID' is not valid"):
         sb.run_code("1", envs={"NOT=VALID": "x"})
     sb.remove_code_context(ctx)
     assert ctx.id not in {c.id for c in sb.list_code_contexts()}

@@ -103,6 +103,7 @@ USE: frozenset[type[Any]] = frozenset(
         ops.Exec,
         ops.StartProcess,
         ops.ConnectProcess,
+        ops.StartAndConnect,
         ops.SendStdin,
         ops.KillProcess,
         ops.ListProcesses,
@@ -162,6 +163,7 @@ NEEDS: dict[type[Any], str] = {
             ops.Exec,
             ops.StartProcess,
             ops.ConnectProcess,
+            ops.StartAndConnect,
             ops.SendStdin,
             ops.KillProcess,
             ops.ListProcesses,
@@ -382,6 +384,7 @@ class EngineFront:
             ops.Exec: self.exec,
             ops.StartProcess: self.start_process,
             ops.ConnectProcess: self.connect_process,
+            ops.StartAndConnect: self.start_and_connect,
             ops.SendStdin: self.send_stdin,
             ops.KillProcess: self.kill_process,
             ops.ListProcesses: self.list_processes,
@@ -916,6 +919,39 @@ class EngineFront:
         return got
 
     async def start_process(self, r: ops.StartProcess) -> int:
+        argv, env, cwd, cols, rows = self._process_start(r)
+        session = await self._session(r.sandbox_id)
+        started = time.time()
+        pid = await session.spawn(argv, env=env, cwd=cwd, tag=r.tag, user=r.user, cols=cols, rows=rows)
+        self._track_started(r, argv, pid, started)
+        return pid
+
+    async def start_and_connect(self, r: ops.StartAndConnect) -> ops.ProcessStream:
+        argv, env, cwd, cols, rows = self._process_start(r)
+        if not isinstance(r.stdin, bool):
+            raise InvalidArgument(f"stdin must be a boolean, got {r.stdin!r}")
+        session = await self._session(r.sandbox_id)
+        started = time.time()
+        stream = await session.spawn_follow(
+            argv, env=env, cwd=cwd, tag=r.tag, user=r.user, cols=cols, rows=rows, stdin=r.stdin
+        )
+        self._track_started(r, argv, stream.pid, started)
+        stream.on_end = functools.partial(self._process_ended, r.sandbox_id)
+        return stream
+
+    def _track_started(
+        self, r: ops.StartProcess | ops.StartAndConnect, argv: builtins.list[str], pid: int, started: float
+    ) -> None:
+        """Remember a started process until a client following it sees its end (its record then)."""
+        if len(self._started) >= MAX_TRACKED:  # never followed to their end: forget the oldest
+            del self._started[next(iter(self._started))]
+        text = commandlog.command_text(r.cmd if isinstance(r.cmd, str) else argv)
+        self._started[(r.sandbox_id, pid)] = (text, started)
+
+    def _process_start(
+        self, r: ops.StartProcess | ops.StartAndConnect
+    ) -> tuple[builtins.list[str], dict[str, str], str, int, int]:
+        """A process start's checked argv, environment, directory and terminal size."""
         argv = _argv(r.cmd)
         env = dict(validate_envs(r.envs))
         cwd = sandbox_path(r.cwd) if r.cwd is not None else ""
@@ -935,14 +971,7 @@ class EngineFront:
         cols, rows = _size(r.pty_cols, "pty_cols", zero=True), _size(r.pty_rows, "pty_rows", zero=True)
         if (cols == 0) != (rows == 0):
             raise InvalidArgument("a terminal needs both pty_cols and pty_rows (or neither)")
-        session = await self._session(r.sandbox_id)
-        started = time.time()
-        pid = await session.spawn(argv, env=env, cwd=cwd, tag=r.tag, user=r.user, cols=cols, rows=rows)
-        if len(self._started) >= MAX_TRACKED:  # never followed to their end: forget the oldest
-            del self._started[next(iter(self._started))]
-        text = commandlog.command_text(r.cmd if isinstance(r.cmd, str) else argv)
-        self._started[(r.sandbox_id, pid)] = (text, started)
-        return pid
+        return argv, env, cwd, cols, rows
 
     async def connect_process(self, r: ops.ConnectProcess) -> ops.ProcessStream:
         pid = _pid(r.pid)

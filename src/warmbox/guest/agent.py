@@ -2199,6 +2199,26 @@ def _winsize(cols: int, rows: int) -> bytes:
 
 
 def _spawn_bg(agent: Agent, conn: Connection, msg: p.Spawn) -> None:
+    proc = _start_bg(agent, msg)
+    conn.send(p.Started(id=msg.id, pid=proc.pid))
+
+
+def _spawn_follow(agent: Agent, conn: Connection, msg: p.SpawnFollow) -> None:
+    proc = _start_bg(agent, msg)
+    conn.send(p.Started(id=msg.id, pid=proc.pid))
+    if not msg.stdin and proc.master is None:
+        _close_stdin(proc)
+    _follow(agent, conn, msg.id, proc, 0, True)
+
+
+def _close_stdin(proc: bg.Proc) -> None:
+    with proc.stdin_lock:  # a writer holds its own dup: closing this never hits a reused fd
+        fd, proc.stdin = proc.stdin, None
+    if fd is not None:
+        os.close(fd)
+
+
+def _start_bg(agent: Agent, msg: p.Spawn) -> bg.Proc:
     if not msg.argv or any("\0" in a for a in msg.argv):
         raise _Fail(p.ErrorCode.INVALID, "argv must be a non-empty list without NUL bytes")
     if any("\0" in k or "=" in k or "\0" in v for k, v in msg.env.items()):
@@ -2268,7 +2288,7 @@ def _spawn_bg(agent: Agent, conn: Connection, msg: p.Spawn) -> None:
         scope.pid, scope, list(msg.argv), dict(msg.env), cwd or os.getcwd(), msg.tag, outputs, stdin_w, master
     )
     agent.procs.add(proc)
-    conn.send(p.Started(id=msg.id, pid=scope.pid))
+    return proc
 
 
 def _proc(agent: Agent, pid: int) -> bg.Proc:
@@ -2279,15 +2299,19 @@ def _proc(agent: Agent, pid: int) -> bg.Proc:
 
 
 def _attach(agent: Agent, conn: Connection, msg: p.Attach) -> None:
-    proc = _proc(agent, msg.pid)
-    inbox = conn.inbox(msg.id)
+    _follow(agent, conn, msg.id, _proc(agent, msg.pid), max(0, msg.offset), msg.output)
+
+
+def _follow(agent: Agent, conn: Connection, rid: int, proc: bg.Proc, offset: int, output: bool) -> None:
+    """Stream ``proc``'s output from ``offset`` (``output`` false: none), then its Exited, as the
+    answer to request ``rid``; until the host's Cancel or the connection's end."""
+    inbox = conn.inbox(rid)
     table = agent.procs
-    offset = max(0, msg.offset)
     lost_total = 0
     while True:
         with table.changed:
             while True:
-                lost, chunks, nxt = proc.snapshot(offset) if msg.output else (0, [], offset)
+                lost, chunks, nxt = proc.snapshot(offset) if output else (0, [], offset)
                 ended = not proc.running
                 if lost or chunks or ended or conn.closed:
                     break
@@ -2298,15 +2322,15 @@ def _attach(agent: Agent, conn: Connection, msg: p.Attach) -> None:
             return
         if lost:
             lost_total += lost
-            conn.send(p.OutputLost(id=msg.id, size=lost))
+            conn.send(p.OutputLost(id=rid, size=lost))
         for kind, data in chunks:
-            conn.send((p.Stderr if kind == bg.STDERR else p.Stdout)(id=msg.id, data=data))
+            conn.send((p.Stderr if kind == bg.STDERR else p.Stdout)(id=rid, data=data))
         offset = nxt
         if ended and not lost and not chunks:
             code, sig = _exit_status(proc.status)
             conn.send(
                 p.Exited(
-                    id=msg.id,
+                    id=rid,
                     exit_code=code,
                     signal=sig,
                     timed_out=False,
@@ -2409,12 +2433,13 @@ _HANDLERS: dict[type[p.Message], Any] = {
     p.PortConnect: _port_connect,
     p.Spawn: _spawn_bg,
     p.Attach: _attach,
+    p.SpawnFollow: _spawn_follow,
     p.ProcInput: _proc_input,
     p.ProcResize: _proc_resize,
     p.ProcList: _proc_list,
 }
 # requests whose inbox exists before their worker starts: their data, acks or Cancel may come first
-_PREPARED = (p.ReadFile, p.PortConnect, p.WriteFile, p.Attach, p.TarCreate, p.TarExtract, p.WatchDir)
+_PREPARED = (p.ReadFile, p.PortConnect, p.WriteFile, p.Attach, p.SpawnFollow, p.TarCreate, p.TarExtract, p.WatchDir)
 _INLINE = frozenset({p.Ping, p.GetUsage, p.Signal})  # never block: handled on the reader thread
 
 
