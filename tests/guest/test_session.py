@@ -160,3 +160,51 @@ def test_an_agent_of_protocol_v6_is_spoken_to_without_the_v7_messages(tmp_path):
     t.join(10)
     listener.close()
     assert seen == ["Ping", "Spawn", "Attach"]
+
+
+def test_a_hostile_agents_endless_context_list_is_refused(tmp_path):
+    """A guest answering contexts.list with entry after entry cannot make the host hold them all."""
+    import socket
+    import threading
+
+    from warmbox import protocol as p
+    from warmbox.engine.session import MAX_CONTEXT_LIST
+    from warmbox.errors import GuestProtocolError
+
+    path = str(tmp_path / "hostile.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(1)
+    sent = [0]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while (req := p.recv_message(conn, p.HOST_TO_GUEST)) is not None:
+                if isinstance(req, p.Ping):
+                    conn.sendall(p.encode(p.Pong(req.id, version=p.PROTOCOL_VERSION, pid=1)))
+                    continue
+                try:
+                    while sent[0] < 100 * MAX_CONTEXT_LIST:
+                        conn.sendall(
+                            p.encode(p.ContextEntry(req.id, context=f"c{sent[0]}", language="x" * 4000, cwd="/"))
+                        )
+                        sent[0] += 1
+                except OSError:
+                    return  # the host hung up: it refused the list
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+
+    async def main() -> None:
+        s = await GuestSession.connect(path, "hostile")
+        try:
+            with pytest.raises(GuestProtocolError, match="code contexts"):
+                await s.list_contexts()
+        finally:
+            await s.close()
+
+    _run(main())
+    t.join(10)
+    listener.close()
+    assert sent[0] < 100 * MAX_CONTEXT_LIST
