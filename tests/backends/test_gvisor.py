@@ -284,7 +284,8 @@ from warmbox import Limits, Sandbox
 # bash retries a refused fork for a long time: the loop gets 40 s. --foreground: at the deadline
 # timeout ends bash only; without it, it signals its whole process group, the sleeps too (a loaded
 # host once got there, and the sandbox counted 0 sleeps)
-script = ("timeout --foreground 40 bash -c 'for i in $(seq 100); do sleep 600 >/dev/null 2>&1 </dev/null & done'; sleep 1; "
+script = ("timeout --foreground 40 bash -c "
+          "'for i in $(seq 100); do sleep 600 >/dev/null 2>&1 </dev/null & done'; sleep 1; "
           "echo $(pgrep -c sleep) $(cat /sys/fs/cgroup/sandbox/pids.max); pkill sleep")
 with Sandbox.create("gvisor", timeout=120, pool=False, limits=Limits(pids=64)) as sb:
     print(sb.commands.run(script, timeout=90).stdout.strip())
