@@ -25,6 +25,7 @@ import dataclasses
 import enum
 import itertools
 import logging
+import secrets
 import ssl
 import time
 from collections.abc import Callable
@@ -327,7 +328,8 @@ class Cluster:
         loads = [self._booked.get(n.name) or node_load(n, usage.get(n.name), pool_yields) for n in up]
         if not loads:
             raise NoCapacity(self.no_node_message())
-        name = place(loads, want)
+        # a salt per create: routers with views of their own do not all pick the same best node
+        name = place(loads, want, secrets.token_hex(8))
         chosen = next(x for x in loads if x.node == name)
         self._booked[name] = take(chosen, want)  # until the next read: the next create sees this one
         return self._view[name]
