@@ -118,13 +118,15 @@ class NodeUsage:
     """What one node holds now, from the registry's rows (placement reads it).
 
     live: its creating, retiring, ready and running sandboxes; memory_mb: their memory limits
-    summed; pooled: (pool name, ready pooled sandboxes) per pool.
+    summed; pooled: (pool name, ready pooled sandboxes) per pool; pooled_memory_mb: the memory
+    limits of those pooled sandboxes summed (they hold it as much as a user's).
     """
 
     node: str
     live: int = 0
     memory_mb: int = 0
     pooled: tuple[tuple[str, int], ...] = ()
+    pooled_memory_mb: int = 0
 
 
 STAGES = ("allocation", "filesystem", "runtime", "dependencies", "network", "first_command")
