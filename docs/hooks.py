@@ -9,7 +9,7 @@ from typing import Any
 from mkdocs.structure.files import File, Files
 
 CLI_PAGE = "reference/cli.md"
-WIDTH = "100"  # argparse wraps help text to $COLUMNS: fixed, so every build writes the same page
+WIDTH = "80"  # argparse wraps help text to $COLUMNS: fixed, so every build writes the same page
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.ArgumentParser, str]]:

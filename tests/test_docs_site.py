@@ -22,7 +22,7 @@ from tests.conftest import ROOT
 from warmbox.templates.builtins import CHROMIUM
 
 MKDOCS = Path(sys.executable).with_name("mkdocs")
-NAV = ["Python API", "HTTP API", "CLI"]
+NAV = ["Getting started", "Tiers", "Warm pools", "Snapshots", "Network egress", "Python API", "HTTP API", "CLI"]
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +91,7 @@ def _open(page: tuple[object, list[str]], url: str) -> object:
     ("path", "title", "expect"),
     [
         ("", "warmbox", "scripts/bootstrap demo"),
+        ("getting-started/", "Getting started", "Sandbox.create("),
         ("reference/cli/", "CLI", "usage: warmbox serve"),
     ],
 )
