@@ -5,6 +5,8 @@ and the browser asks nothing of any other address (no web fonts or scripts from 
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
 import http.server
 import json
@@ -130,3 +132,34 @@ def test_python_api_page_is_generated_from_docstrings(site: str, page: tuple[obj
     first = (sandbox.AsyncSandbox.__doc__ or "").strip().splitlines()[0].split(":meth:")[0].strip()
     assert first and first in pg.locator("article").inner_text()  # type: ignore[attr-defined]
     assert not page[1], f"the page asked other hosts: {page[1]}"
+
+
+def test_mcp_page_lists_every_tool_and_its_arguments(site: str, page: tuple[object, list[str]]) -> None:
+    from warmbox.server.mcp import build_mcp
+
+    # (in a thread: Playwright's sync API keeps an event loop running in this one)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        tools = pool.submit(asyncio.run, build_mcp(lambda ctx: None).list_tools()).result(60)
+    pg = _open(page, f"{site}/reference/mcp/")
+    headings = pg.locator("article h2").all_inner_texts()  # type: ignore[attr-defined]
+    assert sorted(h.strip().rstrip("¶") for h in headings) == sorted(t.name for t in tools)  # (¶: the permalink)
+    cells = set(pg.locator("article td:first-child code").all_inner_texts())  # type: ignore[attr-defined]
+    missing = [(t.name, a) for t in tools for a in t.input_schema.get("properties", {}) if a not in cells]
+    assert not missing, f"arguments missing from the MCP page: {missing}"
+
+
+def test_config_page_gives_each_key_its_meaning(site: str, page: tuple[object, list[str]]) -> None:
+    """What made a user read the source (issue 34): which warmbox.toml key does what, e.g. upstream_ca."""
+    pg = _open(page, f"{site}/reference/config/")
+    tables = pg.evaluate(  # type: ignore[attr-defined]
+        """() => [...document.querySelectorAll('article table')].map(t => {
+            let e = t.closest('.md-typeset__scrollwrap') || t;
+            while (e && e.tagName !== 'H2') e = e.previousElementSibling;
+            return [e ? e.querySelector('code').textContent : '',
+                    [...t.querySelectorAll('tbody tr')].map(r => [...r.cells].map(c => c.textContent.trim()))];
+        })"""
+    )
+    rows = {(section, cells[0]): cells[2] for section, body in tables for cells in body}
+    assert "system store" in rows.get(("[network]", "upstream_ca"), ""), sorted(rows)[:20]
+    assert "every linked sandbox trusts" in rows[("[network]", "extra_ca")]
+    assert ("[server]", "tls_client_ca") in rows and ("[pools.NAME]", "idle_shrink") in rows
