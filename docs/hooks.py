@@ -287,3 +287,11 @@ def on_files(files: Files, config: Any) -> Files:
     files.append(File.generated(config, CLI_PAGE, content=cli_reference()))
     files.append(File.generated(config, MCP_PAGE, content=mcp_reference()))
     return files
+
+
+SPHINX_ROLE = re.compile(r":(?:py:)?(?:meth|class|func|attr|exc|mod|data|obj|const):<code>~?")
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
+    """Docstrings name things with Sphinx roles (:meth:`create`): the rendered page keeps the name, as code."""
+    return SPHINX_ROLE.sub("<code>", html)
