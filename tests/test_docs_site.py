@@ -163,3 +163,15 @@ def test_config_page_gives_each_key_its_meaning(site: str, page: tuple[object, l
     assert "system store" in rows.get(("[network]", "upstream_ca"), ""), sorted(rows)[:20]
     assert "every linked sandbox trusts" in rows[("[network]", "extra_ca")]
     assert ("[server]", "tls_client_ca") in rows and ("[pools.NAME]", "idle_shrink") in rows
+
+
+def test_readme_is_short_set_up_first_and_its_links_resolve() -> None:
+    """The README stays a front page (issue 34): the set-up commands first, the rest on the site."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 120, "the README grew: move the new section into docs/ (mkdocs.yml's nav)"
+    first = text.split("```sh\n", 1)[1].split("```", 1)[0].splitlines()
+    assert [line.split()[:2] for line in first] == [["scripts/bootstrap", "demo"], ["scripts/bootstrap", "test"]]
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    assert links and not [link for link in links if not (ROOT / link).exists()]
