@@ -127,10 +127,14 @@ def find_runsc() -> str:
     """The runsc the tier runs: ``WARMBOX_RUNSC`` if set (``RUNSC_LOCAL``: Debian 13's, which
     scripts/bootstrap installs), else the one on ``PATH`` (Debian 12's).
 
-    Debian 13's runsc (0.0~20240729) is not the default: its pids cgroup leaks. A fork it refused
-    with EAGAIN, retried, succeeds past ``pids.max`` (measured: 221 processes running in a sandbox
-    of limits.pids = 64, pids.current 276), so limits.pids would be bounded only by the host cgroup
-    (``host_pids``). tests/backends/test_gvisor.py keeps a test that shows it."""
+    Debian 13's runsc (0.0~20240729) is not the default: its Sentry cannot hold ``limits.pids``.
+    Every task there is in seven cgroup hierarchies (runsc mounts one per controller at boot), and a
+    fork charges only the first of its parent's cgroups that Go's randomised map iteration yields
+    (``Task.chargeLocked``): about one fork in eight reaches the pids controller, the rest start
+    uncharged (measured: 267 of 300 forks past a pids.max of 20; upstream unchanged as of 2026-08).
+    Nor can the host's pids cgroup stand in: on systrap a stub the Sentry cannot clone at that bound
+    panics it ("unable to activate mm: createStub"), and the sandbox is lost at its limit.
+    tests/backends/test_gvisor.py keeps a test that shows both."""
     forced = os.environ.get("WARMBOX_RUNSC")
     if forced:
         return forced
