@@ -347,7 +347,9 @@ def test_runsc_2024s_pids_cgroup_leaks_past_pids_max_and_a_host_bound_ends_the_s
         join = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"]
         bounded = _runsc_do(_new_runsc(), "systrap", tmp_path / "bounded", 200, *join)
         assert bounded.returncode != 0 and "max 0" not in (cgroup / "pids.events").read_text()
-        assert "unable to activate mm" in (tmp_path / "bounded" / "panic.log").read_text()
+        panic = (tmp_path / "bounded" / "panic.log").read_text()
+        # a stub first (every run here so far), or one of the Go runtime's own threads: lost either way
+        assert "unable to activate mm" in panic or "newosproc" in panic, panic[-1500:]
     finally:
         deadline = time.monotonic() + 30
         while (cgroup / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
