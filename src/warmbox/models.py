@@ -806,6 +806,10 @@ class Capabilities:
     # memory checkpoint cannot save (gVisor: its Sentry panics and the sandbox dies): the engine
     # refuses such a pause up front, and reports a sandbox lost to a failed checkpoint
     checkpoint_saves_workspace_sockets: bool = True
+    # a TCP connection over the sandbox's network link (not loopback: that one is saved) survives the
+    # runtime's memory checkpoint, or is reset by it; False (runsc 2022: its Sentry refuses to save
+    # one, and the sandbox dies): the engine refuses such a pause up front, the sandbox keeps running
+    checkpoint_saves_connections: bool = True
     # the agent's sockets are host sockets (gVisor's --host-uds): a quiesced agent closes every one,
     # the host's connection last, and the checkpoint waits for that (one left open fails the save)
     quiesce_drops_connection: bool = False
