@@ -37,12 +37,15 @@ warmbox cluster head | token [FILE]   run a Ray head for a cluster; make the pee
 
 --api-url URL (or WARMBOX_API_URL) sends every command to a warmbox server instead of the
 in-process engine, with --api-key KEY (or WARMBOX_API_KEY).
+
+Imports are part of the design here (issue 38): the parser needs only argparse and the tables of
+operations and records, so asyncio, the SDK, the HTTP client and the engine are imported by the
+commands that use them, when they run; ``warmbox --help`` loads none of them.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import os
@@ -599,6 +602,7 @@ async def _shell(args: argparse.Namespace) -> int:
     """The terminal of this process in raw mode, attached to a PTY in the sandbox: keys go in as
     they are typed, the screen comes back, a resize of the window (SIGWINCH) resizes the PTY.
     The terminal is restored however it ends."""
+    import asyncio
     import signal
     import termios
     import tty
@@ -783,6 +787,7 @@ async def _ls(args: argparse.Namespace) -> int:
 async def _port_forward(args: argparse.Namespace) -> int:
     """Print the forward's address (one line), then relay until SIGINT/SIGTERM or the sandbox ends;
     the sandbox is let go of, never ended."""
+    import asyncio
     import signal
 
     from warmbox.sdk.sandbox import AsyncSandbox
@@ -987,6 +992,8 @@ LOGS_QUIET_S = 0.5  # logs without -f: a process's output is taken until it is t
 async def _logs(args: argparse.Namespace) -> int:
     """The runtime logs, then what each running background process printed (its kept output; a
     foreground command's output went to its caller); -f: then follow them until they end."""
+    import asyncio
+
     t = _engine()
     sid = args.sandbox_id
     text = await t.handle(ops.Logs(sid))
@@ -1006,6 +1013,8 @@ async def _logs(args: argparse.Namespace) -> int:
 async def _process_output(t: Any, sid: str, proc: Any, follow: bool, label: bool) -> None:
     """A background process's output to our stdout and stderr (each line led by ``[PID]`` when
     ``label``); until it ends with ``follow``, else until it is LOGS_QUIET_S quiet."""
+    import asyncio
+
     stream = await t.handle(ops.ConnectProcess(sid, proc.pid))
     partial = {"stdout": "", "stderr": ""}
 
@@ -1259,7 +1268,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
+    args = _parse(argv)  # --help, or a bad word, ends here: before asyncio is loaded
+    import asyncio
+
     if args.api_url is not None:
         os.environ["WARMBOX_API_URL"] = args.api_url
     if args.api_key is not None:

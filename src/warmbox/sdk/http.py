@@ -40,16 +40,13 @@ from warmbox.models import (
     Result,
     TemplateBuildEvent,
 )
+from warmbox.sdk.transport import default_url
 
 R = TypeVar("R")
 RETRIES = (0.1, 0.3, 0.8, 1.5)  # pauses between attempts of a retryable request (about 3 s in all)
 HEARTBEAT_S = 60.0  # a stream silent this long (the server sends a blank line every 15 s) is dead
 JSON_READ_S = 900.0  # the longest one JSON operation may take (a cold microVM, a large snapshot)
 MAX_LINE = 1 << 30  # the longest NDJSON line read (a result with its output), see _line
-
-
-def default_url() -> str | None:
-    return os.environ.get("WARMBOX_API_URL") or None
 
 
 class _Stream:
