@@ -502,13 +502,22 @@ def _timings_text(stages: list) -> str:
     )
 
 
-def _record(result: Any, sb: Any) -> dict:
+def _record(result: Any, sb: Any, via: str) -> dict:
     rec = dataclasses.asdict(result)
     rec["sandbox_id"] = sb.sandbox_id
     rec["from_pool"] = sb.from_pool
     rec["timings"] = sb.timings
     rec["stage_timings"] = _timings_json(sb.stage_timings)
+    rec["via"] = via
     return rec
+
+
+def _via(args: argparse.Namespace) -> str:
+    """Which engine ran the command, as --json says it: "server" (a running ``warmbox serve`` of
+    this home, reached by the thin path), "api" (--api-url / WARMBOX_API_URL) or "in-process"."""
+    if getattr(args, "thin", None) is not None:
+        return "server"
+    return "api" if os.environ.get("WARMBOX_API_URL") else "in-process"
 
 
 def _piped_stdin(interactive: bool = False) -> Any:
@@ -532,7 +541,6 @@ def _piped_stdin(interactive: bool = False) -> Any:
 
 
 async def _exec_in(sb: Any, args: argparse.Namespace, cmd: list[str]) -> int:
-    stream = not args.json
     result = await sb.commands.run(
         cmd,
         envs=_env_pairs(getattr(args, "env", None)) if args.command == "exec" else None,
@@ -540,16 +548,72 @@ async def _exec_in(sb: Any, args: argparse.Namespace, cmd: list[str]) -> int:
         stdin=_piped_stdin(getattr(args, "interactive", False)),
         cwd=args.cwd,
         timeout=args.cmd_timeout or None,
-        on_stdout=(lambda s: (sys.stdout.write(s), sys.stdout.flush())) if stream else None,
-        on_stderr=(lambda s: (sys.stderr.write(s), sys.stderr.flush())) if stream else None,
+        **_sinks(args),
     )
+    return _print_result(args, result, sb)
+
+
+def _print_result(args: argparse.Namespace, result: Any, sb: Any) -> int:
     if args.json:
-        print(json.dumps(_record(result, sb)))
+        print(json.dumps(_record(result, sb, _via(args))))
     else:
         for flag in ("timed_out", "truncated", "oom_killed"):
             if getattr(result, flag):
                 print(f"warmbox: {flag.replace('_', ' ')}", file=sys.stderr)
-    return result.exit_code
+    return int(result.exit_code)
+
+
+def _sinks(args: argparse.Namespace) -> dict[str, Any]:
+    if args.json:
+        return {}
+    return {
+        "on_stdout": lambda s: (sys.stdout.write(s), sys.stdout.flush()),
+        "on_stderr": lambda s: (sys.stderr.write(s), sys.stderr.flush()),
+    }
+
+
+@dataclasses.dataclass
+class _Started:
+    """What --json tells of a sandbox the thin path created or connected to (AsyncSandbox's names)."""
+
+    sandbox_id: str
+    from_pool: bool
+    stage_timings: list[Any]
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return {t.stage: t.duration_ms for t in self.stage_timings}
+
+
+async def _thin_command(args: argparse.Namespace) -> int:
+    """run and exec on the thin path: the requests AsyncSandbox makes for them (create, or connect;
+    the command; its first-command timing once; for run, the kill), on a running server."""
+    from warmbox.models import StageTiming
+
+    t = args.thin
+    cmd = _cmd(args)
+    if args.command == "run":
+        kw = _create_kwargs(args)
+        kw["volumes"] = tuple(kw["volumes"]) if kw["volumes"] else None
+        opened = await t.handle(ops.Create(tier=args.tier, **kw))
+    else:
+        opened = await t.handle(ops.Connect(args.sandbox_id))
+    sb = _Started(opened.info.sandbox_id, opened.info.from_pool, list(opened.timings))
+    try:
+        started = time.perf_counter()
+        envs = _env_pairs(args.env) if args.command == "exec" else None
+        request = ops.Exec(
+            sb.sandbox_id, cmd, envs=envs, cwd=args.cwd, timeout=args.cmd_timeout or None, **_sinks(args)
+        )
+        result = await t.handle(request)
+        if not any(x.stage == "first_command" for x in sb.stage_timings):
+            ms = (time.perf_counter() - started) * 1e3
+            sb.stage_timings.append(StageTiming(sb.sandbox_id, "first_command", ms, True))
+            await t.handle(ops.RecordFirstCommand(sb.sandbox_id, ms))
+    finally:
+        if args.command == "run":
+            await t.handle(ops.Kill(sb.sandbox_id))
+    return _print_result(args, result, sb)
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -733,7 +797,7 @@ def _warn_config() -> None:
 
 async def _ls(args: argparse.Namespace) -> int:
     _warn_config()
-    t = _engine()
+    t = args.thin or _engine()
     query = None
     if args.metadata or args.state:
         query = validate_query(
@@ -756,6 +820,7 @@ async def _ls(args: argparse.Namespace) -> int:
                         "from_pool": i.from_pool,
                         "timings": {x.stage: x.duration_ms for x in timings[i.sandbox_id]},
                         "stage_timings": _timings_json(timings[i.sandbox_id]),
+                        "via": _via(args),
                     }
                     for i in infos
                 ]
@@ -946,7 +1011,7 @@ async def _config(args: argparse.Namespace) -> int:
 
 
 async def _kill(args: argparse.Namespace) -> int:
-    t = _engine()
+    t = args.thin or _engine()
     if args.all == bool(args.sandbox_ids):
         raise WarmboxError("warmbox kill takes sandbox ids, or --all (every sandbox you have, running or paused)")
     ids = args.sandbox_ids
@@ -1202,6 +1267,48 @@ _COMMANDS = {
 }
 
 
+_THIN_COMMANDS = {"run": _thin_command, "exec": _thin_command, "ls": _ls, "ps": _ls, "kill": _kill}
+
+
+class _ThinTransport:
+    """The thin client as the commands' transport: its blocking calls behind ``await``."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    async def handle(self, request: ops.Request[Any]) -> Any:
+        return self.client.handle(request)
+
+
+def _thin(args: argparse.Namespace) -> _ThinTransport | None:
+    """The thin path (cli/thin.py) when the command is one of run, exec, ls, kill, no server is
+    named (--api-url), nothing of this process's stdin is to be forwarded and no terminal is
+    asked for, and a ``warmbox serve`` of this home answers on its socket; else None: the command
+    builds its own client (the engine in process, or the HTTP transport to the named server)."""
+    if args.command not in _THIN_COMMANDS or os.environ.get("WARMBOX_API_URL"):
+        return None
+    if args.command in ("run", "exec"):
+        if getattr(args, "tty", False) or getattr(args, "user", "user") != "user":
+            return None
+        if _piped_stdin(getattr(args, "interactive", False)) is not None:
+            return None
+    from warmbox.cli.thin import ThinClient
+
+    client = ThinClient.open()
+    return None if client is None else _ThinTransport(client)
+
+
+def _unsuspended(coro: Any) -> int:
+    """Run a command's coroutine whose awaits never suspend (the thin client blocks in them)
+    to its end, without an event loop: the thin path loads no asyncio."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return int(done.value)
+    coro.close()
+    raise RuntimeError("a thin-path command waited on an event loop")
+
+
 _COMMAND_AFTER = {"run": 0, "exec": 1, "shell": 1}  # our positionals before the command's first word
 
 
@@ -1269,13 +1376,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)  # --help, or a bad word, ends here: before asyncio is loaded
-    import asyncio
-
     if args.api_url is not None:
         os.environ["WARMBOX_API_URL"] = args.api_url
     if args.api_key is not None:
         os.environ["WARMBOX_API_KEY"] = args.api_key
     try:
+        args.thin = _thin(args)
+        if args.thin is not None:
+            try:
+                return _unsuspended(_THIN_COMMANDS[args.command](args))
+            finally:
+                args.thin.client.close()
+        import asyncio
+
         return asyncio.run(_closing(_COMMANDS[args.command](args)))
     except WarmboxError as e:
         print(f"warmbox: error: {e}", file=sys.stderr)
