@@ -28,7 +28,7 @@ warmbox advise [--language L --untrusted|--trusted --io compute|syscall-heavy|ne
                                   which tier for such code here, why, and why not the others
 warmbox demo                      a short tour on the embedded defaults
 warmbox mcp                       an MCP server on stdin/stdout (sandbox tools for an agent)
-warmbox bench start|burst|exec|density|api|e2b|cluster|template|profile   benchmarks, ratios against raw runtimes
+warmbox bench start|burst|exec|density|api|e2b|cluster|template|profile|cli   benchmarks, ratios against raw runtimes
 warmbox serve [--host H --port P]  the HTTP API (/v1) on 127.0.0.1:7420 and a unix socket (+ MCP at /mcp)
 warmbox serve --cluster HEAD      the same API as a cluster's API tier: each call runs on its sandbox's node
 warmbox node join HEAD [--name N --slots K]   this home's engine as a cluster node (Ray head HEAD) until SIGTERM
@@ -405,6 +405,12 @@ def _parser() -> _Parser:
     b.add_argument(
         "--runs", type=int, default=10, help="interleaved create->first command samples per template and way"
     )
+    b.add_argument("--json", action="store_true")
+    b = bsub.add_parser(
+        "cli", help="whole-process warmbox --help, run (pool), exec vs podman run --rm, interleaved (p50)"
+    )
+    b.add_argument("--runs", type=int, default=20, help="interleaved rounds (default 20)")
+    b.add_argument("--bridge", action="store_true", help="podman's default network too (it leaves a CNI bridge)")
     b.add_argument("--json", action="store_true")
     b = bsub.add_parser(
         "profile", help="per tier: a CPU loop and syscall loops (fork, files, socket) vs the host; cached for advise"
