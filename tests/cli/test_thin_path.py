@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -31,6 +33,19 @@ def test_run_exec_ls_kill_go_to_the_running_server(home, runc_ready):
         assert json.loads(r.stdout)["via"] == "server" and json.loads(r.stdout)["stdout"] == "1\n", r.stderr
         r = cli("exec", sid, "--", "cat", input="piped")  # stdin to forward: the full client, same sandbox
         assert (r.returncode, r.stdout) == (0, "piped"), r.stderr
+        probe = (
+            "import json, sys; from warmbox.cli.main import main; code = main(sys.argv[1:]); "
+            "print(json.dumps(sorted(sys.modules)), file=sys.stderr); sys.exit(code)"
+        )
+        r = subprocess.run(
+            [sys.executable, "-c", probe, "exec", sid, "--", "true"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        loaded = set(json.loads(r.stderr.splitlines()[-1]))
+        assert r.returncode == 0 and not {"asyncio", "aiohttp", "warmbox.engine", "warmbox.sdk"} & loaded, r.stderr
         rows = json.loads(cli("ls", "--json").stdout)
         assert [row["via"] for row in rows if row["sandbox_id"] == sid] == ["server"]
         r = cli("exec", "sb-000000000000", "--", "true")  # the server's typed error, one line

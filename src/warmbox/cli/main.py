@@ -523,7 +523,7 @@ def _via(args: argparse.Namespace) -> str:
     this home, reached by the thin path), "api" (--api-url / WARMBOX_API_URL) or "in-process"."""
     if getattr(args, "thin", None) is not None:
         return "server"
-    return "api" if os.environ.get("WARMBOX_API_URL") else "in-process"
+    return "api" if _api_url() else "in-process"
 
 
 def _piped_stdin(interactive: bool = False) -> Any:
@@ -739,12 +739,23 @@ async def _shell(args: argparse.Namespace) -> int:
 def _engine() -> Any:
     """The CLI's only way to the engine: a warmbox server (--api-url / WARMBOX_API_URL), else
     this home's engine in process."""
-    from warmbox.sdk.http import HttpTransport, default_url
-    from warmbox.sdk.transport import LocalTransport
+    t: Any
+    if _api_url():  # the HTTP client (aiohttp) only then
+        from warmbox.sdk.http import HttpTransport
 
-    t = HttpTransport() if default_url() else LocalTransport()
+        t = HttpTransport()
+    else:
+        from warmbox.sdk.transport import LocalTransport
+
+        t = LocalTransport()
     _OPEN.append(t)
     return t
+
+
+def _api_url() -> str | None:
+    """The server every command goes to (--api-url, WARMBOX_API_URL), as the SDK's default_url
+    reads it (sdk.transport: not loaded for this)."""
+    return os.environ.get("WARMBOX_API_URL") or None
 
 
 _OPEN: list[Any] = []  # transports the command opened: closed before the loop ends
@@ -789,9 +800,8 @@ def _warn_config() -> None:
     from warmbox.config import load
     from warmbox.errors import ConfigError
     from warmbox.paths import default_home
-    from warmbox.sdk.http import default_url
 
-    if default_url():  # the server's settings count, not this host's file
+    if _api_url():  # the server's settings count, not this host's file
         return
     try:
         load(default_home())
@@ -1143,9 +1153,8 @@ def _trust_note() -> str:
     from warmbox.errors import ConfigError
     from warmbox.network.tls import host_only_cas
     from warmbox.paths import default_home
-    from warmbox.sdk.http import default_url
 
-    if default_url():  # the server's host is another one
+    if _api_url():  # the server's host is another one
         return ""
     try:
         extra = load(default_home()).network.extra_ca
@@ -1291,7 +1300,7 @@ def _thin(args: argparse.Namespace) -> _ThinTransport | None:
     named (--api-url), nothing of this process's stdin is to be forwarded and no terminal is
     asked for, and a ``warmbox serve`` of this home answers on its socket; else None: the command
     builds its own client (the engine in process, or the HTTP transport to the named server)."""
-    if args.command not in _THIN_COMMANDS or os.environ.get("WARMBOX_API_URL"):
+    if args.command not in _THIN_COMMANDS or _api_url():
         return None
     if args.command in ("run", "exec"):
         if getattr(args, "tty", False) or getattr(args, "user", "user") != "user":
