@@ -813,7 +813,7 @@ def _warn_config() -> None:
 
 async def _ls(args: argparse.Namespace) -> int:
     _warn_config()
-    t = args.thin or _engine()
+    t = getattr(args, "thin", None) or _engine()
     query = None
     if args.metadata or args.state:
         query = validate_query(
@@ -1027,7 +1027,7 @@ async def _config(args: argparse.Namespace) -> int:
 
 
 async def _kill(args: argparse.Namespace) -> int:
-    t = args.thin or _engine()
+    t = getattr(args, "thin", None) or _engine()
     if args.all == bool(args.sandbox_ids):
         raise WarmboxError("warmbox kill takes sandbox ids, or --all (every sandbox you have, running or paused)")
     ids = args.sandbox_ids

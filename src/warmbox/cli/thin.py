@@ -100,10 +100,17 @@ class ThinClient:
         if isinstance(body, str):
             body = body.encode()
         try:
+            return self._exchange(request, route, url, body, kwargs.get("headers") or {})
+        except BaseException:  # an answer half read (^C, a broken stream): the next request reconnects
+            self._conn.close()
+            raise
+
+    def _exchange(self, request: ops.Request[R], route: Any, url: str, body: bytes | None, headers: dict) -> R:
+        try:
             self._conn.timeout = HEARTBEAT_S if route.response == "ndjson" else JSON_READ_S
             if self._conn.sock is not None:
                 self._conn.sock.settimeout(self._conn.timeout)
-            self._conn.request(route.method, url, body=body, headers=kwargs.get("headers") or {})
+            self._conn.request(route.method, url, body=body, headers=headers)
             response = self._conn.getresponse()
             if response.status >= 400:
                 raise apicodec.error(response.status, response.read())
@@ -133,7 +140,9 @@ class ThinClient:
             try:
                 msg: Any = json.loads(line)
             except ValueError:
-                raise WarmboxError(f"the server sent an unreadable {request.op.value} stream") from None
+                msg = None
+            if not isinstance(msg, dict):
+                raise WarmboxError(f"the server sent an unreadable {request.op.value} stream")
             if "result" in msg:
                 response.read()  # the end of the chunked body: the connection is ready for the next request
                 return wire.decode(wire.result_type(type(request)), msg["result"], "result")  # type: ignore[no-any-return]
