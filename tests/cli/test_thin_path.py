@@ -26,9 +26,9 @@ def test_run_exec_ls_kill_go_to_the_running_server(home, runc_ready):
         rec = json.loads(r.stdout)
         assert (r.returncode, rec["via"], rec["stdout"], rec["stderr"]) == (3, "server", "out\n", "err\n"), r.stderr
         assert "first_command" in rec["timings"] and rec["sandbox_id"]
-        r = cli("run", "--", "sh", "-c", "echo streamed; exit 4")  # output streamed as the command writes it
-        assert (r.returncode, r.stdout) == (4, "streamed\n"), r.stderr
         sid = cli("create", "--timeout", "120").stdout.strip()
+        r = cli("exec", sid, "--", "sh", "-c", "echo streamed; exit 4")  # output streamed as the command writes it
+        assert (r.returncode, r.stdout) == (4, "streamed\n"), r.stderr
         r = cli("exec", "--json", "-e", "A=1", sid, "--", "sh", "-c", "echo $A")
         assert json.loads(r.stdout)["via"] == "server" and json.loads(r.stdout)["stdout"] == "1\n", r.stderr
         r = cli("exec", sid, "--", "cat", input="piped")  # stdin to forward: the full client, same sandbox
@@ -57,5 +57,5 @@ def test_run_exec_ls_kill_go_to_the_running_server(home, runc_ready):
         if sid:
             cli("kill", sid)
         server.stop(grace=10)
-    r = cli("run", "--json", "--", "true")  # no server: in process
-    assert json.loads(r.stdout)["via"] == "in-process", r.stderr
+    rows = json.loads(cli("ls", "-a", "--json").stdout)  # no server: in process
+    assert {row["via"] for row in rows} == {"in-process"} and rec["sandbox_id"] in {row["sandbox_id"] for row in rows}
