@@ -45,11 +45,10 @@ from warmbox.sdk._sync import either
 from warmbox.sdk.code import CodeContext, context_id
 from warmbox.sdk.commands import DEFAULT_COMMAND_TIMEOUT_S, DEFAULT_MAX_OUTPUT, AsyncCommands
 from warmbox.sdk.files import WORKDIR, AsyncFiles
-from warmbox.sdk.http import HttpTransport, default_url
 from warmbox.sdk.network import AsyncNetwork
 from warmbox.sdk.ports import PortForward
 from warmbox.sdk.pty import AsyncPty
-from warmbox.sdk.transport import Cancellable, LocalTransport, Transport
+from warmbox.sdk.transport import Cancellable, LocalTransport, Transport, default_url
 
 R = TypeVar("R")
 
@@ -81,6 +80,9 @@ def _transport(
     if transport is not None:
         return transport
     if api_url is not None or (home is None and default_url()):
+        # lazily, by design: the HTTP client (aiohttp, ~180 ms to import) only when a server is addressed
+        from warmbox.sdk.http import HttpTransport
+
         return HttpTransport(api_url, api_key, request_timeout=request_timeout)
     if api_key is not None:
         raise InvalidArgument("api_key needs api_url (or WARMBOX_API_URL): the in-process engine takes no key")

@@ -2494,8 +2494,10 @@ class Registry:
         error: str | None = None,
         kind: str = "",
         detail: str = "",
+        demand: bool = False,
     ) -> None:
-        """Update a pool's row (False = leave that override unchanged) and log an event if ``kind``."""
+        """Update a pool's row (False = leave that override unchanged) and log an event if ``kind``;
+        demand: count it as demand (an idle period starts now)."""
         now = time.time()
         with self._tx() as db:
             db.execute(
@@ -2510,6 +2512,8 @@ class Registry:
                 db.execute("UPDATE pool_state SET max_override=? WHERE name=?", (max_override, name))
             if error is not None:
                 db.execute("UPDATE pool_state SET last_error=?, last_error_at=? WHERE name=?", (error, now, name))
+            if demand:
+                db.execute("UPDATE pool_state SET last_demand_at=? WHERE name=?", (now, name))
             if kind:
                 self._pool_event(db, (name, now, kind, "", detail))
 
