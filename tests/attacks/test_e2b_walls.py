@@ -5,6 +5,8 @@ one an unknown sandbox gets (404) or a refused credential (401); A's sandbox is 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.conftest import start_server
@@ -165,3 +167,57 @@ def test_a_signed_file_url_opens_only_what_it_was_signed_for(two_tenants):
         # nothing was written by the refused uploads
         r = c.get("/files", params={"path": "/home/user/planted"}, headers={**envd, "X-Access-Token": token_a})
         assert r.status_code == 404
+
+
+def _sign(c: httpx.Client, key: str, sid: str, path: str, **body: object) -> httpx.Response:
+    return c.post(
+        f"/v1/sandboxes/{sid}/files/signed_url",
+        json={"path": path, **body},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+
+
+def test_a_warmbox_signed_url_opens_only_what_it_was_signed_for(two_tenants):
+    """files.sign_url (warmbox's own signed URLs, the same key and scheme as E2B's): the URL alone
+    reads or writes the one path it names; another path, sandbox, operation or signer, an expired
+    URL or one of an ended sandbox is 401 or not found, and writes nothing; B cannot have a URL
+    signed for A's sandbox."""
+    url, t = two_tenants
+    key_a, sid_a, _token_a = t["wall-a"]
+    key_b, sid_b, _token_b = t["wall-b"]
+    with httpx.Client(base_url=url, timeout=60) as c:
+        r = _sign(c, key_a, sid_a, "/workspace/up.txt", write=True)
+        assert r.status_code == 200, r.text
+        up = r.json()
+        assert key_a not in up and "Bearer" not in up
+        assert c.put(up, content=b"signed bytes").status_code == 200
+        read = _sign(c, key_a, sid_a, "/workspace/up.txt").json()
+        assert c.get(read).content == b"signed bytes"
+        # the read URL does not write; the upload URL does not read; nor for another path or sandbox
+        assert c.put(read, content=b"overwritten").status_code == 401
+        assert c.get(up).status_code == 401
+        assert c.get(read.replace("up.txt", "other.txt")).status_code == 401
+        assert c.get(read.replace(sid_a, sid_b)).status_code == 401
+        # B: no URL for A's sandbox; B's own URL turned to A's sandbox or signed by A's key id: 401
+        assert _sign(c, key_b, sid_a, "/workspace/up.txt").status_code == 404
+        read_b = _sign(c, key_b, sid_b, "/workspace/up.txt").json()
+        assert c.get(read_b.replace(sid_b, sid_a)).status_code == 401
+        signer_b = read_b.split("signer=")[1].split("&")[0]
+        signer_a = read.split("signer=")[1].split("&")[0]
+        assert c.get(read_b.replace(signer_b, signer_a)).status_code == 401
+        # expired, and an expiry moved later
+        short = _sign(c, key_a, sid_a, "/workspace/up.txt", expires_in=1).json()
+        later = short.split("signature_expiration=")[1].split("&")[0]
+        assert c.get(short.replace(later, str(int(later) + 3600))).status_code == 401
+        time.sleep(max(0.0, int(later) + 1.05 - time.time()))
+        r = c.get(short)
+        assert r.status_code == 401 and "expired" in r.text
+        assert c.get(read).content == b"signed bytes"  # nothing was overwritten
+        # a sandbox's URLs end with it
+        made = c.post("/v2/sandboxes", json={"templateID": "base", "timeout": 60}, headers={"X-API-KEY": key_a})
+        assert made.status_code == 201, made.text
+        sid_gone = made.json()["sandboxID"]
+        gone = _sign(c, key_a, sid_gone, "/etc/hostname").json()
+        assert c.get(gone).status_code == 200
+        assert c.delete(f"/sandboxes/{sid_gone}", headers={"X-API-KEY": key_a}).status_code == 204
+        assert c.get(gone).status_code == 404

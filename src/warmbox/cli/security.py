@@ -40,6 +40,17 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ),
     ),
     Guarantee(
+        "tenants",
+        "A signed file URL of warmbox's own (files.sign_url: sb.files.download_url / upload_url) is a "
+        "credential for one path, one sandbox, one operation and one tenant, until its expiry: used "
+        "for another path, sandbox or operation, naming another tenant as signer, past its expiry "
+        "(or with its expiry moved) or after its sandbox ended it is refused and writes nothing; "
+        "another tenant's key gets no URL for a sandbox not its own (not found). The key signing it "
+        "lives in the registry and is never sent to a tenant.",
+        _ALL,
+        ("test_e2b_walls.py::test_a_warmbox_signed_url_opens_only_what_it_was_signed_for",),
+    ),
+    Guarantee(
         "audit trail",
         "What a sandbox sends back cannot poison or inflate the command records: a cell's exception "
         "name is cut to 200 characters of [A-Za-z0-9_.:-], a NaN duration or a 70-bit exit code from "

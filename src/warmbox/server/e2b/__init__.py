@@ -31,7 +31,6 @@ from warmbox.server.e2b.common import (
     Service,
     Tokens,
     error_response,
-    token_key,
 )
 from warmbox.server.e2b.control import Control
 from warmbox.server.e2b.interpreter import Interpreter
@@ -63,11 +62,11 @@ class Dialect:
     """ASGI middleware in front of warmbox's routes: E2B's requests go to their plane, the rest on.
 
     max_body_mb: the largest file ``POST /files`` and ``GET /files`` move ([server] max_body_mb).
-    token_key: what the sandbox access tokens are signed with (:func:`.common.token_key`)."""
+    The sandbox access tokens are signed with the registry's signing key (``service.signer``)."""
 
-    def __init__(self, app: ASGIApp, service: Service, max_body_mb: int, token_key: bytes) -> None:
+    def __init__(self, app: ASGIApp, service: Service, max_body_mb: int) -> None:
         self.app = app
-        tokens = Tokens(token_key)
+        tokens = Tokens(service)
         self.control = Control(service, tokens)
         self._envd: Envd | None = None
         self._envd_args = (service, tokens, max_body_mb << 20)
@@ -107,4 +106,4 @@ class Dialect:
         await self.app(scope, receive, send)
 
 
-__all__ = ["Dialect", "token_key"]
+__all__ = ["Dialect"]
