@@ -5,6 +5,7 @@ one an unknown sandbox gets (404) or a refused credential (401); A's sandbox is 
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -221,3 +222,176 @@ def test_a_warmbox_signed_url_opens_only_what_it_was_signed_for(two_tenants):
         assert c.get(gone).status_code == 200
         assert c.delete(f"/sandboxes/{sid_gone}", headers={"X-API-KEY": key_a}).status_code == 204
         assert c.get(gone).status_code == 404
+
+
+# A WebSocket echo server for the sandbox (stdlib only): its first message says what the upgrade
+# request carried (path, credential headers); then each message comes back as it went, "big" gets
+# a 2 MiB answer, "bye" a close with code 4001.
+WS_ECHO = r"""
+import base64, hashlib, json, socket, struct, threading
+def exact(c, n):
+    b = b""
+    while len(b) < n:
+        d = c.recv(n - len(b))
+        if not d:
+            raise EOFError
+        b += d
+    return b
+def send(c, op, data):
+    n = len(data)
+    head = bytes([0x80 | op]) + (bytes([n]) if n < 126 else bytes([126]) + struct.pack("!H", n) if n < 65536
+                                  else bytes([127]) + struct.pack("!Q", n))
+    c.sendall(head + data)
+def serve(c):
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += c.recv(4096)
+    lines = head.decode().split("\r\n")
+    hdr = {k.strip().lower(): v.strip() for k, _, v in (l.partition(":") for l in lines[1:] if l)}
+    if "sec-websocket-key" not in hdr:
+        c.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/html\r\n\r\n<script>document.title = 1</script>")
+        return
+    key = hdr["sec-websocket-key"] + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+    accept = base64.b64encode(hashlib.sha1(key.encode()).digest()).decode()
+    answer = "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    answer += "Sec-WebSocket-Accept: " + accept + "\r\n"
+    if hdr.get("sec-websocket-protocol"):
+        answer += "Sec-WebSocket-Protocol: " + hdr["sec-websocket-protocol"].split(",")[0].strip() + "\r\n"
+    c.sendall((answer + "\r\n").encode())
+    secret = ("cookie", "authorization", "x-api-key", "x-access-token", "e2b-traffic-access-token")
+    send(c, 1, json.dumps({"path": lines[0].split()[1], "leaked": sorted(k for k in hdr if k in secret)}).encode())
+    while True:
+        b1, b2 = exact(c, 2)
+        op, n = b1 & 15, b2 & 127
+        if n == 126:
+            n = struct.unpack("!H", exact(c, 2))[0]
+        elif n == 127:
+            n = struct.unpack("!Q", exact(c, 8))[0]
+        mask = exact(c, 4) if b2 & 128 else b"\0\0\0\0"
+        data = bytes(x ^ mask[i % 4] for i, x in enumerate(exact(c, n)))
+        if op == 8:
+            send(c, 8, data[:2])
+            return
+        if data == b"big":
+            send(c, 2, b"x" * (2 << 20))
+        elif data == b"bye":
+            send(c, 8, struct.pack("!H", 4001))
+        elif op in (1, 2):
+            send(c, op, data)
+def run(c):
+    try:
+        serve(c)
+    except Exception:
+        pass
+    c.close()
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 8765))
+s.listen(16)
+while True:
+    threading.Thread(target=run, args=(s.accept()[0],), daemon=True).start()
+"""
+
+
+@pytest.fixture(scope="module")
+def ws_echo(two_tenants):
+    """WS_ECHO running on port 8765 of tenant A's sandbox."""
+    from warmbox import Sandbox
+
+    url, t = two_tenants
+    key_a, sid_a, _token_a = t["wall-a"]
+    sb = Sandbox.connect(sid_a, api_url=url, api_key=key_a)
+    try:
+        sb.files.write("/workspace/ws_echo.py", WS_ECHO)
+        sb.commands.run("cd /workspace && (python3 ws_echo.py >/tmp/ws_echo.log 2>&1 &)")
+        sb.get_host(8765, check=True, timeout=30)
+    finally:
+        sb.close()
+    return url, t
+
+
+def test_a_websocket_to_a_sandbox_port_is_relayed_with_the_http_checks_and_bounds(ws_echo):
+    """get_host's ports (E2B's headers or domain Host) and warmbox's preview route relay a WebSocket
+    upgrade both ways: A's token (or key) gets its server, with its subprotocol, close codes passed
+    on and no credential or cookie passed to it; B's key is not found, B's token or none refused;
+    a message over the bound either way closes the socket with 1009."""
+    url, t = ws_echo
+    key_a, sid_a, token_a = t["wall-a"]
+    key_b, _sid_b, token_b = t["wall-b"]
+    aiohttp = pytest.importorskip("aiohttp")
+    ws_url = url.replace("http://", "ws://")
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as http:
+            routes = (
+                ("/chat?room=1", {**_data(sid_a, 8765), "E2B-Traffic-Access-Token": token_a}),
+                ("/chat?room=1", {"Host": f"8765-{sid_a}.e2b.test", "X-API-KEY": key_a}),
+                (f"/v1/sandboxes/{sid_a}/ports/8765/chat?room=1", {"Authorization": f"Bearer {key_a}"}),
+            )
+            for path, headers in routes:
+                headers = {**headers, "Cookie": "session=1"}
+                async with http.ws_connect(ws_url + path, headers=headers, protocols=("wbtest",)) as ws:
+                    assert ws.protocol == "wbtest"
+                    seen = await ws.receive_json(timeout=30)
+                    assert seen == {"path": "/chat?room=1", "leaked": []}, (path, seen)
+                    await ws.send_str("hé")
+                    assert await ws.receive_str(timeout=30) == "hé"
+                    await ws.send_bytes(b"\0\1\2")
+                    assert await ws.receive_bytes(timeout=30) == b"\0\1\2"
+                    await ws.send_str("bye")
+                    msg = await ws.receive(timeout=30)
+                    assert msg.type is aiohttp.WSMsgType.CLOSE and ws.close_code == 4001, (path, msg)
+            headers = {**_data(sid_a, 8765), "E2B-Traffic-Access-Token": token_a}
+            async with http.ws_connect(ws_url + "/", headers=headers, max_msg_size=0) as ws:
+                await ws.receive_json(timeout=30)
+                await ws.send_str("big")  # the sandbox's 2 MiB message is not relayed
+                msg = await ws.receive(timeout=30)
+                assert msg.type is aiohttp.WSMsgType.CLOSE and ws.close_code == 1009, msg
+            async with http.ws_connect(ws_url + "/", headers=headers) as ws:
+                await ws.receive_json(timeout=30)
+                try:
+                    await ws.send_bytes(b"y" * (2 << 20))  # nor the client's
+                except ConnectionError:  # closed (1009) while the last of it was still being written
+                    pass
+                msg = await ws.receive(timeout=30)
+                assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED), msg
+                assert ws.close_code == 1009, msg
+            for headers, status in (
+                ({**_data(sid_a, 8765), "X-API-KEY": key_b}, 404),
+                ({"Host": f"8765-{sid_a}.e2b.test", "X-API-KEY": key_b}, 404),
+                ({**_data(sid_a, 8765), "E2B-Traffic-Access-Token": token_b}, 401),
+                (_data(sid_a, 8765), 401),
+                (_data(sid_a, 49983), 400),
+            ):
+                with pytest.raises(aiohttp.WSServerHandshakeError) as e:
+                    await http.ws_connect(ws_url + "/", headers=headers)
+                assert e.value.status == status, headers
+            with pytest.raises(aiohttp.WSServerHandshakeError) as e:
+                await http.ws_connect(
+                    f"{ws_url}/v1/sandboxes/{sid_a}/ports/8765/", headers={"Authorization": f"Bearer {key_b}"}
+                )
+            assert e.value.status == 404
+
+    asyncio.run(main())
+
+
+def test_a_sandbox_page_never_runs_with_an_origin_that_reaches_the_api(ws_echo):
+    """A page a sandbox serves: on the API's own origin (E2B's header routing, the preview route)
+    it runs no script (CSP sandbox); on its own host (domain mode) its scripts run, but in an opaque
+    origin (no allow-same-origin): the host shares its site with api.{domain} and the console, so
+    it could otherwise set cookies over theirs and send their SameSite cookies."""
+    from warmbox.server.tunnel import CSP_OWN_ORIGIN
+
+    url, t = ws_echo
+    key_a, sid_a, token_a = t["wall-a"]
+    assert "allow-same-origin" not in CSP_OWN_ORIGIN and "allow-top-navigation" not in CSP_OWN_ORIGIN
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for path, headers, csp in (
+            ("/", {**_data(sid_a, 8765), "E2B-Traffic-Access-Token": token_a}, "sandbox"),
+            (f"/v1/sandboxes/{sid_a}/ports/8765/", {"Authorization": f"Bearer {key_a}"}, "sandbox"),
+            ("/", {"Host": f"8765-{sid_a}.e2b.test", "E2B-Traffic-Access-Token": token_a}, CSP_OWN_ORIGIN),
+        ):
+            r = c.get(path, headers=headers)
+            assert r.status_code == 200 and "<script>" in r.text, (path, r.text)
+            assert r.headers["content-security-policy"] == csp, path
+            assert r.headers["x-content-type-options"] == "nosniff"

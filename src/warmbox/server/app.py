@@ -786,6 +786,25 @@ def signed_file_endpoint(service: Service) -> Callable[[Request], Awaitable[Resp
 _SIGNED_QUERY = ("path", "username", "signer", "signature_expiration", "signature")
 
 
+def preview_websocket_endpoint(service: Service) -> Callable[[WebSocket], Awaitable[None]]:
+    """A WebSocket upgrade on the preview's route: relayed to the sandbox's server (its messages
+    bounded: :func:`warmbox.server.tunnel.relay_upgrade`) after the same checks as the preview."""
+
+    async def upgrade(ws: WebSocket) -> None:
+        try:
+            front = service.front(service.authenticate(ws))
+            sandbox_id = ws.path_params["sandbox_id"]
+            port = ws.path_params["port"]
+            await front.handle(ops.Info(sandbox_id))  # scoped first: another tenant's id is not found
+            stream = await front.handle(ops.PortConnect(sandbox_id, port))
+        except WarmboxError as e:
+            await ports.deny(ws, error_response(e))
+            return
+        await ports.relay_upgrade(ws, stream, port, ws.path_params.get("path", ""))
+
+    return upgrade
+
+
 # ---- approvals (not operations: a stream of questions, one answer each)
 
 
@@ -930,6 +949,8 @@ def routes(service: Service) -> list[BaseRoute]:
     methods = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
     out.append(Route(api.PREVIEW, preview_endpoint(service), methods=methods))
     out.append(Route(api.PREVIEW_ROOT, preview_endpoint(service), methods=methods))
+    out.append(WebSocketRoute(api.PREVIEW, preview_websocket_endpoint(service)))
+    out.append(WebSocketRoute(api.PREVIEW_ROOT, preview_websocket_endpoint(service)))
     out.append(Route(api.SIGNED_FILE, signed_file_endpoint(service), methods=["GET", "PUT", "POST"]))
     out.append(Route(api.APPROVALS, approvals_endpoint(service), methods=["GET"]))
     out.append(Route(api.APPROVAL_ANSWER, answer_endpoint(service), methods=["POST"]))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocket
 
 from warmbox.server.e2b.common import (
     API_KEY_HEADER,
@@ -35,6 +36,7 @@ from warmbox.server.e2b.common import (
 from warmbox.server.e2b.control import Control
 from warmbox.server.e2b.interpreter import Interpreter
 from warmbox.server.e2b.ports import Ports
+from warmbox.server.tunnel import deny
 
 if TYPE_CHECKING:
     from warmbox.server.e2b.envd import Envd
@@ -82,10 +84,14 @@ class Dialect:
         return self._envd
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope = domain_route(scope) or scope
+        routed = domain_route(scope)
+        scope = routed or scope
         headers = Headers(scope=scope)
         if SANDBOX_HEADER in headers:
             port = headers.get(PORT_HEADER, str(ENVD_PORT))
@@ -94,7 +100,7 @@ class Dialect:
             elif port == str(INTERPRETER_PORT):
                 await self.interpreter(scope, receive, send)
             elif port.isdigit() and len(port) <= 5:
-                await self.ports(scope, receive, send, int(port))
+                await self.ports(scope, receive, send, int(port), own_host=routed is not None)
             else:
                 await error_response(400, "E2b-Sandbox-Port must be a port number")(scope, receive, send)
             return
@@ -104,6 +110,22 @@ class Dialect:
             await self.control(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A WebSocket for a sandbox port (get_host's, by Host or the routing headers) is relayed to
+        the server there; envd's and the code interpreter's ports take none; anything else goes on
+        to warmbox's own routes (ports.connect's tunnel, the preview's upgrades)."""
+        routed = domain_route(scope) or scope
+        headers = Headers(scope=routed)
+        if SANDBOX_HEADER not in headers:
+            await self.app(scope, receive, send)
+            return
+        port = headers.get(PORT_HEADER, str(ENVD_PORT))
+        if port.isdigit() and len(port) <= 5 and int(port) not in (ENVD_PORT, INTERPRETER_PORT):
+            await self.ports.websocket(routed, receive, send, int(port))
+            return
+        ws = WebSocket(routed, receive, send)
+        await deny(ws, error_response(400, f"port {port} of a sandbox takes no WebSocket"))
 
 
 __all__ = ["Dialect"]
