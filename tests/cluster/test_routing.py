@@ -1,6 +1,7 @@
 """The router on a real cluster (tests/cluster/harness.py): what the issue's tests do not already
 cover. A command in flight when its node's host dies ends typed (SandboxLost) once the cluster
-knows, never a hang; the router's health endpoints; a node's drain report and its refusals."""
+knows, never a hang; the router's health endpoints; a node's drain report and its refusals; E2B's
+routes (its SDK, unchanged) through the router."""
 
 from __future__ import annotations
 
@@ -99,3 +100,22 @@ def test_a_command_in_flight_when_its_node_dies_ends_lost(cluster: Cluster):
             pass
         cluster.wait_state(node, "down")
         cluster.restart_node(node)
+
+
+def test_the_router_serves_e2b_routes(cluster: Cluster, monkeypatch: pytest.MonkeyPatch):
+    """E2B's official SDK against the router: create, commands.run, files, kill (its envd and
+    control-plane routes run as operations on the router's fronts, forwarded to the nodes)."""
+    e2b = pytest.importorskip("e2b", reason="the e2b extra (pip install -e '.[e2b]')")
+    url = cluster.client_env["WARMBOX_API_URL"]
+    for name, value in {"E2B_API_URL": url, "E2B_SANDBOX_URL": url}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("E2B_API_KEY", cluster.client_env["WARMBOX_API_KEY"])
+    sb = e2b.Sandbox.create(timeout=120)
+    try:
+        assert sb.commands.run("echo from-a-node").stdout == "from-a-node\n"
+        sb.files.write("e2b.txt", "through the router")
+        assert sb.files.read("/home/user/e2b.txt") == "through the router"
+        assert cluster.registry().node_of(sb.sandbox_id) in cluster.nodes
+    finally:
+        sb.kill()
+    assert e2b.Sandbox.kill(sb.sandbox_id) is False  # gone
