@@ -226,7 +226,8 @@ def test_a_warmbox_signed_url_opens_only_what_it_was_signed_for(two_tenants):
 
 # A WebSocket echo server for the sandbox (stdlib only): its first message says what the upgrade
 # request carried (path, credential headers); then each message comes back as it went, "big" gets
-# a 2 MiB answer, "bye" a close with code 4001.
+# a 2 MiB answer, "frags" a message in 5,002 frames, "bye" a close with code 4001; a plain GET
+# gets a page with a script.
 WS_ECHO = r"""
 import base64, hashlib, json, socket, struct, threading
 def exact(c, n):
@@ -274,6 +275,8 @@ def serve(c):
             return
         if data == b"big":
             send(c, 2, b"x" * (2 << 20))
+        elif data == b"frags":
+            c.sendall(bytes([0x01, 1]) + b"a" + bytes([0x00, 0]) * 5000 + bytes([0x80, 0]))
         elif data == b"bye":
             send(c, 8, struct.pack("!H", 4001))
         elif op in (1, 2):
@@ -345,6 +348,11 @@ def test_a_websocket_to_a_sandbox_port_is_relayed_with_the_http_checks_and_bound
             async with http.ws_connect(ws_url + "/", headers=headers, max_msg_size=0) as ws:
                 await ws.receive_json(timeout=30)
                 await ws.send_str("big")  # the sandbox's 2 MiB message is not relayed
+                msg = await ws.receive(timeout=30)
+                assert msg.type is aiohttp.WSMsgType.CLOSE and ws.close_code == 1009, msg
+            async with http.ws_connect(ws_url + "/", headers=headers) as ws:
+                await ws.receive_json(timeout=30)
+                await ws.send_str("frags")  # a message of 5,000 empty fragments: not held frame by frame
                 msg = await ws.receive(timeout=30)
                 assert msg.type is aiohttp.WSMsgType.CLOSE and ws.close_code == 1009, msg
             async with http.ws_connect(ws_url + "/", headers=headers) as ws:

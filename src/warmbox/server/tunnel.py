@@ -5,7 +5,8 @@ All sit on a :class:`~warmbox.operations.PortStream` the tenant's front opened (
 tenancy are the caller's, in :mod:`warmbox.server.app` and :mod:`warmbox.server.e2b.ports`). What
 the sandbox's server sends is bounded here: a response head of at most MAX_HEAD bytes, bodies
 streamed (never held whole); a relayed WebSocket's messages at most WS_MAX_MESSAGE bytes each way,
-its handshake within WS_HANDSHAKE_S, and it is closed after WS_IDLE_S without a message.
+in at most WS_MAX_FRAMES frames, its handshake within WS_HANDSHAKE_S, and it is closed after
+WS_IDLE_S without a message.
 """
 
 from __future__ import annotations
@@ -198,6 +199,7 @@ async def preview(
 WS_MAX_MESSAGE = 1 << 20  # bytes of one message, either way (a larger one closes with 1009)
 WS_HANDSHAKE_S = 30.0  # the sandbox's server answers the upgrade within this
 WS_IDLE_S = 300.0  # a relayed WebSocket with no message either way this long is closed (1001)
+WS_MAX_FRAMES = 1024  # frames of one message from the sandbox's server (empty ones too; 1009 beyond)
 # request headers never passed to the sandbox's server: hop-by-hop, the handshake's own (the
 # relay makes its own), credentials and cookies (as for the preview)
 _WS_DROP = _HOP | {
@@ -289,6 +291,11 @@ async def relay_upgrade(ws: WebSocket, stream: ops.PortStream, port: int, path: 
                 if f.opcode is not Opcode.CONT:
                     parts.clear()
                     parts.append(b"t" if f.opcode is Opcode.TEXT else b"b")
+                if len(parts) > WS_MAX_FRAMES:  # endless empty fragments would grow the list, not the size
+                    closing.append(CloseCode.MESSAGE_TOO_BIG)
+                    proto.send_close(CloseCode.MESSAGE_TOO_BIG)
+                    await flush()
+                    return False
                 parts.append(bytes(f.data))
                 if f.fin and parts:
                     kind, body = parts[0], b"".join(parts[1:])
@@ -391,6 +398,7 @@ __all__ = [
     "MAX_HEAD",
     "OK",
     "WS_HANDSHAKE_S",
+    "WS_MAX_FRAMES",
     "WS_IDLE_S",
     "WS_MAX_MESSAGE",
     "deny",
