@@ -271,7 +271,11 @@ async def relay_upgrade(ws: WebSocket, stream: ops.PortStream, port: int, path: 
     except BaseException:
         stream.close()
         raise
-    await ws.accept(subprotocol=response.headers.get("Sec-WebSocket-Protocol"))
+    try:
+        await ws.accept(subprotocol=response.headers.get("Sec-WebSocket-Protocol"))
+    except BaseException:  # the client left meanwhile
+        stream.close()
+        raise
     last = [asyncio.get_running_loop().time()]
     parts: list[bytes] = []
     closing: list[int] = []  # the close code to end the client's side with
@@ -283,6 +287,11 @@ async def relay_upgrade(ws: WebSocket, stream: ops.PortStream, port: int, path: 
             else:
                 await stream.write_eof()
 
+    async def close_server(code: int) -> None:
+        if proto.state is WsState.OPEN:
+            proto.send_close(code)
+            await flush()
+
     async def to_client(frames: list[Frame]) -> bool:
         """Pass the server's frames on; False once it closed."""
         for f in frames:
@@ -293,8 +302,7 @@ async def relay_upgrade(ws: WebSocket, stream: ops.PortStream, port: int, path: 
                     parts.append(b"t" if f.opcode is Opcode.TEXT else b"b")
                 if len(parts) > WS_MAX_FRAMES:  # endless empty fragments would grow the list, not the size
                     closing.append(CloseCode.MESSAGE_TOO_BIG)
-                    proto.send_close(CloseCode.MESSAGE_TOO_BIG)
-                    await flush()
+                    await close_server(CloseCode.MESSAGE_TOO_BIG)
                     return False
                 parts.append(bytes(f.data))
                 if f.fin and parts:
@@ -328,16 +336,13 @@ async def relay_upgrade(ws: WebSocket, stream: ops.PortStream, port: int, path: 
             msg = await ws.receive()
             last[0] = asyncio.get_running_loop().time()
             if msg["type"] == "websocket.disconnect":
-                if proto.state is WsState.OPEN:
-                    proto.send_close(_sendable(msg.get("code")))
-                    await flush()
+                await close_server(_sendable(msg.get("code")))
                 return
             text, data = msg.get("text"), msg.get("bytes")
             size = len(text.encode()) if text is not None else len(data or b"")
             if size > WS_MAX_MESSAGE:
                 closing.append(CloseCode.MESSAGE_TOO_BIG)
-                proto.send_close(CloseCode.MESSAGE_TOO_BIG)
-                await flush()
+                await close_server(CloseCode.MESSAGE_TOO_BIG)
                 return
             if proto.state is not WsState.OPEN:
                 return
