@@ -13,6 +13,7 @@ import pytest
 from tests.conftest import start_server
 from tests.wsecho import WS_ECHO
 from warmbox.engine.engine import Engine
+from warmbox.server.tunnel import WS_PER_SANDBOX
 
 pytestmark = pytest.mark.sandbox
 httpx = pytest.importorskip("httpx")
@@ -252,6 +253,8 @@ def test_a_websocket_to_a_sandbox_port_is_relayed_with_the_http_checks_and_bound
     key_b, _sid_b, token_b = t["wall-b"]
     aiohttp = pytest.importorskip("aiohttp")
     ws_url = url.replace("http://", "ws://")
+    bearer = {"Authorization": f"Bearer {key_a}"}
+    token = {**_data(sid_a, 8765), "E2B-Traffic-Access-Token": token_a}
 
     async def main() -> None:
         async with aiohttp.ClientSession() as http:
@@ -308,6 +311,22 @@ def test_a_websocket_to_a_sandbox_port_is_relayed_with_the_http_checks_and_bound
                     f"{ws_url}/v1/sandboxes/{sid_a}/ports/8765/", headers={"Authorization": f"Bearer {key_b}"}
                 )
             assert e.value.status == 404
+            # at most WS_PER_SANDBOX at once to one sandbox, whichever route: the next is 429 until one ends
+            held = []
+            try:
+                for i in range(WS_PER_SANDBOX):
+                    route = (ws_url + "/", token) if i % 2 else (f"{ws_url}/v1/sandboxes/{sid_a}/ports/8765/", bearer)
+                    held.append(await http.ws_connect(route[0], headers=route[1]))
+                for route in ((ws_url + "/", token), (f"{ws_url}/v1/sandboxes/{sid_a}/ports/8765/", bearer)):
+                    with pytest.raises(aiohttp.WSServerHandshakeError) as e:
+                        await http.ws_connect(route[0], headers=route[1])
+                    assert e.value.status == 429
+                await held.pop().close()
+                async with http.ws_connect(ws_url + "/", headers=token) as ws:
+                    assert "path" in await ws.receive_json(timeout=30)
+            finally:
+                for ws in held:
+                    await ws.close()
 
     asyncio.run(main())
 

@@ -44,7 +44,8 @@ GUARANTEES: tuple[Guarantee, ...] = (
         "A sandbox's web servers (get_host's ports, by Host or E2B's headers, and the preview route) "
         "take WebSocket upgrades with the same checks as HTTP (another tenant's key: not found; another "
         "sandbox's token or none: refused), never see the caller's credentials or cookies, and get at "
-        "most 1 MiB a message each way, in at most 1,024 frames (1009 beyond). A page they serve runs "
+        "most 1 MiB a message each way, in at most 1,024 frames (1009 beyond), and 64 sockets a sandbox "
+        "at once (429 beyond). A page they serve runs "
         "no script on the API's origin, and on its own host (domain mode) only in an opaque origin: it "
         "can neither set cookies for the domain the API and console share nor send their SameSite cookies.",
         _ALL,

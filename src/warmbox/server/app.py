@@ -189,6 +189,7 @@ class Service:
         self.peers = dict(settings.peers)
         self.approval_timeout_s = engine.settings().network.approval_timeout_s + 1  # the proxy's wait, and a margin
         self.limiter = RateLimiter()
+        self.ws_relays = ports.RelaySlots()  # WebSockets relayed to sandbox ports (preview and E2B's)
         # a cluster node: the secret the router presents for requests it forwards (None: no peers)
         token_file = engine.settings().cluster.token_file
         self.peer_token: bytes | None = peer.read_token(token_file).encode() if token_file else None
@@ -796,11 +797,19 @@ def preview_websocket_endpoint(service: Service) -> Callable[[WebSocket], Awaita
             sandbox_id = ws.path_params["sandbox_id"]
             port = ws.path_params["port"]
             await front.handle(ops.Info(sandbox_id))  # scoped first: another tenant's id is not found
-            stream = await front.handle(ops.PortConnect(sandbox_id, port))
+            service.ws_relays.take(sandbox_id)
         except WarmboxError as e:
             await ports.deny(ws, error_response(e))
             return
-        await ports.relay_upgrade(ws, stream, port, ws.path_params.get("path", ""))
+        try:
+            try:
+                stream = await front.handle(ops.PortConnect(sandbox_id, port))
+            except WarmboxError as e:
+                await ports.deny(ws, error_response(e))
+                return
+            await ports.relay_upgrade(ws, stream, port, ws.path_params.get("path", ""))
+        finally:
+            service.ws_relays.give(sandbox_id)
 
     return upgrade
 

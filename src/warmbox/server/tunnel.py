@@ -5,8 +5,8 @@ All sit on a :class:`~warmbox.operations.PortStream` the tenant's front opened (
 tenancy are the caller's, in :mod:`warmbox.server.app` and :mod:`warmbox.server.e2b.ports`). What
 the sandbox's server sends is bounded here: a response head of at most MAX_HEAD bytes, bodies
 streamed (never held whole); a relayed WebSocket's messages at most WS_MAX_MESSAGE bytes each way,
-in at most WS_MAX_FRAMES frames, its handshake within WS_HANDSHAKE_S, and it is closed after
-WS_IDLE_S without a message.
+in at most WS_MAX_FRAMES frames, its handshake within WS_HANDSHAKE_S, it is closed after WS_IDLE_S
+without a message, and a sandbox has at most WS_PER_SANDBOX open at once (RelaySlots).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from websockets.typing import Subprotocol
 from websockets.uri import parse_uri
 
 from warmbox import operations as ops
+from warmbox.errors import RateLimited
 
 EOF = '{"eof":true}'
 OK = '{"ok":true}'
@@ -200,6 +201,7 @@ WS_MAX_MESSAGE = 1 << 20  # bytes of one message, either way (a larger one close
 WS_HANDSHAKE_S = 30.0  # the sandbox's server answers the upgrade within this
 WS_IDLE_S = 300.0  # a relayed WebSocket with no message either way this long is closed (1001)
 WS_MAX_FRAMES = 1024  # frames of one message from the sandbox's server (empty ones too; 1009 beyond)
+WS_PER_SANDBOX = 64  # relayed WebSockets open at once to one sandbox's ports, per server (429 beyond)
 # request headers never passed to the sandbox's server: hop-by-hop, the handshake's own (the
 # relay makes its own), credentials and cookies (as for the preview)
 _WS_DROP = _HOP | {
@@ -209,6 +211,32 @@ _WS_DROP = _HOP | {
     "sec-websocket-protocol",
     "sec-websocket-accept",
 }
+
+
+class RelaySlots:
+    """The relayed WebSockets each sandbox has open on this server: at most ``limit`` at once (each
+    holds a tunnel and two sockets of the host's until it ends)."""
+
+    def __init__(self, limit: int = WS_PER_SANDBOX) -> None:
+        self.limit = limit
+        self._open: dict[str, int] = {}
+
+    def take(self, sandbox_id: str) -> None:
+        """One more for ``sandbox_id``; RateLimited when it has ``limit`` open. Give it back with
+        :meth:`give` once the relay ended."""
+        n = self._open.get(sandbox_id, 0)
+        if n >= self.limit:
+            raise RateLimited(
+                f"sandbox {sandbox_id} has {n} WebSockets relayed to its ports (at most {self.limit} at once)"
+            )
+        self._open[sandbox_id] = n + 1
+
+    def give(self, sandbox_id: str) -> None:
+        n = self._open.get(sandbox_id, 0) - 1
+        if n > 0:
+            self._open[sandbox_id] = n
+        else:
+            self._open.pop(sandbox_id, None)
 
 
 class _WsRefused(Exception):
@@ -402,10 +430,12 @@ __all__ = [
     "EOF",
     "MAX_HEAD",
     "OK",
+    "RelaySlots",
     "WS_HANDSHAKE_S",
     "WS_MAX_FRAMES",
     "WS_IDLE_S",
     "WS_MAX_MESSAGE",
+    "WS_PER_SANDBOX",
     "deny",
     "error_message",
     "preview",

@@ -21,6 +21,7 @@ from warmbox import operations as ops
 from warmbox.engine import signing
 from warmbox.errors import InvalidArgument, Unauthenticated, WarmboxError
 from warmbox.models import Tenant
+from warmbox.server.tunnel import RelaySlots
 
 R = TypeVar("R")
 ENVD_PORT = 49983
@@ -63,6 +64,9 @@ class Service(Protocol):
 
     @property
     def signer(self) -> signing.Signer: ...
+
+    @property
+    def ws_relays(self) -> RelaySlots: ...
 
     def front(self, tenant: Tenant | None) -> Any: ...
 

@@ -70,12 +70,20 @@ class Ports:
                 raise InvalidArgument(f"port {port} is not a TCP port")
             t = data_target(self._service, self._tokens, ws.headers)
             await t.front.handle(ops.Info(t.sandbox_id))  # the tenant's own sandbox, else not found
-            stream = await t.front.handle(ops.PortConnect(t.sandbox_id, port))
+            self._service.ws_relays.take(t.sandbox_id)
         except WarmboxError as e:
             await tunnel.deny(ws, warmbox_error_response(e))
             return
-        scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() not in _PRIVATE]}
-        await tunnel.relay_upgrade(WebSocket(scope, receive, send), stream, port, scope["path"].lstrip("/"))
+        try:
+            try:
+                stream = await t.front.handle(ops.PortConnect(t.sandbox_id, port))
+            except WarmboxError as e:
+                await tunnel.deny(ws, warmbox_error_response(e))
+                return
+            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() not in _PRIVATE]}
+            await tunnel.relay_upgrade(WebSocket(scope, receive, send), stream, port, scope["path"].lstrip("/"))
+        finally:
+            self._service.ws_relays.give(t.sandbox_id)
 
     async def _relay(self, request: Request, port: int, csp: str) -> Response:
         if not 1 <= port <= 65535:
