@@ -74,10 +74,10 @@ def test_request_timeout_bounds_each_request_to_a_server(home, runc_ready, api_s
 
 
 def test_signed_file_urls_sync_and_async(request, home, runc_ready, api_server):
-    """files.upload_url / download_url (one operation, files.sign_url): the URL alone writes and
-    reads the one file it names. In process its address is the home's [server] one (here the
-    session's server on the same home serves it); over HTTP the server's, and through a cluster's
-    router, which checks what the sandbox's node signed."""
+    """files.upload_url / download_url (also on the sandbox, as E2B names them; one operation,
+    files.sign_url): the URL alone writes and reads the one file it names. In process its address
+    is the home's [server] one (here the session's server on the same home serves it); over HTTP
+    the server's, and through a cluster's router, which checks what the sandbox's node signed."""
     base = None if over_http(request.node) else api_server.url
     sb = Sandbox.create(timeout=120)
     try:
@@ -91,7 +91,7 @@ def test_signed_file_urls_sync_and_async(request, home, runc_ready, api_server):
         async def signed() -> str:
             a = await AsyncSandbox.connect(sb.sandbox_id)
             try:
-                return await a.files.download_url("/workspace/signed/up.txt", base_url=base)
+                return await a.download_url("/workspace/signed/up.txt", base_url=base)  # E2B's name on the sandbox
             finally:
                 await a.close()
 
