@@ -193,6 +193,7 @@ class Op(str, enum.Enum):
     FILES_STAT = "files.stat"
     FILES_MAKE_DIR = "files.make_dir"
     FILES_REMOVE = "files.remove"
+    FILES_SIGN_URL = "files.sign_url"
     SNAPSHOT = "snapshot"
     PAUSE = "pause"
     LIST_SNAPSHOTS = "snapshots.list"
@@ -716,6 +717,25 @@ class WriteFiles(Request[list[EntryInfo]]):
 
 
 @record
+class SignFileUrl(Request[str]):
+    """A URL that lets whoever holds it, with no API key, read (``write`` False: GET) or write
+    (``write`` True: PUT or POST of the file's bytes as the raw body) the file ``path`` of this
+    sandbox as ``user`` ("user": the files API acts as the sandbox's user), for ``expires_in``
+    seconds (at most 7 days). It is signed for the caller's tenant under the registry's signing
+    key (:mod:`warmbox.engine.signing`): it names no other path, sandbox or operation, and stops
+    working at its expiry or when the sandbox ends (revoking the key that asked does not end it:
+    keep ``expires_in`` short). The answer is the URL's path and query, to be put after the
+    server's address (the SDK's ``files.download_url``/``upload_url`` do)."""
+
+    op: ClassVar[Op] = Op.FILES_SIGN_URL
+    sandbox_id: str
+    path: str
+    write: bool = False
+    user: str = "user"
+    expires_in: float = 3600.0
+
+
+@record
 class Rename(Request[EntryInfo]):
     """Move ``old_path`` to ``new_path`` (parents created; a file there is replaced); its new entry."""
 
@@ -1115,6 +1135,7 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         WriteFileStream,
         WriteFiles,
         Rename,
+        SignFileUrl,
         UploadDir,
         DownloadDir,
         WatchDir,

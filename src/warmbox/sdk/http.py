@@ -241,6 +241,8 @@ class HttpTransport:
         self._connect_timeout = connect_timeout
         self._request_timeout = request_timeout
         self.url = url
+        # the server's http(s) address (None over a unix socket): what signed file URLs start with
+        self.base_url: str | None = None if self._uds is not None else self._base
         self._session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[Any]] = set()
 

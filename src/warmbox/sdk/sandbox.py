@@ -673,6 +673,20 @@ class AsyncSandbox:
             self._forwards[key] = forward
         return forward.host
 
+    # ---- signed file URLs (E2B's names on the sandbox; the same as files.download_url / upload_url)
+
+    async def download_url(
+        self, path: str, *, expires_in: float = 3600.0, user: str = "user", base_url: str | None = None
+    ) -> str:
+        """A URL whose holder reads the file ``path`` with a plain GET: :meth:`AsyncFiles.download_url`."""
+        return await self.files.download_url(path, expires_in=expires_in, user=user, base_url=base_url)
+
+    async def upload_url(
+        self, path: str, *, expires_in: float = 3600.0, user: str = "user", base_url: str | None = None
+    ) -> str:
+        """A URL whose holder writes the file ``path`` (PUT or POST of its bytes): :meth:`AsyncFiles.upload_url`."""
+        return await self.files.upload_url(path, expires_in=expires_in, user=user, base_url=base_url)
+
     async def _wait_listening(self, port: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:

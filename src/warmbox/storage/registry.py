@@ -1513,6 +1513,12 @@ class Registry:
         with self._tx() as db:
             db.execute(self._sql.upsert("meta_text", ("key", "value"), ("key",)), (key, value))
 
+    @_retried
+    def add_meta_text(self, key: str, value: str) -> None:
+        """Set ``key`` only if it has no value yet (two processes racing keep the first's)."""
+        with self._tx() as db:
+            db.execute(self._sql.upsert("meta_text", ("key", "value"), ("key",), update=()), (key, value))
+
     # ---- nodes (a cluster: every node and the API tier share this registry)
 
     @_retried
