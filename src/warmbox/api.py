@@ -186,6 +186,11 @@ message {"eof": true} ends one side's data (a half-close); closing the WebSocket
 PREVIEW = f"{_S}/ports/{{port:int}}/{{path:path}}"
 PREVIEW_ROOT = f"{_S}/ports/{{port:int}}"  # the same, for "/" without the trailing slash
 
+# The header of a create's, a command's or a code run's idempotency key (its idempotency_key field):
+# a repeat with the same key gets the first call's result, never a second run (docs/idempotency.md)
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+KEYED_OPS = (Op.CREATE, Op.EXEC, Op.RUN_CODE)
+
 # Not an operation: Prometheus metrics (text exposition), behind the same keys (server/metrics.py)
 METRICS = "/metrics"
 
@@ -194,6 +199,8 @@ __all__ = [
     "APPROVAL_ANSWER",
     "BY_OP",
     "DECISIONS",
+    "IDEMPOTENCY_HEADER",
+    "KEYED_OPS",
     "METRICS",
     "PREFIX",
     "PREVIEW",
