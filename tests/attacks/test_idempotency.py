@@ -162,7 +162,13 @@ async def _unkeyed_drop(sandbox_id: str, url: str, key: str) -> None:
         await t.close()
 
 
-def test_a_key_reused_with_other_arguments_is_a_conflict(box):
+def test_a_key_reused_with_other_arguments_is_a_conflict(server, box, home):
+    # a create refused before it made anything frees its key (a repeat runs it again), as Stripe's do
+    with pytest.raises(WarmboxError, match="no-such"):
+        Sandbox.create(
+            "container", template="no-such", idempotency_key="bad", api_url=server.url, api_key=server.client_env["a"]
+        )
+    assert Engine.for_home(home).registry.key_record("idem-a", "", "bad") is None
     first = box.commands.run("echo one", idempotency_key="step-c")
     with pytest.raises(IdempotencyConflict, match="other arguments"):
         box.commands.run("echo two", idempotency_key="step-c")

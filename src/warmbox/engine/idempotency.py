@@ -36,7 +36,18 @@ from typing import Any, TypeVar
 
 from warmbox import operations as ops
 from warmbox import wire
-from warmbox.errors import IdempotencyConflict, InvalidArgument, OutcomeUnknown, WarmboxError
+from warmbox.errors import (
+    BackendUnavailable,
+    IdempotencyConflict,
+    InvalidArgument,
+    OutcomeUnknown,
+    QuotaExceeded,
+    RateLimited,
+    RegistryBusy,
+    SandboxNotFound,
+    Unsupported,
+    WarmboxError,
+)
 from warmbox.models import CommandResult, Execution
 from warmbox.storage.registry import KeyClaim, KeyRecord, Registry
 
@@ -71,6 +82,19 @@ def _alive(pid: int, start: str) -> bool:
 
 _HOST = socket.gethostname()
 _PROCESS = f"{_HOST}/{os.getpid()}/{_process_start()}"
+
+
+# errors of a command or code run that say it never started: its key is freed, not recorded
+# (SandboxPaused is not one: a pause under a running call may have let it do part of its work)
+NOTHING_DONE: tuple[type[WarmboxError], ...] = (
+    InvalidArgument,
+    SandboxNotFound,
+    RegistryBusy,
+    RateLimited,
+    QuotaExceeded,
+    Unsupported,
+    BackendUnavailable,
+)
 
 
 def check_key(key: object) -> str:
@@ -169,11 +193,20 @@ class Keys:
         return await self._repeat(got, op, fingerprint, result_type)
 
     async def _first(self, claim: KeyClaim, call: Callable[[KeyClaim], Awaitable[T]]) -> T:
-        """The first run, its result or typed error queued for the registry."""
+        """The first run, its result or typed error queued for the registry. An error that says
+        nothing was done (a create that failed leaves no sandbox; a command refused before it
+        started) frees the key instead: a repeat runs it then, as Stripe's keys do."""
         try:
             result = await call(claim)
         except WarmboxError as e:
-            self._queue(claim, "failed", json.dumps(wire.error_to_wire(e)), "")
+            if claim.op == "create" or isinstance(e, NOTHING_DONE):
+                self._running.pop((claim.tenant, claim.scope, claim.key), None)
+                try:
+                    self.registry.release_key(claim)
+                except WarmboxError as busy:
+                    log.warning("freeing idempotency key %r failed: %s", claim.key, busy)
+            else:
+                self._queue(claim, "failed", json.dumps(wire.error_to_wire(e)), "")
             raise
         self._queue(claim, "done", recorded(result), _sandbox_of(result))
         return result

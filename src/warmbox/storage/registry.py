@@ -2795,6 +2795,16 @@ class Registry:
         return None if row is None else _key_record(row)
 
     @_retried
+    def release_key(self, claim: KeyClaim) -> None:
+        """Forget a claim whose call did nothing (refused before it started): its key is free again."""
+        with self._tx() as db:
+            db.execute(
+                "DELETE FROM idempotency_keys "
+                "WHERE tenant=? AND scope=? AND idem_key=? AND holder=? AND state='started'",
+                (claim.tenant, claim.scope, claim.key, claim.holder),
+            )
+
+    @_retried
     def finish_keys(self, outcomes: builtins.list[tuple[KeyClaim, str, str, str]]) -> None:
         """Record the outcomes of started calls, in one transaction: (claim, state "done" with
         its result as JSON or "failed" with its typed error as JSON, that JSON, the sandbox a
