@@ -613,8 +613,9 @@ _IDEM_CLAIM = (
 )
 
 
-def _claim_tail(c: KeyClaim) -> tuple[str, float, float, float]:
-    return (c.holder, c.created_at, c.expires_at, c.deadline)
+def _claim_row(c: KeyClaim) -> tuple[str, str, str, str, str, str, str, float, float, float]:
+    """A claim as _IDEM_CLAIM inserts it (state "started"); not dataclasses.astuple: it deep-copies."""
+    return (c.tenant, c.scope, c.key, c.op, c.fingerprint, "started", c.holder, c.created_at, c.expires_at, c.deadline)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2785,7 +2786,7 @@ class Registry:
         with self._tx() as db:
             if self._claims % IDEM_PURGE_EVERY == 0:
                 db.execute("DELETE FROM idempotency_keys WHERE expires_at<=?", (claim.created_at,))
-            won = db.execute(_IDEM_CLAIM, (*dataclasses.astuple(claim)[:5], "started", *_claim_tail(claim))).fetchall()
+            won = db.execute(_IDEM_CLAIM, _claim_row(claim)).fetchall()
             if won:
                 return None
             row = db.execute(
