@@ -11,9 +11,8 @@ call ends, its result (or typed error) is recorded on the same row. A repeat wit
   keyed call: it is shielded from its caller's cancellation);
 - still running in another process: polls the record until it ends;
 - started but never recorded (the process that ran it ended: a crash, a restart): OutcomeUnknown
-  with what is known. It is never run again. The guest agent keeps no record of its own: a
-  command whose host process ended lost its connection to the agent, which ends the command, so
-  there is no result to find there (see docs/idempotency.md).
+  with what is known. It is never run again. The guest agent runs such a command on to its end or
+  timeout but keeps no record of it for a repeat to collect (docs/idempotency.md says why).
 
 The same key with other arguments (a hash of the request without its key) is IdempotencyConflict.
 Keys expire after ``[lifecycle] idempotency_ttl`` (default 24 h); a sandbox's command keys are
@@ -280,7 +279,8 @@ def _unknown(got: KeyRecord, why: str) -> OutcomeUnknown:
     at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(got.claim.created_at))
     return OutcomeUnknown(
         f"the {got.claim.op} with idempotency key {got.claim.key!r} in {where} was accepted at {at}{made} "
-        f"but {why}: its outcome is unknown, and it was not run again"
+        f"but {why}: its outcome is unknown (in the sandbox it may have run in part or whole, or still run "
+        "until its timeout), and it was not run again"
     )
 
 
