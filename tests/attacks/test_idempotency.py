@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -261,3 +262,26 @@ def test_e2b_create_with_an_idempotency_key_header(server):
                 f"{server.url}/sandboxes/{sid}", headers={"X-API-KEY": server.client_env["b"]}, method="DELETE"
             )
             urllib.request.urlopen(req, timeout=60).close()
+
+
+def test_malformed_keys_and_misplaced_headers_are_refused_typed(server, box):
+    def post(path: str, body: dict, key: str) -> tuple[int, dict]:
+        headers = {"Authorization": f"Bearer {server.client_env['a']}", "Content-Type": "application/json"}
+        req = urllib.request.Request(f"{server.url}{path}", json.dumps(body).encode(), headers, method="POST")
+        req.add_unredirected_header("Idempotency-Key", key)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read().splitlines()[-1])
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    path = f"/v1/sandboxes/{box.sandbox_id}/commands"
+    for key in ("x" * 256, "tab\there", "\u00e9t\u00e9".encode().decode("latin-1")):
+        status, got = post(path, {"cmd": "true"}, key)
+        assert (status, got["error"]["code"]) == (400, "invalid_argument"), key
+    status, got = post(path, {"cmd": "true", "idempotency_key": "a"}, "b")
+    assert (status, got["error"]["code"]) == (400, "invalid_argument") and "differ" in got["error"]["message"]
+    status, got = post(f"/v1/sandboxes/{box.sandbox_id}/files/dir", {"path": "d"}, "k")
+    assert status == 400 and "takes no Idempotency-Key" in got["error"]["message"]
+    status, got = post(path, {"cmd": "echo $((6*7))"}, "wire-1")
+    assert status == 200 and got["result"]["stdout"] == "42\n"

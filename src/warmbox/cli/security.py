@@ -851,6 +851,7 @@ GUARANTEES: tuple[Guarantee, ...] = (
             "test_idempotency.py::test_a_key_reused_with_other_arguments_is_a_conflict",
             "test_idempotency.py::test_replays_across_a_server_restart",
             "test_idempotency.py::test_e2b_create_with_an_idempotency_key_header",
+            "test_idempotency.py::test_malformed_keys_and_misplaced_headers_are_refused_typed",
         ),
     ),
     Guarantee(
