@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import start_server, wait_for
+from tests.conftest import cli, start_server, wait_for
 from warmbox import AsyncSandbox, Sandbox
 from warmbox.engine.engine import Engine
 from warmbox.errors import ConnectionLost, IdempotencyConflict, OutcomeUnknown, WarmboxError
@@ -176,6 +176,14 @@ def test_a_key_reused_with_other_arguments_is_a_conflict(server, box, home):
     with pytest.raises(IdempotencyConflict, match="used for a command, not a code run"):
         box.run_code("1 + 1", idempotency_key="step-c")
     assert box.commands.run("echo one", idempotency_key="step-c") == first
+    # the CLI's --idempotency-key, a piped stdin part of what a repeat must match
+    env = {"WARMBOX_API_URL": server.url, "WARMBOX_API_KEY": server.client_env["a"]}
+    argv = ("exec", box.sandbox_id, "--json", "--idempotency-key", "cli-1", "--", "sh", "-c", STEP.format(f="cli", s=0))
+    runs = [cli(*argv, env=env, input="in") for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr
+    assert json.loads(runs[0].stdout)["stdout"] == json.loads(runs[1].stdout)["stdout"] == "start\nruns=1\n"
+    other = cli(*argv, env=env, input="other")
+    assert other.returncode != 0 and "other arguments" in other.stderr
 
 
 def test_two_tenants_using_one_key_string_do_not_collide(server, box):
