@@ -134,3 +134,29 @@ def test_keys_and_the_ttl_setting_are_checked():
     assert parse({"lifecycle": {"idempotency_ttl": 600}}).idempotency_ttl_s == 600.0
     with pytest.raises(ConfigError, match="idempotency_ttl"):
         parse({"lifecycle": {"idempotency_ttl": 0}})
+
+
+def test_recorded_output_is_bounded_per_stream_and_per_sandbox(tmp_path, monkeypatch):
+    monkeypatch.setattr(idempotency, "SANDBOX_OUTPUT_BUDGET", 100 << 10)
+    reg = _registry(tmp_path)
+    keys = Keys(reg, lambda: 86400.0)
+    big = CommandResult(0, "x" * (80 << 10), "e", False, False, False, 0, 1.0, 7)
+
+    async def call(_claim: KeyClaim) -> CommandResult:
+        return big
+
+    async def go() -> None:
+        assert await _run(keys, "k1", call) == big  # the caller gets all of it
+        assert await _run(keys, "auto-1", call) == big
+        keys.flush()
+        other = Keys(reg, lambda: 60.0)
+        first = await _run(other, "k1", call)
+        assert len(first.stdout) == idempotency.MAX_RECORDED_OUTPUT and first.truncated and first.stderr == "e"
+        second = await _run(other, "auto-1", call)  # the sandbox's budget left 100 KiB - 64 KiB - 1
+        assert len(second.stdout) == (100 << 10) - (64 << 10) - 1 and second.truncated
+        assert second.exit_code == 0 and second.pid == 7
+        auto = reg.key_record("acme", "sb-000000000001", "auto-1")
+        assert auto is not None and auto.claim.expires_at - auto.claim.created_at == idempotency.AUTO_TTL_S
+
+    asyncio.run(go())
+    reg.close()

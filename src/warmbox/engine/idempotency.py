@@ -5,8 +5,9 @@ the one durable claim of that key, whichever server process or node takes the re
 call ends, its result (or typed error) is recorded on the same row. A repeat with the same key
 (same tenant; same sandbox for a command or code run):
 
-- finished: gets the recorded result (output up to ``MAX_RECORDED_OUTPUT`` bytes per stream,
-  ``truncated`` set when it was cut for the record) or the same typed error;
+- finished: gets the recorded result (output up to ``MAX_RECORDED_OUTPUT`` bytes per stream, and
+  SANDBOX_OUTPUT_BUDGET for all of a sandbox's records; ``truncated`` set when it was cut for the
+  record) or the same typed error;
 - still running in this process: waits for that same run (a client that went away does not stop a
   keyed call: it is shielded from its caller's cancellation);
 - still running in another process: polls the record until it ends;
@@ -15,8 +16,9 @@ call ends, its result (or typed error) is recorded on the same row. A repeat wit
   timeout but keeps no record of it for a repeat to collect (docs/idempotency.md says why).
 
 The same key with other arguments (a hash of the request without its key) is IdempotencyConflict.
-Keys expire after ``[lifecycle] idempotency_ttl`` (default 24 h); a sandbox's command keys are
-deleted when it ends, a create's key is kept (its repeat names the ended sandbox).
+Keys expire after ``[lifecycle] idempotency_ttl`` (default 24 h; the HTTP transport's own keys,
+``auto-...``, after AUTO_TTL_S: they serve its retries only); a sandbox's command keys are deleted
+when it ends, a create's key is kept (its repeat names the ended sandbox).
 """
 
 from __future__ import annotations
@@ -53,7 +55,14 @@ from warmbox.storage.registry import KeyClaim, KeyRecord, Registry
 T = TypeVar("T")
 log = logging.getLogger("warmbox.idempotency")
 MAX_KEY = 255  # characters of a key (Stripe's bound too)
-MAX_RECORDED_OUTPUT = 1 << 20  # bytes of stdout and of stderr kept in a command's or cell's record
+MAX_RECORDED_OUTPUT = 64 << 10  # bytes of stdout and of stderr kept in a command's or cell's record
+# the output one server process records for one sandbox's keys, at most (then records keep the
+# exit code, flags and timings, output cut to nothing and ``truncated``): a tenant's keyed
+# commands cannot fill the registry's disk (the command log's bound is 40 MiB a sandbox)
+SANDBOX_OUTPUT_BUDGET = 32 << 20
+AUTO_PREFIX = "auto-"  # the HTTP transport's own keys: only for its retries, kept AUTO_TTL_S
+AUTO_TTL_S = 600.0
+MAX_BUDGETS = 4096  # sandboxes whose recorded output this process counts (the oldest forgotten)
 GRACE_S = 60.0  # past a started call's own timeout, how long a repeat waits for its record
 FINISH_AFTER_S = 0.05  # an outcome reaches the registry this long after its call returned, at most
 POLL_S = (0.02, 0.05, 0.1, 0.2, 0.5)  # a repeat's pauses between reads of another process's record
@@ -111,23 +120,26 @@ def fingerprint(request: object) -> str:
     return hashlib.sha256(raw.encode("utf-8", "surrogateescape")).hexdigest()
 
 
-def _cut(text: str) -> tuple[str, bool]:
-    if len(text) <= MAX_RECORDED_OUTPUT // 4:
+def _cut(text: str, limit: int) -> tuple[str, bool]:
+    if len(text) <= limit // 4:
         return text, False
     raw = text.encode("utf-8", "surrogateescape")
-    if len(raw) <= MAX_RECORDED_OUTPUT:
+    if len(raw) <= limit:
         return text, False
-    return raw[:MAX_RECORDED_OUTPUT].decode("utf-8", "ignore"), True
+    return raw[:limit].decode("utf-8", "ignore"), True
 
 
-def recorded(result: object) -> str:
-    """A result as its record: JSON, each output stream cut at MAX_RECORDED_OUTPUT (then ``truncated``)."""
+def recorded(result: object, limit: int = MAX_RECORDED_OUTPUT) -> tuple[str, int]:
+    """A result as its record: JSON, each output stream cut at ``limit`` bytes (then ``truncated``);
+    and the output bytes kept."""
+    kept = 0
     if isinstance(result, (CommandResult, Execution)):
-        out, cut_out = _cut(result.stdout)
-        err, cut_err = _cut(result.stderr)
+        out, cut_out = _cut(result.stdout, limit)
+        err, cut_err = _cut(result.stderr, limit)
         if cut_out or cut_err:
             result = dataclasses.replace(result, stdout=out, stderr=err, truncated=True)
-    return json.dumps(wire.encode(result), separators=(",", ":"))
+        kept = sum(len(t) if t.isascii() else len(t.encode("utf-8", "surrogateescape")) for t in (out, err))
+    return json.dumps(wire.encode(result), separators=(",", ":")), kept
 
 
 @dataclasses.dataclass
@@ -151,6 +163,7 @@ class Keys:
         self._running: dict[tuple[str, str, str], _Running] = {}
         self._outcomes: list[tuple[KeyClaim, str, str, str]] = []
         self._flush: asyncio.TimerHandle | None = None
+        self._spent: dict[str, int] = {}  # sandbox -> output bytes its records hold (this process's)
 
     async def run(
         self,
@@ -180,7 +193,7 @@ class Keys:
             fingerprint=fingerprint,
             holder=f"{_PROCESS}/{secrets.token_hex(6)}",
             created_at=now,
-            expires_at=now + self._ttl_s(),
+            expires_at=now + (min(self._ttl_s(), AUTO_TTL_S) if key.startswith(AUTO_PREFIX) else self._ttl_s()),
             deadline=now + timeout_s + GRACE_S if timeout_s > 0 else 0.0,
         )
         got = self.registry.claim_key(claim)  # committed before the call starts
@@ -207,8 +220,17 @@ class Keys:
             else:
                 self._queue(claim, "failed", json.dumps(wire.error_to_wire(e)), "")
             raise
-        self._queue(claim, "done", recorded(result), _sandbox_of(result))
+        self._queue(claim, "done", self._record(claim.scope, result), _sandbox_of(result))
         return result
+
+    def _record(self, scope: str, result: object) -> str:
+        """The record of a result, its output within the sandbox's SANDBOX_OUTPUT_BUDGET."""
+        spent = self._spent.pop(scope, 0)  # popped and put back: the dict's order is last use
+        text, kept = recorded(result, max(0, min(MAX_RECORDED_OUTPUT, SANDBOX_OUTPUT_BUDGET - spent)))
+        self._spent[scope] = spent + kept
+        if len(self._spent) > MAX_BUDGETS:
+            del self._spent[next(iter(self._spent))]
+        return text
 
     def _ended(self, ident: tuple[str, str, str], task: asyncio.Future[Any]) -> None:
         """A first run that ended without an outcome (cancelled at shutdown, or an error outside the

@@ -150,7 +150,7 @@ class AsyncCommands:
         Output beyond ``max_output`` bytes (stdout+stderr) is dropped and ``truncated`` set.
         ``check=True`` raises CommandFailed on a non-zero exit.
         idempotency_key: a repeat of this call with the same key (on this sandbox) never runs the
-        command again: it gets the first run's result (output up to 1 MiB per stream), or waits
+        command again: it gets the first run's result (output up to 64 KiB per stream), or waits
         for it if it still runs; the same key with another command is IdempotencyConflict, and
         OutcomeUnknown if the server that ran it ended before recording its result. For a
         foreground command (not background, stdin as text or bytes, user="user").
