@@ -24,6 +24,7 @@ when it ends, a create's key is kept (its repeat names the ended sandbox).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import hashlib
 import json
@@ -31,7 +32,9 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -164,6 +167,8 @@ class Keys:
         self._outcomes: list[tuple[KeyClaim, str, str, str]] = []
         self._flush: asyncio.TimerHandle | None = None
         self._spent: dict[str, int] = {}  # sandbox -> output bytes its records hold (this process's)
+        self._lock = threading.Lock()  # the queue, between the loop and an exit-time flush
+        _ALL.add(self)
 
     async def run(
         self,
@@ -239,16 +244,25 @@ class Keys:
             self._running.pop(ident, None)
 
     def _queue(self, claim: KeyClaim, state: str, result: str, sandbox_id: str) -> None:
-        self._outcomes.append((claim, state, result, sandbox_id))
-        if self._flush is None:
-            self._flush = asyncio.get_running_loop().call_later(FINISH_AFTER_S, self.flush)
+        with self._lock:
+            self._outcomes.append((claim, state, result, sandbox_id))
+            if self._flush is None:
+                self._flush = asyncio.get_running_loop().call_later(FINISH_AFTER_S, self.flush)
 
     def flush(self) -> None:
-        """Write the queued outcomes now (a failed write leaves them "started": OutcomeUnknown)."""
-        if self._flush is not None:
-            self._flush.cancel()
-            self._flush = None
-        outcomes, self._outcomes = self._outcomes, []
+        """Write the queued outcomes now (a failed write leaves them "started": OutcomeUnknown).
+        Also called at interpreter exit (an in-process SDK's last outcomes), off the loop."""
+        with self._lock:
+            outcomes, self._outcomes = self._outcomes, []
+            timer, self._flush = self._flush, None
+        if timer is not None:
+            try:
+                asyncio.get_running_loop()
+                timer.cancel()  # on its loop (one Keys is used on one loop)
+            except RuntimeError:
+                pass  # at exit: the timer, if it ever runs, finds nothing to write
+        if not outcomes:
+            return
         try:
             self.registry.finish_keys(outcomes)
         except WarmboxError as e:
@@ -284,6 +298,15 @@ class Keys:
             raise _unknown(got, f"the server process that ran it (pid {pid}) ended before recording its result")
         if got.claim.deadline and time.time() > got.claim.deadline:
             raise _unknown(got, "its result was not recorded by the end of its timeout")
+
+
+_ALL: weakref.WeakSet[Keys] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_all() -> None:
+    for keys in list(_ALL):
+        keys.flush()
 
 
 def _same(key: str, op: str, fp: str, op2: str, fp2: str) -> None:
