@@ -146,17 +146,19 @@ def test_recorded_output_is_bounded_per_stream_and_per_sandbox(tmp_path, monkeyp
         return big
 
     async def go() -> None:
-        assert await _run(keys, "k1", call) == big  # the caller gets all of it
-        assert await _run(keys, "auto-1", call) == big
+        for key in ("k1", "k2", "auto-1"):
+            assert await _run(keys, key, call) == big  # the caller gets all of it
         keys.flush()
         other = Keys(reg, lambda: 60.0)
         first = await _run(other, "k1", call)
         assert len(first.stdout) == idempotency.MAX_RECORDED_OUTPUT and first.truncated and first.stderr == "e"
-        second = await _run(other, "auto-1", call)  # the sandbox's budget left 100 KiB - 64 KiB - 1
+        second = await _run(other, "k2", call)  # the sandbox's budget left 100 KiB - 64 KiB - 1
         assert len(second.stdout) == (100 << 10) - (64 << 10) - 1 and second.truncated
         assert second.exit_code == 0 and second.pid == 7
-        auto = reg.key_record("acme", "sb-000000000001", "auto-1")
-        assert auto is not None and auto.claim.expires_at - auto.claim.created_at == idempotency.AUTO_TTL_S
+        auto = await _run(other, "auto-1", call)  # the transport's own keys: a budget of their own
+        assert len(auto.stdout) == idempotency.MAX_RECORDED_OUTPUT
+        record = reg.key_record("acme", "sb-000000000001", "auto-1")
+        assert record is not None and record.claim.expires_at - record.claim.created_at == idempotency.AUTO_TTL_S
 
     asyncio.run(go())
     reg.close()

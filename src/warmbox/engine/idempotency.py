@@ -61,7 +61,8 @@ MAX_KEY = 255  # characters of a key (Stripe's bound too)
 MAX_RECORDED_OUTPUT = 64 << 10  # bytes of stdout and of stderr kept in a command's or cell's record
 # the output one server process records for one sandbox's keys, at most (then records keep the
 # exit code, flags and timings, output cut to nothing and ``truncated``): a tenant's keyed
-# commands cannot fill the registry's disk (the command log's bound is 40 MiB a sandbox)
+# commands cannot fill the registry's disk (the command log's bound is 40 MiB a sandbox). The
+# transport's own keys have a budget of their own, counted again every AUTO_TTL_S (they expire)
 SANDBOX_OUTPUT_BUDGET = 32 << 20
 AUTO_PREFIX = "auto-"  # the HTTP transport's own keys: only for its retries, kept AUTO_TTL_S
 AUTO_TTL_S = 600.0
@@ -166,7 +167,9 @@ class Keys:
         self._running: dict[tuple[str, str, str], _Running] = {}
         self._outcomes: list[tuple[KeyClaim, str, str, str]] = []
         self._flush: asyncio.TimerHandle | None = None
-        self._spent: dict[str, int] = {}  # sandbox -> output bytes its records hold (this process's)
+        # (sandbox, auto key?) -> (since, output bytes its records hold): this process's; the
+        # transport's own keys expire in AUTO_TTL_S, so their count starts again each AUTO_TTL_S
+        self._spent: dict[tuple[str, bool], tuple[float, int]] = {}
         self._lock = threading.Lock()  # the queue, between the loop and an exit-time flush
         _ALL.add(self)
 
@@ -225,14 +228,17 @@ class Keys:
             else:
                 self._queue(claim, "failed", json.dumps(wire.error_to_wire(e)), "")
             raise
-        self._queue(claim, "done", self._record(claim.scope, result), _sandbox_of(result))
+        self._queue(claim, "done", self._record(claim, result), _sandbox_of(result))
         return result
 
-    def _record(self, scope: str, result: object) -> str:
+    def _record(self, claim: KeyClaim, result: object) -> str:
         """The record of a result, its output within the sandbox's SANDBOX_OUTPUT_BUDGET."""
-        spent = self._spent.pop(scope, 0)  # popped and put back: the dict's order is last use
+        auto = claim.key.startswith(AUTO_PREFIX)
+        since, spent = self._spent.pop((claim.scope, auto), (claim.created_at, 0))  # put back: last use last
+        if auto and claim.created_at - since > AUTO_TTL_S:  # what counted then has expired
+            since, spent = claim.created_at, 0
         text, kept = recorded(result, max(0, min(MAX_RECORDED_OUTPUT, SANDBOX_OUTPUT_BUDGET - spent)))
-        self._spent[scope] = spent + kept
+        self._spent[(claim.scope, auto)] = (since, spent + kept)
         if len(self._spent) > MAX_BUDGETS:
             del self._spent[next(iter(self._spent))]
         return text
