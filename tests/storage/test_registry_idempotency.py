@@ -43,6 +43,13 @@ def test_one_claim_wins_and_a_repeat_reads_its_record(tmp_path, registry_at):
         # an outcome is written only by the claim that holds the key
         reg.finish_keys([(_claim("acme", sid, "k", "h/2"), "failed", "{}", "")])
         assert reg.key_record("acme", sid, "k").state == "done"  # type: ignore[union-attr]
+        # a claim whose call did nothing is released: the key is free again
+        freed = _claim("acme", sid, "freed", "h/7")
+        assert reg.claim_key(freed) is None
+        reg.release_key(freed)
+        assert (
+            reg.key_record("acme", sid, "freed") is None and reg.claim_key(_claim("acme", sid, "freed", "h/8")) is None
+        )
         # an expired record is replaced by the next claim
         assert reg.claim_key(_claim("acme", "", "old", "h/5", ttl=-1)) is None
         assert reg.key_record("acme", "", "old") is None
