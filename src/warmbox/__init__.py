@@ -132,7 +132,7 @@ _WHERE: dict[str, tuple[str, ...]] = {
         "GuestConnectionError",
         "GuestProtocolError",
         "IdempotencyConflict",
-    "InvalidArgument",
+        "InvalidArgument",
         "InvalidPath",
         "IsADirectory",
         "NetworkError",
