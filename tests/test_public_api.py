@@ -23,6 +23,8 @@ def test_exported_members():
             "GuestProtocolError",
             "InvalidArgument",
             "InvalidPath",
+            "IdempotencyConflict",
+            "OutcomeUnknown",
             "IsADirectory",
             "Limits",
             "Logs",

@@ -192,6 +192,11 @@ PREVIEW_ROOT = f"{_S}/ports/{{port:int}}"  # the same, for "/" without the trail
 # signature_expiration and signature in the query (warmbox.engine.signing).
 SIGNED_FILE = f"{_S}/files/signed"
 
+# The header of a create's, a command's or a code run's idempotency key (its idempotency_key field):
+# a repeat with the same key gets the first call's result, never a second run (docs/idempotency.md)
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+KEYED_OPS = (Op.CREATE, Op.EXEC, Op.RUN_CODE)
+
 # Not an operation: Prometheus metrics (text exposition), behind the same keys (server/metrics.py)
 METRICS = "/metrics"
 
@@ -200,6 +205,8 @@ __all__ = [
     "APPROVAL_ANSWER",
     "BY_OP",
     "DECISIONS",
+    "IDEMPOTENCY_HEADER",
+    "KEYED_OPS",
     "METRICS",
     "PREFIX",
     "PREVIEW",

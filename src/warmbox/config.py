@@ -464,6 +464,7 @@ def _limits(t: dict, source: str, env_keys: frozenset[str], host: HostCapacity |
 
 
 PAUSED_RETENTION_S = 7 * 24 * 3600.0
+IDEMPOTENCY_TTL_S = 24 * 3600.0  # [lifecycle] idempotency_ttl: how long a key's record is kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -503,6 +504,7 @@ class Settings:
     pools: dict[str, PoolConfig]
     daemon_idle_exit_s: float = 10.0
     paused_retention_s: float = PAUSED_RETENTION_S  # [lifecycle] paused_retention: then deleted
+    idempotency_ttl_s: float = IDEMPOTENCY_TTL_S  # [lifecycle] idempotency_ttl: a key's record, then forgotten
     network: NetworkSettings = NetworkSettings()
     microvm: MicroVMSettings = MicroVMSettings()
     limits: LimitSettings = None  # type: ignore[assignment]  # None: [limits] defaults of this host
@@ -717,7 +719,7 @@ def parse(
     dm = _table(raw, "daemon", source)
     _only(dm, {"idle_exit"}, "daemon", source)
     lc = _table(raw, "lifecycle", source)
-    _only(lc, {"paused_retention"}, "lifecycle", source)
+    _only(lc, {"paused_retention", "idempotency_ttl"}, "lifecycle", source)
     return Settings(
         source=source,
         defaults=defaults,
@@ -726,6 +728,9 @@ def parse(
         daemon_idle_exit_s=_num(dm.get("idle_exit", 10.0), "daemon.idle_exit", source, 0.1, 86400),
         paused_retention_s=_num(
             lc.get("paused_retention", PAUSED_RETENTION_S), "lifecycle.paused_retention", source, 1.0, 365 * 86400.0
+        ),
+        idempotency_ttl_s=_num(
+            lc.get("idempotency_ttl", IDEMPOTENCY_TTL_S), "lifecycle.idempotency_ttl", source, 1.0, 365 * 86400.0
         ),
         network=_network(_table(raw, "network", source), source),
         microvm=_microvm(_table(raw, "microvm", source), source),

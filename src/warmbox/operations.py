@@ -392,6 +392,7 @@ class Create(Request[Opened]):
     lifecycle: Lifecycle | None = None  # auto-pause: on timeout, when idle; auto-resume
     volumes: tuple[Volume, ...] | None = None  # named volumes mounted into it (never from a pool)
     requirements: Requirements | None = None  # the four questions, for tier="auto"
+    idempotency_key: str | None = None  # a repeat with this key gets this create's sandbox (HTTP: Idempotency-Key)
 
 
 @record
@@ -536,6 +537,7 @@ class Exec(Request[CommandResult]):
     max_output: int = 10 << 20
     on_stdout: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
     on_stderr: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
+    idempotency_key: str | None = None  # a repeat with this key gets this run's result (HTTP: Idempotency-Key)
 
 
 @record
@@ -636,6 +638,7 @@ class RunCode(Request[Execution]):
     on_stderr: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
     on_result: ResultSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
     language: str | None = None  # with no context: the default context of this language
+    idempotency_key: str | None = None  # a repeat with this key gets this run's result (HTTP: Idempotency-Key)
 
 
 @record

@@ -31,6 +31,9 @@ def test_run_exec_ls_kill_go_to_the_running_server(home, runc_ready):
         assert (r.returncode, r.stdout) == (4, "streamed\n"), r.stderr
         r = cli("exec", "--json", "-e", "A=1", sid, "--", "sh", "-c", "echo $A")
         assert json.loads(r.stdout)["via"] == "server" and json.loads(r.stdout)["stdout"] == "1\n", r.stderr
+        step = ("exec", "--json", "--idempotency-key", "k1", sid, "--", "sh", "-c", "echo $$ >> /tmp/k; wc -l < /tmp/k")
+        keyed = [json.loads(cli(*step).stdout) for _ in range(2)]  # a replayed step runs once
+        assert [(k["via"], k["stdout"]) for k in keyed] == [("server", "1\n")] * 2
         r = cli("exec", sid, "--", "cat", input="piped")  # stdin to forward: the full client, same sandbox
         assert (r.returncode, r.stdout) == (0, "piped"), r.stderr
         probe = (

@@ -145,7 +145,9 @@ def test_tools_send_operations_and_return_structured_results():
         assert not r.is_error, _text(r)
         assert r.structured_content["sandbox_id"] == SID and r.structured_content["start_ms"] == {"allocation": 1.5}
         assert json.loads(_text(r))["sandbox_id"] == SID
-        r = await client.call_tool("run_command", {"sandbox_id": SID, "cmd": "echo hi", "cwd": "src"})
+        r = await client.call_tool(
+            "run_command", {"sandbox_id": SID, "cmd": "echo hi", "cwd": "src", "idempotency_key": "step-1"}
+        )
         assert r.structured_content["exit_code"] == 3 and r.structured_content["stdout"] == "hi\n"
         r = await client.call_tool("run_code", {"sandbox_id": SID, "code": "Chart(); 6*7", "language": "python"})
         out = r.structured_content
@@ -158,7 +160,7 @@ def test_tools_send_operations_and_return_structured_results():
     fake = _with_client(check)
     create, run, code = fake.sent
     assert create == ops.Create(network=Network(allow=["pypi.org", "*.github.com"]), timeout=30)
-    assert run == ops.Exec(SID, "echo hi", cwd="src", timeout=60.0)
+    assert run == ops.Exec(SID, "echo hi", cwd="src", timeout=60.0, idempotency_key="step-1")
     assert code == ops.RunCode(SID, "Chart(); 6*7", context="default", timeout=60.0, language="python")
 
 

@@ -221,6 +221,10 @@ def _add_exec_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("cmd", nargs="*", help="the command and its arguments (after -- if one starts with -)")
 
 
+_KEY_HELP = "a repeat with the same KEY runs nothing again: it gets the first"
+MAX_KEYED_STDIN = 16 << 20  # a keyed command's piped stdin, sent whole (the server's JSON bound)
+
+
 def _parser() -> _Parser:
     ap = _Parser(prog="warmbox", description="Sandboxes for untrusted code.")
     ap.add_argument("--api-url", default=None, help="a warmbox server (http(s)://host:port or unix:/path)")
@@ -248,6 +252,7 @@ def _parser() -> _Parser:
     p = sub.add_parser("create", help="create a sandbox and print its id")
     _add_sandbox_opts(p)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--idempotency-key", default=None, metavar="KEY", help=_KEY_HELP + " create's sandbox")
     p = sub.add_parser("exec", help="run a command in an existing sandbox (a piped stdin is forwarded)")
     p.add_argument("sandbox_id")
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE", help="environment variable of the command")
@@ -256,6 +261,9 @@ def _parser() -> _Parser:
         "-i", "--interactive", action="store_true", help="forward stdin even from a terminal (a pipe always is)"
     )
     p.add_argument("-t", "--tty", action="store_true", help="a terminal in the sandbox, as warmbox shell (-it)")
+    p.add_argument(
+        "--idempotency-key", default=None, metavar="KEY", help=_KEY_HELP + " command's result (stdin sent whole)"
+    )
     _add_exec_opts(p)
     p = sub.add_parser("shell", help="an interactive terminal in an existing sandbox")
     p.add_argument("sandbox_id")
@@ -547,13 +555,23 @@ def _piped_stdin(interactive: bool = False) -> Any:
 
 
 async def _exec_in(sb: Any, args: argparse.Namespace, cmd: list[str]) -> int:
+    key = getattr(args, "idempotency_key", None)
+    stdin = _piped_stdin(getattr(args, "interactive", False))
+    if key is not None and stdin is not None:  # a keyed command's stdin is part of what a repeat must match
+        data = b""
+        for chunk in stdin:
+            data += chunk
+            if len(data) > MAX_KEYED_STDIN:
+                raise WarmboxError(f"with --idempotency-key, stdin is sent whole: at most {MAX_KEYED_STDIN} bytes")
+        stdin = data
     result = await sb.commands.run(
         cmd,
         envs=_env_pairs(getattr(args, "env", None)) if args.command == "exec" else None,
         user=getattr(args, "user", "user"),
-        stdin=_piped_stdin(getattr(args, "interactive", False)),
+        stdin=stdin,
         cwd=args.cwd,
         timeout=args.cmd_timeout or None,
+        idempotency_key=key,
         **_sinks(args),
     )
     return _print_result(args, result, sb)
@@ -609,7 +627,13 @@ async def _thin_command(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         envs = _env_pairs(args.env) if args.command == "exec" else None
         request = ops.Exec(
-            sb.sandbox_id, cmd, envs=envs, cwd=args.cwd, timeout=args.cmd_timeout or None, **_sinks(args)
+            sb.sandbox_id,
+            cmd,
+            envs=envs,
+            cwd=args.cwd,
+            timeout=args.cmd_timeout or None,
+            idempotency_key=getattr(args, "idempotency_key", None),
+            **_sinks(args),
         )
         result = await t.handle(request)
         if not any(x.stage == "first_command" for x in sb.stage_timings):
@@ -633,7 +657,7 @@ async def _run(args: argparse.Namespace) -> int:
 async def _create(args: argparse.Namespace) -> int:
     from warmbox.sdk.sandbox import AsyncSandbox
 
-    sb = await AsyncSandbox.create(args.tier, **_create_kwargs(args))
+    sb = await AsyncSandbox.create(args.tier, idempotency_key=args.idempotency_key, **_create_kwargs(args))
     await sb.close()
     if args.json:
         print(

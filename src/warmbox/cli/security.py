@@ -863,6 +863,30 @@ GUARANTEES: tuple[Guarantee, ...] = (
             "test_ray_auth.py::test_a_gcs_client_with_the_token_but_no_cluster_certificate_is_refused",
         ),
     ),
+    Guarantee(
+        "service",
+        "A replayed step never runs twice: a create, command or code run with an idempotency key runs once per "
+        "key; a client killed mid-command and replayed attaches to the same run (one process ran; a later "
+        "replay gets the same recorded result), the HTTP transport's own retry of a dropped command carries "
+        "its key, a replay after a server restart gets the recorded result, and one whose server died "
+        "mid-command is OutcomeUnknown, never a second run. The same key with other arguments is a 409.",
+        ("container",),
+        (
+            "test_idempotency.py::test_a_client_killed_mid_command_then_replayed_runs_it_once",
+            "test_idempotency.py::test_the_http_transports_own_retry_of_a_dropped_command_runs_it_once",
+            "test_idempotency.py::test_a_key_reused_with_other_arguments_is_a_conflict",
+            "test_idempotency.py::test_replays_across_a_server_restart",
+            "test_idempotency.py::test_e2b_create_with_an_idempotency_key_header",
+            "test_idempotency.py::test_malformed_keys_and_misplaced_headers_are_refused_typed",
+        ),
+    ),
+    Guarantee(
+        "tenants",
+        "Idempotency keys are a tenant's: another tenant using the same key string creates its own sandbox "
+        "and never gets (or learns of) the first tenant's result.",
+        ("container",),
+        ("test_idempotency.py::test_two_tenants_using_one_key_string_do_not_collide",),
+    ),
 )
 
 

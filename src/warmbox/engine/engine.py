@@ -30,6 +30,7 @@ from warmbox.config import PoolConfig, Settings, Template
 from warmbox.engine import egress, provision
 from warmbox.engine import volumes as volumes_mod
 from warmbox.engine.commandlog import CommandLog
+from warmbox.engine.idempotency import Keys
 from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession
 from warmbox.errors import (
@@ -144,6 +145,8 @@ class Engine:
         self.registry = open_registry(home, _cluster(home), check_limits=self.check_limits)
         self.node = self.registry.node
         self.command_log = CommandLog(self.registry)  # the fronts' command records, written in batches
+        # keyed creates, commands and code runs (engine/idempotency.py): the ttl as last read
+        self.keys = Keys(self.registry, lambda: (self._good or self.settings()).idempotency_ttl_s)
         self._backends: dict[str, Backend] = {}
         self.owner = owner_tag(os.getpid(), self.node)  # node/pid:start on a cluster node
         self._good: Settings | None = None  # the last settings read without error

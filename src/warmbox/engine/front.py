@@ -29,7 +29,7 @@ from typing import Any, TypeVar, cast
 from warmbox import api, transcript
 from warmbox import operations as ops
 from warmbox.backends.base import SharedHost
-from warmbox.engine import approvals, commandlog, egress, signing, tierprofile, volumes
+from warmbox.engine import approvals, commandlog, egress, idempotency, signing, tierprofile, volumes
 from warmbox.engine import pool as pools
 from warmbox.engine import snapshot as snapshots
 from warmbox.engine.engine import Engine, validate_envs, validate_timeout
@@ -605,6 +605,7 @@ class EngineFront:
     async def close(self) -> None:
         """Let go of every sandbox this front holds (none is ended); their records are written."""
         self._log.flush()
+        self.engine.keys.flush()
         sessions, self._sessions = self._sessions, {}
         for s in sessions.values():
             await s.close()
@@ -649,6 +650,23 @@ class EngineFront:
     # ---- sandboxes
 
     async def create(self, r: ops.Create) -> ops.Opened:
+        if r.idempotency_key is None:
+            return await self._create_opened(r)
+        key = idempotency.check_key(r.idempotency_key)
+        validate_metadata(r.metadata)  # refused before the key is claimed
+        validate_lifecycle(r.lifecycle)
+        return await self.engine.keys.run(
+            tenant=self._tenant_name() or "",
+            scope="",
+            key=key,
+            op="create",
+            fingerprint=idempotency.fingerprint(r),
+            timeout_s=0.0,
+            result_type=ops.Opened,
+            call=lambda _: self._create_opened(r),
+        )
+
+    async def _create_opened(self, r: ops.Create) -> ops.Opened:
         metadata = validate_metadata(r.metadata)  # before any work
         lifecycle = validate_lifecycle(r.lifecycle)
         auto = r.tier == AUTO or (r.tier is None and r.requirements is not None)
@@ -897,23 +915,49 @@ class EngineFront:
         data = r.stdin.encode() if isinstance(r.stdin, str) else r.stdin
         session = await self._session(r.sandbox_id)
         text = commandlog.command_text(r.cmd if isinstance(r.cmd, str) else argv)
-        started = time.time()
-        try:
-            got = await session.exec(
-                argv,
-                env=env,
-                cwd=cwd,
-                timeout_s=t,
-                max_output=cap,
-                stdin=data,
-                on_stdout=r.on_stdout,
-                on_stderr=r.on_stderr,
-            )
-        except BaseException as e:
-            self._log.add(commandlog.failed(r.sandbox_id, "command", text, "", started, e))
-            raise
-        self._log.add(commandlog.of_command(r.sandbox_id, "command", text, started, got))
-        return got
+
+        async def run(_: object = None) -> CommandResult:
+            started = time.time()
+            try:
+                got = await session.exec(
+                    argv,
+                    env=env,
+                    cwd=cwd,
+                    timeout_s=t,
+                    max_output=cap,
+                    stdin=data,
+                    on_stdout=r.on_stdout,
+                    on_stderr=r.on_stderr,
+                )
+            except BaseException as e:
+                self._log.add(commandlog.failed(r.sandbox_id, "command", text, "", started, e))
+                raise
+            self._log.add(commandlog.of_command(r.sandbox_id, "command", text, started, got))
+            return got
+
+        if r.idempotency_key is None:
+            return await run()
+        return await self._keyed(r, "command", t, CommandResult, run)
+
+    async def _keyed(
+        self,
+        r: ops.Exec | ops.RunCode,
+        op: str,
+        timeout_s: float,
+        result_type: Any,
+        call: Callable[[Any], Awaitable[R]],
+    ) -> R:
+        """A command or code run under its idempotency key (engine/idempotency.py), scoped to its sandbox."""
+        return await self.engine.keys.run(
+            tenant=self._tenant_name() or "",
+            scope=r.sandbox_id,
+            key=idempotency.check_key(r.idempotency_key),
+            op=op,
+            fingerprint=idempotency.fingerprint(r),
+            timeout_s=timeout_s,
+            result_type=result_type,
+            call=call,
+        )
 
     async def start_process(self, r: ops.StartProcess) -> int:
         argv = _argv(r.cmd)
@@ -999,26 +1043,32 @@ class EngineFront:
         cap = _positive_int(r.max_output, "max_output")
         session = await self._session(r.sandbox_id)
         text = commandlog.bounded_text(r.code)
-        started = time.time()
-        try:
-            got = await session.run_code(
-                r.code,
-                context=context,
-                timeout_s=t,
-                max_output=cap,
-                on_stdout=r.on_stdout,
-                on_stderr=r.on_stderr,
-                on_result=r.on_result,
-            )
-        except BaseException as e:
+
+        async def run(_: object = None) -> Execution:
+            started = time.time()
+            try:
+                got = await session.run_code(
+                    r.code,
+                    context=context,
+                    timeout_s=t,
+                    max_output=cap,
+                    on_stdout=r.on_stdout,
+                    on_stderr=r.on_stderr,
+                    on_result=r.on_result,
+                )
+            except BaseException as e:
+                language = self._context_language(r.sandbox_id, context)
+                self._log.add(commandlog.failed(r.sandbox_id, "code", text, language, started, e))
+                if isinstance(e, UnsupportedLanguage):
+                    raise self._unsupported(r.sandbox_id, r.language or "", str(e)) from None
+                raise
             language = self._context_language(r.sandbox_id, context)
-            self._log.add(commandlog.failed(r.sandbox_id, "code", text, language, started, e))
-            if isinstance(e, UnsupportedLanguage):
-                raise self._unsupported(r.sandbox_id, r.language or "", str(e)) from None
-            raise
-        language = self._context_language(r.sandbox_id, context)
-        self._log.add(commandlog.of_execution(r.sandbox_id, text, language, started, got))
-        return got
+            self._log.add(commandlog.of_execution(r.sandbox_id, text, language, started, got))
+            return got
+
+        if r.idempotency_key is None:
+            return await run()
+        return await self._keyed(r, "code run", t, Execution, run)
 
     def _context_language(self, sandbox_id: str, context: str) -> str:
         """The language of a code context, for its records ("" for another client's context)."""

@@ -6,8 +6,11 @@ arrives as its stable ``code`` and is raised again as its class. Commands and co
 their output (NDJSON) into the request's callbacks.
 
 A dropped connection is retried where that is safe (the operation is idempotent, or the request
-never left); otherwise — a command, a create, a write — :class:`~warmbox.errors.ConnectionLost`
-says the outcome is unknown, never a silent partial result.
+never left, or it carries an idempotency key); otherwise — a write, a command or create sent with
+``idempotency=False`` — :class:`~warmbox.errors.ConnectionLost` says the outcome is unknown, never a
+silent partial result. A create, command or code run without a key of the caller's gets one made
+here (``auto-`` and 128 random bits) in the ``Idempotency-Key`` header, so this transport's own
+retry of it never runs it twice; ``idempotency=False`` sends none.
 
 ``api_url``: ``http(s)://host:port`` or ``unix:/path/to/api.sock``.
 """
@@ -20,6 +23,7 @@ import dataclasses
 import inspect
 import json
 import os
+import secrets
 import ssl
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -218,9 +222,12 @@ class HttpTransport:
         connect_timeout: float = 10.0,
         headers: collections.abc.Mapping[str, str] | None = None,
         request_timeout: float | None = None,
+        idempotency: bool = True,
     ) -> None:
         """request_timeout: seconds one JSON request may take in all (E2B's name; a stream, a
-        process followed, a watch keep their own bounds); None: up to 900 s of silence."""
+        process followed, a watch keep their own bounds); None: up to 900 s of silence.
+        idempotency: give each create, command and code run without a key one of its own (see above)."""
+        self._auto_keys = idempotency
         url = api_url or default_url()
         if not url:
             raise InvalidArgument("api_url (or WARMBOX_API_URL) is required for the HTTP transport")
@@ -328,7 +335,15 @@ class HttpTransport:
         return _build(request)
 
     async def _send(self, request: ops.Request[R]) -> R:
+        key = None
+        if isinstance(request, (ops.Create, ops.Exec, ops.RunCode)):
+            key = request.idempotency_key
+            if key is None and self._auto_keys:
+                key = f"auto-{secrets.token_hex(16)}"
+            request = dataclasses.replace(request, idempotency_key=None)  # type: ignore[assignment]
         route, kwargs = self._build(request)
+        if key is not None:
+            kwargs["headers"] = {**kwargs.get("headers", {}), api.IDEMPOTENCY_HEADER: key}
         url = route.url(request)
         attempt = 0
         while True:
@@ -344,7 +359,7 @@ class HttpTransport:
                         raise _error(response.status, body)
                     return transcript.loads(body)  # type: ignore[return-value]
                 if route.response == "ndjson":
-                    return await self._ndjson(request, route, url, kwargs)
+                    return await self._ndjson(request, route, url, kwargs, keyed=key is not None)
                 if isinstance(request, (ops.ReadFileStream, ops.DownloadDir)):
                     return await self._open_stream(request, route, url, kwargs)  # type: ignore[return-value]
                 if isinstance(request, ops.PortConnect):
@@ -357,16 +372,17 @@ class HttpTransport:
             except aiohttp.ClientConnectorError as e:
                 failure: Exception = e  # the request never reached the server: safe to send again
             except _DROPPED as e:
-                if not route.idempotent:
+                if not route.idempotent and key is None:
                     raise ConnectionLost(
                         f"the connection to {self.url} dropped during {request.op.value}: "
                         "it may or may not have taken effect"
                     ) from None
-                failure = e
+                failure = e  # a keyed call sent again gets the first one's result, never a second run
             except (TimeoutError, aiohttp.ServerTimeoutError):
                 raise ConnectionLost(f"{self.url} did not answer {request.op.value} in time") from None
             if attempt >= len(RETRIES):
-                raise ConnectionLost(f"cannot reach the warmbox server at {self.url}: {failure}") from None
+                again = f": repeat it with idempotency_key={key!r} to get its result" if key is not None else ""
+                raise ConnectionLost(f"cannot reach the warmbox server at {self.url}: {failure}{again}") from None
             await asyncio.sleep(RETRIES[attempt])
             attempt += 1
 
@@ -381,7 +397,11 @@ class HttpTransport:
             raise WarmboxError(f"the server sent an unreadable {request.op.value} result") from None
         return wire.decode(wire.result_type(type(request)), data, "result")  # type: ignore[no-any-return]
 
-    async def _ndjson(self, request: ops.Request[R], route: api.Route, url: str, kwargs: dict[str, Any]) -> R:
+    async def _ndjson(
+        self, request: ops.Request[R], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool = False
+    ) -> R:
+        """keyed: the request carries an idempotency key; a connection dropped mid-stream is then
+        raised as itself, and _send sends it again (the server attaches it to the same run)."""
         async with self._client().request(
             route.method, url, timeout=aiohttp.ClientTimeout(total=None, sock_read=HEARTBEAT_S), **kwargs
         ) as response:
@@ -409,7 +429,14 @@ class HttpTransport:
                         got = request.on_progress(wire.decode(TemplateBuildEvent, msg["progress"], "progress"))
                         if inspect.isawaitable(got):
                             await got
-            except (*_DROPPED, TimeoutError, aiohttp.ServerTimeoutError) as e:
+            except _DROPPED as e:
+                if keyed:
+                    raise
+                raise ConnectionLost(
+                    f"the connection to {self.url} dropped while {request.op.value} ran ({type(e).__name__}): "
+                    "its outcome is unknown; the sandbox itself was not affected"
+                ) from None
+            except (TimeoutError, aiohttp.ServerTimeoutError) as e:
                 raise ConnectionLost(
                     f"the connection to {self.url} dropped while {request.op.value} ran ({type(e).__name__}): "
                     "its outcome is unknown; the sandbox itself was not affected"

@@ -199,6 +199,7 @@ class AsyncSandbox:
         api_url: str | None = None,
         api_key: str | None = None,
         request_timeout: float | None = None,
+        idempotency_key: str | None = None,
     ) -> AsyncSandbox:
         """Create and start a sandbox (defaults for tier, timeout and template: warmbox.toml).
 
@@ -247,6 +248,10 @@ class AsyncSandbox:
             given. transport: any other way to reach an engine. At most one of home, api_url, transport.
         request_timeout: seconds each request to a server may take (E2B's name; ConnectionLost
             after it); the in-process engine sends no requests, so it bounds nothing there.
+        idempotency_key: a repeat with the same key (same tenant, same arguments) creates nothing:
+            it returns the first create's sandbox, even if that one has ended since (then using it
+            says so); other arguments are IdempotencyConflict. Kept ``[lifecycle]
+            idempotency_ttl`` (24 h).
         """
         if on_approval is not None and not callable(on_approval):
             raise InvalidArgument("on_approval must be a callable")
@@ -275,6 +280,7 @@ class AsyncSandbox:
                 lifecycle=lifecycle,
                 volumes=None if volumes is None else tuple(validate_volumes(volumes)),
                 requirements=requirements,
+                idempotency_key=idempotency_key,
             ),
             tuple(envs or ()),
         )
@@ -753,6 +759,7 @@ class AsyncSandbox:
         on_error: Callable[[ExecutionError], object] | None = None,
         max_output: int = DEFAULT_MAX_OUTPUT,
         language: str | None = None,
+        idempotency_key: str | None = None,
     ) -> Execution:
         """Run code in a stateful context: ``context``, or the default one of ``language``
         ("python" unless given; "javascript", "bash": see ``create_code_context``).
@@ -763,6 +770,8 @@ class AsyncSandbox:
         interrupted (state kept), or the context killed if it ignores that. Callbacks, as E2B's:
         ``on_stdout``/``on_stderr`` get output as it is printed, ``on_result`` each result once
         complete, ``on_error`` the cell's exception at its end.
+        idempotency_key: a repeat with the same key (on this sandbox) never runs the cell again: it
+        gets the first run's Execution (or waits for it); see ``commands.run``.
         """
         execution = await self._run(
             ops.RunCode(
@@ -775,6 +784,7 @@ class AsyncSandbox:
                 on_stderr=on_stderr,
                 on_result=on_result,
                 language=language,
+                idempotency_key=idempotency_key,
             )
         )
         if on_error is not None and execution.error is not None:

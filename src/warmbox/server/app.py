@@ -73,6 +73,8 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.TemplateNotFound, 404),
     (errors.TemplateInUse, 409),
     (errors.TemplateMismatch, 409),
+    (errors.IdempotencyConflict, 409),
+    (errors.OutcomeUnknown, 409),
     (errors.TemplateBuildError, 422),
     (errors.CorruptLayer, 500),
     (errors.VolumeNotFound, 404),
@@ -462,8 +464,23 @@ async def decode_request(route: api.Route, request: Request, settings: ServerSet
         req = wire.decode_record(cls, data, "query", **given, data=payload)
     else:
         req = wire.decode_record(cls, data, "body" if route.body == "json" else "query", **given)
+    req = _keyed(req, request.headers.get(api.IDEMPOTENCY_HEADER))
     ops.check_text(req)  # a lone surrogate (a JSON "\ud800" escape) anywhere: refused before the front
     return _bound(_adapt(req), settings)
+
+
+def _keyed(req: ops.Request[Any], header: str | None) -> ops.Request[Any]:
+    """The ``Idempotency-Key`` header as the request's idempotency_key (a body field gives the
+    same; the two differing is refused). Only a create, a command and a code run take one."""
+    if header is None:
+        return req
+    if not isinstance(req, (ops.Create, ops.Exec, ops.RunCode)):
+        raise InvalidArgument(
+            f"{req.op.value} takes no {api.IDEMPOTENCY_HEADER} (a create, a command or a code run does)"
+        )
+    if req.idempotency_key is not None and req.idempotency_key != header:
+        raise InvalidArgument(f"the {api.IDEMPOTENCY_HEADER} header and the body's idempotency_key differ")
+    return dataclasses.replace(req, idempotency_key=header)
 
 
 def _bound(req: ops.Request[Any], settings: ServerSettings) -> ops.Request[Any]:

@@ -78,6 +78,15 @@ NetworkSpec = Annotated[
         "everything else is denied."
     ),
 ]
+IdempotencyKey = Annotated[
+    str | None,
+    Field(
+        min_length=1,
+        max_length=255,
+        description="Repeating a call with the same key never runs it twice: the repeat gets the first "
+        "call's result (or waits for it); the same key with other arguments is an idempotency_conflict.",
+    ),
+]
 
 
 # ---- what the tools return (typed: each is the tool's output schema)
@@ -381,10 +390,12 @@ def build_mcp(transport_for: TransportFor, *, name: str = "warmbox") -> WarmboxM
         timeout: Annotated[
             float | None, Field(gt=0, description="Lifetime in seconds; default: the server's (300 s).")
         ] = None,
+        idempotency_key: IdempotencyKey = None,
     ) -> SandboxOut:
         """Create a sandbox (from a warm pool when one matches) and return its id and record."""
         net: object = network if isinstance(network, str) else Network(allow=network)
-        opened = await run(ctx, ops.Create(tier=tier, template=template, network=net, timeout=timeout))
+        create = ops.Create(tier=tier, template=template, network=net, timeout=timeout, idempotency_key=idempotency_key)
+        opened = await run(ctx, create)
         return SandboxOut.of(opened.info, opened.timings)
 
     @server.tool()
@@ -394,9 +405,11 @@ def build_mcp(transport_for: TransportFor, *, name: str = "warmbox") -> WarmboxM
         cmd: Annotated[str, Field(description="A bash command line, run with bash -c.")],
         cwd: Annotated[str | None, Field(description="Working directory; default /workspace.")] = None,
         timeout: CommandTimeout = 60.0,
+        idempotency_key: IdempotencyKey = None,
     ) -> CommandOut:
         """Run a shell command in the sandbox; returns its exit code, stdout, stderr and what cut it short."""
-        return CommandOut.of(await run(ctx, ops.Exec(sandbox_id, cmd, cwd=cwd, timeout=timeout)))
+        request = ops.Exec(sandbox_id, cmd, cwd=cwd, timeout=timeout, idempotency_key=idempotency_key)
+        return CommandOut.of(await run(ctx, request))
 
     @server.tool()
     async def run_code(
@@ -411,12 +424,15 @@ def build_mcp(transport_for: TransportFor, *, name: str = "warmbox") -> WarmboxM
             Literal["python", "javascript", "bash"] | None,
             Field(description="With no context: the default context of this language (Python unless given)."),
         ] = None,
+        idempotency_key: IdempotencyKey = None,
     ) -> Annotated[CallToolResult, RunCodeOut]:
         """Run a cell in a persistent interpreter (Python unless ``language`` says javascript or bash):
         the last expression's value as text, stdout, stderr, the exception if one was raised, and
         displayed images (matplotlib charts, objects with _repr_png_ / _repr_jpeg_, display(obj)) as
         image content."""
-        request = ops.RunCode(sandbox_id, code, context=context, timeout=timeout, language=language)
+        request = ops.RunCode(
+            sandbox_id, code, context=context, timeout=timeout, language=language, idempotency_key=idempotency_key
+        )
         return _run_code_result(await run(ctx, request))
 
     @server.tool(annotations=read_only)
