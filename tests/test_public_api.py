@@ -71,6 +71,7 @@ def test_exported_members():
             "TemplateError",
             "TemplateInUse",
             "TemplateMismatch",
+            "ImageRegistryUnreachable",
             "TemplateNotFound",
             "VolumeError",
             "VolumeElsewhere",

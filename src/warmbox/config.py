@@ -12,6 +12,10 @@ An operator sees everything in one file::
     template = "base"
     timeout = 300
 
+    [templates]
+    registry_mirror = "https://mirror.example"  # Docker Hub images (FROM python:3.11-slim) come from
+                                        # it; [https://|http://]host[:port][/prefix]; "" = docker.io
+
     [templates.pydata]                  # a template = an image + a warm-up
     warmup_code = "import numpy, pandas"
     warmup_commands = []
@@ -66,6 +70,7 @@ from urllib.parse import urlsplit
 from warmbox.errors import ConfigError, InvalidArgument, LimitTooHigh
 from warmbox.models import Limits
 from warmbox.network.policy import PRESETS, Rule
+from warmbox.templates import spec as template_spec
 from warmbox.templates import toml as template_toml
 from warmbox.templates.spec import Template as ImageSpec
 from warmbox.tiers import canonical_tier
@@ -509,6 +514,7 @@ class Settings:
     server: ServerSettings = ServerSettings()
     approvals: ApprovalSettings = ApprovalSettings()
     cluster: ClusterSettings = ClusterSettings()
+    registry_mirror: str = ""  # [templates] registry_mirror: Docker Hub images are pulled from it
 
     def __post_init__(self) -> None:
         if self.limits is None:
@@ -635,7 +641,14 @@ def parse(
         timeout_s=_num(d.get("timeout", 300.0), "defaults.timeout", source, 1, 86400),
     )
     templates = {n: Template(name=n, **t) for n, t in BUILTIN_TEMPLATES.items()}
-    for name, t in _table(raw, "templates", source).items():
+    templates_raw = dict(_table(raw, "templates", source))
+    mirror = templates_raw.pop("registry_mirror", "")
+    if mirror:
+        try:
+            template_spec.check_mirror(mirror)
+        except InvalidArgument as e:
+            raise ConfigError(f"{source}: templates.registry_mirror: {e}") from None
+    for name, t in templates_raw.items():
         where = f"templates.{name}"
         t = _as_table(t, where, source)
         _only(t, {"warmup_code", "warmup_commands", "description", *template_toml.BUILD_KEYS}, where, source)
@@ -733,6 +746,7 @@ def parse(
         server=_server(_table(raw, "server", source), source),
         approvals=_approvals(_table(raw, "approvals", source), source),
         cluster=_cluster(_table(raw, "cluster", source), source),
+        registry_mirror=mirror,
     )
 
 

@@ -72,6 +72,7 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.TemplateNotFound, 404),
     (errors.TemplateInUse, 409),
     (errors.TemplateMismatch, 409),
+    (errors.ImageRegistryUnreachable, 502),
     (errors.TemplateBuildError, 422),
     (errors.CorruptLayer, 500),
     (errors.VolumeNotFound, 404),
