@@ -67,7 +67,7 @@ def _marker(box) -> str:
 def test_a_sandbox_runs_the_builtin_image_and_shows_it(home, runc_ready, tier):
     engine = Engine.for_home(home)
     base = engine.image_for("base")
-    with Sandbox.create(tier, template="shell", pool=False) as box:
+    with Sandbox.create(tier=tier, template="shell", pool=False) as box:
         info = box.get_info()
         assert (info.template, info.template_version, info.image_id) == ("shell", 0, base.image_id)
         # the image's /usr, not the host's: runc is on the host only, pytest and scipy in the image
@@ -87,7 +87,7 @@ def test_numpy_is_the_image_s_on_container_and_gvisor(home, runc_ready):
     want = found[0].split("-")[1].removesuffix(".egg")
     got = {}
     for tier in ("container", "gvisor"):
-        with Sandbox.create(tier, template="shell", pool=False) as box:
+        with Sandbox.create(tier=tier, template="shell", pool=False) as box:
             got[tier] = box.commands.run(NUMPY).stdout.strip()
     assert got == {"container": want, "gvisor": want}
 
@@ -97,7 +97,7 @@ def test_numpy_is_the_image_s_on_microvm_too(home, runc_ready):
     """The microVM's root is made from the same Debian tree (run under flock /work/vm.lock)."""
     layer = Path(Engine.for_home(home).image_for("base").layers[0])
     want = sorted(p.name for p in (layer / "usr/lib/python3/dist-packages").glob("numpy-*.egg-info"))
-    with Sandbox.create("microvm", template="shell", timeout=300, limits=Limits(memory_mb=512)) as box:
+    with Sandbox.create(tier="microvm", template="shell", timeout=300, limits=Limits(memory_mb=512)) as box:
         got = box.commands.run(NUMPY, timeout=120).stdout.strip()
         assert box.get_info().image_id == Engine.for_home(home).image_for("shell").image_id
     assert want and got == want[0].split("-")[1].removesuffix(".egg")
@@ -106,14 +106,14 @@ def test_numpy_is_the_image_s_on_microvm_too(home, runc_ready):
 def test_snapshot_of_v1_restores_on_v1_after_a_rebuild_and_a_gone_image_is_refused(home, app):
     engine = Engine.for_home(home)
     v1 = app("v1")
-    with Sandbox.create("container", template="app", pool=False) as box:
+    with Sandbox.create(tier="container", template="app", pool=False) as box:
         assert _marker(box) == "v1"
         info = box.get_info()
         assert (info.template_version, info.image_id) == (v1.version, v1.image_id)
         box.commands.run("echo kept > /workspace/f")
         ref = box.snapshot()
     v2 = app("v2")
-    with Sandbox.create("container", template="app", pool=False) as box:
+    with Sandbox.create(tier="container", template="app", pool=False) as box:
         assert _marker(box) == "v2" and box.get_info().template_version == v2.version
     with Sandbox.create(from_snapshot=ref) as box:  # the recorded image, not the latest
         assert _marker(box) == "v1"
@@ -131,7 +131,7 @@ def test_snapshot_of_v1_restores_on_v1_after_a_rebuild_and_a_gone_image_is_refus
 
 def test_a_memory_snapshot_resumes_on_its_own_image(home, app):
     v1 = app("m1", name="appm")
-    box = Sandbox.create("gvisor", template="appm", pool=False)
+    box = Sandbox.create(tier="gvisor", template="appm", pool=False)
     try:
         box.commands.run("sleep 1000", background=True)
         box.pause(memory=True)
@@ -176,7 +176,7 @@ def test_a_rebuilt_template_retires_its_pool_and_refills_it(home, app):
         v2 = app("p2", name="apppool")
         new = wait_for(lambda: pooled(v2.image_id), 120, "the pool to refill with v2")
         wait_for(lambda: engine.registry.get(old[0])[0].state is State.DESTROYED, 60, "v1's sandbox to retire")
-        with Sandbox.create("container", template="apppool", limits=Limits(memory_mb=300)) as box:
+        with Sandbox.create(tier="container", template="apppool", limits=Limits(memory_mb=300)) as box:
             assert box.from_pool and box.sandbox_id == new[0]
             assert _marker(box) == "p2" and box.get_info().template_version == v2.version
     finally:
