@@ -23,6 +23,24 @@ from warmbox.storage.layers import LayerStore, image_id_of
 
 pytestmark = pytest.mark.sandbox
 NUMPY = "python3 -c 'import numpy; print(numpy.__version__)'"
+AGENT_TURN = r"""set -e
+mkdir -p /workspace/pkg/src/wbdemo /workspace/pkg/tests && cd /workspace/pkg
+printf '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n' > pyproject.toml
+printf '[project]\nname = "wbdemo"\nversion = "0.1"\n' >> pyproject.toml
+echo 'def add(a, b): return a + b' > src/wbdemo/__init__.py
+printf 'from wbdemo import add\n\ndef test_add():\n    assert add(2, 2) == 4\n' > tests/test_add.py
+python3 -m build --no-isolation --wheel --outdir dist . > build.log 2>&1 || { cat build.log; exit 1; }
+ls dist/*.whl
+PYTHONPATH=src python3 -m pytest -q -p no:cacheprovider tests | tail -1 | cut -d' ' -f1,2
+git init -q && git add pyproject.toml src tests && git -c user.email=a@b.test -c user.name=a commit -qm init
+git log --oneline | wc -l
+printf 'all:\n\t@echo made\n' > Makefile && make
+printf 'int main(void) { return 0; }\n' > t.c && gcc t.c -o t && ./t
+echo '{"a": [1, 2]}' | jq -c .a
+rg -l 'def add' src
+npx --version > /dev/null && curl --version > /dev/null && unzip -v > /dev/null && patch --version > /dev/null
+echo tools ok
+"""
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +94,18 @@ def test_a_sandbox_runs_the_builtin_image_and_shows_it(home, runc_ready, tier):
         assert "pytest 7" in r.stdout + r.stderr
         for cmd in ("python3 -c 'import scipy, pandas, matplotlib, requests'", "node -e 1", "npm --version", "make -v"):
             assert box.commands.run(cmd).exit_code == 0, cmd
+        # a coding agent's turn, offline (issue 34, item 10): build a wheel, test, commit, make, cc, jq, rg
+        r = box.commands.run(["/bin/bash", "-c", AGENT_TURN], timeout=240)
+        assert r.exit_code == 0, r.stdout + r.stderr
+        assert r.stdout.split("\n")[:7] == [
+            "dist/wbdemo-0.1-py3-none-any.whl",
+            "1 passed",
+            "1",
+            "made",
+            "[1,2]",
+            "src/wbdemo/__init__.py",
+            "tools ok",
+        ], r.stdout
         assert engine.registry.get(box.sandbox_id)[0].image_id == base.image_id
 
 
