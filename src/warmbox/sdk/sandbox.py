@@ -255,7 +255,7 @@ class AsyncSandbox:
         if isinstance(template, str) and (template == "auto" or template in TIER_NAMES):
             raise InvalidArgument(
                 f"{template!r} is a tier, not a template: Sandbox.create(tier={template!r}) (the first "
-                "argument is the template, as in E2B: Sandbox.create(\"base\", tier=...))"
+                'argument is the template, as in E2B: Sandbox.create("base", tier=...))'
             )
         if on_approval is not None and not callable(on_approval):
             raise InvalidArgument("on_approval must be a callable")
