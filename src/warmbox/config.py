@@ -40,6 +40,11 @@ An operator sees everything in one file::
     max_disk_mb = 20480                 # default: the size of the disk holding /var/lib/warmbox; a
                                         # sandbox also needs its disk_mb free there (less a reserve)
 
+    [cost]                              # prices: the console shows money beside cpu-s and GiB-s
+    cpu_hour = 0.05                     # per CPU-hour of a sandbox's processes (0: no money shown)
+    gib_hour = 0.01                     # per GiB-hour of memory in use
+    currency = "USD"
+
     [server]                            # warmbox serve
     host = "127.0.0.1"                  # a non-loopback address needs tls_cert/tls_key (keys always)
     port = 7420
@@ -216,6 +221,26 @@ class MicroVMSettings:
 
 
 LOG_FORMATS = ("text", "json")
+
+
+@dataclasses.dataclass(frozen=True)
+class CostSettings:
+    """[cost]: prices that turn metered use into money (the console shows it; 0: not shown).
+
+    cpu_hour: per CPU-hour (3600 cpu-seconds of the sandbox's processes); gib_hour: per GiB-hour of
+    memory in use (3600 GiB-seconds); currency: a label (a code such as "USD", or a symbol)."""
+
+    cpu_hour: float = 0.0
+    gib_hour: float = 0.0
+    currency: str = "USD"
+
+    @property
+    def priced(self) -> bool:
+        return self.cpu_hour > 0 or self.gib_hour > 0
+
+    def money(self, cpu_s: float, gib_s: float) -> float:
+        """What ``cpu_s`` cpu-seconds and ``gib_s`` GiB-seconds cost at these prices."""
+        return cpu_s / 3600 * self.cpu_hour + gib_s / 3600 * self.gib_hour
 
 
 @dataclasses.dataclass(frozen=True)
@@ -515,6 +540,7 @@ class Settings:
     approvals: ApprovalSettings = ApprovalSettings()
     cluster: ClusterSettings = ClusterSettings()
     registry_mirror: str = ""  # [templates] registry_mirror: Docker Hub images are pulled from it
+    cost: CostSettings = CostSettings()
 
     def __post_init__(self) -> None:
         if self.limits is None:
@@ -629,6 +655,7 @@ def parse(
         "lifecycle",
         "approvals",
         "cluster",
+        "cost",
     }
     for k in raw:
         if k not in known:
@@ -747,6 +774,19 @@ def parse(
         approvals=_approvals(_table(raw, "approvals", source), source),
         cluster=_cluster(_table(raw, "cluster", source), source),
         registry_mirror=mirror,
+        cost=_cost(_table(raw, "cost", source), source),
+    )
+
+
+def _cost(t: dict, source: str) -> CostSettings:
+    _only(t, {"cpu_hour", "gib_hour", "currency"}, "cost", source)
+    currency = _str(t.get("currency", "USD"), "cost.currency", source)
+    if not currency or len(currency) > 8 or any(c.isspace() or c in "<>&\"'" for c in currency):
+        raise ConfigError(f"{source}: cost.currency is a short label such as USD or €, got {currency[:20]!r}")
+    return CostSettings(
+        cpu_hour=_num(t.get("cpu_hour", 0.0), "cost.cpu_hour", source, 0, 1e6),
+        gib_hour=_num(t.get("gib_hour", 0.0), "cost.gib_hour", source, 0, 1e6),
+        currency=currency,
     )
 
 
