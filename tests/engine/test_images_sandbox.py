@@ -94,6 +94,9 @@ def test_a_sandbox_runs_the_builtin_image_and_shows_it(home, runc_ready, tier):
         assert "pytest 7" in r.stdout + r.stderr
         for cmd in ("python3 -c 'import scipy, pandas, matplotlib, requests'", "node -e 1", "npm --version", "make -v"):
             assert box.commands.run(cmd).exit_code == 0, cmd
+        assert engine.registry.get(box.sandbox_id)[0].image_id == base.image_id
+        if tier != "container":
+            return  # one tree on every tier: its tools are checked once
         # a coding agent's turn, offline (issue 34, item 10): build a wheel, test, commit, make, cc, jq, rg
         r = box.commands.run(["/bin/bash", "-c", AGENT_TURN], timeout=240)
         assert r.exit_code == 0, r.stdout + r.stderr
@@ -106,7 +109,6 @@ def test_a_sandbox_runs_the_builtin_image_and_shows_it(home, runc_ready, tier):
             "src/wbdemo/__init__.py",
             "tools ok",
         ], r.stdout
-        assert engine.registry.get(box.sandbox_id)[0].image_id == base.image_id
 
 
 def test_numpy_is_the_image_s_on_container_and_gvisor(home, runc_ready):
