@@ -375,3 +375,43 @@ def test_warmbox_mcp_over_stdio_drives_a_real_sandbox(home, runc_ready):
         for sid in ids:
             if sid in live:  # the test failed with it alive
                 asyncio.run(engine.destroy(sid, "test cleanup"))
+
+
+class _Chatty:
+    """A background process that never stops printing (ConnectProcess's stream)."""
+
+    pid = 7
+    result = None
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    async def next(self) -> Any:
+        from warmbox.models import ProcessEvent
+
+        await asyncio.sleep(0)
+        return ProcessEvent("stdout", "x" * 65536)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_process_output_of_an_endless_process_is_bounded_in_time_and_size():
+    from warmbox.server.mcp import MAX_TOOL_TEXT, REPLAY_GRACE_S
+
+    chatty = _Chatty()
+    fake = FakeTransport(lambda r: chatty if isinstance(r, ops.ConnectProcess) else _answer(r))
+
+    async def main() -> None:
+        async with Client(build_mcp(lambda ctx: fake)) as client:
+            t0 = asyncio.get_running_loop().time()
+            r = await client.call_tool("process_output", {"sandbox_id": SID, "pid": 7, "wait": 1})
+            took = asyncio.get_running_loop().time() - t0
+            assert not r.is_error, _text(r)
+            out = r.structured_content
+            assert out["running"] is True and out["exit_code"] is None and out["truncated"] is True
+            assert len(out["stdout"]) == MAX_TOOL_TEXT
+            assert took < 1 + REPLAY_GRACE_S + 5, took  # the wait, the replay's grace, a loaded host's slack
+
+    asyncio.run(main())
+    assert chatty.cancelled

@@ -71,6 +71,7 @@ ALIASES: dict[str, dict[str, str]] = {"run_command": {"cmd": "command"}, "resume
 """Per tool, an argument's earlier name -> its name now (accepted, not in the schema)."""
 MAX_TOOL_TEXT = 1 << 20  # characters of process output or transcript one tool result carries
 MAX_OUTPUT_WAIT_S = 60.0
+REPLAY_GRACE_S = 2.0  # past its wait, process_output still takes what the process's buffer replays
 
 # ---- the tools' argument types (their descriptions are the schema's)
 
@@ -535,14 +536,17 @@ def build_mcp(transport_for: TransportFor, *, name: str = "warmbox") -> WarmboxM
         """A background process's output so far, and its exit code once it ended (waiting up to ``wait`` s)."""
         stream = await run(ctx, ops.ConnectProcess(sandbox_id, pid))
         out: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        held = {"stdout": 0, "stderr": 0}
+        cut = False
         lost = 0
         ended = False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
+        hard = deadline + REPLAY_GRACE_S  # a chatty process never keeps the call past this
         try:
-            while True:
+            while (now := loop.time()) < hard:
                 # what is buffered comes at once; past the deadline only that, never a wait for more
-                left = max(deadline - loop.time(), 0.5)
+                left = min(max(deadline - now, 0.5), hard - now)
                 try:
                     ev = await asyncio.wait_for(stream.next(), left)
                 except TimeoutError:
@@ -552,6 +556,10 @@ def build_mcp(transport_for: TransportFor, *, name: str = "warmbox") -> WarmboxM
                     break
                 if ev.kind in out:
                     out[ev.kind].append(ev.text)
+                    held[ev.kind] += len(ev.text)
+                    if held[ev.kind] > 2 * MAX_TOOL_TEXT:  # keep the newest: memory stays bounded
+                        text, _ = _bounded("".join(out[ev.kind]))
+                        out[ev.kind], held[ev.kind], cut = [text], len(text), True
                 elif ev.kind == "lost":
                     lost += ev.size
         finally:
@@ -566,7 +574,7 @@ def build_mcp(transport_for: TransportFor, *, name: str = "warmbox") -> WarmboxM
             running=not ended,
             exit_code=result.exit_code if result is not None else None,
             lost_bytes=lost,
-            truncated=cut_out or cut_err,
+            truncated=cut or cut_out or cut_err,
         )
 
     @server.tool()
