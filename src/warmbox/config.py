@@ -87,7 +87,8 @@ from warmbox.tiers import canonical_tier
 BUILTIN_TEMPLATES: dict[str, dict[str, Any]] = {
     "base": {
         "warmup_code": "",
-        "description": "Python 3 (pip, venv, pytest), Node.js + npm, git, gcc/make, curl; code context started",
+        "description": "Python 3 (pip, venv, pytest, build), Node.js + npm, git, gcc/make, curl, jq, rg; "
+        "code context started",
     },
     "pydata": {
         "warmup_code": "import numpy, pandas\ntry:\n    import requests\nexcept ImportError:\n    pass\n"
