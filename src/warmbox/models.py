@@ -118,13 +118,15 @@ class NodeUsage:
     """What one node holds now, from the registry's rows (placement reads it).
 
     live: its creating, retiring, ready and running sandboxes; memory_mb: their memory limits
-    summed; pooled: (pool name, ready pooled sandboxes) per pool.
+    summed; pooled: (pool name, ready pooled sandboxes) per pool; pooled_memory_mb: the memory
+    limits of those pooled sandboxes summed (they hold it as much as a user's).
     """
 
     node: str
     live: int = 0
     memory_mb: int = 0
     pooled: tuple[tuple[str, int], ...] = ()
+    pooled_memory_mb: int = 0
 
 
 STAGES = ("allocation", "filesystem", "runtime", "dependencies", "network", "first_command")
@@ -806,6 +808,10 @@ class Capabilities:
     # memory checkpoint cannot save (gVisor: its Sentry panics and the sandbox dies): the engine
     # refuses such a pause up front, and reports a sandbox lost to a failed checkpoint
     checkpoint_saves_workspace_sockets: bool = True
+    # a TCP connection over the sandbox's network link (not loopback: that one is saved) survives the
+    # runtime's memory checkpoint, or is reset by it; False (runsc 2022: its Sentry refuses to save
+    # one, and the sandbox dies): the engine refuses such a pause up front, the sandbox keeps running
+    checkpoint_saves_connections: bool = True
     # the agent's sockets are host sockets (gVisor's --host-uds): a quiesced agent closes every one,
     # the host's connection last, and the checkpoint waits for that (one left open fails the save)
     quiesce_drops_connection: bool = False

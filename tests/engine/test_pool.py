@@ -443,3 +443,24 @@ limits = {{ memory_mb = 333 }}
         assert states == ["creating", "pooled", "retiring", "destroyed"]
     finally:
         set_config(home, POOLS)
+
+
+def test_a_resize_before_the_daemons_first_tick_holds(tmp_path, monkeypatch):
+    """A resize of a pool the daemon has not seen yet (no row) records the configured target with
+    it: the daemon's tick, which resets a row whose configured target changed, must not take the
+    resize for a config change (a bench once resized a new pool to 4 and claimed from an empty one)."""
+    from warmbox.engine import pool as pools_mod
+
+    h = tmp_path / "h"
+    h.mkdir()
+    (h / "warmbox.toml").write_text("[pools.x]\ntemplate = 'base'\nmin = 0\nmax = 0\ntarget = 0\n")
+    engine = Engine(h)
+    monkeypatch.setattr(engine, "ensure_daemon", lambda: None)  # no daemon: its tick is done below
+    try:
+        settings = engine.settings()
+        pools_mod.resize(engine, settings, "x", 4, min=4, max=4)
+        # what PoolManager.tick does first with each pool
+        row = pools_mod.configured_row(engine.registry, settings.pools["x"], engine.registry.pool_rows()["x"])
+        assert row.target == 4 and engine.registry.pool_rows()["x"].target == 4
+    finally:
+        engine.registry.close()

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 from warmbox.config import PoolConfig, Settings
 from warmbox.errors import InvalidArgument, WarmboxError
 from warmbox.models import PoolStatus
+from warmbox.storage.registry import PoolRow, Registry
 
 if TYPE_CHECKING:
     from warmbox.engine.engine import Engine
@@ -73,6 +74,14 @@ def status(engine: Engine, settings: Settings) -> list[PoolStatus]:
     return out
 
 
+def configured_row(reg: Registry, pc: PoolConfig, row: PoolRow | None) -> PoolRow:
+    """The pool's row, made for a new pool or reset when its configured target changed."""
+    if row is None or row.config_target != pc.target:
+        reg.ensure_pool(pc.name, pc.target)
+        row = reg.pool_rows()[pc.name]
+    return row
+
+
 def resize(
     engine: Engine,
     settings: Settings,
@@ -88,7 +97,9 @@ def resize(
     for label, v in (("target", target), ("min", min), ("max", max)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1000):
             raise InvalidArgument(f"{label} must be an integer in [0, 1000], got {v!r}")
-    row = engine.registry.pool_rows().get(name)
+    # the row records the configured target first: else the daemon's next tick would take this
+    # resize for a changed configuration and put the target back to the configured one
+    row = configured_row(engine.registry, pc, engine.registry.pool_rows().get(name))
     new_min = min if min is not None else (row.min_override if row else None)
     new_max = max if max is not None else (row.max_override if row else None)
     eff_min = pc.min if new_min is None else new_min
@@ -146,10 +157,7 @@ class PoolManager:
         rows = reg.pool_rows()
         wanted = False
         for pc in settings.pools.values():
-            row = rows.get(pc.name)
-            if row is None or row.config_target != pc.target:
-                reg.ensure_pool(pc.name, pc.target)  # new pool, or its configured target changed
-                row = reg.pool_rows()[pc.name]
+            row = configured_row(reg, pc, rows.get(pc.name))
             if self.split is None:
                 target = self._autoscale(pc, row)
             else:

@@ -1583,16 +1583,19 @@ class Registry:
             many=True,
         )
         pools = self._read(
-            "SELECT node, pool, COUNT(*) FROM sandboxes WHERE state=? GROUP BY node, pool ORDER BY node, pool",
+            "SELECT node, pool, COUNT(*), COALESCE(SUM(memory_mb),0) FROM sandboxes WHERE state=? "
+            "GROUP BY node, pool ORDER BY node, pool",
             (State.POOLED.value,),
             many=True,
         )
         live = {r[0]: (int(r[1]), int(r[2])) for r in rows}
         pooled: dict[str, builtins.list[tuple[str, int]]] = {}
-        for node, pool, n in pools:
+        pooled_mb: dict[str, int] = {}
+        for node, pool, n, mb in pools:
             pooled.setdefault(node, []).append((pool, int(n)))
+            pooled_mb[node] = pooled_mb.get(node, 0) + int(mb)
         return [
-            NodeUsage(node, *live.get(node, (0, 0)), tuple(pooled.get(node, ())))
+            NodeUsage(node, *live.get(node, (0, 0)), tuple(pooled.get(node, ())), pooled_mb.get(node, 0))
             for node in sorted(set(live) | set(pooled))
         ]
 
