@@ -100,9 +100,9 @@ def test_logs_are_lists_of_lines(box):
 @pytest.mark.sandbox
 def test_the_pydata_template_has_pyplot_imported(home, runc_ready):
     # the first argument is the template, as in E2B (issue 34, item 11); a tier there says to use tier=
-    for tier in ("gvisor", "runc", "auto"):
-        with pytest.raises(InvalidArgument, match=f"is a tier, not a template: Sandbox.create\\(tier='{tier}'\\)"):
-            Sandbox.create(tier, timeout=120)
+    for name in ("gvisor", "runc", "auto"):
+        with pytest.raises(InvalidArgument, match=f"is a tier, not a template: Sandbox.create\\(tier='{name}'\\)"):
+            Sandbox.create(name, timeout=120)
     with Sandbox.create("pydata", timeout=120) as sb:
         assert sb.get_info().template == "pydata"
         assert sb.run_code("import sys; 'matplotlib.pyplot' in sys.modules").text == "True"
