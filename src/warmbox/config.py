@@ -231,9 +231,9 @@ class CostSettings:
     cpu_hour: per CPU-hour (3600 cpu-seconds of the sandbox's processes); gib_hour: per GiB-hour of
     memory in use (3600 GiB-seconds); currency: a label (a code such as "USD", or a symbol)."""
 
-    cpu_hour: float = 0.0
-    gib_hour: float = 0.0
-    currency: str = "USD"
+    cpu_hour: float = 0.0  # price of a CPU-hour of a sandbox's processes (0 and gib_hour 0: no money shown)
+    gib_hour: float = 0.0  # price of a GiB-hour of memory in use
+    currency: str = "USD"  # the label after an amount (a code such as USD, or a symbol; at most 8 characters)
 
     @property
     def priced(self) -> bool:
