@@ -230,7 +230,11 @@ def test_extra_ca_on_the_other_tiers(net_home, world, tier):
 
 def test_template_build_allow_from_the_cli(net_home, world, tmp_path):
     """``warmbox template build Dockerfile --allow pypi`` (issue 34, item 9): the build's RUN step
-    reaches the preset's hosts in the fake world; without --allow the build has no network."""
+    reaches the preset's hosts in the fake world (its server logs the request; curl -f fails the
+    step otherwise); without --allow the build has no network."""
+    from warmbox import InvalidArgument, Template
+    from warmbox.cli.templates import with_allowed
+
     world.clear_logs()
     world.set_zone(files_pythonhosted_org=ALLOWED)
     token = os.urandom(6).hex()  # a step of its own: never a cached layer of an earlier run
@@ -247,13 +251,11 @@ def test_template_build_allow_from_the_cli(net_home, world, tmp_path):
         r = cli("template", "build", str(tmp_path / "Dockerfile"), "--name", name)
         assert r.returncode != 0 and "RUN curl" in r.stderr, r.stdout + r.stderr
         assert world.log("allowed") == []
-        r = cli("template", "build", str(tmp_path / "Dockerfile"), "--name", name, "--allow", "no such host!")
-        assert r.returncode != 0 and "not a valid host name" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        with pytest.raises(InvalidArgument, match="not a valid host name"):  # refused before anything is built
+            with_allowed(Template.from_dockerfile(tmp_path / "Dockerfile"), ["no such host!"])
         r = cli("template", "build", str(tmp_path / "Dockerfile"), "--name", name, "--allow", "pypi")
         assert r.returncode == 0, r.stdout + r.stderr
         assert [e["headers"].get("Host") for e in world.log("allowed")] == ["files.pythonhosted.org"]
-        with Sandbox.create(template=name, pool=False, timeout=120, home=net_home) as sb:
-            assert sb.files.read(f"/etc/fetched-{token}") == "hello from the allowed site\n"
     finally:
         cli("template", "rm", name)
         world.set_zone()
