@@ -9,10 +9,8 @@ stream it receives instead of sending them.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import enum
-import inspect
 import posixpath
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -46,6 +44,7 @@ from warmbox.models import (
     Volume,
     VolumeInfo,
     WriteEntry,
+    record,
 )
 from warmbox.templates import Template
 
@@ -194,6 +193,7 @@ class Op(str, enum.Enum):
     FILES_STAT = "files.stat"
     FILES_MAKE_DIR = "files.make_dir"
     FILES_REMOVE = "files.remove"
+    FILES_SIGN_URL = "files.sign_url"
     SNAPSHOT = "snapshot"
     PAUSE = "pause"
     LIST_SNAPSHOTS = "snapshots.list"
@@ -226,7 +226,7 @@ class Request(Generic[R]):
     op: ClassVar[Op]
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Opened:
     """A sandbox a caller holds: its record and its start's stage timings."""
 
@@ -258,9 +258,15 @@ class DirWatch(Protocol):
 class WatchTask:
     """What both transports' DirWatch share: a task runs the subclass's ``_run`` (which passes each
     event to ``_deliver``), keeps its error for wait(); stop() calls the subclass's ``_halt`` (its
-    source: the guest stream, the HTTP response) and cancels the task."""
+    source: the guest stream, the HTTP response) and cancels the task.
+
+    asyncio is imported where it is used, by design: a WatchTask lives on a running loop (whose
+    caller loaded asyncio), and the table of operations is imported by processes that run none
+    (``warmbox --help``, the CLI's thin path: issue 38)."""
 
     def __init__(self, on_event: EventSink) -> None:
+        import asyncio
+
         self._on_event = on_event
         self._error: BaseException | None = None
         self._task = asyncio.ensure_future(self._run())
@@ -272,6 +278,8 @@ class WatchTask:
         raise NotImplementedError
 
     async def _deliver(self, event: FilesystemEvent) -> None:
+        import inspect
+
         result = self._on_event(event)
         if inspect.isawaitable(result):
             await result
@@ -285,6 +293,8 @@ class WatchTask:
         self._task.cancel()
 
     async def wait(self) -> None:
+        import asyncio
+
         try:
             await asyncio.shield(self._task)
         except asyncio.CancelledError:
@@ -361,7 +371,7 @@ class ProcessStream(Protocol):
 # ---- sandboxes
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Create(Request[Opened]):
     """A new sandbox (from a pool, cold, or forked from ``from_snapshot``). Defaults: warmbox.toml.
 
@@ -384,7 +394,7 @@ class Create(Request[Opened]):
     requirements: Requirements | None = None  # the four questions, for tier="auto"
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Connect(Request[Opened]):
     """Attach to a live sandbox by id (legal while ready/running); a paused one is resumed.
 
@@ -396,7 +406,7 @@ class Connect(Request[Opened]):
     timeout: float | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Resume(Request[Opened]):
     """A paused sandbox (its id or a snapshot id) running again."""
 
@@ -407,7 +417,7 @@ class Resume(Request[Opened]):
     secrets: dict[str, Any] | None = None  # name -> value (str) or warmbox.Secret: never stored
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Detach(Request[None]):
     """Let go of a sandbox without ending it (its connection closes; it runs until its timeout)."""
 
@@ -415,7 +425,7 @@ class Detach(Request[None]):
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ListSandboxes(Request[list[SandboxInfo]]):
     """Live sandboxes (include_dead: ended ones too); reap: first end the expired and the orphaned."""
 
@@ -425,13 +435,13 @@ class ListSandboxes(Request[list[SandboxInfo]]):
     query: SandboxQuery | None = None  # by metadata and state (E2B's SandboxQuery)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Info(Request[SandboxInfo]):
     op: ClassVar[Op] = Op.INFO
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Timings(Request[list[StageTiming]]):
     """A sandbox's stage timings (kept after it ended)."""
 
@@ -439,7 +449,7 @@ class Timings(Request[list[StageTiming]]):
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Logs(Request[str]):
     """The tails of a sandbox's runtime logs (runc/runsc, a Sentry panic, QEMU), also after it ended."""
 
@@ -447,14 +457,14 @@ class Logs(Request[str]):
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Doctor(Request[list[TierStatus]]):
     """Which tiers this host can run, and why not."""
 
     op: ClassVar[Op] = Op.DOCTOR
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ChooseTier(Request[TierChoice]):
     """The tier for code of these requirements on this host, why, and why not each other tier
     (NoSuitableTier when none is strong enough: never a weaker one)."""
@@ -463,7 +473,7 @@ class ChooseTier(Request[TierChoice]):
     requirements: Requirements
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Kill(Request[bool]):
     """Destroy a sandbox; False if it was already gone."""
 
@@ -471,7 +481,7 @@ class Kill(Request[bool]):
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SetTimeout(Request[float]):
     """Let the sandbox live ``timeout`` more seconds from now; returns the new expiry (epoch s)."""
 
@@ -480,7 +490,7 @@ class SetTimeout(Request[float]):
     timeout: float
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Metrics(Request[SandboxMetrics]):
     """A sandbox's usage and cost so far. fresh=False: the meters as the daemon last sampled them
     (at most ~1 s old while it lives; busy/idle as of its last command), without reading its
@@ -491,7 +501,7 @@ class Metrics(Request[SandboxMetrics]):
     fresh: bool = True
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Ping(Request[None]):
     """One empty round trip to the sandbox's agent (it answers, or a typed error says why not)."""
 
@@ -499,7 +509,7 @@ class Ping(Request[None]):
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class RecordFirstCommand(Request[None]):
     """The client's measure of its first command or cell on the sandbox (stage ``first_command``:
     from sending it to having its result, ms); recorded once per sandbox, later ones are ignored."""
@@ -512,7 +522,7 @@ class RecordFirstCommand(Request[None]):
 # ---- commands and code
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Exec(Request[CommandResult]):
     """Run ``cmd`` (a bash string or an argv list); timeout: seconds, wall clock (None/0: none)."""
 
@@ -528,7 +538,7 @@ class Exec(Request[CommandResult]):
     on_stderr: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class StartProcess(Request[int]):
     """Start ``cmd`` in the background (or, with pty_cols/pty_rows, on a terminal of that size); its
     pid. It runs until it ends or is killed, whoever reads its output; see ConnectProcess."""
@@ -544,7 +554,7 @@ class StartProcess(Request[int]):
     pty_rows: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ConnectProcess(Request[ProcessStream]):
     """Follow a background process's output (what its bounded ring still holds, then live) until it
     ends; ``output`` false: only its end. Any client, any number of times."""
@@ -556,7 +566,7 @@ class ConnectProcess(Request[ProcessStream]):
     pty: bool = False  # a terminal's output: "pty" events of raw bytes instead of text
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SendStdin(Request[None]):
     """Bytes (text: UTF-8) for a background process's stdin or terminal; ``eof`` closes its stdin
     (a terminal gets ^D)."""
@@ -568,7 +578,7 @@ class SendStdin(Request[None]):
     eof: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class KillProcess(Request[bool]):
     """End a process and every process it started (its cgroup or process group); False if it was
     not running. ``signal``: another signal number instead (to all of them)."""
@@ -579,7 +589,7 @@ class KillProcess(Request[bool]):
     signal: int = 9
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ListProcesses(Request[list[ProcessInfo]]):
     """The sandbox's running background processes and terminals."""
 
@@ -587,7 +597,7 @@ class ListProcesses(Request[list[ProcessInfo]]):
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ResizePty(Request[None]):
     """A terminal's new size (its processes get SIGWINCH)."""
 
@@ -598,7 +608,7 @@ class ResizePty(Request[None]):
     rows: int
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Commands(Request[list[CommandRecord]]):
     """A sandbox's recorded commands, code runs and followed background processes (kept after it
     ended): those with seq > ``after_seq``, at most ``limit`` (1-10000), the oldest of them first
@@ -612,7 +622,7 @@ class Commands(Request[list[CommandRecord]]):
     newest_first: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class RunCode(Request[Execution]):
     """Run a cell in a code context ("default" unless named)."""
 
@@ -628,7 +638,7 @@ class RunCode(Request[Execution]):
     language: str | None = None  # with no context: the default context of this language
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class CreateContext(Request[str]):
     """A new code context; returns its id."""
 
@@ -639,7 +649,7 @@ class CreateContext(Request[str]):
     envs: dict[str, str] | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class RemoveContext(Request[None]):
     op: ClassVar[Op] = Op.REMOVE_CONTEXT
     sandbox_id: str
@@ -649,7 +659,7 @@ class RemoveContext(Request[None]):
 # ---- files (relative paths are under /workspace)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ReadFile(Request[bytes]):
     """A whole regular file, at most ``max_bytes``; timeout: seconds for the whole read (None: none)."""
 
@@ -660,7 +670,7 @@ class ReadFile(Request[bytes]):
     timeout: float | None = 60.0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ReadFileStream(Request[ChunkStream]):
     """A file in flow-controlled chunks; max_bytes: None for no cap (a stream is never held
     whole); timeout: seconds per chunk (None: none)."""
@@ -672,7 +682,7 @@ class ReadFileStream(Request[ChunkStream]):
     timeout: float | None = 60.0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class WriteFile(Request[EntryInfo]):
     op: ClassVar[Op] = Op.FILES_WRITE
     sandbox_id: str
@@ -682,7 +692,7 @@ class WriteFile(Request[EntryInfo]):
     append: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class WriteFileStream(Request[EntryInfo]):
     """Create or replace a file from chunks of bytes, taken one at a time as the sandbox writes them
     (the host holds about one chunk, whatever the size). The file replaces ``path`` atomically when
@@ -696,7 +706,7 @@ class WriteFileStream(Request[EntryInfo]):
     mode: int = 0o644
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class WriteFiles(Request[list[EntryInfo]]):
     """Create or replace several files in one call, in order (parents are created); their entries.
     A failure stops at that file (the ones before it are written) with its typed error."""
@@ -706,7 +716,26 @@ class WriteFiles(Request[list[EntryInfo]]):
     files: tuple[WriteEntry, ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@record
+class SignFileUrl(Request[str]):
+    """A URL that lets whoever holds it, with no API key, read (``write`` False: GET) or write
+    (``write`` True: PUT or POST of the file's bytes as the raw body) the file ``path`` of this
+    sandbox as ``user`` ("user": the files API acts as the sandbox's user), for ``expires_in``
+    seconds (at most 7 days). It is signed for the caller's tenant under the registry's signing
+    key (:mod:`warmbox.engine.signing`): it names no other path, sandbox or operation, and stops
+    working at its expiry or when the sandbox ends (revoking the key that asked does not end it:
+    keep ``expires_in`` short). The answer is the URL's path and query, to be put after the
+    server's address (the SDK's ``files.download_url``/``upload_url`` do)."""
+
+    op: ClassVar[Op] = Op.FILES_SIGN_URL
+    sandbox_id: str
+    path: str
+    write: bool = False
+    user: str = "user"
+    expires_in: float = 3600.0
+
+
+@record
 class Rename(Request[EntryInfo]):
     """Move ``old_path`` to ``new_path`` (parents created; a file there is replaced); its new entry."""
 
@@ -716,7 +745,7 @@ class Rename(Request[EntryInfo]):
     new_path: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class UploadDir(Request[EntryInfo]):
     """Unpack a tar stream (uncompressed; chunks taken as the sandbox writes them) into the
     directory ``path`` (made if missing); its entry. A member that would land outside it (an
@@ -730,7 +759,7 @@ class UploadDir(Request[EntryInfo]):
     data: AsyncIterator[bytes]
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class DownloadDir(Request[ChunkStream]):
     """The directory ``path`` as a tar stream in flow-controlled chunks (symlinks stored as links,
     never followed; FIFOs, devices and sockets left out); timeout: seconds per chunk (None: none)."""
@@ -741,7 +770,7 @@ class DownloadDir(Request[ChunkStream]):
     timeout: float | None = 60.0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class WatchDir(Request[DirWatch]):
     """Watch the directory ``path`` (recursive: and every directory below it, new ones included;
     links are not followed): ``on_event`` gets a FilesystemEvent per change (inotify in the
@@ -756,7 +785,7 @@ class WatchDir(Request[DirWatch]):
     on_event: EventSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ListDir(Request[list[EntryInfo]]):
     op: ClassVar[Op] = Op.FILES_LIST
     sandbox_id: str
@@ -764,14 +793,14 @@ class ListDir(Request[list[EntryInfo]]):
     depth: int = 1
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Stat(Request[EntryInfo]):
     op: ClassVar[Op] = Op.FILES_STAT
     sandbox_id: str
     path: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class MakeDir(Request[bool]):
     """Create a directory and its parents; False if it existed."""
 
@@ -780,7 +809,7 @@ class MakeDir(Request[bool]):
     path: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Remove(Request[None]):
     op: ClassVar[Op] = Op.FILES_REMOVE
     sandbox_id: str
@@ -790,7 +819,7 @@ class Remove(Request[None]):
 # ---- snapshots
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Snapshot(Request[SnapshotRef]):
     """Save files and code-context state (memory=True: processes too, where the tier can)."""
 
@@ -800,7 +829,7 @@ class Snapshot(Request[SnapshotRef]):
     env_names: tuple[str, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Pause(Request[SnapshotRef]):
     """Snapshot, then release everything; the sandbox is paused until resumed."""
 
@@ -810,14 +839,14 @@ class Pause(Request[SnapshotRef]):
     env_names: tuple[str, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ListSnapshots(Request[list[tuple[str, str, float, int]]]):
     """(snapshot_id, sandbox_id, created_at, size_bytes) of every snapshot."""
 
     op: ClassVar[Op] = Op.LIST_SNAPSHOTS
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class DeleteSnapshot(Request[None]):
     """Forget a snapshot (its blobs go at the next gc); works on an unreadable manifest too."""
 
@@ -825,7 +854,7 @@ class DeleteSnapshot(Request[None]):
     snapshot_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class GcReport:
     """What a snapshot gc did: blobs deleted, manifests that cannot be read, the store it swept."""
 
@@ -834,7 +863,7 @@ class GcReport:
     store: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class GcSnapshots(Request[GcReport]):
     """Finish or undo dead snapshot operations, then delete unreferenced blobs (now: no grace period)."""
 
@@ -845,7 +874,7 @@ class GcSnapshots(Request[GcReport]):
 # ---- network
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class UpdateNetwork(Request[str]):
     """Replace the egress policy; returns it in words."""
 
@@ -854,19 +883,19 @@ class UpdateNetwork(Request[str]):
     network: object
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class NetworkPolicy(Request[str]):
     op: ClassVar[Op] = Op.NETWORK_POLICY
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class NetworkLog(Request[list[NetEvent]]):
     op: ClassVar[Op] = Op.NETWORK_LOG
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Export(Request[Transcript]):
     """Everything recorded of a sandbox, in any state (destroyed too): its record, stage timings,
     state changes, commands and code runs, egress events, snapshots and cost
@@ -880,14 +909,14 @@ class Export(Request[Transcript]):
 # ---- warm pools
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class PoolsList(Request[list[PoolStatus]]):
     """Every configured warm pool: target, bounds, ready/warming counts, hits/misses, warm-up cost."""
 
     op: ClassVar[Op] = Op.POOLS_LIST
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class PoolsResize(Request[PoolStatus]):
     """Set a pool's target (clamped to its bounds) and/or its min/max (None: keep); the daemon acts on it."""
 
@@ -901,7 +930,7 @@ class PoolsResize(Request[PoolStatus]):
 # ---- ports
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class PortConnect(Request[PortStream]):
     """One TCP connection to ``port`` on the sandbox's own loopback (what ``get_host`` forwards
     each accepted connection to); PortNotListening if nothing listens there. The sandbox gets no
@@ -916,7 +945,7 @@ class PortConnect(Request[PortStream]):
 # ---- named volumes (a tenant's own: another tenant's name is VolumeNotFound, as an unknown one)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class VolumeCreate(Request[VolumeInfo]):
     """A new empty volume of ``size_mb`` MiB (its limit: a writer inside gets NoSpace); VolumeError
     if one of that name exists. Mount it with ``create(volumes=[Volume(name, path)])``."""
@@ -926,20 +955,20 @@ class VolumeCreate(Request[VolumeInfo]):
     size_mb: int
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class VolumeList(Request[list[VolumeInfo]]):
     """Your volumes, by name."""
 
     op: ClassVar[Op] = Op.VOLUME_LIST
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class VolumeGet(Request[VolumeInfo]):
     op: ClassVar[Op] = Op.VOLUME_GET
     name: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class VolumeDelete(Request[None]):
     """Delete a volume and its files; VolumeInUse while a live or paused sandbox mounts it."""
 
@@ -952,7 +981,7 @@ class VolumeDelete(Request[None]):
 ProgressSink = Callable[[TemplateBuildEvent], object]  # may return an awaitable: awaited
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TemplateBuild(Request[TemplateInfo]):
     """Build ``template`` as the next version of the template ``name`` (the same spec and image as
     the latest version: that version again). context: a tar of the COPY steps' sources, made on the
@@ -967,14 +996,14 @@ class TemplateBuild(Request[TemplateInfo]):
     on_progress: ProgressSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TemplateList(Request[list[TemplateInfo]]):
     """Every built template version of the caller's (all versions; the latest last per name)."""
 
     op: ClassVar[Op] = Op.TEMPLATE_LIST
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TemplateGet(Request[TemplateInfo]):
     """One built template: its latest version, or ``version``; TemplateNotFound if none."""
 
@@ -983,7 +1012,7 @@ class TemplateGet(Request[TemplateInfo]):
     version: int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TemplateDelete(Request[list[TemplateInfo]]):
     """Remove a template's versions (all, or ``version``); the records removed. TemplateInUse if a
     sandbox, pool or snapshot uses it (its layers go at the next layer gc)."""
@@ -993,7 +1022,7 @@ class TemplateDelete(Request[list[TemplateInfo]]):
     version: int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TemplateGcReport:
     """What a template gc removed (dry_run: would remove): layer digests, microVM root files, the
     bytes they took; roots kept only because another home's registry could not be read;
@@ -1008,7 +1037,7 @@ class TemplateGcReport:
     shared_layers: tuple[str, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TemplateGc(Request[TemplateGcReport]):
     """Remove the layers no template version, built-in image, sandbox or snapshot (of any home)
     uses and the microVM roots of images nothing runs (admin); dry_run: only say what."""
@@ -1020,7 +1049,7 @@ class TemplateGc(Request[TemplateGcReport]):
 # ---- the approval queue (questions a step waits on: a start over budget, a large create, a network ask)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ApprovalsList(Request[list[Approval]]):
     """The approval questions, newest first: a tenant key's own tenant's, an admin key's (and the
     host's) every tenant's. pending_only: only those still open. limit: at most this many (1-1000).
@@ -1033,7 +1062,7 @@ class ApprovalsList(Request[list[Approval]]):
     tenant: str | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ApprovalAnswer(Request[Approval]):
     """Answer an open question, once (ApprovalClosed for a second answer or after its deadline):
     "approve"/"deny" a create, resume or pool resize (an admin key's, or the host's, to give),
@@ -1047,7 +1076,7 @@ class ApprovalAnswer(Request[Approval]):
 # ---- cluster nodes (the API tier of a cluster, ``warmbox serve --cluster``; a single host refuses them)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class DrainReport:
     """What a node drain did: the sandboxes moved to other nodes (paused there, resumed here: the
     same ids, files and code-context state kept), those already paused (left paused: any node
@@ -1060,7 +1089,7 @@ class DrainReport:
     state: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class NodeDrain(Request[DrainReport]):
     """Take a node out of service (admin): no new sandbox is placed on it; each of its live
     sandboxes is paused and resumed on another node; then it is marked down (it stays draining,
@@ -1106,6 +1135,7 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         WriteFileStream,
         WriteFiles,
         Rename,
+        SignFileUrl,
         UploadDir,
         DownloadDir,
         WatchDir,

@@ -217,8 +217,9 @@ def test_placement_prefers_a_node_with_a_ready_pooled_sandbox_of_the_shape(two_n
     assert cluster.place(Want("container", shape="p")).name == "b"
     assert cluster.place(Want("container", shape="p")).name == "b"
     assert cluster.place(Want("container", shape="p")).name == "b"  # none left there: b still has more free slots
-    assert cluster.place(Want("container")).name == "b"
-    assert cluster.place(Want("container")).name == "a"
+    # a and b now hold 3 slots and 1536 MiB each (b's claimed pooled sandboxes keep theirs): a tie
+    # the router's salt breaks, one each
+    assert {cluster.place(Want("container")).name, cluster.place(Want("container")).name} == {"a", "b"}
 
 
 def test_ready_needs_an_up_node(two_nodes):

@@ -1107,6 +1107,10 @@ async def command(args: argparse.Namespace) -> int:
         from warmbox.bench import template
 
         return await template.command(args)
+    if args.bench == "cli":
+        from warmbox.bench import cli
+
+        return await cli.command(args)
     if args.bench == "profile":
         from warmbox.bench import profile
 

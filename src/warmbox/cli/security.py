@@ -40,6 +40,32 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ),
     ),
     Guarantee(
+        "tenants",
+        "A sandbox's web servers (get_host's ports, by Host or E2B's headers, and the preview route) "
+        "take WebSocket upgrades with the same checks as HTTP (another tenant's key: not found; another "
+        "sandbox's token or none: refused), never see the caller's credentials or cookies, and get at "
+        "most 1 MiB a message each way, in at most 1,024 frames (1009 beyond), and 64 sockets a sandbox "
+        "at once (429 beyond). A page they serve runs "
+        "no script on the API's origin, and on its own host (domain mode) only in an opaque origin: it "
+        "can neither set cookies for the domain the API and console share nor send their SameSite cookies.",
+        _ALL,
+        (
+            "test_e2b_walls.py::test_a_websocket_to_a_sandbox_port_is_relayed_with_the_http_checks_and_bounds",
+            "test_e2b_walls.py::test_a_sandbox_page_never_runs_with_an_origin_that_reaches_the_api",
+        ),
+    ),
+    Guarantee(
+        "tenants",
+        "A signed file URL of warmbox's own (files.sign_url: sb.files.download_url / upload_url) is a "
+        "credential for one path, one sandbox, one operation and one tenant, until its expiry: used "
+        "for another path, sandbox or operation, naming another tenant as signer, past its expiry "
+        "(or with its expiry moved) or after its sandbox ended it is refused and writes nothing; "
+        "another tenant's key gets no URL for a sandbox not its own (not found). The key signing it "
+        "lives in the registry and is never sent to a tenant.",
+        _ALL,
+        ("test_e2b_walls.py::test_a_warmbox_signed_url_opens_only_what_it_was_signed_for",),
+    ),
+    Guarantee(
         "audit trail",
         "What a sandbox sends back cannot poison or inflate the command records: a cell's exception "
         "name is cut to 200 characters of [A-Za-z0-9_.:-], a NaN duration or a 70-bit exit code from "

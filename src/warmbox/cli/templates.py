@@ -16,7 +16,6 @@ import os
 import re
 import sys
 import time
-import tomllib
 from typing import Any
 
 from warmbox import operations as ops
@@ -24,7 +23,6 @@ from warmbox.errors import InvalidArgument, WarmboxError
 from warmbox.models import TemplateBuildEvent, TemplateInfo
 from warmbox.network.policy import PRESETS, Network
 from warmbox.templates import Template
-from warmbox.templates.context import pack_context
 
 
 def add_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> None:
@@ -75,6 +73,8 @@ def _from_python(path: str) -> Template:
 
 
 def _from_toml(path: str, name: str | None) -> tuple[str, Template]:
+    import tomllib
+
     from warmbox.templates.toml import spec_from_table
 
     try:
@@ -233,6 +233,7 @@ def _shown(field: str, value: object) -> list[str]:
 
 async def command(args: argparse.Namespace) -> int:
     from warmbox.cli.main import _engine, _pairs
+    from warmbox.templates.context import pack_context  # tarfile: not for the parser (warmbox --help)
 
     t = _engine()
     if args.template_command == "build":

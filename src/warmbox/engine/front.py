@@ -22,13 +22,14 @@ import collections.abc
 import dataclasses
 import functools
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
+from warmbox import api, transcript
 from warmbox import operations as ops
-from warmbox import transcript
 from warmbox.backends.base import SharedHost
-from warmbox.engine import approvals, commandlog, egress, tierprofile, volumes
+from warmbox.engine import approvals, commandlog, egress, signing, tierprofile, volumes
 from warmbox.engine import pool as pools
 from warmbox.engine import snapshot as snapshots
 from warmbox.engine.engine import Engine, validate_envs, validate_timeout
@@ -143,6 +144,7 @@ NOT_USE: frozenset[type[Any]] = frozenset(
         ops.NetworkLog,
         ops.Commands,
         ops.Export,
+        ops.SignFileUrl,
     }
 )
 # operations of USE that may run again after a pause cut them short (with auto_resume): reads that
@@ -181,6 +183,7 @@ NEEDS: dict[type[Any], str] = {
             ops.MakeDir,
             ops.Remove,
             ops.WatchDir,
+            ops.SignFileUrl,
         ),
         "files",
     ),
@@ -360,6 +363,7 @@ class EngineFront:
         self._started: dict[tuple[str, int], tuple[tuple[str, bool], float]] = {}
         self._contexts: dict[tuple[str, str], str] = {}  # code contexts made here: their language
         self._default_language: dict[str, str] = {}  # a tier's "default" context's language
+        self._signing: signing.Signer | None = None  # made at the first files.sign_url
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[Any]]] = {
             ops.Create: self.create,
             ops.Connect: self.connect,
@@ -399,6 +403,7 @@ class EngineFront:
             ops.Stat: self.stat,
             ops.MakeDir: self.make_dir,
             ops.Remove: self.remove,
+            ops.SignFileUrl: self.sign_file_url,
             ops.Snapshot: self.snapshot,
             ops.Pause: self.pause,
             ops.ListSnapshots: self.list_snapshots,
@@ -1146,6 +1151,38 @@ class EngineFront:
 
     async def remove(self, r: ops.Remove) -> None:
         await (await self._session(r.sandbox_id)).remove(sandbox_path(r.path))
+
+    async def sign_file_url(self, r: ops.SignFileUrl) -> str:
+        path = sandbox_path(r.path)
+        if not isinstance(r.write, bool):
+            raise InvalidArgument(f"write must be true or false, got {r.write!r}")
+        if r.user != "user":
+            raise InvalidArgument(f"user must be 'user' (the files API acts as the sandbox's user), got {r.user!r}")
+        expires_in = r.expires_in
+        if (
+            isinstance(expires_in, bool)
+            or not isinstance(expires_in, (int, float))
+            or not 0 < expires_in <= signing.MAX_EXPIRES_S
+        ):
+            raise InvalidArgument(f"expires_in must be seconds, more than 0 and at most {signing.MAX_EXPIRES_S:g}")
+        info = self.engine.info(r.sandbox_id)[0]
+        if info.state is not State.PAUSED:  # a paused one: its URL works once it is resumed
+            self.engine.check(Operation.EXEC, info)
+        # signed for the tenant, not the key: a server's front is one per tenant (not per key), so
+        # which of the tenant's keys asked is not known here
+        signer = signing.tenant_signer(self._tenant_name())
+        at = int(time.time() + expires_in)
+        operation = "write" if r.write else "read"
+        signature = self._signer().sign_file(signer, r.sandbox_id, path, operation, r.user, at)
+        query = urllib.parse.urlencode(
+            {"path": path, "username": r.user, "signer": signer, "signature_expiration": at, "signature": signature}
+        )
+        return api.SIGNED_FILE.format(sandbox_id=urllib.parse.quote(r.sandbox_id, safe="")) + "?" + query
+
+    def _signer(self) -> signing.Signer:
+        if self._signing is None:
+            self._signing = signing.Signer(signing.registry_key(self.engine.registry))
+        return self._signing
 
     # ---- snapshots
 

@@ -13,7 +13,8 @@ Who does what:
 Autoscaling between the pool's min and max:
 - every miss (a matching create that found the pool empty) raises the target by one;
 - after ``idle_shrink`` seconds without any request the target halves (not below min).
-``warmbox pool resize`` sets the target (and optionally min/max) by hand; the registry keeps it.
+``warmbox pool resize NAME N`` sets the target by hand and holds it: the registry keeps it, and
+idle shrinking stops at N (N becomes the pool's min unless ``--min`` says how far it may shrink).
 """
 
 from __future__ import annotations
@@ -100,10 +101,14 @@ def resize(
     # the row records the configured target first: else the daemon's next tick would take this
     # resize for a changed configuration and put the target back to the configured one
     row = configured_row(engine.registry, pc, engine.registry.pool_rows().get(name))
-    new_min = min if min is not None else (row.min_override if row else None)
     new_max = max if max is not None else (row.max_override if row else None)
-    eff_min = pc.min if new_min is None else new_min
     eff_max = pc.max if new_max is None else new_max
+    if target is not None and min is None:
+        # an explicit target holds (issue 38): idle shrinking stops at it (never below the
+        # configured min; at most max); ``--min M`` with it lets the pool shrink down to M
+        min = sorted((pc.min, target, eff_max))[1]
+    new_min = min if min is not None else (row.min_override if row else None)
+    eff_min = pc.min if new_min is None else new_min
     if eff_max < eff_min:
         raise InvalidArgument(f"max ({eff_max}) is below min ({eff_min})")
     lo, hi = bounds(pc, new_min, new_max)
@@ -117,6 +122,7 @@ def resize(
         max_override=max if max is not None else False,
         kind="resized",
         detail=f"target={new} min={lo} max={hi}",
+        demand=True,  # an idle period counts from the operator's word, not from the last create
     )
     engine.ensure_daemon()
     return next(s for s in status(engine, settings) if s.name == name)

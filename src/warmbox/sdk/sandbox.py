@@ -45,11 +45,10 @@ from warmbox.sdk._sync import either
 from warmbox.sdk.code import CodeContext, context_id
 from warmbox.sdk.commands import DEFAULT_COMMAND_TIMEOUT_S, DEFAULT_MAX_OUTPUT, AsyncCommands
 from warmbox.sdk.files import WORKDIR, AsyncFiles
-from warmbox.sdk.http import HttpTransport, default_url
 from warmbox.sdk.network import AsyncNetwork
 from warmbox.sdk.ports import PortForward
 from warmbox.sdk.pty import AsyncPty
-from warmbox.sdk.transport import Cancellable, LocalTransport, Transport
+from warmbox.sdk.transport import Cancellable, LocalTransport, Transport, default_url
 from warmbox.tiers import TIERS
 
 # every name a tier goes by: refused as a template (a tier given where E2B's template goes)
@@ -85,6 +84,9 @@ def _transport(
     if transport is not None:
         return transport
     if api_url is not None or (home is None and default_url()):
+        # lazily, by design: the HTTP client (aiohttp, ~180 ms to import) only when a server is addressed
+        from warmbox.sdk.http import HttpTransport
+
         return HttpTransport(api_url, api_key, request_timeout=request_timeout)
     if api_key is not None:
         raise InvalidArgument("api_key needs api_url (or WARMBOX_API_URL): the in-process engine takes no key")
@@ -681,6 +683,20 @@ class AsyncSandbox:
             await forward.start()
             self._forwards[key] = forward
         return forward.host
+
+    # ---- signed file URLs (E2B's names on the sandbox; the same as files.download_url / upload_url)
+
+    async def download_url(
+        self, path: str, *, expires_in: float = 3600.0, user: str = "user", base_url: str | None = None
+    ) -> str:
+        """A URL whose holder reads the file ``path`` with a plain GET: :meth:`AsyncFiles.download_url`."""
+        return await self.files.download_url(path, expires_in=expires_in, user=user, base_url=base_url)
+
+    async def upload_url(
+        self, path: str, *, expires_in: float = 3600.0, user: str = "user", base_url: str | None = None
+    ) -> str:
+        """A URL whose holder writes the file ``path`` (PUT or POST of its bytes): :meth:`AsyncFiles.upload_url`."""
+        return await self.files.upload_url(path, expires_in=expires_in, user=user, base_url=base_url)
 
     async def _wait_listening(self, port: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout

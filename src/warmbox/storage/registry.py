@@ -1513,6 +1513,12 @@ class Registry:
         with self._tx() as db:
             db.execute(self._sql.upsert("meta_text", ("key", "value"), ("key",)), (key, value))
 
+    @_retried
+    def add_meta_text(self, key: str, value: str) -> None:
+        """Set ``key`` only if it has no value yet (two processes racing keep the first's)."""
+        with self._tx() as db:
+            db.execute(self._sql.upsert("meta_text", ("key", "value"), ("key",), update=()), (key, value))
+
     # ---- nodes (a cluster: every node and the API tier share this registry)
 
     @_retried
@@ -2494,8 +2500,10 @@ class Registry:
         error: str | None = None,
         kind: str = "",
         detail: str = "",
+        demand: bool = False,
     ) -> None:
-        """Update a pool's row (False = leave that override unchanged) and log an event if ``kind``."""
+        """Update a pool's row (False = leave that override unchanged) and log an event if ``kind``;
+        demand: count it as demand (an idle period starts now)."""
         now = time.time()
         with self._tx() as db:
             db.execute(
@@ -2510,6 +2518,8 @@ class Registry:
                 db.execute("UPDATE pool_state SET max_override=? WHERE name=?", (max_override, name))
             if error is not None:
                 db.execute("UPDATE pool_state SET last_error=?, last_error_at=? WHERE name=?", (error, now, name))
+            if demand:
+                db.execute("UPDATE pool_state SET last_demand_at=? WHERE name=?", (now, name))
             if kind:
                 self._pool_event(db, (name, now, kind, "", detail))
 
