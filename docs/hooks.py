@@ -153,6 +153,7 @@ SECTIONS = {
     "approvals": "ApprovalSettings",
     "cluster": "ClusterSettings",
     "microvm": "MicroVMSettings",
+    "cost": "CostSettings",
     "daemon": "Settings",
     "lifecycle": "Settings",
 }

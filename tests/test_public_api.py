@@ -73,6 +73,7 @@ def test_exported_members():
             "TemplateError",
             "TemplateInUse",
             "TemplateMismatch",
+            "ImageRegistryUnreachable",
             "TemplateNotFound",
             "VolumeError",
             "VolumeElsewhere",

@@ -46,7 +46,8 @@ WarmboxError
 │   ├── TemplateNotFound (LookupError)  no built template of that name (or that version/image)
 │   ├── TemplateBuildError              a build step failed (``step``; ``log``: the build log's name)
 │   ├── TemplateInUse                   removal refused: a sandbox, pool or snapshot uses it
-│   └── TemplateMismatch                a pool, snapshot or restore recorded another image than the one at hand
+│   ├── TemplateMismatch                a pool, snapshot or restore recorded another image than the one at hand
+│   └── ImageRegistryUnreachable        a FROM image's registry (or its mirror) could not be connected to (``registry``)
 ├── DockerfileError (InvalidArgument)   an unsupported or malformed instruction (``line``: its number)
 ├── CorruptLayer (ArtifactCorrupt)      an image layer whose content does not match its digest
 ├── VolumeError                         a named volume (``volume``: its name)
@@ -349,6 +350,15 @@ class TemplateInUse(TemplateError):
 
 class TemplateMismatch(TemplateError):
     """A pool, snapshot or restore recorded another image of the template than the one at hand."""
+
+
+class ImageRegistryUnreachable(TemplateError):
+    """The registry a source image is pulled from (Docker Hub's mirror, if one is set) could not be
+    connected to: ``registry`` is its ``host:port``. Nothing was built."""
+
+    def __init__(self, message: str, *, registry: str = "", template: str = "", step: str = "") -> None:
+        super().__init__(message, template=template, step=step)
+        self.registry = registry
 
 
 class DockerfileError(InvalidArgument):

@@ -617,6 +617,8 @@ class SandboxMetrics:
     wall_s: seconds since it was created (or handed out of a pool) until now or its end.
     busy_s / idle_s: of wall_s, seconds with at least one command or code run in progress / none.
     memory_bytes / memory_peak_bytes: now (0 once ended) / highest sampled.
+    commands: commands and code runs recorded for it (what ``commands()`` lists; a pool's warm-up
+    is not among them).
     final: True once the sandbox ended and these numbers are frozen in the registry.
     """
 

@@ -48,7 +48,9 @@ def server(home: Path, runc_ready: None):
 
 @pytest.fixture(scope="module")
 def box(server):
-    with Sandbox.create("container", timeout=600, pool=False, api_url=server.url, api_key=server.client_env["a"]) as sb:
+    with Sandbox.create(
+        tier="container", timeout=600, pool=False, api_url=server.url, api_key=server.client_env["a"]
+    ) as sb:
         yield sb
 
 
@@ -167,7 +169,11 @@ def test_a_key_reused_with_other_arguments_is_a_conflict(server, box, home):
     # a create refused before it made anything frees its key (a repeat runs it again), as Stripe's do
     with pytest.raises(WarmboxError, match="no-such"):
         Sandbox.create(
-            "container", template="no-such", idempotency_key="bad", api_url=server.url, api_key=server.client_env["a"]
+            tier="container",
+            template="no-such",
+            idempotency_key="bad",
+            api_url=server.url,
+            api_key=server.client_env["a"],
         )
     assert Engine.for_home(home).registry.key_record("idem-a", "", "bad") is None
     first = box.commands.run("echo one", idempotency_key="step-c")
@@ -188,15 +194,15 @@ def test_a_key_reused_with_other_arguments_is_a_conflict(server, box, home):
 
 def test_two_tenants_using_one_key_string_do_not_collide(server, box):
     kw = {"timeout": 120, "pool": False, "api_url": server.url}
-    a = Sandbox.create("container", api_key=server.client_env["a"], idempotency_key="create-1", **kw)
-    b = Sandbox.create("container", api_key=server.client_env["b"], idempotency_key="create-1", **kw)
+    a = Sandbox.create(tier="container", api_key=server.client_env["a"], idempotency_key="create-1", **kw)
+    b = Sandbox.create(tier="container", api_key=server.client_env["b"], idempotency_key="create-1", **kw)
     try:
         assert a.sandbox_id != b.sandbox_id
-        again = Sandbox.create("container", api_key=server.client_env["a"], idempotency_key="create-1", **kw)
+        again = Sandbox.create(tier="container", api_key=server.client_env["a"], idempotency_key="create-1", **kw)
         assert again.sandbox_id == a.sandbox_id  # a repeat creates nothing
         with pytest.raises(IdempotencyConflict):
             Sandbox.create(
-                "container", api_key=server.client_env["a"], idempotency_key="create-1", **{**kw, "timeout": 60}
+                tier="container", api_key=server.client_env["a"], idempotency_key="create-1", **{**kw, "timeout": 60}
             )
         # B's command under a key A used on its own sandbox runs (its own key), and sees nothing of A's
         ran = b.commands.run("echo b", idempotency_key="step-c")
@@ -204,7 +210,7 @@ def test_two_tenants_using_one_key_string_do_not_collide(server, box):
     finally:
         a.kill()
         b.kill()
-    ended = Sandbox.create("container", api_key=server.client_env["a"], idempotency_key="create-1", **kw)
+    ended = Sandbox.create(tier="container", api_key=server.client_env["a"], idempotency_key="create-1", **kw)
     assert ended.sandbox_id == a.sandbox_id  # the same id after it ended; using it says so
     with pytest.raises(WarmboxError, match=r"not found|destroyed|ended"):
         ended.commands.run("true")
@@ -217,7 +223,7 @@ def test_replays_across_a_server_restart(home: Path, runc_ready: None):
     args = ("--port", str(port))
     server = start_server(home, home / "idem-restart.sock", args=args)
     key = Engine.for_home(home).registry.create_key("idem-restart")[1]
-    sb = Sandbox.create("container", timeout=300, pool=False, api_url=server.url, api_key=key)
+    sb = Sandbox.create(tier="container", timeout=300, pool=False, api_url=server.url, api_key=key)
     try:
         done = sb.commands.run(STEP.format(f="restart", s=0), idempotency_key="before")
         assert server.stop() == 0

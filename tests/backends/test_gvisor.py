@@ -25,7 +25,7 @@ def gv(home, runc_ready):
     avail = engine.backend("gvisor").probe()
     if not avail.available:
         pytest.fail(f"the gvisor tier must run here (scripts/bootstrap installs runsc and gcc): {avail.reason}")
-    with Sandbox.create("gvisor", timeout=600, envs={"GREETING": "hi"}) as sb:
+    with Sandbox.create(tier="gvisor", timeout=600, envs={"GREETING": "hi"}) as sb:
         yield sb
 
 
@@ -93,7 +93,7 @@ def test_kill_leaves_nothing(home, runc_ready, monkeypatch):
     engine = Engine.for_home(home)
     backend = engine.backend("gvisor")
     calls = recording(backend, monkeypatch)
-    sb = Sandbox.create("gvisor", timeout=60, template="shell")
+    sb = Sandbox.create(tier="gvisor", timeout=60, template="shell")
     sb.commands.run("sleep 1000 > /dev/null 2>&1 &")
     _, handle = engine.info(sb.sandbox_id)
     pids = backend._pids(sb.sandbox_id)
@@ -115,7 +115,7 @@ def test_memory_limit_contains_a_bomb(home, runc_ready):
     from warmbox.errors import SandboxError
 
     engine = Engine.for_home(home)
-    sb = Sandbox.create("gvisor", timeout=60, template="shell", limits=Limits(memory_mb=256))
+    sb = Sandbox.create(tier="gvisor", timeout=60, template="shell", limits=Limits(memory_mb=256))
     try:
         try:
             r = sb.commands.run(["python3", "-c", "x = b'a' * (2 << 30); print('survived')"], timeout=60)
@@ -151,7 +151,7 @@ def test_the_host_never_follows_a_planted_symlink(tmp_path):
 def test_memory_pause_and_resume_continue_execution(home, runc_ready):
     """A variable, a background process's counter and an open file all carry on after resume."""
     engine = Engine.for_home(home)
-    sb = Sandbox.create("gvisor", timeout=120, template="base")
+    sb = Sandbox.create(tier="gvisor", timeout=120, template="base")
     sb.run_code("log = open('/tmp/log.txt', 'w')\nlog.write('before\\n')\nlog.flush()\ncounter = 41")
     sb.commands.run(
         "(i=0; while true; do i=$((i+1)); echo $i > /tmp/bg.new; mv /tmp/bg.new /tmp/bg; "  # never empty
@@ -217,13 +217,15 @@ limits = { memory_mb = 444 }
         snap = next(iter(template))
         for sid in engine.registry.pooled("t-gv"):
             assert [t.reason for t in engine.registry.transitions(sid)][-1] == f"restored from {snap}"
-        with Sandbox.create("gvisor", template="t-rand", limits=Limits(memory_mb=444), envs={"WHO": "me"}) as sb:
+        with Sandbox.create(tier="gvisor", template="t-rand", limits=Limits(memory_mb=444), envs={"WHO": "me"}) as sb:
             assert sb.from_pool and sb.tier == "gvisor"
             r = sb.run_code("import os; os.environ['WHO'], 2 + 2")
             assert r.text == "('me', 4)" and r.execution_count == 1
             assert sb.commands.run("echo $WHO; uname -r").stdout.split()[0] == "me"
             draw = "import random; random.random()"  # the module the template's warm-up imported
-            with Sandbox.create("gvisor", template="t-rand", limits=Limits(memory_mb=444)) as sb2:  # the other restore
+            with Sandbox.create(
+                tier="gvisor", template="t-rand", limits=Limits(memory_mb=444)
+            ) as sb2:  # the other restore
                 assert sb2.from_pool
                 a, b = sb.run_code(draw).text, sb2.run_code(draw).text
                 assert a != b  # both restored the template's generator state: reseeded per restore
@@ -385,7 +387,7 @@ def test_a_memory_snapshot_of_another_runsc_is_refused_naming_both_versions(home
     other_runsc = _new_runsc() if here == "runsc " + LEGACY_RUNSC_VERSION else _old_runsc()
     other = "runsc " + runsc_version(other_runsc)
     assert other != here
-    sb = Sandbox.create("gvisor", timeout=120)
+    sb = Sandbox.create(tier="gvisor", timeout=120)
     sb.run_code("counter = 41")
     files_only = sb.snapshot()
     ref = sb.pause(memory=True)

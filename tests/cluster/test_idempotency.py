@@ -19,11 +19,13 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.cluster]
 def test_a_keyed_create_and_command_replayed_through_the_router_run_once(cluster: Cluster):
     key = f"step-{secrets.token_hex(4)}"
     before = set(live_ids(cluster))
-    sb = Sandbox.create("container", timeout=120, pool=False, idempotency_key=key, **sdk(cluster))
+    sb = Sandbox.create(tier="container", timeout=120, pool=False, idempotency_key=key, **sdk(cluster))
     replays: list[Sandbox] = []
     try:
         for _ in range(3):  # each may be placed on another node: the shared registry has the key
-            replays.append(Sandbox.create("container", timeout=120, pool=False, idempotency_key=key, **sdk(cluster)))
+            replays.append(
+                Sandbox.create(tier="container", timeout=120, pool=False, idempotency_key=key, **sdk(cluster))
+            )
             assert replays[-1].sandbox_id == sb.sandbox_id
         again = replays[-1]
         assert set(live_ids(cluster)) - before == {sb.sandbox_id}

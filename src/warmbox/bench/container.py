@@ -274,7 +274,7 @@ async def _cold(home: Path, cmd: list[str]) -> tuple[float, str, list]:
     from warmbox.sdk.sandbox import AsyncSandbox
 
     t0 = time.perf_counter()
-    sb = await AsyncSandbox.create("container", timeout=120, template="shell", pool=False, home=home)
+    sb = await AsyncSandbox.create(tier="container", timeout=120, template="shell", pool=False, home=home)
     try:
         r = await sb.commands.run(cmd, timeout=120)
         ms = (time.perf_counter() - t0) * 1e3
@@ -289,7 +289,7 @@ async def _warm(home: Path, template: str, code: str | None, cmd: list[str] | No
     from warmbox.sdk.sandbox import AsyncSandbox
 
     t0 = time.perf_counter()
-    sb = await AsyncSandbox.create("container", timeout=120, template=template, home=home)
+    sb = await AsyncSandbox.create(tier="container", timeout=120, template=template, home=home)
     try:
         if code is not None:
             ex = await sb.run_code(code, timeout=120)
@@ -422,7 +422,7 @@ async def bench_burst(home: Path, burst: int, pool_sizes: list[int]) -> dict:
         await _wait_quiet(engine, "bench-burst", timeout=600)
 
         async def one(t0: float) -> tuple[float, bool, Any]:
-            sb = await AsyncSandbox.create("container", timeout=300, template="base", home=home)
+            sb = await AsyncSandbox.create(tier="container", timeout=300, template="base", home=home)
             r = await sb.run_code("print(2+2)")
             ms = (time.perf_counter() - t0) * 1e3
             if r.stdout.strip() != "4":
@@ -528,7 +528,7 @@ async def bench_exec(home: Path, seconds: float) -> dict:
     from warmbox.engine.engine import Engine
     from warmbox.sdk.sandbox import AsyncSandbox
 
-    sb = await AsyncSandbox.create("container", timeout=300, template="shell", pool=False, home=home)
+    sb = await AsyncSandbox.create(tier="container", timeout=300, template="shell", pool=False, home=home)
     try:
         await sb.commands.run(["true"])
         rates = {}
@@ -1006,7 +1006,7 @@ async def bench_snapshot_gvisor(home: Path, runs: int) -> dict:
     sizes: dict[str, int] = {}
     for _ in range(runs):
         t0 = time.perf_counter()
-        sb = await AsyncSandbox.create("gvisor", template="pydata", timeout=600, pool=False, home=home)
+        sb = await AsyncSandbox.create(tier="gvisor", template="pydata", timeout=600, pool=False, home=home)
         r = await sb.run_code("df = pandas.DataFrame({'a': range(1000)})\nlen(df)")
         rows["cold_start_first_ms"].append((time.perf_counter() - t0) * 1e3)
         if r.text != "1000":

@@ -650,14 +650,14 @@ async def _run(args: argparse.Namespace) -> int:
     from warmbox.sdk.sandbox import AsyncSandbox
 
     cmd = _cmd(args)
-    async with await AsyncSandbox.create(args.tier, **_create_kwargs(args)) as sb:
+    async with await AsyncSandbox.create(tier=args.tier, **_create_kwargs(args)) as sb:
         return await _exec_in(sb, args, cmd)
 
 
 async def _create(args: argparse.Namespace) -> int:
     from warmbox.sdk.sandbox import AsyncSandbox
 
-    sb = await AsyncSandbox.create(args.tier, idempotency_key=args.idempotency_key, **_create_kwargs(args))
+    sb = await AsyncSandbox.create(tier=args.tier, idempotency_key=args.idempotency_key, **_create_kwargs(args))
     await sb.close()
     if args.json:
         print(

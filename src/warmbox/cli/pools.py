@@ -159,6 +159,8 @@ def show_config(as_json: bool) -> int:
         )
         cmds = f", {len(t.warmup_commands)} commands" if t.warmup_commands else ""
         print(f"  {t.name:<10} warm-up: {warm}{cmds}  {t.description}")
+    if settings.registry_mirror:
+        print(f"  (Docker Hub's images from the mirror {settings.registry_mirror})")
     print("pools:")
     for p in settings.pools.values():
         lim = p.limits
@@ -172,4 +174,7 @@ def show_config(as_json: bool) -> int:
     print("limits (the most one sandbox may ask for):")
     for key in config.LIMIT_KEYS:
         print(f"  {key:<17} {config._fmt(getattr(settings.limits, key)):<8} {settings.limits.sources.get(key, '')}")
+    c = settings.cost
+    if c.priced:
+        print(f"cost: {c.cpu_hour:g} {c.currency} per CPU-hour, {c.gib_hour:g} {c.currency} per GiB-hour")
     return 0

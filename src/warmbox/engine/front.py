@@ -848,6 +848,7 @@ class EngineFront:
     async def metrics(self, r: ops.Metrics) -> SandboxMetrics:
         if not isinstance(r.fresh, bool):
             raise InvalidArgument(f"fresh must be True or False, got {r.fresh!r}")
+        self._log.flush()  # its count is of the recorded commands: this front's queued ones too
         if not r.fresh:
             return self.engine.metered(r.sandbox_id)
         return await self.engine.metrics(r.sandbox_id, self._held(r.sandbox_id))

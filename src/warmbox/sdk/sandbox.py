@@ -49,6 +49,10 @@ from warmbox.sdk.network import AsyncNetwork
 from warmbox.sdk.ports import PortForward
 from warmbox.sdk.pty import AsyncPty
 from warmbox.sdk.transport import Cancellable, LocalTransport, Transport, default_url
+from warmbox.tiers import TIERS
+
+# every name a tier goes by: refused as a template (a tier given where E2B's template goes)
+TIER_NAMES = frozenset(alias for aliases, _ in TIERS.values() for alias in aliases)
 
 R = TypeVar("R")
 
@@ -179,12 +183,12 @@ class AsyncSandbox:
     @classmethod
     async def create(
         cls,
-        tier: str | None = None,
+        template: str | None = None,
         *,
+        tier: str | None = None,
         timeout: float | None = None,
         envs: dict[str, str] | None = None,
         limits: Limits | None = None,
-        template: str | None = None,
         pool: bool = True,
         from_snapshot: SnapshotRef | str | None = None,
         network: Any = "none",
@@ -201,9 +205,13 @@ class AsyncSandbox:
         request_timeout: float | None = None,
         idempotency_key: str | None = None,
     ) -> AsyncSandbox:
-        """Create and start a sandbox (defaults for tier, timeout and template: warmbox.toml).
+        """Create and start a sandbox (defaults for template, tier and timeout: warmbox.toml).
 
-        tier: "container" (runc), "gvisor" (runsc) or "microvm" (QEMU); see ``warmbox doctor``.
+        template: the first argument, as in E2B (``Sandbox.create("pydata")``): "base" (Python
+            context started), "pydata" (numpy/pandas imported), "shell", or one from warmbox.toml
+            or built with Templates.build; its warm-up has run before the sandbox is returned. A
+            tier's name here is an InvalidArgument that says to pass ``tier=``.
+        tier: keyword only: "container" (runc), "gvisor" (runsc) or "microvm" (QEMU); see ``warmbox doctor``.
             "auto": the tier :meth:`choose_tier` picks for ``requirements`` (default: untrusted
             Python, compute), among tiers with egress when ``network`` is a policy; the choice and
             its reasons are in ``get_info()`` (``requirements``, ``tier_reasons``,
@@ -212,8 +220,6 @@ class AsyncSandbox:
             alone, it implies tier="auto").
         timeout: seconds the sandbox lives (wall clock) before it is destroyed; see set_timeout.
         envs: environment of every process in the sandbox, on top of PATH, HOME and LANG only.
-        template: "base" (Python context started), "pydata" (numpy/pandas imported), "shell",
-            or one from warmbox.toml; its warm-up has run before the sandbox is returned.
         pool: take a ready sandbox from a matching warm pool when one is there (``from_pool``);
             False always creates cold. A pooled sandbox never served anyone before.
         from_snapshot: fork a new sandbox from a snapshot (its tier, template, limits and network
@@ -253,6 +259,11 @@ class AsyncSandbox:
             says so); other arguments are IdempotencyConflict. Kept ``[lifecycle]
             idempotency_ttl`` (24 h).
         """
+        if isinstance(template, str) and (template == "auto" or template in TIER_NAMES):
+            raise InvalidArgument(
+                f"{template!r} is a tier, not a template: Sandbox.create(tier={template!r}) (the first "
+                'argument is the template, as in E2B: Sandbox.create("base", tier=...))'
+            )
         if on_approval is not None and not callable(on_approval):
             raise InvalidArgument("on_approval must be a callable")
         if metadata is not None:

@@ -75,6 +75,7 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.TemplateMismatch, 409),
     (errors.IdempotencyConflict, 409),
     (errors.OutcomeUnknown, 409),
+    (errors.ImageRegistryUnreachable, 502),
     (errors.TemplateBuildError, 422),
     (errors.CorruptLayer, 500),
     (errors.VolumeNotFound, 404),

@@ -2863,6 +2863,14 @@ class Registry:
                         (sid, COMMANDS_HEAD, n - COMMANDS_TAIL),
                     )
 
+    def command_count(self, sandbox_id: str) -> int:
+        """How many commands and code runs were recorded for the sandbox (the highest ``seq``: the
+        records between its first and latest ones that were not kept count too)."""
+        row = self._db.execute(
+            "SELECT COALESCE(MAX(seq), 0) FROM commands WHERE sandbox_id=?", (sandbox_id,)
+        ).fetchone()
+        return int(row[0]) if row else 0
+
     def commands(
         self, sandbox_id: str, limit: int = 1000, *, after_seq: int = 0, newest_first: bool = False
     ) -> builtins.list[CommandRecord]:

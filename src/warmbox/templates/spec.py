@@ -59,7 +59,8 @@ class OciSource:
 
 @record
 class RegistrySource:
-    """An image in a registry, ``host[:port]/name[:tag]``, pulled with skopeo."""
+    """An image in a registry, ``host[:port]/name[:tag]``, pulled with skopeo (a Docker Hub name
+    such as ``python:3.11-slim`` is kept as ``docker.io/library/python:3.11-slim``)."""
 
     ref: str
     tls_verify: bool = True
@@ -294,10 +295,48 @@ def check_source(source: object) -> Source:
         _text(source.path, "from_oci path")
     elif isinstance(source, RegistrySource):
         if not isinstance(source.ref, str) or not _REF_RE.fullmatch(source.ref):
-            raise InvalidArgument(f"from_registry takes host[:port]/name[:tag], got {source.ref!r}")
+            raise InvalidArgument(f"from_registry takes [host[:port]/]name[:tag] (lowercase name), got {source.ref!r}")
     else:
         raise InvalidArgument(f"not an image source: {type(source).__name__}")
     return source
+
+
+DOCKER_HUB = "docker.io"
+
+
+def docker_reference(image: str) -> str:
+    """``image`` with its registry host, as Docker resolves it: a first component without '.' or
+    ':' that is not ``localhost`` names no host, so the image is on Docker Hub (``docker.io``),
+    and a one-component name is one of its official images (``library/``)."""
+    if not isinstance(image, str):
+        return image
+    first, slash, _ = image.partition("/")
+    if slash and ("." in first or ":" in first or first == "localhost"):
+        return image
+    return f"{DOCKER_HUB}/{image}" if slash else f"{DOCKER_HUB}/library/{image}"
+
+
+_MIRROR_RE = re.compile(r"(https?://)?([A-Za-z0-9.-]+(:[0-9]{1,5})?)(/[a-z0-9._-]+)*/?")
+
+
+def check_mirror(mirror: str) -> str:
+    """A registry mirror of Docker Hub: ``[https://|http://]host[:port][/prefix]`` (http: plain
+    HTTP, as a local mirror may be); InvalidArgument otherwise."""
+    if not isinstance(mirror, str) or not _MIRROR_RE.fullmatch(mirror) or ".." in mirror:
+        raise InvalidArgument(f"a registry mirror is [https://|http://]host[:port][/prefix], got {str(mirror)[:200]!r}")
+    return mirror
+
+
+def through_mirror(ref: str, tls_verify: bool, mirror: str) -> tuple[str, bool]:
+    """Where ``ref`` is pulled from: a Docker Hub image from ``mirror`` (if set; its path prefix
+    before the image's name, plain HTTP for an http:// mirror), anything else from its own host."""
+    host, _, name = ref.partition("/")
+    if not mirror or host != DOCKER_HUB:
+        return ref, tls_verify
+    check_mirror(mirror)
+    plain = mirror.startswith("http://")
+    base = mirror.partition("://")[2] if "://" in mirror else mirror
+    return base.rstrip("/") + "/" + name, tls_verify and not plain
 
 
 def check_name(name: object) -> str:
@@ -349,8 +388,10 @@ class Template:
 
     @classmethod
     def from_registry(cls, ref: str, *, tls_verify: bool = True) -> Template:
-        """An image in a registry, ``host[:port]/name[:tag]`` (pulled with skopeo)."""
-        return cls(check_source(RegistrySource(ref, bool(tls_verify))))
+        """An image in a registry, ``host[:port]/name[:tag]`` (pulled with skopeo). A name without
+        a registry host resolves as Docker does: ``python:3.11-slim`` is
+        ``docker.io/library/python:3.11-slim``, pulled through ``[templates] registry_mirror`` if set."""
+        return cls(check_source(RegistrySource(docker_reference(ref), bool(tls_verify))))
 
     @classmethod
     def from_dockerfile(
