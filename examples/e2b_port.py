@@ -25,7 +25,7 @@ The E2B original (``e2b-code-interpreter``), 22 lines:
     sbx.kill()
 
 Below, the same agent on warmbox. Lines that differ are marked ``# differs:`` with the reason
-(the README's "From E2B" section lists them). It runs in process by default, or against a warmbox
+(docs/guides/from-e2b.md lists them). It runs in process by default, or against a warmbox
 server when WARMBOX_API_URL (and WARMBOX_API_KEY) are set.
 """
 

@@ -225,11 +225,29 @@ def _cgroup_leftovers() -> list[str]:
     return out
 
 
+_RUN_HOMES: list[Path] = []  # homes the session made outside its basetemp (the home fixture's)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _leaves_nothing_behind(tmp_path_factory: pytest.TempPathFactory):
+    """At the session's end (its other fixtures torn down first): no process, cgroup, mount or
+    network namespace of a home this run made is left (tests/leftovers.py says what counts). The
+    homes' daemons are stopped as ``warmbox down`` does; what else stays after a bounded settle
+    fails the run, and its processes are ended by PID."""
+    base = tmp_path_factory.getbasetemp()
+    yield
+    from tests import leftovers
+
+    left = leftovers.check([*_RUN_HOMES, *leftovers.homes_under(base)])
+    assert not left, "the test run left behind:\n  " + "\n  ".join(left)
+
+
 @pytest.fixture(scope="session")
 def home() -> Path:
     """A private WARMBOX_HOME (short path: unix sockets live under it)."""
     path = Path(f"/tmp/wbt-{secrets.token_hex(3)}")
     path.mkdir(mode=0o700)
+    _RUN_HOMES.append(path)
     (path / "warmbox.toml").write_text(BASE_CONFIG)
     old = os.environ.get("WARMBOX_HOME")
     os.environ["WARMBOX_HOME"] = str(path)

@@ -19,6 +19,7 @@ CORE = {
     "config",
     "api",
     "wire",
+    "apicodec",
     "templates",
     "images",
 }

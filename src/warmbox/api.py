@@ -124,6 +124,7 @@ ROUTES: tuple[Route, ...] = (
     Route(Op.FILES_STAT, "GET", f"{_S}/files/stat", "query", idempotent=True, summary="Stat a path"),
     Route(Op.FILES_MAKE_DIR, "POST", f"{_S}/files/dir", idempotent=True, summary="Make a directory"),
     Route(Op.FILES_REMOVE, "DELETE", f"{_S}/files", "query", summary="Remove a file or directory"),
+    Route(Op.FILES_SIGN_URL, "POST", f"{_S}/files/signed_url", summary="Sign a URL that reads or writes one file"),
     Route(Op.SNAPSHOT, "POST", f"{_S}/snapshots", summary="Snapshot a sandbox"),
     Route(Op.PAUSE, "POST", f"{_S}/pause", summary="Snapshot, then release the sandbox"),
     Route(Op.LIST_SNAPSHOTS, "GET", f"{PREFIX}/snapshots", "query", idempotent=True, summary="List snapshots"),
@@ -200,6 +201,16 @@ message {"eof": true} ends one side's data (a half-close); closing the WebSocket
 PREVIEW = f"{_S}/ports/{{port:int}}/{{path:path}}"
 PREVIEW_ROOT = f"{_S}/ports/{{port:int}}"  # the same, for "/" without the trailing slash
 
+# Not an operation: what a URL of files.sign_url names (GET reads the file, PUT or POST writes the
+# raw body to it), authenticated by its signature alone: path, username, signer,
+# signature_expiration and signature in the query (warmbox.engine.signing).
+SIGNED_FILE = f"{_S}/files/signed"
+
+# The header of a create's, a command's or a code run's idempotency key (its idempotency_key field):
+# a repeat with the same key gets the first call's result, never a second run (docs/idempotency.md)
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+KEYED_OPS = (Op.CREATE, Op.EXEC, Op.RUN_CODE)
+
 # Not an operation: Prometheus metrics (text exposition), behind the same keys (server/metrics.py)
 METRICS = "/metrics"
 
@@ -208,10 +219,13 @@ __all__ = [
     "APPROVAL_ANSWER",
     "BY_OP",
     "DECISIONS",
+    "IDEMPOTENCY_HEADER",
+    "KEYED_OPS",
     "METRICS",
     "PREFIX",
     "PREVIEW",
     "ROUTES",
+    "SIGNED_FILE",
     "TUNNEL_PROTOCOL",
     "Route",
 ]

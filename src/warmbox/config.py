@@ -12,6 +12,10 @@ An operator sees everything in one file::
     template = "base"
     timeout = 300
 
+    [templates]
+    registry_mirror = "https://mirror.example"  # Docker Hub images (FROM python:3.11-slim) come from
+                                        # it; [https://|http://]host[:port][/prefix]; "" = docker.io
+
     [templates.pydata]                  # a template = an image + a warm-up
     warmup_code = "import numpy, pandas"
     warmup_commands = []
@@ -35,6 +39,11 @@ An operator sees everything in one file::
     max_open_files = 65536              # default: 65536 (up to fs.nr_open)
     max_disk_mb = 20480                 # default: the size of the disk holding /var/lib/warmbox; a
                                         # sandbox also needs its disk_mb free there (less a reserve)
+
+    [cost]                              # prices: the console shows money beside cpu-s and GiB-s
+    cpu_hour = 0.05                     # per CPU-hour of a sandbox's processes (0: no money shown)
+    gib_hour = 0.01                     # per GiB-hour of memory in use
+    currency = "USD"
 
     [server]                            # warmbox serve
     host = "127.0.0.1"                  # a non-loopback address needs tls_cert/tls_key (keys always)
@@ -66,6 +75,7 @@ from urllib.parse import urlsplit
 from warmbox.errors import ConfigError, InvalidArgument, LimitTooHigh
 from warmbox.models import Limits
 from warmbox.network.policy import PRESETS, Rule
+from warmbox.templates import spec as template_spec
 from warmbox.templates import toml as template_toml
 from warmbox.templates.spec import Template as ImageSpec
 from warmbox.tiers import canonical_tier
@@ -77,7 +87,8 @@ from warmbox.tiers import canonical_tier
 BUILTIN_TEMPLATES: dict[str, dict[str, Any]] = {
     "base": {
         "warmup_code": "",
-        "description": "Python 3 (pip, venv, pytest), Node.js + npm, git, gcc/make, curl; code context started",
+        "description": "Python 3 (pip, venv, pytest, build), Node.js + npm, git, gcc/make, curl, jq, rg; "
+        "code context started",
     },
     "pydata": {
         "warmup_code": "import numpy, pandas\ntry:\n    import requests\nexcept ImportError:\n    pass\n"
@@ -211,6 +222,26 @@ class MicroVMSettings:
 
 
 LOG_FORMATS = ("text", "json")
+
+
+@dataclasses.dataclass(frozen=True)
+class CostSettings:
+    """[cost]: prices that turn metered use into money (the console shows it; 0: not shown).
+
+    cpu_hour: per CPU-hour (3600 cpu-seconds of the sandbox's processes); gib_hour: per GiB-hour of
+    memory in use (3600 GiB-seconds); currency: a label (a code such as "USD", or a symbol)."""
+
+    cpu_hour: float = 0.0  # price of a CPU-hour of a sandbox's processes (0 and gib_hour 0: no money shown)
+    gib_hour: float = 0.0  # price of a GiB-hour of memory in use
+    currency: str = "USD"  # the label after an amount (a code such as USD, or a symbol; at most 8 characters)
+
+    @property
+    def priced(self) -> bool:
+        return self.cpu_hour > 0 or self.gib_hour > 0
+
+    def money(self, cpu_s: float, gib_s: float) -> float:
+        """What ``cpu_s`` cpu-seconds and ``gib_s`` GiB-seconds cost at these prices."""
+        return cpu_s / 3600 * self.cpu_hour + gib_s / 3600 * self.gib_hour
 
 
 @dataclasses.dataclass(frozen=True)
@@ -464,6 +495,7 @@ def _limits(t: dict, source: str, env_keys: frozenset[str], host: HostCapacity |
 
 
 PAUSED_RETENTION_S = 7 * 24 * 3600.0
+IDEMPOTENCY_TTL_S = 24 * 3600.0  # [lifecycle] idempotency_ttl: how long a key's record is kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -503,12 +535,15 @@ class Settings:
     pools: dict[str, PoolConfig]
     daemon_idle_exit_s: float = 10.0
     paused_retention_s: float = PAUSED_RETENTION_S  # [lifecycle] paused_retention: then deleted
+    idempotency_ttl_s: float = IDEMPOTENCY_TTL_S  # [lifecycle] idempotency_ttl: a key's record, then forgotten
     network: NetworkSettings = NetworkSettings()
     microvm: MicroVMSettings = MicroVMSettings()
     limits: LimitSettings = None  # type: ignore[assignment]  # None: [limits] defaults of this host
     server: ServerSettings = ServerSettings()
     approvals: ApprovalSettings = ApprovalSettings()
     cluster: ClusterSettings = ClusterSettings()
+    registry_mirror: str = ""  # [templates] registry_mirror: Docker Hub images are pulled from it
+    cost: CostSettings = CostSettings()
 
     def __post_init__(self) -> None:
         if self.limits is None:
@@ -623,6 +658,7 @@ def parse(
         "lifecycle",
         "approvals",
         "cluster",
+        "cost",
     }
     for k in raw:
         if k not in known:
@@ -635,7 +671,14 @@ def parse(
         timeout_s=_num(d.get("timeout", 300.0), "defaults.timeout", source, 1, 86400),
     )
     templates = {n: Template(name=n, **t) for n, t in BUILTIN_TEMPLATES.items()}
-    for name, t in _table(raw, "templates", source).items():
+    templates_raw = dict(_table(raw, "templates", source))
+    mirror = templates_raw.pop("registry_mirror", "")
+    if mirror:
+        try:
+            template_spec.check_mirror(mirror)
+        except InvalidArgument as e:
+            raise ConfigError(f"{source}: templates.registry_mirror: {e}") from None
+    for name, t in templates_raw.items():
         where = f"templates.{name}"
         t = _as_table(t, where, source)
         _only(t, {"warmup_code", "warmup_commands", "description", *template_toml.BUILD_KEYS}, where, source)
@@ -717,7 +760,7 @@ def parse(
     dm = _table(raw, "daemon", source)
     _only(dm, {"idle_exit"}, "daemon", source)
     lc = _table(raw, "lifecycle", source)
-    _only(lc, {"paused_retention"}, "lifecycle", source)
+    _only(lc, {"paused_retention", "idempotency_ttl"}, "lifecycle", source)
     return Settings(
         source=source,
         defaults=defaults,
@@ -727,12 +770,29 @@ def parse(
         paused_retention_s=_num(
             lc.get("paused_retention", PAUSED_RETENTION_S), "lifecycle.paused_retention", source, 1.0, 365 * 86400.0
         ),
+        idempotency_ttl_s=_num(
+            lc.get("idempotency_ttl", IDEMPOTENCY_TTL_S), "lifecycle.idempotency_ttl", source, 1.0, 365 * 86400.0
+        ),
         network=_network(_table(raw, "network", source), source),
         microvm=_microvm(_table(raw, "microvm", source), source),
         limits=maxima,
         server=_server(_table(raw, "server", source), source),
         approvals=_approvals(_table(raw, "approvals", source), source),
         cluster=_cluster(_table(raw, "cluster", source), source),
+        registry_mirror=mirror,
+        cost=_cost(_table(raw, "cost", source), source),
+    )
+
+
+def _cost(t: dict, source: str) -> CostSettings:
+    _only(t, {"cpu_hour", "gib_hour", "currency"}, "cost", source)
+    currency = _str(t.get("currency", "USD"), "cost.currency", source)
+    if not currency or len(currency) > 8 or any(c.isspace() or c in "<>&\"'" for c in currency):
+        raise ConfigError(f"{source}: cost.currency is a short label such as USD or €, got {currency[:20]!r}")
+    return CostSettings(
+        cpu_hour=_num(t.get("cpu_hour", 0.0), "cost.cpu_hour", source, 0, 1e6),
+        gib_hour=_num(t.get("gib_hour", 0.0), "cost.gib_hour", source, 0, 1e6),
+        currency=currency,
     )
 
 

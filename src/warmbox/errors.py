@@ -4,7 +4,8 @@ WarmboxError
 ├── InvalidArgument (ValueError)        bad input from the caller; nothing was changed
 │   ├── InvalidPath                     a sandbox path outside the files API's rules
 │   ├── LimitTooHigh                    a limit above the host's capacity or an admin maximum
-│   └── UnsupportedLanguage             a code-context language the sandbox has not (``available``)
+│   ├── UnsupportedLanguage             a code-context language the sandbox has not (``available``)
+│   └── IdempotencyConflict             an idempotency key reused with other arguments (HTTP 409)
 ├── BackendUnavailable                  the tier cannot run on this host (``reason`` says why)
 ├── NoSuitableTier                      no tier this host runs meets the requirements (``rejected``: each tier, why not)
 ├── SandboxError                        something about one sandbox (``sandbox_id``)
@@ -45,7 +46,8 @@ WarmboxError
 │   ├── TemplateNotFound (LookupError)  no built template of that name (or that version/image)
 │   ├── TemplateBuildError              a build step failed (``step``; ``log``: the build log's name)
 │   ├── TemplateInUse                   removal refused: a sandbox, pool or snapshot uses it
-│   └── TemplateMismatch                a pool, snapshot or restore recorded another image than the one at hand
+│   ├── TemplateMismatch                a pool, snapshot or restore recorded another image than the one at hand
+│   └── ImageRegistryUnreachable        a FROM image's registry (or its mirror) could not be connected to (``registry``)
 ├── DockerfileError (InvalidArgument)   an unsupported or malformed instruction (``line``: its number)
 ├── CorruptLayer (ArtifactCorrupt)      an image layer whose content does not match its digest
 ├── VolumeError                         a named volume (``volume``: its name)
@@ -63,6 +65,7 @@ WarmboxError
 ├── RouteNotFound (LookupError)         the server has no such route, or not for that method (HTTP 404/405)
 ├── RateLimited                         too many requests for the key (``retry_after`` seconds)
 ├── ConnectionLost                      the connection to the server failed or dropped mid-operation
+├── OutcomeUnknown                      a keyed call was accepted but its result was never recorded (``state``)
 └── ClusterError                        something about a warmbox cluster (its nodes, placement, routing)
     ├── NoCapacity                      no node can take a create now (``rejected``: each node, why not)
     └── NodeError                       something about one node (``node``: its name)
@@ -112,6 +115,11 @@ class UnsupportedLanguage(InvalidArgument):
         super().__init__(message)
         self.language = language
         self.available = available
+
+
+class IdempotencyConflict(InvalidArgument):
+    """An idempotency key the tenant already used (on this sandbox) for another call: another
+    operation, command, code or template. Nothing was run; use a new key for a new call."""
 
 
 class BackendUnavailable(WarmboxError):
@@ -344,6 +352,15 @@ class TemplateMismatch(TemplateError):
     """A pool, snapshot or restore recorded another image of the template than the one at hand."""
 
 
+class ImageRegistryUnreachable(TemplateError):
+    """The registry a source image is pulled from (Docker Hub's mirror, if one is set) could not be
+    connected to: ``registry`` is its ``host:port``. Nothing was built."""
+
+    def __init__(self, message: str, *, registry: str = "", template: str = "", step: str = "") -> None:
+        super().__init__(message, template=template, step=step)
+        self.registry = registry
+
+
 class DockerfileError(InvalidArgument):
     """A Dockerfile instruction warmbox does not support or cannot parse: ``line`` is its number
     (1-based), ``source`` the file."""
@@ -463,6 +480,16 @@ class RateLimited(WarmboxError):
 class ConnectionLost(WarmboxError):
     """The connection to the warmbox server failed or dropped. For an operation that is not safe to
     repeat (a command, a create, a write) the outcome is unknown: the message says which it was."""
+
+
+class OutcomeUnknown(WarmboxError):
+    """A repeat of a keyed call whose first run was accepted (its key recorded before it started)
+    but whose result was never recorded: the server process that ran it ended meanwhile. The call
+    was not run again. ``state``: what is known ("started"); the message names the sandbox and when."""
+
+    def __init__(self, message: str, *, state: str = "started") -> None:
+        super().__init__(message)
+        self.state = state
 
 
 class ClusterError(WarmboxError):

@@ -13,9 +13,10 @@ import hashlib
 import re
 from pathlib import Path
 
-# What agents run in a sandbox: Python with pip, venv, pytest, NumPy, pandas, SciPy, matplotlib
-# (+ fonts: charts of the code interpreter) and requests; Node.js with npm; gcc, make, git, curl,
-# tmux and the shell tools. pip and npm install from the network the sandbox's policy allows.
+# What agents run in a sandbox: Python with pip, venv, pytest, build, NumPy, pandas, SciPy,
+# matplotlib (+ fonts: charts of the code interpreter) and requests; Node.js with npm and npx; gcc,
+# make, git, curl, jq, ripgrep, tmux and the shell tools. pip and npm install from the network the
+# sandbox's policy allows.
 BUILTIN_PACKAGES = (
     "python3-minimal",
     "libpython3-stdlib",
@@ -48,6 +49,14 @@ BUILTIN_PACKAGES = (
     "python3-scipy",
     "python3-requests",
     "fonts-dejavu-core",
+    # issue 34: a coding agent's turn also runs `python -m build` (wheel: --no-isolation works
+    # offline), jq, rg, unzip and patch (about 7 MB installed, ripgrep 4.5 of it)
+    "python3-build",
+    "python3-wheel",
+    "jq",
+    "ripgrep",
+    "unzip",
+    "patch",
 )
 # documentation, translations and leap-second zones: nothing a sandbox reads (~100 MB less)
 BUILTIN_EXCLUDES = (

@@ -48,7 +48,7 @@ _USABLE = frozenset({State.READY, State.RUNNING})
 LEGAL: dict[Operation, frozenset[State]] = {
     Operation.EXEC: _USABLE,
     Operation.SET_TIMEOUT: _USABLE,
-    Operation.METRICS: frozenset({State.READY, State.RUNNING, State.DESTROYED}),
+    Operation.METRICS: frozenset({State.READY, State.RUNNING, State.PAUSED, State.DESTROYED}),
     Operation.CLAIM: frozenset({State.POOLED}),
     Operation.SNAPSHOT: _USABLE,
     Operation.RESUME: frozenset({State.PAUSED}),

@@ -6,9 +6,82 @@ import dataclasses
 import enum
 import math
 import re
-from typing import Literal
+import reprlib
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from warmbox.errors import InvalidArgument
+
+_T = TypeVar("_T")
+_FIELDS: dict[type, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _record_fields(cls: type) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """A record's (repr, compare, hash) field names, as dataclasses picks them; cached per class."""
+    got = _FIELDS.get(cls)
+    if got is None:
+        fs = dataclasses.fields(cls)
+        got = _FIELDS[cls] = (
+            tuple(f.name for f in fs if f.repr),
+            tuple(f.name for f in fs if f.compare),
+            tuple(f.name for f in fs if (f.compare if f.hash is None else f.hash)),
+        )
+    return got
+
+
+@reprlib.recursive_repr()
+def _record_repr(self: Any) -> str:
+    names = _record_fields(type(self))[0]
+    return f"{type(self).__qualname__}({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
+
+
+def _record_eq(self: Any, other: object) -> bool:
+    if other.__class__ is not self.__class__:
+        return NotImplemented  # type: ignore[no-any-return]  # as a dataclass does
+    names = _record_fields(type(self))[1]
+    return bool(tuple(getattr(self, n) for n in names) == tuple(getattr(other, n) for n in names))
+
+
+def _record_hash(self: Any) -> int:
+    return hash(tuple(getattr(self, n) for n in _record_fields(type(self))[2]))
+
+
+def _record_setattr(self: Any, name: str, value: object) -> None:
+    if name in self.__dict__:  # __init__ sets each field once; nothing sets one again
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+    object.__setattr__(self, name, value)
+
+
+def _record_delattr(self: Any, name: str) -> None:
+    raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+
+
+def _record(cls: type[_T]) -> type[_T]:
+    """A frozen dataclass, cheap to build: dataclasses generates (and compiles) only ``__init__``;
+    repr, ==, hash and the refusal of assignments are the same five functions for every record.
+    ``@dataclass(frozen=True)`` compiles six functions per class, and the ~120 records of this
+    module and warmbox.operations made it ~100 ms of every ``import warmbox`` (issue 38).
+    Differences from frozen=True: none observable through fields, repr, ==, hash, replace,
+    asdict; an attribute that is not a field may be set once (frozen=True refuses it)."""
+    cls = dataclasses.dataclass(repr=False, eq=False)(cls)
+    for name, fn in (
+        ("__repr__", _record_repr),
+        ("__eq__", _record_eq),
+        ("__hash__", _record_hash),
+        ("__setattr__", _record_setattr),
+        ("__delattr__", _record_delattr),
+    ):
+        if name not in cls.__dict__:
+            setattr(cls, name, fn)
+    return cls
+
+
+if TYPE_CHECKING:  # what the checker sees: a frozen dataclass
+    from typing_extensions import dataclass_transform
+
+    @dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field, dataclasses.Field))
+    def record(cls: type[_T]) -> type[_T]: ...
+else:
+    record = _record
 
 
 def _positive(name: str, value: float, *, integer: bool = False, minimum: float = 0) -> None:
@@ -18,7 +91,7 @@ def _positive(name: str, value: float, *, integer: bool = False, minimum: float 
         raise InvalidArgument(f"{name} must be > {minimum}, got {value!r}")
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Limits:
     """Resource limits of one sandbox, enforced by cgroups and rlimits.
 
@@ -87,7 +160,7 @@ class State(str, enum.Enum):
 NODE_STATES = ("up", "draining", "down")
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class NodeInfo:
     """One node of a cluster, as the registry's ``nodes`` table holds it.
 
@@ -113,24 +186,26 @@ class NodeInfo:
     live: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class NodeUsage:
     """What one node holds now, from the registry's rows (placement reads it).
 
     live: its creating, retiring, ready and running sandboxes; memory_mb: their memory limits
-    summed; pooled: (pool name, ready pooled sandboxes) per pool.
+    summed; pooled: (pool name, ready pooled sandboxes) per pool; pooled_memory_mb: the memory
+    limits of those pooled sandboxes summed (they hold it as much as a user's).
     """
 
     node: str
     live: int = 0
     memory_mb: int = 0
     pooled: tuple[tuple[str, int], ...] = ()
+    pooled_memory_mb: int = 0
 
 
 STAGES = ("allocation", "filesystem", "runtime", "dependencies", "network", "first_command")
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class StageTiming:
     """One stage of one sandbox start, in milliseconds.
 
@@ -145,7 +220,7 @@ class StageTiming:
     on_request_path: bool = True
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Transition:
     """One state change of one sandbox; the registry keeps them all, in order."""
 
@@ -156,7 +231,7 @@ class Transition:
     reason: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SandboxInfo:
     """What the registry knows about one sandbox."""
 
@@ -193,7 +268,7 @@ class SandboxInfo:
 MAX_IDLE_PAUSE_AFTER_S = 7 * 24 * 3600.0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Lifecycle:
     """What happens to a sandbox nobody uses (E2B's auto-pause), given at create.
 
@@ -244,7 +319,7 @@ MAX_METADATA_VALUE = 2048  # characters
 MAX_METADATA_BYTES = 16 << 10  # all keys and values, UTF-8
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SandboxQuery:
     """Which sandboxes ``Sandbox.list`` returns (E2B's ``SandboxQuery``; a plain dict with these
     keys is taken too).
@@ -308,7 +383,7 @@ def validate_query(query: object) -> SandboxQuery:
     return SandboxQuery(metadata=validate_metadata(query.metadata) or None, state=states)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class CommandResult:
     """Outcome of one command. Never silently partial: every flag is explicit.
 
@@ -339,7 +414,7 @@ MAX_COMMAND_TEXT = 4096  # bytes of a command's or cell's text kept in its Comma
 COMMAND_KINDS = ("command", "code", "process")
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class CommandRecord:
     """One command or code run of a sandbox, as the registry keeps it (``Registry.commands``).
 
@@ -374,7 +449,7 @@ class CommandRecord:
     stderr_bytes: int
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Result:
     """One output of a code run (a displayed object, a chart, the last expression's value), in
     every representation the object offered: E2B's ``Result``.
@@ -411,7 +486,7 @@ class Result:
         return [name for name, value in present if value is not None]
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Logs:
     """A run's output as E2B's ``Logs``: one entry per line (its newline kept), stdout and stderr."""
 
@@ -419,7 +494,7 @@ class Logs:
     stderr: list[str]
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class CodeContext:
     """A code interpreter whose state persists between ``run_code`` calls: its id, its language,
     its working directory ("" where the tier has none: the isolate tier)."""
@@ -429,7 +504,7 @@ class CodeContext:
     cwd: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ExecutionError:
     """An exception raised by user code in a code context."""
 
@@ -438,7 +513,7 @@ class ExecutionError:
     traceback: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Execution:
     """Outcome of ``run_code``: ``text`` is the last expression's value as text (None if none)."""
 
@@ -465,7 +540,7 @@ class Execution:
         return Logs(self.stdout.splitlines(keepends=True), self.stderr.splitlines(keepends=True))
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class EntryInfo:
     """One file-system entry inside a sandbox."""
 
@@ -488,7 +563,7 @@ class FilesystemEventType(str, enum.Enum):
     CHMOD = "chmod"  # mode, owner or times changed
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class FilesystemEvent:
     """One change seen by ``files.watch_dir``: ``name`` relative to the watched directory ("sub/f")."""
 
@@ -496,7 +571,7 @@ class FilesystemEvent:
     type: FilesystemEventType
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class WriteEntry:
     """One file of ``files.write_files``: its path in the sandbox and its contents (text is UTF-8)."""
 
@@ -504,7 +579,7 @@ class WriteEntry:
     data: str | bytes
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ProcessInfo:
     """A running background process (``commands.list()``), E2B's shape.
 
@@ -522,7 +597,7 @@ class ProcessInfo:
     pty: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ProcessEvent:
     """One piece of a background process's output, in order: ``kind`` "stdout" or "stderr" (``text``),
     "pty" (a terminal's raw bytes in ``data``), or "lost" (``size`` bytes were dropped before what
@@ -534,7 +609,7 @@ class ProcessEvent:
     size: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TierStatus:
     """What ``warmbox doctor`` reports for one tier."""
 
@@ -543,7 +618,7 @@ class TierStatus:
     reason: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SandboxMetrics:
     """Cost of one sandbox for its user (a pooled sandbox's warm-up is the pool's, not here).
 
@@ -552,6 +627,8 @@ class SandboxMetrics:
     wall_s: seconds since it was created (or handed out of a pool) until now or its end.
     busy_s / idle_s: of wall_s, seconds with at least one command or code run in progress / none.
     memory_bytes / memory_peak_bytes: now (0 once ended) / highest sampled.
+    commands: commands and code runs recorded for it (what ``commands()`` lists; a pool's warm-up
+    is not among them).
     final: True once the sandbox ended and these numbers are frozen in the registry.
     """
 
@@ -567,7 +644,7 @@ class SandboxMetrics:
     final: bool
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class PoolStatus:
     """One pool as ``warmbox pool ls`` shows it; costs are what warming its sandboxes took."""
 
@@ -588,7 +665,7 @@ class PoolStatus:
     cost_wall_s: float
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class PoolEvent:
     """Something that happened to a pool: hit, miss, warmed, warmup_failed, retired, resized, scaled."""
 
@@ -599,7 +676,7 @@ class PoolEvent:
     detail: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SnapshotRef:
     """A snapshot as the SDK hands it out; pass it (or its id) to resume() or create(from_snapshot=)."""
 
@@ -616,7 +693,7 @@ class SnapshotRef:
     files_bytes: int = 0  # the files as stored
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SnapshotRecord:
     """A snapshot as the registry keeps it: ``create(from_snapshot=snapshot_id)`` starts a new
     sandbox from it (a replay from that checkpoint) while it exists. auto: made by an automatic
@@ -629,7 +706,7 @@ class SnapshotRecord:
     auto: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Tenant:
     """Who a request is from: a tenant's name and quotas, and the API key it came with.
 
@@ -653,7 +730,7 @@ class Tenant:
     budget_gib_h: float = 0.0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class KeyInfo:
     """One API key as ``warmbox keys ls`` shows it (never its secret), with its tenant's quotas."""
 
@@ -671,7 +748,7 @@ class KeyInfo:
     budget_gib_h: float = 0.0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class UsageBucket:
     """What one tenant's sandboxes used in one UTC hour (the meters' readings, as they came in).
 
@@ -684,7 +761,7 @@ class UsageBucket:
     gib_s: float
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class BudgetStatus:
     """A tenant's use today (since UTC midnight, ``day``) against its daily budget.
 
@@ -709,7 +786,7 @@ COST_DECISIONS = ("approve", "deny")  # the answers to a create, resume or pool_
 NETWORK_DECISIONS = ("allow_once", "allow_always", "deny")  # the answers to a network question
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Approval:
     """A question for a human, in the approval queue (the registry's row is the truth).
 
@@ -736,7 +813,7 @@ class Approval:
     answered_at: float = 0.0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class NetEvent:
     """One egress attempt of a sandbox, as the proxy or resolver saw and decided it, or as the
     egress rules refused it (a packet not for the proxy: kind "tcp"/"udp"/"icmp", rule "raw-ip"
@@ -755,7 +832,7 @@ class NetEvent:
     detail: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ApprovalRequest:
     """An egress attempt outside a sandbox's allowlist waiting for the approval hook."""
 
@@ -765,7 +842,7 @@ class ApprovalRequest:
     kind: str  # "http" | "connect"
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Transcript:
     """Everything the registry keeps of one sandbox, for an audit or a replay (``warmbox export``):
     its record, its start's stage timings, every state change, command and code run, egress event
@@ -793,7 +870,7 @@ CONTEXT_LANGUAGES = ("python", "javascript", "bash")
 LANGUAGE_ALIASES = {"py": "python", "python3": "python", "js": "javascript", "node": "javascript", "sh": "bash"}
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Capabilities:
     """What a tier can do; the engine and the tier selector read this, never the tier's name."""
 
@@ -814,6 +891,10 @@ class Capabilities:
     # memory checkpoint cannot save (gVisor: its Sentry panics and the sandbox dies): the engine
     # refuses such a pause up front, and reports a sandbox lost to a failed checkpoint
     checkpoint_saves_workspace_sockets: bool = True
+    # a TCP connection over the sandbox's network link (not loopback: that one is saved) survives the
+    # runtime's memory checkpoint, or is reset by it; False (runsc 2022: its Sentry refuses to save
+    # one, and the sandbox dies): the engine refuses such a pause up front, the sandbox keeps running
+    checkpoint_saves_connections: bool = True
     # the agent's sockets are host sockets (gVisor's --host-uds): a quiesced agent closes every one,
     # the host's connection last, and the checkpoint waits for that (one left open fails the save)
     quiesce_drops_connection: bool = False
@@ -885,7 +966,7 @@ def canonical_language(name: str) -> str:
     return name if name in REQUIREMENT_LANGUAGES else ""
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Requirements:
     """The four questions behind ``tier="auto"`` (``warmbox.choose_tier``, ``warmbox advise``).
 
@@ -920,7 +1001,7 @@ class Requirements:
                 raise InvalidArgument(f"requirements.{name} must be True or False, got {getattr(self, name)!r}")
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TierChoice:
     """What ``warmbox.choose_tier`` decided: the tier, why (one sentence each), and every other
     tier with why not. profile_at: when the measured profile it used was taken (unix seconds; 0:
@@ -932,7 +1013,7 @@ class TierChoice:
     profile_at: float = 0.0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TierProfile:
     """One tier's measured cost on this host (``warmbox bench profile``): each loop's time in a
     sandbox of the tier over the same loop's on the host, in the same run (1.0 = as fast).
@@ -953,7 +1034,7 @@ class TierProfile:
     cost_note: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class HostProfile:
     """The cached result of ``warmbox bench profile``: the host it was measured on, when, and
     each tier's ratios (``skipped``: tiers not measured, and why; ``host_us``: each loop on the
@@ -968,7 +1049,7 @@ class HostProfile:
     host_us: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TierCandidate:
     """One tier as the selector sees it: its declared capabilities (None: this build cannot load
     it) and whether this host (and the caller's key) can run it (``reason``: why not, or what runs it)."""
@@ -979,7 +1060,7 @@ class TierCandidate:
     reason: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Availability:
     available: bool
     reason: str  # why not (or what was found), in one line
@@ -993,7 +1074,7 @@ LAYER_UID_BASE = 1_000_000
 ISOLATE_UID_RANGE = 65536
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ImageRef:
     """The root filesystem a sandbox runs: one built version of a template.
 
@@ -1013,7 +1094,7 @@ class ImageRef:
     user: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class LayerInfo:
     """One content-addressed image layer in the host's layer store.
 
@@ -1028,7 +1109,7 @@ class LayerInfo:
     path: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class OciImage:
     """An OCI image imported into the layer store: its layers bottom first and its config
     (``env`` in order, ``cmd`` = the config's Entrypoint followed by its Cmd)."""
@@ -1040,7 +1121,7 @@ class OciImage:
     cmd: tuple[str, ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TemplateInfo:
     """One built version of a template, as the registry records it.
 
@@ -1071,7 +1152,7 @@ class TemplateInfo:
     description: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TemplateBuildEvent:
     """One step's progress in a template build (streamed while it builds).
 
@@ -1090,7 +1171,7 @@ class TemplateBuildEvent:
     detail: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class VolumeMount:
     """A named volume mounted into one sandbox: ``disk`` is the host path of the volume's ext4
     image (its size is the volume's limit), ``path`` where the sandbox sees it. Host-internal:
@@ -1125,7 +1206,7 @@ def validate_volume_size(size_mb: object) -> int:
     return size_mb
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Volume:
     """A named volume mounted into a sandbox: ``Sandbox.create(volumes=[Volume("datasets",
     "/data", read_only=True)])``. The volume is made first (``warmbox volume create NAME --size 1G``
@@ -1177,7 +1258,7 @@ def validate_volumes(volumes: object) -> tuple[Volume, ...]:
     return tuple(out)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class VolumeInfo:
     """A named volume's record.
 
@@ -1199,7 +1280,7 @@ class VolumeInfo:
     node: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SandboxSpec:
     """Everything a backend needs to build one sandbox."""
 
@@ -1222,7 +1303,7 @@ class SandboxSpec:
     tenant: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class BackendHandle:
     """Flat, persistable description of a created sandbox."""
 
@@ -1235,7 +1316,7 @@ class BackendHandle:
     node: str = ""  # the cluster node where it runs and these paths exist ("" = one host)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ResourceUsage:
     """Counters read from the sandbox's cgroups."""
 

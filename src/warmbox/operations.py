@@ -9,10 +9,8 @@ stream it receives instead of sending them.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import enum
-import inspect
 import posixpath
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -47,6 +45,7 @@ from warmbox.models import (
     Volume,
     VolumeInfo,
     WriteEntry,
+    record,
 )
 from warmbox.templates import Template
 
@@ -198,6 +197,7 @@ class Op(str, enum.Enum):
     FILES_STAT = "files.stat"
     FILES_MAKE_DIR = "files.make_dir"
     FILES_REMOVE = "files.remove"
+    FILES_SIGN_URL = "files.sign_url"
     SNAPSHOT = "snapshot"
     PAUSE = "pause"
     LIST_SNAPSHOTS = "snapshots.list"
@@ -230,7 +230,7 @@ class Request(Generic[R]):
     op: ClassVar[Op]
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Opened:
     """A sandbox a caller holds: its record and its start's stage timings."""
 
@@ -262,9 +262,15 @@ class DirWatch(Protocol):
 class WatchTask:
     """What both transports' DirWatch share: a task runs the subclass's ``_run`` (which passes each
     event to ``_deliver``), keeps its error for wait(); stop() calls the subclass's ``_halt`` (its
-    source: the guest stream, the HTTP response) and cancels the task."""
+    source: the guest stream, the HTTP response) and cancels the task.
+
+    asyncio is imported where it is used, by design: a WatchTask lives on a running loop (whose
+    caller loaded asyncio), and the table of operations is imported by processes that run none
+    (``warmbox --help``, the CLI's thin path: issue 38)."""
 
     def __init__(self, on_event: EventSink) -> None:
+        import asyncio
+
         self._on_event = on_event
         self._error: BaseException | None = None
         self._task = asyncio.ensure_future(self._run())
@@ -276,6 +282,8 @@ class WatchTask:
         raise NotImplementedError
 
     async def _deliver(self, event: FilesystemEvent) -> None:
+        import inspect
+
         result = self._on_event(event)
         if inspect.isawaitable(result):
             await result
@@ -289,6 +297,8 @@ class WatchTask:
         self._task.cancel()
 
     async def wait(self) -> None:
+        import asyncio
+
         try:
             await asyncio.shield(self._task)
         except asyncio.CancelledError:
@@ -365,7 +375,7 @@ class ProcessStream(Protocol):
 # ---- sandboxes
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Create(Request[Opened]):
     """A new sandbox (from a pool, cold, or forked from ``from_snapshot``). Defaults: warmbox.toml.
 
@@ -386,9 +396,10 @@ class Create(Request[Opened]):
     lifecycle: Lifecycle | None = None  # auto-pause: on timeout, when idle; auto-resume
     volumes: tuple[Volume, ...] | None = None  # named volumes mounted into it (never from a pool)
     requirements: Requirements | None = None  # the four questions, for tier="auto"
+    idempotency_key: str | None = None  # a repeat with this key gets this create's sandbox (HTTP: Idempotency-Key)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Connect(Request[Opened]):
     """Attach to a live sandbox by id (legal while ready/running); a paused one is resumed.
 
@@ -400,7 +411,7 @@ class Connect(Request[Opened]):
     timeout: float | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Resume(Request[Opened]):
     """A paused sandbox (its id or a snapshot id) running again."""
 
@@ -411,7 +422,7 @@ class Resume(Request[Opened]):
     secrets: dict[str, Any] | None = None  # name -> value (str) or warmbox.Secret: never stored
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Detach(Request[None]):
     """Let go of a sandbox without ending it (its connection closes; it runs until its timeout)."""
 
@@ -419,7 +430,7 @@ class Detach(Request[None]):
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ListSandboxes(Request[list[SandboxInfo]]):
     """Live sandboxes (include_dead: ended ones too); reap: first end the expired and the orphaned."""
 
@@ -429,13 +440,13 @@ class ListSandboxes(Request[list[SandboxInfo]]):
     query: SandboxQuery | None = None  # by metadata and state (E2B's SandboxQuery)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Info(Request[SandboxInfo]):
     op: ClassVar[Op] = Op.INFO
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Timings(Request[list[StageTiming]]):
     """A sandbox's stage timings (kept after it ended)."""
 
@@ -443,7 +454,7 @@ class Timings(Request[list[StageTiming]]):
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Logs(Request[str]):
     """The tails of a sandbox's runtime logs (runc/runsc, a Sentry panic, QEMU), also after it ended."""
 
@@ -451,14 +462,14 @@ class Logs(Request[str]):
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Doctor(Request[list[TierStatus]]):
     """Which tiers this host can run, and why not."""
 
     op: ClassVar[Op] = Op.DOCTOR
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ChooseTier(Request[TierChoice]):
     """The tier for code of these requirements on this host, why, and why not each other tier
     (NoSuitableTier when none is strong enough: never a weaker one)."""
@@ -467,7 +478,7 @@ class ChooseTier(Request[TierChoice]):
     requirements: Requirements
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Kill(Request[bool]):
     """Destroy a sandbox; False if it was already gone."""
 
@@ -475,7 +486,7 @@ class Kill(Request[bool]):
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SetTimeout(Request[float]):
     """Let the sandbox live ``timeout`` more seconds from now; returns the new expiry (epoch s)."""
 
@@ -484,7 +495,7 @@ class SetTimeout(Request[float]):
     timeout: float
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Metrics(Request[SandboxMetrics]):
     """A sandbox's usage and cost so far. fresh=False: the meters as the daemon last sampled them
     (at most ~1 s old while it lives; busy/idle as of its last command), without reading its
@@ -495,7 +506,7 @@ class Metrics(Request[SandboxMetrics]):
     fresh: bool = True
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Ping(Request[None]):
     """One empty round trip to the sandbox's agent (it answers, or a typed error says why not)."""
 
@@ -503,7 +514,7 @@ class Ping(Request[None]):
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class RecordFirstCommand(Request[None]):
     """The client's measure of its first command or cell on the sandbox (stage ``first_command``:
     from sending it to having its result, ms); recorded once per sandbox, later ones are ignored."""
@@ -516,7 +527,7 @@ class RecordFirstCommand(Request[None]):
 # ---- commands and code
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Exec(Request[CommandResult]):
     """Run ``cmd`` (a bash string or an argv list); timeout: seconds, wall clock (None/0: none)."""
 
@@ -530,9 +541,10 @@ class Exec(Request[CommandResult]):
     max_output: int = 10 << 20
     on_stdout: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
     on_stderr: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
+    idempotency_key: str | None = None  # a repeat with this key gets this run's result (HTTP: Idempotency-Key)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class StartProcess(Request[int]):
     """Start ``cmd`` in the background (or, with pty_cols/pty_rows, on a terminal of that size); its
     pid. It runs until it ends or is killed, whoever reads its output; see ConnectProcess."""
@@ -548,7 +560,7 @@ class StartProcess(Request[int]):
     pty_rows: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class StartAndConnect(Request[ProcessStream]):
     """StartProcess and ConnectProcess in one step, one round trip to the sandbox: the stream of
     the new background process (its ``pid`` at once), from its first byte. It is a background
@@ -567,7 +579,7 @@ class StartAndConnect(Request[ProcessStream]):
     stdin: bool = True
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ConnectProcess(Request[ProcessStream]):
     """Follow a background process's output (what its bounded ring still holds, then live) until it
     ends; ``output`` false: only its end. Any client, any number of times."""
@@ -579,7 +591,7 @@ class ConnectProcess(Request[ProcessStream]):
     pty: bool = False  # a terminal's output: "pty" events of raw bytes instead of text
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SendStdin(Request[None]):
     """Bytes (text: UTF-8) for a background process's stdin or terminal; ``eof`` closes its stdin
     (a terminal gets ^D)."""
@@ -591,7 +603,7 @@ class SendStdin(Request[None]):
     eof: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class KillProcess(Request[bool]):
     """End a process and every process it started (its cgroup or process group); False if it was
     not running. ``signal``: another signal number instead (to all of them)."""
@@ -602,7 +614,7 @@ class KillProcess(Request[bool]):
     signal: int = 9
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ListProcesses(Request[list[ProcessInfo]]):
     """The sandbox's running background processes and terminals."""
 
@@ -610,7 +622,7 @@ class ListProcesses(Request[list[ProcessInfo]]):
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ResizePty(Request[None]):
     """A terminal's new size (its processes get SIGWINCH)."""
 
@@ -621,7 +633,7 @@ class ResizePty(Request[None]):
     rows: int
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Commands(Request[list[CommandRecord]]):
     """A sandbox's recorded commands, code runs and followed background processes (kept after it
     ended): those with seq > ``after_seq``, at most ``limit`` (1-10000), the oldest of them first
@@ -635,7 +647,7 @@ class Commands(Request[list[CommandRecord]]):
     newest_first: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class RunCode(Request[Execution]):
     """Run a cell in a code context ("default" unless named). ``envs``: variables for this run
     only; after it each is back as it was (unless the cell itself changed it)."""
@@ -650,10 +662,11 @@ class RunCode(Request[Execution]):
     on_stderr: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
     on_result: ResultSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
     language: str | None = None  # with no context: the default context of this language
+    idempotency_key: str | None = None  # a repeat with this key gets this run's result (HTTP: Idempotency-Key)
     envs: dict[str, str] | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class CreateContext(Request[str]):
     """A new code context; returns its id."""
 
@@ -664,14 +677,14 @@ class CreateContext(Request[str]):
     envs: dict[str, str] | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class RemoveContext(Request[None]):
     op: ClassVar[Op] = Op.REMOVE_CONTEXT
     sandbox_id: str
     context: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ListContexts(Request[list[CodeContext]]):
     """The sandbox's code contexts: those created, and the default ones that have run."""
 
@@ -679,7 +692,7 @@ class ListContexts(Request[list[CodeContext]]):
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class RestartContext(Request[None]):
     """A fresh interpreter for a code context: same id, language, working directory and creation
     variables, no state; what its cells started ends, a run in progress with it."""
@@ -692,7 +705,7 @@ class RestartContext(Request[None]):
 # ---- files (relative paths are under /workspace)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ReadFile(Request[bytes]):
     """A whole regular file, at most ``max_bytes``; timeout: seconds for the whole read (None: none)."""
 
@@ -703,7 +716,7 @@ class ReadFile(Request[bytes]):
     timeout: float | None = 60.0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ReadFileStream(Request[ChunkStream]):
     """A file in flow-controlled chunks; max_bytes: None for no cap (a stream is never held
     whole); timeout: seconds per chunk (None: none)."""
@@ -715,7 +728,7 @@ class ReadFileStream(Request[ChunkStream]):
     timeout: float | None = 60.0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class WriteFile(Request[EntryInfo]):
     op: ClassVar[Op] = Op.FILES_WRITE
     sandbox_id: str
@@ -725,7 +738,7 @@ class WriteFile(Request[EntryInfo]):
     append: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class WriteFileStream(Request[EntryInfo]):
     """Create or replace a file from chunks of bytes, taken one at a time as the sandbox writes them
     (the host holds about one chunk, whatever the size). The file replaces ``path`` atomically when
@@ -739,7 +752,7 @@ class WriteFileStream(Request[EntryInfo]):
     mode: int = 0o644
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class WriteFiles(Request[list[EntryInfo]]):
     """Create or replace several files in one call, in order (parents are created); their entries.
     A failure stops at that file (the ones before it are written) with its typed error."""
@@ -749,7 +762,26 @@ class WriteFiles(Request[list[EntryInfo]]):
     files: tuple[WriteEntry, ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@record
+class SignFileUrl(Request[str]):
+    """A URL that lets whoever holds it, with no API key, read (``write`` False: GET) or write
+    (``write`` True: PUT or POST of the file's bytes as the raw body) the file ``path`` of this
+    sandbox as ``user`` ("user": the files API acts as the sandbox's user), for ``expires_in``
+    seconds (at most 7 days). It is signed for the caller's tenant under the registry's signing
+    key (:mod:`warmbox.engine.signing`): it names no other path, sandbox or operation, and stops
+    working at its expiry or when the sandbox ends (revoking the key that asked does not end it:
+    keep ``expires_in`` short). The answer is the URL's path and query, to be put after the
+    server's address (the SDK's ``files.download_url``/``upload_url`` do)."""
+
+    op: ClassVar[Op] = Op.FILES_SIGN_URL
+    sandbox_id: str
+    path: str
+    write: bool = False
+    user: str = "user"
+    expires_in: float = 3600.0
+
+
+@record
 class Rename(Request[EntryInfo]):
     """Move ``old_path`` to ``new_path`` (parents created; a file there is replaced); its new entry."""
 
@@ -759,7 +791,7 @@ class Rename(Request[EntryInfo]):
     new_path: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class UploadDir(Request[EntryInfo]):
     """Unpack a tar stream (uncompressed; chunks taken as the sandbox writes them) into the
     directory ``path`` (made if missing); its entry. A member that would land outside it (an
@@ -773,7 +805,7 @@ class UploadDir(Request[EntryInfo]):
     data: AsyncIterator[bytes]
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class DownloadDir(Request[ChunkStream]):
     """The directory ``path`` as a tar stream in flow-controlled chunks (symlinks stored as links,
     never followed; FIFOs, devices and sockets left out); timeout: seconds per chunk (None: none)."""
@@ -784,7 +816,7 @@ class DownloadDir(Request[ChunkStream]):
     timeout: float | None = 60.0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class WatchDir(Request[DirWatch]):
     """Watch the directory ``path`` (recursive: and every directory below it, new ones included;
     links are not followed): ``on_event`` gets a FilesystemEvent per change (inotify in the
@@ -799,7 +831,7 @@ class WatchDir(Request[DirWatch]):
     on_event: EventSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ListDir(Request[list[EntryInfo]]):
     op: ClassVar[Op] = Op.FILES_LIST
     sandbox_id: str
@@ -807,14 +839,14 @@ class ListDir(Request[list[EntryInfo]]):
     depth: int = 1
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Stat(Request[EntryInfo]):
     op: ClassVar[Op] = Op.FILES_STAT
     sandbox_id: str
     path: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class MakeDir(Request[bool]):
     """Create a directory and its parents; False if it existed."""
 
@@ -823,7 +855,7 @@ class MakeDir(Request[bool]):
     path: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Remove(Request[None]):
     op: ClassVar[Op] = Op.FILES_REMOVE
     sandbox_id: str
@@ -833,7 +865,7 @@ class Remove(Request[None]):
 # ---- snapshots
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Snapshot(Request[SnapshotRef]):
     """Save files and code-context state (memory=True: processes too, where the tier can)."""
 
@@ -843,7 +875,7 @@ class Snapshot(Request[SnapshotRef]):
     env_names: tuple[str, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Pause(Request[SnapshotRef]):
     """Snapshot, then release everything; the sandbox is paused until resumed."""
 
@@ -853,14 +885,14 @@ class Pause(Request[SnapshotRef]):
     env_names: tuple[str, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ListSnapshots(Request[list[tuple[str, str, float, int]]]):
     """(snapshot_id, sandbox_id, created_at, size_bytes) of every snapshot."""
 
     op: ClassVar[Op] = Op.LIST_SNAPSHOTS
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class DeleteSnapshot(Request[None]):
     """Forget a snapshot (its blobs go at the next gc); works on an unreadable manifest too."""
 
@@ -868,7 +900,7 @@ class DeleteSnapshot(Request[None]):
     snapshot_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class GcReport:
     """What a snapshot gc did: blobs deleted, manifests that cannot be read, the store it swept."""
 
@@ -877,7 +909,7 @@ class GcReport:
     store: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class GcSnapshots(Request[GcReport]):
     """Finish or undo dead snapshot operations, then delete unreferenced blobs (now: no grace period)."""
 
@@ -888,7 +920,7 @@ class GcSnapshots(Request[GcReport]):
 # ---- network
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class UpdateNetwork(Request[str]):
     """Replace the egress policy; returns it in words."""
 
@@ -897,19 +929,19 @@ class UpdateNetwork(Request[str]):
     network: object
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class NetworkPolicy(Request[str]):
     op: ClassVar[Op] = Op.NETWORK_POLICY
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class NetworkLog(Request[list[NetEvent]]):
     op: ClassVar[Op] = Op.NETWORK_LOG
     sandbox_id: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Export(Request[Transcript]):
     """Everything recorded of a sandbox, in any state (destroyed too): its record, stage timings,
     state changes, commands and code runs, egress events, snapshots and cost
@@ -923,14 +955,14 @@ class Export(Request[Transcript]):
 # ---- warm pools
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class PoolsList(Request[list[PoolStatus]]):
     """Every configured warm pool: target, bounds, ready/warming counts, hits/misses, warm-up cost."""
 
     op: ClassVar[Op] = Op.POOLS_LIST
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class PoolsResize(Request[PoolStatus]):
     """Set a pool's target (clamped to its bounds) and/or its min/max (None: keep); the daemon acts on it."""
 
@@ -944,7 +976,7 @@ class PoolsResize(Request[PoolStatus]):
 # ---- ports
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class PortConnect(Request[PortStream]):
     """One TCP connection to ``port`` on the sandbox's own loopback (what ``get_host`` forwards
     each accepted connection to); PortNotListening if nothing listens there. The sandbox gets no
@@ -959,7 +991,7 @@ class PortConnect(Request[PortStream]):
 # ---- named volumes (a tenant's own: another tenant's name is VolumeNotFound, as an unknown one)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class VolumeCreate(Request[VolumeInfo]):
     """A new empty volume of ``size_mb`` MiB (its limit: a writer inside gets NoSpace); VolumeError
     if one of that name exists. Mount it with ``create(volumes=[Volume(name, path)])``."""
@@ -969,20 +1001,20 @@ class VolumeCreate(Request[VolumeInfo]):
     size_mb: int
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class VolumeList(Request[list[VolumeInfo]]):
     """Your volumes, by name."""
 
     op: ClassVar[Op] = Op.VOLUME_LIST
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class VolumeGet(Request[VolumeInfo]):
     op: ClassVar[Op] = Op.VOLUME_GET
     name: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class VolumeDelete(Request[None]):
     """Delete a volume and its files; VolumeInUse while a live or paused sandbox mounts it."""
 
@@ -995,7 +1027,7 @@ class VolumeDelete(Request[None]):
 ProgressSink = Callable[[TemplateBuildEvent], object]  # may return an awaitable: awaited
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TemplateBuild(Request[TemplateInfo]):
     """Build ``template`` as the next version of the template ``name`` (the same spec and image as
     the latest version: that version again). context: a tar of the COPY steps' sources, made on the
@@ -1010,14 +1042,14 @@ class TemplateBuild(Request[TemplateInfo]):
     on_progress: ProgressSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TemplateList(Request[list[TemplateInfo]]):
     """Every built template version of the caller's (all versions; the latest last per name)."""
 
     op: ClassVar[Op] = Op.TEMPLATE_LIST
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TemplateGet(Request[TemplateInfo]):
     """One built template: its latest version, or ``version``; TemplateNotFound if none."""
 
@@ -1026,7 +1058,7 @@ class TemplateGet(Request[TemplateInfo]):
     version: int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TemplateDelete(Request[list[TemplateInfo]]):
     """Remove a template's versions (all, or ``version``); the records removed. TemplateInUse if a
     sandbox, pool or snapshot uses it (its layers go at the next layer gc)."""
@@ -1036,7 +1068,7 @@ class TemplateDelete(Request[list[TemplateInfo]]):
     version: int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TemplateGcReport:
     """What a template gc removed (dry_run: would remove): layer digests, microVM root files, the
     bytes they took; roots kept only because another home's registry could not be read;
@@ -1051,7 +1083,7 @@ class TemplateGcReport:
     shared_layers: tuple[str, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class TemplateGc(Request[TemplateGcReport]):
     """Remove the layers no template version, built-in image, sandbox or snapshot (of any home)
     uses and the microVM roots of images nothing runs (admin); dry_run: only say what."""
@@ -1063,7 +1095,7 @@ class TemplateGc(Request[TemplateGcReport]):
 # ---- the approval queue (questions a step waits on: a start over budget, a large create, a network ask)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ApprovalsList(Request[list[Approval]]):
     """The approval questions, newest first: a tenant key's own tenant's, an admin key's (and the
     host's) every tenant's. pending_only: only those still open. limit: at most this many (1-1000).
@@ -1076,7 +1108,7 @@ class ApprovalsList(Request[list[Approval]]):
     tenant: str | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ApprovalAnswer(Request[Approval]):
     """Answer an open question, once (ApprovalClosed for a second answer or after its deadline):
     "approve"/"deny" a create, resume or pool resize (an admin key's, or the host's, to give),
@@ -1090,7 +1122,7 @@ class ApprovalAnswer(Request[Approval]):
 # ---- cluster nodes (the API tier of a cluster, ``warmbox serve --cluster``; a single host refuses them)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class DrainReport:
     """What a node drain did: the sandboxes moved to other nodes (paused there, resumed here: the
     same ids, files and code-context state kept), those already paused (left paused: any node
@@ -1103,7 +1135,7 @@ class DrainReport:
     state: str
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class NodeDrain(Request[DrainReport]):
     """Take a node out of service (admin): no new sandbox is placed on it; each of its live
     sandboxes is paused and resumed on another node; then it is marked down (it stays draining,
@@ -1152,6 +1184,7 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         WriteFileStream,
         WriteFiles,
         Rename,
+        SignFileUrl,
         UploadDir,
         DownloadDir,
         WatchDir,

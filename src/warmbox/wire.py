@@ -260,6 +260,7 @@ _ATTRS = (
     "node",
     "recorded",
     "runtime",
+    "registry",
 )
 
 

@@ -32,7 +32,7 @@ else:
 
 
 def test_user_code_cannot_touch_the_agents_memory(tier):
-    with Sandbox.create(tier, timeout=300, pool=False) as sb:
+    with Sandbox.create(tier=tier, timeout=300, pool=False) as sb:
         r = sb.commands.run(["python3", "-c", PROBE, "1"])
         assert r.exit_code == 0, r.stderr
         assert "mem:read" not in r.stdout and "mem:refused" in r.stdout, r.stdout
@@ -59,7 +59,7 @@ print(sorted(seen))
 
 
 def test_a_code_context_holds_nothing_of_the_agent(tier):
-    with Sandbox.create(tier, timeout=300, pool=False) as sb:
+    with Sandbox.create(tier=tier, timeout=300, pool=False) as sb:
         held = eval(sb.run_code(HELD).stdout)
         sockets = [h for h in held if h.startswith("socket:")]
         # its own socket to the agent; no listener, host connection or cgroup directory of the agent

@@ -20,7 +20,7 @@ def _agent_rss_kib(sb) -> int:
 
 
 def test_output_flood_with_no_reader_keeps_the_agent_bounded(home, runc_ready):
-    with Sandbox.create("container", timeout=300, pool=False) as sb:
+    with Sandbox.create(tier="container", timeout=300, pool=False) as sb:
         before = _agent_rss_kib(sb)
         handles = [sb.commands.run("yes 0123456789abcdef0123456789abcdef", background=True) for _ in range(4)]
         for h in handles:
@@ -41,7 +41,7 @@ def test_output_flood_with_no_reader_keeps_the_agent_bounded(home, runc_ready):
 
 
 def test_background_processes_up_to_the_pids_limit(tier):
-    with Sandbox.create(tier, timeout=300, pool=False, limits=Limits(pids=64)) as sb:
+    with Sandbox.create(tier=tier, timeout=300, pool=False, limits=Limits(pids=64)) as sb:
         started: list[int] = []
         refused: SandboxError | None = None
         for _ in range(10_000):

@@ -35,7 +35,7 @@ def test_a_sandbox_cannot_reach_another_cluster_node(world, runc_ready):  # noqa
             NodeInfo("peer-node", address=f"http://{ATTACKER}:80", slots=4, tiers=("container",))
         )
         world.clear_logs()
-        with Sandbox.create("container", network="internet", timeout=120, home=home) as sb:
+        with Sandbox.create(tier="container", network="internet", timeout=120, home=home) as sb:
             assert code(sb, f"http://{ALLOWED}/hello.txt") == "200"  # internet is open: the control
             assert code(sb, f"http://{ATTACKER}/v1/sandboxes") == "403"  # by address
             assert code(sb, "http://attacker.example.com/v1/sandboxes") == "403"  # by a name for it

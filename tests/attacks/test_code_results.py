@@ -30,7 +30,7 @@ None
 
 
 def test_a_flood_of_empty_results_is_refused(tier):
-    with Sandbox.create(tier, timeout=300, pool=False) as sb:
+    with Sandbox.create(tier=tier, timeout=300, pool=False) as sb:
         with pytest.raises(GuestProtocolError, match="too much rich output"):
             sb.run_code(FLOOD.replace("COUNT", str(MAX_RESULTS * 4)))
         ctx = sb.create_code_context()

@@ -43,7 +43,7 @@ def _wait_gone(sb, pattern: str, bound_s: float) -> list[str]:
 
 
 def test_timeout_kills_double_forked_setsid_and_signal_ignoring_processes(tier):
-    with Sandbox.create(tier, timeout=300, pool=False) as sb:
+    with Sandbox.create(tier=tier, timeout=300, pool=False) as sb:
         r = sb.commands.run(ESCAPES, timeout=4)
         assert r.timed_out and r.signal == 9, (r.exit_code, r.stderr)
         assert _wait_gone(sb, "sleep 100[1-4]", 5.0) == [], "processes of the timed-out command survived"
@@ -55,7 +55,7 @@ def test_timeout_kills_double_forked_setsid_and_signal_ignoring_processes(tier):
 
 
 def test_background_processes_of_a_normal_exit_keep_running(tier):
-    with Sandbox.create(tier, timeout=300, pool=False) as sb:
+    with Sandbox.create(tier=tier, timeout=300, pool=False) as sb:
         r = sb.commands.run("nohup sleep 1011 >/dev/null 2>&1 & setsid sh -c 'sleep 1012 &'; echo started")
         assert r.exit_code == 0 and not r.timed_out and r.stdout == "started\n", r.stderr
         time.sleep(0.5)
@@ -75,7 +75,7 @@ def test_fork_bomb_ends_with_its_timeout(tier):
     # a smaller tree on gVisor, where each fork costs ~50 times the host's (its bound at limits.pids:
     # test_pids_limit.py)
     depth = 7 if tier == "container" else 4
-    with Sandbox.create(tier, timeout=300, pool=False) as sb:
+    with Sandbox.create(tier=tier, timeout=300, pool=False) as sb:
         base = _process_count(sb)
         # a binary fork tree whose every node is orphaned at once (double fork), 2^depth leaves
         # that each leave their session and ignore SIGTERM
@@ -93,7 +93,7 @@ def test_fork_bomb_ends_with_its_timeout(tier):
 
 
 def test_killed_code_context_takes_what_its_cells_started(tier):
-    with Sandbox.create(tier, timeout=300, pool=False) as sb:
+    with Sandbox.create(tier=tier, timeout=300, pool=False) as sb:
         ex = sb.run_code(
             "import subprocess\n"
             "subprocess.run(['sh', '-c', \"setsid sh -c 'sleep 1030 &'\"])\n"

@@ -72,7 +72,7 @@ def test_a_hostile_agents_numbers_cannot_block_the_records(tmp_path, home, runc_
         finally:
             await session.close()
         assert hostile.exit_code == 1 << 70 and math.isnan(hostile.duration_ms)  # as the agent sent them
-        sb = await AsyncSandbox.create("container", template="shell", timeout=60, pool=False, home=home)
+        sb = await AsyncSandbox.create(tier="container", template="shell", timeout=60, pool=False, home=home)
         try:
             log.add(commandlog.of_command(sb.sandbox_id, "command", ("hostile", False), 1.0, hostile))
             await sb.commands.run("echo after")  # queued behind it

@@ -93,8 +93,8 @@ def test_sandbox_output_is_escaped_and_other_tenants_are_invisible(net_home, wor
         kw = {"timeout": 120, "pool": False, "api_url": server.url}
         net = Network(allow=["allowed.test"])
         with (
-            Sandbox.create("container", network=net, metadata={"note": IMG}, api_key=acme, **kw) as sb,
-            Sandbox.create("container", api_key=globex, **kw) as other,
+            Sandbox.create(tier="container", network=net, metadata={"note": IMG}, api_key=acme, **kw) as sb,
+            Sandbox.create(tier="container", api_key=globex, **kw) as other,
         ):
             sb.files.write("/tmp/dns.py", f"IMG = {IMG!r}\nSCRIPT = {SCRIPT!r}\n" + DNS)
             assert sb.commands.run("python3 /tmp/dns.py", timeout=30).exit_code == 0

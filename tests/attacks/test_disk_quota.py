@@ -43,7 +43,7 @@ def _image(engine, sandbox_id: str):
 
 def test_filling_the_workspace_stops_at_its_quota_and_the_host_keeps_its_space(home, tier):
     engine = require_tier(home, tier)
-    with Sandbox.create(tier, timeout=300, pool=False, template="shell", limits=QUOTA) as sb:
+    with Sandbox.create(tier=tier, timeout=300, pool=False, template="shell", limits=QUOTA) as sb:
         sid = sb.sandbox_id
         mounts, loops = _leftovers(engine, sid)
         assert mounts and loops, "the workspace is not its own filesystem"
@@ -82,7 +82,7 @@ def test_pause_and_resume_keep_the_workspace_and_its_quota(home, runc_ready, tie
     """gVisor: a memory snapshot (/workspace tarred on the host as its owner, unpacked into the
     new sandbox's disk); container: a file snapshot (tarred in the guest)."""
     engine = require_tier(home, tier)
-    sb = Sandbox.create(tier, timeout=300, pool=False, template="shell", limits=QUOTA)
+    sb = Sandbox.create(tier=tier, timeout=300, pool=False, template="shell", limits=QUOTA)
     try:
         sb.commands.run(
             "mkdir -p /workspace/d && head -c 5000000 /dev/urandom > /workspace/d/blob && "
@@ -125,7 +125,7 @@ def test_a_snapshot_larger_than_its_new_disk_is_a_typed_error(home, runc_ready, 
     from warmbox.storage import snapshots as snaps
 
     engine = require_tier(home, tier)
-    sb = Sandbox.create(tier, timeout=300, pool=False, template="shell", limits=QUOTA)
+    sb = Sandbox.create(tier=tier, timeout=300, pool=False, template="shell", limits=QUOTA)
     try:
         sb.commands.run("head -c 40000000 /dev/urandom > /workspace/blob", timeout=60)
         ref = sb.pause(memory=True) if memory else sb.snapshot()
@@ -168,7 +168,7 @@ _KILLED_CREATOR = textwrap.dedent("""
         os.kill(os.getpid(), 9)
 
     runc.RuncBackend.start = gvisor.GvisorBackend.start = die
-    Sandbox.create(sys.argv[1], pool=False, template="shell", limits=Limits(disk_mb=64), timeout=60)
+    Sandbox.create(tier=sys.argv[1], pool=False, template="shell", limits=Limits(disk_mb=64), timeout=60)
 """)
 
 
@@ -276,7 +276,7 @@ def test_microvm_workspace_is_a_disk_of_its_quota(home, runc_ready):
     from tests.backends.conftest import qemu_pids
 
     engine = require_tier(home, "microvm")
-    with Sandbox.create("microvm", timeout=600, limits=Limits(memory_mb=256, pids=128, disk_mb=64)) as sb:
+    with Sandbox.create(tier="microvm", timeout=600, limits=Limits(memory_mb=256, pids=128, disk_mb=64)) as sb:
         r = sb.commands.run("df -m /workspace | tail -1", timeout=60)
         assert 48 <= int(r.stdout.split()[1]) <= 64, r.stdout
         r = sb.commands.run(

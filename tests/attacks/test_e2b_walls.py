@@ -5,10 +5,15 @@ one an unknown sandbox gets (404) or a refused credential (401); A's sandbox is 
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from tests.conftest import start_server
+from tests.wsecho import WS_ECHO
 from warmbox.engine.engine import Engine
+from warmbox.server.tunnel import WS_PER_SANDBOX
 
 pytestmark = pytest.mark.sandbox
 httpx = pytest.importorskip("httpx")
@@ -165,3 +170,184 @@ def test_a_signed_file_url_opens_only_what_it_was_signed_for(two_tenants):
         # nothing was written by the refused uploads
         r = c.get("/files", params={"path": "/home/user/planted"}, headers={**envd, "X-Access-Token": token_a})
         assert r.status_code == 404
+
+
+def _sign(c: httpx.Client, key: str, sid: str, path: str, **body: object) -> httpx.Response:
+    return c.post(
+        f"/v1/sandboxes/{sid}/files/signed_url",
+        json={"path": path, **body},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+
+
+def test_a_warmbox_signed_url_opens_only_what_it_was_signed_for(two_tenants):
+    """files.sign_url (warmbox's own signed URLs, the same key and scheme as E2B's): the URL alone
+    reads or writes the one path it names; another path, sandbox, operation or signer, an expired
+    URL or one of an ended sandbox is 401 or not found, and writes nothing; B cannot have a URL
+    signed for A's sandbox."""
+    url, t = two_tenants
+    key_a, sid_a, _token_a = t["wall-a"]
+    key_b, sid_b, _token_b = t["wall-b"]
+    with httpx.Client(base_url=url, timeout=60) as c:
+        r = _sign(c, key_a, sid_a, "/workspace/up.txt", write=True)
+        assert r.status_code == 200, r.text
+        up = r.json()
+        assert key_a not in up and "Bearer" not in up
+        assert c.put(up, content=b"signed bytes").status_code == 200
+        read = _sign(c, key_a, sid_a, "/workspace/up.txt").json()
+        assert c.get(read).content == b"signed bytes"
+        # the read URL does not write; the upload URL does not read; nor for another path or sandbox
+        assert c.put(read, content=b"overwritten").status_code == 401
+        assert c.get(up).status_code == 401
+        assert c.get(read.replace("up.txt", "other.txt")).status_code == 401
+        assert c.get(read.replace(sid_a, sid_b)).status_code == 401
+        # B: no URL for A's sandbox; B's own URL turned to A's sandbox or signed by A's key id: 401
+        assert _sign(c, key_b, sid_a, "/workspace/up.txt").status_code == 404
+        read_b = _sign(c, key_b, sid_b, "/workspace/up.txt").json()
+        assert c.get(read_b.replace(sid_b, sid_a)).status_code == 401
+        signer_b = read_b.split("signer=")[1].split("&")[0]
+        signer_a = read.split("signer=")[1].split("&")[0]
+        assert c.get(read_b.replace(signer_b, signer_a)).status_code == 401
+        # expired, and an expiry moved later
+        short = _sign(c, key_a, sid_a, "/workspace/up.txt", expires_in=1).json()
+        later = short.split("signature_expiration=")[1].split("&")[0]
+        assert c.get(short.replace(later, str(int(later) + 3600))).status_code == 401
+        time.sleep(max(0.0, int(later) + 1.05 - time.time()))
+        r = c.get(short)
+        assert r.status_code == 401 and "expired" in r.text
+        assert c.get(read).content == b"signed bytes"  # nothing was overwritten
+        # a sandbox's URLs end with it
+        made = c.post("/v2/sandboxes", json={"templateID": "base", "timeout": 60}, headers={"X-API-KEY": key_a})
+        assert made.status_code == 201, made.text
+        sid_gone = made.json()["sandboxID"]
+        gone = _sign(c, key_a, sid_gone, "/etc/hostname").json()
+        assert c.get(gone).status_code == 200
+        assert c.delete(f"/sandboxes/{sid_gone}", headers={"X-API-KEY": key_a}).status_code == 204
+        assert c.get(gone).status_code == 404
+
+
+@pytest.fixture(scope="module")
+def ws_echo(two_tenants):
+    """WS_ECHO running on port 8765 of tenant A's sandbox."""
+    from warmbox import Sandbox
+
+    url, t = two_tenants
+    key_a, sid_a, _token_a = t["wall-a"]
+    sb = Sandbox.connect(sid_a, api_url=url, api_key=key_a)
+    try:
+        sb.files.write("/workspace/ws_echo.py", WS_ECHO)
+        sb.commands.run("cd /workspace && (python3 ws_echo.py >/tmp/ws_echo.log 2>&1 &)")
+        sb.get_host(8765, check=True, timeout=30)
+    finally:
+        sb.close()
+    return url, t
+
+
+def test_a_websocket_to_a_sandbox_port_is_relayed_with_the_http_checks_and_bounds(ws_echo):
+    """get_host's ports (E2B's headers or domain Host) and warmbox's preview route relay a WebSocket
+    upgrade both ways: A's token (or key) gets its server, with its subprotocol, close codes passed
+    on and no credential or cookie passed to it; B's key is not found, B's token or none refused;
+    a message over the bound either way closes the socket with 1009."""
+    url, t = ws_echo
+    key_a, sid_a, token_a = t["wall-a"]
+    key_b, _sid_b, token_b = t["wall-b"]
+    aiohttp = pytest.importorskip("aiohttp")
+    ws_url = url.replace("http://", "ws://")
+    bearer = {"Authorization": f"Bearer {key_a}"}
+    token = {**_data(sid_a, 8765), "E2B-Traffic-Access-Token": token_a}
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as http:
+            routes = (
+                ("/chat?room=1", {**_data(sid_a, 8765), "E2B-Traffic-Access-Token": token_a}),
+                ("/chat?room=1", {"Host": f"8765-{sid_a}.e2b.test", "X-API-KEY": key_a}),
+                (f"/v1/sandboxes/{sid_a}/ports/8765/chat?room=1", {"Authorization": f"Bearer {key_a}"}),
+            )
+            for path, headers in routes:
+                headers = {**headers, "Cookie": "session=1"}
+                async with http.ws_connect(ws_url + path, headers=headers, protocols=("wbtest",)) as ws:
+                    assert ws.protocol == "wbtest"
+                    seen = await ws.receive_json(timeout=30)
+                    assert seen == {"path": "/chat?room=1", "leaked": []}, (path, seen)
+                    await ws.send_str("hé")
+                    assert await ws.receive_str(timeout=30) == "hé"
+                    await ws.send_bytes(b"\0\1\2")
+                    assert await ws.receive_bytes(timeout=30) == b"\0\1\2"
+                    await ws.send_str("bye")
+                    msg = await ws.receive(timeout=30)
+                    assert msg.type is aiohttp.WSMsgType.CLOSE and ws.close_code == 4001, (path, msg)
+            headers = {**_data(sid_a, 8765), "E2B-Traffic-Access-Token": token_a}
+            async with http.ws_connect(ws_url + "/", headers=headers, max_msg_size=0) as ws:
+                await ws.receive_json(timeout=30)
+                await ws.send_str("big")  # the sandbox's 2 MiB message is not relayed
+                msg = await ws.receive(timeout=30)
+                assert msg.type is aiohttp.WSMsgType.CLOSE and ws.close_code == 1009, msg
+            async with http.ws_connect(ws_url + "/", headers=headers) as ws:
+                await ws.receive_json(timeout=30)
+                await ws.send_str("frags")  # a message of 5,000 empty fragments: not held frame by frame
+                msg = await ws.receive(timeout=30)
+                assert msg.type is aiohttp.WSMsgType.CLOSE and ws.close_code == 1009, msg
+            async with http.ws_connect(ws_url + "/", headers=headers) as ws:
+                await ws.receive_json(timeout=30)
+                try:
+                    await ws.send_bytes(b"y" * (2 << 20))  # nor the client's
+                except ConnectionError:  # closed (1009) while the last of it was still being written
+                    pass
+                msg = await ws.receive(timeout=30)
+                assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED), msg
+                assert ws.close_code == 1009, msg
+            for headers, status in (
+                ({**_data(sid_a, 8765), "X-API-KEY": key_b}, 404),
+                ({"Host": f"8765-{sid_a}.e2b.test", "X-API-KEY": key_b}, 404),
+                ({**_data(sid_a, 8765), "E2B-Traffic-Access-Token": token_b}, 401),
+                (_data(sid_a, 8765), 401),
+                (_data(sid_a, 49983), 400),
+            ):
+                with pytest.raises(aiohttp.WSServerHandshakeError) as e:
+                    await http.ws_connect(ws_url + "/", headers=headers)
+                assert e.value.status == status, headers
+            with pytest.raises(aiohttp.WSServerHandshakeError) as e:
+                await http.ws_connect(
+                    f"{ws_url}/v1/sandboxes/{sid_a}/ports/8765/", headers={"Authorization": f"Bearer {key_b}"}
+                )
+            assert e.value.status == 404
+            # at most WS_PER_SANDBOX at once to one sandbox, whichever route: the next is 429 until one ends
+            held = []
+            try:
+                for i in range(WS_PER_SANDBOX):
+                    route = (ws_url + "/", token) if i % 2 else (f"{ws_url}/v1/sandboxes/{sid_a}/ports/8765/", bearer)
+                    held.append(await http.ws_connect(route[0], headers=route[1]))
+                for route in ((ws_url + "/", token), (f"{ws_url}/v1/sandboxes/{sid_a}/ports/8765/", bearer)):
+                    with pytest.raises(aiohttp.WSServerHandshakeError) as e:
+                        await http.ws_connect(route[0], headers=route[1])
+                    assert e.value.status == 429
+                await held.pop().close()
+                async with http.ws_connect(ws_url + "/", headers=token) as ws:
+                    assert "path" in await ws.receive_json(timeout=30)
+            finally:
+                for ws in held:
+                    await ws.close()
+
+    asyncio.run(main())
+
+
+def test_a_sandbox_page_never_runs_with_an_origin_that_reaches_the_api(ws_echo):
+    """A page a sandbox serves: on the API's own origin (E2B's header routing, the preview route)
+    it runs no script (CSP sandbox); on its own host (domain mode) its scripts run, but in an opaque
+    origin (no allow-same-origin): the host shares its site with api.{domain} and the console, so
+    it could otherwise set cookies over theirs and send their SameSite cookies."""
+    from warmbox.server.tunnel import CSP_OWN_ORIGIN
+
+    url, t = ws_echo
+    key_a, sid_a, token_a = t["wall-a"]
+    assert "allow-same-origin" not in CSP_OWN_ORIGIN and "allow-top-navigation" not in CSP_OWN_ORIGIN
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for path, headers, csp in (
+            ("/", {**_data(sid_a, 8765), "E2B-Traffic-Access-Token": token_a}, "sandbox"),
+            (f"/v1/sandboxes/{sid_a}/ports/8765/", {"Authorization": f"Bearer {key_a}"}, "sandbox"),
+            ("/", {"Host": f"8765-{sid_a}.e2b.test", "E2B-Traffic-Access-Token": token_a}, CSP_OWN_ORIGIN),
+        ):
+            r = c.get(path, headers=headers)
+            assert r.status_code == 200 and "<script>" in r.text, (path, r.text)
+            assert r.headers["content-security-policy"] == csp, path
+            assert r.headers["x-content-type-options"] == "nosniff"

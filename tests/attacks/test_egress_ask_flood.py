@@ -76,7 +76,7 @@ def test_a_flood_of_names_cannot_flood_the_approval_queue(ask_home, world):
     world.clear_logs()
     token = secrets.token_hex(4)
     hold = ASK_OPEN_PER_SANDBOX + 4
-    sb = Sandbox.create("container", network=Network(allow=[], on_unknown="ask"), timeout=120, home=ask_home)
+    sb = Sandbox.create(tier="container", network=Network(allow=[], on_unknown="ask"), timeout=120, home=ask_home)
     try:
         sb.files.write("/tmp/flood.py", SCRIPT)
         r = sb.commands.run(["python3", "/tmp/flood.py", token, str(hold), str(FLOOD)], timeout=60)

@@ -57,7 +57,7 @@ def run_probes(sb, world, token: str) -> None:
 def test_cidr_allow_rule_does_not_resolve_unknown_names(net_home, world):
     world.clear_logs()
     token = secrets.token_hex(6)
-    with Sandbox.create("container", network=Network(allow=["198.51.100.0/24"]), timeout=120, home=net_home) as sb:
+    with Sandbox.create(tier="container", network=Network(allow=["198.51.100.0/24"]), timeout=120, home=net_home) as sb:
         run_probes(sb, world, token)
         # the CIDR still opens IP literals inside it, end to end
         r = sh(sb, f"{CURL} http://{ALLOWED}/hello.txt")
@@ -69,7 +69,7 @@ def test_cidr_rule_next_to_name_rules_resolves_allowed_names_only(net_home, worl
     world.clear_logs()
     token = secrets.token_hex(6)
     net = Network(allow=["allowed.test", "203.0.113.0/24"])
-    with Sandbox.create("container", network=net, timeout=120, home=net_home) as sb:
+    with Sandbox.create(tier="container", network=net, timeout=120, home=net_home) as sb:
         run_probes(sb, world, token)
         r = sh(sb, f"{CURL} http://allowed.test/hello.txt")
         assert r.exit_code == 0 and r.stdout == "hello from the allowed site\n", r.stderr
@@ -90,7 +90,9 @@ def test_ask_is_answered_before_any_lookup(net_home, world, tier):
         asked.append((req.host, any(q["name"] == req.host for q in world.log("dns"))))
         return "allow_once" if req.host == "allowed.test" else "deny"
 
-    with Sandbox.create(tier, network=Network(on_unknown="ask"), on_approval=hook, timeout=120, home=net_home) as sb:
+    with Sandbox.create(
+        tier=tier, network=Network(on_unknown="ask"), on_approval=hook, timeout=120, home=net_home
+    ) as sb:
         run_probes(sb, world, token)
         proxied = [n for n in probes(token) if n.endswith(("-http.attacker.example", "-connect.attacker.example"))]
         assert [h for h, _ in asked] == proxied  # the proxy asked about each; nothing went upstream first

@@ -68,7 +68,7 @@ print(json.dumps(out))
 @pytest.mark.parametrize("tier", ["container", "gvisor"])
 def test_malformed_queries_get_formerr_and_the_resolver_goes_on(net_home, world, tier):
     world.clear_logs()
-    with Sandbox.create(tier, network=Network(allow=["allowed.test"]), timeout=120, home=net_home) as sb:
+    with Sandbox.create(tier=tier, network=Network(allow=["allowed.test"]), timeout=120, home=net_home) as sb:
         sb.files.write("/tmp/dnsprobe.py", CLIENT)
         pid = egress.proxy_pid(net_home)
         cases = json.dumps({k: v.hex() for k, v in MALFORMED.items()})

@@ -77,8 +77,8 @@ def test_root_in_gvisor_cannot_get_raw_or_spoofed_packets_past_the_egress_rules(
     engine = Engine.for_home(net_home)
     net = Network(allow=["allowed.test"])
     with (
-        Sandbox.create("container", template="shell", network=net, timeout=120, home=net_home) as neighbour,
-        Sandbox.create("gvisor", template="shell", network=net, timeout=120, home=net_home) as sb,
+        Sandbox.create(tier="container", template="shell", network=net, timeout=120, home=net_home) as neighbour,
+        Sandbox.create(tier="gvisor", template="shell", network=net, timeout=120, home=net_home) as sb,
     ):
         own = engine.registry.link(sb.sandbox_id)[0]
         theirs = engine.registry.link(neighbour.sandbox_id)[0]

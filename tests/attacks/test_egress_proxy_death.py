@@ -66,7 +66,7 @@ def recovered(sb, world, url: str = "http://allowed.test/hello.txt") -> bool:
 
 def test_killed_proxy_is_restarted_or_updates_fail_loudly(net_home, world):
     world.clear_logs()
-    with Sandbox.create("container", network=Network(allow=["allowed.test"]), timeout=180, home=net_home) as sb:
+    with Sandbox.create(tier="container", network=Network(allow=["allowed.test"]), timeout=180, home=net_home) as sb:
         assert code(sb, "http://allowed.test/hello.txt") == "200"
         pid = egress.proxy_pid(net_home)
         assert pid is not None
@@ -99,7 +99,7 @@ def test_secrets_survive_a_proxy_restart(net_home, world):
     value = "sk-REAL-" + os.urandom(8).hex()
     fetch = 'curl -sS --max-time 3 -H "Authorization: Bearer $WBT_KEY" https://api.test/headers'
     with Sandbox.create(
-        "container",
+        tier="container",
         network=Network(allow=["api.test"]),
         secrets={"WBT_KEY": Secret(value, ["api.test"])},
         timeout=180,
@@ -125,7 +125,7 @@ def test_secrets_survive_a_proxy_restart(net_home, world):
 
 def test_killed_supervisor_update_restarts_or_fails_loudly(net_home, world):
     world.clear_logs()
-    with Sandbox.create("container", network=Network(allow=["allowed.test"]), timeout=180, home=net_home) as sb:
+    with Sandbox.create(tier="container", network=Network(allow=["allowed.test"]), timeout=180, home=net_home) as sb:
         assert code(sb, "http://allowed.test/hello.txt") == "200"
         proxy, sup = egress.proxy_pid(net_home), egress.supervisor_pid(net_home)
         assert proxy is not None and sup is not None
@@ -153,7 +153,7 @@ def test_proxy_that_cannot_restart_fails_updates_loudly(net_home, world):
     world.clear_logs()
     cfg = net_home / "warmbox.toml"
     good = cfg.read_text()
-    with Sandbox.create("container", network=Network(allow=["allowed.test"]), timeout=180, home=net_home) as sb:
+    with Sandbox.create(tier="container", network=Network(allow=["allowed.test"]), timeout=180, home=net_home) as sb:
         assert code(sb, "http://allowed.test/hello.txt") == "200"
         try:
             # a restarted proxy cannot get into its upstream namespace any more
@@ -185,7 +185,7 @@ def test_approvals_are_asked_again_after_a_restart(net_home, world):
         return "allow_once" if req.host == "allowed.test" else "deny"
 
     with Sandbox.create(
-        "container", network=Network(on_unknown="ask"), on_approval=hook, timeout=180, home=net_home
+        tier="container", network=Network(on_unknown="ask"), on_approval=hook, timeout=180, home=net_home
     ) as sb:
         assert code(sb, "http://allowed.test/hello.txt") == "200"
         kill(egress.proxy_pid(net_home))

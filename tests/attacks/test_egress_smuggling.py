@@ -123,7 +123,7 @@ def attack(sb, world, mode: str, start: str, extra: dict[str, str] | None = None
 @pytest.mark.parametrize("tier", ["container", "gvisor"])
 def test_request_smuggling_through_the_proxy_is_refused(net_home, world, tier):
     world.clear_logs()
-    with Sandbox.create(tier, network=Network(allow=["allowed.test"]), timeout=300, home=net_home) as sb:
+    with Sandbox.create(tier=tier, network=Network(allow=["allowed.test"]), timeout=300, home=net_home) as sb:
         attack(sb, world, "http", "POST http://allowed.test:8080/up HTTP/1.1\r\nHost: allowed.test:8080\r\n")
 
 
@@ -135,7 +135,7 @@ def test_request_smuggling_inside_an_intercepted_tunnel_is_refused(net_home, wor
     value = "sk-REAL-" + secrets.token_hex(8)
     net = Network(allow=["allowed.test"])
     secret = {"TOKEN": Secret(value, hosts=["allowed.test"])}
-    with Sandbox.create(tier, network=net, secrets=secret, timeout=300, home=net_home) as sb:
+    with Sandbox.create(tier=tier, network=net, secrets=secret, timeout=300, home=net_home) as sb:
         token = secrets.token_hex(6)
         attack(sb, world, "tls", "POST /up HTTP/1.1\r\nHost: allowed.test:8443\r\n", fronted(token))
         assert value not in json.dumps([e.__dict__ for e in sb.network.log()])
@@ -149,7 +149,7 @@ def test_a_plain_requests_host_is_the_urls(net_home, world):
     world.clear_logs()
     token = secrets.token_hex(6)
     wire = f"GET http://allowed.test:8080/fronted-{token} HTTP/1.1\r\nHost: other.example\r\nConnection: close\r\n\r\n"
-    with Sandbox.create("container", network=Network(allow=["allowed.test"]), timeout=300, home=net_home) as sb:
+    with Sandbox.create(tier="container", network=Network(allow=["allowed.test"]), timeout=300, home=net_home) as sb:
         sb.files.write("/tmp/smuggle.py", CLIENT)
         argv = [
             "python3",

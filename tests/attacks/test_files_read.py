@@ -141,7 +141,7 @@ def assert_agent_idle(sb, watch: OpenWatch, over_s: float = 1.5) -> None:
 
 
 def test_symlink_to_dev_zero_is_refused_without_reading(tier):
-    with Sandbox.create(tier, timeout=300) as sb:
+    with Sandbox.create(tier=tier, timeout=300) as sb:
         sh(sb, "ln -sf /dev/zero /workspace/out.csv")
         for fmt in ("text", "bytes", "stream"):
             t0 = time.monotonic()
@@ -159,7 +159,7 @@ def test_symlink_to_dev_zero_is_refused_without_reading(tier):
 
 
 def test_fifo_and_socket_are_refused_without_blocking(tier):
-    with Sandbox.create(tier, timeout=300) as sb:
+    with Sandbox.create(tier=tier, timeout=300) as sb:
         # the socket in /tmp: gVisor refuses even a stat of a socket bound on /workspace (EPERM)
         sh(
             sb,
@@ -176,7 +176,7 @@ def test_fifo_and_socket_are_refused_without_blocking(tier):
 
 def test_large_file_is_refused_by_default_and_streams_in_bounded_memory(tier):
     size = 150 * MiB
-    with Sandbox.create(tier, timeout=300) as sb:
+    with Sandbox.create(tier=tier, timeout=300) as sb:
         sh(sb, f"truncate -s {size} /workspace/big")  # sparse: no disk used
         t0 = time.monotonic()
         with PeakGrowth() as mem:
@@ -204,7 +204,7 @@ def test_large_file_is_refused_by_default_and_streams_in_bounded_memory(tier):
 
 def test_slow_stream_reader_holds_a_window_and_an_abandoned_stream_stops(tier):
     size = 150 * MiB
-    with Sandbox.create(tier, timeout=300) as sb:
+    with Sandbox.create(tier=tier, timeout=300) as sb:
         sh(sb, f"truncate -s {size} /workspace/big")
         watch = OpenWatch(sb, "/workspace/big")
         with PeakGrowth() as mem:
@@ -230,7 +230,7 @@ def test_slow_stream_reader_holds_a_window_and_an_abandoned_stream_stops(tier):
 
 
 def test_timed_out_read_stops_in_the_sandbox(tier):
-    with Sandbox.create(tier, timeout=300) as sb:
+    with Sandbox.create(tier=tier, timeout=300) as sb:
         sh(sb, "truncate -s 1000M /workspace/huge")
         watch = OpenWatch(sb, "/workspace/huge")
         t0 = time.monotonic()
@@ -244,7 +244,7 @@ def test_timed_out_read_stops_in_the_sandbox(tier):
 
 def test_reader_that_went_away_stops_the_agent(tier, home):
     """A client whose connection closed mid-read (its process died): the agent stops reading."""
-    with Sandbox.create(tier, timeout=300) as sb:
+    with Sandbox.create(tier=tier, timeout=300) as sb:
         sh(sb, "truncate -s 1000M /workspace/huge")
         watch = OpenWatch(sb, "/workspace/huge")
         _, handle = Engine.for_home(home).info(sb.sandbox_id)
@@ -260,7 +260,7 @@ def test_reader_that_went_away_stops_the_agent(tier, home):
 
 
 def test_file_longer_than_its_size_or_growing_fails_past_max_bytes(tier):
-    with Sandbox.create(tier, timeout=300) as sb:
+    with Sandbox.create(tier=tier, timeout=300) as sb:
         # /proc files report st_size 0: only the read itself can find out they are longer
         assert sb.files.get_info("/proc/1/status").size == 0
         status = sb.files.read("/proc/1/status")
@@ -282,7 +282,7 @@ def test_file_longer_than_its_size_or_growing_fails_past_max_bytes(tier):
 
 
 def test_bad_read_and_write_arguments_are_typed_errors(home, runc_ready):
-    with Sandbox.create("container", timeout=300) as sb:
+    with Sandbox.create(tier="container", timeout=300) as sb:
         sb.files.write("/workspace/f", "x")
         for mode in (-1, True, 0o10000, "644", 1.5, None):
             with pytest.raises(InvalidArgument, match="mode"):

@@ -45,7 +45,7 @@ def test_resume_trigger_never_follows_a_planted_symlink(home, runc_ready, victim
     again by writing and chowning /run/resume as root — and the guest had made it a symlink
     to a host file. The same host operation, against a real quiesced agent."""
     engine = require_tier(home, "gvisor")
-    with Sandbox.create("gvisor", timeout=300) as sb:
+    with Sandbox.create(tier="gvisor", timeout=300) as sb:
         assert sb.commands.run(f"ln -sfn {victim} /run/resume").exit_code == 0
         _info, handle = engine.info(sb.sandbox_id)
 
@@ -68,7 +68,7 @@ def test_pause_with_a_socket_in_workspace_is_refused_and_the_sandbox_lives(home,
     """A unix socket bound in /workspace (a host directory under gVisor) made runsc's checkpoint
     panic and the sandbox die; the pause is now refused before anything stops."""
     require_tier(home, "gvisor")
-    with Sandbox.create("gvisor", timeout=300) as sb:
+    with Sandbox.create(tier="gvisor", timeout=300) as sb:
         sb.commands.run(
             "nohup python3 -c 'import socket,time; s=socket.socket(socket.AF_UNIX); "
             's.bind("/workspace/hold.sock"); s.listen(); time.sleep(600)\' >/dev/null 2>&1 &'
@@ -87,7 +87,7 @@ def test_pause_with_a_socket_in_a_volume_is_refused_and_the_sandbox_lives(home, 
     name = f"wbt-{secrets.token_hex(3)}"
     Sandbox.create_volume(name, 32, home=home)
     try:
-        sb = Sandbox.create("gvisor", pool=False, home=home, volumes=[Volume(name, "/data")], timeout=300)
+        sb = Sandbox.create(tier="gvisor", pool=False, home=home, volumes=[Volume(name, "/data")], timeout=300)
         try:
             assert sb.commands.run("mkdir -p /data/deep/er && ln -s /run/agent.sock /workspace/link").exit_code == 0
             sb.commands.run(
@@ -109,7 +109,7 @@ def test_restore_races_a_planted_resume_symlink(home, runc_ready, victim):
     """The racier variant: a restored process keeps planting /run/resume while the host tells
     the restored agent to listen again (every resume and fork of a memory snapshot)."""
     require_tier(home, "gvisor")
-    sb = Sandbox.create("gvisor", timeout=300)
+    sb = Sandbox.create(tier="gvisor", timeout=300)
     try:
         sb.commands.run(
             f"nohup sh -c 'while :; do ln -sfn {victim} /run/resume.x && "
@@ -131,7 +131,7 @@ def test_memory_snapshot_keeps_absolute_symlinks_and_sparse_files(home, runc_rea
     """A venv (absolute symlinks) and big sparse files survive pause/resume as data: no host
     path is followed, the archive stays small, the links come back as links."""
     engine = require_tier(home, "gvisor")
-    sb = Sandbox.create("gvisor", timeout=300)
+    sb = Sandbox.create(tier="gvisor", timeout=300)
     try:
         r = sb.commands.run(
             f"cd /workspace && python3 -m venv --without-pip v && ln -s {victim} host-link && "
@@ -177,7 +177,7 @@ def test_memory_snapshot_over_the_cap_is_refused_and_the_sandbox_continues(home,
     own image instead of losing it."""
     require_tier(home, "gvisor")
     monkeypatch.setattr(snapshots, "MAX_SNAPSHOT_BYTES", 8 << 20)
-    with Sandbox.create("gvisor", timeout=300) as sb:
+    with Sandbox.create(tier="gvisor", timeout=300) as sb:
         sb.run_code("x = 41")
         assert sb.commands.run("head -c 20M /dev/urandom > /workspace/big").exit_code == 0
         digest = sb.commands.run("md5sum < /workspace/big").stdout

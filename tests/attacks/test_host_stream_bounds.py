@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(120)]
 
 def test_a_slow_follower_of_an_output_flood_keeps_the_host_bounded(home, runc_ready):
     async def main() -> None:
-        sb = await AsyncSandbox.create("container", timeout=120, pool=False)
+        sb = await AsyncSandbox.create(tier="container", timeout=120, pool=False)
         try:
             h = await sb.commands.run("yes 0123456789abcdef0123456789abcdef", background=True)
             await h.disconnect()

@@ -67,7 +67,7 @@ class Tenants:
 
     def create(self, who: str, memory_mb: int = 64) -> Sandbox:
         sb = Sandbox.create(
-            "isolate",
+            tier="isolate",
             timeout=180,
             pool=False,
             limits=Limits(memory_mb=memory_mb),
@@ -182,7 +182,7 @@ def test_the_isolates_of_every_tenant_together_stay_within_the_machines_share(te
                 try:
                     made.append(
                         Sandbox.create(
-                            "isolate",
+                            tier="isolate",
                             timeout=120,
                             pool=False,
                             limits=Limits(memory_mb=size),

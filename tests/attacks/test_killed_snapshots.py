@@ -44,7 +44,7 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def test_killed_snapshot_leaves_no_temp_files(home, runc_ready):
     require_tier(home, "container")
-    sb = Sandbox.create("container", timeout=300, pool=False)
+    sb = Sandbox.create(tier="container", timeout=300, pool=False)
     proc = None
     try:
         assert sb.commands.run("head -c 150M /dev/urandom > /workspace/big").exit_code == 0
@@ -69,7 +69,7 @@ def test_pause_killed_after_its_checkpoint_ends_paused_and_resumable(home, runc_
     """The gVisor checkpoint stops the sandbox's runtime; a pauser killed after it used to
     lose the workspace and the processes. Now recovery finishes the pause."""
     engine = require_tier(home, "gvisor")
-    sb = Sandbox.create("gvisor", timeout=300)
+    sb = Sandbox.create(tier="gvisor", timeout=300)
     sid = sb.sandbox_id
     proc = None
     try:

@@ -165,7 +165,7 @@ def test_create_refuses_absurd_limits_before_anything_exists(home, tier):
             with pytest.raises(LimitTooHigh, match=f"limits.{field}"):
                 asyncio.run(engine.create(tier=tier, limits=limits, pool=pool))
         with pytest.raises(LimitTooHigh):
-            Sandbox.create(tier, limits=limits)
+            Sandbox.create(tier=tier, limits=limits)
     assert _user_state(engine) == before
     r = cli("create", "--tier", tier, "--memory", str(10**9))
     assert r.returncode != 0 and "limits.memory_mb" in r.stderr and "Traceback" not in r.stderr
@@ -199,7 +199,7 @@ def test_a_config_max_is_honoured_and_normal_limits_still_create(home, runc_read
 def test_resume_and_fork_refuse_limits_above_a_lowered_max(home, runc_ready, tier, memory):
     """A snapshot taken under generous maxima cannot come back above the maxima of now."""
     engine = Engine.for_home(home)
-    sb = Sandbox.create(tier, limits=Limits(memory_mb=640), template="shell", timeout=120)
+    sb = Sandbox.create(tier=tier, limits=Limits(memory_mb=640), template="shell", timeout=120)
     try:
         sb.files.write("/workspace/kept.txt", "here")
         ref = sb.pause(memory=memory)

@@ -22,7 +22,7 @@ LIMITS = Limits(memory_mb=256, pids=128)
 @pytest.fixture(scope="module")
 def vm(home, runc_ready):
     engine = require_tier(home, "microvm")
-    with Sandbox.create("microvm", timeout=600, limits=LIMITS) as sb:
+    with Sandbox.create(tier="microvm", timeout=600, limits=LIMITS) as sb:
         yield sb
     left = qemu_pids(engine.runtime)
     for pid in left:

@@ -50,7 +50,7 @@ def _settles(sb, base: int, bound_s: float = 20.0) -> int:
 
 @pytest.mark.parametrize("pids", [64, 128])
 def test_low_pids_limits_create_and_run_pipelines(tier, pids):
-    with Sandbox.create(tier, timeout=300, pool=False, limits=Limits(pids=pids)) as sb:
+    with Sandbox.create(tier=tier, timeout=300, pool=False, limits=Limits(pids=pids)) as sb:
         for _ in range(3):
             r = sb.commands.run("echo hi | tr a b | grep -c .")
             assert (r.exit_code, r.stdout) == (0, "1\n"), r.stderr
@@ -62,7 +62,7 @@ def test_fork_bomb_gets_eagain_and_the_sandbox_lives(tier):
     # memory: Python's children each dirty ~2 MiB of copied pages, and on gVisor the Sentry holds
     # them all: at the default 512 MiB the memory limit (the host's OOM killer takes the Sentry)
     # would end this sandbox before the pids limit is in question
-    with Sandbox.create(tier, timeout=300, pool=False, limits=Limits(memory_mb=3072)) as sb:
+    with Sandbox.create(tier=tier, timeout=300, pool=False, limits=Limits(memory_mb=3072)) as sb:
         sb.files.write("/tmp/bomb.py", PY_BOMB)
         base = _processes(sb)
         bomb = sb.commands.run("python3 /tmp/bomb.py", background=True)
@@ -82,7 +82,7 @@ def test_fork_bomb_gets_eagain_and_the_sandbox_lives(tier):
 
 
 def test_shell_fork_bomb_at_the_default_limits(tier):
-    with Sandbox.create(tier, timeout=300, pool=False) as sb:
+    with Sandbox.create(tier=tier, timeout=300, pool=False) as sb:
         base = _processes(sb)
         r = sb.commands.run(SH_BOMB, timeout=BOMB_S)
         assert r.timed_out
@@ -96,7 +96,7 @@ def test_the_sandbox_user_cannot_raise_or_leave_its_pids_cgroup(home, runc_ready
     """gVisor: the pids cgroup is root's inside the Sentry. Neither the sandbox user nor root of a
     user namespace of its own (``user="root"``) can raise pids.max, leave the cgroup or make
     another, and the limit is the sandbox's limits.pids."""
-    with Sandbox.create("gvisor", timeout=300, pool=False, limits=Limits(pids=100)) as sb:
+    with Sandbox.create(tier="gvisor", timeout=300, pool=False, limits=Limits(pids=100)) as sb:
         r = sb.commands.run(
             "cat /sys/fs/cgroup/sandbox/pids.max; grep -o ':pids:.*' /proc/self/cgroup; grep CapEff /proc/self/status"
         )

@@ -57,7 +57,7 @@ def _host_addresses() -> list[str]:
 
 
 def test_an_open_forward_gives_the_sandbox_no_way_out(tier):
-    with Sandbox.create(tier, timeout=300, pool=False) as sb:
+    with Sandbox.create(tier=tier, timeout=300, pool=False) as sb:
         sb.commands.run(SERVER)
         host = sb.get_host(8000, check=True, timeout=20)
         addr, port = host.rsplit(":", 1)
@@ -89,7 +89,7 @@ def _established_on_8000(sb) -> int:
 
 
 def test_a_connection_storm_on_the_forward_is_bounded(home, runc_ready):
-    with Sandbox.create("container", timeout=300, pool=False) as sb:
+    with Sandbox.create(tier="container", timeout=300, pool=False) as sb:
         sb.commands.run(SERVER)
         addr, port = sb.get_host(8000, check=True, timeout=20).rsplit(":", 1)
         storm = []
@@ -199,7 +199,7 @@ def test_a_hostile_server_cannot_split_or_script_the_preview(home, runc_ready):
 
     server = start_server(home, home / "ports-attack.sock", tcp=False)
     try:
-        with Sandbox.create("container", timeout=300, pool=False, api_url=server.unix_url) as sb:
+        with Sandbox.create(tier="container", timeout=300, pool=False, api_url=server.unix_url) as sb:
             sb.files.write("/workspace/hostile.py", HOSTILE_SERVER)
             sb.commands.run("cd /workspace && (python3 hostile.py >/tmp/h.log 2>&1 &)")
             sb.get_host(8000, check=True, timeout=20)
@@ -246,7 +246,7 @@ def test_a_tunnel_client_flooding_a_server_that_never_reads_holds_bounded_server
     server = start_server(home, home / "ports-flood.sock")
     try:
         _k, key = Engine.for_home(home).registry.create_key("port-flood")
-        with Sandbox.create("container", timeout=300, pool=False, api_url=server.url, api_key=key) as sb:
+        with Sandbox.create(tier="container", timeout=300, pool=False, api_url=server.url, api_key=key) as sb:
             sb.commands.run(
                 '(python3 -c \'import socket,time; s=socket.socket(); s.bind(("127.0.0.1", 8000)); s.listen(4); '
                 "c=s.accept(); time.sleep(600)' >/dev/null 2>&1 &)"

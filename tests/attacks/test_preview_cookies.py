@@ -45,7 +45,7 @@ while True:
 def test_preview_passes_no_cookie_either_way(home, runc_ready):
     server = start_server(home, home / "preview-cookies.sock", tcp=False)
     try:
-        with Sandbox.create("container", timeout=300, pool=False, api_url=server.unix_url) as sb:
+        with Sandbox.create(tier="container", timeout=300, pool=False, api_url=server.unix_url) as sb:
             sb.files.write("/workspace/cookies.py", SERVER)
             sb.commands.run("cd /workspace && (python3 cookies.py >/tmp/c.log 2>&1 &)")
             sb.get_host(8000, check=True, timeout=20)

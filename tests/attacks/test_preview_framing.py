@@ -35,7 +35,7 @@ answers = {
 def test_a_hostile_server_cannot_put_its_bytes_where_the_next_response_goes(home, runc_ready):
     server = start_server(home, home / "preview-framing.sock", tcp=False)
     try:
-        with Sandbox.create("container", timeout=300, pool=False, api_url=server.unix_url) as sb:
+        with Sandbox.create(tier="container", timeout=300, pool=False, api_url=server.unix_url) as sb:
             sb.files.write("/workspace/framing.py", SERVER)
             sb.commands.run("cd /workspace && (python3 framing.py >/tmp/f.log 2>&1 &)")
             sb.get_host(8000, check=True, timeout=20)

@@ -58,7 +58,7 @@ def _build(url: str, key: str, name: str, t: Template) -> tuple[TemplateInfo, di
 
 
 def _read(url: str, key: str, template: str, path: str) -> str:
-    with Sandbox.create("container", template=template, pool=False, timeout=120, api_url=url, api_key=key) as sb:
+    with Sandbox.create(tier="container", template=template, pool=False, timeout=120, api_url=url, api_key=key) as sb:
         r = sb.commands.run(f"cat {path}")
         assert r.exit_code == 0, r.stderr
         return r.stdout

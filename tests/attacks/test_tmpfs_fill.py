@@ -15,7 +15,7 @@ pytestmark = pytest.mark.sandbox
 
 @pytest.mark.parametrize("memory_mb", [256, 512])
 def test_full_tmpfs_mounts_get_enospc_and_the_sandbox_lives(tier, memory_mb):
-    with Sandbox.create(tier, timeout=300, pool=False, limits=Limits(memory_mb=memory_mb)) as sb:
+    with Sandbox.create(tier=tier, timeout=300, pool=False, limits=Limits(memory_mb=memory_mb)) as sb:
         for where in ("/tmp", "/home/user", "/dev/shm"):
             r = sb.commands.run(f"dd if=/dev/zero of={where}/fill bs=1M 2>&1; echo rc=$?", timeout=60)
             assert "No space left on device" in r.stdout and "rc=1" in r.stdout, r.stdout

@@ -27,7 +27,7 @@ CALLS = [
 
 @pytest.mark.parametrize("memory_mb", [256, 1024])
 def test_privileged_calls_fail_or_stay_nested_and_the_sandbox_lives(tier, memory_mb):
-    with Sandbox.create(tier, timeout=300, pool=False, limits=Limits(memory_mb=memory_mb)) as sb:
+    with Sandbox.create(tier=tier, timeout=300, pool=False, limits=Limits(memory_mb=memory_mb)) as sb:
         for cmd, succeeds in CALLS:
             r = sb.commands.run(cmd, timeout=30)
             if succeeds is not None:

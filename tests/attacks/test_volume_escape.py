@@ -36,14 +36,14 @@ def test_links_planted_in_a_volume_reach_neither_the_host_nor_another_sandbox(ho
     marker.chmod(0o644)
     Sandbox.create_volume(name, 32, home=home)
     try:
-        with Sandbox.create(tier, pool=False, template="shell", home=home, volumes=[Volume(name, "/data")]) as a:
+        with Sandbox.create(tier=tier, pool=False, template="shell", home=home, volumes=[Volume(name, "/data")]) as a:
             r = a.commands.run(
                 f"ln -s / /data/root && ln -s {marker} /data/secret && ln -s /etc/hostname /data/hn && "
                 "mkfifo /data/fifo && cp /bin/true /data/suid && chmod 4755 /data/suid && echo planted"
             )
             assert "planted" in r.stdout, r.stdout + r.stderr
         with Sandbox.create(
-            tier, pool=False, template="shell", home=home, volumes=[Volume(name, "/in", read_only=True)]
+            tier=tier, pool=False, template="shell", home=home, volumes=[Volume(name, "/in", read_only=True)]
         ) as b:
             r = b.commands.run("cat /in/hn; cat /in/secret 2>&1; ls /in/root/ | head -3; echo; cat /etc/hostname")
             lines = r.stdout.split("\n")

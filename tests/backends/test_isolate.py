@@ -130,7 +130,7 @@ limits = { memory_mb = 64 }
         engine.ensure_daemon()
         wait_for(lambda: engine.registry.pool_counts("t-iso")[0] >= 2, 60, "the isolate pool to fill")
         pooled = set(engine.registry.pooled("t-iso"))
-        with Sandbox.create("isolate", limits=Limits(memory_mb=64)) as sb:
+        with Sandbox.create(tier="isolate", limits=Limits(memory_mb=64)) as sb:
             assert sb.from_pool and sb.sandbox_id in pooled
             assert sb.run_code("'ab'.toUpperCase()", language="javascript").text == "'AB'"
             assert "allocation" in {t.stage for t in sb.stage_timings}

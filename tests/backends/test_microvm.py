@@ -33,7 +33,7 @@ LIMITS = Limits(memory_mb=256, pids=64, tmp_mb=64)
 def vm(engine):
     os.environ["WB_HOST_ONLY_SECRET"] = "host-secret-value"
     try:
-        with Sandbox.create("microvm", timeout=600, limits=LIMITS, envs={"GREETING": "hi"}) as sb:
+        with Sandbox.create(tier="microvm", timeout=600, limits=LIMITS, envs={"GREETING": "hi"}) as sb:
             yield sb
     finally:
         os.environ.pop("WB_HOST_ONLY_SECRET", None)
@@ -44,7 +44,7 @@ def test_the_first_create_boots_a_template_and_later_ones_restore_it(engine, vm)
     stages = engine.timings(vm.sandbox_id)
     assert {"template", "allocation", "filesystem", "runtime"} <= set(stages)
     assert stages["template"] > stages["runtime"]  # booting the template costs more than a restore
-    with Sandbox.create("microvm", timeout=60, limits=LIMITS) as other:
+    with Sandbox.create(tier="microvm", timeout=60, limits=LIMITS) as other:
         assert "template" not in engine.timings(other.sandbox_id)  # only a restore of the same template
         reasons = [t.reason for t in engine.registry.transitions(other.sandbox_id)]
         snap = next(r for r in reasons if r.startswith("restored from snap-"))
@@ -222,7 +222,7 @@ def test_two_clients_share_one_vm_at_once(engine, vm):
 
 @pytest.mark.sandbox
 def test_pause_resume_and_fork_continue_memory_and_disk(engine):
-    sb = Sandbox.create("microvm", timeout=120, limits=LIMITS)
+    sb = Sandbox.create(tier="microvm", timeout=120, limits=LIMITS)
     sb.run_code("counter = 41")
     sb.files.write("/workspace/kept.txt", "disk state")
     sb.commands.run(
@@ -283,7 +283,7 @@ def test_the_image_root_is_readable_by_root_alone(vm):
 @pytest.mark.sandbox
 def test_a_files_only_pause_resumes_with_the_files(engine):
     # the guest's workspace disk has mkfs's lost+found (root's, 0700): the user's find cannot read it
-    sb = Sandbox.create("microvm", timeout=120, limits=LIMITS)
+    sb = Sandbox.create(tier="microvm", timeout=120, limits=LIMITS)
     sb.files.write("/workspace/kept.txt", "files only")
     sb.run_code("counter = 7")
     ref = sb.pause(memory=False)
@@ -295,7 +295,7 @@ def test_a_files_only_pause_resumes_with_the_files(engine):
 
 @pytest.mark.sandbox
 def test_kill_leaves_no_vm_socket_or_disk(engine):
-    sb = Sandbox.create("microvm", timeout=60, limits=LIMITS)
+    sb = Sandbox.create(tier="microvm", timeout=60, limits=LIMITS)
     state = engine.runtime / "sandboxes" / sb.sandbox_id
     assert (state / "workspace" / "disk.qcow2").is_file()
     pids = [p for p in _qemu_pids(engine.runtime) if sb.sandbox_id.encode() in Path(f"/proc/{p}/cmdline").read_bytes()]

@@ -36,7 +36,7 @@ limits = {{ memory_mb = {LIMITS.memory_mb}, pids = {LIMITS.pids}, tmp_mb = {LIMI
         wait_for(lambda: engine.registry.pool_counts("t-vm")[0] >= 1, 120, "the microvm pool to fill")
         sid = engine.registry.pooled("t-vm")[0]
         assert [t.reason for t in engine.registry.transitions(sid)][-1].startswith("restored from snap-")
-        with Sandbox.create("microvm", limits=LIMITS, envs={"WHO": "me"}) as sb:
+        with Sandbox.create(tier="microvm", limits=LIMITS, envs={"WHO": "me"}) as sb:
             assert sb.from_pool and sb.sandbox_id == sid
             assert sb.commands.run("echo $WHO").stdout == "me\n"
             assert sb.run_code("import os; os.environ['WHO']").text == "'me'"

@@ -33,7 +33,7 @@ def volume(engine):
 def test_a_microvm_mounts_a_volume_alone_read_write_and_the_next_sandbox_reads_it(engine, volume):
     home = engine.home
     with Sandbox.create(
-        "microvm", timeout=300, limits=LIMITS, home=home, volumes=[Volume(volume, "/workspace/data")]
+        tier="microvm", timeout=300, limits=LIMITS, home=home, volumes=[Volume(volume, "/workspace/data")]
     ) as vm:
         r = vm.commands.run(
             "id -u; stat -c '%u %a' /workspace/data; echo from-vm > /workspace/data/f; mkdir /workspace/data/d; "
@@ -45,7 +45,9 @@ def test_a_microvm_mounts_a_volume_alone_read_write_and_the_next_sandbox_reads_i
         # its own disk: no other sandbox may mount it meanwhile, read-only neither
         for ro in (False, True):
             with pytest.raises(VolumeInUse):
-                Sandbox.create("container", pool=False, template="shell", home=home, volumes=[Volume(volume, "/d", ro)])
+                Sandbox.create(
+                    tier="container", pool=False, template="shell", home=home, volumes=[Volume(volume, "/d", ro)]
+                )
         with pytest.raises(VolumeInUse):
             Sandbox.delete_volume(volume, home=home)
         # pause and resume (memory): the guest still has it mounted, writes still reach it
@@ -56,7 +58,7 @@ def test_a_microvm_mounts_a_volume_alone_read_write_and_the_next_sandbox_reads_i
         vm2.kill()
     assert not qemu_pids(engine.runtime)
     with Sandbox.create(
-        "container", pool=False, template="shell", home=home, volumes=[Volume(volume, "/data", read_only=True)]
+        tier="container", pool=False, template="shell", home=home, volumes=[Volume(volume, "/data", read_only=True)]
     ) as c:
         r = c.commands.run("cat /data/f; stat -c %U /data/f /data/d")
         assert r.stdout.split() == ["from-vm", "after-resume", "user", "user"], r.stdout + r.stderr
@@ -64,13 +66,13 @@ def test_a_microvm_mounts_a_volume_alone_read_write_and_the_next_sandbox_reads_i
 
 def test_a_read_only_volume_is_shared_with_a_microvm_and_refuses_its_writes(engine, volume):
     home = engine.home
-    with Sandbox.create("container", pool=False, template="shell", home=home, volumes=[Volume(volume, "/d")]) as c:
+    with Sandbox.create(tier="container", pool=False, template="shell", home=home, volumes=[Volume(volume, "/d")]) as c:
         c.commands.run("echo shared > /d/f")
     with Sandbox.create(
-        "container", pool=False, template="shell", home=home, volumes=[Volume(volume, "/d", read_only=True)]
+        tier="container", pool=False, template="shell", home=home, volumes=[Volume(volume, "/d", read_only=True)]
     ) as c:
         with Sandbox.create(
-            "microvm",
+            tier="microvm",
             timeout=300,
             limits=LIMITS,
             home=home,
@@ -92,5 +94,7 @@ def test_a_read_only_volume_is_shared_with_a_microvm_and_refuses_its_writes(engi
 
 def test_a_mount_point_the_read_only_root_image_lacks_is_a_clear_error(engine, volume):
     with pytest.raises(SandboxStartError, match="mount point"):
-        Sandbox.create("microvm", timeout=60, limits=LIMITS, home=engine.home, volumes=[Volume(volume, "/nodir/x")])
+        Sandbox.create(
+            tier="microvm", timeout=60, limits=LIMITS, home=engine.home, volumes=[Volume(volume, "/nodir/x")]
+        )
     assert not qemu_pids(engine.runtime)

@@ -193,3 +193,24 @@ def test_warmbox_cluster_head_runs_until_sigterm(ray_tmp: Path, token: Path) -> 
             proc.wait()
         for pid in membership.processes_in(tmp):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_an_unreachable_head_is_reported_within_five_seconds(head: RayProcess, ray_tmp: Path, token: Path) -> None:
+    """Ray's GCS client waits ~40 s for a head that is not there; the router's membership says so
+    within membership.CONNECT_TIMEOUT_S (5 s): a refused port at once, a silent one at the bound."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts (the kernel's backlog) and never answers
+    refused = socket.socket()
+    refused.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    try:
+        for sock, bound in ((refused, 1.0), (silent, membership.CONNECT_TIMEOUT_S + 2.0)):
+            t0 = time.monotonic()
+            with pytest.raises(ClusterError, match=r"Ray head at 127\.0\.0\.1"):
+                Membership(f"127.0.0.1:{sock.getsockname()[1]}", token, _router(ray_tmp))
+            assert time.monotonic() - t0 < bound
+    finally:
+        silent.close()
+        refused.close()

@@ -48,7 +48,7 @@ def killed(cluster: Cluster, home):
         memory: Sandbox | None = None
         with cluster.only(node):
             if Engine.for_home(home).backend("gvisor").probe().available:  # a tier with memory snapshots
-                memory = Sandbox.create("gvisor", timeout=600, **sdk(cluster))
+                memory = Sandbox.create(tier="gvisor", timeout=600, **sdk(cluster))
                 made.append(memory)
             running = Sandbox.create(timeout=600, **sdk(cluster))
             made.append(running)

@@ -151,3 +151,18 @@ def test_split_target_with_no_slots_anywhere_is_even_and_bad_targets_are_refused
     for bad in (-1, 1.5, True):
         with pytest.raises(InvalidArgument):
             split_target(bad, nodes)
+
+
+def test_a_salt_draws_warm_nodes_in_proportion_to_their_pooled_sandboxes():
+    """Routers placing from views of their own pass a salt per create: creates of a pooled shape
+    then spread over the nodes holding it, in proportion to what each holds, instead of every
+    router sending its burst to the same best node (scripts/simulate-cluster --routers 4)."""
+    nodes = [node("a", pooled=[("shape-a", 3)]), node("b", pooled=[("shape-a", 1)]), node("c", live=0)]
+    picks = [place(nodes, WANT, f"s{i}") for i in range(2000)]
+    assert set(picks) == {"a", "b"}  # never the node without one
+    assert 0.7 < picks.count("a") / len(picks) < 0.8  # 3 : 1
+    assert all(place(nodes, WANT, f"s{i}") == picks[i] for i in range(50))  # the same salt, the same node
+    # cold: the salt only breaks ties, the node with the most free slots still wins
+    cold = [node("a", slots=4, live=3), node("b", slots=4), node("c", slots=4)]
+    got = {place(cold, Want("container", "", 256), f"s{i}") for i in range(200)}
+    assert got == {"b", "c"}

@@ -27,6 +27,7 @@ from warmbox.cluster.router import (
     merge_doctor,
     merge_gc,
     merge_pools,
+    node_load,
     peer_headers,
     rule_of,
 )
@@ -43,7 +44,7 @@ from warmbox.errors import (
     VolumeElsewhere,
     VolumeNotFound,
 )
-from warmbox.models import Limits, NodeInfo, PoolStatus, State, Tenant, TierStatus
+from warmbox.models import Limits, NodeInfo, NodeUsage, PoolStatus, State, Tenant, TierStatus
 from warmbox.storage.registry import Registry
 
 TOKEN = "t" * 32
@@ -216,8 +217,9 @@ def test_placement_prefers_a_node_with_a_ready_pooled_sandbox_of_the_shape(two_n
     assert cluster.place(Want("container", shape="p")).name == "b"
     assert cluster.place(Want("container", shape="p")).name == "b"
     assert cluster.place(Want("container", shape="p")).name == "b"  # none left there: b still has more free slots
-    assert cluster.place(Want("container")).name == "b"
-    assert cluster.place(Want("container")).name == "a"
+    # a and b now hold 3 slots and 1536 MiB each (b's claimed pooled sandboxes keep theirs): a tie
+    # the router's salt breaks, one each
+    assert {cluster.place(Want("container")).name, cluster.place(Want("container")).name} == {"a", "b"}
 
 
 def test_ready_needs_an_up_node(two_nodes):
@@ -437,3 +439,17 @@ def test_what_mounts_a_volume_goes_to_the_volumes_node(two_nodes):
         assert e.value.volume == "data" and e.value.node == "b"
 
     asyncio.run(main())
+
+
+def test_placement_counts_the_memory_of_pooled_sandboxes():
+    """A node's warm spares hold their memory as a user's sandbox does: the router counts it (it
+    counted only their slots), unless a paused sandbox coming back may displace them."""
+    from warmbox.cluster.placement import Want, why_not
+
+    n = NodeInfo(name="a", ray_node_id="ray-a", slots=10, memory_mb=2048, tiers=("container",))
+    usage = NodeUsage("a", live=1, memory_mb=512, pooled=(("p", 3),), pooled_memory_mb=1536)
+    load = node_load(n, usage)
+    assert (load.live, load.memory_used_mb) == (4, 2048)
+    assert "0 MiB free" in why_not(load, Want("container", memory_mb=256))
+    moving = node_load(n, usage, pool_yields=True)
+    assert (moving.live, moving.memory_used_mb) == (1, 512) and why_not(moving, Want("container", memory_mb=256)) == ""

@@ -61,10 +61,14 @@ def test_a_spike_queues_on_a_small_router_tier(sim):
     assert small["create_ms_p99"] > 2 * unbounded["create_ms_p99"]
 
 
-def test_routers_with_their_own_views_lose_pool_hits(sim):
-    exact = run(sim, "steady", minutes=2.0)
-    herd = run(sim, "steady", minutes=2.0, routers=4)
-    assert exact["pool_hit_rate"] == 1.0 > herd["pool_hit_rate"]
+def test_routers_with_their_own_views_herd_unless_each_create_is_salted(sim):
+    """Four routers, each placing from its own 0.5 s-old view: without a salt all send a burst to
+    the same best node (measured 0.87 on 100 nodes); with one per create (cluster/router.py), the
+    creates of a pooled shape spread in proportion to what each node holds (measured 1.0)."""
+    exact = run(sim, "steady", nodes=100, minutes=1.0, check=0)
+    herd = run(sim, "steady", nodes=100, minutes=1.0, routers=4, salted=False)
+    salted = run(sim, "steady", nodes=100, minutes=1.0, routers=4)
+    assert exact["pool_hit_rate"] == 1.0 and herd["pool_hit_rate"] < 0.95 <= salted["pool_hit_rate"]
 
 
 def test_a_full_cluster_refuses_with_no_capacity(sim):

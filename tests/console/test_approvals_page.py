@@ -41,7 +41,7 @@ def queue_page(browser, console: Console):
 
 
 def _create_over_budget(console: Console):
-    return Sandbox.create("container", timeout=120, **console.sdk("spender"))
+    return Sandbox.create(tier="container", timeout=120, **console.sdk("spender"))
 
 
 @pytest.mark.parametrize("decision", ["approve", "deny"])
@@ -79,7 +79,7 @@ CURL = "curl -sS -o /dev/null -w '%{http_code}' --max-time 90 "
 @pytest.fixture(scope="module")
 def asking(console: Console):
     """An acme sandbox whose unknown destinations are asked about (no SDK callback: the queue)."""
-    with Sandbox.create("container", timeout=300, network=Network(on_unknown="ask"), **console.sdk("acme")) as sb:
+    with Sandbox.create(tier="container", timeout=300, network=Network(on_unknown="ask"), **console.sdk("acme")) as sb:
         yield sb
 
 

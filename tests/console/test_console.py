@@ -64,7 +64,7 @@ def test_login_refuses_a_wrong_key(browser, console: Console):
 def test_list_shows_a_new_sandbox_live(browser, console: Console):
     page = login(browser, console, "acme")
     try:
-        with Sandbox.create("container", timeout=120, metadata={"who": "list-test"}, **console.sdk("acme")) as sb:
+        with Sandbox.create(tier="container", timeout=120, metadata={"who": "list-test"}, **console.sdk("acme")) as sb:
             created = time.monotonic()
             # the page stays open: its own refresh must bring the row (no reload)
             r = page.locator(f'tr[data-sandbox-id="{sb.sandbox_id}"][data-state="ready"]')
@@ -80,14 +80,14 @@ def test_list_shows_a_new_sandbox_live(browser, console: Console):
 
 @pytest.fixture(scope="module")
 def acme_box(console: Console):
-    with Sandbox.create("container", timeout=300, **console.sdk("acme")) as sb:
+    with Sandbox.create(tier="container", timeout=300, **console.sdk("acme")) as sb:
         sb.commands.run(["true"])
         yield sb
 
 
 @pytest.fixture(scope="module")
 def umbrella_box(console: Console):
-    with Sandbox.create("container", timeout=300, **console.sdk("umbrella")) as sb:
+    with Sandbox.create(tier="container", timeout=300, **console.sdk("umbrella")) as sb:
         yield sb
 
 
@@ -197,7 +197,7 @@ def test_pools_page_charts_fill_and_hits(browser, console: Console):
         page.locator('section.pool-card[data-pool="console"]').wait_for(state="visible")
         assert page.locator("#pool-console-ready").get_attribute("data-value") == "1"
         hits = int(page.locator("#pool-console-hits").get_attribute("data-value") or "-1")
-        with Sandbox.create("container", limits=Limits(memory_mb=256), timeout=60, **console.sdk("acme")) as sb:
+        with Sandbox.create(tier="container", limits=Limits(memory_mb=256), timeout=60, **console.sdk("acme")) as sb:
             assert sb.from_pool, "the console pool had a ready sandbox but create() did not take it"
             check_waterfall(page, console, "acme", sb.sandbox_id, "pooled")
             shot(page, "sandbox-pooled")
@@ -226,7 +226,7 @@ BURN = "import time\nwhile time.process_time() < 0.5: pass"  # 0.5 s of CPU, how
 def test_cost_page_charts_a_tenants_use(browser, console: Console):
     engine = Engine.for_home(console.home)
     before = _cpu_s(engine, "acme")
-    with Sandbox.create("container", timeout=120, **console.sdk("acme")) as sb:
+    with Sandbox.create(tier="container", timeout=120, **console.sdk("acme")) as sb:
         assert sb.commands.run(["python3", "-c", BURN], timeout=60).exit_code == 0
         # the daemon's meter readings (every second) fill the hourly usage the page charts
         wait_for(lambda: _cpu_s(engine, "acme") >= before + 0.4, 30, "acme's CPU use to be metered")

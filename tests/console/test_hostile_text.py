@@ -47,7 +47,7 @@ def assert_inert(page, seen: list[str]) -> None:
 
 def test_hostile_text_stays_text(browser, console: Console):
     metadata = {f"k{i}": p for i, p in enumerate(PAYLOADS)} | {PAYLOADS[0][:60]: "key with markup"}
-    with Sandbox.create("container", timeout=120, metadata=metadata, **console.sdk("acme")) as sb:
+    with Sandbox.create(tier="container", timeout=120, metadata=metadata, **console.sdk("acme")) as sb:
         sb.commands.run(["/bin/echo", *PAYLOADS])
         page = login(browser, console, "ops")
         try:

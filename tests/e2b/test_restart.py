@@ -1,11 +1,9 @@
 """A sandbox an E2B SDK holds keeps working across a restart of `warmbox serve`: its access token
-is signed with the home's token key (<home>/e2b-token.key), not a secret of one server process."""
+is signed with the registry's signing key (warmbox.engine.signing), not a secret of one server process."""
 
 from __future__ import annotations
 
-import os
 import socket
-import stat
 
 import pytest
 
@@ -37,8 +35,7 @@ def test_a_held_sandbox_survives_a_server_restart(home, runc_ready, monkeypatch)
         server = start_server(home, home / "e2b-restart.sock", args=args)
         assert sb.files.read("/workspace/r.txt") == "before"  # the same token, a new server
         assert sb.commands.run("echo after").stdout == "after\n"
-        st = os.stat(home / "e2b-token.key")
-        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_size == 32
+        assert len(bytes.fromhex(Engine.for_home(home).registry.meta_text("signing_key"))) == 32
     finally:
         sb.kill()
         server.stop()

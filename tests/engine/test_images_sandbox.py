@@ -23,6 +23,24 @@ from warmbox.storage.layers import LayerStore, image_id_of
 
 pytestmark = pytest.mark.sandbox
 NUMPY = "python3 -c 'import numpy; print(numpy.__version__)'"
+AGENT_TURN = r"""set -e
+mkdir -p /workspace/pkg/src/wbdemo /workspace/pkg/tests && cd /workspace/pkg
+printf '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n' > pyproject.toml
+printf '[project]\nname = "wbdemo"\nversion = "0.1"\n' >> pyproject.toml
+echo 'def add(a, b): return a + b' > src/wbdemo/__init__.py
+printf 'from wbdemo import add\n\ndef test_add():\n    assert add(2, 2) == 4\n' > tests/test_add.py
+python3 -m build --no-isolation --wheel --outdir dist . > build.log 2>&1 || { cat build.log; exit 1; }
+ls dist/*.whl
+PYTHONPATH=src python3 -m pytest -q -p no:cacheprovider tests | tail -1 | cut -d' ' -f1,2
+git init -q && git add pyproject.toml src tests && git -c user.email=a@b.test -c user.name=a commit -qm init
+git log --oneline | wc -l
+printf 'all:\n\t@echo made\n' > Makefile && make
+printf 'int main(void) { return 0; }\n' > t.c && gcc t.c -o t && ./t
+echo '{"a": [1, 2]}' | jq -c .a
+rg -l 'def add' src
+npx --version > /dev/null && curl --version > /dev/null && unzip -v > /dev/null && patch --version > /dev/null
+echo tools ok
+"""
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +85,7 @@ def _marker(box) -> str:
 def test_a_sandbox_runs_the_builtin_image_and_shows_it(home, runc_ready, tier):
     engine = Engine.for_home(home)
     base = engine.image_for("base")
-    with Sandbox.create(tier, template="shell", pool=False) as box:
+    with Sandbox.create(tier=tier, template="shell", pool=False) as box:
         info = box.get_info()
         assert (info.template, info.template_version, info.image_id) == ("shell", 0, base.image_id)
         # the image's /usr, not the host's: runc is on the host only, pytest and scipy in the image
@@ -77,6 +95,20 @@ def test_a_sandbox_runs_the_builtin_image_and_shows_it(home, runc_ready, tier):
         for cmd in ("python3 -c 'import scipy, pandas, matplotlib, requests'", "node -e 1", "npm --version", "make -v"):
             assert box.commands.run(cmd).exit_code == 0, cmd
         assert engine.registry.get(box.sandbox_id)[0].image_id == base.image_id
+        if tier != "container":
+            return  # one tree on every tier: its tools are checked once
+        # a coding agent's turn, offline (issue 34, item 10): build a wheel, test, commit, make, cc, jq, rg
+        r = box.commands.run(["/bin/bash", "-c", AGENT_TURN], timeout=240)
+        assert r.exit_code == 0, r.stdout + r.stderr
+        assert r.stdout.split("\n")[:7] == [
+            "dist/wbdemo-0.1-py3-none-any.whl",
+            "1 passed",
+            "1",
+            "made",
+            "[1,2]",
+            "src/wbdemo/__init__.py",
+            "tools ok",
+        ], r.stdout
 
 
 def test_numpy_is_the_image_s_on_container_and_gvisor(home, runc_ready):
@@ -87,7 +119,7 @@ def test_numpy_is_the_image_s_on_container_and_gvisor(home, runc_ready):
     want = found[0].split("-")[1].removesuffix(".egg")
     got = {}
     for tier in ("container", "gvisor"):
-        with Sandbox.create(tier, template="shell", pool=False) as box:
+        with Sandbox.create(tier=tier, template="shell", pool=False) as box:
             got[tier] = box.commands.run(NUMPY).stdout.strip()
     assert got == {"container": want, "gvisor": want}
 
@@ -97,7 +129,7 @@ def test_numpy_is_the_image_s_on_microvm_too(home, runc_ready):
     """The microVM's root is made from the same Debian tree (run under flock /work/vm.lock)."""
     layer = Path(Engine.for_home(home).image_for("base").layers[0])
     want = sorted(p.name for p in (layer / "usr/lib/python3/dist-packages").glob("numpy-*.egg-info"))
-    with Sandbox.create("microvm", template="shell", timeout=300, limits=Limits(memory_mb=512)) as box:
+    with Sandbox.create(tier="microvm", template="shell", timeout=300, limits=Limits(memory_mb=512)) as box:
         got = box.commands.run(NUMPY, timeout=120).stdout.strip()
         assert box.get_info().image_id == Engine.for_home(home).image_for("shell").image_id
     assert want and got == want[0].split("-")[1].removesuffix(".egg")
@@ -106,14 +138,14 @@ def test_numpy_is_the_image_s_on_microvm_too(home, runc_ready):
 def test_snapshot_of_v1_restores_on_v1_after_a_rebuild_and_a_gone_image_is_refused(home, app):
     engine = Engine.for_home(home)
     v1 = app("v1")
-    with Sandbox.create("container", template="app", pool=False) as box:
+    with Sandbox.create(tier="container", template="app", pool=False) as box:
         assert _marker(box) == "v1"
         info = box.get_info()
         assert (info.template_version, info.image_id) == (v1.version, v1.image_id)
         box.commands.run("echo kept > /workspace/f")
         ref = box.snapshot()
     v2 = app("v2")
-    with Sandbox.create("container", template="app", pool=False) as box:
+    with Sandbox.create(tier="container", template="app", pool=False) as box:
         assert _marker(box) == "v2" and box.get_info().template_version == v2.version
     with Sandbox.create(from_snapshot=ref) as box:  # the recorded image, not the latest
         assert _marker(box) == "v1"
@@ -131,7 +163,7 @@ def test_snapshot_of_v1_restores_on_v1_after_a_rebuild_and_a_gone_image_is_refus
 
 def test_a_memory_snapshot_resumes_on_its_own_image(home, app):
     v1 = app("m1", name="appm")
-    box = Sandbox.create("gvisor", template="appm", pool=False)
+    box = Sandbox.create(tier="gvisor", template="appm", pool=False)
     try:
         box.commands.run("sleep 1000", background=True)
         box.pause(memory=True)
@@ -176,7 +208,7 @@ def test_a_rebuilt_template_retires_its_pool_and_refills_it(home, app):
         v2 = app("p2", name="apppool")
         new = wait_for(lambda: pooled(v2.image_id), 120, "the pool to refill with v2")
         wait_for(lambda: engine.registry.get(old[0])[0].state is State.DESTROYED, 60, "v1's sandbox to retire")
-        with Sandbox.create("container", template="apppool", limits=Limits(memory_mb=300)) as box:
+        with Sandbox.create(tier="container", template="apppool", limits=Limits(memory_mb=300)) as box:
             assert box.from_pool and box.sandbox_id == new[0]
             assert _marker(box) == "p2" and box.get_info().template_version == v2.version
     finally:

@@ -443,3 +443,54 @@ limits = {{ memory_mb = 333 }}
         assert states == ["creating", "pooled", "retiring", "destroyed"]
     finally:
         set_config(home, POOLS)
+
+
+def test_a_resize_before_the_daemons_first_tick_holds(tmp_path, monkeypatch):
+    """A resize of a pool the daemon has not seen yet (no row) records the configured target with
+    it: the daemon's tick, which resets a row whose configured target changed, must not take the
+    resize for a config change (a bench once resized a new pool to 4 and claimed from an empty one)."""
+    from warmbox.engine import pool as pools_mod
+
+    h = tmp_path / "h"
+    h.mkdir()
+    (h / "warmbox.toml").write_text("[pools.x]\ntemplate = 'base'\nmin = 0\nmax = 0\ntarget = 0\n")
+    engine = Engine(h)
+    monkeypatch.setattr(engine, "ensure_daemon", lambda: None)  # no daemon: its tick is done below
+    try:
+        settings = engine.settings()
+        pools_mod.resize(engine, settings, "x", 4, min=4, max=4)
+        # what PoolManager.tick does first with each pool
+        row = pools_mod.configured_row(engine.registry, settings.pools["x"], engine.registry.pool_rows()["x"])
+        assert row.target == 4 and engine.registry.pool_rows()["x"].target == 4
+    finally:
+        engine.registry.close()
+
+
+def test_an_explicit_resize_holds_against_idle_shrinking(tmp_path, monkeypatch):
+    """``warmbox pool resize NAME 2`` holds 2 however long the pool is idle (it once printed 0/0
+    ready: the idle shrink had halved the target to 0); with ``--min 0`` the operator lets it shrink."""
+    from warmbox.engine import pool as pools_mod
+
+    h = tmp_path / "h"
+    h.mkdir()
+    (h / "warmbox.toml").write_text("[pools.x]\ntemplate = 'base'\nmin = 0\nmax = 4\ntarget = 0\nidle_shrink = 1\n")
+    engine = Engine(h)
+    monkeypatch.setattr(engine, "ensure_daemon", lambda: None)  # no daemon: its autoscale is done below
+    manager = pools_mod.PoolManager(engine)
+
+    def idle_autoscale() -> int:  # the daemon's look at a pool idle for long
+        with engine.registry._tx() as db:
+            db.execute("UPDATE pool_state SET last_demand_at=0 WHERE name='x'")
+        return manager._autoscale(settings.pools["x"], engine.registry.pool_rows()["x"])
+
+    try:
+        settings = engine.settings()
+        st = pools_mod.resize(engine, settings, "x", 2)
+        assert (st.target, st.min) == (2, 2)
+        assert idle_autoscale() == 2 and idle_autoscale() == 2
+        assert pools_mod.resize(engine, settings, "x", 9).target == 4  # above max: max, and it holds
+        assert idle_autoscale() == 4
+        pools_mod.resize(engine, settings, "x", 2, min=0)
+        assert idle_autoscale() == 1
+    finally:
+        engine.registry.close()

@@ -315,7 +315,8 @@ def test_a_tenant_front_refuses_admin_ops_and_unknown_ids_without_a_sandbox(tmp_
     # a registry pull runs on the host, outside every network policy: only from listed registries
     from warmbox.templates import Template
 
-    for ref in ("127.0.0.1:22/x:1", "169.254.169.254/latest:1", "internal.example:5000/a/b:c"):
+    # a Docker Hub name (docker.io, mirrored or not) is a registry like any other
+    for ref in ("127.0.0.1:22/x:1", "169.254.169.254/latest:1", "internal.example:5000/a/b:c", "python:3.11-slim"):
         with pytest.raises(Forbidden, match="template_registries lists none"):
             asyncio.run(front.handle(ops.TemplateBuild("t", Template.from_registry(ref, tls_verify=False))))
     with pytest.raises(Forbidden, match="admin keys only"):
@@ -543,7 +544,7 @@ def test_keys_cli_bad_input_is_one_line_error(tmp_path):
 def test_a_tenant_pulls_a_template_only_from_a_listed_registry(tmp_path):
     from warmbox.engine.engine import Engine
     from warmbox.engine.front import EngineFront
-    from warmbox.errors import WarmboxError
+    from warmbox.errors import ImageRegistryUnreachable, WarmboxError
     from warmbox.templates import Template
 
     home = tmp_path / "home"
@@ -555,4 +556,4 @@ def test_a_tenant_pulls_a_template_only_from_a_listed_registry(tmp_path):
     # a listed one passes the check: the pull itself then fails (nothing listens on port 1)
     with pytest.raises(WarmboxError) as err:
         asyncio.run(front.handle(ops.TemplateBuild("t", Template.from_registry("127.0.0.1:1/x:1", tls_verify=False))))
-    assert not isinstance(err.value, Forbidden), err.value
+    assert isinstance(err.value, ImageRegistryUnreachable) and err.value.registry == "127.0.0.1:1", err.value

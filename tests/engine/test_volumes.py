@@ -153,7 +153,7 @@ def test_a_volume_is_shared_by_sandboxes_with_the_right_owners_and_left_unmounte
     disk = volumes.disk_of_name(engine, "", name)
     assert disk.stat().st_blocks * 512 < 8 << 20, "the image is not sparse"
     try:
-        with Sandbox.create(tier, pool=False, template="shell", home=home, volumes=[Volume(name, "/data")]) as a:
+        with Sandbox.create(tier=tier, pool=False, template="shell", home=home, volumes=[Volume(name, "/data")]) as a:
             r = a.commands.run("id -u; stat -c '%u %a' /data; echo hi > /data/f; mkdir /data/d; stat -c %u /data/f")
             assert r.stdout.split() == ["1000", "1000", "755", "1000"], r.stdout
             assert Sandbox.get_volume(name, home=home).mounted_by == (a.sandbox_id,)
@@ -161,7 +161,7 @@ def test_a_volume_is_shared_by_sandboxes_with_the_right_owners_and_left_unmounte
                 Sandbox.delete_volume(name, home=home)
             # a second sandbox (another host uid range) mounts it too, read-only, at the same time
             with Sandbox.create(
-                tier, pool=False, template="shell", home=home, volumes=[Volume(name, "/in", read_only=True)]
+                tier=tier, pool=False, template="shell", home=home, volumes=[Volume(name, "/in", read_only=True)]
             ) as b:
                 r = b.commands.run("cat /in/f; stat -c '%u %U' /in/f /in/d")
                 assert r.stdout.split() == ["hi", "1000", "user", "1000", "user"], r.stdout
@@ -175,7 +175,7 @@ def test_a_volume_is_shared_by_sandboxes_with_the_right_owners_and_left_unmounte
         assert not _mounts(engine, a_id)
         assert not _loops(engine), "a loop device outlived every mount of the volume"
         # a later sandbox sees what the first wrote, as its own user's
-        with Sandbox.create(tier, pool=False, template="shell", home=home, volumes=[Volume(name, "/data")]) as c:
+        with Sandbox.create(tier=tier, pool=False, template="shell", home=home, volumes=[Volume(name, "/data")]) as c:
             r = c.commands.run("cat /data/f; echo more >> /data/f; stat -c %U /data/f")
             assert r.stdout.split() == ["hi", "user"], r.stdout
     finally:
@@ -190,7 +190,7 @@ def test_a_full_volume_is_no_space_and_the_host_gives_no_more(home, runc_ready):
     Sandbox.create_volume(name, 32, home=home)
     try:
         with Sandbox.create(
-            "container", pool=False, template="shell", home=home, volumes=[Volume(name, "/workspace/v")]
+            tier="container", pool=False, template="shell", home=home, volumes=[Volume(name, "/workspace/v")]
         ) as sb:
             r = sb.commands.run("dd if=/dev/zero of=/workspace/v/fill bs=1M count=64 2>&1; echo rc=$?", timeout=120)
             assert "No space left on device" in r.stdout and "rc=1" in r.stdout, r.stdout
@@ -235,7 +235,7 @@ def test_pause_and_resume_mount_the_volume_again_and_snapshots_leave_it_out(home
 
     async def go() -> None:
         sb = await AsyncSandbox.create(
-            "container", pool=False, template="shell", home=home, volumes=[Volume(name, "/workspace/vol")]
+            tier="container", pool=False, template="shell", home=home, volumes=[Volume(name, "/workspace/vol")]
         )
         try:
             await sb.commands.run("echo kept > /workspace/vol/f; echo ws > /workspace/w")
@@ -292,7 +292,7 @@ _KILLED_CREATOR = textwrap.dedent("""
         os.kill(os.getpid(), 9)
 
     runc.RuncBackend.start = gvisor.GvisorBackend.start = die
-    Sandbox.create(sys.argv[1], pool=False, template="shell", timeout=60, volumes=[Volume(sys.argv[2], "/data")])
+    Sandbox.create(tier=sys.argv[1], pool=False, template="shell", timeout=60, volumes=[Volume(sys.argv[2], "/data")])
 """)
 
 
@@ -343,7 +343,7 @@ def test_a_failed_create_unmounts_what_it_mounted_and_an_image_link_is_never_fol
         before = {i.sandbox_id for i, _ in engine.registry.list(include_dead=True)}
         with pytest.raises(SandboxStartError, match="not a directory"):
             Sandbox.create(
-                "container",
+                tier="container",
                 pool=False,
                 template="shell",
                 home=home,
@@ -366,7 +366,7 @@ def test_a_gvisor_memory_pause_keeps_its_processes_and_mounts_the_volume_again(h
     name = _name()
     Sandbox.create_volume(name, 32, home=home)
     try:
-        sb = Sandbox.create("gvisor", pool=False, home=home, volumes=[Volume(name, "/data")])
+        sb = Sandbox.create(tier="gvisor", pool=False, home=home, volumes=[Volume(name, "/data")])
         try:
             sb.commands.run("echo before > /data/f")
             # the code context's process holds a file of the volume open across the checkpoint

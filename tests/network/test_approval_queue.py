@@ -43,7 +43,9 @@ def dial(sb, url: str):
 
 def test_network_questions_are_answered_from_the_queue(net_home, world):
     world.clear_logs()
-    with Sandbox.create("container", network=Network(allow=[], on_unknown="ask"), timeout=120, home=net_home) as sb:
+    with Sandbox.create(
+        tier="container", network=Network(allow=[], on_unknown="ask"), timeout=120, home=net_home
+    ) as sb:
         sid = sb.sandbox_id
         # allow once: this connection goes through
         h = dial(sb, "http://allowed.test/hello.txt")

@@ -453,7 +453,7 @@ def test_pooled_sandbox_gets_its_network_at_claim(net_home, world, tier, templat
         # a pool per tier: the other's sandboxes may still be pooled (retired by the daemon's next tick)
         wait_for(lambda: engine.registry.pool_counts(f"netpool-{tier}")[0] >= 1, 120, "a pooled sandbox")
         with Sandbox.create(
-            tier,
+            tier=tier,
             template=template,
             limits=Limits(memory_mb=384),
             network=Network(allow=["allowed.test"]),

@@ -27,7 +27,7 @@ def test_approvals_over_http(net_home, world):
 
     try:
         with Sandbox.create(
-            "container",
+            tier="container",
             network=Network(on_unknown="ask"),
             on_approval=hook,
             timeout=180,

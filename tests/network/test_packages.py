@@ -226,3 +226,36 @@ def test_extra_ca_on_the_other_tiers(net_home, world, tier):
             r = sh(sb, "curl -sS --max-time 20 https://allowed.test/hello.txt")
             assert r.exit_code == 0 and r.stdout == "hello from the allowed site\n", r.stderr
     assert [e["path"] for e in world.log("allowed") if e["tls"]] == ["/hello.txt"]
+
+
+def test_template_build_allow_from_the_cli(net_home, world, tmp_path):
+    """``warmbox template build Dockerfile --allow pypi`` (issue 34, item 9): the build's RUN step
+    reaches the preset's hosts in the fake world (its server logs the request; curl -f fails the
+    step otherwise); without --allow the build has no network."""
+    from warmbox import InvalidArgument, Template
+    from warmbox.cli.templates import with_allowed
+
+    world.clear_logs()
+    world.set_zone(files_pythonhosted_org=ALLOWED)
+    token = os.urandom(6).hex()  # a step of its own: never a cached layer of an earlier run
+    (tmp_path / "Dockerfile").write_text(
+        f"FROM base\nRUN curl -sSf --max-time 8 http://files.pythonhosted.org/hello.txt > /etc/fetched-{token}\n"
+    )
+    name = f"t-allow-{token}"
+    env = {**os.environ, "WARMBOX_HOME": str(net_home)}
+
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([WARMBOX, *argv], capture_output=True, text=True, timeout=300, env=env)
+
+    try:
+        r = cli("template", "build", str(tmp_path / "Dockerfile"), "--name", name)
+        assert r.returncode != 0 and "RUN curl" in r.stderr, r.stdout + r.stderr
+        assert world.log("allowed") == []
+        with pytest.raises(InvalidArgument, match="not a valid host name"):  # refused before anything is built
+            with_allowed(Template.from_dockerfile(tmp_path / "Dockerfile"), ["no such host!"])
+        r = cli("template", "build", str(tmp_path / "Dockerfile"), "--name", name, "--allow", "pypi")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert [e["headers"].get("Host") for e in world.log("allowed")] == ["files.pythonhosted.org"]
+    finally:
+        cli("template", "rm", name)
+        world.set_zone()

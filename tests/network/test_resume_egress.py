@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from warmbox import InvalidArgument, Lifecycle, Network, Sandbox, Secret, SecretsRequired, State
+from warmbox import InvalidArgument, Lifecycle, Network, Sandbox, Secret, SecretsRequired, SnapshotUnsupported, State
 from warmbox.engine.engine import Engine
 
 pytestmark = pytest.mark.sandbox
@@ -181,5 +181,57 @@ def test_a_memory_pause_right_after_the_sandbox_closed_a_proxy_connection(net_ho
         sb.pause(memory=True)
         with Sandbox.resume(sb.sandbox_id, home=net_home) as back:
             assert sh(back, "pgrep -x sleep").exit_code == 0  # the same processes came back
+    finally:
+        sb.kill()
+
+
+# a connection held open through the link: runsc 2022's checkpoint cannot save one (the save failed and
+# the sandbox died with it), so the pause is refused typed and the sandbox runs on; runsc 2024 resets
+# it at the save (--net-disconnect-ok): the pause ends paused, the holder sees its connection end
+HOLD = """
+import socket
+s = socket.create_connection(("10.239.0.1", 3128), timeout=5)
+print("open", flush=True)
+s.settimeout(None)
+try:
+    print("closed", s.recv(1), flush=True)
+except OSError as e:
+    print("reset", e.errno, flush=True)
+"""
+
+
+@pytest.mark.parametrize("runsc", ["2022", "2024"])
+def test_a_memory_pause_with_an_open_connection_is_refused_or_paused_never_destroyed(
+    net_home, world, runsc, monkeypatch
+):
+    from warmbox.backends.gvisor import RUNSC_LOCAL, GvisorBackend
+
+    backend = Engine.for_home(net_home).backend("gvisor")
+    assert isinstance(backend, GvisorBackend)
+    if runsc == "2024":
+        monkeypatch.setattr(backend, "runsc", RUNSC_LOCAL)
+    sb = Sandbox.create(
+        tier="gvisor", template="shell", network=Network(allow=["api.test"]), timeout=120, home=net_home
+    )
+    try:
+        assert backend.capabilities().checkpoint_saves_connections is (runsc == "2024")  # as the probe kept
+        sb.files.write("/tmp/hold.py", HOLD)
+        sh(sb, "python3 /tmp/hold.py >/tmp/hold.log 2>&1 & sleep 600 >/dev/null 2>&1 &")
+        assert (
+            sh(sb, "for i in $(seq 100); do grep -q open /tmp/hold.log && exit 0; sleep 0.1; done; exit 1").exit_code
+            == 0
+        )
+        if runsc == "2022":
+            with pytest.raises(SnapshotUnsupported, match=r"1 TCP connection\(s\) are open .* -> 10\.239\.0\.1:3128"):
+                sb.pause(memory=True)
+            assert Engine.for_home(net_home).info(sb.sandbox_id)[0].state is State.READY
+            assert sh(sb, "cat /tmp/hold.log; pgrep -f hold.py").stdout.split()[0] == "open"  # untouched
+            return
+        sb.pause(memory=True)
+        assert Engine.for_home(net_home).info(sb.sandbox_id)[0].state is State.PAUSED
+        with Sandbox.resume(sb.sandbox_id, home=net_home) as back:
+            assert sh(back, "pgrep -x sleep").exit_code == 0  # the same processes came back
+            ended = "for i in $(seq 100); do grep -qE 'reset|closed' /tmp/hold.log && exit 0; sleep 0.1; done; exit 1"
+            assert sh(back, ended).exit_code == 0, sh(back, "cat /tmp/hold.log").stdout
     finally:
         sb.kill()

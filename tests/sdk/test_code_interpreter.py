@@ -99,7 +99,12 @@ def test_logs_are_lists_of_lines(box):
 
 @pytest.mark.sandbox
 def test_the_pydata_template_has_pyplot_imported(home, runc_ready):
-    with Sandbox.create(tier="container", template="pydata", timeout=120) as sb:
+    # the first argument is the template, as in E2B (issue 34, item 11); a tier there says to use tier=
+    for name in ("gvisor", "runc", "auto"):
+        with pytest.raises(InvalidArgument, match=f"is a tier, not a template: Sandbox.create\\(tier='{name}'\\)"):
+            Sandbox.create(name, timeout=120)
+    with Sandbox.create("pydata", timeout=120) as sb:
+        assert sb.get_info().template == "pydata"
         assert sb.run_code("import sys; 'matplotlib.pyplot' in sys.modules").text == "True"
         assert png_size(sb.run_code("matplotlib.pyplot.plot([1]); matplotlib.pyplot.show()").results[0].png)
 

@@ -4,10 +4,14 @@ class as well as on a sandbox, sync and async, in process and over a server; ``r
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
+from tests.conftest import over_http
 from warmbox import AsyncSandbox, InvalidArgument, Sandbox
 from warmbox.errors import ConnectionLost
 
@@ -67,3 +71,35 @@ def test_request_timeout_bounds_each_request_to_a_server(home, runc_ready, api_s
         time.sleep(0.2)
     for sid in left:
         assert Sandbox.kill(sid, **remote) is True
+
+
+def test_signed_file_urls_sync_and_async(request, home, runc_ready, api_server):
+    """files.upload_url / download_url (also on the sandbox, as E2B names them; one operation,
+    files.sign_url): the URL alone writes and reads the one file it names. In process its address
+    is the home's [server] one (here the session's server on the same home serves it); over HTTP
+    the server's, and through a cluster's router, which checks what the sandbox's node signed."""
+    base = None if over_http(request.node) else api_server.url
+    sb = Sandbox.create(timeout=120)
+    try:
+        up = sb.files.upload_url("signed/up.txt", expires_in=60, base_url=base)
+        with urllib.request.urlopen(urllib.request.Request(up, data=b"via url", method="PUT"), timeout=60) as r:
+            assert json.loads(r.read())["path"] == "/workspace/signed/up.txt"
+        assert sb.files.read("signed/up.txt") == "via url"
+        with pytest.raises(InvalidArgument, match="expires_in"):
+            sb.files.download_url("signed/up.txt", expires_in=0, base_url=base)
+
+        async def signed() -> str:
+            a = await AsyncSandbox.connect(sb.sandbox_id)
+            try:
+                return await a.download_url("/workspace/signed/up.txt", base_url=base)  # E2B's name on the sandbox
+            finally:
+                await a.close()
+
+        down = asyncio.run(signed())
+        with urllib.request.urlopen(down, timeout=60) as r:
+            assert r.read() == b"via url"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(down.replace("up.txt", "other.txt"), timeout=60)
+        assert e.value.code == 401
+    finally:
+        sb.kill()

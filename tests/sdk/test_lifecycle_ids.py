@@ -87,7 +87,7 @@ def test_a_memory_pause_resumes_under_the_same_id(home, runc_ready, tier):
         pytest.skip(f"tier {tier} is not available here: {avail.reason}")
     # the microVM's shape of tests/backends/test_microvm.py (small under TCG); gVisor's default
     limits = Limits(memory_mb=256, pids=64, tmp_mb=64) if tier == "microvm" else None
-    sb = Sandbox.create(tier, timeout=120, limits=limits)
+    sb = Sandbox.create(tier=tier, timeout=120, limits=limits)
     try:
         sb.run_code("counter = 41")
         ref = sb.pause(memory=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 from starlette.requests import Request
@@ -467,3 +468,40 @@ def test_the_nav_shows_a_budget_past_its_warning_on_every_page(engine):
         with engine.registry._tx() as db:
             _add_usage(db, "acme", time.time(), 10.0, 0.0)  # 111 %
         assert 'data-exceeded="true"' in c.get("/ui/frag/cost/budget?tenant=acme").text
+
+
+def test_a_sandboxs_page_agrees_with_itself_and_shows_money(engine):
+    """Issue 34, item 17: the metrics panel counts the commands its table lists (not the agent's
+    count); a paused sandbox still shows its metered cost; [cost] prices show money beside cpu-s
+    and GiB-s on the sandbox's page, the list and the cost page."""
+    _, key = engine.registry.create_key("acme")
+    sid = _sandbox(engine, "sb-00000000c051", "acme")
+    engine.registry.sample([(sid, 1 << 30, 3600 * 10**9)], now=time.time() + 1)  # 1 cpu-hour, 1 GiB
+    engine.registry.add_commands([_command(sid, "make"), _command(sid, "pytest"), _command(sid, "git diff")])
+    engine.registry.set_busy(sid, 10.0, 7)  # what an agent reported: its own count, warm-up included
+    engine.registry.set_state(sid, State.PAUSED, "paused")
+    with engine.registry._tx() as db:  # made and paused an hour ago, within a second
+        db.execute("UPDATE sandboxes SET created_at=created_at-3600, ended_at=ended_at-3600 WHERE sandbox_id=?", (sid,))
+    (engine.home / "warmbox.toml").write_text('[cost]\ncpu_hour = 0.5\ngib_hour = 0.25\ncurrency = "EUR"\n')
+    with TestClient(_app(engine), base_url=BASE) as c:
+        _login(c, key)
+        page = c.get(f"/ui/sandboxes/{sid}").text
+        shown = int(re.search(r'data-field="commands">(\d+)<', page).group(1))
+        listed = len(re.findall(r"<tr data-seq=", page.split('id="commands"')[1].split("</table>")[0]))
+        assert shown == listed == 3
+        m = engine.metered(sid)
+        assert m.cpu_s == pytest.approx(3600)
+        money = float(re.search(r'<dd data-field="money" data-value="([0-9.]+)"', page).group(1))
+        assert money == pytest.approx(0.5 + m.memory_gib_s / 3600 * 0.25, rel=1e-4) and money > 0.5
+        assert f"{money:.4f} EUR" in page
+        rows = c.get("/ui/").text
+        assert re.search(r'data-field="age">([^<]*)<', rows).group(1) == "1h 00m"  # was 0s: the time it ran
+        assert '<th class="num">Cost (EUR)</th>' in rows
+        assert float(re.search(r'<td class="num" data-field="money" data-value="([0-9.]+)"', rows).group(1)) == money
+        cost = c.get("/ui/cost").text
+        assert "<th>cost (EUR)</th>" in cost and 'class="money"' in cost
+    (engine.home / "warmbox.toml").write_text("")
+    with TestClient(_app(engine), base_url=BASE) as c:  # no prices: no money shown
+        _login(c, key)
+        assert 'data-field="money"' not in c.get(f"/ui/sandboxes/{sid}").text
+        assert "Cost (" not in c.get("/ui/").text

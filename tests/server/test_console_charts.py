@@ -104,6 +104,32 @@ def test_pooled_waterfall_puts_the_pools_stages_before_the_request_and_marks_the
     assert "pooled start" in "".join(root.itertext())
 
 
+@pytest.mark.parametrize(("off_ms", "on_ms"), [(10.0, 100.0), (30.0, 100.0), (400.0, 10.0), (1e6, 10.0)])
+def test_the_request_label_is_clear_of_the_legend(off_ms: float, on_ms: float) -> None:
+    """Issue 34: the "request" label sat on the legend's line (t=0 often falls under the legend's
+    "done beforehand by a pool"); text boxes are estimated from their font size (an em high,
+    0.6 em a character wide), which holds for the sans-serif the SVG names."""
+    pooled = [StageTiming("sb3", "runtime", off_ms, False), StageTiming("sb3", "allocation", on_ms, True)]
+    root = parse(charts.waterfall_svg(pooled))
+
+    def box(t: ET.Element, size: float) -> tuple[float, float, float, float]:
+        x, y, n = float(t.get("x", "nan")), float(t.get("y", "nan")), len("".join(t.itertext()))
+        w = 0.6 * size * n
+        x = x - w if t.get("text-anchor") == "end" else x
+        return x, y - size, x + w, y + 0.25 * size
+
+    legend = next(g for g in root.iter(f"{SVG}g") if g.get("class") == "legend")
+    request = next(g for g in root.iter(f"{SVG}g") if g.get("class") == "request-line").find(f"{SVG}text")
+    assert request is not None and "".join(request.itertext()) == "request"
+    rx0, ry0, rx1, ry1 = box(request, 10)
+    assert 0 <= rx0 and rx1 <= float(root.get("width", "nan"))  # inside the picture
+    for t in legend.iter(f"{SVG}text"):
+        lx0, ly0, lx1, ly1 = box(t, 10)
+        assert rx1 <= lx0 or lx1 <= rx0 or ry1 <= ly0 or ly1 <= ry0, ("overlap", "".join(t.itertext()))
+    first_bar = min(float(r.get("y", "nan")) for r in root.iter(f"{SVG}rect") if r.get("height") == str(charts._BAR_H))
+    assert ry1 <= first_bar  # and above the bars
+
+
 def test_waterfall_escapes_names_and_survives_corrupt_durations() -> None:
     evil = "<script>alert(1)</script>\"&'"
     timings = [

@@ -33,6 +33,13 @@ TOOLS = {
     "resume",
     "kill_sandbox",
     "list_sandboxes",
+    "get_sandbox",
+    "export_sandbox",
+    "start_command",
+    "list_processes",
+    "process_output",
+    "send_stdin",
+    "kill_process",
 }
 SID = "sb-0123456789ab"
 
@@ -127,7 +134,8 @@ def test_tools_are_listed_with_typed_schemas():
                 assert "type" in prop or "anyOf" in prop, (t.name, name, prop)  # nothing untyped
                 assert prop.get("description"), (t.name, name)
         run = tools["run_command"].input_schema
-        assert run["required"] == ["sandbox_id", "cmd"]
+        assert run["required"] == ["sandbox_id", "command"]  # the SDK's name; `cmd` is a hidden alias
+        assert tools["resume"].input_schema["required"] == ["sandbox_id"]
         assert run["properties"]["timeout"]["exclusiveMinimum"] == 0
         net = tools["create_sandbox"].input_schema["properties"]["network"]["anyOf"]
         assert {"enum": ["none", "internet"], "type": "string"} in net
@@ -145,8 +153,12 @@ def test_tools_send_operations_and_return_structured_results():
         assert not r.is_error, _text(r)
         assert r.structured_content["sandbox_id"] == SID and r.structured_content["start_ms"] == {"allocation": 1.5}
         assert json.loads(_text(r))["sandbox_id"] == SID
-        r = await client.call_tool("run_command", {"sandbox_id": SID, "cmd": "echo hi", "cwd": "src"})
+        r = await client.call_tool(
+            "run_command", {"sandbox_id": SID, "command": "echo hi", "cwd": "src", "idempotency_key": "step-1"}
+        )
         assert r.structured_content["exit_code"] == 3 and r.structured_content["stdout"] == "hi\n"
+        r = await client.call_tool("run_command", {"sandbox_id": SID, "cmd": "echo hi", "cwd": "src"})  # earlier name
+        assert not r.is_error and r.structured_content["exit_code"] == 3
         r = await client.call_tool("run_code", {"sandbox_id": SID, "code": "Chart(); 6*7", "language": "python"})
         out = r.structured_content
         assert out["text"] == "42" and out["stdout"] == "out\n" and out["error"] is None
@@ -156,9 +168,10 @@ def test_tools_send_operations_and_return_structured_results():
         assert base64.b64decode(images[0].data) == _png()
 
     fake = _with_client(check)
-    create, run, code = fake.sent
+    create, run, run_alias, code = fake.sent
     assert create == ops.Create(network=Network(allow=["pypi.org", "*.github.com"]), timeout=30)
-    assert run == ops.Exec(SID, "echo hi", cwd="src", timeout=60.0)
+    assert run == ops.Exec(SID, "echo hi", cwd="src", timeout=60.0, idempotency_key="step-1")
+    assert run_alias == ops.Exec(SID, "echo hi", cwd="src", timeout=60.0)
     assert code == ops.RunCode(SID, "Chart(); 6*7", context="default", timeout=60.0, language="python")
 
 
@@ -173,13 +186,15 @@ def test_errors_are_tool_errors_starting_with_the_warmbox_code():
             assert "Traceback" not in text and "Error executing tool" not in text, text
             return text
 
-        text = await error("run_command", {"sandbox_id": "sb-000000000000", "cmd": "true"})
+        text = await error("run_command", {"sandbox_id": "sb-000000000000", "command": "true"})
         assert text == "sandbox_not_found: sandbox sb-000000000000 not found"
         # arguments outside the schema: refused before any operation is sent
-        assert (await error("run_command", {"sandbox_id": SID, "cmd": "true", "timeout": -1})).startswith(
+        assert (await error("run_command", {"sandbox_id": SID, "command": "true", "timeout": -1})).startswith(
             "invalid_argument: run_command: timeout:"
         )
-        assert (await error("run_command", {"cmd": "true"})).startswith("invalid_argument: run_command: sandbox_id:")
+        assert (await error("run_command", {"command": "true"})).startswith(
+            "invalid_argument: run_command: sandbox_id:"
+        )
         assert (await error("create_sandbox", {"network": "wifi"})).startswith("invalid_argument: create_sandbox:")
         assert (await error("list_files", {"sandbox_id": SID, "depth": 0})).startswith("invalid_argument:")
         # refused by warmbox's own validation (an allowlist entry that is no host)
@@ -188,6 +203,9 @@ def test_errors_are_tool_errors_starting_with_the_warmbox_code():
             "invalid_argument: bin is not UTF-8 text"
         )
         assert (await error("no_such_tool", {})).startswith("unknown_tool: no tool 'no_such_tool'")
+        assert (await error("run_command", {"sandbox_id": SID, "command": "a", "cmd": "b"})) == (
+            "invalid_argument: run_command: give command (or its earlier name cmd), not both"
+        )
         # a bug: its type, never its message or traceback
         text = await error("kill_sandbox", {"sandbox_id": SID})
         assert text.startswith("internal_error: RuntimeError in kill_sandbox") and "secret" not in text
@@ -206,8 +224,8 @@ def test_each_call_asks_for_its_transport_with_its_context():
 
     async def main() -> None:
         async with Client(build_mcp(transport_for)) as client:
-            await client.call_tool("run_command", {"sandbox_id": SID, "cmd": "true"})
-            await client.call_tool("run_command", {"sandbox_id": SID, "cmd": "true"})
+            await client.call_tool("run_command", {"sandbox_id": SID, "command": "true"})
+            await client.call_tool("run_command", {"sandbox_id": SID, "command": "true"})
 
     asyncio.run(main())
     assert len(seen) == 2 and seen[0] is not seen[1]
@@ -251,7 +269,7 @@ def test_mounted_over_http_each_call_runs_on_the_transport_of_its_requests_tenan
                 )
                 async with Client(streamable_http_client(f"{base}/mcp/", http_client=http)) as client:
                     for _ in range(calls):
-                        r = await client.call_tool("run_command", {"sandbox_id": SID, "cmd": "true"})
+                        r = await client.call_tool("run_command", {"sandbox_id": SID, "command": "true"})
                         assert not r.is_error and r.structured_content["exit_code"] == 3
 
     asyncio.run(main())
@@ -276,16 +294,37 @@ def test_warmbox_mcp_over_stdio_drives_a_real_sandbox(home, runc_ready):
 
     async def main() -> None:
         async with Client(_server(), read_timeout_seconds=120) as client:
+            from warmbox import __version__
+
+            assert client.server_info is not None and client.server_info.version == __version__ != ""
             assert {t.name for t in (await client.list_tools()).tools} == TOOLS
-            box = await call(client, "create_sandbox", tier="container", timeout=300)
+            box = await call(client, "create_sandbox", tier="container", timeout=300, metadata={"agent": "mcp-test"})
             sid = box["sandbox_id"]
             ids.append(sid)
             assert box["state"] in ("ready", "running") and box["tier"] == "container" and box["start_ms"]
             assert sid in {s["sandbox_id"] for s in (await call(client, "list_sandboxes"))["sandboxes"]}
+            listed = (await call(client, "list_sandboxes", metadata={"agent": "mcp-test"}))["sandboxes"]
+            assert [s["sandbox_id"] for s in listed] == [sid]
+            assert (await call(client, "list_sandboxes", metadata={"agent": "other"}))["sandboxes"] == []
+            assert (await call(client, "get_sandbox", sandbox_id=sid))["metadata"] == {"agent": "mcp-test"}
 
-            out = await call(client, "run_command", sandbox_id=sid, cmd="echo hi; echo oops >&2; exit 3")
+            # background processes: a server-like loop, a job that ends, their output and kill
+            srv = await call(client, "start_command", sandbox_id=sid, command="echo up; cat", tag="echoer")
+            job = await call(client, "start_command", sandbox_id=sid, command="echo done; echo err >&2; exit 4")
+            procs = (await call(client, "list_processes", sandbox_id=sid))["processes"]
+            assert {"pid": srv["pid"], "command": "echo up; cat", "cwd": "/workspace", "tag": "echoer"} in procs
+            out = await call(client, "process_output", sandbox_id=sid, pid=job["pid"], wait=30)
+            assert (out["stdout"], out["stderr"], out["running"], out["exit_code"]) == ("done\n", "err\n", False, 4)
+            await call(client, "send_stdin", sandbox_id=sid, pid=srv["pid"], data="ping\n")
+            out = await call(client, "process_output", sandbox_id=sid, pid=srv["pid"], wait=1)
+            assert out["running"] is True and out["stdout"].startswith("up\n"), out
+            assert (await call(client, "kill_process", sandbox_id=sid, pid=srv["pid"]))["killed"] is True
+            out = await call(client, "process_output", sandbox_id=sid, pid=srv["pid"], wait=30)
+            assert out["running"] is False and out["stdout"] == "up\nping\n", out
+
+            out = await call(client, "run_command", sandbox_id=sid, command="echo hi; echo oops >&2; exit 3")
             assert (out["exit_code"], out["stdout"], out["stderr"], out["timed_out"]) == (3, "hi\n", "oops\n", False)
-            out = await call(client, "run_command", sandbox_id=sid, cmd="sleep 5", timeout=0.5)
+            out = await call(client, "run_command", sandbox_id=sid, command="sleep 5", timeout=0.5)
             assert out["timed_out"] is True
 
             await call(client, "write_file", sandbox_id=sid, path="notes/a.txt", content="héllo\n")
@@ -309,18 +348,23 @@ def test_warmbox_mcp_over_stdio_drives_a_real_sandbox(home, runc_ready):
 
             snap = await call(client, "pause", sandbox_id=sid)
             assert snap["sandbox_id"] == sid
-            back = await call(client, "resume", snapshot=sid)
+            back = await call(client, "resume", sandbox_id=sid)
             assert back["sandbox_id"] == sid  # one id for the sandbox's whole life
             got = await call(client, "read_file", sandbox_id=sid, path="notes/a.txt")
             assert got["content"] == "héllo\n"
             assert (await call(client, "run_code", sandbox_id=sid, code="x"))["text"] == "6"  # variables too
 
-            r = await client.call_tool("run_command", {"sandbox_id": "sb-000000000000", "cmd": "true"})
+            r = await client.call_tool("run_command", {"sandbox_id": "sb-000000000000", "command": "true"})
             assert isinstance(r, CallToolResult) and r.is_error
             assert _text(r).startswith("sandbox_not_found: ")
 
             assert (await call(client, "kill_sandbox", sandbox_id=sid))["killed"] is True
-            r = await client.call_tool("run_command", {"sandbox_id": sid, "cmd": "true"})
+            # its history after the end: every command above is in it
+            ex = await call(client, "export_sandbox", sandbox_id=sid)
+            assert ex["sandbox_id"] == sid and ex["truncated"] is False
+            kinds = [json.loads(line)["type"] for line in ex["ndjson"].splitlines()]
+            assert len(kinds) == ex["records"] and kinds[:2] == ["export", "sandbox"] and "command" in kinds
+            r = await client.call_tool("run_command", {"sandbox_id": sid, "command": "true"})
             assert isinstance(r, CallToolResult) and r.is_error
             assert _text(r) == f"sandbox_not_found: sandbox {sid} was destroyed"
 
@@ -334,3 +378,43 @@ def test_warmbox_mcp_over_stdio_drives_a_real_sandbox(home, runc_ready):
         for sid in ids:
             if sid in live:  # the test failed with it alive
                 asyncio.run(engine.destroy(sid, "test cleanup"))
+
+
+class _Chatty:
+    """A background process that never stops printing (ConnectProcess's stream)."""
+
+    pid = 7
+    result = None
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    async def next(self) -> Any:
+        from warmbox.models import ProcessEvent
+
+        await asyncio.sleep(0)
+        return ProcessEvent("stdout", "x" * 65536)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_process_output_of_an_endless_process_is_bounded_in_time_and_size():
+    from warmbox.server.mcp import MAX_TOOL_TEXT, REPLAY_GRACE_S
+
+    chatty = _Chatty()
+    fake = FakeTransport(lambda r: chatty if isinstance(r, ops.ConnectProcess) else _answer(r))
+
+    async def main() -> None:
+        async with Client(build_mcp(lambda ctx: fake)) as client:
+            t0 = asyncio.get_running_loop().time()
+            r = await client.call_tool("process_output", {"sandbox_id": SID, "pid": 7, "wait": 1})
+            took = asyncio.get_running_loop().time() - t0
+            assert not r.is_error, _text(r)
+            out = r.structured_content
+            assert out["running"] is True and out["exit_code"] is None and out["truncated"] is True
+            assert len(out["stdout"]) == MAX_TOOL_TEXT
+            assert took < 1 + REPLAY_GRACE_S + 5, took  # the wait, the replay's grace, a loaded host's slack
+
+    asyncio.run(main())
+    assert chatty.cancelled

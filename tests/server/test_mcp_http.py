@@ -70,7 +70,7 @@ def test_mcp_over_http_is_per_tenant(home: Path, runc_ready: None) -> None:
             r = await a.call_tool("run_code", {"sandbox_id": sid, "code": "print('hi'); 6 * 7"})
             assert not r.is_error and (r.structured_content["text"], r.structured_content["stdout"]) == ("42", "hi\n")
         async with client(bob) as b:
-            r = await b.call_tool("run_command", {"sandbox_id": sid, "cmd": "true"})
+            r = await b.call_tool("run_command", {"sandbox_id": sid, "command": "true"})
             assert r.is_error and isinstance(r.content[0], TextContent)
             assert r.content[0].text.startswith("sandbox_not_found: ")  # alice's id does not exist for bob
             listed = (await b.call_tool("list_sandboxes", {})).structured_content["sandboxes"]

@@ -338,20 +338,34 @@ def test_cli_over_http_progress_ls_show_rm(engine: Engine, home: Path, tmp_path:
 
 
 def test_dockerfile_from_an_oci_archive_and_a_registry(
-    engine: Engine, oci_archive: Path, registry_image: str, tmp_path: Path
+    engine: Engine, home: Path, oci_archive: Path, oci_layout: Path, local_registry: str, tmp_path: Path
 ):
     """FROM an OCI archive made in the test (python3-minimal Debian, two layers, a whiteout), then
-    the same image pulled from a docker-registry on 127.0.0.1: the image's config is kept under
-    the steps' changes, and a sandbox of each runs on it."""
+    ``FROM python:3.11-slim`` as a Docker user writes it: a Docker Hub name, pulled through
+    ``[templates] registry_mirror`` from a docker-registry on 127.0.0.1 (never docker.io). The
+    image's config is kept under the steps' changes, and a sandbox of each runs on it."""
     from warmbox import Sandbox
+    from warmbox.errors import ImageRegistryUnreachable
 
+    hub_copy = f"{local_registry}/library/python:3.11-slim"
+    subprocess.run(
+        ["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"oci:{oci_layout}:py", f"docker://{hub_copy}"],
+        check=True,
+        capture_output=True,
+    )
     (tmp_path / "Dockerfile").write_text(f"FROM oci-archive:{oci_archive}\nRUN echo built > /srv/built\nENV EXTRA=1\n")
     names = [f"t-{os.getpid()}-oci", f"t-{os.getpid()}-reg"]
     specs = [
         Template.from_dockerfile(tmp_path / "Dockerfile"),
-        Template.from_registry(registry_image, tls_verify=False).run("echo built > /srv/built").env({"EXTRA": "1"}),
+        Template.from_dockerfile("FROM python:3.11-slim\nRUN echo built > /srv/built\nENV EXTRA=1\n"),
     ]
+    toml = home / "warmbox.toml"
+    before = toml.read_text()
     try:
+        with pytest.raises(ImageRegistryUnreachable, match="registry_mirror"):
+            toml.write_text(before + '\n[templates]\nregistry_mirror = "http://127.0.0.1:1"\n')
+            asyncio.run(_build(engine, names[1], specs[1]))
+        toml.write_text(before + f'\n[templates]\nregistry_mirror = "http://{local_registry}"\n')
         for name, spec in zip(names, specs, strict=True):
             info, _ = asyncio.run(_build(engine, name, spec))
             env = dict(info.env)
@@ -361,6 +375,7 @@ def test_dockerfile_from_an_oci_archive_and_a_registry(
                 assert r.exit_code == 0, r.stderr
                 assert r.stdout == "hello from the second layer\nbuilt\n11\n"
     finally:
+        toml.write_text(before)
         for name in names:
             with contextlib.suppress(TemplateNotFound):
                 asyncio.run(EngineFront(engine).handle(ops.TemplateDelete(name)))

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import stat
 import tarfile
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.templates.conftest import HELLO, IMAGE_CMD, IMAGE_WORKDIR
-from warmbox.errors import CorruptLayer, InvalidArgument, TemplateError
+from warmbox.errors import CorruptLayer, ImageRegistryUnreachable, InvalidArgument, TemplateError
 from warmbox.models import OciImage
 from warmbox.storage.layers import LayerStore
 from warmbox.storage.oci import import_oci, pull
@@ -63,6 +64,13 @@ def test_pull_from_a_local_registry(tmp_path, registry_image, local_registry):
         pull(store, f"{local_registry}/warmbox/nothing:1", tls_verify=False)
     with pytest.raises(InvalidArgument):
         pull(store, "--src-creds=x:y")
+    # a registry nothing listens on: a typed error naming it, not skopeo's text alone
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(ImageRegistryUnreachable, match=f"cannot reach the image registry {closed}") as e:
+        pull(store, f"{closed}/library/python:3.11-slim", tls_verify=False)
+    assert e.value.registry == closed
     assert os.listdir(store.tmp) == []
 
 

@@ -72,7 +72,7 @@ def test_fluent_spec_is_immutable_and_ordered():
     [
         lambda: Template.debian("Bookworm!"),
         lambda: Template.from_template("No Such/Name"),
-        lambda: Template.from_registry("ubuntu"),
+        lambda: Template.from_registry("Ubuntu!"),
         lambda: Template.from_template("base").apt_install([]),
         lambda: Template.from_template("base").apt_install(["ok", "bad name; rm -rf /"]),
         lambda: Template.from_template("base").workdir("relative"),
@@ -153,6 +153,9 @@ CMD ["python3"]
         ("oci-archive:img.tar", OciSource("/ctx/img.tar")),
         ("127.0.0.1:5000/team/img:v1", RegistrySource("127.0.0.1:5000/team/img:v1")),
         ("localhost/img", RegistrySource("localhost/img")),
+        # as Docker: a name without a registry host is Docker Hub's (official images: library/)
+        ("python:3.11-slim", RegistrySource("docker.io/library/python:3.11-slim")),
+        ("someone/tool:2", RegistrySource("docker.io/someone/tool:2")),
     ],
 )
 def test_dockerfile_from_forms(image, source):
@@ -174,7 +177,6 @@ def test_dockerfile_from_forms(image, source):
         ("FROM base\nFROBNICATE x\n", 2, "FROBNICATE"),
         ("RUN true\n", 1, "before FROM"),
         ("# nothing\n", 0, "no FROM"),
-        ("FROM python:3.11\n", 1, "registry"),
         ("FROM scratch\n", 1, "scratch"),
         ("FROM base\nCOPY --chown=alice a /a\n", 2, "chown"),
         ("FROM base\nCOPY *.py /app/\n", 2, "wildcards"),
@@ -275,3 +277,26 @@ def test_tree_hashes_second_sees_the_mtimes_a_layer_keeps(tmp_path):
     assert p3 == plain and t3 != t2
     os.utime(tmp_path / "d", (5, 5))  # a layer keeps no directory mtime
     assert tree_hashes(str(tmp_path / "d")) == (p3, t3)
+
+
+def test_docker_hub_images_go_through_the_registry_mirror(tmp_path):
+    """[templates] registry_mirror: Docker Hub's images come from it (its path prefix kept, plain
+    HTTP for http://); other registries' do not; a malformed mirror is a ConfigError."""
+    from warmbox import config
+    from warmbox.errors import ConfigError
+    from warmbox.templates.spec import through_mirror
+
+    hub = Template.from_registry("python:3.11-slim").source.ref
+    assert hub == "docker.io/library/python:3.11-slim"
+    assert through_mirror(hub, True, "") == (hub, True)
+    assert through_mirror(hub, True, "http://127.0.0.1:5000") == ("127.0.0.1:5000/library/python:3.11-slim", False)
+    assert through_mirror(hub, True, "https://mirror.example/hub/") == (
+        "mirror.example/hub/library/python:3.11-slim",
+        True,
+    )
+    assert through_mirror("quay.io/a/b:1", True, "mirror.example") == ("quay.io/a/b:1", True)
+    s = config.parse({"templates": {"registry_mirror": "http://127.0.0.1:5000", "t": {"from": "base"}}})
+    assert s.registry_mirror == "http://127.0.0.1:5000" and "t" in s.templates
+    for bad in ("ftp://m.example", "m.example/../x", "m example", 5):
+        with pytest.raises(ConfigError, match="registry_mirror"):
+            config.parse({"templates": {"registry_mirror": bad}})

@@ -45,7 +45,11 @@ inside are served by gVisor's Sentry, not the host kernel (``uname`` says 4.4.0,
   reaped them, which took 1.2-1.7 s here.
 Memory snapshots: ``runsc checkpoint`` (the sandbox exits; processes, memory, /tmp and
 /home/user are in its image) after the agent dropped its host sockets (Quiesce), and ``runsc
-restore`` into a new bundle; /workspace (a host directory) travels beside the image.
+restore`` into a new bundle; /workspace (a host directory) travels beside the image. A TCP
+connection over the sandbox's link (loopback ones are saved) fails runsc 2022's save, which ends
+the sandbox: the engine looks in the guest's /proc/net/tcp first and refuses the pause, typed, with
+the sandbox running (``Capabilities.checkpoint_saves_connections``). runsc 2024 runs with
+``--net-disconnect-ok``: its save resets such connections, and the pause ends paused.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ PROBE_TIMEOUT_S = 30.0  # the systrap probe (one ``runsc do``: 0.3 s on this hos
 # where scripts/bootstrap installs Debian 13's runsc (0.0~20240729: systrap; Debian 12's has ptrace only)
 RUNSC_LOCAL = "/usr/local/lib/warmbox/runsc"
 LEGACY_RUNSC_VERSION = "0.0~20221219.0"  # Debian 12's: what made memory snapshots recorded without one
+DISCONNECT_OK = "net-disconnect-ok"  # runsc 2024: a checkpoint resets open connections, not fails on them
 CHECKPOINT_ERR_MAX = 64 * 1024  # bytes of a failed ``runsc checkpoint``'s stderr kept (in agent.log)
 INIT = GUEST_LIB + "/warmbox/guest/wb-init"  # its --confine mode starts the agent (guest/init.c)
 # what the first process holds, in the Sentry only, until it has confined itself and become the
@@ -108,7 +113,11 @@ HOST_SHARE = 4  # at most a quarter of the host's pids (the default [limits] max
 # do` at the same load: systrap 2.8-3.3 s, ptrace 3.2-3.5 s, host 0.17-0.24 s per 100,000 (at a
 # quieter moment systrap was 0.91 s): systrap's stub hand-off needs the Sentry scheduled at once,
 # which a loaded 2-CPU nested host does not give. kvm: not measurable here (no hardware KVM).
-_SYSCALL_SLOWDOWN = {"ptrace": 24.0, "systrap": 28.0, "kvm": 3.0}
+# Again at load 11-12 (two runs each): runsc 2022 ptrace 31-32x (fork 34-40x, files 34-35x, socket
+# 24-25x), runsc 2024 ptrace 31x, systrap 33-39x (fork 81-112x). ptrace is declared as Debian 12's
+# runsc, the default (find_runsc), measures it: 29-32x; systrap (runsc 2024) across both loads: 27-39x,
+# no cheaper than ptrace on this host.
+_SYSCALL_SLOWDOWN = {"ptrace": 30.0, "systrap": 33.0, "kvm": 3.0}
 
 
 def host_pids(pids: int) -> int:
@@ -127,10 +136,14 @@ def find_runsc() -> str:
     """The runsc the tier runs: ``WARMBOX_RUNSC`` if set (``RUNSC_LOCAL``: Debian 13's, which
     scripts/bootstrap installs), else the one on ``PATH`` (Debian 12's).
 
-    Debian 13's runsc (0.0~20240729) is not the default: its pids cgroup leaks. A fork it refused
-    with EAGAIN, retried, succeeds past ``pids.max`` (measured: 221 processes running in a sandbox
-    of limits.pids = 64, pids.current 276), so limits.pids would be bounded only by the host cgroup
-    (``host_pids``). tests/backends/test_gvisor.py keeps a test that shows it."""
+    Debian 13's runsc (0.0~20240729) is not the default: its Sentry cannot hold ``limits.pids``.
+    Every task there is in seven cgroup hierarchies (runsc mounts one per controller at boot), and a
+    fork charges only the first of its parent's cgroups that Go's randomised map iteration yields
+    (``Task.chargeLocked``): about one fork in eight reaches the pids controller, the rest start
+    uncharged (measured: 267 of 300 forks past a pids.max of 20; upstream unchanged as of 2026-08).
+    Nor can the host's pids cgroup stand in: on systrap a stub the Sentry cannot clone at that bound
+    panics it ("unable to activate mm: createStub"), and the sandbox is lost at its limit.
+    tests/backends/test_gvisor.py keeps a test that shows both."""
     forced = os.environ.get("WARMBOX_RUNSC")
     if forced:
         return forced
@@ -148,6 +161,18 @@ def runsc_version(runsc: str) -> str:
         if line.startswith("runsc version "):
             return line.removeprefix("runsc version ").strip()
     return ""
+
+
+@functools.cache
+def runsc_flags(runsc: str) -> frozenset[str]:
+    """The global flags ``runsc flags`` lists (``net-disconnect-ok``), none if it does not answer
+    (cached per path)."""
+    try:
+        r = subprocess.run([runsc, "flags"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return frozenset()
+    out = r.stdout + r.stderr  # runsc prints them on stderr
+    return frozenset(line.split()[0][1:] for line in out.splitlines() if line.startswith("  -") and line.split())
 
 
 @functools.cache
@@ -246,7 +271,12 @@ class GvisorBackend(RuncBackend):
             return forced, "WARMBOX_RUNSC_PLATFORM"
         try:
             data = json.loads((self.runtime / PROBE_FILE).read_bytes())
-            if key and data["key"] == key and data["platform"] in ("systrap", "ptrace", "kvm"):
+            if (
+                key
+                and data["key"] == key
+                and data["platform"] in ("systrap", "ptrace", "kvm")
+                and DISCONNECT_OK in data
+            ):
                 return str(data["platform"]), str(data["why"])
         except (OSError, ValueError, KeyError, TypeError):
             pass
@@ -258,7 +288,8 @@ class GvisorBackend(RuncBackend):
         try:
             self.runtime.mkdir(parents=True, exist_ok=True)
             tmp = self.runtime / f".{PROBE_FILE}.{os.getpid()}"
-            tmp.write_text(json.dumps({"key": key, "platform": got[0], "why": got[1]}))
+            flag = DISCONNECT_OK in runsc_flags(self.runsc)
+            tmp.write_text(json.dumps({"key": key, "platform": got[0], "why": got[1], DISCONNECT_OK: flag}))
             os.replace(tmp, self.runtime / PROBE_FILE)
         except OSError:
             pass
@@ -270,6 +301,18 @@ class GvisorBackend(RuncBackend):
     def runtime_version(self) -> str:
         """What a memory snapshot records: a runsc image loads only into the runsc that made it."""
         return f"runsc {self.version() or 'unknown'}"
+
+    def disconnects_on_save(self) -> bool:
+        """Whether this runsc resets the sandbox's TCP connections over its link when it checkpoints
+        (``--net-disconnect-ok``, runsc 2024), where runsc 2022 fails the save and the sandbox with it
+        (the engine then refuses such a pause up front: Capabilities.checkpoint_saves_connections).
+        Read from what the probe kept, so capabilities start no runsc; False before it ran here (or
+        with WARMBOX_RUNSC_PLATFORM): the pause then looks for open connections first, never wrong."""
+        try:
+            data = json.loads((self.runtime / PROBE_FILE).read_bytes())
+            return bool(data["key"] == self._probe_key() and data.get(DISCONNECT_OK) is True)
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
 
     def capabilities(self) -> Capabilities:
         platform = self.known_platform()[0]
@@ -285,6 +328,7 @@ class GvisorBackend(RuncBackend):
             languages=("python", "node", "shell", "c", "git"),
             start_class="100ms-1s",
             checkpoint_saves_workspace_sockets=False,
+            checkpoint_saves_connections=self.disconnects_on_save(),
             quiesce_drops_connection=True,
             root_user=True,
             isolation_rank=2,
@@ -392,6 +436,7 @@ class GvisorBackend(RuncBackend):
             f"--platform={self.platform()[0]}",
             f"--network={network}",
             "--host-uds=create",
+            *([f"--{DISCONNECT_OK}"] if DISCONNECT_OK in runsc_flags(self.runsc) else []),
         ]
 
     async def create(self, spec: SandboxSpec) -> BackendHandle:

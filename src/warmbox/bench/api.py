@@ -172,7 +172,7 @@ async def _warm_once(where: dict[str, Any]) -> tuple[float, bool]:
     from warmbox.sdk.sandbox import AsyncSandbox
 
     t0 = time.perf_counter()
-    sb = await AsyncSandbox.create("container", timeout=120, template="base", **where)
+    sb = await AsyncSandbox.create(tier="container", timeout=120, template="base", **where)
     try:
         ex = await sb.run_code(CODE)
         ms = (time.perf_counter() - t0) * 1e3
@@ -205,7 +205,7 @@ async def burst_client(
         async with gate:
             t0 = time.perf_counter()
             try:
-                sb = await AsyncSandbox.create("container", timeout=300, template="base", **where)
+                sb = await AsyncSandbox.create(tier="container", timeout=300, template="base", **where)
             except WarmboxError as e:
                 errors.append(f"create: {e}")
                 return
@@ -397,7 +397,7 @@ async def part_exec_files(home: Path, server: Server, runs: int, file_mib: int, 
     # made through the server: with --tcp it is the key's tenant's, which the host's in-process
     # front sees too (a sandbox made in process would be no tenant's: unknown to the key)
     remote = await AsyncSandbox.create(
-        "container", timeout=600, template="base", api_url=server.url, api_key=server.key
+        tier="container", timeout=600, template="base", api_url=server.url, api_key=server.key
     )
     local = None
     try:

@@ -472,7 +472,7 @@ async def _warm_on(where: dict[str, Any]) -> tuple[float, bool, str]:
     from warmbox.sdk.sandbox import AsyncSandbox
 
     t0 = time.perf_counter()
-    sb = await AsyncSandbox.create("container", timeout=120, template="base", **where)
+    sb = await AsyncSandbox.create(tier="container", timeout=120, template="base", **where)
     try:
         ex = await sb.run_code(CODE)
         ms = (time.perf_counter() - t0) * 1e3
@@ -521,7 +521,7 @@ async def part_failover(cluster: LocalCluster, times: int) -> dict[str, Any]:
     runs = []
     for _ in range(times):
         await asyncio.to_thread(cluster.wait_pools)
-        sb = await AsyncSandbox.create("container", timeout=600, template="base", **where)
+        sb = await AsyncSandbox.create(tier="container", timeout=600, template="base", **where)
         token = secrets.token_hex(8)
         try:
             await sb.files.write("/workspace/failover.txt", token)

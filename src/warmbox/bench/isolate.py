@@ -109,7 +109,7 @@ async def _first(home: Path, pool: bool) -> tuple[float, bool]:
 
     limits = Limits(memory_mb=MEMORY_MB)  # the pool's shape
     t0 = time.perf_counter()
-    sb = await AsyncSandbox.create("isolate", timeout=120, pool=pool, limits=limits, home=home)
+    sb = await AsyncSandbox.create(tier="isolate", timeout=120, pool=pool, limits=limits, home=home)
     try:
         ex = await sb.run_code(SNIPPET, language="javascript")
         ms = (time.perf_counter() - t0) * 1e3
@@ -126,7 +126,9 @@ async def _rate(home: Path, sandboxes: int) -> float:
     from warmbox.sdk.sandbox import AsyncSandbox
 
     boxes = [
-        await AsyncSandbox.create("isolate", timeout=120, pool=False, limits=Limits(memory_mb=MEMORY_MB), home=home)
+        await AsyncSandbox.create(
+            tier="isolate", timeout=120, pool=False, limits=Limits(memory_mb=MEMORY_MB), home=home
+        )
         for _ in range(sandboxes)
     ]
     try:
@@ -163,7 +165,7 @@ async def _idle(home: Path) -> float:
     try:
         for _ in range(IDLE_COUNT):
             sb = await AsyncSandbox.create(
-                "isolate", timeout=300, pool=False, limits=Limits(memory_mb=MEMORY_MB), home=home
+                tier="isolate", timeout=300, pool=False, limits=Limits(memory_mb=MEMORY_MB), home=home
             )
             boxes.append(sb)
         await asyncio.sleep(0.5)

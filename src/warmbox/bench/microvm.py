@@ -282,7 +282,7 @@ async def bench_start(home: Path, runs: int, variant: str = "both") -> dict:
         # untimed: warmbox's template snapshots; raw QEMU restores those very memory files and disks
         for kind in {m.rsplit("_", 1)[1] for m in methods}:
             sb = await AsyncSandbox.create(
-                "microvm", template=templates[kind], timeout=300, pool=False, limits=limits, home=home
+                tier="microvm", template=templates[kind], timeout=300, pool=False, limits=limits, home=home
             )
             try:
                 await _first_command(sb)
@@ -296,7 +296,7 @@ async def bench_start(home: Path, runs: int, variant: str = "both") -> dict:
                     agent = m.endswith("_agent")
                     t0 = time.perf_counter()
                     sb = await AsyncSandbox.create(
-                        "microvm",
+                        tier="microvm",
                         template=templates["agent" if agent else "first"],
                         timeout=120,
                         pool=False,
@@ -384,7 +384,7 @@ async def bench_snapshot(home: Path, runs: int) -> dict:
         await asyncio.to_thread(raw.save, d, base)
         raw.stop(d)
         for i in range(runs):
-            sb = await AsyncSandbox.create("microvm", timeout=120, pool=False, limits=limits, home=home)
+            sb = await AsyncSandbox.create(tier="microvm", timeout=120, pool=False, limits=limits, home=home)
             try:
                 await sb.files.write("/workspace/state.txt", "kept")
                 await sb.run_code("kept = 41")

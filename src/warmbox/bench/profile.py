@@ -141,7 +141,7 @@ async def _tier_loops(home: Path, tier: str, budget: float) -> tuple[dict[str, f
     from warmbox.sdk import AsyncSandbox
 
     t0 = time.perf_counter()
-    sb = await AsyncSandbox.create(tier, template="shell", pool=False, timeout=300, home=home)
+    sb = await AsyncSandbox.create(tier=tier, template="shell", pool=False, timeout=300, home=home)
     created = time.perf_counter() - t0
     try:
         r = await sb.commands.run(["python3", "-c", LOOPS, str(budget)], timeout=120, max_output=MAX_OUTPUT)

@@ -90,7 +90,7 @@ async def _first_command(home: Path, template: str, pool: bool) -> tuple[float, 
     from warmbox.sdk.sandbox import AsyncSandbox
 
     t0 = time.perf_counter()
-    sb = await AsyncSandbox.create("container", timeout=120, template=template, pool=pool, home=home)
+    sb = await AsyncSandbox.create(tier="container", timeout=120, template=template, pool=pool, home=home)
     try:
         if pool:
             ex = await sb.run_code("print(2+2)", timeout=120)

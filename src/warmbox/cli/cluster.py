@@ -4,7 +4,6 @@ and the cluster's Ray head, peer token and certificates."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import signal
 import time
@@ -117,6 +116,8 @@ async def _drain(args: argparse.Namespace) -> int:
 
 
 async def _head(args: argparse.Namespace) -> int:
+    import asyncio  # the parser (warmbox --help) runs no loop
+
     from warmbox import config
     from warmbox.cluster import membership, tls
     from warmbox.errors import ConfigError

@@ -15,7 +15,7 @@ async def demo() -> int:
         print(f"  tier {row.tier:<10} {'available' if row.available else 'unavailable'}: {row.reason}")
     t0 = time.perf_counter()
     async with await AsyncSandbox.create(
-        "container", timeout=120, envs={"GREETING": "hi"}, limits=Limits(memory_mb=512, cpus=1.0, pids=256)
+        tier="container", timeout=120, envs={"GREETING": "hi"}, limits=Limits(memory_mb=512, cpus=1.0, pids=256)
     ) as sb:
         r = await sb.commands.run("python3 -c 'print(2 + 2)'")
         print(
@@ -43,7 +43,7 @@ async def demo() -> int:
         while engine.registry.pool_counts(pool.name)[0] < 1 and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         t0 = time.perf_counter()
-        async with await AsyncSandbox.create("container", timeout=120) as sb:
+        async with await AsyncSandbox.create(tier="container", timeout=120) as sb:
             e = await sb.run_code("print(2 + 2)")
             ms = (time.perf_counter() - t0) * 1e3
             print(

@@ -28,7 +28,7 @@ warmbox advise [--language L --untrusted|--trusted --io compute|syscall-heavy|ne
                                   which tier for such code here, why, and why not the others
 warmbox demo                      a short tour on the embedded defaults
 warmbox mcp                       an MCP server on stdin/stdout (sandbox tools for an agent)
-warmbox bench start|burst|exec|density|api|e2b|cluster|template|profile   benchmarks, ratios against raw runtimes
+warmbox bench start|burst|exec|density|api|e2b|cluster|template|profile|cli   benchmarks, ratios against raw runtimes
 warmbox serve [--host H --port P]  the HTTP API (/v1) on 127.0.0.1:7420 and a unix socket (+ MCP at /mcp)
 warmbox serve --cluster HEAD      the same API as a cluster's API tier: each call runs on its sandbox's node
 warmbox node join HEAD [--name N --slots K]   this home's engine as a cluster node (Ray head HEAD) until SIGTERM
@@ -37,12 +37,15 @@ warmbox cluster head | token [FILE]   run a Ray head for a cluster; make the pee
 
 --api-url URL (or WARMBOX_API_URL) sends every command to a warmbox server instead of the
 in-process engine, with --api-key KEY (or WARMBOX_API_KEY).
+
+Imports are part of the design here (issue 38): the parser needs only argparse and the tables of
+operations and records, so asyncio, the SDK, the HTTP client and the engine are imported by the
+commands that use them, when they run; ``warmbox --help`` loads none of them.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import os
@@ -218,6 +221,10 @@ def _add_exec_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("cmd", nargs="*", help="the command and its arguments (after -- if one starts with -)")
 
 
+_KEY_HELP = "a repeat with the same KEY runs nothing again: it gets the first"
+MAX_KEYED_STDIN = 16 << 20  # a keyed command's piped stdin, sent whole (the server's JSON bound)
+
+
 def _parser() -> _Parser:
     ap = _Parser(prog="warmbox", description="Sandboxes for untrusted code.")
     ap.add_argument("--api-url", default=None, help="a warmbox server (http(s)://host:port or unix:/path)")
@@ -245,6 +252,7 @@ def _parser() -> _Parser:
     p = sub.add_parser("create", help="create a sandbox and print its id")
     _add_sandbox_opts(p)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--idempotency-key", default=None, metavar="KEY", help=_KEY_HELP + " create's sandbox")
     p = sub.add_parser("exec", help="run a command in an existing sandbox (a piped stdin is forwarded)")
     p.add_argument("sandbox_id")
     p.add_argument("-e", "--env", action="append", metavar="NAME=VALUE", help="environment variable of the command")
@@ -253,6 +261,9 @@ def _parser() -> _Parser:
         "-i", "--interactive", action="store_true", help="forward stdin even from a terminal (a pipe always is)"
     )
     p.add_argument("-t", "--tty", action="store_true", help="a terminal in the sandbox, as warmbox shell (-it)")
+    p.add_argument(
+        "--idempotency-key", default=None, metavar="KEY", help=_KEY_HELP + " command's result (stdin sent whole)"
+    )
     _add_exec_opts(p)
     p = sub.add_parser("shell", help="an interactive terminal in an existing sandbox")
     p.add_argument("sandbox_id")
@@ -404,6 +415,12 @@ def _parser() -> _Parser:
     )
     b.add_argument("--json", action="store_true")
     b = bsub.add_parser(
+        "cli", help="whole-process warmbox --help, run (pool), exec vs podman run --rm, interleaved (p50)"
+    )
+    b.add_argument("--runs", type=int, default=20, help="interleaved rounds (default 20)")
+    b.add_argument("--bridge", action="store_true", help="podman's default network too (it leaves a CNI bridge)")
+    b.add_argument("--json", action="store_true")
+    b = bsub.add_parser(
         "profile", help="per tier: a CPU loop and syscall loops (fork, files, socket) vs the host; cached for advise"
     )
     b.add_argument("--tier", action="append", metavar="TIER", help="only this tier (repeatable; default: every one)")
@@ -499,13 +516,22 @@ def _timings_text(stages: list) -> str:
     )
 
 
-def _record(result: Any, sb: Any) -> dict:
+def _record(result: Any, sb: Any, via: str) -> dict:
     rec = dataclasses.asdict(result)
     rec["sandbox_id"] = sb.sandbox_id
     rec["from_pool"] = sb.from_pool
     rec["timings"] = sb.timings
     rec["stage_timings"] = _timings_json(sb.stage_timings)
+    rec["via"] = via
     return rec
+
+
+def _via(args: argparse.Namespace) -> str:
+    """Which engine ran the command, as --json says it: "server" (a running ``warmbox serve`` of
+    this home, reached by the thin path), "api" (--api-url / WARMBOX_API_URL) or "in-process"."""
+    if getattr(args, "thin", None) is not None:
+        return "server"
+    return "api" if _api_url() else "in-process"
 
 
 def _piped_stdin(interactive: bool = False) -> Any:
@@ -529,38 +555,109 @@ def _piped_stdin(interactive: bool = False) -> Any:
 
 
 async def _exec_in(sb: Any, args: argparse.Namespace, cmd: list[str]) -> int:
-    stream = not args.json
+    key = getattr(args, "idempotency_key", None)
+    stdin = _piped_stdin(getattr(args, "interactive", False))
+    if key is not None and stdin is not None:  # a keyed command's stdin is part of what a repeat must match
+        data = b""
+        for chunk in stdin:
+            data += chunk
+            if len(data) > MAX_KEYED_STDIN:
+                raise WarmboxError(f"with --idempotency-key, stdin is sent whole: at most {MAX_KEYED_STDIN} bytes")
+        stdin = data
     result = await sb.commands.run(
         cmd,
         envs=_env_pairs(getattr(args, "env", None)) if args.command == "exec" else None,
         user=getattr(args, "user", "user"),
-        stdin=_piped_stdin(getattr(args, "interactive", False)),
+        stdin=stdin,
         cwd=args.cwd,
         timeout=args.cmd_timeout or None,
-        on_stdout=(lambda s: (sys.stdout.write(s), sys.stdout.flush())) if stream else None,
-        on_stderr=(lambda s: (sys.stderr.write(s), sys.stderr.flush())) if stream else None,
+        idempotency_key=key,
+        **_sinks(args),
     )
+    return _print_result(args, result, sb)
+
+
+def _print_result(args: argparse.Namespace, result: Any, sb: Any) -> int:
     if args.json:
-        print(json.dumps(_record(result, sb)))
+        print(json.dumps(_record(result, sb, _via(args))))
     else:
         for flag in ("timed_out", "truncated", "oom_killed"):
             if getattr(result, flag):
                 print(f"warmbox: {flag.replace('_', ' ')}", file=sys.stderr)
-    return result.exit_code
+    return int(result.exit_code)
+
+
+def _sinks(args: argparse.Namespace) -> dict[str, Any]:
+    if args.json:
+        return {}
+    return {
+        "on_stdout": lambda s: (sys.stdout.write(s), sys.stdout.flush()),
+        "on_stderr": lambda s: (sys.stderr.write(s), sys.stderr.flush()),
+    }
+
+
+@dataclasses.dataclass
+class _Started:
+    """What --json tells of a sandbox the thin path created or connected to (AsyncSandbox's names)."""
+
+    sandbox_id: str
+    from_pool: bool
+    stage_timings: list[Any]
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return {t.stage: t.duration_ms for t in self.stage_timings}
+
+
+async def _thin_command(args: argparse.Namespace) -> int:
+    """run and exec on the thin path: the requests AsyncSandbox makes for them (create, or connect;
+    the command; its first-command timing once; for run, the kill), on a running server."""
+    from warmbox.models import StageTiming
+
+    t = args.thin
+    cmd = _cmd(args)
+    if args.command == "run":
+        kw = _create_kwargs(args)
+        kw["volumes"] = tuple(kw["volumes"]) if kw["volumes"] else None
+        opened = await t.handle(ops.Create(tier=args.tier, **kw))
+    else:
+        opened = await t.handle(ops.Connect(args.sandbox_id))
+    sb = _Started(opened.info.sandbox_id, opened.info.from_pool, list(opened.timings))
+    try:
+        started = time.perf_counter()
+        envs = _env_pairs(args.env) if args.command == "exec" else None
+        request = ops.Exec(
+            sb.sandbox_id,
+            cmd,
+            envs=envs,
+            cwd=args.cwd,
+            timeout=args.cmd_timeout or None,
+            idempotency_key=getattr(args, "idempotency_key", None),
+            **_sinks(args),
+        )
+        result = await t.handle(request)
+        if not any(x.stage == "first_command" for x in sb.stage_timings):
+            ms = (time.perf_counter() - started) * 1e3
+            sb.stage_timings.append(StageTiming(sb.sandbox_id, "first_command", ms, True))
+            await t.handle(ops.RecordFirstCommand(sb.sandbox_id, ms))
+    finally:
+        if args.command == "run":
+            await t.handle(ops.Kill(sb.sandbox_id))
+    return _print_result(args, result, sb)
 
 
 async def _run(args: argparse.Namespace) -> int:
     from warmbox.sdk.sandbox import AsyncSandbox
 
     cmd = _cmd(args)
-    async with await AsyncSandbox.create(args.tier, **_create_kwargs(args)) as sb:
+    async with await AsyncSandbox.create(tier=args.tier, **_create_kwargs(args)) as sb:
         return await _exec_in(sb, args, cmd)
 
 
 async def _create(args: argparse.Namespace) -> int:
     from warmbox.sdk.sandbox import AsyncSandbox
 
-    sb = await AsyncSandbox.create(args.tier, **_create_kwargs(args))
+    sb = await AsyncSandbox.create(tier=args.tier, idempotency_key=args.idempotency_key, **_create_kwargs(args))
     await sb.close()
     if args.json:
         print(
@@ -599,6 +696,7 @@ async def _shell(args: argparse.Namespace) -> int:
     """The terminal of this process in raw mode, attached to a PTY in the sandbox: keys go in as
     they are typed, the screen comes back, a resize of the window (SIGWINCH) resizes the PTY.
     The terminal is restored however it ends."""
+    import asyncio
     import signal
     import termios
     import tty
@@ -665,12 +763,23 @@ async def _shell(args: argparse.Namespace) -> int:
 def _engine() -> Any:
     """The CLI's only way to the engine: a warmbox server (--api-url / WARMBOX_API_URL), else
     this home's engine in process."""
-    from warmbox.sdk.http import HttpTransport, default_url
-    from warmbox.sdk.transport import LocalTransport
+    t: Any
+    if _api_url():  # the HTTP client (aiohttp) only then
+        from warmbox.sdk.http import HttpTransport
 
-    t = HttpTransport() if default_url() else LocalTransport()
+        t = HttpTransport()
+    else:
+        from warmbox.sdk.transport import LocalTransport
+
+        t = LocalTransport()
     _OPEN.append(t)
     return t
+
+
+def _api_url() -> str | None:
+    """The server every command goes to (--api-url, WARMBOX_API_URL), as the SDK's default_url
+    reads it (sdk.transport: not loaded for this)."""
+    return os.environ.get("WARMBOX_API_URL") or None
 
 
 _OPEN: list[Any] = []  # transports the command opened: closed before the loop ends
@@ -715,9 +824,8 @@ def _warn_config() -> None:
     from warmbox.config import load
     from warmbox.errors import ConfigError
     from warmbox.paths import default_home
-    from warmbox.sdk.http import default_url
 
-    if default_url():  # the server's settings count, not this host's file
+    if _api_url():  # the server's settings count, not this host's file
         return
     try:
         load(default_home())
@@ -729,7 +837,7 @@ def _warn_config() -> None:
 
 async def _ls(args: argparse.Namespace) -> int:
     _warn_config()
-    t = _engine()
+    t = getattr(args, "thin", None) or _engine()
     query = None
     if args.metadata or args.state:
         query = validate_query(
@@ -752,6 +860,7 @@ async def _ls(args: argparse.Namespace) -> int:
                         "from_pool": i.from_pool,
                         "timings": {x.stage: x.duration_ms for x in timings[i.sandbox_id]},
                         "stage_timings": _timings_json(timings[i.sandbox_id]),
+                        "via": _via(args),
                     }
                     for i in infos
                 ]
@@ -783,6 +892,7 @@ async def _ls(args: argparse.Namespace) -> int:
 async def _port_forward(args: argparse.Namespace) -> int:
     """Print the forward's address (one line), then relay until SIGINT/SIGTERM or the sandbox ends;
     the sandbox is let go of, never ended."""
+    import asyncio
     import signal
 
     from warmbox.sdk.sandbox import AsyncSandbox
@@ -941,7 +1051,7 @@ async def _config(args: argparse.Namespace) -> int:
 
 
 async def _kill(args: argparse.Namespace) -> int:
-    t = _engine()
+    t = getattr(args, "thin", None) or _engine()
     if args.all == bool(args.sandbox_ids):
         raise WarmboxError("warmbox kill takes sandbox ids, or --all (every sandbox you have, running or paused)")
     ids = args.sandbox_ids
@@ -987,6 +1097,8 @@ LOGS_QUIET_S = 0.5  # logs without -f: a process's output is taken until it is t
 async def _logs(args: argparse.Namespace) -> int:
     """The runtime logs, then what each running background process printed (its kept output; a
     foreground command's output went to its caller); -f: then follow them until they end."""
+    import asyncio
+
     t = _engine()
     sid = args.sandbox_id
     text = await t.handle(ops.Logs(sid))
@@ -1006,6 +1118,8 @@ async def _logs(args: argparse.Namespace) -> int:
 async def _process_output(t: Any, sid: str, proc: Any, follow: bool, label: bool) -> None:
     """A background process's output to our stdout and stderr (each line led by ``[PID]`` when
     ``label``); until it ends with ``follow``, else until it is LOGS_QUIET_S quiet."""
+    import asyncio
+
     stream = await t.handle(ops.ConnectProcess(sid, proc.pid))
     partial = {"stdout": "", "stderr": ""}
 
@@ -1063,9 +1177,8 @@ def _trust_note() -> str:
     from warmbox.errors import ConfigError
     from warmbox.network.tls import host_only_cas
     from warmbox.paths import default_home
-    from warmbox.sdk.http import default_url
 
-    if default_url():  # the server's host is another one
+    if _api_url():  # the server's host is another one
         return ""
     try:
         extra = load(default_home()).network.extra_ca
@@ -1193,6 +1306,48 @@ _COMMANDS = {
 }
 
 
+_THIN_COMMANDS = {"run": _thin_command, "exec": _thin_command, "ls": _ls, "ps": _ls, "kill": _kill}
+
+
+class _ThinTransport:
+    """The thin client as the commands' transport: its blocking calls behind ``await``."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    async def handle(self, request: ops.Request[Any]) -> Any:
+        return self.client.handle(request)
+
+
+def _thin(args: argparse.Namespace) -> _ThinTransport | None:
+    """The thin path (cli/thin.py) when the command is one of run, exec, ls, kill, no server is
+    named (--api-url), nothing of this process's stdin is to be forwarded and no terminal is
+    asked for, and a ``warmbox serve`` of this home answers on its socket; else None: the command
+    builds its own client (the engine in process, or the HTTP transport to the named server)."""
+    if args.command not in _THIN_COMMANDS or _api_url():
+        return None
+    if args.command in ("run", "exec"):
+        if getattr(args, "tty", False) or getattr(args, "user", "user") != "user":
+            return None
+        if _piped_stdin(getattr(args, "interactive", False)) is not None:
+            return None
+    from warmbox.cli.thin import ThinClient
+
+    client = ThinClient.open()
+    return None if client is None else _ThinTransport(client)
+
+
+def _unsuspended(coro: Any) -> int:
+    """Run a command's coroutine whose awaits never suspend (the thin client blocks in them)
+    to its end, without an event loop: the thin path loads no asyncio."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return int(done.value)
+    coro.close()
+    raise RuntimeError("a thin-path command waited on an event loop")
+
+
 _COMMAND_AFTER = {"run": 0, "exec": 1, "shell": 1}  # our positionals before the command's first word
 
 
@@ -1259,12 +1414,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
+    args = _parse(argv)  # --help, or a bad word, ends here: before asyncio is loaded
     if args.api_url is not None:
         os.environ["WARMBOX_API_URL"] = args.api_url
     if args.api_key is not None:
         os.environ["WARMBOX_API_KEY"] = args.api_key
     try:
+        args.thin = _thin(args)
+        if args.thin is not None:
+            try:
+                return _unsuspended(_THIN_COMMANDS[args.command](args))
+            finally:
+                args.thin.client.close()
+        import asyncio
+
         return asyncio.run(_closing(_COMMANDS[args.command](args)))
     except WarmboxError as e:
         print(f"warmbox: error: {e}", file=sys.stderr)

@@ -48,9 +48,12 @@ async def command(args: argparse.Namespace) -> int:
         return 0
     if args.pool_command == "resize":
         st = await _front().handle(ops.PoolsResize(args.name, args.target, args.min, args.max))
-        print(f"pool {st.name}: target {st.target} (min {st.min}, max {st.max}), ready {st.ready}")
+        note = ""
+        if args.target is not None and st.target != args.target:
+            note = f" ({args.target} is {'above its max' if args.target > st.target else 'below its min'})"
+        print(f"pool {st.name}: target {st.target}{note} (min {st.min}, max {st.max}), ready {st.ready}")
         if args.wait:
-            return await warm([st.name], args.wait_timeout)
+            return await warm([st.name], args.wait_timeout, held={st.name: st.target})
         return 0
     # `pool warm` stays on the engine: it needs the settings and ensure_daemon, which are no operations
     from warmbox.engine import pool
@@ -64,8 +67,9 @@ async def command(args: argparse.Namespace) -> int:
     return await warm(names, args.wait_timeout)
 
 
-async def warm(names: list[str], timeout: float) -> int:
-    """Show a progress bar per pool until each has ``target`` ready sandboxes."""
+async def warm(names: list[str], timeout: float, held: dict[str, int] | None = None) -> int:
+    """Show a progress bar per pool until each has ``target`` ready sandboxes; else say why not
+    (the time ran out: with the pool's last warm-up error; or a ``held`` target was changed)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from warmbox.engine import pool
@@ -92,6 +96,13 @@ async def warm(names: list[str], timeout: float) -> int:
                 raise WarmboxError(f"pool {missing[0]!r} is no longer configured")
             for n, tid in tasks.items():
                 r = rows[n]
+                if held and n in held and r.target != held[n]:
+                    print(
+                        f"warmbox: pool {n}: its target became {r.target} (was {held[n]}) while waiting: another "
+                        f"resize or a change of its configuration; {r.ready}/{r.target} ready",
+                        file=sys.stderr,
+                    )
+                    return 1
                 note = f"{r.warming} warming" + (f", last error: {r.last_error[:60]}" if r.last_error else "")
                 progress.update(tid, total=max(r.target, 1), completed=min(r.ready, r.target), note=note)
                 done = done and r.ready >= r.target
@@ -102,8 +113,8 @@ async def warm(names: list[str], timeout: float) -> int:
                     r = rows[n]
                     if r.ready < r.target:
                         print(
-                            f"warmbox: pool {n}: {r.ready}/{r.target} ready after {timeout:.0f} s"
-                            + (f"; last error: {r.last_error}" if r.last_error else ""),
+                            f"warmbox: pool {n}: {r.ready}/{r.target} ready, {r.warming} warming after {timeout:.0f} s"
+                            + (f"; last error: {r.last_error}" if r.last_error else "; no warm-up failed: slow starts"),
                             file=sys.stderr,
                         )
                 return 1
@@ -148,6 +159,8 @@ def show_config(as_json: bool) -> int:
         )
         cmds = f", {len(t.warmup_commands)} commands" if t.warmup_commands else ""
         print(f"  {t.name:<10} warm-up: {warm}{cmds}  {t.description}")
+    if settings.registry_mirror:
+        print(f"  (Docker Hub's images from the mirror {settings.registry_mirror})")
     print("pools:")
     for p in settings.pools.values():
         lim = p.limits
@@ -161,4 +174,7 @@ def show_config(as_json: bool) -> int:
     print("limits (the most one sandbox may ask for):")
     for key in config.LIMIT_KEYS:
         print(f"  {key:<17} {config._fmt(getattr(settings.limits, key)):<8} {settings.limits.sources.get(key, '')}")
+    c = settings.cost
+    if c.priced:
+        print(f"cost: {c.cpu_hour:g} {c.currency} per CPU-hour, {c.gib_hour:g} {c.currency} per GiB-hour")
     return 0

@@ -40,6 +40,32 @@ GUARANTEES: tuple[Guarantee, ...] = (
         ),
     ),
     Guarantee(
+        "tenants",
+        "A sandbox's web servers (get_host's ports, by Host or E2B's headers, and the preview route) "
+        "take WebSocket upgrades with the same checks as HTTP (another tenant's key: not found; another "
+        "sandbox's token or none: refused), never see the caller's credentials or cookies, and get at "
+        "most 1 MiB a message each way, in at most 1,024 frames (1009 beyond), and 64 sockets a sandbox "
+        "at once (429 beyond). A page they serve runs "
+        "no script on the API's origin, and on its own host (domain mode) only in an opaque origin: it "
+        "can neither set cookies for the domain the API and console share nor send their SameSite cookies.",
+        _ALL,
+        (
+            "test_e2b_walls.py::test_a_websocket_to_a_sandbox_port_is_relayed_with_the_http_checks_and_bounds",
+            "test_e2b_walls.py::test_a_sandbox_page_never_runs_with_an_origin_that_reaches_the_api",
+        ),
+    ),
+    Guarantee(
+        "tenants",
+        "A signed file URL of warmbox's own (files.sign_url: sb.files.download_url / upload_url) is a "
+        "credential for one path, one sandbox, one operation and one tenant, until its expiry: used "
+        "for another path, sandbox or operation, naming another tenant as signer, past its expiry "
+        "(or with its expiry moved) or after its sandbox ended it is refused and writes nothing; "
+        "another tenant's key gets no URL for a sandbox not its own (not found). The key signing it "
+        "lives in the registry and is never sent to a tenant.",
+        _ALL,
+        ("test_e2b_walls.py::test_a_warmbox_signed_url_opens_only_what_it_was_signed_for",),
+    ),
+    Guarantee(
         "audit trail",
         "What a sandbox sends back cannot poison or inflate the command records: a cell's exception "
         "name is cut to 200 characters of [A-Za-z0-9_.:-], a NaN duration or a 70-bit exit code from "
@@ -836,6 +862,30 @@ GUARANTEES: tuple[Guarantee, ...] = (
             "test_node_access.py::test_the_router_refuses_a_node_that_is_not_of_the_cluster",
             "test_ray_auth.py::test_a_gcs_client_with_the_token_but_no_cluster_certificate_is_refused",
         ),
+    ),
+    Guarantee(
+        "service",
+        "A replayed step never runs twice: a create, command or code run with an idempotency key runs once per "
+        "key; a client killed mid-command and replayed attaches to the same run (one process ran; a later "
+        "replay gets the same recorded result), the HTTP transport's own retry of a dropped command carries "
+        "its key, a replay after a server restart gets the recorded result, and one whose server died "
+        "mid-command is OutcomeUnknown, never a second run. The same key with other arguments is a 409.",
+        ("container",),
+        (
+            "test_idempotency.py::test_a_client_killed_mid_command_then_replayed_runs_it_once",
+            "test_idempotency.py::test_the_http_transports_own_retry_of_a_dropped_command_runs_it_once",
+            "test_idempotency.py::test_a_key_reused_with_other_arguments_is_a_conflict",
+            "test_idempotency.py::test_replays_across_a_server_restart",
+            "test_idempotency.py::test_e2b_create_with_an_idempotency_key_header",
+            "test_idempotency.py::test_malformed_keys_and_misplaced_headers_are_refused_typed",
+        ),
+    ),
+    Guarantee(
+        "tenants",
+        "Idempotency keys are a tenant's: another tenant using the same key string creates its own sandbox "
+        "and never gets (or learns of) the first tenant's result.",
+        ("container",),
+        ("test_idempotency.py::test_two_tenants_using_one_key_string_do_not_collide",),
     ),
 )
 

@@ -16,14 +16,13 @@ import os
 import re
 import sys
 import time
-import tomllib
 from typing import Any
 
 from warmbox import operations as ops
 from warmbox.errors import InvalidArgument, WarmboxError
 from warmbox.models import TemplateBuildEvent, TemplateInfo
+from warmbox.network.policy import PRESETS, Network
 from warmbox.templates import Template
-from warmbox.templates.context import pack_context
 
 
 def add_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> None:
@@ -34,6 +33,13 @@ def add_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> None:
     q.add_argument("-n", "--name", "-t", dest="name", default=None, help="the template's name (default: derived)")
     q.add_argument("--context", default=None, help="COPY's base directory (default: the Dockerfile's)")
     q.add_argument("--build-arg", action="append", metavar="NAME=VALUE", help="a Dockerfile ARG value")
+    q.add_argument(
+        "--allow",
+        action="append",
+        metavar="HOST|*.DOMAIN|PRESET",
+        help="the build's egress (RUN/apt/pip/npm steps; repeatable; default: none), added to the spec's; "
+        "a preset names a registry's hosts: " + ", ".join(PRESETS),
+    )
     q.add_argument("--json", action="store_true", help="the result (and events, one per line) as JSON")
     q = tsub.add_parser("ls", help="built templates (and the built-in ones)")
     q.add_argument("--json", action="store_true")
@@ -67,6 +73,8 @@ def _from_python(path: str) -> Template:
 
 
 def _from_toml(path: str, name: str | None) -> tuple[str, Template]:
+    import tomllib
+
     from warmbox.templates.toml import spec_from_table
 
     try:
@@ -90,6 +98,18 @@ def _from_toml(path: str, name: str | None) -> tuple[str, Template]:
     if len(specs) != 1:
         raise InvalidArgument(f"{path} has {len(specs)} buildable templates ({', '.join(specs)}): pick one with --name")
     return next(iter(specs.items()))
+
+
+def with_allowed(spec: Template, allow: list[str] | None) -> Template:
+    """``spec`` whose build may also reach ``allow`` (hosts, patterns or presets; checked here,
+    InvalidArgument before anything is built). A spec with the whole internet keeps it."""
+    if not allow:
+        return spec
+    Network(allow=list(allow))  # each entry: a host, a pattern or a preset, else InvalidArgument
+    net = spec.build_network
+    if net.mode == "internet":
+        return spec
+    return spec.network([*net.allow, *(a for a in allow if a not in net.allow)])
 
 
 def _named(name: str) -> Template:
@@ -213,10 +233,12 @@ def _shown(field: str, value: object) -> list[str]:
 
 async def command(args: argparse.Namespace) -> int:
     from warmbox.cli.main import _engine, _pairs
+    from warmbox.templates.context import pack_context  # tarfile: not for the parser (warmbox --help)
 
     t = _engine()
     if args.template_command == "build":
         name, spec = resolve(args.source, args.name, args.context, _pairs(args.build_arg, "--build-arg", "NAME"))
+        spec = with_allowed(spec, args.allow)
         for note in spec.notes:
             print(f"note: {note}", file=sys.stderr)
         context = pack_context(spec)

@@ -26,8 +26,10 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -377,17 +379,50 @@ def start_raylet(
     return _start(args, Path(tmpdir), False, timeout_s, token_file, tls)
 
 
-def _gcs(address: str, token_file: str | Path, tls: Member) -> Any:
+CONNECT_TIMEOUT_S = 5.0  # an unreachable head is reported within this (Ray's own client waits ~40 s)
+
+
+def _gcs(address: str, token_file: str | Path, tls: Member, timeout_s: float = CONNECT_TIMEOUT_S) -> Any:
+    """A GCS client of the head at ``address``, or ClusterError within ``timeout_s``.
+
+    Ray has no public driverless API for its node table: ``ray.nodes()`` (a DeveloperAPI) needs
+    ``ray.init``, which makes the caller a driver with a core worker and a job of its own. So this
+    is Ray's own GcsClient, whose constructor waits ~40 s for a head that refuses or does not
+    answer, and whose reconnect limit (RAY_gcs_rpc_server_reconnect_timeout_s) ends the whole
+    process when it runs out. Bounded here instead: a TCP connect to the head first (a refused or
+    silent port fails at once or after ``timeout_s``), then the constructor in a daemon thread
+    awaited for what is left of ``timeout_s`` (a head that accepts but hangs: the thread finishes
+    on its own, ~40 s later)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     use_auth(token_file, tls)
     try:
         from ray._raylet import GcsClient  # type: ignore[attr-defined]  # compiled, no stub
     except ImportError:
         raise ClusterError("ray is not installed (pip install 'warmbox[cluster]')") from None
+    addr = normalize_address(address)
+    deadline = time.monotonic() + timeout_s
+    host, _, port = addr.rpartition(":")
     try:
-        return GcsClient(address=normalize_address(address))
-    except Exception as e:  # ray's RpcError and friends: the head is not reachable
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
         raise ClusterError(f"cannot reach the Ray head at {address}: {e}") from None
+    got: list[Any] = []
+    done = threading.Event()
+
+    def construct() -> None:
+        try:
+            got.append(GcsClient(address=addr))
+        except Exception as e:  # ray's RpcError and friends
+            got.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=construct, name="warmbox-gcs-connect", daemon=True).start()
+    if not done.wait(max(0.1, deadline - time.monotonic())):
+        raise ClusterError(f"the Ray head at {address} accepted a connection but did not answer within {timeout_s:g} s")
+    if isinstance(got[0], Exception):
+        raise ClusterError(f"cannot reach the Ray head at {address}: {got[0]}") from None
+    return got[0]
 
 
 class Membership:

@@ -25,6 +25,7 @@ import dataclasses
 import enum
 import itertools
 import logging
+import secrets
 import ssl
 import time
 from collections.abc import Callable
@@ -151,15 +152,15 @@ def peer_headers(tenant: Tenant | None) -> dict[str, str]:
 
 def node_load(node: NodeInfo, usage: NodeUsage | None, pool_yields: bool = False) -> NodeLoad:
     """A node as placement sees it: its registry row (capacity, state) and what its sandboxes' rows
-    hold now (``usage``; None: it holds none). Pooled sandboxes hold a slot too, unless
-    ``pool_yields``: a user's paused sandbox coming back goes before a node's warm spares (its
-    pool shrinks to make room)."""
+    hold now (``usage``; None: it holds none). Pooled sandboxes hold a slot and their memory too,
+    unless ``pool_yields``: a user's paused sandbox coming back goes before a node's warm spares
+    (its pool shrinks to make room)."""
     live = memory = 0
     pooled: tuple[tuple[str, int], ...] = ()
     if usage is not None:
         pooled = usage.pooled
         live = usage.live + (0 if pool_yields else sum(n for _, n in pooled))
-        memory = usage.memory_mb
+        memory = usage.memory_mb + (0 if pool_yields else usage.pooled_memory_mb)
     return NodeLoad(
         node=node.name,
         tiers=tuple(node.tiers),
@@ -327,7 +328,8 @@ class Cluster:
         loads = [self._booked.get(n.name) or node_load(n, usage.get(n.name), pool_yields) for n in up]
         if not loads:
             raise NoCapacity(self.no_node_message())
-        name = place(loads, want)
+        # a salt per create: routers with views of their own do not all pick the same best node
+        name = place(loads, want, secrets.token_hex(8))
         chosen = next(x for x in loads if x.node == name)
         self._booked[name] = take(chosen, want)  # until the next read: the next create sees this one
         return self._view[name]

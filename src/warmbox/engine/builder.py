@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from warmbox.backends import workspace_disk
 from warmbox.config import Template as WarmupTemplate
 from warmbox.errors import (
+    ImageRegistryUnreachable,
     StorageError,
     TemplateBuildError,
     TemplateError,
@@ -563,7 +564,15 @@ class Build:
         src = self.template.source
         try:
             if isinstance(src, ts.BuiltSource):
-                ref = self.engine.image_for(src.name, self.tenant)
+                try:
+                    ref = self.engine.image_for(src.name, self.tenant)
+                except TemplateNotFound as e:
+                    raise TemplateNotFound(
+                        f"{e} (a FROM name without a tag or '/' is a template built here; "
+                        f"for Docker Hub's image write {src.name}:latest)",
+                        template=e.template,
+                        step=e.step,
+                    ) from None
                 digests = [self._digest_of(d) for d in ref.layers]
                 img = _Image(digests, dict(ref.env), ref.workdir, ref.user)
                 return img, ref.image_id
@@ -577,8 +586,18 @@ class Build:
             if isinstance(src, ts.OciSource):
                 got = await asyncio.to_thread(oci.import_oci, self.store, Path(src.path))
             else:
-                got = await asyncio.to_thread(oci.pull, self.store, src.ref, tls_verify=src.tls_verify)
-        except TemplateNotFound:
+                mirror = self.engine.settings().registry_mirror
+                pulled, tls = ts.through_mirror(src.ref, src.tls_verify, mirror)
+                try:
+                    got = await asyncio.to_thread(oci.pull, self.store, pulled, tls_verify=tls)
+                except ImageRegistryUnreachable as e:
+                    via = (
+                        f" (Docker Hub's mirror: [templates] registry_mirror = {mirror!r})" if pulled != src.ref else ""
+                    )
+                    raise ImageRegistryUnreachable(
+                        f"{e}{via}", registry=e.registry, template=self.name, step="0: FROM " + src.ref
+                    ) from None
+        except (TemplateNotFound, ImageRegistryUnreachable):
             raise
         except TemplateBuildError as e:
             e.step = e.step or "0: FROM " + ts.describe_source(src)

@@ -30,6 +30,7 @@ from warmbox.config import PoolConfig, Settings, Template
 from warmbox.engine import egress, provision
 from warmbox.engine import volumes as volumes_mod
 from warmbox.engine.commandlog import CommandLog
+from warmbox.engine.idempotency import Keys
 from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession
 from warmbox.errors import (
@@ -144,6 +145,8 @@ class Engine:
         self.registry = open_registry(home, _cluster(home), check_limits=self.check_limits)
         self.node = self.registry.node
         self.command_log = CommandLog(self.registry)  # the fronts' command records, written in batches
+        # keyed creates, commands and code runs (engine/idempotency.py): the ttl as last read
+        self.keys = Keys(self.registry, lambda: (self._good or self.settings()).idempotency_ttl_s)
         self._backends: dict[str, Backend] = {}
         self.owner = owner_tag(os.getpid(), self.node)  # node/pid:start on a cluster node
         self._good: Settings | None = None  # the last settings read without error
@@ -821,7 +824,7 @@ class Engine:
     async def metrics(self, sandbox_id: str, session: GuestSession | None = None) -> SandboxMetrics:
         """The user's cost of a sandbox so far (or final, once it ended)."""
         info, handle = self.info(sandbox_id)
-        if info.state is not State.DESTROYED:
+        if info.state not in (State.DESTROYED, State.PAUSED):  # a paused one's stand still: as recorded
             self.check(Operation.METRICS, info, handle)
             await self._read_meters(info, handle, session)
         return self._metrics(info)
@@ -860,8 +863,12 @@ class Engine:
         start = info.claimed_at or info.created_at
         end = self.registry.ended_at(info.sandbox_id) or time.time()
         wall = max(0.0, end - start)
+        # the commands recorded (what commands() lists), not the agent's count: that one is the
+        # guest's word, counts a pool's warm-up, and starts again at 0 in a resumed runtime
+        commands = self.registry.command_count(info.sandbox_id)
         if m is None:
-            return SandboxMetrics(info.sandbox_id, 0.0, 0.0, wall, 0.0, wall, 0, 0, 0, info.state is State.DESTROYED)
+            dead = info.state is State.DESTROYED
+            return SandboxMetrics(info.sandbox_id, 0.0, 0.0, wall, 0.0, wall, 0, 0, commands, dead)
         busy = min(wall, m.busy_ms / 1e3)
         return SandboxMetrics(
             sandbox_id=info.sandbox_id,
@@ -872,7 +879,7 @@ class Engine:
             idle_s=wall - busy,
             memory_bytes=m.memory_bytes,
             memory_peak_bytes=m.peak_bytes,
-            commands=m.commands,
+            commands=commands,
             final=m.final,
         )
 

@@ -22,13 +22,14 @@ import collections.abc
 import dataclasses
 import functools
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
+from warmbox import api, transcript
 from warmbox import operations as ops
-from warmbox import transcript
 from warmbox.backends.base import SharedHost
-from warmbox.engine import approvals, commandlog, egress, tierprofile, volumes
+from warmbox.engine import approvals, commandlog, egress, idempotency, signing, tierprofile, volumes
 from warmbox.engine import pool as pools
 from warmbox.engine import snapshot as snapshots
 from warmbox.engine.engine import Engine, validate_envs, validate_timeout
@@ -147,6 +148,7 @@ NOT_USE: frozenset[type[Any]] = frozenset(
         ops.NetworkLog,
         ops.Commands,
         ops.Export,
+        ops.SignFileUrl,
     }
 )
 # operations of USE that may run again after a pause cut them short (with auto_resume): reads that
@@ -186,6 +188,7 @@ NEEDS: dict[type[Any], str] = {
             ops.MakeDir,
             ops.Remove,
             ops.WatchDir,
+            ops.SignFileUrl,
         ),
         "files",
     ),
@@ -365,6 +368,7 @@ class EngineFront:
         self._started: dict[tuple[str, int], tuple[tuple[str, bool], float]] = {}
         self._contexts: dict[tuple[str, str], str] = {}  # code contexts made here: their language
         self._default_language: dict[str, str] = {}  # a tier's "default" context's language
+        self._signing: signing.Signer | None = None  # made at the first files.sign_url
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[Any]]] = {
             ops.Create: self.create,
             ops.Connect: self.connect,
@@ -407,6 +411,7 @@ class EngineFront:
             ops.Stat: self.stat,
             ops.MakeDir: self.make_dir,
             ops.Remove: self.remove,
+            ops.SignFileUrl: self.sign_file_url,
             ops.Snapshot: self.snapshot,
             ops.Pause: self.pause,
             ops.ListSnapshots: self.list_snapshots,
@@ -608,6 +613,7 @@ class EngineFront:
     async def close(self) -> None:
         """Let go of every sandbox this front holds (none is ended); their records are written."""
         self._log.flush()
+        self.engine.keys.flush()
         sessions, self._sessions = self._sessions, {}
         for s in sessions.values():
             await s.close()
@@ -652,6 +658,23 @@ class EngineFront:
     # ---- sandboxes
 
     async def create(self, r: ops.Create) -> ops.Opened:
+        if r.idempotency_key is None:
+            return await self._create_opened(r)
+        key = idempotency.check_key(r.idempotency_key)
+        validate_metadata(r.metadata)  # refused before the key is claimed
+        validate_lifecycle(r.lifecycle)
+        return await self.engine.keys.run(
+            tenant=self._tenant_name() or "",
+            scope="",
+            key=key,
+            op="create",
+            fingerprint=idempotency.fingerprint(r),
+            timeout_s=0.0,
+            result_type=ops.Opened,
+            call=lambda _: self._create_opened(r),
+        )
+
+    async def _create_opened(self, r: ops.Create) -> ops.Opened:
         metadata = validate_metadata(r.metadata)  # before any work
         lifecycle = validate_lifecycle(r.lifecycle)
         auto = r.tier == AUTO or (r.tier is None and r.requirements is not None)
@@ -833,6 +856,7 @@ class EngineFront:
     async def metrics(self, r: ops.Metrics) -> SandboxMetrics:
         if not isinstance(r.fresh, bool):
             raise InvalidArgument(f"fresh must be True or False, got {r.fresh!r}")
+        self._log.flush()  # its count is of the recorded commands: this front's queued ones too
         if not r.fresh:
             return self.engine.metered(r.sandbox_id)
         return await self.engine.metrics(r.sandbox_id, self._held(r.sandbox_id))
@@ -900,23 +924,49 @@ class EngineFront:
         data = r.stdin.encode() if isinstance(r.stdin, str) else r.stdin
         session = await self._session(r.sandbox_id)
         text = commandlog.command_text(r.cmd if isinstance(r.cmd, str) else argv)
-        started = time.time()
-        try:
-            got = await session.exec(
-                argv,
-                env=env,
-                cwd=cwd,
-                timeout_s=t,
-                max_output=cap,
-                stdin=data,
-                on_stdout=r.on_stdout,
-                on_stderr=r.on_stderr,
-            )
-        except BaseException as e:
-            self._log.add(commandlog.failed(r.sandbox_id, "command", text, "", started, e))
-            raise
-        self._log.add(commandlog.of_command(r.sandbox_id, "command", text, started, got))
-        return got
+
+        async def run(_: object = None) -> CommandResult:
+            started = time.time()
+            try:
+                got = await session.exec(
+                    argv,
+                    env=env,
+                    cwd=cwd,
+                    timeout_s=t,
+                    max_output=cap,
+                    stdin=data,
+                    on_stdout=r.on_stdout,
+                    on_stderr=r.on_stderr,
+                )
+            except BaseException as e:
+                self._log.add(commandlog.failed(r.sandbox_id, "command", text, "", started, e))
+                raise
+            self._log.add(commandlog.of_command(r.sandbox_id, "command", text, started, got))
+            return got
+
+        if r.idempotency_key is None:
+            return await run()
+        return await self._keyed(r, "command", t, CommandResult, run)
+
+    async def _keyed(
+        self,
+        r: ops.Exec | ops.RunCode,
+        op: str,
+        timeout_s: float,
+        result_type: Any,
+        call: Callable[[Any], Awaitable[R]],
+    ) -> R:
+        """A command or code run under its idempotency key (engine/idempotency.py), scoped to its sandbox."""
+        return await self.engine.keys.run(
+            tenant=self._tenant_name() or "",
+            scope=r.sandbox_id,
+            key=idempotency.check_key(r.idempotency_key),
+            op=op,
+            fingerprint=idempotency.fingerprint(r),
+            timeout_s=timeout_s,
+            result_type=result_type,
+            call=call,
+        )
 
     async def start_process(self, r: ops.StartProcess) -> int:
         argv, env, cwd, cols, rows = self._process_start(r)
@@ -1029,27 +1079,33 @@ class EngineFront:
         env = dict(validate_envs(r.envs)) or None
         session = await self._session(r.sandbox_id)
         text = commandlog.bounded_text(r.code)
-        started = time.time()
-        try:
-            got = await session.run_code(
-                r.code,
-                context=context,
-                timeout_s=t,
-                max_output=cap,
-                on_stdout=r.on_stdout,
-                on_stderr=r.on_stderr,
-                on_result=r.on_result,
-                env=env,
-            )
-        except BaseException as e:
+
+        async def run(_: object = None) -> Execution:
+            started = time.time()
+            try:
+                got = await session.run_code(
+                    r.code,
+                    context=context,
+                    timeout_s=t,
+                    max_output=cap,
+                    on_stdout=r.on_stdout,
+                    on_stderr=r.on_stderr,
+                    on_result=r.on_result,
+                    env=env,
+                )
+            except BaseException as e:
+                language = self._context_language(r.sandbox_id, context)
+                self._log.add(commandlog.failed(r.sandbox_id, "code", text, language, started, e))
+                if isinstance(e, UnsupportedLanguage):
+                    raise self._unsupported(r.sandbox_id, r.language or "", str(e)) from None
+                raise
             language = self._context_language(r.sandbox_id, context)
-            self._log.add(commandlog.failed(r.sandbox_id, "code", text, language, started, e))
-            if isinstance(e, UnsupportedLanguage):
-                raise self._unsupported(r.sandbox_id, r.language or "", str(e)) from None
-            raise
-        language = self._context_language(r.sandbox_id, context)
-        self._log.add(commandlog.of_execution(r.sandbox_id, text, language, started, got))
-        return got
+            self._log.add(commandlog.of_execution(r.sandbox_id, text, language, started, got))
+            return got
+
+        if r.idempotency_key is None:
+            return await run()
+        return await self._keyed(r, "code run", t, Execution, run)
 
     def _context_language(self, sandbox_id: str, context: str) -> str:
         """The language of a code context, for its records ("" for another client's context)."""
@@ -1189,6 +1245,38 @@ class EngineFront:
 
     async def remove(self, r: ops.Remove) -> None:
         await (await self._session(r.sandbox_id)).remove(sandbox_path(r.path))
+
+    async def sign_file_url(self, r: ops.SignFileUrl) -> str:
+        path = sandbox_path(r.path)
+        if not isinstance(r.write, bool):
+            raise InvalidArgument(f"write must be true or false, got {r.write!r}")
+        if r.user != "user":
+            raise InvalidArgument(f"user must be 'user' (the files API acts as the sandbox's user), got {r.user!r}")
+        expires_in = r.expires_in
+        if (
+            isinstance(expires_in, bool)
+            or not isinstance(expires_in, (int, float))
+            or not 0 < expires_in <= signing.MAX_EXPIRES_S
+        ):
+            raise InvalidArgument(f"expires_in must be seconds, more than 0 and at most {signing.MAX_EXPIRES_S:g}")
+        info = self.engine.info(r.sandbox_id)[0]
+        if info.state is not State.PAUSED:  # a paused one: its URL works once it is resumed
+            self.engine.check(Operation.EXEC, info)
+        # signed for the tenant, not the key: a server's front is one per tenant (not per key), so
+        # which of the tenant's keys asked is not known here
+        signer = signing.tenant_signer(self._tenant_name())
+        at = int(time.time() + expires_in)
+        operation = "write" if r.write else "read"
+        signature = self._signer().sign_file(signer, r.sandbox_id, path, operation, r.user, at)
+        query = urllib.parse.urlencode(
+            {"path": path, "username": r.user, "signer": signer, "signature_expiration": at, "signature": signature}
+        )
+        return api.SIGNED_FILE.format(sandbox_id=urllib.parse.quote(r.sandbox_id, safe="")) + "?" + query
+
+    def _signer(self) -> signing.Signer:
+        if self._signing is None:
+            self._signing = signing.Signer(signing.registry_key(self.engine.registry))
+        return self._signing
 
     # ---- snapshots
 

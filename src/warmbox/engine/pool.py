@@ -13,7 +13,8 @@ Who does what:
 Autoscaling between the pool's min and max:
 - every miss (a matching create that found the pool empty) raises the target by one;
 - after ``idle_shrink`` seconds without any request the target halves (not below min).
-``warmbox pool resize`` sets the target (and optionally min/max) by hand; the registry keeps it.
+``warmbox pool resize NAME N`` sets the target by hand and holds it: the registry keeps it, and
+idle shrinking stops at N (N becomes the pool's min unless ``--min`` says how far it may shrink).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 from warmbox.config import PoolConfig, Settings
 from warmbox.errors import InvalidArgument, WarmboxError
 from warmbox.models import PoolStatus
+from warmbox.storage.registry import PoolRow, Registry
 
 if TYPE_CHECKING:
     from warmbox.engine.engine import Engine
@@ -73,6 +75,14 @@ def status(engine: Engine, settings: Settings) -> list[PoolStatus]:
     return out
 
 
+def configured_row(reg: Registry, pc: PoolConfig, row: PoolRow | None) -> PoolRow:
+    """The pool's row, made for a new pool or reset when its configured target changed."""
+    if row is None or row.config_target != pc.target:
+        reg.ensure_pool(pc.name, pc.target)
+        row = reg.pool_rows()[pc.name]
+    return row
+
+
 def resize(
     engine: Engine,
     settings: Settings,
@@ -88,11 +98,17 @@ def resize(
     for label, v in (("target", target), ("min", min), ("max", max)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1000):
             raise InvalidArgument(f"{label} must be an integer in [0, 1000], got {v!r}")
-    row = engine.registry.pool_rows().get(name)
-    new_min = min if min is not None else (row.min_override if row else None)
+    # the row records the configured target first: else the daemon's next tick would take this
+    # resize for a changed configuration and put the target back to the configured one
+    row = configured_row(engine.registry, pc, engine.registry.pool_rows().get(name))
     new_max = max if max is not None else (row.max_override if row else None)
-    eff_min = pc.min if new_min is None else new_min
     eff_max = pc.max if new_max is None else new_max
+    if target is not None and min is None:
+        # an explicit target holds (issue 38): idle shrinking stops at it (never below the
+        # configured min; at most max); ``--min M`` with it lets the pool shrink down to M
+        min = sorted((pc.min, target, eff_max))[1]
+    new_min = min if min is not None else (row.min_override if row else None)
+    eff_min = pc.min if new_min is None else new_min
     if eff_max < eff_min:
         raise InvalidArgument(f"max ({eff_max}) is below min ({eff_min})")
     lo, hi = bounds(pc, new_min, new_max)
@@ -106,6 +122,7 @@ def resize(
         max_override=max if max is not None else False,
         kind="resized",
         detail=f"target={new} min={lo} max={hi}",
+        demand=True,  # an idle period counts from the operator's word, not from the last create
     )
     engine.ensure_daemon()
     return next(s for s in status(engine, settings) if s.name == name)
@@ -146,10 +163,7 @@ class PoolManager:
         rows = reg.pool_rows()
         wanted = False
         for pc in settings.pools.values():
-            row = rows.get(pc.name)
-            if row is None or row.config_target != pc.target:
-                reg.ensure_pool(pc.name, pc.target)  # new pool, or its configured target changed
-                row = reg.pool_rows()[pc.name]
+            row = configured_row(reg, pc, rows.get(pc.name))
             if self.split is None:
                 target = self._autoscale(pc, row)
             else:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import ipaddress
 import json
 import os
 import tempfile
@@ -539,6 +540,8 @@ async def _memory_snapshot(
     try:
         if not backend.capabilities().checkpoint_saves_workspace_sockets:
             await _refuse_workspace_sockets(engine, handle)
+        if not backend.capabilities().checkpoint_saves_connections:
+            await _refuse_open_connections(session, sid)
         op = _Op(engine, "pause")
         try:
             # from here on a killed pauser's work is finished or undone by ``recover``
@@ -665,6 +668,84 @@ async def _store_checkpoint(
     # resume of this pause takes it (and drops it) instead of unpacking the blob
     _keep_memory(engine, m.snapshot_id, image)
     return m
+
+
+# /proc/net/tcp states a checkpoint cannot save over a real link: every connected and handshake
+# state (ESTABLISHED, SYN_SENT, SYN_RECV, FIN_WAIT1/2, TIME_WAIT, CLOSE_WAIT, LAST_ACK, CLOSING)
+_UNSAVED_TCP_STATES = {
+    "01": "ESTABLISHED",
+    "02": "SYN_SENT",
+    "03": "SYN_RECV",
+    "04": "FIN_WAIT1",
+    "05": "FIN_WAIT2",
+    "06": "TIME_WAIT",
+    "08": "CLOSE_WAIT",
+    "09": "LAST_ACK",
+    "0B": "CLOSING",
+}
+_NET_TABLE_MAX = 1 << 20  # bytes of each /proc/net/tcp{,6} read from the guest
+
+
+def open_connections(table: bytes, v6: bool) -> list[str]:
+    """The connections of a guest's /proc/net/tcp (``v6``: tcp6) that a checkpoint cannot save:
+    "local -> remote (STATE)" for each one in a connected or handshake state whose local address
+    is not loopback. The text is the guest's: a line that does not parse is skipped (a lying guest
+    loses only its own sandbox to the failed checkpoint)."""
+    found = []
+    for line in table.decode("ascii", "replace").splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 4 or fields[3].upper() not in _UNSAVED_TCP_STATES:
+            continue
+        try:
+            local, remote = _endpoint(fields[1], v6), _endpoint(fields[2], v6)
+        except ValueError:
+            continue
+        if local[0].is_loopback or (isinstance(local[0], ipaddress.IPv6Address) and _mapped_loopback(local[0])):
+            continue
+        found.append(f"{_show(local)} -> {_show(remote)} ({_UNSAVED_TCP_STATES[fields[3].upper()]})")
+    return found
+
+
+def _endpoint(text: str, v6: bool) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """``ADDR:PORT`` of /proc/net/tcp: the address in hex of 32-bit words in host (little-endian)
+    order, the port in hex."""
+    addr, _, port = text.partition(":")
+    raw = bytes.fromhex(addr)
+    if len(raw) != (16 if v6 else 4):
+        raise ValueError(text)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.IPv6Address(words) if v6 else ipaddress.IPv4Address(words)
+    return ip, int(port, 16)
+
+
+def _mapped_loopback(ip: ipaddress.IPv6Address) -> bool:
+    return ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback
+
+
+def _show(endpoint: tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]) -> str:
+    ip, port = endpoint
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+async def _refuse_open_connections(session: GuestSession, sid: str) -> None:
+    """SnapshotUnsupported if a process in the sandbox holds a TCP connection over its network link,
+    which this tier's checkpoint cannot save (runsc 2022: the save fails and takes the sandbox with
+    it). Read from the guest's /proc/net/tcp and tcp6 by the agent (no process is started), before
+    anything stops, so the sandbox keeps running. A connection opened after this look and before
+    the checkpoint still fails it."""
+    found: list[str] = []
+    for name, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            table = await session.read(name, max_bytes=_NET_TABLE_MAX, timeout=30.0)
+        except (OSError, WarmboxError):
+            continue  # not there: nothing of it to save
+        found += open_connections(table, v6)
+    if found:
+        raise SnapshotUnsupported(
+            f"cannot pause {sid} with memory: {len(found)} TCP connection(s) are open over its network "
+            f"({', '.join(found[:5])}{', …' if len(found) > 5 else ''}); this tier's checkpoint cannot "
+            "save them. Close them (or pause without memory), then retry; the sandbox keeps running."
+        )
 
 
 async def _refuse_workspace_sockets(engine: Engine, handle: BackendHandle) -> None:

@@ -89,6 +89,7 @@ class AsyncCommands:
         check: bool = False,
         tag: str = "",
         user: Literal["user", "root"] = "user",
+        idempotency_key: str | None = None,
     ) -> CommandResult: ...
 
     @overload
@@ -107,6 +108,7 @@ class AsyncCommands:
         check: bool = False,
         tag: str = "",
         user: Literal["user", "root"] = "user",
+        idempotency_key: str | None = None,
     ) -> AsyncCommandHandle: ...
 
     async def run(
@@ -124,6 +126,7 @@ class AsyncCommands:
         check: bool = False,
         tag: str = "",
         user: Literal["user", "root"] = "user",
+        idempotency_key: str | None = None,
     ) -> CommandResult | AsyncCommandHandle:
         """Run ``cmd`` (a shell string for bash, or an argv list) and wait for it.
 
@@ -146,9 +149,18 @@ class AsyncCommands:
         command cannot signal what another one started (agent.Scopes).
         Output beyond ``max_output`` bytes (stdout+stderr) is dropped and ``truncated`` set.
         ``check=True`` raises CommandFailed on a non-zero exit.
+        idempotency_key: a repeat of this call with the same key (on this sandbox) never runs the
+        command again: it gets the first run's result (output up to 64 KiB per stream), or waits
+        for it if it still runs; the same key with another command is IdempotencyConflict, and
+        OutcomeUnknown if the server that ran it ended before recording its result. For a
+        foreground command (not background, stdin as text or bytes, user="user").
         """
         sb = self._sb
         streamed = stdin is not None and not isinstance(stdin, (str, bytes))
+        if idempotency_key is not None and (background or streamed or user != "user"):
+            raise InvalidArgument(
+                "idempotency_key is for a foreground command with text or bytes stdin as the sandbox user"
+            )
         if background or streamed or user != "user":
             _check_max_output(max_output)  # before the process starts: nothing to follow it otherwise
             # started and followed in one round trip; a foreground command's stdin is empty, as with Exec
@@ -179,6 +191,7 @@ class AsyncCommands:
                 max_output=max_output,
                 on_stdout=on_stdout,
                 on_stderr=on_stderr,
+                idempotency_key=idempotency_key,
             )
         )
         return _checked(result, check, sb.sandbox_id)

@@ -18,6 +18,8 @@ from warmbox import safetar
 from warmbox.errors import FileTooLarge, GuestProtocolError, InvalidArgument, PathNotFound, UnsafeArchive
 from warmbox.models import EntryInfo, FilesystemEvent, WriteEntry
 from warmbox.sdk._sync import synchronize
+from warmbox.sdk.http import HttpTransport
+from warmbox.sdk.transport import LocalTransport, Transport
 
 if TYPE_CHECKING:
     from warmbox.sdk.sandbox import AsyncSandbox
@@ -181,6 +183,45 @@ class AsyncFiles:
     async def remove(self, path: str) -> None:
         """Remove a file or a directory tree."""
         await self._sb._run(ops.Remove(self._sb.sandbox_id, path))
+
+    async def download_url(
+        self, path: str, *, expires_in: float = 3600.0, user: str = "user", base_url: str | None = None
+    ) -> str:
+        """A URL whose holder reads the file ``path`` (a plain GET, no API key) for ``expires_in``
+        seconds (at most 7 days), as ``user``. It names this path of this sandbox only, and stops
+        working at its expiry or when the sandbox ends (not when the API key that asked is revoked:
+        it is signed for the key's tenant).
+        base_url: the server's address as its users reach it (default: the server this Sandbox talks
+        to; in process: this home's ``[server]`` address, where ``warmbox serve`` listens)."""
+        return await self._signed(path, False, expires_in, user, base_url)
+
+    async def upload_url(
+        self, path: str, *, expires_in: float = 3600.0, user: str = "user", base_url: str | None = None
+    ) -> str:
+        """A URL whose holder writes the file ``path``: a PUT or POST of the file's bytes as the raw
+        body (it replaces the file when complete; the answer is its EntryInfo as JSON). As
+        :meth:`download_url` otherwise."""
+        return await self._signed(path, True, expires_in, user, base_url)
+
+    async def _signed(self, path: str, write: bool, expires_in: float, user: str, base_url: str | None) -> str:
+        base = base_url if base_url is not None else _server_url(self._sb._transport)
+        if not base.startswith(("http://", "https://")):
+            raise InvalidArgument(f"base_url must be http(s)://host[:port], got {base!r}")
+        sb = self._sb
+        url = await sb._run(ops.SignFileUrl(sb.sandbox_id, path, write=write, user=user, expires_in=expires_in))
+        return base.rstrip("/") + url
+
+
+def _server_url(transport: Transport) -> str:
+    """The address of the server a transport's operations go to, for the URLs it signs."""
+    if isinstance(transport, HttpTransport):
+        if transport.base_url is None:
+            raise InvalidArgument("a server reached over a unix socket has no URL to sign: pass base_url=")
+        return transport.base_url
+    if isinstance(transport, LocalTransport):
+        server = transport.front.engine.settings().server
+        return f"{'https' if server.tls_cert else 'http'}://{server.host}:{server.port}"
+    raise InvalidArgument("this transport has no server address: pass base_url=")
 
 
 def _local_dir(path: object, *, create: bool) -> int:

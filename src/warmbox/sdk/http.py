@@ -6,8 +6,11 @@ arrives as its stable ``code`` and is raised again as its class. Commands and co
 their output (NDJSON) into the request's callbacks.
 
 A dropped connection is retried where that is safe (the operation is idempotent, or the request
-never left); otherwise — a command, a create, a write — :class:`~warmbox.errors.ConnectionLost`
-says the outcome is unknown, never a silent partial result.
+never left, or it carries an idempotency key); otherwise — a write, a command or create sent with
+``idempotency=False`` — :class:`~warmbox.errors.ConnectionLost` says the outcome is unknown, never a
+silent partial result. A create, command or code run without a key of the caller's gets one made
+here (``auto-`` and 128 random bits) in the ``Idempotency-Key`` header, so this transport's own
+retry of it never runs it twice; ``idempotency=False`` sends none.
 
 ``api_url``: ``http(s)://host:port`` or ``unix:/path/to/api.sock``.
 """
@@ -20,8 +23,8 @@ import dataclasses
 import inspect
 import json
 import os
+import secrets
 import ssl
-import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -30,7 +33,10 @@ from aiohttp.http_exceptions import LineTooLong
 
 from warmbox import api, transcript, wire
 from warmbox import operations as ops
-from warmbox.errors import ConnectionLost, ContextError, InvalidArgument, SandboxNotFound, WarmboxError
+from warmbox.apicodec import build as _build
+from warmbox.apicodec import error as _error
+from warmbox.apicodec import sinks as _sinks
+from warmbox.errors import ConnectionLost, InvalidArgument, WarmboxError
 from warmbox.models import (
     ApprovalRequest,
     CommandResult,
@@ -40,16 +46,13 @@ from warmbox.models import (
     Result,
     TemplateBuildEvent,
 )
+from warmbox.sdk.transport import default_url
 
 R = TypeVar("R")
 RETRIES = (0.1, 0.3, 0.8, 1.5)  # pauses between attempts of a retryable request (about 3 s in all)
 HEARTBEAT_S = 60.0  # a stream silent this long (the server sends a blank line every 15 s) is dead
 JSON_READ_S = 900.0  # the longest one JSON operation may take (a cold microVM, a large snapshot)
 MAX_LINE = 1 << 30  # the longest NDJSON line read (a result with its output), see _line
-
-
-def default_url() -> str | None:
-    return os.environ.get("WARMBOX_API_URL") or None
 
 
 class _Stream:
@@ -200,77 +203,6 @@ class _Subscription:
         self._task.cancel()
 
 
-def _sinks(request: ops.Request[Any]) -> tuple[ops.TextSink | None, ops.TextSink | None]:
-    if isinstance(request, (ops.Exec, ops.RunCode)):
-        return request.on_stdout, request.on_stderr
-    return None, None
-
-
-def _query(fields: dict[str, Any]) -> dict[str, str]:
-    out = {}
-    for k, v in fields.items():
-        if isinstance(v, (dict, list)):  # a record (list's query) travels as one JSON value
-            out[k] = json.dumps(v, separators=(",", ":"))
-            continue
-        out[k] = "null" if v is None else ("true" if v is True else "false" if v is False else str(v))
-    return out
-
-
-def _cls(request: ops.Request[Any]) -> type:
-    return type(request)
-
-
-def _check_path_fields(request: ops.Request[Any], route: api.Route) -> None:
-    """An id in the URL's path must be one segment: the server decodes %2F before it matches a
-    route, and ".." would be resolved away, so "../../etc" would reach no route (or another one).
-    No real id is like that; refused with the error the engine gives such an id."""
-    for name in route.path_fields:
-        value = getattr(request, name)
-        if isinstance(value, str) and value and "/" not in value and value not in (".", ".."):
-            continue
-        if name == "sandbox_id":
-            raise SandboxNotFound(f"no sandbox {value!r} (ids look like sb-0123456789ab)", str(value))
-        if isinstance(request, (ops.RemoveContext, ops.RestartContext)):
-            raise ContextError(f"no code context {value!r}", request.sandbox_id)
-        raise InvalidArgument(f"{value!r} is not a valid {name.replace('_', ' ')}")
-
-
-def _check_records(request: ops.Request[Any]) -> None:
-    """A field typed as a record (limits: Limits) must hold one, as in process: encoded, a dict of
-    the same fields would pass for it, so code that works over HTTP would fail in process."""
-    for name, tp in wire.hints(_cls(request)).items():
-        value = getattr(request, name)
-        records: tuple[type, ...] = tuple(
-            a for a in (typing.get_args(tp) or (tp,)) if isinstance(a, type) and dataclasses.is_dataclass(a)
-        )
-        items: list[tuple[str, object]] = [(name, value)]
-        if records and typing.get_origin(tp) is tuple:  # a list of records (files.write_files): each item
-            if not isinstance(value, (list, tuple)):
-                raise InvalidArgument(f"{name} must be a list, got {type(value).__name__}")
-            items = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
-        for where, v in items:
-            if records and v is not None and not isinstance(v, records):
-                raise InvalidArgument(f"{where} must be a warmbox.{records[0].__name__}, got {type(v).__name__}")
-
-
-def _is_path(field: str) -> bool:
-    """A sandbox path of the files API (path, old_path, new_path, ...)."""
-    return field == "path" or field.endswith("_path")
-
-
-def _checked(request: ops.Request[Any], fields: dict[str, Any]) -> dict[str, Any]:
-    """Fields bound for a query string, checked here: the query carries text, so a value of the
-    wrong type (path=42) would arrive as its str() and be taken. Refused as in process: a path by
-    the engine's own check (InvalidPath), anything else by the codec (InvalidArgument)."""
-    hints = wire.hints(_cls(request))
-    for name, value in fields.items():
-        if _is_path(name):
-            ops.sandbox_path(value)
-        else:
-            wire.decode(hints[name], value, name)
-    return fields
-
-
 # a connection that broke after the request may have left: the outcome is unknown
 _DROPPED = (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError)
 
@@ -290,9 +222,12 @@ class HttpTransport:
         connect_timeout: float = 10.0,
         headers: collections.abc.Mapping[str, str] | None = None,
         request_timeout: float | None = None,
+        idempotency: bool = True,
     ) -> None:
         """request_timeout: seconds one JSON request may take in all (E2B's name; a stream, a
-        process followed, a watch keep their own bounds); None: up to 900 s of silence."""
+        process followed, a watch keep their own bounds); None: up to 900 s of silence.
+        idempotency: give each create, command and code run without a key one of its own (see above)."""
+        self._auto_keys = idempotency
         url = api_url or default_url()
         if not url:
             raise InvalidArgument("api_url (or WARMBOX_API_URL) is required for the HTTP transport")
@@ -313,6 +248,8 @@ class HttpTransport:
         self._connect_timeout = connect_timeout
         self._request_timeout = request_timeout
         self.url = url
+        # the server's http(s) address (None over a unix socket): what signed file URLs start with
+        self.base_url: str | None = None if self._uds is not None else self._base
         self._session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -395,50 +332,18 @@ class HttpTransport:
     # ---- requests
 
     def _build(self, request: ops.Request[Any]) -> tuple[api.Route, dict[str, Any]]:
-        route = api.BY_OP[request.op]
-        _check_path_fields(request, route)
-        _check_records(request)
-        if isinstance(request, (ops.WriteFile, ops.WriteFileStream, ops.UploadDir)):  # the raw body: never base64
-            fields = {
-                f.name: wire.encode(getattr(request, f.name), tag_bytes=True)
-                for f in dataclasses.fields(request)
-                if f.name != "data"
-            }
-        else:
-            fields = wire.encode(request, tag_bytes=True)
-        for f in route.path_fields:
-            fields.pop(f, None)
-        kwargs: dict[str, Any] = {}
-        if route.body == "json":
-            for name in fields:  # refused as in process (InvalidPath), not by the codec's type check
-                if _is_path(name):
-                    ops.sandbox_path(getattr(request, name))
-            kwargs["data"] = json.dumps(fields, separators=(",", ":"))
-            kwargs["headers"] = {"Content-Type": "application/json"}
-        elif route.body == "query":
-            kwargs["params"] = _query(_checked(request, fields))
-        else:  # raw: the data is the body
-            fields.pop("data", None)
-            data = request.data if isinstance(request, (ops.WriteFile, ops.WriteFileStream, ops.UploadDir)) else b""
-            if isinstance(request, (ops.WriteFileStream, ops.UploadDir)):  # sent as taken (chunked), never held
-                if not isinstance(data, collections.abc.AsyncIterator):
-                    raise InvalidArgument(f"data must be an async iterator of bytes, got {type(data).__name__}")
-                kwargs["data"] = data
-            elif isinstance(data, str):
-                kwargs["data"] = data.encode()
-            elif isinstance(data, (bytes, bytearray, memoryview)):
-                kwargs["data"] = bytes(data)
-            else:
-                raise InvalidArgument(f"data must be str or bytes, got {type(data).__name__}")
-            kwargs["params"] = _query(_checked(request, fields))
-        wants_results = isinstance(request, ops.RunCode) and request.on_result is not None
-        wants_results |= isinstance(request, ops.TemplateBuild) and request.on_progress is not None
-        if route.response == "ndjson" and (wants_results or any(s is not None for s in _sinks(request))):
-            kwargs["params"] = {"stream": "1"}
-        return route, kwargs
+        return _build(request)
 
     async def _send(self, request: ops.Request[R]) -> R:
+        key = None
+        if isinstance(request, (ops.Create, ops.Exec, ops.RunCode)):
+            key = request.idempotency_key
+            if key is None and self._auto_keys:
+                key = f"auto-{secrets.token_hex(16)}"
+            request = dataclasses.replace(request, idempotency_key=None)  # type: ignore[assignment]
         route, kwargs = self._build(request)
+        if key is not None:
+            kwargs["headers"] = {**kwargs.get("headers", {}), api.IDEMPOTENCY_HEADER: key}
         url = route.url(request)
         attempt = 0
         while True:
@@ -454,7 +359,7 @@ class HttpTransport:
                         raise _error(response.status, body)
                     return transcript.loads(body)  # type: ignore[return-value]
                 if route.response == "ndjson":
-                    return await self._ndjson(request, route, url, kwargs)
+                    return await self._ndjson(request, route, url, kwargs, keyed=key is not None)
                 if isinstance(request, (ops.ReadFileStream, ops.DownloadDir)):
                     return await self._open_stream(request, route, url, kwargs)  # type: ignore[return-value]
                 if isinstance(request, ops.PortConnect):
@@ -467,16 +372,17 @@ class HttpTransport:
             except aiohttp.ClientConnectorError as e:
                 failure: Exception = e  # the request never reached the server: safe to send again
             except _DROPPED as e:
-                if not route.idempotent:
+                if not route.idempotent and key is None:
                     raise ConnectionLost(
                         f"the connection to {self.url} dropped during {request.op.value}: "
                         "it may or may not have taken effect"
                     ) from None
-                failure = e
+                failure = e  # a keyed call sent again gets the first one's result, never a second run
             except (TimeoutError, aiohttp.ServerTimeoutError):
                 raise ConnectionLost(f"{self.url} did not answer {request.op.value} in time") from None
             if attempt >= len(RETRIES):
-                raise ConnectionLost(f"cannot reach the warmbox server at {self.url}: {failure}") from None
+                again = f": repeat it with idempotency_key={key!r} to get its result" if key is not None else ""
+                raise ConnectionLost(f"cannot reach the warmbox server at {self.url}: {failure}{again}") from None
             await asyncio.sleep(RETRIES[attempt])
             attempt += 1
 
@@ -491,7 +397,11 @@ class HttpTransport:
             raise WarmboxError(f"the server sent an unreadable {request.op.value} result") from None
         return wire.decode(wire.result_type(type(request)), data, "result")  # type: ignore[no-any-return]
 
-    async def _ndjson(self, request: ops.Request[R], route: api.Route, url: str, kwargs: dict[str, Any]) -> R:
+    async def _ndjson(
+        self, request: ops.Request[R], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool = False
+    ) -> R:
+        """keyed: the request carries an idempotency key; a connection dropped mid-stream is then
+        raised as itself, and _send sends it again (the server attaches it to the same run)."""
         async with self._client().request(
             route.method, url, timeout=aiohttp.ClientTimeout(total=None, sock_read=HEARTBEAT_S), **kwargs
         ) as response:
@@ -519,7 +429,14 @@ class HttpTransport:
                         got = request.on_progress(wire.decode(TemplateBuildEvent, msg["progress"], "progress"))
                         if inspect.isawaitable(got):
                             await got
-            except (*_DROPPED, TimeoutError, aiohttp.ServerTimeoutError) as e:
+            except _DROPPED as e:
+                if keyed:
+                    raise
+                raise ConnectionLost(
+                    f"the connection to {self.url} dropped while {request.op.value} ran ({type(e).__name__}): "
+                    "its outcome is unknown; the sandbox itself was not affected"
+                ) from None
+            except (TimeoutError, aiohttp.ServerTimeoutError) as e:
                 raise ConnectionLost(
                     f"the connection to {self.url} dropped while {request.op.value} ran ({type(e).__name__}): "
                     "its outcome is unknown; the sandbox itself was not affected"
@@ -701,19 +618,6 @@ class _Tunnel:
             t = asyncio.ensure_future(self._ws.close())
             self._background.add(t)
             t.add_done_callback(self._background.discard)
-
-
-def _error(status: int, body: bytes) -> WarmboxError:
-    try:
-        data = json.loads(body)
-        if isinstance(data, dict):
-            return wire.error_from_wire(data.get("error"))
-    except ValueError:
-        pass
-    text = body[:200].decode(errors="replace")
-    if status in (400, 413, 414, 431):
-        return InvalidArgument(f"the server refused the request (HTTP {status}): {text}")
-    return WarmboxError(f"the server answered HTTP {status}: {text}")
 
 
 __all__ = ["HttpTransport", "default_url"]

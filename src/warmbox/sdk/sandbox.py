@@ -45,11 +45,14 @@ from warmbox.sdk._sync import either
 from warmbox.sdk.code import CodeContext, context_id
 from warmbox.sdk.commands import DEFAULT_COMMAND_TIMEOUT_S, DEFAULT_MAX_OUTPUT, AsyncCommands
 from warmbox.sdk.files import WORKDIR, AsyncFiles
-from warmbox.sdk.http import HttpTransport, default_url
 from warmbox.sdk.network import AsyncNetwork
 from warmbox.sdk.ports import PortForward
 from warmbox.sdk.pty import AsyncPty
-from warmbox.sdk.transport import Cancellable, LocalTransport, Transport
+from warmbox.sdk.transport import Cancellable, LocalTransport, Transport, default_url
+from warmbox.tiers import TIERS
+
+# every name a tier goes by: refused as a template (a tier given where E2B's template goes)
+TIER_NAMES = frozenset(alias for aliases, _ in TIERS.values() for alias in aliases)
 
 R = TypeVar("R")
 
@@ -81,6 +84,9 @@ def _transport(
     if transport is not None:
         return transport
     if api_url is not None or (home is None and default_url()):
+        # lazily, by design: the HTTP client (aiohttp, ~180 ms to import) only when a server is addressed
+        from warmbox.sdk.http import HttpTransport
+
         return HttpTransport(api_url, api_key, request_timeout=request_timeout)
     if api_key is not None:
         raise InvalidArgument("api_key needs api_url (or WARMBOX_API_URL): the in-process engine takes no key")
@@ -177,12 +183,12 @@ class AsyncSandbox:
     @classmethod
     async def create(
         cls,
-        tier: str | None = None,
+        template: str | None = None,
         *,
+        tier: str | None = None,
         timeout: float | None = None,
         envs: dict[str, str] | None = None,
         limits: Limits | None = None,
-        template: str | None = None,
         pool: bool = True,
         from_snapshot: SnapshotRef | str | None = None,
         network: Any = "none",
@@ -197,10 +203,15 @@ class AsyncSandbox:
         api_url: str | None = None,
         api_key: str | None = None,
         request_timeout: float | None = None,
+        idempotency_key: str | None = None,
     ) -> AsyncSandbox:
-        """Create and start a sandbox (defaults for tier, timeout and template: warmbox.toml).
+        """Create and start a sandbox (defaults for template, tier and timeout: warmbox.toml).
 
-        tier: "container" (runc), "gvisor" (runsc) or "microvm" (QEMU); see ``warmbox doctor``.
+        template: the first argument, as in E2B (``Sandbox.create("pydata")``): "base" (Python
+            context started), "pydata" (numpy/pandas imported), "shell", or one from warmbox.toml
+            or built with Templates.build; its warm-up has run before the sandbox is returned. A
+            tier's name here is an InvalidArgument that says to pass ``tier=``.
+        tier: keyword only: "container" (runc), "gvisor" (runsc) or "microvm" (QEMU); see ``warmbox doctor``.
             "auto": the tier :meth:`choose_tier` picks for ``requirements`` (default: untrusted
             Python, compute), among tiers with egress when ``network`` is a policy; the choice and
             its reasons are in ``get_info()`` (``requirements``, ``tier_reasons``,
@@ -209,8 +220,6 @@ class AsyncSandbox:
             alone, it implies tier="auto").
         timeout: seconds the sandbox lives (wall clock) before it is destroyed; see set_timeout.
         envs: environment of every process in the sandbox, on top of PATH, HOME and LANG only.
-        template: "base" (Python context started), "pydata" (numpy/pandas imported), "shell",
-            or one from warmbox.toml; its warm-up has run before the sandbox is returned.
         pool: take a ready sandbox from a matching warm pool when one is there (``from_pool``);
             False always creates cold. A pooled sandbox never served anyone before.
         from_snapshot: fork a new sandbox from a snapshot (its tier, template, limits and network
@@ -245,7 +254,16 @@ class AsyncSandbox:
             given. transport: any other way to reach an engine. At most one of home, api_url, transport.
         request_timeout: seconds each request to a server may take (E2B's name; ConnectionLost
             after it); the in-process engine sends no requests, so it bounds nothing there.
+        idempotency_key: a repeat with the same key (same tenant, same arguments) creates nothing:
+            it returns the first create's sandbox, even if that one has ended since (then using it
+            says so); other arguments are IdempotencyConflict. Kept ``[lifecycle]
+            idempotency_ttl`` (24 h).
         """
+        if isinstance(template, str) and (template == "auto" or template in TIER_NAMES):
+            raise InvalidArgument(
+                f"{template!r} is a tier, not a template: Sandbox.create(tier={template!r}) (the first "
+                'argument is the template, as in E2B: Sandbox.create("base", tier=...))'
+            )
         if on_approval is not None and not callable(on_approval):
             raise InvalidArgument("on_approval must be a callable")
         if metadata is not None:
@@ -273,6 +291,7 @@ class AsyncSandbox:
                 lifecycle=lifecycle,
                 volumes=None if volumes is None else tuple(validate_volumes(volumes)),
                 requirements=requirements,
+                idempotency_key=idempotency_key,
             ),
             tuple(envs or ()),
         )
@@ -671,6 +690,20 @@ class AsyncSandbox:
             self._forwards[key] = forward
         return forward.host
 
+    # ---- signed file URLs (E2B's names on the sandbox; the same as files.download_url / upload_url)
+
+    async def download_url(
+        self, path: str, *, expires_in: float = 3600.0, user: str = "user", base_url: str | None = None
+    ) -> str:
+        """A URL whose holder reads the file ``path`` with a plain GET: :meth:`AsyncFiles.download_url`."""
+        return await self.files.download_url(path, expires_in=expires_in, user=user, base_url=base_url)
+
+    async def upload_url(
+        self, path: str, *, expires_in: float = 3600.0, user: str = "user", base_url: str | None = None
+    ) -> str:
+        """A URL whose holder writes the file ``path`` (PUT or POST of its bytes): :meth:`AsyncFiles.upload_url`."""
+        return await self.files.upload_url(path, expires_in=expires_in, user=user, base_url=base_url)
+
     async def _wait_listening(self, port: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
@@ -746,6 +779,7 @@ class AsyncSandbox:
         on_error: Callable[[ExecutionError], object] | None = None,
         max_output: int = DEFAULT_MAX_OUTPUT,
         language: str | None = None,
+        idempotency_key: str | None = None,
         envs: dict[str, str] | None = None,
     ) -> Execution:
         """Run code in a stateful context: ``context``, or the default one of ``language``
@@ -759,6 +793,8 @@ class AsyncSandbox:
         interrupted (state kept), or the context killed if it ignores that. Callbacks, as E2B's:
         ``on_stdout``/``on_stderr`` get output as it is printed, ``on_result`` each result once
         complete, ``on_error`` the cell's exception at its end.
+        idempotency_key: a repeat with the same key (on this sandbox) never runs the cell again: it
+        gets the first run's Execution (or waits for it); see ``commands.run``.
         """
         execution = await self._run(
             ops.RunCode(
@@ -771,6 +807,7 @@ class AsyncSandbox:
                 on_stderr=on_stderr,
                 on_result=on_result,
                 language=language,
+                idempotency_key=idempotency_key,
                 envs=envs,
             )
         )

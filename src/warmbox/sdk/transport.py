@@ -7,6 +7,7 @@ fake. One transport serves one event loop.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -37,10 +38,16 @@ class Transport(Protocol):
         ...
 
 
+def default_url() -> str | None:
+    """The server every call goes to when none is named (WARMBOX_API_URL), or None: in process."""
+    return os.environ.get("WARMBOX_API_URL") or None
+
+
 class LocalTransport:
     """The engine of a warmbox home, in this process (needs root on the sandbox host)."""
 
     def __init__(self, home: str | Path | None = None) -> None:
+        # lazily, by design: an SDK (or CLI) process that talks to a server never loads the engine
         from warmbox.engine.engine import Engine
         from warmbox.engine.front import EngineFront
 
@@ -56,4 +63,4 @@ class LocalTransport:
         await self.front.close()
 
 
-__all__ = ["Cancellable", "LocalTransport", "Transport"]
+__all__ = ["Cancellable", "LocalTransport", "Transport", "default_url"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -34,15 +35,15 @@ from starlette.websockets import WebSocket
 from warmbox import api, errors, transcript, wire
 from warmbox import operations as ops
 from warmbox.config import ServerSettings
+from warmbox.engine import signing
 from warmbox.engine.engine import Engine
 from warmbox.engine.front import EngineFront
 from warmbox.engine.stats import RegistryStats
 from warmbox.errors import Forbidden, InvalidArgument, RateLimited, Unauthenticated, WarmboxError
-from warmbox.models import ApprovalRequest, FilesystemEvent, ProcessEvent, Tenant
+from warmbox.models import ApprovalRequest, EntryInfo, FilesystemEvent, ProcessEvent, Tenant
 from warmbox.server import logs, peer
 from warmbox.server import tunnel as ports
 from warmbox.server.e2b import Dialect
-from warmbox.server.e2b import token_key as e2b_token_key
 from warmbox.server.metrics import Exposition
 from warmbox.server.streams import raw_body
 
@@ -72,6 +73,9 @@ STATUS: tuple[tuple[type[WarmboxError], int], ...] = (
     (errors.TemplateNotFound, 404),
     (errors.TemplateInUse, 409),
     (errors.TemplateMismatch, 409),
+    (errors.IdempotencyConflict, 409),
+    (errors.OutcomeUnknown, 409),
+    (errors.ImageRegistryUnreachable, 502),
     (errors.TemplateBuildError, 422),
     (errors.CorruptLayer, 500),
     (errors.VolumeNotFound, 404),
@@ -188,6 +192,7 @@ class Service:
         self.peers = dict(settings.peers)
         self.approval_timeout_s = engine.settings().network.approval_timeout_s + 1  # the proxy's wait, and a margin
         self.limiter = RateLimiter()
+        self.ws_relays = ports.RelaySlots()  # WebSockets relayed to sandbox ports (preview and E2B's)
         # a cluster node: the secret the router presents for requests it forwards (None: no peers)
         token_file = engine.settings().cluster.token_file
         self.peer_token: bytes | None = peer.read_token(token_file).encode() if token_file else None
@@ -256,6 +261,27 @@ class Service:
         if not tenant:
             return []
         return [k.key_id for k in self.engine.registry.list_keys() if k.tenant == tenant and not k.revoked_at]
+
+    @functools.cached_property
+    def signer(self) -> signing.Signer:
+        """Access tokens and signed file URLs, under the registry's signing key (a cluster's router
+        and nodes share it: the router checks what a node signed)."""
+        return signing.Signer(signing.registry_key(self.engine.registry))
+
+    def authenticate_signer(self, signer: str) -> Tenant | None:
+        """The caller a signed URL acts for (its ``signer``: an API key's id, refused once revoked;
+        ``~<tenant>``, a caller without a key; ``~``, the host's root), rate limited as that caller."""
+        if not signer.startswith(signing.ROOT_SIGNER):
+            return self.authenticate_key_id(signer)
+        name = signer[len(signing.ROOT_SIGNER) :]
+        if not name:
+            logs.note_tenant("")
+            return None
+        try:
+            tenant = self.engine.registry.tenant(name)
+        except InvalidArgument:  # no quotas recorded for it: unlimited, as a mapped uid's tenant
+            tenant = Tenant(name=name)
+        return self._admit(tenant, signer)
 
     def authenticate_key_id(self, key_id: str) -> Tenant:
         """What :meth:`authenticate_secret` answers for the key with this id (the console's
@@ -439,8 +465,23 @@ async def decode_request(route: api.Route, request: Request, settings: ServerSet
         req = wire.decode_record(cls, data, "query", **given, data=payload)
     else:
         req = wire.decode_record(cls, data, "body" if route.body == "json" else "query", **given)
+    req = _keyed(req, request.headers.get(api.IDEMPOTENCY_HEADER))
     ops.check_text(req)  # a lone surrogate (a JSON "\ud800" escape) anywhere: refused before the front
     return _bound(_adapt(req), settings)
+
+
+def _keyed(req: ops.Request[Any], header: str | None) -> ops.Request[Any]:
+    """The ``Idempotency-Key`` header as the request's idempotency_key (a body field gives the
+    same; the two differing is refused). Only a create, a command and a code run take one."""
+    if header is None:
+        return req
+    if not isinstance(req, (ops.Create, ops.Exec, ops.RunCode)):
+        raise InvalidArgument(
+            f"{req.op.value} takes no {api.IDEMPOTENCY_HEADER} (a create, a command or a code run does)"
+        )
+    if req.idempotency_key is not None and req.idempotency_key != header:
+        raise InvalidArgument(f"the {api.IDEMPOTENCY_HEADER} header and the body's idempotency_key differ")
+    return dataclasses.replace(req, idempotency_key=header)
 
 
 def _bound(req: ops.Request[Any], settings: ServerSettings) -> ops.Request[Any]:
@@ -732,6 +773,67 @@ def preview_endpoint(service: Service) -> Callable[[Request], Awaitable[Response
     return proxy
 
 
+# ---- signed file URLs (files.sign_url's): the signature is the credential, no API key
+
+
+def signed_file_endpoint(service: Service) -> Callable[[Request], Awaitable[Response]]:
+    async def signed(request: Request) -> Response:
+        try:
+            sandbox_id = request.path_params["sandbox_id"]
+            q = request.query_params
+            for name in q:
+                if name not in _SIGNED_QUERY or len(q.getlist(name)) > 1:
+                    raise InvalidArgument(f"a signed URL takes {', '.join(_SIGNED_QUERY)} once each, not {name!r}")
+            at = signing.expiration(q.get("signature_expiration"))
+            if at is None:
+                raise Unauthenticated("a signed URL of warmbox's carries its expiry (signature_expiration)")
+            path, user, signer = q.get("path", ""), q.get("username", ""), q.get("signer", "")
+            operation = "read" if request.method == "GET" else "write"
+            service.signer.check_file([signer], sandbox_id, path, operation, user, at, q.get("signature", ""))
+            front = service.front(service.authenticate_signer(signer))
+            if operation == "read":
+                return await _stream_file(front, ops.ReadFileStream(sandbox_id, path))
+            chunks = _body_chunks(request, service.settings.body_timeout_s)
+            written: EntryInfo = await front.handle(ops.WriteFileStream(sandbox_id, path, chunks))
+            return _json(written)
+        except WarmboxError as e:
+            return error_response(e)
+        except ClientDisconnect:
+            return Response(status_code=400)
+
+    return signed
+
+
+_SIGNED_QUERY = ("path", "username", "signer", "signature_expiration", "signature")
+
+
+def preview_websocket_endpoint(service: Service) -> Callable[[WebSocket], Awaitable[None]]:
+    """A WebSocket upgrade on the preview's route: relayed to the sandbox's server (its messages
+    bounded: :func:`warmbox.server.tunnel.relay_upgrade`) after the same checks as the preview."""
+
+    async def upgrade(ws: WebSocket) -> None:
+        try:
+            front = service.front(service.authenticate(ws))
+            sandbox_id = ws.path_params["sandbox_id"]
+            port = ws.path_params["port"]
+            await front.handle(ops.Info(sandbox_id))  # scoped first: another tenant's id is not found
+            service.ws_relays.take(sandbox_id)
+        except WarmboxError as e:
+            await ports.deny(ws, error_response(e))
+            return
+        try:
+            try:
+                stream = await front.handle(ops.PortConnect(sandbox_id, port))
+            except WarmboxError as e:
+                await ports.deny(ws, error_response(e))
+                return
+            await ports.relay_upgrade(ws, stream, port, ws.path_params.get("path", ""))
+        finally:
+            service.ws_relays.give(sandbox_id)
+
+    return upgrade
+
+
 # ---- approvals (not operations: a stream of questions, one answer each)
 
 
@@ -876,6 +978,9 @@ def routes(service: Service) -> list[BaseRoute]:
     methods = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
     out.append(Route(api.PREVIEW, preview_endpoint(service), methods=methods))
     out.append(Route(api.PREVIEW_ROOT, preview_endpoint(service), methods=methods))
+    out.append(WebSocketRoute(api.PREVIEW, preview_websocket_endpoint(service)))
+    out.append(WebSocketRoute(api.PREVIEW_ROOT, preview_websocket_endpoint(service)))
+    out.append(Route(api.SIGNED_FILE, signed_file_endpoint(service), methods=["GET", "PUT", "POST"]))
     out.append(Route(api.APPROVALS, approvals_endpoint(service), methods=["GET"]))
     out.append(Route(api.APPROVAL_ANSWER, answer_endpoint(service), methods=["POST"]))
     out.append(Route(f"{api.PREFIX}/openapi.json", _openapi, methods=["GET"]))
@@ -994,9 +1099,7 @@ def build_app(
         # (warmbox.server.e2b: its control plane and sandbox data planes, on the tenant fronts)
         middleware=[
             Middleware(logs.RequestLog, metrics=service.exposition.http if service.exposition else None),
-            Middleware(
-                Dialect, service=service, max_body_mb=settings.max_body_mb, token_key=e2b_token_key(engine.home)
-            ),
+            Middleware(Dialect, service=service, max_body_mb=settings.max_body_mb),
         ],
     )
     app.state.service = service

@@ -16,10 +16,15 @@ Errors reach the model as tool errors (``isError``) whose text starts with a cod
 arguments outside a tool's schema are ``invalid_argument: ...``, an unknown tool is
 ``unknown_tool: ...``, and anything else is ``internal_error: <type>`` (the traceback goes to the
 server's log, never to the client).
+
+Argument names follow the SDK's: ``run_command(command=)``, ``resume(sandbox_id=)``. The names
+of earlier releases (``cmd``, ``snapshot``) are still accepted (:data:`ALIASES`) but not listed
+in the schemas.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import Callable
@@ -30,10 +35,20 @@ from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from mcp.types import CallToolResult, ContentBlock, ImageContent, InputRequiredResult, TextContent, ToolAnnotations
 from pydantic import BaseModel, Field, ValidationError
 
-from warmbox import Network
+from warmbox import Network, __version__, transcript
 from warmbox import operations as ops
 from warmbox.errors import InvalidArgument, WarmboxError
-from warmbox.models import CommandResult, EntryInfo, Execution, SandboxInfo, SnapshotRef, StageTiming
+from warmbox.models import (
+    CommandResult,
+    EntryInfo,
+    Execution,
+    ProcessInfo,
+    SandboxInfo,
+    SandboxQuery,
+    SnapshotRef,
+    StageTiming,
+    State,
+)
 from warmbox.sdk.transport import Transport
 from warmbox.tiers import TIERS
 
@@ -46,10 +61,17 @@ TransportFor = Callable[[Context[Any, Any]], Transport]
 INSTRUCTIONS = (
     "Sandboxes for running untrusted code. create_sandbox gives an id; pass it to run_command (a bash "
     "command line), run_code (Python cells whose variables persist between calls), read_file / write_file / "
-    "list_files (relative paths are under /workspace), snapshot / pause (resume brings a paused sandbox back) "
-    "and kill_sandbox when done. A sandbox also ends by itself at its timeout. Errors start with a code "
+    "list_files (relative paths are under /workspace), start_command / process_output / list_processes / "
+    "kill_process (servers and long jobs in the background), snapshot / pause (resume brings a paused "
+    "sandbox back), get_sandbox and export_sandbox (its record and history), and kill_sandbox when done. "
+    "A sandbox also ends by itself at its timeout. Errors start with a code "
     "(sandbox_not_found: ..., invalid_argument: ...)."
 )
+ALIASES: dict[str, dict[str, str]] = {"run_command": {"cmd": "command"}, "resume": {"snapshot": "sandbox_id"}}
+"""Per tool, an argument's earlier name -> its name now (accepted, not in the schema)."""
+MAX_TOOL_TEXT = 1 << 20  # characters of process output or transcript one tool result carries
+MAX_OUTPUT_WAIT_S = 60.0
+REPLAY_GRACE_S = 2.0  # past its wait, process_output still takes what the process's buffer replays
 
 # ---- the tools' argument types (their descriptions are the schema's)
 
@@ -70,12 +92,26 @@ Tier = Annotated[
 SaveMemory = Annotated[
     bool, Field(description="Save processes too (only where the tier can); default: files and code-context variables.")
 ]
+Metadata = Annotated[
+    dict[str, str] | None,
+    Field(description="Your labels for the sandbox (string keys and values), shown by get_sandbox and list_sandboxes."),
+]
+Pid = Annotated[int, Field(gt=0, description="The background process's pid, as start_command returned it.")]
 NetworkSpec = Annotated[
     Literal["none", "internet"] | list[str],
     Field(
         description="Egress: 'none' (no network, the default), 'internet' (public addresses only), or a list "
         "of hosts the sandbox may reach ('pypi.org', '*.github.com', an IP address or CIDR); "
         "everything else is denied."
+    ),
+]
+IdempotencyKey = Annotated[
+    str | None,
+    Field(
+        min_length=1,
+        max_length=255,
+        description="Repeating a call with the same key never runs it twice: the repeat gets the first "
+        "call's result (or waits for it); the same key with other arguments is an idempotency_conflict.",
     ),
 ]
 
@@ -96,6 +132,7 @@ class SandboxOut(BaseModel):
     cpus: float
     from_pool: bool = Field(description="it was handed out of a warm pool")
     parent_snapshot: str = Field(description="the snapshot it was restored or forked from ('' if none)")
+    metadata: dict[str, str] = Field(default_factory=dict, description="the labels given at create")
     start_ms: dict[str, float] = Field(
         default_factory=dict, description="create/resume only: the start's stage timings, milliseconds"
     )
@@ -113,6 +150,7 @@ class SandboxOut(BaseModel):
             cpus=info.cpus,
             from_pool=info.from_pool,
             parent_snapshot=info.parent_snapshot,
+            metadata=dict(info.metadata),
             start_ms={t.stage: round(t.duration_ms, 3) for t in timings},
         )
 
@@ -248,6 +286,53 @@ class SnapshotOut(BaseModel):
         )
 
 
+class ProcessOut(BaseModel):
+    """A running background process."""
+
+    pid: int
+    command: str = Field(description="what was started (a command line runs as bash -c)")
+    cwd: str
+    tag: str = Field(description="the label given at start ('' if none)")
+
+    @classmethod
+    def of(cls, p: ProcessInfo) -> ProcessOut:
+        command = p.args[-1] if p.cmd == "/bin/bash" and len(p.args) == 2 and p.args[0] == "-c" else p.cmd
+        if command == p.cmd and p.args:
+            command = " ".join([p.cmd, *p.args])
+        return cls(pid=p.pid, command=command, cwd=p.cwd, tag=p.tag)
+
+
+class ProcessesOut(BaseModel):
+    processes: list[ProcessOut]
+
+
+class StartedOut(BaseModel):
+    sandbox_id: str
+    pid: int = Field(description="pass it to process_output, kill_process or send_stdin")
+
+
+class ProcessOutputOut(BaseModel):
+    """A background process's output so far (what its bounded buffer still holds) and whether it ended."""
+
+    pid: int
+    stdout: str
+    stderr: str
+    running: bool = Field(description="still running when the wait ended")
+    exit_code: int | None = Field(description="once ended: its exit status (128+N when killed by signal N)")
+    lost_bytes: int = Field(description="output dropped before what is shown (the buffer is bounded)")
+    truncated: bool = Field(description="more output than one result carries: the oldest part was cut")
+
+
+class ExportOut(BaseModel):
+    """Everything recorded of a sandbox, one JSON record a line (its record, stage timings, state
+    changes, commands and code runs, egress events, snapshots and cost)."""
+
+    sandbox_id: str
+    records: int
+    ndjson: str
+    truncated: bool = Field(description="the transcript (or this result) holds only the newest records")
+
+
 class KillOut(BaseModel):
     sandbox_id: str
     killed: bool = Field(description="False: it had already ended")
@@ -309,6 +394,25 @@ def _invalid_arguments(e: ValidationError) -> str:
     return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'arguments'}: {err['msg']}" for err in e.errors())
 
 
+def _aliased(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """``arguments`` with the earlier names of ``name``'s arguments (:data:`ALIASES`) renamed."""
+    renames = ALIASES.get(name)
+    if not renames or not any(old in arguments for old in renames):
+        return arguments
+    out = dict(arguments)
+    for old, new in renames.items():
+        if old in out:
+            if new in out:
+                raise InvalidArgument(f"{name}: give {new} (or its earlier name {old}), not both")
+            out[new] = out.pop(old)
+    return out
+
+
+def _bounded(text: str) -> tuple[str, bool]:
+    """The newest MAX_TOOL_TEXT characters of ``text``, and whether any were cut."""
+    return (text[-MAX_TOOL_TEXT:], True) if len(text) > MAX_TOOL_TEXT else (text, False)
+
+
 class WarmboxMCP(MCPServer[Any]):
     """The SDK's server with warmbox's error contract on every tool call (see the module docstring)."""
 
@@ -325,6 +429,10 @@ class WarmboxMCP(MCPServer[Any]):
     ) -> CallToolResult | InputRequiredResult:
         if name not in self.tool_names:
             return tool_error("unknown_tool", f"no tool {name!r} (tools: {', '.join(sorted(self.tool_names))})")
+        try:
+            arguments = _aliased(name, arguments or {})
+        except InvalidArgument as e:
+            return tool_error("invalid_argument", str(e))
         try:
             return await super().call_tool(name, arguments, context)
         except ToolError as e:
@@ -364,7 +472,7 @@ def build_mcp(transport_for: TransportFor, *, name: str = "warmbox") -> WarmboxM
     The tenant is read per call from the request that carried it, so a (stateful) MCP session
     id never carries a tenant from one request to another.
     """
-    server = WarmboxMCP(name=name, instructions=INSTRUCTIONS)
+    server = WarmboxMCP(name=name, instructions=INSTRUCTIONS, version=__version__)
     read_only = ToolAnnotations(read_only_hint=True, idempotent_hint=True)
 
     async def run(ctx: Context[Any, Any], request: ops.Request[R]) -> R:
@@ -381,22 +489,135 @@ def build_mcp(transport_for: TransportFor, *, name: str = "warmbox") -> WarmboxM
         timeout: Annotated[
             float | None, Field(gt=0, description="Lifetime in seconds; default: the server's (300 s).")
         ] = None,
+        metadata: Metadata = None,
+        idempotency_key: IdempotencyKey = None,
     ) -> SandboxOut:
         """Create a sandbox (from a warm pool when one matches) and return its id and record."""
         net: object = network if isinstance(network, str) else Network(allow=network)
-        opened = await run(ctx, ops.Create(tier=tier, template=template, network=net, timeout=timeout))
+        request = ops.Create(
+            tier=tier,
+            template=template,
+            network=net,
+            timeout=timeout,
+            metadata=metadata,
+            idempotency_key=idempotency_key,
+        )
+        opened = await run(ctx, request)
         return SandboxOut.of(opened.info, opened.timings)
 
     @server.tool()
     async def run_command(
         ctx: Context[Any, Any],
         sandbox_id: SandboxId,
-        cmd: Annotated[str, Field(description="A bash command line, run with bash -c.")],
+        command: Annotated[str, Field(description="A bash command line, run with bash -c.")],
         cwd: Annotated[str | None, Field(description="Working directory; default /workspace.")] = None,
         timeout: CommandTimeout = 60.0,
+        idempotency_key: IdempotencyKey = None,
     ) -> CommandOut:
-        """Run a shell command in the sandbox; returns its exit code, stdout, stderr and what cut it short."""
-        return CommandOut.of(await run(ctx, ops.Exec(sandbox_id, cmd, cwd=cwd, timeout=timeout)))
+        """Run a shell command in the sandbox and wait for it; returns its exit code, stdout, stderr
+        and what cut it short. For a server or a long job use start_command."""
+        request = ops.Exec(sandbox_id, command, cwd=cwd, timeout=timeout, idempotency_key=idempotency_key)
+        return CommandOut.of(await run(ctx, request))
+
+    @server.tool()
+    async def start_command(
+        ctx: Context[Any, Any],
+        sandbox_id: SandboxId,
+        command: Annotated[str, Field(description="A bash command line, run with bash -c in the background.")],
+        cwd: Annotated[str | None, Field(description="Working directory; default /workspace.")] = None,
+        tag: Annotated[str, Field(max_length=256, description="Your label for it, shown by list_processes.")] = "",
+    ) -> StartedOut:
+        """Start a command in the background (a server, a watcher, a long build) and return its pid at
+        once; it runs until it ends, kill_process, or the sandbox ends. process_output reads its output."""
+        pid = await run(ctx, ops.StartProcess(sandbox_id, command, cwd=cwd, tag=tag))
+        return StartedOut(sandbox_id=sandbox_id, pid=pid)
+
+    @server.tool(annotations=read_only)
+    async def list_processes(ctx: Context[Any, Any], sandbox_id: SandboxId) -> ProcessesOut:
+        """The sandbox's running background processes."""
+        procs = await run(ctx, ops.ListProcesses(sandbox_id))
+        return ProcessesOut(processes=[ProcessOut.of(p) for p in procs if not p.pty])
+
+    @server.tool(annotations=read_only)
+    async def process_output(
+        ctx: Context[Any, Any],
+        sandbox_id: SandboxId,
+        pid: Pid,
+        wait: Annotated[
+            float,
+            Field(
+                ge=0,
+                le=MAX_OUTPUT_WAIT_S,
+                description="Seconds to wait for it to end (0: return at once with what it printed so far).",
+            ),
+        ] = 0.0,
+    ) -> ProcessOutputOut:
+        """A background process's output so far, and its exit code once it ended (waiting up to ``wait`` s)."""
+        stream = await run(ctx, ops.ConnectProcess(sandbox_id, pid))
+        out: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        held = {"stdout": 0, "stderr": 0}
+        cut = False
+        lost = 0
+        ended = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        hard = deadline + REPLAY_GRACE_S  # a chatty process never keeps the call past this
+        try:
+            while (now := loop.time()) < hard:
+                # what is buffered comes at once; past the deadline only that, never a wait for more
+                left = min(max(deadline - now, 0.5), hard - now)
+                try:
+                    ev = await asyncio.wait_for(stream.next(), left)
+                except TimeoutError:
+                    break
+                if ev is None:
+                    ended = True
+                    break
+                if ev.kind in out:
+                    out[ev.kind].append(ev.text)
+                    held[ev.kind] += len(ev.text)
+                    if held[ev.kind] > 2 * MAX_TOOL_TEXT:  # keep the newest: memory stays bounded
+                        text, _ = _bounded("".join(out[ev.kind]))
+                        out[ev.kind], held[ev.kind], cut = [text], len(text), True
+                elif ev.kind == "lost":
+                    lost += ev.size
+        finally:
+            stream.cancel()
+        stdout, cut_out = _bounded("".join(out["stdout"]))
+        stderr, cut_err = _bounded("".join(out["stderr"]))
+        result = stream.result if ended else None
+        return ProcessOutputOut(
+            pid=pid,
+            stdout=stdout,
+            stderr=stderr,
+            running=not ended,
+            exit_code=result.exit_code if result is not None else None,
+            lost_bytes=lost,
+            truncated=cut or cut_out or cut_err,
+        )
+
+    @server.tool()
+    async def send_stdin(
+        ctx: Context[Any, Any],
+        sandbox_id: SandboxId,
+        pid: Pid,
+        data: Annotated[str, Field(description="Text for the process's stdin (UTF-8).")],
+        eof: Annotated[bool, Field(description="Close its stdin after the text.")] = False,
+    ) -> StartedOut:
+        """Write to a background process's stdin."""
+        await run(ctx, ops.SendStdin(sandbox_id, pid, data, eof=eof))
+        return StartedOut(sandbox_id=sandbox_id, pid=pid)
+
+    @server.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=True))
+    async def kill_process(
+        ctx: Context[Any, Any],
+        sandbox_id: SandboxId,
+        pid: Pid,
+        signal: Annotated[int, Field(ge=1, le=64, description="The signal number; default 9 (SIGKILL).")] = 9,
+    ) -> KillOut:
+        """End a background process and every process it started."""
+        killed = await run(ctx, ops.KillProcess(sandbox_id, pid, signal=signal))
+        return KillOut(sandbox_id=sandbox_id, killed=killed)
 
     @server.tool()
     async def run_code(
@@ -411,12 +632,15 @@ def build_mcp(transport_for: TransportFor, *, name: str = "warmbox") -> WarmboxM
             Literal["python", "javascript", "bash"] | None,
             Field(description="With no context: the default context of this language (Python unless given)."),
         ] = None,
+        idempotency_key: IdempotencyKey = None,
     ) -> Annotated[CallToolResult, RunCodeOut]:
         """Run a cell in a persistent interpreter (Python unless ``language`` says javascript or bash):
         the last expression's value as text, stdout, stderr, the exception if one was raised, and
         displayed images (matplotlib charts, objects with _repr_png_ / _repr_jpeg_, display(obj)) as
         image content."""
-        request = ops.RunCode(sandbox_id, code, context=context, timeout=timeout, language=language)
+        request = ops.RunCode(
+            sandbox_id, code, context=context, timeout=timeout, language=language, idempotency_key=idempotency_key
+        )
         return _run_code_result(await run(ctx, request))
 
     @server.tool(annotations=read_only)
@@ -479,11 +703,19 @@ def build_mcp(transport_for: TransportFor, *, name: str = "warmbox") -> WarmboxM
     @server.tool()
     async def resume(
         ctx: Context[Any, Any],
-        snapshot: Annotated[str, Field(description="A paused sandbox's id (sb-...) or a snapshot id (snap-...).")],
-        timeout: Annotated[float | None, Field(gt=0, description="Lifetime in seconds from now.")] = None,
+        sandbox_id: Annotated[
+            str,
+            Field(
+                description="The paused sandbox's id (sb-...), as pause returned it; a snapshot id (snap-...) "
+                "forks a new sandbox from that snapshot instead."
+            ),
+        ],
+        timeout: Annotated[
+            float | None, Field(gt=0, description="Lifetime in seconds from now; default: the sandbox's own.")
+        ] = None,
     ) -> SandboxOut:
         """Bring a paused sandbox back (same sandbox_id), or fork a new one from a snapshot id (a new sandbox_id)."""
-        opened = await run(ctx, ops.Resume(snapshot, timeout=timeout))
+        opened = await run(ctx, ops.Resume(sandbox_id, timeout=timeout))
         return SandboxOut.of(opened.info, opened.timings)
 
     @server.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=True))
@@ -495,10 +727,39 @@ def build_mcp(transport_for: TransportFor, *, name: str = "warmbox") -> WarmboxM
     async def list_sandboxes(
         ctx: Context[Any, Any],
         include_dead: Annotated[bool, Field(description="Include destroyed and failed sandboxes.")] = False,
+        metadata: Annotated[
+            dict[str, str] | None,
+            Field(description="Only sandboxes whose metadata holds every one of these key/value pairs."),
+        ] = None,
     ) -> SandboxesOut:
         """The sandboxes you have (running, ready or paused; with include_dead, ended ones too)."""
-        infos = await run(ctx, ops.ListSandboxes(include_dead=include_dead, reap=True))
+        states = tuple(State) if include_dead else None
+        query = SandboxQuery(metadata=metadata, state=states) if metadata else None
+        infos = await run(ctx, ops.ListSandboxes(include_dead=include_dead, reap=True, query=query))
         return SandboxesOut(sandboxes=[SandboxOut.of(i) for i in infos])
+
+    @server.tool(annotations=read_only)
+    async def get_sandbox(ctx: Context[Any, Any], sandbox_id: SandboxId) -> SandboxOut:
+        """One sandbox's record: its state, lifetime (expires_at), limits and metadata."""
+        return SandboxOut.of(await run(ctx, ops.Info(sandbox_id)))
+
+    @server.tool(annotations=read_only)
+    async def export_sandbox(ctx: Context[Any, Any], sandbox_id: SandboxId) -> ExportOut:
+        """Everything recorded of a sandbox, in any state (destroyed too), as NDJSON: its record, stage
+        timings, state changes, commands and code runs, egress events, snapshots and cost."""
+        t = await run(ctx, ops.Export(sandbox_id))
+        lines = transcript.dumps(t).decode().splitlines(keepends=True)
+        head, rest = lines[:2], lines[2:]  # what the file is and the sandbox's record: always kept
+        kept: list[str] = []
+        size = sum(map(len, head))
+        for line in reversed(rest):  # then the newest records (the cost last), whole lines, within the bound
+            size += len(line)
+            if size > MAX_TOOL_TEXT:
+                break
+            kept.append(line)
+        kept = head + kept[::-1]
+        cut = len(kept) < len(lines)
+        return ExportOut(sandbox_id=sandbox_id, records=len(kept), ndjson="".join(kept), truncated=t.truncated or cut)
 
     return server
 

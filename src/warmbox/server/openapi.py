@@ -187,6 +187,18 @@ def document() -> dict[str, Any]:
                 "description": "the operation's result",
                 "content": {"application/json": {"schema": wire.schema(wire.result_type(cls), defs)}},
             }
+        if route.op in api.KEYED_OPS:
+            params = [
+                *params,
+                {
+                    "name": api.IDEMPOTENCY_HEADER,
+                    "in": "header",
+                    "required": False,
+                    "description": "a repeat with the same key gets the first call's result (409 "
+                    "idempotency_conflict: the key was used with other arguments)",
+                    "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+                },
+            ]
         if params:
             op["parameters"] = params
         op["responses"] = {"101" if route.response == "websocket" else "200": ok, **errors}

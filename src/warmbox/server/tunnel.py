@@ -1,8 +1,12 @@
-"""Ports over HTTP: a WebSocket relaying one ``ports.connect`` tunnel, and the HTTP preview of a sandbox's server.
+"""Ports over HTTP: a WebSocket relaying one ``ports.connect`` tunnel, the HTTP preview of a sandbox's
+server, and WebSocket upgrades relayed to that server.
 
-Both sit on a :class:`~warmbox.operations.PortStream` the tenant's front opened (authentication and
-tenancy are the caller's, in :mod:`warmbox.server.app`). What the sandbox's server sends is bounded
-here: a response head of at most MAX_HEAD bytes, bodies streamed (never held whole).
+All sit on a :class:`~warmbox.operations.PortStream` the tenant's front opened (authentication and
+tenancy are the caller's, in :mod:`warmbox.server.app` and :mod:`warmbox.server.e2b.ports`). What
+the sandbox's server sends is bounded here: a response head of at most MAX_HEAD bytes, bodies
+streamed (never held whole); a relayed WebSocket's messages at most WS_MAX_MESSAGE bytes each way,
+in at most WS_MAX_FRAMES frames, its handshake within WS_HANDSHAKE_S, it is closed after WS_IDLE_S
+without a message, and a sandbox has at most WS_PER_SANDBOX open at once (RelaySlots).
 """
 
 from __future__ import annotations
@@ -16,9 +20,16 @@ from collections.abc import AsyncIterator
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.websockets import WebSocket
+from starlette.websockets import WebSocket, WebSocketState
+from websockets.client import ClientProtocol
+from websockets.frames import CloseCode, Frame, Opcode
+from websockets.http11 import Response as WsResponse
+from websockets.protocol import State as WsState
+from websockets.typing import Subprotocol
+from websockets.uri import parse_uri
 
 from warmbox import operations as ops
+from warmbox.errors import RateLimited
 
 EOF = '{"eof":true}'
 OK = '{"ok":true}'
@@ -104,9 +115,21 @@ def _bad_gateway(message: str) -> Response:
     return JSONResponse({"error": {"code": "sandbox_error", "message": message}}, status_code=502)
 
 
-async def preview(request: Request, stream: ops.PortStream, port: int, path: str, body: bytes) -> Response:
+# What a sandbox's page may do in a browser. On the API's own origin (the preview route, E2B's
+# header routing) nothing: no scripts. On a port's own origin (E2B's domain mode,
+# {port}-{id}.{domain}) its scripts run, but in an opaque origin (no allow-same-origin): the host
+# shares its site with api.{domain} and every other sandbox, so a real origin could set cookies for
+# {domain} (over the console's) and send the console's SameSite cookies; an opaque one can do neither.
+CSP_SHARED_ORIGIN = "sandbox"
+CSP_OWN_ORIGIN = "sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads"
+
+
+async def preview(
+    request: Request, stream: ops.PortStream, port: int, path: str, body: bytes, csp: str = CSP_SHARED_ORIGIN
+) -> Response:
     """Proxy one plain HTTP request to the server on ``port`` (HTTP/1.0: it answers without
-    chunking and closes). The response's body is streamed; ``stream`` is closed at its end."""
+    chunking and closes). The response's body is streamed; ``stream`` is closed at its end.
+    csp: the answer's Content-Security-Policy (CSP_OWN_ORIGIN where the port has a host of its own)."""
     try:
         if any(c in path for c in "\r\n ") or "\r" in request.url.query or "\n" in request.url.query:
             stream.close()
@@ -164,14 +187,258 @@ async def preview(request: Request, stream: ops.PortStream, port: int, path: str
     response = StreamingResponse(body_chunks(), status_code=status, background=BackgroundTask(stream.close))
     for name, value in headers:
         response.headers.append(name, value)
-    # the sandbox's content is served from the API's origin: never let it run scripts there
-    response.headers["content-security-policy"] = "sandbox"
+    # the sandbox's content never runs with an origin that reaches the API's or another sandbox's
+    response.headers["content-security-policy"] = csp
     response.headers["x-content-type-options"] = "nosniff"
     return response
+
+
+# ---- WebSocket upgrades to a sandbox's server: the client's WebSocket is accepted here and each
+# message relayed as a message of a WebSocket this side opens to the server (websockets' sans-I/O
+# client over the port tunnel), so both sides' frames are parsed by a kept library and bounded
+
+WS_MAX_MESSAGE = 1 << 20  # bytes of one message, either way (a larger one closes with 1009)
+WS_HANDSHAKE_S = 30.0  # the sandbox's server answers the upgrade within this
+WS_IDLE_S = 300.0  # a relayed WebSocket with no message either way this long is closed (1001)
+WS_MAX_FRAMES = 1024  # frames of one message from the sandbox's server (empty ones too; 1009 beyond)
+WS_PER_SANDBOX = 64  # relayed WebSockets open at once to one sandbox's ports, per server (429 beyond)
+# request headers never passed to the sandbox's server: hop-by-hop, the handshake's own (the
+# relay makes its own), credentials and cookies (as for the preview)
+_WS_DROP = _HOP | {
+    "sec-websocket-key",
+    "sec-websocket-version",
+    "sec-websocket-extensions",
+    "sec-websocket-protocol",
+    "sec-websocket-accept",
+}
+
+
+class RelaySlots:
+    """The relayed WebSockets each sandbox has open on this server: at most ``limit`` at once (each
+    holds a tunnel and two sockets of the host's until it ends)."""
+
+    def __init__(self, limit: int = WS_PER_SANDBOX) -> None:
+        self.limit = limit
+        self._open: dict[str, int] = {}
+
+    def take(self, sandbox_id: str) -> None:
+        """One more for ``sandbox_id``; RateLimited when it has ``limit`` open. Give it back with
+        :meth:`give` once the relay ended."""
+        n = self._open.get(sandbox_id, 0)
+        if n >= self.limit:
+            raise RateLimited(
+                f"sandbox {sandbox_id} has {n} WebSockets relayed to its ports (at most {self.limit} at once)"
+            )
+        self._open[sandbox_id] = n + 1
+
+    def give(self, sandbox_id: str) -> None:
+        n = self._open.get(sandbox_id, 0) - 1
+        if n > 0:
+            self._open[sandbox_id] = n
+        else:
+            self._open.pop(sandbox_id, None)
+
+
+class _WsRefused(Exception):
+    """The sandbox's server did not take the upgrade: why, for the client's 502."""
+
+
+async def _ws_handshake(
+    stream: ops.PortStream, port: int, target: str, headers: list[tuple[str, str]], subprotocols: list[str]
+) -> tuple[ClientProtocol, WsResponse, list[Frame]]:
+    """Open a WebSocket to the server on ``port`` over ``stream``: the protocol, the server's
+    answer, and any frames that came with it."""
+    proto = ClientProtocol(
+        parse_uri(f"ws://localhost:{port}{target}"),
+        subprotocols=[Subprotocol(p) for p in subprotocols] or None,
+        max_size=WS_MAX_MESSAGE,
+    )
+    request = proto.connect()
+    for name, value in headers:
+        request.headers[name] = value
+    proto.send_request(request)
+    for out in proto.data_to_send():
+        await stream.write(out)
+    try:
+        async with asyncio.timeout(WS_HANDSHAKE_S):
+            while True:
+                data = await stream.read()
+                if data is None:
+                    raise _WsRefused(f"the server on port {port} closed without answering the WebSocket upgrade")
+                proto.receive_data(data)
+                events = proto.events_received()
+                if events:
+                    break
+    except TimeoutError:
+        raise _WsRefused(f"the server on port {port} did not answer the upgrade within {WS_HANDSHAKE_S:g} s") from None
+    response = events[0]
+    if not isinstance(response, WsResponse) or proto.handshake_exc is not None or proto.state is not WsState.OPEN:
+        status = response.status_code if isinstance(response, WsResponse) else 0
+        raise _WsRefused(f"the server on port {port} refused the WebSocket upgrade (status {status})")
+    return proto, response, [e for e in events[1:] if isinstance(e, Frame)]
+
+
+async def relay_upgrade(ws: WebSocket, stream: ops.PortStream, port: int, path: str) -> None:
+    """Relay the WebSocket ``ws`` (not yet accepted) to the server on ``port`` at ``path`` (and the
+    client's query): the server's subprotocol is the client's, messages go both ways until either
+    side closes (its close code passed on), a message is too large, or WS_IDLE_S of silence.
+    ``stream`` is closed after. A server that refuses the upgrade is the client's 502."""
+    if any(c in path for c in "\r\n ") or any(c in ws.url.query for c in "\r\n "):
+        stream.close()
+        await deny(ws, _bad_gateway("the path must not contain spaces or line breaks"))
+        return
+    target = "/" + path + (f"?{ws.url.query}" if ws.url.query else "")
+    headers = [(k, v) for k, v in ws.headers.items() if k.lower() not in _WS_DROP and not _CONTROL.search(v)]
+    offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+    try:
+        proto, response, early = await _ws_handshake(stream, port, target, headers, offered)
+    except _WsRefused as e:
+        stream.close()
+        await deny(ws, _bad_gateway(str(e)))
+        return
+    except BaseException:
+        stream.close()
+        raise
+    try:
+        await ws.accept(subprotocol=response.headers.get("Sec-WebSocket-Protocol"))
+    except BaseException:  # the client left meanwhile
+        stream.close()
+        raise
+    last = [asyncio.get_running_loop().time()]
+    parts: list[bytes] = []
+    closing: list[int] = []  # the close code to end the client's side with
+
+    async def flush() -> None:
+        for data in proto.data_to_send():
+            if data:
+                await stream.write(data)
+            else:
+                await stream.write_eof()
+
+    async def close_server(code: int) -> None:
+        if proto.state is WsState.OPEN:
+            proto.send_close(code)
+            await flush()
+
+    async def to_client(frames: list[Frame]) -> bool:
+        """Pass the server's frames on; False once it closed."""
+        for f in frames:
+            last[0] = asyncio.get_running_loop().time()
+            if f.opcode in (Opcode.TEXT, Opcode.BINARY, Opcode.CONT):
+                if f.opcode is not Opcode.CONT:
+                    parts.clear()
+                    parts.append(b"t" if f.opcode is Opcode.TEXT else b"b")
+                if len(parts) > WS_MAX_FRAMES:  # endless empty fragments would grow the list, not the size
+                    closing.append(CloseCode.MESSAGE_TOO_BIG)
+                    await close_server(CloseCode.MESSAGE_TOO_BIG)
+                    return False
+                parts.append(bytes(f.data))
+                if f.fin and parts:
+                    kind, body = parts[0], b"".join(parts[1:])
+                    parts.clear()
+                    if kind == b"t":
+                        await ws.send_text(body.decode())  # UTF-8 checked by the parser
+                    else:
+                        await ws.send_bytes(body)
+            elif f.opcode is Opcode.CLOSE:  # (close_code is set only once the connection is closed)
+                closing.append(_sendable(proto.close_rcvd.code if proto.close_rcvd is not None else None))
+                return False
+        return True
+
+    async def downstream() -> None:
+        if not await to_client(early):
+            return
+        while (data := await stream.read()) is not None:
+            proto.receive_data(data)
+            await flush()  # pongs and the close handshake
+            if not await to_client([e for e in proto.events_received() if isinstance(e, Frame)]):
+                return
+            if proto.state is not WsState.OPEN:  # the parser failed it (a message too large, bad UTF-8)
+                sent = proto.close_sent
+                closing.append(_sendable(sent.code if sent is not None else None))
+                return
+        closing.append(CloseCode.GOING_AWAY)  # the server's connection ended without a close
+
+    async def upstream() -> None:
+        while True:
+            msg = await ws.receive()
+            last[0] = asyncio.get_running_loop().time()
+            if msg["type"] == "websocket.disconnect":
+                await close_server(_sendable(msg.get("code")))
+                return
+            text, data = msg.get("text"), msg.get("bytes")
+            size = len(text.encode()) if text is not None else len(data or b"")
+            if size > WS_MAX_MESSAGE:
+                closing.append(CloseCode.MESSAGE_TOO_BIG)
+                await close_server(CloseCode.MESSAGE_TOO_BIG)
+                return
+            if proto.state is not WsState.OPEN:
+                return
+            if text is not None:
+                proto.send_text(text.encode())
+            else:
+                proto.send_binary(data or b"")
+            await flush()
+
+    async def idle() -> None:
+        loop = asyncio.get_running_loop()
+        while (left := last[0] + WS_IDLE_S - loop.time()) > 0:
+            await asyncio.sleep(left)
+        closing.append(CloseCode.GOING_AWAY)
+
+    tasks = {asyncio.ensure_future(upstream()), asyncio.ensure_future(downstream()), asyncio.ensure_future(idle())}
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        stream.close()
+        if ws.client_state is WebSocketState.CONNECTED and ws.application_state is WebSocketState.CONNECTED:
+            with contextlib.suppress(Exception):
+                await ws.close(code=closing[0] if closing else CloseCode.NORMAL_CLOSURE)
+
+
+def _sendable(code: int | None) -> int:
+    """A close code a close frame may carry: what says none was given (1005), or that the
+    connection broke (1006, 1015), becomes 1000 / 1001."""
+    if code is None or code == CloseCode.NO_STATUS_RCVD:
+        return CloseCode.NORMAL_CLOSURE
+    if code in (CloseCode.ABNORMAL_CLOSURE, CloseCode.TLS_HANDSHAKE) or not 1000 <= code <= 4999:
+        return CloseCode.GOING_AWAY
+    return code
+
+
+async def deny(ws: WebSocket, response: Response) -> None:
+    """Refuse a WebSocket before it is accepted: ``response`` as the HTTP answer where the server
+    can send one (ASGI's denial response), else a close (uvicorn answers 403)."""
+    if "websocket.http.response" in ws.scope.get("extensions", {}):
+        await ws.send_denial_response(response)
+    else:
+        await ws.close(code=CloseCode.POLICY_VIOLATION)
 
 
 def error_message(error: object) -> str:
     return json.dumps({"error": error}, separators=(",", ":"))
 
 
-__all__ = ["EOF", "MAX_HEAD", "OK", "error_message", "preview", "relay_websocket"]
+__all__ = [
+    "CSP_OWN_ORIGIN",
+    "CSP_SHARED_ORIGIN",
+    "EOF",
+    "MAX_HEAD",
+    "OK",
+    "RelaySlots",
+    "WS_HANDSHAKE_S",
+    "WS_MAX_FRAMES",
+    "WS_IDLE_S",
+    "WS_MAX_MESSAGE",
+    "WS_PER_SANDBOX",
+    "deny",
+    "error_message",
+    "preview",
+    "relay_upgrade",
+    "relay_websocket",
+]

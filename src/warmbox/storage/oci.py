@@ -5,7 +5,8 @@
 Only the layout's JSON (``oci-layout``, ``index.json``, manifests, config) is read here, each
 bounded and, past the index, checked against its digest; every layer blob is checked against its
 digest and unpacked under :class:`warmbox.safetar.LayerRules` by the store. Nothing in a layout
-is reached through a symlink. Registries are spoken to by skopeo only.
+is reached through a symlink. Registries are spoken to by skopeo only (a failed pull checks
+that the registry's port accepts a TCP connection, to say whether it was reachable at all).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import platform
 import re
 import shutil
+import socket
 import stat
 import subprocess
 import tarfile
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from warmbox import safetar
-from warmbox.errors import CorruptLayer, InvalidArgument, TemplateError
+from warmbox.errors import CorruptLayer, ImageRegistryUnreachable, InvalidArgument, TemplateError
 from warmbox.models import LayerInfo, OciImage
 from warmbox.storage.layers import LayerStore
 
@@ -34,6 +36,8 @@ MAX_CONFIG = 8 << 20  # bytes of an image config (its history can be long)
 MAX_LAYERS = 128  # overlay stacks this many lower directories with room to spare
 MAX_DEPTH = 3  # nested image indexes followed
 SKOPEO_TIMEOUT_S = 1800.0
+PROBE_TIMEOUT_S = 10.0  # a TCP connect to a registry after a failed pull
+DOCKER_HUB_HOST = "registry-1.docker.io"  # where skopeo goes for docker.io
 
 _MANIFEST = ("application/vnd.oci.image.manifest.v1+json", "application/vnd.docker.distribution.manifest.v2+json")
 _INDEX = ("application/vnd.oci.image.index.v1+json", "application/vnd.docker.distribution.manifest.list.v2+json")
@@ -87,7 +91,11 @@ def pull(store: LayerStore, ref: str, *, tls_verify: bool = True, host_credentia
         if not host_credentials:
             argv.append("--src-no-creds")
         argv += [f"docker://{ref}", f"oci:{work / 'layout'}:pull"]
-        _skopeo(argv, f"pulling {ref}")
+        try:
+            _skopeo(argv, f"pulling {ref}")
+        except TemplateError:
+            _check_reachable(ref, tls_verify)
+            raise
         return _from_layout(store, work / "layout", f"image {ref}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -315,6 +323,29 @@ def _extract_archive(path: Path, dest: Path) -> None:
         raise TemplateError(f"OCI archive {path} is not a readable tar archive: {e}") from None
     finally:
         os.close(fd)
+
+
+def _check_reachable(ref: str, tls_verify: bool) -> None:
+    """ImageRegistryUnreachable if no port skopeo would have used on ``ref``'s registry accepts a
+    TCP connection (nothing is sent). Through a proxy (HTTPS_PROXY/HTTP_PROXY) nothing is known."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")):
+        return
+    host = ref.split("/", 1)[0]
+    name, _, port = host.partition(":")
+    if name == "docker.io":
+        name = DOCKER_HUB_HOST
+    ports = [int(port)] if port else [443] if tls_verify else [443, 80]
+    why = ""
+    for p in ports:
+        try:
+            socket.create_connection((name, p), timeout=PROBE_TIMEOUT_S).close()
+            return
+        except OSError as e:
+            why = e.strerror or str(e) or type(e).__name__
+    where = f"{name}:{ports[-1]}" if len(ports) == 1 else f"{name} (ports {', '.join(map(str, ports))})"
+    raise ImageRegistryUnreachable(
+        f"cannot reach the image registry {where} to pull {ref}: {why}", registry=f"{name}:{ports[0]}"
+    )
 
 
 def _skopeo(args: list[str], what: str) -> None:

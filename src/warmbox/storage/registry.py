@@ -102,7 +102,7 @@ if typing.TYPE_CHECKING:
 
 COMMANDS_HEAD = 5_000  # command records a sandbox keeps from its start (its setup) ...
 COMMANDS_TAIL = 5_000  # ... and from its latest (at most 10,000 rows, 40 MiB of text, per sandbox)
-SCHEMA_VERSION = 19
+SCHEMA_VERSION = 20
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -371,6 +371,22 @@ CREATE TABLE IF NOT EXISTS approvals (
 );
 CREATE INDEX IF NOT EXISTS approvals_tenant ON approvals(tenant, created_at);
 CREATE INDEX IF NOT EXISTS approvals_state ON approvals(state, created_at);
+CREATE TABLE IF NOT EXISTS idempotency_keys (
+    tenant      TEXT NOT NULL,
+    scope       TEXT NOT NULL,
+    idem_key    TEXT NOT NULL,
+    op          TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    state       TEXT NOT NULL,
+    holder      TEXT NOT NULL,
+    created_at  REAL NOT NULL,
+    expires_at  REAL NOT NULL,
+    deadline    REAL NOT NULL,
+    sandbox_id  TEXT NOT NULL DEFAULT '',
+    result      TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (tenant, scope, idem_key)
+);
+CREATE INDEX IF NOT EXISTS idempotency_keys_expiry ON idempotency_keys(expires_at);
 """
 _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE sandboxes ADD COLUMN pool TEXT NOT NULL DEFAULT ''",
@@ -421,6 +437,8 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     # version 19: the runtime and version that made each memory snapshot ("runsc 0.0~20240729.0";
     # "": files only, or made before it was recorded: a gVisor one then counts as runsc 2022's)
     "ALTER TABLE snapshots ADD COLUMN runtime TEXT NOT NULL DEFAULT ''",
+    # version 20: idempotency_keys (a new table, made by SCHEMA): each keyed create, command and code
+    # run, recorded before it starts, then its result
 )
 _NET_LINK_COLUMNS = "sandbox_id, address, ifname, policy, updated_at, node"
 _NODE_COLUMNS = (
@@ -570,6 +588,77 @@ _COMMAND_COLUMNS = (
     "timed_out, truncated, oom_killed, stdout_bytes, stderr_bytes"
 )
 MAX_COMMAND_ERROR = 200  # characters of a CommandRecord's error name kept
+
+
+IDEM_PURGE_EVERY = 256  # claims between two purges of expired idempotency keys
+_IDEM_CLAIM_COLUMNS = (
+    "tenant",
+    "scope",
+    "idem_key",
+    "op",
+    "fingerprint",
+    "state",
+    "holder",
+    "created_at",
+    "expires_at",
+    "deadline",
+)
+_IDEM_COLUMNS = ", ".join((*_IDEM_CLAIM_COLUMNS, "sandbox_id", "result"))
+# a claim: inserted, or replacing an expired record; RETURNING says whether it was (SQLite >= 3.35)
+_IDEM_CLAIM = (
+    f"INSERT INTO idempotency_keys ({', '.join(_IDEM_CLAIM_COLUMNS)}) VALUES ({','.join('?' * 10)}) "
+    "ON CONFLICT (tenant, scope, idem_key) DO UPDATE SET "
+    + ", ".join(f"{c}=excluded.{c}" for c in _IDEM_CLAIM_COLUMNS[3:])
+    + ", sandbox_id='', result='' WHERE idempotency_keys.expires_at <= excluded.created_at RETURNING holder"
+)
+
+
+def _claim_row(c: KeyClaim) -> tuple[str, str, str, str, str, str, str, float, float, float]:
+    """A claim as _IDEM_CLAIM inserts it (state "started"); not dataclasses.astuple: it deep-copies."""
+    return (c.tenant, c.scope, c.key, c.op, c.fingerprint, "started", c.holder, c.created_at, c.expires_at, c.deadline)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyClaim:
+    """A keyed call, as recorded before it starts. tenant: "" for the host's root; scope: the
+    sandbox of a command or code run, "" for a create; holder: the claiming process and a nonce
+    (engine/idempotency.py); deadline: when a started call must have ended (0: unknown)."""
+
+    tenant: str
+    scope: str
+    key: str
+    op: str
+    fingerprint: str
+    holder: str
+    created_at: float
+    expires_at: float
+    deadline: float
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyRecord:
+    """A key's record: its claim, its state ("started", "done", "failed"), the sandbox a create
+    made, and the result (or typed error) as JSON once it ended."""
+
+    claim: KeyClaim
+    state: str
+    sandbox_id: str
+    result: str
+
+
+def _key_record(r: tuple) -> KeyRecord:
+    claim = KeyClaim(
+        tenant=r[0],
+        scope=r[1],
+        key=r[2],
+        op=r[3],
+        fingerprint=r[4],
+        holder=r[6],
+        created_at=r[7],
+        expires_at=r[8],
+        deadline=r[9],
+    )
+    return KeyRecord(claim=claim, state=r[5], sandbox_id=r[10], result=r[11])
 
 
 _NOT_A_NAME = re.compile(r"[^A-Za-z0-9_.:-]")
@@ -725,6 +814,7 @@ class Registry:
         # waiters of this process on approval questions: an answer given through this object wakes
         # them at once (others' answers are seen by polling). approval_id -> wake-ups.
         self._approval_waiters: dict[str, builtins.list[Callable[[], object]]] = {}
+        self._claims = 0  # idempotency keys claimed through this object (their purge's cadence)
         where = redacted(str(location)) if url else str(location)
         try:
             self._sql = dialect_for(location, bounds)
@@ -1225,6 +1315,8 @@ class Registry:
             if owner is not None:
                 db.execute("UPDATE sandboxes SET owner=? WHERE sandbox_id=?", (owner, sandbox_id))
             db.execute("INSERT INTO transitions VALUES (?,?,?,?,?)", (sandbox_id, now, old.value, new.value, reason))
+            if new in (State.DESTROYED, State.FAILED):  # a sandbox's command keys end with it (a create's stay)
+                db.execute("DELETE FROM idempotency_keys WHERE scope=?", (sandbox_id,))
         if new is State.DESTROYED:  # committed: its uid range is free for any home
             self._release(sandbox_id, row[1])
         return old
@@ -1513,6 +1605,12 @@ class Registry:
         with self._tx() as db:
             db.execute(self._sql.upsert("meta_text", ("key", "value"), ("key",)), (key, value))
 
+    @_retried
+    def add_meta_text(self, key: str, value: str) -> None:
+        """Set ``key`` only if it has no value yet (two processes racing keep the first's)."""
+        with self._tx() as db:
+            db.execute(self._sql.upsert("meta_text", ("key", "value"), ("key",), update=()), (key, value))
+
     # ---- nodes (a cluster: every node and the API tier share this registry)
 
     @_retried
@@ -1583,16 +1681,19 @@ class Registry:
             many=True,
         )
         pools = self._read(
-            "SELECT node, pool, COUNT(*) FROM sandboxes WHERE state=? GROUP BY node, pool ORDER BY node, pool",
+            "SELECT node, pool, COUNT(*), COALESCE(SUM(memory_mb),0) FROM sandboxes WHERE state=? "
+            "GROUP BY node, pool ORDER BY node, pool",
             (State.POOLED.value,),
             many=True,
         )
         live = {r[0]: (int(r[1]), int(r[2])) for r in rows}
         pooled: dict[str, builtins.list[tuple[str, int]]] = {}
-        for node, pool, n in pools:
+        pooled_mb: dict[str, int] = {}
+        for node, pool, n, mb in pools:
             pooled.setdefault(node, []).append((pool, int(n)))
+            pooled_mb[node] = pooled_mb.get(node, 0) + int(mb)
         return [
-            NodeUsage(node, *live.get(node, (0, 0)), tuple(pooled.get(node, ())))
+            NodeUsage(node, *live.get(node, (0, 0)), tuple(pooled.get(node, ())), pooled_mb.get(node, 0))
             for node in sorted(set(live) | set(pooled))
         ]
 
@@ -2491,8 +2592,10 @@ class Registry:
         error: str | None = None,
         kind: str = "",
         detail: str = "",
+        demand: bool = False,
     ) -> None:
-        """Update a pool's row (False = leave that override unchanged) and log an event if ``kind``."""
+        """Update a pool's row (False = leave that override unchanged) and log an event if ``kind``;
+        demand: count it as demand (an idle period starts now)."""
         now = time.time()
         with self._tx() as db:
             db.execute(
@@ -2507,6 +2610,8 @@ class Registry:
                 db.execute("UPDATE pool_state SET max_override=? WHERE name=?", (max_override, name))
             if error is not None:
                 db.execute("UPDATE pool_state SET last_error=?, last_error_at=? WHERE name=?", (error, now, name))
+            if demand:
+                db.execute("UPDATE pool_state SET last_demand_at=? WHERE name=?", (now, name))
             if kind:
                 self._pool_event(db, (name, now, kind, "", detail))
 
@@ -2675,6 +2780,59 @@ class Registry:
         )
         return [NetEvent(*r) for r in rows]
 
+    # ---- idempotency keys (engine/idempotency.py)
+
+    @_retried
+    def claim_key(self, claim: KeyClaim) -> KeyRecord | None:
+        """Record ``claim`` (state "started") and commit it, unless the tenant's key is taken in its
+        scope: None if this claim won, else the record that holds the key. An expired record is
+        replaced. One statement on the fast path (its cost is on every keyed call: ``warmbox bench
+        exec``); every IDEM_PURGE_EVERY claims, the expired records of every tenant go too."""
+        self._claims += 1
+        with self._tx() as db:
+            if self._claims % IDEM_PURGE_EVERY == 0:
+                db.execute("DELETE FROM idempotency_keys WHERE expires_at<=?", (claim.created_at,))
+            won = db.execute(_IDEM_CLAIM, _claim_row(claim)).fetchall()
+            if won:
+                return None
+            row = db.execute(
+                f"SELECT {_IDEM_COLUMNS} FROM idempotency_keys WHERE tenant=? AND scope=? AND idem_key=?",
+                (claim.tenant, claim.scope, claim.key),
+            ).fetchone()
+        return None if row is None else _key_record(row)
+
+    @_retried
+    def release_key(self, claim: KeyClaim) -> None:
+        """Forget a claim whose call did nothing (refused before it started): its key is free again."""
+        with self._tx() as db:
+            db.execute(
+                "DELETE FROM idempotency_keys "
+                "WHERE tenant=? AND scope=? AND idem_key=? AND holder=? AND state='started'",
+                (claim.tenant, claim.scope, claim.key, claim.holder),
+            )
+
+    @_retried
+    def finish_keys(self, outcomes: builtins.list[tuple[KeyClaim, str, str, str]]) -> None:
+        """Record the outcomes of started calls, in one transaction: (claim, state "done" with
+        its result as JSON or "failed" with its typed error as JSON, that JSON, the sandbox a
+        create made or ""); each only while the record is still that claim's."""
+        if not outcomes:
+            return
+        with self._tx() as db:
+            db.executemany(
+                "UPDATE idempotency_keys SET state=?, result=?, sandbox_id=? "
+                "WHERE tenant=? AND scope=? AND idem_key=? AND holder=? AND state='started'",
+                [(state, result, sid, c.tenant, c.scope, c.key, c.holder) for c, state, result, sid in outcomes],
+            )
+
+    def key_record(self, tenant: str, scope: str, key: str) -> KeyRecord | None:
+        """The record of a tenant's key in a scope (None: none, or expired)."""
+        row = self._read(
+            f"SELECT {_IDEM_COLUMNS} FROM idempotency_keys WHERE tenant=? AND scope=? AND idem_key=? AND expires_at>?",
+            (tenant, scope, key, time.time()),
+        )
+        return None if row is None else _key_record(row)
+
     # ---- commands and code runs (written in batches by the engine's CommandLog)
 
     @_retried
@@ -2704,6 +2862,14 @@ class Registry:
                         "DELETE FROM commands WHERE sandbox_id=? AND seq>? AND seq<=?",
                         (sid, COMMANDS_HEAD, n - COMMANDS_TAIL),
                     )
+
+    def command_count(self, sandbox_id: str) -> int:
+        """How many commands and code runs were recorded for the sandbox (the highest ``seq``: the
+        records between its first and latest ones that were not kept count too)."""
+        row = self._db.execute(
+            "SELECT COALESCE(MAX(seq), 0) FROM commands WHERE sandbox_id=?", (sandbox_id,)
+        ).fetchone()
+        return int(row[0]) if row else 0
 
     def commands(
         self, sandbox_id: str, limit: int = 1000, *, after_seq: int = 0, newest_first: bool = False

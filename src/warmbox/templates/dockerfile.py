@@ -1,7 +1,9 @@
 """A Dockerfile subset as a :class:`~warmbox.templates.spec.Template`.
 
 Supported: ``FROM`` (one stage: ``debian:<suite>`` → a Debian image, ``oci-archive:PATH``, a
-registry reference ``host[:port]/name[:tag]``, or the name of a template built on this host),
+registry image ``host[:port]/name[:tag]`` or, as in Docker, a Docker Hub one (``python:3.11-slim``
+is ``docker.io/library/python:3.11-slim``; ``[templates] registry_mirror`` pulls it from a mirror),
+or the name of a template built on this host (a name without tag or '/', such as ``base``)),
 ``RUN`` (shell and JSON exec forms), ``COPY``/``ADD`` of local files (``--chown=uid[:gid]``),
 ``ENV`` (both forms), ``WORKDIR``, ``USER``, ``ARG`` (with defaults; ``build_args`` override),
 line continuations and ``$VAR``/``${VAR}``/``${VAR:-default}``/``${VAR:+alt}`` substitution where
@@ -190,16 +192,11 @@ class _Parser:
             if suite != tag:
                 self.notes.append(f"line {self.line}: FROM {image} built as Debian {suite} with mmdebstrap")
             return spec.Template.debian(suite)
-        first = image.split("/")[0]
-        if "/" in image and ("." in first or ":" in first or first == "localhost"):
-            return spec.Template.from_registry(image)
         if image == "scratch":
             raise InvalidArgument("FROM scratch is not supported (a sandbox needs python3): use debian:<suite>")
-        if "/" in image or ":" in image:
-            raise InvalidArgument(
-                f"{image!r}: images are pulled from a registry given as host[:port]/name[:tag] "
-                "(no default registry), an oci-archive:PATH, debian:<suite>, or a template built here"
-            )
+        if "/" in image or ":" in image or "@" in image:
+            # a registry image; one without a registry host is Docker Hub's, as in Docker
+            return spec.Template.from_registry(image)
         return spec.Template.from_template(image)
 
     def RUN(self, rest: str) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 from warmbox.errors import InvalidArgument
+from warmbox.models import record
 
 VENV = "/opt/venv"  # where pip_install installs: root-owned, on the image's PATH
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
@@ -30,7 +31,7 @@ MAX_TEXT = 64 << 10  # one RUN command or warm-up, characters
 # ---- image sources
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class DebianSource:
     """A Debian root filesystem made with mmdebstrap (``packages``: extra ones installed with it)."""
 
@@ -39,7 +40,7 @@ class DebianSource:
     kind: Literal["debian"] = "debian"
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class BuiltSource:
     """A template already built on this host (a built-in one such as ``base``, or a user's)."""
 
@@ -47,7 +48,7 @@ class BuiltSource:
     kind: Literal["template"] = "template"
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class OciSource:
     """An OCI image layout directory or archive (``podman save``/``docker save`` style) on the
     engine's host."""
@@ -56,9 +57,10 @@ class OciSource:
     kind: Literal["oci"] = "oci"
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class RegistrySource:
-    """An image in a registry, ``host[:port]/name[:tag]``, pulled with skopeo."""
+    """An image in a registry, ``host[:port]/name[:tag]``, pulled with skopeo (a Docker Hub name
+    such as ``python:3.11-slim`` is kept as ``docker.io/library/python:3.11-slim``)."""
 
     ref: str
     tls_verify: bool = True
@@ -71,7 +73,7 @@ Source = DebianSource | BuiltSource | OciSource | RegistrySource
 # ---- steps (one cached layer each, or a change of the image's config)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class AptInstall:
     """``apt-get install -y --no-install-recommends`` the packages (the lists are removed after)."""
 
@@ -79,7 +81,7 @@ class AptInstall:
     kind: Literal["apt"] = "apt"
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class PipInstall:
     """``pip install`` into the image's venv (:data:`VENV`, system site packages visible; on PATH,
     and visible to a sandbox's own venv). index_url / find_links: where from ("" = pip's default)."""
@@ -90,7 +92,7 @@ class PipInstall:
     kind: Literal["pip"] = "pip"
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class NpmInstall:
     """``npm install`` the packages, globally (``/usr/local``) or into the working directory."""
 
@@ -99,7 +101,7 @@ class NpmInstall:
     kind: Literal["npm"] = "npm"
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Run:
     """A command run as root in the build sandbox: ``shell`` (bash -c) or ``argv`` (exec form)."""
 
@@ -108,7 +110,7 @@ class Run:
     kind: Literal["run"] = "run"
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Copy:
     """Local files into the image: each of ``sources`` (relative to the build context, or
     absolute on the client) to ``dest``. A directory's contents are copied; a file lands at
@@ -121,7 +123,7 @@ class Copy:
     kind: Literal["copy"] = "copy"
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SetEnv:
     """Environment variables of the image (later steps and every sandbox see them)."""
 
@@ -129,7 +131,7 @@ class SetEnv:
     kind: Literal["env"] = "env"
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SetWorkdir:
     """The working directory of later steps and of the image's sandboxes (made if missing)."""
 
@@ -137,7 +139,7 @@ class SetWorkdir:
     kind: Literal["workdir"] = "workdir"
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SetUser:
     """The user later RUN steps run as, and the image's default user."""
 
@@ -149,7 +151,7 @@ Step = AptInstall | PipInstall | NpmInstall | Run | Copy | SetEnv | SetWorkdir |
 LAYER_STEPS = (AptInstall, PipInstall, NpmInstall, Run, Copy)  # the rest change the config only
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class BuildNetwork:
     """The build's egress: "none" (default), "internet", or "allowlist" of host patterns."""
 
@@ -293,10 +295,48 @@ def check_source(source: object) -> Source:
         _text(source.path, "from_oci path")
     elif isinstance(source, RegistrySource):
         if not isinstance(source.ref, str) or not _REF_RE.fullmatch(source.ref):
-            raise InvalidArgument(f"from_registry takes host[:port]/name[:tag], got {source.ref!r}")
+            raise InvalidArgument(f"from_registry takes [host[:port]/]name[:tag] (lowercase name), got {source.ref!r}")
     else:
         raise InvalidArgument(f"not an image source: {type(source).__name__}")
     return source
+
+
+DOCKER_HUB = "docker.io"
+
+
+def docker_reference(image: str) -> str:
+    """``image`` with its registry host, as Docker resolves it: a first component without '.' or
+    ':' that is not ``localhost`` names no host, so the image is on Docker Hub (``docker.io``),
+    and a one-component name is one of its official images (``library/``)."""
+    if not isinstance(image, str):
+        return image
+    first, slash, _ = image.partition("/")
+    if slash and ("." in first or ":" in first or first == "localhost"):
+        return image
+    return f"{DOCKER_HUB}/{image}" if slash else f"{DOCKER_HUB}/library/{image}"
+
+
+_MIRROR_RE = re.compile(r"(https?://)?([A-Za-z0-9.-]+(:[0-9]{1,5})?)(/[a-z0-9._-]+)*/?")
+
+
+def check_mirror(mirror: str) -> str:
+    """A registry mirror of Docker Hub: ``[https://|http://]host[:port][/prefix]`` (http: plain
+    HTTP, as a local mirror may be); InvalidArgument otherwise."""
+    if not isinstance(mirror, str) or not _MIRROR_RE.fullmatch(mirror) or ".." in mirror:
+        raise InvalidArgument(f"a registry mirror is [https://|http://]host[:port][/prefix], got {str(mirror)[:200]!r}")
+    return mirror
+
+
+def through_mirror(ref: str, tls_verify: bool, mirror: str) -> tuple[str, bool]:
+    """Where ``ref`` is pulled from: a Docker Hub image from ``mirror`` (if set; its path prefix
+    before the image's name, plain HTTP for an http:// mirror), anything else from its own host."""
+    host, _, name = ref.partition("/")
+    if not mirror or host != DOCKER_HUB:
+        return ref, tls_verify
+    check_mirror(mirror)
+    plain = mirror.startswith("http://")
+    base = mirror.partition("://")[2] if "://" in mirror else mirror
+    return base.rstrip("/") + "/" + name, tls_verify and not plain
 
 
 def check_name(name: object) -> str:
@@ -309,7 +349,7 @@ def check_name(name: object) -> str:
 # ---- the fluent spec
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Template:
     """An image definition: a source, then steps in order. Immutable: every method returns a new one.
 
@@ -348,8 +388,10 @@ class Template:
 
     @classmethod
     def from_registry(cls, ref: str, *, tls_verify: bool = True) -> Template:
-        """An image in a registry, ``host[:port]/name[:tag]`` (pulled with skopeo)."""
-        return cls(check_source(RegistrySource(ref, bool(tls_verify))))
+        """An image in a registry, ``host[:port]/name[:tag]`` (pulled with skopeo). A name without
+        a registry host resolves as Docker does: ``python:3.11-slim`` is
+        ``docker.io/library/python:3.11-slim``, pulled through ``[templates] registry_mirror`` if set."""
+        return cls(check_source(RegistrySource(docker_reference(ref), bool(tls_verify))))
 
     @classmethod
     def from_dockerfile(

@@ -34,7 +34,9 @@ _ROW_H = 22
 _BAR_H = 14
 _LABEL_W = 118
 _MS_W = 86
-_HEAD_H = 44
+_LEGEND_BOTTOM = 36  # the legend's row ends here (its text's baseline at 34)
+_REQUEST_Y = 50  # the "request" label's baseline: a row of its own under the legend
+_HEAD_H = 58
 _AXIS_H = 22
 
 
@@ -176,9 +178,16 @@ def waterfall_svg(timings: Sequence[StageTiming], *, width: int = 720, title: st
         out.append("</g>")
     if scale > 0 and off:
         out.append(
-            f'<g class="request-line"><line x1="{zero:.1f}" y1="{_HEAD_H - 6}" x2="{zero:.1f}" y2="{axis_y}" '
+            f'<g class="request-line"><line x1="{zero:.1f}" y1="{_REQUEST_Y - 10}" x2="{zero:.1f}" y2="{axis_y}" '
             f'stroke="#d04a2f" stroke-width="1.5"/>'
-            f'<text x="{zero + 3:.1f}" y="{_HEAD_H - 8}" fill="#d04a2f" font-size="10">request</text></g>'
+            # its own row, under the legend (they overlapped when t=0 fell under the legend's text);
+            # right of the line, or left of it near the right edge
+            + (
+                f'<text x="{zero + 3:.1f}" y="{_REQUEST_Y}" fill="#d04a2f" font-size="10">request</text></g>'
+                if zero + 50 < width
+                else f'<text x="{zero - 3:.1f}" y="{_REQUEST_Y}" fill="#d04a2f" font-size="10" '
+                f'text-anchor="end">request</text></g>'
+            )
         )
     out.append("</svg>")
     return "".join(out)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import secrets
 import time
 import urllib.parse
@@ -169,6 +170,12 @@ def fmt_age(seconds: float) -> str:
     return f"{s // 86400}d {s % 86400 // 3600:02d}h"
 
 
+def fmt_money(value: float, currency: str) -> str:
+    """An amount of money for a label: 4 decimals below 1 (a sandbox costs fractions of a cent), 2 above."""
+    v = value if math.isfinite(value) and value > 0 else 0.0
+    return f"{v:.4f} {currency}" if v < 1 else f"{v:,.2f} {currency}"
+
+
 def fmt_when(ts: float) -> str:
     if not ts:
         return "—"
@@ -218,7 +225,7 @@ class Console:
             trim_blocks=True,
             lstrip_blocks=True,
         )
-        self.env.filters.update(age=fmt_age, when=fmt_when, bytes=fmt_bytes, num=fmt_num)
+        self.env.filters.update(age=fmt_age, when=fmt_when, bytes=fmt_bytes, num=fmt_num, money=fmt_money)
         self.env.globals.update(prefix=PREFIX, static=STATIC)
 
     @property
@@ -282,7 +289,14 @@ class Console:
     ) -> Response:
         """:meth:`render` with the context as one mapping."""
         html = self.env.get_template(template).render(
-            {**context, "viewer": viewer, "nav": self.nav, "path": request.url.path, "now": time.time()}
+            {
+                **context,
+                "viewer": viewer,
+                "nav": self.nav,
+                "path": request.url.path,
+                "now": time.time(),
+                "cost": self.service.engine.settings().cost,  # [cost] prices: money beside cpu-s and GiB-s
+            }
         )
         return secured(HTMLResponse(html, status_code=status))
 

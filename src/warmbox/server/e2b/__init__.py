@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocket
 
 from warmbox.server.e2b.common import (
     API_KEY_HEADER,
@@ -31,11 +32,11 @@ from warmbox.server.e2b.common import (
     Service,
     Tokens,
     error_response,
-    token_key,
 )
 from warmbox.server.e2b.control import Control
 from warmbox.server.e2b.interpreter import Interpreter
 from warmbox.server.e2b.ports import Ports
+from warmbox.server.tunnel import deny
 
 if TYPE_CHECKING:
     from warmbox.server.e2b.envd import Envd
@@ -63,11 +64,11 @@ class Dialect:
     """ASGI middleware in front of warmbox's routes: E2B's requests go to their plane, the rest on.
 
     max_body_mb: the largest file ``POST /files`` and ``GET /files`` move ([server] max_body_mb).
-    token_key: what the sandbox access tokens are signed with (:func:`.common.token_key`)."""
+    The sandbox access tokens are signed with the registry's signing key (``service.signer``)."""
 
-    def __init__(self, app: ASGIApp, service: Service, max_body_mb: int, token_key: bytes) -> None:
+    def __init__(self, app: ASGIApp, service: Service, max_body_mb: int) -> None:
         self.app = app
-        tokens = Tokens(token_key)
+        tokens = Tokens(service)
         self.control = Control(service, tokens)
         self._envd: Envd | None = None
         self._envd_args = (service, tokens, max_body_mb << 20)
@@ -83,10 +84,14 @@ class Dialect:
         return self._envd
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope = domain_route(scope) or scope
+        routed = domain_route(scope)
+        scope = routed or scope
         headers = Headers(scope=scope)
         if SANDBOX_HEADER in headers:
             port = headers.get(PORT_HEADER, str(ENVD_PORT))
@@ -95,7 +100,7 @@ class Dialect:
             elif port == str(INTERPRETER_PORT):
                 await self.interpreter(scope, receive, send)
             elif port.isdigit() and len(port) <= 5:
-                await self.ports(scope, receive, send, int(port))
+                await self.ports(scope, receive, send, int(port), own_host=routed is not None)
             else:
                 await error_response(400, "E2b-Sandbox-Port must be a port number")(scope, receive, send)
             return
@@ -106,5 +111,21 @@ class Dialect:
             return
         await self.app(scope, receive, send)
 
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A WebSocket for a sandbox port (get_host's, by Host or the routing headers) is relayed to
+        the server there; envd's and the code interpreter's ports take none; anything else goes on
+        to warmbox's own routes (ports.connect's tunnel, the preview's upgrades)."""
+        routed = domain_route(scope) or scope
+        headers = Headers(scope=routed)
+        if SANDBOX_HEADER not in headers:
+            await self.app(scope, receive, send)
+            return
+        port = headers.get(PORT_HEADER, str(ENVD_PORT))
+        if port.isdigit() and len(port) <= 5 and int(port) not in (ENVD_PORT, INTERPRETER_PORT):
+            await self.ports.websocket(routed, receive, send, int(port))
+            return
+        ws = WebSocket(routed, receive, send)
+        await deny(ws, error_response(400, f"port {port} of a sandbox takes no WebSocket"))
 
-__all__ = ["Dialect", "token_key"]
+
+__all__ = ["Dialect"]

@@ -3,18 +3,10 @@ warmbox's typed errors in E2B's shapes (HTTP statuses with ``{code, message}``, 
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import hashlib
-import hmac
 import json
-import os
 import posixpath
-import secrets
-import stat as statmod
-import time
 from collections.abc import Awaitable, Callable, Mapping
-from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from connectrpc.code import Code
@@ -26,8 +18,10 @@ from starlette.types import Receive, Scope, Send
 
 from warmbox import errors
 from warmbox import operations as ops
-from warmbox.errors import ConfigError, InvalidArgument, Unauthenticated, WarmboxError
+from warmbox.engine import signing
+from warmbox.errors import InvalidArgument, Unauthenticated, WarmboxError
 from warmbox.models import Tenant
+from warmbox.server.tunnel import RelaySlots
 
 R = TypeVar("R")
 ENVD_PORT = 49983
@@ -40,7 +34,6 @@ PORT_HEADER = "e2b-sandbox-port"
 API_KEY_HEADER = "x-api-key"
 ACCESS_TOKEN_HEADER = "x-access-token"
 TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"
-_TOKEN_PREFIX = "wbe2b_"
 # E2B resolves relative paths, and runs commands and code contexts, in the user's home (warmbox's
 # sandbox user has the same home, kept by pause and snapshots as /workspace is)
 HOME = "/home/user"
@@ -69,47 +62,13 @@ class Service(Protocol):
 
     def sandbox_key_ids(self, sandbox_id: str) -> list[str]: ...
 
+    @property
+    def signer(self) -> signing.Signer: ...
+
+    @property
+    def ws_relays(self) -> RelaySlots: ...
+
     def front(self, tenant: Tenant | None) -> Any: ...
-
-
-TOKEN_KEY_FILE = "e2b-token.key"
-_KEY_BYTES = 32
-
-
-def token_key(home: Path) -> bytes:
-    """The key the access tokens are signed with: ``<home>/e2b-token.key``, 32 random bytes made
-    once (mode 0600, created exclusively: two servers starting together agree on one). Refused
-    (ConfigError) if it is not a regular file of this user's, readable by others, or not 32 bytes."""
-    path = home / TOKEN_KEY_FILE
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        tmp = home / f".{TOKEN_KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
-        wfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(wfd, secrets.token_bytes(_KEY_BYTES))
-            os.fsync(wfd)
-        finally:
-            os.close(wfd)
-        try:
-            os.link(tmp, path)  # never replaces one another server made meanwhile
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise ConfigError(f"cannot read the E2B token key {path}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not statmod.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise ConfigError(f"the E2B token key {path} must be a regular file of this user's, mode 600")
-        key = os.read(fd, _KEY_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(key) != _KEY_BYTES:
-        raise ConfigError(f"the E2B token key {path} must hold {_KEY_BYTES} bytes (remove it to make a new one)")
-    return key
 
 
 def api_secret(api_key: str) -> str:
@@ -128,38 +87,34 @@ class Tokens:
     """Sandbox access tokens: what E2B calls envdAccessToken and trafficAccessToken.
 
     A token names the API key that created or connected to the sandbox and is bound to that
-    sandbox's id by an HMAC under the home's token key (:func:`token_key`), so it holds no state,
-    outlives a server restart and ends with its sandbox (another id, or a gone sandbox, fails the
-    front's own checks). Data-plane requests carry no API key, only the token: it says whose front
-    runs them. A revoked key's tokens stop working at once.
+    sandbox's id by an HMAC under the registry's signing key (:mod:`warmbox.engine.signing`, the
+    key of warmbox's own signed URLs too), so it holds no state, outlives a server restart, is
+    accepted by every server on the registry (a cluster's routers) and ends with its sandbox
+    (another id, or a gone sandbox, fails the front's own checks). Data-plane requests carry no
+    API key, only the token: it says whose front runs them. A revoked key's tokens stop at once.
     """
 
-    def __init__(self, key: bytes) -> None:
-        if len(key) < 32:
-            raise ConfigError("the E2B token key must be at least 32 bytes")
-        self._secret = key
+    def __init__(self, service: Service) -> None:
+        self._service = service
 
     def issue(self, tenant: Tenant, sandbox_id: str) -> str:
         key_id = tenant.key_id
         if not key_id:
             raise Unauthenticated("E2B's API needs a tenant API key (X-API-KEY)")
-        return self.issue_for(key_id, sandbox_id)
-
-    def issue_for(self, key_id: str, sandbox_id: str) -> str:
-        return f"{_TOKEN_PREFIX}{key_id}.{self._mac(key_id, sandbox_id)}"
+        return self._service.signer.token(key_id, sandbox_id)
 
     def key_id(self, token: str, sandbox_id: str) -> str:
         """The key id a token for ``sandbox_id`` names; Unauthenticated if it is not one."""
-        if not token.startswith(_TOKEN_PREFIX) or len(token) > 256:
-            raise Unauthenticated("the sandbox access token is not one this server issued")
-        key_id, _, mac = token[len(_TOKEN_PREFIX) :].rpartition(".")
-        if not key_id or not hmac.compare_digest(mac.encode(), self._mac(key_id, sandbox_id).encode()):
-            raise Unauthenticated("the sandbox access token is not valid for this sandbox (or this server restarted)")
-        return key_id
+        return self._service.signer.signer(token, sandbox_id)
 
-    def _mac(self, key_id: str, sandbox_id: str) -> str:
-        digest = hmac.new(self._secret, f"{key_id}\0{sandbox_id}".encode(), hashlib.sha256).digest()
-        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+    def check_file(self, key_ids: list[str], sandbox_id: str, query: Mapping[str, str], operation: str) -> str:
+        """The key of ``key_ids`` whose token signed a file URL (E2B's v1 scheme) with ``query``'s
+        path, username, signature and signature_expiration (Unauthenticated once it expired)."""
+        at = signing.expiration(query.get("signature_expiration"))
+        path, user = query.get("path", ""), query.get("username", "")
+        return self._service.signer.check_file(
+            key_ids, sandbox_id, path, operation, user, at, query.get("signature", "")
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,14 +144,6 @@ def data_target(service: Service, tokens: Tokens, headers: Mapping[str, str]) ->
 MAX_SIGNERS = 64  # the keys of one tenant a signed URL is checked against
 
 
-def file_signature(path: str, operation: str, user: str, token: str, expiration: int | None) -> str:
-    """E2B's v1 signature of a file URL: ``v1_`` + unpadded base64 of SHA-256 over
-    ``path:operation:user:token[:expiration]`` (operation "read" or "write"; user "" for the
-    default user; token the sandbox's envdAccessToken; expiration unix seconds)."""
-    raw = f"{path}:{operation}:{user}:{token}" + ("" if expiration is None else f":{expiration}")
-    return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).decode().rstrip("=")
-
-
 def signed_target(service: Service, tokens: Tokens, headers: Mapping[str, str], query: Mapping[str, str]) -> Target:
     """Who a signed ``/files`` URL is from: the key whose access token for this sandbox signed its
     path, operation (GET read, POST write, by ``operation``), user and expiration; Unauthenticated
@@ -204,21 +151,9 @@ def signed_target(service: Service, tokens: Tokens, headers: Mapping[str, str], 
     sandbox_id = headers.get(SANDBOX_HEADER, "")
     if not sandbox_id or len(sandbox_id) > 128:
         raise InvalidArgument("the E2b-Sandbox-Id header (or the Host of domain mode) must name a sandbox")
-    signature = query.get("signature", "")
-    expires = query.get("signature_expiration")
-    expiration: int | None = None
-    if expires is not None:
-        if not expires.isdigit() or len(expires) > 12:
-            raise InvalidArgument("signature_expiration must be unix seconds")
-        expiration = int(expires)
-        if expiration < time.time():
-            raise Unauthenticated("the signed URL has expired")
-    path, user, operation = query.get("path", ""), query.get("username", ""), query.get("operation", "")
-    for key_id in service.sandbox_key_ids(sandbox_id)[:MAX_SIGNERS]:
-        want = file_signature(path, operation, user, tokens.issue_for(key_id, sandbox_id), expiration)
-        if hmac.compare_digest(want.encode(), signature.encode()):
-            return Target(service.front(service.authenticate_key_id(key_id)), sandbox_id)
-    raise Unauthenticated("the URL's signature is not valid for this sandbox, path, operation and user")
+    signers = service.sandbox_key_ids(sandbox_id)[:MAX_SIGNERS]
+    key_id = tokens.check_file(signers, sandbox_id, query, query.get("operation", ""))
+    return Target(service.front(service.authenticate_key_id(key_id)), sandbox_id)
 
 
 # ---- errors
@@ -350,9 +285,7 @@ __all__ = [
     "data_target",
     "e2b_path",
     "error_response",
-    "file_signature",
     "signed_target",
     "status_of",
-    "token_key",
     "warmbox_error_response",
 ]

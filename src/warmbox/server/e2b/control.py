@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from warmbox import api
 from warmbox import operations as ops
 from warmbox.errors import (
     InvalidArgument,
@@ -249,6 +250,8 @@ class Control:
                 lifecycle=lifecycle if lifecycle != Lifecycle() else None,
                 # deny-all stays warmbox's default whatever allow_internet_access says (docs/e2b.md)
                 network=network,
+                # E2B's header: a repeat gets the first create's sandbox (engine/idempotency.py)
+                idempotency_key=call.request.headers.get(api.IDEMPOTENCY_HEADER),
             )
         )
         return self._json(self._sandbox(call, opened.info), 201)

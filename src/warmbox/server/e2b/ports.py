@@ -1,5 +1,6 @@
-"""Any other port of a sandbox (what ``get_host(port)`` names): one HTTP request relayed to the
-server listening there, over warmbox's port tunnel (the ``ports.connect`` operation).
+"""Any other port of a sandbox (what ``get_host(port)`` names): one HTTP request, or a WebSocket
+upgrade, relayed to the server listening there, over warmbox's port tunnel (the ``ports.connect``
+operation; the WebSocket's messages bounded as :func:`warmbox.server.tunnel.relay_upgrade` says).
 
 Access is the data plane's: the sandbox's access token (``E2B-Traffic-Access-Token`` or
 ``X-Access-Token``) or an API key of the tenant that owns it; another tenant's sandbox is not found.
@@ -13,9 +14,10 @@ import asyncio
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+from starlette.websockets import WebSocket
 
 from warmbox import operations as ops
-from warmbox.errors import InvalidArgument
+from warmbox.errors import InvalidArgument, WarmboxError
 from warmbox.server import tunnel
 from warmbox.server.e2b.common import (
     ACCESS_TOKEN_HEADER,
@@ -28,6 +30,7 @@ from warmbox.server.e2b.common import (
     answer,
     data_target,
     error_response,
+    warmbox_error_response,
 )
 
 # what says who may reach the sandbox and which one: the sandbox's server never sees them
@@ -53,10 +56,36 @@ class Ports:
         self._tokens = tokens
         self._max_body = max_body
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send, port: int) -> None:
-        await answer(lambda request: self._relay(request, port), scope, receive, send)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, port: int, own_host: bool = False) -> None:
+        """own_host: routed by its Host (domain mode: the port is an origin of its own)."""
+        csp = tunnel.CSP_OWN_ORIGIN if own_host else tunnel.CSP_SHARED_ORIGIN
+        await answer(lambda request: self._relay(request, port, csp), scope, receive, send)
 
-    async def _relay(self, request: Request, port: int) -> Response:
+    async def websocket(self, scope: Scope, receive: Receive, send: Send, port: int) -> None:
+        """A WebSocket upgrade to ``port``: the same access checks as an HTTP request (refused with
+        E2B's error answer before the upgrade), then its messages relayed both ways."""
+        ws = WebSocket(scope, receive, send)
+        try:
+            if not 1 <= port <= 65535:
+                raise InvalidArgument(f"port {port} is not a TCP port")
+            t = data_target(self._service, self._tokens, ws.headers)
+            await t.front.handle(ops.Info(t.sandbox_id))  # the tenant's own sandbox, else not found
+            self._service.ws_relays.take(t.sandbox_id)
+        except WarmboxError as e:
+            await tunnel.deny(ws, warmbox_error_response(e))
+            return
+        try:
+            try:
+                stream = await t.front.handle(ops.PortConnect(t.sandbox_id, port))
+            except WarmboxError as e:
+                await tunnel.deny(ws, warmbox_error_response(e))
+                return
+            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() not in _PRIVATE]}
+            await tunnel.relay_upgrade(WebSocket(scope, receive, send), stream, port, scope["path"].lstrip("/"))
+        finally:
+            self._service.ws_relays.give(t.sandbox_id)
+
+    async def _relay(self, request: Request, port: int, csp: str) -> Response:
         if not 1 <= port <= 65535:
             return error_response(400, f"port {port} is not a TCP port")
         t = data_target(self._service, self._tokens, request.headers)
@@ -66,7 +95,7 @@ class Ports:
         scope = dict(request.scope)
         scope["headers"] = [(k, v) for k, v in request.scope["headers"] if k.lower() not in _PRIVATE]
         path = request.url.path.lstrip("/")
-        return await tunnel.preview(Request(scope), stream, port, path, body)
+        return await tunnel.preview(Request(scope), stream, port, path, body, csp)
 
     async def _body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length", "")

@@ -76,7 +76,13 @@ ROUTES: tuple[Route, ...] = (
     Route("envd", "POST", "/filesystem.Filesystem/GetWatcherEvents", (), "no operation: the watcher's kept events"),
     Route("envd", "POST", "/filesystem.Filesystem/RemoveWatcher", (), "no operation: stops the watch"),
     # ---- envd: plain HTTP
-    Route("envd", "GET", "/files", (Op.FILES_READ_STREAM,), "?path=, streamed; or a signed URL (E2B's v1 scheme)"),
+    Route(
+        "envd",
+        "GET",
+        "/files",
+        (Op.FILES_READ_STREAM,),
+        "?path=, streamed; or a signed URL (E2B's v1 scheme, as files.sign_url signs)",
+    ),
     Route(
         "envd",
         "POST",
@@ -98,7 +104,7 @@ ROUTES: tuple[Route, ...] = (
         "*",
         "/{path}",
         (Op.INFO, Op.PORTS_CONNECT),
-        "one HTTP request relayed; the sandbox's access token or its tenant's key required",
+        "one HTTP request or a WebSocket relayed; the sandbox's access token or its tenant's key required",
     ),
 )
 
