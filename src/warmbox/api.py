@@ -67,6 +67,13 @@ ROUTES: tuple[Route, ...] = (
     Route(Op.COMMANDS_START, "POST", f"{_S}/processes", summary="Start a background command or terminal"),
     Route(Op.COMMANDS_LIST, "GET", f"{_S}/processes", "query", idempotent=True, summary="Running background processes"),
     Route(
+        Op.COMMANDS_START_CONNECT,
+        "POST",
+        f"{_S}/processes/follow",
+        response="ndjson",
+        summary="Start a background command or terminal and follow it (NDJSON stream: its pid first)",
+    ),
+    Route(
         Op.COMMANDS_CONNECT,
         "GET",
         f"{_S}/processes/output",
@@ -89,6 +96,13 @@ ROUTES: tuple[Route, ...] = (
     Route(Op.RUN_CODE, "POST", f"{_S}/code", response="ndjson", summary="Run a code cell (NDJSON stream)"),
     Route(Op.CREATE_CONTEXT, "POST", f"{_S}/contexts", summary="Create a code context"),
     Route(Op.REMOVE_CONTEXT, "DELETE", f"{_S}/contexts/{{context}}", "query", summary="Remove a code context"),
+    Route(Op.LIST_CONTEXTS, "GET", f"{_S}/contexts", "query", idempotent=True, summary="The code contexts"),
+    Route(
+        Op.RESTART_CONTEXT,
+        "POST",
+        f"{_S}/contexts/{{context}}/restart",
+        summary="A code context's fresh interpreter (same id, no state)",
+    ),
     Route(Op.FILES_READ, "GET", f"{_S}/files/content", "query", "raw", idempotent=True, summary="Read a file"),
     Route(Op.FILES_READ_STREAM, "GET", f"{_S}/files/stream", "query", "raw", idempotent=True, summary="Stream a file"),
     Route(Op.FILES_WRITE, "PUT", f"{_S}/files/content", "raw", summary="Write a file (raw body)"),

@@ -45,7 +45,7 @@ def _check_path_fields(request: ops.Request[Any], route: api.Route) -> None:
             continue
         if name == "sandbox_id":
             raise SandboxNotFound(f"no sandbox {value!r} (ids look like sb-0123456789ab)", str(value))
-        if isinstance(request, ops.RemoveContext):
+        if isinstance(request, (ops.RemoveContext, ops.RestartContext)):
             raise ContextError(f"no code context {value!r}", request.sandbox_id)
         raise InvalidArgument(f"{value!r} is not a valid {name.replace('_', ' ')}")
 

@@ -495,6 +495,16 @@ class Logs:
 
 
 @record
+class CodeContext:
+    """A code interpreter whose state persists between ``run_code`` calls: its id, its language,
+    its working directory ("" where the tier has none: the isolate tier)."""
+
+    id: str
+    language: str
+    cwd: str
+
+
+@record
 class ExecutionError:
     """An exception raised by user code in a code context."""
 

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 from warmbox.errors import InvalidArgument, InvalidPath
 from warmbox.models import (
     Approval,
+    CodeContext,
     CommandRecord,
     CommandResult,
     EntryInfo,
@@ -173,8 +174,11 @@ class Op(str, enum.Enum):
     RUN_CODE = "run_code"
     CREATE_CONTEXT = "contexts.create"
     REMOVE_CONTEXT = "contexts.remove"
+    LIST_CONTEXTS = "contexts.list"
+    RESTART_CONTEXT = "contexts.restart"
     COMMANDS_START = "commands.start"
     COMMANDS_CONNECT = "commands.connect"
+    COMMANDS_START_CONNECT = "commands.start_connect"
     COMMANDS_SEND_STDIN = "commands.send_stdin"
     COMMANDS_KILL = "commands.kill"
     COMMANDS_LIST = "commands.list"
@@ -557,6 +561,25 @@ class StartProcess(Request[int]):
 
 
 @record
+class StartAndConnect(Request[ProcessStream]):
+    """StartProcess and ConnectProcess in one step, one round trip to the sandbox: the stream of
+    the new background process (its ``pid`` at once), from its first byte. It is a background
+    process like any (list, connect, send_stdin, kill reach it); cancelling the stream leaves it
+    running. ``stdin`` false: its stdin is closed at the start."""
+
+    op: ClassVar[Op] = Op.COMMANDS_START_CONNECT
+    sandbox_id: str
+    cmd: str | list[str]
+    envs: dict[str, str] | None = None
+    cwd: str | None = None
+    tag: str = ""
+    user: str = "user"
+    pty_cols: int = 0
+    pty_rows: int = 0
+    stdin: bool = True
+
+
+@record
 class ConnectProcess(Request[ProcessStream]):
     """Follow a background process's output (what its bounded ring still holds, then live) until it
     ends; ``output`` false: only its end. Any client, any number of times."""
@@ -626,7 +649,8 @@ class Commands(Request[list[CommandRecord]]):
 
 @record
 class RunCode(Request[Execution]):
-    """Run a cell in a code context ("default" unless named)."""
+    """Run a cell in a code context ("default" unless named). ``envs``: variables for this run
+    only; after it each is back as it was (unless the cell itself changed it)."""
 
     op: ClassVar[Op] = Op.RUN_CODE
     sandbox_id: str
@@ -639,6 +663,7 @@ class RunCode(Request[Execution]):
     on_result: ResultSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
     language: str | None = None  # with no context: the default context of this language
     idempotency_key: str | None = None  # a repeat with this key gets this run's result (HTTP: Idempotency-Key)
+    envs: dict[str, str] | None = None
 
 
 @record
@@ -655,6 +680,24 @@ class CreateContext(Request[str]):
 @record
 class RemoveContext(Request[None]):
     op: ClassVar[Op] = Op.REMOVE_CONTEXT
+    sandbox_id: str
+    context: str
+
+
+@record
+class ListContexts(Request[list[CodeContext]]):
+    """The sandbox's code contexts: those created, and the default ones that have run."""
+
+    op: ClassVar[Op] = Op.LIST_CONTEXTS
+    sandbox_id: str
+
+
+@record
+class RestartContext(Request[None]):
+    """A fresh interpreter for a code context: same id, language, working directory and creation
+    variables, no state; what its cells started ends, a run in progress with it."""
+
+    op: ClassVar[Op] = Op.RESTART_CONTEXT
     sandbox_id: str
     context: str
 
@@ -1125,6 +1168,7 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         Exec,
         StartProcess,
         ConnectProcess,
+        StartAndConnect,
         SendStdin,
         KillProcess,
         ListProcesses,
@@ -1132,6 +1176,8 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         RunCode,
         CreateContext,
         RemoveContext,
+        ListContexts,
+        RestartContext,
         ReadFile,
         ReadFileStream,
         WriteFile,

@@ -38,7 +38,12 @@ if TYPE_CHECKING:
         def recv(self, n: int, /) -> bytes: ...
 
 
-PROTOCOL_VERSION = 6  # v6: templates and volumes (issue 17); v5: background processes, ports, files (16)
+# v7: listing and restarting code contexts, a run's own environment, start-and-follow (issue 32);
+# v6: templates and volumes (issue 17); v5: background processes, ports, files (16)
+PROTOCOL_VERSION = 7
+# The oldest agent the host still speaks to (a paused sandbox's memory holds the agent it had):
+# it gets none of the newer messages, each refused on the host with the version it needs.
+MIN_PROTOCOL_VERSION = 6
 MAX_HEADER = 1 << 20  # 1 MiB of JSON is far more than any legal header
 MAX_BODY = 4 << 20  # bytes per frame; larger payloads are chunked
 MAX_FRAME = 8 + MAX_HEADER + MAX_BODY
@@ -251,6 +256,15 @@ class Spawn(Message):
     pty_rows: int
 
 
+class SpawnFollow(Spawn):
+    """Start a background process as :class:`Spawn` does and follow it as :class:`Attach` does, in
+    one request (v7): :class:`Started`, its output from the first byte, then :class:`Exited`. It
+    is a background process like any (ProcList, Attach, ProcInput, Signal reach it; a Cancel stops
+    the following only). ``stdin`` false: its stdin is closed at the start."""
+
+    stdin: bool
+
+
 class Attach(Message):
     """Stream a background process's output (Stdout/Stderr frames) from byte ``offset`` of it (0:
     all the ring still holds; :class:`OutputLost` first when bytes before the ring's start were
@@ -435,7 +449,26 @@ class ContextRun(Message):
     max_output: int
 
 
+class ContextRunEnv(ContextRun):
+    """A ContextRun with variables set for that run only (v7): the interpreter's environment is
+    what it was before once the run ends (a variable the run's own code set is kept, as E2B's)."""
+
+    env: dict[str, str]
+
+
 class ContextDelete(Message):
+    context: str
+
+
+class ContextList(Message):
+    """The code contexts (v7): one :class:`ContextEntry` each, then Ok. The default contexts are
+    listed once they run."""
+
+
+class ContextRestart(Message):
+    """End a context's interpreter and every process its cells started, and start a fresh one
+    with the same name, language, working directory and creation environment (v7); answered by Ok."""
+
     context: str
 
 
@@ -556,6 +589,14 @@ class ContextCreated(Message):
     context: str
 
 
+class ContextEntry(Message):
+    """One code context (answer to ContextList)."""
+
+    context: str
+    language: str
+    cwd: str
+
+
 class Display(Message):
     """One representation of one output of a code run.
 
@@ -599,6 +640,7 @@ HOST_TO_GUEST: tuple[type[Message], ...] = (
     StdinData,
     Signal,
     Spawn,
+    SpawnFollow,
     Attach,
     ProcInput,
     ProcResize,
@@ -615,7 +657,10 @@ HOST_TO_GUEST: tuple[type[Message], ...] = (
     Remove,
     ContextCreate,
     ContextRun,
+    ContextRunEnv,
     ContextDelete,
+    ContextList,
+    ContextRestart,
     Configure,
     GetUsage,
     Quiesce,
@@ -638,6 +683,7 @@ GUEST_TO_HOST: tuple[type[Message], ...] = (
     Failure,
     Entry,
     ContextCreated,
+    ContextEntry,
     Display,
     CodeDone,
     UsageReport,
@@ -647,7 +693,7 @@ GUEST_TO_HOST: tuple[type[Message], ...] = (
     WriteAck,
     FsEvent,
 )
-# The code-context kernel and the agent exchange ContextRun / Stdout / Stderr / Display / CodeDone,
+# The code-context kernel and the agent exchange ContextRun(Env) / Stdout / Stderr / Display / CodeDone,
 # and Configure / Reseed / Ok.
 
 

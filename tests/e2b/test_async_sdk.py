@@ -72,6 +72,10 @@ def test_async_code_interpreter(e2b_server):
             ctx = await sb.create_code_context()
             await sb.run_code("y = 5", context=ctx)
             assert (await sb.run_code("y * 2", context=ctx)).text == "10"
+            assert ctx.id in {c.id for c in await sb.list_code_contexts()}
+            await sb.restart_code_context(ctx.id)
+            ex = await sb.run_code("import os\n(os.environ['E'], 'y' in dir())", context=ctx, envs={"E": "1"})
+            assert ex.text == "('1', False)", ex.error
             await sb.remove_code_context(ctx.id)
         finally:
             await sb.kill()

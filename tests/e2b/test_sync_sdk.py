@@ -178,7 +178,18 @@ def test_code_contexts(sb):
     assert sb.run_code("import os\nos.getcwd()", context=ctx).text == "'/tmp'"
     sb.run_code("only_here = 1", context=ctx)
     assert sb.run_code("'only_here' in globals()").text == "False"
+    listed = {c.id: c for c in sb.list_code_contexts()}
+    assert (listed[ctx.id].language, listed[ctx.id].cwd) == ("python", "/tmp")
+    sb.restart_code_context(ctx)  # same id, language and cwd; no state
+    assert sb.run_code("import os\n('only_here' in globals(), os.getcwd())", context=ctx).text == "(False, '/tmp')"
+    # env_vars for that run only
+    ex = sb.run_code("import os\nos.environ['ONE_RUN']", context=ctx, envs={"ONE_RUN": "yes"})
+    assert ex.text == "'yes'", ex.error
+    assert sb.run_code("os.environ.get('ONE_RUN')", context=ctx).text is None
+    with pytest.raises(e2b.SandboxException, match=r"400.*'NOT=VALID' is not valid"):
+        sb.run_code("1", envs={"NOT=VALID": "x"})
     sb.remove_code_context(ctx)
+    assert ctx.id not in {c.id for c in sb.list_code_contexts()}
     with pytest.raises(e2b.SandboxException):
         sb.run_code("1", context=ctx)
 

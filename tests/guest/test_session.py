@@ -66,3 +66,145 @@ def test_code_and_files_are_typed_and_failures_are_typed_errors(agent, tmp_path)
     assert isinstance(entry, EntryInfo) and entry.size == 5 and data == b"hello"
     assert "f.txt" in {e.name for e in listing}
     assert usage is not None and usage[1] >= 2
+
+
+def test_spawn_follow_is_one_request_and_a_background_process(agent):  # noqa: F811
+    async def go():
+        s = await GuestSession.connect(agent, "t")
+        try:
+            out = await s.spawn_follow(
+                ["/bin/sh", "-c", "echo hi; read x || echo eof; sleep 0.3; echo err >&2; exit 4"],
+                env={},
+                cwd="/",
+                tag="sf",
+                user="user",
+                stdin=False,
+            )
+            listed = {p.pid: p.tag for p in await s.processes()}  # a background process like any
+            events = []
+            while (ev := await out.next()) is not None:
+                events.append((ev.kind, ev.text))
+        finally:
+            await s.close()
+        return out, listed, events
+
+    out, listed, events = _run(go())
+    assert listed.get(out.pid) == "sf"
+    assert "".join(t for k, t in events if k == "stdout") == "hi\neof\n"  # its stdin was closed at the start
+    assert "".join(t for k, t in events if k == "stderr") == "err\n"
+    assert out.result is not None and out.result.exit_code == 4 and out.result.pid == out.pid
+
+
+def test_an_agent_of_protocol_v6_is_spoken_to_without_the_v7_messages(tmp_path):
+    """A paused sandbox's agent from before v7: ping accepted; the newer operations are refused on
+    the host (Unsupported), and a start-and-follow becomes a Spawn and an Attach. The fake agent
+    answers only v6 messages; a v7 one reaching it fails the test."""
+    import socket
+    import threading
+
+    from warmbox import protocol as p
+    from warmbox.errors import Unsupported
+
+    path = str(tmp_path / "v6.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(1)
+    seen: list[str] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while (req := p.recv_message(conn, p.HOST_TO_GUEST)) is not None:
+                seen.append(type(req).__name__)
+                if isinstance(req, p.Ping):
+                    conn.sendall(p.encode(p.Pong(req.id, version=6, pid=1)))
+                elif type(req) is p.Spawn:
+                    conn.sendall(p.encode(p.Started(req.id, pid=7)))
+                elif isinstance(req, p.Attach):
+                    conn.sendall(p.encode(p.Stdout(req.id, data=b"old\n")))
+                    conn.sendall(
+                        p.encode(
+                            p.Exited(
+                                req.id,
+                                exit_code=0,
+                                signal=0,
+                                timed_out=False,
+                                truncated=False,
+                                duration_ms=1.0,
+                                oom_kills=-1,
+                            )
+                        )
+                    )
+                else:
+                    return  # what a v6 agent does with a message it does not know: it hangs up
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+
+    async def main() -> None:
+        s = await GuestSession.connect(path, "old")
+        try:
+            assert await s.ping() == 6
+            with pytest.raises(Unsupported, match="protocol v6"):
+                await s.list_contexts()
+            with pytest.raises(Unsupported, match="protocol v6"):
+                await s.restart_context("default")
+            with pytest.raises(Unsupported, match="protocol v6"):
+                await s.run_code("1", env={"A": "b"})
+            out = await s.spawn_follow(["true"], env={}, cwd="/", tag="", user="user", cols=80, rows=24)
+            assert out.pid == 7 and (await out.next()).data == b"old\n" and await out.next() is None
+        finally:
+            await s.close()
+
+    _run(main())
+    t.join(10)
+    listener.close()
+    assert seen == ["Ping", "Spawn", "Attach"]
+
+
+def test_a_hostile_agents_endless_context_list_is_refused(tmp_path):
+    """A guest answering contexts.list with entry after entry cannot make the host hold them all."""
+    import socket
+    import threading
+
+    from warmbox import protocol as p
+    from warmbox.engine.session import MAX_CONTEXT_LIST
+    from warmbox.errors import GuestProtocolError
+
+    path = str(tmp_path / "hostile.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(1)
+    sent = [0]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while (req := p.recv_message(conn, p.HOST_TO_GUEST)) is not None:
+                if isinstance(req, p.Ping):
+                    conn.sendall(p.encode(p.Pong(req.id, version=p.PROTOCOL_VERSION, pid=1)))
+                    continue
+                try:
+                    while sent[0] < 100 * MAX_CONTEXT_LIST:
+                        conn.sendall(
+                            p.encode(p.ContextEntry(req.id, context=f"c{sent[0]}", language="x" * 4000, cwd="/"))
+                        )
+                        sent[0] += 1
+                except OSError:
+                    return  # the host hung up: it refused the list
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+
+    async def main() -> None:
+        s = await GuestSession.connect(path, "hostile")
+        try:
+            with pytest.raises(GuestProtocolError, match="code contexts"):
+                await s.list_contexts()
+        finally:
+            await s.close()
+
+    _run(main())
+    t.join(10)
+    listener.close()
+    assert sent[0] < 100 * MAX_CONTEXT_LIST

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from warmbox import BackendUnavailable, InvalidArgument, Sandbox, UnsupportedLanguage
+from warmbox import BackendUnavailable, ContextError, InvalidArgument, Sandbox, UnsupportedLanguage
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -224,3 +224,43 @@ def test_javascript_bash_and_charts_on_microvm(home, runc_ready):
         e = sb.run_code(CHART)
         assert e.error is None, e.error
         assert png_size(e.results[0].png)
+
+
+@pytest.mark.sandbox
+def test_contexts_listed_restarted_and_envs_for_one_run(box):
+    py = box.create_code_context(cwd="/tmp")
+    js = box.create_code_context(language="javascript")
+    sh = box.create_code_context(language="bash")
+    listed = {c.id: c for c in box.list_code_contexts()}
+    assert listed[py.id] == py and listed[js.id] == js and listed[sh.id] == sh
+    # variables for one run only, in each language; after it, as before (unset, or the old value)
+    box.run_code("import os; os.environ['KEEP'] = 'old'", context=py)
+    runs = {
+        py: (
+            "import os; print(os.environ['WB_ONE'], os.environ['KEEP'])",
+            "import os; print(os.environ.get('WB_ONE'), os.environ['KEEP'])",
+        ),
+        js: ("console.log(process.env.WB_ONE, process.env.KEEP)", "console.log(process.env.WB_ONE, process.env.KEEP)"),
+        sh: ("echo $WB_ONE $KEEP", 'echo "${WB_ONE-unset}" "${KEEP-unset}"'),
+    }
+    after = {py: "None old\n", js: "undefined undefined\n", sh: "unset unset\n"}
+    for ctx, (during, later) in runs.items():
+        e = box.run_code(during, context=ctx, envs={"WB_ONE": "1 'two'", "KEEP": "new"})
+        assert e.error is None and e.stdout.startswith("1 'two' new"), (ctx.language, e)
+        assert box.run_code(later, context=ctx).stdout == after[ctx], ctx.language
+    with pytest.raises(InvalidArgument):
+        box.run_code("1", context=py, envs={"A=B": "x"})
+    # a restart keeps the id, language and directory, and drops the state
+    box.run_code("x = 41", context=py)
+    box.run_code("globalThis.y = 1", context=js)
+    for ctx in (py, js):
+        box.restart_code_context(ctx)
+    assert box.run_code("import os; os.getcwd()", context=py).text == "'/tmp'"
+    assert box.run_code("'x' in dir()", context=py).text == "False"
+    assert box.run_code("typeof y", context=js).text == "'undefined'"
+    assert {c.id: c for c in box.list_code_contexts()}[py.id] == py
+    with pytest.raises(ContextError):
+        box.restart_code_context("ctx-nope")
+    for ctx in (py, js, sh):
+        box.remove_code_context(ctx)
+    assert py.id not in {c.id for c in box.list_code_contexts()}

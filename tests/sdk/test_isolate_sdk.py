@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from warmbox import Sandbox, Unsupported
+from warmbox import InvalidArgument, Sandbox, Unsupported
 from warmbox.backends.isolate import IsolateBackend
 from warmbox.engine.engine import Engine
 
@@ -24,6 +24,12 @@ def test_create_run_code_and_unsupported_commands(iso_host):
         e = sb.run_code("var n = 20; 'ab'.toUpperCase()", language="javascript")
         assert e.error is None and e.text == "'AB'"
         assert sb.run_code("n + 1", language="js").text == "21"
+        (ctx,) = sb.list_code_contexts()
+        assert (ctx.id, ctx.language) == ("default-javascript", "javascript")
+        sb.restart_code_context(ctx)  # its state goes, its id stays
+        assert sb.run_code("typeof n", language="js").text == "'undefined'"
+        with pytest.raises(InvalidArgument, match="no environment variables"):
+            sb.run_code("1", language="js", envs={"A": "b"})
         with pytest.raises(Unsupported, match="no commands"):
             sb.commands.run("echo hi")
         with pytest.raises(Unsupported, match="filesystem"):

@@ -54,6 +54,7 @@ from warmbox.models import (
     Approval,
     ApprovalRequest,
     Capabilities,
+    CodeContext,
     CommandRecord,
     CommandResult,
     EntryInfo,
@@ -103,6 +104,7 @@ USE: frozenset[type[Any]] = frozenset(
         ops.Exec,
         ops.StartProcess,
         ops.ConnectProcess,
+        ops.StartAndConnect,
         ops.SendStdin,
         ops.KillProcess,
         ops.ListProcesses,
@@ -110,6 +112,8 @@ USE: frozenset[type[Any]] = frozenset(
         ops.RunCode,
         ops.CreateContext,
         ops.RemoveContext,
+        ops.ListContexts,
+        ops.RestartContext,
         ops.ReadFile,
         ops.ReadFileStream,
         ops.WriteFile,
@@ -161,6 +165,7 @@ NEEDS: dict[type[Any], str] = {
             ops.Exec,
             ops.StartProcess,
             ops.ConnectProcess,
+            ops.StartAndConnect,
             ops.SendStdin,
             ops.KillProcess,
             ops.ListProcesses,
@@ -383,6 +388,7 @@ class EngineFront:
             ops.Exec: self.exec,
             ops.StartProcess: self.start_process,
             ops.ConnectProcess: self.connect_process,
+            ops.StartAndConnect: self.start_and_connect,
             ops.SendStdin: self.send_stdin,
             ops.KillProcess: self.kill_process,
             ops.ListProcesses: self.list_processes,
@@ -390,6 +396,8 @@ class EngineFront:
             ops.RunCode: self.run_code,
             ops.CreateContext: self.create_context,
             ops.RemoveContext: self.remove_context,
+            ops.ListContexts: self.list_contexts,
+            ops.RestartContext: self.restart_context,
             ops.ReadFile: self.read_file,
             ops.ReadFileStream: self.read_file_stream,
             ops.WriteFile: self.write_file,
@@ -961,6 +969,39 @@ class EngineFront:
         )
 
     async def start_process(self, r: ops.StartProcess) -> int:
+        argv, env, cwd, cols, rows = self._process_start(r)
+        session = await self._session(r.sandbox_id)
+        started = time.time()
+        pid = await session.spawn(argv, env=env, cwd=cwd, tag=r.tag, user=r.user, cols=cols, rows=rows)
+        self._track_started(r, argv, pid, started)
+        return pid
+
+    async def start_and_connect(self, r: ops.StartAndConnect) -> ops.ProcessStream:
+        argv, env, cwd, cols, rows = self._process_start(r)
+        if not isinstance(r.stdin, bool):
+            raise InvalidArgument(f"stdin must be a boolean, got {r.stdin!r}")
+        session = await self._session(r.sandbox_id)
+        started = time.time()
+        stream = await session.spawn_follow(
+            argv, env=env, cwd=cwd, tag=r.tag, user=r.user, cols=cols, rows=rows, stdin=r.stdin
+        )
+        self._track_started(r, argv, stream.pid, started)
+        stream.on_end = functools.partial(self._process_ended, r.sandbox_id)
+        return stream
+
+    def _track_started(
+        self, r: ops.StartProcess | ops.StartAndConnect, argv: builtins.list[str], pid: int, started: float
+    ) -> None:
+        """Remember a started process until a client following it sees its end (its record then)."""
+        if len(self._started) >= MAX_TRACKED:  # never followed to their end: forget the oldest
+            del self._started[next(iter(self._started))]
+        text = commandlog.command_text(r.cmd if isinstance(r.cmd, str) else argv)
+        self._started[(r.sandbox_id, pid)] = (text, started)
+
+    def _process_start(
+        self, r: ops.StartProcess | ops.StartAndConnect
+    ) -> tuple[builtins.list[str], dict[str, str], str, int, int]:
+        """A process start's checked argv, environment, directory and terminal size."""
         argv = _argv(r.cmd)
         env = dict(validate_envs(r.envs))
         cwd = sandbox_path(r.cwd) if r.cwd is not None else ""
@@ -980,14 +1021,7 @@ class EngineFront:
         cols, rows = _size(r.pty_cols, "pty_cols", zero=True), _size(r.pty_rows, "pty_rows", zero=True)
         if (cols == 0) != (rows == 0):
             raise InvalidArgument("a terminal needs both pty_cols and pty_rows (or neither)")
-        session = await self._session(r.sandbox_id)
-        started = time.time()
-        pid = await session.spawn(argv, env=env, cwd=cwd, tag=r.tag, user=r.user, cols=cols, rows=rows)
-        if len(self._started) >= MAX_TRACKED:  # never followed to their end: forget the oldest
-            del self._started[next(iter(self._started))]
-        text = commandlog.command_text(r.cmd if isinstance(r.cmd, str) else argv)
-        self._started[(r.sandbox_id, pid)] = (text, started)
-        return pid
+        return argv, env, cwd, cols, rows
 
     async def connect_process(self, r: ops.ConnectProcess) -> ops.ProcessStream:
         pid = _pid(r.pid)
@@ -1042,6 +1076,7 @@ class EngineFront:
             context = "default" if language == "python" else f"default-{language}"
         t = optional_timeout(r.timeout)
         cap = _positive_int(r.max_output, "max_output")
+        env = dict(validate_envs(r.envs)) or None
         session = await self._session(r.sandbox_id)
         text = commandlog.bounded_text(r.code)
 
@@ -1056,6 +1091,7 @@ class EngineFront:
                     on_stdout=r.on_stdout,
                     on_stderr=r.on_stderr,
                     on_result=r.on_result,
+                    env=env,
                 )
             except BaseException as e:
                 language = self._context_language(r.sandbox_id, context)
@@ -1124,6 +1160,14 @@ class EngineFront:
     async def remove_context(self, r: ops.RemoveContext) -> None:
         await (await self._session(r.sandbox_id)).delete_context(r.context)
         self._contexts.pop((r.sandbox_id, r.context), None)
+
+    async def list_contexts(self, r: ops.ListContexts) -> builtins.list[CodeContext]:
+        return await (await self._session(r.sandbox_id)).list_contexts()
+
+    async def restart_context(self, r: ops.RestartContext) -> None:
+        if not isinstance(r.context, str) or not r.context:
+            raise InvalidArgument(f"context must be a context id, got {r.context!r}")
+        await (await self._session(r.sandbox_id)).restart_context(r.context)
 
     # ---- files
 

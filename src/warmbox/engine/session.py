@@ -48,9 +48,11 @@ from warmbox.errors import (
     SandboxStartError,
     SandboxTimeout,
     UnsafeArchive,
+    Unsupported,
     UnsupportedLanguage,
 )
 from warmbox.models import (
+    CodeContext,
     CommandResult,
     EntryInfo,
     Execution,
@@ -64,6 +66,8 @@ from warmbox.models import (
 from warmbox.operations import WatchTask
 
 MAX_PROCESS_LIST_BYTES = 16 << 20  # commands.list: what a guest's answer may make the host hold
+MAX_CONTEXT_LIST = 256  # contexts.list: entries a guest may answer (agents hold at most 64, plus the defaults)
+MAX_CONTEXT_LIST_BYTES = 1 << 20  # and the bytes of their names and directories
 HOST_GRACE_S = 15.0  # the host's bound = the guest's timeout + this (kill and interrupt waits)
 MAX_DISPLAY_BYTES = 64 << 20
 MAX_RESULTS = 4096  # results of one run (display() calls, charts)
@@ -390,6 +394,7 @@ class GuestSession:
         self._client = client
         self._oom = oom
         self._watches: set[DirWatcher] = set()
+        self._version: int | None = None  # the agent's protocol version, once a ping said it
         self.sandbox_id = client.sandbox_id
 
     @classmethod
@@ -406,17 +411,31 @@ class GuestSession:
     # ---- agent control
 
     async def ping(self, what: str = "guest agent") -> int:
-        """The agent's protocol version, checked against ours (SandboxStartError otherwise)."""
+        """The agent's protocol version, checked against the ones we speak (SandboxStartError otherwise)."""
         pong = await self._client.call(lambda i: p.Ping(i), p.Pong)
         if not isinstance(pong, p.Pong):
             raise SandboxStartError(f"{what} answered {pong!r}", self.sandbox_id)
-        if pong.version != p.PROTOCOL_VERSION:
+        if not p.MIN_PROTOCOL_VERSION <= pong.version <= p.PROTOCOL_VERSION:
             raise SandboxStartError(
-                f"{what} speaks protocol v{pong.version}, this warmbox v{p.PROTOCOL_VERSION} "
-                "(a snapshot of another warmbox version cannot be restored)",
+                f"{what} speaks protocol v{pong.version}, this warmbox v{p.MIN_PROTOCOL_VERSION}"
+                f"..v{p.PROTOCOL_VERSION} (a snapshot of another warmbox version cannot be restored)",
                 self.sandbox_id,
             )
+        self._version = pong.version
         return pong.version
+
+    async def _require(self, version: int, what: str) -> None:
+        """Unsupported unless the agent speaks ``version`` (an agent an older warmbox started, kept
+        in a paused sandbox's memory, knows fewer messages: one it does not know ends its connection)."""
+        if self._version is None:
+            await self.ping()
+        assert self._version is not None
+        if self._version < version:
+            raise Unsupported(
+                f"{what}: this sandbox's guest agent speaks protocol v{self._version} (it was started "
+                f"by an older warmbox and kept in a snapshot); v{version} is needed",
+                reason=f"guest agent protocol v{self._version}",
+            )
 
     async def configure(self, env: dict[str, str], *, reset_counts: bool) -> None:
         """Add ``env`` to every later process's environment; reset_counts: cell numbers and
@@ -550,6 +569,50 @@ class GuestSession:
         assert isinstance(msg, p.Started)
         return msg.pid
 
+    async def spawn_follow(
+        self,
+        argv: builtins.list[str],
+        *,
+        env: dict[str, str],
+        cwd: str,
+        tag: str,
+        user: str,
+        cols: int = 0,
+        rows: int = 0,
+        stdin: bool = True,
+    ) -> ProcessOutput:
+        """Start a background process and follow it in one request (spawn, then attach from its
+        first byte, without a second round trip); ``stdin`` false: its stdin closed at the start.
+        An agent of protocol v6 gets the two requests instead."""
+        if self._version is None:
+            await self.ping()
+        if self._version is not None and self._version < 7:
+            pid = await self.spawn(argv, env=env, cwd=cwd, tag=tag, user=user, cols=cols, rows=rows)
+            out = await self.attach(pid, pty=bool(cols))
+            if not stdin and not cols:
+                try:
+                    await self.send_input(pid, b"", eof=True)
+                except (InvalidArgument, ProcessNotFound):
+                    pass  # it ended already, its stdin with it
+            return out
+
+        def make(i: int) -> p.Message:
+            return p.SpawnFollow(
+                i, argv=argv, env=env, cwd=cwd, tag=tag, user=user, pty_cols=cols, pty_rows=rows, stdin=stdin
+            )
+
+        stream = await self._client.open(make, lossy=OUTPUT_BACKLOG)
+        try:
+            msg = await stream.next(p.Started)
+        except BaseException:
+            stream.cancel()
+            raise
+        if isinstance(msg, p.Failure):
+            stream.close()
+            raise_failure(msg, self.sandbox_id, "commands.run")
+        assert isinstance(msg, p.Started)
+        return ProcessOutput(self.sandbox_id, msg.pid, stream, bool(cols))
+
     async def attach(self, pid: int, *, output: bool = True, pty: bool = False) -> ProcessOutput:
         """Follow a background process's output (no host-side time bound: it may run for ever). The
         agent sends output as it comes: what a slow reader leaves beyond OUTPUT_BACKLOG bytes is
@@ -620,9 +683,13 @@ class GuestSession:
         on_stdout: TextSink | None = None,
         on_stderr: TextSink | None = None,
         on_result: ResultSink | None = None,
+        env: dict[str, str] | None = None,
     ) -> Execution:
         """Run a cell in a code context; its exception is ``Execution.error``, never raised.
-        ``on_result`` gets each result once it is complete (the next one began, or the run ended)."""
+        ``on_result`` gets each result once it is complete (the next one began, or the run ended).
+        ``env``: variables for this run only (already validated)."""
+        if env:
+            await self._require(7, "env_vars for one run")
         output = _Output(on_stdout, on_stderr, max_output, self.sandbox_id)
         displays: dict[int, dict[str, object]] = {}
         display_bytes = 0
@@ -637,7 +704,11 @@ class GuestSession:
 
         oom_before = await self._oom_before()
         async with self._client.request(
-            lambda i: p.ContextRun(i, context=context, code=code, timeout_s=timeout_s, max_output=max_output),
+            lambda i: (
+                p.ContextRunEnv(i, context=context, code=code, timeout_s=timeout_s, max_output=max_output, env=env)
+                if env
+                else p.ContextRun(i, context=context, code=code, timeout_s=timeout_s, max_output=max_output)
+            ),
             timeout=timeout_s + HOST_GRACE_S if timeout_s else None,
         ) as stream:
             while True:
@@ -699,6 +770,30 @@ class GuestSession:
         reply = await self._client.call(lambda i: p.ContextDelete(i, context=context), p.Ok)
         if isinstance(reply, p.Failure):
             raise_failure(reply, self.sandbox_id, "remove_code_context")
+
+    async def list_contexts(self) -> list[CodeContext]:
+        await self._require(7, "listing code contexts")
+        out: list[CodeContext] = []
+        held = 0
+        async with self._client.request(lambda i: p.ContextList(i)) as stream:
+            while True:
+                msg = await stream.next(p.ContextEntry, p.Ok)
+                if isinstance(msg, p.Failure):
+                    raise_failure(msg, self.sandbox_id, "list_code_contexts")
+                if isinstance(msg, p.Ok):
+                    return out
+                assert isinstance(msg, p.ContextEntry)
+                held += len(msg.context) + len(msg.language) + len(msg.cwd)
+                # a guest cannot grow the host's list without bound
+                if len(out) >= MAX_CONTEXT_LIST or held > MAX_CONTEXT_LIST_BYTES:
+                    raise GuestProtocolError("guest sent more code contexts than the host's bound", self.sandbox_id)
+                out.append(CodeContext(id=msg.context, language=msg.language, cwd=msg.cwd))
+
+    async def restart_context(self, context: str) -> None:
+        await self._require(7, "restarting a code context")
+        reply = await self._client.call(lambda i: p.ContextRestart(i, context=context), p.Ok)
+        if isinstance(reply, p.Failure):
+            raise_failure(reply, self.sandbox_id, "restart_code_context")
 
     # ---- ports
 

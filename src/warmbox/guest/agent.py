@@ -1937,8 +1937,12 @@ class Context:
     def __init__(self, agent: Agent, name: str, language: str, cwd: str, env: dict[str, str]) -> None:
         exe_argv = _context_command(language)
         self.name = name
+        self.language = language
+        self.cwd = cwd
+        self.env = env  # what it was created with: a restart starts it again with the same
         self.lock = threading.Lock()
         self.agent = agent
+        self.dead = False
         if cwd and not os.path.isdir(cwd):
             raise _Fail(p.ErrorCode.NOT_FOUND, f"working directory {cwd} does not exist")
         ours, theirs = socket.socketpair()
@@ -1981,7 +1985,10 @@ class Context:
         return self.scope.status() is None
 
     def kill(self) -> None:
-        """End the interpreter and every process its cells started."""
+        """End the interpreter and every process its cells started (once)."""
+        if self.dead:
+            return
+        self.dead = True
         self.scope.kill()
         self.agent.scopes.finish(self.scope)
         try:
@@ -2012,7 +2019,7 @@ class Context:
                     self.scope.interrupt()
                     continue
                 self.kill()
-                self.agent.drop_context(self.name)
+                self.agent.drop_context(self)
                 conn.send(
                     self._died(
                         msg,
@@ -2027,7 +2034,7 @@ class Context:
                 reply = None
             if reply is None:
                 self.kill()
-                self.agent.drop_context(self.name)
+                self.agent.drop_context(self)
                 conn.send(
                     self._died(
                         msg,
@@ -2064,7 +2071,7 @@ class Context:
                 pass
         if reply is None:
             self.kill()
-            self.agent.drop_context(self.name)
+            self.agent.drop_context(self)
 
     @staticmethod
     def _died(msg: p.ContextRun, start: float, why: str, timed_out: bool, oom_kills: int) -> p.CodeDone:
@@ -2087,10 +2094,14 @@ def _context_create(agent: Agent, conn: Connection, msg: p.ContextCreate) -> Non
 
 
 def _context_run(agent: Agent, conn: Connection, msg: p.ContextRun) -> None:
+    if isinstance(msg, p.ContextRunEnv):
+        for k, v in msg.env.items():
+            if not k or "=" in k or "\0" in k or "\0" in v:
+                raise _Fail(p.ErrorCode.INVALID, f"invalid environment variable {k!r}")
     ctx = agent.get_context(msg.context)
     with ctx.lock:
         if not ctx.alive:
-            agent.drop_context(ctx.name)
+            agent.drop_context(ctx)
             ctx.kill()  # what its cells left running goes with it
             raise _Fail(p.ErrorCode.CONTEXT_DIED, f"context {msg.context} died")
         agent.busy.enter()
@@ -2149,8 +2160,19 @@ def _get_usage(agent: Agent, conn: Connection, msg: p.GetUsage) -> None:
 
 def _context_delete(agent: Agent, conn: Connection, msg: p.ContextDelete) -> None:
     ctx = agent.get_context(msg.context)
-    agent.drop_context(ctx.name)
+    agent.drop_context(ctx)
     ctx.kill()
+    conn.send(p.Ok(id=msg.id))
+
+
+def _context_list(agent: Agent, conn: Connection, msg: p.ContextList) -> None:
+    for ctx in agent.contexts():
+        conn.send(p.ContextEntry(id=msg.id, context=ctx.name, language=ctx.language, cwd=ctx.cwd))
+    conn.send(p.Ok(id=msg.id))
+
+
+def _context_restart(agent: Agent, conn: Connection, msg: p.ContextRestart) -> None:
+    agent.restart_context(msg.context)
     conn.send(p.Ok(id=msg.id))
 
 
@@ -2177,6 +2199,26 @@ def _winsize(cols: int, rows: int) -> bytes:
 
 
 def _spawn_bg(agent: Agent, conn: Connection, msg: p.Spawn) -> None:
+    proc = _start_bg(agent, msg)
+    conn.send(p.Started(id=msg.id, pid=proc.pid))
+
+
+def _spawn_follow(agent: Agent, conn: Connection, msg: p.SpawnFollow) -> None:
+    proc = _start_bg(agent, msg)
+    conn.send(p.Started(id=msg.id, pid=proc.pid))
+    if not msg.stdin and proc.master is None:
+        _close_stdin(proc)
+    _follow(agent, conn, msg.id, proc, 0, True)
+
+
+def _close_stdin(proc: bg.Proc) -> None:
+    with proc.stdin_lock:  # a writer holds its own dup: closing this never hits a reused fd
+        fd, proc.stdin = proc.stdin, None
+    if fd is not None:
+        os.close(fd)
+
+
+def _start_bg(agent: Agent, msg: p.Spawn) -> bg.Proc:
     if not msg.argv or any("\0" in a for a in msg.argv):
         raise _Fail(p.ErrorCode.INVALID, "argv must be a non-empty list without NUL bytes")
     if any("\0" in k or "=" in k or "\0" in v for k, v in msg.env.items()):
@@ -2246,7 +2288,7 @@ def _spawn_bg(agent: Agent, conn: Connection, msg: p.Spawn) -> None:
         scope.pid, scope, list(msg.argv), dict(msg.env), cwd or os.getcwd(), msg.tag, outputs, stdin_w, master
     )
     agent.procs.add(proc)
-    conn.send(p.Started(id=msg.id, pid=scope.pid))
+    return proc
 
 
 def _proc(agent: Agent, pid: int) -> bg.Proc:
@@ -2257,15 +2299,19 @@ def _proc(agent: Agent, pid: int) -> bg.Proc:
 
 
 def _attach(agent: Agent, conn: Connection, msg: p.Attach) -> None:
-    proc = _proc(agent, msg.pid)
-    inbox = conn.inbox(msg.id)
+    _follow(agent, conn, msg.id, _proc(agent, msg.pid), max(0, msg.offset), msg.output)
+
+
+def _follow(agent: Agent, conn: Connection, rid: int, proc: bg.Proc, offset: int, output: bool) -> None:
+    """Stream ``proc``'s output from ``offset`` (``output`` false: none), then its Exited, as the
+    answer to request ``rid``; until the host's Cancel or the connection's end."""
+    inbox = conn.inbox(rid)
     table = agent.procs
-    offset = max(0, msg.offset)
     lost_total = 0
     while True:
         with table.changed:
             while True:
-                lost, chunks, nxt = proc.snapshot(offset) if msg.output else (0, [], offset)
+                lost, chunks, nxt = proc.snapshot(offset) if output else (0, [], offset)
                 ended = not proc.running
                 if lost or chunks or ended or conn.closed:
                     break
@@ -2276,15 +2322,15 @@ def _attach(agent: Agent, conn: Connection, msg: p.Attach) -> None:
             return
         if lost:
             lost_total += lost
-            conn.send(p.OutputLost(id=msg.id, size=lost))
+            conn.send(p.OutputLost(id=rid, size=lost))
         for kind, data in chunks:
-            conn.send((p.Stderr if kind == bg.STDERR else p.Stdout)(id=msg.id, data=data))
+            conn.send((p.Stderr if kind == bg.STDERR else p.Stdout)(id=rid, data=data))
         offset = nxt
         if ended and not lost and not chunks:
             code, sig = _exit_status(proc.status)
             conn.send(
                 p.Exited(
-                    id=msg.id,
+                    id=rid,
                     exit_code=code,
                     signal=sig,
                     timed_out=False,
@@ -2376,7 +2422,10 @@ _HANDLERS: dict[type[p.Message], Any] = {
     p.Remove: _remove,
     p.ContextCreate: _context_create,
     p.ContextRun: _context_run,
+    p.ContextRunEnv: _context_run,
     p.ContextDelete: _context_delete,
+    p.ContextList: _context_list,
+    p.ContextRestart: _context_restart,
     p.Configure: _configure,
     p.GetUsage: _get_usage,
     p.Quiesce: _quiesce,
@@ -2384,12 +2433,13 @@ _HANDLERS: dict[type[p.Message], Any] = {
     p.PortConnect: _port_connect,
     p.Spawn: _spawn_bg,
     p.Attach: _attach,
+    p.SpawnFollow: _spawn_follow,
     p.ProcInput: _proc_input,
     p.ProcResize: _proc_resize,
     p.ProcList: _proc_list,
 }
 # requests whose inbox exists before their worker starts: their data, acks or Cancel may come first
-_PREPARED = (p.ReadFile, p.PortConnect, p.WriteFile, p.Attach, p.TarCreate, p.TarExtract, p.WatchDir)
+_PREPARED = (p.ReadFile, p.PortConnect, p.WriteFile, p.Attach, p.SpawnFollow, p.TarCreate, p.TarExtract, p.WatchDir)
 _INLINE = frozenset({p.Ping, p.GetUsage, p.Signal})  # never block: handled on the reader thread
 
 
@@ -2580,9 +2630,31 @@ class Agent:
         with self._ctx_lock:
             return list(self._contexts.values())
 
-    def drop_context(self, name: str) -> None:
+    def drop_context(self, ctx: Context) -> None:
+        """Forget ``ctx`` (not a context that replaced it under its name: see restart_context)."""
         with self._ctx_lock:
-            self._contexts.pop(name, None)
+            if self._contexts.get(ctx.name) is ctx:
+                del self._contexts[ctx.name]
+
+    def restart_context(self, name: str) -> None:
+        """A fresh interpreter under ``name`` with the old one's language, working directory and
+        creation environment; the old one and what its cells started are ended, a run in progress
+        with them (it reports the interpreter died)."""
+        with self._ctx_lock:
+            old = self._contexts.get(name)
+        if old is None:  # a default context not started yet is started fresh; any other is unknown
+            self.get_context(name)
+            return
+        old.scope.kill()  # before its lock: a running cell ends now, and its run lets the lock go
+        with old.lock:
+            old.kill()
+            try:
+                fresh = Context(self, name, old.language, old.cwd, old.env)
+            except BaseException:
+                self.drop_context(old)  # ended: its name is free, not a dead context's
+                raise
+            with self._ctx_lock:
+                self._contexts[name] = fresh
 
     def serve_forever(self) -> None:
         while True:

@@ -177,6 +177,22 @@ function handle(header) {
   }
   if (msg.type === 'ContextRun') {
     queue = queue.then(() => cell(msg));
+  } else if (msg.type === 'ContextRunEnv') {
+    // the run's own variables; after it each is back as it was, unless the cell changed it
+    queue = queue.then(async () => {
+      const env = msg.env || {};
+      const before = Object.keys(env).map((k) => [k, Object.prototype.hasOwnProperty.call(process.env, k) ? process.env[k] : undefined]);
+      Object.assign(process.env, env);
+      try {
+        await cell(msg);
+      } finally {
+        for (const [k, old] of before) {
+          if (process.env[k] !== env[k]) continue;
+          if (old === undefined) delete process.env[k];
+          else process.env[k] = old;
+        }
+      }
+    });
   } else if (msg.type === 'Configure') {
     queue = queue.then(() => {
       Object.assign(process.env, msg.env || {});

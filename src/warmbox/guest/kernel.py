@@ -352,6 +352,27 @@ def show_figures() -> None:
         _running[0].show_figures()
 
 
+_REQUESTS = (p.ContextRun, p.ContextRunEnv, p.Configure, p.Reseed)
+
+
+def _set_env(env: dict[str, str]) -> dict[str, tuple[str | None, str]]:
+    """Set a run's own variables; what each was before, and what the run got."""
+    before = {k: (os.environ.get(k), v) for k, v in env.items()}
+    os.environ.update(env)
+    return before
+
+
+def _restore_env(before: dict[str, tuple[str | None, str]]) -> None:
+    """After the run: each variable back as it was, unless the cell itself changed it."""
+    for k, (old, given) in before.items():
+        if os.environ.get(k) != given:
+            continue
+        if old is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = old
+
+
 def main(fd: int) -> None:
     sock = _socket.socket(fileno=fd)
     # SIGINT may arrive ignored from the spawner; a timeout relies on it raising KeyboardInterrupt.
@@ -364,7 +385,7 @@ def main(fd: int) -> None:
     real_out, real_err = sys.stdout, sys.stderr
     while True:
         try:
-            msg = p.recv_message(sock, (p.ContextRun, p.Configure, p.Reseed))
+            msg = p.recv_message(sock, _REQUESTS)
         except KeyboardInterrupt:  # a late interrupt between cells
             continue
         except (OSError, p.ProtocolViolation):
@@ -387,9 +408,10 @@ def main(fd: int) -> None:
             except OSError:
                 return
             continue
-        if not isinstance(msg, p.ContextRun):  # recv_message allows only the three kinds above
+        if not isinstance(msg, p.ContextRun):  # recv_message allows only the kinds above
             return
         count += 1
+        own = _set_env(msg.env) if isinstance(msg, p.ContextRunEnv) else {}
         run = _Run(sock, msg)
         start = time.monotonic()
         err_name = err_value = tb = ""
@@ -412,6 +434,7 @@ def main(fd: int) -> None:
         finally:
             _running.clear()
             sys.stdout, sys.stderr = real_out, real_err
+            _restore_env(own)
         err_value, tb = _bounded(err_value), _bounded(tb)
         try:
             run.send(

@@ -130,7 +130,7 @@ def main(fd: int) -> None:
     count = 0
     while True:
         try:
-            msg = p.recv_message(sock, (p.ContextRun, p.Configure, p.Reseed))
+            msg = p.recv_message(sock, (p.ContextRun, p.ContextRunEnv, p.Configure, p.Reseed))
         except (OSError, p.ProtocolViolation):
             break
         if msg is None:
@@ -152,7 +152,20 @@ def main(fd: int) -> None:
         start = time.monotonic()
         stop[0] = False
         out = _Output(sock, msg)
+        env = msg.env if isinstance(msg, p.ContextRunEnv) else {}
+        own = [k for k in env if k.isidentifier()]
+        if own:  # the run's own variables: each one's old value kept in a shell variable, then set
+            saves = "".join(f"__wb_set_{k}=${{{k}+1}}; __wb_old_{k}=${{{k}-}}; " for k in own)
+            sets = "".join(f"export {k}={_quote(env[k])}\n" for k in own)
+            shell.run(saves + "\n" + sets, lambda kind, data: None, lambda: False)
         status = shell.run(msg.code, out.emit, lambda: stop[0])
+        if own and status is not None:  # back as each was, unless the cell itself changed it
+            restores = "".join(
+                f'if [ "${{{k}-}}" = {_quote(env[k])} ]; then if [ -n "$__wb_set_{k}" ]; then '
+                f'export {k}="$__wb_old_{k}"; else unset {k}; fi; fi; unset __wb_set_{k} __wb_old_{k}\n'
+                for k in own
+            )
+            shell.run(restores, lambda kind, data: None, lambda: False)
         if status is None:
             break  # the shell is gone: the agent reports the context died
         interrupted = stop[0] and status == 130

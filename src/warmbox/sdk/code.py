@@ -2,16 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-
-
-@dataclasses.dataclass(frozen=True)
-class CodeContext:
-    """A code interpreter whose state persists between ``run_code`` calls."""
-
-    id: str
-    language: str
-    cwd: str
+from warmbox.models import CodeContext
 
 
 def context_id(context: CodeContext | str | None) -> str:

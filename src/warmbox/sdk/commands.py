@@ -163,12 +163,15 @@ class AsyncCommands:
             )
         if background or streamed or user != "user":
             _check_max_output(max_output)  # before the process starts: nothing to follow it otherwise
-            pid = await sb._run(ops.StartProcess(sb.sandbox_id, cmd, envs=envs, cwd=cwd, tag=tag, user=user))
-            handle = await self._follow(pid, on_stdout, on_stderr, max_output)
+            # started and followed in one round trip; a foreground command's stdin is empty, as with Exec
+            stream = await sb._run(
+                ops.StartAndConnect(
+                    sb.sandbox_id, cmd, envs=envs, cwd=cwd, tag=tag, user=user, stdin=background or stdin is not None
+                )
+            )
+            handle = AsyncCommandHandle(sb, stream.pid, stream, on_stdout, on_stderr, max_output)
             if isinstance(stdin, (str, bytes)):
                 await handle.send_stdin(stdin, eof=not background)
-            elif stdin is None and not background:  # a foreground command's stdin is empty, as with Exec
-                await handle.send_stdin(b"", eof=True)
             feeder = (
                 None if stdin is None or isinstance(stdin, (str, bytes)) else asyncio.ensure_future(handle._feed(stdin))
             )

@@ -348,7 +348,7 @@ class HttpTransport:
         attempt = 0
         while True:
             try:
-                if isinstance(request, ops.ConnectProcess):
+                if isinstance(request, (ops.ConnectProcess, ops.StartAndConnect)):
                     return await self._follow(request, route, url, kwargs)  # type: ignore[return-value]
                 if isinstance(request, ops.WatchDir):
                     return await self._watch(request, route, url, kwargs)  # type: ignore[return-value]
@@ -444,7 +444,7 @@ class HttpTransport:
             raise ConnectionLost(f"the server ended {request.op.value} without a result: its outcome is unknown")
 
     async def _follow(
-        self, request: ops.ConnectProcess, route: api.Route, url: str, kwargs: dict[str, Any]
+        self, request: ops.ConnectProcess | ops.StartAndConnect, route: api.Route, url: str, kwargs: dict[str, Any]
     ) -> _ProcStream:
         response = await self._client().request(
             route.method, url, timeout=aiohttp.ClientTimeout(total=None, sock_read=HEARTBEAT_S), **kwargs
@@ -453,7 +453,19 @@ class HttpTransport:
             body = await response.read()
             response.release()
             raise _error(response.status, body)
-        return _ProcStream(request.pid, response, self.url)
+        if isinstance(request, ops.ConnectProcess):
+            return _ProcStream(request.pid, response, self.url)
+        try:  # a start: its pid first (or the error that stopped it)
+            first = await _line(response)
+            msg = json.loads(first) if first.strip() else None
+            if isinstance(msg, dict) and "error" in msg:
+                raise wire.error_from_wire(msg["error"])
+            if not isinstance(msg, dict) or not isinstance(msg.get("pid"), int):
+                raise ConnectionLost(f"the server ended commands.start_connect before its pid: {first[:200]!r}")
+        except BaseException:
+            response.close()
+            raise
+        return _ProcStream(msg["pid"], response, self.url)
 
     async def _watch(self, request: ops.WatchDir, route: api.Route, url: str, kwargs: dict[str, Any]) -> _Watch:
         """files.watch_dir: NDJSON events; its first line says it is watching (or the error)."""

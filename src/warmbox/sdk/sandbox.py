@@ -758,6 +758,15 @@ class AsyncSandbox:
     async def remove_code_context(self, context: CodeContext | str) -> None:
         await self._run(ops.RemoveContext(self.sandbox_id, context_id(context)))
 
+    async def list_code_contexts(self) -> builtins.list[CodeContext]:
+        """The sandbox's code contexts: those created, and the default ones that have run."""
+        return await self._run(ops.ListContexts(self.sandbox_id))
+
+    async def restart_code_context(self, context: CodeContext | str | None = None) -> None:
+        """A fresh interpreter for ``context`` (the default Python one for None): same id,
+        language and working directory, no state; what its cells started ends."""
+        await self._run(ops.RestartContext(self.sandbox_id, context_id(context)))
+
     async def run_code(
         self,
         code: str,
@@ -771,9 +780,12 @@ class AsyncSandbox:
         max_output: int = DEFAULT_MAX_OUTPUT,
         language: str | None = None,
         idempotency_key: str | None = None,
+        envs: dict[str, str] | None = None,
     ) -> Execution:
         """Run code in a stateful context: ``context``, or the default one of ``language``
-        ("python" unless given; "javascript", "bash": see ``create_code_context``).
+        ("python" unless given; "javascript", "bash": see ``create_code_context``). ``envs``:
+        environment variables for this run only (each is back as it was after it, unless the
+        cell itself changed it).
 
         The value of the last expression is the main result (``Execution.text``); charts
         (``plt.show()``, figures left open) and ``display(obj)`` add results. Exceptions come back
@@ -796,6 +808,7 @@ class AsyncSandbox:
                 on_result=on_result,
                 language=language,
                 idempotency_key=idempotency_key,
+                envs=envs,
             )
         )
         if on_error is not None and execution.error is not None:

@@ -617,10 +617,10 @@ def _event_line(ev: ProcessEvent) -> bytes:
     return _line({ev.kind: ev.text})
 
 
-async def _stream_process(front: Front, req: ops.ConnectProcess) -> Response:
+async def _stream_process(front: Front, req: ops.ConnectProcess | ops.StartAndConnect) -> Response:
     """A background process's output as NDJSON events ({"stdout"|"stderr": text}, {"pty": base64},
-    {"lost": bytes}), blank heartbeat lines, then {"result": CommandResult} or {"error": ...}. The
-    process is not touched when the client goes away."""
+    {"lost": bytes}), blank heartbeat lines, then {"result": CommandResult} or {"error": ...}; a
+    start's first line is {"pid": int}. The process is not touched when the client goes away."""
     stream = await front.handle(req)
     queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue(maxsize=64)  # a slow client slows the reads
 
@@ -636,6 +636,8 @@ async def _stream_process(front: Front, req: ops.ConnectProcess) -> Response:
 
     async def lines() -> AsyncIterator[bytes]:
         try:
+            if isinstance(req, ops.StartAndConnect):
+                yield _line({"pid": stream.pid})
             while True:
                 kind, value = await _next(queue)
                 if kind == "heartbeat":
@@ -701,7 +703,7 @@ def endpoint(service: Service, route: api.Route) -> Callable[[Request], Awaitabl
         try:
             front = service.front(service.authenticate(request))
             req = await decode_request(route, request, service.settings)
-            if isinstance(req, ops.ConnectProcess):
+            if isinstance(req, (ops.ConnectProcess, ops.StartAndConnect)):
                 return await _stream_process(front, req)
             if isinstance(req, ops.WatchDir):
                 return await _watch(front, req)

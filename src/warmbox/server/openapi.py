@@ -154,7 +154,8 @@ def document() -> dict[str, Any]:
                     "description": "send output events while the command runs",
                 }
             )
-            following = route.op is ops.Op.COMMANDS_CONNECT  # events, then how the process ended
+            # events, then how the process ended (a start's first line: {"pid": int})
+            following = route.op in (ops.Op.COMMANDS_CONNECT, ops.Op.COMMANDS_START_CONNECT)
             result = wire.schema(CommandResult if following else wire.result_type(cls), defs)
             ok = {
                 "description": 'NDJSON: {"stdout": str} / {"stderr": str} events (with stream=1; '

@@ -6,7 +6,7 @@
 // line, with a sandbox's listening socket as SCM_RIGHTS for "add" (received by fdpass.node), and
 // gets one JSON line back. Each sandbox's socket speaks the guest wire protocol (protocol.py: u32
 // header length, u32 body length, JSON header, raw body), so the engine's GuestSession talks to an
-// isolate as to any guest agent: Ping, ContextCreate/Run/Delete, Configure, Reseed, GetUsage.
+// isolate as to any guest agent: Ping, ContextCreate/Run/Delete/List/Restart, Configure, Reseed, GetUsage.
 // Everything else is refused (Failure "invalid"): an isolate has no commands, files or ports.
 //
 // One host per tenant: a fault in one tenant's code (an OOM of the host, a crash) ends only that
@@ -421,6 +421,27 @@ class Sandbox {
           frame(sock, { type: 'ContextCreated', id: msg.id, context: name });
         }).catch((e) => failure(sock, msg.id, 'internal', e));
         return undefined;
+      case 'ContextRunEnv': // an isolate has no process environment to set variables in
+        return failure(sock, msg.id, 'invalid', 'the isolate tier has no environment variables: a run cannot set env_vars');
+      case 'ContextList':
+        for (const name of this.contexts.keys()) frame(sock, { type: 'ContextEntry', id: msg.id, context: name, language: 'javascript', cwd: '' });
+        return frame(sock, { type: 'Ok', id: msg.id });
+      case 'ContextRestart': {
+        if (typeof msg.context !== 'string' || !this.contexts.has(msg.context)) {
+          return failure(sock, msg.id, 'context_not_found', `no code context ${msg.context}`);
+        }
+        // after the runs already queued: a fresh context under the same name, the old one released
+        this.chain = this.chain.then(async () => {
+          const old = this.contexts.get(msg.context);
+          if (old !== undefined) {
+            old.inspect.release();
+            old.context.release();
+          }
+          await this.addContext(msg.context);
+          frame(sock, { type: 'Ok', id: msg.id });
+        }).catch((e) => failure(sock, msg.id, 'internal', e));
+        return undefined;
+      }
       case 'ContextDelete': {
         const entry = this.contexts.get(msg.context);
         if (entry === undefined) return failure(sock, msg.id, 'context_not_found', `no code context ${msg.context}`);

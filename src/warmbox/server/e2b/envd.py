@@ -33,7 +33,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from warmbox import operations as ops
-from warmbox.errors import InvalidArgument, ProcessNotFound, SandboxNotFound, WarmboxError
+from warmbox.errors import InvalidArgument, SandboxNotFound, WarmboxError
 from warmbox.models import CommandResult, EntryInfo, FilesystemEvent, FilesystemEventType, State
 from warmbox.server.e2b.common import (
     HOME,
@@ -216,7 +216,9 @@ class ProcessService(_Rpc, Process):
         cols = rows = 0
         if request.has_field("pty") and request.pty is not None and request.pty.size is not None:
             cols, rows = request.pty.size.cols, request.pty.size.rows
-        start = ops.StartProcess(
+        # stdin: unset means open (envd's default for old SDKs); the SDKs send false unless asked
+        stdin = not request.has_field("stdin") or bool(request.stdin) or bool(cols)
+        start = ops.StartAndConnect(
             t.sandbox_id,
             [cfg.cmd, *cfg.args],
             envs=dict(cfg.envs) or None,
@@ -225,30 +227,14 @@ class ProcessService(_Rpc, Process):
             user=user,
             pty_cols=cols,
             pty_rows=rows,
+            stdin=stdin,
         )
-        pid = await self.run(t, start)
-        follow = asyncio.ensure_future(self.run(t, ops.ConnectProcess(t.sandbox_id, pid, pty=bool(cols))))
-        # stdin: unset means open (envd's default for old SDKs); the SDKs send false unless asked.
-        # Closed while the output is being attached: one round trip to the sandbox, not two.
-        closed: BaseException | None = None
-        if request.has_field("stdin") and not request.stdin and not cols:
-            try:
-                await t.front.handle(ops.SendStdin(t.sandbox_id, pid, b"", eof=True))
-            except (InvalidArgument, ProcessNotFound):
-                pass  # it ended already (its stdin with it)
-            except WarmboxError as e:
-                closed = connect_error(e)
-            except BaseException as e:
-                closed = e
+        stream = await self.run(t, start)  # one round trip: started and followed in one guest request
         try:
-            stream = await follow
+            yield ppb.StartResponse(event=_started(stream.pid))
         except BaseException:
-            follow.cancel()
+            stream.cancel()  # the client went away: the process runs on
             raise
-        if closed is not None:
-            stream.cancel()
-            raise closed
-        yield ppb.StartResponse(event=_started(pid))
         async for ev in self._follow(stream, ctx):
             yield ppb.StartResponse(event=ev)
 

@@ -1,6 +1,6 @@
 """E2B's code interpreter (port 49999) as operations: ``POST /execute`` streams its NDJSON events
 (stdout/stderr with timestamps, results with their MIME fields, the error, the execution count,
-the end) from ``run_code``; ``/contexts`` creates and removes code contexts."""
+the end) from ``run_code``; ``/contexts`` creates, lists, restarts and removes code contexts."""
 
 from __future__ import annotations
 
@@ -102,11 +102,18 @@ class Interpreter:
             return Response(
                 json.dumps({"id": context, "language": language, "cwd": cwd}), media_type="application/json"
             )
+        if parts == ["contexts"] and method == "GET":
+            contexts = await t.front.handle(ops.ListContexts(t.sandbox_id))
+            return Response(
+                json.dumps([{"id": c.id, "language": c.language, "cwd": c.cwd} for c in contexts]),
+                media_type="application/json",
+            )
         if len(parts) == 2 and parts[0] == "contexts" and method == "DELETE":
             await t.front.handle(ops.RemoveContext(t.sandbox_id, parts[1]))
             return Response(status_code=204)
-        if parts[:1] == ["contexts"]:
-            return error_response(400, "listing and restarting code contexts are not supported by warmbox yet")
+        if len(parts) == 3 and parts[0] == "contexts" and parts[2] == "restart" and method == "POST":
+            await t.front.handle(ops.RestartContext(t.sandbox_id, parts[1]))
+            return Response(status_code=204)
         return error_response(404, f"the code interpreter has no route {method} {request.url.path}")
 
     async def _execute(self, t: Target, body: dict[str, Any]) -> Response:
@@ -117,8 +124,9 @@ class Interpreter:
         language = _optional_str(body, "language")
         if context and language:
             raise InvalidArgument("you can provide context_id or language, but not both")
-        if body.get("env_vars"):
-            raise InvalidArgument("env_vars per execution are not supported by warmbox yet: set them on the context")
+        envs = body.get("env_vars")
+        if envs is not None and not isinstance(envs, dict):
+            raise InvalidArgument(f"env_vars must be an object of strings, got {type(envs).__name__}")
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         run = ops.RunCode(
             t.sandbox_id,
@@ -126,6 +134,7 @@ class Interpreter:
             context=context or "default",
             language=None if context else language,
             timeout=None,  # the client's own timeout ends the request, and the run with it
+            envs=envs or None,
             on_stdout=lambda s: queue.put_nowait({"type": "stdout", "text": s, "timestamp": _now()}),
             on_stderr=lambda s: queue.put_nowait({"type": "stderr", "text": s, "timestamp": _now()}),
         )

@@ -53,8 +53,8 @@ ROUTES: tuple[Route, ...] = (
         "envd",
         "POST",
         "/process.Process/Start",
-        (Op.COMMANDS_START, Op.COMMANDS_SEND_STDIN, Op.COMMANDS_CONNECT),
-        "server stream; stdin=false closes stdin at once",
+        (Op.COMMANDS_START_CONNECT,),
+        "server stream; one guest request starts and follows it; stdin=false closes stdin at once",
     ),
     Route("envd", "POST", "/process.Process/Connect", (Op.COMMANDS_CONNECT,), "server stream; by pid or tag"),
     Route("envd", "POST", "/process.Process/List", (Op.COMMANDS_LIST,)),
@@ -92,11 +92,11 @@ ROUTES: tuple[Route, ...] = (
     ),
     Route("envd", "GET", "/health", (), "204, no operation: the server answers for every sandbox"),
     # ---- the code interpreter
-    Route("interpreter", "POST", "/execute", (Op.RUN_CODE,), "NDJSON events"),
+    Route("interpreter", "POST", "/execute", (Op.RUN_CODE,), "NDJSON events; `env_vars` for that run only"),
     Route("interpreter", "POST", "/contexts", (Op.CREATE_CONTEXT,)),
     Route("interpreter", "DELETE", "/contexts/{id}", (Op.REMOVE_CONTEXT,)),
-    Route("interpreter", "GET", "/contexts", (), unsupported="listing code contexts needs an operation: not yet"),
-    Route("interpreter", "POST", "/contexts/{id}/restart", (), unsupported="restarting a context: not yet"),
+    Route("interpreter", "GET", "/contexts", (Op.LIST_CONTEXTS,), "the default contexts once they ran"),
+    Route("interpreter", "POST", "/contexts/{id}/restart", (Op.RESTART_CONTEXT,), "same id, language and cwd"),
     Route("interpreter", "GET", "/health", (), "200, no operation"),
     # ---- any other port: a server inside the sandbox (get_host)
     Route(
