@@ -137,9 +137,37 @@ def test_bench_template_short(runc_ready):
     assert len(rep["goals"]) == 3 and all(isinstance(g["met"], bool) for g in rep["goals"].values())
 
 
+@pytest.mark.sandbox
+def test_bench_session_short(runc_ready, tmp_path):
+    """The coding session on the container tier with a half-second think: keep-alive and pause play
+    every turn as expected (tests fail, then pass after the edit; the Node build with its local
+    dependency), pause keeps the files but (no memory snapshot here) not the background process,
+    the raw runc turns ran, the goals and the chart are there."""
+    stem = tmp_path / "chart"
+    rep = _bench(
+        "session", "--tier", "container", "--session", "coding", "--strategy", "keep", "--strategy", "pause",
+        "--think", "1", "--think-scale", "0.5", "--chart", str(stem),
+    )  # fmt: skip
+    rows = {r["strategy"]: r for r in rep["rows"]}
+    assert set(rows) == {"keep", "pause"} and rep["think_s"] == 0.5
+    for r in rows.values():
+        assert r["all_ok"], r
+        assert [t["turn"] for t in r["turns"]] == ["read", "test", "failure", "edit", "retest", "build"]
+        assert all(t["total_ms"] >= t["prep_ms"] >= 0 for t in r["turns"]) and len(r["idle"]) == 5
+    assert rows["keep"]["kept"] == {"files": True, "background": True} and rows["keep"]["stored_bytes"] == 0
+    assert rows["pause"]["kept"] == {"files": True, "background": False} and rows["pause"]["stored_bytes"] > 0
+    assert rows["pause"]["later_turn_prep_mean_ms"] > 0 and rows["pause"]["pause_mean_ms"] > 0
+    assert rows["keep"]["idle_gib_s"] > 0 and rows["pause"]["idle_gib_s"] < rows["keep"]["idle_gib_s"]
+    assert [t["turn"] for t in rep["raw"]["coding"]] == [t["turn"] for t in rows["keep"]["turns"]]
+    assert [(g["strategy"], g["added_goal_ms"]) for g in rep["goals"]] == [("pause", 150.0)]
+    assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG" and b"<svg" in stem.with_suffix(".svg").read_bytes()
+
+
 @pytest.mark.parametrize(
     "args",
     [
+        ["session", "--think", "-1"],
+        ["session", "--think-scale", "2"],
         ["api", "--creates", "0"],
         ["api", "--clients", "5", "--creates", "4"],
         ["start", "--runs", "0"],

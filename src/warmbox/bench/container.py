@@ -154,14 +154,20 @@ def _bwrap_argv(cmd: list[str]) -> list[str]:
     return [*argv, "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", *cmd]
 
 
-def _raw_bundle(backend, d: Path, uid_base: int, cmd: list[str]) -> None:
-    """An OCI bundle in ``d`` with the backend's own config for a sandbox, ``cmd`` as its process."""
+def _raw_bundle(backend, d: Path, uid_base: int, cmd: list[str], seed: Path | None = None) -> None:
+    """An OCI bundle in ``d`` with the backend's own config for a sandbox, ``cmd`` as its process;
+    ``seed``: a host directory whose contents are copied into its workspace first."""
     from warmbox.backends.base import SandboxSpec
     from warmbox.backends.runc import GUEST_GID, GUEST_UID
     from warmbox.models import Limits
 
     ws = d / "workspace"
     ws.mkdir(parents=True)
+    if seed is not None:  # before the container exists: nothing in ws is the guest's yet
+        shutil.copytree(seed, ws, symlinks=True, dirs_exist_ok=True)
+        for root, dirs, files in os.walk(ws):
+            for name in dirs + files:
+                os.chown(os.path.join(root, name), uid_base + GUEST_UID, uid_base + GUEST_GID, follow_symlinks=False)
     os.chown(ws, uid_base + GUEST_UID, uid_base + GUEST_GID)
     spec = SandboxSpec(sandbox_id=d.name, state_dir=str(d), uid_base=uid_base, envs=(), limits=Limits())
     config = backend.config(spec, backend.image(), ws)
@@ -181,12 +187,14 @@ class _RawRunc:
         self.uid_base = UID_BASE + MAX_SLOTS * UID_RANGE  # last slot: never handed to a sandbox
         self.n = 0
 
-    def run(self, cmd: list[str]) -> tuple[float, str]:
+    def run(self, cmd: list[str], seed: Path | None = None, check: bool = True) -> tuple[float, str]:
+        """(ms, stdout) of ``runc run`` of ``cmd`` in a fresh bundle (``seed`` copied into its
+        workspace, timed too); check: a nonzero exit is a WarmboxError."""
         self.n += 1
         cid = f"wbbench-{os.getpid()}-{self.n}"
         d = self.dir / cid
         t0 = time.perf_counter()
-        _raw_bundle(self.backend, d, self.uid_base, cmd)
+        _raw_bundle(self.backend, d, self.uid_base, cmd, seed)
         try:
             out = subprocess.run(
                 [self.backend.runc, "--root", str(self.backend.root), "run", "--bundle", str(d), cid],
@@ -200,7 +208,7 @@ class _RawRunc:
                 [self.backend.runc, "--root", str(self.backend.root), "delete", "--force", cid], capture_output=True
             )
             shutil.rmtree(d, ignore_errors=True)
-        if out.returncode != 0:
+        if check and out.returncode != 0:
             raise WarmboxError(f"raw runc failed: {out.stderr.strip()[-300:]}")
         return ms, out.stdout
 
@@ -1103,6 +1111,10 @@ async def command(args: argparse.Namespace) -> int:
         from warmbox.bench import cluster
 
         return await cluster.command(args)
+    if args.bench == "session":
+        from warmbox.bench import session
+
+        return await session.command(args)
     if args.bench == "template":
         from warmbox.bench import template
 
