@@ -673,7 +673,42 @@ async def _raw_idle(runtime: Path, k: int) -> dict[str, float]:
             await asyncio.to_thread(raw.delete, cid)
 
 
-async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, template: str) -> dict:
+async def _first_use(home: Path, pool: str, claims: int, idle: int) -> dict[str, Any]:
+    """With ``idle`` sandboxes of ``pool`` idle: ``claims`` creates from it, each timed to its first
+    ``run_code`` (a template that starts no context starts one there) and to its first command."""
+    from warmbox.engine.engine import Engine
+    from warmbox.sdk.sandbox import AsyncSandbox
+
+    engine = Engine.for_home(home)
+    row = engine.settings().pools[pool]
+    code_ms: list[float] = []
+    cmd_ms: list[float] = []
+    hits = 0
+    for i in range(claims):
+        await _wait_quiet(engine, pool, timeout=900)  # (the last claim's refill done)
+        t0 = time.perf_counter()
+        sb = await AsyncSandbox.create("container", template=row.template, limits=row.limits, home=home)
+        try:
+            hits += sb.from_pool
+            if i % 2 == 0:
+                ex = await sb.run_code("2+2", timeout=120)
+                code_ms.append((time.perf_counter() - t0) * 1e3)
+                if ex.text != "4":
+                    raise WarmboxError(f"first run_code answered {ex.text!r}: {ex.error}")
+            else:
+                await sb.commands.run(EMPTY, timeout=120, check=True)
+                cmd_ms.append((time.perf_counter() - t0) * 1e3)
+        finally:
+            await sb.kill()
+    out: dict[str, Any] = {"idle_sandboxes": idle, "claims": claims, "pool_hits": hits}
+    if code_ms:
+        out["create_first_run_code"] = _stats(code_ms)
+    if cmd_ms:
+        out["create_first_command"] = _stats(cmd_ms)
+    return out
+
+
+async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, template: str, claims: int = 0) -> dict:
     from warmbox.engine import pool as pools
     from warmbox.engine.engine import Engine
 
@@ -707,6 +742,7 @@ async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, t
             progress.update(task, completed=n)
             if drop >= bound_gib * 2**30:
                 break
+    first_use = await _first_use(home, name, claims, len(ids)) if claims else {}
     pools.resize(engine, engine.settings(), name, 0, min=0, max=0)
     await _wait_quiet(engine, name)
     return {
@@ -714,6 +750,8 @@ async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, t
         "template": template,
         "bound_gib": bound_gib,
         "steps": steps,
+        "free_memory_mib_at_end": _mem_available() / 2**20,
+        "first_use": first_use,
         "raw_python_idle": raw,
         "note": "runc leaves no host process per sandbox (no shim); host cost is the kernel's. raw_python_idle: "
         "raw runc containers (the same OCI config) whose PID 1 is python3 -c 'import time; time.sleep(1e9)'",
@@ -733,6 +771,15 @@ def _print_density(r: dict) -> None:
             f"{s['pss_mib_per_sandbox']:>8.2f} {s['rss_mib_per_sandbox']:>8.2f} "
             f"{s['host_memavailable_drop_mib_per_sandbox']:>18.2f}"
         )
+    print(f"  host MemAvailable at the end: {r['free_memory_mib_at_end']:.0f} MiB")
+    fu = r["first_use"]
+    for k in ("create_first_run_code", "create_first_command"):
+        if k in fu:
+            s = fu[k]
+            print(
+                f"  {k} with {fu['idle_sandboxes']} idle: p50 {s['p50_ms']:.1f} ms  p99 {s['p99_ms']:.1f} ms "
+                f"(n={s['n']}, pool hits {fu['pool_hits']}/{fu['claims']})"
+            )
     last = r["steps"][-1] if r["steps"] else None
     if last is not None:
         print(
@@ -1077,7 +1124,7 @@ def _validate(args: argparse.Namespace) -> None:
         "burst": [("burst", 1, 500)],
         "exec": [("seconds", 0.01, 3600)],
         "snapshot": [("runs", 1, 1000), ("mb", 0, 4096)],
-        "density": [("max", 1, 2000), ("step", 1, 2000), ("memory_bound_gib", 0.01, 1024)],
+        "density": [("max", 1, 2000), ("step", 1, 2000), ("memory_bound_gib", 0.01, 1024), ("claims", 0, 1000)],
     }
     check_ranges(args, table[args.bench])
     if args.bench == "burst" and (not args.pools or any(not 0 <= n <= 500 for n in args.pools)):
@@ -1173,7 +1220,7 @@ async def command(args: argparse.Namespace) -> int:
         else:
             if args.template not in ("base", "shell"):
                 raise WarmboxError("bench density --template must be base or shell")
-            report = await bench_density(home, args.max, args.step, args.memory_bound_gib, args.template)
+            report = await bench_density(home, args.max, args.step, args.memory_bound_gib, args.template, args.claims)
             printer = _print_density
     finally:
         await _remove_home(home)

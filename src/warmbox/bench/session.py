@@ -291,13 +291,12 @@ class _Player:
         run = self.run
         t_start = time.perf_counter()
         try:
+            g0 = c0 = t_end = 0.0
             for i, turn in enumerate(self.turns):
-                if i:
-                    g0, c0 = await self._meter()
-                    t0 = time.perf_counter()
+                if i:  # the interval since the turn's end: the pause or kill, then the think time
                     await asyncio.sleep(self.think_s)
                     g1, c1 = await self._meter()
-                    run.idle.append({"s": time.perf_counter() - t0, "gib_s": g1 - g0, "cpu_s": c1 - c0})
+                    run.idle.append({"s": time.perf_counter() - t_end, "gib_s": g1 - g0, "cpu_s": c1 - c0})
                 await self._locked()
                 try:
                     t0 = time.perf_counter()
@@ -329,6 +328,8 @@ class _Player:
                             "why": why,
                         }
                     )
+                    g0, c0 = await self._meter()
+                    t_end = time.perf_counter()
                     await self._after_turn(i == len(self.turns) - 1)
                 finally:
                     self.lock.release()
@@ -453,6 +454,8 @@ def _goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         keep = by.get((session, tier, "keep"))
         if strategy not in ("pause", "autopause") or keep is None or r["later_turn_total_mean_ms"] is None:
             continue
+        # what pausing adds on the agent's path: turns 2.. against keep-alive's (the resume, and
+        # any slower command after it: a context started again, caches gone)
         added = r["later_turn_total_mean_ms"] - keep["later_turn_total_mean_ms"]
         cut = 1 - r["idle_gib_s"] / keep["idle_gib_s"] if keep["idle_gib_s"] > 0 else None
         goal_ms = GOAL_PAUSE_ADDED_MS.get(tier)
@@ -462,6 +465,7 @@ def _goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "tier": tier,
                 "strategy": strategy,
                 "added_per_turn_ms": added,
+                "resume_mean_ms": r["later_turn_prep_mean_ms"],
                 "added_goal_ms": goal_ms,
                 "added_met": None if goal_ms is None else added <= goal_ms,
                 "idle_gib_s_cut": cut,
@@ -551,7 +555,8 @@ def print_report(r: dict[str, Any]) -> None:
         cut = "-" if g["idle_gib_s_cut"] is None else f"{g['idle_gib_s_cut'] * 100:.1f} %"
         print(
             f"  goal {g['session']}/{g['tier']}/{g['strategy']}: +{g['added_per_turn_ms']:.1f} ms per turn "
-            f"({met[g['added_met']]}), idle GiB-s cut {cut} ({met[g['idle_cut_met']]})"
+            f"(resume {g['resume_mean_ms']:.1f} ms; {met[g['added_met']]}), idle GiB-s cut {cut} "
+            f"({met[g['idle_cut_met']]})"
         )
     if r["chart"]:
         print("  chart: " + " ".join(r["chart"]))

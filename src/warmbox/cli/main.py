@@ -397,6 +397,9 @@ def _parser() -> _Parser:
     b.add_argument("--step", type=int, default=10)
     b.add_argument("--memory-bound-gib", type=float, default=4.0, help="stop when they use this much")
     b.add_argument("--template", default="base")
+    b.add_argument(
+        "--claims", type=int, default=10, help="then this many creates from the full pool: first run_code / command"
+    )
     b.add_argument("--json", action="store_true")
     b = bsub.add_parser("template", help="custom template: cold build, cached rebuild, start and pool claim vs base")
     b.add_argument(
