@@ -209,7 +209,7 @@ class AsyncSandbox:
             alone, it implies tier="auto").
         timeout: seconds the sandbox lives (wall clock) before it is destroyed; see set_timeout.
         envs: environment of every process in the sandbox, on top of PATH, HOME and LANG only.
-        template: "base" (Python context started), "pydata" (numpy/pandas imported), "shell",
+        template: "base" (Python context started at the first run_code), "pydata" (numpy/pandas imported), "shell",
             or one from warmbox.toml; its warm-up has run before the sandbox is returned.
         pool: take a ready sandbox from a matching warm pool when one is there (``from_pool``);
             False always creates cold. A pooled sandbox never served anyone before.
