@@ -58,8 +58,11 @@ def test_bench_burst_short(runc_ready):
 
 @pytest.mark.sandbox
 def test_bench_density_short(runc_ready):
-    rep = _bench("density", "--max", "2", "--step", "1")
+    rep = _bench("density", "--max", "2", "--step", "1", "--claims", "2")
     assert [s["sandboxes"] for s in rep["steps"]] == [1, 2]
+    fu = rep["first_use"]  # a claim from the full pool timed to its first run_code, one to its first command
+    assert fu["idle_sandboxes"] == 2 and fu["pool_hits"] == 2
+    assert fu["create_first_run_code"]["n"] == 1 and fu["create_first_command"]["n"] == 1
     raw = rep["raw_python_idle"]  # the same run's floor: raw runc, PID 1 a bare sleeping python3
     assert raw["containers"] == 1 and raw["cgroup_mib_per_sandbox"] > 0
     assert 0 < raw["uss_mib_per_sandbox"] <= raw["rss_mib_per_sandbox"]
@@ -168,6 +171,7 @@ def test_bench_session_short(runc_ready, tmp_path):
     [
         ["session", "--think", "-1"],
         ["session", "--think-scale", "2"],
+        ["density", "--claims", "-1"],
         ["api", "--creates", "0"],
         ["api", "--clients", "5", "--creates", "4"],
         ["start", "--runs", "0"],

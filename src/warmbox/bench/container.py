@@ -737,6 +737,7 @@ async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, t
                 members.append(((await backend.usage(handle)).memory_bytes, backend.sandbox_pids(sid)))
             drop = base_avail - _mem_available()
             row = {"sandboxes": len(ids), **_idle_memory(members, drop), "host_processes_per_sandbox": 0}
+            row["host_memavailable_mib"] = _mem_available() / 2**20
             row["cgroup_over_raw"] = row["cgroup_mib_per_sandbox"] / max(raw["cgroup_mib_per_sandbox"], 1e-9)
             steps.append(row)
             progress.update(task, completed=n)
@@ -750,7 +751,6 @@ async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, t
         "template": template,
         "bound_gib": bound_gib,
         "steps": steps,
-        "free_memory_mib_at_end": _mem_available() / 2**20,
         "first_use": first_use,
         "raw_python_idle": raw,
         "note": "runc leaves no host process per sandbox (no shim); host cost is the kernel's. raw_python_idle: "
@@ -771,7 +771,10 @@ def _print_density(r: dict) -> None:
             f"{s['pss_mib_per_sandbox']:>8.2f} {s['rss_mib_per_sandbox']:>8.2f} "
             f"{s['host_memavailable_drop_mib_per_sandbox']:>18.2f}"
         )
-    print(f"  host MemAvailable at the end: {r['free_memory_mib_at_end']:.0f} MiB")
+    if r["steps"]:
+        print(
+            f"  host MemAvailable with {r['steps'][-1]['sandboxes']}: {r['steps'][-1]['host_memavailable_mib']:.0f} MiB"
+        )
     fu = r["first_use"]
     for k in ("create_first_run_code", "create_first_command"):
         if k in fu:
