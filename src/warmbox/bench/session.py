@@ -299,6 +299,8 @@ class _Player:
                     run.idle.append({"s": time.perf_counter() - t_end, "gib_s": g1 - g0, "cpu_s": c1 - c0})
                 await self._locked()
                 try:
+                    # autopause: the latest resume's time, to tell a resume of this turn from an old one
+                    before = (await self.sb.get_timings()).get("resume") if run.strategy == "autopause" and i else None
                     t0 = time.perf_counter()
                     resumed_ms = 0.0
                     if self.sb is None or run.strategy == "recreate":
@@ -310,7 +312,8 @@ class _Player:
                     ok, why = await self._do(turn, replay)
                     t2 = time.perf_counter()
                     if run.strategy == "autopause" and i:
-                        resumed_ms = (await self.sb.get_timings()).get("resume", 0.0)
+                        after = (await self.sb.get_timings()).get("resume")
+                        resumed_ms = after if after is not None and after != before else 0.0
                     # (not with autopause: a running background process is use, never auto-paused)
                     if i == 0 and run.session == "coding" and run.strategy in ("keep", "pause"):
                         await self.sb.commands.run("sleep 86400", background=True, tag="bench-bg")
