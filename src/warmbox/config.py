@@ -88,7 +88,7 @@ BUILTIN_TEMPLATES: dict[str, dict[str, Any]] = {
     "base": {
         "warmup_code": "",
         "description": "Python 3 (pip, venv, pytest, build), Node.js + npm, git, gcc/make, curl, jq, rg; "
-        "code context started",
+        "code context on first use",
     },
     "pydata": {
         "warmup_code": "import numpy, pandas\ntry:\n    import requests\nexcept ImportError:\n    pass\n"
@@ -108,7 +108,8 @@ BUILTIN_POOLS: dict[str, dict[str, Any]] = {
 class Template:
     """An image plus what to run before the sandbox is handed out.
 
-    warmup_code: Python run in the default code context (None: no context is started).
+    warmup_code: Python run in the default code context (None or "": no context is started
+        before the sandbox is handed out; the first run_code starts it).
     warmup_commands: shell commands run in order; each must exit 0.
     """
 

@@ -58,8 +58,11 @@ def test_bench_burst_short(runc_ready):
 
 @pytest.mark.sandbox
 def test_bench_density_short(runc_ready):
-    rep = _bench("density", "--max", "2", "--step", "1")
+    rep = _bench("density", "--max", "2", "--step", "1", "--claims", "2")
     assert [s["sandboxes"] for s in rep["steps"]] == [1, 2]
+    fu = rep["first_use"]  # a claim from the full pool timed to its first run_code, one to its first command
+    assert fu["idle_sandboxes"] == 2 and fu["pool_hits"] == 2
+    assert fu["create_first_run_code"]["n"] == 1 and fu["create_first_command"]["n"] == 1
     raw = rep["raw_python_idle"]  # the same run's floor: raw runc, PID 1 a bare sleeping python3
     assert raw["containers"] == 1 and raw["cgroup_mib_per_sandbox"] > 0
     assert 0 < raw["uss_mib_per_sandbox"] <= raw["rss_mib_per_sandbox"]
@@ -137,9 +140,38 @@ def test_bench_template_short(runc_ready):
     assert len(rep["goals"]) == 3 and all(isinstance(g["met"], bool) for g in rep["goals"].values())
 
 
+@pytest.mark.sandbox
+def test_bench_session_short(runc_ready, tmp_path):
+    """The coding session on the container tier with a half-second think: keep-alive and pause play
+    every turn as expected (tests fail, then pass after the edit; the Node build with its local
+    dependency), pause keeps the files but (no memory snapshot here) not the background process,
+    the raw runc turns ran, the goals and the chart are there."""
+    stem = tmp_path / "chart"
+    rep = _bench(
+        "session", "--tier", "container", "--session", "coding", "--strategy", "keep", "--strategy", "pause",
+        "--think", "1", "--think-scale", "0.5", "--chart", str(stem),
+    )  # fmt: skip
+    rows = {r["strategy"]: r for r in rep["rows"]}
+    assert set(rows) == {"keep", "pause"} and rep["think_s"] == 0.5
+    for r in rows.values():
+        assert r["all_ok"], r
+        assert [t["turn"] for t in r["turns"]] == ["read", "test", "failure", "edit", "retest", "build"]
+        assert all(t["total_ms"] >= t["prep_ms"] >= 0 for t in r["turns"]) and len(r["idle"]) == 5
+    assert rows["keep"]["kept"] == {"files": True, "background": True} and rows["keep"]["stored_bytes"] == 0
+    assert rows["pause"]["kept"] == {"files": True, "background": False} and rows["pause"]["stored_bytes"] > 0
+    assert rows["pause"]["later_turn_prep_mean_ms"] > 0 and rows["pause"]["pause_mean_ms"] > 0
+    assert rows["keep"]["idle_gib_s"] > 0 and rows["pause"]["idle_gib_s"] < rows["keep"]["idle_gib_s"]
+    assert [t["turn"] for t in rep["raw"]["coding"]] == [t["turn"] for t in rows["keep"]["turns"]]
+    assert [(g["strategy"], g["added_goal_ms"]) for g in rep["goals"]] == [("pause", 150.0)]
+    assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG" and b"<svg" in stem.with_suffix(".svg").read_bytes()
+
+
 @pytest.mark.parametrize(
     "args",
     [
+        ["session", "--think", "-1"],
+        ["session", "--think-scale", "2"],
+        ["density", "--claims", "-1"],
         ["api", "--creates", "0"],
         ["api", "--clients", "5", "--creates", "4"],
         ["start", "--runs", "0"],
@@ -194,3 +226,27 @@ def test_bench_microvm_short(runc_ready):
     assert rep["memory_snapshot"] is True and rep["sizes"]["artifact_bytes"] > 0
     assert set(rep["stats"]) == {"pause_ms", "resume_first_ms", "raw_save_ms", "raw_restore_first_ms"}
     assert _qemus() <= before, "the benchmark left a VM running"
+
+
+def test_bench_session_prices_come_from_the_users_cost_settings(tmp_path, monkeypatch):
+    """bench session prices idle time at the user's [cost] (the first-hour issue's settings) when
+    it sets prices; else at E2B's published ones; a flag still wins."""
+    import argparse
+
+    from warmbox.bench import session
+
+    def args(**kw):
+        return argparse.Namespace(think=1.0, think_scale=1.0, cpu_hour=None, gib_hour=None, **kw)
+
+    monkeypatch.delenv("WARMBOX_CONFIG", raising=False)
+    monkeypatch.setenv("WARMBOX_HOME", str(tmp_path))
+    a = args()
+    session.validate(a)
+    assert (a.cpu_hour, a.gib_hour) == (session.DEFAULT_CPU_HOUR, session.DEFAULT_GIB_HOUR)
+    (tmp_path / "warmbox.toml").write_text("[cost]\ncpu_hour = 0.2\ngib_hour = 0.03\n")
+    a = args()
+    session.validate(a)
+    assert (a.cpu_hour, a.gib_hour) == (0.2, 0.03)
+    a = argparse.Namespace(think=1.0, think_scale=1.0, cpu_hour=1.5, gib_hour=None)
+    session.validate(a)
+    assert (a.cpu_hour, a.gib_hour) == (1.5, 0.03)

@@ -110,6 +110,29 @@ def test_an_idle_sandbox_is_paused_and_the_next_call_resumes_it(home, runc_ready
 
 
 @pytest.mark.sandbox
+def test_a_call_during_the_daemons_memory_pause_waits_for_it_and_resumes(home, runc_ready):
+    """gVisor's idle pause checkpoints for a second or more: a call then found the agent gone and
+    the runtime not alive, and destroyed the sandbox as dead under its pauser (SandboxNotFound,
+    its snapshot lost; seen by bench session's autopause strategy). It waits for the pause now."""
+    engine = Engine.for_home(home)
+    avail = engine.backend("gvisor").probe()
+    assert avail.available, avail.reason
+    sb = Sandbox.create(
+        tier="gvisor", template="shell", timeout=300, lifecycle=Lifecycle(idle_pause_after=1, auto_resume=True)
+    )
+    sid = sb.sandbox_id
+    try:
+        sb.files.write("/workspace/kept.txt", "before")
+        sb.run_code("x = 41")
+        wait_for(lambda: snaps.pause_running(engine, sid), WAIT_S, "the daemon's memory pause to start")
+        assert sb.files.read("/workspace/kept.txt") == "before"  # during the pause: waits, then resumes
+        assert sb.run_code("x + 1").text == "42" and sb.get_timings()["resume"] > 0
+        assert _state(engine, sid) in (State.READY, State.RUNNING)
+    finally:
+        sb.kill()
+
+
+@pytest.mark.sandbox
 def test_without_auto_resume_a_paused_sandbox_raises_until_connected(home, runc_ready):
     engine = Engine.for_home(home)
     sb = Sandbox.create(template="shell", timeout=300, lifecycle=Lifecycle(idle_pause_after=1))

@@ -154,14 +154,20 @@ def _bwrap_argv(cmd: list[str]) -> list[str]:
     return [*argv, "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", *cmd]
 
 
-def _raw_bundle(backend, d: Path, uid_base: int, cmd: list[str]) -> None:
-    """An OCI bundle in ``d`` with the backend's own config for a sandbox, ``cmd`` as its process."""
+def _raw_bundle(backend, d: Path, uid_base: int, cmd: list[str], seed: Path | None = None) -> None:
+    """An OCI bundle in ``d`` with the backend's own config for a sandbox, ``cmd`` as its process;
+    ``seed``: a host directory whose contents are copied into its workspace first."""
     from warmbox.backends.base import SandboxSpec
     from warmbox.backends.runc import GUEST_GID, GUEST_UID
     from warmbox.models import Limits
 
     ws = d / "workspace"
     ws.mkdir(parents=True)
+    if seed is not None:  # before the container exists: nothing in ws is the guest's yet
+        shutil.copytree(seed, ws, symlinks=True, dirs_exist_ok=True)
+        for root, dirs, files in os.walk(ws):
+            for name in dirs + files:
+                os.chown(os.path.join(root, name), uid_base + GUEST_UID, uid_base + GUEST_GID, follow_symlinks=False)
     os.chown(ws, uid_base + GUEST_UID, uid_base + GUEST_GID)
     spec = SandboxSpec(sandbox_id=d.name, state_dir=str(d), uid_base=uid_base, envs=(), limits=Limits())
     config = backend.config(spec, backend.image(), ws)
@@ -181,12 +187,14 @@ class _RawRunc:
         self.uid_base = UID_BASE + MAX_SLOTS * UID_RANGE  # last slot: never handed to a sandbox
         self.n = 0
 
-    def run(self, cmd: list[str]) -> tuple[float, str]:
+    def run(self, cmd: list[str], seed: Path | None = None, check: bool = True) -> tuple[float, str]:
+        """(ms, stdout) of ``runc run`` of ``cmd`` in a fresh bundle (``seed`` copied into its
+        workspace, timed too); check: a nonzero exit is a WarmboxError."""
         self.n += 1
         cid = f"wbbench-{os.getpid()}-{self.n}"
         d = self.dir / cid
         t0 = time.perf_counter()
-        _raw_bundle(self.backend, d, self.uid_base, cmd)
+        _raw_bundle(self.backend, d, self.uid_base, cmd, seed)
         try:
             out = subprocess.run(
                 [self.backend.runc, "--root", str(self.backend.root), "run", "--bundle", str(d), cid],
@@ -200,7 +208,7 @@ class _RawRunc:
                 [self.backend.runc, "--root", str(self.backend.root), "delete", "--force", cid], capture_output=True
             )
             shutil.rmtree(d, ignore_errors=True)
-        if out.returncode != 0:
+        if check and out.returncode != 0:
             raise WarmboxError(f"raw runc failed: {out.stderr.strip()[-300:]}")
         return ms, out.stdout
 
@@ -703,7 +711,42 @@ async def _raw_idle(runtime: Path, k: int) -> dict[str, float]:
             await asyncio.to_thread(raw.delete, cid)
 
 
-async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, template: str) -> dict:
+async def _first_use(home: Path, pool: str, claims: int, idle: int) -> dict[str, Any]:
+    """With ``idle`` sandboxes of ``pool`` idle: ``claims`` creates from it, each timed to its first
+    ``run_code`` (a template that starts no context starts one there) and to its first command."""
+    from warmbox.engine.engine import Engine
+    from warmbox.sdk.sandbox import AsyncSandbox
+
+    engine = Engine.for_home(home)
+    row = engine.settings().pools[pool]
+    code_ms: list[float] = []
+    cmd_ms: list[float] = []
+    hits = 0
+    for i in range(claims):
+        await _wait_quiet(engine, pool, timeout=900)  # (the last claim's refill done)
+        t0 = time.perf_counter()
+        sb = await AsyncSandbox.create(tier="container", template=row.template, limits=row.limits, home=home)
+        try:
+            hits += sb.from_pool
+            if i % 2 == 0:
+                ex = await sb.run_code("2+2", timeout=120)
+                code_ms.append((time.perf_counter() - t0) * 1e3)
+                if ex.text != "4":
+                    raise WarmboxError(f"first run_code answered {ex.text!r}: {ex.error}")
+            else:
+                await sb.commands.run(EMPTY, timeout=120, check=True)
+                cmd_ms.append((time.perf_counter() - t0) * 1e3)
+        finally:
+            await sb.kill()
+    out: dict[str, Any] = {"idle_sandboxes": idle, "claims": claims, "pool_hits": hits}
+    if code_ms:
+        out["create_first_run_code"] = _stats(code_ms)
+    if cmd_ms:
+        out["create_first_command"] = _stats(cmd_ms)
+    return out
+
+
+async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, template: str, claims: int = 0) -> dict:
     from warmbox.engine import pool as pools
     from warmbox.engine.engine import Engine
 
@@ -732,11 +775,13 @@ async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, t
                 members.append(((await backend.usage(handle)).memory_bytes, backend.sandbox_pids(sid)))
             drop = base_avail - _mem_available()
             row = {"sandboxes": len(ids), **_idle_memory(members, drop), "host_processes_per_sandbox": 0}
+            row["host_memavailable_mib"] = _mem_available() / 2**20
             row["cgroup_over_raw"] = row["cgroup_mib_per_sandbox"] / max(raw["cgroup_mib_per_sandbox"], 1e-9)
             steps.append(row)
             progress.update(task, completed=n)
             if drop >= bound_gib * 2**30:
                 break
+    first_use = await _first_use(home, name, claims, len(ids)) if claims else {}
     pools.resize(engine, engine.settings(), name, 0, min=0, max=0)
     await _wait_quiet(engine, name)
     return {
@@ -744,6 +789,7 @@ async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, t
         "template": template,
         "bound_gib": bound_gib,
         "steps": steps,
+        "first_use": first_use,
         "raw_python_idle": raw,
         "note": "runc leaves no host process per sandbox (no shim); host cost is the kernel's. raw_python_idle: "
         "raw runc containers (the same OCI config) whose PID 1 is python3 -c 'import time; time.sleep(1e9)'",
@@ -763,6 +809,18 @@ def _print_density(r: dict) -> None:
             f"{s['pss_mib_per_sandbox']:>8.2f} {s['rss_mib_per_sandbox']:>8.2f} "
             f"{s['host_memavailable_drop_mib_per_sandbox']:>18.2f}"
         )
+    if r["steps"]:
+        print(
+            f"  host MemAvailable with {r['steps'][-1]['sandboxes']}: {r['steps'][-1]['host_memavailable_mib']:.0f} MiB"
+        )
+    fu = r["first_use"]
+    for k in ("create_first_run_code", "create_first_command"):
+        if k in fu:
+            s = fu[k]
+            print(
+                f"  {k} with {fu['idle_sandboxes']} idle: p50 {s['p50_ms']:.1f} ms  p99 {s['p99_ms']:.1f} ms "
+                f"(n={s['n']}, pool hits {fu['pool_hits']}/{fu['claims']})"
+            )
     last = r["steps"][-1] if r["steps"] else None
     if last is not None:
         print(
@@ -1107,7 +1165,7 @@ def _validate(args: argparse.Namespace) -> None:
         "burst": [("burst", 1, 500)],
         "exec": [("seconds", 0.01, 3600)],
         "snapshot": [("runs", 1, 1000), ("mb", 0, 4096)],
-        "density": [("max", 1, 2000), ("step", 1, 2000), ("memory_bound_gib", 0.01, 1024)],
+        "density": [("max", 1, 2000), ("step", 1, 2000), ("memory_bound_gib", 0.01, 1024), ("claims", 0, 1000)],
     }
     check_ranges(args, table[args.bench])
     if args.bench == "burst" and (not args.pools or any(not 0 <= n <= 500 for n in args.pools)):
@@ -1141,6 +1199,10 @@ async def command(args: argparse.Namespace) -> int:
         from warmbox.bench import cluster
 
         return await cluster.command(args)
+    if args.bench == "session":
+        from warmbox.bench import session
+
+        return await session.command(args)
     if args.bench == "template":
         from warmbox.bench import template
 
@@ -1203,7 +1265,7 @@ async def command(args: argparse.Namespace) -> int:
         else:
             if args.template not in ("base", "shell"):
                 raise WarmboxError("bench density --template must be base or shell")
-            report = await bench_density(home, args.max, args.step, args.memory_bound_gib, args.template)
+            report = await bench_density(home, args.max, args.step, args.memory_bound_gib, args.template, args.claims)
             printer = _print_density
     finally:
         await _remove_home(home)

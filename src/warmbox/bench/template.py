@@ -5,7 +5,7 @@ build:   a small custom template on top of ``base`` (two RUN steps, a COPY of a 
          rebuilt unchanged (every step a cache hit, no build sandbox). Goal: the cached rebuild
          takes < 10 % of the cold build.
 start:   create -> first command, cold (``pool=False``), of the custom template and of the built-in
-         ``base``, interleaved: both run the same warm-up (a started Python context) and the same
+         ``base``, interleaved: both have the same warm-up (base's: none) and the same
          ``python3 -c 'print(2+2)'``; the custom one has three more layers in its overlay. Goal:
          custom within 1.1x of base at p50.
 pool:    create -> first run_code from a warm pool of each (one pool per template, refilled to
@@ -57,7 +57,7 @@ def custom_spec(nonce: str, context: Path) -> Any:
         .run("mkdir -p /opt/data && head -c 16777216 /dev/urandom > /opt/data/blob && ls -la /opt/data")
         .copy(str(context), "/opt/app/src/")
         .env({"BENCH_TEMPLATE": nonce})
-        .warmup(code="")  # base's: a started Python context
+        .warmup(code="")  # base's: the context starts at the first run_code
         .with_context(context)
     )
 

@@ -28,7 +28,7 @@ warmbox advise [--language L --untrusted|--trusted --io compute|syscall-heavy|ne
                                   which tier for such code here, why, and why not the others
 warmbox demo                      a short tour on the embedded defaults
 warmbox mcp                       an MCP server on stdin/stdout (sandbox tools for an agent)
-warmbox bench start|burst|exec|density|api|e2b|cluster|template|profile|cli   benchmarks, ratios against raw runtimes
+warmbox bench start|burst|exec|density|api|session|e2b|cluster|template|profile|cli   benchmarks vs raw runtimes
 warmbox serve [--host H --port P]  the HTTP API (/v1) on 127.0.0.1:7420 and a unix socket (+ MCP at /mcp)
 warmbox serve --cluster HEAD      the same API as a cluster's API tier: each call runs on its sandbox's node
 warmbox node join HEAD [--name N --slots K]   this home's engine as a cluster node (Ray head HEAD) until SIGTERM
@@ -408,6 +408,9 @@ def _parser() -> _Parser:
     b.add_argument("--step", type=int, default=10)
     b.add_argument("--memory-bound-gib", type=float, default=4.0, help="stop when they use this much")
     b.add_argument("--template", default="base")
+    b.add_argument(
+        "--claims", type=int, default=10, help="then this many creates from the full pool: first run_code / command"
+    )
     b.add_argument("--json", action="store_true")
     b = bsub.add_parser("template", help="custom template: cold build, cached rebuild, start and pool claim vs base")
     b.add_argument(
@@ -442,6 +445,26 @@ def _parser() -> _Parser:
     b.add_argument("--rounds", type=int, default=1, help="burst: rounds per side, alternating")
     b.add_argument("--refill-concurrency", type=int, default=2, help="sandboxes the pool warms at once")
     b.add_argument("--tcp", action="store_true", help="over 127.0.0.1 with an admin key instead of the unix socket")
+    b.add_argument("--json", action="store_true")
+    b = bsub.add_parser(
+        "session",
+        help="an agent session turn by turn with think time: keep-alive vs recreate vs pause, per tier, vs raw runc",
+    )
+    b.add_argument("--think", type=float, default=20.0, help="seconds the model thinks between turns (default 20)")
+    b.add_argument("--think-scale", type=float, default=1.0, help="multiply --think by this (CI: 0.01)")
+    b.add_argument(
+        "--tier", action="append", choices=["container", "gvisor", "microvm"], help="repeatable; default: all"
+    )
+    b.add_argument(
+        "--strategy",
+        action="append",
+        choices=["keep", "recreate", "pause", "autopause"],
+        help="repeatable; default: keep, recreate, pause",
+    )
+    b.add_argument("--session", action="append", choices=["coding", "data"], help="repeatable; default: both")
+    b.add_argument("--cpu-hour", type=float, help="price of a CPU-hour (default: warmbox.toml's [cost], else E2B's)")
+    b.add_argument("--gib-hour", type=float, help="price of a GiB-hour of memory (default: [cost], else E2B's)")
+    b.add_argument("--chart", metavar="STEM", help="write STEM.png and STEM.svg: per-turn latency vs idle cost")
     b.add_argument("--json", action="store_true")
     b = bsub.add_parser(
         "cluster",

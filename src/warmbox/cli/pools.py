@@ -155,7 +155,7 @@ def show_config(as_json: bool) -> int:
         warm = (
             "no code context"
             if t.warmup_code is None
-            else (repr(t.warmup_code[:60]) if t.warmup_code else "code context started")
+            else (repr(t.warmup_code[:60]) if t.warmup_code else "code context on first use")
         )
         cmds = f", {len(t.warmup_commands)} commands" if t.warmup_commands else ""
         print(f"  {t.name:<10} warm-up: {warm}{cmds}  {t.description}")

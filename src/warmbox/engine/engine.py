@@ -28,6 +28,7 @@ from warmbox.backends.base import (
 )
 from warmbox.config import PoolConfig, Settings, Template
 from warmbox.engine import egress, provision
+from warmbox.engine import snapshot as snapshots
 from warmbox.engine import volumes as volumes_mod
 from warmbox.engine.commandlog import CommandLog
 from warmbox.engine.idempotency import Keys
@@ -729,6 +730,11 @@ class Engine:
         try:
             session = await provision.connect(self.backend(info.tier), handle)
         except GuestConnectionError:
+            # being paused by another process (the daemon's idle pause), or paused just now: its
+            # runtime is gone because its state is in a snapshot, not because it died
+            await snapshots.wait_pause(self, sandbox_id)
+            if self.info(sandbox_id)[0].state is State.PAUSED:
+                raise self.paused_error(sandbox_id) from None
             if isinstance(self.backend(info.tier), SharedHost):
                 await self.lost_hosts()  # its host process ended: lost (here, or by the reaper meanwhile)
                 self.check(Operation.EXEC, self.info(sandbox_id)[0])  # SandboxLost if so

@@ -494,6 +494,8 @@ class EngineFront:
         sid: str = cast(Any, request).sandbox_id
         lifecycle = self._lifecycle(sid)
         connect = isinstance(request, ops.Connect)  # resumes a paused sandbox itself, whatever its lifecycle
+        if not connect and not self._live(sid) and lifecycle.pauses:
+            await snapshots.wait_pause(self.engine, sid)  # the daemon's idle pause under way: its end
         if not connect and not self._live(sid) and self.engine.info(sid)[0].state is State.PAUSED:
             if not lifecycle.auto_resume:
                 raise self.engine.paused_error(sid)
@@ -552,6 +554,7 @@ class EngineFront:
     async def _lost(self, sandbox_id: str) -> None:
         """The connection to a sandbox broke: if that is because the sandbox ended or was paused
         (its timeout ran out, it was killed or paused meanwhile), raise that typed error instead."""
+        await snapshots.wait_pause(self.engine, sandbox_id)  # a pause under way: its outcome
         try:
             info, _ = self.engine.info(sandbox_id)
         except WarmboxError:

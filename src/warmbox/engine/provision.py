@@ -363,7 +363,9 @@ async def warm_up(session: GuestSession, tmpl: Template) -> None:
                 f"{' (timed out)' if r.timed_out else ''}: {tail.strip()}",
                 sid,
             )
-    if tmpl.warmup_code is not None:
+    # empty warm-up code: nothing to import, so no context is started before the first run_code
+    # (forked from the agent then, tens of ms; an idle context costs ~4 MiB: docs/performance.md)
+    if tmpl.warmup_code:
         try:
             ex = await session.run_code(tmpl.warmup_code, timeout_s=WARMUP_TIMEOUT_S, max_output=1 << 20)
         except WarmboxError as e:

@@ -140,6 +140,40 @@ OP_PREFIX = ".op-"
 _OP_MIN_AGE_S = 5.0  # an op dir younger than this may not be locked by its creator yet
 
 
+def pause_running(engine: Engine, sandbox_id: str) -> bool:
+    """Whether a memory pause of ``sandbox_id`` is under way in any process (the daemon's idle
+    pause among them): its op directory records the sandbox and its creator holds the lock."""
+    for path in _workdir(engine).glob(f"{OP_PREFIX}pause-*"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # ended meanwhile
+        try:
+            rec = os.open("op.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            try:
+                fields = json.loads(os.read(rec, 1 << 16))
+            finally:
+                os.close(rec)
+            if not isinstance(fields, dict) or fields.get("sandbox_id") != sandbox_id:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True  # its pauser holds it
+        except (OSError, ValueError):
+            continue  # not recorded yet, or ended meanwhile
+        finally:
+            os.close(fd)
+    return False
+
+
+async def wait_pause(engine: Engine, sandbox_id: str, timeout_s: float = 300.0) -> None:
+    """Until no pause of ``sandbox_id`` is under way (or ``timeout_s`` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while pause_running(engine, sandbox_id) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
 class _Op:
     """The temp directory of one snapshot/restore operation, locked (flock) while it runs.
 

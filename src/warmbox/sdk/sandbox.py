@@ -208,7 +208,7 @@ class AsyncSandbox:
         """Create and start a sandbox (defaults for template, tier and timeout: warmbox.toml).
 
         template: the first argument, as in E2B (``Sandbox.create("pydata")``): "base" (Python
-            context started), "pydata" (numpy/pandas imported), "shell", or one from warmbox.toml
+            context started at the first run_code), "pydata" (numpy/pandas imported), "shell", or one from warmbox.toml
             or built with Templates.build; its warm-up has run before the sandbox is returned. A
             tier's name here is an InvalidArgument that says to pass ``tier=``.
         tier: keyword only: "container" (runc), "gvisor" (runsc) or "microvm" (QEMU); see ``warmbox doctor``.

@@ -47,8 +47,9 @@ BROWSER_BUILD_HOSTS = ("deb.debian.org", "security.debian.org", *PYPI_HOSTS)
 class Builtin:
     """One built-in template.
 
-    warmup_code: Python run in the default code context before a sandbox is handed out (None: no
-        context is started); warmup_commands: shell commands, each must exit 0.
+    warmup_code: Python run in the default code context before a sandbox is handed out (None or
+        "": no context is started until the first run_code); warmup_commands: shell commands,
+        each must exit 0.
     spec: how it is built; None for the templates that run the built-in image itself.
     """
 
