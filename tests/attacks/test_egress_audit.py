@@ -71,8 +71,9 @@ def test_raw_ip_other_port_and_udp_attempts_are_refused_and_audited(net_home, wo
         )
         assert r.exit_code == 0, r.stderr
         raw, other = r.stdout.split("\n")[:2]
-        # refused at once by the egress rules (a TCP reset), not left to time out
-        assert raw.startswith("ConnectionRefusedError") and float(raw.split()[1]) < 1.0, raw
+        # refused by the egress rules (a TCP reset), not left to its 5 s timeout: at once, though a
+        # microVM under TCG on a loaded host once took 1.00 s to see the reset
+        assert raw.startswith("ConnectionRefusedError") and float(raw.split()[1]) < 3.0, raw
         assert other.startswith("ConnectionRefusedError"), other
         (tcp,) = refused(sb, kind="tcp", address=ATTACKER)
         assert (tcp.port, tcp.decision, tcp.rule, tcp.host) == (443, "deny", "raw-ip", "")

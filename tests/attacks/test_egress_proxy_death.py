@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_for
 from tests.network.conftest import ATTACKER, net_home, world  # noqa: F401 - the fake internet fixtures
 from warmbox import Network, NetworkError, Sandbox
 from warmbox.engine import egress
@@ -165,7 +166,13 @@ def test_proxy_that_cannot_restart_fails_updates_loudly(net_home, world):
             assert time.monotonic() - t0 < 30
             assert sb.network.policy() == "allow allowed.test"
             assert_deny_all_holds(sb, world)
-            assert "proxy-down" in [e.rule for e in sb.network.log() if e.kind == "proxy"]
+            # the update gave up on its own wait; the supervisor gives up after its backoffs (3.85 s
+            # of them, more on a loaded host) and only then audits proxy-down
+            wait_for(
+                lambda: "proxy-down" in [e.rule for e in sb.network.log() if e.kind == "proxy"],
+                60,
+                "the supervisor to give up and audit proxy-down",
+            )
         finally:
             cfg.write_text(good)
         sb.network.update(Network(allow=["allowed.test", "api.test"]))  # fixed: restarted, and ok is true
