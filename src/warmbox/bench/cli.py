@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from warmbox.bench.common import EMPTY, _stats
-from warmbox.bench.container import _make_home, _remove_home, _wait_quiet
+from warmbox.bench.container import _wait_quiet, in_own_home
 from warmbox.errors import WarmboxError
 
 POOL = {"bench-cli": {"template": "base", "min": 1, "max": 1, "target": 1, "refill_concurrency": 1}}
@@ -176,13 +176,5 @@ async def command(args: argparse.Namespace) -> int:
     from warmbox.bench.common import check_ranges
 
     check_ranges(args, [("runs", 1, 1000)])
-    home = _make_home(POOL)
-    try:
-        report = await bench_cli(home, args.runs, args.bridge)
-    finally:
-        await _remove_home(home)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_report(report)
+    await in_own_home(POOL, lambda home: bench_cli(home, args.runs, args.bridge), print_report, args.json)
     return 0

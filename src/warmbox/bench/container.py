@@ -34,7 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +121,27 @@ async def _remove_home(home: Path) -> None:
         if not os.environ.get("WARMBOX_RUNTIME_DIR"):
             shutil.rmtree(engine.runtime, ignore_errors=True)
     Engine._instances.pop(home, None)
+
+
+async def in_own_home(
+    pools: dict[str, dict[str, Any]],
+    run: Callable[[Path], Awaitable[dict[str, Any]]],
+    printer: Callable[[dict[str, Any]], None],
+    as_json: bool,
+    templates: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """One benchmark run in a private home made for it (``pools``, ``templates``) and removed
+    after, its report printed as JSON or by ``printer``; the report."""
+    home = _make_home(pools, templates)
+    try:
+        report = await run(home)
+    finally:
+        await _remove_home(home)
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        printer(report)
+    return report
 
 
 def _bwrap_argv(cmd: list[str]) -> list[str]:

@@ -145,21 +145,12 @@ async def bench_e2b(home: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def command(args: argparse.Namespace) -> int:
-    import json
 
-    from warmbox.bench.container import _make_home, _remove_home
+    from warmbox.bench.container import in_own_home
 
     validate(args)
     _e2b()
-    home = _make_home(pool_config())
-    try:
-        report = await bench_e2b(home, args)
-    finally:
-        await _remove_home(home)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_report(report)
+    await in_own_home(pool_config(), lambda home: bench_e2b(home, args), print_report, args.json)
     return 0
 
 

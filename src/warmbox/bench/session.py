@@ -642,18 +642,10 @@ async def bench_session(home: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def command(args: argparse.Namespace) -> int:
-    from warmbox.bench.container import _make_home, _remove_home
+    from warmbox.bench.container import in_own_home
 
     validate(args)
-    home = _make_home({})
-    try:
-        report = await bench_session(home, args)
-    finally:
-        await _remove_home(home)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_report(report)
+    report = await in_own_home({}, lambda home: bench_session(home, args), print_report, args.json)
     return 0 if all(r["all_ok"] for r in report["rows"]) else 1
 
 

@@ -19,7 +19,6 @@ gc`` collects them once no template records them).
 from __future__ import annotations
 
 import argparse
-import json
 import secrets
 import shutil
 import statistics
@@ -217,16 +216,9 @@ def print_report(r: dict[str, Any]) -> None:
 
 
 async def command(args: argparse.Namespace) -> int:
-    from warmbox.bench.container import _make_home, _remove_home
+    from warmbox.bench.container import in_own_home
 
     validate(args)
-    home = _make_home({}, TEMPLATES)  # the pools come once the custom template is built
-    try:
-        report = await bench_template(home, args.runs)
-    finally:
-        await _remove_home(home)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_report(report)
+    # the pools come once the custom template is built
+    await in_own_home({}, lambda home: bench_template(home, args.runs), print_report, args.json, TEMPLATES)
     return 0
