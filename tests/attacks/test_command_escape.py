@@ -76,6 +76,7 @@ def test_fork_bomb_ends_with_its_timeout(tier):
     # test_pids_limit.py)
     depth = 7 if tier == "container" else 4
     with Sandbox.create(tier=tier, timeout=300, pool=False) as sb:
+        sb.commands.run("true")  # the agent's resident helpers (gVisor's wb-init --serve) start with a first command
         base = _process_count(sb)
         # a binary fork tree whose every node is orphaned at once (double fork), 2^depth leaves
         # that each leave their session and ignore SIGTERM

@@ -64,6 +64,7 @@ def test_fork_bomb_gets_eagain_and_the_sandbox_lives(tier):
     # would end this sandbox before the pids limit is in question
     with Sandbox.create(tier=tier, timeout=300, pool=False, limits=Limits(memory_mb=3072)) as sb:
         sb.files.write("/tmp/bomb.py", PY_BOMB)
+        sb.commands.run("true")  # the agent's resident helpers (gVisor's wb-init --serve) start with a first command
         base = _processes(sb)
         bomb = sb.commands.run("python3 /tmp/bomb.py", background=True)
         # gVisor forks slowly: the bomb reached the default 256 after ~6 s here, longer under load
@@ -83,6 +84,7 @@ def test_fork_bomb_gets_eagain_and_the_sandbox_lives(tier):
 
 def test_shell_fork_bomb_at_the_default_limits(tier):
     with Sandbox.create(tier=tier, timeout=300, pool=False) as sb:
+        sb.commands.run("true")  # the agent's resident helpers (gVisor's wb-init --serve) start with a first command
         base = _processes(sb)
         r = sb.commands.run(SH_BOMB, timeout=BOMB_S)
         assert r.timed_out
