@@ -340,3 +340,30 @@ def test_a_small_tenants_cost_is_drawn_in_seconds_and_amounts_never_read_zero() 
         "123,457",
         "?",
     ]
+
+
+def test_a_tiny_last_pool_stage_still_ends_left_of_the_request_line():
+    """A stage drawn wider than its time (2 px at least, to stay visible) must not cross t=0: the
+    pool's last stage before a claim can be ~0 ms (a template whose code context starts later)."""
+    import re
+
+    from warmbox.models import StageTiming
+    from warmbox.server.console.charts import waterfall_svg
+
+    svg = waterfall_svg(
+        [
+            StageTiming("sb-1", "filesystem", 40.0, False),
+            StageTiming("sb-1", "runtime", 60.0, False),
+            StageTiming("sb-1", "dependencies", 0.01, False),
+            StageTiming("sb-1", "allocation", 1.0, True),
+            StageTiming("sb-1", "first_command", 5.0, True),
+        ]
+    )
+    rects = [
+        (cls, float(x), float(w))
+        for cls, x, w in re.findall(
+            r'class="stage (on-path|off-path)".*?<rect x="([\d.]+)" y="[\d.]+" width="([\d.]+)"', svg, re.S
+        )
+    ]
+    first_on = min(x for cls, x, _ in rects if cls == "on-path")
+    assert max(x + w for cls, x, w in rects if cls == "off-path") <= first_on + 0.05

@@ -163,6 +163,8 @@ def waterfall_svg(timings: Sequence[StageTiming], *, width: int = 720, title: st
             cls, fill, extra = "off-path", OFF_PATH_FILL, ' stroke="#5a6b80" stroke-dasharray="3 2"'
             where = "done beforehand by the pool (off the request path)"
         bw = max(2.0, ms * scale)  # a 0.1 ms stage still shows
+        if not t.on_request_path:  # ... and a tiny stage the pool did last still ends left of t=0
+            bx = max(x0, min(bx, zero - bw))
         stage = _esc(t.stage)
         out.append(
             f'<g class="stage {cls}" data-stage="{stage}" data-ms="{t.duration_ms!r}" '
