@@ -281,12 +281,16 @@ def test_a_websocket_to_a_sandbox_port_is_relayed_with_the_http_checks_and_bound
                 await ws.receive_json(timeout=30)
                 await ws.send_str("big")  # the sandbox's 2 MiB message is not relayed
                 msg = await ws.receive(timeout=30)
-                assert msg.type is aiohttp.WSMsgType.CLOSE and ws.close_code == 1009, msg
+                # the relay's close frame says 1009 (ws.close_code may read 1006 when the relay drops the TCP
+                # connection before aiohttp's answer to that frame goes out, as it once did under load)
+                assert msg.type is aiohttp.WSMsgType.CLOSE and msg.data == 1009, msg
             async with http.ws_connect(ws_url + "/", headers=headers) as ws:
                 await ws.receive_json(timeout=30)
                 await ws.send_str("frags")  # a message of 5,000 empty fragments: not held frame by frame
                 msg = await ws.receive(timeout=30)
-                assert msg.type is aiohttp.WSMsgType.CLOSE and ws.close_code == 1009, msg
+                # the relay's close frame says 1009 (ws.close_code may read 1006 when the relay drops the TCP
+                # connection before aiohttp's answer to that frame goes out, as it once did under load)
+                assert msg.type is aiohttp.WSMsgType.CLOSE and msg.data == 1009, msg
             async with http.ws_connect(ws_url + "/", headers=headers) as ws:
                 await ws.receive_json(timeout=30)
                 try:

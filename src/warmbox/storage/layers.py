@@ -41,6 +41,8 @@ from warmbox.errors import CorruptLayer, InvalidArgument, TemplateBuildError, Te
 from warmbox.models import ImageRef, LayerInfo, TemplateInfo
 from warmbox.storage.uidslots import LAYER_UID_BASE
 
+RENAME_TRIES = 5  # an unpacked layer's rename into place, against a removal of the same directory
+
 DIGEST = re.compile(r"^sha256:([0-9a-f]{64})$")
 MAX_LAYER_BYTES = 64 << 30  # regular-file bytes in one layer (a tree packed or a blob unpacked)
 _COPY = 1 << 20
@@ -349,11 +351,17 @@ class LayerStore:
         try:
             os.chown(tmp, LAYER_UID_BASE, LAYER_UID_BASE)
             _unpack(blob, tmp, safetar.LayerRules(LAYER_UID_BASE, max_bytes=self.max_layer_bytes), hexd)
-            try:
-                os.rename(tmp, final)
-            except OSError:
-                if not final.is_dir():  # not another process having won the race
-                    raise
+            for attempt in range(RENAME_TRIES):
+                try:
+                    os.rename(tmp, final)
+                    break
+                except OSError:
+                    if final.is_dir():  # another process won the race
+                        break
+                    # (ENOTEMPTY from a directory being removed at that moment, gone by the check)
+                    if attempt == RENAME_TRIES - 1:
+                        raise
+                    time.sleep(0.01)
         finally:
             if tmp.exists():
                 _rmtree(tmp)
