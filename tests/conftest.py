@@ -163,6 +163,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if lane:
             item.add_marker(pytest.mark.sandbox)  # it talks to a server that runs an engine
             _skip_marked(item, "in_process", lane, "needs the in-process engine")
+            if "microvm" in item.name:  # a duplicate case: the transport carries every tier alike
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason=f"--api={lane}: the microVM tier (TCG here: the slowest boots) runs in the "
+                        "in-process lane; this lane tests the transport, which no tier changes"
+                    )
+                )
         if lane == "cluster":
             item.add_marker(pytest.mark.cluster)
             _skip_marked(item, "one_host", lane, "needs a server on the session's home")
