@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import warmbox
 
 SRC = Path(warmbox.__file__).parent
@@ -103,3 +105,135 @@ def test_guest_imports_only_the_protocol():
             assert mod.startswith(("warmbox.protocol", "warmbox.safetar", "warmbox.guest")), (
                 f"{path.name} imports {mod}"
             )
+
+
+# ---- one way inside a package too (issue 35) -----------------------------------------------------
+# engine/: a module imports only modules of a lower rank, at any depth (function-local and
+# TYPE_CHECKING imports count). Engine is the host context; the lifecycle sits above it in order.
+ENGINE_ORDER: tuple[set[str], ...] = (  # low to high
+    {"guest_client", "commandlog", "idempotency", "signing", "stats", "tierprofile", "images", "db", "guard", "checks"},
+    {"session"},
+    {"engine"},
+    {"resolve", "meters", "volumes", "egress", "approvals", "template_gc"},
+    {"snapstore", "start"},
+    {"teardown"},
+    {"checkpoint"},
+    {"provision"},
+    {"snapshot", "builder"},
+    {"duties", "pool"},
+    {"daemon"},
+    {"front"},
+)
+# packages whose import circle is still open: each strict xfail goes with the change that ends it
+OPEN_CIRCLES = {"engine", "cli", "bench", "sdk"}
+# files over the size bound today: each entry goes with the change that splits its file
+OVERSIZE = {"storage/registry.py", "guest/agent.py", "engine/front.py", "network/proxy.py"}
+MAX_LINES = 1500
+MAX_GUEST_LINES = 1000
+
+
+def _sibling_imports(package: str, path: Path) -> set[str]:
+    """The modules of ``package`` that ``path`` imports (``warmbox.<package>.<module>``, any depth)."""
+    got = set()
+    for mod in _imports(path):
+        parts = mod.split(".")
+        if len(parts) >= 3 and parts[1] == package and (SRC / package / f"{parts[2]}.py").is_file():
+            got.add(parts[2])
+    got.discard(path.stem)
+    return got
+
+
+def _circles(package: str) -> list[list[str]]:
+    """Strongly connected components of more than one module in ``package``'s import graph (Tarjan)."""
+    graph = {p.stem: _sibling_imports(package, p) for p in sorted((SRC / package).glob("*.py")) if p.stem != "__init__"}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+@pytest.mark.xfail("engine" in OPEN_CIRCLES, reason="issue 35: the engine's order is being built", strict=True)
+def test_engine_points_one_way():
+    rank = {m: i for i, ms in enumerate(ENGINE_ORDER) for m in ms}
+    bad = []
+    for path in sorted((SRC / "engine").glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        assert path.stem in rank, f"engine/{path.name}: give it a rank in ENGINE_ORDER"
+        bad += [
+            f"engine/{path.name} imports engine.{m}"
+            for m in sorted(_sibling_imports("engine", path))
+            if rank[m] >= rank[path.stem]
+        ]
+    assert bad == [], "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "package",
+    [
+        pytest.param(p, marks=pytest.mark.xfail(reason="issue 35: circle still open", strict=True))
+        if p in OPEN_CIRCLES
+        else p
+        for p in ("engine", "cli", "bench", "sdk")
+    ],
+)
+def test_no_import_circle(package):
+    assert _circles(package) == []
+
+
+def test_the_circle_finder_finds_circles():
+    """The check above can fail: the engine package today holds a known circle."""
+    assert any({"engine", "snapshot"} <= set(c) for c in _circles("engine")) or "engine" not in OPEN_CIRCLES
+
+
+def test_no_file_over_the_bound():
+    """No source file over 1,500 lines (the generated stubs aside); the guest's parts ≤ 1,000."""
+    over = []
+    for path in sorted(SRC.rglob("*")):
+        if path.suffix not in (".py", ".js", ".c") or "__pycache__" in path.parts:
+            continue
+        rel = path.relative_to(SRC).as_posix()
+        n = len(path.read_text().splitlines())
+        bound = MAX_GUEST_LINES if rel.startswith("guest/") and path.suffix == ".py" else MAX_LINES
+        if n > bound and rel not in OVERSIZE:
+            over.append(f"{rel}: {n} lines (bound {bound})")
+        elif n <= bound and rel in OVERSIZE:
+            over.append(f"{rel}: {n} lines now: take it off OVERSIZE")
+    assert over == [], "\n".join(over)
+
+
+def test_every_guest_file_ships():
+    """The tiers copy the guest's files by one list: a part left out fails only inside a sandbox."""
+    from warmbox.backends.runc import GUEST_SOURCES
+
+    files = {p.relative_to(SRC).as_posix() for p in (SRC / "guest").iterdir() if p.suffix in (".py", ".js", ".c")}
+    assert files <= set(GUEST_SOURCES), sorted(files - set(GUEST_SOURCES))
