@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,15 @@ def test_every_operation_has_exactly_one_route():
         assert r.path.startswith(api.PREFIX + "/")
         if r.method in ("GET", "DELETE"):
             assert r.body == "query", r  # no bodies on GET/DELETE
+
+
+def test_each_route_kind_has_one_answer_on_the_server_and_one_reader_in_the_sdk():
+    from warmbox.sdk import http
+    from warmbox.server import app
+
+    kinds = set(typing.get_args(api.Kind))
+    assert set(api.KINDS) == kinds and set(app.ANSWERS) == kinds and set(http._READERS) == kinds
+    assert {r.kind for r in api.ROUTES} == kinds  # no kind declared that no route has
 
 
 def test_route_urls_quote_ids():
