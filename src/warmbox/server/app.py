@@ -497,16 +497,7 @@ def _bound(req: ops.Request[Any], settings: ServerSettings) -> ops.Request[Any]:
 
 
 def _adapt(req: ops.Request[Any]) -> ops.Request[Any]:
-    """Wire forms of the fields typed ``object`` in the operations (network policies, secrets)."""
-    if isinstance(req, (ops.Create, ops.UpdateNetwork)):
-        from warmbox.network.policy import Network
-
-        net = req.network
-        if isinstance(net, dict):
-            net = wire.decode_record(Network, net, "network")
-        elif not isinstance(net, str):
-            raise InvalidArgument('network must be "none", "internet" or {"allow": [...], "deny": [...]}')
-        req = dataclasses.replace(req, network=net)
+    """Wire forms of the fields typed ``Any`` in the operations (secrets)."""
     if isinstance(req, (ops.Create, ops.Resume)) and req.secrets is not None:
         from warmbox.network.policy import Secret
 

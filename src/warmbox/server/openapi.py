@@ -21,7 +21,7 @@ VERSION = "1"
 
 
 def _overrides(defs: dict[str, Any]) -> dict[str, Any]:
-    """Schemas of the fields the operations type as ``object`` (network policies, secrets)."""
+    """Schemas the fields' types do not spell: network's strings ("none", "internet"), secrets (``Any``)."""
     network = {
         "anyOf": [
             {"type": "string", "enum": ["none", "internet"]},
