@@ -64,6 +64,7 @@ class Route:
     path: str  # with {field} placeholders, e.g. /v1/sandboxes/{sandbox_id}
     body: Body = "json"
     kind: Kind = "json"  # what it answers (KINDS)
+    streamed: bool = False  # a raw body passed on as it arrives (chunked), never held whole
     idempotent: bool = False  # safe to send again after a dropped connection
     summary: str = ""
 
@@ -156,10 +157,24 @@ ROUTES: tuple[Route, ...] = (
         summary="Stream a file",
     ),
     Route(Op.FILES_WRITE, "PUT", f"{_S}/files/content", "raw", summary="Write a file (raw body)"),
-    Route(Op.FILES_WRITE_STREAM, "PUT", f"{_S}/files/stream", "raw", summary="Write a file (streamed raw body)"),
+    Route(
+        Op.FILES_WRITE_STREAM,
+        "PUT",
+        f"{_S}/files/stream",
+        "raw",
+        streamed=True,
+        summary="Write a file (streamed raw body)",
+    ),
     Route(Op.FILES_WRITE_MANY, "POST", f"{_S}/files/batch", summary="Write several files (JSON body)"),
     Route(Op.FILES_RENAME, "POST", f"{_S}/files/rename", summary="Rename or move a path"),
-    Route(Op.FILES_UPLOAD_DIR, "PUT", f"{_S}/files/tar", "raw", summary="Unpack a tar stream into a directory"),
+    Route(
+        Op.FILES_UPLOAD_DIR,
+        "PUT",
+        f"{_S}/files/tar",
+        "raw",
+        streamed=True,
+        summary="Unpack a tar stream into a directory",
+    ),
     Route(
         Op.FILES_DOWNLOAD_DIR,
         "GET",

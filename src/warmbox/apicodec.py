@@ -115,7 +115,7 @@ def build(request: ops.Request[Any]) -> tuple[api.Route, dict[str, Any]]:
     else:  # raw: the data is the body
         fields.pop("data", None)
         data = request.data if isinstance(request, (ops.WriteFile, ops.WriteFileStream, ops.UploadDir)) else b""
-        if isinstance(request, (ops.WriteFileStream, ops.UploadDir)):  # sent as taken (chunked), never held
+        if route.streamed:  # sent as taken (chunked), never held
             if not isinstance(data, collections.abc.AsyncIterator):
                 raise InvalidArgument(f"data must be an async iterator of bytes, got {type(data).__name__}")
             kwargs["data"] = data

@@ -46,6 +46,7 @@ def test_each_route_kind_has_one_answer_on_the_server_and_one_reader_in_the_sdk(
     kinds = set(typing.get_args(api.Kind))
     assert set(api.KINDS) == kinds and set(app.ANSWERS) == kinds and set(http._READERS) == kinds
     assert {r.kind for r in api.ROUTES} == kinds  # no kind declared that no route has
+    assert all(r.body == "raw" for r in api.ROUTES if r.streamed)
 
 
 def test_a_network_policy_is_decoded_by_the_codec():

@@ -281,13 +281,14 @@ class HttpTransport:
             self._background.add(t)
             t.add_done_callback(self._background.discard)
             return None  # type: ignore[return-value]
-        if isinstance(request, (ops.WriteFileStream, ops.UploadDir)):
+        if route.streamed:
             return await self._write_stream(request)  # type: ignore[return-value]
         return await self._send(request)
 
-    async def _write_stream(self, request: ops.WriteFileStream | ops.UploadDir) -> EntryInfo:
+    async def _write_stream(self, request: ops.Request[Any]) -> EntryInfo:
         """A streamed upload: an error of the caller's source is raised as itself (aiohttp would
         report it as a broken connection); the server then abandons the write."""
+        assert isinstance(request, (ops.WriteFileStream, ops.UploadDir))  # the requests of streamed routes
         failed: list[Exception] = []
 
         async def body() -> collections.abc.AsyncIterator[bytes]:

@@ -444,7 +444,7 @@ async def decode_request(route: api.Route, request: Request, settings: ServerSet
     if route.body in ("query", "raw"):
         data = _query_fields(route, request)
     if route.body == "raw":
-        if cls in (ops.WriteFileStream, ops.UploadDir):  # streamed into the sandbox as it arrives, never held whole
+        if route.streamed:  # into the sandbox as it arrives, never held whole
             data["data"] = _body_chunks(request, settings.body_timeout_s)
         else:
             data["data"] = await _body(request, settings.max_body_mb << 20, settings.body_timeout_s)
