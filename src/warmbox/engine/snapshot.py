@@ -139,6 +139,7 @@ def _workdir(engine: Engine) -> Path:
 
 OP_PREFIX = ".op-"
 _OP_MIN_AGE_S = 5.0  # an op dir younger than this may not be locked by its creator yet
+_RUNTIME_EXIT_S = 60.0  # a checkpointed runtime's exit, waited for by recovery
 
 
 # the sandbox whose memory pause the current task runs (its sub-tasks inherit it): a wait for
@@ -1449,6 +1450,13 @@ async def _recover_one(engine: Engine, op: _Op) -> str:
     if not isinstance(backend, SnapshotCapable):
         return f"{op.path.name}: removed (tier {info.tier} has no memory snapshots)"
     image = op.path / "image" / "checkpoint.img"
+    if (op.path / "checkpointed").exists() and image.is_file():
+        # the checkpoint ended, so its runtime is ending: on a loaded host its Sentry can still be
+        # exiting for a while, which is not "killed before the checkpoint" (that would resume a
+        # sandbox whose processes are gone and drop the image that holds them)
+        deadline = time.monotonic() + _RUNTIME_EXIT_S
+        while await backend.alive(handle) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
     if await backend.alive(handle):  # killed before the checkpoint stopped it: let it run on
         try:
             await backend.resume_listening(handle)
