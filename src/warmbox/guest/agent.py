@@ -4,7 +4,8 @@ Stdlib-only. It listens on an inherited unix socket (fd 3, passed by the backend
 given on the command line (tests). As PID 1 it reaps every orphan; exit statuses of its own
 children are routed to the request that started them.
 
-Its parts import one way, each only lower ones (and none lazily: see scopes._fork_quiet):
+Its parts import one way, each only lower ones and at module level (a part imported lazily, on a
+worker thread, would hold the import lock that scopes._fork_quiet waits to see free):
 base < reaper < scopes < {commands, files, ports, contexts, background} < dispatch < connection
 < agent. Handlers take ``(agent, conn, msg)``; a part names Agent and Connection for its types only.
 """
