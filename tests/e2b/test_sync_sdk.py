@@ -307,15 +307,15 @@ def test_metrics_history_of_one_and_of_many(sb, e2b_server):
         got = sb.get_metrics()
     assert all(m.cpu_count >= 1 and 0 < m.mem_used <= m.mem_total and 0 <= m.cpu_used_pct <= 100 for m in got)
     at = [m.timestamp.timestamp() for m in got]
-    assert at == sorted(at) and all(b - a >= 4.9 for a, b in itertools.pairwise(at)), at
+    assert at == sorted(at) and all(b - a >= 4 for a, b in itertools.pairwise(at)), at  # whole seconds
     assert len(got) <= 720
     first, last = got[0].timestamp, got[-1].timestamp
     assert [m.timestamp for m in sb.get_metrics(end=first)] == [first]
     assert sb.get_metrics(start=last)[0].timestamp == last
     same = WbSandbox.connect(sb.sandbox_id, api_url=e2b_server.server.url, api_key=e2b_server.key_a)
     try:
-        ours = same.get_metrics(start=first.timestamp() - 0.01, end=last.timestamp() + 0.01)  # ISO: microseconds
-        assert [round(m.timestamp) for m in ours] == [round(t) for t in at]
+        ours = same.get_metrics(start=first.timestamp(), end=last.timestamp() + 0.999)  # E2B's: whole seconds
+        assert [int(m.timestamp) for m in ours] == [int(t) for t in at]
         assert ours[0].memory_bytes == got[0].mem_used
     finally:
         same.close()

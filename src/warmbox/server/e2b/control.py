@@ -437,7 +437,9 @@ class Control:
 
     @staticmethod
     def _sample(m: MetricSample) -> dict[str, Any]:
-        at = datetime.datetime.fromtimestamp(m.timestamp, datetime.UTC)
+        # whole seconds, as E2B's: the SDKs send start and end back in whole seconds (Python's cut,
+        # JavaScript's rounded), and a reading's own time must find it again
+        at = datetime.datetime.fromtimestamp(int(m.timestamp), datetime.UTC)
         return {
             "timestamp": at.isoformat().replace("+00:00", "Z"),
             "timestampUnix": int(m.timestamp),
@@ -458,7 +460,7 @@ class Control:
         if start is not None and end is not None and start > end:
             raise InvalidArgument("start must not be after end")
         await self._live(call)
-        # E2B's end is a whole second: the readings within it count
+        # E2B's times are whole seconds: the readings within the end's second count
         history = ops.MetricsHistory(call.sandbox_id, start, None if end is None else end + 0.999)
         return self._json([self._sample(m) for m in await call.front.handle(history)])
 
