@@ -38,6 +38,11 @@ def test_foreground_command_output_exit_code_envs_and_cwd(sb):
     with pytest.raises(e2b.CommandExitException) as info:
         sb.commands.run("echo no >&2; exit 3")
     assert info.value.exit_code == 3 and info.value.stderr == "no\n"
+    # the sandbox's PATH, not the one Debian's /etc/profile sets for a login shell: pip is the venv's
+    assert sb.commands.run("command -v pip python3").stdout.split() == [
+        "/home/user/.venv/bin/pip",
+        "/home/user/.venv/bin/python3",
+    ]
 
 
 def test_streamed_output_reaches_the_callbacks(sb):
@@ -83,11 +88,11 @@ def test_root_is_refused_on_a_tier_without_it_naming_the_tier(sb):
 def test_pty_runs_an_interactive_shell(sb):
     h = sb.pty.create(e2b.PtySize(rows=24, cols=80))
     sb.pty.resize(h.pid, e2b.PtySize(rows=30, cols=100))
-    sb.pty.send_stdin(h.pid, b"stty size; echo pty-$((40 + 2)); exit\n")
+    sb.pty.send_stdin(h.pid, b"stty size; echo pty-$((40 + 2)); command -v pip; exit\n")
     seen = bytearray()
     h.wait(on_pty=seen.extend)
     text = seen.decode(errors="replace")
-    assert "30 100" in text and "pty-42" in text
+    assert "30 100" in text and "pty-42" in text and "/home/user/.venv/bin/pip" in text
 
 
 # ---- files
