@@ -152,6 +152,8 @@ _LEVELS = ("debug", "info", "warn", "error")
 _LOG_LEVEL = {"debug": "debug", "info": "info", "warning": "warn", "warn": "warn", "error": "error", "fatal": "error"}
 MAX_LOG_LINES = 1000  # E2B's default and largest page of log lines
 MAX_METRICS_IDS = 100  # sandboxes one GET /sandboxes/metrics asks for
+MAX_JSON_LINE = 64 << 10  # a runtime's log line read as JSON at most (a longer one is text)
+MAX_SEARCH = 1024  # the longest logs search string
 
 
 def _log_entries(text: str, started: float) -> list[tuple[float, str, str]]:
@@ -163,19 +165,20 @@ def _log_entries(text: str, started: float) -> list[tuple[float, str, str]]:
         if not line.strip():
             continue
         at, level, message = started, "info", line
-        if line.startswith("{"):
+        if line.startswith("{") and len(line) <= MAX_JSON_LINE:
             try:
                 obj = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # the agent's log is the guest's text: anything
                 obj = None
             if isinstance(obj, dict) and isinstance(obj.get("msg"), str):
                 message = obj["msg"]
-                level = _LOG_LEVEL.get(str(obj.get("level", "info")).lower(), "info")
+                level = _LOG_LEVEL.get(str(obj.get("level", "")).lower()[:16], "info")
                 if isinstance(obj.get("time"), str):
                     try:
-                        at = datetime.datetime.fromisoformat(obj["time"]).timestamp()
-                    except ValueError:
-                        pass
+                        t = datetime.datetime.fromisoformat(obj["time"]).timestamp()
+                    except (ValueError, OverflowError, OSError):
+                        t = -1.0
+                    at = t if 0 <= t < 1e11 else at
         out.append((at, level, message))
     return out
 
@@ -512,6 +515,8 @@ class Control:
         if level not in _LEVELS:
             raise InvalidArgument(f"level must be one of {', '.join(_LEVELS)}, got {level[:40]!r}")
         search = params.get("search", "")
+        if len(search) > MAX_SEARCH:
+            raise InvalidArgument(f"search must be at most {MAX_SEARCH} characters")
         lines = [
             e for e in await self._log_lines(call) if _LEVELS.index(e[1]) >= _LEVELS.index(level) and search in e[2]
         ]
