@@ -21,29 +21,34 @@ def _registry(tmp: Path, at: str | Path) -> Registry:
     return Registry(at, ledger=UidLedger(tmp / "uids", slots=8, first=MAX_SLOTS - 70))
 
 
-def test_readings_every_5_s_a_bounded_ring_that_ends_with_the_sandbox(tmp_path, registry_at):
-    reg = _registry(tmp_path, registry_at)
-    sid = "sb-0000000000e1"
+def _readings(reg: Registry, sid: str, ring: int) -> None:
+    """The history of ``sid`` over a few readings, then ``ring`` more (the ring's bound when it is
+    METRIC_SAMPLES_KEPT), then its end."""
+    reg.allocate(sid, "container", "base", 86400, Limits(cpus=2), "/nonexistent", "/nonexistent")
+    reg._db.execute("UPDATE meters SET sampled_at=? WHERE sandbox_id=?", (T0, sid))
+    reg.sample([(sid, 100, 1_000_000_000)], now=T0 + 1)  # 1 CPU-second in 1 s of 2 CPUs: 50 %
+    reg.sample([(sid, 200, 1_500_000_000)], now=T0 + 2)  # under 5 s after it: no reading
+    reg.sample([(sid, 300, 11_000_000_000)], now=T0 + 1 + METRIC_SAMPLE_EVERY_S)  # 10 CPU-s in 5 s: 100 %
+    reg.sample([(sid, 400, 500_000_000)], now=T0 + 1 + 2 * METRIC_SAMPLE_EVERY_S)  # a counter back at 0
+    got = reg.metric_samples(sid, 0, T0 + 100)
+    assert got == [(T0 + 1, 50.0, 100), (T0 + 6, 100.0, 300), (T0 + 11, 5.0, 400)]
+    assert reg.metric_samples(sid, T0 + 2, T0 + 6) == [(T0 + 6, 100.0, 300)]
+    assert reg.metric_samples(sid, 0, T0 + 100, limit=1) == [(T0 + 11, 5.0, 400)]  # the latest
+    for i in range(3, ring + 3):
+        reg.sample([(sid, i, 0)], now=T0 + 1 + i * METRIC_SAMPLE_EVERY_S)
+    kept = reg.metric_samples(sid, 0, T0 + 1e6, limit=METRIC_SAMPLES_KEPT)
+    assert len(kept) == min(ring + 3, METRIC_SAMPLES_KEPT) and kept[-1][2] == ring + 2
+    (count,) = reg._db.execute("SELECT COUNT(*) FROM metric_samples WHERE sandbox_id=?", (sid,)).fetchone()
+    assert count == len(kept)
+    reg.set_state(sid, State.DESTROYED, "test over")
+    reg.finalize(sid)
+    assert reg.metric_samples(sid, 0, T0 + 1e6) == []
+
+
+def test_readings_every_5_s_a_bounded_ring_that_ends_with_the_sandbox(tmp_path):
+    reg = _registry(tmp_path, tmp_path / "r.db")
     try:
-        reg.allocate(sid, "container", "base", 86400, Limits(cpus=2), "/nonexistent", "/nonexistent")
-        reg._db.execute("UPDATE meters SET sampled_at=? WHERE sandbox_id=?", (T0, sid))
-        reg.sample([(sid, 100, 1_000_000_000)], now=T0 + 1)  # 1 CPU-second in 1 s of 2 CPUs: 50 %
-        reg.sample([(sid, 200, 1_500_000_000)], now=T0 + 2)  # under 5 s after it: no reading
-        reg.sample([(sid, 300, 11_000_000_000)], now=T0 + 1 + METRIC_SAMPLE_EVERY_S)  # 10 CPU-s in 5 s: 100 %
-        reg.sample([(sid, 400, 500_000_000)], now=T0 + 1 + 2 * METRIC_SAMPLE_EVERY_S)  # a counter back at 0
-        got = reg.metric_samples(sid, 0, T0 + 100)
-        assert got == [(T0 + 1, 50.0, 100), (T0 + 6, 100.0, 300), (T0 + 11, 5.0, 400)]
-        assert reg.metric_samples(sid, T0 + 2, T0 + 6) == [(T0 + 6, 100.0, 300)]
-        assert reg.metric_samples(sid, 0, T0 + 100, limit=1) == [(T0 + 11, 5.0, 400)]  # the latest
-        for i in range(3, METRIC_SAMPLES_KEPT + 3):
-            reg.sample([(sid, i, 0)], now=T0 + 1 + i * METRIC_SAMPLE_EVERY_S)
-        ring = reg.metric_samples(sid, 0, T0 + 1e6, limit=METRIC_SAMPLES_KEPT)
-        assert len(ring) == METRIC_SAMPLES_KEPT and ring[-1][2] == METRIC_SAMPLES_KEPT + 2
-        (count,) = reg._db.execute("SELECT COUNT(*) FROM metric_samples WHERE sandbox_id=?", (sid,)).fetchone()
-        assert count == METRIC_SAMPLES_KEPT
-        reg.set_state(sid, State.DESTROYED, "test over")
-        reg.finalize(sid)
-        assert reg.metric_samples(sid, 0, T0 + 1e6) == []
+        _readings(reg, "sb-0000000000e1", METRIC_SAMPLES_KEPT)
     finally:
         reg.close()
 
@@ -80,5 +85,6 @@ def test_a_version_20_postgresql_registry_is_migrated_by_warmbox_db_migrate(pg_f
     reg = _registry(tmp_path, pg_fresh_dsn)
     try:
         assert reg.metric_samples("sb-0000000000e2", 0, T0) == []
+        _readings(reg, "sb-0000000000e3", 5)  # the same SQL on PostgreSQL (the ring's bound: SQLite's test)
     finally:
         reg.close()
