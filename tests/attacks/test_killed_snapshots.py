@@ -82,6 +82,7 @@ def test_pause_killed_after_its_checkpoint_ends_paused_and_resumable(home, runc_
         _kill(proc)
         info, _ = engine.info(sid)
         assert info.state is not State.PAUSED, "the pause finished before the kill: the test proves nothing"
+
         # recovery (the daemon's reaper, or ``snapshots gc``: here called directly, so a daemon busy
         # with other work on a loaded host cannot make the wait long) finishes the dead pauser's pause
         def recovered() -> bool:
