@@ -15,6 +15,7 @@ HELP_MODULES = {
     "warmbox.cli",
     "warmbox.cli.approvals",
     "warmbox.cli.cluster",
+    "warmbox.cli.context",
     "warmbox.cli.db",
     "warmbox.cli.keys",
     "warmbox.cli.templates",

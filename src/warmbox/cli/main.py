@@ -54,6 +54,7 @@ import time
 from typing import Any, NoReturn
 
 from warmbox import operations as ops
+from warmbox.cli import context
 from warmbox.cli.volumes import parse_mount
 from warmbox.errors import WarmboxError
 from warmbox.models import Lifecycle, Limits, SandboxQuery, State, validate_query
@@ -73,7 +74,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _env_pairs(values: list[str] | None) -> dict[str, str]:
-    return _pairs(values, "--env", "NAME")
+    return context.pairs(values, "--env", "NAME")
 
 
 def _add_sandbox_opts(p: argparse.ArgumentParser) -> None:
@@ -505,22 +506,11 @@ def _create_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "pool": not args.no_pool,
         "network": _network(args),
         "secrets": _secrets(args),
-        "metadata": _pairs(args.metadata, "--metadata") or None,
+        "metadata": context.pairs(args.metadata, "--metadata") or None,
         "lifecycle": _lifecycle(args),
         "volumes": [parse_mount(v) for v in args.volume] if args.volume else None,
         "requirements": _requirements(args),
     }
-
-
-def _pairs(values: list[str] | None, flag: str, key: str = "KEY") -> dict[str, str]:
-    """``flag``'s KEY=VALUE items as a dict (WarmboxError naming the flag for an item without "=")."""
-    out = {}
-    for item in values or []:
-        if "=" not in item:
-            raise WarmboxError(f"{flag} expects {key}=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        out[k] = v
-    return out
 
 
 def _lifecycle(args: argparse.Namespace) -> Lifecycle | None:
@@ -554,7 +544,7 @@ def _via(args: argparse.Namespace) -> str:
     this home, reached by the thin path), "api" (--api-url / WARMBOX_API_URL) or "in-process"."""
     if getattr(args, "thin", None) is not None:
         return "server"
-    return "api" if _api_url() else "in-process"
+    return "api" if context.api_url() else "in-process"
 
 
 def _piped_stdin(interactive: bool = False) -> Any:
@@ -783,39 +773,6 @@ async def _shell(args: argparse.Namespace) -> int:
         await sb.close()
 
 
-def _engine() -> Any:
-    """The CLI's only way to the engine: a warmbox server (--api-url / WARMBOX_API_URL), else
-    this home's engine in process."""
-    t: Any
-    if _api_url():  # the HTTP client (aiohttp) only then
-        from warmbox.sdk.http import HttpTransport
-
-        t = HttpTransport()
-    else:
-        from warmbox.sdk.transport import LocalTransport
-
-        t = LocalTransport()
-    _OPEN.append(t)
-    return t
-
-
-def _api_url() -> str | None:
-    """The server every command goes to (--api-url, WARMBOX_API_URL), as the SDK's default_url
-    reads it (sdk.transport: not loaded for this)."""
-    return os.environ.get("WARMBOX_API_URL") or None
-
-
-_OPEN: list[Any] = []  # transports the command opened: closed before the loop ends
-
-
-async def _closing(run: Any) -> int:
-    try:
-        return int(await run)
-    finally:
-        while _OPEN:
-            await _OPEN.pop().close()
-
-
 async def _serve(args: argparse.Namespace) -> int:
     from warmbox.config import load
     from warmbox.paths import default_home
@@ -848,7 +805,7 @@ def _warn_config() -> None:
     from warmbox.errors import ConfigError
     from warmbox.paths import default_home
 
-    if _api_url():  # the server's settings count, not this host's file
+    if context.api_url():  # the server's settings count, not this host's file
         return
     try:
         load(default_home())
@@ -860,12 +817,12 @@ def _warn_config() -> None:
 
 async def _ls(args: argparse.Namespace) -> int:
     _warn_config()
-    t = getattr(args, "thin", None) or _engine()
+    t = getattr(args, "thin", None) or context.transport()
     query = None
     if args.metadata or args.state:
         query = validate_query(
             SandboxQuery(
-                metadata=_pairs(args.metadata, "--metadata") or None,
+                metadata=context.pairs(args.metadata, "--metadata") or None,
                 state=tuple(args.state) if args.state else None,  # type: ignore[arg-type]  # checked here
             )
         )
@@ -947,7 +904,7 @@ async def _port_forward(args: argparse.Namespace) -> int:
 
 
 async def _metrics(args: argparse.Namespace) -> int:
-    m = await _engine().handle(ops.Metrics(args.sandbox_id))
+    m = await context.transport().handle(ops.Metrics(args.sandbox_id))
     if args.json:
         print(json.dumps(dataclasses.asdict(m)))
     else:
@@ -962,7 +919,7 @@ async def _metrics(args: argparse.Namespace) -> int:
 
 async def _snapshot(args: argparse.Namespace) -> int:
     op = ops.Pause if args.command == "pause" else ops.Snapshot
-    m = await _engine().handle(op(args.sandbox_id))
+    m = await context.transport().handle(op(args.sandbox_id))
     if args.json:
         print(json.dumps(dataclasses.asdict(m)))
     else:
@@ -992,7 +949,7 @@ async def _resume(args: argparse.Namespace) -> int:
 
 
 async def _snapshots(args: argparse.Namespace) -> int:
-    t = _engine()
+    t = context.transport()
     if args.action == "rm":
         if not args.snapshot_ids:
             raise WarmboxError("snapshots rm needs snapshot ids")
@@ -1046,7 +1003,7 @@ async def _down(args: argparse.Namespace) -> int:
 async def _approvals(args: argparse.Namespace) -> int:
     from warmbox.cli import approvals
 
-    return await approvals.command(args, _engine())
+    return await approvals.command(args, context.transport())
 
 
 async def _cluster(args: argparse.Namespace) -> int:
@@ -1074,7 +1031,7 @@ async def _config(args: argparse.Namespace) -> int:
 
 
 async def _kill(args: argparse.Namespace) -> int:
-    t = getattr(args, "thin", None) or _engine()
+    t = getattr(args, "thin", None) or context.transport()
     if args.all == bool(args.sandbox_ids):
         raise WarmboxError("warmbox kill takes sandbox ids, or --all (every sandbox you have, running or paused)")
     ids = args.sandbox_ids
@@ -1098,7 +1055,7 @@ async def _kill(args: argparse.Namespace) -> int:
 async def _export(args: argparse.Namespace) -> int:
     from warmbox import transcript
 
-    got = await _engine().handle(ops.Export(args.sandbox_id))
+    got = await context.transport().handle(ops.Export(args.sandbox_id))
     data = transcript.dumps(got, args.format)
     if args.output is None:
         sys.stdout.buffer.write(data)
@@ -1122,7 +1079,7 @@ async def _logs(args: argparse.Namespace) -> int:
     foreground command's output went to its caller); -f: then follow them until they end."""
     import asyncio
 
-    t = _engine()
+    t = context.transport()
     sid = args.sandbox_id
     text = await t.handle(ops.Logs(sid))
     info = await t.handle(ops.Info(sid))
@@ -1180,7 +1137,7 @@ async def _doctor(args: argparse.Namespace) -> int:
         from warmbox.cli.security import print_guarantees
 
         return print_guarantees(as_json=args.json)
-    rows = await _engine().handle(ops.Doctor())
+    rows = await context.transport().handle(ops.Doctor())
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows]))
     else:
@@ -1201,7 +1158,7 @@ def _trust_note() -> str:
     from warmbox.network.tls import host_only_cas
     from warmbox.paths import default_home
 
-    if _api_url():  # the server's host is another one
+    if context.api_url():  # the server's host is another one
         return ""
     try:
         extra = load(default_home()).network.extra_ca
@@ -1225,7 +1182,7 @@ async def _advise(args: argparse.Namespace) -> int:
 
     req = _requirements(args)
     try:
-        choice = await _engine().handle(ops.ChooseTier(req))
+        choice = await context.transport().handle(ops.ChooseTier(req))
     except NoSuitableTier as e:
         if args.json:
             print(json.dumps({"tier": None, "error": str(e), "rejected": list(e.rejected)}))
@@ -1258,7 +1215,7 @@ async def _mcp(args: argparse.Namespace) -> int:
     """An MCP server on stdio over this home's engine; sandboxes it created outlive it (to their timeout)."""
     from warmbox.server.mcp import build_mcp
 
-    transport = _engine()
+    transport = context.transport()
     try:
         await build_mcp(lambda ctx: transport).run_stdio_async()
     finally:
@@ -1273,7 +1230,7 @@ async def _bench(args: argparse.Namespace) -> int:
 
 
 async def _net(args: argparse.Namespace) -> int:
-    t = _engine()
+    t = context.transport()
     if args.net_command == "log":
         rows = await t.handle(ops.NetworkLog(args.sandbox_id))
         if args.json:
@@ -1347,7 +1304,7 @@ def _thin(args: argparse.Namespace) -> _ThinTransport | None:
     named (--api-url), nothing of this process's stdin is to be forwarded and no terminal is
     asked for, and a ``warmbox serve`` of this home answers on its socket; else None: the command
     builds its own client (the engine in process, or the HTTP transport to the named server)."""
-    if args.command not in _THIN_COMMANDS or _api_url():
+    if args.command not in _THIN_COMMANDS or context.api_url():
         return None
     if args.command in ("run", "exec"):
         if getattr(args, "tty", False) or getattr(args, "user", "user") != "user":
@@ -1451,7 +1408,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.thin.client.close()
         import asyncio
 
-        return asyncio.run(_closing(_COMMANDS[args.command](args)))
+        return asyncio.run(context.closing(_COMMANDS[args.command](args)))
     except WarmboxError as e:
         print(f"warmbox: error: {e}", file=sys.stderr)
         return EXIT_ERROR

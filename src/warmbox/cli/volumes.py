@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from warmbox import operations as ops
+from warmbox.cli.context import transport
 from warmbox.errors import InvalidArgument
 from warmbox.models import Volume
 
@@ -64,8 +65,6 @@ def _print(rows: list, as_json: bool) -> None:
 
 
 async def command(args: argparse.Namespace) -> int:
-    from warmbox.cli.main import _engine as transport
-
     t = transport()
     if args.volume_command == "create":
         v = await t.handle(ops.VolumeCreate(args.name, parse_size(args.size)))
