@@ -38,27 +38,32 @@ warmbox cluster head | token [FILE]   run a Ray head for a cluster; make the pee
 --api-url URL (or WARMBOX_API_URL) sends every command to a warmbox server instead of the
 in-process engine, with --api-key KEY (or WARMBOX_API_KEY).
 
-Imports are part of the design here (issue 38): the parser needs only argparse and the tables of
-operations and records, so asyncio, the SDK, the HTTP client and the engine are imported by the
-commands that use them, when they run; ``warmbox --help`` loads none of them.
+Imports are part of the design here (issue 38): asyncio, the SDK, the HTTP client and the engine
+are imported by the commands that use them, when they run. The parser builds only the command
+asked for (each command is listed, name and help, without its module), and the operations and
+records are loaded on first use; ``warmbox --help`` loads none of them.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 import time
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from warmbox import operations as ops
 from warmbox.cli import context
-from warmbox.cli.volumes import parse_mount
 from warmbox.errors import WarmboxError
-from warmbox.models import Lifecycle, Limits, SandboxQuery, State, validate_query
-from warmbox.network.policy import PRESETS
+
+if TYPE_CHECKING:
+    import dataclasses
+
+    from warmbox import operations as ops
+    from warmbox.models import Lifecycle, Limits
+else:  # run on first use: neither --help nor a parse error loads them
+    ops = context.lazy_module("warmbox.operations")
+    dataclasses = context.lazy_module("dataclasses")
 
 EXIT_ERROR = 125
 
@@ -78,6 +83,10 @@ def _env_pairs(values: list[str] | None) -> dict[str, str]:
 
 
 def _add_sandbox_opts(p: argparse.ArgumentParser) -> None:
+    if not isinstance(p, argparse.ArgumentParser):
+        return  # another command's parser is built, not this one's (context.Subcommands)
+    from warmbox.models import Limits
+
     p.add_argument(
         "--tier",
         default=None,
@@ -157,6 +166,10 @@ def _requirements(args: argparse.Namespace) -> Any:
 
 
 def _add_network_opts(p: argparse.ArgumentParser) -> None:
+    if not isinstance(p, argparse.ArgumentParser):
+        return  # another command's parser is built, not this one's (context.Subcommands)
+    from warmbox.network.policy import PRESETS
+
     p.add_argument(
         "--network",
         choices=("none", "internet"),
@@ -226,11 +239,17 @@ _KEY_HELP = "a repeat with the same KEY runs nothing again: it gets the first"
 MAX_KEYED_STDIN = 16 << 20  # a keyed command's piped stdin, sent whole (the server's JSON bound)
 
 
-def _parser() -> _Parser:
+def _parser(argv: list[str] | None = None) -> _Parser:
+    """The command line's parser: every command, or (``argv`` given) every command listed but only
+    the one ``argv`` names built (``warmbox --help`` builds none, and imports no command's module)."""
     ap = _Parser(prog="warmbox", description="Sandboxes for untrusted code.")
     ap.add_argument("--api-url", default=None, help="a warmbox server (http(s)://host:port or unix:/path)")
     ap.add_argument("--api-key", default=None, help="its API key (default: WARMBOX_API_KEY)")
-    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    only = None
+    if argv is not None:
+        i = context.option_words(ap, argv, 0)
+        only = argv[i] if i is not None and i < len(argv) else ""
+    sub = context.Subcommands(ap.add_subparsers(dest="command", required=True, parser_class=_Parser), only)
     p = sub.add_parser("serve", help="the HTTP API: 127.0.0.1:7420 and a unix socket ([server] in warmbox.toml)")
     p.add_argument("--host", default=None, help="TCP address (default [server] host, 127.0.0.1); '' for none")
     p.add_argument("--port", type=int, default=None, help="TCP port (default [server] port, 7420; 0: any free)")
@@ -339,20 +358,44 @@ def _parser() -> _Parser:
     q = nsub.add_parser("show", help="a sandbox's policy")
     q.add_argument("sandbox_id")
     sub.add_parser("down", help="stop the daemon; destroys pooled (not claimed) sandboxes")
-    from warmbox.cli import keys, templates
+    # the commands of their own modules, each imported only when its command is built
+    if sub.wants("keys"):
+        from warmbox.cli import keys
 
-    keys.add_parser(sub, _Parser)
-    from warmbox.cli import approvals
+        keys.add_parser(sub, _Parser)
+    else:
+        sub.listed("keys")
+    if sub.wants("approvals"):
+        from warmbox.cli import approvals
 
-    approvals.add_parser(sub, _Parser)
-    from warmbox.cli import db, volumes
+        approvals.add_parser(sub, _Parser)
+    else:
+        sub.listed("approvals")
+    if sub.wants("volume"):
+        from warmbox.cli import volumes
 
-    volumes.add_parser(sub, _Parser)
-    db.add_parser(sub, _Parser)
-    templates.add_parser(sub, _Parser)
-    from warmbox.cli import cluster
+        volumes.add_parser(sub, _Parser)
+    else:
+        sub.listed("volume")
+    if sub.wants("db"):
+        from warmbox.cli import db
 
-    cluster.add_parser(sub, _Parser)
+        db.add_parser(sub, _Parser)
+    else:
+        sub.listed("db")
+    if sub.wants("template"):
+        from warmbox.cli import templates
+
+        templates.add_parser(sub, _Parser)
+    else:
+        sub.listed("template")
+    if sub.wants("node") or sub.wants("cluster"):
+        from warmbox.cli import cluster
+
+        cluster.add_parser(sub, _Parser)
+    else:
+        sub.listed("node")
+        sub.listed("cluster")
     p = sub.add_parser("config", help="show the effective settings")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("doctor", help="which tiers this host can run")
@@ -494,10 +537,14 @@ def _cmd(args: argparse.Namespace) -> list[str]:
 
 
 def _limits(args: argparse.Namespace) -> Limits:
+    from warmbox.models import Limits
+
     return Limits(memory_mb=args.memory, cpus=args.cpus, pids=args.pids, disk_mb=args.disk)
 
 
 def _create_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from warmbox.cli.volumes import parse_mount
+
     return {
         "timeout": args.timeout,
         "envs": _env_pairs(args.env),
@@ -514,6 +561,8 @@ def _create_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _lifecycle(args: argparse.Namespace) -> Lifecycle | None:
+    from warmbox.models import Lifecycle
+
     lc = Lifecycle(on_timeout=args.on_timeout, idle_pause_after=args.idle_pause, auto_resume=args.auto_resume)
     return None if lc == Lifecycle() else lc
 
@@ -609,13 +658,14 @@ def _sinks(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-@dataclasses.dataclass
 class _Started:
-    """What --json tells of a sandbox the thin path created or connected to (AsyncSandbox's names)."""
+    """What --json tells of a sandbox the thin path created or connected to (AsyncSandbox's names).
+    (A plain class: a dataclass here would load dataclasses for every ``warmbox --help``.)"""
 
-    sandbox_id: str
-    from_pool: bool
-    stage_timings: list[Any]
+    def __init__(self, sandbox_id: str, from_pool: bool, stage_timings: list[Any]) -> None:
+        self.sandbox_id = sandbox_id
+        self.from_pool = from_pool
+        self.stage_timings = stage_timings
 
     @property
     def timings(self) -> dict[str, float]:
@@ -816,6 +866,8 @@ def _warn_config() -> None:
 
 
 async def _ls(args: argparse.Namespace) -> int:
+    from warmbox.models import SandboxQuery, State, validate_query
+
     _warn_config()
     t = getattr(args, "thin", None) or context.transport()
     query = None
@@ -1079,6 +1131,8 @@ async def _logs(args: argparse.Namespace) -> int:
     foreground command's output went to its caller); -f: then follow them until they end."""
     import asyncio
 
+    from warmbox.models import State
+
     t = context.transport()
     sid = args.sandbox_id
     text = await t.handle(ops.Logs(sid))
@@ -1331,44 +1385,17 @@ def _unsuspended(coro: Any) -> int:
 _COMMAND_AFTER = {"run": 0, "exec": 1, "shell": 1}  # our positionals before the command's first word
 
 
-def _option_words(p: argparse.ArgumentParser, argv: list[str], i: int) -> int | None:
-    """The index of the first word at or after ``i`` that is neither an option of ``p`` nor an
-    option's value; None at an option ``p`` does not have (argparse then says so)."""
-    options = p._option_string_actions
-    while i < len(argv):
-        word = argv[i]
-        if not word.startswith("-") or word in ("-", "--"):
-            return i
-        if word.startswith("--"):
-            name, eq, _ = word.partition("=")
-            found = [o for o in options if o.startswith("--") and o.startswith(name)]  # argparse takes a prefix
-            if name not in options and len(found) != 1:
-                return None
-            action = options[name if name in options else found[0]]
-            i += 1 if eq or action.nargs == 0 else 2
-            continue
-        i += 1
-        for j in range(1, len(word)):  # -x, -xVALUE, or flags together (-it)
-            short = options.get("-" + word[j])
-            if short is None:
-                return None
-            if short.nargs != 0:
-                i += j + 1 == len(word)  # its value is the next word
-                break
-    return i
-
-
 def _separate(ap: _Parser, argv: list[str]) -> list[str]:
     """``warmbox run python3 -c 'print(1)'`` as ``docker run`` reads it: the command starts at the
     first word that is not ours (an option, its value, the sandbox id), and a ``--`` goes there,
     so its own options (``-c``) are never read as ours. argv as it was when a ``--`` is there already."""
-    i = _option_words(ap, argv, 0)
+    i = context.option_words(ap, argv, 0)
     if i is None or i >= len(argv) or argv[i] not in _COMMAND_AFTER:
         return argv
     sub, ours = ap.subcommands[argv[i]], _COMMAND_AFTER[argv[i]]
     i += 1
     while True:
-        found = _option_words(sub, argv, i)
+        found = context.option_words(sub, argv, i)
         if found is None or found >= len(argv) or argv[found] == "--":
             return argv
         if ours == 0:
@@ -1381,14 +1408,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     (``warmbox exec ID --cwd /tmp -e A=1 -- pwd``) and the command's own are never read as ours;
     without a ``--``, the command starts at the first word that is not ours (:func:`_separate`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = _parser()
+    ap = _parser(argv)
     argv = _separate(ap, argv)
     if "--" not in argv:
         return ap.parse_args(argv)
     cut = argv.index("--")
     args = ap.parse_args(argv[:cut])
     if not hasattr(args, "cmd") or args.cmd:
-        return _parser().parse_args(argv)  # no command here, or one before the --: argparse says why
+        return _parser(argv).parse_args(argv)  # no command here, or one before the --: argparse says why
     args.cmd = argv[cut + 1 :]
     return args
 
