@@ -44,13 +44,7 @@ from warmbox.errors import (
     WarmboxError,
 )
 from warmbox.lifecycle import Operation
-from warmbox.models import (
-    BackendHandle,
-    Execution,
-    SandboxInfo,
-    StageTiming,
-    State,
-)
+from warmbox.models import BackendHandle, Execution, SandboxInfo, StageTiming, State
 from warmbox.storage import snapshots as snaps
 
 if TYPE_CHECKING:
@@ -58,14 +52,8 @@ if TYPE_CHECKING:
 
 
 STATE_FILE = "/tmp/.warmbox-context.pkl"
-
-
 MAX_SNAPSHOT_BYTES = int(os.environ.get("WARMBOX_SNAPSHOT_MAX_BYTES", str(16 << 30)))  # raw tar, per snapshot
-
-
 TAR_PATHS = ("workspace", "tmp", "home/user")
-
-
 _TIMEOUT_S = 600.0
 
 
@@ -358,8 +346,6 @@ async def _stream_tar(session: GuestSession, blob: snaps.BlobWriter, sandbox_id:
 
 
 _pausing: dict[str, bool] = {}
-
-
 releasing: set[str] = set()  # paused sandboxes this process is releasing right now
 
 
@@ -577,8 +563,6 @@ _UNSAVED_TCP_STATES = {
     "09": "LAST_ACK",
     "0B": "CLOSING",
 }
-
-
 _NET_TABLE_MAX = 1 << 20  # bytes of each /proc/net/tcp{,6} read from the guest
 
 

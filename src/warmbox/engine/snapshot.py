@@ -15,19 +15,9 @@ from typing import TYPE_CHECKING
 from warmbox.engine import checkpoint, egress, provision, snapstore
 from warmbox.engine import volumes as volumes_mod
 from warmbox.engine.provision import Launched
-from warmbox.errors import (
-    InvalidArgument,
-    SandboxError,
-    SandboxNotFound,
-    WarmboxError,
-)
+from warmbox.errors import InvalidArgument, SandboxError, SandboxNotFound, WarmboxError
 from warmbox.lifecycle import Operation
-from warmbox.models import (
-    Limits,
-    StageTiming,
-    State,
-    Tenant,
-)
+from warmbox.models import Limits, StageTiming, State, Tenant
 from warmbox.paths import owner_alive
 from warmbox.storage import snapshots as snaps
 from warmbox.storage.objects import LocalObjectStore

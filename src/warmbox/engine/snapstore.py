@@ -24,11 +24,7 @@ from warmbox.errors import (
     StorageFull,
     TemplateMismatch,
 )
-from warmbox.models import (
-    ImageRef,
-    Limits,
-    Tenant,
-)
+from warmbox.models import ImageRef, Limits, Tenant
 from warmbox.storage import snapshots as snaps
 from warmbox.storage.objects import LocalObjectStore, ObjectStore
 
@@ -51,14 +47,13 @@ def store_for(engine: Engine) -> ObjectStore:
 
 
 def workdir(engine: Engine) -> Path:
+    """The home's temp directory of snapshot operations (their ``Op`` directories, fetched blobs)."""
     d = engine.home / "tmp"
     d.mkdir(mode=0o700, exist_ok=True)
     return d
 
 
 OP_PREFIX = ".op-"
-
-
 OP_MIN_AGE_S = 5.0  # an op dir younger than this may not be locked by its creator yet
 
 
