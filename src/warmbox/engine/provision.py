@@ -5,6 +5,11 @@ sandbox with its backend, starts its agent (``Cold``: a fresh boot, then the tem
 ``Restore``: a memory image continued), checks the agent, records the stage timings and the new
 state, and returns one :class:`Launched` record. ``claim`` hands out a pooled sandbox as the same
 record. A start that fails anywhere is torn down here, once, whatever the boot.
+
+``create`` is a caller's start (a pool claim, else cold, else from the shape's template memory
+snapshot on a tier that starts that way), ``create_pooled`` a pool's; ``restore_memory`` continues
+a memory snapshot as a new (or the resumed) sandbox, and ``template_snapshot`` makes a shape's
+template snapshot once (it pauses a warmed sandbox: checkpoint.pause).
 """
 
 from __future__ import annotations
