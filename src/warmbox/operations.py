@@ -26,6 +26,7 @@ from warmbox.models import (
     FilesystemEvent,
     Lifecycle,
     Limits,
+    MetricSample,
     NetEvent,
     PoolStatus,
     ProcessEvent,
@@ -47,6 +48,7 @@ from warmbox.models import (
     WriteEntry,
     record,
 )
+from warmbox.network.policy import Network
 from warmbox.templates import Template
 
 R = TypeVar("R")
@@ -168,6 +170,7 @@ class Op(str, enum.Enum):
     KILL = "kill"
     SET_TIMEOUT = "set_timeout"
     METRICS = "metrics"
+    METRICS_HISTORY = "metrics.history"
     PING = "ping"
     RECORD_FIRST_COMMAND = "timings.first_command"
     EXEC = "exec"
@@ -390,7 +393,7 @@ class Create(Request[Opened]):
     template: str | None = None
     pool: bool = True
     from_snapshot: str | None = None
-    network: object = "none"  # "none", "internet" or a warmbox.Network
+    network: Network | str = "none"  # "none", "internet" or a warmbox.Network
     secrets: dict[str, Any] | None = None  # name -> warmbox.Secret
     metadata: dict[str, str] | None = None  # shown in get_info(), matched by list(query=)
     lifecycle: Lifecycle | None = None  # auto-pause: on timeout, when idle; auto-resume
@@ -504,6 +507,20 @@ class Metrics(Request[SandboxMetrics]):
     op: ClassVar[Op] = Op.METRICS
     sandbox_id: str
     fresh: bool = True
+
+
+@record
+class MetricsHistory(Request[list[MetricSample]]):
+    """A sandbox's metrics history: the readings taken in [start, end] (epoch seconds; None: from
+    its start / until now), oldest first, at most ``limit`` (1-720: the latest of them). Read every
+    5 s while it runs (none while it is paused; one is taken now when the latest is older); the
+    latest 720 are kept (an hour), and they end with the sandbox."""
+
+    op: ClassVar[Op] = Op.METRICS_HISTORY
+    sandbox_id: str
+    start: float | None = None
+    end: float | None = None
+    limit: int = 720
 
 
 @record
@@ -926,7 +943,7 @@ class UpdateNetwork(Request[str]):
 
     op: ClassVar[Op] = Op.NETWORK_UPDATE
     sandbox_id: str
-    network: object
+    network: Network | str  # as Create's
 
 
 @record
@@ -1163,6 +1180,7 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         Kill,
         SetTimeout,
         Metrics,
+        MetricsHistory,
         Ping,
         RecordFirstCommand,
         Exec,

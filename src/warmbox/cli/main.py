@@ -289,6 +289,7 @@ def _parser() -> _Parser:
     p = sub.add_parser("metrics", help="cost of a sandbox so far (or final)")
     p.add_argument("sandbox_id")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--history", action="store_true", help="its readings instead (every 5 s, the last hour)")
     for name, help_ in (
         ("snapshot", "snapshot a sandbox (it keeps running)"),
         ("pause", "snapshot a sandbox and release it"),
@@ -947,6 +948,11 @@ async def _port_forward(args: argparse.Namespace) -> int:
 
 
 async def _metrics(args: argparse.Namespace) -> int:
+    if args.history:
+        got = await _engine().handle(ops.MetricsHistory(args.sandbox_id))
+        lines = [f"{s.timestamp:.0f} cpu {s.cpu_used_pct:.1f}% memory {s.memory_bytes / 2**20:.1f} MiB" for s in got]
+        print(json.dumps([dataclasses.asdict(s) for s in got]) if args.json else "\n".join(lines))
+        return 0
     m = await _engine().handle(ops.Metrics(args.sandbox_id))
     if args.json:
         print(json.dumps(dataclasses.asdict(m)))

@@ -55,6 +55,7 @@ STATE_FILE = "/tmp/.warmbox-context.pkl"
 MAX_SNAPSHOT_BYTES = int(os.environ.get("WARMBOX_SNAPSHOT_MAX_BYTES", str(16 << 30)))  # raw tar, per snapshot
 TAR_PATHS = ("workspace", "tmp", "home/user")
 _TIMEOUT_S = 600.0
+_RUNTIME_EXIT_S = 60.0  # a checkpointed runtime's exit, waited for by recovery
 
 
 # Run in the user's default context. Defines nothing that outlives the cell.
@@ -752,6 +753,13 @@ async def _recover_one(engine: Engine, op: snapstore.Op) -> str:
     if not isinstance(backend, SnapshotCapable):
         return f"{op.path.name}: removed (tier {info.tier} has no memory snapshots)"
     image = op.path / "image" / "checkpoint.img"
+    if (op.path / "checkpointed").exists() and image.is_file():
+        # the checkpoint ended, so its runtime is ending: on a loaded host its Sentry can still be
+        # exiting for a while, which is not "killed before the checkpoint" (that would resume a
+        # sandbox whose processes are gone and drop the image that holds them)
+        deadline = time.monotonic() + _RUNTIME_EXIT_S
+        while await backend.alive(handle) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
     if await backend.alive(handle):  # killed before the checkpoint stopped it: let it run on
         try:
             await backend.resume_listening(handle)
