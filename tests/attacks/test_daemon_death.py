@@ -20,6 +20,7 @@ import pytest
 
 from tests.attacks.conftest import home_procs
 from tests.conftest import wait_for
+from warmbox.engine import provision
 
 pytestmark = pytest.mark.sandbox
 
@@ -53,7 +54,7 @@ def test_timeout_enforced_after_the_daemon_is_sigkilled(private_home, kill, when
     h = engine.home
 
     async def create():
-        got = await engine.create(tier="container", timeout=TIMEOUT_S, pool=False)
+        got = await provision.create(engine, tier="container", timeout=TIMEOUT_S, pool=False)
         await got.session.close()
         return got.info
 

@@ -121,7 +121,7 @@ def test_a_snapshot_larger_than_its_new_disk_is_a_typed_error(home, runc_ready, 
     and the sandbox made for it is gone. Clearly too big: refused before any sandbox exists."""
     import dataclasses
 
-    from warmbox.engine import snapshot as snapshots
+    from warmbox.engine import snapstore
     from warmbox.storage import snapshots as snaps
 
     engine = require_tier(home, tier)
@@ -132,21 +132,21 @@ def test_a_snapshot_larger_than_its_new_disk_is_a_typed_error(home, runc_ready, 
     finally:
         if engine.info(sb.sandbox_id)[0].state is not State.PAUSED:
             sb.kill()
-    store = snapshots.store_for(engine)
-    m = snaps.load_manifest(store, ref.snapshot_id, snapshots._workdir(engine))
+    store = snapstore.store_for(engine)
+    m = snaps.load_manifest(store, ref.snapshot_id, snapstore.workdir(engine))
     # 40 MB of files: more than a 32 MiB disk holds (found unpacking), far more than 16 MiB (up front;
     # a file snapshot also holds /tmp and /home/user, so only its unpacking can tell)
     cases = [(32, 1)] + ([(16, 0)] if memory else [])
     try:
         for disk_mb, sandboxes in cases:
             forged = dataclasses.replace(m, snapshot_id=snaps.new_snapshot_id(), disk_mb=disk_mb)
-            snaps.save_manifest(store, forged, snapshots._workdir(engine))
+            snaps.save_manifest(store, forged, snapstore.workdir(engine))
             before = {i.sandbox_id for i in engine.list(include_dead=True)}
             try:
                 with pytest.raises(NoSpace, match=f"limits.disk_mb = {disk_mb}"):
                     Sandbox.create(from_snapshot=forged.snapshot_id, timeout=60)
             finally:
-                snapshots.delete(engine, forged.snapshot_id)
+                snapstore.delete(engine, forged.snapshot_id)
             made = [i for i in engine.list(include_dead=True) if i.sandbox_id not in before and not i.pool]
             assert len(made) == sandboxes and all(i.state is State.DESTROYED for i in made), made
             for i in made:

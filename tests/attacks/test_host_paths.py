@@ -17,6 +17,7 @@ from tests.conftest import wait_for
 from warmbox import Sandbox, Volume
 from warmbox import protocol as p
 from warmbox.backends import hostfs
+from warmbox.engine import checkpoint
 from warmbox.engine import snapshot as snapshots
 from warmbox.engine.guest_client import GuestClient
 from warmbox.errors import SnapshotUnsupported, StorageError, WarmboxError
@@ -176,7 +177,7 @@ def test_memory_snapshot_over_the_cap_is_refused_and_the_sandbox_continues(home,
     cannot be stored after its checkpoint stopped the runtime continues the sandbox from its
     own image instead of losing it."""
     require_tier(home, "gvisor")
-    monkeypatch.setattr(snapshots, "MAX_SNAPSHOT_BYTES", 8 << 20)
+    monkeypatch.setattr(checkpoint, "MAX_SNAPSHOT_BYTES", 8 << 20)
     with Sandbox.create(tier="gvisor", timeout=300) as sb:
         sb.run_code("x = 41")
         assert sb.commands.run("head -c 20M /dev/urandom > /workspace/big").exit_code == 0

@@ -20,13 +20,13 @@ import pytest
 from tests.attacks.conftest import require_tier
 from tests.conftest import cli, wait_for
 from warmbox import Sandbox, State
-from warmbox.engine import snapshot as snapshots
+from warmbox.engine import checkpoint, snapstore
 
 pytestmark = pytest.mark.sandbox
 
 
 def _ops(home: Path, kind: str) -> list[Path]:
-    return sorted((home / "tmp").glob(f"{snapshots.OP_PREFIX}{kind}-*")) if (home / "tmp").is_dir() else []
+    return sorted((home / "tmp").glob(f"{snapstore.OP_PREFIX}{kind}-*")) if (home / "tmp").is_dir() else []
 
 
 def _du(path: Path) -> int:
@@ -54,7 +54,7 @@ def test_killed_snapshot_leaves_no_temp_files(home, runc_ready):
         op = wait_for(lambda: [d for d in _ops(home, "snapshot") if _du(d) > 20 << 20], 60, "a big temp artifact")[0]
         _kill(proc)
         assert op.exists()
-        time.sleep(snapshots._OP_MIN_AGE_S + 0.5)
+        time.sleep(snapstore.OP_MIN_AGE_S + 0.5)
         r = cli("snapshots", "gc")
         assert r.returncode == 0, r.stderr
         assert not op.exists(), "a dead snapshot's temp files survived gc"
@@ -86,7 +86,7 @@ def test_pause_killed_after_its_checkpoint_ends_paused_and_resumable(home, runc_
         # recovery (the daemon's reaper, or ``snapshots gc``: here called directly, so a daemon busy
         # with other work on a loaded host cannot make the wait long) finishes the dead pauser's pause
         def recovered() -> bool:
-            asyncio.run(snapshots.recover(engine))  # whoever takes the op's lock first finishes it
+            asyncio.run(checkpoint.recover(engine))  # whoever takes the op's lock first finishes it
             return engine.info(sid)[0].state is State.PAUSED
 
         wait_for(recovered, 120, "recovery to finish the pause", 0.5)
@@ -108,7 +108,7 @@ def test_half_copied_memory_image_of_a_dead_process_is_removed(home, runc_ready)
     """A process killed while it copied a memory image into the cache (up to ~1 GB) left a
     .tmp-* directory there that nothing removed."""
     engine = require_tier(home, "gvisor")
-    cache = snapshots._memory_cache(engine)
+    cache = snapstore.memory_cache(engine)
     cache.mkdir(parents=True, exist_ok=True)
     dead = subprocess.Popen(["true"])
     dead.wait()

@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import cli, set_config
 from warmbox import Limits, Sandbox, State, config
 from warmbox.config import HostCapacity
+from warmbox.engine import provision
 from warmbox.engine.engine import Engine
 from warmbox.errors import ConfigError, InvalidArgument, LimitTooHigh
 
@@ -163,7 +164,7 @@ def test_create_refuses_absurd_limits_before_anything_exists(home, tier):
     for field, limits in ABSURD:
         for pool in (True, False):
             with pytest.raises(LimitTooHigh, match=f"limits.{field}"):
-                asyncio.run(engine.create(tier=tier, limits=limits, pool=pool))
+                asyncio.run(provision.create(engine, tier=tier, limits=limits, pool=pool))
         with pytest.raises(LimitTooHigh):
             Sandbox.create(tier=tier, limits=limits)
     assert _user_state(engine) == before

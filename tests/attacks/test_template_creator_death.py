@@ -21,6 +21,7 @@ import pytest
 
 from tests.backends.conftest import live_pids, qemu_pids
 from tests.conftest import wait_for
+from warmbox.engine import provision
 from warmbox.models import Limits, State
 
 pytestmark = pytest.mark.sandbox
@@ -93,14 +94,16 @@ def test_microvm_template_of_a_killed_creator_is_reaped(private_home, when):
     assert not (Path(engine.runtime) / "sandboxes" / template.sandbox_id).exists()
 
     async def later():  # the shape still works: a new template (or the finished one), then a restore
-        got = await engine.create(tier="microvm", limits=Limits(memory_mb=MEMORY_MB), timeout=60, pool=False)
+        got = await provision.create(engine, tier="microvm", limits=Limits(memory_mb=MEMORY_MB), timeout=60, pool=False)
         made = any(t.stage == "template" for t in got.timings)
         if when == "saved":  # the dead creator's pause was finished by recovery: that is the template
             assert not made and reasons[-1].startswith("became template snapshot"), reasons
         try:
-            from warmbox.engine import snapshot
+            from warmbox.engine import checkpoint
 
-            code, _ = await asyncio.wait_for(snapshot._exec(got.session, ["/bin/echo", "ok"], got.sandbox_id), 60)
+            code, _ = await asyncio.wait_for(
+                checkpoint.guest_exec(got.session, ["/bin/echo", "ok"], got.sandbox_id), 60
+            )
             assert code == 0
         finally:
             await got.session.close()

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import _stop_daemon
+from warmbox.engine import provision
 from warmbox.engine.engine import Engine
 from warmbox.errors import RegistryError
 from warmbox.models import Limits, State
@@ -56,7 +57,7 @@ def test_two_homes_never_share_a_uid_range(home, runc_ready, tmp_path_factory):
     made: list[tuple[Engine, str]] = []
 
     async def one(engine: Engine):
-        got = await engine.create(tier="container", pool=False, timeout=120)
+        got = await provision.create(engine, tier="container", pool=False, timeout=120)
         made.append((engine, got.sandbox_id))
         await got.session.close()
         return got.info, got.handle

@@ -380,7 +380,7 @@ def test_a_memory_snapshot_of_another_runsc_is_refused_naming_both_versions(home
 
     from warmbox import SnapshotRuntimeMismatch
     from warmbox.backends.gvisor import LEGACY_RUNSC_VERSION, runsc_version
-    from warmbox.engine import snapshot
+    from warmbox.engine import snapshot, snapstore
 
     engine = Engine.for_home(home)
     here = engine.backend("gvisor").runtime_version()
@@ -404,10 +404,10 @@ def test_a_memory_snapshot_of_another_runsc_is_refused_naming_both_versions(home
         assert engine.info(sb.sandbox_id)[0].state is State.PAUSED
         legacy = dataclasses.replace(m, runtime="")  # taken before the runtime was recorded
         old_engine, new_engine = (engine, elsewhere) if here.endswith(LEGACY_RUNSC_VERSION) else (elsewhere, engine)
-        snapshot.check_runtime(old_engine, legacy)
+        snapstore.check_runtime(old_engine, legacy)
         with pytest.raises(SnapshotRuntimeMismatch, match=r"made by runsc 0\.0~20221219\.0"):
-            snapshot.check_runtime(new_engine, legacy)
-        snapshot.check_runtime(elsewhere, snapshot.resolve(engine, files_only.snapshot_id))  # files only
+            snapstore.check_runtime(new_engine, legacy)
+        snapstore.check_runtime(elsewhere, snapshot.resolve(engine, files_only.snapshot_id))  # files only
     finally:
         elsewhere.registry.close()
         monkeypatch.delenv("WARMBOX_RUNSC")

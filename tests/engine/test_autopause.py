@@ -11,8 +11,7 @@ from tests.conftest import set_config, wait_for
 from warmbox import InvalidArgument, Lifecycle, Limits, Sandbox, SandboxNotFound, SandboxPaused, State
 from warmbox import operations as ops
 from warmbox.config import ConfigError, parse
-from warmbox.engine import front
-from warmbox.engine import snapshot as snaps
+from warmbox.engine import front, snapstore
 from warmbox.engine.engine import Engine
 from warmbox.lifecycle import RETENTION_EXPIRED
 from warmbox.models import validate_lifecycle
@@ -124,7 +123,7 @@ def test_a_call_during_the_daemons_memory_pause_waits_for_it_and_resumes(home, r
     try:
         sb.files.write("/workspace/kept.txt", "before")
         sb.run_code("x = 41")
-        wait_for(lambda: snaps.pause_running(engine, sid), WAIT_S, "the daemon's memory pause to start")
+        wait_for(lambda: snapstore.pause_running(engine, sid), WAIT_S, "the daemon's memory pause to start")
         assert sb.files.read("/workspace/kept.txt") == "before"  # during the pause: waits, then resumes
         assert sb.run_code("x + 1").text == "42" and sb.get_timings()["resume"] > 0
         assert _state(engine, sid) in (State.READY, State.RUNNING)
@@ -172,7 +171,7 @@ def test_on_timeout_pause_pauses_instead_of_killing(home, runc_ready):
 @pytest.mark.sandbox
 def test_paused_sandboxes_are_deleted_with_their_snapshots_after_the_retention(home, runc_ready):
     engine = Engine.for_home(home)
-    store = snaps.store_for(engine)
+    store = snapstore.store_for(engine)
     set_config(home, "\n[lifecycle]\npaused_retention = 2\n")
     try:
         sb = Sandbox.create(template="shell", timeout=300)

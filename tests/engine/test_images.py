@@ -152,7 +152,7 @@ def test_a_template_with_a_build_of_its_own_is_not_the_builtin_image_until_built
 
 
 def test_memory_snapshot_without_an_image_is_refused(engine):
-    from warmbox.engine.snapshot import image_of
+    from warmbox.engine.snapstore import image_of
 
     m = snaps.SnapshotManifest(
         snapshot_id="snap-x",

@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import cli
 from warmbox import ArtifactCorrupt, Sandbox, SnapshotUnsupported, State, StorageFull
 from warmbox.engine import snapshot as snaps
+from warmbox.engine import snapstore
 from warmbox.engine.engine import Engine
 from warmbox.storage import snapshots as artifacts
 
@@ -201,7 +202,7 @@ def test_manifests_and_artifacts_carry_no_env_values(home, runc_ready, tmp_path)
     assert secret not in manifest
     raw = tmp_path / "raw.tar"
     artifacts.get_blob(
-        snaps.store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, raw, tmp_path
+        snapstore.store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, raw, tmp_path
     )
     assert secret.encode() not in raw.read_bytes()
 
@@ -223,7 +224,7 @@ def test_snapshot_cli_and_garbage_collection(home, runc_ready):
         assert back.files.read("f") == "x" * 5000
     sha = snaps.resolve(engine, snap["snapshot_id"]).filesystem_sha256  # the manifest's blob
     blob = artifacts.blob_key(sha)
-    store = snaps.store_for(engine)
+    store = snapstore.store_for(engine)
     assert cli("snapshots", "rm", snap["snapshot_id"]).returncode == 0
     still_used = any(snaps.resolve(engine, s).filesystem_sha256 == sha for s, *_ in engine.registry.all_snapshots())
     assert cli("snapshots", "gc", "--now").returncode == 0

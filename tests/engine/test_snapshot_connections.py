@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from warmbox.engine.snapshot import open_connections
+from warmbox.engine.checkpoint import open_connections
 
 
 def test_open_connections_reads_a_guests_proc_net_tcp():

@@ -293,8 +293,7 @@ def test_gvisor_continued_in_place_after_its_checkpoint_keeps_its_link(net_home,
     import tempfile
     from pathlib import Path
 
-    from warmbox.engine import provision
-    from warmbox.engine import snapshot as snapshots
+    from warmbox.engine import checkpoint, provision
 
     world.clear_logs()
     engine = Engine.for_home(net_home)
@@ -313,7 +312,7 @@ def test_gvisor_continued_in_place_after_its_checkpoint_keeps_its_link(net_home,
                 await session.close()
             with tempfile.TemporaryDirectory(dir=engine.runtime) as d:
                 await backend.checkpoint(handle, Path(d))  # the runtime exits, as in a pause
-                await snapshots._revive(engine, backend, handle, Path(d))
+                await checkpoint._revive(engine, backend, handle, Path(d))
 
         asyncio.run(checkpoint_and_continue())
         assert sh(sb, "pgrep -x sleep").exit_code == 0

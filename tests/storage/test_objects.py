@@ -71,12 +71,13 @@ def test_snapshot_round_trip_through_s3(home, runc_ready, s3_endpoint):
             assert back.files.read("/workspace/s3.txt") == "via s3"
             assert back.run_code("answer").text == "42"
         from warmbox.engine import snapshot as snaps
+        from warmbox.engine import snapstore
         from warmbox.engine.engine import Engine
         from warmbox.storage import snapshots as artifacts
 
         engine = Engine.for_home(home)
         m = snaps.resolve(engine, ref.snapshot_id)
-        store = snaps.store_for(engine)
+        store = snapstore.store_for(engine)
         assert isinstance(store, S3ObjectStore)
         junk = Path(engine.home) / "junk"
         junk.write_bytes(b"\0" * m.filesystem_bytes)  # same size, wrong bytes

@@ -224,24 +224,24 @@ def _template_files(engine, limits: Limits, work: Path, template: str = "base") 
     import tarfile
 
     from warmbox import config
-    from warmbox.engine import snapshot as snapshots
+    from warmbox.engine import snapstore
     from warmbox.storage import snapshots as snaps
 
     image = engine.image_for(template)
     shape = config.shape_key("microvm", engine.settings().template(template), limits, image.image_id)
-    sid = engine.registry.meta_text(snapshots.template_key(engine, "microvm", shape, image))
-    m = snaps.load_manifest(snapshots.store_for(engine), sid, snapshots._workdir(engine))
-    cached = snapshots._cached_memory(engine, m, snapshots._workdir(engine))
+    sid = engine.registry.meta_text(snapstore.template_key(engine, "microvm", shape, image))
+    m = snaps.load_manifest(snapstore.store_for(engine), sid, snapstore.workdir(engine))
+    cached = snapstore.cached_memory(engine, m, snapstore.workdir(engine))
     mem = work / f"{template}.mem"
     os.link(cached / "checkpoint.img", mem)
     tar_path = work / "workspace.tar"
     snaps.get_blob(
-        snapshots.store_for(engine),
+        snapstore.store_for(engine),
         m.filesystem_sha256,
         m.filesystem_bytes,
         m.filesystem_raw_bytes,
         tar_path,
-        snapshots._workdir(engine),
+        snapstore.workdir(engine),
     )
     with tarfile.open(tar_path) as tar:
         member = tar.extractfile("./disk.qcow2") or tar.extractfile("disk.qcow2")

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from warmbox.backends import workspace_disk
 from warmbox.config import Template as WarmupTemplate
+from warmbox.engine import provision
 from warmbox.errors import (
     ImageRegistryUnreachable,
     StorageError,
@@ -645,8 +646,6 @@ class Build:
             await asyncio.to_thread(_release_disk, disk)
 
     async def _run_on(self, upper: Path, label: str, step: ts.Step, image: _Image) -> str:
-        from warmbox.engine import provision
-
         upper.mkdir(mode=0o755)
         ref = await asyncio.to_thread(self._ref, image)
         spec = provision.LaunchSpec(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
-import math
 import os
 import re
 import time
@@ -24,21 +23,17 @@ from warmbox.backends.base import (
     HostUids,
     Inventory,
     SharedHost,
-    TemplateCapable,
 )
 from warmbox.config import PoolConfig, Settings, Template
-from warmbox.engine import egress, provision
-from warmbox.engine import snapshot as snapshots
-from warmbox.engine import volumes as volumes_mod
+from warmbox.engine import egress, provision, snapstore
 from warmbox.engine.commandlog import CommandLog
 from warmbox.engine.idempotency import Keys
 from warmbox.engine.provision import Launched
-from warmbox.engine.session import GuestSession
+from warmbox.engine.session import GuestSession, session_oom
 from warmbox.errors import (
     BackendUnavailable,
     ConfigError,
     GuestConnectionError,
-    InvalidArgument,
     SandboxNotFound,
     SandboxPaused,
     SandboxStateError,
@@ -55,12 +50,14 @@ from warmbox.models import (
     SandboxInfo,
     SandboxMetrics,
     SandboxQuery,
-    StageTiming,
     State,
     Tenant,
     TierStatus,
-    VolumeMount,
 )
+
+# moved to models (issue 35): still importable from here until their callers follow
+from warmbox.models import validate_envs as validate_envs
+from warmbox.models import validate_timeout as validate_timeout
 from warmbox.network.policy import Policy
 from warmbox.paths import default_home, host_roots, owner_alive, owner_tag, redact, runtime_dir
 from warmbox.storage import uidslots
@@ -68,9 +65,6 @@ from warmbox.storage.registry import Registry, open_registry
 
 log = logging.getLogger("warmbox.config")
 
-DEFAULT_TIMEOUT_S = 300.0
-MAX_TIMEOUT_S = 24 * 3600.0
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SANDBOX_ID = re.compile(r"sb-[0-9a-f]{12}")
 
 
@@ -92,29 +86,6 @@ class LedgerSlots:
     def forget_gone(self, holder: str) -> bool:
         with self.registry.ledger.locked() as ledger:
             return ledger.forget_gone(holder)
-
-
-def validate_timeout(timeout: object, name: str = "timeout") -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout):
-        raise InvalidArgument(f"{name} must be a number of seconds, got {timeout!r}")
-    if timeout <= 0 or timeout > MAX_TIMEOUT_S:
-        raise InvalidArgument(f"{name} must be > 0 and <= {MAX_TIMEOUT_S:.0f} seconds, got {timeout!r}")
-    return float(timeout)
-
-
-def validate_envs(envs: object) -> tuple[tuple[str, str], ...]:
-    if envs is None:
-        return ()
-    if not isinstance(envs, dict):
-        raise InvalidArgument(f"envs must be a dict of str to str, got {type(envs).__name__}")
-    out = []
-    for k, v in envs.items():
-        if not isinstance(k, str) or not _ENV_NAME.match(k):
-            raise InvalidArgument(f"environment variable name {k!r} is not valid")
-        if not isinstance(v, str) or "\0" in v:
-            raise InvalidArgument(f"environment variable {k} must be a string without NUL bytes")
-        out.append((k, v))
-    return tuple(out)
 
 
 CREATE_DEADLINE_S = provision.WARMUP_TIMEOUT_S + 300.0
@@ -397,253 +368,12 @@ class Engine:
             pools = sorted({*pools, *(p.name for p in self.settings().pools.values() if p.template == name)})
         return [*sandboxes, *pools, *snaps]
 
-    # ---- create
+    # ---- guest
 
-    async def create(
-        self,
-        *,
-        tier: str | None = None,
-        timeout: float | None = None,
-        envs: dict[str, str] | None = None,
-        limits: Limits | None = None,
-        template: str | None = None,
-        pool: bool = True,
-        network: object = None,
-        secrets: dict | None = None,
-        tenant: Tenant | None = None,
-        resume_of: str = "",
-        volumes: object = None,
-        mounts: tuple[VolumeMount, ...] = (),
-        image: ImageRef | None = None,
-        egress_link: bool = False,
-    ) -> Launched:
-        """A ready sandbox with a connected session and its stage timings.
-
-        Taken from a pool of the same (tier, template, limits) when one has a ready sandbox
-        (``pool=False``: never), otherwise created cold, with the template's warm-up run.
-        A network policy other than "none" links it to the egress proxy (stage ``network``).
-        tenant: whose it is (None: the host's); QuotaExceeded before anything is claimed or made.
-        resume_of: start this paused sandbox again under its id (never from a pool), with the
-        volumes it mounted.
-        volumes: warmbox.Volume mounts (the tenant's volumes; never from a pool). mounts: volumes
-        resolved already (a fork of a snapshot mounts its origin's).
-        image: run this image (a snapshot's recorded one) instead of the template's latest.
-        egress_link: the caller links it after the start (a fork's recorded policy): on a tier
-        whose interfaces are fixed at start, its link is prepared before (never from a pool).
-        """
-        t0 = time.perf_counter()
-        settings = self.settings()
-        tier = backends.canonical_tier(settings.defaults.tier if tier is None else tier)
-        if template is not None and image is None and not self.backend(tier).capabilities().images:
-            raise InvalidArgument(
-                f"tier {tier!r} runs no image, so it takes no template (asked: {template!r}); "
-                "leave template unset, or choose a tier with images (warmbox doctor)"
-            )
-        policy = egress.policy_of(settings.network, network)
-        secret_map = egress.validate_secrets(secrets)
-        if secret_map and not policy.enabled:
-            raise InvalidArgument("secrets are only usable with a network policy that allows their hosts")
-        egress.check_tier(self, tier, policy)
-        if resume_of:
-            mounts = volumes_mod.of_sandbox(self, resume_of)
-        elif not mounts:
-            mounts = volumes_mod.resolve(self, "" if tenant is None else tenant.name, volumes)
-        # a tier whose interfaces are fixed at start gets its link before it starts: never a pooled one
-        linked_at_start = (policy.enabled or egress_link) and self.backend(tier).capabilities().link_before_start
-        got = await self._create(
-            tier,
-            timeout,
-            envs,
-            limits,
-            template,
-            pool and not resume_of and not mounts and not linked_at_start,
-            t0,
-            settings,
-            tenant,
-            resume_of,
-            mounts,
-            image,
-            network=policy.enabled or egress_link,
-        )
-        if policy.enabled:
-            try:
-                prepared = sum(t.duration_ms for t in got.timings if t.stage == "network")  # before start
-                timing = await egress.attach(self, got.handle, got.session, policy, secret_map, prepared_ms=prepared)
-                got.timings = [t for t in got.timings if t.stage != "network"] + [timing]
-            except BaseException:
-                await got.session.close()
-                await self.destroy(got.sandbox_id, "network setup failed")
-                raise
-        return got
-
-    async def _create(
-        self,
-        tier: str,
-        timeout: float | None,
-        envs: dict[str, str] | None,
-        limits: Limits | None,
-        template: str | None,
-        pool: bool,
-        t0: float,
-        settings: Settings,
-        tenant: Tenant | None = None,
-        resume_of: str = "",
-        mounts: tuple[VolumeMount, ...] = (),
-        image: ImageRef | None = None,
-        *,
-        network: bool = False,
-    ) -> Launched:
-        timeout = validate_timeout(settings.defaults.timeout_s if timeout is None else timeout)
-        env_pairs = validate_envs(envs)
-        if limits is None:
-            limits = Limits()
-        elif not isinstance(limits, Limits):
-            raise InvalidArgument(f"limits must be a warmbox.Limits, got {type(limits).__name__}")
-        settings.limits.check(limits)  # before any pool claim, row or directory
-        if template is None:
-            template = settings.defaults.template
-        if not isinstance(template, str):
-            raise InvalidArgument(f"template must be a string, got {type(template).__name__}")
-        tmpl = self.template(template, tenant)
-        if tenant is not None:  # early, before any work; the claim or insert checks again, atomically
-            self.registry.check_quota(tenant, tier, limits)
-        pc = settings.pool_for(tier, template, limits) if pool else None
-        images = self.backend(tier).capabilities().images
-        if pc is not None and image is None:
-            # a claim hands out a running sandbox, its layers mounted: the image id its shape needs is
-            # read from the template's record, without looking each layer up in the store (a flock
-            # and a utime per layer, 0.1 ms each, on the warm path); a tier without images: none
-            image_id = self.image_id_for(template, tenant) if images else ""
-            if image_id is not None:
-                shape = config.shape_key(tier, tmpl, limits, image_id)
-                got = await provision.claim(self, pc, shape, timeout, env_pairs, t0, tenant)
-                if got is not None:
-                    return got
-                pc = None  # a miss: the cold start below
-        if image is None and images:  # off the event loop: the first sandbox on a fresh host builds the built-in image
-            image = await asyncio.to_thread(self.image_for, template, tenant)
-        if pc is not None:
-            shape = config.shape_key(tier, tmpl, limits, image.image_id if image is not None else "")
-            got = await provision.claim(self, pc, shape, timeout, env_pairs, t0, tenant)
-            if got is not None:
-                return got
-        if self.backend(tier).capabilities().snapshot_start:
-            return await self._start_from_template(
-                tier, tmpl, timeout, env_pairs, limits, t0, tenant, resume_of, mounts, image, network=network
-            )
-        return await provision.launch(
-            self,
-            provision.LaunchSpec(
-                tier,
-                tmpl.name,
-                timeout,
-                limits,
-                env_pairs,
-                tenant=tenant,
-                resume_of=resume_of,
-                volumes=mounts,
-                image=image,
-                network=network,
-            ),
-            provision.Cold(tmpl),
-        )
-
-    async def _start_from_template(
-        self,
-        tier: str,
-        tmpl: Template,
-        timeout: float,
-        env_pairs: tuple[tuple[str, str], ...],
-        limits: Limits,
-        t0: float,
-        tenant: Tenant | None = None,
-        resume_of: str = "",
-        mounts: tuple[VolumeMount, ...] = (),
-        image: ImageRef | None = None,
-        *,
-        network: bool = False,
-    ) -> Launched:
-        """A tier whose cold start is too slow (microvm under TCG) restores every sandbox from
-        its shape's template memory snapshot; the first create of a shape boots and saves it
-        (stage ``template``, on that one create's path)."""
-        from warmbox.engine import snapshot as snapshots
-
-        backend = self.backend(tier)
-        # off the event loop: the first probe may boot a probe guest, the first template key
-        # builds the tier's image (a minute, once per host)
-        avail = await asyncio.to_thread(backend.probe)
-        if not avail.available:
-            raise BackendUnavailable(tier, avail.reason)
-        if image is None:
-            image = await asyncio.to_thread(self.image_for, tmpl.name, tenant)
-        shape = config.shape_key(tier, tmpl, limits, image.image_id)
-        made = not self.registry.meta_text(await asyncio.to_thread(snapshots.template_key, self, tier, shape, image))
-        m = await snapshots.template_snapshot(self, tier, tmpl, limits, shape, image)
-        t1 = time.perf_counter()
-        got = await snapshots.restore_memory(
-            self, m, timeout=timeout, tenant=tenant, resume_of=resume_of, volumes=mounts, network=network
-        )
-        try:
-            if env_pairs:
-                await asyncio.wait_for(got.session.configure(dict(env_pairs), reset_counts=True), 30)
-        except BaseException:
-            await got.session.close()
-            await self.destroy(got.sandbox_id, "configuration after restore failed")
-            raise
-        if made and not resume_of:
-            tt = StageTiming(got.sandbox_id, "template", (t1 - t0) * 1e3, True)
-            self.registry.add_timings([tt])
-            got.timings.insert(0, tt)
-        return got
-
-    async def create_pooled(self, pc: PoolConfig) -> str:
-        """Create and warm one sandbox for a pool (off any request path); returns its id."""
-        tier, tmpl = backends.canonical_tier(pc.tier), self.template(pc.template)
-        backend = self.backend(tier)
-        image = await asyncio.to_thread(self.image_for, pc.template) if backend.capabilities().images else None
-        shape = config.shape_key(tier, tmpl, pc.limits, image.image_id if image is not None else "")
-        if backend.capabilities().memory_snapshot:
-            # restore a checkpoint of the warmed template instead of booting and warming again
-            from warmbox.engine import snapshot as snapshots
-
-            m = await snapshots.template_snapshot(self, tier, tmpl, pc.limits, shape, image)
-            got = await snapshots.restore_memory(self, m, timeout=pc.max_age_s, pool=pc.name, shape=shape)
-            try:
-                # off any request path: under TCG a restored VM re-translates the code of its
-                # first commands; running them now makes a claimed sandbox's first command fast
-                if isinstance(backend, TemplateCapable):
-                    for argv in backend.template_warmup:
-                        await got.session.exec(list(argv), timeout_s=600.0)
-            except BaseException:
-                await got.session.close()
-                await self.destroy(got.sandbox_id, "pool warm-up after restore failed")
-                raise
-        else:
-            got = await provision.launch(
-                self,
-                provision.LaunchSpec(tier, tmpl.name, pc.max_age_s, pc.limits, (), pc.name, shape, image=image),
-                provision.Cold(tmpl),
-            )
-        await got.session.close()
-        return got.sandbox_id
-
-    async def cleanup_failed(
-        self, sandbox_id: str, handle: BackendHandle, backend: Backend, why: BaseException, *, resumed: bool = False
-    ) -> None:
-        """Tear down a start that failed (provision.launch): the row stays ``creating`` (ours)
-        meanwhile, so no reaper destroys it concurrently. A failed resume leaves the sandbox
-        paused (its snapshot is untouched), to be resumed again."""
-        try:
-            await backend.destroy(handle)
-        except Exception:
-            # FAILED keeps its uid range, and the reaper retries the teardown
-            self.registry.set_state(sandbox_id, State.FAILED, f"start failed: {type(why).__name__}; teardown failed")
-            return
-        if resumed:
-            self.registry.set_state(sandbox_id, State.PAUSED, f"resume failed: {type(why).__name__}; still paused")
-        else:
-            self.registry.set_state(sandbox_id, State.DESTROYED, f"start failed: {type(why).__name__}; cleaned up")
-        self.registry.finalize(sandbox_id)
+    async def connect(self, handle: BackendHandle) -> GuestSession:
+        """A session to a running sandbox's agent (GuestConnectionError if it does not listen)."""
+        backend = self.backend(handle.tier)
+        return await GuestSession.connect(handle.socket_path, handle.sandbox_id, session_oom(backend, handle))
 
     # ---- lookup
 
@@ -696,25 +426,25 @@ class Engine:
     async def auto_pause(self, sandbox_id: str, why: str) -> None:
         """Pause a sandbox no caller asked to pause (idle, or its timeout ran out): with its memory
         where the tier can, else (or if that is refused, e.g. sockets in /workspace) its files."""
-        from warmbox.engine import snapshot
+        from warmbox.engine import checkpoint, snapstore
 
         info, _ = self.info(sandbox_id)
         parent = self.registry.parent(sandbox_id)
         m = None
         if self.backend(info.tier).capabilities().memory_snapshot:
             try:
-                m = await snapshot.pause(self, sandbox_id, None, memory=True, parent=parent, why=why)
+                m = await checkpoint.pause(self, sandbox_id, None, memory=True, parent=parent, why=why)
             except SnapshotUnsupported:
                 pass
         if m is None:
-            m = await snapshot.pause(self, sandbox_id, None, memory=False, parent=parent, why=why)
+            m = await checkpoint.pause(self, sandbox_id, None, memory=False, parent=parent, why=why)
         # the sandbox resumes from this one: the earlier automatic ones are nobody's (their blobs
         # go at the next gc); snapshots the caller took or paused to are never touched
         self.registry.mark_auto(m.snapshot_id)
         for old in self.registry.auto_snapshots_of(sandbox_id):
             if old != m.snapshot_id:
                 try:
-                    snapshot.delete(self, old)
+                    snapstore.delete(self, old)
                 except WarmboxError:
                     pass
 
@@ -732,7 +462,7 @@ class Engine:
         except GuestConnectionError:
             # being paused by another process (the daemon's idle pause), or paused just now: its
             # runtime is gone because its state is in a snapshot, not because it died
-            await snapshots.wait_pause(self, sandbox_id)
+            await snapstore.wait_pause(self, sandbox_id)
             if self.info(sandbox_id)[0].state is State.PAUSED:
                 raise self.paused_error(sandbox_id) from None
             if isinstance(self.backend(info.tier), SharedHost):
@@ -929,20 +659,20 @@ class Engine:
 
     def _forget_auto_snapshots(self, info: SandboxInfo) -> None:
         if info.lifecycle.pauses:  # what automatic pauses saved of it ends with it
-            from warmbox.engine import snapshot
+            from warmbox.engine import snapstore
 
             for snap in self.registry.auto_snapshots_of(info.sandbox_id):
                 try:
-                    snapshot.delete(self, snap)
+                    snapstore.delete(self, snap)
                 except WarmboxError:
                     pass
 
     async def reap(self) -> builtins.list[str]:
         """Destroy expired sandboxes, failed teardowns and creations whose creator died; first
         finish or undo snapshot operations whose process died (a pause after its checkpoint)."""
-        from warmbox.engine import snapshot
+        from warmbox.engine import checkpoint
 
-        await snapshot.recover(self)
+        await checkpoint.recover(self)
         reaped = await self.lifecycle_duties()
         now = time.time()
         reaped += await self._reap_template_vms()
@@ -1153,7 +883,7 @@ class Engine:
         """Pause the sandboxes idle past their ``idle_pause_after``; delete the sandboxes paused
         longer than ``[lifecycle] paused_retention``, with their snapshots (a timeout with
         ``on_timeout="pause"`` is the reaper's: see ``expire``). Returns the ids acted on."""
-        from warmbox.engine import snapshot
+        from warmbox.engine import snapshot, snapstore
 
         idle, expired = self.registry.lifecycle_due(time.time(), self._retention())
         done = []
@@ -1172,7 +902,7 @@ class Engine:
         for sid in expired:
             try:
                 for snap in self.registry.snapshots_of(sid):
-                    snapshot.delete(self, snap)
+                    snapstore.delete(self, snap)
                 if await self.destroy(sid, RETENTION_EXPIRED):
                     done.append(sid)
             except Exception:  # retried next round
@@ -1184,7 +914,7 @@ class Engine:
                 pass
         return done
 
-    # ---- template VMs in the making (snapshot.template_snapshot)
+    # ---- template VMs in the making (provision.template_snapshot)
     #
     # A shape's template sandbox is no caller's: from the end of its start until it is paused
     # into the template snapshot it is READY with a 1 h timeout, so neither the creating-orphan
@@ -1258,12 +988,12 @@ class Engine:
         return reaped
 
     def _pause_pending(self, sandbox_id: str) -> bool:
-        """A pause of ``sandbox_id`` left its operation directory (snapshot.recover finishes it)."""
+        """A pause of ``sandbox_id`` left its operation directory (checkpoint.recover finishes it)."""
         import json
 
-        from warmbox.engine import snapshot
+        from warmbox.engine import snapstore
 
-        for op in (self.home / "tmp").glob(snapshot.OP_PREFIX + "pause-*"):
+        for op in (self.home / "tmp").glob(snapstore.OP_PREFIX + "pause-*"):
             try:
                 rec = json.loads((op / "op.json").read_text())
             except (OSError, ValueError):

@@ -30,7 +30,18 @@ from typing import Any, TypeVar, cast
 from warmbox import api, transcript
 from warmbox import operations as ops
 from warmbox.backends.base import SharedHost
-from warmbox.engine import approvals, commandlog, egress, idempotency, signing, tierprofile, volumes
+from warmbox.engine import (
+    approvals,
+    checkpoint,
+    commandlog,
+    egress,
+    idempotency,
+    provision,
+    signing,
+    snapstore,
+    tierprofile,
+    volumes,
+)
 from warmbox.engine import pool as pools
 from warmbox.engine import snapshot as snapshots
 from warmbox.engine.engine import Engine, validate_envs, validate_timeout
@@ -507,7 +518,7 @@ class EngineFront:
         lifecycle = self._lifecycle(sid)
         connect = isinstance(request, ops.Connect)  # resumes a paused sandbox itself, whatever its lifecycle
         if not connect and not self._live(sid) and lifecycle.pauses:
-            await snapshots.wait_pause(self.engine, sid)  # the daemon's idle pause under way: its end
+            await snapstore.wait_pause(self.engine, sid)  # the daemon's idle pause under way: its end
         if not connect and not self._live(sid) and self.engine.info(sid)[0].state is State.PAUSED:
             if not lifecycle.auto_resume:
                 raise self.engine.paused_error(sid)
@@ -566,7 +577,7 @@ class EngineFront:
     async def _lost(self, sandbox_id: str) -> None:
         """The connection to a sandbox broke: if that is because the sandbox ended or was paused
         (its timeout ran out, it was killed or paused meanwhile), raise that typed error instead."""
-        await snapshots.wait_pause(self.engine, sandbox_id)  # a pause under way: its outcome
+        await snapstore.wait_pause(self.engine, sandbox_id)  # a pause under way: its outcome
         try:
             info, _ = self.engine.info(sandbox_id)
         except WarmboxError:
@@ -768,7 +779,8 @@ class EngineFront:
                 self.engine, m, timeout=r.timeout, envs=r.envs, pool=r.pool, tenant=self.tenant, secrets=r.secrets
             )
         else:
-            got = await self.engine.create(
+            got = await provision.create(
+                self.engine,
                 tier=r.tier,
                 timeout=r.timeout,
                 envs=r.envs,
@@ -1313,7 +1325,7 @@ class EngineFront:
     # ---- snapshots
 
     async def snapshot(self, r: ops.Snapshot) -> SnapshotRef:
-        m = await snapshots.snapshot(
+        m = await checkpoint.snapshot(
             self.engine,
             r.sandbox_id,
             self._held(r.sandbox_id),
@@ -1326,7 +1338,7 @@ class EngineFront:
     async def pause(self, r: ops.Pause) -> SnapshotRef:
         session = self._sessions.pop(r.sandbox_id, None)
         try:
-            m = await snapshots.pause(
+            m = await checkpoint.pause(
                 self.engine,
                 r.sandbox_id,
                 session,
@@ -1365,11 +1377,11 @@ class EngineFront:
         return self.engine.registry.all_snapshots(self._tenant_name())
 
     async def delete_snapshot(self, r: ops.DeleteSnapshot) -> None:
-        snapshots.delete(self.engine, r.snapshot_id)
+        snapstore.delete(self.engine, r.snapshot_id)
 
     async def gc_snapshots(self, r: ops.GcSnapshots) -> ops.GcReport:
         removed, broken = await snapshots.gc(self.engine, 0.0 if r.now else None)
-        store = self.engine.redact(snapshots.store_for(self.engine).describe())  # an admin key's, yet no host path
+        store = self.engine.redact(snapstore.store_for(self.engine).describe())  # an admin key's, yet no host path
         return ops.GcReport(removed, tuple(broken), store)
 
     # ---- network

@@ -1,7 +1,7 @@
 """Warm pools: keep N ready sandboxes per (tier, template, limits) shape, refilled in the background.
 
 Who does what:
-- A caller's ``Engine.create`` claims a pooled sandbox in one registry transaction (so two
+- A caller's ``provision.create`` claims a pooled sandbox in one registry transaction (so two
   callers never get the same one), reconfigures it for the caller (env, counters) and uses it.
   The claimed sandbox is the caller's until destroyed; it never returns to a pool.
 - The daemon (engine/daemon.py) runs a :class:`PoolManager`: each tick it compares every pool's
@@ -24,6 +24,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from warmbox.config import PoolConfig, Settings
+from warmbox.engine import provision
 from warmbox.errors import InvalidArgument, WarmboxError
 from warmbox.models import PoolStatus
 from warmbox.storage.registry import PoolRow, Registry
@@ -220,7 +221,7 @@ class PoolManager:
     async def _refill(self, pc: PoolConfig) -> None:
         reg = self.engine.registry
         try:
-            sid = await self.engine.create_pooled(pc)
+            sid = await provision.create_pooled(self.engine, pc)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # recorded on the pool, retried with backoff; never handed out

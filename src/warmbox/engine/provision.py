@@ -5,22 +5,41 @@ sandbox with its backend, starts its agent (``Cold``: a fresh boot, then the tem
 ``Restore``: a memory image continued), checks the agent, records the stage timings and the new
 state, and returns one :class:`Launched` record. ``claim`` hands out a pooled sandbox as the same
 record. A start that fails anywhere is torn down here, once, whatever the boot.
+
+``create`` is a caller's start (a pool claim, else cold, else from the shape's template memory
+snapshot on a tier that starts that way), ``create_pooled`` a pool's; ``restore_memory`` continues
+a memory snapshot as a new (or the resumed) sandbox, and ``template_snapshot`` makes a shape's
+template snapshot once (it pauses a warmed sandbox: checkpoint.pause).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
+import hashlib
+import os
 import secrets
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from warmbox.backends.base import Backend, SharedHost, SnapshotCapable
-from warmbox.config import PoolConfig, Template
-from warmbox.engine import egress, volumes
-from warmbox.engine.session import GuestSession, OomCounter
-from warmbox.errors import BackendUnavailable, InvalidArgument, NoSpace, SandboxStartError, WarmboxError
+from warmbox import backends, config
+from warmbox.backends.base import Backend, SharedHost, SnapshotCapable, TemplateCapable
+from warmbox.config import PoolConfig, Settings, Template
+from warmbox.engine import checkpoint, egress, snapstore
+from warmbox.engine import volumes as volumes_mod
+from warmbox.engine.session import AGENT_TIMEOUT_S, GuestSession, session_oom
+from warmbox.errors import (
+    BackendUnavailable,
+    InvalidArgument,
+    NoSpace,
+    SandboxError,
+    SandboxStartError,
+    StorageError,
+    WarmboxError,
+)
 from warmbox.models import (
     BackendHandle,
     ImageRef,
@@ -31,14 +50,16 @@ from warmbox.models import (
     State,
     Tenant,
     VolumeMount,
+    validate_envs,
+    validate_timeout,
 )
+from warmbox.storage import snapshots as snaps
 
 if TYPE_CHECKING:
     from warmbox.engine.engine import Engine
 
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with its NUL
 WARMUP_TIMEOUT_S = 600.0
-AGENT_TIMEOUT_S = 30.0  # from the runtime's start to the agent's answer (a host-side bound)
 CLAIM_CONFIGURE_TIMEOUT_S = 10.0
 _TAR_TIMEOUT_S = 600.0
 
@@ -98,13 +119,6 @@ class Launched:
         return self.info.sandbox_id
 
 
-def session_oom(backend: Backend, handle: BackendHandle) -> OomCounter | None:
-    """The host-side OOM counter a session reads around each call (None: the guest counts them)."""
-    if backend.capabilities().oom_counted_in_guest:
-        return None
-    return lambda: backend.oom_kills(handle)
-
-
 async def connect(backend: Backend, handle: BackendHandle) -> GuestSession:
     """A session to a running sandbox's agent (GuestConnectionError if it does not listen)."""
     return await GuestSession.connect(handle.socket_path, handle.sandbox_id, session_oom(backend, handle))
@@ -161,7 +175,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         try:
             await backend.destroy(handle)
         except BaseException as e:
-            await engine.cleanup_failed(sandbox_id, handle, backend, e, resumed=True)
+            await cleanup_failed(engine, sandbox_id, handle, backend, e, resumed=True)
             raise
     state_dir.parent.mkdir(mode=0o711, exist_ok=True)
     state_dir.mkdir(mode=0o711)
@@ -176,7 +190,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
             ns = await egress.prepare(engine, handle)
             prep_s = time.perf_counter() - t1
         if spec.volumes:  # recorded before anything is mounted: a delete or another tier's mount waits its turn
-            volumes.record(engine, sandbox_id, spec.volumes, backend.capabilities().volume_own_disk)
+            volumes_mod.record(engine, sandbox_id, spec.volumes, backend.capabilities().volume_own_disk)
         handle = await backend.create(
             SandboxSpec(
                 sandbox_id=sandbox_id,
@@ -234,7 +248,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
     except BaseException as e:
         if session is not None:
             await session.close()
-        await engine.cleanup_failed(sandbox_id, handle, backend, e, resumed=bool(spec.resume_of))
+        await cleanup_failed(engine, sandbox_id, handle, backend, e, resumed=bool(spec.resume_of))
         try:  # a prepared link (a resumed sandbox keeps its policy and secrets for the next try)
             await egress.unprepare(engine, sandbox_id)
         except WarmboxError:
@@ -386,3 +400,414 @@ async def warm_up(session: GuestSession, tmpl: Template) -> None:
             await session.configure({}, reset_counts=True)
         except WarmboxError as e:
             raise SandboxStartError(f"template {tmpl.name} warm-up: {e}", sid) from None
+
+
+# ---- create: a caller's, a pool's, from a template's memory snapshot
+
+
+async def create(
+    engine: Engine,
+    *,
+    tier: str | None = None,
+    timeout: float | None = None,
+    envs: dict[str, str] | None = None,
+    limits: Limits | None = None,
+    template: str | None = None,
+    pool: bool = True,
+    network: object = None,
+    secrets: dict[str, object] | None = None,
+    tenant: Tenant | None = None,
+    resume_of: str = "",
+    volumes: object = None,
+    mounts: tuple[VolumeMount, ...] = (),
+    image: ImageRef | None = None,
+    egress_link: bool = False,
+) -> Launched:
+    """A ready sandbox with a connected session and its stage timings.
+
+    Taken from a pool of the same (tier, template, limits) when one has a ready sandbox
+    (``pool=False``: never), otherwise created cold, with the template's warm-up run.
+    A network policy other than "none" links it to the egress proxy (stage ``network``).
+    tenant: whose it is (None: the host's); QuotaExceeded before anything is claimed or made.
+    resume_of: start this paused sandbox again under its id (never from a pool), with the
+    volumes it mounted.
+    volumes: warmbox.Volume mounts (the tenant's volumes; never from a pool). mounts: volumes
+    resolved already (a fork of a snapshot mounts its origin's).
+    image: run this image (a snapshot's recorded one) instead of the template's latest.
+    egress_link: the caller links it after the start (a fork's recorded policy): on a tier
+    whose interfaces are fixed at start, its link is prepared before (never from a pool).
+    """
+    t0 = time.perf_counter()
+    settings = engine.settings()
+    tier = backends.canonical_tier(settings.defaults.tier if tier is None else tier)
+    if template is not None and image is None and not engine.backend(tier).capabilities().images:
+        raise InvalidArgument(
+            f"tier {tier!r} runs no image, so it takes no template (asked: {template!r}); "
+            "leave template unset, or choose a tier with images (warmbox doctor)"
+        )
+    policy = egress.policy_of(settings.network, network)
+    secret_map = egress.validate_secrets(secrets)
+    if secret_map and not policy.enabled:
+        raise InvalidArgument("secrets are only usable with a network policy that allows their hosts")
+    egress.check_tier(engine, tier, policy)
+    if resume_of:
+        mounts = volumes_mod.of_sandbox(engine, resume_of)
+    elif not mounts:
+        mounts = volumes_mod.resolve(engine, "" if tenant is None else tenant.name, volumes)
+    # a tier whose interfaces are fixed at start gets its link before it starts: never a pooled one
+    linked_at_start = (policy.enabled or egress_link) and engine.backend(tier).capabilities().link_before_start
+    got = await _create(
+        engine,
+        tier,
+        timeout,
+        envs,
+        limits,
+        template,
+        pool and not resume_of and not mounts and not linked_at_start,
+        t0,
+        settings,
+        tenant,
+        resume_of,
+        mounts,
+        image,
+        network=policy.enabled or egress_link,
+    )
+    if policy.enabled:
+        try:
+            prepared = sum(t.duration_ms for t in got.timings if t.stage == "network")  # before start
+            timing = await egress.attach(engine, got.handle, got.session, policy, secret_map, prepared_ms=prepared)
+            got.timings = [t for t in got.timings if t.stage != "network"] + [timing]
+        except BaseException:
+            await got.session.close()
+            await engine.destroy(got.sandbox_id, "network setup failed")
+            raise
+    return got
+
+
+async def _create(
+    engine: Engine,
+    tier: str,
+    timeout: float | None,
+    envs: dict[str, str] | None,
+    limits: Limits | None,
+    template: str | None,
+    pool: bool,
+    t0: float,
+    settings: Settings,
+    tenant: Tenant | None = None,
+    resume_of: str = "",
+    mounts: tuple[VolumeMount, ...] = (),
+    image: ImageRef | None = None,
+    *,
+    network: bool = False,
+) -> Launched:
+    timeout = validate_timeout(settings.defaults.timeout_s if timeout is None else timeout)
+    env_pairs = validate_envs(envs)
+    if limits is None:
+        limits = Limits()
+    elif not isinstance(limits, Limits):
+        raise InvalidArgument(f"limits must be a warmbox.Limits, got {type(limits).__name__}")
+    settings.limits.check(limits)  # before any pool claim, row or directory
+    if template is None:
+        template = settings.defaults.template
+    if not isinstance(template, str):
+        raise InvalidArgument(f"template must be a string, got {type(template).__name__}")
+    tmpl = engine.template(template, tenant)
+    if tenant is not None:  # early, before any work; the claim or insert checks again, atomically
+        engine.registry.check_quota(tenant, tier, limits)
+    pc = settings.pool_for(tier, template, limits) if pool else None
+    images = engine.backend(tier).capabilities().images
+    if pc is not None and image is None:
+        # a claim hands out a running sandbox, its layers mounted: the image id its shape needs is
+        # read from the template's record, without looking each layer up in the store (a flock
+        # and a utime per layer, 0.1 ms each, on the warm path); a tier without images: none
+        image_id = engine.image_id_for(template, tenant) if images else ""
+        if image_id is not None:
+            shape = config.shape_key(tier, tmpl, limits, image_id)
+            got = await claim(engine, pc, shape, timeout, env_pairs, t0, tenant)
+            if got is not None:
+                return got
+            pc = None  # a miss: the cold start below
+    if image is None and images:  # off the event loop: the first sandbox on a fresh host builds the built-in image
+        image = await asyncio.to_thread(engine.image_for, template, tenant)
+    if pc is not None:
+        shape = config.shape_key(tier, tmpl, limits, image.image_id if image is not None else "")
+        got = await claim(engine, pc, shape, timeout, env_pairs, t0, tenant)
+        if got is not None:
+            return got
+    if engine.backend(tier).capabilities().snapshot_start:
+        return await _start_from_template(
+            engine, tier, tmpl, timeout, env_pairs, limits, t0, tenant, resume_of, mounts, image, network=network
+        )
+    return await launch(
+        engine,
+        LaunchSpec(
+            tier,
+            tmpl.name,
+            timeout,
+            limits,
+            env_pairs,
+            tenant=tenant,
+            resume_of=resume_of,
+            volumes=mounts,
+            image=image,
+            network=network,
+        ),
+        Cold(tmpl),
+    )
+
+
+async def _start_from_template(
+    engine: Engine,
+    tier: str,
+    tmpl: Template,
+    timeout: float,
+    env_pairs: tuple[tuple[str, str], ...],
+    limits: Limits,
+    t0: float,
+    tenant: Tenant | None = None,
+    resume_of: str = "",
+    mounts: tuple[VolumeMount, ...] = (),
+    image: ImageRef | None = None,
+    *,
+    network: bool = False,
+) -> Launched:
+    """A tier whose cold start is too slow (microvm under TCG) restores every sandbox from
+    its shape's template memory snapshot; the first create of a shape boots and saves it
+    (stage ``template``, on that one create's path)."""
+    backend = engine.backend(tier)
+    # off the event loop: the first probe may boot a probe guest, the first template key
+    # builds the tier's image (a minute, once per host)
+    avail = await asyncio.to_thread(backend.probe)
+    if not avail.available:
+        raise BackendUnavailable(tier, avail.reason)
+    if image is None:
+        image = await asyncio.to_thread(engine.image_for, tmpl.name, tenant)
+    shape = config.shape_key(tier, tmpl, limits, image.image_id)
+    made = not engine.registry.meta_text(await asyncio.to_thread(snapstore.template_key, engine, tier, shape, image))
+    m = await template_snapshot(engine, tier, tmpl, limits, shape, image)
+    t1 = time.perf_counter()
+    got = await restore_memory(
+        engine, m, timeout=timeout, tenant=tenant, resume_of=resume_of, volumes=mounts, network=network
+    )
+    try:
+        if env_pairs:
+            await asyncio.wait_for(got.session.configure(dict(env_pairs), reset_counts=True), 30)
+    except BaseException:
+        await got.session.close()
+        await engine.destroy(got.sandbox_id, "configuration after restore failed")
+        raise
+    if made and not resume_of:
+        tt = StageTiming(got.sandbox_id, "template", (t1 - t0) * 1e3, True)
+        engine.registry.add_timings([tt])
+        got.timings.insert(0, tt)
+    return got
+
+
+async def create_pooled(engine: Engine, pc: PoolConfig) -> str:
+    """Create and warm one sandbox for a pool (off any request path); returns its id."""
+    tier, tmpl = backends.canonical_tier(pc.tier), engine.template(pc.template)
+    backend = engine.backend(tier)
+    image = await asyncio.to_thread(engine.image_for, pc.template) if backend.capabilities().images else None
+    shape = config.shape_key(tier, tmpl, pc.limits, image.image_id if image is not None else "")
+    if backend.capabilities().memory_snapshot:
+        # restore a checkpoint of the warmed template instead of booting and warming again
+        m = await template_snapshot(engine, tier, tmpl, pc.limits, shape, image)
+        got = await restore_memory(engine, m, timeout=pc.max_age_s, pool=pc.name, shape=shape)
+        try:
+            # off any request path: under TCG a restored VM re-translates the code of its
+            # first commands; running them now makes a claimed sandbox's first command fast
+            if isinstance(backend, TemplateCapable):
+                for argv in backend.template_warmup:
+                    await got.session.exec(list(argv), timeout_s=600.0)
+        except BaseException:
+            await got.session.close()
+            await engine.destroy(got.sandbox_id, "pool warm-up after restore failed")
+            raise
+    else:
+        got = await launch(
+            engine,
+            LaunchSpec(tier, tmpl.name, pc.max_age_s, pc.limits, (), pc.name, shape, image=image),
+            Cold(tmpl),
+        )
+    await got.session.close()
+    return got.sandbox_id
+
+
+async def cleanup_failed(
+    engine: Engine,
+    sandbox_id: str,
+    handle: BackendHandle,
+    backend: Backend,
+    why: BaseException,
+    *,
+    resumed: bool = False,
+) -> None:
+    """Tear down a start that failed (launch): the row stays ``creating`` (ours)
+    meanwhile, so no reaper destroys it concurrently. A failed resume leaves the sandbox
+    paused (its snapshot is untouched), to be resumed again."""
+    try:
+        await backend.destroy(handle)
+    except Exception:
+        # FAILED keeps its uid range, and the reaper retries the teardown
+        engine.registry.set_state(sandbox_id, State.FAILED, f"start failed: {type(why).__name__}; teardown failed")
+        return
+    if resumed:
+        engine.registry.set_state(sandbox_id, State.PAUSED, f"resume failed: {type(why).__name__}; still paused")
+    else:
+        engine.registry.set_state(sandbox_id, State.DESTROYED, f"start failed: {type(why).__name__}; cleaned up")
+    engine.registry.finalize(sandbox_id)
+
+
+# ---- memory snapshots started: restores and the shapes' template snapshots
+
+
+async def restore_memory(
+    engine: Engine,
+    m: snaps.SnapshotManifest,
+    *,
+    timeout: float | None,
+    pool: str = "",
+    shape: str = "",
+    tenant: Tenant | None = None,
+    resume_of: str = "",
+    volumes: tuple[VolumeMount, ...] | None = None,
+    network: bool = False,
+) -> Launched:
+    """A new sandbox continuing a memory snapshot: same processes, memory, /tmp; /workspace restored.
+
+    pool/shape: restore it into a warm pool (state ``pooled``) — a template snapshot's copy.
+    tenant: whose the new sandbox is (quotas checked before anything is fetched, and at its insert).
+    resume_of: the paused sandbox continued under its own id (instead of a new one).
+    volumes: what it mounts (None: what the snapshot's sandbox mounted, as its processes expect).
+    network: it gets an egress link (LaunchSpec.network).
+    """
+    if volumes is None:
+        volumes = volumes_mod.of_sandbox(engine, resume_of or m.sandbox_id)
+
+    timeout_s = validate_timeout(engine.settings().defaults.timeout_s if timeout is None else timeout)
+    with snapstore.Op(engine, "restore") as op:
+        work = op.path
+        ws_tar = work / "workspace.tar"
+        limits = snapstore.limits_of(m)
+        snapstore.check_fits(m, limits.disk_mb << 20)  # before anything is fetched
+        snapstore.check_runtime(engine, m)
+        if tenant is not None:
+            engine.registry.check_quota(tenant, m.tier, limits)
+        image = await asyncio.to_thread(snapstore.image_of, engine, m, tenant)  # gone: refused before the fetch
+        store = snapstore.store_for(engine)
+        snaps.get_blob(store, m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, ws_tar, work)
+        memory_dir = work
+        snapshot_start = engine.backend(m.tier).capabilities().snapshot_start
+        if snapshot_start:
+            memory_dir = snapstore.cached_memory(engine, m, work)
+        elif not snapstore.link_cached_memory(engine, m.snapshot_id, work / "checkpoint.img"):
+            snaps.get_blob(store, m.memory_sha256, m.memory_bytes, m.memory_raw_bytes, work / "checkpoint.img", work)
+        spec = LaunchSpec(
+            m.tier,
+            m.template,
+            timeout_s,
+            limits,
+            (),
+            pool,
+            shape,
+            tenant,
+            resume_of,
+            volumes=volumes,
+            image=image,
+            network=network,
+        )
+        got = await launch(engine, spec, Restore(m.snapshot_id, memory_dir, ws_tar))
+        if resume_of and not snapshot_start:  # the paused sandbox runs again: its pause's image is not needed here
+            shutil.rmtree(snapstore.memory_cache(engine) / m.snapshot_id, ignore_errors=True)
+        return got
+
+
+async def template_snapshot(
+    engine: Engine, tier: str, tmpl: Template, limits: Limits, shape: str, image: ImageRef | None = None
+) -> snaps.SnapshotManifest:
+    """The memory snapshot of a warmed-up template sandbox (made once per shape, then reused).
+
+    Pools of a tier with memory snapshots restore their sandboxes from it instead of booting
+    and warming each one (under gVisor a cold Python + pandas start costs seconds). One maker
+    per shape and home, across processes (an flock: a killed maker holds it no longer); the
+    template sandbox of a maker that died is destroyed by the reaper (Engine.mark_template_vm).
+    """
+    lock = _template_locks.setdefault(shape, asyncio.Lock())
+    async with lock:  # concurrent refills make one template, not one each
+        fd = await _template_flock(engine, shape)
+        try:
+            return await _template_snapshot(engine, tier, tmpl, limits, shape, image)
+        finally:
+            os.close(fd)
+
+
+_template_locks: dict[str, asyncio.Lock] = {}
+
+
+async def _template_flock(engine: Engine, shape: str) -> int:
+    """The shape's template lock (``templates/<hash>.lock`` in the home), waited for without
+    blocking the event loop: another process may be making the same template."""
+
+    d = engine.home / "templates"
+    try:
+        d.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(
+            d / f"{hashlib.sha256(shape.encode()).hexdigest()[:16]}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+        )
+    except OSError as e:
+        raise snapstore.storage_error(e, "template lock") from None
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                await asyncio.sleep(0.1)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+async def _template_snapshot(
+    engine: Engine, tier: str, tmpl: Template, limits: Limits, shape: str, image: ImageRef | None
+) -> snaps.SnapshotManifest:
+    store = snapstore.store_for(engine)
+    if image is None:
+        image = engine.image_for(tmpl.name)
+    key = snapstore.template_key(engine, tier, shape, image)
+    sid = engine.registry.meta_text(key)
+    if sid:
+        try:
+            return snaps.load_manifest(store, sid, snapstore.workdir(engine))
+        except StorageError:
+            pass  # gone or damaged: make a new one
+    got = await launch(engine, LaunchSpec(tier, tmpl.name, 3600.0, limits, image=image), Cold(tmpl))
+    info, session = got.info, got.session
+    try:
+        # from here until it is recorded as the template, a death of this process leaves a
+        # READY sandbox nobody would end for an hour: marked, the reaper ends it at once
+        engine.mark_template_vm(info.sandbox_id, key)
+        # a tier's own warm-up before the image is taken (microvm: the files of the commands a
+        # sandbox runs first are then in the guest's page cache, not read from its disk each time)
+        backend = engine.backend(tier)
+        for argv in backend.template_warmup if isinstance(backend, TemplateCapable) else ():
+            code, err = await checkpoint.guest_exec(session, list(argv), info.sandbox_id)
+            if code != 0:
+                raise SandboxError(f"template warm-up {argv[0]} exited {code}: {err[-200:]}", info.sandbox_id)
+        m = await checkpoint.pause(engine, info.sandbox_id, session, memory=True)
+        engine.registry.set_meta_text(key, m.snapshot_id)  # first: a death after it loses nothing
+        engine.registry.set_state(info.sandbox_id, State.DESTROYED, f"became template snapshot {m.snapshot_id}")
+    except BaseException:
+        await session.close()
+        try:
+            await engine.destroy(info.sandbox_id, "template snapshot failed")
+        except WarmboxError:
+            pass
+        raise
+    finally:
+        try:
+            engine.unmark_template_vm(info.sandbox_id)
+        except (WarmboxError, OSError):
+            pass  # the reaper unmarks it once it sees this process gone
+    return m

@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from warmbox import protocol as p
 from warmbox.engine.guest_client import (
@@ -52,6 +52,7 @@ from warmbox.errors import (
     UnsupportedLanguage,
 )
 from warmbox.models import (
+    BackendHandle,
     CodeContext,
     CommandResult,
     EntryInfo,
@@ -64,6 +65,9 @@ from warmbox.models import (
     Result,
 )
 from warmbox.operations import WatchTask
+
+if TYPE_CHECKING:
+    from warmbox.backends.base import Backend
 
 MAX_PROCESS_LIST_BYTES = 16 << 20  # commands.list: what a guest's answer may make the host hold
 MAX_CONTEXT_LIST = 256  # contexts.list: entries a guest may answer (agents hold at most 64, plus the defaults)
@@ -79,9 +83,19 @@ TAR_MAX = 1 << 50  # a directory's tar stream has no size bound of its own (the 
 UNCAPPED_READ = 1 << 50  # a streamed read without max_bytes: no bound of its own, as TAR_MAX
 
 OomCounter = Callable[[], Awaitable[int]]
+AGENT_TIMEOUT_S = 30.0  # from the runtime's start to the agent's answer (a host-side bound)
 TextSink = Callable[[str], object]
 ResultSink = Callable[[Result], object]
 BytesSink = Callable[[bytes], object]
+
+
+def session_oom(backend: Backend, handle: BackendHandle) -> OomCounter | None:
+    """The host-side OOM counter a session reads around each call (None: the guest counts them)."""
+    if backend.capabilities().oom_counted_in_guest:
+        return None
+    return lambda: backend.oom_kills(handle)
+
+
 EventSink = Callable[[FilesystemEvent], object]
 
 _FILE_ERRORS: dict[p.ErrorCode, type[SandboxError]] = {
