@@ -334,6 +334,36 @@ class SandboxQuery:
     state: tuple[State, ...] | None = None
 
 
+DEFAULT_TIMEOUT_S = 300.0
+MAX_TIMEOUT_S = 24 * 3600.0
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def validate_timeout(timeout: object, name: str = "timeout") -> float:
+    """A timeout in seconds: a finite number > 0 and <= MAX_TIMEOUT_S (InvalidArgument naming ``name``)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout):
+        raise InvalidArgument(f"{name} must be a number of seconds, got {timeout!r}")
+    if timeout <= 0 or timeout > MAX_TIMEOUT_S:
+        raise InvalidArgument(f"{name} must be > 0 and <= {MAX_TIMEOUT_S:.0f} seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def validate_envs(envs: object) -> tuple[tuple[str, str], ...]:
+    """Environment variables (None: none) as (name, value) pairs: shell-style names, values without NUL."""
+    if envs is None:
+        return ()
+    if not isinstance(envs, dict):
+        raise InvalidArgument(f"envs must be a dict of str to str, got {type(envs).__name__}")
+    out = []
+    for k, v in envs.items():
+        if not isinstance(k, str) or not _ENV_NAME.match(k):
+            raise InvalidArgument(f"environment variable name {k!r} is not valid")
+        if not isinstance(v, str) or "\0" in v:
+            raise InvalidArgument(f"environment variable {k} must be a string without NUL bytes")
+        out.append((k, v))
+    return tuple(out)
+
+
 def validate_metadata(metadata: object) -> dict[str, str]:
     """Sandbox metadata: a dict of string keys to string values, bounded (InvalidArgument otherwise)."""
     if metadata is None:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from warmbox.bench.common import AGENT, AGENT_CODE, EMPTY, VARIANTS, _pct, _stats, check_ranges  # noqa: F401 - used below
+from warmbox.engine import guard, teardown
 from warmbox.errors import WarmboxError
 
 
@@ -99,7 +100,6 @@ def write_config(
 
 
 async def _remove_home(home: Path) -> None:
-    from warmbox.engine import daemon
     from warmbox.engine.daemon import down_home
     from warmbox.engine.engine import Engine
 
@@ -108,11 +108,11 @@ async def _remove_home(home: Path) -> None:
         try:
             await down_home(home)
         except WarmboxError:  # a daemon too slow to stop: end it, and destroy its sandboxes here
-            pid = daemon.pid_of(home)
+            pid = guard.pid_of(home)
             if pid is not None:
                 os.kill(pid, 9)
         for info in engine.list(include_pooled=True) + [i for i in engine.holding() if i.state.value == "failed"]:
-            await engine.destroy(info.sandbox_id, "benchmark finished")
+            await teardown.destroy(engine, info.sandbox_id, "benchmark finished")
     finally:
         os.environ.update(_SAVED_ENV)
     # only now, with no sandbox left, may their directories go

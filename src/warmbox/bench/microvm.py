@@ -22,6 +22,7 @@ from typing import Any
 from warmbox import protocol as p
 from warmbox.backends import microvm as vm
 from warmbox.backends import microvm_net as vmnet
+from warmbox.engine import resolve, teardown
 from warmbox.errors import WarmboxError
 from warmbox.models import MAX_VOLUME_MB, Limits
 
@@ -201,7 +202,7 @@ async def _warmbox_cold(engine, limits: Limits) -> tuple[float, dict[str, float]
         ms = (time.perf_counter() - t0) * 1e3
     finally:
         await got.session.close()
-        await engine.destroy(got.sandbox_id, "bench")
+        await teardown.destroy(engine, got.sandbox_id, "bench")
     return ms, {t.stage: t.duration_ms for t in got.timings}
 
 
@@ -209,7 +210,7 @@ def _builtin_root(engine: Any) -> Path:
     """The built-in image's microVM root disk (what ``base``, ``pydata`` and ``shell`` run)."""
     from warmbox.backends import microvm_image
 
-    return microvm_image.image_root(microvm_image.cache_dir(), engine.image_for("base"))
+    return microvm_image.image_root(microvm_image.cache_dir(), resolve.image_for(engine, "base"))
 
 
 def _microvm(engine: Any) -> vm.MicroVMBackend:
@@ -227,7 +228,7 @@ def _template_files(engine, limits: Limits, work: Path, template: str = "base") 
     from warmbox.engine import snapshot as snapshots
     from warmbox.storage import snapshots as snaps
 
-    image = engine.image_for(template)
+    image = resolve.image_for(engine, template)
     shape = config.shape_key("microvm", engine.settings().template(template), limits, image.image_id)
     sid = engine.registry.meta_text(snapshots.template_key(engine, "microvm", shape, image))
     m = snaps.load_manifest(snapshots.store_for(engine), sid, snapshots._workdir(engine))

@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from warmbox.engine import meters
 from warmbox.errors import InvalidArgument, WarmboxError
 
 TIERS = ("container", "gvisor", "microvm")
@@ -256,7 +257,7 @@ class _Player:
         for sid in self.run.sandboxes:
             running = self.engine.info(sid)[0].state in (State.READY, State.RUNNING)
             # a paused or ended one is not read (nothing runs): its meters as last recorded
-            m = await self.engine.metrics(sid) if running else self.engine.metered(sid)
+            m = await meters.metrics(self.engine, sid) if running else meters.metered(self.engine, sid)
             gib, cpu = gib + m.memory_gib_s, cpu + m.cpu_s
         return gib, cpu
 

@@ -29,10 +29,22 @@ from typing import Any, TypeVar, cast
 from warmbox import api, transcript
 from warmbox import operations as ops
 from warmbox.backends.base import SharedHost
-from warmbox.engine import approvals, commandlog, egress, idempotency, signing, tierprofile, volumes
+from warmbox.engine import (
+    approvals,
+    commandlog,
+    duties,
+    egress,
+    idempotency,
+    meters,
+    resolve,
+    signing,
+    teardown,
+    tierprofile,
+    volumes,
+)
 from warmbox.engine import pool as pools
 from warmbox.engine import snapshot as snapshots
-from warmbox.engine.engine import Engine, validate_envs, validate_timeout
+from warmbox.engine.engine import Engine
 from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession, ProcessOutput
 from warmbox.errors import (
@@ -77,9 +89,11 @@ from warmbox.models import (
     Transcript,
     VolumeInfo,
     WriteEntry,
+    validate_envs,
     validate_lifecycle,
     validate_metadata,
     validate_query,
+    validate_timeout,
 )
 from warmbox.network.policy import Policy
 from warmbox.operations import sandbox_path
@@ -561,9 +575,9 @@ class EngineFront:
             return
         if info.state in (State.READY, State.RUNNING) and info.expires_at <= time.time():
             await self._drop(sandbox_id)
-            await self.engine.expire(info)
+            await duties.expire(self.engine, info)
         if info.state in (State.READY, State.RUNNING) and isinstance(self.engine.backend(info.tier), SharedHost):
-            await self.engine.lost_hosts()  # its host process ended: lost, at once (here or by the reaper)
+            await teardown.lost_hosts(self.engine)  # its host process ended: lost, at once (here or by the reaper)
             info, _ = self.engine.info(sandbox_id)
         if info.state is State.PAUSED:
             await self._drop(sandbox_id)
@@ -640,7 +654,7 @@ class EngineFront:
         s = self._sessions.get(sandbox_id)
         if s is not None and not s.closed:
             return s
-        got = await self.engine.open(sandbox_id)
+        got = await duties.open(self.engine, sandbox_id)
         await self._hold(got)
         return got.session
 
@@ -715,7 +729,7 @@ class EngineFront:
                 got.info, _ = self.engine.info(got.sandbox_id)
             except BaseException:
                 await got.session.close()
-                await self.engine.destroy(got.sandbox_id, "recording its metadata failed")
+                await teardown.destroy(self.engine, got.sandbox_id, "recording its metadata failed")
                 raise
         return await self._hold(got)
 
@@ -783,7 +797,7 @@ class EngineFront:
                     self._extend(r.sandbox_id, info.expires_at, timeout)
                     info = self.engine.info(r.sandbox_id)[0]
                     return ops.Opened(info, tuple(self.engine.registry.timings(r.sandbox_id)))
-            opened = await self._hold(await self.engine.open(r.sandbox_id))
+            opened = await self._hold(await duties.open(self.engine, r.sandbox_id))
         except SandboxPaused:  # its timeout ran out and it was paused (Lifecycle(on_timeout="pause")) just now
             return await self.resume(ops.Resume(r.sandbox_id, timeout=timeout))
         if self._extend(r.sandbox_id, opened.info.expires_at, timeout):
@@ -812,7 +826,7 @@ class EngineFront:
 
     async def list(self, r: ops.ListSandboxes) -> builtins.list[SandboxInfo]:
         if r.reap:
-            await self.engine.reap()
+            await duties.reap(self.engine)
         query = validate_query(r.query)
         return self.engine.list(r.include_dead, tenant=self._tenant_name(), query=query)
 
@@ -851,7 +865,7 @@ class EngineFront:
 
     async def kill(self, r: ops.Kill) -> bool:
         await self._drop(r.sandbox_id)
-        return await self.engine.destroy(r.sandbox_id, "killed")
+        return await teardown.destroy(self.engine, r.sandbox_id, "killed")
 
     async def set_timeout(self, r: ops.SetTimeout) -> float:
         return self.engine.set_timeout(r.sandbox_id, r.timeout)
@@ -861,8 +875,8 @@ class EngineFront:
             raise InvalidArgument(f"fresh must be True or False, got {r.fresh!r}")
         self._log.flush()  # its count is of the recorded commands: this front's queued ones too
         if not r.fresh:
-            return self.engine.metered(r.sandbox_id)
-        return await self.engine.metrics(r.sandbox_id, self._held(r.sandbox_id))
+            return meters.metered(self.engine, r.sandbox_id)
+        return await meters.metrics(self.engine, r.sandbox_id, self._held(r.sandbox_id))
 
     async def record_first_command(self, r: ops.RecordFirstCommand) -> None:
         ms = r.duration_ms
@@ -895,9 +909,9 @@ class EngineFront:
         info, _ = self.engine.info(r.sandbox_id)
         self._log.flush()
         if info.state in (State.READY, State.RUNNING):  # read its meters now; else the last ones recorded
-            metrics = await self.engine.metrics(r.sandbox_id, self._held(r.sandbox_id))
+            metrics = await meters.metrics(self.engine, r.sandbox_id, self._held(r.sandbox_id))
         else:
-            metrics = self.engine.recorded_metrics(info)
+            metrics = meters.recorded(self.engine, info)
         reg, n = self.engine.registry, transcript.MAX_RECORDS
         commands, cut = _bounded_commands(reg, r.sandbox_id, n, transcript.MAX_COMMAND_TEXT)
         events = reg.net_events(r.sandbox_id, n + 1)
@@ -1323,7 +1337,7 @@ class EngineFront:
         deadline = time.monotonic() + REATTACH_S
         while True:
             try:
-                await self._hold(await self.engine.open(sandbox_id))
+                await self._hold(await duties.open(self.engine, sandbox_id))
                 return
             except GuestConnectionError:
                 if time.monotonic() > deadline:
@@ -1346,14 +1360,14 @@ class EngineFront:
     # ---- network
 
     async def update_network(self, r: ops.UpdateNetwork) -> str:
-        policy = await self.engine.set_network(r.sandbox_id, r.network, await self._session(r.sandbox_id))
+        policy = await egress.update(self.engine, r.sandbox_id, r.network, await self._session(r.sandbox_id))
         return policy.describe()
 
     async def network_policy(self, r: ops.NetworkPolicy) -> str:
-        return self.engine.network_policy(r.sandbox_id).describe()
+        return egress.policy(self.engine, r.sandbox_id).describe()
 
     async def network_log(self, r: ops.NetworkLog) -> builtins.list[NetEvent]:
-        return self.engine.network_log(r.sandbox_id)
+        return egress.log(self.engine, r.sandbox_id)
 
     # ---- ports
 
@@ -1483,7 +1497,7 @@ class EngineFront:
         name, version = _template_name(r.name), _version(r.version)
         owner = self._tenant_name() or ""
         self.engine.registry.template_get(name, version, owner)  # TemplateNotFound first
-        users = self.engine.template_users(name, version, self.tenant)
+        users = resolve.template_users(self.engine, name, version, self.tenant)
         if users:
             raise TemplateInUse(
                 f"template {name!r} is in use by {', '.join(users[:10])}{' ...' if len(users) > 10 else ''}",

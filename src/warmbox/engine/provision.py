@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from warmbox.backends.base import Backend, SharedHost, SnapshotCapable
 from warmbox.config import PoolConfig, Template
-from warmbox.engine import egress, volumes
+from warmbox.engine import egress, resolve, volumes
 from warmbox.engine.session import GuestSession, OomCounter
 from warmbox.errors import BackendUnavailable, InvalidArgument, NoSpace, SandboxStartError, WarmboxError
 from warmbox.models import (
@@ -56,7 +56,7 @@ class LaunchSpec:
     shape: str = ""  # config.shape_key of a pool's sandbox
     tenant: Tenant | None = None  # whose it is (None: the host's); its quotas are checked at the insert
     resume_of: str = ""  # a paused sandbox started again under its own id ("": a new sandbox)
-    image: ImageRef | None = None  # the image it runs (None: its template's latest, Engine.image_for)
+    image: ImageRef | None = None  # the image it runs (None: its template's latest, resolve.image_for)
     volumes: tuple[VolumeMount, ...] = ()  # named volumes mounted into it
     build_upper: str = ""  # a template build sandbox (SandboxSpec.build_upper)
     # it gets an egress link: on a tier whose interfaces are fixed at start (link_before_start) the
@@ -121,7 +121,9 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         raise BackendUnavailable(spec.tier, avail.reason)
     images = backend.capabilities().images
     if spec.image is None and images:  # every sandbox runs an image: its template's latest (never the host's /usr)
-        spec = dataclasses.replace(spec, image=await asyncio.to_thread(engine.image_for, spec.template, spec.tenant))
+        spec = dataclasses.replace(
+            spec, image=await asyncio.to_thread(resolve.image_for, engine, spec.template, spec.tenant)
+        )
     sandbox_id = spec.resume_of or "sb-" + secrets.token_hex(6)
     state_dir = engine.runtime / "sandboxes" / sandbox_id
     socket_path = str(state_dir / "run" / "agent.sock")

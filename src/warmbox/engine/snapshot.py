@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 
 from warmbox.backends import hostfs
 from warmbox.backends.base import RuntimeVersioned, SnapshotCapable, TemplateCapable
-from warmbox.engine import provision
+from warmbox.engine import meters, provision, teardown
+from warmbox.engine import resolve as resolve_mod
 from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession
 from warmbox.errors import (
@@ -536,7 +537,7 @@ async def _release_paused(engine: Engine, sandbox_id: str, m: snaps.SnapshotMani
     """The snapshot is complete: record the pause first, then release. A process killed in
     between leaves a paused sandbox whose leftovers the daemon releases (its pauser is dead)."""
     info, handle = engine.info(sandbox_id)
-    await engine._read_meters(info, handle, None)
+    await meters.read(engine, info, handle, None)
     reason = f"paused to {m.snapshot_id}" + (f" ({why})" if why else "")
     _releasing.add(sandbox_id)
     try:
@@ -603,7 +604,7 @@ async def _memory_snapshot(
             if isinstance(e, WarmboxError) and not await backend.alive(handle):
                 # the failed checkpoint took the runtime with it: say so, and release the rest
                 try:
-                    await engine.destroy(sid, f"lost in a failed memory checkpoint: {e}")
+                    await teardown.destroy(engine, sid, f"lost in a failed memory checkpoint: {e}")
                 except WarmboxError:
                     pass
                 raise SandboxError(
@@ -834,7 +835,7 @@ async def restore_memory(
     network: it gets an egress link (provision.LaunchSpec.network).
     """
     from warmbox.engine import volumes as volumes_mod
-    from warmbox.engine.engine import validate_timeout
+    from warmbox.models import validate_timeout
 
     if volumes is None:
         volumes = volumes_mod.of_sandbox(engine, resume_of or m.sandbox_id)
@@ -880,7 +881,7 @@ async def restore_memory(
 
 
 def image_of(engine: Engine, m: snaps.SnapshotManifest, tenant: Tenant | None = None) -> ImageRef:
-    """The image ``m`` was taken on, which its restore runs again (Engine.recorded_image:
+    """The image ``m`` was taken on, which its restore runs again (resolve.recorded_image:
     TemplateMismatch if it is gone, CorruptLayer if a layer fails its digest). A memory snapshot
     holds processes that mapped that image's files: one from before images were recorded is
     refused rather than continued on another image."""
@@ -890,7 +891,7 @@ def image_of(engine: Engine, m: snaps.SnapshotManifest, tenant: Tenant | None = 
             "cannot be continued on an image it may not have run (restore its files with a newer snapshot)",
             template=m.template,
         )
-    return engine.recorded_image(m.template, m.template_version, m.image_id, tenant)
+    return resolve_mod.recorded_image(engine, m.template, m.template_version, m.image_id, tenant)
 
 
 def template_key(engine: Engine, tier: str, shape: str, image: ImageRef | None = None) -> str:
@@ -969,7 +970,7 @@ async def template_snapshot(
     Pools of a tier with memory snapshots restore their sandboxes from it instead of booting
     and warming each one (under gVisor a cold Python + pandas start costs seconds). One maker
     per shape and home, across processes (an flock: a killed maker holds it no longer); the
-    template sandbox of a maker that died is destroyed by the reaper (Engine.mark_template_vm).
+    template sandbox of a maker that died is destroyed by the reaper (teardown.mark_template_vm).
     """
     import asyncio
 
@@ -1016,7 +1017,7 @@ async def _template_snapshot(
 ) -> snaps.SnapshotManifest:
     store = store_for(engine)
     if image is None:
-        image = engine.image_for(tmpl.name)
+        image = resolve_mod.image_for(engine, tmpl.name)
     key = template_key(engine, tier, shape, image)
     sid = engine.registry.meta_text(key)
     if sid:
@@ -1031,7 +1032,7 @@ async def _template_snapshot(
     try:
         # from here until it is recorded as the template, a death of this process leaves a
         # READY sandbox nobody would end for an hour: marked, the reaper ends it at once
-        engine.mark_template_vm(info.sandbox_id, key)
+        teardown.mark_template_vm(engine, info.sandbox_id, key)
         # a tier's own warm-up before the image is taken (microvm: the files of the commands a
         # sandbox runs first are then in the guest's page cache, not read from its disk each time)
         backend = engine.backend(tier)
@@ -1045,13 +1046,13 @@ async def _template_snapshot(
     except BaseException:
         await session.close()
         try:
-            await engine.destroy(info.sandbox_id, "template snapshot failed")
+            await teardown.destroy(engine, info.sandbox_id, "template snapshot failed")
         except WarmboxError:
             pass
         raise
     finally:
         try:
-            engine.unmark_template_vm(info.sandbox_id)
+            teardown.unmark_template_vm(engine, info.sandbox_id)
         except (WarmboxError, OSError):
             pass  # the reaper unmarks it once it sees this process gone
     return m
@@ -1155,7 +1156,7 @@ async def _undo_start(engine: Engine, got: Launched, why: str, *, resumed: bool)
     """End a sandbox whose start went wrong after its launch: destroyed, or (a resume) its
     runtime torn down and the sandbox paused again, its snapshot untouched."""
     if not resumed:
-        await engine.destroy(got.sandbox_id, why)
+        await teardown.destroy(engine, got.sandbox_id, why)
         return
     from warmbox.engine import egress
 
@@ -1282,7 +1283,7 @@ async def fork(
             got.timings.append(await egress.reestablish(engine, got.handle, got.session, record, secret_map))
         except BaseException:
             await got.session.close()
-            await engine.destroy(got.sandbox_id, "network setup of the fork failed")
+            await teardown.destroy(engine, got.sandbox_id, "network setup of the fork failed")
             raise
     return got
 
