@@ -197,6 +197,19 @@ def test_engine_points_one_way():
     assert bad == [], "\n".join(bad)
 
 
+def test_guard_is_stdlib_only():
+    """engine/guard.py runs as ``python -I -S guard.py --guard``: no site-packages, no warmbox."""
+    import sys
+
+    tree = ast.parse((SRC / "engine" / "guard.py").read_text())
+    tops = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    tops |= {
+        n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level
+    }
+    assert tops and tops <= set(sys.stdlib_module_names) | {"__future__"}, sorted(tops - set(sys.stdlib_module_names))
+    assert not any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(tree)), "no relative import"
+
+
 @pytest.mark.parametrize(
     "package",
     [
