@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from warmbox.bench.common import AGENT, AGENT_CODE, EMPTY, VARIANTS, _pct, _stats, check_ranges  # noqa: F401 - used below
-from warmbox.engine import guard, teardown
 from warmbox.errors import WarmboxError
 
 
@@ -100,6 +99,7 @@ def write_config(
 
 
 async def _remove_home(home: Path) -> None:
+    from warmbox.engine import guard, teardown
     from warmbox.engine.daemon import down_home
     from warmbox.engine.engine import Engine
 

@@ -22,7 +22,6 @@ from typing import Any
 from warmbox import protocol as p
 from warmbox.backends import microvm as vm
 from warmbox.backends import microvm_net as vmnet
-from warmbox.engine import resolve, teardown
 from warmbox.errors import WarmboxError
 from warmbox.models import MAX_VOLUME_MB, Limits
 
@@ -189,7 +188,7 @@ async def _first_command(sb) -> None:
 
 async def _warmbox_cold(engine, limits: Limits) -> tuple[float, dict[str, float]]:
     """A cold boot through the engine (what a template costs), to the first command."""
-    from warmbox.engine import provision
+    from warmbox.engine import provision, teardown
 
     settings = engine.settings()
     tmpl = settings.template("shell")  # no warm-up: the boot itself, as raw QEMU does it
@@ -209,6 +208,7 @@ async def _warmbox_cold(engine, limits: Limits) -> tuple[float, dict[str, float]
 def _builtin_root(engine: Any) -> Path:
     """The built-in image's microVM root disk (what ``base``, ``pydata`` and ``shell`` run)."""
     from warmbox.backends import microvm_image
+    from warmbox.engine import resolve
 
     return microvm_image.image_root(microvm_image.cache_dir(), resolve.image_for(engine, "base"))
 
@@ -225,6 +225,7 @@ def _template_files(engine, limits: Limits, work: Path, template: str = "base") 
     import tarfile
 
     from warmbox import config
+    from warmbox.engine import resolve
     from warmbox.engine import snapshot as snapshots
     from warmbox.storage import snapshots as snaps
 

@@ -46,7 +46,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from warmbox.engine import meters
 from warmbox.errors import InvalidArgument, WarmboxError
 
 TIERS = ("container", "gvisor", "microvm")
@@ -251,6 +250,7 @@ class _Player:
 
     async def _meter(self) -> tuple[float, float]:
         """(GiB-s, CPU-s) the metering recorded for every sandbox of this run so far."""
+        from warmbox.engine import meters
         from warmbox.models import State
 
         gib = cpu = 0.0

@@ -43,7 +43,6 @@ from warmbox.cluster import membership, tls
 from warmbox.cluster.membership import Capacity, RayProcess
 from warmbox.cluster.placement import NodeLoad, split_target
 from warmbox.config import PoolConfig, ServerSettings
-from warmbox.engine import teardown
 from warmbox.errors import ClusterError, ConfigError, WarmboxError
 from warmbox.models import Limits, NodeInfo
 from warmbox.storage.registry import Registry
@@ -174,7 +173,7 @@ def _say(msg: str) -> None:
 
 
 async def _main(home: Path, opts: NodeOptions) -> int:
-    from warmbox.engine import daemon
+    from warmbox.engine import daemon, teardown
     from warmbox.engine.engine import Engine
     from warmbox.engine.pool import PoolManager
     from warmbox.server import peer
@@ -263,6 +262,8 @@ async def _heartbeat(engine: Engine, epoch: int, raylet: RayProcess, stop: async
     would otherwise age the heartbeat past the monitor's limit, and a node marked down loses every
     tenant's live sandboxes. A slow loop is a slow node; a dead one stops beating (its process,
     its raylet, or its way to the registry)."""
+    from warmbox.engine import teardown
+
     loop = asyncio.get_running_loop()
     verdict: asyncio.Future[int] = loop.create_future()
     halt = threading.Event()
