@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from warmbox.engine import teardown
+
 ROOT = Path(__file__).resolve().parent.parent
 # No pool is shared by the tests except ``iso``, whose shape (memory_mb = 500) only the pooled
 # variant of the ``sb`` fixture asks for; pool tests add their own pools with set_config().
@@ -303,7 +305,7 @@ def home() -> Path:
     asyncio.run(down_home(path))  # stops the daemon; it destroys the pooled sandboxes
     live = engine.list()
     for info in live:
-        asyncio.run(engine.destroy(info.sandbox_id, "test session teardown"))
+        asyncio.run(teardown.destroy(engine, info.sandbox_id, "test session teardown"))
     rt = engine.runtime
     runc_state = [p.name for p in (rt / "runc").iterdir()] if (rt / "runc").is_dir() else []
     # only this home's sandboxes: other warmbox homes (a parallel session) may run meanwhile

@@ -16,6 +16,8 @@ import sqlite3
 import time
 from pathlib import Path
 
+from warmbox.engine import guard
+
 SETTLE_S = 30.0  # what ends on its own gets this long (a loaded 2-core host, idle daemons: 3-10 s)
 
 
@@ -116,7 +118,7 @@ def _stop_daemons(homes: list[Home]) -> None:
     from warmbox.engine import daemon
 
     for h in homes:
-        if h.path.is_dir() and (daemon.pid_of(h.path) or daemon.guard_pid_of(h.path)):
+        if h.path.is_dir() and (guard.pid_of(h.path) or guard.guard_pid_of(h.path)):
             try:
                 asyncio.run(daemon.down_home(h.path))
             except Exception:  # reported below by what it left, if anything

@@ -25,6 +25,7 @@ from tests.backends.conftest import debian_layer, qemu_pids  # noqa: F401  (debi
 from tests.conftest import wait_for
 from tests.templates.conftest import oci_layout, python_rootfs  # noqa: F401  (fixtures: an OCI image with python3)
 from warmbox import protocol as p
+from warmbox.engine import teardown
 from warmbox.engine.daemon import down_home
 from warmbox.engine.engine import Engine
 from warmbox.paths import runtime_dir
@@ -135,7 +136,7 @@ def private_home(runc_ready):
 
         asyncio.run(down_home(h))
         for info in engine.list(include_pooled=True):
-            asyncio.run(engine.destroy(info.sandbox_id, "test cleanup"))
+            asyncio.run(teardown.destroy(engine, info.sandbox_id, "test cleanup"))
         left = qemu_pids(engine.runtime)
         for pid in left:
             os.kill(pid, signal.SIGKILL)

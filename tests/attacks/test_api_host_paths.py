@@ -36,6 +36,7 @@ from tests.server.test_api import request_parts, required
 from warmbox import api, paths, wire
 from warmbox.api import Route
 from warmbox.backends import microvm_image
+from warmbox.engine import teardown
 from warmbox.engine.engine import Engine
 from warmbox.operations import Op
 from warmbox.templates import Template
@@ -228,7 +229,7 @@ def world(home: Path, runc_ready: None):
     finally:
         server.stop()
         for i in made:
-            asyncio.run(engine.destroy(i, "test cleanup"))
+            asyncio.run(teardown.destroy(engine, i, "test cleanup"))
         for t in ("paths-a", "paths-b"):
             for v in engine.registry.volumes(t):
                 asyncio.run(_delete_volume(engine, t, v[1]))

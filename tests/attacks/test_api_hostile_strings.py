@@ -32,6 +32,7 @@ from tests.conftest import ServerProc, start_server
 from warmbox import api, wire
 from warmbox import operations as ops
 from warmbox.api import Route
+from warmbox.engine import teardown
 from warmbox.engine.engine import Engine
 from warmbox.errors import InvalidArgument
 from warmbox.operations import Op
@@ -244,7 +245,7 @@ def world(home: Path, runc_ready: None):
     finally:
         server.stop()
         for sid in made:
-            asyncio.run(engine.destroy(sid, "test cleanup"))
+            asyncio.run(teardown.destroy(engine, sid, "test cleanup"))
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from tests.attacks.conftest import require_tier
 from tests.conftest import set_config, wait_for
 from warmbox import Limits, Sandbox, State, config
 from warmbox.backends import workspace_disk
+from warmbox.engine import duties, teardown
 from warmbox.errors import InvalidArgument, LimitTooHigh, NoSpace
 
 pytestmark = pytest.mark.sandbox
@@ -111,7 +112,7 @@ def test_pause_and_resume_keep_the_workspace_and_its_quota(home, runc_ready, tie
         assert ref.snapshot_id
     finally:
         if engine.info(sb.sandbox_id)[0].state is not State.DESTROYED:
-            asyncio.run(engine.destroy(sb.sandbox_id, "test cleanup"))
+            asyncio.run(teardown.destroy(engine, sb.sandbox_id, "test cleanup"))
 
 
 @pytest.mark.parametrize("tier,memory", [("container", False), ("gvisor", True)])
@@ -155,7 +156,7 @@ def test_a_snapshot_larger_than_its_new_disk_is_a_typed_error(home, runc_ready, 
             assert again.commands.run("stat -c %s /workspace/blob").stdout == "40000000\n"
     finally:
         if engine.info(sb.sandbox_id)[0].state is State.PAUSED:
-            asyncio.run(engine.destroy(sb.sandbox_id, "test cleanup"))
+            asyncio.run(teardown.destroy(engine, sb.sandbox_id, "test cleanup"))
 
 
 _KILLED_CREATOR = textwrap.dedent("""
@@ -190,7 +191,7 @@ def test_a_creator_killed_with_the_disk_mounted_leaves_nothing_once_reaped(home,
 
     def reaped() -> bool:
         try:
-            asyncio.run(engine.reap())
+            asyncio.run(duties.reap(engine))
         except Exception:
             pass  # the daemon may be reaping it at the same time
         return engine.info(sid)[0].state is State.DESTROYED

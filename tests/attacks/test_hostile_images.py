@@ -25,6 +25,7 @@ import pytest
 
 from tests.attacks.conftest import require_tier
 from tests.backends.test_image_root import launch, sh
+from warmbox.engine import teardown
 from warmbox.errors import TemplateError
 from warmbox.models import ImageRef
 from warmbox.storage.layers import LayerStore, image_id_of
@@ -131,7 +132,7 @@ def test_an_image_symlink_to_a_host_file_and_a_setuid_root_binary_give_the_sandb
                 assert "rc=0" not in out, out
             finally:
                 await got.session.close()
-                await engine.destroy(got.sandbox_id, "test over")
+                await teardown.destroy(engine, got.sandbox_id, "test over")
 
         asyncio.run(go())
         assert secret.read_text() == "host secret\n"

@@ -26,6 +26,7 @@ from tests.attacks.conftest import home_procs, require_tier
 from tests.backends.test_image_root import image_of, launch, sh
 from tests.conftest import wait_for
 from warmbox.backends import rootfs, workspace_disk
+from warmbox.engine import teardown
 from warmbox.models import LAYER_UID_BASE, Limits
 
 pytestmark = pytest.mark.sandbox
@@ -71,7 +72,7 @@ def test_a_sandbox_fills_only_its_own_bounded_layer(tier, home, debian_layer):
         finally:
             for got in (a, b):
                 await got.session.close()
-                await engine.destroy(got.sandbox_id, "test over")
+                await teardown.destroy(engine, got.sandbox_id, "test over")
         for got in (a, b):
             assert workspace_disk.mounts_under(got.handle.state_dir) == []
 
@@ -102,7 +103,7 @@ def test_planted_links_fifos_and_devices_in_a_build_layer_are_not_followed(home,
             assert "Operation not permitted" in out, out  # no device node, even as the build's root
         finally:
             await got.session.close()
-            await engine.destroy(got.sandbox_id, "test over")
+            await teardown.destroy(engine, got.sandbox_id, "test over")
 
     asyncio.run(go())
     planted = upper / "srv/p"

@@ -23,6 +23,7 @@ import pytest
 
 from tests.attacks.conftest import require_tier
 from tests.backends.test_image_root import image_of, launch, sh
+from warmbox.engine import teardown
 from warmbox.models import LAYER_UID_BASE
 
 pytestmark = pytest.mark.sandbox
@@ -69,7 +70,7 @@ def test_a_setuid_file_planted_by_a_build_gives_host_users_nothing(home, runc_re
             assert rc == 0 and "-rwsr-xr-x" in out and "-rwxr-sr-x" in out, out
         finally:
             await got.session.close()
-            await engine.destroy(got.sandbox_id, "test over")
+            await teardown.destroy(engine, got.sandbox_id, "test over")
 
     asyncio.run(plant())
     store = LayerStore(open_dir / "cache")
@@ -101,7 +102,7 @@ def test_a_setuid_file_planted_by_a_build_gives_host_users_nothing(home, runc_re
             assert rc == 0 and out.splitlines() == ["TENANT SECRET", "1000"], out
         finally:
             await got.session.close()
-            await engine.destroy(got.sandbox_id, "test over")
+            await teardown.destroy(engine, got.sandbox_id, "test over")
 
     for tier in ("container", "gvisor"):
         require_tier(home, tier)

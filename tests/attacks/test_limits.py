@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import cli, set_config
 from warmbox import Limits, Sandbox, State, config
 from warmbox.config import HostCapacity
-from warmbox.engine import provision
+from warmbox.engine import provision, teardown
 from warmbox.engine.engine import Engine
 from warmbox.errors import ConfigError, InvalidArgument, LimitTooHigh
 
@@ -218,4 +218,4 @@ def test_resume_and_fork_refuse_limits_above_a_lowered_max(home, runc_ready, tie
     finally:
         set_config(home)
         if engine.info(sb.sandbox_id)[0].state is not State.DESTROYED:  # paused, or the pause failed
-            asyncio.run(engine.destroy(sb.sandbox_id, "test cleanup"))
+            asyncio.run(teardown.destroy(engine, sb.sandbox_id, "test cleanup"))

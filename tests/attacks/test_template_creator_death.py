@@ -21,7 +21,7 @@ import pytest
 
 from tests.backends.conftest import live_pids, qemu_pids
 from tests.conftest import wait_for
-from warmbox.engine import provision
+from warmbox.engine import guard, provision, teardown
 from warmbox.models import Limits, State
 
 pytestmark = pytest.mark.sandbox
@@ -107,7 +107,7 @@ def test_microvm_template_of_a_killed_creator_is_reaped(private_home, when):
             assert code == 0
         finally:
             await got.session.close()
-            await engine.destroy(got.sandbox_id, "test done")
+            await teardown.destroy(engine, got.sandbox_id, "test done")
 
     asyncio.run(later())
     assert not qemu_pids(engine.runtime)
@@ -127,7 +127,6 @@ limits = { memory_mb = 389 }
 def test_gvisor_pool_template_of_a_killed_daemon_is_reaped(private_home):
     """A gVisor pool's daemon makes the template (checkpoint); SIGKILLed while the template is
     being paused, the restarted daemon ends that sandbox and the pool fills."""
-    from warmbox.engine import daemon
 
     engine = private_home
     h = engine.home
@@ -144,7 +143,7 @@ def test_gvisor_pool_template_of_a_killed_daemon_is_reaped(private_home):
         return rows and rows[0].state is State.READY and rows[0]
 
     template = wait_for(template_ready, 300, "the pool's template sandbox to be warmed up", interval=0.01)
-    pid = daemon.pid_of(h)
+    pid = guard.pid_of(h)
     assert pid, "the template is made by the daemon"
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
@@ -157,4 +156,4 @@ def test_gvisor_pool_template_of_a_killed_daemon_is_reaped(private_home):
     assert reasons[-1] == "template creator died" or reasons[-1].startswith("became template snapshot"), reasons
     assert not (engine.runtime / "sandboxes" / sid).exists()
     wait_for(lambda: engine.registry.pool_counts("gt")[0] >= 1, 300, "the pool to fill after the kill")
-    assert daemon.pid_of(h) not in (None, pid)
+    assert guard.pid_of(h) not in (None, pid)

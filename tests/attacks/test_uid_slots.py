@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import _stop_daemon
-from warmbox.engine import provision
+from warmbox.engine import provision, teardown
 from warmbox.engine.engine import Engine
 from warmbox.errors import RegistryError
 from warmbox.models import Limits, State
@@ -82,19 +82,19 @@ def test_two_homes_never_share_a_uid_range(home, runc_ready, tmp_path_factory):
         assert ea["sandbox_id"] == ia.sandbox_id and ea["registry"] == str((home / "registry.db").resolve())
         assert eb["sandbox_id"] == ib.sandbox_id and eb["registry"] == str((other / "registry.db").resolve())
         # destroying frees the slot at once
-        asyncio.run(b.destroy(ib.sandbox_id, "test"))
+        asyncio.run(teardown.destroy(b, ib.sandbox_id, "test"))
         made.remove((b, ib.sandbox_id))
         with ledger.locked():
             assert ledger.holder(sb) is None
             assert ledger.holder(sa)["sandbox_id"] == ia.sandbox_id
-        asyncio.run(a.destroy(ia.sandbox_id, "test"))
+        asyncio.run(teardown.destroy(a, ia.sandbox_id, "test"))
         made.remove((a, ia.sandbox_id))
         with ledger.locked():
             assert ledger.holder(sa) is None
     finally:
         for engine, sid in made:
             try:
-                asyncio.run(engine.destroy(sid, "test cleanup"))
+                asyncio.run(teardown.destroy(engine, sid, "test cleanup"))
             except Exception:
                 pass
         _stop_daemon(other)

@@ -13,6 +13,7 @@ import pytest
 
 from tests.backends.conftest import NOTHING, leftovers, recording
 from warmbox import Limits, Sandbox, State
+from warmbox.engine import resolve
 from warmbox.engine.engine import Engine
 from warmbox.engine.guest_client import GuestClient
 from warmbox.errors import GuestConnectionError
@@ -206,7 +207,7 @@ limits = { memory_mb = 444 }
         wait_for(lambda: engine.registry.pool_counts("t-gv")[0] >= 2, 180, "the gvisor pool to fill")
         from warmbox.config import shape_key
 
-        image = engine.image_for("t-rand").image_id  # the shape names the image its sandboxes run
+        image = resolve.image_for(engine, "t-rand").image_id  # the shape names the image its sandboxes run
         shape = shape_key("gvisor", engine.settings().template("t-rand"), Limits(memory_mb=444), image)
         template = {
             v

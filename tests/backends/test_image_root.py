@@ -16,7 +16,7 @@ import pytest
 
 from tests.backends.conftest import NOTHING, leftovers
 from warmbox.backends import rootfs, workspace_disk
-from warmbox.engine import provision
+from warmbox.engine import provision, teardown
 from warmbox.engine.engine import Engine
 from warmbox.errors import SandboxStartError, Unsupported
 from warmbox.models import LAYER_UID_BASE, ImageRef, Limits
@@ -117,7 +117,7 @@ def test_a_sandbox_runs_the_image_not_the_hosts_usr(tier, home, debian_layer, tm
             assert os.path.ismount(os.path.join(state, rootfs.ROOT))
         finally:
             await got.session.close()
-            await engine.destroy(got.sandbox_id, "test over")
+            await teardown.destroy(engine, got.sandbox_id, "test over")
         assert leftovers(engine.backend(tier), got.handle) == NOTHING
 
     asyncio.run(go())
@@ -225,7 +225,7 @@ def test_a_build_sandbox_installs_as_the_images_root_into_its_upper_layer(home, 
             assert out.splitlines() == ["1234 1234", "1234 1234"], out
         finally:
             await got.session.close()
-            await engine.destroy(got.sandbox_id, "test over")
+            await teardown.destroy(engine, got.sandbox_id, "test over")
         assert leftovers(engine.backend("container"), got.handle) == NOTHING
         assert not upper.with_name("upper.work").exists()  # the overlay's workdir goes with the sandbox
 

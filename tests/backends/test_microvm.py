@@ -23,6 +23,7 @@ from warmbox import Limits, Sandbox, State
 from warmbox import protocol as p
 from warmbox.backends import microvm_net
 from warmbox.backends.microvm import GUEST_OVERHEAD_MB, HOST_CPU_HEADROOM, HOST_OVERHEAD_MB, TCG_CACHE_MB, HostCgroup
+from warmbox.engine import teardown
 from warmbox.engine.guest_client import GuestClient
 from warmbox.guest import userenv
 
@@ -260,7 +261,7 @@ def test_pause_resume_and_fork_continue_memory_and_disk(engine):
         assert not sibling.files.exists("/workspace/fork.txt")
         assert sibling.files.read("/workspace/kept.txt") == "disk state"
     assert engine.info(back.sandbox_id)[0].state is State.PAUSED
-    asyncio.run(engine.destroy(back.sandbox_id, "test done"))  # a paused sandbox is destroyed without a VM
+    asyncio.run(teardown.destroy(engine, back.sandbox_id, "test done"))  # a paused sandbox is destroyed without a VM
 
 
 @pytest.mark.sandbox

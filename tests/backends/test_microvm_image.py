@@ -12,6 +12,7 @@ import pytest
 
 from tests.backends.test_image_root import image_of, launch, layer, sh
 from warmbox.backends import microvm_image
+from warmbox.engine import teardown
 from warmbox.errors import SandboxStartError, Unsupported
 
 pytestmark = pytest.mark.sandbox
@@ -52,7 +53,7 @@ def test_a_vm_runs_the_image_with_its_own_owners(engine, debian_layer, tmp_path)
             ], out
         finally:
             await got.session.close()
-            await engine.destroy(got.sandbox_id, "test over")
+            await teardown.destroy(engine, got.sandbox_id, "test over")
 
     asyncio.run(go())
     assert root.is_file()

@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import cli, start_server, wait_for
 from warmbox.config import parse
+from warmbox.engine import teardown
 from warmbox.engine.engine import Engine
 from warmbox.errors import ConfigError
 
@@ -78,7 +79,7 @@ def test_a_typo_while_serving_keeps_the_last_good_settings_and_is_reported(runc_
 
         asyncio.run(down_home(h))
         for info in engine.list(include_pooled=True):
-            asyncio.run(engine.destroy(info.sandbox_id, "test cleanup"))
+            asyncio.run(teardown.destroy(engine, info.sandbox_id, "test cleanup"))
         shutil.rmtree(engine.runtime, ignore_errors=True)
         shutil.rmtree(h, ignore_errors=True)
 

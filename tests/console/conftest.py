@@ -26,6 +26,7 @@ import pytest
 
 from tests.conftest import ROOT, ServerProc, cli, start_server
 from tests.network.conftest import world  # noqa: F401 - the fake internet (session fixture)
+from warmbox.engine import teardown
 
 SHOTS = ROOT / "bench-results" / "console"
 # the browser never waits longer than this for a page element (ms); the list's own bound is stricter
@@ -128,7 +129,7 @@ def console(world, runc_ready: None) -> Iterator[Console]:  # noqa: F811
         left = [i.sandbox_id for i in engine.list() if not i.pool]
         try:
             for info in engine.list():
-                asyncio.run(engine.destroy(info.sandbox_id, "console lane teardown"))
+                asyncio.run(teardown.destroy(engine, info.sandbox_id, "console lane teardown"))
         finally:  # the daemon and proxy end even if a destroy failed (they would keep the pool's sandbox)
             asyncio.run(down_home(home))
         egress_ns = netns.egress_name(engine.runtime)

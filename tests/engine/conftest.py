@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from warmbox.engine import teardown
 from warmbox.engine.daemon import down_home
 from warmbox.engine.engine import Engine
 
@@ -41,9 +42,9 @@ class NodeHomes:
         left = []
         for engine in reversed(self.engines):
             for info, _ in engine.registry.list(include_pooled=True, local=True):
-                asyncio.run(engine.destroy(info.sandbox_id, "test over"))
+                asyncio.run(teardown.destroy(engine, info.sandbox_id, "test over"))
             asyncio.run(down_home(engine.home))
-            asyncio.run(engine.reconcile_node())  # what a failed test left lost (no list shows it) goes too
+            asyncio.run(teardown.reconcile_node(engine))  # what a failed test left lost (no list shows it) goes too
             for sub in ("sandboxes", "runc"):
                 d = engine.runtime / sub
                 left += [f"{engine.node}:{sub}/{n}" for n in (sorted(os.listdir(d)) if d.is_dir() else [])]

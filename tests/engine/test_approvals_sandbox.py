@@ -20,6 +20,7 @@ import pytest
 
 from tests.conftest import cli, set_config, start_server
 from warmbox import operations as ops
+from warmbox.engine import teardown
 from warmbox.engine.engine import Engine
 from warmbox.engine.front import EngineFront
 from warmbox.errors import ApprovalDenied
@@ -180,7 +181,7 @@ def test_a_waiting_cli_gets_the_answer_given_after_the_server_restarted(home: Pa
             waiter.kill()
             waiter.wait(10)
         if sid:
-            asyncio.run(Engine.for_home(home).destroy(sid))
+            asyncio.run(teardown.destroy(Engine.for_home(home), sid))
         srv.stop()
         set_config(home)
 

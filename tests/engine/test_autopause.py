@@ -11,7 +11,7 @@ from tests.conftest import set_config, wait_for
 from warmbox import InvalidArgument, Lifecycle, Limits, Sandbox, SandboxNotFound, SandboxPaused, State
 from warmbox import operations as ops
 from warmbox.config import ConfigError, parse
-from warmbox.engine import front, snapstore
+from warmbox.engine import duties, front, snapstore
 from warmbox.engine.engine import Engine
 from warmbox.lifecycle import RETENTION_EXPIRED
 from warmbox.models import validate_lifecycle
@@ -207,7 +207,7 @@ def test_a_resume_whose_process_died_leaves_the_sandbox_paused_not_lost(home, ru
         proc.wait()
         engine.registry.reallocate(sb.sandbox_id, 60.0, Limits(), owner=dead)  # its resume began, then nothing
         assert _state(engine, sb.sandbox_id) is State.CREATING
-        asyncio.run(engine.reap())
+        asyncio.run(duties.reap(engine))
         assert _state(engine, sb.sandbox_id) is State.PAUSED
         assert "resumer process died" in engine.registry.ended_reason(sb.sandbox_id)
         with Sandbox.connect(sb.sandbox_id) as back:

@@ -15,7 +15,7 @@ import pytest
 
 from warmbox import images as builtin
 from warmbox.config import Template, shape_key
-from warmbox.engine import images
+from warmbox.engine import images, resolve, template_gc
 from warmbox.engine.engine import Engine
 from warmbox.errors import CorruptLayer, InvalidArgument, TemplateMismatch, TemplateNotFound
 from warmbox.models import Limits, TemplateInfo, Tenant
@@ -60,18 +60,18 @@ def _add(engine: Engine, name: str, digests: tuple[str, ...], tenant: str = "", 
 def test_image_for_takes_the_latest_version_and_recorded_image_the_recorded_one(engine, cache, tmp_path):
     d1, d2 = _layer(cache, tmp_path, "v1"), _layer(cache, tmp_path, "v2")
     v1 = _add(engine, "app", (d1,), warmup_commands=("true",))
-    img = engine.image_for("app")
+    img = resolve.image_for(engine, "app")
     assert (img.template, img.version, img.image_id) == ("app", v1.version, v1.image_id)
     assert Path(img.layers[0], "etc/wb-marker").read_text() == "v1\n"
-    assert engine.template("app") == Template(name="app", warmup_code=None, warmup_commands=("true",))
+    assert resolve.template(engine, "app") == Template(name="app", warmup_code=None, warmup_commands=("true",))
     v2 = _add(engine, "app", (d2,))
     assert v2.version == v1.version + 1
-    assert engine.image_for("app").image_id == v2.image_id
-    old = engine.recorded_image("app", v1.version, v1.image_id)
+    assert resolve.image_for(engine, "app").image_id == v2.image_id
+    old = resolve.recorded_image(engine, "app", v1.version, v1.image_id)
     assert old.image_id == v1.image_id and Path(old.layers[0], "etc/wb-marker").read_text() == "v1\n"
     # a record that names another image than the version has now: refused, not silently swapped
     with pytest.raises(TemplateMismatch):
-        engine.recorded_image("app", v1.version, v2.image_id)
+        resolve.recorded_image(engine, "app", v1.version, v2.image_id)
 
 
 def test_a_recorded_image_whose_version_or_layer_is_gone_is_a_mismatch(engine, cache, tmp_path):
@@ -79,12 +79,12 @@ def test_a_recorded_image_whose_version_or_layer_is_gone_is_a_mismatch(engine, c
     v1, v2 = _add(engine, "app", (d1,)), _add(engine, "app", (d2,))
     engine.registry.template_delete("app", v1.version)
     with pytest.raises(TemplateMismatch, match="no longer exists"):
-        engine.recorded_image("app", v1.version, v1.image_id)
+        resolve.recorded_image(engine, "app", v1.version, v1.image_id)
     LayerStore(cache).remove(d2)  # the version is recorded, its layer collected
     with pytest.raises(TemplateMismatch, match="no longer in the layer store"):
-        engine.recorded_image("app", v2.version, v2.image_id)
+        resolve.recorded_image(engine, "app", v2.version, v2.image_id)
     with pytest.raises(TemplateMismatch):
-        engine.image_for("app")
+        resolve.image_for(engine, "app")
 
 
 def test_a_layer_that_fails_its_digest_is_corrupt(engine, cache, tmp_path):
@@ -99,24 +99,24 @@ def test_a_layer_that_fails_its_digest_is_corrupt(engine, cache, tmp_path):
 
     shutil.rmtree(store.dirs / d1.split(":")[1])  # unpacked again from the (bad) blob
     with pytest.raises(CorruptLayer) as e:
-        engine.recorded_image("app", v1.version, v1.image_id)
+        resolve.recorded_image(engine, "app", v1.version, v1.image_id)
     assert e.value.value == d1
 
 
 def test_unknown_templates_and_tenants(engine, cache, tmp_path):
     with pytest.raises(InvalidArgument, match="unknown template 'nope'"):
-        engine.image_for("nope")
+        resolve.image_for(engine, "nope")
     d1 = _layer(cache, tmp_path, "v1")
     _add(engine, "mine", (d1,), tenant="alice")
     alice, bob = Tenant("alice"), Tenant("bob")
-    assert engine.image_for("mine", alice).template == "mine"
+    assert resolve.image_for(engine, "mine", alice).template == "mine"
     with pytest.raises(InvalidArgument):
-        engine.image_for("mine", bob)  # another tenant's template is not there for bob
+        resolve.image_for(engine, "mine", bob)  # another tenant's template is not there for bob
     with pytest.raises(InvalidArgument):
-        engine.image_for("mine")
+        resolve.image_for(engine, "mine")
     # the built-in image is not built in this empty cache: with build=False, a typed answer
     with pytest.raises(TemplateNotFound, match="bootstrap"):
-        engine.image_for("base", build=False)
+        resolve.image_for(engine, "base", build=False)
 
 
 def test_builtin_records_resolve_by_id(engine, cache, tmp_path):
@@ -127,28 +127,28 @@ def test_builtin_records_resolve_by_id(engine, cache, tmp_path):
     cur = images.BuiltinRecord(now, image_id_of((d1, d2), (), "", ""), (d1, d2), 2.0, 1.0)
     for rec in (old, cur):
         (cache / f"{rec.key}.json").write_text(json.dumps(dataclasses.asdict(rec)))
-    base = engine.image_for("base")
+    base = resolve.image_for(engine, "base")
     assert (base.template, base.version, base.image_id) == ("base", 0, cur.image_id)
-    assert engine.image_for("pydata").image_id == cur.image_id  # one image, three warm-ups
-    assert engine.recorded_image("pydata", 0, old.image_id).layers == (str(LayerStore(cache).dirs / d1[7:]),)
+    assert resolve.image_for(engine, "pydata").image_id == cur.image_id  # one image, three warm-ups
+    assert resolve.recorded_image(engine, "pydata", 0, old.image_id).layers == (str(LayerStore(cache).dirs / d1[7:]),)
     with pytest.raises(TemplateMismatch, match="no longer has"):
-        engine.recorded_image("base", 0, "sha256:" + "0" * 64)
-    assert engine.recorded_image("base", 0, "").image_id == cur.image_id  # from before images: the current
+        resolve.recorded_image(engine, "base", 0, "sha256:" + "0" * 64)
+    assert resolve.recorded_image(engine, "base", 0, "").image_id == cur.image_id  # from before images: the current
     # the doctor says it is built
     assert images.builtin_record() == cur
-    assert engine.layers_in_use() == {d1, d2}  # a layer gc keeps both builds' layers
+    assert template_gc.layers_in_use(engine) == {d1, d2}  # a layer gc keeps both builds' layers
     assert LayerStore(cache).pinned()[f"builtin:{now}"] == (d1, d2)  # ... and so does any home's gc
 
 
 def test_a_template_with_a_build_of_its_own_is_not_the_builtin_image_until_built(engine, cache, tmp_path):
     (engine.home / "warmbox.toml").write_text('[templates.mine]\nfrom = "base"\nrun = ["true"]\n')
     with pytest.raises(TemplateNotFound, match="warmbox template build mine"):
-        engine.image_for("mine")
+        resolve.image_for(engine, "mine")
     with pytest.raises(TemplateNotFound, match="warmbox template build browser"):
-        engine.image_for("browser")
+        resolve.image_for(engine, "browser")
     d1 = _layer(cache, tmp_path, "v1")
     built = _add(engine, "mine", (d1,))
-    assert engine.image_for("mine").image_id == built.image_id
+    assert resolve.image_for(engine, "mine").image_id == built.image_id
 
 
 def test_memory_snapshot_without_an_image_is_refused(engine):
@@ -216,11 +216,11 @@ def test_rows_record_the_image_and_template_users(engine, cache, tmp_path):
     reg.add_snapshot("snap-c", "sb-00000000000c", time.time(), 10)
     info, _ = reg.get("sb-00000000000a")
     assert (info.template_version, info.image_id) == (v1.version, v1.image_id)
-    assert engine.template_users("app", v1.version) == ["sb-00000000000a"]
-    assert engine.template_users("app", v2.version) == ["sb-00000000000b", "p1", "snap-c"]
-    assert engine.template_users("app") == ["sb-00000000000a", "sb-00000000000b", "p1", "snap-c"]
-    assert engine.template_users("other") == []
-    assert engine.template_users("app", tenant=Tenant("alice")) == []
+    assert resolve.template_users(engine, "app", v1.version) == ["sb-00000000000a"]
+    assert resolve.template_users(engine, "app", v2.version) == ["sb-00000000000b", "p1", "snap-c"]
+    assert resolve.template_users(engine, "app") == ["sb-00000000000a", "sb-00000000000b", "p1", "snap-c"]
+    assert resolve.template_users(engine, "other") == []
+    assert resolve.template_users(engine, "app", tenant=Tenant("alice")) == []
     row = reg._read("SELECT image_id FROM snapshots WHERE snapshot_id='snap-c'")
     assert row[0] == v2.image_id
     for sid in ("sb-00000000000a", "sb-00000000000b"):

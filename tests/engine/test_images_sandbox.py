@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import set_config, wait_for
 from warmbox import Limits, Sandbox, State
-from warmbox.engine import images
+from warmbox.engine import images, resolve, teardown
 from warmbox.engine.engine import Engine
 from warmbox.errors import TemplateMismatch
 from warmbox.models import TemplateInfo
@@ -47,7 +47,7 @@ echo tools ok
 def app(home: Path, runc_ready: None, tmp_path_factory: pytest.TempPathFactory):
     """add(label) records the next version of template ``app``: the built-in layers + a marker."""
     engine = Engine.for_home(home)
-    base = engine.image_for("base")
+    base = resolve.image_for(engine, "base")
     rec = images.builtin_record()
     assert rec is not None and rec.image_id == base.image_id
     store = images.store()
@@ -84,7 +84,7 @@ def _marker(box) -> str:
 @pytest.mark.parametrize("tier", ["container", "gvisor"])
 def test_a_sandbox_runs_the_builtin_image_and_shows_it(home, runc_ready, tier):
     engine = Engine.for_home(home)
-    base = engine.image_for("base")
+    base = resolve.image_for(engine, "base")
     with Sandbox.create(tier=tier, template="shell", pool=False) as box:
         info = box.get_info()
         assert (info.template, info.template_version, info.image_id) == ("shell", 0, base.image_id)
@@ -113,7 +113,7 @@ def test_a_sandbox_runs_the_builtin_image_and_shows_it(home, runc_ready, tier):
 
 def test_numpy_is_the_image_s_on_container_and_gvisor(home, runc_ready):
     """The same template gives the same numpy on every tier (the microVM's in test_microvm_image)."""
-    layer = Path(Engine.for_home(home).image_for("base").layers[0])
+    layer = Path(resolve.image_for(Engine.for_home(home), "base").layers[0])
     found = sorted(p.name for p in (layer / "usr/lib/python3/dist-packages").glob("numpy-*.egg-info"))
     assert found, "no numpy in the built-in image"
     want = found[0].split("-")[1].removesuffix(".egg")
@@ -127,11 +127,11 @@ def test_numpy_is_the_image_s_on_container_and_gvisor(home, runc_ready):
 @pytest.mark.microvm
 def test_numpy_is_the_image_s_on_microvm_too(home, runc_ready):
     """The microVM's root is made from the same Debian tree (run under flock /work/vm.lock)."""
-    layer = Path(Engine.for_home(home).image_for("base").layers[0])
+    layer = Path(resolve.image_for(Engine.for_home(home), "base").layers[0])
     want = sorted(p.name for p in (layer / "usr/lib/python3/dist-packages").glob("numpy-*.egg-info"))
     with Sandbox.create(tier="microvm", template="shell", timeout=300, limits=Limits(memory_mb=512)) as box:
         got = box.commands.run(NUMPY, timeout=120).stdout.strip()
-        assert box.get_info().image_id == Engine.for_home(home).image_for("shell").image_id
+        assert box.get_info().image_id == resolve.image_for(Engine.for_home(home), "shell").image_id
     assert want and got == want[0].split("-")[1].removesuffix(".egg")
 
 
@@ -152,7 +152,7 @@ def test_snapshot_of_v1_restores_on_v1_after_a_rebuild_and_a_gone_image_is_refus
         assert box.commands.run("cat /workspace/f").stdout == "kept\n"
         info = box.get_info()
         assert (info.template_version, info.image_id) == (v1.version, v1.image_id)
-    assert engine.template_users("app", v1.version)[-1] == ref.snapshot_id
+    assert resolve.template_users(engine, "app", v1.version)[-1] == ref.snapshot_id
     # v1 removed: its snapshot cannot come back on another image; no sandbox is left half-made
     engine.registry.template_delete("app", v1.version)
     before = {i.sandbox_id for i in engine.list(include_dead=True)}
@@ -204,7 +204,7 @@ def test_a_rebuilt_template_retires_its_pool_and_refills_it(home, app):
             ]
 
         old = wait_for(lambda: pooled(v1.image_id), 120, "a pooled sandbox of v1")
-        assert engine.template_users("apppool") == [*old, "apppool"]
+        assert resolve.template_users(engine, "apppool") == [*old, "apppool"]
         v2 = app("p2", name="apppool")
         new = wait_for(lambda: pooled(v2.image_id), 120, "the pool to refill with v2")
         wait_for(lambda: engine.registry.get(old[0])[0].state is State.DESTROYED, 60, "v1's sandbox to retire")
@@ -228,7 +228,7 @@ def test_a_launch_without_an_image_runs_its_template_s(home, runc_ready):
     from warmbox.engine import provision
 
     engine = Engine.for_home(home)
-    tmpl = engine.template("shell")
+    tmpl = resolve.template(engine, "shell")
 
     async def go() -> tuple[str, str]:
         got = await provision.launch(
@@ -239,7 +239,7 @@ def test_a_launch_without_an_image_runs_its_template_s(home, runc_ready):
             return got.info.image_id, r.stdout.strip()
         finally:
             await got.session.close()
-            await engine.destroy(got.sandbox_id, "test over")
+            await teardown.destroy(engine, got.sandbox_id, "test over")
 
     image_id, host_runc = asyncio.run(go())
-    assert image_id == engine.image_for("shell").image_id and host_runc == "1"
+    assert image_id == resolve.image_for(engine, "shell").image_id and host_runc == "1"

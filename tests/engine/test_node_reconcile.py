@@ -12,6 +12,7 @@ import pytest
 
 from warmbox import Sandbox
 from warmbox.backends.base import Inventory
+from warmbox.engine import teardown
 from warmbox.engine.engine import Engine
 from warmbox.errors import SandboxLost
 from warmbox.models import NodeInfo, State
@@ -45,7 +46,7 @@ def test_a_fenced_node_ends_its_lost_sandbox_and_leaves_the_row_lost(node_homes,
     _, handle = engine.info(sid)
     assert handle.node == "n1" and engine.registry.node_of(sid) == "n1"
     sb.commands.run("sleep 1000 > /dev/null 2>&1 &")  # a background process must go too
-    assert asyncio.run(engine.node_heartbeat(epoch))
+    assert asyncio.run(teardown.node_heartbeat(engine, epoch))
     assert engine.registry.nodes()[0].live == 1
     # the node is declared dead (its process SIGKILLed, say): its container still runs on the host
     assert engine.registry.mark_node_down("n1", "test: node killed") == [sid]
@@ -53,7 +54,7 @@ def test_a_fenced_node_ends_its_lost_sandbox_and_leaves_the_row_lost(node_homes,
     assert live["runtime_state"] and live["state_dir"] and live["cgroups"] and live["mounts"], live
     # its next heartbeat is refused: it ends what is no longer its own, at once
     t0 = time.perf_counter()
-    assert not asyncio.run(engine.node_heartbeat(epoch))
+    assert not asyncio.run(teardown.node_heartbeat(engine, epoch))
     took = time.perf_counter() - t0
     assert traces(engine, tier, sid) == GONE, f"reconcile left {traces(engine, tier, sid)}"
     assert engine.info(sid)[0].state is State.LOST  # the row is untouched
@@ -64,8 +65,8 @@ def test_a_fenced_node_ends_its_lost_sandbox_and_leaves_the_row_lost(node_homes,
         Sandbox.connect(sid, home=engine.home)
     # a rejoin under a new epoch reconciles again: nothing is left to end
     epoch = engine.registry.join_node(NodeInfo("n1"))
-    assert asyncio.run(engine.reconcile_node()) == []
-    assert asyncio.run(engine.node_heartbeat(epoch))
+    assert asyncio.run(teardown.reconcile_node(engine)) == []
+    assert asyncio.run(teardown.node_heartbeat(engine, epoch))
     sb.kill()  # kill is the one way out of lost: records only
     assert engine.info(sid)[0].state is State.DESTROYED
     print(f"fenced heartbeat + reconcile of one {tier} sandbox: {took * 1000:.0f} ms")

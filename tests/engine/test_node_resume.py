@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from warmbox import Sandbox
+from warmbox.engine import teardown
 from warmbox.models import State
 
 pytestmark = pytest.mark.sandbox
@@ -40,11 +41,11 @@ def test_a_sandbox_paused_on_node_a_resumes_on_node_b_with_its_files(node_homes,
         assert [t.to_state for t in b.registry.transitions(sid)][-3:] == ["paused", "creating", "ready"]
         # node a comes back: its reconcile ends what it lost (its pool's sandbox), never the
         # sandbox b now runs (on this same host, cgroups and netns are named by sandbox id)
-        ended = asyncio.run(a.reconcile_node())
+        ended = asyncio.run(teardown.reconcile_node(a))
         assert sid not in ended and all(a.info(i)[0].state is State.LOST for i in ended)
         assert sb2.commands.run("echo alive").stdout == "alive\n"
         with pytest.raises(Exception, match="runs on node 'b'"):
-            asyncio.run(a.destroy(sid))  # a is not where it runs
+            asyncio.run(teardown.destroy(a, sid))  # a is not where it runs
     finally:
         sb2.kill()
     assert b.info(sid)[0].state is State.DESTROYED

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from warmbox.engine import duties, meters, teardown
 from warmbox.engine.engine import Engine
 from warmbox.errors import SandboxLost, SandboxStateError
 from warmbox.models import Limits, State
@@ -38,24 +39,24 @@ def test_an_engine_writes_its_node_and_refuses_another_nodes_live_sandbox(tmp_pa
     assert n1.registry.node_of(sid) == "n2" and n1.info(sid)[1].node == "n2"
     # n1 may read it (get_info, list) but never connect, measure or destroy it: its processes are n2's
     with pytest.raises(SandboxStateError, match="runs on node 'n2', not on this one \\('n1'\\)"):
-        asyncio.run(n1.open(sid))
+        asyncio.run(duties.open(n1, sid))
     with pytest.raises(SandboxStateError, match="runs on node 'n2'"):
-        asyncio.run(n1.destroy(sid))
+        asyncio.run(teardown.destroy(n1, sid))
     with pytest.raises(SandboxStateError, match="runs on node 'n2'"):
-        asyncio.run(n1.metrics(sid))
+        asyncio.run(meters.metrics(n1, sid))
     assert n1.info(sid)[0].state is State.READY
-    assert asyncio.run(n1.reap()) == [] and n1.holding() == []  # its reaper does not see n2's rows
+    assert asyncio.run(duties.reap(n1)) == [] and n1.holding() == []  # its reaper does not see n2's rows
     # n2 dies: the sandbox is lost, for every operation but kill, from any node
     assert n1.registry.mark_node_down("n2", "raylet gone") == [sid]
     for engine in (n1, n2):
         with pytest.raises(SandboxLost, match="lost with node 'n2' \\(node n2 down: raylet gone\\)"):
-            asyncio.run(engine.open(sid))
+            asyncio.run(duties.open(engine, sid))
         with pytest.raises(SandboxLost):
             engine.set_timeout(sid, 60.0)
-    assert asyncio.run(n1.destroy(sid, "killed")) is True  # records only: its runtime died with n2
+    assert asyncio.run(teardown.destroy(n1, sid, "killed")) is True  # records only: its runtime died with n2
     assert n1.info(sid)[0].state is State.DESTROYED
     assert [t.to_state for t in n1.registry.transitions(sid)][-2:] == ["lost", "destroyed"]
-    assert asyncio.run(n1.destroy(sid)) is False
+    assert asyncio.run(teardown.destroy(n1, sid)) is False
 
 
 def test_reconcile_ends_only_what_the_registry_no_longer_gives_this_node(tmp_path):
@@ -84,7 +85,7 @@ def test_reconcile_ends_only_what_the_registry_no_longer_gives_this_node(tmp_pat
         if extra == "here":
             (theirs / sid).mkdir(parents=True)
     (mine / "not-a-sandbox").mkdir()
-    ended = asyncio.run(n1.reconcile_node())
+    ended = asyncio.run(teardown.reconcile_node(n1))
     assert sorted(ended) == ["sb-00000000f002", "sb-00000000f004", "sb-00000000f005"]
     assert sorted(os.listdir(mine)) == ["not-a-sandbox", "sb-00000000f001", "sb-00000000f003", "sb-00000000f006"]
     for sid, (_, state, _) in rows.items():
@@ -99,7 +100,7 @@ def test_a_paused_sandbox_of_another_node_is_forgotten_here_and_its_leftovers_go
     n2.registry.set_state(sid, State.READY, "up")
     n2.registry.set_state(sid, State.PAUSED, "paused", owner="")
     (left / "run").mkdir(parents=True)  # what a pause cut short left on n2
-    assert asyncio.run(n1.destroy(sid, "retention")) is True  # n1's duties delete it (n2 is down, say)
+    assert asyncio.run(teardown.destroy(n1, sid, "retention")) is True  # n1's duties delete it (n2 is down, say)
     assert n1.info(sid)[0].state is State.DESTROYED
     assert left.exists()  # n1 never touches n2's runtime
-    assert asyncio.run(n2.reconcile_node()) == [sid] and not left.exists()
+    assert asyncio.run(teardown.reconcile_node(n2)) == [sid] and not left.exists()

@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import cli, set_config, wait_for
 from warmbox import Limits, Sandbox, SandboxStartError, State
+from warmbox.engine import guard, teardown
 from warmbox.engine.engine import Engine
 from warmbox.errors import SandboxStateError
 from warmbox.lifecycle import Operation
@@ -382,11 +383,10 @@ def test_killed_daemon_leaves_nothing_after_the_next_warmbox_call(tmp_path, runc
             120,
             "one pooled and one warming sandbox",
         )
-        from warmbox.engine import daemon
 
-        pid = daemon.pid_of(h)
+        pid = guard.pid_of(h)
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: daemon.pid_of(h) is None, 10, "the daemon to die")
+        wait_for(lambda: guard.pid_of(h) is None, 10, "the daemon to die")
         creating = [i.sandbox_id for i in engine.list(include_pooled=True) if i.state is State.CREATING]
         assert creating, "the kill should have interrupted a refill"
         r = cli("down", env=env)
@@ -401,15 +401,13 @@ def test_killed_daemon_leaves_nothing_after_the_next_warmbox_call(tmp_path, runc
         reasons = {t.reason for i in engine.list(include_dead=True) for t in engine.registry.transitions(i.sandbox_id)}
         assert "creator process died" in reasons
     finally:
-        from warmbox.engine import daemon
-
-        pid = daemon.pid_of(h)
+        pid = guard.pid_of(h)
         if pid:
             os.kill(pid, signal.SIGKILL)
         import asyncio
 
         for i in engine.list(include_pooled=True):
-            asyncio.run(engine.destroy(i.sandbox_id, "test cleanup"))
+            asyncio.run(teardown.destroy(engine, i.sandbox_id, "test cleanup"))
         import shutil
 
         shutil.rmtree(engine.runtime, ignore_errors=True)

@@ -14,8 +14,8 @@ import pytest
 
 from tests.conftest import cli
 from warmbox import ArtifactCorrupt, Sandbox, SnapshotUnsupported, State, StorageFull
+from warmbox.engine import duties, snapstore
 from warmbox.engine import snapshot as snaps
-from warmbox.engine import snapstore
 from warmbox.engine.engine import Engine
 from warmbox.storage import snapshots as artifacts
 
@@ -175,7 +175,7 @@ def test_a_pause_killed_midway_leaves_the_sandbox_running_or_fully_snapshotted(h
             # killed while releasing, perhaps: the pauser is dead, so a reap finishes the release
             import asyncio
 
-            asyncio.run(engine.reap())
+            asyncio.run(duties.reap(engine))
             assert not Path(engine.info(sb.sandbox_id)[1].state_dir).exists()
             with Sandbox.resume(sb.sandbox_id, timeout=60) as back:
                 assert back.files.read("/workspace/small") == "ok\n"

@@ -19,7 +19,7 @@ from tests.conftest import cli, wait_for
 from warmbox import AsyncSandbox, Sandbox, Volume
 from warmbox import operations as ops
 from warmbox.backends import workspace_disk
-from warmbox.engine import volumes
+from warmbox.engine import duties, volumes
 from warmbox.engine.engine import Engine
 from warmbox.engine.front import EngineFront
 from warmbox.errors import (
@@ -319,7 +319,7 @@ def test_a_creator_killed_with_a_volume_mounted_leaves_no_mount_once_reaped(home
 
         def reaped() -> bool:
             try:
-                asyncio.run(engine.reap())
+                asyncio.run(duties.reap(engine))
             except Exception:
                 pass  # the daemon may be reaping it at the same time
             return engine.info(sid)[0].state is State.DESTROYED

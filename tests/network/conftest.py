@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from warmbox.engine import teardown
+
 HERE = Path(__file__).resolve().parent
 ALLOWED, ATTACKER, METADATA = "198.51.100.10", "203.0.113.66", "169.254.169.254"
 ZONE = {
@@ -231,7 +233,7 @@ approval_timeout = {approval_timeout}
     finally:
         engine = Engine.for_home(path)
         for info in engine.list():
-            asyncio.run(engine.destroy(info.sandbox_id, "test teardown"))
+            asyncio.run(teardown.destroy(engine, info.sandbox_id, "test teardown"))
         asyncio.run(down_home(path))
         egress_ns = netns.egress_name(engine.runtime)
         proxy_left = egress.proxy_pid(path)

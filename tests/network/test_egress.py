@@ -10,6 +10,7 @@ import time
 import pytest
 
 from warmbox import InvalidArgument, Network, Sandbox, Secret, Unsupported
+from warmbox.engine import egress
 from warmbox.engine.engine import Engine
 from warmbox.network import netns
 
@@ -387,7 +388,7 @@ def test_everything_is_removed_with_the_sandbox(net_home, world, tier):
         text=True,
     ).stdout
     assert row[0] not in out
-    assert engine.network_log(sid), "the audit log outlives the sandbox"
+    assert egress.log(engine, sid), "the audit log outlives the sandbox"
 
 
 def test_cli_run_with_allowlist_and_net_log(net_home, world):

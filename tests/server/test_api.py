@@ -28,6 +28,7 @@ import pytest
 from tests.conftest import ServerProc, set_config, start_server
 from warmbox import api, wire
 from warmbox import operations as ops
+from warmbox.engine import teardown
 from warmbox.errors import ConnectionLost, Unauthenticated
 from warmbox.sdk.sandbox import AsyncSandbox
 
@@ -506,7 +507,7 @@ def test_server_killed_mid_command_client_gets_connection_lost_sandbox_survives(
         assert asyncio.run(reconnect()) == "back\n"
     finally:
         if second is None and sid:  # the sandbox was not killed through a server
-            asyncio.run(Engine.for_home(home).destroy(sid, "test clean-up"))
+            asyncio.run(teardown.destroy(Engine.for_home(home), sid, "test clean-up"))
         for s in (first, second):
             if s is not None:
                 s.stop()

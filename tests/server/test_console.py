@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.testclient import TestClient
 
 from warmbox.config import ServerSettings
+from warmbox.engine import meters
 from warmbox.engine.engine import Engine
 from warmbox.models import CommandRecord, Limits, NetEvent, State, Tenant
 from warmbox.server.app import PEER_UID, build_app
@@ -489,7 +490,7 @@ def test_a_sandboxs_page_agrees_with_itself_and_shows_money(engine):
         shown = int(re.search(r'data-field="commands">(\d+)<', page).group(1))
         listed = len(re.findall(r"<tr data-seq=", page.split('id="commands"')[1].split("</table>")[0]))
         assert shown == listed == 3
-        m = engine.metered(sid)
+        m = meters.metered(engine, sid)
         assert m.cpu_s == pytest.approx(3600)
         money = float(re.search(r'<dd data-field="money" data-value="([0-9.]+)"', page).group(1))
         assert money == pytest.approx(0.5 + m.memory_gib_s / 3600 * 0.25, rel=1e-4) and money > 0.5

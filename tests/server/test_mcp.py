@@ -17,6 +17,7 @@ from mcp.types import CallToolResult, ImageContent, TextContent
 
 from warmbox import Network
 from warmbox import operations as ops
+from warmbox.engine import teardown
 from warmbox.errors import SandboxNotFound
 from warmbox.models import CommandResult, Execution, Result, SandboxInfo, StageTiming, State
 from warmbox.server.mcp import build_mcp, error_code
@@ -377,7 +378,7 @@ def test_warmbox_mcp_over_stdio_drives_a_real_sandbox(home, runc_ready):
         live = {i.sandbox_id for i in engine.list()}
         for sid in ids:
             if sid in live:  # the test failed with it alive
-                asyncio.run(engine.destroy(sid, "test cleanup"))
+                asyncio.run(teardown.destroy(engine, sid, "test cleanup"))
 
 
 class _Chatty:

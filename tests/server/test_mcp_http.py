@@ -18,6 +18,8 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult, TextContent
 
+from warmbox.engine import teardown
+
 pytestmark = pytest.mark.sandbox
 
 
@@ -88,7 +90,7 @@ def test_mcp_over_http_is_per_tenant(home: Path, runc_ready: None) -> None:
         stop_server(proc)
         eng = Engine.for_home(home)
         for sid in ids:
-            asyncio.run(eng.destroy(sid, "test cleanup"))
+            asyncio.run(teardown.destroy(eng, sid, "test cleanup"))
     assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
     # the port is free again: no process the server started (the engine's daemon) kept its socket
     host, port = base.removeprefix("http://").rsplit(":", 1)

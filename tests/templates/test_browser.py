@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, cli
+from warmbox.engine import resolve
 from warmbox.templates.builtins import CHROMIUM
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.browser]
@@ -144,4 +145,4 @@ def test_a_pool_claim_compares_the_image_a_launch_runs(browser_template: str, ho
 
     engine = Engine.for_home(home)
     for t in ("base", browser_template):
-        assert engine.image_id_for(t) == engine.image_for(t).image_id
+        assert resolve.image_id_for(engine, t) == resolve.image_for(engine, t).image_id

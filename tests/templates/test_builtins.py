@@ -7,6 +7,7 @@ import re
 import pytest
 
 from warmbox import config
+from warmbox.engine import resolve
 from warmbox.errors import InvalidArgument, TemplateNotFound
 from warmbox.templates import check_name, check_template
 from warmbox.templates.builtins import (
@@ -61,9 +62,9 @@ def test_an_unbuilt_browser_names_the_command_that_builds_it(tmp_path):
     engine = Engine.for_home(home)
     try:
         with pytest.raises(TemplateNotFound, match="warmbox template build browser") as e:
-            engine.image_for("browser")
+            resolve.image_for(engine, "browser")
         assert e.value.template == "browser"
         with pytest.raises(InvalidArgument, match="nope"):  # an unknown name stays what it was
-            engine.image_for("nope")
+            resolve.image_for(engine, "nope")
     finally:
         Engine._instances.pop(home, None)

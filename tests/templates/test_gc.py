@@ -18,7 +18,7 @@ import pytest
 
 from warmbox import operations as ops
 from warmbox.backends import microvm_image
-from warmbox.engine import images
+from warmbox.engine import images, resolve, teardown
 from warmbox.engine.engine import Engine
 from warmbox.engine.front import EngineFront
 from warmbox.errors import TemplateInUse, TemplateNotFound
@@ -66,7 +66,7 @@ def gc_home(runc_ready: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         asyncio.run(down_home(path))
         live = engine.list()
         for info in live:
-            asyncio.run(engine.destroy(info.sandbox_id, "test teardown"))
+            asyncio.run(teardown.destroy(engine, info.sandbox_id, "test teardown"))
         shutil.rmtree(engine.runtime, ignore_errors=True)
         shutil.rmtree(path, ignore_errors=True)
         assert not live, f"left live sandboxes: {[i.sandbox_id for i in live]}"
@@ -125,7 +125,7 @@ def test_gc_after_rm_keeps_others_and_snapshot_images(gc_home: Path, oci_archive
         print(f"template gc freed {rep.bytes_freed} bytes: {len(rep.layers)} layer(s), {len(rep.roots)} root(s)")
         # the snapshot's recorded image still resolves (its layers are all there)
         info = engine.registry.template_get(names["snap"], None, "")
-        assert engine.recorded_image(names["snap"], info.version, info.image_id).layers
+        assert resolve.recorded_image(engine, names["snap"], info.version, info.image_id).layers
         # an older guest agent's root of a kept image goes too
         stale = roots["other"].with_name(roots["other"].name.rsplit("-", 1)[0] + "-" + "0" * 16 + ".ext4")
         stale.write_bytes(b"x")

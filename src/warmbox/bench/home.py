@@ -74,7 +74,7 @@ def write_config(
 
 
 async def _remove_home(home: Path) -> None:
-    from warmbox.engine import daemon
+    from warmbox.engine import guard, teardown
     from warmbox.engine.daemon import down_home
     from warmbox.engine.engine import Engine
 
@@ -83,11 +83,11 @@ async def _remove_home(home: Path) -> None:
         try:
             await down_home(home)
         except WarmboxError:  # a daemon too slow to stop: end it, and destroy its sandboxes here
-            pid = daemon.pid_of(home)
+            pid = guard.pid_of(home)
             if pid is not None:
                 os.kill(pid, 9)
         for info in engine.list(include_pooled=True) + [i for i in engine.holding() if i.state.value == "failed"]:
-            await engine.destroy(info.sandbox_id, "benchmark finished")
+            await teardown.destroy(engine, info.sandbox_id, "benchmark finished")
     finally:
         os.environ.update(_SAVED_ENV)
     # only now, with no sandbox left, may their directories go

@@ -188,7 +188,7 @@ async def _first_command(sb) -> None:
 
 async def _warmbox_cold(engine, limits: Limits) -> tuple[float, dict[str, float]]:
     """A cold boot through the engine (what a template costs), to the first command."""
-    from warmbox.engine import provision
+    from warmbox.engine import provision, teardown
 
     settings = engine.settings()
     tmpl = settings.template("shell")  # no warm-up: the boot itself, as raw QEMU does it
@@ -201,15 +201,16 @@ async def _warmbox_cold(engine, limits: Limits) -> tuple[float, dict[str, float]
         ms = (time.perf_counter() - t0) * 1e3
     finally:
         await got.session.close()
-        await engine.destroy(got.sandbox_id, "bench")
+        await teardown.destroy(engine, got.sandbox_id, "bench")
     return ms, {t.stage: t.duration_ms for t in got.timings}
 
 
 def _builtin_root(engine: Any) -> Path:
     """The built-in image's microVM root disk (what ``base``, ``pydata`` and ``shell`` run)."""
     from warmbox.backends import microvm_image
+    from warmbox.engine import resolve
 
-    return microvm_image.image_root(microvm_image.cache_dir(), engine.image_for("base"))
+    return microvm_image.image_root(microvm_image.cache_dir(), resolve.image_for(engine, "base"))
 
 
 def _microvm(engine: Any) -> vm.MicroVMBackend:
@@ -224,10 +225,10 @@ def _template_files(engine, limits: Limits, work: Path, template: str = "base") 
     import tarfile
 
     from warmbox import config
-    from warmbox.engine import snapstore
+    from warmbox.engine import resolve, snapstore
     from warmbox.storage import snapshots as snaps
 
-    image = engine.image_for(template)
+    image = resolve.image_for(engine, template)
     shape = config.shape_key("microvm", engine.settings().template(template), limits, image.image_id)
     sid = engine.registry.meta_text(snapstore.template_key(engine, "microvm", shape, image))
     m = snaps.load_manifest(snapstore.store_for(engine), sid, snapstore.workdir(engine))

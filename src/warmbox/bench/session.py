@@ -252,13 +252,14 @@ class _Player:
 
     async def _meter(self) -> tuple[float, float]:
         """(GiB-s, CPU-s) the metering recorded for every sandbox of this run so far."""
+        from warmbox.engine import meters
         from warmbox.models import State
 
         gib = cpu = 0.0
         for sid in self.run.sandboxes:
             running = self.engine.info(sid)[0].state in (State.READY, State.RUNNING)
             # a paused or ended one is not read (nothing runs): its meters as last recorded
-            m = await self.engine.metrics(sid) if running else self.engine.metered(sid)
+            m = await meters.metrics(self.engine, sid) if running else meters.metered(self.engine, sid)
             gib, cpu = gib + m.memory_gib_s, cpu + m.cpu_s
         return gib, cpu
 

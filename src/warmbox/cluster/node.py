@@ -1,7 +1,7 @@
 """``warmbox node join HEAD``: one engine per host, as its own process, serving its API to the router.
 
 What the node process does, in order:
-1. reconciles (``Engine.reconcile_node``): destroys local sandboxes the registry no longer gives
+1. reconciles (``teardown.reconcile_node``): destroys local sandboxes the registry no longer gives
    this node as live (a previous life was marked down meanwhile);
 2. starts its raylet as a fate-shared child (membership.start_raylet), advertising its capacity as
    Ray custom resources (slots, memory, the tiers its ``doctor`` says run, ``wbnode-<name>``);
@@ -173,7 +173,7 @@ def _say(msg: str) -> None:
 
 
 async def _main(home: Path, opts: NodeOptions) -> int:
-    from warmbox.engine import daemon
+    from warmbox.engine import daemon, teardown
     from warmbox.engine.engine import Engine
     from warmbox.engine.pool import PoolManager
     from warmbox.server import peer
@@ -196,7 +196,7 @@ async def _main(home: Path, opts: NodeOptions) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    destroyed = await engine.reconcile_node()
+    destroyed = await teardown.reconcile_node(engine)
     if destroyed:
         _say(f"reconciled: destroyed {len(destroyed)} local sandboxes the registry no longer gives this node")
     tiers = tuple(t.tier for t in engine.doctor() if t.available)
@@ -242,7 +242,7 @@ async def _main(home: Path, opts: NodeOptions) -> int:
                 lost = registry.mark_node_down(name, "left" if code == 0 else "its raylet is gone", epoch=epoch)
                 if lost:
                     _say(f"left with {len(lost)} live sandboxes, now lost: {', '.join(lost[:10])}")
-            await engine.reconcile_node()  # the local runtime of what is no longer this node's goes
+            await teardown.reconcile_node(engine)  # the local runtime of what is no longer this node's goes
     finally:
         if served is not None:
             await served.close()
@@ -262,6 +262,8 @@ async def _heartbeat(engine: Engine, epoch: int, raylet: RayProcess, stop: async
     would otherwise age the heartbeat past the monitor's limit, and a node marked down loses every
     tenant's live sandboxes. A slow loop is a slow node; a dead one stops beating (its process,
     its raylet, or its way to the registry)."""
+    from warmbox.engine import teardown
+
     loop = asyncio.get_running_loop()
     verdict: asyncio.Future[int] = loop.create_future()
     halt = threading.Event()
@@ -300,7 +302,7 @@ async def _heartbeat(engine: Engine, epoch: int, raylet: RayProcess, stop: async
         _say("its raylet is gone: leaving")
     elif code == EXIT_FENCED:
         _say(f"fenced by the registry (epoch {epoch} is no longer this node's): leaving")
-        await engine.reconcile_node()  # what it ran is no longer its own: ended here at once
+        await teardown.reconcile_node(engine)  # what it ran is no longer its own: ended here at once
     return code
 
 

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from warmbox.backends import workspace_disk
 from warmbox.config import Template as WarmupTemplate
-from warmbox.engine import provision
+from warmbox.engine import egress, provision, resolve, teardown
 from warmbox.errors import (
     ImageRegistryUnreachable,
     StorageError,
@@ -566,7 +566,7 @@ class Build:
         try:
             if isinstance(src, ts.BuiltSource):
                 try:
-                    ref = self.engine.image_for(src.name, self.tenant)
+                    ref = resolve.image_for(self.engine, src.name, self.tenant)
                 except TemplateNotFound as e:
                     raise TemplateNotFound(
                         f"{e} (a FROM name without a tag or '/' is a template built here; "
@@ -669,8 +669,8 @@ class Build:
             if net.mode != "none":
                 from warmbox.network.policy import Network
 
-                await self.engine.set_network(
-                    sid, "internet" if net.mode == "internet" else Network(allow=net.allow), got.session
+                await egress.update(
+                    self.engine, sid, "internet" if net.mode == "internet" else Network(allow=net.allow), got.session
                 )
             r = await got.session.exec(
                 argv,
@@ -684,7 +684,7 @@ class Build:
         finally:
             await got.session.close()
             with contextlib.suppress(WarmboxError):
-                await self.engine.destroy(sid, "template build step done")
+                await teardown.destroy(self.engine, sid, "template build step done")
         if r.exit_code != 0 or r.timed_out or r.oom_killed:
             why = (
                 f"timed out after {STEP_TIMEOUT_S:g} s"

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from warmbox.backends import hostfs, volume_disk
 from warmbox.backends.base import SnapshotCapable
-from warmbox.engine import egress, snapstore
+from warmbox.engine import egress, meters, snapstore, teardown
 from warmbox.engine import volumes as volumes_mod
 from warmbox.engine.session import AGENT_TIMEOUT_S, GuestSession
 from warmbox.errors import (
@@ -387,7 +387,7 @@ async def _release_paused(engine: Engine, sandbox_id: str, m: snaps.SnapshotMani
     """The snapshot is complete: record the pause first, then release. A process killed in
     between leaves a paused sandbox whose leftovers the daemon releases (its pauser is dead)."""
     info, handle = engine.info(sandbox_id)
-    await engine._read_meters(info, handle, None)
+    await meters.read(engine, info, handle, None)
     reason = f"paused to {m.snapshot_id}" + (f" ({why})" if why else "")
     releasing.add(sandbox_id)
     try:
@@ -452,7 +452,7 @@ async def _memory_snapshot(
             if isinstance(e, WarmboxError) and not await backend.alive(handle):
                 # the failed checkpoint took the runtime with it: say so, and release the rest
                 try:
-                    await engine.destroy(sid, f"lost in a failed memory checkpoint: {e}")
+                    await teardown.destroy(engine, sid, f"lost in a failed memory checkpoint: {e}")
                 except WarmboxError:
                     pass
                 raise SandboxError(

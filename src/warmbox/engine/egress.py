@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 from warmbox.config import NetworkSettings
 from warmbox.engine.session import GuestSession
 from warmbox.errors import BackendUnavailable, InvalidArgument, NetworkError, SecretsRequired, Unsupported
-from warmbox.models import ApprovalRequest, BackendHandle, StageTiming
+from warmbox.lifecycle import Operation
+from warmbox.models import ApprovalRequest, BackendHandle, NetEvent, StageTiming, validate_envs
 from warmbox.network import netns, supervisor
 from warmbox.network.policy import Policy, Secret
 from warmbox.storage.registry import UID_BASE, UID_RANGE
@@ -50,8 +51,6 @@ def validate_secrets(secrets: object) -> dict[str, Secret]:
         return {}
     if not isinstance(secrets, dict):
         raise InvalidArgument("secrets must be a dict of env name to warmbox.Secret")
-    from warmbox.engine.engine import validate_envs
-
     for k, v in secrets.items():
         validate_envs({k: "x"})
         if not isinstance(v, Secret):
@@ -614,6 +613,35 @@ async def approval_answered(home: Path, approval_id: str) -> None:
 def current_policy(engine: Engine, sandbox_id: str) -> Policy:
     row = engine.registry.link(sandbox_id)
     return Policy.from_json(row[2]) if row is not None else Policy("none")
+
+
+async def update(engine: Engine, sandbox_id: str, network: object, session: GuestSession) -> Policy:
+    """Replace a running sandbox's egress policy; new connections and lookups obey it at once.
+
+    Legal while ready/running. A sandbox without a link gets one (and its proxy env, through
+    ``session``, the caller's open session to it) first.
+    """
+    policy = policy_of(engine.settings().network, network)
+    info, handle = engine.info(sandbox_id)
+    engine.check(Operation.EXEC, info, handle)
+    check_tier(engine, info.tier, policy)
+    if engine.registry.link(sandbox_id) is not None:
+        engine.registry.set_policy(sandbox_id, policy.to_json())
+    elif policy.enabled:
+        await attach(engine, handle, session, policy, {})
+    return policy
+
+
+def policy(engine: Engine, sandbox_id: str) -> Policy:
+    """The sandbox's egress policy now (SandboxNotFound for an unknown id)."""
+    engine.info(sandbox_id)
+    return current_policy(engine, sandbox_id)
+
+
+def log(engine: Engine, sandbox_id: str) -> list[NetEvent]:
+    """Every egress attempt of the sandbox (kept after it is destroyed), oldest first."""
+    engine.info(sandbox_id)
+    return engine.registry.net_events(sandbox_id)
 
 
 async def approvals(

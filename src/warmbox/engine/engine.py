@@ -1,12 +1,14 @@
-"""The engine: creates, tracks and destroys sandboxes on any backend, recording every stage.
+"""The engine: the host context every part of the lifecycle works in (home, settings, backends,
+registry, command log, this node), and the lookups and checks they share.
 
 One Engine per WARMBOX_HOME per process; all durable state is in the registry so sandboxes
-outlive the process that created them, and any process may reap expired ones.
+outlive the process that created them, and any process may reap expired ones. What happens to a
+sandbox lives beside it: resolve (templates, images), meters, teardown, duties (timeouts, idle
+pauses, the reaper), egress, provision and snapshot.
 """
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import logging
 import os
@@ -21,51 +23,37 @@ from warmbox.backends.base import (
     Configurable,
     Diagnosable,
     HostUids,
-    Inventory,
     SharedHost,
 )
-from warmbox.config import PoolConfig, Settings, Template
-from warmbox.engine import egress, provision, snapstore
+from warmbox.config import Settings
+from warmbox.engine import guard
 from warmbox.engine.commandlog import CommandLog
 from warmbox.engine.idempotency import Keys
-from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession, session_oom
 from warmbox.errors import (
     BackendUnavailable,
     ConfigError,
-    GuestConnectionError,
     SandboxNotFound,
     SandboxPaused,
     SandboxStateError,
-    SnapshotUnsupported,
     WarmboxError,
 )
-from warmbox.lifecycle import EXPIRED, LIVE, RESUMING, RETENTION_EXPIRED, Operation, check, gone
+from warmbox.lifecycle import Operation, check
 from warmbox.models import (
     BackendHandle,
-    ImageRef,
     Limits,
-    NetEvent,
     ResourceUsage,
     SandboxInfo,
-    SandboxMetrics,
     SandboxQuery,
     State,
-    Tenant,
     TierStatus,
+    validate_timeout,
 )
-
-# moved to models (issue 35): still importable from here until their callers follow
-from warmbox.models import validate_envs as validate_envs
-from warmbox.models import validate_timeout as validate_timeout
-from warmbox.network.policy import Policy
-from warmbox.paths import default_home, host_roots, owner_alive, owner_tag, redact, runtime_dir
+from warmbox.paths import default_home, host_roots, owner_tag, redact, runtime_dir
 from warmbox.storage import uidslots
 from warmbox.storage.registry import Registry, open_registry
 
 log = logging.getLogger("warmbox.config")
-
-_SANDBOX_ID = re.compile(r"sb-[0-9a-f]{12}")
 
 
 class LedgerSlots:
@@ -88,9 +76,6 @@ class LedgerSlots:
             return ledger.forget_gone(holder)
 
 
-CREATE_DEADLINE_S = provision.WARMUP_TIMEOUT_S + 300.0
-
-
 def _cluster(home: Path) -> config.ClusterSettings:
     """This home's ``[cluster]`` (none: one host, also when the config cannot be read: the
     operations that need it load the config again and report what is wrong)."""
@@ -98,9 +83,6 @@ def _cluster(home: Path) -> config.ClusterSettings:
         return config.load(home).cluster
     except WarmboxError:
         return config.ClusterSettings()
-
-
-TEMPLATE_VMS_KEY = "template-vms"  # see Engine.mark_template_vm
 
 
 class Engine:
@@ -244,130 +226,6 @@ class Engine:
         self.settings().limits.check(limits)
         config.check_disk_free(limits, self.runtime)
 
-    # ---- templates and images
-
-    def template(self, name: str, tenant: Tenant | None = None) -> Template:
-        """The template ``name`` as a warm-up: one of warmbox.toml's (built-in ones included) or a
-        built template's (its recorded warm-up). InvalidArgument naming the known ones if neither."""
-        settings = self.settings()
-        if name in settings.templates:
-            return settings.template(name)
-        info = self._built_template(name, None, tenant)
-        if info is None:
-            from warmbox.errors import TemplateNotFound
-            from warmbox.templates.builtins import builtin
-
-            b = builtin(name)
-            if b is not None and b.spec is not None:  # a built-in built on top of base (browser)
-                raise TemplateNotFound(
-                    f"the built-in template {name!r} is not built in this home yet: warmbox template build "
-                    f"{name} (its layers stay in the host's cache: seconds after scripts/bootstrap install)",
-                    template=name,
-                )
-            return settings.template(name)  # InvalidArgument: unknown template
-        return Template(
-            name=info.name,
-            warmup_code=info.warmup_code,
-            warmup_commands=info.warmup_commands,
-            description=info.description,
-        )
-
-    def _built_template(self, name: str, version: int | None, tenant: Tenant | None):
-        """The registry's record of a built template (latest, or ``version``), the tenant's own
-        first, then the host's; None if there is none."""
-        from warmbox.errors import TemplateNotFound
-
-        for owner in dict.fromkeys([tenant.name if tenant is not None else "", ""]):
-            try:
-                return self.registry.template_get(name, version, tenant=owner)
-            except TemplateNotFound:
-                continue
-        return None
-
-    def image_for(self, template: str, tenant: Tenant | None = None, *, build: bool = True) -> ImageRef:
-        """The image a new sandbox of ``template`` runs: a built template's latest version, else (a
-        built-in template, or a warm-up-only one of warmbox.toml) the built-in image, built first
-        if this host has none yet (minutes, once: scripts/bootstrap install does it ahead; ``build``
-        False: TemplateNotFound instead)."""
-        from warmbox.engine import images
-        from warmbox.errors import TemplateNotFound
-        from warmbox.templates.builtins import builtin
-
-        info = self._built_template(template, None, tenant)
-        if info is not None:
-            return images.image_ref(info, self.settings().cluster.object_store)
-        spec = builtin(template)
-        if (spec is not None and spec.spec is not None) or (
-            template in self.settings().templates and self.settings().template(template).build is not None
-        ):  # a template with a build of its own runs only once built, never the built-in image instead
-            raise TemplateNotFound(
-                f"template {template!r} is not built yet: warmbox template build {template}", template=template
-            )
-        self.template(template, tenant)  # InvalidArgument for an unknown name
-        return images.builtin_image(template, build=build)
-
-    def image_id_for(self, template: str, tenant: Tenant | None = None) -> str | None:
-        """The id of the image a new sandbox of ``template`` runs (what image_for's ImageRef would
-        carry), from its record alone: no layer is looked up. None while the built-in image is not
-        built (image_for builds it)."""
-        from warmbox.engine import images
-
-        info = self._built_template(template, None, tenant)
-        if info is not None:
-            return info.image_id
-        return images.builtin_image_id()
-
-    def recorded_image(self, template: str, version: int, image_id: str, tenant: Tenant | None = None) -> ImageRef:
-        """The image a snapshot recorded (restore, resume, fork): that very image, never the
-        template's latest. TemplateMismatch when it is gone (its template version removed, or its
-        layers collected); CorruptLayer when a layer fails its digest. A snapshot from before
-        images were recorded (``image_id`` "") gets the template's current image."""
-        from warmbox import images as builtin
-        from warmbox.engine import images
-        from warmbox.errors import TemplateMismatch
-
-        if not image_id:
-            return self.image_for(template, tenant)
-        if version == builtin.BUILTIN_VERSION:
-            current = images.builtin_image(template)
-            return current if current.image_id == image_id else images.builtin_by_id(template, image_id)
-        info = self._built_template(template, version, tenant)
-        if info is None or info.image_id != image_id:
-            raise TemplateMismatch(
-                f"this snapshot ran template {template!r} version {version} (image {image_id}), which "
-                + ("no longer exists" if info is None else f"now names another image ({info.image_id})"),
-                template=template,
-            )
-        return images.image_ref(info, self.settings().cluster.object_store)
-
-    def layers_in_use(self) -> set[str]:
-        """Layer digests a layer gc must keep for this home: every template version's (of any
-        tenant) and every built-in image build's recorded on this host (snapshots of an older
-        built-in image restore on it). Other homes share the store: a host-wide gc unions theirs."""
-        from warmbox.engine import images
-
-        return self.registry.template_layers() | {d for r in images.builtin_records() for d in r.layers}
-
-    def pool_shape(self, pc: PoolConfig, *, build: bool = True) -> str:
-        """The shape key of pool ``pc``'s sandboxes: tier, template, limits and the image its
-        template has now (a rebuilt template: a new shape, the old sandboxes retire)."""
-        tier = backends.canonical_tier(pc.tier)
-        # a tier without images (Capabilities.images): its shape names none, as create_pooled makes it
-        image_id = self.image_for(pc.template, build=build).image_id if self.backend(tier).capabilities().images else ""
-        return config.shape_key(tier, self.template(pc.template), pc.limits, image_id)
-
-    def template_users(self, name: str, version: int | None = None, tenant: Tenant | None = None) -> builtins.list[str]:
-        """What uses template ``name`` (``version``, or any): ids of its sandboxes that are not
-        destroyed (paused ones too), names of pools keeping its sandboxes or configured with it
-        (when ``version`` is its latest or None), and ids of snapshots taken of its sandboxes.
-        A template with users cannot be removed (TemplateInUse)."""
-        owner = tenant.name if tenant is not None else ""
-        sandboxes, pools, snaps = self.registry.template_users(name, version, owner)
-        latest = self._built_template(name, None, tenant)
-        if not owner and (version is None or (latest is not None and latest.version == version)):
-            pools = sorted({*pools, *(p.name for p in self.settings().pools.values() if p.template == name)})
-        return [*sandboxes, *pools, *snaps]
-
     # ---- guest
 
     async def connect(self, handle: BackendHandle) -> GuestSession:
@@ -407,73 +265,6 @@ class Engine:
             sandbox_id,
         )
 
-    async def expire(self, info: SandboxInfo) -> None:
-        """A usable sandbox whose timeout ran out: paused (``Lifecycle(on_timeout="pause")``, if the
-        pause works) or destroyed. Always raises: SandboxPaused, or SandboxNotFound saying it expired."""
-        if info.lifecycle.on_timeout == "pause":
-            try:
-                await self.auto_pause(info.sandbox_id, "its timeout ran out")
-            except WarmboxError:
-                pass  # the timeout is a hard limit: destroyed below
-            else:
-                raise self.paused_error(info.sandbox_id)
-        try:
-            await self.destroy(info.sandbox_id, EXPIRED)
-        except SandboxNotFound:
-            pass
-        raise gone(info.sandbox_id, EXPIRED)
-
-    async def auto_pause(self, sandbox_id: str, why: str) -> None:
-        """Pause a sandbox no caller asked to pause (idle, or its timeout ran out): with its memory
-        where the tier can, else (or if that is refused, e.g. sockets in /workspace) its files."""
-        from warmbox.engine import checkpoint, snapstore
-
-        info, _ = self.info(sandbox_id)
-        parent = self.registry.parent(sandbox_id)
-        m = None
-        if self.backend(info.tier).capabilities().memory_snapshot:
-            try:
-                m = await checkpoint.pause(self, sandbox_id, None, memory=True, parent=parent, why=why)
-            except SnapshotUnsupported:
-                pass
-        if m is None:
-            m = await checkpoint.pause(self, sandbox_id, None, memory=False, parent=parent, why=why)
-        # the sandbox resumes from this one: the earlier automatic ones are nobody's (their blobs
-        # go at the next gc); snapshots the caller took or paused to are never touched
-        self.registry.mark_auto(m.snapshot_id)
-        for old in self.registry.auto_snapshots_of(sandbox_id):
-            if old != m.snapshot_id:
-                try:
-                    snapstore.delete(self, old)
-                except WarmboxError:
-                    pass
-
-    async def open(self, sandbox_id: str) -> Launched:
-        """Connect to a live sandbox by id (from any process)."""
-        info, handle = self.info(sandbox_id)
-        if info.state is State.PAUSED:
-            raise self.paused_error(sandbox_id)
-        self.check(Operation.EXEC, info, handle)
-        if info.expires_at <= time.time():
-            await self.expire(info)
-        self.ensure_daemon()  # a live sandbox has a reaper (one flock probe when it runs)
-        try:
-            session = await provision.connect(self.backend(info.tier), handle)
-        except GuestConnectionError:
-            # being paused by another process (the daemon's idle pause), or paused just now: its
-            # runtime is gone because its state is in a snapshot, not because it died
-            await snapstore.wait_pause(self, sandbox_id)
-            if self.info(sandbox_id)[0].state is State.PAUSED:
-                raise self.paused_error(sandbox_id) from None
-            if isinstance(self.backend(info.tier), SharedHost):
-                await self.lost_hosts()  # its host process ended: lost (here, or by the reaper meanwhile)
-                self.check(Operation.EXEC, self.info(sandbox_id)[0])  # SandboxLost if so
-            if not await self.backend(info.tier).alive(handle):
-                await self.destroy(sandbox_id, "found dead")
-                raise SandboxNotFound(f"sandbox {sandbox_id} is no longer running", sandbox_id) from None
-            raise
-        return Launched(info, handle, session, self.registry.timings(sandbox_id))
-
     def holding(self) -> builtins.list[SandboxInfo]:
         """Live (also pooled) sandboxes plus failed ones whose teardown is still owed."""
         return [info for info, _ in self.registry.holding()]
@@ -508,513 +299,9 @@ class Engine:
         self.ensure_daemon()  # someone must enforce the new deadline
         return expires
 
-    # ---- network
-
-    async def set_network(self, sandbox_id: str, network: object, session: GuestSession | None = None) -> Policy:
-        """Replace a running sandbox's egress policy; new connections and lookups obey it at once.
-
-        Legal while ready/running. A sandbox without a link gets one (and its proxy env) first.
-        """
-        policy = egress.policy_of(self.settings().network, network)
-        info, handle = self.info(sandbox_id)
-        self.check(Operation.EXEC, info, handle)
-        egress.check_tier(self, info.tier, policy)
-        if self.registry.link(sandbox_id) is not None:
-            self.registry.set_policy(sandbox_id, policy.to_json())
-        elif policy.enabled:
-            own = session is None
-            if session is None:
-                session = (await self.open(sandbox_id)).session
-            try:
-                await egress.attach(self, handle, session, policy, {})
-            finally:
-                if own:
-                    await session.close()
-        return policy
-
-    def network_policy(self, sandbox_id: str) -> Policy:
-        self.info(sandbox_id)
-        return egress.current_policy(self, sandbox_id)
-
-    def network_log(self, sandbox_id: str) -> builtins.list[NetEvent]:
-        """Every egress attempt of the sandbox (kept after it is destroyed), oldest first."""
-        self.info(sandbox_id)
-        return self.registry.net_events(sandbox_id)
-
-    # ---- metering
-
-    async def sample(self) -> None:
-        """One memory/cpu reading of every live sandbox, folded into its meter (the daemon's job)."""
-        readings = []
-        for info, handle in self.registry.list(include_pooled=True, local=True):
-            if info.state is State.CREATING:
-                continue
-            try:
-                u = await self.backend(info.tier).usage(handle)
-            except (WarmboxError, OSError):
-                continue
-            readings.append((info.sandbox_id, u.memory_bytes, u.cpu_ns))
-        if readings:
-            self.registry.sample(readings)
-
-    async def metrics(self, sandbox_id: str, session: GuestSession | None = None) -> SandboxMetrics:
-        """The user's cost of a sandbox so far (or final, once it ended)."""
-        info, handle = self.info(sandbox_id)
-        if info.state not in (State.DESTROYED, State.PAUSED):  # a paused one's stand still: as recorded
-            self.check(Operation.METRICS, info, handle)
-            await self._read_meters(info, handle, session)
-        return self._metrics(info)
-
-    def metered(self, sandbox_id: str) -> SandboxMetrics:
-        """The cost of a sandbox as its meters last recorded it (no reading of the sandbox)."""
-        return self._metrics(self.info(sandbox_id)[0])
-
-    async def _read_meters(self, info: SandboxInfo, handle: BackendHandle, session: GuestSession | None) -> None:
-        try:
-            u = await self.backend(info.tier).usage(handle)
-            self.registry.sample([(info.sandbox_id, u.memory_bytes, u.cpu_ns)])
-        except (WarmboxError, OSError):
-            pass
-        if info.state not in (State.READY, State.RUNNING):
-            return
-        own = session is None
-        try:
-            if session is None:
-                session = await asyncio.wait_for(GuestSession.connect(handle.socket_path, info.sandbox_id), 1)
-            r = await asyncio.wait_for(session.usage(), 2)
-            if r is not None:
-                self.registry.set_busy(info.sandbox_id, *r)
-        except (TimeoutError, WarmboxError, OSError):
-            pass  # the last known counters stand
-        finally:
-            if own and session is not None:
-                await session.close()
-
-    def recorded_metrics(self, info: SandboxInfo) -> SandboxMetrics:
-        """The user's cost of a sandbox in any state as last recorded, without reading it."""
-        return self._metrics(info)
-
-    def _metrics(self, info: SandboxInfo) -> SandboxMetrics:
-        m = self.registry.meter(info.sandbox_id)
-        start = info.claimed_at or info.created_at
-        end = self.registry.ended_at(info.sandbox_id) or time.time()
-        wall = max(0.0, end - start)
-        # the commands recorded (what commands() lists), not the agent's count: that one is the
-        # guest's word, counts a pool's warm-up, and starts again at 0 in a resumed runtime
-        commands = self.registry.command_count(info.sandbox_id)
-        if m is None:
-            dead = info.state is State.DESTROYED
-            return SandboxMetrics(info.sandbox_id, 0.0, 0.0, wall, 0.0, wall, 0, 0, commands, dead)
-        busy = min(wall, m.busy_ms / 1e3)
-        return SandboxMetrics(
-            sandbox_id=info.sandbox_id,
-            cpu_s=max(0, m.cpu_ns - m.base_cpu_ns) / 1e9,
-            memory_gib_s=max(0.0, m.gib_s - m.base_gib_s),
-            wall_s=wall,
-            busy_s=busy,
-            idle_s=wall - busy,
-            memory_bytes=m.memory_bytes,
-            memory_peak_bytes=m.peak_bytes,
-            commands=commands,
-            final=m.final,
-        )
-
-    # ---- destroy
-
-    async def destroy(self, sandbox_id: str, reason: str = "killed") -> bool:
-        """Destroy a sandbox; False if it was already gone. Leaves no process, mount, cgroup or dir."""
-        info, handle = self.info(sandbox_id)
-        if info.state is State.DESTROYED:
-            return False
-        self.check(Operation.DESTROY, info, None if info.state is State.LOST else handle)
-        self.command_log.flush()  # its records are written before it is seen to end
-        if info.state is State.LOST or handle.node != self.node:
-            # lost: its runtime died with its node; another node's paused one: what its pause
-            # left is on that node. Only its records end here; that node's reconcile removes the
-            # rest (its link record stays for it: the link's address and name are that node's).
-            # One lost here with its host process (SharedHost.tend_hosts) on this very node: what
-            # is left of it here (its state dir) goes now, if marking it lost could not remove it.
-            if info.state is State.LOST and handle.node == self.node and Path(handle.state_dir).exists():
-                backend = self.backend(info.tier)
-                if isinstance(backend, SharedHost):
-                    try:
-                        await backend.destroy(handle)
-                    except WarmboxError:
-                        pass  # best effort: its records end either way
-            self.registry.set_state(sandbox_id, State.DESTROYED, reason)
-            self.registry.finalize(sandbox_id)
-            if info.state is State.PAUSED:
-                self.registry.set_egress(sandbox_id, "")  # the kept record of a paused one
-            self._forget_auto_snapshots(info)
-            return True
-        if info.state is not State.PAUSED:
-            await self._read_meters(info, handle, None)  # last readings before the cgroup goes
-        if info.state is not State.PAUSED or Path(handle.state_dir).exists():  # paused: leftovers only
-            await self.backend(info.tier).destroy(handle)
-        await egress.release(self, sandbox_id)
-        self.registry.set_state(sandbox_id, State.DESTROYED, reason)
-        self.registry.finalize(sandbox_id)
-        self._forget_auto_snapshots(info)
-        return True
-
-    def _forget_auto_snapshots(self, info: SandboxInfo) -> None:
-        if info.lifecycle.pauses:  # what automatic pauses saved of it ends with it
-            from warmbox.engine import snapstore
-
-            for snap in self.registry.auto_snapshots_of(info.sandbox_id):
-                try:
-                    snapstore.delete(self, snap)
-                except WarmboxError:
-                    pass
-
-    async def reap(self) -> builtins.list[str]:
-        """Destroy expired sandboxes, failed teardowns and creations whose creator died; first
-        finish or undo snapshot operations whose process died (a pause after its checkpoint)."""
-        from warmbox.engine import checkpoint
-
-        await checkpoint.recover(self)
-        reaped = await self.lifecycle_duties()
-        now = time.time()
-        reaped += await self._reap_template_vms()
-        orphans = {
-            sid for sid, owner in self.registry.creating_with_owner() if owner and not owner_alive(owner, self.node)
-        }
-        for info, _ in self.registry.list(include_pooled=True, local=True):
-            if info.state in (State.CREATING, State.RETIRING) and info.sandbox_id not in orphans:
-                # its creator lives and will finish or clean up; only a start stuck far beyond
-                # any real one is taken away from it
-                expired = now - info.created_at > CREATE_DEADLINE_S
-            else:
-                expired = info.state in LIVE and info.expires_at <= now
-            if (
-                expired
-                and info.state in (State.READY, State.RUNNING)
-                and info.lifecycle.on_timeout == "pause"
-                and info.sandbox_id not in orphans
-            ):
-                try:
-                    await self.expire(info)  # paused (or, if that fails, destroyed): it always raises
-                except (SandboxPaused, SandboxNotFound):  # paused, or (its pause failed) destroyed
-                    reaped.append(info.sandbox_id)
-                except Exception:
-                    pass
-                continue
-            if info.sandbox_id in orphans and self.registry.ended_reason(info.sandbox_id) == RESUMING:
-                try:  # a resume whose process died: paused again (its snapshot is untouched), not lost
-                    await self._unresume(info.sandbox_id)
-                    reaped.append(info.sandbox_id)
-                except Exception:
-                    pass
-                continue
-            if expired or info.state is State.FAILED or info.sandbox_id in orphans:
-                why = (
-                    ("retirer process died" if info.state is State.RETIRING else "creator process died")
-                    if info.sandbox_id in orphans
-                    else "pool max_age reached"
-                    if info.state is State.POOLED
-                    else EXPIRED
-                )
-                try:
-                    if await self.destroy(info.sandbox_id, why):
-                        reaped.append(info.sandbox_id)
-                except Exception:  # one bad sandbox must not stop the reaper; retried next round
-                    continue
-        for sid, owner in self.registry.paused_with_owner():  # a pause killed while releasing
-            if owner and not owner_alive(owner, self.node):
-                info, handle = self.registry.get(sid)
-                try:
-                    if Path(handle.state_dir).exists():
-                        await self.backend(info.tier).destroy(handle)
-                        reaped.append(sid)
-                    await egress.suspend(self, sid)  # its link too (its policy kept for the resume)
-                    self.registry.released(sid, owner)
-                except Exception:
-                    continue
-        for info, _ in self.registry.holding():
-            if info.state is State.FAILED and info.sandbox_id not in reaped:
-                try:
-                    if await self.destroy(info.sandbox_id, "teardown retried"):
-                        reaped.append(info.sandbox_id)
-                except Exception:
-                    continue
-        await self.lost_hosts()
-        return reaped
-
-    async def lost_hosts(self) -> builtins.list[str]:
-        """Mark ``lost``, at once, the sandboxes whose host process ended under them (a tier with
-        shared host processes: ``SharedHost.tend_hosts``, which also ends hosts idle for a while),
-        and remove what is left of them here; returns their ids. Every reap runs it (the daemon:
-        each tick), and so does a call that finds its sandbox's connection gone."""
-        live: dict[str, builtins.list[BackendHandle]] = {}
-        for info, handle in self.registry.list(include_pooled=True, local=True):
-            if info.state in (State.READY, State.RUNNING, State.POOLED):
-                live.setdefault(info.tier, []).append(handle)
-        lost: builtins.list[str] = []
-        for tier in backends.TIERS:
-            try:
-                b = self.backend(tier)
-            except WarmboxError:
-                continue
-            if not isinstance(b, SharedHost):
-                continue
-            handles = live.get(tier, [])
-            dead = await asyncio.to_thread(b.tend_hosts, handles)
-            if not dead:
-                continue
-            changed = self.registry.mark_lost(dead, f"the {tier} tier's host process that held it ended")
-            for handle in handles:
-                if handle.sandbox_id in changed:
-                    try:
-                        await b.destroy(handle)  # its state dir; nothing of it runs any more
-                    except WarmboxError:
-                        pass
-            lost += changed
-        return lost
-
-    # ---- cluster node
-
-    async def reconcile_node(self) -> builtins.list[str]:
-        """End what this home's runtime still holds that the registry does not give this node to
-        run: a sandbox lost when the node was marked down, destroyed meanwhile, or handed to
-        another node (a paused one resumed elsewhere); also the leftovers of a pause of this
-        node's that its dead process did not release. Only local things go (processes, runtime
-        records, state directory, network); the registry rows are left as they are. Called at a
-        node's start, and when a heartbeat finds it fenced. Returns the ids ended."""
-        sandboxes = self.runtime / "sandboxes"
-        found: dict[str, str] = {}  # sandbox id -> tier, "" until the row or a runtime says
-        try:
-            names = os.listdir(sandboxes)
-        except FileNotFoundError:
-            names = []
-        for name in names:
-            if _SANDBOX_ID.fullmatch(name):
-                found.setdefault(name, "")
-        for tier in backends.TIERS:
-            try:
-                b = self.backend(tier)
-            except WarmboxError:
-                continue
-            if isinstance(b, Inventory):
-                for sid in b.held():
-                    found[sid] = tier
-        ended: builtins.list[str] = []
-        for sid, tier in sorted(found.items()):
-            state_dir = sandboxes / sid
-            uid_base = 0
-            try:
-                info, handle = self.registry.get(sid)
-            except SandboxNotFound:
-                pass  # no row: this node's runtime alone knows it, and nobody can use it
-            else:
-                if not self._reconcile_ends(info, handle, state_dir):
-                    continue
-                tier, uid_base = info.tier, handle.uid_base
-            if not tier:
-                continue  # a bare directory without a row: nothing says which tier removes it
-            local = BackendHandle(
-                sid, tier, sid, str(state_dir), str(state_dir / "run" / "agent.sock"), uid_base, self.node
-            )
-            try:
-                await self.backend(tier).destroy(local)
-                await egress.discard(self, sid)
-            except (WarmboxError, OSError):
-                continue  # tried again at the next reconcile
-            ended.append(sid)
-        return ended
-
-    def _reconcile_ends(self, info: SandboxInfo, handle: BackendHandle, state_dir: Path) -> bool:
-        """Whether the reconcile ends this home's copy of a sandbox whose row is ``info``."""
-        if handle.node == self.node:
-            if info.state in LIVE or info.state is State.FAILED:
-                return False  # this node's: its own duties (the reaper) look after it
-            if info.state is State.PAUSED:
-                return not self.registry.owner_of(info.sandbox_id)  # a pauser still releasing it: its job
-            return True  # lost or destroyed
-        if info.state in LIVE or info.state is State.FAILED or info.state is State.PAUSED:
-            # Another node's now. Cgroups and named network namespaces are named by sandbox id
-            # host-wide: when that node runs on this same host (its state directory is here, and is
-            # not ours), ending our copy would end its sandbox too; its resume removes what it must.
-            theirs = Path(handle.state_dir)
-            if theirs != state_dir and theirs.exists():
-                return False
-        return True
-
-    async def node_heartbeat(self, epoch: int) -> bool:
-        """One heartbeat of this node (``[cluster] node``), joined under ``epoch``: its live and
-        pooled counts go to the registry. False: the node is fenced (marked down, or joined again
-        under a newer epoch): what it ran is no longer its own, so it is ended here at once
-        (``reconcile_node``) and the node process must stop serving and exit."""
-        live, pooled = self.registry.local_counts()
-        if self.registry.heartbeat(self.node, epoch, live, pooled):
-            return True
-        await self.reconcile_node()
-        return False
-
-    async def _unresume(self, sandbox_id: str) -> None:
-        """Take back a resume whose process died: its runtime (if any) torn down, paused again."""
-        info, handle = self.info(sandbox_id)
-        if Path(handle.state_dir).exists():
-            await self.backend(info.tier).destroy(handle)
-        await egress.suspend(self, sandbox_id)
-        self.registry.set_state(sandbox_id, State.PAUSED, "resumer process died; still paused", expected=State.CREATING)
-        self.registry.finalize(sandbox_id)
-
-    def _retention(self) -> float:
-        try:
-            return self.settings().paused_retention_s
-        except WarmboxError:  # a broken config must not stop the duties
-            return config.PAUSED_RETENTION_S
-
-    async def _runs_processes(self, sandbox_id: str) -> bool:
-        """Whether background processes (commands.run(background=True), terminals) still run in
-        the sandbox: they count as use, so an idle pause never ends a server or a shell."""
-        try:
-            got = await self.open(sandbox_id)
-        except WarmboxError:
-            return False
-        try:
-            return bool(await got.session.processes())
-        except WarmboxError:
-            return False
-        finally:
-            await got.session.close()
-
-    async def lifecycle_duties(self) -> builtins.list[str]:
-        """Pause the sandboxes idle past their ``idle_pause_after``; delete the sandboxes paused
-        longer than ``[lifecycle] paused_retention``, with their snapshots (a timeout with
-        ``on_timeout="pause"`` is the reaper's: see ``expire``). Returns the ids acted on."""
-        from warmbox.engine import snapshot, snapstore
-
-        idle, expired = self.registry.lifecycle_due(time.time(), self._retention())
-        done = []
-        for sid in idle:
-            try:
-                if await self._runs_processes(sid):  # a background process or terminal is use
-                    self.registry.touch(sid, time.time())
-                    continue
-                await self.auto_pause(sid, "idle")
-                done.append(sid)
-            except Exception:  # tried again after another idle period
-                try:
-                    self.registry.touch(sid, time.time())
-                except WarmboxError:
-                    pass
-        for sid in expired:
-            try:
-                for snap in self.registry.snapshots_of(sid):
-                    snapstore.delete(self, snap)
-                if await self.destroy(sid, RETENTION_EXPIRED):
-                    done.append(sid)
-            except Exception:  # retried next round
-                continue
-        if expired:
-            try:
-                await snapshot.gc(self)  # their blobs, unless another snapshot shares them
-            except Exception:
-                pass
-        return done
-
-    # ---- template VMs in the making (provision.template_snapshot)
-    #
-    # A shape's template sandbox is no caller's: from the end of its start until it is paused
-    # into the template snapshot it is READY with a 1 h timeout, so neither the creating-orphan
-    # rule nor its timeout would end it soon if its creator died. Its creator marks it (meta
-    # ``template-vms``: {sandbox id: {"owner": creator's tag, "key": template key}}) and the
-    # reaper ends a marked sandbox whose creator is gone, adopting its snapshot as the shape's
-    # template if the pause got that far.
-
-    def _template_marks(self, change=None) -> dict[str, dict]:
-        import fcntl
-        import json
-
-        fd = os.open(self.home / "template-vms.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # held for one read-modify-write of one row
-            try:
-                marks = json.loads(self.registry.meta_text(TEMPLATE_VMS_KEY) or "{}")
-            except ValueError:
-                marks = {}
-            if not isinstance(marks, dict):
-                marks = {}
-            if change is not None:
-                change(marks)
-                self.registry.set_meta_text(TEMPLATE_VMS_KEY, json.dumps(marks))
-            return marks
-        finally:
-            os.close(fd)
-
-    def mark_template_vm(self, sandbox_id: str, key: str) -> None:
-        """This process makes ``sandbox_id`` into the template ``key``: if it dies first, the
-        reaper destroys the sandbox."""
-        self._template_marks(lambda m: m.__setitem__(sandbox_id, {"owner": self.owner, "key": key}))
-
-    def unmark_template_vm(self, sandbox_id: str) -> None:
-        self._template_marks(lambda m: m.pop(sandbox_id, None))
-
-    async def _reap_template_vms(self) -> builtins.list[str]:
-        if not self.registry.meta_text(TEMPLATE_VMS_KEY).strip("{} "):
-            return []  # nothing marked: no lock taken (the daemon looks every tick)
-        reaped = []
-        for sid, mark in self._template_marks().items():
-            owner = mark.get("owner") if isinstance(mark, dict) else None
-            if isinstance(owner, str) and owner and owner_alive(owner, self.node):
-                continue  # its creator is still at it
-            try:
-                info, handle = self.registry.get(sid)
-            except SandboxNotFound:
-                self.unmark_template_vm(sid)
-                continue
-            if (
-                info.state in (State.READY, State.RUNNING)
-                and self._pause_pending(sid)
-                and not await self.backend(info.tier).alive(handle)
-            ):
-                continue  # its memory is saved (nothing runs): recovery finishes the pause, then below
-            why = "template creator died"
-            if info.state is State.PAUSED:  # paused (by its creator, or by recovery) but not recorded
-                key = mark.get("key")
-                taken = self.registry.snapshots_of(sid)
-                if taken and isinstance(key, str) and key.startswith("template:"):
-                    if not self.registry.meta_text(key):
-                        self.registry.set_meta_text(key, taken[-1])
-                    if self.registry.meta_text(key) == taken[-1]:
-                        why = f"became template snapshot {taken[-1]} (recorded after its creator died)"
-            try:
-                if await self.destroy(sid, why):
-                    reaped.append(sid)
-            except Exception:  # retried next round
-                continue
-            self.unmark_template_vm(sid)
-        return reaped
-
-    def _pause_pending(self, sandbox_id: str) -> bool:
-        """A pause of ``sandbox_id`` left its operation directory (checkpoint.recover finishes it)."""
-        import json
-
-        from warmbox.engine import snapstore
-
-        for op in (self.home / "tmp").glob(snapstore.OP_PREFIX + "pause-*"):
-            try:
-                rec = json.loads((op / "op.json").read_text())
-            except (OSError, ValueError):
-                continue
-            if isinstance(rec, dict) and rec.get("sandbox_id") == sandbox_id:
-                return True
-        return False
-
-    def next_expiry(self) -> float | None:
-        """The next moment the daemon has work: a timeout, an idle pause, a paused sandbox's end."""
-        found = [i.expires_at for i in self.holding()]
-        duty = self.registry.next_lifecycle_deadline(self._retention())
-        if duty is not None:
-            found.append(duty)
-        return min(found) if found else None
-
     def ensure_daemon(self) -> None:
         """Start this home's daemon (reaper, pools, meters) unless one runs (it holds an flock).
 
         Started through its guard, which restarts it whenever it dies without meaning to (and
-        which it restarts in turn): see engine/daemon.py for what that guarantees."""
-        from warmbox.engine import daemon
-
-        daemon.ensure(self.home)
+        which it restarts in turn): see engine/guard.py for what that guarantees."""
+        guard.ensure(self.home)

@@ -34,17 +34,21 @@ from warmbox.engine import (
     approvals,
     checkpoint,
     commandlog,
+    duties,
     egress,
     idempotency,
+    meters,
     provision,
+    resolve,
     signing,
     snapstore,
+    teardown,
     tierprofile,
     volumes,
 )
 from warmbox.engine import pool as pools
 from warmbox.engine import snapshot as snapshots
-from warmbox.engine.engine import Engine, validate_envs, validate_timeout
+from warmbox.engine.engine import Engine
 from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession, ProcessOutput
 from warmbox.errors import (
@@ -90,9 +94,11 @@ from warmbox.models import (
     Transcript,
     VolumeInfo,
     WriteEntry,
+    validate_envs,
     validate_lifecycle,
     validate_metadata,
     validate_query,
+    validate_timeout,
 )
 from warmbox.network.policy import Policy
 from warmbox.operations import sandbox_path
@@ -584,9 +590,9 @@ class EngineFront:
             return
         if info.state in (State.READY, State.RUNNING) and info.expires_at <= time.time():
             await self._drop(sandbox_id)
-            await self.engine.expire(info)
+            await duties.expire(self.engine, info)
         if info.state in (State.READY, State.RUNNING) and isinstance(self.engine.backend(info.tier), SharedHost):
-            await self.engine.lost_hosts()  # its host process ended: lost, at once (here or by the reaper)
+            await teardown.lost_hosts(self.engine)  # its host process ended: lost, at once (here or by the reaper)
             info, _ = self.engine.info(sandbox_id)
         if info.state is State.PAUSED:
             await self._drop(sandbox_id)
@@ -663,7 +669,7 @@ class EngineFront:
         s = self._sessions.get(sandbox_id)
         if s is not None and not s.closed:
             return s
-        got = await self.engine.open(sandbox_id)
+        got = await duties.open(self.engine, sandbox_id)
         await self._hold(got)
         return got.session
 
@@ -738,7 +744,7 @@ class EngineFront:
                 got.info, _ = self.engine.info(got.sandbox_id)
             except BaseException:
                 await got.session.close()
-                await self.engine.destroy(got.sandbox_id, "recording its metadata failed")
+                await teardown.destroy(self.engine, got.sandbox_id, "recording its metadata failed")
                 raise
         return await self._hold(got)
 
@@ -807,7 +813,7 @@ class EngineFront:
                     self._extend(r.sandbox_id, info.expires_at, timeout)
                     info = self.engine.info(r.sandbox_id)[0]
                     return ops.Opened(info, tuple(self.engine.registry.timings(r.sandbox_id)))
-            opened = await self._hold(await self.engine.open(r.sandbox_id))
+            opened = await self._hold(await duties.open(self.engine, r.sandbox_id))
         except SandboxPaused:  # its timeout ran out and it was paused (Lifecycle(on_timeout="pause")) just now
             return await self.resume(ops.Resume(r.sandbox_id, timeout=timeout))
         if self._extend(r.sandbox_id, opened.info.expires_at, timeout):
@@ -836,7 +842,7 @@ class EngineFront:
 
     async def list(self, r: ops.ListSandboxes) -> builtins.list[SandboxInfo]:
         if r.reap:
-            await self.engine.reap()
+            await duties.reap(self.engine)
         query = validate_query(r.query)
         return self.engine.list(r.include_dead, tenant=self._tenant_name(), query=query)
 
@@ -875,7 +881,7 @@ class EngineFront:
 
     async def kill(self, r: ops.Kill) -> bool:
         await self._drop(r.sandbox_id)
-        return await self.engine.destroy(r.sandbox_id, "killed")
+        return await teardown.destroy(self.engine, r.sandbox_id, "killed")
 
     async def set_timeout(self, r: ops.SetTimeout) -> float:
         return self.engine.set_timeout(r.sandbox_id, r.timeout)
@@ -885,8 +891,8 @@ class EngineFront:
             raise InvalidArgument(f"fresh must be True or False, got {r.fresh!r}")
         self._log.flush()  # its count is of the recorded commands: this front's queued ones too
         if not r.fresh:
-            return self.engine.metered(r.sandbox_id)
-        return await self.engine.metrics(r.sandbox_id, self._held(r.sandbox_id))
+            return meters.metered(self.engine, r.sandbox_id)
+        return await meters.metrics(self.engine, r.sandbox_id, self._held(r.sandbox_id))
 
     async def metrics_history(self, r: ops.MetricsHistory) -> builtins.list[MetricSample]:
         start, end = _epoch(r.start, "start"), _epoch(r.end, "end")
@@ -897,7 +903,7 @@ class EngineFront:
         if info.state in (State.READY, State.RUNNING) and (end is None or end >= now):
             latest = self.engine.registry.metric_samples(r.sandbox_id, 0.0, now, 1)
             if not latest or now - latest[0][0] >= METRIC_SAMPLE_EVERY_S:
-                await self.engine.metrics(r.sandbox_id, self._held(r.sandbox_id))  # a reading, into the history
+                await meters.metrics(self.engine, r.sandbox_id, self._held(r.sandbox_id))  # a reading, into the history
         since = info.claimed_at or info.created_at  # a pool's warm-up is not the user's
         rows = self.engine.registry.metric_samples(
             r.sandbox_id, max(start or 0.0, since), time.time() if end is None else end, r.limit
@@ -936,9 +942,9 @@ class EngineFront:
         info, _ = self.engine.info(r.sandbox_id)
         self._log.flush()
         if info.state in (State.READY, State.RUNNING):  # read its meters now; else the last ones recorded
-            metrics = await self.engine.metrics(r.sandbox_id, self._held(r.sandbox_id))
+            metrics = await meters.metrics(self.engine, r.sandbox_id, self._held(r.sandbox_id))
         else:
-            metrics = self.engine.recorded_metrics(info)
+            metrics = meters.recorded(self.engine, info)
         reg, n = self.engine.registry, transcript.MAX_RECORDS
         commands, cut = _bounded_commands(reg, r.sandbox_id, n, transcript.MAX_COMMAND_TEXT)
         events = reg.net_events(r.sandbox_id, n + 1)
@@ -1364,7 +1370,7 @@ class EngineFront:
         deadline = time.monotonic() + REATTACH_S
         while True:
             try:
-                await self._hold(await self.engine.open(sandbox_id))
+                await self._hold(await duties.open(self.engine, sandbox_id))
                 return
             except GuestConnectionError:
                 if time.monotonic() > deadline:
@@ -1387,14 +1393,14 @@ class EngineFront:
     # ---- network
 
     async def update_network(self, r: ops.UpdateNetwork) -> str:
-        policy = await self.engine.set_network(r.sandbox_id, r.network, await self._session(r.sandbox_id))
+        policy = await egress.update(self.engine, r.sandbox_id, r.network, await self._session(r.sandbox_id))
         return policy.describe()
 
     async def network_policy(self, r: ops.NetworkPolicy) -> str:
-        return self.engine.network_policy(r.sandbox_id).describe()
+        return egress.policy(self.engine, r.sandbox_id).describe()
 
     async def network_log(self, r: ops.NetworkLog) -> builtins.list[NetEvent]:
-        return self.engine.network_log(r.sandbox_id)
+        return egress.log(self.engine, r.sandbox_id)
 
     # ---- ports
 
@@ -1524,7 +1530,7 @@ class EngineFront:
         name, version = _template_name(r.name), _version(r.version)
         owner = self._tenant_name() or ""
         self.engine.registry.template_get(name, version, owner)  # TemplateNotFound first
-        users = self.engine.template_users(name, version, self.tenant)
+        users = resolve.template_users(self.engine, name, version, self.tenant)
         if users:
             raise TemplateInUse(
                 f"template {name!r} is in use by {', '.join(users[:10])}{' ...' if len(users) > 10 else ''}",

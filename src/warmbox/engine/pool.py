@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from warmbox.config import PoolConfig, Settings
-from warmbox.engine import provision
+from warmbox.engine import provision, resolve, teardown
 from warmbox.errors import InvalidArgument, WarmboxError
 from warmbox.models import PoolStatus
 from warmbox.storage.registry import PoolRow, Registry
@@ -50,7 +50,7 @@ def status(engine: Engine, settings: Settings) -> list[PoolStatus]:
         row = rows.get(pc.name)
         lo, hi = bounds(pc, row.min_override if row else None, row.max_override if row else None)
         try:
-            ready, warming = engine.registry.pool_counts(pc.name, engine.pool_shape(pc, build=False))
+            ready, warming = engine.registry.pool_counts(pc.name, resolve.pool_shape(engine, pc, build=False))
         except WarmboxError:  # its image is not built (yet) or gone: nothing of it is ready
             ready, warming = 0, engine.registry.pool_counts(pc.name)[1]
         hits, misses, failures, cpu_s, gib_s, wall_s = engine.registry.pool_totals(pc.name)
@@ -171,7 +171,7 @@ class PoolManager:
                 target = self._autoscale(pc, row) if self.split.scales() else row.target
                 target = self.split.share(pc, target)
             try:  # off the loop: a fresh host builds the built-in image first
-                shape = await asyncio.to_thread(self.engine.pool_shape, pc)
+                shape = await asyncio.to_thread(resolve.pool_shape, self.engine, pc)
             except WarmboxError as e:  # no image for its template now: tried again next tick
                 reg.set_pool(pc.name, error=f"{type(e).__name__}: {e}"[:500])
                 continue
@@ -241,7 +241,7 @@ class PoolManager:
         async def one(sid: str) -> None:
             async with gate:
                 try:
-                    await self.engine.destroy(sid, why)
+                    await teardown.destroy(self.engine, sid, why)
                 except WarmboxError:
                     pass  # FAILED keeps it on the reaper's list
 

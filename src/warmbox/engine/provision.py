@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from warmbox import backends, config
 from warmbox.backends.base import Backend, SharedHost, SnapshotCapable, TemplateCapable
 from warmbox.config import PoolConfig, Settings, Template
-from warmbox.engine import checkpoint, egress, snapstore
+from warmbox.engine import checkpoint, egress, resolve, snapstore, teardown
 from warmbox.engine import volumes as volumes_mod
 from warmbox.engine.session import AGENT_TIMEOUT_S, GuestSession, session_oom
 from warmbox.errors import (
@@ -77,7 +77,7 @@ class LaunchSpec:
     shape: str = ""  # config.shape_key of a pool's sandbox
     tenant: Tenant | None = None  # whose it is (None: the host's); its quotas are checked at the insert
     resume_of: str = ""  # a paused sandbox started again under its own id ("": a new sandbox)
-    image: ImageRef | None = None  # the image it runs (None: its template's latest, Engine.image_for)
+    image: ImageRef | None = None  # the image it runs (None: its template's latest, resolve.image_for)
     volumes: tuple[VolumeMount, ...] = ()  # named volumes mounted into it
     build_upper: str = ""  # a template build sandbox (SandboxSpec.build_upper)
     # it gets an egress link: on a tier whose interfaces are fixed at start (link_before_start) the
@@ -135,7 +135,9 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         raise BackendUnavailable(spec.tier, avail.reason)
     images = backend.capabilities().images
     if spec.image is None and images:  # every sandbox runs an image: its template's latest (never the host's /usr)
-        spec = dataclasses.replace(spec, image=await asyncio.to_thread(engine.image_for, spec.template, spec.tenant))
+        spec = dataclasses.replace(
+            spec, image=await asyncio.to_thread(resolve.image_for, engine, spec.template, spec.tenant)
+        )
     sandbox_id = spec.resume_of or "sb-" + secrets.token_hex(6)
     state_dir = engine.runtime / "sandboxes" / sandbox_id
     socket_path = str(state_dir / "run" / "agent.sock")
@@ -340,14 +342,14 @@ async def claim(
                 await session.close()
             engine.registry.pool_event(pc.name, "claim_failed", sid, f"{type(e).__name__}: {e}"[:500])
             try:
-                await engine.destroy(sid, "pooled sandbox failed its claim check")
+                await teardown.destroy(engine, sid, "pooled sandbox failed its claim check")
             except WarmboxError:
                 pass
             continue
         except BaseException:
             if session is not None:
                 await session.close()
-            await engine.destroy(sid, "claim interrupted")
+            await teardown.destroy(engine, sid, "claim interrupted")
             raise
         alloc = StageTiming(sid, "allocation", (time.perf_counter() - t0) * 1e3, True)
         engine.registry.add_timings([alloc])
@@ -479,7 +481,7 @@ async def create(
             got.timings = [t for t in got.timings if t.stage != "network"] + [timing]
         except BaseException:
             await got.session.close()
-            await engine.destroy(got.sandbox_id, "network setup failed")
+            await teardown.destroy(engine, got.sandbox_id, "network setup failed")
             raise
     return got
 
@@ -512,7 +514,7 @@ async def _create(
         template = settings.defaults.template
     if not isinstance(template, str):
         raise InvalidArgument(f"template must be a string, got {type(template).__name__}")
-    tmpl = engine.template(template, tenant)
+    tmpl = resolve.template(engine, template, tenant)
     if tenant is not None:  # early, before any work; the claim or insert checks again, atomically
         engine.registry.check_quota(tenant, tier, limits)
     pc = settings.pool_for(tier, template, limits) if pool else None
@@ -521,7 +523,7 @@ async def _create(
         # a claim hands out a running sandbox, its layers mounted: the image id its shape needs is
         # read from the template's record, without looking each layer up in the store (a flock
         # and a utime per layer, 0.1 ms each, on the warm path); a tier without images: none
-        image_id = engine.image_id_for(template, tenant) if images else ""
+        image_id = resolve.image_id_for(engine, template, tenant) if images else ""
         if image_id is not None:
             shape = config.shape_key(tier, tmpl, limits, image_id)
             got = await claim(engine, pc, shape, timeout, env_pairs, t0, tenant)
@@ -529,7 +531,7 @@ async def _create(
                 return got
             pc = None  # a miss: the cold start below
     if image is None and images:  # off the event loop: the first sandbox on a fresh host builds the built-in image
-        image = await asyncio.to_thread(engine.image_for, template, tenant)
+        image = await asyncio.to_thread(resolve.image_for, engine, template, tenant)
     if pc is not None:
         shape = config.shape_key(tier, tmpl, limits, image.image_id if image is not None else "")
         got = await claim(engine, pc, shape, timeout, env_pairs, t0, tenant)
@@ -582,7 +584,7 @@ async def _start_from_template(
     if not avail.available:
         raise BackendUnavailable(tier, avail.reason)
     if image is None:
-        image = await asyncio.to_thread(engine.image_for, tmpl.name, tenant)
+        image = await asyncio.to_thread(resolve.image_for, engine, tmpl.name, tenant)
     shape = config.shape_key(tier, tmpl, limits, image.image_id)
     made = not engine.registry.meta_text(await asyncio.to_thread(snapstore.template_key, engine, tier, shape, image))
     m = await template_snapshot(engine, tier, tmpl, limits, shape, image)
@@ -595,7 +597,7 @@ async def _start_from_template(
             await asyncio.wait_for(got.session.configure(dict(env_pairs), reset_counts=True), 30)
     except BaseException:
         await got.session.close()
-        await engine.destroy(got.sandbox_id, "configuration after restore failed")
+        await teardown.destroy(engine, got.sandbox_id, "configuration after restore failed")
         raise
     if made and not resume_of:
         tt = StageTiming(got.sandbox_id, "template", (t1 - t0) * 1e3, True)
@@ -606,9 +608,9 @@ async def _start_from_template(
 
 async def create_pooled(engine: Engine, pc: PoolConfig) -> str:
     """Create and warm one sandbox for a pool (off any request path); returns its id."""
-    tier, tmpl = backends.canonical_tier(pc.tier), engine.template(pc.template)
+    tier, tmpl = backends.canonical_tier(pc.tier), resolve.template(engine, pc.template)
     backend = engine.backend(tier)
-    image = await asyncio.to_thread(engine.image_for, pc.template) if backend.capabilities().images else None
+    image = await asyncio.to_thread(resolve.image_for, engine, pc.template) if backend.capabilities().images else None
     shape = config.shape_key(tier, tmpl, pc.limits, image.image_id if image is not None else "")
     if backend.capabilities().memory_snapshot:
         # restore a checkpoint of the warmed template instead of booting and warming again
@@ -622,7 +624,7 @@ async def create_pooled(engine: Engine, pc: PoolConfig) -> str:
                     await got.session.exec(list(argv), timeout_s=600.0)
         except BaseException:
             await got.session.close()
-            await engine.destroy(got.sandbox_id, "pool warm-up after restore failed")
+            await teardown.destroy(engine, got.sandbox_id, "pool warm-up after restore failed")
             raise
     else:
         got = await launch(
@@ -731,7 +733,7 @@ async def template_snapshot(
     Pools of a tier with memory snapshots restore their sandboxes from it instead of booting
     and warming each one (under gVisor a cold Python + pandas start costs seconds). One maker
     per shape and home, across processes (an flock: a killed maker holds it no longer); the
-    template sandbox of a maker that died is destroyed by the reaper (Engine.mark_template_vm).
+    template sandbox of a maker that died is destroyed by the reaper (teardown.mark_template_vm).
     """
     lock = _template_locks.setdefault(shape, asyncio.Lock())
     async with lock:  # concurrent refills make one template, not one each
@@ -774,7 +776,7 @@ async def _template_snapshot(
 ) -> snaps.SnapshotManifest:
     store = snapstore.store_for(engine)
     if image is None:
-        image = engine.image_for(tmpl.name)
+        image = resolve.image_for(engine, tmpl.name)
     key = snapstore.template_key(engine, tier, shape, image)
     sid = engine.registry.meta_text(key)
     if sid:
@@ -787,7 +789,7 @@ async def _template_snapshot(
     try:
         # from here until it is recorded as the template, a death of this process leaves a
         # READY sandbox nobody would end for an hour: marked, the reaper ends it at once
-        engine.mark_template_vm(info.sandbox_id, key)
+        teardown.mark_template_vm(engine, info.sandbox_id, key)
         # a tier's own warm-up before the image is taken (microvm: the files of the commands a
         # sandbox runs first are then in the guest's page cache, not read from its disk each time)
         backend = engine.backend(tier)
@@ -801,13 +803,13 @@ async def _template_snapshot(
     except BaseException:
         await session.close()
         try:
-            await engine.destroy(info.sandbox_id, "template snapshot failed")
+            await teardown.destroy(engine, info.sandbox_id, "template snapshot failed")
         except WarmboxError:
             pass
         raise
     finally:
         try:
-            engine.unmark_template_vm(info.sandbox_id)
+            teardown.unmark_template_vm(engine, info.sandbox_id)
         except (WarmboxError, OSError):
             pass  # the reaper unmarks it once it sees this process gone
     return m

@@ -12,7 +12,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from warmbox.engine import checkpoint, egress, provision, snapstore
+from warmbox.engine import checkpoint, egress, provision, snapstore, teardown
 from warmbox.engine import volumes as volumes_mod
 from warmbox.engine.provision import Launched
 from warmbox.errors import InvalidArgument, SandboxError, SandboxNotFound, WarmboxError
@@ -127,7 +127,7 @@ async def _undo_start(engine: Engine, got: Launched, why: str, *, resumed: bool)
     """End a sandbox whose start went wrong after its launch: destroyed, or (a resume) its
     runtime torn down and the sandbox paused again, its snapshot untouched."""
     if not resumed:
-        await engine.destroy(got.sandbox_id, why)
+        await teardown.destroy(engine, got.sandbox_id, why)
         return
     await engine.backend(got.info.tier).destroy(got.handle)
     await egress.suspend(engine, got.sandbox_id)
@@ -209,7 +209,7 @@ async def fork(
             got.timings.append(await egress.reestablish(engine, got.handle, got.session, record, secret_map))
         except BaseException:
             await got.session.close()
-            await engine.destroy(got.sandbox_id, "network setup of the fork failed")
+            await teardown.destroy(engine, got.sandbox_id, "network setup of the fork failed")
             raise
     return got
 

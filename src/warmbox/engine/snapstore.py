@@ -183,17 +183,19 @@ def storage_error(e: OSError, what: str) -> StorageError:
 
 
 def image_of(engine: Engine, m: snaps.SnapshotManifest, tenant: Tenant | None = None) -> ImageRef:
-    """The image ``m`` was taken on, which its restore runs again (Engine.recorded_image:
+    """The image ``m`` was taken on, which its restore runs again (resolve.recorded_image:
     TemplateMismatch if it is gone, CorruptLayer if a layer fails its digest). A memory snapshot
     holds processes that mapped that image's files: one from before images were recorded is
     refused rather than continued on another image."""
+    from warmbox.engine import resolve
+
     if m.memory and not m.image_id:
         raise TemplateMismatch(
             f"snapshot {m.snapshot_id} holds memory taken before sandbox images were recorded: it "
             "cannot be continued on an image it may not have run (restore its files with a newer snapshot)",
             template=m.template,
         )
-    return engine.recorded_image(m.template, m.template_version, m.image_id, tenant)
+    return resolve.recorded_image(engine, m.template, m.template_version, m.image_id, tenant)
 
 
 def template_key(engine: Engine, tier: str, shape: str, image: ImageRef | None = None) -> str:

@@ -57,6 +57,13 @@ def recorded_images(engine: Engine) -> set[str]:
     return engine.registry.recorded_image_ids()
 
 
+def layers_in_use(engine: Engine) -> set[str]:
+    """Layer digests a layer gc must keep for this home: every template version's (of any
+    tenant) and every built-in image build's recorded on this host (snapshots of an older
+    built-in image restore on it). Other homes share the store: a host-wide gc unions theirs."""
+    return engine.registry.template_layers() | {d for r in images.builtin_records() for d in r.layers}
+
+
 def _other_homes_images(store: LayerStore, own: Registry) -> set[str] | None:
     """Image ids the other homes that pin layers (their registries) record: template versions,
     sandboxes not destroyed, snapshots; None when one cannot be read (then nothing is known).
@@ -105,7 +112,7 @@ def gc(engine: Engine, *, dry_run: bool = False, min_age_s: float = 0.0) -> ops.
     fd = _lock(cache)
     try:
         used_ids = recorded_images(engine)
-        keep = set(engine.layers_in_use())
+        keep = set(layers_in_use(engine))
         infos = engine.registry.template_list()
         for info in infos:
             if info.image_id in used_ids:
