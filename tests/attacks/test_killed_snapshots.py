@@ -83,7 +83,7 @@ def test_pause_killed_after_its_checkpoint_ends_paused_and_resumable(home, runc_
         assert info.state is not State.PAUSED, "the pause finished before the kill: the test proves nothing"
         # the daemon's reaper finds the dead pauser's operation and finishes it
         wait_for(lambda: engine.info(sid)[0].state is State.PAUSED, 60, "recovery to finish the pause", 0.2)
-        assert "paused to snap-" in engine.registry.transitions(sid)[-1].reason
+        assert "paused to snap-" in engine.registry.sandboxes.transitions(sid)[-1].reason
         wait_for(lambda: not _ops(home, "pause"), 10, "the recovered pause's temp dir to go")
         sb = Sandbox.resume(sid)
         assert sb.run_code("x + 1").text == "42"  # the processes continued

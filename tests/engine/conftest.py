@@ -40,7 +40,7 @@ class NodeHomes:
         """Kill every node's sandboxes, stop their daemons, then prove nothing is left behind."""
         left = []
         for engine in reversed(self.engines):
-            for info, _ in engine.registry.list(include_pooled=True, local=True):
+            for info, _ in engine.registry.sandboxes.list(include_pooled=True, local=True):
                 asyncio.run(engine.destroy(info.sandbox_id, "test over"))
             asyncio.run(down_home(engine.home))
             asyncio.run(engine.reconcile_node())  # what a failed test left lost (no list shows it) goes too

@@ -287,8 +287,8 @@ async def _wait_quiet(engine: Any, pool: str, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         engine.settings()  # a broken config is a typed error now, not a timeout later
-        row = engine.registry.pool_rows().get(pool)
-        ready, warming = engine.registry.pool_counts(pool)
+        row = engine.registry.pools.pool_rows().get(pool)
+        ready, warming = engine.registry.pools.pool_counts(pool)
         if row is not None and ready == row.target and warming == 0:
             return
         if time.monotonic() > deadline:
@@ -789,7 +789,7 @@ async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, t
             pools.resize(engine, engine.settings(), name, n, min=n, max=n)
             await _wait_quiet(engine, name, timeout=900)
             await asyncio.sleep(1.0)  # let the guests settle to idle
-            ids = engine.registry.pooled(name)
+            ids = engine.registry.pools.pooled(name)
             members = []
             for sid in ids:
                 _, handle = engine.info(sid)

@@ -229,7 +229,7 @@ def _template_files(engine, limits: Limits, work: Path, template: str = "base") 
 
     image = engine.image_for(template)
     shape = config.shape_key("microvm", engine.settings().template(template), limits, image.image_id)
-    sid = engine.registry.meta_text(snapshots.template_key(engine, "microvm", shape, image))
+    sid = engine.registry.meta.meta_text(snapshots.template_key(engine, "microvm", shape, image))
     m = snaps.load_manifest(snapshots.store_for(engine), sid, snapshots._workdir(engine))
     cached = snapshots._cached_memory(engine, m, snapshots._workdir(engine))
     mem = work / f"{template}.mem"

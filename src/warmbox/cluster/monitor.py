@@ -116,7 +116,7 @@ class Monitor:
     async def tick(self) -> list[str]:
         """One round: read, judge, mark. The names of the nodes this round found down."""
         alive = await self._ray()
-        nodes = await asyncio.to_thread(self.cluster.registry.nodes)
+        nodes = await asyncio.to_thread(self.cluster.registry.nodes.nodes)
         self.cluster.ray_alive = alive
         self.cluster.set_view(nodes)
         now = time.time()
@@ -134,11 +134,11 @@ class Monitor:
             found.append(node.name)
             self.cluster.node_down(node.name, why)  # this router's calls end now, whoever marks it
             lost = await asyncio.to_thread(
-                functools.partial(self.cluster.registry.mark_node_down, node.name, why, epoch=node.epoch)
+                functools.partial(self.cluster.registry.nodes.mark_node_down, node.name, why, epoch=node.epoch)
             )
             log.warning("node %s marked down (%s): %d sandbox(es) lost", node.name, why, len(lost))
         if found:
-            self.cluster.set_view(await asyncio.to_thread(self.cluster.registry.nodes))
+            self.cluster.set_view(await asyncio.to_thread(self.cluster.registry.nodes.nodes))
         return found
 
 

@@ -82,12 +82,12 @@ class LedgerSlots:
         self.registry = registry
 
     def claim(self, holder: str) -> int:
-        return uidslots.uid_base(self.registry.claim_host_slot(holder))
+        return uidslots.uid_base(self.registry.sandboxes.claim_host_slot(holder))
 
     def release(self, holder: str, uid_base: int) -> None:
         slot = uidslots.slot_of_uid(uid_base)
         if slot is not None:
-            self.registry.release_host_slot(holder, slot)
+            self.registry.sandboxes.release_host_slot(holder, slot)
 
     def forget_gone(self, holder: str) -> bool:
         with self.registry.ledger.locked() as ledger:
@@ -177,7 +177,7 @@ class Engine:
     def stop_shared_hosts(self) -> None:
         """Stop the host process of each tier that has one (``SharedHost``) and no live or pooled
         sandbox left."""
-        live = {i.tier for i, _ in self.registry.list(include_pooled=True, local=True)}
+        live = {i.tier for i, _ in self.registry.sandboxes.list(include_pooled=True, local=True)}
         for tier in backends.TIERS:
             if tier in live:
                 continue
@@ -308,7 +308,7 @@ class Engine:
 
         for owner in dict.fromkeys([tenant.name if tenant is not None else "", ""]):
             try:
-                return self.registry.template_get(name, version, tenant=owner)
+                return self.registry.templates.template_get(name, version, tenant=owner)
             except TemplateNotFound:
                 continue
         return None
@@ -375,7 +375,7 @@ class Engine:
         built-in image restore on it). Other homes share the store: a host-wide gc unions theirs."""
         from warmbox.engine import images
 
-        return self.registry.template_layers() | {d for r in images.builtin_records() for d in r.layers}
+        return self.registry.templates.template_layers() | {d for r in images.builtin_records() for d in r.layers}
 
     def pool_shape(self, pc: PoolConfig, *, build: bool = True) -> str:
         """The shape key of pool ``pc``'s sandboxes: tier, template, limits and the image its
@@ -391,7 +391,7 @@ class Engine:
         (when ``version`` is its latest or None), and ids of snapshots taken of its sandboxes.
         A template with users cannot be removed (TemplateInUse)."""
         owner = tenant.name if tenant is not None else ""
-        sandboxes, pools, snaps = self.registry.template_users(name, version, owner)
+        sandboxes, pools, snaps = self.registry.templates.template_users(name, version, owner)
         latest = self._built_template(name, None, tenant)
         if not owner and (version is None or (latest is not None and latest.version == version)):
             pools = sorted({*pools, *(p.name for p in self.settings().pools.values() if p.template == name)})
@@ -506,7 +506,7 @@ class Engine:
             raise InvalidArgument(f"template must be a string, got {type(template).__name__}")
         tmpl = self.template(template, tenant)
         if tenant is not None:  # early, before any work; the claim or insert checks again, atomically
-            self.registry.check_quota(tenant, tier, limits)
+            self.registry.tenants.check_quota(tenant, tier, limits)
         pc = settings.pool_for(tier, template, limits) if pool else None
         images = self.backend(tier).capabilities().images
         if pc is not None and image is None:
@@ -577,7 +577,9 @@ class Engine:
         if image is None:
             image = await asyncio.to_thread(self.image_for, tmpl.name, tenant)
         shape = config.shape_key(tier, tmpl, limits, image.image_id)
-        made = not self.registry.meta_text(await asyncio.to_thread(snapshots.template_key, self, tier, shape, image))
+        made = not self.registry.meta.meta_text(
+            await asyncio.to_thread(snapshots.template_key, self, tier, shape, image)
+        )
         m = await snapshots.template_snapshot(self, tier, tmpl, limits, shape, image)
         t1 = time.perf_counter()
         got = await snapshots.restore_memory(
@@ -592,7 +594,7 @@ class Engine:
             raise
         if made and not resume_of:
             tt = StageTiming(got.sandbox_id, "template", (t1 - t0) * 1e3, True)
-            self.registry.add_timings([tt])
+            self.registry.sandboxes.add_timings([tt])
             got.timings.insert(0, tt)
         return got
 
@@ -637,20 +639,26 @@ class Engine:
             await backend.destroy(handle)
         except Exception:
             # FAILED keeps its uid range, and the reaper retries the teardown
-            self.registry.set_state(sandbox_id, State.FAILED, f"start failed: {type(why).__name__}; teardown failed")
+            self.registry.sandboxes.set_state(
+                sandbox_id, State.FAILED, f"start failed: {type(why).__name__}; teardown failed"
+            )
             return
         if resumed:
-            self.registry.set_state(sandbox_id, State.PAUSED, f"resume failed: {type(why).__name__}; still paused")
+            self.registry.sandboxes.set_state(
+                sandbox_id, State.PAUSED, f"resume failed: {type(why).__name__}; still paused"
+            )
         else:
-            self.registry.set_state(sandbox_id, State.DESTROYED, f"start failed: {type(why).__name__}; cleaned up")
-        self.registry.finalize(sandbox_id)
+            self.registry.sandboxes.set_state(
+                sandbox_id, State.DESTROYED, f"start failed: {type(why).__name__}; cleaned up"
+            )
+        self.registry.usage.finalize(sandbox_id)
 
     # ---- lookup
 
     def info(self, sandbox_id: str) -> tuple[SandboxInfo, BackendHandle]:
         if not isinstance(sandbox_id, str) or not re.fullmatch(r"sb-[0-9a-f]{12}", sandbox_id):
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} (ids look like sb-0123456789ab)", str(sandbox_id))
-        return self.registry.get(sandbox_id)
+        return self.registry.sandboxes.get(sandbox_id)
 
     def check(self, op: Operation, info: SandboxInfo, handle: BackendHandle | None = None) -> None:
         """A typed error if ``op`` is illegal in the sandbox's state (a destroyed one that ran
@@ -658,8 +666,8 @@ class Engine:
         handle: given, a live sandbox of another node is refused (SandboxStateError): its
         processes and directories are that node's, never judged or touched from here."""
         lost = info.state in (State.DESTROYED, State.LOST)
-        ended = self.registry.ended_reason(info.sandbox_id) if lost else ""
-        node = self.registry.node_of(info.sandbox_id) if info.state is State.LOST else ""
+        ended = self.registry.sandboxes.ended_reason(info.sandbox_id) if lost else ""
+        node = self.registry.nodes.node_of(info.sandbox_id) if info.state is State.LOST else ""
         check(op, info.state, info.sandbox_id, ended, node)
         if handle is not None and handle.node != self.node and info.state is not State.PAUSED:
             raise SandboxStateError(
@@ -670,7 +678,7 @@ class Engine:
 
     def paused_error(self, sandbox_id: str) -> SandboxPaused:
         """The error for an operation on a paused sandbox that does not resume by itself."""
-        why = self.registry.ended_reason(sandbox_id)
+        why = self.registry.sandboxes.ended_reason(sandbox_id)
         return SandboxPaused(
             f"sandbox {sandbox_id} is paused ({why or 'paused'}); Sandbox.connect(id) or resume(id) runs it "
             "again (or create it with lifecycle=Lifecycle(auto_resume=True))",
@@ -699,7 +707,7 @@ class Engine:
         from warmbox.engine import snapshot
 
         info, _ = self.info(sandbox_id)
-        parent = self.registry.parent(sandbox_id)
+        parent = self.registry.sandboxes.parent(sandbox_id)
         m = None
         if self.backend(info.tier).capabilities().memory_snapshot:
             try:
@@ -710,8 +718,8 @@ class Engine:
             m = await snapshot.pause(self, sandbox_id, None, memory=False, parent=parent, why=why)
         # the sandbox resumes from this one: the earlier automatic ones are nobody's (their blobs
         # go at the next gc); snapshots the caller took or paused to are never touched
-        self.registry.mark_auto(m.snapshot_id)
-        for old in self.registry.auto_snapshots_of(sandbox_id):
+        self.registry.snapshots.mark_auto(m.snapshot_id)
+        for old in self.registry.snapshots.auto_snapshots_of(sandbox_id):
             if old != m.snapshot_id:
                 try:
                     snapshot.delete(self, old)
@@ -742,11 +750,11 @@ class Engine:
                 await self.destroy(sandbox_id, "found dead")
                 raise SandboxNotFound(f"sandbox {sandbox_id} is no longer running", sandbox_id) from None
             raise
-        return Launched(info, handle, session, self.registry.timings(sandbox_id))
+        return Launched(info, handle, session, self.registry.sandboxes.timings(sandbox_id))
 
     def holding(self) -> builtins.list[SandboxInfo]:
         """Live (also pooled) sandboxes plus failed ones whose teardown is still owed."""
-        return [info for info, _ in self.registry.holding()]
+        return [info for info, _ in self.registry.sandboxes.holding()]
 
     def list(
         self,
@@ -758,13 +766,13 @@ class Engine:
     ) -> builtins.list[SandboxInfo]:
         """tenant: only that tenant's sandboxes (None: everyone's); query: see SandboxQuery."""
         q = query or SandboxQuery()
-        rows = self.registry.list(
+        rows = self.registry.sandboxes.list(
             include_dead, include_pooled=include_pooled, tenant=tenant, states=q.state, metadata=q.metadata
         )
         return [info for info, _ in rows]
 
     def timings(self, sandbox_id: str) -> dict[str, float]:
-        return {t.stage: t.duration_ms for t in self.registry.timings(sandbox_id)}
+        return {t.stage: t.duration_ms for t in self.registry.sandboxes.timings(sandbox_id)}
 
     async def usage(self, handle: BackendHandle) -> ResourceUsage:
         return await self.backend(handle.tier).usage(handle)
@@ -774,7 +782,7 @@ class Engine:
         info, _ = self.info(sandbox_id)
         self.check(Operation.SET_TIMEOUT, info)
         expires = time.time() + timeout
-        self.registry.set_expiry(sandbox_id, expires, timeout)  # its lifetime now: a resume renews this one
+        self.registry.sandboxes.set_expiry(sandbox_id, expires, timeout)  # its lifetime now: a resume renews this one
         self.ensure_daemon()  # someone must enforce the new deadline
         return expires
 
@@ -789,8 +797,8 @@ class Engine:
         info, handle = self.info(sandbox_id)
         self.check(Operation.EXEC, info, handle)
         egress.check_tier(self, info.tier, policy)
-        if self.registry.link(sandbox_id) is not None:
-            self.registry.set_policy(sandbox_id, policy.to_json())
+        if self.registry.egress.link(sandbox_id) is not None:
+            self.registry.egress.set_policy(sandbox_id, policy.to_json())
         elif policy.enabled:
             own = session is None
             if session is None:
@@ -809,14 +817,14 @@ class Engine:
     def network_log(self, sandbox_id: str) -> builtins.list[NetEvent]:
         """Every egress attempt of the sandbox (kept after it is destroyed), oldest first."""
         self.info(sandbox_id)
-        return self.registry.net_events(sandbox_id)
+        return self.registry.egress.net_events(sandbox_id)
 
     # ---- metering
 
     async def sample(self) -> None:
         """One memory/cpu reading of every live sandbox, folded into its meter (the daemon's job)."""
         readings = []
-        for info, handle in self.registry.list(include_pooled=True, local=True):
+        for info, handle in self.registry.sandboxes.list(include_pooled=True, local=True):
             if info.state is State.CREATING:
                 continue
             try:
@@ -825,7 +833,7 @@ class Engine:
                 continue
             readings.append((info.sandbox_id, u.memory_bytes, u.cpu_ns))
         if readings:
-            self.registry.sample(readings)
+            self.registry.usage.sample(readings)
 
     async def metrics(self, sandbox_id: str, session: GuestSession | None = None) -> SandboxMetrics:
         """The user's cost of a sandbox so far (or final, once it ended)."""
@@ -842,7 +850,7 @@ class Engine:
     async def _read_meters(self, info: SandboxInfo, handle: BackendHandle, session: GuestSession | None) -> None:
         try:
             u = await self.backend(info.tier).usage(handle)
-            self.registry.sample([(info.sandbox_id, u.memory_bytes, u.cpu_ns)])
+            self.registry.usage.sample([(info.sandbox_id, u.memory_bytes, u.cpu_ns)])
         except (WarmboxError, OSError):
             pass
         if info.state not in (State.READY, State.RUNNING):
@@ -853,7 +861,7 @@ class Engine:
                 session = await asyncio.wait_for(GuestSession.connect(handle.socket_path, info.sandbox_id), 1)
             r = await asyncio.wait_for(session.usage(), 2)
             if r is not None:
-                self.registry.set_busy(info.sandbox_id, *r)
+                self.registry.usage.set_busy(info.sandbox_id, *r)
         except (TimeoutError, WarmboxError, OSError):
             pass  # the last known counters stand
         finally:
@@ -865,13 +873,13 @@ class Engine:
         return self._metrics(info)
 
     def _metrics(self, info: SandboxInfo) -> SandboxMetrics:
-        m = self.registry.meter(info.sandbox_id)
+        m = self.registry.usage.meter(info.sandbox_id)
         start = info.claimed_at or info.created_at
-        end = self.registry.ended_at(info.sandbox_id) or time.time()
+        end = self.registry.usage.ended_at(info.sandbox_id) or time.time()
         wall = max(0.0, end - start)
         # the commands recorded (what commands() lists), not the agent's count: that one is the
         # guest's word, counts a pool's warm-up, and starts again at 0 in a resumed runtime
-        commands = self.registry.command_count(info.sandbox_id)
+        commands = self.registry.commands.command_count(info.sandbox_id)
         if m is None:
             dead = info.state is State.DESTROYED
             return SandboxMetrics(info.sandbox_id, 0.0, 0.0, wall, 0.0, wall, 0, 0, commands, dead)
@@ -911,10 +919,10 @@ class Engine:
                         await backend.destroy(handle)
                     except WarmboxError:
                         pass  # best effort: its records end either way
-            self.registry.set_state(sandbox_id, State.DESTROYED, reason)
-            self.registry.finalize(sandbox_id)
+            self.registry.sandboxes.set_state(sandbox_id, State.DESTROYED, reason)
+            self.registry.usage.finalize(sandbox_id)
             if info.state is State.PAUSED:
-                self.registry.set_egress(sandbox_id, "")  # the kept record of a paused one
+                self.registry.egress.set_egress(sandbox_id, "")  # the kept record of a paused one
             self._forget_auto_snapshots(info)
             return True
         if info.state is not State.PAUSED:
@@ -922,8 +930,8 @@ class Engine:
         if info.state is not State.PAUSED or Path(handle.state_dir).exists():  # paused: leftovers only
             await self.backend(info.tier).destroy(handle)
         await egress.release(self, sandbox_id)
-        self.registry.set_state(sandbox_id, State.DESTROYED, reason)
-        self.registry.finalize(sandbox_id)
+        self.registry.sandboxes.set_state(sandbox_id, State.DESTROYED, reason)
+        self.registry.usage.finalize(sandbox_id)
         self._forget_auto_snapshots(info)
         return True
 
@@ -931,7 +939,7 @@ class Engine:
         if info.lifecycle.pauses:  # what automatic pauses saved of it ends with it
             from warmbox.engine import snapshot
 
-            for snap in self.registry.auto_snapshots_of(info.sandbox_id):
+            for snap in self.registry.snapshots.auto_snapshots_of(info.sandbox_id):
                 try:
                     snapshot.delete(self, snap)
                 except WarmboxError:
@@ -947,9 +955,11 @@ class Engine:
         now = time.time()
         reaped += await self._reap_template_vms()
         orphans = {
-            sid for sid, owner in self.registry.creating_with_owner() if owner and not owner_alive(owner, self.node)
+            sid
+            for sid, owner in self.registry.sandboxes.creating_with_owner()
+            if owner and not owner_alive(owner, self.node)
         }
-        for info, _ in self.registry.list(include_pooled=True, local=True):
+        for info, _ in self.registry.sandboxes.list(include_pooled=True, local=True):
             if info.state in (State.CREATING, State.RETIRING) and info.sandbox_id not in orphans:
                 # its creator lives and will finish or clean up; only a start stuck far beyond
                 # any real one is taken away from it
@@ -969,7 +979,7 @@ class Engine:
                 except Exception:
                     pass
                 continue
-            if info.sandbox_id in orphans and self.registry.ended_reason(info.sandbox_id) == RESUMING:
+            if info.sandbox_id in orphans and self.registry.sandboxes.ended_reason(info.sandbox_id) == RESUMING:
                 try:  # a resume whose process died: paused again (its snapshot is untouched), not lost
                     await self._unresume(info.sandbox_id)
                     reaped.append(info.sandbox_id)
@@ -989,18 +999,18 @@ class Engine:
                         reaped.append(info.sandbox_id)
                 except Exception:  # one bad sandbox must not stop the reaper; retried next round
                     continue
-        for sid, owner in self.registry.paused_with_owner():  # a pause killed while releasing
+        for sid, owner in self.registry.sandboxes.paused_with_owner():  # a pause killed while releasing
             if owner and not owner_alive(owner, self.node):
-                info, handle = self.registry.get(sid)
+                info, handle = self.registry.sandboxes.get(sid)
                 try:
                     if Path(handle.state_dir).exists():
                         await self.backend(info.tier).destroy(handle)
                         reaped.append(sid)
                     await egress.suspend(self, sid)  # its link too (its policy kept for the resume)
-                    self.registry.released(sid, owner)
+                    self.registry.sandboxes.released(sid, owner)
                 except Exception:
                     continue
-        for info, _ in self.registry.holding():
+        for info, _ in self.registry.sandboxes.holding():
             if info.state is State.FAILED and info.sandbox_id not in reaped:
                 try:
                     if await self.destroy(info.sandbox_id, "teardown retried"):
@@ -1016,7 +1026,7 @@ class Engine:
         and remove what is left of them here; returns their ids. Every reap runs it (the daemon:
         each tick), and so does a call that finds its sandbox's connection gone."""
         live: dict[str, builtins.list[BackendHandle]] = {}
-        for info, handle in self.registry.list(include_pooled=True, local=True):
+        for info, handle in self.registry.sandboxes.list(include_pooled=True, local=True):
             if info.state in (State.READY, State.RUNNING, State.POOLED):
                 live.setdefault(info.tier, []).append(handle)
         lost: builtins.list[str] = []
@@ -1031,7 +1041,7 @@ class Engine:
             dead = await asyncio.to_thread(b.tend_hosts, handles)
             if not dead:
                 continue
-            changed = self.registry.mark_lost(dead, f"the {tier} tier's host process that held it ended")
+            changed = self.registry.nodes.mark_lost(dead, f"the {tier} tier's host process that held it ended")
             for handle in handles:
                 if handle.sandbox_id in changed:
                     try:
@@ -1072,7 +1082,7 @@ class Engine:
             state_dir = sandboxes / sid
             uid_base = 0
             try:
-                info, handle = self.registry.get(sid)
+                info, handle = self.registry.sandboxes.get(sid)
             except SandboxNotFound:
                 pass  # no row: this node's runtime alone knows it, and nobody can use it
             else:
@@ -1098,7 +1108,7 @@ class Engine:
             if info.state in LIVE or info.state is State.FAILED:
                 return False  # this node's: its own duties (the reaper) look after it
             if info.state is State.PAUSED:
-                return not self.registry.owner_of(info.sandbox_id)  # a pauser still releasing it: its job
+                return not self.registry.sandboxes.owner_of(info.sandbox_id)  # a pauser still releasing it: its job
             return True  # lost or destroyed
         if info.state in LIVE or info.state is State.FAILED or info.state is State.PAUSED:
             # Another node's now. Cgroups and named network namespaces are named by sandbox id
@@ -1114,8 +1124,8 @@ class Engine:
         pooled counts go to the registry. False: the node is fenced (marked down, or joined again
         under a newer epoch): what it ran is no longer its own, so it is ended here at once
         (``reconcile_node``) and the node process must stop serving and exit."""
-        live, pooled = self.registry.local_counts()
-        if self.registry.heartbeat(self.node, epoch, live, pooled):
+        live, pooled = self.registry.nodes.local_counts()
+        if self.registry.nodes.heartbeat(self.node, epoch, live, pooled):
             return True
         await self.reconcile_node()
         return False
@@ -1126,8 +1136,10 @@ class Engine:
         if Path(handle.state_dir).exists():
             await self.backend(info.tier).destroy(handle)
         await egress.suspend(self, sandbox_id)
-        self.registry.set_state(sandbox_id, State.PAUSED, "resumer process died; still paused", expected=State.CREATING)
-        self.registry.finalize(sandbox_id)
+        self.registry.sandboxes.set_state(
+            sandbox_id, State.PAUSED, "resumer process died; still paused", expected=State.CREATING
+        )
+        self.registry.usage.finalize(sandbox_id)
 
     def _retention(self) -> float:
         try:
@@ -1155,23 +1167,23 @@ class Engine:
         ``on_timeout="pause"`` is the reaper's: see ``expire``). Returns the ids acted on."""
         from warmbox.engine import snapshot
 
-        idle, expired = self.registry.lifecycle_due(time.time(), self._retention())
+        idle, expired = self.registry.sandboxes.lifecycle_due(time.time(), self._retention())
         done = []
         for sid in idle:
             try:
                 if await self._runs_processes(sid):  # a background process or terminal is use
-                    self.registry.touch(sid, time.time())
+                    self.registry.sandboxes.touch(sid, time.time())
                     continue
                 await self.auto_pause(sid, "idle")
                 done.append(sid)
             except Exception:  # tried again after another idle period
                 try:
-                    self.registry.touch(sid, time.time())
+                    self.registry.sandboxes.touch(sid, time.time())
                 except WarmboxError:
                     pass
         for sid in expired:
             try:
-                for snap in self.registry.snapshots_of(sid):
+                for snap in self.registry.snapshots.snapshots_of(sid):
                     snapshot.delete(self, snap)
                 if await self.destroy(sid, RETENTION_EXPIRED):
                     done.append(sid)
@@ -1201,14 +1213,14 @@ class Engine:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # held for one read-modify-write of one row
             try:
-                marks = json.loads(self.registry.meta_text(TEMPLATE_VMS_KEY) or "{}")
+                marks = json.loads(self.registry.meta.meta_text(TEMPLATE_VMS_KEY) or "{}")
             except ValueError:
                 marks = {}
             if not isinstance(marks, dict):
                 marks = {}
             if change is not None:
                 change(marks)
-                self.registry.set_meta_text(TEMPLATE_VMS_KEY, json.dumps(marks))
+                self.registry.meta.set_meta_text(TEMPLATE_VMS_KEY, json.dumps(marks))
             return marks
         finally:
             os.close(fd)
@@ -1222,7 +1234,7 @@ class Engine:
         self._template_marks(lambda m: m.pop(sandbox_id, None))
 
     async def _reap_template_vms(self) -> builtins.list[str]:
-        if not self.registry.meta_text(TEMPLATE_VMS_KEY).strip("{} "):
+        if not self.registry.meta.meta_text(TEMPLATE_VMS_KEY).strip("{} "):
             return []  # nothing marked: no lock taken (the daemon looks every tick)
         reaped = []
         for sid, mark in self._template_marks().items():
@@ -1230,7 +1242,7 @@ class Engine:
             if isinstance(owner, str) and owner and owner_alive(owner, self.node):
                 continue  # its creator is still at it
             try:
-                info, handle = self.registry.get(sid)
+                info, handle = self.registry.sandboxes.get(sid)
             except SandboxNotFound:
                 self.unmark_template_vm(sid)
                 continue
@@ -1243,11 +1255,11 @@ class Engine:
             why = "template creator died"
             if info.state is State.PAUSED:  # paused (by its creator, or by recovery) but not recorded
                 key = mark.get("key")
-                taken = self.registry.snapshots_of(sid)
+                taken = self.registry.snapshots.snapshots_of(sid)
                 if taken and isinstance(key, str) and key.startswith("template:"):
-                    if not self.registry.meta_text(key):
-                        self.registry.set_meta_text(key, taken[-1])
-                    if self.registry.meta_text(key) == taken[-1]:
+                    if not self.registry.meta.meta_text(key):
+                        self.registry.meta.set_meta_text(key, taken[-1])
+                    if self.registry.meta.meta_text(key) == taken[-1]:
                         why = f"became template snapshot {taken[-1]} (recorded after its creator died)"
             try:
                 if await self.destroy(sid, why):
@@ -1275,7 +1287,7 @@ class Engine:
     def next_expiry(self) -> float | None:
         """The next moment the daemon has work: a timeout, an idle pause, a paused sandbox's end."""
         found = [i.expires_at for i in self.holding()]
-        duty = self.registry.next_lifecycle_deadline(self._retention())
+        duty = self.registry.sandboxes.next_lifecycle_deadline(self._retention())
         if duty is not None:
             found.append(duty)
         return min(found) if found else None

@@ -129,7 +129,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         raise InvalidArgument(f"runtime dir {engine.runtime} is too long for a unix socket path")
     lim = spec.limits
     if spec.resume_of:  # the same row and id; a new uid range, this node's directory and socket
-        engine.registry.reallocate(
+        engine.registry.sandboxes.reallocate(
             sandbox_id,
             spec.timeout_s,
             lim,
@@ -139,7 +139,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
             socket_path=socket_path,
         )
     else:
-        engine.registry.allocate(
+        engine.registry.sandboxes.allocate(
             sandbox_id,
             spec.tier,
             spec.template,
@@ -156,7 +156,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         )
     if not spec.pool:
         engine.ensure_daemon()  # from here on, a crash of this process is cleaned up by the daemon
-    info, handle = engine.registry.get(sandbox_id)
+    info, handle = engine.registry.sandboxes.get(sandbox_id)
     if spec.resume_of and state_dir.exists():  # leftovers of a pause whose release was cut short
         try:
             await backend.destroy(handle)
@@ -230,7 +230,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
                     f"template {boot.template.name} warm-up hit the memory limit ({lim.memory_mb} MiB): OOM kill",
                     sandbox_id,
                 )
-            engine.registry.sample([(sandbox_id, u.memory_bytes, u.cpu_ns)])
+            engine.registry.usage.sample([(sandbox_id, u.memory_bytes, u.cpu_ns)])
     except BaseException as e:
         if session is not None:
             await session.close()
@@ -256,19 +256,21 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         timings.append(StageTiming(sandbox_id, "network", prep_s * 1e3, on_path))
     try:
         if not spec.resume_of:  # a resume keeps its start's timings; its caller records ``resume``
-            engine.registry.add_timings(timings)
+            engine.registry.sandboxes.add_timings(timings)
         # the lifetime starts now that it is usable, not when its start began
-        engine.registry.set_expiry(sandbox_id, time.time() + spec.timeout_s)
+        engine.registry.sandboxes.set_expiry(sandbox_id, time.time() + spec.timeout_s)
         if spec.resume_of:
             why = f"resumed from {boot.snapshot_id}" if isinstance(boot, Restore) else "resumed"
         elif isinstance(boot, Restore):
             why = f"restored from {boot.snapshot_id}"
         else:
             why = "warmed up for pool " + spec.pool if spec.pool else "guest agent answered"
-        engine.registry.set_state(sandbox_id, State.POOLED if spec.pool else State.READY, why, expected=State.CREATING)
+        engine.registry.sandboxes.set_state(
+            sandbox_id, State.POOLED if spec.pool else State.READY, why, expected=State.CREATING
+        )
         if isinstance(boot, Restore):
-            engine.registry.set_parent(sandbox_id, boot.snapshot_id)
-        info, _ = engine.registry.get(sandbox_id)
+            engine.registry.sandboxes.set_parent(sandbox_id, boot.snapshot_id)
+        info, _ = engine.registry.sandboxes.get(sandbox_id)
     except BaseException:
         await session.close()
         raise
@@ -307,7 +309,7 @@ async def claim(
     if tenant is not None and isinstance(engine.backend(pc.tier), SharedHost):
         return None
     while True:
-        got = engine.registry.claim(pc.name, shape, timeout_s, engine.owner, tenant)
+        got = engine.registry.pools.claim(pc.name, shape, timeout_s, engine.owner, tenant)
         if got is None:
             return None
         info, handle = got
@@ -324,7 +326,7 @@ async def claim(
             # it died or misbehaves while pooled: never hand it out; take the next one
             if session is not None:
                 await session.close()
-            engine.registry.pool_event(pc.name, "claim_failed", sid, f"{type(e).__name__}: {e}"[:500])
+            engine.registry.pools.pool_event(pc.name, "claim_failed", sid, f"{type(e).__name__}: {e}"[:500])
             try:
                 await engine.destroy(sid, "pooled sandbox failed its claim check")
             except WarmboxError:
@@ -336,9 +338,9 @@ async def claim(
             await engine.destroy(sid, "claim interrupted")
             raise
         alloc = StageTiming(sid, "allocation", (time.perf_counter() - t0) * 1e3, True)
-        engine.registry.add_timings([alloc])
+        engine.registry.sandboxes.add_timings([alloc])
         engine.ensure_daemon()
-        timings = [t for t in engine.registry.timings(sid) if t.stage != "allocation"]
+        timings = [t for t in engine.registry.sandboxes.timings(sid) if t.stage != "allocation"]
         return Launched(info, handle, session, [alloc, *timings])
 
 

@@ -343,7 +343,7 @@ async def snapshot(
         if not store.exists(snaps.blob_key(sha)):  # a gc raced the write: do not claim a snapshot exists
             store.delete(snaps.manifest_key(m.snapshot_id))
             raise StorageError(f"snapshot of {sandbox_id}: its blob vanished while it was written (a concurrent gc?)")
-        engine.registry.add_snapshot(m.snapshot_id, sandbox_id, m.created_at, size)
+        engine.registry.snapshots.add_snapshot(m.snapshot_id, sandbox_id, m.created_at, size)
         return m
     finally:
         if blob is not None:
@@ -372,7 +372,7 @@ def _manifest(
     """The manifest of a snapshot of ``info``: its shape, the blobs (sha256, stored, raw sizes)."""
     from warmbox.engine import egress
 
-    lim = engine.registry.limits(info.sandbox_id)
+    lim = engine.registry.sandboxes.limits(info.sandbox_id)
     mem_sha, mem_size, mem_raw = memory or ("", 0, 0)
     record = egress.record_of(engine, info.sandbox_id)
     return snaps.SnapshotManifest(
@@ -526,7 +526,9 @@ async def pause(
         await session.close()
     await _release_paused(engine, sandbox_id, m, why)
     try:
-        engine.registry.add_timings([StageTiming(sandbox_id, "pause", (time.perf_counter() - t0) * 1e3, True)])
+        engine.registry.sandboxes.add_timings(
+            [StageTiming(sandbox_id, "pause", (time.perf_counter() - t0) * 1e3, True)]
+        )
     except WarmboxError:
         pass  # the pause is done and recorded; a busy registry only loses its duration
     return m
@@ -540,13 +542,13 @@ async def _release_paused(engine: Engine, sandbox_id: str, m: snaps.SnapshotMani
     reason = f"paused to {m.snapshot_id}" + (f" ({why})" if why else "")
     _releasing.add(sandbox_id)
     try:
-        engine.registry.set_state(sandbox_id, State.PAUSED, reason, owner=engine.owner)
-        engine.registry.finalize(sandbox_id)
+        engine.registry.sandboxes.set_state(sandbox_id, State.PAUSED, reason, owner=engine.owner)
+        engine.registry.usage.finalize(sandbox_id)
         await engine.backend(info.tier).destroy(handle)
         from warmbox.engine import egress
 
         await egress.suspend(engine, sandbox_id)  # its policy waits for its resume (the secrets' values go)
-        engine.registry.released(sandbox_id, engine.owner)  # from here a resume may start it again
+        engine.registry.sandboxes.released(sandbox_id, engine.owner)  # from here a resume may start it again
     finally:
         _releasing.discard(sandbox_id)
 
@@ -696,7 +698,7 @@ async def _store_checkpoint(
         context_skipped=(),
     )
     snaps.save_manifest(store, m, work)
-    engine.registry.add_snapshot(m.snapshot_id, sid, m.created_at, m.size_bytes, m.runtime)
+    engine.registry.snapshots.add_snapshot(m.snapshot_id, sid, m.created_at, m.size_bytes, m.runtime)
     # kept unpacked, once stored (until then a failure continues the sandbox from it): a tier that
     # starts every sandbox from a template reads it in place on each restore; another tier's
     # resume of this pause takes it (and drops it) instead of unpacking the blob
@@ -847,7 +849,7 @@ async def restore_memory(
         _check_fits(m, limits.disk_mb << 20)  # before anything is fetched
         check_runtime(engine, m)
         if tenant is not None:
-            engine.registry.check_quota(tenant, m.tier, limits)
+            engine.registry.tenants.check_quota(tenant, m.tier, limits)
         image = await asyncio.to_thread(image_of, engine, m, tenant)  # gone: refused before the fetch
         store = store_for(engine)
         snaps.get_blob(store, m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, ws_tar, work)
@@ -1018,7 +1020,7 @@ async def _template_snapshot(
     if image is None:
         image = engine.image_for(tmpl.name)
     key = template_key(engine, tier, shape, image)
-    sid = engine.registry.meta_text(key)
+    sid = engine.registry.meta.meta_text(key)
     if sid:
         try:
             return snaps.load_manifest(store, sid, _workdir(engine))
@@ -1040,8 +1042,10 @@ async def _template_snapshot(
             if code != 0:
                 raise SandboxError(f"template warm-up {argv[0]} exited {code}: {err[-200:]}", info.sandbox_id)
         m = await pause(engine, info.sandbox_id, session, memory=True)
-        engine.registry.set_meta_text(key, m.snapshot_id)  # first: a death after it loses nothing
-        engine.registry.set_state(info.sandbox_id, State.DESTROYED, f"became template snapshot {m.snapshot_id}")
+        engine.registry.meta.set_meta_text(key, m.snapshot_id)  # first: a death after it loses nothing
+        engine.registry.sandboxes.set_state(
+            info.sandbox_id, State.DESTROYED, f"became template snapshot {m.snapshot_id}"
+        )
     except BaseException:
         await session.close()
         try:
@@ -1062,7 +1066,7 @@ def resolve(engine: Engine, ref: str) -> snaps.SnapshotManifest:
     if not isinstance(ref, str) or not ref:
         raise InvalidArgument(f"expected a snapshot id or sandbox id, got {ref!r}")
     if ref.startswith("sb-"):
-        ids = engine.registry.snapshots_of(ref)
+        ids = engine.registry.snapshots.snapshots_of(ref)
         if not ids:
             raise SandboxNotFound(f"sandbox {ref} has no snapshot", ref)
         ref = ids[-1]
@@ -1103,7 +1107,7 @@ async def restore(
         limits = _limits_of(m)
         _check_fits(m, (limits.disk_mb + 2 * limits.tmp_mb) << 20)  # /workspace, /tmp and /home/user
         if tenant is not None:
-            engine.registry.check_quota(tenant, m.tier, limits)
+            engine.registry.tenants.check_quota(tenant, m.tier, limits)
         image = await asyncio.to_thread(image_of, engine, m, tenant)  # gone: refused before the fetch
         snaps.get_blob(store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, raw, work)
         got = await engine.create(
@@ -1137,7 +1141,7 @@ async def restore(
                     raise SandboxError(
                         f"restoring the code context: {done.error.name}: {done.error.value}", info.sandbox_id
                     )
-            engine.registry.set_parent(info.sandbox_id, m.snapshot_id)
+            engine.registry.sandboxes.set_parent(info.sandbox_id, m.snapshot_id)
         except BaseException:
             await session.close()
             try:
@@ -1161,8 +1165,8 @@ async def _undo_start(engine: Engine, got: Launched, why: str, *, resumed: bool)
 
     await engine.backend(got.info.tier).destroy(got.handle)
     await egress.suspend(engine, got.sandbox_id)
-    engine.registry.set_state(got.sandbox_id, State.PAUSED, f"{why}; still paused")
-    engine.registry.finalize(got.sandbox_id)
+    engine.registry.sandboxes.set_state(got.sandbox_id, State.PAUSED, f"{why}; still paused")
+    engine.registry.usage.finalize(got.sandbox_id)
 
 
 def _limits_of(m: snaps.SnapshotManifest) -> Limits:
@@ -1237,7 +1241,7 @@ async def resume(
     secret_map = egress.secrets_for(record, secrets, ref, f"sandbox {ref}")
     m = resolve(engine, ref)
     if timeout is None:
-        timeout = engine.registry.timeout_of(ref) or None
+        timeout = engine.registry.sandboxes.timeout_of(ref) or None
     await _released(engine, ref)
     got = await restore(engine, m, timeout=timeout, envs=envs, tenant=tenant, resume_of=ref)
     try:
@@ -1250,8 +1254,8 @@ async def resume(
         except WarmboxError:
             pass
         raise
-    engine.registry.add_timings([StageTiming(ref, "resume", (time.perf_counter() - t0) * 1e3, True)])
-    got.timings = engine.registry.timings(ref)
+    engine.registry.sandboxes.add_timings([StageTiming(ref, "resume", (time.perf_counter() - t0) * 1e3, True)])
+    got.timings = engine.registry.sandboxes.timings(ref)
     got.info, _ = engine.info(ref)
     return got
 
@@ -1292,7 +1296,7 @@ def start_of(engine: Engine, ref: str) -> tuple[str, str, str, Limits]:
     paused sandbox continued under its id, ("create", snapshot_id, tier, limits) for a fork."""
     if isinstance(ref, str) and ref.startswith("sb-"):
         info, _ = engine.info(ref)
-        return "resume", ref, info.tier, engine.registry.limits(ref)
+        return "resume", ref, info.tier, engine.registry.sandboxes.limits(ref)
     m = resolve(engine, ref)
     if _pause_of_paused(engine, m):
         return "resume", m.sandbox_id, m.tier, _limits_of(m)
@@ -1306,7 +1310,7 @@ def _pause_of_paused(engine: Engine, m: snaps.SnapshotManifest) -> bool:
         info, _ = engine.info(m.sandbox_id)
     except WarmboxError:
         return False
-    return info.state is State.PAUSED and engine.registry.snapshots_of(m.sandbox_id)[-1:] == [m.snapshot_id]
+    return info.state is State.PAUSED and engine.registry.snapshots.snapshots_of(m.sandbox_id)[-1:] == [m.snapshot_id]
 
 
 RELEASE_WAIT_S = 60.0
@@ -1320,7 +1324,7 @@ async def _released(engine: Engine, sandbox_id: str) -> None:
 
     deadline = time.monotonic() + RELEASE_WAIT_S
     while time.monotonic() < deadline:
-        owner = engine.registry.owner_of(sandbox_id)
+        owner = engine.registry.sandboxes.owner_of(sandbox_id)
         if not owner or not owner_alive(owner, engine.node) or (owner == engine.owner and sandbox_id not in _releasing):
             return  # released, its pauser is gone, or this process's release ended (a failed one)
         if engine.info(sandbox_id)[0].state is not State.PAUSED:
@@ -1334,7 +1338,7 @@ def delete(engine: Engine, snapshot_id: str) -> None:
         raise InvalidArgument(f"{snapshot_id!r} is not a snapshot id")
     store = store_for(engine)
     store.delete(snaps.manifest_key(snapshot_id))
-    engine.registry.remove_snapshot(snapshot_id)
+    engine.registry.snapshots.remove_snapshot(snapshot_id)
     import shutil
 
     shutil.rmtree(_memory_cache(engine) / snapshot_id, ignore_errors=True)

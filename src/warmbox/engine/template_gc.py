@@ -54,7 +54,7 @@ def _layer_bytes(store: LayerStore, digest: str) -> int:
 
 def recorded_images(engine: Engine) -> set[str]:
     """Image ids this home's sandboxes (not destroyed) and snapshots recorded."""
-    return engine.registry.recorded_image_ids()
+    return engine.registry.templates.recorded_image_ids()
 
 
 def _other_homes_images(store: LayerStore, own: Registry) -> set[str] | None:
@@ -106,7 +106,7 @@ def gc(engine: Engine, *, dry_run: bool = False, min_age_s: float = 0.0) -> ops.
     try:
         used_ids = recorded_images(engine)
         keep = set(engine.layers_in_use())
-        infos = engine.registry.template_list()
+        infos = engine.registry.templates.template_list()
         for info in infos:
             if info.image_id in used_ids:
                 keep.update(info.layers)

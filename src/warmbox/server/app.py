@@ -235,7 +235,7 @@ class Service:
         if self.fronts is not None:
             return self.fronts.ready()
         try:
-            self.engine.registry.sandbox_tenant("sb-000000000000")  # one indexed read
+            self.engine.registry.sandboxes.sandbox_tenant("sb-000000000000")  # one indexed read
         except WarmboxError as e:
             return f"the registry does not answer: {e}"
         return ""
@@ -249,7 +249,7 @@ class Service:
 
     def authenticate_secret(self, secret: str) -> Tenant:
         """The tenant of a live API key's secret, rate limited per key; Unauthenticated otherwise."""
-        tenant = self.engine.registry.authenticate(secret)
+        tenant = self.engine.registry.tenants.authenticate(secret)
         if tenant is None:
             raise Unauthenticated("unknown or revoked API key")
         return self._admit(tenant, tenant.key_id or tenant.name)
@@ -257,10 +257,10 @@ class Service:
     def sandbox_key_ids(self, sandbox_id: str) -> list[str]:
         """The live API keys of the tenant a sandbox belongs to (none for an unknown sandbox or one
         of the host's): whose access tokens may have signed an E2B file URL for it."""
-        tenant = self.engine.registry.sandbox_tenant(sandbox_id)
+        tenant = self.engine.registry.sandboxes.sandbox_tenant(sandbox_id)
         if not tenant:
             return []
-        return [k.key_id for k in self.engine.registry.list_keys() if k.tenant == tenant and not k.revoked_at]
+        return [k.key_id for k in self.engine.registry.tenants.list_keys() if k.tenant == tenant and not k.revoked_at]
 
     @functools.cached_property
     def signer(self) -> signing.Signer:
@@ -278,7 +278,7 @@ class Service:
             logs.note_tenant("")
             return None
         try:
-            tenant = self.engine.registry.tenant(name)
+            tenant = self.engine.registry.tenants.tenant(name)
         except InvalidArgument:  # no quotas recorded for it: unlimited, as a mapped uid's tenant
             tenant = Tenant(name=name)
         return self._admit(tenant, signer)
@@ -286,7 +286,7 @@ class Service:
     def authenticate_key_id(self, key_id: str) -> Tenant:
         """What :meth:`authenticate_secret` answers for the key with this id (the console's
         sessions hold a key's id, never its secret): a revoked key is refused at once."""
-        tenant = self.engine.registry.key_tenant(key_id)
+        tenant = self.engine.registry.tenants.key_tenant(key_id)
         if tenant is None:
             raise Unauthenticated("the API key this session was opened with is revoked or unknown")
         return self._admit(tenant, tenant.key_id or tenant.name)
@@ -319,7 +319,7 @@ class Service:
         if not peer.TENANT_NAME.match(name):
             raise Unauthenticated(f"{peer.TENANT} must name a tenant (letters, digits, '_', '.', '@', '-')")
         try:
-            tenant = self.engine.registry.tenant(name)
+            tenant = self.engine.registry.tenants.tenant(name)
         except InvalidArgument:  # no quotas recorded for it: unlimited, as a mapped uid's tenant
             tenant = Tenant(name=name)
         admin = request.headers.get(peer.ADMIN, "") == "1"
@@ -351,7 +351,7 @@ class Service:
             name = self.peers.get(uid)
             if name is not None:
                 try:
-                    tenant = self.engine.registry.tenant(name)
+                    tenant = self.engine.registry.tenants.tenant(name)
                 except InvalidArgument:  # mapped in [server] peers but never given quotas: unlimited
                     tenant = Tenant(name=name)
                 return self._admit(tenant, f"uid:{uid}")

@@ -102,9 +102,9 @@ def routes(console: Console) -> list[BaseRoute]:
         pools = []
         for s in statuses:
             # a pool younger than the range starts at its first event, not with hours of "0 ready"
-            first = registry.pool_first_event(s.name)
+            first = registry.pools.pool_first_event(s.name)
             start = now if first is None else min(now, max(since, first))
-            events = registry.pool_events(s.name, start)
+            events = registry.pools.pool_events(s.name, start)
             card = PoolCard.of(s)
             pools.append(
                 {
