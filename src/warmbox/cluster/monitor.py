@@ -2,7 +2,7 @@
 
 Every PERIOD_S the monitor reads the node rows and asks Ray which raylets are alive. A node that is
 not down whose raylet Ray reports dead, or whose last heartbeat is older than ``heartbeat_timeout_s``,
-is marked down in the registry (``Registry.mark_node_down``: its live sandboxes become lost, its
+is marked down in the registry (``NodeStore.mark_node_down``: its live sandboxes become lost, its
 paused ones stay resumable on any node, its epoch moves on so it is fenced), and this router ends
 every call still waiting on it (:meth:`Cluster.node_down`). Several routers may watch one cluster:
 the mark is conditional on the epoch the monitor saw (a node that rejoined meanwhile is left

@@ -4,7 +4,9 @@ A front is one client's view of the engine: it validates every request (so every
 the same typed errors), keeps that client's connections to the sandboxes it holds (one
 :class:`~warmbox.engine.session.GuestSession` each, on the client's event loop), and maps each op
 onto the engine, the snapshot module and the session. Nothing else in the SDK, CLI or server
-reaches below it.
+reaches below it, but for the registry stores the server's Service holds by name (server/app.py):
+``tenants`` and ``sandboxes`` for its key checks (whose key, whose sandbox: before a front is
+chosen), ``usage`` and ``pools`` for the console's cost and pool pages (reads, no sandbox).
 
 A front is the host's (``tenant=None``: every sandbox and snapshot, admin operations) or one
 tenant's. A tenant's front is where tenancy is enforced, once for every transport: an id of

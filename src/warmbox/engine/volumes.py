@@ -191,7 +191,7 @@ def of_sandbox(engine: Engine, sandbox_id: str) -> tuple[VolumeMount, ...]:
 def record(engine: Engine, sandbox_id: str, mounts: tuple[VolumeMount, ...], own_disk: bool) -> None:
     """Record the sandbox's mounts (before its backend mounts anything): VolumeNotFound if a
     volume went meanwhile, VolumeInUse where the tier's sharing rule refuses (see
-    Registry.mount_volumes)."""
+    VolumeStore.mount_volumes)."""
     engine.registry.volumes.mount_volumes(
         sandbox_id, [(volume_id_of(m), m.name, m.path, m.read_only) for m in mounts], exclusive=own_disk
     )

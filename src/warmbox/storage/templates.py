@@ -43,7 +43,7 @@ def registry_gone(key: str) -> bool:
 
 
 def add_template(registry: Registry, store: LayerStore, info: TemplateInfo) -> TemplateInfo:
-    """Registry.template_add, its layers pinned in the store (the record returned: its version)."""
+    """TemplateStore.template_add, its layers pinned in the store (the record returned: its version)."""
     out = registry.templates.template_add(info)
     store.pin(pin_name(registry, out.tenant, out.name, out.version), out.layers)
     return out
@@ -52,7 +52,7 @@ def add_template(registry: Registry, store: LayerStore, info: TemplateInfo) -> T
 def delete_template(
     registry: Registry, store: LayerStore, name: str, version: int | None = None, tenant: str = ""
 ) -> builtins.list[TemplateInfo]:
-    """Registry.template_delete, the removed versions' pins dropped (their layers stay until collect)."""
+    """TemplateStore.template_delete, the removed versions' pins dropped (their layers stay until collect)."""
     removed = registry.templates.template_delete(name, version, tenant)
     for t in removed:
         store.unpin(pin_name(registry, t.tenant, t.name, t.version))
