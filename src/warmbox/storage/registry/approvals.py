@@ -7,24 +7,11 @@ import dataclasses
 import math
 import secrets
 import time
-import typing
 from collections.abc import Callable
 
-from warmbox.errors import (
-    ApprovalClosed,
-    ApprovalNotFound,
-    InvalidArgument,
-)
-from warmbox.models import (
-    APPROVAL_KINDS,
-    COST_DECISIONS,
-    NETWORK_DECISIONS,
-    Approval,
-)
+from warmbox.errors import ApprovalClosed, ApprovalNotFound, InvalidArgument
+from warmbox.models import APPROVAL_KINDS, COST_DECISIONS, NETWORK_DECISIONS, Approval
 from warmbox.paths import owner_alive
-
-if typing.TYPE_CHECKING:
-    pass
 from warmbox.storage.registry.common import _MAX_APPROVAL_TEXT
 from warmbox.storage.registry.db import Database, Store, _retried
 

@@ -5,39 +5,20 @@ from __future__ import annotations
 import builtins
 import math
 import re
-import typing
 
-from warmbox.errors import (
-    InvalidArgument,
-)
-from warmbox.models import (
-    COMMAND_KINDS,
-    MAX_COMMAND_TEXT,
-    CommandRecord,
-)
-
-if typing.TYPE_CHECKING:
-    pass
+from warmbox.errors import InvalidArgument
+from warmbox.models import COMMAND_KINDS, MAX_COMMAND_TEXT, CommandRecord
 from warmbox.storage.registry.db import Store, _retried
 
 COMMANDS_HEAD = 5_000  # command records a sandbox keeps from its start (its setup) ...
-
-
 COMMANDS_TAIL = 5_000  # ... and from its latest (at most 10,000 rows, 40 MiB of text, per sandbox)
-
-
 _COMMAND_COLUMNS = (
     "sandbox_id, seq, kind, text, text_truncated, language, started_at, duration_ms, exit_code, error, "
     "timed_out, truncated, oom_killed, stdout_bytes, stderr_bytes"
 )
 
-
 MAX_COMMAND_ERROR = 200  # characters of a CommandRecord's error name kept
-
-
 _NOT_A_NAME = re.compile(r"[^A-Za-z0-9_.:-]")
-
-
 _INT64 = (1 << 63) - 1
 
 

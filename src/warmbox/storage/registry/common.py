@@ -5,24 +5,11 @@ from __future__ import annotations
 import json
 import math
 import re
-import typing
 
-from warmbox.errors import (
-    InvalidArgument,
-    SandboxNotFound,
-)
+from warmbox.errors import InvalidArgument, SandboxNotFound
 from warmbox.lifecycle import LIVE
-from warmbox.models import (
-    State,
-    Tenant,
-)
-from warmbox.storage.sql import (
-    Conn,
-)
-
-if typing.TYPE_CHECKING:
-    pass
-
+from warmbox.models import State, Tenant
+from warmbox.storage.sql import Conn
 
 _COLUMNS = (
     "sandbox_id, tier, template, state, created_at, expires_at, memory_mb, cpus, pids, uid_slot, "
@@ -31,25 +18,12 @@ _COLUMNS = (
     "tenant, node"
 )
 
-
 GIB = float(1 << 30)
-
-
 HOUR = 3600.0
-
-
 _MAX_APPROVAL_TEXT = 500
-
-
 _LIVE = tuple(s.value for s in LIVE)
-
-
 _HOLDING = (*_LIVE, State.FAILED.value)  # states whose uid range is still in use
-
-
 _SPARE = (State.POOLED.value, State.RETIRING.value)  # a pool's warm spares (they yield a slot to a user's sandbox)
-
-
 _QUOTA = (State.CREATING.value, State.READY.value, State.RUNNING.value)
 
 

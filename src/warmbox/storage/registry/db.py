@@ -17,39 +17,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from warmbox.config import ClusterSettings
-from warmbox.errors import (
-    NoCapacity,
-    NodeFenced,
-    RegistryBusy,
-    RegistryError,
-    RegistrySchemaError,
-)
-from warmbox.models import (
-    Limits,
-)
-from warmbox.storage.sql import (
-    DEFAULT_BOUNDS,
-    Bounds,
-    Conn,
-    PostgresDialect,
-    SqliteDialect,
-    dialect_for,
-    is_url,
-)
-from warmbox.storage.uidslots import (
-    UidLedger,
-    registry_holds,
-    row_holds,
-)
-
-if typing.TYPE_CHECKING:
-    pass
+from warmbox.errors import NoCapacity, NodeFenced, RegistryBusy, RegistryError, RegistrySchemaError
+from warmbox.models import Limits
 from warmbox.storage.registry.common import _HOLDING, _SPARE, _in
 from warmbox.storage.registry.schema import _ADDED_COLUMNS, _NET_LINK_COLUMNS, SCHEMA, SCHEMA_VERSION, schema_statements
+from warmbox.storage.sql import DEFAULT_BOUNDS, Bounds, Conn, PostgresDialect, SqliteDialect, dialect_for, is_url
+from warmbox.storage.uidslots import UidLedger, registry_holds, row_holds
 
 _F = typing.TypeVar("_F", bound=Callable[..., typing.Any])
-
-
 _retrying = threading.local()  # .active: this thread is inside a retried write (inner writes do not retry)
 
 

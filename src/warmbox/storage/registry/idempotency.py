@@ -5,15 +5,10 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import time
-import typing
 
-if typing.TYPE_CHECKING:
-    pass
 from warmbox.storage.registry.db import Database, Store, _retried
 
 IDEM_PURGE_EVERY = 256  # claims between two purges of expired idempotency keys
-
-
 _IDEM_CLAIM_COLUMNS = (
     "tenant",
     "scope",
@@ -26,7 +21,6 @@ _IDEM_CLAIM_COLUMNS = (
     "expires_at",
     "deadline",
 )
-
 
 _IDEM_COLUMNS = ", ".join((*_IDEM_CLAIM_COLUMNS, "sandbox_id", "result"))
 

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import typing
-
-if typing.TYPE_CHECKING:
-    pass
 from warmbox.storage.registry.db import Store, _retried
 
 

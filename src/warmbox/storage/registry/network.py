@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import builtins
 import time
-import typing
 
-from warmbox.models import (
-    NetEvent,
-)
-
-if typing.TYPE_CHECKING:
-    pass
+from warmbox.models import NetEvent
 from warmbox.storage.registry.db import Store, _retried
 from warmbox.storage.registry.schema import _NET_LINK_COLUMNS
 

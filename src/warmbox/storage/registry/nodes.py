@@ -4,28 +4,16 @@ from __future__ import annotations
 
 import builtins
 import time
-import typing
 
-from warmbox.errors import (
-    InvalidArgument,
-)
+from warmbox.errors import InvalidArgument
 from warmbox.lifecycle import LOSABLE
-from warmbox.models import (
-    NODE_STATES,
-    NodeInfo,
-    NodeUsage,
-    State,
-)
-
-if typing.TYPE_CHECKING:
-    pass
+from warmbox.models import NODE_STATES, NodeInfo, NodeUsage, State
 from warmbox.storage.registry.common import _MAX_APPROVAL_TEXT, _in, _node_name, _split, unknown_sandbox
 from warmbox.storage.registry.db import Store, _retried
 
 _NODE_COLUMNS = (
     "name, address, ray_node_id, epoch, state, slots, memory_mb, tiers, joined_at, heartbeat_at, pooled, live"
 )
-
 
 _LOSABLE = tuple(s.value for s in LOSABLE)
 

@@ -9,12 +9,7 @@ import json
 import time
 import typing
 
-from warmbox.errors import (
-    InvalidArgument,
-    RegistryError,
-    SandboxNotFound,
-    SandboxStateError,
-)
+from warmbox.errors import InvalidArgument, RegistryError, SandboxNotFound, SandboxStateError
 from warmbox.lifecycle import LIVE, RESUMING, check_transition
 from warmbox.models import (
     BackendHandle,
@@ -28,13 +23,6 @@ from warmbox.models import (
     TierChoice,
     Transition,
 )
-from warmbox.storage.uidslots import (
-    UID_BASE,
-    UID_RANGE,
-)
-
-if typing.TYPE_CHECKING:
-    pass
 from warmbox.storage.registry.common import (
     _COLUMNS,
     _HOLDING,
@@ -46,6 +34,7 @@ from warmbox.storage.registry.common import (
     unknown_sandbox,
 )
 from warmbox.storage.registry.db import _retried
+from warmbox.storage.uidslots import UID_BASE, UID_RANGE
 
 if typing.TYPE_CHECKING:
     from warmbox.storage.registry.tenants import TenantStore

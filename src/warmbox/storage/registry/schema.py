@@ -4,15 +4,8 @@ migrations are per database, not per store)."""
 from __future__ import annotations
 
 import builtins
-import typing
-
-if typing.TYPE_CHECKING:
-    pass
-
 
 SCHEMA_VERSION = 20
-
-
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -299,7 +292,6 @@ CREATE TABLE IF NOT EXISTS idempotency_keys (
 CREATE INDEX IF NOT EXISTS idempotency_keys_expiry ON idempotency_keys(expires_at);
 """
 
-
 _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE sandboxes ADD COLUMN pool TEXT NOT NULL DEFAULT ''",
     "ALTER TABLE sandboxes ADD COLUMN claimed_at REAL NOT NULL DEFAULT 0",
@@ -352,7 +344,6 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     # version 20: idempotency_keys (a new table, made by SCHEMA): each keyed create, command and code
     # run, recorded before it starts, then its result
 )
-
 
 _NET_LINK_COLUMNS = "sandbox_id, address, ifname, policy, updated_at, node"
 

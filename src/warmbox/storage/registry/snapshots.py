@@ -3,14 +3,8 @@
 from __future__ import annotations
 
 import builtins
-import typing
 
-from warmbox.models import (
-    SnapshotRecord,
-)
-
-if typing.TYPE_CHECKING:
-    pass
+from warmbox.models import SnapshotRecord
 from warmbox.storage.registry.db import Store, _retried
 
 

@@ -7,21 +7,10 @@ import dataclasses
 import json
 import re
 import time
-import typing
 from pathlib import Path
 
-from warmbox.errors import (
-    InvalidArgument,
-    RegistryError,
-    TemplateNotFound,
-)
-from warmbox.models import (
-    State,
-    TemplateInfo,
-)
-
-if typing.TYPE_CHECKING:
-    pass
+from warmbox.errors import InvalidArgument, RegistryError, TemplateNotFound
+from warmbox.models import State, TemplateInfo
 from warmbox.storage.registry.common import _strings
 from warmbox.storage.registry.db import Store, _retried
 
@@ -36,7 +25,6 @@ _TEMPLATE_COLUMNS = (
     'name, version, image_id, layers, env, workdir, "user", warmup_code, warmup_commands, source, '
     "spec_hash, size_bytes, created_at, build_log, tenant, description"
 )
-
 
 _TEMPLATE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 

@@ -8,27 +8,13 @@ import hmac
 import re
 import secrets
 import time
-import typing
 
-from warmbox.errors import (
-    InvalidArgument,
-    QuotaExceeded,
-    RegistryError,
-)
-from warmbox.models import (
-    KeyInfo,
-    Limits,
-    Tenant,
-)
-from warmbox.storage.sql import (
-    Conn,
-)
-from warmbox.tiers import canonical_tier
-
-if typing.TYPE_CHECKING:
-    pass
+from warmbox.errors import InvalidArgument, QuotaExceeded, RegistryError
+from warmbox.models import KeyInfo, Limits, Tenant
 from warmbox.storage.registry.common import _QUOTA, _in, _quota, _split
 from warmbox.storage.registry.db import Store, _retried
+from warmbox.storage.sql import Conn
+from warmbox.tiers import canonical_tier
 
 _KEY_TENANT = (
     "SELECT k.secret_sha256, k.revoked_at, k.key_id, k.admin, t.name, t.max_sandboxes, t.max_memory_mb, "
@@ -54,11 +40,7 @@ def _key_tenant(row: tuple) -> Tenant:
 
 
 _TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
-
-
 SECRET_PREFIX = "wbx_"
-
-
 _MAX_SECRET = 256
 
 

@@ -6,18 +6,9 @@ import builtins
 import dataclasses
 import math
 import time
-import typing
 
-from warmbox.errors import (
-    InvalidArgument,
-)
-from warmbox.models import (
-    BudgetStatus,
-    UsageBucket,
-)
-
-if typing.TYPE_CHECKING:
-    pass
+from warmbox.errors import InvalidArgument
+from warmbox.models import BudgetStatus, UsageBucket
 from warmbox.storage.registry.common import _POOL_COST_COLUMNS, _QUOTA, GIB, HOUR, _add_usage, _in, _quota
 from warmbox.storage.registry.db import Store, _retried
 

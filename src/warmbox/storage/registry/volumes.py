@@ -3,20 +3,9 @@
 from __future__ import annotations
 
 import builtins
-import typing
 
-from warmbox.errors import (
-    RegistryError,
-    VolumeError,
-    VolumeInUse,
-    VolumeNotFound,
-)
-from warmbox.models import (
-    State,
-)
-
-if typing.TYPE_CHECKING:
-    pass
+from warmbox.errors import RegistryError, VolumeError, VolumeInUse, VolumeNotFound
+from warmbox.models import State
 from warmbox.storage.registry.common import _HOLDING, _in
 from warmbox.storage.registry.db import Store, _retried
 
