@@ -46,7 +46,6 @@ from warmbox.server import tunnel as ports
 from warmbox.server.e2b import Dialect
 from warmbox.server.metrics import Exposition
 from warmbox.server.streams import raw_body
-from warmbox.storage.registry import PoolStore, SandboxStore, TenantStore, UsageStore
 
 log = logging.getLogger("warmbox.server")
 R = TypeVar("R")
@@ -192,10 +191,10 @@ class Service:
         self.engine = engine
         self.settings = settings
         self.fronts = fronts
-        self.tenants: TenantStore = engine.registry.tenants  # keys and quotas: authentication
-        self.sandboxes: SandboxStore = engine.registry.sandboxes  # only a sandbox's tenant (sandbox_tenant)
-        self.usage: UsageStore = engine.registry.usage  # the console's cost page and budget badge
-        self.pools: PoolStore = engine.registry.pools  # the console's pool charts (their events)
+        self.tenants = engine.registry.tenants  # keys and quotas: authentication
+        self.sandboxes = engine.registry.sandboxes  # only a sandbox's tenant (sandbox_tenant)
+        self.usage = engine.registry.usage  # the console's cost page and budget badge
+        self.pools = engine.registry.pools  # the console's pool charts (their events)
         self.stopping = False  # SIGTERM: /readyz says so while the last requests finish
         self.peers = dict(settings.peers)
         self.approval_timeout_s = engine.settings().network.approval_timeout_s + 1  # the proxy's wait, and a margin
