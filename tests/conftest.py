@@ -203,6 +203,37 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         sys.addaudithook(guard)  # cannot be removed; one call per audit event, in the fast lane only
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A test that timed out (pytest-timeout) waiting on the sync API: add what the SDK's event
+    loop was awaiting (each pending task's stack), which the thread dump cannot show."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call" or not report.failed or "Timeout" not in str(call.excinfo.value if call.excinfo else ""):
+        return
+    import asyncio
+    import io
+
+    from warmbox.sdk import _sync
+
+    loop = _sync._RUNNER._loop
+    if loop is None:
+        return
+    out = io.StringIO()
+    try:
+        for task in list(asyncio.all_tasks(loop)):
+            out.write(f"{task!r}\n")
+            coro, depth = task.get_coro(), 0
+            while coro is not None and depth < 60:  # the await chain, outermost first
+                frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+                if frame is not None:
+                    out.write(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}\n")
+                coro, depth = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None), depth + 1
+    except RuntimeError as e:  # the set changed under us: what was read is still useful
+        out.write(f"({e})\n")
+    report.sections.append(("pending tasks of the SDK's event loop", out.getvalue()))
+
+
 @pytest.fixture(autouse=True)
 def _fast_lane_spawns(request: pytest.FixtureRequest):
     yield

@@ -4,10 +4,9 @@ Both ends read this table: the server (:mod:`warmbox.server`) mounts one handler
 SDK's HTTP transport builds each request's URL from it, and the OpenAPI document is generated from
 it with the codec's schemas. Fields named in the path come from the path; the rest come from the
 JSON body (``body="json"``), the query string (``body="query"``), or, for file uploads, the query
-string with the file's bytes as the raw body (``body="raw"``). Responses are JSON, NDJSON streams
-(commands and code runs: output events, then the result; ``export``: a transcript's records, see
-:mod:`warmbox.transcript`), raw bytes (file reads), or a WebSocket (``ports.connect``: see
-:data:`TUNNEL_PROTOCOL`).
+string with the file's bytes as the raw body (``body="raw"``). Each route declares its answer's
+:data:`Kind` (JSON, a run's NDJSON stream, a process followed, a watch, a transcript, a file's bytes
+whole or streamed, a WebSocket tunnel; see :data:`KINDS`), and each end dispatches on it once.
 """
 
 from __future__ import annotations
@@ -21,7 +20,39 @@ from warmbox.operations import Op
 
 PREFIX = "/v1"
 Body = Literal["json", "query", "raw"]
-Response = Literal["json", "ndjson", "raw", "websocket"]
+Response = Literal["json", "ndjson", "raw", "websocket"]  # the answer's media
+Kind = Literal[
+    "json",
+    "background",
+    "detach",
+    "run",
+    "follow",
+    "start_follow",
+    "watch",
+    "transcript",
+    "bytes",
+    "file_stream",
+    "tunnel",
+]
+
+# What each kind of route answers, and its media. Both ends dispatch on a route's kind: the server
+# builds the answer (server/app.py), the SDK's HTTP transport reads it (sdk/http.py).
+KINDS: dict[Kind, tuple[Response, str]] = {
+    "json": ("json", "the result as JSON"),
+    "background": ("json", "the result as JSON; a client need not wait for it (sent off the caller's path)"),
+    "detach": ("json", "null once the id is checked; the server holds the guest connection, a client sends nothing"),
+    "run": (
+        "ndjson",
+        'output events ({"stdout"}, {"stderr"}, {"display"}, {"progress"}) with stream=1, then {"result"}',
+    ),
+    "follow": ("ndjson", 'a background process\'s events ({"stdout"|"stderr"}, {"pty"}, {"lost"}), then {"result"}'),
+    "start_follow": ("ndjson", '{"pid": int} first (or {"error"}), then as "follow"'),
+    "watch": ("ndjson", '{"watching": path}, then {"event"} lines, then {"end": null} or {"error"}'),
+    "transcript": ("ndjson", "a transcript's records, one per line (warmbox.transcript)"),
+    "bytes": ("raw", "the file's bytes, whole"),
+    "file_stream": ("raw", "the bytes as a chunked body (X-Warmbox-Path: the path read); cut short on an error"),
+    "tunnel": ("websocket", "a WebSocket (TUNNEL_PROTOCOL); a plain GET gets the checks and an error"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +63,14 @@ class Route:
     method: str
     path: str  # with {field} placeholders, e.g. /v1/sandboxes/{sandbox_id}
     body: Body = "json"
-    response: Response = "json"
+    kind: Kind = "json"  # what it answers (KINDS)
+    streamed: bool = False  # a raw body passed on as it arrives (chunked), never held whole
     idempotent: bool = False  # safe to send again after a dropped connection
     summary: str = ""
+
+    @property
+    def response(self) -> Response:
+        return KINDS[self.kind][0]
 
     @property
     def path_fields(self) -> tuple[str, ...]:
@@ -55,22 +91,29 @@ ROUTES: tuple[Route, ...] = (
     Route(Op.INFO, "GET", _S, "query", idempotent=True, summary="A sandbox's record"),
     Route(Op.KILL, "DELETE", _S, "query", summary="Destroy a sandbox"),
     Route(Op.CONNECT, "POST", f"{_S}/connect", idempotent=True, summary="Attach to a live sandbox"),
-    Route(Op.DETACH, "POST", f"{_S}/detach", idempotent=True, summary="Let go of a sandbox without ending it"),
+    Route(
+        Op.DETACH,
+        "POST",
+        f"{_S}/detach",
+        kind="detach",
+        idempotent=True,
+        summary="Let go of a sandbox without ending it",
+    ),
     Route(Op.RESUME, "POST", f"{PREFIX}/sandboxes/{{snapshot}}/resume", summary="Resume a paused sandbox or snapshot"),
     Route(Op.TIMINGS, "GET", f"{_S}/timings", "query", idempotent=True, summary="Stage timings"),
-    Route(Op.RECORD_FIRST_COMMAND, "POST", f"{_S}/timings/first_command", idempotent=True),
+    Route(Op.RECORD_FIRST_COMMAND, "POST", f"{_S}/timings/first_command", kind="background", idempotent=True),
     Route(Op.LOGS, "GET", f"{_S}/logs", "query", idempotent=True, summary="Runtime log tails"),
     Route(Op.METRICS, "GET", f"{_S}/metrics", "query", idempotent=True, summary="Usage and cost"),
     Route(Op.SET_TIMEOUT, "POST", f"{_S}/timeout", idempotent=True, summary="Extend or shorten the lifetime"),
     Route(Op.PING, "POST", f"{_S}/ping", idempotent=True, summary="One round trip to the guest agent"),
-    Route(Op.EXEC, "POST", f"{_S}/commands", response="ndjson", summary="Run a command (NDJSON stream)"),
+    Route(Op.EXEC, "POST", f"{_S}/commands", kind="run", summary="Run a command (NDJSON stream)"),
     Route(Op.COMMANDS_START, "POST", f"{_S}/processes", summary="Start a background command or terminal"),
     Route(Op.COMMANDS_LIST, "GET", f"{_S}/processes", "query", idempotent=True, summary="Running background processes"),
     Route(
         Op.COMMANDS_START_CONNECT,
         "POST",
         f"{_S}/processes/follow",
-        response="ndjson",
+        kind="start_follow",
         summary="Start a background command or terminal and follow it (NDJSON stream: its pid first)",
     ),
     Route(
@@ -78,7 +121,7 @@ ROUTES: tuple[Route, ...] = (
         "GET",
         f"{_S}/processes/output",
         "query",
-        "ndjson",
+        "follow",
         idempotent=True,
         summary="Follow a background process's output (NDJSON stream)",
     ),
@@ -93,7 +136,7 @@ ROUTES: tuple[Route, ...] = (
     Route(Op.COMMANDS_SEND_STDIN, "POST", f"{_S}/processes/stdin", summary="Write to a background process's stdin"),
     Route(Op.COMMANDS_KILL, "POST", f"{_S}/processes/kill", summary="Signal a process and what it started"),
     Route(Op.PTY_RESIZE, "POST", f"{_S}/processes/resize", idempotent=True, summary="Resize a terminal"),
-    Route(Op.RUN_CODE, "POST", f"{_S}/code", response="ndjson", summary="Run a code cell (NDJSON stream)"),
+    Route(Op.RUN_CODE, "POST", f"{_S}/code", kind="run", summary="Run a code cell (NDJSON stream)"),
     Route(Op.CREATE_CONTEXT, "POST", f"{_S}/contexts", summary="Create a code context"),
     Route(Op.REMOVE_CONTEXT, "DELETE", f"{_S}/contexts/{{context}}", "query", summary="Remove a code context"),
     Route(Op.LIST_CONTEXTS, "GET", f"{_S}/contexts", "query", idempotent=True, summary="The code contexts"),
@@ -103,23 +146,45 @@ ROUTES: tuple[Route, ...] = (
         f"{_S}/contexts/{{context}}/restart",
         summary="A code context's fresh interpreter (same id, no state)",
     ),
-    Route(Op.FILES_READ, "GET", f"{_S}/files/content", "query", "raw", idempotent=True, summary="Read a file"),
-    Route(Op.FILES_READ_STREAM, "GET", f"{_S}/files/stream", "query", "raw", idempotent=True, summary="Stream a file"),
+    Route(Op.FILES_READ, "GET", f"{_S}/files/content", "query", "bytes", idempotent=True, summary="Read a file"),
+    Route(
+        Op.FILES_READ_STREAM,
+        "GET",
+        f"{_S}/files/stream",
+        "query",
+        "file_stream",
+        idempotent=True,
+        summary="Stream a file",
+    ),
     Route(Op.FILES_WRITE, "PUT", f"{_S}/files/content", "raw", summary="Write a file (raw body)"),
-    Route(Op.FILES_WRITE_STREAM, "PUT", f"{_S}/files/stream", "raw", summary="Write a file (streamed raw body)"),
+    Route(
+        Op.FILES_WRITE_STREAM,
+        "PUT",
+        f"{_S}/files/stream",
+        "raw",
+        streamed=True,
+        summary="Write a file (streamed raw body)",
+    ),
     Route(Op.FILES_WRITE_MANY, "POST", f"{_S}/files/batch", summary="Write several files (JSON body)"),
     Route(Op.FILES_RENAME, "POST", f"{_S}/files/rename", summary="Rename or move a path"),
-    Route(Op.FILES_UPLOAD_DIR, "PUT", f"{_S}/files/tar", "raw", summary="Unpack a tar stream into a directory"),
+    Route(
+        Op.FILES_UPLOAD_DIR,
+        "PUT",
+        f"{_S}/files/tar",
+        "raw",
+        streamed=True,
+        summary="Unpack a tar stream into a directory",
+    ),
     Route(
         Op.FILES_DOWNLOAD_DIR,
         "GET",
         f"{_S}/files/tar",
         "query",
-        "raw",
+        "file_stream",
         idempotent=True,
         summary="A directory as a tar stream",
     ),
-    Route(Op.FILES_WATCH, "GET", f"{_S}/files/watch", "query", "ndjson", summary="Watch a directory (NDJSON events)"),
+    Route(Op.FILES_WATCH, "GET", f"{_S}/files/watch", "query", "watch", summary="Watch a directory (NDJSON events)"),
     Route(Op.FILES_LIST, "GET", f"{_S}/files/list", "query", idempotent=True, summary="List a directory"),
     Route(Op.FILES_STAT, "GET", f"{_S}/files/stat", "query", idempotent=True, summary="Stat a path"),
     Route(Op.FILES_MAKE_DIR, "POST", f"{_S}/files/dir", idempotent=True, summary="Make a directory"),
@@ -138,7 +203,7 @@ ROUTES: tuple[Route, ...] = (
         "GET",
         f"{_S}/export",
         "query",
-        "ndjson",
+        "transcript",
         idempotent=True,
         summary="The sandbox's transcript: one typed record per line (NDJSON)",
     ),
@@ -152,7 +217,7 @@ ROUTES: tuple[Route, ...] = (
     ),
     Route(Op.POOLS_LIST, "GET", f"{PREFIX}/pools", "query", idempotent=True, summary="Warm pools"),
     Route(Op.POOLS_RESIZE, "POST", f"{PREFIX}/pools/{{name}}/resize", idempotent=True, summary="Resize a pool (admin)"),
-    Route(Op.PORTS_CONNECT, "GET", f"{_S}/tunnel", "query", "websocket", summary="A TCP connection to a sandbox port"),
+    Route(Op.PORTS_CONNECT, "GET", f"{_S}/tunnel", "query", "tunnel", summary="A TCP connection to a sandbox port"),
     Route(Op.VOLUME_CREATE, "POST", f"{PREFIX}/volumes", summary="Create a named volume"),
     Route(Op.VOLUME_LIST, "GET", f"{PREFIX}/volumes", "query", idempotent=True, summary="List your volumes"),
     Route(Op.VOLUME_GET, "GET", f"{PREFIX}/volumes/{{name}}", "query", idempotent=True, summary="A volume's record"),
@@ -161,7 +226,7 @@ ROUTES: tuple[Route, ...] = (
         Op.TEMPLATE_BUILD,
         "POST",
         f"{PREFIX}/templates",
-        response="ndjson",
+        kind="run",
         summary="Build a template (NDJSON progress)",
     ),
     Route(Op.TEMPLATE_LIST, "GET", f"{PREFIX}/templates", "query", idempotent=True, summary="Built templates"),
@@ -221,6 +286,7 @@ __all__ = [
     "DECISIONS",
     "IDEMPOTENCY_HEADER",
     "KEYED_OPS",
+    "KINDS",
     "METRICS",
     "PREFIX",
     "PREVIEW",

@@ -55,16 +55,19 @@ def _check_records(request: ops.Request[Any]) -> None:
     the same fields would pass for it, so code that works over HTTP would fail in process."""
     for name, tp in wire.hints(_cls(request)).items():
         value = getattr(request, name)
+        alternatives = typing.get_args(tp) or (tp,)
         records: tuple[type, ...] = tuple(
-            a for a in (typing.get_args(tp) or (tp,)) if isinstance(a, type) and dataclasses.is_dataclass(a)
+            a for a in alternatives if isinstance(a, type) and dataclasses.is_dataclass(a)
         )
+        # a plain value the field also takes (network: Network | str) is the codec's to check
+        plain = tuple(a for a in alternatives if a in (str, int, float, bool))
         items: list[tuple[str, object]] = [(name, value)]
         if records and typing.get_origin(tp) is tuple:  # a list of records (files.write_files): each item
             if not isinstance(value, (list, tuple)):
                 raise InvalidArgument(f"{name} must be a list, got {type(value).__name__}")
             items = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
         for where, v in items:
-            if records and v is not None and not isinstance(v, records):
+            if records and v is not None and not isinstance(v, records + plain):
                 raise InvalidArgument(f"{where} must be a warmbox.{records[0].__name__}, got {type(v).__name__}")
 
 
@@ -112,7 +115,7 @@ def build(request: ops.Request[Any]) -> tuple[api.Route, dict[str, Any]]:
     else:  # raw: the data is the body
         fields.pop("data", None)
         data = request.data if isinstance(request, (ops.WriteFile, ops.WriteFileStream, ops.UploadDir)) else b""
-        if isinstance(request, (ops.WriteFileStream, ops.UploadDir)):  # sent as taken (chunked), never held
+        if route.streamed:  # sent as taken (chunked), never held
             if not isinstance(data, collections.abc.AsyncIterator):
                 raise InvalidArgument(f"data must be an async iterator of bytes, got {type(data).__name__}")
             kwargs["data"] = data

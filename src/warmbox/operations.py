@@ -47,6 +47,7 @@ from warmbox.models import (
     WriteEntry,
     record,
 )
+from warmbox.network.policy import Network
 from warmbox.templates import Template
 
 R = TypeVar("R")
@@ -390,7 +391,7 @@ class Create(Request[Opened]):
     template: str | None = None
     pool: bool = True
     from_snapshot: str | None = None
-    network: object = "none"  # "none", "internet" or a warmbox.Network
+    network: Network | str = "none"  # "none", "internet" or a warmbox.Network
     secrets: dict[str, Any] | None = None  # name -> warmbox.Secret
     metadata: dict[str, str] | None = None  # shown in get_info(), matched by list(query=)
     lifecycle: Lifecycle | None = None  # auto-pause: on timeout, when idle; auto-resume
@@ -926,7 +927,7 @@ class UpdateNetwork(Request[str]):
 
     op: ClassVar[Op] = Op.NETWORK_UPDATE
     sandbox_id: str
-    network: object
+    network: Network | str  # as Create's
 
 
 @record

@@ -104,6 +104,7 @@ def decode(tp: Any, data: object, where: str = "value", depth: int = 0) -> Any:
         if data is None and type(None) in args:
             return None
         failures = []
+        objects = []  # an object's failures as the one record (or mapping) it could be: the useful one
         for arg in args:
             if arg is type(None):
                 continue
@@ -111,7 +112,11 @@ def decode(tp: Any, data: object, where: str = "value", depth: int = 0) -> Any:
                 return decode(arg, data, where, depth + 1)
             except InvalidArgument as e:
                 failures.append(str(e))
-        raise InvalidArgument(failures[0] if len(failures) == 1 else f"{where} has the wrong type ({_kind(data)})")
+                if isinstance(data, dict) and (dataclasses.is_dataclass(arg) or dict in (arg, typing.get_origin(arg))):
+                    objects.append(str(e))
+        if len(failures) == 1 or len(objects) == 1:
+            raise InvalidArgument((objects or failures)[0])
+        raise InvalidArgument(f"{where} has the wrong type ({_kind(data)})")
     if origin is Literal:
         if data not in typing.get_args(tp):
             raise InvalidArgument(f"{where} must be one of {list(typing.get_args(tp))}, got {data!r}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,35 @@ def test_every_operation_has_exactly_one_route():
         assert r.path.startswith(api.PREFIX + "/")
         if r.method in ("GET", "DELETE"):
             assert r.body == "query", r  # no bodies on GET/DELETE
+
+
+def test_each_route_kind_has_one_answer_on_the_server_and_one_reader_in_the_sdk():
+    from warmbox.sdk import http
+    from warmbox.server import app
+
+    kinds = set(typing.get_args(api.Kind))
+    assert set(api.KINDS) == kinds and set(app.ANSWERS) == kinds and set(http._READERS) == kinds
+    assert {r.kind for r in api.ROUTES} == kinds  # no kind declared that no route has
+    assert all(r.body == "raw" for r in api.ROUTES if r.streamed)
+
+
+def test_a_network_policy_is_decoded_by_the_codec():
+    from warmbox.apicodec import build
+    from warmbox.network.policy import Network
+
+    create = wire.decode_record(ops.Create, {"network": {"allow": ["pypi.org"], "on_unknown": "ask"}})
+    assert create.network == Network(allow=("pypi.org",), on_unknown="ask")
+    assert wire.decode_record(ops.UpdateNetwork, {"network": "internet"}, sandbox_id="sb-1").network == "internet"
+    with pytest.raises(errors.InvalidArgument, match="network has the wrong type"):
+        wire.decode_record(ops.Create, {"network": 5})
+    with pytest.raises(errors.InvalidArgument, match="not a host"):  # the policy's own error, not "wrong type"
+        wire.decode_record(ops.Create, {"network": {"allow": ["not a host!"]}})
+    assert json.loads(build(ops.Create(network=Network(allow=["pypi.org"])))[1]["data"])["network"]["allow"] == [
+        "pypi.org"
+    ]
+    assert json.loads(build(ops.Create(network="none"))[1]["data"])["network"] == "none"
+    with pytest.raises(errors.InvalidArgument, match=r"must be a warmbox\.Network"):  # as in process
+        build(ops.Create(network={"allow": ["pypi.org"]}))  # type: ignore[arg-type]
 
 
 def test_route_urls_quote_ids():

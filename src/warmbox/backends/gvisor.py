@@ -73,7 +73,7 @@ from warmbox.backends import hostfs
 from warmbox.backends._host import GUEST_GID, GUEST_UID
 from warmbox.backends.base import Availability, BackendHandle, Capabilities, SandboxSpec
 from warmbox.backends.runc import GUEST_LIB, SANDBOX_ID, RuncBackend, agent_command, build_image
-from warmbox.errors import SandboxError, SandboxStartError
+from warmbox.errors import SandboxError, SandboxStartError, SandboxTimeout
 from warmbox.models import ImageRef
 
 T = TypeVar("T")
@@ -87,6 +87,8 @@ PROBE_TIMEOUT_S = 30.0  # the systrap probe (one ``runsc do``: 0.3 s on this hos
 RUNSC_LOCAL = "/usr/local/lib/warmbox/runsc"
 LEGACY_RUNSC_VERSION = "0.0~20221219.0"  # Debian 12's: what made memory snapshots recorded without one
 DISCONNECT_OK = "net-disconnect-ok"  # runsc 2024: a checkpoint resets open connections, not fails on them
+CHECKPOINT_TIMEOUT_S = 180.0  # ``runsc checkpoint`` of a sandbox at its memory limit: seconds, never this
+SIGNAL_TIMEOUT_S = 30.0  # ``runsc kill``
 CHECKPOINT_ERR_MAX = 64 * 1024  # bytes of a failed ``runsc checkpoint``'s stderr kept (in agent.log)
 INIT = GUEST_LIB + "/warmbox/guest/wb-init"  # its --confine mode starts the agent (guest/init.c)
 # what the first process holds, in the Sentry only, until it has confined itself and become the
@@ -553,7 +555,14 @@ class GvisorBackend(RuncBackend):
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
         )
-        _, err = await proc.communicate()
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), CHECKPOINT_TIMEOUT_S)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise SandboxTimeout(
+                f"runsc checkpoint did not end within {CHECKPOINT_TIMEOUT_S:g} s", handle.sandbox_id
+            ) from None
         image = image_dir / "checkpoint.img"
         if proc.returncode != 0 or not image.is_file():
             text = err[:CHECKPOINT_ERR_MAX].decode(errors="replace")
@@ -624,7 +633,15 @@ class GvisorBackend(RuncBackend):
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
         )
-        _, err = await proc.communicate()
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), SIGNAL_TIMEOUT_S)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise SandboxStartError(
+                f"cannot signal the agent to listen again: runsc kill took over {SIGNAL_TIMEOUT_S:g} s",
+                handle.sandbox_id,
+            ) from None
         if proc.returncode != 0:
             raise SandboxStartError(
                 f"cannot signal the agent to listen again: {err.decode(errors='replace').strip()[-300:]}",

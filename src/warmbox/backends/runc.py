@@ -117,18 +117,13 @@ _ETC_COPY = [
     "ssl/openssl.cnf",
     "fonts",
 ]
-# the files of warmbox that run inside a sandbox (every tier's image holds them)
+# the files of warmbox that run inside a sandbox (every tier's image holds them): every module of
+# guest/ (the agent's parts, the kernels), found here so that a new part cannot be left out
 GUEST_SOURCES = (
     "protocol.py",
     "safetar.py",
-    "guest/__init__.py",
-    "guest/agent.py",
-    "guest/kernel.py",
-    "guest/mpl_inline.py",
-    "guest/kernel_bash.py",
+    *sorted(f"guest/{p.name}" for p in (Path(__file__).resolve().parent.parent / "guest").glob("*.py")),
     "guest/kernel.js",
-    "guest/procs.py",
-    "guest/userenv.py",
     "guest/spawn.c",
     "guest/init.c",
 )

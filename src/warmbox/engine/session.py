@@ -72,6 +72,7 @@ HOST_GRACE_S = 15.0  # the host's bound = the guest's timeout + this (kill and i
 MAX_DISPLAY_BYTES = 64 << 20
 MAX_RESULTS = 4096  # results of one run (display() calls, charts)
 PING_TIMEOUT_S = 30.0
+QUIESCE_REPLY_S = 30.0  # the agent's answer to Quiesce
 QUIESCE_CLOSE_S = 5.0  # a quiesced agent closes its last connection within this (else: checkpoint anyway)
 _ERR_TAIL = 64 << 10
 TAR_MAX = 1 << 50  # a directory's tar stream has no size bound of its own (the sandbox's disk has)
@@ -455,7 +456,10 @@ class GuestSession:
         """The agent drops its sockets for a memory checkpoint (a signal makes it listen again).
         wait_closed: the agent's sockets are host sockets (Capabilities.quiesce_drops_connection):
         return once it has ended this connection too, its last."""
-        reply = await self._client.call(lambda i: p.Quiesce(i), p.Ok)
+        try:  # the agent answers at once; one that does not must not hold the pause forever
+            reply = await asyncio.wait_for(self._client.call(lambda i: p.Quiesce(i), p.Ok), QUIESCE_REPLY_S)
+        except TimeoutError:
+            raise SandboxTimeout(f"quiesce: no answer within {QUIESCE_REPLY_S:g} s", self.sandbox_id) from None
         if isinstance(reply, p.Failure):
             raise SandboxError(f"quiesce: {reply.message}", self.sandbox_id)
         # the agent answers once its other sockets are closed, then ends this connection: the

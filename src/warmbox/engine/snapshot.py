@@ -18,6 +18,7 @@ telling a still-running sandbox's agent to listen again.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import fcntl
 import ipaddress
 import json
@@ -138,11 +139,20 @@ def _workdir(engine: Engine) -> Path:
 
 OP_PREFIX = ".op-"
 _OP_MIN_AGE_S = 5.0  # an op dir younger than this may not be locked by its creator yet
+_RUNTIME_EXIT_S = 60.0  # a checkpointed runtime's exit, waited for by recovery
+
+
+# the sandbox whose memory pause the current task runs (its sub-tasks inherit it): a wait for
+# "the pause under way" from inside that pause would wait for itself
+_own_pause: contextvars.ContextVar[str] = contextvars.ContextVar("warmbox_own_pause", default="")
 
 
 def pause_running(engine: Engine, sandbox_id: str) -> bool:
     """Whether a memory pause of ``sandbox_id`` is under way in any process (the daemon's idle
-    pause among them): its op directory records the sandbox and its creator holds the lock."""
+    pause among them): its op directory records the sandbox and its creator holds the lock. Never
+    the pause the calling task itself is part of."""
+    if _own_pause.get() == sandbox_id:
+        return False
     for path in _workdir(engine).glob(f"{OP_PREFIX}pause-*"):
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -518,13 +528,17 @@ async def pause(
     recorded as the sandbox's "pause" timing (the latest pause's, like "resume")."""
     t0 = time.perf_counter()
     _pausing[sandbox_id] = True
+    own = _own_pause.set(sandbox_id)
     try:
-        m = await snapshot(engine, sandbox_id, session, memory=memory, parent=parent, env_names=env_names)
+        try:
+            m = await snapshot(engine, sandbox_id, session, memory=memory, parent=parent, env_names=env_names)
+        finally:
+            _pausing.pop(sandbox_id, None)
+        if session is not None:
+            await session.close()
+        await _release_paused(engine, sandbox_id, m, why)
     finally:
-        _pausing.pop(sandbox_id, None)
-    if session is not None:
-        await session.close()
-    await _release_paused(engine, sandbox_id, m, why)
+        _own_pause.reset(own)
     try:
         engine.registry.sandboxes.add_timings(
             [StageTiming(sandbox_id, "pause", (time.perf_counter() - t0) * 1e3, True)]
@@ -1440,6 +1454,13 @@ async def _recover_one(engine: Engine, op: _Op) -> str:
     if not isinstance(backend, SnapshotCapable):
         return f"{op.path.name}: removed (tier {info.tier} has no memory snapshots)"
     image = op.path / "image" / "checkpoint.img"
+    if (op.path / "checkpointed").exists() and image.is_file():
+        # the checkpoint ended, so its runtime is ending: on a loaded host its Sentry can still be
+        # exiting for a while, which is not "killed before the checkpoint" (that would resume a
+        # sandbox whose processes are gone and drop the image that holds them)
+        deadline = time.monotonic() + _RUNTIME_EXIT_S
+        while await backend.alive(handle) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
     if await backend.alive(handle):  # killed before the checkpoint stopped it: let it run on
         try:
             await backend.resume_listening(handle)
@@ -1450,8 +1471,12 @@ async def _recover_one(engine: Engine, op: _Op) -> str:
         return f"{op.path.name}: removed ({sid} died without a checkpoint)"
     # The checkpoint ran (its runtime exited with it): finish the pause the dead process began.
     # An image without the "checkpointed" mark was written by a runsc that outlived its caller.
-    m = await _store_checkpoint(engine, info, handle, op.path, parent, env_names)
-    await _release_paused(engine, sid, m)
+    own = _own_pause.set(sid)  # this task finishes that pause now: it never waits for itself
+    try:
+        m = await _store_checkpoint(engine, info, handle, op.path, parent, env_names)
+        await _release_paused(engine, sid, m)
+    finally:
+        _own_pause.reset(own)
     return f"{sid}: pause finished by recovery as {m.snapshot_id}"
 
 

@@ -1,5 +1,5 @@
 /* wb-init: a command in its own PID namespace, where the agent has no cgroup of its own to
- * give it (gVisor; see Scopes in agent.py). Built static by the image builder.
+ * give it (gVisor; see Scopes in scopes.py). Built static by the image builder.
  *
  *   wb-init CTLFD REPORTFD KEEPFD CWD EXE ARGV0 [ARG...]
  *
@@ -188,8 +188,8 @@ static void drop_bounding_set(void) {
 }
 
 static volatile pid_t command = 0;
-#define STARTED 0x7ffffffe     /* first word on the report pipe: the command runs (agent.py _STARTED) */
-#define NOT_STARTED 0x7ffffffd /* ... or no process was left for it (agent.py _NOT_STARTED) */
+#define STARTED 0x7ffffffe     /* first word on the report pipe: the command runs (scopes.py _STARTED) */
+#define NOT_STARTED 0x7ffffffd /* ... or no process was left for it (scopes.py _NOT_STARTED) */
 
 static void forward(int sig) {
     if (command > 0) kill(command, sig);

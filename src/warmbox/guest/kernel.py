@@ -499,7 +499,7 @@ def from_fork(fd: int, python: str, agent_lib: str) -> None:
     (the sandbox's venv interpreter, the agent's binary) would be: its ``sys.executable``, flags,
     path and ``site`` (the venv's and the user's site-packages, .pth files, sitecustomize), with
     the agent's copy of warmbox off the path. The agent already dropped its descriptors, signal
-    handlers and cgroup, and set the environment and directory (agent.py ``_Forked``)."""
+    handlers and cgroup, and set the environment and directory (scopes.py ``_forked``)."""
     env = os.environ
     sys.executable = python
     sys._base_executable = _base_executable(python)  # type: ignore[attr-defined]  # (no stub)

@@ -1,5 +1,5 @@
 /* spawn.so: how the guest agent starts a command in the command's own cgroup, with no process
- * in between (Scopes in agent.py; loaded with ctypes, built by the image builder).
+ * in between (Scopes in scopes.py; loaded with ctypes, built by the image builder).
  *
  * wb_spawn_cgroup: vfork; the child moves itself into the command's cgroup (a write of "0" to
  * procs_fd, that cgroup's cgroup.procs) before it execs, so the command and all it ever starts

@@ -75,6 +75,9 @@ def setns(path: str) -> None:
         os.close(fd)
 
 
+RUN_TIMEOUT_S = 60.0  # one ip/nft/nsenter command (rtnl waits on a loaded host take seconds, never this)
+
+
 async def _run(argv: list[str], stdin: bytes | None = None) -> None:
     proc = await asyncio.create_subprocess_exec(
         *argv,
@@ -82,7 +85,12 @@ async def _run(argv: list[str], stdin: bytes | None = None) -> None:
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )
-    _, err = await proc.communicate(stdin)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(stdin), RUN_TIMEOUT_S)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise NetworkSetupError(f"{' '.join(argv[:4])}: no answer within {RUN_TIMEOUT_S:g} s") from None
     if proc.returncode != 0:
         raise NetworkSetupError(f"{' '.join(argv[:4])}: {err.decode(errors='replace').strip()[:400]}")
 

@@ -275,20 +275,20 @@ class HttpTransport:
     # ---- Transport
 
     async def handle(self, request: ops.Request[R]) -> R:
-        if isinstance(request, ops.Detach):
-            return None  # type: ignore[return-value]  # the server holds the connection; nothing here to let go
-        if isinstance(request, ops.RecordFirstCommand):  # off the caller's path, like in process
+        route = api.BY_OP[request.op]
+        if route.kind == "background":  # off the caller's path, like in process
             t = asyncio.ensure_future(self._send(request))
             self._background.add(t)
             t.add_done_callback(self._background.discard)
             return None  # type: ignore[return-value]
-        if isinstance(request, (ops.WriteFileStream, ops.UploadDir)):
+        if route.streamed:
             return await self._write_stream(request)  # type: ignore[return-value]
         return await self._send(request)
 
-    async def _write_stream(self, request: ops.WriteFileStream | ops.UploadDir) -> EntryInfo:
+    async def _write_stream(self, request: ops.Request[Any]) -> EntryInfo:
         """A streamed upload: an error of the caller's source is raised as itself (aiohttp would
         report it as a broken connection); the server then abandons the write."""
+        assert isinstance(request, (ops.WriteFileStream, ops.UploadDir))  # the requests of streamed routes
         failed: list[Exception] = []
 
         async def body() -> collections.abc.AsyncIterator[bytes]:
@@ -345,28 +345,11 @@ class HttpTransport:
         if key is not None:
             kwargs["headers"] = {**kwargs.get("headers", {}), api.IDEMPOTENCY_HEADER: key}
         url = route.url(request)
+        read = _READERS[route.kind]
         attempt = 0
         while True:
             try:
-                if isinstance(request, (ops.ConnectProcess, ops.StartAndConnect)):
-                    return await self._follow(request, route, url, kwargs)  # type: ignore[return-value]
-                if isinstance(request, ops.WatchDir):
-                    return await self._watch(request, route, url, kwargs)  # type: ignore[return-value]
-                if isinstance(request, ops.Export):  # NDJSON records: warmbox.transcript reads them
-                    async with self._client().request(route.method, url, **kwargs) as response:
-                        body = await response.read()
-                    if response.status >= 400:
-                        raise _error(response.status, body)
-                    return transcript.loads(body)  # type: ignore[return-value]
-                if route.response == "ndjson":
-                    return await self._ndjson(request, route, url, kwargs, keyed=key is not None)
-                if isinstance(request, (ops.ReadFileStream, ops.DownloadDir)):
-                    return await self._open_stream(request, route, url, kwargs)  # type: ignore[return-value]
-                if isinstance(request, ops.PortConnect):
-                    return await self._open_tunnel(request, url, kwargs)  # type: ignore[return-value]
-                async with self._client().request(route.method, url, **kwargs) as response:
-                    body = await response.read()
-                return self._result(request, route, response.status, body)
+                return await read(self, request, route, url, kwargs, key is not None)  # type: ignore[no-any-return]
             except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError) as e:
                 raise ConnectionLost(f"TLS with {self.url} failed: {e} (is its certificate trusted?)") from None
             except aiohttp.ClientConnectorError as e:
@@ -386,19 +369,50 @@ class HttpTransport:
             await asyncio.sleep(RETRIES[attempt])
             attempt += 1
 
-    def _result(self, request: ops.Request[R], route: api.Route, status: int, body: bytes) -> R:
-        if status >= 400:
-            raise _error(status, body)
-        if route.response == "raw":  # files.read: the whole file
-            return body  # type: ignore[return-value]
+    # ---- one reader per route kind (api.KINDS): how its answer is read; _READERS maps them
+
+    async def _json(
+        self, request: ops.Request[R], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool
+    ) -> R:
+        async with self._client().request(route.method, url, **kwargs) as response:
+            body = await response.read()
+        if response.status >= 400:
+            raise _error(response.status, body)
         try:
             data = json.loads(body)
         except ValueError:
             raise WarmboxError(f"the server sent an unreadable {request.op.value} result") from None
         return wire.decode(wire.result_type(type(request)), data, "result")  # type: ignore[no-any-return]
 
+    async def _nothing(
+        self, request: ops.Request[Any], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool
+    ) -> None:
+        """detach: the server holds the guest connection, shared by the tenant's clients; nothing
+        here to let go."""
+        return None
+
+    async def _bytes(
+        self, request: ops.Request[Any], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool
+    ) -> bytes:
+        """files.read: the whole file."""
+        async with self._client().request(route.method, url, **kwargs) as response:
+            body = await response.read()
+        if response.status >= 400:
+            raise _error(response.status, body)
+        return body
+
+    async def _transcript(
+        self, request: ops.Request[Any], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool
+    ) -> Any:
+        """export: NDJSON records, read by warmbox.transcript."""
+        async with self._client().request(route.method, url, **kwargs) as response:
+            body = await response.read()
+        if response.status >= 400:
+            raise _error(response.status, body)
+        return transcript.loads(body)
+
     async def _ndjson(
-        self, request: ops.Request[R], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool = False
+        self, request: ops.Request[R], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool
     ) -> R:
         """keyed: the request carries an idempotency key; a connection dropped mid-stream is then
         raised as itself, and _send sends it again (the server attaches it to the same run)."""
@@ -443,9 +457,7 @@ class HttpTransport:
                 ) from None
             raise ConnectionLost(f"the server ended {request.op.value} without a result: its outcome is unknown")
 
-    async def _follow(
-        self, request: ops.ConnectProcess | ops.StartAndConnect, route: api.Route, url: str, kwargs: dict[str, Any]
-    ) -> _ProcStream:
+    async def _follow_response(self, route: api.Route, url: str, kwargs: dict[str, Any]) -> aiohttp.ClientResponse:
         response = await self._client().request(
             route.method, url, timeout=aiohttp.ClientTimeout(total=None, sock_read=HEARTBEAT_S), **kwargs
         )
@@ -453,9 +465,21 @@ class HttpTransport:
             body = await response.read()
             response.release()
             raise _error(response.status, body)
-        if isinstance(request, ops.ConnectProcess):
-            return _ProcStream(request.pid, response, self.url)
-        try:  # a start: its pid first (or the error that stopped it)
+        return response
+
+    async def _follow(
+        self, request: ops.Request[Any], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool
+    ) -> _ProcStream:
+        """commands.connect: the process's events, then its result."""
+        assert isinstance(request, ops.ConnectProcess)  # the only request of a "follow" route
+        return _ProcStream(request.pid, await self._follow_response(route, url, kwargs), self.url)
+
+    async def _start_follow(
+        self, request: ops.Request[Any], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool
+    ) -> _ProcStream:
+        """commands.start_connect: its pid first (or the error that stopped the start), then as _follow."""
+        response = await self._follow_response(route, url, kwargs)
+        try:
             first = await _line(response)
             msg = json.loads(first) if first.strip() else None
             if isinstance(msg, dict) and "error" in msg:
@@ -467,8 +491,11 @@ class HttpTransport:
             raise
         return _ProcStream(msg["pid"], response, self.url)
 
-    async def _watch(self, request: ops.WatchDir, route: api.Route, url: str, kwargs: dict[str, Any]) -> _Watch:
+    async def _watch(
+        self, request: ops.Request[Any], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool
+    ) -> _Watch:
         """files.watch_dir: NDJSON events; its first line says it is watching (or the error)."""
+        assert isinstance(request, ops.WatchDir)  # the only request of a "watch" route
         if not callable(request.on_event):
             raise InvalidArgument("on_event must be a callable taking a warmbox.FilesystemEvent")
         response = await self._client().request(
@@ -486,8 +513,10 @@ class HttpTransport:
         return _Watch(response, request.on_event, self.url)
 
     async def _open_stream(
-        self, request: ops.ReadFileStream | ops.DownloadDir, route: api.Route, url: str, kwargs: dict[str, Any]
+        self, request: ops.Request[Any], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool
     ) -> _Stream:
+        """files.read_stream, files.download_dir: a chunked body (ChunkStream)."""
+        assert isinstance(request, (ops.ReadFileStream, ops.DownloadDir))
         response = await self._client().request(route.method, url, **kwargs)
         if response.status >= 400:
             body = await response.read()
@@ -495,8 +524,11 @@ class HttpTransport:
             raise _error(response.status, body)
         return _Stream(response.headers.get("X-Warmbox-Path", request.path), response)
 
-    async def _open_tunnel(self, request: ops.PortConnect, url: str, kwargs: dict[str, Any]) -> _Tunnel:
+    async def _open_tunnel(
+        self, request: ops.Request[Any], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool
+    ) -> _Tunnel:
         """ports.connect: a WebSocket (api.TUNNEL_PROTOCOL); its first message says ok or the error."""
+        assert isinstance(request, ops.PortConnect)  # the only request of a "tunnel" route
         try:
             ws = await self._client().ws_connect(url, params=kwargs.get("params"), max_msg_size=_WS_MAX)
         except aiohttp.WSServerHandshakeError as e:
@@ -515,7 +547,7 @@ class HttpTransport:
             raise
         return _Tunnel(ws, request.port, self._background)
 
-    # ---- approvals
+    # ---- approvals (not an operation)
 
     async def _approvals(
         self, sandbox_id: str, hook: Callable[[ApprovalRequest], object], subscribed: asyncio.Future[None]
@@ -564,6 +596,25 @@ class HttpTransport:
                 await response.read()
         except (aiohttp.ClientError, OSError):
             pass  # unanswered: the proxy denies at its timeout
+
+
+_Reader = Callable[
+    [HttpTransport, ops.Request[Any], api.Route, str, dict[str, Any], bool], collections.abc.Awaitable[Any]
+]
+# each route kind's reader; "background" is read as JSON (handle sends it off the caller's path)
+_READERS: dict[api.Kind, _Reader] = {
+    "json": HttpTransport._json,
+    "background": HttpTransport._json,
+    "detach": HttpTransport._nothing,
+    "run": HttpTransport._ndjson,
+    "follow": HttpTransport._follow,
+    "start_follow": HttpTransport._start_follow,
+    "watch": HttpTransport._watch,
+    "transcript": HttpTransport._transcript,
+    "bytes": HttpTransport._bytes,
+    "file_stream": HttpTransport._open_stream,
+    "tunnel": HttpTransport._open_tunnel,
+}
 
 
 async def _line(response: aiohttp.ClientResponse) -> bytes:

@@ -451,7 +451,7 @@ async def decode_request(route: api.Route, request: Request, settings: ServerSet
     if route.body in ("query", "raw"):
         data = _query_fields(route, request)
     if route.body == "raw":
-        if cls in (ops.WriteFileStream, ops.UploadDir):  # streamed into the sandbox as it arrives, never held whole
+        if route.streamed:  # into the sandbox as it arrives, never held whole
             data["data"] = _body_chunks(request, settings.body_timeout_s)
         else:
             data["data"] = await _body(request, settings.max_body_mb << 20, settings.body_timeout_s)
@@ -504,16 +504,7 @@ def _bound(req: ops.Request[Any], settings: ServerSettings) -> ops.Request[Any]:
 
 
 def _adapt(req: ops.Request[Any]) -> ops.Request[Any]:
-    """Wire forms of the fields typed ``object`` in the operations (network policies, secrets)."""
-    if isinstance(req, (ops.Create, ops.UpdateNetwork)):
-        from warmbox.network.policy import Network
-
-        net = req.network
-        if isinstance(net, dict):
-            net = wire.decode_record(Network, net, "network")
-        elif not isinstance(net, str):
-            raise InvalidArgument('network must be "none", "internet" or {"allow": [...], "deny": [...]}')
-        req = dataclasses.replace(req, network=net)
+    """Wire forms of the fields typed ``Any`` in the operations (secrets)."""
     if isinstance(req, (ops.Create, ops.Resume)) and req.secrets is not None:
         from warmbox.network.policy import Secret
 
@@ -544,6 +535,41 @@ async def _next(queue: asyncio.Queue[tuple[str, object]]) -> tuple[str, object]:
             return await queue.get()
     except TimeoutError:
         return ("heartbeat", None)
+
+
+# ---- one answer per route kind (api.KINDS); ANSWERS maps them
+
+
+async def _answer_json(front: Front, req: ops.Request[Any], request: Request) -> Response:
+    return _json(await front.handle(req))
+
+
+async def _detach(front: Front, req: ops.Request[Any], request: Request) -> Response:
+    """The guest connection is the server's, shared by the tenant's clients: nothing to let go,
+    but the same checks and errors as any id."""
+    assert isinstance(req, ops.Detach)
+    await front.handle(ops.Info(req.sandbox_id))
+    return _json(None)
+
+
+async def _bytes(front: Front, req: ops.Request[Any], request: Request) -> Response:
+    return Response(await front.handle(req), media_type="application/octet-stream")
+
+
+async def _transcript(front: Front, req: ops.Request[Any], request: Request) -> Response:
+    """NDJSON records (warmbox.transcript), not a run's stream."""
+    return Response(transcript.dumps(await front.handle(req)), media_type="application/x-ndjson")
+
+
+async def _tunnel_get(front: Front, req: ops.Request[Any], request: Request) -> Response:
+    """A WebSocket (tunnel_endpoint): a plain GET only gets the checks and errors."""
+    assert isinstance(req, ops.PortConnect)
+    await front.handle(ops.Info(req.sandbox_id))
+    raise InvalidArgument(f"ports.connect is a WebSocket upgrade on this route: {api.TUNNEL_PROTOCOL}")
+
+
+async def _run(front: Front, req: ops.Request[Any], request: Request) -> Response:
+    return await _ndjson(front, req, request.query_params.get("stream") in ("1", "true"))
 
 
 async def _ndjson(front: Front, req: ops.Request[Any], stream: bool) -> Response:
@@ -608,6 +634,11 @@ async def _ndjson(front: Front, req: ops.Request[Any], stream: bool) -> Response
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
+async def _file_stream(front: Front, req: ops.Request[Any], request: Request) -> Response:
+    assert isinstance(req, (ops.ReadFileStream, ops.DownloadDir))
+    return await _stream_file(front, req)
+
+
 async def _stream_file(front: Front, req: ops.ReadFileStream | ops.DownloadDir) -> Response:
     """A file as a chunked raw body. Errors before the first byte are error responses; an error
     after it ends the connection without the closing chunk, so no client takes it as complete."""
@@ -624,10 +655,20 @@ def _event_line(ev: ProcessEvent) -> bytes:
     return _line({ev.kind: ev.text})
 
 
-async def _stream_process(front: Front, req: ops.ConnectProcess | ops.StartAndConnect) -> Response:
+async def _follow(front: Front, req: ops.Request[Any], request: Request) -> Response:
+    assert isinstance(req, ops.ConnectProcess)
+    return await _stream_process(front, req, pid_first=False)
+
+
+async def _start_follow(front: Front, req: ops.Request[Any], request: Request) -> Response:
+    assert isinstance(req, ops.StartAndConnect)
+    return await _stream_process(front, req, pid_first=True)
+
+
+async def _stream_process(front: Front, req: ops.ConnectProcess | ops.StartAndConnect, pid_first: bool) -> Response:
     """A background process's output as NDJSON events ({"stdout"|"stderr": text}, {"pty": base64},
     {"lost": bytes}), blank heartbeat lines, then {"result": CommandResult} or {"error": ...}; a
-    start's first line is {"pid": int}. The process is not touched when the client goes away."""
+    start's first line is {"pid": int} (pid_first). The process is not touched when the client goes away."""
     stream = await front.handle(req)
     queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue(maxsize=64)  # a slow client slows the reads
 
@@ -643,7 +684,7 @@ async def _stream_process(front: Front, req: ops.ConnectProcess | ops.StartAndCo
 
     async def lines() -> AsyncIterator[bytes]:
         try:
-            if isinstance(req, ops.StartAndConnect):
+            if pid_first:
                 yield _line({"pid": stream.pid})
             while True:
                 kind, value = await _next(queue)
@@ -666,10 +707,11 @@ async def _stream_process(front: Front, req: ops.ConnectProcess | ops.StartAndCo
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
-async def _watch(front: Front, req: ops.WatchDir) -> Response:
+async def _watch(front: Front, req: ops.Request[Any], request: Request) -> Response:
     """A directory watch as NDJSON: {"watching": path}, then {"event": FilesystemEvent} lines and
     blank heartbeats, then {"end": null} when the directory goes or {"error": ...}. A slow client
     slows the watch (the bounded queue holds back the acks; the sandbox's kernel drops a flood)."""
+    assert isinstance(req, ops.WatchDir)
     queue: asyncio.Queue[FilesystemEvent] = asyncio.Queue(maxsize=64)
     watch = await front.handle(dataclasses.replace(req, on_event=queue.put))  # typed errors: a plain answer
 
@@ -705,32 +747,31 @@ async def _watch(front: Front, req: ops.WatchDir) -> Response:
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
+_Answer = Callable[[Front, ops.Request[Any], Request], Awaitable[Response]]
+# each route kind's answer; a "background" one is plain JSON (its client does not wait for it)
+ANSWERS: dict[api.Kind, _Answer] = {
+    "json": _answer_json,
+    "background": _answer_json,
+    "detach": _detach,
+    "run": _run,
+    "follow": _follow,
+    "start_follow": _start_follow,
+    "watch": _watch,
+    "transcript": _transcript,
+    "bytes": _bytes,
+    "file_stream": _file_stream,
+    "tunnel": _tunnel_get,
+}
+
+
 def endpoint(service: Service, route: api.Route) -> Callable[[Request], Awaitable[Response]]:
+    answer = ANSWERS[route.kind]
+
     async def handle(request: Request) -> Response:
         try:
             front = service.front(service.authenticate(request))
             req = await decode_request(route, request, service.settings)
-            if isinstance(req, (ops.ConnectProcess, ops.StartAndConnect)):
-                return await _stream_process(front, req)
-            if isinstance(req, ops.WatchDir):
-                return await _watch(front, req)
-            if isinstance(req, ops.Export):  # NDJSON records (warmbox.transcript), not a run's stream
-                body = transcript.dumps(await front.handle(req))
-                return Response(body, media_type="application/x-ndjson")
-            if route.response == "ndjson":
-                return await _ndjson(front, req, request.query_params.get("stream") in ("1", "true"))
-            if isinstance(req, (ops.ReadFileStream, ops.DownloadDir)):
-                return await _stream_file(front, req)
-            if isinstance(req, ops.PortConnect):  # a WebSocket: a plain GET only gets the checks and errors
-                await front.handle(ops.Info(req.sandbox_id))
-                raise InvalidArgument(f"ports.connect is a WebSocket upgrade on this route: {api.TUNNEL_PROTOCOL}")
-            if isinstance(req, ops.Detach):  # the guest connection is the server's, shared by the tenant's clients
-                await front.handle(ops.Info(req.sandbox_id))  # (the same checks and errors as any id)
-                return _json(None)
-            result = await front.handle(req)
-            if isinstance(req, ops.ReadFile):
-                return Response(result, media_type="application/octet-stream")
-            return _json(result)
+            return await answer(front, req, request)
         except WarmboxError as e:
             return error_response(e)
         except ClientDisconnect:

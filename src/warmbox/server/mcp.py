@@ -493,7 +493,7 @@ def build_mcp(transport_for: TransportFor, *, name: str = "warmbox") -> WarmboxM
         idempotency_key: IdempotencyKey = None,
     ) -> SandboxOut:
         """Create a sandbox (from a warm pool when one matches) and return its id and record."""
-        net: object = network if isinstance(network, str) else Network(allow=network)
+        net: Network | str = network if isinstance(network, str) else Network(allow=network)
         request = ops.Create(
             tier=tier,
             template=template,

@@ -21,7 +21,7 @@ VERSION = "1"
 
 
 def _overrides(defs: dict[str, Any]) -> dict[str, Any]:
-    """Schemas of the fields the operations type as ``object`` (network policies, secrets)."""
+    """Schemas the fields' types do not spell: network's strings ("none", "internet"), secrets (``Any``)."""
     network = {
         "anyOf": [
             {"type": "string", "enum": ["none", "internet"]},
@@ -120,7 +120,7 @@ def document() -> dict[str, Any]:
                     "required": True,
                     "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
                 }
-        if route.op is ops.Op.FILES_WATCH:
+        if route.kind == "watch":
             event = wire.schema(FilesystemEvent, defs)
             ok = {
                 "description": 'NDJSON: {"watching": path}, then {"event": FilesystemEvent} lines and blank '
@@ -139,7 +139,7 @@ def document() -> dict[str, Any]:
                     }
                 },
             }
-        elif route.op is ops.Op.EXPORT:
+        elif route.kind == "transcript":
             ok = {
                 "description": transcript.__doc__,
                 "content": {"application/x-ndjson": {"schema": _export_line(defs)}},
@@ -155,7 +155,7 @@ def document() -> dict[str, Any]:
                 }
             )
             # events, then how the process ended (a start's first line: {"pid": int})
-            following = route.op in (ops.Op.COMMANDS_CONNECT, ops.Op.COMMANDS_START_CONNECT)
+            following = route.kind in ("follow", "start_follow")
             result = wire.schema(CommandResult if following else wire.result_type(cls), defs)
             ok = {
                 "description": 'NDJSON: {"stdout": str} / {"stderr": str} events (with stream=1; '
