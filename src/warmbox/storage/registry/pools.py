@@ -9,13 +9,12 @@ import typing
 
 from warmbox.models import BackendHandle, PoolEvent, SandboxInfo, State, Tenant
 from warmbox.storage.registry.common import _COLUMNS, _POOL_COST_COLUMNS, GIB, _add_usage, _tenant_lock
-from warmbox.storage.registry.db import _retried
+from warmbox.storage.registry.db import Database, Store, _retried
+from warmbox.storage.registry.sandboxes import sandbox_row
 from warmbox.storage.sql import PG_XACT_HORIZON, Conn
 
 if typing.TYPE_CHECKING:
     from warmbox.storage.registry.tenants import TenantStore
-from warmbox.storage.registry.db import Database, Store
-from warmbox.storage.registry.sandboxes import sandbox_row
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,12 +33,11 @@ from warmbox.storage.registry.common import (
     _tenant_lock,
     unknown_sandbox,
 )
-from warmbox.storage.registry.db import _retried
+from warmbox.storage.registry.db import Database, Store, _retried
 from warmbox.storage.uidslots import UID_BASE, UID_RANGE
 
 if typing.TYPE_CHECKING:
     from warmbox.storage.registry.tenants import TenantStore
-from warmbox.storage.registry.db import Database, Store
 
 # what `warmbox ls` shows: the caller's sandboxes, running or paused (not the pools')
 _USER = (*(s.value for s in LIVE if s not in (State.POOLED, State.RETIRING)), State.PAUSED.value)
