@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tests.conftest import _sandbox_process
-from warmbox.network.proxy import launch_argv
+from warmbox.network.supervisor import launch_argv
 
 
 @pytest.mark.parametrize(

@@ -619,6 +619,21 @@ class TierStatus:
 
 
 @record
+class MetricSample:
+    """One reading of a sandbox's metrics history (``get_metrics``; E2B's ``get_metrics`` samples).
+
+    timestamp: when it was read, epoch seconds. cpu_used_pct: CPU time since the reading before
+    it over that time, in percent of its CPUs (0-100). cpu_count: its CPUs (rounded up to 1).
+    memory_bytes / memory_total_bytes: memory in use then / its memory limit."""
+
+    timestamp: float
+    cpu_used_pct: float
+    cpu_count: int
+    memory_bytes: int
+    memory_total_bytes: int
+
+
+@record
 class SandboxMetrics:
     """Cost of one sandbox for its user (a pooled sandbox's warm-up is the pool's, not here).
 

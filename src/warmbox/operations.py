@@ -26,6 +26,7 @@ from warmbox.models import (
     FilesystemEvent,
     Lifecycle,
     Limits,
+    MetricSample,
     NetEvent,
     PoolStatus,
     ProcessEvent,
@@ -169,6 +170,7 @@ class Op(str, enum.Enum):
     KILL = "kill"
     SET_TIMEOUT = "set_timeout"
     METRICS = "metrics"
+    METRICS_HISTORY = "metrics.history"
     PING = "ping"
     RECORD_FIRST_COMMAND = "timings.first_command"
     EXEC = "exec"
@@ -505,6 +507,20 @@ class Metrics(Request[SandboxMetrics]):
     op: ClassVar[Op] = Op.METRICS
     sandbox_id: str
     fresh: bool = True
+
+
+@record
+class MetricsHistory(Request[list[MetricSample]]):
+    """A sandbox's metrics history: the readings taken in [start, end] (epoch seconds; None: from
+    its start / until now), oldest first, at most ``limit`` (1-720: the latest of them). Read every
+    5 s while it runs (none while it is paused; one is taken now when the latest is older); the
+    latest 720 are kept (an hour), and they end with the sandbox."""
+
+    op: ClassVar[Op] = Op.METRICS_HISTORY
+    sandbox_id: str
+    start: float | None = None
+    end: float | None = None
+    limit: int = 720
 
 
 @record
@@ -1164,6 +1180,7 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         Kill,
         SetTimeout,
         Metrics,
+        MetricsHistory,
         Ping,
         RecordFirstCommand,
         Exec,

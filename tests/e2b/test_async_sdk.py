@@ -52,6 +52,12 @@ def test_base_sandbox_commands_files_pause_connect_and_kill(e2b_server):
             assert (await AsyncSandbox.get_info(sb.sandbox_id)).state == "paused"
             again = await AsyncSandbox.connect(sb.sandbox_id, timeout=300)
             assert await again.files.read("/workspace/kept.txt") == "kept across a pause"
+            # the async SDK's own copies of the metrics, network and snapshot-list calls
+            got = await again.get_metrics()
+            assert got and all(m.mem_total > 0 and m.cpu_count >= 1 for m in got)
+            await again.update_network({"allow_out": ["example.com"]})
+            snaps = await AsyncSandbox.list_snapshots(sandbox_id=sb.sandbox_id).next_items()
+            assert all(x.snapshot_id.startswith("snap-") for x in snaps)
         finally:
             assert await AsyncSandbox.kill(sb.sandbox_id) is True
         assert await AsyncSandbox.kill(sb.sandbox_id) is False

@@ -1,7 +1,8 @@
 """E2B's JavaScript SDKs (``e2b``, ``@e2b/code-interpreter`` as pinned in tests/e2b/package.json)
 under Node against the lane's warmbox serve: tests/e2b/js/sdk_lane.mjs runs create, commands
 (foreground, exit code, background with stdin, list, kill), files, run_code (text, an error, a PNG
-chart), the tenant wall, pause and connect, and kill; each check prints ``ok <name>``."""
+chart), the tenant wall, metrics history, a snapshot and a sandbox from it, a network update,
+pause and connect, and kill; each check prints ``ok <name>``."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ CHECKS = (
     "run_code.error",
     "run_code.png",
     "tenant_wall",
+    "snapshot_metrics_network",
     "pause_connect",
     "kill",
 )

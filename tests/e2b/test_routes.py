@@ -29,17 +29,21 @@ _SANDBOX_MODULES = (
 
 
 def _api_routes() -> set[tuple[str, str]]:
-    """(METHOD, path) of every control-plane call the SDK's Sandbox classes make."""
+    """(METHOD, path) of every control-plane call the SDK's Sandbox classes make (the generated
+    modules of its sandboxes, snapshots and templates APIs they import: delete_snapshot is a
+    template delete)."""
     used: set[str] = set()
     for name in _SANDBOX_MODULES:
         source = inspect.getsource(importlib.import_module(name))
-        for block in re.findall(r"from e2b\.api\.client\.api\.sandboxes import \(?([^)]*?)\)?\n(?!\s)", source, re.S):
-            used.update(re.findall(r"\w+", block))
-        used.update(re.findall(r"from e2b\.api\.client\.api\.sandboxes import (\w+)$", source, re.M))
+        imports = r"from e2b\.api\.client\.api\.(sandboxes|snapshots|templates) import "
+        for api, block in re.findall(imports + r"\(?([^)]*?)\)?\n(?!\s)", source, re.S):
+            used.update(f"{api}.{m}" for m in re.findall(r"\w+", block))
+        used.update(".".join(m) for m in re.findall(imports + r"(\w+)$", source, re.M))
     assert used, "no generated control-plane module found in the SDK's Sandbox sources"
+    assert "snapshots.get_snapshots" in used and "templates.delete_templates_template_id" in used, used
     routes = set()
     for mod in sorted(used):
-        src = inspect.getsource(importlib.import_module(f"e2b.api.client.api.sandboxes.{mod}"))
+        src = inspect.getsource(importlib.import_module(f"e2b.api.client.api.{mod}"))
         method = re.search(r'"method": "(\w+)"', src)
         url = re.search(r'"url": f?"([^"]+)"', src)
         assert method and url, mod

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import os
 import time
 import uuid
@@ -37,6 +38,11 @@ def test_foreground_command_output_exit_code_envs_and_cwd(sb):
     with pytest.raises(e2b.CommandExitException) as info:
         sb.commands.run("echo no >&2; exit 3")
     assert info.value.exit_code == 3 and info.value.stderr == "no\n"
+    # the sandbox's PATH, not the one Debian's /etc/profile sets for a login shell: pip is the venv's
+    assert sb.commands.run("command -v pip python3").stdout.split() == [
+        "/home/user/.venv/bin/pip",
+        "/home/user/.venv/bin/python3",
+    ]
 
 
 def test_streamed_output_reaches_the_callbacks(sb):
@@ -82,11 +88,11 @@ def test_root_is_refused_on_a_tier_without_it_naming_the_tier(sb):
 def test_pty_runs_an_interactive_shell(sb):
     h = sb.pty.create(e2b.PtySize(rows=24, cols=80))
     sb.pty.resize(h.pid, e2b.PtySize(rows=30, cols=100))
-    sb.pty.send_stdin(h.pid, b"stty size; echo pty-$((40 + 2)); exit\n")
+    sb.pty.send_stdin(h.pid, b"stty size; echo pty-$((40 + 2)); command -v pip; exit\n")
     seen = bytearray()
     h.wait(on_pty=seen.extend)
     text = seen.decode(errors="replace")
-    assert "30 100" in text and "pty-42" in text
+    assert "30 100" in text and "pty-42" in text and "/home/user/.venv/bin/pip" in text
 
 
 # ---- files
@@ -252,8 +258,22 @@ def test_raw_control_plane_v1_routes_paging_and_bad_input(sb, e2b_server):
                 assert (r.status_code, r.json()["code"]) == (400, 400), bad
             r = http.post("/v2/sandboxes", json={"templateID": "no-such-template"})
             assert (r.status_code, r.json()["code"]) == (400, 400) and "no-such-template" in r.json()["message"]
-            r = http.post(f"/sandboxes/{made['sandboxID']}/fork", json={})
-            assert r.status_code == 400 and "not" in r.json()["message"]
+            sid = made["sandboxID"]
+            for path, bad in (
+                ("fork", {"count": 21}),
+                ("fork", {"count": "2"}),
+                ("snapshots", {"name": "named"}),
+                ("snapshots", {"memory": "yes"}),
+            ):
+                r = http.post(f"/sandboxes/{sid}/{path}", json=bad)
+                assert (r.status_code, r.json()["code"]) == (400, 400), (path, bad)
+            for bad in ({"dnsServers": ["10.0.0.1"]}, {"allowOut": "example.com"}, {"allowInternetAccess": "yes"}):
+                r = http.put(f"/sandboxes/{sid}/network", json=bad)
+                assert (r.status_code, r.json()["code"]) == (400, 400), bad
+            for bad in ({"limit": "0"}, {"nextToken": "!"}):
+                r = http.get("/snapshots", params=bad)
+                assert (r.status_code, r.json()["code"]) == (400, 400), bad
+            assert http.delete("/templates/base").status_code == 400  # templates: warmbox's own API
             many = "&".join(f"k{i}=v" for i in range(65))
             for bad_query in ({"metadata": many}, {"metadata": "no-equals-sign"}, {"state": "dead"}, {"limit": "0"}):
                 r = http.get("/v2/sandboxes", params=bad_query)
@@ -277,9 +297,69 @@ def test_raw_control_plane_v1_routes_paging_and_bad_input(sb, e2b_server):
         assert (r.status_code, r.json()["code"]) == (400, 400)
 
 
-def test_metrics_sample(sb):
-    (m,) = sb.get_metrics()
-    assert m.cpu_count >= 1 and 0 < m.mem_used <= m.mem_total and m.timestamp.year >= 2025
+def test_metrics_history_of_one_and_of_many(sb, e2b_server):
+    """A reading every 5 s (one taken at once if the latest is older), start/end as E2B's SDK sends
+    them (whole seconds), warmbox's own SDK reading the same history, and the many-sandbox route."""
+    import httpx
+
+    from warmbox import Sandbox as WbSandbox
+
+    got = sb.get_metrics()
+    deadline = time.monotonic() + 30
+    while len(got) < 2:  # the module's sandbox is older than 5 s by now, unless run alone
+        assert time.monotonic() < deadline, got
+        time.sleep(1)
+        got = sb.get_metrics()
+    assert all(m.cpu_count >= 1 and 0 < m.mem_used <= m.mem_total and 0 <= m.cpu_used_pct <= 100 for m in got)
+    at = [m.timestamp.timestamp() for m in got]
+    assert at == sorted(at) and all(b - a >= 4 for a, b in itertools.pairwise(at)), at  # whole seconds
+    assert len(got) <= 720
+    first, last = got[0].timestamp, got[-1].timestamp
+    assert [m.timestamp for m in sb.get_metrics(end=first)] == [first]
+    assert sb.get_metrics(start=last)[0].timestamp == last
+    same = WbSandbox.connect(sb.sandbox_id, api_url=e2b_server.server.url, api_key=e2b_server.key_a)
+    try:
+        ours = same.get_metrics(start=first.timestamp(), end=last.timestamp() + 0.999)  # E2B's: whole seconds
+        assert [int(m.timestamp) for m in ours] == [int(t) for t in at]
+        assert ours[0].memory_bytes == got[0].mem_used
+    finally:
+        same.close()
+    url = e2b_server.server.url
+    with httpx.Client(base_url=url, timeout=60, headers={"X-API-KEY": e2b_server.key_a}) as http:
+        nobody = "sb-000000000000"
+        r = http.get("/sandboxes/metrics", params={"sandbox_ids": f"{sb.sandbox_id},{nobody}"})
+        assert r.status_code == 200 and set(r.json()["sandboxes"]) == {sb.sandbox_id}, r.text
+        assert r.json()["sandboxes"][sb.sandbox_id]["memTotal"] == got[0].mem_total
+        many = ",".join(f"sb-{i:012x}" for i in range(101))
+        for bad in ({"sandbox_ids": ""}, {"sandbox_ids": many}):
+            r = http.get("/sandboxes/metrics", params=bad)
+            assert (r.status_code, r.json()["code"]) == (400, 400), bad
+        for bad in ({"start": "x"}, {"start": "-1"}, {"start": "20", "end": "10"}):
+            r = http.get(f"/sandboxes/{sb.sandbox_id}/metrics", params=bad)
+            assert (r.status_code, r.json()["code"]) == (400, 400), bad
+        b = {"X-API-KEY": e2b_server.key_b}
+        r = http.get("/sandboxes/metrics", params={"sandbox_ids": sb.sandbox_id}, headers=b)
+        assert r.json() == {"sandboxes": {}}
+
+
+def test_logs_both_routes_bounded_and_without_host_paths(sb, e2b_server, home):
+    import httpx
+
+    with httpx.Client(base_url=e2b_server.server.url, timeout=60, headers={"X-API-KEY": e2b_server.key_a}) as http:
+        v1 = http.get(f"/sandboxes/{sb.sandbox_id}/logs", params={"limit": 5})
+        assert v1.status_code == 200, v1.text
+        assert len(v1.json()["logs"]) == len(v1.json()["logEntries"]) <= 5
+        v2 = http.get(f"/v2/sandboxes/{sb.sandbox_id}/logs", params={"direction": "backward", "level": "debug"})
+        assert v2.status_code == 200 and isinstance(v2.json()["logs"], list), v2.text
+        for e in v2.json()["logs"]:
+            assert e["level"] in ("debug", "info", "warn", "error") and e["timestamp"].endswith("Z")
+        assert str(home) not in v1.text + v2.text
+        for bad in ({"limit": "1001"}, {"direction": "sideways"}, {"level": "loud"}, {"cursor": "x"}):
+            r = http.get(f"/v2/sandboxes/{sb.sandbox_id}/logs", params=bad)
+            assert (r.status_code, r.json()["code"]) == (400, 400), bad
+        b = {"X-API-KEY": e2b_server.key_b}
+        for path in (f"/sandboxes/{sb.sandbox_id}/logs", f"/v2/sandboxes/{sb.sandbox_id}/logs"):
+            assert http.get(path, headers=b).status_code == 404
 
 
 def test_auto_pause_on_timeout_and_auto_resume(e2b_server):
@@ -292,7 +372,9 @@ def test_auto_pause_on_timeout_and_auto_resume(e2b_server):
         while CoreSandbox.get_info(sb.sandbox_id).state != "paused":
             assert time.monotonic() < deadline, "the timeout did not pause the sandbox"
             time.sleep(0.3)
-        assert sb.get_metrics() == []  # nothing runs
+        ran = sb.get_metrics()
+        time.sleep(1)
+        assert sb.get_metrics() == ran  # nothing runs: no new reading
         assert sb.files.read("/workspace/k.txt") == "kept"  # the next use resumes it, same id
         assert CoreSandbox.get_info(sb.sandbox_id).state == "running"
     finally:
@@ -319,3 +401,56 @@ def test_network_allow_out_is_warmbox_allowlist(e2b_server):
         same.close()
     finally:
         plain.kill()
+
+
+def test_snapshots_fork_network_update_and_their_walls(e2b_server):
+    """create_snapshot (the sandbox runs on), list_snapshots, create from a snapshot's id, fork,
+    delete_snapshot and update_network through E2B's SDK; key B reaches none of them."""
+    from e2b import Sandbox as CoreSandbox
+
+    from warmbox import Sandbox as WbSandbox
+
+    other = {"api_key": e2b_server.key_b}
+    src = CoreSandbox.create(timeout=120)
+    made = []
+    try:
+        src.files.write("state.txt", "v1")
+        snap = src.create_snapshot()
+        assert snap.snapshot_id.startswith("snap-") and snap.names == []
+        src.files.write("state.txt", "v2")  # the source runs on
+        listed = [s.snapshot_id for s in src.list_snapshots().next_items()]
+        assert listed == [snap.snapshot_id]
+        assert snap.snapshot_id in [s.snapshot_id for s in CoreSandbox.list_snapshots().next_items()]
+        assert snap.snapshot_id not in [s.snapshot_id for s in CoreSandbox.list_snapshots(**other).next_items()]
+        with pytest.raises(e2b.SandboxException) as refused:
+            CoreSandbox.create(snap.snapshot_id, **other)
+        assert refused.value.status_code == 404
+        assert CoreSandbox.delete_snapshot(snap.snapshot_id, **other) is False
+        with pytest.raises(e2b.NotFoundException):
+            CoreSandbox.fork(src.sandbox_id, **other)
+        with pytest.raises(e2b.NotFoundException):
+            CoreSandbox.create_snapshot(src.sandbox_id, **other)
+        with pytest.raises(e2b.NotFoundException):
+            CoreSandbox.update_network(src.sandbox_id, {"allow_out": ["example.com"]}, **other)
+        made.append(CoreSandbox.create(snap.snapshot_id, timeout=60))
+        assert made[0].files.read("state.txt") == "v1"
+        forks = src.fork(count=2, timeout=60)
+        made += [f for f in forks if isinstance(f, CoreSandbox)]
+        assert len(made) == 3, forks
+        assert [f.files.read("state.txt") for f in forks] == ["v2", "v2"]
+        assert len({f.sandbox_id for f in [src, *made]}) == 4
+        assert [s.snapshot_id for s in src.list_snapshots().next_items()] == [snap.snapshot_id]  # the fork's went
+        assert CoreSandbox.delete_snapshot(snap.snapshot_id) is True
+        assert CoreSandbox.delete_snapshot(snap.snapshot_id) is False
+        src.update_network({"allow_out": ["example.com", "10.1.2.0/24"]})
+        same = WbSandbox.connect(src.sandbox_id, api_url=e2b_server.server.url, api_key=e2b_server.key_a)
+        try:
+            policy = same.network.policy()
+            assert "example.com" in policy and "10.1.2.0/24" in policy, policy
+            src.update_network({})  # replaced whole: nothing allowed
+            assert same.network.policy() == "none"
+        finally:
+            same.close()
+    finally:
+        for s in (src, *made):
+            s.kill()

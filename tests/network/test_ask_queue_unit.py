@@ -121,7 +121,7 @@ def test_open_questions_are_bounded_per_sandbox_and_shared_per_destination(tmp_p
 
 def test_a_late_sdk_callback_answers_a_question_waiting_in_the_queue(tmp_path):
     from warmbox.engine import egress
-    from warmbox.network.proxy import control_path
+    from warmbox.network.supervisor import control_path
 
     asked: list[str] = []
 

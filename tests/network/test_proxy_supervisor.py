@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from warmbox.network.proxy import RESTART_BACKOFF_S, Supervisor
+from warmbox.network.supervisor import RESTART_BACKOFF_S, Supervisor
 
 
 def _supervisor(tmp_path: Path, children: list[tuple[int, int, float | None]]) -> tuple[Supervisor, list[str]]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import ssl
 
-from warmbox.network.proxy import Supervisor, _ca_pems, _restore_ca
+from warmbox.network.proxy import _ca_pems, _restore_ca
+from warmbox.network.supervisor import Supervisor
 from warmbox.network.tls import SandboxCA
 
 

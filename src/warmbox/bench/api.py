@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from warmbox.bench.common import _pct, _stats, check_ranges
+from warmbox.bench.home import _wait_quiet
 from warmbox.errors import InvalidArgument, WarmboxError
 
 POOL = "bench-api"
@@ -369,7 +370,6 @@ def _pair(samples: dict[str, list[float]]) -> dict[str, Any]:
 
 
 async def part_warm(home: Path, server: Server, runs: int) -> dict[str, Any]:
-    from warmbox.bench.container import _wait_quiet
     from warmbox.engine.engine import Engine
 
     engine = Engine.for_home(home)
@@ -474,7 +474,6 @@ async def part_exec_files(home: Path, server: Server, runs: int, file_mib: int, 
 async def part_burst(
     home: Path, server: Server, creates: int, clients: int, concurrency: int, pool: int, rounds: int
 ) -> dict[str, Any]:
-    from warmbox.bench.container import _wait_quiet
     from warmbox.engine import pool as pools
     from warmbox.engine.engine import Engine
 
@@ -550,7 +549,6 @@ def validate(args: argparse.Namespace) -> None:
 
 
 async def bench_api(home: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from warmbox.bench.container import _wait_quiet
     from warmbox.engine.engine import Engine
 
     t_start = time.monotonic()

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from warmbox.bench.common import EMPTY, _stats
-from warmbox.bench.container import _wait_quiet, in_own_home
+from warmbox.bench.home import _wait_quiet, in_own_home
 from warmbox.errors import WarmboxError
 
 POOL = {"bench-cli": {"template": "base", "min": 1, "max": 1, "target": 1, "refill_concurrency": 1}}

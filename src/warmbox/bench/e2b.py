@@ -22,6 +22,7 @@ from typing import Any
 
 from warmbox.bench.api import Server
 from warmbox.bench.common import _stats, check_ranges
+from warmbox.bench.home import _wait_quiet, in_own_home
 from warmbox.errors import WarmboxError
 
 POOL = "bench-e2b"
@@ -66,7 +67,6 @@ async def _first_cell(side: str, sb: Any) -> None:
 
 
 async def part_warm(home: Path, server: Server, runs: int) -> dict[str, Any]:
-    from warmbox.bench.container import _wait_quiet
     from warmbox.engine.engine import Engine
 
     engine = Engine.for_home(home)
@@ -87,7 +87,6 @@ async def part_warm(home: Path, server: Server, runs: int) -> dict[str, Any]:
 
 
 async def part_exec(home: Path, server: Server, execs: int) -> dict[str, Any]:
-    from warmbox.bench.container import _wait_quiet
     from warmbox.engine.engine import Engine
 
     engine = Engine.for_home(home)
@@ -111,7 +110,6 @@ async def part_exec(home: Path, server: Server, execs: int) -> dict[str, Any]:
 
 
 async def bench_e2b(home: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from warmbox.bench.container import _wait_quiet
     from warmbox.engine.engine import Engine
 
     _e2b()  # before anything starts: the extra is there
@@ -145,9 +143,6 @@ async def bench_e2b(home: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def command(args: argparse.Namespace) -> int:
-
-    from warmbox.bench.container import in_own_home
-
     validate(args)
     _e2b()
     await in_own_home(pool_config(), lambda home: bench_e2b(home, args), print_report, args.json)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from warmbox.bench.common import _stats
+from warmbox.bench.home import _wait_quiet
 from warmbox.errors import WarmboxError
 
 SNIPPET = "(() => { return 'ab'.toUpperCase() })()"
@@ -180,7 +181,6 @@ async def _idle(home: Path) -> float:
 
 async def bench_start(home: Path, runs: int) -> dict[str, Any]:
     from warmbox.backends.isolate import IsolateBackend
-    from warmbox.bench.container import _wait_quiet
     from warmbox.engine.engine import Engine
 
     engine = Engine.for_home(home)

@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from warmbox.bench.home import in_own_home
+from warmbox.bench.raw import _RawRunc
 from warmbox.errors import InvalidArgument, WarmboxError
 
 TIERS = ("container", "gvisor", "microvm")
@@ -389,8 +391,6 @@ class _Player:
 
 def _raw_session(runtime: Path, session: str, work: Path) -> list[dict[str, Any]]:
     """Each turn as a plain ``runc run`` of warmbox's OCI config, the state copied in first."""
-    from warmbox.bench.container import _RawRunc
-
     raw = _RawRunc(runtime)
     state = work / f"raw-{session}"
     _write_state(state, session)
@@ -642,8 +642,6 @@ async def bench_session(home: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def command(args: argparse.Namespace) -> int:
-    from warmbox.bench.container import in_own_home
-
     validate(args)
     report = await in_own_home({}, lambda home: bench_session(home, args), print_report, args.json)
     return 0 if all(r["all_ok"] for r in report["rows"]) else 1

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from warmbox.bench.common import EMPTY, _stats
+from warmbox.bench.home import _print_table, _wait_quiet, in_own_home, write_config
 from warmbox.errors import InvalidArgument, WarmboxError
 
 NAME = "bench-custom"
@@ -110,7 +111,6 @@ async def _first_command(home: Path, template: str, pool: bool) -> tuple[float, 
 
 
 async def bench_template(home: Path, runs: int) -> dict[str, Any]:
-    from warmbox.bench.container import _wait_quiet, write_config
     from warmbox.engine.engine import Engine
 
     engine = Engine.for_home(home)
@@ -191,8 +191,6 @@ def _goal(measured: float, met: bool) -> dict[str, Any]:
 
 
 def print_report(r: dict[str, Any]) -> None:
-    from warmbox.bench.container import _print_table
-
     b = r["build"]
     print(f"bench template: {r['template']} = " + " | ".join(r["steps"]))
     print(
@@ -216,8 +214,6 @@ def print_report(r: dict[str, Any]) -> None:
 
 
 async def command(args: argparse.Namespace) -> int:
-    from warmbox.bench.container import in_own_home
-
     validate(args)
     # the pools come once the custom template is built
     await in_own_home({}, lambda home: bench_template(home, args.runs), print_report, args.json, TEMPLATES)

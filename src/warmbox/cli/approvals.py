@@ -10,10 +10,11 @@ import time
 from typing import Any
 
 from warmbox import operations as ops
+from warmbox.cli.context import MODULE_COMMANDS
 
 
 def add_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("approvals", help="the approval queue: ls, approve ID, deny ID")
+    p = sub.add_parser("approvals", help=MODULE_COMMANDS["approvals"])
     asub = p.add_subparsers(dest="approvals_command", required=True, parser_class=parser_class)
     q = asub.add_parser("ls", help="questions, newest first (pending ones only unless --all)")
     q.add_argument("--all", action="store_true", help="answered and timed-out ones too")

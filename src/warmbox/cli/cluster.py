@@ -8,12 +8,14 @@ import json
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
+from warmbox.cli.context import MODULE_COMMANDS
 from warmbox.errors import InvalidArgument
 
 
-def add_parser(sub: argparse._SubParsersAction, parser_class: type[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("node", help="this home as a cluster node: join; the cluster's nodes: ls, drain")
+def add_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("node", help=MODULE_COMMANDS["node"])
     nsub = p.add_subparsers(dest="node_command", required=True, parser_class=parser_class)
     q = nsub.add_parser("join", help="run this home's engine as a node of the cluster at HEAD until SIGTERM")
     q.add_argument("head", nargs="?", default="", help="the Ray head's HOST:PORT (default [cluster] ray)")
@@ -29,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction, parser_class: type[argparse.Argu
     q = nsub.add_parser("drain", help="move a node's sandboxes to other nodes, then take it out (through the router)")
     q.add_argument("name")
     q.add_argument("--timeout", type=float, default=600.0, help="seconds (default 600)")
-    p = sub.add_parser("cluster", help="a cluster's Ray head and peer token")
+    p = sub.add_parser("cluster", help=MODULE_COMMANDS["cluster"])
     csub = p.add_subparsers(dest="cluster_command", required=True, parser_class=parser_class)
     q = csub.add_parser("head", help="run a Ray head (the cluster's membership) until SIGTERM; prints its address")
     q.add_argument("--port", type=int, default=0, help="its GCS port (default 0: any free)")

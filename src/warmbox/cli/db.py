@@ -7,9 +7,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from warmbox.cli.context import MODULE_COMMANDS
+
 
 def add_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("db", help="the registry's schema: migrate it to this warmbox's, or show its version")
+    p = sub.add_parser("db", help=MODULE_COMMANDS["db"])
     dsub = p.add_subparsers(dest="db_command", required=True, parser_class=parser_class)
     for name, help_ in (
         ("migrate", "bring the registry's schema to this warmbox's (nodes starting at once: one migrates)"),

@@ -8,13 +8,15 @@ import json
 import math
 import re
 import time
+from typing import Any
 
+from warmbox.cli.context import MODULE_COMMANDS
 from warmbox.errors import InvalidArgument, WarmboxError
 from warmbox.models import Tenant
 
 
-def add_parser(sub: argparse._SubParsersAction, parser_class: type[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("keys", help="API keys of tenants: create (secret shown once), ls, revoke")
+def add_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("keys", help=MODULE_COMMANDS["keys"])
     ksub = p.add_subparsers(dest="keys_command", required=True, parser_class=parser_class)
     q = ksub.add_parser("create", help="a new key for a tenant (made if new); sets the tenant's quotas given")
     q.add_argument("--tenant", required=True, metavar="NAME")

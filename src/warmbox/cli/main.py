@@ -38,26 +38,32 @@ warmbox cluster head | token [FILE]   run a Ray head for a cluster; make the pee
 --api-url URL (or WARMBOX_API_URL) sends every command to a warmbox server instead of the
 in-process engine, with --api-key KEY (or WARMBOX_API_KEY).
 
-Imports are part of the design here (issue 38): the parser needs only argparse and the tables of
-operations and records, so asyncio, the SDK, the HTTP client and the engine are imported by the
-commands that use them, when they run; ``warmbox --help`` loads none of them.
+Imports are part of the design here (issue 38): asyncio, the SDK, the HTTP client and the engine
+are imported by the commands that use them, when they run. The parser builds only the command
+asked for (each command is listed, name and help, without its module), and the operations and
+records are loaded on first use; ``warmbox --help`` loads none of them.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 import time
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from warmbox import operations as ops
-from warmbox.cli.volumes import parse_mount
+from warmbox.cli import context
 from warmbox.errors import WarmboxError
-from warmbox.models import Lifecycle, Limits, SandboxQuery, State, validate_query
-from warmbox.network.policy import PRESETS
+
+if TYPE_CHECKING:
+    import dataclasses
+
+    from warmbox import operations as ops
+    from warmbox.models import Lifecycle, Limits
+else:  # run on first use: neither --help nor a parse error loads them
+    ops = context.lazy_module("warmbox.operations")
+    dataclasses = context.lazy_module("dataclasses")
 
 EXIT_ERROR = 125
 
@@ -73,10 +79,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _env_pairs(values: list[str] | None) -> dict[str, str]:
-    return _pairs(values, "--env", "NAME")
+    return context.pairs(values, "--env", "NAME")
 
 
 def _add_sandbox_opts(p: argparse.ArgumentParser) -> None:
+    if not isinstance(p, argparse.ArgumentParser):
+        return  # another command's parser is built, not this one's (context.Subcommands)
+    from warmbox.models import Limits
+
     p.add_argument(
         "--tier",
         default=None,
@@ -156,6 +166,10 @@ def _requirements(args: argparse.Namespace) -> Any:
 
 
 def _add_network_opts(p: argparse.ArgumentParser) -> None:
+    if not isinstance(p, argparse.ArgumentParser):
+        return  # another command's parser is built, not this one's (context.Subcommands)
+    from warmbox.network.policy import PRESETS
+
     p.add_argument(
         "--network",
         choices=("none", "internet"),
@@ -225,11 +239,17 @@ _KEY_HELP = "a repeat with the same KEY runs nothing again: it gets the first"
 MAX_KEYED_STDIN = 16 << 20  # a keyed command's piped stdin, sent whole (the server's JSON bound)
 
 
-def _parser() -> _Parser:
+def _parser(argv: list[str] | None = None) -> _Parser:
+    """The command line's parser: every command, or (``argv`` given) every command listed but only
+    the one ``argv`` names built (``warmbox --help`` builds none, and imports no command's module)."""
     ap = _Parser(prog="warmbox", description="Sandboxes for untrusted code.")
     ap.add_argument("--api-url", default=None, help="a warmbox server (http(s)://host:port or unix:/path)")
     ap.add_argument("--api-key", default=None, help="its API key (default: WARMBOX_API_KEY)")
-    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    only = None
+    if argv is not None:
+        i = context.option_words(ap, argv, 0)
+        only = argv[i] if i is not None and i < len(argv) else ""
+    sub = context.Subcommands(ap.add_subparsers(dest="command", required=True, parser_class=_Parser), only)
     p = sub.add_parser("serve", help="the HTTP API: 127.0.0.1:7420 and a unix socket ([server] in warmbox.toml)")
     p.add_argument("--host", default=None, help="TCP address (default [server] host, 127.0.0.1); '' for none")
     p.add_argument("--port", type=int, default=None, help="TCP port (default [server] port, 7420; 0: any free)")
@@ -289,6 +309,7 @@ def _parser() -> _Parser:
     p = sub.add_parser("metrics", help="cost of a sandbox so far (or final)")
     p.add_argument("sandbox_id")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--history", action="store_true", help="its readings instead (every 5 s, the last hour)")
     for name, help_ in (
         ("snapshot", "snapshot a sandbox (it keeps running)"),
         ("pause", "snapshot a sandbox and release it"),
@@ -338,20 +359,44 @@ def _parser() -> _Parser:
     q = nsub.add_parser("show", help="a sandbox's policy")
     q.add_argument("sandbox_id")
     sub.add_parser("down", help="stop the daemon; destroys pooled (not claimed) sandboxes")
-    from warmbox.cli import keys, templates
+    # the commands of their own modules, each imported only when its command is built
+    if sub.wants("keys"):
+        from warmbox.cli import keys
 
-    keys.add_parser(sub, _Parser)
-    from warmbox.cli import approvals
+        keys.add_parser(sub, _Parser)
+    else:
+        sub.listed("keys")
+    if sub.wants("approvals"):
+        from warmbox.cli import approvals
 
-    approvals.add_parser(sub, _Parser)
-    from warmbox.cli import db, volumes
+        approvals.add_parser(sub, _Parser)
+    else:
+        sub.listed("approvals")
+    if sub.wants("volume"):
+        from warmbox.cli import volumes
 
-    volumes.add_parser(sub, _Parser)
-    db.add_parser(sub, _Parser)
-    templates.add_parser(sub, _Parser)
-    from warmbox.cli import cluster
+        volumes.add_parser(sub, _Parser)
+    else:
+        sub.listed("volume")
+    if sub.wants("db"):
+        from warmbox.cli import db
 
-    cluster.add_parser(sub, _Parser)
+        db.add_parser(sub, _Parser)
+    else:
+        sub.listed("db")
+    if sub.wants("template"):
+        from warmbox.cli import templates
+
+        templates.add_parser(sub, _Parser)
+    else:
+        sub.listed("template")
+    if sub.wants("node") or sub.wants("cluster"):
+        from warmbox.cli import cluster
+
+        cluster.add_parser(sub, _Parser)
+    else:
+        sub.listed("node")
+        sub.listed("cluster")
     p = sub.add_parser("config", help="show the effective settings")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("doctor", help="which tiers this host can run")
@@ -493,10 +538,14 @@ def _cmd(args: argparse.Namespace) -> list[str]:
 
 
 def _limits(args: argparse.Namespace) -> Limits:
+    from warmbox.models import Limits
+
     return Limits(memory_mb=args.memory, cpus=args.cpus, pids=args.pids, disk_mb=args.disk)
 
 
 def _create_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from warmbox.cli.volumes import parse_mount
+
     return {
         "timeout": args.timeout,
         "envs": _env_pairs(args.env),
@@ -505,25 +554,16 @@ def _create_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "pool": not args.no_pool,
         "network": _network(args),
         "secrets": _secrets(args),
-        "metadata": _pairs(args.metadata, "--metadata") or None,
+        "metadata": context.pairs(args.metadata, "--metadata") or None,
         "lifecycle": _lifecycle(args),
         "volumes": [parse_mount(v) for v in args.volume] if args.volume else None,
         "requirements": _requirements(args),
     }
 
 
-def _pairs(values: list[str] | None, flag: str, key: str = "KEY") -> dict[str, str]:
-    """``flag``'s KEY=VALUE items as a dict (WarmboxError naming the flag for an item without "=")."""
-    out = {}
-    for item in values or []:
-        if "=" not in item:
-            raise WarmboxError(f"{flag} expects {key}=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        out[k] = v
-    return out
-
-
 def _lifecycle(args: argparse.Namespace) -> Lifecycle | None:
+    from warmbox.models import Lifecycle
+
     lc = Lifecycle(on_timeout=args.on_timeout, idle_pause_after=args.idle_pause, auto_resume=args.auto_resume)
     return None if lc == Lifecycle() else lc
 
@@ -554,7 +594,7 @@ def _via(args: argparse.Namespace) -> str:
     this home, reached by the thin path), "api" (--api-url / WARMBOX_API_URL) or "in-process"."""
     if getattr(args, "thin", None) is not None:
         return "server"
-    return "api" if _api_url() else "in-process"
+    return "api" if context.api_url() else "in-process"
 
 
 def _piped_stdin(interactive: bool = False) -> Any:
@@ -619,13 +659,14 @@ def _sinks(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-@dataclasses.dataclass
 class _Started:
-    """What --json tells of a sandbox the thin path created or connected to (AsyncSandbox's names)."""
+    """What --json tells of a sandbox the thin path created or connected to (AsyncSandbox's names).
+    (A plain class: a dataclass here would load dataclasses for every ``warmbox --help``.)"""
 
-    sandbox_id: str
-    from_pool: bool
-    stage_timings: list[Any]
+    def __init__(self, sandbox_id: str, from_pool: bool, stage_timings: list[Any]) -> None:
+        self.sandbox_id = sandbox_id
+        self.from_pool = from_pool
+        self.stage_timings = stage_timings
 
     @property
     def timings(self) -> dict[str, float]:
@@ -783,39 +824,6 @@ async def _shell(args: argparse.Namespace) -> int:
         await sb.close()
 
 
-def _engine() -> Any:
-    """The CLI's only way to the engine: a warmbox server (--api-url / WARMBOX_API_URL), else
-    this home's engine in process."""
-    t: Any
-    if _api_url():  # the HTTP client (aiohttp) only then
-        from warmbox.sdk.http import HttpTransport
-
-        t = HttpTransport()
-    else:
-        from warmbox.sdk.transport import LocalTransport
-
-        t = LocalTransport()
-    _OPEN.append(t)
-    return t
-
-
-def _api_url() -> str | None:
-    """The server every command goes to (--api-url, WARMBOX_API_URL), as the SDK's default_url
-    reads it (sdk.transport: not loaded for this)."""
-    return os.environ.get("WARMBOX_API_URL") or None
-
-
-_OPEN: list[Any] = []  # transports the command opened: closed before the loop ends
-
-
-async def _closing(run: Any) -> int:
-    try:
-        return int(await run)
-    finally:
-        while _OPEN:
-            await _OPEN.pop().close()
-
-
 async def _serve(args: argparse.Namespace) -> int:
     from warmbox.config import load
     from warmbox.paths import default_home
@@ -848,7 +856,7 @@ def _warn_config() -> None:
     from warmbox.errors import ConfigError
     from warmbox.paths import default_home
 
-    if _api_url():  # the server's settings count, not this host's file
+    if context.api_url():  # the server's settings count, not this host's file
         return
     try:
         load(default_home())
@@ -859,13 +867,15 @@ def _warn_config() -> None:
 
 
 async def _ls(args: argparse.Namespace) -> int:
+    from warmbox.models import SandboxQuery, State, validate_query
+
     _warn_config()
-    t = getattr(args, "thin", None) or _engine()
+    t = getattr(args, "thin", None) or context.transport()
     query = None
     if args.metadata or args.state:
         query = validate_query(
             SandboxQuery(
-                metadata=_pairs(args.metadata, "--metadata") or None,
+                metadata=context.pairs(args.metadata, "--metadata") or None,
                 state=tuple(args.state) if args.state else None,  # type: ignore[arg-type]  # checked here
             )
         )
@@ -947,7 +957,12 @@ async def _port_forward(args: argparse.Namespace) -> int:
 
 
 async def _metrics(args: argparse.Namespace) -> int:
-    m = await _engine().handle(ops.Metrics(args.sandbox_id))
+    if args.history:
+        got = await context.transport().handle(ops.MetricsHistory(args.sandbox_id))
+        lines = [f"{s.timestamp:.0f} cpu {s.cpu_used_pct:.1f}% memory {s.memory_bytes / 2**20:.1f} MiB" for s in got]
+        print(json.dumps([dataclasses.asdict(s) for s in got]) if args.json else "\n".join(lines))
+        return 0
+    m = await context.transport().handle(ops.Metrics(args.sandbox_id))
     if args.json:
         print(json.dumps(dataclasses.asdict(m)))
     else:
@@ -962,7 +977,7 @@ async def _metrics(args: argparse.Namespace) -> int:
 
 async def _snapshot(args: argparse.Namespace) -> int:
     op = ops.Pause if args.command == "pause" else ops.Snapshot
-    m = await _engine().handle(op(args.sandbox_id))
+    m = await context.transport().handle(op(args.sandbox_id))
     if args.json:
         print(json.dumps(dataclasses.asdict(m)))
     else:
@@ -992,7 +1007,7 @@ async def _resume(args: argparse.Namespace) -> int:
 
 
 async def _snapshots(args: argparse.Namespace) -> int:
-    t = _engine()
+    t = context.transport()
     if args.action == "rm":
         if not args.snapshot_ids:
             raise WarmboxError("snapshots rm needs snapshot ids")
@@ -1046,7 +1061,7 @@ async def _down(args: argparse.Namespace) -> int:
 async def _approvals(args: argparse.Namespace) -> int:
     from warmbox.cli import approvals
 
-    return await approvals.command(args, _engine())
+    return await approvals.command(args, context.transport())
 
 
 async def _cluster(args: argparse.Namespace) -> int:
@@ -1074,7 +1089,7 @@ async def _config(args: argparse.Namespace) -> int:
 
 
 async def _kill(args: argparse.Namespace) -> int:
-    t = getattr(args, "thin", None) or _engine()
+    t = getattr(args, "thin", None) or context.transport()
     if args.all == bool(args.sandbox_ids):
         raise WarmboxError("warmbox kill takes sandbox ids, or --all (every sandbox you have, running or paused)")
     ids = args.sandbox_ids
@@ -1098,7 +1113,7 @@ async def _kill(args: argparse.Namespace) -> int:
 async def _export(args: argparse.Namespace) -> int:
     from warmbox import transcript
 
-    got = await _engine().handle(ops.Export(args.sandbox_id))
+    got = await context.transport().handle(ops.Export(args.sandbox_id))
     data = transcript.dumps(got, args.format)
     if args.output is None:
         sys.stdout.buffer.write(data)
@@ -1122,7 +1137,9 @@ async def _logs(args: argparse.Namespace) -> int:
     foreground command's output went to its caller); -f: then follow them until they end."""
     import asyncio
 
-    t = _engine()
+    from warmbox.models import State
+
+    t = context.transport()
     sid = args.sandbox_id
     text = await t.handle(ops.Logs(sid))
     info = await t.handle(ops.Info(sid))
@@ -1180,7 +1197,7 @@ async def _doctor(args: argparse.Namespace) -> int:
         from warmbox.cli.security import print_guarantees
 
         return print_guarantees(as_json=args.json)
-    rows = await _engine().handle(ops.Doctor())
+    rows = await context.transport().handle(ops.Doctor())
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows]))
     else:
@@ -1201,7 +1218,7 @@ def _trust_note() -> str:
     from warmbox.network.tls import host_only_cas
     from warmbox.paths import default_home
 
-    if _api_url():  # the server's host is another one
+    if context.api_url():  # the server's host is another one
         return ""
     try:
         extra = load(default_home()).network.extra_ca
@@ -1225,7 +1242,7 @@ async def _advise(args: argparse.Namespace) -> int:
 
     req = _requirements(args)
     try:
-        choice = await _engine().handle(ops.ChooseTier(req))
+        choice = await context.transport().handle(ops.ChooseTier(req))
     except NoSuitableTier as e:
         if args.json:
             print(json.dumps({"tier": None, "error": str(e), "rejected": list(e.rejected)}))
@@ -1258,7 +1275,7 @@ async def _mcp(args: argparse.Namespace) -> int:
     """An MCP server on stdio over this home's engine; sandboxes it created outlive it (to their timeout)."""
     from warmbox.server.mcp import build_mcp
 
-    transport = _engine()
+    transport = context.transport()
     try:
         await build_mcp(lambda ctx: transport).run_stdio_async()
     finally:
@@ -1273,7 +1290,7 @@ async def _bench(args: argparse.Namespace) -> int:
 
 
 async def _net(args: argparse.Namespace) -> int:
-    t = _engine()
+    t = context.transport()
     if args.net_command == "log":
         rows = await t.handle(ops.NetworkLog(args.sandbox_id))
         if args.json:
@@ -1347,7 +1364,7 @@ def _thin(args: argparse.Namespace) -> _ThinTransport | None:
     named (--api-url), nothing of this process's stdin is to be forwarded and no terminal is
     asked for, and a ``warmbox serve`` of this home answers on its socket; else None: the command
     builds its own client (the engine in process, or the HTTP transport to the named server)."""
-    if args.command not in _THIN_COMMANDS or _api_url():
+    if args.command not in _THIN_COMMANDS or context.api_url():
         return None
     if args.command in ("run", "exec"):
         if getattr(args, "tty", False) or getattr(args, "user", "user") != "user":
@@ -1374,44 +1391,17 @@ def _unsuspended(coro: Any) -> int:
 _COMMAND_AFTER = {"run": 0, "exec": 1, "shell": 1}  # our positionals before the command's first word
 
 
-def _option_words(p: argparse.ArgumentParser, argv: list[str], i: int) -> int | None:
-    """The index of the first word at or after ``i`` that is neither an option of ``p`` nor an
-    option's value; None at an option ``p`` does not have (argparse then says so)."""
-    options = p._option_string_actions
-    while i < len(argv):
-        word = argv[i]
-        if not word.startswith("-") or word in ("-", "--"):
-            return i
-        if word.startswith("--"):
-            name, eq, _ = word.partition("=")
-            found = [o for o in options if o.startswith("--") and o.startswith(name)]  # argparse takes a prefix
-            if name not in options and len(found) != 1:
-                return None
-            action = options[name if name in options else found[0]]
-            i += 1 if eq or action.nargs == 0 else 2
-            continue
-        i += 1
-        for j in range(1, len(word)):  # -x, -xVALUE, or flags together (-it)
-            short = options.get("-" + word[j])
-            if short is None:
-                return None
-            if short.nargs != 0:
-                i += j + 1 == len(word)  # its value is the next word
-                break
-    return i
-
-
 def _separate(ap: _Parser, argv: list[str]) -> list[str]:
     """``warmbox run python3 -c 'print(1)'`` as ``docker run`` reads it: the command starts at the
     first word that is not ours (an option, its value, the sandbox id), and a ``--`` goes there,
     so its own options (``-c``) are never read as ours. argv as it was when a ``--`` is there already."""
-    i = _option_words(ap, argv, 0)
+    i = context.option_words(ap, argv, 0)
     if i is None or i >= len(argv) or argv[i] not in _COMMAND_AFTER:
         return argv
     sub, ours = ap.subcommands[argv[i]], _COMMAND_AFTER[argv[i]]
     i += 1
     while True:
-        found = _option_words(sub, argv, i)
+        found = context.option_words(sub, argv, i)
         if found is None or found >= len(argv) or argv[found] == "--":
             return argv
         if ours == 0:
@@ -1424,14 +1414,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     (``warmbox exec ID --cwd /tmp -e A=1 -- pwd``) and the command's own are never read as ours;
     without a ``--``, the command starts at the first word that is not ours (:func:`_separate`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = _parser()
+    ap = _parser(argv)
     argv = _separate(ap, argv)
     if "--" not in argv:
         return ap.parse_args(argv)
     cut = argv.index("--")
     args = ap.parse_args(argv[:cut])
     if not hasattr(args, "cmd") or args.cmd:
-        return _parser().parse_args(argv)  # no command here, or one before the --: argparse says why
+        return _parser(argv).parse_args(argv)  # no command here, or one before the --: argparse says why
     args.cmd = argv[cut + 1 :]
     return args
 
@@ -1451,7 +1441,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.thin.client.close()
         import asyncio
 
-        return asyncio.run(_closing(_COMMANDS[args.command](args)))
+        return asyncio.run(context.closing(_COMMANDS[args.command](args)))
     except WarmboxError as e:
         print(f"warmbox: error: {e}", file=sys.stderr)
         return EXIT_ERROR

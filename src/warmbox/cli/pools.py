@@ -8,28 +8,27 @@ import dataclasses
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from warmbox import operations as ops
+from warmbox.cli.context import transport
 from warmbox.errors import ConfigError, WarmboxError
 
+if TYPE_CHECKING:
+    from warmbox.engine.engine import Engine
 
-def _engine():
+
+def host_engine() -> Engine:
+    """This home's engine itself, not a transport to its front: ``pool warm``, ``down`` and ``config``
+    need its settings and its daemon, which are no operations."""
     from warmbox.engine.engine import Engine
 
     return Engine.for_home()
 
 
-def _front() -> Any:
-    """The CLI's transport to the engine front (operations ``pools.list`` / ``pools.resize``)."""
-    from warmbox.cli.main import _engine as transport
-
-    return transport()
-
-
 async def command(args: argparse.Namespace) -> int:
     if args.pool_command == "ls":
-        rows = await _front().handle(ops.PoolsList())
+        rows = await transport().handle(ops.PoolsList())
         if args.json:
             print(json.dumps([dataclasses.asdict(r) for r in rows]))
             return 0
@@ -47,7 +46,7 @@ async def command(args: argparse.Namespace) -> int:
                 print(f"{'':<12} last error: {r.last_error[:200]}")
         return 0
     if args.pool_command == "resize":
-        st = await _front().handle(ops.PoolsResize(args.name, args.target, args.min, args.max))
+        st = await transport().handle(ops.PoolsResize(args.name, args.target, args.min, args.max))
         note = ""
         if args.target is not None and st.target != args.target:
             note = f" ({args.target} is {'above its max' if args.target > st.target else 'below its min'})"
@@ -58,7 +57,7 @@ async def command(args: argparse.Namespace) -> int:
     # `pool warm` stays on the engine: it needs the settings and ensure_daemon, which are no operations
     from warmbox.engine import pool
 
-    engine = _engine()
+    engine = host_engine()
     settings = engine.settings()
     names = args.names or [n for n, r in ((r.name, r) for r in pool.status(engine, settings)) if r.target > 0]
     for n in names:
@@ -74,7 +73,7 @@ async def warm(names: list[str], timeout: float, held: dict[str, int] | None = N
 
     from warmbox.engine import pool
 
-    engine = _engine()
+    engine = host_engine()
     engine.ensure_daemon()
     deadline = time.monotonic() + timeout
     with Progress(
@@ -138,7 +137,7 @@ async def down() -> int:
 
 def show_config(as_json: bool) -> int:
     try:
-        settings = _engine().settings()
+        settings = host_engine().settings()
     except ConfigError as e:
         raise ConfigError(
             f"{e} (a warmbox serve or daemon of this home that read it before keeps its last good settings "

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from warmbox import operations as ops
+from warmbox.cli.context import MODULE_COMMANDS, pairs, transport
 from warmbox.errors import InvalidArgument, WarmboxError
 from warmbox.models import TemplateBuildEvent, TemplateInfo
 from warmbox.network.policy import PRESETS, Network
@@ -26,7 +27,7 @@ from warmbox.templates import Template
 
 
 def add_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("template", help="build, list, show and remove templates")
+    p = sub.add_parser("template", help=MODULE_COMMANDS["template"])
     tsub = p.add_subparsers(dest="template_command", required=True, parser_class=parser_class)
     q = tsub.add_parser("build", help="build a template from a Dockerfile, a Python or TOML file, or a NAME")
     q.add_argument("source", help="Dockerfile (or its directory), file.py, file.toml, or a template NAME")
@@ -232,12 +233,11 @@ def _shown(field: str, value: object) -> list[str]:
 
 
 async def command(args: argparse.Namespace) -> int:
-    from warmbox.cli.main import _engine, _pairs
     from warmbox.templates.context import pack_context  # tarfile: not for the parser (warmbox --help)
 
-    t = _engine()
+    t = transport()
     if args.template_command == "build":
-        name, spec = resolve(args.source, args.name, args.context, _pairs(args.build_arg, "--build-arg", "NAME"))
+        name, spec = resolve(args.source, args.name, args.context, pairs(args.build_arg, "--build-arg", "NAME"))
         spec = with_allowed(spec, args.allow)
         for note in spec.notes:
             print(f"note: {note}", file=sys.stderr)

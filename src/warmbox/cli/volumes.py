@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from warmbox import operations as ops
+from warmbox.cli.context import MODULE_COMMANDS, transport
 from warmbox.errors import InvalidArgument
 from warmbox.models import Volume
 
@@ -35,7 +36,7 @@ def parse_mount(text: str) -> Volume:
 
 
 def add_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("volume", help="named volumes: create, ls, show, rm")
+    p = sub.add_parser("volume", help=MODULE_COMMANDS["volume"])
     vsub = p.add_subparsers(dest="volume_command", required=True, parser_class=parser_class)
     q = vsub.add_parser("create", help="a new empty volume (ext4 of --size: its limit)")
     q.add_argument("name")
@@ -64,8 +65,6 @@ def _print(rows: list, as_json: bool) -> None:
 
 
 async def command(args: argparse.Namespace) -> int:
-    from warmbox.cli.main import _engine as transport
-
     t = transport()
     if args.volume_command == "create":
         v = await t.handle(ops.VolumeCreate(args.name, parse_size(args.size)))

@@ -22,14 +22,13 @@ import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 from warmbox.config import NetworkSettings
 from warmbox.engine.session import GuestSession
 from warmbox.errors import BackendUnavailable, InvalidArgument, NetworkError, SecretsRequired, Unsupported
 from warmbox.models import ApprovalRequest, BackendHandle, StageTiming
-from warmbox.network import netns
+from warmbox.network import netns, supervisor
 from warmbox.network.policy import Policy, Secret
 from warmbox.storage.registry import UID_BASE, UID_RANGE
 
@@ -37,15 +36,6 @@ if TYPE_CHECKING:
     from warmbox.engine.engine import Engine
 
 PROXY_URL = f"http://{netns.GATEWAY}:{netns.PROXY_PORT}"
-
-
-def _proxy() -> ModuleType:
-    """The proxy module, imported on first use: it loads TLS and HTTP code (cryptography, urllib)
-    that a sandbox without network never needs, and the CLI pays every import on each start."""
-    from warmbox.network import proxy
-
-    return proxy
-
 
 CA_PATH = "/home/user/.warmbox/ca-bundle.pem"
 _PROXY_START_S = 15.0
@@ -146,7 +136,7 @@ class Control:
     @classmethod
     async def open(cls, home: Path, timeout: float = 2.0) -> Control:
         r, w = await asyncio.wait_for(
-            asyncio.open_unix_connection(str(_proxy().control_path(home)), limit=1 << 20), timeout
+            asyncio.open_unix_connection(str(supervisor.control_path(home)), limit=1 << 20), timeout
         )
         return cls(r, w)
 
@@ -187,7 +177,7 @@ def require_serving(home: Path, bound: float = _SERVE_WAIT_S) -> None:
         if started is None and not _proxy_locked(home):
             with open(home / "netproxy.log", "ab") as log:
                 started = subprocess.Popen(
-                    [*_proxy().launch_argv(), str(home)],
+                    [*supervisor.launch_argv(), str(home)],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=log,
@@ -220,7 +210,7 @@ def _hello(home: Path, timeout: float = 1.0) -> bool:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
-            s.connect(str(_proxy().control_path(home)))
+            s.connect(str(supervisor.control_path(home)))
             s.sendall(b'{"op": "hello"}\n')
             buf = b""
             while not buf.endswith(b"\n") and len(buf) < 4096:
@@ -259,7 +249,7 @@ def proxy_pid(home: Path) -> int | None:
 def supervisor_pid(home: Path) -> int | None:
     """PID of the process that supervises (and restarts) the proxy."""
     try:
-        pid = int(_proxy().supervisor_pid_path(home).read_text())
+        pid = int(supervisor.supervisor_pid_path(home).read_text())
     except (OSError, ValueError):
         return None
     return pid if _proxy_locked(home) else None

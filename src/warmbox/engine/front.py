@@ -23,6 +23,7 @@ import builtins
 import collections.abc
 import dataclasses
 import functools
+import math
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -63,6 +64,7 @@ from warmbox.models import (
     Execution,
     Lifecycle,
     Limits,
+    MetricSample,
     NetEvent,
     PoolStatus,
     ProcessInfo,
@@ -86,7 +88,7 @@ from warmbox.models import (
 from warmbox.network.policy import Policy
 from warmbox.operations import sandbox_path
 from warmbox.paths import hide_host_paths
-from warmbox.storage.registry import Registry, unknown_sandbox
+from warmbox.storage.registry import METRIC_SAMPLE_EVERY_S, METRIC_SAMPLES_KEPT, Registry, unknown_sandbox
 from warmbox.tiers import canonical_tier
 
 R = TypeVar("R")
@@ -143,6 +145,7 @@ NOT_USE: frozenset[type[Any]] = frozenset(
         ops.Kill,
         ops.SetTimeout,
         ops.Metrics,
+        ops.MetricsHistory,
         ops.RecordFirstCommand,
         ops.Snapshot,
         ops.Pause,
@@ -261,6 +264,14 @@ def _version(version: object) -> int | None:
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise InvalidArgument(f"version must be a positive integer, got {version!r}")
     return version
+
+
+def _epoch(value: object, name: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e11:
+        raise InvalidArgument(f"{name} must be a time in epoch seconds, got {value!r}")
+    return float(value)
 
 
 def _snapshot_ref(m: Any) -> SnapshotRef:
@@ -385,6 +396,7 @@ class EngineFront:
             ops.Kill: self.kill,
             ops.SetTimeout: self.set_timeout,
             ops.Metrics: self.metrics,
+            ops.MetricsHistory: self.metrics_history,
             ops.Ping: self.ping,
             ops.RecordFirstCommand: self.record_first_command,
             ops.Exec: self.exec,
@@ -868,6 +880,23 @@ class EngineFront:
         if not r.fresh:
             return self.engine.metered(r.sandbox_id)
         return await self.engine.metrics(r.sandbox_id, self._held(r.sandbox_id))
+
+    async def metrics_history(self, r: ops.MetricsHistory) -> builtins.list[MetricSample]:
+        start, end = _epoch(r.start, "start"), _epoch(r.end, "end")
+        if isinstance(r.limit, bool) or not isinstance(r.limit, int) or not 1 <= r.limit <= METRIC_SAMPLES_KEPT:
+            raise InvalidArgument(f"limit must be an integer from 1 to {METRIC_SAMPLES_KEPT}, got {r.limit!r}")
+        info, _ = self.engine.info(r.sandbox_id)
+        now = time.time()
+        if info.state in (State.READY, State.RUNNING) and (end is None or end >= now):
+            latest = self.engine.registry.usage.metric_samples(r.sandbox_id, 0.0, now, 1)
+            if not latest or now - latest[0][0] >= METRIC_SAMPLE_EVERY_S:
+                await self.engine.metrics(r.sandbox_id, self._held(r.sandbox_id))  # a reading, into the history
+        since = info.claimed_at or info.created_at  # a pool's warm-up is not the user's
+        rows = self.engine.registry.usage.metric_samples(
+            r.sandbox_id, max(start or 0.0, since), time.time() if end is None else end, r.limit
+        )
+        cpus = max(1, math.ceil(info.cpus))
+        return [MetricSample(at, pct, cpus, mem, info.memory_mb << 20) for at, pct, mem in rows]
 
     async def record_first_command(self, r: ops.RecordFirstCommand) -> None:
         ms = r.duration_ms

@@ -5,6 +5,7 @@ from collections.abc import Callable as Callable
 from typing import Any as Any
 from typing import Protocol as Protocol
 from typing import overload as overload
+from datetime import datetime as datetime
 from os import PathLike as PathLike
 from pathlib import Path as Path
 from typing import Literal as Literal
@@ -18,6 +19,7 @@ from warmbox.models import ExecutionError as ExecutionError
 from warmbox.models import FilesystemEvent as FilesystemEvent
 from warmbox.models import Lifecycle as Lifecycle
 from warmbox.models import Limits as Limits
+from warmbox.models import MetricSample as MetricSample
 from warmbox.models import NetEvent as NetEvent
 from warmbox.models import ProcessInfo as ProcessInfo
 from warmbox.models import Requirements as Requirements
@@ -182,6 +184,7 @@ class Sandbox:
     def from_pool(self) -> bool: ...
     def get_host(self, port: int, *, unix: bool = ..., check: bool = ..., timeout: float = ...) -> str: ...
     def get_info(self) -> SandboxInfo: ...
+    def get_metrics(self, start: datetime | float | None = ..., end: datetime | float | None = ...) -> builtins.list[MetricSample]: ...
     def get_timings(self) -> dict[str, float]: ...
     @classmethod
     def get_volume(cls, name: str, *, home: str | Path | None = ..., transport: Transport | None = ..., api_url: str | None = ..., api_key: str | None = ..., request_timeout: float | None = ...) -> VolumeInfo: ...

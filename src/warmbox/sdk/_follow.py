@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from warmbox import operations as ops
 from warmbox.models import CommandResult
-
-if TYPE_CHECKING:
-    from warmbox.sdk.sandbox import AsyncSandbox
+from warmbox.sdk._ref import SandboxRef
 
 
 class ProcessFollower:
     """A process of the sandbox followed over a ProcessStream: a task runs the subclass's ``_pump``
     (its output, as it comes) until the stream ends or ``disconnect()``."""
 
-    def __init__(self, sandbox: AsyncSandbox, pid: int, stream: ops.ProcessStream) -> None:
+    def __init__(self, sandbox: SandboxRef, pid: int, stream: ops.ProcessStream) -> None:
         self._sb = sandbox
         self._pid = pid
         self._stream = stream

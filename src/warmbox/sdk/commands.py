@@ -6,16 +6,14 @@ import asyncio
 import builtins
 import dataclasses
 from collections.abc import AsyncIterable, Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any, Literal, overload
 
 from warmbox import operations as ops
 from warmbox.errors import CommandFailed, InvalidArgument
 from warmbox.models import CommandRecord, CommandResult, ProcessInfo
 from warmbox.sdk._follow import ProcessFollower
+from warmbox.sdk._ref import SandboxRef
 from warmbox.sdk._sync import synchronize
-
-if TYPE_CHECKING:
-    from warmbox.sdk.sandbox import AsyncSandbox
 
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
 DEFAULT_MAX_OUTPUT = 10 << 20
@@ -70,7 +68,7 @@ def _checked(result: CommandResult, check: bool, sandbox_id: str) -> CommandResu
 class AsyncCommands:
     """``sandbox.commands``: run processes inside the sandbox."""
 
-    def __init__(self, sandbox: AsyncSandbox) -> None:
+    def __init__(self, sandbox: SandboxRef) -> None:
         self._sb = sandbox
 
     @overload
@@ -254,7 +252,7 @@ class AsyncCommandHandle(ProcessFollower):
 
     def __init__(
         self,
-        sandbox: AsyncSandbox,
+        sandbox: SandboxRef,
         pid: int,
         stream: ops.ProcessStream,
         on_stdout: Callable[[str], object] | None,

@@ -11,18 +11,16 @@ import tarfile
 import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from os import PathLike
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from warmbox import operations as ops
 from warmbox import safetar
 from warmbox.errors import FileTooLarge, GuestProtocolError, InvalidArgument, PathNotFound, UnsafeArchive
 from warmbox.models import EntryInfo, FilesystemEvent, WriteEntry
+from warmbox.sdk._ref import SandboxRef
 from warmbox.sdk._sync import synchronize
 from warmbox.sdk.http import HttpTransport
 from warmbox.sdk.transport import LocalTransport, Transport
-
-if TYPE_CHECKING:
-    from warmbox.sdk.sandbox import AsyncSandbox
 
 DEFAULT_READ_MAX_BYTES = 100 << 20
 DEFAULT_READ_TIMEOUT_S = 60.0
@@ -34,7 +32,7 @@ WORKDIR = "/workspace"
 class AsyncFiles:
     """``sandbox.files``: read and write the sandbox's filesystem (as the sandbox's user)."""
 
-    def __init__(self, sandbox: AsyncSandbox) -> None:
+    def __init__(self, sandbox: SandboxRef) -> None:
         self._sb = sandbox
 
     async def read(

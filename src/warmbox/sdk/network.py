@@ -6,16 +6,16 @@ from typing import TYPE_CHECKING
 
 from warmbox import operations as ops
 from warmbox.models import NetEvent
+from warmbox.sdk._ref import SandboxRef
 
 if TYPE_CHECKING:
     from warmbox.network.policy import Network
-    from warmbox.sdk.sandbox import AsyncSandbox
 
 
 class AsyncNetwork:
     """The sandbox's egress: its policy, changes to it, and the audit log of every attempt."""
 
-    def __init__(self, sandbox: AsyncSandbox) -> None:
+    def __init__(self, sandbox: SandboxRef) -> None:
         self._sb = sandbox
 
     async def update(self, network: str | Network) -> None:

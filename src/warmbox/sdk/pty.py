@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from warmbox import operations as ops
 from warmbox.errors import InvalidArgument
 from warmbox.models import CommandResult
 from warmbox.sdk._follow import ProcessFollower
+from warmbox.sdk._ref import SandboxRef
 from warmbox.sdk._sync import synchronize
-
-if TYPE_CHECKING:
-    from warmbox.sdk.sandbox import AsyncSandbox
 
 DEFAULT_SHELL = ["/bin/bash", "-i", "-l"]
 
@@ -21,7 +18,7 @@ DEFAULT_SHELL = ["/bin/bash", "-i", "-l"]
 class AsyncPty:
     """``sandbox.pty``: start terminals, and reach any of them by pid (from any client)."""
 
-    def __init__(self, sandbox: AsyncSandbox) -> None:
+    def __init__(self, sandbox: SandboxRef) -> None:
         self._sb = sandbox
 
     async def create(
@@ -72,7 +69,7 @@ class AsyncPtyHandle(ProcessFollower):
     to ``on_data`` (and is yielded as bytes by ``async for`` when no callback takes it)."""
 
     def __init__(
-        self, sandbox: AsyncSandbox, pid: int, stream: ops.ProcessStream, on_data: Callable[[bytes], object] | None
+        self, sandbox: SandboxRef, pid: int, stream: ops.ProcessStream, on_data: Callable[[bytes], object] | None
     ) -> None:
         self._on_data = on_data
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=256)  # iteration, bounded

@@ -11,6 +11,7 @@ import asyncio
 import builtins
 import time
 from collections.abc import Callable
+from datetime import datetime
 from os import PathLike
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +25,7 @@ from warmbox.models import (
     ExecutionError,
     Lifecycle,
     Limits,
+    MetricSample,
     Requirements,
     Result,
     SandboxInfo,
@@ -63,6 +65,12 @@ def _snapshot_id(ref: object) -> str:
     if isinstance(ref, str):
         return ref
     raise InvalidArgument(f"expected a SnapshotRef or a snapshot/sandbox id, got {type(ref).__name__}")
+
+
+def _epoch(at: object) -> Any:
+    """A time as the operations take it: epoch seconds (a datetime's; anything else as given,
+    for the front to check)."""
+    return at.timestamp() if isinstance(at, datetime) else at
 
 
 def _transport(
@@ -555,6 +563,15 @@ class AsyncSandbox:
         """This sandbox's cost so far: cpu-s, memory GiB-s, wall/busy/idle seconds (final once
         destroyed). A pooled sandbox's warm-up is accounted to its pool, not here."""
         return await self._ask(ops.Metrics(self.sandbox_id))
+
+    async def get_metrics(
+        self, start: datetime | float | None = None, end: datetime | float | None = None
+    ) -> builtins.list[MetricSample]:
+        """This sandbox's metrics history, oldest first: a reading every 5 s while it runs (CPU use
+        since the reading before, memory in use), from ``start`` (a datetime or epoch seconds; None:
+        its start) until ``end`` (None: now, with a reading taken now if the latest is older). The
+        latest 720 readings (an hour) are kept while it lives."""
+        return await self._ask(ops.MetricsHistory(self.sandbox_id, _epoch(start), _epoch(end)))
 
     async def export(self, path: str | PathLike[str] | None = None, *, format: str = "ndjson") -> Transcript:
         """Everything recorded of this sandbox (also once it ended): its record, stage timings,

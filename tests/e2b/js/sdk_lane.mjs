@@ -74,6 +74,27 @@ try {
   assert.equal(await sb.isRunning(), true)
   ok('tenant_wall')
 
+  // ---- metrics history, a snapshot and a sandbox from it, a network update; B reaches none
+  const metrics = await sb.getMetrics()
+  assert.ok(metrics.length >= 1 && metrics[0].memUsed > 0 && metrics[0].cpuCount >= 1, JSON.stringify(metrics))
+  const last = metrics[metrics.length - 1].timestamp
+  assert.deepEqual((await sb.getMetrics({ start: last })).map((m) => m.timestamp.getTime()).slice(0, 1), [last.getTime()])
+  await sb.files.write('snapped.txt', 'then')
+  const snap = await sb.createSnapshot()
+  assert.match(snap.snapshotId, /^snap-/)
+  const fromSnap = await Sandbox.create(snap.snapshotId, { timeoutMs: 60_000 })
+  try {
+    assert.equal(await fromSnap.files.read('snapped.txt'), 'then')
+  } finally {
+    await fromSnap.kill()
+  }
+  assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId, { apiKey: keyB }), false)
+  assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), true)
+  await sb.updateNetwork({ allowOut: ['example.com'] })
+  await assert.rejects(Sandbox.updateNetwork(sb.sandboxId, {}, { apiKey: keyB }), (e) => e instanceof NotFoundError)
+  await assert.rejects(Sandbox.getMetrics(sb.sandboxId, { apiKey: keyB }), (e) => e instanceof NotFoundError)
+  ok('snapshot_metrics_network')
+
   // ---- pause, then connect: same id, files and the code context's state kept
   await sb.files.write('kept.txt', 'still here')
   assert.equal(await sb.betaPause(), true)

@@ -1,5 +1,6 @@
 """E2B's control plane (REST, JSON; the key in ``X-API-KEY``) as operations on the key's tenant
-front: create, connect/resume, list, info, kill, timeouts, pause, metrics. Errors are E2B's
+front: create, connect/resume, list, info, kill, timeouts, pause, metrics and their history, logs,
+network updates, snapshots and forks. Errors are E2B's
 ``{code, message}`` with the statuses its SDKs turn into their exceptions."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -27,8 +28,9 @@ from warmbox.errors import (
     SandboxStateError,
     SnapshotUnsupported,
     Unauthenticated,
+    WarmboxError,
 )
-from warmbox.models import Lifecycle, SandboxInfo, SandboxQuery, State
+from warmbox.models import Lifecycle, MetricSample, SandboxInfo, SandboxQuery, SnapshotRef, State
 from warmbox.network.policy import Network
 from warmbox.server.e2b import table
 from warmbox.server.e2b.common import (
@@ -40,6 +42,7 @@ from warmbox.server.e2b.common import (
     api_secret,
     error_response,
     json_body,
+    status_of,
 )
 
 MAX_BODY = 1 << 20
@@ -47,8 +50,11 @@ MAX_BODY = 1 << 20
 TEMPLATES = {"base": "base", "code-interpreter-v1": "pydata", "code-interpreter": "pydata"}
 DEFAULT_TIMEOUT_S = 300  # E2B's default sandbox timeout
 MAX_PAGE = 1000
+FORK_TIMEOUT_S = 15  # E2B's default timeout of a fork
+MAX_FORKS = 20  # forks one call makes at most (E2B's bound)
 _ALIVE = (State.CREATING, State.READY, State.RUNNING)
 Handler = Callable[["Call"], Awaitable[Response]]
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +119,70 @@ def _network(given: object) -> str | Network:
     return Network(allow=tuple(allow)) if allow else "none"
 
 
+def _paged(params: Any, items: list[T], limit: int | None) -> tuple[list[T], dict[str, str]]:
+    """The page of ``items`` E2B's ``nextToken`` (an offset this server gave) and ``limit`` ask
+    for, and the ``x-next-token`` header of the next page, if any."""
+    start = 0
+    if params.get("nextToken"):
+        try:
+            start = int(base64.urlsafe_b64decode(params["nextToken"].encode()).decode())
+        except (ValueError, binascii.Error, UnicodeDecodeError):
+            raise InvalidArgument("nextToken is not one this server gave") from None
+    page = items[start : start + limit] if limit else items[start:]
+    headers = {}
+    if limit and start + limit < len(items):
+        headers["x-next-token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
+    return page, headers
+
+
+def _query_int(params: Any, key: str, default: int | None, low: int, high: int) -> int | None:
+    raw = params.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidArgument(f"{key} must be a whole number, got {raw[:40]!r}") from None
+    if not low <= value <= high:
+        raise InvalidArgument(f"{key} must be from {low} to {high}, got {value}")
+    return value
+
+
+_LEVELS = ("debug", "info", "warn", "error")
+_LOG_LEVEL = {"debug": "debug", "info": "info", "warning": "warn", "warn": "warn", "error": "error", "fatal": "error"}
+MAX_LOG_LINES = 1000  # E2B's default and largest page of log lines
+MAX_METRICS_IDS = 100  # sandboxes one GET /sandboxes/metrics asks for
+MAX_JSON_LINE = 64 << 10  # a runtime's log line read as JSON at most (a longer one is text)
+MAX_SEARCH = 1024  # the longest logs search string
+
+
+def _log_entries(text: str, started: float) -> list[tuple[float, str, str]]:
+    """(at, level, message) of each line of a sandbox's runtime logs (``logs``: redacted, bounded).
+    A runtime's JSON line (runc's: ``{"level", "msg", "time"}``) gives its own time and level; any
+    other line is "info" at the sandbox's start (the tails carry no time of their own)."""
+    out = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        at, level, message = started, "info", line
+        if line.startswith("{") and len(line) <= MAX_JSON_LINE:
+            try:
+                obj = json.loads(line)
+            except (ValueError, RecursionError):  # the agent's log is the guest's text: anything
+                obj = None
+            if isinstance(obj, dict) and isinstance(obj.get("msg"), str):
+                message = obj["msg"]
+                level = _LOG_LEVEL.get(str(obj.get("level", "")).lower()[:16], "info")
+                if isinstance(obj.get("time"), str):
+                    try:
+                        t = datetime.datetime.fromisoformat(obj["time"]).timestamp()
+                    except (ValueError, OverflowError, OSError):
+                        t = -1.0
+                    at = t if 0 <= t < 1e11 else at
+        out.append((at, level, message))
+    return out
+
+
 class Control:
     """The control plane's routes (table.ROUTES, plane "api") and its ASGI entry."""
 
@@ -133,6 +203,14 @@ class Control:
             ("POST", "/v2/sandboxes/{id}/connect"): self.connect,
             ("POST", "/sandboxes/{id}/resume"): self.resume,
             ("GET", "/sandboxes/{id}/metrics"): self.metrics,
+            ("GET", "/sandboxes/metrics"): self.metrics_of_many,
+            ("GET", "/sandboxes/{id}/logs"): self.logs_v1,
+            ("GET", "/v2/sandboxes/{id}/logs"): self.logs_v2,
+            ("PUT", "/sandboxes/{id}/network"): self.update_network,
+            ("POST", "/sandboxes/{id}/fork"): self.fork,
+            ("POST", "/sandboxes/{id}/snapshots"): self.create_snapshot,
+            ("GET", "/snapshots"): self.list_snapshots,
+            ("DELETE", "/templates/{id}"): self.delete_template,
         }
         self._routes: list[tuple[re.Pattern[str], str, str, Handler | None, str]] = []
         for r in table.ROUTES:
@@ -241,9 +319,12 @@ class Control:
         if not isinstance(auto_pause, bool):
             raise InvalidArgument("autoPause must be true or false")
         lifecycle = Lifecycle(on_timeout="pause" if auto_pause else "kill", auto_resume=auto_resume)
+        # Sandbox.create(snapshot_id): a snapshot's id as the template forks it
+        snapshot = template if template.startswith("snap-") else None
         opened = await call.front.handle(
             ops.Create(
-                template=TEMPLATES.get(template, template),
+                template=None if snapshot else TEMPLATES.get(template, template),
+                from_snapshot=snapshot,
                 timeout=float(timeout),
                 envs=_str_map(body, "envVars"),
                 metadata=_str_map(body, "metadata"),
@@ -266,18 +347,9 @@ class Control:
                 raise InvalidArgument(f"limit must be a number, got {params['limit']!r}") from None
             if not 1 <= limit <= MAX_PAGE:
                 raise InvalidArgument(f"limit must be from 1 to {MAX_PAGE}")
-        start = 0
-        if params.get("nextToken"):
-            try:
-                start = int(base64.urlsafe_b64decode(params["nextToken"].encode()).decode())
-            except (ValueError, binascii.Error, UnicodeDecodeError):
-                raise InvalidArgument("nextToken is not one this server gave") from None
         infos = await call.front.handle(ops.ListSandboxes(query=query))
         infos = sorted(infos, key=lambda i: (-i.created_at, i.sandbox_id))
-        page = infos[start : start + limit] if limit else infos[start:]
-        headers = {}
-        if limit and start + limit < len(infos):
-            headers["x-next-token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
+        page, headers = _paged(params, infos, limit)
         return self._json([self._listed(i) for i in page], headers=headers)
 
     @staticmethod
@@ -366,25 +438,176 @@ class Control:
         opened = await call.front.handle(ops.Resume(call.sandbox_id, timeout=float(timeout) or None))
         return self._json(self._sandbox(call, opened.info), 201)
 
-    async def metrics(self, call: Call) -> Response:
-        info = await self._live(call)
-        if info.state == State.PAUSED:
-            return self._json([])  # nothing runs: no sample
-        m = await call.front.handle(ops.Metrics(call.sandbox_id))
-        now = datetime.datetime.now(datetime.UTC)
-        sample = {
-            "timestamp": now.isoformat().replace("+00:00", "Z"),
-            "timestampUnix": int(now.timestamp()),
-            "cpuCount": max(1, round(info.cpus)),
-            # E2B samples CPU use now; warmbox's meter is the average since the start
-            "cpuUsedPct": round(100.0 * m.cpu_s / m.wall_s / max(info.cpus, 1e-9), 2) if m.wall_s > 0 else 0.0,
+    @staticmethod
+    def _sample(m: MetricSample) -> dict[str, Any]:
+        # whole seconds, as E2B's: the SDKs send start and end back in whole seconds (Python's cut,
+        # JavaScript's rounded), and a reading's own time must find it again
+        at = datetime.datetime.fromtimestamp(int(m.timestamp), datetime.UTC)
+        return {
+            "timestamp": at.isoformat().replace("+00:00", "Z"),
+            "timestampUnix": int(m.timestamp),
+            "cpuCount": m.cpu_count,
+            "cpuUsedPct": m.cpu_used_pct,
             "memUsed": m.memory_bytes,
-            "memTotal": info.memory_mb << 20,
+            "memTotal": m.memory_total_bytes,
             "memCache": 0,
             "diskUsed": 0,
             "diskTotal": 0,
         }
-        return self._json([sample])
+
+    async def metrics(self, call: Call) -> Response:
+        params = call.request.query_params
+        now = int(time.time())
+        start = _query_int(params, "start", None, 0, now + 86400)
+        end = _query_int(params, "end", None, 0, now + 86400)
+        if start is not None and end is not None and start > end:
+            raise InvalidArgument("start must not be after end")
+        await self._live(call)
+        # E2B's times are whole seconds: the readings within the end's second count
+        history = ops.MetricsHistory(call.sandbox_id, start, None if end is None else end + 0.999)
+        return self._json([self._sample(m) for m in await call.front.handle(history)])
+
+    async def metrics_of_many(self, call: Call) -> Response:
+        raw = call.request.query_params.get("sandbox_ids", "")
+        ids = list(dict.fromkeys(i for i in raw.split(",") if i))
+        if not ids:
+            raise InvalidArgument("sandbox_ids must name at least one sandbox (comma-separated)")
+        if len(ids) > MAX_METRICS_IDS:
+            raise InvalidArgument(f"sandbox_ids names more than {MAX_METRICS_IDS} sandboxes")
+        out = {}
+        for sandbox_id in ids:
+            try:
+                got = await call.front.handle(ops.MetricsHistory(sandbox_id, limit=1))
+            except SandboxNotFound:
+                continue  # unknown or another tenant's: not listed, as one that is not running
+            if got:
+                out[sandbox_id] = self._sample(got[-1])
+        return self._json({"sandboxes": out})
+
+    async def _log_lines(self, call: Call) -> list[tuple[float, str, str]]:
+        info = await self._live(call)
+        return _log_entries(await call.front.handle(ops.Logs(call.sandbox_id)), info.created_at)
+
+    @staticmethod
+    def _entry(at: float, level: str, message: str) -> dict[str, Any]:
+        return {"timestamp": _iso(at), "level": level, "message": message, "fields": {}}
+
+    async def logs_v1(self, call: Call) -> Response:
+        params = call.request.query_params
+        start = _query_int(params, "start", 0, 0, 1 << 53)
+        limit = _query_int(params, "limit", MAX_LOG_LINES, 0, MAX_LOG_LINES)
+        lines = [e for e in await self._log_lines(call) if e[0] * 1000 >= (start or 0)][: limit or 0]
+        return self._json(
+            {
+                "logs": [{"timestamp": _iso(at), "line": message} for at, _, message in lines],
+                "logEntries": [self._entry(*e) for e in lines],
+            }
+        )
+
+    async def logs_v2(self, call: Call) -> Response:
+        params = call.request.query_params
+        cursor = _query_int(params, "cursor", None, 0, 1 << 53)
+        limit = _query_int(params, "limit", MAX_LOG_LINES, 0, MAX_LOG_LINES) or 0
+        direction = params.get("direction", "forward")
+        if direction not in ("forward", "backward"):
+            raise InvalidArgument(f"direction must be forward or backward, got {direction[:40]!r}")
+        level = params.get("level", "debug")
+        if level not in _LEVELS:
+            raise InvalidArgument(f"level must be one of {', '.join(_LEVELS)}, got {level[:40]!r}")
+        search = params.get("search", "")
+        if len(search) > MAX_SEARCH:
+            raise InvalidArgument(f"search must be at most {MAX_SEARCH} characters")
+        lines = [
+            e for e in await self._log_lines(call) if _LEVELS.index(e[1]) >= _LEVELS.index(level) and search in e[2]
+        ]
+        if direction == "backward":
+            lines = [e for e in reversed(lines) if cursor is None or e[0] * 1000 <= cursor]
+        else:
+            lines = [e for e in lines if cursor is None or e[0] * 1000 >= cursor]
+        return self._json({"logs": [self._entry(*e) for e in lines[:limit]]})
+
+    async def update_network(self, call: Call) -> Response:
+        body = dict(call.body)
+        # the Python SDK's body spells it allow_internet_access, E2B's API allowInternetAccess
+        allow_internet = body.pop("allow_internet_access", body.pop("allowInternetAccess", None))
+        if allow_internet is not None and not isinstance(allow_internet, bool):
+            raise InvalidArgument("allowInternetAccess must be true or false")
+        for key in ("dnsServers", "rules"):
+            if body.get(key):
+                raise InvalidArgument(f"network {key} is not mapped onto warmbox's egress policies")
+            body.pop(key, None)
+        if body.pop("egressProxy", None) is not None:
+            raise InvalidArgument("network egressProxy is not mapped onto warmbox's egress policies")
+        await self._live(call)
+        # replaced whole, as E2B's update: deny-all stays whatever allowInternetAccess says (docs/e2b.md)
+        await call.front.handle(ops.UpdateNetwork(call.sandbox_id, _network(body) if body else "none"))
+        return Response(status_code=204)
+
+    async def _snapshot(self, call: Call, memory: bool) -> SnapshotRef:
+        """A snapshot of the sandbox, which runs on: with its memory where the tier snapshots it
+        and ``memory`` asks for it, else files and code contexts (as pause does)."""
+        try:
+            return await call.front.handle(ops.Snapshot(call.sandbox_id, memory=memory))
+        except SnapshotUnsupported:
+            if not memory:
+                raise
+            return await call.front.handle(ops.Snapshot(call.sandbox_id))
+
+    async def create_snapshot(self, call: Call) -> Response:
+        if call.body.get("name"):
+            raise InvalidArgument("warmbox's snapshots have no names: leave name out and use the snapshot's id")
+        memory = call.body.get("memory", True)  # E2B's default: a full memory snapshot
+        if not isinstance(memory, bool):
+            raise InvalidArgument("memory must be true or false")
+        info = await self._live(call)
+        if info.state == State.PAUSED:
+            raise SandboxStateError(f"sandbox {call.sandbox_id} is paused: connect to it first")
+        ref = await self._snapshot(call, memory)
+        return self._json({"snapshotID": ref.snapshot_id, "names": []}, 201)
+
+    async def list_snapshots(self, call: Call) -> Response:
+        params = call.request.query_params
+        limit = _query_int(params, "limit", 100, 1, MAX_PAGE)
+        of, name = params.get("sandboxID"), params.get("name")
+        rows = [
+            r
+            for r in await call.front.handle(ops.ListSnapshots())
+            if (not of or r[1] == of) and (not name or r[0] == name)
+        ]
+        rows.sort(key=lambda r: (-r[2], r[0]))
+        page, headers = _paged(params, rows, limit)
+        return self._json([{"snapshotID": r[0], "names": []} for r in page], headers=headers)
+
+    async def delete_template(self, call: Call) -> Response:
+        if not call.sandbox_id.startswith("snap-"):
+            raise InvalidArgument(
+                "only snapshots (snap-...) are deleted through E2B's API; delete templates with warmbox"
+            )
+        await call.front.handle(ops.DeleteSnapshot(call.sandbox_id))
+        return Response(status_code=204)
+
+    async def fork(self, call: Call) -> Response:
+        timeout = _number(call.body, "timeout", FORK_TIMEOUT_S, low=1)
+        count = _number(call.body, "count", 1, low=1, high=MAX_FORKS)
+        info = await self._live(call)
+        if info.state == State.PAUSED:
+            raise SandboxStateError(f"sandbox {call.sandbox_id} is paused: connect to it first")
+        ref = await self._snapshot(call, True)  # once, whatever the count (E2B's fork)
+        results: list[dict[str, Any]] = []
+        try:
+            for _ in range(count):
+                try:
+                    opened = await call.front.handle(ops.Create(from_snapshot=ref.snapshot_id, timeout=float(timeout)))
+                except WarmboxError as e:  # each fork fails on its own, as E2B's
+                    results.append({"error": {"code": status_of(e), "message": str(e)}})
+                    continue
+                results.append({"sandbox": self._sandbox(call, opened.info)})
+        finally:
+            try:  # the forks have their own copies; the snapshot was only the fork's means
+                await call.front.handle(ops.DeleteSnapshot(ref.snapshot_id))
+            except WarmboxError:
+                pass
+        return self._json(results, 201)
 
 
 __all__ = ["TEMPLATES", "Control"]

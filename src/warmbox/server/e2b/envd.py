@@ -220,7 +220,7 @@ class ProcessService(_Rpc, Process):
         stdin = not request.has_field("stdin") or bool(request.stdin) or bool(cols)
         start = ops.StartAndConnect(
             t.sandbox_id,
-            [cfg.cmd, *cfg.args],
+            _shell(cfg.cmd, list(cfg.args)),
             envs=dict(cfg.envs) or None,
             cwd=e2b_path(cfg.cwd) if cfg.has_field("cwd") and cfg.cwd else HOME,
             tag=request.tag if request.has_field("tag") else "",
@@ -591,6 +591,20 @@ class Files:
     async def _part(self, upload: UploadFile) -> AsyncIterator[bytes]:
         while chunk := await upload.read(self.CHUNK):
             yield chunk
+
+
+def _shell(cmd: str, args: list[str]) -> list[str]:
+    """The argv of E2B's Start. What its SDKs send for ``commands.run``, ``/bin/bash -l -c <cmd>``,
+    runs as ``/bin/bash -c <cmd>``, and a terminal's ``/bin/bash -i -l`` as ``/bin/bash -i``: in
+    warmbox's images a login shell reads only Debian's /etc/profile, which sets PATH anew (the
+    sandbox's own, /home/user/.venv/bin first, would be lost: ``pip install`` would reach the
+    system's Python and be refused), and its start costs about 2 ms of every command. Any other
+    argv runs as given."""
+    if cmd == "/bin/bash" and len(args) == 3 and args[:2] == ["-l", "-c"]:
+        return [cmd, "-c", args[2]]
+    if cmd == "/bin/bash" and args == ["-i", "-l"]:
+        return [cmd, "-i"]
+    return [cmd, *args]
 
 
 class Envd:

@@ -28,11 +28,23 @@ class Route:
 _S = "/sandboxes/{id}"
 ROUTES: tuple[Route, ...] = (
     # ---- control plane
-    Route("api", "POST", "/sandboxes", (Op.CREATE,), "template by name: base, code-interpreter-v1 (pydata)"),
+    Route(
+        "api",
+        "POST",
+        "/sandboxes",
+        (Op.CREATE,),
+        "template by name: base, code-interpreter-v1 (pydata); a snapshot's id (snap-...) forks it",
+    ),
     Route("api", "POST", "/v2/sandboxes", (Op.CREATE,), "the same body as /sandboxes (e2b >= 2.51)"),
     Route("api", "GET", "/sandboxes", (Op.LIST,), "running ones, as E2B's v1 list"),
     Route("api", "GET", "/v2/sandboxes", (Op.LIST,), "metadata and state filters, limit, x-next-token paging"),
-    Route("api", "GET", "/sandboxes/metrics", (), unsupported="metrics of several sandboxes at once: not yet"),
+    Route(
+        "api",
+        "GET",
+        "/sandboxes/metrics",
+        (Op.METRICS_HISTORY,),
+        "each one's latest reading (at most 100 ids); unknown and others' ids are left out",
+    ),
     Route("api", "GET", _S, (Op.INFO,)),
     Route("api", "DELETE", _S, (Op.KILL,)),
     Route("api", "POST", _S + "/timeout", (Op.SET_TIMEOUT,)),
@@ -40,14 +52,23 @@ ROUTES: tuple[Route, ...] = (
     Route("api", "POST", _S + "/connect", (Op.INFO, Op.RESUME, Op.SET_TIMEOUT), "resumes a paused one: same id"),
     Route("api", "POST", "/v2" + _S + "/connect", (Op.INFO, Op.RESUME, Op.SET_TIMEOUT), "as /sandboxes/{id}/connect"),
     Route("api", "POST", _S + "/resume", (Op.RESUME,), "E2B's older resume"),
-    Route("api", "GET", _S + "/metrics", (Op.METRICS,), "one sample: memory now, CPU count"),
-    Route("api", "GET", _S + "/logs", (), unsupported="sandbox logs are not served in E2B's form yet"),
-    Route("api", "GET", "/v2" + _S + "/logs", (), unsupported="sandbox logs are not served in E2B's form yet"),
+    Route(
+        "api", "GET", _S + "/metrics", (Op.METRICS_HISTORY,), "the readings in [start, end]: every 5 s, the last hour"
+    ),
+    Route("api", "GET", _S + "/logs", (Op.LOGS,), "the runtime's log tails (redacted), by line; start, limit"),
+    Route("api", "GET", "/v2" + _S + "/logs", (Op.LOGS,), "as /logs; cursor, direction, level, search"),
     Route("api", "POST", _S + "/refreshes", (Op.SET_TIMEOUT,), "extends the timeout by `duration` seconds"),
-    Route("api", "PUT", _S + "/network", (), unsupported="network updates through E2B's API are not mapped yet"),
-    Route("api", "POST", _S + "/fork", (), unsupported="forks through E2B's API are not mapped yet"),
-    Route("api", "POST", _S + "/snapshots", (), unsupported="snapshots through E2B's API are not mapped yet"),
-    Route("api", "GET", "/snapshots", (), unsupported="snapshots through E2B's API are not mapped yet"),
+    Route("api", "PUT", _S + "/network", (Op.NETWORK_UPDATE,), "replaced whole: allowOut is the allowlist"),
+    Route(
+        "api",
+        "POST",
+        _S + "/fork",
+        (Op.SNAPSHOT, Op.CREATE, Op.DELETE_SNAPSHOT),
+        "one snapshot, `count` creates from it (each its own result), then the snapshot deleted",
+    ),
+    Route("api", "POST", _S + "/snapshots", (Op.SNAPSHOT,), "memory where the tier snapshots it; the sandbox runs on"),
+    Route("api", "GET", "/snapshots", (Op.LIST_SNAPSHOTS,), "sandboxID and name (an id) filters, x-next-token paging"),
+    Route("api", "DELETE", "/templates/{id}", (Op.DELETE_SNAPSHOT,), "a snapshot's id only (delete_snapshot)"),
     # ---- envd: process.Process
     Route(
         "envd",

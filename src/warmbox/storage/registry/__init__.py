@@ -30,7 +30,7 @@ from warmbox.storage.registry.schema import SCHEMA, SCHEMA_VERSION, schema_state
 from warmbox.storage.registry.snapshots import SnapshotStore
 from warmbox.storage.registry.templates import TemplateStore
 from warmbox.storage.registry.tenants import SECRET_PREFIX, TenantStore
-from warmbox.storage.registry.usage import Meter, UsageStore
+from warmbox.storage.registry.usage import METRIC_SAMPLE_EVERY_S, METRIC_SAMPLES_KEPT, Meter, UsageStore
 from warmbox.storage.registry.volumes import VolumeStore
 from warmbox.storage.sql import DEFAULT_BOUNDS, Bounds, Conn, PostgresDialect, SqliteDialect
 from warmbox.storage.uidslots import MAX_SLOTS, UID_BASE, UID_RANGE, UidLedger
@@ -63,6 +63,8 @@ __all__ = [
     "COMMANDS_TAIL",
     "MAX_COMMAND_ERROR",
     "MAX_SLOTS",
+    "METRIC_SAMPLE_EVERY_S",
+    "METRIC_SAMPLES_KEPT",
     "PG_KEY_PREFIX",
     "SCHEMA",
     "SCHEMA_VERSION",

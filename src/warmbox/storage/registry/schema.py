@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import builtins
 
-SCHEMA_VERSION = 20
+SCHEMA_VERSION = 21
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id  TEXT PRIMARY KEY,
@@ -290,6 +290,14 @@ CREATE TABLE IF NOT EXISTS idempotency_keys (
     PRIMARY KEY (tenant, scope, idem_key)
 );
 CREATE INDEX IF NOT EXISTS idempotency_keys_expiry ON idempotency_keys(expires_at);
+CREATE TABLE IF NOT EXISTS metric_samples (
+    sandbox_id   TEXT NOT NULL,
+    at           REAL NOT NULL,
+    cpu_ns       INTEGER NOT NULL,
+    cpu_pct      REAL NOT NULL,
+    memory_bytes INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS metric_samples_sandbox ON metric_samples(sandbox_id, at);
 """
 
 _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
@@ -343,6 +351,8 @@ _ADDED_COLUMNS = (  # columns added after version 1; each is added where missing
     "ALTER TABLE snapshots ADD COLUMN runtime TEXT NOT NULL DEFAULT ''",
     # version 20: idempotency_keys (a new table, made by SCHEMA): each keyed create, command and code
     # run, recorded before it starts, then its result
+    # version 21: metric_samples (a new table, made by SCHEMA): each live sandbox's metrics history,
+    # a bounded ring (METRIC_SAMPLE_EVERY_S, METRIC_SAMPLES_KEPT)
 )
 
 _NET_LINK_COLUMNS = "sandbox_id, address, ifname, policy, updated_at, node"

@@ -11,8 +11,11 @@ from warmbox.errors import InvalidArgument
 from warmbox.models import BudgetStatus, UsageBucket
 from warmbox.storage.registry.common import _POOL_COST_COLUMNS, _QUOTA, GIB, HOUR, _add_usage, _in, _quota
 from warmbox.storage.registry.db import Store, _retried
+from warmbox.storage.sql import Conn
 
 DAY = 86400.0
+METRIC_SAMPLE_EVERY_S = 5.0  # a sandbox's metrics history takes a reading at most this often (E2B's period) ...
+METRIC_SAMPLES_KEPT = 720  # ... and keeps its latest this many (an hour at 5 s) while it lives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +41,34 @@ class Meter:
 _MeterRow = tuple[str, float, int, int, float, int, float, int, int, float, float, int, int]
 
 
+def _add_metric_sample(
+    db: Conn, sandbox_id: str, now: float, cpu_ns: int, memory_bytes: int, last: tuple[float, int], cpus: float
+) -> None:
+    """A reading into the sandbox's metrics history (in the caller's transaction), if its latest is
+    METRIC_SAMPLE_EVERY_S old; the oldest beyond METRIC_SAMPLES_KEPT go. Its CPU use is over the
+    time since the history's latest reading (else the meter's ``last`` one), in percent of its
+    ``cpus``; a counter that went back (a resumed runtime starts at 0) counts from 0."""
+    prev = db.execute(
+        "SELECT at, cpu_ns FROM metric_samples WHERE sandbox_id=? ORDER BY at DESC LIMIT 1", (sandbox_id,)
+    ).fetchone()
+    if prev is not None and now - prev[0] < METRIC_SAMPLE_EVERY_S:
+        return
+    at, before = prev if prev is not None else last
+    used = cpu_ns - before if cpu_ns >= before else cpu_ns
+    dt = now - at
+    pct = 100.0 * used / 1e9 / dt / max(cpus, 1e-9) if dt > 0 else 0.0
+    db.execute(
+        "INSERT INTO metric_samples (sandbox_id, at, cpu_ns, cpu_pct, memory_bytes) VALUES (?, ?, ?, ?, ?)",
+        (sandbox_id, now, cpu_ns, round(min(pct, 100.0), 2), memory_bytes),
+    )
+    old = db.execute(
+        "SELECT at FROM metric_samples WHERE sandbox_id=? ORDER BY at DESC LIMIT 1 OFFSET ?",
+        (sandbox_id, METRIC_SAMPLES_KEPT),
+    ).fetchone()
+    if old is not None:
+        db.execute("DELETE FROM metric_samples WHERE sandbox_id=? AND at<=?", (sandbox_id, old[0]))
+
+
 def _budget(
     tenant: str, day: float, cpu_s: float, gib_s: float, cpu_limit: float, gib_limit: float, warn_ratio: float
 ) -> BudgetStatus:
@@ -61,7 +92,7 @@ class UsageStore(Store):
         with self._tx() as db:
             for sid, mem, cpu in samples:
                 row = db.execute(
-                    "SELECT m.sampled_at, m.memory_bytes, m.final, m.cpu_ns, s.tenant FROM meters m "
+                    "SELECT m.sampled_at, m.memory_bytes, m.final, m.cpu_ns, s.tenant, s.cpus FROM meters m "
                     "JOIN sandboxes s USING (sandbox_id) WHERE sandbox_id=?",
                     (sid,),
                 ).fetchone()
@@ -79,6 +110,7 @@ class UsageStore(Store):
                 u = used.setdefault(row[4], [0.0, 0.0])
                 u[0] += max(0, cpu - row[3]) / 1e9
                 u[1] += add
+                _add_metric_sample(db, sid, now, cpu, mem, (row[0], row[3]), row[5])
             for tenant, (cpu_s, gib_s) in sorted(used.items()):  # one row order for every writer
                 _add_usage(db, tenant, now, cpu_s, gib_s)
 
@@ -97,6 +129,7 @@ class UsageStore(Store):
         """Freeze the meters of an ended sandbox; an unclaimed pooled one is all the pool's cost."""
         with self._tx() as db:
             db.execute("UPDATE meters SET final=1, memory_bytes=0 WHERE sandbox_id=?", (sandbox_id,))
+            db.execute("DELETE FROM metric_samples WHERE sandbox_id=?", (sandbox_id,))  # its history ends with it
             row = db.execute(
                 "SELECT s.pool, s.claimed_at, s.created_at, s.ended_at, m.cpu_ns, m.gib_s "
                 "FROM sandboxes s JOIN meters m USING (sandbox_id) WHERE sandbox_id=?",
@@ -116,6 +149,19 @@ class UsageStore(Store):
             (sandbox_id,),
         ).fetchone()
         return None if row is None else Meter(*row[:-1], bool(row[-1]))
+
+    def metric_samples(
+        self, sandbox_id: str, start: float, end: float, limit: int = METRIC_SAMPLES_KEPT
+    ) -> builtins.list[tuple[float, float, int]]:
+        """(at, cpu_pct, memory_bytes) of a sandbox's metrics history in [start, end], oldest first:
+        at most ``limit``, the latest of them. cpu_pct: its CPU time over the time since the reading
+        before it, in percent of its CPUs (0-100)."""
+        rows = self._db.execute(
+            "SELECT at, cpu_pct, memory_bytes FROM metric_samples WHERE sandbox_id=? AND at>=? AND at<=? "
+            "ORDER BY at DESC LIMIT ?",
+            (sandbox_id, start, end, limit),
+        ).fetchall()
+        return [(r[0], r[1], r[2]) for r in reversed(rows)]
 
     def ended_at(self, sandbox_id: str) -> float:
         row = self._db.execute("SELECT ended_at FROM sandboxes WHERE sandbox_id=?", (sandbox_id,)).fetchone()

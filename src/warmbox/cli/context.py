@@ -1,0 +1,149 @@
+"""What the CLI's commands share: their way to the engine (a transport), the server they go to, KEY=VALUE flags.
+
+Every subcommand module imports from here, never from main.py (main.py imports them: the other way
+would be a circle). Nothing here loads asyncio, the SDK or the engine at import (``warmbox --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+from warmbox.errors import WarmboxError
+
+OPEN: list[Any] = []  # transports the command opened: closed before the loop ends
+
+# the subcommands whose parsers their own modules build (keys.py, ...): main lists them with this
+# help without importing the module, which it does only when the command is asked for
+MODULE_COMMANDS = {
+    "keys": "API keys of tenants: create (secret shown once), ls, revoke",
+    "approvals": "the approval queue: ls, approve ID, deny ID",
+    "volume": "named volumes: create, ls, show, rm",
+    "db": "the registry's schema: migrate it to this warmbox's, or show its version",
+    "template": "build, list, show and remove templates",
+    "node": "this home as a cluster node: join; the cluster's nodes: ls, drain",
+    "cluster": "a cluster's Ray head and peer token",
+}
+
+
+def lazy_module(name: str) -> ModuleType:
+    """The module ``name``, run on first use of one of its attributes (importlib's LazyLoader): main.py
+    names the operations everywhere, and ``warmbox --help`` uses none of them (issue 38)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no module {name}")
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    parent, _, child = name.rpartition(".")
+    if parent:
+        setattr(sys.modules[parent], child, module)
+    return module
+
+
+class _Unbuilt:
+    """A subcommand's parser that is not built (another command was asked for): every call on it,
+    or on what it returns, does nothing."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: self
+
+
+class Subcommands:
+    """The top parser's subcommands, built lazily: every command is listed (name and help), but only
+    the one asked for (``only``; None: every one) gets its arguments and nested commands."""
+
+    def __init__(self, sub: Any, only: str | None) -> None:
+        self.sub = sub
+        self.only = only
+        self.choices = sub.choices
+
+    def wants(self, name: str) -> bool:
+        return self.only is None or self.only == name
+
+    def add_parser(self, name: str, **kwargs: Any) -> Any:
+        if self.wants(name):
+            return self.sub.add_parser(name, **kwargs)
+        self.sub.add_parser(name, help=kwargs.get("help"))
+        return _Unbuilt()
+
+    def listed(self, name: str) -> None:
+        """A module's command not asked for: listed with its help, the module not imported."""
+        self.sub.add_parser(name, help=MODULE_COMMANDS[name])
+
+
+def transport() -> Any:
+    """The CLI's only way to the engine: a warmbox server (--api-url / WARMBOX_API_URL), else
+    this home's engine in process. Closed by :func:`closing` when the command ends."""
+    t: Any
+    if api_url():  # the HTTP client (aiohttp) only then
+        from warmbox.sdk.http import HttpTransport
+
+        t = HttpTransport()
+    else:
+        from warmbox.sdk.transport import LocalTransport
+
+        t = LocalTransport()
+    OPEN.append(t)
+    return t
+
+
+def api_url() -> str | None:
+    """The server every command goes to (--api-url, WARMBOX_API_URL), as the SDK's default_url
+    reads it (sdk.transport: not loaded for this)."""
+    return os.environ.get("WARMBOX_API_URL") or None
+
+
+async def closing(run: Any) -> int:
+    """Await a command's coroutine, then close every transport it opened."""
+    try:
+        return int(await run)
+    finally:
+        while OPEN:
+            await OPEN.pop().close()
+
+
+def pairs(values: list[str] | None, flag: str, key: str = "KEY") -> dict[str, str]:
+    """``flag``'s KEY=VALUE items as a dict (WarmboxError naming the flag for an item without "=")."""
+    out = {}
+    for item in values or []:
+        if "=" not in item:
+            raise WarmboxError(f"{flag} expects {key}=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k] = v
+    return out
+
+
+def option_words(p: argparse.ArgumentParser, argv: list[str], i: int) -> int | None:
+    """The index of the first word at or after ``i`` that is neither an option of ``p`` nor an
+    option's value; None at an option ``p`` does not have (argparse then says so)."""
+    options = p._option_string_actions
+    while i < len(argv):
+        word = argv[i]
+        if not word.startswith("-") or word in ("-", "--"):
+            return i
+        if word.startswith("--"):
+            name, eq, _ = word.partition("=")
+            found = [o for o in options if o.startswith("--") and o.startswith(name)]  # argparse takes a prefix
+            if name not in options and len(found) != 1:
+                return None
+            action = options[name if name in options else found[0]]
+            i += 1 if eq or action.nargs == 0 else 2
+            continue
+        i += 1
+        for j in range(1, len(word)):  # -x, -xVALUE, or flags together (-it)
+            short = options.get("-" + word[j])
+            if short is None:
+                return None
+            if short.nargs != 0:
+                i += j + 1 == len(word)  # its value is the next word
+                break
+    return i
