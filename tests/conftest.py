@@ -388,11 +388,11 @@ def pooled_sandbox(home: Path, cluster=None, **kw):
     if cluster is None:
         engine = Engine.for_home(home)
         engine.ensure_daemon()
-        wait_for(lambda: engine.registry.pool_counts("iso")[0] >= 1, 120, "the iso pool to fill")
+        wait_for(lambda: engine.registry.pools.pool_counts("iso")[0] >= 1, 120, "the iso pool to fill")
     else:
 
         def ready() -> bool:
-            rows = cluster.registry().list(include_pooled=True, states=(State.POOLED,))
+            rows = cluster.registry().sandboxes.list(include_pooled=True, states=(State.POOLED,))
             return any(info.pool == "iso" for info, _h in rows)
 
         wait_for(ready, 120, "the cluster's iso pool to fill")
@@ -531,7 +531,7 @@ def api_server(home: Path):
 
     server = start_server(home)
     try:
-        _key_id, secret = Engine.for_home(home).registry.create_key("pytest")
+        _key_id, secret = Engine.for_home(home).registry.tenants.create_key("pytest")
         server.client_env = {"WARMBOX_API_URL": server.url, "WARMBOX_API_KEY": secret}
         yield server
     finally:

@@ -446,7 +446,7 @@ COMMAND_KINDS = ("command", "code", "process")
 
 @record
 class CommandRecord:
-    """One command or code run of a sandbox, as the registry keeps it (``Registry.commands``).
+    """One command or code run of a sandbox, as the registry keeps it (``CommandStore.commands``).
 
     Never its environment (it may hold secrets) and never its output: byte counts and outcome only.
     kind: "command" (``commands.run``, foreground), "code" (``run_code``), "process" (a background
@@ -953,7 +953,7 @@ class Capabilities:
     root_user_reason: str = "this tier does not offer it"
     # a named volume's ext4 image is a disk of the sandbox's own kernel (a microVM), not the host's
     # one shared mount: a read-write volume is then mounted by one sandbox at a time
-    # (Registry.mount_volumes)
+    # (VolumeStore.mount_volumes)
     volume_own_disk: bool = False
     # the sandbox's network interfaces are fixed when its runtime starts (gVisor reads its namespace
     # once; a VM's NIC): the engine prepares the egress link before the start (SandboxSpec.netns),
@@ -1170,7 +1170,7 @@ class OciImage:
 class TemplateInfo:
     """One built version of a template, as the registry records it.
 
-    version: 1, 2, ... per (tenant, name), assigned by ``Registry.template_add`` (never reused).
+    version: 1, 2, ... per (tenant, name), assigned by ``TemplateStore.template_add`` (never reused).
     image_id: ``sha256:<hex>`` over layers + env/workdir/user (``storage.layers.image_id_of``).
     layers: layer digests, bottom first. source: where the bottom came from ("debian:bookworm",
     "dockerfile:/path", "oci:/path", "registry:host/x:tag"). spec_hash: the build spec's hash (the

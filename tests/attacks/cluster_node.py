@@ -128,7 +128,7 @@ def one_node(dsn: str, *, slots: int = 4, config: str = "[daemon]\nidle_exit = 3
         yield node
     finally:
         if node is not None:
-            for info, _ in registry.list(include_pooled=True):
+            for info, _ in registry.sandboxes.list(include_pooled=True):
                 with contextlib.suppress(OSError):
                     node.call(
                         "DELETE", f"/v1/sandboxes/{info.sandbox_id}", headers={"Authorization": f"Bearer {node.token}"}

@@ -173,7 +173,7 @@ def kill_over_api(url: str, key: str, sid: str) -> None:
 def end_node_server(srv, router, key: str, home: Path) -> None:
     """Teardown of a test's node server: whatever a failed run left is ended by the server
     (``key``'s sandboxes), then the server, its home's daemon, runtime dir and home."""
-    for info, _ in router.list(include_pooled=True):
+    for info, _ in router.sandboxes.list(include_pooled=True):
         try:
             kill_over_api(srv.url, key, info.sandbox_id)
         except (OSError, urllib.error.HTTPError):

@@ -200,9 +200,9 @@ def world(home: Path, runc_ready: None):
     require_tier(home, "gvisor")
     server = start_server(home, home / "paths.sock", mcp=True)
     engine = Engine.for_home(home)
-    _, key = engine.registry.create_key("paths-a")
-    _, other = engine.registry.create_key("paths-b")
-    _, admin = engine.registry.create_key("paths-op", admin=True)
+    _, key = engine.registry.tenants.create_key("paths-a")
+    _, other = engine.registry.tenants.create_key("paths-b")
+    _, admin = engine.registry.tenants.create_key("paths-op", admin=True)
     w = Walker(server)
     made: list[str] = []
     P = api.PREFIX
@@ -231,7 +231,7 @@ def world(home: Path, runc_ready: None):
         for i in made:
             asyncio.run(teardown.destroy(engine, i, "test cleanup"))
         for t in ("paths-a", "paths-b"):
-            for v in engine.registry.volumes(t):
+            for v in engine.registry.volumes.volumes(t):
                 asyncio.run(_delete_volume(engine, t, v[1]))
         w.answers.clear()
 

@@ -229,7 +229,7 @@ def _request(w: World, route: Route, field: str, value: Any) -> tuple[str, str, 
 def world(home: Path, runc_ready: None):
     server = start_server(home, home / "strings.sock")
     engine = Engine.for_home(home)
-    _, key = engine.registry.create_key("strings")
+    _, key = engine.registry.tenants.create_key("strings")
     w = World(server, key, "", 0)
     made: list[str] = []
     try:

@@ -79,8 +79,8 @@ def test_proxy_headers_do_not_make_a_tcp_caller_root(server, headers):
 
 def test_a_plain_key_cannot_borrow_an_admin_keys_rights(server, home):
     registry = Engine.for_home(home).registry
-    _, plain = registry.create_key("shared-tenant")
-    _, admin = registry.create_key("shared-tenant", admin=True)
+    _, plain = registry.tenants.create_key("shared-tenant")
+    _, admin = registry.tenants.create_key("shared-tenant", admin=True)
     u = urlsplit(server.url)
     with socket.create_connection((u.hostname, u.port), timeout=20) as slow:
         # the plain key's admin-only request: headers now, the body after the admin key's request
@@ -134,9 +134,9 @@ def test_metrics_show_a_tenant_nothing_of_another_and_no_sandbox_data(server, ho
     and sees only its own tenant's series (none of owner's, no host-wide families); the full
     scrape (an admin key) carries no sandbox id and nothing of the command's text."""
     registry = Engine.for_home(home).registry
-    _, owner = registry.create_key("metrics-owner")
-    _, spy = registry.create_key("metrics-spy")
-    _, ops = registry.create_key("metrics-ops", admin=True)
+    _, owner = registry.tenants.create_key("metrics-owner")
+    _, spy = registry.tenants.create_key("metrics-spy")
+    _, ops = registry.tenants.create_key("metrics-ops", admin=True)
     marker = "zq" + secrets.token_hex(4)
     status, data = _http(server.url, "POST", "/v1/sandboxes", owner, {"timeout": 120})
     assert status == 200, data

@@ -29,9 +29,9 @@ FLOOD = MAX_OPEN_PER_TENANT + 8
 def test_a_tenant_cannot_bury_the_queue_in_its_own_questions(home: Path, runc_ready: None):
     registry = Engine.for_home(home).registry
     stamp = time.time_ns() % 10**9
-    _, evil = registry.create_key(f"flood-evil{stamp}", budget_cpu_h=0.001)  # any start goes past it
-    _, victim = registry.create_key(f"flood-victim{stamp}", budget_cpu_h=0.001)
-    _, admin = registry.create_key(f"flood-ops{stamp}", admin=True)
+    _, evil = registry.tenants.create_key(f"flood-evil{stamp}", budget_cpu_h=0.001)  # any start goes past it
+    _, victim = registry.tenants.create_key(f"flood-victim{stamp}", budget_cpu_h=0.001)
+    _, admin = registry.tenants.create_key(f"flood-ops{stamp}", admin=True)
     srv = start_server(home, home / "flood.sock", env={"WARMBOX_APPROVALS__TIMEOUT": "60"})
     body = {"limits": {"memory_mb": 256, "cpus": 1}, "pool": False}
     answers: list[tuple[int, object]] = []

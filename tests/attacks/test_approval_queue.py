@@ -36,9 +36,9 @@ def test_a_tenant_can_neither_lift_its_own_budget_nor_see_or_answer_another_tena
 ):
     registry = Engine.for_home(home).registry
     stamp = time.time_ns() % 10**9
-    _, owner = registry.create_key(f"apq-owner{stamp}", budget_cpu_h=0.001)  # any start goes past it
-    _, other = registry.create_key(f"apq-other{stamp}")
-    _, admin = registry.create_key(f"apq-ops{stamp}", admin=True)
+    _, owner = registry.tenants.create_key(f"apq-owner{stamp}", budget_cpu_h=0.001)  # any start goes past it
+    _, other = registry.tenants.create_key(f"apq-other{stamp}")
+    _, admin = registry.tenants.create_key(f"apq-ops{stamp}", admin=True)
     srv = start_server(home, home / "apq.sock", env={"WARMBOX_APPROVALS__TIMEOUT": "60"})
     created: list[tuple[int, object]] = []
     try:

@@ -31,7 +31,7 @@ def code(sb: Sandbox, url: str) -> str:
 def test_a_sandbox_cannot_reach_another_cluster_node(world, runc_ready):  # noqa: F811 - fixture
     with a_net_home(world, f"wbt-ce{world.tag}", 5) as home:
         # another node of this cluster, as its row in the shared registry names it
-        Engine.for_home(home).registry.join_node(
+        Engine.for_home(home).registry.nodes.join_node(
             NodeInfo("peer-node", address=f"http://{ATTACKER}:80", slots=4, tiers=("container",))
         )
         world.clear_logs()

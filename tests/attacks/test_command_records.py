@@ -78,7 +78,7 @@ def test_a_hostile_agents_numbers_cannot_block_the_records(tmp_path, home, runc_
             await sb.commands.run("echo after")  # queued behind it
         finally:
             assert await sb.kill()  # writes the queue first
-        first, after = engine.registry.commands(sb.sandbox_id)
+        first, after = engine.registry.commands.commands(sb.sandbox_id)
         assert (first.text, first.exit_code, first.duration_ms) == ("hostile", None, 0.0)
         assert (after.text, after.exit_code) == ("echo after", 0)
         assert log.pending == 0

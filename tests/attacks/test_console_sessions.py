@@ -49,8 +49,8 @@ def _home_status(conn: http.client.HTTPConnection, cookie: str) -> int:
 def test_a_tenant_cannot_log_the_operator_out(home: Path, runc_ready: None):
     registry = Engine.for_home(home).registry
     stamp = time.time_ns() % 10**9
-    _, tenant = registry.create_key(f"sess-evil{stamp}")
-    _, admin = registry.create_key(f"sess-ops{stamp}", admin=True)
+    _, tenant = registry.tenants.create_key(f"sess-evil{stamp}")
+    _, admin = registry.tenants.create_key(f"sess-ops{stamp}", admin=True)
     srv = start_server(home, home / "sess.sock")
     u = urlsplit(srv.url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)

@@ -86,8 +86,8 @@ class Browser:
 
 def test_sandbox_output_is_escaped_and_other_tenants_are_invisible(net_home, world):  # noqa: F811
     engine = Engine.for_home(net_home)
-    _, acme = engine.registry.create_key("xss-acme")
-    _, globex = engine.registry.create_key("xss-globex")
+    _, acme = engine.registry.tenants.create_key("xss-acme")
+    _, globex = engine.registry.tenants.create_key("xss-globex")
     server = start_server(net_home, net_home / "console-xss.sock")
     try:
         kw = {"timeout": 120, "pool": False, "api_url": server.url}

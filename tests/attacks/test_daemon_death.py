@@ -94,4 +94,4 @@ def test_timeout_enforced_after_the_daemon_is_sigkilled(private_home, kill, when
     # records it (cgroups and the registry row come last), so that row is waited for, briefly
     got = wait_for(lambda: (i := engine.info(sid)[0]).state.value == "destroyed" and i, 5, "the row to say destroyed")
     assert got.state.value == "destroyed"
-    assert engine.registry.transitions(sid)[-1].reason == "timeout expired"
+    assert engine.registry.sandboxes.transitions(sid)[-1].reason == "timeout expired"

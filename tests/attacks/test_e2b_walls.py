@@ -31,7 +31,7 @@ def two_tenants(home, runc_ready):
         registry = Engine.for_home(home).registry
         out = {}
         for name in ("wall-a", "wall-b"):
-            _k, key = registry.create_key(name)
+            _k, key = registry.tenants.create_key(name)
             client = httpx.Client(base_url=server.url, timeout=60, headers={"X-API-KEY": key})
             r = client.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
             assert r.status_code == 201, r.text

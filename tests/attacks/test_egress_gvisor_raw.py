@@ -80,8 +80,8 @@ def test_root_in_gvisor_cannot_get_raw_or_spoofed_packets_past_the_egress_rules(
         Sandbox.create(tier="container", template="shell", network=net, timeout=120, home=net_home) as neighbour,
         Sandbox.create(tier="gvisor", template="shell", network=net, timeout=120, home=net_home) as sb,
     ):
-        own = engine.registry.link(sb.sandbox_id)[0]
-        theirs = engine.registry.link(neighbour.sandbox_id)[0]
+        own = engine.registry.egress.link(sb.sandbox_id)[0]
+        theirs = engine.registry.egress.link(neighbour.sandbox_id)[0]
         r = sb.commands.run(
             ["python3", "-c", SEND, own, theirs, netns.GATEWAY, UPSTREAM, token], user="root", timeout=60
         )

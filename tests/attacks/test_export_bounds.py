@@ -37,7 +37,7 @@ def test_many_large_commands_cannot_blow_up_an_export(home, runc_ready):
         )
         registry = Engine.for_home(home).registry
         for _ in range(0, flood, 2000):
-            registry.add_commands([row] * 2000)
+            registry.commands.add_commands([row] * 2000)
         t = sb.export()
         body = transcript.dumps(t)
     assert t.truncated

@@ -45,8 +45,8 @@ def test_a_node_marked_down_starts_nothing(pg_fresh_dsn, runc_ready):
     home = Path(tempfile.mkdtemp(prefix="wbfn-", dir="/tmp"))
     (home / "warmbox.toml").write_text("[daemon]\nidle_exit = 3\n\n[pools]\n")
     router = Registry(pg_fresh_dsn)  # the router's view of the shared registry
-    router.join_node(NodeInfo("n1", address="http://127.0.0.1:1", slots=4, tiers=("container",)))
-    _, key = router.create_key("acme")
+    router.nodes.join_node(NodeInfo("n1", address="http://127.0.0.1:1", slots=4, tiers=("container",)))
+    _, key = router.tenants.create_key("acme")
     # the tenant's key straight to the node (direct access on): the fence must refuse, not the
     # node-only rule (tests/attacks/test_node_access.py)
     env = {
@@ -61,16 +61,16 @@ def test_a_node_marked_down_starts_nothing(pg_fresh_dsn, runc_ready):
         status, opened = create_over_api(srv.url, key)
         assert status in (200, 201), opened
         sid = opened["info"]["sandbox_id"]
-        assert router.node_of(sid) == "n1"
+        assert router.nodes.node_of(sid) == "n1"
         kill_over_api(srv.url, key, sid)
 
-        router.mark_node_down("n1", "redteam: its heartbeat was late")
-        before = {i.sandbox_id for i, _ in router.list(include_dead=True)}
+        router.nodes.mark_node_down("n1", "redteam: its heartbeat was late")
+        before = {i.sandbox_id for i, _ in router.sandboxes.list(include_dead=True)}
         for _ in range(3):
             status, err = create_over_api(srv.url, key)
             assert (status, err["error"]["code"]) == (503, "node_fenced"), err
-        assert {i.sandbox_id for i, _ in router.list(include_dead=True)} == before  # no row written
+        assert {i.sandbox_id for i, _ in router.sandboxes.list(include_dead=True)} == before  # no row written
         assert _slots_of(node_key) == []  # no host uid slot taken
-        assert router.list(tenant="acme") == []  # nothing live counts against its quota
+        assert router.sandboxes.list(tenant="acme") == []  # nothing live counts against its quota
     finally:
         end_node_server(srv, router, key, home)

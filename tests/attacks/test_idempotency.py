@@ -41,7 +41,7 @@ STEP = "echo start; echo $$ >> /workspace/{f}; sleep {s}; echo runs=$(wc -l < /w
 def server(home: Path, runc_ready: None):
     srv = start_server(home, home / "idem.sock")
     registry = Engine.for_home(home).registry
-    srv.client_env = {"a": registry.create_key("idem-a")[1], "b": registry.create_key("idem-b")[1]}
+    srv.client_env = {"a": registry.tenants.create_key("idem-a")[1], "b": registry.tenants.create_key("idem-b")[1]}
     yield srv
     srv.stop()
 
@@ -175,7 +175,7 @@ def test_a_key_reused_with_other_arguments_is_a_conflict(server, box, home):
             api_url=server.url,
             api_key=server.client_env["a"],
         )
-    assert Engine.for_home(home).registry.key_record("idem-a", "", "bad") is None
+    assert Engine.for_home(home).registry.idempotency.key_record("idem-a", "", "bad") is None
     first = box.commands.run("echo one", idempotency_key="step-c")
     with pytest.raises(IdempotencyConflict, match="other arguments"):
         box.commands.run("echo two", idempotency_key="step-c")
@@ -222,7 +222,7 @@ def test_replays_across_a_server_restart(home: Path, runc_ready: None):
         port = s.getsockname()[1]
     args = ("--port", str(port))
     server = start_server(home, home / "idem-restart.sock", args=args)
-    key = Engine.for_home(home).registry.create_key("idem-restart")[1]
+    key = Engine.for_home(home).registry.tenants.create_key("idem-restart")[1]
     sb = Sandbox.create(tier="container", timeout=300, pool=False, api_url=server.url, api_key=key)
     try:
         done = sb.commands.run(STEP.format(f="restart", s=0), idempotency_key="before")

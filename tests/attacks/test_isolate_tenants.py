@@ -94,7 +94,7 @@ def tenants(home: Path, runc_ready: None):
         pytest.fail(f"the isolate tier must run here (scripts/bootstrap install builds it): {avail.reason}")
     stamp = secrets.token_hex(3)
     names = {"a": f"iso-a-{stamp}", "b": f"iso-b-{stamp}"}
-    keys = {who: engine.registry.create_key(name)[1] for who, name in names.items()}
+    keys = {who: engine.registry.tenants.create_key(name)[1] for who, name in names.items()}
     srv = start_server(home, home / f"iso-{stamp}.sock")
     t = Tenants(srv.url, names, keys, backend, engine)
     try:
@@ -177,7 +177,7 @@ def test_the_isolates_of_every_tenant_together_stay_within_the_machines_share(te
         for n in range(share // HOST_BUDGET_MB + 2):
             name = f"iso-m{n}-{stamp}"
             names.append(name)
-            key = tenants.engine.registry.create_key(name)[1]
+            key = tenants.engine.registry.tenants.create_key(name)[1]
             for _ in range(2):
                 try:
                     made.append(
@@ -277,10 +277,10 @@ def test_a_killed_host_marks_its_tenants_sandboxes_lost_at_once_and_no_other(ten
     with pytest.raises(SandboxLost):  # the call that finds it gone says so at once
         a1.run_code("1", language="javascript")
     # the one nobody called: marked by the reaper (the daemon's tick)
-    wait_for(lambda: tenants.engine.registry.get(a2.sandbox_id)[0].state is State.LOST, 10, "a2 to be lost")
+    wait_for(lambda: tenants.engine.registry.sandboxes.get(a2.sandbox_id)[0].state is State.LOST, 10, "a2 to be lost")
     took = time.perf_counter() - t0
     print(f"A's sandboxes lost {took * 1e3:.0f} ms after its host was killed")
-    assert tenants.engine.registry.get(a1.sandbox_id)[0].state is State.LOST
+    assert tenants.engine.registry.sandboxes.get(a1.sandbox_id)[0].state is State.LOST
     assert b.run_code("kept", language="javascript").text == "9"
     # A gets a new host; its old sandboxes stay lost, never ready
     again = tenants.create("a")
@@ -288,12 +288,12 @@ def test_a_killed_host_marks_its_tenants_sandboxes_lost_at_once_and_no_other(ten
     assert tenants.host_pid("a") not in (None, pa)
     with pytest.raises(SandboxLost):
         a2.run_code("1", language="javascript")
-    assert tenants.engine.registry.get(a2.sandbox_id)[0].state is State.LOST
+    assert tenants.engine.registry.sandboxes.get(a2.sandbox_id)[0].state is State.LOST
     # nothing of them is left on the host; a kill ends their records
     for sb in (a1, a2):
-        assert not Path(tenants.engine.registry.get(sb.sandbox_id)[1].state_dir).exists()
+        assert not Path(tenants.engine.registry.sandboxes.get(sb.sandbox_id)[1].state_dir).exists()
         sb.kill()
-        assert tenants.engine.registry.get(sb.sandbox_id)[0].state is State.DESTROYED
+        assert tenants.engine.registry.sandboxes.get(sb.sandbox_id)[0].state is State.DESTROYED
 
 
 def test_a_host_ends_on_sigterm_when_idle_and_when_its_home_is_deleted(tenants, runc_ready):
@@ -310,7 +310,7 @@ def test_a_host_ends_on_sigterm_when_idle_and_when_its_home_is_deleted(tenants, 
     pid = backend.host_pid(name)
     live = [
         h
-        for i, h in tenants.engine.registry.list(include_pooled=True, local=True)
+        for i, h in tenants.engine.registry.sandboxes.list(include_pooled=True, local=True)
         if i.tier == "isolate" and i.state in (State.READY, State.RUNNING, State.POOLED)
     ]
     backend.tend_hosts(live)

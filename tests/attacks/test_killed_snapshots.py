@@ -90,7 +90,7 @@ def test_pause_killed_after_its_checkpoint_ends_paused_and_resumable(home, runc_
             return engine.info(sid)[0].state is State.PAUSED
 
         wait_for(recovered, 120, "recovery to finish the pause", 0.5)
-        assert "paused to snap-" in engine.registry.transitions(sid)[-1].reason
+        assert "paused to snap-" in engine.registry.sandboxes.transitions(sid)[-1].reason
         wait_for(lambda: not _ops(home, "pause"), 10, "the recovered pause's temp dir to go")
         sb = Sandbox.resume(sid)
         assert sb.run_code("x + 1").text == "42"  # the processes continued

@@ -64,8 +64,8 @@ def _code(body: bytes) -> str:
 
 
 def test_a_tenant_key_at_a_node_is_refused(node: OneNode) -> None:
-    _, mallory = node.registry.create_key("mallory")
-    _, admin = node.registry.create_key("ops", admin=True)
+    _, mallory = node.registry.tenants.create_key("mallory")
+    _, admin = node.registry.tenants.create_key("ops", admin=True)
     tenant = {"Authorization": f"Bearer {mallory}"}
     # over the router's own TLS, so only the node's API judges the key
     for method, path, body in (
@@ -81,7 +81,7 @@ def test_a_tenant_key_at_a_node_is_refused(node: OneNode) -> None:
         for extra in ({peer.TENANT: "victim"}, {peer.TENANT: "mallory", peer.ADMIN: "1"}):
             status, out = node.call("GET", "/v1/sandboxes", headers={"Authorization": f"Bearer {bearer}", **extra})
             assert (status, _code(out)) == (401, "unauthenticated"), (bearer[:4], extra)
-    assert node.registry.list(tenant="mallory") == []
+    assert node.registry.sandboxes.list(tenant="mallory") == []
     # controls: the router (token + tenant) and an admin key are served
     assert node.call("GET", "/v1/sandboxes")[0] == 200
     assert node.call("GET", "/v1/sandboxes", headers={"Authorization": f"Bearer {admin}"})[0] == 200
@@ -191,7 +191,7 @@ def test_a_node_holds_creates_to_its_slots(node: OneNode) -> None:
         status, out = node.call("POST", "/v1/sandboxes", CREATE)
         assert (status, _code(out)) == (503, "no_capacity"), out[:500]
         assert f"{SLOTS} slots".encode() in out
-        assert sorted(i.sandbox_id for i, _ in node.registry.list(tenant="mallory")) == sorted(made)
+        assert sorted(i.sandbox_id for i, _ in node.registry.sandboxes.list(tenant="mallory")) == sorted(made)
     finally:
         for sid in made:
             node.call("DELETE", f"/v1/sandboxes/{sid}")
@@ -200,7 +200,7 @@ def test_a_node_holds_creates_to_its_slots(node: OneNode) -> None:
 def test_with_direct_access_a_tenant_key_is_served_and_slots_still_hold(pg_fresh_dsn: str, runc_ready: None) -> None:
     config = "[daemon]\nidle_exit = 3\n\n[pools]\n\n[cluster]\ndirect_access = true\n"
     with one_node(pg_fresh_dsn, slots=1, config=config) as n:
-        _, key = n.registry.create_key("carol")
+        _, key = n.registry.tenants.create_key("carol")
         ca_only = ssl.create_default_context(cafile=str(n.tls_dir / tls.CA_CERT))  # a tenant has no cluster cert
 
         async def run() -> tuple[str, Exception | None]:
@@ -220,4 +220,4 @@ def test_with_direct_access_a_tenant_key_is_served_and_slots_still_hold(pg_fresh
         sid, refused = asyncio.run(run())
         assert sid.startswith("sb-")
         assert type(refused).__name__ == "NoCapacity", refused
-        assert [i.tenant for i, _ in n.registry.list(tenant="carol")] == []
+        assert [i.tenant for i, _ in n.registry.sandboxes.list(tenant="carol")] == []

@@ -54,13 +54,13 @@ def test_a_tenants_burst_of_heavy_requests_does_not_stop_the_nodes_heartbeat(nod
         sid, 0, "code", "#" + "x" * (CELL - 1), True, "python", now, 0.3, None, "", False, False, False, 0, 0
     )
     for _ in range(0, transcript.MAX_COMMAND_TEXT // CELL + 500, 2000):
-        registry.add_commands([row] * 2000)
+        registry.commands.add_commands([row] * 2000)
     ages: list[float] = []
     done = threading.Event()
 
     def watch() -> None:
         while not done.is_set():
-            (n1,) = [n for n in registry.nodes() if n.name == "n1"]
+            (n1,) = [n for n in registry.nodes.nodes() if n.name == "n1"]
             ages.append(time.time() - n1.heartbeat_at)
             time.sleep(0.2)
 
@@ -82,5 +82,5 @@ def test_a_tenants_burst_of_heavy_requests_does_not_stop_the_nodes_heartbeat(nod
     print(f"{EXPORTS} exports took {took:.1f} s; the heartbeat's worst age {max(ages):.1f} s")
     assert took > HEARTBEAT_TIMEOUT_S / 2  # the node really was busy for a while
     assert max(ages) < HEARTBEAT_TIMEOUT_S / 2, max(ages)
-    (n1,) = [n for n in registry.nodes() if n.name == "n1"]
+    (n1,) = [n for n in registry.nodes.nodes() if n.name == "n1"]
     assert n1.state == "up"

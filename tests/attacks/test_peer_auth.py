@@ -52,7 +52,7 @@ def plain_server(home: Path, runc_ready: None):
 
 
 def test_a_tenant_key_with_peer_headers_cannot_act_as_another_tenant_or_admin(node_server, home, token_file):
-    _, mallory = Engine.for_home(home).registry.create_key("mallory")
+    _, mallory = Engine.for_home(home).registry.tenants.create_key("mallory")
     for extra in ({peer.TENANT: "victim"}, {peer.ADMIN: "1"}, {peer.TENANT: "mallory", peer.ADMIN: "1"}):
         h = {"Authorization": f"Bearer {mallory}", **extra}
         assert _get(node_server.url, "/v1/sandboxes", h) == (401, "unauthenticated"), extra
@@ -79,7 +79,7 @@ def test_a_guessed_token_is_refused(node_server, token_file):
 
 
 def test_a_server_without_a_cluster_token_refuses_peer_headers(plain_server, home):
-    _, key = Engine.for_home(home).registry.create_key("mallory")
+    _, key = Engine.for_home(home).registry.tenants.create_key("mallory")
     for bearer in (key, secrets.token_urlsafe(32), ""):
         h = {peer.TENANT: "victim", peer.ADMIN: "1"}
         if bearer:

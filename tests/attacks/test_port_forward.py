@@ -245,7 +245,7 @@ def test_a_tunnel_client_flooding_a_server_that_never_reads_holds_bounded_server
 
     server = start_server(home, home / "ports-flood.sock")
     try:
-        _k, key = Engine.for_home(home).registry.create_key("port-flood")
+        _k, key = Engine.for_home(home).registry.tenants.create_key("port-flood")
         with Sandbox.create(tier="container", timeout=300, pool=False, api_url=server.url, api_key=key) as sb:
             sb.commands.run(
                 '(python3 -c \'import socket,time; s=socket.socket(); s.bind(("127.0.0.1", 8000)); s.listen(4); '

@@ -100,7 +100,9 @@ def test_a_tampered_layer_in_the_object_store_is_refused_on_another_node(
     b_store = LayerStore(cache_b)
     assert not b_store.has(target) and not (b_store.dirs / target[7:]).exists()
     assert [n for n in os.listdir(b_store.tmp) if n.startswith("fetch-")] == []
-    started = [i for i, _ in b.registry.list(include_pooled=True, local=True) if i.state is not State.DESTROYED]
+    started = [
+        i for i, _ in b.registry.sandboxes.list(include_pooled=True, local=True) if i.state is not State.DESTROYED
+    ]
     assert started == []  # refused before any sandbox of b started
 
 

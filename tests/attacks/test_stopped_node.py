@@ -58,8 +58,8 @@ def test_a_stopped_node_holding_a_tenants_lock_does_not_block_the_other_nodes(pg
     home = Path(tempfile.mkdtemp(prefix="wbsn-", dir="/tmp"))
     (home / "warmbox.toml").write_text("[daemon]\nidle_exit = 3\n\n[pools]\n")
     router = Registry(dsn)  # the router's view of the shared registry
-    router.join_node(NodeInfo("n2", address="http://127.0.0.1:1", slots=4, tiers=("container",)))
-    _, key = router.create_key("acme")
+    router.nodes.join_node(NodeInfo("n2", address="http://127.0.0.1:1", slots=4, tiers=("container",)))
+    _, key = router.tenants.create_key("acme")
     env = {
         "WARMBOX_CLUSTER__REGISTRY": dsn,
         "WARMBOX_CLUSTER__NODE": "n2",
@@ -99,7 +99,7 @@ def test_a_stopped_node_holding_a_tenants_lock_does_not_block_the_other_nodes(pg
             while db.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE pid=%s", (backend,)).fetchone() != (0,):
                 assert time.monotonic() < deadline, "the stopped node's session still runs"
                 time.sleep(0.05)
-        assert {router.node_of(sid) for sid in made} == {"n2"}
+        assert {router.nodes.node_of(sid) for sid in made} == {"n2"}
         print("creates done at (s after n1 stopped):", took)
         os.kill(holder.pid, signal.SIGCONT)  # woken, n1 finds its transaction ended: it wrote nothing
         holder.stdin.write("go on\n")

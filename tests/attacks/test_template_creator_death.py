@@ -85,12 +85,12 @@ def test_microvm_template_of_a_killed_creator_is_reaped(private_home, when):
     print(f"template VM ({when}) gone {took:.2f} s after its creator was killed")
     # saved: its snapshot is stored by recovery first (an operation younger than 5 s is left alone)
     wait_for(lambda: engine.info(template.sandbox_id)[0].state is State.DESTROYED, 120, "the template's row to end")
-    reasons = [t.reason for t in engine.registry.transitions(template.sandbox_id)]
+    reasons = [t.reason for t in engine.registry.sandboxes.transitions(template.sandbox_id)]
     print(f"  its row ended {time.monotonic() - killed:.2f} s after the kill: {reasons}")
     assert reasons[-1] in ("creator process died", "template creator died") or reasons[-1].startswith(
         "became template snapshot"
     ), reasons
-    assert engine.registry.meta_text("template-vms") in ("", "{}"), "the template mark outlived the reaping"
+    assert engine.registry.meta.meta_text("template-vms") in ("", "{}"), "the template mark outlived the reaping"
     assert not (Path(engine.runtime) / "sandboxes" / template.sandbox_id).exists()
 
     async def later():  # the shape still works: a new template (or the finished one), then a restore
@@ -151,9 +151,9 @@ def test_gvisor_pool_template_of_a_killed_daemon_is_reaped(private_home):
     wait_for(lambda: not live_pids(sid), BOUND_S, f"the template {sid}'s gVisor processes to end")
     took = time.monotonic() - killed
     wait_for(lambda: engine.info(sid)[0].state is State.DESTROYED, 120, "the template's row to end")
-    reasons = [t.reason for t in engine.registry.transitions(sid)]
+    reasons = [t.reason for t in engine.registry.sandboxes.transitions(sid)]
     print(f"gVisor template's processes gone {took:.2f} s after the daemon was killed; transitions: {reasons}")
     assert reasons[-1] == "template creator died" or reasons[-1].startswith("became template snapshot"), reasons
     assert not (engine.runtime / "sandboxes" / sid).exists()
-    wait_for(lambda: engine.registry.pool_counts("gt")[0] >= 1, 300, "the pool to fill after the kill")
+    wait_for(lambda: engine.registry.pools.pool_counts("gt")[0] >= 1, 300, "the pool to fill after the kill")
     assert guard.pid_of(h) not in (None, pid)

@@ -39,8 +39,8 @@ def tenants(home: Path, runc_ready: None):
     try:
         registry = Engine.for_home(home).registry
         tok = secrets.token_hex(3)
-        _, a = registry.create_key(f"cache-a-{tok}")
-        _, b = registry.create_key(f"cache-b-{tok}")
+        _, a = registry.tenants.create_key(f"cache-a-{tok}")
+        _, b = registry.tenants.create_key(f"cache-b-{tok}")
         yield srv.url, a, b
     finally:
         srv.stop()

@@ -119,7 +119,7 @@ def _reg(tmp: Path, name: str, ledger: UidLedger) -> Registry:
 
 
 def _alloc(reg: Registry, sid: str, state_dir: str = "/nonexistent") -> int:
-    return reg.allocate(
+    return reg.sandboxes.allocate(
         sid, "container", "base", 600, Limits(memory_mb=512, cpus=1.0, pids=256), state_dir, "/nonexistent"
     )
 
@@ -145,7 +145,7 @@ def test_concurrent_homes_get_distinct_slots(tmp_path):
     assert len(got) == 40 and len(set(got)) == 40
     assert len(ledger.held()) == 40
     # destroy releases: the entry is gone, and the range is the last to be handed out again
-    regs[0].set_state("sb-000000000000", State.DESTROYED, "test")
+    regs[0].sandboxes.set_state("sb-000000000000", State.DESTROYED, "test")
     assert len(ledger.held()) == 39
     nxt = _alloc(regs[1], "sb-0100000000ff")
     assert nxt not in got
@@ -167,8 +167,8 @@ def test_a_full_ledger_is_a_typed_error_and_crashed_holders_are_reclaimed(tmp_pa
     assert (tmp_path / "uids" / str(slots["sb-00000000000a"])).exists()
     assert _alloc(b, "sb-0000000000e1") == slots["sb-00000000000a"]
     # paused with leftovers (its state dir) still holds; once they are gone it does not
-    b.set_state("sb-00000000000d", State.READY, "test")
-    b.set_state("sb-00000000000d", State.PAUSED, "test")
+    b.sandboxes.set_state("sb-00000000000d", State.READY, "test")
+    b.sandboxes.set_state("sb-00000000000d", State.PAUSED, "test")
     with pytest.raises(RegistryError):
         _alloc(a, "sb-0000000000e2")
     live_dir.rmdir()

@@ -124,7 +124,7 @@ def test_memory_limit_contains_a_bomb(home, runc_ready):
             alive = sb.commands.run("echo alive", timeout=60).stdout == "alive\n"
         except SandboxError:
             alive = False
-        peak = engine.registry.meter(sb.sandbox_id)
+        peak = engine.registry.usage.meter(sb.sandbox_id)
         assert peak is None or peak.peak_bytes <= 256 << 20
         if not alive:
             with pytest.raises(SandboxError):
@@ -204,7 +204,7 @@ limits = { memory_mb = 444 }
     )
     try:
         engine.ensure_daemon()
-        wait_for(lambda: engine.registry.pool_counts("t-gv")[0] >= 2, 180, "the gvisor pool to fill")
+        wait_for(lambda: engine.registry.pools.pool_counts("t-gv")[0] >= 2, 180, "the gvisor pool to fill")
         from warmbox.config import shape_key
 
         image = resolve.image_for(engine, "t-rand").image_id  # the shape names the image its sandboxes run
@@ -216,8 +216,8 @@ limits = { memory_mb = 444 }
         }  # other tests' templates live in the same home
         assert len(template) == 1  # one checkpoint of the warmed template, restored twice
         snap = next(iter(template))
-        for sid in engine.registry.pooled("t-gv"):
-            assert [t.reason for t in engine.registry.transitions(sid)][-1] == f"restored from {snap}"
+        for sid in engine.registry.pools.pooled("t-gv"):
+            assert [t.reason for t in engine.registry.sandboxes.transitions(sid)][-1] == f"restored from {snap}"
         with Sandbox.create(tier="gvisor", template="t-rand", limits=Limits(memory_mb=444), envs={"WHO": "me"}) as sb:
             assert sb.from_pool and sb.tier == "gvisor"
             r = sb.run_code("import os; os.environ['WHO'], 2 + 2")
@@ -232,7 +232,7 @@ limits = { memory_mb = 444 }
                 assert a != b  # both restored the template's generator state: reseeded per restore
     finally:
         set_config(home)
-    wait_for(lambda: not engine.registry.pooled("t-gv"), 60, "the gvisor pool to be retired")
+    wait_for(lambda: not engine.registry.pools.pooled("t-gv"), 60, "the gvisor pool to be retired")
 
 
 OLD_RUNSC = "/usr/bin/runsc"  # Debian 12's (0.0~20221219.0): ptrace only
@@ -393,8 +393,8 @@ def test_a_memory_snapshot_of_another_runsc_is_refused_naming_both_versions(home
     files_only = sb.snapshot()
     ref = sb.pause(memory=True)
     m = snapshot.resolve(engine, ref.snapshot_id)
-    assert m.runtime == here != "runsc unknown" and engine.registry.snapshot_runtime(ref.snapshot_id) == here
-    assert engine.registry.snapshot_runtime(files_only.snapshot_id) == ""
+    assert m.runtime == here != "runsc unknown" and engine.registry.snapshots.snapshot_runtime(ref.snapshot_id) == here
+    assert engine.registry.snapshots.snapshot_runtime(files_only.snapshot_id) == ""
     monkeypatch.setenv("WARMBOX_RUNSC", other_runsc)
     elsewhere = Engine(home)  # this home with the other runsc
     try:

@@ -63,8 +63,8 @@ def tier(request, home, runc_ready):
 def assert_failed_starts_left_nothing(engine: Engine, before: set[str]) -> None:
     """The sandboxes started since ``before`` (the ids the registry listed) failed and left no mount or state
     dir (the session's pools fill meanwhile: their sandboxes are not looked at)."""
-    new = [(i, h) for i, h in engine.registry.list(include_dead=True) if i.sandbox_id not in before]
-    assert new and all("start failed" in engine.registry.ended_reason(i.sandbox_id) for i, _ in new), new
+    new = [(i, h) for i, h in engine.registry.sandboxes.list(include_dead=True) if i.sandbox_id not in before]
+    assert new and all("start failed" in engine.registry.sandboxes.ended_reason(i.sandbox_id) for i, _ in new), new
     for _, handle in new:
         assert workspace_disk.mounts_under(handle.state_dir) == [] and not os.path.exists(handle.state_dir)
 
@@ -133,7 +133,7 @@ def test_an_image_without_python_is_a_clear_start_error(tier, home, tmp_path):
         ):
             await launch(engine, tier, image)
 
-    before = {info.sandbox_id for info, _ in engine.registry.list(include_dead=True)}
+    before = {info.sandbox_id for info, _ in engine.registry.sandboxes.list(include_dead=True)}
     asyncio.run(go())
     assert_failed_starts_left_nothing(engine, before)
 
@@ -143,7 +143,7 @@ def test_a_start_that_fails_after_the_root_is_mounted_leaves_no_mount(tier, home
     broken = layer(tmp_path, "broken", {"usr/bin/python3": "#!/bin/sh\necho broken interpreter >&2\nexit 3\n"})
     os.chmod(os.path.join(broken, "usr/bin/python3"), 0o755)
     image = image_of(debian_layer, broken)
-    before = {info.sandbox_id for info, _ in engine.registry.list(include_dead=True)}
+    before = {info.sandbox_id for info, _ in engine.registry.sandboxes.list(include_dead=True)}
 
     async def go():
         with pytest.raises(SandboxStartError):

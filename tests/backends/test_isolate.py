@@ -128,17 +128,17 @@ limits = { memory_mb = 64 }
     )
     try:
         engine.ensure_daemon()
-        wait_for(lambda: engine.registry.pool_counts("t-iso")[0] >= 2, 60, "the isolate pool to fill")
-        pooled = set(engine.registry.pooled("t-iso"))
+        wait_for(lambda: engine.registry.pools.pool_counts("t-iso")[0] >= 2, 60, "the isolate pool to fill")
+        pooled = set(engine.registry.pools.pooled("t-iso"))
         with Sandbox.create(tier="isolate", limits=Limits(memory_mb=64)) as sb:
             assert sb.from_pool and sb.sandbox_id in pooled
             assert sb.run_code("'ab'.toUpperCase()", language="javascript").text == "'AB'"
             assert "allocation" in {t.stage for t in sb.stage_timings}
         # the refill makes another: the pool is back at its target
-        wait_for(lambda: engine.registry.pool_counts("t-iso")[0] >= 2, 60, "the isolate pool to refill")
+        wait_for(lambda: engine.registry.pools.pool_counts("t-iso")[0] >= 2, 60, "the isolate pool to refill")
     finally:
         set_config(home)
-    wait_for(lambda: not engine.registry.pooled("t-iso"), 60, "the isolate pool to be retired")
+    wait_for(lambda: not engine.registry.pools.pooled("t-iso"), 60, "the isolate pool to be retired")
 
 
 HELLO_WASI = """(module

@@ -47,9 +47,9 @@ def test_the_first_create_boots_a_template_and_later_ones_restore_it(engine, vm)
     assert stages["template"] > stages["runtime"]  # booting the template costs more than a restore
     with Sandbox.create(tier="microvm", timeout=60, limits=LIMITS) as other:
         assert "template" not in engine.timings(other.sandbox_id)  # only a restore of the same template
-        reasons = [t.reason for t in engine.registry.transitions(other.sandbox_id)]
+        reasons = [t.reason for t in engine.registry.sandboxes.transitions(other.sandbox_id)]
         snap = next(r for r in reasons if r.startswith("restored from snap-"))
-        assert snap in [t.reason for t in engine.registry.transitions(vm.sandbox_id)]
+        assert snap in [t.reason for t in engine.registry.sandboxes.transitions(vm.sandbox_id)]
         assert other.commands.run("cat /workspace/data.txt 2>/dev/null || echo fresh").stdout == "fresh\n"
         # both are restores of one memory image: their random generators must still differ
         draws = [

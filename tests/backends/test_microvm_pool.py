@@ -33,14 +33,14 @@ limits = {{ memory_mb = {LIMITS.memory_mb}, pids = {LIMITS.pids}, tmp_mb = {LIMI
     )
     try:
         engine.ensure_daemon()
-        wait_for(lambda: engine.registry.pool_counts("t-vm")[0] >= 1, 120, "the microvm pool to fill")
-        sid = engine.registry.pooled("t-vm")[0]
-        assert [t.reason for t in engine.registry.transitions(sid)][-1].startswith("restored from snap-")
+        wait_for(lambda: engine.registry.pools.pool_counts("t-vm")[0] >= 1, 120, "the microvm pool to fill")
+        sid = engine.registry.pools.pooled("t-vm")[0]
+        assert [t.reason for t in engine.registry.sandboxes.transitions(sid)][-1].startswith("restored from snap-")
         with Sandbox.create(tier="microvm", limits=LIMITS, envs={"WHO": "me"}) as sb:
             assert sb.from_pool and sb.sandbox_id == sid
             assert sb.commands.run("echo $WHO").stdout == "me\n"
             assert sb.run_code("import os; os.environ['WHO']").text == "'me'"
     finally:
         set_config(home)
-    wait_for(lambda: not engine.registry.pooled("t-vm"), 60, "the microvm pool to be retired")
+    wait_for(lambda: not engine.registry.pools.pooled("t-vm"), 60, "the microvm pool to be retired")
     wait_for(lambda: not _qemu_pids(engine.runtime), 60, "the refill's VM (if one started) to be destroyed")

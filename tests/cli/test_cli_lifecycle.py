@@ -56,7 +56,7 @@ def test_exec_and_resume_of_a_paused_sandbox_keep_its_timeout(home, runc_ready, 
     if kind == "pooled":
         engine = Engine.for_home(home)
         engine.ensure_daemon()
-        wait_for(lambda: engine.registry.pool_counts("iso")[0] >= 1, 120, "the iso pool to fill")
+        wait_for(lambda: engine.registry.pools.pool_counts("iso")[0] >= 1, 120, "the iso pool to fill")
     shape = ["--memory", str(POOLED_LIMITS_MB)] if kind == "pooled" else ["--no-pool"]
     r = cli("create", "--timeout", "120", "--json", *shape)
     assert r.returncode == 0, r.stderr

@@ -48,7 +48,7 @@ def test_a_typo_while_serving_keeps_the_last_good_settings_and_is_reported(runc_
     engine = Engine(h)
     server = start_server(h)
     try:
-        _key_id, secret = engine.registry.create_key("cfg")
+        _key_id, secret = engine.registry.tenants.create_key("cfg")
         remote = {"WARMBOX_API_URL": server.url, "WARMBOX_API_KEY": secret}
         local = {"WARMBOX_HOME": str(h), "WARMBOX_API_URL": "", "WARMBOX_API_KEY": ""}
         r = cli("create", "--timeout", "120", env=remote)

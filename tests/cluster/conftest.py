@@ -45,7 +45,7 @@ def start_time(pid: int) -> str:
 
 
 def live_ids(cluster: Cluster, tenant: str | None = None) -> list[str]:
-    return [info.sandbox_id for info, _h in cluster.registry().list(tenant=tenant)]
+    return [info.sandbox_id for info, _h in cluster.registry().sandboxes.list(tenant=tenant)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,7 +59,7 @@ def _cluster_hygiene(request: pytest.FixtureRequest):
     cluster: Cluster = request.getfixturevalue("cluster")
     cluster.ensure_all_up()
     # every test sandbox is made through the router with a key (a tenant); the nodes' own pools' are the host's ("")
-    left = [info for info, _h in cluster.registry().list() if info.tenant]
+    left = [info for info, _h in cluster.registry().sandboxes.list() if info.tenant]
     if left:
         from warmbox import operations as ops
         from warmbox.sdk.http import HttpTransport

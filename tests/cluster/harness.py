@@ -222,9 +222,9 @@ class Cluster:
                 args=("--cluster", c.head.address),
                 timeout=START_TIMEOUT_S,
             )
-            _key_id, secret = c.registry().create_key("pytest")
+            _key_id, secret = c.registry().tenants.create_key("pytest")
             c.client_env = {"WARMBOX_API_URL": c.router.url, "WARMBOX_API_KEY": secret}
-            _key_id, c.admin_key = c.registry().create_key("ops", admin=True)
+            _key_id, c.admin_key = c.registry().tenants.create_key("ops", admin=True)
         except BaseException:
             problems = c.stop()
             if problems:
@@ -292,7 +292,7 @@ class Cluster:
 
     def node_row(self, name: str) -> Any:
         """The node's registry row (models.NodeInfo), None before it first joined."""
-        return next((info for info in self.registry().nodes() if info.name == name), None)
+        return next((info for info in self.registry().nodes.nodes() if info.name == name), None)
 
     def node_state(self, name: str) -> str:
         row = self.node_row(name)
@@ -317,7 +317,7 @@ class Cluster:
         wait_for(lambda: self.node_state(name) == state, timeout, f"node {name} {state} in the registry", 0.1)
 
     def node_of(self, sandbox_id: str) -> str:
-        return self.registry().node_of(sandbox_id)
+        return self.registry().nodes.node_of(sandbox_id)
 
     @contextlib.contextmanager
     def only(self, name: str):
@@ -325,13 +325,13 @@ class Cluster:
         draining, which stops placement and nothing else); after: every such node up again."""
         others = [n for n in self.nodes if n != name and self.node_state(n) == "up"]
         for n in others:
-            self.registry().set_node_state(n, "draining")
+            self.registry().nodes.set_node_state(n, "draining")
         time.sleep(VIEW_TTL_S)  # the router's view of the nodes is this old at most
         try:
             yield
         finally:
             for n in others:
-                self.registry().set_node_state(n, "up")
+                self.registry().nodes.set_node_state(n, "up")
             time.sleep(VIEW_TTL_S)
 
     # ---- failures
@@ -367,7 +367,7 @@ class Cluster:
                 node.kill9()  # its stragglers, if any
                 self.restart_node(name)
             elif self.node_state(name) == "draining":
-                self.registry().set_node_state(name, "up")
+                self.registry().nodes.set_node_state(name, "up")
 
     # ---- stop
 

@@ -162,7 +162,7 @@ def _start(head: RayProcess, dsn: str, token: Path, made: list[NodeProc], *names
 def test_two_nodes_register_and_advertise_their_capacity(head, dsn, token, nodes) -> None:
     a, b = _start(head, dsn, token, nodes, f"a{secrets.token_hex(2)}", f"b{secrets.token_hex(2)}")
     reg = Registry(dsn)
-    rows = {n.name: n for n in reg.nodes()}
+    rows = {n.name: n for n in reg.nodes.nodes()}
     router = _router(token)
     mem = Membership(head.address, token, router)
     for node, slots in ((a, 2), (b, 3)):
@@ -181,7 +181,9 @@ def test_two_nodes_register_and_advertise_their_capacity(head, dsn, token, nodes
         assert node.address.startswith("https://")
         with urllib.request.urlopen(req, timeout=30, context=router.client_context()) as r:
             assert r.status == 200 and json.loads(r.read()) == []
-    _until(lambda: all(n.heartbeat_at > rows[n.name].heartbeat_at for n in reg.nodes() if n.name in rows), 10, "beat")
+    _until(
+        lambda: all(n.heartbeat_at > rows[n.name].heartbeat_at for n in reg.nodes.nodes() if n.name in rows), 10, "beat"
+    )
 
 
 def test_sigkill_of_a_nodes_group_takes_its_ray_node_down(head, dsn, token, nodes) -> None:
@@ -207,7 +209,7 @@ def test_sigterm_is_a_graceful_leave(head, dsn, token, nodes) -> None:
     _until(lambda: not any(membership._running(p) for p in pids), 10, "none of its processes runs")
     assert not mem.find(a.name).alive  # type: ignore[union-attr]
     assert not ray_tmpdir(a.home).exists(), "a node leaving on SIGTERM removes its Ray temp dir"
-    row = {n.name: n for n in Registry(dsn).nodes()}[a.name]
+    row = {n.name: n for n in Registry(dsn).nodes.nodes()}[a.name]
     assert row.state == "down"
 
 
@@ -216,7 +218,7 @@ def test_a_fenced_node_exits_and_leaves_nothing(head, dsn, token, nodes) -> None
     refused and it leaves with EXIT_FENCED, its raylet with it."""
     (a,) = _start(head, dsn, token, nodes, f"f{secrets.token_hex(2)}")
     pids = a.pids()
-    Registry(dsn).mark_node_down(a.name, "test: fenced")
+    Registry(dsn).nodes.mark_node_down(a.name, "test: fenced")
     assert a.proc.wait(30) == EXIT_FENCED, a.output()
     assert "fenced by the registry" in a.output()
     _until(lambda: not any(membership._running(p) for p in pids), 10, "none of its processes runs")
@@ -227,7 +229,7 @@ def test_a_node_whose_raylet_dies_leaves_and_marks_itself_down(head, dsn, token,
     raylet = next(p for p in a.pids() if membership._cmdline(p)[0].endswith("/raylet"))
     os.kill(raylet, signal.SIGKILL)
     assert a.proc.wait(30) == EXIT_RAYLET, a.output()
-    row = {n.name: n for n in Registry(dsn).nodes()}[a.name]
+    row = {n.name: n for n in Registry(dsn).nodes.nodes()}[a.name]
     assert row.state == "down"
     _until(lambda: a.pids() == [], 30, "every process of the node ends")
 
@@ -258,9 +260,9 @@ def test_a_nodes_sandbox_works_through_its_api_and_is_lost_when_it_leaves(head, 
 
     sid = asyncio.run(run())
     reg = Registry(dsn)
-    info, handle = reg.get(sid)
-    assert info.tenant == "acme" and reg.node_of(sid) == a.name and Path(handle.state_dir).is_dir()
+    info, handle = reg.sandboxes.get(sid)
+    assert info.tenant == "acme" and reg.nodes.node_of(sid) == a.name and Path(handle.state_dir).is_dir()
     a.proc.send_signal(signal.SIGTERM)
     assert a.proc.wait(120) == 0, a.output()
-    assert reg.get(sid)[0].state is State.LOST
+    assert reg.sandboxes.get(sid)[0].state is State.LOST
     assert not Path(handle.state_dir).exists(), "the node left its sandbox's runtime behind"

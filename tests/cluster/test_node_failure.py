@@ -108,7 +108,7 @@ def test_its_running_sandboxes_report_lost_naming_the_node(cluster: Cluster, kil
             call()
         assert time.monotonic() - t0 < 10, "a lost sandbox's error must not wait"
         assert e.value.node == killed.node and e.value.sandbox_id == sid
-    info = next(i for i, _h in cluster.registry().list(include_dead=True) if i.sandbox_id == sid)
+    info = next(i for i, _h in cluster.registry().sandboxes.list(include_dead=True) if i.sandbox_id == sid)
     assert info.state == State.LOST
 
 
@@ -155,5 +155,5 @@ def test_the_node_rejoins_under_its_name_and_leaves_no_orphan(cluster: Cluster, 
     with pytest.raises(SandboxLost):
         killed.running.commands.run("true")
     assert killed.running.kill() is True
-    info = next(i for i, _h in cluster.registry().list(include_dead=True) if i.sandbox_id == sid)
+    info = next(i for i, _h in cluster.registry().sandboxes.list(include_dead=True) if i.sandbox_id == sid)
     assert info.state == State.DESTROYED

@@ -16,7 +16,7 @@ def _pool(name: str, tier: str = "container") -> PoolConfig:
 def test_shares_sum_to_the_target_over_the_up_nodes(tmp_path) -> None:
     reg = Registry(tmp_path / "r.db")
     for name, slots, tiers in (("a", 4, ("container",)), ("b", 4, ("container", "gvisor")), ("c", 8, ("gvisor",))):
-        reg.join_node(NodeInfo(name=name, slots=slots, tiers=tiers))
+        reg.nodes.join_node(NodeInfo(name=name, slots=slots, tiers=tiers))
     shares = {n: NodeShare(reg, n) for n in "abc"}
     pool = _pool("p")
     assert [shares[n].share(pool, 5) for n in "abc"] in ([3, 2, 0], [2, 3, 0])
@@ -24,9 +24,9 @@ def test_shares_sum_to_the_target_over_the_up_nodes(tmp_path) -> None:
     assert shares["b"].share(gv, 6) + shares["c"].share(gv, 6) == 6
     assert shares["c"].share(gv, 6) == 4  # 8 of the 12 gvisor slots
     assert [shares[n].scales() for n in "abc"] == [True, False, False]
-    reg.set_node_state("a", "draining")
+    reg.nodes.set_node_state("a", "draining")
     fresh = {n: NodeShare(reg, n) for n in "abc"}  # (a share re-reads the nodes once a second)
     assert fresh["a"].share(pool, 5) == 0 and fresh["b"].share(pool, 5) == 5
     assert [fresh[n].scales() for n in "abc"] == [False, True, False]
-    reg.mark_node_down("b", "test")
+    reg.nodes.mark_node_down("b", "test")
     assert NodeShare(reg, "b").share(pool, 5) == 0 and NodeShare(reg, "c").scales()

@@ -40,7 +40,7 @@ print(json.dumps(out))
 
 
 def test_four_concurrent_clients_never_exceed_the_tenant_s_cluster_wide_quota(cluster: Cluster):
-    _key_id, secret = cluster.registry().create_key("quota4", max_sandboxes=LIMIT)
+    _key_id, secret = cluster.registry().tenants.create_key("quota4", max_sandboxes=LIMIT)
     url = cluster.client_env["WARMBOX_API_URL"]
     start_at = time.time() + 3.0  # after the 4 interpreters have imported warmbox
     procs = [

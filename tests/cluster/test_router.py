@@ -57,7 +57,7 @@ def two_nodes(tmp_path):
     router = Registry(path)
     nodes = {n: Registry(path, n) for n in ("a", "b")}
     for i, n in enumerate(nodes):
-        router.join_node(
+        router.nodes.join_node(
             NodeInfo(
                 name=n,
                 address=f"http://127.0.0.1:{9 + i}",
@@ -75,10 +75,10 @@ def two_nodes(tmp_path):
 
 def _sandbox(reg: Registry, n: int, tenant: Tenant | None = None, state: State = State.READY) -> str:
     sid = f"sb-{n:012x}"
-    reg.allocate(sid, "container", "base", 3600, Limits(), "/nonexistent", "/nonexistent", tenant=tenant)
-    reg.set_state(sid, State.READY, "started")
+    reg.sandboxes.allocate(sid, "container", "base", 3600, Limits(), "/nonexistent", "/nonexistent", tenant=tenant)
+    reg.sandboxes.set_state(sid, State.READY, "started")
     if state is State.PAUSED:
-        reg.set_state(sid, State.PAUSED, "paused")
+        reg.sandboxes.set_state(sid, State.PAUSED, "paused")
     return sid
 
 
@@ -144,13 +144,13 @@ def test_operations_go_to_the_owner_and_paused_ones_move_off_a_down_node(two_nod
         assert (await front._target(paused)).name == "a"  # its node is up: resumed there
         with pytest.raises(SandboxNotFound):
             await front._target("sb-0000000000ff")
-        cluster.registry.mark_node_down("a", "test")
+        cluster.registry.nodes.mark_node_down("a", "test")
         cluster.nodes(fresh=True)
         # a lost one: any up node answers from the registry (SandboxLost there); the paused one moves
         assert (await front._target(on_a)).name == "b"
-        assert cluster.registry.get(on_a)[0].state is State.LOST
+        assert cluster.registry.sandboxes.get(on_a)[0].state is State.LOST
         assert (await front._target(paused)).name == "b"
-        assert cluster.registry.node_of(paused) == "b"
+        assert cluster.registry.nodes.node_of(paused) == "b"
 
     asyncio.run(main())
 
@@ -161,7 +161,7 @@ def test_a_paused_sandbox_of_a_draining_node_moves_but_a_live_one_stays(two_node
         front = ClusterFront(cluster, None)
         live = _sandbox(nodes["a"], 1)
         paused = _sandbox(nodes["a"], 2, state=State.PAUSED)
-        cluster.registry.set_node_state("a", "draining")
+        cluster.registry.nodes.set_node_state("a", "draining")
         cluster.nodes(fresh=True)
         assert (await front._target(live)).name == "a"
         assert (await front._target(paused)).name == "b"
@@ -173,11 +173,11 @@ def test_another_tenants_paused_sandbox_is_not_moved(two_nodes):
     async def main() -> None:
         cluster, nodes = two_nodes
         theirs = _sandbox(nodes["a"], 3, tenant=Tenant("other"), state=State.PAUSED)
-        cluster.registry.mark_node_down("a", "test")
+        cluster.registry.nodes.mark_node_down("a", "test")
         cluster.nodes(fresh=True)
         with pytest.raises(SandboxNotFound):
             await ClusterFront(cluster, Tenant("me"))._target(theirs)
-        assert cluster.registry.node_of(theirs) == "a"
+        assert cluster.registry.nodes.node_of(theirs) == "a"
 
     asyncio.run(main())
 
@@ -193,7 +193,7 @@ def test_placement_spreads_a_burst_and_skips_dead_draining_and_full_nodes(two_no
     cluster.ray_alive = frozenset({"ray-b"})  # Ray says a's raylet is dead
     assert {cluster.place(want).name for _ in range(3)} == {"b"}
     cluster.ray_alive = None
-    cluster.registry.set_node_state("b", "draining")
+    cluster.registry.nodes.set_node_state("b", "draining")
     cluster.nodes(fresh=True)
     assert {cluster.place(want).name for _ in range(3)} == {"a"}
     with pytest.raises(NoCapacity, match="does not run tier gvisor"):
@@ -206,12 +206,12 @@ def test_placement_prefers_a_node_with_a_ready_pooled_sandbox_of_the_shape(two_n
 
     for i in range(2):  # a holds more: without the pool, b (more free slots) would win
         _sandbox(nodes["a"], 10 + i)
-    nodes["b"].allocate("sb-0000000000aa", "container", "base", 3600, Limits(), "/x", "/x", pool="p")
-    nodes["b"].allocate("sb-0000000000ab", "container", "base", 3600, Limits(), "/x", "/x", pool="p")
-    nodes["a"].allocate("sb-0000000000ac", "container", "base", 3600, Limits(), "/x", "/x", pool="p")
+    nodes["b"].sandboxes.allocate("sb-0000000000aa", "container", "base", 3600, Limits(), "/x", "/x", pool="p")
+    nodes["b"].sandboxes.allocate("sb-0000000000ab", "container", "base", 3600, Limits(), "/x", "/x", pool="p")
+    nodes["a"].sandboxes.allocate("sb-0000000000ac", "container", "base", 3600, Limits(), "/x", "/x", pool="p")
     for sid in ("sb-0000000000aa", "sb-0000000000ab", "sb-0000000000ac"):
-        cluster.registry.set_state(sid, State.POOLED, "warm")
-    cluster.registry.set_state("sb-0000000000ac", State.READY, "claimed")
+        cluster.registry.sandboxes.set_state(sid, State.POOLED, "warm")
+    cluster.registry.sandboxes.set_state("sb-0000000000ac", State.READY, "claimed")
     cluster.nodes(fresh=True)
     assert cluster.usage()["a"].live == 3 and cluster.usage()["b"].pooled == (("p", 2),)
     assert cluster.place(Want("container", shape="p")).name == "b"
@@ -226,7 +226,7 @@ def test_ready_needs_an_up_node(two_nodes):
     cluster, _ = two_nodes
     assert cluster.ready() == ""
     for n in ("a", "b"):
-        cluster.registry.mark_node_down(n, "test")
+        cluster.registry.nodes.mark_node_down(n, "test")
     assert "no node of the cluster is up" in cluster.ready()
 
 
@@ -237,7 +237,7 @@ def test_drain_refusals(two_nodes):
             await draining.drain(cluster, "zz")
         with pytest.raises(Forbidden):
             await ClusterFront(cluster, Tenant("acme")).handle(ops.NodeDrain("a"))
-        cluster.registry.mark_node_down("b", "test")
+        cluster.registry.nodes.mark_node_down("b", "test")
         with pytest.raises(DrainRefused, match="last node up"):
             await draining.drain(cluster, "a")
         with pytest.raises(DrainRefused, match="down already"):
@@ -258,7 +258,7 @@ def test_a_call_in_flight_to_a_node_that_goes_down_ends_at_once(two_nodes):
         hung.listen(8)
         try:
             port = hung.getsockname()[1]
-            nodes["a"].join_node(
+            nodes["a"].nodes.join_node(
                 NodeInfo(
                     name="a",
                     address=f"http://127.0.0.1:{port}",
@@ -268,7 +268,7 @@ def test_a_call_in_flight_to_a_node_that_goes_down_ends_at_once(two_nodes):
                     tiers=("container",),
                 )
             )
-            cluster.registry.set_node_state("b", "draining")  # only a takes "any node" operations
+            cluster.registry.nodes.set_node_state("b", "draining")  # only a takes "any node" operations
             cluster.nodes(fresh=True)
             sid = _sandbox(nodes["a"], 5)
             front = ClusterFront(cluster, None)
@@ -304,11 +304,11 @@ def test_monitor_marks_a_silent_node_down_once(two_nodes):
         cluster, nodes = two_nodes
         sid = _sandbox(nodes["a"], 6)
         paused = _sandbox(nodes["a"], 7, state=State.PAUSED)
-        assert nodes["b"].heartbeat("b", cluster.registry.nodes()[1].epoch, 0, 0)
+        assert nodes["b"].nodes.heartbeat("b", cluster.registry.nodes.nodes()[1].epoch, 0, 0)
         mon = Monitor(cluster, lambda: frozenset({"ray-b"}), heartbeat_timeout_s=60)
         assert await mon.tick() == ["a"]  # Ray: a's raylet is dead
-        assert cluster.registry.get(sid)[0].state is State.LOST
-        assert cluster.registry.get(paused)[0].state is State.PAUSED
+        assert cluster.registry.sandboxes.get(sid)[0].state is State.LOST
+        assert cluster.registry.sandboxes.get(paused)[0].state is State.PAUSED
         assert await mon.tick() == []  # already down: nothing more to do
         assert [n.name for n in cluster.up()] == ["b"]
 
@@ -325,7 +325,7 @@ def test_a_node_that_stops_answering_gives_the_monitors_verdict(two_nodes):
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
         closed.close()  # nothing listens there now
-        nodes["a"].join_node(
+        nodes["a"].nodes.join_node(
             NodeInfo(name="a", address=f"http://127.0.0.1:{port}", ray_node_id="ray-a", slots=4, memory_mb=4096)
         )
         cluster.nodes(fresh=True)
@@ -333,7 +333,7 @@ def test_a_node_that_stops_answering_gives_the_monitors_verdict(two_nodes):
         call = asyncio.ensure_future(ClusterFront(cluster, None).handle(ops.Info(sid)))
         await asyncio.sleep(1.0)
         assert not call.done()  # the transport retries a refused connection for ~3 s
-        nodes["b"].mark_node_down("a", "raylet gone")  # another router's monitor, on the shared registry
+        nodes["b"].nodes.mark_node_down("a", "raylet gone")  # another router's monitor, on the shared registry
         t0 = time.monotonic()
         with pytest.raises(SandboxLost) as e:
             await asyncio.wait_for(call, 15)
@@ -354,7 +354,7 @@ def test_the_monitors_verdict_while_a_caller_waits_for_it_is_a_typed_error(two_n
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
         closed.close()
-        nodes["a"].join_node(NodeInfo(name="a", address=f"http://127.0.0.1:{port}", slots=4, memory_mb=4096))
+        nodes["a"].nodes.join_node(NodeInfo(name="a", address=f"http://127.0.0.1:{port}", slots=4, memory_mb=4096))
         cluster.nodes(fresh=True)
         sid = _sandbox(nodes["a"], 9)
         call = asyncio.ensure_future(ClusterFront(cluster, None).handle(ops.Exec(sid, "true")))
@@ -377,7 +377,7 @@ def test_a_lost_sandbox_is_said_lost_by_the_router_even_with_no_node_up(two_node
     async def main() -> None:
         sid = _sandbox(nodes["a"], 4)
         for n in ("a", "b"):
-            cluster.registry.mark_node_down(n, "power cut")
+            cluster.registry.nodes.mark_node_down(n, "power cut")
         cluster.nodes(fresh=True)
         front = ClusterFront(cluster, None)
         with pytest.raises(SandboxLost, match="power cut") as e:
@@ -414,8 +414,8 @@ def test_what_mounts_a_volume_goes_to_the_volumes_node(two_nodes):
     cluster, nodes = two_nodes
     t = Tenant("t")
     front = ClusterFront(cluster, t)
-    nodes["b"].add_volume("t", "data", "vol-0000000001", 16, time.time())
-    nodes["a"].add_volume("t", "logs", "vol-0000000002", 16, time.time())
+    nodes["b"].volumes.add_volume("t", "data", "vol-0000000001", 16, time.time())
+    nodes["a"].volumes.add_volume("t", "logs", "vol-0000000002", 16, time.time())
     assert front._volume_home(front._named_volumes(["data"])).name == "b"
     with pytest.raises(VolumeNotFound):
         front._named_volumes(["nope"])
@@ -424,15 +424,15 @@ def test_what_mounts_a_volume_goes_to_the_volumes_node(two_nodes):
     assert e.value.node == "a"
     # a paused sandbox mounting b's volume resumes on b, never where placement would put it
     sid = _sandbox(nodes["a"], 20, tenant=t)
-    nodes["a"].mount_volumes(sid, [("vol-0000000001", "data", "/data", False)], exclusive=False)
-    nodes["a"].set_state(sid, State.PAUSED, "paused")
-    cluster.registry.mark_node_down("a", "test")
+    nodes["a"].volumes.mount_volumes(sid, [("vol-0000000001", "data", "/data", False)], exclusive=False)
+    nodes["a"].sandboxes.set_state(sid, State.PAUSED, "paused")
+    cluster.registry.nodes.mark_node_down("a", "test")
     cluster.nodes(fresh=True)
 
     async def main() -> None:
         assert (await front._target(sid)).name == "b"
-        assert cluster.registry.node_of(sid) == "b"
-        cluster.registry.mark_node_down("b", "test")
+        assert cluster.registry.nodes.node_of(sid) == "b"
+        cluster.registry.nodes.mark_node_down("b", "test")
         cluster.nodes(fresh=True)
         with pytest.raises(VolumeElsewhere, match="on node b, which is down") as e:
             await front._target(sid)

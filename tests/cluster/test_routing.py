@@ -57,14 +57,14 @@ def test_drain_refusals_through_the_api(cluster: Cluster):
         _drain(cluster, "nope", cluster.admin_key)
     others = [n for n in cluster.nodes if n != "n1"]
     for n in others:  # n1 the last node up
-        cluster.registry().set_node_state(n, "draining")
+        cluster.registry().nodes.set_node_state(n, "draining")
     try:
         with pytest.raises(DrainRefused, match="last node up"):
             _drain(cluster, "n1", cluster.admin_key)
         assert cluster.node_state("n1") == "up"
     finally:
         for n in others:
-            cluster.registry().set_node_state(n, "up")
+            cluster.registry().nodes.set_node_state(n, "up")
 
 
 def test_a_command_in_flight_when_its_node_dies_ends_lost(cluster: Cluster):
@@ -119,7 +119,7 @@ def test_the_router_serves_e2b_routes(cluster: Cluster, monkeypatch: pytest.Monk
         assert sb.commands.run("echo from-a-node").stdout == "from-a-node\n"
         sb.files.write("e2b.txt", "through the router")
         assert sb.files.read("/home/user/e2b.txt") == "through the router"
-        assert cluster.registry().node_of(sb.sandbox_id) in cluster.nodes
+        assert cluster.registry().nodes.node_of(sb.sandbox_id) in cluster.nodes
         # a WebSocket to a server in the sandbox (get_host's port), over the node's port tunnel
         sb.files.write("ws_echo.py", WS_ECHO)
         sb.commands.run("python3 /home/user/ws_echo.py", background=True)

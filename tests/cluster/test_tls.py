@@ -46,7 +46,7 @@ def test_every_node_of_the_lane_speaks_only_mutual_tls(cluster):
     token = cluster.token_file.read_text().strip()
     router = cluster.member(tls.ROUTER).client_context()
     bare = ssl.create_default_context(cafile=str(cluster.dir / tls.CA_CERT))
-    _, key = cluster.registry().create_key("tls-lane")
+    _, key = cluster.registry().tenants.create_key("tls-lane")
     for name in cluster.nodes:
         url = cluster.node_row(name).address
         assert url.startswith("https://"), url

@@ -190,7 +190,7 @@ def test_export_button_downloads_the_transcript(browser, console: Console, acme_
 def test_pools_page_charts_fill_and_hits(browser, console: Console):
     engine = Engine.for_home(console.home)
     engine.ensure_daemon()  # the daemon keeps pools warm; `warmbox serve` starts it at its first sandbox
-    wait_for(lambda: engine.registry.pool_counts("console")[0] >= 1, 120, "the console pool to fill")
+    wait_for(lambda: engine.registry.pools.pool_counts("console")[0] >= 1, 120, "the console pool to fill")
     page = login(browser, console, "ops")
     try:
         page.goto(console.url + "/ui/pools")
@@ -217,7 +217,7 @@ def test_pools_page_charts_fill_and_hits(browser, console: Console):
 
 
 def _cpu_s(engine: Engine, tenant: str) -> float:
-    return sum(b.cpu_s for b in engine.registry.usage(tenant, time.time() - 86400))
+    return sum(b.cpu_s for b in engine.registry.usage.usage(tenant, time.time() - 86400))
 
 
 BURN = "import time\nwhile time.process_time() < 0.5: pass"  # 0.5 s of CPU, however loaded the host

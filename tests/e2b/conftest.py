@@ -36,8 +36,8 @@ def e2b_server(home: Path, runc_ready: None):
     saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")}
     try:
         registry = Engine.for_home(home).registry
-        _k, key_a = registry.create_key("e2b-a")
-        _k, key_b = registry.create_key("e2b-b")
+        _k, key_a = registry.tenants.create_key("e2b-a")
+        _k, key_b = registry.tenants.create_key("e2b-b")
         got = E2BServer(server, key_a, key_b)
         os.environ.pop("E2B_DOMAIN", None)
         os.environ.update(got.env)

@@ -25,7 +25,7 @@ def test_a_held_sandbox_survives_a_server_restart(home, runc_ready, monkeypatch)
     port = _free_port()
     args = ("--port", str(port))
     server = start_server(home, home / "e2b-restart.sock", args=args)
-    _k, key = Engine.for_home(home).registry.create_key("e2b-restart")
+    _k, key = Engine.for_home(home).registry.tenants.create_key("e2b-restart")
     for name, value in {"E2B_API_URL": server.url, "E2B_SANDBOX_URL": server.url, "E2B_API_KEY": key}.items():
         monkeypatch.setenv(name, value)
     sb = e2b.Sandbox.create(timeout=120)
@@ -35,7 +35,7 @@ def test_a_held_sandbox_survives_a_server_restart(home, runc_ready, monkeypatch)
         server = start_server(home, home / "e2b-restart.sock", args=args)
         assert sb.files.read("/workspace/r.txt") == "before"  # the same token, a new server
         assert sb.commands.run("echo after").stdout == "after\n"
-        assert len(bytes.fromhex(Engine.for_home(home).registry.meta_text("signing_key"))) == 32
+        assert len(bytes.fromhex(Engine.for_home(home).registry.meta.meta_text("signing_key"))) == 32
     finally:
         sb.kill()
         server.stop()

@@ -41,7 +41,7 @@ class NodeHomes:
         """Kill every node's sandboxes, stop their daemons, then prove nothing is left behind."""
         left = []
         for engine in reversed(self.engines):
-            for info, _ in engine.registry.list(include_pooled=True, local=True):
+            for info, _ in engine.registry.sandboxes.list(include_pooled=True, local=True):
                 asyncio.run(teardown.destroy(engine, info.sandbox_id, "test over"))
             asyncio.run(down_home(engine.home))
             asyncio.run(teardown.reconcile_node(engine))  # what a failed test left lost (no list shows it) goes too

@@ -63,7 +63,7 @@ def test_start_reasons():
 async def _answer_when_asked(engine: Engine, front: EngineFront, decision: str) -> str:
     """Wait (bounded) for a pending question, answer it through ``front``; its id."""
     for _ in range(200):
-        pending = engine.registry.approvals(None, pending_only=True)
+        pending = engine.registry.approvals.approvals(None, pending_only=True)
         if pending:
             await front.handle(ops.ApprovalAnswer(pending[0].approval_id, decision))
             return pending[0].approval_id
@@ -73,8 +73,8 @@ async def _answer_when_asked(engine: Engine, front: EngineFront, decision: str) 
 
 def test_a_denied_create_over_budget_fails_and_leaves_nothing(tmp_path):
     engine = _engine(tmp_path)
-    engine.registry.create_key("acme", budget_cpu_h=0.001)  # 3.6 CPU-s: a minute of 1 CPU is past it
-    tenant = engine.registry.tenant("acme")
+    engine.registry.tenants.create_key("acme", budget_cpu_h=0.001)  # 3.6 CPU-s: a minute of 1 CPU is past it
+    tenant = engine.registry.tenants.tenant("acme")
     user, operator = EngineFront(engine, tenant=tenant), EngineFront(engine)
 
     async def go() -> tuple[BaseException, str]:
@@ -87,7 +87,7 @@ def test_a_denied_create_over_budget_fails_and_leaves_nothing(tmp_path):
     err, aid = asyncio.run(go())
     assert err.state == "denied" and err.approval_id == aid and "over budget" in err.reason
     assert "denied by root" in str(err)
-    a = engine.registry.approval(aid)
+    a = engine.registry.approvals.approval(aid)
     assert (a.tenant, a.kind, a.sandbox_id, a.decision, a.answered_by) == ("acme", "create", "", "deny", "root")
     assert "container, 256 MiB, 1 CPUs" in a.subject
     assert engine.list(include_dead=True, tenant="acme") == [] and engine.list(include_dead=True) == []
@@ -117,10 +117,10 @@ def test_a_pool_resize_above_the_limit_waits_for_approval(tmp_path):
         aid = await _answer_when_asked(engine, front, "deny")
         with pytest.raises(ApprovalDenied):
             await resize
-        assert engine.registry.approval(aid).kind == "pool_resize"
+        assert engine.registry.approvals.approval(aid).kind == "pool_resize"
 
     asyncio.run(go())
-    assert "py" not in engine.registry.pool_rows()  # nothing was written
+    assert "py" not in engine.registry.pools.pool_rows()  # nothing was written
 
 
 class _Hook(http.server.BaseHTTPRequestHandler):
@@ -174,13 +174,18 @@ def test_tenants_see_their_own_questions_and_answer_only_network_ones(tmp_path):
     engine = _engine(tmp_path)
     reg = engine.registry
     for name in ("acme", "beta"):
-        reg.create_key(name)
-    _, admin_secret = reg.create_key("ops", admin=True)
-    admin = reg.authenticate(admin_secret)
-    acme, beta = EngineFront(engine, tenant=reg.tenant("acme")), EngineFront(engine, tenant=reg.tenant("beta"))
-    cost = reg.open_approval("acme", "create", "create a sandbox", "over budget", 60)
-    net = reg.open_approval("acme", "network", "evil.example:443 (connect)", "on_unknown=ask", 60, sandbox_id="sb-1")
-    other = reg.open_approval("beta", "create", "create a sandbox", "over budget", 60)
+        reg.tenants.create_key(name)
+    _, admin_secret = reg.tenants.create_key("ops", admin=True)
+    admin = reg.tenants.authenticate(admin_secret)
+    acme, beta = (
+        EngineFront(engine, tenant=reg.tenants.tenant("acme")),
+        EngineFront(engine, tenant=reg.tenants.tenant("beta")),
+    )
+    cost = reg.approvals.open_approval("acme", "create", "create a sandbox", "over budget", 60)
+    net = reg.approvals.open_approval(
+        "acme", "network", "evil.example:443 (connect)", "on_unknown=ask", 60, sandbox_id="sb-1"
+    )
+    other = reg.approvals.open_approval("beta", "create", "create a sandbox", "over budget", 60)
 
     def run(front: EngineFront, req: ops.Request) -> object:
         return asyncio.run(front.handle(req))
@@ -215,7 +220,7 @@ def test_a_cancelled_wait_withdraws_its_question(tmp_path):
     async def go() -> None:
         create = asyncio.ensure_future(front.handle(ops.Create(limits=Limits(memory_mb=2000))))
         for _ in range(200):
-            if engine.registry.approvals(None, pending_only=True):
+            if engine.registry.approvals.approvals(None, pending_only=True):
                 break
             await asyncio.sleep(0.025)
         create.cancel()
@@ -223,7 +228,7 @@ def test_a_cancelled_wait_withdraws_its_question(tmp_path):
             await create
 
     asyncio.run(go())
-    [a] = engine.registry.approvals(None)
+    [a] = engine.registry.approvals.approvals(None)
     assert (a.state, a.answered_by) == ("timed_out", "withdrawn")
 
 
@@ -253,8 +258,8 @@ def test_the_cli_sets_and_shows_budgets_and_answers_questions(tmp_path, monkeypa
     b = json.loads(capsys.readouterr().out)
     assert (b["cpu_limit_h"], b["gib_limit_h"], b["warning"]) == (0.5, 40.0, False)
     assert main(["keys", "create", "--tenant", "acme", "--budget", "gpu=1"]) == 125
-    net = engine.registry.open_approval("acme", "network", "x.example:443 (connect)", "on_unknown=ask", 60)
-    cost = engine.registry.open_approval("acme", "create", "create \x1b[31ma sandbox", "over budget", 60)
+    net = engine.registry.approvals.open_approval("acme", "network", "x.example:443 (connect)", "on_unknown=ask", 60)
+    cost = engine.registry.approvals.open_approval("acme", "create", "create \x1b[31ma sandbox", "over budget", 60)
     assert main(["approvals", "ls"]) == 0
     out = capsys.readouterr().out
     assert net.approval_id in out and cost.approval_id in out and "\x1b" not in out  # no terminal escapes
@@ -265,6 +270,6 @@ def test_the_cli_sets_and_shows_budgets_and_answers_questions(tmp_path, monkeypa
         f"{net.approval_id}: approved (allow_always)",
         f"{cost.approval_id}: denied (deny)",
     ]
-    assert engine.registry.approval(net.approval_id).decision == "allow_always"
-    assert engine.registry.approval(cost.approval_id).decision == "deny"
+    assert engine.registry.approvals.approval(net.approval_id).decision == "allow_always"
+    assert engine.registry.approvals.approval(cost.approval_id).decision == "deny"
     assert main(["approvals", "ls"]) == 0 and net.approval_id not in capsys.readouterr().out  # pending only

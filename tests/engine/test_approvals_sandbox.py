@@ -37,16 +37,16 @@ def budgeted(home: Path, runc_ready: None):
     set_config(home, "\n[approvals]\ntimeout = 60\n")
     engine = Engine.for_home(home)
     tenant = f"apv{time.time_ns() % 10**9}"
-    engine.registry.create_key(tenant, budget_cpu_h=0.001)
+    engine.registry.tenants.create_key(tenant, budget_cpu_h=0.001)
     try:
-        yield engine, EngineFront(engine, tenant=engine.registry.tenant(tenant)), tenant
+        yield engine, EngineFront(engine, tenant=engine.registry.tenants.tenant(tenant)), tenant
     finally:
         set_config(home)
 
 
 async def _asked(engine: Engine, tenant: str) -> Approval:
     for _ in range(400):
-        pending = engine.registry.approvals(tenant, pending_only=True)
+        pending = engine.registry.approvals.approvals(tenant, pending_only=True)
         if pending:
             return pending[0]
         await asyncio.sleep(0.025)
@@ -60,9 +60,9 @@ async def _answered(engine: Engine, tenant: str, start: Awaitable[Any], answer: 
     assert not task.done()  # it waits for the answer
     await answer(a)
     try:
-        return await asyncio.wait_for(task, 120), engine.registry.approval(a.approval_id)
+        return await asyncio.wait_for(task, 120), engine.registry.approvals.approval(a.approval_id)
     except ApprovalDenied as e:
-        return e, engine.registry.approval(a.approval_id)
+        return e, engine.registry.approvals.approval(a.approval_id)
 
 
 def _orphan_slots(engine: Engine) -> set[str]:
@@ -122,7 +122,7 @@ def test_a_resume_over_budget_waits_denied_stays_paused_approved_runs(budgeted):
         answer = ops.ApprovalAnswer(a.approval_id, "approve")
         await asyncio.to_thread(lambda: asyncio.run(EngineFront(Engine.for_home(engine.home)).handle(answer)))
 
-    engine.registry.set_budget(tenant, cpu_h=0)  # no budget while it is made and paused
+    engine.registry.usage.set_budget(tenant, cpu_h=0)  # no budget while it is made and paused
     sid = ""
 
     async def go() -> None:
@@ -132,7 +132,7 @@ def test_a_resume_over_budget_waits_denied_stays_paused_approved_runs(budgeted):
         try:
             await front.handle(ops.WriteFile(sid, "/workspace/kept.txt", b"kept"))
             await front.handle(ops.Pause(sid))
-            engine.registry.set_budget(tenant, cpu_h=0.001)
+            engine.registry.usage.set_budget(tenant, cpu_h=0.001)
             err, _ = await _answered(engine, tenant, front.handle(ops.Resume(sid)), deny)
             assert isinstance(err, ApprovalDenied)
             assert engine.info(sid)[0].state is State.PAUSED
@@ -151,7 +151,7 @@ def test_a_waiting_cli_gets_the_answer_given_after_the_server_restarted(home: Pa
     memory_above_mb; the server restarts meanwhile, and an admin key approves through the new one:
     the row is the truth, so the CLI's create finishes."""
     set_config(home, "\n[approvals]\ntimeout = 60\nmemory_above_mb = 300\n")
-    _, admin = Engine.for_home(home).registry.create_key(f"apr-ops{time.time_ns() % 10**9}", admin=True)
+    _, admin = Engine.for_home(home).registry.tenants.create_key(f"apr-ops{time.time_ns() % 10**9}", admin=True)
     srv = start_server(home, home / "apr.sock")
     env = {k: v for k, v in os.environ.items() if k not in ("WARMBOX_API_URL", "WARMBOX_API_KEY")}
     waiter = subprocess.Popen(

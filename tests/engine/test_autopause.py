@@ -79,12 +79,12 @@ def test_an_idle_sandbox_is_paused_and_the_next_call_resumes_it(home, runc_ready
         t0 = time.monotonic()
         wait_for(lambda: _state(engine, sid) is State.PAUSED, WAIT_S, "the daemon to pause the idle sandbox")
         assert time.monotonic() - t0 >= 2.5  # not before its idle time
-        assert "idle" in engine.registry.ended_reason(sid)
+        assert "idle" in engine.registry.sandboxes.ended_reason(sid)
         # nothing runs, nothing is held (released just after the pause is recorded)
         wait_for(lambda: not engine.backend("container")._pids(sid), WAIT_S, "the release")
         # the next call resumes it, transparently, under its id
         assert sb.files.read("/workspace/kept.txt") == "before"
-        first = engine.registry.auto_snapshots_of(sid)
+        first = engine.registry.snapshots.auto_snapshots_of(sid)
         assert _state(engine, sid) in (State.READY, State.RUNNING)
         assert sb.run_code("x + 1").text == "42"
         assert sb.get_timings()["resume"] > 0
@@ -94,16 +94,17 @@ def test_an_idle_sandbox_is_paused_and_the_next_call_resumes_it(home, runc_ready
         # (marked once the pause is complete: just after the sandbox shows as paused)
         wait_for(
             lambda: (
-                len(engine.registry.auto_snapshots_of(sid)) == 1 and engine.registry.auto_snapshots_of(sid) != first
+                len(engine.registry.snapshots.auto_snapshots_of(sid)) == 1
+                and engine.registry.snapshots.auto_snapshots_of(sid) != first
             ),
             WAIT_S,
             "the second idle pause",
         )
-        second = engine.registry.auto_snapshots_of(sid)
+        second = engine.registry.snapshots.auto_snapshots_of(sid)
         assert _state(engine, sid) is State.PAUSED
-        assert set(engine.registry.snapshots_of(sid)) == {mine.snapshot_id, *second}
+        assert set(engine.registry.snapshots.snapshots_of(sid)) == {mine.snapshot_id, *second}
         sb.kill()  # and what automatic pauses saved ends with the sandbox
-        assert engine.registry.snapshots_of(sid) == [mine.snapshot_id]
+        assert engine.registry.snapshots.snapshots_of(sid) == [mine.snapshot_id]
     finally:
         sb.kill()
 
@@ -157,7 +158,7 @@ def test_on_timeout_pause_pauses_instead_of_killing(home, runc_ready):
         sb.files.write("/workspace/kept.txt", "v")
         wait_for(lambda: _state(engine, sb.sandbox_id) is not State.READY, WAIT_S, "the timeout")
         assert _state(engine, sb.sandbox_id) is State.PAUSED
-        assert "timeout ran out" in engine.registry.ended_reason(sb.sandbox_id)
+        assert "timeout ran out" in engine.registry.sandboxes.ended_reason(sb.sandbox_id)
         with pytest.raises(SandboxPaused):
             sb.commands.run("true")
         back = Sandbox.connect(sb.sandbox_id)
@@ -180,8 +181,8 @@ def test_paused_sandboxes_are_deleted_with_their_snapshots_after_the_retention(h
         assert store.exists(artifacts.manifest_key(ref.snapshot_id))
         engine.ensure_daemon()
         wait_for(lambda: _state(engine, sid) is State.DESTROYED, WAIT_S, "the paused retention to end it")
-        assert engine.registry.ended_reason(sid) == RETENTION_EXPIRED
-        assert engine.registry.snapshots_of(sid) == []
+        assert engine.registry.sandboxes.ended_reason(sid) == RETENTION_EXPIRED
+        assert engine.registry.snapshots.snapshots_of(sid) == []
         assert not store.exists(artifacts.manifest_key(ref.snapshot_id))
         with pytest.raises(SandboxNotFound, match="expired"):
             Sandbox.connect(sid)
@@ -205,11 +206,13 @@ def test_a_resume_whose_process_died_leaves_the_sandbox_paused_not_lost(home, ru
         dead = owner_tag(proc.pid)  # a resumer that dies at once
         proc.kill()
         proc.wait()
-        engine.registry.reallocate(sb.sandbox_id, 60.0, Limits(), owner=dead)  # its resume began, then nothing
+        engine.registry.sandboxes.reallocate(
+            sb.sandbox_id, 60.0, Limits(), owner=dead
+        )  # its resume began, then nothing
         assert _state(engine, sb.sandbox_id) is State.CREATING
         asyncio.run(duties.reap(engine))
         assert _state(engine, sb.sandbox_id) is State.PAUSED
-        assert "resumer process died" in engine.registry.ended_reason(sb.sandbox_id)
+        assert "resumer process died" in engine.registry.sandboxes.ended_reason(sb.sandbox_id)
         with Sandbox.connect(sb.sandbox_id) as back:
             assert back.files.read("kept.txt") == "v"
     finally:

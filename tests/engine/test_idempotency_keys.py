@@ -104,7 +104,7 @@ def test_a_call_whose_holder_died_is_outcome_unknown_and_not_run(tmp_path):
     dead = 2**22 + 7  # above pid_max's default: no such process
     now = time.time()
     request = ops.Exec("sb-000000000001", "true", idempotency_key="k")
-    reg.claim_key(
+    reg.idempotency.claim_key(
         KeyClaim(
             "acme",
             "sb-000000000001",
@@ -157,7 +157,7 @@ def test_recorded_output_is_bounded_per_stream_and_per_sandbox(tmp_path, monkeyp
         assert second.exit_code == 0 and second.pid == 7
         auto = await _run(other, "auto-1", call)  # the transport's own keys: a budget of their own
         assert len(auto.stdout) == idempotency.MAX_RECORDED_OUTPUT
-        record = reg.key_record("acme", "sb-000000000001", "auto-1")
+        record = reg.idempotency.key_record("acme", "sb-000000000001", "auto-1")
         assert record is not None and record.claim.expires_at - record.claim.created_at == idempotency.AUTO_TTL_S
 
     asyncio.run(go())

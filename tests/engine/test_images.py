@@ -54,7 +54,7 @@ def _add(engine: Engine, name: str, digests: tuple[str, ...], tenant: str = "", 
         created_at=time.time(),
         **kw,
     )
-    return engine.registry.template_add(info)
+    return engine.registry.templates.template_add(info)
 
 
 def test_image_for_takes_the_latest_version_and_recorded_image_the_recorded_one(engine, cache, tmp_path):
@@ -77,7 +77,7 @@ def test_image_for_takes_the_latest_version_and_recorded_image_the_recorded_one(
 def test_a_recorded_image_whose_version_or_layer_is_gone_is_a_mismatch(engine, cache, tmp_path):
     d1, d2 = _layer(cache, tmp_path, "v1"), _layer(cache, tmp_path, "v2")
     v1, v2 = _add(engine, "app", (d1,)), _add(engine, "app", (d2,))
-    engine.registry.template_delete("app", v1.version)
+    engine.registry.templates.template_delete("app", v1.version)
     with pytest.raises(TemplateMismatch, match="no longer exists"):
         resolve.recorded_image(engine, "app", v1.version, v1.image_id)
     LayerStore(cache).remove(d2)  # the version is recorded, its layer collected
@@ -196,7 +196,7 @@ def test_rows_record_the_image_and_template_users(engine, cache, tmp_path):
         ("sb-00000000000b", v2.version, v2.image_id, "p1"),
         ("sb-00000000000c", v2.version, v2.image_id, ""),
     ):
-        reg.allocate(
+        reg.sandboxes.allocate(
             sid,
             "container",
             "app",
@@ -210,11 +210,11 @@ def test_rows_record_the_image_and_template_users(engine, cache, tmp_path):
         )
     from warmbox.models import State
 
-    reg.set_state("sb-00000000000b", State.POOLED, "warmed", expected=State.CREATING)
-    reg.set_state("sb-00000000000c", State.DESTROYED, "gone")
-    reg.finalize("sb-00000000000c")
-    reg.add_snapshot("snap-c", "sb-00000000000c", time.time(), 10)
-    info, _ = reg.get("sb-00000000000a")
+    reg.sandboxes.set_state("sb-00000000000b", State.POOLED, "warmed", expected=State.CREATING)
+    reg.sandboxes.set_state("sb-00000000000c", State.DESTROYED, "gone")
+    reg.usage.finalize("sb-00000000000c")
+    reg.snapshots.add_snapshot("snap-c", "sb-00000000000c", time.time(), 10)
+    info, _ = reg.sandboxes.get("sb-00000000000a")
     assert (info.template_version, info.image_id) == (v1.version, v1.image_id)
     assert resolve.template_users(engine, "app", v1.version) == ["sb-00000000000a"]
     assert resolve.template_users(engine, "app", v2.version) == ["sb-00000000000b", "p1", "snap-c"]
@@ -224,8 +224,8 @@ def test_rows_record_the_image_and_template_users(engine, cache, tmp_path):
     row = reg._read("SELECT image_id FROM snapshots WHERE snapshot_id='snap-c'")
     assert row[0] == v2.image_id
     for sid in ("sb-00000000000a", "sb-00000000000b"):
-        reg.set_state(sid, State.DESTROYED, "test over")
-        reg.finalize(sid)
+        reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
+        reg.usage.finalize(sid)
 
 
 def test_manifest_records_the_image_and_reads_old_ones(tmp_path):

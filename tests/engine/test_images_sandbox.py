@@ -61,7 +61,7 @@ def app(home: Path, runc_ready: None, tmp_path_factory: pytest.TempPathFactory):
         d = store.add_tree(src, owner_base=0).digest
         made.append(d)
         digests = (*rec.layers, d)
-        return engine.registry.template_add(
+        return engine.registry.templates.template_add(
             TemplateInfo(
                 name=name,
                 version=0,
@@ -94,7 +94,7 @@ def test_a_sandbox_runs_the_builtin_image_and_shows_it(home, runc_ready, tier):
         assert "pytest 7" in r.stdout + r.stderr
         for cmd in ("python3 -c 'import scipy, pandas, matplotlib, requests'", "node -e 1", "npm --version", "make -v"):
             assert box.commands.run(cmd).exit_code == 0, cmd
-        assert engine.registry.get(box.sandbox_id)[0].image_id == base.image_id
+        assert engine.registry.sandboxes.get(box.sandbox_id)[0].image_id == base.image_id
         if tier != "container":
             return  # one tree on every tier: its tools are checked once
         # a coding agent's turn, offline (issue 34, item 10): build a wheel, test, commit, make, cc, jq, rg
@@ -154,7 +154,7 @@ def test_snapshot_of_v1_restores_on_v1_after_a_rebuild_and_a_gone_image_is_refus
         assert (info.template_version, info.image_id) == (v1.version, v1.image_id)
     assert resolve.template_users(engine, "app", v1.version)[-1] == ref.snapshot_id
     # v1 removed: its snapshot cannot come back on another image; no sandbox is left half-made
-    engine.registry.template_delete("app", v1.version)
+    engine.registry.templates.template_delete("app", v1.version)
     before = {i.sandbox_id for i in engine.list(include_dead=True)}
     with pytest.raises(TemplateMismatch, match=f"version {v1.version}"):
         Sandbox.create(from_snapshot=ref)
@@ -207,13 +207,15 @@ def test_a_rebuilt_template_retires_its_pool_and_refills_it(home, app):
         assert resolve.template_users(engine, "apppool") == [*old, "apppool"]
         v2 = app("p2", name="apppool")
         new = wait_for(lambda: pooled(v2.image_id), 120, "the pool to refill with v2")
-        wait_for(lambda: engine.registry.get(old[0])[0].state is State.DESTROYED, 60, "v1's sandbox to retire")
+        wait_for(
+            lambda: engine.registry.sandboxes.get(old[0])[0].state is State.DESTROYED, 60, "v1's sandbox to retire"
+        )
         with Sandbox.create(tier="container", template="apppool", limits=Limits(memory_mb=300)) as box:
             assert box.from_pool and box.sandbox_id == new[0]
             assert _marker(box) == "p2" and box.get_info().template_version == v2.version
     finally:
         set_config(home)
-        wait_for(lambda: not engine.registry.pooled("apppool"), 60, "the pool to be retired")
+        wait_for(lambda: not engine.registry.pools.pooled("apppool"), 60, "the pool to be retired")
 
 
 def test_builtin_image_is_reported_by_doctor(home, runc_ready):

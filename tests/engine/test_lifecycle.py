@@ -57,7 +57,7 @@ def test_kill_leaves_nothing(home, runc_ready):
     }
     info, _ = engine.info(sb.sandbox_id)
     assert info.state is State.DESTROYED
-    states = [t.to_state for t in engine.registry.transitions(sb.sandbox_id)]
+    states = [t.to_state for t in engine.registry.sandboxes.transitions(sb.sandbox_id)]
     assert states == ["creating", "ready", "destroyed"]
 
 
@@ -74,7 +74,7 @@ def test_timeout_expiry_destroys_without_any_client(home, runc_ready):
             break
         time.sleep(0.2)
     assert engine.info(sid)[0].state is State.DESTROYED, "the reaper did not destroy the expired sandbox"
-    assert engine.registry.transitions(sid)[-1].reason == "timeout expired"
+    assert engine.registry.sandboxes.transitions(sid)[-1].reason == "timeout expired"
     assert traces(engine, sid, uid) == {
         "cgroups": [],
         "runc_state": False,

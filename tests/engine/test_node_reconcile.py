@@ -40,16 +40,16 @@ def test_a_fenced_node_ends_its_lost_sandbox_and_leaves_the_row_lost(node_homes,
     avail = engine.backend(tier).probe()
     if not avail.available:
         pytest.fail(f"the {tier} tier must run here (scripts/bootstrap installs it): {avail.reason}")
-    epoch = engine.registry.join_node(NodeInfo("n1", slots=4, tiers=(tier,)))
+    epoch = engine.registry.nodes.join_node(NodeInfo("n1", slots=4, tiers=(tier,)))
     sb = Sandbox.create(tier=tier, timeout=120, pool=False, home=engine.home)
     sid = sb.sandbox_id
     _, handle = engine.info(sid)
-    assert handle.node == "n1" and engine.registry.node_of(sid) == "n1"
+    assert handle.node == "n1" and engine.registry.nodes.node_of(sid) == "n1"
     sb.commands.run("sleep 1000 > /dev/null 2>&1 &")  # a background process must go too
     assert asyncio.run(teardown.node_heartbeat(engine, epoch))
-    assert engine.registry.nodes()[0].live == 1
+    assert engine.registry.nodes.nodes()[0].live == 1
     # the node is declared dead (its process SIGKILLed, say): its container still runs on the host
-    assert engine.registry.mark_node_down("n1", "test: node killed") == [sid]
+    assert engine.registry.nodes.mark_node_down("n1", "test: node killed") == [sid]
     live = traces(engine, tier, sid)
     assert live["runtime_state"] and live["state_dir"] and live["cgroups"] and live["mounts"], live
     # its next heartbeat is refused: it ends what is no longer its own, at once
@@ -58,13 +58,13 @@ def test_a_fenced_node_ends_its_lost_sandbox_and_leaves_the_row_lost(node_homes,
     took = time.perf_counter() - t0
     assert traces(engine, tier, sid) == GONE, f"reconcile left {traces(engine, tier, sid)}"
     assert engine.info(sid)[0].state is State.LOST  # the row is untouched
-    assert [t.to_state for t in engine.registry.transitions(sid)][-1] == "lost"
+    assert [t.to_state for t in engine.registry.sandboxes.transitions(sid)][-1] == "lost"
     with pytest.raises(SandboxLost, match="lost with node 'n1' \\(node n1 down: test: node killed\\)"):
         sb.commands.run("echo still here?")  # the session it held went with the container
     with pytest.raises(SandboxLost):
         Sandbox.connect(sid, home=engine.home)
     # a rejoin under a new epoch reconciles again: nothing is left to end
-    epoch = engine.registry.join_node(NodeInfo("n1"))
+    epoch = engine.registry.nodes.join_node(NodeInfo("n1"))
     assert asyncio.run(teardown.reconcile_node(engine)) == []
     assert asyncio.run(teardown.node_heartbeat(engine, epoch))
     sb.kill()  # kill is the one way out of lost: records only

@@ -23,22 +23,24 @@ def test_a_sandbox_paused_on_node_a_resumes_on_node_b_with_its_files(node_homes,
     sid = sb.sandbox_id
     sb.files.write("/home/user/notes.txt", "written on node a\n")
     sb.commands.run("mkdir -p /workspace/proj && echo 42 > /workspace/proj/answer")
-    assert a.registry.node_of(sid) == "a"
+    assert a.registry.nodes.node_of(sid) == "a"
     sb.pause()
     assert b.info(sid)[0].state is State.PAUSED
     assert not (a.runtime / "sandboxes" / sid).exists()  # a paused sandbox holds nothing on its node
     # node a goes down: the paused sandbox stays paused, resumable anywhere
-    assert sid not in b.registry.mark_node_down("a", "test: node a gone")
+    assert sid not in b.registry.nodes.mark_node_down("a", "test: node a gone")
     assert b.info(sid)[0].state is State.PAUSED
     sb2 = Sandbox.resume(sid, home=b.home)
     try:
         assert sb2.sandbox_id == sid
         info, handle = b.info(sid)
-        assert info.state in (State.READY, State.RUNNING) and handle.node == "b" and b.registry.node_of(sid) == "b"
+        assert (
+            info.state in (State.READY, State.RUNNING) and handle.node == "b" and b.registry.nodes.node_of(sid) == "b"
+        )
         assert handle.state_dir == str(b.runtime / "sandboxes" / sid)
         assert sb2.files.read("/home/user/notes.txt") == "written on node a\n"
         assert sb2.commands.run("cat /workspace/proj/answer").stdout == "42\n"
-        assert [t.to_state for t in b.registry.transitions(sid)][-3:] == ["paused", "creating", "ready"]
+        assert [t.to_state for t in b.registry.sandboxes.transitions(sid)][-3:] == ["paused", "creating", "ready"]
         # node a comes back: its reconcile ends what it lost (its pool's sandbox), never the
         # sandbox b now runs (on this same host, cgroups and netns are named by sandbox id)
         ended = asyncio.run(teardown.reconcile_node(a))

@@ -34,9 +34,9 @@ def test_an_engine_writes_its_node_and_refuses_another_nodes_live_sandbox(tmp_pa
     n1, n2 = _engine(tmp_path, "n1"), _engine(tmp_path, "n2")
     assert (n1.node, n2.node) == ("n1", "n2") and Engine(tmp_path / "solo").node == ""
     sid = "sb-00000000e001"
-    n2.registry.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
-    n2.registry.set_state(sid, State.READY, "up")
-    assert n1.registry.node_of(sid) == "n2" and n1.info(sid)[1].node == "n2"
+    n2.registry.sandboxes.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
+    n2.registry.sandboxes.set_state(sid, State.READY, "up")
+    assert n1.registry.nodes.node_of(sid) == "n2" and n1.info(sid)[1].node == "n2"
     # n1 may read it (get_info, list) but never connect, measure or destroy it: its processes are n2's
     with pytest.raises(SandboxStateError, match="runs on node 'n2', not on this one \\('n1'\\)"):
         asyncio.run(duties.open(n1, sid))
@@ -47,7 +47,7 @@ def test_an_engine_writes_its_node_and_refuses_another_nodes_live_sandbox(tmp_pa
     assert n1.info(sid)[0].state is State.READY
     assert asyncio.run(duties.reap(n1)) == [] and n1.holding() == []  # its reaper does not see n2's rows
     # n2 dies: the sandbox is lost, for every operation but kill, from any node
-    assert n1.registry.mark_node_down("n2", "raylet gone") == [sid]
+    assert n1.registry.nodes.mark_node_down("n2", "raylet gone") == [sid]
     for engine in (n1, n2):
         with pytest.raises(SandboxLost, match="lost with node 'n2' \\(node n2 down: raylet gone\\)"):
             asyncio.run(duties.open(engine, sid))
@@ -55,7 +55,7 @@ def test_an_engine_writes_its_node_and_refuses_another_nodes_live_sandbox(tmp_pa
             engine.set_timeout(sid, 60.0)
     assert asyncio.run(teardown.destroy(n1, sid, "killed")) is True  # records only: its runtime died with n2
     assert n1.info(sid)[0].state is State.DESTROYED
-    assert [t.to_state for t in n1.registry.transitions(sid)][-2:] == ["lost", "destroyed"]
+    assert [t.to_state for t in n1.registry.sandboxes.transitions(sid)][-2:] == ["lost", "destroyed"]
     assert asyncio.run(teardown.destroy(n1, sid)) is False
 
 
@@ -75,12 +75,12 @@ def test_reconcile_ends_only_what_the_registry_no_longer_gives_this_node(tmp_pat
     for sid, (node, state, extra) in rows.items():
         reg = n1.registry if node == "n1" else n2.registry
         state_dir = theirs / sid if extra == "here" else mine / sid
-        reg.allocate(sid, "container", "base", 300.0, Limits(), str(state_dir), "/nonexistent")
-        reg.set_state(sid, State.READY, "up")
+        reg.sandboxes.allocate(sid, "container", "base", 300.0, Limits(), str(state_dir), "/nonexistent")
+        reg.sandboxes.set_state(sid, State.READY, "up")
         if state is State.LOST:
-            reg.set_state(sid, State.LOST, "node n1 down: test")
+            reg.sandboxes.set_state(sid, State.LOST, "node n1 down: test")
         elif state is not State.RUNNING:
-            reg.set_state(sid, state, "test", owner=extra or None)
+            reg.sandboxes.set_state(sid, state, "test", owner=extra or None)
         (mine / sid / "run").mkdir(parents=True)  # what this node's runtime holds of each
         if extra == "here":
             (theirs / sid).mkdir(parents=True)
@@ -96,9 +96,11 @@ def test_a_paused_sandbox_of_another_node_is_forgotten_here_and_its_leftovers_go
     n1, n2 = _engine(tmp_path, "n1"), _engine(tmp_path, "n2")
     sid = "sb-00000000e002"
     left = n2.runtime / "sandboxes" / sid
-    n2.registry.allocate(sid, "container", "base", 300.0, Limits(), str(left), str(left / "run" / "agent.sock"))
-    n2.registry.set_state(sid, State.READY, "up")
-    n2.registry.set_state(sid, State.PAUSED, "paused", owner="")
+    n2.registry.sandboxes.allocate(
+        sid, "container", "base", 300.0, Limits(), str(left), str(left / "run" / "agent.sock")
+    )
+    n2.registry.sandboxes.set_state(sid, State.READY, "up")
+    n2.registry.sandboxes.set_state(sid, State.PAUSED, "paused", owner="")
     (left / "run").mkdir(parents=True)  # what a pause cut short left on n2
     assert asyncio.run(teardown.destroy(n1, sid, "retention")) is True  # n1's duties delete it (n2 is down, say)
     assert n1.info(sid)[0].state is State.DESTROYED

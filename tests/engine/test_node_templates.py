@@ -54,7 +54,7 @@ def test_a_template_built_on_node_a_runs_on_node_b_from_the_object_store(
     monkeypatch.setenv("WARMBOX_IMAGE_CACHE", str(cache_b))  # from here on: node b's host
     sb = Sandbox.create(template=info.name, tier="container", timeout=120, pool=False, home=b.home)
     try:
-        assert b.registry.node_of(sb.sandbox_id) == "b"
+        assert b.registry.nodes.node_of(sb.sandbox_id) == "b"
         assert sb.commands.run("cat /etc/shared-token").stdout == f"{token}\n"
         for d in travel:  # fetched: real files in b's store whose bytes are the digest's
             blob = b_store.blobs / d[7:]

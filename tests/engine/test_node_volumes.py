@@ -38,13 +38,13 @@ def test_a_volume_made_on_node_a_is_refused_by_node_b_naming_node_a(node_homes, 
                 tier="container", template="shell", timeout=60, pool=False, home=b.home, volumes=[Volume("data", "/d")]
             )
         assert (e.value.node, e.value.volume) == ("a", "data") and "node 'a'" in str(e.value)
-        assert [i for i, _ in b.registry.list(include_pooled=True, local=True)] == []  # nothing started on b
+        assert [i for i, _ in b.registry.sandboxes.list(include_pooled=True, local=True)] == []  # nothing started on b
 
         sb.pause()
         with pytest.raises(VolumeElsewhere) as e:  # a resume on b would mount it there
             Sandbox.resume(sid, home=b.home)
         assert e.value.node == "a"
-        assert b.info(sid)[0].state is State.PAUSED and b.registry.node_of(sid) == "a"
+        assert b.info(sid)[0].state is State.PAUSED and b.registry.nodes.node_of(sid) == "a"
         resumed = Sandbox.resume(sid, home=a.home)  # where the volume is: as before
         assert resumed.commands.run("cat /data/note").stdout == "written on a\n"
     finally:

@@ -52,14 +52,14 @@ def pools(home, runc_ready):
     yield engine
     set_config(home)  # pools gone from the config: the daemon retires their sandboxes
     wait_for(
-        lambda: not engine.registry.pooled("t-base") and not engine.registry.pooled("t-pydata"),
+        lambda: not engine.registry.pools.pooled("t-base") and not engine.registry.pools.pooled("t-pydata"),
         60,
         "the removed pools to be retired",
     )
 
 
 def ready(engine: Engine, pool: str, n: int = 1, timeout: float = 120) -> None:
-    wait_for(lambda: engine.registry.pool_counts(pool)[0] >= n, timeout, f"{n} ready in pool {pool}")
+    wait_for(lambda: engine.registry.pools.pool_counts(pool)[0] >= n, timeout, f"{n} ready in pool {pool}")
 
 
 @pytest.mark.sandbox
@@ -90,7 +90,7 @@ def test_no_state_crosses_tenants_and_pooled_sandboxes_are_single_use(pools):
         a.commands.run("echo x > /tmp/alice && echo y > /home/user/alice && sleep 300 &")
         a.run_code("alice_secret = 42")
         first = a.sandbox_id
-    states = [t.to_state for t in pools.registry.transitions(first)]
+    states = [t.to_state for t in pools.registry.sandboxes.transitions(first)]
     assert states == ["creating", "pooled", "ready", "destroyed"]  # never back to pooled
     ready(pools, "t-base", 1)
     with Sandbox.create(limits=T_BASE) as b:
@@ -109,7 +109,7 @@ def test_no_state_crosses_tenants_and_pooled_sandboxes_are_single_use(pools):
 @pytest.mark.sandbox
 def test_nobody_can_connect_to_a_pooled_sandbox(pools):
     ready(pools, "t-base")
-    sid = pools.registry.pooled("t-base")[0]
+    sid = pools.registry.pools.pooled("t-base")[0]
     with pytest.raises(SandboxStateError):
         Sandbox.connect(sid)
     r = cli("exec", sid, "--", "true")
@@ -166,7 +166,7 @@ def test_registry_claim_is_exclusive_under_contention(tmp_path):
     reg = Registry(db, ledger=ledger)
     for i in range(60):
         sid = f"sb-{i:012x}"
-        reg.allocate(
+        reg.sandboxes.allocate(
             sid,
             "container",
             "base",
@@ -177,14 +177,14 @@ def test_registry_claim_is_exclusive_under_contention(tmp_path):
             pool="x",
             shape="s1",
         )
-        reg.set_state(sid, State.POOLED, "test")
+        reg.sandboxes.set_state(sid, State.POOLED, "test")
     got: list[str] = []
     lock = threading.Lock()
 
     def worker() -> None:
         r = Registry(db, ledger=ledger)  # its own connection, like another process
         while True:
-            c = r.claim("x", "s1", 60, "test")
+            c = r.pools.claim("x", "s1", 60, "test")
             if c is None:
                 return
             with lock:
@@ -196,7 +196,7 @@ def test_registry_claim_is_exclusive_under_contention(tmp_path):
     for t in threads:
         t.join()
     assert sorted(got) == sorted(f"sb-{i:012x}" for i in range(60))  # each exactly once
-    kinds = [e.kind for e in reg.pool_events("x")]
+    kinds = [e.kind for e in reg.pools.pool_events("x")]
     assert kinds.count("hit") == 60 and kinds.count("miss") == 6
 
 
@@ -216,13 +216,13 @@ limits = { memory_mb = 300 }
 """,
     )
     try:
-        wait_for(lambda: engine.registry.pool_totals("t-broken")[2] >= 2, 90, "two failed warm-ups (a retry)")
+        wait_for(lambda: engine.registry.pools.pool_totals("t-broken")[2] >= 2, 90, "two failed warm-ups (a retry)")
         from warmbox.engine.pool import status
 
         rows = {r.name: r for r in status(engine, engine.settings())}
         assert rows["t-broken"].ready == 0
         assert "ModuleNotFoundError" in rows["t-broken"].last_error
-        assert not engine.registry.pooled("t-broken")
+        assert not engine.registry.pools.pooled("t-broken")
         with pytest.raises(SandboxStartError, match="warm-up failed: ModuleNotFoundError"):
             Sandbox.create(template="broken", limits=Limits(memory_mb=300))
         r = cli("pool", "ls")
@@ -261,7 +261,7 @@ def test_metering_user_cost_starts_at_the_claim_and_freezes_at_the_end(pools):
     assert m2.final and m2.memory_bytes == 0 and m2.cpu_s >= m1.cpu_s
     time.sleep(0.3)
     assert sb.metrics() == m2  # frozen
-    hits, _, _, cpu_s, gib_s, wall_s = pools.registry.pool_totals("t-base")
+    hits, _, _, cpu_s, gib_s, wall_s = pools.registry.pools.pool_totals("t-base")
     assert hits >= 1 and cpu_s > 0 and gib_s > 0 and wall_s > 0
     r = cli("metrics", sb.sandbox_id, "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["final"] is True
@@ -297,7 +297,7 @@ limits = { memory_mb = 350 }
             assert not a.from_pool  # the empty pool missed, and grew
 
         def target() -> int:  # the daemon makes the pool's row on its first tick with the new config
-            row = engine.registry.pool_rows().get("t-auto")
+            row = engine.registry.pools.pool_rows().get("t-auto")
             return row.target if row is not None else -1
 
         wait_for(lambda: target() >= 1, 30, "the pool to grow")
@@ -305,8 +305,8 @@ limits = { memory_mb = 350 }
         with Sandbox.create(limits=Limits(memory_mb=350), template="shell") as b:
             assert b.from_pool
         # no demand for idle_shrink seconds: the target halves back to 0 and the sandbox goes
-        wait_for(lambda: target() == 0 and not engine.registry.pooled("t-auto"), 30, "the idle pool to shrink")
-        kinds = [e.kind for e in engine.registry.pool_events("t-auto")]
+        wait_for(lambda: target() == 0 and not engine.registry.pools.pooled("t-auto"), 30, "the idle pool to shrink")
+        kinds = [e.kind for e in engine.registry.pools.pool_events("t-auto")]
         assert "miss" in kinds and "hit" in kinds and "scaled" in kinds
     finally:
         set_config(home, POOLS)
@@ -316,7 +316,7 @@ limits = { memory_mb = 350 }
 def test_resize_and_bad_input_are_typed(pools, home):
     r = cli("pool", "resize", "t-base", "3")
     assert r.returncode == 0 and "target 3" in r.stdout
-    assert pools.registry.pool_rows()["t-base"].target == 3
+    assert pools.registry.pools.pool_rows()["t-base"].target == 3
     r = cli("pool", "resize", "t-base", "99")  # clamped to max
     assert r.returncode == 0 and "target 3" in r.stdout
     r = cli("pool", "resize", "nope", "1")
@@ -379,7 +379,7 @@ def test_killed_daemon_leaves_nothing_after_the_next_warmbox_call(tmp_path, runc
     try:
         engine.ensure_daemon()
         wait_for(
-            lambda: engine.registry.pool_counts("k")[0] >= 1 and engine.registry.pool_counts("k")[1] >= 1,
+            lambda: engine.registry.pools.pool_counts("k")[0] >= 1 and engine.registry.pools.pool_counts("k")[1] >= 1,
             120,
             "one pooled and one warming sandbox",
         )
@@ -398,7 +398,11 @@ def test_killed_daemon_leaves_nothing_after_the_next_warmbox_call(tmp_path, runc
         assert not any((engine.runtime / "sandboxes").iterdir())
         for i in engine.list(include_dead=True):
             assert not [d for d in backend.cgroup_dirs(i.sandbox_id) if d.exists()]
-        reasons = {t.reason for i in engine.list(include_dead=True) for t in engine.registry.transitions(i.sandbox_id)}
+        reasons = {
+            t.reason
+            for i in engine.list(include_dead=True)
+            for t in engine.registry.sandboxes.transitions(i.sandbox_id)
+        }
         assert "creator process died" in reasons
     finally:
         pid = guard.pid_of(h)
@@ -431,13 +435,13 @@ limits = {{ memory_mb = 333 }}
     try:
         set_config(home, POOLS + shape_pool.format(n=1))
         ready(engine, "t-shape")
-        old = engine.registry.pooled("t-shape")
+        old = engine.registry.pools.pooled("t-shape")
         set_config(home, POOLS + shape_pool.format(n=2))
-        wait_for(lambda: not set(old) & set(engine.registry.pooled("t-shape")), 60, "the stale sandbox to go")
+        wait_for(lambda: not set(old) & set(engine.registry.pools.pooled("t-shape")), 60, "the stale sandbox to go")
         ready(engine, "t-shape")
         with Sandbox.create(template="tshape", limits=Limits(memory_mb=333)) as sb:
             assert sb.from_pool and sb.run_code("marker").text == "2"
-        states = [t.to_state for t in engine.registry.transitions(old[0])]
+        states = [t.to_state for t in engine.registry.sandboxes.transitions(old[0])]
         assert states == ["creating", "pooled", "retiring", "destroyed"]
     finally:
         set_config(home, POOLS)
@@ -458,8 +462,8 @@ def test_a_resize_before_the_daemons_first_tick_holds(tmp_path, monkeypatch):
         settings = engine.settings()
         pools_mod.resize(engine, settings, "x", 4, min=4, max=4)
         # what PoolManager.tick does first with each pool
-        row = pools_mod.configured_row(engine.registry, settings.pools["x"], engine.registry.pool_rows()["x"])
-        assert row.target == 4 and engine.registry.pool_rows()["x"].target == 4
+        row = pools_mod.configured_row(engine.registry, settings.pools["x"], engine.registry.pools.pool_rows()["x"])
+        assert row.target == 4 and engine.registry.pools.pool_rows()["x"].target == 4
     finally:
         engine.registry.close()
 
@@ -479,7 +483,7 @@ def test_an_explicit_resize_holds_against_idle_shrinking(tmp_path, monkeypatch):
     def idle_autoscale() -> int:  # the daemon's look at a pool idle for long
         with engine.registry._tx() as db:
             db.execute("UPDATE pool_state SET last_demand_at=0 WHERE name='x'")
-        return manager._autoscale(settings.pools["x"], engine.registry.pool_rows()["x"])
+        return manager._autoscale(settings.pools["x"], engine.registry.pools.pool_rows()["x"])
 
     try:
         settings = engine.settings()

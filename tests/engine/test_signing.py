@@ -22,9 +22,9 @@ def test_one_key_per_registry_whoever_asks_first(tmp_path):
     a, b = _registry(tmp_path), _registry(tmp_path)  # a router's and a node's view of one registry
     key = signing.registry_key(a)
     assert len(key) == 32 and signing.registry_key(b) == key
-    b.add_meta_text(signing.KEY_NAME, "00" * 32)  # a second maker loses the race: the first key stays
+    b.meta.add_meta_text(signing.KEY_NAME, "00" * 32)  # a second maker loses the race: the first key stays
     assert signing.registry_key(a) == key
-    a.set_meta_text(signing.KEY_NAME, "not hex")
+    a.meta.set_meta_text(signing.KEY_NAME, "not hex")
     with pytest.raises(ConfigError, match="signing_key"):
         signing.registry_key(a)
 

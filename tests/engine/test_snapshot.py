@@ -74,7 +74,7 @@ def test_multi_turn_across_pause_and_resume_in_new_processes(home, runc_ready):
     assert t2["notes"] == "turn 1 was here" and t2["tmp"] == "scratch\nrc\n"
     assert t2["id"] == t1["sandbox_id"]  # one id for its whole life
     assert engine.info(t1["sandbox_id"])[0].state is State.DESTROYED  # killed at the end of turn 2
-    assert engine.registry.parent(t2["id"]) == t1["snapshot_id"]
+    assert engine.registry.sandboxes.parent(t2["id"]) == t1["snapshot_id"]
 
 
 def test_fork_two_sandboxes_from_one_snapshot_diverge(home, runc_ready):
@@ -182,7 +182,7 @@ def test_a_pause_killed_midway_leaves_the_sandbox_running_or_fully_snapshotted(h
         else:
             assert info.state is State.READY
             assert sb.files.read("/workspace/small") == "ok\n"  # still running, nothing lost
-            ids = engine.registry.snapshots_of(sb.sandbox_id)
+            ids = engine.registry.snapshots.snapshots_of(sb.sandbox_id)
             for sid in ids:  # a recorded snapshot is always complete
                 snaps.resolve(engine, sid)
     finally:
@@ -226,7 +226,9 @@ def test_snapshot_cli_and_garbage_collection(home, runc_ready):
     blob = artifacts.blob_key(sha)
     store = snapstore.store_for(engine)
     assert cli("snapshots", "rm", snap["snapshot_id"]).returncode == 0
-    still_used = any(snaps.resolve(engine, s).filesystem_sha256 == sha for s, *_ in engine.registry.all_snapshots())
+    still_used = any(
+        snaps.resolve(engine, s).filesystem_sha256 == sha for s, *_ in engine.registry.snapshots.all_snapshots()
+    )
     assert cli("snapshots", "gc", "--now").returncode == 0
     assert store.exists(blob) == still_used
     r = cli("resume", "snap-nope")

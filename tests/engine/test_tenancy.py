@@ -31,7 +31,9 @@ def _registry(tmp: Path, slots: int = 32) -> Registry:
 
 def _allocate(reg: Registry, sid: str, tenant: Tenant | None, limits: Limits | None = None, **kw: Any) -> int:
     lim = limits or Limits()
-    return reg.allocate(sid, "container", "base", 3600, lim, "/nonexistent", "/nonexistent", tenant=tenant, **kw)
+    return reg.sandboxes.allocate(
+        sid, "container", "base", 3600, lim, "/nonexistent", "/nonexistent", tenant=tenant, **kw
+    )
 
 
 def _sid(i: int) -> str:
@@ -43,7 +45,7 @@ def _sid(i: int) -> str:
 
 def test_only_the_hash_of_a_secret_is_stored(tmp_path):
     reg = _registry(tmp_path)
-    key_id, secret = reg.create_key("acme", max_sandboxes=3, tiers=["runc"])
+    key_id, secret = reg.tenants.create_key("acme", max_sandboxes=3, tiers=["runc"])
     assert secret.startswith("wbx_") and len(secret) > 40
     dump = "\n".join(sqlite3.connect(tmp_path / "r.db").iterdump())
     assert secret not in dump and secret[4:] not in dump
@@ -51,12 +53,12 @@ def test_only_the_hash_of_a_secret_is_stored(tmp_path):
     for f in tmp_path.iterdir():  # the WAL too
         if f.is_file():
             assert secret.encode() not in f.read_bytes(), f
-    t = reg.authenticate(secret)
+    t = reg.tenants.authenticate(secret)
     assert t == Tenant("acme", max_sandboxes=3, tiers=("container",), key_id=key_id)
-    assert reg.tenant("acme") == dataclasses.replace(t, key_id="")
+    assert reg.tenants.tenant("acme") == dataclasses.replace(t, key_id="")
     for wrong in (secret + "x", secret[:-1], "wbx_", "", None, 42, "x" * 10000, secret.upper()):
-        assert reg.authenticate(wrong) is None  # type: ignore[arg-type]
-    [k] = reg.list_keys()
+        assert reg.tenants.authenticate(wrong) is None  # type: ignore[arg-type]
+    [k] = reg.tenants.list_keys()
     assert (k.key_id, k.tenant, k.revoked_at, k.admin, k.max_sandboxes, k.tiers) == (
         key_id,
         "acme",
@@ -69,12 +71,12 @@ def test_only_the_hash_of_a_secret_is_stored(tmp_path):
 
 def test_a_second_key_updates_only_the_quotas_given(tmp_path):
     reg = _registry(tmp_path)
-    reg.create_key("acme", max_sandboxes=3, max_memory_mb=2048)
-    key_id, secret = reg.create_key("acme", admin=True, max_cpus=2.5)
-    t = reg.authenticate(secret)
+    reg.tenants.create_key("acme", max_sandboxes=3, max_memory_mb=2048)
+    key_id, secret = reg.tenants.create_key("acme", admin=True, max_cpus=2.5)
+    t = reg.tenants.authenticate(secret)
     assert t is not None and t.admin and t.key_id == key_id
     assert (t.max_sandboxes, t.max_memory_mb, t.max_cpus, t.tiers) == (3, 2048, 2.5, ())
-    assert [k.admin for k in reg.list_keys()] == [False, True]
+    assert [k.admin for k in reg.tenants.list_keys()] == [False, True]
 
 
 @pytest.mark.parametrize(
@@ -101,21 +103,21 @@ def test_bad_key_arguments_are_typed_errors_and_change_nothing(tmp_path, kw):
     reg = _registry(tmp_path)
     tenant = kw.pop("tenant", "acme")
     with pytest.raises(InvalidArgument):
-        reg.create_key(tenant, **kw)
-    assert reg.list_keys() == []
+        reg.tenants.create_key(tenant, **kw)
+    assert reg.tenants.list_keys() == []
 
 
 def test_revoke_takes_effect_at_once_in_every_process(tmp_path):
     server = _registry(tmp_path)
-    key_id, secret = server.create_key("acme")
-    _, other = server.create_key("acme")
-    assert server.authenticate(secret) is not None
+    key_id, secret = server.tenants.create_key("acme")
+    _, other = server.tenants.create_key("acme")
+    assert server.tenants.authenticate(secret) is not None
     admin = Registry(tmp_path / "r.db", ledger=server.ledger)  # its own connection, like the CLI's process
-    assert admin.revoke_key(key_id) is True
-    assert server.authenticate(secret) is None  # the very next request
-    assert server.authenticate(other) is not None  # the tenant's other key still works
-    assert admin.revoke_key(key_id) is False and admin.revoke_key("key-nope") is False
-    [k, _] = server.list_keys()
+    assert admin.tenants.revoke_key(key_id) is True
+    assert server.tenants.authenticate(secret) is None  # the very next request
+    assert server.tenants.authenticate(other) is not None  # the tenant's other key still works
+    assert admin.tenants.revoke_key(key_id) is False and admin.tenants.revoke_key("key-nope") is False
+    [k, _] = server.tenants.list_keys()
     assert k.key_id == key_id and k.revoked_at > 0
 
 
@@ -124,8 +126,8 @@ def test_revoke_takes_effect_at_once_in_every_process(tmp_path):
 
 def test_quotas_refuse_and_create_nothing(tmp_path):
     reg = _registry(tmp_path)
-    _, secret = reg.create_key("acme", max_sandboxes=3, max_memory_mb=1024, max_cpus=1.5, tiers=["container"])
-    t = reg.authenticate(secret)
+    _, secret = reg.tenants.create_key("acme", max_sandboxes=3, max_memory_mb=1024, max_cpus=1.5, tiers=["container"])
+    t = reg.tenants.authenticate(secret)
     assert t is not None
     _allocate(reg, _sid(1), t, Limits(memory_mb=512, cpus=1.0))
     cases = [
@@ -138,13 +140,13 @@ def test_quotas_refuse_and_create_nothing(tmp_path):
         assert (e.value.limit, e.value.value, e.value.maximum) == (limit, value, maximum), e.value
         assert "acme" in str(e.value)
     with pytest.raises(QuotaExceeded) as e:
-        reg.allocate(_sid(9), "gvisor", "base", 60, Limits(memory_mb=256), "/x", "/x", tenant=t)
+        reg.sandboxes.allocate(_sid(9), "gvisor", "base", 60, Limits(memory_mb=256), "/x", "/x", tenant=t)
     assert (e.value.limit, e.value.value, e.value.maximum) == ("tier", "gvisor", "container")
-    assert reg.sandbox_tenant(_sid(9)) is None  # no row
+    assert reg.sandboxes.sandbox_tenant(_sid(9)) is None  # no row
     assert [p.name for p in reg.ledger.dir.iterdir() if p.name.isdigit()] == [str(reg.ledger.first)]  # sb-1's only
     _allocate(reg, _sid(2), t, Limits(memory_mb=256, cpus=0.25))
     with pytest.raises(QuotaExceeded):
-        reg.check_quota(t, "container", Limits(memory_mb=300, cpus=0.1))
+        reg.tenants.check_quota(t, "container", Limits(memory_mb=300, cpus=0.1))
     _allocate(reg, _sid(3), t, Limits(memory_mb=256, cpus=0.25))
     with pytest.raises(QuotaExceeded) as e:
         _allocate(reg, _sid(4), t, Limits(memory_mb=16, cpus=0.01))
@@ -152,29 +154,33 @@ def test_quotas_refuse_and_create_nothing(tmp_path):
     # another tenant and the host are not counted against acme, nor limited by it
     _allocate(reg, _sid(5), Tenant("other"), Limits(memory_mb=4096))
     _allocate(reg, _sid(6), None, Limits(memory_mb=4096))
-    assert reg.sandbox_tenant(_sid(5)) == "other" and reg.sandbox_tenant(_sid(6)) == ""
-    assert {i.sandbox_id for i, _ in reg.list(include_dead=True, tenant="acme")} == {_sid(1), _sid(2), _sid(3)}
+    assert reg.sandboxes.sandbox_tenant(_sid(5)) == "other" and reg.sandboxes.sandbox_tenant(_sid(6)) == ""
+    assert {i.sandbox_id for i, _ in reg.sandboxes.list(include_dead=True, tenant="acme")} == {
+        _sid(1),
+        _sid(2),
+        _sid(3),
+    }
 
 
 def test_paused_and_ended_sandboxes_do_not_count(tmp_path):
     reg = _registry(tmp_path)
-    _, secret = reg.create_key("acme", max_sandboxes=1, max_memory_mb=512)
-    t = reg.authenticate(secret)
+    _, secret = reg.tenants.create_key("acme", max_sandboxes=1, max_memory_mb=512)
+    t = reg.tenants.authenticate(secret)
     assert t is not None
     _allocate(reg, _sid(1), t, Limits(memory_mb=512))
-    reg.set_state(_sid(1), State.READY, "test")
+    reg.sandboxes.set_state(_sid(1), State.READY, "test")
     with pytest.raises(QuotaExceeded):
         _allocate(reg, _sid(2), t, Limits(memory_mb=512))
-    reg.set_state(_sid(1), State.PAUSED, "test")  # its runtime is released: it holds no memory or CPU
+    reg.sandboxes.set_state(_sid(1), State.PAUSED, "test")  # its runtime is released: it holds no memory or CPU
     _allocate(reg, _sid(2), t, Limits(memory_mb=512))
-    reg.set_state(_sid(2), State.DESTROYED, "test")
+    reg.sandboxes.set_state(_sid(2), State.DESTROYED, "test")
     _allocate(reg, _sid(3), t, Limits(memory_mb=512))
 
 
 def test_concurrent_creates_for_the_last_slot_exactly_one_wins(tmp_path):
     reg = _registry(tmp_path)
-    _, secret = reg.create_key("acme", max_sandboxes=4)
-    t = reg.authenticate(secret)
+    _, secret = reg.tenants.create_key("acme", max_sandboxes=4)
+    t = reg.tenants.authenticate(secret)
     assert t is not None
     for i in range(3):
         _allocate(reg, _sid(i), t)
@@ -202,16 +208,16 @@ def test_concurrent_creates_for_the_last_slot_exactly_one_wins(tmp_path):
     for th in threads:
         th.join()
     assert len(won) == 1 and len(refused) == 7
-    assert len(reg.list(include_dead=True, tenant="acme")) == 4
+    assert len(reg.sandboxes.list(include_dead=True, tenant="acme")) == 4
 
 
 def test_concurrent_claims_stop_at_the_quota_and_leave_the_rest_pooled(tmp_path):
     reg = _registry(tmp_path)
     for i in range(8):
         _allocate(reg, _sid(i), None, Limits(memory_mb=512), pool="p", shape="s")
-        reg.set_state(_sid(i), State.POOLED, "test")
-    _, secret = reg.create_key("acme", max_sandboxes=3)
-    t = reg.authenticate(secret)
+        reg.sandboxes.set_state(_sid(i), State.POOLED, "test")
+    _, secret = reg.tenants.create_key("acme", max_sandboxes=3)
+    t = reg.tenants.authenticate(secret)
     assert t is not None
     got: list[str] = []
     refused: list[QuotaExceeded] = []
@@ -222,7 +228,7 @@ def test_concurrent_claims_stop_at_the_quota_and_leave_the_rest_pooled(tmp_path)
         r = Registry(reg.path, ledger=reg.ledger)
         start.wait()
         try:
-            c = r.claim("p", "s", 60, "test", t)
+            c = r.pools.claim("p", "s", 60, "test", t)
             assert c is not None
             with lock:
                 got.append(c[0].sandbox_id)
@@ -238,22 +244,22 @@ def test_concurrent_claims_stop_at_the_quota_and_leave_the_rest_pooled(tmp_path)
     for th in threads:
         th.join()
     assert len(got) == 3 and len(refused) == 5
-    assert all(reg.sandbox_tenant(s) == "acme" for s in got)
-    left = reg.pooled("p")
-    assert len(left) == 5 and all(reg.sandbox_tenant(s) == "" for s in left)  # still the pool's
-    assert [e.kind for e in reg.pool_events("p")].count("hit") == 3  # a refused claim left no trace
+    assert all(reg.sandboxes.sandbox_tenant(s) == "acme" for s in got)
+    left = reg.pools.pooled("p")
+    assert len(left) == 5 and all(reg.sandboxes.sandbox_tenant(s) == "" for s in left)  # still the pool's
+    assert [e.kind for e in reg.pools.pool_events("p")].count("hit") == 3  # a refused claim left no trace
 
 
 def test_snapshots_belong_to_their_sandboxs_tenant(tmp_path):
     reg = _registry(tmp_path)
     _allocate(reg, _sid(1), Tenant("acme"))
     _allocate(reg, _sid(2), None)
-    reg.add_snapshot("snap-a", _sid(1), 1.0, 10)
-    reg.add_snapshot("snap-h", _sid(2), 2.0, 10)
-    assert reg.snapshot_tenant("snap-a") == "acme" and reg.snapshot_tenant("snap-h") == ""
-    assert reg.snapshot_tenant("snap-nope") is None
-    assert [r[0] for r in reg.all_snapshots("acme")] == ["snap-a"]
-    assert [r[0] for r in reg.all_snapshots()] == ["snap-a", "snap-h"]
+    reg.snapshots.add_snapshot("snap-a", _sid(1), 1.0, 10)
+    reg.snapshots.add_snapshot("snap-h", _sid(2), 2.0, 10)
+    assert reg.snapshots.snapshot_tenant("snap-a") == "acme" and reg.snapshots.snapshot_tenant("snap-h") == ""
+    assert reg.snapshots.snapshot_tenant("snap-nope") is None
+    assert [r[0] for r in reg.snapshots.all_snapshots("acme")] == ["snap-a"]
+    assert [r[0] for r in reg.snapshots.all_snapshots()] == ["snap-a", "snap-h"]
 
 
 # the two tables as schema version 5 had them (before tenants)
@@ -285,17 +291,17 @@ def test_an_old_database_is_migrated(tmp_path):
     db.close()
     reg = _registry(tmp_path)
     assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-    assert reg.sandbox_tenant("sb-00000000000a") == "" and reg.snapshot_tenant("snap-old") == ""
-    assert [r[0] for r in reg.all_snapshots()] == ["snap-old"] and reg.all_snapshots("acme") == []
-    _, secret = reg.create_key("acme", max_sandboxes=1)
-    t = reg.authenticate(secret)
+    assert reg.sandboxes.sandbox_tenant("sb-00000000000a") == "" and reg.snapshots.snapshot_tenant("snap-old") == ""
+    assert [r[0] for r in reg.snapshots.all_snapshots()] == ["snap-old"] and reg.snapshots.all_snapshots("acme") == []
+    _, secret = reg.tenants.create_key("acme", max_sandboxes=1)
+    t = reg.tenants.authenticate(secret)
     assert t is not None
     _allocate(reg, _sid(1), t)
-    reg.add_snapshot("snap-new", _sid(1), 3.0, 1)
-    assert reg.snapshot_tenant("snap-new") == "acme"
+    reg.snapshots.add_snapshot("snap-new", _sid(1), 3.0, 1)
+    assert reg.snapshots.snapshot_tenant("snap-new") == "acme"
     reg.close()
     reg = _registry(tmp_path)  # opening it again is a no-op
-    assert reg.sandbox_tenant(_sid(1)) == "acme" and len(reg.list_keys()) == 1
+    assert reg.sandboxes.sandbox_tenant(_sid(1)) == "acme" and len(reg.tenants.list_keys()) == 1
 
 
 # ---- the engine front
@@ -387,7 +393,7 @@ def test_another_tenants_sandbox_and_snapshot_are_unknown_ids(home, runc_ready):
 
     engine = Engine.for_home(home)
     reg = engine.registry
-    a, b = (reg.authenticate(reg.create_key(name)[1]) for name in ("t-a", "t-b"))
+    a, b = (reg.tenants.authenticate(reg.tenants.create_key(name)[1]) for name in ("t-a", "t-b"))
     assert a is not None and b is not None
 
     async def go() -> list[str]:
@@ -395,10 +401,10 @@ def test_another_tenants_sandbox_and_snapshot_are_unknown_ids(home, runc_ready):
         sid, snap = "", ""
         try:
             sid = (await fa.handle(ops.Create(pool=False, timeout=300))).info.sandbox_id
-            assert reg.sandbox_tenant(sid) == "t-a"
+            assert reg.sandboxes.sandbox_tenant(sid) == "t-a"
             await fa.handle(ops.WriteFile(sid, "f", "mine"))
             snap = (await fa.handle(ops.Snapshot(sid))).snapshot_id
-            assert reg.snapshot_tenant(snap) == "t-a"
+            assert reg.snapshots.snapshot_tenant(snap) == "t-a"
             nobody = "sb-" + secrets.token_hex(6)
             checked = []
             for op, cls in ops.REQUESTS.items():
@@ -441,11 +447,11 @@ def test_quota_refuses_the_next_start_and_a_pooled_claim_is_stamped(home, runc_r
 
     engine = Engine.for_home(home)
     reg = engine.registry
-    q = reg.authenticate(reg.create_key("t-q", max_sandboxes=1, max_memory_mb=POOLED_LIMITS_MB - 1)[1])
-    c = reg.authenticate(reg.create_key("t-c")[1])
+    q = reg.tenants.authenticate(reg.tenants.create_key("t-q", max_sandboxes=1, max_memory_mb=POOLED_LIMITS_MB - 1)[1])
+    c = reg.tenants.authenticate(reg.tenants.create_key("t-c")[1])
     assert q is not None and c is not None
     engine.ensure_daemon()
-    wait_for(lambda: reg.pool_counts("iso")[0] >= 1, 120, "the iso pool to fill")
+    wait_for(lambda: reg.pools.pool_counts("iso")[0] >= 1, 120, "the iso pool to fill")
 
     def rows() -> set[str]:
         return {i.sandbox_id for i in engine.list(include_dead=True)}
@@ -457,30 +463,32 @@ def test_quota_refuses_the_next_start_and_a_pooled_claim_is_stamped(home, runc_r
         try:
             first = (await fq.handle(ops.Create(pool=False, timeout=300, limits=Limits(memory_mb=256)))).info
             made.append(first.sandbox_id)
-            before, pooled = rows(), reg.pooled("iso")
+            before, pooled = rows(), reg.pools.pooled("iso")
             with pytest.raises(QuotaExceeded) as e:
                 await fq.handle(ops.Create(pool=False, timeout=300, limits=Limits(memory_mb=128)))
             assert (e.value.limit, e.value.value, e.value.maximum) == ("sandboxes", 2, 1)
             # the pool's shape asks for more memory than t-q may have: refused, the pool keeps its sandbox
             with pytest.raises(QuotaExceeded):
                 await fq.handle(ops.Create(timeout=300, limits=Limits(memory_mb=POOLED_LIMITS_MB)))
-            assert rows() == before and reg.pooled("iso") == pooled
+            assert rows() == before and reg.pools.pooled("iso") == pooled
             assert [i.sandbox_id for i in await fq.handle(ops.ListSandboxes())] == [first.sandbox_id]
             # a claim stamps the claimer
             got = (await fc.handle(ops.Create(timeout=300, limits=Limits(memory_mb=POOLED_LIMITS_MB)))).info
             made.append(got.sandbox_id)
-            assert got.pool == "iso" and got.sandbox_id in pooled and reg.sandbox_tenant(got.sandbox_id) == "t-c"
+            assert (
+                got.pool == "iso" and got.sandbox_id in pooled and reg.sandboxes.sandbox_tenant(got.sandbox_id) == "t-c"
+            )
             # a paused sandbox holds nothing: another may start; resuming the paused one is then refused
             snaps.append((await fq.handle(ops.Pause(first.sandbox_id))).snapshot_id)
             second = (await fq.handle(ops.Create(pool=False, timeout=300, limits=Limits(memory_mb=256)))).info
             made.append(second.sandbox_id)
             with pytest.raises(QuotaExceeded):
                 await fq.handle(ops.Resume(first.sandbox_id))
-            assert reg.get(first.sandbox_id)[0].state is State.PAUSED
+            assert reg.sandboxes.get(first.sandbox_id)[0].state is State.PAUSED
             await fq.handle(ops.Kill(second.sandbox_id))
             resumed = (await fq.handle(ops.Resume(first.sandbox_id))).info
             made.append(resumed.sandbox_id)
-            assert reg.sandbox_tenant(resumed.sandbox_id) == "t-q"
+            assert reg.sandboxes.sandbox_tenant(resumed.sandbox_id) == "t-q"
         finally:
             for sid in {*made, *(i.sandbox_id for t in ("t-q", "t-c") for i in engine.list(tenant=t))}:
                 await root.handle(ops.Kill(sid))  # running or paused
@@ -504,7 +512,7 @@ def test_keys_cli_shows_a_secret_once_and_revokes_it(tmp_path):
     secret = lines[1]
     assert key_id.startswith("key-") and secret.startswith("wbx_") and "shown once" in r.stdout
     reg = Registry(tmp_path / "home" / "registry.db", ledger=UidLedger(tmp_path / "uids"))
-    t = reg.authenticate(secret)
+    t = reg.tenants.authenticate(secret)
     assert t is not None and (t.name, t.max_sandboxes, t.max_memory_mb, t.admin) == ("acme", 2, 1536, False)
     r = cli("keys", "create", "--tenant", "ops", "--admin", "--tiers", "runc,gvisor", "--rate", "5", env=env)
     assert r.returncode == 0, r.stderr
@@ -513,7 +521,7 @@ def test_keys_cli_shows_a_secret_once_and_revokes_it(tmp_path):
     assert "wbx_" not in ls.stdout and "wbx_" not in cli("keys", "ls", "--json", env=env).stdout
     r = cli("keys", "revoke", key_id, env=env)
     assert r.returncode == 0 and "revoked" in r.stdout
-    assert reg.authenticate(secret) is None
+    assert reg.tenants.authenticate(secret) is None
     r = cli("keys", "revoke", key_id, env=env)
     assert r.returncode == EXIT_ERROR and "no live key" in r.stderr
 

@@ -329,7 +329,7 @@ def test_create_auto_refuses_bad_combinations_before_any_work(engine):
     ):
         with pytest.raises(InvalidArgument, match=words):
             asyncio.run(front.handle(request))
-    assert engine.registry.list() == []
+    assert engine.registry.sandboxes.list() == []
 
 
 def test_a_template_or_volumes_need_a_tier_with_images_and_files(host):

@@ -70,43 +70,43 @@ def _registry(tmp: Path) -> Registry:
 
 
 def _sandbox(reg: Registry, sid: str) -> None:
-    reg.allocate(sid, "container", "base", 3600, Limits(), "/nonexistent", "/nonexistent")
+    reg.sandboxes.allocate(sid, "container", "base", 3600, Limits(), "/nonexistent", "/nonexistent")
 
 
 def test_registry_volume_in_use_and_the_microvm_sharing_rule(tmp_path):
     reg = _registry(tmp_path)
-    reg.add_volume("", "data", "vol-1", 64, 1.0)
-    reg.add_volume("acme", "data", "vol-2", 64, 1.0)  # the same name, another tenant: another volume
+    reg.volumes.add_volume("", "data", "vol-1", 64, 1.0)
+    reg.volumes.add_volume("acme", "data", "vol-2", 64, 1.0)  # the same name, another tenant: another volume
     with pytest.raises(VolumeError, match="exists"):
-        reg.add_volume("", "data", "vol-3", 64, 1.0)
-    assert reg.volume("acme", "data")[0] == "vol-2"
+        reg.volumes.add_volume("", "data", "vol-3", 64, 1.0)
+    assert reg.volumes.volume("acme", "data")[0] == "vol-2"
     with pytest.raises(VolumeNotFound):
-        reg.volume("other", "data")
+        reg.volumes.volume("other", "data")
     sids = [f"sb-{i:012x}" for i in range(1, 6)]
     for s in sids:
         _sandbox(reg, s)
     # host mounts share: rw and ro together
-    reg.mount_volumes(sids[0], [("vol-1", "data", "/d", False)], exclusive=False)
-    reg.mount_volumes(sids[1], [("vol-1", "data", "/d", True)], exclusive=False)
-    assert reg.volume_users("vol-1") == sids[:2]
+    reg.volumes.mount_volumes(sids[0], [("vol-1", "data", "/d", False)], exclusive=False)
+    reg.volumes.mount_volumes(sids[1], [("vol-1", "data", "/d", True)], exclusive=False)
+    assert reg.volumes.volume_users("vol-1") == sids[:2]
     # a microVM: not beside a read-write mount, not read-write beside anything
     for ro in (True, False):
         with pytest.raises(VolumeInUse):
-            reg.mount_volumes(sids[2], [("vol-1", "data", "/d", ro)], exclusive=True)
+            reg.volumes.mount_volumes(sids[2], [("vol-1", "data", "/d", ro)], exclusive=True)
     with pytest.raises(VolumeInUse, match=sids[0]):
-        reg.remove_volume("", "data")
-    reg.set_state(sids[0], State.DESTROYED, "test")
-    reg.mount_volumes(sids[2], [("vol-1", "data", "/d", True)], exclusive=True)  # read-only beside read-only
-    reg.set_state(sids[1], State.DESTROYED, "test")
-    reg.set_state(sids[2], State.DESTROYED, "test")
-    reg.mount_volumes(sids[3], [("vol-1", "data", "/d", False)], exclusive=True)  # alone: read-write
+        reg.volumes.remove_volume("", "data")
+    reg.sandboxes.set_state(sids[0], State.DESTROYED, "test")
+    reg.volumes.mount_volumes(sids[2], [("vol-1", "data", "/d", True)], exclusive=True)  # read-only beside read-only
+    reg.sandboxes.set_state(sids[1], State.DESTROYED, "test")
+    reg.sandboxes.set_state(sids[2], State.DESTROYED, "test")
+    reg.volumes.mount_volumes(sids[3], [("vol-1", "data", "/d", False)], exclusive=True)  # alone: read-write
     with pytest.raises(VolumeInUse):  # and then no host mount either
-        reg.mount_volumes(sids[4], [("vol-1", "data", "/d", True)], exclusive=False)
-    reg.set_state(sids[3], State.DESTROYED, "test")
-    assert reg.remove_volume("", "data") == "vol-1"
+        reg.volumes.mount_volumes(sids[4], [("vol-1", "data", "/d", True)], exclusive=False)
+    reg.sandboxes.set_state(sids[3], State.DESTROYED, "test")
+    assert reg.volumes.remove_volume("", "data") == "vol-1"
     with pytest.raises(VolumeNotFound):  # deleted between a create's lookup and its record
-        reg.mount_volumes(sids[4], [("vol-1", "data", "/d", True)], exclusive=False)
-    assert reg.volumes_of(sids[0]) == [("", "vol-1", "/d", False)]
+        reg.volumes.mount_volumes(sids[4], [("vol-1", "data", "/d", True)], exclusive=False)
+    assert reg.volumes.volumes_of(sids[0]) == [("", "vol-1", "/d", False)]
 
 
 def test_a_volume_image_is_a_sparse_ext4_of_its_size_owned_by_the_sandbox_user(tmp_path):
@@ -220,7 +220,9 @@ def test_a_tenant_never_sees_or_mounts_another_tenants_volume(home, runc_ready):
                 await other.handle(ops.Create(tier="container", pool=False, volumes=(Volume(name, "/data"),)))
             with pytest.raises(VolumeNotFound):  # the host's own names are not a tenant's either
                 await EngineFront(engine).handle(ops.VolumeGet(name))
-            assert not [i for i, _ in engine.registry.list(tenant="other-vol") if i.state is not State.DESTROYED]
+            assert not [
+                i for i, _ in engine.registry.sandboxes.list(tenant="other-vol") if i.state is not State.DESTROYED
+            ]
         finally:
             await acme.handle(ops.VolumeDelete(name))
 
@@ -340,7 +342,7 @@ def test_a_failed_create_unmounts_what_it_mounted_and_an_image_link_is_never_fol
     for n in (a, b):
         Sandbox.create_volume(n, 32, home=home)
     try:
-        before = {i.sandbox_id for i, _ in engine.registry.list(include_dead=True)}
+        before = {i.sandbox_id for i, _ in engine.registry.sandboxes.list(include_dead=True)}
         with pytest.raises(SandboxStartError, match="not a directory"):
             Sandbox.create(
                 tier="container",
@@ -350,7 +352,7 @@ def test_a_failed_create_unmounts_what_it_mounted_and_an_image_link_is_never_fol
                 volumes=[Volume(a, "/workspace/a"), Volume(b, "/bin/vol")],
             )
         assert not Path("/usr/bin/vol").exists()
-        failed = [i for i, _ in engine.registry.list(include_dead=True) if i.sandbox_id not in before]
+        failed = [i for i, _ in engine.registry.sandboxes.list(include_dead=True) if i.sandbox_id not in before]
         assert failed and all(i.state is State.DESTROYED for i in failed)
         assert not any(_mounts(engine, i.sandbox_id) for i in failed) and not _loops(engine)
         assert Sandbox.get_volume(a, home=home).mounted_by == ()

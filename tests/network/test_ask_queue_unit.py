@@ -64,7 +64,7 @@ def test_the_network_webhook_answers_a_queued_question(tmp_path, hook):
 
     async def body(proxy: Proxy) -> None:
         assert await proxy.ask("sb-1", "x.test", 443, "connect") == (True, "approval:allow_once", "")
-        [row] = proxy.registry.approvals(None)
+        [row] = proxy.registry.approvals.approvals(None)
         assert (row.kind, row.subject, row.sandbox_id, row.state) == ("network", "x.test:443", "sb-1", "approved")
         assert (row.decision, row.answered_by) == ("allow_once", "webhook")
         # its old body, with the question's id (to answer later through the API instead)
@@ -86,7 +86,7 @@ def test_a_webhook_without_a_decision_leaves_the_question_to_the_queue(tmp_path,
         assert (got[0]["kind"], got[0]["subject"], got[0]["state"]) == ("network", "[2001:db8::7]:80", "pending")
         await asyncio.sleep(0.2)
         assert not asking.done()
-        Registry(proxy.home / "registry.db").answer_approval(got[0]["approval_id"], "deny", "root")
+        Registry(proxy.home / "registry.db").approvals.answer_approval(got[0]["approval_id"], "deny", "root")
         proxy.watch.nudge()  # what the engine's answer does over the control socket
         assert await asyncio.wait_for(asking, 10) == (False, "approval:deny", "")
 
@@ -104,12 +104,12 @@ def test_open_questions_are_bounded_per_sandbox_and_shared_per_destination(tmp_p
         other = asyncio.ensure_future(proxy.ask("sb-2", "one-more.test", 80, "http"))
         await asyncio.sleep(0.1)
         assert not again.done() and not other.done()
-        open_rows = proxy.registry.approvals(None, pending_only=True)
+        open_rows = proxy.registry.approvals.approvals(None, pending_only=True)
         assert sorted(a.subject for a in open_rows) == sorted(
             [f"h{i}.test:80" for i in range(ASK_OPEN_PER_SANDBOX)] + ["one-more.test:80"]
         )
         [h0] = [a for a in open_rows if a.subject == "h0.test:80"]
-        Registry(proxy.home / "registry.db").answer_approval(h0.approval_id, "allow_once", "root")
+        Registry(proxy.home / "registry.db").approvals.answer_approval(h0.approval_id, "allow_once", "root")
         proxy.watch.nudge()
         assert await asyncio.wait_for(held[0], 10) == (True, "approval:allow_once", "")
         assert await asyncio.wait_for(again, 10) == (True, "approval:allow_once", "")
@@ -133,13 +133,13 @@ def test_a_late_sdk_callback_answers_a_question_waiting_in_the_queue(tmp_path):
         server = await asyncio.start_unix_server(proxy.serve_control, path=str(control_path(proxy.home)))
         asking = asyncio.ensure_future(proxy.ask("sb-1", "late.test", 80, "http"))
         await asyncio.sleep(0.1)
-        [row] = proxy.registry.approvals(None, pending_only=True)  # nobody subscribed: queued
+        [row] = proxy.registry.approvals.approvals(None, pending_only=True)  # nobody subscribed: queued
         subscribed = asyncio.Event()
         sub = asyncio.ensure_future(egress.approvals(proxy.home, "sb-1", hook, subscribed))
         try:
             assert await asyncio.wait_for(asking, 10) == (True, "approval:allow_always", "")
             assert asked == ["late.test:80:http"]
-            done = proxy.registry.approval(row.approval_id)
+            done = proxy.registry.approvals.approval(row.approval_id)
             assert (done.state, done.decision, done.answered_by) == ("approved", "allow_always", "sdk callback")
         finally:
             sub.cancel()
@@ -156,7 +156,7 @@ def test_one_tenants_many_sandboxes_are_bounded_together(tmp_path):
             asyncio.ensure_future(proxy.ask(f"sb-{s}", f"h{i}.test", 80, "http")) for s in range(n) for i in range(per)
         ]
         await asyncio.sleep(0.2)
-        assert len(proxy.registry.approvals(None, pending_only=True, limit=1000)) == ASK_OPEN_PER_TENANT
+        assert len(proxy.registry.approvals.approvals(None, pending_only=True, limit=1000)) == ASK_OPEN_PER_TENANT
         ok, rule, detail = await proxy.ask(f"sb-{n}", "h0.test", 80, "http")  # a fresh sandbox, same tenant
         assert (ok, rule) == (False, "approval:queue-full") and f"at most {ASK_OPEN_PER_TENANT}" in detail
         for t in held:

@@ -301,7 +301,7 @@ def test_gvisor_continued_in_place_after_its_checkpoint_keeps_its_link(net_home,
     net = Network(allow=["allowed.test"])
     with Sandbox.create(tier="gvisor", template="shell", network=net, timeout=120, home=net_home) as sb:
         sh(sb, "sleep 600 >/dev/null 2>&1 &")
-        address = engine.registry.link(sb.sandbox_id)[0]
+        address = engine.registry.egress.link(sb.sandbox_id)[0]
 
         async def checkpoint_and_continue() -> None:
             _, handle = engine.info(sb.sandbox_id)
@@ -319,7 +319,7 @@ def test_gvisor_continued_in_place_after_its_checkpoint_keeps_its_link(net_home,
         assert sh(sb, "pgrep -x sleep").exit_code == 0
         r = sh(sb, f"{CURL} http://allowed.test/hello.txt")
         assert r.exit_code == 0 and r.stdout == "hello from the allowed site\n", r.stderr
-        assert engine.registry.link(sb.sandbox_id)[0] == address
+        assert engine.registry.egress.link(sb.sandbox_id)[0] == address
     assert [rec["path"] for rec in world.log("allowed")] == ["/hello.txt"]
 
 
@@ -349,7 +349,7 @@ def test_approval_hook_allows_and_denies(net_home, world):
         assert ("attacker.example.com", "approval:deny") in rules and ("allowed.test", "approval:allow_once") in rules
         assert ("api.test", "allow:api.test") in rules
         # the live callback answered everything: nothing went to the approval queue
-        queued = Engine.for_home(net_home).registry.approvals(None)
+        queued = Engine.for_home(net_home).registry.approvals.approvals(None)
         assert [a for a in queued if a.sandbox_id == sb.sandbox_id] == []
     assert world.log("attacker") == []
 
@@ -373,13 +373,13 @@ def test_everything_is_removed_with_the_sandbox(net_home, world, tier):
     sb = Sandbox.create(tier=tier, network="internet", timeout=120, home=net_home)
     sid = sb.sandbox_id
     assert sh(sb, f"{CURL} -o /dev/null -w '%{{http_code}}' http://allowed.test/hello.txt").stdout == "200"
-    row = engine.registry.link(sid)
+    row = engine.registry.egress.link(sid)
     assert row is not None and row[1] in netns.links_in(egress_ns)
     # a tier that takes its link before its start runs in a namespace prepared for it
     prepared = netns.netns_path(netns.sandbox_netns_name(sid))
     assert os.path.exists(prepared) == engine.backend(sb.tier).capabilities().link_before_start
     sb.kill()
-    assert engine.registry.link(sid) is None
+    assert engine.registry.egress.link(sid) is None
     assert row[1] not in netns.links_in(egress_ns)
     assert not os.path.exists(prepared)
     out = subprocess.run(
@@ -451,7 +451,7 @@ def test_pooled_sandbox_gets_its_network_at_claim(net_home, world, tier, templat
     try:
         engine.ensure_daemon()
         # a pool per tier: the other's sandboxes may still be pooled (retired by the daemon's next tick)
-        wait_for(lambda: engine.registry.pool_counts(f"netpool-{tier}")[0] >= 1, 120, "a pooled sandbox")
+        wait_for(lambda: engine.registry.pools.pool_counts(f"netpool-{tier}")[0] >= 1, 120, "a pooled sandbox")
         with Sandbox.create(
             tier=tier,
             template=template,

@@ -17,7 +17,7 @@ def test_approvals_over_http(net_home, world):
     from warmbox.engine.engine import Engine
 
     world.clear_logs()
-    _, key = Engine.for_home(net_home).registry.create_key("approver")
+    _, key = Engine.for_home(net_home).registry.tenants.create_key("approver")
     server = start_server(net_home, net_home / "api.sock")
     asked: list[str] = []
 

@@ -67,11 +67,11 @@ def test_parse_never_raises_on_truncated_or_garbage_input():
 def proxy(tmp_path):
     p = Proxy(tmp_path, config.load(tmp_path))
     sid = "sb-0000000000aa"
-    p.registry.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
-    p.registry.set_state(sid, State.READY, "up")
-    p.registry.set_link(sid, "10.239.0.16", "wbs0", Policy("allowlist").to_json())
+    p.registry.sandboxes.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
+    p.registry.sandboxes.set_state(sid, State.READY, "up")
+    p.registry.egress.set_link(sid, "10.239.0.16", "wbs0", Policy("allowlist").to_json())
     yield p, sid
-    p.registry.set_state(sid, State.DESTROYED, "test over")
+    p.registry.sandboxes.set_state(sid, State.DESTROYED, "test over")
     p.registry.close()
 
 
@@ -91,18 +91,18 @@ def test_refused_packets_are_held_and_written_within_their_bounds(proxy):
             p.read_refused(theirs)
             assert len(p.refused) <= REFUSED_KEYS  # held between flushes: bounded
             p.flush_refused()
-            got = [e for e in p.registry.net_events(sid) if e.rule == "raw-ip"]
+            got = [e for e in p.registry.egress.net_events(sid) if e.rule == "raw-ip"]
             assert len(got) - rows <= REFUSED_KEYS
             rows = len(got)
         assert rows == REFUSED_ROWS  # itemised up to the bound...
-        (bound,) = [e for e in p.registry.net_events(sid) if e.rule == "audit-bound"]
+        (bound,) = [e for e in p.registry.egress.net_events(sid) if e.rule == "audit-bound"]
         total = 4 * 3 * REFUSED_KEYS - REFUSED_ROWS
         assert bound.decision == "deny" and bound.detail.startswith(f"{total} more packets")  # ...then counted
         # a packet from an address no sandbox holds is not audited against anyone
         mine.send(tcp("10.239.0.99", netns.GATEWAY, 22))
         p.read_refused(theirs)
         p.flush_refused()
-        assert len(p.registry.net_events(sid)) == REFUSED_ROWS + 1
+        assert len(p.registry.egress.net_events(sid)) == REFUSED_ROWS + 1
     finally:
         mine.close()
         theirs.close()

@@ -64,8 +64,8 @@ def test_policy_survives_pause_and_resume_secrets_given_again(net_home, world, t
         if memory:
             sh(sb, "sleep 600 >/dev/null 2>&1 &")
         sb.pause(memory=memory)
-        assert engine.registry.link(sb.sandbox_id) is None  # paused: no link, nothing routed
-        kept = engine.registry.egress_of(sb.sandbox_id)
+        assert engine.registry.egress.link(sb.sandbox_id) is None  # paused: no link, nothing routed
+        kept = engine.registry.egress.egress_of(sb.sandbox_id)
         assert "allowed.test" in kept and before in kept and value not in kept  # policy + placeholder only
 
         # without the value: a typed error naming it, and the sandbox stays paused, its record intact
@@ -77,7 +77,7 @@ def test_policy_survives_pause_and_resume_secrets_given_again(net_home, world, t
         with pytest.raises(InvalidArgument, match="no secret named OTHER"):
             Sandbox.resume(sb.sandbox_id, secrets={"OPENAI_API_KEY": value, "OTHER": "x"}, home=net_home)
         assert engine.info(sb.sandbox_id)[0].state is State.PAUSED
-        assert engine.registry.egress_of(sb.sandbox_id) == kept
+        assert engine.registry.egress.egress_of(sb.sandbox_id) == kept
 
         rotated = "sk-ROTATED-" + os.urandom(8).hex()  # a plain value: the recorded hosts
         with Sandbox.resume(sb.sandbox_id, secrets={"OPENAI_API_KEY": rotated}, home=net_home) as back:
@@ -96,7 +96,7 @@ def test_policy_survives_pause_and_resume_secrets_given_again(net_home, world, t
             assert r.exit_code == 0, r.stderr
             refused_upload(back, world)
             assert "allowed.test" in back.network.policy()
-        assert engine.registry.egress_of(sb.sandbox_id) == ""  # killed: the record went with it
+        assert engine.registry.egress.egress_of(sb.sandbox_id) == ""  # killed: the record went with it
     finally:
         sb.kill()
 
@@ -134,7 +134,10 @@ def test_fork_gets_policy_own_link_ca_log_and_needs_secrets(net_home, world, tie
             assert bearer(sb) == f"Bearer {value}"  # ...the origin's untouched
             refused_upload(fork, world)
             # its own link and address, its own CA, its own audit stream
-            (a, _, _), (b, _, _) = engine.registry.link(sb.sandbox_id), engine.registry.link(fork.sandbox_id)
+            (a, _, _), (b, _, _) = (
+                engine.registry.egress.link(sb.sandbox_id),
+                engine.registry.egress.link(fork.sandbox_id),
+            )
             assert a != b
             assert sh(fork, "tail -c 900 $SSL_CERT_FILE").stdout != ca_origin
             assert any(ev.host == "attacker.example.com" for ev in fork.network.log())

@@ -591,7 +591,7 @@ def test_unmapped_uid_is_unauthenticated(peer_server, home):
     assert "UNAUTHENTICATED" in r.stdout, (r.stdout, r.stderr[-2000:])
 
 
-# ---- tenants' keys (registry.create_key / revoke_key; EngineFront scoping) over TCP
+# ---- tenants' keys (registry.tenants.create_key / revoke_key; EngineFront scoping) over TCP
 
 
 def _registry(home: Path) -> typing.Any:
@@ -618,15 +618,15 @@ def test_no_key_or_a_bad_key_is_401(server):
 
 
 def test_revoked_key_fails_at_once(server, home):
-    key_id, secret = _registry(home).create_key("revoke-me")
+    key_id, secret = _registry(home).tenants.create_key("revoke-me")
     assert call(server, "GET", f"{api.PREFIX}/sandboxes", key=secret)[0] == 200
-    assert _registry(home).revoke_key(key_id)
+    assert _registry(home).tenants.revoke_key(key_id)
     status, data = call(server, "GET", f"{api.PREFIX}/sandboxes", key=secret)
     assert status == 401 and code_of(data) == "unauthenticated", (status, data)
 
 
 def test_quota_max_sandboxes_refuses_the_second_create(server, home):
-    _key, secret = _registry(home).create_key("quota-one", max_sandboxes=1)
+    _key, secret = _registry(home).tenants.create_key("quota-one", max_sandboxes=1)
     status, first = call(server, "POST", f"{api.PREFIX}/sandboxes", {"timeout": 120}, key=secret)
     assert status == 200, first
     sid = first["info"]["sandbox_id"]
@@ -649,8 +649,8 @@ ID_ROUTES = [r for r in api.ROUTES if set(r.path_fields) - {"name"}]
 def other_tenants(server, home):
     """Tenant "owner" with a live sandbox and a snapshot of it; tenant "stranger"'s key."""
     registry = _registry(home)
-    _k, owner = registry.create_key("owner")
-    _k, stranger = registry.create_key("stranger")
+    _k, owner = registry.tenants.create_key("owner")
+    _k, stranger = registry.tenants.create_key("stranger")
     status, opened = call(server, "POST", f"{api.PREFIX}/sandboxes", {"timeout": 600}, key=owner)
     assert status == 200, opened
     sid = opened["info"]["sandbox_id"]

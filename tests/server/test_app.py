@@ -41,20 +41,20 @@ def test_every_route_needs_a_key(client):
 
 
 def test_a_key_works_until_revoked(client, engine):
-    key_id, secret = engine.registry.create_key("acme")
+    key_id, secret = engine.registry.tenants.create_key("acme")
     auth = {"Authorization": f"Bearer {secret}"}
     r = client.get("/v1/sandboxes", headers=auth)
     assert r.status_code == 200 and r.json() == []
     r = client.get("/v1/sandboxes/sb-0123456789ab", headers=auth)
     assert r.status_code == 404 and _error(r) == "sandbox_not_found"
-    assert engine.registry.revoke_key(key_id)
+    assert engine.registry.tenants.revoke_key(key_id)
     r = client.get("/v1/sandboxes", headers=auth)
     assert r.status_code == 401 and _error(r) == "unauthenticated"
 
 
 def test_admin_only_operations(client, engine):
-    _, plain = engine.registry.create_key("acme")
-    _, admin = engine.registry.create_key("ops", admin=True)
+    _, plain = engine.registry.tenants.create_key("acme")
+    _, admin = engine.registry.tenants.create_key("ops", admin=True)
     r = client.post("/v1/snapshots/gc", headers={"Authorization": f"Bearer {plain}"}, json={})
     assert r.status_code == 403 and _error(r) == "forbidden"
     r = client.post("/v1/pools/default/resize", headers={"Authorization": f"Bearer {plain}"}, json={"target": 1})
@@ -64,8 +64,8 @@ def test_admin_only_operations(client, engine):
 
 
 def test_rate_limit_per_key(client, engine):
-    _, slow = engine.registry.create_key("slow", rate_per_s=2)
-    _, fast = engine.registry.create_key("fast")
+    _, slow = engine.registry.tenants.create_key("slow", rate_per_s=2)
+    _, fast = engine.registry.tenants.create_key("fast")
     codes = [client.get("/v1/sandboxes", headers={"Authorization": f"Bearer {slow}"}).status_code for _ in range(12)]
     assert codes[:5] == [200] * 5 and 429 in codes  # a burst of max(rate, 5), then refused
     r = client.get("/v1/sandboxes", headers={"Authorization": f"Bearer {slow}"})
@@ -105,7 +105,7 @@ def test_rate_limiter_refills():
     ],
 )
 def test_bad_input_is_a_typed_4xx(client, engine, method, path, kw, code, status):
-    _, secret = engine.registry.create_key("acme")
+    _, secret = engine.registry.tenants.create_key("acme")
     r = client.request(method, path, headers={"Authorization": f"Bearer {secret}"}, **kw)
     assert (r.status_code, _error(r)) == (status, code), r.text
     assert client.get("/v1/sandboxes", headers={"Authorization": f"Bearer {secret}"}).status_code == 200
@@ -157,8 +157,8 @@ def test_health_and_readiness_need_no_key_and_say_nothing_of_tenants(client, eng
 
 
 def test_a_node_drain_on_one_host_is_a_typed_refusal(client, engine):
-    _, plain = engine.registry.create_key("acme")
-    _, admin = engine.registry.create_key("ops", admin=True)
+    _, plain = engine.registry.tenants.create_key("acme")
+    _, admin = engine.registry.tenants.create_key("ops", admin=True)
     r = client.post("/v1/nodes/n1/drain", headers={"Authorization": f"Bearer {plain}"}, json={})
     assert r.status_code == 403 and _error(r) == "forbidden"
     r = client.post("/v1/nodes/n1/drain", headers={"Authorization": f"Bearer {admin}"}, json={})

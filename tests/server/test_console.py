@@ -30,7 +30,7 @@ def engine(tmp_path, monkeypatch):
     e.made = made  # type: ignore[attr-defined]
     yield e
     for sid in made:  # registry rows hold host-wide uid slots until destroyed
-        e.registry.set_state(sid, State.DESTROYED, "test over")
+        e.registry.sandboxes.set_state(sid, State.DESTROYED, "test over")
 
 
 def _app(engine):
@@ -44,12 +44,14 @@ def client(engine):
 
 
 def _sandbox(engine, sid: str, tenant: str | None, **meta: str) -> str:
-    t = None if tenant is None else engine.registry.tenant(tenant)
-    engine.registry.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", tenant=t)
+    t = None if tenant is None else engine.registry.tenants.tenant(tenant)
+    engine.registry.sandboxes.allocate(
+        sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", tenant=t
+    )
     engine.made.append(sid)
-    engine.registry.set_state(sid, State.READY, "up")
+    engine.registry.sandboxes.set_state(sid, State.READY, "up")
     if meta:
-        engine.registry.set_metadata(sid, meta)
+        engine.registry.sandboxes.set_metadata(sid, meta)
     return sid
 
 
@@ -104,13 +106,13 @@ def test_pages_need_a_login(client, engine):
     r = client.get("/ui/frag/sandboxes")
     assert r.status_code == 401
     # a key is not a session cookie, and a made-up cookie is nothing
-    _, key = engine.registry.create_key("acme")
+    _, key = engine.registry.tenants.create_key("acme")
     client.cookies.set("warmbox_console", key)
     assert client.get("/ui/", follow_redirects=False).status_code == 303
 
 
 def test_login_sets_an_opaque_strict_httponly_cookie(client, engine):
-    _, key = engine.registry.create_key("acme")
+    _, key = engine.registry.tenants.create_key("acme")
     r = _login(client, key)
     assert r.status_code == 303 and r.headers["location"] == "/ui/"
     cookie = next(c for c in r.headers.get_list("set-cookie") if c.startswith("warmbox_console="))
@@ -124,7 +126,7 @@ def test_login_sets_an_opaque_strict_httponly_cookie(client, engine):
 
 
 def test_login_over_tls_sets_a_secure_prefixed_cookie(engine):
-    _, key = engine.registry.create_key("acme")
+    _, key = engine.registry.tenants.create_key("acme")
     with TestClient(_app(engine), base_url="https://console.example") as c:
         r = _login(c, key)
         assert r.status_code == 303
@@ -136,7 +138,7 @@ def test_login_over_tls_sets_a_secure_prefixed_cookie(engine):
 def test_a_wrong_key_or_a_forged_login_form_is_refused(client, engine):
     r = _login(client, "wbx_not-a-key")
     assert r.status_code == 401 and 'id="login-error"' in r.text and "warmbox_console=" not in str(r.headers)
-    _, key = engine.registry.create_key("acme")
+    _, key = engine.registry.tenants.create_key("acme")
     client.cookies.clear()
     r = client.post("/ui/login", data={"csrf": "guess", "key": key}, follow_redirects=False)
     assert r.status_code == 403 and not any(c.startswith("warmbox_console=") for c in r.headers.get_list("set-cookie"))
@@ -145,7 +147,7 @@ def test_a_wrong_key_or_a_forged_login_form_is_refused(client, engine):
 
 
 def test_logout_needs_the_csrf_token_and_ends_the_session(client, engine):
-    _, key = engine.registry.create_key("acme")
+    _, key = engine.registry.tenants.create_key("acme")
     _login(client, key)
     csrf = _csrf(client.get("/ui/").text)
     assert client.post("/ui/logout", data={"x": "1"}, follow_redirects=False).status_code == 403
@@ -163,16 +165,16 @@ def test_logout_needs_the_csrf_token_and_ends_the_session(client, engine):
 
 
 def test_a_revoked_key_ends_its_sessions(client, engine):
-    key_id, key = engine.registry.create_key("acme")
+    key_id, key = engine.registry.tenants.create_key("acme")
     _login(client, key)
     assert client.get("/ui/", follow_redirects=False).status_code == 200
-    engine.registry.revoke_key(key_id)
+    engine.registry.tenants.revoke_key(key_id)
     assert client.get("/ui/", follow_redirects=False).status_code == 303
     assert client.get("/ui/frag/sandboxes").status_code == 401
 
 
 def test_console_responses_carry_the_security_headers(client, engine):
-    _, key = engine.registry.create_key("acme")
+    _, key = engine.registry.tenants.create_key("acme")
     for r in (client.get("/ui/login"), _login(client, key), client.get("/ui/"), client.get("/ui/frag/sandboxes")):
         assert r.headers["content-security-policy"] == web.CSP
         assert "'unsafe-inline'" not in web.CSP and "frame-ancestors 'none'" in web.CSP
@@ -186,7 +188,7 @@ def test_console_responses_carry_the_security_headers(client, engine):
 
 
 def test_the_api_does_not_take_the_console_cookie(client, engine):
-    _, key = engine.registry.create_key("acme")
+    _, key = engine.registry.tenants.create_key("acme")
     _login(client, key)
     r = client.get("/v1/sandboxes")  # the cookie is scoped to /ui; even if sent, /v1 wants a key
     assert r.status_code == 401
@@ -202,9 +204,9 @@ def test_the_api_does_not_take_the_console_cookie(client, engine):
 
 
 def test_a_tenant_sees_only_its_sandboxes_and_an_admin_sees_all(engine):
-    _, acme = engine.registry.create_key("acme")
-    _, other = engine.registry.create_key("globex")
-    _, admin = engine.registry.create_key("ops", admin=True)
+    _, acme = engine.registry.tenants.create_key("acme")
+    _, other = engine.registry.tenants.create_key("globex")
+    _, admin = engine.registry.tenants.create_key("ops", admin=True)
     mine = _sandbox(engine, "sb-00000000a001", "acme")
     theirs = _sandbox(engine, "sb-00000000b001", "globex")
     with TestClient(_app(engine), base_url=BASE) as c:
@@ -258,10 +260,14 @@ def test_root_on_the_unix_socket_needs_no_login(engine):
 
 
 def test_what_a_sandbox_produced_is_rendered_escaped(engine):
-    _, key = engine.registry.create_key("acme")
+    _, key = engine.registry.tenants.create_key("acme")
     sid = _sandbox(engine, "sb-00000000d001", "acme", note=HOSTILE, **{HOSTILE[:20]: "k"})
-    engine.registry.add_net_event(NetEvent(sid, 1.0, "http", HOSTILE, "", 80, "deny", "default-deny", detail=HOSTILE))
-    engine.registry.add_net_event(NetEvent(sid, 2.0, "connect", "pypi.org", "1.2.3.4", 443, "allow", "allow:pypi.org"))
+    engine.registry.egress.add_net_event(
+        NetEvent(sid, 1.0, "http", HOSTILE, "", 80, "deny", "default-deny", detail=HOSTILE)
+    )
+    engine.registry.egress.add_net_event(
+        NetEvent(sid, 2.0, "connect", "pypi.org", "1.2.3.4", 443, "allow", "allow:pypi.org")
+    )
     with TestClient(_app(engine), base_url=BASE) as c:
         _login(c, key)
         for path in (f"/ui/sandboxes/{sid}", f"/ui/frag/sandboxes/{sid}"):
@@ -291,9 +297,9 @@ def _command(sid: str, text: str, **outcome) -> CommandRecord:
 
 
 def test_commands_show_their_outcomes_escaped(engine):
-    _, key = engine.registry.create_key("acme")
+    _, key = engine.registry.tenants.create_key("acme")
     sid = _sandbox(engine, "sb-00000000e001", "acme")
-    engine.registry.add_commands(
+    engine.registry.commands.add_commands(
         [
             _command(sid, f"echo {HOSTILE}"),
             _command(sid, "sleep 99", timed_out=True, exit_code=None, error="SandboxTimeout"),
@@ -315,11 +321,11 @@ def test_commands_show_their_outcomes_escaped(engine):
 
 
 def test_export_is_a_csrf_checked_download_of_the_viewers_sandboxes(engine):
-    _, key = engine.registry.create_key("acme")
-    engine.registry.create_key("globex")
+    _, key = engine.registry.tenants.create_key("acme")
+    engine.registry.tenants.create_key("globex")
     sid = _sandbox(engine, "sb-00000000f001", "acme")
     theirs = _sandbox(engine, "sb-00000000f002", "globex")
-    engine.registry.add_commands([_command(sid, f"echo {HOSTILE}")])
+    engine.registry.commands.add_commands([_command(sid, f"echo {HOSTILE}")])
     with TestClient(_app(engine), base_url=BASE) as c:
         _login(c, key)
         csrf = _csrf(c.get(f"/ui/sandboxes/{sid}").text)
@@ -339,15 +345,17 @@ def test_export_is_a_csrf_checked_download_of_the_viewers_sandboxes(engine):
 
 
 def test_approvals_page_scopes_buttons_and_answers(engine):
-    _, acme = engine.registry.create_key("acme")
-    _, admin = engine.registry.create_key("ops", admin=True)
-    engine.registry.create_key("globex")
+    _, acme = engine.registry.tenants.create_key("acme")
+    _, admin = engine.registry.tenants.create_key("ops", admin=True)
+    engine.registry.tenants.create_key("globex")
     sid = _sandbox(engine, "sb-0000000aa001", "acme")
-    net = engine.registry.open_approval(
+    net = engine.registry.approvals.open_approval(
         "acme", "network", f"{HOSTILE}:443", "egress outside the allowlist", 300, sandbox_id=sid
     )
-    cost = engine.registry.open_approval("acme", "create", "a microvm sandbox, 16384 MiB", "over the size rule", 300)
-    other = engine.registry.open_approval("globex", "create", "globex create", "over budget", 300)
+    cost = engine.registry.approvals.open_approval(
+        "acme", "create", "a microvm sandbox, 16384 MiB", "over the size rule", 300
+    )
+    other = engine.registry.approvals.open_approval("globex", "create", "globex create", "over budget", 300)
     with TestClient(_app(engine), base_url=BASE) as c:
         _login(c, acme)
         html = c.get("/ui/approvals").text
@@ -362,16 +370,16 @@ def test_approvals_page_scopes_buttons_and_answers(engine):
         assert "data-decision" not in row  # a create is the operator's to answer
         csrf = _csrf(html)
         r = c.post(f"/ui/approvals/{net.approval_id}", data={"csrf": "x", "decision": "deny"})
-        assert r.status_code == 403 and engine.registry.approval(net.approval_id).state == "pending"
+        assert r.status_code == 403 and engine.registry.approvals.approval(net.approval_id).state == "pending"
         r = c.post(f"/ui/approvals/{cost.approval_id}", data={"csrf": csrf, "decision": "approve"})
-        assert r.status_code == 403 and engine.registry.approval(cost.approval_id).state == "pending"
+        assert r.status_code == 403 and engine.registry.approvals.approval(cost.approval_id).state == "pending"
         r = c.post(f"/ui/approvals/{other.approval_id}", data={"csrf": csrf, "decision": "approve"})
-        assert r.status_code == 404 and engine.registry.approval(other.approval_id).state == "pending"
+        assert r.status_code == 404 and engine.registry.approvals.approval(other.approval_id).state == "pending"
         r = c.post(
             f"/ui/approvals/{net.approval_id}", data={"csrf": csrf, "decision": "allow_once"}, follow_redirects=False
         )
         assert r.status_code == 303 and r.headers["location"] == "/ui/approvals"
-        got = engine.registry.approval(net.approval_id)
+        got = engine.registry.approvals.approval(net.approval_id)
         assert got.state == "approved" and got.decision == "allow_once"
         r = c.post(f"/ui/approvals/{net.approval_id}", data={"csrf": csrf, "decision": "deny"})
         assert r.status_code == 409  # answered once only
@@ -383,7 +391,7 @@ def test_approvals_page_scopes_buttons_and_answers(engine):
         csrf = _csrf(c.get("/ui/approvals").text)
         r = c.post(f"/ui/approvals/{cost.approval_id}", data={"csrf": csrf, "decision": "deny"}, follow_redirects=False)
         assert r.status_code == 303
-        got = engine.registry.approval(cost.approval_id)
+        got = engine.registry.approvals.approval(cost.approval_id)
         assert got.state == "denied" and got.answered_by.startswith("key-")
         closed = c.get("/ui/frag/approvals").text.split('id="approvals-closed"')[1]
         assert f'data-approval-id="{cost.approval_id}"' in closed and f'data-approval-id="{net.approval_id}"' in closed
@@ -414,14 +422,14 @@ def test_same_origin_reads_the_browsers_headers():
 
 
 def test_the_nav_badge_counts_open_questions_in_scope(engine):
-    _, acme = engine.registry.create_key("acme")
-    engine.registry.create_key("globex")
+    _, acme = engine.registry.tenants.create_key("acme")
+    engine.registry.tenants.create_key("globex")
     with TestClient(_app(engine), base_url=BASE) as c:
         _login(c, acme)
         assert 'id="approvals-badge-slot"' in c.get("/ui/").text
         assert c.get("/ui/frag/approvals/count").text.strip() == ""
-        engine.registry.open_approval("acme", "network", "a.example:443", "ask", 300)
-        engine.registry.open_approval("globex", "network", "b.example:443", "ask", 300)
+        engine.registry.approvals.open_approval("acme", "network", "a.example:443", "ask", 300)
+        engine.registry.approvals.open_approval("globex", "network", "b.example:443", "ask", 300)
         assert 'data-count="1"' in c.get("/ui/frag/approvals/count").text
 
 
@@ -429,10 +437,10 @@ def test_a_flooding_tenant_cannot_hide_anothers_question_from_a_filtered_admin(e
     from warmbox.server.console import approvals
 
     monkeypatch.setattr(approvals, "MAX_PENDING", 5)  # the page's bound, small for the test
-    _, admin = engine.registry.create_key("ops", admin=True)
-    victim = engine.registry.open_approval("victim", "create", "v", "over budget", 300)
+    _, admin = engine.registry.tenants.create_key("ops", admin=True)
+    victim = engine.registry.approvals.open_approval("victim", "create", "v", "over budget", 300)
     for _ in range(8):
-        engine.registry.open_approval("evil", "create", "x", "y", 300)
+        engine.registry.approvals.open_approval("evil", "create", "x", "y", 300)
     with TestClient(_app(engine), base_url=BASE) as c:
         _login(c, admin)
         everyone = c.get("/ui/frag/approvals").text
@@ -446,11 +454,11 @@ def test_the_nav_shows_a_budget_past_its_warning_on_every_page(engine):
 
     from warmbox.storage.registry import _add_usage
 
-    _, acme = engine.registry.create_key("acme")
-    _, globex = engine.registry.create_key("globex")
-    _, admin = engine.registry.create_key("ops", admin=True)
-    engine.registry.set_budget("acme", cpu_h=0.01)  # 36 cpu-seconds a day
-    engine.registry.set_budget("globex", cpu_h=1)
+    _, acme = engine.registry.tenants.create_key("acme")
+    _, globex = engine.registry.tenants.create_key("globex")
+    _, admin = engine.registry.tenants.create_key("ops", admin=True)
+    engine.registry.usage.set_budget("acme", cpu_h=0.01)  # 36 cpu-seconds a day
+    engine.registry.usage.set_budget("globex", cpu_h=1)
     with TestClient(_app(engine), base_url=BASE) as c:
         _login(c, acme)
         assert 'id="budget-badge-slot"' in c.get("/ui/").text
@@ -475,12 +483,12 @@ def test_a_sandboxs_page_agrees_with_itself_and_shows_money(engine):
     """Issue 34, item 17: the metrics panel counts the commands its table lists (not the agent's
     count); a paused sandbox still shows its metered cost; [cost] prices show money beside cpu-s
     and GiB-s on the sandbox's page, the list and the cost page."""
-    _, key = engine.registry.create_key("acme")
+    _, key = engine.registry.tenants.create_key("acme")
     sid = _sandbox(engine, "sb-00000000c051", "acme")
-    engine.registry.sample([(sid, 1 << 30, 3600 * 10**9)], now=time.time() + 1)  # 1 cpu-hour, 1 GiB
-    engine.registry.add_commands([_command(sid, "make"), _command(sid, "pytest"), _command(sid, "git diff")])
-    engine.registry.set_busy(sid, 10.0, 7)  # what an agent reported: its own count, warm-up included
-    engine.registry.set_state(sid, State.PAUSED, "paused")
+    engine.registry.usage.sample([(sid, 1 << 30, 3600 * 10**9)], now=time.time() + 1)  # 1 cpu-hour, 1 GiB
+    engine.registry.commands.add_commands([_command(sid, "make"), _command(sid, "pytest"), _command(sid, "git diff")])
+    engine.registry.usage.set_busy(sid, 10.0, 7)  # what an agent reported: its own count, warm-up included
+    engine.registry.sandboxes.set_state(sid, State.PAUSED, "paused")
     with engine.registry._tx() as db:  # made and paused an hour ago, within a second
         db.execute("UPDATE sandboxes SET created_at=created_at-3600, ended_at=ended_at-3600 WHERE sandbox_id=?", (sid,))
     (engine.home / "warmbox.toml").write_text('[cost]\ncpu_hour = 0.5\ngib_hour = 0.25\ncurrency = "EUR"\n')

@@ -41,7 +41,7 @@ def client(engine):
 
 
 def bearer(engine: Engine, tenant: str, admin: bool = False) -> dict[str, str]:
-    _, secret = engine.registry.create_key(tenant, admin=admin)
+    _, secret = engine.registry.tenants.create_key(tenant, admin=admin)
     return {"Authorization": f"Bearer {secret}"}
 
 
@@ -53,12 +53,12 @@ def value(html: str, element_id: str) -> str:
 
 def test_pools_page_shows_each_pool_with_its_counts_and_chart_slots(client, engine):
     reg = engine.registry
-    reg.ensure_pool("py-small", 3)
-    reg.pool_event("py-small", "warmed", "sb-a")
-    reg.pool_event("py-small", "hit", "sb-a")
-    reg.pool_event("py-small", "miss")
-    reg.pool_event("py-small", "miss")
-    reg.pool_event("py-small", "miss")
+    reg.pools.ensure_pool("py-small", 3)
+    reg.pools.pool_event("py-small", "warmed", "sb-a")
+    reg.pools.pool_event("py-small", "hit", "sb-a")
+    reg.pools.pool_event("py-small", "miss")
+    reg.pools.pool_event("py-small", "miss")
+    reg.pools.pool_event("py-small", "miss")
     auth = bearer(engine, "acme")  # any key may list the pools (as ops.PoolsList)
     r = client.get("/ui/pools", headers=auth)
     assert r.status_code == 200, r.text
@@ -79,10 +79,10 @@ def test_pools_page_shows_each_pool_with_its_counts_and_chart_slots(client, engi
 
 def test_pools_json_holds_the_charts_over_the_range(client, engine):
     reg = engine.registry
-    reg.ensure_pool("py-small", 3)
+    reg.pools.ensure_pool("py-small", 3)
     t0 = time.time()
-    reg.pool_event("py-small", "warmed", "sb-a")
-    reg.pool_event("py-small", "hit", "sb-a")
+    reg.pools.pool_event("py-small", "warmed", "sb-a")
+    reg.pools.pool_event("py-small", "hit", "sb-a")
     auth = bearer(engine, "acme")
     r = client.get("/ui/pools.json?range=1h", headers=auth)
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
@@ -147,7 +147,7 @@ def use(engine: Engine, tenant: str, hours_ago: int, cpu_s: float, gib_s: float)
 def test_a_tenant_sees_its_own_cost_only_with_its_budget(client, engine):
     auth = bearer(engine, "acme")
     bearer(engine, "beta")
-    engine.registry.set_budget("acme", cpu_h=2.0, gib_h=100.0)
+    engine.registry.usage.set_budget("acme", cpu_h=2.0, gib_h=100.0)
     h1 = use(engine, "acme", 0, 3600 * 1.7, 3600 * 4)  # 1.7 of 2 cpu-hours today: 85 % (warns at 80 %)
     use(engine, "acme", 30, 3600, 0)  # yesterday: outside 24 h
     use(engine, "beta", 0, 3600 * 9, 3600 * 9)

@@ -54,8 +54,8 @@ def test_mcp_over_http_is_per_tenant(home: Path, runc_ready: None) -> None:
     from warmbox.engine.engine import Engine
 
     reg = Engine.for_home(home).registry
-    _, alice = reg.create_key("mcp-alice")
-    _, bob = reg.create_key("mcp-bob")
+    _, alice = reg.tenants.create_key("mcp-alice")
+    _, bob = reg.tenants.create_key("mcp-bob")
     proc, base = start_server(home)
     ids: list[str] = []
 

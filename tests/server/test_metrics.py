@@ -34,7 +34,7 @@ def _registry(at, tmp) -> Registry:
 
 
 def _sandbox(reg: Registry, sid: str, tenant: str, tier: str = "container", *, pool: str = "") -> None:
-    reg.allocate(
+    reg.sandboxes.allocate(
         sid,
         tier,
         "base",
@@ -59,9 +59,9 @@ def _known_rows(reg: Registry) -> None:
     """acme: a1 running with timings, egress and a command count; a2 failed at start. beta: b1
     paused with a 5 MiB snapshot. The host (tenant ""): a pool of 2 with a hit and a miss."""
     _sandbox(reg, "sb-0000000000a1", "acme")
-    reg.set_state("sb-0000000000a1", State.READY, "started")
-    reg.set_state("sb-0000000000a1", State.RUNNING, "exec")
-    reg.add_timings(
+    reg.sandboxes.set_state("sb-0000000000a1", State.READY, "started")
+    reg.sandboxes.set_state("sb-0000000000a1", State.RUNNING, "exec")
+    reg.sandboxes.add_timings(
         [
             StageTiming("sb-0000000000a1", "allocation", 0.8),
             StageTiming("sb-0000000000a1", "filesystem", 30.0),
@@ -70,7 +70,7 @@ def _known_rows(reg: Registry) -> None:
             StageTiming("sb-0000000000a1", "resume", 300.0),
         ]
     )
-    reg.add_net_events(
+    reg.egress.add_net_events(
         [
             NetEvent(
                 "sb-0000000000a1", 1.0, "connect", "pypi.org", "1.2.3.4", 443, "allow", "allow:pypi.org", 100, 2000
@@ -83,38 +83,40 @@ def _known_rows(reg: Registry) -> None:
         ]
     )
     now = time.time()
-    reg.add_commands(
+    reg.commands.add_commands(
         [
             _command("sb-0000000000a1", "command", 40.0, exit_code=0),
             _command("sb-0000000000a1", "command", 3000.0, exit_code=1),
             _command("sb-0000000000a1", "code", 70000.0, timed_out=True, error="SandboxTimeout"),
         ]
     )
-    reg.sample([("sb-0000000000a1", 1 << 30, 0)], now=now)
-    reg.sample([("sb-0000000000a1", 1 << 30, 3_000_000_000)], now=now + 2)  # 3 cpu-s, 2 GiB-s
-    reg.create_key("acme")
-    reg.set_budget("acme", cpu_h=0.001, gib_h=1.0)  # 3 cpu-s of 3.6 a day: 83 %, over the 80 % warning
+    reg.usage.sample([("sb-0000000000a1", 1 << 30, 0)], now=now)
+    reg.usage.sample([("sb-0000000000a1", 1 << 30, 3_000_000_000)], now=now + 2)  # 3 cpu-s, 2 GiB-s
+    reg.tenants.create_key("acme")
+    reg.usage.set_budget("acme", cpu_h=0.001, gib_h=1.0)  # 3 cpu-s of 3.6 a day: 83 %, over the 80 % warning
     # the approval queue: acme's create approved after 10 s, its network question open; beta's
     # resume question past its deadline (it reads as timed out)
-    asked = reg.open_approval("acme", "create", "container, 8 GiB", "over budget", 300, now=now - 100)
-    reg.answer_approval(asked.approval_id, "approve", "ops", now=now - 90)
-    reg.open_approval("acme", "network", "api.test:443", "egress outside the allowlist", 3600)
-    reg.open_approval("beta", "resume", "sb-0000000000b1", "over budget", 5, now=now - 60)
+    asked = reg.approvals.open_approval("acme", "create", "container, 8 GiB", "over budget", 300, now=now - 100)
+    reg.approvals.answer_approval(asked.approval_id, "approve", "ops", now=now - 90)
+    reg.approvals.open_approval("acme", "network", "api.test:443", "egress outside the allowlist", 3600)
+    reg.approvals.open_approval("beta", "resume", "sb-0000000000b1", "over budget", 5, now=now - 60)
     _sandbox(reg, "sb-0000000000a2", "acme")
-    reg.set_state("sb-0000000000a2", State.FAILED, "start failed")
+    reg.sandboxes.set_state("sb-0000000000a2", State.FAILED, "start failed")
     _sandbox(reg, "sb-0000000000b1", "beta", "gvisor")
-    reg.set_state("sb-0000000000b1", State.READY, "started")
-    reg.add_timings([StageTiming("sb-0000000000b1", "allocation", 2.0), StageTiming("sb-0000000000b1", "pause", 700.0)])
-    reg.add_snapshot("snap-b1", "sb-0000000000b1", now, 5 << 20)
-    reg.set_state("sb-0000000000b1", State.PAUSED, "paused to snap-b1")
-    reg.ensure_pool("default", 2)
+    reg.sandboxes.set_state("sb-0000000000b1", State.READY, "started")
+    reg.sandboxes.add_timings(
+        [StageTiming("sb-0000000000b1", "allocation", 2.0), StageTiming("sb-0000000000b1", "pause", 700.0)]
+    )
+    reg.snapshots.add_snapshot("snap-b1", "sb-0000000000b1", now, 5 << 20)
+    reg.sandboxes.set_state("sb-0000000000b1", State.PAUSED, "paused to snap-b1")
+    reg.pools.ensure_pool("default", 2)
     _sandbox(reg, "sb-0000000000p1", "", pool="default")
-    reg.set_state("sb-0000000000p1", State.POOLED, "warm")
-    reg.pool_event("default", "warmed", "sb-0000000000p1")
+    reg.sandboxes.set_state("sb-0000000000p1", State.POOLED, "warm")
+    reg.pools.pool_event("default", "warmed", "sb-0000000000p1")
     _sandbox(reg, "sb-0000000000p2", "", pool="default")  # a warm-up that failed: the pool's, not a create's
-    reg.set_state("sb-0000000000p2", State.FAILED, "warm-up failed")
-    reg.pool_event("default", "hit", "sb-x")
-    reg.pool_event("default", "miss")
+    reg.sandboxes.set_state("sb-0000000000p2", State.FAILED, "warm-up failed")
+    reg.pools.pool_event("default", "hit", "sb-x")
+    reg.pools.pool_event("default", "miss")
 
 
 def _parse(text: str) -> dict[str, list]:
@@ -225,7 +227,7 @@ def test_the_registrys_rows_become_parsed_families(reg):
     assert v("warmbox_command_outcomes", "warmbox_command_outcomes_total", outcome="timed_out", **code) == 1
     assert v("warmbox_command_outcomes", "warmbox_command_outcomes_total", outcome="error", **code) == 1
     assert "secret-text" not in text
-    status = reg.budget_status("acme")  # the approvals part's own reading: the gauges must agree with it
+    status = reg.usage.budget_status("acme")  # the approvals part's own reading: the gauges must agree with it
     budget = {"tenant": "acme"}
     assert v("warmbox_budget_usage_ratio", "warmbox_budget_usage_ratio", resource="cpu", **budget) == (
         pytest.approx(status.cpu_ratio, rel=1e-6)
@@ -290,8 +292,8 @@ def _client(engine: Engine, **settings) -> TestClient:
 
 
 def test_who_may_scrape(engine):
-    _, acme = engine.registry.create_key("acme")
-    _, ops = engine.registry.create_key("ops", admin=True)
+    _, acme = engine.registry.tenants.create_key("acme")
+    _, ops = engine.registry.tenants.create_key("ops", admin=True)
     with _client(engine) as c:
         r = c.get("/metrics")
         assert r.status_code == 401 and r.json()["error"]["code"] == "unauthenticated"
@@ -339,7 +341,7 @@ def test_settings(tmp_path, monkeypatch):
 
 
 def test_json_request_logs_carry_the_request_id_and_never_a_key(engine):
-    _, acme = engine.registry.create_key("acme")
+    _, acme = engine.registry.tenants.create_key("acme")
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     handler.setFormatter(logs.JsonFormatter())
@@ -394,12 +396,12 @@ def test_settled_sandboxes_are_read_once_and_the_totals_stay_exact(reg):
         first = kept.read()
         assert first.sandboxes_read == 5  # every row of the fixture: nothing settled yet, none destroyed
         _sandbox(reg, "sb-0000000000a3", "acme")
-        reg.set_state("sb-0000000000a3", State.READY, "started")
-        reg.add_timings([StageTiming("sb-0000000000a3", "allocation", 1.5)])
-        reg.add_net_events([NetEvent("sb-0000000000a3", 5.0, "http", "h", "", 80, "allow", "internet", 1, 2)])
-        reg.set_state("sb-0000000000a3", State.DESTROYED, "killed")
-        reg.set_state("sb-0000000000a1", State.DESTROYED, "killed")
-        reg.pool_event("default", "hit", "sb-y")
+        reg.sandboxes.set_state("sb-0000000000a3", State.READY, "started")
+        reg.sandboxes.add_timings([StageTiming("sb-0000000000a3", "allocation", 1.5)])
+        reg.egress.add_net_events([NetEvent("sb-0000000000a3", 5.0, "http", "h", "", 80, "allow", "internet", 1, 2)])
+        reg.sandboxes.set_state("sb-0000000000a3", State.DESTROYED, "killed")
+        reg.sandboxes.set_state("sb-0000000000a1", State.DESTROYED, "killed")
+        reg.pools.pool_event("default", "hit", "sb-y")
         for tenant in (None, "acme", "beta"):
             fresh = RegistryStats(reg.location)  # no memory: reads every row
             try:
@@ -434,7 +436,7 @@ def _queries() -> list[str]:
 def test_the_dashboard_and_alert_rules_name_only_exported_series(engine):
     """docs/monitoring (a Grafana dashboard, Prometheus alert rules) query only sample names and
     labels an admin scrape of the known rows has: a renamed metric fails here, not in Grafana."""
-    _, ops = engine.registry.create_key("ops", admin=True)
+    _, ops = engine.registry.tenants.create_key("ops", admin=True)
     with _client(engine) as c:
         c.get("/v1/sandboxes", headers={"Authorization": f"Bearer {ops}"})
         text = c.get("/metrics", headers={"Authorization": f"Bearer {ops}"}).text
@@ -460,7 +462,7 @@ def test_the_dashboard_and_alert_rules_name_only_exported_series(engine):
 
 def test_the_budget_warning_follows_the_configured_ratio(engine, tmp_path):
     """warmbox_budget_warning uses [approvals] warn_ratio, read at each scrape (acme is at 83 %)."""
-    _, ops = engine.registry.create_key("ops", admin=True)
+    _, ops = engine.registry.tenants.create_key("ops", admin=True)
     auth = {"Authorization": f"Bearer {ops}"}
     with _client(engine) as c:
         fams = _parse(c.get("/metrics", headers=auth).text)

@@ -62,7 +62,7 @@ def json_server(home: Path, runc_ready: None):
 
 def test_scrape_counts_what_a_tenant_did(json_server, home):
     tenant = f"metrics-{secrets.token_hex(3)}"
-    _key_id, key = Engine.for_home(home).registry.create_key(tenant)
+    _key_id, key = Engine.for_home(home).registry.tenants.create_key(tenant)
     status, body, create_id = _call(json_server, "POST", "/v1/sandboxes", {"timeout": 120}, key=key)
     assert status == 200, body
     sid = json.loads(body)["info"]["sandbox_id"]

@@ -42,7 +42,7 @@ def _code(r) -> str:
 
 def test_the_token_with_a_tenant_header_is_that_tenant(client, engine, token_file):
     token = peer.read_token(token_file)
-    engine.registry.create_key("acme", max_sandboxes=1)
+    engine.registry.tenants.create_key("acme", max_sandboxes=1)
     h = {"Authorization": f"Bearer {token}", peer.TENANT: "acme"}
     assert client.get("/v1/sandboxes", headers=h).status_code == 200
     # not an admin unless the router says the caller's key is one
@@ -65,7 +65,7 @@ def test_a_malformed_tenant_header_is_refused(client, token_file, name: str | by
 
 
 def test_peer_headers_need_the_token(client, engine, token_file):
-    _, secret = engine.registry.create_key("mallory")
+    _, secret = engine.registry.tenants.create_key("mallory")
     token = peer.read_token(token_file)
     for auth in (f"Bearer {secret}", f"Bearer {token[:-1]}", f"Bearer {token}x", "Bearer " + "A" * len(token), None):
         for extra in ({peer.TENANT: "acme"}, {peer.ADMIN: "1"}, {peer.KEY_ID: "k1"}):

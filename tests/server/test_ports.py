@@ -46,8 +46,8 @@ def setup(home, runc_ready):
     server = start_server(home, home / "ports-api.sock")
     try:
         registry = Engine.for_home(home).registry
-        _k, owner = registry.create_key("port-owner")
-        _k, stranger = registry.create_key("port-stranger")
+        _k, owner = registry.tenants.create_key("port-owner")
+        _k, stranger = registry.tenants.create_key("port-stranger")
         with Sandbox.create(tier="container", timeout=600, api_url=server.url, api_key=owner) as sb:
             sb.files.write("/workspace/echo.py", ECHO)
             sb.commands.run("cd /workspace && (python3 echo.py >/tmp/echo.log 2>&1 &)")

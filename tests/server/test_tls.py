@@ -55,7 +55,7 @@ def test_sdk_over_tls(home: Path, runc_ready: None, tmp_path: Path) -> None:
     from warmbox.engine.engine import Engine
 
     cert, key = _self_signed(tmp_path)
-    _, secret = Engine.for_home(home).registry.create_key("tls-tenant")
+    _, secret = Engine.for_home(home).registry.tenants.create_key("tls-tenant")
     proc, base = start_server(home, "--tls-cert", str(cert), "--tls-key", str(key))
     try:
         assert base.startswith("https://127.0.0.1:")

@@ -101,7 +101,7 @@ def test_gc_of_shared_blobs_keeps_what_any_version_names_and_young_blobs(objects
     objects.put_file(f"{templates.LAYER_PREFIX}/README", foreign)  # not a digest: never touched
     reg = Registry(tmp_path / "registry.db", "n2")  # another node's view of the shared registry
     try:
-        reg.template_add(_version("t-kept", (used,)))
+        reg.templates.template_add(_version("t-kept", (used,)))
         assert templates.collect_shared(objects, reg) == []  # both younger than the grace
         assert templates.collect_shared(objects, reg, grace_s=0.0, dry_run=True) == [unused]
         assert objects.exists(templates.layer_key(unused))
@@ -109,7 +109,7 @@ def test_gc_of_shared_blobs_keeps_what_any_version_names_and_young_blobs(objects
         assert templates.collect_shared(objects, reg, grace_s=0.0) == [unused]
         assert not objects.exists(templates.layer_key(unused))
         assert objects.exists(templates.layer_key(used)) and objects.exists(f"{templates.LAYER_PREFIX}/README")
-        reg.template_delete("t-kept")
+        reg.templates.template_delete("t-kept")
         assert templates.collect_shared(objects, reg, grace_s=0.0) == [used]
     finally:
         reg.close()

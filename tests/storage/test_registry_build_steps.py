@@ -22,19 +22,19 @@ LAYER_B = "sha256:" + "b" * 64
 def test_a_tenants_step_is_found_by_that_tenant_only(registry_at):
     reg, other_node = Registry(registry_at, "n1"), Registry(registry_at, "n2")
     try:
-        assert reg.build_step("alice", KEY) is None
-        reg.record_build_step("alice", KEY, LAYER_A)
-        assert reg.build_step("alice", KEY) == LAYER_A
-        assert reg.build_step("bob", KEY) is None  # the same key, another tenant: nothing
-        assert other_node.build_step("alice", KEY) == LAYER_A  # a cluster's nodes share the rows
-        reg.record_build_step("bob", KEY, LAYER_B)
-        reg.record_build_step("alice", KEY, LAYER_B)  # rebuilt: replaced
-        assert (reg.build_step("alice", KEY), reg.build_step("bob", KEY)) == (LAYER_B, LAYER_B)
+        assert reg.templates.build_step("alice", KEY) is None
+        reg.templates.record_build_step("alice", KEY, LAYER_A)
+        assert reg.templates.build_step("alice", KEY) == LAYER_A
+        assert reg.templates.build_step("bob", KEY) is None  # the same key, another tenant: nothing
+        assert other_node.templates.build_step("alice", KEY) == LAYER_A  # a cluster's nodes share the rows
+        reg.templates.record_build_step("bob", KEY, LAYER_B)
+        reg.templates.record_build_step("alice", KEY, LAYER_B)  # rebuilt: replaced
+        assert (reg.templates.build_step("alice", KEY), reg.templates.build_step("bob", KEY)) == (LAYER_B, LAYER_B)
         for bad in (
-            lambda: reg.build_step("", KEY),  # the host's steps never live here
-            lambda: reg.record_build_step("", KEY, LAYER_A),
-            lambda: reg.record_build_step("alice", "not-a-key", LAYER_A),
-            lambda: reg.record_build_step("alice", KEY, "sha256:short"),
+            lambda: reg.templates.build_step("", KEY),  # the host's steps never live here
+            lambda: reg.templates.record_build_step("", KEY, LAYER_A),
+            lambda: reg.templates.record_build_step("alice", "not-a-key", LAYER_A),
+            lambda: reg.templates.record_build_step("alice", KEY, "sha256:short"),
         ):
             with pytest.raises(InvalidArgument):
                 bad()
@@ -56,9 +56,9 @@ def test_a_version_16_registry_gets_the_build_step_table(tmp_path: Path):
     reg = Registry(tmp_path / "r.db")
     try:
         assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 17
-        assert reg.build_step("alice", KEY) is None
-        reg.record_build_step("alice", KEY, LAYER_A)
-        assert reg.build_step("alice", KEY) == LAYER_A
+        assert reg.templates.build_step("alice", KEY) is None
+        reg.templates.record_build_step("alice", KEY, LAYER_A)
+        assert reg.templates.build_step("alice", KEY) == LAYER_A
     finally:
         reg.close()
 
@@ -83,7 +83,7 @@ def test_a_version_16_postgresql_registry_is_migrated_by_warmbox_db_migrate(pg_f
     assert registry_mod.migrate(pg_fresh_dsn) == (16, SCHEMA_VERSION)
     reg = open_()
     try:
-        reg.record_build_step("alice", KEY, LAYER_A)
-        assert reg.build_step("alice", KEY) == LAYER_A and reg.build_step("bob", KEY) is None
+        reg.templates.record_build_step("alice", KEY, LAYER_A)
+        assert reg.templates.build_step("alice", KEY) == LAYER_A and reg.templates.build_step("bob", KEY) is None
     finally:
         reg.close()

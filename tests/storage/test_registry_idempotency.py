@@ -29,36 +29,40 @@ def test_one_claim_wins_and_a_repeat_reads_its_record(tmp_path, registry_at):
     reg = _registry(tmp_path, registry_at)
     sid = "sb-0000000000f1"
     try:
-        reg.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
+        reg.sandboxes.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
         first = _claim("acme", sid, "k", "h/1")
-        assert reg.claim_key(first) is None
-        got = reg.claim_key(_claim("acme", sid, "k", "h/2", fp="other"))
+        assert reg.idempotency.claim_key(first) is None
+        got = reg.idempotency.claim_key(_claim("acme", sid, "k", "h/2", fp="other"))
         assert got is not None and (got.state, got.claim.holder, got.claim.fingerprint) == ("started", "h/1", "fp")
         # another tenant, another sandbox: the same string is another key
-        assert reg.claim_key(_claim("other", sid, "k", "h/3")) is None
-        assert reg.claim_key(_claim("acme", "sb-0000000000f2", "k", "h/4")) is None
-        reg.finish_keys([(first, "done", '{"exit_code": 0}', "")])
-        rec = reg.key_record("acme", sid, "k")
+        assert reg.idempotency.claim_key(_claim("other", sid, "k", "h/3")) is None
+        assert reg.idempotency.claim_key(_claim("acme", "sb-0000000000f2", "k", "h/4")) is None
+        reg.idempotency.finish_keys([(first, "done", '{"exit_code": 0}', "")])
+        rec = reg.idempotency.key_record("acme", sid, "k")
         assert rec is not None and (rec.state, rec.result) == ("done", '{"exit_code": 0}')
         # an outcome is written only by the claim that holds the key
-        reg.finish_keys([(_claim("acme", sid, "k", "h/2"), "failed", "{}", "")])
-        assert reg.key_record("acme", sid, "k").state == "done"  # type: ignore[union-attr]
+        reg.idempotency.finish_keys([(_claim("acme", sid, "k", "h/2"), "failed", "{}", "")])
+        assert reg.idempotency.key_record("acme", sid, "k").state == "done"  # type: ignore[union-attr]
         # a claim whose call did nothing is released: the key is free again
         freed = _claim("acme", sid, "freed", "h/7")
-        assert reg.claim_key(freed) is None
-        reg.release_key(freed)
+        assert reg.idempotency.claim_key(freed) is None
+        reg.idempotency.release_key(freed)
         assert (
-            reg.key_record("acme", sid, "freed") is None and reg.claim_key(_claim("acme", sid, "freed", "h/8")) is None
+            reg.idempotency.key_record("acme", sid, "freed") is None
+            and reg.idempotency.claim_key(_claim("acme", sid, "freed", "h/8")) is None
         )
         # an expired record is replaced by the next claim
-        assert reg.claim_key(_claim("acme", "", "old", "h/5", ttl=-1)) is None
-        assert reg.key_record("acme", "", "old") is None
-        assert reg.claim_key(_claim("acme", "", "old", "h/6")) is None
-        assert reg.key_record("acme", "", "old").claim.holder == "h/6"  # type: ignore[union-attr]
+        assert reg.idempotency.claim_key(_claim("acme", "", "old", "h/5", ttl=-1)) is None
+        assert reg.idempotency.key_record("acme", "", "old") is None
+        assert reg.idempotency.claim_key(_claim("acme", "", "old", "h/6")) is None
+        assert reg.idempotency.key_record("acme", "", "old").claim.holder == "h/6"  # type: ignore[union-attr]
         # a sandbox's keys end with it; a create's (scope "") stay
-        reg.set_state(sid, State.DESTROYED, "test over")
-        assert reg.key_record("acme", sid, "k") is None and reg.key_record("other", sid, "k") is None
-        assert reg.key_record("acme", "", "old") is not None
+        reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
+        assert (
+            reg.idempotency.key_record("acme", sid, "k") is None
+            and reg.idempotency.key_record("other", sid, "k") is None
+        )
+        assert reg.idempotency.key_record("acme", "", "old") is not None
     finally:
         reg._db.execute("DELETE FROM idempotency_keys WHERE tenant IN ('acme', 'other')")
         reg.close()
@@ -74,7 +78,7 @@ def test_a_version_19_registry_gets_the_keys_table(tmp_path: Path):
     reg = _registry(tmp_path, tmp_path / "r.db")
     try:
         assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-        assert reg.claim_key(_claim("acme", "", "k", "h/1")) is None
+        assert reg.idempotency.claim_key(_claim("acme", "", "k", "h/1")) is None
     finally:
         reg.close()
 
@@ -95,7 +99,7 @@ def test_a_version_19_postgresql_registry_is_migrated_by_warmbox_db_migrate(pg_f
     assert registry_mod.migrate(pg_fresh_dsn) == (19, SCHEMA_VERSION)
     reg = _registry(tmp_path, pg_fresh_dsn)
     try:
-        assert reg.claim_key(_claim("acme", "", "k", "h/1")) is None
-        assert reg.claim_key(_claim("acme", "", "k", "h/2")).claim.holder == "h/1"  # type: ignore[union-attr]
+        assert reg.idempotency.claim_key(_claim("acme", "", "k", "h/1")) is None
+        assert reg.idempotency.claim_key(_claim("acme", "", "k", "h/2")).claim.holder == "h/1"  # type: ignore[union-attr]
     finally:
         reg.close()

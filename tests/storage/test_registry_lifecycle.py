@@ -68,21 +68,21 @@ def test_a_version_6_database_migrates_and_its_paused_sandbox_resumes_under_its_
     assert NEW_COLUMNS <= cols
     assert "auto" in {r[1] for r in reg._db.execute("PRAGMA table_info(snapshots)")}
     # the old row reads with the defaults: no timeout recorded, no metadata, kill on timeout
-    assert reg.timeout_of("sb-00000000000b") == 0.0
+    assert reg.sandboxes.timeout_of("sb-00000000000b") == 0.0
     row = reg._db.execute(
         "SELECT metadata, on_timeout, idle_pause_after, auto_resume, egress FROM sandboxes WHERE sandbox_id=?",
         ("sb-00000000000b",),
     ).fetchone()
     assert row == ("{}", "kill", 0.0, 0, "")
     # a sandbox paused before the migration resumes under its own id
-    reg.reallocate("sb-00000000000b", 120.0, Limits(), owner="test")
-    info, _ = reg.get("sb-00000000000b")
-    assert info.state is State.CREATING and reg.timeout_of("sb-00000000000b") == 120.0
+    reg.sandboxes.reallocate("sb-00000000000b", 120.0, Limits(), owner="test")
+    info, _ = reg.sandboxes.get("sb-00000000000b")
+    assert info.state is State.CREATING and reg.sandboxes.timeout_of("sb-00000000000b") == 120.0
     assert (info.requirements, info.tier_reasons, info.tier_rejected) == (None, (), {})  # named its tier
-    assert [t.to_state for t in reg.transitions("sb-00000000000b")][-1] == "creating"
-    m = reg.meter("sb-00000000000b")
+    assert [t.to_state for t in reg.sandboxes.transitions("sb-00000000000b")][-1] == "creating"
+    m = reg.usage.meter("sb-00000000000b")
     assert m is not None and not m.final and m.cpu_ns == 0 and m.cpu_ns - m.base_cpu_ns == 5000  # cost goes on
-    reg.set_state("sb-00000000000b", State.DESTROYED, "test over")
+    reg.sandboxes.set_state("sb-00000000000b", State.DESTROYED, "test over")
     reg.close()
     reg = _registry(tmp_path)  # opening it again is a no-op
     assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
@@ -92,19 +92,19 @@ def test_a_version_6_database_migrates_and_its_paused_sandbox_resumes_under_its_
 def test_only_one_resume_takes_a_paused_sandbox_and_a_live_one_cannot_be_reallocated(tmp_path, registry_at):
     reg = _registry(tmp_path, at=registry_at)
     sid = "sb-00000000000c"
-    reg.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
-    assert reg.timeout_of(sid) == 300.0
+    reg.sandboxes.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
+    assert reg.sandboxes.timeout_of(sid) == 300.0
     with pytest.raises(SandboxStateError, match="not paused"):
-        reg.reallocate(sid, 60.0, Limits())
-    reg.set_state(sid, State.READY, "up")
-    reg.set_state(sid, State.PAUSED, "paused")
-    first = reg.reallocate(sid, 60.0, Limits())
+        reg.sandboxes.reallocate(sid, 60.0, Limits())
+    reg.sandboxes.set_state(sid, State.READY, "up")
+    reg.sandboxes.set_state(sid, State.PAUSED, "paused")
+    first = reg.sandboxes.reallocate(sid, 60.0, Limits())
     with pytest.raises(SandboxStateError, match="not paused"):
-        reg.reallocate(sid, 60.0, Limits())
-    assert reg.get(sid)[0].state is State.CREATING
-    reg.set_state(sid, State.PAUSED, "resume failed")  # a failed resume leaves it paused
-    assert reg.reallocate(sid, 60.0, Limits()) >= 0 and first >= 0
-    reg.set_state(sid, State.DESTROYED, "test over")
+        reg.sandboxes.reallocate(sid, 60.0, Limits())
+    assert reg.sandboxes.get(sid)[0].state is State.CREATING
+    reg.sandboxes.set_state(sid, State.PAUSED, "resume failed")  # a failed resume leaves it paused
+    assert reg.sandboxes.reallocate(sid, 60.0, Limits()) >= 0 and first >= 0
+    reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
     reg.close()
 
 
@@ -112,23 +112,23 @@ def test_list_filters_by_metadata_subset_and_by_state(tmp_path, registry_at):
     reg = _registry(tmp_path, at=registry_at)
     a, b = "sb-00000000000d", "sb-00000000000e"
     for sid in (a, b):
-        reg.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
-        reg.set_state(sid, State.READY, "up")
-    reg.set_metadata(a, {"user": "ada", "run": "1"})
-    reg.set_metadata(b, {"user": "bob", "run": "1"})
-    reg.set_state(b, State.PAUSED, "paused")
+        reg.sandboxes.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
+        reg.sandboxes.set_state(sid, State.READY, "up")
+    reg.sandboxes.set_metadata(a, {"user": "ada", "run": "1"})
+    reg.sandboxes.set_metadata(b, {"user": "bob", "run": "1"})
+    reg.sandboxes.set_state(b, State.PAUSED, "paused")
     ids = lambda rows: [i.sandbox_id for i, _ in rows]  # noqa: E731
-    assert reg.get(a)[0].metadata == {"user": "ada", "run": "1"}
-    assert ids(reg.list(metadata={"run": "1"})) == [a, b]
-    assert ids(reg.list(metadata={"run": "1", "user": "bob"})) == [b]
-    assert ids(reg.list(metadata={"user": "eve"})) == []
-    assert ids(reg.list(states=(State.PAUSED,))) == [b]
-    assert ids(reg.list(states=())) == []
+    assert reg.sandboxes.get(a)[0].metadata == {"user": "ada", "run": "1"}
+    assert ids(reg.sandboxes.list(metadata={"run": "1"})) == [a, b]
+    assert ids(reg.sandboxes.list(metadata={"run": "1", "user": "bob"})) == [b]
+    assert ids(reg.sandboxes.list(metadata={"user": "eve"})) == []
+    assert ids(reg.sandboxes.list(states=(State.PAUSED,))) == [b]
+    assert ids(reg.sandboxes.list(states=())) == []
     # a damaged metadata column reads as none, never as an error
     reg._db.execute("UPDATE sandboxes SET metadata='[1,2]' WHERE sandbox_id=?", (a,))
-    assert reg.get(a)[0].metadata == {}
+    assert reg.sandboxes.get(a)[0].metadata == {}
     for sid in (a, b):
-        reg.set_state(sid, State.DESTROYED, "test over")
+        reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
     reg.close()
 
 
@@ -152,13 +152,13 @@ def test_a_tier_choice_is_recorded_and_read_back(tmp_path, registry_at):
 
     reg = _registry(tmp_path, at=registry_at)
     sid = "sb-00000000000d"
-    reg.allocate(sid, "gvisor", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
+    reg.sandboxes.allocate(sid, "gvisor", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
     req = Requirements("node", trusted=False, io="compute")
-    reg.set_tier_choice(sid, req, TierChoice("gvisor", ("a", "b é"), {"container": "too weak"}, 1.0))
-    info, _ = reg.get(sid)
+    reg.sandboxes.set_tier_choice(sid, req, TierChoice("gvisor", ("a", "b é"), {"container": "too weak"}, 1.0))
+    info, _ = reg.sandboxes.get(sid)
     assert info.requirements == req and info.requirements.language == "javascript"
     assert info.tier_reasons == ("a", "b é") and info.tier_rejected == {"container": "too weak"}
     reg._db.execute('UPDATE sandboxes SET requirements=\'{"io": "disk"}\' WHERE sandbox_id=?', (sid,))
-    assert reg.get(sid)[0].requirements is None  # a row it cannot read is no requirements, not an error
-    reg.set_state(sid, State.DESTROYED, "test over")
+    assert reg.sandboxes.get(sid)[0].requirements is None  # a row it cannot read is no requirements, not an error
+    reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
     reg.close()

@@ -96,9 +96,9 @@ def test_a_stopped_node_holding_a_quota_lock_blocks_the_others_only_until_its_se
     idle_s = 3.0
     bounds = Bounds(lock_s=1, statement_s=10, idle_s=idle_s, retry_budget_s=30)
     n2 = _registry(dsn, tmp_path, "n2", bounds)
-    n2.join_node(NodeInfo("n2", address="http://127.0.0.1:1", slots=8, tiers=("container",)))
-    n2.create_key("acme")
-    acme = n2.tenant("acme")
+    n2.nodes.join_node(NodeInfo("n2", address="http://127.0.0.1:1", slots=8, tiers=("container",)))
+    n2.tenants.create_key("acme")
+    acme = n2.tenants.tenant("acme")
     proc, backend = _holder(dsn, tmp_path, idle_s)
     try:
         assert {"advisory", "transactionid"} <= _locks_of(dsn, backend)  # it holds them, really
@@ -107,7 +107,7 @@ def test_a_stopped_node_holding_a_quota_lock_blocks_the_others_only_until_its_se
         made = []
         for i in range(3):  # node n2 keeps creating for the same tenant
             sid = f"sb-00000000{i:04x}"
-            n2.allocate(sid, "container", "base", 60, Limits(), "/nonexistent", "/nonexistent", tenant=acme)
+            n2.sandboxes.allocate(sid, "container", "base", 60, Limits(), "/nonexistent", "/nonexistent", tenant=acme)
             made.append((sid, time.monotonic() - t0))
         took = made[0][1]
         # the first waited for the stopped node's session to be ended (idle_s), no more than the
@@ -115,7 +115,7 @@ def test_a_stopped_node_holding_a_quota_lock_blocks_the_others_only_until_its_se
         assert took < bounds.retry_budget_s, made
         assert made[-1][1] - took < 5, made
         assert not _backend_alive(dsn, backend)  # the server ended the stopped node's session
-        assert [n2.get(sid)[0].state for sid, _ in made] == [State.CREATING] * 3
+        assert [n2.sandboxes.get(sid)[0].state for sid, _ in made] == [State.CREATING] * 3
         os.kill(proc.pid, signal.SIGCONT)  # woken, it finds its transaction gone: it committed nothing
         assert proc.stdin is not None
         proc.stdin.write("go on\n")
@@ -132,8 +132,8 @@ def test_a_lock_held_past_the_retry_budget_is_registry_busy_and_writes_nothing(p
     dsn = pg_fresh_dsn
     bounds = Bounds(lock_s=0.3, statement_s=10, idle_s=10, retry_budget_s=2)
     reg = _registry(dsn, tmp_path, "n2", bounds)
-    reg.create_key("acme")
-    acme = reg.tenant("acme")
+    reg.tenants.create_key("acme")
+    acme = reg.tenants.tenant("acme")
     # a live holder the server does not end (it is not idle: it sleeps inside a statement)
     holder = psycopg.connect(dsn, autocommit=True)
     try:
@@ -141,16 +141,18 @@ def test_a_lock_held_past_the_retry_budget_is_registry_busy_and_writes_nothing(p
         holder.execute("SELECT pg_advisory_xact_lock(hashtextextended('tenant:acme', 0))")
         t0 = time.monotonic()
         with pytest.raises(RegistryBusy, match=r"lock timeout.*tried") as e:
-            reg.allocate(
+            reg.sandboxes.allocate(
                 "sb-0000000000b1", "container", "base", 60, Limits(), "/nonexistent", "/nonexistent", tenant=acme
             )
         waited = time.monotonic() - t0
         assert 1.5 <= waited < 10 and 1.5 <= e.value.waited_s <= waited
         assert "retry later" in str(e.value)
-        assert reg.list(include_dead=True) == []  # nothing written
+        assert reg.sandboxes.list(include_dead=True) == []  # nothing written
         assert list((tmp_path / "uids-n2").glob("[0-9]*")) == []  # no uid slot kept
         holder.execute("ROLLBACK")
-        reg.allocate("sb-0000000000b1", "container", "base", 60, Limits(), "/nonexistent", "/nonexistent", tenant=acme)
+        reg.sandboxes.allocate(
+            "sb-0000000000b1", "container", "base", 60, Limits(), "/nonexistent", "/nonexistent", tenant=acme
+        )
     finally:
         holder.close()
         reg.close()
@@ -178,20 +180,20 @@ def test_pool_events_take_no_cluster_wide_lock_and_one_committed_late_is_counted
     n1 = _registry(dsn, tmp_path, "n1", bounds)
     n2 = _registry(dsn, tmp_path, "n2", bounds)
     try:
-        n2.ensure_pool("p", 1)
+        n2.pools.ensure_pool("p", 1)
         seen, counted = 0, 0
         # node n1's claim is slow to commit: its miss has the lower rowid but commits last
         with n1.dialect.transaction() as db:
-            n1._pool_event(db, ("p", time.time(), "miss", "", "n1"))
+            n1.pools._pool_event(db, ("p", time.time(), "miss", "", "n1"))
             t0 = time.monotonic()
-            n2.pool_event("p", "miss", detail="n2")  # no wait for n1's transaction
+            n2.pools.pool_event("p", "miss", detail="n2")  # no wait for n1's transaction
             assert time.monotonic() - t0 < bounds.lock_s
-            misses, seen = n2.unseen_misses("p", seen)  # what an autoscaler on n2 reads meanwhile
+            misses, seen = n2.pools.unseen_misses("p", seen)  # what an autoscaler on n2 reads meanwhile
             counted += misses
         rowids = n2._read("SELECT detail, rowid FROM pool_events ORDER BY rowid", many=True)
         assert [r[0] for r in rowids] == ["n1", "n2"]  # n1's row: lower rowid, committed later
         for _ in range(2):
-            misses, seen = n2.unseen_misses("p", seen)
+            misses, seen = n2.pools.unseen_misses("p", seen)
             counted += misses
         assert counted == 2  # each miss once: a rowid cursor would have skipped n1's
     finally:
@@ -205,9 +207,9 @@ def test_migrating_to_event_transactions_counts_no_old_miss_again(pg_fresh_dsn, 
 
     dsn = pg_fresh_dsn
     reg = _registry(dsn, tmp_path, "n1", Bounds())
-    reg.ensure_pool("p", 1)
+    reg.pools.ensure_pool("p", 1)
     for _ in range(3):
-        reg.pool_event("p", "miss")
+        reg.pools.pool_event("p", "miss")
     reg.close()
     with psycopg.connect(dsn, autocommit=True) as db:  # the registry as version 17 left it: rowid cursors
         db.execute("ALTER TABLE pool_events DROP COLUMN xid")
@@ -217,10 +219,10 @@ def test_migrating_to_event_transactions_counts_no_old_miss_again(pg_fresh_dsn, 
     assert registry_mod.migrate(dsn) == (17, registry_mod.SCHEMA_VERSION)
     reg = _registry(dsn, tmp_path, "n1", Bounds())
     try:
-        seen = reg.pool_rows()["p"].events_seen
-        assert reg.unseen_misses("p", seen)[0] == 0  # the old events are behind the cursor now
-        reg.pool_event("p", "miss")
-        assert reg.unseen_misses("p", seen)[0] == 1
+        seen = reg.pools.pool_rows()["p"].events_seen
+        assert reg.pools.unseen_misses("p", seen)[0] == 0  # the old events are behind the cursor now
+        reg.pools.pool_event("p", "miss")
+        assert reg.pools.unseen_misses("p", seen)[0] == 1
     finally:
         reg.close()
 
@@ -264,10 +266,10 @@ def test_a_sqlite_writer_lock_held_past_the_busy_timeout_is_registry_busy(tmp_pa
         other.execute("BEGIN IMMEDIATE")
         t0 = time.monotonic()
         with pytest.raises(RegistryBusy, match=r"busy timeout.*tried") as e:
-            reg.create_key("acme")
+            reg.tenants.create_key("acme")
         assert 0.8 <= e.value.waited_s <= time.monotonic() - t0 < 10
         other.execute("ROLLBACK")
-        reg.create_key("acme")  # the lock gone, the same write goes through
+        reg.tenants.create_key("acme")  # the lock gone, the same write goes through
     finally:
         other.close()
         reg.close()

@@ -24,25 +24,25 @@ def _registry(tmp: Path, at: str | Path) -> Registry:
 def _readings(reg: Registry, sid: str, ring: int) -> None:
     """The history of ``sid`` over a few readings, then ``ring`` more (the ring's bound when it is
     METRIC_SAMPLES_KEPT), then its end."""
-    reg.allocate(sid, "container", "base", 86400, Limits(cpus=2), "/nonexistent", "/nonexistent")
+    reg.sandboxes.allocate(sid, "container", "base", 86400, Limits(cpus=2), "/nonexistent", "/nonexistent")
     reg._db.execute("UPDATE meters SET sampled_at=? WHERE sandbox_id=?", (T0, sid))
-    reg.sample([(sid, 100, 1_000_000_000)], now=T0 + 1)  # 1 CPU-second in 1 s of 2 CPUs: 50 %
-    reg.sample([(sid, 200, 1_500_000_000)], now=T0 + 2)  # under 5 s after it: no reading
-    reg.sample([(sid, 300, 11_000_000_000)], now=T0 + 1 + METRIC_SAMPLE_EVERY_S)  # 10 CPU-s in 5 s: 100 %
-    reg.sample([(sid, 400, 500_000_000)], now=T0 + 1 + 2 * METRIC_SAMPLE_EVERY_S)  # a counter back at 0
-    got = reg.metric_samples(sid, 0, T0 + 100)
+    reg.usage.sample([(sid, 100, 1_000_000_000)], now=T0 + 1)  # 1 CPU-second in 1 s of 2 CPUs: 50 %
+    reg.usage.sample([(sid, 200, 1_500_000_000)], now=T0 + 2)  # under 5 s after it: no reading
+    reg.usage.sample([(sid, 300, 11_000_000_000)], now=T0 + 1 + METRIC_SAMPLE_EVERY_S)  # 10 CPU-s in 5 s: 100 %
+    reg.usage.sample([(sid, 400, 500_000_000)], now=T0 + 1 + 2 * METRIC_SAMPLE_EVERY_S)  # a counter back at 0
+    got = reg.usage.metric_samples(sid, 0, T0 + 100)
     assert got == [(T0 + 1, 50.0, 100), (T0 + 6, 100.0, 300), (T0 + 11, 5.0, 400)]
-    assert reg.metric_samples(sid, T0 + 2, T0 + 6) == [(T0 + 6, 100.0, 300)]
-    assert reg.metric_samples(sid, 0, T0 + 100, limit=1) == [(T0 + 11, 5.0, 400)]  # the latest
+    assert reg.usage.metric_samples(sid, T0 + 2, T0 + 6) == [(T0 + 6, 100.0, 300)]
+    assert reg.usage.metric_samples(sid, 0, T0 + 100, limit=1) == [(T0 + 11, 5.0, 400)]  # the latest
     for i in range(3, ring + 3):
-        reg.sample([(sid, i, 0)], now=T0 + 1 + i * METRIC_SAMPLE_EVERY_S)
-    kept = reg.metric_samples(sid, 0, T0 + 1e6, limit=METRIC_SAMPLES_KEPT)
+        reg.usage.sample([(sid, i, 0)], now=T0 + 1 + i * METRIC_SAMPLE_EVERY_S)
+    kept = reg.usage.metric_samples(sid, 0, T0 + 1e6, limit=METRIC_SAMPLES_KEPT)
     assert len(kept) == min(ring + 3, METRIC_SAMPLES_KEPT) and kept[-1][2] == ring + 2
     (count,) = reg._db.execute("SELECT COUNT(*) FROM metric_samples WHERE sandbox_id=?", (sid,)).fetchone()
     assert count == len(kept)
-    reg.set_state(sid, State.DESTROYED, "test over")
-    reg.finalize(sid)
-    assert reg.metric_samples(sid, 0, T0 + 1e6) == []
+    reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
+    reg.usage.finalize(sid)
+    assert reg.usage.metric_samples(sid, 0, T0 + 1e6) == []
 
 
 def test_readings_every_5_s_a_bounded_ring_that_ends_with_the_sandbox(tmp_path):
@@ -63,7 +63,7 @@ def test_a_version_20_registry_gets_the_metric_samples_table(tmp_path: Path):
     reg = _registry(tmp_path, tmp_path / "r.db")
     try:
         assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 21
-        assert reg.metric_samples("sb-0000000000e2", 0, T0) == []
+        assert reg.usage.metric_samples("sb-0000000000e2", 0, T0) == []
     finally:
         reg.close()
 
@@ -84,7 +84,7 @@ def test_a_version_20_postgresql_registry_is_migrated_by_warmbox_db_migrate(pg_f
     assert registry_mod.migrate(pg_fresh_dsn) == (20, SCHEMA_VERSION)
     reg = _registry(tmp_path, pg_fresh_dsn)
     try:
-        assert reg.metric_samples("sb-0000000000e2", 0, T0) == []
+        assert reg.usage.metric_samples("sb-0000000000e2", 0, T0) == []
         _readings(reg, "sb-0000000000e3", 5)  # the same SQL on PostgreSQL (the ring's bound: SQLite's test)
     finally:
         reg.close()

@@ -75,9 +75,9 @@ def test_an_empty_database_gets_the_schema_and_another_version_is_refused_until_
     again = _cli("db", "migrate", "--registry", dsn)
     assert again.returncode == 0 and "(up to date)" in again.stdout
     reg = _registry(dsn, tmp_path, "n1")
-    reg.allocate("sb-0000000000e1", "container", "base", 60, Limits(), "/nonexistent", "/nonexistent")
-    assert reg.node_of("sb-0000000000e1") == "n1"  # the migrated column is there
-    reg.set_state("sb-0000000000e1", State.DESTROYED, "test over")
+    reg.sandboxes.allocate("sb-0000000000e1", "container", "base", 60, Limits(), "/nonexistent", "/nonexistent")
+    assert reg.nodes.node_of("sb-0000000000e1") == "n1"  # the migrated column is there
+    reg.sandboxes.set_state("sb-0000000000e1", State.DESTROYED, "test over")
     reg.close()
     # a registry a newer warmbox migrated: this one refuses it rather than write what it does not know
     _sql(dsn, f"INSERT INTO schema_version VALUES ({SCHEMA_VERSION + 1}, 0)")
@@ -133,12 +133,12 @@ if mode == "quota":
         sid = f"sb-{i:02d}{n:010d}"
         n += 1
         try:
-            reg.allocate(sid, "container", "base", 60, Limits(), "/nonexistent", "/nonexistent",
+            reg.sandboxes.allocate(sid, "container", "base", 60, Limits(), "/nonexistent", "/nonexistent",
                          tenant=Tenant("acme", max_sandboxes=3))
         except QuotaExceeded:
             out["refused"] += 1
             if held:
-                reg.set_state(held.pop(0), State.DESTROYED, "done")
+                reg.sandboxes.set_state(held.pop(0), State.DESTROYED, "done")
             continue
         out["made"] += 1
         held.append(sid)
@@ -147,12 +147,12 @@ if mode == "quota":
         ).fetchone()[0]
         out["max_live"] = max(out["max_live"], live)
         if len(held) == 2:
-            reg.set_state(held.pop(0), State.DESTROYED, "done")
+            reg.sandboxes.set_state(held.pop(0), State.DESTROYED, "done")
     for sid in held:
-        reg.set_state(sid, State.DESTROYED, "done")
+        reg.sandboxes.set_state(sid, State.DESTROYED, "done")
 else:
     while True:
-        got = reg.claim("p", "shape-1", 60, f"owner-{i}", Tenant(f"t{i}"))  # four tenants: no common lock
+        got = reg.pools.claim("p", "shape-1", 60, f"owner-{i}", Tenant(f"t{i}"))  # four tenants: no common lock
         if got is None:
             break
         out["claimed"].append(got[0].sandbox_id)
@@ -196,14 +196,16 @@ def test_a_pooled_sandbox_is_claimed_exactly_once(pg_fresh_dsn, tmp_path):
     reg = _registry(pg_fresh_dsn, tmp_path, "n0")
     ids = [f"sb-00000000p{i:03d}" for i in range(12)]
     for sid in ids:
-        reg.allocate(sid, "container", "base", 600, Limits(), "/nonexistent", "/nonexistent", pool="p", shape="shape-1")
-        reg.set_state(sid, State.POOLED, "warm")
+        reg.sandboxes.allocate(
+            sid, "container", "base", 600, Limits(), "/nonexistent", "/nonexistent", pool="p", shape="shape-1"
+        )
+        reg.sandboxes.set_state(sid, State.POOLED, "warm")
     outs = _workers(pg_fresh_dsn, tmp_path, "claim")
     claimed = [sid for o in outs for sid in o["claimed"]]
     assert sorted(claimed) == ids  # every one, none twice
     for n, o in enumerate(outs):  # each went to the tenant that claimed it
-        assert sorted(i.sandbox_id for i, _ in reg.list(tenant=f"t{n}")) == sorted(o["claimed"])
-    hits, misses, *_ = reg.pool_totals("p")
+        assert sorted(i.sandbox_id for i, _ in reg.sandboxes.list(tenant=f"t{n}")) == sorted(o["claimed"])
+    hits, misses, *_ = reg.pools.pool_totals("p")
     assert (hits, misses) == (12, 4)  # each worker's last claim found none
     reg.close()
 
@@ -211,14 +213,14 @@ def test_a_pooled_sandbox_is_claimed_exactly_once(pg_fresh_dsn, tmp_path):
 def test_a_postgresql_registrys_slots_and_pins_never_read_as_a_removed_home(pg_fresh_dsn, tmp_path):
     a = _registry(pg_fresh_dsn, tmp_path, "a")
     b = _registry(pg_fresh_dsn, tmp_path, "b")  # another node of the cluster on this host: the same ledger
-    slot = a.allocate("sb-0000000000f1", "container", "base", 60, Limits(), "/nonexistent", "/nonexistent")
+    slot = a.sandboxes.allocate("sb-0000000000f1", "container", "base", 60, Limits(), "/nonexistent", "/nonexistent")
     # a key that names no file: never "gone" (the ledger would reclaim a live sandbox's slot)
     assert registry_holds(a.key, "sb-0000000000f1", slot) is None
     assert registry_holds("pg:another-cluster/x", "sb-0000000000f1", slot) is None
     # another node of the same cluster answers from the shared database
-    assert b._holds(a.key, "sb-0000000000f1", slot) is True
-    a.set_state("sb-0000000000f1", State.DESTROYED, "test over")
-    assert b._holds(a.key, "sb-0000000000f1", slot) is False
+    assert b.db.holds(a.key, "sb-0000000000f1", slot) is True
+    a.sandboxes.set_state("sb-0000000000f1", State.DESTROYED, "test over")
+    assert b.db.holds(a.key, "sb-0000000000f1", slot) is False
     store = LayerStore(tmp_path / "cache")
     info = TemplateInfo("web", 0, "sha256:" + "a" * 64, ("sha256:" + "b" * 64,), spec_hash="s1")
     out = stored.add_template(a, store, info)
@@ -236,9 +238,9 @@ def test_hostile_text_is_stored_not_refused(pg_fresh_dsn, tmp_path):
     from warmbox.models import NetEvent
 
     reg = _registry(pg_fresh_dsn, tmp_path)
-    reg.allocate("sb-0000000000g1", "container", "base", 60, Limits(), "/nonexistent", "/nonexistent")
-    reg.add_net_events([NetEvent("sb-0000000000g1", 1.0, "dns", "a\x00b\udc80.example", "", 53, "deny", "x")])
-    (e,) = reg.net_events("sb-0000000000g1")
+    reg.sandboxes.allocate("sb-0000000000g1", "container", "base", 60, Limits(), "/nonexistent", "/nonexistent")
+    reg.egress.add_net_events([NetEvent("sb-0000000000g1", 1.0, "dns", "a\x00b\udc80.example", "", 53, "deny", "x")])
+    (e,) = reg.egress.net_events("sb-0000000000g1")
     assert e.host == "a\ufffdb\ufffd.example"
-    reg.set_state("sb-0000000000g1", State.DESTROYED, "test over")
+    reg.sandboxes.set_state("sb-0000000000g1", State.DESTROYED, "test over")
     reg.close()

@@ -18,11 +18,11 @@ RUNTIME = "runsc 0.0~20240729.0"
 def test_a_snapshot_records_its_runtime(registry_at):
     reg = Registry(registry_at, "n1")
     try:
-        reg.add_snapshot("snap-mem", "sb-a", 1.0, 10, RUNTIME)
-        reg.add_snapshot("snap-files", "sb-a", 2.0, 10)
-        assert reg.snapshot_runtime("snap-mem") == RUNTIME
-        assert reg.snapshot_runtime("snap-files") == ""
-        assert reg.snapshot_runtime("snap-none") is None
+        reg.snapshots.add_snapshot("snap-mem", "sb-a", 1.0, 10, RUNTIME)
+        reg.snapshots.add_snapshot("snap-files", "sb-a", 2.0, 10)
+        assert reg.snapshots.snapshot_runtime("snap-mem") == RUNTIME
+        assert reg.snapshots.snapshot_runtime("snap-files") == ""
+        assert reg.snapshots.snapshot_runtime("snap-none") is None
     finally:
         reg.close()
 
@@ -45,9 +45,9 @@ def test_a_version_17_registry_gets_the_runtime_column(tmp_path: Path):
     reg = Registry(tmp_path / "r.db")
     try:
         assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 19
-        assert reg.snapshot_runtime("snap-old") == ""  # made before runtimes were recorded
-        reg.add_snapshot("snap-new", "sb", 2.0, 1, RUNTIME)
-        assert reg.snapshot_runtime("snap-new") == RUNTIME
+        assert reg.snapshots.snapshot_runtime("snap-old") == ""  # made before runtimes were recorded
+        reg.snapshots.add_snapshot("snap-new", "sb", 2.0, 1, RUNTIME)
+        assert reg.snapshots.snapshot_runtime("snap-new") == RUNTIME
     finally:
         reg.close()
 
@@ -75,8 +75,8 @@ def test_a_version_17_postgresql_registry_is_migrated_by_warmbox_db_migrate(pg_f
     assert registry_mod.migrate(pg_fresh_dsn) == (17, SCHEMA_VERSION)
     reg = open_()
     try:
-        assert reg.snapshot_runtime("snap-old") == ""
-        reg.add_snapshot("snap-new", "sb", 2.0, 1, RUNTIME)
-        assert reg.snapshot_runtime("snap-new") == RUNTIME
+        assert reg.snapshots.snapshot_runtime("snap-old") == ""
+        reg.snapshots.add_snapshot("snap-new", "sb", 2.0, 1, RUNTIME)
+        assert reg.snapshots.snapshot_runtime("snap-new") == RUNTIME
     finally:
         reg.close()

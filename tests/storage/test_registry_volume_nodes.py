@@ -16,12 +16,15 @@ from warmbox.storage.registry import SCHEMA_VERSION, Registry
 def test_a_volume_is_recorded_on_the_node_that_made_it(registry_at):
     a, b = Registry(registry_at, "a"), Registry(registry_at, "b")
     try:
-        a.add_volume("t1", "data", "vol-00000000000000a1", 64, 1.0)
-        b.add_volume("t1", "other", "vol-00000000000000b1", 64, 2.0)
-        assert b.volume_node("vol-00000000000000a1") == "a" and a.volume_node("vol-00000000000000b1") == "b"
-        assert a.volume_nodes() == {"vol-00000000000000a1": "a", "vol-00000000000000b1": "b"}
+        a.volumes.add_volume("t1", "data", "vol-00000000000000a1", 64, 1.0)
+        b.volumes.add_volume("t1", "other", "vol-00000000000000b1", 64, 2.0)
+        assert (
+            b.volumes.volume_node("vol-00000000000000a1") == "a"
+            and a.volumes.volume_node("vol-00000000000000b1") == "b"
+        )
+        assert a.volumes.volume_nodes() == {"vol-00000000000000a1": "a", "vol-00000000000000b1": "b"}
         with pytest.raises(VolumeNotFound):
-            a.volume_node("vol-0000000000000000")
+            a.volumes.volume_node("vol-0000000000000000")
     finally:
         a.close()
         b.close()
@@ -43,8 +46,8 @@ def test_a_version_15_registry_gets_volume_nodes(tmp_path: Path):
     reg = Registry(tmp_path / "r.db", "n1")
     try:
         assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 16
-        assert reg.volume_node("vol-0000000000000001") == ""  # a single host's volume
-        reg.add_volume("", "new", "vol-0000000000000002", 64, 2.0)
-        assert reg.volume_nodes() == {"vol-0000000000000001": "", "vol-0000000000000002": "n1"}
+        assert reg.volumes.volume_node("vol-0000000000000001") == ""  # a single host's volume
+        reg.volumes.add_volume("", "new", "vol-0000000000000002", 64, 2.0)
+        assert reg.volumes.volume_nodes() == {"vol-0000000000000001": "", "vol-0000000000000002": "n1"}
     finally:
         reg.close()

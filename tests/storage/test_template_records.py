@@ -42,41 +42,41 @@ def _info(name: str = "web", image: str = "sha256:" + "a" * 64, spec: str = "s1"
 
 def test_versions_count_up_per_name_and_tenant_and_are_never_reused(tmp_path, registry_at):
     reg = _registry(tmp_path, at=registry_at)
-    v1 = reg.template_add(_info())
+    v1 = reg.templates.template_add(_info())
     assert v1.version == 1 and v1 == _info().__class__(**{**_info().__dict__, "version": 1})
-    assert reg.template_add(_info()) == v1  # the same spec and image: the latest, unchanged
-    v2 = reg.template_add(_info(image="sha256:" + "b" * 64))
+    assert reg.templates.template_add(_info()) == v1  # the same spec and image: the latest, unchanged
+    v2 = reg.templates.template_add(_info(image="sha256:" + "b" * 64))
     assert v2.version == 2
-    assert reg.template_add(_info(spec="s2", image="sha256:" + "b" * 64)).version == 3
-    assert reg.template_add(_info(tenant="acme")).version == 1  # another tenant's name
-    assert reg.template_get("web").version == 3
-    assert reg.template_get("web", 1) == v1
-    assert reg.template_get("web", tenant="acme").tenant == "acme"
-    assert [(t.tenant, t.name, t.version) for t in reg.template_list()] == [
+    assert reg.templates.template_add(_info(spec="s2", image="sha256:" + "b" * 64)).version == 3
+    assert reg.templates.template_add(_info(tenant="acme")).version == 1  # another tenant's name
+    assert reg.templates.template_get("web").version == 3
+    assert reg.templates.template_get("web", 1) == v1
+    assert reg.templates.template_get("web", tenant="acme").tenant == "acme"
+    assert [(t.tenant, t.name, t.version) for t in reg.templates.template_list()] == [
         ("", "web", 1),
         ("", "web", 2),
         ("", "web", 3),
         ("acme", "web", 1),
     ]
-    assert [t.version for t in reg.template_list("acme")] == [1]
-    assert reg.template_layers() == {"sha256:" + "1" * 64, "sha256:" + "2" * 64}
-    assert [t.version for t in reg.template_delete("web", 3)] == [3]
-    assert reg.template_add(_info(spec="s3")).version == 4  # 3 is not given again
-    removed = reg.template_delete("web")
+    assert [t.version for t in reg.templates.template_list("acme")] == [1]
+    assert reg.templates.template_layers() == {"sha256:" + "1" * 64, "sha256:" + "2" * 64}
+    assert [t.version for t in reg.templates.template_delete("web", 3)] == [3]
+    assert reg.templates.template_add(_info(spec="s3")).version == 4  # 3 is not given again
+    removed = reg.templates.template_delete("web")
     assert sorted(t.version for t in removed) == [1, 2, 4]
     with pytest.raises(TemplateNotFound) as e:
-        reg.template_get("web")
+        reg.templates.template_get("web")
     assert e.value.template == "web"
     with pytest.raises(TemplateNotFound):
-        reg.template_get("web", 2, tenant="acme")
+        reg.templates.template_get("web", 2, tenant="acme")
     with pytest.raises(TemplateNotFound):
-        reg.template_delete("web")
-    assert reg.template_add(_info()).version == 5
+        reg.templates.template_delete("web")
+    assert reg.templates.template_add(_info()).version == 5
     with pytest.raises(InvalidArgument):
-        reg.template_add(_info(name="../x"))
+        reg.templates.template_add(_info(name="../x"))
     reg.close()
     again = _registry(tmp_path, at=registry_at)
-    assert again.template_get("web").version == 5 and again.template_get("web").env == _info().env
+    assert again.templates.template_get("web").version == 5 and again.templates.template_get("web").env == _info().env
 
 
 def test_a_version_8_database_gains_the_template_tables(tmp_path):
@@ -87,7 +87,7 @@ def test_a_version_8_database_gains_the_template_tables(tmp_path):
     db.commit()
     db.close()
     reg = _registry(tmp_path)
-    assert reg.template_add(_info()).version == 1
+    assert reg.templates.template_add(_info()).version == 1
     assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 

@@ -74,15 +74,19 @@ def test_a_dropped_clusters_slots_go_to_another_cluster_once_its_node_is_closed(
         new = Registry(pg_fresh_dsn, "n1", ledger=ledger)
         try:
             state = tmp_path / "sb-old"  # not made yet: a create in progress on the old cluster's node
-            assert old.allocate("sb-0000000000a1", "container", "base", 60, Limits(), str(state), "/x") == FIRST
+            assert (
+                old.sandboxes.allocate("sb-0000000000a1", "container", "base", 60, Limits(), str(state), "/x") == FIRST
+            )
             with pytest.raises(RegistryError, match="uid ranges"):  # its node is open: never judged
-                new.allocate("sb-0000000000b1", "container", "base", 60, Limits(), str(tmp_path / "b1"), "/x")
+                new.sandboxes.allocate("sb-0000000000b1", "container", "base", 60, Limits(), str(tmp_path / "b1"), "/x")
             old.close()
             state.mkdir()  # ... and its sandbox's state directory still there: held
             with pytest.raises(RegistryError, match="uid ranges"):
-                new.allocate("sb-0000000000b1", "container", "base", 60, Limits(), str(tmp_path / "b1"), "/x")
+                new.sandboxes.allocate("sb-0000000000b1", "container", "base", 60, Limits(), str(tmp_path / "b1"), "/x")
             state.rmdir()  # the old node's home went away: its slot is free
-            slot = new.allocate("sb-0000000000b1", "container", "base", 60, Limits(), str(tmp_path / "b1"), "/x")
+            slot = new.sandboxes.allocate(
+                "sb-0000000000b1", "container", "base", 60, Limits(), str(tmp_path / "b1"), "/x"
+            )
             assert slot == FIRST and ledger.holder(FIRST)["registry"] == new.key
         finally:
             old.close()

@@ -313,8 +313,8 @@ def test_cli_over_http_progress_ls_show_rm(engine: Engine, home: Path, tmp_path:
     (tmp_path / "note.txt").write_text(f"copied over http {TOKEN}\n")
     server = start_server(home, home / "templates-cli.sock")
     try:
-        _k, mine = engine.registry.create_key("tmpl-owner")
-        _k, other = engine.registry.create_key("tmpl-other")
+        _k, mine = engine.registry.tenants.create_key("tmpl-owner")
+        _k, other = engine.registry.tenants.create_key("tmpl-other")
         env = {"WARMBOX_API_URL": server.url, "WARMBOX_API_KEY": mine}
         r = cli("template", "build", str(tmp_path), "--name", name, env=env, timeout=300)
         assert r.returncode == 0, r.stderr

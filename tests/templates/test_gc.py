@@ -124,14 +124,14 @@ def test_gc_after_rm_keeps_others_and_snapshot_images(gc_home: Path, oci_archive
         assert rep.bytes_freed >= 1 << 20
         print(f"template gc freed {rep.bytes_freed} bytes: {len(rep.layers)} layer(s), {len(rep.roots)} root(s)")
         # the snapshot's recorded image still resolves (its layers are all there)
-        info = engine.registry.template_get(names["snap"], None, "")
+        info = engine.registry.templates.template_get(names["snap"], None, "")
         assert resolve.recorded_image(engine, names["snap"], info.version, info.image_id).layers
         # an older guest agent's root of a kept image goes too
         stale = roots["other"].with_name(roots["other"].name.rsplit("-", 1)[0] + "-" + "0" * 16 + ".ext4")
         stale.write_bytes(b"x")
         assert stale.name in _run(engine, ops.TemplateGc()).roots and not stale.exists()
     finally:
-        for snap in engine.registry.snapshots_of(sid) if sid else []:
+        for snap in engine.registry.snapshots.snapshots_of(sid) if sid else []:
             with contextlib.suppress(Exception):
                 _run(engine, ops.DeleteSnapshot(snap))
         for n in names.values():

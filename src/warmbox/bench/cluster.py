@@ -301,7 +301,7 @@ class LocalCluster:
         router_home = self.dir / "router"
         router_home.mkdir(mode=0o700)
         self._write_config(router_home)
-        _key_id, key = self.registry().create_key("bench")
+        _key_id, key = self.registry().tenants.create_key("bench")
         self.router = Router(router_home, {**self.env(), "WARMBOX_HOME": str(router_home)}, self.head.address, key)
         self.router.start()
 
@@ -331,7 +331,7 @@ class LocalCluster:
         return name
 
     def state(self, name: str) -> str:
-        return next((i.state for i in self.registry().nodes() if i.name == name), "")
+        return next((i.state for i in self.registry().nodes.nodes() if i.name == name), "")
 
     def wait_state(self, name: str, state: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -349,10 +349,10 @@ class LocalCluster:
         from warmbox.cluster.placement import NodeLoad, split_target
 
         reg = self.registry()
-        up = [i for i in reg.nodes() if i.state == "up"]
+        up = [i for i in reg.nodes.nodes() if i.state == "up"]
         loads = [NodeLoad(i.name, tuple(i.tiers), i.slots, 0, i.memory_mb, 0) for i in up]
         shares = split_target(self.pool, loads, tier="container", key=POOL)
-        usage = {u.node: u for u in reg.node_usage()}
+        usage = {u.node: u for u in reg.nodes.node_usage()}
         now = {}
         for i in up:
             u = usage.get(i.name)
@@ -429,7 +429,7 @@ async def part_warm(cluster: LocalCluster, runs: int) -> dict[str, Any]:
     router = cluster.router
     assert router is not None
     via_router: dict[str, Any] = {"api_url": router.url, "api_key": router.key}
-    direct = next(i.address for i in cluster.registry().nodes() if i.name == NODE_NAMES[0])
+    direct = next(i.address for i in cluster.registry().nodes.nodes() if i.name == NODE_NAMES[0])
     await asyncio.to_thread(cluster.wait_pools)
     await _warm_once(via_router)  # untimed: imports, the first connection
     samples: dict[str, list[float]] = {"router": [], "direct": []}
@@ -440,7 +440,7 @@ async def part_warm(cluster: LocalCluster, runs: int) -> dict[str, Any]:
             await asyncio.to_thread(cluster.wait_pools)  # a refill never competes with a timed create
             if side == "router":
                 ms, hit, sandbox_id = await _warm_on(via_router)
-                nodes[await asyncio.to_thread(cluster.registry().node_of, sandbox_id)] += 1
+                nodes[await asyncio.to_thread(cluster.registry().nodes.node_of, sandbox_id)] += 1
             else:
                 ms, hit, sandbox_id = await _warm_direct(direct, cluster.peer_token(), cluster.router_tls())
             samples[side].append(ms)
@@ -509,7 +509,7 @@ async def part_burst(cluster: LocalCluster, creates: int, clients: int, concurre
 
 def _bench_sandboxes(cluster: LocalCluster) -> dict[str, str]:
     """Every sandbox of the benchmark's tenant, ended ones too: id -> its node."""
-    return {info.sandbox_id: handle.node for info, handle in cluster.registry().list(True, tenant="bench")}
+    return {info.sandbox_id: handle.node for info, handle in cluster.registry().sandboxes.list(True, tenant="bench")}
 
 
 async def part_failover(cluster: LocalCluster, times: int) -> dict[str, Any]:
@@ -528,7 +528,7 @@ async def part_failover(cluster: LocalCluster, times: int) -> dict[str, Any]:
             await sb.pause()
         finally:
             await sb.close()
-        victim = await asyncio.to_thread(cluster.registry().node_of, sb.sandbox_id)
+        victim = await asyncio.to_thread(cluster.registry().nodes.node_of, sb.sandbox_id)
         t0 = time.monotonic()
         await asyncio.to_thread(cluster.nodes[victim].kill9)
         down_at = asyncio.ensure_future(asyncio.to_thread(_wait_down, cluster, victim))
@@ -546,7 +546,7 @@ async def part_failover(cluster: LocalCluster, times: int) -> dict[str, Any]:
                 if out.stdout.strip() != token:
                     raise WarmboxError(f"the file came back as {out.stdout[:80]!r}, not {token!r}")
                 answered = time.monotonic() - t0
-                now_on = await asyncio.to_thread(cluster.registry().node_of, sb.sandbox_id)
+                now_on = await asyncio.to_thread(cluster.registry().nodes.node_of, sb.sandbox_id)
                 await back.kill()
             finally:
                 await back.close()

@@ -475,7 +475,7 @@ async def bench_density(home: Path, maximum: int, step: int, bound_gib: float, t
             pools.resize(engine, engine.settings(), name, n, min=n, max=n)
             await _wait_quiet(engine, name, timeout=900)
             await asyncio.sleep(1.0)  # let the guests settle to idle
-            ids = engine.registry.pooled(name)
+            ids = engine.registry.pools.pooled(name)
             members = []
             for sid in ids:
                 _, handle = engine.info(sid)

@@ -124,8 +124,8 @@ async def _wait_quiet(engine: Any, pool: str, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         engine.settings()  # a broken config is a typed error now, not a timeout later
-        row = engine.registry.pool_rows().get(pool)
-        ready, warming = engine.registry.pool_counts(pool)
+        row = engine.registry.pools.pool_rows().get(pool)
+        ready, warming = engine.registry.pools.pool_counts(pool)
         if row is not None and ready == row.target and warming == 0:
             return
         if time.monotonic() > deadline:

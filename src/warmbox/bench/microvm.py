@@ -230,7 +230,7 @@ def _template_files(engine, limits: Limits, work: Path, template: str = "base") 
 
     image = resolve.image_for(engine, template)
     shape = config.shape_key("microvm", engine.settings().template(template), limits, image.image_id)
-    sid = engine.registry.meta_text(snapstore.template_key(engine, "microvm", shape, image))
+    sid = engine.registry.meta.meta_text(snapstore.template_key(engine, "microvm", shape, image))
     m = snaps.load_manifest(snapstore.store_for(engine), sid, snapstore.workdir(engine))
     cached = snapstore.cached_memory(engine, m, snapstore.workdir(engine))
     mem = work / f"{template}.mem"

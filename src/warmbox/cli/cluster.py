@@ -81,7 +81,7 @@ def _ls(args: argparse.Namespace) -> int:
 
     from warmbox.engine.engine import Engine
 
-    nodes = Engine.for_home().registry.nodes()
+    nodes = Engine.for_home().registry.nodes.nodes()
     if args.json:
         print(json.dumps([dataclasses.asdict(n) for n in nodes], indent=2))
         return 0

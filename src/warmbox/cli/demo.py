@@ -40,7 +40,7 @@ async def demo() -> int:
     if pool is not None:  # the create above missed the pool; a miss grows it
         engine.ensure_daemon()
         deadline = time.monotonic() + 30
-        while engine.registry.pool_counts(pool.name)[0] < 1 and time.monotonic() < deadline:
+        while engine.registry.pools.pool_counts(pool.name)[0] < 1 and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         t0 = time.perf_counter()
         async with await AsyncSandbox.create(tier="container", timeout=120) as sb:

@@ -96,7 +96,7 @@ async def command(args: argparse.Namespace) -> int:
     if args.keys_command == "budget":
         return _budget_command(args)
     if args.keys_command == "revoke":
-        if not _registry().revoke_key(args.key_id):
+        if not _registry().tenants.revoke_key(args.key_id):
             raise WarmboxError(f"no live key {args.key_id!r} (`warmbox keys ls` lists them)")
         print(f"{args.key_id} revoked")
         return 0
@@ -106,7 +106,7 @@ async def command(args: argparse.Namespace) -> int:
 def _create(args: argparse.Namespace) -> int:
     reg = _registry()
     cpu_h, gib_h = parse_budget(args.budget)
-    key_id, secret = reg.create_key(
+    key_id, secret = reg.tenants.create_key(
         args.tenant,
         admin=args.admin,
         max_sandboxes=args.max_sandboxes,
@@ -117,7 +117,7 @@ def _create(args: argparse.Namespace) -> int:
         budget_cpu_h=cpu_h,
         budget_gib_h=gib_h,
     )
-    t = reg.tenant(args.tenant)
+    t = reg.tenants.tenant(args.tenant)
     if args.json:
         print(json.dumps({"key_id": key_id, "tenant": t.name, "admin": args.admin, "secret": secret}))
         return 0
@@ -144,11 +144,11 @@ def _budget_command(args: argparse.Namespace) -> int:
 
     engine = Engine.for_home()
     reg = engine.registry
-    reg.tenant(args.tenant)  # InvalidArgument if there is none
+    reg.tenants.tenant(args.tenant)  # InvalidArgument if there is none
     if args.set is not None:
         cpu_h, gib_h = parse_budget(args.set)
-        reg.set_budget(args.tenant, cpu_h=cpu_h, gib_h=gib_h)
-    b = reg.budget_status(args.tenant, warn_ratio=engine.settings().approvals.warn_ratio)
+        reg.usage.set_budget(args.tenant, cpu_h=cpu_h, gib_h=gib_h)
+    b = reg.usage.budget_status(args.tenant, warn_ratio=engine.settings().approvals.warn_ratio)
     if args.json:
         print(json.dumps(dataclasses.asdict(b)))
         return 0
@@ -175,7 +175,7 @@ def _budget(cpu_h: float, gib_h: float) -> str:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    keys = _registry().list_keys()
+    keys = _registry().tenants.list_keys()
     if args.json:
         print(json.dumps([dataclasses.asdict(k) for k in keys]))
         return 0

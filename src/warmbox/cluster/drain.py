@@ -49,7 +49,7 @@ async def drain(cluster: Cluster, name: str, timeout: float = 600.0) -> ops.Drai
             node=name,
         )
     if node.state == UP:
-        cluster.registry.set_node_state(name, DRAINING)
+        cluster.registry.nodes.set_node_state(name, DRAINING)
     cluster.nodes(fresh=True)
     root = ClusterFront(cluster, None)
     moved: list[str] = []
@@ -61,8 +61,8 @@ async def drain(cluster: Cluster, name: str, timeout: float = 600.0) -> ops.Drai
     while True:
         mine = [
             (info, _)
-            for info, _ in cluster.registry.list(states=(State.CREATING, *MOVABLE))
-            if info.sandbox_id not in done and cluster.registry.node_of(info.sandbox_id) == name
+            for info, _ in cluster.registry.sandboxes.list(states=(State.CREATING, *MOVABLE))
+            if info.sandbox_id not in done and cluster.registry.nodes.node_of(info.sandbox_id) == name
         ]
         ready = [info for info, _ in mine if info.state in MOVABLE]
         for info in ready:
@@ -74,7 +74,7 @@ async def drain(cluster: Cluster, name: str, timeout: float = 600.0) -> ops.Drai
                 failed.append(f"{sid}: pause failed (it runs on, on this node): {e}")
                 still_running.append(sid)
                 continue
-            if cluster.registry.volumes_of(sid):
+            if cluster.registry.volumes.volumes_of(sid):
                 paused.append(sid)  # its volumes' disks are this node's: it resumes where they are
                 continue
             try:
@@ -86,7 +86,7 @@ async def drain(cluster: Cluster, name: str, timeout: float = 600.0) -> ops.Drai
                 failed.append(f"{sid}: paused, but its resume elsewhere failed (it stays paused): {e}")
                 continue
             moved.append(sid)
-            log.info("drain %s: moved %s to %s", name, sid, cluster.registry.node_of(sid))
+            log.info("drain %s: moved %s to %s", name, sid, cluster.registry.nodes.node_of(sid))
         if len(ready) == len(mine):
             break  # nothing left being created
         if time.monotonic() > deadline:
@@ -95,15 +95,15 @@ async def drain(cluster: Cluster, name: str, timeout: float = 600.0) -> ops.Drai
             )
             break
         await asyncio.sleep(WAIT_S)
-    for info, _ in cluster.registry.list(states=(State.PAUSED,)):
+    for info, _ in cluster.registry.sandboxes.list(states=(State.PAUSED,)):
         sid = info.sandbox_id
-        if sid not in done and cluster.registry.node_of(sid) == name:
+        if sid not in done and cluster.registry.nodes.node_of(sid) == name:
             paused.append(sid)  # any node resumes it: the next call on it moves it
     if still_running:  # marking the node down would lose them: it stays draining, the drain can be run again
         log.warning("drain %s: %d sandbox(es) could not be paused; the node stays draining", name, len(still_running))
         state = DRAINING
     else:
-        lost = cluster.registry.mark_node_down(name, "drained")
+        lost = cluster.registry.nodes.mark_node_down(name, "drained")
         cluster.node_down(name, "drained")
         state = DOWN
         if lost:

@@ -2,7 +2,7 @@
 
 Every PERIOD_S the monitor reads the node rows and asks Ray which raylets are alive. A node that is
 not down whose raylet Ray reports dead, or whose last heartbeat is older than ``heartbeat_timeout_s``,
-is marked down in the registry (``Registry.mark_node_down``: its live sandboxes become lost, its
+is marked down in the registry (``NodeStore.mark_node_down``: its live sandboxes become lost, its
 paused ones stay resumable on any node, its epoch moves on so it is fenced), and this router ends
 every call still waiting on it (:meth:`Cluster.node_down`). Several routers may watch one cluster:
 the mark is conditional on the epoch the monitor saw (a node that rejoined meanwhile is left
@@ -116,7 +116,7 @@ class Monitor:
     async def tick(self) -> list[str]:
         """One round: read, judge, mark. The names of the nodes this round found down."""
         alive = await self._ray()
-        nodes = await asyncio.to_thread(self.cluster.registry.nodes)
+        nodes = await asyncio.to_thread(self.cluster.registry.nodes.nodes)
         self.cluster.ray_alive = alive
         self.cluster.set_view(nodes)
         now = time.time()
@@ -134,11 +134,11 @@ class Monitor:
             found.append(node.name)
             self.cluster.node_down(node.name, why)  # this router's calls end now, whoever marks it
             lost = await asyncio.to_thread(
-                functools.partial(self.cluster.registry.mark_node_down, node.name, why, epoch=node.epoch)
+                functools.partial(self.cluster.registry.nodes.mark_node_down, node.name, why, epoch=node.epoch)
             )
             log.warning("node %s marked down (%s): %d sandbox(es) lost", node.name, why, len(lost))
         if found:
-            self.cluster.set_view(await asyncio.to_thread(self.cluster.registry.nodes))
+            self.cluster.set_view(await asyncio.to_thread(self.cluster.registry.nodes.nodes))
         return found
 
 

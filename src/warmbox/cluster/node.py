@@ -99,7 +99,7 @@ class NodeShare:
     def _view(self) -> list[NodeInfo]:
         now = time.monotonic()
         if now - self._read_at >= 1.0:
-            self._nodes = self.registry.nodes()
+            self._nodes = self.registry.nodes.nodes()
             self._read_at = now
         return self._nodes
 
@@ -218,7 +218,7 @@ async def _main(home: Path, opts: NodeOptions) -> int:
         address = _advertised(served.addresses[0], raylet)
         if address.startswith("https://"):
             tls.check_covers(member, name, (urllib.parse.urlsplit(address).hostname or "",))
-        epoch = registry.join_node(
+        epoch = registry.nodes.join_node(
             NodeInfo(
                 name=name, address=address, ray_node_id=raylet.node_id, slots=slots, memory_mb=memory_mb, tiers=tiers
             )
@@ -230,7 +230,7 @@ async def _main(home: Path, opts: NodeOptions) -> int:
         stop.set()
         if code != EXIT_FENCED:  # fenced: the registry has moved on; nothing of the node's row is ours to write
             try:
-                registry.set_node_state(name, "draining")  # no new placements while it leaves
+                registry.nodes.set_node_state(name, "draining")  # no new placements while it leaves
             except WarmboxError as e:
                 _say(f"cannot set itself draining: {e}")
         await served.close()  # requests in flight finish
@@ -239,7 +239,7 @@ async def _main(home: Path, opts: NodeOptions) -> int:
         async with asyncio.timeout(LEAVE_TIMEOUT_S):
             if code != EXIT_FENCED:
                 await pools.drain()  # its pooled sandboxes go (they are this node's)
-                lost = registry.mark_node_down(name, "left" if code == 0 else "its raylet is gone", epoch=epoch)
+                lost = registry.nodes.mark_node_down(name, "left" if code == 0 else "its raylet is gone", epoch=epoch)
                 if lost:
                     _say(f"left with {len(lost)} live sandboxes, now lost: {', '.join(lost[:10])}")
             await teardown.reconcile_node(engine)  # the local runtime of what is no longer this node's goes
@@ -279,8 +279,8 @@ async def _heartbeat(engine: Engine, epoch: int, raylet: RayProcess, stop: async
                 code = EXIT_RAYLET
                 break
             try:
-                live, pooled = engine.registry.local_counts()
-                if not engine.registry.heartbeat(engine.node, epoch, live, pooled):
+                live, pooled = engine.registry.nodes.local_counts()
+                if not engine.registry.nodes.heartbeat(engine.node, epoch, live, pooled):
                     code = EXIT_FENCED
                     break
             except WarmboxError as e:  # a registry hiccup: the next beat tries again

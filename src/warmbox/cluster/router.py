@@ -85,7 +85,7 @@ KEY_HEADER = peer.KEY_ID  # the caller's key id (for logs and approvals)
 class Rule(enum.Enum):
     """Where an operation runs."""
 
-    OWNER = "owner"  # the node that owns the sandbox (registry.node_of): see ClusterFront._owner
+    OWNER = "owner"  # the node that owns the sandbox (registry.nodes.node_of): see ClusterFront._owner
     PLACE = "place"  # a new sandbox (create, fork): the node placement.place() picks
     RESUME = "resume"  # a paused sandbox: its own node if up, else the node placement picks
     ANY = "any"  # the answer is in the shared registry or object store: any up node (round robin)
@@ -271,7 +271,7 @@ class Cluster:
         """Every node of the registry by name (read at most every VIEW_TTL_S unless ``fresh``)."""
         now = time.monotonic()
         if fresh or now - self._read_at >= VIEW_TTL_S:
-            self.set_view(self.registry.nodes())
+            self.set_view(self.registry.nodes.nodes())
         return self._view
 
     def set_view(self, nodes: list[NodeInfo]) -> None:
@@ -283,7 +283,7 @@ class Cluster:
     def usage(self) -> dict[str, NodeUsage]:
         """What each node's sandboxes hold, read once per view (placement only needs it)."""
         if self._usage is None:
-            self._usage = {u.node: u for u in self.registry.node_usage()}
+            self._usage = {u.node: u for u in self.registry.nodes.node_usage()}
         return self._usage
 
     def alive(self, node: NodeInfo) -> bool:
@@ -485,7 +485,7 @@ class ClusterFront:
         sandbox whose node is gone or draining moves to the node placement picks (any node resumes
         it from the shared store); anything else on a node that is gone goes to any up node, which
         answers from the shared registry (SandboxLost for a lost one, its record for a read)."""
-        owner = self.cluster.registry.node_of(sid)
+        owner = self.cluster.registry.nodes.node_of(sid)
         node = self.cluster.serving(owner) if owner else None
         if node is not None and node.state == UP:
             return node
@@ -495,13 +495,13 @@ class ClusterFront:
         if node is not None:  # draining: it still runs its sandboxes
             return node
         if info.state is State.LOST and request not in LOST_ANSWERED:
-            raise lost(sid, owner, self.cluster.registry.ended_reason(sid))  # no node needed to say so
+            raise lost(sid, owner, self.cluster.registry.sandboxes.ended_reason(sid))  # no node needed to say so
         return self.cluster.any_up(exclude=owner)
 
     def _own(self, sid: str) -> SandboxInfo:
         """The sandbox's record if it is this caller's (another tenant's: the error of an unknown id,
         before the router changes anything for it)."""
-        info, _ = self.cluster.registry.get(sid)
+        info, _ = self.cluster.registry.sandboxes.get(sid)
         if self.tenant is not None and info.tenant != self.tenant.name:
             raise unknown_sandbox(sid)
         return info
@@ -511,12 +511,12 @@ class ClusterFront:
         it mounts any (VolumeElsewhere if that is not up), else the node placement picks."""
         home = self._volume_home(self._mounted(sid))
         if home is not None:
-            if home.name != self.cluster.registry.node_of(sid):
-                self.cluster.registry.move(sid, home.name)
+            if home.name != self.cluster.registry.nodes.node_of(sid):
+                self.cluster.registry.sandboxes.move(sid, home.name)
             return home
         want = Want(tier=canonical_tier(tier), memory_mb=max(1, memory_mb))
         target = self.cluster.place(want, exclude=exclude, pool_yields=True)
-        self.cluster.registry.move(sid, target.name)
+        self.cluster.registry.sandboxes.move(sid, target.name)
         log.info("sandbox %s moves to node %s", sid, target.name)
         return target
 
@@ -555,18 +555,18 @@ class ClusterFront:
     def _named_volumes(self, names: list[str]) -> list[tuple[str, str]]:
         """(name, volume id) of the caller's volumes of these names (VolumeNotFound for one it has not)."""
         owner = "" if self.tenant is None else self.tenant.name
-        return [(name, self.cluster.registry.volume(owner, name)[0]) for name in names if isinstance(name, str)]
+        return [(name, self.cluster.registry.volumes.volume(owner, name)[0]) for name in names if isinstance(name, str)]
 
     def _mounted(self, sid: str) -> list[tuple[str, str]]:
         """(name, volume id) of what the sandbox ``sid`` mounts."""
-        return [(name or vid, vid) for name, vid, _, _ in self.cluster.registry.volumes_of(sid)]
+        return [(name or vid, vid) for name, vid, _, _ in self.cluster.registry.volumes.volumes_of(sid)]
 
     def _volume_home(self, volumes: list[tuple[str, str]]) -> NodeInfo | None:
         """The node holding these volumes' disks, up (None: no volume, or a single host's).
         VolumeElsewhere when they are on several nodes, or on one that is not up."""
         homes: dict[str, str] = {}
         for name, vid in volumes:
-            holder = self.cluster.registry.volume_node(vid)
+            holder = self.cluster.registry.volumes.volume_node(vid)
             if holder:
                 homes.setdefault(holder, name)
         if not homes:
@@ -595,17 +595,17 @@ class ClusterFront:
         """The sandbox a snapshot (or a paused sandbox's id) was taken of ("" if unknown)."""
         if ref.startswith("sb-"):
             return ref
-        return self.cluster.registry.snapshot_sandbox(ref) or ""  # one read by its key, never a scan
+        return self.cluster.registry.snapshots.snapshot_sandbox(ref) or ""  # one read by its key, never a scan
 
     def _snapshot_shape(self, ref: str) -> tuple[str, Limits | None]:
         """The tier and memory of the sandbox a snapshot (or a paused sandbox's id) was taken of."""
         # one read by the snapshot's key: a scan of every tenant's snapshots here held the router's
         # event loop ~0.1-0.2 s per request at 100k snapshots, for every caller of this router
-        sid = ref if ref.startswith("sb-") else (self.cluster.registry.snapshot_sandbox(ref) or "")
+        sid = ref if ref.startswith("sb-") else (self.cluster.registry.snapshots.snapshot_sandbox(ref) or "")
         if not sid:
             return self.cluster.settings().defaults.tier, None  # the node says it is unknown
         try:
-            info, _ = self.cluster.registry.get(sid)
+            info, _ = self.cluster.registry.sandboxes.get(sid)
         except SandboxNotFound:
             return self.cluster.settings().defaults.tier, None
         return info.tier, Limits(memory_mb=max(1, info.memory_mb))
@@ -613,7 +613,7 @@ class ClusterFront:
     async def _resume(self, r: ops.Resume) -> ops.Opened:
         ref = r.snapshot
         if isinstance(ref, str) and ref.startswith("sb-"):
-            owner = self.cluster.registry.node_of(ref)
+            owner = self.cluster.registry.nodes.node_of(ref)
             node = self.cluster.serving(owner) if owner else None
             if node is not None and node.state == UP:
                 return await self._forward(node, r, ref)

@@ -77,7 +77,7 @@ def needed(engine: Engine, tenant: Tenant | None) -> bool:
         return True
     if tenant is None:
         return False
-    b = engine.registry.budget_status(tenant.name)
+    b = engine.registry.usage.budget_status(tenant.name)
     return bool(b.cpu_limit_h or b.gib_limit_h)
 
 
@@ -89,10 +89,12 @@ async def gate_start(
     settings = engine.settings().approvals
     budget = None
     if tenant is not None:
-        budget = engine.registry.budget_status(tenant.name, warn_ratio=settings.warn_ratio)
+        budget = engine.registry.usage.budget_status(tenant.name, warn_ratio=settings.warn_ratio)
         if not (budget.cpu_limit_h or budget.gib_limit_h):
             budget = None
-    running = engine.registry.live_footprint(tenant.name) if budget is not None and tenant is not None else (0, 0.0)
+    running = (
+        engine.registry.usage.live_footprint(tenant.name) if budget is not None and tenant is not None else (0, 0.0)
+    )
     reasons = start_reasons(settings, kind, tier, limits, budget, running)
     if not reasons:
         return None
@@ -164,7 +166,7 @@ async def ask(
     settings = engine.settings().approvals
     reg = engine.registry
     if kind != "network":  # no await between this count and the row's insert below
-        waiting = reg.approvals(tenant, pending_only=True, limit=1000)
+        waiting = reg.approvals.approvals(tenant, pending_only=True, limit=1000)
         if sum(1 for q in waiting if q.kind != "network") >= MAX_OPEN_PER_TENANT:
             raise ApprovalDenied(
                 f"{subject}: needs approval ({reason}), but {MAX_OPEN_PER_TENANT} questions of "
@@ -172,7 +174,7 @@ async def ask(
                 state="denied",
                 reason="too many questions waiting",
             )
-    a = reg.open_approval(
+    a = reg.approvals.open_approval(
         tenant,
         kind,
         subject,
@@ -186,12 +188,12 @@ async def ask(
             decision = await tell_webhook(settings, a)
             if decision:
                 try:
-                    reg.answer_approval(a.approval_id, decision, "webhook")
+                    reg.approvals.answer_approval(a.approval_id, decision, "webhook")
                 except (ApprovalClosed, InvalidArgument):
                     pass  # answered meanwhile, or a decision not of its kind: the queue decides
-        return await reg.wait_approval(a.approval_id)
+        return await reg.approvals.wait_approval(a.approval_id)
     except BaseException:
-        reg.withdraw_approval(a.approval_id)
+        reg.approvals.withdraw_approval(a.approval_id)
         raise
 
 

@@ -542,7 +542,7 @@ class Build:
         cluster, fetched from the shared object store); None otherwise. Never another owner's."""
         if self.tenant is None:
             return self.store.cached_step(_HOST_STEPS + key)  # None if its blob is gone
-        digest = self.engine.registry.build_step(self.tenant.name, key)
+        digest = self.engine.registry.templates.build_step(self.tenant.name, key)
         if digest is None or self.store.has(digest):
             return digest
         url = self.engine.settings().cluster.object_store
@@ -558,7 +558,7 @@ class Build:
         if self.tenant is None:
             self.store.cache_step(_HOST_STEPS + key, digest)
         else:
-            self.engine.registry.record_build_step(self.tenant.name, key, digest)
+            self.engine.registry.templates.record_build_step(self.tenant.name, key, digest)
 
     async def _source(self) -> tuple[_Image, str]:
         """The source's layers and config, and what it resolved to (for the first cache key)."""

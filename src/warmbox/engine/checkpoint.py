@@ -224,7 +224,7 @@ async def snapshot(
         if not store.exists(snaps.blob_key(sha)):  # a gc raced the write: do not claim a snapshot exists
             store.delete(snaps.manifest_key(m.snapshot_id))
             raise StorageError(f"snapshot of {sandbox_id}: its blob vanished while it was written (a concurrent gc?)")
-        engine.registry.add_snapshot(m.snapshot_id, sandbox_id, m.created_at, size)
+        engine.registry.snapshots.add_snapshot(m.snapshot_id, sandbox_id, m.created_at, size)
         return m
     finally:
         if blob is not None:
@@ -251,7 +251,7 @@ def _manifest(
     context_skipped: tuple[str, ...],
 ) -> snaps.SnapshotManifest:
     """The manifest of a snapshot of ``info``: its shape, the blobs (sha256, stored, raw sizes)."""
-    lim = engine.registry.limits(info.sandbox_id)
+    lim = engine.registry.sandboxes.limits(info.sandbox_id)
     mem_sha, mem_size, mem_raw = memory or ("", 0, 0)
     record = egress.record_of(engine, info.sandbox_id)
     return snaps.SnapshotManifest(
@@ -377,7 +377,9 @@ async def pause(
     finally:
         snapstore.own_pause.reset(own)
     try:
-        engine.registry.add_timings([StageTiming(sandbox_id, "pause", (time.perf_counter() - t0) * 1e3, True)])
+        engine.registry.sandboxes.add_timings(
+            [StageTiming(sandbox_id, "pause", (time.perf_counter() - t0) * 1e3, True)]
+        )
     except WarmboxError:
         pass  # the pause is done and recorded; a busy registry only loses its duration
     return m
@@ -391,11 +393,11 @@ async def _release_paused(engine: Engine, sandbox_id: str, m: snaps.SnapshotMani
     reason = f"paused to {m.snapshot_id}" + (f" ({why})" if why else "")
     releasing.add(sandbox_id)
     try:
-        engine.registry.set_state(sandbox_id, State.PAUSED, reason, owner=engine.owner)
-        engine.registry.finalize(sandbox_id)
+        engine.registry.sandboxes.set_state(sandbox_id, State.PAUSED, reason, owner=engine.owner)
+        engine.registry.usage.finalize(sandbox_id)
         await engine.backend(info.tier).destroy(handle)
         await egress.suspend(engine, sandbox_id)  # its policy waits for its resume (the secrets' values go)
-        engine.registry.released(sandbox_id, engine.owner)  # from here a resume may start it again
+        engine.registry.sandboxes.released(sandbox_id, engine.owner)  # from here a resume may start it again
     finally:
         releasing.discard(sandbox_id)
 
@@ -543,7 +545,7 @@ async def _store_checkpoint(
         context_skipped=(),
     )
     snaps.save_manifest(store, m, work)
-    engine.registry.add_snapshot(m.snapshot_id, sid, m.created_at, m.size_bytes, m.runtime)
+    engine.registry.snapshots.add_snapshot(m.snapshot_id, sid, m.created_at, m.size_bytes, m.runtime)
     # kept unpacked, once stored (until then a failure continues the sandbox from it): a tier that
     # starts every sandbox from a template reads it in place on each restore; another tier's
     # resume of this pause takes it (and drops it) instead of unpacking the blob

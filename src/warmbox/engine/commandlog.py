@@ -167,7 +167,7 @@ class CommandLog:
         if not batch:
             return
         try:
-            self._registry.add_commands(batch)
+            self._registry.commands.add_commands(batch)
             self._failures = 0
         except WarmboxError:
             self._failures += 1

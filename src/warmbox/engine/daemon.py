@@ -170,7 +170,7 @@ def _pools_want(engine) -> bool:
         settings = engine.settings()
     except Exception:
         return False
-    rows = engine.registry.pool_rows()
+    rows = engine.registry.pools.pool_rows()
     return any((rows[n].target if n in rows else pc.target) > 0 for n, pc in settings.pools.items())
 
 
@@ -227,7 +227,7 @@ async def down_home(home: Path | str | None) -> tuple[int | None, list[str]]:
             raise WarmboxError(f"the daemon (pid {pid}) did not stop within {limit:.0f} s")
     await duties.reap(engine)
     await PoolManager(engine).drain()
-    if not engine.registry.live_links():  # no sandbox needs egress: the proxy and its netns go
+    if not engine.registry.egress.live_links():  # no sandbox needs egress: the proxy and its netns go
         await egress.stop_proxy(engine.home)
         if egress.proxy_pid(engine.home) is None:
             await netns.remove_egress(netns.egress_name(engine.runtime))

@@ -50,7 +50,7 @@ async def auto_pause(engine: Engine, sandbox_id: str, why: str) -> None:
     """Pause a sandbox no caller asked to pause (idle, or its timeout ran out): with its memory
     where the tier can, else (or if that is refused, e.g. sockets in /workspace) its files."""
     info, _ = engine.info(sandbox_id)
-    parent = engine.registry.parent(sandbox_id)
+    parent = engine.registry.sandboxes.parent(sandbox_id)
     m = None
     if engine.backend(info.tier).capabilities().memory_snapshot:
         try:
@@ -61,8 +61,8 @@ async def auto_pause(engine: Engine, sandbox_id: str, why: str) -> None:
         m = await checkpoint.pause(engine, sandbox_id, None, memory=False, parent=parent, why=why)
     # the sandbox resumes from this one: the earlier automatic ones are nobody's (their blobs
     # go at the next gc); snapshots the caller took or paused to are never touched
-    engine.registry.mark_auto(m.snapshot_id)
-    for old in engine.registry.auto_snapshots_of(sandbox_id):
+    engine.registry.snapshots.mark_auto(m.snapshot_id)
+    for old in engine.registry.snapshots.auto_snapshots_of(sandbox_id):
         if old != m.snapshot_id:
             try:
                 snapstore.delete(engine, old)
@@ -94,7 +94,7 @@ async def open(engine: Engine, sandbox_id: str) -> Launched:
             await teardown.destroy(engine, sandbox_id, "found dead")
             raise SandboxNotFound(f"sandbox {sandbox_id} is no longer running", sandbox_id) from None
         raise
-    return Launched(info, handle, session, engine.registry.timings(sandbox_id))
+    return Launched(info, handle, session, engine.registry.sandboxes.timings(sandbox_id))
 
 
 async def reap(engine: Engine) -> list[str]:
@@ -105,9 +105,11 @@ async def reap(engine: Engine) -> list[str]:
     now = time.time()
     reaped += await teardown.reap_template_vms(engine)
     orphans = {
-        sid for sid, owner in engine.registry.creating_with_owner() if owner and not owner_alive(owner, engine.node)
+        sid
+        for sid, owner in engine.registry.sandboxes.creating_with_owner()
+        if owner and not owner_alive(owner, engine.node)
     }
-    for info, _ in engine.registry.list(include_pooled=True, local=True):
+    for info, _ in engine.registry.sandboxes.list(include_pooled=True, local=True):
         if info.state in (State.CREATING, State.RETIRING) and info.sandbox_id not in orphans:
             # its creator lives and will finish or clean up; only a start stuck far beyond
             # any real one is taken away from it
@@ -127,7 +129,7 @@ async def reap(engine: Engine) -> list[str]:
             except Exception:
                 pass
             continue
-        if info.sandbox_id in orphans and engine.registry.ended_reason(info.sandbox_id) == RESUMING:
+        if info.sandbox_id in orphans and engine.registry.sandboxes.ended_reason(info.sandbox_id) == RESUMING:
             try:  # a resume whose process died: paused again (its snapshot is untouched), not lost
                 await teardown.unresume(engine, info.sandbox_id)
                 reaped.append(info.sandbox_id)
@@ -147,18 +149,18 @@ async def reap(engine: Engine) -> list[str]:
                     reaped.append(info.sandbox_id)
             except Exception:  # one bad sandbox must not stop the reaper; retried next round
                 continue
-    for sid, owner in engine.registry.paused_with_owner():  # a pause killed while releasing
+    for sid, owner in engine.registry.sandboxes.paused_with_owner():  # a pause killed while releasing
         if owner and not owner_alive(owner, engine.node):
-            info, handle = engine.registry.get(sid)
+            info, handle = engine.registry.sandboxes.get(sid)
             try:
                 if Path(handle.state_dir).exists():
                     await engine.backend(info.tier).destroy(handle)
                     reaped.append(sid)
                 await egress.suspend(engine, sid)  # its link too (its policy kept for the resume)
-                engine.registry.released(sid, owner)
+                engine.registry.sandboxes.released(sid, owner)
             except Exception:
                 continue
-    for info, _ in engine.registry.holding():
+    for info, _ in engine.registry.sandboxes.holding():
         if info.state is State.FAILED and info.sandbox_id not in reaped:
             try:
                 if await teardown.destroy(engine, info.sandbox_id, "teardown retried"):
@@ -195,23 +197,23 @@ async def lifecycle_duties(engine: Engine) -> list[str]:
     """Pause the sandboxes idle past their ``idle_pause_after``; delete the sandboxes paused
     longer than ``[lifecycle] paused_retention``, with their snapshots (a timeout with
     ``on_timeout="pause"`` is the reaper's: see ``expire``). Returns the ids acted on."""
-    idle, expired = engine.registry.lifecycle_due(time.time(), _retention(engine))
+    idle, expired = engine.registry.sandboxes.lifecycle_due(time.time(), _retention(engine))
     done = []
     for sid in idle:
         try:
             if await _runs_processes(engine, sid):  # a background process or terminal is use
-                engine.registry.touch(sid, time.time())
+                engine.registry.sandboxes.touch(sid, time.time())
                 continue
             await auto_pause(engine, sid, "idle")
             done.append(sid)
         except Exception:  # tried again after another idle period
             try:
-                engine.registry.touch(sid, time.time())
+                engine.registry.sandboxes.touch(sid, time.time())
             except WarmboxError:
                 pass
     for sid in expired:
         try:
-            for snap in engine.registry.snapshots_of(sid):
+            for snap in engine.registry.snapshots.snapshots_of(sid):
                 snapstore.delete(engine, snap)
             if await teardown.destroy(engine, sid, RETENTION_EXPIRED):
                 done.append(sid)
@@ -228,7 +230,7 @@ async def lifecycle_duties(engine: Engine) -> list[str]:
 def next_expiry(engine: Engine) -> float | None:
     """The next moment the daemon has work: a timeout, an idle pause, a paused sandbox's end."""
     found = [i.expires_at for i in engine.holding()]
-    duty = engine.registry.next_lifecycle_deadline(_retention(engine))
+    duty = engine.registry.sandboxes.next_lifecycle_deadline(_retention(engine))
     if duty is not None:
         found.append(duty)
     return min(found) if found else None

@@ -71,7 +71,7 @@ def check_tier(engine: Engine, tier: str, policy: Policy) -> None:
             f"network policy {policy.mode!r} is not supported on this tier "
             f"(supported: {', '.join(engine.backend(tier).capabilities().network_modes)})",
         )
-    if policy.enabled and engine.registry.live_links():
+    if policy.enabled and engine.registry.egress.live_links():
         require_serving(engine.home)
 
 
@@ -295,7 +295,7 @@ async def prepare(engine: Engine, handle: BackendHandle) -> str:
     await ensure_proxy(engine.home)  # it makes the egress namespace
     link = netns.link_for(sid, _slot(handle))
     kept = paused_record(engine, sid)
-    engine.registry.set_link(
+    engine.registry.egress.set_link(
         sid, link.address, link.host_ifname, kept.policy if kept is not None else Policy("none").to_json()
     )
     try:
@@ -312,10 +312,10 @@ async def unprepare(engine: Engine, sandbox_id: str) -> None:
     name = netns.sandbox_netns_name(sandbox_id)
     if not os.path.exists(netns.netns_path(name)):
         return
-    row = engine.registry.link(sandbox_id)
+    row = engine.registry.egress.link(sandbox_id)
     if row is not None:
         await netns.detach(netns.egress_name(engine.runtime), netns.Link(sandbox_id, row[0], row[1]))
-        engine.registry.drop_link(sandbox_id)
+        engine.registry.egress.drop_link(sandbox_id)
     await netns.remove_sandbox_netns(name)
 
 
@@ -325,7 +325,7 @@ async def renew_prepared(engine: Engine, sandbox_id: str) -> None:
     veth name, policy, the proxy's state) is made again in a new namespace at the same path.
     Nothing to do for a sandbox without a prepared namespace."""
     name = netns.sandbox_netns_name(sandbox_id)
-    row = engine.registry.link(sandbox_id)
+    row = engine.registry.egress.link(sandbox_id)
     if row is None or not os.path.exists(netns.netns_path(name)):
         return
     link = netns.Link(sandbox_id, row[0], row[1])
@@ -337,7 +337,7 @@ async def renew_prepared(engine: Engine, sandbox_id: str) -> None:
 def _prepared_link(engine: Engine, handle: BackendHandle) -> netns.Link:
     """The link :func:`prepare` made for this sandbox's start; Unsupported if it was started
     without one (its tier cannot add an interface to a running sandbox)."""
-    row = engine.registry.link(handle.sandbox_id)
+    row = engine.registry.egress.link(handle.sandbox_id)
     if row is None or not os.path.exists(netns.netns_path(netns.sandbox_netns_name(handle.sandbox_id))):
         raise Unsupported(
             f"sandbox {handle.sandbox_id} was started without a network link, and tier {handle.tier!r} "
@@ -405,8 +405,8 @@ class EgressRecord:
 def record_of(engine: Engine, sandbox_id: str) -> EgressRecord | None:
     """The sandbox's network as a snapshot keeps it: its current policy (a live link's, updates
     included) and secret slots; None without network."""
-    kept = EgressRecord.from_json(engine.registry.egress_of(sandbox_id))
-    row = engine.registry.link(sandbox_id)
+    kept = EgressRecord.from_json(engine.registry.egress.egress_of(sandbox_id))
+    row = engine.registry.egress.link(sandbox_id)
     if row is not None:
         return EgressRecord(row[2], kept.secrets if kept is not None else ())
     return kept
@@ -482,14 +482,14 @@ async def attach(
     egress = netns.egress_name(engine.runtime)
     kept = placeholders or {}
     named = {n: kept.get(n) or f"warmbox-secret-{_secrets.token_hex(16)}" for n in secrets}
-    before = engine.registry.egress_of(sid)  # a resumed sandbox's record: kept if this fails
+    before = engine.registry.egress.egress_of(sid)  # a resumed sandbox's record: kept if this fails
     try:
         if not prepared:
             await netns.attach(egress, link, ns_path)
-        engine.registry.set_link(sid, link.address, link.host_ifname, policy.to_json())
+        engine.registry.egress.set_link(sid, link.address, link.host_ifname, policy.to_json())
         # placeholders are not secrets (the sandbox's env holds them): kept for a resume or fork
         slots = tuple(SecretSlot(n, named[n], tuple(s.hosts)) for n, s in sorted(secrets.items()))
-        engine.registry.set_egress(sid, EgressRecord(policy.to_json(), slots).to_json())
+        engine.registry.egress.set_egress(sid, EgressRecord(policy.to_json(), slots).to_json())
         msg = {
             "op": "register",
             "sandbox_id": sid,
@@ -513,10 +513,10 @@ async def attach(
     except BaseException:
         await release(engine, sid)
         if before:
-            engine.registry.set_egress(sid, before)
+            engine.registry.egress.set_egress(sid, before)
         raise
     timing = StageTiming(sid, "network", prepared_ms + (time.perf_counter() - t0) * 1e3, True)
-    engine.registry.add_timings([timing])
+    engine.registry.sandboxes.add_timings([timing])
     return timing
 
 
@@ -524,22 +524,22 @@ async def suspend(engine: Engine, sandbox_id: str) -> None:
     """A sandbox is paused: its link and rule element go, its record (policy, secret slots) stays
     in the registry for :func:`reestablish`, and the proxy forgets its secrets' values and CA
     (a resume is given the values again). Idempotent."""
-    row = engine.registry.link(sandbox_id)
+    row = engine.registry.egress.link(sandbox_id)
     if row is None:
         await netns.remove_sandbox_netns(netns.sandbox_netns_name(sandbox_id))
         return
     record = record_of(engine, sandbox_id)
     if record is not None:
-        engine.registry.set_egress(sandbox_id, record.to_json())
+        engine.registry.egress.set_egress(sandbox_id, record.to_json())
     await netns.detach(netns.egress_name(engine.runtime), netns.Link(sandbox_id, row[0], row[1]))
-    engine.registry.drop_link(sandbox_id)
+    engine.registry.egress.drop_link(sandbox_id)
     await netns.remove_sandbox_netns(netns.sandbox_netns_name(sandbox_id))  # a resume prepares a new one
     await _forget(engine, sandbox_id)
 
 
 def paused_record(engine: Engine, sandbox_id: str) -> EgressRecord | None:
     """A paused sandbox's kept network (None: it had none)."""
-    return EgressRecord.from_json(engine.registry.egress_of(sandbox_id))
+    return EgressRecord.from_json(engine.registry.egress.egress_of(sandbox_id))
 
 
 async def reestablish(
@@ -559,14 +559,14 @@ async def reestablish(
 async def release(engine: Engine, sandbox_id: str) -> None:
     """Remove the sandbox's link, rule element, kept record and proxy state (idempotent)."""
     await unprepare(engine, sandbox_id)
-    row = engine.registry.link(sandbox_id)
+    row = engine.registry.egress.link(sandbox_id)
     if row is None:  # never linked (attach registers with the proxy only after recording the link)
-        if not engine.registry.egress_of(sandbox_id):
+        if not engine.registry.egress.egress_of(sandbox_id):
             return
     else:
         await netns.detach(netns.egress_name(engine.runtime), netns.Link(sandbox_id, row[0], row[1]))
-        engine.registry.drop_link(sandbox_id)
-    engine.registry.set_egress(sandbox_id, "")
+        engine.registry.egress.drop_link(sandbox_id)
+    engine.registry.egress.set_egress(sandbox_id, "")
     await _forget(engine, sandbox_id)
 
 
@@ -574,10 +574,10 @@ async def discard(engine: Engine, sandbox_id: str) -> None:
     """The network a sandbox this node no longer runs left here (a node's reconcile): its prepared
     namespace, and its link if the registry records one on this node (then that record goes). What
     the row keeps for a resume (its egress record) is left alone. Idempotent."""
-    row = engine.registry.link(sandbox_id)
-    if row is not None and engine.registry.link_node(sandbox_id) == engine.node:
+    row = engine.registry.egress.link(sandbox_id)
+    if row is not None and engine.registry.egress.link_node(sandbox_id) == engine.node:
         await netns.detach(netns.egress_name(engine.runtime), netns.Link(sandbox_id, row[0], row[1]))
-        engine.registry.drop_link(sandbox_id)
+        engine.registry.egress.drop_link(sandbox_id)
     await netns.remove_sandbox_netns(netns.sandbox_netns_name(sandbox_id))
     await _forget(engine, sandbox_id)
 
@@ -611,7 +611,7 @@ async def approval_answered(home: Path, approval_id: str) -> None:
 
 
 def current_policy(engine: Engine, sandbox_id: str) -> Policy:
-    row = engine.registry.link(sandbox_id)
+    row = engine.registry.egress.link(sandbox_id)
     return Policy.from_json(row[2]) if row is not None else Policy("none")
 
 
@@ -625,8 +625,8 @@ async def update(engine: Engine, sandbox_id: str, network: object, session: Gues
     info, handle = engine.info(sandbox_id)
     engine.check(Operation.EXEC, info, handle)
     check_tier(engine, info.tier, policy)
-    if engine.registry.link(sandbox_id) is not None:
-        engine.registry.set_policy(sandbox_id, policy.to_json())
+    if engine.registry.egress.link(sandbox_id) is not None:
+        engine.registry.egress.set_policy(sandbox_id, policy.to_json())
     elif policy.enabled:
         await attach(engine, handle, session, policy, {})
     return policy
@@ -641,7 +641,7 @@ def policy(engine: Engine, sandbox_id: str) -> Policy:
 def log(engine: Engine, sandbox_id: str) -> list[NetEvent]:
     """Every egress attempt of the sandbox (kept after it is destroyed), oldest first."""
     engine.info(sandbox_id)
-    return engine.registry.net_events(sandbox_id)
+    return engine.registry.egress.net_events(sandbox_id)
 
 
 async def approvals(

@@ -64,12 +64,12 @@ class LedgerSlots:
         self.registry = registry
 
     def claim(self, holder: str) -> int:
-        return uidslots.uid_base(self.registry.claim_host_slot(holder))
+        return uidslots.uid_base(self.registry.sandboxes.claim_host_slot(holder))
 
     def release(self, holder: str, uid_base: int) -> None:
         slot = uidslots.slot_of_uid(uid_base)
         if slot is not None:
-            self.registry.release_host_slot(holder, slot)
+            self.registry.sandboxes.release_host_slot(holder, slot)
 
     def forget_gone(self, holder: str) -> bool:
         with self.registry.ledger.locked() as ledger:
@@ -130,7 +130,7 @@ class Engine:
     def stop_shared_hosts(self) -> None:
         """Stop the host process of each tier that has one (``SharedHost``) and no live or pooled
         sandbox left."""
-        live = {i.tier for i, _ in self.registry.list(include_pooled=True, local=True)}
+        live = {i.tier for i, _ in self.registry.sandboxes.list(include_pooled=True, local=True)}
         for tier in backends.TIERS:
             if tier in live:
                 continue
@@ -238,7 +238,7 @@ class Engine:
     def info(self, sandbox_id: str) -> tuple[SandboxInfo, BackendHandle]:
         if not isinstance(sandbox_id, str) or not re.fullmatch(r"sb-[0-9a-f]{12}", sandbox_id):
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} (ids look like sb-0123456789ab)", str(sandbox_id))
-        return self.registry.get(sandbox_id)
+        return self.registry.sandboxes.get(sandbox_id)
 
     def check(self, op: Operation, info: SandboxInfo, handle: BackendHandle | None = None) -> None:
         """A typed error if ``op`` is illegal in the sandbox's state (a destroyed one that ran
@@ -246,8 +246,8 @@ class Engine:
         handle: given, a live sandbox of another node is refused (SandboxStateError): its
         processes and directories are that node's, never judged or touched from here."""
         lost = info.state in (State.DESTROYED, State.LOST)
-        ended = self.registry.ended_reason(info.sandbox_id) if lost else ""
-        node = self.registry.node_of(info.sandbox_id) if info.state is State.LOST else ""
+        ended = self.registry.sandboxes.ended_reason(info.sandbox_id) if lost else ""
+        node = self.registry.nodes.node_of(info.sandbox_id) if info.state is State.LOST else ""
         check(op, info.state, info.sandbox_id, ended, node)
         if handle is not None and handle.node != self.node and info.state is not State.PAUSED:
             raise SandboxStateError(
@@ -258,7 +258,7 @@ class Engine:
 
     def paused_error(self, sandbox_id: str) -> SandboxPaused:
         """The error for an operation on a paused sandbox that does not resume by itself."""
-        why = self.registry.ended_reason(sandbox_id)
+        why = self.registry.sandboxes.ended_reason(sandbox_id)
         return SandboxPaused(
             f"sandbox {sandbox_id} is paused ({why or 'paused'}); Sandbox.connect(id) or resume(id) runs it "
             "again (or create it with lifecycle=Lifecycle(auto_resume=True))",
@@ -267,7 +267,7 @@ class Engine:
 
     def holding(self) -> builtins.list[SandboxInfo]:
         """Live (also pooled) sandboxes plus failed ones whose teardown is still owed."""
-        return [info for info, _ in self.registry.holding()]
+        return [info for info, _ in self.registry.sandboxes.holding()]
 
     def list(
         self,
@@ -279,13 +279,13 @@ class Engine:
     ) -> builtins.list[SandboxInfo]:
         """tenant: only that tenant's sandboxes (None: everyone's); query: see SandboxQuery."""
         q = query or SandboxQuery()
-        rows = self.registry.list(
+        rows = self.registry.sandboxes.list(
             include_dead, include_pooled=include_pooled, tenant=tenant, states=q.state, metadata=q.metadata
         )
         return [info for info, _ in rows]
 
     def timings(self, sandbox_id: str) -> dict[str, float]:
-        return {t.stage: t.duration_ms for t in self.registry.timings(sandbox_id)}
+        return {t.stage: t.duration_ms for t in self.registry.sandboxes.timings(sandbox_id)}
 
     async def usage(self, handle: BackendHandle) -> ResourceUsage:
         return await self.backend(handle.tier).usage(handle)
@@ -295,7 +295,7 @@ class Engine:
         info, _ = self.info(sandbox_id)
         self.check(Operation.SET_TIMEOUT, info)
         expires = time.time() + timeout
-        self.registry.set_expiry(sandbox_id, expires, timeout)  # its lifetime now: a resume renews this one
+        self.registry.sandboxes.set_expiry(sandbox_id, expires, timeout)  # its lifetime now: a resume renews this one
         self.ensure_daemon()  # someone must enforce the new deadline
         return expires
 

@@ -4,7 +4,9 @@ A front is one client's view of the engine: it validates every request (so every
 the same typed errors), keeps that client's connections to the sandboxes it holds (one
 :class:`~warmbox.engine.session.GuestSession` each, on the client's event loop), and maps each op
 onto the engine, the snapshot module and the session. Nothing else in the SDK, CLI or server
-reaches below it.
+reaches below it, but for the registry stores the server's Service holds by name (server/app.py):
+``tenants`` and ``sandboxes`` for its key checks (whose key, whose sandbox: before a front is
+chosen), ``usage`` and ``pools`` for the console's cost and pool pages (reads, no sandbox).
 
 A front is the host's (``tenant=None``: every sandbox and snapshot, admin operations) or one
 tenant's. A tenant's front is where tenancy is enforced, once for every transport: an id of
@@ -362,7 +364,7 @@ def _bounded_commands(reg: Registry, sandbox_id: str, limit: int, text_budget: i
     out: list[CommandRecord] = []
     after, left, gap = 0, text_budget, False
     while True:
-        page = reg.commands(sandbox_id, min(1000, limit + 1 - len(out)), after_seq=after)
+        page = reg.commands.commands(sandbox_id, min(1000, limit + 1 - len(out)), after_seq=after)
         for c in page:
             left -= len(c.text)
             if len(out) >= limit or left < 0:
@@ -576,7 +578,7 @@ class EngineFront:
             self._in_use.pop(sandbox_id, None)
         if (delta > 0 and n == 1) or n <= 0:
             try:
-                self.engine.registry.touch(sandbox_id, time.time() + (BUSY_AHEAD_S if n > 0 else 0.0))
+                self.engine.registry.sandboxes.touch(sandbox_id, time.time() + (BUSY_AHEAD_S if n > 0 else 0.0))
             except WarmboxError:
                 pass  # a busy registry must not fail the user's operation
 
@@ -626,7 +628,10 @@ class EngineFront:
         """Pass if the sandbox is this front's tenant's; otherwise the error of an unknown id."""
         if self.tenant is None or (isinstance(sandbox_id, str) and sandbox_id in self._owned):
             return
-        if isinstance(sandbox_id, str) and self.engine.registry.sandbox_tenant(sandbox_id) == self.tenant.name:
+        if (
+            isinstance(sandbox_id, str)
+            and self.engine.registry.sandboxes.sandbox_tenant(sandbox_id) == self.tenant.name
+        ):
             self._owned.add(sandbox_id)
             return
         self.engine.info(sandbox_id)  # type: ignore[arg-type]  # a malformed or unknown id: its own error
@@ -639,7 +644,7 @@ class EngineFront:
             return
         if isinstance(ref, str) and ref.startswith("sb-"):
             self._own(ref)
-        elif _snapshot_id(ref) and self.engine.registry.snapshot_tenant(cast(str, ref)) != self.tenant.name:
+        elif _snapshot_id(ref) and self.engine.registry.snapshots.snapshot_tenant(cast(str, ref)) != self.tenant.name:
             raise unknown_snapshot(cast(str, ref))
 
     async def close(self) -> None:
@@ -683,7 +688,7 @@ class EngineFront:
 
     def _write_timing(self, sandbox_id: str, stage: str, ms: float) -> None:
         try:
-            self.engine.registry.add_timing(sandbox_id, stage, ms)
+            self.engine.registry.sandboxes.add_timing(sandbox_id, stage, ms)
         except WarmboxError:
             pass  # a busy registry must not fail the user's command
 
@@ -736,11 +741,11 @@ class EngineFront:
         if metadata or lifecycle != Lifecycle() or choice is not None:
             try:
                 if metadata:
-                    self.engine.registry.set_metadata(got.sandbox_id, metadata)
+                    self.engine.registry.sandboxes.set_metadata(got.sandbox_id, metadata)
                 if lifecycle != Lifecycle():
-                    self.engine.registry.set_lifecycle(got.sandbox_id, lifecycle)
+                    self.engine.registry.sandboxes.set_lifecycle(got.sandbox_id, lifecycle)
                 if choice is not None and r.requirements is not None:
-                    self.engine.registry.set_tier_choice(got.sandbox_id, r.requirements, choice)
+                    self.engine.registry.sandboxes.set_tier_choice(got.sandbox_id, r.requirements, choice)
                 got.info, _ = self.engine.info(got.sandbox_id)
             except BaseException:
                 await got.session.close()
@@ -766,7 +771,7 @@ class EngineFront:
         limits = r.limits or Limits()
         settings.limits.check(limits)  # refusals that need nobody's approval come first
         if self.tenant is not None:
-            self.engine.registry.check_quota(self.tenant, tier, limits)
+            self.engine.registry.tenants.check_quota(self.tenant, tier, limits)
         await approvals.gate_start(self.engine, self.tenant, "create", tier, limits)
 
     async def _create(self, r: ops.Create) -> Launched:
@@ -812,7 +817,7 @@ class EngineFront:
                     self.engine.check(Operation.EXEC, info)
                     self._extend(r.sandbox_id, info.expires_at, timeout)
                     info = self.engine.info(r.sandbox_id)[0]
-                    return ops.Opened(info, tuple(self.engine.registry.timings(r.sandbox_id)))
+                    return ops.Opened(info, tuple(self.engine.registry.sandboxes.timings(r.sandbox_id)))
             opened = await self._hold(await duties.open(self.engine, r.sandbox_id))
         except SandboxPaused:  # its timeout ran out and it was paused (Lifecycle(on_timeout="pause")) just now
             return await self.resume(ops.Resume(r.sandbox_id, timeout=timeout))
@@ -851,7 +856,7 @@ class EngineFront:
 
     async def timings(self, r: ops.Timings) -> builtins.list[StageTiming]:
         self.engine.info(r.sandbox_id)
-        return self.engine.registry.timings(r.sandbox_id)
+        return self.engine.registry.sandboxes.timings(r.sandbox_id)
 
     async def logs(self, r: ops.Logs) -> str:
         return self.engine.logs(r.sandbox_id)
@@ -901,11 +906,11 @@ class EngineFront:
         info, _ = self.engine.info(r.sandbox_id)
         now = time.time()
         if info.state in (State.READY, State.RUNNING) and (end is None or end >= now):
-            latest = self.engine.registry.metric_samples(r.sandbox_id, 0.0, now, 1)
+            latest = self.engine.registry.usage.metric_samples(r.sandbox_id, 0.0, now, 1)
             if not latest or now - latest[0][0] >= METRIC_SAMPLE_EVERY_S:
                 await meters.metrics(self.engine, r.sandbox_id, self._held(r.sandbox_id))  # a reading, into the history
         since = info.claimed_at or info.created_at  # a pool's warm-up is not the user's
-        rows = self.engine.registry.metric_samples(
+        rows = self.engine.registry.usage.metric_samples(
             r.sandbox_id, max(start or 0.0, since), time.time() if end is None else end, r.limit
         )
         cpus = max(1, math.ceil(info.cpus))
@@ -936,7 +941,7 @@ class EngineFront:
             raise InvalidArgument(f"newest_first must be a boolean, got {r.newest_first!r}")
         self.engine.info(r.sandbox_id)  # an unknown id is SandboxNotFound, not an empty list
         self._log.flush()
-        return self.engine.registry.commands(r.sandbox_id, limit, after_seq=after, newest_first=r.newest_first)
+        return self.engine.registry.commands.commands(r.sandbox_id, limit, after_seq=after, newest_first=r.newest_first)
 
     async def export(self, r: ops.Export) -> Transcript:
         info, _ = self.engine.info(r.sandbox_id)
@@ -947,15 +952,15 @@ class EngineFront:
             metrics = meters.recorded(self.engine, info)
         reg, n = self.engine.registry, transcript.MAX_RECORDS
         commands, cut = _bounded_commands(reg, r.sandbox_id, n, transcript.MAX_COMMAND_TEXT)
-        events = reg.net_events(r.sandbox_id, n + 1)
-        transitions = reg.transitions(r.sandbox_id)
+        events = reg.egress.net_events(r.sandbox_id, n + 1)
+        transitions = reg.sandboxes.transitions(r.sandbox_id)
         return Transcript(
             sandbox=self.engine.info(r.sandbox_id)[0],
-            timings=tuple(reg.timings(r.sandbox_id)),
+            timings=tuple(reg.sandboxes.timings(r.sandbox_id)),
             transitions=tuple(transitions[:n]),
             commands=tuple(commands),
             net_events=tuple(events[:n]),
-            snapshots=tuple(reg.snapshot_records(r.sandbox_id)),
+            snapshots=tuple(reg.snapshots.snapshot_records(r.sandbox_id)),
             metrics=metrics,
             exported_at=time.time(),
             truncated=cut or max(len(events), len(transitions)) > n,
@@ -1336,7 +1341,7 @@ class EngineFront:
             r.sandbox_id,
             self._held(r.sandbox_id),
             memory=r.memory,
-            parent=self.engine.registry.parent(r.sandbox_id),
+            parent=self.engine.registry.sandboxes.parent(r.sandbox_id),
             env_names=r.env_names,
         )
         return _snapshot_ref(m)
@@ -1349,7 +1354,7 @@ class EngineFront:
                 r.sandbox_id,
                 session,
                 memory=r.memory,
-                parent=self.engine.registry.parent(r.sandbox_id),
+                parent=self.engine.registry.sandboxes.parent(r.sandbox_id),
                 env_names=r.env_names,
             )
         except SnapshotUnsupported:
@@ -1380,7 +1385,7 @@ class EngineFront:
                 return  # gone or paused after all: the next call says so
 
     async def list_snapshots(self, r: ops.ListSnapshots) -> builtins.list[tuple[str, str, float, int]]:
-        return self.engine.registry.all_snapshots(self._tenant_name())
+        return self.engine.registry.snapshots.all_snapshots(self._tenant_name())
 
     async def delete_snapshot(self, r: ops.DeleteSnapshot) -> None:
         snapstore.delete(self.engine, r.snapshot_id)
@@ -1444,7 +1449,7 @@ class EngineFront:
         tenant = r.tenant if self._sees_all() else self._tenant_name()
         if r.tenant is not None and tenant != r.tenant:
             return []  # another tenant's: none (whether it has any is not said)
-        return self.engine.registry.approvals(tenant, pending_only=r.pending_only, limit=r.limit)
+        return self.engine.registry.approvals.approvals(tenant, pending_only=r.pending_only, limit=r.limit)
 
     async def approval_answer(self, r: ops.ApprovalAnswer) -> Approval:
         if not isinstance(r.approval_id, str) or not r.approval_id:
@@ -1453,7 +1458,7 @@ class EngineFront:
             raise InvalidArgument(f"decision must be a string, got {r.decision!r}")
         reg = self.engine.registry
         scope = None if self._sees_all() else self._tenant_name()
-        a = reg.approval(r.approval_id, tenant=scope)  # another tenant's: not found
+        a = reg.approvals.approval(r.approval_id, tenant=scope)  # another tenant's: not found
         if a.kind != "network" and not self._sees_all():
             assert self.tenant is not None
             raise Forbidden(
@@ -1464,7 +1469,7 @@ class EngineFront:
             by = "root"
         else:
             by = self.tenant.key_id or f"tenant:{self.tenant.name}"
-        answered = reg.answer_approval(r.approval_id, r.decision, by, tenant=scope)
+        answered = reg.approvals.answer_approval(r.approval_id, r.decision, by, tenant=scope)
         if answered.kind == "network":  # the egress proxy waits for it: it looks at once
             await egress.approval_answered(self.engine.home, answered.approval_id)
         return answered
@@ -1521,15 +1526,17 @@ class EngineFront:
         )
 
     async def template_list(self, r: ops.TemplateList) -> builtins.list[TemplateInfo]:
-        return self.engine.registry.template_list(self._tenant_name())
+        return self.engine.registry.templates.template_list(self._tenant_name())
 
     async def template_get(self, r: ops.TemplateGet) -> TemplateInfo:
-        return self.engine.registry.template_get(_template_name(r.name), _version(r.version), self._tenant_name() or "")
+        return self.engine.registry.templates.template_get(
+            _template_name(r.name), _version(r.version), self._tenant_name() or ""
+        )
 
     async def template_delete(self, r: ops.TemplateDelete) -> builtins.list[TemplateInfo]:
         name, version = _template_name(r.name), _version(r.version)
         owner = self._tenant_name() or ""
-        self.engine.registry.template_get(name, version, owner)  # TemplateNotFound first
+        self.engine.registry.templates.template_get(name, version, owner)  # TemplateNotFound first
         users = resolve.template_users(self.engine, name, version, self.tenant)
         if users:
             raise TemplateInUse(

@@ -204,7 +204,7 @@ class Keys:
             expires_at=now + (min(self._ttl_s(), AUTO_TTL_S) if key.startswith(AUTO_PREFIX) else self._ttl_s()),
             deadline=now + timeout_s + GRACE_S if timeout_s > 0 else 0.0,
         )
-        got = self.registry.claim_key(claim)  # committed before the call starts
+        got = self.registry.idempotency.claim_key(claim)  # committed before the call starts
         if got is None:
             task = asyncio.ensure_future(self._first(claim, call))
             self._running[ident] = _Running(fingerprint, op, task)
@@ -222,7 +222,7 @@ class Keys:
             if claim.op == "create" or isinstance(e, NOTHING_DONE):
                 self._running.pop((claim.tenant, claim.scope, claim.key), None)
                 try:
-                    self.registry.release_key(claim)
+                    self.registry.idempotency.release_key(claim)
                 except WarmboxError as busy:
                     log.warning("freeing idempotency key %r failed: %s", claim.key, busy)
             else:
@@ -270,7 +270,7 @@ class Keys:
         if not outcomes:
             return
         try:
-            self.registry.finish_keys(outcomes)
+            self.registry.idempotency.finish_keys(outcomes)
         except WarmboxError as e:
             log.warning("recording %d idempotency key outcomes failed: %s", len(outcomes), e)
         for c, _, _, _ in outcomes:
@@ -290,7 +290,7 @@ class Keys:
             self._check_alive(got)
             pause = next(pauses, pause)
             await asyncio.sleep(pause)
-            again = self.registry.key_record(got.claim.tenant, got.claim.scope, got.claim.key)
+            again = self.registry.idempotency.key_record(got.claim.tenant, got.claim.scope, got.claim.key)
             if again is None or again.claim.holder != got.claim.holder:
                 raise _unknown(got, "its record expired or ended with its sandbox while this repeat waited")
             got = again

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 async def sample(engine: Engine) -> None:
     """One memory/cpu reading of every live sandbox, folded into its meter (the daemon's job)."""
     readings = []
-    for info, handle in engine.registry.list(include_pooled=True, local=True):
+    for info, handle in engine.registry.sandboxes.list(include_pooled=True, local=True):
         if info.state is State.CREATING:
             continue
         try:
@@ -27,7 +27,7 @@ async def sample(engine: Engine) -> None:
             continue
         readings.append((info.sandbox_id, u.memory_bytes, u.cpu_ns))
     if readings:
-        engine.registry.sample(readings)
+        engine.registry.usage.sample(readings)
 
 
 async def metrics(engine: Engine, sandbox_id: str, session: GuestSession | None = None) -> SandboxMetrics:
@@ -50,7 +50,7 @@ async def read(engine: Engine, info: SandboxInfo, handle: BackendHandle, session
     open), else one of its own for the guest's counters."""
     try:
         u = await engine.backend(info.tier).usage(handle)
-        engine.registry.sample([(info.sandbox_id, u.memory_bytes, u.cpu_ns)])
+        engine.registry.usage.sample([(info.sandbox_id, u.memory_bytes, u.cpu_ns)])
     except (WarmboxError, OSError):
         pass
     if info.state not in (State.READY, State.RUNNING):
@@ -61,7 +61,7 @@ async def read(engine: Engine, info: SandboxInfo, handle: BackendHandle, session
             session = await asyncio.wait_for(GuestSession.connect(handle.socket_path, info.sandbox_id), 1)
         r = await asyncio.wait_for(session.usage(), 2)
         if r is not None:
-            engine.registry.set_busy(info.sandbox_id, *r)
+            engine.registry.usage.set_busy(info.sandbox_id, *r)
     except (TimeoutError, WarmboxError, OSError):
         pass  # the last known counters stand
     finally:
@@ -71,13 +71,13 @@ async def read(engine: Engine, info: SandboxInfo, handle: BackendHandle, session
 
 def recorded(engine: Engine, info: SandboxInfo) -> SandboxMetrics:
     """The user's cost of a sandbox in any state as last recorded, without reading it."""
-    m = engine.registry.meter(info.sandbox_id)
+    m = engine.registry.usage.meter(info.sandbox_id)
     start = info.claimed_at or info.created_at
-    end = engine.registry.ended_at(info.sandbox_id) or time.time()
+    end = engine.registry.usage.ended_at(info.sandbox_id) or time.time()
     wall = max(0.0, end - start)
     # the commands recorded (what commands() lists), not the agent's count: that one is the
     # guest's word, counts a pool's warm-up, and starts again at 0 in a resumed runtime
-    commands = engine.registry.command_count(info.sandbox_id)
+    commands = engine.registry.commands.command_count(info.sandbox_id)
     if m is None:
         dead = info.state is State.DESTROYED
         return SandboxMetrics(info.sandbox_id, 0.0, 0.0, wall, 0.0, wall, 0, 0, commands, dead)

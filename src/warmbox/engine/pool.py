@@ -44,16 +44,16 @@ def bounds(pc: PoolConfig, min_override: int | None, max_override: int | None) -
 
 
 def status(engine: Engine, settings: Settings) -> list[PoolStatus]:
-    rows = engine.registry.pool_rows()
+    rows = engine.registry.pools.pool_rows()
     out = []
     for pc in settings.pools.values():
         row = rows.get(pc.name)
         lo, hi = bounds(pc, row.min_override if row else None, row.max_override if row else None)
         try:
-            ready, warming = engine.registry.pool_counts(pc.name, resolve.pool_shape(engine, pc, build=False))
+            ready, warming = engine.registry.pools.pool_counts(pc.name, resolve.pool_shape(engine, pc, build=False))
         except WarmboxError:  # its image is not built (yet) or gone: nothing of it is ready
-            ready, warming = 0, engine.registry.pool_counts(pc.name)[1]
-        hits, misses, failures, cpu_s, gib_s, wall_s = engine.registry.pool_totals(pc.name)
+            ready, warming = 0, engine.registry.pools.pool_counts(pc.name)[1]
+        hits, misses, failures, cpu_s, gib_s, wall_s = engine.registry.pools.pool_totals(pc.name)
         out.append(
             PoolStatus(
                 name=pc.name,
@@ -79,8 +79,8 @@ def status(engine: Engine, settings: Settings) -> list[PoolStatus]:
 def configured_row(reg: Registry, pc: PoolConfig, row: PoolRow | None) -> PoolRow:
     """The pool's row, made for a new pool or reset when its configured target changed."""
     if row is None or row.config_target != pc.target:
-        reg.ensure_pool(pc.name, pc.target)
-        row = reg.pool_rows()[pc.name]
+        reg.pools.ensure_pool(pc.name, pc.target)
+        row = reg.pools.pool_rows()[pc.name]
     return row
 
 
@@ -101,7 +101,7 @@ def resize(
             raise InvalidArgument(f"{label} must be an integer in [0, 1000], got {v!r}")
     # the row records the configured target first: else the daemon's next tick would take this
     # resize for a changed configuration and put the target back to the configured one
-    row = configured_row(engine.registry, pc, engine.registry.pool_rows().get(name))
+    row = configured_row(engine.registry, pc, engine.registry.pools.pool_rows().get(name))
     new_max = max if max is not None else (row.max_override if row else None)
     eff_max = pc.max if new_max is None else new_max
     if target is not None and min is None:
@@ -116,7 +116,7 @@ def resize(
     current = row.target if row else pc.target
     new = target if target is not None else current
     new = sorted((lo, new, hi))[1]
-    engine.registry.set_pool(
+    engine.registry.pools.set_pool(
         name,
         target=new,
         min_override=min if min is not None else False,
@@ -161,7 +161,7 @@ class PoolManager:
     async def tick(self, settings: Settings) -> bool:
         """One pass over every pool; True while some pool wants sandboxes or refills run."""
         reg = self.engine.registry
-        rows = reg.pool_rows()
+        rows = reg.pools.pool_rows()
         wanted = False
         for pc in settings.pools.values():
             row = configured_row(reg, pc, rows.get(pc.name))
@@ -173,14 +173,14 @@ class PoolManager:
             try:  # off the loop: a fresh host builds the built-in image first
                 shape = await asyncio.to_thread(resolve.pool_shape, self.engine, pc)
             except WarmboxError as e:  # no image for its template now: tried again next tick
-                reg.set_pool(pc.name, error=f"{type(e).__name__}: {e}"[:500])
+                reg.pools.set_pool(pc.name, error=f"{type(e).__name__}: {e}"[:500])
                 continue
-            stale = reg.retire(pc.name, self.engine.owner, keep_shape=shape)  # built to an old config
+            stale = reg.pools.retire(pc.name, self.engine.owner, keep_shape=shape)  # built to an old config
             await self._destroy(stale, "pool config changed")
             tasks = self.refills.setdefault(pc.name, set())
-            ready, _ = reg.pool_counts(pc.name, shape)
+            ready, _ = reg.pools.pool_counts(pc.name, shape)
             if ready > target:
-                await self._destroy(reg.retire(pc.name, self.engine.owner, limit=ready - target), "pool shrank")
+                await self._destroy(reg.pools.retire(pc.name, self.engine.owner, limit=ready - target), "pool shrank")
             missing = target - ready - len(tasks)
             room = pc.refill_concurrency - len(tasks)
             if missing > 0 and room > 0 and time.time() >= self.retry_at.get(pc.name, 0.0):
@@ -191,7 +191,7 @@ class PoolManager:
             wanted = wanted or target > 0 or bool(tasks)
         for name in rows:  # pools removed from the config: their sandboxes go
             if name not in settings.pools:
-                await self._destroy(reg.retire(name, self.engine.owner), "pool no longer configured")
+                await self._destroy(reg.pools.retire(name, self.engine.owner), "pool no longer configured")
         return wanted or self.busy
 
     def _autoscale(self, pc: PoolConfig, row) -> int:
@@ -199,21 +199,21 @@ class PoolManager:
         lo, hi = bounds(pc, row.min_override, row.max_override)
         now = time.time()
         # misses since the last look (kept in the registry: a miss that started this daemon counts)
-        misses, newest = reg.unseen_misses(pc.name, row.events_seen)
+        misses, newest = reg.pools.unseen_misses(pc.name, row.events_seen)
         if newest != row.events_seen:
-            reg.set_events_seen(pc.name, newest)
+            reg.pools.set_events_seen(pc.name, newest)
         target = row.target
         new = target + misses
         if not misses and target > lo and now - row.last_demand_at >= pc.idle_shrink_s:
             new = target // 2
-            reg.set_pool(
+            reg.pools.set_pool(
                 pc.name, kind="scaled", detail=f"idle {pc.idle_shrink_s:.0f}s: target {target}->{max(lo, new)}"
             )
             with reg._tx() as db:  # the next halving waits another idle period
                 db.execute("UPDATE pool_state SET last_demand_at=? WHERE name=?", (now, pc.name))
         new = sorted((lo, new, hi))[1]
         if new != target:
-            reg.set_pool(
+            reg.pools.set_pool(
                 pc.name, target=new, kind="scaled" if misses else "", detail=f"{misses} misses: target {target}->{new}"
             )
         return new
@@ -228,11 +228,11 @@ class PoolManager:
             why = f"{type(e).__name__}: {e}" if not isinstance(e, WarmboxError) else str(e)
             n = self.failures[pc.name] = self.failures.get(pc.name, 0) + 1
             self.retry_at[pc.name] = time.time() + min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (n - 1))
-            reg.set_pool(pc.name, error=why[:1000], kind="warmup_failed", detail=why[:1000])
+            reg.pools.set_pool(pc.name, error=why[:1000], kind="warmup_failed", detail=why[:1000])
             return
         self.failures.pop(pc.name, None)
         self.retry_at.pop(pc.name, None)
-        reg.pool_event(pc.name, "warmed", sid)
+        reg.pools.pool_event(pc.name, "warmed", sid)
 
     async def _destroy(self, ids: list[str], why: str) -> None:
         """Destroy retired sandboxes, a few at a time (each waits on runc and the kernel)."""
@@ -253,5 +253,5 @@ class PoolManager:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for name in list(self.engine.registry.pool_rows()):
-            await self._destroy(self.engine.registry.retire(name, self.engine.owner), "daemon stopped")
+        for name in list(self.engine.registry.pools.pool_rows()):
+            await self._destroy(self.engine.registry.pools.retire(name, self.engine.owner), "daemon stopped")

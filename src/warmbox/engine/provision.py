@@ -145,7 +145,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         raise InvalidArgument(f"runtime dir {engine.runtime} is too long for a unix socket path")
     lim = spec.limits
     if spec.resume_of:  # the same row and id; a new uid range, this node's directory and socket
-        engine.registry.reallocate(
+        engine.registry.sandboxes.reallocate(
             sandbox_id,
             spec.timeout_s,
             lim,
@@ -155,7 +155,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
             socket_path=socket_path,
         )
     else:
-        engine.registry.allocate(
+        engine.registry.sandboxes.allocate(
             sandbox_id,
             spec.tier,
             spec.template,
@@ -172,7 +172,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         )
     if not spec.pool:
         engine.ensure_daemon()  # from here on, a crash of this process is cleaned up by the daemon
-    info, handle = engine.registry.get(sandbox_id)
+    info, handle = engine.registry.sandboxes.get(sandbox_id)
     if spec.resume_of and state_dir.exists():  # leftovers of a pause whose release was cut short
         try:
             await backend.destroy(handle)
@@ -246,7 +246,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
                     f"template {boot.template.name} warm-up hit the memory limit ({lim.memory_mb} MiB): OOM kill",
                     sandbox_id,
                 )
-            engine.registry.sample([(sandbox_id, u.memory_bytes, u.cpu_ns)])
+            engine.registry.usage.sample([(sandbox_id, u.memory_bytes, u.cpu_ns)])
     except BaseException as e:
         if session is not None:
             await session.close()
@@ -272,19 +272,21 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         timings.append(StageTiming(sandbox_id, "network", prep_s * 1e3, on_path))
     try:
         if not spec.resume_of:  # a resume keeps its start's timings; its caller records ``resume``
-            engine.registry.add_timings(timings)
+            engine.registry.sandboxes.add_timings(timings)
         # the lifetime starts now that it is usable, not when its start began
-        engine.registry.set_expiry(sandbox_id, time.time() + spec.timeout_s)
+        engine.registry.sandboxes.set_expiry(sandbox_id, time.time() + spec.timeout_s)
         if spec.resume_of:
             why = f"resumed from {boot.snapshot_id}" if isinstance(boot, Restore) else "resumed"
         elif isinstance(boot, Restore):
             why = f"restored from {boot.snapshot_id}"
         else:
             why = "warmed up for pool " + spec.pool if spec.pool else "guest agent answered"
-        engine.registry.set_state(sandbox_id, State.POOLED if spec.pool else State.READY, why, expected=State.CREATING)
+        engine.registry.sandboxes.set_state(
+            sandbox_id, State.POOLED if spec.pool else State.READY, why, expected=State.CREATING
+        )
         if isinstance(boot, Restore):
-            engine.registry.set_parent(sandbox_id, boot.snapshot_id)
-        info, _ = engine.registry.get(sandbox_id)
+            engine.registry.sandboxes.set_parent(sandbox_id, boot.snapshot_id)
+        info, _ = engine.registry.sandboxes.get(sandbox_id)
     except BaseException:
         await session.close()
         raise
@@ -323,7 +325,7 @@ async def claim(
     if tenant is not None and isinstance(engine.backend(pc.tier), SharedHost):
         return None
     while True:
-        got = engine.registry.claim(pc.name, shape, timeout_s, engine.owner, tenant)
+        got = engine.registry.pools.claim(pc.name, shape, timeout_s, engine.owner, tenant)
         if got is None:
             return None
         info, handle = got
@@ -340,7 +342,7 @@ async def claim(
             # it died or misbehaves while pooled: never hand it out; take the next one
             if session is not None:
                 await session.close()
-            engine.registry.pool_event(pc.name, "claim_failed", sid, f"{type(e).__name__}: {e}"[:500])
+            engine.registry.pools.pool_event(pc.name, "claim_failed", sid, f"{type(e).__name__}: {e}"[:500])
             try:
                 await teardown.destroy(engine, sid, "pooled sandbox failed its claim check")
             except WarmboxError:
@@ -352,9 +354,9 @@ async def claim(
             await teardown.destroy(engine, sid, "claim interrupted")
             raise
         alloc = StageTiming(sid, "allocation", (time.perf_counter() - t0) * 1e3, True)
-        engine.registry.add_timings([alloc])
+        engine.registry.sandboxes.add_timings([alloc])
         engine.ensure_daemon()
-        timings = [t for t in engine.registry.timings(sid) if t.stage != "allocation"]
+        timings = [t for t in engine.registry.sandboxes.timings(sid) if t.stage != "allocation"]
         return Launched(info, handle, session, [alloc, *timings])
 
 
@@ -516,7 +518,7 @@ async def _create(
         raise InvalidArgument(f"template must be a string, got {type(template).__name__}")
     tmpl = resolve.template(engine, template, tenant)
     if tenant is not None:  # early, before any work; the claim or insert checks again, atomically
-        engine.registry.check_quota(tenant, tier, limits)
+        engine.registry.tenants.check_quota(tenant, tier, limits)
     pc = settings.pool_for(tier, template, limits) if pool else None
     images = engine.backend(tier).capabilities().images
     if pc is not None and image is None:
@@ -586,7 +588,9 @@ async def _start_from_template(
     if image is None:
         image = await asyncio.to_thread(resolve.image_for, engine, tmpl.name, tenant)
     shape = config.shape_key(tier, tmpl, limits, image.image_id)
-    made = not engine.registry.meta_text(await asyncio.to_thread(snapstore.template_key, engine, tier, shape, image))
+    made = not engine.registry.meta.meta_text(
+        await asyncio.to_thread(snapstore.template_key, engine, tier, shape, image)
+    )
     m = await template_snapshot(engine, tier, tmpl, limits, shape, image)
     t1 = time.perf_counter()
     got = await restore_memory(
@@ -601,7 +605,7 @@ async def _start_from_template(
         raise
     if made and not resume_of:
         tt = StageTiming(got.sandbox_id, "template", (t1 - t0) * 1e3, True)
-        engine.registry.add_timings([tt])
+        engine.registry.sandboxes.add_timings([tt])
         got.timings.insert(0, tt)
     return got
 
@@ -652,13 +656,19 @@ async def cleanup_failed(
         await backend.destroy(handle)
     except Exception:
         # FAILED keeps its uid range, and the reaper retries the teardown
-        engine.registry.set_state(sandbox_id, State.FAILED, f"start failed: {type(why).__name__}; teardown failed")
+        engine.registry.sandboxes.set_state(
+            sandbox_id, State.FAILED, f"start failed: {type(why).__name__}; teardown failed"
+        )
         return
     if resumed:
-        engine.registry.set_state(sandbox_id, State.PAUSED, f"resume failed: {type(why).__name__}; still paused")
+        engine.registry.sandboxes.set_state(
+            sandbox_id, State.PAUSED, f"resume failed: {type(why).__name__}; still paused"
+        )
     else:
-        engine.registry.set_state(sandbox_id, State.DESTROYED, f"start failed: {type(why).__name__}; cleaned up")
-    engine.registry.finalize(sandbox_id)
+        engine.registry.sandboxes.set_state(
+            sandbox_id, State.DESTROYED, f"start failed: {type(why).__name__}; cleaned up"
+        )
+    engine.registry.usage.finalize(sandbox_id)
 
 
 # ---- memory snapshots started: restores and the shapes' template snapshots
@@ -695,7 +705,7 @@ async def restore_memory(
         snapstore.check_fits(m, limits.disk_mb << 20)  # before anything is fetched
         snapstore.check_runtime(engine, m)
         if tenant is not None:
-            engine.registry.check_quota(tenant, m.tier, limits)
+            engine.registry.tenants.check_quota(tenant, m.tier, limits)
         image = await asyncio.to_thread(snapstore.image_of, engine, m, tenant)  # gone: refused before the fetch
         store = snapstore.store_for(engine)
         snaps.get_blob(store, m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, ws_tar, work)
@@ -778,7 +788,7 @@ async def _template_snapshot(
     if image is None:
         image = resolve.image_for(engine, tmpl.name)
     key = snapstore.template_key(engine, tier, shape, image)
-    sid = engine.registry.meta_text(key)
+    sid = engine.registry.meta.meta_text(key)
     if sid:
         try:
             return snaps.load_manifest(store, sid, snapstore.workdir(engine))
@@ -798,8 +808,10 @@ async def _template_snapshot(
             if code != 0:
                 raise SandboxError(f"template warm-up {argv[0]} exited {code}: {err[-200:]}", info.sandbox_id)
         m = await checkpoint.pause(engine, info.sandbox_id, session, memory=True)
-        engine.registry.set_meta_text(key, m.snapshot_id)  # first: a death after it loses nothing
-        engine.registry.set_state(info.sandbox_id, State.DESTROYED, f"became template snapshot {m.snapshot_id}")
+        engine.registry.meta.set_meta_text(key, m.snapshot_id)  # first: a death after it loses nothing
+        engine.registry.sandboxes.set_state(
+            info.sandbox_id, State.DESTROYED, f"became template snapshot {m.snapshot_id}"
+        )
     except BaseException:
         await session.close()
         try:

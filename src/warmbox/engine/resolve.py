@@ -48,7 +48,7 @@ def built_template(engine: Engine, name: str, version: int | None, tenant: Tenan
     first, then the host's; None if there is none."""
     for owner in dict.fromkeys([tenant.name if tenant is not None else "", ""]):
         try:
-            return engine.registry.template_get(name, version, tenant=owner)
+            return engine.registry.templates.template_get(name, version, tenant=owner)
         except TemplateNotFound:
             continue
     return None
@@ -131,7 +131,7 @@ def template_users(engine: Engine, name: str, version: int | None = None, tenant
     (when ``version`` is its latest or None), and ids of snapshots taken of its sandboxes.
     A template with users cannot be removed (TemplateInUse)."""
     owner = tenant.name if tenant is not None else ""
-    sandboxes, pools, snaps = engine.registry.template_users(name, version, owner)
+    sandboxes, pools, snaps = engine.registry.templates.template_users(name, version, owner)
     latest = built_template(engine, name, None, tenant)
     if not owner and (version is None or (latest is not None and latest.version == version)):
         pools = sorted({*pools, *(p.name for p in engine.settings().pools.values() if p.template == name)})

@@ -35,10 +35,10 @@ OPERATIONS = ("read", "write")
 
 def registry_key(registry: Registry) -> bytes:
     """The signing key of ``registry``, made (once, whichever process is first) if it has none."""
-    text = registry.meta_text(KEY_NAME)
+    text = registry.meta.meta_text(KEY_NAME)
     if not text:
-        registry.add_meta_text(KEY_NAME, secrets.token_bytes(_KEY_BYTES).hex())  # never replaces one
-        text = registry.meta_text(KEY_NAME)
+        registry.meta.add_meta_text(KEY_NAME, secrets.token_bytes(_KEY_BYTES).hex())  # never replaces one
+        text = registry.meta.meta_text(KEY_NAME)
     try:
         key = bytes.fromhex(text)
     except ValueError:

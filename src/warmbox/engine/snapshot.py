@@ -31,7 +31,7 @@ def resolve(engine: Engine, ref: str) -> snaps.SnapshotManifest:
     if not isinstance(ref, str) or not ref:
         raise InvalidArgument(f"expected a snapshot id or sandbox id, got {ref!r}")
     if ref.startswith("sb-"):
-        ids = engine.registry.snapshots_of(ref)
+        ids = engine.registry.snapshots.snapshots_of(ref)
         if not ids:
             raise SandboxNotFound(f"sandbox {ref} has no snapshot", ref)
         ref = ids[-1]
@@ -72,7 +72,7 @@ async def restore(
         limits = snapstore.limits_of(m)
         snapstore.check_fits(m, (limits.disk_mb + 2 * limits.tmp_mb) << 20)  # /workspace, /tmp and /home/user
         if tenant is not None:
-            engine.registry.check_quota(tenant, m.tier, limits)
+            engine.registry.tenants.check_quota(tenant, m.tier, limits)
         image = await asyncio.to_thread(snapstore.image_of, engine, m, tenant)  # gone: refused before the fetch
         snaps.get_blob(
             snapstore.store_for(engine), m.filesystem_sha256, m.filesystem_bytes, m.filesystem_raw_bytes, raw, work
@@ -109,7 +109,7 @@ async def restore(
                     raise SandboxError(
                         f"restoring the code context: {done.error.name}: {done.error.value}", info.sandbox_id
                     )
-            engine.registry.set_parent(info.sandbox_id, m.snapshot_id)
+            engine.registry.sandboxes.set_parent(info.sandbox_id, m.snapshot_id)
         except BaseException:
             await session.close()
             try:
@@ -131,8 +131,8 @@ async def _undo_start(engine: Engine, got: Launched, why: str, *, resumed: bool)
         return
     await engine.backend(got.info.tier).destroy(got.handle)
     await egress.suspend(engine, got.sandbox_id)
-    engine.registry.set_state(got.sandbox_id, State.PAUSED, f"{why}; still paused")
-    engine.registry.finalize(got.sandbox_id)
+    engine.registry.sandboxes.set_state(got.sandbox_id, State.PAUSED, f"{why}; still paused")
+    engine.registry.usage.finalize(got.sandbox_id)
 
 
 async def resume(
@@ -166,7 +166,7 @@ async def resume(
     secret_map = egress.secrets_for(record, secrets, ref, f"sandbox {ref}")
     m = resolve(engine, ref)
     if timeout is None:
-        timeout = engine.registry.timeout_of(ref) or None
+        timeout = engine.registry.sandboxes.timeout_of(ref) or None
     await _released(engine, ref)
     got = await restore(engine, m, timeout=timeout, envs=envs, tenant=tenant, resume_of=ref)
     try:
@@ -179,8 +179,8 @@ async def resume(
         except WarmboxError:
             pass
         raise
-    engine.registry.add_timings([StageTiming(ref, "resume", (time.perf_counter() - t0) * 1e3, True)])
-    got.timings = engine.registry.timings(ref)
+    engine.registry.sandboxes.add_timings([StageTiming(ref, "resume", (time.perf_counter() - t0) * 1e3, True)])
+    got.timings = engine.registry.sandboxes.timings(ref)
     got.info, _ = engine.info(ref)
     return got
 
@@ -219,7 +219,7 @@ def start_of(engine: Engine, ref: str) -> tuple[str, str, str, Limits]:
     paused sandbox continued under its id, ("create", snapshot_id, tier, limits) for a fork."""
     if isinstance(ref, str) and ref.startswith("sb-"):
         info, _ = engine.info(ref)
-        return "resume", ref, info.tier, engine.registry.limits(ref)
+        return "resume", ref, info.tier, engine.registry.sandboxes.limits(ref)
     m = resolve(engine, ref)
     if _pause_of_paused(engine, m):
         return "resume", m.sandbox_id, m.tier, snapstore.limits_of(m)
@@ -233,7 +233,7 @@ def _pause_of_paused(engine: Engine, m: snaps.SnapshotManifest) -> bool:
         info, _ = engine.info(m.sandbox_id)
     except WarmboxError:
         return False
-    return info.state is State.PAUSED and engine.registry.snapshots_of(m.sandbox_id)[-1:] == [m.snapshot_id]
+    return info.state is State.PAUSED and engine.registry.snapshots.snapshots_of(m.sandbox_id)[-1:] == [m.snapshot_id]
 
 
 RELEASE_WAIT_S = 60.0
@@ -245,7 +245,7 @@ async def _released(engine: Engine, sandbox_id: str) -> None:
     that died meanwhile, or one slower than RELEASE_WAIT_S, leaves leftovers the resume removes."""
     deadline = time.monotonic() + RELEASE_WAIT_S
     while time.monotonic() < deadline:
-        owner = engine.registry.owner_of(sandbox_id)
+        owner = engine.registry.sandboxes.owner_of(sandbox_id)
         if (
             not owner
             or not owner_alive(owner, engine.node)

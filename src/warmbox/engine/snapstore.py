@@ -311,7 +311,7 @@ def delete(engine: Engine, snapshot_id: str) -> None:
         raise InvalidArgument(f"{snapshot_id!r} is not a snapshot id")
     store = store_for(engine)
     store.delete(snaps.manifest_key(snapshot_id))
-    engine.registry.remove_snapshot(snapshot_id)
+    engine.registry.snapshots.remove_snapshot(snapshot_id)
     import shutil
 
     shutil.rmtree(memory_cache(engine) / snapshot_id, ignore_errors=True)

@@ -240,7 +240,7 @@ _FAMILIES = (
         1,
         (False,),
     ),
-    # the pool's own cost: its sandboxes that ended unclaimed (as Registry.pool_totals counts it)
+    # the pool's own cost: its sandboxes that ended unclaimed (as PoolStore.pool_totals counts it)
     _Family(
         "pool_costs",
         "SELECT x.part, '', c.pool, SUM(c.cpu_s), SUM(c.gib_s) "
@@ -479,7 +479,7 @@ class RegistryStats:
     @staticmethod
     def _approvals(db: Any, tenant: str | None) -> list[tuple[Any, ...]]:
         """(tenant, kind, state, count, wait buckets (cumulative)..., wait sum in s) of the approval
-        queue; a pending question past its deadline counts as timed_out (as Registry.approvals
+        queue; a pending question past its deadline counts as timed_out (as ApprovalStore.approvals
         reads it). The queue holds human-rate questions: one GROUP BY over it."""
         state = "CASE WHEN state='pending' AND deadline<? THEN 'timed_out' ELSE state END"
         wait = "(CASE WHEN answered_at>0 THEN answered_at ELSE deadline END - created_at)"
@@ -493,7 +493,7 @@ class RegistryStats:
 
     def _budgets(self, db: Any, tenant: str | None) -> list[tuple[Any, ...]]:
         """(tenant, cpu hours used today, cpu budget, GiB-hours used today, GiB-hours budget) of the
-        tenants with a daily budget: as Registry.budget_status counts them (the usage table's hours
+        tenants with a daily budget: as UsageStore.budget_status counts them (the usage table's hours
         since UTC midnight); none before the approvals part's tables exist."""
         if not {"budget_cpu_h", "budget_gib_h"} <= self._columns(db, "tenants"):
             return []
@@ -526,7 +526,7 @@ class RegistryStats:
         rows = []
         for pool in sorted(set(names) | set(events)):
             ev = events.get(pool, {})
-            # as Registry.pool_totals counts them: a claim whose check failed took the next sandbox
+            # as PoolStore.pool_totals counts them: a claim whose check failed took the next sandbox
             hits = ev.get("hit", 0) - ev.get("claim_failed", 0)
             for kind, count in (
                 ("hit", hits),

@@ -47,10 +47,10 @@ async def destroy(engine: Engine, sandbox_id: str, reason: str = "killed") -> bo
                     await backend.destroy(handle)
                 except WarmboxError:
                     pass  # best effort: its records end either way
-        engine.registry.set_state(sandbox_id, State.DESTROYED, reason)
-        engine.registry.finalize(sandbox_id)
+        engine.registry.sandboxes.set_state(sandbox_id, State.DESTROYED, reason)
+        engine.registry.usage.finalize(sandbox_id)
         if info.state is State.PAUSED:
-            engine.registry.set_egress(sandbox_id, "")  # the kept record of a paused one
+            engine.registry.egress.set_egress(sandbox_id, "")  # the kept record of a paused one
         _forget_auto_snapshots(engine, info)
         return True
     if info.state is not State.PAUSED:
@@ -58,15 +58,15 @@ async def destroy(engine: Engine, sandbox_id: str, reason: str = "killed") -> bo
     if info.state is not State.PAUSED or Path(handle.state_dir).exists():  # paused: leftovers only
         await engine.backend(info.tier).destroy(handle)
     await egress.release(engine, sandbox_id)
-    engine.registry.set_state(sandbox_id, State.DESTROYED, reason)
-    engine.registry.finalize(sandbox_id)
+    engine.registry.sandboxes.set_state(sandbox_id, State.DESTROYED, reason)
+    engine.registry.usage.finalize(sandbox_id)
     _forget_auto_snapshots(engine, info)
     return True
 
 
 def _forget_auto_snapshots(engine: Engine, info: SandboxInfo) -> None:
     if info.lifecycle.pauses:  # what automatic pauses saved of it ends with it
-        for snap in engine.registry.auto_snapshots_of(info.sandbox_id):
+        for snap in engine.registry.snapshots.auto_snapshots_of(info.sandbox_id):
             try:
                 snapstore.delete(engine, snap)
             except WarmboxError:
@@ -79,7 +79,7 @@ async def lost_hosts(engine: Engine) -> list[str]:
     and remove what is left of them here; returns their ids. Every reap runs it (the daemon:
     each tick), and so does a call that finds its sandbox's connection gone."""
     live: dict[str, list[BackendHandle]] = {}
-    for info, handle in engine.registry.list(include_pooled=True, local=True):
+    for info, handle in engine.registry.sandboxes.list(include_pooled=True, local=True):
         if info.state in (State.READY, State.RUNNING, State.POOLED):
             live.setdefault(info.tier, []).append(handle)
     lost: list[str] = []
@@ -94,7 +94,7 @@ async def lost_hosts(engine: Engine) -> list[str]:
         dead = await asyncio.to_thread(b.tend_hosts, handles)
         if not dead:
             continue
-        changed = engine.registry.mark_lost(dead, f"the {tier} tier's host process that held it ended")
+        changed = engine.registry.nodes.mark_lost(dead, f"the {tier} tier's host process that held it ended")
         for handle in handles:
             if handle.sandbox_id in changed:
                 try:
@@ -137,7 +137,7 @@ async def reconcile_node(engine: Engine) -> list[str]:
         state_dir = sandboxes / sid
         uid_base = 0
         try:
-            info, handle = engine.registry.get(sid)
+            info, handle = engine.registry.sandboxes.get(sid)
         except SandboxNotFound:
             pass  # no row: this node's runtime alone knows it, and nobody can use it
         else:
@@ -164,7 +164,7 @@ def _reconcile_ends(engine: Engine, info: SandboxInfo, handle: BackendHandle, st
         if info.state in LIVE or info.state is State.FAILED:
             return False  # this node's: its own duties (the reaper) look after it
         if info.state is State.PAUSED:
-            return not engine.registry.owner_of(info.sandbox_id)  # a pauser still releasing it: its job
+            return not engine.registry.sandboxes.owner_of(info.sandbox_id)  # a pauser still releasing it: its job
         return True  # lost or destroyed
     if info.state in LIVE or info.state is State.FAILED or info.state is State.PAUSED:
         # Another node's now. Cgroups and named network namespaces are named by sandbox id
@@ -181,8 +181,8 @@ async def node_heartbeat(engine: Engine, epoch: int) -> bool:
     pooled counts go to the registry. False: the node is fenced (marked down, or joined again
     under a newer epoch): what it ran is no longer its own, so it is ended here at once
     (``reconcile_node``) and the node process must stop serving and exit."""
-    live, pooled = engine.registry.local_counts()
-    if engine.registry.heartbeat(engine.node, epoch, live, pooled):
+    live, pooled = engine.registry.nodes.local_counts()
+    if engine.registry.nodes.heartbeat(engine.node, epoch, live, pooled):
         return True
     await reconcile_node(engine)
     return False
@@ -194,8 +194,10 @@ async def unresume(engine: Engine, sandbox_id: str) -> None:
     if Path(handle.state_dir).exists():
         await engine.backend(info.tier).destroy(handle)
     await egress.suspend(engine, sandbox_id)
-    engine.registry.set_state(sandbox_id, State.PAUSED, "resumer process died; still paused", expected=State.CREATING)
-    engine.registry.finalize(sandbox_id)
+    engine.registry.sandboxes.set_state(
+        sandbox_id, State.PAUSED, "resumer process died; still paused", expected=State.CREATING
+    )
+    engine.registry.usage.finalize(sandbox_id)
 
 
 # ---- template VMs in the making (snapshot.template_snapshot)
@@ -213,14 +215,14 @@ def _template_marks(engine: Engine, change: Callable[[dict], object] | None = No
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # held for one read-modify-write of one row
         try:
-            marks = json.loads(engine.registry.meta_text(TEMPLATE_VMS_KEY) or "{}")
+            marks = json.loads(engine.registry.meta.meta_text(TEMPLATE_VMS_KEY) or "{}")
         except ValueError:
             marks = {}
         if not isinstance(marks, dict):
             marks = {}
         if change is not None:
             change(marks)
-            engine.registry.set_meta_text(TEMPLATE_VMS_KEY, json.dumps(marks))
+            engine.registry.meta.set_meta_text(TEMPLATE_VMS_KEY, json.dumps(marks))
         return marks
     finally:
         os.close(fd)
@@ -238,7 +240,7 @@ def unmark_template_vm(engine: Engine, sandbox_id: str) -> None:
 
 async def reap_template_vms(engine: Engine) -> list[str]:
     """Destroy the marked template VMs whose creator died (the reaper's part); their ids."""
-    if not engine.registry.meta_text(TEMPLATE_VMS_KEY).strip("{} "):
+    if not engine.registry.meta.meta_text(TEMPLATE_VMS_KEY).strip("{} "):
         return []  # nothing marked: no lock taken (the daemon looks every tick)
     reaped = []
     for sid, mark in _template_marks(engine).items():
@@ -246,7 +248,7 @@ async def reap_template_vms(engine: Engine) -> list[str]:
         if isinstance(owner, str) and owner and owner_alive(owner, engine.node):
             continue  # its creator is still at it
         try:
-            info, handle = engine.registry.get(sid)
+            info, handle = engine.registry.sandboxes.get(sid)
         except SandboxNotFound:
             unmark_template_vm(engine, sid)
             continue
@@ -259,11 +261,11 @@ async def reap_template_vms(engine: Engine) -> list[str]:
         why = "template creator died"
         if info.state is State.PAUSED:  # paused (by its creator, or by recovery) but not recorded
             key = mark.get("key")
-            taken = engine.registry.snapshots_of(sid)
+            taken = engine.registry.snapshots.snapshots_of(sid)
             if taken and isinstance(key, str) and key.startswith("template:"):
-                if not engine.registry.meta_text(key):
-                    engine.registry.set_meta_text(key, taken[-1])
-                if engine.registry.meta_text(key) == taken[-1]:
+                if not engine.registry.meta.meta_text(key):
+                    engine.registry.meta.set_meta_text(key, taken[-1])
+                if engine.registry.meta.meta_text(key) == taken[-1]:
                     why = f"became template snapshot {taken[-1]} (recorded after its creator died)"
         try:
             if await destroy(engine, sid, why):

@@ -54,14 +54,14 @@ def _layer_bytes(store: LayerStore, digest: str) -> int:
 
 def recorded_images(engine: Engine) -> set[str]:
     """Image ids this home's sandboxes (not destroyed) and snapshots recorded."""
-    return engine.registry.recorded_image_ids()
+    return engine.registry.templates.recorded_image_ids()
 
 
 def layers_in_use(engine: Engine) -> set[str]:
     """Layer digests a layer gc must keep for this home: every template version's (of any
     tenant) and every built-in image build's recorded on this host (snapshots of an older
     built-in image restore on it). Other homes share the store: a host-wide gc unions theirs."""
-    return engine.registry.template_layers() | {d for r in images.builtin_records() for d in r.layers}
+    return engine.registry.templates.template_layers() | {d for r in images.builtin_records() for d in r.layers}
 
 
 def _other_homes_images(store: LayerStore, own: Registry) -> set[str] | None:
@@ -113,7 +113,7 @@ def gc(engine: Engine, *, dry_run: bool = False, min_age_s: float = 0.0) -> ops.
     try:
         used_ids = recorded_images(engine)
         keep = set(layers_in_use(engine))
-        infos = engine.registry.template_list()
+        infos = engine.registry.templates.template_list()
         for info in infos:
             if info.image_id in used_ids:
                 keep.update(info.layers)

@@ -52,7 +52,7 @@ def disk_of(engine: Engine, volume_id: str) -> Path:
 def disk_of_name(engine: Engine, tenant: str, name: str) -> Path:
     """The host path of a tenant's volume's image, for the host's own use (an operator's tools,
     tests): no VolumeInfo carries it. VolumeNotFound if the tenant has no volume of that name."""
-    return disk_of(engine, engine.registry.volume(tenant, validate_volume_name(name))[0])
+    return disk_of(engine, engine.registry.volumes.volume(tenant, validate_volume_name(name))[0])
 
 
 def _info(
@@ -69,7 +69,7 @@ def _info(
         size_mb=size_mb,
         created_at=created_at,
         allocated_mb=allocated,
-        mounted_by=tuple(engine.registry.volume_users(volume_id)),
+        mounted_by=tuple(engine.registry.volumes.volume_users(volume_id)),
         node=node,
     )
 
@@ -81,7 +81,7 @@ def _local(engine: Engine, node: str) -> bool:
 
 def check_here(engine: Engine, name: str, volume_id: str) -> None:
     """VolumeElsewhere when the volume's disk is on another node of the cluster."""
-    node = engine.registry.volume_node(volume_id)
+    node = engine.registry.volumes.volume_node(volume_id)
     if not _local(engine, node):
         here = f"node {engine.node!r}" if engine.node else "a host outside the cluster's nodes"
         raise VolumeElsewhere(
@@ -111,7 +111,7 @@ async def create(engine: Engine, tenant: str, name: object, size_mb: object) -> 
     name = validate_volume_name(name)
     size = validate_volume_size(size_mb)
     try:  # before the mkfs (add_volume checks again, atomically)
-        engine.registry.volume(tenant, name)
+        engine.registry.volumes.volume(tenant, name)
     except VolumeNotFound:
         pass
     else:
@@ -124,7 +124,7 @@ async def create(engine: Engine, tenant: str, name: object, size_mb: object) -> 
     await asyncio.to_thread(volume_disk.make_image, disk, size)
     now = time.time()
     try:
-        engine.registry.add_volume(tenant, name, volume_id, size, now)  # on this node
+        engine.registry.volumes.add_volume(tenant, name, volume_id, size, now)  # on this node
     except BaseException:
         _remove_files(disk)
         raise
@@ -133,24 +133,24 @@ async def create(engine: Engine, tenant: str, name: object, size_mb: object) -> 
 
 def get(engine: Engine, tenant: str, name: object) -> VolumeInfo:
     name = validate_volume_name(name)
-    volume_id, size_mb, created_at = engine.registry.volume(tenant, name)
-    return _info(engine, tenant, name, volume_id, size_mb, created_at, engine.registry.volume_node(volume_id))
+    volume_id, size_mb, created_at = engine.registry.volumes.volume(tenant, name)
+    return _info(engine, tenant, name, volume_id, size_mb, created_at, engine.registry.volumes.volume_node(volume_id))
 
 
 def list(engine: Engine, tenant: str | None) -> builtins.list[VolumeInfo]:
     """A tenant's volumes by name (None: every tenant's)."""
-    nodes = engine.registry.volume_nodes()
+    nodes = engine.registry.volumes.volume_nodes()
     return [
         _info(engine, t, n, vid, size, at, nodes.get(vid, ""))
-        for t, n, vid, size, at in engine.registry.volumes(tenant)
+        for t, n, vid, size, at in engine.registry.volumes.volumes(tenant)
     ]
 
 
 def delete(engine: Engine, tenant: str, name: object) -> None:
     """Delete a volume and its files; VolumeInUse while a live or paused sandbox mounts it."""
     name = validate_volume_name(name)
-    check_here(engine, name, engine.registry.volume(tenant, name)[0])
-    volume_id = engine.registry.remove_volume(tenant, name)
+    check_here(engine, name, engine.registry.volumes.volume(tenant, name)[0])
+    volume_id = engine.registry.volumes.remove_volume(tenant, name)
     _remove_files(disk_of(engine, volume_id))
 
 
@@ -165,7 +165,7 @@ def resolve(engine: Engine, tenant: str, volumes: object) -> tuple[VolumeMount, 
     the tenant's) as the mounts a backend gets. Mount records are written by :func:`record`."""
     out = []
     for v in validate_volumes(volumes):
-        volume_id, _, _ = engine.registry.volume(tenant, v.name)
+        volume_id, _, _ = engine.registry.volumes.volume(tenant, v.name)
         check_here(engine, v.name, volume_id)
         out.append(VolumeMount(v.name, v.path, v.read_only, str(disk_of(engine, volume_id))))
     return tuple(out)
@@ -180,7 +180,7 @@ def of_sandbox(engine: Engine, sandbox_id: str) -> tuple[VolumeMount, ...]:
     """What a sandbox mounted, for a sandbox started again from it (its resume, or a fork of one of
     its snapshots): VolumeNotFound if one of its volumes was deleted since."""
     out = []
-    for name, volume_id, path, read_only in engine.registry.volumes_of(sandbox_id):
+    for name, volume_id, path, read_only in engine.registry.volumes.volumes_of(sandbox_id):
         if not name:
             raise VolumeNotFound(f"a volume sandbox {sandbox_id} mounted at {path} was deleted", volume=volume_id)
         check_here(engine, name, volume_id)
@@ -191,7 +191,7 @@ def of_sandbox(engine: Engine, sandbox_id: str) -> tuple[VolumeMount, ...]:
 def record(engine: Engine, sandbox_id: str, mounts: tuple[VolumeMount, ...], own_disk: bool) -> None:
     """Record the sandbox's mounts (before its backend mounts anything): VolumeNotFound if a
     volume went meanwhile, VolumeInUse where the tier's sharing rule refuses (see
-    Registry.mount_volumes)."""
-    engine.registry.mount_volumes(
+    VolumeStore.mount_volumes)."""
+    engine.registry.volumes.mount_volumes(
         sandbox_id, [(volume_id_of(m), m.name, m.path, m.read_only) for m in mounts], exclusive=own_disk
     )

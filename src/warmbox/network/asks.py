@@ -26,7 +26,7 @@ POLL_S = 0.5  # an answer written without a nudge is seen within this
 def close(registry: Registry, approval_id: str) -> None:
     """Withdraw a question nothing waits for any more (it reads as timed out), unless answered."""
     try:
-        registry.withdraw_approval(approval_id)
+        registry.approvals.withdraw_approval(approval_id)
     except WarmboxError as e:  # best effort: unanswered, it times out at its deadline anyway
         print(f"warmbox proxy: cannot withdraw approval question {approval_id}: {e}", file=sys.stderr, flush=True)
 
@@ -106,7 +106,7 @@ class AnswerWatch:
         now = time.time()
         for approval_id, (_fut, deadline) in waiting.items():
             try:
-                row: Approval | None = registry.approval(approval_id)
+                row: Approval | None = registry.approvals.approval(approval_id)
             except ApprovalNotFound:
                 row = None
             if row is None or row.state != "pending" or now >= deadline:

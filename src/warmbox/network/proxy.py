@@ -321,7 +321,7 @@ class Proxy:
             print(f"warmbox proxy: {lost} reads of refused packets overflowed", file=sys.stderr, flush=True)
         try:
             if rows:
-                self.registry.add_net_events(rows)
+                self.registry.egress.add_net_events(rows)
             for src, n in capped.items():
                 sid = owner(src)
                 if sid is not None:
@@ -338,9 +338,9 @@ class Proxy:
         )
         event_id = self.refused_capped.get(sid, (0, 0))[0]
         if event_id:
-            self.registry.deny_net_event(event_id, "audit-bound", detail)
+            self.registry.egress.deny_net_event(event_id, "audit-bound", detail)
         else:
-            event_id = self.registry.add_net_event(
+            event_id = self.registry.egress.add_net_event(
                 NetEvent(sid, now, "ip", "", "", 0, "deny", "audit-bound", 0, 0, detail)
             )
         self.refused_capped[sid] = (event_id, total)
@@ -351,7 +351,7 @@ class Proxy:
         self, sid: str, kind: str, host: str, address: str, port: int, decision: str, rule: str, detail: str = ""
     ) -> int:
         try:
-            return self.registry.add_net_event(
+            return self.registry.egress.add_net_event(
                 NetEvent(sid, time.time(), kind, host, address, port, decision, rule, 0, 0, detail)
             )
         except WarmboxError:
@@ -372,7 +372,7 @@ class Proxy:
         )
         try:
             if event_id:
-                self.registry.deny_net_event(event_id, "approval:queue-full", text)
+                self.registry.egress.deny_net_event(event_id, "approval:queue-full", text)
             else:
                 event_id = self.audit(sid, kind, "*", "", 0, "deny", "approval:queue-full", text)
         except WarmboxError:
@@ -382,7 +382,7 @@ class Proxy:
     def finish(self, conn: _Conn, detail: str = "") -> None:
         if conn.event_id:
             try:
-                self.registry.finish_net_event(conn.event_id, conn.up, conn.down, detail)
+                self.registry.egress.finish_net_event(conn.event_id, conn.up, conn.down, detail)
             except WarmboxError:
                 pass
 
@@ -400,7 +400,7 @@ class Proxy:
         for entry in entries:
             sid = str(entry["sandbox_id"])
             try:
-                if self.registry.link(sid) is None:
+                if self.registry.egress.link(sid) is None:
                     self.keep({"op": "forget", "sandbox_id": sid})
                     continue
             except WarmboxError:
@@ -411,7 +411,7 @@ class Proxy:
 
     def policy_of(self, address: str) -> tuple[str, Policy] | None:
         try:
-            row = self.registry.link_by_address(address)
+            row = self.registry.egress.link_by_address(address)
         except WarmboxError:
             return None
         if row is None:
@@ -435,7 +435,7 @@ class Proxy:
         except ValueError:
             pass
         try:
-            nodes = [n.address for n in self.registry.nodes()]  # none on one host
+            nodes = [n.address for n in self.registry.nodes.nodes()]  # none on one host
         except WarmboxError:
             nodes = []  # the registry does not answer this round: what was blocked stays blocked
             own |= self.own
@@ -530,7 +530,7 @@ class Proxy:
         """The sandbox's tenant ("": the host's), read once (it never changes)."""
         if sid not in self.tenants:
             try:
-                self.tenants[sid] = self.registry.sandbox_tenant(sid) or ""
+                self.tenants[sid] = self.registry.sandboxes.sandbox_tenant(sid) or ""
             except WarmboxError:
                 return ""
         return self.tenants[sid]
@@ -552,9 +552,9 @@ class Proxy:
         if answer == "deny":
             return False, "approval:deny"
         if answer == "allow_always":
-            got = self.registry.link(sid)
+            got = self.registry.egress.link(sid)
             if got is not None:
-                self.registry.set_policy(sid, Policy.from_json(got[2]).with_allowed(host).to_json())
+                self.registry.egress.set_policy(sid, Policy.from_json(got[2]).with_allowed(host).to_json())
         return True, f"approval:{answer}"
 
     async def _ask_subscriber(self, sid: str, host: str, port: int, kind: str, timeout: float) -> str:
@@ -588,7 +588,7 @@ class Proxy:
         if answer not in DECISIONS:
             answer = "deny"  # as the subscriber path decides an invalid answer
         try:
-            self.registry.answer_approval(approval_id, answer, "sdk callback")
+            self.registry.approvals.answer_approval(approval_id, answer, "sdk callback")
         except WarmboxError:
             return  # answered in the queue first (or gone): that answer stands
         if self.watch is not None:
@@ -604,7 +604,7 @@ class Proxy:
         assert self.watch is not None  # made by serve() before the proxy serves
         subject = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            row = self.registry.open_approval(
+            row = self.registry.approvals.open_approval(
                 self.tenant_of(sid),
                 "network",
                 subject,
@@ -634,7 +634,7 @@ class Proxy:
                 decided = _hook_answer(hook)
                 if decided and not answered.done():
                     try:
-                        self.registry.answer_approval(row.approval_id, decided, "webhook")
+                        self.registry.approvals.answer_approval(row.approval_id, decided, "webhook")
                     except (ApprovalClosed, ApprovalNotFound):
                         pass  # answered (or timed out) first: that answer stands
                     self.watch.nudge()
@@ -838,7 +838,7 @@ class Proxy:
 
     def _redecide(self, event_id: int, rule: str, detail: str) -> None:
         try:
-            self.registry.deny_net_event(event_id, rule, detail)
+            self.registry.egress.deny_net_event(event_id, rule, detail)
         except WarmboxError:
             pass
 
@@ -1054,7 +1054,7 @@ class Proxy:
         while not self.stopping.is_set():
             await asyncio.sleep(1.0)
             try:
-                live = self.registry.live_links()
+                live = self.registry.egress.live_links()
             except WarmboxError:
                 continue
             if not live and time.monotonic() - self.last_control > IDLE_EXIT_S and not self.approvers:

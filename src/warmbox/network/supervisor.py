@@ -75,9 +75,9 @@ class Supervisor:
     def audit_outage(self, rule: str, detail: str) -> None:
         """One ``proxy`` event (decision deny: nothing was served) for every linked sandbox."""
         try:
-            for info, _ in self.registry.list(include_pooled=True):
-                if self.registry.link(info.sandbox_id) is not None:
-                    self.registry.add_net_event(
+            for info, _ in self.registry.sandboxes.list(include_pooled=True):
+                if self.registry.egress.link(info.sandbox_id) is not None:
+                    self.registry.egress.add_net_event(
                         NetEvent(info.sandbox_id, time.time(), "proxy", "*", "", 0, "deny", rule, 0, 0, detail)
                     )
         except Exception as e:  # the supervisor outlives a registry hiccup

@@ -182,12 +182,19 @@ class Fronts:
 class Service:
     """The state behind the app: the engine, one front per tenant, the limiter, open approvals.
 
-    fronts: a cluster's (the engine then only authenticates: its registry is the cluster's)."""
+    fronts: a cluster's (the engine then only authenticates: its registry is the cluster's).
+    Requests go through a front; the server reads the registry itself only through the stores held
+    here by name: ``tenants`` and ``sandboxes`` (whose key or sandbox a request is: the key checks,
+    before there is a front) and, for the console's cost and pool pages, ``usage`` and ``pools``."""
 
     def __init__(self, engine: Engine, settings: ServerSettings, fronts: Fronts | None = None) -> None:
         self.engine = engine
         self.settings = settings
         self.fronts = fronts
+        self.tenants = engine.registry.tenants  # keys and quotas: authentication
+        self.sandboxes = engine.registry.sandboxes  # only a sandbox's tenant (sandbox_tenant)
+        self.usage = engine.registry.usage  # the console's cost page and budget badge
+        self.pools = engine.registry.pools  # the console's pool charts (their events)
         self.stopping = False  # SIGTERM: /readyz says so while the last requests finish
         self.peers = dict(settings.peers)
         self.approval_timeout_s = engine.settings().network.approval_timeout_s + 1  # the proxy's wait, and a margin
@@ -235,7 +242,7 @@ class Service:
         if self.fronts is not None:
             return self.fronts.ready()
         try:
-            self.engine.registry.sandbox_tenant("sb-000000000000")  # one indexed read
+            self.sandboxes.sandbox_tenant("sb-000000000000")  # one indexed read
         except WarmboxError as e:
             return f"the registry does not answer: {e}"
         return ""
@@ -249,7 +256,7 @@ class Service:
 
     def authenticate_secret(self, secret: str) -> Tenant:
         """The tenant of a live API key's secret, rate limited per key; Unauthenticated otherwise."""
-        tenant = self.engine.registry.authenticate(secret)
+        tenant = self.tenants.authenticate(secret)
         if tenant is None:
             raise Unauthenticated("unknown or revoked API key")
         return self._admit(tenant, tenant.key_id or tenant.name)
@@ -257,10 +264,10 @@ class Service:
     def sandbox_key_ids(self, sandbox_id: str) -> list[str]:
         """The live API keys of the tenant a sandbox belongs to (none for an unknown sandbox or one
         of the host's): whose access tokens may have signed an E2B file URL for it."""
-        tenant = self.engine.registry.sandbox_tenant(sandbox_id)
+        tenant = self.sandboxes.sandbox_tenant(sandbox_id)
         if not tenant:
             return []
-        return [k.key_id for k in self.engine.registry.list_keys() if k.tenant == tenant and not k.revoked_at]
+        return [k.key_id for k in self.tenants.list_keys() if k.tenant == tenant and not k.revoked_at]
 
     @functools.cached_property
     def signer(self) -> signing.Signer:
@@ -278,7 +285,7 @@ class Service:
             logs.note_tenant("")
             return None
         try:
-            tenant = self.engine.registry.tenant(name)
+            tenant = self.tenants.tenant(name)
         except InvalidArgument:  # no quotas recorded for it: unlimited, as a mapped uid's tenant
             tenant = Tenant(name=name)
         return self._admit(tenant, signer)
@@ -286,7 +293,7 @@ class Service:
     def authenticate_key_id(self, key_id: str) -> Tenant:
         """What :meth:`authenticate_secret` answers for the key with this id (the console's
         sessions hold a key's id, never its secret): a revoked key is refused at once."""
-        tenant = self.engine.registry.key_tenant(key_id)
+        tenant = self.tenants.key_tenant(key_id)
         if tenant is None:
             raise Unauthenticated("the API key this session was opened with is revoked or unknown")
         return self._admit(tenant, tenant.key_id or tenant.name)
@@ -319,7 +326,7 @@ class Service:
         if not peer.TENANT_NAME.match(name):
             raise Unauthenticated(f"{peer.TENANT} must name a tenant (letters, digits, '_', '.', '@', '-')")
         try:
-            tenant = self.engine.registry.tenant(name)
+            tenant = self.tenants.tenant(name)
         except InvalidArgument:  # no quotas recorded for it: unlimited, as a mapped uid's tenant
             tenant = Tenant(name=name)
         admin = request.headers.get(peer.ADMIN, "") == "1"
@@ -351,7 +358,7 @@ class Service:
             name = self.peers.get(uid)
             if name is not None:
                 try:
-                    tenant = self.engine.registry.tenant(name)
+                    tenant = self.tenants.tenant(name)
                 except InvalidArgument:  # mapped in [server] peers but never given quotas: unlimited
                     tenant = Tenant(name=name)
                 return self._admit(tenant, f"uid:{uid}")

@@ -13,7 +13,7 @@ the start of the transaction, before any row lock.
 Every wait is bounded (Bounds): PostgreSQL's lock_timeout, statement_timeout and
 idle_in_transaction_session_timeout are set on every connection (the last ends the session of a
 node stopped or gone mid-transaction, so the locks it held go); SQLite's busy timeout. A wait past
-its bound is RegistryBusy (the transaction rolled back: the registry retries it, storage/registry.py).
+its bound is RegistryBusy (the transaction rolled back: the registry retries it, storage/registry/db.py).
 
 Foreign errors (sqlite3.Error, psycopg.Error) become RegistryError at the transaction boundary
 and (PostgreSQL) at each read; PostgreSQL's SUM of an integer column (numeric) reads as an int,
@@ -39,7 +39,7 @@ PG_SCHEMES = ("postgresql://", "postgres://")
 ROWID_TABLES = ("transitions", "timings", "pool_events", "sandbox_volumes")
 MIGRATE_COMMAND = "warmbox db migrate"
 # version 18: each pool event records the transaction that wrote it (PostgreSQL): readers follow
-# events up to the oldest transaction still running (storage/registry.py, engine/stats.py), so
+# events up to the oldest transaction still running (storage/registry/pools.py, engine/stats.py), so
 # inserting one takes no cluster-wide lock
 POOL_EVENT_XID_VERSION = 18
 # the id of the current transaction (assigned if it has none), and the horizon: every transaction

@@ -43,8 +43,8 @@ def registry_gone(key: str) -> bool:
 
 
 def add_template(registry: Registry, store: LayerStore, info: TemplateInfo) -> TemplateInfo:
-    """Registry.template_add, its layers pinned in the store (the record returned: its version)."""
-    out = registry.template_add(info)
+    """TemplateStore.template_add, its layers pinned in the store (the record returned: its version)."""
+    out = registry.templates.template_add(info)
     store.pin(pin_name(registry, out.tenant, out.name, out.version), out.layers)
     return out
 
@@ -52,8 +52,8 @@ def add_template(registry: Registry, store: LayerStore, info: TemplateInfo) -> T
 def delete_template(
     registry: Registry, store: LayerStore, name: str, version: int | None = None, tenant: str = ""
 ) -> builtins.list[TemplateInfo]:
-    """Registry.template_delete, the removed versions' pins dropped (their layers stay until collect)."""
-    removed = registry.template_delete(name, version, tenant)
+    """TemplateStore.template_delete, the removed versions' pins dropped (their layers stay until collect)."""
+    removed = registry.templates.template_delete(name, version, tenant)
     for t in removed:
         store.unpin(pin_name(registry, t.tenant, t.name, t.version))
     return removed
@@ -69,7 +69,7 @@ def collect(
     for pin in store.pinned():
         if registry_gone(pin_registry(pin)):
             store.unpin(pin)
-    return store.gc({*registry.template_layers(), *keep}, min_age_s=min_age_s)
+    return store.gc({*registry.templates.template_layers(), *keep}, min_age_s=min_age_s)
 
 
 # ---- layers shared through the cluster's object store
@@ -154,7 +154,7 @@ def collect_shared(
     """Delete the shared layer blobs no template version of ``registry`` (the cluster's: every
     node's, every tenant's) names and older than ``grace_s``; the digests deleted (``dry_run``:
     only named). Keys under the prefix that are not ``<64 hex>`` are left alone."""
-    keep = {d[7:] for d in registry.template_layers() if d.startswith("sha256:")}
+    keep = {d[7:] for d in registry.templates.template_layers() if d.startswith("sha256:")}
     now = time.time()
     removed = []
     for key in objects.list(LAYER_PREFIX):

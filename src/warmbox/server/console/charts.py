@@ -291,7 +291,7 @@ def pool_fill(
     ``status.ready``, so its right end is exact and an event lost before ``since`` cannot shift
     it; a pooled sandbox that expired unclaimed leaves no event, so older points can read high
     (never below 0). The target follows ``resized`` and ``scaled`` events, ending at
-    ``status.target``. events: the pool's, ascending by time (``Registry.pool_events``).
+    ``status.target``. events: the pool's, ascending by time (``PoolStore.pool_events``).
     """
     evs = [e for e in events if since <= e.at <= now and e.pool == status.name]
     evs.sort(key=lambda e: e.at)
@@ -361,7 +361,7 @@ def pool_hit_rate(
     """Hits, misses and the hit rate (%) per bucket over [since, now); a bucket without claims has no rate.
 
     A hit whose sandbox then failed its claim check (``claim_failed``) is not a hit: the caller
-    got the next one (as ``Registry.pool_totals`` counts). bucket_s: None picks one (``bucket_for``).
+    got the next one (as ``PoolStore.pool_totals`` counts). bucket_s: None picks one (``bucket_for``).
     """
     step = bucket_s or bucket_for(now - since)
     first = math.floor(since / step) * step

@@ -81,15 +81,15 @@ class View:
 def build(console: Console, viewer: Viewer, request: Request) -> View:
     rng, seconds, bucket_s = window(request)
     who = scope(viewer)
-    registry = console.service.engine.registry
+    usage_store = console.service.usage
     now = time.time()
     since = now - seconds
-    usage: list[UsageBucket] = registry.usage(who, since)
+    usage: list[UsageBucket] = usage_store.usage(who, since)
     warn = console.service.engine.settings().approvals.warn_ratio
     budget = None
     if who is not None:
         shown, count = [who], 1
-        status = registry.budget_status(who, now, warn_ratio=warn)
+        status = usage_store.budget_status(who, now, warn_ratio=warn)
         if status.cpu_limit_h > 0 or status.gib_limit_h > 0:
             budget = status
     else:
@@ -108,7 +108,7 @@ def build(console: Console, viewer: Viewer, request: Request) -> View:
         s[0] += u.cpu_s / 3600
         s[1] += u.gib_s / 3600
     order = sorted(sums, key=lambda t: (-sums[t][0], -sums[t][1], t))
-    budgets = {b.tenant: b for b in registry.budgets(now, warn_ratio=warn)}  # two reads, whatever the tenants
+    budgets = {b.tenant: b for b in usage_store.budgets(now, warn_ratio=warn)}  # two reads, whatever the tenants
     totals = []
     for t in order[:MAX_ROWS]:
         b = budgets.get(t)
@@ -124,7 +124,7 @@ def tenants(console: Console, viewer: Viewer) -> list[str]:
     """The tenants an admin may pick: every key's (revoked ones too: their use stays)."""
     if not viewer.admin:
         return []
-    return sorted({k.tenant for k in console.service.engine.registry.list_keys() if k.tenant})
+    return sorted({k.tenant for k in console.service.tenants.list_keys() if k.tenant})
 
 
 def routes(console: Console) -> list[BaseRoute]:
@@ -167,7 +167,7 @@ def routes(console: Console) -> list[BaseRoute]:
         # admin, how many tenants (in its filter) passed [approvals] warn_ratio of today's budget
         warn = console.service.engine.settings().approvals.warn_ratio
         who = scope(viewer)
-        statuses = [b for b in console.service.engine.registry.budgets(warn_ratio=warn) if who in (None, b.tenant)]
+        statuses = [b for b in console.service.usage.budgets(warn_ratio=warn) if who in (None, b.tenant)]
         hot = [b for b in statuses if b.warning or b.exceeded]
         return console.render(
             request,

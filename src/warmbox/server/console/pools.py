@@ -96,15 +96,15 @@ def routes(console: Console) -> list[BaseRoute]:
     async def data(request: Request, viewer: Viewer) -> Response:
         rng, seconds = window(request)
         statuses = await viewer.front.handle(ops.PoolsList())
-        registry = console.service.engine.registry
+        store = console.service.pools
         now = time.time()
         since = now - seconds
         pools = []
         for s in statuses:
             # a pool younger than the range starts at its first event, not with hours of "0 ready"
-            first = registry.pool_first_event(s.name)
+            first = store.pool_first_event(s.name)
             start = now if first is None else min(now, max(since, first))
-            events = registry.pool_events(s.name, start)
+            events = store.pool_events(s.name, start)
             card = PoolCard.of(s)
             pools.append(
                 {
