@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from warmbox.engine.start import StartRecord
 from warmbox.errors import InvalidArgument, SandboxStateError
-from warmbox.models import Limits, State
+from warmbox.models import Lifecycle, Limits, State
 from warmbox.storage import registry as registry_mod
 from warmbox.storage.registry import SCHEMA_VERSION, Registry
 from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
@@ -111,11 +112,10 @@ def test_only_one_resume_takes_a_paused_sandbox_and_a_live_one_cannot_be_realloc
 def test_list_filters_by_metadata_subset_and_by_state(tmp_path, registry_at):
     reg = _registry(tmp_path, at=registry_at)
     a, b = "sb-00000000000d", "sb-00000000000e"
-    for sid in (a, b):
-        reg.sandboxes.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
+    for sid, user in ((a, "ada"), (b, "bob")):
+        rec = StartRecord("container", metadata={"user": user, "run": "1"})  # written with the row
+        reg.sandboxes.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", start=rec)
         reg.sandboxes.set_state(sid, State.READY, "up")
-    reg.sandboxes.set_metadata(a, {"user": "ada", "run": "1"})
-    reg.sandboxes.set_metadata(b, {"user": "bob", "run": "1"})
     reg.sandboxes.set_state(b, State.PAUSED, "paused")
     ids = lambda rows: [i.sandbox_id for i, _ in rows]  # noqa: E731
     assert reg.sandboxes.get(a)[0].metadata == {"user": "ada", "run": "1"}
@@ -152,10 +152,12 @@ def test_a_tier_choice_is_recorded_and_read_back(tmp_path, registry_at):
 
     reg = _registry(tmp_path, at=registry_at)
     sid = "sb-00000000000d"
-    reg.sandboxes.allocate(sid, "gvisor", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
     req = Requirements("node", trusted=False, io="compute")
-    reg.sandboxes.set_tier_choice(sid, req, TierChoice("gvisor", ("a", "b é"), {"container": "too weak"}, 1.0))
+    choice = TierChoice("gvisor", ("a", "b é"), {"container": "too weak"}, 1.0)
+    rec = StartRecord("gvisor", requirements=req, choice=choice, lifecycle=Lifecycle("pause", 30.0, True))
+    reg.sandboxes.allocate(sid, "gvisor", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", start=rec)
     info, _ = reg.sandboxes.get(sid)
+    assert info.lifecycle == Lifecycle("pause", 30.0, True)
     assert info.requirements == req and info.requirements.language == "javascript"
     assert info.tier_reasons == ("a", "b é") and info.tier_rejected == {"container": "too weak"}
     reg._db.execute('UPDATE sandboxes SET requirements=\'{"io": "disk"}\' WHERE sandbox_id=?', (sid,))

@@ -54,6 +54,7 @@ from warmbox.engine import snapshot as snapshots
 from warmbox.engine.engine import Engine
 from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession, ProcessOutput
+from warmbox.engine.start import StartRecord
 from warmbox.errors import (
     Forbidden,
     GuestConnectionError,
@@ -102,7 +103,6 @@ from warmbox.models import (
     validate_query,
     validate_timeout,
 )
-from warmbox.network.policy import Policy
 from warmbox.operations import sandbox_path
 from warmbox.paths import hide_host_paths
 from warmbox.storage.registry import METRIC_SAMPLE_EVERY_S, METRIC_SAMPLES_KEPT, Registry, unknown_sandbox
@@ -227,7 +227,6 @@ def _has(caps: Capabilities) -> dict[str, bool]:
     return {"commands": caps.commands, "files": caps.files, "ports": caps.ports}
 
 
-AUTO = "auto"  # Create(tier=AUTO): the tier the four questions choose (ChooseTier)
 REATTACH_S = 15.0  # after a failed memory pause, how long the agent may take to listen again
 
 
@@ -606,48 +605,11 @@ class EngineFront:
         )
 
     async def _create_opened(self, r: ops.Create) -> ops.Opened:
-        metadata = validate_metadata(r.metadata)  # before any work
-        lifecycle = validate_lifecycle(r.lifecycle)
-        auto = r.tier == AUTO or (r.tier is None and r.requirements is not None)
-        if r.requirements is not None and not isinstance(r.requirements, Requirements):
-            raise InvalidArgument(f"requirements must be a warmbox.Requirements, got {type(r.requirements).__name__}")
-        if r.requirements is not None and not auto:
-            raise InvalidArgument(f'requirements choose the tier: pass tier="auto" (or none), not tier={r.tier!r}')
-        choice = None
-        if auto:
-            if r.from_snapshot is not None:
-                raise InvalidArgument("from_snapshot takes its tier from the snapshot's sandbox: not tier='auto'")
-            req = r.requirements or Requirements()
-            choice = await asyncio.to_thread(
-                functools.partial(
-                    tierprofile.choose,
-                    self.engine,
-                    req,
-                    self.tenant,
-                    egress=Policy.of(r.network).enabled,  # tiers without egress, images or files cannot take
-                    template=r.template if isinstance(r.template, str) else "",  # what the create asks besides
-                    volumes=bool(r.volumes),
-                )
-            )
-            r = dataclasses.replace(r, tier=choice.tier, requirements=req)
-        await self._approve_create(r)
-        got = await self._create(r)
-        if metadata or lifecycle != Lifecycle() or choice is not None:
-            try:
-                if metadata:
-                    self.engine.registry.sandboxes.set_metadata(got.sandbox_id, metadata)
-                if lifecycle != Lifecycle():
-                    self.engine.registry.sandboxes.set_lifecycle(got.sandbox_id, lifecycle)
-                if choice is not None and r.requirements is not None:
-                    self.engine.registry.sandboxes.set_tier_choice(got.sandbox_id, r.requirements, choice)
-                got.info, _ = self.engine.info(got.sandbox_id)
-            except BaseException:
-                await got.session.close()
-                await teardown.destroy(self.engine, got.sandbox_id, "recording its metadata failed")
-                raise
-        return await self._hold(got)
+        rec = await StartRecord.build(self.engine, r, self.tenant)  # before any work
+        await self._approve_create(r, rec)
+        return await self._hold(await self._create(r, rec))
 
-    async def _approve_create(self, r: ops.Create) -> None:
+    async def _approve_create(self, r: ops.Create, rec: StartRecord) -> None:
         """Wait for approval if this create needs it (engine.approvals): before anything is
         claimed or made, so a denied one leaves nothing behind."""
         if not approvals.needed(self.engine, self.tenant):
@@ -661,14 +623,14 @@ class EngineFront:
         if r.limits is not None and not isinstance(r.limits, Limits):
             return  # _create refuses it
         settings = self.engine.settings()
-        tier = canonical_tier(settings.defaults.tier if r.tier is None else r.tier)
+        tier = canonical_tier(settings.defaults.tier if rec.tier is None else rec.tier)
         limits = r.limits or Limits()
         settings.limits.check(limits)  # refusals that need nobody's approval come first
         if self.tenant is not None:
             self.engine.registry.tenants.check_quota(self.tenant, tier, limits)
         await approvals.gate_start(self.engine, self.tenant, "create", tier, limits)
 
-    async def _create(self, r: ops.Create) -> Launched:
+    async def _create(self, r: ops.Create, rec: StartRecord) -> Launched:
         if r.from_snapshot is not None:
             if r.network != "none":
                 raise InvalidArgument(
@@ -680,24 +642,17 @@ class EngineFront:
                     "from_snapshot takes its tier, template, limits and volumes from the snapshot's sandbox"
                 )
             m = snapshots.resolve(self.engine, r.from_snapshot)
-            got = await snapshots.fork(
-                self.engine, m, timeout=r.timeout, envs=r.envs, pool=r.pool, tenant=self.tenant, secrets=r.secrets
-            )
-        else:
-            got = await provision.create(
+            return await snapshots.fork(
                 self.engine,
-                tier=r.tier,
+                m,
                 timeout=r.timeout,
                 envs=r.envs,
-                limits=r.limits,
-                template=r.template,
                 pool=r.pool,
-                network=r.network,
-                secrets=r.secrets,
                 tenant=self.tenant,
-                volumes=r.volumes,
+                secrets=r.secrets,
+                record=rec,
             )
-        return got
+        return await provision.start(self.engine, rec)
 
     async def connect(self, r: ops.Connect) -> ops.Opened:
         timeout = None if r.timeout is None else validate_timeout(r.timeout)

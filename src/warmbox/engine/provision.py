@@ -31,6 +31,7 @@ from warmbox.config import PoolConfig, Settings, Template
 from warmbox.engine import checkpoint, egress, resolve, snapstore, teardown
 from warmbox.engine import volumes as volumes_mod
 from warmbox.engine.session import AGENT_TIMEOUT_S, GuestSession, session_oom
+from warmbox.engine.start import StartRecord
 from warmbox.errors import (
     BackendUnavailable,
     InvalidArgument,
@@ -54,6 +55,7 @@ from warmbox.models import (
     validate_timeout,
 )
 from warmbox.storage import snapshots as snaps
+from warmbox.storage.registry.sandboxes import NewSandbox
 
 if TYPE_CHECKING:
     from warmbox.engine.engine import Engine
@@ -83,6 +85,8 @@ class LaunchSpec:
     # it gets an egress link: on a tier whose interfaces are fixed at start (link_before_start) the
     # link is prepared before its runtime starts (a resume of a sandbox that kept a policy: always)
     network: bool = False
+    # a caller's record (metadata, lifecycle, tier choice): written with the row (registry allocate)
+    record: NewSandbox | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +173,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
             tenant=spec.tenant,
             template_version=spec.image.version if spec.image is not None else 0,
             image_id=spec.image.image_id if spec.image is not None else "",
+            start=spec.record,
         )
     if not spec.pool:
         engine.ensure_daemon()  # from here on, a crash of this process is cleaned up by the daemon
@@ -316,16 +321,18 @@ async def claim(
     envs: tuple[tuple[str, str], ...],
     t0: float,
     tenant: Tenant | None = None,
+    record: NewSandbox | None = None,
 ) -> Launched | None:
     """A ready sandbox of pool ``pc`` for a caller, or None if the pool has none. A pooled sandbox
     that fails its check is destroyed and the next one taken. tenant: the caller's (the claim
     stamps it; QuotaExceeded leaves the sandbox in the pool). A tier whose sandboxes live in host
     processes per tenant (SharedHost) hands its pooled ones, made in the in-process SDK's host,
-    to that tenant (None) only: another tenant's sandbox must not live in that host."""
+    to that tenant (None) only: another tenant's sandbox must not live in that host. record: the
+    caller's, written with the claim."""
     if tenant is not None and isinstance(engine.backend(pc.tier), SharedHost):
         return None
     while True:
-        got = engine.registry.pools.claim(pc.name, shape, timeout_s, engine.owner, tenant)
+        got = engine.registry.pools.claim(pc.name, shape, timeout_s, engine.owner, tenant, record)
         if got is None:
             return None
         info, handle = got
@@ -409,6 +416,25 @@ async def warm_up(session: GuestSession, tmpl: Template) -> None:
 # ---- create: a caller's, a pool's, from a template's memory snapshot
 
 
+async def start(engine: Engine, rec: StartRecord) -> Launched:
+    """A caller's start from its record (StartRecord.build): ``create`` with the record's options,
+    the record written with the sandbox's row."""
+    return await create(
+        engine,
+        tier=rec.tier,
+        timeout=rec.timeout,
+        envs=rec.envs,
+        limits=rec.limits,
+        template=rec.template,
+        pool=rec.pool,
+        network=rec.network,
+        secrets=rec.secrets,
+        tenant=rec.tenant,
+        volumes=rec.volumes,
+        record=rec,
+    )
+
+
 async def create(
     engine: Engine,
     *,
@@ -426,6 +452,7 @@ async def create(
     mounts: tuple[VolumeMount, ...] = (),
     image: ImageRef | None = None,
     egress_link: bool = False,
+    record: NewSandbox | None = None,
 ) -> Launched:
     """A ready sandbox with a connected session and its stage timings.
 
@@ -440,6 +467,7 @@ async def create(
     image: run this image (a snapshot's recorded one) instead of the template's latest.
     egress_link: the caller links it after the start (a fork's recorded policy): on a tier
     whose interfaces are fixed at start, its link is prepared before (never from a pool).
+    record: the caller's (StartRecord), written with the row or the pool claim.
     """
     t0 = time.perf_counter()
     settings = engine.settings()
@@ -475,6 +503,7 @@ async def create(
         mounts,
         image,
         network=policy.enabled or egress_link,
+        record=record,
     )
     if policy.enabled:
         try:
@@ -504,6 +533,7 @@ async def _create(
     image: ImageRef | None = None,
     *,
     network: bool = False,
+    record: NewSandbox | None = None,
 ) -> Launched:
     timeout = validate_timeout(settings.defaults.timeout_s if timeout is None else timeout)
     env_pairs = validate_envs(envs)
@@ -528,7 +558,7 @@ async def _create(
         image_id = resolve.image_id_for(engine, template, tenant) if images else ""
         if image_id is not None:
             shape = config.shape_key(tier, tmpl, limits, image_id)
-            got = await claim(engine, pc, shape, timeout, env_pairs, t0, tenant)
+            got = await claim(engine, pc, shape, timeout, env_pairs, t0, tenant, record)
             if got is not None:
                 return got
             pc = None  # a miss: the cold start below
@@ -536,12 +566,24 @@ async def _create(
         image = await asyncio.to_thread(resolve.image_for, engine, template, tenant)
     if pc is not None:
         shape = config.shape_key(tier, tmpl, limits, image.image_id if image is not None else "")
-        got = await claim(engine, pc, shape, timeout, env_pairs, t0, tenant)
+        got = await claim(engine, pc, shape, timeout, env_pairs, t0, tenant, record)
         if got is not None:
             return got
     if engine.backend(tier).capabilities().snapshot_start:
         return await _start_from_template(
-            engine, tier, tmpl, timeout, env_pairs, limits, t0, tenant, resume_of, mounts, image, network=network
+            engine,
+            tier,
+            tmpl,
+            timeout,
+            env_pairs,
+            limits,
+            t0,
+            tenant,
+            resume_of,
+            mounts,
+            image,
+            network=network,
+            record=record,
         )
     return await launch(
         engine,
@@ -556,6 +598,7 @@ async def _create(
             volumes=mounts,
             image=image,
             network=network,
+            record=record,
         ),
         Cold(tmpl),
     )
@@ -575,6 +618,7 @@ async def _start_from_template(
     image: ImageRef | None = None,
     *,
     network: bool = False,
+    record: NewSandbox | None = None,
 ) -> Launched:
     """A tier whose cold start is too slow (microvm under TCG) restores every sandbox from
     its shape's template memory snapshot; the first create of a shape boots and saves it
@@ -594,7 +638,7 @@ async def _start_from_template(
     m = await template_snapshot(engine, tier, tmpl, limits, shape, image)
     t1 = time.perf_counter()
     got = await restore_memory(
-        engine, m, timeout=timeout, tenant=tenant, resume_of=resume_of, volumes=mounts, network=network
+        engine, m, timeout=timeout, tenant=tenant, resume_of=resume_of, volumes=mounts, network=network, record=record
     )
     try:
         if env_pairs:
@@ -685,6 +729,7 @@ async def restore_memory(
     resume_of: str = "",
     volumes: tuple[VolumeMount, ...] | None = None,
     network: bool = False,
+    record: NewSandbox | None = None,
 ) -> Launched:
     """A new sandbox continuing a memory snapshot: same processes, memory, /tmp; /workspace restored.
 
@@ -692,7 +737,7 @@ async def restore_memory(
     tenant: whose the new sandbox is (quotas checked before anything is fetched, and at its insert).
     resume_of: the paused sandbox continued under its own id (instead of a new one).
     volumes: what it mounts (None: what the snapshot's sandbox mounted, as its processes expect).
-    network: it gets an egress link (LaunchSpec.network).
+    network: it gets an egress link (LaunchSpec.network). record: the caller's (LaunchSpec.record).
     """
     if volumes is None:
         volumes = volumes_mod.of_sandbox(engine, resume_of or m.sandbox_id)
@@ -728,6 +773,7 @@ async def restore_memory(
             volumes=volumes,
             image=image,
             network=network,
+            record=record,
         )
         got = await launch(engine, spec, Restore(m.snapshot_id, memory_dir, ws_tar))
         if resume_of and not snapshot_start:  # the paused sandbox runs again: its pause's image is not needed here
