@@ -164,3 +164,22 @@ def test_a_tier_choice_is_recorded_and_read_back(tmp_path, registry_at):
     assert reg.sandboxes.get(sid)[0].requirements is None  # a row it cannot read is no requirements, not an error
     reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
     reg.close()
+
+
+def test_a_pool_claim_writes_the_callers_start_record(tmp_path, registry_at):
+    reg = _registry(tmp_path, at=registry_at)
+    sid = "sb-00000000000f"
+    reg.sandboxes.allocate(
+        sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", pool="p", shape="s"
+    )
+    reg.sandboxes.set_state(sid, State.POOLED, "warmed up")
+    reg._db.execute("UPDATE sandboxes SET last_used=1 WHERE sandbox_id=?", (sid,))  # warmed up long ago
+    rec = StartRecord("container", metadata={"job": "7"}, lifecycle=Lifecycle("pause", 60.0, False))
+    info, _ = reg.pools.claim("p", "s", 120.0, "me", None, rec)
+    assert info.sandbox_id == sid and info.metadata == {"job": "7"}
+    assert info.lifecycle == Lifecycle("pause", 60.0, False)
+    assert (
+        reg._db.execute("SELECT last_used FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()[0] > 1
+    )  # idle from now
+    reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
+    reg.close()
