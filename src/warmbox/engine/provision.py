@@ -157,6 +157,8 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
             tenant=spec.tenant,
             state_dir=str(state_dir),
             socket_path=socket_path,
+            mounts=volumes_mod.records(spec.volumes),
+            exclusive_mounts=backend.capabilities().volume_own_disk,
         )
     else:
         engine.registry.sandboxes.allocate(
@@ -174,6 +176,8 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
             template_version=spec.image.version if spec.image is not None else 0,
             image_id=spec.image.image_id if spec.image is not None else "",
             start=spec.record,
+            mounts=volumes_mod.records(spec.volumes),
+            exclusive_mounts=backend.capabilities().volume_own_disk,
         )
     if not spec.pool:
         engine.ensure_daemon()  # from here on, a crash of this process is cleaned up by the daemon
@@ -196,8 +200,6 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         ):
             ns = await egress.prepare(engine, handle)
             prep_s = time.perf_counter() - t1
-        if spec.volumes:  # recorded before anything is mounted: a delete or another tier's mount waits its turn
-            volumes_mod.record(engine, sandbox_id, spec.volumes, backend.capabilities().volume_own_disk)
         handle = await backend.create(
             SandboxSpec(
                 sandbox_id=sandbox_id,

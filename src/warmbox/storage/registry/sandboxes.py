@@ -38,6 +38,7 @@ from warmbox.storage.uidslots import UID_BASE, UID_RANGE
 
 if typing.TYPE_CHECKING:
     from warmbox.storage.registry.tenants import TenantStore
+    from warmbox.storage.registry.volumes import Mounts, VolumeStore
 
 # what `warmbox ls` shows: the caller's sandboxes, running or paused (not the pools')
 _USER = (*(s.value for s in LIVE if s not in (State.POOLED, State.RETIRING)), State.PAUSED.value)
@@ -188,9 +189,10 @@ def sandbox_row(r: tuple) -> tuple[SandboxInfo, BackendHandle]:
 class SandboxStore(Store):
     """The sandboxes, their transitions and stage timings, and their uid slots."""
 
-    def __init__(self, base: Database, tenants: TenantStore) -> None:
+    def __init__(self, base: Database, tenants: TenantStore, volumes: VolumeStore) -> None:
         super().__init__(base)
         self._tenants = tenants  # quotas are checked in the transaction that inserts the row
+        self._volumes = volumes  # and volume mounts written there (VolumeStore.mount_in)
 
     @_retried
     def allocate(
@@ -210,11 +212,15 @@ class SandboxStore(Store):
         template_version: int = 0,
         image_id: str = "",
         start: NewSandbox | None = None,
+        mounts: Mounts = (),
+        exclusive_mounts: bool = False,
     ) -> int:
         """Insert a sandbox in state ``creating`` with a uid slot free on the whole host; returns the slot.
 
         start: what the start records besides the shape (metadata, lifecycle, the tier's choice),
         in the same row and transaction: a refused or failed insert leaves none of it.
+        mounts, exclusive_mounts: the volumes it mounts, recorded in the same transaction
+        (VolumeStore.mount_volumes: VolumeNotFound, VolumeInUse leave no row and no slot).
 
         The slot is claimed in the host-wide ledger (no other home's sandbox can have it) and
         released when the sandbox is destroyed. Limits are checked (check_limits) first.
@@ -273,6 +279,8 @@ class SandboxStore(Store):
                         *start_values(start),
                     ),
                 )
+                if mounts:
+                    self._volumes.mount_in(db, sandbox_id, mounts, exclusive=exclusive_mounts)
                 db.execute(
                     "INSERT INTO transitions VALUES (?,?,?,?,?)",
                     (sandbox_id, now, "", State.CREATING.value, "create" + (f" for pool {pool}" if pool else "")),
@@ -294,6 +302,8 @@ class SandboxStore(Store):
         tenant: Tenant | None = None,
         state_dir: str | None = None,
         socket_path: str | None = None,
+        mounts: Mounts = (),
+        exclusive_mounts: bool = False,
     ) -> int:
         """Take a paused sandbox back to ``creating`` under its own id (a resume): a uid slot free
         on the whole host, a new deadline, its meters open again; returns the slot. It becomes
@@ -303,7 +313,8 @@ class SandboxStore(Store):
         Exactly one caller wins (SandboxStateError for the others: it is no longer paused).
         limits: the snapshot's, checked (check_limits) first, as at an allocate: maxima lowered
         since the pause refuse it. tenant: the resumer's; quotas are checked in the same
-        transaction (a paused sandbox holds nothing, the resumed one counts).
+        transaction (a paused sandbox holds nothing, the resumed one counts). mounts,
+        exclusive_mounts: as at an allocate.
         """
         if self.check_limits is not None:
             self.check_limits(limits)
@@ -356,6 +367,8 @@ class SandboxStore(Store):
                     "base_cpu_ns=base_cpu_ns-cpu_ns, cpu_ns=0 WHERE sandbox_id=?",
                     (now, sandbox_id),
                 )
+                if mounts:  # what it mounts now (its record replaced): refused, it stays paused
+                    self._volumes.mount_in(db, sandbox_id, mounts, exclusive=exclusive_mounts)
             except BaseException:
                 ledger.release(slot, self._key, sandbox_id)
                 raise
