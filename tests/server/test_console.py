@@ -46,7 +46,7 @@ def client(engine):
 
 def _sandbox(engine, sid: str, tenant: str | None, **meta: str) -> str:
     t = None if tenant is None else engine.registry.tenants.tenant(tenant)
-    rec = StartRecord("container", tenant=t, metadata=meta)
+    rec = StartRecord("container", "base", 300.0, Limits(), tenant=t, metadata=meta)
     engine.registry.sandboxes.allocate(
         sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", tenant=t, start=rec
     )

@@ -113,7 +113,9 @@ def test_list_filters_by_metadata_subset_and_by_state(tmp_path, registry_at):
     reg = _registry(tmp_path, at=registry_at)
     a, b = "sb-00000000000d", "sb-00000000000e"
     for sid, user in ((a, "ada"), (b, "bob")):
-        rec = StartRecord("container", metadata={"user": user, "run": "1"})  # written with the row
+        rec = StartRecord(
+            "container", "base", 300.0, Limits(), metadata={"user": user, "run": "1"}
+        )  # written with the row
         reg.sandboxes.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", start=rec)
         reg.sandboxes.set_state(sid, State.READY, "up")
     reg.sandboxes.set_state(b, State.PAUSED, "paused")
@@ -154,7 +156,9 @@ def test_a_tier_choice_is_recorded_and_read_back(tmp_path, registry_at):
     sid = "sb-00000000000d"
     req = Requirements("node", trusted=False, io="compute")
     choice = TierChoice("gvisor", ("a", "b é"), {"container": "too weak"}, 1.0)
-    rec = StartRecord("gvisor", requirements=req, choice=choice, lifecycle=Lifecycle("pause", 30.0, True))
+    rec = StartRecord(
+        "gvisor", "base", 300.0, Limits(), requirements=req, choice=choice, lifecycle=Lifecycle("pause", 30.0, True)
+    )
     reg.sandboxes.allocate(sid, "gvisor", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", start=rec)
     info, _ = reg.sandboxes.get(sid)
     assert info.lifecycle == Lifecycle("pause", 30.0, True)
@@ -174,12 +178,37 @@ def test_a_pool_claim_writes_the_callers_start_record(tmp_path, registry_at):
     )
     reg.sandboxes.set_state(sid, State.POOLED, "warmed up")
     reg._db.execute("UPDATE sandboxes SET last_used=1 WHERE sandbox_id=?", (sid,))  # warmed up long ago
-    rec = StartRecord("container", metadata={"job": "7"}, lifecycle=Lifecycle("pause", 60.0, False))
+    rec = StartRecord(
+        "container", "base", 300.0, Limits(), metadata={"job": "7"}, lifecycle=Lifecycle("pause", 60.0, False)
+    )
     info, _ = reg.pools.claim("p", "s", 120.0, "me", None, rec)
     assert info.sandbox_id == sid and info.metadata == {"job": "7"}
     assert info.lifecycle == Lifecycle("pause", 60.0, False)
     assert (
         reg._db.execute("SELECT last_used FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()[0] > 1
     )  # idle from now
+    reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
+    reg.close()
+
+
+def test_a_start_records_secret_values_never_reach_the_registry(tmp_path, registry_at):
+    from warmbox.network.policy import Policy, Secret
+
+    reg = _registry(tmp_path, at=registry_at)
+    sid = "sb-000000000010"
+    value = "s3cret-value-9f2c"
+    rec = StartRecord(
+        "container",
+        "base",
+        300.0,
+        Limits(),
+        metadata={"k": "v"},
+        network=Policy.of("internet"),
+        secrets={"TOKEN": Secret(value, ["api.example.com"])},
+    )
+    assert value not in repr(rec)
+    reg.sandboxes.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", start=rec)
+    row = reg._db.execute("SELECT * FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()
+    assert "v" in str(row) and value not in str(row)
     reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
     reg.close()

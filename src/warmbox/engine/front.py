@@ -79,7 +79,6 @@ from warmbox.models import (
     EntryInfo,
     Execution,
     Lifecycle,
-    Limits,
     MetricSample,
     NetEvent,
     PoolStatus,
@@ -106,7 +105,6 @@ from warmbox.models import (
 from warmbox.operations import sandbox_path
 from warmbox.paths import hide_host_paths
 from warmbox.storage.registry import METRIC_SAMPLE_EVERY_S, METRIC_SAMPLES_KEPT, Registry, unknown_sandbox
-from warmbox.tiers import canonical_tier
 
 R = TypeVar("R")
 MAX_HISTORY = 10000  # command records one Commands call returns at most
@@ -620,15 +618,9 @@ class EngineFront:
             _, _, tier, limits = snapshots.start_of(self.engine, r.from_snapshot)
             await approvals.gate_start(self.engine, self.tenant, "create", tier, limits, sandbox_id=r.from_snapshot)
             return
-        if r.limits is not None and not isinstance(r.limits, Limits):
-            return  # _create refuses it
-        settings = self.engine.settings()
-        tier = canonical_tier(settings.defaults.tier if rec.tier is None else rec.tier)
-        limits = r.limits or Limits()
-        settings.limits.check(limits)  # refusals that need nobody's approval come first
-        if self.tenant is not None:
-            self.engine.registry.tenants.check_quota(self.tenant, tier, limits)
-        await approvals.gate_start(self.engine, self.tenant, "create", tier, limits)
+        if self.tenant is not None:  # refusals that need nobody's approval come first (the record's too)
+            self.engine.registry.tenants.check_quota(self.tenant, rec.tier, rec.limits)
+        await approvals.gate_start(self.engine, self.tenant, "create", rec.tier, rec.limits)
 
     async def _create(self, r: ops.Create, rec: StartRecord) -> Launched:
         if r.from_snapshot is not None:

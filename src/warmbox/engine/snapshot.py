@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 from warmbox.engine import checkpoint, egress, provision, snapstore, teardown
 from warmbox.engine import volumes as volumes_mod
 from warmbox.engine.provision import Launched
+from warmbox.engine.start import StartRecord
 from warmbox.errors import InvalidArgument, SandboxError, SandboxNotFound, WarmboxError
 from warmbox.lifecycle import Operation
 from warmbox.models import Limits, StageTiming, State, Tenant
 from warmbox.paths import owner_alive
 from warmbox.storage import snapshots as snaps
 from warmbox.storage.objects import LocalObjectStore
-from warmbox.storage.registry.sandboxes import NewSandbox
 
 if TYPE_CHECKING:
     from warmbox.engine.engine import Engine
@@ -51,7 +51,7 @@ async def restore(
     tenant: Tenant | None = None,
     resume_of: str = "",
     network: bool = False,
-    record: NewSandbox | None = None,
+    record: StartRecord | None = None,
 ) -> Launched:
     """A new running sandbox with the snapshot's files and context state.
 
@@ -198,7 +198,7 @@ async def fork(
     pool: bool = True,
     tenant: Tenant | None = None,
     secrets: object = None,
-    record: NewSandbox | None = None,
+    record: StartRecord | None = None,
 ) -> Launched:
     """A new sandbox from snapshot ``m`` (:func:`restore`) with the snapshot's egress policy on a
     link, address and audit log of its own; its secrets keep their placeholders and get the
