@@ -40,6 +40,7 @@ from warmbox.errors import (
     InvalidArgument,
     NoCapacity,
     NodeFenced,
+    SandboxLost,
     SandboxNotFound,
     VolumeElsewhere,
     WarmboxError,
@@ -264,6 +265,7 @@ class Cluster:
         self._rr = itertools.count()
         self._closed = False
         self._closing: set[asyncio.Future[None]] = set()  # transports of nodes gone down, closing
+        self.wake: Callable[[], None] = lambda: None  # the monitor's next round now (Monitor sets it)
 
     # ---- the view
 
@@ -426,6 +428,7 @@ class Cluster:
             reason = self.down_reason(name)
             if reason is not None or time.monotonic() >= deadline:
                 return reason
+            self.wake()  # a caller waits on this verdict: Ray is asked now, not at the next period
             await asyncio.sleep(SETTLE_POLL_S)
 
     def settings(self) -> Settings:
@@ -478,7 +481,25 @@ class ClusterFront:
         sid = cast(Any, request).sandbox_id
         if not isinstance(sid, str) or not sid.startswith("sb-"):
             return await self._forward(self.cluster.any_up(), request)  # it refuses the id, typed
-        return await self._forward(await self._target(sid, type(request)), request, sid)
+        node = await self._target(sid, type(request))
+        try:
+            return await self._forward(node, request, sid)
+        except SandboxLost:
+            moved = self._moved_off(sid, node.name) if isinstance(request, ops.Connect) else None
+            if moved is None:
+                raise
+            return await self._forward(moved, request, sid)
+
+    def _moved_off(self, sid: str, dead: str) -> NodeInfo | None:
+        """Where a connect (or resume) goes when the node it was sent to went down during the call
+        while the sandbox was paused there (the registry keeps a paused sandbox paused when its
+        node is marked down: nothing of it ran): the node placement picks, in the same call,
+        instead of the caller hearing SandboxLost and trying again (a failover's last step).
+        None when it was not paused: it is lost."""
+        info = self._own(sid)
+        if info.state is not State.PAUSED or self.cluster.down_reason(dead) is None:
+            return None
+        return self._move(sid, info.tier, info.memory_mb, exclude=dead)
 
     async def _target(self, sid: str, request: type[ops.Request[Any]] = ops.Info) -> NodeInfo:
         """The node to send an operation on ``sid`` to: its owner while that node serves; a paused
@@ -616,7 +637,13 @@ class ClusterFront:
             owner = self.cluster.registry.node_of(ref)
             node = self.cluster.serving(owner) if owner else None
             if node is not None and node.state == UP:
-                return await self._forward(node, r, ref)
+                try:
+                    return await self._forward(node, r, ref)
+                except SandboxLost:  # its node went down during the call: as a connect's
+                    moved = self._moved_off(ref, node.name)
+                    if moved is None:
+                        raise
+                    return await self._forward(moved, r, ref)
             info = self._own(ref)
             if info.state is State.PAUSED:
                 node = self._move(ref, info.tier, info.memory_mb, exclude=owner)
