@@ -28,7 +28,7 @@ import logging
 import secrets
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
 from warmbox import operations as ops
@@ -174,17 +174,31 @@ def node_load(node: NodeInfo, usage: NodeUsage | None, pool_yields: bool = False
     )
 
 
-def want_of(settings: Settings, tier: str, limits: Limits | None, template: object = None, pool: object = True) -> Want:
+PoolShapes = Mapping[tuple[str, str, Limits], str]  # (tier, template, limits) -> the pool's name
+
+
+def want_of(
+    settings: Settings,
+    tier: str,
+    limits: Limits | None,
+    template: object = None,
+    pool: object = True,
+    pools: PoolShapes | None = None,
+) -> Want:
     """What a create asks placement for: its tier, memory, and the pool (by name) whose ready
-    sandboxes it could claim ("" when it takes none). InvalidArgument for a tier or limits the node
-    would refuse anyway."""
+    sandboxes it could claim ("" when it takes none). pools: the pools the nodes hold ready
+    sandboxes of, by shape (Cluster.pools, from the registry); None: this router's own
+    ``[pools]``. InvalidArgument for a tier or limits the node would refuse anyway."""
     tier = canonical_tier(tier)
     limits = limits or Limits()
     shape = ""
     if pool is True:
         name = template if isinstance(template, str) else settings.defaults.template
-        pc = settings.pool_for(tier, name, limits)
-        shape = pc.name if pc is not None else ""
+        if pools is not None:
+            shape = pools.get((tier, name, limits), "")
+        else:
+            pc = settings.pool_for(tier, name, limits)
+            shape = pc.name if pc is not None else ""
     return Want(tier=tier, shape=shape, memory_mb=limits.memory_mb)
 
 
@@ -254,6 +268,7 @@ class Cluster:
         self._view: dict[str, NodeInfo] = {}
         self._read_at = -1.0
         self._usage: dict[str, NodeUsage] | None = None
+        self._pools: dict[tuple[str, str, Limits], str] | None = None
         self._booked: dict[str, NodeLoad] = {}  # placements made since the last read of the view
         self._transports: dict[tuple[str, str, tuple[tuple[str, str], ...]], HttpTransport] = {}
         self._used: dict[tuple[str, str, tuple[tuple[str, str], ...]], float] = {}
@@ -280,6 +295,7 @@ class Cluster:
         self._view = {n.name: n for n in nodes}
         self._read_at = time.monotonic()
         self._usage = None
+        self._pools = None
         self._booked = {}
 
     def usage(self) -> dict[str, NodeUsage]:
@@ -287,6 +303,13 @@ class Cluster:
         if self._usage is None:
             self._usage = {u.node: u for u in self.registry.node_usage()}
         return self._usage
+
+    def pools(self) -> PoolShapes:
+        """The pools the nodes hold ready sandboxes of, by shape, read from the registry once per
+        view: the nodes' ``[pools]`` (a pool none holds a sandbox of now changes no placement)."""
+        if self._pools is None:
+            self._pools = {(tier, tpl, lim): name for name, tier, tpl, lim in self.registry.pool_shapes()}
+        return self._pools
 
     def alive(self, node: NodeInfo) -> bool:
         """Ray has its raylet alive (or Ray's view is unknown, or the node gave no Ray id)."""
@@ -562,7 +585,8 @@ class ClusterFront:
             choice = await self._any(ops.ChooseTier(r.requirements or _default_requirements()))
             tier = choice.tier
         try:
-            want = want_of(settings, tier, limits, template, r.pool and not r.volumes and r.from_snapshot is None)
+            pooled = r.pool and not r.volumes and r.from_snapshot is None
+            want = want_of(settings, tier, limits, template, pooled, self.cluster.pools() if pooled else None)
         except InvalidArgument:
             return await self._forward(self.cluster.any_up(), r)  # the node refuses it, typed
         node = self.cluster.place(want)

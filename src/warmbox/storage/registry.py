@@ -1697,6 +1697,20 @@ class Registry:
             for node in sorted(set(live) | set(pooled))
         ]
 
+    def pool_shapes(self) -> builtins.list[tuple[str, str, str, Limits]]:
+        """(pool, tier, template, limits) of each pool some node holds a ready sandbox of: what a
+        cluster's router knows of the nodes' pools (it has no ``[pools]`` of its own)."""
+        rows = self._read(
+            "SELECT DISTINCT pool, tier, template, memory_mb, cpus, pids, file_size_mb, open_files, tmp_mb, disk_mb "
+            "FROM sandboxes WHERE state=? AND pool<>''",
+            (State.POOLED.value,),
+            many=True,
+        )
+        return [
+            (r[0], r[1], r[2], Limits(int(r[3]), float(r[4]), int(r[5]), int(r[6]), int(r[7]), int(r[8]), int(r[9])))
+            for r in rows
+        ]
+
     def node_of(self, sandbox_id: str) -> str:
         """The node that owns a sandbox ("" = one host); SandboxNotFound if there is no such row."""
         row = self._read("SELECT node FROM sandboxes WHERE sandbox_id=?", (sandbox_id,))
