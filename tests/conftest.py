@@ -101,7 +101,7 @@ FAST_LANE_GUARD = pytest.StashKey[FastLaneGuard]()
 # goes over HTTP through WARMBOX_API_URL). Such a test starts a server with an engine, so it is a
 # ``sandbox`` test in that lane. A test that needs the in-process engine (home=, engine internals)
 # carries @pytest.mark.in_process(reason) and is skipped there.
-# `pytest tests/sdk tests/cluster --api=cluster` does the same against the router of a real cluster
+# `pytest tests/sdk tests/cli tests/cluster --api=cluster` does the same against the router of a real cluster
 # (`warmbox serve --cluster`, tests/cluster/conftest.py) with a tenant key; there a test is also
 # ``cluster``, and one that needs the server to run on the session's home (its daemon, its pools,
 # its registry) carries @pytest.mark.one_host(reason) and is skipped there.

@@ -131,6 +131,10 @@ def test_port_forward_check_says_what_it_waits_for(home, runc_ready):
 
 
 @pytest.mark.sandbox
+@pytest.mark.one_host(
+    "a build's layers go to the cluster's object store (moto S3 in the lane: ~45 s against ~3 s on one host); "
+    "the CLI's output is the same"
+)
 def test_template_show_is_plain_text(home, runc_ready, tmp_path):
     name = f"show-{secrets.token_hex(3)}"
     (tmp_path / "Dockerfile").write_text("FROM base\nENV GREETING=hi\nENV OTHER=2\n")

@@ -35,6 +35,7 @@ SRC = Path(warmbox.__file__).resolve().parent.parent  # the warmbox this test se
 NODE_NAMES = ("n1", "n2", "n3")
 SLOTS = 6  # per node: the SDK suite keeps a few sandboxes at once; tests/cluster fill to a quota below it
 NODE_CONFIG = BASE_CONFIG  # the session home's: the iso pool (target 1, split over the nodes), no built-in pool
+ROUTER_CONFIG = "[daemon]\nidle_exit = 3\n"
 START_TIMEOUT_S = 90.0  # a node: its raylet (~3 s), its API server, its first registry heartbeat
 DOWN_TIMEOUT_S = 30.0  # a SIGKILLed node marked down (Ray's tuned health check: ~2.4 s)
 STOP_TIMEOUT_S = 60.0  # a node told to stop (SIGTERM: down in the registry, raylet stopped)
@@ -213,8 +214,8 @@ class Cluster:
                 c.wait_up(name)
             router_home = root / "router"
             router_home.mkdir(mode=0o700)
-            # the nodes' pools: the router places a create where a ready sandbox of its pool waits
-            (router_home / "warmbox.toml").write_text(NODE_CONFIG)
+            # no [pools]: the router learns the nodes' pools from the registry (tests/cluster/test_pool_split.py)
+            (router_home / "warmbox.toml").write_text(ROUTER_CONFIG)
             c.router = start_server(
                 router_home,
                 router_home / "api.sock",

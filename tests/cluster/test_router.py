@@ -30,6 +30,7 @@ from warmbox.cluster.router import (
     node_load,
     peer_headers,
     rule_of,
+    want_of,
 )
 from warmbox.config import load
 from warmbox.errors import (
@@ -453,3 +454,24 @@ def test_placement_counts_the_memory_of_pooled_sandboxes():
     assert "0 MiB free" in why_not(load, Want("container", memory_mb=256))
     moving = node_load(n, usage, pool_yields=True)
     assert (moving.live, moving.memory_used_mb) == (1, 512) and why_not(moving, Want("container", memory_mb=256)) == ""
+
+
+def test_the_router_learns_the_pools_from_the_registry(two_nodes):
+    """The router has no [pools] of its own: a create of a pool's shape goes where a ready sandbox
+    of that pool waits, the pool's shape read from the pooled sandboxes' rows."""
+    cluster, nodes = two_nodes
+    lim = Limits(memory_mb=500)
+    sid = "sb-0000000000f1"
+    nodes["b"].sandboxes.allocate(
+        sid, "container", "base", 3600, lim, "/nonexistent", "/nonexistent", pool="iso", shape="k"
+    )
+    nodes["b"].sandboxes.set_state(sid, State.POOLED, "warmed")
+    settings = cluster.settings()
+    assert "iso" not in settings.pools and settings.pool_for("container", "base", lim) is None
+    want = want_of(settings, "container", lim, "base", True, cluster.pools())
+    assert want.shape == "iso"
+    assert want_of(settings, "container", Limits(), "base", True, cluster.pools()).shape == ""  # another shape
+    assert want_of(settings, "gvisor", lim, "base", True, cluster.pools()).shape == ""
+    for _ in range(8):  # each create draws with a salt of its own: only b holds one
+        cluster.set_view(cluster.registry.nodes.nodes())
+        assert cluster.place(want).name == "b"

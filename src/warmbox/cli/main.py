@@ -520,7 +520,7 @@ def _parser(argv: list[str] | None = None) -> _Parser:
     b.add_argument("--creates", type=int, default=24, help="burst: creates per step")
     b.add_argument("--clients", type=int, default=2, help="burst: client processes")
     b.add_argument("--concurrency", type=int, default=4, help="burst: creates in flight per client")
-    b.add_argument("--failovers", type=int, default=3, help="node kills (with all nodes up); 0: none")
+    b.add_argument("--failovers", type=int, default=5, help="node kills (with all nodes up); 0: none")
     b.add_argument("--slots", type=int, default=32, help="sandboxes per node")
     b.add_argument("--pool", type=int, default=0, help="cluster-wide pool target (default: --creates)")
     b.add_argument("--json", action="store_true")

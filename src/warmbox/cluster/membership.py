@@ -4,7 +4,7 @@ node process), and the list of nodes with the capacity each advertises, read fro
 Ray supplies only membership, advertised capacity and liveness; warmbox places sandboxes itself.
 Each raylet runs as ``ray start --address HEAD --block`` in the caller's process group, with
 PR_SET_PDEATHSIG, so a node process SIGKILLed (alone or with its group) takes its Ray node down:
-Ray then reports the node dead within the head's health check (``HEALTH_CHECK``: ~3 s).
+Ray then reports the node dead within the head's health check (``HEALTH_CHECK``: ~0.8 s).
 
 Every Ray process started here has usage stats off, its own temp dir (``RAY_TMPDIR`` and
 ``--temp-dir``: the ``ray_current_cluster`` file and session sockets stay in it), Ray's TLS on
@@ -43,10 +43,17 @@ MEMORY_MB = "warmbox_memory_mb"  # MiB a node offers to sandboxes
 TIER_PREFIX = "warmbox_tier_"  # one per tier the node's doctor says runs: warmbox_tier_container = 1
 NODE_PREFIX = "wbnode-"  # wbnode-<name> = 1: pins a Ray node to a warmbox node name
 
-# on the head only: a dead raylet is reported in ~2.4 s instead of Ray's default ~12.5 s
+# on the head only. Ray's default declares a raylet dead after ~12.5 s. A SIGKILLed raylet refuses
+# every check at once, so it is reported after threshold x period (~0.8 s here); a raylet that
+# stops answering (a stopped or unreachable host) after threshold x (timeout + period) = 4.8 s,
+# which is also how long a raylet starved by a loaded host may go silent before Ray (and so the
+# router) gives it up: a false verdict loses every live sandbox of that node. A raylet is checked
+# from 0.5 s after it joined (Ray's default waits 5 s: a node killed within 5 s of a rejoin was
+# reported ~3 s later than any other, one failover in five in bench cluster)
 HEALTH_CHECK: Mapping[str, int] = {
-    "health_check_period_ms": 1000,
-    "health_check_failure_threshold": 3,
+    "health_check_initial_delay_ms": 500,
+    "health_check_period_ms": 200,
+    "health_check_failure_threshold": 4,
     "health_check_timeout_ms": 1000,
 }
 OBJECT_STORE_MB = 80  # warmbox puts nothing in Ray's object store; Ray's default is 30 % of RAM

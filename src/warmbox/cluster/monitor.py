@@ -1,6 +1,7 @@
 """The router's watch on the nodes: Ray's liveness and the registry's heartbeats -> a node marked down.
 
-Every PERIOD_S the monitor reads the node rows and asks Ray which raylets are alive. A node that is
+Every PERIOD_S the monitor reads the node rows and asks Ray which raylets are alive (sooner while a
+call waits on a node that stopped answering: Cluster.settle wakes it). A node that is
 not down whose raylet Ray reports dead, or whose last heartbeat is older than ``heartbeat_timeout_s``,
 is marked down in the registry (``NodeStore.mark_node_down``: its live sandboxes become lost, its
 paused ones stay resumable on any node, its epoch moves on so it is fenced), and this router ends
@@ -26,7 +27,7 @@ from warmbox.errors import ClusterError, WarmboxError
 from warmbox.models import NodeInfo
 
 log = logging.getLogger("warmbox.cluster.monitor")
-PERIOD_S = 0.5
+PERIOD_S = 0.25  # a round is two short reads (Ray's node table, the registry's node rows)
 HEARTBEAT_TIMEOUT_S = 10.0  # a node heartbeats every second or so: ten missed ones and it is down
 RAY_TIMEOUT_S = 2.0  # a GCS answer later than this: Ray's view is unknown this round
 
@@ -79,6 +80,8 @@ class Monitor:
         self.period_s = period_s
         self._task: asyncio.Task[None] | None = None
         self._epochs: dict[str, int] = {}
+        self._kick = asyncio.Event()
+        cluster.wake = self._kick.set  # a caller waiting on a node's verdict (Cluster.settle)
 
     def start(self) -> None:
         if self._task is None:
@@ -103,7 +106,11 @@ class Monitor:
                 log.warning("cluster monitor: %s", e)
             except Exception:
                 log.exception("cluster monitor failed a round")
-            await asyncio.sleep(self.period_s)
+            self._kick.clear()
+            try:  # the next round after period_s, or at once when a caller waits on a verdict
+                await asyncio.wait_for(self._kick.wait(), self.period_s)
+            except TimeoutError:
+                pass
 
     async def _ray(self) -> frozenset[str] | None:
         if self._alive is None:

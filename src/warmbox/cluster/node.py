@@ -87,8 +87,9 @@ def default_slots(memory_mb: int) -> int:
 
 class NodeShare:
     """A node's share of the cluster-wide pool targets (engine/pool.py PoolShare): the targets are
-    split over the up nodes that run the pool's tier, by slots (placement.split_target); the first
-    up node by name is the one that autoscales them. The node list is re-read once a second."""
+    split over the up nodes that run the pool's tier, by slots (placement.split_target). Every
+    node autoscales the shared targets (PoolManager._autoscale: each miss counted once, by
+    whichever node looks first). The node list is re-read once a second."""
 
     def __init__(self, registry: Registry, name: str) -> None:
         self.registry = registry
@@ -117,10 +118,6 @@ class NodeShare:
             for n in self._view()
         ]
         return split_target(target, loads, tier=pool.tier, key=pool.name).get(self.name, 0)
-
-    def scales(self) -> bool:
-        up = sorted(n.name for n in self._view() if n.state == "up")
-        return bool(up) and up[0] == self.name
 
 
 def _settings(home: Path, opts: NodeOptions) -> tuple[config.Settings, str, str]:

@@ -28,7 +28,7 @@ import logging
 import secrets
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
 from warmbox import operations as ops
@@ -40,6 +40,7 @@ from warmbox.errors import (
     InvalidArgument,
     NoCapacity,
     NodeFenced,
+    SandboxLost,
     SandboxNotFound,
     VolumeElsewhere,
     WarmboxError,
@@ -173,17 +174,31 @@ def node_load(node: NodeInfo, usage: NodeUsage | None, pool_yields: bool = False
     )
 
 
-def want_of(settings: Settings, tier: str, limits: Limits | None, template: object = None, pool: object = True) -> Want:
+PoolShapes = Mapping[tuple[str, str, Limits], str]  # (tier, template, limits) -> the pool's name
+
+
+def want_of(
+    settings: Settings,
+    tier: str,
+    limits: Limits | None,
+    template: object = None,
+    pool: object = True,
+    pools: PoolShapes | None = None,
+) -> Want:
     """What a create asks placement for: its tier, memory, and the pool (by name) whose ready
-    sandboxes it could claim ("" when it takes none). InvalidArgument for a tier or limits the node
-    would refuse anyway."""
+    sandboxes it could claim ("" when it takes none). pools: the pools the nodes hold ready
+    sandboxes of, by shape (Cluster.pools, from the registry); None: this router's own
+    ``[pools]``. InvalidArgument for a tier or limits the node would refuse anyway."""
     tier = canonical_tier(tier)
     limits = limits or Limits()
     shape = ""
     if pool is True:
         name = template if isinstance(template, str) else settings.defaults.template
-        pc = settings.pool_for(tier, name, limits)
-        shape = pc.name if pc is not None else ""
+        if pools is not None:
+            shape = pools.get((tier, name, limits), "")
+        else:
+            pc = settings.pool_for(tier, name, limits)
+            shape = pc.name if pc is not None else ""
     return Want(tier=tier, shape=shape, memory_mb=limits.memory_mb)
 
 
@@ -253,6 +268,7 @@ class Cluster:
         self._view: dict[str, NodeInfo] = {}
         self._read_at = -1.0
         self._usage: dict[str, NodeUsage] | None = None
+        self._pools: dict[tuple[str, str, Limits], str] | None = None
         self._booked: dict[str, NodeLoad] = {}  # placements made since the last read of the view
         self._transports: dict[tuple[str, str, tuple[tuple[str, str], ...]], HttpTransport] = {}
         self._used: dict[tuple[str, str, tuple[tuple[str, str], ...]], float] = {}
@@ -264,6 +280,7 @@ class Cluster:
         self._rr = itertools.count()
         self._closed = False
         self._closing: set[asyncio.Future[None]] = set()  # transports of nodes gone down, closing
+        self.wake: Callable[[], None] = lambda: None  # the monitor's next round now (Monitor sets it)
 
     # ---- the view
 
@@ -278,6 +295,7 @@ class Cluster:
         self._view = {n.name: n for n in nodes}
         self._read_at = time.monotonic()
         self._usage = None
+        self._pools = None
         self._booked = {}
 
     def usage(self) -> dict[str, NodeUsage]:
@@ -285,6 +303,13 @@ class Cluster:
         if self._usage is None:
             self._usage = {u.node: u for u in self.registry.nodes.node_usage()}
         return self._usage
+
+    def pools(self) -> PoolShapes:
+        """The pools the nodes hold ready sandboxes of, by shape, read from the registry once per
+        view: the nodes' ``[pools]`` (a pool none holds a sandbox of now changes no placement)."""
+        if self._pools is None:
+            self._pools = {(tier, tpl, lim): name for name, tier, tpl, lim in self.registry.pools.pool_shapes()}
+        return self._pools
 
     def alive(self, node: NodeInfo) -> bool:
         """Ray has its raylet alive (or Ray's view is unknown, or the node gave no Ray id)."""
@@ -426,6 +451,7 @@ class Cluster:
             reason = self.down_reason(name)
             if reason is not None or time.monotonic() >= deadline:
                 return reason
+            self.wake()  # a caller waits on this verdict: Ray is asked now, not at the next period
             await asyncio.sleep(SETTLE_POLL_S)
 
     def settings(self) -> Settings:
@@ -478,7 +504,25 @@ class ClusterFront:
         sid = cast(Any, request).sandbox_id
         if not isinstance(sid, str) or not sid.startswith("sb-"):
             return await self._forward(self.cluster.any_up(), request)  # it refuses the id, typed
-        return await self._forward(await self._target(sid, type(request)), request, sid)
+        node = await self._target(sid, type(request))
+        try:
+            return await self._forward(node, request, sid)
+        except SandboxLost:
+            moved = self._moved_off(sid, node.name) if isinstance(request, ops.Connect) else None
+            if moved is None:
+                raise
+            return await self._forward(moved, request, sid)
+
+    def _moved_off(self, sid: str, dead: str) -> NodeInfo | None:
+        """Where a connect (or resume) goes when the node it was sent to went down during the call
+        while the sandbox was paused there (the registry keeps a paused sandbox paused when its
+        node is marked down: nothing of it ran): the node placement picks, in the same call,
+        instead of the caller hearing SandboxLost and trying again (a failover's last step).
+        None when it was not paused: it is lost."""
+        info = self._own(sid)
+        if info.state is not State.PAUSED or self.cluster.down_reason(dead) is None:
+            return None
+        return self._move(sid, info.tier, info.memory_mb, exclude=dead)
 
     async def _target(self, sid: str, request: type[ops.Request[Any]] = ops.Info) -> NodeInfo:
         """The node to send an operation on ``sid`` to: its owner while that node serves; a paused
@@ -541,7 +585,8 @@ class ClusterFront:
             choice = await self._any(ops.ChooseTier(r.requirements or _default_requirements()))
             tier = choice.tier
         try:
-            want = want_of(settings, tier, limits, template, r.pool and not r.volumes and r.from_snapshot is None)
+            pooled = r.pool and not r.volumes and r.from_snapshot is None
+            want = want_of(settings, tier, limits, template, pooled, self.cluster.pools() if pooled else None)
         except InvalidArgument:
             return await self._forward(self.cluster.any_up(), r)  # the node refuses it, typed
         node = self.cluster.place(want)
@@ -616,7 +661,13 @@ class ClusterFront:
             owner = self.cluster.registry.nodes.node_of(ref)
             node = self.cluster.serving(owner) if owner else None
             if node is not None and node.state == UP:
-                return await self._forward(node, r, ref)
+                try:
+                    return await self._forward(node, r, ref)
+                except SandboxLost:  # its node went down during the call: as a connect's
+                    moved = self._moved_off(ref, node.name)
+                    if moved is None:
+                        raise
+                    return await self._forward(moved, r, ref)
             info = self._own(ref)
             if info.state is State.PAUSED:
                 node = self._move(ref, info.tier, info.memory_mb, exclude=owner)

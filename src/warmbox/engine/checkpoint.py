@@ -347,6 +347,7 @@ async def _stream_tar(session: GuestSession, blob: snaps.BlobWriter, sandbox_id:
 
 
 _pausing: dict[str, bool] = {}
+_stored_ops: dict[str, snapstore.Op] = {}  # memory pauses stored, not yet recorded paused (see _memory_snapshot)
 releasing: set[str] = set()  # paused sandboxes this process is releasing right now
 
 
@@ -376,6 +377,9 @@ async def pause(
         await _release_paused(engine, sandbox_id, m, why)
     finally:
         snapstore.own_pause.reset(own)
+        held = _stored_ops.pop(sandbox_id, None)
+        if held is not None:
+            held.close()
     try:
         engine.registry.sandboxes.add_timings(
             [StageTiming(sandbox_id, "pause", (time.perf_counter() - t0) * 1e3, True)]
@@ -439,12 +443,14 @@ async def _memory_snapshot(
         await session.close()
     image_dir = op.path / "image"
     image_dir.mkdir()
-    checkpointed = False
+    checkpointed = stored = False
     try:
         await backend.checkpoint(handle, image_dir)
         checkpointed = True
         (op.path / "checkpointed").touch()  # the runtime has stopped: only forward from here
-        return await _store_checkpoint(engine, info, handle, op.path, parent, env_names)
+        m = await _store_checkpoint(engine, info, handle, op.path, parent, env_names)
+        stored = True
+        return m
     except BaseException as e:
         if not checkpointed:  # still running: let the agent listen again
             try:
@@ -476,7 +482,13 @@ async def _memory_snapshot(
                 ) from None
         raise
     finally:
-        op.close()
+        if stored and _pausing.get(sid):
+            # held (locked) until pause() has recorded the sandbox paused: a caller that finds the
+            # runtime gone meanwhile waits for the pause (pause_running) instead of taking the
+            # sandbox for dead; a pauser killed here leaves it for recovery to finish
+            _stored_ops[sid] = op
+        else:
+            op.close()
 
 
 async def _revive(engine: Engine, backend: SnapshotCapable, handle: BackendHandle, image_dir: Path) -> None:

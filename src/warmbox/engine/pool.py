@@ -137,11 +137,6 @@ class PoolShare(Protocol):
         """This node's part of the cluster-wide ``target`` of ``pool`` (0 while it is not up)."""
         ...
 
-    def scales(self) -> bool:
-        """Whether this node autoscales the shared targets (exactly one up node does, so a miss
-        raises a target once, not once per node)."""
-        ...
-
 
 class PoolManager:
     """The daemon's half of the pools: refill, retire, autoscale. One per daemon. split: on a
@@ -165,10 +160,8 @@ class PoolManager:
         wanted = False
         for pc in settings.pools.values():
             row = configured_row(reg, pc, rows.get(pc.name))
-            if self.split is None:
-                target = self._autoscale(pc, row)
-            else:
-                target = self._autoscale(pc, row) if self.split.scales() else row.target
+            target = self._autoscale(pc, row)
+            if self.split is not None:
                 target = self.split.share(pc, target)
             try:  # off the loop: a fresh host builds the built-in image first
                 shape = await asyncio.to_thread(resolve.pool_shape, self.engine, pc)
@@ -194,27 +187,41 @@ class PoolManager:
                 await self._destroy(reg.pools.retire(name, self.engine.owner), "pool no longer configured")
         return wanted or self.busy
 
-    def _autoscale(self, pc: PoolConfig, row) -> int:
+    def _autoscale(self, pc: PoolConfig, row: PoolRow) -> int:
+        """The pool's target after the misses since the last look (each raises it by one) or an
+        idle period (it halves), within its bounds.
+
+        On a cluster every node autoscales the shared target: the new target, the misses' cursor
+        and the idle clock are written in one update conditional on the row this node read, so of
+        nodes looking at once exactly one counts those misses (or that idle period); the others
+        take the target as it now is. No node is special: any up node raises the target."""
         reg = self.engine.registry
         lo, hi = bounds(pc, row.min_override, row.max_override)
         now = time.time()
         # misses since the last look (kept in the registry: a miss that started this daemon counts)
         misses, newest = reg.pools.unseen_misses(pc.name, row.events_seen)
-        if newest != row.events_seen:
-            reg.pools.set_events_seen(pc.name, newest)
         target = row.target
         new = target + misses
-        if not misses and target > lo and now - row.last_demand_at >= pc.idle_shrink_s:
-            new = target // 2
-            reg.pools.set_pool(
-                pc.name, kind="scaled", detail=f"idle {pc.idle_shrink_s:.0f}s: target {target}->{max(lo, new)}"
-            )
-            with reg._tx() as db:  # the next halving waits another idle period
-                db.execute("UPDATE pool_state SET last_demand_at=? WHERE name=?", (now, pc.name))
+        idle = not misses and target > lo and now - row.last_demand_at >= pc.idle_shrink_s
+        if idle:
+            new = target // 2  # and the next halving waits another idle period
         new = sorted((lo, new, hi))[1]
-        if new != target:
+        if newest == row.events_seen and new == target and not idle:
+            return target
+        with reg._tx() as db:
+            won = db.execute(
+                "UPDATE pool_state SET target=?, events_seen=?, last_demand_at=? "
+                "WHERE name=? AND target=? AND events_seen=?",
+                (new, newest, now if idle else row.last_demand_at, pc.name, target, row.events_seen),
+            ).rowcount
+        if not won:  # another node (or a resize) moved the row first
+            fresh = reg.pools.pool_rows().get(pc.name)
+            return target if fresh is None else sorted((lo, fresh.target, hi))[1]
+        if idle:
+            reg.pools.set_pool(pc.name, kind="scaled", detail=f"idle {pc.idle_shrink_s:.0f}s: target {target}->{new}")
+        elif new != target:
             reg.pools.set_pool(
-                pc.name, target=new, kind="scaled" if misses else "", detail=f"{misses} misses: target {target}->{new}"
+                pc.name, kind="scaled" if misses else "", detail=f"{misses} misses: target {target}->{new}"
             )
         return new
 

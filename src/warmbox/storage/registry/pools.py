@@ -7,7 +7,7 @@ import dataclasses
 import time
 import typing
 
-from warmbox.models import BackendHandle, PoolEvent, SandboxInfo, State, Tenant
+from warmbox.models import BackendHandle, Limits, PoolEvent, SandboxInfo, State, Tenant
 from warmbox.storage.registry.common import _COLUMNS, _POOL_COST_COLUMNS, GIB, _add_usage, _tenant_lock
 from warmbox.storage.registry.db import Database, Store, _retried
 from warmbox.storage.registry.sandboxes import START_COLUMNS, NewSandbox, sandbox_row, start_values
@@ -285,6 +285,20 @@ class PoolStore(Store):
             (pool, State.POOLED.value, self.node),
         ).fetchall()
         return [r[0] for r in rows]
+
+    def pool_shapes(self) -> builtins.list[tuple[str, str, str, Limits]]:
+        """(pool, tier, template, limits) of each pool some node holds a ready sandbox of: what a
+        cluster's router knows of the nodes' pools (it has no ``[pools]`` of its own)."""
+        rows = self._read(
+            "SELECT DISTINCT pool, tier, template, memory_mb, cpus, pids, file_size_mb, open_files, tmp_mb, disk_mb "
+            "FROM sandboxes WHERE state=? AND pool<>''",
+            (State.POOLED.value,),
+            many=True,
+        )
+        return [
+            (r[0], r[1], r[2], Limits(int(r[3]), float(r[4]), int(r[5]), int(r[6]), int(r[7]), int(r[8]), int(r[9])))
+            for r in rows
+        ]
 
     def pool_totals(self, pool: str) -> tuple[int, int, int, float, float, float]:
         """(hits, misses, warm-up failures, cpu_s, GiB-s, wall_s) of a pool so far."""
