@@ -129,7 +129,7 @@ ENGINE_ORDER: tuple[set[str], ...] = (  # low to high
 # packages whose import circle is still open: each strict xfail goes with the change that ends it
 OPEN_CIRCLES: set[str] = set()
 # files over the size bound today: each entry goes with the change that splits its file
-OVERSIZE = {"engine/front.py"}
+OVERSIZE: set[str] = set()
 MAX_LINES = 1500
 MAX_GUEST_LINES = 1000
 

@@ -132,12 +132,13 @@ def test_a_killed_creator_and_daemon_leave_no_mount(private_home, debian_layer, 
         "from warmbox.config import Template\n"
         "from warmbox.engine import provision\n"
         "from warmbox.engine.engine import Engine\n"
+        "from warmbox.engine.start import StartRecord\n"
         "from warmbox.models import ImageRef, Limits\n"
         f"e = Engine.for_home({str(h)!r})\n"
         "t = Template('slow', warmup_code=None, warmup_commands=('sleep 300',))\n"
         f"img = ImageRef('test', 1, 'sha256:' + 'cd' * 32, ({debian_layer!r},))\n"
-        "asyncio.run(provision.launch(e, provision.LaunchSpec('container', 'slow', 600, Limits(), image=img),"
-        " provision.Cold(t)))\n"
+        "rec = StartRecord.internal('container', 'slow', 600, Limits())\n"
+        "asyncio.run(provision.launch(e, provision.LaunchSpec(rec, image=img), provision.Cold(t)))\n"
     )
     creator = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "WARMBOX_HOME": str(h)})
     try:

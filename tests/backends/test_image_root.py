@@ -18,6 +18,7 @@ from tests.backends.conftest import NOTHING, leftovers
 from warmbox.backends import rootfs, workspace_disk
 from warmbox.engine import provision, teardown
 from warmbox.engine.engine import Engine
+from warmbox.engine.start import StartRecord
 from warmbox.errors import SandboxStartError, Unsupported
 from warmbox.models import LAYER_UID_BASE, ImageRef, Limits
 
@@ -31,7 +32,8 @@ def image_of(*layers: str, env: tuple[tuple[str, str], ...] = (), workdir: str =
 
 async def launch(engine: Engine, tier: str, image: ImageRef, build_upper: str = "", limits: Limits | None = None):
     tmpl = engine.settings().template("shell")  # no code context: the image's Python runs only the agent
-    spec = provision.LaunchSpec(tier, tmpl.name, 600, limits or Limits(), image=image, build_upper=build_upper)
+    rec = StartRecord.internal(tier, tmpl.name, 600, limits or Limits())
+    spec = provision.LaunchSpec(rec, image=image, build_upper=build_upper)
     return await provision.launch(engine, spec, provision.Cold(tmpl))
 
 

@@ -213,6 +213,25 @@ def test_tenants_see_their_own_questions_and_answer_only_network_ones(tmp_path):
         assert type(e.value).__name__ == "InvalidArgument"
 
 
+def test_a_create_with_a_bad_option_is_refused_before_anyone_is_asked(tmp_path):
+    """The start record is checked whole before the approval gate: nobody is asked about a create
+    that could not start anyway (envs, timeout, template, secrets without a network)."""
+    from warmbox.errors import InvalidArgument
+
+    engine = _engine(tmp_path, "memory_above_mb = 1000\n", timeout=0.3)
+    front = EngineFront(engine)
+    big = Limits(memory_mb=2000)
+    for bad in (
+        ops.Create(limits=big, envs={"1bad": "x"}),
+        ops.Create(limits=big, timeout=-1),
+        ops.Create(limits=big, template=7),  # type: ignore[arg-type]
+        ops.Create(limits=big, secrets={"T": object()}),
+    ):
+        with pytest.raises(InvalidArgument):
+            asyncio.run(front.handle(bad))
+    assert engine.registry.approvals.approvals(None) == []
+
+
 def test_a_cancelled_wait_withdraws_its_question(tmp_path):
     engine = _engine(tmp_path, "memory_above_mb = 1000\n")
     front = EngineFront(engine)

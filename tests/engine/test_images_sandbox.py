@@ -228,14 +228,14 @@ def test_a_launch_without_an_image_runs_its_template_s(home, runc_ready):
     import asyncio
 
     from warmbox.engine import provision
+    from warmbox.engine.start import StartRecord
 
     engine = Engine.for_home(home)
     tmpl = resolve.template(engine, "shell")
 
     async def go() -> tuple[str, str]:
-        got = await provision.launch(
-            engine, provision.LaunchSpec("container", "shell", 60.0, Limits()), provision.Cold(tmpl)
-        )
+        spec = provision.LaunchSpec(StartRecord.internal("container", "shell", 60.0, Limits()))
+        got = await provision.launch(engine, spec, provision.Cold(tmpl))
         try:
             r = await got.session.exec(["/bin/sh", "-c", "test -e /usr/sbin/runc || test -e /usr/bin/runc; echo $?"])
             return got.info.image_id, r.stdout.strip()

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from warmbox.engine import provision
+from warmbox.engine.start import StartRecord
 from warmbox.errors import InvalidArgument
 from warmbox.models import Limits
 
@@ -20,7 +21,7 @@ def test_cold_and_restore_refuse_a_socket_path_that_does_not_fit_alike(tmp_path,
     monkeypatch.setenv("WARMBOX_RUNTIME_DIR", str(long_dir))
     engine = Engine(tmp_path / "home")
     tmpl = engine.settings().template("shell")
-    spec = provision.LaunchSpec("gvisor", tmpl.name, 60.0, Limits())
+    spec = provision.LaunchSpec(StartRecord.internal("gvisor", tmpl.name, 60.0, Limits()))
     boots = [provision.Cold(tmpl), provision.Restore("snap-0", tmp_path / "mem", tmp_path / "ws.tar")]
     errors = []
     for boot in boots:

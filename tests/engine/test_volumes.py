@@ -109,6 +109,31 @@ def test_registry_volume_in_use_and_the_microvm_sharing_rule(tmp_path):
     assert reg.volumes.volumes_of(sids[0]) == [("", "vol-1", "/d", False)]
 
 
+def test_a_refused_mount_at_allocate_leaves_no_row_and_no_slot(tmp_path):
+    """Mounts are written in allocate's transaction: VolumeInUse or VolumeNotFound there leaves no
+    sandbox row (not even a destroyed one) and its uid slot free; a resume refused so stays paused."""
+    reg = _registry(tmp_path)
+    reg.volumes.add_volume("", "data", "vol-1", 64, 1.0)
+    rw = [("vol-1", "data", "/d", False)]
+    reg.sandboxes.allocate("sb-000000000001", "container", "base", 3600, Limits(), "/n", "/n", mounts=rw)
+    assert reg.volumes.volume_users("vol-1") == ["sb-000000000001"]
+    ledger = UidLedger(tmp_path / "uids", slots=32, first=MAX_SLOTS - 100)
+    held = ledger.held()
+    for mounts, error in ((rw, VolumeInUse), ([("vol-9", "gone", "/d", False)], VolumeNotFound)):
+        with pytest.raises(error):
+            reg.sandboxes.allocate(
+                "sb-000000000003", "microvm", "base", 3600, Limits(), "/n", "/n", mounts=mounts, exclusive_mounts=True
+            )
+        assert all(i.sandbox_id != "sb-000000000003" for i, _ in reg.sandboxes.list(include_dead=True))
+        assert ledger.held() == held  # the slot it took went back to the ledger
+    reg.sandboxes.allocate("sb-000000000004", "container", "base", 3600, Limits(), "/n", "/n")
+    reg.sandboxes.set_state("sb-000000000004", State.PAUSED, "paused")
+    with pytest.raises(VolumeInUse):
+        reg.sandboxes.reallocate("sb-000000000004", 60.0, Limits(), mounts=rw, exclusive_mounts=True)
+    assert reg.sandboxes.get("sb-000000000004")[0].state is State.PAUSED
+    assert reg.volumes.volumes_of("sb-000000000004") == []
+
+
 def test_a_volume_image_is_a_sparse_ext4_of_its_size_owned_by_the_sandbox_user(tmp_path):
     engine = Engine(tmp_path / "home")
     info = asyncio.run(volumes.create(engine, "", "data", 64))

@@ -14,6 +14,7 @@ from starlette.testclient import TestClient
 from warmbox.config import ServerSettings
 from warmbox.engine import meters
 from warmbox.engine.engine import Engine
+from warmbox.engine.start import StartRecord
 from warmbox.models import CommandRecord, Limits, NetEvent, State, Tenant
 from warmbox.server.app import PEER_UID, build_app
 from warmbox.server.console import auth, web
@@ -45,13 +46,12 @@ def client(engine):
 
 def _sandbox(engine, sid: str, tenant: str | None, **meta: str) -> str:
     t = None if tenant is None else engine.registry.tenants.tenant(tenant)
+    rec = StartRecord("container", "base", 300.0, Limits(), tenant=t, metadata=meta)
     engine.registry.sandboxes.allocate(
-        sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", tenant=t
+        sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", tenant=t, start=rec
     )
     engine.made.append(sid)
     engine.registry.sandboxes.set_state(sid, State.READY, "up")
-    if meta:
-        engine.registry.sandboxes.set_metadata(sid, meta)
     return sid
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from warmbox.engine.start import StartRecord
 from warmbox.errors import InvalidArgument, SandboxStateError
-from warmbox.models import Limits, State
+from warmbox.models import Lifecycle, Limits, State
 from warmbox.storage import registry as registry_mod
 from warmbox.storage.registry import SCHEMA_VERSION, Registry
 from warmbox.storage.uidslots import MAX_SLOTS, UidLedger
@@ -111,11 +112,12 @@ def test_only_one_resume_takes_a_paused_sandbox_and_a_live_one_cannot_be_realloc
 def test_list_filters_by_metadata_subset_and_by_state(tmp_path, registry_at):
     reg = _registry(tmp_path, at=registry_at)
     a, b = "sb-00000000000d", "sb-00000000000e"
-    for sid in (a, b):
-        reg.sandboxes.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
+    for sid, user in ((a, "ada"), (b, "bob")):
+        rec = StartRecord(
+            "container", "base", 300.0, Limits(), metadata={"user": user, "run": "1"}
+        )  # written with the row
+        reg.sandboxes.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", start=rec)
         reg.sandboxes.set_state(sid, State.READY, "up")
-    reg.sandboxes.set_metadata(a, {"user": "ada", "run": "1"})
-    reg.sandboxes.set_metadata(b, {"user": "bob", "run": "1"})
     reg.sandboxes.set_state(b, State.PAUSED, "paused")
     ids = lambda rows: [i.sandbox_id for i, _ in rows]  # noqa: E731
     assert reg.sandboxes.get(a)[0].metadata == {"user": "ada", "run": "1"}
@@ -152,13 +154,61 @@ def test_a_tier_choice_is_recorded_and_read_back(tmp_path, registry_at):
 
     reg = _registry(tmp_path, at=registry_at)
     sid = "sb-00000000000d"
-    reg.sandboxes.allocate(sid, "gvisor", "base", 300.0, Limits(), "/nonexistent", "/nonexistent")
     req = Requirements("node", trusted=False, io="compute")
-    reg.sandboxes.set_tier_choice(sid, req, TierChoice("gvisor", ("a", "b é"), {"container": "too weak"}, 1.0))
+    choice = TierChoice("gvisor", ("a", "b é"), {"container": "too weak"}, 1.0)
+    rec = StartRecord(
+        "gvisor", "base", 300.0, Limits(), requirements=req, choice=choice, lifecycle=Lifecycle("pause", 30.0, True)
+    )
+    reg.sandboxes.allocate(sid, "gvisor", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", start=rec)
     info, _ = reg.sandboxes.get(sid)
+    assert info.lifecycle == Lifecycle("pause", 30.0, True)
     assert info.requirements == req and info.requirements.language == "javascript"
     assert info.tier_reasons == ("a", "b é") and info.tier_rejected == {"container": "too weak"}
     reg._db.execute('UPDATE sandboxes SET requirements=\'{"io": "disk"}\' WHERE sandbox_id=?', (sid,))
     assert reg.sandboxes.get(sid)[0].requirements is None  # a row it cannot read is no requirements, not an error
+    reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
+    reg.close()
+
+
+def test_a_pool_claim_writes_the_callers_start_record(tmp_path, registry_at):
+    reg = _registry(tmp_path, at=registry_at)
+    sid = "sb-00000000000f"
+    reg.sandboxes.allocate(
+        sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", pool="p", shape="s"
+    )
+    reg.sandboxes.set_state(sid, State.POOLED, "warmed up")
+    reg._db.execute("UPDATE sandboxes SET last_used=1 WHERE sandbox_id=?", (sid,))  # warmed up long ago
+    rec = StartRecord(
+        "container", "base", 300.0, Limits(), metadata={"job": "7"}, lifecycle=Lifecycle("pause", 60.0, False)
+    )
+    info, _ = reg.pools.claim("p", "s", 120.0, "me", None, rec)
+    assert info.sandbox_id == sid and info.metadata == {"job": "7"}
+    assert info.lifecycle == Lifecycle("pause", 60.0, False)
+    assert (
+        reg._db.execute("SELECT last_used FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()[0] > 1
+    )  # idle from now
+    reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
+    reg.close()
+
+
+def test_a_start_records_secret_values_never_reach_the_registry(tmp_path, registry_at):
+    from warmbox.network.policy import Policy, Secret
+
+    reg = _registry(tmp_path, at=registry_at)
+    sid = "sb-000000000010"
+    value = "s3cret-value-9f2c"
+    rec = StartRecord(
+        "container",
+        "base",
+        300.0,
+        Limits(),
+        metadata={"k": "v"},
+        network=Policy.of("internet"),
+        secrets={"TOKEN": Secret(value, ["api.example.com"])},
+    )
+    assert value not in repr(rec)
+    reg.sandboxes.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", start=rec)
+    row = reg._db.execute("SELECT * FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()
+    assert "v" in str(row) and value not in str(row)
     reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
     reg.close()

@@ -189,12 +189,13 @@ async def _first_command(sb) -> None:
 async def _warmbox_cold(engine, limits: Limits) -> tuple[float, dict[str, float]]:
     """A cold boot through the engine (what a template costs), to the first command."""
     from warmbox.engine import provision, teardown
+    from warmbox.engine.start import StartRecord
 
     settings = engine.settings()
     tmpl = settings.template("shell")  # no warm-up: the boot itself, as raw QEMU does it
     t0 = time.perf_counter()
     got = await provision.launch(
-        engine, provision.LaunchSpec("microvm", tmpl.name, 120.0, limits), provision.Cold(tmpl)
+        engine, provision.LaunchSpec(StartRecord.internal("microvm", tmpl.name, 120.0, limits)), provision.Cold(tmpl)
     )
     try:
         await got.session.exec(list(FIRST), timeout_s=30, max_output=1 << 16)

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from warmbox.backends import workspace_disk
 from warmbox.config import Template as WarmupTemplate
 from warmbox.engine import egress, provision, resolve, teardown
+from warmbox.engine.start import StartRecord
 from warmbox.errors import (
     ImageRegistryUnreachable,
     StorageError,
@@ -649,11 +650,7 @@ class Build:
         upper.mkdir(mode=0o755)
         ref = await asyncio.to_thread(self._ref, image)
         spec = provision.LaunchSpec(
-            tier="container",
-            template=self.name,
-            timeout_s=STEP_TIMEOUT_S + 300,
-            limits=BUILD_LIMITS,
-            tenant=self.tenant,
+            StartRecord.internal("container", self.name, STEP_TIMEOUT_S + 300, BUILD_LIMITS, self.tenant),
             image=ref,
             build_upper=str(upper),
         )

@@ -35,6 +35,7 @@ from warmbox.backends.base import SharedHost
 from warmbox.engine import (
     approvals,
     checkpoint,
+    checks,
     commandlog,
     duties,
     egress,
@@ -53,12 +54,12 @@ from warmbox.engine import snapshot as snapshots
 from warmbox.engine.engine import Engine
 from warmbox.engine.provision import Launched
 from warmbox.engine.session import GuestSession, ProcessOutput
+from warmbox.engine.start import StartRecord
 from warmbox.errors import (
     Forbidden,
     GuestConnectionError,
     InvalidArgument,
     NotACluster,
-    SandboxNotFound,
     SandboxPaused,
     SnapshotUnsupported,
     TemplateInUse,
@@ -78,7 +79,6 @@ from warmbox.models import (
     EntryInfo,
     Execution,
     Lifecycle,
-    Limits,
     MetricSample,
     NetEvent,
     PoolStatus,
@@ -102,11 +102,9 @@ from warmbox.models import (
     validate_query,
     validate_timeout,
 )
-from warmbox.network.policy import Policy
 from warmbox.operations import sandbox_path
 from warmbox.paths import hide_host_paths
 from warmbox.storage.registry import METRIC_SAMPLE_EVERY_S, METRIC_SAMPLES_KEPT, Registry, unknown_sandbox
-from warmbox.tiers import canonical_tier
 
 R = TypeVar("R")
 MAX_HISTORY = 10000  # command records one Commands call returns at most
@@ -227,123 +225,13 @@ def _has(caps: Capabilities) -> dict[str, bool]:
     return {"commands": caps.commands, "files": caps.files, "ports": caps.ports}
 
 
-AUTO = "auto"  # Create(tier=AUTO): the tier the four questions choose (ChooseTier)
 REATTACH_S = 15.0  # after a failed memory pause, how long the agent may take to listen again
-
-
-def optional_timeout(timeout: float | None, name: str = "timeout") -> float:
-    """Seconds, or 0.0 for None/0 (no bound)."""
-    return 0.0 if timeout is None or timeout == 0 else validate_timeout(timeout, name)
-
-
-def _positive_int(value: object, name: str, unit: str = "bytes") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidArgument(f"{name} must be a positive number of {unit}, got {value!r}")
-    return value
-
-
-def _argv(cmd: object) -> list[str]:
-    if isinstance(cmd, str):
-        if not cmd.strip():
-            raise InvalidArgument("cmd must not be empty")
-        argv = ["/bin/bash", "-c", cmd]
-    elif isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd):
-        argv = list(cmd)
-    else:
-        raise InvalidArgument("cmd must be a non-empty string or list of strings")
-    if any("\0" in a for a in argv):
-        raise InvalidArgument("cmd must not contain NUL bytes")
-    return argv
-
-
-def _pid(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 < value < 1 << 31:
-        raise InvalidArgument(f"pid must be a process id (an integer above 1), got {value!r}")
-    return value
-
-
-def _size(value: object, name: str, zero: bool = False) -> int:
-    """A terminal's columns or rows (1..9999; 0 too when ``zero``: no terminal)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not (0 if zero else 1) <= value <= 9999:
-        raise InvalidArgument(f"{name} must be an integer from {0 if zero else 1} to 9999, got {value!r}")
-    return value
-
-
-def _template_name(name: object) -> str:
-    from warmbox.templates import check_name
-
-    return check_name(name)
-
-
-def _version(version: object) -> int | None:
-    if version is None:
-        return None
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise InvalidArgument(f"version must be a positive integer, got {version!r}")
-    return version
-
-
-def _epoch(value: object, name: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e11:
-        raise InvalidArgument(f"{name} must be a time in epoch seconds, got {value!r}")
-    return float(value)
-
-
-def _snapshot_ref(m: Any) -> SnapshotRef:
-    return SnapshotRef(
-        snapshot_id=m.snapshot_id,
-        sandbox_id=m.sandbox_id,
-        created_at=m.created_at,
-        tier=m.tier,
-        template=m.template,
-        memory=m.memory,
-        size_bytes=m.size_bytes,
-        context_skipped=m.context_skipped,
-        context_saved=m.context_saved,
-        files_raw_bytes=m.filesystem_raw_bytes,
-        files_bytes=m.filesystem_bytes,
-    )
 
 
 # the requests naming a sandbox, derived from the one list: a new op cannot be left unscoped
 _NAMES_SANDBOX: frozenset[type[Any]] = frozenset(
     cls for cls in ops.REQUESTS.values() if any(f.name == "sandbox_id" for f in dataclasses.fields(cast(Any, cls)))
 )
-
-
-def _file_bytes(data: object, name: str) -> bytes:
-    """A file's contents as given to the files API: text (UTF-8) or bytes."""
-    if isinstance(data, str):
-        return data.encode()
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        return bytes(data)
-    raise InvalidArgument(f"{name} must be str or bytes, got {type(data).__name__}")
-
-
-def _check_mode(mode: object) -> None:
-    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
-        raise InvalidArgument(f"mode must be a permission number from 0 to 0o7777, got {mode!r}")
-
-
-async def _checked_chunks(chunks: collections.abc.AsyncIterator[object]) -> collections.abc.AsyncIterator[bytes]:
-    """A streamed write's chunks as bytes; anything else ends the write with InvalidArgument."""
-    async for chunk in chunks:
-        if isinstance(chunk, (bytes, bytearray, memoryview)):
-            yield bytes(chunk)
-        else:
-            raise InvalidArgument(f"a streamed write's chunks must be bytes, got {type(chunk).__name__}")
-
-
-def _snapshot_id(ref: object) -> bool:
-    """A well-formed snapshot id (what snapshots.resolve and delete accept as one)."""
-    return isinstance(ref, str) and ref.startswith("snap-") and "/" not in ref
-
-
-def unknown_snapshot(snapshot_id: str) -> SandboxNotFound:
-    """To a tenant: a snapshot id that is not one of its own (unknown or another tenant's)."""
-    return SandboxNotFound(f"no snapshot {snapshot_id}", snapshot_id)
 
 
 class Subscription:
@@ -644,8 +532,11 @@ class EngineFront:
             return
         if isinstance(ref, str) and ref.startswith("sb-"):
             self._own(ref)
-        elif _snapshot_id(ref) and self.engine.registry.snapshots.snapshot_tenant(cast(str, ref)) != self.tenant.name:
-            raise unknown_snapshot(cast(str, ref))
+        elif (
+            checks.is_snapshot_id(ref)
+            and self.engine.registry.snapshots.snapshot_tenant(cast(str, ref)) != self.tenant.name
+        ):
+            raise checks.unknown_snapshot(cast(str, ref))
 
     async def close(self) -> None:
         """Let go of every sandbox this front holds (none is ended); their records are written."""
@@ -712,48 +603,11 @@ class EngineFront:
         )
 
     async def _create_opened(self, r: ops.Create) -> ops.Opened:
-        metadata = validate_metadata(r.metadata)  # before any work
-        lifecycle = validate_lifecycle(r.lifecycle)
-        auto = r.tier == AUTO or (r.tier is None and r.requirements is not None)
-        if r.requirements is not None and not isinstance(r.requirements, Requirements):
-            raise InvalidArgument(f"requirements must be a warmbox.Requirements, got {type(r.requirements).__name__}")
-        if r.requirements is not None and not auto:
-            raise InvalidArgument(f'requirements choose the tier: pass tier="auto" (or none), not tier={r.tier!r}')
-        choice = None
-        if auto:
-            if r.from_snapshot is not None:
-                raise InvalidArgument("from_snapshot takes its tier from the snapshot's sandbox: not tier='auto'")
-            req = r.requirements or Requirements()
-            choice = await asyncio.to_thread(
-                functools.partial(
-                    tierprofile.choose,
-                    self.engine,
-                    req,
-                    self.tenant,
-                    egress=Policy.of(r.network).enabled,  # tiers without egress, images or files cannot take
-                    template=r.template if isinstance(r.template, str) else "",  # what the create asks besides
-                    volumes=bool(r.volumes),
-                )
-            )
-            r = dataclasses.replace(r, tier=choice.tier, requirements=req)
-        await self._approve_create(r)
-        got = await self._create(r)
-        if metadata or lifecycle != Lifecycle() or choice is not None:
-            try:
-                if metadata:
-                    self.engine.registry.sandboxes.set_metadata(got.sandbox_id, metadata)
-                if lifecycle != Lifecycle():
-                    self.engine.registry.sandboxes.set_lifecycle(got.sandbox_id, lifecycle)
-                if choice is not None and r.requirements is not None:
-                    self.engine.registry.sandboxes.set_tier_choice(got.sandbox_id, r.requirements, choice)
-                got.info, _ = self.engine.info(got.sandbox_id)
-            except BaseException:
-                await got.session.close()
-                await teardown.destroy(self.engine, got.sandbox_id, "recording its metadata failed")
-                raise
-        return await self._hold(got)
+        rec = await StartRecord.build(self.engine, r, self.tenant)  # before any work
+        await self._approve_create(r, rec)
+        return await self._hold(await self._create(r, rec))
 
-    async def _approve_create(self, r: ops.Create) -> None:
+    async def _approve_create(self, r: ops.Create, rec: StartRecord) -> None:
         """Wait for approval if this create needs it (engine.approvals): before anything is
         claimed or made, so a denied one leaves nothing behind."""
         if not approvals.needed(self.engine, self.tenant):
@@ -764,17 +618,11 @@ class EngineFront:
             _, _, tier, limits = snapshots.start_of(self.engine, r.from_snapshot)
             await approvals.gate_start(self.engine, self.tenant, "create", tier, limits, sandbox_id=r.from_snapshot)
             return
-        if r.limits is not None and not isinstance(r.limits, Limits):
-            return  # _create refuses it
-        settings = self.engine.settings()
-        tier = canonical_tier(settings.defaults.tier if r.tier is None else r.tier)
-        limits = r.limits or Limits()
-        settings.limits.check(limits)  # refusals that need nobody's approval come first
-        if self.tenant is not None:
-            self.engine.registry.tenants.check_quota(self.tenant, tier, limits)
-        await approvals.gate_start(self.engine, self.tenant, "create", tier, limits)
+        if self.tenant is not None:  # refusals that need nobody's approval come first (the record's too)
+            self.engine.registry.tenants.check_quota(self.tenant, rec.tier, rec.limits)
+        await approvals.gate_start(self.engine, self.tenant, "create", rec.tier, rec.limits)
 
-    async def _create(self, r: ops.Create) -> Launched:
+    async def _create(self, r: ops.Create, rec: StartRecord) -> Launched:
         if r.from_snapshot is not None:
             if r.network != "none":
                 raise InvalidArgument(
@@ -786,24 +634,17 @@ class EngineFront:
                     "from_snapshot takes its tier, template, limits and volumes from the snapshot's sandbox"
                 )
             m = snapshots.resolve(self.engine, r.from_snapshot)
-            got = await snapshots.fork(
-                self.engine, m, timeout=r.timeout, envs=r.envs, pool=r.pool, tenant=self.tenant, secrets=r.secrets
-            )
-        else:
-            got = await provision.create(
+            return await snapshots.fork(
                 self.engine,
-                tier=r.tier,
+                m,
                 timeout=r.timeout,
                 envs=r.envs,
-                limits=r.limits,
-                template=r.template,
                 pool=r.pool,
-                network=r.network,
-                secrets=r.secrets,
                 tenant=self.tenant,
-                volumes=r.volumes,
+                secrets=r.secrets,
+                record=rec,
             )
-        return got
+        return await provision.start(self.engine, rec)
 
     async def connect(self, r: ops.Connect) -> ops.Opened:
         timeout = None if r.timeout is None else validate_timeout(r.timeout)
@@ -900,7 +741,7 @@ class EngineFront:
         return await meters.metrics(self.engine, r.sandbox_id, self._held(r.sandbox_id))
 
     async def metrics_history(self, r: ops.MetricsHistory) -> builtins.list[MetricSample]:
-        start, end = _epoch(r.start, "start"), _epoch(r.end, "end")
+        start, end = checks.epoch(r.start, "start"), checks.epoch(r.end, "end")
         if isinstance(r.limit, bool) or not isinstance(r.limit, int) or not 1 <= r.limit <= METRIC_SAMPLES_KEPT:
             raise InvalidArgument(f"limit must be an integer from 1 to {METRIC_SAMPLES_KEPT}, got {r.limit!r}")
         info, _ = self.engine.info(r.sandbox_id)
@@ -969,11 +810,11 @@ class EngineFront:
     # ---- commands and code
 
     async def exec(self, r: ops.Exec) -> CommandResult:
-        argv = _argv(r.cmd)
+        argv = checks.argv(r.cmd)
         env = dict(validate_envs(r.envs))
         cwd = sandbox_path(r.cwd) if r.cwd is not None else ""
-        t = optional_timeout(r.timeout)
-        cap = _positive_int(r.max_output, "max_output")
+        t = checks.optional_timeout(r.timeout)
+        cap = checks.positive_int(r.max_output, "max_output")
         if r.stdin is not None and not isinstance(r.stdin, (str, bytes)):
             raise InvalidArgument("stdin must be str or bytes")
         data = r.stdin.encode() if isinstance(r.stdin, str) else r.stdin
@@ -1057,7 +898,7 @@ class EngineFront:
         self, r: ops.StartProcess | ops.StartAndConnect
     ) -> tuple[builtins.list[str], dict[str, str], str, int, int]:
         """A process start's checked argv, environment, directory and terminal size."""
-        argv = _argv(r.cmd)
+        argv = checks.argv(r.cmd)
         env = dict(validate_envs(r.envs))
         cwd = sandbox_path(r.cwd) if r.cwd is not None else ""
         if not isinstance(r.tag, str) or len(r.tag) > 256 or "\0" in r.tag:
@@ -1073,13 +914,13 @@ class EngineFront:
                     tier=info.tier,
                     reason=caps.root_user_reason,
                 )
-        cols, rows = _size(r.pty_cols, "pty_cols", zero=True), _size(r.pty_rows, "pty_rows", zero=True)
+        cols, rows = checks.size(r.pty_cols, "pty_cols", zero=True), checks.size(r.pty_rows, "pty_rows", zero=True)
         if (cols == 0) != (rows == 0):
             raise InvalidArgument("a terminal needs both pty_cols and pty_rows (or neither)")
         return argv, env, cwd, cols, rows
 
     async def connect_process(self, r: ops.ConnectProcess) -> ops.ProcessStream:
-        pid = _pid(r.pid)
+        pid = checks.pid(r.pid)
         if not isinstance(r.output, bool) or not isinstance(r.pty, bool):
             raise InvalidArgument("output and pty must be booleans")
         stream = await (await self._session(r.sandbox_id)).attach(pid, output=r.output, pty=r.pty)
@@ -1098,14 +939,14 @@ class EngineFront:
         self._log.add(dataclasses.replace(record, stdout_bytes=stream.stdout_bytes, stderr_bytes=stream.stderr_bytes))
 
     async def send_stdin(self, r: ops.SendStdin) -> None:
-        pid = _pid(r.pid)
-        data = _file_bytes(r.data, "data")
+        pid = checks.pid(r.pid)
+        data = checks.file_bytes(r.data, "data")
         if not isinstance(r.eof, bool):
             raise InvalidArgument(f"eof must be a boolean, got {r.eof!r}")
         await (await self._session(r.sandbox_id)).send_input(pid, data, eof=r.eof)
 
     async def kill_process(self, r: ops.KillProcess) -> bool:
-        pid = _pid(r.pid)
+        pid = checks.pid(r.pid)
         if isinstance(r.signal, bool) or not isinstance(r.signal, int) or not 1 <= r.signal <= 64:
             raise InvalidArgument(f"signal must be a signal number from 1 to 64, got {r.signal!r}")
         return await (await self._session(r.sandbox_id)).signal(pid, r.signal)
@@ -1114,8 +955,8 @@ class EngineFront:
         return await (await self._session(r.sandbox_id)).processes()
 
     async def resize_pty(self, r: ops.ResizePty) -> None:
-        pid = _pid(r.pid)
-        cols, rows = _size(r.cols, "cols"), _size(r.rows, "rows")
+        pid = checks.pid(r.pid)
+        cols, rows = checks.size(r.cols, "cols"), checks.size(r.rows, "rows")
         await (await self._session(r.sandbox_id)).resize(pid, cols, rows)
 
     async def run_code(self, r: ops.RunCode) -> Execution:
@@ -1129,8 +970,8 @@ class EngineFront:
                 raise InvalidArgument("run_code takes a context or a language, not both")
             language = self._language(r.sandbox_id, r.language)
             context = "default" if language == "python" else f"default-{language}"
-        t = optional_timeout(r.timeout)
-        cap = _positive_int(r.max_output, "max_output")
+        t = checks.optional_timeout(r.timeout)
+        cap = checks.positive_int(r.max_output, "max_output")
         env = dict(validate_envs(r.envs)) or None
         session = await self._session(r.sandbox_id)
         text = commandlog.bounded_text(r.code)
@@ -1228,39 +1069,39 @@ class EngineFront:
 
     async def read_file(self, r: ops.ReadFile) -> bytes:
         path = sandbox_path(r.path)
-        _positive_int(r.max_bytes, "max_bytes")
-        t = optional_timeout(r.timeout) or None
+        checks.positive_int(r.max_bytes, "max_bytes")
+        t = checks.optional_timeout(r.timeout) or None
         return await (await self._session(r.sandbox_id)).read(path, max_bytes=r.max_bytes, timeout=t)
 
     async def read_file_stream(self, r: ops.ReadFileStream) -> ops.ChunkStream:
         path = sandbox_path(r.path)
         if r.max_bytes is not None:  # None: no cap
-            _positive_int(r.max_bytes, "max_bytes")
-        t = optional_timeout(r.timeout) or None
+            checks.positive_int(r.max_bytes, "max_bytes")
+        t = checks.optional_timeout(r.timeout) or None
         return await (await self._session(r.sandbox_id)).read_stream(path, max_bytes=r.max_bytes, timeout=t)
 
     async def write_file(self, r: ops.WriteFile) -> EntryInfo:
         path = sandbox_path(r.path)
-        _check_mode(r.mode)
-        raw = _file_bytes(r.data, "data")
+        checks.check_mode(r.mode)
+        raw = checks.file_bytes(r.data, "data")
         return await (await self._session(r.sandbox_id)).write(path, raw, mode=r.mode, append=r.append)
 
     async def write_file_stream(self, r: ops.WriteFileStream) -> EntryInfo:
         path = sandbox_path(r.path)
-        _check_mode(r.mode)
+        checks.check_mode(r.mode)
         if not isinstance(r.data, collections.abc.AsyncIterator):
             raise InvalidArgument(f"data must be an async iterator of bytes, got {type(r.data).__name__}")
-        return await (await self._session(r.sandbox_id)).write_stream(path, _checked_chunks(r.data), mode=r.mode)
+        return await (await self._session(r.sandbox_id)).write_stream(path, checks.checked_chunks(r.data), mode=r.mode)
 
     async def upload_dir(self, r: ops.UploadDir) -> EntryInfo:
         path = sandbox_path(r.path)
         if not isinstance(r.data, collections.abc.AsyncIterator):
             raise InvalidArgument(f"data must be an async iterator of bytes, got {type(r.data).__name__}")
-        return await (await self._session(r.sandbox_id)).unpack(path, _checked_chunks(r.data))
+        return await (await self._session(r.sandbox_id)).unpack(path, checks.checked_chunks(r.data))
 
     async def download_dir(self, r: ops.DownloadDir) -> ops.ChunkStream:
         path = sandbox_path(r.path)
-        t = optional_timeout(r.timeout) or None
+        t = checks.optional_timeout(r.timeout) or None
         return await (await self._session(r.sandbox_id)).pack(path, timeout=t)
 
     async def watch_dir(self, r: ops.WatchDir) -> ops.DirWatch:
@@ -1278,7 +1119,7 @@ class EngineFront:
         for i, entry in enumerate(r.files):  # every entry is checked before anything is written
             if not isinstance(entry, WriteEntry):
                 raise InvalidArgument(f"files[{i}] must be a warmbox.WriteEntry, got {type(entry).__name__}")
-            todo.append((sandbox_path(entry.path), _file_bytes(entry.data, f"files[{i}].data")))
+            todo.append((sandbox_path(entry.path), checks.file_bytes(entry.data, f"files[{i}].data")))
         session = await self._session(r.sandbox_id)
         return [await session.write(path, raw) for path, raw in todo]
 
@@ -1344,7 +1185,7 @@ class EngineFront:
             parent=self.engine.registry.sandboxes.parent(r.sandbox_id),
             env_names=r.env_names,
         )
-        return _snapshot_ref(m)
+        return checks.snapshot_ref(m)
 
     async def pause(self, r: ops.Pause) -> SnapshotRef:
         session = self._sessions.pop(r.sandbox_id, None)
@@ -1367,7 +1208,7 @@ class EngineFront:
             if r.memory:  # the agent dropped its sockets for the checkpoint: attach again if it still runs
                 await self._reattach(r.sandbox_id)
             raise
-        return _snapshot_ref(m)
+        return checks.snapshot_ref(m)
 
     async def _reattach(self, sandbox_id: str) -> None:
         """A new connection to a (still running) sandbox's agent, waiting for it to listen."""
@@ -1530,11 +1371,11 @@ class EngineFront:
 
     async def template_get(self, r: ops.TemplateGet) -> TemplateInfo:
         return self.engine.registry.templates.template_get(
-            _template_name(r.name), _version(r.version), self._tenant_name() or ""
+            checks.template_name(r.name), checks.version(r.version), self._tenant_name() or ""
         )
 
     async def template_delete(self, r: ops.TemplateDelete) -> builtins.list[TemplateInfo]:
-        name, version = _template_name(r.name), _version(r.version)
+        name, version = checks.template_name(r.name), checks.version(r.version)
         owner = self._tenant_name() or ""
         self.engine.registry.templates.template_get(name, version, owner)  # TemplateNotFound first
         users = resolve.template_users(self.engine, name, version, self.tenant)
@@ -1574,4 +1415,4 @@ class EngineFront:
         return Subscription(task)
 
 
-__all__ = ["EngineFront", "Subscription", "optional_timeout", "sandbox_path"]
+__all__ = ["EngineFront", "Subscription", "sandbox_path"]

@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING
 
 from warmbox import backends, config
 from warmbox.backends.base import Backend, SharedHost, SnapshotCapable, TemplateCapable
-from warmbox.config import PoolConfig, Settings, Template
+from warmbox.config import PoolConfig, Template
 from warmbox.engine import checkpoint, egress, resolve, snapstore, teardown
 from warmbox.engine import volumes as volumes_mod
 from warmbox.engine.session import AGENT_TIMEOUT_S, GuestSession, session_oom
+from warmbox.engine.start import StartRecord
 from warmbox.errors import (
     BackendUnavailable,
     InvalidArgument,
@@ -50,7 +51,6 @@ from warmbox.models import (
     State,
     Tenant,
     VolumeMount,
-    validate_envs,
     validate_timeout,
 )
 from warmbox.storage import snapshots as snaps
@@ -66,19 +66,14 @@ _TAR_TIMEOUT_S = 600.0
 
 @dataclasses.dataclass(frozen=True)
 class LaunchSpec:
-    """What sandbox to start: its shape, lifetime and environment, and whose it is."""
+    """What sandbox to start (``start``: its shape, lifetime, environment, whose it is, and what its
+    row records), and the provisioning details no caller of the front chooses."""
 
-    tier: str
-    template: str
-    timeout_s: float  # lifetime from the moment it is usable, seconds
-    limits: Limits
-    envs: tuple[tuple[str, str], ...] = ()
+    start: StartRecord
     pool: str = ""  # the pool it is made for ("": a caller's sandbox)
     shape: str = ""  # config.shape_key of a pool's sandbox
-    tenant: Tenant | None = None  # whose it is (None: the host's); its quotas are checked at the insert
-    resume_of: str = ""  # a paused sandbox started again under its own id ("": a new sandbox)
     image: ImageRef | None = None  # the image it runs (None: its template's latest, resolve.image_for)
-    volumes: tuple[VolumeMount, ...] = ()  # named volumes mounted into it
+    resume_of: str = ""  # a paused sandbox started again under its own id ("": a new sandbox)
     build_upper: str = ""  # a template build sandbox (SandboxSpec.build_upper)
     # it gets an egress link: on a tier whose interfaces are fixed at start (link_before_start) the
     # link is prepared before its runtime starts (a resume of a sandbox that kept a policy: always)
@@ -127,48 +122,54 @@ async def connect(backend: Backend, handle: BackendHandle) -> GuestSession:
 async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
     """Start one sandbox (see the module docstring); typed errors, nothing left behind on failure."""
     t0 = time.perf_counter()
-    backend = engine.backend(spec.tier)
+    rec = spec.start
+    backend = engine.backend(rec.tier)
     if isinstance(boot, Restore) and not isinstance(backend, SnapshotCapable):
-        raise BackendUnavailable(spec.tier, "this tier cannot restore memory snapshots")
+        raise BackendUnavailable(rec.tier, "this tier cannot restore memory snapshots")
     avail = await asyncio.to_thread(backend.probe)  # the first probe of a tier may boot a probe guest
     if not avail.available:
-        raise BackendUnavailable(spec.tier, avail.reason)
+        raise BackendUnavailable(rec.tier, avail.reason)
     images = backend.capabilities().images
     if spec.image is None and images:  # every sandbox runs an image: its template's latest (never the host's /usr)
         spec = dataclasses.replace(
-            spec, image=await asyncio.to_thread(resolve.image_for, engine, spec.template, spec.tenant)
+            spec, image=await asyncio.to_thread(resolve.image_for, engine, rec.template, rec.tenant)
         )
     sandbox_id = spec.resume_of or "sb-" + secrets.token_hex(6)
     state_dir = engine.runtime / "sandboxes" / sandbox_id
     socket_path = str(state_dir / "run" / "agent.sock")
     if len(socket_path) > MAX_SOCKET_PATH:
         raise InvalidArgument(f"runtime dir {engine.runtime} is too long for a unix socket path")
-    lim = spec.limits
+    lim = rec.limits
     if spec.resume_of:  # the same row and id; a new uid range, this node's directory and socket
         engine.registry.sandboxes.reallocate(
             sandbox_id,
-            spec.timeout_s,
+            rec.timeout_s,
             lim,
             owner=engine.owner,
-            tenant=spec.tenant,
+            tenant=rec.tenant,
             state_dir=str(state_dir),
             socket_path=socket_path,
+            mounts=volumes_mod.records(rec.volumes),
+            exclusive_mounts=backend.capabilities().volume_own_disk,
         )
     else:
         engine.registry.sandboxes.allocate(
             sandbox_id,
-            spec.tier,
-            spec.template,
-            spec.timeout_s,
+            rec.tier,
+            rec.template,
+            rec.timeout_s,
             lim,
             str(state_dir),
             socket_path,
             pool=spec.pool,
             owner=engine.owner,
             shape=spec.shape,
-            tenant=spec.tenant,
+            tenant=rec.tenant,
             template_version=spec.image.version if spec.image is not None else 0,
             image_id=spec.image.image_id if spec.image is not None else "",
+            start=rec,
+            mounts=volumes_mod.records(rec.volumes),
+            exclusive_mounts=backend.capabilities().volume_own_disk,
         )
     if not spec.pool:
         engine.ensure_daemon()  # from here on, a crash of this process is cleaned up by the daemon
@@ -191,20 +192,18 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         ):
             ns = await egress.prepare(engine, handle)
             prep_s = time.perf_counter() - t1
-        if spec.volumes:  # recorded before anything is mounted: a delete or another tier's mount waits its turn
-            volumes_mod.record(engine, sandbox_id, spec.volumes, backend.capabilities().volume_own_disk)
         handle = await backend.create(
             SandboxSpec(
                 sandbox_id=sandbox_id,
                 state_dir=str(state_dir),
                 uid_base=handle.uid_base,
-                envs=spec.envs if isinstance(boot, Cold) else (),
+                envs=rec.envs if isinstance(boot, Cold) else (),
                 limits=lim,
                 image=spec.image,
-                volumes=spec.volumes,
+                volumes=rec.volumes,
                 build_upper=spec.build_upper,
                 netns=ns,
-                tenant=spec.tenant.name if spec.tenant is not None else "",
+                tenant=rec.tenant.name if rec.tenant is not None else "",
             )
         )
         if isinstance(boot, Restore):
@@ -274,7 +273,7 @@ async def launch(engine: Engine, spec: LaunchSpec, boot: Boot) -> Launched:
         if not spec.resume_of:  # a resume keeps its start's timings; its caller records ``resume``
             engine.registry.sandboxes.add_timings(timings)
         # the lifetime starts now that it is usable, not when its start began
-        engine.registry.sandboxes.set_expiry(sandbox_id, time.time() + spec.timeout_s)
+        engine.registry.sandboxes.set_expiry(sandbox_id, time.time() + rec.timeout_s)
         if spec.resume_of:
             why = f"resumed from {boot.snapshot_id}" if isinstance(boot, Restore) else "resumed"
         elif isinstance(boot, Restore):
@@ -308,24 +307,18 @@ async def _unpack_workspace(engine: Engine, boot: Restore, state_dir: Path, limi
         ) from None
 
 
-async def claim(
-    engine: Engine,
-    pc: PoolConfig,
-    shape: str,
-    timeout_s: float,
-    envs: tuple[tuple[str, str], ...],
-    t0: float,
-    tenant: Tenant | None = None,
-) -> Launched | None:
+async def claim(engine: Engine, pc: PoolConfig, shape: str, t0: float, rec: StartRecord) -> Launched | None:
     """A ready sandbox of pool ``pc`` for a caller, or None if the pool has none. A pooled sandbox
     that fails its check is destroyed and the next one taken. tenant: the caller's (the claim
     stamps it; QuotaExceeded leaves the sandbox in the pool). A tier whose sandboxes live in host
     processes per tenant (SharedHost) hands its pooled ones, made in the in-process SDK's host,
-    to that tenant (None) only: another tenant's sandbox must not live in that host."""
+    to that tenant (None) only: another tenant's sandbox must not live in that host. ``rec``: the
+    caller's start (its timeout, envs and tenant), its record written with the claim."""
+    tenant, envs = rec.tenant, rec.envs
     if tenant is not None and isinstance(engine.backend(pc.tier), SharedHost):
         return None
     while True:
-        got = engine.registry.pools.claim(pc.name, shape, timeout_s, engine.owner, tenant)
+        got = engine.registry.pools.claim(pc.name, shape, rec.timeout_s, engine.owner, tenant, rec)
         if got is None:
             return None
         info, handle = got
@@ -418,68 +411,65 @@ async def create(
     limits: Limits | None = None,
     template: str | None = None,
     pool: bool = True,
-    network: object = None,
-    secrets: dict[str, object] | None = None,
     tenant: Tenant | None = None,
     resume_of: str = "",
-    volumes: object = None,
     mounts: tuple[VolumeMount, ...] = (),
     image: ImageRef | None = None,
     egress_link: bool = False,
+    record: StartRecord | None = None,
 ) -> Launched:
-    """A ready sandbox with a connected session and its stage timings.
+    """The engine's start of a caller's sandbox in a shape it knows (a fork's or a resume's):
+    the options checked (StartRecord.checked), then :func:`start`. resume_of: start this paused
+    sandbox again under its id, with the volumes it mounted. mounts: volumes resolved already (a
+    fork of a snapshot mounts its origin's). image: run this image (a snapshot's recorded one)
+    instead of the template's latest. egress_link: the caller links it after the start (a fork's
+    recorded policy): on a tier whose interfaces are fixed at start, its link is prepared before
+    (never from a pool). record: the caller's (a fork's metadata and lifecycle), written with the row."""
+    rec = StartRecord.checked(
+        engine,
+        tier=tier,
+        template=template,
+        timeout=timeout,
+        envs=envs,
+        limits=limits,
+        tenant=tenant,
+        pool=pool and not resume_of,
+        mounts=volumes_mod.of_sandbox(engine, resume_of) if resume_of else mounts,
+        image_given=image is not None,
+    ).recording(record)
+    return await start(engine, rec, resume_of=resume_of, image=image, egress_link=egress_link)
+
+
+async def start(
+    engine: Engine,
+    rec: StartRecord,
+    *,
+    resume_of: str = "",
+    image: ImageRef | None = None,
+    egress_link: bool = False,
+) -> Launched:
+    """A ready sandbox for ``rec`` (StartRecord.build or .checked) with a connected session and its
+    stage timings.
 
     Taken from a pool of the same (tier, template, limits) when one has a ready sandbox
-    (``pool=False``: never), otherwise created cold, with the template's warm-up run.
-    A network policy other than "none" links it to the egress proxy (stage ``network``).
-    tenant: whose it is (None: the host's); QuotaExceeded before anything is claimed or made.
-    resume_of: start this paused sandbox again under its id (never from a pool), with the
-    volumes it mounted.
-    volumes: warmbox.Volume mounts (the tenant's volumes; never from a pool). mounts: volumes
-    resolved already (a fork of a snapshot mounts its origin's).
-    image: run this image (a snapshot's recorded one) instead of the template's latest.
-    egress_link: the caller links it after the start (a fork's recorded policy): on a tier
-    whose interfaces are fixed at start, its link is prepared before (never from a pool).
+    (``rec.pool`` False: never; nor with volumes, nor linked before its start), otherwise created
+    cold, with the template's warm-up run. A network policy other than "none" links it to the
+    egress proxy (stage ``network``). The record is written with the sandbox's row or its pool
+    claim; QuotaExceeded before anything is claimed or made. resume_of, image, egress_link: as
+    for :func:`create`.
     """
     t0 = time.perf_counter()
-    settings = engine.settings()
-    tier = backends.canonical_tier(settings.defaults.tier if tier is None else tier)
-    if template is not None and image is None and not engine.backend(tier).capabilities().images:
-        raise InvalidArgument(
-            f"tier {tier!r} runs no image, so it takes no template (asked: {template!r}); "
-            "leave template unset, or choose a tier with images (warmbox doctor)"
-        )
-    policy = egress.policy_of(settings.network, network)
-    secret_map = egress.validate_secrets(secrets)
-    if secret_map and not policy.enabled:
-        raise InvalidArgument("secrets are only usable with a network policy that allows their hosts")
-    egress.check_tier(engine, tier, policy)
-    if resume_of:
-        mounts = volumes_mod.of_sandbox(engine, resume_of)
-    elif not mounts:
-        mounts = volumes_mod.resolve(engine, "" if tenant is None else tenant.name, volumes)
+    policy = rec.network
     # a tier whose interfaces are fixed at start gets its link before it starts: never a pooled one
-    linked_at_start = (policy.enabled or egress_link) and engine.backend(tier).capabilities().link_before_start
-    got = await _create(
-        engine,
-        tier,
-        timeout,
-        envs,
-        limits,
-        template,
-        pool and not resume_of and not mounts and not linked_at_start,
-        t0,
-        settings,
-        tenant,
-        resume_of,
-        mounts,
-        image,
-        network=policy.enabled or egress_link,
-    )
+    linked_at_start = (policy.enabled or egress_link) and engine.backend(rec.tier).capabilities().link_before_start
+    pool = rec.pool and not resume_of and not rec.volumes and not linked_at_start
+    got = await _create(engine, rec, pool, t0, resume_of, image, network=policy.enabled or egress_link)
     if policy.enabled:
         try:
             prepared = sum(t.duration_ms for t in got.timings if t.stage == "network")  # before start
-            timing = await egress.attach(engine, got.handle, got.session, policy, secret_map, prepared_ms=prepared)
+            timing = await egress.attach(
+                engine, got.handle, got.session, policy, dict(rec.secrets), prepared_ms=prepared
+            )
             got.timings = [t for t in got.timings if t.stage != "network"] + [timing]
         except BaseException:
             await got.session.close()
@@ -490,32 +480,16 @@ async def create(
 
 async def _create(
     engine: Engine,
-    tier: str,
-    timeout: float | None,
-    envs: dict[str, str] | None,
-    limits: Limits | None,
-    template: str | None,
+    rec: StartRecord,
     pool: bool,
     t0: float,
-    settings: Settings,
-    tenant: Tenant | None = None,
     resume_of: str = "",
-    mounts: tuple[VolumeMount, ...] = (),
     image: ImageRef | None = None,
     *,
     network: bool = False,
 ) -> Launched:
-    timeout = validate_timeout(settings.defaults.timeout_s if timeout is None else timeout)
-    env_pairs = validate_envs(envs)
-    if limits is None:
-        limits = Limits()
-    elif not isinstance(limits, Limits):
-        raise InvalidArgument(f"limits must be a warmbox.Limits, got {type(limits).__name__}")
-    settings.limits.check(limits)  # before any pool claim, row or directory
-    if template is None:
-        template = settings.defaults.template
-    if not isinstance(template, str):
-        raise InvalidArgument(f"template must be a string, got {type(template).__name__}")
+    settings = engine.settings()
+    tier, template, limits, tenant = rec.tier, rec.template, rec.limits, rec.tenant
     tmpl = resolve.template(engine, template, tenant)
     if tenant is not None:  # early, before any work; the claim or insert checks again, atomically
         engine.registry.tenants.check_quota(tenant, tier, limits)
@@ -528,7 +502,7 @@ async def _create(
         image_id = resolve.image_id_for(engine, template, tenant) if images else ""
         if image_id is not None:
             shape = config.shape_key(tier, tmpl, limits, image_id)
-            got = await claim(engine, pc, shape, timeout, env_pairs, t0, tenant)
+            got = await claim(engine, pc, shape, t0, rec)
             if got is not None:
                 return got
             pc = None  # a miss: the cold start below
@@ -536,42 +510,21 @@ async def _create(
         image = await asyncio.to_thread(resolve.image_for, engine, template, tenant)
     if pc is not None:
         shape = config.shape_key(tier, tmpl, limits, image.image_id if image is not None else "")
-        got = await claim(engine, pc, shape, timeout, env_pairs, t0, tenant)
+        got = await claim(engine, pc, shape, t0, rec)
         if got is not None:
             return got
     if engine.backend(tier).capabilities().snapshot_start:
-        return await _start_from_template(
-            engine, tier, tmpl, timeout, env_pairs, limits, t0, tenant, resume_of, mounts, image, network=network
-        )
-    return await launch(
-        engine,
-        LaunchSpec(
-            tier,
-            tmpl.name,
-            timeout,
-            limits,
-            env_pairs,
-            tenant=tenant,
-            resume_of=resume_of,
-            volumes=mounts,
-            image=image,
-            network=network,
-        ),
-        Cold(tmpl),
-    )
+        return await _start_from_template(engine, rec, tmpl, t0, resume_of, image, network=network)
+    spec = LaunchSpec(dataclasses.replace(rec, template=tmpl.name), resume_of=resume_of, image=image, network=network)
+    return await launch(engine, spec, Cold(tmpl))
 
 
 async def _start_from_template(
     engine: Engine,
-    tier: str,
+    rec: StartRecord,
     tmpl: Template,
-    timeout: float,
-    env_pairs: tuple[tuple[str, str], ...],
-    limits: Limits,
     t0: float,
-    tenant: Tenant | None = None,
     resume_of: str = "",
-    mounts: tuple[VolumeMount, ...] = (),
     image: ImageRef | None = None,
     *,
     network: bool = False,
@@ -579,6 +532,7 @@ async def _start_from_template(
     """A tier whose cold start is too slow (microvm under TCG) restores every sandbox from
     its shape's template memory snapshot; the first create of a shape boots and saves it
     (stage ``template``, on that one create's path)."""
+    tier, limits, tenant, env_pairs = rec.tier, rec.limits, rec.tenant, rec.envs
     backend = engine.backend(tier)
     # off the event loop: the first probe may boot a probe guest, the first template key
     # builds the tier's image (a minute, once per host)
@@ -594,7 +548,14 @@ async def _start_from_template(
     m = await template_snapshot(engine, tier, tmpl, limits, shape, image)
     t1 = time.perf_counter()
     got = await restore_memory(
-        engine, m, timeout=timeout, tenant=tenant, resume_of=resume_of, volumes=mounts, network=network
+        engine,
+        m,
+        timeout=rec.timeout_s,
+        tenant=tenant,
+        resume_of=resume_of,
+        volumes=rec.volumes,
+        network=network,
+        record=rec,
     )
     try:
         if env_pairs:
@@ -633,7 +594,7 @@ async def create_pooled(engine: Engine, pc: PoolConfig) -> str:
     else:
         got = await launch(
             engine,
-            LaunchSpec(tier, tmpl.name, pc.max_age_s, pc.limits, (), pc.name, shape, image=image),
+            LaunchSpec(StartRecord.internal(tier, tmpl.name, pc.max_age_s, pc.limits), pc.name, shape, image),
             Cold(tmpl),
         )
     await got.session.close()
@@ -685,6 +646,7 @@ async def restore_memory(
     resume_of: str = "",
     volumes: tuple[VolumeMount, ...] | None = None,
     network: bool = False,
+    record: StartRecord | None = None,
 ) -> Launched:
     """A new sandbox continuing a memory snapshot: same processes, memory, /tmp; /workspace restored.
 
@@ -692,7 +654,7 @@ async def restore_memory(
     tenant: whose the new sandbox is (quotas checked before anything is fetched, and at its insert).
     resume_of: the paused sandbox continued under its own id (instead of a new one).
     volumes: what it mounts (None: what the snapshot's sandbox mounted, as its processes expect).
-    network: it gets an egress link (LaunchSpec.network).
+    network: it gets an egress link (LaunchSpec.network). record: the caller's (LaunchSpec.record).
     """
     if volumes is None:
         volumes = volumes_mod.of_sandbox(engine, resume_of or m.sandbox_id)
@@ -715,20 +677,9 @@ async def restore_memory(
             memory_dir = snapstore.cached_memory(engine, m, work)
         elif not snapstore.link_cached_memory(engine, m.snapshot_id, work / "checkpoint.img"):
             snaps.get_blob(store, m.memory_sha256, m.memory_bytes, m.memory_raw_bytes, work / "checkpoint.img", work)
-        spec = LaunchSpec(
-            m.tier,
-            m.template,
-            timeout_s,
-            limits,
-            (),
-            pool,
-            shape,
-            tenant,
-            resume_of,
-            volumes=volumes,
-            image=image,
-            network=network,
-        )
+        rec = StartRecord.internal(m.tier, m.template, timeout_s, limits, tenant)
+        rec = dataclasses.replace(rec, volumes=volumes).recording(record)
+        spec = LaunchSpec(rec, pool, shape, image, resume_of, network=network)
         got = await launch(engine, spec, Restore(m.snapshot_id, memory_dir, ws_tar))
         if resume_of and not snapshot_start:  # the paused sandbox runs again: its pause's image is not needed here
             shutil.rmtree(snapstore.memory_cache(engine) / m.snapshot_id, ignore_errors=True)
@@ -794,7 +745,9 @@ async def _template_snapshot(
             return snaps.load_manifest(store, sid, snapstore.workdir(engine))
         except StorageError:
             pass  # gone or damaged: make a new one
-    got = await launch(engine, LaunchSpec(tier, tmpl.name, 3600.0, limits, image=image), Cold(tmpl))
+    got = await launch(
+        engine, LaunchSpec(StartRecord.internal(tier, tmpl.name, 3600.0, limits), image=image), Cold(tmpl)
+    )
     info, session = got.info, got.session
     try:
         # from here until it is recorded as the template, a death of this process leaves a

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from warmbox.engine import checkpoint, egress, provision, snapstore, teardown
 from warmbox.engine import volumes as volumes_mod
 from warmbox.engine.provision import Launched
+from warmbox.engine.start import StartRecord
 from warmbox.errors import InvalidArgument, SandboxError, SandboxNotFound, WarmboxError
 from warmbox.lifecycle import Operation
 from warmbox.models import Limits, StageTiming, State, Tenant
@@ -50,6 +51,7 @@ async def restore(
     tenant: Tenant | None = None,
     resume_of: str = "",
     network: bool = False,
+    record: StartRecord | None = None,
 ) -> Launched:
     """A new running sandbox with the snapshot's files and context state.
 
@@ -58,12 +60,13 @@ async def restore(
     resume_of: a paused sandbox started again under its own id instead of a new sandbox (a
     failure leaves it paused).
     network: the caller links it after the start (provision.LaunchSpec.network).
+    record: the caller's (provision.LaunchSpec.record), written with the new sandbox's row.
     """
     if m.memory:
         if envs:
             raise InvalidArgument("a memory snapshot continues its processes as they were: envs cannot change")
         return await provision.restore_memory(
-            engine, m, timeout=timeout, tenant=tenant, resume_of=resume_of, network=network
+            engine, m, timeout=timeout, tenant=tenant, resume_of=resume_of, network=network, record=record
         )
     op = snapstore.Op(engine, "restore")
     work = op.path
@@ -90,6 +93,7 @@ async def restore(
             mounts=() if resume_of else volumes_mod.of_sandbox(engine, m.sandbox_id),  # a resume: its own
             image=image,
             egress_link=network,
+            record=record,
         )
         info, session = got.info, got.session
         try:
@@ -194,19 +198,22 @@ async def fork(
     pool: bool = True,
     tenant: Tenant | None = None,
     secrets: object = None,
+    record: StartRecord | None = None,
 ) -> Launched:
     """A new sandbox from snapshot ``m`` (:func:`restore`) with the snapshot's egress policy on a
     link, address and audit log of its own; its secrets keep their placeholders and get the
     values in ``secrets`` (SecretsRequired naming those missing, before anything is made) and a
-    new CA. The origin is untouched."""
-    record = egress.EgressRecord.from_json(m.network)
-    secret_map = egress.secrets_for(record, secrets, m.sandbox_id, f"snapshot {m.snapshot_id}")
-    if record is not None:
-        egress.check_tier(engine, m.tier, record.policy_of())
-    got = await restore(engine, m, timeout=timeout, envs=envs, pool=pool, tenant=tenant, network=record is not None)
-    if record is not None:
+    new CA. The origin is untouched. record: the caller's (provision.LaunchSpec.record)."""
+    net = egress.EgressRecord.from_json(m.network)
+    secret_map = egress.secrets_for(net, secrets, m.sandbox_id, f"snapshot {m.snapshot_id}")
+    if net is not None:
+        egress.check_tier(engine, m.tier, net.policy_of())
+    got = await restore(
+        engine, m, timeout=timeout, envs=envs, pool=pool, tenant=tenant, network=net is not None, record=record
+    )
+    if net is not None:
         try:
-            got.timings.append(await egress.reestablish(engine, got.handle, got.session, record, secret_map))
+            got.timings.append(await egress.reestablish(engine, got.handle, got.session, net, secret_map))
         except BaseException:
             await got.session.close()
             await teardown.destroy(engine, got.sandbox_id, "network setup of the fork failed")

@@ -188,10 +188,8 @@ def of_sandbox(engine: Engine, sandbox_id: str) -> tuple[VolumeMount, ...]:
     return tuple(out)
 
 
-def record(engine: Engine, sandbox_id: str, mounts: tuple[VolumeMount, ...], own_disk: bool) -> None:
-    """Record the sandbox's mounts (before its backend mounts anything): VolumeNotFound if a
-    volume went meanwhile, VolumeInUse where the tier's sharing rule refuses (see
-    VolumeStore.mount_volumes)."""
-    engine.registry.volumes.mount_volumes(
-        sandbox_id, [(volume_id_of(m), m.name, m.path, m.read_only) for m in mounts], exclusive=own_disk
-    )
+def records(mounts: tuple[VolumeMount, ...]) -> builtins.list[tuple[str, str, str, bool]]:
+    """A sandbox's mounts as the registry records them with its row (allocate's and reallocate's
+    ``mounts``, before its backend mounts anything: VolumeNotFound if a volume went meanwhile,
+    VolumeInUse where the tier's sharing rule refuses, VolumeStore.mount_volumes)."""
+    return [(volume_id_of(m), m.name, m.path, m.read_only) for m in mounts]

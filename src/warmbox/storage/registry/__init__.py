@@ -104,7 +104,8 @@ class Registry:
     ) -> None:
         self.db = Database(location, node, ledger=ledger, check_limits=check_limits, bounds=bounds)
         self.tenants = TenantStore(self.db)
-        self.sandboxes = SandboxStore(self.db, self.tenants)
+        self.volumes = VolumeStore(self.db)
+        self.sandboxes = SandboxStore(self.db, self.tenants, self.volumes)
         self.pools = PoolStore(self.db, self.tenants)
         self.snapshots = SnapshotStore(self.db)
         self.templates = TemplateStore(self.db)
@@ -113,7 +114,6 @@ class Registry:
         self.egress = EgressStore(self.db)
         self.idempotency = KeyStore(self.db)
         self.commands = CommandStore(self.db)
-        self.volumes = VolumeStore(self.db)
         self.nodes = NodeStore(self.db)
         self.meta = MetaStore(self.db)
 

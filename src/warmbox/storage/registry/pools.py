@@ -10,7 +10,7 @@ import typing
 from warmbox.models import BackendHandle, Limits, PoolEvent, SandboxInfo, State, Tenant
 from warmbox.storage.registry.common import _COLUMNS, _POOL_COST_COLUMNS, GIB, _add_usage, _tenant_lock
 from warmbox.storage.registry.db import Database, Store, _retried
-from warmbox.storage.registry.sandboxes import sandbox_row
+from warmbox.storage.registry.sandboxes import START_COLUMNS, NewSandbox, sandbox_row, start_values
 from warmbox.storage.sql import PG_XACT_HORIZON, Conn
 
 if typing.TYPE_CHECKING:
@@ -53,13 +53,15 @@ class PoolStore(Store):
         timeout_s: float,
         owner: str,
         tenant: Tenant | None = None,
+        start: NewSandbox | None = None,
     ) -> tuple[SandboxInfo, BackendHandle] | None:
         """Atomically hand the oldest pooled sandbox of ``pool`` built to ``shape`` to one caller.
 
         None (and a recorded miss) if there is none. This transaction is the only way from the
         pool to a caller, so two callers can never receive the same sandbox. tenant: the caller's;
         the claim stamps it, after its quotas are checked in the same transaction (QuotaExceeded:
-        the sandbox stays in the pool).
+        the sandbox stays in the pool). start: the caller's record (metadata, lifecycle, the tier's
+        choice), written with the claim (SandboxStore.allocate's ``start``).
         """
         now = time.time()
         with self._tx(*_tenant_lock(tenant)) as db:
@@ -82,9 +84,20 @@ class PoolStore(Store):
                 self._tenants.check_quota_in(db, tenant, tier, mem, cpus)
             db.execute(
                 # its timeout becomes the caller's (it had the pool's max_age): a resume renews that one
-                "UPDATE sandboxes SET state=?, claimed_at=?, expires_at=?, timeout_s=?, owner=?, tenant=? "
-                "WHERE sandbox_id=?",
-                (State.READY.value, now, now + timeout_s, timeout_s, owner, tenant.name if tenant else "", sid),
+                # and its idle time counts from the claim (last_used), not from its warm-up
+                "UPDATE sandboxes SET state=?, claimed_at=?, expires_at=?, timeout_s=?, owner=?, tenant=?, "
+                "last_used=?, " + ", ".join(f"{c}=?" for c in START_COLUMNS) + " WHERE sandbox_id=?",
+                (
+                    State.READY.value,
+                    now,
+                    now + timeout_s,
+                    timeout_s,
+                    owner,
+                    tenant.name if tenant else "",
+                    now,
+                    *start_values(start),
+                    sid,
+                ),
             )
             db.execute(
                 "INSERT INTO transitions VALUES (?,?,?,?,?)",

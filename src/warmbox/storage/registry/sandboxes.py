@@ -38,6 +38,7 @@ from warmbox.storage.uidslots import UID_BASE, UID_RANGE
 
 if typing.TYPE_CHECKING:
     from warmbox.storage.registry.tenants import TenantStore
+    from warmbox.storage.registry.volumes import Mounts, VolumeStore
 
 # what `warmbox ls` shows: the caller's sandboxes, running or paused (not the pools')
 _USER = (*(s.value for s in LIVE if s not in (State.POOLED, State.RETIRING)), State.PAUSED.value)
@@ -49,8 +50,52 @@ _USER = (*(s.value for s in LIVE if s not in (State.POOLED, State.RETIRING)), St
 _PAUSED_HERE = "(node=? OR node IN (SELECT name FROM nodes WHERE state='down'))"
 
 
+class NewSandbox(typing.Protocol):
+    """What a start records about a new sandbox besides its shape (engine.start.StartRecord): read by
+    allocate and a pool claim, written in the transaction that makes the sandbox count. Secret
+    values are not among these: they never reach the registry."""
+
+    @property
+    def metadata(self) -> typing.Mapping[str, str]: ...
+    @property
+    def lifecycle(self) -> Lifecycle: ...
+    @property
+    def requirements(self) -> Requirements | None: ...  # tier="auto": what was asked ...
+    @property
+    def choice(self) -> TierChoice | None: ...  # ... and why this tier
+
+
+# the columns start_values fills, in its order
+START_COLUMNS = (
+    "metadata",
+    "on_timeout",
+    "idle_pause_after",
+    "auto_resume",
+    "requirements",
+    "tier_reasons",
+    "tier_rejected",
+)
+
+
+def start_values(start: NewSandbox | None) -> tuple[object, ...]:
+    """The row's START_COLUMNS for ``start`` (None: the columns' defaults)."""
+    if start is None:
+        return ("{}", "kill", 0.0, 0, "", "[]", "{}")
+    lc, req, choice = start.lifecycle, start.requirements, start.choice
+    picked = req is not None and choice is not None
+    return (
+        json.dumps(dict(start.metadata), sort_keys=True, ensure_ascii=False),
+        lc.on_timeout,
+        lc.idle_pause_after or 0.0,
+        int(lc.auto_resume),
+        json.dumps(dataclasses.asdict(req), sort_keys=True) if picked and req is not None else "",
+        json.dumps(list(choice.reasons), ensure_ascii=False) if picked and choice is not None else "[]",
+        json.dumps(choice.rejected, sort_keys=True, ensure_ascii=False) if picked and choice is not None else "{}",
+    )
+
+
 def _requirements(text: str) -> Requirements | None:
-    """A row's Requirements (JSON written by set_tier_choice; "" or anything unreadable: None)."""
+    """A row's Requirements (JSON of the start's record; "" or anything unreadable: None)."""
     try:
         v = json.loads(text) if text else None
         return Requirements(**v) if isinstance(v, dict) else None
@@ -59,7 +104,7 @@ def _requirements(text: str) -> Requirements | None:
 
 
 def _metadata(text: str) -> dict[str, str]:
-    """A row's metadata (JSON written by set_metadata; anything else reads as none)."""
+    """A row's metadata (JSON written by allocate or a pool claim; anything else reads as none)."""
     try:
         v = json.loads(text or "{}")
     except ValueError:
@@ -144,9 +189,10 @@ def sandbox_row(r: tuple) -> tuple[SandboxInfo, BackendHandle]:
 class SandboxStore(Store):
     """The sandboxes, their transitions and stage timings, and their uid slots."""
 
-    def __init__(self, base: Database, tenants: TenantStore) -> None:
+    def __init__(self, base: Database, tenants: TenantStore, volumes: VolumeStore) -> None:
         super().__init__(base)
         self._tenants = tenants  # quotas are checked in the transaction that inserts the row
+        self._volumes = volumes  # and volume mounts written there (VolumeStore.mount_in)
 
     @_retried
     def allocate(
@@ -165,8 +211,16 @@ class SandboxStore(Store):
         tenant: Tenant | None = None,
         template_version: int = 0,
         image_id: str = "",
+        start: NewSandbox | None = None,
+        mounts: Mounts = (),
+        exclusive_mounts: bool = False,
     ) -> int:
         """Insert a sandbox in state ``creating`` with a uid slot free on the whole host; returns the slot.
+
+        start: what the start records besides the shape (metadata, lifecycle, the tier's choice),
+        in the same row and transaction: a refused or failed insert leaves none of it.
+        mounts, exclusive_mounts: the volumes it mounts, recorded in the same transaction
+        (VolumeStore.mount_volumes: VolumeNotFound, VolumeInUse leave no row and no slot).
 
         The slot is claimed in the host-wide ledger (no other home's sandbox can have it) and
         released when the sandbox is destroyed. Limits are checked (check_limits) first.
@@ -193,7 +247,8 @@ class SandboxStore(Store):
                     "INSERT INTO sandboxes (sandbox_id, tier, template, state, created_at, expires_at, "
                     "memory_mb, cpus, pids, uid_slot, runtime_id, state_dir, socket_path, pool, owner, shape, "
                     "file_size_mb, open_files, tmp_mb, disk_mb, tenant, timeout_s, last_used, template_version, "
-                    "image_id, node) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    f"image_id, node, {', '.join(START_COLUMNS)}) "
+                    f"VALUES ({','.join('?' * (26 + len(START_COLUMNS)))})",
                     (
                         sandbox_id,
                         tier,
@@ -221,8 +276,11 @@ class SandboxStore(Store):
                         template_version,
                         image_id,
                         self.node,
+                        *start_values(start),
                     ),
                 )
+                if mounts:
+                    self._volumes.mount_in(db, sandbox_id, mounts, exclusive=exclusive_mounts)
                 db.execute(
                     "INSERT INTO transitions VALUES (?,?,?,?,?)",
                     (sandbox_id, now, "", State.CREATING.value, "create" + (f" for pool {pool}" if pool else "")),
@@ -244,6 +302,8 @@ class SandboxStore(Store):
         tenant: Tenant | None = None,
         state_dir: str | None = None,
         socket_path: str | None = None,
+        mounts: Mounts = (),
+        exclusive_mounts: bool = False,
     ) -> int:
         """Take a paused sandbox back to ``creating`` under its own id (a resume): a uid slot free
         on the whole host, a new deadline, its meters open again; returns the slot. It becomes
@@ -253,7 +313,8 @@ class SandboxStore(Store):
         Exactly one caller wins (SandboxStateError for the others: it is no longer paused).
         limits: the snapshot's, checked (check_limits) first, as at an allocate: maxima lowered
         since the pause refuse it. tenant: the resumer's; quotas are checked in the same
-        transaction (a paused sandbox holds nothing, the resumed one counts).
+        transaction (a paused sandbox holds nothing, the resumed one counts). mounts,
+        exclusive_mounts: as at an allocate.
         """
         if self.check_limits is not None:
             self.check_limits(limits)
@@ -306,48 +367,12 @@ class SandboxStore(Store):
                     "base_cpu_ns=base_cpu_ns-cpu_ns, cpu_ns=0 WHERE sandbox_id=?",
                     (now, sandbox_id),
                 )
+                if mounts:  # what it mounts now (its record replaced): refused, it stays paused
+                    self._volumes.mount_in(db, sandbox_id, mounts, exclusive=exclusive_mounts)
             except BaseException:
                 ledger.release(slot, self._key, sandbox_id)
                 raise
         return slot
-
-    @_retried
-    def set_metadata(self, sandbox_id: str, metadata: dict[str, str]) -> None:
-        """A sandbox's metadata (checked by the engine: string keys and values, bounded)."""
-        with self._tx() as db:
-            db.execute(
-                "UPDATE sandboxes SET metadata=? WHERE sandbox_id=?",
-                (json.dumps(metadata, sort_keys=True, ensure_ascii=False), sandbox_id),
-            )
-
-    @_retried
-    def set_tier_choice(self, sandbox_id: str, requirements: Requirements, choice: TierChoice) -> None:
-        """What a tier="auto" create asked and why its tier was chosen (shown by get_info)."""
-        with self._tx() as db:
-            db.execute(
-                "UPDATE sandboxes SET requirements=?, tier_reasons=?, tier_rejected=? WHERE sandbox_id=?",
-                (
-                    json.dumps(dataclasses.asdict(requirements), sort_keys=True),
-                    json.dumps(list(choice.reasons), ensure_ascii=False),
-                    json.dumps(choice.rejected, sort_keys=True, ensure_ascii=False),
-                    sandbox_id,
-                ),
-            )
-
-    @_retried
-    def set_lifecycle(self, sandbox_id: str, lifecycle: Lifecycle) -> None:
-        """A sandbox's lifecycle policy (checked by the engine: models.validate_lifecycle)."""
-        with self._tx() as db:
-            db.execute(
-                "UPDATE sandboxes SET on_timeout=?, idle_pause_after=?, auto_resume=?, last_used=? WHERE sandbox_id=?",
-                (
-                    lifecycle.on_timeout,
-                    lifecycle.idle_pause_after or 0.0,
-                    int(lifecycle.auto_resume),
-                    time.time(),
-                    sandbox_id,
-                ),
-            )
 
     @_retried
     def touch(self, sandbox_id: str, until: float) -> None:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import builtins
+from collections.abc import Sequence
 
 from warmbox.errors import RegistryError, VolumeError, VolumeInUse, VolumeNotFound
 from warmbox.models import State
 from warmbox.storage.registry.common import _HOLDING, _in
 from warmbox.storage.registry.db import Store, _retried
+from warmbox.storage.sql import Conn
+
+# (volume_id, name, path, read_only) of each volume a sandbox mounts
+Mounts = Sequence[tuple[str, str, str, bool]]
 
 # a volume mounted by a sandbox in one of these states is in use (paused: it is mounted again on
 # resume; failed: its teardown, which unmounts it, is still owed)
@@ -105,39 +110,44 @@ class VolumeStore(Store):
         """
         try:
             with self._tx() as db:
-                if mounts and self._sql.for_update():  # PostgreSQL: against remove_volume and other mounts
-                    ids = sorted({m[0] for m in mounts})  # one lock order
-                    db.execute(
-                        f"SELECT volume_id FROM volumes WHERE volume_id IN {_in(tuple(ids))} ORDER BY volume_id"
-                        + self._sql.for_update(),
-                        ids,
-                    ).fetchall()
-                for volume_id, name, _, read_only in mounts:
-                    if not db.execute("SELECT 1 FROM volumes WHERE volume_id=?", (volume_id,)).fetchone():
-                        raise VolumeNotFound(f"no volume named {name!r} (deleted)", volume=name)
-                    others = db.execute(
-                        "SELECT m.sandbox_id, m.read_only, m.exclusive FROM sandbox_volumes m JOIN sandboxes s "
-                        f"ON s.sandbox_id = m.sandbox_id WHERE m.volume_id=? AND m.sandbox_id<>? AND s.state IN "
-                        f"{_in(_MOUNTING)}",
-                        (volume_id, sandbox_id, *_MOUNTING),
-                    ).fetchall()
-                    for other, other_ro, other_exclusive in others:
-                        if (exclusive or other_exclusive) and not (read_only and other_ro):
-                            raise VolumeInUse(
-                                f"volume {name!r} is mounted {'read-only' if other_ro else 'read-write'} by {other}; "
-                                "a microVM mounts a volume as a disk of its own kernel, so it shares one only "
-                                "read-only with read-only mounts",
-                                volume=name,
-                            )
-                db.execute("DELETE FROM sandbox_volumes WHERE sandbox_id=?", (sandbox_id,))
-                for volume_id, _, path, read_only in mounts:
-                    db.execute(
-                        "INSERT INTO sandbox_volumes (sandbox_id, volume_id, path, read_only, exclusive) "
-                        "VALUES (?,?,?,?,?)",
-                        (sandbox_id, volume_id, path, int(read_only), int(exclusive)),
-                    )
+                self.mount_in(db, sandbox_id, mounts, exclusive=exclusive)
         except self._errors as e:
             raise RegistryError(f"registry error: {e}") from None
+
+    def mount_in(self, db: Conn, sandbox_id: str, mounts: Mounts, *, exclusive: bool) -> None:
+        """mount_volumes on the caller's transaction ``db`` (SandboxStore.allocate's and reallocate's,
+        which hold the uid ledger and the tenant's lock first: the lock order is ledger, tenant,
+        volumes everywhere). A refusal rolls back the caller's whole transaction."""
+        if mounts and self._sql.for_update():  # PostgreSQL: against remove_volume and other mounts
+            ids = sorted({m[0] for m in mounts})  # one lock order
+            db.execute(
+                f"SELECT volume_id FROM volumes WHERE volume_id IN {_in(tuple(ids))} ORDER BY volume_id"
+                + self._sql.for_update(),
+                ids,
+            ).fetchall()
+        for volume_id, name, _, read_only in mounts:
+            if not db.execute("SELECT 1 FROM volumes WHERE volume_id=?", (volume_id,)).fetchone():
+                raise VolumeNotFound(f"no volume named {name!r} (deleted)", volume=name)
+            others = db.execute(
+                "SELECT m.sandbox_id, m.read_only, m.exclusive FROM sandbox_volumes m JOIN sandboxes s "
+                f"ON s.sandbox_id = m.sandbox_id WHERE m.volume_id=? AND m.sandbox_id<>? AND s.state IN "
+                f"{_in(_MOUNTING)}",
+                (volume_id, sandbox_id, *_MOUNTING),
+            ).fetchall()
+            for other, other_ro, other_exclusive in others:
+                if (exclusive or other_exclusive) and not (read_only and other_ro):
+                    raise VolumeInUse(
+                        f"volume {name!r} is mounted {'read-only' if other_ro else 'read-write'} by {other}; "
+                        "a microVM mounts a volume as a disk of its own kernel, so it shares one only "
+                        "read-only with read-only mounts",
+                        volume=name,
+                    )
+        db.execute("DELETE FROM sandbox_volumes WHERE sandbox_id=?", (sandbox_id,))
+        for volume_id, _, path, read_only in mounts:
+            db.execute(
+                "INSERT INTO sandbox_volumes (sandbox_id, volume_id, path, read_only, exclusive) VALUES (?,?,?,?,?)",
+                (sandbox_id, volume_id, path, int(read_only), int(exclusive)),
+            )
 
     def volumes_of(self, sandbox_id: str) -> builtins.list[tuple[str, str, str, bool]]:
         """(volume name, volume_id, path, read_only) of what a sandbox mounts (its volume may be gone: name "")."""
