@@ -63,6 +63,19 @@ def test_import_set_is_pinned(what, warmbox_modules):
     assert not {m for m in mods if any(m == n or m.startswith(n + ".") for n in NEVER)}
 
 
+# the thin path (cli/thin.py: run, exec, ls, kill to a running server) talks HTTP/1.1 on a plain
+# socket: no event loop, no HTTP library (http.client's email and ssl were ~15 ms), no engine
+THIN_NEVER = NEVER - {"dataclasses", "warmbox.models", "warmbox.operations"} | {"http", "email", "urllib.request"}
+
+
+def test_the_thin_path_loads_no_http_library_and_no_engine():
+    probe = "import json, sys, warmbox.cli.main, warmbox.cli.thin; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    mods = set(json.loads(out.stdout))
+    assert not {m for m in mods if any(m == n or m.startswith(n + ".") for n in THIN_NEVER)}
+    assert _outside_stdlib(mods) == {m for m in mods if m.split(".")[0] == "warmbox"}, "a third-party library"
+
+
 def test_public_names_still_resolve():
     """The lazy re-exports of warmbox/__init__.py: every name of __all__ is there on first use."""
     out = subprocess.run(
