@@ -18,6 +18,7 @@ NEVER = {
     "ssl",
     "rich",
     "dataclasses",
+    "typing",
     "warmbox.sdk",
     "warmbox.engine",
     "warmbox.server",
@@ -65,7 +66,8 @@ def test_import_set_is_pinned(what, warmbox_modules):
 
 # the thin path (cli/thin.py: run, exec, ls, kill to a running server) talks HTTP/1.1 on a plain
 # socket: no event loop, no HTTP library (http.client's email and ssl were ~15 ms), no engine
-THIN_NEVER = NEVER - {"dataclasses", "warmbox.models", "warmbox.operations"} | {"http", "email", "urllib.request"}
+THIN_LOADS = {"dataclasses", "typing", "warmbox.models", "warmbox.operations"}
+THIN_NEVER = (NEVER - THIN_LOADS) | {"http", "email", "urllib.request"}
 
 
 def test_the_thin_path_loads_no_http_library_and_no_engine():

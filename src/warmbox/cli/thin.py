@@ -20,6 +20,7 @@ import os
 import socket
 import stat
 import struct
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlencode
@@ -284,4 +285,25 @@ class ThinClient:
         raise ConnectionLost(f"the server ended {request.op.value} without a result: its outcome is unknown")
 
 
-__all__ = ["ThinClient", "home_socket"]
+class Transport:
+    """The thin client as the CLI commands' transport: its blocking calls behind ``await``."""
+
+    def __init__(self, client: ThinClient) -> None:
+        self.client = client
+
+    async def handle(self, request: ops.Request[R]) -> R:
+        return self.client.handle(request)
+
+    @staticmethod
+    def run(coro: Coroutine[Any, Any, int]) -> int:
+        """A command's coroutine whose awaits never suspend (the client blocks in them), run to its
+        end without an event loop: the thin path loads no asyncio."""
+        try:
+            coro.send(None)
+        except StopIteration as done:
+            return int(done.value)
+        coro.close()
+        raise RuntimeError("a thin-path command waited on an event loop")
+
+
+__all__ = ["ThinClient", "Transport", "home_socket"]
