@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from warmbox.errors import WarmboxError
 
 TYPE_CHECKING = False  # typing costs --help ~2 ms; mypy reads any TYPE_CHECKING as True (annotations are strings)
 if TYPE_CHECKING:
-    from types import ModuleType
     from typing import Any
 
 OPEN: list[Any] = []  # transports the command opened: closed before the loop ends
@@ -30,26 +28,6 @@ MODULE_COMMANDS = {
     "node": "this home as a cluster node: join; the cluster's nodes: ls, drain",
     "cluster": "a cluster's Ray head and peer token",
 }
-
-
-def lazy_module(name: str) -> ModuleType:
-    """The module ``name``, run on first use of one of its attributes (importlib's LazyLoader): main.py
-    names the operations everywhere, and ``warmbox --help`` uses none of them (issue 38)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    import importlib.util
-
-    spec = importlib.util.find_spec(name)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"no module {name}")
-    spec.loader = importlib.util.LazyLoader(spec.loader)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    parent, _, child = name.rpartition(".")
-    if parent:
-        setattr(sys.modules[parent], child, module)
-    return module
 
 
 class _Unbuilt:

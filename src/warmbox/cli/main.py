@@ -54,6 +54,7 @@ import time
 
 from warmbox.cli import context
 from warmbox.errors import WarmboxError
+from warmbox.lazy import lazy_module
 
 TYPE_CHECKING = False  # typing costs --help ~2 ms; mypy reads any TYPE_CHECKING as True (annotations are strings)
 if TYPE_CHECKING:
@@ -64,8 +65,8 @@ if TYPE_CHECKING:
     from warmbox.cli.thin import Transport
     from warmbox.models import Lifecycle, Limits
 else:  # run on first use: neither --help nor a parse error loads them
-    ops = context.lazy_module("warmbox.operations")
-    dataclasses = context.lazy_module("dataclasses")
+    ops = lazy_module("warmbox.operations")
+    dataclasses = lazy_module("dataclasses")
 
 EXIT_ERROR = 125
 
