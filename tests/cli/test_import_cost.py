@@ -103,3 +103,11 @@ def test_a_command_built_alone_is_the_command_of_the_full_parser():
     assert set(bare.subcommands) == set(full.subcommands)
     assert bare.format_help() == full.format_help()
     assert all(not p._actions[1:] for p in bare.subcommands.values())  # -h only: nothing built
+
+
+def test_the_in_process_path_loads_no_http_client():
+    """The SDK in process (the CLI's fallback when no server runs) loads aiohttp (~120 ms) only when
+    a server is addressed (issue 38)."""
+    probe = "import json, sys, warmbox.sdk, warmbox.sdk.transport; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert not {m for m in json.loads(out.stdout) if m.split(".")[0] in ("aiohttp", "yarl", "multidict")}
