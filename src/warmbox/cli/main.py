@@ -527,7 +527,7 @@ def _parser(argv: list[str] | None = None) -> _Parser:
     b.add_argument("--slots", type=int, default=32, help="sandboxes per node")
     b.add_argument("--pool", type=int, default=0, help="cluster-wide pool target (default: --creates)")
     b.add_argument("--json", action="store_true")
-    ap.subcommands.update(sub.choices)
+    ap.subcommands.update(sub.done())
     return ap
 
 
