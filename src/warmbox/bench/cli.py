@@ -7,7 +7,8 @@ on the thin path: a ``warmbox serve`` of the benchmark's home runs); and podman'
 --network=none`` of the rootfs warmbox's base template runs (``--rootfs IMAGE:O`` with the host's
 /usr mounted read-only, as the container tier does). ``--bridge`` adds podman's default network
 (it makes a CNI bridge and firewall chains on the host, left there by podman). Each warmbox run
-waits, untimed, for the pool to hold a sandbox again, so every timed run is a pool hit.
+waits, untimed, for the pool to hold a sandbox again, so every timed run is a pool hit. The floor
+of every warmbox command is timed beside them: ``python -c pass`` of warmbox's own interpreter.
 
 The goals of the issue: ``--help`` <= 60 ms; ``run`` <= 0.5 x podman --network=none; ``exec`` <= 80 ms.
 """
@@ -93,6 +94,7 @@ async def bench_cli(home: Path, runs: int, bridge: bool) -> dict[str, Any]:
         _timed([*wb, "exec", sid, "--", "true"], env)
         _timed(_podman_argv(image, "none"), env)
         commands: dict[str, list[str]] = {
+            "python": [sys.executable, "-c", "pass"],  # the interpreter's own start: no command is faster
             "help": [*wb, "--help"],
             "run": [*wb, "run", "--json", "--", *EMPTY],
             "exec": [*wb, "exec", "--json", sid, "--", "true"],
@@ -150,6 +152,7 @@ async def bench_cli(home: Path, runs: int, bridge: bool) -> dict[str, Any]:
 
 def print_report(r: dict[str, Any]) -> None:
     names = {
+        "python": "python -c pass (floor)",
         "help": "warmbox --help",
         "run": "warmbox run (pool)",
         "exec": "warmbox exec -- true",
