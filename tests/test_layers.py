@@ -17,6 +17,7 @@ CORE = {
     "lifecycle",
     "operations",
     "paths",
+    "lazy",
     "tiers",
     "config",
     "api",

@@ -13,9 +13,10 @@ import dataclasses
 import enum
 import posixpath
 from collections.abc import AsyncIterator, Callable
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from warmbox.errors import InvalidArgument, InvalidPath
+from warmbox.lazy import lazy_module
 from warmbox.models import (
     Approval,
     CodeContext,
@@ -48,8 +49,13 @@ from warmbox.models import (
     WriteEntry,
     record,
 )
-from warmbox.network.policy import Network
-from warmbox.templates import Template
+
+if TYPE_CHECKING:
+    from warmbox import templates
+    from warmbox.network import policy
+else:  # types of two fields, run when first resolved (a create's network, a build's template): exec loads neither
+    policy = lazy_module("warmbox.network.policy")
+    templates = lazy_module("warmbox.templates")
 
 R = TypeVar("R")
 TextSink = Callable[[str], object]
@@ -393,7 +399,7 @@ class Create(Request[Opened]):
     template: str | None = None
     pool: bool = True
     from_snapshot: str | None = None
-    network: Network | str = "none"  # "none", "internet" or a warmbox.Network
+    network: policy.Network | str = "none"  # "none", "internet" or a warmbox.Network
     secrets: dict[str, Any] | None = None  # name -> warmbox.Secret
     metadata: dict[str, str] | None = None  # shown in get_info(), matched by list(query=)
     lifecycle: Lifecycle | None = None  # auto-pause: on timeout, when idle; auto-resume
@@ -943,7 +949,7 @@ class UpdateNetwork(Request[str]):
 
     op: ClassVar[Op] = Op.NETWORK_UPDATE
     sandbox_id: str
-    network: Network | str  # as Create's
+    network: policy.Network | str  # as Create's
 
 
 @record
@@ -1054,7 +1060,7 @@ class TemplateBuild(Request[TemplateInfo]):
 
     op: ClassVar[Op] = Op.TEMPLATE_BUILD
     name: str
-    template: Template
+    template: templates.Template
     context: bytes | None = None
     on_progress: ProgressSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
 

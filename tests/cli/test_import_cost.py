@@ -11,13 +11,14 @@ import sys
 import pytest
 
 # --help builds no command's parser and runs no table of operations or records (cli/main.py)
-HELP_MODULES = {"warmbox", "warmbox.cli", "warmbox.cli.context", "warmbox.errors"}
+HELP_MODULES = {"warmbox", "warmbox.cli", "warmbox.cli.context", "warmbox.errors", "warmbox.lazy"}
 NEVER = {
     "aiohttp",
     "asyncio",
     "ssl",
     "rich",
     "dataclasses",
+    "typing",
     "warmbox.sdk",
     "warmbox.engine",
     "warmbox.server",
@@ -37,7 +38,7 @@ if sys.argv[1] == "help":
         pass
 else:
     import warmbox
-# a module named for later (importlib's LazyLoader: cli/context.lazy_module) is not loaded until used
+# a module named for later (importlib's LazyLoader: warmbox.lazy) is not loaded until used
 print(json.dumps(sorted(m for m, mod in sys.modules.items() if type(mod).__name__ != "_LazyModule")))
 """
 
@@ -63,6 +64,21 @@ def test_import_set_is_pinned(what, warmbox_modules):
     assert not {m for m in mods if any(m == n or m.startswith(n + ".") for n in NEVER)}
 
 
+# the thin path (cli/thin.py: run, exec, ls, kill to a running server) talks HTTP/1.1 on a plain
+# socket: no event loop, no HTTP library (http.client's email and ssl were ~15 ms), no engine; the
+# operations name a template and a network policy only as field types (loaded when first resolved)
+THIN_LOADS = {"dataclasses", "typing", "warmbox.models", "warmbox.operations"}
+THIN_NEVER = (NEVER - THIN_LOADS) | {"http", "email", "urllib.request", "warmbox.templates", "warmbox.network.policy"}
+
+
+def test_the_thin_path_loads_no_http_library_and_no_engine():
+    probe = "import json, sys, warmbox.cli.main, warmbox.cli.thin; " + _PROBE.splitlines()[-1]
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    mods = set(json.loads(out.stdout))
+    assert not {m for m in mods if any(m == n or m.startswith(n + ".") for n in THIN_NEVER)}
+    assert _outside_stdlib(mods) == {m for m in mods if m.split(".")[0] == "warmbox"}, "a third-party library"
+
+
 def test_public_names_still_resolve():
     """The lazy re-exports of warmbox/__init__.py: every name of __all__ is there on first use."""
     out = subprocess.run(
@@ -81,9 +97,18 @@ def test_a_command_built_alone_is_the_command_of_the_full_parser():
 
     full = _parser()
     for name, sub in full.subcommands.items():
-        alone = _parser([name, "--help"]).subcommands[name]
-        assert alone.format_help() == sub.format_help(), name
+        built = _parser([name, "--help"]).subcommands
+        assert set(built) == {name}, name  # the others are not even listed: nothing shows them
+        assert built[name].format_help() == sub.format_help(), name
     bare = _parser(["--help"])
     assert set(bare.subcommands) == set(full.subcommands)
     assert bare.format_help() == full.format_help()
     assert all(not p._actions[1:] for p in bare.subcommands.values())  # -h only: nothing built
+
+
+def test_the_in_process_path_loads_no_http_client():
+    """The SDK in process (the CLI's fallback when no server runs) loads aiohttp (~120 ms) only when
+    a server is addressed (issue 38)."""
+    probe = "import json, sys, warmbox.sdk, warmbox.sdk.transport; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert not {m for m in json.loads(out.stdout) if m.split(".")[0] in ("aiohttp", "yarl", "multidict")}

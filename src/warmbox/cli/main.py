@@ -51,19 +51,22 @@ import json
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, NoReturn
 
 from warmbox.cli import context
 from warmbox.errors import WarmboxError
+from warmbox.lazy import lazy_module
 
+TYPE_CHECKING = False  # typing costs --help ~2 ms; mypy reads any TYPE_CHECKING as True (annotations are strings)
 if TYPE_CHECKING:
     import dataclasses
+    from typing import Any, NoReturn
 
     from warmbox import operations as ops
+    from warmbox.cli.thin import Transport
     from warmbox.models import Lifecycle, Limits
 else:  # run on first use: neither --help nor a parse error loads them
-    ops = context.lazy_module("warmbox.operations")
-    dataclasses = context.lazy_module("dataclasses")
+    ops = lazy_module("warmbox.operations")
+    dataclasses = lazy_module("dataclasses")
 
 EXIT_ERROR = 125
 
@@ -524,7 +527,7 @@ def _parser(argv: list[str] | None = None) -> _Parser:
     b.add_argument("--slots", type=int, default=32, help="sandboxes per node")
     b.add_argument("--pool", type=int, default=0, help="cluster-wide pool target (default: --creates)")
     b.add_argument("--json", action="store_true")
-    ap.subcommands.update(sub.choices)
+    ap.subcommands.update(sub.done())
     return ap
 
 
@@ -1349,17 +1352,7 @@ _COMMANDS = {
 _THIN_COMMANDS = {"run": _thin_command, "exec": _thin_command, "ls": _ls, "ps": _ls, "kill": _kill}
 
 
-class _ThinTransport:
-    """The thin client as the commands' transport: its blocking calls behind ``await``."""
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-
-    async def handle(self, request: ops.Request[Any]) -> Any:
-        return self.client.handle(request)
-
-
-def _thin(args: argparse.Namespace) -> _ThinTransport | None:
+def _thin(args: argparse.Namespace) -> Transport | None:
     """The thin path (cli/thin.py) when the command is one of run, exec, ls, kill, no server is
     named (--api-url), nothing of this process's stdin is to be forwarded and no terminal is
     asked for, and a ``warmbox serve`` of this home answers on its socket; else None: the command
@@ -1371,21 +1364,10 @@ def _thin(args: argparse.Namespace) -> _ThinTransport | None:
             return None
         if _piped_stdin(getattr(args, "interactive", False)) is not None:
             return None
-    from warmbox.cli.thin import ThinClient
+    from warmbox.cli.thin import ThinClient, Transport
 
     client = ThinClient.open()
-    return None if client is None else _ThinTransport(client)
-
-
-def _unsuspended(coro: Any) -> int:
-    """Run a command's coroutine whose awaits never suspend (the thin client blocks in them)
-    to its end, without an event loop: the thin path loads no asyncio."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return int(done.value)
-    coro.close()
-    raise RuntimeError("a thin-path command waited on an event loop")
+    return None if client is None else Transport(client)
 
 
 _COMMAND_AFTER = {"run": 0, "exec": 1, "shell": 1}  # our positionals before the command's first word
@@ -1436,7 +1418,7 @@ def main(argv: list[str] | None = None) -> int:
         args.thin = _thin(args)
         if args.thin is not None:
             try:
-                return _unsuspended(_THIN_COMMANDS[args.command](args))
+                return args.thin.run(_THIN_COMMANDS[args.command](args))
             finally:
                 args.thin.client.close()
         import asyncio

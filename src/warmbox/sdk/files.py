@@ -19,7 +19,6 @@ from warmbox.errors import FileTooLarge, GuestProtocolError, InvalidArgument, Pa
 from warmbox.models import EntryInfo, FilesystemEvent, WriteEntry
 from warmbox.sdk._ref import SandboxRef
 from warmbox.sdk._sync import synchronize
-from warmbox.sdk.http import HttpTransport
 from warmbox.sdk.transport import LocalTransport, Transport
 
 DEFAULT_READ_MAX_BYTES = 100 << 20
@@ -212,13 +211,17 @@ class AsyncFiles:
 
 def _server_url(transport: Transport) -> str:
     """The address of the server a transport's operations go to, for the URLs it signs."""
+    if isinstance(transport, LocalTransport):
+        server = transport.front.engine.settings().server
+        return f"{'https' if server.tls_cert else 'http'}://{server.host}:{server.port}"
+    # here, not at the top: aiohttp (~120 ms) only where a server is addressed (issue 38); an
+    # HttpTransport given has loaded it already
+    from warmbox.sdk.http import HttpTransport
+
     if isinstance(transport, HttpTransport):
         if transport.base_url is None:
             raise InvalidArgument("a server reached over a unix socket has no URL to sign: pass base_url=")
         return transport.base_url
-    if isinstance(transport, LocalTransport):
-        server = transport.front.engine.settings().server
-        return f"{'https' if server.tls_cert else 'http'}://{server.host}:{server.port}"
     raise InvalidArgument("this transport has no server address: pass base_url=")
 
 
