@@ -206,11 +206,12 @@ class PoolManager:
         new = target + misses
         if not misses and target > lo and now - row.last_demand_at >= pc.idle_shrink_s:
             new = target // 2
-            reg.pools.set_pool(
-                pc.name, kind="scaled", detail=f"idle {pc.idle_shrink_s:.0f}s: target {target}->{max(lo, new)}"
+            reg.pools.set_pool(  # demand: the next halving waits another idle period
+                pc.name,
+                kind="scaled",
+                detail=f"idle {pc.idle_shrink_s:.0f}s: target {target}->{max(lo, new)}",
+                demand=True,
             )
-            with reg._tx() as db:  # the next halving waits another idle period
-                db.execute("UPDATE pool_state SET last_demand_at=? WHERE name=?", (now, pc.name))
         new = sorted((lo, new, hi))[1]
         if new != target:
             reg.pools.set_pool(
