@@ -211,7 +211,7 @@ limits = { memory_mb = 444 }
         shape = shape_key("gvisor", engine.settings().template("t-rand"), Limits(memory_mb=444), image)
         template = {
             v
-            for k, v in engine.registry._db.execute("SELECT key, value FROM meta_text")
+            for k, v in engine.registry.db.conn.execute("SELECT key, value FROM meta_text")
             if k.startswith(f"template:{shape}")
         }  # other tests' templates live in the same home
         assert len(template) == 1  # one checkpoint of the warmed template, restored twice

@@ -71,7 +71,7 @@ def _orphan_slots(engine: Engine) -> set[str]:
     led = engine.registry.ledger
     with led.locked():
         entries = [led.holder(s) for s in led.held()]
-    held = {e["sandbox_id"] for e in entries if e and e.get("registry") == engine.registry._key}
+    held = {e["sandbox_id"] for e in entries if e and e.get("registry") == engine.registry.key}
     return held - {i.sandbox_id for i in engine.list(include_dead=True, include_pooled=True)}
 
 

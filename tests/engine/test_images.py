@@ -221,7 +221,7 @@ def test_rows_record_the_image_and_template_users(engine, cache, tmp_path):
     assert resolve.template_users(engine, "app") == ["sb-00000000000a", "sb-00000000000b", "p1", "snap-c"]
     assert resolve.template_users(engine, "other") == []
     assert resolve.template_users(engine, "app", tenant=Tenant("alice")) == []
-    row = reg._read("SELECT image_id FROM snapshots WHERE snapshot_id='snap-c'")
+    row = reg.db.read("SELECT image_id FROM snapshots WHERE snapshot_id='snap-c'")
     assert row[0] == v2.image_id
     for sid in ("sb-00000000000a", "sb-00000000000b"):
         reg.sandboxes.set_state(sid, State.DESTROYED, "test over")

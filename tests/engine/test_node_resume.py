@@ -18,7 +18,7 @@ def test_a_sandbox_paused_on_node_a_resumes_on_node_b_with_its_files(node_homes,
     monkeypatch.setenv("WARMBOX_OBJECT_STORE", str(tmp_path / "store"))  # shared, set before any daemon starts
     a = node_homes.add("a")
     b = node_homes.add("b", share=a)
-    assert (a.node, b.node) == ("a", "b") and a.registry._key == b.registry._key
+    assert (a.node, b.node) == ("a", "b") and a.registry.key == b.registry.key
     sb = Sandbox.create(tier="container", timeout=120, pool=False, home=a.home)
     sid = sb.sandbox_id
     sb.files.write("/home/user/notes.txt", "written on node a\n")

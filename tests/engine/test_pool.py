@@ -481,7 +481,7 @@ def test_an_explicit_resize_holds_against_idle_shrinking(tmp_path, monkeypatch):
     manager = pools_mod.PoolManager(engine)
 
     def idle_autoscale() -> int:  # the daemon's look at a pool idle for long
-        with engine.registry._tx() as db:
+        with engine.registry.db.tx() as db:
             db.execute("UPDATE pool_state SET last_demand_at=0 WHERE name='x'")
         return manager._autoscale(settings.pools["x"], engine.registry.pools.pool_rows()["x"])
 
@@ -494,5 +494,7 @@ def test_an_explicit_resize_holds_against_idle_shrinking(tmp_path, monkeypatch):
         assert idle_autoscale() == 4
         pools_mod.resize(engine, settings, "x", 2, min=0)
         assert idle_autoscale() == 1
+        # a halving counts as demand: the next one waits another idle period
+        assert manager._autoscale(settings.pools["x"], engine.registry.pools.pool_rows()["x"]) == 1
     finally:
         engine.registry.close()

@@ -290,7 +290,7 @@ def test_an_old_database_is_migrated(tmp_path):
     db.executescript(V5)
     db.close()
     reg = _registry(tmp_path)
-    assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert reg.db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert reg.sandboxes.sandbox_tenant("sb-00000000000a") == "" and reg.snapshots.snapshot_tenant("snap-old") == ""
     assert [r[0] for r in reg.snapshots.all_snapshots()] == ["snap-old"] and reg.snapshots.all_snapshots("acme") == []
     _, secret = reg.tenants.create_key("acme", max_sandboxes=1)

@@ -294,7 +294,7 @@ def test_gvisor_continued_in_place_after_its_checkpoint_keeps_its_link(net_home,
     import tempfile
     from pathlib import Path
 
-    from warmbox.engine import checkpoint, provision
+    from warmbox.engine import checkpoint
 
     world.clear_logs()
     engine = Engine.for_home(net_home)
@@ -306,7 +306,7 @@ def test_gvisor_continued_in_place_after_its_checkpoint_keeps_its_link(net_home,
         async def checkpoint_and_continue() -> None:
             _, handle = engine.info(sb.sandbox_id)
             backend = engine.backend("gvisor")
-            session = await provision.connect(backend, handle)
+            session = await engine.connect(handle)
             try:
                 await session.quiesce()
             finally:

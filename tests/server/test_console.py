@@ -463,7 +463,7 @@ def test_the_nav_shows_a_budget_past_its_warning_on_every_page(engine):
         _login(c, acme)
         assert 'id="budget-badge-slot"' in c.get("/ui/").text
         assert c.get("/ui/frag/cost/budget").text.strip() == ""  # nothing used yet
-        with engine.registry._tx() as db:
+        with engine.registry.db.tx() as db:
             _add_usage(db, "acme", time.time(), 30.0, 0.0)  # 83 % of acme's day
         got = c.get("/ui/frag/cost/budget").text
         assert 'id="budget-badge"' in got and ">83 %<" in got and 'data-exceeded="false"' in got
@@ -474,7 +474,7 @@ def test_the_nav_shows_a_budget_past_its_warning_on_every_page(engine):
         _login(c, admin)
         assert 'data-count="1"' in c.get("/ui/frag/cost/budget").text  # tenants past the warning
         assert c.get("/ui/frag/cost/budget?tenant=globex").text.strip() == ""
-        with engine.registry._tx() as db:
+        with engine.registry.db.tx() as db:
             _add_usage(db, "acme", time.time(), 10.0, 0.0)  # 111 %
         assert 'data-exceeded="true"' in c.get("/ui/frag/cost/budget?tenant=acme").text
 
@@ -489,7 +489,7 @@ def test_a_sandboxs_page_agrees_with_itself_and_shows_money(engine):
     engine.registry.commands.add_commands([_command(sid, "make"), _command(sid, "pytest"), _command(sid, "git diff")])
     engine.registry.usage.set_busy(sid, 10.0, 7)  # what an agent reported: its own count, warm-up included
     engine.registry.sandboxes.set_state(sid, State.PAUSED, "paused")
-    with engine.registry._tx() as db:  # made and paused an hour ago, within a second
+    with engine.registry.db.tx() as db:  # made and paused an hour ago, within a second
         db.execute("UPDATE sandboxes SET created_at=created_at-3600, ended_at=ended_at-3600 WHERE sandbox_id=?", (sid,))
     (engine.home / "warmbox.toml").write_text('[cost]\ncpu_hour = 0.5\ngib_hour = 0.25\ncurrency = "EUR"\n')
     with TestClient(_app(engine), base_url=BASE) as c:

@@ -77,8 +77,8 @@ def test_text_is_bounded_by_the_registry_too(tmp_path, registry_at):
 def test_a_version_12_database_gains_the_commands_table(tmp_path):
     assert SCHEMA_VERSION >= 13
     reg = _registry(tmp_path)
-    reg._db.execute("DROP TABLE commands")
-    reg._db.execute("PRAGMA user_version=12")
+    reg.db.conn.execute("DROP TABLE commands")
+    reg.db.conn.execute("PRAGMA user_version=12")
     reg.close()
     db = sqlite3.connect(tmp_path / "r.db")
     assert "commands" not in {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -86,7 +86,7 @@ def test_a_version_12_database_gains_the_commands_table(tmp_path):
     reg = _registry(tmp_path)
     reg.commands.add_commands([_rec("sb-a")])
     assert [c.seq for c in reg.commands.commands("sb-a")] == [1]
-    assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert reg.db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 
 def test_every_field_is_typed_and_bounded_by_the_registry(tmp_path, registry_at):

@@ -55,7 +55,7 @@ def test_a_version_16_registry_gets_the_build_step_table(tmp_path: Path):
     db.close()
     reg = Registry(tmp_path / "r.db")
     try:
-        assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 17
+        assert reg.db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 17
         assert reg.templates.build_step("alice", KEY) is None
         reg.templates.record_build_step("alice", KEY, LAYER_A)
         assert reg.templates.build_step("alice", KEY) == LAYER_A

@@ -64,7 +64,7 @@ def test_one_claim_wins_and_a_repeat_reads_its_record(tmp_path, registry_at):
         )
         assert reg.idempotency.key_record("acme", "", "old") is not None
     finally:
-        reg._db.execute("DELETE FROM idempotency_keys WHERE tenant IN ('acme', 'other')")
+        reg.db.conn.execute("DELETE FROM idempotency_keys WHERE tenant IN ('acme', 'other')")
         reg.close()
 
 
@@ -77,7 +77,7 @@ def test_a_version_19_registry_gets_the_keys_table(tmp_path: Path):
     db.close()
     reg = _registry(tmp_path, tmp_path / "r.db")
     try:
-        assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert reg.db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert reg.idempotency.claim_key(_claim("acme", "", "k", "h/1")) is None
     finally:
         reg.close()

@@ -64,13 +64,13 @@ def test_a_version_6_database_migrates_and_its_paused_sandbox_resumes_under_its_
     db.close()
 
     reg = _registry(tmp_path)
-    assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-    cols = {r[1] for r in reg._db.execute("PRAGMA table_info(sandboxes)")}
+    assert reg.db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    cols = {r[1] for r in reg.db.conn.execute("PRAGMA table_info(sandboxes)")}
     assert NEW_COLUMNS <= cols
-    assert "auto" in {r[1] for r in reg._db.execute("PRAGMA table_info(snapshots)")}
+    assert "auto" in {r[1] for r in reg.db.conn.execute("PRAGMA table_info(snapshots)")}
     # the old row reads with the defaults: no timeout recorded, no metadata, kill on timeout
     assert reg.sandboxes.timeout_of("sb-00000000000b") == 0.0
-    row = reg._db.execute(
+    row = reg.db.conn.execute(
         "SELECT metadata, on_timeout, idle_pause_after, auto_resume, egress FROM sandboxes WHERE sandbox_id=?",
         ("sb-00000000000b",),
     ).fetchone()
@@ -86,7 +86,7 @@ def test_a_version_6_database_migrates_and_its_paused_sandbox_resumes_under_its_
     reg.sandboxes.set_state("sb-00000000000b", State.DESTROYED, "test over")
     reg.close()
     reg = _registry(tmp_path)  # opening it again is a no-op
-    assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert reg.db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     reg.close()
 
 
@@ -127,7 +127,7 @@ def test_list_filters_by_metadata_subset_and_by_state(tmp_path, registry_at):
     assert ids(reg.sandboxes.list(states=(State.PAUSED,))) == [b]
     assert ids(reg.sandboxes.list(states=())) == []
     # a damaged metadata column reads as none, never as an error
-    reg._db.execute("UPDATE sandboxes SET metadata='[1,2]' WHERE sandbox_id=?", (a,))
+    reg.db.conn.execute("UPDATE sandboxes SET metadata='[1,2]' WHERE sandbox_id=?", (a,))
     assert reg.sandboxes.get(a)[0].metadata == {}
     for sid in (a, b):
         reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
@@ -164,7 +164,7 @@ def test_a_tier_choice_is_recorded_and_read_back(tmp_path, registry_at):
     assert info.lifecycle == Lifecycle("pause", 30.0, True)
     assert info.requirements == req and info.requirements.language == "javascript"
     assert info.tier_reasons == ("a", "b é") and info.tier_rejected == {"container": "too weak"}
-    reg._db.execute('UPDATE sandboxes SET requirements=\'{"io": "disk"}\' WHERE sandbox_id=?', (sid,))
+    reg.db.conn.execute('UPDATE sandboxes SET requirements=\'{"io": "disk"}\' WHERE sandbox_id=?', (sid,))
     assert reg.sandboxes.get(sid)[0].requirements is None  # a row it cannot read is no requirements, not an error
     reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
     reg.close()
@@ -177,7 +177,8 @@ def test_a_pool_claim_writes_the_callers_start_record(tmp_path, registry_at):
         sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", pool="p", shape="s"
     )
     reg.sandboxes.set_state(sid, State.POOLED, "warmed up")
-    reg._db.execute("UPDATE sandboxes SET last_used=1 WHERE sandbox_id=?", (sid,))  # warmed up long ago
+    with reg.db.tx() as db:  # warmed up long ago
+        db.execute("UPDATE sandboxes SET last_used=1 WHERE sandbox_id=?", (sid,))
     rec = StartRecord(
         "container", "base", 300.0, Limits(), metadata={"job": "7"}, lifecycle=Lifecycle("pause", 60.0, False)
     )
@@ -185,7 +186,7 @@ def test_a_pool_claim_writes_the_callers_start_record(tmp_path, registry_at):
     assert info.sandbox_id == sid and info.metadata == {"job": "7"}
     assert info.lifecycle == Lifecycle("pause", 60.0, False)
     assert (
-        reg._db.execute("SELECT last_used FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()[0] > 1
+        reg.db.conn.execute("SELECT last_used FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()[0] > 1
     )  # idle from now
     reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
     reg.close()
@@ -208,7 +209,7 @@ def test_a_start_records_secret_values_never_reach_the_registry(tmp_path, regist
     )
     assert value not in repr(rec)
     reg.sandboxes.allocate(sid, "container", "base", 300.0, Limits(), "/nonexistent", "/nonexistent", start=rec)
-    row = reg._db.execute("SELECT * FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()
+    row = reg.db.conn.execute("SELECT * FROM sandboxes WHERE sandbox_id=?", (sid,)).fetchone()
     assert "v" in str(row) and value not in str(row)
     reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
     reg.close()

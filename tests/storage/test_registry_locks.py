@@ -163,7 +163,7 @@ def test_a_statement_past_its_bound_is_registry_busy(pg_fresh_dsn, tmp_path):
     reg = _registry(pg_fresh_dsn, tmp_path, "n2", Bounds(statement_s=0.5))
     try:
         with pytest.raises(RegistryBusy, match="statement timeout"):
-            reg._read("SELECT pg_sleep(3)")
+            reg.db.read("SELECT pg_sleep(3)")
         with reg.dialect.connection() as c:  # the session's settings, as PostgreSQL has them
             got = [
                 c.execute(f"SHOW {n}").fetchone()[0] for n in ("lock_timeout", "idle_in_transaction_session_timeout")
@@ -190,7 +190,7 @@ def test_pool_events_take_no_cluster_wide_lock_and_one_committed_late_is_counted
             assert time.monotonic() - t0 < bounds.lock_s
             misses, seen = n2.pools.unseen_misses("p", seen)  # what an autoscaler on n2 reads meanwhile
             counted += misses
-        rowids = n2._read("SELECT detail, rowid FROM pool_events ORDER BY rowid", many=True)
+        rowids = n2.db.read("SELECT detail, rowid FROM pool_events ORDER BY rowid", many=True)
         assert [r[0] for r in rowids] == ["n1", "n2"]  # n1's row: lower rowid, committed later
         for _ in range(2):
             misses, seen = n2.pools.unseen_misses("p", seen)

@@ -25,7 +25,7 @@ def _readings(reg: Registry, sid: str, ring: int) -> None:
     """The history of ``sid`` over a few readings, then ``ring`` more (the ring's bound when it is
     METRIC_SAMPLES_KEPT), then its end."""
     reg.sandboxes.allocate(sid, "container", "base", 86400, Limits(cpus=2), "/nonexistent", "/nonexistent")
-    reg._db.execute("UPDATE meters SET sampled_at=? WHERE sandbox_id=?", (T0, sid))
+    reg.db.conn.execute("UPDATE meters SET sampled_at=? WHERE sandbox_id=?", (T0, sid))
     reg.usage.sample([(sid, 100, 1_000_000_000)], now=T0 + 1)  # 1 CPU-second in 1 s of 2 CPUs: 50 %
     reg.usage.sample([(sid, 200, 1_500_000_000)], now=T0 + 2)  # under 5 s after it: no reading
     reg.usage.sample([(sid, 300, 11_000_000_000)], now=T0 + 1 + METRIC_SAMPLE_EVERY_S)  # 10 CPU-s in 5 s: 100 %
@@ -38,7 +38,7 @@ def _readings(reg: Registry, sid: str, ring: int) -> None:
         reg.usage.sample([(sid, i, 0)], now=T0 + 1 + i * METRIC_SAMPLE_EVERY_S)
     kept = reg.usage.metric_samples(sid, 0, T0 + 1e6, limit=METRIC_SAMPLES_KEPT)
     assert len(kept) == min(ring + 3, METRIC_SAMPLES_KEPT) and kept[-1][2] == ring + 2
-    (count,) = reg._db.execute("SELECT COUNT(*) FROM metric_samples WHERE sandbox_id=?", (sid,)).fetchone()
+    (count,) = reg.db.conn.execute("SELECT COUNT(*) FROM metric_samples WHERE sandbox_id=?", (sid,)).fetchone()
     assert count == len(kept)
     reg.sandboxes.set_state(sid, State.DESTROYED, "test over")
     reg.usage.finalize(sid)
@@ -62,7 +62,7 @@ def test_a_version_20_registry_gets_the_metric_samples_table(tmp_path: Path):
     db.close()
     reg = _registry(tmp_path, tmp_path / "r.db")
     try:
-        assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 21
+        assert reg.db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 21
         assert reg.usage.metric_samples("sb-0000000000e2", 0, T0) == []
     finally:
         reg.close()

@@ -73,13 +73,13 @@ def _v14(tmp: Path) -> None:
 def test_a_version_14_registry_migrates_its_rows_to_the_single_host_node(tmp_path):
     _v14(tmp_path)
     reg = _registry(tmp_path)
-    assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert reg.db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert reg.nodes.node_of("sb-00000000000a") == ""
     assert reg.sandboxes.get("sb-00000000000a")[1].node == ""
     assert reg.egress.link("sb-00000000000a") == ("10.200.0.1", "wb0", "{}")  # the link survived the rebuild
     assert reg.egress.link_by_address("10.200.0.1") == ("sb-00000000000a", "{}")
     assert reg.egress.live_links() == 1 and reg.nodes.nodes() == []
-    assert "net_links_old" not in {r[0] for r in reg._db.execute("SELECT name FROM sqlite_master")}
+    assert "net_links_old" not in {r[0] for r in reg.db.conn.execute("SELECT name FROM sqlite_master")}
     reg.close()
     reg = _registry(tmp_path)  # opening it again is a no-op
     assert reg.egress.link("sb-00000000000a") is not None

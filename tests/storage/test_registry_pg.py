@@ -142,7 +142,7 @@ if mode == "quota":
             continue
         out["made"] += 1
         held.append(sid)
-        live = reg._db.execute(
+        live = reg.db.conn.execute(
             "SELECT COUNT(*) FROM sandboxes WHERE tenant='acme' AND state IN ('creating','ready','running')"
         ).fetchone()[0]
         out["max_live"] = max(out["max_live"], live)

@@ -44,7 +44,7 @@ def test_a_version_17_registry_gets_the_runtime_column(tmp_path: Path):
     db.close()
     reg = Registry(tmp_path / "r.db")
     try:
-        assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 19
+        assert reg.db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 19
         assert reg.snapshots.snapshot_runtime("snap-old") == ""  # made before runtimes were recorded
         reg.snapshots.add_snapshot("snap-new", "sb", 2.0, 1, RUNTIME)
         assert reg.snapshots.snapshot_runtime("snap-new") == RUNTIME

@@ -45,7 +45,7 @@ def test_a_version_15_registry_gets_volume_nodes(tmp_path: Path):
     db.close()
     reg = Registry(tmp_path / "r.db", "n1")
     try:
-        assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 16
+        assert reg.db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 16
         assert reg.volumes.volume_node("vol-0000000000000001") == ""  # a single host's volume
         reg.volumes.add_volume("", "new", "vol-0000000000000002", 64, 2.0)
         assert reg.volumes.volume_nodes() == {"vol-0000000000000001": "", "vol-0000000000000002": "n1"}

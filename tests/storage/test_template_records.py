@@ -88,7 +88,7 @@ def test_a_version_8_database_gains_the_template_tables(tmp_path):
     db.close()
     reg = _registry(tmp_path)
     assert reg.templates.template_add(_info()).version == 1
-    assert reg._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert reg.db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 
 def test_template_versions_pin_their_layers_for_every_homes_gc(tmp_path, registry_at):

@@ -29,7 +29,7 @@ def _start(reg: Registry, sid: str, tenant: str | None, at: float) -> None:
     t = None if tenant is None else Tenant(tenant)
     reg.sandboxes.allocate(sid, "container", "base", 86400, Limits(), "/nonexistent", "/nonexistent", tenant=t)
     # the meter starts at ``at`` (allocate stamps the wall clock); written as any client would
-    reg._db.execute("UPDATE meters SET sampled_at=? WHERE sandbox_id=?", (at, sid))
+    reg.db.conn.execute("UPDATE meters SET sampled_at=? WHERE sandbox_id=?", (at, sid))
 
 
 # ---- usage
@@ -118,7 +118,7 @@ def test_a_version_12_registry_gains_the_budget_columns_and_the_new_tables(tmp_p
     )
     db.close()
     reg = _registry(tmp_path)
-    assert reg._read("PRAGMA user_version")[0] == SCHEMA_VERSION
+    assert reg.db.read("PRAGMA user_version")[0] == SCHEMA_VERSION
     assert reg.tenants.tenant("old").budget_cpu_h == 0.0
     reg.usage.set_budget("old", gib_h=1)
     assert reg.usage.budget_status("old").gib_limit_h == 1.0

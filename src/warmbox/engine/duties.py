@@ -80,7 +80,7 @@ async def open(engine: Engine, sandbox_id: str) -> Launched:
         await expire(engine, info)
     engine.ensure_daemon()  # a live sandbox has a reaper (one flock probe when it runs)
     try:
-        session = await provision.connect(engine.backend(info.tier), handle)
+        session = await engine.connect(handle)
     except GuestConnectionError:
         # being paused by another process (the daemon's idle pause), or paused just now: its
         # runtime is gone because its state is in a snapshot, not because it died

@@ -208,12 +208,7 @@ class PoolManager:
         new = sorted((lo, new, hi))[1]
         if newest == row.events_seen and new == target and not idle:
             return target
-        with reg._tx() as db:
-            won = db.execute(
-                "UPDATE pool_state SET target=?, events_seen=?, last_demand_at=? "
-                "WHERE name=? AND target=? AND events_seen=?",
-                (new, newest, now if idle else row.last_demand_at, pc.name, target, row.events_seen),
-            ).rowcount
+        won = reg.pools.scale(pc.name, (target, row.events_seen), (new, newest), now if idle else row.last_demand_at)
         if not won:  # another node (or a resize) moved the row first
             fresh = reg.pools.pool_rows().get(pc.name)
             return target if fresh is None else sorted((lo, fresh.target, hi))[1]

@@ -144,7 +144,7 @@ class AsyncCommands:
         What it starts and leaves running when it exits normally (``nohup server &``) stays;
         a runaway one is bounded by limits.pids and limits.cpus. On gVisor a command runs in its
         own PID namespace: ``$$`` counts from 2 there while ``ps`` shows the sandbox's pids, and a
-        command cannot signal what another one started (agent.Scopes).
+        command cannot signal what another one started (guest/scopes.py).
         Output beyond ``max_output`` bytes (stdout+stderr) is dropped and ``truncated`` set.
         ``check=True`` raises CommandFailed on a non-zero exit.
         idempotency_key: a repeat of this call with the same key (on this sandbox) never runs the

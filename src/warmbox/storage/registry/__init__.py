@@ -9,7 +9,6 @@ over one database layer (db.py: connections, transactions, retries; schema.py: t
 
 from __future__ import annotations
 
-import contextlib
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +31,7 @@ from warmbox.storage.registry.templates import TemplateStore
 from warmbox.storage.registry.tenants import SECRET_PREFIX, TenantStore
 from warmbox.storage.registry.usage import METRIC_SAMPLE_EVERY_S, METRIC_SAMPLES_KEPT, Meter, UsageStore
 from warmbox.storage.registry.volumes import VolumeStore
-from warmbox.storage.sql import DEFAULT_BOUNDS, Bounds, Conn, PostgresDialect, SqliteDialect
+from warmbox.storage.sql import DEFAULT_BOUNDS, Bounds, PostgresDialect, SqliteDialect
 from warmbox.storage.uidslots import MAX_SLOTS, UID_BASE, UID_RANGE, UidLedger
 
 if typing.TYPE_CHECKING:
@@ -91,6 +90,7 @@ class Registry:
     bounds: how long it waits for a lock or a statement, and retries a write that timed out.
 
     Its data lives in stores, one per area, all over the one Database: ``registry.sandboxes.get(id)``.
+    The Database itself is ``registry.db`` (a test that looks at rows: ``registry.db.read(sql)``).
     """
 
     def __init__(
@@ -155,21 +155,6 @@ class Registry:
 
     def close(self) -> None:
         self.db.close()
-
-    # the database layer, for tests that look at rows directly
-    @property
-    def _db(self) -> Conn:
-        return self.db.conn
-
-    @property
-    def _key(self) -> str:
-        return self.db.key
-
-    def _read(self, sql: str, args: tuple = (), *, many: bool = False) -> typing.Any:
-        return self.db.read(sql, args, many=many)
-
-    def _tx(self, *locks: str) -> contextlib.AbstractContextManager[Conn]:
-        return self.db.tx(*locks)
 
 
 def open_registry(

@@ -1,4 +1,4 @@
-""""""
+"""EgressStore: each sandbox's network link and policy, and the audit log of its egress (net_events)."""
 
 from __future__ import annotations
 

@@ -226,6 +226,20 @@ class PoolStore(Store):
                 self._pool_event(db, (name, now, kind, "", detail))
 
     @_retried
+    def scale(self, name: str, seen: tuple[int, int], to: tuple[int, int], demand_at: float) -> bool:
+        """Move a pool's (target, events seen) from ``seen`` to ``to`` and its idle clock to
+        ``demand_at``, only if the row still holds ``seen``: False when another node (or an
+        operator's resize) moved it first, so every miss is counted once and a resize stands."""
+        with self._tx() as db:
+            return bool(
+                db.execute(
+                    "UPDATE pool_state SET target=?, events_seen=?, last_demand_at=? "
+                    "WHERE name=? AND target=? AND events_seen=?",
+                    (to[0], to[1], demand_at, name, seen[0], seen[1]),
+                ).rowcount
+            )
+
+    @_retried
     def pool_event(self, pool: str, kind: str, sandbox_id: str = "", detail: str = "") -> None:
         with self._tx() as db:
             self._pool_event(db, (pool, time.time(), kind, sandbox_id, detail))
