@@ -25,6 +25,7 @@ import json
 import os
 import secrets
 import ssl
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -207,8 +208,42 @@ class _Subscription:
 _DROPPED = (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError)
 
 
+# each event loop's aiohttp sessions, one per server and client settings (HttpTransport._client)
+_LOOP_SESSIONS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[object, ...], aiohttp.ClientSession]]
+_LOOP_SESSIONS = weakref.WeakKeyDictionary()
+_CLOSERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, collections.abc.AsyncGenerator[None]]
+_CLOSERS = weakref.WeakKeyDictionary()
+
+
+async def _sessions() -> dict[tuple[object, ...], aiohttp.ClientSession]:
+    """The running loop's sessions. A sandbox made over HTTP used to open a session and a connection
+    of its own: ~0.7 ms more per create on this loaded 2-core host than a kept-alive connection
+    (docs/performance.md). They are closed when the loop finalizes its async generators
+    (``asyncio.run``'s end; the sync API's loop thread at the process's exit), which _closer's
+    pending ``finally`` hooks into."""
+    loop = asyncio.get_running_loop()
+    sessions = _LOOP_SESSIONS.get(loop)
+    if sessions is None:
+        sessions = _LOOP_SESSIONS[loop] = {}
+        closer = _closer(sessions)
+        await closer.__anext__()  # registered with the loop (its firstiter hook), held at its yield
+        _CLOSERS[loop] = closer  # the loop keeps only a weak reference
+    return sessions
+
+
+async def _closer(sessions: dict[tuple[object, ...], aiohttp.ClientSession]) -> collections.abc.AsyncGenerator[None]:
+    try:
+        yield
+    finally:
+        for session in list(sessions.values()):
+            await session.close()
+        sessions.clear()
+
+
 class HttpTransport:
-    """Operations sent to a warmbox server. One per event loop; ``close()`` ends its connections.
+    """Operations sent to a warmbox server, on the connections its event loop keeps to it (shared
+    by every transport of the loop with the same server, key and settings); ``close()`` waits for
+    its background requests, the connections stay for the loop's next transport.
 
     Built on aiohttp: on this 2-core host one small request costs 0.39-0.46 ms with it against
     0.87 ms with httpx (the API's goal is <= 1 ms added per operation)."""
@@ -243,25 +278,31 @@ class HttpTransport:
         else:
             raise InvalidArgument(f"api_url must be http(s)://host:port or unix:/path, got {url!r}")
         if isinstance(verify, str):
-            verify = ssl.create_default_context(cafile=verify)
+            ssl.create_default_context(cafile=verify)  # an unreadable CA file fails here, not at the first call
         self._verify = verify
         self._connect_timeout = connect_timeout
         self._request_timeout = request_timeout
         self.url = url
         # the server's http(s) address (None over a unix socket): what signed file URLs start with
         self.base_url: str | None = None if self._uds is not None else self._base
-        self._session: aiohttp.ClientSession | None = None
+        self._header_key = tuple(sorted(self._headers.items()))
         self._background: set[asyncio.Task[Any]] = set()
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            ssl_arg: bool | ssl.SSLContext = (
-                self._verify if not isinstance(self._verify, bool) or not self._verify else True
-            )
+    async def _client(self) -> aiohttp.ClientSession:
+        """This loop's session to this server with these settings, shared with every other
+        transport like this one on the loop (see _sessions)."""
+        sessions = await _sessions()
+        key = (self._uds, self._base, self._verify, self._connect_timeout, self._request_timeout, self._header_key)
+        session = sessions.get(key)
+        if session is None or session.closed:
+            verify = self._verify
+            if isinstance(verify, str):
+                verify = ssl.create_default_context(cafile=verify)
+            ssl_arg: bool | ssl.SSLContext = verify if not isinstance(verify, bool) or not verify else True
             connector: aiohttp.BaseConnector = (
                 aiohttp.UnixConnector(path=self._uds) if self._uds else aiohttp.TCPConnector(ssl=ssl_arg)
             )
-            self._session = aiohttp.ClientSession(
+            session = aiohttp.ClientSession(
                 base_url=self._base,
                 connector=connector,
                 headers=self._headers,
@@ -270,7 +311,8 @@ class HttpTransport:
                 ),
                 auto_decompress=False,
             )
-        return self._session
+            sessions[key] = session
+        return session
 
     # ---- Transport
 
@@ -326,8 +368,6 @@ class HttpTransport:
                 await asyncio.wait_for(t, 2)
             except (TimeoutError, WarmboxError):
                 pass
-        if self._session is not None:
-            await self._session.close()
 
     # ---- requests
 
@@ -374,7 +414,7 @@ class HttpTransport:
     async def _json(
         self, request: ops.Request[R], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool
     ) -> R:
-        async with self._client().request(route.method, url, **kwargs) as response:
+        async with (await self._client()).request(route.method, url, **kwargs) as response:
             body = await response.read()
         if response.status >= 400:
             raise _error(response.status, body)
@@ -395,7 +435,7 @@ class HttpTransport:
         self, request: ops.Request[Any], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool
     ) -> bytes:
         """files.read: the whole file."""
-        async with self._client().request(route.method, url, **kwargs) as response:
+        async with (await self._client()).request(route.method, url, **kwargs) as response:
             body = await response.read()
         if response.status >= 400:
             raise _error(response.status, body)
@@ -405,7 +445,7 @@ class HttpTransport:
         self, request: ops.Request[Any], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool
     ) -> Any:
         """export: NDJSON records, read by warmbox.transcript."""
-        async with self._client().request(route.method, url, **kwargs) as response:
+        async with (await self._client()).request(route.method, url, **kwargs) as response:
             body = await response.read()
         if response.status >= 400:
             raise _error(response.status, body)
@@ -416,7 +456,7 @@ class HttpTransport:
     ) -> R:
         """keyed: the request carries an idempotency key; a connection dropped mid-stream is then
         raised as itself, and _send sends it again (the server attaches it to the same run)."""
-        async with self._client().request(
+        async with (await self._client()).request(
             route.method, url, timeout=aiohttp.ClientTimeout(total=None, sock_read=HEARTBEAT_S), **kwargs
         ) as response:
             if response.status >= 400:
@@ -458,7 +498,7 @@ class HttpTransport:
             raise ConnectionLost(f"the server ended {request.op.value} without a result: its outcome is unknown")
 
     async def _follow_response(self, route: api.Route, url: str, kwargs: dict[str, Any]) -> aiohttp.ClientResponse:
-        response = await self._client().request(
+        response = await (await self._client()).request(
             route.method, url, timeout=aiohttp.ClientTimeout(total=None, sock_read=HEARTBEAT_S), **kwargs
         )
         if response.status >= 400:
@@ -498,7 +538,7 @@ class HttpTransport:
         assert isinstance(request, ops.WatchDir)  # the only request of a "watch" route
         if not callable(request.on_event):
             raise InvalidArgument("on_event must be a callable taking a warmbox.FilesystemEvent")
-        response = await self._client().request(
+        response = await (await self._client()).request(
             route.method, url, timeout=aiohttp.ClientTimeout(total=None, sock_read=HEARTBEAT_S), **kwargs
         )
         try:
@@ -517,7 +557,7 @@ class HttpTransport:
     ) -> _Stream:
         """files.read_stream, files.download_dir: a chunked body (ChunkStream)."""
         assert isinstance(request, (ops.ReadFileStream, ops.DownloadDir))
-        response = await self._client().request(route.method, url, **kwargs)
+        response = await (await self._client()).request(route.method, url, **kwargs)
         if response.status >= 400:
             body = await response.read()
             response.release()
@@ -530,7 +570,7 @@ class HttpTransport:
         """ports.connect: a WebSocket (api.TUNNEL_PROTOCOL); its first message says ok or the error."""
         assert isinstance(request, ops.PortConnect)  # the only request of a "tunnel" route
         try:
-            ws = await self._client().ws_connect(url, params=kwargs.get("params"), max_msg_size=_WS_MAX)
+            ws = await (await self._client()).ws_connect(url, params=kwargs.get("params"), max_msg_size=_WS_MAX)
         except aiohttp.WSServerHandshakeError as e:
             raise WarmboxError(f"the server refused the tunnel (HTTP {e.status}): {e.message}") from None
         try:
@@ -555,7 +595,7 @@ class HttpTransport:
         path = api.APPROVALS.format(sandbox_id=sandbox_id)
         while True:
             try:
-                async with self._client().get(
+                async with (await self._client()).get(
                     path, timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=HEARTBEAT_S)
                 ) as response:
                     if response.status >= 400:
@@ -592,7 +632,7 @@ class HttpTransport:
             decision = "deny"
         path = api.APPROVAL_ANSWER.format(sandbox_id=sandbox_id, request_id=request_id)
         try:
-            async with self._client().post(path, json={"decision": decision}) as response:
+            async with (await self._client()).post(path, json={"decision": decision}) as response:
                 await response.read()
         except (aiohttp.ClientError, OSError):
             pass  # unanswered: the proxy denies at its timeout
