@@ -376,7 +376,7 @@ class HttpTransport:
 
     async def _send(self, request: ops.Request[R]) -> R:
         key = None
-        if isinstance(request, (ops.Create, ops.Exec, ops.RunCode)):
+        if isinstance(request, (ops.Create, ops.Exec, ops.RunCode, ops.CreateAndRun)):
             key = request.idempotency_key
             if key is None and self._auto_keys:
                 key = f"auto-{secrets.token_hex(16)}"
@@ -475,7 +475,11 @@ class HttpTransport:
                         on_out(msg["stdout"])
                     elif "stderr" in msg and on_err is not None:
                         on_err(msg["stderr"])
-                    elif "display" in msg and isinstance(request, ops.RunCode) and request.on_result is not None:
+                    elif (
+                        "display" in msg
+                        and isinstance(request, (ops.RunCode, ops.CreateAndRun))
+                        and request.on_result is not None
+                    ):
                         request.on_result(wire.decode(Result, msg["display"], "display"))
                     elif (
                         "progress" in msg and isinstance(request, ops.TemplateBuild) and request.on_progress is not None
