@@ -68,9 +68,10 @@ def pool_config(refill_concurrency: int) -> dict[str, dict[str, Any]]:
 class Server:
     """``warmbox serve`` on the benchmark's home, as a subprocess; stopped by its pid."""
 
-    def __init__(self, home: Path, tcp: bool) -> None:
+    def __init__(self, home: Path, tcp: bool, loop: str = "asyncio") -> None:
         self.home = home
         self.tcp = tcp
+        self.loop = loop
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.key: str | None = None
@@ -81,7 +82,17 @@ class Server:
         for k in ("WARMBOX_API_URL", "WARMBOX_API_KEY"):  # the server is an engine, never a client
             env.pop(k, None)
         sock = self.home / "api.sock"
-        argv = [sys.executable, "-m", "warmbox.cli.main", "serve", "--socket", str(sock), "--no-mcp"]
+        argv = [
+            sys.executable,
+            "-m",
+            "warmbox.cli.main",
+            "serve",
+            "--socket",
+            str(sock),
+            "--no-mcp",
+            "--loop",
+            self.loop,
+        ]
         argv += ["--port", "0"] if self.tcp else ["--host", ""]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL)
@@ -560,12 +571,13 @@ async def bench_api(home: Path, args: argparse.Namespace) -> dict[str, Any]:
     engine = Engine.for_home(home)
     engine.ensure_daemon()
     await _wait_quiet(engine, POOL)
-    server = Server(home, args.tcp)
+    server = Server(home, args.tcp, getattr(args, "server_loop", "asyncio"))
     try:
         server.start()
         report: dict[str, Any] = {
             "bench": "api",
             "transport": "tcp" if args.tcp else "unix",
+            "server_loop": server.loop,
             "url": server.url,
             "server_pid": server.proc.pid if server.proc else 0,
             "warm": await part_warm(home, server, args.runs),
@@ -613,7 +625,10 @@ def print_report(r: dict[str, Any]) -> None:
             f" (ratio p50 {part['ratio_p50']:.3f}x)"
         )
 
-    print(f"bench api: warmbox serve over {r['transport']} ({r['url']}) vs the engine in process")
+    print(
+        f"bench api: warmbox serve ({r['server_loop']} loop) over {r['transport']} ({r['url']})"
+        " vs the engine in process"
+    )
     for how, title in (("two_requests", "create, then run_code"), ("one_request", "create(run_code=...)")):
         w = r["warm"][how]
         rows(f"warm create -> first run_code({CODE!r}) as {title}, {w['runs']} interleaved runs each", w)
