@@ -266,12 +266,7 @@ def _parser(argv: list[str] | None = None) -> _Parser:
     p.add_argument(
         "--log-format", choices=("text", "json"), default=None, help="json: one JSON object per log line (request ids)"
     )
-    p.add_argument(
-        "--loop",
-        choices=("asyncio", "uvloop"),
-        default="asyncio",
-        help="the event loop (uvloop: pip install uvloop; docs/performance.md has both measured)",
-    )
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="the event loop (uvloop: pip it)")
     p = sub.add_parser("run", help="run one command in a fresh sandbox")
     _add_sandbox_opts(p)
     _add_exec_opts(p)
@@ -493,9 +488,7 @@ def _parser(argv: list[str] | None = None) -> _Parser:
     b.add_argument("--clients", type=int, default=4, help="burst: HTTP client processes")
     b.add_argument("--concurrency", type=int, default=8, help="burst: creates in flight per client")
     b.add_argument("--pool", type=int, default=None, help="burst: pool size before each side (default --creates)")
-    b.add_argument(
-        "--server-loop", choices=("asyncio", "uvloop"), default="asyncio", help="the server's event loop (serve --loop)"
-    )
+    b.add_argument("--server-loop", choices=("asyncio", "uvloop"), default="asyncio", help="serve --loop")
     b.add_argument("--rounds", type=int, default=1, help="burst: rounds per side, alternating")
     b.add_argument("--refill-concurrency", type=int, default=2, help="sandboxes the pool warms at once")
     b.add_argument("--tcp", action="store_true", help="over 127.0.0.1 with an admin key instead of the unix socket")
@@ -831,19 +824,6 @@ async def _shell(args: argparse.Namespace) -> int:
         loop.remove_signal_handler(signal.SIGWINCH)
         termios.tcsetattr(0, termios.TCSADRAIN, saved)
         await sb.close()
-
-
-def _loop_factory(args: argparse.Namespace) -> Any:
-    """The event loop a command runs on: asyncio's, or uvloop's for ``serve --loop uvloop``."""
-    if getattr(args, "loop", "asyncio") != "uvloop":
-        return None
-    import importlib
-
-    try:
-        uvloop = importlib.import_module("uvloop")  # optional: not a dependency of warmbox
-    except ImportError:
-        raise WarmboxError("--loop uvloop needs uvloop (pip install uvloop)") from None
-    return uvloop.new_event_loop
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -1463,7 +1443,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.thin.client.close()
         import asyncio
 
-        with asyncio.Runner(loop_factory=_loop_factory(args)) as runner:
+        with asyncio.Runner(loop_factory=context.loop_factory(args)) as runner:
             return runner.run(context.closing(_COMMANDS[args.command](args)))
     except WarmboxError as e:
         print(f"warmbox: error: {e}", file=sys.stderr)
