@@ -208,42 +208,65 @@ class _Subscription:
 _DROPPED = (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError)
 
 
-# each event loop's aiohttp sessions, one per server and client settings (HttpTransport._client)
-_LOOP_SESSIONS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[object, ...], aiohttp.ClientSession]]
-_LOOP_SESSIONS = weakref.WeakKeyDictionary()
-_CLOSERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, collections.abc.AsyncGenerator[None]]
-_CLOSERS = weakref.WeakKeyDictionary()
+KEPT_IDLE = 8  # sessions of one loop kept with no open transport (the least recently used go first)
 
 
-async def _sessions() -> dict[tuple[object, ...], aiohttp.ClientSession]:
-    """The running loop's sessions. A sandbox made over HTTP used to open a session and a connection
-    of its own: ~0.7 ms more per create on this loaded 2-core host than a kept-alive connection
-    (docs/performance.md). They are closed when the loop finalizes its async generators
-    (``asyncio.run``'s end; the sync API's loop thread at the process's exit), which _closer's
-    pending ``finally`` hooks into."""
+class _LoopSessions:
+    """One event loop's aiohttp sessions, one per server and client settings, shared by its open
+    transports. A sandbox made over HTTP used to open a session and a connection of its own: ~0.7 ms
+    more per create on this loaded 2-core host than a kept-alive connection (docs/performance.md).
+    A session no transport holds is kept for the next one (at most KEPT_IDLE of them: a router's
+    transports to many nodes and tenants come and go); the rest are closed when the loop finalizes
+    its async generators (``asyncio.run``'s end; the sync API's loop thread at the process's exit),
+    which the pending ``finally`` of ``_closer`` hooks into."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[tuple[object, ...], aiohttp.ClientSession] = {}  # in order of last release
+        self.holders: dict[tuple[object, ...], int] = {}
+        self.closer: collections.abc.AsyncGenerator[None] | None = None
+
+    def hold(self, key: tuple[object, ...]) -> None:
+        self.holders[key] = self.holders.get(key, 0) + 1
+
+    async def release(self, key: tuple[object, ...]) -> None:
+        left = self.holders.get(key, 1) - 1
+        if left > 0:
+            self.holders[key] = left
+            return
+        self.holders.pop(key, None)
+        session = self.sessions.pop(key, None)
+        if session is not None:
+            self.sessions[key] = session  # last released: kept longest
+        idle = [k for k in self.sessions if k not in self.holders]
+        for k in idle[: max(0, len(idle) - KEPT_IDLE)]:
+            await self.sessions.pop(k).close()
+
+    async def _closer(self) -> collections.abc.AsyncGenerator[None]:
+        try:
+            yield
+        finally:
+            for session in list(self.sessions.values()):
+                await session.close()
+            self.sessions.clear()
+
+
+_LOOPS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopSessions] = weakref.WeakKeyDictionary()
+
+
+async def _loop_sessions() -> _LoopSessions:
     loop = asyncio.get_running_loop()
-    sessions = _LOOP_SESSIONS.get(loop)
-    if sessions is None:
-        sessions = _LOOP_SESSIONS[loop] = {}
-        closer = _closer(sessions)
-        await closer.__anext__()  # registered with the loop (its firstiter hook), held at its yield
-        _CLOSERS[loop] = closer  # the loop keeps only a weak reference
-    return sessions
-
-
-async def _closer(sessions: dict[tuple[object, ...], aiohttp.ClientSession]) -> collections.abc.AsyncGenerator[None]:
-    try:
-        yield
-    finally:
-        for session in list(sessions.values()):
-            await session.close()
-        sessions.clear()
+    got = _LOOPS.get(loop)
+    if got is None:
+        got = _LOOPS[loop] = _LoopSessions()
+        got.closer = got._closer()  # held here: the loop keeps only a weak reference to it
+        await got.closer.__anext__()  # registered with the loop (its firstiter hook), held at its yield
+    return got
 
 
 class HttpTransport:
     """Operations sent to a warmbox server, on the connections its event loop keeps to it (shared
-    by every transport of the loop with the same server, key and settings); ``close()`` waits for
-    its background requests, the connections stay for the loop's next transport.
+    by every transport of the loop with the same server, key and settings: _LoopSessions);
+    ``close()`` waits for its background requests and lets go of them.
 
     Built on aiohttp: on this 2-core host one small request costs 0.39-0.46 ms with it against
     0.87 ms with httpx (the API's goal is <= 1 ms added per operation)."""
@@ -286,14 +309,18 @@ class HttpTransport:
         # the server's http(s) address (None over a unix socket): what signed file URLs start with
         self.base_url: str | None = None if self._uds is not None else self._base
         self._header_key = tuple(sorted(self._headers.items()))
+        self._held: tuple[_LoopSessions, tuple[object, ...]] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
     async def _client(self) -> aiohttp.ClientSession:
-        """This loop's session to this server with these settings, shared with every other
-        transport like this one on the loop (see _sessions)."""
-        sessions = await _sessions()
+        """This loop's session to this server with these settings (see _LoopSessions), held by
+        this transport until its close()."""
+        shared = await _loop_sessions()
         key = (self._uds, self._base, self._verify, self._connect_timeout, self._request_timeout, self._header_key)
-        session = sessions.get(key)
+        if self._held is None:
+            shared.hold(key)
+            self._held = (shared, key)
+        session = shared.sessions.get(key)
         if session is None or session.closed:
             verify = self._verify
             if isinstance(verify, str):
@@ -302,7 +329,7 @@ class HttpTransport:
             connector: aiohttp.BaseConnector = (
                 aiohttp.UnixConnector(path=self._uds) if self._uds else aiohttp.TCPConnector(ssl=ssl_arg)
             )
-            session = aiohttp.ClientSession(
+            session = shared.sessions[key] = aiohttp.ClientSession(
                 base_url=self._base,
                 connector=connector,
                 headers=self._headers,
@@ -311,7 +338,6 @@ class HttpTransport:
                 ),
                 auto_decompress=False,
             )
-            sessions[key] = session
         return session
 
     # ---- Transport
@@ -368,6 +394,10 @@ class HttpTransport:
                 await asyncio.wait_for(t, 2)
             except (TimeoutError, WarmboxError):
                 pass
+        if self._held is not None:
+            held, self._held = self._held, None
+            if held[0] is _LOOPS.get(asyncio.get_running_loop()):
+                await held[0].release(held[1])
 
     # ---- requests
 
