@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from warmbox.errors import InvalidArgument, InvalidPath
+from warmbox.errors import InvalidArgument, InvalidPath, WarmboxError
 from warmbox.models import (
     Approval,
     CodeContext,
@@ -700,7 +700,8 @@ class CreateAndRun(Request[Started]):
     ``create`` as Create, then ``code`` as RunCode in the new sandbox's default context (of
     ``language``). An error of the code is in the execution; a run that fails otherwise kills the
     sandbox it made and raises. ``idempotency_key``: the create's and the run's (a repeat gets the
-    same sandbox and the same run's result)."""
+    same sandbox and the same run's result; a keyed request cancelled during its run keeps its
+    sandbox for that repeat)."""
 
     op: ClassVar[Op] = Op.CREATE_AND_RUN
     create: Create
@@ -742,11 +743,13 @@ async def create_and_run(handle: Callable[[Request[Any]], Awaitable[Any]], r: Cr
     started = time.perf_counter()
     try:
         execution: Execution = await handle(r.run(sandbox_id))
-    except BaseException:
-        try:
-            await handle(Kill(sandbox_id))
-        except Exception:  # the run's own error is the one the caller needs
-            pass
+    except BaseException as e:
+        # cancelled (a dropped connection) with a key: kept, for the repeat that gets it and the run
+        if isinstance(e, WarmboxError) or r.idempotency_key is None:
+            try:
+                await handle(Kill(sandbox_id))
+            except Exception:  # the run's own error is the one the caller needs
+                pass
         raise
     return Started(opened, execution, (time.perf_counter() - started) * 1e3)
 
