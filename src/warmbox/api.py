@@ -87,6 +87,13 @@ _S = f"{PREFIX}/sandboxes/{{sandbox_id}}"
 
 ROUTES: tuple[Route, ...] = (
     Route(Op.CREATE, "POST", f"{PREFIX}/sandboxes", summary="Create a sandbox (pooled, cold, or forked)"),
+    Route(
+        Op.CREATE_AND_RUN,
+        "POST",
+        f"{PREFIX}/sandboxes/run",
+        kind="run",
+        summary="Create a sandbox and run its first code cell (NDJSON stream): one round trip",
+    ),
     Route(Op.LIST, "GET", f"{PREFIX}/sandboxes", "query", idempotent=True, summary="List sandboxes"),
     Route(Op.INFO, "GET", _S, "query", idempotent=True, summary="A sandbox's record"),
     Route(Op.KILL, "DELETE", _S, "query", summary="Destroy a sandbox"),
@@ -282,7 +289,7 @@ SIGNED_FILE = f"{_S}/files/signed"
 # The header of a create's, a command's or a code run's idempotency key (its idempotency_key field):
 # a repeat with the same key gets the first call's result, never a second run (docs/idempotency.md)
 IDEMPOTENCY_HEADER = "Idempotency-Key"
-KEYED_OPS = (Op.CREATE, Op.EXEC, Op.RUN_CODE)
+KEYED_OPS = (Op.CREATE, Op.EXEC, Op.RUN_CODE, Op.CREATE_AND_RUN)
 
 # Not an operation: Prometheus metrics (text exposition), behind the same keys (server/metrics.py)
 METRICS = "/metrics"

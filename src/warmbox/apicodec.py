@@ -16,7 +16,7 @@ from warmbox.errors import ContextError, InvalidArgument, SandboxNotFound, Warmb
 
 
 def sinks(request: ops.Request[Any]) -> tuple[ops.TextSink | None, ops.TextSink | None]:
-    if isinstance(request, (ops.Exec, ops.RunCode)):
+    if isinstance(request, (ops.Exec, ops.RunCode, ops.CreateAndRun)):
         return request.on_stdout, request.on_stderr
     return None, None
 
@@ -126,7 +126,7 @@ def build(request: ops.Request[Any]) -> tuple[api.Route, dict[str, Any]]:
         else:
             raise InvalidArgument(f"data must be str or bytes, got {type(data).__name__}")
         kwargs["params"] = _query(_checked(request, fields))
-    wants_results = isinstance(request, ops.RunCode) and request.on_result is not None
+    wants_results = isinstance(request, (ops.RunCode, ops.CreateAndRun)) and request.on_result is not None
     wants_results |= isinstance(request, ops.TemplateBuild) and request.on_progress is not None
     if route.response == "ndjson" and (wants_results or any(s is not None for s in sinks(request))):
         kwargs["params"] = {"stream": "1"}

@@ -12,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import posixpath
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
-from warmbox.errors import InvalidArgument, InvalidPath
+from warmbox.errors import InvalidArgument, InvalidPath, WarmboxError
 from warmbox.lazy import lazy_module
 from warmbox.models import (
     Approval,
@@ -181,6 +182,7 @@ class Op(str, enum.Enum):
     RECORD_FIRST_COMMAND = "timings.first_command"
     EXEC = "exec"
     RUN_CODE = "run_code"
+    CREATE_AND_RUN = "create_and_run"
     CREATE_CONTEXT = "contexts.create"
     REMOVE_CONTEXT = "contexts.remove"
     LIST_CONTEXTS = "contexts.list"
@@ -687,6 +689,75 @@ class RunCode(Request[Execution]):
     language: str | None = None  # with no context: the default context of this language
     idempotency_key: str | None = None  # a repeat with this key gets this run's result (HTTP: Idempotency-Key)
     envs: dict[str, str] | None = None
+
+
+@record
+class Started:
+    """A sandbox just created and its first code run's outcome (CreateAndRun)."""
+
+    opened: Opened
+    execution: Execution
+    run_ms: float  # the run's own time, wall clock (the sandbox's first_command stage)
+
+
+@record
+class CreateAndRun(Request[Started]):
+    """A create and its first code run in one request: one round trip over HTTP instead of two.
+    ``create`` as Create, then ``code`` as RunCode in the new sandbox's default context (of
+    ``language``). An error of the code is in the execution; a run that fails otherwise kills the
+    sandbox it made and raises. ``idempotency_key``: the create's and the run's (a repeat gets the
+    same sandbox and the same run's result; a keyed request cancelled during its run keeps its
+    sandbox for that repeat)."""
+
+    op: ClassVar[Op] = Op.CREATE_AND_RUN
+    create: Create
+    code: str
+    language: str | None = None
+    timeout: float | None = 60.0  # the run's, seconds
+    max_output: int = 10 << 20
+    on_stdout: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
+    on_stderr: TextSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
+    on_result: ResultSink | None = dataclasses.field(default=None, compare=False, repr=False, metadata=LOCAL)
+    idempotency_key: str | None = None
+
+    def run(self, sandbox_id: str) -> RunCode:
+        """The code run of this request in ``sandbox_id``."""
+        return RunCode(
+            sandbox_id,
+            self.code,
+            timeout=self.timeout,
+            max_output=self.max_output,
+            on_stdout=self.on_stdout,
+            on_stderr=self.on_stderr,
+            on_result=self.on_result,
+            language=self.language,
+            idempotency_key=self.idempotency_key,
+        )
+
+
+async def create_and_run(handle: Callable[[Request[Any]], Awaitable[Any]], r: CreateAndRun) -> Started:
+    """CreateAndRun as its create then its run, each through ``handle`` (a front's or the cluster
+    router's, with every check of its own)."""
+    if not isinstance(r.create, Create):
+        raise InvalidArgument(f"create must be a Create, got {type(r.create).__name__}")
+    if not isinstance(r.code, str):  # refused before a sandbox is made for it
+        raise InvalidArgument(f"code must be a str, got {type(r.code).__name__}")
+    if r.create.idempotency_key is not None and r.create.idempotency_key != r.idempotency_key:
+        raise InvalidArgument("a CreateAndRun's key is its own idempotency_key, not its create's")
+    opened: Opened = await handle(dataclasses.replace(r.create, idempotency_key=r.idempotency_key))
+    sandbox_id = opened.info.sandbox_id
+    started = time.perf_counter()
+    try:
+        execution: Execution = await handle(r.run(sandbox_id))
+    except BaseException as e:
+        # cancelled (a dropped connection) with a key: kept, for the repeat that gets it and the run
+        if isinstance(e, WarmboxError) or r.idempotency_key is None:
+            try:
+                await handle(Kill(sandbox_id))
+            except Exception:  # the run's own error is the one the caller needs
+                pass
+        raise
+    return Started(opened, execution, (time.perf_counter() - started) * 1e3)
 
 
 @record
@@ -1198,6 +1269,7 @@ REQUESTS: dict[Op, type[Request[Any]]] = {
         ListProcesses,
         ResizePty,
         RunCode,
+        CreateAndRun,
         CreateContext,
         RemoveContext,
         ListContexts,

@@ -412,7 +412,12 @@ def test_another_tenants_sandbox_and_snapshot_are_unknown_ids(home, runc_ready):
                     await _refused_like_unknown(fb, _request(cls, sid), _request(cls, nobody), (sid, nobody))
                     checked.append(op.value)
             no_snap = "snap-" + secrets.token_hex(8)
-            for make in (ops.Resume, lambda r: ops.Create(from_snapshot=r), ops.DeleteSnapshot):
+            for make in (
+                ops.Resume,
+                lambda r: ops.Create(from_snapshot=r),
+                lambda r: ops.CreateAndRun(ops.Create(from_snapshot=r), "1"),  # its create checked as one
+                ops.DeleteSnapshot,
+            ):
                 msg = await _refused_like_unknown(fb, make(snap), make(no_snap), (snap, no_snap))
                 assert msg == f"no snapshot {snap}"
                 checked.append(type(make(snap)).__name__)

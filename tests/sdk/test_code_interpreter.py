@@ -264,3 +264,22 @@ def test_contexts_listed_restarted_and_envs_for_one_run(box):
     for ctx in (py, js, sh):
         box.remove_code_context(ctx)
     assert py.id not in {c.id for c in box.list_code_contexts()}
+
+
+@pytest.mark.sandbox
+def test_create_with_run_code_runs_the_first_cell_in_the_same_request(home, runc_ready):
+    """create(run_code=...): one request (one round trip over HTTP); the cell ran in the default
+    context the next run_code uses, its time is the first_command stage, and an error of the code
+    is in the execution with the sandbox alive."""
+    with Sandbox.create(tier="container", timeout=120, run_code="x = 2 + 2\nprint(x)\nx") as sb:
+        first = sb.first_execution
+        assert first is not None and first.error is None, first
+        assert first.stdout == "4\n" and first.text == "4"
+        assert sb.run_code("x + 1").text == "5"  # the same context
+        assert [t for t in sb.get_timings() if t == "first_command"] == ["first_command"]
+    with Sandbox.create(tier="container", timeout=120, run_code="1/0") as sb:
+        assert sb.first_execution is not None and sb.first_execution.error is not None
+        assert sb.first_execution.error.name == "ZeroDivisionError"
+        assert sb.commands.run("true").exit_code == 0
+    with pytest.raises(InvalidArgument):
+        Sandbox.create(tier="container", timeout=120, run_code=7)  # type: ignore[arg-type]

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from tests.conftest import start_server
 from warmbox import Sandbox
 
 SCRIPT = """
@@ -40,3 +41,18 @@ def test_a_remote_pause_then_exit_prints_no_unclosed_session(home, runc_ready, a
 
 def _remote(server) -> dict:
     return {"api_url": server.client_env["WARMBOX_API_URL"], "api_key": server.client_env["WARMBOX_API_KEY"]}
+
+
+@pytest.mark.sandbox
+@pytest.mark.in_process("starts its own server on uvloop")
+def test_serve_on_uvloop_creates_runs_code_and_commands(home, runc_ready):
+    """`warmbox serve --loop uvloop`: the engine's guest connection took only asyncio's own
+    transport class, so every start failed there at the agent's first request."""
+    pytest.importorskip("uvloop")
+    server = start_server(home, home / "uvloop.sock", tcp=False, args=("--loop", "uvloop"))
+    try:
+        with Sandbox.create(tier="container", timeout=120, run_code="print(2+2)", api_url=server.unix_url) as sb:
+            assert sb.first_execution is not None and sb.first_execution.stdout == "4\n"
+            assert sb.commands.run("echo hi").stdout == "hi\n"
+    finally:
+        assert server.stop() == 0, server.output()

@@ -93,6 +93,19 @@ def api_url() -> str | None:
     return os.environ.get("WARMBOX_API_URL") or None
 
 
+def loop_factory(args: argparse.Namespace) -> Any:
+    """The event loop a command runs on: asyncio's, or uvloop's for ``serve --loop uvloop``."""
+    if getattr(args, "loop", "asyncio") != "uvloop":
+        return None
+    import importlib
+
+    try:
+        uvloop = importlib.import_module("uvloop")  # optional: not a dependency of warmbox
+    except ImportError:
+        raise WarmboxError("--loop uvloop needs uvloop (pip install uvloop)") from None
+    return uvloop.new_event_loop
+
+
 async def closing(run: Any) -> int:
     """Await a command's coroutine, then close every transport it opened."""
     try:

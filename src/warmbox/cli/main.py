@@ -269,6 +269,7 @@ def _parser(argv: list[str] | None = None) -> _Parser:
     p.add_argument(
         "--log-format", choices=("text", "json"), default=None, help="json: one JSON object per log line (request ids)"
     )
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="the event loop (uvloop: pip it)")
     p = sub.add_parser("run", help="run one command in a fresh sandbox")
     _add_sandbox_opts(p)
     _add_exec_opts(p)
@@ -490,6 +491,7 @@ def _parser(argv: list[str] | None = None) -> _Parser:
     b.add_argument("--clients", type=int, default=4, help="burst: HTTP client processes")
     b.add_argument("--concurrency", type=int, default=8, help="burst: creates in flight per client")
     b.add_argument("--pool", type=int, default=None, help="burst: pool size before each side (default --creates)")
+    b.add_argument("--server-loop", choices=("asyncio", "uvloop"), default="asyncio", help="serve --loop")
     b.add_argument("--rounds", type=int, default=1, help="burst: rounds per side, alternating")
     b.add_argument("--refill-concurrency", type=int, default=2, help="sandboxes the pool warms at once")
     b.add_argument("--tcp", action="store_true", help="over 127.0.0.1 with an admin key instead of the unix socket")
@@ -1423,7 +1425,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.thin.client.close()
         import asyncio
 
-        return asyncio.run(context.closing(_COMMANDS[args.command](args)))
+        with asyncio.Runner(loop_factory=context.loop_factory(args)) as runner:
+            return runner.run(context.closing(_COMMANDS[args.command](args)))
     except WarmboxError as e:
         print(f"warmbox: error: {e}", file=sys.stderr)
         return EXIT_ERROR

@@ -126,6 +126,7 @@ RULES_BY_OP: dict[type[ops.Request[Any]], Rule] = {
     ops.ApprovalsList: Rule.ANY,  # the approval queue is registry rows
     ops.ApprovalAnswer: Rule.ANY,
     ops.NodeDrain: Rule.ROUTER,
+    ops.CreateAndRun: Rule.PLACE,  # its create placed as one, its run on the sandbox's node
 }
 
 
@@ -477,6 +478,8 @@ class ClusterFront:
         rule = rule_of(type(request))
         if rule is Rule.OWNER:
             return await self._owner(request)
+        if isinstance(request, ops.CreateAndRun):
+            return cast(R, await ops.create_and_run(self.handle, request))
         if rule is Rule.PLACE:
             return cast(R, await self._create(cast(ops.Create, request)))
         if rule is Rule.RESUME:

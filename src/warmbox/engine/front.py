@@ -356,6 +356,7 @@ class EngineFront:
             ops.ApprovalsList: self.approvals_list,
             ops.ApprovalAnswer: self.approval_answer,
             ops.NodeDrain: self.node_drain,
+            ops.CreateAndRun: self.create_and_run,
         }
 
     async def handle(self, request: ops.Request[R]) -> R:
@@ -601,6 +602,10 @@ class EngineFront:
             result_type=ops.Opened,
             call=lambda _: self._create_opened(r),
         )
+
+    async def create_and_run(self, r: ops.CreateAndRun) -> ops.Started:
+        """The create, then the run, each as its own operation (every check of each)."""
+        return await ops.create_and_run(self._handle, r)
 
     async def _create_opened(self, r: ops.Create) -> ops.Opened:
         rec = await StartRecord.build(self.engine, r, self.tenant)  # before any work

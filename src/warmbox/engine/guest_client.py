@@ -17,6 +17,7 @@ import os
 import stat
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from typing import cast
 
 from warmbox import protocol as p
 from warmbox.errors import GuestConnectionError, GuestProtocolError, InvalidArgument, SandboxError, SandboxTimeout
@@ -71,8 +72,9 @@ class GuestClient(asyncio.Protocol):
     # ---- asyncio.Protocol (called by the event loop)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # not an isinstance check: uvloop's transports have asyncio.Transport's methods but not its
+        # class, and that assertion failed every start under uvloop (at the agent's first request)
+        self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         if self._error is not None:

@@ -10,6 +10,7 @@ iterator (``__anext__``) becomes an iterator.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import inspect
 import threading
@@ -57,7 +58,17 @@ class _LoopThread:
                 loop = asyncio.new_event_loop()
                 threading.Thread(target=loop.run_forever, name="warmbox-sync", daemon=True).start()
                 self._loop = loop
+                atexit.register(self._finish, loop)
             return self._loop
+
+    @staticmethod
+    def _finish(loop: asyncio.AbstractEventLoop) -> None:
+        """At the process's exit: the loop's async generators finalized, as asyncio.run's end does
+        (the HTTP transport's shared connections close there)."""
+        try:
+            asyncio.run_coroutine_threadsafe(loop.shutdown_asyncgens(), loop).result(5)
+        except (RuntimeError, TimeoutError):
+            pass  # the loop is stopped, or stuck in a caller's callback: the exit goes on
 
     def run(self, coro: Any) -> Any:
         loop = self.loop()

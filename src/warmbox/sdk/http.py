@@ -25,6 +25,7 @@ import json
 import os
 import secrets
 import ssl
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -207,8 +208,65 @@ class _Subscription:
 _DROPPED = (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError)
 
 
+KEPT_IDLE = 8  # sessions of one loop kept with no open transport (the least recently used go first)
+
+
+class _LoopSessions:
+    """One event loop's aiohttp sessions, one per server and client settings, shared by its open
+    transports. A sandbox made over HTTP used to open a session and a connection of its own: ~0.7 ms
+    more per create on this loaded 2-core host than a kept-alive connection (docs/performance.md).
+    A session no transport holds is kept for the next one (at most KEPT_IDLE of them: a router's
+    transports to many nodes and tenants come and go); the rest are closed when the loop finalizes
+    its async generators (``asyncio.run``'s end; the sync API's loop thread at the process's exit),
+    which the pending ``finally`` of ``_closer`` hooks into."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[tuple[object, ...], aiohttp.ClientSession] = {}  # in order of last release
+        self.holders: dict[tuple[object, ...], int] = {}
+        self.closer: collections.abc.AsyncGenerator[None] | None = None
+
+    def hold(self, key: tuple[object, ...]) -> None:
+        self.holders[key] = self.holders.get(key, 0) + 1
+
+    async def release(self, key: tuple[object, ...]) -> None:
+        left = self.holders.get(key, 1) - 1
+        if left > 0:
+            self.holders[key] = left
+            return
+        self.holders.pop(key, None)
+        session = self.sessions.pop(key, None)
+        if session is not None:
+            self.sessions[key] = session  # last released: kept longest
+        idle = [k for k in self.sessions if k not in self.holders]
+        for k in idle[: max(0, len(idle) - KEPT_IDLE)]:
+            await self.sessions.pop(k).close()
+
+    async def _closer(self) -> collections.abc.AsyncGenerator[None]:
+        try:
+            yield
+        finally:
+            for session in list(self.sessions.values()):
+                await session.close()
+            self.sessions.clear()
+
+
+_LOOPS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopSessions] = weakref.WeakKeyDictionary()
+
+
+async def _loop_sessions() -> _LoopSessions:
+    loop = asyncio.get_running_loop()
+    got = _LOOPS.get(loop)
+    if got is None:
+        got = _LOOPS[loop] = _LoopSessions()
+        got.closer = got._closer()  # held here: the loop keeps only a weak reference to it
+        await got.closer.__anext__()  # registered with the loop (its firstiter hook), held at its yield
+    return got
+
+
 class HttpTransport:
-    """Operations sent to a warmbox server. One per event loop; ``close()`` ends its connections.
+    """Operations sent to a warmbox server, on the connections its event loop keeps to it (shared
+    by every transport of the loop with the same server, key and settings: _LoopSessions);
+    ``close()`` waits for its background requests and lets go of them.
 
     Built on aiohttp: on this 2-core host one small request costs 0.39-0.46 ms with it against
     0.87 ms with httpx (the API's goal is <= 1 ms added per operation)."""
@@ -243,25 +301,35 @@ class HttpTransport:
         else:
             raise InvalidArgument(f"api_url must be http(s)://host:port or unix:/path, got {url!r}")
         if isinstance(verify, str):
-            verify = ssl.create_default_context(cafile=verify)
+            ssl.create_default_context(cafile=verify)  # an unreadable CA file fails here, not at the first call
         self._verify = verify
         self._connect_timeout = connect_timeout
         self._request_timeout = request_timeout
         self.url = url
         # the server's http(s) address (None over a unix socket): what signed file URLs start with
         self.base_url: str | None = None if self._uds is not None else self._base
-        self._session: aiohttp.ClientSession | None = None
+        self._header_key = tuple(sorted(self._headers.items()))
+        self._held: tuple[_LoopSessions, tuple[object, ...]] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            ssl_arg: bool | ssl.SSLContext = (
-                self._verify if not isinstance(self._verify, bool) or not self._verify else True
-            )
+    async def _client(self) -> aiohttp.ClientSession:
+        """This loop's session to this server with these settings (see _LoopSessions), held by
+        this transport until its close()."""
+        shared = await _loop_sessions()
+        key = (self._uds, self._base, self._verify, self._connect_timeout, self._request_timeout, self._header_key)
+        if self._held is None:
+            shared.hold(key)
+            self._held = (shared, key)
+        session = shared.sessions.get(key)
+        if session is None or session.closed:
+            verify = self._verify
+            if isinstance(verify, str):
+                verify = ssl.create_default_context(cafile=verify)
+            ssl_arg: bool | ssl.SSLContext = verify if not isinstance(verify, bool) or not verify else True
             connector: aiohttp.BaseConnector = (
                 aiohttp.UnixConnector(path=self._uds) if self._uds else aiohttp.TCPConnector(ssl=ssl_arg)
             )
-            self._session = aiohttp.ClientSession(
+            session = shared.sessions[key] = aiohttp.ClientSession(
                 base_url=self._base,
                 connector=connector,
                 headers=self._headers,
@@ -270,7 +338,7 @@ class HttpTransport:
                 ),
                 auto_decompress=False,
             )
-        return self._session
+        return session
 
     # ---- Transport
 
@@ -326,8 +394,10 @@ class HttpTransport:
                 await asyncio.wait_for(t, 2)
             except (TimeoutError, WarmboxError):
                 pass
-        if self._session is not None:
-            await self._session.close()
+        if self._held is not None:
+            held, self._held = self._held, None
+            if held[0] is _LOOPS.get(asyncio.get_running_loop()):
+                await held[0].release(held[1])
 
     # ---- requests
 
@@ -336,7 +406,7 @@ class HttpTransport:
 
     async def _send(self, request: ops.Request[R]) -> R:
         key = None
-        if isinstance(request, (ops.Create, ops.Exec, ops.RunCode)):
+        if isinstance(request, (ops.Create, ops.Exec, ops.RunCode, ops.CreateAndRun)):
             key = request.idempotency_key
             if key is None and self._auto_keys:
                 key = f"auto-{secrets.token_hex(16)}"
@@ -374,7 +444,7 @@ class HttpTransport:
     async def _json(
         self, request: ops.Request[R], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool
     ) -> R:
-        async with self._client().request(route.method, url, **kwargs) as response:
+        async with (await self._client()).request(route.method, url, **kwargs) as response:
             body = await response.read()
         if response.status >= 400:
             raise _error(response.status, body)
@@ -395,7 +465,7 @@ class HttpTransport:
         self, request: ops.Request[Any], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool
     ) -> bytes:
         """files.read: the whole file."""
-        async with self._client().request(route.method, url, **kwargs) as response:
+        async with (await self._client()).request(route.method, url, **kwargs) as response:
             body = await response.read()
         if response.status >= 400:
             raise _error(response.status, body)
@@ -405,7 +475,7 @@ class HttpTransport:
         self, request: ops.Request[Any], route: api.Route, url: str, kwargs: dict[str, Any], keyed: bool
     ) -> Any:
         """export: NDJSON records, read by warmbox.transcript."""
-        async with self._client().request(route.method, url, **kwargs) as response:
+        async with (await self._client()).request(route.method, url, **kwargs) as response:
             body = await response.read()
         if response.status >= 400:
             raise _error(response.status, body)
@@ -416,7 +486,7 @@ class HttpTransport:
     ) -> R:
         """keyed: the request carries an idempotency key; a connection dropped mid-stream is then
         raised as itself, and _send sends it again (the server attaches it to the same run)."""
-        async with self._client().request(
+        async with (await self._client()).request(
             route.method, url, timeout=aiohttp.ClientTimeout(total=None, sock_read=HEARTBEAT_S), **kwargs
         ) as response:
             if response.status >= 400:
@@ -435,7 +505,11 @@ class HttpTransport:
                         on_out(msg["stdout"])
                     elif "stderr" in msg and on_err is not None:
                         on_err(msg["stderr"])
-                    elif "display" in msg and isinstance(request, ops.RunCode) and request.on_result is not None:
+                    elif (
+                        "display" in msg
+                        and isinstance(request, (ops.RunCode, ops.CreateAndRun))
+                        and request.on_result is not None
+                    ):
                         request.on_result(wire.decode(Result, msg["display"], "display"))
                     elif (
                         "progress" in msg and isinstance(request, ops.TemplateBuild) and request.on_progress is not None
@@ -458,7 +532,7 @@ class HttpTransport:
             raise ConnectionLost(f"the server ended {request.op.value} without a result: its outcome is unknown")
 
     async def _follow_response(self, route: api.Route, url: str, kwargs: dict[str, Any]) -> aiohttp.ClientResponse:
-        response = await self._client().request(
+        response = await (await self._client()).request(
             route.method, url, timeout=aiohttp.ClientTimeout(total=None, sock_read=HEARTBEAT_S), **kwargs
         )
         if response.status >= 400:
@@ -498,7 +572,7 @@ class HttpTransport:
         assert isinstance(request, ops.WatchDir)  # the only request of a "watch" route
         if not callable(request.on_event):
             raise InvalidArgument("on_event must be a callable taking a warmbox.FilesystemEvent")
-        response = await self._client().request(
+        response = await (await self._client()).request(
             route.method, url, timeout=aiohttp.ClientTimeout(total=None, sock_read=HEARTBEAT_S), **kwargs
         )
         try:
@@ -517,7 +591,7 @@ class HttpTransport:
     ) -> _Stream:
         """files.read_stream, files.download_dir: a chunked body (ChunkStream)."""
         assert isinstance(request, (ops.ReadFileStream, ops.DownloadDir))
-        response = await self._client().request(route.method, url, **kwargs)
+        response = await (await self._client()).request(route.method, url, **kwargs)
         if response.status >= 400:
             body = await response.read()
             response.release()
@@ -530,7 +604,7 @@ class HttpTransport:
         """ports.connect: a WebSocket (api.TUNNEL_PROTOCOL); its first message says ok or the error."""
         assert isinstance(request, ops.PortConnect)  # the only request of a "tunnel" route
         try:
-            ws = await self._client().ws_connect(url, params=kwargs.get("params"), max_msg_size=_WS_MAX)
+            ws = await (await self._client()).ws_connect(url, params=kwargs.get("params"), max_msg_size=_WS_MAX)
         except aiohttp.WSServerHandshakeError as e:
             raise WarmboxError(f"the server refused the tunnel (HTTP {e.status}): {e.message}") from None
         try:
@@ -555,7 +629,7 @@ class HttpTransport:
         path = api.APPROVALS.format(sandbox_id=sandbox_id)
         while True:
             try:
-                async with self._client().get(
+                async with (await self._client()).get(
                     path, timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=HEARTBEAT_S)
                 ) as response:
                     if response.status >= 400:
@@ -592,7 +666,7 @@ class HttpTransport:
             decision = "deny"
         path = api.APPROVAL_ANSWER.format(sandbox_id=sandbox_id, request_id=request_id)
         try:
-            async with self._client().post(path, json={"decision": decision}) as response:
+            async with (await self._client()).post(path, json={"decision": decision}) as response:
                 await response.read()
         except (aiohttp.ClientError, OSError):
             pass  # unanswered: the proxy denies at its timeout

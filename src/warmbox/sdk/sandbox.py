@@ -14,7 +14,7 @@ from collections.abc import Callable
 from datetime import datetime
 from os import PathLike
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from warmbox import operations as ops
 from warmbox import transcript
@@ -178,6 +178,7 @@ class AsyncSandbox:
         self._approvals: Cancellable | None = None
         self._owns_transport = False  # made for this sandbox by create/connect/resume: released by kill()
         self._forwards: dict[tuple[int, bool], PortForward] = {}
+        self._first_execution: Execution | None = None
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
         self.network = AsyncNetwork(self)
@@ -212,6 +213,7 @@ class AsyncSandbox:
         api_key: str | None = None,
         request_timeout: float | None = None,
         idempotency_key: str | None = None,
+        run_code: str | None = None,
     ) -> AsyncSandbox:
         """Create and start a sandbox (defaults for template, tier and timeout: warmbox.toml).
 
@@ -266,6 +268,9 @@ class AsyncSandbox:
             it returns the first create's sandbox, even if that one has ended since (then using it
             says so); other arguments are IdempotencyConflict. Kept ``[lifecycle]
             idempotency_ttl`` (24 h).
+        run_code: a first code cell run in the new sandbox's default context in the same request
+            (one round trip to a server instead of two); its Execution is ``first_execution``. An
+            error of the code is in it; a run that fails otherwise kills the sandbox and raises.
         """
         if isinstance(template, str) and (template == "auto" or template in TIER_NAMES):
             raise InvalidArgument(
@@ -282,27 +287,26 @@ class AsyncSandbox:
             raise InvalidArgument(f"requirements must be a warmbox.Requirements, got {type(requirements).__name__}")
         t = _transport(transport, home, api_url, api_key, request_timeout)
         snap = _snapshot_id(from_snapshot) if from_snapshot is not None else None
-        sb = await cls._open(
-            t,
-            transport is None,
-            ops.Create(
-                tier=tier,
-                timeout=timeout,
-                envs=envs,
-                limits=limits,
-                template=template,
-                pool=pool,
-                from_snapshot=snap,
-                network=network,
-                secrets=secrets,
-                metadata=metadata,
-                lifecycle=lifecycle,
-                volumes=None if volumes is None else tuple(validate_volumes(volumes)),
-                requirements=requirements,
-                idempotency_key=idempotency_key,
-            ),
-            tuple(envs or ()),
+        create = ops.Create(
+            tier=tier,
+            timeout=timeout,
+            envs=envs,
+            limits=limits,
+            template=template,
+            pool=pool,
+            from_snapshot=snap,
+            network=network,
+            secrets=secrets,
+            metadata=metadata,
+            lifecycle=lifecycle,
+            volumes=None if volumes is None else tuple(validate_volumes(volumes)),
+            requirements=requirements,
+            idempotency_key=idempotency_key if run_code is None else None,
         )
+        request: ops.Create | ops.CreateAndRun = create
+        if run_code is not None:
+            request = ops.CreateAndRun(create, run_code, idempotency_key=idempotency_key)
+        sb = await cls._open(t, transport is None, request, tuple(envs or ()))
         if on_approval is not None:
             try:
                 sb._approvals = await t.subscribe_approvals(sb.sandbox_id, on_approval)
@@ -313,18 +317,27 @@ class AsyncSandbox:
 
     @classmethod
     async def _open(
-        cls, t: Transport, owned: bool, request: ops.Request[ops.Opened], env_names: tuple[str, ...] = ()
+        cls,
+        t: Transport,
+        owned: bool,
+        request: ops.Request[ops.Opened] | ops.CreateAndRun,
+        env_names: tuple[str, ...] = (),
     ) -> AsyncSandbox:
-        """A sandbox from a create, resume or connect on ``t``; a transport made for it (``owned``)
-        is closed if the request fails, and released by the sandbox's kill() otherwise."""
+        """A sandbox from a create (and its first run), resume or connect on ``t``; a transport made
+        for it (``owned``) is closed if the request fails, and released by the sandbox's kill() otherwise."""
         try:
-            opened = await t.handle(request)
+            got: Any = await t.handle(cast(ops.Request[Any], request))
         except BaseException:
             if owned:
                 await t.close()
             raise
-        sb = cls(t, opened, env_names)
+        started = got if isinstance(got, ops.Started) else None
+        sb = cls(t, got.opened if started is not None else got, env_names)
         sb._owns_transport = owned
+        if started is not None:
+            sb._first_execution = started.execution
+            sb._stages.append(StageTiming(sb.sandbox_id, "first_command", started.run_ms, True))
+            await t.handle(ops.RecordFirstCommand(sb.sandbox_id, started.run_ms))
         return sb
 
     @classmethod
@@ -524,6 +537,11 @@ class AsyncSandbox:
     @property
     def stage_timings(self) -> builtins.list[StageTiming]:
         return list(self._stages)
+
+    @property
+    def first_execution(self) -> Execution | None:
+        """The Execution of ``create(run_code=...)`` (None without it)."""
+        return self._first_execution
 
     @property
     def from_pool(self) -> bool:

@@ -22,7 +22,7 @@ import logging
 import secrets as _secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -482,7 +482,7 @@ def _keyed(req: ops.Request[Any], header: str | None) -> ops.Request[Any]:
     same; the two differing is refused). Only a create, a command and a code run take one."""
     if header is None:
         return req
-    if not isinstance(req, (ops.Create, ops.Exec, ops.RunCode)):
+    if not isinstance(req, (ops.Create, ops.Exec, ops.RunCode, ops.CreateAndRun)):
         raise InvalidArgument(
             f"{req.op.value} takes no {api.IDEMPOTENCY_HEADER} (a create, a command or a code run does)"
         )
@@ -495,7 +495,11 @@ def _bound(req: ops.Request[Any], settings: ServerSettings) -> ops.Request[Any]:
     """What the server holds in memory for one request is bounded whatever the client asks: a
     command's output is cut at MAX_OUTPUT (``truncated``), a whole-file read at max_body_mb
     (``FileTooLarge`` beyond; files/stream is never held whole)."""
-    if isinstance(req, (ops.Exec, ops.RunCode)) and isinstance(req.max_output, int) and req.max_output > MAX_OUTPUT:
+    if (
+        isinstance(req, (ops.Exec, ops.RunCode, ops.CreateAndRun))
+        and isinstance(req.max_output, int)
+        and req.max_output > MAX_OUTPUT
+    ):
         return dataclasses.replace(req, max_output=MAX_OUTPUT)
     cap = settings.max_body_mb << 20
     if isinstance(req, ops.ReadFile) and isinstance(req.max_bytes, int) and req.max_bytes > cap:
@@ -505,6 +509,8 @@ def _bound(req: ops.Request[Any], settings: ServerSettings) -> ops.Request[Any]:
 
 def _adapt(req: ops.Request[Any]) -> ops.Request[Any]:
     """Wire forms of the fields typed ``Any`` in the operations (secrets)."""
+    if isinstance(req, ops.CreateAndRun) and isinstance(req.create, ops.Create):
+        return dataclasses.replace(req, create=cast(ops.Create, _adapt(req.create)))
     if isinstance(req, (ops.Create, ops.Resume)) and req.secrets is not None:
         from warmbox.network.policy import Secret
 
@@ -575,18 +581,18 @@ async def _run(front: Front, req: ops.Request[Any], request: Request) -> Respons
 async def _ndjson(front: Front, req: ops.Request[Any], stream: bool) -> Response:
     """A command or code run: output events while it runs (when asked), then its result or error.
     Errors before anything was sent are a plain error response with the right status."""
-    assert isinstance(req, (ops.Exec, ops.RunCode, ops.TemplateBuild))
+    assert isinstance(req, (ops.Exec, ops.RunCode, ops.CreateAndRun, ops.TemplateBuild))
     queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
     if stream and isinstance(req, ops.TemplateBuild):
         req = dataclasses.replace(req, on_progress=lambda ev: queue.put_nowait(("progress", wire.encode(ev))))
     elif stream:
-        assert isinstance(req, (ops.Exec, ops.RunCode))
+        assert isinstance(req, (ops.Exec, ops.RunCode, ops.CreateAndRun))
         req = dataclasses.replace(
             req,
             on_stdout=lambda s: queue.put_nowait(("stdout", s)),
             on_stderr=lambda s: queue.put_nowait(("stderr", s)),
         )
-        if isinstance(req, ops.RunCode):
+        if isinstance(req, (ops.RunCode, ops.CreateAndRun)):
             req = dataclasses.replace(req, on_result=lambda r: queue.put_nowait(("display", wire.encode(r))))
     run: ops.Request[Any] = req
     task = asyncio.ensure_future(front.handle(run))
