@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from warmbox.backends.base import RuntimeVersioned, TemplateCapable
+from warmbox.engine import resolve
 from warmbox.errors import (
     InvalidArgument,
     NoSpace,
@@ -187,8 +188,6 @@ def image_of(engine: Engine, m: snaps.SnapshotManifest, tenant: Tenant | None = 
     TemplateMismatch if it is gone, CorruptLayer if a layer fails its digest). A memory snapshot
     holds processes that mapped that image's files: one from before images were recorded is
     refused rather than continued on another image."""
-    from warmbox.engine import resolve
-
     if m.memory and not m.image_id:
         raise TemplateMismatch(
             f"snapshot {m.snapshot_id} holds memory taken before sandbox images were recorded: it "
