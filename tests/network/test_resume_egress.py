@@ -58,9 +58,13 @@ def test_policy_survives_pause_and_resume_secrets_given_again(net_home, world, t
     try:
         before = sh(sb, "echo $OPENAI_API_KEY").stdout.strip()
         assert before.startswith("warmbox-secret-")
-        assert bearer(sb) == f"Bearer {value}"
-        sb.network.update(Network(allow=["api.test", "allowed.test"]))  # the update is what comes back
         memory = tier == "gvisor"  # a memory pause: the same processes come back
+        if not memory:
+            # not before a memory pause: a connection the client closed first lingers in gVisor's
+            # TIME_WAIT (60 s), which runsc 2022 cannot save and which its /proc/net/tcp does not
+            # list (the pause's check cannot see it): the proxy is checked after the resume instead
+            assert bearer(sb) == f"Bearer {value}"
+        sb.network.update(Network(allow=["api.test", "allowed.test"]))  # the update is what comes back
         if memory:
             sh(sb, "sleep 600 >/dev/null 2>&1 &")
         sb.pause(memory=memory)
