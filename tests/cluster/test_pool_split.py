@@ -46,7 +46,7 @@ def _shares(cluster, target: int) -> dict[str, int]:
 def _ready(cluster) -> tuple[dict[str, int], int]:
     """Ready sandboxes of the pool per node, and how many of the pool are being created anywhere."""
     usage = {u.node: u for u in cluster.registry().nodes.node_usage()}
-    ready = {n: sum(c for p, c in usage[n].pools.pooled if p == POOL) if n in usage else 0 for n in cluster.nodes}
+    ready = {n: sum(c for p, c in usage[n].pooled if p == POOL) if n in usage else 0 for n in cluster.nodes}
     warming = sum(
         1 for info, _h in cluster.registry().sandboxes.list() if info.state.value == "creating" and not info.tenant
     )

@@ -8,6 +8,7 @@ import time
 import pytest
 
 import warmbox
+from tests.conftest import wait_for
 from warmbox import (
     AsyncSandbox,
     InvalidArgument,
@@ -165,7 +166,14 @@ def test_reconnect_from_another_object_keeps_state(home, runc_ready):
     with Sandbox.create(timeout=60) as a:
         a.files.write("f", "kept")
         a.run_code("z = 5")
-        b = Sandbox.connect(a.sandbox_id)
+
+        def recorded() -> Sandbox | None:
+            # the first command's timing is sent off the caller's path (over HTTP or through a
+            # cluster's router it can land after a connect made at once): a connect sees it then
+            got = Sandbox.connect(a.sandbox_id)
+            return got if "first_command" in got.timings else None
+
+        b = wait_for(recorded, 30, "the first command's timing to be recorded", 0.05)
         assert b.files.read("f") == "kept" and b.run_code("z").text == "5"
         assert b.timings == a.timings
 
