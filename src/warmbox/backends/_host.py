@@ -669,3 +669,15 @@ def build_spawn_helpers(sources: Path, out: Path) -> None:
             raise SandboxStartError(
                 f"building the guest agent's spawn helpers failed (gcc, libc6-dev): {r.stderr.strip()[-300:]}"
             )
+
+
+async def communicate(proc: asyncio.subprocess.Process, timeout: float) -> bytes | None:
+    """``proc``'s stderr once it has exited, or None after ``timeout`` seconds (wall clock: then it
+    is killed and reaped)."""
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return None
+    return err or b""

@@ -555,14 +555,9 @@ class GvisorBackend(RuncBackend):
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
         )
-        try:
-            _, err = await asyncio.wait_for(proc.communicate(), CHECKPOINT_TIMEOUT_S)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise SandboxTimeout(
-                f"runsc checkpoint did not end within {CHECKPOINT_TIMEOUT_S:g} s", handle.sandbox_id
-            ) from None
+        err = await host.communicate(proc, CHECKPOINT_TIMEOUT_S)
+        if err is None:
+            raise SandboxTimeout(f"runsc checkpoint did not end within {CHECKPOINT_TIMEOUT_S:g} s", handle.sandbox_id)
         image = image_dir / "checkpoint.img"
         if proc.returncode != 0 or not image.is_file():
             text = err[:CHECKPOINT_ERR_MAX].decode(errors="replace")
@@ -633,15 +628,12 @@ class GvisorBackend(RuncBackend):
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
         )
-        try:
-            _, err = await asyncio.wait_for(proc.communicate(), SIGNAL_TIMEOUT_S)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+        err = await host.communicate(proc, SIGNAL_TIMEOUT_S)
+        if err is None:
             raise SandboxStartError(
                 f"cannot signal the agent to listen again: runsc kill took over {SIGNAL_TIMEOUT_S:g} s",
                 handle.sandbox_id,
-            ) from None
+            )
         if proc.returncode != 0:
             raise SandboxStartError(
                 f"cannot signal the agent to listen again: {err.decode(errors='replace').strip()[-300:]}",

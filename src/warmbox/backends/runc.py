@@ -813,14 +813,11 @@ class RuncBackend:
             )
         except OSError as e:
             raise SandboxError(f"cannot run {argv[0]}: {e.strerror or e}", handle.sandbox_id) from None
-        try:
-            _, err = await asyncio.wait_for(proc.communicate(), timeout)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+        err = await host.communicate(proc, timeout)
+        if err is None:
             raise SandboxTimeout(
                 f"{os.path.basename(argv[0])} {args[0]} did not finish within {timeout:g} s", handle.sandbox_id
-            ) from None
+            )
         return proc.returncode or 0, err.decode(errors="replace").strip()[-400:]
 
     def _remove_files(self, handle: BackendHandle) -> None:
